@@ -201,8 +201,8 @@ def _mlp_schedule(f: _Fields, num_layers: int) -> tuple[str, ...]:
     if f.raw.get("first_k_dense_replace") is not None or f.raw.get("moe_layer_freq") is not None:
         k = f.get("first_k_dense_replace", int, 0)
         freq = f.get("moe_layer_freq", int, 1, positive=True)
-        moe_on = f.has("num_experts")
-        from_rule = tuple(MOE if moe_on and i >= k and i % freq == 0 else DENSE for i in range(num_layers))
+        # layers >= first_k_dense_replace are MoE; a config without 'num_experts' is then refused below
+        from_rule = tuple(MOE if i >= k and i % freq == 0 else DENSE for i in range(num_layers))
     from_types = None
     if f.raw.get("mlp_layer_types") is not None:
         mt = f.raw["mlp_layer_types"]

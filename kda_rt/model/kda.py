@@ -1,0 +1,85 @@
+"""KDA mixer: projections -> short conv -> gates -> decode step or chunked prefill -> gated norm -> out.
+
+Per token (spec §3), with x the post-input_layernorm hidden state:
+
+    q, k, v = SiLU(conv(x Wq^T)), SiLU(conv(x Wk^T)), SiLU(conv(x Wv^T))      per head [K]
+    q <- l2norm(q) * K**-0.5,  k <- l2norm(k)
+    g = -exp(A_log) * softplus(x Wfa^T Wfb^T + dt_bias)      beta = sigmoid(x Wb^T)
+    o = delta rule (kda_core) with per-sequence state from the pool
+    y = rmsnorm(o) * o_norm.weight * sigmoid(x Wga^T Wgb^T)  per head;    out = y Wo^T
+
+Sequences in the flat batch are independent: each starts from zeros (context_lens == 0) or from its
+state slot, and its final conv and recurrent state are written back to that slot.  A sequence with
+one new token takes the token-by-token path, longer ones the chunked path (same math).
+
+Letters: T tokens in the batch, D hidden size, H heads, K = V head dim, P = H*K, W conv width,
+S state slots.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kda_rt.model.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
+
+if TYPE_CHECKING:
+    from kda_rt.forward_batch import ForwardBatch
+    from kda_rt.loader.config import KDAConfig
+    from kda_rt.model.params import Params
+
+__all__ = ["kda_forward"]
+
+_CONV_NAMES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+
+
+def kda_forward(
+    p: Params,  # view with prefix 'model.layers.N.self_attn.'
+    x: np.ndarray,  # [T, D] post-input_layernorm hidden states of the whole batch
+    batch: ForwardBatch,
+    conv_pool: np.ndarray,  # [S, 3, W-1, P] raw q|k|v projections, oldest first; updated in place
+    rec_pool: np.ndarray,  # [S, H, K, V] recurrent states, rows = key channel; updated in place
+    cfg: KDAConfig,
+    rms_eps: float,
+) -> np.ndarray:  # [T, D]
+    dtype = p.dtype
+    num_heads, head_dim, width = cfg.num_heads, cfg.head_dim, cfg.conv_kernel_size
+    num_tokens = x.shape[0]
+    x = x.astype(dtype, copy=False)
+
+    raw = [x @ p[name].T for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]  # 3 x [T, P]
+    taps = [p[name].reshape(-1, width) for name in _CONV_NAMES]  # 3 x [P, W]
+    g = kda_gate((x @ p["f_a_proj.weight"].T) @ p["f_b_proj.weight"].T, p["A_log"], p["dt_bias"], num_heads)
+    beta = sigmoid(x @ p["b_proj.weight"].T)  # [T, H]
+    heads = (num_tokens, num_heads, head_dim)
+    out_gate = ((x @ p["g_a_proj.weight"].T) @ p["g_b_proj.weight"].T).reshape(heads)  # [T, H, K]
+
+    o = np.empty(heads, dtype=dtype)  # [T, H, V]
+    scale = head_dim**-0.5
+    cu = batch.cu_seqlens
+    for b in range(batch.num_seqs):
+        t0, t1 = int(cu[b]), int(cu[b + 1])
+        n = t1 - t0
+        slot = int(batch.state_slots[b])
+        if batch.context_lens[b] == 0:
+            conv_state = np.zeros(conv_pool.shape[1:], dtype=dtype)  # [3, W-1, P]
+            state = np.zeros(rec_pool.shape[1:], dtype=dtype)  # [H, K, V]
+        else:
+            conv_state = conv_pool[slot].astype(dtype)
+            state = rec_pool[slot].astype(dtype)
+        qkv = []
+        for i in range(3):
+            y, conv_state[i] = short_conv(raw[i][t0:t1], conv_state[i], taps[i])
+            qkv.append(y.reshape(n, num_heads, head_dim))
+        q = l2norm(qkv[0]) * scale
+        k = l2norm(qkv[1])
+        core = kda_recurrent if n == 1 else kda_chunked
+        o[t0:t1], state = core(q, k, qkv[2], g[t0:t1], beta[t0:t1], state)
+        conv_pool[slot] = conv_state
+        rec_pool[slot] = state
+
+    # Gated RMSNorm per head: norm first, weight shared across heads, then the sigmoid gate.
+    normed = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + rms_eps)
+    y = normed * p["o_norm.weight"] * sigmoid(out_gate)  # [T, H, V]
+    return y.reshape(num_tokens, -1) @ p["o_proj.weight"].T

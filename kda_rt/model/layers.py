@@ -1,0 +1,60 @@
+"""Small NumPy building blocks shared by every mixer: linear, RMSNorm, SiLU, the SiLU-gated MLP.
+
+    linear(x, W)      = x · Wᵀ                              W: [out, in] (PyTorch layout, no bias)
+    rms_norm(x, w)    = (x · rsqrt(mean(x²) + eps)) · w       statistics over the last axis
+    silu(x)           = x · sigmoid(x)
+    gated_mlp(x)      = W_down · (silu(W_gate x) ⊙ (W_up x))  (§5.1: dense layer, shared / routed experts)
+
+All functions compute in the dtype of their inputs (float32 at run time, float64 in tests); the
+caller picks the compute dtype through `Params`.  Letters: T tokens, D hidden, F FFN width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+__all__ = ["gated_mlp", "linear", "rms_norm", "sigmoid", "silu"]
+
+
+def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """y = x · Wᵀ.  x: [..., in], weight: [out, in] -> [..., out]."""
+    return x @ weight.T
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """(x · rsqrt(mean(x²) + eps)) · w over the last axis.  x: [..., D], weight: [D].
+
+    The weight multiplies as-is (not `1 + w`).  Normalise first, then scale, as in §6.
+    """
+    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    return (x / np.sqrt(var + eps)) * weight
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), overflow-free for large |x| (exp of a non-positive number only)."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x · sigmoid(x)."""
+    return x * sigmoid(x)
+
+
+def gated_mlp(
+    p: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    prefix: str = "",
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> np.ndarray:
+    """SiLU-gated MLP of §5.1.  x: [T, D] -> [T, D].
+
+    Weights are `p[prefix + stem + ".weight"]`; `names` are the (gate, up, down) stems:
+    `gate_proj/up_proj/down_proj` for the dense layer and the shared experts, `w1/w3/w2` for a
+    routed expert.
+    """
+    gate, up, down = (f"{prefix}{n}.weight" for n in names)
+    h = silu(linear(x, p[gate])) * linear(x, p[up])  # [T, F]
+    return linear(h, p[down])  # [T, D]

@@ -1,0 +1,40 @@
+"""SamplingParams: vLLM defaults, and every bad value names its parameter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kda_rt import SamplingParams
+
+
+def test_vllm_defaults():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0, 16)
+    assert (p.seed, p.stop_strings, p.stop_token_ids, p.ignore_eos) == (None, (), [], False)
+    assert not p.greedy and SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"temperature": -0.1}, "temperature"), ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"seed": "1"}, "seed"),
+        ({"seed": 2**70}, "seed"), ({"stop": [""]}, "stop"), ({"stop": 5}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"n": 0}, "n"), ({"logprobs": 100}, "logprobs"),
+        ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"), ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_bad_values_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_stop_string_normalised():
+    assert SamplingParams(stop="###").stop_strings == ("###",)
+    assert SamplingParams(stop=["a", "b"]).stop_strings == ("a", "b")

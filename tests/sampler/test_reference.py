@@ -1,0 +1,65 @@
+"""NumPy reference sampler: filters keep exactly the right tokens, draws follow the
+distribution, and a seeded draw depends only on (seed, step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kda_rt import SamplingParams
+from kda_rt.sampler.reference import _probs, apply_penalties, draw_noise, sample_row, top_logprobs
+
+
+def make_logits(seed: int = 0, vocab: int = 50) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=vocab).astype(np.float32) * 3
+
+
+def test_greedy_is_argmax():
+    x = make_logits()
+    assert sample_row(x, SamplingParams(temperature=0), seed=1, step=0) == int(np.argmax(x))
+
+
+def test_top_k_top_p_min_p_supports():
+    x = make_logits(1)
+    order = np.argsort(-x)
+    p = _probs(x, SamplingParams(top_k=5))
+    assert set(np.flatnonzero(p)) == set(order[:5].tolist())
+    full = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    p = _probs(x, SamplingParams(top_p=0.5))
+    cum = np.cumsum(full[order])
+    need = int(np.searchsorted(cum, 0.5)) + 1  # smallest prefix reaching 0.5
+    assert set(np.flatnonzero(p)) == set(order[:need].tolist())
+    p = _probs(x, SamplingParams(min_p=0.1))
+    assert set(np.flatnonzero(p)) == set(np.flatnonzero(full >= 0.1 * full.max()).tolist())
+    assert abs(p.sum() - 1) < 1e-12
+
+
+def test_draws_follow_distribution():
+    x = np.log(np.array([0.5, 0.3, 0.2], dtype=np.float32))
+    params = SamplingParams(temperature=1.0)
+    counts = np.bincount([sample_row(x, params, seed=7, step=s) for s in range(4000)], minlength=3) / 4000
+    # 4000 draws: standard error <= 0.008, so 0.03 is a > 3.5 sigma bound
+    assert np.allclose(counts, [0.5, 0.3, 0.2], atol=0.03), counts
+
+
+def test_seeded_noise_depends_only_on_seed_and_step():
+    a, b = draw_noise(123, 5, 100), draw_noise(123, 5, 100)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, draw_noise(123, 6, 100)) and not np.array_equal(a, draw_noise(124, 5, 100))
+
+
+def test_penalties():
+    x = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
+    out = apply_penalties(x, SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1])
+    assert np.allclose(out, [1.0, -4.0, 1.0, 0.5])
+    out = apply_penalties(x, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [3], [2, 2, 0])
+    assert np.allclose(out, [2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5])
+
+
+@pytest.mark.parametrize("num", [0, 3])
+def test_top_logprobs(num):
+    x = make_logits(2)
+    lp = top_logprobs(x, 7, num)
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
+    assert abs(lp[7] - ref[7]) < 1e-9
+    assert len(lp) in (num, num + 1) if num else len(lp) == 1
