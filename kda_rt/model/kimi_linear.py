@@ -42,29 +42,23 @@ class KimiLinearModel:
     """Kimi Linear forward pass over checkpoint tensors named as on the hub.
 
     `weights` maps hub keys to arrays in their stored dtype; each weight is converted to `dtype`
-    (the compute dtype: float32, or float64 in tests) when first used.  The dense MLP of a layer is
-    read from `model.layers.N.mlp.*` or, for checkpoints written by transformers'
-    `save_pretrained`, `model.layers.N.block_sparse_moe.*` (spec §8.2).
+    (the compute dtype: float32, or float64 in tests) when first used.  Names are those of
+    `loader.weights.load_checkpoint` (dense MLP under `mlp.`, MoE under `block_sparse_moe.`).
     """
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32
+    ) -> None:
         self.config = config
         self.dtype = np.dtype(dtype)
         self.params = Params(weights, self.dtype)
-        self._mlp_prefix = [self._find_mlp_prefix(i) for i in range(config.num_hidden_layers)]
+        self._mlp_prefix = [
+            f"model.layers.{i}.{'mlp' if t == DENSE else 'block_sparse_moe'}." for i, t in enumerate(config.mlp_types)
+        ]
         self._lm_head_key = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         for key in ("model.embed_tokens.weight", "model.norm.weight", self._lm_head_key):
             if key not in self.params:
                 raise KeyError(f"KimiLinearModel: checkpoint has no tensor '{key}'")
-
-    def _find_mlp_prefix(self, i: int) -> str:
-        if self.config.mlp_types[i] != DENSE:
-            return f"model.layers.{i}.block_sparse_moe."
-        for stem in ("mlp.", "block_sparse_moe."):
-            if f"model.layers.{i}.{stem}gate_proj.weight" in self.params:
-                return f"model.layers.{i}.{stem}"
-        raise KeyError(f"KimiLinearModel: no dense MLP weights for layer {i} "
-                       f"(looked for model.layers.{i}.mlp.gate_proj.weight and .block_sparse_moe.gate_proj.weight)")
 
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
         """[T] ids -> [T, D] rows of embed_tokens in the compute dtype (only those rows are converted)."""

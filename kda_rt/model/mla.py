@@ -41,7 +41,9 @@ __all__ = ["mla_forward", "paged_positions"]
 _QUERY_BLOCK = 256
 
 
-def paged_positions(table: np.ndarray, positions: np.ndarray, num_blocks: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+def paged_positions(
+    table: np.ndarray, positions: np.ndarray, num_blocks: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(page ids, row offsets) of absolute token `positions` through one sequence's block table.
 
     table: [M] int32 page ids (-1 unused).  Raises ValueError when a position falls on a missing page.
@@ -119,7 +121,8 @@ def mla_forward(p: Mapping[str, np.ndarray], x: np.ndarray, batch: ForwardBatch,
 
     q = linear(x, p["q_proj.weight"]).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
     ckv = linear(x, p["kv_a_proj_with_mqa.weight"])  # [T, R+Dr]
-    rows = np.concatenate([rms_norm(ckv[:, :R], p["kv_a_layernorm.weight"], cfg.kv_a_layernorm_eps), ckv[:, R:]], axis=-1)
+    c_lat = rms_norm(ckv[:, :R], p["kv_a_layernorm.weight"], cfg.kv_a_layernorm_eps)  # [T, R]
+    rows = np.concatenate([c_lat, ckv[:, R:]], axis=-1)  # [T, R+Dr] pool rows
     w_kvb = p["kv_b_proj.weight"].reshape(H, Dn + Dv, R)
     w_uk, w_uv = w_kvb[:, :Dn], w_kvb[:, Dn:]  # [H, Dn, R], [H, Dv, R]
 
