@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import DENSE, KDA, MOE
+from .config import DENSE, KDA
 from .safetensors_mmap import DTYPES, CheckpointError, read_safetensors
 
 if TYPE_CHECKING:
