@@ -145,7 +145,7 @@ class LLM:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params in zip(prompts, params_list, strict=True):
                 ids.append(engine.add_request(None, prompt, params))
             final: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():
