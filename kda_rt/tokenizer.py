@@ -1,0 +1,394 @@
+"""Kimi tokenizer: tiktoken byte-level BPE, a block of 256 special ids, Jinja chat template (spec §7).
+
+Files read from a model directory:
+  tiktoken.model         one `<base64 token bytes> <rank>` per line; ranks 0..N-1 are the token ids
+  tokenizer_config.json  `added_tokens_decoder` {id: {"content": ...}}, `bos_token`, `eos_token`,
+                         optional `chat_template`
+  chat_template.jinja    optional; preferred over the config's template; else kda_rt/chat_template.jinja
+
+Special ids fill [N, N + 256): the named ones from `added_tokens_decoder`, every other slot
+`<|reserved_token_{id}|>`.  Unlike the reference tokenizer, plain `encode()` never emits a special
+id: a literal `<|im_end|>` in user text stays text.  Control tokens come only from the chat
+template's markers (`encode_chat`) or from `encode(..., allow_special=True)`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+import json
+import operator
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "IncrementalDetokenizer", "Tokenizer", "TokenizerError", "load_rank_file"]
+
+NUM_SPECIAL_TOKENS = 256
+
+_LETTER_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"  # `&&` = class intersection (Rust regex)
+_LETTER_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTER_UPPER}*{_LETTER_LOWER}+{_CONTRACTION}",
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTER_UPPER}+{_LETTER_LOWER}*{_CONTRACTION}",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+# The reference encoder cuts text into <= 400k-char pieces and cuts runs of > 25k whitespace or
+# non-whitespace chars before BPE (spec §7.3); mirrored so that pathological inputs split alike.
+_MAX_ENCODE_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+_LONG_RUN = re.compile(rf"\s{{{_MAX_RUN_CHARS + 1},}}|\S{{{_MAX_RUN_CHARS + 1},}}")
+_ROLES = ("system", "user", "assistant", "tool")
+_BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or malformed; the message names the file and line or field."""
+
+
+def load_rank_file(path: str | Path) -> dict[bytes, int]:
+    """Parse a tiktoken rank file; ranks must be exactly 0..N-1, each token and rank unique."""
+    path = Path(path)
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read rank file ({e.strerror or e})") from None
+    ranks: dict[bytes, int] = {}
+    line_of_rank: dict[int, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        if len(fields) != 2 or not fields[1].isdigit():
+            raise TokenizerError(f"{path}:{lineno}: expected '<base64> <rank>', got {line[:80]!r}")
+        try:
+            token = base64.b64decode(fields[0], validate=True)
+        except (binascii.Error, ValueError):
+            raise TokenizerError(f"{path}:{lineno}: invalid base64 {fields[0][:80]!r}") from None
+        rank = int(fields[1])
+        if rank in line_of_rank:
+            raise TokenizerError(f"{path}:{lineno}: duplicate rank {rank} (first on line {line_of_rank[rank]})")
+        if token in ranks:
+            raise TokenizerError(f"{path}:{lineno}: duplicate token {token!r} (already rank {ranks[token]})")
+        ranks[token] = rank
+        line_of_rank[rank] = lineno
+    if not ranks:
+        raise TokenizerError(f"{path}: no tokens")
+    if max(line_of_rank) != len(ranks) - 1:
+        missing = next(r for r in range(len(ranks)) if r not in line_of_rank)
+        raise TokenizerError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps; rank {missing} is missing")
+    return ranks
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: top level must be a JSON object")
+    return data
+
+
+def _special_tokens(config: Mapping[str, Any], where: str, num_base: int) -> dict[str, int]:
+    """Named specials from `added_tokens_decoder`, reserved names for the rest of the 256-id block."""
+    decoder = config.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{where}: field 'added_tokens_decoder' must be an object")
+    names: dict[int, str] = {}
+    for key, entry in decoder.items():
+        field = f"{where}: added_tokens_decoder[{key!r}]"
+        if not key.isdigit():
+            raise TokenizerError(f"{field}: key must be a token id")
+        token_id = int(key)
+        if not num_base <= token_id < num_base + NUM_SPECIAL_TOKENS:
+            raise TokenizerError(f"{field}: id outside the special range [{num_base}, {num_base + NUM_SPECIAL_TOKENS})")
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not isinstance(content, str) or not content:
+            raise TokenizerError(f"{field}: needs a non-empty string 'content'")
+        names[token_id] = content
+    specials: dict[str, int] = {}
+    for token_id in range(num_base, num_base + NUM_SPECIAL_TOKENS):
+        name = names.get(token_id, f"<|reserved_token_{token_id}|>")
+        if name in specials:
+            raise TokenizerError(f"{where}: special token {name!r} appears at ids {specials[name]} and {token_id}")
+        specials[name] = token_id
+    return specials
+
+
+def _token_field(config: Mapping[str, Any], field: str, where: str, specials: Mapping[str, int]) -> str | None:
+    value = config.get(field)
+    if isinstance(value, dict):  # HF serialises AddedToken as {"content": ...}
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise TokenizerError(f"{where}: field {field!r} must be a string")
+    if value is not None and value not in specials:
+        raise TokenizerError(f"{where}: field {field!r} names {value!r}, which is not a special token")
+    return value
+
+
+def _chat_template(model_dir: Path, config: Mapping[str, Any], where: str) -> str | None:
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None:
+        return None
+    if isinstance(template, list):  # HF's list of named templates
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    if not isinstance(template, str):
+        raise TokenizerError(f"{where}: field 'chat_template' must be a string or a list with a 'default' entry")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _split_for_bpe(text: str) -> Iterator[str]:
+    """Cut text the way the reference encoder does before BPE (see _MAX_ENCODE_CHARS)."""
+    for start in range(0, len(text), _MAX_ENCODE_CHARS):
+        chunk = text[start:start + _MAX_ENCODE_CHARS]
+        cut = 0
+        for run in _LONG_RUN.finditer(chunk):
+            for pos in range(run.start() + _MAX_RUN_CHARS, run.end(), _MAX_RUN_CHARS):
+                yield chunk[cut:pos]
+                cut = pos
+        yield chunk[cut:]
+
+
+def _validate_messages(messages: Any, tools: Any) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a str, got {type(message.get('content')).__name__}")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise ValueError(f"messages[{i}].name must be a str, got {type(message['name']).__name__}")
+    if tools is not None and (not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)):
+        raise ValueError("tools must be None or a list of dicts")
+
+
+class Tokenizer:
+    """Byte-level BPE over `mergeable_ranks` plus special tokens, and the chat template."""
+
+    def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
+                 bos_token: str | None = None, eos_token: str | None = None, chat_template: str | None = None,
+                 name: str = "kimi") -> None:
+        """chat_template None means the built-in kda_rt/chat_template.jinja."""
+        for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if token is not None and token not in special_tokens:
+                raise TokenizerError(f"{field} {token!r} is not a special token")
+        self._enc = tiktoken.Encoding(name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
+                                      special_tokens=special_tokens,
+                                      explicit_n_vocab=len(mergeable_ranks) + len(special_tokens))
+        self._specials = dict(special_tokens)
+        self._special_ids = frozenset(special_tokens.values())
+        self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
+        self._bos_token, self._eos_token = bos_token, eos_token
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        if chat_template is None:
+            chat_template = _BUILTIN_TEMPLATE.read_text(encoding="utf-8")
+        self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load `tiktoken.model` + `tokenizer_config.json` (+ optional `chat_template.jinja`) from a directory."""
+        model_dir = Path(model_dir)
+        ranks = load_rank_file(model_dir / "tiktoken.model")
+        config_path = model_dir / "tokenizer_config.json"
+        config = _load_json(config_path)
+        specials = _special_tokens(config, str(config_path), len(ranks))
+        tokens = {f: _token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
+        template = _chat_template(model_dir, config, str(config_path))
+        try:
+            return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi")
+        except TemplateError as e:
+            line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise TokenizerError(f"{model_dir}: chat template does not compile{line}: {e}") from None
+
+    # ---- vocabulary ---------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Mergeable tokens + the 256 special slots (the model's embedding rows)."""
+        return self._enc.n_vocab
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._specials.get(self._bos_token) if self._bos_token else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._specials.get(self._eos_token) if self._eos_token else None
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """eos (`<|im_end|>` for Kimi) first, then `[EOS]` when the vocabulary has it (spec §7.6)."""
+        ids = [self.eos_token_id, self._specials.get("[EOS]")]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    def token_to_id(self, token: str) -> int:
+        """Id of a special token string such as `<|im_end|>`."""
+        if token not in self._specials:
+            raise KeyError(f"{token!r} is not a special token")
+        return self._specials[token]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (a special token's bytes are its UTF-8 name)."""
+        return self._enc.decode_single_token_bytes(self._check_ids([token_id])[0])
+
+    # ---- encode / decode ----------------------------------------------------------------------
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of text; special-token strings are ordinary text unless allow_special."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids: list[int] = []
+        for piece in _split_for_bpe(text):
+            if allow_special:
+                ids += self._enc.encode(piece, allowed_special="all", disallowed_special=())
+            else:
+                ids += self._enc.encode_ordinary(piece)
+        return ids
+
+    def decode_bytes(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> bytes:
+        """Concatenated token bytes (may end mid-character); ids outside the vocabulary raise."""
+        ids = self._check_ids(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        return self._enc.decode_bytes(ids)
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ids; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special_tokens=skip_special_tokens).decode("utf-8", errors="replace")
+
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        ids = [operator.index(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self._enc.n_vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {self._enc.n_vocab})")
+        return ids
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render the chat template to a prompt string."""
+        _validate_messages(messages, tools)
+        return self._render([dict(m) for m in messages], add_generation_prompt, tools)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Prompt ids: the template's markers are control tokens, every message content stays text.
+
+        The template is rendered twice: as is, and with each content replaced by a sentinel; the
+        two must agree once contents are put back (else the template edits content).  Special-token
+        strings found in the template pieces become control ids; text between two control ids
+        (template text and contents alike) is encoded as one ordinary span, so the ids equal
+        `encode(rendered, allow_special=True)` whenever the contents hold no special-token strings.
+        Tool declarations and names are template text, hence trusted.
+        """
+        _validate_messages(messages, tools)
+        real = self._render([dict(m) for m in messages], add_generation_prompt, tools)
+        tag = "\x00kda_rt"
+        while tag in real:
+            tag += "\x00"
+        stand_ins = [{**m, "content": f"{tag}:{i}\x00"} for i, m in enumerate(messages)]
+        parts = re.split(f"{re.escape(tag)}:(\\d+)\x00", self._render(stand_ins, add_generation_prompt, tools))
+        contents = [messages[int(p)]["content"] for p in parts[1::2]]
+        if "".join(p if k % 2 == 0 else contents[k // 2] for k, p in enumerate(parts)) != real:
+            raise ValueError("the chat template transforms message content, so content cannot be kept as text")
+        ids: list[int] = []
+        span: list[str] = []
+        for k, part in enumerate(parts):
+            if k % 2:
+                span.append(contents[k // 2])
+                continue
+            pos = 0
+            for match in self._special_re.finditer(part):
+                span.append(part[pos:match.start()])
+                ids += self.encode("".join(span))
+                ids.append(self._specials[match.group()])
+                span, pos = [], match.end()
+            span.append(part[pos:])
+        return ids + self.encode("".join(span))
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
+        try:
+            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos_token or "", eos_token=self._eos_token or "")
+        except TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Streams text from token ids, holding back an unfinished UTF-8 character between add() calls.
+
+    The concatenation of every add() and the final flush() equals
+    `tokenizer.decode(all_ids, skip_special_tokens=...)`, because Python's incremental UTF-8
+    decoder replaces invalid bytes exactly as the one-shot decoder does.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chunks: list[str] = []
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Feed ids; return the text they complete (possibly empty)."""
+        if not isinstance(token_ids, Iterable):
+            token_ids = [token_ids]
+        data = self._tokenizer.decode_bytes(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._emit(self._decoder.decode(data))
+
+    def flush(self) -> str:
+        """Emit held-back bytes (an unfinished character becomes U+FFFD)."""
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text
