@@ -16,9 +16,13 @@ s <= r (0 above the diagonal):
     O = (q * exp(G)) S0 + A_qk V_new,   A_qk[r, s] = sum_d q_r k_s E[r, s]   (s <= r)
     S_next = diag(exp(G_last)) S0 + (exp(G_last - G) * k)^T V_new
 
-Every exponent above is of a quantity <= 0: E is formed from pairwise differences masked before
-the exp, never as exp(G_r) * exp(-G_s), so gates of -300 per step neither overflow nor lose the
-diagonal.  All math runs in the dtype of the inputs (float32 at run time, float64 in tests).
+Every exponent above is of a quantity <= 0: E is never factorised as exp(G_r) * exp(-G_s) (which
+overflows for gates of -300 per step).  Inside a 16-row sub-block E is element-wise, its exponent
+masked to -inf above the diagonal before the exp; below the sub-block it is split at the block's
+first row n, exp(G_r - G_n) * exp(G_n - G_s), both <= 1, which turns it into matmuls.  Exponents
+are direct sums of gates, never differences of cumulative sums: in float32 those cancel the small
+gates that follow a huge one (~1e-5 relative error).  All math runs in the dtype of the inputs
+(float32 at run time, float64 in tests).
 
 Letters: T tokens of one sequence, H heads, K key dim, V value dim, C conv channels, W conv width,
 L chunk length.
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["kda_chunked", "kda_gate", "kda_recurrent", "l2norm", "short_conv", "sigmoid", "silu"]
+__all__ = ["SUB_CHUNK", "kda_chunked", "kda_gate", "kda_recurrent", "l2norm", "short_conv", "sigmoid", "silu"]
+
+SUB_CHUNK = 16  # rows per element-wise diagonal block inside a chunk (as fla)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -92,6 +98,53 @@ def kda_recurrent(
     return o, s
 
 
+def _exclusive_suffix_sum(g: np.ndarray) -> np.ndarray:  # [H, n, K] -> [H, n, K]
+    """out[s] = sum_{i > s} g[i], summed directly (no total - prefix cancellation)."""
+    out = np.zeros_like(g)
+    out[:, :-1] = np.cumsum(g[:, :0:-1], axis=1)[:, ::-1]
+    return out
+
+
+def _chunk_scores(
+    q: np.ndarray,  # [H, L, K]
+    k: np.ndarray,  # [H, L, K]
+    g: np.ndarray,  # [H, L, K]
+    sub: int,
+) -> tuple[np.ndarray, np.ndarray]:  # qk [H, L, L] (s <= r), kk [H, L, L] (s < r)
+    """qk[r, s] = sum_d q_r k_s E[r, s] and kk[r, s] = sum_d k_r k_s E[r, s], by sub-blocks of rows.
+
+    Rows r in block [n, n+sub) against columns s < n use the reference row n:
+    E[r, s] = exp(G_r - G_n) * exp(G_n - G_s), both factors <= 1, so that part is two scaled
+    matmuls.  The diagonal block takes E element-wise: G_r - G_s summed over s < i <= r (a matmul
+    with a 0/1 mask), set to -inf above the diagonal before the exp.
+    """
+    num_heads, length, head_dim = q.shape
+    qk = np.zeros((num_heads, length, length), dtype=q.dtype)
+    kk = np.zeros_like(qk)
+    idx = np.arange(sub)
+    causal = idx[None, :] <= idx[:, None]  # [sub(r), sub(s)] s <= r
+    strict = idx[None, :] < idx[:, None]  # [sub(r), sub(s)] s < r
+    # between[r, s, i] = 1 where s < i <= r: a matmul with it sums exactly the gates of each pair
+    r, s, i = idx[:, None, None], idx[None, :, None], idx[None, None, :]
+    between = ((s < i) & (i <= r)).reshape(sub * sub, sub).astype(q.dtype)  # [sub*sub, sub]
+    for n in range(0, length, sub):
+        rows = slice(n, n + sub)
+        q_b, k_b, g_b = q[:, rows], k[:, rows], g[:, rows]  # [H, sub, K]
+        diff = np.matmul(between, g_b).reshape(num_heads, sub, sub, head_dim)  # [H, r, s, K] G_r - G_s
+        k_decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)) * k_b[:, None, :, :]
+        qk[:, rows, rows] = np.matmul(k_decay, q_b[:, :, :, None])[..., 0]
+        kk[:, rows, rows] = np.where(strict[None], np.matmul(k_decay, k_b[:, :, :, None])[..., 0], 0.0)
+        if n == 0:
+            continue
+        to_row = np.zeros_like(g_b)  # [H, sub, K] G_r - G_n = sum_{n < i <= r} g_i
+        to_row[:, 1:] = np.cumsum(g_b[:, 1:], axis=1)
+        from_col = _exclusive_suffix_sum(g[:, : n + 1])[:, :n]  # [H, n, K] G_n - G_s = sum_{s < i <= n} g_i
+        right = np.swapaxes(k[:, :n] * np.exp(from_col), 1, 2)  # [H, K, n]
+        qk[:, rows, :n] = np.matmul(q_b * np.exp(to_row), right)
+        kk[:, rows, :n] = np.matmul(k_b * np.exp(to_row), right)
+    return qk, kk
+
+
 def kda_chunked(
     q: np.ndarray,  # [T, H, K] l2-normalised and scaled by K**-0.5
     k: np.ndarray,  # [T, H, K] l2-normalised
@@ -105,6 +158,7 @@ def kda_chunked(
     dtype = q.dtype
     num_tokens, num_heads, _ = q.shape
     num_padded = -(-num_tokens // chunk_size) * chunk_size
+    sub = SUB_CHUNK if chunk_size % SUB_CHUNK == 0 else chunk_size
 
     def heads_first(x: np.ndarray) -> np.ndarray:  # [T, H, ...] -> [H, T_padded, ...], zero tail
         out = np.zeros((num_heads, num_padded, *x.shape[2:]), dtype=dtype)
@@ -115,30 +169,20 @@ def kda_chunked(
     q_h, k_h, v_h, g_h, beta_h = (heads_first(x) for x in (q, k, v, g, beta))  # [H, Tp, K|V] and [H, Tp]
     s = state.astype(dtype, copy=True)  # [H, K, V]
     o_h = np.empty((num_heads, num_padded, v.shape[2]), dtype=dtype)  # [H, Tp, V]
-
-    causal = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))  # [L, L] s <= r
-    strict = np.tril(causal, k=-1)  # [L, L] s < r
     eye = np.eye(chunk_size, dtype=dtype)
     for c0 in range(0, num_padded, chunk_size):
         span = slice(c0, c0 + chunk_size)
-        q_c, k_c, v_c, b_c = q_h[:, span], k_h[:, span], v_h[:, span], beta_h[:, span]
-        cum = np.cumsum(g_h[:, span], axis=1)  # [H, L, K] G_r, inclusive
-        # E[r, s] = exp(G_r - G_s): the difference is taken first and masked to -inf above the
-        # diagonal, so exp never sees a positive argument.
-        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [H, L(r), L(s), K]
-        decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf))  # [H, L, L, K]
-        k_decay = decay * k_c[:, None, :, :]  # [H, L(r), L(s), K] k_s * E[r, s]
-        a_qk = np.matmul(k_decay, q_c[:, :, :, None])[..., 0]  # [H, L, L] q_r . (k_s * E), s <= r
-        a_kk = np.matmul(k_decay, k_c[:, :, :, None])[..., 0] * b_c[:, :, None]  # [H, L, L]
-        a_kk = np.where(strict[None], a_kk, 0.0)
+        q_c, k_c, v_c, g_c, b_c = q_h[:, span], k_h[:, span], v_h[:, span], g_h[:, span], beta_h[:, span]
+        a_qk, a_kk = _chunk_scores(q_c, k_c, g_c, sub)  # [H, L, L] each
+        a_kk *= b_c[:, :, None]
         # I + A_kk is unit lower triangular with |entries| < 1, so LU does no pivoting and the
         # solve is exact forward substitution.
         lhs = eye[None] + a_kk  # [H, L, L]
-        w = np.linalg.solve(lhs, b_c[:, :, None] * np.exp(cum) * k_c)  # [H, L, K]
+        decay_in = np.exp(np.cumsum(g_c, axis=1))  # [H, L, K] exp(G_r), decay since the chunk start
+        w = np.linalg.solve(lhs, b_c[:, :, None] * decay_in * k_c)  # [H, L, K]
         u = np.linalg.solve(lhs, b_c[:, :, None] * v_c)  # [H, L, V]
         v_new = u - np.matmul(w, s)  # [H, L, V]
-        o_h[:, span] = np.matmul(q_c * np.exp(cum), s) + np.matmul(a_qk, v_new)
-        last = cum[:, -1:, :]  # [H, 1, K] G_{L-1}
-        k_tail = np.exp(last - cum) * k_c  # [H, L, K] exp(G_last - G_s) * k_s
-        s = np.exp(last[:, 0, :])[:, :, None] * s + np.matmul(np.swapaxes(k_tail, 1, 2), v_new)
+        o_h[:, span] = np.matmul(q_c * decay_in, s) + np.matmul(a_qk, v_new)
+        k_tail = np.exp(_exclusive_suffix_sum(g_c)) * k_c  # [H, L, K] exp(G_last - G_s) * k_s
+        s = decay_in[:, -1][:, :, None] * s + np.matmul(np.swapaxes(k_tail, 1, 2), v_new)
     return np.moveaxis(o_h[:, :num_tokens], 0, 1).copy(), s
