@@ -1,0 +1,18 @@
+"""Every `KDA_RT_*` environment variable: typed, with a default and a one-line doc."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cache_dir", "arch_override"]
+
+
+def cache_dir() -> Path:
+    """KDA_RT_CACHE_DIR: where compiled kernels (cubins + msgpack manifest) live. Default ~/.cache/kda_rt."""
+    return Path(os.environ.get("KDA_RT_CACHE_DIR") or Path.home() / ".cache" / "kda_rt")
+
+
+def arch_override() -> str | None:
+    """KDA_RT_ARCH: compile for this arch (e.g. sm_90a) instead of the device's; for compile-only checks."""
+    return os.environ.get("KDA_RT_ARCH") or None

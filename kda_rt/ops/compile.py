@@ -1,0 +1,189 @@
+"""Compile `kernels_cu/*.cu` with NVRTC and load them: the only place kernels are built.
+
+- Arch comes from the device: `sm_90a` on Hopper (9.0), `sm_100a` on Blackwell (10.0), plain
+  `sm_XY` elsewhere.  Hopper-only code must be guarded in the source with `KDA_RT_HOPPER`
+  (defined only for sm_90a) and `#error` when a kernel needs it and it is absent, so it can
+  never compile out silently.
+- Options: C++17, `kernels_cu/` on the include path, compile-time constants as `-D` (part of
+  the cache key).  We call NVRTC ourselves (cupy.RawModule would append its own -arch and
+  -ftz=true) and load the cubin with `cupy.cuda.function.Module`.
+- Disk cache under KDA_RT_CACHE_DIR keyed by sha256 of (this source, every header in
+  kernels_cu/, options, arch, NVRTC version), so a stale binary is never used; a msgpack
+  manifest lists what each entry was built from.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kda_rt import env
+
+__all__ = ["KERNEL_DIR", "CompileError", "device_arch", "compile_cubin", "get_kernel", "startup_log"]
+
+logger = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels_cu"
+if not KERNEL_DIR.is_dir():  # installed (non-editable): kernels ship as the kda_rt.kernels_cu package
+    KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
+_lock = threading.Lock()
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries the file, the options and NVRTC's log."""
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            "the CUDA backend needs CuPy: pip install 'kda_rt[cuda12]' (CUDA 12 driver) or 'kda_rt[cuda13]'"
+        ) from exc
+    return cupy
+
+
+def arch_for(major: int, minor: int) -> str:
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if major == 10 and minor == 0:
+        return "sm_100a"
+    return f"sm_{major}{minor}"
+
+
+def device_arch() -> str:
+    forced = env.arch_override()
+    if forced:
+        return forced
+    cupy = _cupy()
+    major, minor = cupy.cuda.Device().compute_capability[0], cupy.cuda.Device().compute_capability[1:]
+    return arch_for(int(major), int(minor))
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+def _headers() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(KERNEL_DIR.glob("*.cuh"))}
+
+
+def _options(arch: str, defines: dict[str, Any]) -> list[str]:
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", f"--include-path={KERNEL_DIR}", "-default-device",
+            "--use_fast_math" if defines.pop("FAST_MATH", False) else "--fmad=true"]
+    cuda_include = _cuda_include_dir()
+    if cuda_include:
+        opts.append(f"--include-path={cuda_include}")
+    if arch == "sm_90a":
+        opts.append("-DKDA_RT_HOPPER=1")
+    for key in sorted(defines):
+        value = defines[key]
+        value = int(value) if isinstance(value, bool) else value
+        opts.append(f"-D{key}={value}")
+    return opts
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_include_dir() -> str | None:
+    """Directory holding cuda_bf16.h etc.: CuPy's bundled CUDA headers or a CUDA toolkit."""
+    candidates = []
+    try:
+        import cupy
+
+        candidates += [Path(cupy.__file__).parent / "_core" / "include" / "cupy" / "_cuda" / "cuda-13",
+                       Path(cupy.__file__).parent / "_core" / "include"]
+    except ImportError:
+        pass
+    try:
+        import nvidia.cu13  # type: ignore[import-not-found]
+
+        candidates.insert(0, Path(nvidia.cu13.__path__[0]) / "include")
+    except ImportError:
+        pass
+    for root in (os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(Path(root) / "include")
+    for c in candidates:
+        if (c / "cuda_bf16.h").exists():
+            return str(c)
+    return None
+
+
+def compile_cubin(filename: str, defines: dict[str, Any] | None = None, arch: str | None = None) -> bytes:
+    """cubin bytes of `kernels_cu/<filename>` built with `defines`; cached on disk."""
+    from cupy.cuda import nvrtc
+
+    arch = arch or device_arch()
+    source = (KERNEL_DIR / filename).read_text()
+    headers = _headers()
+    opts = _options(arch, dict(defines or {}))
+    digest = hashlib.sha256()
+    for part in (filename, source, *(f"{k}\0{v}" for k, v in headers.items()), *opts, arch, str(nvrtc_version())):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    key = digest.hexdigest()
+    cache = env.cache_dir()
+    path = cache / f"{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    # CuPy's binding takes str source/name and bytes headers/include names
+    prog = nvrtc.createProgram(source, filename, [v.encode() for v in headers.values()], [k.encode() for k in headers])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC failed on kernels_cu/{filename} (arch {arch}, options {opts}):\n{log}") from exc
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)
+        with _lock, open(cache / "manifest.msgpack", "ab") as fh:
+            fh.write(msgpack.packb({"key": key, "file": filename, "arch": arch, "options": opts,
+                                    "nvrtc": list(nvrtc_version())}))
+    except OSError as exc:  # a read-only cache only costs recompiles
+        logger.warning("kernel cache %s is not writable (%s); kernels will be rebuilt next run", cache, exc)
+    return cubin
+
+
+@functools.lru_cache(maxsize=None)
+def _module(filename: str, frozen_defines: tuple[tuple[str, Any], ...], arch: str):
+    from cupy.cuda import function
+
+    mod = function.Module()
+    mod.load(compile_cubin(filename, dict(frozen_defines), arch))
+    return mod
+
+
+def get_kernel(filename: str, name: str, **defines: Any):
+    """The `extern "C"` kernel `name` of `kernels_cu/<filename>` specialised by `defines`.
+    Call it as kernel(grid, block, args, shared_mem=bytes, stream=stream) with exact scalar types."""
+    mod = _module(filename, tuple(sorted(defines.items())), device_arch())
+    return mod.get_function(name)
+
+
+def startup_log() -> str:
+    """One line: GPU, arch, driver, NVRTC and CuPy versions (logged once when the backend starts)."""
+    cupy = _cupy()
+    rt = cupy.cuda.runtime
+    props = rt.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    drv = rt.driverGetVersion()
+    line = (f"GPU {name} ({props['multiProcessorCount']} SMs), arch {device_arch()}, driver CUDA {drv // 1000}.{drv % 1000 // 10}, "
+            f"NVRTC {'.'.join(map(str, nvrtc_version()))}, CuPy {cupy.__version__}")
+    logger.info(line)
+    return line

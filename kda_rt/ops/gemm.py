@@ -1,0 +1,117 @@
+"""Dense GEMM through cuBLAS: y = x · Wᵀ (row-major), bf16 in, fp32 accumulate, bf16 or fp32 out.
+
+We call cuBLAS through ctypes with our own handle instead of CuPy's wrappers because CuPy's
+refuse to run during CUDA-graph capture.  The handle gets a fixed workspace (so cuBLAS never
+allocates inside a capture) and is bound to the stream of each call.  Row-major Y[M,N] = X[M,K]·W[N,K]ᵀ
+is the column-major call C[N,M] = op(W)ᵀ-form: gemmEx(opA=T on W, opB=N on X, m=N, n=M, k=K,
+lda=ldb=K, ldc=N) (measured at 798 TFLOP/s on H200 through CuPy's bindings, gpu_facts.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import numpy as np
+
+from kda_rt.ops.check import BF16, expect
+
+__all__ = ["linear", "CublasError"]
+
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14
+_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_ALGO_DEFAULT = -1
+_WORKSPACE_BYTES = 32 << 20
+_tls = threading.local()
+
+
+class CublasError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads libcublas into the process first)
+
+    last = None
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError as exc:
+            last = exc
+    else:
+        raise CublasError(f"cannot load libcublas ({last}); install the CuPy wheel's CUDA libraries") from last
+    lib.cublasGemmEx.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasError(f"{what} failed with cuBLAS status {status}")
+
+
+class _Handle:
+    def __init__(self) -> None:
+        import cupy
+
+        lib = _lib()
+        self.ptr = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(self.ptr)), "cublasCreate")
+        self.workspace = cupy.empty(_WORKSPACE_BYTES, dtype=np.uint8)
+        _check(lib.cublasSetWorkspace_v2(self.ptr, ctypes.c_void_p(self.workspace.data.ptr),
+                                         ctypes.c_size_t(_WORKSPACE_BYTES)), "cublasSetWorkspace")
+        self.stream = None
+
+    def bind(self, stream_ptr: int) -> None:
+        if stream_ptr != self.stream:
+            _check(_lib().cublasSetStream_v2(self.ptr, ctypes.c_void_p(stream_ptr)), "cublasSetStream")
+            self.stream = stream_ptr
+
+
+def _handle() -> _Handle:
+    import cupy
+
+    key = cupy.cuda.Device().id
+    handles = getattr(_tls, "handles", None)
+    if handles is None:
+        handles = _tls.handles = {}
+    if key not in handles:
+        handles[key] = _Handle()
+    return handles[key]
+
+
+_ONE = np.array(1.0, dtype=np.float32)
+_ZERO = np.array(0.0, dtype=np.float32)
+
+
+def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
+    """x: [M, K] bf16, weight: [N, K] bf16 -> out [M, N] (bf16 or float32).  With `accumulate`,
+    out += x·Wᵀ (out must be given).  Works inside CUDA-graph capture."""
+    import cupy
+
+    M, K = expect(x, "x", ndim=2, dtype=BF16)
+    N, _ = expect(weight, "weight", shape=(None, K), dtype=BF16)
+    if out is None:
+        if accumulate:
+            raise ValueError("linear: accumulate=True needs an out array")
+        out = cupy.empty((M, N), dtype=out_dtype)
+    expect(out, "out", shape=(M, N))
+    if out.dtype not in (BF16, np.dtype(np.float32)):
+        raise TypeError(f"out must be bfloat16 or float32, got {out.dtype.name}")
+    if M == 0 or N == 0:
+        return out
+    h = _handle()
+    h.bind(cupy.cuda.get_current_stream().ptr)
+    ctype = _CUDA_R_16BF if out.dtype == BF16 else _CUDA_R_32F
+    beta = _ONE if accumulate else _ZERO
+    status = _lib().cublasGemmEx(
+        h.ptr, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, weight.data.ptr, _CUDA_R_16BF, K, x.data.ptr, _CUDA_R_16BF, K,
+        beta.ctypes.data, out.data.ptr, ctype, N, _COMPUTE_32F, _ALGO_DEFAULT)
+    _check(status, f"cublasGemmEx(M={M}, N={N}, K={K})")
+    return out

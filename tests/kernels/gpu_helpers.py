@@ -1,0 +1,50 @@
+"""Helpers for kernel tests: bf16 upload/download, poisoned outputs, and the error measures of
+STYLE.md habit 5 (exact for copies, atol+rtol for elementwise, RMS ratio for reductions)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["BF16", "to_gpu_bf16", "to_np", "poison", "bf16_round", "rms_rel", "assert_close"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def to_gpu_bf16(a: np.ndarray):
+    import cupy
+
+    return cupy.asarray(np.asarray(a, dtype=np.float32).astype(BF16))
+
+
+def to_np(a) -> np.ndarray:
+    """Device array -> float64 NumPy."""
+    import cupy
+
+    return cupy.asnumpy(a).astype(np.float64)
+
+
+def poison(a) -> None:
+    """Fill an output buffer with NaN so unwritten elements fail every check."""
+    a[...] = np.nan
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32).astype(BF16).astype(np.float64)
+
+
+def rms_rel(out: np.ndarray, ref: np.ndarray) -> float:
+    """RMS(out - ref) / RMS(ref); NaN anywhere gives inf."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.sqrt(np.mean((out - ref) ** 2)) / max(np.sqrt(np.mean(ref**2)), 1e-30))
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray, *, atol: float, rtol: float, name: str = "out") -> None:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out)), f"{name}: {np.count_nonzero(~np.isfinite(out))} non-finite (unwritten?) elements"
+    err = np.abs(out - ref)
+    bad = err > atol + rtol * np.abs(ref)
+    assert not bad.any(), (f"{name}: {bad.sum()} elements out of tolerance; max abs err {err.max():.3e}, "
+                           f"max rel {np.max(err / np.maximum(np.abs(ref), 1e-30)):.3e}")
