@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from kda_rt.ops.check import BF16, expect
+from kda_rt.ops.check import BF16, expect, leading_dim
 
 __all__ = ["linear", "CublasError"]
 
@@ -92,16 +92,17 @@ _ZERO = np.array(0.0, dtype=np.float32)
 
 def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
     """x: [M, K] bf16, weight: [N, K] bf16 -> out [M, N] (bf16 or float32).  With `accumulate`,
-    out += x·Wᵀ (out must be given).  Works inside CUDA-graph capture."""
+    out += x·Wᵀ (out must be given).  x and out may be row-strided views (column slices of a wider
+    buffer).  Works inside CUDA-graph capture."""
     import cupy
 
-    M, K = expect(x, "x", ndim=2, dtype=BF16)
+    M, K = expect(x, "x", ndim=2, dtype=BF16, row_stride=True)
     N, _ = expect(weight, "weight", shape=(None, K), dtype=BF16)
     if out is None:
         if accumulate:
             raise ValueError("linear: accumulate=True needs an out array")
         out = cupy.empty((M, N), dtype=out_dtype)
-    expect(out, "out", shape=(M, N))
+    expect(out, "out", shape=(M, N), row_stride=True)
     if out.dtype not in (BF16, np.dtype(np.float32)):
         raise TypeError(f"out must be bfloat16 or float32, got {out.dtype.name}")
     if M == 0 or N == 0:
@@ -111,7 +112,7 @@ def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
     ctype = _CUDA_R_16BF if out.dtype == BF16 else _CUDA_R_32F
     beta = _ONE if accumulate else _ZERO
     status = _lib().cublasGemmEx(
-        h.ptr, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, weight.data.ptr, _CUDA_R_16BF, K, x.data.ptr, _CUDA_R_16BF, K,
-        beta.ctypes.data, out.data.ptr, ctype, N, _COMPUTE_32F, _ALGO_DEFAULT)
+        h.ptr, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, weight.data.ptr, _CUDA_R_16BF, K, x.data.ptr, _CUDA_R_16BF,
+        leading_dim(x), beta.ctypes.data, out.data.ptr, ctype, leading_dim(out), _COMPUTE_32F, _ALGO_DEFAULT)
     _check(status, f"cublasGemmEx(M={M}, N={N}, K={K})")
     return out

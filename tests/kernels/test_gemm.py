@@ -49,3 +49,19 @@ def test_linear_in_cuda_graph():
     graph.launch(stream)
     stream.synchronize()
     assert rms_rel(to_np(out), x2 @ w.T) < 1e-5
+
+
+def test_linear_row_strided_views():
+    """x and out as column slices of wider buffers (fused projections)."""
+    import cupy
+
+    from kda_rt.ops.gemm import linear
+
+    rng = np.random.default_rng(3)
+    big = bf16_round(rng.normal(size=(5, 300)))
+    w = bf16_round(rng.normal(size=(64, 128)))
+    xg = to_gpu_bf16(big)
+    out = cupy.empty((5, 200), dtype=np.float32)
+    poison(out)
+    linear(xg[:, 100:228], to_gpu_bf16(w), out=out[:, 50:114])
+    assert rms_rel(to_np(out[:, 50:114]), big[:, 100:228] @ w.T) < 1e-5
