@@ -1,17 +1,20 @@
 """`LLMEngine`: requests in, incremental `RequestOutput`s out; `step()` = schedule -> run -> postprocess.
 
-This first engine admits a request only when a KDA state slot and MLA pages for its whole length
-(prompt + max_tokens) are free, runs every admitted sequence each step in one flat batch (whole
-prompts for new sequences, one token for the others), and never needs preemption.
+    schedule     Scheduler (pure Python): [(sequence, new tokens)] under the token budget, with
+                 KDA state slots and MLA pages allocated as tokens are computed (preempting by
+                 recompute when pages run out)
+    run          one flat varlen `ForwardBatch` -> runner.execute -> float32 logits, one row per
+                 sequence that finishes its prompt or decodes this step
+    postprocess  sample, detokenize, stop checks; finished sequences return slot and pages
+
+The engine is backend-agnostic: it only ever calls `runner.execute(batch)`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
-from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,13 +22,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kda_rt.forward_batch import ForwardBatch
-from kda_rt.outputs import CompletionOutput, RequestOutput
-from kda_rt.sampler import reference as ref_sampler
+from kda_rt.postprocess import Postprocessor, request_output
 from kda_rt.sampler.params import SamplingParams
-from kda_rt.sequence import Sequence, SequenceStatus
+from kda_rt.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kda_rt.sequence import Sequence
 
 if TYPE_CHECKING:
     from kda_rt.loader.config import ModelConfig
+    from kda_rt.outputs import RequestOutput
     from kda_rt.tokenizer import Tokenizer
 
 __all__ = ["EngineConfig", "LLMEngine"]
@@ -33,29 +37,33 @@ __all__ = ["EngineConfig", "LLMEngine"]
 logger = logging.getLogger(__name__)
 
 
+def _check_int(name: str, value: object, lo: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 16
-    max_model_len: int = 8192
-    block_size: int = 64
-    num_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
-    seed: int = 0
+    """Runtime knobs (the model's shape lives in `ModelConfig`)."""
+
+    max_num_seqs: int = 16  # running sequences (= KDA state slots handed to the engine)
+    max_model_len: int = 8192  # prompt + generated tokens of one sequence
+    block_size: int = 64  # tokens per MLA page
+    num_blocks: int | None = None  # MLA pages; None: sized by the runner (see runner.size_pools)
+    max_num_batched_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
+    gpu_memory_utilization: float = 0.90  # CUDA backend: share of device memory for weights + caches
+    seed: int = 0  # seeds requests that bring no seed of their own
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            _check_int(name, getattr(self, name))
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise ValueError(f"num_blocks must be an int >= 1, got {self.num_blocks!r}")
-
-    @property
-    def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
-            return self.num_blocks
-        return self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+            _check_int("num_blocks", self.num_blocks)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
 class LLMEngine:
@@ -70,24 +78,32 @@ class LLMEngine:
         if tokenizer is not None:
             eos |= set(tokenizer.stop_token_ids)
         self.eos_token_ids = frozenset(eos)
-        self.num_slots, self.num_blocks = num_slots, num_blocks
-        self.free_slots = deque(range(num_slots))
-        self.free_blocks = deque(range(num_blocks))
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
+        ))
+        self.postprocessor = Postprocessor(self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
+                         "requests_finished": 0, "requests_aborted": 0}
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str | None, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> str:
-        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id."""
-        params = params or SamplingParams()
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    sampling_params: SamplingParams | None = None) -> str:
+        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id.
+
+        Raises ValueError (and queues nothing) for an empty prompt, token ids outside the
+        vocabulary, prompt + max_tokens over max_model_len, or a request the page pool can never hold.
+        """
+        params = sampling_params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = self.prompt_ids(prompt)
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit} (room for at least one output token needed)")
@@ -96,9 +112,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len {limit}"
             )
-        need = math.ceil((len(ids) + max_tokens) / self.config.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"request needs {need} KV pages but the pool has only {self.num_blocks} (num_blocks)")
+        self.scheduler.check_fits(len(ids) + max_tokens - 1)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seqs = []
         for i in range(params.n):
@@ -108,13 +122,15 @@ class LLMEngine:
 
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),
-                                 max_tokens=max_tokens, detokenizer=detok,
+                                 max_tokens=max_tokens, arrival=next(self._arrivals), detokenizer=detok,
                                  logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = (text, seqs)
-        self.waiting.extend(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
         return request_id
 
-    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """(text or None, checked token ids) of a prompt."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -137,127 +153,73 @@ class LLMEngine:
         return text, [int(i) for i in ids]
 
     def abort(self, request_id: str) -> None:
-        """Drop a request now; its slot and pages return to the pools."""
-        entry = self.requests.get(str(request_id))
+        """Drop a request now; its slots and pages return to the pools at once.  Unknown or
+        finished ids are ignored."""
+        entry = self.requests.pop(str(request_id), None)
         if entry is None:
             return
         for seq in entry[1]:
             if not seq.finished:
-                self._finish(seq, "abort")
-        self.requests.pop(str(request_id), None)
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self.counters["requests_aborted"] += 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        self._admit()
-        if not self.running:
+        """Run one model step; returns the cumulative output of every request that got a token."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():  # cannot happen: the oldest sequence always fits
+                raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
             return []
-        seqs = list(self.running)
+        batch, sampled = self.build_batch(sched)
+        num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
+        logits = self.runner.execute(batch)  # [N, V]
+        self.scheduler.commit(sched)
+        self.counters["steps"] += 1
+        self.counters["tokens_processed"] += batch.num_tokens
+        self.counters["prefill_tokens"] += batch.num_tokens - num_decodes
+        touched: dict[str, None] = {}
+        for row, seq in enumerate(sampled):
+            self.counters["generated_tokens"] += 1
+            if self.postprocessor.append_token(seq, logits[row]):
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = None
+        outputs = []
+        for rid in touched:
+            text, seqs = self.requests[rid]
+            out = request_output(rid, text, seqs)
+            if out.finished:
+                self.requests.pop(rid)
+                self.counters["requests_finished"] += 1
+            outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def build_batch(sched: SchedulerOutput) -> tuple[ForwardBatch, list[Sequence]]:
+        """The flat batch of a schedule, and the sequences whose logits rows it returns, in order.
+
+        Only sequences whose new tokens reach their last token (end of prompt, or a decode) get a
+        logits row; a prefill chunk in the middle of a prompt only fills the caches.
+        """
+        seqs = [s for s, _ in sched.scheduled]
+        ends = [s.num_computed + n for s, n in sched.scheduled]
+        wants = [end == s.num_tokens for s, end in zip(seqs, ends, strict=True)]
         batch = ForwardBatch.build(
-            [s.uncomputed_tokens() for s in seqs],
+            [s.tokens(s.num_computed, end) for s, end in zip(seqs, ends, strict=True)],
             [s.num_computed for s in seqs],
             [s.slot for s in seqs],
             [s.blocks for s in seqs],
+            logits_for=wants,
         )
-        logits = self.runner.execute(batch)
-        touched: dict[str, None] = {}
-        for row, seq in enumerate(seqs):
-            seq.num_computed = seq.num_tokens
-            self._append_token(seq, logits[row])
-            touched[seq.request_id] = None
-        outputs = [self._request_output(rid) for rid in touched]
-        for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
-        return outputs
-
-    def _admit(self) -> None:
-        while self.waiting and self.free_slots and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            need = math.ceil((len(seq.prompt_token_ids) + seq.max_tokens) / self.config.block_size)
-            if need > len(self.free_blocks):
-                break
-            self.waiting.popleft()
-            seq.slot = self.free_slots.popleft()
-            seq.blocks = [self.free_blocks.popleft() for _ in range(need)]
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-
-    def _append_token(self, seq: Sequence, logits: np.ndarray) -> None:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        logits = ref_sampler.apply_penalties(logits, p, seq.prompt_token_ids, seq.output_token_ids)
-        if n_out < p.min_tokens:
-            banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < logits.shape[0]]
-            if banned:
-                logits = logits.copy()
-                logits[banned] = -np.inf
-        token = ref_sampler.sample_row(logits, p, seq.seed, n_out)
-        seq.output_token_ids.append(token)
-        if seq.logprobs is not None:
-            lp = ref_sampler.top_logprobs(logits, token, p.logprobs or 0)
-            seq.logprobs.append(lp)
-            seq.cumulative_logprob += lp[token]
-        if token in p.stop_token_ids:
-            self._finish(seq, "stop", token)
-            return
-        if not p.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, "stop", None)
-            return
-        if seq.detokenizer is not None:
-            before = len(seq.text)
-            seq.text += seq.detokenizer.add([token])
-            if p.stop_strings and self._check_stop_strings(seq, before):
-                return
-        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            self._finish(seq, "length")
-
-    def _check_stop_strings(self, seq: Sequence, before: int) -> bool:
-        longest = max(len(s) for s in seq.params.stop_strings)
-        start = max(0, before - longest + 1)
-        hits = [(seq.text.find(s, start), s) for s in seq.params.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
-        self._finish(seq, "stop", s, flush=False)
-        return True
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, *, flush: bool = True) -> None:
-        if flush and seq.detokenizer is not None and reason != "abort":
-            seq.text += seq.detokenizer.flush()
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.free_slots.append(seq.slot)
-            self.free_blocks.extend(seq.blocks)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        seq.slot, seq.blocks = -1, []
-        seq.status = SequenceStatus.FINISHED
-
-    def _request_output(self, request_id: str) -> RequestOutput:
-        text, seqs = self.requests[request_id]
-        outs = [
-            CompletionOutput(s.index, s.text, list(s.output_token_ids),
-                             s.cumulative_logprob if s.logprobs is not None else None,
-                             list(s.logprobs) if s.logprobs is not None else None, s.finish_reason, s.stop_reason)
-            for s in seqs
-        ]
-        return RequestOutput(request_id, text, list(seqs[0].prompt_token_ids), outs, all(s.finished for s in seqs))
+        return batch, [s for s, w in zip(seqs, wants, strict=True) if w]
 
     # -- stats ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "slots_free": len(self.free_slots),
-            "slots_used": self.num_slots - len(self.free_slots),
-            "pages_free": len(self.free_blocks),
-            "pages_used": self.num_blocks - len(self.free_blocks),
-        }
+        """Queues, preemptions, page and slot use, and token counters since start."""
+        return {**self.scheduler.stats(), **self.counters}

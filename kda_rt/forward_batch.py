@@ -46,9 +46,11 @@ class ForwardBatch:
         block_tables: list[list[int]],
         *,
         all_logits: bool = False,
+        logits_for: list[bool] | None = None,
     ) -> ForwardBatch:
         """Assemble a batch from per-sequence lists.  Logits come from each sequence's last new
-        token, or from every token when `all_logits` (scoring)."""
+        token, or from every token when `all_logits` (scoring).  `logits_for[b]` False drops
+        sequence b's row (a prefill chunk that does not finish its prompt samples nothing)."""
         if not (len(new_tokens) == len(context_lens) == len(state_slots) == len(block_tables)):
             raise ValueError("ForwardBatch.build: per-sequence lists differ in length")
         if any(len(t) == 0 for t in new_tokens):
@@ -62,6 +64,10 @@ class ForwardBatch:
             tables[b, : len(bt)] = bt
         ids = np.fromiter((t for seq in new_tokens for t in seq), dtype=np.int64, count=int(cu[-1]))
         logits_idx = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
+        if logits_for is not None:
+            if all_logits or len(logits_for) != len(new_tokens):
+                raise ValueError("ForwardBatch.build: logits_for needs one flag per sequence and no all_logits")
+            logits_idx = logits_idx[np.asarray(logits_for, dtype=bool)]
         return cls(
             input_ids=ids.astype(np.int32),
             cu_seqlens=cu,

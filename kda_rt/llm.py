@@ -11,8 +11,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,37 +20,31 @@ from kda_rt.engine import EngineConfig, LLMEngine
 from kda_rt.forward_batch import ForwardBatch
 from kda_rt.loader.config import load_config
 from kda_rt.outputs import RequestOutput
+from kda_rt.postprocess import DeltaTracker
+from kda_rt.runner import make_runner, pool_sizes, select_backend
 from kda_rt.sampler.params import SamplingParams
 
-__all__ = ["LLM", "select_backend"]
+if TYPE_CHECKING:
+    from kda_rt.loader.config import ModelConfig
+    from kda_rt.tokenizer import Tokenizer
+
+__all__ = ["LLM", "build_engine"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "numpy", "cuda")
 
-
-def _cuda_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-        from cupy.cuda import runtime
-
-        return runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, or no device
-        return False
-
-
-def select_backend(backend: str) -> str:
-    """Resolve "auto" and check the request can be met."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "cuda":
-        # The CUDA backend lands with the GPU kernels; until then say so instead of failing later.
-        raise NotImplementedError("backend='cuda' is not available in this build yet; use backend='numpy'")
-    if backend == "auto":
-        if _cuda_available():
-            logger.info("a GPU is present but the CUDA backend is not built yet; using the numpy backend")
-        return "numpy"
-    return backend
+def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], engine_config: EngineConfig, *,
+                 backend: str = "auto", dtype: str = "float32", tokenizer: Tokenizer | None = None,
+                 extra_eos_ids: Sequence[int] = ()) -> LLMEngine:
+    """Runner + engine for in-memory weights.  The runner gets one slot and one sequence's worth of
+    pages more than the engine schedules over; `LLM.score()` uses them."""
+    backend = select_backend(backend)
+    num_slots, num_blocks = pool_sizes(model_config, engine_config, itemsize=np.dtype(dtype).itemsize)
+    reserve = math.ceil(engine_config.max_model_len / engine_config.block_size)
+    runner = make_runner(backend, model_config, weights, num_slots=num_slots + 1, num_blocks=num_blocks + reserve,
+                         block_size=engine_config.block_size, dtype=dtype)
+    return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=num_slots, num_blocks=num_blocks,
+                     extra_eos_ids=extra_eos_ids)
 
 
 def _has_tokenizer(model_dir: str) -> bool:
@@ -71,6 +65,8 @@ def _generation_eos(model_dir: str) -> list[int]:
 
 
 class LLM:
+    """Offline generation over one `LLMEngine` (continuous batching, chunked prefill, preemption)."""
+
     def __init__(
         self,
         model: str | os.PathLike[str],
@@ -81,6 +77,8 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 64,
         num_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        gpu_memory_utilization: float = 0.90,
         seed: int = 0,
         skip_tokenizer_init: bool = False,
         progress: bool | None = None,
@@ -90,7 +88,7 @@ class LLM:
         model_dir = os.fspath(model)
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
-        self.backend = select_backend(backend)
+        backend = select_backend(backend)
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64' on the numpy backend, got {dtype!r}")
         self.model_config = load_config(model_dir)
@@ -99,27 +97,22 @@ class LLM:
             max_model_len = min(limit, 8192)
         elif max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
-        self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                          block_size=block_size, num_blocks=num_blocks, seed=seed)
+        self.engine_config = EngineConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+        )
         self.tokenizer = None
         if not skip_tokenizer_init and _has_tokenizer(model_dir):
             from kda_rt.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_dir(model_dir)
         weights = load_checkpoint(model_dir, self.model_config, progress=progress)
-        from kda_rt.runner import NumpyRunner
-
-        # one slot and enough pages beyond max_num_seqs are kept for score()
-        self.runner = NumpyRunner(
-            self.model_config, weights,
-            num_slots=max_num_seqs + 1,
-            num_blocks=self.engine_config.resolved_num_blocks + math.ceil(max_model_len / block_size),
-            block_size=block_size, dtype=np.dtype(dtype),
-        )
-        # the engine gets the first max_num_seqs slots and resolved_num_blocks pages; score() the rest
-        self.llm_engine = LLMEngine(self.model_config, self.runner, self.tokenizer, self.engine_config,
-                                    num_slots=max_num_seqs, num_blocks=self.engine_config.resolved_num_blocks,
-                                    extra_eos_ids=_generation_eos(model_dir))
+        self.llm_engine = build_engine(self.model_config, weights, self.engine_config, backend=backend, dtype=dtype,
+                                       tokenizer=self.tokenizer, extra_eos_ids=_generation_eos(model_dir))
+        self.runner = self.llm_engine.runner
+        self.backend = self.runner.name
+        self._open: set[str] = set()  # request ids issued by generate() and not yet returned
+        self._parked: dict[str, RequestOutput] = {}  # latest output of an open request, for its driver
         self.model_dir = model_dir
 
     def get_tokenizer(self):
@@ -131,8 +124,16 @@ class LLM:
         self,
         prompts: str | dict | Iterable[str | dict | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        *,
+        stream: bool = False,
+    ) -> list[RequestOutput] | Iterator[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        With `stream=True`, returns an iterator instead, yielding a `RequestOutput` each time a
+        request gets new tokens; its `CompletionOutput`s then hold only what is new (text delta,
+        new token ids and logprobs), and `finished` marks a request's last one.  Request ids are
+        the prompt indices as strings.  Closing the iterator early aborts what is still running.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -142,20 +143,70 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
-        engine = self.llm_engine
-        ids = []
+        ids = self._add_all(prompts, params_list)
+        if stream:
+            return self._stream(ids)
+        final: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(engine.add_request(None, prompt, params))
-            final: dict[str, RequestOutput] = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
+            for out in self._drive(ids):
+                if out.finished:
+                    final[out.request_id] = out
         finally:
-            for rid in ids:
-                engine.abort(rid)  # no-op for finished requests; frees resources after an error
+            self._abort_all(ids)
         return [final[rid] for rid in ids]
+
+    def _add_all(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+        """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted."""
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                ids.append(self.llm_engine.add_request(self._request_id(i), prompt, params))
+        except BaseException:
+            self._abort_all(ids)
+            raise
+        return ids
+
+    def _request_id(self, i: int) -> str:
+        rid, k = str(i), 0
+        while rid in self._open or rid in self.llm_engine.requests:  # taken by a still-open stream
+            k += 1
+            rid = f"{i}.{k}"
+        self._open.add(rid)
+        return rid
+
+    def _drive(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """Step the engine until every request in `ids` has finished, yielding their outputs.
+        Outputs of other open requests (another stream) are parked for their own driver."""
+        engine, mine = self.llm_engine, set(ids)
+        while mine:
+            for rid in [r for r in self._parked if r in mine]:
+                out = self._parked.pop(rid)
+                if out.finished:
+                    mine.discard(rid)
+                yield out
+            if not mine or not engine.has_unfinished_requests():
+                return
+            for out in engine.step():
+                if out.request_id in mine:
+                    if out.finished:
+                        mine.discard(out.request_id)
+                    yield out
+                elif out.request_id in self._open:
+                    self._parked[out.request_id] = out  # cumulative: the latest one suffices
+
+    def _stream(self, ids: list[str]) -> Iterator[RequestOutput]:
+        trackers = {rid: DeltaTracker() for rid in ids}
+        try:
+            for out in self._drive(ids):
+                yield trackers[out.request_id].delta(out)
+        finally:
+            self._abort_all(ids)
+
+    def _abort_all(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.llm_engine.abort(rid)  # no-op for finished requests; frees resources after an error
+            self._open.discard(rid)
+            self._parked.pop(rid, None)
 
     def chat(
         self,
@@ -164,7 +215,8 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-    ) -> list[RequestOutput]:
+        stream: bool = False,
+    ) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Apply the chat template to one conversation (a list of messages) or several."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files, so chat() is unavailable")
@@ -175,20 +227,22 @@ class LLM:
             {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, stream=stream)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
-        """[len(token_ids), vocab] float32 logits of every position of one sequence."""
+        """[len(token_ids), vocab] float32 logits of every position of one sequence (one prefill in
+        the slot and pages reserved beyond the engine's share, so running requests are untouched)."""
         engine = self.llm_engine
-        _, ids = engine._prompt_ids({"prompt_token_ids": list(token_ids)})
+        _, ids = engine.prompt_ids({"prompt_token_ids": list(token_ids)})
         if len(ids) > self.engine_config.max_model_len:
             raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.engine_config.max_model_len}")
         bs = self.engine_config.block_size
-        slot = self.llm_engine.num_slots  # reserved in __init__
-        first = self.engine_config.resolved_num_blocks
+        slot = engine.scheduler.config.num_slots
+        first = engine.scheduler.config.num_blocks
         blocks = list(range(first, first + math.ceil(len(ids) / bs)))
         batch = ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True)
         return self.runner.execute(batch)
 
     def stats(self) -> dict[str, int]:
+        """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""
         return self.llm_engine.stats()

@@ -1,9 +1,22 @@
 """Model runners: own the weights, the cache pools and the model of one backend, and turn a
-`ForwardBatch` into float32 logits.  The engine talks to a runner only through `execute`."""
+`ForwardBatch` into float32 logits.  The engine talks to a runner only through `execute`.
+
+`make_runner(backend, ...)` is the one place a backend is chosen; a CUDA runner plugs in there
+with the same constructor arguments and the same `execute(batch) -> [N, V] logits` contract.
+
+Pool sizing (`pool_sizes`): the runner holds `max_num_seqs + 1` KDA state slots and the engine's
+pages plus `ceil(max_model_len / block_size)` more; the extra slot and pages are reserved for
+`LLM.score()`.  The engine's page count is `num_blocks` when given; otherwise, on a backend that
+reports device memory, what `gpu_memory_utilization` leaves after weights and state slots; on the
+NumPy backend enough for `max_num_seqs` sequences of `max_model_len` tokens.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import resource
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,12 +26,80 @@ from kda_rt.cache import KDAStatePool, MLAKVPool
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from kda_rt.engine import EngineConfig
     from kda_rt.forward_batch import ForwardBatch
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["NumpyRunner"]
+__all__ = ["BACKENDS", "NumpyRunner", "make_runner", "pool_sizes", "select_backend",
+           "kv_bytes_per_block", "state_bytes_per_slot"]
 
 logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "numpy", "cuda")
+
+
+def _cuda_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+        from cupy.cuda import runtime
+
+        return runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, or no device
+        return False
+
+
+def select_backend(backend: str) -> str:
+    """Resolve "auto" and check the request can be met."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cuda":
+        # The CUDA backend lands with the GPU kernels; until then say so instead of failing later.
+        raise NotImplementedError("backend='cuda' is not available in this build yet; use backend='numpy'")
+    if backend == "auto":
+        if _cuda_available():
+            logger.info("a GPU is present but the CUDA backend is not built yet; using the numpy backend")
+        return "numpy"
+    return backend
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:
+    """Bytes of one MLA page over all MLA layers (576 values per token per layer at full size)."""
+    width = config.mla.cache_width if config.mla is not None else 0
+    return len(config.mla_layer_ids) * block_size * width * itemsize
+
+
+def state_bytes_per_slot(config: ModelConfig, itemsize: int) -> int:
+    """Bytes of one KDA state slot over all KDA layers: conv state + recurrent state."""
+    kda = config.kda
+    if kda is None:
+        return 0
+    p = kda.num_heads * kda.head_dim
+    per_layer = 3 * (kda.conv_kernel_size - 1) * p + kda.num_heads * kda.head_dim * kda.head_dim
+    return len(config.kda_layer_ids) * per_layer * itemsize
+
+
+def pool_sizes(config: ModelConfig, engine: EngineConfig, *, itemsize: int, weight_bytes: int = 0,
+               device_bytes: int | None = None) -> tuple[int, int]:
+    """(KDA state slots, MLA pages) the engine schedules over; the runner adds score()'s reserve.
+
+    `device_bytes` is the device's total memory (None on the NumPy backend).
+    """
+    num_slots = engine.max_num_seqs
+    if engine.num_blocks is not None:
+        return num_slots, engine.num_blocks
+    pages_per_seq = math.ceil(engine.max_model_len / engine.block_size)
+    if device_bytes is None:
+        return num_slots, num_slots * pages_per_seq
+    budget = int(device_bytes * engine.gpu_memory_utilization) - weight_bytes
+    budget -= (num_slots + 1) * state_bytes_per_slot(config, itemsize)
+    budget -= pages_per_seq * kv_bytes_per_block(config, engine.block_size, itemsize)  # score() reserve
+    num_blocks = budget // max(1, kv_bytes_per_block(config, engine.block_size, itemsize))
+    if num_blocks < pages_per_seq:
+        raise ValueError(
+            f"gpu_memory_utilization {engine.gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV pages; "
+            f"one sequence of max_model_len {engine.max_model_len} needs {pages_per_seq}: lower max_model_len"
+        )
+    return num_slots, int(num_blocks)
 
 
 class NumpyRunner:
@@ -51,3 +132,19 @@ class NumpyRunner:
     def execute(self, batch: ForwardBatch) -> np.ndarray:
         """[N, vocab] float32 logits at `batch.logits_indices`."""
         return np.asarray(self.model.forward(batch, self.kda_pool, self.mla_pool), dtype=np.float32)
+
+    def peak_memory_bytes(self) -> int:
+        """Peak resident memory of this process (the CPU is the device here)."""
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def make_runner(backend: str, config: ModelConfig, weights: Mapping[str, np.ndarray], *, num_slots: int,
+                num_blocks: int, block_size: int, dtype: str = "float32"):
+    """The runner of a resolved backend ("numpy"; "cuda" once it exists)."""
+    if backend == "numpy":
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64' on the numpy backend, got {dtype!r}")
+        return NumpyRunner(config, weights, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
+                           dtype=np.dtype(dtype))
+    raise NotImplementedError(f"backend {backend!r} has no runner in this build; use backend='numpy'")

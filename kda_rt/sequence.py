@@ -1,5 +1,14 @@
 """`Sequence`: one sample being generated — token ids, status, KDA state slot, MLA pages,
-sampling state and incremental text."""
+sampling state and incremental text.
+
+Pure Python (the scheduler reads it and must not import an array library).
+
+Token accounting: the sequence's tokens are prompt + outputs.  `num_computed` of them are folded
+into its KDA state slot and written to its MLA pages.  While `num_computed < num_tokens - 1` the
+sequence is in prefill (the prompt, or prompt + outputs again after a preemption); once only the
+last sampled token is left it decodes one token per step.  Logits are sampled exactly when a step
+brings `num_computed` up to `num_tokens`.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +24,9 @@ __all__ = ["SequenceStatus", "Sequence"]
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    WAITING = "waiting"  # queued (new, or preempted and queued again); holds no slot and no page
+    RUNNING = "running"  # holds a KDA state slot and the MLA pages of its computed tokens
+    FINISHED = "finished"  # done or aborted; holds nothing
 
 
 @dataclass(eq=False)
@@ -28,13 +37,15 @@ class Sequence:
     params: SamplingParams
     seed: int  # Philox key for this sample
     max_tokens: int  # resolved: params.max_tokens or what max_model_len leaves
+    arrival: int = 0  # engine-wide order of arrival; the largest running one is preempted first
     detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int = -1  # KDA state slot while running
-    blocks: list[int] = field(default_factory=list)  # MLA pages while running
+    blocks: list[int] = field(default_factory=list)  # MLA pages while running, in position order
     num_computed: int = 0  # tokens already folded into the KDA state and the MLA pages
-    text: str = ""
+    num_preemptions: int = 0
+    text: str = ""  # detokenized output so far (complete characters only)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -44,13 +55,28 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last sampled token is uncomputed (a prompt, or a recompute after preemption)."""
+        return self.num_uncomputed > 1 or self.num_computed == 0
+
+    @property
+    def max_positions(self) -> int:
+        """Most tokens this sequence ever holds in the cache: the last output token is never computed."""
+        return len(self.prompt_token_ids) + self.max_tokens - 1
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
-    def uncomputed_tokens(self) -> list[int]:
-        """Tokens not yet in the cache (the prompt, or the last sampled token)."""
-        return [self.token_at(i) for i in range(self.num_computed, self.num_tokens)]
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions start..stop-1."""
+        return [self.token_at(i) for i in range(start, stop)]
 
     @property
     def finished(self) -> bool:

@@ -160,7 +160,7 @@ def compile_cubin(filename: str, defines: dict[str, Any] | None = None, arch: st
     return cubin
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(filename: str, frozen_defines: tuple[tuple[str, Any], ...], arch: str):
     from cupy.cuda import function
 

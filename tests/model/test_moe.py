@@ -12,8 +12,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from kda_rt.loader.config import MoEConfig
 
+from kda_rt.loader.config import MoEConfig
 from kda_rt.model.moe import moe_forward, route
 
 D, F, T = 24, 16, 37

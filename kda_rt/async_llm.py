@@ -1,0 +1,106 @@
+"""`AsyncLLM`: asyncio streaming over one engine.
+
+    llm = AsyncLLM(LLM(model_dir, backend="numpy"))
+    async for delta in llm.generate("Hello", SamplingParams(max_tokens=32)):
+        print(delta.outputs[0].text, end="")
+
+Each `generate` call is one request; its outputs are deltas (see `postprocess.DeltaTracker`).
+A background task steps the engine in a worker thread while any request is open, so the event
+loop stays responsive during a model step.  Engine calls (add, step, abort) are serialised by a
+lock.  Leaving the `async for` early (break, cancellation) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from kda_rt.postprocess import DeltaTracker
+
+if TYPE_CHECKING:
+    from kda_rt.llm import LLM
+    from kda_rt.outputs import RequestOutput
+    from kda_rt.sampler.params import SamplingParams
+
+__all__ = ["AsyncLLM"]
+
+
+class AsyncLLM:
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self._lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._to_abort: list[str] = []
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the new text / token ids of one request as they come; the last output has
+        `finished=True`.  Invalid prompts raise ValueError before anything is yielded."""
+        rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+        if rid in self._queues:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue  # before adding: the stepping task may produce output at once
+        try:
+            await asyncio.to_thread(self._locked, self.engine.add_request, rid, prompt, sampling_params)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        self._ensure_task()
+        tracker, finished = DeltaTracker(), False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield tracker.delta(item)
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._to_abort.append(rid)  # applied under the lock before the next step
+                self._ensure_task()
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.to_thread(self._locked, self.engine.abort, request_id)
+
+    def stats(self) -> dict[str, int]:
+        return self._locked(self.engine.stats)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _step(self) -> list[RequestOutput]:
+        with self._lock:
+            while self._to_abort:
+                self.engine.abort(self._to_abort.pop())
+            return self.engine.step() if self.engine.has_unfinished_requests() else []
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                outputs = await asyncio.to_thread(self._step)
+            except Exception as exc:  # a model error: every open request sees it
+                for queue in self._queues.values():
+                    queue.put_nowait(exc)
+                return
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            if not self._to_abort and not self.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0)

@@ -1,0 +1,160 @@
+"""`python -m kda_rt.bench`: offline throughput and latency of the engine; prints one JSON line.
+
+    python -m kda_rt.bench --model DIR --batch 32 --input-len 2048 --output-len 512
+    python -m kda_rt.bench --config config.json --random-weights --batch 2 --input-len 64 --output-len 8
+
+`--batch` requests of `--input-len` random token ids each generate exactly `--output-len` tokens
+(greedy, EOS ignored), all added at once and run through `LLMEngine.step()`.  Reported:
+total tok/s ((input + output) tokens / wall time), output tok/s, time to first token (per request,
+from the start), time per output token (after the first), mean decode-only step time, steps,
+preemptions and peak memory (process RSS on the NumPy backend).  `--random-weights` builds the
+weights in memory from the config alone (same names, shapes and value scales as
+`kda_rt.random_checkpoint`), so any shape can be measured without a checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import ml_dtypes
+import numpy as np
+
+if TYPE_CHECKING:
+    from kda_rt.engine import LLMEngine
+    from kda_rt.loader.config import ModelConfig
+
+__all__ = ["build_parser", "main", "random_weights", "run_bench"]
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Hub name -> random tensor for every weight of `config`, as `load_checkpoint` would return
+    them: embeddings and matmuls in the config's dtype (bf16 by default), small tensors float32."""
+    from kda_rt.loader.weights import MATMUL_KINDS, expected_tensors
+    from kda_rt.random_checkpoint import _random_tensor
+
+    stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(config.dtype, np.float32)
+    rng = np.random.default_rng(seed)
+    return {
+        name: _random_tensor(rng, shape, kind).astype(stored if kind in MATMUL_KINDS else np.float32)
+        for name, (shape, kind) in expected_tensors(config).items()
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kda_rt.bench", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--config", help="config.json (hub layout); needs --random-weights")
+    ap.add_argument("--random-weights", action="store_true", help="random weights built in memory from the config")
+    ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
+    ap.add_argument("--dtype", default="float32", help="compute dtype (numpy backend: float32 or float64)")
+    ap.add_argument("--batch", type=int, default=32, help="number of requests")
+    ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=64, choices=(16, 32, 64))
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    """Run the workload on `engine`; returns the timing part of the report."""
+    from kda_rt.sampler.params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    t0 = time.perf_counter()
+    for i in range(batch):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params)
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    decode_steps: list[float] = []
+    while engine.has_unfinished_requests():
+        prompt_before = engine.counters["prefill_tokens"]
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        if engine.counters["prefill_tokens"] == prompt_before:
+            decode_steps.append(te - ts)
+        for out in outs:
+            first.setdefault(out.request_id, te - t0)
+            if out.finished:
+                done[out.request_id] = te - t0
+    elapsed = time.perf_counter() - t0
+    ttft = [first[r] for r in done]
+    tpot = [(done[r] - first[r]) / (output_len - 1) for r in done] if output_len > 1 else [0.0]
+    return {
+        "elapsed_s": elapsed,
+        "total_tok_s": batch * (input_len + output_len) / elapsed,
+        "output_tok_s": batch * output_len / elapsed,
+        "ttft_s_mean": statistics.fmean(ttft),
+        "ttft_s_max": max(ttft),
+        "tpot_s_mean": statistics.fmean(tpot),
+        "decode_step_s_mean": statistics.fmean(decode_steps) if decode_steps else None,
+        "num_steps": engine.counters["steps"],
+        "num_decode_steps": len(decode_steps),
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.config and not args.random_weights:
+        ap.error("--config needs --random-weights (there is no checkpoint to load)")
+    if min(args.batch, args.input_len, args.output_len) < 1:
+        ap.error("--batch, --input-len and --output-len must be >= 1")
+    from kda_rt.engine import EngineConfig
+    from kda_rt.llm import build_engine
+    from kda_rt.loader.config import load_config, parse_config
+    from kda_rt.loader.weights import load_checkpoint
+
+    try:
+        if args.config:
+            with open(args.config, encoding="utf-8") as fh:
+                model_config = parse_config(json.load(fh), source=args.config)
+        else:
+            model_config = load_config(args.model)
+        t0 = time.perf_counter()
+        weights = (random_weights(model_config, args.seed) if args.random_weights
+                   else load_checkpoint(args.model, model_config))
+        engine_config = EngineConfig(
+            max_num_seqs=args.max_num_seqs or args.batch, max_model_len=args.input_len + args.output_len,
+            block_size=args.block_size, num_blocks=args.num_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+        )
+        engine = build_engine(model_config, weights, engine_config, backend=args.backend, dtype=args.dtype)
+        load_s = time.perf_counter() - t0
+        report = run_bench(engine, args.batch, args.input_len, args.output_len, args.seed)
+    except (ValueError, OSError, NotImplementedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    line = {
+        "backend": engine.runner.name,
+        "model": os.fspath(args.model) if args.model else None,
+        "config": args.config,
+        "args": vars(args),
+        "load_s": load_s,
+        **report,
+        "peak_memory_bytes": engine.runner.peak_memory_bytes(),
+    }
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

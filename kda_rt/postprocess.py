@@ -1,0 +1,120 @@
+"""After the model ran: sample, detokenize, check stop conditions, and build `RequestOutput`s.
+
+Sampling uses the NumPy reference sampler on each row of float32 logits.  The draw for output
+token `k` of a sequence is keyed by (seed, k), so a sequence that was preempted and recomputed
+samples the very same tokens.
+
+Streaming: `RequestOutput` text is cumulative.  While a sequence with stop strings is running, its
+last (longest stop string - 1) characters are held back, because a stop string completed by a
+later token would cut them off again; so visible text only ever grows.  `DeltaTracker` turns the
+cumulative outputs of one request into deltas (new text, new token ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kda_rt.outputs import CompletionOutput, RequestOutput
+from kda_rt.sampler import reference as ref_sampler
+
+if TYPE_CHECKING:
+    from kda_rt.sequence import Sequence
+
+__all__ = ["Postprocessor", "DeltaTracker", "request_output"]
+
+
+class Postprocessor:
+    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def append_token(self, seq: Sequence, logits: np.ndarray) -> bool:
+        """Sample the next token of `seq` from logits [V]; returns True when `seq` is now finished
+        (its `finish_reason` and `stop_reason` set, its text final)."""
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        logits = ref_sampler.apply_penalties(logits, p, seq.prompt_token_ids, seq.output_token_ids)
+        if n_out < p.min_tokens:
+            banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < logits.shape[0]]
+            if banned:
+                logits = logits.copy()
+                logits[banned] = -np.inf
+        token = ref_sampler.sample_row(logits, p, seq.seed, n_out)
+        seq.output_token_ids.append(token)
+        if seq.logprobs is not None:
+            lp = ref_sampler.top_logprobs(logits, token, p.logprobs or 0)
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp[token]
+        if token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", None)
+        if seq.detokenizer is not None:
+            before = len(seq.text)
+            seq.text += seq.detokenizer.add([token])
+            if p.stop_strings and self._check_stop_strings(seq, before):
+                return True
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+        return False
+
+    def _check_stop_strings(self, seq: Sequence, before: int) -> bool:
+        longest = max(len(s) for s in seq.params.stop_strings)
+        start = max(0, before - longest + 1)
+        hits = [(seq.text.find(s, start), s) for s in seq.params.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        seq.finish_reason, seq.stop_reason = "stop", s
+        return True
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
+        if seq.detokenizer is not None:
+            seq.text += seq.detokenizer.flush()
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        return True
+
+
+def _visible_text(seq: Sequence) -> str:
+    stops = seq.params.stop_strings
+    if seq.finish_reason is not None or not stops:
+        return seq.text
+    hold = max(len(s) for s in stops) - 1
+    return seq.text[: max(0, len(seq.text) - hold)]
+
+
+def request_output(request_id: str, prompt: str | None, seqs: list[Sequence]) -> RequestOutput:
+    """Cumulative output of one request (one `CompletionOutput` per sample)."""
+    outs = [
+        CompletionOutput(s.index, _visible_text(s), list(s.output_token_ids),
+                         s.cumulative_logprob if s.logprobs is not None else None,
+                         list(s.logprobs) if s.logprobs is not None else None, s.finish_reason, s.stop_reason)
+        for s in seqs
+    ]
+    return RequestOutput(request_id, prompt, list(seqs[0].prompt_token_ids), outs,
+                         all(s.finish_reason is not None for s in seqs))
+
+
+class DeltaTracker:
+    """Cumulative `RequestOutput`s of one request in, deltas out: each `CompletionOutput` then holds
+    only the text, token ids and logprobs that are new since the previous call."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int]] = {}  # sample index -> (chars, tokens) already sent
+
+    def delta(self, out: RequestOutput) -> RequestOutput:
+        comps = []
+        for c in out.outputs:
+            chars, toks = self._sent.get(c.index, (0, 0))
+            self._sent[c.index] = (len(c.text), len(c.token_ids))
+            comps.append(CompletionOutput(
+                c.index, c.text[chars:], c.token_ids[toks:], c.cumulative_logprob,
+                c.logprobs[toks:] if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
+            ))
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, comps, out.finished)

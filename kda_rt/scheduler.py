@@ -1,0 +1,210 @@
+"""`Scheduler`: which sequences run this step and how many of their tokens (pure Python).
+
+One step, under a budget of `max_num_batched_tokens` new tokens:
+
+1. Running sequences, decodes first, then unfinished (chunked) prefills, each group oldest first.
+   A sequence gets min(uncomputed tokens, budget left) tokens and the MLA pages those tokens need
+   (pages are allocated as tokens are computed, never for the whole length up front).  A prefill
+   chunk shrinks to the pages that are free; when not even one token fits, the newest running
+   sequence is preempted by recompute: its slot and pages are freed, `num_computed` drops to 0
+   (its generated tokens are kept and run again as part of its prompt), and it goes back to the
+   front of the waiting queue.  The oldest running sequence can therefore always progress.
+2. If nothing was preempted, waiting sequences are admitted while a state slot is free, fewer than
+   `max_num_seqs` run, and the pages for their whole prompt are free beyond what running prefills
+   will still take and a reserve of one page per running sequence (room to grow, so new work does
+   not immediately evict old work).  Only the pages of the first chunk are allocated.  The
+   queue head goes first; then waiting prompts of similar length (same power-of-two bucket first)
+   join it, so a step's prefills are alike.
+
+No array library is imported here; the engine turns `SchedulerOutput` into a `ForwardBatch`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kda_rt.allocator import IdPool
+from kda_rt.sequence import Sequence, SequenceStatus
+
+__all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+# How far down the waiting queue admission looks for prompts to group with the head.
+_LOOKAHEAD = 64
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_blocks: int  # MLA pages the scheduler may hand out (ids 0..num_blocks-1)
+    num_slots: int  # KDA state slots the scheduler may hand out (ids 0..num_slots-1)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "num_slots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens), batch order
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival: running[-1] is the newest
+        self.slots = IdPool(config.num_slots, "KDA state slot")
+        self.pages = IdPool(config.num_blocks, "MLA page")
+        self.num_preemptions = 0
+
+    # -- queues -------------------------------------------------------------------------------
+
+    def pages_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.config.block_size)
+
+    def check_fits(self, num_positions: int) -> None:
+        """Raise ValueError if a sequence of `num_positions` cached tokens could never fit alone."""
+        need = self.pages_for(num_positions)
+        if need > self.config.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV pages of {self.config.block_size} tokens for {num_positions} positions "
+                f"but the pool has only {self.config.num_blocks} pages (num_blocks)"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (raises ValueError if it could never fit in the page pool alone)."""
+        self.check_fits(seq.max_positions)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues for good and return its slot and pages now."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = [self.config.max_num_batched_tokens]  # boxed: preemption refunds it
+        chosen: dict[Sequence, int] = {}
+        decodes = [s for s in self.running if not s.in_prefill]
+        prefills = [s for s in self.running if s.in_prefill]
+        for seq in decodes + prefills:
+            if budget[0] == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
+                continue
+            n = self._grow(seq, min(seq.num_uncomputed, budget[0]), chosen, budget, out.preempted)
+            if n:
+                chosen[seq] = n
+                budget[0] -= n
+        if not out.preempted:
+            self._admit(chosen, budget)
+        out.scheduled = list(chosen.items())
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The model ran `out`: the scheduled tokens are now in the cache."""
+        for seq, n in out.scheduled:
+            seq.num_computed += n
+
+    def _grow(self, seq: Sequence, n: int, chosen: dict[Sequence, int], budget: list[int],
+              preempted: list[Sequence]) -> int:
+        """Give `seq` pages for up to `n` more tokens; returns how many it gets (0: `seq` was preempted)."""
+        bs = self.config.block_size
+        while True:
+            fit = min(n, (len(seq.blocks) + self.pages.num_free) * bs - seq.num_computed)
+            if fit > 0:
+                extra = self.pages_for(seq.num_computed + fit) - len(seq.blocks)
+                if extra > 0:
+                    seq.blocks.extend(self.pages.allocate(extra))
+                return fit
+            victim = self.running[-1]
+            budget[0] += chosen.pop(victim, 0)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return 0
+
+    def _admit(self, chosen: dict[Sequence, int], budget: list[int]) -> None:
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        window = list(itertools.islice(self.waiting, 1, _LOOKAHEAD))
+        bucket = head.num_uncomputed.bit_length()
+        order = sorted(range(len(window)), key=lambda i: (abs(window[i].num_uncomputed.bit_length() - bucket), i))
+        # pages the running prefills will still take, plus one page of growth per running sequence
+        promised = sum(max(0, self.pages_for(s.num_tokens) - len(s.blocks)) for s in self.running if s.in_prefill)
+        for seq in [head] + [window[i] for i in order]:
+            if budget[0] == 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            n = min(seq.num_uncomputed, budget[0])
+            need = self.pages_for(n)
+            whole = self.pages_for(seq.num_uncomputed)
+            if whole > self.pages.num_free - promised - len(self.running):
+                if seq is head:
+                    return  # the head waits for room; nothing jumps ahead of it
+                continue
+            self.waiting.remove(seq)
+            seq.slot = self.slots.allocate()[0]
+            seq.blocks = self.pages.allocate(need)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            chosen[seq] = n
+            budget[0] -= n
+            promised += whole - need
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.warning(
+            "preempted request %s (sample %d) by recompute: out of KV pages (%d in the pool); "
+            "%d tokens will be computed again (preemptions so far: %d)",
+            seq.request_id, seq.index, self.config.num_blocks, seq.num_tokens, self.num_preemptions,
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        self.pages.release(seq.blocks)
+        self.slots.release([seq.slot])
+        seq.blocks, seq.slot = [], -1
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+            "pages_used": self.pages.num_used,
+            "pages_free": self.pages.num_free,
+            "slots_used": self.slots.num_used,
+            "slots_free": self.slots.num_free,
+        }

@@ -1,0 +1,131 @@
+"""Limits fail clearly without disturbing other requests; stats; pool sizing; the bench CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from engine_helpers import assert_no_leaks, greedy, make_llm
+
+from helpers import tiny_config
+from kda_rt.bench import random_weights
+from kda_rt.demo import demo_path
+from kda_rt.engine import EngineConfig
+from kda_rt.loader.config import parse_config
+from kda_rt.loader.weights import expected_tensors
+from kda_rt.runner import kv_bytes_per_block, pool_sizes, state_bytes_per_slot
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return make_llm(tiny_dir, max_num_seqs=2, max_model_len=64, block_size=16)
+
+
+def test_bad_requests_leave_others_running(llm):
+    engine = llm.llm_engine
+    engine.add_request("good", {"prompt_token_ids": [5, 6, 7]}, greedy(5))
+    engine.step()
+    bad = [
+        ({"prompt_token_ids": [5] * 50}, greedy(20), r"prompt \(50 tokens\) \+ max_tokens \(20\) = 70 exceeds max_model_len 64"),
+        ({"prompt_token_ids": [5] * 64}, greedy(1), r"prompt has 64 tokens; max_model_len is 64"),
+        ({"prompt_token_ids": []}, greedy(1), "empty"),
+        ({"prompt_token_ids": [5, 512]}, greedy(1), r"512 is outside the vocabulary \[0, 512\)"),
+        ({"prompt_token_ids": [-1]}, greedy(1), "outside the vocabulary"),
+        ({"prompt_token_ids": [True]}, greedy(1), "outside the vocabulary"),
+        ("text prompt", greedy(1), "no tokenizer"),
+        ({"prompt_token_ids": [5]}, greedy(1), "already in use"),
+    ]
+    for i, (prompt, params, match) in enumerate(bad):
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("good" if match == "already in use" else f"bad{i}", prompt, params)
+    assert set(engine.requests) == {"good"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(llm)
+
+
+def test_generate_all_or_nothing_and_max_tokens_none(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5] * 70}], greedy(4))
+    assert_no_leaks(llm)
+    out = llm.generate({"prompt_token_ids": [5] * 10}, greedy(None))[0].outputs[0]
+    assert len(out.token_ids) == 54 and out.finish_reason == "length"  # up to max_model_len
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"block_size": 8}, "block_size"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"num_blocks": 0}, "num_blocks"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"), ({"max_model_len": 0}, "max_model_len"),
+])
+def test_engine_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+def test_backend_errors(tiny_dir):
+    with pytest.raises(NotImplementedError, match="cuda"):
+        make_llm(tiny_dir, backend="cuda")
+    with pytest.raises(ValueError, match="dtype"):
+        make_llm(tiny_dir, dtype="bfloat16")
+
+
+def test_stats_counters(llm):
+    before = llm.stats()
+    llm.generate([{"prompt_token_ids": [9] * 7}, {"prompt_token_ids": [8] * 3}], greedy(4))
+    after = llm.stats()
+    for key in ("running", "waiting", "preemptions", "pages_used", "pages_free", "slots_used", "slots_free",
+                "tokens_processed", "prefill_tokens", "generated_tokens", "steps", "requests_finished"):
+        assert key in after
+    assert after["generated_tokens"] - before["generated_tokens"] == 8
+    assert after["prefill_tokens"] - before["prefill_tokens"] == 10
+    assert after["tokens_processed"] - before["tokens_processed"] == 10 + 2 * 3  # last token never computed
+    assert after["pages_free"] == llm.llm_engine.scheduler.config.num_blocks and after["slots_free"] == 2
+
+
+def test_pool_sizing():
+    cfg = parse_config(tiny_config())
+    eng = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16)
+    assert pool_sizes(cfg, eng, itemsize=4) == (4, 4 * 16)  # numpy: every slot can reach max_model_len
+    assert pool_sizes(cfg, EngineConfig(num_blocks=7), itemsize=4) == (16, 7)
+    page, slot = kv_bytes_per_block(cfg, 16, 2), state_bytes_per_slot(cfg, 2)
+    assert page == 1 * 16 * (32 + 8) * 2  # one MLA layer, kv_lora_rank + rope dim per token
+    device = 10 * 2**20
+    slots, blocks = pool_sizes(cfg, eng, itemsize=2, weight_bytes=2**20, device_bytes=device)
+    used = 2**20 + 5 * slot + (blocks + 16) * page
+    assert slots == 4 and used <= 0.9 * device < used + page
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        pool_sizes(cfg, eng, itemsize=2, weight_bytes=device, device_bytes=device)
+
+
+def test_random_weights_match_checkpoint_layout():
+    cfg = parse_config(tiny_config())
+    weights = random_weights(cfg, seed=1)
+    expected = expected_tensors(cfg)
+    assert list(weights) == list(expected)
+    assert all(weights[n].shape == shape for n, (shape, _) in expected.items())
+
+
+@pytest.mark.parametrize("source", ["demo", "config"])
+def test_bench_cli(tmp_path, source):
+    if source == "demo":
+        args = ["--model", str(demo_path())]
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+        args = ["--config", str(tmp_path / "config.json"), "--random-weights", "--num-blocks", "6", "--block-size", "16"]
+    res = subprocess.run([sys.executable, "-m", "kda_rt.bench", *args, "--batch", "2", "--input-len", "64",
+                          "--output-len", "8", "--backend", "numpy"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1
+    report = json.loads(lines[0])
+    assert report["backend"] == "numpy" and report["args"]["batch"] == 2
+    for key in ("total_tok_s", "output_tok_s", "ttft_s_mean", "tpot_s_mean", "decode_step_s_mean", "peak_memory_bytes"):
+        assert report[key] > 0, key
+
+
+def test_bench_cli_config_needs_random_weights(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "kda_rt.bench", "--config", "c.json"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 2 and "--random-weights" in res.stderr

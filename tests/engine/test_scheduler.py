@@ -1,0 +1,201 @@
+"""The scheduler alone (pure Python, no model): policy cases and hypothesis-checked invariants.
+
+A fake model step commits the scheduled tokens and appends token 0 to each sequence that reached
+its last token; a sequence finishes after `max_tokens` outputs.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kda_rt
+from kda_rt.sampler.params import SamplingParams
+from kda_rt.scheduler import Scheduler, SchedulerConfig
+from kda_rt.sequence import Sequence, SequenceStatus
+
+_arrivals = itertools.count()
+
+
+def make_seq(prompt_len: int, max_tokens: int, rid: str | None = None) -> Sequence:
+    arrival = next(_arrivals)
+    return Sequence(rid or f"r{arrival}", 0, [5] * prompt_len, SamplingParams(max_tokens=max_tokens), seed=0,
+                    max_tokens=max_tokens, arrival=arrival)
+
+
+def fake_step(sched: Scheduler, check: bool = False) -> list[tuple[Sequence, int]]:
+    out = sched.schedule()
+    if check:
+        check_schedule(sched, out.scheduled)
+    sched.commit(out)
+    for seq, _ in out.scheduled:
+        if seq.num_computed == seq.num_tokens:
+            seq.output_token_ids.append(0)
+            if len(seq.output_token_ids) >= seq.max_tokens:
+                sched.finish(seq)
+    return out.scheduled
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_blocks=16, num_slots=4)
+    return SchedulerConfig(**{**base, **kw})
+
+
+def test_pure_python_modules():
+    """scheduler.py and what it imports from kda_rt name no array library."""
+    root = Path(kda_rt.__file__).parent
+    for name in ("scheduler.py", "allocator.py", "sequence.py"):
+        tree = ast.parse((root / name).read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        runtime = {m for m in mods if not m.startswith(("kda_rt.sampler", "kda_rt.tokenizer"))}  # typing only
+        assert not {m.split(".")[0] for m in runtime} & {"numpy", "cupy", "torch"}, (name, mods)
+        assert {m for m in runtime if m.startswith("kda_rt")} <= {"kda_rt.allocator", "kda_rt.sequence"}, (name, mods)
+
+
+def test_chunked_prefill_mixed_with_decodes_and_incremental_pages():
+    sched = Scheduler(config(max_num_batched_tokens=20))
+    a, b = make_seq(3, 8), make_seq(50, 4)
+    sched.add(a)
+    assert fake_step(sched) == [(a, 3)] and a.blocks == [0]
+    sched.add(b)
+    step = fake_step(sched)
+    assert step == [(a, 1), (b, 19)]  # decode first, then a chunk of b under the budget
+    assert len(b.blocks) == 2  # pages for 19 tokens only, not for the whole prompt
+    assert fake_step(sched) == [(a, 1), (b, 19)]
+    assert fake_step(sched) == [(a, 1), (b, 12)] and len(b.output_token_ids) == 1
+
+
+def test_preempts_newest_and_requeues_at_front():
+    sched = Scheduler(config(num_blocks=3, block_size=16, max_num_batched_tokens=100))
+    old, new = make_seq(16, 30), make_seq(15, 30)
+    sched.add(old)
+    sched.add(new)
+    fake_step(sched)  # old: 16 tokens (1 page); new waits (pages reserved for growth)
+    fake_step(sched)
+    assert new.status is SequenceStatus.RUNNING
+    while sched.num_preemptions == 0:
+        fake_step(sched)
+    assert sched.waiting[0] is new and new.num_computed == 0 and new.slot == -1 and new.blocks == []
+    assert old.status is SequenceStatus.RUNNING and new.output_token_ids  # outputs are kept
+    while sched.has_unfinished():
+        fake_step(sched)
+    assert len(old.output_token_ids) == len(new.output_token_ids) == 30
+    assert sched.pages.num_used == 0 and sched.slots.num_used == 0
+
+
+def test_admission_needs_slot_and_groups_similar_lengths():
+    sched = Scheduler(config(max_num_seqs=3, num_slots=3, max_num_batched_tokens=1000, num_blocks=64))
+    head, long1, short1, short2, long2 = make_seq(10, 2), make_seq(400, 2), make_seq(12, 2), make_seq(9, 2), make_seq(300, 2)
+    for s in (head, long1, short1, short2, long2):
+        sched.add(s)
+    step = fake_step(sched)
+    assert [s for s, _ in step] == [head, short1, short2]  # 3 slots; the short prompts join the short head
+    assert list(sched.waiting) == [long1, long2]
+
+
+def test_rejects_request_that_never_fits():
+    sched = Scheduler(config(num_blocks=2, block_size=16))
+    with pytest.raises(ValueError, match=r"needs 3 KV pages of 16 tokens for 40 positions .* only 2 pages"):
+        sched.add(make_seq(30, 11))
+    sched.add(make_seq(30, 3))  # 32 positions: exactly two pages
+
+
+@st.composite
+def workloads(draw):
+    cfg = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=draw(st.integers(1, 48)),
+        block_size=draw(st.sampled_from([16, 16, 32, 64])), num_blocks=draw(st.integers(2, 12)),
+        num_slots=5,
+    )
+    events = draw(st.lists(st.tuples(
+        st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60)), max_size=4),  # arrivals (prompt, max_tokens)
+        st.lists(st.integers(0, 50), max_size=2),  # aborts: index into live sequences
+    ), min_size=1, max_size=25))
+    return cfg, events
+
+
+def check_schedule(sched: Scheduler, scheduled: list[tuple[Sequence, int]]) -> None:
+    """Before the model runs: budget kept, every chunk valid and backed by exactly its pages."""
+    assert sum(n for _, n in scheduled) <= sched.config.max_num_batched_tokens
+    assert len({id(s) for s, _ in scheduled}) == len(scheduled)
+    for seq, n in scheduled:
+        assert seq.status is SequenceStatus.RUNNING and seq.slot >= 0
+        assert n >= 1 and seq.num_computed + n <= seq.num_tokens
+        assert len(seq.blocks) == sched.pages_for(seq.num_computed + n)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Between steps: no leaks, no double allocation, queues consistent."""
+    cfg = sched.config
+    running = sched.running
+    assert len(running) <= cfg.max_num_seqs
+    assert [s.arrival for s in running] == sorted(s.arrival for s in running)
+    slots = [s.slot for s in running]
+    pages = [p for s in running for p in s.blocks]
+    assert len(set(slots)) == len(slots) and set(slots) == sched.slots.used_ids()
+    assert len(set(pages)) == len(pages) and set(pages) == sched.pages.used_ids()  # no double allocation
+    assert sched.pages.num_free + sched.pages.num_used == cfg.num_blocks
+    assert sched.slots.num_free + sched.slots.num_used == cfg.num_slots
+    for s in running:
+        assert s.status is SequenceStatus.RUNNING
+        assert len(s.blocks) == sched.pages_for(s.num_computed)  # pages exactly for what is computed
+    for s in sched.waiting:
+        assert s.status is SequenceStatus.WAITING and s.slot == -1 and s.blocks == [] and s.num_computed == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_invariants_random_arrivals_and_aborts(workload):
+    cfg, events = workload
+    sched = Scheduler(cfg)
+    live: list[Sequence] = []
+    every: list[Sequence] = []
+    aborted: set[int] = set()
+    for arrivals, aborts in events:
+        for prompt_len, max_tokens in arrivals:
+            seq = make_seq(prompt_len, max_tokens)
+            if sched.pages_for(seq.max_positions) > cfg.num_blocks:
+                with pytest.raises(ValueError, match="KV pages"):
+                    sched.add(seq)
+                continue
+            sched.add(seq)
+            live.append(seq)
+            every.append(seq)
+        for k in aborts:
+            live = [s for s in live if not s.finished]
+            if live:
+                victim = live[k % len(live)]
+                sched.finish(victim)
+                aborted.add(id(victim))
+        scheduled = fake_step(sched, check=True)
+        check_invariants(sched)
+        assert scheduled or not sched.has_unfinished()  # some progress every step
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        fake_step(sched, check=True)
+        check_invariants(sched)
+    assert not sched.has_unfinished()
+    for seq in every:
+        assert seq.finished
+        assert id(seq) in aborted or len(seq.output_token_ids) == seq.max_tokens
+    assert sched.pages.num_used == 0 and sched.slots.num_used == 0
+
+
+def test_deterministic():
+    def run() -> list[list[tuple[str, int]]]:
+        sched = Scheduler(config(num_blocks=5, max_num_batched_tokens=13))
+        for i, (p, m) in enumerate([(20, 9), (3, 30), (40, 5), (7, 7), (33, 12)]):
+            sched.add(make_seq(p, m, rid=f"q{i}"))
+        trace = []
+        while sched.has_unfinished():
+            trace.append([(s.request_id, n) for s, n in fake_step(sched)])
+        return trace
+
+    assert run() == run()
