@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(model_config, weights, engine_config, backend=args.backend, dtype=args.dtype)
         load_s = time.perf_counter() - t0
         report = run_bench(engine, args.batch, args.input_len, args.output_len, args.seed)
-    except (ValueError, OSError, NotImplementedError) as exc:
+    except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     line = {

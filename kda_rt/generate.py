@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = llm.generate(args.prompt, params)[0]
         dt = time.perf_counter() - t0
-    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     comp = out.outputs[0]

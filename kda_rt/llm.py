@@ -35,10 +35,16 @@ logger = logging.getLogger(__name__)
 
 def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], engine_config: EngineConfig, *,
                  backend: str = "auto", dtype: str = "float32", tokenizer: Tokenizer | None = None,
-                 extra_eos_ids: Sequence[int] = ()) -> LLMEngine:
+                 extra_eos_ids: Sequence[int] = (), enforce_eager: bool = False) -> LLMEngine:
     """Runner + engine for in-memory weights.  The runner gets one slot and one sequence's worth of
     pages more than the engine schedules over; `LLM.score()` uses them."""
     backend = select_backend(backend)
+    if backend == "cuda":
+        from kda_rt.cuda.runner import CudaRunner
+
+        runner = CudaRunner(model_config, weights, engine_config, enforce_eager=enforce_eager)
+        return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=runner.engine_slots,
+                         num_blocks=runner.engine_blocks, extra_eos_ids=extra_eos_ids)
     num_slots, num_blocks = pool_sizes(model_config, engine_config, itemsize=np.dtype(dtype).itemsize)
     reserve = math.ceil(engine_config.max_model_len / engine_config.block_size)
     runner = make_runner(backend, model_config, weights, num_slots=num_slots + 1, num_blocks=num_blocks + reserve,
@@ -82,6 +88,7 @@ class LLM:
         seed: int = 0,
         skip_tokenizer_init: bool = False,
         progress: bool | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         from kda_rt.loader.weights import load_checkpoint
 
@@ -89,7 +96,7 @@ class LLM:
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         backend = select_backend(backend)
-        if dtype not in ("float32", "float64"):
+        if backend == "numpy" and dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64' on the numpy backend, got {dtype!r}")
         self.model_config = load_config(model_dir)
         limit = self.model_config.max_model_len
@@ -108,7 +115,8 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(model_dir)
         weights = load_checkpoint(model_dir, self.model_config, progress=progress)
         self.llm_engine = build_engine(self.model_config, weights, self.engine_config, backend=backend, dtype=dtype,
-                                       tokenizer=self.tokenizer, extra_eos_ids=_generation_eos(model_dir))
+                                       tokenizer=self.tokenizer, extra_eos_ids=_generation_eos(model_dir),
+                                       enforce_eager=enforce_eager)
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kda_rt.forward_batch import ForwardBatch
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["BACKENDS", "NumpyRunner", "make_runner", "pool_sizes", "select_backend",
+__all__ = ["BACKENDS", "NumpyRunner", "make_runner", "pool_sizes", "select_backend", "cuda_unavailable_reason",
            "kv_bytes_per_block", "state_bytes_per_slot"]
 
 logger = logging.getLogger(__name__)
@@ -38,28 +38,44 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "numpy", "cuda")
 
 
-def _cuda_available() -> bool:
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here, or None when it can."""
     try:
-        import cupy  # noqa: F401
-        from cupy.cuda import runtime
+        import cupy
+    except ImportError:
+        return "CuPy is not installed: pip install 'kda_rt[cuda12]' (CUDA 12 driver) or 'kda_rt[cuda13]'"
+    try:
+        from cupy.cuda import nvrtc, runtime
 
-        return runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, or no device
-        return False
+        if runtime.getDeviceCount() < 1:
+            return "no CUDA device is visible"
+        cc = int(cupy.cuda.Device().compute_capability)  # e.g. "90" -> 90
+        if cc < 80:
+            return f"compute capability {cc // 10}.{cc % 10} is below 8.0 (bf16 kernels need Ampere or newer)"
+        if runtime.driverGetVersion() < 12000:
+            return f"the NVIDIA driver supports CUDA {runtime.driverGetVersion()}, kda_rt needs CUDA >= 12.0"
+        nvrtc.getVersion()
+    except Exception as exc:  # no driver, broken install, NVRTC library missing
+        return f"CUDA is not usable here ({type(exc).__name__}: {exc}); check the driver and the CuPy extra"
+    return None
 
 
 def select_backend(backend: str) -> str:
-    """Resolve "auto" and check the request can be met."""
+    """Resolve "auto" (cuda when a usable GPU and CuPy are present, else numpy) and check that the
+    requested backend can run here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "numpy":
+        return backend
+    reason = cuda_unavailable_reason()
     if backend == "cuda":
-        # The CUDA backend lands with the GPU kernels; until then say so instead of failing later.
-        raise NotImplementedError("backend='cuda' is not available in this build yet; use backend='numpy'")
-    if backend == "auto":
-        if _cuda_available():
-            logger.info("a GPU is present but the CUDA backend is not built yet; using the numpy backend")
+        if reason:
+            raise RuntimeError(f"backend='cuda' is unavailable: {reason}")
+        return "cuda"
+    if reason:
+        logger.info("using the numpy backend: %s", reason)
         return "numpy"
-    return backend
+    return "cuda"
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:

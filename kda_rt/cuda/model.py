@@ -1,0 +1,127 @@
+"""The Kimi Linear forward on the GPU: the same wiring as kda_rt/model/kimi_linear.py (spec §6),
+as kernel launches over one flat batch.  Every intermediate comes from a `Workspace`, so a decode
+step can be captured into a CUDA graph.
+
+    h = embed(ids)
+    per layer: a = norm(h) ; h += KDA(a) | MLA(a) ; m = norm(h) ; h += MLP(m) | MoE(m)
+    logits = lm_head(norm(h)[logits_rows])          (fp32)
+
+Residual adds are fused into the next RMSNorm (bf16 residual stream, as in the references).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kda_rt.cuda.weights import ModelWeights
+from kda_rt.cuda.workspace import Workspace
+from kda_rt.loader.config import KDA, MOE, ModelConfig
+from kda_rt.ops.check import BF16
+from kda_rt.ops.embed import embed
+from kda_rt.ops.gemm import linear
+from kda_rt.ops.kda_decode import kda_decode
+from kda_rt.ops.kda_prefill import kda_prefill
+from kda_rt.ops.mla_attn import mla_attention
+from kda_rt.ops.mla_store import mla_store
+from kda_rt.ops.moe import moe_forward
+from kda_rt.ops.rmsnorm import rmsnorm
+from kda_rt.ops.silu_mul import silu_mul
+
+__all__ = ["DeviceBatch", "CudaModel"]
+
+
+@dataclass
+class DeviceBatch:
+    """ForwardBatch on the device (int32 arrays) plus the host-side sizes kernels need."""
+    input_ids: Any  # [T]
+    cu_seqlens: Any  # [B+1]
+    context_lens: Any  # [B]
+    state_slots: Any  # [B]
+    block_tables: Any  # [B, M]
+    logits_indices: Any  # [N]
+    num_tokens: int
+    num_seqs: int
+    max_seqlen: int
+    decode: bool  # every sequence has exactly one new token
+
+
+class CudaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, kda_pools: dict[int, tuple[Any, Any]],
+                 mla_pools: dict[int, Any]) -> None:
+        self.config = config
+        self.w = weights
+        self.kda_pools = kda_pools  # layer id -> (conv_pool, rec_pool)
+        self.mla_pools = mla_pools  # layer id -> kv_pool [num_blocks, block_size, 576]
+        self.launches = 0
+
+    # ------------------------------------------------------------------------------------------
+
+    def forward(self, b: DeviceBatch, ws: Workspace):
+        """[N, vocab] float32 logits (a workspace buffer) for the rows in b.logits_indices."""
+        cfg, T, D = self.config, b.num_tokens, self.config.hidden_size
+        eps = cfg.rms_norm_eps
+        res = embed(b.input_ids, self.w.embed, out=ws.get("res", (T, D), BF16))
+        a = ws.get("a", (T, D), BF16)
+        delta = ws.get("delta", (T, D), BF16)
+        for i, L in enumerate(self.w.layers):
+            t = L.t
+            if i == 0:
+                rmsnorm(res, t["in_norm"], eps, out=a)
+            else:
+                rmsnorm(delta, t["in_norm"], eps, residual=res, out=a)
+            if L.kind == KDA:
+                self._kda(i, t, a, b, ws, out=delta)
+            else:
+                self._mla(i, t, a, b, ws, out=delta)
+            rmsnorm(delta, t["post_norm"], eps, residual=res, out=a)
+            if L.mlp == MOE:
+                moe_forward(a, t["router"], t["bias"], t["w13"], t["w2"], t["shared_w13"], t["shared_w2"], cfg.moe,
+                            out=delta, workspace=ws)
+            else:
+                gu = linear(a, t["w_gu"], out=ws.get("gu", (T, t["w_gu"].shape[0]), BF16))
+                act = silu_mul(gu, out=ws.get("act", (T, t["w_gu"].shape[0] // 2), BF16))
+                linear(act, t["w_down"], out=delta)
+        final = ws.get("final", (T, D), BF16)
+        rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
+        N = int(b.logits_indices.shape[0])
+        rows = final if (b.decode and N == T) else final.take(b.logits_indices, axis=0)
+        return linear(rows, self.w.lm_head, out=ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32))
+
+    # ------------------------------------------------------------------------------------------
+
+    def _kda(self, layer: int, t: dict, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
+        kc = self.config.kda
+        T, P, H = b.num_tokens, kc.num_heads * kc.head_dim, kc.num_heads
+        rf, rg = t["rank_f"], t["rank_g"]
+        qkv = linear(a, t["w_qkv"], out=ws.get("kda_qkv", (T, 3 * P), BF16))
+        small = linear(a, t["w_fgb"], out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
+        f = linear(small[:, :rf], t["f_b"], out=ws.get("kda_f", (T, P), BF16))
+        gate = linear(small[:, rf:rf + rg], t["g_b"], out=ws.get("kda_gate", (T, P), BF16))
+        beta = small[:, rf + rg:]
+        conv_pool, rec_pool = self.kda_pools[layer]
+        y = ws.get("kda_y", (T, P), BF16)
+        args = (qkv, f, beta, gate, t["conv_w"], t["A_log"], t["dt_bias"], t["o_norm"], conv_pool, rec_pool,
+                b.cu_seqlens, b.context_lens, b.state_slots)
+        if b.decode:
+            kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y)
+        else:
+            kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
+                        max_seqlen=b.max_seqlen)
+        linear(y, t["o_proj"], out=out)
+
+    def _mla(self, layer: int, t: dict, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
+        mc = self.config.mla
+        T, H = b.num_tokens, mc.num_heads
+        qdim = H * mc.qk_head_dim
+        qkva = linear(a, t["w_qkva"], out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
+        pool = self.mla_pools[layer]
+        mla_store(qkva[:, qdim:], t["kv_norm"], mc.kv_a_layernorm_eps, pool, b.cu_seqlens, b.context_lens,
+                  b.block_tables)
+        o = ws.get("mla_o", (T, H * mc.v_head_dim), BF16)
+        mla_attention(qkva[:, :qdim], pool, t["kv_b"], b.cu_seqlens, b.context_lens, b.block_tables,
+                      num_heads=H, scale=float(mc.qk_head_dim) ** -0.5, max_seqlen=b.max_seqlen, decode=b.decode,
+                      out=o, workspace=ws)
+        linear(o, t["o_proj"], out=out)

@@ -1,0 +1,174 @@
+"""`CudaRunner`: weights and cache pools on the GPU, the model as kernel launches, and one CUDA
+graph per decode batch-size bucket.
+
+- Pools: per KDA layer a conv-state pool and an fp32 recurrent-state pool with one slot per
+  running sequence plus score()'s reserve plus one padding slot; per MLA layer a bf16 page pool
+  [num_blocks, block_size, 576] with score()'s pages plus one padding page.  The engine's page
+  count comes from `gpu_memory_utilization` after the weights are on the device (or `num_blocks`).
+- Decode steps (every sequence has one new token) replay the graph of the smallest bucket
+  (1, 2, 4, 8, ... up to max_num_seqs) that holds the batch; missing rows are padding that read a
+  zero state (context 0) and write only the padding slot and page.  Metadata is copied into the
+  graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
+- One device -> host copy per step: the logits rows (the GPU sampler will shrink it to token ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kda_rt.cuda.model import CudaModel, DeviceBatch
+from kda_rt.cuda.weights import upload_weights
+from kda_rt.cuda.workspace import Workspace
+from kda_rt.ops.check import BF16
+
+if TYPE_CHECKING:
+    from kda_rt.engine import EngineConfig
+    from kda_rt.forward_batch import ForwardBatch
+    from kda_rt.loader.config import ModelConfig
+
+__all__ = ["CudaRunner", "graph_buckets"]
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+class _Graph:
+    def __init__(self, batch: DeviceBatch, ws: Workspace, graph, logits) -> None:
+        self.batch, self.ws, self.graph, self.logits = batch, ws, graph, logits
+
+
+class CudaRunner:
+    name = "cuda"
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig, *,
+                 enforce_eager: bool = False, progress: bool | None = None) -> None:
+        import cupy
+
+        from kda_rt.ops.compile import startup_log
+        from kda_rt.ops.kda_decode import CONV_STATE_DTYPE, conv_state_shape
+        from kda_rt.runner import kv_bytes_per_block, pool_sizes, state_bytes_per_slot
+
+        self.cupy = cupy
+        self.config = config
+        startup_log()
+        self.weights = upload_weights(config, weights, progress=progress)
+        free, total = cupy.cuda.runtime.memGetInfo()
+        used_by_others = total - free - self.weights.nbytes
+        try:
+            num_slots, num_blocks = pool_sizes(config, engine, itemsize=2, weight_bytes=self.weights.nbytes + max(0, used_by_others),
+                                               device_bytes=total)
+        except ValueError as exc:
+            raise MemoryError(f"{exc} (weights take {self.weights.nbytes / 2**30:.1f} GiB; "
+                              "raise --gpu-memory-utilization or lower --max-model-len / --max-num-seqs)") from None
+        self.engine_slots, self.engine_blocks = num_slots, num_blocks
+        self.max_pages = math.ceil(engine.max_model_len / engine.block_size)
+        self.num_slots = num_slots + 2  # + score() reserve + padding slot
+        self.num_blocks = num_blocks + self.max_pages + 1  # + score() reserve + padding page
+        self.pad_slot, self.pad_page = self.num_slots - 1, self.num_blocks - 1
+        self.block_size = engine.block_size
+        need = (self.num_slots * state_bytes_per_slot(config, 4)
+                + self.num_blocks * kv_bytes_per_block(config, engine.block_size, 2))
+        logger.info("cuda pools: %d slots, %d pages of %d tokens (%.2f GiB)", self.num_slots, self.num_blocks,
+                    engine.block_size, need / 2**30)
+        try:
+            kda_pools, mla_pools = {}, {}
+            if config.kda is not None:
+                kc = config.kda
+                P = kc.num_heads * kc.head_dim
+                for layer in config.kda_layer_ids:
+                    conv = cupy.zeros(conv_state_shape(self.num_slots, P, kc.conv_kernel_size), dtype=CONV_STATE_DTYPE)
+                    rec = cupy.zeros((self.num_slots, kc.num_heads, kc.head_dim, kc.head_dim), dtype=np.float32)
+                    kda_pools[layer] = (conv, rec)
+            if config.mla is not None:
+                for layer in config.mla_layer_ids:
+                    mla_pools[layer] = cupy.zeros((self.num_blocks, self.block_size, config.mla.cache_width), dtype=BF16)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            raise MemoryError(f"cache pools ({need / 2**30:.1f} GiB) do not fit on the GPU after the weights: "
+                              "lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or pass --num-blocks") from exc
+        self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
+        self.eager_ws = Workspace()
+        self.enforce_eager = enforce_eager
+        self.buckets = graph_buckets(engine.max_num_seqs)
+        self.graphs: dict[int, _Graph] = {}
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    # ------------------------------------------------------------------------------------------
+
+    def _upload(self, batch: ForwardBatch, ws: Workspace, decode: bool, rows: int | None = None) -> DeviceBatch:
+        """Copy the batch metadata into `ws` buffers (padded to `rows` sequences for a graph)."""
+        B, T = batch.num_seqs, batch.num_tokens
+        R = rows or B
+        ids = np.zeros(R if decode else T, dtype=np.int32)
+        ids[:T] = batch.input_ids
+        cu = np.arange(R + 1, dtype=np.int32) if decode else batch.cu_seqlens.astype(np.int32)
+        ctx = np.zeros(R, dtype=np.int32)
+        ctx[:B] = batch.context_lens
+        slots = np.full(R, self.pad_slot, dtype=np.int32)
+        slots[:B] = batch.state_slots
+        width = self.max_pages if rows else max(1, batch.block_tables.shape[1])
+        tables = np.full((R, width), -1, dtype=np.int32)
+        tables[:B, : batch.block_tables.shape[1]] = batch.block_tables
+        tables[B:, 0] = self.pad_page
+        logits_idx = np.arange(R, dtype=np.int32) if decode else batch.logits_indices.astype(np.int32)
+        dev = {}
+        for name, host in (("ids", ids), ("cu", cu), ("ctx", ctx), ("slots", slots), ("tables", tables),
+                           ("lidx", logits_idx)):
+            buf = ws.get("meta_" + name, host.shape, np.int32)
+            buf.set(host, stream=self.stream)
+            dev[name] = buf
+        max_len = 1 if decode else int(batch.seq_lens.max())
+        return DeviceBatch(dev["ids"], dev["cu"], dev["ctx"], dev["slots"], dev["tables"], dev["lidx"],
+                           num_tokens=int(ids.shape[0]), num_seqs=R, max_seqlen=max_len, decode=decode)
+
+    def _graph(self, rows: int, batch: ForwardBatch) -> _Graph:
+        g = self.graphs.get(rows)
+        if g is not None:
+            return g
+        ws = Workspace()
+        with self.stream:
+            dev = self._upload(batch, ws, True, rows)
+            self.model.forward(dev, ws)  # eager run: creates every buffer, compiles every kernel
+            self.stream.synchronize()
+            ws.frozen = True
+            self.stream.begin_capture()
+            try:
+                logits = self.model.forward(dev, ws)
+            finally:
+                graph = self.stream.end_capture()
+        g = self.graphs[rows] = _Graph(dev, ws, graph, logits)
+        logger.info("captured the decode graph for %d sequences", rows)
+        return g
+
+    def execute(self, batch: ForwardBatch) -> np.ndarray:
+        """[N, vocab] float32 logits at batch.logits_indices (host array)."""
+        decode = bool(np.all(batch.seq_lens == 1)) and batch.logits_indices.shape[0] == batch.num_seqs
+        B = batch.num_seqs
+        if decode and not self.enforce_eager and B <= self.buckets[-1]:
+            rows = next(b for b in self.buckets if b >= B)
+            g = self._graph(rows, batch)
+            with self.stream:
+                self._upload(batch, g.ws, True, rows)
+                g.graph.launch(self.stream)
+                out = g.logits[:B].get(stream=self.stream)
+            return out
+        with self.stream:
+            dev = self._upload(batch, self.eager_ws, decode)
+            logits = self.model.forward(dev, self.eager_ws)
+            out = logits.get(stream=self.stream)
+        return out
+
+    def peak_memory_bytes(self) -> int:
+        free, total = self.cupy.cuda.runtime.memGetInfo()
+        return int(total - free)
