@@ -37,12 +37,12 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Hub name -> random tensor for every weight of `config`, as `load_checkpoint` would return
     them: embeddings and matmuls in the config's dtype (bf16 by default), small tensors float32."""
     from kda_rt.loader.weights import MATMUL_KINDS, expected_tensors
-    from kda_rt.random_checkpoint import _random_tensor
+    from kda_rt.random_checkpoint import random_tensor
 
     stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(config.dtype, np.float32)
     rng = np.random.default_rng(seed)
     return {
-        name: _random_tensor(rng, shape, kind).astype(stored if kind in MATMUL_KINDS else np.float32)
+        name: random_tensor(rng, shape, kind).astype(stored if kind in MATMUL_KINDS else np.float32)
         for name, (shape, kind) in expected_tensors(config).items()
     }
 

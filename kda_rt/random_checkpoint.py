@@ -38,7 +38,7 @@ from kda_rt.loader.weights import (
     expected_tensors,
 )
 
-__all__ = ["TOKENIZER_PATTERNS", "write_random_checkpoint"]
+__all__ = ["TOKENIZER_PATTERNS", "write_random_checkpoint", "random_tensor"]
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 _FP32_KINDS = (A_LOG, DT_BIAS, ROUTER_BIAS)
@@ -49,7 +49,7 @@ TOKENIZER_PATTERNS = (
 _STALE_PATTERNS = (SINGLE_FILE, INDEX_FILE, "model-*-of-*.safetensors")
 
 
-def _random_tensor(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
+def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
     """float32 values for one tensor of the given kind (see the module docstring for the scales)."""
     if kind == EMBEDDING:
         return rng.standard_normal(shape, dtype=np.float32)
@@ -117,7 +117,7 @@ def write_random_checkpoint(
     shard: dict[str, np.ndarray] = {}
     for i, name in enumerate(names):
         shape, kind = expected[name]
-        shard[name] = _random_tensor(rng, shape, kind).astype(stored[name])
+        shard[name] = random_tensor(rng, shape, kind).astype(stored[name])
         weight_map[name] = files[plan[i]]
         if i == len(names) - 1 or plan[i + 1] != plan[i]:
             save_safetensors(out / files[plan[i]], shard, {"format": "pt"})
