@@ -59,8 +59,6 @@ def _cat(up: Uploader, parts: list[np.ndarray], dtype=BF16):
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *, progress: bool | None = None) -> ModelWeights:
     import cupy
 
-    from kda_rt.ops.mla_attn import prepare_w_kvb
-
     up = Uploader()
     total = sum(np.asarray(v).nbytes for v in raw.values())
     show = progress if progress is not None else total > (1 << 30)
@@ -100,7 +98,7 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *, progre
         elif kind == MLA:
             t["w_qkva"] = _cat(up, [raw[a + "q_proj.weight"], raw[a + "kv_a_proj_with_mqa.weight"]])
             t["kv_norm"] = w(a + "kv_a_layernorm.weight")
-            t["kv_b"] = prepare_w_kvb(w(a + "kv_b_proj.weight"), config.mla.num_heads)
+            t["kv_b"] = w(a + "kv_b_proj.weight")
             t["o_proj"] = w(a + "o_proj.weight")
         if mlp == MOE:
             m = p + "block_sparse_moe."

@@ -17,7 +17,7 @@ import numpy as np
 
 from kda_rt.ops.check import BF16, expect, leading_dim
 
-__all__ = ["linear", "CublasError"]
+__all__ = ["linear", "bmm", "CublasError"]
 
 _CUDA_R_32F, _CUDA_R_16BF = 0, 14
 _COMPUTE_32F = 68
@@ -48,6 +48,11 @@ def _lib() -> ctypes.CDLL:
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                  ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    ll = ctypes.c_longlong
+    lib.cublasGemmStridedBatchedEx.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ll, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ll,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ll, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -115,4 +120,52 @@ def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
         h.ptr, _OP_T, _OP_N, N, M, K, _ONE.ctypes.data, weight.data.ptr, _CUDA_R_16BF, K, x.data.ptr, _CUDA_R_16BF,
         leading_dim(x), beta.ctypes.data, out.data.ptr, ctype, leading_dim(out), _COMPUTE_32F, _ALGO_DEFAULT)
     _check(status, f"cublasGemmEx(M={M}, N={N}, K={K})")
+    return out
+
+
+def _strided3(arr, name: str, shape: tuple) -> tuple[int, int]:
+    """Check a 3-D [batch, rows, cols] view with contiguous rows; returns (batch stride, row stride) in elements."""
+    import cupy
+
+    if not isinstance(arr, cupy.ndarray) or arr.ndim != 3:
+        raise TypeError(f"{name} must be a 3-D cupy.ndarray, got {getattr(arr, 'shape', type(arr).__name__)}")
+    if any(s is not None and s != a for s, a in zip(shape, arr.shape, strict=True)):
+        raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
+    sb, sr, sc = arr.strides
+    item = arr.itemsize
+    if sc != item or sb < 0 or sb % item or sr % item or sr < arr.shape[2] * item:
+        raise ValueError(f"{name} must have contiguous, non-overlapping rows (strides {arr.strides})")
+    if arr.device.id != cupy.cuda.Device().id:
+        raise ValueError(f"{name} is on device {arr.device.id}, expected {cupy.cuda.Device().id}")
+    return sb // item, sr // item
+
+
+def bmm(a, b, *, out, transpose_b: bool = False):
+    """out[i] = a[i] · (b[i]ᵀ if transpose_b else b[i]) for every batch i, one strided-batched cuBLAS call.
+
+    a: [Bt, M, K] bf16, b: [Bt, K, N] (or [Bt, N, K] with transpose_b) bf16, out: [Bt, M, N] bf16 or
+    float32.  All three may be strided views (e.g. per-head slices: batch stride = head width) as long
+    as each row is contiguous.  fp32 accumulation.  Works inside CUDA-graph capture."""
+    import cupy
+
+    if a.dtype != BF16 or b.dtype != BF16:
+        raise TypeError(f"bmm: a and b must be bfloat16, got {a.dtype.name} and {b.dtype.name}")
+    sa, lda = _strided3(a, "a", (None, None, None))
+    Bt, M, K = a.shape
+    N = b.shape[1 if transpose_b else 2] if b.ndim == 3 else None
+    sbb, ldb = _strided3(b, "b", (Bt, N, K) if transpose_b else (Bt, K, N))
+    so, ldo = _strided3(out, "out", (Bt, M, N))
+    if out.dtype not in (BF16, np.dtype(np.float32)):
+        raise TypeError(f"out must be bfloat16 or float32, got {out.dtype.name}")
+    if Bt == 0 or M == 0 or N == 0:
+        return out
+    h = _handle()
+    h.bind(cupy.cuda.get_current_stream().ptr)
+    ctype = _CUDA_R_16BF if out.dtype == BF16 else _CUDA_R_32F
+    # column-major: outᵀ[N, M] = op(b)ᵀ-view [N, K] · aᵀ-view [K, M]
+    status = _lib().cublasGemmStridedBatchedEx(
+        h.ptr, _OP_T if transpose_b else _OP_N, _OP_N, N, M, K, _ONE.ctypes.data, b.data.ptr, _CUDA_R_16BF, ldb, sbb,
+        a.data.ptr, _CUDA_R_16BF, lda, sa, _ZERO.ctypes.data, out.data.ptr, ctype, ldo, so, Bt, _COMPUTE_32F,
+        _ALGO_DEFAULT)
+    _check(status, f"cublasGemmStridedBatchedEx(batch={Bt}, M={M}, N={N}, K={K})")
     return out

@@ -1,0 +1,229 @@
+"""kda_rt/ops/mla_attn.py (kernels_cu/mla_attn.cu + cuBLAS bmm) against kda_rt/model/mla.py in float64.
+
+Each new token i of sequence b attends over pool positions 0 .. context_lens[b] + i:
+
+    score_h[τ] = scale · (q_nope_h · W_UK_h c[τ] + q_pe_h · k_pe[τ]),  o_h = Σ_τ softmax(score_h)[τ] · W_UV_h c[τ]
+
+Reference: the model's `_attend_expanded` (prefill) / `_attend_absorbed` (decode) in float64 on the
+same bf16 inputs, reading the pool rows the GPU wrote (mla_store), so only the attention is judged.
+Tolerance: RMS(out − ref) / RMS(ref) ≤ 1e-2.  The kernel rounds q_lat = W_UKᵀ q_nope, the softmax
+probabilities, ctx and the output to bf16 (each ~2^-9 relative, independent), accumulating in
+fp32; measured on H200: 2.1e-3 .. 3.2e-3 over all cases below.
+Pools start as NaN and tables are shuffled with spare pages, so a read of any row outside
+0 .. pos of the right sequence makes the output NaN.  Letters: T tokens, B sequences, H heads,
+S page size, M page slots, R = 512, Dn = 128, Dr = 64, Dv = 128.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from gpu_helpers import BF16, bf16_round, poison, rms_rel, to_gpu_bf16, to_np
+from test_mla_store import DR, EPS, R, nan_pool, run_store, shuffled_tables
+
+pytestmark = pytest.mark.gpu
+
+DN, DV = 128, 128
+SCALE = (DN + DR) ** -0.5
+TOL = 1e-2
+
+
+def make_case(seed, H, block_size, lens, ctx):
+    """Pool with `ctx` earlier rows then `lens` new rows per sequence (all via mla_store), q, w_kvb."""
+    rng = np.random.default_rng(seed)
+    totals = [c + n for c, n in zip(ctx, lens, strict=True)]
+    tables, num_blocks = shuffled_tables(rng, totals, block_size)
+    pool = nan_pool(num_blocks, block_size)
+    w = bf16_round(1 + 0.2 * rng.normal(size=R))
+    if sum(ctx):
+        run_store(bf16_round(rng.normal(size=(sum(ctx), R + DR))), w, pool, ctx, [0] * len(ctx), tables)
+    run_store(bf16_round(rng.normal(size=(sum(lens), R + DR))), w, pool, lens, ctx, tables)
+    q = bf16_round(rng.normal(size=(sum(lens), H, DN + DR)) * 1.5)
+    w_kvb = bf16_round(rng.normal(size=(H * (DN + DV), R)) / np.sqrt(R))
+    return q, pool, w_kvb, tables
+
+
+def reference(q, pool_np, w_kvb, tables, lens, ctx, block_size, H):
+    from kda_rt.loader.config import MLAConfig
+    from kda_rt.model.mla import _attend_absorbed, _attend_expanded
+
+    cfg = MLAConfig(num_heads=H, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DV)
+    w = w_kvb.reshape(H, DN + DV, R)
+    out, t = [], 0
+    for b, (n, c) in enumerate(zip(lens, ctx, strict=True)):
+        pos = np.arange(c + n)
+        cached = pool_np[tables[b, pos // block_size], pos % block_size]
+        if n == 1:
+            out.append(_attend_absorbed(q[t], cached, w[:, :DN], w[:, DN:], cfg, SCALE)[None])
+        else:
+            out.append(_attend_expanded(q[t:t + n], cached, w[:, :DN], w[:, DN:], c, cfg, SCALE))
+        t += n
+    return np.concatenate(out).reshape(t, H * DV)
+
+
+def device_meta(lens, ctx, tables):
+    import cupy
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return cupy.asarray(cu), cupy.asarray(np.asarray(ctx, np.int32)), cupy.asarray(tables)
+
+
+def upload_q(q, strided):
+    """q as [T, H, Dn+Dr], or as a column slice of a fused [T, H·(Dn+Dr) + 576 + 8] projection."""
+    T, H, D = q.shape
+    if not strided:
+        return to_gpu_bf16(q)
+    fused = to_gpu_bf16(np.zeros((T, H * D + R + DR + 8)))
+    fused[:, :H * D] = to_gpu_bf16(q.reshape(T, H * D))
+    return fused[:, :H * D]
+
+
+def check(name, out, ref):
+    err = rms_rel(to_np(out), ref)
+    print(f"{name}: rel RMS err {err:.2e}, max abs err {np.max(np.abs(to_np(out) - ref)):.2e}")
+    assert err <= TOL, f"{name}: relative RMS error {err:.3e} > {TOL}"
+
+
+PREFILL = {"fresh": ((1, 5, 64, 130), (0, 0, 0, 0)),      # T=200: split path (S > 1)
+           "context": ((1, 5, 64, 130), (37, 0, 100, 5)),
+           "direct": ((1, 5, 64, 130, 150), (0, 20, 0, 3, 300))}  # T=350: one split, no combine
+
+
+@pytest.mark.parametrize("H", [2, 32], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("case", list(PREFILL))
+def test_mla_prefill(H, block_size, case):
+    from kda_rt.ops.mla_attn import mla_attention
+
+    lens, ctx = PREFILL[case]
+    q, pool, w_kvb, tables = make_case(H * block_size + len(case), H, block_size, lens, ctx)
+    cu, ctx_d, tables_d = device_meta(lens, ctx, tables)
+    out = mla_attention(upload_q(q, strided=H == 32), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
+                        scale=SCALE, max_seqlen=max(lens), decode=False)
+    check(f"prefill-H{H}-S{block_size}-{case}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
+
+
+DECODE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299), "long": (4000, 1234)}
+
+
+@pytest.mark.parametrize("H", [2, 32], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("case", list(DECODE))
+def test_mla_decode(H, block_size, case):
+    import cupy
+
+    from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
+
+    ctx = DECODE[case]
+    lens = (1,) * len(ctx)
+    q, pool, w_kvb, tables = make_case(7 * H + block_size + len(case), H, block_size, lens, ctx)
+    cu, ctx_d, tables_d = device_meta(lens, ctx, tables)
+    B, M = tables.shape
+    out = cupy.empty((B, H * DV), dtype=BF16)
+    poison(out)
+    ws = cupy.full(decode_workspace_bytes(B, H, M, block_size), 255, dtype=np.uint8)  # NaN in every float view
+    mla_attention(upload_q(q, strided=False), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
+                  scale=SCALE, max_seqlen=1, decode=True, out=out, workspace=ws)
+    check(f"decode-H{H}-S{block_size}-{case}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
+
+
+def test_mla_decode_cuda_graph():
+    """mla_store + mla_attention(decode) captured once, replayed after context_lens change on the device."""
+    import cupy
+
+    from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
+    from kda_rt.ops.mla_store import mla_store
+
+    H, S, B, max_ctx = 32, 16, 4, 300
+    rng = np.random.default_rng(11)
+    tables, num_blocks = shuffled_tables(rng, [max_ctx + 1] * B, S)
+    pool = nan_pool(num_blocks, S)
+    w = bf16_round(1 + 0.2 * rng.normal(size=R))
+    run_store(bf16_round(rng.normal(size=(B * max_ctx, R + DR))), w, pool, [max_ctx] * B, [0] * B, tables)
+    w_kvb = bf16_round(rng.normal(size=(H * (DN + DV), R)) / np.sqrt(R))
+    kv_a, q = cupy.empty((B, R + DR), dtype=BF16), cupy.empty((B, H * (DN + DR)), dtype=BF16)
+    cu, ctx_d, tables_d = device_meta([1] * B, [0] * B, tables)
+    w_d, w_kvb_d = to_gpu_bf16(w), to_gpu_bf16(w_kvb)
+    out = cupy.empty((B, H * DV), dtype=BF16)
+    ws = cupy.empty(decode_workspace_bytes(B, H, tables.shape[1], S), dtype=np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def step():
+        mla_store(kv_a, w_d, EPS, pool, cu, ctx_d, tables_d, stream=stream)
+        mla_attention(q, pool, w_kvb_d, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
+                      out=out, workspace=ws, stream=stream)
+
+    with stream:
+        step()  # compile, cuBLAS handle, smem attribute: outside the capture
+        stream.synchronize()
+        used = cupy.get_default_memory_pool().used_bytes()
+        step()
+        stream.synchronize()
+        assert cupy.get_default_memory_pool().used_bytes() == used, "decode step allocated device memory"
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    for ctx in ((0, 10, 100, 250), (5, 63, 64, 299)):
+        q_np = bf16_round(rng.normal(size=(B, H, DN + DR)) * 1.5)
+        q[...] = to_gpu_bf16(q_np.reshape(B, -1))
+        kv_a[...] = to_gpu_bf16(bf16_round(rng.normal(size=(B, R + DR))))
+        ctx_d[...] = cupy.asarray(np.asarray(ctx, np.int32))
+        poison(out)
+        ws.fill(255)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        ref = reference(q_np, to_np(pool), w_kvb, tables, [1] * B, ctx, S, H)
+        check(f"graph-replay-ctx{ctx}", out, ref)
+
+
+def bench():
+    """`PYTHONPATH=. python tests/kernels/test_mla_attn.py --bench` (H200: decode B=32 L=2048 63 us).
+    Timings on random pools (graph-launched): decode (B, context) and one prefill chunk; GB/s over KV + W_kvb bytes."""
+    import cupy
+
+    from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
+
+    H, S = 32, 64
+    for B, L, decode in ((1, 8192, True), (32, 2048, True), (128, 1024, True), (1, 2048, False)):
+        T = B if decode else L
+        M = -(-L // S) + 1
+        pool = cupy.random.standard_normal((B * M, S, R + DR), dtype=np.float32).astype(BF16)
+        tables = cupy.arange(B * M, dtype=np.int32).reshape(B, M)
+        ctx = cupy.full((B,), L - 1 if decode else 0, dtype=np.int32)
+        cu = cupy.arange(B + 1, dtype=np.int32) if decode else cupy.asarray(np.array([0, L], np.int32))
+        q = cupy.random.standard_normal((T, H, DN + DR), dtype=np.float32).astype(BF16)
+        w_kvb = (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+        out = cupy.empty((T, H * DV), dtype=BF16)
+        ws = cupy.empty(decode_workspace_bytes(T, H, M, S), dtype=np.uint8)
+
+        args = (q, pool, w_kvb, cu, ctx, tables)
+        kw = dict(num_heads=H, scale=SCALE, max_seqlen=1 if decode else L, decode=decode, out=out, workspace=ws)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:  # 20 calls in one CUDA graph: GPU time without Python launch overhead
+            mla_attention(*args, **kw)
+            stream.begin_capture()
+            for _ in range(20):
+                mla_attention(*args, **kw)
+            graph = stream.end_capture()
+            graph.launch(stream)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+        ms = cupy.cuda.get_elapsed_time(start, end) / 20
+        nbytes = B * L * (R + DR) * 2 + w_kvb.nbytes  # KV rows read once + kv_b weights
+        pairs = B * L if decode else L * (L + 1) // 2  # (query, key) pairs
+        flops = 2 * H * pairs * (2 * R + DR) + 2 * T * H * R * (DN + DV)  # absorbed scores + ctx, two bmm
+        print(f"{'decode' if decode else 'prefill'} B={B} L={L} H={H} S={S}: {ms * 1e3:.1f} us, "
+              f"{nbytes / 1e6:.1f} MB, {nbytes / ms / 1e6:.0f} GB/s, {flops / ms / 1e9:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    if "--bench" in sys.argv:
+        bench()
+    else:
+        raise SystemExit(pytest.main([__file__, "-v", "-s"]))
