@@ -2,8 +2,8 @@
 
 Order per row, as in vLLM: repetition / frequency / presence penalties on the logits, then
 greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw.  The draw is
-argmax(probs / e) with e ~ Exp(1) from a counter-based Philox stream keyed by (seed, step), so a
-request with a seed gets the same tokens whatever else is in the batch.
+argmax(probs / e) with e ~ Exp(1) from a counter-based Philox-4x32-10 stream keyed by (seed, step),
+so a request with a seed gets the same tokens whatever else is in the batch, on either backend.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from .params import SamplingParams
 
-__all__ = ["apply_penalties", "sample_row", "draw_noise", "top_logprobs"]
+__all__ = ["apply_penalties", "sample_row", "draw_noise", "philox4x32_10", "top_logprobs"]
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
@@ -33,11 +33,32 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list
     return out
 
 
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
+    """Philox-4x32-10 (Salmon et al. 2011) on uint64 arrays holding 32-bit words; returns the four
+    output words.  The same generator as kernels_cu/sampling.cu."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _M32 for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(k0) & _M32, np.uint64(k1) & _M32
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & _M32, (k1 + np.uint64(0xBB67AE85)) & _M32
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _M32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _M32
+    return c0, c1, c2, c3
+
+
 def draw_noise(seed: int, step: int, vocab: int) -> np.ndarray:
-    """[V] Exp(1) noise for generated-token index `step` of a request seeded `seed`."""
-    key = np.array([seed & 0xFFFFFFFFFFFFFFFF, 0x6B64615F7274], dtype=np.uint64)  # second word: "kda_rt"
-    gen = np.random.Generator(np.random.Philox(key=key, counter=np.array([step, 0, 0, 0], dtype=np.uint64)))
-    return gen.standard_exponential(vocab, dtype=np.float32)
+    """[V] float64 Exp(1) noise for generated-token index `step` of a request seeded `seed`:
+    key = seed's two 32-bit halves, counter = (token // 4, step, 0, 0), word token % 4;
+    U = ((w >> 9) + 0.5) * 2^-23 (exact in float32, never 0 or 1), E = -log U.  Bit-identical
+    uniforms to the GPU sampler, so both backends draw the same tokens for the same seed."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    groups = np.arange((vocab + 3) // 4, dtype=np.uint64)
+    words = np.stack(philox4x32_10(groups, step, 0, 0, seed & 0xFFFFFFFF, seed >> 32), axis=1).reshape(-1)[:vocab]
+    u = ((words >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    return -np.log(u.astype(np.float64))
 
 
 def _probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -68,7 +89,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, step: int)
     if params.greedy:
         return int(np.argmax(logits))
     p = _probs(logits, params)
-    noise = draw_noise(seed, step, p.shape[0]).astype(np.float64)
+    noise = draw_noise(seed, step, p.shape[0])
     return int(np.argmax(p / noise))
 
 

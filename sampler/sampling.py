@@ -1,0 +1,84 @@
+"""Launcher for kernels_cu/sampling.cu: penalties -> greedy or temperature/top-k/top-p/min-p -> draw,
+one CTA per row, all on the device (no host sync, no allocation once the outputs are given).
+
+Letters: B rows, V vocabulary, N top logprobs.  The draw is argmax p_i / E_i with E_i ~ Exp(1) from
+Philox-4x32-10 keyed by (seed, step) and the token index, so a row's token depends only on its seed,
+step and logits.  sampler/reference.py is the NumPy oracle (its own noise stream differs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kda_rt.ops.check import expect, i32
+from kda_rt.ops.compile import get_kernel
+
+__all__ = ["sample", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS"]
+
+MAX_TOP_LOGPROBS = 32
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=None, out_ids=None,
+           out_logprobs=None, num_logprobs: int = 0, out_top_ids=None, out_top_logprobs=None, stream=None):
+    """logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (0: off); seeds [B] u64;
+    steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
+    repetition, presence, frequency [B] f32).  Writes out_logprobs [B] f32 (log-softmax of the penalised,
+    untempered logits at the sampled token) when given, and with num_logprobs = N > 0 the N most likely
+    tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  Returns ids [B] i32."""
+    import cupy
+
+    B, V = expect(logits, "logits", ndim=2, dtype=np.float32)
+    for name, arr, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
+                             ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
+                             ("seeds", seeds, np.uint64), ("steps", steps, np.int32)):
+        expect(arr, name, shape=(B,), dtype=dtype)
+    if penalties is not None:
+        counts, prompt_mask, repetition, presence, frequency = penalties
+        expect(counts, "penalties.counts", shape=(B, V), dtype=np.int32)
+        expect(prompt_mask, "penalties.prompt_mask", shape=(B, V), dtype=np.uint8)
+        for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
+            expect(arr, f"penalties.{name}", shape=(B,), dtype=np.float32)
+    else:
+        counts = prompt_mask = repetition = presence = frequency = logits  # never read (HAS_PENALTIES=0)
+    out_ids = cupy.empty((B,), dtype=np.int32) if out_ids is None else out_ids
+    expect(out_ids, "out_ids", shape=(B,), dtype=np.int32)
+    if out_logprobs is not None:
+        expect(out_logprobs, "out_logprobs", shape=(B,), dtype=np.float32)
+    if not isinstance(num_logprobs, int) or not 0 <= num_logprobs <= min(MAX_TOP_LOGPROBS, V):
+        raise ValueError(f"num_logprobs must be an int in [0, {min(MAX_TOP_LOGPROBS, V)}], got {num_logprobs!r}")
+    if num_logprobs:
+        if out_top_ids is None or out_top_logprobs is None:
+            raise ValueError("num_logprobs > 0 needs out_top_ids [B, N] int32 and out_top_logprobs [B, N] float32")
+        expect(out_top_ids, "out_top_ids", shape=(B, num_logprobs), dtype=np.int32)
+        expect(out_top_logprobs, "out_top_logprobs", shape=(B, num_logprobs), dtype=np.float32)
+    threads = 1024 if V > 16384 else 256  # one CTA per row: wide blocks keep more loads of a long row in flight
+    kernel = get_kernel("sampling.cu", "sample_rows", V=V, THREADS=threads, HAS_PENALTIES=penalties is not None,
+                        WRITE_LOGPROB=out_logprobs is not None, NUM_TOP=num_logprobs)
+    if B:
+        unused = out_ids  # placeholder pointer for outputs the specialisation never writes
+        kernel((B,), (threads,), (logits, temperature, top_k, top_p, min_p, seeds, steps, counts, prompt_mask,
+                                  repetition, presence, frequency, out_ids,
+                                  unused if out_logprobs is None else out_logprobs,
+                                  out_top_ids if num_logprobs else unused,
+                                  out_top_logprobs if num_logprobs else unused, i32(B)), stream=stream)
+    return out_ids
+
+
+def update_counts(counts, ids, *, stream=None) -> None:
+    """counts[b, ids[b]] += 1 for each row (ids outside [0, V) are skipped).  counts [B, V] i32, ids [B] i32."""
+    B, V = expect(counts, "counts", ndim=2, dtype=np.int32)
+    expect(ids, "ids", shape=(B,), dtype=np.int32)
+    if B:
+        get_kernel("sampling.cu", "update_counts", V=V)(((B + 255) // 256,), (256,), (counts, ids, i32(B)),
+                                                        stream=stream)
+
+
+def mark_prompt_tokens(prompt_mask, row: int, token_ids, *, stream=None) -> None:
+    """prompt_mask[row, token_ids] = 1 (ids outside [0, V) skipped); clear the row first when reusing it.
+    prompt_mask [B, V] u8, token_ids [L] i32."""
+    B, V = expect(prompt_mask, "prompt_mask", ndim=2, dtype=np.uint8)
+    (L,) = expect(token_ids, "token_ids", ndim=1, dtype=np.int32)
+    if not 0 <= row < B:
+        raise ValueError(f"row must be in [0, {B}), got {row!r}")
+    if L:
+        get_kernel("sampling.cu", "mark_prompt_tokens", V=V)(((L + 255) // 256,), (256,),
+                                                             (prompt_mask, token_ids, i32(row), i32(L)), stream=stream)

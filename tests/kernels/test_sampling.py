@@ -1,0 +1,308 @@
+"""kernels_cu/sampling.cu against sampler/reference.py (B rows, V vocabulary, N top logprobs).
+
+The kernel draws argmax_{kept} p_i / E_i with E_i = -log U_i from Philox-4x32-10 (key = seed, counter =
+(i // 4, step, 0, 0), word i % 4, U = ((w >> 9) + 0.5) * 2^-23).  `kernel_noise` below rebuilds that
+noise in NumPy (checked against Random123's published known-answer vectors), so each sampled token has
+one exact expected value: argmax of the reference's kept, renormalised probabilities (`_probs`) over
+that noise.  That checks the kept set of top-k / top-p / min-p, the draw and the RNG in one comparison.
+Rows whose best two scores log p - log E differ by less than 1e-4 are float-ambiguous: there we only
+require a token the reference keeps (p > 0).  top_p and min_p are snapped to midpoints between
+consecutive reference cumulative masses / probability ratios so the cut is not decided by rounding.
+Logprobs: log-softmax of the penalised, untempered logits, within 1e-5 (float32 logZ vs float64)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gpu_helpers import poison
+
+from kda_rt.sampler.params import SamplingParams
+from kda_rt.sampler.reference import _probs, apply_penalties, draw_noise, philox4x32_10, top_logprobs
+
+gpu = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy model of the kernel's noise
+
+def expected_token(x: np.ndarray, params: SamplingParams, seed: int, step: int) -> tuple[int, np.ndarray, bool]:
+    """(token, reference probs, unambiguous) for penalised logits x [V]."""
+    if params.greedy:
+        p = np.zeros(x.shape[0])
+        p[np.argmax(x)] = 1.0
+        return int(np.argmax(x)), p, True
+    p = _probs(x, params)
+    with np.errstate(divide="ignore"):
+        score = np.where(p > 0, np.log(p) - np.log(draw_noise(seed, step, x.shape[0])), -np.inf)
+    top2 = np.partition(score, -2)[-2:]
+    return int(np.argmax(score)), p, bool(top2[1] - top2[0] > 1e-4)
+
+
+def snap_top_p(x, params: SamplingParams, target: float) -> float:
+    """A top_p near `target` halfway between two consecutive reference cumulative masses."""
+    q = np.sort(_probs(x, replace(params, top_p=1.0, min_p=0.0)))[::-1]
+    cum = np.cumsum(q)
+    j = int(np.searchsorted(cum, target))
+    while j > 0 and (j >= len(q) or q[j] < 1e-4):
+        j -= 1
+    return float(np.float32(((cum[j - 1] if j else 0.0) + cum[j]) / 2))
+
+
+def snap_min_p(x, params: SamplingParams, target: float) -> float:
+    """A min_p near `target` halfway between two consecutive reference ratios p / max p."""
+    p = _probs(x, replace(params, min_p=0.0))
+    r = np.sort(p[p > 0] / p.max())[::-1]
+    i = int(np.searchsorted(-r, -target))  # first ratio below target
+    while i > 1 and (i >= len(r) or (r[i - 1] - r[i]) / r[i - 1] < 1e-3):
+        i -= 1
+    return float(np.float32((r[i - 1] + r[i]) / 2)) if 0 < i < len(r) else float(np.float32(target))
+
+
+def make_params(kind: str, x: np.ndarray, rng) -> SamplingParams:
+    if kind == "mixed":
+        kind = rng.choice(["greedy", "temperature", "top_k", "top_p", "min_p", "combined"])
+    t = float(np.float32(rng.uniform(0.5, 1.5)))
+    if kind == "greedy":
+        return SamplingParams(temperature=0.0)
+    if kind == "temperature":
+        return SamplingParams(temperature=t)
+    if kind in ("top_k", "top_k_ties"):
+        return SamplingParams(temperature=t, top_k=int(rng.integers(1, 60)))
+    params = SamplingParams(temperature=t, top_k=int(rng.integers(20, 200)) if kind == "combined" else 0)
+    if kind in ("top_p", "combined"):
+        params = replace(params, top_p=snap_top_p(x, params, rng.uniform(0.3, 0.95)))
+    if kind in ("min_p", "combined"):
+        params = replace(params, min_p=snap_min_p(x, params, rng.uniform(0.02, 0.4)))
+    return params
+
+
+def make_inputs(B: int, V: int, kind: str, seed: int):
+    rng = np.random.default_rng(seed)
+    scale = 2.0 if V < 20000 else 3.0
+    x = (rng.normal(size=(B, V)) * scale).astype(np.float32)
+    if kind == "top_k_ties":
+        x = np.round(x * 2) / 2  # many equal logits: top-k keeps every token tied with the k-th
+    params = [make_params(kind, x[b], rng) for b in range(B)]
+    seeds = [int(s) for s in rng.integers(0, 2**64, size=B, dtype=np.uint64)]
+    steps = [int(s) for s in rng.integers(0, 5000, size=B)]
+    return x, params, seeds, steps
+
+
+def run_sample(x, params, seeds, steps, *, penalties=None, num_logprobs=0, stream=None):
+    """Upload, launch with poisoned outputs, return (ids, logprobs, top_ids, top_logprobs) as NumPy."""
+    import cupy
+
+    from kda_rt.sampler.sampling import sample
+
+    B = x.shape[0]
+    dev = {name: cupy.asarray(np.array(vals, dtype=dtype)) for name, vals, dtype in (
+        ("temperature", [p.temperature for p in params], np.float32), ("top_k", [p.top_k for p in params], np.int32),
+        ("top_p", [p.top_p for p in params], np.float32), ("min_p", [p.min_p for p in params], np.float32),
+        ("seeds", seeds, np.uint64), ("steps", steps, np.int32))}
+    ids, lp = cupy.full((B,), -7, dtype=np.int32), cupy.empty((B,), dtype=np.float32)
+    top_ids, top_lp = cupy.full((B, num_logprobs), -7, dtype=np.int32), cupy.empty((B, num_logprobs), np.float32)
+    poison(lp)
+    poison(top_lp)
+    out = sample(cupy.asarray(x), **dev, penalties=penalties, out_ids=ids, out_logprobs=lp, num_logprobs=num_logprobs,
+                 out_top_ids=top_ids if num_logprobs else None, out_top_logprobs=top_lp if num_logprobs else None,
+                 stream=stream)
+    assert out is ids
+    return tuple(cupy.asnumpy(a) for a in (ids, lp, top_ids, top_lp))
+
+
+def check_tokens(x, params, seeds, steps, ids, *, min_exact: float = 0.9):
+    """Every token is kept by the reference; unambiguous rows match the expected token exactly."""
+    exact = 0
+    for b in range(x.shape[0]):
+        want, p, clear = expected_token(x[b], params[b], seeds[b], steps[b])
+        assert 0 <= ids[b] < x.shape[1] and p[ids[b]] > 0, f"row {b}: token {ids[b]} outside the kept set ({params[b]})"
+        if clear:
+            assert ids[b] == want, f"row {b}: got {ids[b]}, expected {want} ({params[b]}, seed {seeds[b]}, step {steps[b]})"
+            exact += 1
+    assert exact >= min_exact * x.shape[0], f"only {exact}/{x.shape[0]} rows were unambiguous"
+
+
+def check_logprobs(x, ids, lp, top_ids=None, top_lp=None):
+    for b in range(x.shape[0]):
+        ref = top_logprobs(x[b], int(ids[b]), 0 if top_ids is None else top_ids.shape[1])
+        assert abs(lp[b] - ref[int(ids[b])]) <= 1e-5, f"row {b}: logprob {lp[b]} vs {ref[int(ids[b])]}"
+        if top_ids is not None:
+            want = np.argsort(-x[b].astype(np.float64), kind="stable")[: top_ids.shape[1]]
+            assert np.array_equal(top_ids[b], want), f"row {b}: top ids {top_ids[b]} vs {want}"
+            assert np.all(np.abs(top_lp[b] - [ref[int(t)] for t in want]) <= 1e-5), f"row {b}: top logprobs"
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+def test_philox_known_answers():
+    """Random123's published Philox-4x32-10 known-answer vectors (CPU only: validates the model)."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in cases:
+        assert tuple(int(w) for w in philox4x32_10(*ctr, *key)) == want
+
+
+@gpu
+@pytest.mark.parametrize("V", [1003, 32000], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("kind", ["greedy", "temperature", "top_k", "top_k_ties", "top_p", "min_p", "combined", "mixed"])
+def test_sample_matches_reference(kind, V):
+    x, params, seeds, steps = make_inputs(48, V, kind, seed=V + len(kind))
+    ids, lp, top_ids, top_lp = run_sample(x, params, seeds, steps, num_logprobs=5)
+    check_tokens(x, params, seeds, steps, ids)
+    check_logprobs(x, ids, lp, top_ids, top_lp)
+
+
+@gpu
+def test_distribution_chi_square():
+    """20000 seeds on one small row: counts over the top-k set against n * p.  With 7 degrees of
+    freedom, chi2 < 35 fails by chance with probability ~1e-5; tokens outside top-k never appear."""
+    n, V = 20000, 16
+    rng = np.random.default_rng(11)
+    x = np.tile(rng.normal(size=V).astype(np.float32), (n, 1))
+    params = [SamplingParams(temperature=1.0, top_k=8)] * n
+    ids, *_ = run_sample(x, params, [int(s) for s in rng.integers(0, 2**62, size=n)], [3] * n)
+    p = _probs(x[0], params[0])
+    obs = np.bincount(ids, minlength=V)
+    assert np.all(obs[p == 0] == 0)
+    exp = n * p[p > 0]
+    chi2 = float(np.sum((obs[p > 0] - exp) ** 2 / exp))
+    assert chi2 < 35.0, f"chi2 {chi2:.1f} over 7 dof; observed {obs}, expected {np.round(n * p)}"
+
+
+@gpu
+def test_same_seed_same_token_whatever_the_batch():
+    rng = np.random.default_rng(5)
+    V = 1003
+    row = (rng.normal(size=V) * 0.3).astype(np.float32)  # flat: many tokens are likely
+    mine = SamplingParams(temperature=1.0, top_p=0.95)
+    tokens = set()
+    for B, pos, num_logprobs in [(1, 0, 0), (16, 5, 3), (40, 39, 0)]:
+        x, params, seeds, steps = make_inputs(B, V, "mixed", seed=B)
+        x[pos], params[pos], seeds[pos], steps[pos] = row, mine, 1234567, 42
+        ids, *_ = run_sample(x, params, seeds, steps, num_logprobs=num_logprobs)
+        tokens.add(int(ids[pos]))
+    assert len(tokens) == 1, f"same (seed, step, logits) gave tokens {tokens} in different batches"
+
+
+@gpu
+def test_steps_and_seeds_change_the_draw():
+    rng = np.random.default_rng(6)
+    V, B = 1003, 64
+    x = np.tile((rng.normal(size=V) * 0.1).astype(np.float32), (B, 1))
+    params = [SamplingParams(temperature=1.0)] * B
+    by_step, *_ = run_sample(x, params, [99] * B, list(range(B)))
+    by_seed, *_ = run_sample(x, params, list(range(B)), [0] * B)
+    assert len(set(by_step.tolist())) >= 48 and len(set(by_seed.tolist())) >= 48, (by_step, by_seed)
+    check_tokens(x, params, [99] * B, list(range(B)), by_step)
+
+
+@gpu
+def test_penalties_flip_the_greedy_pick():
+    """Each row's raw argmax is penalised below the runner-up: repetition on a prompt token (positive
+    and negative logits), frequency and presence on output tokens.  counts / prompt_mask are built
+    with update_counts / mark_prompt_tokens."""
+    import cupy
+
+    from kda_rt.sampler.sampling import mark_prompt_tokens, update_counts
+
+    rng = np.random.default_rng(8)
+    B, V = 4, 4099
+    x = rng.normal(size=(B, V)).astype(np.float32)
+    top, second = 10, 20
+    x[:, top], x[:, second] = x.max(axis=1) + 1.0, x.max(axis=1) + 0.6
+    x[1] = -np.abs(x[1]) - 1.0  # all-negative row: repetition multiplies
+    x[1, top], x[1, second] = -0.5, -0.7
+    prompts = [[top, 3, 7], [top, 5], [1, 2], [2]]
+    outputs = [[4, 4], [], [top, top, top, 9], [top, 11, 11]]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0, repetition_penalty=1.8),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=0.0, presence_penalty=1.5)]
+    counts, prompt_mask = cupy.zeros((B, V), dtype=np.int32), cupy.zeros((B, V), dtype=np.uint8)
+    for b, prompt in enumerate(prompts):
+        mark_prompt_tokens(prompt_mask, b, cupy.asarray(np.array(prompt, dtype=np.int32)))
+    for step in range(max(map(len, outputs))):
+        update_counts(counts, cupy.asarray(np.array([o[step] if step < len(o) else -1 for o in outputs], np.int32)))
+    for b in range(B):
+        assert np.array_equal(cupy.asnumpy(counts[b]), np.bincount(outputs[b], minlength=V)), f"counts row {b}"
+        assert np.array_equal(np.flatnonzero(cupy.asnumpy(prompt_mask[b])), sorted(set(prompts[b]))), f"mask row {b}"
+    pen = (counts, prompt_mask, *(cupy.asarray(np.array([getattr(p, f) for p in params], np.float32))
+                                  for f in ("repetition_penalty", "presence_penalty", "frequency_penalty")))
+    xp = np.stack([apply_penalties(x[b], params[b], prompts[b], outputs[b]) for b in range(B)])
+    assert all(np.argmax(xp[b]) != np.argmax(x[b]) for b in range(B)), "test logits do not flip the pick"
+    ids, lp, top_ids, top_lp = run_sample(x, params, [1] * B, [0] * B, penalties=pen, num_logprobs=4)
+    assert np.array_equal(ids, np.argmax(xp, axis=1)), (ids, np.argmax(xp, axis=1))
+    check_logprobs(xp, ids, lp, top_ids, top_lp)
+    sampled = [replace(p, temperature=0.8) for p in params]
+    ids, lp, *_ = run_sample(x, sampled, [7, 8, 9, 10], [3, 3, 3, 3], penalties=pen)
+    check_tokens(xp, sampled, [7, 8, 9, 10], [3] * 4, ids, min_exact=0.75)
+    check_logprobs(xp, ids, lp)
+
+
+@gpu
+def test_top_logprobs_with_ties():
+    """Integer logits: many ties, so the top-N search resolves index bits (lower index first)."""
+    rng = np.random.default_rng(9)
+    x = rng.integers(-4, 4, size=(8, 1003)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0)] * 8
+    ids, lp, top_ids, top_lp = run_sample(x, params, [0] * 8, [0] * 8, num_logprobs=20)
+    assert np.array_equal(ids, np.argmax(x, axis=1))
+    check_logprobs(x, ids, lp, top_ids, top_lp)
+
+
+@gpu
+def test_full_vocab_row():
+    V = 163840
+    x, params, seeds, steps = make_inputs(3, V, "combined", seed=10)
+    params[0] = SamplingParams(temperature=0.0)
+    ids, lp, top_ids, top_lp = run_sample(x, params, seeds, steps, num_logprobs=8)
+    check_tokens(x, params, seeds, steps, ids, min_exact=0.66)
+    check_logprobs(x, ids, lp, top_ids, top_lp)
+
+
+@gpu
+def test_cuda_graph_capture_and_replay():
+    """sample + update_counts captured once on a stream, replayed with new logits and steps."""
+    import cupy
+
+    from kda_rt.sampler.sampling import sample, update_counts
+
+    B, V = 8, 1003
+    x, params, seeds, steps = make_inputs(B, V, "mixed", seed=12)
+    dev = [cupy.asarray(np.array(v, dtype=d)) for v, d in (
+        ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
+        ([p.top_p for p in params], np.float32), ([p.min_p for p in params], np.float32),
+        (seeds, np.uint64), (steps, np.int32))]
+    xg, ids, lp = cupy.asarray(x), cupy.empty((B,), np.int32), cupy.empty((B,), np.float32)
+    counts = cupy.zeros((B, V), np.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        sample(xg, *dev, out_ids=ids, out_logprobs=lp, stream=stream)  # compile + load outside capture
+        update_counts(counts, ids, stream=stream)
+        stream.synchronize()
+        counts[...] = 0
+        stream.begin_capture()
+        sample(xg, *dev, out_ids=ids, out_logprobs=lp, stream=stream)
+        update_counts(counts, ids, stream=stream)
+        graph = stream.end_capture()
+    for replay in range(2):
+        x2 = (np.random.default_rng(100 + replay).normal(size=(B, V)) * 2).astype(np.float32)
+        steps2 = [s + replay + 1 for s in steps]
+        xg[...] = cupy.asarray(x2)
+        dev[5][...] = cupy.asarray(np.array(steps2, np.int32))
+        ids.fill(-7)
+        poison(lp)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        got = cupy.asnumpy(ids)
+        check_tokens(x2, params, seeds, steps2, got, min_exact=0.75)
+        check_logprobs(x2, got, cupy.asnumpy(lp))
+    assert int(counts.sum()) == 2 * B
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v"]))
