@@ -178,15 +178,25 @@ class LLMEngine:
             return []
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
-        logits = self.runner.execute(batch)  # [N, V]
+        if getattr(self.runner, "samples_on_device", False):
+            # rows sampled on the GPU come back as (token, logprobs); the rest as host logits rows
+            host_rows = [self.postprocessor.needs_host_sampling(s) for s in sampled]
+            results = self.runner.execute_sample(batch, sampled, host_rows)
+        else:
+            logits = self.runner.execute(batch)  # [N, V]
+            results = [logits[row] for row in range(len(sampled))]
         self.scheduler.commit(sched)
         self.counters["steps"] += 1
         self.counters["tokens_processed"] += batch.num_tokens
         self.counters["prefill_tokens"] += batch.num_tokens - num_decodes
         touched: dict[str, None] = {}
-        for row, seq in enumerate(sampled):
+        for seq, result in zip(sampled, results, strict=True):
             self.counters["generated_tokens"] += 1
-            if self.postprocessor.append_token(seq, logits[row]):
+            if isinstance(result, tuple):
+                done = self.postprocessor.accept_token(seq, *result)
+            else:
+                done = self.postprocessor.append_token(seq, result)
+            if done:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = None
         outputs = []

@@ -31,9 +31,15 @@ class Postprocessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
+    def needs_host_sampling(self, seq: Sequence) -> bool:
+        """True when this row must be sampled from host logits (penalties or a min_tokens ban are
+        active); the GPU sampler handles every other row."""
+        p = seq.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or len(seq.output_token_ids) < p.min_tokens)
+
     def append_token(self, seq: Sequence, logits: np.ndarray) -> bool:
-        """Sample the next token of `seq` from logits [V]; returns True when `seq` is now finished
-        (its `finish_reason` and `stop_reason` set, its text final)."""
+        """Sample the next token of `seq` from logits [V] on the host, then `accept_token`."""
         p = seq.params
         n_out = len(seq.output_token_ids)
         logits = ref_sampler.apply_penalties(logits, p, seq.prompt_token_ids, seq.output_token_ids)
@@ -43,11 +49,17 @@ class Postprocessor:
                 logits = logits.copy()
                 logits[banned] = -np.inf
         token = ref_sampler.sample_row(logits, p, seq.seed, n_out)
+        lp = ref_sampler.top_logprobs(logits, token, p.logprobs or 0) if seq.logprobs is not None else None
+        return self.accept_token(seq, token, lp)
+
+    def accept_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None = None) -> bool:
+        """Append a sampled token (and its logprobs when requested); returns True when `seq` is now
+        finished (its `finish_reason` and `stop_reason` set, its text final)."""
+        p = seq.params
         seq.output_token_ids.append(token)
-        if seq.logprobs is not None:
-            lp = ref_sampler.top_logprobs(logits, token, p.logprobs or 0)
-            seq.logprobs.append(lp)
-            seq.cumulative_logprob += lp[token]
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
         if token in p.stop_token_ids:
             return self._finish(seq, "stop", token)
         if not p.ignore_eos and token in self.eos_token_ids:

@@ -151,8 +151,8 @@ class CudaRunner:
         logger.info("captured the decode graph for %d sequences", rows)
         return g
 
-    def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """[N, vocab] float32 logits at batch.logits_indices (host array)."""
+    def _forward(self, batch: ForwardBatch):
+        """Device logits [R, vocab] float32 whose first N rows are batch.logits_indices' rows."""
         decode = bool(np.all(batch.seq_lens == 1)) and batch.logits_indices.shape[0] == batch.num_seqs
         B = batch.num_seqs
         if decode and not self.enforce_eager and B <= self.buckets[-1]:
@@ -161,12 +161,66 @@ class CudaRunner:
             with self.stream:
                 self._upload(batch, g.ws, True, rows)
                 g.graph.launch(self.stream)
-                out = g.logits[:B].get(stream=self.stream)
-            return out
+            return g.logits
         with self.stream:
             dev = self._upload(batch, self.eager_ws, decode)
-            logits = self.model.forward(dev, self.eager_ws)
-            out = logits.get(stream=self.stream)
+            return self.model.forward(dev, self.eager_ws)
+
+    def execute(self, batch: ForwardBatch) -> np.ndarray:
+        """[N, vocab] float32 logits at batch.logits_indices (host array)."""
+        n = batch.logits_indices.shape[0]
+        logits = self._forward(batch)
+        with self.stream:
+            return logits[:n].get(stream=self.stream)
+
+    samples_on_device = True
+
+    def execute_sample(self, batch: ForwardBatch, seqs: list, host_rows: list[bool]) -> list:
+        """Forward, then sample every row on the GPU (sampler/sampling.py) with one device -> host
+        copy of the token ids (+ logprobs when asked).  Rows flagged in `host_rows` (penalties or a
+        min_tokens ban) come back as host logits rows for the engine's NumPy sampler."""
+        from kda_rt.sampler.params import GREEDY_EPS
+        from kda_rt.sampler.sampling import sample
+
+        cp = self.cupy
+        n = len(seqs)
+        logits = self._forward(batch)[:n]
+        ps = [s.params for s in seqs]
+        host = {
+            "temperature": np.array([0.0 if p.temperature < GREEDY_EPS else p.temperature for p in ps], np.float32),
+            "top_k": np.array([p.top_k if p.top_k > 0 else 0 for p in ps], np.int32),
+            "top_p": np.array([p.top_p for p in ps], np.float32),
+            "min_p": np.array([p.min_p for p in ps], np.float32),
+            "seeds": np.array([s.seed & 0xFFFFFFFFFFFFFFFF for s in seqs], np.uint64),
+            "steps": np.array([len(s.output_token_ids) for s in seqs], np.int32),
+        }
+        want_lp = [s.logprobs is not None for s in seqs]
+        num_top = max([(p.logprobs or 0) for p, w in zip(ps, want_lp, strict=True) if w], default=0)
+        with self.stream:
+            dev = {k: cp.asarray(v) for k, v in host.items()}
+            lp = cp.empty((n,), np.float32) if any(want_lp) else None
+            top_ids = cp.empty((n, num_top), np.int32) if num_top else None
+            top_lp = cp.empty((n, num_top), np.float32) if num_top else None
+            ids = sample(logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"],
+                         dev["steps"], out_logprobs=lp, num_logprobs=num_top, out_top_ids=top_ids,
+                         out_top_logprobs=top_lp, stream=self.stream)
+            ids_h = ids.get(stream=self.stream)
+            lp_h = lp.get(stream=self.stream) if lp is not None else None
+            top_ids_h = top_ids.get(stream=self.stream) if num_top else None
+            top_lp_h = top_lp.get(stream=self.stream) if num_top else None
+            fallback = {i: logits[i].get(stream=self.stream) for i in range(n) if host_rows[i]}
+        out = []
+        for i, p in enumerate(ps):
+            if i in fallback:
+                out.append(fallback[i])
+                continue
+            tok = int(ids_h[i])
+            lps = None
+            if want_lp[i]:
+                lps = {tok: float(lp_h[i])}
+                for j in range(p.logprobs or 0):
+                    lps.setdefault(int(top_ids_h[i, j]), float(top_lp_h[i, j]))
+            out.append((tok, lps))
         return out
 
     def peak_memory_bytes(self) -> int:

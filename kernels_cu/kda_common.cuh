@@ -1,0 +1,31 @@
+// kda_common.cuh — per-channel KDA math shared by kda_decode.cu and kda_prefill.cu (spec §3.2–3.5).
+//
+//   conv:  u = sum_j w[j] * x_{t-(W-1)+j}  (tap W-1 = current token),  y = bf16(SiLU(u))
+//   gate:  g = -exp(A_log) * softplus(f + dt_bias),  softplus(z) = z for z > 20
+//   beta:  sigmoid(b)
+// Accurate expf / log1pf (no __expf): these feed the fp32 state, whose tolerance is 1e-4.
+#pragma once
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// scalar math
+
+__device__ __forceinline__ float round_bf16(float x) { return to_f32(to_bf16(x)); }
+__device__ __forceinline__ float kda_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// log decay of one key channel (<= 0); may be hugely negative (-300 and below)
+__device__ __forceinline__ float kda_log_decay(float f, float dt_bias, float a_log) {
+    const float z = f + dt_bias;
+    return -expf(a_log) * (z > 20.f ? z : log1pf(expf(z)));
+}
+
+// conv output of one channel, rounded to bf16 as the references store it.  `hist[j]` holds the
+// raw inputs before the current token, oldest first: hist[0] = x_{t-(W-1)}, hist[W-2] = x_{t-1}.
+template <int W>
+__device__ __forceinline__ float kda_conv_silu(const float* __restrict__ taps, const float (&hist)[W - 1], float x) {
+    float u = 0.f;
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) u = fmaf(taps[j], hist[j], u);
+    u = fmaf(taps[W - 1], x, u);
+    return round_bf16(u / (1.f + expf(-u)));
+}
