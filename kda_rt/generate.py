@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (cuda backend)")
+    ap.add_argument("--report", action="store_true",
+                    help="print each op with the kernel it used and the launches per decode step")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 seed=args.seed, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
-        llm = LLM(model, backend=args.backend, max_model_len=args.max_model_len, max_num_seqs=1)
+        llm = LLM(model, backend=args.backend, max_model_len=args.max_model_len, max_num_seqs=1,
+                  enforce_eager=args.enforce_eager, report=args.report)
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.chat:
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     comp = out.outputs[0]
+    if args.report:
+        print(llm.report, file=sys.stderr)
     print(comp.text)
     n = len(comp.token_ids)
     print(f"[kda_rt] backend={llm.backend} load {t_load:.2f}s | prompt {len(out.prompt_token_ids)} tokens, "

@@ -89,6 +89,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         progress: bool | None = None,
         enforce_eager: bool = False,
+        report: bool = False,
     ) -> None:
         from kda_rt.loader.weights import load_checkpoint
 
@@ -119,6 +120,14 @@ class LLM:
                                        enforce_eager=enforce_eager)
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name
+        self.report = None
+        if report:
+            if hasattr(self.runner, "fast_path_report"):
+                self.report = self.runner.fast_path_report()
+            else:
+                self.report = (f"fast-path report ({self.backend} backend): NumPy reference ops "
+                               "(kda_rt/model/*), no GPU kernels")
+            logger.info("%s", self.report)
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned
         self._parked: dict[str, RequestOutput] = {}  # latest output of an open request, for its driver
         self.model_dir = model_dir

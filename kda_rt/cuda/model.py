@@ -26,9 +26,10 @@ from kda_rt.ops.kda_decode import kda_decode
 from kda_rt.ops.kda_prefill import kda_prefill
 from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
 from kda_rt.ops.mla_store import mla_store
-from kda_rt.ops.moe import moe_forward
+from kda_rt.ops.moe import moe_forward, moe_workspace_bytes
 from kda_rt.ops.rmsnorm import rmsnorm
 from kda_rt.ops.silu_mul import silu_mul
+from kda_rt.ops.trace import trace_scope
 
 __all__ = ["DeviceBatch", "CudaModel"]
 
@@ -63,32 +64,37 @@ class CudaModel:
         """[N, vocab] float32 logits (a workspace buffer) for the rows in b.logits_indices."""
         cfg, T, D = self.config, b.num_tokens, self.config.hidden_size
         eps = cfg.rms_norm_eps
-        res = embed(b.input_ids, self.w.embed, out=ws.get("res", (T, D), BF16))
+        with trace_scope("embed"):
+            res = embed(b.input_ids, self.w.embed, out=ws.get("res", (T, D), BF16))
         a = ws.get("a", (T, D), BF16)
         delta = ws.get("delta", (T, D), BF16)
         for i, L in enumerate(self.w.layers):
             t = L.t
-            if i == 0:
-                rmsnorm(res, t["in_norm"], eps, out=a)
-            else:
-                rmsnorm(delta, t["in_norm"], eps, residual=res, out=a)
-            if L.kind == KDA:
-                self._kda(i, t, a, b, ws, out=delta)
-            else:
-                self._mla(i, t, a, b, ws, out=delta)
-            rmsnorm(delta, t["post_norm"], eps, residual=res, out=a)
-            if L.mlp == MOE:
-                moe_forward(a, t["router"], t["bias"], t["w13"], t["w2"], t["shared_w13"], t["shared_w2"], cfg.moe,
-                            out=delta, workspace=ws)
-            else:
-                gu = linear(a, t["w_gu"], out=ws.get("gu", (T, t["w_gu"].shape[0]), BF16))
-                act = silu_mul(gu, out=ws.get("act", (T, t["w_gu"].shape[0] // 2), BF16))
-                linear(act, t["w_down"], out=delta)
-        final = ws.get("final", (T, D), BF16)
-        rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
-        N = int(b.logits_indices.shape[0])
-        rows = final if (b.decode and N == T) else final.take(b.logits_indices, axis=0)
-        return linear(rows, self.w.lm_head, out=ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32))
+            with trace_scope("norm+residual"):
+                if i == 0:
+                    rmsnorm(res, t["in_norm"], eps, out=a)
+                else:
+                    rmsnorm(delta, t["in_norm"], eps, residual=res, out=a)
+            with trace_scope(f"{L.kind}.{'decode' if b.decode else 'prefill'}"):
+                if L.kind == KDA:
+                    self._kda(i, t, a, b, ws, out=delta)
+                else:
+                    self._mla(i, t, a, b, ws, out=delta)
+            with trace_scope("norm+residual"):
+                rmsnorm(delta, t["post_norm"], eps, residual=res, out=a)
+            with trace_scope(L.mlp):
+                if L.mlp == MOE:
+                    self._moe(t, a, ws, out=delta)
+                else:
+                    gu = linear(a, t["w_gu"], out=ws.get("gu", (T, t["w_gu"].shape[0]), BF16))
+                    act = silu_mul(gu, out=ws.get("act", (T, t["w_gu"].shape[0] // 2), BF16))
+                    linear(act, t["w_down"], out=delta)
+        with trace_scope("final norm+lm_head"):
+            final = ws.get("final", (T, D), BF16)
+            rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
+            N = int(b.logits_indices.shape[0])
+            rows = final if (b.decode and N == T) else final.take(b.logits_indices, axis=0)
+            return linear(rows, self.w.lm_head, out=ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32))
 
     # ------------------------------------------------------------------------------------------
 
@@ -111,6 +117,13 @@ class CudaModel:
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
                         max_seqlen=b.max_seqlen)
         linear(y, t["o_proj"], out=out)
+
+    def _moe(self, t: dict, a, ws: Workspace, *, out) -> None:
+        mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
+        inter_s = t["shared_w2"].shape[1] if t["shared_w2"] is not None else 0
+        nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s)
+        moe_forward(a, t["router"], t["bias"], t["w13"], t["w2"], t["shared_w13"], t["shared_w2"], mc,
+                    out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8))
 
     def _mla(self, layer: int, t: dict, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         mc = self.config.mla

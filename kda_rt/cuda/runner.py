@@ -223,6 +223,24 @@ class CudaRunner:
             out.append((tok, lps))
         return out
 
+    def fast_path_report(self) -> str:
+        """Each op of one decode step with the kernels it launched (traced on an eager step of one
+        padding sequence), plus the sampler; a CUDA graph replays exactly these launches."""
+        from kda_rt.forward_batch import ForwardBatch
+        from kda_rt.ops.trace import Trace
+
+        batch = ForwardBatch.build([[0]], [1], [self.pad_slot], [[self.pad_page]])
+        ws = Workspace()
+        with self.stream:
+            dev = self._upload(batch, ws, True)
+            self.model.forward(dev, ws)  # compile and create buffers outside the trace
+            with Trace() as tr:
+                self.model.forward(dev, ws)
+            self.stream.synchronize()
+        graphs = "off (--enforce-eager)" if self.enforce_eager else f"one per bucket {self.buckets}"
+        return (f"fast-path report (cuda backend, {self.config.num_hidden_layers} layers; decode CUDA graphs: {graphs})\n"
+                f"{tr.table()}\n{'sampling':<22} {'sampling.cu:sample_rows':<44} 1 (after the graph)")
+
     def peak_memory_bytes(self) -> int:
         free, total = self.cupy.cuda.runtime.memGetInfo()
         return int(total - free)

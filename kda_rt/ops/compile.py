@@ -173,7 +173,10 @@ def get_kernel(filename: str, name: str, **defines: Any):
     """The `extern "C"` kernel `name` of `kernels_cu/<filename>` specialised by `defines`.
     Call it as kernel(grid, block, args, shared_mem=bytes, stream=stream) with exact scalar types."""
     mod = _module(filename, tuple(sorted(defines.items())), device_arch())
-    return mod.get_function(name)
+    fn = mod.get_function(name)
+    from kda_rt.ops import trace
+
+    return trace.Counted(fn, f"{filename}:{name}") if trace.active() is not None else fn
 
 
 def startup_log() -> str:

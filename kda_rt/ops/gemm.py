@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from kda_rt.ops import trace
 from kda_rt.ops.check import BF16, expect, leading_dim
 
 __all__ = ["linear", "bmm", "CublasError"]
@@ -114,6 +115,7 @@ def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
         return out
     h = _handle()
     h.bind(cupy.cuda.get_current_stream().ptr)
+    trace.record("cublasGemmEx")
     ctype = _CUDA_R_16BF if out.dtype == BF16 else _CUDA_R_32F
     beta = _ONE if accumulate else _ZERO
     status = _lib().cublasGemmEx(
@@ -161,8 +163,10 @@ def bmm(a, b, *, out, transpose_b: bool = False):
         return out
     h = _handle()
     h.bind(cupy.cuda.get_current_stream().ptr)
+    trace.record("cublasGemmEx")
     ctype = _CUDA_R_16BF if out.dtype == BF16 else _CUDA_R_32F
     # column-major: outᵀ[N, M] = op(b)ᵀ-view [N, K] · aᵀ-view [K, M]
+    trace.record("cublasGemmStridedBatchedEx")
     status = _lib().cublasGemmStridedBatchedEx(
         h.ptr, _OP_T if transpose_b else _OP_N, _OP_N, N, M, K, _ONE.ctypes.data, b.data.ptr, _CUDA_R_16BF, ldb, sbb,
         a.data.ptr, _CUDA_R_16BF, lda, sa, _ZERO.ctypes.data, out.data.ptr, ctype, ldo, so, Bt, _COMPUTE_32F,
