@@ -7,6 +7,7 @@ bf16 level: per-position relative error ||cuda - numpy|| / ||numpy|| <= 2e-2 (is
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -69,15 +70,15 @@ def test_seeded_sampling_independent_of_batch(demo_pair):
 def test_48b_shaped_4_layer_logits(tmp_path):
     """Kimi-Linear-48B shapes (D 2304, 32 heads, 256 experts top-8), 4 layers KDA-dense, KDA-MoE,
     KDA-MoE, MLA-MoE, random weights written in hub layout."""
+    from k48_config import k48_config
+
     from kda_rt.random_checkpoint import write_random_checkpoint
 
-    cfg = json.loads((demo_path() / "config.json").read_text())
-    cfg.update(vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_attention_heads=32,
-               num_key_value_heads=32, num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024,
-               bos_token_id=163584, eos_token_id=163586, pad_token_id=163839, model_max_length=1048576,
-               linear_attn_config={"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
-                                   "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
-    path = write_random_checkpoint(cfg, tmp_path / "k48", seed=1)
+    cfg = k48_config(4)
+    path = os.environ.get("KDA_RT_TEST_48B_DIR")  # a checkpoint written once per device run
+    if not path:
+        path = write_random_checkpoint(cfg, tmp_path / "k48", seed=1)
+    assert json.loads(open(os.path.join(path, "config.json")).read())["hidden_size"] == 2304
     kw = dict(max_num_seqs=4, max_model_len=256)
     ref = LLM(str(path), backend="numpy", **kw)
     gpu = LLM(str(path), backend="cuda", **kw)
