@@ -1,0 +1,106 @@
+"""MoE block on the GPU (spec §5): router → bucket pairs by expert → grouped gate/up GEMM with SiLU·up
+fused → grouped down GEMM → weighted per-token combine (+ shared expert), rounded to bf16 once.
+
+    y[t] = bf16( Σ_k w[t, k] · Expert_{ids[t, k]}(x[t])  +  Shared(x[t]) )       (fp32 sum, k order)
+
+CUDA-graph contract: with `out` and `workspace` given, nothing is allocated, nothing syncs with
+the host, and every grid is sized from (T, A, E) alone (tiles past the device-side count exit), so
+the whole call can be captured once per T and replayed on new x / weights in the same buffers.
+The workspace is one uint8 buffer of `moe_workspace_bytes(T, cfg, D, I, Is)` bytes.
+
+Letters: T tokens, D hidden, E experts, A = top_k, N = T·A pairs, I expert width, Is shared width.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kda_rt.ops.check import BF16, expect
+from kda_rt.ops.gemm import linear
+from kda_rt.ops.moe_align import MoEPlan, max_tiles, moe_bucket, moe_combine
+from kda_rt.ops.moe_gemm import moe_gemm, tile_rows_for
+from kda_rt.ops.moe_route import moe_route
+from kda_rt.ops.silu_mul import silu_mul
+
+if TYPE_CHECKING:
+    from kda_rt.loader.config import MoEConfig
+
+__all__ = ["moe_forward", "moe_workspace_bytes"]
+
+_ALIGN = 256
+
+
+def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    E, A = cfg.num_experts, cfg.top_k
+    N, tiles = T * A, max_tiles(T * A, cfg.num_experts, 8)  # BT = 8 gives the most tiles
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    parts = [("logits", (T, E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (E + 1,), i32),
+             ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
+             ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), f32)]
+    if inter_s:
+        parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
+    return parts
+
+
+def _offsets(parts) -> tuple[list[int], int]:
+    offs, pos = [], 0
+    for _, shape, dtype in parts:
+        offs.append(pos)
+        pos += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+    return offs, pos
+
+
+def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int = 0) -> int:
+    """Bytes of the uint8 workspace moe_forward needs for T tokens: D hidden, `inter` = I expert width,
+    `inter_s` = Is shared width (0: no shared expert)."""
+    return _offsets(_layout(T, cfg, D, inter, inter_s))[1]
+
+
+def moe_forward(x, w_router, bias, w13, w2, shared_w13, shared_w2, cfg: MoEConfig, *, out=None, workspace=None,
+                stream=None):
+    """x: [T, D] bf16, w_router: [E, D] fp32, bias: [E] fp32, w13: [E, 2I, D] bf16 ([w1 gate; w3 up] rows),
+    w2: [E, D, I] bf16, shared_w13: [2Is, D] bf16 | None, shared_w2: [D, Is] bf16 | None -> [T, D] bf16."""
+    import cupy
+
+    T, D = expect(x, "x", ndim=2, dtype=BF16)
+    E, A = cfg.num_experts, cfg.top_k
+    _, two_i, _ = expect(w13, "w13", shape=(E, None, D), dtype=BF16)
+    inter = two_i // 2
+    expect(w2, "w2", shape=(E, D, inter), dtype=BF16)
+    if (shared_w13 is None) != (shared_w2 is None) or (shared_w13 is None) != (cfg.num_shared_experts == 0):
+        raise ValueError("moe_forward: give both shared expert weights exactly when cfg.num_shared_experts > 0")
+    inter_s = 0
+    if shared_w13 is not None:
+        inter_s = expect(shared_w13, "shared_w13", shape=(None, D), dtype=BF16)[0] // 2
+        expect(shared_w2, "shared_w2", shape=(D, inter_s), dtype=BF16)
+    parts = _layout(T, cfg, D, inter, inter_s)
+    offs, nbytes = _offsets(parts)
+    workspace = cupy.empty(nbytes, dtype=np.uint8) if workspace is None else workspace
+    expect(workspace, "workspace", ndim=1, dtype=np.uint8)
+    if workspace.size < nbytes:
+        raise ValueError(f"moe_forward: workspace has {workspace.size} bytes, needs {nbytes} (moe_workspace_bytes)")
+    out = cupy.empty((T, D), dtype=BF16) if out is None else out
+    expect(out, "out", shape=(T, D), dtype=BF16)
+    if T == 0:
+        return out
+    ws = {name: cupy.ndarray(shape, dtype, memptr=workspace.data + off)
+          for (name, shape, dtype), off in zip(parts, offs, strict=True)}
+    plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
+                   ws["num_tiles"], tile_rows_for(T * A, E))
+    with stream if stream is not None else nullcontext():
+        moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
+                  renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights,
+                  out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], stream=stream)
+        moe_bucket(ws["ids"], E, plan, stream=stream)
+        moe_gemm(x, w13, plan, top_k=A, fuse_silu=True, out=ws["h"], stream=stream)
+        moe_gemm(ws["h"], w2, plan, top_k=A, fuse_silu=False, out=ws["y"], stream=stream)
+        shared = None
+        if inter_s:
+            linear(x, shared_w13, out=ws["gu_s"])
+            silu_mul(ws["gu_s"], out=ws["h_s"], stream=stream)
+            shared = linear(ws["h_s"], shared_w2, out=ws["y_s"])
+        moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, out=out, stream=stream)
+    return out

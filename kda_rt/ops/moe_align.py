@@ -1,0 +1,73 @@
+"""Launchers for kernels_cu/moe_align.cu: bucket (token, expert) pairs by expert for the grouped
+GEMM (`moe_bucket`), and gather the expert rows back per token with the routing weights (`moe_combine`).
+
+Letters: T tokens, A active experts per token, E experts, N = T·A pairs, D hidden, BT tile rows."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kda_rt.ops.check import expect, i32
+from kda_rt.ops.compile import get_kernel
+
+__all__ = ["MoEPlan", "max_tiles", "moe_bucket", "moe_combine"]
+
+
+class MoEPlan(NamedTuple):
+    """Device arrays written by moe_bucket (all int32) and the tile height they were built for."""
+
+    expert_off: object  # [E + 1]  first sorted row of each expert; [E] = N
+    sorted_pair: object  # [N]     pair index t·A + k of each sorted row
+    pair_pos: object  # [N]        sorted row of each pair
+    tile_expert: object  # [max_tiles]
+    tile_row: object  # [max_tiles]  first sorted row of each tile
+    num_tiles: object  # [1]        tiles in use (the rest of the grid exits at once)
+    tile_rows: int  # BT
+
+
+def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
+    """Upper bound of Σ_e ceil(n_e / BT) over experts with n_e > 0: N / BT + (touched experts)."""
+    return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
+
+
+def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stream=None) -> MoEPlan:
+    """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place."""
+    T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
+    N, E = T * A, num_experts
+    if not 1 <= E <= 1024:
+        raise ValueError(f"moe_bucket: num_experts must be in [1, 1024], got {E}")
+    tiles = max_tiles(N, E, plan.tile_rows)
+    for name, shape in (("expert_off", (E + 1,)), ("sorted_pair", (N,)), ("pair_pos", (N,)), ("num_tiles", (1,)),
+                        ("tile_expert", (None,)), ("tile_row", (None,))):
+        expect(getattr(plan, name), f"plan.{name}", shape=shape, dtype=np.int32)
+    if min(plan.tile_expert.size, plan.tile_row.size) < tiles:
+        raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
+    kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows)
+    kernel((1,), (1024,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos, plan.tile_expert,
+                           plan.tile_row, plan.num_tiles), stream=stream)
+    return plan
+
+
+def moe_combine(y, pair_pos, w, shared=None, *, out=None, stream=None):
+    """out[t] = bf16(shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]]).
+    y: [N, D] fp32, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16."""
+    import cupy
+
+    from kda_rt.ops.check import BF16
+
+    T, A = expect(w, "w", ndim=2, dtype=np.float32)
+    _, D = expect(y, "y", shape=(T * A, None), dtype=np.float32)
+    expect(pair_pos, "pair_pos", shape=(T * A,), dtype=np.int32)
+    if shared is not None:
+        expect(shared, "shared", shape=(T, D), dtype=np.float32)
+    if D % 4:
+        raise ValueError(f"moe_combine: hidden size {D} must be a multiple of 4")
+    out = cupy.empty((T, D), dtype=BF16) if out is None else out
+    expect(out, "out", shape=(T, D), dtype=BF16)
+    threads = min(256, -(-D // 128) * 32)
+    kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=shared is not None)
+    if T:
+        kernel((T,), (threads,), (y, pair_pos, w, shared if shared is not None else y, out, i32(T)), stream=stream)
+    return out

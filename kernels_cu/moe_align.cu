@@ -1,0 +1,136 @@
+// moe_align.cu — MoE pair bookkeeping: bucket the T·A (token, expert) pairs by expert for the
+// grouped GEMM, and gather the expert outputs back per token.
+//
+// Letters: T tokens, A active experts per token, E experts, N = T·A pairs (pair p = t·A + k),
+// D hidden, BT rows per GEMM tile.
+//
+// moe_bucket — grid (1), block 1024 (one block: N is at most a few ten thousand pairs).
+//   counts[e]       = #{p : ids[p] = e}                       (shared-memory atomics)
+//   expert_off[e]   = Σ_{f<e} counts[f],  expert_off[E] = N    (block scan)
+//   tiles           = for each expert, ceil(counts[e] / BT) tiles of BT rows, in expert order:
+//                     tile_expert[i] = e, tile_row[i] = first sorted row;  num_tiles[0] = total
+//   sorted_pair[r]  = p and pair_pos[p] = r, r in [expert_off[e], expert_off[e+1])
+//   The order of pairs inside one expert's rows depends on atomics, but every row of the
+//   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
+//   fixed k order, so the block output is bitwise deterministic all the same.
+// moe_combine — grid (T), block THREADS: out[t, :] = bf16( shared[t, :] + Σ_k w[t, k] · y[pair_pos[t·A + k], :] )
+//   fp32 sum in k order; `shared` (fp32, the shared expert's output) only when HAS_SHARED.
+// Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
+//   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
+//   y [N, D] fp32; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
+// Compile-time constants: E (≤ 1024), BT (bucket); D (multiple of 4), A, THREADS, HAS_SHARED (combine).
+#include "common.cuh"
+
+#define BUCKET_THREADS 1024
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+// Exclusive prefix sum over a block of BUCKET_THREADS threads (one value each); `warp_tot`
+// holds 32 ints of shared memory.  *total gets the block sum.  Ends with a barrier.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_tot, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
+    }
+    if (lane == 31) warp_tot[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int w = warp_tot[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += n;
+        }
+        warp_tot[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const int result = (warp > 0 ? warp_tot[warp - 1] : 0) + inc - v;
+    *total = warp_tot[31];
+    __syncthreads();
+    return result;
+}
+
+#ifdef BT
+// moe_route never produces an id outside [0, E); clamping anyway keeps every later index in
+// bounds whatever the ids buffer holds (a memory fault would poison the whole CUDA context)
+__device__ __forceinline__ int clamp_expert(int e) { return min(max(e, 0), E - 1); }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+#ifdef BT
+extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
+moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_off, int* __restrict__ sorted_pair,
+           int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
+           int* __restrict__ num_tiles) {
+    __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E; e += BUCKET_THREADS) { count_sh[e] = 0; fill_sh[e] = 0; }
+    __syncthreads();
+    for (int p = tid; p < num_pairs; p += BUCKET_THREADS) atomicAdd(&count_sh[clamp_expert(ids[p])], 1);
+    __syncthreads();
+    const int cnt = tid < E ? count_sh[tid] : 0;
+    const int ntile = (cnt + BT - 1) / BT;
+    int total_rows, total_tiles;
+    const int row0 = block_exclusive_scan(cnt, warp_tot, &total_rows);
+    const int tile0 = block_exclusive_scan(ntile, warp_tot, &total_tiles);
+    if (tid < E) {
+        off_sh[tid] = row0;
+        expert_off[tid] = row0;
+        for (int j = 0; j < ntile; ++j) {
+            tile_expert[tile0 + j] = tid;
+            tile_row[tile0 + j] = row0 + j * BT;
+        }
+    }
+    if (tid == 0) {
+        expert_off[E] = total_rows;
+        num_tiles[0] = total_tiles;
+    }
+    __syncthreads();
+    for (int p = tid; p < num_pairs; p += BUCKET_THREADS) {
+        const int e = clamp_expert(ids[p]);
+        const int r = off_sh[e] + atomicAdd(&fill_sh[e], 1);
+        sorted_pair[r] = p;
+        pair_pos[p] = r;
+    }
+}
+#endif
+
+#ifdef THREADS
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
+            const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {
+    __shared__ int pos_sh[A];
+    __shared__ float w_sh[A];
+    const int t = blockIdx.x;
+    if (t >= num_tokens) return;
+    if (threadIdx.x < A) {
+        pos_sh[threadIdx.x] = pair_pos[t * A + threadIdx.x];
+        w_sh[threadIdx.x] = w[t * A + threadIdx.x];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x * 4; c < D; c += THREADS * 4) {
+#if HAS_SHARED
+        float4 acc = *reinterpret_cast<const float4*>(shared + (size_t)t * D + c);
+#else
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
+#pragma unroll
+        for (int k = 0; k < A; ++k) {
+            const float4 v = *reinterpret_cast<const float4*>(y + (size_t)pos_sh[k] * D + c);
+            const float wk = w_sh[k];
+            acc.x += wk * v.x; acc.y += wk * v.y; acc.z += wk * v.z; acc.w += wk * v.w;
+        }
+        __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+        uint2 packed;
+        packed.x = *reinterpret_cast<unsigned*>(&lo);
+        packed.y = *reinterpret_cast<unsigned*>(&hi);
+        *reinterpret_cast<uint2*>(out + (size_t)t * D + c) = packed;
+    }
+}
+#endif

@@ -1,0 +1,162 @@
+// moe_gemm.cu — grouped GEMM over expert-bucketed rows with bf16 tensor cores (mma.sync m16n8k16,
+// fp32 accumulate), for the two MoE projections (spec §5.1):
+//
+//   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
+//                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
+//                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
+//   FUSE_SILU = 0 (down):     y[r, f] = h[r] · W[e, f]ᵀ  in fp32                      W = w2 [E, NOUT, K]
+//
+// Rows r are the expert-sorted pair rows of moe_align.cu; tile i covers rows
+// [tile_row[i], min(tile_row[i] + BT, expert_off[e + 1])) of expert e = tile_expert[i].
+//
+// Geometry.  Grid (max_tiles, feature blocks); a block whose tile index is ≥ num_tiles[0] (read
+// on the device) exits at once, so the grid is sized from (T, A, E) alone and the launch can be
+// captured in a CUDA graph.  Block: WARPS warps.  Each warp owns MT m16 tiles of weight rows
+// (output features; the MT/2 gate tiles and the matching MT/2 up tiles when FUSE_SILU) and all
+// NT n8 tiles of rows (BT = 8·NT), i.e. we compute (W·Xᵀ): weights are the A operand, so a
+// decode tile with one or two rows wastes MMA work, not weight bytes — decode is bound by
+// reading each touched expert's weights once.
+//
+// Operand loads need no shared memory: the dot product over K does not care about the order of
+// k, so each lane loads 8 consecutive k (16 bytes) of its weight rows and of its x row and feeds
+// them to two k16 MMAs — logical k {2c, 2c+1, 2c+8, 2c+9} of lane c = lane % 4 map to physical
+// k {8c..8c+3} in the first MMA and {8c+4..8c+7} in the second, the same for A and B.  KU such
+// 32-k chunks are loaded before the first MMA so several 16-byte loads per thread are in flight.
+// x rows are shared by all warps of the block through L1.
+//
+// Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
+//   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT].
+// Compile-time constants: K (multiple of 32·KU), NOUT, FUSE_SILU, TOPK, MT, NT, KU, WARPS.
+//   NOUT (or HALF = NOUT / 2) is a multiple of WARPS·16·MT (resp. WARPS·16·MT/2).
+// Measured on H200 (MT=2, WARPS=4, KU=4, NT=1; untuned): the whole moe_forward at T=32, E=256,
+// D=2304, I=1024 takes 601 us per graph replay for 1418 MB of touched weights = 2.36 TB/s, 55% of
+// the 4.3 TB/s copy ceiling.  Not yet used: cp.async / TMA pipelining and wgmma; prefill-sized
+// tiles (NT = 4) re-read an expert's weights once per 32-row tile, from L2 when they fit there.
+#include "common.cuh"
+
+#if !defined(K) || !defined(NOUT) || !defined(MT) || !defined(NT) || !defined(KU) || !defined(WARPS)
+#error "moe_gemm.cu needs -DK -DNOUT -DMT -DNT -DKU -DWARPS (and FUSE_SILU, TOPK)"
+#endif
+#if K % (32 * KU) != 0
+#error "moe_gemm.cu: K must be a multiple of 32·KU"
+#endif
+#if FUSE_SILU && (MT % 2 != 0)
+#error "moe_gemm.cu: FUSE_SILU needs an even MT (gate and up tiles in pairs)"
+#endif
+#define BT (8 * NT)
+#define HALF (NOUT / 2)
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+// D += A·B for one m16n8k16 tile: a0..a3 / b0..b1 are packed bf16 pairs in the PTX fragment order
+__device__ __forceinline__ void mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return to_f32(to_bf16(v)); }
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
+                 const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                 const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    const int tile = blockIdx.x;
+    if (tile >= num_tiles[0]) return;
+    const int e = tile_expert[tile], row0 = tile_row[tile], row_end = expert_off[e + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+
+    // B operand: the row of n-tile nt this lane feeds (rows past the tile end repeat row0; their
+    // results are never stored)
+    const bf16* brow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        int r = row0 + nt * 8 + g;
+        r = r < row_end ? r : row0;
+#if FUSE_SILU
+        const int s = sorted_pair[r] / TOPK;
+#else
+        const int s = r;
+#endif
+        brow[nt] = src + (size_t)s * K + 8 * c;
+    }
+    // A operand: weight rows g (and g + 8) of each m16 tile
+#if FUSE_SILU
+    const int f0 = (blockIdx.y * WARPS + warp) * 16 * (MT / 2);  // first h feature of this warp
+#else
+    const int f0 = (blockIdx.y * WARPS + warp) * 16 * MT;
+#endif
+    const bf16* wexp = weight + (size_t)e * NOUT * K;
+    const bf16* wrow[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#if FUSE_SILU
+        const int m = i < MT / 2 ? f0 + 16 * i : HALF + f0 + 16 * (i - MT / 2);
+#else
+        const int m = f0 + 16 * i;
+#endif
+        wrow[i] = wexp + (size_t)(m + g) * K + 8 * c;
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][nt][j] = 0.f;
+
+    for (int k0 = 0; k0 < K; k0 += 32 * KU) {
+        uint4 a[KU][MT][2], b[KU][NT];
+#pragma unroll
+        for (int u = 0; u < KU; ++u) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                a[u][i][0] = __ldg(reinterpret_cast<const uint4*>(wrow[i] + k0 + 32 * u));
+                a[u][i][1] = __ldg(reinterpret_cast<const uint4*>(wrow[i] + 8 * K + k0 + 32 * u));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) b[u][nt] = __ldg(reinterpret_cast<const uint4*>(brow[nt] + k0 + 32 * u));
+        }
+#pragma unroll
+        for (int u = 0; u < KU; ++u)
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint4 lo = a[u][i][0], hi = a[u][i][1], bb = b[u][nt];
+                    mma_bf16(acc[i][nt], lo.x, hi.x, lo.y, hi.y, bb.x, bb.y);
+                    mma_bf16(acc[i][nt], lo.z, hi.z, lo.w, hi.w, bb.z, bb.w);
+                }
+    }
+
+    // epilogue: acc[i][nt] = {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)} as (feature, row)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = row0 + nt * 8 + 2 * c + (j & 1);
+            if (r >= row_end) continue;
+#if FUSE_SILU
+#pragma unroll
+            for (int i = 0; i < MT / 2; ++i) {
+                const int f = f0 + 16 * i + g + (j >> 1) * 8;
+                const float gate = round_bf16(acc[i][nt][j]), up = round_bf16(acc[i + MT / 2][nt][j]);
+                const float act = round_bf16(gate / (1.f + expf(-gate)));
+                static_cast<bf16*>(dst)[(size_t)r * HALF + f] = to_bf16(act * up);
+            }
+#else
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int f = f0 + 16 * i + g + (j >> 1) * 8;
+                static_cast<float*>(dst)[(size_t)r * NOUT + f] = acc[i][nt][j];
+            }
+#endif
+        }
+}

@@ -1,0 +1,138 @@
+// moe_route.cu — MoE router (spec §5.2): fp32 logits, sigmoid, group-limited top-k on biased
+// scores, weights from the unbiased scores, renormalised and scaled.
+//
+//   logits[t, e] = Σ_d float(x[t, d]) · w_router[e, d]                      (fp32 products and sums)
+//   s = sigmoid(logits)          sel = s + bias                             (sel: selection only)
+//   num_groups > 1: group score = sum of the two largest sel in the group (the only one when a
+//                   group has one expert); experts outside the topk_group best groups get -inf
+//   ids[t, :] = the top_k largest sel, in descending order (ties: lower index first)
+//   w[t, k]   = s[ids[t, k]]   (sel[...] when biased: the HF remote-code variant)
+//               / (Σ_k w + 1e-20) when renormalize;  then × scaling
+//
+// Letters: T tokens, D hidden, E experts, G groups, A = top_k active experts per token (≤ 16).
+//
+// moe_route_logits — grid (ceil(T / TPB), ceil(E / WARPS)), block WARPS·32.  The block stages
+//   TPB rows of x in shared memory (bf16, 2·TPB·D bytes); each warp computes one expert's logits
+//   for those TPB tokens with 16-byte loads of its router row (every router row is read
+//   ceil(T / TPB) times in all, so decode spreads the 4·E·D router bytes over E / WARPS blocks).
+// moe_route_select — grid (T), block THREADS ≥ E: one thread per expert; ranks are computed by
+//   counting (rank_e = #{f : v_f > v_e or (v_f == v_e and f < e)}), which is deterministic and
+//   matches a stable descending sort.  A NaN score ranks as -inf, so ids are always valid and
+//   distinct (the weights of such a token are NaN: garbage in, visible garbage out).
+// Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32,
+//   ids [T, A] int32, w [T, A] fp32.
+// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS (select).
+#include "common.cuh"
+
+#ifndef E
+#error "moe_route.cu needs -DE=<num experts>"
+#endif
+#define MAX_TOP_K 16
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// accurate sigmoid (expf, not __expf): the routing weights are checked to 1e-5 relative
+__device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf(-x)); }
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+#ifdef TPB
+extern "C" __global__ void moe_route_logits(const bf16* __restrict__ x, const float* __restrict__ w_router,
+                                            float* __restrict__ logits, int num_tokens) {
+    __shared__ __align__(16) bf16 xs[TPB][D];
+    const int t0 = blockIdx.x * TPB;
+    // stage TPB rows (zeros past the end) with 8-byte copies: D % 4 == 0 keeps them aligned
+    for (int i = threadIdx.x; i < TPB * (D / 4); i += WARPS * 32) {
+        const int t = i / (D / 4), d = (i % (D / 4)) * 4;
+        uint2 v = make_uint2(0u, 0u);
+        if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + d);
+        *reinterpret_cast<uint2*>(&xs[t][d]) = v;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.y * WARPS + (threadIdx.x >> 5);
+    if (e >= E) return;
+    const float* row = w_router + (size_t)e * D;
+    float acc[TPB];
+#pragma unroll
+    for (int t = 0; t < TPB; ++t) acc[t] = 0.f;
+    for (int d = lane * 4; d < D; d += 128) {
+        const float4 w = *reinterpret_cast<const float4*>(row + d);
+#pragma unroll
+        for (int t = 0; t < TPB; ++t) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(&xs[t][d]);
+            const bf16* xv = reinterpret_cast<const bf16*>(&raw);
+            acc[t] += w.x * to_f32(xv[0]) + w.y * to_f32(xv[1]) + w.z * to_f32(xv[2]) + w.w * to_f32(xv[3]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TPB; ++t) {
+        const float v = warp_sum(acc[t]);
+        if (lane == 0 && t0 + t < num_tokens) logits[(size_t)(t0 + t) * E + e] = v;
+    }
+}
+#endif
+
+#ifdef THREADS
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_route_select(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
+                 float* __restrict__ out_w, int num_tokens, int top_k, int num_groups, int topk_group,
+                 int renormalize, int biased, float scaling) {
+    __shared__ float s_sh[E], sel_sh[E], group_sh[E];
+    __shared__ int keep_sh[E], ids_sh[MAX_TOP_K];
+    __shared__ float w_sh[MAX_TOP_K];
+    const int t = blockIdx.x, e = threadIdx.x;
+    if (t >= num_tokens) return;
+    if (e < E) {
+        const float s = sigmoid_acc(logits[(size_t)t * E + e]);
+        const float sel = s + bias[e];
+        s_sh[e] = s;
+        // NaN (from a NaN input row) would compare false both ways and break the ranks: rank it
+        // as -inf so the ranks stay a permutation and the ids always lie in [0, E)
+        sel_sh[e] = sel == sel ? sel : neg_inf();
+    }
+    __syncthreads();
+    if (num_groups > 1) {
+        const int per = E / num_groups;
+        if (e < num_groups) {
+            float m1 = neg_inf(), m2 = neg_inf();
+            for (int j = 0; j < per; ++j) {
+                const float v = sel_sh[e * per + j];
+                if (v > m1) { m2 = m1; m1 = v; } else if (v > m2) { m2 = v; }
+            }
+            group_sh[e] = per >= 2 ? m1 + m2 : m1;
+        }
+        __syncthreads();
+        if (e < num_groups) {
+            const float g = group_sh[e];
+            int rank = 0;
+            for (int h = 0; h < num_groups; ++h) rank += (group_sh[h] > g) || (group_sh[h] == g && h < e);
+            keep_sh[e] = rank < topk_group;
+        }
+        __syncthreads();
+        if (e < E && !keep_sh[e / per]) sel_sh[e] = neg_inf();
+        __syncthreads();
+    }
+    if (e < E) {
+        const float v = sel_sh[e];
+        int rank = 0;
+        for (int f = 0; f < E; ++f) rank += (sel_sh[f] > v) || (sel_sh[f] == v && f < e);
+        if (rank < top_k) {
+            ids_sh[rank] = e;
+            w_sh[rank] = biased ? v : s_sh[e];
+        }
+    }
+    __syncthreads();
+    if (e < top_k) {
+        float sum = 0.f;
+        for (int j = 0; j < top_k; ++j) sum += w_sh[j];  // fixed order: deterministic
+        const float w = renormalize ? w_sh[e] / (sum + 1e-20f) : w_sh[e];
+        out_ids[(size_t)t * top_k + e] = ids_sh[e];
+        out_w[(size_t)t * top_k + e] = w * scaling;
+    }
+}
+#endif

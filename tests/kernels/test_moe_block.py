@@ -1,0 +1,262 @@
+"""kda_rt/ops/moe.py (moe_route + moe_align + moe_gemm kernels + cuBLAS shared expert) against
+kda_rt.model.moe.moe_forward in float64 on the same bf16 x / weights (fp32 router and bias).
+
+    y = Σ_k w_k · W2_e (SiLU(W1_e x) ⊙ W3_e x) + Shared(x),  e = ids_k, per token (spec §5)
+
+Tolerance: RMS(out - ref) / RMS(ref) ≤ 1e-2.  The GPU rounds the gate/up projections, SiLU and
+the hidden activation to bf16 (transformers' rounding points) and the block output once; each is
+~2^-9 RMS relative, so ~3e-3 is expected.  Selections cannot flip (inputs redrawn until every
+top-A boundary has a gap > 2e-5, see test_moe_route).  Also: bitwise determinism across runs and
+one CUDA-graph capture replayed on new inputs.  Run as a script for a decode benchmark.
+Letters: T tokens, D hidden, E experts, A active experts, I / Is expert / shared width."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+from gpu_helpers import poison, rms_rel, to_gpu_bf16, to_np
+from test_moe_route import make_cfg, make_router
+
+pytestmark = pytest.mark.gpu
+
+
+def rand_bf16(rng, shape, scale):
+    """Random normal bf16 on the GPU, drawn in slices along axis 0 (the expert stacks are GBs)."""
+    import cupy
+
+    from kda_rt.ops.check import BF16
+
+    out = cupy.empty(shape, dtype=BF16)
+    step = max(1, (1 << 26) // max(1, int(np.prod(shape[1:]))))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        out[i:i + n] = (rng.standard_normal((n, *shape[1:]), dtype=np.float32) * scale).astype(BF16)
+    return out
+
+
+class GpuParams(Mapping):
+    """The NumPy model's checkpoint names, read lazily (float64) from the fused GPU weights."""
+
+    def __init__(self, router, bias, w13, w2, s13, s2):
+        self.router, self.bias, self.w13, self.w2, self.s13, self.s2 = router, bias, w13, w2, s13, s2
+
+    def __getitem__(self, key):
+        inter = self.w13.shape[1] // 2
+        if key == "gate.weight":
+            return self.router
+        if key == "gate.e_score_correction_bias":
+            return self.bias
+        m = re.fullmatch(r"experts\.(\d+)\.(w1|w3|w2)\.weight", key)
+        if m:
+            e, name = int(m[1]), m[2]
+            w = self.w2[e] if name == "w2" else self.w13[e, :inter] if name == "w1" else self.w13[e, inter:]
+            return to_np(w)
+        ks = self.s13.shape[0] // 2
+        shared = {"gate_proj": lambda: self.s13[:ks], "up_proj": lambda: self.s13[ks:], "down_proj": lambda: self.s2}
+        m = re.fullmatch(r"shared_experts\.(\w+)\.weight", key)
+        if m and self.s13 is not None:
+            return to_np(shared[m[1]]())
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
+def make_block(T, D, inter, inter_s, cfg, seed):
+    """GPU weights and inputs of one MoE block plus the NumPy view of them."""
+    import cupy
+
+    x, router, bias = make_router(T, D, cfg, seed)
+    rng = cupy.random.default_rng(seed)
+    E = cfg.num_experts
+    w13 = rand_bf16(rng, (E, 2 * inter, D), 1 / np.sqrt(D))
+    w2 = rand_bf16(rng, (E, D, inter), 1 / np.sqrt(inter))
+    s13 = rand_bf16(rng, (2 * inter_s, D), 1 / np.sqrt(D)) if inter_s else None
+    s2 = rand_bf16(rng, (D, inter_s), 1 / np.sqrt(inter_s)) if inter_s else None
+    gpu = dict(x=to_gpu_bf16(x), w_router=cupy.asarray(router.astype(np.float32)),
+               bias=cupy.asarray(bias.astype(np.float32)), w13=w13, w2=w2, shared_w13=s13, shared_w2=s2)
+    return x, gpu, GpuParams(router, bias, w13, w2, s13, s2)
+
+
+def run(gpu, cfg, **kw):
+    from kda_rt.ops.moe import moe_forward
+
+    return moe_forward(gpu["x"], gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], gpu["shared_w13"],
+                       gpu["shared_w2"], cfg, **kw)
+
+
+CASES = {  # name: (T, D, I, Is, E, cfg kwargs)
+    "T1-small": (1, 256, 128, 128, 16, dict(A=4)),
+    "T7-small-noshared": (7, 256, 128, 0, 16, dict(A=4)),
+    "T64-small-G4k2-norenorm": (64, 256, 128, 128, 16, dict(A=4, G=4, topk_group=2, renormalize=False)),
+    "T300-small": (300, 256, 128, 128, 16, dict(A=4)),
+    "T1-E256": (1, 2304, 1024, 1024, 256, dict()),
+    "T7-E256": (7, 2304, 1024, 1024, 256, dict()),
+    "T64-E16": (64, 2304, 1024, 1024, 16, dict()),
+    "T300-E64-G8k4": (300, 2304, 1024, 1024, 64, dict(G=8, topk_group=4)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_forward(name):
+    import cupy
+
+    from kda_rt.model.moe import moe_forward as moe_ref
+    from kda_rt.ops.check import BF16
+    from kda_rt.ops.moe import moe_workspace_bytes
+
+    T, D, inter, inter_s, E, kw = CASES[name]
+    cfg = make_cfg(E, **kw)
+    cfg = dataclasses.replace(cfg, num_shared_experts=1 if inter_s else 0, intermediate_size=inter)
+    x, gpu, params = make_block(T, D, inter, inter_s, cfg, zlib.crc32(name.encode()))
+    ref = moe_ref(params, x, cfg)
+    out = cupy.empty((T, D), dtype=BF16)
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter_s), dtype=np.uint8)
+    ws[...] = 0xFF  # poisoned scratch: every value the block reads must be written first
+    poison(out)
+    run(gpu, cfg, out=out, workspace=ws)
+    got = to_np(out)
+    err = rms_rel(got, ref)
+    print(f"\n{name}: rms rel err {err:.2e}", end="")
+    assert err <= 1e-2, f"{name}: rms rel err {err:.3e}, max abs {np.max(np.abs(got - ref)):.3e}"
+    again = run(gpu, cfg)
+    assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
+
+
+def test_moe_forward_in_cuda_graph():
+    """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
+    new per-expert counts, same grids."""
+    import cupy
+
+    from kda_rt.model.moe import moe_forward as moe_ref
+    from kda_rt.ops.check import BF16
+    from kda_rt.ops.moe import moe_workspace_bytes
+
+    T, D, inter, E = 16, 2304, 1024, 64
+    cfg = make_cfg(E)
+    x, gpu, params = make_block(T, D, inter, inter, cfg, 11)
+    out = cupy.empty((T, D), dtype=BF16)
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter), dtype=np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)  # does not wait for the null stream: sync by hand
+    cupy.cuda.Device().synchronize()
+    with stream:
+        run(gpu, cfg, out=out, workspace=ws, stream=stream)  # warm up: compile, cuBLAS handle
+        stream.begin_capture()
+        run(gpu, cfg, out=out, workspace=ws, stream=stream)
+        graph = stream.end_capture()
+    stream.synchronize()
+    x2, _, _ = make_router(T, D, cfg, 12)
+    gpu["x"][...] = to_gpu_bf16(x2)
+    poison(out)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    err = rms_rel(to_np(out), moe_ref(params, x2, cfg))
+    assert err <= 1e-2, f"graph replay: rms rel err {err:.3e}"
+
+
+def bench(T=32, D=2304, inter=1024, E=256, reps=50):
+    """Decode-shaped timing by CUDA-graph replay; bytes = touched experts' w13 + w2, shared expert,
+    router (each read once), the floor for this memory-bound step."""
+    import cupy
+
+    from kda_rt.ops.check import BF16
+    from kda_rt.ops.moe import moe_workspace_bytes
+
+    cfg = make_cfg(E)
+    _, gpu, _ = make_block(T, D, inter, inter, cfg, 5)
+    out = cupy.empty((T, D), dtype=BF16)
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter), dtype=np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # weights and x are written on the null stream
+    with stream:
+        run(gpu, cfg, out=out, workspace=ws, stream=stream)
+        stream.begin_capture()
+        run(gpu, cfg, out=out, workspace=ws, stream=stream)
+        graph = stream.end_capture()
+        for _ in range(3):
+            graph.launch(stream)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(reps):
+            graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+    ms = cupy.cuda.get_elapsed_time(start, stop) / reps
+    from kda_rt.ops.moe_route import moe_route
+
+    ids, _ = moe_route(gpu["x"], gpu["w_router"], gpu["bias"], top_k=cfg.top_k, num_groups=1, topk_group=1,
+                       renormalize=True, scaling=1.0)
+    touched = len(np.unique(cupy.asnumpy(ids)))
+    nbytes = touched * 3 * inter * D * 2 + 3 * inter * D * 2 + E * D * 4
+    print(f"moe_forward T={T} E={E} D={D} I={inter} A={cfg.top_k}: {ms * 1e3:.1f} us per call (graph), "
+          f"{touched} experts touched, {nbytes / 1e6:.1f} MB -> {nbytes / ms / 1e6:.0f} GB/s "
+          f"(floor at 4.3 TB/s: {nbytes / 4.3e9 * 1e3:.1f} us)")
+    return ms
+
+
+def bench_parts(T=32, D=2304, inter=1024, E=256, reps=20, configs=((2, 4, 4),)):
+    """Per-stage times (each stage queued `reps` times between two events; stages are idempotent),
+    and the two grouped GEMMs under other (MT, WARPS, KU) tile configs."""
+    import cupy
+
+    import kda_rt.ops.moe_gemm as mg
+    from kda_rt.ops import moe as mo
+    from kda_rt.ops.moe_align import MoEPlan, moe_bucket, moe_combine
+    from kda_rt.ops.moe_route import moe_route
+
+    cfg = make_cfg(E)
+    _, g, _ = make_block(T, D, inter, inter, cfg, 5)
+    parts = mo._layout(T, cfg, D, inter, inter)
+    offs, nbytes = mo._offsets(parts)
+    buf = cupy.empty(nbytes, dtype=np.uint8)
+    ws = {n: cupy.ndarray(s, d, memptr=buf.data + o) for (n, s, d), o in zip(parts, offs, strict=True)}
+    plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
+                   ws["num_tiles"], mg.tile_rows_for(T * cfg.top_k, E))
+    out = cupy.empty((T, D), dtype=g["x"].dtype)
+    stages = {
+        "route": lambda: moe_route(g["x"], g["w_router"], g["bias"], top_k=8, num_groups=1, topk_group=1,
+                                   renormalize=True, scaling=2.446, out_ids=ws["ids"], out_w=ws["w"],
+                                   logits=ws["logits"]),
+        "bucket": lambda: moe_bucket(ws["ids"], E, plan),
+        "gemm13": lambda: mg.moe_gemm(g["x"], g["w13"], plan, top_k=8, fuse_silu=True, out=ws["h"]),
+        "gemm2": lambda: mg.moe_gemm(ws["h"], g["w2"], plan, top_k=8, fuse_silu=False, out=ws["y"]),
+        "combine": lambda: moe_combine(ws["y"], plan.pair_pos, ws["w"], ws["y_s"], out=out),
+    }
+    touched = None
+    default_config = mg._config
+    for cfg_i, conf in enumerate(configs):
+        mg._config = (lambda c: (lambda nout, k, nt, fuse: c))(conf) if cfg_i else default_config
+        for name, fn in stages.items():
+            if cfg_i and not name.startswith("gemm"):
+                continue
+            fn()
+            cupy.cuda.Device().synchronize()
+            if touched is None and name == "bucket":
+                touched = int(np.count_nonzero(np.diff(cupy.asnumpy(ws["expert_off"]))))
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(reps):
+                fn()
+            stop.record()
+            stop.synchronize()
+            us = cupy.cuda.get_elapsed_time(start, stop) / reps * 1e3
+            wbytes = touched * (2 if name == "gemm13" else 1) * inter * D * 2 if name.startswith("gemm") else 0
+            extra = f" {wbytes / 1e6:.0f} MB weights -> {wbytes / us / 1e3:.0f} GB/s" if wbytes else ""
+            print(f"  T={T} E={E} {name:8s} config={conf if cfg_i else 'default'}: {us:8.1f} us{extra}")
+    mg._config = default_config
+
+
+if __name__ == "__main__":
+    bench(T=32)
+    bench(T=1)
+    bench(T=64)
+    bench_parts(T=32, configs=((2, 4, 4), (2, 4, 2), (4, 4, 4), (2, 8, 4), (4, 4, 2)))

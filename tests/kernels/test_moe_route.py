@@ -1,0 +1,132 @@
+"""kernels_cu/moe_route.cu against kda_rt.model.moe.route in float64 on the same bf16 x / fp32 router.
+
+    logits = x · W_routerᵀ (fp32),  s = sigmoid,  sel = s + bias (selection only), group-limited top-A,
+    w = s[ids] (sel[ids] when biased) / (Σ + 1e-20) if renormalize, × scaling
+
+Checks: ids equal as sets per token (inputs are redrawn until every top-A / top-group boundary
+has a gap > 2e-5 in sel, far above the ~1e-6 fp32 logit error, so no selection can flip);
+weights |w - w_ref| ≤ 1e-5·|w_ref| (fp32 dot over D = 2304 has relative error ~1e-6).
+Letters: T tokens, D hidden, E experts, G groups, A active experts."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from gpu_helpers import bf16_round, to_gpu_bf16, to_np
+
+pytestmark = pytest.mark.gpu
+
+GAP = 2e-5
+
+
+def make_cfg(E, A=8, G=1, topk_group=1, renormalize=True, scaling=2.446, biased=False):
+    from kda_rt.loader.config import MoEConfig
+
+    return MoEConfig(num_experts=E, top_k=A, num_shared_experts=1, intermediate_size=1024, renormalize=renormalize,
+                     routed_scaling_factor=scaling, num_expert_group=G, topk_group=topk_group, biased_weights=biased)
+
+
+def _boundary_gap(x, w_router, bias, cfg) -> float:
+    """Smallest gap in sel at the top-A cut (and the top-group cut) over all tokens."""
+    from kda_rt.model.layers import sigmoid
+
+    sel = sigmoid(x @ w_router.T) + bias  # [T, E]
+    gaps = [np.inf]
+    E, G, A = cfg.num_experts, cfg.num_expert_group, cfg.top_k
+    if G > 1:
+        grouped = -np.sort(-sel.reshape(len(x), G, E // G), axis=-1)[:, :, : min(2, E // G)].sum(-1)  # [T, G]
+        order = -np.sort(-grouped, axis=-1)
+        if cfg.topk_group < G:
+            gaps.append(np.min(order[:, cfg.topk_group - 1] - order[:, cfg.topk_group]))
+        keep = grouped >= order[:, cfg.topk_group - 1 : cfg.topk_group]
+        sel = np.where(np.repeat(keep, E // G, axis=-1), sel, -np.inf)
+    top = -np.sort(-sel, axis=-1)
+    if A < E and np.all(np.isfinite(top[:, A])):
+        gaps.append(np.min(top[:, A - 1] - top[:, A]))
+    return float(min(gaps))
+
+
+def make_router(T, D, cfg, seed, bias_std=0.1):
+    """x [T, D] (bf16 values), w_router [E, D] and bias [E] (fp32 values), all float64, redrawn
+    until no selection is within GAP of a tie.  bias_std 0.1 is about half the spread of s, so the
+    bias changes many selections (checked in test_moe_route)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        x = bf16_round(rng.normal(size=(T, D)))
+        w_router = rng.normal(size=(cfg.num_experts, D)).astype(np.float32).astype(np.float64) / np.sqrt(D)
+        bias = (rng.normal(size=cfg.num_experts) * bias_std).astype(np.float32).astype(np.float64)
+        if _boundary_gap(x, w_router, bias, cfg) > GAP:
+            return x, w_router, bias
+    raise RuntimeError("could not draw router inputs without near-ties")
+
+
+CASES = {
+    "T1-E256": (1, 256, dict()),
+    "T7-E256-norenorm": (7, 256, dict(renormalize=False)),
+    "T64-E64-G8k3": (64, 64, dict(G=8, topk_group=3)),
+    "T300-E256-G8k4": (300, 256, dict(G=8, topk_group=4)),
+    "T300-E16-G16k8": (300, 16, dict(G=16, topk_group=8)),  # one expert per group
+    "T64-E256-biased": (64, 256, dict(biased=True)),
+    "T7-E16-A4-scale1": (7, 16, dict(A=4, scaling=1.0, renormalize=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_route(name):
+    import cupy
+
+    from kda_rt.model.moe import route
+    from kda_rt.ops.moe_route import moe_route
+
+    T, E, kw = CASES[name]
+    D = 2304
+    cfg = make_cfg(E, **kw)
+    x, w_router, bias = make_router(T, D, cfg, seed=zlib.crc32(name.encode()))
+    ids_ref, w_ref = route(x, w_router, bias, cfg)
+    A = cfg.top_k
+    out_ids = cupy.full((T, A), -1, dtype=np.int32)
+    out_w = cupy.full((T, A), np.nan, dtype=np.float32)
+    moe_route(to_gpu_bf16(x), cupy.asarray(w_router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)),
+              top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+              scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=out_ids, out_w=out_w)
+    ids, w = cupy.asnumpy(out_ids), to_np(out_w)
+    order, order_ref = np.argsort(ids, axis=-1), np.argsort(ids_ref, axis=-1)
+    ids_s, ids_ref_s = np.take_along_axis(ids, order, -1), np.take_along_axis(ids_ref, order_ref, -1)
+    bad = np.nonzero((ids_s != ids_ref_s).any(-1))[0]
+    assert bad.size == 0, f"{bad.size} tokens select other experts, e.g. token {bad[0]}: {ids_s[bad[0]]} vs {ids_ref_s[bad[0]]}"
+    w_s, w_ref_s = np.take_along_axis(w, order, -1), np.take_along_axis(w_ref, order_ref, -1)
+    rel = np.abs(w_s - w_ref_s) / np.abs(w_ref_s)
+    assert np.all(np.isfinite(w_s)) and rel.max() <= 1e-5, f"weights: max rel err {rel.max():.3e}"
+    if kw.get("G", 1) == 1:  # the bias must matter: selections without it differ somewhere
+        ids_nobias, _ = route(x, w_router, 0 * bias, cfg)
+        assert any(set(a) != set(b) for a, b in zip(ids_nobias, ids_ref, strict=True)) or T < 7
+
+
+def test_moe_route_nan_row_keeps_ids_valid():
+    """A NaN input row must not break the ranks: its ids are 0..A-1 (NaN ranks as -inf, ties by
+    index), so the bucketing that follows never sees an id outside [0, E); other rows unaffected."""
+    import cupy
+
+    from kda_rt.model.moe import route
+    from kda_rt.ops.moe_route import moe_route
+
+    cfg = make_cfg(64)
+    x, w_router, bias = make_router(4, 256, cfg, seed=3)
+    xg = to_gpu_bf16(x)
+    xg[2] = np.nan
+    ids, w = moe_route(xg, cupy.asarray(w_router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)),
+                       top_k=8, num_groups=1, topk_group=1, renormalize=True, scaling=1.0)
+    ids = cupy.asnumpy(ids)
+    assert sorted(ids[2]) == list(range(8))
+    ids_ref, _ = route(x, w_router, bias, cfg)
+    for t in (0, 1, 3):
+        assert set(ids[t]) == set(ids_ref[t])
+
+
+if __name__ == "__main__":
+    for case in CASES:
+        test_moe_route(case)
+    test_moe_route_nan_row_keeps_ids_valid()
+    print("ok")
