@@ -2,12 +2,12 @@
 # One device run: install, every GPU test, the fast-path report on the demo and on a
 # Kimi-Linear-48B-shaped 4-layer random checkpoint, and a bench.  Results land in $OUT.
 set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
-pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i warning | tail -3
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
+pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i "running pip as" | tail -5
 python tests/gpu/k48_config.py /tmp/k48.json 4
 python -m kda_rt.random_checkpoint --config /tmp/k48.json --out /tmp/k48 --seed 1 > /dev/null &
 CK=$!
-python -m pytest -q -m "gpu and not slow" tests/kernels tests/gpu -x -p no:cacheprovider 2>&1 | tee $OUT/pytest_gpu.txt | tail -25
+python -m pytest -q -m "gpu and not slow" tests/kernels tests/gpu -p no:cacheprovider 2>&1 | tee $OUT/pytest_gpu.txt | tail -25
 python -m kda_rt.generate --backend cuda --report --max-tokens 16 2>&1 | tee $OUT/report_demo.txt | tail -40
 wait $CK
 KDA_RT_TEST_48B_DIR=/tmp/k48 python -m pytest -q -m "gpu and slow" tests/gpu -s -p no:cacheprovider 2>&1 | tee $OUT/pytest_48b.txt | tail -8

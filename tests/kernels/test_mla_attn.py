@@ -143,7 +143,9 @@ def test_mla_decode_cuda_graph():
     w = bf16_round(1 + 0.2 * rng.normal(size=R))
     run_store(bf16_round(rng.normal(size=(B * max_ctx, R + DR))), w, pool, [max_ctx] * B, [0] * B, tables)
     w_kvb = bf16_round(rng.normal(size=(H * (DN + DV), R)) / np.sqrt(R))
-    kv_a, q = cupy.empty((B, R + DR), dtype=BF16), cupy.empty((B, H * (DN + DR)), dtype=BF16)
+    # warm-up and capture write position context_lens[b] = 0 from kv_a: give them finite values
+    kv_a = to_gpu_bf16(bf16_round(rng.normal(size=(B, R + DR))))
+    q = to_gpu_bf16(bf16_round(rng.normal(size=(B, H * (DN + DR)))))
     cu, ctx_d, tables_d = device_meta([1] * B, [0] * B, tables)
     w_d, w_kvb_d = to_gpu_bf16(w), to_gpu_bf16(w_kvb)
     out = cupy.empty((B, H * DV), dtype=BF16)

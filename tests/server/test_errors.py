@@ -1,0 +1,106 @@
+"""Error statuses and the OpenAI error envelope: 400 (naming the numbers), 401, 404, 413, 429."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import MAX_MODEL_LEN, ServerProc
+
+
+def _post(server, path, body=None, content=None, headers=None):
+    return httpx.post(server.url + path, json=body, content=content, headers=server.headers if headers is None else headers, timeout=60)
+
+
+def _envelope(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["code"] == status and isinstance(err["type"], str)
+    return err["message"]
+
+
+def test_prompt_over_max_model_len_names_both_numbers(server):
+    msg = _envelope(_post(server, "/v1/completions", {"prompt": list(range(300)), "max_tokens": 4}), 400)
+    assert "300" in msg and str(MAX_MODEL_LEN) in msg
+    msg = _envelope(_post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1000}), 400)
+    assert "1000" in msg and str(MAX_MODEL_LEN) in msg
+
+
+@pytest.mark.parametrize("body, word", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "seed": 2**70}, "seed"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [99999]}, "99999"),
+    ({"prompt": ""}, "empty"),
+], ids=["type", "range", "n", "max_tokens", "seed", "unknown-field", "mixed-prompt", "token-id", "empty"])
+def test_invalid_completion_is_400(server, body, word):
+    assert word in _envelope(_post(server, "/v1/completions", body), 400)
+
+
+def test_invalid_chat_is_400(server):
+    _envelope(_post(server, "/v1/chat/completions", {"messages": []}), 400)
+    _envelope(_post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}), 400)
+    _envelope(_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}), 400)
+    _envelope(_post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400)
+
+
+def test_auth(server):
+    _envelope(_post(server, "/v1/completions", {"prompt": "x"}, headers={}), 401)
+    _envelope(_post(server, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
+    assert httpx.get(server.url + "/health").status_code == 200  # health and metrics need no key
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_unknown_model_is_404(server):
+    assert "gpt-9" in _envelope(_post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404)
+
+
+def test_body_over_cap_is_413(server):
+    big = b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}'
+    _envelope(_post(server, "/v1/completions", content=big), 413)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_waiting_queue_full_is_429(tmp_path):
+    srv = ServerProc(tmp_path / "server.log", "--max-num-seqs", "1", "--max-waiting", "1")
+    try:
+        long = {"prompt": "a", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "temperature": 0.0}
+        started = threading.Event()
+        results = []
+
+        def run_stream():
+            with httpx.stream("POST", srv.url + "/v1/completions", json={**long, "stream": True}, headers=srv.headers,
+                              timeout=120) as r:
+                for _ in r.iter_lines():
+                    started.set()
+            results.append(r.status_code)
+
+        def run_plain():
+            results.append(httpx.post(srv.url + "/v1/completions", json=long, headers=srv.headers, timeout=120).status_code)
+
+        running = threading.Thread(target=run_stream)
+        running.start()
+        assert started.wait(60)  # the first request runs (one slot)
+        waiting = threading.Thread(target=run_plain)
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while srv.metrics().get("kda_rt_num_requests_waiting", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        msg = _envelope(httpx.post(srv.url + "/v1/completions", json=long, headers=srv.headers, timeout=60), 429)
+        assert "max_waiting 1" in msg
+        running.join(120)
+        waiting.join(120)
+        assert results == [200, 200]
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
