@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MAX_MODEL_LEN, ServerProc
+from server_helpers import MAX_MODEL_LEN, ServerProc
 
 
 def _post(server, path, body=None, content=None, headers=None):

@@ -92,8 +92,10 @@ def test_concurrent_streams_with_disconnects(server, reference_llm):
     def delta(key):
         return m.get(key, 0) - before.get(key, 0)
 
-    assert delta('kda_rt_requests_total{outcome="finished"}') == NUM_CLIENTS - len(hang_ups)
-    assert delta('kda_rt_requests_total{outcome="aborted"}') == len(hang_ups)
+    finished, aborted = delta('kda_rt_requests_total{outcome="finished"}'), delta('kda_rt_requests_total{outcome="aborted"}')
+    # a client may hang up just as its last chunk goes out, so a hang-up can still count as finished
+    assert finished + aborted == NUM_CLIENTS and finished >= NUM_CLIENTS - len(hang_ups), (finished, aborted)
+    assert aborted >= 1
     engine_done = delta("kda_rt_engine_requests_finished_total") + delta("kda_rt_engine_requests_aborted_total")
     assert engine_done == NUM_CLIENTS, "every request ends exactly once in the engine"
     assert server.metrics()["kda_rt_time_to_first_token_seconds_count"] >= NUM_CLIENTS - len(hang_ups)

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MAX_MODEL_LEN, ServerProc, pid_gone
+from server_helpers import MAX_MODEL_LEN, ServerProc, pid_gone
 
 LONG = {"prompt": "drain me", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0.0, "stream": True}
 

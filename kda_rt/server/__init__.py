@@ -1,0 +1,27 @@
+"""OpenAI-compatible HTTP server (`python -m kda_rt.serve`): Starlette + uvicorn in front, the
+engine in its own process behind msgpack frames.  Needs the `server` extra (`kda_rt[server]`).
+
+    app.py            routes, auth, body cap, SSE streaming, drain state
+    protocol.py       request schemas (msgspec) -> engine payloads; the OpenAI error envelope
+    responses.py      response bodies and stream chunks from engine deltas
+    engine_client.py  HTTP side of the engine process: spawn, frames, per-request queues
+    engine_proc.py    the engine process: frames in, LLMEngine.step(), deltas out
+    wire.py           msgpack frame format
+    metrics.py        Prometheus text exposition
+    __main__.py       CLI, uvicorn, SIGTERM drain
+"""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server CLI (see `kda_rt.server.__main__`)."""
+    try:
+        from kda_rt.server.__main__ import main as _main
+    except ImportError as exc:
+        print(f"error: the server needs the 'server' extra: pip install 'kda_rt[server]' ({exc})")
+        return 2
+
+    return _main(argv)

@@ -1,0 +1,145 @@
+"""`python -m kda_rt.serve` (or `python -m kda_rt.server`): the OpenAI-compatible HTTP server.
+
+    python -m kda_rt.serve --model DIR [--host 0.0.0.0] [--port 8000] [--api-key KEY]
+
+Flags follow vLLM's names.  Startup: the engine process loads the model, then uvicorn listens.
+SIGTERM or SIGINT: stop admitting (new requests and /health get 503), let in-flight requests
+finish for up to `--shutdown-timeout` seconds, abort the rest, stop the engine process, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+
+import uvicorn
+
+__all__ = ["build_parser", "main", "serve"]
+
+logger = logging.getLogger("kda_rt.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kda_rt.serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint directory (default: the bundled tiny demo checkpoint)")
+    ap.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
+    ap.add_argument("--dtype", default="float32", help="compute dtype on the numpy backend (float32 | float64)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per engine step")
+    ap.add_argument("--block-size", type=int, default=64, choices=(16, 32, 64), help="tokens per MLA page")
+    ap.add_argument("--num-blocks", type=int, default=None, help="MLA pages (default: sized from memory)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="reserved; only 1 is supported")
+    ap.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    ap.add_argument("--max-waiting", type=int, default=256,
+                    help="sequences allowed in the engine's waiting queue; beyond it requests get 429")
+    ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
+    ap.add_argument("--api-key", default=os.environ.get("KDA_RT_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY)")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    ap.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return ap
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from kda_rt.server.app import ServerState, build_app
+    from kda_rt.server.engine_client import EngineClient
+
+    model = args.model
+    if model is None:
+        from kda_rt.demo import demo_path
+
+        model = str(demo_path())
+        logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
+    init = {"model": model, "backend": args.backend, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": args.num_blocks,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed, "max_waiting": args.max_waiting}
+    client = EngineClient(init)
+    try:
+        await client.start(args.engine_start_timeout)
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    name = args.served_model_name or os.path.basename(os.path.normpath(model))
+    state = ServerState(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    drain_task: list[asyncio.Task] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if drain_task:
+            logger.warning("second %s: aborting in-flight requests now", sig.name)
+            state.abort_all()
+            return
+        logger.info("%s received: draining %d in-flight requests (up to %.0fs)", sig.name, len(state.open),
+                    args.shutdown_timeout)
+        drain_task.append(loop.create_task(_drain(state, server, args.shutdown_timeout)))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await server.serve()
+    finally:
+        state.draining = True
+        state.abort_all()
+        await client.close()
+    return 0 if server.started else 1
+
+
+async def _drain(state, server, timeout: float) -> None:
+    state.draining = True
+    deadline = time.monotonic() + timeout
+    while state.open and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.open:
+        logger.warning("shutdown timeout: aborting %d requests still running", len(state.open))
+        state.abort_all()
+        for _ in range(100):  # let the aborted streams send their last chunk
+            if not state.open:
+                break
+            await asyncio.sleep(0.02)
+    else:
+        logger.info("drained: every in-flight request finished")
+    server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that leaves signal handling to `serve` (which drains first)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # uvicorn >= 0.29
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel_size != 1:
+        print("error: --tensor-parallel-size is reserved; only 1 is supported", file=sys.stderr)
+        return 2
+    if args.max_waiting < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
+        print("error: --max-waiting and --max-body-bytes must be >= 1, --shutdown-timeout >= 0", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

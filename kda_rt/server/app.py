@@ -1,0 +1,280 @@
+"""The Starlette app: OpenAI-compatible routes over an `EngineClient`.
+
+    POST /v1/completions, /v1/chat/completions   (stream: true -> SSE chunks, then `data: [DONE]`)
+    GET  /v1/models, /health (503 while draining or with the engine gone), /metrics (Prometheus)
+
+Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 invalid body or
+parameters, 401 wrong API key (routes under /v1 only), 404 unknown model, 413 body over the cap,
+429 engine waiting queue full, 503 draining or engine gone.  A client that disconnects has its
+request aborted, which frees its KDA slot and MLA pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kda_rt.server import protocol, responses
+from kda_rt.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from kda_rt.server.metrics import CONTENT_TYPE, Metrics
+
+__all__ = ["ServerState", "build_app"]
+
+logger = logging.getLogger(__name__)
+
+_ABORTED = object()  # put into a request's queue when the server aborts it at the end of a drain
+_DRAIN_READ_FACTOR = 8  # an oversized body is read (and dropped) up to this many caps, so the 413 arrives
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    draining: bool = False
+    metrics: Metrics = field(default_factory=Metrics)
+    open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
+
+    def abort_all(self) -> None:
+        """End every in-flight request now (finish_reason "abort") and free its engine resources."""
+        for rid, queue in list(self.open.items()):
+            self.client.abort(rid)
+            queue.put_nowait(_ABORTED)
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def _error(message: str, status: int, param: str | None = None) -> Response:
+    return _json(protocol.error_body(message, status, param=param), status)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, cap: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    body, total = bytearray(), 0
+    too_large = declared.isdigit() and int(declared) > cap
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > cap:
+            too_large = True
+        if too_large:
+            if total > cap * _DRAIN_READ_FACTOR:
+                break
+            continue
+        body += chunk
+    if too_large:
+        raise _TooLarge(f"request body of {declared or 'more than ' + str(cap)} bytes exceeds the {cap}-byte limit")
+    return bytes(body)
+
+
+def build_app(state: ServerState) -> Starlette:
+    metrics = state.metrics
+
+    def authorized(request: Request) -> bool:
+        if state.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        return secrets.compare_digest(token.encode(), state.api_key.encode())
+
+    async def health(request: Request) -> Response:
+        if state.draining:
+            return _json({"status": "draining"}, 503)
+        if not state.client.alive:
+            return _json({"status": "engine unavailable", "reason": state.client.dead_reason}, 503)
+        return _json({"status": "ok", "engine_pid": state.client.pid})
+
+    async def models(request: Request) -> Response:
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kda_rt",
+                "max_model_len": state.client.info.get("max_model_len")}
+        return _json({"object": "list", "data": [card]})
+
+    async def prometheus(request: Request) -> Response:
+        stats = None
+        if state.client.alive:
+            try:
+                stats = await state.client.stats()
+            except (EngineDeadError, asyncio.TimeoutError):
+                stats = None
+        return Response(metrics.render(stats, state.client.alive, state.draining), media_type=CONTENT_TYPE)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        response = await _generate(request, chat)
+        metrics.requests[endpoint, response.status_code] += 1
+        return response
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        if state.draining:
+            return _error("the server is shutting down", 503)
+        try:
+            body = await _read_body(request, state.max_body_bytes)
+            if chat:
+                req = protocol.decode_body(body, protocol.ChatCompletionRequest)
+                payload = protocol.chat_payload(req)
+            else:
+                req = protocol.decode_body(body, protocol.CompletionRequest)
+                payload = protocol.completion_payload(req)
+        except _TooLarge as exc:
+            return _error(str(exc), 413)
+        except protocol.InvalidRequest as exc:
+            return _error(str(exc), 400)
+        if req.model is not None and req.model != state.model_name:
+            return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
+        if state.draining:
+            return _error("the server is shutting down", 503)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        start = time.perf_counter()
+        try:
+            queue, prompt_tokens = await state.client.add(rid, payload)
+        except RequestRejected as exc:
+            metrics.outcomes["rejected"] += 1
+            return _error(exc.message, exc.status)
+        except EngineDeadError as exc:
+            return _error(f"the engine is unavailable: {exc}", 503)
+        run = _Run(state, rid, req, chat, queue, prompt_tokens, start)
+        if req.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        return await run.collect(request)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(f"internal server error ({type(exc).__name__})", 500)
+
+    return Starlette(routes=routes, exception_handlers={Exception: internal_error})
+
+
+class _Run:
+    """One admitted request: drains its delta queue into a response or an SSE stream, and aborts
+    it in the engine if it ends any other way than finished (disconnect, cancellation, error)."""
+
+    def __init__(self, state: ServerState, rid: str, req: Any, chat: bool, queue: asyncio.Queue,
+                 prompt_tokens: int, start: float) -> None:
+        self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
+        self.prompt_tokens, self.start = prompt_tokens, start
+        self.first: float | None = None
+        self.server_aborted = False
+        self.choices = responses.Choices(req.n, chat)
+        state.open[rid] = queue
+        state.metrics.in_flight += 1
+
+    async def items(self) -> AsyncIterator[dict[str, Any]]:
+        """Delta items until the request finishes; raises EngineDeadError if the engine dies."""
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            if item is _ABORTED:
+                self.server_aborted = True
+                done = {i for i, (reason, _) in enumerate(self.choices.finish) if reason is not None}
+                item = {"id": self.rid, "finished": True, "outputs": [
+                    {"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort",
+                     "stop_reason": None} for i in range(self.req.n) if i not in done]}
+            if isinstance(item, BaseException):
+                raise item
+            if self.first is None and any(c["token_ids"] for c in item["outputs"]):
+                self.first = time.perf_counter()
+            self.choices.add(item)
+            yield item
+            if item["finished"]:
+                return
+
+    def _end(self, outcome: str) -> None:
+        outcome = "aborted" if self.server_aborted else outcome
+        self.state.open.pop(self.rid, None)
+        self.state.metrics.in_flight -= 1
+        if outcome != "finished":
+            self.state.client.abort(self.rid)
+        self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
+                                  first=self.first, end=time.perf_counter())
+
+    def _usage(self) -> dict[str, int]:
+        return responses.usage(self.prompt_tokens, self.choices.completion_tokens)
+
+    async def collect(self, request: Request) -> Response:
+        outcome = "aborted"
+        try:
+            it = self.items()
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                while not nxt.done():
+                    await asyncio.wait([nxt], timeout=1.0)
+                    if not nxt.done() and await request.is_disconnected():
+                        nxt.cancel()
+                        return Response(status_code=499)
+                try:
+                    nxt.result()
+                except StopAsyncIteration:
+                    break
+            outcome = "finished"
+        except EngineDeadError as exc:
+            outcome = "error"
+            return _error(f"the engine failed while serving this request: {exc}", 503)
+        finally:
+            self._end(outcome)
+        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.state.model_name, "choices": self.choices.build(),
+                "usage": self._usage()}
+        return _json(body)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        outcome, model, chat = "aborted", self.state.model_name, self.chat
+        offsets = [0] * self.req.n
+        try:
+            if chat:
+                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(self.req.n)]
+                yield _event(responses.chunk(self.rid, model, chat, first))
+            async for item in self.items():
+                choices = responses.chunk_choices(item, chat, offsets)
+                if choices:
+                    yield _event(responses.chunk(self.rid, model, chat, choices))
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield _event(responses.chunk(self.rid, model, chat, [], self._usage()))
+            outcome = "finished"
+            yield b"data: [DONE]\n\n"
+        except EngineDeadError as exc:
+            outcome = "error"
+            yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
+        finally:
+            self._end(outcome)
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"

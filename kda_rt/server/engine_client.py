@@ -1,0 +1,228 @@
+"""`EngineClient`: the HTTP process's handle on the engine process.
+
+Starts `python -m kda_rt.server.engine_proc` with one end of a socketpair, then talks to it
+with msgpack frames (`wire.py`).  A reader task dispatches what comes back: answers to `add` and
+`stats` resolve futures, step deltas go to per-request asyncio queues.  Nothing here waits on the
+model, so the event loop stays free while the engine computes.
+
+When the engine process dies (crash, OOM kill), the socket reaches end-of-stream: the client logs
+one error line with the exit status, marks itself dead, and every open and later request gets
+`EngineDeadError` (the app turns it into 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from kda_rt.server.wire import FrameError, pack, read_frame
+
+__all__ = ["EngineClient", "EngineDeadError", "RequestRejected"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (or shutting down); requests cannot be served."""
+
+
+class RequestRejected(Exception):
+    """The engine refused a request: `status` 400 (invalid) or 429 (waiting queue full)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class EngineClient:
+    def __init__(self, init: dict[str, Any]) -> None:
+        self.init = {"op": "init", **init}
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._closing = False
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Spawn the engine process and wait until its model is loaded (raises RuntimeError if not)."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with child:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kda_rt.server.engine_proc", "--fd", str(child.fileno())],
+                                         pass_fds=(child.fileno(),), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._writer.write(pack(self.init))
+        try:
+            reply = await asyncio.wait_for(read_frame(reader), timeout)
+        except (FrameError, asyncio.TimeoutError) as exc:
+            await self.close()
+            raise RuntimeError(f"engine process did not start ({exc or 'timed out'})") from None
+        if reply is None or reply["op"] != "ready":
+            why = reply["error"] if reply else f"it exited with status {self.proc.wait()}"
+            await self.close()
+            raise RuntimeError(f"engine process failed to load the model: {why}")
+        self.info = reply
+        logger.info("engine process %d ready (backend %s, max_model_len %d)", self.proc.pid, reply["backend"],
+                    reply["max_model_len"])
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def add(self, request_id: str, payload: dict[str, Any]) -> tuple[asyncio.Queue, int]:
+        """Submit one request; returns (its delta queue, prompt token count).  Raises
+        RequestRejected or EngineDeadError.  The queue yields `outs` items, then None at the end
+        (or an EngineDeadError instance if the engine dies first)."""
+        self._check_alive()
+        try:
+            frame = pack({"op": "add", "id": request_id, **payload})
+        except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits in `tools`
+            raise RequestRejected(400, f"request cannot be passed to the engine: {exc}") from None
+        queue: asyncio.Queue = asyncio.Queue()
+        fut = asyncio.get_running_loop().create_future()
+        self.queues[request_id] = queue
+        self._pending[request_id] = fut
+        self._write(frame)
+        try:
+            prompt_tokens = await fut
+        except BaseException:
+            self._pending.pop(request_id, None)
+            if self.queues.pop(request_id, None) is not None and self.alive:
+                self._send({"op": "abort", "id": request_id})  # it may have been added already
+            raise
+        return queue, prompt_tokens
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request and tell the engine to free its slot and pages (no-op if finished)."""
+        self.queues.pop(request_id, None)
+        if self.alive:
+            self._send({"op": "abort", "id": request_id})
+
+    async def stats(self) -> dict[str, int]:
+        self._check_alive()
+        key = f"stats-{next(self._ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        self._send({"op": "stats", "id": key})
+        try:
+            return await asyncio.wait_for(fut, 30.0)
+        finally:
+            self._pending.pop(key, None)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._write(pack(message))
+
+    def _write(self, frame: bytes) -> None:
+        try:
+            self._writer.write(frame)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            self._mark_dead(f"cannot write to the engine process ({exc})")
+            raise EngineDeadError(self.dead_reason) from None
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        reason = "the engine process closed its connection"
+        try:
+            while (msg := await read_frame(reader)) is not None:
+                self._dispatch(msg)
+                if msg["op"] == "fatal":
+                    reason = f"engine step failed: {msg['error']}"
+        except (FrameError, OSError) as exc:
+            reason = f"bad data from the engine process ({exc})"
+        status = await asyncio.to_thread(self._wait_exit)
+        self._mark_dead(f"{reason}; process {self.pid} {status}")
+
+    def _wait_exit(self, timeout: float = 5.0) -> str:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "outs":
+            for item in msg["items"]:
+                queue = self.queues.get(item["id"])
+                if queue is not None:
+                    queue.put_nowait(item)
+                    if item["finished"]:
+                        self.queues.pop(item["id"], None)
+                        queue.put_nowait(None)
+        elif op in ("added", "rejected", "stats"):
+            fut = self._pending.pop(msg["id"], None)
+            if fut is None or fut.done():
+                return
+            if op == "added":
+                fut.set_result(msg["prompt_tokens"])
+            elif op == "stats":
+                fut.set_result(msg["stats"])
+            else:
+                fut.set_exception(RequestRejected(msg["status"], msg["error"]))
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        if self._closing:
+            logger.info("engine process stopped: %s", reason)
+        else:
+            logger.error("ENGINE PROCESS DIED: %s; every request now gets 503", reason)
+        err = EngineDeadError(reason)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        for queue in self.queues.values():
+            queue.put_nowait(err)
+        self.queues.clear()
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to exit, then make sure it has (terminate, then kill)."""
+        self._closing = True
+        if self._writer is not None and self.dead_reason is None:
+            try:
+                self._writer.write(pack({"op": "shutdown"}))
+                await self._writer.drain()
+            except (OSError, RuntimeError):
+                pass
+        if self.proc is not None:
+            await asyncio.to_thread(self._reap, timeout)
+        if self._reader_task is not None:
+            try:
+                await asyncio.wait_for(self._reader_task, timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        self._mark_dead("the server is shutting down")
+        if self._writer is not None:
+            self._writer.close()
+
+    def _reap(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine process %d did not exit in %.0fs; killing it", self.proc.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
