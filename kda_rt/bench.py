@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", help="config.json (hub layout); needs --random-weights")
     ap.add_argument("--random-weights", action="store_true", help="random weights built in memory from the config")
     ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
-    ap.add_argument("--dtype", default="float32", help="compute dtype (numpy backend: float32 or float64)")
+    ap.add_argument("--dtype", default="float32", help="numpy backend: float32, float64, or bfloat16 (float32 math, bf16-rounded activations)")
     ap.add_argument("--batch", type=int, default=32, help="number of requests")
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=512)

@@ -21,7 +21,7 @@ from kda_rt.forward_batch import ForwardBatch
 from kda_rt.loader.config import load_config
 from kda_rt.outputs import RequestOutput
 from kda_rt.postprocess import DeltaTracker
-from kda_rt.runner import make_runner, pool_sizes, select_backend
+from kda_rt.runner import NUMPY_DTYPES, make_runner, pool_sizes, select_backend
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], e
         runner = CudaRunner(model_config, weights, engine_config, enforce_eager=enforce_eager)
         return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=runner.engine_slots,
                          num_blocks=runner.engine_blocks, extra_eos_ids=extra_eos_ids)
-    num_slots, num_blocks = pool_sizes(model_config, engine_config, itemsize=np.dtype(dtype).itemsize)
+    num_slots, num_blocks = pool_sizes(model_config, engine_config, itemsize=4 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
     reserve = math.ceil(engine_config.max_model_len / engine_config.block_size)
     runner = make_runner(backend, model_config, weights, num_slots=num_slots + 1, num_blocks=num_blocks + reserve,
                          block_size=engine_config.block_size, dtype=dtype)
@@ -97,8 +97,8 @@ class LLM:
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         backend = select_backend(backend)
-        if backend == "numpy" and dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64' on the numpy backend, got {dtype!r}")
+        if backend == "numpy" and dtype not in NUMPY_DTYPES:
+            raise ValueError(f"dtype must be one of {NUMPY_DTYPES} on the numpy backend, got {dtype!r}")
         self.model_config = load_config(model_dir)
         limit = self.model_config.max_model_len
         if max_model_len is None:

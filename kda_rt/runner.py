@@ -36,6 +36,7 @@ __all__ = ["BACKENDS", "NumpyRunner", "make_runner", "pool_sizes", "select_backe
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "numpy", "cuda")
+NUMPY_DTYPES = ("float32", "float64", "bfloat16")
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -132,12 +133,13 @@ class NumpyRunner:
         num_blocks: int,
         block_size: int,
         dtype: np.dtype | type = np.float32,
+        bf16_activations: bool = False,
     ) -> None:
         from kda_rt.model.kimi_linear import KimiLinearModel
 
         self.config = config
         self.dtype = np.dtype(dtype)
-        self.model = KimiLinearModel(config, weights, self.dtype)
+        self.model = KimiLinearModel(config, weights, self.dtype, bf16_activations=bf16_activations)
         # np.zeros is backed by lazily committed pages, so a generous pool costs little until used
         self.kda_pool = KDAStatePool(config, num_slots, dtype=self.dtype)
         self.mla_pool = MLAKVPool(config, num_blocks, block_size, dtype=self.dtype)
@@ -157,10 +159,12 @@ class NumpyRunner:
 
 def make_runner(backend: str, config: ModelConfig, weights: Mapping[str, np.ndarray], *, num_slots: int,
                 num_blocks: int, block_size: int, dtype: str = "float32"):
-    """The runner of a resolved backend ("numpy"; "cuda" once it exists)."""
+    """The NumPy runner.  dtype: "float32", "float64", or "bfloat16" (float32 math with activations
+    rounded to bf16 where the bf16 references round them: the oracle for the CUDA backend)."""
     if backend == "numpy":
-        if dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64' on the numpy backend, got {dtype!r}")
+        if dtype not in NUMPY_DTYPES:
+            raise ValueError(f"dtype must be one of {NUMPY_DTYPES} on the numpy backend, got {dtype!r}")
+        emulate = dtype == "bfloat16"
         return NumpyRunner(config, weights, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
-                           dtype=np.dtype(dtype))
-    raise NotImplementedError(f"backend {backend!r} has no runner in this build; use backend='numpy'")
+                           dtype=np.float32 if emulate else np.dtype(dtype), bf16_activations=emulate)
+    raise ValueError(f"backend {backend!r} has no NumPy runner")

@@ -48,12 +48,14 @@ def kda_forward(
     num_tokens = x.shape[0]
     x = x.astype(dtype, copy=False)
 
-    raw = [x @ p[name].T for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]  # 3 x [T, P]
+    act = p.act  # bf16 rounding points of the references (identity unless emulating bf16)
+    raw = [act(x @ p[name].T) for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]  # 3 x [T, P]
     taps = [p[name].reshape(-1, width) for name in _CONV_NAMES]  # 3 x [P, W]
-    g = kda_gate((x @ p["f_a_proj.weight"].T) @ p["f_b_proj.weight"].T, p["A_log"], p["dt_bias"], num_heads)
-    beta = sigmoid(x @ p["b_proj.weight"].T)  # [T, H]
+    f = act(act(x @ p["f_a_proj.weight"].T) @ p["f_b_proj.weight"].T)
+    g = kda_gate(f, p["A_log"], p["dt_bias"], num_heads)
+    beta = sigmoid(act(x @ p["b_proj.weight"].T))  # [T, H]
     heads = (num_tokens, num_heads, head_dim)
-    out_gate = ((x @ p["g_a_proj.weight"].T) @ p["g_b_proj.weight"].T).reshape(heads)  # [T, H, K]
+    out_gate = act(act(x @ p["g_a_proj.weight"].T) @ p["g_b_proj.weight"].T).reshape(heads)  # [T, H, K]
 
     o = np.empty(heads, dtype=dtype)  # [T, H, V]
     scale = head_dim**-0.5
@@ -71,7 +73,7 @@ def kda_forward(
         qkv = []
         for i in range(3):
             y, conv_state[i] = short_conv(raw[i][t0:t1], conv_state[i], taps[i])
-            qkv.append(y.reshape(n, num_heads, head_dim))
+            qkv.append(act(y).reshape(n, num_heads, head_dim))
         q = l2norm(qkv[0]) * scale
         k = l2norm(qkv[1])
         core = kda_recurrent if n == 1 else kda_chunked
@@ -80,6 +82,7 @@ def kda_forward(
         rec_pool[slot] = state
 
     # Gated RMSNorm per head: norm first, weight shared across heads, then the sigmoid gate.
+    o = act(o)
     normed = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + rms_eps)
-    y = normed * p["o_norm.weight"] * sigmoid(out_gate)  # [T, H, V]
+    y = act(normed * p["o_norm.weight"] * sigmoid(out_gate))  # [T, H, V]
     return y.reshape(num_tokens, -1) @ p["o_proj.weight"].T

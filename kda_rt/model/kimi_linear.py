@@ -47,11 +47,12 @@ class KimiLinearModel:
     """
 
     def __init__(
-        self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32
+        self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32,
+        *, bf16_activations: bool = False,
     ) -> None:
         self.config = config
         self.dtype = np.dtype(dtype)
-        self.params = Params(weights, self.dtype)
+        self.params = Params(weights, self.dtype, bf16_activations=bf16_activations)
         self._mlp_prefix = [
             f"model.layers.{i}.{'mlp' if t == DENSE else 'block_sparse_moe'}." for i, t in enumerate(config.mlp_types)
         ]
@@ -74,18 +75,19 @@ class KimiLinearModel:
         """One model step over `batch`.  Returns float32 logits [N, V] for `batch.logits_indices`."""
         cfg, p = self.config, self.params
         eps = cfg.rms_norm_eps
+        act = p.act  # bf16 rounding of activations when emulating a bf16 run, else identity
         h = self.embed(batch.input_ids)  # [T, D]
         for i, kind in enumerate(cfg.layer_types):
             layer = f"model.layers.{i}."
-            a = rms_norm(h, p[layer + "input_layernorm.weight"], eps)
+            a = rms_norm(h, p[layer + "input_layernorm.weight"], eps, act)
             attn = p.sub(layer + "self_attn.")
             if kind == KDA:
                 conv, rec = kda_pool.layer(i)
-                h = h + kda_forward(attn, a, batch, conv, rec, cfg.kda, eps)
+                h = act(h + act(kda_forward(attn, a, batch, conv, rec, cfg.kda, eps)))
             else:
-                h = h + mla_forward(attn, a, batch, mla_pool.layer(i), cfg.mla)
-            m = rms_norm(h, p[layer + "post_attention_layernorm.weight"], eps)
+                h = act(h + act(mla_forward(attn, a, batch, mla_pool.layer(i), cfg.mla)))
+            m = rms_norm(h, p[layer + "post_attention_layernorm.weight"], eps, act)
             mlp = p.sub(self._mlp_prefix[i])
-            h = h + (gated_mlp(mlp, m) if cfg.mlp_types[i] == DENSE else moe_forward(mlp, m, cfg.moe))
-        rows = rms_norm(h[np.asarray(batch.logits_indices, dtype=np.int64)], p["model.norm.weight"], eps)  # [N, D]
+            h = act(h + act(gated_mlp(mlp, m) if cfg.mlp_types[i] == DENSE else moe_forward(mlp, m, cfg.moe)))
+        rows = rms_norm(h[np.asarray(batch.logits_indices, dtype=np.int64)], p["model.norm.weight"], eps, act)
         return linear(rows, p[self._lm_head_key]).astype(np.float32)  # [N, V]

@@ -23,13 +23,18 @@ def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return x @ weight.T
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, act=_same) -> np.ndarray:
     """(x · rsqrt(mean(x²) + eps)) · w over the last axis.  x: [..., D], weight: [D].
 
-    The weight multiplies as-is (not `1 + w`).  Normalise first, then scale, as in §6.
+    The weight multiplies as-is (not `1 + w`).  Normalise first, then scale, as in §6.  `act`
+    rounds the normalised value and the product (bf16 emulation, see Params.act).
     """
     var = np.mean(np.square(x), axis=-1, keepdims=True)
-    return (x / np.sqrt(var + eps)) * weight
+    return act(act(x / np.sqrt(var + eps)) * weight)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -56,5 +61,6 @@ def gated_mlp(
     routed expert.
     """
     gate, up, down = (f"{prefix}{n}.weight" for n in names)
-    h = silu(linear(x, p[gate])) * linear(x, p[up])  # [T, F]
-    return linear(h, p[down])  # [T, D]
+    act = getattr(p, "act", _same)
+    h = act(act(silu(act(linear(x, p[gate])))) * act(linear(x, p[up])))  # [T, F]
+    return linear(h, p[down])  # [T, D] (callers round: a routed expert's output is combined in fp32)

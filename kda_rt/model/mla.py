@@ -119,9 +119,10 @@ def mla_forward(p: Mapping[str, np.ndarray], x: np.ndarray, batch: ForwardBatch,
         raise ValueError(f"MLA: kv_pool rows are {width} wide, expected kv_lora_rank + qk_rope_head_dim = {R + Dr}")
     scale = float(Dn + Dr) ** -0.5
 
-    q = linear(x, p["q_proj.weight"]).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
-    ckv = linear(x, p["kv_a_proj_with_mqa.weight"])  # [T, R+Dr]
-    c_lat = rms_norm(ckv[:, :R], p["kv_a_layernorm.weight"], cfg.kv_a_layernorm_eps)  # [T, R]
+    act = getattr(p, "act", lambda v: v)  # bf16 rounding points (identity unless emulating bf16)
+    q = act(linear(x, p["q_proj.weight"])).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
+    ckv = act(linear(x, p["kv_a_proj_with_mqa.weight"]))  # [T, R+Dr]
+    c_lat = rms_norm(ckv[:, :R], p["kv_a_layernorm.weight"], cfg.kv_a_layernorm_eps, act)  # [T, R]
     rows = np.concatenate([c_lat, ckv[:, R:]], axis=-1)  # [T, R+Dr] pool rows
     w_kvb = p["kv_b_proj.weight"].reshape(H, Dn + Dv, R)
     w_uk, w_uv = w_kvb[:, :Dn], w_kvb[:, Dn:]  # [H, Dn, R], [H, Dv, R]
@@ -139,4 +140,4 @@ def mla_forward(p: Mapping[str, np.ndarray], x: np.ndarray, batch: ForwardBatch,
             out[s] = _attend_absorbed(q[s], cached, w_uk, w_uv, cfg, scale)
         else:
             out[s:e] = _attend_expanded(q[s:e], cached, w_uk, w_uv, start, cfg, scale)
-    return linear(out.reshape(T, H * Dv), p["o_proj.weight"])
+    return linear(act(out).reshape(T, H * Dv), p["o_proj.weight"])

@@ -80,6 +80,6 @@ def moe_forward(p: Mapping[str, np.ndarray], x: np.ndarray, cfg: MoEConfig) -> n
         y = gated_mlp(p, x[tokens], f"experts.{int(e)}.", _EXPERT_NAMES)  # [n_e, D]
         out[tokens] += w[tokens, slots][:, None] * y
     if cfg.num_shared_experts > 0:
-        out += gated_mlp(p, x, "shared_experts.")
+        out += getattr(p, "act", lambda v: v)(gated_mlp(p, x, "shared_experts."))
     return out
 

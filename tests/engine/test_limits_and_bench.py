@@ -71,7 +71,7 @@ def test_backend_errors(tiny_dir):
         with pytest.raises(RuntimeError, match="backend='cuda' is unavailable"):
             make_llm(tiny_dir, backend="cuda")
     with pytest.raises(ValueError, match="dtype"):
-        make_llm(tiny_dir, dtype="bfloat16")
+        make_llm(tiny_dir, dtype="float16")
 
 
 def test_stats_counters(llm):
