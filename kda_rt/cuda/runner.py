@@ -132,14 +132,23 @@ class CudaRunner:
         return DeviceBatch(dev["ids"], dev["cu"], dev["ctx"], dev["slots"], dev["tables"], dev["lidx"],
                            num_tokens=int(ids.shape[0]), num_seqs=R, max_seqlen=max_len, decode=decode)
 
-    def _graph(self, rows: int, batch: ForwardBatch) -> _Graph:
+    def _padding_batch(self, rows: int) -> ForwardBatch:
+        """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""
+        from kda_rt.forward_batch import ForwardBatch
+
+        return ForwardBatch.build([[0]] * rows, [0] * rows, [self.pad_slot] * rows, [[self.pad_page]] * rows)
+
+    def _graph(self, rows: int) -> _Graph:
+        """The decode graph for `rows` sequences, captured on first use.  Warm-up and capture run on
+        padding rows only: the warm-up executes (it must not advance a real sequence's state), the
+        capture does not; real metadata is copied into the static buffers before each replay."""
         g = self.graphs.get(rows)
         if g is not None:
             return g
         ws = Workspace()
         with self.stream:
-            dev = self._upload(batch, ws, True, rows)
-            self.model.forward(dev, ws)  # eager run: creates every buffer, compiles every kernel
+            dev = self._upload(self._padding_batch(rows), ws, True, rows)
+            self.model.forward(dev, ws)  # creates every buffer, compiles every kernel
             self.stream.synchronize()
             ws.frozen = True
             self.stream.begin_capture()
@@ -157,7 +166,7 @@ class CudaRunner:
         B = batch.num_seqs
         if decode and not self.enforce_eager and B <= self.buckets[-1]:
             rows = next(b for b in self.buckets if b >= B)
-            g = self._graph(rows, batch)
+            g = self._graph(rows)
             with self.stream:
                 self._upload(batch, g.ws, True, rows)
                 g.graph.launch(self.stream)
@@ -226,10 +235,9 @@ class CudaRunner:
     def fast_path_report(self) -> str:
         """Each op of one decode step with the kernels it launched (traced on an eager step of one
         padding sequence), plus the sampler; a CUDA graph replays exactly these launches."""
-        from kda_rt.forward_batch import ForwardBatch
         from kda_rt.ops.trace import Trace
 
-        batch = ForwardBatch.build([[0]], [1], [self.pad_slot], [[self.pad_page]])
+        batch = self._padding_batch(1)
         ws = Workspace()
         with self.stream:
             dev = self._upload(batch, ws, True)
