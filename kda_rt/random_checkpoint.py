@@ -50,7 +50,7 @@ _STALE_PATTERNS = (SINGLE_FILE, INDEX_FILE, "model-*-of-*.safetensors")
 
 
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], kind: str, *,
-                  router_bias_std: float = 0.3) -> np.ndarray:
+                  router_bias_std: float = 0.3, fixed_routing: bool = False) -> np.ndarray:
     """float32 values for one tensor of the given kind (see the module docstring for the scales)."""
     if kind == EMBEDDING:
         return rng.standard_normal(shape, dtype=np.float32)
@@ -63,6 +63,8 @@ def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], kind: str, *
     if kind == DT_BIAS:
         return rng.standard_normal(shape, dtype=np.float32)
     if kind == ROUTER_BIAS:
+        if fixed_routing:  # biases 2 apart (sigmoid scores span < 1): selection never depends on the input
+            return (2.0 * rng.permutation(shape[-1])).astype(np.float32).reshape(shape)
         return np.float32(router_bias_std) * rng.standard_normal(shape, dtype=np.float32)
     return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))  # matmul [out, in]
 
@@ -90,6 +92,7 @@ def write_random_checkpoint(
     dtype: str = "bfloat16",
     tokenizer_dir: str | os.PathLike[str] | None = None,
     router_bias_std: float = 0.3,
+    fixed_routing: bool = False,
 ) -> Path:
     """Write `config.json` (the dict verbatim) and random weights to `out_dir`; returns its path."""
     if dtype not in _DTYPES:
@@ -119,7 +122,7 @@ def write_random_checkpoint(
     shard: dict[str, np.ndarray] = {}
     for i, name in enumerate(names):
         shape, kind = expected[name]
-        shard[name] = random_tensor(rng, shape, kind, router_bias_std=router_bias_std).astype(stored[name])
+        shard[name] = random_tensor(rng, shape, kind, router_bias_std=router_bias_std, fixed_routing=fixed_routing).astype(stored[name])
         weight_map[name] = files[plan[i]]
         if i == len(names) - 1 or plan[i + 1] != plan[i]:
             save_safetensors(out / files[plan[i]], shard, {"format": "pt"})
@@ -151,15 +154,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     ap.add_argument("--tokenizer-from", default=None, help="directory to copy tokenizer files from")
-    ap.add_argument("--router-bias-std", type=float, default=0.3,
-                    help="std of e_score_correction_bias; >= 5 makes expert selection independent of the input "
-                         "(no router near-ties: for tight backend-vs-backend comparisons)")
+    ap.add_argument("--router-bias-std", type=float, default=0.3, help="std of e_score_correction_bias")
+    ap.add_argument("--fixed-routing", action="store_true",
+                    help="correction biases 2 apart, so expert selection never depends on the input (no router "
+                         "near-ties: for tight backend-vs-backend comparisons)")
     args = ap.parse_args(argv)
     with open(args.config, encoding="utf-8") as fh:
         config = json.load(fh)
     out = write_random_checkpoint(
         config, args.out, seed=args.seed, num_shards=args.shards, dtype=args.dtype, tokenizer_dir=args.tokenizer_from,
-        router_bias_std=args.router_bias_std,
+        router_bias_std=args.router_bias_std, fixed_routing=args.fixed_routing,
     )
     print(out)
 
