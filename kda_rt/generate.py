@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kda_rt.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the bundled tiny demo checkpoint)")
     ap.add_argument("--prompt", default="The quick brown fox", help="prompt text")
+    ap.add_argument("--prompt-token-ids", default=None,
+                    help="comma-separated prompt token ids instead of --prompt (checkpoints without tokenizer files)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     ap.add_argument("--system", default=None, help="system message for --chat")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -58,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": args.prompt})
             out = llm.chat(messages, params)[0]
+        elif args.prompt_token_ids:
+            ids = [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
+            out = llm.generate({"prompt_token_ids": ids}, params)[0]
+        elif llm.get_tokenizer() is None:
+            raise ValueError(f"{model} has no tokenizer files: pass --prompt-token-ids 1,2,3")
         else:
             out = llm.generate(args.prompt, params)[0]
         dt = time.perf_counter() - t0
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     comp = out.outputs[0]
     if args.report:
         print(llm.report, file=sys.stderr)
-    print(comp.text)
+    print(comp.text if llm.get_tokenizer() is not None else f"token ids: {comp.token_ids}")
     n = len(comp.token_ids)
     print(f"[kda_rt] backend={llm.backend} load {t_load:.2f}s | prompt {len(out.prompt_token_ids)} tokens, "
           f"generated {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s), finish_reason={comp.finish_reason}", file=sys.stderr)

@@ -114,6 +114,9 @@ class LLM:
             from kda_rt.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_dir(model_dir)
+            if self.tokenizer.vocab_size != self.model_config.vocab_size:
+                logger.warning("tokenizer has %d tokens but the model has %d vocabulary rows; ids the tokenizer does "
+                               "not know produce no text", self.tokenizer.vocab_size, self.model_config.vocab_size)
         weights = load_checkpoint(model_dir, self.model_config, progress=progress)
         self.llm_engine = build_engine(self.model_config, weights, self.engine_config, backend=backend, dtype=dtype,
                                        tokenizer=self.tokenizer, extra_eos_ids=_generation_eos(model_dir),

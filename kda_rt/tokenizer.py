@@ -371,10 +371,14 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []
 
     def add(self, token_ids: int | Iterable[int]) -> str:
-        """Feed ids; return the text they complete (possibly empty)."""
+        """Feed ids; return the text they complete (possibly empty).  Ids the tokenizer does not know
+        (a model whose vocabulary has more rows than the tokenizer has tokens) produce no text, so a
+        generation never fails on detokenization."""
         if not isinstance(token_ids, Iterable):
             token_ids = [token_ids]
-        data = self._tokenizer.decode_bytes(token_ids, skip_special_tokens=self._skip_special_tokens)
+        known = self._tokenizer.vocab_size
+        ids = [int(t) for t in token_ids if 0 <= int(t) < known]
+        data = self._tokenizer.decode_bytes(ids, skip_special_tokens=self._skip_special_tokens)
         return self._emit(self._decoder.decode(data))
 
     def flush(self) -> str:

@@ -63,3 +63,14 @@ def test_specials_kept_when_asked(demo_tok):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_unknown_ids_produce_no_text():
+    """A model with more vocabulary rows than the tokenizer has tokens must not crash generation."""
+    from kda_rt.demo import demo_path
+    from kda_rt.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer.from_dir(demo_path())
+    detok = IncrementalDetokenizer(tok)
+    ids = tok.encode("abc")
+    assert detok.add([ids[0], tok.vocab_size + 5, *ids[1:]]) + detok.flush() == "abc"
