@@ -59,5 +59,18 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 
+// ---------------------------------------------------------------------------------------------
+// varlen batches
+
+// Index b of the sequence holding flat token t: the largest b with cu_seqlens[b] <= t.
+__device__ __forceinline__ int sequence_of(const int* __restrict__ cu_seqlens, int num_seqs, int t) {
+    int lo = 0, hi = num_seqs;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(cu_seqlens + mid) <= t) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
 // 8 bf16 = 16 bytes: one vector load / store
 struct __align__(16) bf16x8 { bf16 v[8]; };

@@ -77,11 +77,7 @@ extern "C" __global__ void __launch_bounds__(K) kda_prefill_prep(
     __shared__ float red[K / 32][2];
     const int tok = blockIdx.x, h = blockIdx.y, c = threadIdx.x, lane = c & 31, warp = c >> 5;
     const int P = num_heads * K, ch = h * K + c;
-    int lo = 0, hi = num_seqs;  // sequence of this token: cu_seqlens[lo] <= tok < cu_seqlens[lo + 1]
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (cu_seqlens[mid] <= tok) lo = mid; else hi = mid;
-    }
+    const int lo = sequence_of(cu_seqlens, num_seqs, tok);  // cu_seqlens[lo] <= tok < cu_seqlens[lo + 1]
     const int start = cu_seqlens[lo], pos = tok - start;
     const bool fresh = context_lens[lo] == 0;
     const size_t slot = (size_t)state_slots[lo];

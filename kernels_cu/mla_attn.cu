@@ -92,14 +92,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ int sequence_of(const int* __restrict__ cu_seqlens, int num_seqs, int t) {
-    int lo = 0, hi = num_seqs;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (__ldg(cu_seqlens + mid) <= t) lo = mid; else hi = mid;
-    }
-    return lo;
-}
 
 // Issue the cp.async copies of positions [start, start + NT) into one KV stage.
 __device__ __forceinline__ void load_kv_tile(bf16* stage, const bf16* __restrict__ kv_pool,

@@ -26,15 +26,7 @@
 // ---------------------------------------------------------------------------------------------
 // helpers
 
-// Index b of the sequence holding flat token t: the largest b with cu_seqlens[b] <= t.
-__device__ __forceinline__ int sequence_of(const int* __restrict__ cu_seqlens, int num_seqs, int t) {
-    int lo = 0, hi = num_seqs;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (__ldg(cu_seqlens + mid) <= t) lo = mid; else hi = mid;
-    }
-    return lo;
-}
+// sequence_of() (token -> sequence by binary search over cu_seqlens) lives in common.cuh.
 
 // ---------------------------------------------------------------------------------------------
 // kernels
