@@ -118,7 +118,7 @@ class LLMEngine:
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
-                from kda_rt.tokenizer import IncrementalDetokenizer
+                from kda_rt.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override"]
+__all__ = ["cache_dir", "arch_override", "api_key"]
 
 
 def cache_dir() -> Path:
@@ -16,3 +16,8 @@ def cache_dir() -> Path:
 def arch_override() -> str | None:
     """KDA_RT_ARCH: compile for this arch (e.g. sm_90a) instead of the device's; for compile-only checks."""
     return os.environ.get("KDA_RT_ARCH") or None
+
+
+def api_key() -> str | None:
+    """KDA_RT_API_KEY: default for `python -m kda_rt.serve --api-key` (require 'Authorization: Bearer KEY')."""
+    return os.environ.get("KDA_RT_API_KEY") or None

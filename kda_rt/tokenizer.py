@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import codecs
 import json
 import operator
 import re
@@ -26,10 +25,10 @@ from typing import Any
 
 import tiktoken
 from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "IncrementalDetokenizer", "Tokenizer", "TokenizerError", "load_rank_file"]
+from kda_rt.chat import compile_template, template_source, validate_messages
+
+__all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "Tokenizer", "TokenizerError", "load_rank_file"]
 
 NUM_SPECIAL_TOKENS = 256
 
@@ -52,8 +51,6 @@ PAT_STR = "|".join([
 _MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 _LONG_RUN = re.compile(rf"\s{{{_MAX_RUN_CHARS + 1},}}|\S{{{_MAX_RUN_CHARS + 1},}}")
-_ROLES = ("system", "user", "assistant", "tool")
-_BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
 class TokenizerError(ValueError):
@@ -145,29 +142,6 @@ def _token_field(config: Mapping[str, Any], field: str, where: str, specials: Ma
     return value
 
 
-def _chat_template(model_dir: Path, config: Mapping[str, Any], where: str) -> str | None:
-    jinja_path = model_dir / "chat_template.jinja"
-    if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if template is None:
-        return None
-    if isinstance(template, list):  # HF's list of named templates
-        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
-    if not isinstance(template, str):
-        raise TokenizerError(f"{where}: field 'chat_template' must be a string or a list with a 'default' entry")
-    return template
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-
-
 def _split_for_bpe(text: str) -> Iterator[str]:
     """Cut text the way the reference encoder does before BPE (see _MAX_ENCODE_CHARS)."""
     for start in range(0, len(text), _MAX_ENCODE_CHARS):
@@ -178,23 +152,6 @@ def _split_for_bpe(text: str) -> Iterator[str]:
                 yield chunk[cut:pos]
                 cut = pos
         yield chunk[cut:]
-
-
-def _validate_messages(messages: Any, tools: Any) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a str, got {type(message.get('content')).__name__}")
-        if message.get("name") is not None and not isinstance(message["name"], str):
-            raise ValueError(f"messages[{i}].name must be a str, got {type(message['name']).__name__}")
-    if tools is not None and (not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)):
-        raise ValueError("tools must be None or a list of dicts")
 
 
 class Tokenizer:
@@ -214,12 +171,7 @@ class Tokenizer:
         self._special_ids = frozenset(special_tokens.values())
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
         self._bos_token, self._eos_token = bos_token, eos_token
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        if chat_template is None:
-            chat_template = _BUILTIN_TEMPLATE.read_text(encoding="utf-8")
-        self._template = env.from_string(chat_template)
+        self._template = compile_template(chat_template)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -230,7 +182,7 @@ class Tokenizer:
         config = _load_json(config_path)
         specials = _special_tokens(config, str(config_path), len(ranks))
         tokens = {f: _token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
-        template = _chat_template(model_dir, config, str(config_path))
+        template = template_source(model_dir, config, str(config_path))
         try:
             return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi")
         except TemplateError as e:
@@ -309,7 +261,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """Render the chat template to a prompt string."""
-        _validate_messages(messages, tools)
+        validate_messages(messages, tools)
         return self._render([dict(m) for m in messages], add_generation_prompt, tools)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
@@ -323,7 +275,7 @@ class Tokenizer:
         `encode(rendered, allow_special=True)` whenever the contents hold no special-token strings.
         Tool declarations and names are template text, hence trusted.
         """
-        _validate_messages(messages, tools)
+        validate_messages(messages, tools)
         real = self._render([dict(m) for m in messages], add_generation_prompt, tools)
         tag = "\x00kda_rt"
         while tag in real:
@@ -354,45 +306,3 @@ class Tokenizer:
                                          bos_token=self._bos_token or "", eos_token=self._eos_token or "")
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
-
-
-class IncrementalDetokenizer:
-    """Streams text from token ids, holding back an unfinished UTF-8 character between add() calls.
-
-    The concatenation of every add() and the final flush() equals
-    `tokenizer.decode(all_ids, skip_special_tokens=...)`, because Python's incremental UTF-8
-    decoder replaces invalid bytes exactly as the one-shot decoder does.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._chunks: list[str] = []
-
-    def add(self, token_ids: int | Iterable[int]) -> str:
-        """Feed ids; return the text they complete (possibly empty).  Ids the tokenizer does not know
-        (a model whose vocabulary has more rows than the tokenizer has tokens) produce no text, so a
-        generation never fails on detokenization."""
-        if not isinstance(token_ids, Iterable):
-            token_ids = [token_ids]
-        known = self._tokenizer.vocab_size
-        ids = [int(t) for t in token_ids if 0 <= int(t) < known]
-        data = self._tokenizer.decode_bytes(ids, skip_special_tokens=self._skip_special_tokens)
-        return self._emit(self._decoder.decode(data))
-
-    def flush(self) -> str:
-        """Emit held-back bytes (an unfinished character becomes U+FFFD)."""
-        return self._emit(self._decoder.decode(b"", final=True))
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        if len(self._chunks) > 1:
-            self._chunks = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self._chunks.append(text)
-        return text

@@ -20,6 +20,8 @@ import time
 
 import uvicorn
 
+from kda_rt import env
+
 __all__ = ["build_parser", "main", "serve"]
 
 logger = logging.getLogger("kda_rt.server")
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="sequences allowed in the engine's waiting queue; beyond it requests get 429")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
-    ap.add_argument("--api-key", default=os.environ.get("KDA_RT_API_KEY"),
+    ap.add_argument("--api-key", default=env.api_key(),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
