@@ -85,18 +85,20 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> i
     return len(config.mla_layer_ids) * block_size * width * itemsize
 
 
-def state_bytes_per_slot(config: ModelConfig, itemsize: int) -> int:
-    """Bytes of one KDA state slot over all KDA layers: conv state + recurrent state."""
+def state_bytes_per_slot(config: ModelConfig, itemsize: int, state_itemsize: int | None = None) -> int:
+    """Bytes of one KDA state slot over all KDA layers: conv state (`itemsize` per value) + recurrent
+    state (`state_itemsize`, default `itemsize`; the CUDA backend keeps bf16 conv and fp32 state)."""
     kda = config.kda
     if kda is None:
         return 0
     p = kda.num_heads * kda.head_dim
-    per_layer = 3 * (kda.conv_kernel_size - 1) * p + kda.num_heads * kda.head_dim * kda.head_dim
-    return len(config.kda_layer_ids) * per_layer * itemsize
+    conv = 3 * (kda.conv_kernel_size - 1) * p * itemsize
+    rec = kda.num_heads * kda.head_dim * kda.head_dim * (state_itemsize or itemsize)
+    return len(config.kda_layer_ids) * (conv + rec)
 
 
 def pool_sizes(config: ModelConfig, engine: EngineConfig, *, itemsize: int, weight_bytes: int = 0,
-               device_bytes: int | None = None) -> tuple[int, int]:
+               device_bytes: int | None = None, state_itemsize: int | None = None) -> tuple[int, int]:
     """(KDA state slots, MLA pages) the engine schedules over; the runner adds score()'s reserve.
 
     `device_bytes` is the device's total memory (None on the NumPy backend).
@@ -108,7 +110,7 @@ def pool_sizes(config: ModelConfig, engine: EngineConfig, *, itemsize: int, weig
     if device_bytes is None:
         return num_slots, num_slots * pages_per_seq
     budget = int(device_bytes * engine.gpu_memory_utilization) - weight_bytes
-    budget -= (num_slots + 1) * state_bytes_per_slot(config, itemsize)
+    budget -= (num_slots + 2) * state_bytes_per_slot(config, itemsize, state_itemsize)  # + score() + padding
     budget -= pages_per_seq * kv_bytes_per_block(config, engine.block_size, itemsize)  # score() reserve
     num_blocks = budget // max(1, kv_bytes_per_block(config, engine.block_size, itemsize))
     if num_blocks < pages_per_seq:

@@ -67,8 +67,8 @@ class CudaRunner:
         free, total = cupy.cuda.runtime.memGetInfo()
         used_by_others = total - free - self.weights.nbytes
         try:
-            num_slots, num_blocks = pool_sizes(config, engine, itemsize=2, weight_bytes=self.weights.nbytes + max(0, used_by_others),
-                                               device_bytes=total)
+            num_slots, num_blocks = pool_sizes(config, engine, itemsize=2, state_itemsize=4, device_bytes=total,
+                                               weight_bytes=self.weights.nbytes + max(0, used_by_others))
         except ValueError as exc:
             raise MemoryError(f"{exc} (weights take {self.weights.nbytes / 2**30:.1f} GiB; "
                               "raise --gpu-memory-utilization or lower --max-model-len / --max-num-seqs)") from None
@@ -78,7 +78,7 @@ class CudaRunner:
         self.num_blocks = num_blocks + self.max_pages + 1  # + score() reserve + padding page
         self.pad_slot, self.pad_page = self.num_slots - 1, self.num_blocks - 1
         self.block_size = engine.block_size
-        need = (self.num_slots * state_bytes_per_slot(config, 4)
+        need = (self.num_slots * state_bytes_per_slot(config, 2, 4)
                 + self.num_blocks * kv_bytes_per_block(config, engine.block_size, 2))
         logger.info("cuda pools: %d slots, %d pages of %d tokens (%.2f GiB)", self.num_slots, self.num_blocks,
                     engine.block_size, need / 2**30)
