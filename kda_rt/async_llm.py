@@ -47,10 +47,15 @@ class AsyncLLM:
             raise ValueError(f"request_id {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before adding: the stepping task may produce output at once
+        add = asyncio.ensure_future(asyncio.to_thread(self._locked, self.engine.add_request, rid, prompt,
+                                                      sampling_params))
         try:
-            await asyncio.to_thread(self._locked, self.engine.add_request, rid, prompt, sampling_params)
-        except BaseException:
+            await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
+        except BaseException as exc:
             self._queues.pop(rid, None)
+            if isinstance(exc, asyncio.CancelledError):
+                add.add_done_callback(lambda f: self._abort_later(rid) if not f.cancelled() and f.exception() is None
+                                      else None)
             raise
         self._ensure_task()
         tracker, finished = DeltaTracker(), False
@@ -64,11 +69,19 @@ class AsyncLLM:
         finally:
             self._queues.pop(rid, None)
             if not finished:
-                self._to_abort.append(rid)  # applied under the lock before the next step
-                self._ensure_task()
+                self._abort_later(rid)
 
     async def abort(self, request_id: str) -> None:
-        await asyncio.to_thread(self._locked, self.engine.abort, request_id)
+        """Abort a request; its stream ends with a final output whose finish_reason is "abort"."""
+        rid = str(request_id)
+        final = await asyncio.to_thread(self._locked, self.engine.abort, rid)
+        queue = self._queues.get(rid)
+        if final is not None and queue is not None:
+            queue.put_nowait(final)
+
+    def _abort_later(self, rid: str) -> None:
+        self._to_abort.append(rid)  # applied under the lock before the next step
+        self._ensure_task()
 
     def stats(self) -> dict[str, int]:
         return self._locked(self.engine.stats)

@@ -100,6 +100,7 @@ class LLMEngine:
         vocabulary, prompt + max_tokens over max_model_len, or a request the page pool can never hold.
         """
         params = sampling_params or SamplingParams()
+        params.validate()  # fields may have been changed after construction
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -152,17 +153,19 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {i!r} is outside the vocabulary [0, {vocab})")
         return text, [int(i) for i in ids]
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request now; its slots and pages return to the pools at once.  Unknown or
-        finished ids are ignored."""
-        entry = self.requests.pop(str(request_id), None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request now; its slots and pages return to the pools at once.  Returns its final
+        output (unfinished samples get finish_reason "abort"); unknown or finished ids give None."""
+        rid = str(request_id)
+        entry = self.requests.pop(rid, None)
         if entry is None:
-            return
+            return None
         for seq in entry[1]:
             if not seq.finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self.counters["requests_aborted"] += 1
+        return request_output(rid, *entry)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +166,11 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         ids = self._add_all(prompts, params_list)
         if stream:
-            return self._stream(ids)
+            done: list = []
+            gen = self._stream(ids, done)
+            # a generator closed before its first next() never runs its finally: abort then too
+            done.append(weakref.finalize(gen, self._abort_all, list(ids)))
+            return gen
         final: dict[str, RequestOutput] = {}
         try:
             for out in self._drive(ids):
@@ -214,12 +219,13 @@ class LLM:
                 elif out.request_id in self._open:
                     self._parked[out.request_id] = out  # cumulative: the latest one suffices
 
-    def _stream(self, ids: list[str]) -> Iterator[RequestOutput]:
+    def _stream(self, ids: list[str], done: list) -> Iterator[RequestOutput]:
         trackers = {rid: DeltaTracker() for rid in ids}
         try:
             for out in self._drive(ids):
                 yield trackers[out.request_id].delta(out)
         finally:
+            done[0].detach()  # ids may be reused by later requests: never abort them from the finalizer
             self._abort_all(ids)
 
     def _abort_all(self, ids: list[str]) -> None:

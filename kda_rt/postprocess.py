@@ -67,7 +67,8 @@ class Postprocessor:
         if seq.detokenizer is not None:
             before = len(seq.text)
             seq.text += seq.detokenizer.add([token])
-            if p.stop_strings and self._check_stop_strings(seq, before):
+            # like EOS and stop ids, stop strings only count once min_tokens tokens exist (vLLM)
+            if p.stop_strings and len(seq.output_token_ids) > p.min_tokens and self._check_stop_strings(seq, before):
                 return True
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return self._finish(seq, "length")

@@ -6,7 +6,7 @@ Every bad value raises `ValueError` naming the parameter and the value.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["SamplingParams", "GREEDY_EPS"]
 
@@ -48,9 +48,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token is always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    _stop: tuple[str, ...] = field(init=False, repr=False, default=())
-
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and normalise) every field; the engine calls it again at add_request, so fields
+        changed after construction are checked too."""
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         self.temperature = _number("temperature", self.temperature, 0.0)
@@ -72,7 +75,6 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        self._stop = tuple(stop or ())
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
@@ -89,4 +91,4 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        return self._stop
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -3,7 +3,7 @@ one CTA per row, all on the device (no host sync, no allocation once the outputs
 
 Letters: B rows, V vocabulary, N top logprobs.  The draw is argmax p_i / E_i with E_i ~ Exp(1) from
 Philox-4x32-10 keyed by (seed, step) and the token index, so a row's token depends only on its seed,
-step and logits.  sampler/reference.py is the NumPy oracle (its own noise stream differs)."""
+step and logits.  sampler/reference.py is the NumPy oracle and draws the very same Philox uniforms."""
 
 from __future__ import annotations
 

@@ -1,0 +1,99 @@
+"""Edge cases of the public API found in review: aborts end async streams, unstarted streams
+do not leak requests, cancelling during add_request leaves no orphan, stop strings respect
+min_tokens, and SamplingParams changed after construction are re-validated."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from kda_rt import LLM, SamplingParams
+from kda_rt.async_llm import AsyncLLM
+from kda_rt.demo import demo_path
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(demo_path()), backend="numpy", max_num_seqs=4, max_model_len=4096)
+
+
+def test_async_abort_ends_the_stream(llm):
+    allm = AsyncLLM(llm)
+
+    async def main():
+        async def consume():
+            return [d async for d in allm.generate("hello", SamplingParams(max_tokens=4000, ignore_eos=True),
+                                                   request_id="r1")]
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        await allm.abort("r1")
+        return await asyncio.wait_for(task, 10)
+
+    got = asyncio.run(main())
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "abort"
+    assert llm.stats()["slots_used"] == 0 and llm.stats()["pages_used"] == 0
+
+
+def test_unstarted_stream_does_not_leak(llm):
+    stream = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=50), stream=True)
+    del stream
+    gc.collect()
+    assert llm.stats()["waiting"] == 0 and llm.stats()["running"] == 0
+    before = llm.stats()["generated_tokens"]
+    llm.generate("x", SamplingParams(max_tokens=8, ignore_eos=True))
+    assert llm.stats()["generated_tokens"] - before == 8
+
+
+def test_cancel_during_add_request_leaves_no_orphan(llm, monkeypatch):
+    allm = AsyncLLM(llm)
+    engine = llm.llm_engine
+    real_add = engine.add_request
+
+    def slow_add(*args, **kwargs):
+        import time
+
+        time.sleep(0.2)  # the window a long prompt's tokenization opens
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", slow_add)
+
+    async def main():
+        async def consume():
+            async for _ in allm.generate("hello", SamplingParams(max_tokens=500, ignore_eos=True), request_id="c1"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)  # the worker thread finishes adding; the abort follows
+        monkeypatch.setattr(engine, "add_request", real_add)
+        async for _ in allm.generate("x", SamplingParams(max_tokens=2, ignore_eos=True), request_id="c2"):
+            pass
+
+    asyncio.run(main())
+    assert "c1" not in engine.requests and llm.stats()["waiting"] == 0 and llm.stats()["running"] == 0
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    free = llm.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop = free.text[1:3]
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                             min_tokens=15))[0].outputs[0]
+    assert len(out.token_ids) >= 15
+
+
+def test_params_changed_after_construction_are_checked(llm):
+    p = SamplingParams(max_tokens=4)
+    p.temperature = -5.0
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("abc", p)
+    q = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    text = llm.generate("abc", q)[0].outputs[0].text
+    q.stop = [text[2:4]]
+    out = llm.generate("abc", q)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == text[2:4]
