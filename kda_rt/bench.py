@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the model's limit when the KV pool holds it, else the largest length that fits")
     ap.add_argument("--block-size", type=int, default=64, choices=(16, 32, 64))
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = (random_weights(model_config, args.seed) if args.random_weights
                    else load_checkpoint(args.model, model_config))
         engine_config = EngineConfig(
-            max_num_seqs=args.max_num_seqs or args.batch, max_model_len=args.input_len + args.output_len,
+            max_num_seqs=args.max_num_seqs or args.batch, max_model_len=args.max_model_len,
             block_size=args.block_size, num_blocks=args.num_blocks,
             max_num_batched_tokens=args.max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,

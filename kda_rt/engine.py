@@ -47,16 +47,18 @@ class EngineConfig:
     """Runtime knobs (the model's shape lives in `ModelConfig`)."""
 
     max_num_seqs: int = 16  # running sequences (= KDA state slots handed to the engine)
-    max_model_len: int = 8192  # prompt + generated tokens of one sequence
+    max_model_len: int | None = None  # prompt + generated tokens of one sequence; None: the pools decide (pools.py)
     block_size: int = 64  # tokens per MLA page
-    num_blocks: int | None = None  # MLA pages; None: sized by the runner (see runner.size_pools)
+    num_blocks: int | None = None  # MLA pages; None: sized by the runner (pools.plan_pools)
     max_num_batched_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
     gpu_memory_utilization: float = 0.90  # CUDA backend: share of device memory for weights + caches
     seed: int = 0  # seeds requests that bring no seed of their own
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             _check_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len)
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
         if self.num_blocks is not None:
@@ -69,7 +71,10 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, runner, tokenizer: Tokenizer | None, config: EngineConfig,
                  *, num_slots: int, num_blocks: int, extra_eos_ids: Seq[int] = ()) -> None:
-        """The engine hands out slots 0..num_slots-1 and pages 0..num_blocks-1 of the runner's pools."""
+        """The engine hands out slots 0..num_slots-1 and pages 0..num_blocks-1 of the runner's pools.
+        `config.max_model_len` must be resolved (not None): `build_engine` does that."""
+        if config.max_model_len is None:
+            raise ValueError("LLMEngine needs a resolved max_model_len (build_engine plans it from the pools)")
         self.model_config = model_config
         self.runner = runner
         self.tokenizer = tokenizer

@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import math
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -22,7 +22,7 @@ from kda_rt.forward_batch import ForwardBatch
 from kda_rt.loader.config import load_config
 from kda_rt.outputs import RequestOutput
 from kda_rt.postprocess import DeltaTracker
-from kda_rt.runner import NUMPY_DTYPES, make_runner, pool_sizes, select_backend
+from kda_rt.runner import NUMPY_DTYPES, make_runner, select_backend
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,21 +37,19 @@ logger = logging.getLogger(__name__)
 def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], engine_config: EngineConfig, *,
                  backend: str = "auto", dtype: str = "float32", tokenizer: Tokenizer | None = None,
                  extra_eos_ids: Sequence[int] = (), enforce_eager: bool = False) -> LLMEngine:
-    """Runner + engine for in-memory weights.  The runner gets one slot and one sequence's worth of
-    pages more than the engine schedules over; `LLM.score()` uses them."""
+    """Runner + engine for in-memory weights.  The runner plans its pools (`kda_rt.pools`); the
+    engine gets the plan's slots and pages and its resolved max_model_len."""
     backend = select_backend(backend)
     if backend == "cuda":
         from kda_rt.cuda.runner import CudaRunner
 
         runner = CudaRunner(model_config, weights, engine_config, enforce_eager=enforce_eager)
-        return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=runner.engine_slots,
-                         num_blocks=runner.engine_blocks, extra_eos_ids=extra_eos_ids)
-    num_slots, num_blocks = pool_sizes(model_config, engine_config, itemsize=4 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
-    reserve = math.ceil(engine_config.max_model_len / engine_config.block_size)
-    runner = make_runner(backend, model_config, weights, num_slots=num_slots + 1, num_blocks=num_blocks + reserve,
-                         block_size=engine_config.block_size, dtype=dtype)
-    return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=num_slots, num_blocks=num_blocks,
-                     extra_eos_ids=extra_eos_ids)
+    else:
+        runner = make_runner(backend, model_config, weights, engine_config, dtype=dtype)
+    plan = runner.plan
+    engine_config = dataclasses.replace(engine_config, max_model_len=plan.max_model_len)
+    return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=plan.engine_slots,
+                     num_blocks=plan.engine_blocks, extra_eos_ids=extra_eos_ids)
 
 
 def _has_tokenizer(model_dir: str) -> bool:
@@ -102,11 +100,9 @@ class LLM:
             raise ValueError(f"dtype must be one of {NUMPY_DTYPES} on the numpy backend, got {dtype!r}")
         self.model_config = load_config(model_dir)
         limit = self.model_config.max_model_len
-        if max_model_len is None:
-            max_model_len = min(limit, 8192)
-        elif max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
-        self.engine_config = EngineConfig(
+        if max_model_len is not None and max_model_len > limit:  # checked again by the pool plan; fail before loading
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit} (config.json)")
+        engine_config = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
         )
@@ -119,9 +115,10 @@ class LLM:
                 logger.warning("tokenizer has %d tokens but the model has %d vocabulary rows; ids the tokenizer does "
                                "not know produce no text", self.tokenizer.vocab_size, self.model_config.vocab_size)
         weights = load_checkpoint(model_dir, self.model_config, progress=progress)
-        self.llm_engine = build_engine(self.model_config, weights, self.engine_config, backend=backend, dtype=dtype,
+        self.llm_engine = build_engine(self.model_config, weights, engine_config, backend=backend, dtype=dtype,
                                        tokenizer=self.tokenizer, extra_eos_ids=_generation_eos(model_dir),
                                        enforce_eager=enforce_eager)
+        self.engine_config = self.llm_engine.config  # max_model_len resolved
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name
         self.report = None
@@ -256,18 +253,26 @@ class LLM:
         return self.generate(prompts, sampling_params, stream=stream)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
-        """[len(token_ids), vocab] float32 logits of every position of one sequence (one prefill in
-        the slot and pages reserved beyond the engine's share, so running requests are untouched)."""
+        """[len(token_ids), vocab] float32 logits of every position of one sequence: one prefill in a
+        slot and pages borrowed from the engine's free pools and returned at once, so running
+        requests are untouched.  RuntimeError when too few are free (other requests hold them)."""
         engine = self.llm_engine
         _, ids = engine.prompt_ids({"prompt_token_ids": list(token_ids)})
         if len(ids) > self.engine_config.max_model_len:
             raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.engine_config.max_model_len}")
-        bs = self.engine_config.block_size
-        slot = engine.scheduler.config.num_slots
-        first = engine.scheduler.config.num_blocks
-        blocks = list(range(first, first + math.ceil(len(ids) / bs)))
-        batch = ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True)
-        return self.runner.execute(batch)
+        sched = engine.scheduler
+        need = sched.pages_for(len(ids))
+        if sched.slots.num_free < 1 or sched.pages.num_free < need:
+            raise RuntimeError(f"score() needs 1 state slot and {need} KV pages; {sched.slots.num_free} slots and "
+                               f"{sched.pages.num_free} pages are free while other requests run")
+        slot = sched.slots.allocate()[0]
+        blocks = sched.pages.allocate(need)
+        try:
+            batch = ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True)
+            return self.runner.execute(batch)
+        finally:
+            sched.pages.release(blocks)
+            sched.slots.release([slot])
 
     def stats(self) -> dict[str, int]:
         """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""

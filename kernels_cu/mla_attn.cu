@@ -8,8 +8,9 @@
 //   ctx[h]     = Σ_τ softmax_τ(score[h])[τ] · c[τ]           (R wide; o_h = W_UV_h ctx_h by cuBLAS)
 //
 // Used for decode (1 token per sequence) and prefill (n tokens per sequence; each token is its
-// own query group, so the causal mask is just the length pos+1).  Flash-decoding split: the
-// context is cut into NUM_SPLITS = gridDim.y ranges of `tiles_per_split` tiles of NT positions.
+// own query group, so the causal mask is just the length pos+1).  Flash-decoding split: each
+// token's context (pos+1 positions, not the table width) is cut into NUM_SPLITS = gridDim.y
+// equal ranges of whole tiles of NT positions.
 //   - SPLIT=1: each (token, split) block writes its unnormalised partial ctx (fp32) and its
 //     running max m (log2 units) and sum l; mla_attn_combine merges the splits into bf16 ctx.
 //   - SPLIT=0 (one split): the block writes bf16 ctx = acc / l directly.
@@ -112,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
                const bf16* __restrict__ kv_pool, const int* __restrict__ cu_seqlens,
                const int* __restrict__ context_lens, const int* __restrict__ block_tables,
-               int num_seqs, int max_pages, int tiles_per_split, float scale_log2,
+               int num_seqs, int max_pages, float scale_log2,
                bf16* ctx_out, float* __restrict__ partial, float* __restrict__ stats) {
     // q_lat and ctx_out may alias (SPLIT=0): no __restrict__ on them
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -128,6 +129,9 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
     const int b = sequence_of(cu_seqlens, num_seqs, t);
     const int pos = __ldg(context_lens + b) + t - __ldg(cu_seqlens + b);
     const int kv_end = min(pos + 1, max_pages * BLOCK_SIZE);  // positions past the table are never read
+    // this token's context tiles are shared out evenly over the splits (at run time, so one graph
+    // serves every context length; splits past the context get none)
+    const int tiles_per_split = ((kv_end + NT - 1) / NT + num_splits - 1) / num_splits;
     const int first = split * tiles_per_split * NT;
     const int last = min(first + tiles_per_split * NT, kv_end);
     const int num_tiles = last > first ? (last - first + NT - 1) / NT : 0;

@@ -93,8 +93,11 @@ class CudaModel:
             final = ws.get("final", (T, D), BF16)
             rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
             N = int(b.logits_indices.shape[0])
+            logits = ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32)
+            if N == 0:  # prefill chunks that finish no prompt: nothing to project
+                return logits
             rows = final if (b.decode and N == T) else final.take(b.logits_indices, axis=0)
-            return linear(rows, self.w.lm_head, out=ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32))
+            return linear(rows, self.w.lm_head, out=logits)
 
     # ------------------------------------------------------------------------------------------
 

@@ -1,21 +1,22 @@
 """`CudaRunner`: weights and cache pools on the GPU, the model as kernel launches, and one CUDA
 graph per decode batch-size bucket.
 
-- Pools: per KDA layer a conv-state pool and an fp32 recurrent-state pool with one slot per
-  running sequence plus score()'s reserve plus one padding slot; per MLA layer a bf16 page pool
-  [num_blocks, block_size, 576] with score()'s pages plus one padding page.  The engine's page
-  count comes from `gpu_memory_utilization` after the weights are on the device (or `num_blocks`).
+- Pools (planned by `kda_rt.pools.plan_pools`): per KDA layer a conv-state pool and an fp32
+  recurrent-state pool with one slot per running sequence plus one padding slot; per MLA layer a
+  bf16 page pool [num_blocks, block_size, 576] plus one padding page.  The page count comes from
+  `gpu_memory_utilization` after the weights are on the device (or `num_blocks`).
 - Decode steps (every sequence has one new token) replay the graph of the smallest bucket
   (1, 2, 4, 8, ... up to max_num_seqs) that holds the batch; missing rows are padding that read a
   zero state (context 0) and write only the padding slot and page.  Metadata is copied into the
   graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
-- One device -> host copy per step: the logits rows (the GPU sampler will shrink it to token ids).
+- A graph's block table is max_model_len / block_size pages wide; each step copies only the
+  columns the batch uses (a 2D copy), the rest is never read (kernels stop at the context).
+- One device -> host copy per step: the sampled token ids (+ logprobs when asked).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ class CudaRunner:
 
         from kda_rt.ops.compile import startup_log
         from kda_rt.ops.kda_decode import CONV_STATE_DTYPE, conv_state_shape
-        from kda_rt.runner import kv_bytes_per_block, pool_sizes, state_bytes_per_slot
+        from kda_rt.pools import plan_pools
 
         self.cupy = cupy
         self.config = config
@@ -66,22 +67,15 @@ class CudaRunner:
         self.weights = upload_weights(config, weights, progress=progress)
         free, total = cupy.cuda.runtime.memGetInfo()
         used_by_others = total - free - self.weights.nbytes
-        try:
-            num_slots, num_blocks = pool_sizes(config, engine, itemsize=2, state_itemsize=4, device_bytes=total,
-                                               weight_bytes=self.weights.nbytes + max(0, used_by_others))
-        except ValueError as exc:
-            raise MemoryError(f"{exc} (weights take {self.weights.nbytes / 2**30:.1f} GiB; "
-                              "raise --gpu-memory-utilization or lower --max-model-len / --max-num-seqs)") from None
-        self.engine_slots, self.engine_blocks = num_slots, num_blocks
-        self.max_pages = math.ceil(engine.max_model_len / engine.block_size)
-        self.num_slots = num_slots + 2  # + score() reserve + padding slot
-        self.num_blocks = num_blocks + self.max_pages + 1  # + score() reserve + padding page
-        self.pad_slot, self.pad_page = self.num_slots - 1, self.num_blocks - 1
+        self.plan = plan = plan_pools(config, engine, itemsize=2, state_itemsize=4, memory_bytes=total,
+                                      weight_bytes=self.weights.nbytes + max(0, used_by_others), padding=True)
+        self.num_slots, self.num_blocks = plan.num_slots, plan.num_blocks
+        self.pad_slot, self.pad_page = plan.pad_slot, plan.pad_page
+        self.max_pages = plan.max_pages_per_seq
         self.block_size = engine.block_size
-        need = (self.num_slots * state_bytes_per_slot(config, 2, 4)
-                + self.num_blocks * kv_bytes_per_block(config, engine.block_size, 2))
-        logger.info("cuda pools: %d slots, %d pages of %d tokens (%.2f GiB)", self.num_slots, self.num_blocks,
-                    engine.block_size, need / 2**30)
+        need = plan.bytes
+        logger.info("cuda pools: %d slots, %d pages of %d tokens (%.2f GiB); max_model_len %d", self.num_slots,
+                    self.num_blocks, engine.block_size, need / 2**30, plan.max_model_len)
         try:
             kda_pools, mla_pools = {}, {}
             if config.kda is not None:
@@ -107,7 +101,8 @@ class CudaRunner:
     # ------------------------------------------------------------------------------------------
 
     def _upload(self, batch: ForwardBatch, ws: Workspace, decode: bool, rows: int | None = None) -> DeviceBatch:
-        """Copy the batch metadata into `ws` buffers (padded to `rows` sequences for a graph)."""
+        """Copy the batch metadata into `ws` buffers (padded to `rows` sequences for a graph, whose
+        block table is `max_pages` wide: only the columns this batch uses are copied)."""
         B, T = batch.num_seqs, batch.num_tokens
         R = rows or B
         ids = np.zeros(R if decode else T, dtype=np.int32)
@@ -117,17 +112,26 @@ class CudaRunner:
         ctx[:B] = batch.context_lens
         slots = np.full(R, self.pad_slot, dtype=np.int32)
         slots[:B] = batch.state_slots
-        width = self.max_pages if rows else max(1, batch.block_tables.shape[1])
+        width = max(1, batch.block_tables.shape[1])
+        if width > self.max_pages:
+            raise ValueError(f"block table has {width} pages; max_model_len allows {self.max_pages}")
         tables = np.full((R, width), -1, dtype=np.int32)
         tables[:B, : batch.block_tables.shape[1]] = batch.block_tables
         tables[B:, 0] = self.pad_page
         logits_idx = np.arange(R, dtype=np.int32) if decode else batch.logits_indices.astype(np.int32)
         dev = {}
-        for name, host in (("ids", ids), ("cu", cu), ("ctx", ctx), ("slots", slots), ("tables", tables),
-                           ("lidx", logits_idx)):
+        for name, host in (("ids", ids), ("cu", cu), ("ctx", ctx), ("slots", slots), ("lidx", logits_idx)):
             buf = ws.get("meta_" + name, host.shape, np.int32)
             buf.set(host, stream=self.stream)
             dev[name] = buf
+        if rows:
+            buf = dev["tables"] = ws.get("meta_tables", (R, self.max_pages), np.int32)
+            self.cupy.cuda.runtime.memcpy2DAsync(buf.data.ptr, self.max_pages * 4, tables.ctypes.data, width * 4,
+                                                 width * 4, R, self.cupy.cuda.runtime.memcpyHostToDevice,
+                                                 self.stream.ptr)
+        else:
+            buf = dev["tables"] = ws.get("meta_tables", tables.shape, np.int32)
+            buf.set(tables, stream=self.stream)
         max_len = 1 if decode else int(batch.seq_lens.max())
         return DeviceBatch(dev["ids"], dev["cu"], dev["ctx"], dev["slots"], dev["tables"], dev["lidx"],
                            num_tokens=int(ids.shape[0]), num_seqs=R, max_seqlen=max_len, decode=decode)
@@ -179,6 +183,9 @@ class CudaRunner:
         """[N, vocab] float32 logits at batch.logits_indices (host array)."""
         n = batch.logits_indices.shape[0]
         logits = self._forward(batch)
+        if n == 0:
+            self.stream.synchronize()
+            return np.zeros((0, self.config.vocab_size), np.float32)
         with self.stream:
             return logits[:n].get(stream=self.stream)
 
@@ -193,6 +200,9 @@ class CudaRunner:
 
         cp = self.cupy
         n = len(seqs)
+        if n == 0:  # prefill chunks that finish no prompt: the caches fill, nothing is sampled
+            self._forward(batch)
+            return []
         logits = self._forward(batch)[:n]
         ps = [s.params for s in seqs]
         host = {

@@ -11,7 +11,8 @@ nope/pe/value head dims, S context splits.  w_kvb is used as stored in the check
 
 Workspace (bytes from `decode_workspace_bytes`): q_lat/ctx bf16 [T, H, R], then when S > 1
 partial fp32 [T, S, H, R] and stats fp32 [T, S, H, 2].  S depends only on (T, M, block_size, SMs),
-so a decode launch has a fixed grid for a fixed (B, M) and captures in a CUDA graph.
+so a decode launch has a fixed grid for a fixed (B, M) and captures in a CUDA graph; the kernel
+shares each token's actual context out over the S splits at run time.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount
 
 
-def num_splits(T: int, M: int, block_size: int) -> tuple[int, int]:
-    """(S, tiles per split): enough (token, split) blocks for two waves, each split >= 1 tile."""
+def num_splits(T: int, M: int, block_size: int) -> int:
+    """S: enough (token, split) blocks for two waves, at most one split per tile of the table width.
+    The kernel shares each token's own context out over the S splits."""
     import cupy
 
     tiles = max(1, math.ceil(M * block_size / _NT))
     want = max(1, math.ceil(2 * _sm_count(cupy.cuda.Device().id) / max(T, 1)))
-    per = math.ceil(tiles / min(tiles, want))
-    return math.ceil(tiles / per), per
+    return min(tiles, want)
 
 
 def _layout(T: int, H: int, R: int, S: int) -> tuple[int, int, int]:
@@ -58,7 +59,7 @@ def _layout(T: int, H: int, R: int, S: int) -> tuple[int, int, int]:
 
 def decode_workspace_bytes(B: int, H: int, M: int, block_size: int, kv_lora_rank: int = 512) -> int:
     """Bytes of the `workspace` a decode call with B sequences and [B, M] block tables needs."""
-    return _layout(B, H, kv_lora_rank, num_splits(B, M, block_size)[0])[2]
+    return _layout(B, H, kv_lora_rank, num_splits(B, M, block_size))[2]
 
 
 def _view(buf, offset: int, shape: tuple, dtype, strides: tuple | None = None):
@@ -110,7 +111,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
                          f"max_seqlen={max_seqlen}")
     out = cupy.empty((T, H * Dv), dtype=BF16) if out is None else out
     expect(out, "out", shape=(T, H * Dv), dtype=BF16, row_stride=True)
-    S, per = num_splits(T, M, block_size)
+    S = num_splits(T, M, block_size)
     o_partial, o_stats, nbytes = _layout(T, H, R, S)
     workspace = cupy.empty(nbytes, dtype=np.uint8) if workspace is None else workspace
     (W,) = expect(workspace, "workspace", ndim=1, dtype=np.uint8)
@@ -131,7 +132,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
         partial = workspace[o_partial:] if S > 1 else workspace
         stats = workspace[o_stats:] if S > 1 else workspace
         kernel((T, S), (_THREADS,), (workspace, q2, i32(ldq), kv_pool, cu_seqlens, context_lens, block_tables,
-                                     i32(B1 - 1), i32(M), i32(per), f32(scale * math.log2(math.e)), workspace,
+                                     i32(B1 - 1), i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
         if S > 1:
             combine = get_kernel("mla_attn.cu", "mla_attn_combine", H=H, R=R, DR=Dr, DN=Dn, BLOCK_SIZE=block_size,

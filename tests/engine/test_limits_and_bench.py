@@ -15,7 +15,7 @@ from kda_rt.demo import demo_path
 from kda_rt.engine import EngineConfig
 from kda_rt.loader.config import parse_config
 from kda_rt.loader.weights import expected_tensors
-from kda_rt.runner import kv_bytes_per_block, pool_sizes, state_bytes_per_slot
+from kda_rt.pools import kv_bytes_per_block, plan_pools, state_bytes_per_slot
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +87,57 @@ def test_stats_counters(llm):
     assert after["pages_free"] == llm.llm_engine.scheduler.config.num_blocks and after["slots_free"] == 2
 
 
-def test_pool_sizing():
+def test_pool_plan_numpy():
+    """NumPy backend: every engine slot can reach max_model_len; num_blocks overrides; no padding."""
     cfg = parse_config(tiny_config())
-    eng = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16)
-    assert pool_sizes(cfg, eng, itemsize=4) == (4, 4 * 16)  # numpy: every slot can reach max_model_len
-    assert pool_sizes(cfg, EngineConfig(num_blocks=7), itemsize=4) == (16, 7)
-    page, slot = kv_bytes_per_block(cfg, 16, 2), state_bytes_per_slot(cfg, 2)
+    big = 2**40
+    plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16), itemsize=4,
+                      memory_bytes=big, cap_to_sequences=True)
+    assert (plan.engine_slots, plan.engine_blocks, plan.max_model_len) == (4, 4 * 16, 256)
+    assert (plan.num_slots, plan.num_blocks, plan.pad_slot, plan.pad_page) == (4, 64, None, None)
+    plan = plan_pools(cfg, EngineConfig(num_blocks=7, block_size=16, max_model_len=100), itemsize=4, memory_bytes=big,
+                      cap_to_sequences=True)
+    assert (plan.engine_slots, plan.engine_blocks) == (16, 7)
+
+
+def test_pool_plan_device_budget():
+    """CUDA backend: pages fill what gpu_memory_utilization leaves after weights, state and padding."""
+    cfg = parse_config(tiny_config())
+    page, slot = kv_bytes_per_block(cfg, 16, 2), state_bytes_per_slot(cfg, 2, 4)
     assert page == 1 * 16 * (32 + 8) * 2  # one MLA layer, kv_lora_rank + rope dim per token
     device = 10 * 2**20
-    slots, blocks = pool_sizes(cfg, eng, itemsize=2, weight_bytes=2**20, device_bytes=device)
-    used = 2**20 + 6 * slot + (blocks + 16) * page  # engine slots + score() slot + CUDA padding slot
-    assert slots == 4 and used <= 0.9 * device < used + page
-    with pytest.raises(ValueError, match="lower max_model_len"):
-        pool_sizes(cfg, eng, itemsize=2, weight_bytes=device, device_bytes=device)
+    plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16), itemsize=2,
+                      state_itemsize=4, memory_bytes=device, weight_bytes=2**20, padding=True)
+    used = 2**20 + plan.num_slots * slot + plan.num_blocks * page
+    assert plan.num_slots == 5 and plan.pad_slot == 4 and plan.pad_page == plan.engine_blocks
+    assert used == 2**20 + plan.bytes and used <= 0.9 * device < used + page
+
+
+def test_max_model_len_resolution(caplog):
+    """vLLM's rule: default to the model's limit when one sequence of it fits, else the largest length
+    that fits (one log line); an explicit value that does not fit names both numbers."""
+    cfg = parse_config(tiny_config(model_max_length=4096))
+    page = kv_bytes_per_block(cfg, 16, 2)
+    roomy = dict(itemsize=2, memory_bytes=2**30, padding=True)
+    assert plan_pools(cfg, EngineConfig(block_size=16), **roomy).max_model_len == 4096
+    tight = dict(itemsize=2, memory_bytes=(100 + 1) * page, padding=True)  # ~100 pages after the padding page
+    eng = EngineConfig(block_size=16, max_num_seqs=1, gpu_memory_utilization=1.0)
+    with caplog.at_level("WARNING", logger="kda_rt.pools"):
+        plan = plan_pools(cfg, eng, **tight)
+    assert plan.max_model_len == plan.engine_blocks * 16 < 4096
+    assert [r for r in caplog.records if "max_model_len" in r.getMessage()], "one log line says why"
+    with pytest.raises(ValueError, match=r"max_model_len 4096 does not fit.*holds \d+ tokens"):
+        plan_pools(cfg, EngineConfig(block_size=16, max_num_seqs=1, gpu_memory_utilization=1.0, max_model_len=4096),
+                   **tight)
+    with pytest.raises(ValueError, match="max_model_len 5000 exceeds the model's limit 4096"):
+        plan_pools(cfg, EngineConfig(block_size=16, max_model_len=5000), **roomy)
+    with pytest.raises(ValueError, match="no room for KV pages"):
+        plan_pools(cfg, eng, itemsize=2, memory_bytes=10, padding=True)
+
+
+def test_llm_default_max_model_len_is_the_models(tiny_dir):
+    llm = make_llm(tiny_dir, max_num_seqs=2, block_size=16)
+    assert llm.engine_config.max_model_len == llm.model_config.max_model_len
 
 
 def test_random_weights_match_checkpoint_layout():

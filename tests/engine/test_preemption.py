@@ -33,7 +33,7 @@ def test_batch_invariance_under_pressure(tiny_dir, roomy, budget, caplog):
               SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True)
               for i in range(len(prompts))]
     # 5 pages of 16 tokens: one request fits alone (<= 67 positions), six at once never do
-    tight = make_llm(tiny_dir, max_num_seqs=6, max_model_len=128, block_size=16, num_blocks=5,
+    tight = make_llm(tiny_dir, max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=5,
                      max_num_batched_tokens=budget)
     with caplog.at_level(logging.WARNING, logger="kda_rt.scheduler"):
         outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -50,10 +50,15 @@ def test_batch_invariance_under_pressure(tiny_dir, roomy, budget, caplog):
     assert stats["generated_tokens"] == sum(p.max_tokens for p in params)
 
 
-def test_too_big_for_pool_rejected_others_unaffected(tiny_dir):
-    llm = make_llm(tiny_dir, max_num_seqs=2, max_model_len=128, block_size=16, num_blocks=3)
-    with pytest.raises(ValueError, match=r"needs 4 KV pages .* only 3 pages"):
-        llm.generate({"prompt_token_ids": [5] * 40}, greedy(20))  # 59 positions
+def test_pool_smaller_than_max_model_len(tiny_dir):
+    """An explicit max_model_len the pool cannot hold is refused up front, naming both numbers; left
+    unset it follows the pool, and a request over it is refused without disturbing others."""
+    with pytest.raises(ValueError, match=r"max_model_len 128 does not fit.*holds 48 tokens \(3 pages of 16\)"):
+        make_llm(tiny_dir, max_num_seqs=2, max_model_len=128, block_size=16, num_blocks=3)
+    llm = make_llm(tiny_dir, max_num_seqs=2, block_size=16, num_blocks=3)
+    assert llm.engine_config.max_model_len == 48
+    with pytest.raises(ValueError, match=r"= 60 exceeds max_model_len 48"):
+        llm.generate({"prompt_token_ids": [5] * 40}, greedy(20))
     out = llm.generate({"prompt_token_ids": [5] * 20}, greedy(20))[0]
     assert len(out.outputs[0].token_ids) == 20
     assert_no_leaks(llm)

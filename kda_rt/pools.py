@@ -1,0 +1,125 @@
+"""Cache-pool planning: how many KDA state slots and MLA pages a backend allocates, and the
+`max_model_len` those pools can serve.  Both backends, the bench and the server use `plan_pools`.
+
+- Slots: `max_num_seqs` for the engine, plus one padding slot on the CUDA backend (graph rows
+  that carry no sequence write there).  Pages: what the memory budget holds (the CUDA backend:
+  `gpu_memory_utilization` of the device minus weights and state; the NumPy backend: the same
+  share of host memory, and never more than `max_num_seqs` full-length sequences need), plus one
+  padding page on CUDA.  `num_blocks` overrides the page count.
+- `max_model_len` as vLLM resolves it: None means the model's limit when the pool can hold one
+  sequence of that length, otherwise the largest length that fits (one log line says so); an
+  explicit value over the model's limit or over what the pool holds is a ValueError naming both.
+- `LLM.score()` borrows a free slot and free pages from the engine's pools for its one prefill,
+  so nothing is reserved for it here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kda_rt.engine import EngineConfig
+    from kda_rt.loader.config import ModelConfig
+
+__all__ = ["PoolPlan", "plan_pools", "kv_bytes_per_block", "state_bytes_per_slot", "host_memory_bytes"]
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:
+    """Bytes of one MLA page over all MLA layers (576 values per token per layer at full size)."""
+    width = config.mla.cache_width if config.mla is not None else 0
+    return len(config.mla_layer_ids) * block_size * width * itemsize
+
+
+def state_bytes_per_slot(config: ModelConfig, itemsize: int, state_itemsize: int | None = None) -> int:
+    """Bytes of one KDA state slot over all KDA layers: conv state (`itemsize` per value) + recurrent
+    state (`state_itemsize`, default `itemsize`; the CUDA backend keeps bf16 conv and fp32 state)."""
+    kda = config.kda
+    if kda is None:
+        return 0
+    p = kda.num_heads * kda.head_dim
+    conv = 3 * (kda.conv_kernel_size - 1) * p * itemsize
+    rec = kda.num_heads * kda.head_dim * kda.head_dim * (state_itemsize or itemsize)
+    return len(config.kda_layer_ids) * (conv + rec)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (the NumPy backend's 'device')."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a modest machine
+        return 16 * 2**30
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What the runner allocates and what the engine may hand out (ids below engine_*)."""
+
+    max_model_len: int
+    block_size: int
+    engine_slots: int  # slots 0 .. engine_slots-1 belong to the scheduler
+    engine_blocks: int  # pages 0 .. engine_blocks-1 belong to the scheduler
+    num_slots: int  # allocated (engine + padding)
+    num_blocks: int
+    pad_slot: int | None  # CUDA graph padding rows write here (None: no padding)
+    pad_page: int | None
+    bytes: int  # slots + pages
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+
+def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, state_itemsize: int | None = None,
+               memory_bytes: int, weight_bytes: int = 0, padding: bool = False, cap_to_sequences: bool = False,
+               where: str = "GPU") -> PoolPlan:
+    """Plan the pools within `memory_bytes * gpu_memory_utilization - weight_bytes`.
+
+    `cap_to_sequences` (NumPy backend): never more pages than `max_num_seqs` sequences of
+    `max_model_len` tokens use.  `where` names the memory in errors ("GPU" or "host").
+    """
+    bs, seqs, limit = engine.block_size, engine.max_num_seqs, config.max_model_len
+    pad = 1 if padding else 0
+    page = kv_bytes_per_block(config, bs, itemsize)
+    slot = state_bytes_per_slot(config, itemsize, state_itemsize)
+    budget = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - (seqs + pad) * slot - pad * page
+    if engine.num_blocks is not None:
+        fit_pages = engine.num_blocks
+    elif page == 0:  # no MLA layer: positions cost no pages' memory
+        fit_pages = seqs * math.ceil(limit / bs)
+    else:
+        fit_pages = max(0, budget // page)
+        if fit_pages == 0:
+            raise ValueError(
+                f"the {where} memory budget ({engine.gpu_memory_utilization} x {memory_bytes / 2**30:.1f} GiB) leaves "
+                f"no room for KV pages after the weights ({weight_bytes / 2**30:.1f} GiB) and {seqs + pad} state slots "
+                f"({(seqs + pad) * slot / 2**30:.2f} GiB): raise gpu_memory_utilization or lower max_num_seqs")
+    fit_len = fit_pages * bs
+    requested = engine.max_model_len
+    if requested is None:
+        max_model_len = min(limit, fit_len)
+        if max_model_len < limit:
+            logger.warning("max_model_len %d (the model allows %d): the KV page pool holds %d pages of %d tokens "
+                           "(pass --max-model-len, --num-blocks or --gpu-memory-utilization to change it)",
+                           max_model_len, limit, fit_pages, bs)
+    else:
+        if requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit} (config.json)")
+        if requested > fit_len:
+            src = "num_blocks" if engine.num_blocks is not None else f"{where} memory"
+            raise ValueError(f"max_model_len {requested} does not fit: the KV page pool ({src}) holds {fit_len} tokens "
+                             f"({fit_pages} pages of {bs}); lower max_model_len to {fit_len} or give the pool more room")
+        max_model_len = requested
+    engine_blocks = fit_pages
+    if cap_to_sequences and engine.num_blocks is None:
+        engine_blocks = min(fit_pages, seqs * math.ceil(max_model_len / bs))
+    num_slots, num_blocks = seqs + pad, engine_blocks + pad
+    return PoolPlan(max_model_len=max_model_len, block_size=bs, engine_slots=seqs, engine_blocks=engine_blocks,
+                    num_slots=num_slots, num_blocks=num_blocks, pad_slot=seqs if pad else None,
+                    pad_page=engine_blocks if pad else None, bytes=num_slots * slot + num_blocks * page)
