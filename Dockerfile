@@ -21,17 +21,19 @@ RUN useradd --create-home --uid 10001 --home-dir /home/kda kda \
  && chown -R kda:kda /var/cache/kda_rt
 
 WORKDIR /opt/kda_rt
-COPY setup.cfg pyproject.toml README.md ARCHITECTURE.md ./
+COPY setup.py setup.cfg pyproject.toml README.md ARCHITECTURE.md ./
 COPY kda_rt ./kda_rt
 COPY loader ./loader
 COPY sampler ./sampler
 COPY kernels_cu ./kernels_cu
 
+# A regular (non-editable) install builds the wheel, as `pip install kda_rt` would: every kda_rt.*
+# package (kda_rt.cuda, kda_rt.ops, kda_rt.loader, kda_rt.sampler, ...) and the kernel sources.
 # cuda-toolkit[...] pulls only the CUDA 12 wheels kda_rt uses (nvidia-cuda-runtime-cu12,
 # nvidia-cuda-nvrtc-cu12, nvidia-cublas-cu12); CuPy finds them in site-packages.
 RUN pip install --no-cache-dir ".[cuda12,server]" "cuda-toolkit[cublas,cudart,nvrtc]==12.*" \
  && rm -rf /opt/kda_rt/build /root/.cache \
- && python -c "import kda_rt.server, cupy, sys; assert 'torch' not in sys.modules"
+ && python -c "import kda_rt.server, kda_rt.cuda, kda_rt.ops.compile as c, cupy, sys; assert 'torch' not in sys.modules; assert (c.KERNEL_DIR / 'mla_attn.cu').is_file()"
 
 USER kda
 WORKDIR /home/kda

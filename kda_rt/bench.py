@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time the first run too (by default a short run of the same batch size first compiles "
+                         "kernels and captures the decode graphs)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -77,6 +80,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     vocab = engine.model_config.vocab_size
+    steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     for i in range(batch):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params)
@@ -105,9 +109,9 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         "ttft_s_max": max(ttft),
         "tpot_s_mean": statistics.fmean(tpot),
         "decode_step_s_mean": statistics.fmean(decode_steps) if decode_steps else None,
-        "num_steps": engine.counters["steps"],
+        "num_steps": engine.counters["steps"] - steps0,
         "num_decode_steps": len(decode_steps),
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": engine.scheduler.num_preemptions - preempt0,
     }
 
 
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine = build_engine(model_config, weights, engine_config, backend=args.backend, dtype=args.dtype)
         load_s = time.perf_counter() - t0
+        if not args.no_warmup:
+            run_bench(engine, args.batch, min(args.input_len, 64), min(args.output_len, 4), args.seed + 1)
         report = run_bench(engine, args.batch, args.input_len, args.output_len, args.seed)
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)

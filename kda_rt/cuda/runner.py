@@ -16,6 +16,7 @@ graph per decode batch-size bucket.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -65,6 +66,8 @@ class CudaRunner:
         self.config = config
         startup_log()
         self.weights = upload_weights(config, weights, progress=progress)
+        gc.collect()  # runners dropped earlier in this process: give their pools back to the device
+        cupy.get_default_memory_pool().free_all_blocks()
         free, total = cupy.cuda.runtime.memGetInfo()
         used_by_others = total - free - self.weights.nbytes
         self.plan = plan = plan_pools(config, engine, itemsize=2, state_itemsize=4, memory_bytes=total,

@@ -99,7 +99,7 @@ class Recorder:
 
 @pytest.mark.parametrize("length", [1, B - 1, B, B + 1, 3 * B + 7])
 def test_prompt_lengths_around_the_budget(ckpt, oracle, length):
-    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=1024, max_num_batched_tokens=B)
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=1024, num_blocks=80, max_num_batched_tokens=B)
     prompt = prompt_of(length, seed=length)
     out = run_all(gpu, [prompt], greedy(12))[0]
     frac = assert_matches_oracle(oracle, prompt, out, f"{length} tokens, budget {B}")
@@ -110,7 +110,7 @@ def test_prompt_lengths_around_the_budget(ckpt, oracle, length):
 def test_boundary_prompts_together_share_steps(ckpt, oracle):
     """All boundary lengths at once under budget B: decodes of short prompts ride along with the
     continuing prefill chunks of long ones."""
-    gpu = LLM(ckpt, backend="cuda", max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=B)
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
     rec = gpu.llm_engine.runner = Recorder(gpu.llm_engine.runner)
     prompts = [prompt_of(n, seed=100 + n) for n in (1, B - 1, B, B + 1, 3 * B + 7)]
     outs = run_all(gpu, prompts, greedy(16))
@@ -123,7 +123,7 @@ def test_boundary_prompts_together_share_steps(ckpt, oracle):
 
 
 def test_32k_prompt(ckpt, oracle):
-    gpu = LLM(ckpt, backend="cuda", max_num_seqs=2, max_model_len=33000)
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=2, max_model_len=33000, num_blocks=1100)
     prompt = prompt_of(32768, seed=7)
     out = run_all(gpu, [prompt], greedy(8))[0]
     frac = assert_matches_oracle(oracle, prompt, out, "32768 tokens")
@@ -133,7 +133,7 @@ def test_32k_prompt(ckpt, oracle):
 
 def test_staggered_arrivals_mixed_steps(ckpt, oracle):
     """Requests join while others decode (engine-level, budget 16): every step after the first mixes."""
-    gpu = LLM(ckpt, backend="cuda", max_num_seqs=6, max_model_len=512, max_num_batched_tokens=16)
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=6, max_model_len=512, num_blocks=64, max_num_batched_tokens=16)
     engine = gpu.llm_engine
     prompts = [prompt_of(n, seed=200 + n) for n in (5, 40, 17, 3, 90, 33)]
     done = {}
@@ -156,7 +156,7 @@ def test_staggered_arrivals_mixed_steps(ckpt, oracle):
 
 @pytest.mark.parametrize("budget", [1, 2, 5, 16, 33])
 def test_chunk_budgets(ckpt, oracle, budget):
-    gpu = LLM(ckpt, backend="cuda", max_num_seqs=1, max_model_len=256, max_num_batched_tokens=budget)
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=1, max_model_len=256, num_blocks=8, max_num_batched_tokens=budget)
     prompt = prompt_of(45, seed=3)
     out = run_all(gpu, [prompt], greedy(6))[0]
     assert_matches_oracle(oracle, prompt, out, f"budget {budget}")
@@ -179,7 +179,7 @@ def test_preemption_tiny_pool(ckpt, oracle):
 
 def test_streaming_equals_non_streaming(ckpt):
     """Same steps, same kernels: the streamed deltas concatenate to exactly the non-streamed tokens."""
-    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32)
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=512, num_blocks=40, max_num_batched_tokens=32)
     prompts = [prompt_of(n, seed=400 + n) for n in (3, 50, 21)]
     plain = [o.token_ids for o in run_all(gpu, prompts, greedy(14))]
     got: dict[str, list[int]] = {}
