@@ -133,7 +133,8 @@ class LLM:
                                "(kda_rt/model/*), no GPU kernels")
             logger.info("%s", self.report)
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned
-        self._parked: dict[str, RequestOutput] = {}  # latest output of an open request, for its driver
+        self._parked: dict[str, tuple[int, RequestOutput]] = {}  # newest (step stamp, output) of an open request
+        self._step_stamp = 0  # engine steps taken by the drivers; orders cumulative outputs
         self.model_dir = model_dir
 
     def get_tokenizer(self):
@@ -201,23 +202,43 @@ class LLM:
 
     def _drive(self, ids: list[str]) -> Iterator[RequestOutput]:
         """Step the engine until every request in `ids` has finished, yielding their outputs.
-        Outputs of other open requests (another stream) are parked for their own driver."""
+        Outputs of other open requests (another stream) are parked for their own driver.
+
+        Outputs are cumulative and stamped with the engine step that made them: a driver that was
+        suspended while another one stepped may hold an older output than the parked one, so each
+        driver yields an output only when it is newer than the last it yielded for that request,
+        and parking keeps the newest."""
         engine, mine = self.llm_engine, set(ids)
+        yielded: dict[str, int] = {}  # request id -> step stamp of the last output yielded
         while mine:
-            for rid in [r for r in self._parked if r in mine]:
-                out = self._parked.pop(rid)
+            ready = [r for r in self._parked if r in mine]
+            for rid in ready:
+                stamp, out = self._parked.pop(rid)
+                if stamp <= yielded.get(rid, -1):
+                    continue
+                yielded[rid] = stamp
                 if out.finished:
                     mine.discard(rid)
                 yield out
-            if not mine or not engine.has_unfinished_requests():
+            if ready:
+                continue  # another driver may have parked more while this one was suspended
+            if not engine.has_unfinished_requests():
                 return
-            for out in engine.step():
-                if out.request_id in mine:
+            self._step_stamp += 1
+            stamp = self._step_stamp
+            outputs = engine.step()
+            # park every other request's output before yielding anything: its driver may run while
+            # this one is suspended, and must find the output (the engine may already be idle)
+            for out in outputs:
+                if out.request_id not in mine and out.request_id in self._open:
+                    self._parked[out.request_id] = (stamp, out)  # cumulative: the newest one suffices
+            for out in outputs:
+                rid = out.request_id
+                if rid in mine and stamp > yielded.get(rid, -1):
+                    yielded[rid] = stamp
                     if out.finished:
-                        mine.discard(out.request_id)
+                        mine.discard(rid)
                     yield out
-                elif out.request_id in self._open:
-                    self._parked[out.request_id] = out  # cumulative: the latest one suffices
 
     def _stream(self, ids: list[str], done: list) -> Iterator[RequestOutput]:
         trackers = {rid: DeltaTracker() for rid in ids}

@@ -116,7 +116,8 @@ def request_output(request_id: str, prompt: str | None, seqs: list[Sequence]) ->
 
 class DeltaTracker:
     """Cumulative `RequestOutput`s of one request in, deltas out: each `CompletionOutput` then holds
-    only the text, token ids and logprobs that are new since the previous call."""
+    only the text, token ids and logprobs that are new since the previous call (an older output
+    than one already seen gives an empty delta)."""
 
     def __init__(self) -> None:
         self._sent: dict[int, tuple[int, int]] = {}  # sample index -> (chars, tokens) already sent
@@ -125,7 +126,8 @@ class DeltaTracker:
         comps = []
         for c in out.outputs:
             chars, toks = self._sent.get(c.index, (0, 0))
-            self._sent[c.index] = (len(c.text), len(c.token_ids))
+            # an out-of-date output must never move the mark back: later deltas would repeat tokens
+            self._sent[c.index] = (max(chars, len(c.text)), max(toks, len(c.token_ids)))
             comps.append(CompletionOutput(
                 c.index, c.text[chars:], c.token_ids[toks:], c.cumulative_logprob,
                 c.logprobs[toks:] if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
