@@ -4,7 +4,7 @@ that renders it, and validation of chat messages (spec §7.5)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,8 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["BUILTIN_TEMPLATE", "ROLES", "compile_template", "template_source", "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATE", "ROLES", "align_stand_ins", "compile_template", "stand_in_strings", "template_source",
+           "validate_messages"]
 
 ROLES = ("system", "user", "assistant", "tool")
 BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
@@ -69,3 +70,53 @@ def validate_messages(messages: Any, tools: Any) -> None:
             raise ValueError(f"messages[{i}].name must be a str, got {type(message['name']).__name__}")
     if tools is not None and (not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)):
         raise ValueError("tools must be None or a list of dicts")
+
+
+# Keys whose string values steer the template (compared, not printed as free text): kept as they are
+# and refused when they hold a control-token string.  Every other client string value is stood in for.
+_STRUCTURAL_KEYS = frozenset({"role", "type"})
+
+
+def stand_in_strings(value: Any, tag: str, found: list[str], check: Callable[[str, str], None], path: str = "") -> Any:
+    """A copy of `value` (messages or tools) whose client strings are replaced by `{tag}{i}{tag}`,
+    with the originals appended to `found`; dict keys and structural values go through `check`."""
+    if isinstance(value, str):
+        found.append(value)
+        return f"{tag}{len(found) - 1}{tag}"
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str):
+                check(key, f"key {where!r}")
+            if key in _STRUCTURAL_KEYS and isinstance(item, str):
+                check(item, where)
+                out[key] = item
+            else:
+                out[key] = stand_in_strings(item, tag, found, check, where)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [stand_in_strings(item, tag, found, check, f"{path}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def align_stand_ins(real: str, parts: list[str], found: list[str]) -> list[str]:
+    """`parts` = template pieces alternating with stand-in indices (from re.split); returns the same
+    list with each index replaced by the client text at that place of `real`: the string itself, or
+    its JSON-escaped form where the template printed it through `tojson`.  Raises ValueError when
+    the rendering with stand-ins does not line up with the real one (the template edits client text)."""
+    out, pos = [parts[0]], len(parts[0])
+    if not real.startswith(parts[0]):
+        raise ValueError("the chat template transforms client text, so it cannot be kept as text")
+    for k in range(1, len(parts), 2):
+        value, after = found[int(parts[k])], parts[k + 1]
+        for form in (value, json.dumps(value, ensure_ascii=False)[1:-1]):
+            if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
+                break
+        else:
+            raise ValueError("the chat template transforms client text, so it cannot be kept as text")
+        out += [form, after]
+        pos += len(form) + len(after)
+    if pos != len(real):
+        raise ValueError("the chat template transforms client text, so it cannot be kept as text")
+    return out

@@ -26,7 +26,7 @@ from typing import Any
 import tiktoken
 from jinja2 import TemplateError
 
-from kda_rt.chat import compile_template, template_source, validate_messages
+from kda_rt.chat import align_stand_ins, compile_template, stand_in_strings, template_source, validate_messages
 
 __all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "Tokenizer", "TokenizerError", "load_rank_file"]
 
@@ -266,30 +266,38 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """Prompt ids: the template's markers are control tokens, every message content stays text.
+        """Prompt ids: the template's markers are control tokens; every client string (contents,
+        names, tool names, descriptions, schemas, tool-call arguments, tool results) stays text.
 
-        The template is rendered twice: as is, and with each content replaced by a sentinel; the
-        two must agree once contents are put back (else the template edits content).  Special-token
-        strings found in the template pieces become control ids; text between two control ids
-        (template text and contents alike) is encoded as one ordinary span, so the ids equal
-        `encode(rendered, allow_special=True)` whenever the contents hold no special-token strings.
-        Tool declarations and names are template text, hence trusted.
+        The template is rendered twice: as is, and with each client string value replaced by a
+        stand-in; the two must line up once the strings are put back (as is, or JSON-escaped where
+        the template used `tojson`), else the template edits client text and the prompt is refused.
+        Special-token strings found in the template pieces become control ids; text between two
+        control ids (template text and client text alike) is encoded as one ordinary span, so the
+        ids equal `encode(rendered, allow_special=True)` whenever no client string holds a
+        special-token string.  Dict keys and the steering values `role` / `type` are not stood in
+        for: one holding a special-token string is refused.
         """
         validate_messages(messages, tools)
         real = self._render([dict(m) for m in messages], add_generation_prompt, tools)
-        tag = "\x00kda_rt"
+        tag = "\ue000"
         while tag in real:
-            tag += "\x00"
-        stand_ins = [{**m, "content": f"{tag}:{i}\x00"} for i, m in enumerate(messages)]
-        parts = re.split(f"{re.escape(tag)}:(\\d+)\x00", self._render(stand_ins, add_generation_prompt, tools))
-        contents = [messages[int(p)]["content"] for p in parts[1::2]]
-        if "".join(p if k % 2 == 0 else contents[k // 2] for k, p in enumerate(parts)) != real:
-            raise ValueError("the chat template transforms message content, so content cannot be kept as text")
+            tag += "\ue000"
+
+        def check(text: str, where: str) -> None:
+            if self._special_re.search(text):
+                raise ValueError(f"{where} holds a special-token string, which is not allowed there")
+
+        found: list[str] = []
+        stand_msgs = stand_in_strings([dict(m) for m in messages], tag, found, check, "messages")
+        stand_tools = stand_in_strings(tools, tag, found, check, "tools") if tools is not None else None
+        skeleton = self._render(stand_msgs, add_generation_prompt, stand_tools)
+        parts = align_stand_ins(real, re.split(f"{re.escape(tag)}(\\d+){re.escape(tag)}", skeleton), found)
         ids: list[int] = []
         span: list[str] = []
         for k, part in enumerate(parts):
             if k % 2:
-                span.append(contents[k // 2])
+                span.append(part)
                 continue
             pos = 0
             for match in self._special_re.finditer(part):
