@@ -26,7 +26,8 @@ from typing import Any
 import tiktoken
 from jinja2 import TemplateError
 
-from kda_rt.chat import align_stand_ins, compile_template, stand_in_strings, template_source, validate_messages
+from kda_rt.chat import (align_stand_ins, compile_template, render_template, stand_in_strings, template_source,
+                         validate_messages)
 
 __all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "Tokenizer", "TokenizerError", "load_rank_file"]
 
@@ -159,8 +160,9 @@ class Tokenizer:
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
                  bos_token: str | None = None, eos_token: str | None = None, chat_template: str | None = None,
-                 name: str = "kimi") -> None:
-        """chat_template None means the built-in kda_rt/chat_template.jinja."""
+                 name: str = "kimi", chat_template_name: str | None = None) -> None:
+        """chat_template None means the built-in kda_rt/chat_template.jinja; chat_template_name
+        (its file or config field) is named in rendering errors."""
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
             if token is not None and token not in special_tokens:
                 raise TokenizerError(f"{field} {token!r} is not a special token")
@@ -172,6 +174,7 @@ class Tokenizer:
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
         self._bos_token, self._eos_token = bos_token, eos_token
         self._template = compile_template(chat_template)
+        self._template_name = chat_template_name or ("built-in template" if chat_template is None else "given template")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -182,12 +185,13 @@ class Tokenizer:
         config = _load_json(config_path)
         specials = _special_tokens(config, str(config_path), len(ranks))
         tokens = {f: _token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
-        template = template_source(model_dir, config, str(config_path))
+        template, template_name = template_source(model_dir, config, str(config_path))
         try:
-            return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi")
+            return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",
+                       chat_template_name=template_name)
         except TemplateError as e:
             line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-            raise TokenizerError(f"{model_dir}: chat template does not compile{line}: {e}") from None
+            raise TokenizerError(f"{template_name}: chat template does not compile{line}: {e}") from None
 
     # ---- vocabulary ---------------------------------------------------------------------------
 
@@ -309,8 +313,6 @@ class Tokenizer:
         return ids + self.encode("".join(span))
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
-        try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos_token or "", eos_token=self._eos_token or "")
-        except TemplateError as e:
-            raise ValueError(f"chat template failed: {e}") from e
+        return render_template(self._template, self._template_name, messages=messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
+                               eos_token=self._eos_token or "")
