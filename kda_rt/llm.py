@@ -64,11 +64,16 @@ def _generation_eos(model_dir: str) -> list[int]:
         return []
     try:
         with open(path, encoding="utf-8") as fh:
-            eos = json.load(fh).get("eos_token_id")
-    except (OSError, json.JSONDecodeError) as exc:
+            data = json.load(fh)
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    eos = [eos] if isinstance(eos, int) else (eos or [])
-    return [int(e) for e in eos if isinstance(e, int)]
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool)]
 
 
 class LLM:

@@ -71,7 +71,7 @@ def load_rank_file(path: str | Path) -> dict[bytes, int]:
         if not line.strip():
             continue
         fields = line.split()
-        if len(fields) != 2 or not fields[1].isdigit():
+        if len(fields) != 2 or not fields[1].isdigit() or len(fields[1]) > 10:  # ranks < 10**10
             raise TokenizerError(f"{path}:{lineno}: expected '<base64> <rank>', got {line[:80]!r}")
         try:
             token = base64.b64decode(fields[0], validate=True)
