@@ -164,6 +164,10 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if not (sampling_params is None or isinstance(sampling_params, SamplingParams) or (
+                isinstance(sampling_params, list) and all(isinstance(p, SamplingParams) for p in sampling_params))):
+            raise TypeError(f"sampling_params must be a SamplingParams, a list of them or None, got "
+                            f"{type(sampling_params).__name__}; for a dict d use SamplingParams(**d)")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
@@ -191,7 +195,12 @@ class LLM:
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                ids.append(self.llm_engine.add_request(self._request_id(i), prompt, params))
+                rid = self._request_id(i)
+                try:
+                    ids.append(self.llm_engine.add_request(rid, prompt, params))
+                except BaseException:
+                    self._open.discard(rid)  # refused: the id was never the engine's
+                    raise
         except BaseException:
             self._abort_all(ids)
             raise
@@ -275,6 +284,9 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, list) or not conv:
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
         prompts = [
             {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools)}
             for conv in conversations

@@ -12,6 +12,7 @@ cumulative outputs of one request into deltas (new text, new token ids).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from kda_rt.sequence import Sequence
 
 __all__ = ["Postprocessor", "DeltaTracker", "request_output"]
+
+logger = logging.getLogger(__name__)
 
 
 class Postprocessor:
@@ -42,7 +45,11 @@ class Postprocessor:
         """Sample the next token of `seq` from logits [V] on the host, then `accept_token`."""
         p = seq.params
         n_out = len(seq.output_token_ids)
+        if not np.isfinite(logits).all():
+            return self._fail(seq, f"non-finite logits (NaN or inf) from the model at output token {n_out}")
         logits = ref_sampler.apply_penalties(logits, p, seq.prompt_token_ids, seq.output_token_ids)
+        if not np.isfinite(logits).all():
+            return self._fail(seq, f"non-finite logits after penalties at output token {n_out}")
         if n_out < p.min_tokens:
             banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < logits.shape[0]]
             if banned:
@@ -84,6 +91,13 @@ class Postprocessor:
         i, s = min(hits)
         seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
         seq.finish_reason, seq.stop_reason = "stop", s
+        return True
+
+    @staticmethod
+    def _fail(seq: Sequence, why: str) -> bool:
+        """End `seq` with finish_reason "error" (no token is appended; its text stays as it was)."""
+        logger.warning("request %s sample %d: %s; finishing it with an error", seq.request_id, seq.index, why)
+        seq.finish_reason, seq.stop_reason = "error", why
         return True
 
     @staticmethod

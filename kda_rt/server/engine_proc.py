@@ -74,10 +74,17 @@ class EngineWorker:
         from kda_rt.sampler.params import SamplingParams
 
         rid = msg["id"]
-        waiting = len(self.engine.scheduler.waiting)
-        if waiting >= self.max_waiting:
+        waiting = len(self.engine.scheduler.waiting)  # sequences: a request adds n of them
+        n = msg["params"].get("n", 1)
+        n = n if isinstance(n, int) and n > 0 else 1
+        if n > self.max_waiting:
+            self.conn.send({"op": "rejected", "id": rid, "status": 400,
+                            "error": f"n = {n} exceeds the server's max_waiting {self.max_waiting} (--max-waiting)"})
+            return
+        if waiting + n > self.max_waiting:
             self.conn.send({"op": "rejected", "id": rid, "status": 429,
-                            "error": f"the waiting queue is full ({waiting} of max_waiting {self.max_waiting}); retry later"})
+                            "error": f"the waiting queue is full ({waiting} sequences waiting + {n} new > max_waiting "
+                                     f"{self.max_waiting}); retry later"})
             return
         try:
             params = SamplingParams(**msg["params"])
