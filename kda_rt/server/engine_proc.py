@@ -19,13 +19,16 @@ import logging
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
 from kda_rt.postprocess import DeltaTracker
 from kda_rt.server.wire import FrameSocket
 
-__all__ = ["EngineWorker", "main"]
+__all__ = ["EngineWorker", "HEARTBEAT_S", "main"]
+
+HEARTBEAT_S = 1.0  # while busy, a `beat` frame at least this often, so the HTTP side can tell busy from stuck
 
 logger = logging.getLogger(__name__)
 
@@ -149,12 +152,16 @@ class EngineWorker:
         return self.tokenizer.token_bytes(token_id)
 
     def run(self) -> None:
+        last_beat = time.monotonic()
         while self.running and not self.conn.closed:
             busy = self.engine.has_unfinished_requests()
             for msg in self.conn.poll(0.0 if busy else None):
                 self.handle(msg)
             if self.running and self.engine.has_unfinished_requests():
                 self.step()
+                if time.monotonic() - last_beat >= HEARTBEAT_S:  # steps may send nothing (prefill chunks)
+                    self.conn.send({"op": "beat"})
+                    last_beat = time.monotonic()
 
 
 def _load(init: dict[str, Any]):
