@@ -8,6 +8,10 @@ Each `generate` call is one request; its outputs are deltas (see `postprocess.De
 A background task steps the engine in a worker thread while any request is open, so the event
 loop stays responsive during a model step.  Engine calls (add, step, abort) are serialised by a
 lock.  Leaving the `async for` early (break, cancellation) aborts the request.
+
+An `AsyncLLM` belongs to the event loop of its first `generate`: a call from another loop while
+that one is still open raises RuntimeError (its stepping task and queues live on the first loop);
+once the first loop is closed (e.g. after `asyncio.run`), the next loop takes it over.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ class AsyncLLM:
         self._to_abort: list[str] = []
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the new text / token ids of one request as they come; the last output has
         `finished=True`.  Invalid prompts raise ValueError before anything is yielded."""
+        self._bind_loop()
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -73,6 +79,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with a final output whose finish_reason is "abort"."""
+        self._bind_loop()
         rid = str(request_id)
         final = await asyncio.to_thread(self._locked, self.engine.abort, rid)
         queue = self._queues.get(rid)
@@ -87,6 +94,17 @@ class AsyncLLM:
         return self._locked(self.engine.stats)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("this AsyncLLM is bound to another event loop that is still open; create one "
+                               "AsyncLLM per event loop (or close the first loop before using another)")
+        self._loop, self._task = loop, None
+        self._to_abort.extend(self._queues)  # streams left open on the closed loop: nobody reads them
+        self._queues.clear()
 
     def _locked(self, fn, *args):
         with self._lock:

@@ -4,7 +4,9 @@ that renders it, and validation of chat messages (spec §7.5)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,28 +14,35 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["BUILTIN_TEMPLATE", "ROLES", "compile_template", "template_source", "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "ROLES", "TemplateLimitError",
+           "align_stand_ins", "compile_template", "render_template", "stand_in_strings", "template_source",
+           "validate_messages"]
 
 ROLES = ("system", "user", "assistant", "tool")
 BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
-def template_source(model_dir: Path, config: Mapping[str, Any], where: str) -> str | None:
-    """The model's chat template: `chat_template.jinja` in the directory, else the config's
-    `chat_template`, else None (the built-in template is used)."""
+def template_source(model_dir: Path, config: Mapping[str, Any], where: str) -> tuple[str | None, str]:
+    """(source, name) of the model's chat template: `chat_template.jinja` in the directory, else the
+    config's `chat_template`, else None (the built-in template is used); name says which."""
     from kda_rt.tokenizer import TokenizerError
 
     jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8")
+        try:
+            return jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{jinja_path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise TokenizerError(f"{jinja_path}: cannot read ({e.strerror or e})") from None
     template = config.get("chat_template")
     if template is None:
-        return None
+        return None, f"built-in {BUILTIN_TEMPLATE.name}"
     if isinstance(template, list):  # HF's list of named templates
         template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
     if not isinstance(template, str):
         raise TokenizerError(f"{where}: field 'chat_template' must be a string or a list with a 'default' entry")
-    return template
+    return template, f"{where} field 'chat_template'"
 
 
 def _raise_exception(message: str) -> None:
@@ -45,13 +54,100 @@ def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] |
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
+# Rendering bounds (issue 10 #6): a template is configuration, but it runs on every request, so a
+# runaway one must fail that request with a clear error instead of stalling or exhausting the engine.
+MAX_RENDER_SECONDS = 5.0  # wall time of one rendering
+MAX_RENDER_CHARS = 16 * 1024 * 1024  # rendered prompt, and any string / list a template builds
+MAX_RANGE_STEPS = 1_000_000  # items drawn from range() in one rendering, over all loops
+
+
+class TemplateLimitError(ValueError):
+    """A chat template went past a rendering bound; the message names the template and the bound."""
+
+
+class _Budget(threading.local):
+    deadline = 0.0
+    steps = 0
+
+
+_budget = _Budget()
+
+
+def _check_time() -> None:
+    if time.monotonic() > _budget.deadline:
+        raise TemplateLimitError(f"rendering took over {MAX_RENDER_SECONDS:g} s")
+
+
+def _bounded_range(*args: int) -> Iterator[int]:
+    for i in range(*args):
+        _budget.steps += 1
+        if _budget.steps > MAX_RANGE_STEPS:
+            raise TemplateLimitError(f"loops drew over {MAX_RANGE_STEPS} items from range()")
+        if _budget.steps % 1024 == 0:
+            _check_time()
+        yield i
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """Sandbox whose `+`, `*` and `**` refuse results past the size bounds before building them,
+    and whose calls check the time bound."""
+
+    intercepted_binops = frozenset({"+", "*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            count = right if isinstance(right, int) else left if isinstance(left, int) else 0
+            if max(_size(left), _size(right)) * max(count, 0) > MAX_RENDER_CHARS:
+                raise TemplateLimitError(f"a repetition would build over {MAX_RENDER_CHARS} items")
+        elif operator == "+" and _size(left) + _size(right) > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"a concatenation would build over {MAX_RENDER_CHARS} items")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 4096:
+            raise TemplateLimitError(f"the power {left} ** {right} is too large")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805  (jinja's signature)
+        _check_time()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 def compile_template(source: str | None) -> Template:
     """Compile a template (None: the built-in one) in an immutable sandbox, with HF's `tojson`
-    filter and `raise_exception` global."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    filter and `raise_exception` global, and the rendering bounds of `render_template`."""
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["range"] = _bounded_range
     return env.from_string(source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8"))
+
+
+def render_template(template: Template, name: str, **context: Any) -> str:
+    """Render within MAX_RENDER_SECONDS and MAX_RENDER_CHARS; every failure is a ValueError that
+    names the template (`name`: its file or config field)."""
+    _budget.deadline, _budget.steps = time.monotonic() + MAX_RENDER_SECONDS, 0
+    pieces: list[str] = []
+    size = 0
+    try:
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise TemplateLimitError(f"output is over {MAX_RENDER_CHARS} characters")
+            pieces.append(piece)
+            _check_time()
+    except TemplateLimitError as e:
+        raise TemplateLimitError(f"chat template {name}: {e}") from None
+    except TemplateError as e:
+        raise ValueError(f"chat template {name} failed: {e}") from e
+    except RecursionError:
+        raise ValueError(f"chat template {name} failed: recursion too deep") from None
+    except MemoryError:
+        raise TemplateLimitError(f"chat template {name}: out of memory while rendering") from None
+    except (TypeError, ValueError, OverflowError, ArithmeticError, LookupError, AttributeError) as e:
+        raise ValueError(f"chat template {name} failed: {type(e).__name__}: {e}") from None
+    return "".join(pieces)
 
 
 def validate_messages(messages: Any, tools: Any) -> None:
@@ -69,3 +165,53 @@ def validate_messages(messages: Any, tools: Any) -> None:
             raise ValueError(f"messages[{i}].name must be a str, got {type(message['name']).__name__}")
     if tools is not None and (not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)):
         raise ValueError("tools must be None or a list of dicts")
+
+
+# Keys whose string values steer the template (compared, not printed as free text): kept as they are
+# and refused when they hold a control-token string.  Every other client string value is stood in for.
+_STRUCTURAL_KEYS = frozenset({"role", "type"})
+
+
+def stand_in_strings(value: Any, tag: str, found: list[str], check: Callable[[str, str], None], path: str = "") -> Any:
+    """A copy of `value` (messages or tools) whose client strings are replaced by `{tag}{i}{tag}`,
+    with the originals appended to `found`; dict keys and structural values go through `check`."""
+    if isinstance(value, str):
+        found.append(value)
+        return f"{tag}{len(found) - 1}{tag}"
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str):
+                check(key, f"key {where!r}")
+            if key in _STRUCTURAL_KEYS and isinstance(item, str):
+                check(item, where)
+                out[key] = item
+            else:
+                out[key] = stand_in_strings(item, tag, found, check, where)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [stand_in_strings(item, tag, found, check, f"{path}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def align_stand_ins(real: str, parts: list[str], found: list[str]) -> list[str]:
+    """`parts` = template pieces alternating with stand-in indices (from re.split); returns the same
+    list with each index replaced by the client text at that place of `real`: the string itself, or
+    its JSON-escaped form where the template printed it through `tojson`.  Raises ValueError when
+    the rendering with stand-ins does not line up with the real one (the template edits client text)."""
+    out, pos = [parts[0]], len(parts[0])
+    if not real.startswith(parts[0]):
+        raise ValueError("the chat template transforms client text, so it cannot be kept as text")
+    for k in range(1, len(parts), 2):
+        value, after = found[int(parts[k])], parts[k + 1]
+        for form in (value, json.dumps(value, ensure_ascii=False)[1:-1]):
+            if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
+                break
+        else:
+            raise ValueError("the chat template transforms client text, so it cannot be kept as text")
+        out += [form, after]
+        pos += len(form) + len(after)
+    if pos != len(real):
+        raise ValueError("the chat template transforms client text, so it cannot be kept as text")
+    return out

@@ -62,11 +62,16 @@ def _generation_eos(model_dir: str) -> list[int]:
         return []
     try:
         with open(path, encoding="utf-8") as fh:
-            eos = json.load(fh).get("eos_token_id")
-    except (OSError, json.JSONDecodeError) as exc:
+            data = json.load(fh)
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    eos = [eos] if isinstance(eos, int) else (eos or [])
-    return [int(e) for e in eos if isinstance(e, int)]
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool)]
 
 
 class LLM:
@@ -130,7 +135,8 @@ class LLM:
                                "(kda_rt/model/*), no GPU kernels")
             logger.info("%s", self.report)
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned
-        self._parked: dict[str, RequestOutput] = {}  # latest output of an open request, for its driver
+        self._parked: dict[str, tuple[int, RequestOutput]] = {}  # newest (step stamp, output) of an open request
+        self._step_stamp = 0  # engine steps taken by the drivers; orders cumulative outputs
         self.model_dir = model_dir
 
     def get_tokenizer(self):
@@ -155,6 +161,10 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if not (sampling_params is None or isinstance(sampling_params, SamplingParams) or (
+                isinstance(sampling_params, list) and all(isinstance(p, SamplingParams) for p in sampling_params))):
+            raise TypeError(f"sampling_params must be a SamplingParams, a list of them or None, got "
+                            f"{type(sampling_params).__name__}; for a dict d use SamplingParams(**d)")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
@@ -182,7 +192,12 @@ class LLM:
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                ids.append(self.llm_engine.add_request(self._request_id(i), prompt, params))
+                rid = self._request_id(i)
+                try:
+                    ids.append(self.llm_engine.add_request(rid, prompt, params))
+                except BaseException:
+                    self._open.discard(rid)  # refused: the id was never the engine's
+                    raise
         except BaseException:
             self._abort_all(ids)
             raise
@@ -198,23 +213,43 @@ class LLM:
 
     def _drive(self, ids: list[str]) -> Iterator[RequestOutput]:
         """Step the engine until every request in `ids` has finished, yielding their outputs.
-        Outputs of other open requests (another stream) are parked for their own driver."""
+        Outputs of other open requests (another stream) are parked for their own driver.
+
+        Outputs are cumulative and stamped with the engine step that made them: a driver that was
+        suspended while another one stepped may hold an older output than the parked one, so each
+        driver yields an output only when it is newer than the last it yielded for that request,
+        and parking keeps the newest."""
         engine, mine = self.llm_engine, set(ids)
+        yielded: dict[str, int] = {}  # request id -> step stamp of the last output yielded
         while mine:
-            for rid in [r for r in self._parked if r in mine]:
-                out = self._parked.pop(rid)
+            ready = [r for r in self._parked if r in mine]
+            for rid in ready:
+                stamp, out = self._parked.pop(rid)
+                if stamp <= yielded.get(rid, -1):
+                    continue
+                yielded[rid] = stamp
                 if out.finished:
                     mine.discard(rid)
                 yield out
-            if not mine or not engine.has_unfinished_requests():
+            if ready:
+                continue  # another driver may have parked more while this one was suspended
+            if not engine.has_unfinished_requests():
                 return
-            for out in engine.step():
-                if out.request_id in mine:
+            self._step_stamp += 1
+            stamp = self._step_stamp
+            outputs = engine.step()
+            # park every other request's output before yielding anything: its driver may run while
+            # this one is suspended, and must find the output (the engine may already be idle)
+            for out in outputs:
+                if out.request_id not in mine and out.request_id in self._open:
+                    self._parked[out.request_id] = (stamp, out)  # cumulative: the newest one suffices
+            for out in outputs:
+                rid = out.request_id
+                if rid in mine and stamp > yielded.get(rid, -1):
+                    yielded[rid] = stamp
                     if out.finished:
-                        mine.discard(out.request_id)
+                        mine.discard(rid)
                     yield out
-                elif out.request_id in self._open:
-                    self._parked[out.request_id] = out  # cumulative: the latest one suffices
 
     def _stream(self, ids: list[str], done: list) -> Iterator[RequestOutput]:
         trackers = {rid: DeltaTracker() for rid in ids}
@@ -246,6 +281,9 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, list) or not conv:
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
         prompts = [
             {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools)}
             for conv in conversations

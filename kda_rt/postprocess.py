@@ -12,6 +12,7 @@ cumulative outputs of one request into deltas (new text, new token ids).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from kda_rt.sequence import Sequence
 
 __all__ = ["Postprocessor", "DeltaTracker", "request_output"]
+
+logger = logging.getLogger(__name__)
 
 
 class Postprocessor:
@@ -42,7 +45,11 @@ class Postprocessor:
         """Sample the next token of `seq` from logits [V] on the host, then `accept_token`."""
         p = seq.params
         n_out = len(seq.output_token_ids)
+        if not np.isfinite(logits).all():
+            return self._fail(seq, f"non-finite logits (NaN or inf) from the model at output token {n_out}")
         logits = ref_sampler.apply_penalties(logits, p, seq.prompt_token_ids, seq.output_token_ids)
+        if not np.isfinite(logits).all():
+            return self._fail(seq, f"non-finite logits after penalties at output token {n_out}")
         if n_out < p.min_tokens:
             banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < logits.shape[0]]
             if banned:
@@ -87,6 +94,13 @@ class Postprocessor:
         return True
 
     @staticmethod
+    def _fail(seq: Sequence, why: str) -> bool:
+        """End `seq` with finish_reason "error" (no token is appended; its text stays as it was)."""
+        logger.warning("request %s sample %d: %s; finishing it with an error", seq.request_id, seq.index, why)
+        seq.finish_reason, seq.stop_reason = "error", why
+        return True
+
+    @staticmethod
     def _finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
         if seq.detokenizer is not None:
             seq.text += seq.detokenizer.flush()
@@ -116,7 +130,8 @@ def request_output(request_id: str, prompt: str | None, seqs: list[Sequence]) ->
 
 class DeltaTracker:
     """Cumulative `RequestOutput`s of one request in, deltas out: each `CompletionOutput` then holds
-    only the text, token ids and logprobs that are new since the previous call."""
+    only the text, token ids and logprobs that are new since the previous call (an older output
+    than one already seen gives an empty delta)."""
 
     def __init__(self) -> None:
         self._sent: dict[int, tuple[int, int]] = {}  # sample index -> (chars, tokens) already sent
@@ -125,7 +140,8 @@ class DeltaTracker:
         comps = []
         for c in out.outputs:
             chars, toks = self._sent.get(c.index, (0, 0))
-            self._sent[c.index] = (len(c.text), len(c.token_ids))
+            # an out-of-date output must never move the mark back: later deltas would repeat tokens
+            self._sent[c.index] = (max(chars, len(c.text)), max(toks, len(c.token_ids)))
             comps.append(CompletionOutput(
                 c.index, c.text[chars:], c.token_ids[toks:], c.cumulative_logprob,
                 c.logprobs[toks:] if c.logprobs is not None else None, c.finish_reason, c.stop_reason,

@@ -26,7 +26,8 @@ from typing import Any
 import tiktoken
 from jinja2 import TemplateError
 
-from kda_rt.chat import compile_template, template_source, validate_messages
+from kda_rt.chat import (align_stand_ins, compile_template, render_template, stand_in_strings, template_source,
+                         validate_messages)
 
 __all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "Tokenizer", "TokenizerError", "load_rank_file"]
 
@@ -70,7 +71,7 @@ def load_rank_file(path: str | Path) -> dict[bytes, int]:
         if not line.strip():
             continue
         fields = line.split()
-        if len(fields) != 2 or not fields[1].isdigit():
+        if len(fields) != 2 or not fields[1].isdigit() or len(fields[1]) > 10:  # ranks < 10**10
             raise TokenizerError(f"{path}:{lineno}: expected '<base64> <rank>', got {line[:80]!r}")
         try:
             token = base64.b64decode(fields[0], validate=True)
@@ -159,8 +160,9 @@ class Tokenizer:
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
                  bos_token: str | None = None, eos_token: str | None = None, chat_template: str | None = None,
-                 name: str = "kimi") -> None:
-        """chat_template None means the built-in kda_rt/chat_template.jinja."""
+                 name: str = "kimi", chat_template_name: str | None = None) -> None:
+        """chat_template None means the built-in kda_rt/chat_template.jinja; chat_template_name
+        (its file or config field) is named in rendering errors."""
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
             if token is not None and token not in special_tokens:
                 raise TokenizerError(f"{field} {token!r} is not a special token")
@@ -172,6 +174,7 @@ class Tokenizer:
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
         self._bos_token, self._eos_token = bos_token, eos_token
         self._template = compile_template(chat_template)
+        self._template_name = chat_template_name or ("built-in template" if chat_template is None else "given template")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -182,12 +185,13 @@ class Tokenizer:
         config = _load_json(config_path)
         specials = _special_tokens(config, str(config_path), len(ranks))
         tokens = {f: _token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
-        template = template_source(model_dir, config, str(config_path))
+        template, template_name = template_source(model_dir, config, str(config_path))
         try:
-            return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi")
+            return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",
+                       chat_template_name=template_name)
         except TemplateError as e:
             line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-            raise TokenizerError(f"{model_dir}: chat template does not compile{line}: {e}") from None
+            raise TokenizerError(f"{template_name}: chat template does not compile{line}: {e}") from None
 
     # ---- vocabulary ---------------------------------------------------------------------------
 
@@ -266,30 +270,38 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """Prompt ids: the template's markers are control tokens, every message content stays text.
+        """Prompt ids: the template's markers are control tokens; every client string (contents,
+        names, tool names, descriptions, schemas, tool-call arguments, tool results) stays text.
 
-        The template is rendered twice: as is, and with each content replaced by a sentinel; the
-        two must agree once contents are put back (else the template edits content).  Special-token
-        strings found in the template pieces become control ids; text between two control ids
-        (template text and contents alike) is encoded as one ordinary span, so the ids equal
-        `encode(rendered, allow_special=True)` whenever the contents hold no special-token strings.
-        Tool declarations and names are template text, hence trusted.
+        The template is rendered twice: as is, and with each client string value replaced by a
+        stand-in; the two must line up once the strings are put back (as is, or JSON-escaped where
+        the template used `tojson`), else the template edits client text and the prompt is refused.
+        Special-token strings found in the template pieces become control ids; text between two
+        control ids (template text and client text alike) is encoded as one ordinary span, so the
+        ids equal `encode(rendered, allow_special=True)` whenever no client string holds a
+        special-token string.  Dict keys and the steering values `role` / `type` are not stood in
+        for: one holding a special-token string is refused.
         """
         validate_messages(messages, tools)
         real = self._render([dict(m) for m in messages], add_generation_prompt, tools)
-        tag = "\x00kda_rt"
+        tag = "\ue000"
         while tag in real:
-            tag += "\x00"
-        stand_ins = [{**m, "content": f"{tag}:{i}\x00"} for i, m in enumerate(messages)]
-        parts = re.split(f"{re.escape(tag)}:(\\d+)\x00", self._render(stand_ins, add_generation_prompt, tools))
-        contents = [messages[int(p)]["content"] for p in parts[1::2]]
-        if "".join(p if k % 2 == 0 else contents[k // 2] for k, p in enumerate(parts)) != real:
-            raise ValueError("the chat template transforms message content, so content cannot be kept as text")
+            tag += "\ue000"
+
+        def check(text: str, where: str) -> None:
+            if self._special_re.search(text):
+                raise ValueError(f"{where} holds a special-token string, which is not allowed there")
+
+        found: list[str] = []
+        stand_msgs = stand_in_strings([dict(m) for m in messages], tag, found, check, "messages")
+        stand_tools = stand_in_strings(tools, tag, found, check, "tools") if tools is not None else None
+        skeleton = self._render(stand_msgs, add_generation_prompt, stand_tools)
+        parts = align_stand_ins(real, re.split(f"{re.escape(tag)}(\\d+){re.escape(tag)}", skeleton), found)
         ids: list[int] = []
         span: list[str] = []
         for k, part in enumerate(parts):
             if k % 2:
-                span.append(contents[k // 2])
+                span.append(part)
                 continue
             pos = 0
             for match in self._special_re.finditer(part):
@@ -301,8 +313,6 @@ class Tokenizer:
         return ids + self.encode("".join(span))
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
-        try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos_token or "", eos_token=self._eos_token or "")
-        except TemplateError as e:
-            raise ValueError(f"chat template failed: {e}") from e
+        return render_template(self._template, self._template_name, messages=messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
+                               eos_token=self._eos_token or "")

@@ -10,7 +10,9 @@ type, or two spellings of one field that disagree raise `ConfigError` naming the
 from __future__ import annotations
 
 import json
+import math
 import os
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,12 @@ _MLP_TYPE_NAMES = {"dense": DENSE, "sparse": MOE, "moe": MOE}
 
 class ConfigError(ValueError):
     """config.json is missing a field, has a wrong value, or contradicts itself."""
+
+
+# Bounds checked before anything is built from a value: any int field, and the fields that size
+# loops and lists (a config of 10**9 layers must fail at once, not after building the schedule).
+MAX_INT_FIELD = 1 << 24
+_INT_LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096}
 
 
 @dataclass(frozen=True)
@@ -129,18 +137,38 @@ class _Fields:
             return default
         values = {json.dumps(v, sort_keys=True) for _, v in found}
         if len(values) > 1:
-            desc = ", ".join(f"'{n}'={v!r}" for n, v in found)
+            desc = ", ".join(f"'{n}'={_short(v)}" for n, v in found)
             raise ConfigError(f"{self.source}: contradictory values for field '{name}': {desc}")
         key, value = found[0]
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            value = float(value) if abs(value) < 1 << 64 else math.inf
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             want = " or ".join(k.__name__ for k in kinds)
-            raise ConfigError(f"{self.source}: field '{key}' must be {want}, got {value!r}")
+            raise ConfigError(f"{self.source}: field '{key}' must be {want}, got {_short(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{self.source}: field '{key}' must be a finite number, got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_int_bound(self.source, key, value, _INT_LIMITS.get(name, MAX_INT_FIELD))
         if positive and not value > 0:
-            raise ConfigError(f"{self.source}: field '{key}' must be positive, got {value!r}")
+            raise ConfigError(f"{self.source}: field '{key}' must be positive, got {_short(value)}")
         return value
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 6, 4
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages (values may be huge or deeply nested)."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an int of {value.bit_length()} bits"
+    return _REPR.repr(value)
+
+
+def _check_int_bound(source: str, key: str, value: int, limit: int) -> None:
+    if not -limit <= value <= limit:
+        raise ConfigError(f"{source}: field '{key}' = {_short(value)} is out of range (|value| <= {limit})")
 
 
 def _layer_schedule(f: _Fields, num_layers: int) -> tuple[str, ...]:
@@ -179,7 +207,7 @@ def _layer_schedule(f: _Fields, num_layers: int) -> tuple[str, ...]:
         lt = f.raw["layer_types"]
         if not isinstance(lt, list) or len(lt) != num_layers:
             raise ConfigError(f"{f.source}: field 'layer_types' must be a list of {num_layers} entries")
-        bad = [t for t in lt if t not in _LAYER_TYPE_NAMES]
+        bad = [_short(t) for t in lt if not isinstance(t, str) or t not in _LAYER_TYPE_NAMES]
         if bad:
             raise ConfigError(f"{f.source}: field 'layer_types' has unknown entries {bad}")
         from_types = tuple(_LAYER_TYPE_NAMES[t] for t in lt)
@@ -208,7 +236,7 @@ def _mlp_schedule(f: _Fields, num_layers: int) -> tuple[str, ...]:
         mt = f.raw["mlp_layer_types"]
         if not isinstance(mt, list) or len(mt) != num_layers:
             raise ConfigError(f"{f.source}: field 'mlp_layer_types' must be a list of {num_layers} entries")
-        bad = [t for t in mt if t not in _MLP_TYPE_NAMES]
+        bad = [_short(t) for t in mt if not isinstance(t, str) or t not in _MLP_TYPE_NAMES]
         if bad:
             raise ConfigError(f"{f.source}: field 'mlp_layer_types' has unknown entries {bad}")
         from_types = tuple(_MLP_TYPE_NAMES[t] for t in mt)
@@ -225,12 +253,23 @@ def _mlp_schedule(f: _Fields, num_layers: int) -> tuple[str, ...]:
 
 def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build a `ModelConfig` from the parsed JSON object of a Kimi Linear `config.json`."""
+    try:
+        return _parse(raw, source)
+    except RecursionError:
+        raise ConfigError(f"{source}: a field is nested too deeply") from None
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{source}: a field holds a value that cannot be handled ({exc})") from None
+
+
+def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: top level must be a JSON object")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"{source}: unsupported model_type {model_type!r}; kda_rt runs {', '.join(SUPPORTED_MODEL_TYPES)} only"
+            f"{source}: unsupported model_type {_short(model_type)}; kda_rt runs {', '.join(SUPPORTED_MODEL_TYPES)} only"
         )
     f = _Fields(raw, source)
     num_layers = f.get("num_hidden_layers", int, positive=True)
@@ -240,7 +279,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
 
     act = f.get("hidden_act", str, "silu")
     if act != "silu":
-        raise ConfigError(f"{source}: field 'hidden_act' must be 'silu' for Kimi Linear, got {act!r}")
+        raise ConfigError(f"{source}: field 'hidden_act' must be 'silu' for Kimi Linear, got {_short(act)}")
 
     kda = None
     if KDA in layer_types:
@@ -249,12 +288,13 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         def pick(name: str, flat: str) -> int:
             a, b = lac.get(name), raw.get(flat)
             if a is not None and b is not None and a != b:
-                raise ConfigError(f"{source}: contradictory values for 'linear_attn_config.{name}'={a!r} and '{flat}'={b!r}")
+                raise ConfigError(f"{source}: contradictory values for 'linear_attn_config.{name}'={_short(a)} and '{flat}'={_short(b)}")
             value = a if a is not None else b
             if value is None:
                 raise ConfigError(f"{source}: required field 'linear_attn_config.{name}' is missing")
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{source}: field 'linear_attn_config.{name}' must be a positive int, got {value!r}")
+                raise ConfigError(f"{source}: field 'linear_attn_config.{name}' must be a positive int, got {_short(value)}")
+            _check_int_bound(source, f"linear_attn_config.{name}", value, MAX_INT_FIELD)
             return value
 
         num_v = lac.get("num_v_heads")
@@ -264,10 +304,10 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
             conv_kernel_size=pick("short_conv_kernel_size", "linear_conv_kernel_dim"),
         )
         if num_v is not None and num_v != kda.num_heads:
-            raise ConfigError(f"{source}: 'linear_attn_config.num_v_heads'={num_v} != num_heads={kda.num_heads} (GVA unsupported)")
+            raise ConfigError(f"{source}: 'linear_attn_config.num_v_heads'={_short(num_v)} != num_heads={kda.num_heads} (GVA unsupported)")
         for key, want in (("use_full_rank_gate", False), ("gate_lower_bound", None)):
             if lac.get(key) not in (None, want):
-                raise ConfigError(f"{source}: 'linear_attn_config.{key}'={lac[key]!r} is a Kimi K3 option kda_rt does not support")
+                raise ConfigError(f"{source}: 'linear_attn_config.{key}'={_short(lac[key])} is a Kimi K3 option kda_rt does not support")
 
     mla = None
     if MLA in layer_types:
@@ -291,7 +331,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     if MOE in mlp_types:
         act_fn = f.get("moe_router_activation_func", str, "sigmoid")
         if act_fn != "sigmoid":
-            raise ConfigError(f"{source}: field 'moe_router_activation_func' must be 'sigmoid', got {act_fn!r}")
+            raise ConfigError(f"{source}: field 'moe_router_activation_func' must be 'sigmoid', got {_short(act_fn)}")
         num_experts = f.get("num_experts", int, positive=True)
         top_k = f.get("num_experts_per_token", int, positive=True)
         groups = f.get("num_expert_group", int, 1, positive=True)
@@ -349,4 +389,10 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         raise ConfigError(f"{path}: not found (is '{model_dir}' a Kimi Linear checkpoint directory?)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal past Python's digit limit
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     return parse_config(raw, source=path)

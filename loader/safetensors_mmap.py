@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import reprlib
 from typing import Any
 
 import ml_dtypes
@@ -144,6 +145,12 @@ def _read_header(path: str) -> tuple[dict[str, Any], int, int]:
     return header, 8 + n, size - 8 - n
 
 
+# Bounds on a header's shapes, checked before NumPy sees them (it refuses > 64 dims or sizes past
+# intp with bare errors); no Kimi Linear tensor has more than 3 dimensions.
+MAX_NDIM = 8
+MAX_DIM = 1 << 48
+
+
 def _check_entry(path: str, name: str, entry: Any, data_len: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
     where = f"{path}: tensor '{name}'"
     if not isinstance(entry, dict):
@@ -156,7 +163,10 @@ def _check_entry(path: str, name: str, entry: Any, data_len: int) -> tuple[np.dt
         raise CheckpointError(f"{where}: unknown or missing dtype {code!r}")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+        raise CheckpointError(f"{where}: shape must be a list of non-negative ints, got {reprlib.repr(shape)}")
+    if len(shape) > MAX_NDIM or any(d > MAX_DIM for d in shape):
+        raise CheckpointError(f"{where}: shape {reprlib.repr(shape)} has over {MAX_NDIM} dimensions or a dimension "
+                              f"over {MAX_DIM}")
     offsets = entry.get("data_offsets")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets must be [begin, end] ints, got {offsets!r}")

@@ -8,11 +8,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams", "GREEDY_EPS"]
+__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_REPETITION_PENALTY", "MAX_STOP_CHARS", "MAX_STOP_STRINGS",
+           "MIN_REPETITION_PENALTY"]
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 _MAX_SEED = 2**63 - 1
+# Where the math breaks outside these, the value is refused (issue 10 #2): a repetition penalty of
+# 1e-40 divides logits into inf, so softmax gives NaN.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# Every generated token is checked against every stop string of its sequence: bounded so that one
+# request cannot slow the whole batch (issue 10 #4).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 16384
 
 
 def _is_int(value: object) -> bool:
@@ -63,7 +72,9 @@ class SamplingParams:
         self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        # bounded where float32 logits stay finite: logit / 0.01 and logit * 100 (|logit| < 1e30)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                                          MAX_REPETITION_PENALTY)
         if self.seed is not None and (not _is_int(self.seed) or not -_MAX_SEED <= self.seed <= _MAX_SEED):
             raise ValueError(f"seed must be an int in [-2**63+1, 2**63-1] or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -73,8 +84,15 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {type(stop).__name__}")
+        if stop is not None and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; the limit is MAX_STOP_STRINGS = {MAX_STOP_STRINGS}")
+        if stop is not None and not all(isinstance(s, str) and s for s in stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if stop is not None and sum(len(s) for s in stop) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings total {sum(len(s) for s in stop)} characters; the limit is "
+                             f"MAX_STOP_CHARS = {MAX_STOP_CHARS}")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")

@@ -219,6 +219,8 @@ class CudaRunner:
         want_lp = [s.logprobs is not None for s in seqs]
         num_top = max([(p.logprobs or 0) for p, w in zip(ps, want_lp, strict=True) if w], default=0)
         with self.stream:
+            # a row with NaN / inf logits goes to the host path, which ends that request with an error
+            finite_h = cp.isfinite(logits).all(axis=1).get(stream=self.stream)  # [n] bool, one small copy
             dev = {k: cp.asarray(v) for k, v in host.items()}
             lp = cp.empty((n,), np.float32) if any(want_lp) else None
             top_ids = cp.empty((n, num_top), np.int32) if num_top else None
@@ -230,7 +232,7 @@ class CudaRunner:
             lp_h = lp.get(stream=self.stream) if lp is not None else None
             top_ids_h = top_ids.get(stream=self.stream) if num_top else None
             top_lp_h = top_lp.get(stream=self.stream) if num_top else None
-            fallback = {i: logits[i].get(stream=self.stream) for i in range(n) if host_rows[i]}
+            fallback = {i: logits[i].get(stream=self.stream) for i in range(n) if host_rows[i] or not finite_h[i]}
         out = []
         for i, p in enumerate(ps):
             if i in fallback:

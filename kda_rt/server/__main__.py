@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    ap.add_argument("--engine-timeout", type=float, default=60.0,
+                    help="seconds a busy engine may stay silent before /health is 503 and requests fail")
+    ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)")
     ap.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -69,14 +72,15 @@ async def serve(args: argparse.Namespace) -> int:
             "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": args.num_blocks,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed, "max_waiting": args.max_waiting}
-    client = EngineClient(init)
+    client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)
     except RuntimeError as exc:
         logger.error("%s", exc)
         return 1
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    state = ServerState(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    state = ServerState(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        body_timeout=args.body_timeout)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     server = _Server(config)
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.tensor_parallel_size != 1:
         print("error: --tensor-parallel-size is reserved; only 1 is supported", file=sys.stderr)
+        return 2
+    if args.engine_timeout <= 0 or args.body_timeout <= 0:
+        print("error: --engine-timeout and --body-timeout must be > 0", file=sys.stderr)
         return 2
     if args.max_waiting < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         print("error: --max-waiting and --max-body-bytes must be >= 1, --shutdown-timeout >= 0", file=sys.stderr)

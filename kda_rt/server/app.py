@@ -22,12 +22,14 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kda_rt.server import protocol, responses
-from kda_rt.server.engine_client import EngineClient, EngineDeadError, RequestRejected
+from kda_rt.server.engine_client import EngineClient, EngineDeadError, EngineTimeoutError, RequestRejected
 from kda_rt.server.metrics import CONTENT_TYPE, Metrics
 
 __all__ = ["ServerState", "build_app"]
@@ -44,6 +46,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0  # seconds to receive a whole request body
     draining: bool = False
     metrics: Metrics = field(default_factory=Metrics)
     open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
@@ -69,8 +72,10 @@ class _TooLarge(Exception):
 
 async def _read_body(request: Request, cap: int) -> bytes:
     declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):  # answered from the header alone
+        raise _TooLarge(f"request body of {declared[:24]} bytes exceeds the {cap}-byte limit (--max-body-bytes)")
     body, total = bytearray(), 0
-    too_large = declared.isdigit() and int(declared) > cap
+    too_large = False
     async for chunk in request.stream():
         total += len(chunk)
         if total > cap:
@@ -100,6 +105,13 @@ def build_app(state: ServerState) -> Starlette:
             return _json({"status": "draining"}, 503)
         if not state.client.alive:
             return _json({"status": "engine unavailable", "reason": state.client.dead_reason}, 503)
+        if state.client.stalled:
+            try:  # a stats round trip tells whether it answers again
+                await asyncio.wait_for(state.client.stats(), 1.0)
+            except (asyncio.TimeoutError, EngineDeadError, EngineTimeoutError):
+                pass
+        if state.client.stalled:
+            return _json({"status": "engine not responding", "silent_s": round(state.client.stalled_for(), 1)}, 503)
         return _json({"status": "ok", "engine_pid": state.client.pid})
 
     async def models(request: Request) -> Response:
@@ -111,16 +123,25 @@ def build_app(state: ServerState) -> Starlette:
 
     async def prometheus(request: Request) -> Response:
         stats = None
-        if state.client.alive:
+        if state.client.alive and not state.client.stalled:
             try:
                 stats = await state.client.stats()
-            except (EngineDeadError, asyncio.TimeoutError):
+            except (EngineDeadError, EngineTimeoutError):
                 stats = None
         return Response(metrics.render(stats, state.client.alive, state.draining), media_type=CONTENT_TYPE)
 
     async def generate(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
-        response = await _generate(request, chat)
+        try:
+            response = await _generate(request, chat)
+        except RecursionError:  # a nesting check missed a path: still the client's input, still counted
+            response = _error("request body is nested too deeply", 400)
+        except ClientDisconnect:
+            logger.info("client disconnected while sending its request body (%s %s)", request.method, request.url.path)
+            response = Response(status_code=499)
+        except Exception:
+            metrics.requests[endpoint, 500] += 1
+            raise
         metrics.requests[endpoint, response.status_code] += 1
         return response
 
@@ -130,7 +151,7 @@ def build_app(state: ServerState) -> Starlette:
         if state.draining:
             return _error("the server is shutting down", 503)
         try:
-            body = await _read_body(request, state.max_body_bytes)
+            body = await asyncio.wait_for(_read_body(request, state.max_body_bytes), state.body_timeout)
             if chat:
                 req = protocol.decode_body(body, protocol.ChatCompletionRequest)
                 payload = protocol.chat_payload(req)
@@ -138,7 +159,13 @@ def build_app(state: ServerState) -> Starlette:
                 req = protocol.decode_body(body, protocol.CompletionRequest)
                 payload = protocol.completion_payload(req)
         except _TooLarge as exc:
-            return _error(str(exc), 413)
+            response = _error(str(exc), 413)
+            response.headers["Connection"] = "close"  # the rest of the body is never read
+            return response
+        except asyncio.TimeoutError:
+            response = _error(f"request body not received within {state.body_timeout:g} s (--body-timeout)", 408)
+            response.headers["Connection"] = "close"
+            return response
         except protocol.InvalidRequest as exc:
             return _error(str(exc), 400)
         if req.model is not None and req.model != state.model_name:
@@ -152,7 +179,7 @@ def build_app(state: ServerState) -> Starlette:
         except RequestRejected as exc:
             metrics.outcomes["rejected"] += 1
             return _error(exc.message, exc.status)
-        except EngineDeadError as exc:
+        except (EngineDeadError, EngineTimeoutError) as exc:
             return _error(f"the engine is unavailable: {exc}", 503)
         run = _Run(state, rid, req, chat, queue, prompt_tokens, start)
         if req.stream:
@@ -177,7 +204,14 @@ def build_app(state: ServerState) -> Starlette:
         logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return _error(f"internal server error ({type(exc).__name__})", 500)
 
-    return Starlette(routes=routes, exception_handlers={Exception: internal_error})
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        """404 unknown route, 405 wrong method: the OpenAI envelope instead of Starlette's plain text."""
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
+        response = _error(message.get(exc.status_code, str(exc.detail)), exc.status_code)
+        response.headers.update(exc.headers or {})
+        return response
+
+    return Starlette(routes=routes, exception_handlers={Exception: internal_error, HTTPException: http_error})
 
 
 class _Run:
@@ -197,7 +231,7 @@ class _Run:
     async def items(self) -> AsyncIterator[dict[str, Any]]:
         """Delta items until the request finishes; raises EngineDeadError if the engine dies."""
         while True:
-            item = await self.queue.get()
+            item = await self.state.client.wait(self.queue.get(), "serving this request")
             if item is None:
                 return
             if item is _ABORTED:
@@ -243,7 +277,7 @@ class _Run:
                 except StopAsyncIteration:
                     break
             outcome = "finished"
-        except EngineDeadError as exc:
+        except (EngineDeadError, EngineTimeoutError) as exc:
             outcome = "error"
             return _error(f"the engine failed while serving this request: {exc}", 503)
         finally:
@@ -269,7 +303,7 @@ class _Run:
                 yield _event(responses.chunk(self.rid, model, chat, [], self._usage()))
             outcome = "finished"
             yield b"data: [DONE]\n\n"
-        except EngineDeadError as exc:
+        except (EngineDeadError, EngineTimeoutError) as exc:
             outcome = "error"
             yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
         finally:

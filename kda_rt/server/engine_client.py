@@ -19,17 +19,22 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 from kda_rt.server.wire import FrameError, pack, read_frame
 
-__all__ = ["EngineClient", "EngineDeadError", "RequestRejected"]
+__all__ = ["EngineClient", "EngineDeadError", "EngineTimeoutError", "RequestRejected"]
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or shutting down); requests cannot be served."""
+
+
+class EngineTimeoutError(RuntimeError):
+    """The engine process has sent nothing for `engine_timeout` seconds while work was pending."""
 
 
 class RequestRejected(Exception):
@@ -42,7 +47,12 @@ class RequestRejected(Exception):
 
 
 class EngineClient:
-    def __init__(self, init: dict[str, Any]) -> None:
+    def __init__(self, init: dict[str, Any], engine_timeout: float = 60.0) -> None:
+        """engine_timeout: seconds without any frame from a busy engine (it sends a heartbeat at
+        least every second while working) before it counts as stuck."""
+        self.engine_timeout = engine_timeout
+        self._last_heard = time.monotonic()
+        self._stuck = False
         self.init = {"op": "init", **init}
         self.proc: subprocess.Popen | None = None
         self.info: dict[str, Any] = {}
@@ -84,6 +94,36 @@ class EngineClient:
                     reply["max_model_len"])
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
 
+    def stalled_for(self) -> float:
+        """Seconds the engine has been silent while work is pending (0.0 when idle or heard from)."""
+        if not (self.queues or self._pending) or self.dead_reason is not None:
+            return 0.0
+        return time.monotonic() - self._last_heard
+
+    @property
+    def stalled(self) -> bool:
+        """True once the engine was silent past engine_timeout with work pending, until it next
+        sends anything (so /health stays 503 after the waiting requests have timed out)."""
+        if self.stalled_for() > self.engine_timeout:
+            self._stuck = True
+        return self._stuck and self.dead_reason is None
+
+    async def wait(self, awaitable, what: str):
+        """Await `awaitable` (a future or coroutine); raises EngineTimeoutError once the engine has
+        been silent for engine_timeout seconds with work pending (checked every second)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=min(1.0, self.engine_timeout))
+                if done:
+                    return task.result()
+                if self.stalled:
+                    raise EngineTimeoutError(f"the engine has not answered for {self.stalled_for():.0f} s "
+                                             f"(--engine-timeout {self.engine_timeout:g}) while {what}")
+        finally:
+            if not task.done():
+                task.cancel()
+
     # -- requests -------------------------------------------------------------------------------
 
     async def add(self, request_id: str, payload: dict[str, Any]) -> tuple[asyncio.Queue, int]:
@@ -101,7 +141,7 @@ class EngineClient:
         self._pending[request_id] = fut
         self._write(frame)
         try:
-            prompt_tokens = await fut
+            prompt_tokens = await self.wait(fut, "adding a request")
         except BaseException:
             self._pending.pop(request_id, None)
             if self.queues.pop(request_id, None) is not None and self.alive:
@@ -122,7 +162,7 @@ class EngineClient:
         self._pending[key] = fut
         self._send({"op": "stats", "id": key})
         try:
-            return await asyncio.wait_for(fut, 30.0)
+            return await self.wait(fut, "reading stats")
         finally:
             self._pending.pop(key, None)
 
@@ -136,6 +176,8 @@ class EngineClient:
         self._write(pack(message))
 
     def _write(self, frame: bytes) -> None:
+        if len(self.queues) + len(self._pending) <= 1:  # work starts now: the silence clock starts now
+            self._last_heard = time.monotonic()
         try:
             self._writer.write(frame)
         except (OSError, RuntimeError, AttributeError) as exc:
@@ -146,6 +188,7 @@ class EngineClient:
         reason = "the engine process closed its connection"
         try:
             while (msg := await read_frame(reader)) is not None:
+                self._last_heard, self._stuck = time.monotonic(), False
                 self._dispatch(msg)
                 if msg["op"] == "fatal":
                     reason = f"engine step failed: {msg['error']}"

@@ -19,13 +19,16 @@ import logging
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
 from kda_rt.postprocess import DeltaTracker
 from kda_rt.server.wire import FrameSocket
 
-__all__ = ["EngineWorker", "main"]
+__all__ = ["EngineWorker", "HEARTBEAT_S", "main"]
+
+HEARTBEAT_S = 1.0  # while busy, a `beat` frame at least this often, so the HTTP side can tell busy from stuck
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +77,17 @@ class EngineWorker:
         from kda_rt.sampler.params import SamplingParams
 
         rid = msg["id"]
-        waiting = len(self.engine.scheduler.waiting)
-        if waiting >= self.max_waiting:
+        waiting = len(self.engine.scheduler.waiting)  # sequences: a request adds n of them
+        n = msg["params"].get("n", 1)
+        n = n if isinstance(n, int) and n > 0 else 1
+        if n > self.max_waiting:
+            self.conn.send({"op": "rejected", "id": rid, "status": 400,
+                            "error": f"n = {n} exceeds the server's max_waiting {self.max_waiting} (--max-waiting)"})
+            return
+        if waiting + n > self.max_waiting:
             self.conn.send({"op": "rejected", "id": rid, "status": 429,
-                            "error": f"the waiting queue is full ({waiting} of max_waiting {self.max_waiting}); retry later"})
+                            "error": f"the waiting queue is full ({waiting} sequences waiting + {n} new > max_waiting "
+                                     f"{self.max_waiting}); retry later"})
             return
         try:
             params = SamplingParams(**msg["params"])
@@ -142,12 +152,16 @@ class EngineWorker:
         return self.tokenizer.token_bytes(token_id)
 
     def run(self) -> None:
+        last_beat = time.monotonic()
         while self.running and not self.conn.closed:
             busy = self.engine.has_unfinished_requests()
             for msg in self.conn.poll(0.0 if busy else None):
                 self.handle(msg)
             if self.running and self.engine.has_unfinished_requests():
                 self.step()
+                if time.monotonic() - last_beat >= HEARTBEAT_S:  # steps may send nothing (prefill chunks)
+                    self.conn.send({"op": "beat"})
+                    last_beat = time.monotonic()
 
 
 def _load(init: dict[str, Any]):

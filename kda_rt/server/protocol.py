@@ -87,6 +87,20 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
 
+MAX_JSON_DEPTH = 64  # nesting of `messages` / `tools`: deeper is a 400, before any recursive code sees it
+
+
+def check_depth(value: Any, what: str) -> None:
+    """Raise InvalidRequest when `value` nests lists / objects deeper than MAX_JSON_DEPTH (iterative)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidRequest(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+
+
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope."""
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
@@ -159,6 +173,8 @@ def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
     """Engine payload {"messages", "tools", "params"} of a chat request (content flattened to text)."""
     if not req.messages:
         raise InvalidRequest("messages must be a non-empty list")
+    check_depth(req.messages, "messages")
+    check_depth(req.tools, "tools")
     messages = []
     for i, m in enumerate(req.messages):
         role = m.get("role")

@@ -132,6 +132,8 @@ BAD_FILES = {
     "size-mismatch": ({"t": entry(shape=(3,))}, bytes(8), None, "t"),
     "past-data": ({"t": entry(offsets=(8, 16))}, bytes(8), None, "t"),
     "huge-shape": ({"t": entry(shape=(2**62, 2**62))}, bytes(8), None, "t"),
+    "huge-dim-zero-size": ({"t": entry(shape=(2**70, 0), offsets=(0, 0))}, b"", None, "t"),  # issue 10 #11
+    "100-dims": ({"t": entry(shape=(1,) * 100, offsets=(0, 4))}, bytes(4), None, "t"),  # issue 10 #11
     "overlap": ({"a": entry(), "b": entry(offsets=(4, 12))}, bytes(12), None, "b"),
     "hole": ({"a": entry(), "b": entry(offsets=(12, 20))}, bytes(20), None, "b"),
     "trailing": ({"a": entry()}, bytes(12), None, None),

@@ -102,7 +102,7 @@ def test_template_failures(model_dir):
     with pytest.raises(ValueError, match="no tools here"):
         tok.apply_chat_template([USER], tools=[{"a": 1}])
     assert tok.encode_chat([USER]) == tok.encode("Is 123 a prime?")
-    with pytest.raises(ValueError, match="transforms message content"):
+    with pytest.raises(ValueError, match="transforms client text"):
         tok.encode_chat([{"role": "user", "content": "  padded  "}])
     jinja_path.write_text("{% if %}")
     with pytest.raises(TokenizerError, match="does not compile"):

@@ -25,8 +25,9 @@ def _set_rank_lines(model_dir, edit):
     (lambda lines: lines.__setitem__(2, "AA== 2"), r"tiktoken\.model:3: duplicate token"),
     (lambda lines: lines.pop(5), r"rank 5 is missing"),
     (lambda lines: lines.clear(), "no tokens"),
+    (lambda lines: lines.__setitem__(2, "Ag== " + "9" * 5000), r"tiktoken\.model:3: expected"),  # issue 10 #11
 ], ids=["one-field", "rank-not-int", "bad-char", "bad-padding", "dup-rank", "dup-token",
-        "gap", "empty"])
+        "gap", "empty", "5000-digit-rank"])
 def test_bad_rank_file(model_dir, edit, match):
     _set_rank_lines(model_dir, edit)
     with pytest.raises(TokenizerError, match=match):

@@ -1,0 +1,113 @@
+"""Refusals and non-finite values (issue 10 #2, #4, #12, #13): parameters where the math breaks
+are refused, NaN logits end a request with finish_reason "error" (never text), stop lists are
+capped, refused prompts leave no request id behind, and API misuse gets clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_helpers import assert_no_leaks, greedy, make_llm
+from kda_rt import SamplingParams
+from kda_rt.sampler.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kda_rt.server.engine_proc import EngineWorker
+
+PROMPT = {"prompt_token_ids": [5, 6, 7]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return make_llm(tiny_dir, max_num_seqs=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("value", [1e-40, 0.001, 1e40])
+def test_repetition_penalty_bounded(value):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=value, logprobs=1)
+
+
+def test_nan_logits_finish_with_error(llm, monkeypatch):
+    runner = llm.llm_engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def poisoned(batch):
+        logits = real(batch)
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third step: two good tokens, then NaN
+            logits = logits.copy()
+            logits[0, 7] = np.nan
+        return logits
+
+    monkeypatch.setattr(runner, "execute", poisoned)
+    out = llm.generate(PROMPT, greedy(8, logprobs=1))[0].outputs[0]
+    assert out.finish_reason == "error" and "non-finite logits" in out.stop_reason
+    assert len(out.token_ids) == 2 and len(out.logprobs) == 2
+    assert all(np.isfinite(lp) for d in out.logprobs for lp in d.values())
+    assert_no_leaks(llm)
+
+
+def test_stop_list_capped():
+    with pytest.raises(ValueError, match="MAX_STOP_STRINGS"):
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(ValueError, match="MAX_STOP_CHARS"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)])
+    SamplingParams(stop=["ab"] * MAX_STOP_STRINGS)  # at the limit: fine
+
+
+def test_refused_prompts_leave_no_ids(llm):
+    for _ in range(20):
+        with pytest.raises(ValueError):
+            llm.generate({"prompt_token_ids": []}, greedy(2))
+        with pytest.raises(ValueError):
+            llm.generate([PROMPT, {"prompt_token_ids": [10**9]}], greedy(2))
+    assert not llm._open and not llm._parked
+    stream = llm.generate(PROMPT, greedy(3), stream=True)  # takes id "0": must not be parked forever
+    assert [len(o.outputs[0].token_ids) for o in stream] == [1, 1, 1]
+    assert not llm._open
+    assert_no_leaks(llm)
+
+
+def test_sampling_params_dict_is_a_type_error(llm):
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate(PROMPT, {"max_tokens": 2})
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([PROMPT], [{"max_tokens": 2}])
+    assert not llm._open
+
+
+def test_chat_with_empty_conversation_refused(demo_llm):
+    with pytest.raises(ValueError, match="conversation 0"):
+        demo_llm.chat([[]])
+    with pytest.raises(ValueError, match="conversation 1"):
+        demo_llm.chat([[{"role": "user", "content": "hi"}], []])
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    from kda_rt import LLM
+    from kda_rt.demo import demo_path
+
+    return LLM(str(demo_path()), backend="numpy", max_num_seqs=2, max_model_len=128)
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+
+
+def test_max_waiting_counts_every_sample(llm):
+    conn = _Conn()
+    worker = EngineWorker(llm, conn, max_waiting=2)
+    worker.handle({"op": "add", "id": "a", "prompt": [5, 6], "params": {"max_tokens": 2}})
+    worker.handle({"op": "add", "id": "b", "prompt": [5, 6], "params": {"max_tokens": 2, "n": 2}})
+    worker.handle({"op": "add", "id": "c", "prompt": [5, 6], "params": {"max_tokens": 2, "n": 3}})
+    assert [m["op"] for m in conn.sent] == ["added", "rejected", "rejected"]
+    assert conn.sent[1]["status"] == 429 and "1 sequences waiting + 2 new > max_waiting 2" in conn.sent[1]["error"]
+    assert conn.sent[2]["status"] == 400 and "max_waiting" in conn.sent[2]["error"]
+    assert len(llm.llm_engine.scheduler.waiting) <= 2
+    worker.handle({"op": "shutdown"})
+    assert_no_leaks(llm)

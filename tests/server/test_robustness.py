@@ -1,0 +1,113 @@
+"""Server robustness (issue 10 #5, #8, #9, #10): a stopped engine is reported by /health and times
+requests out; slow and oversized bodies are answered early; deep JSON is a counted 400; unknown
+routes and methods use the OpenAI error envelope."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from server_helpers import ServerProc
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    s = ServerProc(tmp_path_factory.mktemp("robust") / "server.log", "--engine-timeout", "2", "--body-timeout", "2")
+    yield s
+    try:
+        os.kill(s.engine_pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    s.stop()
+
+
+def _envelope(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status
+    return err["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/nope", 404), ("GET", "/v1/completions", 405),
+                                                         ("DELETE", "/health", 405)])
+def test_unknown_route_and_method_envelope(srv, method, path, status):
+    _envelope(httpx.request(method, srv.url + path, headers=srv.headers, timeout=10), status)
+
+
+@pytest.mark.parametrize("field", ["messages", "tools"])
+def test_deep_json_is_counted_400(srv, field):
+    deep = "[" * 5000 + "]" * 5000
+    msgs = '[{"role": "user", "content": "hi", "extra": ' + deep + "}]" if field == "messages" else \
+        '[{"role": "user", "content": "hi"}]'
+    tools = deep if field == "tools" else "null"
+    body = '{"messages": ' + msgs + ', "tools": ' + tools + ', "max_tokens": 2}'
+    before = srv.metrics()
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={**srv.headers, "Content-Type": "application/json"})
+    _envelope(r, 400)
+    key = 'kda_rt_http_requests_total{endpoint="chat",code="400"}'
+    assert srv.metrics().get(key, 0) == before.get(key, 0) + 1
+
+
+def test_content_length_over_cap_is_413_from_the_header(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: " + srv.headers["Authorization"].encode() + b"\r\n"
+                  b"Content-Length: 1000000000000\r\n\r\n")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+
+
+def test_stalled_body_gets_408(srv):
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: " + srv.headers["Authorization"].encode() + b"\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert time.monotonic() - start < 15
+
+
+def test_disconnect_mid_body_is_not_an_error(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: " + srv.headers["Authorization"].encode() + b"\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\":")
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert "Traceback" not in srv.log() and "ERROR" not in srv.log()
+
+
+def test_stopped_engine_is_reported_and_times_out(srv):
+    """Last in this module: SIGSTOP the engine, then a request must fail within the timeout and
+    /health must say 503 while it is pending."""
+    os.kill(srv.engine_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with httpx.Client(timeout=30) as c:
+            import threading
+
+            health: list[int] = []
+
+            def probe() -> None:
+                time.sleep(3.5)
+                health.append(c.get(srv.url + "/health").status_code)
+
+            t = threading.Thread(target=probe)
+            t.start()
+            r = c.post(srv.url + "/v1/completions", headers=srv.headers,
+                       json={"prompt": "hello", "max_tokens": 4})
+            t.join()
+        assert r.status_code == 503 and "has not answered" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - start < 20
+        assert health == [503]
+    finally:
+        os.kill(srv.engine_pid, signal.SIGCONT)
+    time.sleep(0.5)
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200

@@ -1,0 +1,44 @@
+"""Chat template rendering bounds (issue 10 #6): runaway templates fail the request with an error
+naming the template file, within the time bound (checked with 0.5 s bound, 10 s test limit)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kda_rt.chat as chat
+from kda_rt.tokenizer import Tokenizer, TokenizerError
+
+USER = [{"role": "user", "content": "hi"}]
+
+RUNAWAY = {
+    "nested-loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "huge-range": "{% for i in range(10**10) %}{{ i }}{% endfor %}",
+    "recursive-macro": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "repeat-string": "{{ 'x' * 10**10 }}",
+    "doubling": "{% set s = namespace(v='x') %}{% for i in range(60) %}{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
+    "big-output": "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
+    "huge-power": "{{ 7 ** 100000000 }}",
+}
+
+
+@pytest.mark.parametrize("source", RUNAWAY.values(), ids=RUNAWAY.keys())
+def test_runaway_template_gets_named_error(model_dir, monkeypatch, source):
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.5)
+    (model_dir / "chat_template.jinja").write_text(source)
+    tok = Tokenizer.from_dir(model_dir)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="chat_template.jinja"):
+        tok.encode_chat(USER)
+    assert time.monotonic() - start < 10
+
+
+def test_normal_template_unaffected(demo_tok):
+    assert demo_tok.apply_chat_template(USER).endswith("<|im_assistant|>assistant<|im_middle|>")
+
+
+def test_non_utf8_template_file_is_named(model_dir):
+    (model_dir / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(TokenizerError, match=r"chat_template\.jinja: not UTF-8"):
+        Tokenizer.from_dir(model_dir)
