@@ -220,7 +220,7 @@ class CudaRunner:
         num_top = max([(p.logprobs or 0) for p, w in zip(ps, want_lp, strict=True) if w], default=0)
         with self.stream:
             # a row with NaN / inf logits goes to the host path, which ends that request with an error
-            finite_h = cp.isfinite(logits).all(axis=1).get(stream=self.stream)  # [n] bool, one small copy
+            finite = cp.isfinite(logits).all(axis=1)  # [n] bool, read back with the token ids (no extra sync)
             dev = {k: cp.asarray(v) for k, v in host.items()}
             lp = cp.empty((n,), np.float32) if any(want_lp) else None
             top_ids = cp.empty((n, num_top), np.int32) if num_top else None
@@ -229,6 +229,7 @@ class CudaRunner:
                          dev["steps"], out_logprobs=lp, num_logprobs=num_top, out_top_ids=top_ids,
                          out_top_logprobs=top_lp, stream=self.stream)
             ids_h = ids.get(stream=self.stream)
+            finite_h = finite.get(stream=self.stream)
             lp_h = lp.get(stream=self.stream) if lp is not None else None
             top_ids_h = top_ids.get(stream=self.stream) if num_top else None
             top_lp_h = top_lp.get(stream=self.stream) if num_top else None
