@@ -28,12 +28,12 @@ COPY sampler ./sampler
 COPY kernels_cu ./kernels_cu
 
 # A regular (non-editable) install builds the wheel, as `pip install kda_rt` would: every kda_rt.*
-# package (kda_rt.cuda, kda_rt.ops, kda_rt.loader, kda_rt.sampler, ...) and the kernel sources.
+# package (kda_rt.cuda, kda_rt.cuda.ops, kda_rt.loader, kda_rt.sampler, ...) and the kernel sources.
 # cuda-toolkit[...] pulls only the CUDA 12 wheels kda_rt uses (nvidia-cuda-runtime-cu12,
 # nvidia-cuda-nvrtc-cu12, nvidia-cublas-cu12); CuPy finds them in site-packages.
 RUN pip install --no-cache-dir ".[cuda12,server]" "cuda-toolkit[cublas,cudart,nvrtc]==12.*" \
  && rm -rf /opt/kda_rt/build /root/.cache \
- && python -c "import kda_rt.server, kda_rt.cuda, kda_rt.ops.compile as c, cupy, sys; assert 'torch' not in sys.modules; assert (c.KERNEL_DIR / 'mla_attn.cu').is_file()"
+ && python -c "import kda_rt.server, kda_rt.cuda, kda_rt.cuda.ops.compile as c, cupy, sys; assert 'torch' not in sys.modules; assert (c.KERNEL_DIR / 'mla_attn.cu').is_file()"
 
 USER kda
 WORKDIR /home/kda

@@ -21,7 +21,7 @@ _LAZY = {"LLM": "kda_rt.llm", "SamplingParams": "kda_rt.sampler.params",
 
 
 def __getattr__(name: str):
-    """Import the public API on first use, so `import kda_rt.ops...` stays light."""
+    """Import the public API on first use, so `import kda_rt.cuda.ops...` stays light."""
     if name in _LAZY:
         import importlib
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from kda_rt.postprocess import DeltaTracker
+from kda_rt.engine.postprocess import DeltaTracker
 
 if TYPE_CHECKING:
     from kda_rt.llm import LLM

@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kda_rt.engine import EngineConfig, LLMEngine
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
+from kda_rt.engine.postprocess import DeltaTracker
+from kda_rt.engine.runner import select_backend
 from kda_rt.loader.config import load_config
 from kda_rt.outputs import RequestOutput
-from kda_rt.postprocess import DeltaTracker
-from kda_rt.runner import NUMPY_DTYPES, make_runner, select_backend
+from kda_rt.reference.runner import NUMPY_DTYPES, make_runner
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
     from kda_rt.loader.config import ModelConfig
-    from kda_rt.tokenizer import Tokenizer
+    from kda_rt.text.tokenizer import Tokenizer
 
 __all__ = ["LLM", "build_engine"]
 
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], engine_config: EngineConfig, *,
                  backend: str = "auto", dtype: str = "float32", tokenizer: Tokenizer | None = None,
                  extra_eos_ids: Sequence[int] = (), enforce_eager: bool = False) -> LLMEngine:
-    """Runner + engine for in-memory weights.  The runner plans its pools (`kda_rt.pools`); the
+    """Runner + engine for in-memory weights.  The runner plans its pools (`kda_rt.engine.pools`); the
     engine gets the plan's slots and pages and its resolved max_model_len."""
     backend = select_backend(backend)
     if backend == "cuda":
@@ -113,7 +114,7 @@ class LLM:
         )
         self.tokenizer = None
         if not skip_tokenizer_init and _has_tokenizer(model_dir):
-            from kda_rt.tokenizer import Tokenizer
+            from kda_rt.text.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_dir(model_dir)
             if self.tokenizer.vocab_size != self.model_config.vocab_size:
@@ -132,7 +133,7 @@ class LLM:
                 self.report = self.runner.fast_path_report()
             else:
                 self.report = (f"fast-path report ({self.backend} backend): NumPy reference ops "
-                               "(kda_rt/model/*), no GPU kernels")
+                               "(kda_rt/reference/*), no GPU kernels")
             logger.info("%s", self.report)
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned
         self._parked: dict[str, tuple[int, RequestOutput]] = {}  # newest (step stamp, output) of an open request

@@ -1,5 +1,5 @@
 // common.cuh — shared helpers for every kda_rt kernel: bf16 <-> fp32, warp/block reductions,
-// vector loads.  Included by each kernels_cu/<op>.cu; compiled by NVRTC (kda_rt/ops/compile.py)
+// vector loads.  Included by each kernels_cu/<op>.cu; compiled by NVRTC (kda_rt/cuda/ops/compile.py)
 // with -std=c++17 and the arch of the device (sm_90a on Hopper, sm_100a on Blackwell).
 #pragma once
 #include <cuda_bf16.h>

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt.ops.check import expect, i32
-from kda_rt.ops.compile import get_kernel
+from kda_rt.cuda.ops.check import expect, i32
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["sample", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS"]
 

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.slow
 
 CHECK = textwrap.dedent("""
     import hashlib, json, pathlib, sys
-    import kda_rt, kda_rt.cuda, kda_rt.ops, kda_rt.loader, kda_rt.sampler, kda_rt.server, kda_rt.model
-    from kda_rt.ops import compile as comp
+    import kda_rt, kda_rt.cuda, kda_rt.cuda.ops, kda_rt.loader, kda_rt.sampler, kda_rt.server, kda_rt.reference, kda_rt.engine, kda_rt.text
+    from kda_rt.cuda.ops import compile as comp
     site = pathlib.Path(sys.argv[1]).resolve()
-    mods = {m.__name__: m.__file__ for m in (kda_rt, kda_rt.cuda, kda_rt.ops, kda_rt.loader, kda_rt.sampler,
-                                             kda_rt.server, kda_rt.model)}
+    mods = {m.__name__: m.__file__ for m in (kda_rt, kda_rt.cuda, kda_rt.cuda.ops, kda_rt.loader, kda_rt.sampler,
+                                             kda_rt.server, kda_rt.reference, kda_rt.engine, kda_rt.text)}
     kernels = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in comp.KERNEL_DIR.iterdir()}
     print(json.dumps({"modules": mods, "kernel_dir": str(comp.KERNEL_DIR), "kernels": kernels,
                       "site": str(site), "torch": "torch" in sys.modules}))

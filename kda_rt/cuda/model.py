@@ -1,4 +1,4 @@
-"""The Kimi Linear forward on the GPU: the same wiring as kda_rt/model/kimi_linear.py (spec §6),
+"""The Kimi Linear forward on the GPU: the same wiring as kda_rt/reference/kimi_linear.py (spec §6),
 as kernel launches over one flat batch.  Every intermediate comes from a `Workspace`, so a decode
 step can be captured into a CUDA graph.
 
@@ -16,20 +16,20 @@ from typing import Any
 
 import numpy as np
 
+from kda_rt.cuda.gemm import linear
+from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
+from kda_rt.cuda.ops.check import BF16
+from kda_rt.cuda.ops.embed import embed
+from kda_rt.cuda.ops.kda_decode import kda_decode
+from kda_rt.cuda.ops.kda_prefill import kda_prefill
+from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
+from kda_rt.cuda.ops.mla_store import mla_store
+from kda_rt.cuda.ops.rmsnorm import rmsnorm
+from kda_rt.cuda.ops.silu_mul import silu_mul
+from kda_rt.cuda.ops.trace import trace_scope
 from kda_rt.cuda.weights import ModelWeights
 from kda_rt.cuda.workspace import Workspace
 from kda_rt.loader.config import KDA, MOE, ModelConfig
-from kda_rt.ops.check import BF16
-from kda_rt.ops.embed import embed
-from kda_rt.ops.gemm import linear
-from kda_rt.ops.kda_decode import kda_decode
-from kda_rt.ops.kda_prefill import kda_prefill
-from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
-from kda_rt.ops.mla_store import mla_store
-from kda_rt.ops.moe import moe_forward, moe_workspace_bytes
-from kda_rt.ops.rmsnorm import rmsnorm
-from kda_rt.ops.silu_mul import silu_mul
-from kda_rt.ops.trace import trace_scope
 
 __all__ = ["DeviceBatch", "CudaModel"]
 

@@ -1,7 +1,7 @@
 """`CudaRunner`: weights and cache pools on the GPU, the model as kernel launches, and one CUDA
 graph per decode batch-size bucket.
 
-- Pools (planned by `kda_rt.pools.plan_pools`): per KDA layer a conv-state pool and an fp32
+- Pools (planned by `kda_rt.engine.pools.plan_pools`): per KDA layer a conv-state pool and an fp32
   recurrent-state pool with one slot per running sequence plus one padding slot; per MLA layer a
   bf16 page pool [num_blocks, block_size, 576] plus one padding page.  The page count comes from
   `gpu_memory_utilization` after the weights are on the device (or `num_blocks`).
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kda_rt.cuda.model import CudaModel, DeviceBatch
+from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.weights import upload_weights
 from kda_rt.cuda.workspace import Workspace
-from kda_rt.ops.check import BF16
 
 if TYPE_CHECKING:
     from kda_rt.engine import EngineConfig
-    from kda_rt.forward_batch import ForwardBatch
+    from kda_rt.engine.batch import ForwardBatch
     from kda_rt.loader.config import ModelConfig
 
 __all__ = ["CudaRunner", "graph_buckets"]
@@ -58,9 +58,9 @@ class CudaRunner:
                  enforce_eager: bool = False, progress: bool | None = None) -> None:
         import cupy
 
-        from kda_rt.ops.compile import startup_log
-        from kda_rt.ops.kda_decode import CONV_STATE_DTYPE, conv_state_shape
-        from kda_rt.pools import plan_pools
+        from kda_rt.cuda.ops.compile import startup_log
+        from kda_rt.cuda.ops.kda_decode import CONV_STATE_DTYPE, conv_state_shape
+        from kda_rt.engine.pools import plan_pools
 
         self.cupy = cupy
         self.config = config
@@ -141,7 +141,7 @@ class CudaRunner:
 
     def _padding_batch(self, rows: int) -> ForwardBatch:
         """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""
-        from kda_rt.forward_batch import ForwardBatch
+        from kda_rt.engine.batch import ForwardBatch
 
         return ForwardBatch.build([[0]] * rows, [0] * rows, [self.pad_slot] * rows, [[self.pad_page]] * rows)
 
@@ -251,7 +251,7 @@ class CudaRunner:
     def fast_path_report(self) -> str:
         """Each op of one decode step with the kernels it launched (traced on an eager step of one
         padding sequence), plus the sampler; a CUDA graph replays exactly these launches."""
-        from kda_rt.ops.trace import Trace
+        from kda_rt.cuda.ops.trace import Trace
 
         batch = self._padding_batch(1)
         ws = Workspace()

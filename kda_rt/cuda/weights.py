@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.upload import Uploader
 from kda_rt.loader.config import KDA, MLA, MOE, ModelConfig
-from kda_rt.ops.check import BF16
 
 __all__ = ["LayerWeights", "ModelWeights", "upload_weights"]
 

@@ -3,7 +3,7 @@
     python -m kda_rt.demo.make_vocab [--out DIR]      # default DIR = this package
 
 Training is plain greedy BPE, deterministic: split SAMPLE_TEXT with the Kimi pre-tokenizer
-regex (kda_rt.tokenizer.PAT_STR), start from the 256 single bytes (ranks 0..255), then
+regex (kda_rt.text.tokenizer.PAT_STR), start from the 256 single bytes (ranks 0..255), then
 repeatedly merge the adjacent pair with the highest count (ties: the smaller concatenated
 bytes) until 768 tokens exist.  The special ids copy Kimi's layout shifted from 163584 to 768,
 so the demo vocabulary is 1024 ids.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import regex
 
-from kda_rt.tokenizer import PAT_STR
+from kda_rt.text.tokenizer import PAT_STR
 
 __all__ = ["NUM_MERGEABLE", "SAMPLE_TEXT", "SPECIAL_TOKENS", "main", "rank_file_text", "tokenizer_config", "train_bpe"]
 

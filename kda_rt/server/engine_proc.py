@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any
 
-from kda_rt.postprocess import DeltaTracker
+from kda_rt.engine.postprocess import DeltaTracker
 from kda_rt.server.wire import FrameSocket
 
 __all__ = ["EngineWorker", "HEARTBEAT_S", "main"]

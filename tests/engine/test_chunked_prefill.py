@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from engine_helpers import assert_no_leaks, greedy, make_llm, mixed_prompts
 
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
 
 
 class RecordingRunner:

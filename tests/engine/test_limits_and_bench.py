@@ -13,9 +13,9 @@ from helpers import tiny_config
 from kda_rt.bench import random_weights
 from kda_rt.demo import demo_path
 from kda_rt.engine import EngineConfig
+from kda_rt.engine.pools import kv_bytes_per_block, plan_pools, state_bytes_per_slot
 from kda_rt.loader.config import parse_config
 from kda_rt.loader.weights import expected_tensors
-from kda_rt.pools import kv_bytes_per_block, plan_pools, state_bytes_per_slot
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_engine_config_errors(kw, match):
 
 
 def test_backend_errors(tiny_dir):
-    from kda_rt.runner import cuda_unavailable_reason
+    from kda_rt.engine.runner import cuda_unavailable_reason
 
     if cuda_unavailable_reason() is not None:  # CPU machines: a clear reason, not a crash later
         with pytest.raises(RuntimeError, match="backend='cuda' is unavailable"):
@@ -122,7 +122,7 @@ def test_max_model_len_resolution(caplog):
     assert plan_pools(cfg, EngineConfig(block_size=16), **roomy).max_model_len == 4096
     tight = dict(itemsize=2, memory_bytes=(100 + 1) * page, padding=True)  # ~100 pages after the padding page
     eng = EngineConfig(block_size=16, max_num_seqs=1, gpu_memory_utilization=1.0)
-    with caplog.at_level("WARNING", logger="kda_rt.pools"):
+    with caplog.at_level("WARNING", logger="kda_rt.engine.pools"):
         plan = plan_pools(cfg, eng, **tight)
     assert plan.max_model_len == plan.engine_blocks * 16 < 4096
     assert [r for r in caplog.records if "max_model_len" in r.getMessage()], "one log line says why"

@@ -35,7 +35,7 @@ def test_batch_invariance_under_pressure(tiny_dir, roomy, budget, caplog):
     # 5 pages of 16 tokens: one request fits alone (<= 67 positions), six at once never do
     tight = make_llm(tiny_dir, max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=5,
                      max_num_batched_tokens=budget)
-    with caplog.at_level(logging.WARNING, logger="kda_rt.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="kda_rt.engine.scheduler"):
         outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
     stats = tight.stats()
     assert stats["preemptions"] > 0, "the pool was meant to be too small to avoid preemption"

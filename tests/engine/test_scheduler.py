@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda_rt
+from kda_rt.engine.scheduler import Scheduler, SchedulerConfig
+from kda_rt.engine.sequence import Sequence, SequenceStatus
 from kda_rt.sampler.params import SamplingParams
-from kda_rt.scheduler import Scheduler, SchedulerConfig
-from kda_rt.sequence import Sequence, SequenceStatus
 
 _arrivals = itertools.count()
 
@@ -48,14 +48,14 @@ def config(**kw) -> SchedulerConfig:
 
 def test_pure_python_modules():
     """scheduler.py and what it imports from kda_rt name no array library."""
-    root = Path(kda_rt.__file__).parent
+    root = Path(kda_rt.__file__).parent / "engine"
     for name in ("scheduler.py", "allocator.py", "sequence.py"):
         tree = ast.parse((root / name).read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        runtime = {m for m in mods if not m.startswith(("kda_rt.sampler", "kda_rt.detokenizer"))}  # typing only
+        runtime = {m for m in mods if not m.startswith(("kda_rt.sampler", "kda_rt.text.detokenizer"))}  # typing only
         assert not {m.split(".")[0] for m in runtime} & {"numpy", "cupy", "torch"}, (name, mods)
-        assert {m for m in runtime if m.startswith("kda_rt")} <= {"kda_rt.allocator", "kda_rt.sequence"}, (name, mods)
+        assert {m for m in runtime if m.startswith("kda_rt")} <= {"kda_rt.engine.allocator", "kda_rt.engine.sequence"}, (name, mods)
 
 
 def test_chunked_prefill_mixed_with_decodes_and_incremental_pages():

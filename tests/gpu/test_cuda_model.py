@@ -22,7 +22,7 @@ import os
 import numpy as np
 import pytest
 
-import kda_rt.model.moe as np_moe
+import kda_rt.reference.moe as np_moe
 from kda_rt import LLM, SamplingParams
 from kda_rt.demo import demo_path
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def test_embed(T, V, D):
     import cupy
 
-    from kda_rt.ops.embed import embed
+    from kda_rt.cuda.ops.embed import embed
 
     rng = np.random.default_rng(T + V + D)
     table = bf16_round(rng.normal(size=(V, D)))
@@ -28,7 +28,7 @@ def test_embed(T, V, D):
 def test_embed_out_of_range_ids_give_zero_rows():
     import cupy
 
-    from kda_rt.ops.embed import embed
+    from kda_rt.cuda.ops.embed import embed
 
     table = bf16_round(np.random.default_rng(0).normal(size=(10, 64)))
     ids = np.array([3, -1, 10, 9], dtype=np.int32)

@@ -1,4 +1,4 @@
-"""kda_rt/ops/gemm.py (cuBLAS via ctypes) against NumPy, and inside CUDA-graph capture.
+"""kda_rt/cuda/gemm.py (cuBLAS via ctypes) against NumPy, and inside CUDA-graph capture.
 
 Tolerance: bf16 inputs are exact in fp32; cuBLAS accumulates in fp32 (order differs from NumPy's
 float64) and rounds the output to bf16 -> relative RMS error ~2^-9 = 2e-3; we allow 5e-3."""
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 def test_linear(M, N, K, out_dtype):
     import cupy
 
-    from kda_rt.ops.gemm import linear
+    from kda_rt.cuda.gemm import linear
 
     rng = np.random.default_rng(M + N)
     x, w = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
@@ -31,7 +31,7 @@ def test_linear(M, N, K, out_dtype):
 def test_linear_in_cuda_graph():
     import cupy
 
-    from kda_rt.ops.gemm import linear
+    from kda_rt.cuda.gemm import linear
 
     rng = np.random.default_rng(7)
     x, w = bf16_round(rng.normal(size=(8, 256))), bf16_round(rng.normal(size=(128, 256)))
@@ -55,7 +55,7 @@ def test_linear_row_strided_views():
     """x and out as column slices of wider buffers (fused projections)."""
     import cupy
 
-    from kda_rt.ops.gemm import linear
+    from kda_rt.cuda.gemm import linear
 
     rng = np.random.default_rng(3)
     big = bf16_round(rng.normal(size=(5, 300)))

@@ -35,7 +35,7 @@ CASES = [(5, 4, "normal"), (5, 4, "mixed"), (8, 32, "extreme")]
 
 @pytest.mark.parametrize("num_seqs, num_heads, gates", CASES, ids=[f"B{c[0]}-H{c[1]}-{c[2]}" for c in CASES])
 def test_kda_decode_steps(num_seqs, num_heads, gates):
-    from kda_rt.ops.kda_decode import kda_decode
+    from kda_rt.cuda.ops.kda_decode import kda_decode
 
     rng = np.random.default_rng(num_seqs * num_heads)
     inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 3)
@@ -57,8 +57,8 @@ def test_decode_after_prefill_equals_prefill(gates):
     """prefill(L tokens) + 3 decode steps in slots 0, 1 == prefill(L + 3 tokens) in slots 2, 3."""
     import cupy
 
-    from kda_rt.ops.kda_decode import kda_decode
-    from kda_rt.ops.kda_prefill import kda_prefill
+    from kda_rt.cuda.ops.kda_decode import kda_decode
+    from kda_rt.cuda.ops.kda_prefill import kda_prefill
 
     num_heads, lengths, extra = 4, [3, 65], 3
     rng = np.random.default_rng(7)
@@ -103,7 +103,7 @@ def test_kda_decode_graph_capture():
     """A step captured in a CUDA graph (out preallocated) matches the eager step."""
     import cupy
 
-    from kda_rt.ops.kda_decode import kda_decode
+    from kda_rt.cuda.ops.kda_decode import kda_decode
 
     num_heads, num_seqs = 8, 6
     rng = np.random.default_rng(3)
@@ -127,7 +127,7 @@ def bench_decode(num_seqs, num_heads=32, iters=50):
     """Bytes: the fp32 state read + written, 2 * B * H * K * K * 4 (the rest is < 1%)."""
     import cupy
 
-    from kda_rt.ops.kda_decode import kda_decode
+    from kda_rt.cuda.ops.kda_decode import kda_decode
 
     rng = np.random.default_rng(0)
     dev = upload(make_inputs(rng, [1] * num_seqs, num_heads, fresh=[False] * num_seqs, num_slots=num_seqs))

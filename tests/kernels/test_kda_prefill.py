@@ -1,4 +1,4 @@
-"""kernels_cu/kda_prefill.cu against the float64 NumPy KDA (kda_rt.model.kda_core) on the same
+"""kernels_cu/kda_prefill.cu against the float64 NumPy KDA (kda_rt.reference.kda_core) on the same
 bf16-rounded inputs: conv -> SiLU -> bf16 -> l2norm -> gate -> beta -> recurrence -> bf16(o) -> gated norm.
 
 Tolerances: out RMS(out - ref) / RMS(ref) <= 5e-3 (bf16 rounding of o and y, plus rare 1-ulp flips
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gpu_helpers import BF16, bf16_round, poison, rms_rel, to_np
 
-from kda_rt.model.kda_core import kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
+from kda_rt.reference.kda_core import kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
 
 pytestmark = pytest.mark.gpu
 
@@ -121,7 +121,7 @@ CASES = [  # (lengths, H, gates)
 @pytest.mark.parametrize("lengths, num_heads, gates", CASES,
                          ids=[f"L{'-'.join(map(str, c[0]))}-H{c[1]}-{c[2]}" for c in CASES])
 def test_kda_prefill(lengths, num_heads, gates):
-    from kda_rt.ops.kda_prefill import kda_prefill
+    from kda_rt.cuda.ops.kda_prefill import kda_prefill
 
     rng = np.random.default_rng(sum(lengths) * num_heads)
     inp = make_inputs(rng, lengths, num_heads, gates)
@@ -134,7 +134,7 @@ def bench_prefill(num_seqs=8, seqlen=2048, num_heads=32, iters=5):
     """Time one layer's kda_prefill (prep + chunk) at num_seqs x seqlen tokens."""
     import cupy
 
-    from kda_rt.ops.kda_prefill import kda_prefill
+    from kda_rt.cuda.ops.kda_prefill import kda_prefill
 
     rng = np.random.default_rng(0)
     lengths = [seqlen] * num_seqs

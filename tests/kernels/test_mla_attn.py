@@ -1,4 +1,4 @@
-"""kda_rt/ops/mla_attn.py (kernels_cu/mla_attn.cu + cuBLAS bmm) against kda_rt/model/mla.py in float64.
+"""kda_rt/cuda/ops/mla_attn.py (kernels_cu/mla_attn.cu + cuBLAS bmm) against kda_rt/reference/mla.py in float64.
 
 Each new token i of sequence b attends over pool positions 0 .. context_lens[b] + i:
 
@@ -47,7 +47,7 @@ def make_case(seed, H, block_size, lens, ctx):
 
 def reference(q, pool_np, w_kvb, tables, lens, ctx, block_size, H):
     from kda_rt.loader.config import MLAConfig
-    from kda_rt.model.mla import _attend_absorbed, _attend_expanded
+    from kda_rt.reference.mla import _attend_absorbed, _attend_expanded
 
     cfg = MLAConfig(num_heads=H, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DV)
     w = w_kvb.reshape(H, DN + DV, R)
@@ -95,7 +95,7 @@ PREFILL = {"fresh": ((1, 5, 64, 130), (0, 0, 0, 0)),      # T=200: split path (S
 @pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")
 @pytest.mark.parametrize("case", list(PREFILL))
 def test_mla_prefill(H, block_size, case):
-    from kda_rt.ops.mla_attn import mla_attention
+    from kda_rt.cuda.ops.mla_attn import mla_attention
 
     lens, ctx = PREFILL[case]
     q, pool, w_kvb, tables = make_case(H * block_size + len(case), H, block_size, lens, ctx)
@@ -114,7 +114,7 @@ DECODE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299), "long": (4000, 1234)}
 def test_mla_decode(H, block_size, case):
     import cupy
 
-    from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
+    from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 
     ctx = DECODE[case]
     lens = (1,) * len(ctx)
@@ -133,8 +133,8 @@ def test_mla_decode_cuda_graph():
     """mla_store + mla_attention(decode) captured once, replayed after context_lens change on the device."""
     import cupy
 
-    from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
-    from kda_rt.ops.mla_store import mla_store
+    from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
+    from kda_rt.cuda.ops.mla_store import mla_store
 
     H, S, B, max_ctx = 32, 16, 4, 300
     rng = np.random.default_rng(11)
@@ -186,7 +186,7 @@ def bench():
     Timings on random pools (graph-launched): decode (B, context) and one prefill chunk; GB/s over KV + W_kvb bytes."""
     import cupy
 
-    from kda_rt.ops.mla_attn import decode_workspace_bytes, mla_attention
+    from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 
     H, S = 32, 64
     for B, L, decode in ((1, 8192, True), (32, 2048, True), (128, 1024, True), (1, 2048, False)):

@@ -46,7 +46,7 @@ def run_store(kv_a_np, w_np, pool, lens, ctx, tables, *, strided=False):
     """Upload and call mla_store for sequences with new-token counts `lens` after `ctx` cached rows."""
     import cupy
 
-    from kda_rt.ops.mla_store import mla_store
+    from kda_rt.cuda.ops.mla_store import mla_store
 
     T = kv_a_np.shape[0]
     if strided:  # kv_a as a column slice of a fused q|kv_a projection output

@@ -1,5 +1,5 @@
-"""kda_rt/ops/moe.py (moe_route + moe_align + moe_gemm kernels + cuBLAS shared expert) against
-kda_rt.model.moe.moe_forward in float64 on the same bf16 x / weights (fp32 router and bias).
+"""kda_rt/cuda/moe.py (moe_route + moe_align + moe_gemm kernels + cuBLAS shared expert) against
+kda_rt.reference.moe.moe_forward in float64 on the same bf16 x / weights (fp32 router and bias).
 
     y = Σ_k w_k · W2_e (SiLU(W1_e x) ⊙ W3_e x) + Shared(x),  e = ids_k, per token (spec §5)
 
@@ -29,7 +29,7 @@ def rand_bf16(rng, shape, scale):
     """Random normal bf16 on the GPU, drawn in slices along axis 0 (the expert stacks are GBs)."""
     import cupy
 
-    from kda_rt.ops.check import BF16
+    from kda_rt.cuda.ops.check import BF16
 
     out = cupy.empty(shape, dtype=BF16)
     step = max(1, (1 << 26) // max(1, int(np.prod(shape[1:]))))
@@ -87,7 +87,7 @@ def make_block(T, D, inter, inter_s, cfg, seed):
 
 
 def run(gpu, cfg, **kw):
-    from kda_rt.ops.moe import moe_forward
+    from kda_rt.cuda.moe import moe_forward
 
     return moe_forward(gpu["x"], gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], gpu["shared_w13"],
                        gpu["shared_w2"], cfg, **kw)
@@ -109,9 +109,9 @@ CASES = {  # name: (T, D, I, Is, E, cfg kwargs)
 def test_moe_forward(name):
     import cupy
 
-    from kda_rt.model.moe import moe_forward as moe_ref
-    from kda_rt.ops.check import BF16
-    from kda_rt.ops.moe import moe_workspace_bytes
+    from kda_rt.cuda.moe import moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.reference.moe import moe_forward as moe_ref
 
     T, D, inter, inter_s, E, kw = CASES[name]
     cfg = make_cfg(E, **kw)
@@ -136,9 +136,9 @@ def test_moe_forward_in_cuda_graph():
     new per-expert counts, same grids."""
     import cupy
 
-    from kda_rt.model.moe import moe_forward as moe_ref
-    from kda_rt.ops.check import BF16
-    from kda_rt.ops.moe import moe_workspace_bytes
+    from kda_rt.cuda.moe import moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.reference.moe import moe_forward as moe_ref
 
     T, D, inter, E = 16, 2304, 1024, 64
     cfg = make_cfg(E)
@@ -168,8 +168,8 @@ def bench(T=32, D=2304, inter=1024, E=256, reps=50):
     router (each read once), the floor for this memory-bound step."""
     import cupy
 
-    from kda_rt.ops.check import BF16
-    from kda_rt.ops.moe import moe_workspace_bytes
+    from kda_rt.cuda.moe import moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
 
     cfg = make_cfg(E)
     _, gpu, _ = make_block(T, D, inter, inter, cfg, 5)
@@ -191,7 +191,7 @@ def bench(T=32, D=2304, inter=1024, E=256, reps=50):
         stop.record(stream)
         stop.synchronize()
     ms = cupy.cuda.get_elapsed_time(start, stop) / reps
-    from kda_rt.ops.moe_route import moe_route
+    from kda_rt.cuda.ops.moe_route import moe_route
 
     ids, _ = moe_route(gpu["x"], gpu["w_router"], gpu["bias"], top_k=cfg.top_k, num_groups=1, topk_group=1,
                        renormalize=True, scaling=1.0)
@@ -208,10 +208,10 @@ def bench_parts(T=32, D=2304, inter=1024, E=256, reps=20, configs=((2, 4, 4),)):
     and the two grouped GEMMs under other (MT, WARPS, KU) tile configs."""
     import cupy
 
-    import kda_rt.ops.moe_gemm as mg
-    from kda_rt.ops import moe as mo
-    from kda_rt.ops.moe_align import MoEPlan, moe_bucket, moe_combine
-    from kda_rt.ops.moe_route import moe_route
+    import kda_rt.cuda.ops.moe_gemm as mg
+    from kda_rt.cuda.ops import moe as mo
+    from kda_rt.cuda.ops.moe_align import MoEPlan, moe_bucket, moe_combine
+    from kda_rt.cuda.ops.moe_route import moe_route
 
     cfg = make_cfg(E)
     _, g, _ = make_block(T, D, inter, inter, cfg, 5)

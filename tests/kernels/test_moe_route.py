@@ -1,4 +1,4 @@
-"""kernels_cu/moe_route.cu against kda_rt.model.moe.route in float64 on the same bf16 x / fp32 router.
+"""kernels_cu/moe_route.cu against kda_rt.reference.moe.route in float64 on the same bf16 x / fp32 router.
 
     logits = x · W_routerᵀ (fp32),  s = sigmoid,  sel = s + bias (selection only), group-limited top-A,
     w = s[ids] (sel[ids] when biased) / (Σ + 1e-20) if renormalize, × scaling
@@ -30,7 +30,7 @@ def make_cfg(E, A=8, G=1, topk_group=1, renormalize=True, scaling=2.446, biased=
 
 def _boundary_gap(x, w_router, bias, cfg) -> float:
     """Smallest gap in sel at the top-A cut (and the top-group cut) over all tokens."""
-    from kda_rt.model.layers import sigmoid
+    from kda_rt.reference.layers import sigmoid
 
     sel = sigmoid(x @ w_router.T) + bias  # [T, E]
     gaps = [np.inf]
@@ -77,8 +77,8 @@ CASES = {
 def test_moe_route(name):
     import cupy
 
-    from kda_rt.model.moe import route
-    from kda_rt.ops.moe_route import moe_route
+    from kda_rt.cuda.ops.moe_route import moe_route
+    from kda_rt.reference.moe import route
 
     T, E, kw = CASES[name]
     D = 2304
@@ -109,8 +109,8 @@ def test_moe_route_nan_row_keeps_ids_valid():
     index), so the bucketing that follows never sees an id outside [0, E); other rows unaffected."""
     import cupy
 
-    from kda_rt.model.moe import route
-    from kda_rt.ops.moe_route import moe_route
+    from kda_rt.cuda.ops.moe_route import moe_route
+    from kda_rt.reference.moe import route
 
     cfg = make_cfg(64)
     x, w_router, bias = make_router(4, 256, cfg, seed=3)

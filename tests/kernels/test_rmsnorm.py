@@ -21,7 +21,7 @@ def reference(x, w, eps, residual=None):
 @pytest.mark.parametrize("T, D", [(1, 2304), (37, 2304), (5, 128), (3, 512)], ids=lambda v: str(v))
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "residual"])
 def test_rmsnorm(T, D, fused):
-    from kda_rt.ops.rmsnorm import rmsnorm
+    from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
     rng = np.random.default_rng(T * D + fused)
     x = bf16_round(rng.normal(size=(T, D)) * 3)

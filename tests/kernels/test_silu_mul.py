@@ -16,8 +16,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("T, I", [(1, 1024), (7, 1024), (300, 9216), (3, 8)], ids=str)
 def test_silu_mul(T, I):  # noqa: E741 (I: the intermediate width of the spec)
-    from kda_rt.model.layers import silu
-    from kda_rt.ops.silu_mul import silu_mul
+    from kda_rt.cuda.ops.silu_mul import silu_mul
+    from kda_rt.reference.layers import silu
 
     rng = np.random.default_rng(T * I)
     gu = bf16_round(rng.normal(size=(T, 2 * I)) * 4)  # gate spans the SiLU knee and both tails

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from ref.kda_ref import kda_layer_ref, kda_recurrence_ref
 
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import KDAConfig
-from kda_rt.model.kda import kda_forward
-from kda_rt.model.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
-from kda_rt.model.params import Params
+from kda_rt.reference.kda import kda_forward
+from kda_rt.reference.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
+from kda_rt.reference.params import Params
 
 TOL = 1e-10  # float64 everywhere
 WINDOW = 32

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import MLAConfig
-from kda_rt.model.mla import mla_forward
+from kda_rt.reference.mla import mla_forward
 
 CFG = MLAConfig(num_heads=3, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 D = 40

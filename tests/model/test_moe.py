@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kda_rt.loader.config import MoEConfig
-from kda_rt.model.moe import moe_forward, route
+from kda_rt.reference.moe import moe_forward, route
 
 D, F, T = 24, 16, 37
 BASE = MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, intermediate_size=F, renormalize=True,

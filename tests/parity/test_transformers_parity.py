@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import load_config
 from kda_rt.loader.weights import load_checkpoint
-from kda_rt.model.kimi_linear import KimiLinearModel, make_pools
 from kda_rt.random_checkpoint import write_random_checkpoint
+from kda_rt.reference.kimi_linear import KimiLinearModel, make_pools
 
 pytestmark = pytest.mark.parity
 torch = pytest.importorskip("torch")

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import ServerProc
 
 

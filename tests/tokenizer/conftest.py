@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kda_rt.demo
-from kda_rt.tokenizer import Tokenizer
+from kda_rt.text.tokenizer import Tokenizer
 
 DEMO_DIR = Path(kda_rt.demo.__file__).parent
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kda_rt.tokenizer import Tokenizer, TokenizerError
+from kda_rt.text.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_SYSTEM = "<|im_system|>system<|im_middle|>You are a helpful assistant provided by Moonshot-AI.<|im_end|>"
 USER = {"role": "user", "content": "Is 123 a prime?"}

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kda_rt.detokenizer import IncrementalDetokenizer
-from kda_rt.tokenizer import Tokenizer
+from kda_rt.text.detokenizer import IncrementalDetokenizer
+from kda_rt.text.tokenizer import Tokenizer
 
 _PARTIAL = [0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x99, 0x82, 0xC3, 0xA9]  # bytes of 中, 🙂, é
 ids_strategy = st.lists(st.one_of(st.integers(0, 1023), st.sampled_from(_PARTIAL)), max_size=60)
@@ -69,8 +69,8 @@ if __name__ == "__main__":
 def test_unknown_ids_produce_no_text():
     """A model with more vocabulary rows than the tokenizer has tokens must not crash generation."""
     from kda_rt.demo import demo_path
-    from kda_rt.detokenizer import IncrementalDetokenizer
-    from kda_rt.tokenizer import Tokenizer
+    from kda_rt.text.detokenizer import IncrementalDetokenizer
+    from kda_rt.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(demo_path())
     detok = IncrementalDetokenizer(tok)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-import kda_rt.chat as chat
-from kda_rt.tokenizer import Tokenizer, TokenizerError
+import kda_rt.text.chat as chat
+from kda_rt.text.tokenizer import Tokenizer, TokenizerError
 
 USER = [{"role": "user", "content": "hi"}]
 

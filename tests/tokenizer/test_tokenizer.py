@@ -14,7 +14,7 @@ import regex
 
 import kda_rt.demo
 from kda_rt.demo.make_vocab import NUM_MERGEABLE, SAMPLE_TEXT, rank_file_text, tokenizer_config, train_bpe
-from kda_rt.tokenizer import PAT_STR, Tokenizer
+from kda_rt.text.tokenizer import PAT_STR, Tokenizer
 
 DEMO_DIR = Path(kda_rt.demo.__file__).parent
 ROUND_TRIP = {

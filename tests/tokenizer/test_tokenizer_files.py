@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kda_rt.tokenizer import Tokenizer, TokenizerError, load_rank_file
+from kda_rt.text.tokenizer import Tokenizer, TokenizerError, load_rank_file
 
 
 def _set_rank_lines(model_dir, edit):

@@ -30,9 +30,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import MLAConfig
-from kda_rt.model.layers import linear, rms_norm
+from kda_rt.reference.layers import linear, rms_norm
 
 __all__ = ["mla_forward", "paged_positions"]
 

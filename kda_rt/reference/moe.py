@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from kda_rt.loader.config import MoEConfig
-from kda_rt.model.layers import gated_mlp, linear, sigmoid
+from kda_rt.reference.layers import gated_mlp, linear, sigmoid
 
 __all__ = ["moe_forward", "route"]
 

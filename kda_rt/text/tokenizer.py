@@ -26,8 +26,14 @@ from typing import Any
 import tiktoken
 from jinja2 import TemplateError
 
-from kda_rt.chat import (align_stand_ins, compile_template, render_template, stand_in_strings, template_source,
-                         validate_messages)
+from kda_rt.text.chat import (
+    align_stand_ins,
+    compile_template,
+    render_template,
+    stand_in_strings,
+    template_source,
+    validate_messages,
+)
 
 __all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "Tokenizer", "TokenizerError", "load_rank_file"]
 

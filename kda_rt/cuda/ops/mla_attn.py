@@ -22,9 +22,9 @@ import math
 
 import numpy as np
 
-from kda_rt.ops.check import BF16, expect, f32, i32, leading_dim
-from kda_rt.ops.compile import get_kernel
-from kda_rt.ops.gemm import bmm
+from kda_rt.cuda.gemm import bmm
+from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["mla_attention", "decode_workspace_bytes", "num_splits"]
 

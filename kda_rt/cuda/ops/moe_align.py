@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kda_rt.ops.check import expect, i32
-from kda_rt.ops.compile import get_kernel
+from kda_rt.cuda.ops.check import expect, i32
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["MoEPlan", "max_tiles", "moe_bucket", "moe_combine"]
 
@@ -55,7 +55,7 @@ def moe_combine(y, pair_pos, w, shared=None, *, out=None, stream=None):
     y: [N, D] fp32, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16."""
     import cupy
 
-    from kda_rt.ops.check import BF16
+    from kda_rt.cuda.ops.check import BF16
 
     T, A = expect(w, "w", ndim=2, dtype=np.float32)
     _, D = expect(y, "y", shape=(T * A, None), dtype=np.float32)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt.ops.check import BF16, expect
-from kda_rt.ops.compile import get_kernel
-from kda_rt.ops.moe_align import MoEPlan, max_tiles
+from kda_rt.cuda.ops.check import BF16, expect
+from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["moe_gemm", "tile_rows_for"]
 

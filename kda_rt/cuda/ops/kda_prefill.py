@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt.ops.check import BF16, f32, i32, leading_dim
-from kda_rt.ops.compile import get_kernel
-from kda_rt.ops.kda_decode import check_kda_args
+from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
+from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.kda_decode import check_kda_args
 
 __all__ = ["kda_prefill"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kda_rt.ops.check import BF16, expect, i32
-from kda_rt.ops.compile import get_kernel
+from kda_rt.cuda.ops.check import BF16, expect, i32
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["silu_mul"]
 

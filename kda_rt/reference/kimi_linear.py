@@ -19,14 +19,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from kda_rt.cache import KDAStatePool, MLAKVPool
-from kda_rt.forward_batch import ForwardBatch
+from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import DENSE, KDA, ModelConfig
-from kda_rt.model.kda import kda_forward
-from kda_rt.model.layers import gated_mlp, linear, rms_norm
-from kda_rt.model.mla import mla_forward
-from kda_rt.model.moe import moe_forward
-from kda_rt.model.params import Params
+from kda_rt.reference.cache import KDAStatePool, MLAKVPool
+from kda_rt.reference.kda import kda_forward
+from kda_rt.reference.layers import gated_mlp, linear, rms_norm
+from kda_rt.reference.mla import mla_forward
+from kda_rt.reference.moe import moe_forward
+from kda_rt.reference.params import Params
 
 __all__ = ["KimiLinearModel", "make_pools"]
 

@@ -22,7 +22,7 @@ from kda_rt.outputs import CompletionOutput, RequestOutput
 from kda_rt.sampler import reference as ref_sampler
 
 if TYPE_CHECKING:
-    from kda_rt.sequence import Sequence
+    from kda_rt.engine.sequence import Sequence
 
 __all__ = ["Postprocessor", "DeltaTracker", "request_output"]
 

@@ -1,7 +1,7 @@
 """Model runners: own the weights, the cache pools and the model of one backend, and turn a
 `ForwardBatch` into float32 logits.  Backend selection (`select_backend`) and the NumPy runner.
 
-Each runner plans its pools with `kda_rt.pools.plan_pools` at construction and exposes the plan
+Each runner plans its pools with `kda_rt.engine.pools.plan_pools` at construction and exposes the plan
 as `runner.plan`; `build_engine` hands the engine the plan's slots, pages and max_model_len.
 """
 
@@ -14,62 +14,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.cache import KDAStatePool, MLAKVPool
-from kda_rt.pools import host_memory_bytes, plan_pools
+from kda_rt.engine.pools import host_memory_bytes, plan_pools
+from kda_rt.reference.cache import KDAStatePool, MLAKVPool
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from kda_rt.engine import EngineConfig
-    from kda_rt.forward_batch import ForwardBatch
+    from kda_rt.engine.batch import ForwardBatch
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["BACKENDS", "NUMPY_DTYPES", "NumpyRunner", "make_runner", "select_backend", "cuda_unavailable_reason"]
+__all__ = ["NUMPY_DTYPES", "NumpyRunner", "make_runner"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "numpy", "cuda")
 NUMPY_DTYPES = ("float32", "float64", "bfloat16")
-
-
-def cuda_unavailable_reason() -> str | None:
-    """Why the CUDA backend cannot run here, or None when it can."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed: pip install 'kda_rt[cuda12]' (CUDA 12 driver) or 'kda_rt[cuda13]'"
-    try:
-        from cupy.cuda import nvrtc, runtime
-
-        if runtime.getDeviceCount() < 1:
-            return "no CUDA device is visible"
-        cc = int(cupy.cuda.Device().compute_capability)  # e.g. "90" -> 90
-        if cc < 80:
-            return f"compute capability {cc // 10}.{cc % 10} is below 8.0 (bf16 kernels need Ampere or newer)"
-        if runtime.driverGetVersion() < 12000:
-            return f"the NVIDIA driver supports CUDA {runtime.driverGetVersion()}, kda_rt needs CUDA >= 12.0"
-        nvrtc.getVersion()
-    except Exception as exc:  # no driver, broken install, NVRTC library missing
-        return f"CUDA is not usable here ({type(exc).__name__}: {exc}); check the driver and the CuPy extra"
-    return None
-
-
-def select_backend(backend: str) -> str:
-    """Resolve "auto" (cuda when a usable GPU and CuPy are present, else numpy) and check that the
-    requested backend can run here."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "numpy":
-        return backend
-    reason = cuda_unavailable_reason()
-    if backend == "cuda":
-        if reason:
-            raise RuntimeError(f"backend='cuda' is unavailable: {reason}")
-        return "cuda"
-    if reason:
-        logger.info("using the numpy backend: %s", reason)
-        return "numpy"
-    return "cuda"
 
 
 class NumpyRunner:
@@ -79,7 +38,7 @@ class NumpyRunner:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig, *,
                  dtype: np.dtype | type = np.float32, bf16_activations: bool = False) -> None:
-        from kda_rt.model.kimi_linear import KimiLinearModel
+        from kda_rt.reference.kimi_linear import KimiLinearModel
 
         self.config = config
         self.dtype = np.dtype(dtype)

@@ -27,8 +27,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from kda_rt.allocator import IdPool
-from kda_rt.sequence import Sequence, SequenceStatus
+from kda_rt.engine.allocator import IdPool
+from kda_rt.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
 

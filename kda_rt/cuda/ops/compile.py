@@ -30,9 +30,10 @@ __all__ = ["KERNEL_DIR", "CompileError", "device_arch", "compile_cubin", "get_ke
 
 logger = logging.getLogger(__name__)
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels_cu"
+_PACKAGE = Path(__file__).resolve().parents[2]  # .../kda_rt
+KERNEL_DIR = _PACKAGE.parent / "kernels_cu"  # a source checkout: kernels_cu/ beside kda_rt/
 if not KERNEL_DIR.is_dir():  # installed (non-editable): kernels ship as the kda_rt.kernels_cu package
-    KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels_cu"
+    KERNEL_DIR = _PACKAGE / "kernels_cu"
 _lock = threading.Lock()
 
 
@@ -174,7 +175,7 @@ def get_kernel(filename: str, name: str, **defines: Any):
     Call it as kernel(grid, block, args, shared_mem=bytes, stream=stream) with exact scalar types."""
     mod = _module(filename, tuple(sorted(defines.items())), device_arch())
     fn = mod.get_function(name)
-    from kda_rt.ops import trace
+    from kda_rt.cuda.ops import trace
 
     return trace.Counted(fn, f"{filename}:{name}") if trace.active() is not None else fn
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kda_rt.tokenizer import Tokenizer
+    from kda_rt.text.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer"]
 

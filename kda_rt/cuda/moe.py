@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.ops.check import BF16, expect
-from kda_rt.ops.gemm import linear
-from kda_rt.ops.moe_align import MoEPlan, max_tiles, moe_bucket, moe_combine
-from kda_rt.ops.moe_gemm import moe_gemm, tile_rows_for
-from kda_rt.ops.moe_route import moe_route
-from kda_rt.ops.silu_mul import silu_mul
+from kda_rt.cuda.gemm import linear
+from kda_rt.cuda.ops.check import BF16, expect
+from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket, moe_combine
+from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
+from kda_rt.cuda.ops.moe_route import moe_route
+from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
     from kda_rt.loader.config import MoEConfig

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt.ops.check import BF16, expect, f32, i32, leading_dim
-from kda_rt.ops.compile import get_kernel
+from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["CONV_STATE_DTYPE", "conv_state_shape", "check_kda_args", "kda_decode"]
 

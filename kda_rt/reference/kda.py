@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.model.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
+from kda_rt.reference.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
 
 if TYPE_CHECKING:
-    from kda_rt.forward_batch import ForwardBatch
+    from kda_rt.engine.batch import ForwardBatch
     from kda_rt.loader.config import KDAConfig
-    from kda_rt.model.params import Params
+    from kda_rt.reference.params import Params
 
 __all__ = ["kda_forward"]
 

@@ -15,8 +15,8 @@ import threading
 
 import numpy as np
 
-from kda_rt.ops import trace
-from kda_rt.ops.check import BF16, expect, leading_dim
+from kda_rt.cuda.ops import trace
+from kda_rt.cuda.ops.check import BF16, expect, leading_dim
 
 __all__ = ["linear", "bmm", "CublasError"]
 

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.forward_batch import ForwardBatch
-from kda_rt.postprocess import Postprocessor, request_output
+from kda_rt.engine.batch import ForwardBatch
+from kda_rt.engine.postprocess import Postprocessor, request_output
+from kda_rt.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kda_rt.engine.sequence import Sequence
 from kda_rt.sampler.params import SamplingParams
-from kda_rt.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kda_rt.sequence import Sequence
 
 if TYPE_CHECKING:
     from kda_rt.loader.config import ModelConfig
     from kda_rt.outputs import RequestOutput
-    from kda_rt.tokenizer import Tokenizer
+    from kda_rt.text.tokenizer import Tokenizer
 
 __all__ = ["EngineConfig", "LLMEngine"]
 
@@ -124,7 +124,7 @@ class LLMEngine:
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
-                from kda_rt.detokenizer import IncrementalDetokenizer
+                from kda_rt.text.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),

@@ -6,8 +6,8 @@ Graph-safe: no host reads, no allocation; the token -> sequence map is found on 
 
 from __future__ import annotations
 
-from kda_rt.ops.check import BF16, expect, f32, i32, leading_dim
-from kda_rt.ops.compile import get_kernel
+from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["mla_store"]
 

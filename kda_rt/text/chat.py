@@ -25,7 +25,7 @@ BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 def template_source(model_dir: Path, config: Mapping[str, Any], where: str) -> tuple[str | None, str]:
     """(source, name) of the model's chat template: `chat_template.jinja` in the directory, else the
     config's `chat_template`, else None (the built-in template is used); name says which."""
-    from kda_rt.tokenizer import TokenizerError
+    from kda_rt.text.tokenizer import TokenizerError
 
     jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():

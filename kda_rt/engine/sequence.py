@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kda_rt.detokenizer import IncrementalDetokenizer
     from kda_rt.sampler.params import SamplingParams
+    from kda_rt.text.detokenizer import IncrementalDetokenizer
 
 __all__ = ["SequenceStatus", "Sequence"]
 
