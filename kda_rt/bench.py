@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
+from kda_rt.engine.config import EngineConfig
+
 if TYPE_CHECKING:
     from kda_rt.engine import LLMEngine
     from kda_rt.loader.config import ModelConfig
@@ -53,23 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--config", help="config.json (hub layout); needs --random-weights")
     ap.add_argument("--random-weights", action="store_true", help="random weights built in memory from the config")
-    ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
-    ap.add_argument("--dtype", default="float32", help="numpy backend: float32, float64, or bfloat16 (float32 math, bf16-rounded activations)")
     ap.add_argument("--batch", type=int, default=32, help="number of requests")
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=512)
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: --batch")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="default: the model's limit when the KV pool holds it, else the largest length that fits")
-    ap.add_argument("--block-size", type=int, default=64, choices=(16, 32, 64))
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first run too (by default a short run of the same batch size first compiles "
                          "kernels and captures the decode graphs)")
     ap.add_argument("-v", "--verbose", action="store_true")
+    EngineConfig.add_cli_args(ap, max_num_seqs=None)  # --max-num-seqs default: --batch; --seed seeds weights too
     return ap
 
 
@@ -123,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--config needs --random-weights (there is no checkpoint to load)")
     if min(args.batch, args.input_len, args.output_len) < 1:
         ap.error("--batch, --input-len and --output-len must be >= 1")
-    from kda_rt.engine import EngineConfig
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
     from kda_rt.loader.weights import load_checkpoint
@@ -137,13 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         weights = (random_weights(model_config, args.seed) if args.random_weights
                    else load_checkpoint(args.model, model_config))
-        engine_config = EngineConfig(
-            max_num_seqs=args.max_num_seqs or args.batch, max_model_len=args.max_model_len,
-            block_size=args.block_size, num_blocks=args.num_blocks,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-        )
-        engine = build_engine(model_config, weights, engine_config, backend=args.backend, dtype=args.dtype)
+        engine_config = EngineConfig.from_cli_args(args, max_num_seqs=args.max_num_seqs or args.batch)
+        engine = build_engine(model_config, weights, engine_config)
         load_s = time.perf_counter() - t0
         if not args.no_warmup:
             run_bench(engine, args.batch, min(args.input_len, 64), min(args.output_len, 4), args.seed + 1)

@@ -11,6 +11,8 @@ import logging
 import sys
 import time
 
+from kda_rt.engine.config import EngineConfig
+
 __all__ = ["main", "build_parser"]
 
 
@@ -28,12 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (cuda backend)")
     ap.add_argument("--report", action="store_true",
                     help="print each op with the kernel it used and the launches per decode step")
     ap.add_argument("-v", "--verbose", action="store_true")
+    EngineConfig.add_cli_args(ap, exclude=("seed",), max_num_seqs=1)  # --seed above is the request's
     return ap
 
 
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 seed=args.seed, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
-        llm = LLM(model, backend=args.backend, max_model_len=args.max_model_len, max_num_seqs=1,
-                  enforce_eager=args.enforce_eager, report=args.report)
+        settings = EngineConfig.from_cli_args(args, exclude=("seed",))
+        llm = LLM(model, report=args.report, **settings.to_dict())
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.chat:

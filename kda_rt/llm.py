@@ -18,12 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kda_rt.engine import EngineConfig, LLMEngine
-from kda_rt.engine.batch import ForwardBatch
 from kda_rt.engine.postprocess import DeltaTracker
-from kda_rt.engine.runner import select_backend
+from kda_rt.engine.runner import make_runner, select_backend
 from kda_rt.loader.config import load_config
 from kda_rt.outputs import RequestOutput
-from kda_rt.reference.runner import NUMPY_DTYPES, make_runner
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,21 +33,14 @@ __all__ = ["LLM", "build_engine"]
 logger = logging.getLogger(__name__)
 
 
-def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], engine_config: EngineConfig, *,
-                 backend: str = "auto", dtype: str = "float32", tokenizer: Tokenizer | None = None,
-                 extra_eos_ids: Sequence[int] = (), enforce_eager: bool = False) -> LLMEngine:
-    """Runner + engine for in-memory weights.  The runner plans its pools (`kda_rt.engine.pools`); the
-    engine gets the plan's slots and pages and its resolved max_model_len."""
-    backend = select_backend(backend)
-    if backend == "cuda":
-        from kda_rt.cuda.runner import CudaRunner
-
-        runner = CudaRunner(model_config, weights, engine_config, enforce_eager=enforce_eager)
-    else:
-        runner = make_runner(backend, model_config, weights, engine_config, dtype=dtype)
+def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], settings: EngineConfig, *,
+                 tokenizer: Tokenizer | None = None, extra_eos_ids: Sequence[int] = ()) -> LLMEngine:
+    """Runner + engine for in-memory weights.  The runner plans its pools (kda_rt/engine/pools.py);
+    the engine gets the plan's slots and pages and the resolved max_model_len."""
+    runner = make_runner(model_config, weights, settings)
     plan = runner.plan
-    engine_config = dataclasses.replace(engine_config, max_model_len=plan.max_model_len)
-    return LLMEngine(model_config, runner, tokenizer, engine_config, num_slots=plan.engine_slots,
+    settings = dataclasses.replace(settings, max_model_len=plan.max_model_len)
+    return LLMEngine(model_config, runner, tokenizer, settings, num_slots=plan.engine_slots,
                      num_blocks=plan.engine_blocks, extra_eos_ids=extra_eos_ids)
 
 
@@ -78,40 +69,21 @@ def _generation_eos(model_dir: str) -> list[int]:
 class LLM:
     """Offline generation over one `LLMEngine` (continuous batching, chunked prefill, preemption)."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str],
-        backend: str = "auto",
-        *,
-        dtype: str = "float32",
-        max_num_seqs: int = 16,
-        max_model_len: int | None = None,
-        block_size: int = 64,
-        num_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        gpu_memory_utilization: float = 0.90,
-        seed: int = 0,
-        skip_tokenizer_init: bool = False,
-        progress: bool | None = None,
-        enforce_eager: bool = False,
-        report: bool = False,
-    ) -> None:
+    def __init__(self, model: str | os.PathLike[str], backend: str = "auto", *, skip_tokenizer_init: bool = False,
+                 progress: bool | None = None, report: bool = False, **settings: Any) -> None:
+        """`settings`: any `EngineConfig` field (dtype, max_num_seqs, max_model_len, block_size,
+        num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager)."""
         from kda_rt.loader.weights import load_checkpoint
 
         model_dir = os.fspath(model)
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
-        backend = select_backend(backend)
-        if backend == "numpy" and dtype not in NUMPY_DTYPES:
-            raise ValueError(f"dtype must be one of {NUMPY_DTYPES} on the numpy backend, got {dtype!r}")
+        engine_config = EngineConfig.from_kwargs(backend=backend, **settings)
         self.model_config = load_config(model_dir)
-        limit = self.model_config.max_model_len
+        limit, max_model_len = self.model_config.max_model_len, engine_config.max_model_len
         if max_model_len is not None and max_model_len > limit:  # checked again by the pool plan; fail before loading
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit} (config.json)")
-        engine_config = EngineConfig(
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-        )
+        select_backend(engine_config.backend)  # a clear error before the weights load
         self.tokenizer = None
         if not skip_tokenizer_init and _has_tokenizer(model_dir):
             from kda_rt.text.tokenizer import Tokenizer
@@ -121,19 +93,13 @@ class LLM:
                 logger.warning("tokenizer has %d tokens but the model has %d vocabulary rows; ids the tokenizer does "
                                "not know produce no text", self.tokenizer.vocab_size, self.model_config.vocab_size)
         weights = load_checkpoint(model_dir, self.model_config, progress=progress)
-        self.llm_engine = build_engine(self.model_config, weights, engine_config, backend=backend, dtype=dtype,
-                                       tokenizer=self.tokenizer, extra_eos_ids=_generation_eos(model_dir),
-                                       enforce_eager=enforce_eager)
+        self.llm_engine = build_engine(self.model_config, weights, engine_config, tokenizer=self.tokenizer,
+                                       extra_eos_ids=_generation_eos(model_dir))
         self.engine_config = self.llm_engine.config  # max_model_len resolved
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name
-        self.report = None
-        if report:
-            if hasattr(self.runner, "fast_path_report"):
-                self.report = self.runner.fast_path_report()
-            else:
-                self.report = (f"fast-path report ({self.backend} backend): NumPy reference ops "
-                               "(kda_rt/reference/*), no GPU kernels")
+        self.report = self.runner.report() if report else None
+        if self.report:
             logger.info("%s", self.report)
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned
         self._parked: dict[str, tuple[int, RequestOutput]] = {}  # newest (step stamp, output) of an open request
@@ -292,26 +258,9 @@ class LLM:
         return self.generate(prompts, sampling_params, stream=stream)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
-        """[len(token_ids), vocab] float32 logits of every position of one sequence: one prefill in a
-        slot and pages borrowed from the engine's free pools and returned at once, so running
-        requests are untouched.  RuntimeError when too few are free (other requests hold them)."""
-        engine = self.llm_engine
-        _, ids = engine.prompt_ids({"prompt_token_ids": list(token_ids)})
-        if len(ids) > self.engine_config.max_model_len:
-            raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.engine_config.max_model_len}")
-        sched = engine.scheduler
-        need = sched.pages_for(len(ids))
-        if sched.slots.num_free < 1 or sched.pages.num_free < need:
-            raise RuntimeError(f"score() needs 1 state slot and {need} KV pages; {sched.slots.num_free} slots and "
-                               f"{sched.pages.num_free} pages are free while other requests run")
-        slot = sched.slots.allocate()[0]
-        blocks = sched.pages.allocate(need)
-        try:
-            batch = ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True)
-            return self.runner.execute(batch)
-        finally:
-            sched.pages.release(blocks)
-            sched.slots.release([slot])
+        """[len(token_ids), vocab] float32 logits of every position of one sequence (`LLMEngine.score`:
+        a slot and pages borrowed from the free pools, so running requests are untouched)."""
+        return self.llm_engine.score(token_ids)
 
     def stats(self) -> dict[str, int]:
         """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .batch import SamplingBatch, StepOutput
 from .params import SamplingParams
 
-__all__ = ["apply_penalties", "sample_row", "draw_noise", "philox4x32_10", "top_logprobs"]
+__all__ = ["apply_penalties", "sample_row", "sample_rows", "draw_noise", "philox4x32_10", "top_logprobs"]
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
@@ -103,3 +104,27 @@ def top_logprobs(logits: np.ndarray, token_id: int, num: int) -> dict[int, float
         for t in np.argsort(-x, kind="stable")[:num]:
             out.setdefault(int(t), float(x[t] - logz))
     return out
+
+
+def sample_rows(logits: np.ndarray, batch: SamplingBatch, rows, out: StepOutput) -> None:
+    """Sample `rows` of logits [N, V] on the host into `out` (the same row indices): penalties,
+    min_tokens bans, then `sample_row`; a row with NaN or inf logits gets an error instead."""
+    for i in rows:
+        x, p = logits[i], batch.params[i]
+        step = int(batch.steps[i])
+        if not np.isfinite(x).all():
+            out.errors[i] = f"non-finite logits (NaN or inf) from the model at output token {step}"
+            continue
+        if batch.history[i] is not None:
+            x = apply_penalties(x, p, *batch.history[i])
+            if not np.isfinite(x).all():
+                out.errors[i] = f"non-finite logits after penalties at output token {step}"
+                continue
+        banned = [t for t in batch.banned[i] if t < x.shape[0]]
+        if banned:
+            x = x.copy()
+            x[banned] = -np.inf
+        token = sample_row(x, p, int(batch.seeds[i]), step)
+        out.token_ids[i] = token
+        if batch.num_logprobs[i] >= 0:
+            out.logprobs[i] = top_logprobs(x, token, int(batch.num_logprobs[i]))

@@ -27,10 +27,11 @@ from kda_rt.cuda.model import CudaModel, DeviceBatch
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.weights import upload_weights
 from kda_rt.cuda.workspace import Workspace
+from kda_rt.sampler.batch import SamplingBatch, StepOutput
 
 if TYPE_CHECKING:
-    from kda_rt.engine import EngineConfig
     from kda_rt.engine.batch import ForwardBatch
+    from kda_rt.engine.config import EngineConfig
     from kda_rt.loader.config import ModelConfig
 
 __all__ = ["CudaRunner", "graph_buckets"]
@@ -55,7 +56,7 @@ class CudaRunner:
     name = "cuda"
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig, *,
-                 enforce_eager: bool = False, progress: bool | None = None) -> None:
+                 progress: bool | None = None) -> None:
         import cupy
 
         from kda_rt.cuda.ops.compile import startup_log
@@ -96,7 +97,7 @@ class CudaRunner:
                               "lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or pass --num-blocks") from exc
         self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
         self.eager_ws = Workspace()
-        self.enforce_eager = enforce_eager
+        self.enforce_eager = engine.enforce_eager
         self.buckets = graph_buckets(engine.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -182,7 +183,7 @@ class CudaRunner:
             dev = self._upload(batch, self.eager_ws, decode)
             return self.model.forward(dev, self.eager_ws)
 
-    def execute(self, batch: ForwardBatch) -> np.ndarray:
+    def score(self, batch: ForwardBatch) -> np.ndarray:
         """[N, vocab] float32 logits at batch.logits_indices (host array)."""
         n = batch.logits_indices.shape[0]
         logits = self._forward(batch)
@@ -192,37 +193,28 @@ class CudaRunner:
         with self.stream:
             return logits[:n].get(stream=self.stream)
 
-    samples_on_device = True
-
-    def execute_sample(self, batch: ForwardBatch, seqs: list, host_rows: list[bool]) -> list:
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
         """Forward, then sample every row on the GPU (sampler/sampling.py) with one device -> host
-        copy of the token ids (+ logprobs when asked).  Rows flagged in `host_rows` (penalties or a
-        min_tokens ban) come back as host logits rows for the engine's NumPy sampler."""
-        from kda_rt.sampler.params import GREEDY_EPS
+        copy of the token ids (+ logprobs when asked).  Host rows (penalties, a min_tokens ban) and
+        rows with non-finite logits are sampled from their logits by the NumPy reference sampler."""
+        from kda_rt.sampler.reference import sample_rows
         from kda_rt.sampler.sampling import sample
 
         cp = self.cupy
-        n = len(seqs)
+        n = sampling.num_rows
+        out = StepOutput.empty(n)
         if n == 0:  # prefill chunks that finish no prompt: the caches fill, nothing is sampled
             self._forward(batch)
-            return []
+            return out
         logits = self._forward(batch)[:n]
-        ps = [s.params for s in seqs]
-        host = {
-            "temperature": np.array([0.0 if p.temperature < GREEDY_EPS else p.temperature for p in ps], np.float32),
-            "top_k": np.array([p.top_k if p.top_k > 0 else 0 for p in ps], np.int32),
-            "top_p": np.array([p.top_p for p in ps], np.float32),
-            "min_p": np.array([p.min_p for p in ps], np.float32),
-            "seeds": np.array([s.seed & 0xFFFFFFFFFFFFFFFF for s in seqs], np.uint64),
-            "steps": np.array([len(s.output_token_ids) for s in seqs], np.int32),
-        }
-        want_lp = [s.logprobs is not None for s in seqs]
-        num_top = max([(p.logprobs or 0) for p, w in zip(ps, want_lp, strict=True) if w], default=0)
+        want_lp = sampling.num_logprobs >= 0
+        num_top = int(sampling.num_logprobs.max(initial=0))
         with self.stream:
             # a row with NaN / inf logits goes to the host path, which ends that request with an error
             finite = cp.isfinite(logits).all(axis=1)  # [n] bool, read back with the token ids (no extra sync)
-            dev = {k: cp.asarray(v) for k, v in host.items()}
-            lp = cp.empty((n,), np.float32) if any(want_lp) else None
+            dev = {k: cp.asarray(getattr(sampling, k)) for k in ("temperature", "top_k", "top_p", "min_p", "seeds",
+                                                                  "steps")}
+            lp = cp.empty((n,), np.float32) if want_lp.any() else None
             top_ids = cp.empty((n, num_top), np.int32) if num_top else None
             top_lp = cp.empty((n, num_top), np.float32) if num_top else None
             ids = sample(logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"],
@@ -233,22 +225,27 @@ class CudaRunner:
             lp_h = lp.get(stream=self.stream) if lp is not None else None
             top_ids_h = top_ids.get(stream=self.stream) if num_top else None
             top_lp_h = top_lp.get(stream=self.stream) if num_top else None
-            fallback = {i: logits[i].get(stream=self.stream) for i in range(n) if host_rows[i] or not finite_h[i]}
-        out = []
-        for i, p in enumerate(ps):
-            if i in fallback:
-                out.append(fallback[i])
+            host = np.flatnonzero(sampling.host_rows | ~finite_h)
+            host_logits = {int(i): logits[int(i)].get(stream=self.stream) for i in host}
+        for i in range(n):
+            if i in host_logits:
                 continue
             tok = int(ids_h[i])
-            lps = None
+            out.token_ids[i] = tok
             if want_lp[i]:
                 lps = {tok: float(lp_h[i])}
-                for j in range(p.logprobs or 0):
+                for j in range(int(sampling.num_logprobs[i])):
                     lps.setdefault(int(top_ids_h[i, j]), float(top_lp_h[i, j]))
-            out.append((tok, lps))
+                out.logprobs[i] = lps
+        if host_logits:
+            rows = sorted(host_logits)
+            sub = StepOutput.empty(len(rows))
+            sample_rows(np.stack([host_logits[i] for i in rows]), _subset(sampling, rows), range(len(rows)), sub)
+            for k, i in enumerate(rows):
+                out.token_ids[i], out.logprobs[i], out.errors[i] = sub.token_ids[k], sub.logprobs[k], sub.errors[k]
         return out
 
-    def fast_path_report(self) -> str:
+    def report(self) -> str:
         """Each op of one decode step with the kernels it launched (traced on an eager step of one
         padding sequence), plus the sampler; a CUDA graph replays exactly these launches."""
         from kda_rt.cuda.ops.trace import Trace
@@ -268,3 +265,15 @@ class CudaRunner:
     def peak_memory_bytes(self) -> int:
         free, total = self.cupy.cuda.runtime.memGetInfo()
         return int(total - free)
+
+
+def _subset(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
+    """The rows `rows` of a sampling batch, in that order."""
+    import dataclasses
+
+    idx = np.asarray(rows)
+    fields = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        fields[f.name] = v[idx] if isinstance(v, np.ndarray) else tuple(v[i] for i in rows)
+    return SamplingBatch(**fields)

@@ -3,11 +3,13 @@
     schedule     Scheduler (pure Python): [(sequence, new tokens)] under the token budget, with
                  KDA state slots and MLA pages allocated as tokens are computed (preempting by
                  recompute when pages run out)
-    run          one flat varlen `ForwardBatch` -> runner.execute -> float32 logits, one row per
-                 sequence that finishes its prompt or decodes this step
-    postprocess  sample, detokenize, stop checks; finished sequences return slot and pages
+    run          one flat varlen `ForwardBatch` + a `SamplingBatch` (flat sampling settings of the
+                 sequences that finish their prompt or decode this step) -> runner.execute ->
+                 `StepOutput` (one token, or an error, per such sequence)
+    postprocess  accept tokens, detokenize, stop checks; finished sequences return slot and pages
 
-The engine is backend-agnostic: it only ever calls `runner.execute(batch)`.
+The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
+and `runner.score(ForwardBatch)` (the `Runner` contract, kda_rt/engine/runner.py), nothing else.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import itertools
 import logging
 import random
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kda_rt.engine.batch import ForwardBatch
+from kda_rt.engine.config import EngineConfig
 from kda_rt.engine.postprocess import Postprocessor, request_output
 from kda_rt.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kda_rt.engine.sequence import Sequence
+from kda_rt.sampler.batch import SamplingBatch
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,37 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["EngineConfig", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_int(name: str, value: object, lo: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Runtime knobs (the model's shape lives in `ModelConfig`)."""
-
-    max_num_seqs: int = 16  # running sequences (= KDA state slots handed to the engine)
-    max_model_len: int | None = None  # prompt + generated tokens of one sequence; None: the pools decide (pools.py)
-    block_size: int = 64  # tokens per MLA page
-    num_blocks: int | None = None  # MLA pages; None: sized by the runner (pools.plan_pools)
-    max_num_batched_tokens: int = 2048  # new tokens per step (prefill chunks + decodes)
-    gpu_memory_utilization: float = 0.90  # CUDA backend: share of device memory for weights + caches
-    seed: int = 0  # seeds requests that bring no seed of their own
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            _check_int(name, getattr(self, name))
-        if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len)
-        if self.block_size not in (16, 32, 64):
-            raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
-        if self.num_blocks is not None:
-            _check_int("num_blocks", self.num_blocks)
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
 class LLMEngine:
@@ -175,6 +147,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_waiting(self) -> int:
+        """Sequences in the waiting queue (a request with n samples adds n)."""
+        return len(self.scheduler.waiting)
+
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -186,24 +162,20 @@ class LLMEngine:
             return []
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
-        if getattr(self.runner, "samples_on_device", False):
-            # rows sampled on the GPU come back as (token, logprobs); the rest as host logits rows
-            host_rows = [self.postprocessor.needs_host_sampling(s) for s in sampled]
-            results = self.runner.execute_sample(batch, sampled, host_rows)
-        else:
-            logits = self.runner.execute(batch)  # [N, V]
-            results = [logits[row] for row in range(len(sampled))]
+        sampling = SamplingBatch.build(((s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in sampled),
+                                       self.eos_token_ids)
+        result = self.runner.execute(batch, sampling)
         self.scheduler.commit(sched)
         self.counters["steps"] += 1
         self.counters["tokens_processed"] += batch.num_tokens
         self.counters["prefill_tokens"] += batch.num_tokens - num_decodes
         touched: dict[str, None] = {}
-        for seq, result in zip(sampled, results, strict=True):
+        for i, seq in enumerate(sampled):
             self.counters["generated_tokens"] += 1
-            if isinstance(result, tuple):
-                done = self.postprocessor.accept_token(seq, *result)
+            if result.errors[i] is not None:
+                done = self.postprocessor.fail(seq, result.errors[i])
             else:
-                done = self.postprocessor.append_token(seq, result)
+                done = self.postprocessor.accept_token(seq, result.token_ids[i], result.logprobs[i])
             if done:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = None
@@ -235,6 +207,26 @@ class LLMEngine:
             logits_for=wants,
         )
         return batch, [s for s, w in zip(seqs, wants, strict=True) if w]
+
+    def score(self, token_ids: list[int]) -> np.ndarray:
+        """[len(token_ids), vocab] float32 logits of every position of one sequence: one prefill in a
+        slot and pages borrowed from the free pools and returned at once, so running requests are
+        untouched.  RuntimeError when too few are free (other requests hold them)."""
+        _, ids = self.prompt_ids({"prompt_token_ids": list(token_ids)})
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
+        sched = self.scheduler
+        need = sched.pages_for(len(ids))
+        if sched.slots.num_free < 1 or sched.pages.num_free < need:
+            raise RuntimeError(f"score() needs 1 state slot and {need} KV pages; {sched.slots.num_free} slots and "
+                               f"{sched.pages.num_free} pages are free while other requests run")
+        slot = sched.slots.allocate()[0]
+        blocks = sched.pages.allocate(need)
+        try:
+            return self.runner.score(ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True))
+        finally:
+            sched.pages.release(blocks)
+            sched.slots.release([slot])
 
     # -- stats ------------------------------------------------------------------------------
 

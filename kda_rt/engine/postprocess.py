@@ -1,8 +1,6 @@
-"""After the model ran: sample, detokenize, check stop conditions, and build `RequestOutput`s.
-
-Sampling uses the NumPy reference sampler on each row of float32 logits.  The draw for output
-token `k` of a sequence is keyed by (seed, k), so a sequence that was preempted and recomputed
-samples the very same tokens.
+"""After the runner sampled: accept tokens, detokenize, check stop conditions, and build
+`RequestOutput`s.  (Sampling itself happens in the runner; the draw for output token `k` of a
+sequence is keyed by (seed, k), so a sequence preempted and recomputed samples the same tokens.)
 
 Streaming: `RequestOutput` text is cumulative.  While a sequence with stop strings is running, its
 last (longest stop string - 1) characters are held back, because a stop string completed by a
@@ -16,10 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kda_rt.outputs import CompletionOutput, RequestOutput
-from kda_rt.sampler import reference as ref_sampler
 
 if TYPE_CHECKING:
     from kda_rt.engine.sequence import Sequence
@@ -33,31 +28,6 @@ class Postprocessor:
     def __init__(self, eos_token_ids: Iterable[int], max_model_len: int) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-
-    def needs_host_sampling(self, seq: Sequence) -> bool:
-        """True when this row must be sampled from host logits (penalties or a min_tokens ban are
-        active); the GPU sampler handles every other row."""
-        p = seq.params
-        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or len(seq.output_token_ids) < p.min_tokens)
-
-    def append_token(self, seq: Sequence, logits: np.ndarray) -> bool:
-        """Sample the next token of `seq` from logits [V] on the host, then `accept_token`."""
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        if not np.isfinite(logits).all():
-            return self._fail(seq, f"non-finite logits (NaN or inf) from the model at output token {n_out}")
-        logits = ref_sampler.apply_penalties(logits, p, seq.prompt_token_ids, seq.output_token_ids)
-        if not np.isfinite(logits).all():
-            return self._fail(seq, f"non-finite logits after penalties at output token {n_out}")
-        if n_out < p.min_tokens:
-            banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < logits.shape[0]]
-            if banned:
-                logits = logits.copy()
-                logits[banned] = -np.inf
-        token = ref_sampler.sample_row(logits, p, seq.seed, n_out)
-        lp = ref_sampler.top_logprobs(logits, token, p.logprobs or 0) if seq.logprobs is not None else None
-        return self.accept_token(seq, token, lp)
 
     def accept_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None = None) -> bool:
         """Append a sampled token (and its logprobs when requested); returns True when `seq` is now
@@ -94,7 +64,7 @@ class Postprocessor:
         return True
 
     @staticmethod
-    def _fail(seq: Sequence, why: str) -> bool:
+    def fail(seq: Sequence, why: str) -> bool:
         """End `seq` with finish_reason "error" (no token is appended; its text stays as it was)."""
         logger.warning("request %s sample %d: %s; finishing it with an error", seq.request_id, seq.index, why)
         seq.finish_reason, seq.stop_reason = "error", why

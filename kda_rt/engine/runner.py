@@ -1,14 +1,64 @@
-"""Backend selection: the one place that decides between the NumPy reference and the CUDA backend."""
+"""The `Runner` contract both backends implement, and backend selection (`make_runner` is the one
+place a backend is chosen).
+
+A runner owns one backend's weights, cache pools and model.  It plans its pools at construction
+(`plan`, from kda_rt/engine/pools.py) and then only ever sees flat batches:
+
+    execute(ForwardBatch, SamplingBatch) -> StepOutput   forward + sample the rows that sample
+    score(ForwardBatch) -> [N, vocab] float32            forward only (LLM.score, all positions)
+    report() -> str                                      what a decode step runs
+    peak_memory_bytes() -> int
+
+Host-side sampling fallbacks (penalties, bans, non-finite rows) live inside the runner that needs
+them; the engine has no backend-specific branch.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-__all__ = ["BACKENDS", "cuda_unavailable_reason", "select_backend"]
+import numpy as np
+
+from kda_rt.engine.config import BACKENDS
+
+if TYPE_CHECKING:
+    from kda_rt.engine.batch import ForwardBatch
+    from kda_rt.engine.config import EngineConfig
+    from kda_rt.engine.pools import PoolPlan
+    from kda_rt.loader.config import ModelConfig
+    from kda_rt.sampler.batch import SamplingBatch, StepOutput
+
+__all__ = ["BACKENDS", "Runner", "cuda_unavailable_reason", "make_runner", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "numpy", "cuda")
+
+@runtime_checkable
+class Runner(Protocol):
+    name: str
+    plan: PoolPlan
+
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput: ...
+
+    def score(self, batch: ForwardBatch) -> np.ndarray: ...
+
+    def report(self) -> str: ...
+
+    def peak_memory_bytes(self) -> int: ...
+
+
+def make_runner(config: ModelConfig, weights: Mapping[str, np.ndarray], settings: EngineConfig) -> Runner:
+    """The runner of `settings.backend` ("auto" resolved here)."""
+    backend = select_backend(settings.backend)
+    if backend == "cuda":
+        from kda_rt.cuda.runner import CudaRunner
+
+        return CudaRunner(config, weights, settings)
+    from kda_rt.reference.runner import NumpyRunner
+
+    return NumpyRunner(config, weights, settings)
 
 
 def cuda_unavailable_reason() -> str | None:

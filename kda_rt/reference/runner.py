@@ -1,9 +1,5 @@
-"""Model runners: own the weights, the cache pools and the model of one backend, and turn a
-`ForwardBatch` into float32 logits.  Backend selection (`select_backend`) and the NumPy runner.
-
-Each runner plans its pools with `kda_rt.engine.pools.plan_pools` at construction and exposes the plan
-as `runner.plan`; `build_engine` hands the engine the plan's slots, pages and max_model_len.
-"""
+"""`NumpyRunner`: the reference backend's runner (the `Runner` contract of kda_rt/engine/runner.py):
+weights, cache pools and the NumPy model; `execute` = forward + the NumPy reference sampler."""
 
 from __future__ import annotations
 
@@ -16,6 +12,8 @@ import numpy as np
 
 from kda_rt.engine.pools import host_memory_bytes, plan_pools
 from kda_rt.reference.cache import KDAStatePool, MLAKVPool
+from kda_rt.sampler.batch import SamplingBatch, StepOutput
+from kda_rt.sampler.reference import sample_rows
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -24,11 +22,10 @@ if TYPE_CHECKING:
     from kda_rt.engine.batch import ForwardBatch
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["NUMPY_DTYPES", "NumpyRunner", "make_runner"]
+__all__ = ["NumpyRunner"]
 
 logger = logging.getLogger(__name__)
 
-NUMPY_DTYPES = ("float32", "float64", "bfloat16")
 
 
 class NumpyRunner:
@@ -36,10 +33,13 @@ class NumpyRunner:
 
     name = "numpy"
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig, *,
-                 dtype: np.dtype | type = np.float32, bf16_activations: bool = False) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig) -> None:
+        """engine.dtype: "float32", "float64", or "bfloat16" (float32 math with activations rounded to
+        bf16 where the bf16 references round them: the oracle for the CUDA backend)."""
         from kda_rt.reference.kimi_linear import KimiLinearModel
 
+        bf16_activations = engine.dtype == "bfloat16"
+        dtype = np.float32 if bf16_activations else np.dtype(engine.dtype)
         self.config = config
         self.dtype = np.dtype(dtype)
         weight_bytes = sum(int(np.prod(w.shape)) for w in weights.values()) * self.dtype.itemsize
@@ -50,9 +50,22 @@ class NumpyRunner:
         self.kda_pool = KDAStatePool(config, self.plan.num_slots, dtype=self.dtype)
         self.mla_pool = MLAKVPool(config, self.plan.num_blocks, engine.block_size, dtype=self.dtype)
 
-    def execute(self, batch: ForwardBatch) -> np.ndarray:
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
         """[N, vocab] float32 logits at `batch.logits_indices`."""
         return np.asarray(self.model.forward(batch, self.kda_pool, self.mla_pool), dtype=np.float32)
+
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
+        """Forward, then sample every row with the NumPy reference sampler."""
+        logits = self.forward(batch)
+        out = StepOutput.empty(sampling.num_rows)
+        sample_rows(logits, sampling, range(sampling.num_rows), out)
+        return out
+
+    def score(self, batch: ForwardBatch) -> np.ndarray:
+        return self.forward(batch)
+
+    def report(self) -> str:
+        return f"fast-path report ({self.name} backend): NumPy reference ops (kda_rt/reference/*), no GPU kernels"
 
     def peak_memory_bytes(self) -> int:
         """Peak resident memory of this process (the CPU is the device here)."""
@@ -60,14 +73,3 @@ class NumpyRunner:
         return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def make_runner(backend: str, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig, *,
-                dtype: str = "float32"):
-    """The NumPy runner.  dtype: "float32", "float64", or "bfloat16" (float32 math with activations
-    rounded to bf16 where the bf16 references round them: the oracle for the CUDA backend)."""
-    if backend == "numpy":
-        if dtype not in NUMPY_DTYPES:
-            raise ValueError(f"dtype must be one of {NUMPY_DTYPES} on the numpy backend, got {dtype!r}")
-        emulate = dtype == "bfloat16"
-        return NumpyRunner(config, weights, engine, dtype=np.float32 if emulate else np.dtype(dtype),
-                           bf16_activations=emulate)
-    raise ValueError(f"backend {backend!r} has no NumPy runner")

@@ -21,6 +21,7 @@ import time
 import uvicorn
 
 from kda_rt import env
+from kda_rt.engine.config import EngineConfig
 
 __all__ = ["build_parser", "main", "serve"]
 
@@ -33,16 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"))
-    ap.add_argument("--dtype", default="float32", help="compute dtype on the numpy backend (float32 | float64)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per engine step")
-    ap.add_argument("--block-size", type=int, default=64, choices=(16, 32, 64), help="tokens per MLA page")
-    ap.add_argument("--num-blocks", type=int, default=None, help="MLA pages (default: sized from memory)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    EngineConfig.add_cli_args(ap)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="reserved; only 1 is supported")
-    ap.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="sequences allowed in the engine's waiting queue; beyond it requests get 429")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
@@ -58,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
     from kda_rt.server.app import ServerState, build_app
     from kda_rt.server.engine_client import EngineClient
 
@@ -68,10 +61,7 @@ async def serve(args: argparse.Namespace) -> int:
 
         model = str(demo_path())
         logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
-    init = {"model": model, "backend": args.backend, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-            "max_model_len": args.max_model_len, "block_size": args.block_size, "num_blocks": args.num_blocks,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed, "max_waiting": args.max_waiting}
+    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting}
     client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)
@@ -147,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_waiting < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         print("error: --max-waiting and --max-body-bytes must be >= 1, --shutdown-timeout >= 0", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args))
+    try:
+        settings = EngineConfig.from_cli_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args, settings))
 
 
 if __name__ == "__main__":

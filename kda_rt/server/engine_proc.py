@@ -77,7 +77,7 @@ class EngineWorker:
         from kda_rt.sampler.params import SamplingParams
 
         rid = msg["id"]
-        waiting = len(self.engine.scheduler.waiting)  # sequences: a request adds n of them
+        waiting = self.engine.num_waiting()  # sequences: a request adds n of them
         n = msg["params"].get("n", 1)
         n = n if isinstance(n, int) and n > 0 else 1
         if n > self.max_waiting:
@@ -167,10 +167,7 @@ class EngineWorker:
 def _load(init: dict[str, Any]):
     from kda_rt.llm import LLM
 
-    return LLM(init["model"], backend=init["backend"], dtype=init["dtype"], max_num_seqs=init["max_num_seqs"],
-               max_model_len=init["max_model_len"], block_size=init["block_size"], num_blocks=init["num_blocks"],
-               max_num_batched_tokens=init["max_num_batched_tokens"],
-               gpu_memory_utilization=init["gpu_memory_utilization"], seed=init["seed"], progress=False)
+    return LLM(init["model"], progress=False, **init["settings"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,28 +11,32 @@ from kda_rt.engine.batch import ForwardBatch
 
 
 class RecordingRunner:
-    """Wraps a runner and keeps every batch and logits block it returns."""
+    """Records every batch and logits block of a NumPy runner's forward (patched on the instance)."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
+    def __init__(self, runner) -> None:
+        self.runner = runner
         self.batches: list[ForwardBatch] = []
         self.logits: list[np.ndarray] = []
+        self._forward = runner.forward
+        runner.forward = self.forward
 
-    def execute(self, batch: ForwardBatch) -> np.ndarray:
-        out = self.inner.execute(batch)
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        out = self._forward(batch)
         self.batches.append(batch)
         self.logits.append(out)
         return out
+
+    def close(self) -> None:
+        del self.runner.forward
 
 
 def sampled_logits(llm, prompt: list[int], n: int) -> tuple[np.ndarray, RecordingRunner]:
     """[n, V] logits each generated token was sampled from (one request alone)."""
     rec = RecordingRunner(llm.llm_engine.runner)
-    llm.llm_engine.runner = rec
     try:
         out = llm.generate({"prompt_token_ids": prompt}, greedy(n))[0]
     finally:
-        llm.llm_engine.runner = rec.inner
+        rec.close()
     rows = np.concatenate([x for x in rec.logits if x.shape[0]], axis=0)
     assert rows.shape[0] == n and len(out.outputs[0].token_ids) == n
     return rows, rec
@@ -61,7 +65,6 @@ def test_flat_batch_metadata(tiny_dir):
     llm = make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_seqs=3, max_num_batched_tokens=40)
     engine = llm.llm_engine
     rec = RecordingRunner(engine.runner)
-    engine.runner = rec
     engine.add_request("a", {"prompt_token_ids": list(range(10, 30))}, greedy(4))  # 20 tokens
     engine.step()  # a: whole prompt
     engine.add_request("b", {"prompt_token_ids": list(range(40, 50))}, greedy(4))  # 10 tokens

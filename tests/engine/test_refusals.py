@@ -28,7 +28,7 @@ def test_repetition_penalty_bounded(value):
 
 def test_nan_logits_finish_with_error(llm, monkeypatch):
     runner = llm.llm_engine.runner
-    real = runner.execute
+    real = runner.forward
     calls = {"n": 0}
 
     def poisoned(batch):
@@ -39,7 +39,7 @@ def test_nan_logits_finish_with_error(llm, monkeypatch):
             logits[0, 7] = np.nan
         return logits
 
-    monkeypatch.setattr(runner, "execute", poisoned)
+    monkeypatch.setattr(runner, "forward", poisoned)
     out = llm.generate(PROMPT, greedy(8, logprobs=1))[0].outputs[0]
     assert out.finish_reason == "error" and "non-finite logits" in out.stop_reason
     assert len(out.token_ids) == 2 and len(out.logprobs) == 2

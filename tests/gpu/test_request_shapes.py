@@ -92,9 +92,9 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def execute_sample(self, batch, *args):
+    def execute(self, batch, sampling):
         self.batches.append(batch)
-        return self.inner.execute_sample(batch, *args)
+        return self.inner.execute(batch, sampling)
 
 
 @pytest.mark.parametrize("length", [1, B - 1, B, B + 1, 3 * B + 7])

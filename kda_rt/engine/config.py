@@ -1,0 +1,98 @@
+"""`EngineConfig`: every runtime setting, in one place (the model's shape lives in `ModelConfig`).
+
+`LLM(model, **settings)`, the server's engine process, `bench` and `generate` all build one of
+these and forward it whole; the command-line flags are generated from the fields
+(`add_cli_args` / `from_cli_args`), so no entry point spells the list out again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["EngineConfig"]
+
+BACKENDS = ("auto", "numpy", "cuda")
+NUMPY_DTYPES = ("float32", "float64", "bfloat16")
+
+
+def _opt(default, help: str, **cli):  # noqa: A002  (argparse's name)
+    return field(default=default, metadata={"help": help, **cli})
+
+
+def _check_int(name: str, value: object, lo: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = _opt("auto", "auto (CUDA when CuPy and a GPU are usable, else NumPy), numpy or cuda",
+                        choices=BACKENDS)
+    dtype: str = _opt("float32", "NumPy backend compute dtype: float32, float64, or bfloat16 (float32 math with "
+                                 "bf16-rounded activations, the CUDA oracle)", choices=NUMPY_DTYPES)
+    max_num_seqs: int = _opt(16, "sequences running at once (= KDA state slots)")
+    max_model_len: int | None = _opt(None, "prompt + output tokens per sequence (default: the model's limit when "
+                                           "the KV pool holds it, else the largest length that fits)")
+    block_size: int = _opt(64, "tokens per MLA page", choices=(16, 32, 64))
+    num_blocks: int | None = _opt(None, "MLA pages (default: sized from memory)")
+    max_num_batched_tokens: int = _opt(2048, "new tokens per engine step (prefill chunks + decodes)")
+    gpu_memory_utilization: float = _opt(0.90, "CUDA backend: share of device memory for weights + caches")
+    seed: int = _opt(0, "seeds requests that bring no seed of their own")
+    enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in NUMPY_DTYPES:
+            raise ValueError(f"dtype must be one of {NUMPY_DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _check_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len)
+        if self.block_size not in (16, 32, 64):
+            raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Like the constructor, but an unknown name is a TypeError listing the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (), **defaults) -> None:
+        """One `--flag-name` per field (vLLM's names) but `exclude`; `defaults` override field defaults."""
+        group = parser.add_argument_group("engine settings")
+        for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = defaults.get(f.name, f.default)
+            kw = {"default": default, "help": f.metadata["help"]}
+            if f.type == "bool":
+                group.add_argument(flag, action="store_true", **kw)
+                continue
+            kind = {"int": int, "float": float, "str": str, "int | None": int}[f.type]
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            group.add_argument(flag, type=kind, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, exclude: tuple[str, ...] = (), **overrides) -> EngineConfig:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in exclude}
+        values.update(overrides)
+        return cls(**values)
