@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first run too (by default a short run of the same batch size first compiles "
                          "kernels and captures the decode graphs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cuda backend: after the run, time each model op of one prefill step and one (eager) "
+                         "decode step with CUDA events; tables on stderr, numbers in the JSON line")
     ap.add_argument("-v", "--verbose", action="store_true")
     EngineConfig.add_cli_args(ap, max_num_seqs=None)  # --max-num-seqs default: --batch; --seed seeds weights too
     return ap
@@ -108,6 +111,42 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     }
 
 
+def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) -> dict:
+    """Per-op times (ms) of the first prefill step and of one eager decode step of a fresh workload
+    of `batch` prompts of `input_len` tokens (CUDA events around each model op)."""
+    from kda_rt.cuda.ops.trace import Profile
+    from kda_rt.sampler.params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    ids = [engine.add_request(f"profile-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params)
+           for i in range(batch)]
+    out: dict = {}
+    try:
+        tokens = engine.counters["tokens_processed"]
+        with Profile() as prof:
+            engine.step()
+        out["prefill"] = {"tokens": engine.counters["tokens_processed"] - tokens, "ops": prof.summary()}
+        print(f"prefill step ({out['prefill']['tokens']} tokens):\n{prof.table()}", file=sys.stderr)
+        while engine.has_unfinished_requests() and engine.stats()["running"] and any(
+                s.in_prefill for s in engine.scheduler.running):
+            engine.step()
+        runner = engine.runner
+        eager, runner.enforce_eager = runner.enforce_eager, True
+        try:
+            with Profile() as prof:
+                engine.step()
+        finally:
+            runner.enforce_eager = eager
+        out["decode"] = {"batch": batch, "ops": prof.summary()}
+        print(f"decode step (eager, batch {batch}):\n{prof.table()}", file=sys.stderr)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -135,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_warmup:
             run_bench(engine, args.batch, min(args.input_len, 64), min(args.output_len, 4), args.seed + 1)
         report = run_bench(engine, args.batch, args.input_len, args.output_len, args.seed)
+        if args.profile:
+            if engine.runner.name != "cuda":
+                raise ValueError("--profile needs the cuda backend (CUDA events)")
+            report["profile"] = profile_steps(engine, args.batch, args.input_len, args.seed + 2)
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,6 @@
-"""Sampling: `SamplingParams` and the samplers (NumPy reference here; GPU kernels later)."""
+"""Sampling: `SamplingParams` (params.py), the flat per-step `SamplingBatch` / `StepOutput`
+(batch.py), the NumPy reference sampler (reference.py) and the GPU sampler's launcher
+(sampling.py, kernels_cu/sampling.cu); both draw the same Philox stream."""
 
 from __future__ import annotations
 

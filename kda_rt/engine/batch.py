@@ -1,7 +1,7 @@
 """`ForwardBatch`: the flat varlen batch the runner hands to the model, one per step.
 
-Every backend (NumPy now, CUDA later) reads exactly these arrays; nothing else about requests
-reaches the model.  Letters: B sequences in the batch, T tokens in the batch (sum of new tokens),
+Both backends (NumPy reference, CUDA) read exactly these arrays; nothing else about requests
+reaches the model (the sampler reads `sampler/batch.SamplingBatch`).  Letters: B sequences in the batch, T tokens in the batch (sum of new tokens),
 N positions whose logits are wanted, M max pages per sequence.
 """
 

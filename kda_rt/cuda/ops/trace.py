@@ -1,4 +1,5 @@
-"""Launch tracing for the fast-path report (`python -m kda_rt.generate --report`).
+"""Launch tracing for the fast-path report (`python -m kda_rt.generate --report`), and per-op
+timing for `python -m kda_rt.bench --profile` (`Profile`: CUDA events around each model op).
 
 While a `Trace` is active, every kernel fetched through `compile.get_kernel` and every cuBLAS call
 in `ops.gemm` is counted under the model op that launched it (`with trace_scope("kda.decode")`).
@@ -10,9 +11,10 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-__all__ = ["Trace", "trace_scope", "record", "active"]
+__all__ = ["Trace", "Profile", "trace_scope", "record", "active"]
 
 _active: Trace | None = None
+_profile: Profile | None = None
 _scope: list[str] = ["-"]
 
 
@@ -49,13 +51,58 @@ def record(kernel: str) -> None:
         _active.counts[(_scope[-1], kernel)] += 1
 
 
+class Profile:
+    """Times every `trace_scope` (model op) of the work run inside it with CUDA events on the current
+    stream; `summary()` synchronises and returns {op: (milliseconds, calls)} summed over the calls."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object, object]] = []
+
+    def __enter__(self) -> Profile:
+        global _profile
+        _profile = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _profile
+        _profile = None
+
+    def summary(self) -> dict[str, tuple[float, int]]:
+        out: dict[str, list] = {}
+        for name, start, end in self.spans:
+            end.synchronize()
+            ms = float(__import__("cupy").cuda.get_elapsed_time(start, end))
+            acc = out.setdefault(name, [0.0, 0])
+            acc[0] += ms
+            acc[1] += 1
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def table(self) -> str:
+        summ = self.summary()
+        total = sum(ms for ms, _ in summ.values()) or 1.0
+        rows = [f"{'op':<22} {'ms':>9} {'share':>6} {'calls':>5}"]
+        for name, (ms, n) in sorted(summ.items(), key=lambda kv: -kv[1][0]):
+            rows.append(f"{name:<22} {ms:9.3f} {ms / total:6.1%} {n:5d}")
+        rows.append(f"{'total':<22} {total:9.3f}")
+        return "\n".join(rows)
+
+
 @contextlib.contextmanager
 def trace_scope(name: str):
     _scope.append(name)
+    prof = _profile
+    if prof is not None and len(_scope) == 2:  # outermost op only: nested scopes are inside its span
+        import cupy
+
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
     try:
         yield
     finally:
         _scope.pop()
+        if prof is not None and len(_scope) == 1:
+            end.record()
+            prof.spans.append((name, start, end))
 
 
 class Counted:
