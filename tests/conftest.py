@@ -1,4 +1,4 @@
-"""Test-suite root.  Its presence puts `tests/` on sys.path, so test files can `import helpers`.
+"""Test-suite root.  Its presence puts `tests/` on sys.path, so test files can `import helpers.<module>`.
 
 Tests marked `gpu` need an NVIDIA GPU and CuPy; without them they are skipped with a reason
 (CI has no GPU: run `python -m pytest -m gpu` on the GPU machine)."""

@@ -46,11 +46,20 @@ def test_decode_logprobs_match_full_prefill_scores(llm):
 
 
 def test_seeded_sampling_independent_of_batch(llm):
-    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    """The seed decides the draw: the same seeded request gives the same tokens alone, at another row
+    of a mixed batch, and twice in one batch; another seed gives other tokens (temperature 1.5 over
+    1024 tokens: 10 equal draws by chance are impossible in practice).  A sampler that ignored the
+    seed fails the last check if its noise is fixed per row, and the others if it comes from a
+    shared RNG stream."""
+    hot = dict(temperature=1.5, top_p=0.95, max_tokens=10, ignore_eos=True)
+    p = SamplingParams(seed=1234, **hot)
     alone = llm.generate("Once upon a time", p)[0].outputs[0].token_ids
-    mixed = llm.generate(["Other prompt", "Once upon a time", "x"],
-                         [SamplingParams(temperature=0.7, max_tokens=5), p, SamplingParams(max_tokens=3)])
-    assert mixed[1].outputs[0].token_ids == alone
+    assert llm.generate("Once upon a time", p)[0].outputs[0].token_ids == alone
+    mixed = llm.generate(["Other prompt", "Once upon a time", "x", "Once upon a time", "Once upon a time"],
+                         [SamplingParams(temperature=0.7, max_tokens=5), p, SamplingParams(max_tokens=3), p,
+                          SamplingParams(seed=1235, **hot)])
+    assert mixed[1].outputs[0].token_ids == alone and mixed[3].outputs[0].token_ids == alone
+    assert mixed[4].outputs[0].token_ids != alone, "seeds 1234 and 1235 drew the same 10 tokens: the seed is ignored"
 
 
 def test_n_samples_and_stop_conditions(llm):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tiny_config
+from helpers.configs import tiny_config
 from kda_rt.random_checkpoint import write_random_checkpoint
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine_helpers import assert_no_leaks, greedy, make_llm
 
+from helpers.engine import assert_no_leaks, greedy, make_llm
 from kda_rt.async_llm import AsyncLLM
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_helpers import assert_no_leaks, greedy, make_llm, mixed_prompts
 
+from helpers.engine import assert_no_leaks, greedy, make_llm, mixed_prompts
 from kda_rt.engine.batch import ForwardBatch
 
 

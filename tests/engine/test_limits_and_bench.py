@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from engine_helpers import assert_no_leaks, greedy, make_llm
 
-from helpers import tiny_config
+from helpers.configs import tiny_config
+from helpers.engine import assert_no_leaks, greedy, make_llm
 from kda_rt.bench import random_weights
 from kda_rt.demo import demo_path
 from kda_rt.engine import EngineConfig

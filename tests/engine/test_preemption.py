@@ -11,8 +11,8 @@ import logging
 import re
 
 import pytest
-from engine_helpers import assert_no_leaks, greedy, make_llm, mixed_prompts
 
+from helpers.engine import assert_no_leaks, greedy, make_llm, mixed_prompts
 from kda_rt import SamplingParams
 
 

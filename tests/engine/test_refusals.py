@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_helpers import assert_no_leaks, greedy, make_llm
 
+from helpers.engine import assert_no_leaks, greedy, make_llm
 from kda_rt import SamplingParams
 from kda_rt.sampler.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from kda_rt.server.engine_proc import EngineWorker

@@ -57,6 +57,7 @@ def test_two_streams_read_alternately(llm, alone):
     assert not llm._open and not llm._parked
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_interleaving_of_streams(llm, alone, data):
@@ -77,6 +78,7 @@ def test_any_interleaving_of_streams(llm, alone, data):
     assert s["slots_used"] == 0 and s["pages_used"] == 0 and not llm._open and not llm._parked
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chosen=st.lists(st.sampled_from(range(len(PROMPTS))), min_size=1, max_size=5, unique=True),
        delays=st.lists(st.integers(0, 3), min_size=30, max_size=30))

@@ -40,6 +40,7 @@ def collect(stream) -> dict[str, dict[int, tuple[str, list[int], str | None]]]:
     return acc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"n": 2, "logprobs": 1}, {"stop": None}], ids=["plain", "n2", "stop"])
 def test_stream_equals_non_stream(llm, kw):
     if "stop" in kw:  # stop strings cut from a reference output (multi-byte where possible)
@@ -64,6 +65,7 @@ def test_stream_deltas_are_incremental(llm):
     assert all(len(c.outputs[0].token_ids) == 1 for c in chunks)
 
 
+@pytest.mark.slow
 def test_async_generate_matches(llm):
     p = params(max_tokens=20)
     final = llm.generate(PROMPTS, p)
@@ -95,6 +97,7 @@ def test_async_generate_matches(llm):
     assert stats["slots_used"] == 0 and stats["pages_used"] == 0 and stats["running"] == 0
 
 
+@pytest.mark.slow
 def test_interleaved_streams_and_generate(llm):
     """Open streams keep their outputs while another call drives the engine."""
     p = params(max_tokens=10)

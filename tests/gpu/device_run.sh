@@ -5,7 +5,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i "running pip as" | tail -5
-python tests/gpu/k48_config.py /tmp/k48.json 4
+python tests/helpers/configs.py /tmp/k48.json 4
 python -m kda_rt.random_checkpoint --config /tmp/k48.json --out /tmp/k48 --seed 1 --fixed-routing > /dev/null &
 CK=$!
 python -m pytest -q -m "gpu and not slow" tests -p no:cacheprovider -rs ${PYTEST_ARGS:-} 2>&1 | tee $OUT/pytest_gpu.txt | tail -40

@@ -139,25 +139,34 @@ def test_graph_replay_equals_eager():
 
 
 def test_seeded_sampling_reproducible(demo_pair):
-    """Same seed, same batch -> same tokens, run after run.  (Given identical logits the sampler's
-    draw is independent of batch composition: tests/kernels/test_sampling.py.  Across different
-    batch compositions cuBLAS may pick other GEMM algorithms, so bf16 logits, and rarely tokens,
-    can differ: kda_rt does not promise batch-invariant numerics.)"""
+    """The seed decides the draw.  Same seed, same batch -> same tokens, run after run; two copies of
+    one request with the same seed in one batch -> the same tokens (identical inputs give identical
+    logits rows, and a seeded draw must not depend on the row); the same request with another seed ->
+    other tokens (temperature 1.5 over the demo's 1024 tokens: 12 equal draws by chance are
+    impossible in practice).  A sampler that ignored the seed fails the second check (a shared RNG
+    stream gives the copies different noise) or the third (a fixed noise per row gives the same).
+
+    Alone vs in a different batch is not compared here: given identical logits the sampler's draw
+    is independent of batch composition (tests/kernels/test_sampling.py), but across batch
+    compositions cuBLAS may pick other GEMM algorithms, so bf16 logits, and rarely tokens, can
+    differ: kda_rt does not promise batch-invariant numerics."""
     _, gpu = demo_pair
-    p = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12, ignore_eos=True)
-    prompts = ["x y z", "Once upon a time", "abc"]
-    params = [SamplingParams(max_tokens=4, seed=1), p, SamplingParams(max_tokens=7, seed=2)]
+    hot = dict(temperature=1.5, max_tokens=12, ignore_eos=True)
+    prompts = ["x y z", "Once upon a time", "abc", "Once upon a time", "Once upon a time"]
+    params = [SamplingParams(max_tokens=4, seed=1), SamplingParams(seed=99, **hot), SamplingParams(max_tokens=7, seed=2),
+              SamplingParams(seed=99, **hot), SamplingParams(seed=100, **hot)]
     first = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
     again = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
     assert first == again
+    assert first[1] == first[3], "same request, same seed, another row of the batch: the draw changed"
+    assert first[1] != first[4], "seeds 99 and 100 drew the same 12 tokens: the seed is ignored"
 
 
 @pytest.mark.slow
 def test_48b_shaped_4_layer_logits(tmp_path):
     """Kimi-Linear-48B shapes (D 2304, 32 heads, 256 experts top-8), 4 layers KDA-dense, KDA-MoE,
     KDA-MoE, MLA-MoE, random weights written in hub layout."""
-    from k48_config import k48_config
-
+    from helpers.configs import k48_config
     from kda_rt.random_checkpoint import write_random_checkpoint
 
     path = os.environ.get("KDA_RT_TEST_48B_DIR")  # written once per device run (--fixed-routing)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_helpers import bf16_round, poison, to_gpu_bf16, to_np
+
+from helpers.gpu import bf16_round, poison, to_gpu_bf16, to_np
 
 pytestmark = pytest.mark.gpu
 

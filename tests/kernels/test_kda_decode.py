@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_helpers import BF16, rms_rel, to_np
-from test_kda_prefill import K, check, make_inputs, reference, run_op, upload
+
+from helpers.gpu import BF16, rms_rel, to_np
+from helpers.kda_kernel import K, check, make_inputs, reference, run_op, upload
 
 pytestmark = pytest.mark.gpu
 

@@ -20,8 +20,9 @@ import sys
 
 import numpy as np
 import pytest
-from gpu_helpers import BF16, bf16_round, poison, rms_rel, to_gpu_bf16, to_np
-from test_mla_store import DR, EPS, R, nan_pool, run_store, shuffled_tables
+
+from helpers.gpu import BF16, bf16_round, poison, rms_rel, to_gpu_bf16, to_np
+from helpers.mla_kernel import DR, EPS, R, nan_pool, run_store, shuffled_tables
 
 pytestmark = pytest.mark.gpu
 

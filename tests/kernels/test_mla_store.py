@@ -13,59 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_helpers import BF16, assert_close, bf16_round, poison, to_gpu_bf16, to_np
+
+from helpers.gpu import assert_close, bf16_round, to_np
+from helpers.mla_kernel import DR, R, nan_pool, run_store, shuffled_tables, store_reference
 
 pytestmark = pytest.mark.gpu
 
-R, DR = 512, 64
-EPS = 1e-6
-
-
-def shuffled_tables(rng, totals, block_size, spare_pages=7, spare_slots=2):
-    """Disjoint shuffled page lists; returns (tables [B, M] int32 with -1 padding, num_blocks)."""
-    need = [-(-n // block_size) for n in totals]
-    num_blocks = sum(need) + spare_pages
-    perm = rng.permutation(num_blocks)
-    M = max(need) + spare_slots
-    tables = np.full((len(totals), M), -1, np.int32)
-    at = 0
-    for b, k in enumerate(need):
-        tables[b, :k] = perm[at:at + k]
-        at += k
-    return tables, num_blocks
-
-
-def store_reference(kv_a, w):
-    """Expected pool rows [T, R+Dr] (float64 of bf16) for raw rows kv_a [T, R+Dr] (bf16 values)."""
-    c = kv_a[:, :R]
-    inv = 1.0 / np.sqrt(np.mean(c.astype(np.float32) ** 2, axis=-1, keepdims=True) + EPS)
-    return np.concatenate([bf16_round(bf16_round(c * inv) * w), kv_a[:, R:]], axis=-1)
-
-
-def run_store(kv_a_np, w_np, pool, lens, ctx, tables, *, strided=False):
-    """Upload and call mla_store for sequences with new-token counts `lens` after `ctx` cached rows."""
-    import cupy
-
-    from kda_rt.cuda.ops.mla_store import mla_store
-
-    T = kv_a_np.shape[0]
-    if strided:  # kv_a as a column slice of a fused q|kv_a projection output
-        fused = to_gpu_bf16(np.zeros((T, 384 + R + DR + 24)))
-        fused[:, 384:384 + R + DR] = to_gpu_bf16(kv_a_np)
-        kv_a = fused[:, 384:384 + R + DR]
-    else:
-        kv_a = to_gpu_bf16(kv_a_np)
-    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-    mla_store(kv_a, to_gpu_bf16(w_np), EPS, pool, cu, cupy.asarray(np.asarray(ctx, np.int32)), cupy.asarray(tables))
-    return pool
-
-
-def nan_pool(num_blocks, block_size):
-    import cupy
-
-    pool = cupy.empty((num_blocks, block_size, R + DR), dtype=BF16)
-    poison(pool)  # spare pages and unwritten rows stay NaN: any read or write of them shows
-    return pool
 
 
 @pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import pytest
-from gpu_helpers import poison, rms_rel, to_gpu_bf16, to_np
-from test_moe_route import make_cfg, make_router
+
+from helpers.gpu import poison, rms_rel, to_gpu_bf16, to_np
+from helpers.moe_router import make_cfg, make_router
 
 pytestmark = pytest.mark.gpu
 

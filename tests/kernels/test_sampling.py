@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from gpu_helpers import poison
 
+from helpers.gpu import poison
 from kda_rt.sampler.params import SamplingParams
 from kda_rt.sampler.reference import _probs, apply_penalties, draw_noise, philox4x32_10, top_logprobs
 

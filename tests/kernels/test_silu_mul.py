@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_helpers import assert_close, bf16_round, poison, to_gpu_bf16, to_np
+
+from helpers.gpu import assert_close, bf16_round, poison, to_gpu_bf16, to_np
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import tiny_config
+from helpers.configs import tiny_config
 from kda_rt.loader.config import ConfigError, load_config, parse_config
 
 TIME_BOUND_S = 2.0

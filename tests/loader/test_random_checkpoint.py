@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers.configs import tiny_config
 from kda_rt.loader.config import load_config
 from kda_rt.loader.safetensors_mmap import read_safetensors_metadata
 from kda_rt.loader.weights import INDEX_FILE, SINGLE_FILE, expected_tensors, load_checkpoint

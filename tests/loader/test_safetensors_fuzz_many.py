@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_safetensors_mmap import HEADER_END, VALID, _check_loads_or_rejects
+
+from helpers.safetensors_files import HEADER_END, VALID, check_loads_or_rejects
 
 HEADER = VALID[8:HEADER_END]
 TOKENS = [b"0", b"1", b"9", b"-1", b"18446744073709551616", b"1e3", b"null", b"[]", b"{}", b'"F32"', b'"BF16"',
           b'"X"', b'"', b",", b":", b"[", b"]", b"{", b"}", b"[0,0]", b"[1,2,3]", b"\xff", b"\\u0000"]
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     flips=st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), max_size=8),
@@ -36,7 +38,7 @@ def test_thousands_of_mutated_files(flips, splices, length, cut, tail):
         blob[:8] = length.to_bytes(8, "little")
     if cut is not None:
         blob = blob[:cut]
-    _check_loads_or_rejects(bytes(blob) + tail)
+    check_loads_or_rejects(bytes(blob) + tail)
 
 
 if __name__ == "__main__":

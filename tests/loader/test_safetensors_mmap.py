@@ -7,8 +7,6 @@ The reader contract: on any bytes it either returns in-range read-only views or 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.safetensors_files import HEADER_END, VALID, check_loads_or_rejects, make_tensors
 from kda_rt.loader.safetensors_mmap import (
     DTYPES,
     MAX_HEADER_BYTES,
@@ -24,24 +23,6 @@ from kda_rt.loader.safetensors_mmap import (
     read_safetensors_metadata,
     save_safetensors,
 )
-
-
-def make_tensors(seed: int = 0) -> dict[str, np.ndarray]:
-    """One small tensor of every supported dtype, plus 0-d and empty shapes."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for code, dtype in DTYPES.items():
-        if code == "BOOL":
-            out[code] = rng.integers(0, 2, size=(3, 5)).astype(np.bool_)
-        elif dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            out[code] = rng.integers(info.min, info.max, size=(3, 5), dtype=dtype, endpoint=True)
-        else:
-            out[code] = (rng.standard_normal((3, 5)) * 4).astype(dtype)
-    out["scalar"] = np.array(3.5, np.float32)
-    out["empty"] = np.zeros((0, 7), ml_dtypes.bfloat16)
-    out["big_endian"] = np.arange(6, dtype=">i4").reshape(2, 3)
-    return out
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -171,34 +152,6 @@ def test_empty_header_and_zero_size_tensors_are_fine(tmp_path):
 # fuzzing: mutated valid files and random headers
 
 
-def _valid_bytes() -> bytes:
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "v.safetensors")
-        save_safetensors(path, {k: make_tensors()[k] for k in ("F32", "BF16", "I64", "U8", "scalar", "empty")},
-                         {"format": "pt"})
-        with open(path, "rb") as fh:
-            return fh.read()
-
-
-VALID = _valid_bytes()
-HEADER_END = 8 + int.from_bytes(VALID[:8], "little")
-
-
-def _check_loads_or_rejects(blob: bytes) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "f.safetensors")
-        with open(path, "wb") as fh:
-            fh.write(blob)
-        try:
-            tensors = read_safetensors(path)
-        except CheckpointError as exc:
-            assert path in str(exc)
-            return
-        for arr in tensors.values():  # touch every byte: an out-of-range view would fault here
-            int(np.ascontiguousarray(arr).view(np.uint8).sum())
-        del tensors
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     flips=st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), max_size=6),
@@ -213,7 +166,7 @@ def test_fuzz_mutated_file(flips, header_flips, cut, tail):
         blob[pos] = value
     if cut is not None:
         blob = blob[:cut]
-    _check_loads_or_rejects(bytes(blob) + tail)
+    check_loads_or_rejects(bytes(blob) + tail)
 
 
 json_values = st.recursive(
@@ -238,7 +191,7 @@ entries = st.fixed_dictionaries(
 )
 def test_fuzz_random_header(header, data):
     blob = json.dumps(header).encode()
-    _check_loads_or_rejects(len(blob).to_bytes(8, "little") + blob + data)
+    check_loads_or_rejects(len(blob).to_bytes(8, "little") + blob + data)
 
 
 if __name__ == "__main__":

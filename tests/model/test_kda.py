@@ -1,7 +1,7 @@
 """KDA tests: chunked == token-by-token == float64 gold, short-conv state carry, the mixer's varlen
 and prefill/decode state handling, and parity with transformers' KimiLinearDeltaAttention.
 
-Gold recurrence (tests/ref/kda_ref.py), per token and head, S [K, V]:
+Gold recurrence (tests/helpers/kda_ref.py), per token and head, S [K, V]:
     S = diag(exp(g)) S;  S += beta k (v - S^T k)^T;  o = S^T q
 Errors are relative to the reference's scale: max|out - ref| / max|ref|, and the output error is
 also reported per window of 32 tokens so that drift along T would show.
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ref.kda_ref import kda_layer_ref, kda_recurrence_ref
 
+from helpers.kda_ref import kda_layer_ref, kda_recurrence_ref
 from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import KDAConfig
 from kda_rt.reference.kda import kda_forward

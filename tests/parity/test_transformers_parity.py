@@ -21,7 +21,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers.configs import tiny_config
 from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import load_config
 from kda_rt.loader.weights import load_checkpoint
@@ -88,6 +88,7 @@ def _step(model: KimiLinearModel, pools, seqs: list[_Seq], chunks: list[list[int
     return logits
 
 
+@pytest.mark.slow
 def test_prefill_then_greedy_decode(models) -> None:
     ref, ours = models
     vocab = ours.config.vocab_size

@@ -17,7 +17,7 @@ collect_ignore_glob = [f for f in ("test_errors.py", "test_fuzz.py", "test_load.
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     """The shared server of a test module (16 sequences, API key set)."""
-    from server_helpers import ServerProc, pid_gone
+    from helpers.server import ServerProc, pid_gone
 
     srv = ServerProc(tmp_path_factory.mktemp("server") / "server.log")
     yield srv
@@ -28,8 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def reference_llm():
     """The same checkpoint and limits in-process: `LLM.generate` is the oracle for seeded requests."""
-    from server_helpers import MAX_MODEL_LEN
-
+    from helpers.server import MAX_MODEL_LEN
     from kda_rt import LLM
     from kda_rt.demo import demo_path
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {"torch", "triton", "torchvision", "torchaudio", "pytorch-triton"}
 
 
+@pytest.mark.slow
 def test_cuda12_server_closure_has_no_torch(tmp_path):
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",

@@ -7,7 +7,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MAX_MODEL_LEN, ServerProc
+
+from helpers.server import MAX_MODEL_LEN, ServerProc
 
 
 def _post(server, path, body=None, content=None, headers=None):

@@ -61,6 +61,7 @@ def http():
         yield client
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(ENDPOINTS), body=bodies | valid_ish | chat_ish | json_values,
        how=st.sampled_from(["json", "json", "truncate", "bad-utf8"]), data=st.data())

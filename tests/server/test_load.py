@@ -56,6 +56,7 @@ async def _run_all(server, hang_ups: dict[int, int]) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*tasks), TIME_LIMIT_S)
 
 
+@pytest.mark.slow
 def test_concurrent_streams_with_disconnects(server, reference_llm):
     rng = random.Random(2024)
     hang_ups = {i: rng.randint(1, MAX_TOKENS // 2) for i in rng.sample(range(NUM_CLIENTS), round(NUM_CLIENTS * 0.2))}

@@ -14,7 +14,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def client(server):
-    from server_helpers import API_KEY
+    from helpers.server import API_KEY
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 

@@ -11,7 +11,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ServerProc
+
+from helpers.server import ServerProc
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def test_disconnect_mid_body_is_not_an_error(srv):
     assert "Traceback" not in srv.log() and "ERROR" not in srv.log()
 
 
+@pytest.mark.slow
 def test_stopped_engine_is_reported_and_times_out(srv):
     """Last in this module: SIGSTOP the engine, then a request must fail within the timeout and
     /health must say 503 while it is pending."""

@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MAX_MODEL_LEN, ServerProc, pid_gone
+
+from helpers.server import MAX_MODEL_LEN, ServerProc, pid_gone
 
 LONG = {"prompt": "drain me", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0.0, "stream": True}
 
@@ -52,6 +53,7 @@ def _start_streams(srv: ServerProc, count: int) -> tuple[list[dict], list[thread
     return results, threads, first
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tmp_path):
     srv = ServerProc(tmp_path / "server.log", "--shutdown-timeout", "60", "--max-num-seqs", "4")
     results, threads, first = _start_streams(srv, 4)

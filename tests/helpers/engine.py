@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests (fixtures live in conftest.py)."""
+"""Engine-test helpers: an LLM on a checkpoint directory, greedy params, random prompts, and the
+no-leak check (the `tiny_dir` fixture lives in tests/engine/conftest.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers for kernel tests: bf16 upload/download, poisoned outputs, and the error measures of
+"""Kernel-test helpers (CuPy is imported inside the functions, never at import time): bf16 upload/download, poisoned outputs, and the error measures of
 STYLE.md habit 5 (exact for copies, atol+rtol for elementwise, RMS ratio for reductions)."""
 
 from __future__ import annotations
