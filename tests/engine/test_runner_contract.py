@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from engine_helpers import assert_no_leaks, make_llm
 
+from helpers.engine import assert_no_leaks, make_llm
 from kda_rt import SamplingParams
 from kda_rt.engine import EngineConfig, LLMEngine
 from kda_rt.engine.batch import ForwardBatch

@@ -7,7 +7,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 CK=${CK:-/tmp/k48b}
 if [ ! -d "$CK" ]; then
-  python tests/gpu/k48_config.py /tmp/k48b.json 4
+  python tests/helpers/configs.py /tmp/k48b.json 4
   python -m kda_rt.random_checkpoint --config /tmp/k48b.json --out "$CK" --seed 2 --router-bias-std 0.05 > /dev/null
 fi
 ARGS="--model $CK --backend cuda --batch 32 --input-len 2048 --output-len 512"
