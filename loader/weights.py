@@ -1,14 +1,11 @@
-"""Checkpoint names and shapes, and the checked loader of a Kimi Linear safetensors directory.
+"""The checked loader of a Kimi Linear safetensors directory.
 
-`expected_tensors(config)` is the single list of hub tensor names (spec §2) with their shapes and
-a kind; the random-checkpoint writer and `load_checkpoint` both use it.  `load_checkpoint` reads a
-single `model.safetensors` or the shards named by `model.safetensors.index.json`, maps the one
-spelling transformers' `save_pretrained` writes differently (the dense layer-0 MLP under
-`block_sparse_moe.` instead of `mlp.`) back to hub names, and rejects missing, unexpected,
-mis-shaped or mis-typed tensors with a `CheckpointError` naming the file and the tensor.
-
-Letters: D hidden, V vocab, H KDA heads, K KDA head dim, P = H*K, W conv width, E experts,
-I dense MLP width, M expert width, S shared experts.
+`load_checkpoint` reads a single `model.safetensors` or the shards named by
+`model.safetensors.index.json`, maps the one spelling transformers' `save_pretrained` writes
+differently (the dense layer-0 MLP under `block_sparse_moe.` instead of `mlp.`) back to hub names,
+and checks every tensor against `expected_tensors(config)` (the weight schema, `loader/schema.py`,
+the one place checkpoint names are spelled), rejecting missing, unexpected, mis-shaped or
+mis-typed tensors with a `CheckpointError` naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -16,13 +13,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import DENSE, KDA
 from .safetensors_mmap import DTYPES, CheckpointError, read_safetensors
+from .schema import (  # re-exported
+    A_LOG,
+    CONV,
+    DT_BIAS,
+    EMBEDDING,
+    MATMUL,
+    MATMUL_KINDS,
+    NORM,
+    ROUTER_BIAS,
+    expected_tensors,
+    transformers_to_hub,
+)
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -37,75 +44,8 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# tensor kinds: the first two are large and stay memory-mapped in their stored dtype; the rest are
-# small and come back as float32
-EMBEDDING, MATMUL = "embedding", "matmul"
-NORM, CONV, A_LOG, DT_BIAS, ROUTER_BIAS = "norm", "conv", "a_log", "dt_bias", "router_bias"
-MATMUL_KINDS = (EMBEDDING, MATMUL)
 _MATMUL_DTYPES = tuple(DTYPES[c] for c in ("BF16", "F16", "F32"))
 _FLOAT_DTYPES = tuple(DTYPES[c] for c in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"))
-
-Shape = tuple[int, ...]
-
-
-def expected_tensors(config: ModelConfig) -> dict[str, tuple[Shape, str]]:
-    """Hub checkpoint name -> (shape, kind) for every tensor the model needs, in a stable order."""
-    D = config.hidden_size
-    out: dict[str, tuple[Shape, str]] = {"model.embed_tokens.weight": ((config.vocab_size, D), EMBEDDING)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = ((D,), NORM)
-        a = p + "self_attn."
-        if config.layer_types[i] == KDA:
-            kda = config.kda
-            H, K, W = kda.num_heads, kda.head_dim, kda.conv_kernel_size
-            P = H * K
-            for x in "qkv":
-                out[a + f"{x}_proj.weight"] = ((P, D), MATMUL)
-            for x in "qkv":
-                out[a + f"{x}_conv1d.weight"] = ((P, 1, W), CONV)
-            out[a + "A_log"] = ((1, 1, H, 1), A_LOG)
-            out[a + "f_a_proj.weight"] = ((K, D), MATMUL)
-            out[a + "f_b_proj.weight"] = ((P, K), MATMUL)
-            out[a + "dt_bias"] = ((P,), DT_BIAS)
-            out[a + "b_proj.weight"] = ((H, D), MATMUL)
-            out[a + "g_a_proj.weight"] = ((K, D), MATMUL)
-            out[a + "g_b_proj.weight"] = ((P, K), MATMUL)
-            out[a + "o_norm.weight"] = ((K,), NORM)
-            out[a + "o_proj.weight"] = ((D, P), MATMUL)
-        else:
-            mla = config.mla
-            Hm, R = mla.num_heads, mla.kv_lora_rank
-            out[a + "q_proj.weight"] = ((Hm * mla.qk_head_dim, D), MATMUL)
-            out[a + "kv_a_proj_with_mqa.weight"] = ((R + mla.qk_rope_head_dim, D), MATMUL)
-            out[a + "kv_a_layernorm.weight"] = ((R,), NORM)
-            out[a + "kv_b_proj.weight"] = ((Hm * (mla.qk_nope_head_dim + mla.v_head_dim), R), MATMUL)
-            out[a + "o_proj.weight"] = ((D, Hm * mla.v_head_dim), MATMUL)
-        out[p + "post_attention_layernorm.weight"] = ((D,), NORM)
-        if config.mlp_types[i] == DENSE:
-            _add_mlp(out, p + "mlp.", D, config.intermediate_size)
-        else:
-            moe = config.moe
-            E, M = moe.num_experts, moe.intermediate_size
-            m = p + "block_sparse_moe."
-            out[m + "gate.weight"] = ((E, D), MATMUL)
-            out[m + "gate.e_score_correction_bias"] = ((E,), ROUTER_BIAS)
-            for e in range(E):
-                out[m + f"experts.{e}.w1.weight"] = ((M, D), MATMUL)
-                out[m + f"experts.{e}.w2.weight"] = ((D, M), MATMUL)
-                out[m + f"experts.{e}.w3.weight"] = ((M, D), MATMUL)
-            if moe.num_shared_experts:
-                _add_mlp(out, m + "shared_experts.", D, M * moe.num_shared_experts)
-    out["model.norm.weight"] = ((D,), NORM)
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = ((config.vocab_size, D), MATMUL)
-    return out
-
-
-def _add_mlp(out: dict[str, tuple[Shape, str]], prefix: str, D: int, width: int) -> None:
-    out[prefix + "gate_proj.weight"] = ((width, D), MATMUL)
-    out[prefix + "up_proj.weight"] = ((width, D), MATMUL)
-    out[prefix + "down_proj.weight"] = ((D, width), MATMUL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,17 +92,12 @@ def _read_files(model_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return tensors, source
 
 
-_TRANSFORMERS_DENSE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
-
-
 def _to_hub_names(config: ModelConfig, tensors: dict[str, np.ndarray], source: dict[str, str]) -> None:
     """Rename, in place, transformers' save_pretrained spelling of the dense MLP to the hub one."""
     for name in list(tensors):
-        m = _TRANSFORMERS_DENSE.match(name)
-        layer = int(m.group(1)) if m else -1
-        if not m or layer >= config.num_hidden_layers or config.mlp_types[layer] != DENSE:
+        hub = transformers_to_hub(config, name)
+        if hub is None:
             continue
-        hub = f"model.layers.{layer}.mlp.{m.group(2)}"
         if hub in tensors:
             raise CheckpointError(f"{source[name]}: tensor '{name}' and '{hub}' ({source[hub]}) are the same weight")
         tensors[hub] = tensors.pop(name)

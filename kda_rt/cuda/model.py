@@ -27,9 +27,9 @@ from kda_rt.cuda.ops.mla_store import mla_store
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 from kda_rt.cuda.ops.silu_mul import silu_mul
 from kda_rt.cuda.ops.trace import trace_scope
-from kda_rt.cuda.weights import ModelWeights
+from kda_rt.cuda.weights import DeviceKDA, DeviceMLA, DeviceMLP, DeviceMoE, ModelWeights
 from kda_rt.cuda.workspace import Workspace
-from kda_rt.loader.config import KDA, MOE, ModelConfig
+from kda_rt.loader.config import ModelConfig
 
 __all__ = ["DeviceBatch", "CudaModel"]
 
@@ -69,26 +69,23 @@ class CudaModel:
         a = ws.get("a", (T, D), BF16)
         delta = ws.get("delta", (T, D), BF16)
         for i, L in enumerate(self.w.layers):
-            t = L.t
             with trace_scope("norm+residual"):
                 if i == 0:
-                    rmsnorm(res, t["in_norm"], eps, out=a)
+                    rmsnorm(res, L.in_norm, eps, out=a)
                 else:
-                    rmsnorm(delta, t["in_norm"], eps, residual=res, out=a)
+                    rmsnorm(delta, L.in_norm, eps, residual=res, out=a)
             with trace_scope(f"{L.kind}.{'decode' if b.decode else 'prefill'}"):
-                if L.kind == KDA:
-                    self._kda(i, t, a, b, ws, out=delta)
+                if isinstance(L.mixer, DeviceKDA):
+                    self._kda(i, L.mixer, a, b, ws, out=delta)
                 else:
-                    self._mla(i, t, a, b, ws, out=delta)
+                    self._mla(i, L.mixer, a, b, ws, out=delta)
             with trace_scope("norm+residual"):
-                rmsnorm(delta, t["post_norm"], eps, residual=res, out=a)
-            with trace_scope(L.mlp):
-                if L.mlp == MOE:
-                    self._moe(t, a, ws, out=delta)
+                rmsnorm(delta, L.post_norm, eps, residual=res, out=a)
+            with trace_scope(L.mlp_kind):
+                if isinstance(L.mlp, DeviceMoE):
+                    self._moe(L.mlp, a, ws, out=delta)
                 else:
-                    gu = linear(a, t["w_gu"], out=ws.get("gu", (T, t["w_gu"].shape[0]), BF16))
-                    act = silu_mul(gu, out=ws.get("act", (T, t["w_gu"].shape[0] // 2), BF16))
-                    linear(act, t["w_down"], out=delta)
+                    self._mlp(L.mlp, a, ws, out=delta)
         with trace_scope("final norm+lm_head"):
             final = ws.get("final", (T, D), BF16)
             rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
@@ -101,40 +98,45 @@ class CudaModel:
 
     # ------------------------------------------------------------------------------------------
 
-    def _kda(self, layer: int, t: dict, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
+    def _mlp(self, w: DeviceMLP, a, ws: Workspace, *, out) -> None:
+        T, two_f = a.shape[0], w.gate_up.shape[0]
+        gu = linear(a, w.gate_up, out=ws.get("gu", (T, two_f), BF16))
+        act = silu_mul(gu, out=ws.get("act", (T, two_f // 2), BF16))
+        linear(act, w.down, out=out)
+
+    def _kda(self, layer: int, w: DeviceKDA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         kc = self.config.kda
         T, P, H = b.num_tokens, kc.num_heads * kc.head_dim, kc.num_heads
-        rf, rg = t["rank_f"], t["rank_g"]
-        qkv = linear(a, t["w_qkv"], out=ws.get("kda_qkv", (T, 3 * P), BF16))
-        small = linear(a, t["w_fgb"], out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
-        f = linear(small[:, :rf], t["f_b"], out=ws.get("kda_f", (T, P), BF16))
-        gate = linear(small[:, rf:rf + rg], t["g_b"], out=ws.get("kda_gate", (T, P), BF16))
+        rf, rg = w.rank_f, w.rank_g
+        qkv = linear(a, w.qkv, out=ws.get("kda_qkv", (T, 3 * P), BF16))
+        small = linear(a, w.fgb, out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
+        f = linear(small[:, :rf], w.f_b, out=ws.get("kda_f", (T, P), BF16))
+        gate = linear(small[:, rf:rf + rg], w.g_b, out=ws.get("kda_gate", (T, P), BF16))
         beta = small[:, rf + rg:]
         conv_pool, rec_pool = self.kda_pools[layer]
         y = ws.get("kda_y", (T, P), BF16)
-        args = (qkv, f, beta, gate, t["conv_w"], t["A_log"], t["dt_bias"], t["o_norm"], conv_pool, rec_pool,
+        args = (qkv, f, beta, gate, w.conv_w, w.A_log, w.dt_bias, w.o_norm, conv_pool, rec_pool,
                 b.cu_seqlens, b.context_lens, b.state_slots)
         if b.decode:
             kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y)
         else:
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
                         max_seqlen=b.max_seqlen)
-        linear(y, t["o_proj"], out=out)
+        linear(y, w.o_proj, out=out)
 
-    def _moe(self, t: dict, a, ws: Workspace, *, out) -> None:
+    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
-        inter_s = t["shared_w2"].shape[1] if t["shared_w2"] is not None else 0
+        inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s)
-        moe_forward(a, t["router"], t["bias"], t["w13"], t["w2"], t["shared_w13"], t["shared_w2"], mc,
-                    out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8))
+        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8))
 
-    def _mla(self, layer: int, t: dict, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
+    def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         mc = self.config.mla
         T, H = b.num_tokens, mc.num_heads
         qdim = H * mc.qk_head_dim
-        qkva = linear(a, t["w_qkva"], out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
+        qkva = linear(a, w.q_kva, out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
         pool = self.mla_pools[layer]
-        mla_store(qkva[:, qdim:], t["kv_norm"], mc.kv_a_layernorm_eps, pool, b.cu_seqlens, b.context_lens,
+        mla_store(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps, pool, b.cu_seqlens, b.context_lens,
                   b.block_tables)
         o = ws.get("mla_o", (T, H * mc.v_head_dim), BF16)
         scratch = None
@@ -142,7 +144,7 @@ class CudaModel:
             M = int(b.block_tables.shape[1])
             nbytes = decode_workspace_bytes(T, H, M, pool.shape[1], mc.kv_lora_rank)
             scratch = ws.get("mla_ws", (nbytes,), np.uint8)
-        mla_attention(qkva[:, :qdim], pool, t["kv_b"], b.cu_seqlens, b.context_lens, b.block_tables,
+        mla_attention(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                       num_heads=H, scale=float(mc.qk_head_dim) ** -0.5, max_seqlen=b.max_seqlen, decode=b.decode,
                       out=o, workspace=scratch)
-        linear(o, t["o_proj"], out=out)
+        linear(o, w.o_proj, out=out)

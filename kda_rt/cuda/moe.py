@@ -26,6 +26,7 @@ from kda_rt.cuda.ops.moe_route import moe_route
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
+    from kda_rt.cuda.weights import DeviceMoE
     from kda_rt.loader.config import MoEConfig
 
 __all__ = ["moe_forward", "moe_workspace_bytes"]
@@ -59,11 +60,14 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
     return _offsets(_layout(T, cfg, D, inter, inter_s))[1]
 
 
-def moe_forward(x, w_router, bias, w13, w2, shared_w13, shared_w2, cfg: MoEConfig, *, out=None, workspace=None,
-                stream=None):
-    """x: [T, D] bf16, w_router: [E, D] fp32, bias: [E] fp32, w13: [E, 2I, D] bf16 ([w1 gate; w3 up] rows),
-    w2: [E, D, I] bf16, shared_w13: [2Is, D] bf16 | None, shared_w2: [D, Is] bf16 | None -> [T, D] bf16."""
+def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stream=None):
+    """x: [T, D] bf16 -> [T, D] bf16.  Weights (cuda/weights.py): w.router [E, D] fp32, w.bias [E] fp32,
+    w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
+    down [D, Is], bf16) or None."""
     import cupy
+
+    w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2
+    shared_w13, shared_w2 = (w.shared.gate_up, w.shared.down) if w.shared is not None else (None, None)
 
     T, D = expect(x, "x", ndim=2, dtype=BF16)
     E, A = cfg.num_experts, cfg.top_k

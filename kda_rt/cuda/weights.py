@@ -1,18 +1,20 @@
-"""Checkpoint -> GPU weights in the layouts the kernels want (fusions happen once, here).
+"""The weight schema on the GPU: each field of `kda_rt.loader.schema.ModelWeights`, uploaded.
 
-Per KDA layer: w_qkv [3P, D] = q|k|v proj; w_fgb [2R+H, D] = f_a | g_a | b_proj (one small GEMM);
-f_b, g_b [P, R]; conv_w [3P, W] fp32; A_log [H], dt_bias [P], o_norm [K] fp32; o_proj [D, P].
-Per MLA layer: w_qkva [H*(Dn+Dr) + Rl+Dr, D] = q_proj | kv_a_proj_with_mqa; kv_norm [Rl]; kv_b [H*(Dn+Dv), Rl]; o_proj.
-Dense MLP: w_gu [2I, D] = gate | up; w_down [D, I].  MoE: router [E, D] fp32, bias [E] fp32,
-w13 [E, 2I, D] (experts' w1 | w3), w2 [E, D, I], shared gate|up [2Is, D] and down [D, Is].
-Matmul weights stay bf16 (or are cast to it), small tensors fp32.
+Names, shapes and the fusions (q|k|v, f_a|g_a|b, q|kv_a, gate|up, per-expert w1|w3 and w2
+stacks, conv taps) are defined once by the schema; here each field or `Stack` is copied to the
+device, a stack part by part into its rows of one device buffer (nothing big is concatenated on
+the host).  Matmul weights are bf16 (cast if stored otherwise); the router, its bias and the KDA
+conv taps, A_log, dt_bias and o_norm are fp32; the RMSNorm weights bf16.
+
+Letters: D hidden, H KDA heads, K head dim, P = H*K, W conv width, Rf / Rg f / g low ranks,
+E experts, M expert width, F dense / shared width.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,110 +22,136 @@ from tqdm import tqdm
 
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.upload import Uploader
-from kda_rt.loader.config import KDA, MLA, MOE, ModelConfig
+from kda_rt.loader.config import DENSE, KDA, MLA, MOE, ModelConfig
+from kda_rt.loader.schema import KDAWeights, MLAWeights, MLPWeights, MoEWeights, Stack, read_weights
 
-__all__ = ["LayerWeights", "ModelWeights", "upload_weights"]
+__all__ = ["DeviceKDA", "DeviceLayer", "DeviceMLA", "DeviceMLP", "DeviceMoE", "ModelWeights", "upload_weights"]
 
 logger = logging.getLogger(__name__)
 
+F32 = np.float32
+
 
 @dataclass
-class LayerWeights:
-    kind: str  # "kda" | "mla"
-    mlp: str  # "dense" | "moe"
-    t: dict[str, Any] = field(default_factory=dict)  # device arrays by role
+class DeviceKDA:
+    qkv: Any  # [3P, D] q|k|v proj
+    fgb: Any  # [Rf+Rg+H, D] f_a | g_a | b_proj (one small GEMM)
+    f_b: Any  # [P, Rf]
+    g_b: Any  # [P, Rg]
+    conv_w: Any  # [3P, W] fp32
+    A_log: Any  # [H] fp32
+    dt_bias: Any  # [P] fp32
+    o_norm: Any  # [K] fp32
+    o_proj: Any  # [D, P]
+    rank_f: int
+    rank_g: int
+
+
+@dataclass
+class DeviceMLA:
+    q_kva: Any  # [Hm*(Dn+Dr) + R+Dr, D] q_proj | kv_a_proj_with_mqa
+    kv_norm: Any  # [R]
+    kv_b: Any  # [Hm*(Dn+Dv), R]
+    o_proj: Any  # [D, Hm*Dv]
+
+
+@dataclass
+class DeviceMLP:
+    gate_up: Any  # [2F, D]
+    down: Any  # [D, F]
+
+
+@dataclass
+class DeviceMoE:
+    router: Any  # [E, D] fp32
+    bias: Any  # [E] fp32
+    w13: Any  # [E, 2M, D] experts' w1 | w3
+    w2: Any  # [E, D, M]
+    shared: DeviceMLP | None
+
+
+@dataclass
+class DeviceLayer:
+    in_norm: Any  # [D]
+    mixer: DeviceKDA | DeviceMLA
+    post_norm: Any  # [D]
+    mlp: DeviceMLP | DeviceMoE
+
+    @property
+    def kind(self) -> str:
+        return KDA if isinstance(self.mixer, DeviceKDA) else MLA
+
+    @property
+    def mlp_kind(self) -> str:
+        return MOE if isinstance(self.mlp, DeviceMoE) else DENSE
 
 
 @dataclass
 class ModelWeights:
-    embed: Any
-    norm: Any
-    lm_head: Any
-    layers: list[LayerWeights]
+    embed: Any  # [V, D]
+    norm: Any  # [D]
+    lm_head: Any  # [V, D] (the embed array when tied)
+    layers: list[DeviceLayer]
     nbytes: int
 
 
-def _cat(up: Uploader, parts: list[np.ndarray], dtype=BF16):
-    """Device array of the row-wise concatenation of `parts`, uploaded part by part."""
+def _put(up: Uploader, src: np.ndarray | Stack, dtype=BF16):
+    """Device array of a host array, or of a `Stack` uploaded part by part into its rows."""
     import cupy
 
-    rows = sum(p.shape[0] for p in parts)
-    dst = cupy.empty((rows, *parts[0].shape[1:]), dtype=dtype)
+    if not isinstance(src, Stack):
+        return up.new(np.asarray(src), dtype=dtype)
+    dst = cupy.empty(src.shape, dtype=dtype)
+    rows = dst.reshape(-1, *src.parts[0].shape[1:])  # a view: the stack's rows
     r = 0
-    for p in parts:
-        up.copy(dst[r:r + p.shape[0]], p)
+    for p in src.parts:
+        up.copy(rows[r:r + p.shape[0]], p)
         r += p.shape[0]
+    if r != rows.shape[0]:
+        raise ValueError(f"stack parts fill {r} of {rows.shape[0]} rows")
     return dst
 
 
-def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *, progress: bool | None = None) -> ModelWeights:
-    import cupy
+def _kda(up: Uploader, w: KDAWeights) -> DeviceKDA:
+    return DeviceKDA(
+        qkv=_put(up, w.qkv), fgb=_put(up, w.fgb), f_b=_put(up, w.f_b_proj), g_b=_put(up, w.g_b_proj),
+        conv_w=_put(up, w.conv_taps, F32), A_log=_put(up, np.ravel(w.A_log), F32),
+        dt_bias=_put(up, np.ravel(w.dt_bias), F32), o_norm=_put(up, w.o_norm, F32), o_proj=_put(up, w.o_proj),
+        rank_f=w.rank_f, rank_g=w.rank_g,
+    )
 
+
+def _mla(up: Uploader, w: MLAWeights) -> DeviceMLA:
+    return DeviceMLA(q_kva=_put(up, w.q_kva), kv_norm=_put(up, w.kv_a_layernorm), kv_b=_put(up, w.kv_b_proj),
+                     o_proj=_put(up, w.o_proj))
+
+
+def _mlp(up: Uploader, w: MLPWeights) -> DeviceMLP:
+    return DeviceMLP(gate_up=_put(up, w.gate_up), down=_put(up, w.down))
+
+
+def _moe(up: Uploader, w: MoEWeights) -> DeviceMoE:
+    return DeviceMoE(router=_put(up, w.gate, F32), bias=_put(up, w.e_score_correction_bias, F32),
+                     w13=_put(up, w.w13), w2=_put(up, w.w2), shared=_mlp(up, w.shared) if w.shared is not None else None)
+
+
+def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
+                   progress: bool | None = None) -> ModelWeights:
+    """The checkpoint `raw` (hub name -> host array, as `load_checkpoint` returns) on the device."""
+    host = read_weights(config, raw)
     up = Uploader()
     total = sum(np.asarray(v).nbytes for v in raw.values())
     show = progress if progress is not None else total > (1 << 30)
     bar = tqdm(total=config.num_hidden_layers + 1, desc="upload weights", unit="layer", disable=not show)
-    f32 = np.float32
-
-    def w(name: str, dtype=BF16):
-        return up.new(np.asarray(raw[name]), dtype=dtype)
-
-    embed = w("model.embed_tokens.weight")
-    norm = w("model.norm.weight")
-    lm_head = embed if config.tie_word_embeddings else w("lm_head.weight")
+    embed = _put(up, host.embed_tokens)
+    norm = _put(up, host.norm)
+    lm_head = embed if host.lm_head is None else _put(up, host.lm_head)
     bar.update(1)
     layers = []
-    for i, (kind, mlp) in enumerate(zip(config.layer_types, config.mlp_types, strict=True)):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        L = LayerWeights(kind, mlp)
-        t = L.t
-        t["in_norm"] = w(p + "input_layernorm.weight")
-        t["post_norm"] = w(p + "post_attention_layernorm.weight")
-        if kind == KDA:
-            kc = config.kda
-            H = kc.num_heads
-            t["w_qkv"] = _cat(up, [raw[a + "q_proj.weight"], raw[a + "k_proj.weight"], raw[a + "v_proj.weight"]])
-            t["w_fgb"] = _cat(up, [raw[a + "f_a_proj.weight"], raw[a + "g_a_proj.weight"], raw[a + "b_proj.weight"]])
-            t["rank_f"] = raw[a + "f_a_proj.weight"].shape[0]
-            t["rank_g"] = raw[a + "g_a_proj.weight"].shape[0]
-            t["f_b"] = w(a + "f_b_proj.weight")
-            t["g_b"] = w(a + "g_b_proj.weight")
-            conv = [np.asarray(raw[a + f"{n}_conv1d.weight"], dtype=f32)[:, 0, :] for n in ("q", "k", "v")]
-            t["conv_w"] = up.new(np.concatenate(conv, axis=0), dtype=f32)
-            t["A_log"] = up.new(np.asarray(raw[a + "A_log"], dtype=f32).reshape(H), dtype=f32)
-            t["dt_bias"] = up.new(np.asarray(raw[a + "dt_bias"], dtype=f32).reshape(-1), dtype=f32)
-            t["o_norm"] = up.new(np.asarray(raw[a + "o_norm.weight"], dtype=f32), dtype=f32)
-            t["o_proj"] = w(a + "o_proj.weight")
-        elif kind == MLA:
-            t["w_qkva"] = _cat(up, [raw[a + "q_proj.weight"], raw[a + "kv_a_proj_with_mqa.weight"]])
-            t["kv_norm"] = w(a + "kv_a_layernorm.weight")
-            t["kv_b"] = w(a + "kv_b_proj.weight")
-            t["o_proj"] = w(a + "o_proj.weight")
-        if mlp == MOE:
-            m = p + "block_sparse_moe."
-            mc = config.moe
-            t["router"] = w(m + "gate.weight", dtype=f32)
-            t["bias"] = w(m + "gate.e_score_correction_bias", dtype=f32)
-            E, inter, D = mc.num_experts, mc.intermediate_size, config.hidden_size
-            w13 = cupy.empty((E, 2 * inter, D), dtype=BF16)
-            w2 = cupy.empty((E, D, inter), dtype=BF16)
-            for e in range(E):
-                up.copy(w13[e, :inter], raw[f"{m}experts.{e}.w1.weight"])
-                up.copy(w13[e, inter:], raw[f"{m}experts.{e}.w3.weight"])
-                up.copy(w2[e], raw[f"{m}experts.{e}.w2.weight"])
-            t["w13"], t["w2"] = w13, w2
-            if mc.num_shared_experts:
-                s = m + "shared_experts."
-                t["shared_w13"] = _cat(up, [raw[s + "gate_proj.weight"], raw[s + "up_proj.weight"]])
-                t["shared_w2"] = w(s + "down_proj.weight")
-            else:
-                t["shared_w13"] = t["shared_w2"] = None
-        else:
-            m = p + "mlp."
-            t["w_gu"] = _cat(up, [raw[m + "gate_proj.weight"], raw[m + "up_proj.weight"]])
-            t["w_down"] = w(m + "down_proj.weight")
-        layers.append(L)
+    for L in host.layers:
+        mixer = _kda(up, L.mixer) if isinstance(L.mixer, KDAWeights) else _mla(up, L.mixer)
+        mlp = _moe(up, L.mlp) if isinstance(L.mlp, MoEWeights) else _mlp(up, L.mlp)
+        layers.append(DeviceLayer(_put(up, L.input_layernorm), mixer, _put(up, L.post_attention_layernorm), mlp))
         bar.update(1)
     up.finish()
     bar.close()

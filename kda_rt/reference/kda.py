@@ -23,39 +23,39 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kda_rt.reference.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
+from kda_rt.reference.params import Compute
 
 if TYPE_CHECKING:
     from kda_rt.engine.batch import ForwardBatch
     from kda_rt.loader.config import KDAConfig
-    from kda_rt.reference.params import Params
+    from kda_rt.loader.schema import KDAWeights
 
 __all__ = ["kda_forward"]
 
-_CONV_NAMES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
-
-
 def kda_forward(
-    p: Params,  # view with prefix 'model.layers.N.self_attn.'
+    w: KDAWeights,  # one layer's self_attn weights
     x: np.ndarray,  # [T, D] post-input_layernorm hidden states of the whole batch
     batch: ForwardBatch,
     conv_pool: np.ndarray,  # [S, 3, W-1, P] raw q|k|v projections, oldest first; updated in place
     rec_pool: np.ndarray,  # [S, H, K, V] recurrent states, rows = key channel; updated in place
     cfg: KDAConfig,
     rms_eps: float,
+    num: Compute | None = None,  # compute dtype and bf16 rounding; default: x's dtype, no rounding
 ) -> np.ndarray:  # [T, D]
-    dtype = p.dtype
+    num = num or Compute(x.dtype)
+    p, dtype = num.w, num.dtype
     num_heads, head_dim, width = cfg.num_heads, cfg.head_dim, cfg.conv_kernel_size
     num_tokens = x.shape[0]
     x = x.astype(dtype, copy=False)
 
-    act = p.act  # bf16 rounding points of the references (identity unless emulating bf16)
-    raw = [act(x @ p[name].T) for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]  # 3 x [T, P]
-    taps = [p[name].reshape(-1, width) for name in _CONV_NAMES]  # 3 x [P, W]
-    f = act(act(x @ p["f_a_proj.weight"].T) @ p["f_b_proj.weight"].T)
-    g = kda_gate(f, p["A_log"], p["dt_bias"], num_heads)
-    beta = sigmoid(act(x @ p["b_proj.weight"].T))  # [T, H]
+    act = num.act  # bf16 rounding points of the references (identity unless emulating bf16)
+    raw = [act(x @ p(m).T) for m in (w.q_proj, w.k_proj, w.v_proj)]  # 3 x [T, P]
+    taps = [p(c).reshape(-1, width) for c in (w.q_conv1d, w.k_conv1d, w.v_conv1d)]  # 3 x [P, W]
+    f = act(act(x @ p(w.f_a_proj).T) @ p(w.f_b_proj).T)
+    g = kda_gate(f, p(w.A_log), p(w.dt_bias), num_heads)
+    beta = sigmoid(act(x @ p(w.b_proj).T))  # [T, H]
     heads = (num_tokens, num_heads, head_dim)
-    out_gate = act(act(x @ p["g_a_proj.weight"].T) @ p["g_b_proj.weight"].T).reshape(heads)  # [T, H, K]
+    out_gate = act(act(x @ p(w.g_a_proj).T) @ p(w.g_b_proj).T).reshape(heads)  # [T, H, K]
 
     o = np.empty(heads, dtype=dtype)  # [T, H, V]
     scale = head_dim**-0.5
@@ -84,5 +84,5 @@ def kda_forward(
     # Gated RMSNorm per head: norm first, weight shared across heads, then the sigmoid gate.
     o = act(o)
     normed = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + rms_eps)
-    y = act(normed * p["o_norm.weight"] * sigmoid(out_gate))  # [T, H, V]
-    return y.reshape(num_tokens, -1) @ p["o_proj.weight"].T
+    y = act(normed * p(w.o_norm) * sigmoid(out_gate))  # [T, H, V]
+    return y.reshape(num_tokens, -1) @ p(w.o_proj).T

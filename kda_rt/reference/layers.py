@@ -6,14 +6,18 @@
     gated_mlp(x)      = W_down · (silu(W_gate x) ⊙ (W_up x))  (§5.1: dense layer, shared / routed experts)
 
 All functions compute in the dtype of their inputs (float32 at run time, float64 in tests); the
-caller picks the compute dtype through `Params`.  Letters: T tokens, D hidden, F FFN width.
+caller picks the compute dtype through `Compute`.  Letters: T tokens, D hidden, F FFN width.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kda_rt.loader.schema import MLPWeights
+    from kda_rt.reference.params import Compute
 
 __all__ = ["gated_mlp", "linear", "rms_norm", "sigmoid", "silu"]
 
@@ -31,7 +35,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, act=_same) -> np.nda
     """(x · rsqrt(mean(x²) + eps)) · w over the last axis.  x: [..., D], weight: [D].
 
     The weight multiplies as-is (not `1 + w`).  Normalise first, then scale, as in §6.  `act`
-    rounds the normalised value and the product (bf16 emulation, see Params.act).
+    rounds the normalised value and the product (bf16 emulation, see Compute.act).
     """
     var = np.mean(np.square(x), axis=-1, keepdims=True)
     return act(act(x / np.sqrt(var + eps)) * weight)
@@ -48,19 +52,8 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * sigmoid(x)
 
 
-def gated_mlp(
-    p: Mapping[str, np.ndarray],
-    x: np.ndarray,
-    prefix: str = "",
-    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-) -> np.ndarray:
-    """SiLU-gated MLP of §5.1.  x: [T, D] -> [T, D].
-
-    Weights are `p[prefix + stem + ".weight"]`; `names` are the (gate, up, down) stems:
-    `gate_proj/up_proj/down_proj` for the dense layer and the shared experts, `w1/w3/w2` for a
-    routed expert.
-    """
-    gate, up, down = (f"{prefix}{n}.weight" for n in names)
-    act = getattr(p, "act", _same)
-    h = act(act(silu(act(linear(x, p[gate])))) * act(linear(x, p[up])))  # [T, F]
-    return linear(h, p[down])  # [T, D] (callers round: a routed expert's output is combined in fp32)
+def gated_mlp(w: MLPWeights, x: np.ndarray, num: Compute) -> np.ndarray:
+    """SiLU-gated MLP of §5.1 (dense layer, shared experts, one routed expert).  x: [T, D] -> [T, D]."""
+    act = num.act
+    h = act(act(silu(act(linear(x, num.w(w.gate))))) * act(linear(x, num.w(w.up))))  # [T, F]
+    return linear(h, num.w(w.down))  # [T, D] (callers round: a routed expert's output is combined in fp32)

@@ -26,13 +26,17 @@ L cached positions of one sequence, Q query rows of one block, P pages, S page (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.engine.batch import ForwardBatch
-from kda_rt.loader.config import MLAConfig
 from kda_rt.reference.layers import linear, rms_norm
+from kda_rt.reference.params import Compute
+
+if TYPE_CHECKING:
+    from kda_rt.engine.batch import ForwardBatch
+    from kda_rt.loader.config import MLAConfig
+    from kda_rt.loader.schema import MLAWeights
 
 __all__ = ["mla_forward", "paged_positions"]
 
@@ -105,12 +109,12 @@ def _attend_absorbed(q: np.ndarray, cached: np.ndarray, w_uk: np.ndarray, w_uv: 
     return np.einsum("hr,hdr->hd", ctx, w_uv)  # [H, Dv]
 
 
-def mla_forward(p: Mapping[str, np.ndarray], x: np.ndarray, batch: ForwardBatch, kv_pool: np.ndarray,
-                cfg: MLAConfig) -> np.ndarray:
+def mla_forward(w: MLAWeights, x: np.ndarray, batch: ForwardBatch, kv_pool: np.ndarray, cfg: MLAConfig,
+                num: Compute | None = None) -> np.ndarray:
     """MLA mixer for a varlen batch.  Writes this step's latent rows into `kv_pool` in place.
 
-    p: weights under `model.layers.N.self_attn.` in the compute dtype; x: [T, D] normed hidden;
-    kv_pool: [P, S, R+Dr] pages of this layer.  Returns [T, D] in x's dtype.
+    w: one layer's self_attn weights; x: [T, D] normed hidden; kv_pool: [P, S, R+Dr] pages of this
+    layer; num: compute dtype and bf16 rounding (default: x's dtype, no rounding).  Returns [T, D].
     """
     H, Dn, Dr, Dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     T = x.shape[0]
@@ -119,12 +123,13 @@ def mla_forward(p: Mapping[str, np.ndarray], x: np.ndarray, batch: ForwardBatch,
         raise ValueError(f"MLA: kv_pool rows are {width} wide, expected kv_lora_rank + qk_rope_head_dim = {R + Dr}")
     scale = float(Dn + Dr) ** -0.5
 
-    act = getattr(p, "act", lambda v: v)  # bf16 rounding points (identity unless emulating bf16)
-    q = act(linear(x, p["q_proj.weight"])).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
-    ckv = act(linear(x, p["kv_a_proj_with_mqa.weight"]))  # [T, R+Dr]
-    c_lat = rms_norm(ckv[:, :R], p["kv_a_layernorm.weight"], cfg.kv_a_layernorm_eps, act)  # [T, R]
+    num = num or Compute(x.dtype)
+    p, act = num.w, num.act  # act: bf16 rounding points (identity unless emulating bf16)
+    q = act(linear(x, p(w.q_proj))).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
+    ckv = act(linear(x, p(w.kv_a_proj_with_mqa)))  # [T, R+Dr]
+    c_lat = rms_norm(ckv[:, :R], p(w.kv_a_layernorm), cfg.kv_a_layernorm_eps, act)  # [T, R]
     rows = np.concatenate([c_lat, ckv[:, R:]], axis=-1)  # [T, R+Dr] pool rows
-    w_kvb = p["kv_b_proj.weight"].reshape(H, Dn + Dv, R)
+    w_kvb = p(w.kv_b_proj).reshape(H, Dn + Dv, R)
     w_uk, w_uv = w_kvb[:, :Dn], w_kvb[:, Dn:]  # [H, Dn, R], [H, Dv, R]
 
     out = np.empty((T, H, Dv), dtype=x.dtype)
@@ -140,4 +145,4 @@ def mla_forward(p: Mapping[str, np.ndarray], x: np.ndarray, batch: ForwardBatch,
             out[s] = _attend_absorbed(q[s], cached, w_uk, w_uv, cfg, scale)
         else:
             out[s:e] = _attend_expanded(q[s:e], cached, w_uk, w_uv, start, cfg, scale)
-    return linear(act(out).reshape(T, H * Dv), p["o_proj.weight"])
+    return linear(act(out).reshape(T, H * Dv), p(w.o_proj))

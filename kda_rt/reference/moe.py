@@ -25,17 +25,18 @@ Letters: T tokens, D hidden, E experts, G expert groups, A active experts per to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.loader.config import MoEConfig
 from kda_rt.reference.layers import gated_mlp, linear, sigmoid
+from kda_rt.reference.params import Compute
+
+if TYPE_CHECKING:
+    from kda_rt.loader.config import MoEConfig
+    from kda_rt.loader.schema import MoEWeights
 
 __all__ = ["moe_forward", "route"]
-
-_EXPERT_NAMES = ("w1", "w3", "w2")  # (gate, up, down) as stored per routed expert
-
 
 def _top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """[T, k] indices of the k largest entries per row, descending, lower index first on ties."""
@@ -62,13 +63,15 @@ def route(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, cfg: MoEConfig) -
     return idx, w * cfg.routed_scaling_factor
 
 
-def moe_forward(p: Mapping[str, np.ndarray], x: np.ndarray, cfg: MoEConfig) -> np.ndarray:
-    """MoE block.  p: weights under `model.layers.N.block_sparse_moe.`; x: [T, D] -> [T, D].
+def moe_forward(w: MoEWeights, x: np.ndarray, cfg: MoEConfig, num: Compute | None = None) -> np.ndarray:
+    """MoE block.  w: one layer's block_sparse_moe weights; x: [T, D] -> [T, D]; num: compute dtype
+    and bf16 rounding (default: x's dtype, no rounding).
 
     Routed experts run once each on the tokens that picked them (only experts with at least one
     token are touched), accumulated in the compute dtype in ascending expert order.
     """
-    idx, w = route(x, p["gate.weight"], p["gate.e_score_correction_bias"], cfg)
+    num = num or Compute(x.dtype)
+    idx, weight = route(x, num.w(w.gate), num.w(w.e_score_correction_bias), cfg)
     out = np.zeros_like(x)
     flat = idx.ravel()
     order = np.argsort(flat, kind="stable")  # token-slot pairs grouped by expert
@@ -77,9 +80,9 @@ def moe_forward(p: Mapping[str, np.ndarray], x: np.ndarray, cfg: MoEConfig) -> n
     for j, e in enumerate(experts):
         pairs = order[bounds[j]:bounds[j + 1]]
         tokens, slots = pairs // cfg.top_k, pairs % cfg.top_k  # each token at most once per expert
-        y = gated_mlp(p, x[tokens], f"experts.{int(e)}.", _EXPERT_NAMES)  # [n_e, D]
-        out[tokens] += w[tokens, slots][:, None] * y
-    if cfg.num_shared_experts > 0:
-        out += getattr(p, "act", lambda v: v)(gated_mlp(p, x, "shared_experts."))
+        y = gated_mlp(w.experts[int(e)], x[tokens], num)  # [n_e, D]
+        out[tokens] += weight[tokens, slots][:, None] * y
+    if w.shared is not None:
+        out += num.act(gated_mlp(w.shared, x, num))
     return out
 

@@ -13,9 +13,8 @@ Letters: T tokens, D hidden, E experts, A active experts, I / Is expert / shared
 from __future__ import annotations
 
 import dataclasses
-import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -40,35 +39,32 @@ def rand_bf16(rng, shape, scale):
     return out
 
 
-class GpuParams(Mapping):
-    """The NumPy model's checkpoint names, read lazily (float64) from the fused GPU weights."""
+class _LazyExperts(Sequence):
+    """Routed experts of the fused GPU stacks as the schema's `MLPWeights`, copied to the host (float64)
+    only when the NumPy model touches them (the E=256 stacks are GBs)."""
 
-    def __init__(self, router, bias, w13, w2, s13, s2):
-        self.router, self.bias, self.w13, self.w2, self.s13, self.s2 = router, bias, w13, w2, s13, s2
+    def __init__(self, w13, w2):
+        self.w13, self.w2 = w13, w2
 
-    def __getitem__(self, key):
+    def __getitem__(self, e):
+        from kda_rt.loader.schema import MLPWeights
+
         inter = self.w13.shape[1] // 2
-        if key == "gate.weight":
-            return self.router
-        if key == "gate.e_score_correction_bias":
-            return self.bias
-        m = re.fullmatch(r"experts\.(\d+)\.(w1|w3|w2)\.weight", key)
-        if m:
-            e, name = int(m[1]), m[2]
-            w = self.w2[e] if name == "w2" else self.w13[e, :inter] if name == "w1" else self.w13[e, inter:]
-            return to_np(w)
-        ks = self.s13.shape[0] // 2
-        shared = {"gate_proj": lambda: self.s13[:ks], "up_proj": lambda: self.s13[ks:], "down_proj": lambda: self.s2}
-        m = re.fullmatch(r"shared_experts\.(\w+)\.weight", key)
-        if m and self.s13 is not None:
-            return to_np(shared[m[1]]())
-        raise KeyError(key)
-
-    def __iter__(self):
-        return iter(())
+        return MLPWeights(to_np(self.w13[e, :inter]), to_np(self.w13[e, inter:]), to_np(self.w2[e]))
 
     def __len__(self):
-        return 0
+        return self.w13.shape[0]
+
+
+def numpy_weights(router, bias, w13, w2, s13, s2):
+    """The NumPy model's typed MoE weights, read from the fused GPU weights."""
+    from kda_rt.loader.schema import MLPWeights, MoEWeights
+
+    shared = None
+    if s13 is not None:
+        ks = s13.shape[0] // 2
+        shared = MLPWeights(to_np(s13[:ks]), to_np(s13[ks:]), to_np(s2))
+    return MoEWeights(router, bias, _LazyExperts(w13, w2), shared)
 
 
 def make_block(T, D, inter, inter_s, cfg, seed):
@@ -84,14 +80,15 @@ def make_block(T, D, inter, inter_s, cfg, seed):
     s2 = rand_bf16(rng, (D, inter_s), 1 / np.sqrt(inter_s)) if inter_s else None
     gpu = dict(x=to_gpu_bf16(x), w_router=cupy.asarray(router.astype(np.float32)),
                bias=cupy.asarray(bias.astype(np.float32)), w13=w13, w2=w2, shared_w13=s13, shared_w2=s2)
-    return x, gpu, GpuParams(router, bias, w13, w2, s13, s2)
+    return x, gpu, numpy_weights(router, bias, w13, w2, s13, s2)
 
 
 def run(gpu, cfg, **kw):
     from kda_rt.cuda.moe import moe_forward
+    from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
 
-    return moe_forward(gpu["x"], gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], gpu["shared_w13"],
-                       gpu["shared_w2"], cfg, **kw)
+    shared = DeviceMLP(gpu["shared_w13"], gpu["shared_w2"]) if gpu["shared_w13"] is not None else None
+    return moe_forward(gpu["x"], DeviceMoE(gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], shared), cfg, **kw)
 
 
 CASES = {  # name: (T, D, I, Is, E, cfg kwargs)

@@ -18,13 +18,12 @@ import pytest
 from helpers.kda_ref import kda_layer_ref, kda_recurrence_ref
 from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import KDAConfig
+from kda_rt.loader.schema import KDAWeights, Reader
 from kda_rt.reference.kda import kda_forward
 from kda_rt.reference.kda_core import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv, sigmoid
-from kda_rt.reference.params import Params
 
 TOL = 1e-10  # float64 everywhere
 WINDOW = 32
-PREFIX = "model.layers.0.self_attn."
 
 
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
@@ -211,8 +210,8 @@ def make_layer_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def layer_params(weights: dict[str, np.ndarray]) -> Params:
-    return Params({PREFIX + n: a for n, a in weights.items()}, np.float64).sub(PREFIX)
+def layer_params(weights: dict[str, np.ndarray]) -> KDAWeights:
+    return KDAWeights.read(Reader(weights), CFG, HIDDEN)
 
 
 def make_pools(num_slots: int) -> tuple[np.ndarray, np.ndarray]:

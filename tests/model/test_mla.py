@@ -17,6 +17,7 @@ import pytest
 
 from kda_rt.engine.batch import ForwardBatch
 from kda_rt.loader.config import MLAConfig
+from kda_rt.loader.schema import MLAWeights, Reader
 from kda_rt.reference.mla import mla_forward
 
 CFG = MLAConfig(num_heads=3, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
@@ -80,7 +81,7 @@ def run_schedule(w, xs: list[np.ndarray], steps: list[list[int]], block_size: in
             [[0] * step[b] for b in active], [done[b] for b in active], list(range(len(active))), [tables[b] for b in active]
         )
         x = np.concatenate([xs[b][done[b]:done[b] + step[b]] for b in active])
-        y = mla_forward(w, x, batch, pool, CFG)
+        y = mla_forward(MLAWeights.read(Reader(w), CFG, D), x, batch, pool, CFG)
         for j, b in enumerate(active):
             outs[b][done[b]:done[b] + step[b]] = y[batch.cu_seqlens[j]:batch.cu_seqlens[j + 1]]
             done[b] += step[b]
@@ -131,7 +132,7 @@ def test_missing_page_raises() -> None:
     pool = np.zeros((4, 4, CFG.cache_width))
     batch = ForwardBatch.build([[0] * 6], [0], [0], [[2]])  # 6 tokens need two pages, table has one
     with pytest.raises(ValueError, match="block table"):
-        mla_forward(w, np.zeros((6, D)), batch, pool, CFG)
+        mla_forward(MLAWeights.read(Reader(w), CFG, D), np.zeros((6, D)), batch, pool, CFG)
 
 
 if __name__ == "__main__":

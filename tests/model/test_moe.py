@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kda_rt.loader.config import MoEConfig
+from kda_rt.loader.schema import MoEWeights, Reader
 from kda_rt.reference.moe import moe_forward, route
 
 D, F, T = 24, 16, 37
@@ -87,7 +88,7 @@ def test_moe_matches_per_token_loop(name: str) -> None:
     for t in range(T):
         idx, _ = route(x[t:t + 1], w["gate.weight"], w["gate.e_score_correction_bias"], cfg)
         assert idx[0].tolist() == ref_route(w, x[t], cfg)[0]
-    out, ref = moe_forward(w, x, cfg), ref_moe(w, x, cfg)
+    out, ref = moe_forward(MoEWeights.read(Reader(w), cfg, D), x, cfg), ref_moe(w, x, cfg)
     assert np.max(np.abs(out - ref)) <= 1e-12 * np.max(np.abs(ref))
 
 
