@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers.configs import tiny_config
 from kda_rt.loader.config import parse_config
 from kda_rt.loader.schema import KDAWeights, Stack, expected_tensors, read_weights
 
