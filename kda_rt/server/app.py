@@ -15,6 +15,7 @@ request aborted, which frees its KDA slot and MLA pages at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -39,14 +40,27 @@ __all__ = ["IGNORED_HEADER", "ServerState", "build_app"]
 logger = logging.getLogger(__name__)
 
 IGNORED_HEADER = "x-kda-rt-ignored-fields"
+_MAX_WARNED = 1024  # distinct names remembered (a client can invent any number of them)
+_MAX_HEADER_CHARS = 2048
 _warned_fields: set[str] = set()  # ignored field names already logged by this process
 
 
-def _note_ignored(fields: list[str]) -> None:
-    new = [f for f in fields if f not in _warned_fields]
-    if new:
+def _safe_name(name: str) -> str:
+    """A field name as printable ASCII (JSON escapes), for a header value and a log line."""
+    return json.dumps(name[:200])[1:-1].replace(",", "\\u002c")
+
+
+def _note_ignored(response: Response, fields: list[str]) -> None:
+    """Log each new ignored field name once at WARNING and list them in the response header."""
+    names = [_safe_name(f) for f in fields]
+    new = [n for n in names if n not in _warned_fields]
+    if new and len(_warned_fields) < _MAX_WARNED:
         _warned_fields.update(new)
         logger.warning("request fields ignored (not supported; logged once per name): %s", ", ".join(new))
+    value = ", ".join(names)
+    if len(value) > _MAX_HEADER_CHARS:
+        value = value[:_MAX_HEADER_CHARS].rsplit(", ", 1)[0] + ", ..."
+    response.headers[IGNORED_HEADER] = value
 
 _ABORTED = object()  # put into a request's queue when the server aborts it at the end of a drain
 _DRAIN_READ_FACTOR = 8  # an oversized body is read (and dropped) up to this many caps, so the 413 arrives
@@ -189,8 +203,7 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"the engine is unavailable: {exc}", 503)
         response = _json(result)
         if ignored:
-            _note_ignored(ignored)
-            response.headers[IGNORED_HEADER] = ", ".join(ignored)
+            _note_ignored(response, ignored)
         return response
 
     async def tokenize(request: Request) -> Response:
@@ -214,8 +227,7 @@ def build_app(state: ServerState) -> Starlette:
             raise
         metrics.http(endpoint, response.status_code)
         if ignored:
-            _note_ignored(ignored)
-            response.headers[IGNORED_HEADER] = ", ".join(ignored)
+            _note_ignored(response, ignored)
         return response
 
     async def _generate(request: Request, chat: bool, ignored: list[str]) -> Response:

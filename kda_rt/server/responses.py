@@ -153,10 +153,11 @@ class StreamChoices(_Shape):
         self.offsets = [0] * self.num_choices
         self.with_logprobs = logprobs
         self.parsers = None
+        self.pending: list[list[dict[str, Any]]] = [[] for _ in range(self.num_choices)]  # from the forced prefix
         if tool_mode is not None:
             self.parsers = [ToolCallStream(tool_mode.get("max_calls")) for _ in range(self.num_choices)]
-            for parser in self.parsers:
-                parser.feed(self.prefix)
+            for i, parser in enumerate(self.parsers):
+                self.pending[i] = parser.feed(self.prefix)[1]
 
     def echo_choices(self) -> list[dict[str, Any]]:
         """The first chunk of a completion with echo: each choice's prompt (and its logprobs)."""
@@ -184,6 +185,7 @@ class StreamChoices(_Shape):
                 if self.parsers is not None:
                     parser = self.parsers[i]
                     content, calls = parser.feed(c["text"], final=reason is not None)
+                    calls, self.pending[i] = self.pending[i] + calls, []
                     if calls:
                         delta["tool_calls"] = calls
                     if parser.calls and reason in ("stop", "length"):

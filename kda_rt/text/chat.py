@@ -170,7 +170,7 @@ def validate_messages(messages: Any, tools: Any, chat_template_kwargs: Any = Non
             if message.get(field) is not None and not isinstance(message[field], str):
                 raise ValueError(f"messages[{i}].{field} must be a str, got {type(message[field]).__name__}")
         calls = message.get("tool_calls")
-        if calls is None:
+        if calls is None or (isinstance(calls, (list, tuple)) and not calls):
             continue
         if role != "assistant":
             raise ValueError(f"messages[{i}].tool_calls is only allowed on assistant messages")

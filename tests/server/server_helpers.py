@@ -42,7 +42,8 @@ class ServerProc:
         self.engine_pid = self._wait_healthy()
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def _wait_healthy(self, timeout: float = 90.0) -> int:
