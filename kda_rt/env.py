@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override", "api_key"]
+__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval"]
 
 
 def cache_dir() -> Path:
@@ -21,3 +21,12 @@ def arch_override() -> str | None:
 def api_key() -> str | None:
     """KDA_RT_API_KEY: default for `python -m kda_rt.serve --api-key` (require 'Authorization: Bearer KEY')."""
     return os.environ.get("KDA_RT_API_KEY") or None
+
+
+def log_stats_interval() -> float:
+    """KDA_RT_LOG_STATS_INTERVAL: seconds between the server's throughput log lines while busy (default 10; 0 = off)."""
+    value = os.environ.get("KDA_RT_LOG_STATS_INTERVAL") or "10"
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        raise ValueError(f"KDA_RT_LOG_STATS_INTERVAL must be a number of seconds, got {value!r}") from None

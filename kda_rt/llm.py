@@ -138,10 +138,17 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
+        prompt_lps = [self.prompt_logprobs(p, sp.prompt_logprobs)[0] if sp.prompt_logprobs is not None else None
+                      for p, sp in zip(prompts, params_list, strict=True)]
         ids = self._add_all(prompts, params_list)
+        if any(lp is not None for lp in prompt_lps):
+            by_id = dict(zip(ids, prompt_lps, strict=True))
+            attach = lambda out: dataclasses.replace(out, prompt_logprobs=by_id.get(out.request_id))  # noqa: E731
+        else:
+            attach = None
         if stream:
             done: list = []
-            gen = self._stream(ids, done)
+            gen = self._stream(ids, done, attach)
             # a generator closed before its first next() never runs its finally: abort then too
             done.append(weakref.finalize(gen, self._abort_all, list(ids)))
             return gen
@@ -152,7 +159,7 @@ class LLM:
                     final[out.request_id] = out
         finally:
             self._abort_all(ids)
-        return [final[rid] for rid in ids]
+        return [attach(final[rid]) if attach else final[rid] for rid in ids]
 
     def _add_all(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
         """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted."""
@@ -218,11 +225,12 @@ class LLM:
                         mine.discard(rid)
                     yield out
 
-    def _stream(self, ids: list[str], done: list) -> Iterator[RequestOutput]:
+    def _stream(self, ids: list[str], done: list, attach=None) -> Iterator[RequestOutput]:
         trackers = {rid: DeltaTracker() for rid in ids}
         try:
             for out in self._drive(ids):
-                yield trackers[out.request_id].delta(out)
+                delta = trackers[out.request_id].delta(out)
+                yield attach(delta) if attach else delta
         finally:
             done[0].detach()  # ids may be reused by later requests: never abort them from the finalizer
             self._abort_all(ids)
@@ -241,8 +249,13 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         stream: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput] | Iterator[RequestOutput]:
-        """Apply the chat template to one conversation (a list of messages) or several."""
+        """Apply the chat template to one conversation (a list of messages) or several.  Messages may
+        carry assistant `tool_calls` (content None) and `tool` results with `tool_call_id`; the
+        `developer` role reads as `system`.  Generated tool calls stay in the text (pass
+        `skip_special_tokens=False` to keep the markers) and `kda_rt.text.tool_parser.parse_tool_calls`
+        reads them."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files, so chat() is unavailable")
         if not isinstance(messages, list) or not messages:
@@ -252,7 +265,8 @@ class LLM:
             if not isinstance(conv, list) or not conv:
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
         prompts = [
-            {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools)}
+            {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                            chat_template_kwargs=chat_template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, stream=stream)
@@ -261,6 +275,29 @@ class LLM:
         """[len(token_ids), vocab] float32 logits of every position of one sequence (`LLMEngine.score`:
         a slot and pages borrowed from the free pools, so running requests are untouched)."""
         return self.llm_engine.score(token_ids)
+
+    def prompt_logprobs(self, prompt: str | dict | list[int], num: int = 0
+                        ) -> tuple[list[dict[int, float] | None], list[int | None]]:
+        """(logprobs, ranks) of every prompt token from one `score()` pass: per position i >= 1,
+        {token_id: logprob} of the prompt token and the `num` most likely ones under the logits of
+        position i - 1, and the prompt token's rank (1 = most likely); position 0 has None."""
+        _, ids = self.llm_engine.prompt_ids(prompt)
+        logits = self.score(ids)  # [T, V]
+        dicts: list[dict[int, float] | None] = [None]
+        ranks: list[int | None] = [None]
+        for i in range(1, len(ids)):
+            row = logits[i - 1].astype(np.float64)
+            lp = row - row.max()
+            lp -= np.log(np.exp(lp).sum())
+            token = ids[i]
+            entry = {token: float(lp[token])}
+            if num:
+                top = np.argpartition(-lp, num - 1)[:num]
+                for t in top[np.argsort(-lp[top], kind="stable")]:
+                    entry.setdefault(int(t), float(lp[t]))
+            dicts.append(entry)
+            ranks.append(int((lp > lp[token]).sum()) + 1)
+        return dicts, ranks
 
     def stats(self) -> dict[str, int]:
         """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""

@@ -28,3 +28,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # with SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} of that token and the
+    # top N (None for the first token, which has no context)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

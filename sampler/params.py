@@ -57,6 +57,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token is always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (LLM.generate; vLLM's name)
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -102,6 +104,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an int in [0, 20] or None, got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

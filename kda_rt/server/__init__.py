@@ -7,7 +7,8 @@ engine in its own process behind msgpack frames.  Needs the `server` extra (`kda
     engine_client.py  HTTP side of the engine process: spawn, frames, per-request queues
     engine_proc.py    the engine process: frames in, LLMEngine.step(), deltas out
     wire.py           msgpack frame format
-    metrics.py        Prometheus text exposition
+    metrics.py        Prometheus metrics (prometheus_client; vLLM's names under `kda_rt:`, model_name label)
+    stats_log.py      the engine process's periodic throughput / usage log line
     __main__.py       CLI, uvicorn, SIGTERM drain
 """
 

@@ -22,6 +22,7 @@ import uvicorn
 
 from kda_rt import env
 from kda_rt.engine.config import EngineConfig
+from kda_rt.log import configure as configure_logging
 
 __all__ = ["build_parser", "main", "serve"]
 
@@ -47,7 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a busy engine may stay silent before /health is 503 and requests fail")
     ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)")
     ap.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
-    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                    help="for the HTTP and the engine process alike")
+    ap.add_argument("--enable-log-requests", action="store_true",
+                    help="log each request (id, prompt tokens, sampling parameters) and its end at INFO")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='allow tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
+    ap.add_argument("--tool-call-parser", default=None, choices=("kimi_k2",),
+                    help="parse the model's tool-call markers into message.tool_calls (Kimi K2 family format)")
     return ap
 
 
@@ -61,7 +69,7 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
 
         model = str(demo_path())
         logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
-    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting}
+    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting, "log_level": args.log_level}
     client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)
@@ -70,9 +78,10 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
         return 1
     name = args.served_model_name or os.path.basename(os.path.normpath(model))
     state = ServerState(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        body_timeout=args.body_timeout)
+                        body_timeout=args.body_timeout, log_requests=args.enable_log_requests,
+                        auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None)
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False, log_config=None)
     server = _Server(config)
     loop = asyncio.get_running_loop()
     drain_task: list[asyncio.Task] = []
@@ -127,7 +136,10 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser kimi_k2", file=sys.stderr)
+        return 2
     if args.tensor_parallel_size != 1:
         print("error: --tensor-parallel-size is reserved; only 1 is supported", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
 """The Starlette app: OpenAI-compatible routes over an `EngineClient`.
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> SSE chunks, then `data: [DONE]`)
-    GET  /v1/models, /health (503 while draining or with the engine gone), /metrics (Prometheus)
+    POST /tokenize, /detokenize                  (vLLM's shapes)
+    GET  /v1/models, /version, /health (503 while draining or with the engine gone), /metrics (Prometheus)
 
+Unknown request fields are accepted, logged once per field name at WARNING and listed in the
+`x-kda-rt-ignored-fields` response header.
 Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 invalid body or
 parameters, 401 wrong API key (routes under /v1 only), 404 unknown model, 413 body over the cap,
 429 engine waiting queue full, 503 draining or engine gone.  A client that disconnects has its
@@ -12,6 +15,7 @@ request aborted, which frees its KDA slot and MLA pages at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -31,9 +35,32 @@ from kda_rt.server import protocol, responses
 from kda_rt.server.engine_client import EngineClient, EngineDeadError, EngineTimeoutError, RequestRejected
 from kda_rt.server.metrics import CONTENT_TYPE, Metrics
 
-__all__ = ["ServerState", "build_app"]
+__all__ = ["IGNORED_HEADER", "ServerState", "build_app"]
 
 logger = logging.getLogger(__name__)
+
+IGNORED_HEADER = "x-kda-rt-ignored-fields"
+_MAX_WARNED = 1024  # distinct names remembered (a client can invent any number of them)
+_MAX_HEADER_CHARS = 2048
+_warned_fields: set[str] = set()  # ignored field names already logged by this process
+
+
+def _safe_name(name: str) -> str:
+    """A field name as printable ASCII (JSON escapes), for a header value and a log line."""
+    return json.dumps(name[:200])[1:-1].replace(",", "\\u002c")
+
+
+def _note_ignored(response: Response, fields: list[str]) -> None:
+    """Log each new ignored field name once at WARNING and list them in the response header."""
+    names = [_safe_name(f) for f in fields]
+    new = [n for n in names if n not in _warned_fields]
+    if new and len(_warned_fields) < _MAX_WARNED:
+        _warned_fields.update(new)
+        logger.warning("request fields ignored (not supported; logged once per name): %s", ", ".join(new))
+    value = ", ".join(names)
+    if len(value) > _MAX_HEADER_CHARS:
+        value = value[:_MAX_HEADER_CHARS].rsplit(", ", 1)[0] + ", ..."
+    response.headers[IGNORED_HEADER] = value
 
 _ABORTED = object()  # put into a request's queue when the server aborts it at the end of a drain
 _DRAIN_READ_FACTOR = 8  # an oversized body is read (and dropped) up to this many caps, so the 413 arrives
@@ -47,8 +74,14 @@ class ServerState:
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout: float = 30.0  # seconds to receive a whole request body
     draining: bool = False
-    metrics: Metrics = field(default_factory=Metrics)
+    log_requests: bool = False  # --enable-log-requests
+    auto_tools: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+    metrics: Metrics | None = None
     open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics(self.model_name)
 
     def abort_all(self) -> None:
         """End every in-flight request now (finish_reason "abort") and free its engine resources."""
@@ -129,22 +162,75 @@ def build_app(state: ServerState) -> Starlette:
                 stats = None
         return Response(metrics.render(stats, state.client.alive, state.draining), media_type=CONTENT_TYPE)
 
+    async def version(request: Request) -> Response:
+        from kda_rt import __version__
+
+        return _json({"version": __version__})
+
+    async def text_op(request: Request, op: str) -> Response:
+        """POST /tokenize and /detokenize, answered by the engine process's tokenizer."""
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        try:
+            body = await asyncio.wait_for(_read_body(request, state.max_body_bytes), state.body_timeout)
+            schema = protocol.TokenizeRequest if op == "tokenize" else protocol.DetokenizeRequest
+            req, ignored = protocol.decode_body(body, schema)
+            if op == "tokenize":
+                protocol.check_depth(req.messages, "messages")
+                protocol.check_depth(req.tools, "tools")
+                if (req.prompt is None) == (req.messages is None):
+                    raise protocol.InvalidRequest("give exactly one of prompt and messages")
+                payload = {"prompt": req.prompt, "add_generation_prompt": req.add_generation_prompt,
+                           "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
+                if req.messages is not None:
+                    payload["messages"] = protocol.chat_payload(protocol.ChatCompletionRequest(
+                        messages=req.messages, tools=req.tools, tool_choice="none"))["messages"]
+            else:
+                payload = {"tokens": req.tokens}
+        except _TooLarge as exc:
+            return _error(str(exc), 413)
+        except asyncio.TimeoutError:
+            return _error(f"request body not received within {state.body_timeout:g} s (--body-timeout)", 408)
+        except protocol.InvalidRequest as exc:
+            return _error(str(exc), 400)
+        if req.model is not None and req.model != state.model_name:
+            return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
+        try:
+            result = await state.client.call(op, payload)
+        except RequestRejected as exc:
+            return _error(exc.message, exc.status)
+        except (EngineDeadError, EngineTimeoutError) as exc:
+            return _error(f"the engine is unavailable: {exc}", 503)
+        response = _json(result)
+        if ignored:
+            _note_ignored(response, ignored)
+        return response
+
+    async def tokenize(request: Request) -> Response:
+        return await text_op(request, "tokenize")
+
+    async def detokenize(request: Request) -> Response:
+        return await text_op(request, "detokenize")
+
     async def generate(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
+        ignored: list[str] = []
         try:
-            response = await _generate(request, chat)
+            response = await _generate(request, chat, ignored)
         except RecursionError:  # a nesting check missed a path: still the client's input, still counted
             response = _error("request body is nested too deeply", 400)
         except ClientDisconnect:
             logger.info("client disconnected while sending its request body (%s %s)", request.method, request.url.path)
             response = Response(status_code=499)
         except Exception:
-            metrics.requests[endpoint, 500] += 1
+            metrics.http(endpoint, 500)
             raise
-        metrics.requests[endpoint, response.status_code] += 1
+        metrics.http(endpoint, response.status_code)
+        if ignored:
+            _note_ignored(response, ignored)
         return response
 
-    async def _generate(request: Request, chat: bool) -> Response:
+    async def _generate(request: Request, chat: bool, ignored: list[str]) -> Response:
         if not authorized(request):
             return _error("invalid or missing API key", 401)
         if state.draining:
@@ -152,10 +238,12 @@ def build_app(state: ServerState) -> Starlette:
         try:
             body = await asyncio.wait_for(_read_body(request, state.max_body_bytes), state.body_timeout)
             if chat:
-                req = protocol.decode_body(body, protocol.ChatCompletionRequest)
-                payload = protocol.chat_payload(req)
+                req, names = protocol.decode_body(body, protocol.ChatCompletionRequest)
+                ignored += names
+                payload = protocol.chat_payload(req, state.auto_tools)
             else:
-                req = protocol.decode_body(body, protocol.CompletionRequest)
+                req, names = protocol.decode_body(body, protocol.CompletionRequest)
+                ignored += names
                 payload = protocol.completion_payload(req)
         except _TooLarge as exc:
             response = _error(str(exc), 413)
@@ -174,13 +262,19 @@ def build_app(state: ServerState) -> Starlette:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         start = time.perf_counter()
         try:
-            queue, prompt_tokens = await state.client.add(rid, payload)
+            queue, added = await state.client.add(rid, payload)
         except RequestRejected as exc:
-            metrics.outcomes["rejected"] += 1
+            metrics.rejected()
+            if state.log_requests:
+                logger.info("request %s rejected (%d): %s", rid, exc.status, exc.message)
             return _error(exc.message, exc.status)
         except (EngineDeadError, EngineTimeoutError) as exc:
             return _error(f"the engine is unavailable: {exc}", 503)
-        run = _Run(state, rid, req, chat, queue, prompt_tokens, start)
+        if state.log_requests:
+            logger.info("request %s: %s, %d prompt tokens in %d prompt(s), params %s%s", rid, endpoint_name(chat),
+                        added["prompt_tokens"], len(added["prompts"]), payload["params"],
+                        f", tools {payload['tool_mode']}" if chat and payload.get("tool_mode") else "")
+        run = _Run(state, rid, req, chat, queue, added, payload, start)
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
@@ -195,6 +289,9 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -218,14 +315,18 @@ class _Run:
     it in the engine if it ends any other way than finished (disconnect, cancellation, error)."""
 
     def __init__(self, state: ServerState, rid: str, req: Any, chat: bool, queue: asyncio.Queue,
-                 prompt_tokens: int, start: float) -> None:
+                 added: dict[str, Any], payload: dict[str, Any], start: float) -> None:
         self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
-        self.prompt_tokens, self.start = prompt_tokens, start
+        self.prompt_tokens, self.start = added["prompt_tokens"], start
+        self.prompts = added["prompts"]
+        self.num_choices = req.n * len(self.prompts)
         self.first: float | None = None
         self.server_aborted = False
-        self.choices = responses.Choices(req.n, chat)
+        self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
+                      "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None}
+        self.choices = responses.Choices(req.n, chat, **self.shape)
         state.open[rid] = queue
-        state.metrics.in_flight += 1
+        state.metrics.started()
 
     async def items(self) -> AsyncIterator[dict[str, Any]]:
         """Delta items until the request finishes; raises EngineDeadError if the engine dies."""
@@ -238,7 +339,7 @@ class _Run:
                 done = {i for i, (reason, _) in enumerate(self.choices.finish) if reason is not None}
                 item = {"id": self.rid, "finished": True, "outputs": [
                     {"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort",
-                     "stop_reason": None} for i in range(self.req.n) if i not in done]}
+                     "stop_reason": None} for i in range(self.num_choices) if i not in done]}
             if isinstance(item, BaseException):
                 raise item
             if self.first is None and any(c["token_ids"] for c in item["outputs"]):
@@ -251,11 +352,15 @@ class _Run:
     def _end(self, outcome: str) -> None:
         outcome = "aborted" if self.server_aborted else outcome
         self.state.open.pop(self.rid, None)
-        self.state.metrics.in_flight -= 1
         if outcome != "finished":
             self.state.client.abort(self.rid)
+        end = time.perf_counter()
+        reason = self.choices.finish[0][0] if self.choices.finish else None
         self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
-                                  first=self.first, end=time.perf_counter())
+                                  first=self.first, end=end, finished_reason=reason)
+        if self.state.log_requests:
+            logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
+                        self.choices.completion_tokens, [f for f, _ in self.choices.finish])
 
     def _usage(self) -> dict[str, int]:
         return responses.usage(self.prompt_tokens, self.choices.completion_tokens)
@@ -284,21 +389,31 @@ class _Run:
         body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": int(time.time()), "model": self.state.model_name, "choices": self.choices.build(),
                 "usage": self._usage()}
+        if self.chat and self.prompts and "logprobs" in self.prompts[0]:
+            body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
         return _json(body)
 
     async def sse(self) -> AsyncIterator[bytes]:
         outcome, model, chat = "aborted", self.state.model_name, self.chat
-        offsets = [0] * self.req.n
+        stream = responses.StreamChoices(self.req.n, chat, **self.shape)
+        options = self.req.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
         try:
             if chat:
                 first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(self.req.n)]
-                yield _event(responses.chunk(self.rid, model, chat, first))
+                          "finish_reason": None} for i in range(self.num_choices)]
+                body = responses.chunk(self.rid, model, chat, first, self._usage() if continuous else None)
+                if self.prompts and "logprobs" in self.prompts[0]:
+                    body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
+                yield _event(body)
+            elif self.shape["echo"] or any("logprobs" in p for p in self.prompts):
+                yield _event(responses.chunk(self.rid, model, chat, stream.echo_choices(),
+                                             self._usage() if continuous else None))
             async for item in self.items():
-                choices = responses.chunk_choices(item, chat, offsets)
+                choices = stream.choices(item)
                 if choices:
-                    yield _event(responses.chunk(self.rid, model, chat, choices))
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                    yield _event(responses.chunk(self.rid, model, chat, choices, self._usage() if continuous else None))
+            if options is not None and options.include_usage:
                 yield _event(responses.chunk(self.rid, model, chat, [], self._usage()))
             outcome = "finished"
             yield b"data: [DONE]\n\n"
@@ -307,6 +422,10 @@ class _Run:
             yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
         finally:
             self._end(outcome)
+
+
+def endpoint_name(chat: bool) -> str:
+    return "chat" if chat else "completions"
 
 
 def _event(body: dict[str, Any]) -> bytes:

@@ -126,9 +126,9 @@ class EngineClient:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def add(self, request_id: str, payload: dict[str, Any]) -> tuple[asyncio.Queue, int]:
-        """Submit one request; returns (its delta queue, prompt token count).  Raises
-        RequestRejected or EngineDeadError.  The queue yields `outs` items, then None at the end
+    async def add(self, request_id: str, payload: dict[str, Any]) -> tuple[asyncio.Queue, dict[str, Any]]:
+        """Submit one request; returns (its delta queue, the engine's `added` answer: `prompt_tokens`,
+        and per prompt `num_tokens`, echo `text`, `logprobs`).  Raises RequestRejected or EngineDeadError.  The queue yields `outs` items, then None at the end
         (or an EngineDeadError instance if the engine dies first)."""
         self._check_alive()
         try:
@@ -141,13 +141,13 @@ class EngineClient:
         self._pending[request_id] = fut
         self._write(frame)
         try:
-            prompt_tokens = await self.wait(fut, "adding a request")
+            added = await self.wait(fut, "adding a request")
         except BaseException:
             self._pending.pop(request_id, None)
             if self.queues.pop(request_id, None) is not None and self.alive:
                 self._send({"op": "abort", "id": request_id})  # it may have been added already
             raise
-        return queue, prompt_tokens
+        return queue, added
 
     def abort(self, request_id: str) -> None:
         """Forget a request and tell the engine to free its slot and pages (no-op if finished)."""
@@ -156,13 +156,23 @@ class EngineClient:
             self._send({"op": "abort", "id": request_id})
 
     async def stats(self) -> dict[str, int]:
+        return await self.call("stats", {})
+
+    async def call(self, op: str, payload: dict[str, Any]) -> Any:
+        """One question to the engine (`stats`, `tokenize`, `detokenize`) and its answer; a refusal
+        raises RequestRejected."""
         self._check_alive()
-        key = f"stats-{next(self._ids)}"
+        key = f"{op}-{next(self._ids)}"
         fut = asyncio.get_running_loop().create_future()
         self._pending[key] = fut
-        self._send({"op": "stats", "id": key})
         try:
-            return await self.wait(fut, "reading stats")
+            frame = pack({"op": op, "id": key, **payload})
+        except (OverflowError, TypeError, ValueError) as exc:
+            self._pending.pop(key, None)
+            raise RequestRejected(400, f"request cannot be passed to the engine: {exc}") from None
+        self._write(frame)
+        try:
+            return await self.wait(fut, f"answering {op}")
         finally:
             self._pending.pop(key, None)
 
@@ -214,14 +224,16 @@ class EngineClient:
                     if item["finished"]:
                         self.queues.pop(item["id"], None)
                         queue.put_nowait(None)
-        elif op in ("added", "rejected", "stats"):
+        elif op in ("added", "rejected", "stats", "result"):
             fut = self._pending.pop(msg["id"], None)
             if fut is None or fut.done():
                 return
             if op == "added":
-                fut.set_result(msg["prompt_tokens"])
+                fut.set_result(msg)
             elif op == "stats":
                 fut.set_result(msg["stats"])
+            elif op == "result":
+                fut.set_result(msg["result"])
             else:
                 fut.set_exception(RequestRejected(msg["status"], msg["error"]))
 

@@ -23,36 +23,46 @@ import time
 import traceback
 from typing import Any
 
+from kda_rt import env
 from kda_rt.engine.postprocess import DeltaTracker
+from kda_rt.log import configure as configure_logging
+from kda_rt.server.stats_log import StatsLogger
 from kda_rt.server.wire import FrameSocket
+from kda_rt.text.tool_parser import tool_prefix_ids
 
 __all__ = ["EngineWorker", "HEARTBEAT_S", "main"]
 
 HEARTBEAT_S = 1.0  # while busy, a `beat` frame at least this often, so the HTTP side can tell busy from stuck
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kda_rt.engine_proc")
 
 
 class _Open:
-    """Per-request state in the engine process."""
+    """Per engine request in the engine process: one prompt of an HTTP request, whose choices are
+    `offset` .. `offset + n - 1` of the HTTP request `parent`."""
 
-    __slots__ = ("tracker", "reported", "logprobs")
+    __slots__ = ("tracker", "reported", "logprobs", "parent", "offset")
 
-    def __init__(self, logprobs: int | None) -> None:
+    def __init__(self, logprobs: int | None, parent: str, offset: int) -> None:
         self.tracker = DeltaTracker()
         self.reported: set[int] = set()  # sample indices whose finish was already sent
         self.logprobs = logprobs
+        self.parent = parent
+        self.offset = offset
 
 
 class EngineWorker:
-    def __init__(self, llm, conn: FrameSocket, max_waiting: int) -> None:
+    def __init__(self, llm, conn: FrameSocket, max_waiting: int, log_stats_interval: float | None = None) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
         self.tokenizer = llm.tokenizer
         self.conn = conn
         self.max_waiting = max_waiting
-        self.open: dict[str, _Open] = {}
+        self.open: dict[str, _Open] = {}  # engine request id -> its state
+        self.children: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
         self.running = True
+        self.log_stats = StatsLogger(self.engine, env.log_stats_interval() if log_stats_interval is None
+                                     else log_stats_interval)
 
     # -- frames from the HTTP process -----------------------------------------------------------
 
@@ -61,17 +71,54 @@ class EngineWorker:
         if op == "add":
             self._add(msg)
         elif op == "abort":
-            self.open.pop(msg["id"], None)
-            self.engine.abort(msg["id"])
+            self._abort(msg["id"])
         elif op == "stats":
             self.conn.send({"op": "stats", "id": msg["id"], "stats": self.engine.stats()})
+        elif op in ("tokenize", "detokenize"):
+            self._text_op(msg)
         elif op == "shutdown":
-            for rid in list(self.open):
-                self.engine.abort(rid)
-            self.open.clear()
+            for rid in list(self.children):
+                self._abort(rid)
             self.running = False
         else:
             logger.warning("engine process: unknown op %r ignored", op)
+
+    def _abort(self, parent: str) -> None:
+        for rid in self.children.pop(parent, []):
+            self.open.pop(rid, None)
+            self.engine.abort(rid)
+
+    def _text_op(self, msg: dict[str, Any]) -> None:
+        try:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer files")
+            if msg["op"] == "detokenize":
+                result = {"prompt": self.tokenizer.decode([t for t in msg["tokens"]])}
+            else:
+                if msg.get("messages") is not None:
+                    ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
+                                                     add_generation_prompt=msg.get("add_generation_prompt", True),
+                                                     chat_template_kwargs=msg.get("chat_template_kwargs"))
+                else:
+                    ids = self.tokenizer.encode(msg.get("prompt") or "")
+                result = {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids,
+                          "token_strs": None}
+        except (ValueError, TypeError, KeyError) as exc:
+            self.conn.send({"op": "rejected", "id": msg["id"], "status": 400, "error": str(exc)})
+            return
+        self.conn.send({"op": "result", "id": msg["id"], "result": result})
+
+    def _prompts(self, msg: dict[str, Any]) -> list[Any]:
+        """Engine prompts of one `add`: chat messages through the template (plus the forced tool-call
+        prefix of tool_choice required / named), or the completion prompts."""
+        if msg.get("messages") is None:
+            return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in msg["prompts"]]
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer files, so chat requests are unavailable")
+        ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
+                                         add_generation_prompt=msg.get("add_generation_prompt", True),
+                                         chat_template_kwargs=msg.get("chat_template_kwargs"))
+        return [{"prompt_token_ids": ids + tool_prefix_ids(self.tokenizer, msg.get("tool_mode"))}]
 
     def _add(self, msg: dict[str, Any]) -> None:
         from kda_rt.sampler.params import SamplingParams
@@ -80,61 +127,109 @@ class EngineWorker:
         waiting = self.engine.num_waiting()  # sequences: a request adds n of them
         n = msg["params"].get("n", 1)
         n = n if isinstance(n, int) and n > 0 else 1
-        if n > self.max_waiting:
+        num = n * max(1, len(msg.get("prompts") or [1]))
+        if num > self.max_waiting:
             self.conn.send({"op": "rejected", "id": rid, "status": 400,
-                            "error": f"n = {n} exceeds the server's max_waiting {self.max_waiting} (--max-waiting)"})
+                            "error": f"{num} sequences (n x prompts) exceed the server's max_waiting "
+                                     f"{self.max_waiting} (--max-waiting)"})
             return
-        if waiting + n > self.max_waiting:
+        if waiting + num > self.max_waiting:
             self.conn.send({"op": "rejected", "id": rid, "status": 429,
-                            "error": f"the waiting queue is full ({waiting} sequences waiting + {n} new > max_waiting "
+                            "error": f"the waiting queue is full ({waiting} sequences waiting + {num} new > max_waiting "
                                      f"{self.max_waiting}); retry later"})
             return
+        added: list[str] = []
         try:
             params = SamplingParams(**msg["params"])
-            prompt = msg.get("prompt")
-            if msg.get("messages") is not None:
-                if self.tokenizer is None:
-                    raise ValueError("this model has no tokenizer files, so chat requests are unavailable")
-                prompt = {"prompt_token_ids": self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"))}
-            elif isinstance(prompt, list):
-                prompt = {"prompt_token_ids": prompt}
-            self.engine.add_request(rid, prompt, params)
+            prompts = self._prompts(msg)
+            infos, num_tokens = [], 0
+            for prompt in prompts:
+                text, ids = self.engine.prompt_ids(prompt)
+                num_tokens += len(ids)
+                info: dict[str, Any] = {"num_tokens": len(ids)}
+                if msg.get("echo"):
+                    info["text"] = text if text is not None else self._decode(ids)
+                if msg.get("prompt_logprobs") is not None:
+                    info["logprobs"] = self._prompt_logprobs(ids, msg["prompt_logprobs"])
+                infos.append(info)
+            if not msg.get("score_only"):
+                for k, prompt in enumerate(prompts):
+                    sub = rid if len(prompts) == 1 else f"{rid}/{k}"
+                    self.engine.add_request(sub, prompt, params)
+                    added.append(sub)
+                    self.open[sub] = _Open(params.logprobs, rid, k * n)
+        except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now
+            self._undo(added)
+            self.conn.send({"op": "rejected", "id": rid, "status": 429, "error": f"{exc}; retry later"})
+            return
         except (ValueError, TypeError, KeyError) as exc:
+            self._undo(added)
             self.conn.send({"op": "rejected", "id": rid, "status": 400, "error": str(exc)})
             return
         except Exception as exc:  # a bug while preparing one request must not take the engine down
+            self._undo(added)
             logger.exception("engine process: request %s could not be prepared", rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 500, "error": f"{type(exc).__name__}: {exc}"})
             return
-        self.open[rid] = _Open(params.logprobs)
-        seqs = self.engine.requests[rid][1]
-        self.conn.send({"op": "added", "id": rid, "prompt_tokens": len(seqs[0].prompt_token_ids)})
+        self.conn.send({"op": "added", "id": rid, "prompt_tokens": num_tokens, "prompts": infos})
+        if added:
+            self.children[rid] = added
+        else:  # max_tokens 0: scored, nothing to generate
+            outs = [{"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": "length",
+                     "stop_reason": None} for i in range(n * len(prompts))]
+            self.conn.send({"op": "outs", "items": [{"id": rid, "outputs": outs, "finished": True}]})
+
+    def _undo(self, added: list[str]) -> None:
+        for sub in added:
+            self.open.pop(sub, None)
+            self.engine.abort(sub)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        known = self.tokenizer.vocab_size
+        return self.tokenizer.decode([i for i in ids if i < known])
+
+    def _prompt_logprobs(self, ids: list[int], num: int) -> list:
+        """Per prompt token: [token id, bytes, logprob or None, rank or None, [[id, bytes, logprob] x top num]]."""
+        dicts, ranks = self.llm.prompt_logprobs({"prompt_token_ids": ids}, num)
+        out = []
+        for tok, lps, rank in zip(ids, dicts, ranks, strict=True):
+            if lps is None:
+                out.append([tok, self._bytes(tok), None, None, []])
+                continue
+            top = sorted(lps.items(), key=lambda kv: -kv[1])[:num]
+            out.append([tok, self._bytes(tok), lps[tok], rank, [[t, self._bytes(t), lp] for t, lp in top]])
+        return out
 
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> None:
-        items = []
+        items: dict[str, dict[str, Any]] = {}
         for out in self.engine.step():
             state = self.open.get(out.request_id)
             if state is None:
                 continue
             delta = state.tracker.delta(out)
-            comps = []
+            item = items.setdefault(state.parent, {"id": state.parent, "outputs": [], "finished": False})
             for c in delta.outputs:
                 new_finish = c.finish_reason is not None and c.index not in state.reported
                 if not (c.token_ids or c.text or new_finish):
                     continue
                 if new_finish:
                     state.reported.add(c.index)
-                comps.append({"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                              "logprobs": self._logprobs(c, state.logprobs), "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason})
+                item["outputs"].append({"index": state.offset + c.index, "text": c.text, "token_ids": c.token_ids,
+                                        "logprobs": self._logprobs(c, state.logprobs),
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if out.finished:
                 self.open.pop(out.request_id, None)
-            if comps or out.finished:
-                items.append({"id": out.request_id, "outputs": comps, "finished": out.finished})
-        if items:
-            self.conn.send({"op": "outs", "items": items})
+                siblings = self.children.get(state.parent, [])
+                if not any(sub in self.open for sub in siblings):
+                    self.children.pop(state.parent, None)
+                    item["finished"] = True
+        sent = [item for item in items.values() if item["outputs"] or item["finished"]]
+        if sent:
+            self.conn.send({"op": "outs", "items": sent})
 
     def _logprobs(self, comp, num: int | None) -> list | None:
         """Per new token: [token bytes, logprob, [[bytes, logprob] x top `num`, most likely first]]."""
@@ -159,6 +254,7 @@ class EngineWorker:
                 self.handle(msg)
             if self.running and self.engine.has_unfinished_requests():
                 self.step()
+                self.log_stats.maybe_log()
                 if time.monotonic() - last_beat >= HEARTBEAT_S:  # steps may send nothing (prefill chunks)
                     self.conn.send({"op": "beat"})
                     last_beat = time.monotonic()
@@ -167,7 +263,7 @@ class EngineWorker:
 def _load(init: dict[str, Any]):
     from kda_rt.llm import LLM
 
-    return LLM(init["model"], progress=False, **init["settings"])
+    return LLM(init["model"], progress=None, **init["settings"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,16 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s kda_rt.engine_proc: %(message)s")
     conn = FrameSocket(socket.socket(fileno=args.fd))
     init = next(iter(conn.poll(None)), None)
     if init is None or init["op"] != "init":
         return 2
+    configure_logging(init.get("log_level", "info"))
+    logger.info("loading %s (backend %s)", init["model"], init["settings"]["backend"])
+    start = time.monotonic()
     try:
         llm = _load(init)
     except Exception as exc:
         conn.send({"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         return 1
+    logger.info("model loaded in %.1f s", time.monotonic() - start)
     cfg = llm.engine_config
     conn.send({"op": "ready", "backend": llm.backend, "max_model_len": cfg.max_model_len,
                "max_num_seqs": cfg.max_num_seqs, "vocab_size": llm.model_config.vocab_size,

@@ -1,108 +1,152 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), without a client library.
+"""Prometheus metrics through `prometheus_client`, with vLLM's names under the `kda_rt:` prefix and a
+`model_name` label, so dashboards built for vLLM work after a prefix rename.
 
-HTTP-side counters and latency histograms live in `Metrics`; engine gauges (queue lengths, slot
-and page use, preemptions, token counters) are read from the engine process at scrape time.
+vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1]),
+num_preemptions_total, prompt_tokens_total, generation_tokens_total, request_success_total
+{finished_reason}, time_to_first_token_seconds, time_per_output_token_seconds,
+e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens.
+Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free,
+state_slots_used / _free, engine_steps_total, prompt_tokens_computed_total (prefill tokens run,
+recomputation included), engine_requests_finished_total / _aborted_total, http_requests_total
+{endpoint, code}, requests_total{outcome}, requests_in_flight, engine_alive, draining.
+
+HTTP-side counters and histograms are updated as requests end; engine gauges are read from the
+engine process at scrape time (`render(stats, ...)`).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
 from typing import Any
 
-__all__ = ["Histogram", "Metrics", "CONTENT_TYPE"]
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_PREFIX = "kda_rt_"
+from kda_rt.server.stats_log import usage_fractions
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+__all__ = ["CONTENT_TYPE", "Metrics", "PREFIX"]
 
-# engine stats key -> (metric name, type, help)
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+PREFIX = "kda_rt:"
+prometheus_client.disable_created_metrics()  # no `_created` samples (vLLM turns them off too)
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# engine stats key -> (metric name, kind, help)
 _ENGINE = {
     "running": ("num_requests_running", "gauge", "Sequences running in the engine."),
     "waiting": ("num_requests_waiting", "gauge", "Sequences waiting in the engine queue."),
-    "preemptions": ("num_preemptions_total", "counter", "Sequences preempted (recomputed later)."),
+    "preemptions": ("num_preemptions", "counter", "Sequences preempted (recomputed later)."),
     "pages_used": ("kv_pages_used", "gauge", "MLA KV-cache pages in use."),
     "pages_free": ("kv_pages_free", "gauge", "MLA KV-cache pages free."),
     "slots_used": ("state_slots_used", "gauge", "KDA state slots in use."),
     "slots_free": ("state_slots_free", "gauge", "KDA state slots free."),
-    "steps": ("engine_steps_total", "counter", "Engine steps run."),
-    "prefill_tokens": ("prompt_tokens_computed_total", "counter", "Prefill tokens run through the model."),
-    "generated_tokens": ("generation_tokens_total", "counter", "Tokens sampled by the engine."),
-    "requests_finished": ("engine_requests_finished_total", "counter", "Requests finished in the engine."),
-    "requests_aborted": ("engine_requests_aborted_total", "counter", "Requests aborted in the engine."),
+    "steps": ("engine_steps", "counter", "Engine steps run."),
+    "prefill_tokens": ("prompt_tokens_computed", "counter", "Prefill tokens run through the model (with recomputes)."),
+    "requests_finished": ("engine_requests_finished", "counter", "Requests finished in the engine."),
+    "requests_aborted": ("engine_requests_aborted", "counter", "Requests aborted in the engine."),
 }
 
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
+class _EngineCollector:
+    """Engine gauges and counters from the stats snapshot taken for this scrape."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
 
-    def lines(self, name: str) -> list[str]:
-        out, total = [], 0
-        for le, count in zip((*self.buckets, "+Inf"), self.counts, strict=True):
-            total += count
-            out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        out += [f"{name}_sum {self.sum}", f"{name}_count {total}"]
-        return out
+    def collect(self):
+        m, labels = self.metrics, [self.metrics.model_name]
+        for name, doc, value in (("engine_alive", "1 while the engine process is serving.", m.alive),
+                                 ("draining", "1 after SIGTERM, while in-flight requests finish.", m.draining)):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, int(value))
+            yield family
+        stats = m.snapshot
+        if stats is None:
+            return
+        for key, (name, kind, doc) in _ENGINE.items():
+            if key not in stats:
+                continue
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = cls(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, stats[key])
+            yield family
+        if {"pages_used", "pages_free", "slots_used", "slots_free"} <= stats.keys():
+            kv, slots = usage_fractions(stats)
+            for name, doc, value in (("kv_cache_usage_perc", "KV-cache (MLA page) usage, 1 = full.", kv),
+                                     ("state_slot_usage_perc", "KDA state-slot usage, 1 = full.", slots)):
+                family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                family.add_metric(labels, value)
+                yield family
 
 
 class Metrics:
-    """Server-side counters; `render(engine_stats)` produces the /metrics page."""
+    """Server-side metrics of one model; `render(engine_stats, ...)` produces the /metrics page."""
 
-    def __init__(self) -> None:
-        self.requests = Counter()  # (endpoint, status code) -> count
-        self.outcomes = Counter()  # finished | aborted | rejected | error -> count
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.in_flight = 0
-        self.ttft = Histogram(_TTFT_BUCKETS)
-        self.tpot = Histogram(_TPOT_BUCKETS)
-        self.e2e = Histogram(_E2E_BUCKETS)
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.snapshot: dict[str, Any] | None = None
+        self.alive, self.draining = True, False
+        r, p, name = self.registry, PREFIX, ["model_name"]
+        self._http = Counter(p + "http_requests", "HTTP requests by endpoint and status code.",
+                             ["model_name", "endpoint", "code"], registry=r)
+        self._outcomes = Counter(p + "requests", "Admitted generation requests by outcome.", ["model_name", "outcome"],
+                                 registry=r)
+        self._success = Counter(p + "request_success", "Finished requests by finish reason (of the first choice).",
+                                ["model_name", "finished_reason"], registry=r)
+        self._in_flight = Gauge(p + "requests_in_flight", "Generation requests open in the HTTP process.", name,
+                                registry=r)
+        self._prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests.", name, registry=r)
+        self._generation_tokens = Counter(p + "generation_tokens", "Tokens sent back to clients.", name, registry=r)
+        self._ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token.",
+                               name, buckets=_TTFT_BUCKETS, registry=r)
+        self._tpot = Histogram(p + "time_per_output_token_seconds",
+                               "Mean time between output tokens after the first, per request.", name,
+                               buckets=_TPOT_BUCKETS, registry=r)
+        self._e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.", name,
+                              buckets=_E2E_BUCKETS, registry=r)
+        self._req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per request.", name,
+                                     buckets=_TOKEN_BUCKETS, registry=r)
+        self._req_gen = Histogram(p + "request_generation_tokens", "Generated tokens per request.", name,
+                                  buckets=_TOKEN_BUCKETS, registry=r)
+        for outcome in ("finished", "aborted", "rejected", "error"):
+            self._outcomes.labels(model_name, outcome)
+        self.registry.register(_EngineCollector(self))
+
+    def http(self, endpoint: str, code: int) -> None:
+        self._http.labels(self.model_name, endpoint, str(code)).inc()
+
+    def rejected(self) -> None:
+        self._outcomes.labels(self.model_name, "rejected").inc()
+
+    def started(self) -> None:
+        self._in_flight.labels(self.model_name).inc()
 
     def finish(self, outcome: str, prompt_tokens: int, completion_tokens: int, *, start: float, first: float | None,
-               end: float) -> None:
+               end: float, finished_reason: str | None = None) -> None:
         """Record one admitted request: outcome, tokens, and its latencies (perf_counter times)."""
-        self.outcomes[outcome] += 1
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
+        m = self.model_name
+        self._in_flight.labels(m).dec()
+        self._outcomes.labels(m, outcome).inc()
+        if outcome == "finished" and finished_reason is not None:
+            self._success.labels(m, finished_reason).inc()
+        self._prompt_tokens.labels(m).inc(prompt_tokens)
+        self._generation_tokens.labels(m).inc(completion_tokens)
+        self._req_prompt.labels(m).observe(prompt_tokens)
+        self._req_gen.labels(m).observe(completion_tokens)
         if first is not None:
-            self.ttft.observe(first - start)
+            self._ttft.labels(m).observe(first - start)
             if completion_tokens > 1:
-                self.tpot.observe((end - first) / (completion_tokens - 1))
-        self.e2e.observe(end - start)
+                self._tpot.labels(m).observe((end - first) / (completion_tokens - 1))
+        self._e2e.labels(m).observe(end - start)
 
-    def render(self, engine_stats: dict[str, Any] | None, engine_alive: bool, draining: bool) -> str:
-        p = _PREFIX
-        lines = [f"# HELP {p}http_requests_total HTTP requests by endpoint and status code.",
-                 f"# TYPE {p}http_requests_total counter"]
-        lines += [f'{p}http_requests_total{{endpoint="{e}",code="{c}"}} {v}' for (e, c), v in sorted(self.requests.items())]
-        lines += [f"# HELP {p}requests_total Admitted generation requests by outcome.", f"# TYPE {p}requests_total counter"]
-        lines += [f'{p}requests_total{{outcome="{k}"}} {self.outcomes[k]}'
-                  for k in ("finished", "aborted", "rejected", "error")]
-        for name, kind, doc, value in (
-            ("requests_in_flight", "gauge", "Generation requests open in the HTTP process.", self.in_flight),
-            ("request_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens),
-            ("request_generation_tokens_total", "counter", "Tokens sent back to clients.", self.completion_tokens),
-            ("engine_alive", "gauge", "1 while the engine process is serving.", int(engine_alive)),
-            ("draining", "gauge", "1 after SIGTERM, while in-flight requests finish.", int(draining)),
-        ):
-            lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
-        for key, (name, kind, doc) in _ENGINE.items():
-            if engine_stats is not None and key in engine_stats:
-                lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} {kind}", f"{p}{name} {engine_stats[key]}"]
-        for name, doc, hist in (
-            ("time_to_first_token_seconds", "Time from request arrival to its first token.", self.ttft),
-            ("time_per_output_token_seconds", "Mean time between output tokens after the first, per request.", self.tpot),
-            ("e2e_request_latency_seconds", "Time from request arrival to its end.", self.e2e),
-        ):
-            lines += [f"# HELP {p}{name} {doc}", f"# TYPE {p}{name} histogram", *hist.lines(f"{p}{name}")]
-        return "\n".join(lines) + "\n"
+    def render(self, engine_stats: dict[str, Any] | None, engine_alive: bool, draining: bool) -> bytes:
+        self.snapshot, self.alive, self.draining = engine_stats, engine_alive, draining
+        return prometheus_client.generate_latest(self.registry)

@@ -1,11 +1,15 @@
 """Request bodies of the OpenAI-compatible endpoints (msgspec schemas) and their translation into
-engine payloads: prompt or chat messages plus `SamplingParams` keyword arguments.
+engine payloads: prompts or chat messages plus `SamplingParams` keyword arguments.
 
 Decoding rejects what JSON or the schema cannot carry (invalid UTF-8, NaN/Infinity literals,
-numbers out of range, wrong types, unknown fields); `SamplingParams` then checks values.  Every
-refusal is an `InvalidRequest` with a message naming the field, which the app sends as 400.
-Fields beyond OpenAI's are vLLM's names: top_k, min_p, repetition_penalty, min_tokens,
-stop_token_ids, ignore_eos, skip_special_tokens, include_stop_str_in_output.
+numbers out of range, wrong types); `SamplingParams` then checks values.  Every refusal is an
+`InvalidRequest` with a message naming the field, which the app sends as 400.  Unknown fields are
+accepted, as vLLM does: `decode_body` returns their names, which the app logs (once per name, at
+WARNING) and lists in the `x-kda-rt-ignored-fields` response header.  Fields beyond OpenAI's are
+vLLM's names: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+skip_special_tokens, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs.
+Structured outputs (response_format other than text, structured_outputs, guided_*) and logit_bias
+are known fields that are refused: they need the sampling contract that comes with them.
 """
 
 from __future__ import annotations
@@ -16,23 +20,27 @@ import msgspec
 
 from kda_rt.sampler.params import SamplingParams
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "InvalidRequest", "StreamOptions", "chat_payload",
-           "completion_payload", "decode_body", "error_body"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidRequest", "StreamOptions",
+           "TokenizeRequest", "chat_payload", "completion_payload", "decode_body", "error_body"]
 
 _INT32 = 2**31 - 1
 _N_MAX = 128  # samples per request; each one is a running sequence
+MAX_PROMPTS = 256  # prompts in one batched completion request
 Int32 = Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)]
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
 
 
 class InvalidRequest(ValueError):
     """A request body the server refuses with 400 (the message names the field)."""
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk (vLLM)
 
 
-class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
+class _Sampling(msgspec.Struct):
     model: str | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=_N_MAX)] = 1
     temperature: float | None = None
@@ -44,7 +52,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -52,39 +60,80 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None  # accepted, not used
+    store: bool | None = None  # accepted, nothing is stored
+    prompt_logprobs: Logprobs | None = None  # vLLM: top-N logprobs of every prompt token
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
 
 
-class CompletionRequest(_Sampling, forbid_unknown_fields=True):
-    """POST /v1/completions.  `prompt`: a string, a list of token ids, or a one-element list of either."""
+class CompletionRequest(_Sampling):
+    """POST /v1/completions.  `prompt`: a string, a list of token ids, or a list of either (a batch:
+    one choice per prompt and sample, in prompt order)."""
 
     prompt: str | list[Any] = ""
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT32)] | None = 16
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] | None = 16  # 0: score the prompt only
+    logprobs: Logprobs | None = None
     echo: bool = False
     best_of: Int32 | None = None
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
 
-class ChatCompletionRequest(_Sampling, forbid_unknown_fields=True):
-    """POST /v1/chat/completions.  Message content is a string or a list of `{"type": "text"}` parts."""
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions.  Message content is a string, None, or a list of `{"type": "text"}` parts."""
 
     messages: list[dict[str, Any]] = []
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT32)] | None = None
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT32)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[dict[str, Any]] | None = None
-    logit_bias: dict[str, float] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # accepted, not used (the model has no reasoning mode)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
 
-def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
+class TokenizeRequest(msgspec.Struct):
+    """POST /tokenize (vLLM): `prompt`, or chat `messages` rendered through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # accepted: the Kimi tokenizer adds none
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct):
+    """POST /detokenize (vLLM)."""
+
+    model: str | None = None
+    tokens: list[TokenId] = []
+
+
+def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[str]]:
+    """(request, names of the fields it ignores): unknown top-level fields and unknown
+    `stream_options` fields (as `stream_options.NAME`)."""
     try:
-        return msgspec.json.decode(body, type=schema)
+        req = msgspec.json.decode(body, type=schema)
+        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    ignored = sorted(set(raw) - set(schema.__struct_fields__))
+    if getattr(req, "stream_options", None) is not None:
+        inner = msgspec.json.decode(raw["stream_options"], type=dict[str, msgspec.Raw])
+        ignored += sorted(f"stream_options.{k}" for k in set(inner) - set(StreamOptions.__struct_fields__))
+    return req, ignored
 
 
 MAX_JSON_DEPTH = 64  # nesting of `messages` / `tools`: deeper is a 400, before any recursive code sees it
@@ -109,9 +158,19 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
                       "param": param, "code": status}}
 
 
-def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+def _refuse_unsupported(req: _Sampling) -> None:
     if req.logit_bias:
-        raise InvalidRequest("logit_bias is not supported")
+        raise InvalidRequest("logit_bias is not supported yet")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise InvalidRequest(f"response_format {req.response_format.get('type')!r} is not supported yet "
+                             "(structured outputs); only {'type': 'text'}")
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            raise InvalidRequest(f"{name} is not supported yet (structured outputs)")
+
+
+def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+    _refuse_unsupported(req)
     kwargs: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": req.seed,
                               "stop": req.stop, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens,
                               "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
@@ -130,28 +189,44 @@ def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | Non
     return kwargs
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, token ids, or a non-empty list of either."""
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise InvalidRequest("prompt must be a string, a list of token ids (ints), or a list of either")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not p:
+            raise InvalidRequest(f"{where} is empty")
+        if isinstance(p, list) and not all(0 <= t <= _INT32 for t in p):
+            bad = next(t for t in p if not 0 <= t <= _INT32)
+            raise InvalidRequest(f"{where}: token id {bad} is not a valid token id")
+    return prompts
+
+
 def completion_payload(req: CompletionRequest) -> dict[str, Any]:
-    """Engine payload {"prompt", "params"} of a completion request."""
-    if req.echo:
-        raise InvalidRequest("echo is not supported")
+    """Engine payload {"prompts", "params", "echo", "prompt_logprobs", "score_only"} of a completion
+    request.  `max_tokens: 0` scores the prompt without generating (with echo: lm-eval's loglikelihood)."""
     if req.suffix:
         raise InvalidRequest("suffix is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest(f"best_of must equal n ({req.n}) when given, got {req.best_of}")
-    prompt: Any = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        elif prompt and all(isinstance(x, str) or isinstance(x, list) for x in prompt):
-            raise InvalidRequest("batched prompts are not supported: send one request per prompt")
-    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise InvalidRequest("prompt must be a string or a list of token ids (ints)")
-    if isinstance(prompt, list) and not all(0 <= t <= _INT32 for t in prompt):
-        bad = next(t for t in prompt if not 0 <= t <= _INT32)
-        raise InvalidRequest(f"prompt token id {bad} is not a valid token id")
-    if not prompt:
-        raise InvalidRequest("prompt is empty")
-    return {"prompt": prompt, "params": _sampling_kwargs(req, req.max_tokens, req.logprobs)}
+    prompts = _prompts(req.prompt)
+    score_only = req.max_tokens == 0
+    params = _sampling_kwargs(req, 1 if score_only else req.max_tokens, req.logprobs)
+    # prompt logprobs: for echo (the legacy logprobs object then covers the prompt too) and/or vLLM's field
+    wanted = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
+    return {"prompts": prompts, "params": params, "echo": req.echo, "score_only": score_only,
+            "prompt_logprobs": max(wanted) if wanted else None}
 
 
 def _content(i: int, content: Any) -> str:
@@ -169,25 +244,90 @@ def _content(i: int, content: Any) -> str:
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def chat_payload(req: ChatCompletionRequest) -> dict[str, Any]:
-    """Engine payload {"messages", "tools", "params"} of a chat request (content flattened to text)."""
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for k, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{k}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+            raise InvalidRequest(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise InvalidRequest(f"{where}.function.arguments must be a JSON string")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise InvalidRequest(f"{where}.id must be a string")
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tool_mode(req: ChatCompletionRequest, auto_tools: bool) -> dict[str, Any] | None:
+    """How the output is read for tool calls: None (plain text), or {"max_calls", "forced_name",
+    "required"}.  `required` and a named function are forced by the prompt prefix the engine adds
+    (the arguments are not constrained yet: that needs structured outputs)."""
+    names = []
+    for k, tool in enumerate(req.tools or []):
+        fn = tool.get("function")
+        if tool.get("type", "function") != "function" or not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise InvalidRequest(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
+        names.append(fn["name"])
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if names else "none"
+    named = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
+                                 "{'type': 'function', 'function': {'name': str}}")
+        named = fn["name"]
+        if named not in names:
+            raise InvalidRequest(f"tool_choice names the function {named!r}, which is not in tools")
+    elif choice not in ("none", "auto", "required"):
+        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}")
+    if choice == "none":
+        return None
+    if not names:
+        raise InvalidRequest(f"tool_choice {choice!r} needs tools")
+    if choice == "auto" and not auto_tools:
+        raise InvalidRequest('"auto" tool choice needs the server flags --enable-auto-tool-choice and '
+                             "--tool-call-parser kimi_k2")
+    return {"max_calls": None if req.parallel_tool_calls else 1, "forced_name": named,
+            "required": choice == "required"}
+
+
+def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[str, Any]:
+    """Engine payload {"messages", "tools", "chat_template_kwargs", "params", "tool_mode", ...} of a
+    chat request (content flattened to text; `developer` is read as `system` by the template layer).
+    With tool parsing on, special tokens are kept in the text (as vLLM does), else the markers are lost."""
     if not req.messages:
         raise InvalidRequest("messages must be a non-empty list")
     check_depth(req.messages, "messages")
     check_depth(req.tools, "tools")
+    check_depth(req.chat_template_kwargs, "chat_template_kwargs")
     messages = []
     for i, m in enumerate(req.messages):
         role = m.get("role")
         if not isinstance(role, str):
             raise InvalidRequest(f"messages[{i}].role must be a string")
         msg: dict[str, Any] = {"role": role, "content": _content(i, m.get("content"))}
-        if m.get("name") is not None:
-            if not isinstance(m["name"], str):
-                raise InvalidRequest(f"messages[{i}].name must be a string")
-            msg["name"] = m["name"]
+        for name in ("name", "tool_call_id"):
+            if m.get(name) is not None:
+                if not isinstance(m[name], str):
+                    raise InvalidRequest(f"messages[{i}].{name} must be a string")
+                msg[name] = m[name]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
         messages.append(msg)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return {"messages": messages, "tools": req.tools, "params": _sampling_kwargs(req, max_tokens, logprobs)}
+    params = _sampling_kwargs(req, max_tokens, logprobs)
+    tool_mode = _tool_mode(req, auto_tools)
+    if tool_mode is not None:
+        params["skip_special_tokens"] = False
+    return {"messages": messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
+            "add_generation_prompt": req.add_generation_prompt, "params": params, "tool_mode": tool_mode,
+            "prompt_logprobs": req.prompt_logprobs}

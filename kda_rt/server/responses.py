@@ -2,8 +2,13 @@
 
 A delta item (from the engine process) is `{"id", "finished", "outputs": [{"index", "text",
 "token_ids", "logprobs", "finish_reason", "stop_reason"}]}`, where `logprobs` holds, per new token,
-`[token bytes, logprob, [[bytes, logprob], ...top N]]`.  `Choices` accumulates them for a
-non-streaming response; `chunk_choices` turns one of them into a stream chunk's choices.
+`[token bytes, logprob, [[bytes, logprob], ...top N]]`.  A prompt's logprobs (echo,
+prompt_logprobs) come once, with the engine's `added` answer: per prompt token
+`[token id, bytes, logprob | None, rank | None, [[id, bytes, logprob], ...]]`.
+
+`Choices` accumulates the deltas for a non-streaming response; `StreamChoices` turns each delta
+into a stream chunk's choices.  Both read tool calls out of chat text when the request asked for
+them (`tool_mode`), and put the prompt in front for completions with `echo`.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["Choices", "chunk", "chunk_choices", "usage"]
+from kda_rt.text.tool_parser import ToolCallStream, forced_prefix, parse_tool_calls
+
+__all__ = ["Choices", "StreamChoices", "chunk", "prompt_logprobs_field", "usage"]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -23,14 +30,20 @@ def _text(token: bytes) -> str:
     return token.decode("utf-8", errors="replace")
 
 
+def _echo_entries(prompt_entries: list) -> list:
+    """Prompt-logprob entries in the generation-entry form [bytes, logprob | None, top | None]."""
+    return [[b, lp, None if lp is None else [[tb, tlp] for _, tb, tlp in top]] for _, b, lp, _, top in prompt_entries]
+
+
 def completion_logprobs(entries: list, offset: int) -> dict[str, list]:
-    """The legacy completions `logprobs` object; `offset` = characters of this choice before these tokens."""
+    """The legacy completions `logprobs` object; `offset` = characters of this choice before these tokens.
+    An echoed first prompt token has logprob None and top_logprobs None (no context)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, lp, top in entries:
         text = _text(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({_text(t): v for t, v in top})
+        out["top_logprobs"].append(None if top is None else {_text(t): v for t, v in top})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -45,15 +58,45 @@ def chat_logprobs(entries: list) -> dict[str, list]:
     ]}
 
 
-class Choices:
+def prompt_logprobs_field(prompt_entries: list) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    out: list[dict[str, Any] | None] = []
+    for tok, b, lp, rank, top in prompt_entries:
+        if lp is None:
+            out.append(None)
+            continue
+        ranks = {t: k + 1 for k, (t, _, _) in enumerate(sorted(top, key=lambda e: -e[2]))}
+        entry = {str(t): {"logprob": v, "rank": ranks[t], "decoded_token": _text(tb)} for t, tb, v in top}
+        entry[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": _text(b)}
+        out.append(entry)
+    return out
+
+
+class _Shape:
+    """What every choice of one request shares: n samples per prompt, the prompts (echo text,
+    prompt logprobs), and the tool-call mode."""
+
+    def __init__(self, n: int, num_choices: int, chat: bool, prompts: list[dict[str, Any]], echo: bool,
+                 tool_mode: dict[str, Any] | None) -> None:
+        self.n, self.num_choices, self.chat, self.prompts, self.echo = n, num_choices, chat, prompts, echo
+        self.tool_mode = tool_mode
+        self.prefix = forced_prefix(tool_mode)
+
+    def prompt_of(self, i: int) -> dict[str, Any]:
+        return self.prompts[i // self.n] if self.prompts else {}
+
+
+class Choices(_Shape):
     """Accumulates the deltas of one request into the `choices` of a non-streaming response."""
 
-    def __init__(self, n: int, chat: bool) -> None:
-        self.chat = chat
-        self.text = [""] * n
-        self.num_tokens = [0] * n
-        self.logprobs: list[list | None] = [None] * n
-        self.finish: list[tuple[str | None, Any]] = [(None, None)] * n
+    def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
+                 echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False) -> None:
+        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode)
+        self.with_logprobs = logprobs
+        self.text = [""] * self.num_choices
+        self.num_tokens = [0] * self.num_choices
+        self.logprobs: list[list | None] = [None] * self.num_choices
+        self.finish: list[tuple[str | None, Any]] = [(None, None)] * self.num_choices
 
     def add(self, item: dict[str, Any]) -> None:
         for c in item["outputs"]:
@@ -70,37 +113,94 @@ class Choices:
         return sum(self.num_tokens)
 
     def build(self) -> list[dict[str, Any]]:
+        return [self._chat_choice(i) if self.chat else self._completion_choice(i) for i in range(self.num_choices)]
+
+    def _chat_choice(self, i: int) -> dict[str, Any]:
+        entries = self.logprobs[i]
+        reason, stop_reason = self.finish[i]
+        message: dict[str, Any] = {"role": "assistant", "content": self.text[i]}
+        if self.tool_mode is not None:
+            content, calls = parse_tool_calls(self.prefix + self.text[i])
+            calls = calls[:self.tool_mode.get("max_calls") or len(calls)]
+            message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+            if calls and reason in ("stop", "length"):
+                reason = "tool_calls"
+        return {"index": i, "message": message, "logprobs": chat_logprobs(entries) if entries is not None else None,
+                "finish_reason": reason, "stop_reason": stop_reason}
+
+    def _completion_choice(self, i: int) -> dict[str, Any]:
+        entries, prompt = self.logprobs[i], self.prompt_of(i)
+        reason, stop_reason = self.finish[i]
+        text = self.text[i]
+        if self.echo:
+            text = prompt.get("text", "") + text
+            if self.with_logprobs and "logprobs" in prompt:
+                entries = _echo_entries(prompt["logprobs"]) + (entries or [])
+        choice = {"index": i, "text": text,
+                  "logprobs": completion_logprobs(entries, 0) if entries is not None else None,
+                  "finish_reason": reason, "stop_reason": stop_reason}
+        if "logprobs" in prompt:
+            choice["prompt_logprobs"] = prompt_logprobs_field(prompt["logprobs"])
+        return choice
+
+
+class StreamChoices(_Shape):
+    """Turns delta items into stream-chunk choices, keeping per-choice offsets and tool-call parsers."""
+
+    def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
+                 echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False) -> None:
+        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode)
+        self.offsets = [0] * self.num_choices
+        self.with_logprobs = logprobs
+        self.parsers = None
+        self.pending: list[list[dict[str, Any]]] = [[] for _ in range(self.num_choices)]  # from the forced prefix
+        if tool_mode is not None:
+            self.parsers = [ToolCallStream(tool_mode.get("max_calls")) for _ in range(self.num_choices)]
+            for i, parser in enumerate(self.parsers):
+                self.pending[i] = parser.feed(self.prefix)[1]
+
+    def echo_choices(self) -> list[dict[str, Any]]:
+        """The first chunk of a completion with echo: each choice's prompt (and its logprobs)."""
         out = []
-        for i, text in enumerate(self.text):
-            entries = self.logprobs[i]
-            reason, stop_reason = self.finish[i]
-            if self.chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "logprobs": chat_logprobs(entries) if entries is not None else None,
-                            "finish_reason": reason, "stop_reason": stop_reason})
-            else:
-                out.append({"index": i, "text": text,
-                            "logprobs": completion_logprobs(entries, 0) if entries is not None else None,
-                            "finish_reason": reason, "stop_reason": stop_reason})
+        for i in range(self.num_choices):
+            prompt = self.prompt_of(i)
+            text = prompt.get("text", "") if self.echo else ""
+            lps = None
+            if self.echo and self.with_logprobs and "logprobs" in prompt:
+                lps = completion_logprobs(_echo_entries(prompt["logprobs"]), 0)
+            choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": None, "stop_reason": None}
+            if "logprobs" in prompt:
+                choice["prompt_logprobs"] = prompt_logprobs_field(prompt["logprobs"])
+            self.offsets[i] = len(text)
+            out.append(choice)
         return out
 
-
-def chunk_choices(item: dict[str, Any], chat: bool, offsets: list[int]) -> list[dict[str, Any]]:
-    """Stream-chunk choices of one delta item; `offsets` (characters sent per choice) is updated."""
-    out = []
-    for c in item["outputs"]:
-        i, lps = c["index"], c["logprobs"]
-        if chat:
-            delta = {"content": c["text"]} if c["text"] or c["finish_reason"] is None else {}
-            choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(lps) if lps is not None else None}
-        else:
-            choice = {"index": i, "text": c["text"],
-                      "logprobs": completion_logprobs(lps, offsets[i]) if lps is not None else None}
-        offsets[i] += len(c["text"])
-        choice["finish_reason"] = c["finish_reason"]
-        choice["stop_reason"] = c["stop_reason"]
-        out.append(choice)
-    return out
+    def choices(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        for c in item["outputs"]:
+            i, lps, reason = c["index"], c["logprobs"], c["finish_reason"]
+            if self.chat:
+                delta: dict[str, Any] = {}
+                content = c["text"]
+                if self.parsers is not None:
+                    parser = self.parsers[i]
+                    content, calls = parser.feed(c["text"], final=reason is not None)
+                    calls, self.pending[i] = self.pending[i] + calls, []
+                    if calls:
+                        delta["tool_calls"] = calls
+                    if parser.calls and reason in ("stop", "length"):
+                        reason = "tool_calls"
+                if content or (reason is None and "tool_calls" not in delta):
+                    delta = {"content": content, **delta}
+                choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(lps) if lps is not None else None}
+            else:
+                choice = {"index": i, "text": c["text"],
+                          "logprobs": completion_logprobs(lps, self.offsets[i]) if lps is not None else None}
+            self.offsets[i] += len(c["text"])
+            choice["finish_reason"] = reason
+            choice["stop_reason"] = c["stop_reason"]
+            out.append(choice)
+        return out
 
 
 def chunk(request_id: str, model: str, chat: bool, choices: list[dict[str, Any]],

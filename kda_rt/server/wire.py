@@ -1,9 +1,11 @@
 """Frames between the HTTP process and the engine process: a 4-byte big-endian length, then one
 msgpack map.  Both ends speak over one Unix stream socket (a `socketpair`).
 
-Every message is a map with an `"op"` key.  HTTP -> engine: `add`, `abort`, `stats`, `shutdown`.
-Engine -> HTTP: `ready` / `failed` (once, after loading), `added` / `rejected` (answer to `add`),
-`outs` (per-request deltas of one engine step), `stats`, `fatal` (the engine is about to exit).
+Every message is a map with an `"op"` key.  HTTP -> engine: `add`, `abort`, `stats`, `tokenize`,
+`detokenize`, `shutdown`.  Engine -> HTTP: `ready` / `failed` (once, after loading), `added` /
+`rejected` (answer to `add`, `tokenize`, `detokenize`), `result` (answer to `tokenize` /
+`detokenize`), `outs` (per-request deltas of one engine step), `stats`, `beat`, `fatal` (the
+engine is about to exit).
 """
 
 from __future__ import annotations

@@ -14,11 +14,13 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "ROLES", "TemplateLimitError",
-           "align_stand_ins", "compile_template", "render_template", "stand_in_strings", "template_source",
-           "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "RESERVED_TEMPLATE_VARS",
+           "ROLES", "TemplateLimitError", "align_stand_ins", "compile_template", "normalize_messages",
+           "render_template", "stand_in_strings", "template_source", "validate_messages"]
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, read as system
+# Names the renderer sets itself; `chat_template_kwargs` cannot override them.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
@@ -150,7 +152,9 @@ def render_template(template: Template, name: str, **context: Any) -> str:
     return "".join(pieces)
 
 
-def validate_messages(messages: Any, tools: Any) -> None:
+def validate_messages(messages: Any, tools: Any, chat_template_kwargs: Any = None) -> None:
+    """Refuse (ValueError naming the field) what the template cannot render: content must be a str
+    or None, `tool_calls` a list of {"id", "type", "function": {"name": str, "arguments": str | dict}}."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     for i, message in enumerate(messages):
@@ -159,12 +163,60 @@ def validate_messages(messages: Any, tools: Any) -> None:
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a str, got {type(message.get('content')).__name__}")
-        if message.get("name") is not None and not isinstance(message["name"], str):
-            raise ValueError(f"messages[{i}].name must be a str, got {type(message['name']).__name__}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a str or None, got {type(content).__name__}")
+        for field in ("name", "tool_call_id"):
+            if message.get(field) is not None and not isinstance(message[field], str):
+                raise ValueError(f"messages[{i}].{field} must be a str, got {type(message[field]).__name__}")
+        calls = message.get("tool_calls")
+        if calls is None or (isinstance(calls, (list, tuple)) and not calls):
+            continue
+        if role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls is only allowed on assistant messages")
+        if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+            raise ValueError(f"messages[{i}].tool_calls must be a list")
+        for k, call in enumerate(calls):
+            where = f"messages[{i}].tool_calls[{k}]"
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping):
+                raise ValueError(f"{where} must be a dict with a 'function' dict")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"{where}.function.name must be a non-empty str")
+            if not isinstance(fn.get("arguments"), (str, Mapping)):
+                raise ValueError(f"{where}.function.arguments must be a JSON string or a dict")
+            if call.get("id") is not None and not isinstance(call["id"], str):
+                raise ValueError(f"{where}.id must be a str")
     if tools is not None and (not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)):
         raise ValueError("tools must be None or a list of dicts")
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat_template_kwargs):
+            raise ValueError("chat_template_kwargs must be a dict with string keys")
+        taken = sorted(RESERVED_TEMPLATE_VARS & set(chat_template_kwargs))
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copies for the template: `developer` becomes `system`, and a tool call without an id gets
+    Kimi's own form `functions.{name}:{k}` (k counts the calls of the conversation)."""
+    out, k = [], 0
+    for message in messages:
+        msg = dict(message)
+        if msg.get("role") == "developer":
+            msg["role"] = "system"
+        if msg.get("tool_calls"):
+            calls = []
+            for call in msg["tool_calls"]:
+                call = dict(call)
+                if call.get("id") is None:
+                    call["id"] = f"functions.{call['function']['name']}:{k}"
+                call.setdefault("type", "function")
+                calls.append(call)
+                k += 1
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
 
 
 # Keys whose string values steer the template (compared, not printed as free text): kept as they are
@@ -176,6 +228,8 @@ def stand_in_strings(value: Any, tag: str, found: list[str], check: Callable[[st
     """A copy of `value` (messages or tools) whose client strings are replaced by `{tag}{i}{tag}`,
     with the originals appended to `found`; dict keys and structural values go through `check`."""
     if isinstance(value, str):
+        if not value:  # nothing to hide, and the template may test it for truth (`if content`)
+            return value
         found.append(value)
         return f"{tag}{len(found) - 1}{tag}"
     if isinstance(value, Mapping):

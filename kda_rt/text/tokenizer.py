@@ -29,6 +29,7 @@ from jinja2 import TemplateError
 from kda_rt.text.chat import (
     align_stand_ins,
     compile_template,
+    normalize_messages,
     render_template,
     stand_in_strings,
     template_source,
@@ -269,13 +270,16 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """Render the chat template to a prompt string."""
-        validate_messages(messages, tools)
-        return self._render([dict(m) for m in messages], add_generation_prompt, tools)
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render the chat template to a prompt string; `chat_template_kwargs` are extra template
+        variables (e.g. `thinking`)."""
+        validate_messages(messages, tools, chat_template_kwargs)
+        return self._render(normalize_messages(messages), add_generation_prompt, tools, chat_template_kwargs)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt ids: the template's markers are control tokens; every client string (contents,
         names, tool names, descriptions, schemas, tool-call arguments, tool results) stays text.
 
@@ -288,8 +292,9 @@ class Tokenizer:
         special-token string.  Dict keys and the steering values `role` / `type` are not stood in
         for: one holding a special-token string is refused.
         """
-        validate_messages(messages, tools)
-        real = self._render([dict(m) for m in messages], add_generation_prompt, tools)
+        validate_messages(messages, tools, chat_template_kwargs)
+        messages = normalize_messages(messages)
+        real = self._render(messages, add_generation_prompt, tools, chat_template_kwargs)
         tag = "\ue000"
         while tag in real:
             tag += "\ue000"
@@ -299,9 +304,11 @@ class Tokenizer:
                 raise ValueError(f"{where} holds a special-token string, which is not allowed there")
 
         found: list[str] = []
-        stand_msgs = stand_in_strings([dict(m) for m in messages], tag, found, check, "messages")
+        stand_msgs = stand_in_strings(messages, tag, found, check, "messages")
         stand_tools = stand_in_strings(tools, tag, found, check, "tools") if tools is not None else None
-        skeleton = self._render(stand_msgs, add_generation_prompt, stand_tools)
+        stand_kwargs = (stand_in_strings(chat_template_kwargs, tag, found, check, "chat_template_kwargs")
+                        if chat_template_kwargs is not None else None)
+        skeleton = self._render(stand_msgs, add_generation_prompt, stand_tools, stand_kwargs)
         parts = align_stand_ins(real, re.split(f"{re.escape(tag)}(\\d+){re.escape(tag)}", skeleton), found)
         ids: list[int] = []
         span: list[str] = []
@@ -318,7 +325,8 @@ class Tokenizer:
             span.append(part[pos:])
         return ids + self.encode("".join(span))
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
-        return render_template(self._template, self._template_name, messages=messages, tools=tools,
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
+                extra: Mapping[str, Any] | None = None) -> str:
+        return render_template(self._template, self._template_name, **(extra or {}), messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
                                eos_token=self._eos_token or "")

@@ -102,9 +102,9 @@ class _Conn:
 def test_max_waiting_counts_every_sample(llm):
     conn = _Conn()
     worker = EngineWorker(llm, conn, max_waiting=2)
-    worker.handle({"op": "add", "id": "a", "prompt": [5, 6], "params": {"max_tokens": 2}})
-    worker.handle({"op": "add", "id": "b", "prompt": [5, 6], "params": {"max_tokens": 2, "n": 2}})
-    worker.handle({"op": "add", "id": "c", "prompt": [5, 6], "params": {"max_tokens": 2, "n": 3}})
+    worker.handle({"op": "add", "id": "a", "prompts": [[5, 6]], "params": {"max_tokens": 2}})
+    worker.handle({"op": "add", "id": "b", "prompts": [[5, 6]], "params": {"max_tokens": 2, "n": 2}})
+    worker.handle({"op": "add", "id": "c", "prompts": [[5, 6]], "params": {"max_tokens": 2, "n": 3}})
     assert [m["op"] for m in conn.sent] == ["added", "rejected", "rejected"]
     assert conn.sent[1]["status"] == 429 and "1 sequences waiting + 2 new > max_waiting 2" in conn.sent[1]["error"]
     assert conn.sent[2]["status"] == 400 and "max_waiting" in conn.sent[2]["error"]

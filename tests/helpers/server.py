@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["API_KEY", "MAX_MODEL_LEN", "ServerProc", "free_port", "pid_gone"]
+__all__ = ["API_KEY", "MAX_MODEL_LEN", "ServerProc", "free_port", "parse_metrics", "pid_gone"]
 
 API_KEY = "sk-kda-rt-test"
 MAX_MODEL_LEN = 256
@@ -41,7 +42,8 @@ class ServerProc:
         self.engine_pid = self._wait_healthy()
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def _wait_healthy(self, timeout: float = 90.0) -> int:
@@ -60,14 +62,8 @@ class ServerProc:
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
 
     def metrics(self) -> dict[str, float]:
-        """Unlabelled samples of /metrics (labelled ones keyed with their labels)."""
-        text = httpx.get(self.url + "/metrics", timeout=10.0).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
+        """Samples of /metrics keyed `name` or `name{a="x",b="y"}` (labels sorted, `model_name` left out)."""
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=10.0).text)
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -79,6 +75,20 @@ class ServerProc:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        if "{" in key:
+            name, labels = key[:-1].split("{", 1)
+            pairs = sorted(p for p in re.findall(r'[a-zA-Z_]+="[^"]*"', labels) if not p.startswith("model_name="))
+            key = name + ("{" + ",".join(pairs) + "}" if pairs else "")
+        out[key] = float(value)
+    return out
 
 
 def pid_gone(pid: int, timeout: float = 10.0) -> bool:

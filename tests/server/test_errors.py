@@ -34,13 +34,19 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "seed": 2**70}, "seed"),
-    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "x", "metadata": 3}, "metadata"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "include_usage"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [99999]}, "99999"),
     ({"prompt": ""}, "empty"),
-], ids=["type", "range", "n", "max_tokens", "seed", "unknown-field", "mixed-prompt", "token-id", "empty"])
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+], ids=["type", "range", "n", "max_tokens", "seed", "known-field-bad-value", "nested-bad-value", "mixed-prompt",
+        "token-id", "empty", "empty-in-batch", "logit-bias", "json-object", "guided-json"])
 def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 
@@ -92,7 +98,7 @@ def test_waiting_queue_full_is_429(tmp_path):
         waiting = threading.Thread(target=run_plain)
         waiting.start()
         deadline = time.monotonic() + 30
-        while srv.metrics().get("kda_rt_num_requests_waiting", 0) < 1 and time.monotonic() < deadline:
+        while srv.metrics().get("kda_rt:num_requests_waiting", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         msg = _envelope(httpx.post(srv.url + "/v1/completions", json=long, headers=srv.headers, timeout=60), 429)
         assert "max_waiting 1" in msg

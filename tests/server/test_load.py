@@ -82,24 +82,24 @@ def test_concurrent_streams_with_disconnects(server, reference_llm):
     deadline = time.monotonic() + 30
     while True:
         m = server.metrics()
-        idle = m["kda_rt_num_requests_running"] == 0 and m["kda_rt_num_requests_waiting"] == 0
-        if (idle and m["kda_rt_requests_in_flight"] == 0) or time.monotonic() > deadline:
+        idle = m["kda_rt:num_requests_running"] == 0 and m["kda_rt:num_requests_waiting"] == 0
+        if (idle and m["kda_rt:requests_in_flight"] == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert m["kda_rt_state_slots_used"] == 0 and m["kda_rt_kv_pages_used"] == 0, m
-    assert m["kda_rt_num_requests_running"] == 0 and m["kda_rt_num_requests_waiting"] == 0, m
-    assert m["kda_rt_state_slots_free"] == 16
+    assert m["kda_rt:state_slots_used"] == 0 and m["kda_rt:kv_pages_used"] == 0, m
+    assert m["kda_rt:num_requests_running"] == 0 and m["kda_rt:num_requests_waiting"] == 0, m
+    assert m["kda_rt:state_slots_free"] == 16
 
     def delta(key):
         return m.get(key, 0) - before.get(key, 0)
 
-    finished, aborted = delta('kda_rt_requests_total{outcome="finished"}'), delta('kda_rt_requests_total{outcome="aborted"}')
+    finished, aborted = delta('kda_rt:requests_total{outcome="finished"}'), delta('kda_rt:requests_total{outcome="aborted"}')
     # a client may hang up just as its last chunk goes out, so a hang-up can still count as finished
     assert finished + aborted == NUM_CLIENTS and finished >= NUM_CLIENTS - len(hang_ups), (finished, aborted)
     assert aborted >= 1
-    engine_done = delta("kda_rt_engine_requests_finished_total") + delta("kda_rt_engine_requests_aborted_total")
+    engine_done = delta("kda_rt:engine_requests_finished_total") + delta("kda_rt:engine_requests_aborted_total")
     assert engine_done == NUM_CLIENTS, "every request ends exactly once in the engine"
-    assert server.metrics()["kda_rt_time_to_first_token_seconds_count"] >= NUM_CLIENTS - len(hang_ups)
+    assert server.metrics()["kda_rt:time_to_first_token_seconds_count"] >= NUM_CLIENTS - len(hang_ups)
     print(f"{NUM_CLIENTS} clients, {len(hang_ups)} hung up, {elapsed:.1f}s")
 
 

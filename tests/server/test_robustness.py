@@ -50,7 +50,7 @@ def test_deep_json_is_counted_400(srv, field):
     r = httpx.post(srv.url + "/v1/chat/completions", content=body, timeout=30,
                    headers={**srv.headers, "Content-Type": "application/json"})
     _envelope(r, 400)
-    key = 'kda_rt_http_requests_total{endpoint="chat",code="400"}'
+    key = 'kda_rt:http_requests_total{code="400",endpoint="chat"}'
     assert srv.metrics().get(key, 0) == before.get(key, 0) + 1
 
 

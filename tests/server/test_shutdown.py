@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -106,7 +107,7 @@ def test_engine_crash_becomes_503(tmp_path):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=srv.headers)
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
         m = httpx.get(srv.url + "/metrics")
-        assert m.status_code == 200 and "kda_rt_engine_alive 0" in m.text
+        assert m.status_code == 200 and re.search(r'^kda_rt:engine_alive\{model_name="[^"]+"\} 0', m.text, re.M)
         log = srv.log()
         assert "ENGINE PROCESS DIED" in log and "killed by signal 9" in log, log
     finally:

@@ -72,10 +72,10 @@ def test_encode_chat_keeps_content_specials_as_text(demo_tok):
     ([["user", "hi"]], None, r"messages\[0\] must be a dict"),
     ([USER, {"role": "robot", "content": "x"}], None, r"messages\[1\]\.role"),
     ([{"content": "x"}], None, r"messages\[0\]\.role"),
-    ([{"role": "user", "content": None}], None, r"messages\[0\]\.content"),
+    ([{"role": "user", "content": 3}], None, r"messages\[0\]\.content"),
     ([{"role": "user", "content": "x", "name": 3}], None, r"messages\[0\]\.name"),
     ([USER], "tools", "tools must be"),
-], ids=["str", "not-dict", "bad-role", "no-role", "none-content", "bad-name", "bad-tools"])
+], ids=["str", "not-dict", "bad-role", "no-role", "int-content", "bad-name", "bad-tools"])
 def test_bad_messages(demo_tok, messages, tools, match):
     with pytest.raises(ValueError, match=match):
         demo_tok.apply_chat_template(messages, tools=tools)

@@ -1,0 +1,54 @@
+"""`kda-rt`: one console command over the three entry points, with vLLM's shape.
+
+    kda-rt serve [MODEL] [server flags]     = python -m kda_rt.serve --model MODEL ...
+    kda-rt generate [MODEL] [flags]         = python -m kda_rt.generate --model MODEL ...
+    kda-rt bench [MODEL] [flags]            = python -m kda_rt.bench --model MODEL ...
+
+MODEL is positional as in `vllm serve MODEL`; `--model MODEL` still works.  Without a model the
+bundled demo checkpoint is used (serve, generate).
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+_COMMANDS = {
+    "serve": ("kda_rt.server.__main__", "the OpenAI-compatible HTTP server"),
+    "generate": ("kda_rt.generate", "generate text from a prompt and report tokens/s"),
+    "bench": ("kda_rt.bench", "throughput and latency benchmark"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kda-rt {serve,generate,bench} [MODEL] [flags]", ""]
+    lines += [f"  {name:<9} {doc}" for name, (_, doc) in _COMMANDS.items()]
+    lines += ["", "`kda-rt COMMAND --help` lists a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from kda_rt import __version__
+
+        print(__version__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"kda-rt: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if rest and not rest[0].startswith("-"):  # positional MODEL
+        rest = ["--model", rest[0], *rest[1:]]
+    module = importlib.import_module(_COMMANDS[command][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

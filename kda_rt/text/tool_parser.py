@@ -1,0 +1,179 @@
+"""Tool calls in Kimi K2-family output (vLLM's `--tool-call-parser kimi_k2`).
+
+The model writes, after optional plain content:
+
+    <|tool_calls_section_begin|>
+      <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>   (once per call)
+    <|tool_calls_section_end|>
+
+The text must be decoded with `skip_special_tokens=False`, or the markers are gone.  The call id is
+the model's own `functions.NAME:IDX` (the template writes it back in `<|tool_call_begin|>` and
+`## Return of ...`, so the model sees its trained form in the next turn).  `parse_tool_calls`
+reads a whole output; `ToolCallStream` turns text deltas into content deltas and OpenAI
+`delta.tool_calls` entries, holding back only what could still be the start of a marker.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CALL_BEGIN", "CALL_END", "ARG_BEGIN", "SECTION_BEGIN", "SECTION_END", "ToolCall", "ToolCallStream",
+           "forced_prefix", "parse_tool_calls", "tool_prefix_ids"]
+
+SECTION_BEGIN = "<|tool_calls_section_begin|>"
+SECTION_END = "<|tool_calls_section_end|>"
+CALL_BEGIN = "<|tool_call_begin|>"
+ARG_BEGIN = "<|tool_call_argument_begin|>"
+CALL_END = "<|tool_call_end|>"
+_SECTION_BEGINS = (SECTION_BEGIN, "<|tool_call_section_begin|>")  # K2 checkpoints emit either spelling
+
+_CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(?P<id>[^<]+:\d+)\s*" + re.escape(ARG_BEGIN)
+                   + r"\s*(?P<args>(?:(?!" + re.escape(CALL_BEGIN) + r").)*?)\s*" + re.escape(CALL_END), re.DOTALL)
+_HEADER = re.compile(r"\s*(?P<id>[^<]+:\d+)\s*$", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    id: str  # functions.NAME:IDX, as the model wrote it
+    name: str
+    arguments: str  # JSON text as generated (not validated: no grammar constrains it yet)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _name_of(call_id: str) -> str:
+    """`functions.get_weather:0` -> `get_weather`."""
+    return call_id.strip().rsplit(":", 1)[0].split(".", 1)[-1]
+
+
+def _section_start(text: str) -> tuple[int, int]:
+    """(start, end) of the first section-begin marker in text, or (-1, -1)."""
+    hits = [(text.find(m), len(m)) for m in _SECTION_BEGINS if m in text]
+    if not hits:
+        return -1, -1
+    start, size = min(hits)
+    return start, start + size
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of one whole output.  Without a section marker the text is all content;
+    with one, content is what precedes it (None when empty) and each complete call is parsed."""
+    start, end = _section_start(text)
+    if start < 0:
+        return text, []
+    calls = [ToolCall(m["id"].strip(), _name_of(m["id"]), m["args"]) for m in _CALL.finditer(text, end)]
+    content = text[:start]
+    return (content or None), calls
+
+
+def _held(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of one of the markers."""
+    for size in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+        if any(m.startswith(text[-size:]) for m in markers):
+            return size
+    return 0
+
+
+class ToolCallStream:
+    """Incremental `parse_tool_calls`: `feed(delta)` -> (content delta, [delta.tool_calls entries]).
+    Concatenating the content deltas and each call's argument deltas gives what `parse_tool_calls`
+    gives for the whole text.  `max_calls` 1 keeps only the first call (parallel_tool_calls false)."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.buf = ""
+        self.state = "content"  # content -> section -> args -> section ... -> done
+        self.num_calls = 0  # call headers seen, kept or not
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self.buf += delta
+        content, entries = "", []
+        while True:
+            if self.state == "content":
+                start, end = _section_start(self.buf)
+                if start >= 0:
+                    content += self.buf[:start]
+                    self.buf, self.state = self.buf[end:], "section"
+                    continue
+                keep = 0 if final else _held(self.buf, _SECTION_BEGINS)
+                content += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            if self.state == "section":
+                begin, close = self.buf.find(CALL_BEGIN), self.buf.find(SECTION_END)
+                if close >= 0 and (begin < 0 or close < begin):
+                    self.buf, self.state = "", "done"
+                    break
+                arg = self.buf.find(ARG_BEGIN, begin) if begin >= 0 else -1
+                if begin < 0 or arg < 0:
+                    break
+                header = _HEADER.match(self.buf[begin + len(CALL_BEGIN):arg])
+                self.buf = self.buf[arg + len(ARG_BEGIN):]
+                if header is None:  # not a call header: skip to the next one
+                    self.state = "skip"
+                    continue
+                call = ToolCall(header["id"].strip(), _name_of(header["id"]), "")
+                self.state = "args"
+                if self.max_calls is None or self.num_calls < self.max_calls:
+                    self.calls.append(call)
+                    entries.append({"index": self.num_calls, "id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": ""}})
+                else:
+                    self.state = "skip"
+                self.num_calls += 1
+                continue
+            if self.state == "skip":  # a call past max_calls, or a malformed header: dropped
+                stop = self.buf.find(CALL_END)
+                if stop < 0:
+                    self.buf = self.buf[len(self.buf) - _held(self.buf, (CALL_END,)):]
+                    break
+                self.buf, self.state = self.buf[stop + len(CALL_END):], "section"
+                continue
+            if self.state == "args":
+                if not self.calls[-1].arguments:
+                    self.buf = self.buf.lstrip()
+                stop = self.buf.find(CALL_END)
+                if stop >= 0:
+                    send, self.buf, self.state = self.buf[:stop].rstrip(), self.buf[stop + len(CALL_END):], "section"
+                else:  # hold back a possible marker start, and trailing whitespace (stripped at the end)
+                    send = self.buf[:len(self.buf) - _held(self.buf, (CALL_END,))].rstrip()
+                    self.buf = self.buf[len(send):]
+                if send:
+                    self.calls[-1].arguments += send
+                    entries.append({"index": len(self.calls) - 1, "function": {"arguments": send}})
+                if self.state == "section":
+                    continue
+                break
+            break  # done: the rest after the section is dropped, as in the whole-text parse
+        return content, entries
+
+
+def forced_prefix(tool_mode: dict[str, Any] | None) -> str:
+    """Text the engine appends to the prompt for tool_choice `required` (a call section is opened)
+    or a named function (its call header is written); '' otherwise.  The parser reads the output
+    with this text in front."""
+    if not tool_mode:
+        return ""
+    if tool_mode.get("forced_name"):
+        return f"{SECTION_BEGIN}{CALL_BEGIN}functions.{tool_mode['forced_name']}:0{ARG_BEGIN}"
+    if tool_mode.get("required"):
+        return f"{SECTION_BEGIN}{CALL_BEGIN}functions."
+    return ""
+
+
+def tool_prefix_ids(tokenizer, tool_mode: dict[str, Any] | None) -> list[int]:
+    """Token ids of `forced_prefix`: the markers are control tokens, the function name plain text."""
+    if not forced_prefix(tool_mode):
+        return []
+    try:
+        section, call = tokenizer.token_to_id(SECTION_BEGIN), tokenizer.token_to_id(CALL_BEGIN)
+        arg = tokenizer.token_to_id(ARG_BEGIN)
+    except KeyError as exc:
+        raise ValueError(f"tool_choice needs the Kimi tool-call tokens: {exc}") from None
+    if tool_mode.get("forced_name"):
+        return [section, call, *tokenizer.encode(f"functions.{tool_mode['forced_name']}:0"), arg]
+    return [section, call, *tokenizer.encode("functions.")]

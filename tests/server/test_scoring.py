@@ -1,0 +1,158 @@
+"""Scoring endpoints, lenient requests, logs and metrics against a real server (issue 13 #2-#4).
+
+The completions requests are the shapes lm-evaluation-harness's `local-completions` model sends
+(loglikelihood: token-id prompt lists, echo, logprobs 1, temperature 0, max_tokens 1 or 0;
+generate_until: string prompt lists), read the way its `parse_logprobs` reads them."""
+
+from __future__ import annotations
+
+import json
+import re
+from operator import itemgetter
+
+import httpx
+import pytest
+
+from helpers.server import MAX_MODEL_LEN, ServerProc, parse_metrics, pid_gone
+
+CONTEXTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
+CONTINUATIONS = [[10, 11], [43, 44, 45]]
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=120, **kw)
+
+
+def _lm_eval_parse(out: dict, ctxlens: list[int], trailing: int) -> list[tuple[float, bool]]:
+    """lm_eval.models.openai_completions.LocalCompletionsAPI.parse_logprobs (trailing = generated tokens)."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=itemgetter("index")), ctxlens, strict=True):
+        lps = choice["logprobs"]["token_logprobs"]
+        tops = choice["logprobs"]["top_logprobs"]
+        end = len(lps) - trailing
+        is_greedy = all(tok == max(top.values()) for tok, top in zip(lps[ctxlen:end], tops[ctxlen:end], strict=True))
+        res.append((sum(lps[ctxlen:end]), is_greedy))
+    return res
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_lm_eval_loglikelihood(server, reference_llm, max_tokens):
+    prompts = [c + k for c, k in zip(CONTEXTS, CONTINUATIONS, strict=True)]
+    r = _post(server, "/v1/completions", {"model": "demo", "prompt": prompts, "temperature": 0,
+                                          "max_tokens": max_tokens, "logprobs": 1, "seed": 1234, "echo": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    got = _lm_eval_parse(out, [len(c) for c in CONTEXTS], trailing=max_tokens)
+    for (total, greedy), prompt, ctx in zip(got, prompts, CONTEXTS, strict=True):
+        dicts, ranks = reference_llm.prompt_logprobs({"prompt_token_ids": prompt}, 1)
+        expect = sum(dicts[i][prompt[i]] for i in range(len(ctx), len(prompt)))
+        assert total == pytest.approx(expect, abs=1e-4)
+        assert greedy == all(ranks[i] == 1 for i in range(len(ctx), len(prompt)))
+    for choice, prompt in zip(out["choices"], prompts, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"][0] == 0
+        assert choice["finish_reason"] == "length"
+    assert out["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    assert out["usage"]["completion_tokens"] == max_tokens * len(prompts)
+
+
+def test_batched_prompts_order_and_echo(server):
+    r = _post(server, "/v1/completions", {"prompt": ["Hello there", "Bye"], "n": 2, "max_tokens": 3, "echo": True,
+                                          "temperature": 0, "seed": 3})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"][:11] for c in choices[:2]] == ["Hello there"] * 2
+    assert [c["text"][:3] for c in choices[2:]] == ["Bye"] * 2
+    single = _post(server, "/v1/completions", {"prompt": "Bye", "max_tokens": 3, "temperature": 0, "seed": 3}).json()
+    assert choices[2]["text"] == "Bye" + single["choices"][0]["text"]  # greedy: same continuation alone or batched
+
+
+def test_prompt_logprobs_field(server, reference_llm):
+    r = _post(server, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 1, "prompt_logprobs": 2})
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    dicts, ranks = reference_llm.prompt_logprobs({"prompt_token_ids": [5, 6, 7, 8]}, 2)
+    assert pl[0] is None and len(pl) == 4
+    for entry, ref, rank, tok in zip(pl[1:], dicts[1:], ranks[1:], [6, 7, 8], strict=True):
+        assert entry[str(tok)]["rank"] == rank
+        assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx(ref, abs=1e-4)
+    chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_tokenize_detokenize_version(server, reference_llm):
+    tok = reference_llm.tokenizer
+    r = _post(server, "/tokenize", {"model": "demo", "prompt": "Hello world"}).json()
+    assert r == {"count": len(tok.encode("Hello world")), "max_model_len": MAX_MODEL_LEN,
+                 "tokens": tok.encode("Hello world"), "token_strs": None}
+    msgs = [{"role": "user", "content": "hi"}]
+    r = _post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()
+    assert r["tokens"] == tok.encode_chat(msgs)
+    assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
+    assert httpx.get(server.url + "/version").json() == {"version": "0.1.0"}
+
+
+def test_unknown_fields_are_accepted_and_listed(server):
+    body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            "max_tokens": 2, "metadata": {"k": "v"}, "store": False, "reasoning_effort": "low",
+            "chat_template_kwargs": {"thinking": False}, "service_tier": "auto", "frobnicate": [1],
+            "stream_options": None, "response_format": {"type": "text"}}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kda-rt-ignored-fields"] == "frobnicate, service_tier"
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert "x-kda-rt-ignored-fields" not in r.headers
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "stream": True,
+                                          "stream_options": {"include_usage": True, "continuous_usage_stats": True,
+                                                             "new_thing": 1}})
+    assert r.headers["x-kda-rt-ignored-fields"] == "stream_options.new_thing"
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 1
+    log = server.log()
+    assert log.count("logged once per name): frobnicate, service_tier") == 1
+
+
+def test_metrics_have_vllm_names_and_model_label(server):
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "state_slot_usage_perc",
+                 "time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_count", "prompt_tokens_total",
+                 "generation_tokens_total", "num_preemptions_total", "request_success_total"):
+        assert re.search(rf'^kda_rt:{name}\{{[^}}]*model_name="demo"', text, re.M), name
+    m = parse_metrics(text)
+    assert 0.0 <= m["kda_rt:kv_cache_usage_perc"] <= 1.0
+
+
+def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDA_RT_LOG_STATS_INTERVAL", "0.05")
+    srv = ServerProc(tmp_path / "info.log", "--enable-log-requests", api_key=None)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 24, "ignore_eos": True},
+                       timeout=120)
+        assert r.status_code == 200
+    finally:
+        assert srv.stop() == 0
+    log = srv.log()
+    stamp = r"^(INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\] "
+    assert re.search(stamp + r"Uvicorn running", log, re.M), log  # uvicorn in the same format
+    assert re.search(stamp + r"request cmpl-\w+: completions, \d+ prompt tokens", log, re.M), log
+    assert re.search(stamp + r"request cmpl-\w+ finished in", log, re.M), log
+    assert re.search(stamp + r"Engine: prompt throughput [\d.]+ tokens/s, generation throughput [\d.]+ tokens/s, "
+                             r"running \d+ reqs, waiting \d+ reqs, KV cache usage [\d.]+%, state slots usage", log, re.M), log
+    assert re.search(stamp + r"model loaded in", log, re.M), log
+
+    srv = ServerProc(tmp_path / "warning.log", "--log-level", "warning", api_key=None)
+    try:
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 24}, timeout=120).status_code == 200
+    finally:
+        assert srv.stop() == 0
+        assert pid_gone(srv.engine_pid)
+    assert "INFO" not in srv.log(), srv.log()  # the engine process follows --log-level too
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,172 @@
+"""Tool calling through the `openai` client (issue 13 #1 Done-when): declare -> call parsed ->
+tool result in the history -> next turn, non-streaming and streaming.  The app runs in-process
+over a fake engine that renders prompts with the real demo tokenizer and "generates" a scripted
+output (the demo model has random weights, so a real one never calls a tool on purpose)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs the test extra (openai)")
+httpx = pytest.importorskip("httpx")
+
+from kda_rt.demo import demo_path  # noqa: E402
+from kda_rt.server.app import ServerState, build_app  # noqa: E402
+from kda_rt.text.detokenizer import IncrementalDetokenizer  # noqa: E402
+from kda_rt.text.tokenizer import Tokenizer  # noqa: E402
+from kda_rt.text.tool_parser import tool_prefix_ids  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+CALL = ("I'll check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+ANSWER = "It is 22 C and sunny in Paris."
+
+
+class FakeEngine:
+    """Stands in for `EngineClient`: the prompt goes through the real tokenizer exactly as the engine
+    process does it; the output is the next scripted text, one token per delta."""
+
+    alive, stalled, dead_reason, pid = True, False, None, 0
+    info = {"max_model_len": 4096}
+
+    def __init__(self) -> None:
+        self.tok = Tokenizer.from_dir(demo_path())
+        self.script: list[str] = []
+        self.prompts: list[list[int]] = []
+        self.payloads: list[dict] = []
+
+    async def add(self, rid, payload):
+        self.payloads.append(payload)
+        ids = self.tok.encode_chat(payload["messages"], tools=payload["tools"],
+                                   chat_template_kwargs=payload["chat_template_kwargs"])
+        ids += tool_prefix_ids(self.tok, payload["tool_mode"])
+        self.prompts.append(ids)
+        out = self.tok.encode(self.script.pop(0), allow_special=True)
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=payload["params"]["skip_special_tokens"])
+        queue: asyncio.Queue = asyncio.Queue()
+        for k, token in enumerate(out):
+            last = k == len(out) - 1
+            text = detok.add([token]) + (detok.flush() if last else "")
+            queue.put_nowait({"id": rid, "finished": last, "outputs": [
+                {"index": 0, "text": text, "token_ids": [token], "logprobs": None,
+                 "finish_reason": "stop" if last else None, "stop_reason": None}]})
+        queue.put_nowait(None)
+        return queue, {"prompt_tokens": len(ids), "prompts": [{"num_tokens": len(ids)}]}
+
+    async def wait(self, awaitable, what):
+        return await awaitable
+
+    def abort(self, rid):
+        pass
+
+    async def stats(self):
+        return {}
+
+
+def _client(engine: FakeEngine, auto_tools: bool = True):
+    app = build_app(ServerState(engine, "demo", auto_tools=auto_tools))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kda-rt.test")
+    return openai.AsyncOpenAI(base_url="http://kda-rt.test/v1", api_key="x", http_client=http, max_retries=0)
+
+
+async def _turn(client, messages, stream: bool, **kw):
+    if not stream:
+        res = await client.chat.completions.create(model="demo", messages=messages, tools=TOOLS, **kw)
+        choice = res.choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, reason = "", {}, None
+    async for chunk in await client.chat.completions.create(model="demo", messages=messages, tools=TOOLS, stream=True,
+                                                            **kw):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, [None, None, ""])
+                if tc.id:
+                    entry[0], entry[1] = tc.id, tc.function.name
+                entry[2] += tc.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return content or None, [tuple(v) for _, v in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_round_trip(stream):
+    async def run():
+        engine = FakeEngine()
+        engine.script = [CALL, ANSWER]
+        client = _client(engine)
+        messages = [{"role": "developer", "content": "Use tools when needed."},
+                    {"role": "user", "content": "What is the weather in Paris?"}]
+        content, calls, reason = await _turn(client, messages, stream)
+        assert content == "I'll check."
+        assert calls == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}')]
+        assert reason == "tool_calls"
+        assert json.loads(calls[0][2]) == {"city": "Paris"}
+        assert engine.payloads[0]["params"]["skip_special_tokens"] is False  # markers reach the parser
+        # the tool result goes back in the history, the model answers
+        messages += [{"role": "assistant", "content": content, "tool_calls": [
+                          {"id": calls[0][0], "type": "function",
+                           "function": {"name": calls[0][1], "arguments": calls[0][2]}}]},
+                     {"role": "tool", "tool_call_id": calls[0][0], "content": "22 C, sunny"}]
+        content, calls, reason = await _turn(client, messages, stream)
+        assert (content, calls, reason) == (ANSWER, [], "stop")
+        # the second prompt holds the call (as control tokens) and the result (as text)
+        tok, prompt = engine.tok, engine.prompts[1]
+        expect = tok.encode_chat([{"role": "system", "content": "Use tools when needed."}, messages[1],
+                                  {**messages[2], "content": "I'll check."}, messages[3]], tools=TOOLS)
+        assert prompt == expect
+        for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_end|>"):
+            assert prompt.count(tok.token_to_id(marker)) == 1
+        assert "## Return of functions.get_weather:0\n22 C, sunny" in tok.decode(prompt)
+        assert len(prompt) > len(engine.prompts[0]) + 20
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_named_function_and_none():
+    async def run():
+        engine = FakeEngine()
+        engine.script = ['{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>', CALL]
+        client = _client(engine, auto_tools=False)  # named and none need no --enable-auto-tool-choice
+        msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        content, calls, reason = await _turn(client, msgs, False, tool_choice=named)
+        assert (content, calls, reason) == (None, [("functions.get_weather:0", "get_weather", '{"city": "Oslo"}')],
+                                            "tool_calls")
+        tok = engine.tok
+        assert engine.prompts[0][-1] == tok.token_to_id("<|tool_call_argument_begin|>")  # the call was forced
+        content, calls, reason = await _turn(client, msgs, False, tool_choice="none")
+        assert calls == [] and reason == "stop" and content.startswith("I'll check.")  # no parsing, markers skipped
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            await _turn(client, msgs, False, tool_choice="auto")
+        with pytest.raises(openai.BadRequestError, match="not in tools"):
+            await _turn(client, msgs, False, tool_choice={"type": "function", "function": {"name": "nope"}})
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_parallel_tool_calls_false():
+    async def run():
+        engine = FakeEngine()
+        two = CALL.replace("<|tool_calls_section_end|>", "<|tool_call_begin|>functions.get_weather:1"
+                           '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>')
+        engine.script = [two, two, two]
+        client = _client(engine)
+        msgs = [{"role": "user", "content": "Paris and Rome?"}]
+        assert len((await _turn(client, msgs, False))[1]) == 2
+        assert [c[2] for c in (await _turn(client, msgs, False, parallel_tool_calls=False))[1]] == ['{"city": "Paris"}']
+        assert [c[2] for c in (await _turn(client, msgs, True, parallel_tool_calls=False))[1]] == ['{"city": "Paris"}']
+        await client.close()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,87 @@
+"""Packaging (issue 13 #5): the `kda-rt` console command, LICENSE, runtime dependencies = what
+runtime code imports."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from kda_rt import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIME_DIRS = ("kda_rt", "loader", "sampler")
+# distribution name -> import name, where they differ
+IMPORT_NAMES = {"jinja2": "jinja2", "ml_dtypes": "ml_dtypes", "msgpack": "msgpack", "numpy": "numpy",
+                "tiktoken": "tiktoken", "tqdm": "tqdm"}
+NOT_RUNTIME = ("kda_rt/demo/make_vocab.py", "kda_rt/demo/make_demo.py")  # maintainer scripts
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["serve", "/models/k", "--port", "9"], ["--model", "/models/k", "--port", "9"]),
+    (["serve", "--model", "/m"], ["--model", "/m"]),
+    (["generate", "/m", "--prompt", "hi"], ["--model", "/m", "--prompt", "hi"]),
+    (["bench"], []),
+], ids=["serve-positional", "serve-flag", "generate-positional", "bench-bare"])
+def test_subcommand_forwards_model(monkeypatch, argv, expect):
+    seen = []
+    fake = types.SimpleNamespace(main=lambda rest: seen.append(rest) or 0)
+    module = cli._COMMANDS[argv[0]][0]
+    monkeypatch.setitem(sys.modules, module, fake)
+    assert cli.main(argv) == 0
+    assert seen == [expect]
+
+
+def test_usage_and_unknown(capsys):
+    assert cli.main([]) == 0
+    assert "kda-rt {serve,generate,bench}" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+def test_console_script_declared():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert "kda-rt = kda_rt.cli:main" in cfg["options.entry_points"]["console_scripts"]
+
+
+def test_license_file():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0" in text
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert cfg["metadata"]["license"] == "Apache-2.0"
+    assert (ROOT / "kda_rt" / "py.typed").exists()
+
+
+def _third_party_imports() -> set[str]:
+    found = set()
+    for folder in RUNTIME_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            if str(path.relative_to(ROOT)) in NOT_RUNTIME:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    found |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"kda_rt", "loader", "sampler"}
+
+
+def test_runtime_dependencies_match_imports():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    required = {line.split(">")[0].split("=")[0].strip() for line in cfg["options"]["install_requires"].split("\n")
+                if line.strip()}
+    optional = {"cupy", "cupy_backends", "nvidia", "starlette", "uvicorn", "msgspec", "prometheus_client", "httpx", "openai"}  # extras (cuda12/13: cupy, its nvidia wheels; server)
+    imported = _third_party_imports()
+    assert {IMPORT_NAMES[d] for d in required} <= imported, "a runtime dependency no runtime code imports"
+    assert imported - optional <= {IMPORT_NAMES[d] for d in required}, "runtime code imports an undeclared package"
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
