@@ -62,13 +62,14 @@ def reference_rows(q, pool_np, w_kvb, tables, lens, ctx, block_size, H, rows):
         cached = pool_np[tables[b, pos // block_size], pos % block_size]  # [L, R+Dr]
         c_lat, k_pe = cached[:, :R], cached[:, R:]
         qs = q[[rows[k] for k in sel]]  # [n, H, Dn+Dr]
-        q_lat = np.einsum("nhd,hdr->nhr", qs[:, :, :DN], w_uk)  # [n, H, R]
-        scores = (np.einsum("lr,nhr->nhl", c_lat, q_lat) + np.einsum("ld,nhd->nhl", k_pe, qs[:, :, DN:])) * SCALE
+        q_lat = np.einsum("nhd,hdr->nhr", qs[:, :, :DN], w_uk, optimize=True)  # [n, H, R]
+        scores = (np.einsum("lr,nhr->nhl", c_lat, q_lat, optimize=True)
+                  + np.einsum("ld,nhd->nhl", k_pe, qs[:, :, DN:], optimize=True)) * SCALE
         p = ctx[b] + np.array([rows[k] - cu[b] for k in sel])
         scores = np.where(pos[None, None, :] <= p[:, None, None], scores, -np.inf)
         prob = np.exp(scores - scores.max(-1, keepdims=True))
         prob /= prob.sum(-1, keepdims=True)
-        o = np.einsum("nhr,hvr->nhv", np.einsum("nhl,lr->nhr", prob, c_lat), w_uv)
+        o = np.einsum("nhr,hvr->nhv", np.einsum("nhl,lr->nhr", prob, c_lat, optimize=True), w_uv, optimize=True)
         out[sel] = o.reshape(len(sel), H * DV)
     return out
 
