@@ -23,6 +23,7 @@ from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
 from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
+from kda_rt.cuda.ops.mla_prefill import mla_prefill
 from kda_rt.cuda.ops.mla_store import mla_store
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 from kda_rt.cuda.ops.silu_mul import silu_mul
@@ -139,12 +140,14 @@ class CudaModel:
         mla_store(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps, pool, b.cu_seqlens, b.context_lens,
                   b.block_tables)
         o = ws.get("mla_o", (T, H * mc.v_head_dim), BF16)
-        scratch = None
-        if b.decode:  # prefill sizes its own scratch (eager); decode must not allocate (graph capture)
+        scale = float(mc.qk_head_dim) ** -0.5
+        if b.decode:  # absorbed form over the latent pages; preallocated scratch (graph capture)
             M = int(b.block_tables.shape[1])
             nbytes = decode_workspace_bytes(T, H, M, pool.shape[1], mc.kv_lora_rank)
-            scratch = ws.get("mla_ws", (nbytes,), np.uint8)
-        mla_attention(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
-                      num_heads=H, scale=float(mc.qk_head_dim) ** -0.5, max_seqlen=b.max_seqlen, decode=b.decode,
-                      out=o, workspace=scratch)
+            mla_attention(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
+                          num_heads=H, scale=scale, max_seqlen=1, decode=True, out=o,
+                          workspace=ws.get("mla_ws", (nbytes,), np.uint8))
+        else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
+            mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
+                        num_heads=H, scale=scale, out=o)
         linear(o, w.o_proj, out=out)

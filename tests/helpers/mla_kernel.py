@@ -61,3 +61,62 @@ def nan_pool(num_blocks, block_size):
     pool = cupy.empty((num_blocks, block_size, R + DR), dtype=BF16)
     poison(pool)  # spare pages and unwritten rows stay NaN: any read or write of them shows
     return pool
+
+
+# -- MLA attention cases (test_mla_attn, test_mla_prefill) ----------------------------------------
+
+DN, DV = 128, 128
+SCALE = (DN + DR) ** -0.5
+TOL = 1e-2
+
+
+def make_case(seed, H, block_size, lens, ctx):
+    """Pool with `ctx` earlier rows then `lens` new rows per sequence (all via mla_store), q, w_kvb."""
+    rng = np.random.default_rng(seed)
+    totals = [c + n for c, n in zip(ctx, lens, strict=True)]
+    tables, num_blocks = shuffled_tables(rng, totals, block_size)
+    pool = nan_pool(num_blocks, block_size)
+    w = bf16_round(1 + 0.2 * rng.normal(size=R))
+    if sum(ctx):
+        run_store(bf16_round(rng.normal(size=(sum(ctx), R + DR))), w, pool, ctx, [0] * len(ctx), tables)
+    run_store(bf16_round(rng.normal(size=(sum(lens), R + DR))), w, pool, lens, ctx, tables)
+    q = bf16_round(rng.normal(size=(sum(lens), H, DN + DR)) * 1.5)
+    w_kvb = bf16_round(rng.normal(size=(H * (DN + DV), R)) / np.sqrt(R))
+    return q, pool, w_kvb, tables
+
+
+def reference(q, pool_np, w_kvb, tables, lens, ctx, block_size, H):
+    from kda_rt.loader.config import MLAConfig
+    from kda_rt.reference.mla import _attend_absorbed, _attend_expanded
+
+    cfg = MLAConfig(num_heads=H, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DV)
+    w = w_kvb.reshape(H, DN + DV, R)
+    out, t = [], 0
+    for b, (n, c) in enumerate(zip(lens, ctx, strict=True)):
+        pos = np.arange(c + n)
+        cached = pool_np[tables[b, pos // block_size], pos % block_size]
+        if n == 1:
+            out.append(_attend_absorbed(q[t], cached, w[:, :DN], w[:, DN:], cfg, SCALE)[None])
+        else:
+            out.append(_attend_expanded(q[t:t + n], cached, w[:, :DN], w[:, DN:], c, cfg, SCALE))
+        t += n
+    return np.concatenate(out).reshape(t, H * DV)
+
+
+def device_meta(lens, ctx, tables):
+    import cupy
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return cupy.asarray(cu), cupy.asarray(np.asarray(ctx, np.int32)), cupy.asarray(tables)
+
+
+def upload_q(q, strided):
+    """q as [T, H, Dn+Dr], or as a column slice of a fused [T, H·(Dn+Dr) + 576 + 8] projection."""
+    T, H, D = q.shape
+    if not strided:
+        return to_gpu_bf16(q)
+    fused = to_gpu_bf16(np.zeros((T, H * D + R + DR + 8)))
+    fused[:, :H * D] = to_gpu_bf16(q.reshape(T, H * D))
+    return fused[:, :H * D]
+
+

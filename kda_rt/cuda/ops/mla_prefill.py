@@ -1,0 +1,181 @@
+"""MLA prefill attention, expanded form (kernels_cu/mla_prefill.cu + one cuBLAS GEMM per round).
+
+    lat[r]      = pool row [c | k_pe] of each attended position          mla_prefill_gather
+    kv[r]       = c · W_kvbᵀ = per head [k_nope | v]                      linear (cuBLAS), [rows, H·(Dn+Dv)]
+    out[t, h]   = softmax_causal(scale · q[t, h] · [k_nope_h | k_pe]ᵀ) · v_h   mla_prefill_attn
+
+Used for every non-decode step.  Query i of sequence b sits at position ctx_b + i and attends
+positions 0 .. ctx_b + i.  The attended positions of all sequences are decompressed in rounds of
+at most `keys_per_round` rows (bounded scratch: 16 KB of k_nope|v plus 1.1 KB of latent per row
+at H = 32, so 1.1 GB at the default 65536); a sequence longer than that spans several rounds and
+its queries carry an fp32 running state (o, m, l) from round to round.
+Sequences with fewer than `expanded_min_tokens` new tokens (decode-like rows of a mixed step) go
+to the absorbed path instead (mla_attention): decompressing a long context for a few queries
+costs more than attending in the latent space (≈8.4 MFLOP per key vs 70 KFLOP per query-key pair).
+Needs the lengths on the host: reads cu_seqlens and context_lens back (one sync; never in a graph).
+Letters: T tokens, B sequences, H heads, M page slots, R latent rank, Dn/Dr/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kda_rt.cuda.gemm import linear
+from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
+from kda_rt.cuda.ops.compile import get_kernel
+
+__all__ = ["mla_prefill", "plan_rounds", "Round", "BLOCK_M", "KEYS_PER_ROUND", "EXPANDED_MIN_TOKENS"]
+
+NUM_WARPS = 8
+BLOCK_M = 16 * NUM_WARPS  # query rows per CTA of mla_prefill_attn
+_BLOCK_N = 64
+KEYS_PER_ROUND = 65536
+EXPANDED_MIN_TOKENS = 128
+FLAG_HAS_PREV, FLAG_FINAL = 1, 2
+
+
+@dataclass
+class Round:
+    """One decompress + attention launch.  seq_rec [B, 8] int32 (tok0, n, ctx, row0, ks, ke, flags, 0),
+    row_start [B+1], tiles [N, 2] (b, i0) heaviest first, rows = scratch rows used."""
+    seq_rec: np.ndarray
+    row_start: np.ndarray
+    tiles: np.ndarray
+    rows: int
+
+
+def plan_rounds(cu_seqlens: np.ndarray, context_lens: np.ndarray, seqs: list[int], keys_per_round: int) -> list[Round]:
+    """Split the attended positions 0 .. ctx_b + n_b - 1 of sequences `seqs` into segments of at most
+    keys_per_round, packed in order into rounds of at most keys_per_round rows.  A sequence's segments
+    come in increasing position order; its first has ks = 0, its last sets FLAG_FINAL."""
+    B = len(context_lens)
+    segs = []
+    for b in seqs:
+        L = int(context_lens[b]) + int(cu_seqlens[b + 1] - cu_seqlens[b])
+        segs += [(b, ks, min(ks + keys_per_round, L), L) for ks in range(0, L, keys_per_round)]
+    rounds, cur, used = [], [], 0
+    for seg in segs + [None]:
+        if seg is None or used + seg[2] - seg[1] > keys_per_round:
+            if cur:
+                rounds.append(_round(cu_seqlens, context_lens, B, cur))
+            cur, used = [], 0
+        if seg is not None:
+            cur.append(seg)
+            used += seg[2] - seg[1]
+    return rounds
+
+
+def _round(cu_seqlens, context_lens, B, segs) -> Round:
+    rec = np.zeros((B, 8), np.int32)
+    rec[:, 0] = cu_seqlens[:B]
+    rec[:, 1] = np.diff(cu_seqlens)
+    rec[:, 2] = context_lens
+    lengths = np.zeros(B, np.int64)
+    tiles = []
+    for b, ks, ke, L in segs:
+        lengths[b] = ke - ks
+        final = ke == L
+        rec[b, 4:7] = ks, ke, (FLAG_HAS_PREV if ks > 0 else 0) | (FLAG_FINAL if final else 0)
+        ctx, n = int(context_lens[b]), int(rec[b, 1])
+        for i0 in range(0, n, BLOCK_M):
+            last = ctx + min(i0 + BLOCK_M, n) - 1  # position of the tile's last query
+            if final or last >= ks:  # a tile with no key in this round still writes out in its final round
+                tiles.append((max(0, min(ke, last + 1) - ks), b, i0))
+    row_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rec[:, 3] = row_start[:B]
+    tiles.sort(key=lambda w: -w[0])  # heaviest first: the last wave holds the short tiles
+    tile_arr = np.array([(b, i0) for _, b, i0 in tiles], np.int32).reshape(-1, 2)
+    return Round(rec, row_start, tile_arr, int(row_start[-1]))
+
+
+def _smem() -> int:
+    return (BLOCK_M * 200 + 2 * _BLOCK_N * (200 + 136)) * 2  # LDQ = LDK = 192 + 8, LDV = 128 + 8 (bf16)
+
+
+@functools.cache
+def _kernels(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int):
+    from cupy_backends.cuda.api import driver
+
+    defs = dict(H=H, R=R, DN=Dn, DR=Dr, DV=Dv, BLOCK_SIZE=block_size, NUM_WARPS=NUM_WARPS)
+    attn = get_kernel("mla_prefill.cu", "mla_prefill_attn", **defs)
+    driver.funcSetAttribute(attn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, _smem())
+    return get_kernel("mla_prefill.cu", "mla_prefill_gather", **defs), attn
+
+
+def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
+                out=None, keys_per_round: int = KEYS_PER_ROUND, expanded_min_tokens: int = EXPANDED_MIN_TOKENS,
+                stream=None):
+    """q: [T, H·(Dn+Dr)] bf16 (rows may be strided) or [T, H, Dn+Dr]; kv_pool [num_blocks, block_size, R+Dr]
+    bf16 with the new rows stored; w_kvb [H·(Dn+Dv), R] bf16; cu_seqlens [B+1], context_lens [B],
+    block_tables [B, M] int32.  Returns out [T, H·Dv] bf16 (may be row-strided)."""
+    import cupy
+
+    from kda_rt.cuda.ops.mla_attn import mla_attention
+
+    H, T = num_heads, q.shape[0]
+    q2 = q.reshape(T, -1) if q.ndim == 3 else q
+    _, QW = expect(q2, "q", ndim=2, dtype=BF16, row_stride=True)
+    _, block_size, KD = expect(kv_pool, "kv_pool", ndim=3, dtype=BF16)
+    HW, R = expect(w_kvb, "w_kvb", ndim=2, dtype=BF16)
+    Dr, Dqk, Dkv = KD - R, QW // H, HW // H
+    Dn, Dv = Dqk - Dr, Dkv - (Dqk - Dr)
+    if QW != H * Dqk or HW != H * Dkv or Dn % 16 or Dr % 16 or Dv % 16 or R % 8 or leading_dim(q2) % 8 or q2.data.ptr % 16:
+        raise ValueError(f"mla_prefill: inconsistent dims or misaligned q (q {q.shape}, pool width {KD}, "
+                         f"w_kvb {w_kvb.shape}, H {H})")
+    (B1,) = expect(cu_seqlens, "cu_seqlens", ndim=1, dtype=np.int32)
+    expect(context_lens, "context_lens", shape=(B1 - 1,), dtype=np.int32)
+    _, M = expect(block_tables, "block_tables", shape=(B1 - 1, None), dtype=np.int32)
+    out = cupy.empty((T, H * Dv), dtype=BF16) if out is None else out
+    expect(out, "out", shape=(T, H * Dv), dtype=BF16, row_stride=True)
+    if T == 0:
+        return out
+    cu, ctx = cupy.asnumpy(cu_seqlens), cupy.asnumpy(context_lens)  # host lengths: one sync
+    n = np.diff(cu)
+    if np.any(ctx + n > M * block_size):
+        raise ValueError(f"mla_prefill: a sequence attends past its block table ({M} pages of {block_size})")
+    short = [b for b in range(B1 - 1) if 0 < n[b] < expanded_min_tokens]
+    long_ = [b for b in range(B1 - 1) if n[b] >= max(expanded_min_tokens, 1)]
+    stream = cupy.cuda.get_current_stream() if stream is None else stream
+    with stream:
+        if short:
+            _absorbed(short, q2, kv_pool, w_kvb, cu, ctx, block_tables, H, scale, out, mla_attention)
+        rounds = plan_rounds(cu, ctx, long_, keys_per_round)
+        if not rounds:
+            return out
+        gather, attn = _kernels(H, R, Dn, Dr, Dv, block_size)
+        rows = max(r.rows for r in rounds)
+        lat = cupy.empty((rows, KD), dtype=BF16)
+        kv = cupy.empty((rows, HW), dtype=BF16)
+        o_state = ml_state = kv  # unread unless a sequence spans several rounds
+        if len(rounds) > 1:
+            o_state = cupy.empty((T, H, Dv), dtype=np.float32)
+            ml_state = cupy.empty((T, H, 2), dtype=np.float32)
+        for rd in rounds:
+            meta = cupy.asarray(np.concatenate([rd.seq_rec.ravel(), rd.row_start, rd.tiles.ravel()]))
+            rec, row_start, tiles = meta, meta[rd.seq_rec.size:], meta[rd.seq_rec.size + B1:]
+            chunks = rd.rows * (KD // 8)
+            gather(((chunks + 255) // 256,), (256,), (kv_pool, block_tables, i32(M), rec, row_start, i32(B1 - 1),
+                                                     i32(rd.rows), lat), stream=stream)
+            linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
+            if len(rd.tiles):
+                attn((len(rd.tiles), H), (NUM_WARPS * 32,), (
+                    q2, i32(leading_dim(q2)), kv, lat, rec, tiles, f32(scale * math.log2(math.e)), out,
+                    i32(leading_dim(out)), o_state, ml_state), shared_mem=_smem(), stream=stream)
+    return out
+
+
+def _absorbed(seqs, q2, kv_pool, w_kvb, cu, ctx, block_tables, H, scale, out, mla_attention) -> None:
+    """The absorbed path for the sequences `seqs` (few new tokens each): gather their rows, attend, scatter."""
+    import cupy
+
+    idx = cupy.asarray(np.concatenate([np.arange(cu[b], cu[b + 1]) for b in seqs]).astype(np.int64))
+    sub_cu = np.concatenate([[0], np.cumsum([cu[b + 1] - cu[b] for b in seqs])]).astype(np.int32)
+    sel = cupy.asarray(np.asarray(seqs, np.int64))
+    sub_out = mla_attention(q2[idx], kv_pool, w_kvb, cupy.asarray(sub_cu), cupy.asarray(ctx[seqs]),
+                            cupy.ascontiguousarray(block_tables[sel]), num_heads=H, scale=scale,
+                            max_seqlen=int(np.diff(sub_cu).max()), decode=False)
+    out[idx] = sub_out
