@@ -1,6 +1,7 @@
 // common.cuh — shared helpers for every kda_rt kernel: bf16 <-> fp32, warp/block reductions,
-// vector loads.  Included by each kernels_cu/<op>.cu; compiled by NVRTC (kda_rt/cuda/ops/compile.py)
-// with -std=c++17 and the arch of the device (sm_90a on Hopper, sm_100a on Blackwell).
+// accurate sigmoid / SiLU, the bf16 tensor-core MMA, vector loads.  Included by each
+// kernels_cu/<op>.cu; compiled by NVRTC (kda_rt/cuda/ops/compile.py) with -std=c++17 and the arch
+// of the device (sm_90a on Hopper, sm_100a on Blackwell).
 #pragma once
 #include <cuda_bf16.h>
 // NVRTC has no libc headers: use the built-in fixed-width types (int64_t etc. come with cuda_bf16.h)
@@ -12,52 +13,100 @@ typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
+// x rounded to the nearest bf16, kept in fp32: where a reference stores a bf16 tensor
+__device__ __forceinline__ float round_bf16(float x) { return to_f32(to_bf16(x)); }
+
+// -inf (NVRTC has no math.h INFINITY)
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
 // ---------------------------------------------------------------------------------------------
 // reductions (all lanes / threads get the result)
 
+// Sum / max over aligned groups of Lanes lanes (a power of two <= 32; the whole warp by default).
+// Template parameters are mixed case: kernels pass their upper-case constants as -D macros.
+template <int Lanes = 32>
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = Lanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
+template <int Lanes = 32>
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = Lanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-// Block-wide sum; `scratch` needs blockDim.x / 32 floats of shared memory.  Ends with a barrier
-// so scratch can be reused right after.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) scratch[warp] = v;
+// Block-wide sums of Count values per thread, added in warp order.  `scratch` is shared memory with
+// one row per warp of the block.  Ends with a barrier so scratch can be reused right after.
+template <int Warps, int Count>
+__device__ __forceinline__ void block_sum(float (&v)[Count], float (&scratch)[Warps][Count]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < Count; ++i) v[i] = warp_sum(v[i]);
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < Count; ++i) scratch[warp][i] = v[i];
+    }
     __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < num_warps; ++w) total += scratch[w];
+#pragma unroll
+    for (int i = 0; i < Count; ++i) v[i] = 0.f;
+#pragma unroll
+    for (int w = 0; w < Warps; ++w) {
+#pragma unroll
+        for (int i = 0; i < Count; ++i) v[i] += scratch[w][i];
+    }
     __syncthreads();
-    return total;
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float m = -__int_as_float(0x7f800000);  // -inf (NVRTC has no math.h INFINITY)
-    for (int w = 0; w < num_warps; ++w) m = fmaxf(m, scratch[w]);
-    __syncthreads();
-    return m;
+// one value per thread
+template <int Warps>
+__device__ __forceinline__ float block_sum(float v, float (&scratch)[Warps]) {
+    float total[1] = {v};
+    block_sum(total, reinterpret_cast<float(&)[Warps][1]>(scratch));
+    return total[0];
 }
 
 // ---------------------------------------------------------------------------------------------
-// math
+// math: accurate expf (no __expf), as every reference computes these in fp32 or better
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
-__device__ __forceinline__ float siluf_(float x) { return x / (1.f + __expf(-x)); }
-__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// ---------------------------------------------------------------------------------------------
+// tensor cores and async copies (sm_80+)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+
+// c[16x8] += a[16x16] · b[16x8], bf16 inputs, fp32 accumulators (standard fragment layouts:
+// a0..a3 and b0, b1 are packed bf16 pairs in the PTX order)
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // ---------------------------------------------------------------------------------------------
 // varlen batches

@@ -8,10 +8,7 @@
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// scalar math
-
-__device__ __forceinline__ float round_bf16(float x) { return to_f32(to_bf16(x)); }
-__device__ __forceinline__ float kda_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// scalar math (round_bf16, sigmoid and silu come from common.cuh)
 
 // log decay of one key channel (<= 0); may be hugely negative (-300 and below)
 __device__ __forceinline__ float kda_log_decay(float f, float dt_bias, float a_log) {
@@ -27,5 +24,5 @@ __device__ __forceinline__ float kda_conv_silu(const float* __restrict__ taps, c
 #pragma unroll
     for (int j = 0; j < W - 1; ++j) u = fmaf(taps[j], hist[j], u);
     u = fmaf(taps[W - 1], x, u);
-    return round_bf16(u / (1.f + expf(-u)));
+    return round_bf16(silu(u));
 }

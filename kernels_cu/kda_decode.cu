@@ -18,16 +18,21 @@
 // Shapes: qkv [B, 3P] bf16; f, gate [B, P] bf16; b [B, ldb] bf16 (column h); conv_w [3P, W] fp32;
 // A_log [H], dt_bias [P], o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16 (oldest first);
 // rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32; out [B, P] bf16.
-// Compile-time constants: HEAD_DIM (K = V, must be 128), CONV_W (W).
+// Compile-time constants (chosen in kda_rt/cuda/ops/kda_decode.py): HEAD_DIM (K = V, must be 128),
+// CONV_W (W), THREADS.
 #include "kda_common.cuh"
 
+#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(THREADS)
+#error "kda_decode.cu needs -DHEAD_DIM -DCONV_W -DTHREADS"
+#endif
 #if HEAD_DIM != 128
 #error "kda_decode.cu: the thread map assumes HEAD_DIM == 128"
 #endif
 #define K HEAD_DIM
-#define THREADS 256
 #define NUM_WARPS (THREADS / 32)
 #define ROWS_PER_WARP (K / NUM_WARPS)
+static_assert(THREADS % 32 == 0 && THREADS >= K && K % NUM_WARPS == 0,
+              "kda_decode.cu: whole warps, one thread per channel in the prologue, whole state rows per warp");
 
 // ---------------------------------------------------------------------------------------------
 // kernel
@@ -65,19 +70,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) kda_decode_step(
         decay_s[tid] = expf(kda_log_decay(to_f32(f[(size_t)seq * P + ch]), dt_bias[ch], A_log[h]));
         v_s[tid] = y[2];
     }
-    float sums[3] = {warp_sum(y[0] * y[0]), warp_sum(y[1] * y[1]), warp_sum(y[0] * y[1])};
-    if (lane == 0) {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) red3[warp][i] = sums[i];
-    }
-    __syncthreads();
-    float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) qq += red3[w][0], kk += red3[w][1], qk += red3[w][2];
+    float sums[3] = {y[0] * y[0], y[1] * y[1], y[0] * y[1]};  // -> |q|^2, |k|^2, q.k
+    block_sum(sums, red3);
+    const float qq = sums[0], kk = sums[1];
+    float qk = sums[2];
     const float inv_q = rsqrtf((float)K) / sqrtf(qq + 1e-6f), inv_k = 1.f / sqrtf(kk + 1e-6f);
     qk *= inv_q * inv_k;  // q_hat . k_hat
     if (tid < K) q_s[tid] = y[0] * inv_q, k_s[tid] = y[1] * inv_k;
-    const float beta = kda_sigmoid(to_f32(b[(size_t)seq * ldb + h]));
+    const float beta = sigmoid(to_f32(b[(size_t)seq * ldb + h]));
     __syncthreads();
 
     // ---- state sweep: decay, partial S^T k and S^T q over this warp's rows
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) kda_decode_step(
         __align__(8) bf16 res[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            res[j] = to_bf16(o[j] * inv * o_norm_w[4 * lane + j] * kda_sigmoid(to_f32(gate[base + j])));
+            res[j] = to_bf16(o[j] * inv * o_norm_w[4 * lane + j] * sigmoid(to_f32(gate[base + j])));
         *reinterpret_cast<uint2*>(out + base) = *reinterpret_cast<const uint2*>(res);
     }
 }

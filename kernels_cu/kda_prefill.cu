@@ -8,8 +8,8 @@
 //   g2 = log2(e) * (-exp(A_log) softplus(f + dt_bias))   (log2 domain: every decay is one exp2f)
 //   beta = sigmoid(b)                     -> workspace qn, kn, vn, gn [H, T, K], beta [H, T] fp32
 //
-// kda_prefill_chunk, grid (H, B), block 256, ~219 KB dynamic shared memory: one CTA walks the
-// chunks (L = 64 tokens, tail padded with q = k = v = g = beta = 0) of one (sequence, head):
+// kda_prefill_chunk, grid (H, B), block THREADS = 256, ~219 KB dynamic shared memory: one CTA walks
+// the chunks (L = CHUNK = 64 tokens, tail padded with q = k = v = g = beta = 0) of one (sequence, head):
 //   A_qk[r,s] = sum_d q_r k_s E[r,s] (s <= r),  A_kk[r,s] = beta_r sum_d k_r k_s E[r,s] (s < r),
 //   E[r,s] = exp(G_r - G_s) with G the inclusive in-chunk prefix sum of g
 //   W = (I + A_kk)^-1 (beta e^G k),  U = (I + A_kk)^-1 (beta v)     (forward substitution)
@@ -28,19 +28,27 @@
 // Shapes: qkv [T, 3P], f, gate [T, P], b [T, ldb] bf16; conv_w [3P, W], A_log [H], dt_bias [P],
 // o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16; rec_pool [S, H, K, V] fp32; cu_seqlens [B+1],
 // context_lens, state_slots [B] int32; out [T, P] bf16.
-// Compile-time constants: HEAD_DIM (K = V, must be 128), CONV_W (W).
+// Compile-time constants (chosen in kda_rt/cuda/ops/kda_prefill.py): HEAD_DIM (K = V, must be
+// 128), CONV_W (W), CHUNK (L), SUB (rows per sub-block), LD (padded row stride of the chunk tiles,
+// floats), THREADS (block of kda_prefill_chunk).
 #include "kda_common.cuh"
 
+#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(SUB) || !defined(LD) || !defined(THREADS)
+#error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DSUB -DLD -DTHREADS"
+#endif
 #if HEAD_DIM != 128
 #error "kda_prefill.cu: the thread maps assume HEAD_DIM == 128"
 #endif
 #define K HEAD_DIM
-#define CHUNK 64
-#define SUB 16
 #define NUM_SUB (CHUNK / SUB)
-#define LD (K + 4)  // padded row of the chunk tiles: rows tx + 16j hit distinct 16-byte bank groups
-#define THREADS 256
+#define NUM_CROSS (NUM_SUB * (NUM_SUB - 1) / 2)  // (row block, earlier column block) pairs
 #define LOG2E 1.4426950408889634f
+
+// kda_prefill_chunk's threads (ty, tx) form a 16 x 16 grid: SUB rows of a sub-block in (b), 4 chunk
+// rows x 8 key / value columns each in (c), (f), (g), one column of W or U each in (e)
+static_assert(THREADS == SUB * SUB && THREADS == 2 * K && CHUNK == 4 * SUB && K == 8 * SUB,
+              "kda_prefill.cu: the thread maps need THREADS = 256, SUB = 16, CHUNK = 64");
+static_assert(LD >= K && LD % 4 == 0, "kda_prefill.cu: LD must hold a row and keep float4 alignment");
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -49,19 +57,45 @@ __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ void unpack4(float4 v, float (&a)[4]) { a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w; }
 
+// 8 consecutive floats (16-byte aligned) as two float4 loads
+__device__ __forceinline__ void load8(const float* p, float (&a)[8]) {
+    unpack4(ld4(p), *reinterpret_cast<float(*)[4]>(a));
+    unpack4(ld4(p + 4), *reinterpret_cast<float(*)[4]>(a + 4));
+}
+
 // index of the (row block I, column block J < I) pair in the cross-block exponent table
 __device__ __forceinline__ constexpr int cross_index(int I, int J) { return I * (I - 1) / 2 + J; }
 
-// dynamic shared memory plan of kda_prefill_chunk, in floats
+// This thread's 4 x 8 tile of A S: acc[i][j] += (or -=, Negate) sum_d A[4ty+i][d] S[d][8tx+j],
+// A a chunk tile (row stride LD), S the K x K state.
+template <bool Negate>
+__device__ __forceinline__ void tile_times_state(float (&acc)[4][8], const float* A, const float* S, int ty, int tx) {
+    for (int d = 0; d < K; d += 4) {
+        float a[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) unpack4(ld4(A + (4 * ty + i) * LD + d), a[i]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float sv[8];
+            load8(S + (d + e) * K + 8 * tx, sv);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(Negate ? -a[i][e] : a[i][e], sv[j], acc[i][j]);
+        }
+    }
+}
+
+// dynamic shared memory plan of kda_prefill_chunk, in floats (kda_prefill.py sizes it the same way)
 #define SM_S 0                              // state [K][K]
 #define SM_Q (SM_S + K * K)                 // q, then q e^G, then W  [CHUNK][LD]
 #define SM_K (SM_Q + CHUNK * LD)            // k, then e^(G_last - G) k
 #define SM_V (SM_K + CHUNK * LD)            // v, then beta v -> U -> V_new
 #define SM_G (SM_V + CHUNK * LD)            // g2, then Lam
 #define SM_M (SM_G + CHUNK * LD)            // [CHUNK][CHUNK]: A_qk on/below the diagonal, beta*A_kk transposed above
-#define SM_C (SM_M + CHUNK * CHUNK)         // [6][K] cross-block exponent offsets
-#define SM_P (SM_C + 6 * K)                 // [4][K] G at each sub-block's first row
-#define SM_R (SM_P + NUM_SUB * K)           // [4][K] sum of the gates of the later sub-blocks
+#define SM_C (SM_M + CHUNK * CHUNK)         // [NUM_CROSS][K] cross-block exponent offsets
+#define SM_P (SM_C + NUM_CROSS * K)         // [NUM_SUB][K] G at each sub-block's first row
+#define SM_R (SM_P + NUM_SUB * K)           // [NUM_SUB][K] sum of the gates of the later sub-blocks
 #define SM_B (SM_R + NUM_SUB * K)           // [CHUNK] beta
 #define SM_FLOATS (SM_B + CHUNK)
 
@@ -75,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(K) kda_prefill_prep(
     const int* __restrict__ state_slots, float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vn,
     float* __restrict__ gn, float* __restrict__ beta_n, int num_tokens, int num_seqs, int num_heads) {
     __shared__ float red[K / 32][2];
-    const int tok = blockIdx.x, h = blockIdx.y, c = threadIdx.x, lane = c & 31, warp = c >> 5;
+    const int tok = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
     const int P = num_heads * K, ch = h * K + c;
     const int lo = sequence_of(cu_seqlens, num_seqs, tok);  // cu_seqlens[lo] <= tok < cu_seqlens[lo + 1]
     const int start = cu_seqlens[lo], pos = tok - start;
@@ -94,18 +128,14 @@ extern "C" __global__ void __launch_bounds__(K) kda_prefill_prep(
         }
         y[i] = kda_conv_silu<CONV_W>(conv_w + (size_t)(i * P + ch) * CONV_W, hist, to_f32(qkv[(size_t)tok * 3 * P + i * P + ch]));
     }
-    const float sq = warp_sum(y[0] * y[0]), sk = warp_sum(y[1] * y[1]);
-    if (lane == 0) red[warp][0] = sq, red[warp][1] = sk;
-    __syncthreads();
-    float qq = 0.f, kk = 0.f;
-#pragma unroll
-    for (int w = 0; w < K / 32; ++w) qq += red[w][0], kk += red[w][1];
+    float sq[2] = {y[0] * y[0], y[1] * y[1]};  // -> |q|^2, |k|^2
+    block_sum(sq, red);
     const size_t o = ((size_t)h * num_tokens + tok) * K + c;
-    qn[o] = y[0] * (rsqrtf((float)K) / sqrtf(qq + 1e-6f));
-    kn[o] = y[1] / sqrtf(kk + 1e-6f);
+    qn[o] = y[0] * (rsqrtf((float)K) / sqrtf(sq[0] + 1e-6f));
+    kn[o] = y[1] / sqrtf(sq[1] + 1e-6f);
     vn[o] = y[2];
     gn[o] = LOG2E * kda_log_decay(to_f32(f[(size_t)tok * P + ch]), dt_bias[ch], A_log[h]);
-    if (c == 0) beta_n[(size_t)h * num_tokens + tok] = kda_sigmoid(to_f32(b[(size_t)tok * ldb + h]));
+    if (c == 0) beta_n[(size_t)h * num_tokens + tok] = sigmoid(to_f32(b[(size_t)tok * ldb + h]));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
@@ -252,21 +282,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc_o[i][j] = 0.f;
-        for (int d = 0; d < K; d += 4) {
-            float a[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) unpack4(ld4(Qc + (4 * ty + i) * LD + d), a[i]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float sv[8];
-                unpack4(ld4(S + (d + e) * K + 8 * tx), *reinterpret_cast<float(*)[4]>(sv));
-                unpack4(ld4(S + (d + e) * K + 8 * tx + 4), *reinterpret_cast<float(*)[4]>(sv + 4));
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc_o[i][j] = fmaf(a[i][e], sv[j], acc_o[i][j]);
-            }
-        }
+        tile_times_state<false>(acc_o, Qc, S, ty, tx);
         __syncthreads();
 
         // ---- (d) Q <- beta e^G k  (right-hand side of W)
@@ -294,21 +310,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[i][j] = Vc[(4 * ty + i) * LD + 8 * tx + j];
-            for (int d = 0; d < K; d += 4) {
-                float a[4][4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) unpack4(ld4(Qc + (4 * ty + i) * LD + d), a[i]);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float sv[8];
-                    unpack4(ld4(S + (d + e) * K + 8 * tx), *reinterpret_cast<float(*)[4]>(sv));
-                    unpack4(ld4(S + (d + e) * K + 8 * tx + 4), *reinterpret_cast<float(*)[4]>(sv + 4));
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(-a[i][e], sv[j], acc[i][j]);
-                }
-            }
+            tile_times_state<true>(acc, Qc, S, ty, tx);
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -319,8 +321,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
         // ---- (g) O += A_qk V_new, gated RMSNorm, store; (h) k <- e^(G_last - G) k for the state update
         for (int s = 0; s < 4 * ty + 4; ++s) {
             float vv[8];
-            unpack4(ld4(Vc + s * LD + 8 * tx), *reinterpret_cast<float(*)[4]>(vv));
-            unpack4(ld4(Vc + s * LD + 8 * tx + 4), *reinterpret_cast<float(*)[4]>(vv + 4));
+            load8(Vc + s * LD + 8 * tx, vv);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r = 4 * ty + i;
@@ -335,8 +336,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
             float ss = 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc_o[i][j] = round_bf16(acc_o[i][j]), ss = fmaf(acc_o[i][j], acc_o[i][j], ss);
-#pragma unroll
-            for (int m = 8; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);  // the 16 tx lanes of row r
+            ss = warp_sum<16>(ss);  // the 16 tx lanes of row r
             if (r < n) {
                 const float inv = rsqrtf(ss / (float)K + eps);
                 const size_t base = (size_t)(start + c0 + r) * P + h * K + 8 * tx;
@@ -344,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
                 bf16x8 res;
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
-                    res.v[j] = to_bf16(acc_o[i][j] * inv * o_norm_w[8 * tx + j] * kda_sigmoid(to_f32(gv.v[j])));
+                    res.v[j] = to_bf16(acc_o[i][j] * inv * o_norm_w[8 * tx + j] * sigmoid(to_f32(gv.v[j])));
                 *reinterpret_cast<bf16x8*>(out + base) = res;
             }
         }
@@ -364,10 +364,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
                 for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
             for (int s = 0; s < CHUNK; ++s) {
                 float kt[8], vv[8];
-                unpack4(ld4(Kc + s * LD + 8 * ty), *reinterpret_cast<float(*)[4]>(kt));
-                unpack4(ld4(Kc + s * LD + 8 * ty + 4), *reinterpret_cast<float(*)[4]>(kt + 4));
-                unpack4(ld4(Vc + s * LD + 8 * tx), *reinterpret_cast<float(*)[4]>(vv));
-                unpack4(ld4(Vc + s * LD + 8 * tx + 4), *reinterpret_cast<float(*)[4]>(vv + 4));
+                load8(Kc + s * LD + 8 * ty, kt);
+                load8(Vc + s * LD + 8 * tx, vv);
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
 #pragma unroll

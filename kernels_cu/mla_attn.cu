@@ -16,82 +16,55 @@
 //   - SPLIT=0 (one split): the block writes bf16 ctx = acc / l directly.
 // Softmax in fp32 with max subtraction, in base 2 (scores pre-multiplied by scale·log2 e).
 //
-// Block geometry (mla_attn_split): 256 threads = 8 warps; heads padded to HP = 16·ceil(H/16) rows
-// (HP <= 32).  Per tile of NT = 64 positions:
+// Block geometry (mla_attn_split): THREADS = 256 threads = 8 warps; heads padded to HP = 16·ceil(H/16)
+// rows (HP <= 32).  Per tile of NT = 64 positions:
 //   1. S[HP, NT] = Q·KVᵀ: warp w computes columns [8w, 8w+8) over all K = R+DR (tensor cores,
 //      mma.sync m16n8k16 bf16 -> fp32, operands by ldmatrix from shared memory).
 //   2. online softmax: HP·NT / 256 scores per thread, P (bf16) to shared memory.
 //   3. O[HP, R] += P·C: warp w owns output columns [w·R/8, (w+1)·R/8) in registers.
 // The KV tiles stream through two shared-memory stages with cp.async (positions past the
 // context or on a missing page are zero-filled, so NaN garbage in unowned rows never reaches
-// the math).  Rows are padded by 16 bytes so ldmatrix phases hit 32 distinct banks.
-// Shared memory: (HP + 2·NT)·(R+DR+8)·2 + HP·(NT+4)·4 + HP·(NT+8)·2 + HP·4 bytes (≈200 KB at HP=32).
+// the math).  Rows are padded (strides LDK, LDS_S, LDP) so ldmatrix phases hit 32 distinct banks.
+// Shared memory: (HP + 2·NT)·LDK·2 + HP·LDS_S·4 + HP·LDP·2 + HP·4 bytes (≈200 KB at HP=32).
 //
 // Shapes: q_lat [T, H, R] bf16 (ctx is written over it in SPLIT=0 mode: each block reads only
 // its own token's rows, before writing them); q [T, ld_q] bf16 with q_pe of head h at
 // columns h·(DN+DR)+DN ..; kv_pool [num_blocks, BLOCK_SIZE, R+DR] bf16; block_tables [B, M],
 // cu_seqlens [B+1], context_lens [B] int32; partial [T, NUM_SPLITS, H, R] fp32,
 // stats [T, NUM_SPLITS, H, 2] fp32 (m, l).
-// Compile-time constants: H, R, DR, DN, BLOCK_SIZE, SPLIT (0/1).  Needs sm_80+ (mma.sync, cp.async).
+// Compile-time constants (chosen in kda_rt/cuda/ops/mla_attn.py): H, R, DR, DN, BLOCK_SIZE, SPLIT (0/1),
+// THREADS, NT, HP, and the padded shared-memory row strides LDK (Q and KV tiles, bf16), LDS_S (scores,
+// fp32), LDP (probabilities, bf16).  Needs sm_80+ (mma.sync, cp.async).
 #include "common.cuh"
 
 #if !defined(H) || !defined(R) || !defined(DR) || !defined(DN) || !defined(BLOCK_SIZE) || !defined(SPLIT)
 #error "mla_attn.cu needs -DH -DR -DDR -DDN -DBLOCK_SIZE -DSPLIT"
 #endif
+#if !defined(THREADS) || !defined(NT) || !defined(HP) || !defined(LDK) || !defined(LDS_S) || !defined(LDP)
+#error "mla_attn.cu needs -DTHREADS -DNT -DHP -DLDK -DLDS_S -DLDP"
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "mla_attn.cu needs sm_80 or newer (mma.sync bf16, cp.async)"
 #endif
 
-#define THREADS 256
-#define NUM_WARPS 8
-#define NT 64                        // positions per tile (8 warps x n8 in the score GEMM)
-#define HP (((H) + 15) / 16 * 16)    // heads padded to whole m16 tiles
+#define NUM_WARPS (THREADS / 32)
 #define MT (HP / 16)
 #define KD (R + DR)                  // score GEMM depth (576)
-#define LDK (KD + 8)                 // smem row stride of Q and KV tiles (bf16), +16 B vs bank conflicts
-#define LDS_S (NT + 4)               // fp32 score rows
-#define LDP (NT + 8)                 // bf16 probability rows
 #define OCOLS (R / NUM_WARPS)        // output columns per warp
 #define ONT (OCOLS / 8)              // n8 tiles per warp
 #define TPR (THREADS / HP)           // softmax threads per head row
 #define CPT (NT / TPR)               // softmax columns per thread
 #define CHUNKS (KD / 8)              // 16-byte chunks per row
 
+static_assert(HP % 16 == 0 && H <= HP && HP < H + 16, "HP: the heads padded to whole m16 tiles");
 static_assert(HP <= 32, "mla_attn.cu supports at most 32 heads per launch (shared memory)");
+static_assert(NT == 8 * NUM_WARPS, "the score GEMM gives each warp one n8 tile of positions");
+static_assert(LDK >= KD && LDK % 8 == 0 && LDP >= NT && LDP % 8 == 0 && LDS_S >= NT && LDS_S % 2 == 0,
+              "padded rows must keep 16-byte (bf16) and 8-byte (fp32 pairs) alignment");
 static_assert(KD % 32 == 0 && R % (NUM_WARPS * 16) == 0 && DR % 8 == 0, "bad MLA dims");
 static_assert(TPR <= 32 && CPT >= 1, "softmax row split must stay inside a warp");
 
-// ---------------------------------------------------------------------------------------------
-// helpers: PTX wrappers
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; src_bytes = 0 zero-fills the destination.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
-// c[16x8] += a[16x16] · b[16x8], bf16 inputs, fp32 accumulators (standard fragment layouts)
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// helpers: cp.async / ldmatrix / mma wrappers are in common.cuh
 
 
 // Issue the cp.async copies of positions [start, start + NT) into one KV stage.
@@ -139,7 +112,7 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
 
     // softmax row ownership: head row `srow`, columns [scol, scol + CPT); m, l kept redundantly by the TPR threads
     const int srow = threadIdx.x / TPR, scol = (threadIdx.x % TPR) * CPT;
-    float m_run = -__int_as_float(0x7f800000), l_run = 0.f;
+    float m_run = neg_inf(), l_run = 0.f;
     float o[MT][ONT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -204,11 +177,10 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
 #pragma unroll
             for (int j = 0; j < CPT; ++j) {
                 const bool valid = start + scol + j < kv_end;
-                s[j] = valid ? s_s[srow * LDS_S + scol + j] * scale_log2 : -__int_as_float(0x7f800000);
+                s[j] = valid ? s_s[srow * LDS_S + scol + j] * scale_log2 : neg_inf();
                 mx = fmaxf(mx, s[j]);
             }
-#pragma unroll
-            for (int o_ = TPR / 2; o_ > 0; o_ >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o_));
+            mx = warp_max<TPR>(mx);
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < CPT; ++j) {
@@ -216,8 +188,7 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
                 sum += p;
                 p_s[srow * LDP + scol + j] = to_bf16(p);
             }
-#pragma unroll
-            for (int o_ = TPR / 2; o_ > 0; o_ >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o_);
+            sum = warp_sum<TPR>(sum);
             const float alpha = exp2f(m_run - mx);  // 0 on the first tile (m_run = -inf, mx finite)
             l_run = l_run * alpha + sum;
             m_run = mx;
@@ -301,7 +272,7 @@ mla_attn_combine(const float* __restrict__ partial, const float* __restrict__ st
     const int t = blockIdx.x, h = blockIdx.y;
     if (t >= __ldg(cu_seqlens + num_seqs)) return;
     const float* st = stats + ((size_t)t * num_splits * H + h) * 2;
-    float m = -__int_as_float(0x7f800000);
+    float m = neg_inf();
     for (int s = 0; s < num_splits; ++s)
         if (st[s * H * 2 + 1] > 0.f) m = fmaxf(m, st[s * H * 2]);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -30,12 +30,15 @@
 // o_state [T, H, DV] fp32, ml_state [T, H, 2] fp32 (m log2 units, l).
 // seq_rec [B, 8] int32: tok0, n, ctx, row0, ks, ke, flags, 0.  tiles [num_tiles, 2]: (b, i0).
 // row_start [B+1]: row0 of each sequence then the round's row count (gather's binary search).
-// Compile-time constants: H, R, DN, DR, DV, BLOCK_SIZE (pool page), NUM_WARPS.  sm_80+.
+// Compile-time constants (all from ops/mla_prefill.py): H, R, DN, DR, DV, BLOCK_SIZE (pool page),
+// NUM_WARPS, BLOCK_N (keys per tile), LDQ / LDK / LDV (smem row strides in bf16, padded by 16 B
+// against bank conflicts), FLAG_HAS_PREV / FLAG_FINAL (seq_rec flags).  sm_80+.
 #include "common.cuh"
 
 #if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(BLOCK_SIZE) || \
-    !defined(NUM_WARPS)
-#error "mla_prefill.cu needs -DH -DR -DDN -DDR -DDV -DBLOCK_SIZE -DNUM_WARPS"
+    !defined(NUM_WARPS) || !defined(BLOCK_N) || !defined(LDQ) || !defined(LDK) || !defined(LDV) || \
+    !defined(FLAG_HAS_PREV) || !defined(FLAG_FINAL)
+#error "mla_prefill.cu needs -DH -DR -DDN -DDR -DDV -DBLOCK_SIZE -DNUM_WARPS -DBLOCK_N -DLDQ -DLDK -DLDV -DFLAG_*"
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "mla_prefill.cu needs sm_80 or newer (mma.sync bf16, cp.async)"
@@ -43,56 +46,21 @@
 
 #define THREADS (NUM_WARPS * 32)
 #define BLOCK_M (NUM_WARPS * 16)     // query rows per CTA
-#define BLOCK_N 64                   // key positions per tile
 #define DQK (DN + DR)                // score depth (192)
 #define KVW (H * (DN + DV))          // row width of the decompressed kv scratch
 #define LATW (R + DR)                // row width of the latent rows (576)
-#define LDQ (DQK + 8)                // smem row strides (bf16), +16 B against bank conflicts
-#define LDK (DQK + 8)
-#define LDV (DV + 8)
 #define QK_STEPS (DQK / 16)          // k-steps of the score GEMM
 #define SN (BLOCK_N / 8)             // n8 score tiles per warp
 #define ON (DV / 8)                  // n8 output tiles per warp
 #define QCH (DQK / 8)                // 16-byte chunks per q / k row
 #define NCH (DN / 8)                 // ... of which from k_nope
 #define VCH (DV / 8)                 // ... per v row
-#define FLAG_HAS_PREV 1
-#define FLAG_FINAL 2
 
+static_assert(LDQ >= DQK && LDK >= DQK && LDV >= DV && BLOCK_N % 16 == 0, "bad tile constants");
 static_assert(DQK % 16 == 0 && DV % 16 == 0 && DN % 8 == 0 && DR % 8 == 0, "bad MLA head dims");
 static_assert(NUM_WARPS == 4 || NUM_WARPS == 8, "4 or 8 warps");
 
-// ---------------------------------------------------------------------------------------------
-// helpers: PTX wrappers
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; src_bytes = 0 zero-fills the destination.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
-// c[16x8] += a[16x16] · b[16x8], bf16 inputs, fp32 accumulators (standard fragment layouts)
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// helpers: cp.async / ldmatrix / mma wrappers are in common.cuh
 
 // 2^x on the SFU; ex2.approx(-inf) = +0
 __device__ __forceinline__ float fast_exp2(float x) {

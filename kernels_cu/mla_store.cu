@@ -56,7 +56,7 @@ mla_store_rows(const bf16* __restrict__ kv_a, int ld_kv_a, const bf16* __restric
     const bf16x8 w = reinterpret_cast<const bf16x8*>(norm_w)[threadIdx.x];
     bf16x8 y;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) y.v[i] = to_bf16(to_f32(to_bf16(v[i] * inv)) * to_f32(w.v[i]));
+    for (int i = 0; i < 8; ++i) y.v[i] = to_bf16(round_bf16(v[i] * inv) * to_f32(w.v[i]));
     bf16* dst = kv_pool + ((size_t)page * BLOCK_SIZE + pos % BLOCK_SIZE) * ROW;
     reinterpret_cast<bf16x8*>(dst)[threadIdx.x] = y;
     if (threadIdx.x < DR / 8)

@@ -4,7 +4,7 @@
 // Letters: T tokens, A active experts per token, E experts, N = T·A pairs (pair p = t·A + k),
 // D hidden, BT rows per GEMM tile.
 //
-// moe_bucket — grid (1), block 1024 (one block: N is at most a few ten thousand pairs).
+// moe_bucket — grid (1), block BUCKET_THREADS = 1024 (one block: N is at most a few ten thousand pairs).
 //   counts[e]       = #{p : ids[p] = e}                       (shared-memory atomics)
 //   expert_off[e]   = Σ_{f<e} counts[f],  expert_off[E] = N    (block scan)
 //   tiles           = for each expert, ceil(counts[e] / BT) tiles of BT rows, in expert order:
@@ -18,10 +18,17 @@
 // Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
 //   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
 //   y [N, D] fp32; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
-// Compile-time constants: E (≤ 1024), BT (bucket); D (multiple of 4), A, THREADS, HAS_SHARED (combine).
+// Compile-time constants: E (≤ 1024), BT, BUCKET_THREADS (bucket); D (multiple of 4), A, THREADS,
+// HAS_SHARED (combine).
 #include "common.cuh"
 
-#define BUCKET_THREADS 1024
+#if defined(BT) && !defined(BUCKET_THREADS)
+#error "moe_bucket needs -DBUCKET_THREADS"
+#endif
+#ifdef BT
+static_assert(BUCKET_THREADS == 32 * 32 && E <= BUCKET_THREADS,
+              "moe_bucket: the scan needs 32 full warps, and one thread per expert");
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // helpers

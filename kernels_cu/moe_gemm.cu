@@ -47,20 +47,6 @@
 #define HALF (NOUT / 2)
 
 // ---------------------------------------------------------------------------------------------
-// helpers
-
-// D += A·B for one m16n8k16 tile: a0..a3 / b0..b1 are packed bf16 pairs in the PTX fragment order
-__device__ __forceinline__ void mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float round_bf16(float v) { return to_f32(to_bf16(v)); }
-
-// ---------------------------------------------------------------------------------------------
 // kernels
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -131,8 +117,9 @@ moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pa
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const uint4 lo = a[u][i][0], hi = a[u][i][1], bb = b[u][nt];
-                    mma_bf16(acc[i][nt], lo.x, hi.x, lo.y, hi.y, bb.x, bb.y);
-                    mma_bf16(acc[i][nt], lo.z, hi.z, lo.w, hi.w, bb.z, bb.w);
+                    const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+                    mma_bf16(acc[i][nt], a0, bb.x, bb.y);
+                    mma_bf16(acc[i][nt], a1, bb.z, bb.w);
                 }
     }
 
@@ -148,7 +135,7 @@ moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pa
             for (int i = 0; i < MT / 2; ++i) {
                 const int f = f0 + 16 * i + g + (j >> 1) * 8;
                 const float gate = round_bf16(acc[i][nt][j]), up = round_bf16(acc[i + MT / 2][nt][j]);
-                const float act = round_bf16(gate / (1.f + expf(-gate)));
+                const float act = round_bf16(silu(gate));
                 static_cast<bf16*>(dst)[(size_t)r * HALF + f] = to_bf16(act * up);
             }
 #else

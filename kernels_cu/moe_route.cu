@@ -21,21 +21,16 @@
 //   distinct (the weights of such a token are NaN: garbage in, visible garbage out).
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32,
 //   ids [T, A] int32, w [T, A] fp32.
-// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS (select).
+// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K (select).
+// sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
 #ifndef E
 #error "moe_route.cu needs -DE=<num experts>"
 #endif
-#define MAX_TOP_K 16
-
-// ---------------------------------------------------------------------------------------------
-// helpers
-
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-// accurate sigmoid (expf, not __expf): the routing weights are checked to 1e-5 relative
-__device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf(-x)); }
+#if defined(THREADS) && !defined(MAX_TOP_K)
+#error "moe_route_select needs -DMAX_TOP_K"
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // kernels
@@ -88,7 +83,7 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
     const int t = blockIdx.x, e = threadIdx.x;
     if (t >= num_tokens) return;
     if (e < E) {
-        const float s = sigmoid_acc(logits[(size_t)t * E + e]);
+        const float s = sigmoid(logits[(size_t)t * E + e]);
         const float sel = s + bias[e];
         s_sh[e] = s;
         // NaN (from a NaN input row) would compare false both ways and break the ranks: rank it

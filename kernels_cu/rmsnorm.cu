@@ -28,7 +28,7 @@ extern "C" __global__ void rmsnorm_fwd(const bf16* __restrict__ x, bf16* __restr
         float v = to_f32(x[base + c]);
 #if HAS_RESIDUAL
         // the residual stream is bf16 in every reference: round the sum before normalising it
-        v = to_f32(to_bf16(v + to_f32(residual[base + c])));
+        v = round_bf16(v + to_f32(residual[base + c]));
         residual[base + c] = to_bf16(v);
 #endif
         h[i] = v;
@@ -38,6 +38,6 @@ extern "C" __global__ void rmsnorm_fwd(const bf16* __restrict__ x, bf16* __restr
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int c = threadIdx.x + i * THREADS;
-        y[base + c] = to_bf16(to_f32(to_bf16(h[i] * inv)) * to_f32(w[c]));
+        y[base + c] = to_bf16(round_bf16(h[i] * inv) * to_f32(w[c]));
     }
 }

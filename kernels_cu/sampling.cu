@@ -61,8 +61,6 @@ typedef unsigned long long u64;
 // ---------------------------------------------------------------------------------------------
 // helpers: keys, penalties, Philox
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
 // Order-preserving map float -> uint32 (larger float, larger key); -0 is folded into +0.
 __device__ __forceinline__ unsigned order_key(float x) {
     unsigned u = __float_as_uint(x);

@@ -32,7 +32,7 @@ extern "C" __global__ void silu_mul_fwd(const bf16* __restrict__ gu, bf16* __res
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const float gf = to_f32(g.v[j]);
-        const float act = to_f32(to_bf16(gf / (1.f + expf(-gf))));
+        const float act = round_bf16(silu(gf));
         y.v[j] = to_bf16(act * to_f32(u.v[j]));
     }
     *reinterpret_cast<bf16x8*>(out + (size_t)t * I + c) = y;

@@ -20,7 +20,7 @@ import numpy as np
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.mla_attn import mla_attention
-from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, _kernels, _smem, mla_prefill, plan_rounds
+from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, _kernels, mla_prefill, plan_rounds
 
 H, R, DN, DR, DV, S = 32, 512, 128, 64, 128, 64
 SCALE = (DN + DR) ** -0.5
@@ -42,7 +42,7 @@ def events_ms(fn, reps: int, warm: bool) -> float:
 
 def replay_rounds(q, pool, w_kvb, cu, ctx, tables, cu_h, ctx_h) -> tuple[float, float, float]:
     """(gather, GEMM, attention) ms of the new path's rounds, events between launches."""
-    gather, attn = _kernels(H, R, DN, DR, DV, S)
+    gather, attn, smem = _kernels(H, R, DN, DR, DV, S)
     rounds = plan_rounds(cu_h, ctx_h, list(range(len(ctx_h))), 65536)
     T, M = q.shape[0], tables.shape[1]
     rows = max(r.rows for r in rounds)
@@ -62,7 +62,7 @@ def replay_rounds(q, pool, w_kvb, cu, ctx, tables, cu_h, ctx_h) -> tuple[float, 
         ev[2].record()
         attn((len(rd.tiles), H), (NUM_WARPS * 32,), (q, np.int32(q.shape[1]), kv, lat, rec, tl,
                                                      np.float32(SCALE * math.log2(math.e)), out, np.int32(H * DV),
-                                                     st_o, st_ml), shared_mem=_smem())
+                                                     st_o, st_ml), shared_mem=smem)
         ev[3].record()
         ev[3].synchronize()
         for k in range(3):

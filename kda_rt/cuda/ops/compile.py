@@ -7,6 +7,8 @@
 - Options: C++17, `kernels_cu/` on the include path, compile-time constants as `-D` (part of
   the cache key).  We call NVRTC ourselves (cupy.RawModule would append its own -arch and
   -ftz=true) and load the cubin with `cupy.cuda.function.Module`.
+- A kernel that launches with more than 48 KB of dynamic shared memory must opt in first:
+  `get_kernel(..., max_dynamic_smem=bytes)` does it once per kernel.
 - Disk cache under KDA_RT_CACHE_DIR keyed by sha256 of (this source, every header in
   kernels_cu/, options, arch, NVRTC version), so a stale binary is never used; a msgpack
   manifest lists what each entry was built from.
@@ -35,6 +37,7 @@ KERNEL_DIR = _PACKAGE.parent / "kernels_cu"  # a source checkout: kernels_cu/ be
 if not KERNEL_DIR.is_dir():  # installed (non-editable): kernels ship as the kda_rt.kernels_cu package
     KERNEL_DIR = _PACKAGE / "kernels_cu"
 _lock = threading.Lock()
+_smem_allowed: dict[int, int] = {}  # CUfunction handle -> dynamic shared memory bytes it has opted in to
 
 
 class CompileError(RuntimeError):
@@ -170,11 +173,17 @@ def _module(filename: str, frozen_defines: tuple[tuple[str, Any], ...], arch: st
     return mod
 
 
-def get_kernel(filename: str, name: str, **defines: Any):
+def get_kernel(filename: str, name: str, *, max_dynamic_smem: int = 0, **defines: Any):
     """The `extern "C"` kernel `name` of `kernels_cu/<filename>` specialised by `defines`.
-    Call it as kernel(grid, block, args, shared_mem=bytes, stream=stream) with exact scalar types."""
+    Call it as kernel(grid, block, args, shared_mem=bytes, stream=stream) with exact scalar types;
+    `max_dynamic_smem` is the most dynamic shared memory (bytes) its launches will ask for."""
     mod = _module(filename, tuple(sorted(defines.items())), device_arch())
     fn = mod.get_function(name)
+    if max_dynamic_smem > _smem_allowed.get(fn.ptr, 0):  # > 48 KB needs an explicit opt-in, once
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem)
+        _smem_allowed[fn.ptr] = max_dynamic_smem
     from kda_rt.cuda.ops import trace
 
     return trace.Counted(fn, f"{filename}:{name}") if trace.active() is not None else fn

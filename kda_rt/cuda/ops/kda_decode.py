@@ -15,6 +15,7 @@ from kda_rt.cuda.ops.compile import get_kernel
 __all__ = ["CONV_STATE_DTYPE", "conv_state_shape", "check_kda_args", "kda_decode"]
 
 CONV_STATE_DTYPE = BF16
+_THREADS = 256  # 8 warps of 16 state rows each (K = 128)
 
 
 def conv_state_shape(num_slots: int, P: int, W: int) -> tuple[int, int, int, int]:
@@ -59,9 +60,9 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
                              context_lens, state_slots, num_heads, head_dim, out)
     if T != B:
         raise ValueError(f"kda_decode takes one token per sequence, got {T} tokens for {B} sequences")
-    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W)
+    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=_THREADS)
     if B:
-        kernel((num_heads, B), (256,), (qkv, f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
-                                        conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads), f32(eps)),
-               stream=stream)
+        kernel((num_heads, B), (_THREADS,), (qkv, f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
+                                             conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads),
+                                             f32(eps)), stream=stream)
     return out

@@ -15,14 +15,21 @@ from kda_rt.cuda.ops.kda_decode import check_kda_args
 
 __all__ = ["kda_prefill"]
 
-_CHUNK, _LD, _SUB = 64, 128 + 4, 16
-_opted_in: set[int] = set()
+_CHUNK, _SUB = 64, 16  # tokens per chunk, rows per gate sub-block (as fla)
+_THREADS = 256  # kda_prefill_chunk's thread maps are written for 256 threads
+_ROW_PAD = 4  # floats after each chunk-tile row: rows tx + 16j then hit distinct 16-byte bank groups
 
 
-def _chunk_smem_bytes(head_dim: int) -> int:
-    """Must match the SM_* plan of kda_prefill.cu: state, 4 padded chunk tiles, A, gate tables, beta."""
-    floats = head_dim * head_dim + 4 * _CHUNK * _LD + _CHUNK * _CHUNK + (6 + 2 * (_CHUNK // _SUB)) * head_dim + _CHUNK
-    return 4 * floats
+def _constants(head_dim: int, conv_w: int) -> dict[str, int]:
+    """The -D constants of kda_prefill.cu (the cache key of both kernels)."""
+    return dict(HEAD_DIM=head_dim, CONV_W=conv_w, CHUNK=_CHUNK, SUB=_SUB, LD=head_dim + _ROW_PAD, THREADS=_THREADS)
+
+
+def _chunk_smem_bytes(c: dict[str, int]) -> int:
+    """The SM_* plan of kda_prefill.cu: state, 4 padded chunk tiles, A, gate tables, beta (fp32)."""
+    K, L, num_sub = c["HEAD_DIM"], c["CHUNK"], c["CHUNK"] // c["SUB"]
+    gate_rows = num_sub * (num_sub - 1) // 2 + 2 * num_sub  # cross-block offsets, first-row G, later sums
+    return 4 * (K * K + 4 * L * c["LD"] + L * L + gate_rows * K + L)
 
 
 def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
@@ -31,7 +38,6 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     place and returns out [T, P] bf16.  `max_seqlen` is accepted for interface symmetry and unused
     (the chunk grid is (H, B); each CTA loops over its own chunks)."""
     import cupy
-    from cupy_backends.cuda.api import driver
 
     out = cupy.empty(f.shape, dtype=BF16) if out is None else out
     T, B, W = check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
@@ -40,16 +46,14 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
         return out
     work = cupy.empty((4, num_heads, T, head_dim), dtype=np.float32)  # q, k, v, g (log2) per head
     beta = cupy.empty((num_heads, T), dtype=np.float32)
-    prep = get_kernel("kda_prefill.cu", "kda_prefill_prep", HEAD_DIM=head_dim, CONV_W=W)
+    consts = _constants(head_dim, W)
+    prep = get_kernel("kda_prefill.cu", "kda_prefill_prep", **consts)
     prep((T, num_heads), (head_dim,), (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens,
                                        context_lens, state_slots, work[0], work[1], work[2], work[3], beta, i32(T),
                                        i32(B), i32(num_heads)), stream=stream)
-    chunk = get_kernel("kda_prefill.cu", "kda_prefill_chunk", HEAD_DIM=head_dim, CONV_W=W)
-    smem = _chunk_smem_bytes(head_dim)
-    if chunk.ptr not in _opted_in:  # > 48 KB of dynamic shared memory needs an explicit opt-in
-        driver.funcSetAttribute(chunk.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-        _opted_in.add(chunk.ptr)
-    chunk((num_heads, B), (256,), (work[0], work[1], work[2], work[3], beta, qkv, gate, o_norm_w, conv_pool, rec_pool,
-                                   cu_seqlens, context_lens, state_slots, out, i32(T), i32(num_heads), f32(eps)),
-          shared_mem=smem, stream=stream)
+    smem = _chunk_smem_bytes(consts)
+    chunk = get_kernel("kda_prefill.cu", "kda_prefill_chunk", max_dynamic_smem=smem, **consts)
+    chunk((num_heads, B), (_THREADS,), (work[0], work[1], work[2], work[3], beta, qkv, gate, o_norm_w, conv_pool,
+                                        rec_pool, cu_seqlens, context_lens, state_slots, out, i32(T), i32(num_heads),
+                                        f32(eps)), shared_mem=smem, stream=stream)
     return out

@@ -28,8 +28,9 @@ from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["mla_attention", "decode_workspace_bytes", "num_splits"]
 
-_NT = 64  # positions per tile in mla_attn.cu
+_NT = 64  # positions per tile of mla_attn_split: 8 warps x n8 columns in the score GEMM
 _THREADS = 256
+_ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
 
 
 @functools.cache
@@ -70,13 +71,16 @@ def _view(buf, offset: int, shape: tuple, dtype, strides: tuple | None = None):
     return cupy.ndarray(shape, dtype, memptr=buf.data + offset, strides=strides)
 
 
-@functools.cache
-def _attn_kernel(H: int, R: int, Dr: int, Dn: int, block_size: int, split: bool, smem: int):
-    from cupy_backends.cuda.api import driver
+def _constants(H: int, R: int, Dr: int, Dn: int, block_size: int, split: bool) -> dict[str, int]:
+    """The -D constants of mla_attn.cu (its cache key): the shapes, the tile and the padded row strides."""
+    return dict(H=H, R=R, DR=Dr, DN=Dn, BLOCK_SIZE=block_size, SPLIT=int(split), THREADS=_THREADS, NT=_NT,
+                HP=-(-H // 16) * 16,  # heads padded to whole m16 tiles
+                LDK=R + Dr + _ROW_PAD_BYTES // 2, LDS_S=_NT + _ROW_PAD_BYTES // 4, LDP=_NT + _ROW_PAD_BYTES // 2)
 
-    kernel = get_kernel("mla_attn.cu", "mla_attn_split", H=H, R=R, DR=Dr, DN=Dn, BLOCK_SIZE=block_size, SPLIT=split)
-    driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-    return kernel
+
+def _split_smem_bytes(c: dict[str, int]) -> int:
+    """mla_attn_split's shared memory: Q and two KV stages (bf16), scores (fp32), probabilities (bf16), alpha."""
+    return (c["HP"] + 2 * c["NT"]) * c["LDK"] * 2 + c["HP"] * (c["LDS_S"] * 4 + c["LDP"] * 2 + 4)
 
 
 def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
@@ -126,17 +130,16 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     with stream:
         bmm(_view(q2, 0, (H, T, Dn), BF16, (Dqk * isz, ldq * isz, isz)),
             _view(w_kvb, 0, (H, Dn, R), BF16, (Dkv * R * isz, R * isz, isz)), out=q_lat)
-        hp = 32 if H > 16 else 16  # heads padded to m16 tiles; smem layout of mla_attn_split
-        smem = (hp + 2 * _NT) * (KD + 8) * 2 + hp * ((_NT + 4) * 4 + (_NT + 8) * 2 + 4)
-        kernel = _attn_kernel(H, R, Dr, Dn, block_size, S > 1, smem)
+        consts = _constants(H, R, Dr, Dn, block_size, S > 1)
+        smem = _split_smem_bytes(consts)
+        kernel = get_kernel("mla_attn.cu", "mla_attn_split", max_dynamic_smem=smem, **consts)
         partial = workspace[o_partial:] if S > 1 else workspace
         stats = workspace[o_stats:] if S > 1 else workspace
         kernel((T, S), (_THREADS,), (workspace, q2, i32(ldq), kv_pool, cu_seqlens, context_lens, block_tables,
                                      i32(B1 - 1), i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
         if S > 1:
-            combine = get_kernel("mla_attn.cu", "mla_attn_combine", H=H, R=R, DR=Dr, DN=Dn, BLOCK_SIZE=block_size,
-                                 SPLIT=1)
+            combine = get_kernel("mla_attn.cu", "mla_attn_combine", **consts)
             combine((T, H), (R // 4,), (partial, stats, i32(S), cu_seqlens, i32(B1 - 1), workspace), stream=stream)
         bmm(q_lat, _view(w_kvb, Dn * R * isz, (H, Dv, R), BF16, (Dkv * R * isz, R * isz, isz)),
             out=_view(out, 0, (H, T, Dv), BF16, (Dv * isz, ldo * isz, isz)), transpose_b=True)

@@ -92,18 +92,25 @@ def _round(cu_seqlens, context_lens, B, segs) -> Round:
     return Round(rec, row_start, tile_arr, int(row_start[-1]))
 
 
-def _smem() -> int:
-    return (BLOCK_M * 200 + 2 * _BLOCK_N * (200 + 136)) * 2  # LDQ = LDK = 192 + 8, LDV = 128 + 8 (bf16)
+_PAD = 8  # bf16 elements (16 B) added to each smem row against ldmatrix bank conflicts
+
+
+def _defines(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int) -> dict:
+    return dict(H=H, R=R, DN=Dn, DR=Dr, DV=Dv, BLOCK_SIZE=block_size, NUM_WARPS=NUM_WARPS, BLOCK_N=_BLOCK_N,
+                LDQ=Dn + Dr + _PAD, LDK=Dn + Dr + _PAD, LDV=Dv + _PAD, FLAG_HAS_PREV=FLAG_HAS_PREV,
+                FLAG_FINAL=FLAG_FINAL)
+
+
+def _smem(defs: dict) -> int:
+    """Dynamic shared memory of mla_prefill_attn: the Q tile and two stages of K and V tiles (bf16)."""
+    return (BLOCK_M * defs["LDQ"] + 2 * defs["BLOCK_N"] * (defs["LDK"] + defs["LDV"])) * 2
 
 
 @functools.cache
 def _kernels(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int):
-    from cupy_backends.cuda.api import driver
-
-    defs = dict(H=H, R=R, DN=Dn, DR=Dr, DV=Dv, BLOCK_SIZE=block_size, NUM_WARPS=NUM_WARPS)
-    attn = get_kernel("mla_prefill.cu", "mla_prefill_attn", **defs)
-    driver.funcSetAttribute(attn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, _smem())
-    return get_kernel("mla_prefill.cu", "mla_prefill_gather", **defs), attn
+    defs = _defines(H, R, Dn, Dr, Dv, block_size)
+    attn = get_kernel("mla_prefill.cu", "mla_prefill_attn", max_dynamic_smem=_smem(defs), **defs)
+    return get_kernel("mla_prefill.cu", "mla_prefill_gather", **defs), attn, _smem(defs)
 
 
 def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
@@ -146,7 +153,7 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
         rounds = plan_rounds(cu, ctx, long_, keys_per_round)
         if not rounds:
             return out
-        gather, attn = _kernels(H, R, Dn, Dr, Dv, block_size)
+        gather, attn, smem = _kernels(H, R, Dn, Dr, Dv, block_size)
         rows = max(r.rows for r in rounds)
         lat = cupy.empty((rows, KD), dtype=BF16)
         kv = cupy.empty((rows, HW), dtype=BF16)
@@ -164,7 +171,7 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
             if len(rd.tiles):
                 attn((len(rd.tiles), H), (NUM_WARPS * 32,), (
                     q2, i32(leading_dim(q2)), kv, lat, rec, tiles, f32(scale * math.log2(math.e)), out,
-                    i32(leading_dim(out)), o_state, ml_state), shared_mem=_smem(), stream=stream)
+                    i32(leading_dim(out)), o_state, ml_state), shared_mem=smem, stream=stream)
     return out
 
 

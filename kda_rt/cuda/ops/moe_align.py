@@ -14,6 +14,8 @@ from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["MoEPlan", "max_tiles", "moe_bucket", "moe_combine"]
 
+_BUCKET_THREADS = 1024  # one block of 32 warps: its scan adds up one total per warp in a single warp
+
 
 class MoEPlan(NamedTuple):
     """Device arrays written by moe_bucket (all int32) and the tile height they were built for."""
@@ -36,17 +38,17 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stream=None) -> MoEPlan:
     """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place."""
     T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
     N, E = T * A, num_experts
-    if not 1 <= E <= 1024:
-        raise ValueError(f"moe_bucket: num_experts must be in [1, 1024], got {E}")
+    if not 1 <= E <= _BUCKET_THREADS:
+        raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS}], got {E}")
     tiles = max_tiles(N, E, plan.tile_rows)
     for name, shape in (("expert_off", (E + 1,)), ("sorted_pair", (N,)), ("pair_pos", (N,)), ("num_tiles", (1,)),
                         ("tile_expert", (None,)), ("tile_row", (None,))):
         expect(getattr(plan, name), f"plan.{name}", shape=shape, dtype=np.int32)
     if min(plan.tile_expert.size, plan.tile_row.size) < tiles:
         raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
-    kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows)
-    kernel((1,), (1024,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos, plan.tile_expert,
-                           plan.tile_row, plan.num_tiles), stream=stream)
+    kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows, BUCKET_THREADS=_BUCKET_THREADS)
+    kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
+                                      plan.tile_expert, plan.tile_row, plan.num_tiles), stream=stream)
     return plan
 
 

@@ -41,7 +41,7 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
     k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
     k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
     threads = max(128, -(-E // 32) * 32)
-    k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=threads)
+    k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=threads, MAX_TOP_K=MAX_TOP_K)
     k_select((T,), (threads,), (logits, bias, out_ids, out_w, i32(T), i32(top_k), i32(num_groups), i32(topk_group),
                                 i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
     return out_ids, out_w
