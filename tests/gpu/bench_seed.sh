@@ -15,5 +15,5 @@ if [ -n "$1" ]; then
   (cd "$1" && python -m kda_rt.bench $ARGS 2>>$OUT/bench_err.txt | sed 's/^/before: /' | tee -a $OUT/seed.txt)
 fi
 python -m kda_rt.bench $ARGS --max-model-len 2560 --no-warmup 2>>$OUT/bench_err.txt | sed 's/^/after (same method): /' | tee -a $OUT/seed.txt
-python -m kda_rt.bench $ARGS 2>>$OUT/bench_err.txt | sed 's/^/after (warm-up, default max_model_len): /' | tee -a $OUT/seed.txt
+python -m kda_rt.bench $ARGS --profile 2>>$OUT/bench_err.txt | sed "s/^/after (warm-up, default max_model_len): /" | tee -a $OUT/seed.txt
 tail -3 $OUT/bench_err.txt 2>/dev/null
