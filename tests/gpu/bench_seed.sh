@@ -16,4 +16,4 @@ if [ -n "$1" ]; then
 fi
 python -m kda_rt.bench $ARGS --max-model-len 2560 --no-warmup 2>>$OUT/bench_err.txt | sed 's/^/after (same method): /' | tee -a $OUT/seed.txt
 python -m kda_rt.bench $ARGS --profile 2>>$OUT/bench_err.txt | sed "s/^/after (warm-up, default max_model_len): /" | tee -a $OUT/seed.txt
-tail -3 $OUT/bench_err.txt 2>/dev/null
+grep -v "^\[kda_rt\]" $OUT/bench_err.txt | grep -A30 "prefill step\|decode step" | head -70
