@@ -4,7 +4,7 @@
 # one device call:  bench_seed.sh [BEFORE_DIR]   (BEFORE_DIR: a plain copy of the older tree,
 # e.g. `git archive REV | tar -x -C .before`, carried to the device).  One JSON line per run.
 set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
 CK=${CK:-/tmp/k48b}
 if [ ! -d "$CK" ]; then
   python tests/helpers/configs.py /tmp/k48b.json 4
