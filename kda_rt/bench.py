@@ -129,8 +129,8 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
             engine.step()
         out["prefill"] = {"tokens": engine.counters["tokens_processed"] - tokens, "ops": prof.summary()}
         print(f"prefill step ({out['prefill']['tokens']} tokens):\n{prof.table()}", file=sys.stderr)
-        while engine.has_unfinished_requests() and engine.stats()["running"] and any(
-                s.in_prefill for s in engine.scheduler.running):
+        while engine.has_unfinished_requests() and (engine.num_waiting() or any(
+                s.in_prefill for s in engine.scheduler.running)):
             engine.step()
         runner = engine.runner
         eager, runner.enforce_eager = runner.enforce_eager, True

@@ -48,6 +48,8 @@ class DeviceBatch:
     num_seqs: int
     max_seqlen: int
     decode: bool  # every sequence has exactly one new token
+    host_cu_seqlens: Any = None  # [B+1] NumPy copies (eager steps): launchers that plan on the host
+    host_context_lens: Any = None  # [B] read these instead of syncing on the device arrays
 
 
 class CudaModel:
@@ -149,5 +151,5 @@ class CudaModel:
                           workspace=ws.get("mla_ws", (nbytes,), np.uint8))
         else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
-                        num_heads=H, scale=scale, out=o)
+                        num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens))
         linear(o, w.o_proj, out=out)

@@ -138,7 +138,8 @@ class CudaRunner:
             buf.set(tables, stream=self.stream)
         max_len = 1 if decode else int(batch.seq_lens.max())
         return DeviceBatch(dev["ids"], dev["cu"], dev["ctx"], dev["slots"], dev["tables"], dev["lidx"],
-                           num_tokens=int(ids.shape[0]), num_seqs=R, max_seqlen=max_len, decode=decode)
+                           num_tokens=int(ids.shape[0]), num_seqs=R, max_seqlen=max_len, decode=decode,
+                           host_cu_seqlens=cu, host_context_lens=ctx)
 
     def _padding_batch(self, rows: int) -> ForwardBatch:
         """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""

@@ -12,7 +12,8 @@ its queries carry an fp32 running state (o, m, l) from round to round.
 Sequences with fewer than `expanded_min_tokens` new tokens (decode-like rows of a mixed step) go
 to the absorbed path instead (mla_attention): decompressing a long context for a few queries
 costs more than attending in the latent space (≈8.4 MFLOP per key vs 70 KFLOP per query-key pair).
-Needs the lengths on the host: reads cu_seqlens and context_lens back (one sync; never in a graph).
+Needs the lengths on the host: the caller passes its host copies (`host_lens`), else they are read
+back (one sync; never in a graph).
 Letters: T tokens, B sequences, H heads, M page slots, R latent rank, Dn/Dr/Dv head dims.
 """
 
@@ -115,10 +116,11 @@ def _kernels(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int):
 
 def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
                 out=None, keys_per_round: int = KEYS_PER_ROUND, expanded_min_tokens: int = EXPANDED_MIN_TOKENS,
-                stream=None):
+                stream=None, host_lens=(None, None)):
     """q: [T, H·(Dn+Dr)] bf16 (rows may be strided) or [T, H, Dn+Dr]; kv_pool [num_blocks, block_size, R+Dr]
     bf16 with the new rows stored; w_kvb [H·(Dn+Dv), R] bf16; cu_seqlens [B+1], context_lens [B],
-    block_tables [B, M] int32.  Returns out [T, H·Dv] bf16 (may be row-strided)."""
+    block_tables [B, M] int32.  Returns out [T, H·Dv] bf16 (may be row-strided).  host_lens: NumPy
+    copies of (cu_seqlens, context_lens) when the caller has them (no device -> host sync then)."""
     import cupy
 
     from kda_rt.cuda.ops.mla_attn import mla_attention
@@ -140,7 +142,12 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
     expect(out, "out", shape=(T, H * Dv), dtype=BF16, row_stride=True)
     if T == 0:
         return out
-    cu, ctx = cupy.asnumpy(cu_seqlens), cupy.asnumpy(context_lens)  # host lengths: one sync
+    cu, ctx = host_lens
+    if cu is None or ctx is None:
+        cu, ctx = cupy.asnumpy(cu_seqlens), cupy.asnumpy(context_lens)  # host lengths: one sync
+    cu, ctx = np.asarray(cu, np.int32), np.asarray(ctx, np.int32)
+    if cu.shape != (B1,) or ctx.shape != (B1 - 1,):
+        raise ValueError(f"mla_prefill: host_lens shapes {cu.shape}, {ctx.shape} do not match B = {B1 - 1}")
     n = np.diff(cu)
     if np.any(ctx + n > M * block_size):
         raise ValueError(f"mla_prefill: a sequence attends past its block table ({M} pages of {block_size})")
