@@ -22,5 +22,5 @@ for i in $(seq ${REPEATS:-3}); do
   [ -n "$1" ] && (cd "$1" && python -m kda_rt.bench $ARGS 2>>$OUT/bench_err.txt | line before)
   python -m kda_rt.bench $ARGS $SAME 2>>$OUT/bench_err.txt | line after
 done
-python -m kda_rt.bench $ARGS --profile 2>>$OUT/bench_err.txt | tee $OUT/seed_profile.json | line "after, today's defaults (warm-up, max_model_len = the model's)"
+python -m kda_rt.bench $ARGS --profile 2>>$OUT/bench_err.txt | tee $OUT/seed_profile.json | line "after, defaults (warm-up, max_model_len = model limit)"
 grep -A10 "prefill step\|decode step" $OUT/bench_err.txt | head -24
