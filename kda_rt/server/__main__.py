@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
     ap.add_argument("--engine-timeout", type=float, default=60.0,
                     help="seconds a busy engine may stay silent before /health is 503 and requests fail")
+    ap.add_argument("--header-timeout", type=float, default=30.0,
+                    help="seconds a new connection may take to send its request headers (else 408 and close)")
     ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)")
     ap.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
@@ -80,8 +82,11 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
     state = ServerState(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, log_requests=args.enable_log_requests,
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None)
+    from kda_rt.server.http import header_timeout_protocol
+
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=False, log_config=None)
+                            timeout_graceful_shutdown=5, access_log=False, log_config=None,
+                            http=header_timeout_protocol(args.header_timeout))
     server = _Server(config)
     loop = asyncio.get_running_loop()
     drain_task: list[asyncio.Task] = []
@@ -143,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size != 1:
         print("error: --tensor-parallel-size is reserved; only 1 is supported", file=sys.stderr)
         return 2
-    if args.engine_timeout <= 0 or args.body_timeout <= 0:
-        print("error: --engine-timeout and --body-timeout must be > 0", file=sys.stderr)
+    if args.engine_timeout <= 0 or args.body_timeout <= 0 or args.header_timeout <= 0:
+        print("error: --engine-timeout, --body-timeout and --header-timeout must be > 0", file=sys.stderr)
         return 2
     if args.max_waiting < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
         print("error: --max-waiting and --max-body-bytes must be >= 1, --shutdown-timeout >= 0", file=sys.stderr)

@@ -17,7 +17,8 @@ from helpers.server import ServerProc
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = ServerProc(tmp_path_factory.mktemp("robust") / "server.log", "--engine-timeout", "2", "--body-timeout", "2")
+    s = ServerProc(tmp_path_factory.mktemp("robust") / "server.log", "--engine-timeout", "2", "--body-timeout", "2",
+                  "--header-timeout", "2")
     yield s
     try:
         os.kill(s.engine_pid, signal.SIGCONT)
@@ -72,6 +73,24 @@ def test_stalled_body_gets_408(srv):
         reply = s.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert time.monotonic() - start < 15
+
+
+def test_incomplete_headers_get_408_and_close(srv):
+    """A client that never finishes its headers is answered 408 and disconnected (was: 120 s open)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        reply = s.recv(4096)
+        assert s.recv(4096) == b""  # closed
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"--header-timeout" in reply
+    assert time.monotonic() - start < 10
+
+
+def test_slow_but_complete_request_still_served(srv):
+    """The header timer only fires when no request has started: a normal request is unaffected."""
+    r = httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=10)
+    assert r.status_code == 200
 
 
 def test_disconnect_mid_body_is_not_an_error(srv):
