@@ -35,25 +35,50 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main", "random_weights", "run_bench"]
 
 
-def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(config: ModelConfig, seed: int = 0, *, router_bias_std: float = 0.05,
+                   share: bool | None = None) -> dict[str, np.ndarray]:
     """Hub name -> random tensor for every weight of `config`, as `load_checkpoint` would return
-    them: embeddings and matmuls in the config's dtype (bf16 by default), small tensors float32."""
-    from kda_rt.loader.weights import MATMUL_KINDS, expected_tensors
+    them: embeddings and matmuls in the config's dtype (bf16 by default), small tensors float32.
+
+    `share` (default: when the weights exceed 4 GiB): tensors of the same shape, kind and dtype are
+    one array on the host (views of it), so the full 48B shape costs ~2 GB of host memory and a few
+    seconds; the device still gets a separate copy of each, so the bytes every step moves are
+    unchanged.  Router weights and correction biases are always drawn per layer, so routing
+    follows the data (biases of std `router_bias_std`, small as in a trained model)."""
+    from kda_rt.loader.weights import MATMUL_KINDS, ROUTER_BIAS, expected_tensors
     from kda_rt.random_checkpoint import random_tensor
 
     stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(config.dtype, np.float32)
     rng = np.random.default_rng(seed)
-    return {
-        name: random_tensor(rng, shape, kind).astype(stored if kind in MATMUL_KINDS else np.float32)
-        for name, (shape, kind) in expected_tensors(config).items()
-    }
+    tensors = expected_tensors(config)
+    dtype_of = {name: stored if kind in MATMUL_KINDS else np.float32 for name, (_, kind) in tensors.items()}
+    if share is None:
+        nbytes = sum(int(np.prod(shape)) * np.dtype(dtype_of[n]).itemsize for n, (shape, _) in tensors.items())
+        share = nbytes > 4 * 2**30
+    cache: dict[tuple, np.ndarray] = {}
+    out = {}
+    for name, (shape, kind) in tensors.items():
+        key = (tuple(shape), kind, np.dtype(dtype_of[name]).str)
+        per_layer = kind == ROUTER_BIAS or name.endswith(".gate.weight")  # the router
+        if share and not per_layer and key in cache:
+            out[name] = cache[key]
+            continue
+        value = random_tensor(rng, shape, kind, router_bias_std=router_bias_std).astype(dtype_of[name])
+        if share and not per_layer:
+            cache[key] = value
+        out[name] = value
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kda_rt.bench", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--config", help="config.json (hub layout); needs --random-weights")
+    src.add_argument("--config", help="config.json (hub layout) or a preset name (kimi-linear-48b-a3b); needs "
+                                      "--random-weights")
+    ap.add_argument("--num-layers", type=int, default=None, help="with a preset: cut it to this many layers")
+    ap.add_argument("--router-bias-std", type=float, default=0.05,
+                    help="--random-weights: std of the router correction biases (small, so routing follows the data)")
     ap.add_argument("--random-weights", action="store_true", help="random weights built in memory from the config")
     ap.add_argument("--batch", type=int, default=32, help="number of requests")
     ap.add_argument("--input-len", type=int, default=2048)
@@ -155,18 +180,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--config needs --random-weights (there is no checkpoint to load)")
     if min(args.batch, args.input_len, args.output_len) < 1:
         ap.error("--batch, --input-len and --output-len must be >= 1")
+    from kda_rt.demo.presets import PRESETS
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
     from kda_rt.loader.weights import load_checkpoint
 
     try:
-        if args.config:
+        if args.config in PRESETS:
+            raw = PRESETS[args.config](args.num_layers or 27)
+            model_config = parse_config(raw, source=f"preset {args.config}")
+        elif args.config:
+            if args.num_layers is not None:
+                raise ValueError("--num-layers works with a preset --config only")
             with open(args.config, encoding="utf-8") as fh:
                 model_config = parse_config(json.load(fh), source=args.config)
         else:
             model_config = load_config(args.model)
         t0 = time.perf_counter()
-        weights = (random_weights(model_config, args.seed) if args.random_weights
+        weights = (random_weights(model_config, args.seed, router_bias_std=args.router_bias_std) if args.random_weights
                    else load_checkpoint(args.model, model_config))
         engine_config = EngineConfig.from_cli_args(args, max_num_seqs=args.max_num_seqs or args.batch)
         engine = build_engine(model_config, weights, engine_config)

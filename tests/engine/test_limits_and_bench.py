@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers.configs import tiny_config
@@ -140,6 +141,28 @@ def test_llm_default_max_model_len_is_the_models(tiny_dir):
     assert llm.engine_config.max_model_len == llm.model_config.max_model_len
 
 
+@pytest.mark.slow
+def test_random_weights_full_shape_share_host_memory():
+    """The 48B preset (cut to 5 layers here: 16 GB logical) builds with one host array per shape and
+    kind, routers drawn per layer (issue 12: the full model without holding 98 GB on the host)."""
+    from kda_rt.demo.presets import kimi_linear_48b_a3b
+    from kda_rt.loader.weights import expected_tensors
+
+    cfg = parse_config(kimi_linear_48b_a3b(5))
+    assert cfg.mla_layer_ids == (3, 4) and cfg.kda_layer_ids == (0, 1, 2)
+    weights = random_weights(cfg, seed=1)
+    expected = expected_tensors(cfg)
+    assert list(weights) == list(expected)
+    assert all(weights[n].shape == shape for n, (shape, _) in expected.items())
+    host = {id(a): a.nbytes for a in weights.values()}
+    logical = sum(a.nbytes for a in weights.values())
+    assert sum(host.values()) < 0.2 * logical, (sum(host.values()), logical)
+    routers = [weights[n] for n in weights if n.endswith("block_sparse_moe.gate.weight")]
+    biases = [weights[n] for n in weights if n.endswith("e_score_correction_bias")]
+    assert len(routers) == 4 and len({id(r) for r in routers}) == 4 and len({id(b) for b in biases}) == 4
+    assert 0.02 < float(np.std(biases[0])) < 0.1  # router bias std 0.05: routing follows the data
+
+
 def test_random_weights_match_checkpoint_layout():
     cfg = parse_config(tiny_config())
     weights = random_weights(cfg, seed=1)
@@ -164,6 +187,14 @@ def test_bench_cli(tmp_path, source):
     assert report["backend"] == "numpy" and report["args"]["batch"] == 2
     for key in ("total_tok_s", "output_tok_s", "ttft_s_mean", "tpot_s_mean", "decode_step_s_mean", "peak_memory_bytes"):
         assert report[key] > 0, key
+
+
+def test_bench_cli_num_layers_needs_a_preset(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+    res = subprocess.run([sys.executable, "-m", "kda_rt.bench", "--config", str(tmp_path / "config.json"),
+                          "--random-weights", "--num-layers", "2", "--backend", "numpy"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "--num-layers works with a preset" in res.stderr
 
 
 def test_bench_cli_config_needs_random_weights(tmp_path):

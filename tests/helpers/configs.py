@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from kda_rt.demo.make_demo import DEMO_CONFIG
+from kda_rt.demo.presets import kimi_linear_48b_a3b
 
 __all__ = ["k48_config", "tiny_config"]
 
@@ -47,17 +48,8 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
 
 
 def k48_config(num_layers: int = 4) -> dict[str, Any]:
-    """Every fourth layer MLA, the others KDA; layer 1 dense, the rest MoE (as in the 48B model)."""
-    kda = [i + 1 for i in range(num_layers) if (i + 1) % 4 != 0]
-    mla = [i + 1 for i in range(num_layers) if (i + 1) % 4 == 0]
-    cfg = copy.deepcopy(DEMO_CONFIG)
-    cfg.update(vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_attention_heads=32,
-               num_key_value_heads=32, num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024,
-               num_hidden_layers=num_layers, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-               model_max_length=1048576,
-               linear_attn_config={"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
-                                   "kda_layers": kda, "full_attn_layers": mla})
-    return cfg
+    """Kimi-Linear-48B-A3B's shapes and layer schedule cut to `num_layers` (kda_rt/demo/presets.py)."""
+    return kimi_linear_48b_a3b(num_layers)
 
 
 if __name__ == "__main__":
