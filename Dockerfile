@@ -21,7 +21,7 @@ RUN useradd --create-home --uid 10001 --home-dir /home/kda kda \
  && chown -R kda:kda /var/cache/kda_rt
 
 WORKDIR /opt/kda_rt
-COPY setup.py setup.cfg pyproject.toml README.md ARCHITECTURE.md ./
+COPY setup.py setup.cfg pyproject.toml README.md ARCHITECTURE.md LICENSE ./
 COPY kda_rt ./kda_rt
 COPY loader ./loader
 COPY sampler ./sampler

@@ -67,3 +67,23 @@ def test_wheel_installs_whole(tmp_path):
     assert not (site / "loader").exists() and not (site / "sampler").exists(), "top-level loader/sampler installed"
     gen = run([str(py), "-m", "kda_rt.generate", "--max-tokens", "4", "--backend", "numpy"], cwd=outside, env=env)
     assert "generated 4 tokens" in gen.stderr, gen.stderr
+
+
+def test_dockerfile_copies_what_the_build_reads():
+    """The image installs the same way (a regular `pip install .`), so every file the build reads
+    must be copied in: setup.py, setup.cfg, pyproject.toml, the README (long_description), the
+    license file, and the package source folders."""
+    import configparser
+    import re
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    needed = {"setup.py", "setup.cfg", "pyproject.toml", "kda_rt", "loader", "sampler", "kernels_cu"}
+    needed |= set(re.findall(r"file:\s*(\S+)", cfg["metadata"].get("long_description", "")))
+    needed |= set(cfg["metadata"].get("license_files", "").split())
+    copied = set()
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied |= {p.rstrip("/").removeprefix("./") for p in line.split()[1:-1]}
+    assert needed <= copied, f"Dockerfile does not copy {sorted(needed - copied)}"
+    assert "pip install" in (REPO / "Dockerfile").read_text() and " -e " not in (REPO / "Dockerfile").read_text()
