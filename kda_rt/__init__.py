@@ -16,7 +16,8 @@ if _os.path.isfile(_os.path.join(_checkout, "setup.cfg")) and _os.path.isdir(_os
     __path__.append(_checkout)
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
-_LAZY = {"LLM": "kda_rt.llm", "SamplingParams": "kda_rt.sampler.params", "StructuredOutputsParams": "kda_rt.sampler.params",
+_LAZY = {"LLM": "kda_rt.llm", "SamplingParams": "kda_rt.sampler.params",
+         "StructuredOutputsParams": "kda_rt.sampler.params",
          "RequestOutput": "kda_rt.outputs", "CompletionOutput": "kda_rt.outputs"}
 
 

@@ -92,7 +92,8 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -194,7 +194,8 @@ def _structured_outputs(req: _Sampling) -> dict[str, Any] | None:
         params = StructuredOutputsParams.from_dict(spec)
         grammar_of(params, field)
     except (ValueError, TypeError) as exc:
-        raise InvalidRequest(str(exc) if field == "structured_outputs" or field in str(exc) else f"{field}: {exc}") from None
+        named = field == "structured_outputs" or field in str(exc)
+        raise InvalidRequest(str(exc) if named else f"{field}: {exc}") from None
     return params.to_dict()
 
 

@@ -51,8 +51,8 @@ def test_choice_regex_grammar_json_object(llm):
     choices = ["red", "green", "blue", "dark purple"]
     for text, reason in _texts(llm, SamplingParams(temperature=0.0, structured_outputs={"choice": choices})):
         assert text in choices and reason == "stop"
-    for text, reason in _texts(llm, SamplingParams(temperature=1.0, seed=5, max_tokens=30,
-                                                   structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"))):
+    regex = StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}")
+    for text, reason in _texts(llm, SamplingParams(temperature=1.0, seed=5, max_tokens=30, structured_outputs=regex)):
         assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", text) and reason == "stop", text
     lark = 'start: answer " " NUM\nanswer: "yes" | "no"\nNUM: /[0-9]{1,3}/'
     for text, _ in _texts(llm, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"grammar": lark})):
@@ -139,6 +139,12 @@ def test_sample_rows_applies_mask_and_bias():
     out = StepOutput.empty(3)
     sample_rows(logits, batch, range(3), out)
     assert out.token_ids[:2] == [7, 34] and out.errors[2] is not None and "no token is allowed" in out.errors[2]
+    # the CUDA runner samples host rows through a row subset: bias and mask travel with their rows
+    from kda_rt.cuda.runner import _subset
+
+    sub = _subset(batch, [1, 0])
+    assert sub.logit_bias[1] is not None and sub.logit_bias[0] is None
+    assert sub.allowed[0] is mask and sub.allowed[1] is None
 
 
 if __name__ == "__main__":
