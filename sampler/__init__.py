@@ -4,6 +4,6 @@
 
 from __future__ import annotations
 
-from .params import SamplingParams
+from .params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]

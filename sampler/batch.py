@@ -2,9 +2,10 @@
 
 The engine builds one `SamplingBatch` per step from the sequences that sample (the rows of
 `ForwardBatch.logits_indices`, same order); no backend sees a `Sequence`.  The flat arrays are
-what the GPU sampler reads; `params`, `history` and `banned` serve the host sampler
-(`reference.sample_rows`), which takes every row on the NumPy backend and the `host_rows` (and
-rows with non-finite logits) on the CUDA backend.
+what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `allowed` serve the
+host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
+`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias or a
+structured-output mask is a host row.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class SamplingBatch:
     # (prompt, output ids) of host rows: the sequence's own lists, read during this step's execute only
     history: tuple[tuple[Sequence[int], Sequence[int]] | None, ...]
     banned: tuple[tuple[int, ...], ...]  # token ids banned this step (min_tokens not reached)
+    # (token ids int64 [B], biases float32 [B]) added to the row's logits, or None
+    logit_bias: tuple[tuple[np.ndarray, np.ndarray] | None, ...]
+    # [ceil(V / 32)] int32 bitmask of the tokens the row's grammar allows (bit t % 32 of word t // 32), or None
+    allowed: tuple[np.ndarray | None, ...]
 
     @property
     def num_rows(self) -> int:
@@ -46,12 +51,19 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, rows: Iterable[tuple[SamplingParams, int, Sequence[int], Sequence[int]]],
-              eos_token_ids: Iterable[int]) -> SamplingBatch:
-        """rows: (params, seed, prompt ids, output ids so far) per sampling row."""
+              eos_token_ids: Iterable[int], allowed: Sequence[np.ndarray | None] | None = None) -> SamplingBatch:
+        """rows: (params, seed, prompt ids, output ids so far) per sampling row; `allowed`: each row's
+        grammar bitmask for this step, or None (no structured outputs in the batch)."""
         rows = list(rows)
         eos = tuple(sorted(eos_token_ids))
         params = tuple(r[0] for r in rows)
-        host = [needs_host_sampling(p, len(out)) for p, _, _, out in rows]
+        allowed = tuple(allowed) if allowed is not None else (None,) * len(rows)
+        bias = tuple(
+            (np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias)),
+             np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))) if p.logit_bias else None
+            for p in params)
+        host = [needs_host_sampling(p, len(out)) or b is not None or a is not None
+                for (p, _, _, out), b, a in zip(rows, bias, allowed, strict=True)]
         banned = tuple(
             (*p.stop_token_ids, *(() if p.ignore_eos else eos)) if len(out) < p.min_tokens else ()
             for p, _, _, out in rows)
@@ -67,6 +79,8 @@ class SamplingBatch:
             host_rows=np.array(host, dtype=bool),
             history=tuple((prompt, out) if h else None for h, (_, _, prompt, out) in zip(host, rows, strict=True)),
             banned=banned,
+            logit_bias=bias,
+            allowed=allowed,
         )
 
 

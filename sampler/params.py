@@ -5,11 +5,13 @@ Every bad value raises `ValueError` naming the parameter and the value.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_REPETITION_PENALTY", "MAX_STOP_CHARS", "MAX_STOP_STRINGS",
-           "MIN_REPETITION_PENALTY"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_LOGIT_BIAS", "MAX_REPETITION_PENALTY",
+           "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
@@ -22,6 +24,9 @@ MAX_REPETITION_PENALTY = 100.0
 # request cannot slow the whole batch (issue 10 #4).
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 16384
+# logit_bias: OpenAI's value range and entry limit; every entry is added on the host each step
+MAX_LOGIT_BIAS = 300
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -36,6 +41,67 @@ def _number(name: str, value: object, lo: float | None = None, hi: float | None 
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value!r}")
     return float(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's `StructuredOutputsParams`): exactly one of
+    `json` (a JSON schema, as a dict or a JSON string), `regex`, `choice` (a list of strings),
+    `grammar` (Lark or GBNF/EBNF) or `json_object=True` (any JSON object).  Only the shape is
+    checked here; the grammar itself is compiled (and refused when invalid) by llguidance when the
+    request is added (kda_rt/engine/structured.py)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, value: Any) -> StructuredOutputsParams:
+        """From a mapping with these keys (how it crosses the server's wire); unknown keys are refused."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unsupported keys {unknown}; supported: {sorted(known)}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: getattr(self, self.kind)}
 
 
 @dataclass
@@ -58,6 +124,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (LLM.generate; vLLM's name)
+    # {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI / vLLM)
+    logit_bias: dict[int, float] | None = None
+    # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +176,26 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an int in [0, 20] or None, got {self.prompt_logprobs!r}")
+        self._validate_logit_bias()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            self.structured_outputs.validate()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+        out = {}
+        for k, v in bias.items():
+            token = int(k) if isinstance(k, str) and k.isdigit() else k
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {k!r}")
+            out[token] = _number(f"logit_bias[{token}]", v, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+        self.logit_bias = out or None
 
     @property
     def greedy(self) -> bool:

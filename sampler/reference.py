@@ -1,7 +1,9 @@
 """NumPy sampling: the reference (and CPU) implementation of `kernels_cu/sampling.cu`.
 
-Order per row, as in vLLM: repetition / frequency / presence penalties on the logits, then
-greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw.  The draw is
+Order per row, as in vLLM: repetition / frequency / presence penalties on the logits, logit_bias,
+min_tokens bans and the structured-output mask (disallowed tokens -> -inf), then greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> draw.  Logprobs are those of these processed logits
+(before temperature): a constrained row reports a distribution over the tokens its grammar allows.  The draw is
 argmax(probs / e) with e ~ Exp(1) from a counter-based Philox-4x32-10 stream keyed by (seed, step),
 so a request with a seed gets the same tokens whatever else is in the batch, on either backend.
 """
@@ -13,7 +15,8 @@ import numpy as np
 from .batch import SamplingBatch, StepOutput
 from .params import SamplingParams
 
-__all__ = ["apply_penalties", "sample_row", "sample_rows", "draw_noise", "philox4x32_10", "top_logprobs"]
+__all__ = ["apply_penalties", "allowed_tokens", "sample_row", "sample_rows", "draw_noise", "philox4x32_10",
+           "top_logprobs"]
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
@@ -31,6 +34,15 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
         counts = np.bincount(np.asarray(output_ids, dtype=np.int64), minlength=vocab)[:vocab].astype(np.float32)
         out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return out
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """[V] bool of a [ceil(V / 32)] int32 bitmask (token t is bit t % 32 of word t // 32; llguidance's layout)."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype=np.int32).view(np.uint8), bitorder="little")
+    out = np.zeros(vocab, dtype=bool)
+    n = min(vocab, bits.shape[0])
+    out[:n] = bits[:n].astype(bool)
     return out
 
 
@@ -102,13 +114,15 @@ def top_logprobs(logits: np.ndarray, token_id: int, num: int) -> dict[int, float
     out = {int(token_id): float(x[token_id] - logz)}
     if num > 0:
         for t in np.argsort(-x, kind="stable")[:num]:
-            out.setdefault(int(t), float(x[t] - logz))
+            if np.isfinite(x[t]):  # masked or banned tokens are not listed (-inf is not JSON)
+                out.setdefault(int(t), float(x[t] - logz))
     return out
 
 
 def sample_rows(logits: np.ndarray, batch: SamplingBatch, rows, out: StepOutput) -> None:
     """Sample `rows` of logits [N, V] on the host into `out` (the same row indices): penalties,
-    min_tokens bans, then `sample_row`; a row with NaN or inf logits gets an error instead."""
+    logit_bias, min_tokens bans, the grammar mask, then `sample_row`; a row with NaN or inf logits,
+    or with every token masked, gets an error instead."""
     for i in rows:
         x, p = logits[i], batch.params[i]
         step = int(batch.steps[i])
@@ -120,10 +134,22 @@ def sample_rows(logits: np.ndarray, batch: SamplingBatch, rows, out: StepOutput)
             if not np.isfinite(x).all():
                 out.errors[i] = f"non-finite logits after penalties at output token {step}"
                 continue
-        banned = [t for t in batch.banned[i] if t < x.shape[0]]
+        vocab = x.shape[0]
+        bias = batch.logit_bias[i]
+        if bias is not None:
+            keep = bias[0] < vocab
+            x = x.astype(np.float32, copy=True)
+            np.add.at(x, bias[0][keep], bias[1][keep])
+        banned = [t for t in batch.banned[i] if t < vocab]
         if banned:
             x = x.copy()
             x[banned] = -np.inf
+        mask = batch.allowed[i]
+        if mask is not None:
+            x = np.where(allowed_tokens(mask, vocab), x, -np.inf).astype(np.float32)
+            if not np.isfinite(x).any():
+                out.errors[i] = f"no token is allowed at output token {step} (the grammar and the bans exclude all)"
+                continue
         token = sample_row(x, p, int(batch.seeds[i]), step)
         out.token_ids[i] = token
         if batch.num_logprobs[i] >= 0:

@@ -77,7 +77,8 @@ def test_runtime_dependencies_match_imports():
     cfg.read(ROOT / "setup.cfg")
     required = {line.split(">")[0].split("=")[0].strip() for line in cfg["options"]["install_requires"].split("\n")
                 if line.strip()}
-    optional = {"cupy", "cupy_backends", "nvidia", "starlette", "uvicorn", "msgspec", "prometheus_client", "httpx", "openai"}  # extras (cuda12/13: cupy, its nvidia wheels; server)
+    optional = {"cupy", "cupy_backends", "nvidia", "starlette", "uvicorn", "msgspec", "prometheus_client", "httpx", "openai",
+                "llguidance"}  # extras (cuda12/13: cupy, its nvidia wheels; server; structured)
     imported = _third_party_imports()
     assert {IMPORT_NAMES[d] for d in required} <= imported, "a runtime dependency no runtime code imports"
     assert imported - optional <= {IMPORT_NAMES[d] for d in required}, "runtime code imports an undeclared package"

@@ -13,6 +13,11 @@ from kda_rt import LLM, SamplingParams
 from kda_rt.demo import demo_path
 llm = LLM(str(demo_path()), backend="numpy")
 out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0))[0]
+try:  # structured outputs (the `structured` extra) stay torch-free too
+    import llguidance
+    llm.generate("hello", SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"}))
+except ImportError:
+    pass
 print(json.dumps({"tokens": len(out.outputs[0].token_ids),
                   "heavy": sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton'))}))
 """

@@ -196,8 +196,9 @@ class CudaRunner:
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
         """Forward, then sample every row on the GPU (sampler/sampling.py) with one device -> host
-        copy of the token ids (+ logprobs when asked).  Host rows (penalties, a min_tokens ban) and
-        rows with non-finite logits are sampled from their logits by the NumPy reference sampler."""
+        copy of the token ids (+ logprobs when asked).  Host rows (penalties, a min_tokens ban, a
+        logit_bias, a structured-output mask) and rows with non-finite logits are sampled from their
+        logits by the NumPy reference sampler."""
         from kda_rt.sampler.reference import sample_rows
         from kda_rt.sampler.sampling import sample
 

@@ -6,7 +6,9 @@
     run          one flat varlen `ForwardBatch` + a `SamplingBatch` (flat sampling settings of the
                  sequences that finish their prompt or decode this step) -> runner.execute ->
                  `StepOutput` (one token, or an error, per such sequence)
-    postprocess  accept tokens, detokenize, stop checks; finished sequences return slot and pages
+    postprocess  accept tokens, detokenize, stop checks; finished sequences return slot and pages;
+                 structured outputs: matchers consume the tokens, then the next step's masks are
+                 computed (kda_rt/engine/structured.py)
 
 The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
 and `runner.score(ForwardBatch)` (the `Runner` contract, kda_rt/engine/runner.py), nothing else.
@@ -61,6 +63,7 @@ class LLMEngine:
         ))
         self.postprocessor = Postprocessor(self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
+        self._structured = None  # StructuredOutputs, built by the first request that needs it
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -91,6 +94,11 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len {limit}"
             )
         self.scheduler.check_fits(len(ids) + max_tokens - 1)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        grammars = (self.structured().states(params.structured_outputs, params.n)
+                    if params.structured_outputs is not None else [None] * params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seqs = []
         for i in range(params.n):
@@ -101,11 +109,21 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),
                                  max_tokens=max_tokens, arrival=next(self._arrivals), detokenizer=detok,
-                                 logprobs=[] if params.logprobs is not None else None))
+                                 logprobs=[] if params.logprobs is not None else None, grammar=grammars[i]))
         self.requests[request_id] = (text, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def structured(self):
+        """The structured-output state of this engine (llguidance tokenizer, grammar cache)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the checkpoint's tokenizer files")
+            from kda_rt.engine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._structured
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(text or None, checked token ids) of a prompt."""
@@ -162,8 +180,9 @@ class LLMEngine:
             return []
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
+        masks = self._structured.masks(sampled) if self._structured is not None else None
         sampling = SamplingBatch.build(((s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in sampled),
-                                       self.eos_token_ids)
+                                       self.eos_token_ids, masks)
         result = self.runner.execute(batch, sampling)
         self.scheduler.commit(sched)
         self.counters["steps"] += 1
@@ -176,9 +195,17 @@ class LLMEngine:
                 done = self.postprocessor.fail(seq, result.errors[i])
             else:
                 done = self.postprocessor.accept_token(seq, result.token_ids[i], result.logprobs[i])
+                if not done and seq.grammar is not None:
+                    verdict = self._structured.accept(seq, result.token_ids[i])
+                    if verdict == "stop":
+                        done = self.postprocessor.finish(seq, "stop")
+                    elif verdict is not None:
+                        done = self.postprocessor.fail(seq, verdict)
             if done:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = None
+        if masks is not None:  # next step's masks, while nothing else runs
+            self._structured.prefetch(sampled)
         outputs = []
         for rid in touched:
             text, seqs = self.requests[rid]

@@ -38,9 +38,9 @@ class Postprocessor:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         if token in p.stop_token_ids:
-            return self._finish(seq, "stop", token)
+            return self.finish(seq, "stop", token)
         if not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(seq, "stop", None)
+            return self.finish(seq, "stop", None)
         if seq.detokenizer is not None:
             before = len(seq.text)
             seq.text += seq.detokenizer.add([token])
@@ -48,7 +48,7 @@ class Postprocessor:
             if p.stop_strings and len(seq.output_token_ids) > p.min_tokens and self._check_stop_strings(seq, before):
                 return True
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length")
+            return self.finish(seq, "length")
         return False
 
     def _check_stop_strings(self, seq: Sequence, before: int) -> bool:
@@ -71,7 +71,8 @@ class Postprocessor:
         return True
 
     @staticmethod
-    def _finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
+    def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
+        """End `seq` now (its last token already accepted): flush the text, set the reasons."""
         if seq.detokenizer is not None:
             seq.text += seq.detokenizer.flush()
         seq.finish_reason, seq.stop_reason = reason, stop_reason

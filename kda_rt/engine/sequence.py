@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kda_rt.engine.structured import GrammarState
     from kda_rt.sampler.params import SamplingParams
     from kda_rt.text.detokenizer import IncrementalDetokenizer
 
@@ -50,6 +51,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    grammar: GrammarState | None = None  # structured outputs: the matcher of this sample's output
 
     @property
     def num_tokens(self) -> int:

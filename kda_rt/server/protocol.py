@@ -7,9 +7,10 @@ numbers out of range, wrong types); `SamplingParams` then checks values.  Every 
 accepted, as vLLM does: `decode_body` returns their names, which the app logs (once per name, at
 WARNING) and lists in the `x-kda-rt-ignored-fields` response header.  Fields beyond OpenAI's are
 vLLM's names: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-skip_special_tokens, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs.
-Structured outputs (response_format other than text, structured_outputs, guided_*) and logit_bias
-are known fields that are refused: they need the sampling contract that comes with them.
+skip_special_tokens, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs,
+structured_outputs and the legacy guided_json / guided_regex / guided_choice / guided_grammar.
+Output constraints (those and response_format json_object / json_schema) become one
+`StructuredOutputsParams`, compiled here by llguidance so an invalid one is a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kda_rt.sampler.params import SamplingParams
+from kda_rt.sampler.params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidRequest", "StreamOptions",
            "TokenizeRequest", "chat_payload", "completion_payload", "decode_body", "error_body"]
@@ -158,20 +159,49 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
                       "param": param, "code": status}}
 
 
-def _refuse_unsupported(req: _Sampling) -> None:
-    if req.logit_bias:
-        raise InvalidRequest("logit_bias is not supported yet")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest(f"response_format {req.response_format.get('type')!r} is not supported yet "
-                             "(structured outputs); only {'type': 'text'}")
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            raise InvalidRequest(f"{name} is not supported yet (structured outputs)")
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def _structured_outputs(req: _Sampling) -> dict[str, Any] | None:
+    """The one output constraint of a request as a `StructuredOutputsParams` dict, from
+    response_format (json_object / json_schema), structured_outputs or a legacy guided_* field;
+    the grammar is compiled here, so an invalid one is a 400 naming the field it came from."""
+    from kda_rt.engine.structured import grammar_of
+
+    sources: list[tuple[str, Any]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            sources.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object")
+            sources.append(("response_format.json_schema.schema", {"json": spec["schema"]}))
+        elif kind != "text":
+            raise InvalidRequest(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if req.structured_outputs is not None:
+        sources.append(("structured_outputs", req.structured_outputs))
+    sources += [(name, {key: getattr(req, name)}) for name, key in _GUIDED if getattr(req, name) is not None]
+    if len(sources) > 1:
+        raise InvalidRequest(f"give at most one output constraint; got {', '.join(name for name, _ in sources)}")
+    if not sources:
+        return None
+    field, spec = sources[0]
+    try:
+        params = StructuredOutputsParams.from_dict(spec)
+        grammar_of(params, field)
+    except (ValueError, TypeError) as exc:
+        named = field == "structured_outputs" or field in str(exc)
+        raise InvalidRequest(str(exc) if named else f"{field}: {exc}") from None
+    return params.to_dict()
 
 
 def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-    _refuse_unsupported(req)
-    kwargs: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": req.seed,
+    kwargs: dict[str, Any] = {"logit_bias": req.logit_bias or None, "structured_outputs": _structured_outputs(req),
+                              "n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": req.seed,
                               "stop": req.stop, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens,
                               "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
                               "include_stop_str_in_output": req.include_stop_str_in_output}
@@ -183,9 +213,10 @@ def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | Non
     if isinstance(kwargs["stop"], list) and not kwargs["stop"]:
         kwargs["stop"] = None
     try:
-        SamplingParams(**kwargs)  # validated here so a bad value is a 400 before the engine sees it
+        checked = SamplingParams(**kwargs)  # validated here so a bad value is a 400 before the engine sees it
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+    kwargs["logit_bias"] = checked.logit_bias  # int keys on the wire
     return kwargs
 
 

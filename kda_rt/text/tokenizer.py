@@ -208,6 +208,12 @@ class Tokenizer:
         return self._enc.n_vocab
 
     @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The tiktoken encoding (mergeable ranks, special tokens, split pattern): llguidance builds
+        its token table from it (kda_rt/engine/structured.py)."""
+        return self._enc
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._specials.get(self._bos_token) if self._bos_token else None
 

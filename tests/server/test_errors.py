@@ -42,11 +42,26 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": [99999]}, "99999"),
     ({"prompt": ""}, "empty"),
     ({"prompt": ["a", ""]}, "prompt[1]"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema",
+                                         "json_schema": {"name": "s", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+     "response_format.json_schema.schema"),
+    ({"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
+    ({"prompt": "x", "guided_choice": []}, "choice"),
+    ({"prompt": "x", "structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"xml": "a"}}, "structured_outputs"),
+    ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format, guided_regex"),
 ], ids=["type", "range", "n", "max_tokens", "seed", "known-field-bad-value", "nested-bad-value", "mixed-prompt",
-        "token-id", "empty", "empty-in-batch", "logit-bias", "json-object", "guided-json"])
+        "token-id", "empty", "empty-in-batch", "logit-bias-range", "logit-bias-key", "logit-bias-vocab",
+        "logit-bias-count", "response-format-type", "json-schema-invalid", "json-schema-missing", "guided-regex",
+        "guided-choice-empty", "grammar-invalid", "two-kinds", "unknown-kind", "two-sources"])
 def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 

@@ -1,0 +1,162 @@
+"""Structured outputs: llguidance grammars, one matcher per constrained sequence, and the per-step
+token masks the engine puts into the `SamplingBatch`.
+
+    add_request   spec (json schema / regex / choice / grammar / json_object) -> llguidance grammar
+                  (compiled and checked: an invalid one is a ValueError naming the field) -> one
+                  `LLMatcher` per sample
+    step          each constrained row's [ceil(V / 32)] int32 bitmask of allowed next tokens goes into
+                  `SamplingBatch.allowed`; the row becomes a host row, so both runners apply the mask
+                  in `sampler/reference.sample_rows` before sampling
+    postprocess   the matcher consumes the accepted token; a grammar that cannot continue ends the
+                  sequence with finish_reason "stop" (EOS is allowed only where the grammar accepts)
+    then          the masks for the next step are computed at once, in parallel over sequences
+                  (`LLExecutor`, threads without the GIL), before the next schedule
+
+The matcher state is a function of the output tokens only, so preemption by recompute (which keeps
+the outputs) leaves it valid; `masks` checks the count and re-feeds the outputs if it ever differs.
+JSON is generated compact on one line (llguidance `whitespace_flexible: false`, separators ", " and
+": "), so a bounded schema always ends; a schema can override that with its `x-guidance` key.
+
+Future work: a GPU-side mask (bitmask uploaded and applied by the sampling kernel) would avoid the
+host round trip of each constrained row's logits that host sampling costs on the CUDA backend.
+llguidance is the `structured` extra; without it, a request that needs it gets a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kda_rt.engine.sequence import Sequence as Seq
+    from kda_rt.sampler.params import StructuredOutputsParams
+    from kda_rt.text.tokenizer import Tokenizer
+
+__all__ = ["GrammarState", "StructuredOutputs", "grammar_of", "import_llguidance"]
+
+INSTALL_HINT = "pip install 'kda_rt[structured]'"
+_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_MAX_CACHED_GRAMMARS = 256
+
+
+def import_llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError(f"structured outputs need llguidance, which is not installed: {INSTALL_HINT}") from None
+    return llguidance
+
+
+def grammar_of(spec: StructuredOutputsParams, field: str = "structured_outputs") -> str:
+    """The llguidance grammar of `spec`, checked; ValueError naming `field`.KIND when it is invalid."""
+    llg = import_llguidance()
+    kind = spec.kind
+    where = f"{field}.{kind}" if field == "structured_outputs" else field
+    try:
+        if kind == "json":
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=_JSON_DEFAULTS)
+        elif kind == "json_object":
+            grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
+        elif kind == "choice":
+            grammar = llg.grammar_from("choice", list(spec.choice))
+        else:
+            grammar = llg.grammar_from("grammar", spec.grammar)  # Lark, or GBNF/EBNF converted to Lark
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where} is invalid: {exc}") from None
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"{where} is invalid: {messages[0]}")
+    return grammar
+
+
+class GrammarState:
+    """One sequence's matcher, how many output tokens it has consumed, and its next-token mask."""
+
+    __slots__ = ("matcher", "num_consumed", "mask")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.num_consumed = 0
+        self.mask: np.ndarray | None = None  # [W] int32, for output token `num_consumed`
+
+
+class StructuredOutputs:
+    """Grammars and masks for one engine.  The llguidance tokenizer (token bytes per id, special
+    tokens, EOS ids) is built from kda_rt's tiktoken tokenizer on first use."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.llg = import_llguidance()
+        from llguidance.tiktoken import lltokenizer_from_encoding
+
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self.ll_tokenizer = lltokenizer_from_encoding(tokenizer.encoding, n_vocab=self.vocab_size,
+                                                      eos_token=sorted(eos_token_ids))
+        self.mask_words = (self.vocab_size + 31) // 32
+        self.executor = self.llg.LLExecutor()
+        self._grammars: OrderedDict[str, str] = OrderedDict()  # spec as JSON -> grammar (LRU)
+
+    def states(self, spec: StructuredOutputsParams, n: int) -> list[GrammarState]:
+        """`n` fresh matchers of `spec` (one per sample); ValueError when the grammar is invalid."""
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            grammar = grammar_of(spec)
+            self._grammars[key] = grammar
+            if len(self._grammars) > _MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(key)
+        first = self.llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if first.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {first.get_error()}")
+        return [GrammarState(first if i == 0 else first.deep_copy()) for i in range(n)]
+
+    def masks(self, seqs: Sequence[Seq]) -> list[np.ndarray | None] | None:
+        """Each sequence's mask for its next token (None: unconstrained); None when no sequence is
+        constrained.  Masks not prefetched are computed now."""
+        if all(s.grammar is None for s in seqs):
+            return None
+        for s in seqs:
+            if s.grammar is not None:
+                self._sync(s)
+        self.prefetch(seqs)
+        return [s.grammar.mask if s.grammar is not None else None for s in seqs]
+
+    def prefetch(self, seqs: Iterable[Seq]) -> None:
+        """Compute the missing next-token masks of `seqs` in one parallel llguidance call."""
+        todo = [s.grammar for s in seqs if s.grammar is not None and s.grammar.mask is None and not s.finished]
+        if not todo:
+            return
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        bitmask = np.zeros((len(todo), self.mask_words), dtype=np.int32)
+        fill_next_token_bitmask_par(self.executor, [(g.matcher, i) for i, g in enumerate(todo)], bitmask)
+        for i, g in enumerate(todo):
+            g.mask = bitmask[i]
+
+    def accept(self, seq: Seq, token: int) -> str | None:
+        """Feed the accepted `token` to `seq`'s matcher: None (go on), "stop" (the grammar is
+        complete: the sequence must end), or an error message (the token breaks the grammar)."""
+        g = seq.grammar
+        g.mask = None
+        if not g.matcher.consume_token(token):
+            return f"token {token} does not match the structured-output grammar: {g.matcher.get_error()}"
+        g.num_consumed += 1
+        return "stop" if g.matcher.is_stopped() else None
+
+    @staticmethod
+    def _sync(seq: Seq) -> None:
+        """Make the matcher state match the output tokens (it always does; recompute keeps them)."""
+        g = seq.grammar
+        if g.num_consumed == len(seq.output_token_ids):
+            return
+        g.matcher.reset()
+        if not g.matcher.consume_tokens(list(seq.output_token_ids)):
+            raise RuntimeError(f"request {seq.request_id}: its output tokens no longer match its grammar")
+        g.num_consumed, g.mask = len(seq.output_token_ids), None

@@ -1,0 +1,151 @@
+"""Structured outputs (llguidance) and logit_bias, offline, on the demo checkpoint (random weights):
+whatever a random model prefers, the output must match the grammar."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from kda_rt import SamplingParams
+from kda_rt.sampler.batch import SamplingBatch, StepOutput
+from kda_rt.sampler.params import StructuredOutputsParams
+from kda_rt.sampler.reference import sample_rows
+
+llguidance = pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+# bounded (maxLength, integer range, no extra keys), so a compact JSON answer always ends
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}
+PROMPTS = ["Hello there", "Describe a person as JSON:", "1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from helpers.engine import make_llm
+    from kda_rt.demo import demo_path
+
+    return make_llm(demo_path(), dtype="float32", max_model_len=256)
+
+
+def _texts(llm, params: SamplingParams, prompts=PROMPTS) -> list[tuple[str, str]]:
+    return [(c.text, c.finish_reason) for out in llm.generate(prompts, params) for c in out.outputs]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=3, n=3)], ids=["greedy", "n3"])
+def test_json_schema_validates(llm, sampling):
+    for text, reason in _texts(llm, SamplingParams(max_tokens=120, structured_outputs={"json": SCHEMA}, **sampling)):
+        assert reason == "stop", (text, reason)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_choice_regex_grammar_json_object(llm):
+    choices = ["red", "green", "blue", "dark purple"]
+    for text, reason in _texts(llm, SamplingParams(temperature=0.0, structured_outputs={"choice": choices})):
+        assert text in choices and reason == "stop"
+    regex = StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}")
+    for text, reason in _texts(llm, SamplingParams(temperature=1.0, seed=5, max_tokens=30, structured_outputs=regex)):
+        assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", text) and reason == "stop", text
+    lark = 'start: answer " " NUM\nanswer: "yes" | "no"\nNUM: /[0-9]{1,3}/'
+    for text, _ in _texts(llm, SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"grammar": lark})):
+        assert re.fullmatch(r"(yes|no) [0-9]{1,3}", text), text
+    # any JSON object: a random model may write keys forever, so tokens with a quote are banned
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json_object": True},
+                            logit_bias={t: -100.0 for t in range(tok.vocab_size) if b'"' in tok.token_bytes(t)})
+    for text, reason in _texts(llm, params):
+        assert reason == "stop" and json.loads(text) == {}, text
+
+
+def test_logit_bias_forces_and_bans(llm):
+    base = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    target = 300
+    forced = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                  logit_bias={target: 100.0}, logprobs=1))
+    for out in forced:
+        assert out.outputs[0].token_ids == [target] * 4
+        # logprobs are of the biased logits: the forced token is (almost) certain
+        assert all(lp[target] > -1e-3 for lp in out.outputs[0].logprobs)
+    banned = {out.outputs[0].token_ids[0] for out in base}
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                logit_bias={t: -100.0 for t in banned}))
+    for out in outs:
+        assert not banned & set(out.outputs[0].token_ids)
+
+
+def test_invalid_grammar_and_bias_refused(llm):
+    with pytest.raises(ValueError, match=r"structured_outputs\.json is invalid"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"json": {"type": "foo"}}))
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex is invalid"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"regex": "[a-"}))
+    with pytest.raises(ValueError, match=r"logit_bias token id 5000 is outside the vocabulary"):
+        llm.generate(["x"], SamplingParams(logit_bias={5000: 1.0}))
+    for bad in ({1: 100.5}, {-1: 1.0}, {i: 1.0 for i in range(301)}, {1: float("nan")}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
+
+
+def test_missing_llguidance_names_the_extra(monkeypatch):
+    from kda_rt.engine.structured import grammar_of
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import now raises ImportError
+    with pytest.raises(ValueError, match=r"kda_rt\[structured\]"):
+        grammar_of(StructuredOutputsParams(regex="a"))
+    SamplingParams(structured_outputs={"regex": "a"})  # the params themselves need no llguidance
+
+
+def test_preemption_keeps_json_valid(caplog):
+    """A page pool too small for the batch: sequences are preempted mid-JSON and recomputed; the
+    matchers (a function of the kept output tokens) stay in step, so every answer still validates."""
+    from helpers.engine import assert_no_leaks, make_llm
+    from kda_rt.demo import demo_path
+
+    tight = make_llm(demo_path(), dtype="float32", max_num_seqs=6, max_model_len=96, block_size=16, num_blocks=6,
+                     max_num_batched_tokens=32)
+    params = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=60, structured_outputs={"json": SCHEMA})
+    with caplog.at_level(logging.WARNING, logger="kda_rt.engine.scheduler"):
+        outs = tight.generate([f"{p} #{i}" for i in range(3) for p in PROMPTS], params)
+    assert tight.stats()["preemptions"] > 0, "the pool was meant to force preemption"
+    for out in outs:
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert_no_leaks(tight)
+
+
+def test_sample_rows_applies_mask_and_bias():
+    """The host sampler: bias added, disallowed tokens never drawn, an all-masked row is an error."""
+    vocab = 70
+    logits = np.zeros((3, vocab), np.float32)
+    logits[:, 5] = 10.0
+    mask = np.zeros(3, np.int32)  # [ceil(70 / 32)] words
+    mask[1] = 1 << 2  # only token 34
+    p = SamplingParams(temperature=0.0, logit_bias={7: 20.0})
+    q = SamplingParams(temperature=1.0, seed=1)
+    batch = SamplingBatch.build([(p, 0, [1], []), (q, 1, [1], []), (q, 2, [1], [])], [69],
+                                [None, mask, np.zeros(3, np.int32)])
+    assert batch.host_rows.all()
+    out = StepOutput.empty(3)
+    sample_rows(logits, batch, range(3), out)
+    assert out.token_ids[:2] == [7, 34] and out.errors[2] is not None and "no token is allowed" in out.errors[2]
+    # the CUDA runner samples host rows through a row subset: bias and mask travel with their rows
+    from kda_rt.cuda.runner import _subset
+
+    sub = _subset(batch, [1, 0])
+    assert sub.logit_bias[1] is not None and sub.logit_bias[0] is None
+    assert sub.allowed[0] is mask and sub.allowed[1] is None
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
