@@ -104,7 +104,8 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     t0 = time.perf_counter()
     for i in range(batch):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params)
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params,
+                           output_kind="delta")
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     decode_steps: list[float] = []

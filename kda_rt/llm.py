@@ -140,7 +140,7 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         prompt_lps = [self.prompt_logprobs(p, sp.prompt_logprobs)[0] if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
-        ids = self._add_all(prompts, params_list)
+        ids = self._add_all(prompts, params_list, "cumulative" if stream else "final")
         if any(lp is not None for lp in prompt_lps):
             by_id = dict(zip(ids, prompt_lps, strict=True))
             attach = lambda out: dataclasses.replace(out, prompt_logprobs=by_id.get(out.request_id))  # noqa: E731
@@ -161,14 +161,15 @@ class LLM:
             self._abort_all(ids)
         return [attach(final[rid]) if attach else final[rid] for rid in ids]
 
-    def _add_all(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
-        """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted."""
+    def _add_all(self, prompts: list, params_list: list[SamplingParams], output_kind: str) -> list[str]:
+        """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted.
+        Non-streaming requests ask the engine for their final output only (no per-step copies)."""
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = self._request_id(i)
                 try:
-                    ids.append(self.llm_engine.add_request(rid, prompt, params))
+                    ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind))
                 except BaseException:
                     self._open.discard(rid)  # refused: the id was never the engine's
                     raise

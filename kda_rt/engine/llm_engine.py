@@ -26,7 +26,7 @@ import numpy as np
 
 from kda_rt.engine.batch import ForwardBatch
 from kda_rt.engine.config import EngineConfig
-from kda_rt.engine.postprocess import Postprocessor, request_output
+from kda_rt.engine.postprocess import OUTPUT_KINDS, Postprocessor, request_output
 from kda_rt.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kda_rt.engine.sequence import Sequence
 from kda_rt.sampler.batch import SamplingBatch
@@ -63,6 +63,8 @@ class LLMEngine:
         ))
         self.postprocessor = Postprocessor(self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
+        self._output_kind: dict[str, tuple[str, list[int]]] = {}  # request id -> (output kind, prompt ids
+        # returned in its outputs: one copy per request, not one per step)
         self._structured = None  # StructuredOutputs, built by the first request that needs it
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -73,14 +75,20 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
-                    sampling_params: SamplingParams | None = None) -> str:
+                    sampling_params: SamplingParams | None = None, *, output_kind: str = "cumulative") -> str:
         """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id.
+
+        `output_kind` (vLLM's RequestOutputKind): "cumulative" (every output holds everything so
+        far), "delta" (only what is new since the request's previous output) or "final" (one
+        output, when the request finishes): the last two cost O(new tokens) per step, not O(all).
 
         Raises ValueError (and queues nothing) for an empty prompt, token ids outside the
         vocabulary, prompt + max_tokens over max_model_len, or a request the page pool can never hold.
         """
         params = sampling_params or SamplingParams()
         params.validate()  # fields may have been changed after construction
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -111,6 +119,7 @@ class LLMEngine:
                                  max_tokens=max_tokens, arrival=next(self._arrivals), detokenizer=detok,
                                  logprobs=[] if params.logprobs is not None else None, grammar=grammars[i]))
         self.requests[request_id] = (text, seqs)
+        self._output_kind[request_id] = (output_kind, list(ids))
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
@@ -155,6 +164,7 @@ class LLMEngine:
         entry = self.requests.pop(rid, None)
         if entry is None:
             return None
+        self._output_kind.pop(rid, None)
         for seq in entry[1]:
             if not seq.finished:
                 seq.finish_reason = "abort"
@@ -209,11 +219,15 @@ class LLMEngine:
         outputs = []
         for rid in touched:
             text, seqs = self.requests[rid]
-            out = request_output(rid, text, seqs)
-            if out.finished:
+            finished = all(s.finish_reason is not None for s in seqs)
+            kind, prompt_ids = self._output_kind[rid]
+            if finished:
                 self.requests.pop(rid)
+                self._output_kind.pop(rid)
                 self.counters["requests_finished"] += 1
-            outputs.append(out)
+            elif kind == "final":
+                continue
+            outputs.append(request_output(rid, text, seqs, "delta" if kind == "delta" else "cumulative", prompt_ids))
         return outputs
 
     @staticmethod

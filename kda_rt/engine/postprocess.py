@@ -19,7 +19,7 @@ from kda_rt.outputs import CompletionOutput, RequestOutput
 if TYPE_CHECKING:
     from kda_rt.engine.sequence import Sequence
 
-__all__ = ["Postprocessor", "DeltaTracker", "request_output"]
+__all__ = ["OUTPUT_KINDS", "Postprocessor", "DeltaTracker", "request_output"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +87,26 @@ def _visible_text(seq: Sequence) -> str:
     return seq.text[: max(0, len(seq.text) - hold)]
 
 
-def request_output(request_id: str, prompt: str | None, seqs: list[Sequence]) -> RequestOutput:
-    """Cumulative output of one request (one `CompletionOutput` per sample)."""
-    outs = [
-        CompletionOutput(s.index, _visible_text(s), list(s.output_token_ids),
-                         s.cumulative_logprob if s.logprobs is not None else None,
-                         list(s.logprobs) if s.logprobs is not None else None, s.finish_reason, s.stop_reason)
-        for s in seqs
-    ]
-    return RequestOutput(request_id, prompt, list(seqs[0].prompt_token_ids), outs,
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+
+def request_output(request_id: str, prompt: str | None, seqs: list[Sequence], kind: str = "cumulative",
+                   prompt_token_ids: list[int] | None = None) -> RequestOutput:
+    """Output of one request (one `CompletionOutput` per sample): everything so far ("cumulative"
+    and "final"), or only what is new since the last "delta" output of each sample (O(new) work per
+    step instead of copying every token so far).  `prompt_token_ids`: a list to return as is (the
+    engine keeps one copy per request), else a copy of the first sample's prompt."""
+    outs = []
+    for s in seqs:
+        text = _visible_text(s)
+        chars, toks = s.sent if kind == "delta" else (0, 0)
+        if kind == "delta":
+            s.sent = (max(chars, len(text)), max(toks, len(s.output_token_ids)))
+        outs.append(CompletionOutput(
+            s.index, text[chars:], s.output_token_ids[toks:], s.cumulative_logprob if s.logprobs is not None else None,
+            s.logprobs[toks:] if s.logprobs is not None else None, s.finish_reason, s.stop_reason))
+    prompt_ids = list(seqs[0].prompt_token_ids) if prompt_token_ids is None else prompt_token_ids
+    return RequestOutput(request_id, prompt, prompt_ids, outs,
                          all(s.finish_reason is not None for s in seqs))
 
 

@@ -52,6 +52,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     grammar: GrammarState | None = None  # structured outputs: the matcher of this sample's output
+    sent: tuple[int, int] = (0, 0)  # (visible chars, tokens) already returned, for "delta" outputs
 
     @property
     def num_tokens(self) -> int:

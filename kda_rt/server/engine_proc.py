@@ -24,7 +24,6 @@ import traceback
 from typing import Any
 
 from kda_rt import env
-from kda_rt.engine.postprocess import DeltaTracker
 from kda_rt.log import configure as configure_logging
 from kda_rt.server.stats_log import StatsLogger
 from kda_rt.server.wire import FrameSocket
@@ -41,10 +40,9 @@ class _Open:
     """Per engine request in the engine process: one prompt of an HTTP request, whose choices are
     `offset` .. `offset + n - 1` of the HTTP request `parent`."""
 
-    __slots__ = ("tracker", "reported", "logprobs", "parent", "offset")
+    __slots__ = ("reported", "logprobs", "parent", "offset")
 
     def __init__(self, logprobs: int | None, parent: str, offset: int) -> None:
-        self.tracker = DeltaTracker()
         self.reported: set[int] = set()  # sample indices whose finish was already sent
         self.logprobs = logprobs
         self.parent = parent
@@ -155,7 +153,7 @@ class EngineWorker:
             if not msg.get("score_only"):
                 for k, prompt in enumerate(prompts):
                     sub = rid if len(prompts) == 1 else f"{rid}/{k}"
-                    self.engine.add_request(sub, prompt, params)
+                    self.engine.add_request(sub, prompt, params, output_kind="delta")
                     added.append(sub)
                     self.open[sub] = _Open(params.logprobs, rid, k * n)
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now
@@ -210,7 +208,7 @@ class EngineWorker:
             state = self.open.get(out.request_id)
             if state is None:
                 continue
-            delta = state.tracker.delta(out)
+            delta = out  # the engine sends only what is new ("delta" requests)
             item = items.setdefault(state.parent, {"id": state.parent, "outputs": [], "finished": False})
             for c in delta.outputs:
                 new_finish = c.finish_reason is not None and c.index not in state.reported

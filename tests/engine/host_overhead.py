@@ -1,0 +1,74 @@
+"""Host work of one engine decode step, without a model: `python tests/engine/host_overhead.py
+[BATCH] [OUTPUT_KIND] [-p]`.  A runner that returns fixed tokens stands in for the model, so what
+is timed is the scheduler, the flat batches, postprocess and the RequestOutputs: the part of a GPU
+decode step that the GPU waits for.  Prompts of 2048 tokens on the 48B-shaped 4-layer config,
+prefill done first, then 100 decode steps (`-p`: cProfile, sorted by own time)."""
+
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import pstats
+import sys
+import time
+
+import numpy as np
+
+from kda_rt import SamplingParams
+from kda_rt.demo.presets import kimi_linear_48b_a3b
+from kda_rt.engine import EngineConfig, LLMEngine
+from kda_rt.engine.pools import plan_pools
+from kda_rt.loader.config import parse_config
+from kda_rt.sampler.batch import StepOutput
+
+
+class FixedTokens:
+    name = "fixed"
+
+    def __init__(self, config, settings) -> None:
+        self.plan = plan_pools(config, settings, itemsize=2, memory_bytes=2**40, padding=True)
+
+    def execute(self, batch, sampling):
+        n = sampling.num_rows
+        return StepOutput([7 + (i % 100) for i in range(n)], [None] * n, [None] * n)
+
+    def score(self, batch):
+        raise NotImplementedError
+
+    def report(self) -> str:
+        return "fixed tokens"
+
+    def peak_memory_bytes(self) -> int:
+        return 0
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "-p"]
+    batch = int(args[0]) if args else 32
+    kind = args[1] if len(args) > 1 else "cumulative"
+    config = parse_config(kimi_linear_48b_a3b(4))
+    settings = EngineConfig(max_num_seqs=batch, max_model_len=4096, max_num_batched_tokens=8192)
+    runner = FixedTokens(config, settings)
+    engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=runner.plan.max_model_len),
+                       num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), rng.integers(0, 1000, 2048).tolist(), params, output_kind=kind)
+    while engine.num_waiting() or any(s.in_prefill for s in engine.scheduler.running):
+        engine.step()
+    prof = cProfile.Profile()
+    if "-p" in sys.argv:
+        prof.enable()
+    t0, steps = time.perf_counter(), 100
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    print(f"batch {batch}, {kind} outputs: {(time.perf_counter() - t0) / steps * 1e3:.3f} ms of engine host work "
+          f"per decode step")
+    if "-p" in sys.argv:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
