@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server (`python -m kda_rt.serve`): Starlette + uvicorn in front, the
 engine in its own process behind msgpack frames.  Needs the `server` extra (`kda_rt[server]`).
 
-    app.py            routes, auth, body cap, SSE streaming, drain state
+    app.py            routes, auth, body cap and timeouts, drain state
+    run.py            one admitted request: delta queue -> JSON response or SSE stream, metrics, abort
+    http.py           uvicorn's HTTP protocol with a header read timeout
     protocol.py       request schemas (msgspec) -> engine payloads; the OpenAI error envelope
     responses.py      response bodies and stream chunks from engine deltas
     engine_client.py  HTTP side of the engine process: spawn, frames, per-request queues

@@ -20,20 +20,21 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kda_rt.server import protocol, responses
+from kda_rt.server import protocol
 from kda_rt.server.engine_client import EngineClient, EngineDeadError, EngineTimeoutError, RequestRejected
 from kda_rt.server.metrics import CONTENT_TYPE, Metrics
+from kda_rt.server.run import ABORTED as _ABORTED
+from kda_rt.server.run import RequestRun, endpoint_name
+from kda_rt.server.run import error_response as _error
+from kda_rt.server.run import json_response as _json
 
 __all__ = ["IGNORED_HEADER", "ServerState", "build_app"]
 
@@ -62,7 +63,6 @@ def _note_ignored(response: Response, fields: list[str]) -> None:
         value = value[:_MAX_HEADER_CHARS].rsplit(", ", 1)[0] + ", ..."
     response.headers[IGNORED_HEADER] = value
 
-_ABORTED = object()  # put into a request's queue when the server aborts it at the end of a drain
 _DRAIN_READ_FACTOR = 8  # an oversized body is read (and dropped) up to this many caps, so the 413 arrives
 
 
@@ -88,14 +88,6 @@ class ServerState:
         for rid, queue in list(self.open.items()):
             self.client.abort(rid)
             queue.put_nowait(_ABORTED)
-
-
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
-
-
-def _error(message: str, status: int, param: str | None = None) -> Response:
-    return _json(protocol.error_body(message, status, param=param), status)
 
 
 class _TooLarge(Exception):
@@ -274,7 +266,7 @@ def build_app(state: ServerState) -> Starlette:
             logger.info("request %s: %s, %d prompt tokens in %d prompt(s), params %s%s", rid, endpoint_name(chat),
                         added["prompt_tokens"], len(added["prompts"]), payload["params"],
                         f", tools {payload['tool_mode']}" if chat and payload.get("tool_mode") else "")
-        run = _Run(state, rid, req, chat, queue, added, payload, start)
+        run = RequestRun(state, rid, req, chat, queue, added, payload, start)
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
@@ -308,125 +300,3 @@ def build_app(state: ServerState) -> Starlette:
         return response
 
     return Starlette(routes=routes, exception_handlers={Exception: internal_error, HTTPException: http_error})
-
-
-class _Run:
-    """One admitted request: drains its delta queue into a response or an SSE stream, and aborts
-    it in the engine if it ends any other way than finished (disconnect, cancellation, error)."""
-
-    def __init__(self, state: ServerState, rid: str, req: Any, chat: bool, queue: asyncio.Queue,
-                 added: dict[str, Any], payload: dict[str, Any], start: float) -> None:
-        self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
-        self.prompt_tokens, self.start = added["prompt_tokens"], start
-        self.prompts = added["prompts"]
-        self.num_choices = req.n * len(self.prompts)
-        self.first: float | None = None
-        self.server_aborted = False
-        self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
-                      "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None}
-        self.choices = responses.Choices(req.n, chat, **self.shape)
-        state.open[rid] = queue
-        state.metrics.started()
-
-    async def items(self) -> AsyncIterator[dict[str, Any]]:
-        """Delta items until the request finishes; raises EngineDeadError if the engine dies."""
-        while True:
-            item = await self.state.client.wait(self.queue.get(), "serving this request")
-            if item is None:
-                return
-            if item is _ABORTED:
-                self.server_aborted = True
-                done = {i for i, (reason, _) in enumerate(self.choices.finish) if reason is not None}
-                item = {"id": self.rid, "finished": True, "outputs": [
-                    {"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort",
-                     "stop_reason": None} for i in range(self.num_choices) if i not in done]}
-            if isinstance(item, BaseException):
-                raise item
-            if self.first is None and any(c["token_ids"] for c in item["outputs"]):
-                self.first = time.perf_counter()
-            self.choices.add(item)
-            yield item
-            if item["finished"]:
-                return
-
-    def _end(self, outcome: str) -> None:
-        outcome = "aborted" if self.server_aborted else outcome
-        self.state.open.pop(self.rid, None)
-        if outcome != "finished":
-            self.state.client.abort(self.rid)
-        end = time.perf_counter()
-        reason = self.choices.finish[0][0] if self.choices.finish else None
-        self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
-                                  first=self.first, end=end, finished_reason=reason)
-        if self.state.log_requests:
-            logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
-                        self.choices.completion_tokens, [f for f, _ in self.choices.finish])
-
-    def _usage(self) -> dict[str, int]:
-        return responses.usage(self.prompt_tokens, self.choices.completion_tokens)
-
-    async def collect(self, request: Request) -> Response:
-        outcome = "aborted"
-        try:
-            it = self.items()
-            while True:
-                nxt = asyncio.ensure_future(it.__anext__())
-                while not nxt.done():
-                    await asyncio.wait([nxt], timeout=1.0)
-                    if not nxt.done() and await request.is_disconnected():
-                        nxt.cancel()
-                        return Response(status_code=499)
-                try:
-                    nxt.result()
-                except StopAsyncIteration:
-                    break
-            outcome = "finished"
-        except (EngineDeadError, EngineTimeoutError) as exc:
-            outcome = "error"
-            return _error(f"the engine failed while serving this request: {exc}", 503)
-        finally:
-            self._end(outcome)
-        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.state.model_name, "choices": self.choices.build(),
-                "usage": self._usage()}
-        if self.chat and self.prompts and "logprobs" in self.prompts[0]:
-            body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
-        return _json(body)
-
-    async def sse(self) -> AsyncIterator[bytes]:
-        outcome, model, chat = "aborted", self.state.model_name, self.chat
-        stream = responses.StreamChoices(self.req.n, chat, **self.shape)
-        options = self.req.stream_options
-        continuous = options is not None and options.include_usage and options.continuous_usage_stats
-        try:
-            if chat:
-                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(self.num_choices)]
-                body = responses.chunk(self.rid, model, chat, first, self._usage() if continuous else None)
-                if self.prompts and "logprobs" in self.prompts[0]:
-                    body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
-                yield _event(body)
-            elif self.shape["echo"] or any("logprobs" in p for p in self.prompts):
-                yield _event(responses.chunk(self.rid, model, chat, stream.echo_choices(),
-                                             self._usage() if continuous else None))
-            async for item in self.items():
-                choices = stream.choices(item)
-                if choices:
-                    yield _event(responses.chunk(self.rid, model, chat, choices, self._usage() if continuous else None))
-            if options is not None and options.include_usage:
-                yield _event(responses.chunk(self.rid, model, chat, [], self._usage()))
-            outcome = "finished"
-            yield b"data: [DONE]\n\n"
-        except (EngineDeadError, EngineTimeoutError) as exc:
-            outcome = "error"
-            yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
-        finally:
-            self._end(outcome)
-
-
-def endpoint_name(chat: bool) -> str:
-    return "chat" if chat else "completions"
-
-
-def _event(body: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"

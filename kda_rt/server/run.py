@@ -1,0 +1,157 @@
+"""One admitted request in the HTTP process (`RequestRun`): drain its delta queue into a JSON
+response or an SSE stream, record metrics and the request log line, and abort it in the engine when
+it ends any other way than finished.  Also the JSON / error response helpers the routes share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kda_rt.server import protocol, responses
+from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError
+
+if TYPE_CHECKING:
+    from kda_rt.server.app import ServerState
+
+__all__ = ["ABORTED", "RequestRun", "endpoint_name", "error_response", "json_response"]
+
+logger = logging.getLogger(__name__)
+
+ABORTED = object()  # put into a request's queue when the server aborts it at the end of a drain
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def error_response(message: str, status: int, param: str | None = None) -> Response:
+    return json_response(protocol.error_body(message, status, param=param), status)
+
+
+class RequestRun:
+    """One admitted request: drains its delta queue into a response or an SSE stream, and aborts
+    it in the engine if it ends any other way than finished (disconnect, cancellation, error)."""
+
+    def __init__(self, state: ServerState, rid: str, req: Any, chat: bool, queue: asyncio.Queue,
+                 added: dict[str, Any], payload: dict[str, Any], start: float) -> None:
+        self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
+        self.prompt_tokens, self.start = added["prompt_tokens"], start
+        self.prompts = added["prompts"]
+        self.num_choices = req.n * len(self.prompts)
+        self.first: float | None = None
+        self.server_aborted = False
+        self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
+                      "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None}
+        self.choices = responses.Choices(req.n, chat, **self.shape)
+        state.open[rid] = queue
+        state.metrics.started()
+
+    async def items(self) -> AsyncIterator[dict[str, Any]]:
+        """Delta items until the request finishes; raises EngineDeadError if the engine dies."""
+        while True:
+            item = await self.state.client.wait(self.queue.get(), "serving this request")
+            if item is None:
+                return
+            if item is ABORTED:
+                self.server_aborted = True
+                done = {i for i, (reason, _) in enumerate(self.choices.finish) if reason is not None}
+                item = {"id": self.rid, "finished": True, "outputs": [
+                    {"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort",
+                     "stop_reason": None} for i in range(self.num_choices) if i not in done]}
+            if isinstance(item, BaseException):
+                raise item
+            if self.first is None and any(c["token_ids"] for c in item["outputs"]):
+                self.first = time.perf_counter()
+            self.choices.add(item)
+            yield item
+            if item["finished"]:
+                return
+
+    def _end(self, outcome: str) -> None:
+        outcome = "aborted" if self.server_aborted else outcome
+        self.state.open.pop(self.rid, None)
+        if outcome != "finished":
+            self.state.client.abort(self.rid)
+        end = time.perf_counter()
+        reason = self.choices.finish[0][0] if self.choices.finish else None
+        self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
+                                  first=self.first, end=end, finished_reason=reason)
+        if self.state.log_requests:
+            logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
+                        self.choices.completion_tokens, [f for f, _ in self.choices.finish])
+
+    def _usage(self) -> dict[str, int]:
+        return responses.usage(self.prompt_tokens, self.choices.completion_tokens)
+
+    async def collect(self, request: Request) -> Response:
+        outcome = "aborted"
+        try:
+            it = self.items()
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                while not nxt.done():
+                    await asyncio.wait([nxt], timeout=1.0)
+                    if not nxt.done() and await request.is_disconnected():
+                        nxt.cancel()
+                        return Response(status_code=499)
+                try:
+                    nxt.result()
+                except StopAsyncIteration:
+                    break
+            outcome = "finished"
+        except (EngineDeadError, EngineTimeoutError) as exc:
+            outcome = "error"
+            return error_response(f"the engine failed while serving this request: {exc}", 503)
+        finally:
+            self._end(outcome)
+        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.state.model_name, "choices": self.choices.build(),
+                "usage": self._usage()}
+        if self.chat and self.prompts and "logprobs" in self.prompts[0]:
+            body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
+        return json_response(body)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        outcome, model, chat = "aborted", self.state.model_name, self.chat
+        stream = responses.StreamChoices(self.req.n, chat, **self.shape)
+        options = self.req.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        try:
+            if chat:
+                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(self.num_choices)]
+                body = responses.chunk(self.rid, model, chat, first, self._usage() if continuous else None)
+                if self.prompts and "logprobs" in self.prompts[0]:
+                    body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
+                yield _event(body)
+            elif self.shape["echo"] or any("logprobs" in p for p in self.prompts):
+                yield _event(responses.chunk(self.rid, model, chat, stream.echo_choices(),
+                                             self._usage() if continuous else None))
+            async for item in self.items():
+                choices = stream.choices(item)
+                if choices:
+                    yield _event(responses.chunk(self.rid, model, chat, choices, self._usage() if continuous else None))
+            if options is not None and options.include_usage:
+                yield _event(responses.chunk(self.rid, model, chat, [], self._usage()))
+            outcome = "finished"
+            yield b"data: [DONE]\n\n"
+        except (EngineDeadError, EngineTimeoutError) as exc:
+            outcome = "error"
+            yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
+        finally:
+            self._end(outcome)
+
+
+def endpoint_name(chat: bool) -> str:
+    return "chat" if chat else "completions"
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
