@@ -26,7 +26,7 @@ from kda_rt.cuda.gemm import bmm
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["mla_attention", "decode_workspace_bytes", "num_splits"]
+__all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "num_splits"]
 
 _NT = 64  # positions per tile of mla_attn_split: 8 warps x n8 columns in the score GEMM
 _THREADS = 256
@@ -83,6 +83,19 @@ def _split_smem_bytes(c: dict[str, int]) -> int:
     return (c["HP"] + 2 * c["NT"]) * c["LDK"] * 2 + c["HP"] * (c["LDS_S"] * 4 + c["LDP"] * 2 + 4)
 
 
+def mla_dims(q, kv_pool, w_kvb, H: int):
+    """(q as [T, H·(Dn+Dr)], (QW, block_size, KD, HW, R, Dr, Dqk, Dkv, Dn, Dv)) after the shared checks:
+    q row width, page size, pool width, kv_b rows, latent rank, and the per-head dims (Dn nope, Dr rope,
+    Dqk = Dn + Dr, Dkv = Dn + Dv, Dv value)."""
+    q2 = q.reshape(q.shape[0], -1) if q.ndim == 3 else q
+    _, QW = expect(q2, "q", ndim=2, dtype=BF16, row_stride=True)
+    _, block_size, KD = expect(kv_pool, "kv_pool", ndim=3, dtype=BF16)
+    HW, R = expect(w_kvb, "w_kvb", ndim=2, dtype=BF16)
+    Dr, Dqk, Dkv = KD - R, QW // H, HW // H
+    Dn, Dv = Dqk - Dr, Dkv - (Dqk - Dr)
+    return q2, (QW, block_size, KD, HW, R, Dr, Dqk, Dkv, Dn, Dv)
+
+
 def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
                   max_seqlen: int, decode: bool, out=None, workspace=None, stream=None):
     """q: [T, H, Dn+Dr] bf16 (or a row-strided [T, H·(Dn+Dr)] view), kv_pool: [num_blocks, block_size, R+Dr]
@@ -96,12 +109,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     T = q.shape[0]
     if q.ndim == 3:
         expect(q, "q", shape=(None, H, None), dtype=BF16)
-    q2 = q.reshape(T, -1) if q.ndim == 3 else q
-    _, QW = expect(q2, "q", ndim=2, dtype=BF16, row_stride=True)
-    _, block_size, KD = expect(kv_pool, "kv_pool", ndim=3, dtype=BF16)
-    HW, R = expect(w_kvb, "w_kvb", ndim=2, dtype=BF16)
-    Dr, Dqk, Dkv = KD - R, QW // H, HW // H
-    Dn, Dv = Dqk - Dr, Dkv - (Dqk - Dr)
+    q2, (QW, block_size, KD, HW, R, Dr, Dqk, Dkv, Dn, Dv) = mla_dims(q, kv_pool, w_kvb, H)
     if QW != H * Dqk or HW != H * Dkv or Dr <= 0 or Dn <= 0 or Dv <= 0 or H > 32 or R % 128 or Dr % 8 or Dn % 8:
         raise ValueError(f"mla_attention: inconsistent dims (q {q.shape}, kv_pool width {KD}, w_kvb {w_kvb.shape}, "
                          f"H {H}); need H <= 32, R % 128 == 0, Dr and Dn multiples of 8")

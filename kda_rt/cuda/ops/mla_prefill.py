@@ -123,15 +123,10 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
     copies of (cu_seqlens, context_lens) when the caller has them (no device -> host sync then)."""
     import cupy
 
-    from kda_rt.cuda.ops.mla_attn import mla_attention
+    from kda_rt.cuda.ops.mla_attn import mla_attention, mla_dims
 
     H, T = num_heads, q.shape[0]
-    q2 = q.reshape(T, -1) if q.ndim == 3 else q
-    _, QW = expect(q2, "q", ndim=2, dtype=BF16, row_stride=True)
-    _, block_size, KD = expect(kv_pool, "kv_pool", ndim=3, dtype=BF16)
-    HW, R = expect(w_kvb, "w_kvb", ndim=2, dtype=BF16)
-    Dr, Dqk, Dkv = KD - R, QW // H, HW // H
-    Dn, Dv = Dqk - Dr, Dkv - (Dqk - Dr)
+    q2, (QW, block_size, KD, HW, R, Dr, Dqk, Dkv, Dn, Dv) = mla_dims(q, kv_pool, w_kvb, H)
     if QW != H * Dqk or HW != H * Dkv or Dn % 16 or Dr % 16 or Dv % 16 or R % 8 or leading_dim(q2) % 8 or q2.data.ptr % 16:
         raise ValueError(f"mla_prefill: inconsistent dims or misaligned q (q {q.shape}, pool width {KD}, "
                          f"w_kvb {w_kvb.shape}, H {H})")
