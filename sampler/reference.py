@@ -119,8 +119,9 @@ def top_logprobs(logits: np.ndarray, token_id: int, num: int) -> dict[int, float
     return out
 
 
-def sample_rows(logits: np.ndarray, batch: SamplingBatch, rows, out: StepOutput) -> None:
-    """Sample `rows` of logits [N, V] on the host into `out` (the same row indices): penalties,
+def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
+    """Sample `rows` on the host into `out` (the same row indices); `logits[i]` is row i's [V]
+    logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  Penalties,
     logit_bias, min_tokens bans, the grammar mask, then `sample_row`; a row with NaN or inf logits,
     or with every token masked, gets an error instead."""
     for i in rows:

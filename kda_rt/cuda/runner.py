@@ -239,12 +239,7 @@ class CudaRunner:
                 for j in range(int(sampling.num_logprobs[i])):
                     lps.setdefault(int(top_ids_h[i, j]), float(top_lp_h[i, j]))
                 out.logprobs[i] = lps
-        if host_logits:
-            rows = sorted(host_logits)
-            sub = StepOutput.empty(len(rows))
-            sample_rows(np.stack([host_logits[i] for i in rows]), _subset(sampling, rows), range(len(rows)), sub)
-            for k, i in enumerate(rows):
-                out.token_ids[i], out.logprobs[i], out.errors[i] = sub.token_ids[k], sub.logprobs[k], sub.errors[k]
+        sample_rows(host_logits, sampling, sorted(host_logits), out)  # the host rows, in place
         return out
 
     def report(self) -> str:
@@ -268,14 +263,3 @@ class CudaRunner:
         free, total = self.cupy.cuda.runtime.memGetInfo()
         return int(total - free)
 
-
-def _subset(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
-    """The rows `rows` of a sampling batch, in that order."""
-    import dataclasses
-
-    idx = np.asarray(rows)
-    fields = {}
-    for f in dataclasses.fields(batch):
-        v = getattr(batch, f.name)
-        fields[f.name] = v[idx] if isinstance(v, np.ndarray) else tuple(v[i] for i in rows)
-    return SamplingBatch(**fields)

@@ -3,7 +3,6 @@ weights, cache pools and the NumPy model; `execute` = forward + the NumPy refere
 
 from __future__ import annotations
 
-import logging
 import resource
 import sys
 from typing import TYPE_CHECKING
@@ -24,9 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NumpyRunner"]
 
-logger = logging.getLogger(__name__)
-
-
 
 class NumpyRunner:
     """The reference backend: float32 (or float64) NumPy on the CPU."""
@@ -39,9 +35,8 @@ class NumpyRunner:
         from kda_rt.reference.kimi_linear import KimiLinearModel
 
         bf16_activations = engine.dtype == "bfloat16"
-        dtype = np.float32 if bf16_activations else np.dtype(engine.dtype)
         self.config = config
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(np.float32 if bf16_activations else engine.dtype)
         weight_bytes = sum(int(np.prod(w.shape)) for w in weights.values()) * self.dtype.itemsize
         self.plan = plan_pools(config, engine, itemsize=self.dtype.itemsize, memory_bytes=host_memory_bytes(),
                                weight_bytes=weight_bytes, cap_to_sequences=True, where="host")

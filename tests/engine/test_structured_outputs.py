@@ -139,13 +139,10 @@ def test_sample_rows_applies_mask_and_bias():
     out = StepOutput.empty(3)
     sample_rows(logits, batch, range(3), out)
     assert out.token_ids[:2] == [7, 34] and out.errors[2] is not None and "no token is allowed" in out.errors[2]
-    # the CUDA runner samples host rows through a row subset: bias and mask travel with their rows
-    from kda_rt.cuda.runner import _subset
-
-    sub = _subset(batch, [1, 0])
-    assert sub.logit_bias[1] is not None and sub.logit_bias[0] is None
-    assert sub.allowed[0] is mask and sub.allowed[1] is None
-
+    # the CUDA runner passes only its host rows, as a {row: logits} dict: bias and mask stay with their rows
+    out = StepOutput.empty(3)
+    sample_rows({1: logits[1], 0: logits[0]}, batch, [0, 1], out)
+    assert out.token_ids == [7, 34, None] and out.errors == [None, None, None]
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
