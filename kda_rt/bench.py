@@ -7,7 +7,10 @@
 (greedy, EOS ignored), all added at once and run through `LLMEngine.step()`.  Reported:
 total tok/s ((input + output) tokens / wall time), output tok/s, time to first token (per request,
 from the start), time per output token (after the first), mean decode-only step time, steps,
-preemptions and peak memory (process RSS on the NumPy backend).  `--random-weights` builds the
+preemptions and peak memory (process RSS on the NumPy backend), and beside the times their floors
+(`kda_rt.floors`): the decode step's bytes at the copy bandwidth, from the experts the run actually
+routed (counted on the GPU per MoE layer; uniform-routing estimate on the NumPy backend), and the
+prefill's FLOPs at the bf16 peak, each with the ratio measured / floor.  `--random-weights` builds the
 weights in memory from the config alone (same names, shapes and value scales as
 `kda_rt.random_checkpoint`), so any shape can be measured without a checkpoint on disk.
 """
@@ -173,6 +176,26 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     return out
 
 
+def floors(config: ModelConfig, args, report: dict, touched: dict[int, float] | None) -> dict:
+    """The decode bytes floor (from the experts routed in the run) and the prefill FLOPs floor, with
+    the measured / floor ratios; one summary line on stderr."""
+    from kda_rt.floors import decode_floor, prefill_floor
+
+    dec = decode_floor(config, args.batch, args.input_len + args.output_len / 2, touched or None)
+    pre = prefill_floor(config, [args.input_len] * args.batch)
+    step = report["decode_step_s_mean"]
+    out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
+           "decode_floor_ms": dec["seconds"] * 1e3, "decode_floor_gb": dec["bytes"] / 1e9,
+           "decode_ratio": step / dec["seconds"] if step else None,
+           "prefill_floor_s": pre["seconds"], "ttft_max_ratio": report["ttft_s_max"] / pre["seconds"]}
+    print(f"decode step {step * 1e3 if step else float('nan'):.2f} ms, floor {out['decode_floor_ms']:.2f} ms "
+          f"({out['decode_floor_gb']:.1f} GB, {out['experts_per_moe_layer']} experts per MoE layer "
+          f"{'counted' if touched else 'estimated'}) -> {out['decode_ratio'] or float('nan'):.2f}x; "
+          f"TTFT max {report['ttft_s_max']:.3f} s, prefill floor {pre['seconds']:.3f} s -> "
+          f"{out['ttft_max_ratio']:.2f}x", file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -205,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         if not args.no_warmup:
             run_bench(engine, args.batch, min(args.input_len, 64), min(args.output_len, 4), args.seed + 1)
+        count = getattr(engine.runner, "experts_touched", None)
+        if count is not None:
+            count(reset=True)
         report = run_bench(engine, args.batch, args.input_len, args.output_len, args.seed)
+        report.update(floors(model_config, args, report, count(reset=True) if count is not None else None))
         if args.profile:
             if engine.runner.name != "cuda":
                 raise ValueError("--profile needs the cuda backend (CUDA events)")

@@ -10,6 +10,8 @@
 //   tiles           = for each expert, ceil(counts[e] / BT) tiles of BT rows, in expert order:
 //                     tile_expert[i] = e, tile_row[i] = first sorted row;  num_tiles[0] = total
 //   sorted_pair[r]  = p and pair_pos[p] = r, r in [expert_off[e], expert_off[e+1])
+//   stats (may be null): stats[0] += #{e : counts[e] > 0} (experts this call touched), stats[1] += 1,
+//   so a caller can average the experts actually routed per step (the decode bytes floor).
 //   The order of pairs inside one expert's rows depends on atomics, but every row of the
 //   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
 //   fixed k order, so the block output is bitwise deterministic all the same.
@@ -74,7 +76,7 @@ __device__ __forceinline__ int clamp_expert(int e) { return min(max(e, 0), E - 1
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_off, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
-           int* __restrict__ num_tiles) {
+           int* __restrict__ num_tiles, int* __restrict__ stats) {
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
     const int tid = threadIdx.x;
     for (int e = tid; e < E; e += BUCKET_THREADS) { count_sh[e] = 0; fill_sh[e] = 0; }
@@ -97,6 +99,11 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
     if (tid == 0) {
         expert_off[E] = total_rows;
         num_tiles[0] = total_tiles;
+    }
+    if (stats != nullptr) {  // experts touched by this call: one atomic per warp
+        const int touched = __popc(__ballot_sync(0xffffffffu, cnt > 0));
+        if ((tid & 31) == 0 && touched) atomicAdd(stats, touched);
+        if (tid == 0) atomicAdd(stats + 1, 1);
     }
     __syncthreads();
     for (int p = tid; p < num_pairs; p += BUCKET_THREADS) {

@@ -60,6 +60,10 @@ class CudaModel:
         self.kda_pools = kda_pools  # layer id -> (conv_pool, rec_pool)
         self.mla_pools = mla_pools  # layer id -> kv_pool [num_blocks, block_size, 576]
         self.launches = 0
+        import cupy
+
+        # decode steps only, per layer: [experts touched summed over calls, calls] (the bench's bytes floor)
+        self.expert_stats = cupy.zeros((len(weights.layers), 2), dtype=np.int32)
 
     # ------------------------------------------------------------------------------------------
 
@@ -86,7 +90,7 @@ class CudaModel:
                 rmsnorm(delta, L.post_norm, eps, residual=res, out=a)
             with trace_scope(L.mlp_kind):
                 if isinstance(L.mlp, DeviceMoE):
-                    self._moe(L.mlp, a, ws, out=delta)
+                    self._moe(L.mlp, a, ws, out=delta, stats=self.expert_stats[i] if b.decode else None)
                 else:
                     self._mlp(L.mlp, a, ws, out=delta)
         with trace_scope("final norm+lm_head"):
@@ -127,11 +131,11 @@ class CudaModel:
                         max_seqlen=b.max_seqlen)
         linear(y, w.o_proj, out=out)
 
-    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out) -> None:
+    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s)
-        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8))
+        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         mc = self.config.mla

@@ -60,10 +60,11 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
     return _offsets(_layout(T, cfg, D, inter, inter_s))[1]
 
 
-def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stream=None):
+def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, stream=None):
     """x: [T, D] bf16 -> [T, D] bf16.  Weights (cuda/weights.py): w.router [E, D] fp32, w.bias [E] fp32,
     w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
-    down [D, Is], bf16) or None."""
+    down [D, Is], bf16) or None.  stats: optional int32 [2] device counter of the experts touched
+    (ops/moe_align.moe_bucket)."""
     import cupy
 
     w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2
@@ -98,7 +99,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                   renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights,
                   out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], stream=stream)
-        moe_bucket(ws["ids"], E, plan, stream=stream)
+        moe_bucket(ws["ids"], E, plan, stats=stats, stream=stream)
         moe_gemm(x, w13, plan, top_k=A, fuse_silu=True, out=ws["h"], stream=stream)
         moe_gemm(ws["h"], w2, plan, top_k=A, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None

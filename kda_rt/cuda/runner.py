@@ -259,6 +259,16 @@ class CudaRunner:
         return (f"fast-path report (cuda backend, {self.config.num_hidden_layers} layers; decode CUDA graphs: {graphs})\n"
                 f"{tr.table()}\n{'sampling':<22} {'sampling.cu:sample_rows':<44} 1 (after the graph)")
 
+    def experts_touched(self, reset: bool = False) -> dict[int, float]:
+        """MoE layer id -> mean experts touched per decode step (graph-replayed and eager decode steps
+        since the last reset; padding rows of a graph bucket route too).  The bench's bytes floor."""
+        self.stream.synchronize()
+        stats = self.model.expert_stats.get()
+        if reset:
+            self.model.expert_stats.fill(0)
+            self.cupy.cuda.Device().synchronize()
+        return {i: float(n) / c for i, (n, c) in enumerate(stats) if c}
+
     def peak_memory_bytes(self) -> int:
         free, total = self.cupy.cuda.runtime.memGetInfo()
         return int(total - free)

@@ -34,8 +34,9 @@ def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
     return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
 
 
-def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stream=None) -> MoEPlan:
-    """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place."""
+def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, stream=None) -> MoEPlan:
+    """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place.
+    stats: optional int32 [2] device counter: [0] += experts touched by this call, [1] += 1."""
     T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
     N, E = T * A, num_experts
     if not 1 <= E <= _BUCKET_THREADS:
@@ -46,9 +47,12 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stream=None) -> MoEPlan:
         expect(getattr(plan, name), f"plan.{name}", shape=shape, dtype=np.int32)
     if min(plan.tile_expert.size, plan.tile_row.size) < tiles:
         raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
+    if stats is not None:
+        expect(stats, "stats", shape=(2,), dtype=np.int32)
     kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows, BUCKET_THREADS=_BUCKET_THREADS)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
-                                      plan.tile_expert, plan.tile_row, plan.num_tiles), stream=stream)
+                                      plan.tile_expert, plan.tile_row, plan.num_tiles,
+                                      stats if stats is not None else np.uint64(0)), stream=stream)
     return plan
 
 
