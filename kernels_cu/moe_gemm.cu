@@ -17,6 +17,12 @@
 // decode tile with one or two rows wastes MMA work, not weight bytes — decode is bound by
 // reading each touched expert's weights once.
 //
+// K split (KSPLIT > 1, decode): the block has WARPS·KSPLIT warps; warp w computes the features of
+// warp w % WARPS over the K slice w / WARPS, and the slices are summed in shared memory (fixed
+// order, so the result does not depend on timing) before the epilogue.  At batch 1 only 8 experts
+// are touched: without the split one wave holds ~4 warps per SM with ~8 KB of loads in flight each,
+// too few bytes in flight to reach the copy bandwidth.
+//
 // Operand loads need no shared memory: the dot product over K does not care about the order of
 // k, so each lane loads 8 consecutive k (16 bytes) of its weight rows and of its x row and feeds
 // them to two k16 MMAs — logical k {2c, 2c+1, 2c+8, 2c+9} of lane c = lane % 4 map to physical
@@ -26,7 +32,7 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT].
-// Compile-time constants: K (multiple of 32·KU), NOUT, FUSE_SILU, TOPK, MT, NT, KU, WARPS.
+// Compile-time constants: K (multiple of 32·KU·KSPLIT), NOUT, FUSE_SILU, TOPK, MT, NT, KU, WARPS, KSPLIT.
 //   NOUT (or HALF = NOUT / 2) is a multiple of WARPS·16·MT (resp. WARPS·16·MT/2).
 // Measured on H200 (MT=2, WARPS=4, KU=4, NT=1; untuned): the whole moe_forward at T=32, E=256,
 // D=2304, I=1024 takes 601 us per graph replay for 1418 MB of touched weights = 2.36 TB/s, 55% of
@@ -37,8 +43,11 @@
 #if !defined(K) || !defined(NOUT) || !defined(MT) || !defined(NT) || !defined(KU) || !defined(WARPS)
 #error "moe_gemm.cu needs -DK -DNOUT -DMT -DNT -DKU -DWARPS (and FUSE_SILU, TOPK)"
 #endif
-#if K % (32 * KU) != 0
-#error "moe_gemm.cu: K must be a multiple of 32·KU"
+#ifndef KSPLIT
+#define KSPLIT 1
+#endif
+#if K % (32 * KU * KSPLIT) != 0
+#error "moe_gemm.cu: K must be a multiple of 32·KU·KSPLIT"
 #endif
 #if FUSE_SILU && (MT % 2 != 0)
 #error "moe_gemm.cu: FUSE_SILU needs an even MT (gate and up tiles in pairs)"
@@ -49,14 +58,16 @@
 // ---------------------------------------------------------------------------------------------
 // kernels
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * KSPLIT * 32)
 moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                  const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                  const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
     const int tile = blockIdx.x;
     if (tile >= num_tiles[0]) return;
     const int e = tile_expert[tile], row0 = tile_row[tile], row_end = expert_off[e + 1];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % WARPS, kslice = (threadIdx.x >> 5) / WARPS;
+    const int g = lane >> 2, c = lane & 3;
+    constexpr int KS = K / KSPLIT;  // this warp's K range: [kslice·KS, (kslice + 1)·KS)
 
     // B operand: the row of n-tile nt this lane feeds (rows past the tile end repeat row0; their
     // results are never stored)
@@ -98,7 +109,7 @@ moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pa
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[i][nt][j] = 0.f;
 
-    for (int k0 = 0; k0 < K; k0 += 32 * KU) {
+    for (int k0 = kslice * KS; k0 < (kslice + 1) * KS; k0 += 32 * KU) {
         uint4 a[KU][MT][2], b[KU][NT];
 #pragma unroll
         for (int u = 0; u < KU; ++u) {
@@ -122,6 +133,29 @@ moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pa
                     mma_bf16(acc[i][nt], a1, bb.z, bb.w);
                 }
     }
+
+#if KSPLIT > 1
+    // sum the K slices: slices 1.. park their partial sums, slice 0 adds them in slice order
+    __shared__ float part[KSPLIT - 1][WARPS][MT * NT * 4][32];
+    if (kslice > 0) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) part[kslice - 1][warp][(i * NT + nt) * 4 + j][lane] = acc[i][nt][j];
+    }
+    __syncthreads();
+    if (kslice > 0) return;
+#pragma unroll
+    for (int s = 0; s < KSPLIT - 1; ++s)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][nt][j] += part[s][warp][(i * NT + nt) * 4 + j][lane];
+#endif
 
     // epilogue: acc[i][nt] = {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)} as (feature, row)
 #pragma unroll

@@ -30,6 +30,23 @@ def _config(nout: int, k: int, nt: int, fuse_silu: bool) -> tuple[int, int, int]
     raise ValueError(f"moe_gemm: output width {feats} must be a multiple of 16")
 
 
+_SMS_WARPS = 132 * 16  # warps that keep an H200's copy bandwidth busy (~8 KB of loads in flight each)
+
+
+def _ksplit(num_pairs: int, num_experts: int, tile_rows: int, feat_blocks: int, warps: int, k: int,
+            ku: int) -> tuple[int, int]:
+    """(KSPLIT, KU): warps per block along K (moe_gemm.cu) when the expected grid (uniform routing) has
+    too few warps to keep the loads in flight, as at batch 1 (8 experts touched); KU shrinks if the
+    split K range needs it."""
+    if tile_rows > 16:
+        return 1, ku
+    touched = num_experts * (1 - (1 - 1 / num_experts) ** num_pairs)  # expected distinct experts
+    tiles = max(touched, num_pairs / tile_rows)
+    fits = [(ks, next(u for u in (ku, 2, 1) if k % (32 * u * ks) == 0 or u == 1)) for ks in (1, 2, 4)]
+    fits = [(ks, u) for ks, u in fits if k % (32 * u * ks) == 0]
+    return next(((ks, u) for ks, u in fits if tiles * feat_blocks * warps * ks >= _SMS_WARPS), fits[-1])
+
+
 def moe_gemm(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
     else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
@@ -45,11 +62,12 @@ def moe_gemm(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, st
         expect(out, "out", shape=(N, nout), dtype=np.float32)
     nt = plan.tile_rows // 8
     mt, warps, ku = _config(nout, K, nt, fuse_silu)
-    kernel = get_kernel("moe_gemm.cu", "moe_grouped_gemm", K=K, NOUT=nout, FUSE_SILU=fuse_silu, TOPK=top_k,
-                        MT=mt, NT=nt, KU=ku, WARPS=warps)
     feats_per_block = warps * 16 * (mt // 2 if fuse_silu else mt)
     grid = (max_tiles(N, E, plan.tile_rows), (nout // 2 if fuse_silu else nout) // feats_per_block)
+    ks, ku = _ksplit(N, E, plan.tile_rows, grid[1], warps, K, ku)
+    kernel = get_kernel("moe_gemm.cu", "moe_grouped_gemm", K=K, NOUT=nout, FUSE_SILU=fuse_silu, TOPK=top_k,
+                        MT=mt, NT=nt, KU=ku, WARPS=warps, KSPLIT=ks)
     if N:
-        kernel(grid, (warps * 32,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
+        kernel(grid, (warps * ks * 32,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
                                      plan.num_tiles, out), stream=stream)
     return out
