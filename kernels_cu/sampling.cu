@@ -16,6 +16,12 @@
 //        (i / 4, step, 0, 0); word i % 4 of the output, top 23 bits: U = ((w >> 9) + 0.5) * 2^-23.
 //        So a row's draw depends only on its seed, its step and its logits.
 //
+// Grammar mask (HAS_MASK): allowed [B, ceil(V / 32)] uint32, bit i % 32 of word i / 32 set when token
+// i is allowed; a disallowed token's x is -inf before everything above (as the reference applies it
+// after the penalties).  Flags (out_flags [B] int32, optional): 1 when a raw logit of the row is NaN
+// or +-inf, 2 when no token is allowed (the masked maximum is -inf); the caller re-samples flagged
+// rows on the host, which ends them with an error naming the cause.
+//
 // Thresholds come from a radix search on order-preserving keys of the float bits: 8 bits per pass,
 // a 256-bin shared histogram (token counts for top-k, fixed-point probability mass for top-p), so the
 // kept set is exact (no sorting, no approximation).  Masses are integers (e * 2^40), so the atomics
@@ -29,7 +35,9 @@
 // >= V: off); seeds [B] u64; steps [B] i32; counts [B, V] i32 (output tokens); prompt_mask [B, V] u8;
 // repetition, presence, frequency [B] f32; out_ids [B] i32; out_logprobs [B] f32;
 // out_top_ids [B, N] i32; out_top_logprobs [B, N] f32.
-// Compile-time constants: V, THREADS, HAS_PENALTIES (0/1), WRITE_LOGPROB (0/1), NUM_TOP (N, 0..32).
+// out_flags [B] int32; allowed [B, ceil(V / 32)] uint32.
+// Compile-time constants: V, THREADS, HAS_PENALTIES (0/1), HAS_MASK (0/1), WRITE_LOGPROB (0/1),
+// NUM_TOP (N, 0..32).
 #include "common.cuh"
 
 #ifndef V
@@ -43,6 +51,9 @@
 #endif
 #ifndef WRITE_LOGPROB
 #define WRITE_LOGPROB 0
+#endif
+#ifndef HAS_MASK
+#define HAS_MASK 0
 #endif
 #ifndef NUM_TOP
 #define NUM_TOP 0
@@ -79,6 +90,9 @@ struct Row {
     const unsigned char* prompt;  // [V]
     float repetition, presence, frequency;
 #endif
+#if HAS_MASK
+    const unsigned* allowed;      // [ceil(V / 32)]
+#endif
     float temperature, z_max;
 };
 
@@ -90,6 +104,9 @@ __device__ __forceinline__ float load_logit(const Row& row, int i) {
     if (c > 0 || row.prompt[i]) x = x > 0.f ? __fdiv_rn(x, row.repetition) : __fmul_rn(x, row.repetition);
     const float sub = __fadd_rn(__fmul_rn(row.frequency, (float)c), c > 0 ? row.presence : 0.f);
     x = __fsub_rn(x, sub);
+#endif
+#if HAS_MASK
+    if (!((row.allowed[i >> 5] >> (i & 31)) & 1u)) x = neg_inf();
 #endif
     return x;
 }
@@ -240,7 +257,8 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
             const int* __restrict__ counts, const unsigned char* __restrict__ prompt_mask,
             const float* __restrict__ repetition, const float* __restrict__ presence,
             const float* __restrict__ frequency, int* __restrict__ out_ids, float* __restrict__ out_logprobs,
-            int* __restrict__ out_top_ids, float* __restrict__ out_top_logprobs, int num_rows) {
+            int* __restrict__ out_top_ids, float* __restrict__ out_top_logprobs, const unsigned* __restrict__ allowed,
+            int* __restrict__ out_flags, int num_rows) {
     __shared__ Search search;
     __shared__ float red_v[NUM_WARPS], red_s[NUM_WARPS];
     __shared__ int red_i[NUM_WARPS];
@@ -256,21 +274,27 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
     row.presence = presence[b];
     row.frequency = frequency[b];
 #endif
+#if HAS_MASK
+    row.allowed = allowed + (size_t)b * ((V + 31) / 32);
+#endif
     row.temperature = temperature[b];
 
-    // pass 1: max / argmax and log-sum-exp of the penalised logits
+    // pass 1: max / argmax and log-sum-exp of the penalised logits (and whether a raw logit is not finite)
     float best = neg_inf(), m = neg_inf(), s = 0.f;
-    int best_i = 0x7fffffff;
+    int best_i = 0x7fffffff, bad = 0;
 #pragma unroll 4
     for (int i = threadIdx.x; i < V; i += THREADS) {
+        bad |= !isfinite(row.logits[i]);
         const float x = load_logit(row, i);
         if (x > best || best_i == 0x7fffffff) { best = x; best_i = i; }  // i grows: the first max wins
         if (x == neg_inf()) continue;
         if (x > m) { s = s * expf(m - x) + 1.f; m = x; } else { s += expf(x - m); }
     }
+    bad = __syncthreads_or(bad);
     block_argmax(best, best_i, red_v, red_i);
     const float log_z = block_logsumexp(m, s, red_v, red_s);
     const float x_max = best;
+    if (out_flags != nullptr && threadIdx.x == 0) out_flags[b] = bad ? 1 : x_max == neg_inf() ? 2 : 0;
     int id = best_i;
 
     if (!(row.temperature < GREEDY_EPS)) {

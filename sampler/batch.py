@@ -4,13 +4,16 @@ The engine builds one `SamplingBatch` per step from the sequences that sample (t
 `ForwardBatch.logits_indices`, same order); no backend sees a `Sequence`.  The flat arrays are
 what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `allowed` serve the
 host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
-`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias or a
-structured-output mask is a host row.
+`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias is a
+host row; a structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
+
+The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
+the forward pass, so the grammar work on the host overlaps the GPU's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,28 +45,53 @@ class SamplingBatch:
     banned: tuple[tuple[int, ...], ...]  # token ids banned this step (min_tokens not reached)
     # (token ids int64 [B], biases float32 [B]) added to the row's logits, or None
     logit_bias: tuple[tuple[np.ndarray, np.ndarray] | None, ...]
-    # [ceil(V / 32)] int32 bitmask of the tokens the row's grammar allows (bit t % 32 of word t // 32), or None
-    allowed: tuple[np.ndarray | None, ...]
+    constrained: np.ndarray  # [N] bool: the row has a grammar mask (`allowed`)
+    # each row's [ceil(V / 32)] int32 bitmask of allowed tokens (bit t % 32 of word t // 32) or None; or a
+    # callable returning that sequence, called once when `allowed` is first read
+    masks: Sequence[np.ndarray | None] | Callable[[], Sequence[np.ndarray | None]] | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.params)
 
+    @property
+    def allowed(self) -> tuple[np.ndarray | None, ...]:
+        """Each row's grammar bitmask or None (computed now if the masks were given lazily)."""
+        masks = self.masks
+        if callable(masks):
+            masks = masks()
+        masks = tuple(masks) if masks is not None else (None,) * self.num_rows
+        if len(masks) != self.num_rows or any((m is not None) != c for m, c in zip(masks, self.constrained, strict=True)):
+            raise ValueError("SamplingBatch: the masks do not match the constrained rows")
+        object.__setattr__(self, "masks", masks)
+        return masks
+
     @classmethod
     def build(cls, rows: Iterable[tuple[SamplingParams, int, Sequence[int], Sequence[int]]],
-              eos_token_ids: Iterable[int], allowed: Sequence[np.ndarray | None] | None = None) -> SamplingBatch:
+              eos_token_ids: Iterable[int], allowed: Sequence[np.ndarray | None] | None = None, *,
+              constrained: Sequence[bool] | None = None,
+              masks: Callable[[], Sequence[np.ndarray | None]] | None = None) -> SamplingBatch:
         """rows: (params, seed, prompt ids, output ids so far) per sampling row; `allowed`: each row's
-        grammar bitmask for this step, or None (no structured outputs in the batch)."""
+        grammar bitmask for this step, or None (no structured outputs in the batch); or, lazily, `masks`
+        (a callable returning them) with `constrained` saying which rows will have one."""
         rows = list(rows)
         eos = tuple(sorted(eos_token_ids))
         params = tuple(r[0] for r in rows)
-        allowed = tuple(allowed) if allowed is not None else (None,) * len(rows)
+        if masks is not None:
+            if allowed is not None or constrained is None:
+                raise ValueError("SamplingBatch.build: give `allowed`, or `masks` with `constrained`")
+            constrained = np.array(constrained, dtype=bool)
+        else:
+            allowed = tuple(allowed) if allowed is not None else (None,) * len(rows)
+            constrained = np.array([a is not None for a in allowed], dtype=bool)
+            masks = allowed
+        if constrained.shape != (len(rows),):
+            raise ValueError(f"SamplingBatch.build: {constrained.shape[0]} constrained flags for {len(rows)} rows")
         bias = tuple(
             (np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias)),
              np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))) if p.logit_bias else None
             for p in params)
-        host = [needs_host_sampling(p, len(out)) or b is not None or a is not None
-                for (p, _, _, out), b, a in zip(rows, bias, allowed, strict=True)]
+        host = [needs_host_sampling(p, len(out)) or b is not None for (p, _, _, out), b in zip(rows, bias, strict=True)]
         banned = tuple(
             (*p.stop_token_ids, *(() if p.ignore_eos else eos)) if len(out) < p.min_tokens else ()
             for p, _, _, out in rows)
@@ -80,7 +108,8 @@ class SamplingBatch:
             history=tuple((prompt, out) if h else None for h, (_, _, prompt, out) in zip(host, rows, strict=True)),
             banned=banned,
             logit_bias=bias,
-            allowed=allowed,
+            constrained=constrained,
+            masks=masks,
         )
 
 

@@ -17,13 +17,17 @@ __all__ = ["sample", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS"]
 MAX_TOP_LOGPROBS = 32
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=None, out_ids=None,
-           out_logprobs=None, num_logprobs: int = 0, out_top_ids=None, out_top_logprobs=None, stream=None):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=None, allowed=None, out_ids=None,
+           out_logprobs=None, num_logprobs: int = 0, out_top_ids=None, out_top_logprobs=None, out_flags=None,
+           stream=None):
     """logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (0: off); seeds [B] u64;
     steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
     repetition, presence, frequency [B] f32).  Writes out_logprobs [B] f32 (log-softmax of the penalised,
     untempered logits at the sampled token) when given, and with num_logprobs = N > 0 the N most likely
-    tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  Returns ids [B] i32."""
+    tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed: None or
+    [B, ceil(V / 32)] int32 grammar bitmask (a row with every bit set is unconstrained).  out_flags [B] i32
+    (optional): 0, or 1 when a raw logit is not finite, 2 when the mask allows no token: sample those rows
+    on the host (sampler/reference.py), which reports the error.  Returns ids [B] i32."""
     import cupy
 
     B, V = expect(logits, "logits", ndim=2, dtype=np.float32)
@@ -39,6 +43,10 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
             expect(arr, f"penalties.{name}", shape=(B,), dtype=np.float32)
     else:
         counts = prompt_mask = repetition = presence = frequency = logits  # never read (HAS_PENALTIES=0)
+    if allowed is not None:
+        expect(allowed, "allowed", shape=(B, (V + 31) // 32), dtype=np.int32)
+    if out_flags is not None:
+        expect(out_flags, "out_flags", shape=(B,), dtype=np.int32)
     out_ids = cupy.empty((B,), dtype=np.int32) if out_ids is None else out_ids
     expect(out_ids, "out_ids", shape=(B,), dtype=np.int32)
     if out_logprobs is not None:
@@ -52,14 +60,16 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
         expect(out_top_logprobs, "out_top_logprobs", shape=(B, num_logprobs), dtype=np.float32)
     threads = 1024 if V > 16384 else 256  # one CTA per row: wide blocks keep more loads of a long row in flight
     kernel = get_kernel("sampling.cu", "sample_rows", V=V, THREADS=threads, HAS_PENALTIES=penalties is not None,
-                        WRITE_LOGPROB=out_logprobs is not None, NUM_TOP=num_logprobs)
+                        HAS_MASK=allowed is not None, WRITE_LOGPROB=out_logprobs is not None, NUM_TOP=num_logprobs)
     if B:
         unused = out_ids  # placeholder pointer for outputs the specialisation never writes
         kernel((B,), (threads,), (logits, temperature, top_k, top_p, min_p, seeds, steps, counts, prompt_mask,
                                   repetition, presence, frequency, out_ids,
                                   unused if out_logprobs is None else out_logprobs,
                                   out_top_ids if num_logprobs else unused,
-                                  out_top_logprobs if num_logprobs else unused, i32(B)), stream=stream)
+                                  out_top_logprobs if num_logprobs else unused,
+                                  allowed if allowed is not None else unused,
+                                  out_flags if out_flags is not None else np.uint64(0), i32(B)), stream=stream)
     return out_ids
 
 

@@ -11,7 +11,9 @@ graph per decode batch-size bucket.
   graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
 - A graph's block table is max_model_len / block_size pages wide; each step copies only the
   columns the batch uses (a 2D copy), the rest is never read (kernels stop at the context).
-- One device -> host copy per step: the sampled token ids (+ logprobs when asked).
+- Per step one pinned host -> device copy of the metadata, one of the sampling settings (one more of
+  the grammar masks when a row has one), and one device -> host copy of the sampled ids, flags and
+  logprobs (`cuda/staging.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from kda_rt.cuda.model import CudaModel, DeviceBatch
 from kda_rt.cuda.ops.check import BF16
+from kda_rt.cuda.staging import Staging, pack_layout
 from kda_rt.cuda.weights import upload_weights
 from kda_rt.cuda.workspace import Workspace
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
@@ -97,6 +100,8 @@ class CudaRunner:
                               "lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or pass --num-blocks") from exc
         self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
         self.eager_ws = Workspace()
+        self.sample_ws = Workspace()
+        self.staging = Staging()
         self.enforce_eager = engine.enforce_eager
         self.buckets = graph_buckets(engine.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
@@ -105,41 +110,46 @@ class CudaRunner:
     # ------------------------------------------------------------------------------------------
 
     def _upload(self, batch: ForwardBatch, ws: Workspace, decode: bool, rows: int | None = None) -> DeviceBatch:
-        """Copy the batch metadata into `ws` buffers (padded to `rows` sequences for a graph, whose
-        block table is `max_pages` wide: only the columns this batch uses are copied)."""
+        """Copy the batch metadata into `ws` buffers with one pinned copy (padded to `rows` sequences for
+        a graph, whose block table is `max_pages` wide: only the columns this batch uses are copied)."""
         B, T = batch.num_seqs, batch.num_tokens
         R = rows or B
-        ids = np.zeros(R if decode else T, dtype=np.int32)
-        ids[:T] = batch.input_ids
-        cu = np.arange(R + 1, dtype=np.int32) if decode else batch.cu_seqlens.astype(np.int32)
-        ctx = np.zeros(R, dtype=np.int32)
-        ctx[:B] = batch.context_lens
-        slots = np.full(R, self.pad_slot, dtype=np.int32)
-        slots[:B] = batch.state_slots
         width = max(1, batch.block_tables.shape[1])
         if width > self.max_pages:
             raise ValueError(f"block table has {width} pages; max_model_len allows {self.max_pages}")
-        tables = np.full((R, width), -1, dtype=np.int32)
+        nt = R if decode else T
+        nl = R if decode else int(batch.logits_indices.shape[0])
+        sizes = (nt, R + 1, R, R, nl, R * width)  # ids, cu_seqlens, context, slots, logits rows, tables
+        total = sum(sizes)
+        host = self.staging.host("meta", 4 * total).view(np.int32)[:total]
+        ids, cu, ctx, slots, lidx, tables = np.split(host, np.cumsum(sizes)[:-1])
+        ids[:T] = batch.input_ids
+        ids[T:] = 0
+        cu[:] = np.arange(R + 1) if decode else batch.cu_seqlens
+        ctx[:B] = batch.context_lens
+        ctx[B:] = 0
+        slots[:B] = batch.state_slots
+        slots[B:] = self.pad_slot
+        lidx[:] = np.arange(R) if decode else batch.logits_indices
+        tables = tables.reshape(R, width)
+        tables[:] = -1
         tables[:B, : batch.block_tables.shape[1]] = batch.block_tables
         tables[B:, 0] = self.pad_page
-        logits_idx = np.arange(R, dtype=np.int32) if decode else batch.logits_indices.astype(np.int32)
-        dev = {}
-        for name, host in (("ids", ids), ("cu", cu), ("ctx", ctx), ("slots", slots), ("lidx", logits_idx)):
-            buf = ws.get("meta_" + name, host.shape, np.int32)
-            buf.set(host, stream=self.stream)
-            dev[name] = buf
-        if rows:
-            buf = dev["tables"] = ws.get("meta_tables", (R, self.max_pages), np.int32)
-            self.cupy.cuda.runtime.memcpy2DAsync(buf.data.ptr, self.max_pages * 4, tables.ctypes.data, width * 4,
-                                                 width * 4, R, self.cupy.cuda.runtime.memcpyHostToDevice,
-                                                 self.stream.ptr)
+        # a graph's buffer has room for the widest table, so its views never move
+        meta = ws.get("meta", (total - R * width + R * self.max_pages if rows else total,), np.int32)
+        self.staging.to_device("meta", meta, 4 * total, self.stream)
+        views = np.cumsum((0,) + sizes)
+        dev = [meta[views[i]:views[i + 1]] for i in range(5)]
+        if rows:  # the graph's table is max_pages wide: scatter the used columns into it on the device
+            tab = ws.get("meta_tables", (R, self.max_pages), np.int32)
+            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[views[5]:].data.ptr,
+                                                 width * 4, width * 4, R,
+                                                 self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
-            buf = dev["tables"] = ws.get("meta_tables", tables.shape, np.int32)
-            buf.set(tables, stream=self.stream)
+            tab = meta[views[5]:].reshape(R, width)
         max_len = 1 if decode else int(batch.seq_lens.max())
-        return DeviceBatch(dev["ids"], dev["cu"], dev["ctx"], dev["slots"], dev["tables"], dev["lidx"],
-                           num_tokens=int(ids.shape[0]), num_seqs=R, max_seqlen=max_len, decode=decode,
-                           host_cu_seqlens=cu, host_context_lens=ctx)
+        return DeviceBatch(*dev[:4], tab, dev[4], num_tokens=nt, num_seqs=R, max_seqlen=max_len, decode=decode,
+                           host_cu_seqlens=cu.copy(), host_context_lens=ctx.copy())
 
     def _padding_batch(self, rows: int) -> ForwardBatch:
         """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""
@@ -195,10 +205,11 @@ class CudaRunner:
             return logits[:n].get(stream=self.stream)
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
-        """Forward, then sample every row on the GPU (sampler/sampling.py) with one device -> host
-        copy of the token ids (+ logprobs when asked).  Host rows (penalties, a min_tokens ban, a
-        logit_bias, a structured-output mask) and rows with non-finite logits are sampled from their
-        logits by the NumPy reference sampler."""
+        """Forward, then sample every row on the GPU (sampler/sampling.py): the sampling settings go up
+        in one pinned copy, grammar masks (asked for only after the forward is queued, so the host's
+        grammar work overlaps it) in another, and the token ids, flags and logprobs come back in one.
+        Host rows (penalties, a min_tokens ban, a logit_bias) and rows the GPU sampler flags (non-finite
+        logits, a mask that allows nothing) are sampled from their logits by the NumPy reference sampler."""
         from kda_rt.sampler.reference import sample_rows
         from kda_rt.sampler.sampling import sample
 
@@ -209,26 +220,45 @@ class CudaRunner:
             self._forward(batch)
             return out
         logits = self._forward(batch)[:n]
+        V = logits.shape[1]
         want_lp = sampling.num_logprobs >= 0
         num_top = int(sampling.num_logprobs.max(initial=0))
+        i32, f32, u64 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint64)
+        # settings: seeds, temperature, top_k, top_p, min_p, steps; outputs: ids, flags, logprob, top ids / logprobs
+        ins = [(n, u64), (n, f32), (n, i32), (n, f32), (n, f32), (n, i32)]
+        outs = [(n, i32), (n, i32), (n, f32), (n * num_top, i32), (n * num_top, f32)]
+        in_offs, in_bytes = pack_layout(ins)
+        out_offs, out_bytes = pack_layout(outs)
+        host = self.staging.host("sampling", in_bytes)
+        values = (sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps)
+        for off, (count, dtype), value in zip(in_offs, ins, values, strict=True):
+            host[off:off + count * dtype.itemsize].view(dtype)[:] = value
+        dev_in = self.sample_ws.get("in", (in_bytes,), np.uint8)
+        dev_out = self.sample_ws.get("out", (out_bytes,), np.uint8)
+        view = lambda buf, off, count, dtype: cp.ndarray((count,), dtype, memptr=buf.data + off)  # noqa: E731
+        seeds, temp, top_k, top_p, min_p, steps = (view(dev_in, o, c, d) for o, (c, d) in zip(in_offs, ins, strict=True))
+        ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
         with self.stream:
-            # a row with NaN / inf logits goes to the host path, which ends that request with an error
-            finite = cp.isfinite(logits).all(axis=1)  # [n] bool, read back with the token ids (no extra sync)
-            dev = {k: cp.asarray(getattr(sampling, k)) for k in ("temperature", "top_k", "top_p", "min_p", "seeds",
-                                                                  "steps")}
-            lp = cp.empty((n,), np.float32) if want_lp.any() else None
-            top_ids = cp.empty((n, num_top), np.int32) if num_top else None
-            top_lp = cp.empty((n, num_top), np.float32) if num_top else None
-            ids = sample(logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["min_p"], dev["seeds"],
-                         dev["steps"], out_logprobs=lp, num_logprobs=num_top, out_top_ids=top_ids,
-                         out_top_logprobs=top_lp, stream=self.stream)
-            ids_h = ids.get(stream=self.stream)
-            finite_h = finite.get(stream=self.stream)
-            lp_h = lp.get(stream=self.stream) if lp is not None else None
-            top_ids_h = top_ids.get(stream=self.stream) if num_top else None
-            top_lp_h = top_lp.get(stream=self.stream) if num_top else None
-            host = np.flatnonzero(sampling.host_rows | ~finite_h)
-            host_logits = {int(i): logits[int(i)].get(stream=self.stream) for i in host}
+            self.staging.to_device("sampling", dev_in, in_bytes, self.stream)
+            allowed = None
+            if sampling.constrained.any():
+                words = (V + 31) // 32
+                masks = self.staging.host("masks", n * words * 4).view(np.int32)[: n * words].reshape(n, words)
+                for i, m in enumerate(sampling.allowed):  # computed now, while the forward runs
+                    masks[i] = -1 if m is None else m
+                allowed = self.sample_ws.get("masks", (n, words), np.int32)
+                self.staging.to_device("masks", allowed, masks.nbytes, self.stream)
+            sample(logits, temp, top_k, top_p, min_p, seeds, steps, allowed=allowed,
+                   out_ids=ids, out_logprobs=lp if want_lp.any() else None, num_logprobs=num_top,
+                   out_top_ids=top_ids.reshape(n, num_top) if num_top else None,
+                   out_top_logprobs=top_lp.reshape(n, num_top) if num_top else None, out_flags=flags,
+                   stream=self.stream)
+            got = self.staging.from_device("results", dev_out, out_bytes, self.stream)
+            ids_h, flags_h, lp_h, top_ids_h, top_lp_h = (got[o:o + c * d.itemsize].view(d)
+                                                         for o, (c, d) in zip(out_offs, outs, strict=True))
+            host_rows = np.flatnonzero(sampling.host_rows | (flags_h != 0))
+            host_logits = {int(i): logits[int(i)].get(stream=self.stream) for i in host_rows}
+        top_ids_h, top_lp_h = top_ids_h.reshape(n, num_top), top_lp_h.reshape(n, num_top)
         for i in range(n):
             if i in host_logits:
                 continue

@@ -7,8 +7,8 @@
                  sequences that finish their prompt or decode this step) -> runner.execute ->
                  `StepOutput` (one token, or an error, per such sequence)
     postprocess  accept tokens, detokenize, stop checks; finished sequences return slot and pages;
-                 structured outputs: matchers consume the tokens, then the next step's masks are
-                 computed (kda_rt/engine/structured.py)
+                 structured outputs: matchers consume the tokens; the next step's masks are computed
+                 while its forward runs (kda_rt/engine/structured.py)
 
 The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
 and `runner.score(ForwardBatch)` (the `Runner` contract, kda_rt/engine/runner.py), nothing else.
@@ -190,9 +190,13 @@ class LLMEngine:
             return []
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
-        masks = self._structured.masks(sampled) if self._structured is not None else None
-        sampling = SamplingBatch.build(((s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in sampled),
-                                       self.eos_token_ids, masks)
+        rows = ((s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in sampled)
+        constrained = [s.grammar is not None for s in sampled]
+        if any(constrained):  # masks computed when the runner asks: after it has launched the forward
+            sampling = SamplingBatch.build(rows, self.eos_token_ids, constrained=constrained,
+                                           masks=lambda: self._structured.masks(sampled))
+        else:
+            sampling = SamplingBatch.build(rows, self.eos_token_ids)
         result = self.runner.execute(batch, sampling)
         self.scheduler.commit(sched)
         self.counters["steps"] += 1
@@ -214,8 +218,6 @@ class LLMEngine:
             if done:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = None
-        if masks is not None:  # next step's masks, while nothing else runs
-            self._structured.prefetch(sampled)
         outputs = []
         for rid in touched:
             text, seqs = self.requests[rid]

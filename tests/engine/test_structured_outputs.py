@@ -28,11 +28,16 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 PROMPTS = ["Hello there", "Describe a person as JSON:", "1 2 3"]
 
 
-@pytest.fixture(scope="module")
-def llm():
+@pytest.fixture(scope="module", params=["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
+def llm(request):
+    """The NumPy runner masks on the host; the CUDA runner uploads each step's bitmasks and its sampling
+    kernel applies them (host rows only for the logit_bias)."""
     from helpers.engine import make_llm
     from kda_rt.demo import demo_path
 
+    if request.param == "cuda":
+        pytest.importorskip("cupy")
+        return make_llm(demo_path(), backend="cuda", dtype="bfloat16", max_model_len=256, num_blocks=64)
     return make_llm(demo_path(), dtype="float32", max_model_len=256)
 
 
@@ -135,7 +140,8 @@ def test_sample_rows_applies_mask_and_bias():
     q = SamplingParams(temperature=1.0, seed=1)
     batch = SamplingBatch.build([(p, 0, [1], []), (q, 1, [1], []), (q, 2, [1], [])], [69],
                                 [None, mask, np.zeros(3, np.int32)])
-    assert batch.host_rows.all()
+    # the bias makes row 0 a host row; masks alone do not (the GPU sampler applies them)
+    assert batch.host_rows.tolist() == [True, False, False] and batch.constrained.tolist() == [False, True, True]
     out = StepOutput.empty(3)
     sample_rows(logits, batch, range(3), out)
     assert out.token_ids[:2] == [7, 34] and out.errors[2] is not None and "no token is allowed" in out.errors[2]

@@ -306,3 +306,47 @@ def test_cuda_graph_capture_and_replay():
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v"]))
+
+
+@gpu
+@pytest.mark.parametrize("V", [1003, 163840], ids=lambda v: f"V{v}")
+def test_grammar_mask_and_flags(V):
+    """HAS_MASK: disallowed tokens are -inf before everything (as sampler/reference.py applies the mask),
+    so tokens and logprobs equal the reference on the masked logits; out_flags: 1 for a row with a NaN
+    logit, 2 for a row whose mask allows nothing, 0 otherwise (an all-ones mask is no constraint)."""
+    import cupy
+
+    from kda_rt.sampler.reference import allowed_tokens
+    from kda_rt.sampler.sampling import sample
+
+    B, words = 8, (V + 31) // 32
+    x, params, seeds, steps = make_inputs(B, V, "mixed", seed=V)
+    rng = np.random.default_rng(V + 1)
+    masks = rng.integers(-2**31, 2**31, size=(B, words), dtype=np.int64).astype(np.int32)
+    masks &= rng.integers(-2**31, 2**31, size=(B, words), dtype=np.int64).astype(np.int32)  # ~1/4 allowed
+    masks[1] = -1  # unconstrained
+    masks[2] = 0
+    masks[2, 3] = 1 << 5  # exactly one token (101) allowed
+    masks[6] = 0  # nothing allowed -> flag 2
+    x[7, V // 2] = np.nan  # -> flag 1
+    dev = {name: cupy.asarray(np.array(vals, dtype=dtype)) for name, vals, dtype in (
+        ("temperature", [p.temperature for p in params], np.float32), ("top_k", [p.top_k for p in params], np.int32),
+        ("top_p", [p.top_p for p in params], np.float32), ("min_p", [p.min_p for p in params], np.float32),
+        ("seeds", seeds, np.uint64), ("steps", steps, np.int32))}
+    ids, lp, flags = cupy.full((B,), -7, np.int32), cupy.empty((B,), np.float32), cupy.full((B,), -7, np.int32)
+    top_ids, top_lp = cupy.full((B, 4), -7, np.int32), cupy.empty((B, 4), np.float32)
+    poison(lp)
+    poison(top_lp)
+    sample(cupy.asarray(x), **dev, allowed=cupy.asarray(masks), out_ids=ids, out_logprobs=lp, num_logprobs=4,
+           out_top_ids=top_ids, out_top_logprobs=top_lp, out_flags=flags)
+    ids, lp, flags, top_ids, top_lp = (cupy.asnumpy(a) for a in (ids, lp, flags, top_ids, top_lp))
+    assert flags.tolist() == [0, 0, 0, 0, 0, 0, 2, 1]
+    good = list(range(6))
+    xm = np.stack([np.where(allowed_tokens(masks[b], V), x[b], -np.inf).astype(np.float32) for b in good])
+    assert ids[2] == 101
+    check_tokens(xm, [params[b] for b in good], [seeds[b] for b in good], [steps[b] for b in good], ids[good],
+                 min_exact=0.8)
+    for b in good:
+        assert (masks[b, ids[b] // 32] >> (ids[b] % 32)) & 1, f"row {b}: token {ids[b]} is not allowed"
+    allowed_rows = [b for b in good if b != 2]  # row 2 has one allowed token: fewer than 4 top logprobs exist
+    check_logprobs(xm[allowed_rows], ids[allowed_rows], lp[allowed_rows], top_ids[allowed_rows], top_lp[allowed_rows])
