@@ -22,6 +22,7 @@ from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket, moe_combine
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
+from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows
 from kda_rt.cuda.ops.moe_route import moe_route
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
@@ -93,15 +94,19 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         return out
     ws = {name: cupy.ndarray(shape, dtype, memptr=workspace.data + off)
           for (name, shape, dtype), off in zip(parts, offs, strict=True)}
+    # prefill-sized steps (enough rows per expert): shared-memory tiled GEMM with BM-row tiles;
+    # decode-sized: the weight-stationary kernel with 8-32 row tiles
+    bm = prefill_tile_rows(T * A, E, D, inter)
+    gemm = moe_gemm_tc if bm else moe_gemm
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
-                   ws["num_tiles"], tile_rows_for(T * A, E))
+                   ws["num_tiles"], bm or tile_rows_for(T * A, E))
     with stream if stream is not None else nullcontext():
         moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                   renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights,
                   out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], stream=stream)
         moe_bucket(ws["ids"], E, plan, stats=stats, stream=stream)
-        moe_gemm(x, w13, plan, top_k=A, fuse_silu=True, out=ws["h"], stream=stream)
-        moe_gemm(ws["h"], w2, plan, top_k=A, fuse_silu=False, out=ws["y"], stream=stream)
+        gemm(x, w13, plan, top_k=A, fuse_silu=True, out=ws["h"], stream=stream)
+        gemm(ws["h"], w2, plan, top_k=A, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None
         if inter_s:
             linear(x, shared_w13, out=ws["gu_s"])

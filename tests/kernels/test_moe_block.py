@@ -100,6 +100,7 @@ CASES = {  # name: (T, D, I, Is, E, cfg kwargs)
     "T7-E256": (7, 2304, 1024, 1024, 256, dict()),
     "T64-E16": (64, 2304, 1024, 1024, 16, dict()),
     "T300-E64-G8k4": (300, 2304, 1024, 1024, 64, dict(G=8, topk_group=4)),
+    "T1024-E64-prefill": (1024, 2304, 1024, 1024, 64, dict()),
 }
 
 
@@ -129,16 +130,17 @@ def test_moe_forward(name):
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
 
 
-def test_moe_forward_in_cuda_graph():
+@pytest.mark.parametrize("T,E", [(16, 64), (512, 16)], ids=["T16-E64-decode", "T512-E16-prefill"])
+def test_moe_forward_in_cuda_graph(T, E):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
-    new per-expert counts, same grids."""
+    new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu."""
     import cupy
 
     from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.reference.moe import moe_forward as moe_ref
 
-    T, D, inter, E = 16, 2304, 1024, 64
+    D, inter = 2304, 1024
     cfg = make_cfg(E)
     x, gpu, params = make_block(T, D, inter, inter, cfg, 11)
     out = cupy.empty((T, D), dtype=BF16)

@@ -1,0 +1,98 @@
+"""Launcher for kernels_cu/moe_gemm_tc.cu: the prefill grouped GEMM (shared-memory tiles, cp.async
+pipeline, bf16 tensor cores) over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down
+(fp32 out).  Same contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.
+
+Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kda_rt.cuda.ops.check import BF16, expect
+from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+
+__all__ = ["TileConfig", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
+
+# Average rows per touched expert from which steps use this kernel (H200, E=256, D=2304, I=1024:
+# at 4 rows it already streams the weights at 4.0 TB/s, 1.4x faster than moe_gemm.py; below that
+# the decode kernel, unmeasured against this one there, is kept) ...
+MIN_AVG_ROWS = 4
+# ... and from which the CTA tile is 128 rows instead of 64 (H200: 128 wins from 64 rows on).
+BIG_TILE_AVG_ROWS = 48
+
+
+class TileConfig(NamedTuple):
+    """CTA tile BM x BN, k step BK, pipeline depth, warp grid, CTAs per SM the registers allow for."""
+
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    warps_m: int
+    warps_n: int
+    min_blocks: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * (self.bk + 8) * 2
+
+
+# Chosen on H200 from the sweep of tests/gpu/bench_moe_gemm.py (candidates in test_moe_gemm_tc.py)
+_BIG = TileConfig(128, 128, 64, 3, 2, 2, 2)  # warp tile 64 x 64, 108 KB smem, 218 registers: 2 CTAs per SM
+_SMALL = TileConfig(64, 128, 64, 4, 2, 2, 2)  # warp tile 32 x 64, 108 KB smem, 138 registers: 2 CTAs per SM
+
+
+def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
+    threads = 32 * t.warps_m * t.warps_n
+    rpp = threads // (t.bk // 8)
+    ni = t.bn // t.warps_n // 8
+    out_ok = (nout // 2) % (t.bn // 2) == 0 and ni % 4 == 0 and (t.bn // 2) % rpp == 0 if fuse_silu else nout % t.bn == 0
+    return out_ok and k % t.bk == 0 and k // t.bk >= t.stages - 1 and t.bm % rpp == 0 and t.bn % rpp == 0
+
+
+def tile_config(bm: int, nout: int, k: int, fuse_silu: bool) -> TileConfig | None:
+    """The tile for BM-row tiles of one GEMM (nout x k weights), or None when no tile fits the shape."""
+    base = _BIG if bm == 128 else _SMALL
+    short_k = base._replace(bk=32, stages=4)  # K of a few BK (small test shapes)
+    for t in (base, short_k, base._replace(bn=128, warps_n=2), short_k._replace(bn=128, warps_n=2)):
+        if _fits(t, nout, k, fuse_silu):
+            return t
+    return None
+
+
+def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int) -> int:
+    """BM for a step of num_pairs (token, expert) rows, or 0: decode-sized, or no tile fits (D, I)."""
+    avg = num_pairs / max(1, min(num_experts, num_pairs))
+    if avg < MIN_AVG_ROWS:
+        return 0
+    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64
+    ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
+    return bm if ok else 0
+
+
+def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: TileConfig | None = None,
+                stream=None):
+    """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+    _, K = expect(src, "src", ndim=2, dtype=BF16)
+    E, nout, _ = expect(weight, "weight", shape=(None, None, K), dtype=BF16)
+    N = plan.sorted_pair.shape[0]
+    if fuse_silu:
+        expect(out, "out", shape=(N, nout // 2), dtype=BF16)
+    else:
+        expect(src, "src", shape=(N, K))
+        expect(out, "out", shape=(N, nout), dtype=np.float32)
+    tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu)
+    if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu):
+        raise ValueError(f"moe_gemm_tc: no tile {tile} for BM={plan.tile_rows}, K={K}, NOUT={nout}")
+    kernel = get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+                        FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
+                        WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
+    grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, tile.bm))
+    if N:
+        kernel(grid, (32 * tile.warps_m * tile.warps_n,), (src, plan.sorted_pair, weight, plan.tile_expert,
+               plan.tile_row, plan.expert_off, plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
+    return out

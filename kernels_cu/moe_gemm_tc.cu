@@ -1,0 +1,242 @@
+// moe_gemm_tc.cu — prefill grouped GEMM over expert-bucketed rows: shared-memory tiled bf16
+// tensor-core GEMM (mma.sync m16n8k16, fp32 accumulate) with a multi-stage cp.async pipeline, for
+// the two MoE projections (spec §5.1).  Same math and rounding as moe_gemm.cu (the decode kernel):
+//
+//   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
+//                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
+//                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
+//   FUSE_SILU = 0 (down):     y[r, f] = h[r] · W[e, f]ᵀ  in fp32                      W = w2 [E, NOUT, K]
+//
+// Rows r are the expert-sorted pair rows of moe_align.cu built with BT = BM: tile i covers rows
+// [tile_row[i], min(tile_row[i] + BM, expert_off[e + 1])) of expert e = tile_expert[i].
+//
+// Geometry.  C[rows, features] = A[rows, K] · Bᵀ with A = gathered x rows (or h rows) and
+// B = the expert's weight rows, both K-contiguous, so both operands come from shared memory by
+// plain (non-transposed) ldmatrix.  Grid (feature blocks, max_tiles): the feature blocks of one
+// row tile are launched next to each other (its A rows are read from L2 after the first), and the
+// tiles of one expert are a few CTAs apart (its weight block is read from DRAM about once).  A CTA
+// whose tile index is ≥ num_tiles[0] (read on the device) exits at once, so the grid depends on
+// (T, A, E) only and the launch can be captured in a CUDA graph.
+//   CTA tile BM rows × BN features, K in steps of BK through STAGES shared-memory stages filled by
+//   cp.async (16 B per thread and copy; STAGES - 1 steps in flight while one is multiplied).
+//   WARPS_M × WARPS_N warps, each owning WM = BM / WARPS_M rows × WN = BN / WARPS_N features:
+//   MI = WM / 16 m16 tiles × NI = WN / 8 n8 tiles of fp32 accumulators.  Fragments of the next
+//   k16 step are loaded (ldmatrix) while the current one is multiplied.
+//   FUSE_SILU: shared-memory B rows [0, BN/2) are gate features f0 .. f0 + BN/2 - 1 and rows
+//   [BN/2, BN) the matching up features HALF + f0 ..; a warp's first NI/2 n-tiles are gate, the
+//   last NI/2 the matching up tiles, so the SiLU·up epilogue pairs accumulators of one thread.
+//   Rows past the tile end are zero-filled by cp.async (their source pointer is clamped to the
+//   tile's first row, never out of bounds; nothing is read) and never stored; a warp whose WM rows
+//   all lie past the end skips its MMAs (ragged last tiles of an expert).
+// Shared memory: STAGES · (BM + BN) · LDS · 2 bytes, LDS = BK + 8: each row padded by 16 bytes, so
+// the 8 row addresses of one ldmatrix phase fall in 8 distinct 16-byte bank groups.
+//
+// Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
+//   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT]; plan arrays int32 (moe_align.cu).
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS.
+// Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, random routing;
+// tiles as chosen in kda_rt/cuda/ops/moe_gemm_tc.py: BM=128 BN=128 BK=64, 3 stages, 2x2 warps,
+// 2 CTAs per SM), gate/up | down, against moe_gemm.cu:
+//   T=2048:  0.84 | 0.42 ms = 184 | 184 TFLOP/s  (moe_gemm.cu 1.46 | 1.03 ms)
+//   T=8192:  2.47 | 1.32 ms = 250 | 235 TFLOP/s  (4.63 | 2.81 ms)
+//   T=16384: 4.77 | 2.49 ms = 259 | 248 TFLOP/s  (9.13 | 5.28 ms); cuBLAS dense, same size: 754 | 638
+// and at T=128 (4 rows per expert, BM=64) 0.61 | 0.31 ms: the weights stream at 4.0 TB/s.
+// So about a third of the bf16 peak where the step is compute-bound: mma.sync with one barrier per
+// k step; wgmma with a warp-specialised TMA producer is the next step for large T.
+#include "common.cuh"
+
+#if !defined(K) || !defined(NOUT) || !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || \
+    !defined(WARPS_M) || !defined(WARPS_N) || !defined(FUSE_SILU) || !defined(TOPK) || !defined(MIN_BLOCKS)
+#error "moe_gemm_tc.cu needs -DK -DNOUT -DBM -DBN -DBK -DSTAGES -DWARPS_M -DWARPS_N -DFUSE_SILU -DTOPK -DMIN_BLOCKS"
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "moe_gemm_tc.cu needs sm_80 or newer (mma.sync bf16, cp.async, ldmatrix)"
+#endif
+
+#define THREADS (WARPS_M * WARPS_N * 32)
+#define WM (BM / WARPS_M)              // rows per warp
+#define WN (BN / WARPS_N)              // features per warp
+#define MI (WM / 16)                   // m16 tiles per warp
+#define NI (WN / 8)                    // n8 tiles per warp
+#define LDS (BK + 8)                   // shared row stride in bf16 (16 B of padding)
+#define CH (BK / 8)                    // 16-byte chunks per row and stage
+#define RPP (THREADS / CH)             // rows copied per pass of all threads
+#define A_PASSES (BM / RPP)
+#define B_PASSES (BN / RPP)
+#define KT (K / BK)                    // k steps
+#define HALF (NOUT / 2)
+
+static_assert(K % BK == 0 && BK % 16 == 0 && KT >= STAGES - 1 && STAGES >= 2, "K must be a multiple of BK");
+static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16 x 16");
+static_assert(THREADS % CH == 0 && BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
+#if FUSE_SILU
+static_assert(NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
+#else
+static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+// c += a · b (m16n8k16, bf16 in, fp32 accumulate).  Not volatile (unlike common.cuh's mma_bf16):
+// a pure register op, so the compiler may interleave it with the next step's ldmatrix.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared-memory B row of this warp's n-tile t (first of the pair t, t + 1 for ldmatrix x4)
+__device__ __forceinline__ int b_tile_row(int wn, int t) {
+#if FUSE_SILU
+    return t < NI / 2 ? wn * (WN / 2) + 8 * t : BN / 2 + wn * (WN / 2) + 8 * (t - NI / 2);
+#else
+    return wn * WN + 8 * t;
+#endif
+}
+
+// Weight row (relative to the block's first gate / output feature) copied by pass i
+__device__ __forceinline__ constexpr int b_pass_offset(int i) {
+#if FUSE_SILU
+    return i * RPP < BN / 2 ? i * RPP : HALF - BN / 2 + i * RPP;
+#else
+    return i * RPP;
+#endif
+}
+
+// A fragments (MI m16 tiles) and B fragments (NI n8 tiles) of k16 step kk of one stage
+__device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (&bfr)[NI][2], const bf16* ta,
+                                               const bf16* tb, int wm, int wn, int lane, int kk) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+        ldmatrix_x4(af[mi], ta + (wm * WM + mi * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+    for (int t = 0; t < NI; t += 2) {
+        unsigned r[4];
+        ldmatrix_x4(r, tb + (b_tile_row(wn, t) + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+        bfr[t][0] = r[0];
+        bfr[t][1] = r[1];
+        bfr[t + 1][0] = r[2];
+        bfr[t + 1][1] = r[3];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
+    bf16* sb = sa + STAGES * BM * LDS;              // [STAGES][BN][LDS]
+
+    const int tile = blockIdx.y;
+    if (tile >= num_tiles[0]) return;
+    const int e = tile_expert[tile], row0 = tile_row[tile];
+    const int nrows = min(BM, expert_off[e + 1] - row0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+#if FUSE_SILU
+    const int f0 = blockIdx.x * (BN / 2);  // first gate feature (= first h column) of the block
+#else
+    const int f0 = blockIdx.x * BN;
+#endif
+
+    // copy geometry: thread copies chunk lch of rows lrow + i·RPP
+    const int lrow = tid / CH, lch = tid % CH;
+    const bf16* a_src[A_PASSES];
+    int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
+#pragma unroll
+    for (int i = 0; i < A_PASSES; ++i) {
+        a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
+        const int r = a_bytes[i] ? row0 + lrow + i * RPP : row0;
+#if FUSE_SILU
+        const int s = sorted_pair[r] / TOPK;
+#else
+        const int s = r;
+#endif
+        a_src[i] = src + (size_t)s * K + lch * 8;
+    }
+    const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
+    bf16* a_dst = sa + lrow * LDS + lch * 8;
+    bf16* b_dst = sb + lrow * LDS + lch * 8;
+
+    auto load_stage = [&](int stage, int kt) {
+        const int k0 = kt * BK;
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i) cp_async16(a_dst + stage * BM * LDS + i * RPP * LDS, a_src[i] + k0, a_bytes[i]);
+#pragma unroll
+        for (int i = 0; i < B_PASSES; ++i)
+            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS, b_src + (size_t)b_pass_offset(i) * K + k0, 16);
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        load_stage(s, s);
+        cp_async_commit();
+    }
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int t = 0; t < NI; ++t) acc[mi][t][0] = acc[mi][t][1] = acc[mi][t][2] = acc[mi][t][3] = 0.f;
+    const bool active = wm * WM < nrows;  // warp-uniform: rows of this warp exist
+
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies) ...
+        __syncthreads();              // ... everyone's; and step kt - 1's stage is free to refill
+        if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+        if (active) {
+            const bf16* ta = sa + (kt % STAGES) * BM * LDS;
+            const bf16* tb = sb + (kt % STAGES) * BN * LDS;
+            unsigned af[2][MI][4], bfr[2][NI][2];
+            load_fragments(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                if (kk + 1 < BK / 16) load_fragments(af[(kk + 1) & 1], bfr[(kk + 1) & 1], ta, tb, wm, wn, lane, kk + 1);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // epilogue: acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
+    if (!active) return;
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            const int rl = wm * WM + mi * 16 + g + 8 * hrow;
+            if (rl >= nrows) continue;
+            const size_t r = (size_t)(row0 + rl);
+#if FUSE_SILU
+#pragma unroll
+            for (int t = 0; t < NI / 2; ++t) {
+                const int f = f0 + wn * (WN / 2) + 8 * t + 2 * c;
+                float hv[2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const float gate = round_bf16(acc[mi][t][2 * hrow + j]);
+                    const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j]);
+                    hv[j] = round_bf16(silu(gate)) * up;
+                }
+                *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * HALF + f) = __floats2bfloat162_rn(hv[0], hv[1]);
+            }
+#else
+#pragma unroll
+            for (int t = 0; t < NI; ++t) {
+                const int f = f0 + wn * WN + 8 * t + 2 * c;
+                *reinterpret_cast<float2*>(static_cast<float*>(dst) + r * NOUT + f) =
+                    make_float2(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
+            }
+#endif
+        }
+}

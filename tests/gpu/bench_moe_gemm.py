@@ -1,0 +1,164 @@
+"""Prefill MoE grouped GEMMs on the Kimi-Linear-48B shape (E=256, top-8, D=2304, I=1024), random
+routing: the decode kernel (moe_gemm.cu) against the prefill kernel (moe_gemm_tc.cu) per GEMM, the
+whole moe_forward (route, bucket, both GEMMs, shared expert, combine) on each path, and cuBLAS on one
+dense GEMM of the same size as the ceiling.
+
+    FLOPs = 2 · N · K · NOUT over the N = T·A rows computed
+            gate/up: K = D, NOUT = 2I (h = SiLU(gate)·up fused);  down: K = I, NOUT = D (fp32 out)
+    % of peak against 790 TFLOP/s (bf16 dense, H200: cuBLAS 8192³ on random data, KINDS.md)
+
+Times: CUDA events around each call, 3 warm-ups, median of 20.  `--sweep` also times every tile of
+TILES (tests/kernels/test_moe_gemm_tc.py) on each T (and checks it against the decode kernel) to choose the launcher's tiles.
+Run: python tests/gpu/bench_moe_gemm.py [--sweep] [--tokens 2048,8192]
+Letters: T tokens, A active experts, E experts, N = T·A rows, D hidden, I expert width."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
+
+PEAK = 790e12
+E, A, D, INTER = 256, 8, 2304, 1024
+
+
+def median_ms(fn, reps=20, warm=3) -> float:
+    import cupy
+
+    for _ in range(warm):
+        fn()
+    ev = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    ev[-1][1].synchronize()
+    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in ev]))
+
+
+def gpu_f32(a):
+    """fp32 copy on the GPU (bf16 widened bit-exactly through uint16 -> uint32 << 16)."""
+    import cupy
+
+    if a.dtype == np.float32:
+        return a
+    return (a.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def gpu_rms_rel(a, b) -> float:
+    import cupy
+
+    a, b = gpu_f32(a), gpu_f32(b)
+    return float(cupy.sqrt(cupy.mean((a - b) ** 2) / cupy.mean(b**2)))
+
+
+def line(name, ms, flops, extra=""):
+    tf = flops / ms / 1e9
+    print(f"  {name:44s} {ms:8.3f} ms {tf:7.1f} TFLOP/s {100 * tf * 1e12 / PEAK:5.1f}%  {extra}", flush=True)
+
+
+def bench_step(T, wts, cfg, sweep):
+    """Every timing of one step of T tokens (uniform random routing)."""
+    import cupy
+    from kernels.test_moe_gemm_tc import TILES, make_ids, make_plan, rand_bf16
+
+    from helpers.gpu import rms_rel, to_np
+    from kda_rt.cuda import moe as moe_mod
+    from kda_rt.cuda.gemm import linear
+    from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
+    from kda_rt.cuda.ops.moe_gemm_tc import TileConfig, moe_gemm_tc, prefill_tile_rows, tile_config
+
+    w13, w2 = wts.w13, wts.w2
+    N = T * A
+    f13, f2 = 2 * N * D * 2 * INTER, 2 * N * INTER * D
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    ids = make_ids(T, E, A, False, hrng)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    print(f"T={T} N={N}: rows/expert avg {N / E:.0f}, min {counts.min()}, max {counts.max()}; "
+          f"launcher BM={prefill_tile_rows(N, E, D, INTER)}", flush=True)
+
+    plan_old = make_plan(ids, E, tile_rows_for(N, E))
+    h_old, y_old = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
+    ms = median_ms(partial(moe_gemm, x, w13, plan_old, top_k=A, fuse_silu=True, out=h_old))
+    line(f"old gate/up [{N},{D}]x[{2 * INTER},{D}]", ms, f13)
+    ms = median_ms(partial(moe_gemm, h_old, w2, plan_old, top_k=A, fuse_silu=False, out=y_old))
+    line(f"old down    [{N},{INTER}]x[{D},{INTER}]", ms, f2)
+    h_ref, y_ref = h_old[plan_old.pair_pos], y_old[plan_old.pair_pos]
+
+    h, y = cupy.empty_like(h_old), cupy.empty_like(y_old)
+    tiles = [TileConfig(*t) for t in TILES] if sweep else []
+    for bm in (64, 128):
+        plan = make_plan(ids, E, bm)
+        default = (tile_config(bm, 2 * INTER, D, True), tile_config(bm, D, INTER, False))
+        for t13, t2 in [default] + [(t, t) for t in tiles if t.bm == bm and t not in default]:
+            try:
+                ms13 = median_ms(partial(moe_gemm_tc, x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=t13))
+                ms2 = median_ms(partial(moe_gemm_tc, h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=t2))
+            except Exception as exc:  # a sweep tile that does not build or launch: report, go on
+                print(f"  tile {t13}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            e13, e2 = gpu_rms_rel(h[plan.pair_pos], h_ref), gpu_rms_rel(y[plan.pair_pos], y_ref)
+            tag = "default" if (t13, t2) == default else tuple(t13)[1:]
+            line(f"new gate/up bm={bm} {tag}", ms13, f13, f"err vs old {e13:.1e}")
+            line(f"new down    bm={bm} {tag}", ms2, f2, f"err vs old {e2:.1e}")
+
+    # cuBLAS on one dense GEMM of the same size (the ceiling for a perfect grouped GEMM)
+    rng = cupy.random.default_rng(T)
+    xd, hd = rand_bf16(rng, (N, D), 1.0), rand_bf16(rng, (N, INTER), 1.0)
+    c13, c2 = cupy.empty((N, 2 * INTER), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
+    line("cuBLAS dense gate/up (bf16 out)", median_ms(partial(linear, xd, w13[0], out=c13)), f13)
+    line("cuBLAS dense down (fp32 out)", median_ms(partial(linear, hd, w2[0], out=c2)), f2)
+
+    # whole MoE block: prefill path (launcher policy) vs the decode kernels everywhere
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, INTER, INTER), dtype=np.uint8)
+    out = cupy.empty((T, D), dtype=BF16)
+    block = partial(moe_forward, x, wts, cfg, out=out, workspace=ws)
+    ms_new = median_ms(block, reps=10)
+    ref_out = to_np(out)
+    policy = moe_mod.prefill_tile_rows
+    moe_mod.prefill_tile_rows = lambda *a: 0
+    try:
+        ms_old = median_ms(block, reps=10)
+    finally:
+        moe_mod.prefill_tile_rows = policy
+    err = rms_rel(to_np(out), ref_out)
+    flops = (f13 + f2) * (A + 1) / A  # routed + shared expert
+    line("moe_forward, new path (routed+shared FLOPs)", ms_new, flops)
+    line("moe_forward, decode kernels", ms_old, flops, f"new vs old err {err:.1e}")
+
+
+def main():
+    import cupy
+    from kernels.test_moe_gemm_tc import rand_bf16
+
+    from helpers.moe_router import make_cfg
+    from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
+    args = ap.parse_args()
+
+    rng = cupy.random.default_rng(1)
+    w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
+    s13, s2 = rand_bf16(rng, (2 * INTER, D), D**-0.5), rand_bf16(rng, (D, INTER), INTER**-0.5)
+    router = cupy.asarray((np.random.default_rng(2).normal(size=(E, D)) / np.sqrt(D)).astype(np.float32))
+    wts = DeviceMoE(router, cupy.zeros(E, dtype=np.float32), w13, w2, DeviceMLP(s13, s2))
+    cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
+    print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
+    for T in map(int, args.tokens.split(",")):
+        bench_step(T, wts, cfg, args.sweep)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""kernels_cu/moe_gemm_tc.cu (prefill grouped GEMM) against NumPy float64 on random bf16 inputs, over
+the expert-sorted rows of moe_bucket (kernels_cu/moe_align.cu):
+
+    gate/up:  h[r] = bf16( bf16(SiLU(bf16(x[tok(r)] · W1_eᵀ))) · bf16(x[tok(r)] · W3_eᵀ) )   [N, I] bf16
+    down:     y[r] = h[r] · W2_eᵀ                                                              [N, D] fp32
+
+Tolerances.  down: the GPU sums K bf16 products in fp32, the reference in float64, on the same
+bf16 h: RMS(out - ref) / RMS(ref) ≤ 1e-5 and |out - ref| ≤ 1e-4 · (|ref| + RMS(ref)) (fp32
+accumulation error is ~2^-24 · sqrt(K) ≈ 2e-6 relative).  gate/up: the reference rounds where the
+kernel rounds, so the two differ only where a tiny fp32-vs-float64 difference flips one of the
+bf16 roundings of g, u, SiLU(g) or h (rare; each flip is one bf16 ulp, 2^-8..2^-7 relative):
+RMS ≤ 1e-3 and |out - ref| ≤ 3e-2 · |ref| + 1e-3 · RMS(ref) (three flips at once).
+The E=256 cases check all rows against the decode kernel (moe_gemm.cu, tested on its own) and a
+sample of experts (the busiest, the emptiest, random ones) against NumPy, to keep the host work
+small; every output row is poisoned with NaN first, so a row left unwritten fails.
+Letters: T tokens, A active experts per token, E experts, N = T·A rows, D hidden, I expert width."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from helpers.gpu import bf16_round, poison, rms_rel, to_np
+
+pytestmark = pytest.mark.gpu
+
+
+def make_ids(T, E, A, skewed, rng) -> np.ndarray:
+    """[T, A] int32, distinct per token.  Uniform: A random experts per token.  Skewed: every token
+    routes to expert 0 (T rows), experts E-1 and E-2 get one row each, the rest random."""
+    if not skewed:
+        return np.argsort(rng.random((T, E)), axis=1)[:, :A].astype(np.int32)
+    ids = np.empty((T, A), np.int32)
+    ids[:, 0] = 0
+    ids[:, 1:] = 1 + np.argsort(rng.random((T, E - 3)), axis=1)[:, :A - 1]
+    ids[0, -1] = E - 1
+    ids[T // 2, -1] = E - 2 if T > 1 else ids[T // 2, -1]
+    return ids
+
+
+def make_plan(ids, E, tile_rows):
+    import cupy
+
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+
+    T, A = ids.shape
+    N, tiles = T * A, max_tiles(T * A, E, tile_rows)
+    z = lambda n: cupy.full(n, -1, dtype=np.int32)  # noqa: E731
+    plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), tile_rows)
+    return moe_bucket(cupy.asarray(ids), E, plan)
+
+
+def rand_bf16(rng, shape, scale):
+    """Random normal bf16 on the GPU, drawn in slices along axis 0 (the E=256 stacks are GBs)."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+
+    out = cupy.empty(shape, dtype=BF16)
+    step = max(1, (1 << 26) // max(1, int(np.prod(shape[1:]))))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        out[i:i + n] = (rng.standard_normal((n, *shape[1:]), dtype=np.float32) * scale).astype(BF16)
+    return out
+
+
+def silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def reference_rows(e, plan_np, x, w13, w2, h_gpu, A):
+    """float64 (h_ref, y_ref) for the rows of expert e; y_ref from the kernel's own h (exact bf16 input)."""
+    off, sorted_pair = plan_np
+    rows = np.arange(off[e], off[e + 1])
+    inter = w13.shape[1] // 2
+    w13e, w2e = to_np(w13[e]), to_np(w2[e])
+    xr = x[sorted_pair[rows] // A]
+    g, u = bf16_round(xr @ w13e[:inter].T), bf16_round(xr @ w13e[inter:].T)
+    h_ref = bf16_round(bf16_round(silu(g)) * u)
+    y_ref = h_gpu[rows] @ w2e.T
+    return rows, h_ref, y_ref
+
+
+def check(got, ref, name, *, rms_tol, rtol, atol_rms):
+    err = rms_rel(got, ref)
+    scale = np.sqrt(np.mean(ref**2))
+    bad = np.abs(got - ref) > rtol * np.abs(ref) + atol_rms * scale
+    assert err <= rms_tol and not bad.any(), (f"{name}: rms rel {err:.3e}, {int(bad.sum())} elements out of "
+                                              f"tolerance, max abs err {np.max(np.abs(got - ref)):.3e}")
+
+
+def run_tc(x, w13, w2, ids, E, bm, tile=None):
+    """Plan with BM-row tiles, then both GEMMs into NaN-poisoned outputs; returns (plan, h, y)."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc
+
+    T, A = ids.shape
+    N, inter, D = T * A, w13.shape[1] // 2, w2.shape[1]
+    plan = make_plan(ids, E, bm)
+    h, y = cupy.empty((N, inter), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
+    poison(h)
+    poison(y)
+    moe_gemm_tc(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=tile)
+    moe_gemm_tc(h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=tile)
+    return plan, h, y
+
+
+def check_experts(experts, plan, x_np, w13, w2, h, y, A, label):
+    import cupy
+
+    off, sp = cupy.asnumpy(plan.expert_off), cupy.asnumpy(plan.sorted_pair)
+    h_np, y_np = to_np(h), to_np(y)
+    assert np.all(np.isfinite(h_np)) and np.all(np.isfinite(y_np)), f"{label}: rows left unwritten (NaN)"
+    for e in experts:
+        if off[e + 1] == off[e]:
+            continue
+        rows, h_ref, y_ref = reference_rows(e, (off, sp), x_np, w13, w2, h_np, A)
+        check(h_np[rows], h_ref, f"{label} h expert {e}", rms_tol=1e-3, rtol=3e-2, atol_rms=1e-3)
+        check(y_np[rows], y_ref, f"{label} y expert {e}", rms_tol=1e-5, rtol=1e-4, atol_rms=1e-4)
+
+
+SMALL = {  # name: (T, D, I, E, A, bm) -- odd T, tiny E; D384-I192 takes the BN = 128 tiles
+    **{f"T{T}-D256-I128-E8-bm{bm}": (T, 256, 128, 8, 2, bm) for T in (1, 3, 5, 9, 17) for bm in (64, 128)},
+    "T17-D384-I192-E4-bm64": (17, 384, 192, 4, 3, 64),
+    "T300-D384-I192-E4-bm128": (300, 384, 192, 4, 3, 128),
+    "T200-D256-I128-E8-skewed-bm64": (200, 256, 128, 8, 4, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_moe_gemm_tc_small(name):
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+
+    T, D, inter, E, A, bm = SMALL[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    x = to_gpu_bf16(x_np)
+    w13, w2 = rand_bf16(crng, (E, 2 * inter, D), 1 / np.sqrt(D)), rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
+    ids = make_ids(T, E, A, "skewed" in name, rng)
+    plan, h, y = run_tc(x, w13, w2, ids, E, bm)
+    check_experts(range(E), plan, x_np, w13, w2, h, y, A, name)
+
+
+@pytest.fixture(scope="module")
+def big_weights():
+    """Kimi-Linear-48B expert stacks: E=256, D=2304, I=1024 (3.6 GB), drawn once per module."""
+    import cupy
+
+    rng = cupy.random.default_rng(7)
+    E, D, inter = 256, 2304, 1024
+    return rand_bf16(rng, (E, 2 * inter, D), 1 / np.sqrt(D)), rand_bf16(rng, (E, D, inter), 1 / np.sqrt(inter))
+
+
+BIG = {  # name: (T, skewed, bm)
+    "T2048-bm64": (2048, False, 64),
+    "T2048-bm128": (2048, False, 128),
+    "T8192-bm128": (8192, False, 128),
+    "T8192-bm64": (8192, False, 64),
+    "T2048-skewed-bm64": (2048, True, 64),
+    "T2048-skewed-bm128": (2048, True, 128),
+}
+
+
+TILES = [  # candidate tiles (bm, bn, bk, stages, warps_m, warps_n, min_blocks), timed by tests/gpu/bench_moe_gemm.py
+    (128, 256, 64, 3, 2, 4, 1),
+    (128, 256, 64, 4, 2, 4, 1),
+    (128, 256, 32, 4, 2, 4, 1),
+    (128, 128, 64, 3, 2, 2, 2),
+    (64, 256, 64, 3, 2, 4, 1),
+    (64, 256, 64, 4, 2, 4, 1),
+    (64, 256, 32, 4, 2, 4, 2),
+    (64, 128, 64, 4, 2, 2, 2),
+    (64, 128, 64, 3, 2, 2, 2),
+]
+
+
+@pytest.mark.parametrize("name", list(BIG))
+def test_moe_gemm_tc_real_shape(name, big_weights):
+    T, skewed, bm = BIG[name]
+    check_real_shape(name, big_weights, T, skewed, bm, None)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "tile-" + "-".join(map(str, t)))
+def test_moe_gemm_tc_tiles(tile, big_weights):
+    """Every candidate tile on a 2048-token step with skewed routing (full, ragged and 1-row tiles)."""
+    from kda_rt.cuda.ops.moe_gemm_tc import TileConfig
+
+    check_real_shape(f"T2048-skewed-{tile}", big_weights, 2048, True, tile[0], TileConfig(*tile))
+
+
+def check_real_shape(name, big_weights, T, skewed, bm, tile):
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
+
+    w13, w2 = big_weights
+    E, A, D = 256, 8, 2304
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    x = to_gpu_bf16(x_np)
+    ids = make_ids(T, E, A, skewed, rng)
+    plan, h, y = run_tc(x, w13, w2, ids, E, bm, tile)
+
+    # every row against the decode kernel (rows are matched through pair_pos: the order of rows
+    # inside an expert depends on moe_bucket's atomics)
+    plan_old = make_plan(ids, E, tile_rows_for(T * A, E))
+    h_old = cupy.empty_like(h)
+    moe_gemm(x, w13, plan_old, top_k=A, fuse_silu=True, out=h_old)
+    h_in_old = cupy.empty_like(h)
+    h_in_old[plan_old.pair_pos] = h[plan.pair_pos]
+    y_old = cupy.empty_like(y)
+    moe_gemm(h_in_old, w2, plan_old, top_k=A, fuse_silu=False, out=y_old)
+    err_h = rms_rel(to_np(h[plan.pair_pos]), to_np(h_old[plan_old.pair_pos]))
+    err_y = rms_rel(to_np(y[plan.pair_pos]), to_np(y_old[plan_old.pair_pos]))
+    print(f"\n{name}: vs decode kernel: h rms rel {err_h:.2e}, y rms rel {err_y:.2e}", end="")
+    assert err_h <= 1e-3 and err_y <= 1e-5, f"{name}: h {err_h:.3e}, y {err_y:.3e} against moe_gemm"
+
+    counts = np.bincount(ids.ravel(), minlength=E)
+    touched = np.flatnonzero(counts)
+    picks = {int(touched[np.argmax(counts[touched])]), int(touched[np.argmin(counts[touched])]),
+             *map(int, rng.choice(touched, 4, replace=False))}
+    if skewed:
+        picks |= {E - 1, E - 2}
+    check_experts(sorted(picks), plan, x_np, w13, w2, h, y, A, name)
+
+
+if __name__ == "__main__":
+    for n in SMALL:
+        test_moe_gemm_tc_small(n)
+        print(n, "ok")
