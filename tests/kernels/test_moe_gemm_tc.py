@@ -165,6 +165,10 @@ BIG = {  # name: (T, skewed, bm)
     "T8192-bm64": (8192, False, 64),
     "T2048-skewed-bm64": (2048, True, 64),
     "T2048-skewed-bm128": (2048, True, 128),
+    # decode steps with 16-row tiles (the weights stream; most rows of a tile are empty)
+    "T1-bm16": (1, False, 16),
+    "T32-bm16": (32, False, 16),
+    "T128-skewed-bm16": (128, True, 16),
 }
 
 
@@ -178,6 +182,9 @@ TILES = [  # candidate tiles (bm, bn, bk, stages, warps_m, warps_n, min_blocks),
     (64, 256, 32, 4, 2, 4, 2),
     (64, 128, 64, 4, 2, 2, 2),
     (64, 128, 64, 3, 2, 2, 2),
+    (16, 128, 64, 4, 1, 4, 2),  # decode tiles: one m16 row tile, weights streamed through 4-6 stages
+    (16, 64, 64, 4, 1, 2, 4),
+    (16, 128, 64, 6, 1, 4, 2),
 ]
 
 

@@ -43,6 +43,8 @@ class TileConfig(NamedTuple):
 # Chosen on H200 from the sweep of tests/gpu/bench_moe_gemm.py (candidates in test_moe_gemm_tc.py)
 _BIG = TileConfig(128, 128, 64, 3, 2, 2, 2)  # warp tile 64 x 64, 108 KB smem, 218 registers: 2 CTAs per SM
 _SMALL = TileConfig(64, 128, 64, 4, 2, 2, 2)  # warp tile 32 x 64, 108 KB smem, 138 registers: 2 CTAs per SM
+# decode: one m16 row tile per CTA, the weights streamed through 4 stages (83 KB smem, 62 registers)
+_DECODE = TileConfig(16, 128, 64, 4, 1, 4, 2)
 
 
 def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
@@ -55,7 +57,7 @@ def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
 
 def tile_config(bm: int, nout: int, k: int, fuse_silu: bool) -> TileConfig | None:
     """The tile for BM-row tiles of one GEMM (nout x k weights), or None when no tile fits the shape."""
-    base = _BIG if bm == 128 else _SMALL
+    base = {128: _BIG, 16: _DECODE}.get(bm, _SMALL)
     short_k = base._replace(bk=32, stages=4)  # K of a few BK (small test shapes)
     for t in (base, short_k, base._replace(bn=128, warps_n=2), short_k._replace(bn=128, warps_n=2)):
         if _fits(t, nout, k, fuse_silu):
