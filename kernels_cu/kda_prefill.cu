@@ -1,387 +1,655 @@
-// kda_prefill.cu — KDA prefill over a varlen flat batch: per-token prologue, then the chunked
-// (WY / UT) delta rule with the fp32 state in shared memory (spec §3.2–3.8).
+// kda_prefill.cu — KDA prefill over a varlen flat batch (spec §3.2–3.8): the chunked WY / UT
+// delta rule in three launches, parallel over chunks where the math allows, products on bf16
+// tensor cores (mma.sync m16n8k16, fp32 accumulate), the recurrent state fp32.
 //
-// kda_prefill_prep, grid (T, H), block K: for token t of sequence b (found by binary search in
-// cu_seqlens) and head h, channel c = threadIdx.x:
-//   q, k, v = bf16(SiLU(conv)) over the sequence's own tokens and, before its start, the slot's
-//   conv state (zeros when context_lens[b] == 0);  q <- l2norm(q) K^-1/2,  k <- l2norm(k)
-//   g2 = log2(e) * (-exp(A_log) softplus(f + dt_bias))   (log2 domain: every decay is one exp2f)
-//   beta = sigmoid(b)                     -> workspace qn, kn, vn, gn [H, T, K], beta [H, T] fp32
+// Chunks (L = CHUNK = 64 tokens, tail padded with q = k = v = g = beta = 0): chunk j of sequence b
+// has id c = b + cu_seqlens[b] / L + j.  Ids are distinct and < B + T / L, so every per-chunk
+// workspace has B + T / L tiles, found without a host-side chunk table (binary search on the id).
 //
-// kda_prefill_chunk, grid (H, B), block THREADS = 256, ~219 KB dynamic shared memory: one CTA walks
-// the chunks (L = CHUNK = 64 tokens, tail padded with q = k = v = g = beta = 0) of one (sequence, head):
-//   A_qk[r,s] = sum_d q_r k_s E[r,s] (s <= r),  A_kk[r,s] = beta_r sum_d k_r k_s E[r,s] (s < r),
-//   E[r,s] = exp(G_r - G_s) with G the inclusive in-chunk prefix sum of g
-//   W = (I + A_kk)^-1 (beta e^G k),  U = (I + A_kk)^-1 (beta v)     (forward substitution)
-//   V_new = U - W S;  O = (q e^G) S + A_qk V_new;  S <- diag(e^G_last) S + (e^(G_last - G) k)^T V_new
-//   y = bf16(O) / sqrt(mean(bf16(O)^2) + eps) * o_norm_w * sigmoid(gate)  -> out bf16
-// and, first, writes the sequence's last W-1 raw inputs to its conv-state slot.
+// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 256, ~178 KB dynamic smem: one chunk
+// of one head, everything chunk-local:
+//   q, k, v = bf16(SiLU(conv)) from qkv (and the slot's conv state before the sequence start);
+//   q^ = l2norm(q) K^-1/2, k^ = l2norm(k); g2 = log2(e) g (every decay is one exp2f); beta = sigmoid(b)
+//   A_qk[r,s] = sum_d q^_r k^_s E[r,s] (s <= r),  A_kk[r,s] = beta_r sum_d k^_r k^_s E[r,s] (s < r),
+//   E[r,s] = exp(G_r - G_s), G the inclusive in-chunk prefix sum of g
+//   T = (I + A_kk)^-1: 16 x 16 diagonal blocks by forward substitution, off-diagonal blocks by
+//   block forward substitution, all fp32 FMA
+//   W = T diag(beta) (e^G k^),  U = T diag(beta) v                          (tensor cores)
+//   -> workspace (bf16): qg = q^ e^G, kd = e^(G_last - G) k^, W, U [L, K]; A_qk [L, L]; G_last fp32 [K]
+// kda_prefill_state, grid (K / VB, H, B), block 32 * NUM_WARPS(VB): columns vb of one head's state
+// for one sequence (S[:, vb] evolves on its own), sequential over the sequence's chunks:
+//   V_new = U - W S;  O = qg S + A_qk V_new -> bf16(O) into out;  S <- diag(e^G_last) S + kd^T V_new
+// with the state in fp32 mma accumulators (a bf16 copy in smem is the B operand of W S and qg S);
+// the next chunk's tiles stream in with cp.async while the current one finishes.  Also writes the
+// conv-state slot (vb == 0) and the final state to the slot.
+// kda_prefill_norm, 16 threads per (token, head): y = bf16(O) / sqrt(mean(bf16(O)^2) + eps)
+//   * o_norm_w * sigmoid(gate), in place in out.
 //
-// Safe gates (g can be -300 and below): G is never formed as one long prefix sum that is later
-// differenced.  Inside each 16-row sub-block n..n+15 the kernel keeps Lam_r = sum_{n<i<=r} g_i, and
-// per sub-block first gate, total, and sums of whole sub-blocks; every exponent is then
-// (Lam_r - Lam_s) + (sum of gates of whole blocks / block edges), so cancellation is limited to
-// 15 gates and every exponent used is <= 0 (clamped), never exp(-G) alone.
+// Safe gates (g can be -300 and below per token): exp(-G) is never formed.  Inside each 16-row
+// sub-block I (first row n_I) the kernel keeps Lam_r = sum_{n_I < i <= r} g_i (<= 15 gates), and per
+// channel the sums of whole sub-blocks.  Off-diagonal sub-blocks (I > J) factor
+//   E[r,s] = e^(G_r - G_n) * e^(G_n - G_s)   (n = n_I; both exponents <= 0, underflow to 0 is right)
+// so A is a plain product of the scaled tiles q^ e^Lam and k^ e^(G_n - G_s).  A diagonal sub-block
+// uses the same split around its first row, e^(Lam_r) * e^(-Lam_s), when every channel decays by
+// less than 2^-DIAG_SPAN over the sub-block (both factors within 2^+-DIAG_SPAN: no overflow, bf16
+// keeps its relative precision at any exponent); otherwise (strong gates) it is computed per
+// element in fp32 with exp2(Lam_r - Lam_s), exactly as the reference.
 //
-// Rounding points: conv outputs bf16; q, k, l2norm, gates, A, W, U, V_new, state fp32; O bf16
-// before the norm; y bf16.
+// Rounding points: conv outputs bf16 (exact in the smem tiles); l2norm, gates, A_kk, T fp32; the
+// tensor-core operands bf16 (q^ e^.., k^ e^.., T diag(beta), v, W, qg, kd, A_qk, V_new, a bf16 copy
+// of S); all accumulation and the carried state fp32; O bf16 before the norm; y bf16.  This is
+// fla's rounding (spec §3.7), measured in tests/kernels/test_kda_prefill.py.
 // Shapes: qkv [T, 3P], f, gate [T, P], b [T, ldb] bf16; conv_w [3P, W], A_log [H], dt_bias [P],
 // o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16; rec_pool [S, H, K, V] fp32; cu_seqlens [B+1],
 // context_lens, state_slots [B] int32; out [T, P] bf16.
-// Compile-time constants (chosen in kda_rt/cuda/ops/kda_prefill.py): HEAD_DIM (K = V, must be
-// 128), CONV_W (W), CHUNK (L), SUB (rows per sub-block), LD (padded row stride of the chunk tiles,
-// floats), THREADS (block of kda_prefill_chunk).
+// Compile-time constants (kda_rt/cuda/ops/kda_prefill.py): HEAD_DIM (K = V, must be 128), CONV_W
+// (W), CHUNK (L, must be 64), VB (state columns per CTA of kda_prefill_state: 16, 32, 64 or 128).
 #include "kda_common.cuh"
 
-#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(SUB) || !defined(LD) || !defined(THREADS)
-#error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DSUB -DLD -DTHREADS"
+#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB)
+#error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB"
 #endif
-#if HEAD_DIM != 128
-#error "kda_prefill.cu: the thread maps assume HEAD_DIM == 128"
+#if HEAD_DIM != 128 || CHUNK != 64
+#error "kda_prefill.cu: the thread maps assume HEAD_DIM == 128 and CHUNK == 64"
 #endif
 #define K HEAD_DIM
-#define NUM_SUB (CHUNK / SUB)
-#define NUM_CROSS (NUM_SUB * (NUM_SUB - 1) / 2)  // (row block, earlier column block) pairs
+#define L CHUNK
+#define SUB 16                                     // rows per gate sub-block (one mma m-tile)
+#define NUM_SUB (L / SUB)
+#define NUM_PAIRS (NUM_SUB * (NUM_SUB + 1) / 2)    // (row block, column block <= row block)
 #define LOG2E 1.4426950408889634f
+#define DIAG_SPAN 60.f                             // log2 range of a diagonal sub-block on tensor cores
+#define INTRA_THREADS 256
+#define LDB (K + 8)   // bf16 row stride of [.][K] smem tiles: 272 B, ldmatrix rows on distinct banks
+#define LDA (L + 8)   // bf16 row stride of [.][L] tiles
+#define LDF (K + 4)   // fp32 row stride of [.][K] tiles
+#define LDT (L + 4)   // fp32 row stride of [.][L] tiles
+#define WN (VB < 32 ? VB : 32)                     // state columns per warp of kda_prefill_state
+#define STATE_WARPS (4 * (VB / WN))
+#define LDV (VB + 8)  // bf16 row stride of [.][VB] tiles
 
-// kda_prefill_chunk's threads (ty, tx) form a 16 x 16 grid: SUB rows of a sub-block in (b), 4 chunk
-// rows x 8 key / value columns each in (c), (f), (g), one column of W or U each in (e)
-static_assert(THREADS == SUB * SUB && THREADS == 2 * K && CHUNK == 4 * SUB && K == 8 * SUB,
-              "kda_prefill.cu: the thread maps need THREADS = 256, SUB = 16, CHUNK = 64");
-static_assert(LD >= K && LD % 4 == 0, "kda_prefill.cu: LD must hold a row and keep float4 alignment");
+static_assert(VB % 16 == 0 && K % VB == 0, "kda_prefill.cu: VB must be a multiple of 16 dividing K");
 
 // ---------------------------------------------------------------------------------------------
 // helpers
 
-__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ void unpack4(float4 v, float (&a)[4]) { a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w; }
-
-// 8 consecutive floats (16-byte aligned) as two float4 loads
-__device__ __forceinline__ void load8(const float* p, float (&a)[8]) {
-    unpack4(ld4(p), *reinterpret_cast<float(*)[4]>(a));
-    unpack4(ld4(p + 4), *reinterpret_cast<float(*)[4]>(a + 4));
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&p);
 }
+__device__ __forceinline__ float2 unpack_bf16(unsigned u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+}
+__device__ __forceinline__ void st_bf16x2(bf16* p, float lo, float hi) { *reinterpret_cast<unsigned*>(p) = pack_bf16(lo, hi); }
+__device__ __forceinline__ float2 ld_bf16x2(const bf16* p) { return unpack_bf16(*reinterpret_cast<const unsigned*>(p)); }
 
-// index of the (row block I, column block J < I) pair in the cross-block exponent table
+// index of sub-block pair (I, J <= I) in the scaled-key tile
+__device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
+// index of the (row block I, column block J < I) pair in the gate table C
 __device__ __forceinline__ constexpr int cross_index(int I, int J) { return I * (I - 1) / 2 + J; }
 
-// This thread's 4 x 8 tile of A S: acc[i][j] += (or -=, Negate) sum_d A[4ty+i][d] S[d][8tx+j],
-// A a chunk tile (row stride LD), S the K x K state.
-template <bool Negate>
-__device__ __forceinline__ void tile_times_state(float (&acc)[4][8], const float* A, const float* S, int ty, int tx) {
-    for (int d = 0; d < K; d += 4) {
-        float a[4][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) unpack4(ld4(A + (4 * ty + i) * LD + d), a[i]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float sv[8];
-            load8(S + (d + e) * K + 8 * tx, sv);
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(Negate ? -a[i][e] : a[i][e], sv[j], acc[i][j]);
-        }
+// First chunk id of sequence b (see the header): strictly increasing in b.
+__device__ __forceinline__ int chunk_base(const int* __restrict__ cu_seqlens, int b) { return b + __ldg(cu_seqlens + b) / L; }
+
+// bf16 [ROWS][COLS] tile, global row stride ld_src -> smem row stride ld_dst, 16-byte cp.async pieces
+template <int Rows, int Cols, int Threads>
+__device__ __forceinline__ void tile_async(bf16* dst, int ld_dst, const bf16* src, int ld_src) {
+    constexpr int per_row = Cols / 8;
+    for (int i = threadIdx.x; i < Rows * per_row; i += Threads) {
+        const int r = i / per_row, c = (i % per_row) * 8;
+        cp_async16(dst + r * ld_dst + c, src + (size_t)r * ld_src + c, 16);
     }
 }
 
-// dynamic shared memory plan of kda_prefill_chunk, in floats (kda_prefill.py sizes it the same way)
-#define SM_S 0                              // state [K][K]
-#define SM_Q (SM_S + K * K)                 // q, then q e^G, then W  [CHUNK][LD]
-#define SM_K (SM_Q + CHUNK * LD)            // k, then e^(G_last - G) k
-#define SM_V (SM_K + CHUNK * LD)            // v, then beta v -> U -> V_new
-#define SM_G (SM_V + CHUNK * LD)            // g2, then Lam
-#define SM_M (SM_G + CHUNK * LD)            // [CHUNK][CHUNK]: A_qk on/below the diagonal, beta*A_kk transposed above
-#define SM_C (SM_M + CHUNK * CHUNK)         // [NUM_CROSS][K] cross-block exponent offsets
-#define SM_P (SM_C + NUM_CROSS * K)         // [NUM_SUB][K] G at each sub-block's first row
-#define SM_R (SM_P + NUM_SUB * K)           // [NUM_SUB][K] sum of the gates of the later sub-blocks
-#define SM_B (SM_R + NUM_SUB * K)           // [CHUNK] beta
-#define SM_FLOATS (SM_B + CHUNK)
+// A fragment (16 x 16, row-major smem at p, row stride ld): rows 0-15, columns 0-15
+__device__ __forceinline__ void frag_a(unsigned (&a)[4], const bf16* p, int ld) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(a, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
+// A fragment of X^T where X is stored [k][m] row-major at p (16 k rows, 16 m columns)
+__device__ __forceinline__ void frag_a_trans(unsigned (&a)[4], const bf16* p, int ld) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(a, p + ((lane & 7) + ((lane >> 4) & 1) * 8) * ld + ((lane >> 3) & 1) * 8);
+}
+// B fragments of two n-tiles (b[0], b[1]: columns 0-7; b[2], b[3]: 8-15) from B stored [k][n] at p
+__device__ __forceinline__ void frag_b_kn(unsigned (&b)[4], const bf16* p, int ld) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4_trans(b, p + ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8);
+}
+// the same from B stored [n][k] (k contiguous)
+__device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int ld) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(b, p + ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8);
+}
+
+// dynamic shared memory plan of kda_prefill_intra, in bytes (kda_prefill.py reads INTRA_SMEM from
+// the same numbers: keep _intra_smem_bytes in step)
+#define SZ_TB (L * LDB * 2)                        // one bf16 [L][LDB] tile
+#define IN_QR 0                                    // raw q (bf16 conv output), later e^G k^ (W's RHS)
+#define IN_KR (IN_QR + SZ_TB)                      // raw k
+#define IN_VR (IN_KR + SZ_TB)                      // raw v
+#define IN_QA (IN_VR + SZ_TB)                      // q^ e^Lam
+#define IN_KA (IN_QA + SZ_TB)                      // k^ e^Lam, later T fp32 [L][LDT]
+#define IN_KX (IN_KA + SZ_TB)                      // [NUM_PAIRS * SUB][LDB] k^ e^(G_n - G_s), later T diag(beta) bf16 [L][LDA]
+#define IN_G (IN_KX + NUM_PAIRS * SUB * LDB * 2)   // Lam fp32 [L][LDF]
+#define IN_AKK (IN_G + L * LDF * 4)                // beta A_kk fp32 [L][LDT]
+#define NUM_CROSS (NUM_SUB * (NUM_SUB - 1) / 2)   // (row block, earlier column block) pairs
+#define IN_TAB (IN_AKK + L * LDT * 4)              // fp32 tables P, R [NUM_SUB][K], C [NUM_CROSS][K]; X [NUM_SUB-1][SUB][SUB]
+#define IN_VEC (IN_TAB + ((2 * NUM_SUB + NUM_CROSS) * K + (NUM_SUB - 1) * SUB * SUB) * 4)  // beta, rq, rk [L], flags
+#define INTRA_SMEM (IN_VEC + 3 * L * 4 + 16)
 
 // ---------------------------------------------------------------------------------------------
 // kernels
 
-extern "C" __global__ void __launch_bounds__(K) kda_prefill_prep(
+extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra(
     const bf16* __restrict__ qkv, const bf16* __restrict__ f, const bf16* __restrict__ b, int ldb,
     const float* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const bf16* __restrict__ conv_pool, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
-    const int* __restrict__ state_slots, float* __restrict__ qn, float* __restrict__ kn, float* __restrict__ vn,
-    float* __restrict__ gn, float* __restrict__ beta_n, int num_tokens, int num_seqs, int num_heads) {
-    __shared__ float red[K / 32][2];
-    const int tok = blockIdx.x, h = blockIdx.y, c = threadIdx.x;
-    const int P = num_heads * K, ch = h * K + c;
-    const int lo = sequence_of(cu_seqlens, num_seqs, tok);  // cu_seqlens[lo] <= tok < cu_seqlens[lo + 1]
-    const int start = cu_seqlens[lo], pos = tok - start;
-    const bool fresh = context_lens[lo] == 0;
-    const size_t slot = (size_t)state_slots[lo];
-    float y[3];
-#pragma unroll
-    for (int i = 0; i < 3; ++i) {
-        float hist[CONV_W - 1];
-#pragma unroll
-        for (int j = 0; j < CONV_W - 1; ++j) {
-            const int p = pos - (CONV_W - 1) + j;  // position in the sequence; < 0 reads the slot's history
-            hist[j] = p >= 0 ? to_f32(qkv[(size_t)(start + p) * 3 * P + i * P + ch])
-                    : fresh  ? 0.f
-                             : to_f32(conv_pool[((slot * 3 + i) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + ch]);
-        }
-        y[i] = kda_conv_silu<CONV_W>(conv_w + (size_t)(i * P + ch) * CONV_W, hist, to_f32(qkv[(size_t)tok * 3 * P + i * P + ch]));
-    }
-    float sq[2] = {y[0] * y[0], y[1] * y[1]};  // -> |q|^2, |k|^2
-    block_sum(sq, red);
-    const size_t o = ((size_t)h * num_tokens + tok) * K + c;
-    qn[o] = y[0] * (rsqrtf((float)K) / sqrtf(sq[0] + 1e-6f));
-    kn[o] = y[1] / sqrtf(sq[1] + 1e-6f);
-    vn[o] = y[2];
-    gn[o] = LOG2E * kda_log_decay(to_f32(f[(size_t)tok * P + ch]), dt_bias[ch], A_log[h]);
-    if (c == 0) beta_n[(size_t)h * num_tokens + tok] = sigmoid(to_f32(b[(size_t)tok * ldb + h]));
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_prefill_chunk(
-    const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ vn,
-    const float* __restrict__ gn, const float* __restrict__ beta_n, const bf16* __restrict__ qkv,
-    const bf16* __restrict__ gate, const float* __restrict__ o_norm_w, bf16* __restrict__ conv_pool,
-    float* __restrict__ rec_pool, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
-    const int* __restrict__ state_slots, bf16* __restrict__ out, int num_tokens, int num_heads, float eps) {
+    const int* __restrict__ state_slots, bf16* __restrict__ ws_q, bf16* __restrict__ ws_k, bf16* __restrict__ ws_w,
+    bf16* __restrict__ ws_u, bf16* __restrict__ ws_a, float* __restrict__ ws_g, int num_seqs, int num_heads) {
     extern __shared__ float4 smem4[];
-    float* sm = reinterpret_cast<float*>(smem4);
-    float *S = sm + SM_S, *Qc = sm + SM_Q, *Kc = sm + SM_K, *Vc = sm + SM_V, *Gc = sm + SM_G, *M = sm + SM_M;
-    float *Cc = sm + SM_C, *Pc = sm + SM_P, *Rc = sm + SM_R, *Bc = sm + SM_B;
-    const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-    const int P = num_heads * K;
-    const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
-    const bool fresh = context_lens[seq] == 0;
-    const size_t slot = (size_t)state_slots[seq];
+    char* sm = reinterpret_cast<char*>(smem4);
+    bf16 *Qr = (bf16*)(sm + IN_QR), *Kr = (bf16*)(sm + IN_KR), *Vr = (bf16*)(sm + IN_VR);
+    bf16 *QA = (bf16*)(sm + IN_QA), *KA = (bf16*)(sm + IN_KA), *KX = (bf16*)(sm + IN_KX);
+    float *Gf = (float*)(sm + IN_G), *Akk = (float*)(sm + IN_AKK), *Pt = (float*)(sm + IN_TAB);
+    float *Rt = Pt + NUM_SUB * K, *Ct = Rt + NUM_SUB * K, *Xs = Ct + NUM_CROSS * K, *Bs = (float*)(sm + IN_VEC), *rq = Bs + L, *rk = rq + L;
+    int* unsafe = (int*)(rk + L);
+    float* Tm = (float*)(sm + IN_KA);  // T, once KA is dead
+    bf16* Tb = (bf16*)(sm + IN_KX);    // T diag(beta), once KX is dead
+    bf16* KG = Qr;                     // beta-free W right-hand side e^G k^, once raw q is dead
 
-    // ---- conv state <- the last W-1 raw inputs (old history for sequences shorter than W-1).
-    // Entry j reads old entry len + j > j, so ascending j never reads what it already replaced.
-    for (int idx = tid; idx < 3 * K; idx += THREADS) {
-        const int i = idx / K, ch = h * K + idx % K;
-        bf16* hist = conv_pool + (slot * 3 + i) * (CONV_W - 1) * P + ch;
-#pragma unroll
-        for (int j = 0; j < CONV_W - 1; ++j) {
-            const int p = len - (CONV_W - 1) + j;
-            hist[(size_t)j * P] = p >= 0 ? qkv[(size_t)(start + p) * 3 * P + i * P + ch]
-                                : fresh  ? to_bf16(0.f)
-                                         : hist[(size_t)(len + j) * P];
-        }
+    const int cid = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int seq = 0;
+    for (int hi = num_seqs; hi - seq > 1;) {  // largest seq with chunk_base(seq) <= cid
+        const int mid = (seq + hi) >> 1;
+        if (chunk_base(cu_seqlens, mid) <= cid) seq = mid; else hi = mid;
     }
+    const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+    const int c0 = (cid - chunk_base(cu_seqlens, seq)) * L;
+    if (c0 >= len) return;  // an unused id
+    const int n = min(L, len - c0), P = num_heads * K;
+    const bool fresh = context_lens[seq] == 0;
+    const size_t slot = (size_t)state_slots[seq], tile = (size_t)cid * num_heads + h;
 
-    // ---- initial state
-    float* state = rec_pool + (slot * num_heads + h) * K * K;
-    for (int idx = tid; idx < K * K / 4; idx += THREADS)
-        st4(S + 4 * idx, fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : ld4(state + 4 * idx));
-
-    for (int c0 = 0; c0 < len; c0 += CHUNK) {
-        const int n = min(CHUNK, len - c0);
-        const size_t row0 = (size_t)h * num_tokens + start + c0;  // workspace row of the chunk's first token
-
-        // ---- (a) load the chunk, zero-padded
-        for (int idx = tid; idx < CHUNK * K / 4; idx += THREADS) {
-            const int r = idx / (K / 4), c4 = 4 * (idx % (K / 4));
-            const bool ok = r < n;
-            const size_t src = (row0 + r) * K + c4;
-            const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-            st4(Qc + r * LD + c4, ok ? ld4(qn + src) : z);
-            st4(Kc + r * LD + c4, ok ? ld4(kn + src) : z);
-            st4(Vc + r * LD + c4, ok ? ld4(vn + src) : z);
-            st4(Gc + r * LD + c4, ok ? ld4(gn + src) : z);
-        }
-        if (tid < CHUNK) Bc[tid] = tid < n ? beta_n[row0 + tid] : 0.f;
-        __syncthreads();
-
-        // ---- (a2) gate bookkeeping per key channel d: Lam inside sub-blocks, block sums, offsets
-        if (tid < K) {
-            const int d = tid;
-            float first[NUM_SUB], total[NUM_SUB], last[NUM_SUB];
+    // ---- (a) conv + SiLU of q, k, v (channel c, rows half*32 ..), gates, beta; padded rows are 0
+    {
+        const int c = tid & (K - 1), half = tid >> 7, ch = h * K + c;
+#pragma unroll 1
+        for (int i = 0; i < 3; ++i) {
+            float taps[CONV_W], hist[CONV_W - 1];
 #pragma unroll
-            for (int I = 0; I < NUM_SUB; ++I) {
-                float* g = Gc + I * SUB * LD + d;
-                first[I] = g[0];
-                g[0] = 0.f;
-                float acc = 0.f;
+            for (int j = 0; j < CONV_W; ++j) taps[j] = conv_w[(size_t)(i * P + ch) * CONV_W + j];
 #pragma unroll
-                for (int r = 1; r < SUB; ++r) acc += g[r * LD], g[r * LD] = acc;
-                last[I] = acc;
-                total[I] = first[I] + acc;
+            for (int j = 0; j < CONV_W - 1; ++j) {
+                const int p = c0 + half * 32 - (CONV_W - 1) + j;  // position in the sequence; < 0 reads the slot
+                hist[j] = p >= len ? 0.f  // rows past the end (a short tail's second half): padding
+                        : p >= 0   ? to_f32(qkv[(size_t)(start + p) * 3 * P + i * P + ch])
+                        : fresh  ? 0.f
+                                 : to_f32(conv_pool[((slot * 3 + i) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + ch]);
             }
-            float run = 0.f;
+            bf16* dst = (i == 0 ? Qr : i == 1 ? Kr : Vr) + c;
+#pragma unroll 4
+            for (int rr = 0; rr < 32; ++rr) {
+                const int r = half * 32 + rr;
+                const float x = r < n ? to_f32(qkv[(size_t)(start + c0 + r) * 3 * P + i * P + ch]) : 0.f;
+                const float y = kda_conv_silu<CONV_W>(taps, hist, x);
+                dst[r * LDB] = to_bf16(r < n ? y : 0.f);
 #pragma unroll
-            for (int I = 0; I < NUM_SUB; ++I) Pc[I * K + d] = run + first[I], run += total[I];
-            run = 0.f;
-#pragma unroll
-            for (int J = NUM_SUB - 1; J >= 0; --J) Rc[J * K + d] = run, run += total[J];
-#pragma unroll
-            for (int I = 1; I < NUM_SUB; ++I) {
-#pragma unroll
-                for (int J = 0; J < I; ++J) {
-                    float acc = last[J];
-#pragma unroll
-                    for (int B = J + 1; B < I; ++B) acc += total[B];
-                    Cc[cross_index(I, J) * K + d] = acc + first[I];
-                }
+                for (int j = 0; j < CONV_W - 2; ++j) hist[j] = hist[j + 1];
+                hist[CONV_W - 2] = x;
             }
         }
-        __syncthreads();
+        const float a_log = A_log[h], bias = dt_bias[ch];
+#pragma unroll 4
+        for (int rr = 0; rr < 32; ++rr) {
+            const int r = half * 32 + rr;
+            Gf[r * LDF + c] = r < n ? LOG2E * kda_log_decay(to_f32(f[(size_t)(start + c0 + r) * P + ch]), bias, a_log) : 0.f;
+        }
+        if (tid < L) Bs[tid] = tid < n ? sigmoid(to_f32(b[(size_t)(start + c0 + tid) * ldb + h])) : 0.f;
+        if (tid < NUM_SUB) unsafe[tid] = 0;
+    }
+    __syncthreads();
 
-        // ---- (b) A_qk and beta*A_kk.  Thread (ty, tx) owns rows r = ty + 16i, columns s = tx + 16j:
-        // pairs i > j are below the diagonal, i == j only when tx <= ty.
-        {
-            float aqk[NUM_SUB][NUM_SUB], akk[NUM_SUB][NUM_SUB];
+    // ---- (b) row norms (warp w: rows 8w..8w+7); gate bookkeeping per channel d (threads < K):
+    // Lam in place; tables P_I = G(n_I), R_J = sum of the blocks after J, C_IJ = G(n_I) - G(last row of J)
+    // (all sums of gates, no differences); G_last -> workspace; unsafe diagonal sub-blocks
+    for (int r = 8 * warp; r < 8 * warp + 8; ++r) {
+        float sq = 0.f, sk = 0.f;
 #pragma unroll
-            for (int i = 0; i < NUM_SUB; ++i)
+        for (int e = 0; e < 2; ++e) {
+            const float2 q2 = ld_bf16x2(Qr + r * LDB + 4 * lane + 2 * e), k2 = ld_bf16x2(Kr + r * LDB + 4 * lane + 2 * e);
+            sq = fmaf(q2.x, q2.x, fmaf(q2.y, q2.y, sq)), sk = fmaf(k2.x, k2.x, fmaf(k2.y, k2.y, sk));
+        }
+        sq = warp_sum(sq), sk = warp_sum(sk);
+        if (lane == 0) rq[r] = rsqrtf((float)K) / sqrtf(sq + 1e-6f), rk[r] = 1.f / sqrtf(sk + 1e-6f);
+    }
+    if (tid < K) {
+        const int d = tid;
+        float first[NUM_SUB], total[NUM_SUB];
+        int bad = 0;
 #pragma unroll
-                for (int j = 0; j < NUM_SUB; ++j) aqk[i][j] = 0.f, akk[i][j] = 0.f;
-            const bool diag = tx <= ty;
-            for (int d = 0; d < K; d += 4) {
-                float qr[NUM_SUB][4], kr[NUM_SUB][4], lr[NUM_SUB][4], ks[NUM_SUB][4], ls[NUM_SUB][4];
+        for (int I = 0; I < NUM_SUB; ++I) {
+            float* g = Gf + I * SUB * LDF + d;
+            first[I] = g[0];
+            g[0] = 0.f;
+            float acc = 0.f;
 #pragma unroll
-                for (int i = 0; i < NUM_SUB; ++i) {
-                    const int r = (ty + SUB * i) * LD + d, s = (tx + SUB * i) * LD + d;
-                    unpack4(ld4(Qc + r), qr[i]), unpack4(ld4(Kc + r), kr[i]), unpack4(ld4(Gc + r), lr[i]);
-                    unpack4(ld4(Kc + s), ks[i]), unpack4(ld4(Gc + s), ls[i]);
-                }
+            for (int r = 1; r < SUB; ++r) acc += g[r * LDF], g[r * LDF] = acc;
+            total[I] = first[I] + acc;
+            bad |= (acc < -DIAG_SPAN) << I;
+        }
+        float run = 0.f;
 #pragma unroll
-                for (int i = 0; i < NUM_SUB; ++i) {
+        for (int I = 0; I < NUM_SUB; ++I) Pt[I * K + d] = run + first[I], run += total[I];
+        ws_g[tile * K + d] = run;  // G_last (log2)
+        run = 0.f;
 #pragma unroll
-                    for (int j = 0; j <= i; ++j) {
-                        if (i == j && !diag) continue;
-                        float cx[4] = {0.f, 0.f, 0.f, 0.f};
-                        if (i != j) unpack4(ld4(Cc + cross_index(i, j) * K + d), cx);
+        for (int J = NUM_SUB - 1; J >= 0; --J) Rt[J * K + d] = run, run += total[J];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float ex = exp2f(fminf((lr[i][e] - ls[j][e]) + cx[e], 0.f));
-                            aqk[i][j] = fmaf(qr[i][e] * ks[j][e], ex, aqk[i][j]);
-                            akk[i][j] = fmaf(kr[i][e] * ks[j][e], ex, akk[i][j]);
-                        }
+        for (int I = 1; I < NUM_SUB; ++I) {
+#pragma unroll
+            for (int J = 0; J < I; ++J) {
+                float acc = first[I];
+#pragma unroll
+                for (int B = J + 1; B < I; ++B) acc += total[B];
+                Ct[cross_index(I, J) * K + d] = acc;
+            }
+        }
+#pragma unroll
+        for (int I = 0; I < NUM_SUB; ++I)
+            if (bad >> I & 1) unsafe[I] = 1;  // benign race: every writer stores 1
+    }
+    __syncthreads();
+
+    // ---- (c) scaled tiles (two channels per thread and step) and the workspace's qg, kd.  Every
+    // exponent is (Lam_last(I) - Lam_r) (<= 15 gates) plus a table entry (sums of whole blocks).
+    for (int idx = tid; idx < L * K / 2; idx += INTRA_THREADS) {
+        const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
+        const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
+        const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
+        float qa[2], ka[2], kx[2], qg[2], kd[2], kb[NUM_SUB][2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float lam = Gf[r * LDF + d + e], tail = Gf[(I * SUB + SUB - 1) * LDF + d + e] - lam;
+            const float el = exp2f(lam);
+            qa[e] = q[e] * el, ka[e] = k[e] * el;
+            kx[e] = k[e] * exp2f(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
+            qg[e] = q[e] * exp2f(Pt[I * K + d + e] + lam);
+            kd[e] = k[e] * exp2f(fminf(tail + Rt[I * K + d + e], 0.f));
+#pragma unroll
+            for (int I2 = 1; I2 < NUM_SUB; ++I2)
+                kb[I2][e] = I2 > I ? k[e] * exp2f(fminf(tail + Ct[cross_index(I2, I) * K + d + e], 0.f)) : 0.f;
+        }
+        st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
+        st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
+        st_bf16x2(KX + (pair_index(I, I) * SUB + r % SUB) * LDB + d, kx[0], kx[1]);
+#pragma unroll
+        for (int I2 = 1; I2 < NUM_SUB; ++I2)
+            if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + r % SUB) * LDB + d, kb[I2][0], kb[I2][1]);
+        st_bf16x2(ws_q + (tile * L + r) * K + d, qg[0], qg[1]);
+        st_bf16x2(ws_k + (tile * L + r) * K + d, kd[0], kd[1]);
+    }
+    __syncthreads();
+
+    // ---- (d) A_qk and beta A_kk, 16 x 16 sub-block pairs (I, J <= I) on tensor cores: 2 products x
+    // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e)
+    {
+        const int g = lane >> 2, t = lane & 3;
+        for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) {
+            const bool kk = task >= NUM_PAIRS;
+            const int p = kk ? task - NUM_PAIRS : task;
+            int I = 0;
+            while (pair_index(I + 1, 0) <= p) ++I;
+            const int J = p - pair_index(I, 0);
+            if (J == I && unsafe[I]) continue;
+            float acc[2][4] = {};
+            const bf16* A = (kk ? KA : QA) + I * SUB * LDB;
+            const bf16* Bt = KX + p * SUB * LDB;
+#pragma unroll
+            for (int ks = 0; ks < K / 16; ++ks) {
+                unsigned a[4], bb[4];
+                frag_a(a, A + ks * 16, LDB);
+                frag_b_nk(bb, Bt + ks * 16, LDB);
+                mma_bf16(acc[0], a, bb[0], bb[1]);
+                mma_bf16(acc[1], a, bb[2], bb[3]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int rl = g + 8 * hh, sl = 8 * nt + 2 * t, R = I * SUB + rl, S = J * SUB + sl;
+                    float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
+                    if (!kk) {
+                        if (J == I) v0 = sl <= rl ? v0 : 0.f, v1 = sl + 1 <= rl ? v1 : 0.f;
+                        st_bf16x2(ws_a + (tile * L + R) * L + S, v0, v1);
+                    } else {
+                        if (J == I) v0 = sl < rl ? v0 : 0.f, v1 = sl + 1 < rl ? v1 : 0.f;
+                        Akk[R * LDT + S] = Bs[R] * v0, Akk[R * LDT + S + 1] = Bs[R] * v1;
                     }
                 }
             }
+        }
+    }
+
+    // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r >= s) per thread
+    for (int idx = tid; idx < NUM_SUB * (SUB * (SUB + 1) / 2); idx += INTRA_THREADS) {
+        const int I = idx / (SUB * (SUB + 1) / 2);
+        if (!unsafe[I]) continue;
+        const int p = idx % (SUB * (SUB + 1) / 2);
+        int rl = 0;
+        while ((rl + 1) * (rl + 2) / 2 <= p) ++rl;
+        const int sl = p - rl * (rl + 1) / 2, R = I * SUB + rl, S = I * SUB + sl;
+        float aqk = 0.f, akk = 0.f;
+        for (int d = 0; d < K; d += 2) {
+            const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
+            const float e0 = exp2f(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
+            const float e1 = exp2f(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
+            aqk = fmaf(q2.x * ks2.x, e0, fmaf(q2.y * ks2.y, e1, aqk));
+            akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
+        }
+        ws_a[(tile * L + R) * L + S] = to_bf16(aqk * rq[R] * rk[S]);
+        Akk[R * LDT + S] = sl < rl ? akk * Bs[R] * rk[R] * rk[S] : 0.f;
+        if (sl < rl) ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+    }
+    __syncthreads();
+
+    // ---- (f) T = (I + A_kk)^-1.  Diagonal blocks: thread (I, column c) < 64 by forward substitution;
+    // meanwhile the others build W's right-hand side e^G k^ (bf16) over the raw q tile.
+    if (tid < L) {
+        const int I = tid / SUB, c = tid % SUB;
+        const float* A = Akk + I * SUB * LDT + I * SUB;
+        float x[SUB];
 #pragma unroll
-            for (int i = 0; i < NUM_SUB; ++i) {
+        for (int i = 0; i < SUB; ++i) x[i] = i == c ? 1.f : 0.f;
 #pragma unroll
-                for (int j = 0; j <= i; ++j) {
-                    const int r = ty + SUB * i, s = tx + SUB * j;
-                    if (s <= r) M[r * CHUNK + s] = aqk[i][j];
-                    if (s < r) M[s * CHUNK + r] = Bc[r] * akk[i][j];
+        for (int i = 1; i < SUB; ++i) {
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < i; ++j) acc = fmaf(A[i * LDT + j], x[j], acc);
+            x[i] = i > c ? -acc : x[i];
+        }
+#pragma unroll
+        for (int i = 0; i < SUB; ++i) Tm[(I * SUB + i) * LDT + I * SUB + c] = x[i];
+    } else {
+        for (int idx = tid - L; idx < L * K / 2; idx += INTRA_THREADS - L) {
+            const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
+            const float2 k2 = ld_bf16x2(Kr + r * LDB + d);
+            const float e0 = exp2f(Pt[I * K + d] + Gf[r * LDF + d]), e1 = exp2f(Pt[I * K + d + 1] + Gf[r * LDF + d + 1]);
+            st_bf16x2(KG + r * LDB + d, k2.x * rk[r] * e0, k2.y * rk[r] * e1);
+        }
+    }
+    __syncthreads();
+    // off-diagonal blocks, one block row I at a time: X_J = sum_{J <= M < I} A_IM T_MJ, T_IJ = -D_I X_J
+    {
+        const int rr = tid / SUB, cc = tid % SUB;
+#pragma unroll 1
+        for (int I = 1; I < NUM_SUB; ++I) {
+            for (int J = 0; J < I; ++J) {
+                float acc = 0.f;
+                for (int M = J; M < I; ++M) {
+                    const float* a = Akk + (I * SUB + rr) * LDT + M * SUB;
+                    const float* tt = Tm + (M * SUB) * LDT + J * SUB + cc;
+#pragma unroll
+                    for (int k = 0; k < SUB; ++k) acc = fmaf(a[k], tt[k * LDT], acc);
+                }
+                Xs[(J * SUB + rr) * SUB + cc] = acc;
+            }
+            __syncthreads();
+            for (int J = 0; J < I; ++J) {
+                const float* dI = Tm + (I * SUB + rr) * LDT + I * SUB;
+                float acc = 0.f;
+#pragma unroll
+                for (int k = 0; k < SUB; ++k) acc = fmaf(dI[k], Xs[(J * SUB + k) * SUB + cc], acc);  // D_I lower: k > rr reads 0
+                Tm[(I * SUB + rr) * LDT + J * SUB + cc] = -acc;
+            }
+            __syncthreads();
+        }
+    }
+    // T diag(beta) -> bf16, zero above the diagonal
+    for (int idx = tid; idx < L * L; idx += INTRA_THREADS) {
+        const int r = idx / L, s = idx % L;
+        Tb[r * LDA + s] = to_bf16(s <= r ? Tm[r * LDT + s] * Bs[s] : 0.f);
+    }
+    __syncthreads();
+
+    // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns 64 nh ..
+    {
+        const int mt = warp & 3, nh = warp >> 2, g = lane >> 2, t = lane & 3;
+        float accw[8][4] = {}, accu[8][4] = {};
+        for (int ks = 0; ks <= mt; ++ks) {
+            unsigned a[4];
+            frag_a(a, Tb + mt * 16 * LDA + ks * 16, LDA);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                unsigned bw[4], bu[4];
+                frag_b_kn(bw, KG + ks * 16 * LDB + nh * 64 + np * 16, LDB);
+                frag_b_kn(bu, Vr + ks * 16 * LDB + nh * 64 + np * 16, LDB);
+                mma_bf16(accw[2 * np], a, bw[0], bw[1]);
+                mma_bf16(accw[2 * np + 1], a, bw[2], bw[3]);
+                mma_bf16(accu[2 * np], a, bu[0], bu[1]);
+                mma_bf16(accu[2 * np + 1], a, bu[2], bu[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const size_t o = (tile * L + mt * 16 + g + 8 * hh) * K + nh * 64 + nt * 8 + 2 * t;
+                st_bf16x2(ws_w + o, accw[nt][2 * hh], accw[nt][2 * hh + 1]);
+                st_bf16x2(ws_u + o, accu[nt][2 * hh], accu[nt][2 * hh + 1]);
+            }
+        }
+    }
+}
+
+// dynamic shared memory plan of kda_prefill_state, bytes
+#define ST_W 0                                // W [L][LDB]
+#define ST_Q (ST_W + L * LDB * 2)             // qg [L][LDB]
+#define ST_K (ST_Q + L * LDB * 2)             // kd [L][LDB]
+#define ST_A (ST_K + L * LDB * 2)             // A_qk [L][LDA]
+#define ST_U (ST_A + L * LDA * 2)             // U[:, vb] [L][LDV]
+#define ST_S (ST_U + L * LDV * 2)             // bf16 copy of S[:, vb] [K][LDV]
+#define ST_V (ST_S + K * LDV * 2)             // V_new[:, vb] [L][LDV]
+#define STATE_SMEM (ST_V + L * LDV * 2)
+
+extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state(
+    const bf16* __restrict__ ws_q, const bf16* __restrict__ ws_k, const bf16* __restrict__ ws_w,
+    const bf16* __restrict__ ws_u, const bf16* __restrict__ ws_a, const float* __restrict__ ws_g,
+    const bf16* __restrict__ qkv, bf16* __restrict__ conv_pool, float* __restrict__ rec_pool,
+    const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
+    bf16* __restrict__ out, int num_heads) {
+    constexpr int THREADS = 32 * STATE_WARPS, NT = WN / 8;
+    extern __shared__ float4 smem4[];
+    char* sm = reinterpret_cast<char*>(smem4);
+    bf16 *Ws = (bf16*)(sm + ST_W), *Qs = (bf16*)(sm + ST_Q), *Ks = (bf16*)(sm + ST_K), *As = (bf16*)(sm + ST_A);
+    bf16 *Us = (bf16*)(sm + ST_U), *Sb = (bf16*)(sm + ST_S), *Vn = (bf16*)(sm + ST_V);
+    const int vb = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, wr = warp & 3, wc = warp >> 2, g = lane >> 2, t = lane & 3;
+    const int P = num_heads * K, col0 = vb * VB;  // first state column of this CTA
+    const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+    const bool fresh = context_lens[seq] == 0;
+    const size_t slot = (size_t)state_slots[seq];
+    const int base = chunk_base(cu_seqlens, seq), num_chunks = (len + L - 1) / L;
+
+    // ---- conv state <- the last W-1 raw inputs (old history for sequences shorter than W-1); the
+    // intra kernel has read the old history already.  Entry j reads old entry len + j > j, so
+    // ascending j never reads what it already replaced.
+    if (vb == 0) {
+        for (int idx = tid; idx < 3 * K; idx += THREADS) {
+            const int i = idx / K, ch = h * K + idx % K;
+            bf16* hist = conv_pool + (slot * 3 + i) * (CONV_W - 1) * P + ch;
+#pragma unroll
+            for (int j = 0; j < CONV_W - 1; ++j) {
+                const int p = len - (CONV_W - 1) + j;
+                hist[(size_t)j * P] = p >= 0 ? qkv[(size_t)(start + p) * 3 * P + i * P + ch]
+                                    : fresh  ? to_bf16(0.f)
+                                             : hist[(size_t)(len + j) * P];
+            }
+        }
+    }
+
+    auto load_wqu = [&](int c) {
+        const size_t tl = (size_t)c * num_heads + h;
+        tile_async<L, K, THREADS>(Ws, LDB, ws_w + tl * L * K, K);
+        tile_async<L, K, THREADS>(Qs, LDB, ws_q + tl * L * K, K);
+        tile_async<L, VB, THREADS>(Us, LDV, ws_u + tl * L * K + col0, K);
+        cp_async_commit();
+    };
+    auto load_ak = [&](int c) {
+        const size_t tl = (size_t)c * num_heads + h;
+        tile_async<L, L, THREADS>(As, LDA, ws_a + tl * L * L, L);
+        tile_async<L, K, THREADS>(Ks, LDB, ws_k + tl * L * K, K);
+        cp_async_commit();
+    };
+    if (num_chunks > 0) load_wqu(base), load_ak(base);
+
+    // ---- state S[32 wr + 16 mt + g (+8), col0 + WN wc + 8 nt + 2t (+1)] in mma accumulators
+    float* state = rec_pool + (slot * num_heads + h) * K * K;
+    float st[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int d = 32 * wr + 16 * mt + g + 8 * (e >> 1), v = col0 + WN * wc + 8 * nt + 2 * t + (e & 1);
+                st[mt][nt][e] = fresh ? 0.f : state[d * K + v];
+            }
+    auto store_sb = [&]() {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+                    st_bf16x2(Sb + (32 * wr + 16 * mt + g + 8 * hh) * LDV + WN * wc + 8 * nt + 2 * t,
+                              st[mt][nt][2 * hh], st[mt][nt][2 * hh + 1]);
+    };
+    store_sb();
+
+#pragma unroll 1
+    for (int j = 0; j < num_chunks; ++j) {
+        const int c = base + j, c0 = j * L, n = min(L, len - c0);
+        float decay[2][2];  // e^G_last of this thread's state rows
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                decay[mt][hh] = exp2f(ws_g[((size_t)c * num_heads + h) * K + 32 * wr + 16 * mt + g + 8 * hh]);
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // ---- (1) V_new = U - W S and O = qg S for rows 16 wr .., columns WN wc ..
+        float accv[NT][4] = {}, acco[NT][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) {
+            unsigned aw[4], aq[4];
+            frag_a(aw, Ws + wr * 16 * LDB + ks * 16, LDB);
+            frag_a(aq, Qs + wr * 16 * LDB + ks * 16, LDB);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned bs[4];
+                frag_b_kn(bs, Sb + ks * 16 * LDV + WN * wc + 16 * np, LDV);
+                mma_bf16(accv[2 * np], aw, bs[0], bs[1]);
+                mma_bf16(accv[2 * np + 1], aw, bs[2], bs[3]);
+                mma_bf16(acco[2 * np], aq, bs[0], bs[1]);
+                mma_bf16(acco[2 * np + 1], aq, bs[2], bs[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = wr * 16 + g + 8 * hh, cl = WN * wc + 8 * nt + 2 * t;
+                const float2 u = ld_bf16x2(Us + r * LDV + cl);
+                accv[nt][2 * hh] = u.x - accv[nt][2 * hh], accv[nt][2 * hh + 1] = u.y - accv[nt][2 * hh + 1];
+            }
+        __syncthreads();  // W, qg, U and S are consumed: the next chunk's W, qg, U may stream in
+        if (j + 1 < num_chunks) load_wqu(c + 1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                st_bf16x2(Vn + (wr * 16 + g + 8 * hh) * LDV + WN * wc + 8 * nt + 2 * t, accv[nt][2 * hh], accv[nt][2 * hh + 1]);
+        __syncthreads();
+
+        // ---- (2) O += A_qk V_new (A_qk lower: column blocks <= wr), bf16(O) -> out
+        for (int ks = 0; ks <= wr; ++ks) {
+            unsigned a[4];
+            frag_a(a, As + wr * 16 * LDA + ks * 16, LDA);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned bv[4];
+                frag_b_kn(bv, Vn + ks * 16 * LDV + WN * wc + 16 * np, LDV);
+                mma_bf16(acco[2 * np], a, bv[0], bv[1]);
+                mma_bf16(acco[2 * np + 1], a, bv[2], bv[3]);
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = wr * 16 + g + 8 * hh;
+            if (r < n) {
+                bf16* o = out + (size_t)(start + c0 + r) * P + h * K + col0 + WN * wc + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) st_bf16x2(o + 8 * nt, acco[nt][2 * hh], acco[nt][2 * hh + 1]);
+            }
+        }
+
+        // ---- (3) S <- diag(e^G_last) S + kd^T V_new: rows 32 wr + 16 mt, k = the chunk's tokens
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[mt][nt][e] *= decay[mt][e >> 1];
+#pragma unroll
+        for (int ks = 0; ks < L / 16; ++ks) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) frag_a_trans(a[mt], Ks + ks * 16 * LDB + 32 * wr + 16 * mt, LDB);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned bv[4];
+                frag_b_kn(bv, Vn + ks * 16 * LDV + WN * wc + 16 * np, LDV);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_bf16(st[mt][2 * np], a[mt], bv[0], bv[1]);
+                    mma_bf16(st[mt][2 * np + 1], a[mt], bv[2], bv[3]);
                 }
             }
         }
-        __syncthreads();
-
-        // ---- (c) q <- q e^G, v <- beta v;  then O = (q e^G) S into registers (rows 4ty+i, columns 8tx+j)
-        for (int idx = tid; idx < CHUNK * K; idx += THREADS) {
-            const int r = idx / K, d = idx % K;
-            Qc[r * LD + d] *= exp2f(Gc[r * LD + d] + Pc[(r / SUB) * K + d]);
-            Vc[r * LD + d] *= Bc[r];
-        }
-        __syncthreads();
-        float acc_o[4][8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc_o[i][j] = 0.f;
-        tile_times_state<false>(acc_o, Qc, S, ty, tx);
-        __syncthreads();
-
-        // ---- (d) Q <- beta e^G k  (right-hand side of W)
-        for (int idx = tid; idx < CHUNK * K; idx += THREADS) {
-            const int r = idx / K, d = idx % K;
-            Qc[r * LD + d] = Bc[r] * exp2f(Gc[r * LD + d] + Pc[(r / SUB) * K + d]) * Kc[r * LD + d];
-        }
-        __syncthreads();
-
-        // ---- (e) forward substitution (I + beta A_kk) X = RHS, one column per thread: W (warps 0-3), U (4-7)
-        {
-            float* col = (tid < K ? Qc : Vc) + (tid & (K - 1));
-            for (int i = 1; i < CHUNK; ++i) {
-                float acc = col[i * LD];
-                for (int j = 0; j < i; ++j) acc = fmaf(-M[j * CHUNK + i], col[j * LD], acc);
-                col[i * LD] = acc;
-            }
-        }
-        __syncthreads();
-
-        // ---- (f) V_new = U - W S (own tile of Vc, read and written by this thread only)
-        {
-            float acc[4][8];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = Vc[(4 * ty + i) * LD + 8 * tx + j];
-            tile_times_state<true>(acc, Qc, S, ty, tx);
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) Vc[(4 * ty + i) * LD + 8 * tx + j] = acc[i][j];
-        }
-        __syncthreads();
-
-        // ---- (g) O += A_qk V_new, gated RMSNorm, store; (h) k <- e^(G_last - G) k for the state update
-        for (int s = 0; s < 4 * ty + 4; ++s) {
-            float vv[8];
-            load8(Vc + s * LD + 8 * tx, vv);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = 4 * ty + i;
-                const float a = s <= r ? M[r * CHUNK + s] : 0.f;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc_o[i][j] = fmaf(a, vv[j], acc_o[i][j]);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 4 * ty + i;
-            float ss = 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc_o[i][j] = round_bf16(acc_o[i][j]), ss = fmaf(acc_o[i][j], acc_o[i][j], ss);
-            ss = warp_sum<16>(ss);  // the 16 tx lanes of row r
-            if (r < n) {
-                const float inv = rsqrtf(ss / (float)K + eps);
-                const size_t base = (size_t)(start + c0 + r) * P + h * K + 8 * tx;
-                const bf16x8 gv = *reinterpret_cast<const bf16x8*>(gate + base);
-                bf16x8 res;
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    res.v[j] = to_bf16(acc_o[i][j] * inv * o_norm_w[8 * tx + j] * sigmoid(to_f32(gv.v[j])));
-                *reinterpret_cast<bf16x8*>(out + base) = res;
-            }
-        }
-        for (int idx = tid; idx < CHUNK * K; idx += THREADS) {
-            const int r = idx / K, d = idx % K, J = r / SUB;
-            const float tail = (Gc[(J * SUB + SUB - 1) * LD + d] - Gc[r * LD + d]) + Rc[J * K + d];
-            Kc[r * LD + d] *= exp2f(fminf(tail, 0.f));
-        }
-        __syncthreads();
-
-        // ---- (i) S <- diag(e^G_last) S + (e^(G_last - G) k)^T V_new; rows 8ty+i, columns 8tx+j
-        {
-            float acc[8][8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
-            for (int s = 0; s < CHUNK; ++s) {
-                float kt[8], vv[8];
-                load8(Kc + s * LD + 8 * ty, kt);
-                load8(Vc + s * LD + 8 * tx, vv);
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(kt[i], vv[j], acc[i][j]);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int d = 8 * ty + i;
-                const float decay = exp2f(Pc[(NUM_SUB - 1) * K + d] + Gc[(CHUNK - 1) * LD + d]);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) S[d * K + 8 * tx + j] = fmaf(decay, S[d * K + 8 * tx + j], acc[i][j]);
-            }
-        }
-        __syncthreads();
+        __syncthreads();  // A_qk, kd, V_new and the old S copy are consumed
+        if (j + 1 < num_chunks) load_ak(c + 1);
+        store_sb();
     }
 
     // ---- final state back to the slot
-    for (int idx = tid; idx < K * K / 4; idx += THREADS) st4(state + 4 * idx, ld4(S + 4 * idx));
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int d = 32 * wr + 16 * mt + g + 8 * hh, v = col0 + WN * wc + 8 * nt + 2 * t;
+                *reinterpret_cast<float2*>(state + d * K + v) = make_float2(st[mt][nt][2 * hh], st[mt][nt][2 * hh + 1]);
+            }
+}
+
+// 16 threads per (token, head) row of 128 channels, 8 each: in place over out, which holds bf16(O)
+extern "C" __global__ void __launch_bounds__(256) kda_prefill_norm(
+    const bf16* __restrict__ gate, const float* __restrict__ o_norm_w, bf16* __restrict__ out, int num_rows, float eps) {
+    const int gid = blockIdx.x * blockDim.x + threadIdx.x, row = gid >> 4, c = 8 * (gid & 15);
+    const bool ok = row < num_rows;  // rows of K channels: (token, head) pairs, contiguous in out
+    bf16x8 o, gv;
+    float y[8], ss = 0.f;
+    if (ok) o = *reinterpret_cast<const bf16x8*>(out + (size_t)row * K + c), gv = *reinterpret_cast<const bf16x8*>(gate + (size_t)row * K + c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) y[j] = ok ? to_f32(o.v[j]) : 0.f, ss = fmaf(y[j], y[j], ss);
+    ss = warp_sum<16>(ss);
+    if (!ok) return;
+    const float inv = rsqrtf(ss / (float)K + eps);
+    bf16x8 res;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) res.v[j] = to_bf16(y[j] * inv * o_norm_w[c + j] * sigmoid(to_f32(gv.v[j])));
+    *reinterpret_cast<bf16x8*>(out + (size_t)row * K + c) = res;
 }

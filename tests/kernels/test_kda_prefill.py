@@ -1,76 +1,120 @@
 """kernels_cu/kda_prefill.cu against the float64 NumPy KDA (kda_rt.reference.kda_core) on the same
 bf16-rounded inputs: conv -> SiLU -> bf16 -> l2norm -> gate -> beta -> recurrence -> bf16(o) -> gated norm.
 
-Tolerances: out RMS(out - ref) / RMS(ref) <= 5e-3 (bf16 rounding of o and y, plus rare 1-ulp flips
-where the fp32 conv output sits on a bf16 rounding boundary); recurrent state per slot <= 1e-4
-(fp32 chunked math vs float64 token loop); conv state exact (it is a copy of bf16 inputs); slots
-not in the batch untouched.  Letters: T tokens, B sequences, H heads, K = V = 128, P = H*K, W = 4, S slots.
+Every case draws fresh random inputs and poisons `out` with NaN before the call (helpers.kda_kernel).
+Gates: "normal" (|g| ~ 1), "near_zero" (g ~ -1e-9: no decay at all), "extreme" (g in -160 .. -4800
+per token), "mixed" (channels of -20, 0, 300 dt_bias with exp(A_log) up to 16), "bursty" (normal,
+plus random tokens whose gate is -100 .. -800: chunks where some 16-row sub-blocks take the
+tensor-core path and others the per-element path, and long prefix sums next to small differences).
+
+Tolerances (the kernel's tensor-core operands are bf16, as fla's chunk_kda; accumulation and the
+carried state are fp32):
+  out: RMS(out - ref) / RMS(ref) <= 1e-2 over the whole batch and over every 2048-token window of
+  the long case.  y is bf16 (2^-9 relative rounding) and is computed from O rounded to bf16 twice
+  over (O itself, and the bf16 operands W, U, qg, kd, A_qk, V_new, S behind it, each a 2^-9 relative
+  rounding that averages down over the 64..128-long dot products).
+  state: RMS over each slot <= 6e-3 relative: the state sums kd^T V_new over all chunks with kd and
+  V_new rounded to bf16 (random 2^-9 errors per term, fla's rounding); decay keeps it from drifting.
+Measured on the H200 (every case here): out 3.4e-3 .. 4.7e-3, state 2.7e-3 .. 3.8e-3 (worst: near_zero,
+no decay); along the 32K sequence every 2048-token window stays at 3.5e-3 .. 3.6e-3 (no drift).
+  conv state: exact (a copy of bf16 inputs); slots not in the batch: untouched.
+Letters: T tokens, B sequences, H heads, K = V = 128, P = H*K, W = 4, S slots.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
-from helpers.gpu import BF16
-from helpers.kda_kernel import K, check, make_inputs, reference, run_op, upload
+from helpers.gpu import bf16_round, rms_rel, to_np
+from helpers.kda_kernel import make_inputs, reference, run_op, upload
 
 pytestmark = pytest.mark.gpu
 
+OUT_TOL, STATE_TOL, WINDOW = 1e-2, 6e-3, 2048
 
-
-CASES = [  # (lengths, H, gates)
-    ([1, 3, 64, 65, 200], 4, "normal"),
-    ([1, 3, 64, 65, 200], 4, "mixed"),
-    ([200, 65, 3], 8, "extreme"),
-    ([130, 1], 8, "near_zero"),
-    ([130], 32, "normal"),
+CASES = [  # (lengths, H, gates, state columns per CTA or None for the launcher's choice)
+    ([1, 3, 64, 65, 200], 4, "normal", None),
+    ([1, 3, 64, 65, 200], 4, "mixed", None),
+    ([200, 65, 3], 8, "extreme", None),
+    ([130, 1], 8, "near_zero", None),
+    ([130], 32, "normal", None),
+    ([31, 1, 33, 97, 1, 128, 300], 4, "bursty", None),
+    ([1, 3, 64, 65, 200], 4, "normal", 32),
+    ([257, 1, 100], 4, "bursty", 64),
+    ([257, 1, 100], 4, "mixed", 128),
+    ([2048] * 32, 2, "normal", None),  # many sequences: chunk ids, grid and slots at scale
 ]
 
 
-@pytest.mark.parametrize("lengths, num_heads, gates", CASES,
-                         ids=[f"L{'-'.join(map(str, c[0]))}-H{c[1]}-{c[2]}" for c in CASES])
-def test_kda_prefill(lengths, num_heads, gates):
+def _inputs(lengths, num_heads, gates, seed, fresh=None):
+    rng = np.random.default_rng(seed)
+    inp = make_inputs(rng, lengths, num_heads, "normal" if gates == "bursty" else gates,
+                      num_slots=max(8, len(lengths) + 4), fresh=fresh)
+    if gates == "bursty":  # ~3% of tokens: f + 300 on every channel -> g ~ -exp(A_log) * 300
+        rows = rng.random(inp["f"].shape[0]) < 0.03
+        inp["f"][rows] = bf16_round(inp["f"][rows] + 300.0)
+    return inp
+
+
+def check_prefill(out, dev, ref, inp, tag, windows=False):
+    """Compare out / pools with the reference; prints the errors (per window along T if asked)."""
+    ref_out, ref_conv, ref_rec = ref
+    got = to_np(out)
+    err_out = rms_rel(got, ref_out)
+    conv, rec = to_np(dev["conv_pool"]), to_np(dev["rec_pool"])
+    used = set(inp["state_slots"].tolist())
+    err_state = max(rms_rel(rec[s], ref_rec[s]) for s in used)
+    print(f"{tag}: out rms_rel {err_out:.2e}, max abs {np.max(np.abs(got - ref_out)):.2e}, "
+          f"state rms_rel {err_state:.2e}")
+    if windows:
+        for t0 in range(0, got.shape[0], WINDOW):
+            w_got, w_ref = got[t0:t0 + WINDOW], ref_out[t0:t0 + WINDOW]
+            w_rms = rms_rel(w_got, w_ref)
+            w_max = float(np.max(np.abs(w_got - w_ref)) / max(np.sqrt(np.mean(w_ref**2)), 1e-30))
+            print(f"  tokens {t0:6d}..{t0 + len(w_got):6d}: rms_rel {w_rms:.2e}, max abs / rms(ref) {w_max:.2e}")
+            assert w_rms <= OUT_TOL, f"{tag}: window at {t0}: out rms_rel {w_rms:.3e}"
+    assert err_out <= OUT_TOL, f"{tag}: out rms_rel {err_out:.3e}, max abs {np.max(np.abs(got - ref_out)):.3e}"
+    assert err_state <= STATE_TOL, f"{tag}: state rms_rel {err_state:.3e}"
+    for s in range(conv.shape[0]):
+        if s in used:
+            assert np.array_equal(conv[s], ref_conv[s]), f"{tag}: conv state of slot {s} differs"
+        else:
+            assert np.array_equal(conv[s], inp["conv_pool"][s]) and np.array_equal(rec[s], inp["rec_pool"][s]), \
+                f"{tag}: slot {s} is not in the batch but changed"
+    return err_out, err_state
+
+
+def _run(lengths, num_heads, gates, columns, seed, windows=False, fresh=None):
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
 
-    rng = np.random.default_rng(sum(lengths) * num_heads)
-    inp = make_inputs(rng, lengths, num_heads, gates)
+    inp = _inputs(lengths, num_heads, gates, seed, fresh)
     dev = upload(inp)
-    out = run_op(kda_prefill, dev, num_heads)
-    check(out, dev, reference(inp, num_heads), inp, f"prefill {lengths} H{num_heads} {gates}")
+    op = functools.partial(kda_prefill, state_columns=columns) if columns else kda_prefill
+    out = run_op(op, dev, num_heads)  # out is poisoned with NaN before the call
+    tag = f"prefill {len(lengths)} seqs ({sum(lengths)} tok) H{num_heads} {gates} vb={columns or 'auto'}"
+    return check_prefill(out, dev, reference(inp, num_heads), inp, tag, windows)
 
 
-def bench_prefill(num_seqs=8, seqlen=2048, num_heads=32, iters=5):
-    """Time one layer's kda_prefill (prep + chunk) at num_seqs x seqlen tokens."""
-    import cupy
+def _case_id(c):
+    lengths = c[0] if len(c[0]) <= 8 else [f"{c[0][0]}x{len(c[0])}"]
+    return f"L{'-'.join(map(str, lengths))}-H{c[1]}-{c[2]}" + (f"-vb{c[3]}" if c[3] else "")
 
-    from kda_rt.cuda.ops.kda_prefill import kda_prefill
 
-    rng = np.random.default_rng(0)
-    lengths = [seqlen] * num_seqs
-    inp = make_inputs(rng, [1] * num_seqs, num_heads, num_slots=num_seqs)  # small host pools, then big device inputs
-    dev = upload(inp)
-    T, P = num_seqs * seqlen, num_heads * K
-    for name, cols in (("qkv", 3 * P), ("f", P), ("gate", P)):
-        dev[name] = cupy.random.standard_normal((T, cols), dtype=np.float32).astype(BF16)
-    dev["b"] = cupy.random.standard_normal((T, num_heads), dtype=np.float32).astype(BF16)
-    dev["cu_seqlens"] = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    out = run_op(kda_prefill, dev, num_heads)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        run_op(kda_prefill, dev, num_heads, out=out)
-    stop.record()
-    stop.synchronize()
-    ms = cupy.cuda.get_elapsed_time(start, stop) / iters
-    print(f"kda_prefill {num_seqs}x{seqlen} H{num_heads}: {ms:.3f} ms, {T / ms / 1e3:.2f} M tok/s")
+@pytest.mark.parametrize("lengths, num_heads, gates, columns", CASES, ids=[_case_id(c) for c in CASES])
+def test_kda_prefill(lengths, num_heads, gates, columns):
+    _run(lengths, num_heads, gates, columns, seed=sum(lengths) * num_heads + len(gates))
+
+
+def test_kda_prefill_long():
+    """One 32K-token sequence with a nonzero initial state: errors per 2048-token window show drift."""
+    _run([32768], 2, "normal", None, seed=32768, windows=True, fresh=[False])
+    _run([32768 - 5, 5], 2, "bursty", None, seed=32769, windows=True, fresh=[False, True])
 
 
 if __name__ == "__main__":
-    import sys
-
     for case in CASES:
         test_kda_prefill(*case)
-    if "--bench" in sys.argv:
-        bench_prefill(1, 2048)
-        bench_prefill(8, 2048)
+    test_kda_prefill_long()

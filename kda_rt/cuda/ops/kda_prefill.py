@@ -1,8 +1,10 @@
 """Launcher for kernels_cu/kda_prefill.cu: KDA over a varlen flat batch (chunked WY form, chunk 64).
 
-Two launches: kda_prefill_prep (conv + SiLU, l2norm, gate, beta -> fp32 workspace [H, T, K]) and
-kda_prefill_chunk (one CTA per (head, sequence) walking its chunks with the state in shared memory;
-it also writes the conv and recurrent state back to the slots).  Runs eagerly: allocates workspace.
+Three launches: kda_prefill_intra (grid over (chunk, head): conv, l2norm, gates, beta and every
+chunk-local product -> bf16 workspace), kda_prefill_state (grid over (state column block, head,
+sequence): the sequential state recurrence and the output O, also the conv and recurrent slot
+writes), kda_prefill_norm (gated RMSNorm in place).  Runs eagerly: allocates its workspace
+(~1.1 KB per token and head, bf16).
 """
 
 from __future__ import annotations
@@ -15,28 +17,38 @@ from kda_rt.cuda.ops.kda_decode import check_kda_args
 
 __all__ = ["kda_prefill"]
 
-_CHUNK, _SUB = 64, 16  # tokens per chunk, rows per gate sub-block (as fla)
-_THREADS = 256  # kda_prefill_chunk's thread maps are written for 256 threads
-_ROW_PAD = 4  # floats after each chunk-tile row: rows tx + 16j then hit distinct 16-byte bank groups
+_CHUNK = 64  # tokens per chunk (the kernels' thread maps are written for 64)
+_INTRA_THREADS = 256
 
 
-def _constants(head_dim: int, conv_w: int) -> dict[str, int]:
-    """The -D constants of kda_prefill.cu (the cache key of both kernels)."""
-    return dict(HEAD_DIM=head_dim, CONV_W=conv_w, CHUNK=_CHUNK, SUB=_SUB, LD=head_dim + _ROW_PAD, THREADS=_THREADS)
+def _intra_smem_bytes(K: int, L: int) -> int:
+    """The IN_* plan of kda_prefill.cu: 5 bf16 [L][K+8] tiles, 10 scaled-key sub-tiles, Lam and
+    A_kk fp32, gate tables, T-solve scratch, beta and norms."""
+    num_sub, tile = L // 16, L * (K + 8) * 2
+    num_pairs, num_cross = num_sub * (num_sub + 1) // 2, num_sub * (num_sub - 1) // 2
+    return (5 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4 + L * (L + 4) * 4
+            + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 3 * L * 4 + 16)
 
 
-def _chunk_smem_bytes(c: dict[str, int]) -> int:
-    """The SM_* plan of kda_prefill.cu: state, 4 padded chunk tiles, A, gate tables, beta (fp32)."""
-    K, L, num_sub = c["HEAD_DIM"], c["CHUNK"], c["CHUNK"] // c["SUB"]
-    gate_rows = num_sub * (num_sub - 1) // 2 + 2 * num_sub  # cross-block offsets, first-row G, later sums
-    return 4 * (K * K + 4 * L * c["LD"] + L * L + gate_rows * K + L)
+def _state_smem_bytes(K: int, L: int, vb: int) -> int:
+    """The ST_* plan: W, qg, kd [L][K+8] and A_qk [L][L+8] bf16, then U, V_new [L][vb+8] and S [K][vb+8]."""
+    return 3 * L * (K + 8) * 2 + L * (L + 8) * 2 + (2 * L + K) * (vb + 8) * 2
+
+
+def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
+    """State columns per kda_prefill_state CTA: narrow when few (head, sequence) pairs must fill
+    the GPU (one long prompt), wide when there are many (less re-reading of W, qg, kd).
+    Measured on the H200 by tests/gpu/bench_kda_prefill.py."""
+    pairs = num_seqs * num_heads
+    return 16 if pairs <= 64 else 32 if pairs <= 512 else 64
 
 
 def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
-                state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None):
+                state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
+                state_columns: int | None = None):
     """Sequences of any length >= 1 (cu_seqlens [B+1]); updates the slots' conv and recurrent state in
-    place and returns out [T, P] bf16.  `max_seqlen` is accepted for interface symmetry and unused
-    (the chunk grid is (H, B); each CTA loops over its own chunks)."""
+    place and returns out [T, P] bf16.  `max_seqlen` is accepted for interface symmetry and unused;
+    `state_columns` overrides the state-kernel width (16, 32, 64 or 128; benchmarks)."""
     import cupy
 
     out = cupy.empty(f.shape, dtype=BF16) if out is None else out
@@ -44,16 +56,24 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
                              context_lens, state_slots, num_heads, head_dim, out)
     if T == 0 or B == 0:
         return out
-    work = cupy.empty((4, num_heads, T, head_dim), dtype=np.float32)  # q, k, v, g (log2) per head
-    beta = cupy.empty((num_heads, T), dtype=np.float32)
-    consts = _constants(head_dim, W)
-    prep = get_kernel("kda_prefill.cu", "kda_prefill_prep", **consts)
-    prep((T, num_heads), (head_dim,), (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens,
-                                       context_lens, state_slots, work[0], work[1], work[2], work[3], beta, i32(T),
-                                       i32(B), i32(num_heads)), stream=stream)
-    smem = _chunk_smem_bytes(consts)
-    chunk = get_kernel("kda_prefill.cu", "kda_prefill_chunk", max_dynamic_smem=smem, **consts)
-    chunk((num_heads, B), (_THREADS,), (work[0], work[1], work[2], work[3], beta, qkv, gate, o_norm_w, conv_pool,
-                                        rec_pool, cu_seqlens, context_lens, state_slots, out, i32(T), i32(num_heads),
-                                        f32(eps)), shared_mem=smem, stream=stream)
+    K, L = head_dim, _CHUNK
+    num_chunks = B + T // L  # chunk ids: b + cu_seqlens[b] // L + j (kda_prefill.cu's header)
+    vb = state_columns or _state_columns(B, num_heads, K)
+    qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
+    a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
+    g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
+    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=L, VB=vb)
+    smem = _intra_smem_bytes(K, L)
+    intra = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
+    intra((num_chunks, num_heads), (_INTRA_THREADS,),
+          (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
+           qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads)), shared_mem=smem, stream=stream)
+    smem = _state_smem_bytes(K, L, vb)
+    state = get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=smem, **consts)
+    state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
+          (qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, qkv, conv_pool, rec_pool, cu_seqlens, context_lens,
+           state_slots, out, i32(num_heads)), shared_mem=smem, stream=stream)
+    norm = get_kernel("kda_prefill.cu", "kda_prefill_norm", **consts)
+    rows = T * num_heads
+    norm(((rows * 16 + 255) // 256,), (256,), (gate, o_norm_w, out, i32(rows), f32(eps)), stream=stream)
     return out
