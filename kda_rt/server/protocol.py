@@ -15,11 +15,15 @@ Output constraints (those and response_format json_object / json_schema) become 
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 import msgspec
 
 from kda_rt.sampler.params import SamplingParams, StructuredOutputsParams
+from kda_rt.text.tool_parser import tool_call_grammar
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidRequest", "StreamOptions",
            "TokenizeRequest", "chat_payload", "completion_payload", "decode_body", "error_body"]
@@ -293,10 +297,32 @@ def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _tool_grammar(grammar: str) -> dict[str, Any] | None:
+    """The structured-output spec forcing the tool calls, checked (a bad `parameters` schema is a 400);
+    None without llguidance (then only the prompt prefix forces the call, once logged)."""
+    from kda_rt.engine.structured import grammar_of
+
+    spec = StructuredOutputsParams(grammar=grammar)
+    try:
+        grammar_of(spec, "tools[].function.parameters")
+    except ValueError as exc:
+        if "llguidance" in str(exc) and "not installed" in str(exc):
+            if not _warned_no_llguidance:
+                _warned_no_llguidance.append(True)
+                logger.warning("tool_choice required / named: llguidance is not installed, so the call's "
+                               "arguments are not constrained to the schema (%s)", exc)
+            return None
+        raise InvalidRequest(str(exc)) from None
+    return spec.to_dict()
+
+
+_warned_no_llguidance: list[bool] = []
+
+
 def _tool_mode(req: ChatCompletionRequest, auto_tools: bool) -> dict[str, Any] | None:
     """How the output is read for tool calls: None (plain text), or {"max_calls", "forced_name",
-    "required"}.  `required` and a named function are forced by the prompt prefix the engine adds
-    (the arguments are not constrained yet: that needs structured outputs)."""
+    "required"}.  `required` and a named function are forced by the prompt prefix the engine adds, and
+    the arguments by a grammar of the tools' `parameters` schemas (`tool_call_grammar`)."""
     names = []
     for k, tool in enumerate(req.tools or []):
         fn = tool.get("function")
@@ -359,6 +385,12 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[s
     tool_mode = _tool_mode(req, auto_tools)
     if tool_mode is not None:
         params["skip_special_tokens"] = False
+        grammar = tool_call_grammar(req.tools, tool_mode)
+        if grammar is not None:  # required / a named function: the arguments follow each schema
+            if params["structured_outputs"] is not None:
+                raise InvalidRequest("tool_choice 'required' or a named function constrains the output itself; "
+                                     "it cannot be combined with response_format or structured_outputs")
+            params["structured_outputs"] = _tool_grammar(grammar)
     return {"messages": messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
             "add_generation_prompt": req.add_generation_prompt, "params": params, "tool_mode": tool_mode,
             "prompt_logprobs": req.prompt_logprobs}

@@ -15,12 +15,13 @@ reads a whole output; `ToolCallStream` turns text deltas into content deltas and
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CALL_BEGIN", "CALL_END", "ARG_BEGIN", "SECTION_BEGIN", "SECTION_END", "ToolCall", "ToolCallStream",
-           "forced_prefix", "parse_tool_calls", "tool_prefix_ids"]
+           "forced_prefix", "parse_tool_calls", "tool_call_grammar", "tool_prefix_ids"]
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -177,3 +178,31 @@ def tool_prefix_ids(tokenizer, tool_mode: dict[str, Any] | None) -> list[int]:
     if tool_mode.get("forced_name"):
         return [section, call, *tokenizer.encode(f"functions.{tool_mode['forced_name']}:0"), arg]
     return [section, call, *tokenizer.encode("functions.")]
+
+
+# JSON arguments on one line, as the structured-output engine writes JSON (kda_rt/engine/structured.py)
+_ARGS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], tool_mode: dict[str, Any]) -> str | None:
+    """The Lark grammar (llguidance: `<|name|>` is a special token, `%json` a JSON schema) of what
+    follows `forced_prefix` for tool_choice `required` or a named function: each call's arguments
+    must match its function's `parameters` schema, then the calls and the section close.  None for
+    other modes.  `required`: one call, or several when parallel calls are allowed."""
+    if not tool_mode or not (tool_mode.get("forced_name") or tool_mode.get("required")):
+        return None
+    schemas = {}
+    for tool in tools:
+        fn = tool["function"]
+        schema = dict(fn.get("parameters") or {"type": "object"})
+        schema.setdefault("x-guidance", _ARGS_STYLE)
+        schemas[fn["name"]] = schema
+    if tool_mode.get("forced_name"):
+        name = tool_mode["forced_name"]
+        return (f"start: args {CALL_END} {SECTION_END}\n"
+                f"args: %json {json.dumps(schemas[name])}\n")
+    lines = [f"call_{i}: {json.dumps(name + ':')} IDX {ARG_BEGIN} args_{i} {CALL_END}\nargs_{i}: %json {json.dumps(s)}"
+             for i, (name, s) in enumerate(schemas.items())]
+    more = f' ({CALL_BEGIN} "functions." call)*' if tool_mode.get("max_calls") is None else ""
+    return "\n".join([f"start: call{more} {SECTION_END}", "call: " + " | ".join(f"call_{i}" for i in range(len(lines))),
+                      *lines, "IDX: /[0-9]{1,3}/"]) + "\n"
