@@ -14,7 +14,8 @@
 // Grid: (H, B), one CTA per (head, sequence); token b belongs to sequence b (T == B).
 // Block: 256 threads = 8 warps.  Threads 0..K-1 do the per-channel prologue for channel tid; for the
 // state, warp w owns key rows [16w, 16w+16) and lane l value columns [4l, 4l+4), so every row is
-// read and written once as 32 coalesced 16-byte vectors.
+// read and written once as 32 coalesced 16-byte vectors.  The state loads are issued before the
+// prologue, so its dependent loads and reductions overlap them instead of preceding them.
 // Shapes: qkv [B, 3P] bf16; f, gate [B, P] bf16; b [B, ldb] bf16 (column h); conv_w [3P, W] fp32;
 // A_log [H], dt_bias [P], o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16 (oldest first);
 // rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32; out [B, P] bf16.
@@ -51,6 +52,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) kda_decode_step(
     const bool fresh = context_lens[seq] == 0;
     const size_t slot = (size_t)state_slots[seq];
 
+    // ---- the state rows first: their 64 KB per CTA are in flight while the prologue runs
+    float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K) + lane;
+    const int row0 = warp * ROWS_PER_WARP;
+    float4 s[ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
+
     // ---- prologue: conv step (and conv-state shift), gate, l2norm statistics
     float y[3] = {0.f, 0.f, 0.f};
     if (tid < K) {
@@ -81,11 +89,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) kda_decode_step(
     __syncthreads();
 
     // ---- state sweep: decay, partial S^T k and S^T q over this warp's rows
-    float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K) + lane;
-    const int row0 = warp * ROWS_PER_WARP;
-    float4 s[ROWS_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < ROWS_PER_WARP; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
     float4 pr = make_float4(0.f, 0.f, 0.f, 0.f), po = pr;
 #pragma unroll
     for (int i = 0; i < ROWS_PER_WARP; ++i) {

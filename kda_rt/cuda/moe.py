@@ -94,8 +94,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         return out
     ws = {name: cupy.ndarray(shape, dtype, memptr=workspace.data + off)
           for (name, shape, dtype), off in zip(parts, offs, strict=True)}
-    # prefill-sized steps (enough rows per expert): shared-memory tiled GEMM with BM-row tiles;
-    # decode-sized: the weight-stationary kernel with 8-32 row tiles
+    # the shared-memory tiled GEMM with BM = 128 / 64 / 16-row tiles by the rows per expert; the
+    # weight-stationary kernel only where no tile fits (D, I) (small test shapes)
     bm = prefill_tile_rows(T * A, E, D, inter)
     gemm = moe_gemm_tc if bm else moe_gemm
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],

@@ -16,9 +16,9 @@ from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["TileConfig", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
 
-# Average rows per touched expert from which steps use this kernel (H200, E=256, D=2304, I=1024:
-# at 4 rows it already streams the weights at 4.0 TB/s, 1.4x faster than moe_gemm.py; below that
-# the decode kernel, unmeasured against this one there, is kept) ...
+# Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
+# which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
+# tests/gpu/bench_moe_decode.py) ...
 MIN_AVG_ROWS = 4
 # ... and from which the CTA tile is 128 rows instead of 64 (H200: 128 wins from 64 rows on).
 BIG_TILE_AVG_ROWS = 48
@@ -43,8 +43,10 @@ class TileConfig(NamedTuple):
 # Chosen on H200 from the sweep of tests/gpu/bench_moe_gemm.py (candidates in test_moe_gemm_tc.py)
 _BIG = TileConfig(128, 128, 64, 3, 2, 2, 2)  # warp tile 64 x 64, 108 KB smem, 218 registers: 2 CTAs per SM
 _SMALL = TileConfig(64, 128, 64, 4, 2, 2, 2)  # warp tile 32 x 64, 108 KB smem, 138 registers: 2 CTAs per SM
-# decode: one m16 row tile per CTA, the weights streamed through 4 stages (83 KB smem, 62 registers)
-_DECODE = TileConfig(16, 128, 64, 4, 1, 4, 2)
+# decode: one m16 row tile per CTA, the weights streamed through 6 stages (124 KB smem, 63 registers);
+# H200, E=256 top-8 D=2304 I=1024 (bench_moe_decode.py), gate/up | down: batch 1 25 | 21 us, batch 32
+# with 66 experts touched 164 | 90 us (3.8 | 3.5 TB/s), batch 128 586 | 300 us (4.0 | 3.9 TB/s)
+_DECODE = TileConfig(16, 128, 64, 6, 1, 4, 2)
 
 
 def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
@@ -66,11 +68,9 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool) -> TileConfig | Non
 
 
 def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int) -> int:
-    """BM for a step of num_pairs (token, expert) rows, or 0: decode-sized, or no tile fits (D, I)."""
+    """BM for a step of num_pairs (token, expert) rows (16 at decode sizes), or 0 when no tile fits (D, I)."""
     avg = num_pairs / max(1, min(num_experts, num_pairs))
-    if avg < MIN_AVG_ROWS:
-        return 0
-    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64
+    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= MIN_AVG_ROWS else 16
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
     return bm if ok else 0
 
