@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=32, help="number of requests")
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--also", default="",
+                    help="more workloads on the same engine after the first, as BATCH:INPUT:OUTPUT[,...] "
+                         "(one JSON line each; saves loading the model again)")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first run too (by default a short run of the same batch size first compiles "
                          "kernels and captures the decode graphs)")
@@ -176,19 +179,20 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     return out
 
 
-def floors(config: ModelConfig, args, report: dict, touched: dict[int, float] | None) -> dict:
-    """The decode bytes floor (from the experts routed in the run) and the prefill FLOPs floor, with
-    the measured / floor ratios; one summary line on stderr."""
+def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None) -> dict:
+    """The decode bytes floor (from the experts routed in the run) and the prefill FLOPs floor of a
+    (batch, input, output) run, with the measured / floor ratios; one summary line on stderr."""
     from kda_rt.floors import decode_floor, prefill_floor
 
-    dec = decode_floor(config, args.batch, args.input_len + args.output_len / 2, touched or None)
-    pre = prefill_floor(config, [args.input_len] * args.batch)
+    batch, input_len, output_len = shape
+    dec = decode_floor(config, batch, input_len + output_len / 2, touched or None)
+    pre = prefill_floor(config, [input_len] * batch)
     step = report["decode_step_s_mean"]
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
            "decode_floor_ms": dec["seconds"] * 1e3, "decode_floor_gb": dec["bytes"] / 1e9,
            "decode_ratio": step / dec["seconds"] if step else None,
            "prefill_floor_s": pre["seconds"], "ttft_max_ratio": report["ttft_s_max"] / pre["seconds"]}
-    print(f"decode step {step * 1e3 if step else float('nan'):.2f} ms, floor {out['decode_floor_ms']:.2f} ms "
+    print(f"{batch} x {input_len} / {output_len}: decode step {step * 1e3 if step else float('nan'):.2f} ms, floor {out['decode_floor_ms']:.2f} ms "
           f"({out['decode_floor_gb']:.1f} GB, {out['experts_per_moe_layer']} experts per MoE layer "
           f"{'counted' if touched else 'estimated'}) -> {out['decode_ratio'] or float('nan'):.2f}x; "
           f"TTFT max {report['ttft_s_max']:.3f} s, prefill floor {pre['seconds']:.3f} s -> "
@@ -202,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.config and not args.random_weights:
         ap.error("--config needs --random-weights (there is no checkpoint to load)")
-    if min(args.batch, args.input_len, args.output_len) < 1:
-        ap.error("--batch, --input-len and --output-len must be >= 1")
+    try:
+        shapes = [(args.batch, args.input_len, args.output_len)] + [
+            tuple(int(v) for v in item.split(":")) for item in args.also.split(",") if item.strip()]
+    except ValueError:
+        ap.error(f"--also takes BATCH:INPUT:OUTPUT[,...], got {args.also!r}")
+    if any(len(sh) != 3 or min(sh) < 1 for sh in shapes):
+        ap.error("--batch, --input-len and --output-len (and each --also workload) must be >= 1")
     from kda_rt.demo.presets import PRESETS
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
@@ -223,33 +232,29 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         weights = (random_weights(model_config, args.seed, router_bias_std=args.router_bias_std) if args.random_weights
                    else load_checkpoint(args.model, model_config))
-        engine_config = EngineConfig.from_cli_args(args, max_num_seqs=args.max_num_seqs or args.batch)
+        engine_config = EngineConfig.from_cli_args(args, max_num_seqs=args.max_num_seqs or max(b for b, _, _ in shapes))
         engine = build_engine(model_config, weights, engine_config)
         load_s = time.perf_counter() - t0
-        if not args.no_warmup:
-            run_bench(engine, args.batch, min(args.input_len, 64), min(args.output_len, 4), args.seed + 1)
         count = getattr(engine.runner, "experts_touched", None)
-        if count is not None:
-            count(reset=True)
-        report = run_bench(engine, args.batch, args.input_len, args.output_len, args.seed)
-        report.update(floors(model_config, args, report, count(reset=True) if count is not None else None))
-        if args.profile:
-            if engine.runner.name != "cuda":
-                raise ValueError("--profile needs the cuda backend (CUDA events)")
-            report["profile"] = profile_steps(engine, args.batch, args.input_len, args.seed + 2)
+        for k, (batch, input_len, output_len) in enumerate(shapes):
+            if not args.no_warmup:
+                run_bench(engine, batch, min(input_len, 64), min(output_len, 4), args.seed + 1)
+            if count is not None:
+                count(reset=True)
+            report = run_bench(engine, batch, input_len, output_len, args.seed)
+            report.update(floors(model_config, (batch, input_len, output_len), report,
+                                 count(reset=True) if count is not None else None))
+            if args.profile and k == 0:
+                if engine.runner.name != "cuda":
+                    raise ValueError("--profile needs the cuda backend (CUDA events)")
+                report["profile"] = profile_steps(engine, batch, input_len, args.seed + 2)
+            line = {"backend": engine.runner.name, "model": os.fspath(args.model) if args.model else None,
+                    "config": args.config, "args": vars(args), "workload": [batch, input_len, output_len],
+                    "load_s": load_s, **report, "peak_memory_bytes": engine.runner.peak_memory_bytes()}
+            print(json.dumps(line), flush=True)
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    line = {
-        "backend": engine.runner.name,
-        "model": os.fspath(args.model) if args.model else None,
-        "config": args.config,
-        "args": vars(args),
-        "load_s": load_s,
-        **report,
-        "peak_memory_bytes": engine.runner.peak_memory_bytes(),
-    }
-    print(json.dumps(line))
     return 0
 
 
