@@ -16,10 +16,10 @@ for mode in "$@"; do
       | cut -c1-300
     grep -E "^[0-9]+ x [0-9]+ / [0-9]+: decode" $OUT/bench_full_err.txt
   elif [ "$mode" = peer ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla ${WHL:-.whl}/*.whl
     for shape in "32 2048 64" "1 2048 64"; do
       set -- $shape
-      PYTHONPATH=/tmp/fla timeout ${BENCH_TIMEOUT:-300} python .whl/peer_transformers.py --layers 27 --batch $1 \
+      PYTHONPATH=/tmp/fla timeout ${BENCH_TIMEOUT:-300} python ${WHL:-.whl}/peer_transformers.py --layers 27 --batch $1 \
         --input $2 --output $3 2>>$OUT/peer_err.txt | tail -1 | tee -a $OUT/bench_full.jsonl
     done
   fi
