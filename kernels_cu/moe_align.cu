@@ -10,18 +10,21 @@
 //   tiles           = for each expert, ceil(counts[e] / BT) tiles of BT rows, in expert order:
 //                     tile_expert[i] = e, tile_row[i] = first sorted row;  num_tiles[0] = total
 //   sorted_pair[r]  = p and pair_pos[p] = r, r in [expert_off[e], expert_off[e+1])
-//   stats (may be null): stats[0] += #{e : counts[e] > 0} (experts this call touched), stats[1] += 1,
+//   SHARED_A = A > 0 (the shared expert rides in the expert stacks as expert E - 1): every token has
+//   A + 1 pairs p = t·(A+1) + k, pair k = A goes to expert E - 1 and pair k < A to ids[t·A + k].
+//   stats (may be null): stats[0] += #{e : counts[e] > 0} (routed experts this call touched), stats[1] += 1,
 //   so a caller can average the experts actually routed per step (the decode bytes floor).
 //   The order of pairs inside one expert's rows depends on atomics, but every row of the
 //   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
 //   fixed k order, so the block output is bitwise deterministic all the same.
 // moe_combine — grid (T), block THREADS: out[t, :] = bf16( shared[t, :] + Σ_k w[t, k] · y[pair_pos[t·A + k], :] )
-//   fp32 sum in k order; `shared` (fp32, the shared expert's output) only when HAS_SHARED.
+//   fp32 sum in k order; `shared` (fp32, the shared expert's output) only when HAS_SHARED = 1; with
+//   HAS_SHARED = 2 the shared expert's row is y[pair_pos[t·(A+1) + A]] (SHARED_A bucketing).
 // Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
 //   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
 //   y [N, D] fp32; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
-// Compile-time constants: E (≤ 1024), BT, BUCKET_THREADS (bucket); D (multiple of 4), A, THREADS,
-// HAS_SHARED (combine).
+// Compile-time constants: E (≤ 1024 bins), BT, BUCKET_THREADS, SHARED_A (bucket); D (multiple of 4), A,
+// THREADS, HAS_SHARED (combine).
 #include "common.cuh"
 
 #if defined(BT) && !defined(BUCKET_THREADS)
@@ -66,7 +69,21 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_tot, int* t
 #ifdef BT
 // moe_route never produces an id outside [0, E); clamping anyway keeps every later index in
 // bounds whatever the ids buffer holds (a memory fault would poison the whole CUDA context)
-__device__ __forceinline__ int clamp_expert(int e) { return min(max(e, 0), E - 1); }
+#ifndef SHARED_A
+#define SHARED_A 0
+#endif
+#define ROUTED (SHARED_A ? E - 1 : E)  // routed experts; bin E - 1 is the shared expert when SHARED_A
+__device__ __forceinline__ int clamp_expert(int e) { return min(max(e, 0), ROUTED - 1); }
+
+// expert of pair p (see SHARED_A above)
+__device__ __forceinline__ int expert_of(const int* __restrict__ ids, int p) {
+#if SHARED_A
+    const int k = p % (SHARED_A + 1);
+    return k == SHARED_A ? E - 1 : clamp_expert(ids[(p / (SHARED_A + 1)) * SHARED_A + k]);
+#else
+    return clamp_expert(ids[p]);
+#endif
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -81,7 +98,7 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
     const int tid = threadIdx.x;
     for (int e = tid; e < E; e += BUCKET_THREADS) { count_sh[e] = 0; fill_sh[e] = 0; }
     __syncthreads();
-    for (int p = tid; p < num_pairs; p += BUCKET_THREADS) atomicAdd(&count_sh[clamp_expert(ids[p])], 1);
+    for (int p = tid; p < num_pairs; p += BUCKET_THREADS) atomicAdd(&count_sh[expert_of(ids, p)], 1);
     __syncthreads();
     const int cnt = tid < E ? count_sh[tid] : 0;
     const int ntile = (cnt + BT - 1) / BT;
@@ -101,13 +118,13 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
         num_tiles[0] = total_tiles;
     }
     if (stats != nullptr) {  // experts touched by this call: one atomic per warp
-        const int touched = __popc(__ballot_sync(0xffffffffu, cnt > 0));
+        const int touched = __popc(__ballot_sync(0xffffffffu, cnt > 0 && tid < ROUTED));
         if ((tid & 31) == 0 && touched) atomicAdd(stats, touched);
         if (tid == 0) atomicAdd(stats + 1, 1);
     }
     __syncthreads();
     for (int p = tid; p < num_pairs; p += BUCKET_THREADS) {
-        const int e = clamp_expert(ids[p]);
+        const int e = expert_of(ids, p);
         const int r = off_sh[e] + atomicAdd(&fill_sh[e], 1);
         sorted_pair[r] = p;
         pair_pos[p] = r;
@@ -119,18 +136,19 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
             const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {
-    __shared__ int pos_sh[A];
+    __shared__ int pos_sh[A + 1];
     __shared__ float w_sh[A];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
-    if (threadIdx.x < A) {
-        pos_sh[threadIdx.x] = pair_pos[t * A + threadIdx.x];
-        w_sh[threadIdx.x] = w[t * A + threadIdx.x];
-    }
+    constexpr int PAIRS = HAS_SHARED == 2 ? A + 1 : A;  // pairs per token in pair_pos
+    if (threadIdx.x < PAIRS) pos_sh[threadIdx.x] = pair_pos[t * PAIRS + threadIdx.x];
+    if (threadIdx.x < A) w_sh[threadIdx.x] = w[t * A + threadIdx.x];
     __syncthreads();
     for (int c = threadIdx.x * 4; c < D; c += THREADS * 4) {
-#if HAS_SHARED
+#if HAS_SHARED == 1
         float4 acc = *reinterpret_cast<const float4*>(shared + (size_t)t * D + c);
+#elif HAS_SHARED == 2
+        float4 acc = *reinterpret_cast<const float4*>(y + (size_t)pos_sh[A] * D + c);
 #else
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #endif

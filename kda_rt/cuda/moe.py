@@ -35,14 +35,17 @@ __all__ = ["moe_forward", "moe_workspace_bytes"]
 _ALIGN = 256
 
 
-def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
+            fused: bool = False) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     E, A = cfg.num_experts, cfg.top_k
-    N, tiles = T * A, max_tiles(T * A, cfg.num_experts, 8)  # BT = 8 gives the most tiles
+    bins = E + 1 if fused else E  # fused: the shared expert is bin E, every token has A + 1 pairs
+    N = T * (A + 1) if fused else T * A
+    tiles = max_tiles(N, bins, 8)  # BT = 8 gives the most tiles
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-    parts = [("logits", (T, E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (E + 1,), i32),
+    parts = [("logits", (T, E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
              ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), f32)]
-    if inter_s:
+    if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
     return parts
 
@@ -55,10 +58,10 @@ def _offsets(parts) -> tuple[list[int], int]:
     return offs, pos
 
 
-def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int = 0) -> int:
+def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int = 0, fused: bool = False) -> int:
     """Bytes of the uint8 workspace moe_forward needs for T tokens: D hidden, `inter` = I expert width,
-    `inter_s` = Is shared width (0: no shared expert)."""
-    return _offsets(_layout(T, cfg, D, inter, inter_s))[1]
+    `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks."""
+    return _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
 
 
 def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, stream=None):
@@ -73,16 +76,20 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
 
     T, D = expect(x, "x", ndim=2, dtype=BF16)
     E, A = cfg.num_experts, cfg.top_k
-    _, two_i, _ = expect(w13, "w13", shape=(E, None, D), dtype=BF16)
+    fused = w.shared_in_stack  # the shared expert is expert E of the stacks: one more pair per token
+    stacked = E + 1 if fused else E
+    _, two_i, _ = expect(w13, "w13", shape=(stacked, None, D), dtype=BF16)
     inter = two_i // 2
-    expect(w2, "w2", shape=(E, D, inter), dtype=BF16)
+    expect(w2, "w2", shape=(stacked, D, inter), dtype=BF16)
+    if fused and (w.shared is None or w.shared.down.shape != (D, inter)):
+        raise ValueError("moe_forward: shared_in_stack needs one shared expert of the experts' width")
     if (shared_w13 is None) != (shared_w2 is None) or (shared_w13 is None) != (cfg.num_shared_experts == 0):
         raise ValueError("moe_forward: give both shared expert weights exactly when cfg.num_shared_experts > 0")
     inter_s = 0
     if shared_w13 is not None:
         inter_s = expect(shared_w13, "shared_w13", shape=(None, D), dtype=BF16)[0] // 2
         expect(shared_w2, "shared_w2", shape=(D, inter_s), dtype=BF16)
-    parts = _layout(T, cfg, D, inter, inter_s)
+    parts = _layout(T, cfg, D, inter, inter_s, fused)
     offs, nbytes = _offsets(parts)
     workspace = cupy.empty(nbytes, dtype=np.uint8) if workspace is None else workspace
     expect(workspace, "workspace", ndim=1, dtype=np.uint8)
@@ -96,18 +103,22 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
           for (name, shape, dtype), off in zip(parts, offs, strict=True)}
     # the shared-memory tiled GEMM with BM = 128 / 64 / 16-row tiles by the rows per expert; the
     # weight-stationary kernel only where no tile fits (D, I) (small test shapes)
-    bm = prefill_tile_rows(T * A, E, D, inter)
+    pairs = A + 1 if fused else A
+    bm = prefill_tile_rows(T * pairs, stacked, D, inter)
     gemm = moe_gemm_tc if bm else moe_gemm
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
-                   ws["num_tiles"], bm or tile_rows_for(T * A, E))
+                   ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else nullcontext():
         moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                   renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights,
                   out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], stream=stream)
-        moe_bucket(ws["ids"], E, plan, stats=stats, stream=stream)
-        gemm(x, w13, plan, top_k=A, fuse_silu=True, out=ws["h"], stream=stream)
-        gemm(ws["h"], w2, plan, top_k=A, fuse_silu=False, out=ws["y"], stream=stream)
+        moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, stream=stream)
+        gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
+        gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None
+        if fused:
+            moe_combine(ws["y"], plan.pair_pos, ws["w"], shared_in_y=True, out=out, stream=stream)
+            return out
         if inter_s:
             linear(x, shared_w13, out=ws["gu_s"])
             silu_mul(ws["gu_s"], out=ws["h_s"], stream=stream)

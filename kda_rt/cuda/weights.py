@@ -65,9 +65,12 @@ class DeviceMLP:
 class DeviceMoE:
     router: Any  # [E, D] fp32
     bias: Any  # [E] fp32
-    w13: Any  # [E, 2M, D] experts' w1 | w3
+    w13: Any  # [E, 2M, D] experts' w1 | w3 ([E + 1, ...] when shared_in_stack)
     w2: Any  # [E, D, M]
     shared: DeviceMLP | None
+    # the shared expert (one, of width M) is expert E of w13 / w2 (`shared` holds views of it), so the
+    # grouped GEMMs compute it with the routed experts (one more pair per token, weight 1)
+    shared_in_stack: bool = False
 
 
 @dataclass
@@ -131,8 +134,14 @@ def _mlp(up: Uploader, w: MLPWeights) -> DeviceMLP:
 
 
 def _moe(up: Uploader, w: MoEWeights) -> DeviceMoE:
-    return DeviceMoE(router=_put(up, w.gate, F32), bias=_put(up, w.e_score_correction_bias, F32),
-                     w13=_put(up, w.w13), w2=_put(up, w.w2), shared=_mlp(up, w.shared) if w.shared is not None else None)
+    router, bias = _put(up, w.gate, F32), _put(up, w.e_score_correction_bias, F32)
+    if w.shared is not None and w.shared.gate.shape == w.experts[0].gate.shape:  # one shared expert of width M
+        stacks = MoEWeights(w.gate, w.e_score_correction_bias, [*w.experts, w.shared], None)
+        w13, w2 = _put(up, stacks.w13), _put(up, stacks.w2)
+        E = len(w.experts)
+        return DeviceMoE(router, bias, w13, w2, DeviceMLP(w13[E], w2[E]), shared_in_stack=True)
+    return DeviceMoE(router=router, bias=bias, w13=_put(up, w.w13), w2=_put(up, w.w2),
+                     shared=_mlp(up, w.shared) if w.shared is not None else None)
 
 
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,

@@ -83,10 +83,20 @@ def make_block(T, D, inter, inter_s, cfg, seed):
     return x, gpu, numpy_weights(router, bias, w13, w2, s13, s2)
 
 
-def run(gpu, cfg, **kw):
+def run(gpu, cfg, fused=False, **kw):
+    """fused: the shared expert rides as expert E of the stacks (as cuda/weights.py uploads a model)."""
+    import cupy
+
     from kda_rt.cuda.moe import moe_forward
     from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
 
+    if fused:
+        if "w13_fused" not in gpu:
+            gpu["w13_fused"] = cupy.concatenate([gpu["w13"], gpu["shared_w13"][None]])
+            gpu["w2_fused"] = cupy.concatenate([gpu["w2"], gpu["shared_w2"][None]])
+        w13, w2, E = gpu["w13_fused"], gpu["w2_fused"], gpu["w13"].shape[0]
+        moe = DeviceMoE(gpu["w_router"], gpu["bias"], w13, w2, DeviceMLP(w13[E], w2[E]), shared_in_stack=True)
+        return moe_forward(gpu["x"], moe, cfg, **kw)
     shared = DeviceMLP(gpu["shared_w13"], gpu["shared_w2"]) if gpu["shared_w13"] is not None else None
     return moe_forward(gpu["x"], DeviceMoE(gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], shared), cfg, **kw)
 
@@ -104,8 +114,9 @@ CASES = {  # name: (T, D, I, Is, E, cfg kwargs)
 }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_moe_forward(name):
+def test_moe_forward(name, fused):
     import cupy
 
     from kda_rt.cuda.moe import moe_workspace_bytes
@@ -115,23 +126,26 @@ def test_moe_forward(name):
     T, D, inter, inter_s, E, kw = CASES[name]
     cfg = make_cfg(E, **kw)
     cfg = dataclasses.replace(cfg, num_shared_experts=1 if inter_s else 0, intermediate_size=inter)
+    if fused and not inter_s:
+        pytest.skip("no shared expert")
     x, gpu, params = make_block(T, D, inter, inter_s, cfg, zlib.crc32(name.encode()))
     ref = moe_ref(params, x, cfg)
     out = cupy.empty((T, D), dtype=BF16)
-    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter_s), dtype=np.uint8)
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter_s, fused), dtype=np.uint8)
     ws[...] = 0xFF  # poisoned scratch: every value the block reads must be written first
     poison(out)
-    run(gpu, cfg, out=out, workspace=ws)
+    run(gpu, cfg, fused, out=out, workspace=ws)
     got = to_np(out)
     err = rms_rel(got, ref)
     print(f"\n{name}: rms rel err {err:.2e}", end="")
     assert err <= 1e-2, f"{name}: rms rel err {err:.3e}, max abs {np.max(np.abs(got - ref)):.3e}"
-    again = run(gpu, cfg)
+    again = run(gpu, cfg, fused)
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 @pytest.mark.parametrize("T,E", [(16, 64), (512, 16)], ids=["T16-E64-decode", "T512-E16-prefill"])
-def test_moe_forward_in_cuda_graph(T, E):
+def test_moe_forward_in_cuda_graph(T, E, fused):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
     new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu."""
     import cupy
@@ -144,13 +158,14 @@ def test_moe_forward_in_cuda_graph(T, E):
     cfg = make_cfg(E)
     x, gpu, params = make_block(T, D, inter, inter, cfg, 11)
     out = cupy.empty((T, D), dtype=BF16)
-    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter), dtype=np.uint8)
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter, fused), dtype=np.uint8)
+    run(gpu, cfg, fused, out=out, workspace=ws)  # builds the fused stacks outside the capture
     stream = cupy.cuda.Stream(non_blocking=True)  # does not wait for the null stream: sync by hand
     cupy.cuda.Device().synchronize()
     with stream:
-        run(gpu, cfg, out=out, workspace=ws, stream=stream)  # warm up: compile, cuBLAS handle
+        run(gpu, cfg, fused, out=out, workspace=ws, stream=stream)  # warm up: compile, cuBLAS handle
         stream.begin_capture()
-        run(gpu, cfg, out=out, workspace=ws, stream=stream)
+        run(gpu, cfg, fused, out=out, workspace=ws, stream=stream)
         graph = stream.end_capture()
     stream.synchronize()
     x2, _, _ = make_router(T, D, cfg, 12)

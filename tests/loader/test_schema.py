@@ -163,7 +163,15 @@ def test_cuda_upload_copies_every_tensor_once(name, monkeypatch):
         else:
             E = config.moe.num_experts
             same(L.mlp.router, t[m + "gate.weight"])
-            same(L.mlp.w13, np.stack([bf16(t[m + f"experts.{e}.w1.weight"], t[m + f"experts.{e}.w3.weight"])
-                                      for e in range(E)]))
-            same(L.mlp.w2, np.stack([t[m + f"experts.{e}.w2.weight"].astype(BF16) for e in range(E)]))
+            w13 = [bf16(t[m + f"experts.{e}.w1.weight"], t[m + f"experts.{e}.w3.weight"]) for e in range(E)]
+            w2 = [t[m + f"experts.{e}.w2.weight"].astype(BF16) for e in range(E)]
+            # one shared expert of the experts' width rides as expert E of the stacks; wider ones stay apart
+            assert L.mlp.shared_in_stack == (config.moe.num_shared_experts == 1)
+            if L.mlp.shared_in_stack:
+                w13.append(bf16(t[m + "shared_experts.gate_proj.weight"], t[m + "shared_experts.up_proj.weight"]))
+                w2.append(t[m + "shared_experts.down_proj.weight"].astype(BF16))
+                same(L.mlp.shared.gate_up, w13[E])
+                same(L.mlp.shared.down, w2[E])
+            same(L.mlp.w13, np.stack(w13))
+            same(L.mlp.w2, np.stack(w2))
             assert (L.mlp.shared is None) == (config.moe.num_shared_experts == 0)

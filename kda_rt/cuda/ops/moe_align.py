@@ -34,13 +34,17 @@ def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
     return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
 
 
-def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, stream=None) -> MoEPlan:
+def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot: bool = False,
+               stream=None) -> MoEPlan:
     """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place.
-    stats: optional int32 [2] device counter: [0] += experts touched by this call, [1] += 1."""
+    stats: optional int32 [2] device counter: [0] += routed experts touched by this call, [1] += 1.
+    shared_slot: the shared expert is expert `num_experts` of the stacks: every token gets an
+    (A+1)-th pair for it (pairs t·(A+1) + k, the plan has T·(A+1) rows and num_experts + 1 bins)."""
     T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
-    N, E = T * A, num_experts
+    pairs = A + 1 if shared_slot else A
+    N, E = T * pairs, num_experts + (1 if shared_slot else 0)
     if not 1 <= E <= _BUCKET_THREADS:
-        raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS}], got {E}")
+        raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS - int(shared_slot)}], got {num_experts}")
     tiles = max_tiles(N, E, plan.tile_rows)
     for name, shape in (("expert_off", (E + 1,)), ("sorted_pair", (N,)), ("pair_pos", (N,)), ("num_tiles", (1,)),
                         ("tile_expert", (None,)), ("tile_row", (None,))):
@@ -49,31 +53,38 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, stream=None)
         raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
     if stats is not None:
         expect(stats, "stats", shape=(2,), dtype=np.int32)
-    kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows, BUCKET_THREADS=_BUCKET_THREADS)
+    kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows, BUCKET_THREADS=_BUCKET_THREADS,
+                        SHARED_A=A if shared_slot else 0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
                                       stats if stats is not None else np.uint64(0)), stream=stream)
     return plan
 
 
-def moe_combine(y, pair_pos, w, shared=None, *, out=None, stream=None):
+def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, stream=None):
     """out[t] = bf16(shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]]).
-    y: [N, D] fp32, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16."""
+    y: [N, D] fp32, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16.
+    shared_in_y: the plan was bucketed with shared_slot (N = T·(A+1)): the shared expert's row of token t
+    is y[pair_pos[t·(A+1) + A]] (then `shared` must be None)."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
 
     T, A = expect(w, "w", ndim=2, dtype=np.float32)
-    _, D = expect(y, "y", shape=(T * A, None), dtype=np.float32)
-    expect(pair_pos, "pair_pos", shape=(T * A,), dtype=np.int32)
+    pairs = A + 1 if shared_in_y else A
+    _, D = expect(y, "y", shape=(T * pairs, None), dtype=np.float32)
+    expect(pair_pos, "pair_pos", shape=(T * pairs,), dtype=np.int32)
     if shared is not None:
+        if shared_in_y:
+            raise ValueError("moe_combine: give `shared` or shared_in_y, not both")
         expect(shared, "shared", shape=(T, D), dtype=np.float32)
     if D % 4:
         raise ValueError(f"moe_combine: hidden size {D} must be a multiple of 4")
     out = cupy.empty((T, D), dtype=BF16) if out is None else out
     expect(out, "out", shape=(T, D), dtype=BF16)
     threads = min(256, -(-D // 128) * 32)
-    kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=shared is not None)
+    has_shared = 2 if shared_in_y else int(shared is not None)
+    kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared)
     if T:
         kernel((T,), (threads,), (y, pair_pos, w, shared if shared is not None else y, out, i32(T)), stream=stream)
     return out
