@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more workloads on the same engine after the first, as BATCH:INPUT:OUTPUT[,...] "
                          "(one JSON line each; saves loading the model again)")
     ap.add_argument("--no-warmup", action="store_true",
-                    help="time the first run too (by default a short run of the same batch size first compiles "
-                         "kernels and captures the decode graphs)")
+                    help="time the first run too (by default a run of the same prompts with at most 4 output "
+                         "tokens first compiles every kernel variant the run uses)")
     ap.add_argument("--profile", action="store_true",
                     help="cuda backend: after the run, time each model op of one prefill step and one (eager) "
                          "decode step with CUDA events; tables on stderr, numbers in the JSON line")
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         count = getattr(engine.runner, "experts_touched", None)
         for k, (batch, input_len, output_len) in enumerate(shapes):
-            if not args.no_warmup:
-                run_bench(engine, batch, min(input_len, 64), min(output_len, 4), args.seed + 1)
+            if not args.no_warmup:  # the same prompts: every kernel variant the run needs is compiled now
+                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1)
             if count is not None:
                 count(reset=True)
             report = run_bench(engine, batch, input_len, output_len, args.seed)

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from kda_rt import SamplingParams
-from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, chat_payload, decode_body
 from kda_rt.text.tool_parser import forced_prefix, parse_tool_calls, tool_call_grammar, tool_prefix_ids
 
 llguidance = pytest.importorskip("llguidance")
@@ -68,12 +67,17 @@ def test_required_calls_declared_functions(llm, parallel):
 
 
 def _payload(**body):
+    from kda_rt.server.protocol import ChatCompletionRequest, chat_payload, decode_body
+
     return chat_payload(decode_body(json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                 "tools": TOOLS, **body}).encode(), ChatCompletionRequest)[0],
                         auto_tools=True)
 
 
 def test_server_payload_carries_the_grammar():
+    pytest.importorskip("msgspec")  # the server extra
+    from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, chat_payload, decode_body
+
     named = _payload(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert named["params"]["structured_outputs"]["grammar"].startswith("start: args")
     assert "get_time" in _payload(tool_choice="required")["params"]["structured_outputs"]["grammar"]
