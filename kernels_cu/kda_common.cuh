@@ -26,3 +26,10 @@ __device__ __forceinline__ float kda_conv_silu(const float* __restrict__ taps, c
     u = fmaf(taps[W - 1], x, u);
     return round_bf16(silu(u));
 }
+
+// softplus(f + dt_bias): kda_log_decay without its -exp(A_log) factor, for callers that hoist that
+// factor out of a loop (-exp(a_log) * kda_softplus(f, dt_bias) == kda_log_decay(f, dt_bias, a_log))
+__device__ __forceinline__ float kda_softplus(float f, float dt_bias) {
+    const float z = f + dt_bias;
+    return z > 20.f ? z : log1pf(expf(z));
+}

@@ -4,11 +4,17 @@
 //
 // Chunks (L = CHUNK = 64 tokens, tail padded with q = k = v = g = beta = 0): chunk j of sequence b
 // has id c = b + cu_seqlens[b] / L + j.  Ids are distinct and < B + T / L, so every per-chunk
-// workspace has B + T / L tiles, found without a host-side chunk table (binary search on the id).
+// workspace has B + T / L tiles, found without a host-side chunk table (32-way search on the id).
 //
-// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 256, ~178 KB dynamic smem: one chunk
-// of one head, everything chunk-local:
-//   q, k, v = bf16(SiLU(conv)) from qkv (and the slot's conv state before the sequence start);
+// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195 KB dynamic smem
+// (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
+//   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
+//   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
+//   prefetches the rows of the tile that starts on its SM next into L2 (block id + number of SMs)
+//   q, k, v = bf16(SiLU(conv)) from qkv (and the slot's conv state before the sequence start),
+//   computed in place in the staged tiles; the SiLU quotient from one Newton step on the hardware
+//   reciprocal (within an ulp of IEEE division, before the bf16 rounding; IEEE division's slow-path
+//   call kept the compiler from overlapping rows);
 //   q^ = l2norm(q) K^-1/2, k^ = l2norm(k); g2 = log2(e) g (every decay is one exp2f); beta = sigmoid(b)
 //   A_qk[r,s] = sum_d q^_r k^_s E[r,s] (s <= r),  A_kk[r,s] = beta_r sum_d k^_r k^_s E[r,s] (s < r),
 //   E[r,s] = exp(G_r - G_s), G the inclusive in-chunk prefix sum of g
@@ -41,13 +47,19 @@
 // fla's rounding (spec §3.7), measured in tests/kernels/test_kda_prefill.py.
 // Shapes: qkv [T, 3P], f, gate [T, P], b [T, ldb] bf16; conv_w [3P, W], A_log [H], dt_bias [P],
 // o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16; rec_pool [S, H, K, V] fp32; cu_seqlens [B+1],
-// context_lens, state_slots [B] int32; out [T, P] bf16.
+// context_lens, state_slots [B] int32; out [T, P] bf16; qkv, f, conv_w, dt_bias, conv_pool 16-byte
+// aligned.
 // Compile-time constants (kda_rt/cuda/ops/kda_prefill.py): HEAD_DIM (K = V, must be 128), CONV_W
-// (W), CHUNK (L, must be 64), VB (state columns per CTA of kda_prefill_state: 16, 32, 64 or 128).
+// (W), CHUNK (L, must be 64), VB (state columns per CTA of kda_prefill_state: 16, 32, 64 or 128),
+// INTRA_THREADS (must be 512).
+// Timing: this version is NOT yet measured (its tests passed on the H200; the bench run failed to
+// import).  The 256-thread intra kernel before it, which loaded its inputs row by row (~30 dependent
+// memory round trips per thread), measured on the H200 (tests/gpu/bench_kda_prefill.py, H = 32,
+// K = V = 128, median ms): 1x2048 1.0, 8x2048 6.2, 32x2048 23.9, 1x32768 13.1, ~94 us per CTA.
 #include "kda_common.cuh"
 
-#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB)
-#error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB"
+#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
+#error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
 #if HEAD_DIM != 128 || CHUNK != 64
 #error "kda_prefill.cu: the thread maps assume HEAD_DIM == 128 and CHUNK == 64"
@@ -59,7 +71,8 @@
 #define NUM_PAIRS (NUM_SUB * (NUM_SUB + 1) / 2)    // (row block, column block <= row block)
 #define LOG2E 1.4426950408889634f
 #define DIAG_SPAN 60.f                             // log2 range of a diagonal sub-block on tensor cores
-#define INTRA_THREADS 256
+#define INTRA_WARPS (INTRA_THREADS / 32)
+#define CONV_ROWS (L * K / INTRA_THREADS)          // rows per thread of the conv / gate stage (one channel)
 #define LDB (K + 8)   // bf16 row stride of [.][K] smem tiles: 272 B, ldmatrix rows on distinct banks
 #define LDA (L + 8)   // bf16 row stride of [.][L] tiles
 #define LDF (K + 4)   // fp32 row stride of [.][K] tiles
@@ -69,6 +82,7 @@
 #define LDV (VB + 8)  // bf16 row stride of [.][VB] tiles
 
 static_assert(VB % 16 == 0 && K % VB == 0, "kda_prefill.cu: VB must be a multiple of 16 dividing K");
+static_assert(INTRA_THREADS == 512, "kda_prefill_intra: the thread maps are written for 16 warps");
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -83,6 +97,23 @@ __device__ __forceinline__ float2 unpack_bf16(unsigned u) {
 __device__ __forceinline__ void st_bf16x2(bf16* p, float lo, float hi) { *reinterpret_cast<unsigned*>(p) = pack_bf16(lo, hi); }
 __device__ __forceinline__ float2 ld_bf16x2(const bf16* p) { return unpack_bf16(*reinterpret_cast<const unsigned*>(p)); }
 
+// bf16(SiLU(conv)) as kda_conv_silu, but the quotient u / (1 + e^-u) from one Newton step on the
+// hardware reciprocal (within an ulp of IEEE division, before the bf16 rounding): IEEE division
+// compiles around a slow-path call that keeps the compiler from overlapping rows.  e^-u = inf
+// (u < -88) gives -0, as the division does.
+template <int W>
+__device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const float (&hist)[W - 1], float x) {
+    float u = 0.f;
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) u = fmaf(taps[j], hist[j], u);
+    u = fmaf(taps[W - 1], x, u);
+    const float y = 1.f + expf(-u);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    const float q0 = u * r, q = fmaf(fmaf(-y, q0, u), r, q0);
+    return round_bf16(y == __int_as_float(0x7f800000) ? 0.f * u : q);
+}
+
 // index of sub-block pair (I, J <= I) in the scaled-key tile
 __device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
 // index of the (row block I, column block J < I) pair in the gate table C
@@ -90,6 +121,21 @@ __device__ __forceinline__ constexpr int cross_index(int I, int J) { return I * 
 
 // First chunk id of sequence b (see the header): strictly increasing in b.
 __device__ __forceinline__ int chunk_base(const int* __restrict__ cu_seqlens, int b) { return b + __ldg(cu_seqlens + b) / L; }
+
+// Sequence holding chunk id cid: the largest seq with chunk_base(seq) <= cid, by a 32-way search
+// (each warp on its own, all lanes active; one step for up to 32 sequences, where a binary search
+// makes log2(B) dependent loads).
+__device__ __forceinline__ int sequence_of_chunk(const int* __restrict__ cu_seqlens, int num_seqs, int cid) {
+    const int lane = threadIdx.x & 31;
+    int seq = 0;
+    for (int hi = num_seqs; hi - seq > 1;) {
+        const int step = (hi - seq + 31) / 32, probe = seq + lane * step;
+        const unsigned ok = __ballot_sync(0xffffffffu, probe < hi && chunk_base(cu_seqlens, probe) <= cid);
+        const int top = 31 - __clz(ok);  // lane 0 (probe seq) always qualifies
+        hi = min(hi, seq + (top + 1) * step), seq += top * step;
+    }
+    return seq;
+}
 
 // bf16 [ROWS][COLS] tile, global row stride ld_src -> smem row stride ld_dst, 16-byte cp.async pieces
 template <int Rows, int Cols, int Threads>
@@ -125,10 +171,12 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 // dynamic shared memory plan of kda_prefill_intra, in bytes (kda_prefill.py reads INTRA_SMEM from
 // the same numbers: keep _intra_smem_bytes in step)
 #define SZ_TB (L * LDB * 2)                        // one bf16 [L][LDB] tile
-#define IN_QR 0                                    // raw q (bf16 conv output), later e^G k^ (W's RHS)
-#define IN_KR (IN_QR + SZ_TB)                      // raw k
-#define IN_VR (IN_KR + SZ_TB)                      // raw v
-#define IN_QA (IN_VR + SZ_TB)                      // q^ e^Lam
+#define HIST_B ((CONV_W - 1) * LDB * 2)            // W-1 conv history rows before a raw tile's row 0
+#define SZ_TR (HIST_B + SZ_TB)                     // one raw tile with its history rows
+#define IN_QR 0                                    // raw q -> q (bf16 conv output) in place, later e^G k^ (W's RHS)
+#define IN_KR (IN_QR + SZ_TR)                      // raw k -> k
+#define IN_VR (IN_KR + SZ_TR)                      // raw v -> v
+#define IN_QA (IN_VR + SZ_TR)                      // raw f, then q^ e^Lam
 #define IN_KA (IN_QA + SZ_TB)                      // k^ e^Lam, later T fp32 [L][LDT]
 #define IN_KX (IN_KA + SZ_TB)                      // [NUM_PAIRS * SUB][LDB] k^ e^(G_n - G_s), later T diag(beta) bf16 [L][LDA]
 #define IN_G (IN_KX + NUM_PAIRS * SUB * LDB * 2)   // Lam fp32 [L][LDF]
@@ -136,7 +184,9 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 #define NUM_CROSS (NUM_SUB * (NUM_SUB - 1) / 2)   // (row block, earlier column block) pairs
 #define IN_TAB (IN_AKK + L * LDT * 4)              // fp32 tables P, R [NUM_SUB][K], C [NUM_CROSS][K]; X [NUM_SUB-1][SUB][SUB]
 #define IN_VEC (IN_TAB + ((2 * NUM_SUB + NUM_CROSS) * K + (NUM_SUB - 1) * SUB * SUB) * 4)  // beta, rq, rk [L], flags
-#define INTRA_SMEM (IN_VEC + 3 * L * 4 + 16)
+#define INTRA_SMEM (IN_VEC + 3 * L * 4 + 32)
+static_assert((3 * CONV_W + 1) * K * 4 <= L * LDT * 4, "kda_prefill_intra: the conv taps must fit the A_kk tile");
+static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags and -exp(A_log) share 32 bytes");
 
 // ---------------------------------------------------------------------------------------------
 // kernels
@@ -146,74 +196,122 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     const float* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const bf16* __restrict__ conv_pool, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
     const int* __restrict__ state_slots, bf16* __restrict__ ws_q, bf16* __restrict__ ws_k, bf16* __restrict__ ws_w,
-    bf16* __restrict__ ws_u, bf16* __restrict__ ws_a, float* __restrict__ ws_g, int num_seqs, int num_heads) {
+    bf16* __restrict__ ws_u, bf16* __restrict__ ws_a, float* __restrict__ ws_g, int num_seqs, int num_heads,
+    int prefetch_ahead) {
     extern __shared__ float4 smem4[];
     char* sm = reinterpret_cast<char*>(smem4);
-    bf16 *Qr = (bf16*)(sm + IN_QR), *Kr = (bf16*)(sm + IN_KR), *Vr = (bf16*)(sm + IN_VR);
+    bf16* Raw = (bf16*)(sm + IN_QR);  // raw q, k, v tiles, rows c0-(W-1) .. c0+L-1, each SZ_TR bytes
+    bf16 *Qr = (bf16*)(sm + IN_QR + HIST_B), *Kr = (bf16*)(sm + IN_KR + HIST_B), *Vr = (bf16*)(sm + IN_VR + HIST_B);
     bf16 *QA = (bf16*)(sm + IN_QA), *KA = (bf16*)(sm + IN_KA), *KX = (bf16*)(sm + IN_KX);
     float *Gf = (float*)(sm + IN_G), *Akk = (float*)(sm + IN_AKK), *Pt = (float*)(sm + IN_TAB);
     float *Rt = Pt + NUM_SUB * K, *Ct = Rt + NUM_SUB * K, *Xs = Ct + NUM_CROSS * K, *Bs = (float*)(sm + IN_VEC), *rq = Bs + L, *rk = rq + L;
     int* unsafe = (int*)(rk + L);
+    float* NegA = (float*)(unsafe + NUM_SUB);  // -exp(A_log[h])
+    bf16* Fs = QA;                     // raw f rows, until QA is built
+    float* Tap = Akk;                  // conv taps [3][K][W] and dt_bias [K] of the head, until A_kk is built
     float* Tm = (float*)(sm + IN_KA);  // T, once KA is dead
     bf16* Tb = (bf16*)(sm + IN_KX);    // T diag(beta), once KX is dead
     bf16* KG = Qr;                     // beta-free W right-hand side e^G k^, once raw q is dead
 
     const int cid = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int seq = 0;
-    for (int hi = num_seqs; hi - seq > 1;) {  // largest seq with chunk_base(seq) <= cid
-        const int mid = (seq + hi) >> 1;
-        if (chunk_base(cu_seqlens, mid) <= cid) seq = mid; else hi = mid;
-    }
-    const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
-    const int c0 = (cid - chunk_base(cu_seqlens, seq)) * L;
+    const int seq = sequence_of_chunk(cu_seqlens, num_seqs, cid);
+    const int start = __ldg(cu_seqlens + seq), len = __ldg(cu_seqlens + seq + 1) - start;
+    const bool fresh = __ldg(context_lens + seq) == 0;
+    const size_t slot = (size_t)__ldg(state_slots + seq), tile = (size_t)cid * num_heads + h;
+    const int c0 = (cid - seq - start / L) * L;  // cid - chunk_base(seq)
     if (c0 >= len) return;  // an unused id
     const int n = min(L, len - c0), P = num_heads * K;
-    const bool fresh = context_lens[seq] == 0;
-    const size_t slot = (size_t)state_slots[seq], tile = (size_t)cid * num_heads + h;
 
-    // ---- (a) conv + SiLU of q, k, v (channel c, rows half*32 ..), gates, beta; padded rows are 0
+    // ---- (a) every global input of the tile in one round trip (16-byte cp.async pieces, coalesced):
+    // raw q, k, v rows c0-(W-1) .. c0+L-1 into the conv tiles (history before the sequence from the
+    // conv-state slot; zeros past the end and for a fresh sequence), raw f rows into QA, the head's
+    // conv taps and dt_bias into the A_kk tile; beta and -exp(A_log) meanwhile (stored to smem before
+    // the barrier, so their loads overlap the copies).  Then conv + SiLU in place (thread: channel c,
+    // CONV_ROWS rows from r0; it reads its W-1 history values before a barrier, then only its own
+    // rows), gates; padded rows are 0.
     {
-        const int c = tid & (K - 1), half = tid >> 7, ch = h * K + c;
-#pragma unroll 1
-        for (int i = 0; i < 3; ++i) {
-            float taps[CONV_W], hist[CONV_W - 1];
-#pragma unroll
-            for (int j = 0; j < CONV_W; ++j) taps[j] = conv_w[(size_t)(i * P + ch) * CONV_W + j];
-#pragma unroll
-            for (int j = 0; j < CONV_W - 1; ++j) {
-                const int p = c0 + half * 32 - (CONV_W - 1) + j;  // position in the sequence; < 0 reads the slot
-                hist[j] = p >= len ? 0.f  // rows past the end (a short tail's second half): padding
-                        : p >= 0   ? to_f32(qkv[(size_t)(start + p) * 3 * P + i * P + ch])
-                        : fresh  ? 0.f
-                                 : to_f32(conv_pool[((slot * 3 + i) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + ch]);
-            }
-            bf16* dst = (i == 0 ? Qr : i == 1 ? Kr : Vr) + c;
-#pragma unroll 4
-            for (int rr = 0; rr < 32; ++rr) {
-                const int r = half * 32 + rr;
-                const float x = r < n ? to_f32(qkv[(size_t)(start + c0 + r) * 3 * P + i * P + ch]) : 0.f;
-                const float y = kda_conv_silu<CONV_W>(taps, hist, x);
-                dst[r * LDB] = to_bf16(r < n ? y : 0.f);
-#pragma unroll
-                for (int j = 0; j < CONV_W - 2; ++j) hist[j] = hist[j + 1];
-                hist[CONV_W - 2] = x;
-            }
+        constexpr int PIECES = K / 8, RAW = (L + CONV_W - 1) * PIECES, TAPP = K * CONV_W / 4;
+        for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
+            const int i = idx / RAW, rr = (idx % RAW) / PIECES, c = (idx % PIECES) * 8;
+            const int p = c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
+            const bool real = p < len && (p >= 0 || !fresh);
+            const bf16* src = !real ? qkv
+                            : p >= 0 ? qkv + (size_t)(start + p) * 3 * P + i * P + h * K + c
+                                     : conv_pool + ((slot * 3 + i) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + h * K + c;
+            cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, src, real ? 16 : 0);
         }
-        const float a_log = A_log[h], bias = dt_bias[ch];
-#pragma unroll 4
-        for (int rr = 0; rr < 32; ++rr) {
-            const int r = half * 32 + rr;
-            Gf[r * LDF + c] = r < n ? LOG2E * kda_log_decay(to_f32(f[(size_t)(start + c0 + r) * P + ch]), bias, a_log) : 0.f;
+        for (int idx = tid; idx < L * PIECES; idx += INTRA_THREADS) {
+            const int rr = idx / PIECES, c = (idx % PIECES) * 8;
+            cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+        }
+        for (int idx = tid; idx < 3 * TAPP + K / 4; idx += INTRA_THREADS) {  // Tap [3][K][W], then dt_bias [K]
+            const float* src = idx < 3 * TAPP ? conv_w + (size_t)((idx / TAPP) * P + h * K) * CONV_W + (idx % TAPP) * 4
+                                              : dt_bias + h * K + (idx - 3 * TAPP) * 4;
+            cp_async16(Tap + idx * 4, src, 16);
+        }
+        cp_async_commit();
+        // while the copies fly: L2 prefetch of the q, k, v, f rows of the tile that starts on this SM
+        // next (linear block id + prefetch_ahead = + the resident CTAs of the GPU, in the block
+        // scheduler's dispatch order), so that its copies hit L2
+        {
+            const int nxt = blockIdx.y * gridDim.x + blockIdx.x + prefetch_ahead;
+            const int cid2 = nxt % gridDim.x, h2 = nxt / gridDim.x;
+            if (prefetch_ahead > 0 && h2 < (int)gridDim.y) {  // uniform over the block
+                const int seq2 = sequence_of_chunk(cu_seqlens, num_seqs, cid2);
+                const int start2 = __ldg(cu_seqlens + seq2), len2 = __ldg(cu_seqlens + seq2 + 1) - start2;
+                const int c02 = (cid2 - seq2 - start2 / L) * L, n2 = min(L, len2 - c02);
+                for (int idx = tid; idx < 8 * n2; idx += INTRA_THREADS) {  // 4 row segments of 2 x 128 B
+                    const int r = idx >> 3, seg = (idx >> 1) & 3, half = idx & 1;
+                    const size_t row = (size_t)(start2 + c02 + r);
+                    const bf16* p = (seg < 3 ? qkv + row * 3 * P + seg * P : f + row * P) + h2 * K + half * 64;
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+                }
+            }
         }
         if (tid < L) Bs[tid] = tid < n ? sigmoid(to_f32(b[(size_t)(start + c0 + tid) * ldb + h])) : 0.f;
+        if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
         if (tid < NUM_SUB) unsafe[tid] = 0;
+        cp_async_wait<0>();
+        __syncthreads();
+
+        const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
+        float taps[3][CONV_W], hist[3][CONV_W - 1];
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+#pragma unroll
+            for (int j = 0; j < CONV_W; ++j) taps[i][j] = Tap[(i * K + c) * CONV_W + j];
+#pragma unroll
+            for (int j = 0; j < CONV_W - 1; ++j) hist[i][j] = to_f32(Raw[i * (SZ_TR / 2) + (r0 + j) * LDB + c]);
+        }
+        const float na = *NegA, bias = Tap[3 * K * CONV_W + c];
+        __syncthreads();  // a thread's history rows are the last rows of the previous thread's, rewritten below
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            bf16* dst = Raw + i * (SZ_TR / 2) + (CONV_W - 1 + r0) * LDB + c;
+#pragma unroll 8
+            for (int rr = 0; rr < CONV_ROWS; ++rr) {
+                const float x = to_f32(dst[rr * LDB]);  // 0 past the end (zero-filled)
+                const float y = conv_silu_nr<CONV_W>(taps[i], hist[i], x);
+                dst[rr * LDB] = to_bf16(r0 + rr < n ? y : 0.f);
+#pragma unroll
+                for (int j = 0; j < CONV_W - 2; ++j) hist[i][j] = hist[i][j + 1];
+                hist[i][CONV_W - 2] = x;
+            }
+        }
+#pragma unroll 8
+        for (int rr = 0; rr < CONV_ROWS; ++rr) {
+            const int r = r0 + rr;
+            const float fr = to_f32(Fs[r * LDB + c]);
+            Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus(fr, bias)) : 0.f;  // == LOG2E * kda_log_decay
+        }
     }
     __syncthreads();
 
-    // ---- (b) row norms (warp w: rows 8w..8w+7); gate bookkeeping per channel d (threads < K):
+    // ---- (b) row norms (warp w: rows 4w..4w+3); gate bookkeeping per channel d (threads < K):
     // Lam in place; tables P_I = G(n_I), R_J = sum of the blocks after J, C_IJ = G(n_I) - G(last row of J)
     // (all sums of gates, no differences); G_last -> workspace; unsafe diagonal sub-blocks
-    for (int r = 8 * warp; r < 8 * warp + 8; ++r) {
+#pragma unroll
+    for (int r = (L / INTRA_WARPS) * warp; r < (L / INTRA_WARPS) * (warp + 1); ++r) {  // unrolled: shuffle chains interleave
         float sq = 0.f, sk = 0.f;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -379,12 +477,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
     }
     __syncthreads();
-    // off-diagonal blocks, one block row I at a time: X_J = sum_{J <= M < I} A_IM T_MJ, T_IJ = -D_I X_J
+    // off-diagonal blocks, one block row I at a time: X_J = sum_{J <= M < I} A_IM T_MJ, T_IJ = -D_I X_J;
+    // element (rr, cc) of a 16 x 16 block per thread, J = 0 on the first 256 threads and J >= 1 on the
+    // others (the same FMA count for the last block row)
     {
-        const int rr = tid / SUB, cc = tid % SUB;
+        const int hf = tid / (SUB * SUB), rr = (tid / SUB) % SUB, cc = tid % SUB;
 #pragma unroll 1
         for (int I = 1; I < NUM_SUB; ++I) {
-            for (int J = 0; J < I; ++J) {
+            const int jlo = hf == 0 ? 0 : 1, jhi = hf == 0 ? 1 : I;
+            for (int J = jlo; J < jhi; ++J) {
                 float acc = 0.f;
                 for (int M = J; M < I; ++M) {
                     const float* a = Akk + (I * SUB + rr) * LDT + M * SUB;
@@ -395,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 Xs[(J * SUB + rr) * SUB + cc] = acc;
             }
             __syncthreads();
-            for (int J = 0; J < I; ++J) {
+            for (int J = jlo; J < jhi; ++J) {
                 const float* dI = Tm + (I * SUB + rr) * LDT + I * SUB;
                 float acc = 0.f;
 #pragma unroll
@@ -412,18 +513,19 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     __syncthreads();
 
-    // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns 64 nh ..
+    // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns GC nh ..
     {
+        constexpr int GC = K / (INTRA_WARPS / 4), GT = GC / 8;
         const int mt = warp & 3, nh = warp >> 2, g = lane >> 2, t = lane & 3;
-        float accw[8][4] = {}, accu[8][4] = {};
+        float accw[GT][4] = {}, accu[GT][4] = {};
         for (int ks = 0; ks <= mt; ++ks) {
             unsigned a[4];
             frag_a(a, Tb + mt * 16 * LDA + ks * 16, LDA);
 #pragma unroll
-            for (int np = 0; np < 4; ++np) {
+            for (int np = 0; np < GT / 2; ++np) {
                 unsigned bw[4], bu[4];
-                frag_b_kn(bw, KG + ks * 16 * LDB + nh * 64 + np * 16, LDB);
-                frag_b_kn(bu, Vr + ks * 16 * LDB + nh * 64 + np * 16, LDB);
+                frag_b_kn(bw, KG + ks * 16 * LDB + nh * GC + np * 16, LDB);
+                frag_b_kn(bu, Vr + ks * 16 * LDB + nh * GC + np * 16, LDB);
                 mma_bf16(accw[2 * np], a, bw[0], bw[1]);
                 mma_bf16(accw[2 * np + 1], a, bw[2], bw[3]);
                 mma_bf16(accu[2 * np], a, bu[0], bu[1]);
@@ -431,10 +533,10 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
         }
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < GT; ++nt) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const size_t o = (tile * L + mt * 16 + g + 8 * hh) * K + nh * 64 + nt * 8 + 2 * t;
+                const size_t o = (tile * L + mt * 16 + g + 8 * hh) * K + nh * GC + nt * 8 + 2 * t;
                 st_bf16x2(ws_w + o, accw[nt][2 * hh], accw[nt][2 * hh + 1]);
                 st_bf16x2(ws_u + o, accu[nt][2 * hh], accu[nt][2 * hh + 1]);
             }

@@ -51,6 +51,23 @@ def ours(d, out, vb=None):
     kda_prefill(*[d[n] for n in ARGS], num_heads=H, head_dim=K, eps=1e-5, out=out, state_columns=vb)
 
 
+def intra_only(d):
+    """kda_prefill_intra alone, launched as kda_prefill launches it: returns a no-argument runner."""
+    from kda_rt.cuda.ops import kda_prefill as kp
+
+    T, B, L = d["qkv"].shape[0], d["cu_seqlens"].shape[0] - 1, 64
+    chunks = B + T // L
+    ws = cupy.empty((4, chunks, H, L, K), dtype=BF16)
+    a_qk, g_last = cupy.empty((chunks, H, L, L), dtype=BF16), cupy.empty((chunks, H, K), dtype=np.float32)
+    smem = kp._intra_smem_bytes(K, L, W)
+    fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, HEAD_DIM=K, CONV_W=W, CHUNK=L,
+                    VB=32, INTRA_THREADS=kp._INTRA_THREADS)
+    args = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"],
+            d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3], a_qk, g_last, i32(B),
+            i32(H), i32(kp._num_sms(cupy.cuda.Device().id)))
+    return lambda: fn((chunks, H), (kp._INTRA_THREADS,), args, shared_mem=smem)
+
+
 def old(d, out):
     """The previous launcher, verbatim in effect: prep to an fp32 workspace, one CTA per (head, seq)."""
     T, B = d["qkv"].shape[0], d["cu_seqlens"].shape[0] - 1
@@ -128,7 +145,7 @@ def kernel_report():
 
     for vb in (16, 32, 64, 128):
         for name in ("kda_prefill_intra", "kda_prefill_state", "kda_prefill_norm"):
-            fn = get_kernel("kda_prefill.cu", name, HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=vb)
+            fn = get_kernel("kda_prefill.cu", name, HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=vb, INTRA_THREADS=512)
             fn = getattr(fn, "fn", fn)
             regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn.ptr)
             local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn.ptr)
@@ -141,6 +158,11 @@ def bench_shape(num_seqs, seqlen, have_old):
     out = cupy.empty((T, H * K), dtype=BF16)
     widths = {vb: median_ms(lambda vb=vb: ours(d, out, vb)) for vb in (16, 32, 64, 128)}
     new = median_ms(lambda: ours(d, out))
+    ms_intra = median_ms(intra_only(d))
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    tiles = (num_seqs + num_seqs * seqlen // 64) * H
+    print(f"{num_seqs}x{seqlen}: intra alone {ms_intra:.3f} ms = {1e3 * ms_intra / (tiles / sms):.1f} us per CTA "
+          f"and SM ({tiles} CTAs, {sms} SMs)", flush=True)
     ms_old = median_ms(lambda: old(d, out), iters=3) if have_old else float("nan")
     timed = fla_runner(d, num_seqs, seqlen)
     ms_fla = timed() if timed else float("nan")

@@ -9,6 +9,8 @@ writes), kda_prefill_norm (gated RMSNorm in place).  Runs eagerly: allocates its
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
@@ -18,16 +20,23 @@ from kda_rt.cuda.ops.kda_decode import check_kda_args
 __all__ = ["kda_prefill"]
 
 _CHUNK = 64  # tokens per chunk (the kernels' thread maps are written for 64)
-_INTRA_THREADS = 256
+_INTRA_THREADS = 512  # 16 warps: the intra kernel's thread maps are written for this
 
 
-def _intra_smem_bytes(K: int, L: int) -> int:
-    """The IN_* plan of kda_prefill.cu: 5 bf16 [L][K+8] tiles, 10 scaled-key sub-tiles, Lam and
-    A_kk fp32, gate tables, T-solve scratch, beta and norms."""
+def _intra_smem_bytes(K: int, L: int, W: int) -> int:
+    """The IN_* plan of kda_prefill.cu: 3 bf16 [W-1+L][K+8] conv tiles, 2 bf16 [L][K+8] tiles, 10
+    scaled-key sub-tiles, Lam and A_kk fp32, gate tables, T-solve scratch, beta, norms and flags."""
     num_sub, tile = L // 16, L * (K + 8) * 2
     num_pairs, num_cross = num_sub * (num_sub + 1) // 2, num_sub * (num_sub - 1) // 2
-    return (5 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4 + L * (L + 4) * 4
-            + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 3 * L * 4 + 16)
+    return (3 * (W - 1 + L) * (K + 8) * 2 + 2 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4
+            + L * (L + 4) * 4 + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 3 * L * 4 + 32)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 def _state_smem_bytes(K: int, L: int, vb: int) -> int:
@@ -56,18 +65,23 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
                              context_lens, state_slots, num_heads, head_dim, out)
     if T == 0 or B == 0:
         return out
+    for name, arr in (("qkv", qkv), ("f", f), ("conv_w", conv_w), ("dt_bias", dt_bias), ("conv_pool", conv_pool)):
+        if arr.data.ptr % 16:  # kda_prefill_intra copies them in 16-byte pieces
+            raise ValueError(f"{name} must be 16-byte aligned")
     K, L = head_dim, _CHUNK
     num_chunks = B + T // L  # chunk ids: b + cu_seqlens[b] // L + j (kda_prefill.cu's header)
     vb = state_columns or _state_columns(B, num_heads, K)
     qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
     a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
     g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
-    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=L, VB=vb)
-    smem = _intra_smem_bytes(K, L)
+    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=L, VB=vb, INTRA_THREADS=_INTRA_THREADS)
+    smem = _intra_smem_bytes(K, L, W)
     intra = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
     intra((num_chunks, num_heads), (_INTRA_THREADS,),
           (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
-           qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads)), shared_mem=smem, stream=stream)
+           qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads),
+           i32(_num_sms(cupy.cuda.Device().id))),  # one CTA per SM: the next wave starts that many ids on
+          shared_mem=smem, stream=stream)
     smem = _state_smem_bytes(K, L, vb)
     state = get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=smem, **consts)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
