@@ -6,7 +6,7 @@ a decode step's MoE: every touched expert's weights read once).  Routing: unifor
 
     bytes gate/up = touched · 2I · D · 2,  down = touched · D · I · 2;   copy ceiling ~4.3 TB/s (H200)
 
-Times: CUDA events around each call, 5 warm-ups, median of 30.
+Times: CUDA events around each call, 3 warm-ups, median of 20.
 Run: python tests/gpu/bench_moe_decode.py [--tokens 1,8,32,128]"""
 
 from __future__ import annotations
@@ -24,25 +24,13 @@ E, A, D, INTER = 256, 8, 2304, 1024
 TILES = [(16, 128, 64, 4, 1, 4, 2), (16, 64, 64, 4, 1, 2, 4), (16, 128, 64, 6, 1, 4, 2), (32, 128, 64, 4, 1, 4, 2)]
 
 
-def median_ms(fn, reps=30, warm=5) -> float:
-    import cupy
-
-    for _ in range(warm):
-        fn()
-    ev = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    ev[-1][1].synchronize()
-    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in ev]))
 
 
 def main():
     import cupy
-    from kernels.test_moe_gemm_tc import make_plan, rand_bf16
+    from kernels.test_moe_gemm_tc import make_plan
 
-    from helpers.gpu import rms_rel, to_np
+    from helpers.gpu import median_ms, rand_bf16, rms_rel, to_np
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
     from kda_rt.cuda.ops.moe_gemm_tc import TileConfig, moe_gemm_tc

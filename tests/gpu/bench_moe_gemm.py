@@ -28,18 +28,6 @@ PEAK = 790e12
 E, A, D, INTER = 256, 8, 2304, 1024
 
 
-def median_ms(fn, reps=20, warm=3) -> float:
-    import cupy
-
-    for _ in range(warm):
-        fn()
-    ev = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    ev[-1][1].synchronize()
-    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in ev]))
 
 
 def gpu_f32(a):
@@ -66,9 +54,9 @@ def line(name, ms, flops, extra=""):
 def bench_step(T, wts, cfg, sweep):
     """Every timing of one step of T tokens (uniform random routing)."""
     import cupy
-    from kernels.test_moe_gemm_tc import TILES, make_ids, make_plan, rand_bf16
+    from kernels.test_moe_gemm_tc import TILES, make_ids, make_plan
 
-    from helpers.gpu import rms_rel, to_np
+    from helpers.gpu import median_ms, rand_bf16, rms_rel, to_np
     from kda_rt.cuda import moe as moe_mod
     from kda_rt.cuda.gemm import linear
     from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
@@ -138,8 +126,8 @@ def bench_step(T, wts, cfg, sweep):
 
 def main():
     import cupy
-    from kernels.test_moe_gemm_tc import rand_bf16
 
+    from helpers.gpu import rand_bf16
     from helpers.moe_router import make_cfg
     from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
 

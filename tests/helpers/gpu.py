@@ -6,7 +6,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BF16", "to_gpu_bf16", "to_np", "poison", "bf16_round", "rms_rel", "assert_close"]
+__all__ = ["BF16", "to_gpu_bf16", "to_np", "poison", "bf16_round", "rms_rel", "assert_close", "rand_bf16",
+           "median_ms"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -48,3 +49,31 @@ def assert_close(out: np.ndarray, ref: np.ndarray, *, atol: float, rtol: float, 
     bad = err > atol + rtol * np.abs(ref)
     assert not bad.any(), (f"{name}: {bad.sum()} elements out of tolerance; max abs err {err.max():.3e}, "
                            f"max rel {np.max(err / np.maximum(np.abs(ref), 1e-30)):.3e}")
+
+
+def rand_bf16(rng, shape, scale):
+    """Random normal bf16 on the GPU from a cupy Generator, drawn in slices along axis 0 (expert stacks
+    are GBs)."""
+    import cupy
+
+    out = cupy.empty(shape, dtype=BF16)
+    step = max(1, (1 << 26) // max(1, int(np.prod(shape[1:]))))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        out[i:i + n] = (rng.standard_normal((n, *shape[1:]), dtype=np.float32) * scale).astype(BF16)
+    return out
+
+
+def median_ms(fn, reps: int = 20, warm: int = 3) -> float:
+    """Median milliseconds of `fn()` over `reps` calls after `warm` warm-ups, CUDA events on the current stream."""
+    import cupy
+
+    for _ in range(warm):
+        fn()
+    ev = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    ev[-1][1].synchronize()
+    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in ev]))

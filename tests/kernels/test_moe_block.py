@@ -19,24 +19,12 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from helpers.gpu import poison, rms_rel, to_gpu_bf16, to_np
+from helpers.gpu import poison, rand_bf16, rms_rel, to_gpu_bf16, to_np
 from helpers.moe_router import make_cfg, make_router
 
 pytestmark = pytest.mark.gpu
 
 
-def rand_bf16(rng, shape, scale):
-    """Random normal bf16 on the GPU, drawn in slices along axis 0 (the expert stacks are GBs)."""
-    import cupy
-
-    from kda_rt.cuda.ops.check import BF16
-
-    out = cupy.empty(shape, dtype=BF16)
-    step = max(1, (1 << 26) // max(1, int(np.prod(shape[1:]))))
-    for i in range(0, shape[0], step):
-        n = min(step, shape[0] - i)
-        out[i:i + n] = (rng.standard_normal((n, *shape[1:]), dtype=np.float32) * scale).astype(BF16)
-    return out
 
 
 class _LazyExperts(Sequence):

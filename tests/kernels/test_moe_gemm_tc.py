@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 import pytest
 
-from helpers.gpu import bf16_round, poison, rms_rel, to_np
+from helpers.gpu import bf16_round, poison, rand_bf16, rms_rel, to_np
 
 pytestmark = pytest.mark.gpu
 
@@ -52,18 +52,6 @@ def make_plan(ids, E, tile_rows):
     return moe_bucket(cupy.asarray(ids), E, plan)
 
 
-def rand_bf16(rng, shape, scale):
-    """Random normal bf16 on the GPU, drawn in slices along axis 0 (the E=256 stacks are GBs)."""
-    import cupy
-
-    from kda_rt.cuda.ops.check import BF16
-
-    out = cupy.empty(shape, dtype=BF16)
-    step = max(1, (1 << 26) // max(1, int(np.prod(shape[1:]))))
-    for i in range(0, shape[0], step):
-        n = min(step, shape[0] - i)
-        out[i:i + n] = (rng.standard_normal((n, *shape[1:]), dtype=np.float32) * scale).astype(BF16)
-    return out
 
 
 def silu(v):
