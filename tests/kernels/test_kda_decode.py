@@ -94,7 +94,10 @@ def test_decode_after_prefill_equals_prefill(gates):
     conv_f, rec_f = to_np(dev_full["conv_pool"]), to_np(dev_full["rec_pool"])
     err_state = rms_rel(rec[0:2], rec_f[2:4])
     print(f"decode-after-prefill {gates}: out rms_rel {err_out:.2e}, state rms_rel {err_state:.2e}")
-    assert err_out <= 5e-3 and err_state <= 1e-4, (err_out, err_state)
+    # kda_prefill takes bf16 operands in its chunk products (as fla, spec §3.7: state error up to 6e-3
+    # against the fp64 reference, tests/kernels/test_kda_prefill.py); the two sides round at different
+    # chunk boundaries, so they agree to that level (H200: out 9.3e-4 / 9.1e-4, state 2.8e-3 / 1.2e-3)
+    assert err_out <= 5e-3 and err_state <= 6e-3, (err_out, err_state)
     assert np.array_equal(conv[0:2], conv_f[2:4]), "conv state differs"
     ref_out = reference(full, num_heads)[0]
     assert rms_rel(out_full, ref_out) <= 5e-3
