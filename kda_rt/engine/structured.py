@@ -5,20 +5,19 @@ token masks the engine puts into the `SamplingBatch`.
                   (compiled and checked: an invalid one is a ValueError naming the field) -> one
                   `LLMatcher` per sample
     step          each constrained row's [ceil(V / 32)] int32 bitmask of allowed next tokens goes into
-                  `SamplingBatch.allowed`; the row becomes a host row, so both runners apply the mask
-                  in `sampler/reference.sample_rows` before sampling
+                  `SamplingBatch.allowed`, computed when the runner first reads it: the CUDA runner
+                  queues the forward first, so the masks are computed while the GPU runs, then its
+                  sampling kernel applies them; the NumPy runner applies them in
+                  `sampler/reference.sample_rows`
     postprocess   the matcher consumes the accepted token; a grammar that cannot continue ends the
                   sequence with finish_reason "stop" (EOS is allowed only where the grammar accepts)
-    then          the masks for the next step are computed at once, in parallel over sequences
-                  (`LLExecutor`, threads without the GIL), before the next schedule
+    masks         computed in parallel over sequences (`LLExecutor`, threads without the GIL)
 
 The matcher state is a function of the output tokens only, so preemption by recompute (which keeps
 the outputs) leaves it valid; `masks` checks the count and re-feeds the outputs if it ever differs.
 JSON is generated compact on one line (llguidance `whitespace_flexible: false`, separators ", " and
 ": "), so a bounded schema always ends; a schema can override that with its `x-guidance` key.
 
-Future work: a GPU-side mask (bitmask uploaded and applied by the sampling kernel) would avoid the
-host round trip of each constrained row's logits that host sampling costs on the CUDA backend.
 llguidance is the `structured` extra; without it, a request that needs it gets a ValueError naming it.
 """
 
