@@ -47,8 +47,9 @@ _warned_fields: set[str] = set()  # ignored field names already logged by this p
 
 
 def _safe_name(name: str) -> str:
-    """A field name as printable ASCII (JSON escapes), for a header value and a log line."""
-    return json.dumps(name[:200])[1:-1].replace(",", "\\u002c")
+    """A field name as printable ASCII without spaces (JSON escapes; ',' and ' ' escaped too, so a
+    header value never starts or ends with whitespace, which HTTP forbids), for a header and a log line."""
+    return json.dumps(name[:200])[1:-1].replace(",", "\\u002c").replace(" ", "\\u0020")
 
 
 def _note_ignored(response: Response, fields: list[str]) -> None:

@@ -15,15 +15,13 @@ Output constraints (those and response_format json_object / json_schema) become 
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any
 
 import msgspec
 
 from kda_rt.sampler.params import SamplingParams, StructuredOutputsParams
-from kda_rt.text.tool_parser import tool_call_grammar
-
-logger = logging.getLogger(__name__)
+from kda_rt.server import tools
+from kda_rt.server.errors import InvalidRequest
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidRequest", "StreamOptions",
            "TokenizeRequest", "chat_payload", "completion_payload", "decode_body", "error_body"]
@@ -34,10 +32,6 @@ MAX_PROMPTS = 256  # prompts in one batched completion request
 Int32 = Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)]
 Logprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
-
-
-class InvalidRequest(ValueError):
-    """A request body the server refuses with 400 (the message names the field)."""
 
 
 class StreamOptions(msgspec.Struct):
@@ -279,81 +273,6 @@ def _content(i: int, content: Any) -> str:
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise InvalidRequest(f"messages[{i}].tool_calls must be a list")
-    out = []
-    for k, call in enumerate(calls):
-        where = f"messages[{i}].tool_calls[{k}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
-            raise InvalidRequest(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, (str, dict)):
-            raise InvalidRequest(f"{where}.function.arguments must be a JSON string")
-        if call.get("id") is not None and not isinstance(call["id"], str):
-            raise InvalidRequest(f"{where}.id must be a string")
-        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def _tool_grammar(grammar: str) -> dict[str, Any] | None:
-    """The structured-output spec forcing the tool calls, checked (a bad `parameters` schema is a 400);
-    None without llguidance (then only the prompt prefix forces the call, once logged)."""
-    from kda_rt.engine.structured import grammar_of
-
-    spec = StructuredOutputsParams(grammar=grammar)
-    try:
-        grammar_of(spec, "tools[].function.parameters")
-    except ValueError as exc:
-        if "llguidance" in str(exc) and "not installed" in str(exc):
-            if not _warned_no_llguidance:
-                _warned_no_llguidance.append(True)
-                logger.warning("tool_choice required / named: llguidance is not installed, so the call's "
-                               "arguments are not constrained to the schema (%s)", exc)
-            return None
-        raise InvalidRequest(str(exc)) from None
-    return spec.to_dict()
-
-
-_warned_no_llguidance: list[bool] = []
-
-
-def _tool_mode(req: ChatCompletionRequest, auto_tools: bool) -> dict[str, Any] | None:
-    """How the output is read for tool calls: None (plain text), or {"max_calls", "forced_name",
-    "required"}.  `required` and a named function are forced by the prompt prefix the engine adds, and
-    the arguments by a grammar of the tools' `parameters` schemas (`tool_call_grammar`)."""
-    names = []
-    for k, tool in enumerate(req.tools or []):
-        fn = tool.get("function")
-        if tool.get("type", "function") != "function" or not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-            raise InvalidRequest(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
-        names.append(fn["name"])
-    choice = req.tool_choice
-    if choice is None:
-        choice = "auto" if names else "none"
-    named = None
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type") != "function" or not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                                 "{'type': 'function', 'function': {'name': str}}")
-        named = fn["name"]
-        if named not in names:
-            raise InvalidRequest(f"tool_choice names the function {named!r}, which is not in tools")
-    elif choice not in ("none", "auto", "required"):
-        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}")
-    if choice == "none":
-        return None
-    if not names:
-        raise InvalidRequest(f"tool_choice {choice!r} needs tools")
-    if choice == "auto" and not auto_tools:
-        raise InvalidRequest('"auto" tool choice needs the server flags --enable-auto-tool-choice and '
-                             "--tool-call-parser kimi_k2")
-    return {"max_calls": None if req.parallel_tool_calls else 1, "forced_name": named,
-            "required": choice == "required"}
-
-
 def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[str, Any]:
     """Engine payload {"messages", "tools", "chat_template_kwargs", "params", "tool_mode", ...} of a
     chat request (content flattened to text; `developer` is read as `system` by the template layer).
@@ -375,22 +294,22 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[s
                     raise InvalidRequest(f"messages[{i}].{name} must be a string")
                 msg[name] = m[name]
         if m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
+            msg["tool_calls"] = tools.history_calls(i, m["tool_calls"])
         messages.append(msg)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_kwargs(req, max_tokens, logprobs)
-    tool_mode = _tool_mode(req, auto_tools)
+    tool_mode = tools.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, auto_tools)
     if tool_mode is not None:
         params["skip_special_tokens"] = False
-        grammar = tool_call_grammar(req.tools, tool_mode)
-        if grammar is not None:  # required / a named function: the arguments follow each schema
+        forced = tools.forced_calls_spec(req.tools, tool_mode)
+        if forced is not None:  # required / a named function: the arguments follow each schema
             if params["structured_outputs"] is not None:
                 raise InvalidRequest("tool_choice 'required' or a named function constrains the output itself; "
                                      "it cannot be combined with response_format or structured_outputs")
-            params["structured_outputs"] = _tool_grammar(grammar)
+            params["structured_outputs"] = forced
     return {"messages": messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
             "add_generation_prompt": req.add_generation_prompt, "params": params, "tool_mode": tool_mode,
             "prompt_logprobs": req.prompt_logprobs}

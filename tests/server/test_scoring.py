@@ -115,6 +115,11 @@ def test_unknown_fields_are_accepted_and_listed(server):
     assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 1
     log = server.log()
     assert log.count("logged once per name): frobnicate, service_tier") == 1
+    # names with spaces and commas (found by the fuzz test: a field named " " made an illegal header
+    # value and dropped the connection) are escaped, never whitespace at the ends
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, " ": None, "a, b ": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kda-rt-ignored-fields"] == "\\u0020, a\\u002c\\u0020b\\u0020"
 
 
 def test_metrics_have_vllm_names_and_model_label(server):
