@@ -197,8 +197,9 @@ def _layer_schedule(f: _Fields, num_layers: int) -> tuple[str, ...]:
                     types[one_based - 1] = kind
             missing = [i + 1 for i, t in enumerate(types) if t is None]
             if missing:
+                shown = f"{missing[:10]}"[:-1] + (f", ... ({len(missing)} layers)]" if len(missing) > 10 else "]")
                 raise ConfigError(
-                    f"{f.source}: layers {missing} (1-based) are in neither 'linear_attn_config.kda_layers' "
+                    f"{f.source}: layers {shown} (1-based) are in neither 'linear_attn_config.kda_layers' "
                     "nor 'linear_attn_config.full_attn_layers'"
                 )
             from_lists = tuple(types)  # type: ignore[arg-type]

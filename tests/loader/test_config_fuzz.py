@@ -83,3 +83,15 @@ def test_config_file_named(tmp_path, text):
     with pytest.raises(ConfigError, match="config.json"):
         load_config(tmp_path)
     assert time.monotonic() - start < TIME_BOUND_S
+
+
+def test_many_unassigned_layers_give_a_short_error():
+    """Found by test_random_values: num_hidden_layers 401 listed every unassigned layer (2004 chars)."""
+    from kda_rt.demo.presets import kimi_linear_48b_a3b
+
+    cfg = kimi_linear_48b_a3b(27)
+    cfg["num_hidden_layers"] = 401
+    with pytest.raises(ConfigError) as err:
+        parse_config(cfg, source="config.json")
+    msg = str(err.value)
+    assert len(msg) < 300 and "(374 layers)" in msg and "[28, 29," in msg and "kda_layers" in msg
