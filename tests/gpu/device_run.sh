@@ -5,6 +5,12 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i "running pip as" | tail -5
+# llguidance + jsonschema for the structured-output tests on the CUDA backend (not on the device image):
+# carry .whl with .whl/extra/ filled by `pip download` (see the device README)
+if ls .whl/extra/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .whl/extra/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/extra
+fi
 python tests/helpers/configs.py /tmp/k48.json 4
 python -m kda_rt.random_checkpoint --config /tmp/k48.json --out /tmp/k48 --seed 1 --fixed-routing > /dev/null &
 CK=$!
