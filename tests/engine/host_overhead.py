@@ -2,12 +2,13 @@
 [BATCH] [OUTPUT_KIND] [-p]`.  A runner that returns fixed tokens stands in for the model, so what
 is timed is the scheduler, the flat batches, postprocess and the RequestOutputs: the part of a GPU
 decode step that the GPU waits for.  Prompts of 2048 tokens on the 48B-shaped 4-layer config,
-prefill done first, then 100 decode steps (`-p`: cProfile, sorted by own time)."""
+prefill done first, then $STEPS (default 100) decode steps (`-p`: cProfile, sorted by own time)."""
 
 from __future__ import annotations
 
 import cProfile
 import dataclasses
+import os
 import pstats
 import sys
 import time
@@ -43,7 +44,7 @@ class FixedTokens:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "-p"]
+    args = [a for a in sys.argv[1:] if not a.startswith("-")]
     batch = int(args[0]) if args else 32
     kind = args[1] if len(args) > 1 else "cumulative"
     config = parse_config(kimi_linear_48b_a3b(4))
@@ -52,7 +53,7 @@ def main() -> None:
     engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=runner.plan.max_model_len),
                        num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks)
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), rng.integers(0, 1000, 2048).tolist(), params, output_kind=kind)
     while engine.num_waiting() or any(s.in_prefill for s in engine.scheduler.running):
@@ -60,7 +61,7 @@ def main() -> None:
     prof = cProfile.Profile()
     if "-p" in sys.argv:
         prof.enable()
-    t0, steps = time.perf_counter(), 100
+    t0, steps = time.perf_counter(), int(os.environ.get("STEPS", 100))
     for _ in range(steps):
         engine.step()
     prof.disable()
