@@ -14,9 +14,6 @@ template's markers (`encode_chat`) or from `encode(..., allow_special=True)`.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -35,10 +32,17 @@ from kda_rt.text.chat import (
     template_source,
     validate_messages,
 )
+from kda_rt.text.tokenizer_files import (
+    NUM_SPECIAL_TOKENS,
+    TokenizerError,
+    load_json,
+    load_rank_file,
+    special_tokens,
+    token_field,
+)
 
 __all__ = ["NUM_SPECIAL_TOKENS", "PAT_STR", "Tokenizer", "TokenizerError", "load_rank_file"]
 
-NUM_SPECIAL_TOKENS = 256
 
 _LETTER_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"  # `&&` = class intersection (Rust regex)
 _LETTER_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
@@ -59,95 +63,6 @@ PAT_STR = "|".join([
 _MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 _LONG_RUN = re.compile(rf"\s{{{_MAX_RUN_CHARS + 1},}}|\S{{{_MAX_RUN_CHARS + 1},}}")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file is missing or malformed; the message names the file and line or field."""
-
-
-def load_rank_file(path: str | Path) -> dict[bytes, int]:
-    """Parse a tiktoken rank file; ranks must be exactly 0..N-1, each token and rank unique."""
-    path = Path(path)
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read rank file ({e.strerror or e})") from None
-    ranks: dict[bytes, int] = {}
-    line_of_rank: dict[int, int] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        fields = line.split()
-        if len(fields) != 2 or not fields[1].isdigit() or len(fields[1]) > 10:  # ranks < 10**10
-            raise TokenizerError(f"{path}:{lineno}: expected '<base64> <rank>', got {line[:80]!r}")
-        try:
-            token = base64.b64decode(fields[0], validate=True)
-        except (binascii.Error, ValueError):
-            raise TokenizerError(f"{path}:{lineno}: invalid base64 {fields[0][:80]!r}") from None
-        rank = int(fields[1])
-        if rank in line_of_rank:
-            raise TokenizerError(f"{path}:{lineno}: duplicate rank {rank} (first on line {line_of_rank[rank]})")
-        if token in ranks:
-            raise TokenizerError(f"{path}:{lineno}: duplicate token {token!r} (already rank {ranks[token]})")
-        ranks[token] = rank
-        line_of_rank[rank] = lineno
-    if not ranks:
-        raise TokenizerError(f"{path}: no tokens")
-    if max(line_of_rank) != len(ranks) - 1:
-        missing = next(r for r in range(len(ranks)) if r not in line_of_rank)
-        raise TokenizerError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps; rank {missing} is missing")
-    return ranks
-
-
-def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: top level must be a JSON object")
-    return data
-
-
-def _special_tokens(config: Mapping[str, Any], where: str, num_base: int) -> dict[str, int]:
-    """Named specials from `added_tokens_decoder`, reserved names for the rest of the 256-id block."""
-    decoder = config.get("added_tokens_decoder", {})
-    if not isinstance(decoder, dict):
-        raise TokenizerError(f"{where}: field 'added_tokens_decoder' must be an object")
-    names: dict[int, str] = {}
-    for key, entry in decoder.items():
-        field = f"{where}: added_tokens_decoder[{key!r}]"
-        if not key.isdigit():
-            raise TokenizerError(f"{field}: key must be a token id")
-        token_id = int(key)
-        if not num_base <= token_id < num_base + NUM_SPECIAL_TOKENS:
-            raise TokenizerError(f"{field}: id outside the special range [{num_base}, {num_base + NUM_SPECIAL_TOKENS})")
-        content = entry.get("content") if isinstance(entry, dict) else None
-        if not isinstance(content, str) or not content:
-            raise TokenizerError(f"{field}: needs a non-empty string 'content'")
-        names[token_id] = content
-    specials: dict[str, int] = {}
-    for token_id in range(num_base, num_base + NUM_SPECIAL_TOKENS):
-        name = names.get(token_id, f"<|reserved_token_{token_id}|>")
-        if name in specials:
-            raise TokenizerError(f"{where}: special token {name!r} appears at ids {specials[name]} and {token_id}")
-        specials[name] = token_id
-    return specials
-
-
-def _token_field(config: Mapping[str, Any], field: str, where: str, specials: Mapping[str, int]) -> str | None:
-    value = config.get(field)
-    if isinstance(value, dict):  # HF serialises AddedToken as {"content": ...}
-        value = value.get("content")
-    if value is not None and not isinstance(value, str):
-        raise TokenizerError(f"{where}: field {field!r} must be a string")
-    if value is not None and value not in specials:
-        raise TokenizerError(f"{where}: field {field!r} names {value!r}, which is not a special token")
-    return value
 
 
 def _split_for_bpe(text: str) -> Iterator[str]:
@@ -189,9 +104,9 @@ class Tokenizer:
         model_dir = Path(model_dir)
         ranks = load_rank_file(model_dir / "tiktoken.model")
         config_path = model_dir / "tokenizer_config.json"
-        config = _load_json(config_path)
-        specials = _special_tokens(config, str(config_path), len(ranks))
-        tokens = {f: _token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
+        config = load_json(config_path)
+        specials = special_tokens(config, str(config_path), len(ranks))
+        tokens = {f: token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
         template, template_name = template_source(model_dir, config, str(config_path))
         try:
             return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",
