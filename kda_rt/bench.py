@@ -145,8 +145,10 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
 
 def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) -> dict:
     """Per-op times (ms) of the first prefill step and of one eager decode step of a fresh workload
-    of `batch` prompts of `input_len` tokens (CUDA events around each model op)."""
+    of `batch` prompts of `input_len` tokens (CUDA events around each model op), each op with the rate
+    of its minimum work (`kda_rt.floors.op_work`: FLOPs in prefill, bytes in decode)."""
     from kda_rt.cuda.ops.trace import Profile
+    from kda_rt.floors import op_work
     from kda_rt.sampler.params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -159,20 +161,29 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
         tokens = engine.counters["tokens_processed"]
         with Profile() as prof:
             engine.step()
-        out["prefill"] = {"tokens": engine.counters["tokens_processed"] - tokens, "ops": prof.summary()}
-        print(f"prefill step ({out['prefill']['tokens']} tokens):\n{prof.table()}", file=sys.stderr)
+        done = engine.counters["tokens_processed"] - tokens
+        whole, rest = divmod(done, input_len)  # whole prompts, then the first chunk of the next one
+        work = op_work(engine.model_config, decode=False, batch=batch, tokens=done, context=0,
+                       prompt_lens=[input_len] * whole + ([rest] if rest else []))
+        out["prefill"] = {"tokens": done, "ops": prof.summary(), "work": work}
+        print(f"prefill step ({done} tokens):\n{prof.table(work)}", file=sys.stderr)
         while engine.has_unfinished_requests() and (engine.num_waiting() or any(
                 s.in_prefill for s in engine.scheduler.running)):
             engine.step()
         runner = engine.runner
+        count = getattr(runner, "experts_touched", None)
+        if count is not None:
+            count(reset=True)
         eager, runner.enforce_eager = runner.enforce_eager, True
         try:
             with Profile() as prof:
                 engine.step()
         finally:
             runner.enforce_eager = eager
-        out["decode"] = {"batch": batch, "ops": prof.summary()}
-        print(f"decode step (eager, batch {batch}):\n{prof.table()}", file=sys.stderr)
+        work = op_work(engine.model_config, decode=True, batch=batch, tokens=batch, context=input_len + 1,
+                       touched=(count(reset=True) or None) if count is not None else None)
+        out["decode"] = {"batch": batch, "ops": prof.summary(), "work": work}
+        print(f"decode step (eager, batch {batch}):\n{prof.table(work)}", file=sys.stderr)
     finally:
         for rid in ids:
             engine.abort(rid)

@@ -24,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["COPY_BYTES_PER_S", "BF16_FLOPS", "WeightBytes", "weight_bytes", "decode_floor", "prefill_floor"]
+__all__ = ["COPY_BYTES_PER_S", "BF16_FLOPS", "WeightBytes", "weight_bytes", "decode_floor", "prefill_floor", "op_work"]
 
 COPY_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (../shared/docs/gpu_facts.md)
 BF16_FLOPS = 790e12  # H200 dense bf16 tensor-core peak, measured with cuBLAS (gpu_facts.md)
@@ -114,3 +114,74 @@ def prefill_floor(config: ModelConfig, prompt_lens: list[int], *, flops_rate: fl
         pairs = sum(L * (L + 1) / 2 for L in prompt_lens)
         flops += 2.0 * mc.num_heads * (mc.qk_head_dim + mc.v_head_dim) * pairs * len(config.mla_layer_ids)
     return {"flops": flops, "seconds": flops / flops_rate, "active_params_per_token": per_token}
+
+
+def _layer_params(config: ModelConfig) -> dict[str, int]:
+    """Parameters of the ops the profile times, summed over layers: 'kda', 'mla' (mixer weights),
+    'dense' (dense MLPs), 'router', 'shared' (MoE layers), 'lm_head', 'norm' (all norm weights)."""
+    from kda_rt.loader.weights import expected_tensors
+
+    out = dict.fromkeys(("kda", "mla", "dense", "router", "shared", "lm_head", "norm"), 0)
+    for name, (shape, _) in expected_tensors(config).items():
+        n = int(np.prod(shape))
+        if _EXPERT in name or name == "model.embed_tokens.weight":
+            continue
+        if name == "lm_head.weight":
+            out["lm_head"] += n
+        elif "layernorm" in name or name == "model.norm.weight":
+            out["norm"] += n
+        elif ".self_attn." in name:
+            layer = int(name.split(".")[2])
+            out["kda" if config.layer_types[layer] == "kda" else "mla"] += n
+        elif ".block_sparse_moe.gate." in name:
+            out["router"] += n
+        elif ".block_sparse_moe.shared_experts." in name:
+            out["shared"] += n
+        elif ".mlp." in name:
+            out["dense"] += n
+    if config.tie_word_embeddings:
+        out["lm_head"] = config.vocab_size * config.hidden_size
+    return out
+
+
+def op_work(config: ModelConfig, *, decode: bool, batch: int, tokens: int, context: float,
+            touched: dict[int, float] | None = None, prompt_lens: list[int] | None = None) -> dict[str, tuple[float, str]]:
+    """What each profiled op (`bench --profile`'s scopes) must at least do in one step: bytes moved
+    ('B') for a decode step of `batch` sequences at mean `context`, FLOPs ('FLOP') for a prefill step
+    of `tokens` new tokens (whole prompts `prompt_lens`).  Same models as `decode_floor` /
+    `prefill_floor`, split by op; norms, embed and the KDA chunk products are left out of prefill."""
+    p = _layer_params(config)
+    w = weight_bytes(config)
+    size = 4 if config.dtype == "float32" else 2
+    moe_layers = _moe_layers(config)
+    D = config.hidden_size
+    if decode:
+        kda = mla = 0.0
+        if config.kda is not None:
+            kc = config.kda
+            P = kc.num_heads * kc.head_dim
+            state = 2 * batch * (kc.num_heads * kc.head_dim * kc.head_dim * 4 + 3 * P * (kc.conv_kernel_size - 1) * 2)
+            kda = p["kda"] * size + state * len(config.kda_layer_ids)
+        if config.mla is not None:
+            mla = p["mla"] * size + batch * (context + 1) * config.mla.cache_width * 2 * len(config.mla_layer_ids)
+        if touched is None and config.moe is not None:
+            E, A = config.moe.num_experts, config.moe.top_k
+            touched = {i: E * (1 - (1 - A / E) ** batch) for i in moe_layers}
+        experts = sum((touched or {}).get(i, 0.0) for i in moe_layers)
+        moe = experts * w.per_expert + p["shared"] * size + p["router"] * 4
+        work = {"kda.decode": kda, "mla.decode": mla, "moe": moe, "dense": p["dense"] * size,
+                "final norm+lm_head": p["lm_head"] * size + 2 * batch * config.vocab_size * 4,
+                "norm+residual": p["norm"] * 4 + 3 * 2 * batch * D * 2 * config.num_hidden_layers,
+                "embed": 2 * batch * D * 2}
+        return {op: (float(v), "B") for op, v in work.items()}
+    rows = len(prompt_lens) if prompt_lens else batch
+    mla_attn = 0.0
+    if config.mla is not None and prompt_lens:
+        mc = config.mla
+        pairs = sum(L * (L + 1) / 2 for L in prompt_lens)
+        mla_attn = 2.0 * mc.num_heads * (mc.qk_head_dim + mc.v_head_dim) * pairs * len(config.mla_layer_ids)
+    routed = len(moe_layers) * config.moe.top_k * w.expert_params if config.moe is not None else 0
+    work = {"kda.prefill": 2.0 * p["kda"] * tokens, "mla.prefill": 2.0 * p["mla"] * tokens + mla_attn,
+            "moe": 2.0 * (routed + p["shared"] + p["router"]) * tokens, "dense": 2.0 * p["dense"] * tokens,
+            "final norm+lm_head": 2.0 * p["lm_head"] * rows}
+    return {op: (float(v), "FLOP") for op, v in work.items()}

@@ -44,3 +44,26 @@ def test_prefill_floor_matches_hand_numbers(full):
     assert pre["seconds"] == pytest.approx(0.46, rel=0.03)
     # causal MLA attention grows with the square of the prompt: 128K costs far more per token than 2K
     assert prefill_floor(full, [131072])["seconds"] / 131072 > 1.2 * pre["seconds"] / (32 * 2048)
+
+
+def test_op_work_splits_the_floors(full):
+    """The per-op minimum work of `bench --profile` adds up to the step floors (the norms' few MB
+    and the embedding rows aside), so each op's rate is measured against its share of the floor."""
+    from kda_rt.floors import op_work
+
+    moe = [i for i, k in enumerate(full.mlp_types) if k == "moe"]
+    touched = {i: 70.8 for i in moe}
+    dec = op_work(full, decode=True, batch=32, tokens=32, context=2049, touched=touched)
+    assert all(unit == "B" for _, unit in dec.values())
+    total = sum(v for v, _ in dec.values())
+    assert total == pytest.approx(decode_floor(full, 32, 2048, touched)["bytes"], rel=2e-3)
+    # routed experts + the shared expert + the fp32 router and its correction bias, per MoE layer
+    assert dec["moe"][0] == pytest.approx(len(moe) * (70.8 * 3 * 2304 * 1024 * 2 + 3 * 2304 * 1024 * 2 + 256 * 2305 * 4))
+    pre = op_work(full, decode=False, batch=4, tokens=8192, context=0, prompt_lens=[2048] * 4)
+    assert all(unit == "FLOP" for _, unit in pre.values())
+    assert sum(v for v, _ in pre.values()) == pytest.approx(prefill_floor(full, [2048] * 4)["flops"], rel=1e-3)
+    # a profile table shows each op's rate: 26.5 GB in 8.08 ms is 3.28 TB/s
+    from kda_rt.cuda.ops.trace import format_table
+
+    table = format_table({"moe": (8.076, 26), "kda.decode": (4.63, 20)}, dec)
+    assert "3.28 TB/s" in table and "moe" in table.splitlines()[1]

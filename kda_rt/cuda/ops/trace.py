@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-__all__ = ["Trace", "Profile", "trace_scope", "record", "active"]
+__all__ = ["Trace", "Profile", "format_table", "trace_scope", "record", "active"]
 
 _active: Trace | None = None
 _profile: Profile | None = None
@@ -77,14 +77,23 @@ class Profile:
             acc[1] += 1
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-    def table(self) -> str:
-        summ = self.summary()
-        total = sum(ms for ms, _ in summ.values()) or 1.0
-        rows = [f"{'op':<22} {'ms':>9} {'share':>6} {'calls':>5}"]
-        for name, (ms, n) in sorted(summ.items(), key=lambda kv: -kv[1][0]):
-            rows.append(f"{name:<22} {ms:9.3f} {ms / total:6.1%} {n:5d}")
-        rows.append(f"{'total':<22} {total:9.3f}")
-        return "\n".join(rows)
+    def table(self, work: dict[str, tuple[float, str]] | None = None) -> str:
+        """Per op: ms, share of the step, calls, and with `work` ({op: (bytes or FLOPs, 'B' | 'FLOP')},
+        kda_rt.floors.op_work) the rate it ran at: TB/s or TFLOP/s of that minimum work."""
+        return format_table(self.summary(), work)
+
+
+def format_table(summ: dict[str, tuple[float, int]], work: dict[str, tuple[float, str]] | None = None) -> str:
+    total = sum(ms for ms, _ in summ.values()) or 1.0
+    rows = [f"{'op':<22} {'ms':>9} {'share':>6} {'calls':>5}" + ("  rate of the op's minimum work" if work else "")]
+    for name, (ms, n) in sorted(summ.items(), key=lambda kv: -kv[1][0]):
+        row = f"{name:<22} {ms:9.3f} {ms / total:6.1%} {n:5d}"
+        if work and name in work and ms > 0:
+            amount, unit = work[name]
+            row += f"  {amount / ms / 1e9:8.2f} {'TB/s' if unit == 'B' else 'TFLOP/s'} of {amount / 1e9:.3g} G{unit}"
+        rows.append(row)
+    rows.append(f"{'total':<22} {total:9.3f}")
+    return "\n".join(rows)
 
 
 @contextlib.contextmanager
