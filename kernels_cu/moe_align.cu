@@ -133,6 +133,7 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
 #endif
 
 #ifdef THREADS
+static_assert(THREADS >= A + 1, "moe_combine: one thread per pair of a token loads its row index");
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
             const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {

@@ -236,19 +236,21 @@ class CudaRunner:
         values = (sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps)
         for off, (count, dtype), value in zip(in_offs, ins, values, strict=True):
             host[off:off + count * dtype.itemsize].view(dtype)[:] = value
-        dev_in = self.sample_ws.get("in", (in_bytes,), np.uint8)
-        dev_out = self.sample_ws.get("out", (out_bytes,), np.uint8)
         view = lambda buf, off, count, dtype: cp.ndarray((count,), dtype, memptr=buf.data + off)  # noqa: E731
-        seeds, temp, top_k, top_p, min_p, steps = (view(dev_in, o, c, d) for o, (c, d) in zip(in_offs, ins, strict=True))
-        ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
-        with self.stream:
+        with self.stream:  # buffers from the pool of the stream that uses them
+            dev_in = self.sample_ws.get("in", (in_bytes,), np.uint8)
+            dev_out = self.sample_ws.get("out", (out_bytes,), np.uint8)
+            seeds, temp, top_k, top_p, min_p, steps = (view(dev_in, o, c, d)
+                                                       for o, (c, d) in zip(in_offs, ins, strict=True))
+            ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
             self.staging.to_device("sampling", dev_in, in_bytes, self.stream)
             allowed = None
             if sampling.constrained.any():
                 words = (V + 31) // 32
                 masks = self.staging.host("masks", n * words * 4).view(np.int32)[: n * words].reshape(n, words)
                 for i, m in enumerate(sampling.allowed):  # computed now, while the forward runs
-                    masks[i] = -1 if m is None else m
+                    # a mask sized for a larger tokenizer vocabulary: its tokens past the logits do not exist
+                    masks[i] = -1 if m is None else m[:words]
                 allowed = self.sample_ws.get("masks", (n, words), np.int32)
                 self.staging.to_device("masks", allowed, masks.nbytes, self.stream)
             sample(logits, temp, top_k, top_p, min_p, seeds, steps, allowed=allowed,
@@ -270,7 +272,8 @@ class CudaRunner:
             if want_lp[i]:
                 lps = {tok: float(lp_h[i])}
                 for j in range(int(sampling.num_logprobs[i])):
-                    lps.setdefault(int(top_ids_h[i, j]), float(top_lp_h[i, j]))
+                    if np.isfinite(top_lp_h[i, j]):  # masked tokens (-inf) are not listed, as on the host
+                        lps.setdefault(int(top_ids_h[i, j]), float(top_lp_h[i, j]))
                 out.logprobs[i] = lps
         sample_rows(host_logits, sampling, sorted(host_logits), out)  # the host rows, in place
         return out

@@ -82,7 +82,7 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
         raise ValueError(f"moe_combine: hidden size {D} must be a multiple of 4")
     out = cupy.empty((T, D), dtype=BF16) if out is None else out
     expect(out, "out", shape=(T, D), dtype=BF16)
-    threads = min(256, -(-D // 128) * 32)
+    threads = max(min(256, -(-D // 128) * 32), -(-(pairs + 1) // 32) * 32)  # one thread per pair loads its row
     has_shared = 2 if shared_in_y else int(shared is not None)
     kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared)
     if T:

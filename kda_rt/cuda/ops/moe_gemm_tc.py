@@ -43,7 +43,8 @@ class TileConfig(NamedTuple):
 # Chosen on H200 from the sweep of tests/gpu/bench_moe_gemm.py (candidates in test_moe_gemm_tc.py)
 _BIG = TileConfig(128, 128, 64, 3, 2, 2, 2)  # warp tile 64 x 64, 108 KB smem, 218 registers: 2 CTAs per SM
 _SMALL = TileConfig(64, 128, 64, 4, 2, 2, 2)  # warp tile 32 x 64, 108 KB smem, 138 registers: 2 CTAs per SM
-# decode: one m16 row tile per CTA, the weights streamed through 6 stages (124 KB smem, 63 registers);
+# decode: one m16 row tile per CTA, the weights streamed through 6 stages (124 KB smem: 1 CTA per SM
+# whatever MIN_BLOCKS says; 63 registers);
 # H200, E=256 top-8 D=2304 I=1024 (bench_moe_decode.py), gate/up | down: batch 1 25 | 21 us, batch 32
 # with 66 experts touched 164 | 90 us (3.8 | 3.5 TB/s), batch 128 586 | 300 us (4.0 | 3.9 TB/s)
 _DECODE = TileConfig(16, 128, 64, 6, 1, 4, 2)
