@@ -90,6 +90,19 @@ def check_int_bound(source: str, key: str, value: int, limit: int) -> None:
         raise ConfigError(f"{source}: field '{key}' = {short(value)} is out of range (|value| <= {limit})")
 
 
+def _type_list(f: Fields, field: str, names: dict[str, str], num_layers: int) -> tuple[str, ...] | None:
+    """The per-layer list `field` (transformers' layout) through `names`, or None when it is absent."""
+    if f.raw.get(field) is None:
+        return None
+    values = f.raw[field]
+    if not isinstance(values, list) or len(values) != num_layers:
+        raise ConfigError(f"{f.source}: field '{field}' must be a list of {num_layers} entries")
+    bad = [short(t) for t in values if not isinstance(t, str) or t not in names]
+    if bad:
+        raise ConfigError(f"{f.source}: field '{field}' has unknown entries {bad}")
+    return tuple(names[t] for t in values)
+
+
 def layer_schedule(f: Fields, num_layers: int) -> tuple[str, ...]:
     """Per layer KDA or MLA, from `linear_attn_config` (1-based lists) and / or `layer_types`."""
     lac = f.raw.get("linear_attn_config")
@@ -123,15 +136,7 @@ def layer_schedule(f: Fields, num_layers: int) -> tuple[str, ...]:
                     "nor 'linear_attn_config.full_attn_layers'"
                 )
             from_lists = tuple(types)  # type: ignore[arg-type]
-    from_types = None
-    if f.raw.get("layer_types") is not None:
-        lt = f.raw["layer_types"]
-        if not isinstance(lt, list) or len(lt) != num_layers:
-            raise ConfigError(f"{f.source}: field 'layer_types' must be a list of {num_layers} entries")
-        bad = [short(t) for t in lt if not isinstance(t, str) or t not in _LAYER_TYPE_NAMES]
-        if bad:
-            raise ConfigError(f"{f.source}: field 'layer_types' has unknown entries {bad}")
-        from_types = tuple(_LAYER_TYPE_NAMES[t] for t in lt)
+    from_types = _type_list(f, "layer_types", _LAYER_TYPE_NAMES, num_layers)
     if from_lists is not None and from_types is not None and from_lists != from_types:
         raise ConfigError(
             f"{f.source}: contradictory fields 'layer_types' and 'linear_attn_config.kda_layers/full_attn_layers'"
@@ -153,15 +158,7 @@ def mlp_schedule(f: Fields, num_layers: int) -> tuple[str, ...]:
         freq = f.get("moe_layer_freq", int, 1, positive=True)
         # layers >= first_k_dense_replace are MoE; a config without 'num_experts' is then refused below
         from_rule = tuple(MOE if i >= k and i % freq == 0 else DENSE for i in range(num_layers))
-    from_types = None
-    if f.raw.get("mlp_layer_types") is not None:
-        mt = f.raw["mlp_layer_types"]
-        if not isinstance(mt, list) or len(mt) != num_layers:
-            raise ConfigError(f"{f.source}: field 'mlp_layer_types' must be a list of {num_layers} entries")
-        bad = [short(t) for t in mt if not isinstance(t, str) or t not in _MLP_TYPE_NAMES]
-        if bad:
-            raise ConfigError(f"{f.source}: field 'mlp_layer_types' has unknown entries {bad}")
-        from_types = tuple(_MLP_TYPE_NAMES[t] for t in mt)
+    from_types = _type_list(f, "mlp_layer_types", _MLP_TYPE_NAMES, num_layers)
     if from_rule is not None and from_types is not None and from_rule != from_types:
         raise ConfigError(f"{f.source}: contradictory fields 'mlp_layer_types' and 'first_k_dense_replace'/'moe_layer_freq'")
     schedule = from_types or from_rule

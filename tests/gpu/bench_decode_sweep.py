@@ -9,7 +9,7 @@
   read once + the kv_b weights.
 - the MoE decode GEMMs: `tests/gpu/bench_moe_decode.py` (batch 1 ... 256), run after these.
 
-Every time is a CUDA graph of 20 calls replayed once (GPU time without Python launch gaps), per
+Every time is a CUDA graph of 20 calls replayed once (helpers.gpu.graph_us) (GPU time without Python launch gaps), per
 call; TB/s against the ~4.3 TB/s copy ceiling of the H200.  Random inputs, never zeros.
 """
 
@@ -24,28 +24,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 
 COPY = 4.3e12
-CALLS = 20
-
-
-def graph_us(fn) -> float:
-    """Microseconds per call of fn(stream), from a graph of CALLS calls replayed once after a warm-up."""
-    import cupy
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        fn(stream)  # compile, allocate, warm
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(CALLS):
-            fn(stream)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / CALLS * 1e3
 
 
 def line(name: str, us: float, nbytes: float) -> None:
@@ -55,6 +33,7 @@ def line(name: str, us: float, nbytes: float) -> None:
 
 
 def sweep_kda(batches) -> None:
+    from helpers.gpu import graph_us
     from helpers.kda_kernel import make_inputs, run_op, upload
     from kda_rt.cuda.ops.kda_decode import kda_decode
 
@@ -70,7 +49,7 @@ def sweep_kda(batches) -> None:
 def sweep_mla(batches, contexts) -> None:
     import cupy
 
-    from helpers.gpu import BF16
+    from helpers.gpu import BF16, graph_us
     from helpers.mla_kernel import DN, DR, DV, SCALE, R
     from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers.gpu import BF16, bf16_round, poison, rms_rel, to_gpu_bf16, to_np
+from helpers.gpu import BF16, bf16_round, graph_us, poison, rms_rel, to_gpu_bf16, to_np
 from helpers.mla_kernel import (
     DN,
     DR,
@@ -164,20 +164,7 @@ def bench():
 
         args = (q, pool, w_kvb, cu, ctx, tables)
         kw = dict(num_heads=H, scale=SCALE, max_seqlen=1 if decode else L, decode=decode, out=out, workspace=ws)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:  # 20 calls in one CUDA graph: GPU time without Python launch overhead
-            mla_attention(*args, **kw)
-            stream.begin_capture()
-            for _ in range(20):
-                mla_attention(*args, **kw)
-            graph = stream.end_capture()
-            graph.launch(stream)
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-        ms = cupy.cuda.get_elapsed_time(start, end) / 20
+        ms = graph_us(lambda stream, args=args, kw=kw: mla_attention(*args, **kw, stream=stream)) / 1e3
         nbytes = B * L * (R + DR) * 2 + w_kvb.nbytes  # KV rows read once + kv_b weights
         pairs = B * L if decode else L * (L + 1) // 2  # (query, key) pairs
         flops = 2 * H * pairs * (2 * R + DR) + 2 * T * H * R * (DN + DV)  # absorbed scores + ctx, two bmm
