@@ -44,33 +44,73 @@ class WeightBytes:
     expert_params: int  # one routed expert
 
 
-def weight_bytes(config: ModelConfig) -> WeightBytes:
+def _weight_split(config: ModelConfig) -> dict[str, list[int]]:
+    """[parameters, device bytes] of the weights per profiled op: 'kda', 'mla' (mixer weights), 'dense'
+    (dense MLPs), 'router', 'shared' (MoE layers), 'lm_head', 'norm' (every norm weight), 'other';
+    the routed experts and the embedding table are left out (`weight_bytes` has them).  Matmuls are
+    stored in the config's dtype, routers and small tensors in fp32 (as cuda/weights.py uploads them)."""
     from kda_rt.loader.weights import MATMUL_KINDS, expected_tensors
 
     stored = 4 if config.dtype == "float32" else 2
-    dense = dense_params = lm_head = embed_row = 0
-    expert_params = 3 * config.hidden_size * config.moe.intermediate_size if config.moe is not None else 0
+    out = {k: [0, 0] for k in ("kda", "mla", "dense", "router", "shared", "lm_head", "norm", "other")}
     for name, (shape, kind) in expected_tensors(config).items():
-        n = int(np.prod(shape))
-        size = 4 if name.endswith(".gate.weight") or kind not in MATMUL_KINDS else stored  # routers upload fp32
-        if _EXPERT in name:
+        if _EXPERT in name or (name == "model.embed_tokens.weight" and not config.tie_word_embeddings):
             continue
-        elif name == "model.embed_tokens.weight":
-            embed_row = shape[1] * size
-            if config.tie_word_embeddings:  # the lm_head reads the whole table
-                dense += n * size
-                lm_head = n
-        elif name == "lm_head.weight":
-            dense += n * size
-            lm_head = n
+        n = int(np.prod(shape))
+        size = 4 if name.endswith(".gate.weight") or kind not in MATMUL_KINDS else stored
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):  # the embedding only when tied
+            key = "lm_head"
+        elif "layernorm" in name or name == "model.norm.weight":
+            key = "norm"
+        elif ".self_attn." in name:
+            key = "kda" if config.layer_types[int(name.split(".")[2])] == "kda" else "mla"
+        elif ".block_sparse_moe.gate." in name:
+            key = "router"
+        elif ".block_sparse_moe.shared_experts." in name:
+            key = "shared"
+        elif ".mlp." in name:
+            key = "dense"
         else:
-            dense += n * size
-            dense_params += n
-    return WeightBytes(dense, expert_params * stored, embed_row, dense_params, lm_head, expert_params)
+            key = "other"
+        out[key][0] += n
+        out[key][1] += n * size
+    return out
+
+
+def weight_bytes(config: ModelConfig) -> WeightBytes:
+    split = _weight_split(config)
+    stored = 4 if config.dtype == "float32" else 2
+    expert_params = 3 * config.hidden_size * config.moe.intermediate_size if config.moe is not None else 0
+    dense = sum(b for _, b in split.values())
+    dense_params = sum(n for key, (n, _) in split.items() if key != "lm_head")
+    embed_row = config.hidden_size * stored
+    return WeightBytes(dense, expert_params * stored, embed_row, dense_params, split["lm_head"][0], expert_params)
 
 
 def _moe_layers(config: ModelConfig) -> list[int]:
     return [i for i, kind in enumerate(config.mlp_types) if kind == "moe"]
+
+
+def _touched(config: ModelConfig, batch: int, touched: dict[int, float] | None) -> dict[int, float]:
+    """Experts routed per MoE layer: as counted, else the uniform-routing expectation E(1 - (1 - A/E)^batch)."""
+    if touched is not None or config.moe is None:
+        return touched or {}
+    E, A = config.moe.num_experts, config.moe.top_k
+    return {i: E * (1 - (1 - A / E) ** batch) for i in _moe_layers(config)}
+
+
+def _state_bytes(config: ModelConfig, batch: int, context: float) -> tuple[int, int]:
+    """(KDA states read and written: fp32 recurrent + bf16 conv, MLA latent cache read up to the context)
+    of one decode step over all layers."""
+    state = cache = 0
+    if config.kda is not None:
+        kc = config.kda
+        P = kc.num_heads * kc.head_dim
+        per_seq = kc.num_heads * kc.head_dim * kc.head_dim * 4 + 3 * P * (kc.conv_kernel_size - 1) * 2
+        state = 2 * per_seq * batch * len(config.kda_layer_ids)
+    if config.mla is not None:
+        cache = int(batch * (context + 1) * config.mla.cache_width * 2 * len(config.mla_layer_ids))
+    return state, cache
 
 
 def decode_floor(config: ModelConfig, batch: int, context: float, touched: dict[int, float] | None = None,
@@ -80,25 +120,23 @@ def decode_floor(config: ModelConfig, batch: int, context: float, touched: dict[
     expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch)."""
     w = weight_bytes(config)
     moe = _moe_layers(config)
-    if touched is None and config.moe is not None:
-        E, A = config.moe.num_experts, config.moe.top_k
-        touched = {i: E * (1 - (1 - A / E) ** batch) for i in moe}
-    experts = sum((touched or {}).get(i, 0.0) for i in moe)
-    state = 0
-    if config.kda is not None:
-        kc = config.kda
-        P = kc.num_heads * kc.head_dim
-        per_seq = kc.num_heads * kc.head_dim * kc.head_dim * 4 + 3 * P * (kc.conv_kernel_size - 1) * 2
-        state = 2 * per_seq * batch * len(config.kda_layer_ids)  # read and write
-    cache = 0
-    if config.mla is not None:
-        cache = int(batch * (context + 1) * config.mla.cache_width * 2 * len(config.mla_layer_ids))
+    experts = sum(_touched(config, batch, touched).get(i, 0.0) for i in moe)
+    state, cache = _state_bytes(config, batch, context)
     logits = 2 * batch * config.vocab_size * 4
     parts = {"dense_weights": w.dense, "experts": experts * w.per_expert, "kda_state": state, "mla_cache": cache,
              "logits": logits, "embed": batch * w.embed_row}
     total = sum(parts.values())
     return {"bytes": total, "seconds": total / bandwidth, "experts_per_moe_layer": experts / max(1, len(moe)),
             "parts": parts}
+
+
+def _attention_flops(config: ModelConfig, prompt_lens: list[int]) -> float:
+    """Causal MLA attention of whole prompts: q·k over qk_head_dim and p·v over v_head_dim per head and pair."""
+    if config.mla is None:
+        return 0.0
+    mc = config.mla
+    pairs = sum(L * (L + 1) / 2 for L in prompt_lens)
+    return 2.0 * mc.num_heads * (mc.qk_head_dim + mc.v_head_dim) * pairs * len(config.mla_layer_ids)
 
 
 def prefill_floor(config: ModelConfig, prompt_lens: list[int], *, flops_rate: float = BF16_FLOPS) -> dict:
@@ -108,40 +146,8 @@ def prefill_floor(config: ModelConfig, prompt_lens: list[int], *, flops_rate: fl
     per_token = w.dense_params
     if config.moe is not None:
         per_token += len(_moe_layers(config)) * config.moe.top_k * w.expert_params
-    flops = 2.0 * per_token * tokens + 2.0 * w.lm_head_params * len(prompt_lens)
-    if config.mla is not None:
-        mc = config.mla
-        pairs = sum(L * (L + 1) / 2 for L in prompt_lens)
-        flops += 2.0 * mc.num_heads * (mc.qk_head_dim + mc.v_head_dim) * pairs * len(config.mla_layer_ids)
+    flops = 2.0 * per_token * tokens + 2.0 * w.lm_head_params * len(prompt_lens) + _attention_flops(config, prompt_lens)
     return {"flops": flops, "seconds": flops / flops_rate, "active_params_per_token": per_token}
-
-
-def _layer_params(config: ModelConfig) -> dict[str, int]:
-    """Parameters of the ops the profile times, summed over layers: 'kda', 'mla' (mixer weights),
-    'dense' (dense MLPs), 'router', 'shared' (MoE layers), 'lm_head', 'norm' (all norm weights)."""
-    from kda_rt.loader.weights import expected_tensors
-
-    out = dict.fromkeys(("kda", "mla", "dense", "router", "shared", "lm_head", "norm"), 0)
-    for name, (shape, _) in expected_tensors(config).items():
-        n = int(np.prod(shape))
-        if _EXPERT in name or name == "model.embed_tokens.weight":
-            continue
-        if name == "lm_head.weight":
-            out["lm_head"] += n
-        elif "layernorm" in name or name == "model.norm.weight":
-            out["norm"] += n
-        elif ".self_attn." in name:
-            layer = int(name.split(".")[2])
-            out["kda" if config.layer_types[layer] == "kda" else "mla"] += n
-        elif ".block_sparse_moe.gate." in name:
-            out["router"] += n
-        elif ".block_sparse_moe.shared_experts." in name:
-            out["shared"] += n
-        elif ".mlp." in name:
-            out["dense"] += n
-    if config.tie_word_embeddings:
-        out["lm_head"] = config.vocab_size * config.hidden_size
-    return out
 
 
 def op_work(config: ModelConfig, *, decode: bool, batch: int, tokens: int, context: float,
@@ -150,36 +156,24 @@ def op_work(config: ModelConfig, *, decode: bool, batch: int, tokens: int, conte
     ('B') for a decode step of `batch` sequences at mean `context`, FLOPs ('FLOP') for a prefill step
     of `tokens` new tokens (whole prompts `prompt_lens`).  Same models as `decode_floor` /
     `prefill_floor`, split by op; norms, embed and the KDA chunk products are left out of prefill."""
-    p = _layer_params(config)
+    split = _weight_split(config)
+    p = {k: n for k, (n, _) in split.items()}  # parameters (prefill FLOPs)
+    nbytes = {k: b for k, (_, b) in split.items()}  # device bytes (decode)
     w = weight_bytes(config)
-    size = 4 if config.dtype == "float32" else 2
     moe_layers = _moe_layers(config)
     D = config.hidden_size
     if decode:
-        kda = mla = 0.0
-        if config.kda is not None:
-            kc = config.kda
-            P = kc.num_heads * kc.head_dim
-            state = 2 * batch * (kc.num_heads * kc.head_dim * kc.head_dim * 4 + 3 * P * (kc.conv_kernel_size - 1) * 2)
-            kda = p["kda"] * size + state * len(config.kda_layer_ids)
-        if config.mla is not None:
-            mla = p["mla"] * size + batch * (context + 1) * config.mla.cache_width * 2 * len(config.mla_layer_ids)
-        if touched is None and config.moe is not None:
-            E, A = config.moe.num_experts, config.moe.top_k
-            touched = {i: E * (1 - (1 - A / E) ** batch) for i in moe_layers}
-        experts = sum((touched or {}).get(i, 0.0) for i in moe_layers)
-        moe = experts * w.per_expert + p["shared"] * size + p["router"] * 4
-        work = {"kda.decode": kda, "mla.decode": mla, "moe": moe, "dense": p["dense"] * size,
-                "final norm+lm_head": p["lm_head"] * size + 2 * batch * config.vocab_size * 4,
-                "norm+residual": p["norm"] * 4 + 3 * 2 * batch * D * 2 * config.num_hidden_layers,
+        state, cache = _state_bytes(config, batch, context)
+        kda, mla = nbytes["kda"] + state, nbytes["mla"] + cache
+        experts = sum(_touched(config, batch, touched).get(i, 0.0) for i in moe_layers)
+        moe = experts * w.per_expert + nbytes["shared"] + nbytes["router"]
+        work = {"kda.decode": kda, "mla.decode": mla, "moe": moe, "dense": nbytes["dense"],
+                "final norm+lm_head": nbytes["lm_head"] + 2 * batch * config.vocab_size * 4,
+                "norm+residual": nbytes["norm"] + 3 * 2 * batch * D * 2 * config.num_hidden_layers,
                 "embed": 2 * batch * D * 2}
         return {op: (float(v), "B") for op, v in work.items()}
     rows = len(prompt_lens) if prompt_lens else batch
-    mla_attn = 0.0
-    if config.mla is not None and prompt_lens:
-        mc = config.mla
-        pairs = sum(L * (L + 1) / 2 for L in prompt_lens)
-        mla_attn = 2.0 * mc.num_heads * (mc.qk_head_dim + mc.v_head_dim) * pairs * len(config.mla_layer_ids)
+    mla_attn = _attention_flops(config, prompt_lens or [])
     routed = len(moe_layers) * config.moe.top_k * w.expert_params if config.moe is not None else 0
     work = {"kda.prefill": 2.0 * p["kda"] * tokens, "mla.prefill": 2.0 * p["mla"] * tokens + mla_attn,
             "moe": 2.0 * (routed + p["shared"] + p["router"]) * tokens, "dense": 2.0 * p["dense"] * tokens,
