@@ -55,22 +55,23 @@ def test_deep_json_is_counted_400(srv, field):
     assert srv.metrics().get(key, 0) == before.get(key, 0) + 1
 
 
-def test_content_length_over_cap_is_413_from_the_header(srv):
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+def _raw_post(srv, content_length: int, body: bytes, timeout: float) -> bytes:
+    """Send a completions request head declaring `content_length` and then only `body`; the first reply bytes."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Authorization: " + srv.headers["Authorization"].encode() + b"\r\n"
-                  b"Content-Length: 1000000000000\r\n\r\n")
-        reply = s.recv(4096)
+                  b"Content-Length: " + str(content_length).encode() + b"\r\n\r\n" + body)
+        return s.recv(4096)
+
+
+def test_content_length_over_cap_is_413_from_the_header(srv):
+    reply = _raw_post(srv, 1000000000000, b"", timeout=10)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
 
 
 def test_stalled_body_gets_408(srv):
     start = time.monotonic()
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=20) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: " + srv.headers["Authorization"].encode() + b"\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
-        reply = s.recv(4096)
+    reply = _raw_post(srv, 100, b'{"prompt":', timeout=20)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert time.monotonic() - start < 15
 
