@@ -6,8 +6,8 @@ graph per decode batch-size bucket.
   bf16 page pool [num_blocks, block_size, 576] plus one padding page.  The page count comes from
   `gpu_memory_utilization` after the weights are on the device (or `num_blocks`).
 - Decode steps (every sequence has one new token) replay the graph of the smallest bucket
-  (1, 2, 4, 8, ... up to max_num_seqs, all captured when the runner starts) that holds the batch; missing rows are padding that read a
-  zero state (context 0) and write only the padding slot and page.  Metadata is copied into the
+  (1, 2, 4, 8, ... up to max_num_seqs, all captured when the runner starts) that holds the batch;
+  missing rows are padding that read a zero state (context 0) and write only the padding slot and page.  Metadata is copied into the
   graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
 - A graph's block table is max_model_len / block_size pages wide; each step copies only the
   columns the batch uses (a 2D copy), the rest is never read (kernels stop at the context).
@@ -124,8 +124,9 @@ class CudaRunner:
         nl = R if decode else int(batch.logits_indices.shape[0])
         sizes = (nt, R + 1, R, R, nl, R * width)  # ids, cu_seqlens, context, slots, logits rows, tables
         total = sum(sizes)
+        offs = np.cumsum((0,) + sizes)  # the same layout on the host and in the device buffer
         host = self.staging.host("meta", 4 * total).view(np.int32)[:total]
-        ids, cu, ctx, slots, lidx, tables = np.split(host, np.cumsum(sizes)[:-1])
+        ids, cu, ctx, slots, lidx, tables = (host[offs[i]:offs[i + 1]] for i in range(6))
         ids[:T] = batch.input_ids
         ids[T:] = 0
         cu[:] = np.arange(R + 1) if decode else batch.cu_seqlens
@@ -141,15 +142,14 @@ class CudaRunner:
         # a graph's buffer has room for the widest table, so its views never move
         meta = ws.get("meta", (total - R * width + R * self.max_pages if rows else total,), np.int32)
         self.staging.to_device("meta", meta, 4 * total, self.stream)
-        views = np.cumsum((0,) + sizes)
-        dev = [meta[views[i]:views[i + 1]] for i in range(5)]
+        dev = [meta[offs[i]:offs[i + 1]] for i in range(5)]
         if rows:  # the graph's table is max_pages wide: scatter the used columns into it on the device
             tab = ws.get("meta_tables", (R, self.max_pages), np.int32)
-            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[views[5]:].data.ptr,
+            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[offs[5]:].data.ptr,
                                                  width * 4, width * 4, R,
                                                  self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
-            tab = meta[views[5]:].reshape(R, width)
+            tab = meta[offs[5]:].reshape(R, width)
         max_len = 1 if decode else int(batch.seq_lens.max())
         return DeviceBatch(*dev[:4], tab, dev[4], num_tokens=nt, num_seqs=R, max_seqlen=max_len, decode=decode,
                            host_cu_seqlens=cu.copy(), host_context_lens=ctx.copy())
