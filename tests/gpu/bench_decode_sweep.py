@@ -1,6 +1,6 @@
 """Decode kernels swept over batch and context (issue 12), one device call:
 
-    PYTHONPATH=. python tests/gpu/bench_decode_sweep.py [--quick]
+    PYTHONPATH=. python tests/gpu/bench_decode_sweep.py [--quick] [--parts=kda,mla,moe]
 
 - kda_decode (H = 32, K = V = 128): batch 1 ... 256; bytes = the fp32 state read and written
   (2 * B * H * K * K * 4; q/k/v/gate rows are < 1%).
@@ -81,12 +81,17 @@ def sweep_mla(batches, contexts) -> None:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    parts = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--parts=")), "kda,mla,moe").split(",")
     batches = (1, 8, 32, 128) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    sweep_kda(batches)
-    sweep_mla((1, 32, 128) if quick else (1, 8, 32, 128, 256),
-              (1024, 8192, 32768) if quick else (1024, 4096, 16384, 32768, 131072))
-    moe = Path(__file__).with_name("bench_moe_decode.py")
-    subprocess.run([sys.executable, str(moe), "--tokens", "1,8,32,128" if quick else "1,8,32,64,128,256"], check=False)
+    if "kda" in parts:
+        sweep_kda(batches)
+    if "mla" in parts:
+        sweep_mla((1, 32, 128) if quick else (1, 8, 32, 128, 256),
+                  (1024, 8192, 32768) if quick else (1024, 4096, 16384, 32768, 131072))
+    if "moe" in parts:
+        moe = Path(__file__).with_name("bench_moe_decode.py")
+        subprocess.run([sys.executable, str(moe), "--tokens", "1,8,32,128" if quick else "1,8,32,64,128,256"],
+                       check=False)
 
 
 if __name__ == "__main__":
