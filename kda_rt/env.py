@@ -46,3 +46,12 @@ def gc_threshold() -> int:
     if n < 0:
         raise ValueError(f"KDA_RT_GC_THRESHOLD must be >= 0, got {n}")
     return n
+
+
+def wgmma() -> bool:
+    """KDA_RT_WGMMA: 0 turns the Hopper warpgroup-MMA prefill kernels off (moe_gemm_wg.cu), so the
+    portable mma.sync ones run instead; default 1 (they run wherever the arch is sm_90a)."""
+    value = os.environ.get("KDA_RT_WGMMA") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KDA_RT_WGMMA must be 0 or 1, got {value!r}")
+    return value == "1"

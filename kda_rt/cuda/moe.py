@@ -23,6 +23,8 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket, moe_combine
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows
+from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
+from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
 from kda_rt.cuda.ops.moe_route import moe_route
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
@@ -101,11 +103,12 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         return out
     ws = {name: cupy.ndarray(shape, dtype, memptr=workspace.data + off)
           for (name, shape, dtype), off in zip(parts, offs, strict=True)}
-    # the shared-memory tiled GEMM with BM = 128 / 64 / 16-row tiles by the rows per expert; the
-    # weight-stationary kernel only where no tile fits (D, I) (small test shapes)
+    # the shared-memory tiled GEMM with BM = 128 / 64 / 16-row tiles by the rows per expert (128-row
+    # tiles on wgmma where the arch is sm_90a); the weight-stationary kernel only where no tile fits
+    # (D, I) (small test shapes)
     pairs = A + 1 if fused else A
     bm = prefill_tile_rows(T * pairs, stacked, D, inter)
-    gemm = moe_gemm_tc if bm else moe_gemm
+    gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else nullcontext():

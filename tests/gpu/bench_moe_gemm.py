@@ -99,6 +99,23 @@ def bench_step(T, wts, cfg, sweep):
             line(f"new gate/up bm={bm} {tag}", ms13, f13, f"err vs old {e13:.1e}")
             line(f"new down    bm={bm} {tag}", ms2, f2, f"err vs old {e2:.1e}")
 
+    # wgmma (sm_90a) on 128-row tiles: each (BN, stages) candidate
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
+
+    if device_arch() == "sm_90a":
+        plan = make_plan(ids, E, 128)
+        for t in (WgTile(256, 4), WgTile(256, 3), WgTile(128, 4), WgTile(128, 3)):
+            try:
+                ms13 = median_ms(partial(moe_gemm_wg, x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=t))
+                ms2 = median_ms(partial(moe_gemm_wg, h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=t))
+            except Exception as exc:  # a tile that does not build or launch: report, go on
+                print(f"  wg tile {t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            e13, e2 = gpu_rms_rel(h[plan.pair_pos], h_ref), gpu_rms_rel(y[plan.pair_pos], y_ref)
+            line(f"wgmma gate/up bn={t.bn} stages={t.stages}", ms13, f13, f"err vs old {e13:.1e}")
+            line(f"wgmma down    bn={t.bn} stages={t.stages}", ms2, f2, f"err vs old {e2:.1e}")
+
     # cuBLAS on one dense GEMM of the same size (the ceiling for a perfect grouped GEMM)
     rng = cupy.random.default_rng(T)
     xd, hd = rand_bf16(rng, (N, D), 1.0), rand_bf16(rng, (N, INTER), 1.0)
@@ -120,7 +137,7 @@ def bench_step(T, wts, cfg, sweep):
         moe_mod.prefill_tile_rows = policy
     err = rms_rel(to_np(out), ref_out)
     flops = (f13 + f2) * (A + 1) / A  # routed + shared expert
-    line("moe_forward, new path (routed+shared FLOPs)", ms_new, flops)
+    line("moe_forward, new path (routed+shared FLOPs; wgmma at BM=128 on sm_90a)", ms_new, flops)
     line("moe_forward, decode kernels", ms_old, flops, f"new vs old err {err:.1e}")
 
 

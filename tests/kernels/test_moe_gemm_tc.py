@@ -79,21 +79,23 @@ def check(got, ref, name, *, rms_tol, rtol, atol_rms):
                                               f"tolerance, max abs err {np.max(np.abs(got - ref)):.3e}")
 
 
-def run_tc(x, w13, w2, ids, E, bm, tile=None):
-    """Plan with BM-row tiles, then both GEMMs into NaN-poisoned outputs; returns (plan, h, y)."""
+def run_tc(x, w13, w2, ids, E, bm, tile=None, gemm=None):
+    """Plan with BM-row tiles, then both GEMMs (moe_gemm_tc, or `gemm`) into NaN-poisoned outputs;
+    returns (plan, h, y)."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc
 
+    gemm = gemm or moe_gemm_tc
     T, A = ids.shape
     N, inter, D = T * A, w13.shape[1] // 2, w2.shape[1]
     plan = make_plan(ids, E, bm)
     h, y = cupy.empty((N, inter), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
     poison(h)
     poison(y)
-    moe_gemm_tc(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=tile)
-    moe_gemm_tc(h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=tile)
+    gemm(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=tile)
+    gemm(h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=tile)
     return plan, h, y
 
 
@@ -190,7 +192,7 @@ def test_moe_gemm_tc_tiles(tile, big_weights):
     check_real_shape(f"T2048-skewed-{tile}", big_weights, 2048, True, tile[0], TileConfig(*tile))
 
 
-def check_real_shape(name, big_weights, T, skewed, bm, tile):
+def check_real_shape(name, big_weights, T, skewed, bm, tile, gemm=None):
     import cupy
 
     from helpers.gpu import to_gpu_bf16
@@ -202,7 +204,7 @@ def check_real_shape(name, big_weights, T, skewed, bm, tile):
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
-    plan, h, y = run_tc(x, w13, w2, ids, E, bm, tile)
+    plan, h, y = run_tc(x, w13, w2, ids, E, bm, tile, gemm)
 
     # every row against the decode kernel (rows are matched through pair_pos: the order of rows
     # inside an expert depends on moe_bucket's atomics)
@@ -225,6 +227,30 @@ def check_real_shape(name, big_weights, T, skewed, bm, tile):
     if skewed:
         picks |= {E - 1, E - 2}
     check_experts(sorted(picks), plan, x_np, w13, w2, h, y, A, name)
+
+
+# kernels_cu/moe_gemm_wg.cu (wgmma, sm_90a): same checks, 128-row tiles, both BN and the two pipeline
+# depths; T=1 and T=300 give tiles of 1 and ragged rows (a warpgroup with no rows), skewed routing a
+# 2048-row expert.
+WG = {  # name: (T, skewed, (bn, stages))
+    "T1": (1, False, (256, 4)),
+    "T300": (300, False, (256, 4)),
+    "T2048-skewed": (2048, True, (256, 4)),
+    "T8192": (8192, False, (256, 4)),
+    "T2048-skewed-bn128": (2048, True, (128, 4)),
+    "T2048-bn128-s3": (2048, False, (128, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(WG))
+def test_moe_gemm_wg(name, big_weights):
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
+
+    if device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_wg.cu needs sm_90a (wgmma)")
+    T, skewed, tile = WG[name]
+    check_real_shape(f"wg-{name}", big_weights, T, skewed, 128, WgTile(*tile), moe_gemm_wg)
 
 
 if __name__ == "__main__":

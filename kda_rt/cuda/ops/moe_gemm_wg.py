@@ -1,0 +1,79 @@
+"""Launcher for kernels_cu/moe_gemm_wg.cu: the prefill grouped GEMM on Hopper's warpgroup MMA (sm_90a),
+128-row tiles over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (fp32 out).
+Same contract as moe_gemm_tc.py with a plan built for tile_rows = 128; `available()` says whether it
+runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.
+
+Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kda_rt import env
+from kda_rt.cuda.ops.check import BF16, expect
+from kda_rt.cuda.ops.compile import device_arch, get_kernel
+from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+
+__all__ = ["WgTile", "available", "moe_gemm_wg", "wg_tile"]
+
+BM, BK = 128, 64
+
+
+class WgTile(NamedTuple):
+    """BN features per CTA (128 or 256) and the shared-memory pipeline depth."""
+
+    bn: int
+    stages: int
+
+    @property
+    def smem_bytes(self) -> int:  # stages of A [128][64] + B [BN][64] bf16, plus 1 KB to align to 1024
+        return self.stages * (BM + self.bn) * BK * 2 + 1024
+
+
+# 192 KB of stages: 1 CTA per SM, 2 k steps in flight (not measured yet against (128, 3) at 2 CTAs per SM)
+_DEFAULT = WgTile(256, 4)
+
+
+def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool) -> bool:
+    out_ok = (nout // 2) % (t.bn // 2) == 0 if fuse_silu else nout % t.bn == 0
+    return out_ok and k % BK == 0 and k // BK >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
+
+
+def wg_tile(nout: int, k: int, fuse_silu: bool) -> WgTile | None:
+    """The tile for one GEMM (nout x k weights), or None when none fits."""
+    for t in (_DEFAULT, WgTile(128, 4), WgTile(128, 3)):
+        if _fits(t, nout, k, fuse_silu):
+            return t
+    return None
+
+
+def available(tile_rows: int, hidden: int, inter: int) -> bool:
+    """Both MoE GEMMs of a step with `tile_rows`-row tiles can run here on wgmma."""
+    return (tile_rows == BM and env.wgmma() and device_arch() == "sm_90a"
+            and wg_tile(2 * inter, hidden, True) is not None and wg_tile(hidden, inter, False) is not None)
+
+
+def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
+                stream=None):
+    """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+    _, K = expect(src, "src", ndim=2, dtype=BF16)
+    E, nout, _ = expect(weight, "weight", shape=(None, None, K), dtype=BF16)
+    N = plan.sorted_pair.shape[0]
+    if fuse_silu:
+        expect(out, "out", shape=(N, nout // 2), dtype=BF16)
+    else:
+        expect(src, "src", shape=(N, K))
+        expect(out, "out", shape=(N, nout), dtype=np.float32)
+    tile = tile or wg_tile(nout, K, fuse_silu)
+    if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
+        raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
+    kernel = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+                        FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages)
+    grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
+    if N:
+        kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
+                              plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
+    return out

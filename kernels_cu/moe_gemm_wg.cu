@@ -1,0 +1,290 @@
+// moe_gemm_wg.cu — prefill grouped GEMM over expert-bucketed rows on Hopper's warpgroup MMA (wgmma,
+// sm_90a only: KDA_RT_HOPPER), for the two MoE projections (spec §5.1).  Same contract, math and
+// rounding as moe_gemm_tc.cu (mma.sync, any sm_80+), which serves every other arch and the small tiles:
+//
+//   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
+//                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
+//                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
+//   FUSE_SILU = 0 (down):     y[r, f] = h[r] · W[e, f]ᵀ  in fp32                      W = w2 [E, NOUT, K]
+//
+// Rows r are the expert-sorted pair rows of moe_align.cu built with BT = 128: tile i covers rows
+// [tile_row[i], min(tile_row[i] + 128, expert_off[e + 1])) of expert e = tile_expert[i].  A CTA whose
+// tile index is ≥ num_tiles[0] (read on the device) exits at once (graph-capturable grid).
+//
+// Geometry.  CTA tile 128 rows × BN features (BN = 128 or 256), K in steps of 64 (one 128-byte row
+// per operand row and step).  Two warpgroups (256 threads); warpgroup w computes rows [64w, 64w + 64)
+// × all BN features with wgmma.m64nBNk16 (4 per k step), A and B both K-major from shared memory, the
+// fp32 accumulators in registers (BN / 2 per thread).  Grid (feature blocks, max_tiles), as moe_gemm_tc.cu.
+//   FUSE_SILU: shared-memory B rows [0, BN/2) are gate features f0 .. f0 + BN/2 - 1 and rows
+//   [BN/2, BN) the matching up features HALF + f0 ..; in the wgmma accumulator layout a thread holding
+//   column n also holds column n + BN/2, so the SiLU·up epilogue pairs registers of one thread.
+// Pipeline.  STAGES shared-memory stages filled by cp.async (16 B per thread and copy; the A rows are a
+// gather, so no bulk tensor copy), STAGES - 2 k steps in flight while one is multiplied and the
+// previous one's wgmma group may still run:
+//   step kt: wait for stage kt's copies; fence.proxy.async (cp.async writes are generic-proxy writes the
+//   tensor cores read); barrier (every warpgroup is past step kt - 1's wait, so step kt - 2's stage is
+//   free); copy step kt + STAGES - 2 into it; issue step kt's 4 wgmma, commit, wait until ≤ 1 group is
+//   pending (step kt - 1's done).
+// Shared memory layout: each stage is A [128][64] then B [BN][64] bf16, 128-byte rows with the 128-byte
+// swizzle that the descriptors name (16-byte chunk c of row r stored at chunk c ^ (r mod 8)), every
+// operand tile 1024-byte aligned; descriptor: start >> 4, stride between 8-row groups 1024 B, swizzle
+// mode 1 (128 B); the k16 slice s of a step starts 32·s bytes into the rows.
+//   Rows past the tile end are zero-filled by cp.async (source clamped to the tile's first row, nothing
+//   read) and never stored; a warpgroup whose 64 rows all lie past the end still multiplies (zeros):
+//   any branch around the wgmma makes ptxas serialise them (C7518).
+//
+// Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
+//   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT]; plan arrays int32 (moe_align.cu).
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES.
+// Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
+// gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
+//   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
+//   T=8192:  1.28 | 0.79 ms = 483 | 390 TFLOP/s (2.36 | 1.21 ms = 262 | 256)
+//   T=16384: 2.19 | 1.40 ms = 566 | 441 TFLOP/s (4.11 | 2.24 ms = 301 | 276); cuBLAS dense: 755 | 534
+// 3 stages (1 k step in flight) lose a quarter: the copies are not hidden.  A producer warpgroup on
+// mbarriers (loads STAGES - 1 steps ahead, no CTA barrier per step) is the next step.
+#include "common.cuh"
+
+#if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
+#error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK"
+#endif
+#if defined(__CUDA_ARCH__) && !defined(KDA_RT_HOPPER)
+#error "moe_gemm_wg.cu needs sm_90a (wgmma); other archs use moe_gemm_tc.cu"
+#endif
+
+#define BM 128
+#define BK 64
+#define THREADS 256
+#define ACC (BN / 2)                         // fp32 accumulators per thread (64 rows x BN per warpgroup)
+#define A_BYTES (BM * BK * 2)                // 16 KB
+#define B_BYTES (BN * BK * 2)
+#define STAGE_BYTES (A_BYTES + B_BYTES)
+#define KT (K / BK)
+#define HALF (NOUT / 2)
+#define RPP (THREADS / 8)                    // rows copied per pass: 8 chunks of 16 B per 128-byte row
+#define A_PASSES (BM / RPP)
+#define B_PASSES (BN / RPP)
+
+static_assert(BN == 128 || BN == 256, "BN must be 128 or 256 (one wgmma per k16 slice)");
+static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of 64, STAGES >= 3");
+#if FUSE_SILU
+static_assert(HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
+#else
+static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// wgmma helpers (PTX ISA 8.0+, sm_90a)
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor of a K-major operand tile with 128-byte rows and the 128-byte swizzle
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)1 << 16) | ((unsigned long long)(1024 >> 4) << 32) | ((unsigned long long)1 << 62);
+}
+
+// d += A[64 x 16] · B[128 x 16]ᵀ (scale_d = 1), A and B K-major in shared memory (descriptors)
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d += A[64 x 16] · B[256 x 16]ᵀ (scale_d = 1), A and B K-major in shared memory (descriptors)
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// one k16 slice of the warpgroup tile
+__device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b) {
+#if BN == 256
+    wgmma_m64n256k16(d, desc_a, desc_b);
+#else
+    wgmma_m64n128k16(d, desc_a, desc_b);
+#endif
+}
+
+// Keeps the accumulators in registers across the asynchronous wgmma (no spill / reorder around them)
+__device__ __forceinline__ void fence_acc(float (&d)[ACC]) {
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile
+__device__ __forceinline__ unsigned swz(int r, int c) { return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+// Weight row (relative to the block's first gate / output feature) copied by pass i
+__device__ __forceinline__ constexpr int b_pass_offset(int i) {
+#if FUSE_SILU
+    return i * RPP < BN / 2 ? i * RPP : HALF - BN / 2 + i * RPP;
+#else
+    return i * RPP;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// kernel
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned raw = smem_addr(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
+
+    const int tile = blockIdx.y;
+    if (tile >= num_tiles[0]) return;
+    const int e = tile_expert[tile], row0 = tile_row[tile];
+    const int nrows = min(BM, expert_off[e + 1] - row0);
+    const int tid = threadIdx.x, wg = tid >> 7;
+#if FUSE_SILU
+    const int f0 = blockIdx.x * (BN / 2);  // first gate feature (= first h column) of the block
+#else
+    const int f0 = blockIdx.x * BN;
+#endif
+
+    // copy geometry: thread copies chunk lch of rows lrow + i·RPP
+    const int lrow = tid >> 3, lch = tid & 7;
+    const bf16* a_src[A_PASSES];
+    int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
+#pragma unroll
+    for (int i = 0; i < A_PASSES; ++i) {
+        a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
+        const int r = a_bytes[i] ? row0 + lrow + i * RPP : row0;
+#if FUSE_SILU
+        const int s = sorted_pair[r] / TOPK;
+#else
+        const int s = r;
+#endif
+        a_src[i] = src + (size_t)s * K + lch * 8;
+    }
+    const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
+    // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
+    const unsigned dst_off = swz(lrow, lch);
+
+    auto load_stage = [&](int stage, int kt) {
+        const int k0 = kt * BK;
+        const unsigned a_dst = base + stage * STAGE_BYTES + dst_off, b_dst = a_dst + A_BYTES;
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
+                         "r"(a_bytes[i]));
+#pragma unroll
+        for (int i = 0; i < B_PASSES; ++i)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
+                         "l"(b_src + (size_t)b_pass_offset(i) * K + k0));
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        load_stage(s, s);
+        cp_async_commit();
+    }
+
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
+        fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
+        __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
+        if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
+        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+        // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
+        const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
+        const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+        fence_acc(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_acc(acc);
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    cp_async_wait<0>();
+
+    // epilogue: accumulator 4j + q of thread (warp w of the warpgroup, lane l) is row 16w + l/4 + 8·(q/2),
+    // column 8j + 2·(l mod 4) + (q mod 2) of the warpgroup's 64 x BN tile
+    if (wg * 64 >= nrows) return;  // no rows of this warpgroup (their products were of zero rows)
+    const int lane = tid & 31, wq = (tid >> 5) & 3;
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int rl = wg * 64 + wq * 16 + g + 8 * hrow;
+        if (rl >= nrows) continue;
+        const size_t r = (size_t)(row0 + rl);
+#if FUSE_SILU
+#pragma unroll
+        for (int j = 0; j < BN / 16; ++j) {
+            const int f = f0 + 8 * j + 2 * c;
+            float hv[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const float gate = round_bf16(acc[4 * j + 2 * hrow + q]);
+                const float up = round_bf16(acc[4 * (j + BN / 16) + 2 * hrow + q]);
+                hv[q] = round_bf16(silu(gate)) * up;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * HALF + f) = __floats2bfloat162_rn(hv[0], hv[1]);
+        }
+#else
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int f = f0 + 8 * j + 2 * c;
+            *reinterpret_cast<float2*>(static_cast<float*>(dst) + r * NOUT + f) =
+                make_float2(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
+        }
+#endif
+    }
+}
