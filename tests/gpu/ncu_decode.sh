@@ -11,5 +11,5 @@ $NCU --clock-control none --metrics gpu__time_duration.sum --csv --print-units b
   --log-file $OUT/ncu_decode_${L}_${B}_${C}.csv \
   python -m kda_rt.bench --config kimi-linear-48b-a3b --num-layers $L --random-weights --router-bias-std 0.05 \
   --batch $B --input-len $C --output-len 3 --enforce-eager --no-warmup --max-num-batched-tokens $((B * C)) \
-  --max-num-seqs $B > /dev/null 2>$OUT/ncu_bench_err_${B}.txt
+  --max-num-seqs $B --gpu-memory-utilization 0.6 > /dev/null 2>$OUT/ncu_bench_err_${B}.txt
 python tests/gpu/ncu_table.py $OUT/ncu_decode_${L}_${B}_${C}.csv
