@@ -1,5 +1,7 @@
 """Launcher for kernels_cu/sampling.cu: penalties -> greedy or temperature/top-k/top-p/min-p -> draw,
-one CTA per row, all on the device (no host sync, no allocation once the outputs are given).
+all on the device (no host sync, no allocation once the outputs are given, graph-capturable).  A row
+is split over a thread-block cluster of CLUSTER CTAs on sm_90+ (one CTA per row elsewhere and for
+small vocabularies); tokens, thresholds and draws do not depend on the split.
 
 Letters: B rows, V vocabulary, N top logprobs.  The draw is argmax p_i / E_i with E_i ~ Exp(1) from
 Philox-4x32-10 keyed by (seed, step) and the token index, so a row's token depends only on its seed,
@@ -7,19 +9,64 @@ step and logits.  sampler/reference.py is the NumPy oracle and draws the very sa
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kda_rt.cuda.ops.check import expect, i32
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["sample", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS"]
+__all__ = ["sample", "sample_config", "sample_defines", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS"]
 
 MAX_TOP_LOGPROBS = 32
+CLUSTER = 8  # CTAs per row on sm_90+ (the portable cluster limit): 20480 tokens each at V = 163840
+_MIN_SPLIT_V = 16384  # smaller rows: one CTA per row
+_MAX_CACHE_BYTES = 200 * 1024  # a slice of x larger than this is reread from global memory
+
+
+@functools.cache
+def _device(device_id: int) -> tuple[int, int]:
+    """(compute capability as 90 / 100 / ..., SM count) of a device."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return int(dev.compute_capability), int(dev.attributes["MultiProcessorCount"])
+
+
+def sample_config(B: int, V: int, cluster: int | None = None, threads: int | None = None) -> tuple[int, int, int, bool]:
+    """(CLUSTER, THREADS, MIN_BLOCKS, CACHE_X) for B rows of V logits.  CLUSTER CTAs per row on sm_90+
+    when V >= 16384; 1024 threads while the B * CLUSTER CTAs fit on the SMs at one per SM, else 512
+    (two per SM: B = 32 is one wave).  `cluster` / `threads` force a variant (tests); every variant
+    gives the same tokens (log-sum-exp merge order aside)."""
+    import cupy
+
+    cc, num_sms = _device(cupy.cuda.Device().id)
+    if cluster is None:
+        cluster = CLUSTER if cc >= 90 and V >= _MIN_SPLIT_V else 1
+    if not 1 <= cluster <= 8 or (cluster > 1 and cc < 90):
+        raise ValueError(f"cluster must be 1..8 (> 1 needs sm_90+), got {cluster} on compute capability {cc}")
+    if threads is None:
+        threads = (1024 if B * cluster <= num_sms else 512) if cluster > 1 else (1024 if V > 16384 else 256)
+    if threads not in (256, 512, 1024):
+        raise ValueError(f"threads must be 256, 512 or 1024, got {threads}")
+    slice_ = (-(-V // cluster) + 3) // 4 * 4
+    return cluster, threads, 2 if threads == 512 else 1, slice_ * 4 <= _MAX_CACHE_BYTES
+
+
+def sample_defines(B: int, V: int, *, vec: bool, penalties: bool, mask: bool, logprob: bool, num_logprobs: int,
+                   cluster: int | None = None, threads: int | None = None) -> tuple[dict, int, int, int]:
+    """(compile-time constants of sample_rows, CLUSTER, THREADS, dynamic shared memory bytes)."""
+    cluster, threads, min_blocks, cache = sample_config(B, V, cluster, threads)
+    smem = (-(-V // cluster) + 3) // 4 * 16 if cache else 0  # the CTA's slice of x, fp32
+    defines = dict(V=V, THREADS=threads, MIN_BLOCKS=min_blocks, CLUSTER=cluster, CACHE_X=cache,
+                   VEC=vec and V % 4 == 0, HAS_PENALTIES=penalties, HAS_MASK=mask, WRITE_LOGPROB=logprob,
+                   NUM_TOP=num_logprobs)
+    return defines, cluster, threads, smem
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=None, allowed=None, out_ids=None,
            out_logprobs=None, num_logprobs: int = 0, out_top_ids=None, out_top_logprobs=None, out_flags=None,
-           stream=None):
+           stream=None, cluster: int | None = None, threads: int | None = None):
     """logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (0: off); seeds [B] u64;
     steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
     repetition, presence, frequency [B] f32).  Writes out_logprobs [B] f32 (log-softmax of the penalised,
@@ -27,7 +74,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
     tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed: None or
     [B, ceil(V / 32)] int32 grammar bitmask (a row with every bit set is unconstrained).  out_flags [B] i32
     (optional): 0, or 1 when a raw logit is not finite, 2 when the mask allows no token: sample those rows
-    on the host (sampler/reference.py), which reports the error.  Returns ids [B] i32."""
+    on the host (sampler/reference.py), which reports the error.  `cluster` / `threads` force a kernel
+    variant (see sample_config).  Returns ids [B] i32."""
     import cupy
 
     B, V = expect(logits, "logits", ndim=2, dtype=np.float32)
@@ -58,18 +106,20 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
             raise ValueError("num_logprobs > 0 needs out_top_ids [B, N] int32 and out_top_logprobs [B, N] float32")
         expect(out_top_ids, "out_top_ids", shape=(B, num_logprobs), dtype=np.int32)
         expect(out_top_logprobs, "out_top_logprobs", shape=(B, num_logprobs), dtype=np.float32)
-    threads = 1024 if V > 16384 else 256  # one CTA per row: wide blocks keep more loads of a long row in flight
-    kernel = get_kernel("sampling.cu", "sample_rows", V=V, THREADS=threads, HAS_PENALTIES=penalties is not None,
-                        HAS_MASK=allowed is not None, WRITE_LOGPROB=out_logprobs is not None, NUM_TOP=num_logprobs)
+    defines, cluster, threads, smem = sample_defines(
+        B, V, vec=logits.data.ptr % 16 == 0, penalties=penalties is not None, mask=allowed is not None,
+        logprob=out_logprobs is not None, num_logprobs=num_logprobs, cluster=cluster, threads=threads)
+    kernel = get_kernel("sampling.cu", "sample_rows", max_dynamic_smem=smem, **defines)
     if B:
         unused = out_ids  # placeholder pointer for outputs the specialisation never writes
-        kernel((B,), (threads,), (logits, temperature, top_k, top_p, min_p, seeds, steps, counts, prompt_mask,
-                                  repetition, presence, frequency, out_ids,
-                                  unused if out_logprobs is None else out_logprobs,
-                                  out_top_ids if num_logprobs else unused,
-                                  out_top_logprobs if num_logprobs else unused,
-                                  allowed if allowed is not None else unused,
-                                  out_flags if out_flags is not None else np.uint64(0), i32(B)), stream=stream)
+        kernel((B * cluster,), (threads,), (logits, temperature, top_k, top_p, min_p, seeds, steps, counts,
+                                            prompt_mask, repetition, presence, frequency, out_ids,
+                                            unused if out_logprobs is None else out_logprobs,
+                                            out_top_ids if num_logprobs else unused,
+                                            out_top_logprobs if num_logprobs else unused,
+                                            allowed if allowed is not None else unused,
+                                            out_flags if out_flags is not None else np.uint64(0), i32(B)),
+               shared_mem=smem, stream=stream)
     return out_ids
 
 

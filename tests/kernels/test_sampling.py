@@ -8,7 +8,9 @@ that noise.  That checks the kept set of top-k / top-p / min-p, the draw and the
 Rows whose best two scores log p - log E differ by less than 1e-4 are float-ambiguous: there we only
 require a token the reference keeps (p > 0).  top_p and min_p are snapped to midpoints between
 consecutive reference cumulative masses / probability ratios so the cut is not decided by rounding.
-Logprobs: log-softmax of the penalised, untempered logits, within 1e-5 (float32 logZ vs float64)."""
+Logprobs: log-softmax of the penalised, untempered logits, within 1e-5 (float32 logZ vs float64).
+Kernel variants (a row over a cluster of 1..8 CTAs, 256..1024 threads, x cached in shared memory or
+reread) must give the same ids and top ids and logprobs within a few float32 ulps of logZ."""
 
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def make_inputs(B: int, V: int, kind: str, seed: int):
     return x, params, seeds, steps
 
 
-def run_sample(x, params, seeds, steps, *, penalties=None, num_logprobs=0, stream=None):
+def run_sample(x, params, seeds, steps, *, penalties=None, num_logprobs=0, stream=None, **variant):
     """Upload, launch with poisoned outputs, return (ids, logprobs, top_ids, top_logprobs) as NumPy."""
     import cupy
 
@@ -107,7 +109,7 @@ def run_sample(x, params, seeds, steps, *, penalties=None, num_logprobs=0, strea
     poison(top_lp)
     out = sample(cupy.asarray(x), **dev, penalties=penalties, out_ids=ids, out_logprobs=lp, num_logprobs=num_logprobs,
                  out_top_ids=top_ids if num_logprobs else None, out_top_logprobs=top_lp if num_logprobs else None,
-                 stream=stream)
+                 stream=stream, **variant)
     assert out is ids
     return tuple(cupy.asnumpy(a) for a in (ids, lp, top_ids, top_lp))
 
@@ -148,10 +150,10 @@ def test_philox_known_answers():
 
 
 @gpu
-@pytest.mark.parametrize("V", [1003, 32000], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("V", [1003, 32000, 163840], ids=lambda v: f"V{v}")
 @pytest.mark.parametrize("kind", ["greedy", "temperature", "top_k", "top_k_ties", "top_p", "min_p", "combined", "mixed"])
 def test_sample_matches_reference(kind, V):
-    x, params, seeds, steps = make_inputs(48, V, kind, seed=V + len(kind))
+    x, params, seeds, steps = make_inputs(48 if V < 100000 else 12, V, kind, seed=V + len(kind))
     ids, lp, top_ids, top_lp = run_sample(x, params, seeds, steps, num_logprobs=5)
     check_tokens(x, params, seeds, steps, ids)
     check_logprobs(x, ids, lp, top_ids, top_lp)
@@ -175,9 +177,10 @@ def test_distribution_chi_square():
 
 
 @gpu
-def test_same_seed_same_token_whatever_the_batch():
+@pytest.mark.parametrize("V", [1003, 163840], ids=lambda v: f"V{v}")
+def test_same_seed_same_token_whatever_the_batch(V):
+    """Also across kernel variants: at V = 163840, B = 1 and 16 run 1024-thread CTAs, B = 40 512."""
     rng = np.random.default_rng(5)
-    V = 1003
     row = (rng.normal(size=V) * 0.3).astype(np.float32)  # flat: many tokens are likely
     mine = SamplingParams(temperature=1.0, top_p=0.95)
     tokens = set()
@@ -264,13 +267,15 @@ def test_full_vocab_row():
 
 
 @gpu
-def test_cuda_graph_capture_and_replay():
-    """sample + update_counts captured once on a stream, replayed with new logits and steps."""
+@pytest.mark.parametrize("V", [1003, 163840], ids=lambda v: f"V{v}")
+def test_cuda_graph_capture_and_replay(V):
+    """sample + update_counts captured once on a stream, replayed with new logits and steps (the
+    cluster kernel at V = 163840 keeps no state between launches)."""
     import cupy
 
     from kda_rt.sampler.sampling import sample, update_counts
 
-    B, V = 8, 1003
+    B = 8
     x, params, seeds, steps = make_inputs(B, V, "mixed", seed=12)
     dev = [cupy.asarray(np.array(v, dtype=d)) for v, d in (
         ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
@@ -302,6 +307,71 @@ def test_cuda_graph_capture_and_replay():
         check_tokens(x2, params, seeds, steps2, got, min_exact=0.75)
         check_logprobs(x2, got, cupy.asnumpy(lp))
     assert int(counts.sum()) == 2 * B
+
+
+def _variant_outputs(x, params, seeds, steps, variants, **kw):
+    """run_sample under each kernel variant; ids and top ids must agree exactly, logprobs within 4e-6
+    (a few float32 ulps of logZ ~ 16: the variants merge the log-sum-exp partials in different orders)."""
+    runs = [run_sample(x, params, seeds, steps, **kw, **v) for v in variants]
+    ids, lp, top_ids, top_lp = runs[0]
+    for v, (ids2, lp2, top_ids2, top_lp2) in zip(variants[1:], runs[1:], strict=True):
+        assert np.array_equal(ids, ids2), f"{v}: ids {ids2} vs {ids}"
+        assert np.array_equal(top_ids, top_ids2), f"{v}: top ids differ"
+        assert np.max(np.abs(lp - lp2), initial=0.0) <= 4e-6, f"{v}: logprobs differ by {np.max(np.abs(lp - lp2))}"
+        assert np.max(np.abs(top_lp - top_lp2), initial=0.0) <= 4e-6, f"{v}: top logprobs differ"
+    return runs[0]
+
+
+VARIANTS = [{}, {"cluster": 8, "threads": 512}, {"cluster": 8, "threads": 1024}, {"cluster": 4, "threads": 256},
+            {"cluster": 1, "threads": 1024}]  # the last two: 160 KB / 640 KB slices, x reread from global
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["mixed", "top_k_ties", "temperature"])
+def test_variants_agree(kind):
+    """Every kernel variant gives the same tokens, the reference's where unambiguous (V = 163840)."""
+    V = 163840
+    x, params, seeds, steps = make_inputs(12, V, kind, seed=21 + len(kind))
+    ids, lp, top_ids, top_lp = _variant_outputs(x, params, seeds, steps, VARIANTS, num_logprobs=8)
+    check_tokens(x, params, seeds, steps, ids, min_exact=0.75)
+    check_logprobs(x, ids, lp, top_ids, top_lp)
+
+
+@gpu
+def test_crowded_bins():
+    """Integer logits in [-4, 4) at V = 163840: ~20000 tokens share each value, so every coarse bin of
+    the searches holds more than the per-CTA candidate list (LIST_CAP) and the fine passes rescan the
+    slice; top-k keeps every token tied with the k-th, top logprobs resolve index bits."""
+    V, B = 163840, 8
+    rng = np.random.default_rng(22)
+    x = rng.integers(-4, 4, size=(B, V)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              *(SamplingParams(temperature=float(np.float32(rng.uniform(0.5, 1.5))), top_k=int(k))
+                for k in rng.integers(1, 40000, size=B - 2))]
+    seeds = [int(v) for v in rng.integers(0, 2**63, size=B)]
+    steps = [int(v) for v in rng.integers(0, 5000, size=B)]
+    ids, lp, top_ids, top_lp = _variant_outputs(x, params, seeds, steps, VARIANTS[:3], num_logprobs=20)
+    check_tokens(x, params, seeds, steps, ids, min_exact=0.75)
+    check_logprobs(x, ids, lp, top_ids, top_lp)
+
+
+@gpu
+@pytest.mark.parametrize("B", [32, 256])
+def test_large_batch_greedy_and_top_p(B):
+    """B * 8 CTAs: 512-thread CTAs, several waves of clusters; greedy rows exact, top-p rows checked."""
+    V = 163840
+    kind = "greedy" if B == 256 else "top_p"
+    x, params, seeds, steps = make_inputs(B, V, kind, seed=B)
+    ids, lp, *_ = run_sample(x, params, seeds, steps)
+    if kind == "greedy":
+        assert np.array_equal(ids, np.argmax(x, axis=1))
+        m = x.astype(np.float64).max(axis=1)
+        logz = m + np.log(np.exp(x - m[:, None]).sum(axis=1))
+        want = x[np.arange(B), ids] - logz
+        assert np.max(np.abs(lp - want)) <= 1e-5, f"logprobs off by {np.max(np.abs(lp - want))}"
+    else:
+        check_tokens(x, params, seeds, steps, ids)
+        check_logprobs(x, ids, lp)
 
 
 if __name__ == "__main__":
