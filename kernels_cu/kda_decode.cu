@@ -11,129 +11,326 @@
 // Rounding points: conv outputs bf16 (as fla); l2norm, gate, state and norm math fp32; o bf16
 // before the norm; y bf16.
 //
-// Grid: (H, B), one CTA per (head, sequence); token b belongs to sequence b (T == B).
-// Block: 256 threads = 8 warps.  Threads 0..K-1 do the per-channel prologue for channel tid; for the
-// state, warp w owns key rows [16w, 16w+16) and lane l value columns [4l, 4l+4), so every row is
-// read and written once as 32 coalesced 16-byte vectors.  The state loads are issued before the
-// prologue, so its dependent loads and reductions overlap them instead of preceding them.
+// Column split.  The value columns of S are independent in the delta rule (r, o and the update of
+// column j read only column j of S); only the output RMSNorm over the K values of o couples them.
+// So a head's state is split into SPLIT column blocks of VC = K / SPLIT columns, one CTA each, and
+// the SPLIT CTAs of a head form a thread-block cluster (sm_90+): CTA rank c owns channels
+// [c VC, (c+1) VC) of q, k, v, f and gate.  It runs the conv (and conv-state shift) and the decay of
+// its channels only and stores q, k and the decay into the shared memory of every CTA of the cluster
+// (distributed shared memory), so each CTA then holds the whole q, k and decay; the sum of squares of
+// its o block goes the same way for the norm.  Pushing (remote stores before a cluster barrier,
+// local reads after it) means no CTA reads a peer's shared memory, so none must outlive a reader.
+// SPLIT == 1 is the plain one-CTA-per-head kernel (no cluster, any sm_80+).
+//
+// Low-rank gates (FUSE_FG = 1, small batches): f = bf16(f_a_out f_b^T) and gate = bf16(g_a_out g_b^T)
+// are computed here for the CTA's channels instead of by two cuBLAS GEMVs before the launch: the
+// CTA copies its VC rows of f_b and g_b (2 VC R bf16, R <= 256) and the token's two low-rank rows into
+// shared memory with cp.async while the state loads are in flight; 2 threads per row, fp32 sums.
+//
+// Grid: (H * SPLIT, B), x = h * SPLIT + c; cluster (SPLIT, 1, 1); token b belongs to sequence b (T == B).
+// Block: THREADS threads.  State map: CT = VC / 4 lanes cover one row block (a float4 each), so
+// RG = THREADS / CT row groups of RPT = K / RG consecutive rows; every state element is read and
+// written once, as 16-byte vectors (a warp touches 32 / CT rows of VC * 4 contiguous bytes).  The
+// state loads are issued before the prologue, so its dependent loads, the cluster exchange and the
+// reductions overlap them.
 // Shapes: qkv [B, 3P] bf16; f, gate [B, P] bf16; b [B, ldb] bf16 (column h); conv_w [3P, W] fp32;
 // A_log [H], dt_bias [P], o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16 (oldest first);
-// rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32; out [B, P] bf16.
+// rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32; out [B, P] bf16.  With FUSE_FG:
+// f [B, ldr] (first RANK_F columns: the f_a output), gate [B, ldr] (first RANK_G: the g_a output),
+// f_b [P, RANK_F], g_b [P, RANK_G] bf16 (16-byte aligned rows).
 // Compile-time constants (chosen in kda_rt/cuda/ops/kda_decode.py): HEAD_DIM (K = V, must be 128),
-// CONV_W (W), THREADS.
+// CONV_W (W), THREADS, SPLIT (1, 2, 4 or 8; > 1 needs sm_90+), MIN_BLOCKS (launch-bounds occupancy),
+// FUSE_FG (0 / 1), RANK_F, RANK_G (multiples of 8, <= 256; 0 when FUSE_FG is 0).
+// Registers (sm_90a ptxas, no spills): SPLIT 1 x 256 threads 122, 2 x 128 116, 2 x 256 92, 4 x 128 71,
+// 8 x 128 63; fused 4 x 128 85 (21 KB smem), 8 x 128 69.
+// Measured (H200, graph replay, H = 32), the unsplit kernel before this split (same math, 126 registers):
+// B=1 5.4 us, B=8 9.6 us (3.5 TB/s), B=32 50.2 us (2.67 TB/s).  This version (tests/gpu/check_kda_decode.sh,
+// 2026-11-30), us (TB/s of the fp32 state read + written):
+//   B      1x256          4x128          8x128          fused 4x128 (incl. f_b, g_b)
+//   1      -              4.7 (0.89)     5.0            5.6 (cuBLAS GEMVs + 4x128: 9.7)
+//   8      9.3 (3.59)     13.4 (2.51)    16.7           16.0
+//   32     46.3 (2.90)    50.2 (2.67)    64.5           56.7
+//   128    164 (3.27)     180 (2.99)     240            -
+//   256    314 (3.42)     347 (3.10)     472            -
+// so the launcher splits (and fuses the gates) only up to 4 sequences (ops/kda_decode.py).
 #include "kda_common.cuh"
 
-#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(THREADS)
-#error "kda_decode.cu needs -DHEAD_DIM -DCONV_W -DTHREADS"
+#if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(THREADS) || !defined(SPLIT) || !defined(MIN_BLOCKS) || \
+    !defined(FUSE_FG) || !defined(RANK_F) || !defined(RANK_G)
+#error "kda_decode.cu needs -DHEAD_DIM -DCONV_W -DTHREADS -DSPLIT -DMIN_BLOCKS -DFUSE_FG -DRANK_F -DRANK_G"
 #endif
 #if HEAD_DIM != 128
 #error "kda_decode.cu: the thread map assumes HEAD_DIM == 128"
 #endif
+#if SPLIT > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "kda_decode.cu: SPLIT > 1 uses thread-block clusters (sm_90+); use SPLIT=1 on older GPUs"
+#endif
 #define K HEAD_DIM
+#define VC (K / SPLIT)           // value columns per CTA (= channels whose prologue it runs)
+#define CT (VC / 4)              // lanes per row block, one float4 each
+#define RG (THREADS / CT)        // row groups
+#define RPT (K / RG)             // consecutive state rows per thread
 #define NUM_WARPS (THREADS / 32)
-#define ROWS_PER_WARP (K / NUM_WARPS)
-static_assert(THREADS % 32 == 0 && THREADS >= K && K % NUM_WARPS == 0,
-              "kda_decode.cu: whole warps, one thread per channel in the prologue, whole state rows per warp");
+static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "kda_decode.cu: SPLIT must be 1, 2, 4 or 8");
+static_assert(THREADS % 32 == 0 && THREADS >= K && CT <= 32 && K % RG == 0 && RPT >= 1,
+              "kda_decode.cu: whole warps, one thread per channel for the norms, whole row blocks per warp");
+#if FUSE_FG
+static_assert(RANK_F % 8 == 0 && RANK_G % 8 == 0 && RANK_F > 0 && RANK_G > 0 && RANK_F <= 256 && RANK_G <= 256,
+              "kda_decode.cu: low ranks must be multiples of 8 (16-byte rows), at most 256");
+static_assert(VC <= 32 && 4 * VC <= THREADS, "kda_decode.cu: FUSE_FG needs SPLIT >= 4 (2 threads per f / gate row)");
+#define RMAX (RANK_F > RANK_G ? RANK_F : RANK_G)
+#define WROW (RMAX + 8)  // shared row pitch in bf16: 16 bytes of padding shift rows by 4 banks
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// thread-block cluster helpers (sm_90 PTX; only referenced when SPLIT > 1)
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// every thread of every CTA of the cluster calls arrive then wait (uniform control flow)
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// v -> the same shared variable `p` in the CTA of cluster rank `rank`
+__device__ __forceinline__ void st_cluster(float* p, unsigned rank, float v) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+// v into `p` of every CTA of the cluster (just the local store when SPLIT == 1)
+__device__ __forceinline__ void st_all(float* p, float v) {
+#if SPLIT > 1
+#pragma unroll
+    for (unsigned r = 0; r < SPLIT; ++r) st_cluster(p, r, v);
+#else
+    *p = v;
+#endif
+}
+
+#if FUSE_FG
+// 2 VC rows (f rows then gate rows) x their rank: thread pair (2 row, 2 row + 1) halves one row.  The
+// halves walk their 16-byte chunks rotated by half a row, so the 8 threads of a shared-memory phase
+// (4 rows x 2 halves, rows 4 banks apart) hit 8 distinct 4-bank groups.  Returns the bf16-rounded
+// value in fg_s[row] (f of channel c0 + row for row < VC, else gate of channel c0 + row - VC).
+__device__ __forceinline__ void low_rank_rows(const bf16 (&w_s)[2 * VC][WROW], const bf16 (&a_s)[2][RMAX], float* fg_s) {
+    const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
+    if (row < 2 * VC) {  // whole warps: 4 VC <= THREADS and VC % 8 == 0
+        const int len = row < VC ? RANK_F : RANK_G, chunks = len / 16;  // 16-byte chunks per half
+        const bf16* w = w_s[row];
+        const bf16* a = a_s[row < VC ? 0 : 1];
+        float acc = 0.f;
+        for (int i = 0; i < chunks; ++i) {
+            const int c = half * chunks + (i + half * (chunks / 2)) % chunks;
+            const bf16x8 wv = *reinterpret_cast<const bf16x8*>(w + 8 * c), av = *reinterpret_cast<const bf16x8*>(a + 8 * c);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(to_f32(wv.v[e]), to_f32(av.v[e]), acc);
+        }
+        if (len % 16) {  // an odd number of chunks: the last one goes to half 0
+            if (half == 0) {
+                const bf16x8 wv = *reinterpret_cast<const bf16x8*>(w + len - 8), av = *reinterpret_cast<const bf16x8*>(a + len - 8);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc = fmaf(to_f32(wv.v[e]), to_f32(av.v[e]), acc);
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        if (half == 0) fg_s[row] = round_bf16(acc);
+    }
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // kernel
 
-extern "C" __global__ void __launch_bounds__(THREADS) kda_decode_step(
+extern "C" __global__ void
+#if SPLIT > 1
+__cluster_dims__(SPLIT, 1, 1)
+#endif
+__launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const bf16* __restrict__ qkv, const bf16* __restrict__ f, const bf16* __restrict__ b, int ldb,
     const bf16* __restrict__ gate, const float* __restrict__ conv_w, const float* __restrict__ A_log,
     const float* __restrict__ dt_bias, const float* __restrict__ o_norm_w, bf16* __restrict__ conv_pool,
     float* __restrict__ rec_pool, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
-    bf16* __restrict__ out, int num_heads, float eps) {
-    __shared__ float q_s[K], k_s[K], v_s[K], decay_s[K];
-    __shared__ __align__(16) float red_r[NUM_WARPS][K], red_o[NUM_WARPS][K];
+    bf16* __restrict__ out, int num_heads, float eps, const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
+    int ldr) {
+    __shared__ float q_s[K], k_s[K], decay_s[K], v_s[VC], ss_s[SPLIT];
+    __shared__ __align__(16) float red_r[NUM_WARPS][VC], red_o[NUM_WARPS][VC];
     __shared__ float red3[NUM_WARPS][3];
-    const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    __shared__ __align__(16) float norm_s[VC];
+#if FUSE_FG
+    __shared__ __align__(16) bf16 w_s[2 * VC][WROW];  // f_b rows, then g_b rows of this CTA's channels
+    __shared__ __align__(16) bf16 a_s[2][RMAX];       // the token's f_a and g_a outputs
+    __shared__ float fg_s[2 * VC];                    // f, gate of this CTA's channels (bf16 values)
+#else
+    __shared__ __align__(16) bf16 gate_s[VC];
+#endif
+#if SPLIT > 1
+    cluster_arrive_relaxed();  // "started": waited for before the first remote store
+    const int rank = (int)cluster_rank();
+#else
+    const int rank = 0;
+#endif
+    const int h = blockIdx.x / SPLIT, seq = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int c0 = rank * VC;  // first value column / channel of this CTA within the head
     const int P = num_heads * K;
     const bool fresh = context_lens[seq] == 0;
     const size_t slot = (size_t)state_slots[seq];
-
-    // ---- the state rows first: their 64 KB per CTA are in flight while the prologue runs
-    float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K) + lane;
-    const int row0 = warp * ROWS_PER_WARP;
-    float4 s[ROWS_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < ROWS_PER_WARP; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
-
-    // ---- prologue: conv step (and conv-state shift), gate, l2norm statistics
-    float y[3] = {0.f, 0.f, 0.f};
-    if (tid < K) {
-        const int ch = h * K + tid;
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-            bf16* hist_p = conv_pool + (slot * 3 + i) * (CONV_W - 1) * P + ch;
-            float hist[CONV_W - 1];
-#pragma unroll
-            for (int j = 0; j < CONV_W - 1; ++j) hist[j] = fresh ? 0.f : to_f32(hist_p[(size_t)j * P]);
-            const bf16 x = qkv[(size_t)seq * 3 * P + i * P + ch];
-            y[i] = kda_conv_silu<CONV_W>(conv_w + (size_t)(i * P + ch) * CONV_W, hist, to_f32(x));
-#pragma unroll
-            for (int j = 0; j < CONV_W - 2; ++j) hist_p[(size_t)j * P] = to_bf16(hist[j + 1]);
-            hist_p[(size_t)(CONV_W - 2) * P] = x;
-        }
-        decay_s[tid] = expf(kda_log_decay(to_f32(f[(size_t)seq * P + ch]), dt_bias[ch], A_log[h]));
-        v_s[tid] = y[2];
+    // slot-independent loads, issued now so they are not on the critical path later: beta, the
+    // decay inputs of this CTA's channels, and (async, into shared memory) its output gate and norm weights
+    const float b_raw = to_f32(b[(size_t)seq * ldb + h]);
+    const bool decay_thread = tid >= THREADS - VC;  // the last threads: the conv loop starts at thread 0
+    const int dj = decay_thread ? tid - (THREADS - VC) : 0, dch = h * K + c0 + dj;
+    const float dt_b = decay_thread ? dt_bias[dch] : 0.f, a_log = A_log[h];
+#if FUSE_FG
+    for (int idx = tid; idx < VC * (RANK_F + RANK_G) / 8; idx += THREADS) {  // 16-byte chunks of f_b, g_b rows
+        const bool is_f = idx < VC * RANK_F / 8;
+        const int chunks = (is_f ? RANK_F : RANK_G) / 8, e = is_f ? idx : idx - VC * RANK_F / 8;
+        const int row = e / chunks, c = e % chunks;
+        cp_async16(w_s[(is_f ? 0 : VC) + row] + 8 * c, (is_f ? f_b : g_b) + (size_t)(h * K + c0 + row) * chunks * 8 + 8 * c, 16);
     }
-    float sums[3] = {y[0] * y[0], y[1] * y[1], y[0] * y[1]};  // -> |q|^2, |k|^2, q.k
-    block_sum(sums, red3);
-    const float qq = sums[0], kk = sums[1];
-    float qk = sums[2];
-    const float inv_q = rsqrtf((float)K) / sqrtf(qq + 1e-6f), inv_k = 1.f / sqrtf(kk + 1e-6f);
-    qk *= inv_q * inv_k;  // q_hat . k_hat
-    if (tid < K) q_s[tid] = y[0] * inv_q, k_s[tid] = y[1] * inv_k;
-    const float beta = sigmoid(to_f32(b[(size_t)seq * ldb + h]));
-    __syncthreads();
+    if (tid < (RANK_F + RANK_G) / 8) {
+        const bool is_f = tid < RANK_F / 8;
+        const int c = is_f ? tid : tid - RANK_F / 8;
+        cp_async16(a_s[is_f ? 0 : 1] + 8 * c, (is_f ? f : gate) + (size_t)seq * ldr + 8 * c, 16);
+    }
+    float f_raw = 0.f;  // computed after the prologue
+#else
+    const float f_raw = decay_thread ? to_f32(f[(size_t)seq * P + dch]) : 0.f;
+    if (tid < VC / 8) cp_async16(gate_s + 8 * tid, gate + (size_t)seq * P + h * K + c0 + 8 * tid, 16);
+#endif
+    if (tid >= THREADS - VC / 4) cp_async16(norm_s + 4 * (tid - (THREADS - VC / 4)), o_norm_w + c0 + 4 * (tid - (THREADS - VC / 4)), 16);
+    cp_async_commit();  // no registers held meanwhile
 
-    // ---- state sweep: decay, partial S^T k and S^T q over this warp's rows
+    // ---- the state rows first: this CTA's K x VC block is in flight while the prologue runs
+    const int ct = tid % CT, row0 = (tid / CT) * RPT;
+    float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
+    float4 s[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
+#if SPLIT > 1
+    cluster_wait();
+#endif
+
+    // ---- prologue over this CTA's channels: conv step (and conv-state shift) of q, k, v; decay
+    for (int idx = tid; idx < 3 * VC; idx += THREADS) {
+        const int i = idx / VC, j = idx % VC, ch = h * K + c0 + j;
+        bf16* hist_p = conv_pool + (slot * 3 + i) * (CONV_W - 1) * P + ch;
+        float hist[CONV_W - 1];
+#pragma unroll
+        for (int t = 0; t < CONV_W - 1; ++t) hist[t] = fresh ? 0.f : to_f32(hist_p[(size_t)t * P]);
+        const bf16 x = qkv[(size_t)seq * 3 * P + i * P + ch];
+        const float y = kda_conv_silu<CONV_W>(conv_w + (size_t)(i * P + ch) * CONV_W, hist, to_f32(x));
+#pragma unroll
+        for (int t = 0; t < CONV_W - 2; ++t) hist_p[(size_t)t * P] = to_bf16(hist[t + 1]);
+        hist_p[(size_t)(CONV_W - 2) * P] = x;
+        if (i == 2) v_s[j] = y;
+        else st_all((i == 0 ? q_s : k_s) + c0 + j, y);
+    }
+#if FUSE_FG
+    cp_async_wait<0>();
+    __syncthreads();
+    low_rank_rows(w_s, a_s, fg_s);
+    __syncthreads();
+    if (decay_thread) f_raw = fg_s[dj];
+#endif
+    if (decay_thread) st_all(decay_s + c0 + dj, expf(kda_log_decay(f_raw, dt_b, a_log)));
+    const float beta = sigmoid(b_raw);
+#if SPLIT > 1
+    cluster_arrive();  // q, k, decay of every channel are in every CTA after the wait
+    cluster_wait();
+#else
+    __syncthreads();
+#endif
+
+    // ---- l2norm statistics over the whole head (thread tid < K: channel tid)
+    float sums[3] = {0.f, 0.f, 0.f};  // -> |q|^2, |k|^2, q.k
+    if (tid < K) {
+        const float qv = q_s[tid], kv = k_s[tid];
+        sums[0] = qv * qv, sums[1] = kv * kv, sums[2] = qv * kv;
+    }
+    block_sum(sums, red3);
+    const float inv_q = rsqrtf((float)K) / sqrtf(sums[0] + 1e-6f), inv_k = 1.f / sqrtf(sums[1] + 1e-6f);
+    const float qk = sums[2] * inv_q * inv_k;  // q_hat . k_hat
+
+    // ---- state sweep: decay, partial S^T k and S^T q (raw q, k: scaled once after the sums)
     float4 pr = make_float4(0.f, 0.f, 0.f, 0.f), po = pr;
 #pragma unroll
-    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    for (int i = 0; i < RPT; ++i) {
         const float dk = decay_s[row0 + i], kd = k_s[row0 + i], qd = q_s[row0 + i];
         s[i].x *= dk, s[i].y *= dk, s[i].z *= dk, s[i].w *= dk;
         pr.x = fmaf(kd, s[i].x, pr.x), pr.y = fmaf(kd, s[i].y, pr.y), pr.z = fmaf(kd, s[i].z, pr.z), pr.w = fmaf(kd, s[i].w, pr.w);
         po.x = fmaf(qd, s[i].x, po.x), po.y = fmaf(qd, s[i].y, po.y), po.z = fmaf(qd, s[i].z, po.z), po.w = fmaf(qd, s[i].w, po.w);
     }
-    reinterpret_cast<float4*>(red_r[warp])[lane] = pr;
-    reinterpret_cast<float4*>(red_o[warp])[lane] = po;
+    // row groups of one warp first (lanes ct, ct + CT, ...), then the warps through shared memory
+#pragma unroll
+    for (int o = CT; o < 32; o <<= 1) {
+        pr.x += __shfl_xor_sync(0xffffffffu, pr.x, o), pr.y += __shfl_xor_sync(0xffffffffu, pr.y, o);
+        pr.z += __shfl_xor_sync(0xffffffffu, pr.z, o), pr.w += __shfl_xor_sync(0xffffffffu, pr.w, o);
+        po.x += __shfl_xor_sync(0xffffffffu, po.x, o), po.y += __shfl_xor_sync(0xffffffffu, po.y, o);
+        po.z += __shfl_xor_sync(0xffffffffu, po.z, o), po.w += __shfl_xor_sync(0xffffffffu, po.w, o);
+    }
+    if (lane < CT) {
+        reinterpret_cast<float4*>(red_r[warp])[lane] = pr;
+        reinterpret_cast<float4*>(red_o[warp])[lane] = po;
+    }
     __syncthreads();
     float r[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
-        const float4 a = reinterpret_cast<const float4*>(red_r[w])[lane], c = reinterpret_cast<const float4*>(red_o[w])[lane];
+        const float4 a = reinterpret_cast<const float4*>(red_r[w])[ct], c = reinterpret_cast<const float4*>(red_o[w])[ct];
         r[0] += a.x, r[1] += a.y, r[2] += a.z, r[3] += a.w;
         o[0] += c.x, o[1] += c.y, o[2] += c.z, o[3] += c.w;
     }
     float delta[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) delta[j] = beta * (v_s[4 * lane + j] - r[j]);
+    for (int j = 0; j < 4; ++j) delta[j] = beta * (v_s[4 * ct + j] - r[j] * inv_k);
 
-    // ---- delta write, one store per row
+    // ---- delta write, one store per row block: S += k_hat delta^T
+    float kdelta[4];
 #pragma unroll
-    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    for (int j = 0; j < 4; ++j) kdelta[j] = delta[j] * inv_k;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
         const float kd = k_s[row0 + i];
-        s[i].x = fmaf(kd, delta[0], s[i].x), s[i].y = fmaf(kd, delta[1], s[i].y);
-        s[i].z = fmaf(kd, delta[2], s[i].z), s[i].w = fmaf(kd, delta[3], s[i].w);
+        s[i].x = fmaf(kd, kdelta[0], s[i].x), s[i].y = fmaf(kd, kdelta[1], s[i].y);
+        s[i].z = fmaf(kd, kdelta[2], s[i].z), s[i].w = fmaf(kd, kdelta[3], s[i].w);
         state[(row0 + i) * (K / 4)] = s[i];
     }
 
-    // ---- read-out and gated RMSNorm: warp 0 holds all K outputs (4 per lane)
-    if (warp == 0) {
-        float ss = 0.f;
+    // ---- read-out and gated RMSNorm: lanes 0..CT-1 of warp 0 hold this CTA's VC outputs (4 each)
+    float ss = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            o[j] = round_bf16(fmaf(qk, delta[j], o[j]));
-            ss = fmaf(o[j], o[j], ss);
-        }
-        const float inv = rsqrtf(warp_sum(ss) / (float)K + eps);
-        const size_t base = (size_t)seq * P + h * K + 4 * lane;
+    for (int j = 0; j < 4; ++j) {
+        o[j] = round_bf16(fmaf(qk, delta[j], o[j] * inv_q));
+        ss = fmaf(o[j], o[j], ss);
+    }
+    if (warp == 0) {
+        ss = warp_sum(lane < CT ? ss : 0.f);
+        if (lane == 0) st_all(ss_s + rank, ss);
+    }
+    cp_async_wait<0>();  // gate_s, norm_s: visible to warp 0 after the barrier below
+#if SPLIT > 1
+    cluster_arrive();
+    cluster_wait();
+#else
+    __syncthreads();
+#endif
+    if (warp == 0 && lane < CT) {
+        float total = 0.f;
+#pragma unroll
+        for (int c = 0; c < SPLIT; ++c) total += ss_s[c];  // rank order: every CTA gets the same sum
+        const float inv = rsqrtf(total / (float)K + eps);
+        const size_t base = (size_t)seq * P + h * K + c0 + 4 * lane;
         __align__(8) bf16 res[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            res[j] = to_bf16(o[j] * inv * o_norm_w[4 * lane + j] * sigmoid(to_f32(gate[base + j])));
+#if FUSE_FG
+            res[j] = to_bf16(o[j] * inv * norm_s[4 * lane + j] * sigmoid(fg_s[VC + 4 * lane + j]));
+#else
+            res[j] = to_bf16(o[j] * inv * norm_s[4 * lane + j] * sigmoid(to_f32(gate_s[4 * lane + j])));
+#endif
         *reinterpret_cast<uint2*>(out + base) = *reinterpret_cast<const uint2*>(res);
     }
 }

@@ -20,7 +20,7 @@ from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.embed import embed
-from kda_rt.cuda.ops.kda_decode import kda_decode
+from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
 from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 from kda_rt.cuda.ops.mla_prefill import mla_prefill
@@ -117,15 +117,19 @@ class CudaModel:
         rf, rg = w.rank_f, w.rank_g
         qkv = linear(a, w.qkv, out=ws.get("kda_qkv", (T, 3 * P), BF16))
         small = linear(a, w.fgb, out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
-        f = linear(small[:, :rf], w.f_b, out=ws.get("kda_f", (T, P), BF16))
-        gate = linear(small[:, rf:rf + rg], w.g_b, out=ws.get("kda_gate", (T, P), BF16))
-        beta = small[:, rf + rg:]
+        f_a, g_a, beta = small[:, :rf], small[:, rf:rf + rg], small[:, rf + rg:]
         conv_pool, rec_pool = self.kda_pools[layer]
         y = ws.get("kda_y", (T, P), BF16)
+        if b.decode and fuses_low_rank(T, f_a, g_a):  # small decode batches: f_b, g_b applied in the kernel
+            f, gate, low_rank = f_a, g_a, {"f_b": w.f_b, "g_b": w.g_b}
+        else:
+            f = linear(f_a, w.f_b, out=ws.get("kda_f", (T, P), BF16))
+            gate = linear(g_a, w.g_b, out=ws.get("kda_gate", (T, P), BF16))
+            low_rank = {}
         args = (qkv, f, beta, gate, w.conv_w, w.A_log, w.dt_bias, w.o_norm, conv_pool, rec_pool,
                 b.cu_seqlens, b.context_lens, b.state_slots)
         if b.decode:
-            kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y)
+            kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y, **low_rank)
         else:
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
                         max_seqlen=b.max_seqlen)

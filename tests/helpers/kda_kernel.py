@@ -74,7 +74,9 @@ def upload(inp):
     return dev
 
 
-def run_op(op, dev, num_heads, out=None, stream=None):
+def run_op(op, dev, num_heads, out=None, stream=None, **variant):
+    """op(dev inputs) into `out` (poisoned when allocated here); `variant`: extra keywords of the op
+    (kda_decode's split / threads)."""
     import cupy
 
     if out is None:
@@ -82,7 +84,7 @@ def run_op(op, dev, num_heads, out=None, stream=None):
         poison(out)
     args = [dev[n] for n in ("qkv", "f", "b", "gate", "conv_w", "A_log", "dt_bias", "o_norm_w", "conv_pool",
                              "rec_pool", "cu_seqlens", "context_lens", "state_slots")]
-    return op(*args, num_heads=num_heads, head_dim=K, eps=EPS, out=out, stream=stream)
+    return op(*args, num_heads=num_heads, head_dim=K, eps=EPS, out=out, stream=stream, **variant)
 
 
 def check(out, dev, ref, inp, tag, *, out_tol=5e-3, state_tol=1e-4, windows=0):

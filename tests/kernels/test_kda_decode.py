@@ -1,8 +1,11 @@
 """kernels_cu/kda_decode.cu against the float64 NumPy KDA, step by step, and against kda_prefill.
 
 Cases: several decode steps over fresh sequences (garbage in their slots) mixed with continuing ones
-and permuted slots; normal, mixed and extreme gates; decode after prefill equals one prefill of the
-same tokens (state carried in the pools); one step replayed from a captured CUDA graph.
+and permuted slots, B = 1, 3, 5, 32, 128; normal, mixed and extreme gates; every kernel variant
+(column split over a cluster of 1, 2, 4 or 8 CTAs; split > 1 needs sm_90+); the low-rank gate
+projections f_b, g_b fused into the kernel (small batches, strided f_a / g_a rows); decode after prefill
+equals one prefill of the same tokens (state carried in the pools); one step replayed from a captured
+CUDA graph.
 Tolerances as tests/kernels/test_kda_prefill.py: out RMS ratio <= 5e-3, state <= 1e-4, conv state
 exact.  Letters: B sequences (one token each), H heads, K = V = 128, P = H*K, W = 4, S slots.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.gpu import BF16, rms_rel, to_np
+from helpers.gpu import BF16, bf16_round, poison, rms_rel, to_np
 from helpers.kda_kernel import K, check, make_inputs, reference, run_op, upload
 
 pytestmark = pytest.mark.gpu
@@ -31,17 +34,39 @@ def sync_pools(inp, dev):
     inp["conv_pool"], inp["rec_pool"] = to_np(dev["conv_pool"]), to_np(dev["rec_pool"])
 
 
-CASES = [(5, 4, "normal"), (5, 4, "mixed"), (8, 32, "extreme")]
+CASES = [(1, 32, "normal"), (3, 4, "mixed"), (5, 4, "normal"), (5, 4, "mixed"), (8, 32, "extreme"),
+         (32, 8, "extreme"), (128, 4, "mixed")]
+# (split, threads): every entry of kda_rt.cuda.ops.kda_decode._VARIANTS (None = the launcher's choice,
+# covered by the prefill and graph tests below).  Step 0 has fresh (even) and continuing (odd)
+# sequences, steps 1 and 2 continue them all (B = 1: fresh, then continuing).
+VARIANTS = [(1, 256), (2, 128), (2, 256), (4, 128), (8, 128)]
 
 
+def variant_kw(variant):
+    """kda_decode keywords of a variant; skips split > 1 on GPUs without thread-block clusters."""
+    import cupy
+
+    if variant is None:
+        return {}
+    if variant[0] > 1 and int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("column split needs thread-block clusters (sm_90+)")
+    return {"split": variant[0], "threads": variant[1]}
+
+
+def vid(variant):
+    return "auto" if variant is None else f"split{variant[0]}x{variant[1]}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[vid(v) for v in VARIANTS])
 @pytest.mark.parametrize("num_seqs, num_heads, gates", CASES, ids=[f"B{c[0]}-H{c[1]}-{c[2]}" for c in CASES])
-def test_kda_decode_steps(num_seqs, num_heads, gates):
+def test_kda_decode_steps(num_seqs, num_heads, gates, variant):
     from kda_rt.cuda.ops.kda_decode import kda_decode
 
+    kw = variant_kw(variant)
     rng = np.random.default_rng(num_seqs * num_heads)
     inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 3)
     dev = upload(inp)
-    for step in range(4):
+    for step in range(3):
         if step:
             fresh = [False] * num_seqs
             nxt = step_inputs(rng, inp, num_heads, fresh)
@@ -49,8 +74,60 @@ def test_kda_decode_steps(num_seqs, num_heads, gates):
             inp = nxt
             for name in ("qkv", "f", "b", "gate", "context_lens"):
                 dev[name] = upload({name: inp[name]})[name]
-        out = run_op(kda_decode, dev, num_heads)
-        check(out, dev, reference(inp, num_heads), inp, f"decode step {step} B{num_seqs} H{num_heads} {gates}")
+        out = run_op(kda_decode, dev, num_heads, **kw)
+        check(out, dev, reference(inp, num_heads), inp,
+              f"decode step {step} B{num_seqs} H{num_heads} {gates} {vid(variant)}")
+
+
+def low_rank_inputs(rng, inp, num_heads, rank):
+    """f_a / g_a outputs [B, rank] and f_b / g_b [P, rank] (bf16 values); inp's f and gate <- their products
+    rounded to bf16 (what the unfused path gets from cuBLAS)."""
+    B, P = len(inp["state_slots"]), num_heads * K
+    lr = {n: bf16_round(rng.normal(size=(B, rank))) for n in ("f_a", "g_a")}
+    lr.update({n: bf16_round(rng.normal(size=(P, rank)) / np.sqrt(rank)) for n in ("f_b", "g_b")})
+    inp["f"], inp["gate"] = bf16_round(lr["f_a"] @ lr["f_b"].T), bf16_round(lr["g_a"] @ lr["g_b"].T)
+    return lr
+
+
+def upload_low_rank(dev, lr, rank):
+    """f_a | g_a into one strided buffer [B, 2 rank + 8] (as the model's f_a | g_a | b projection), f_b, g_b."""
+    import cupy
+
+    B = lr["f_a"].shape[0]
+    small = np.zeros((B, 2 * rank + 8))
+    small[:, :rank], small[:, rank:2 * rank] = lr["f_a"], lr["g_a"]
+    small_dev = cupy.asarray(small.astype(np.float32).astype(BF16))
+    dev["f"], dev["gate"] = small_dev[:, :rank], small_dev[:, rank:2 * rank]
+    dev["f_b"], dev["g_b"] = (cupy.asarray(lr[n].astype(np.float32).astype(BF16)) for n in ("f_b", "g_b"))
+
+
+FUSED = [(1, 32, "normal", 4), (3, 8, "mixed", 8), (16, 8, "normal", 4), (5, 4, "extreme", 8)]
+
+
+@pytest.mark.parametrize("num_seqs, num_heads, gates, split", FUSED, ids=[f"B{c[0]}-H{c[1]}-{c[2]}-split{c[3]}" for c in FUSED])
+def test_kda_decode_fused_low_rank(num_seqs, num_heads, gates, split):
+    """f = f_a f_b^T and gate = g_a g_b^T computed inside the kernel (small-batch decode), two steps."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_decode import kda_decode
+
+    kw = variant_kw((split, 128))
+    rank = K
+    rng = np.random.default_rng(11 * num_seqs + num_heads)
+    inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 2)
+    dev = upload(inp)
+    for step in range(2):
+        if step:
+            nxt = step_inputs(rng, inp, num_heads, [False] * num_seqs)
+            sync_pools(nxt, dev)
+            inp = nxt
+            for name in ("qkv", "b", "context_lens"):
+                dev[name] = upload({name: inp[name]})[name]
+        upload_low_rank(dev, low_rank_inputs(rng, inp, num_heads, rank), rank)
+        out = cupy.empty((num_seqs, num_heads * K), dtype=BF16)
+        poison(out)
+        run_op(kda_decode, dev, num_heads, out=out, f_b=dev["f_b"], g_b=dev["g_b"], **kw)
+        check(out, dev, reference(inp, num_heads), inp, f"fused low-rank step {step} B{num_seqs} H{num_heads} {gates}")
 
 
 @pytest.mark.parametrize("gates", ["normal", "mixed"])
@@ -103,22 +180,25 @@ def test_decode_after_prefill_equals_prefill(gates):
     assert rms_rel(out_full, ref_out) <= 5e-3
 
 
-def test_kda_decode_graph_capture():
+@pytest.mark.parametrize("variant", [None, (1, 256)], ids=["auto", "split1x256"])
+def test_kda_decode_graph_capture(variant):
     """A step captured in a CUDA graph (out preallocated) matches the eager step."""
     import cupy
 
     from kda_rt.cuda.ops.kda_decode import kda_decode
 
+    kw = variant_kw(variant)
     num_heads, num_seqs = 8, 6
     rng = np.random.default_rng(3)
     inp = make_inputs(rng, [1] * num_seqs, num_heads, num_slots=8)
     eager, graphed = upload(inp), upload(inp)
-    out_eager = run_op(kda_decode, eager, num_heads)
+    out_eager = run_op(kda_decode, eager, num_heads, **kw)
+    cupy.cuda.Device().synchronize()  # the uploads and the eager step ran on the legacy stream
     stream = cupy.cuda.Stream(non_blocking=True)
     out = cupy.empty((num_seqs, num_heads * K), dtype=BF16)
     with stream:
         stream.begin_capture()
-        run_op(kda_decode, graphed, num_heads, out=out, stream=stream)
+        run_op(kda_decode, graphed, num_heads, out=out, stream=stream, **kw)
         graph = stream.end_capture()
         graph.launch(stream)
     stream.synchronize()
@@ -127,26 +207,5 @@ def test_kda_decode_graph_capture():
     assert np.array_equal(to_np(graphed["conv_pool"]), to_np(eager["conv_pool"]))
 
 
-def bench_decode(num_seqs, num_heads=32, iters=50):
-    """Bytes: the fp32 state read + written, 2 * B * H * K * K * 4 (the rest is < 1%)."""
-    import cupy
-
-    from kda_rt.cuda.ops.kda_decode import kda_decode
-
-    rng = np.random.default_rng(0)
-    dev = upload(make_inputs(rng, [1] * num_seqs, num_heads, fresh=[False] * num_seqs, num_slots=num_seqs))
-    out = run_op(kda_decode, dev, num_heads)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        run_op(kda_decode, dev, num_heads, out=out)
-    stop.record()
-    stop.synchronize()
-    us = cupy.cuda.get_elapsed_time(start, stop) / iters * 1e3
-    nbytes = 2 * num_seqs * num_heads * K * K * 4
-    print(f"kda_decode B{num_seqs} H{num_heads}: {us:.1f} us, {nbytes / 1e6:.1f} MB, {nbytes / us / 1e3:.0f} GB/s")
-
-
-if __name__ == "__main__":
-    for b in (1, 8, 32, 64, 128, 256):
-        bench_decode(b)
+if __name__ == "__main__":  # graph-replay times: tests/gpu/bench_decode_sweep.py --parts=kda
+    raise SystemExit(pytest.main([__file__, "-q", "-s"]))

@@ -7,15 +7,73 @@ NumPy cache (kda_rt/cache.py); bf16 holds the raw projections exactly.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["CONV_STATE_DTYPE", "conv_state_shape", "check_kda_args", "kda_decode"]
+__all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
+           "fuses_low_rank", "kda_decode"]
 
 CONV_STATE_DTYPE = BF16
-_THREADS = 256  # 8 warps of 16 state rows each (K = 128)
+# (SPLIT, THREADS) -> MIN_BLOCKS.  SPLIT: a head's value columns over that many CTAs of one cluster
+# (sm_90+); MIN_BLOCKS: the CTAs per SM that __launch_bounds__ keeps registers for (sm_90a ptxas:
+# 122, 116, 92, 71, 63 registers, no spills).
+_VARIANTS = {(1, 256): 2, (2, 128): 4, (2, 256): 2, (4, 128): 7, (8, 128): 8}
+# the low-rank gate GEMVs fused in (FUSE_FG) up to this batch: each CTA re-reads 2 x 32 rows of f_b / g_b
+# (16 KB at rank 128) from L2, B x 2 MB in all, against two cuBLAS launches saved.  H200 (graph replay,
+# the two GEMVs + kernel against the fused kernel): B = 1 9.7 -> 5.6 us, B = 8 18.4 -> 16.0 (but the
+# unfused 256-thread kernel then takes 9.3 + the GEMVs), B = 32 56.4 -> 56.7, B = 64 100 -> 106
+FUSE_MAX_SEQS = 4
+# the column split (cluster of 4 CTAs per head) up to this batch; one CTA per head above
+SPLIT_MAX_SEQS = 4
+
+
+def _clusters() -> bool:
+    """Thread-block clusters (sm_90+) on the current device."""
+    import cupy
+
+    return _compute_capability(cupy.cuda.Device().id) >= 90
+
+
+@functools.cache
+def _compute_capability(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def decode_config(split: int | None = None, threads: int | None = None, fused: bool = False,
+                  num_seqs: int = 1) -> tuple[int, int, int]:
+    """(SPLIT, THREADS, MIN_BLOCKS).  Default, from tests/gpu/check_kda_decode.sh on the H200
+    (2026-11-30, graph replay): SPLIT 4 of 128 threads up to SPLIT_MAX_SEQS sequences on sm_90+ (B = 1:
+    4.7 us against 5.4 for one CTA per head), else one 256-thread CTA per head, which is the fastest from
+    B = 8 on (B = 8 / 32 / 128 / 256: 9.3 / 46.3 / 164 / 314 us, 3.6 / 2.9 / 3.3 / 3.4 TB/s; split 4 took
+    13.4 / 50.2 / 180 / 347).  `split` / `threads` force a variant (tests, the sweep); `fused` (low-rank
+    gates in the kernel) keeps registers for 4 CTAs per SM (no spills)."""
+    if split is None:
+        split = 4 if (_clusters() and (fused or num_seqs <= SPLIT_MAX_SEQS)) else 1
+    threads = threads or (256 if split == 1 else 128)
+    if (split, threads) not in _VARIANTS:
+        raise ValueError(f"no kda_decode variant with split {split} and {threads} threads: {sorted(_VARIANTS)}")
+    if fused and split < 4:
+        raise ValueError(f"fused low-rank gates need split >= 4, got {split}")
+    return split, threads, min(_VARIANTS[(split, threads)], 4) if fused else _VARIANTS[(split, threads)]
+
+
+def fuses_low_rank(num_seqs: int, f_a_out, g_a_out) -> bool:
+    """Whether kda_decode should take the low-rank gate inputs (f_b, g_b applied in the kernel) for a
+    batch of num_seqs: clusters (sm_90+), a small batch, ranks that are multiples of 8 up to 256 and
+    16-byte aligned rows.  f_a_out [B, Rf], g_a_out [B, Rg] bf16 (row-strided views)."""
+    return 1 <= num_seqs <= FUSE_MAX_SEQS and _low_rank_ok(f_a_out, g_a_out)
+
+
+def _low_rank_ok(f_a_out, g_a_out) -> bool:
+    return _clusters() and f_a_out.strides[0] == g_a_out.strides[0] and all(
+        a.shape[1] % 8 == 0 and 0 < a.shape[1] <= 256 and a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0
+        for a in (f_a_out, g_a_out))
 
 
 def conv_state_shape(num_slots: int, P: int, W: int) -> tuple[int, int, int, int]:
@@ -23,13 +81,15 @@ def conv_state_shape(num_slots: int, P: int, W: int) -> tuple[int, int, int, int
 
 
 def check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
-                   context_lens, state_slots, num_heads: int, head_dim: int, out) -> tuple[int, int, int]:
-    """Validate the KDA boundary shared by kda_decode and kda_prefill; returns (T, B, W)."""
+                   context_lens, state_slots, num_heads: int, head_dim: int, out, *,
+                   low_rank: bool = False) -> tuple[int, int, int]:
+    """Validate the KDA boundary shared by kda_decode and kda_prefill; returns (T, B, W).  With
+    `low_rank`, f and gate are the f_a / g_a outputs [T, R] (row-strided views) instead of [T, P]."""
     P = num_heads * head_dim
     T, _ = expect(qkv, "qkv", shape=(None, 3 * P), dtype=BF16)
-    expect(f, "f", shape=(T, P), dtype=BF16)
+    expect(f, "f", shape=(T, None if low_rank else P), dtype=BF16, row_stride=low_rank)
     expect(b, "b", shape=(T, num_heads), dtype=BF16, row_stride=True)
-    expect(gate, "gate", shape=(T, P), dtype=BF16)
+    expect(gate, "gate", shape=(T, None if low_rank else P), dtype=BF16, row_stride=low_rank)
     _, W = expect(conv_w, "conv_w", shape=(3 * P, None), dtype=np.float32)
     expect(A_log, "A_log", shape=(num_heads,), dtype=np.float32)
     expect(dt_bias, "dt_bias", shape=(P,), dtype=np.float32)
@@ -49,20 +109,40 @@ def check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool,
 
 
 def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
-               state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None):
+               state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
+               f_b=None, g_b=None, split: int | None = None, threads: int | None = None):
     """One token per sequence (T == B; token b is sequence b, cu_seqlens is not read).  Updates the
     slots' conv and recurrent state in place; returns out [B, P] bf16 (gated-RMSNorm output).
-    Allocates nothing when `out` is given and never reads device data on the host (graph-capturable)."""
+    Allocates nothing when `out` is given and never reads device data on the host (graph-capturable).
+    With f_b [P, Rf] and g_b [P, Rg] (see fuses_low_rank), f and gate are the f_a / g_a outputs
+    [B, Rf], [B, Rg] and the kernel applies f_b / g_b itself.  `split` / `threads` force a kernel
+    variant (see decode_config); every variant computes the same math."""
     import cupy
 
-    out = cupy.empty(f.shape, dtype=BF16) if out is None else out
+    fused = f_b is not None or g_b is not None
+    P = num_heads * head_dim
+    out = cupy.empty((qkv.shape[0], P), dtype=BF16) if out is None else out
     T, B, W = check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
-                             context_lens, state_slots, num_heads, head_dim, out)
+                             context_lens, state_slots, num_heads, head_dim, out, low_rank=fused)
     if T != B:
         raise ValueError(f"kda_decode takes one token per sequence, got {T} tokens for {B} sequences")
-    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=_THREADS)
+    if o_norm_w.data.ptr % 16:
+        raise ValueError("o_norm_w must be 16-byte aligned (16-byte async copies of its slices)")
+    rank_f, rank_g, ldr = 0, 0, 0
+    if fused:
+        rank_f, rank_g = f.shape[1], gate.shape[1]
+        expect(f_b, "f_b", shape=(P, rank_f), dtype=BF16)
+        expect(g_b, "g_b", shape=(P, rank_g), dtype=BF16)
+        ldr = leading_dim(f)
+        if not _low_rank_ok(f, gate) or f_b.data.ptr % 16 or g_b.data.ptr % 16:
+            raise ValueError("fused low-rank gates need sm_90+, ranks that are multiples of 8 up to 256, one row "
+                             "stride for f and gate, and 16-byte aligned rows")
+    n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
+    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads,
+                        SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g)
     if B:
-        kernel((num_heads, B), (_THREADS,), (qkv, f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
-                                             conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads),
-                                             f32(eps)), stream=stream)
+        kernel((num_heads * n_split, B), (n_threads,),
+               (qkv, f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool,
+                context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
+                g_b if fused else np.uint64(0), i32(ldr)), stream=stream)
     return out
