@@ -85,6 +85,9 @@ def graph_us(fn, calls: int = 20) -> float:
     Python launch gaps."""
     import cupy
 
+    # the caller's inputs were made on the legacy default stream, which a non-blocking stream does not
+    # wait for: without this, the first call may read them (e.g. block tables) before they exist
+    cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         fn(stream)

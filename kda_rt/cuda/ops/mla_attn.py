@@ -1,8 +1,8 @@
-"""MLA attention over the paged latent cache, absorbed form (kernels_cu/mla_attn.cu + two cuBLAS bmm).
+"""MLA attention over the paged latent cache, absorbed form (kernels_cu/mla_attn.cu + two up-projections).
 
-    q_lat[t, h] = W_UK_hᵀ q_nope[t, h]                    bmm over heads (bf16 out)
+    q_lat[t, h] = W_UK_hᵀ q_nope[t, h]                    mla_absorb_q (T <= 8) or cuBLAS bmm (bf16 out)
     ctx[t, h]   = softmax(scale · [q_lat | q_pe] · kvᵀ) · c   mla_attn_split (+ mla_attn_combine)
-    out[t, h]   = W_UV_h ctx[t, h]                         bmm over heads -> [T, H·Dv] for o_proj
+    out[t, h]   = W_UV_h ctx[t, h]                         mla_expand_out (T <= 8) or bmm -> [T, H·Dv] for o_proj
 
 Decode and prefill share the path (prefill queries are one group per token, causal by length).
 Letters: T new tokens, B sequences, H heads, M page slots per sequence, R latent rank, Dn/Dr/Dv
@@ -10,9 +10,10 @@ nope/pe/value head dims, S context splits.  w_kvb is used as stored in the check
 ([H·(Dn+Dv), R], per head W_UK rows then W_UV rows): no load-time transform is needed.
 
 Workspace (bytes from `decode_workspace_bytes`): q_lat/ctx bf16 [T, H, R], then when S > 1
-partial fp32 [T, S, H, R] and stats fp32 [T, S, H, 2].  S depends only on (T, M, block_size, SMs),
-so a decode launch has a fixed grid for a fixed (B, M) and captures in a CUDA graph; the kernel
-shares each token's actual context out over the S splits at run time.
+partial bf16 [T, S, H, R] (each split's acc / l) and stats fp32 [T, S, H, 2] (m, l).  S depends only
+on (T, M, block_size, SMs), so a decode launch has a fixed grid for a fixed (B, M) and captures in a
+CUDA graph; the kernel shares each token's actual context out over at most S splits of at least
+_MIN_TILES tiles at run time (a short context uses few splits, and one split writes ctx directly).
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "num_splits"]
 
-_NT = 64  # positions per tile of mla_attn_split: 8 warps x n8 columns in the score GEMM
+_NT = 64  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 32 positions x 4 warps of depth)
 _THREADS = 256
+_MIN_TILES = 2  # a split reads at least 2 tiles (128 positions): its fixed cost (Q, partial, combine) stays < ~1/2
+_SPLIT_COST = 2  # fixed cost of one split in tiles' time (Q load, prologue latency, partial write + combine read)
+_COMBINE_COLS = 128  # columns per mla_attn_combine block
+_GEMV_TOKENS = 8  # T <= this: the up-projections run as mla_absorb_q / mla_expand_out (TMAX), else cuBLAS bmm
 _ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
 
 
@@ -41,20 +46,34 @@ def _sm_count(device_id: int) -> int:
 
 
 def num_splits(T: int, M: int, block_size: int) -> int:
-    """S: enough (token, split) blocks for two waves, at most one split per tile of the table width.
-    The kernel shares each token's own context out over the S splits."""
+    """S for T tokens over [.., M] tables: the split count minimising waves x (tiles per split + _SPLIT_COST),
+    one block per SM, splits of at least _MIN_TILES tiles of the table width (ties: fewer splits).  The kernel
+    cuts each token's own context into at most S splits at run time (decode graphs are captured for the
+    table width, not the context)."""
     import cupy
 
-    tiles = max(1, math.ceil(M * block_size / _NT))
-    want = max(1, math.ceil(2 * _sm_count(cupy.cuda.Device().id) / max(T, 1)))
-    return min(tiles, want)
+    return _best_splits(T, M * block_size, _sm_count(cupy.cuda.Device().id))
+
+
+@functools.cache
+def _best_splits(T: int, width: int, sms: int) -> int:
+    tiles = max(1, math.ceil(width / _NT))
+    best, best_cost = 1, math.inf
+    for s in range(1, math.ceil(tiles / _MIN_TILES) + 1):
+        waves = math.ceil(max(T, 1) * s / sms)
+        cost = waves * (math.ceil(tiles / s) + _SPLIT_COST)
+        if cost < best_cost:
+            best, best_cost = s, cost
+        if waves > 8:  # more splits only add waves
+            break
+    return best
 
 
 def _layout(T: int, H: int, R: int, S: int) -> tuple[int, int, int]:
     """(offset of partial, offset of stats, total bytes) in the workspace, 256-byte aligned."""
     up = lambda n: (n + 255) // 256 * 256  # noqa: E731
     o_partial = up(T * H * R * 2)
-    o_stats = o_partial + (up(T * S * H * R * 4) if S > 1 else 0)
+    o_stats = o_partial + (up(T * S * H * R * 2) if S > 1 else 0)
     return o_partial, o_stats, o_stats + (up(T * S * H * 8) if S > 1 else 0)
 
 
@@ -71,16 +90,20 @@ def _view(buf, offset: int, shape: tuple, dtype, strides: tuple | None = None):
     return cupy.ndarray(shape, dtype, memptr=buf.data + offset, strides=strides)
 
 
-def _constants(H: int, R: int, Dr: int, Dn: int, block_size: int, split: bool) -> dict[str, int]:
-    """The -D constants of mla_attn.cu (its cache key): the shapes, the tile and the padded row strides."""
-    return dict(H=H, R=R, DR=Dr, DN=Dn, BLOCK_SIZE=block_size, SPLIT=int(split), THREADS=_THREADS, NT=_NT,
+def _constants(H: int, R: int, Dr: int, Dn: int, Dv: int, block_size: int) -> dict[str, int]:
+    """The -D constants of mla_attn.cu (its cache key): the shapes, the tile and the padded row strides
+    (bf16 rows + 16 bytes and fp32 score rows + 32 bytes: ldmatrix / float2 phases on distinct banks)."""
+    return dict(H=H, R=R, DR=Dr, DN=Dn, DV=Dv, BLOCK_SIZE=block_size, MIN_TILES=_MIN_TILES, TMAX=_GEMV_TOKENS,
+                THREADS=_THREADS, NT=_NT,
                 HP=-(-H // 16) * 16,  # heads padded to whole m16 tiles
-                LDK=R + Dr + _ROW_PAD_BYTES // 2, LDS_S=_NT + _ROW_PAD_BYTES // 4, LDP=_NT + _ROW_PAD_BYTES // 2)
+                LDK=R + Dr + _ROW_PAD_BYTES // 2, LDS_S=_NT + 8, LDP=_NT + _ROW_PAD_BYTES // 2)
 
 
 def _split_smem_bytes(c: dict[str, int]) -> int:
-    """mla_attn_split's shared memory: Q and two KV stages (bf16), scores (fp32), probabilities (bf16), alpha."""
-    return (c["HP"] + 2 * c["NT"]) * c["LDK"] * 2 + c["HP"] * (c["LDS_S"] * 4 + c["LDP"] * 2 + 4)
+    """mla_attn_split's shared memory: Q staging / the 4 partial score tiles (fp32), two KV stages (bf16),
+    probabilities (bf16), alpha."""
+    staging = max(c["HP"] * c["LDK"] * 2, 4 * c["HP"] * c["LDS_S"] * 4)
+    return staging + 2 * c["NT"] * c["LDK"] * 2 + c["HP"] * (c["LDP"] * 2 + 4)
 
 
 def mla_dims(q, kv_pool, w_kvb, H: int):
@@ -110,9 +133,9 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     if q.ndim == 3:
         expect(q, "q", shape=(None, H, None), dtype=BF16)
     q2, (QW, block_size, KD, HW, R, Dr, Dqk, Dkv, Dn, Dv) = mla_dims(q, kv_pool, w_kvb, H)
-    if QW != H * Dqk or HW != H * Dkv or Dr <= 0 or Dn <= 0 or Dv <= 0 or H > 32 or R % 128 or Dr % 8 or Dn % 8:
+    if QW != H * Dqk or HW != H * Dkv or Dr <= 0 or Dn <= 0 or Dv <= 0 or H > 32 or R % 128 or (R + Dr) % 64 or Dn % 8:
         raise ValueError(f"mla_attention: inconsistent dims (q {q.shape}, kv_pool width {KD}, w_kvb {w_kvb.shape}, "
-                         f"H {H}); need H <= 32, R % 128 == 0, Dr and Dn multiples of 8")
+                         f"H {H}); need H <= 32, R % 128 == 0, (R + Dr) % 64 == 0, Dn % 8 == 0")
     if leading_dim(q2) % 8 or q2.data.ptr % 16:
         raise ValueError("mla_attention: q rows must start on 16-byte boundaries")
     (B1,) = expect(cu_seqlens, "cu_seqlens", ndim=1, dtype=np.int32)
@@ -135,10 +158,15 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     isz = 2
     q_lat = _view(workspace, 0, (H, T, R), BF16, (R * isz, H * R * isz, isz))  # per-head view of [T, H, R]
     stream = cupy.cuda.get_current_stream() if stream is None else stream
+    consts = _constants(H, R, Dr, Dn, Dv, block_size)
+    gemv = T <= _GEMV_TOKENS and R % 256 == 0 and Dn % 32 == 0 and Dv % 16 == 0 and w_kvb.data.ptr % 16 == 0
     with stream:
-        bmm(_view(q2, 0, (H, T, Dn), BF16, (Dqk * isz, ldq * isz, isz)),
-            _view(w_kvb, 0, (H, Dn, R), BF16, (Dkv * R * isz, R * isz, isz)), out=q_lat)
-        consts = _constants(H, R, Dr, Dn, block_size, S > 1)
+        if gemv:
+            absorb = get_kernel("mla_attn.cu", "mla_absorb_q", **consts)
+            absorb((H, R // 64), (256,), (q2, i32(ldq), w_kvb, i32(T), workspace), stream=stream)
+        else:
+            bmm(_view(q2, 0, (H, T, Dn), BF16, (Dqk * isz, ldq * isz, isz)),
+                _view(w_kvb, 0, (H, Dn, R), BF16, (Dkv * R * isz, R * isz, isz)), out=q_lat)
         smem = _split_smem_bytes(consts)
         kernel = get_kernel("mla_attn.cu", "mla_attn_split", max_dynamic_smem=smem, **consts)
         partial = workspace[o_partial:] if S > 1 else workspace
@@ -146,9 +174,14 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
         kernel((T, S), (_THREADS,), (workspace, q2, i32(ldq), kv_pool, cu_seqlens, context_lens, block_tables,
                                      i32(B1 - 1), i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
-        if S > 1:
+        if S > 1:  # tokens whose context used one split were written by mla_attn_split; the combine skips them
             combine = get_kernel("mla_attn.cu", "mla_attn_combine", **consts)
-            combine((T, H), (R // 4,), (partial, stats, i32(S), cu_seqlens, i32(B1 - 1), workspace), stream=stream)
-        bmm(q_lat, _view(w_kvb, Dn * R * isz, (H, Dv, R), BF16, (Dkv * R * isz, R * isz, isz)),
-            out=_view(out, 0, (H, T, Dv), BF16, (Dv * isz, ldo * isz, isz)), transpose_b=True)
+            combine((T, H, R // _COMBINE_COLS), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1), i32(M),
+                                                         i32(S), workspace), stream=stream)
+        if gemv:
+            expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
+            expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
+        else:
+            bmm(q_lat, _view(w_kvb, Dn * R * isz, (H, Dv, R), BF16, (Dkv * R * isz, R * isz, isz)),
+                out=_view(out, 0, (H, T, Dv), BF16, (Dv * isz, ldo * isz, isz)), transpose_b=True)
     return out
