@@ -17,9 +17,15 @@
 //   The order of pairs inside one expert's rows depends on atomics, but every row of the
 //   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
 //   fixed k order, so the block output is bitwise deterministic all the same.
-// moe_combine — grid (T), block THREADS: out[t, :] = bf16( shared[t, :] + Σ_k w[t, k] · y[pair_pos[t·A + k], :] )
+// moe_combine — grid (T, ceil(D / (4·THREADS))), block THREADS: each thread owns 4 columns of one
+//   token and issues all its A (+1) 16-byte row loads at once (at T = 1 the old grid (T) x 256
+//   threads left one SM to walk 9 rows: ~7.5 us; now D / 4 threads on D / (4·THREADS) SMs).
+//   out[t, :] = bf16( shared[t, :] + Σ_k w[t, k] · y[pair_pos[t·A + k], :] )
 //   fp32 sum in k order; `shared` (fp32, the shared expert's output) only when HAS_SHARED = 1; with
 //   HAS_SHARED = 2 the shared expert's row is y[pair_pos[t·(A+1) + A]] (SHARED_A bucketing).
+//   Measured (H200, graph replay, D = 2304, A = 8 + shared; tests/gpu/bench_moe_route.py, 2026-11-30):
+//   T = 1 1.5 us, 32 2.0, 128 3.0, 8192 169 us (4.0 TB/s of y read); the previous one-block-per-token
+//   kernel took 7.5 us at T = 1 (ncu).
 // Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
 //   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
 //   y [N, D] fp32; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
@@ -145,7 +151,8 @@ moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const
     if (threadIdx.x < PAIRS) pos_sh[threadIdx.x] = pair_pos[t * PAIRS + threadIdx.x];
     if (threadIdx.x < A) w_sh[threadIdx.x] = w[t * A + threadIdx.x];
     __syncthreads();
-    for (int c = threadIdx.x * 4; c < D; c += THREADS * 4) {
+    const int c = (blockIdx.y * THREADS + threadIdx.x) * 4;
+    if (c < D) {
 #if HAS_SHARED == 1
         float4 acc = *reinterpret_cast<const float4*>(shared + (size_t)t * D + c);
 #elif HAS_SHARED == 2
@@ -153,11 +160,13 @@ moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const
 #else
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
+        float4 v[A];  // all row loads in flight before the first FMA
+#pragma unroll
+        for (int k = 0; k < A; ++k) v[k] = *reinterpret_cast<const float4*>(y + (size_t)pos_sh[k] * D + c);
 #pragma unroll
         for (int k = 0; k < A; ++k) {
-            const float4 v = *reinterpret_cast<const float4*>(y + (size_t)pos_sh[k] * D + c);
             const float wk = w_sh[k];
-            acc.x += wk * v.x; acc.y += wk * v.y; acc.z += wk * v.z; acc.w += wk * v.w;
+            acc.x += wk * v[k].x; acc.y += wk * v[k].y; acc.z += wk * v[k].z; acc.w += wk * v[k].w;
         }
         __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
         uint2 packed;

@@ -2,6 +2,9 @@
 // scores, weights from the unbiased scores, renormalised and scaled.
 //
 //   logits[t, e] = Σ_d float(x[t, d]) · w_router[e, d]                      (fp32 products and sums)
+//   (large T: three bf16 GEMMs on tensor cores instead, ops/moe_route.py: w_router = w1 + w2 + w3 exactly
+//    with w1, w2, w3 bf16, so every product x·w_i is exact in fp32; the select kernel with PARTS = 3
+//    reads the three fp32 sums [T, 3E] and adds them, (p1 + p2) + p3)
 //   s = sigmoid(logits)          sel = s + bias                             (sel: selection only)
 //   num_groups > 1: group score = sum of the two largest sel in the group (the only one when a
 //                   group has one expert); experts outside the topk_group best groups get -inf
@@ -19,17 +22,17 @@
 //   counting (rank_e = #{f : v_f > v_e or (v_f == v_e and f < e)}), which is deterministic and
 //   matches a stable descending sort.  A NaN score ranks as -inf, so ids are always valid and
 //   distinct (the weights of such a token are NaN: garbage in, visible garbage out).
-// Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32,
+// Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
-// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K (select).
+// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
 #ifndef E
 #error "moe_route.cu needs -DE=<num experts>"
 #endif
-#if defined(THREADS) && !defined(MAX_TOP_K)
-#error "moe_route_select needs -DMAX_TOP_K"
+#if defined(THREADS) && (!defined(MAX_TOP_K) || !defined(PARTS))
+#error "moe_route_select needs -DMAX_TOP_K -DPARTS"
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -83,7 +86,12 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
     const int t = blockIdx.x, e = threadIdx.x;
     if (t >= num_tokens) return;
     if (e < E) {
+#if PARTS == 3
+        const float* l = logits + (size_t)t * 3 * E + e;
+        const float s = sigmoid((l[0] + l[E]) + l[2 * E]);
+#else
         const float s = sigmoid(logits[(size_t)t * E + e]);
+#endif
         const float sel = s + bias[e];
         s_sh[e] = s;
         // NaN (from a NaN input row) would compare false both ways and break the ranks: rank it

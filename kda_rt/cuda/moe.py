@@ -25,7 +25,7 @@ from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
-from kda_rt.cuda.ops.moe_route import moe_route
+from kda_rt.cuda.ops.moe_route import SPLIT_MIN_T, moe_route, split_router
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
     N = T * (A + 1) if fused else T * A
     tiles = max_tiles(N, bins, 8)  # BT = 8 gives the most tiles
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-    parts = [("logits", (T, E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
+    parts = [("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
              ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), f32)]
     if inter_s and not fused:
@@ -112,9 +112,12 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else nullcontext():
+        if w.router_split is None and T >= SPLIT_MIN_T and not cupy.cuda.get_current_stream().is_capturing():
+            # weights built without upload_weights: split on first eager use (a capture keeps the fp32 kernel)
+            w.router_split = split_router(w_router)
         moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                   renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights,
-                  out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], stream=stream)
+                  out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], router_split=w.router_split, stream=stream)
         moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, stream=stream)
         gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
         gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kda_rt.cuda.ops.check import BF16
+from kda_rt.cuda.ops.moe_route import split_router
 from kda_rt.cuda.upload import Uploader
 from kda_rt.loader.config import DENSE, KDA, MLA, MOE, ModelConfig
 from kda_rt.loader.schema import KDAWeights, MLAWeights, MLPWeights, MoEWeights, Stack, read_weights
@@ -71,6 +72,9 @@ class DeviceMoE:
     # the shared expert (one, of width M) is expert E of w13 / w2 (`shared` holds views of it), so the
     # grouped GEMMs compute it with the routed experts (one more pair per token, weight 1)
     shared_in_stack: bool = False
+    # [3E, D] bf16, the router as three bf16 parts summing to it exactly (ops/moe_route.split_router):
+    # prefill steps compute the logits on the tensor cores; None: made on first use (eager steps only)
+    router_split: Any = None
 
 
 @dataclass
@@ -135,13 +139,15 @@ def _mlp(up: Uploader, w: MLPWeights) -> DeviceMLP:
 
 def _moe(up: Uploader, w: MoEWeights) -> DeviceMoE:
     router, bias = _put(up, w.gate, F32), _put(up, w.e_score_correction_bias, F32)
+    router_split = split_router(router)  # derived on the device: not a checkpoint tensor
     if w.shared is not None and w.shared.gate.shape == w.experts[0].gate.shape:  # one shared expert of width M
         stacks = MoEWeights(w.gate, w.e_score_correction_bias, [*w.experts, w.shared], None)
         w13, w2 = _put(up, stacks.w13), _put(up, stacks.w2)
         E = len(w.experts)
-        return DeviceMoE(router, bias, w13, w2, DeviceMLP(w13[E], w2[E]), shared_in_stack=True)
+        return DeviceMoE(router, bias, w13, w2, DeviceMLP(w13[E], w2[E]), shared_in_stack=True,
+                         router_split=router_split)
     return DeviceMoE(router=router, bias=bias, w13=_put(up, w.w13), w2=_put(up, w.w2),
-                     shared=_mlp(up, w.shared) if w.shared is not None else None)
+                     shared=_mlp(up, w.shared) if w.shared is not None else None, router_split=router_split)
 
 
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,

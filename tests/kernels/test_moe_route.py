@@ -3,6 +3,8 @@
     logits = x · W_routerᵀ (fp32),  s = sigmoid,  sel = s + bias (selection only), group-limited top-A,
     w = s[ids] (sel[ids] when biased) / (Σ + 1e-20) if renormalize, × scaling
 
+From SPLIT_MIN_T tokens the launcher computes the logits as one bf16 GEMM on the router split in three
+exact bf16 parts (`split_router`); the cases of >= SPLIT_MIN_T = 32 tokens run that path, the others the fp32 kernel.
 Checks: ids equal as sets per token (inputs are redrawn until every top-A / top-group boundary
 has a gap > 2e-5 in sel, far above the ~1e-6 fp32 logit error, so no selection can flip);
 weights |w - w_ref| ≤ 1e-5·|w_ref| (fp32 dot over D = 2304 has relative error ~1e-6).
@@ -30,6 +32,8 @@ CASES = {
     "T300-E16-G16k8": (300, 16, dict(G=16, topk_group=8)),  # one expert per group
     "T64-E256-biased": (64, 256, dict(biased=True)),
     "T7-E16-A4-scale1": (7, 16, dict(A=4, scaling=1.0, renormalize=False)),
+    "T1000-E256": (1000, 256, dict()),
+    "T400-E256-biased": (400, 256, dict(biased=True)),  # (more tokens: near-ties become likely, make_router gives up)
 }
 
 
@@ -37,7 +41,7 @@ CASES = {
 def test_moe_route(name):
     import cupy
 
-    from kda_rt.cuda.ops.moe_route import moe_route
+    from kda_rt.cuda.ops.moe_route import moe_route, split_router
     from kda_rt.reference.moe import route
 
     T, E, kw = CASES[name]
@@ -50,7 +54,8 @@ def test_moe_route(name):
     out_w = cupy.full((T, A), np.nan, dtype=np.float32)
     moe_route(to_gpu_bf16(x), cupy.asarray(w_router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)),
               top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group, renormalize=cfg.renormalize,
-              scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=out_ids, out_w=out_w)
+              scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=out_ids, out_w=out_w,
+              router_split=split_router(cupy.asarray(w_router.astype(np.float32))))
     ids, w = cupy.asnumpy(out_ids), to_np(out_w)
     order, order_ref = np.argsort(ids, axis=-1), np.argsort(ids_ref, axis=-1)
     ids_s, ids_ref_s = np.take_along_axis(ids, order, -1), np.take_along_axis(ids_ref, order_ref, -1)

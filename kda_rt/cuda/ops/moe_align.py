@@ -15,6 +15,7 @@ from kda_rt.cuda.ops.compile import get_kernel
 __all__ = ["MoEPlan", "max_tiles", "moe_bucket", "moe_combine"]
 
 _BUCKET_THREADS = 1024  # one block of 32 warps: its scan adds up one total per warp in a single warp
+_COMBINE_THREADS = 64  # 256 columns per block: D = 2304 spreads one token over 9 SMs
 
 
 class MoEPlan(NamedTuple):
@@ -82,9 +83,10 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
         raise ValueError(f"moe_combine: hidden size {D} must be a multiple of 4")
     out = cupy.empty((T, D), dtype=BF16) if out is None else out
     expect(out, "out", shape=(T, D), dtype=BF16)
-    threads = max(min(256, -(-D // 128) * 32), -(-(pairs + 1) // 32) * 32)  # one thread per pair loads its row
+    threads = max(_COMBINE_THREADS, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread; >= one thread per pair
     has_shared = 2 if shared_in_y else int(shared is not None)
     kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared)
     if T:
-        kernel((T,), (threads,), (y, pair_pos, w, shared if shared is not None else y, out, i32(T)), stream=stream)
+        kernel((T, -(-D // (4 * threads))), (threads,), (y, pair_pos, w, shared if shared is not None else y, out, i32(T)),
+               stream=stream)
     return out
