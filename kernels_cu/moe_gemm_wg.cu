@@ -41,8 +41,9 @@
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
 //   T=8192:  1.28 | 0.79 ms = 483 | 390 TFLOP/s (2.36 | 1.21 ms = 262 | 256)
 //   T=16384: 2.19 | 1.40 ms = 566 | 441 TFLOP/s (4.11 | 2.24 ms = 301 | 276); cuBLAS dense: 755 | 534
-// 3 stages (1 k step in flight) lose a quarter: the copies are not hidden.  A producer warpgroup on
-// mbarriers (loads STAGES - 1 steps ahead, no CTA barrier per step) is the next step.
+// 3 stages (1 k step in flight) lose a quarter: the copies are not hidden.  Tried and dropped (same bench,
+// 2026-11-30): a persistent variant (one CTA per SM) with a producer warpgroup streaming cp.async stages
+// 3 steps ahead on mbarriers: 435 | 377 TFLOP/s at T=8192 and 512 | 382 at T=16384, no better.
 #include "common.cuh"
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
@@ -67,6 +68,7 @@
 
 static_assert(BN == 128 || BN == 256, "BN must be 128 or 256 (one wgmma per k16 slice)");
 static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of 64, STAGES >= 3");
+static_assert(BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
 #if FUSE_SILU
 static_assert(HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
 #else
@@ -170,8 +172,45 @@ __device__ __forceinline__ constexpr int b_pass_offset(int i) {
 #endif
 }
 
+// Epilogue of one warpgroup (thread t of it) whose 64 rows start at tile row `rbase`: accumulator
+// 4j + q of thread (warp w of the warpgroup, lane l) is row 16w + l/4 + 8·(q/2), column
+// 8j + 2·(l mod 4) + (q mod 2) of the warpgroup's 64 x BN tile.  Rows ≥ nrows are not stored.
+__device__ __forceinline__ void store_rows(const float (&acc)[ACC], void* __restrict__ dst, int row0, int nrows, int f0,
+                                           int rbase, int t) {
+    if (rbase >= nrows) return;  // no rows of this warpgroup (their products were of zero rows)
+    const int lane = t & 31, wq = t >> 5;
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int rl = rbase + wq * 16 + g + 8 * hrow;
+        if (rl >= nrows) continue;
+        const size_t r = (size_t)(row0 + rl);
+#if FUSE_SILU
+#pragma unroll
+        for (int j = 0; j < BN / 16; ++j) {
+            const int f = f0 + 8 * j + 2 * c;
+            float hv[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const float gate = round_bf16(acc[4 * j + 2 * hrow + q]);
+                const float up = round_bf16(acc[4 * (j + BN / 16) + 2 * hrow + q]);
+                hv[q] = round_bf16(silu(gate)) * up;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * HALF + f) = __floats2bfloat162_rn(hv[0], hv[1]);
+        }
+#else
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int f = f0 + 8 * j + 2 * c;
+            *reinterpret_cast<float2*>(static_cast<float*>(dst) + r * NOUT + f) =
+                make_float2(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
+        }
+#endif
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
-// kernel
+// kernels
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
@@ -255,36 +294,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     fence_acc(acc);
     cp_async_wait<0>();
 
-    // epilogue: accumulator 4j + q of thread (warp w of the warpgroup, lane l) is row 16w + l/4 + 8·(q/2),
-    // column 8j + 2·(l mod 4) + (q mod 2) of the warpgroup's 64 x BN tile
-    if (wg * 64 >= nrows) return;  // no rows of this warpgroup (their products were of zero rows)
-    const int lane = tid & 31, wq = (tid >> 5) & 3;
-    const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        const int rl = wg * 64 + wq * 16 + g + 8 * hrow;
-        if (rl >= nrows) continue;
-        const size_t r = (size_t)(row0 + rl);
-#if FUSE_SILU
-#pragma unroll
-        for (int j = 0; j < BN / 16; ++j) {
-            const int f = f0 + 8 * j + 2 * c;
-            float hv[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float gate = round_bf16(acc[4 * j + 2 * hrow + q]);
-                const float up = round_bf16(acc[4 * (j + BN / 16) + 2 * hrow + q]);
-                hv[q] = round_bf16(silu(gate)) * up;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * HALF + f) = __floats2bfloat162_rn(hv[0], hv[1]);
-        }
-#else
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int f = f0 + 8 * j + 2 * c;
-            *reinterpret_cast<float2*>(static_cast<float*>(dst) + r * NOUT + f) =
-                make_float2(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
-        }
-#endif
-    }
+    store_rows(acc, dst, row0, nrows, f0, wg * 64, tid & 127);
 }
+
+
