@@ -16,7 +16,8 @@ import numpy as np
 from kda_rt.cuda.ops.check import expect, i32
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["sample", "sample_config", "sample_defines", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS"]
+__all__ = ["sample", "sample_config", "sample_defines", "update_counts", "mark_prompt_tokens", "MAX_TOP_LOGPROBS",
+           "precompile"]
 
 MAX_TOP_LOGPROBS = 32
 CLUSTER = 8  # CTAs per row on sm_90+ (the portable cluster limit): 20480 tokens each at V = 163840
@@ -62,6 +63,24 @@ def sample_defines(B: int, V: int, *, vec: bool, penalties: bool, mask: bool, lo
                    VEC=vec and V % 4 == 0, HAS_PENALTIES=penalties, HAS_MASK=mask, WRITE_LOGPROB=logprob,
                    NUM_TOP=num_logprobs)
     return defines, cluster, threads, smem
+
+
+def precompile(V: int, max_rows: int) -> int:
+    """Compile (or load from the disk cache) the sample_rows variants that plain requests use, for any
+    batch of 1..max_rows rows of V logits: each thread count sample_config picks in that range, with
+    and without the sampled token's logprob.  The runner calls it at start, so no request waits for
+    NVRTC (a variant takes ~1.5 s to compile); penalties, grammar masks and top logprobs compile on
+    first use.  Returns the number of variants."""
+    seen = set()
+    for B in sorted({1, max(1, max_rows)}):
+        for logprob in (False, True):
+            defines, _, _, smem = sample_defines(B, V, vec=V % 4 == 0, penalties=False, mask=False, logprob=logprob,
+                                                 num_logprobs=0)
+            key = tuple(sorted(defines.items()))
+            if key not in seen:
+                seen.add(key)
+                get_kernel("sampling.cu", "sample_rows", max_dynamic_smem=smem, **defines)
+    return len(seen)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=None, allowed=None, out_ids=None,

@@ -109,6 +109,9 @@ class CudaRunner:
         if not self.enforce_eager:  # as vLLM: every bucket's graph now, so no request waits for a capture
             for rows in self.buckets:
                 self._graph(rows)
+        from kda_rt.sampler.sampling import precompile
+
+        precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
 
     # ------------------------------------------------------------------------------------------
 
