@@ -53,7 +53,7 @@ def main(sizes=(1, 8, 32, 64, 128, 8192)):
             k_logits((-(-T // TPB), E // 8), (256,), (x, w_router, logits, i32(T)), stream=stream)
             k_select((T,), (E,), (logits, bias, ids, w, *flags), stream=stream)
 
-        def new(stream, x=x, ids=ids, w=w, scratch=scratch, k_select3=k_select3, flags=flags):
+        def new(stream, T=T, x=x, ids=ids, w=w, scratch=scratch, k_select3=k_select3, flags=flags):
             with stream:
                 linear(x, w_split, out=scratch)
             k_select3((T,), (E,), (scratch, bias, ids, w, *flags), stream=stream)

@@ -14,7 +14,7 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["TileConfig", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
+__all__ = ["TileConfig", "check_grouped_gemm", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -76,10 +76,9 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int)
     return bm if ok else 0
 
 
-def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: TileConfig | None = None,
-                stream=None):
-    """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out) -> tuple[int, int, int, int]:
+    """The contract shared by the grouped-GEMM launchers (this one and moe_gemm_wg.py); returns
+    (K, E, NOUT, N)."""
     _, K = expect(src, "src", ndim=2, dtype=BF16)
     E, nout, _ = expect(weight, "weight", shape=(None, None, K), dtype=BF16)
     N = plan.sorted_pair.shape[0]
@@ -88,6 +87,14 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     else:
         expect(src, "src", shape=(N, K))
         expect(out, "out", shape=(N, nout), dtype=np.float32)
+    return K, E, nout, N
+
+
+def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: TileConfig | None = None,
+                stream=None):
+    """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu)
     if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_tc: no tile {tile} for BM={plan.tile_rows}, K={K}, NOUT={nout}")

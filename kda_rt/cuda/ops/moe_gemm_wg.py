@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from kda_rt import env
-from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 
 __all__ = ["WgTile", "available", "moe_gemm_wg", "wg_tile"]
 
@@ -60,14 +58,7 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
                 stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
     else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
-    _, K = expect(src, "src", ndim=2, dtype=BF16)
-    E, nout, _ = expect(weight, "weight", shape=(None, None, K), dtype=BF16)
-    N = plan.sorted_pair.shape[0]
-    if fuse_silu:
-        expect(out, "out", shape=(N, nout // 2), dtype=BF16)
-    else:
-        expect(src, "src", shape=(N, K))
-        expect(out, "out", shape=(N, nout), dtype=np.float32)
+    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or wg_tile(nout, K, fuse_silu)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
