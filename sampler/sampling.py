@@ -22,16 +22,21 @@ __all__ = ["sample", "sample_config", "sample_defines", "update_counts", "mark_p
 MAX_TOP_LOGPROBS = 32
 CLUSTER = 8  # CTAs per row on sm_90+ (the portable cluster limit): 20480 tokens each at V = 163840
 _MIN_SPLIT_V = 16384  # smaller rows: one CTA per row
-_MAX_CACHE_BYTES = 200 * 1024  # a slice of x larger than this is reread from global memory
+_MAX_CACHE_BYTES = 200 * 1024  # a slice of x larger than this is reread from global memory ...
+_STATIC_SMEM_BYTES = 24 * 1024   # ... and so is one that leaves less than this under the device's opt-in limit
 
 
 @functools.cache
-def _device(device_id: int) -> tuple[int, int]:
-    """(compute capability as 90 / 100 / ..., SM count) of a device."""
+def _device(device_id: int) -> tuple[int, int, int]:
+    """(compute capability as 90 / 100 / ..., SM count, the most shared memory a block can opt into)."""
     import cupy
 
     dev = cupy.cuda.Device(device_id)
-    return int(dev.compute_capability), int(dev.attributes["MultiProcessorCount"])
+    attrs = dev.attributes
+    optin = attrs.get("MaxSharedMemoryPerBlockOptin")
+    if optin is None:  # 97 = cudaDevAttrMaxSharedMemoryPerBlockOptin
+        optin = cupy.cuda.runtime.deviceGetAttribute(97, device_id)
+    return int(dev.compute_capability), int(attrs["MultiProcessorCount"]), int(optin)
 
 
 def sample_config(B: int, V: int, cluster: int | None = None, threads: int | None = None) -> tuple[int, int, int, bool]:
@@ -41,7 +46,7 @@ def sample_config(B: int, V: int, cluster: int | None = None, threads: int | Non
     gives the same tokens (log-sum-exp merge order aside)."""
     import cupy
 
-    cc, num_sms = _device(cupy.cuda.Device().id)
+    cc, num_sms, smem_optin = _device(cupy.cuda.Device().id)
     if cluster is None:
         cluster = CLUSTER if cc >= 90 and V >= _MIN_SPLIT_V else 1
     if not 1 <= cluster <= 8 or (cluster > 1 and cc < 90):
@@ -51,7 +56,11 @@ def sample_config(B: int, V: int, cluster: int | None = None, threads: int | Non
     if threads not in (256, 512, 1024):
         raise ValueError(f"threads must be 256, 512 or 1024, got {threads}")
     slice_ = (-(-V // cluster) + 3) // 4 * 4
-    return cluster, threads, 2 if threads == 512 else 1, slice_ * 4 <= _MAX_CACHE_BYTES
+    # the slice must fit beside the static shared memory (~17 KB) under this device's limit: 227 KB on
+    # Hopper, 163 KB on A100, 99 KB on sm_86 / sm_89
+    min_blocks = 2 if threads == 512 else 1
+    cache = slice_ * 4 <= min(_MAX_CACHE_BYTES, smem_optin - _STATIC_SMEM_BYTES)
+    return cluster, threads, min_blocks, cache
 
 
 def sample_defines(B: int, V: int, *, vec: bool, penalties: bool, mask: bool, logprob: bool, num_logprobs: int,

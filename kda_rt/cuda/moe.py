@@ -13,6 +13,7 @@ Letters: T tokens, D hidden, E experts, A = top_k, N = T·A pairs, I expert widt
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -113,8 +114,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else nullcontext():
         if w.router_split is None and T >= SPLIT_MIN_T and not cupy.cuda.get_current_stream().is_capturing():
-            # weights built without upload_weights: split on first eager use (a capture keeps the fp32 kernel)
-            w.router_split = split_router(w_router)
+            # weights built without upload_weights: split on first eager use (a capture keeps the fp32
+            # kernel, and so does a router that three bf16 parts cannot represent)
+            with contextlib.suppress(ValueError):
+                w.router_split = split_router(w_router)
         moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                   renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights,
                   out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"], router_split=w.router_split, stream=stream)

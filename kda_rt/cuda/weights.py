@@ -137,9 +137,21 @@ def _mlp(up: Uploader, w: MLPWeights) -> DeviceMLP:
     return DeviceMLP(gate_up=_put(up, w.gate_up), down=_put(up, w.down))
 
 
+def _split_router(up: Uploader, router):
+    """The router's three-bf16 split (ops/moe_route.split_router), derived on the device on the
+    uploader's stream, so it runs after the router's copy has landed; None (the fp32 routing kernel
+    serves every step) when the router holds values three bf16 parts cannot represent (subnormals)."""
+    try:
+        with up.stream:
+            return split_router(router)
+    except ValueError as exc:
+        logger.warning("%s: routing logits stay on the fp32 kernel", exc)
+        return None
+
+
 def _moe(up: Uploader, w: MoEWeights) -> DeviceMoE:
     router, bias = _put(up, w.gate, F32), _put(up, w.e_score_correction_bias, F32)
-    router_split = split_router(router)  # derived on the device: not a checkpoint tensor
+    router_split = _split_router(up, router)
     if w.shared is not None and w.shared.gate.shape == w.experts[0].gate.shape:  # one shared expert of width M
         stacks = MoEWeights(w.gate, w.e_score_correction_bias, [*w.experts, w.shared], None)
         w13, w2 = _put(up, stacks.w13), _put(up, stacks.w2)

@@ -126,6 +126,7 @@ def test_mla_decode_cuda_graph():
         mla_attention(q, pool, w_kvb_d, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
                       out=out, workspace=ws, stream=stream)
 
+    cupy.cuda.Device().synchronize()  # inputs made on the legacy stream, which `stream` does not wait for
     with stream:
         step()  # compile, cuBLAS handle, smem attribute: outside the capture
         stream.synchronize()

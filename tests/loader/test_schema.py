@@ -6,6 +6,8 @@ tied configs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import sys
 import types
@@ -95,6 +97,7 @@ class _FakeUploader:
     def __init__(self):
         self.sources: list[np.ndarray] = []
         self.bytes_uploaded = 0
+        self.stream = contextlib.nullcontext()  # work queued "on the uploader's stream" runs now
 
     def copy(self, dst, src):
         src = np.asarray(src)
@@ -163,6 +166,9 @@ def test_cuda_upload_copies_every_tensor_once(name, monkeypatch):
         else:
             E = config.moe.num_experts
             same(L.mlp.router, t[m + "gate.weight"])
+            # the router's three-bf16 split (derived on the device, not uploaded) adds up to it exactly
+            parts = np.asarray(L.mlp.router_split, dtype=np.float32).reshape(3, E, -1)
+            assert np.array_equal((parts[0] + parts[1]) + parts[2], np.asarray(t[m + "gate.weight"], np.float32))
             w13 = [bf16(t[m + f"experts.{e}.w1.weight"], t[m + f"experts.{e}.w3.weight"]) for e in range(E)]
             w2 = [t[m + f"experts.{e}.w2.weight"].astype(BF16) for e in range(E)]
             # one shared expert of the experts' width rides as expert E of the stacks; wider ones stay apart
