@@ -1,0 +1,85 @@
+"""The launchers' variant choices (CPU: the device queries are replaced), as measured on the H200 and
+written down in docs/PERFORMANCE.md: the sampler's cluster / thread count / cached slice, the KDA
+decode split, the wgmma switch, and the sampler variants the runner compiles at start."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import kda_rt.cuda.ops.kda_decode as kd
+import kda_rt.cuda.ops.moe_gemm_wg as wg
+import kda_rt.sampler.sampling as smp
+
+H200 = (90, 132, 232448)  # compute capability, SMs, opt-in shared memory per block
+RTX4090 = (89, 128, 101376)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """Pretend to run on a device of the given (cc, SMs, smem) without CuPy or a GPU."""
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+    def use(spec):
+        monkeypatch.setattr(smp, "_device", lambda _id: spec)
+        monkeypatch.setattr(kd, "_clusters", lambda: spec[0] >= 90)
+    return use
+
+
+def test_sampler_splits_rows_over_a_cluster_on_hopper(device):
+    device(H200)
+    V = 163840
+    assert smp.sample_config(1, V) == (8, 1024, 1, True)    # 8 CTAs per row fit one per SM
+    assert smp.sample_config(16, V) == (8, 1024, 1, True)
+    assert smp.sample_config(32, V) == (8, 512, 2, True)    # two per SM: batch 32 in one wave
+    assert smp.sample_config(4, 1003) == (1, 256, 1, True)  # small vocabularies: one CTA per row
+
+
+def test_sampler_caches_a_slice_only_under_the_devices_limit(device):
+    device(RTX4090)  # 99 KB of opt-in shared memory, no clusters
+    assert smp.sample_config(1, 50257)[0] == 1
+    assert smp.sample_config(1, 50257)[3] is False   # 196 KB of fp32 logits: reread from global
+    assert smp.sample_config(1, 16000)[3] is True    # 62.5 KB fits beside the static shared memory
+    with pytest.raises(ValueError, match="cluster"):
+        smp.sample_config(1, 163840, cluster=8)
+
+
+def test_runner_precompiles_every_thread_count_a_batch_can_pick(device, monkeypatch):
+    device(H200)
+    compiled = []
+    monkeypatch.setattr(smp, "get_kernel", lambda f, n, **kw: compiled.append(kw["THREADS"]))
+    assert smp.precompile(163840, 256) == 4  # 1024 threads (B <= 16) and 512, with and without logprobs
+    assert sorted(compiled) == [512, 512, 1024, 1024]
+    compiled.clear()
+    assert smp.precompile(163840, 8) == 2    # batches up to 8 only ever use 1024 threads
+    assert compiled == [1024, 1024]
+
+
+@pytest.mark.parametrize(("num_seqs", "expected"), [(1, (4, 128, 7)), (4, (4, 128, 7)), (5, (1, 256, 2)),
+                                                     (32, (1, 256, 2)), (256, (1, 256, 2))])
+def test_kda_decode_splits_heads_only_for_small_batches(device, num_seqs, expected):
+    device(H200)
+    assert kd.decode_config(num_seqs=num_seqs) == expected
+    assert kd.decode_config(fused=True, num_seqs=num_seqs)[0] == 4  # fused gates need the split kernel
+
+
+def test_kda_decode_without_clusters_runs_one_cta_per_head(device):
+    device((80, 108, 166912))
+    assert kd.decode_config(num_seqs=1) == (1, 256, 2)
+    with pytest.raises(ValueError, match="split"):
+        kd.decode_config(split=1, fused=True)
+
+
+def test_wgmma_runs_on_sm90a_128_row_tiles_unless_switched_off(monkeypatch):
+    monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
+    assert wg.available(128, 2304, 1024)
+    assert not wg.available(64, 2304, 1024)       # 64- and 16-row tiles stay on mma.sync
+    assert not wg.available(128, 2304, 1000)      # no BN divides the expert width
+    monkeypatch.setenv("KDA_RT_WGMMA", "0")
+    assert not wg.available(128, 2304, 1024)
+    monkeypatch.delenv("KDA_RT_WGMMA")
+    monkeypatch.setattr(wg, "device_arch", lambda: "sm_100a")
+    assert not wg.available(128, 2304, 1024)      # Blackwell has no wgmma
