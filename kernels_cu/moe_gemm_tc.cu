@@ -75,6 +75,8 @@ static_assert(NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF % (BN / 2) == 0, "gate/
 static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 #endif
 
+#include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
+
 // ---------------------------------------------------------------------------------------------
 // helpers
 
@@ -92,15 +94,6 @@ __device__ __forceinline__ int b_tile_row(int wn, int t) {
     return t < NI / 2 ? wn * (WN / 2) + 8 * t : BN / 2 + wn * (WN / 2) + 8 * (t - NI / 2);
 #else
     return wn * WN + 8 * t;
-#endif
-}
-
-// Weight row (relative to the block's first gate / output feature) copied by pass i
-__device__ __forceinline__ constexpr int b_pass_offset(int i) {
-#if FUSE_SILU
-    return i * RPP < BN / 2 ? i * RPP : HALF - BN / 2 + i * RPP;
-#else
-    return i * RPP;
 #endif
 }
 
@@ -148,17 +141,7 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
     const int lrow = tid / CH, lch = tid % CH;
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
-#pragma unroll
-    for (int i = 0; i < A_PASSES; ++i) {
-        a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
-        const int r = a_bytes[i] ? row0 + lrow + i * RPP : row0;
-#if FUSE_SILU
-        const int s = sorted_pair[r] / TOPK;
-#else
-        const int s = r;
-#endif
-        a_src[i] = src + (size_t)s * K + lch * 8;
-    }
+    tile_row_sources(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
     const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
     bf16* a_dst = sa + lrow * LDS + lch * 8;
     bf16* b_dst = sb + lrow * LDS + lch * 8;

@@ -75,6 +75,8 @@ static_assert(HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
 static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 #endif
 
+#include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
+
 // ---------------------------------------------------------------------------------------------
 // wgmma helpers (PTX ISA 8.0+, sm_90a)
 
@@ -163,15 +165,6 @@ __device__ __forceinline__ void fence_acc(float (&d)[ACC]) {
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile
 __device__ __forceinline__ unsigned swz(int r, int c) { return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4)); }
 
-// Weight row (relative to the block's first gate / output feature) copied by pass i
-__device__ __forceinline__ constexpr int b_pass_offset(int i) {
-#if FUSE_SILU
-    return i * RPP < BN / 2 ? i * RPP : HALF - BN / 2 + i * RPP;
-#else
-    return i * RPP;
-#endif
-}
-
 // Epilogue of one warpgroup (thread t of it) whose 64 rows start at tile row `rbase`: accumulator
 // 4j + q of thread (warp w of the warpgroup, lane l) is row 16w + l/4 + 8·(q/2), column
 // 8j + 2·(l mod 4) + (q mod 2) of the warpgroup's 64 x BN tile.  Rows ≥ nrows are not stored.
@@ -235,17 +228,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     const int lrow = tid >> 3, lch = tid & 7;
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
-#pragma unroll
-    for (int i = 0; i < A_PASSES; ++i) {
-        a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
-        const int r = a_bytes[i] ? row0 + lrow + i * RPP : row0;
-#if FUSE_SILU
-        const int s = sorted_pair[r] / TOPK;
-#else
-        const int s = r;
-#endif
-        a_src[i] = src + (size_t)s * K + lch * 8;
-    }
+    tile_row_sources(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
     const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
     // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
     const unsigned dst_off = swz(lrow, lch);
