@@ -14,7 +14,6 @@ Letters: T tokens, D hidden, E experts, A = top_k, N = T·A pairs, I expert widt
 from __future__ import annotations
 
 import contextlib
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -112,7 +111,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
-    with stream if stream is not None else nullcontext():
+    with stream if stream is not None else contextlib.nullcontext():
         if w.router_split is None and T >= SPLIT_MIN_T and not cupy.cuda.get_current_stream().is_capturing():
             # weights built without upload_weights: split on first eager use (a capture keeps the fp32
             # kernel, and so does a router that three bf16 parts cannot represent)
