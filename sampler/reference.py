@@ -15,7 +15,7 @@ import numpy as np
 from .batch import SamplingBatch, StepOutput
 from .params import SamplingParams
 
-__all__ = ["apply_penalties", "allowed_tokens", "sample_row", "sample_rows", "draw_noise", "philox4x32_10",
+__all__ = ["apply_penalties", "nonfinite_error", "allowed_tokens", "sample_row", "sample_rows", "draw_noise", "philox4x32_10",
            "top_logprobs"]
 
 
@@ -119,6 +119,11 @@ def top_logprobs(logits: np.ndarray, token_id: int, num: int) -> dict[int, float
     return out
 
 
+def nonfinite_error(step: int) -> str:
+    """The error of a row whose raw logits hold NaN or inf (checked before anything else)."""
+    return f"non-finite logits (NaN or inf) from the model at output token {step}"
+
+
 def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
     """Sample `rows` on the host into `out` (the same row indices); `logits[i]` is row i's [V]
     logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  Penalties,
@@ -128,7 +133,7 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
         x, p = logits[i], batch.params[i]
         step = int(batch.steps[i])
         if not np.isfinite(x).all():
-            out.errors[i] = f"non-finite logits (NaN or inf) from the model at output token {step}"
+            out.errors[i] = nonfinite_error(step)
             continue
         if batch.history[i] is not None:
             x = apply_penalties(x, p, *batch.history[i])

@@ -50,6 +50,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+class _Pending:
+    """A launched step: its sampling batch, logits and the pinned views its results land in."""
+
+    def __init__(self, sampling: SamplingBatch, logits, parts: tuple, num_top: int | None, stage: str) -> None:
+        self.sampling, self.logits, self.parts, self.num_top, self.stage = sampling, logits, parts, num_top, stage
+
+
 class _Graph:
     def __init__(self, batch: DeviceBatch, ws: Workspace, graph, logits) -> None:
         self.batch, self.ws, self.graph, self.logits = batch, ws, graph, logits
@@ -106,6 +113,8 @@ class CudaRunner:
         self.buckets = graph_buckets(engine.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._launches = 0  # parity of the staging set the next launch uses
+        self._last_ids = None  # device ids sampled by the last launch (ids_from_last)
         if not self.enforce_eager:  # as vLLM: every bucket's graph now, so no request waits for a capture
             for rows in self.buckets:
                 self._graph(rows)
@@ -115,9 +124,11 @@ class CudaRunner:
 
     # ------------------------------------------------------------------------------------------
 
-    def _upload(self, batch: ForwardBatch, ws: Workspace, decode: bool, rows: int | None = None) -> DeviceBatch:
-        """Copy the batch metadata into `ws` buffers with one pinned copy (padded to `rows` sequences for
-        a graph, whose block table is `max_pages` wide: only the columns this batch uses are copied)."""
+    def _upload(self, batch: ForwardBatch, ws: Workspace, decode: bool, rows: int | None = None,
+                stage: str = "meta") -> DeviceBatch:
+        """Copy the batch metadata into `ws` buffers with one pinned copy from staging buffer `stage`
+        (padded to `rows` sequences for a graph, whose block table is `max_pages` wide: only the columns
+        this batch uses are copied)."""
         B, T = batch.num_seqs, batch.num_tokens
         R = rows or B
         width = max(1, batch.block_tables.shape[1])
@@ -128,7 +139,7 @@ class CudaRunner:
         sizes = (nt, R + 1, R, R, nl, R * width)  # ids, cu_seqlens, context, slots, logits rows, tables
         total = sum(sizes)
         offs = np.cumsum((0,) + sizes)  # the same layout on the host and in the device buffer
-        host = self.staging.host("meta", 4 * total).view(np.int32)[:total]
+        host = self.staging.host(stage, 4 * total).view(np.int32)[:total]
         ids, cu, ctx, slots, lidx, tables = (host[offs[i]:offs[i + 1]] for i in range(6))
         ids[:T] = batch.input_ids
         ids[T:] = 0
@@ -144,7 +155,7 @@ class CudaRunner:
         tables[B:, 0] = self.pad_page
         # a graph's buffer has room for the widest table, so its views never move
         meta = ws.get("meta", (total - R * width + R * self.max_pages if rows else total,), np.int32)
-        self.staging.to_device("meta", meta, 4 * total, self.stream)
+        self.staging.to_device(stage, meta, 4 * total, self.stream)
         dev = [meta[offs[i]:offs[i + 1]] for i in range(5)]
         if rows:  # the graph's table is max_pages wide: scatter the used columns into it on the device
             tab = ws.get("meta_tables", (R, self.max_pages), np.int32)
@@ -185,20 +196,32 @@ class CudaRunner:
         logger.info("captured the decode graph for %d sequences", rows)
         return g
 
-    def _forward(self, batch: ForwardBatch):
-        """Device logits [R, vocab] float32 whose first N rows are batch.logits_indices' rows."""
+    def _forward(self, batch: ForwardBatch, stage: str = "meta", ids_from=None):
+        """Device logits [R, vocab] float32 whose first N rows are batch.logits_indices' rows.  `ids_from`:
+        a device int32 array of batch.num_seqs token ids (a decode batch) that replaces batch.input_ids
+        on the device (the previous step's sampled ids, which the host has not seen yet)."""
         decode = bool(np.all(batch.seq_lens == 1)) and batch.logits_indices.shape[0] == batch.num_seqs
         B = batch.num_seqs
-        if decode and not self.enforce_eager and B <= self.buckets[-1]:
-            rows = next(b for b in self.buckets if b >= B)
-            g = self._graph(rows)
-            with self.stream:
-                self._upload(batch, g.ws, True, rows)
-                g.graph.launch(self.stream)
-            return g.logits
+        if ids_from is not None and (not decode or ids_from.shape != (B,)):
+            raise ValueError(f"ids_from: a decode batch takes {B} device ids, got shape {ids_from.shape} "
+                             f"({'decode' if decode else 'not a decode batch'})")
         with self.stream:
-            dev = self._upload(batch, self.eager_ws, decode)
+            if decode and not self.enforce_eager and B <= self.buckets[-1]:
+                rows = next(b for b in self.buckets if b >= B)
+                g = self._graph(rows)
+                dev = self._upload(batch, g.ws, True, rows, stage)
+                self._ids_from(dev, ids_from)
+                g.graph.launch(self.stream)
+                return g.logits
+            dev = self._upload(batch, self.eager_ws, decode, stage=stage)
+            self._ids_from(dev, ids_from)
             return self.model.forward(dev, self.eager_ws)
+
+    def _ids_from(self, dev: DeviceBatch, ids_from) -> None:
+        if ids_from is not None:  # queued after the metadata copy, before the forward: the later write wins
+            n = int(ids_from.shape[0])
+            self.cupy.cuda.runtime.memcpyAsync(dev.input_ids.data.ptr, ids_from.data.ptr, 4 * n,
+                                               self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
 
     def score(self, batch: ForwardBatch) -> np.ndarray:
         """[N, vocab] float32 logits at batch.logits_indices (host array)."""
@@ -211,21 +234,37 @@ class CudaRunner:
             return logits[:n].get(stream=self.stream)
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
-        """Forward, then sample every row on the GPU (sampler/sampling.py): the sampling settings go up
-        in one pinned copy, grammar masks (asked for only after the forward is queued, so the host's
-        grammar work overlaps it) in another, and the token ids, flags and logprobs come back in one.
-        Host rows (penalties, a min_tokens ban, a logit_bias) and rows the GPU sampler flags (non-finite
-        logits, a mask that allows nothing) are sampled from their logits by the NumPy reference sampler."""
-        from kda_rt.sampler.reference import sample_rows
+        """Forward, then sample every row on the GPU: `collect(launch(batch, sampling))`."""
+        return self.collect(self.launch(batch, sampling))
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last: bool = False) -> _Pending:
+        """Queue the forward and the GPU sampler (sampler/sampling.py) without waiting: the sampling
+        settings go up in one pinned copy, grammar masks (asked for only after the forward is queued, so
+        the host's grammar work overlaps it) in another, and the token ids, flags and logprobs come back
+        in one, read by `collect`.  `ids_from_last`: a decode batch whose rows are the previous launch's
+        rows in the same order, fed with the ids that launch sampled (still on the device).
+
+        Staging buffers alternate between two sets, so a launch can be queued while the previous one's
+        results are still being read; the logits of a step with host rows are read in `collect`, so no
+        launch may follow such a step before it is collected (the engine never does)."""
         from kda_rt.sampler.sampling import sample
 
         cp = self.cupy
         n = sampling.num_rows
-        out = StepOutput.empty(n)
+        parity = self._launches % 2
+        self._launches += 1
+        ids_from = None
+        if ids_from_last:
+            ids_from = self._last_ids
+            if ids_from is None or ids_from.shape[0] != batch.num_seqs:
+                raise ValueError(f"ids_from_last: the previous launch sampled "
+                                 f"{None if ids_from is None else ids_from.shape[0]} rows, this batch has "
+                                 f"{batch.num_seqs} sequences")
+        self._last_ids = None
         if n == 0:  # prefill chunks that finish no prompt: the caches fill, nothing is sampled
-            self._forward(batch)
-            return out
-        logits = self._forward(batch)[:n]
+            self._forward(batch, f"meta{parity}", ids_from)
+            return _Pending(sampling, None, (), None, f"results{parity}")
+        logits = self._forward(batch, f"meta{parity}", ids_from)[:n]
         V = logits.shape[1]
         want_lp = sampling.num_logprobs >= 0
         num_top = int(sampling.num_logprobs.max(initial=0))
@@ -235,40 +274,62 @@ class CudaRunner:
         outs = [(n, i32), (n, i32), (n, f32), (n * num_top, i32), (n * num_top, f32)]
         in_offs, in_bytes = pack_layout(ins)
         out_offs, out_bytes = pack_layout(outs)
-        host = self.staging.host("sampling", in_bytes)
+        host = self.staging.host(f"sampling{parity}", in_bytes)
         values = (sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps)
         for off, (count, dtype), value in zip(in_offs, ins, values, strict=True):
             host[off:off + count * dtype.itemsize].view(dtype)[:] = value
         view = lambda buf, off, count, dtype: cp.ndarray((count,), dtype, memptr=buf.data + off)  # noqa: E731
         with self.stream:  # buffers from the pool of the stream that uses them
-            dev_in = self.sample_ws.get("in", (in_bytes,), np.uint8)
-            dev_out = self.sample_ws.get("out", (out_bytes,), np.uint8)
+            dev_in = self.sample_ws.get(f"in{parity}", (in_bytes,), np.uint8)
+            dev_out = self.sample_ws.get(f"out{parity}", (out_bytes,), np.uint8)
             seeds, temp, top_k, top_p, min_p, steps = (view(dev_in, o, c, d)
                                                        for o, (c, d) in zip(in_offs, ins, strict=True))
             ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
-            self.staging.to_device("sampling", dev_in, in_bytes, self.stream)
+            self.staging.to_device(f"sampling{parity}", dev_in, in_bytes, self.stream)
             allowed = None
             if sampling.constrained.any():
                 words = (V + 31) // 32
-                masks = self.staging.host("masks", n * words * 4).view(np.int32)[: n * words].reshape(n, words)
+                masks = self.staging.host(f"masks{parity}", n * words * 4).view(np.int32)[: n * words].reshape(n, words)
                 for i, m in enumerate(sampling.allowed):  # computed now, while the forward runs
                     # a mask sized for a larger tokenizer vocabulary: its tokens past the logits do not exist
                     masks[i] = -1 if m is None else m[:words]
-                allowed = self.sample_ws.get("masks", (n, words), np.int32)
-                self.staging.to_device("masks", allowed, masks.nbytes, self.stream)
+                allowed = self.sample_ws.get(f"masks{parity}", (n, words), np.int32)
+                self.staging.to_device(f"masks{parity}", allowed, masks.nbytes, self.stream)
             sample(logits, temp, top_k, top_p, min_p, seeds, steps, allowed=allowed,
                    out_ids=ids, out_logprobs=lp if want_lp.any() else None, num_logprobs=num_top,
                    out_top_ids=top_ids.reshape(n, num_top) if num_top else None,
                    out_top_logprobs=top_lp.reshape(n, num_top) if num_top else None, out_flags=flags,
                    stream=self.stream)
-            got = self.staging.from_device("results", dev_out, out_bytes, self.stream)
-            ids_h, flags_h, lp_h, top_ids_h, top_lp_h = (got[o:o + c * d.itemsize].view(d)
-                                                         for o, (c, d) in zip(out_offs, outs, strict=True))
-            host_rows = np.flatnonzero(sampling.host_rows | (flags_h != 0))
-            host_logits = {int(i): logits[int(i)].get(stream=self.stream) for i in host_rows}
+            got = self.staging.from_device_async(f"results{parity}", dev_out, out_bytes, self.stream)
+        self._last_ids = ids
+        parts = tuple(got[o:o + c * d.itemsize].view(d) for o, (c, d) in zip(out_offs, outs, strict=True))
+        return _Pending(sampling, logits, parts, num_top, f"results{parity}")
+
+    def collect(self, pending: _Pending) -> StepOutput:
+        """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
+        rows (penalties, a min_tokens ban, a logit_bias) by the NumPy reference sampler from their logits,
+        rows with non-finite logits (flag 1) get that error, as the reference would report it."""
+        from kda_rt.sampler.reference import nonfinite_error, sample_rows
+
+        sampling = pending.sampling
+        n = sampling.num_rows
+        out = StepOutput.empty(n)
+        if n == 0:
+            self.stream.synchronize()
+            return out
+        self.staging.wait(pending.stage)
+        ids_h, flags_h, lp_h, top_ids_h, top_lp_h = pending.parts
+        num_top = pending.num_top
+        want_lp = sampling.num_logprobs >= 0
+        host_rows = np.flatnonzero(sampling.host_rows | (flags_h == 2))
+        with self.stream:
+            host_logits = {int(i): pending.logits[int(i)].get(stream=self.stream) for i in host_rows}
         top_ids_h, top_lp_h = top_ids_h.reshape(n, num_top), top_lp_h.reshape(n, num_top)
         for i in range(n):
             if i in host_logits:
+                continue
+            if flags_h[i] == 1:  # the model's logits are not finite: an error, whatever the settings
+                out.errors[i] = nonfinite_error(int(sampling.steps[i]))
                 continue
             tok = int(ids_h[i])
             out.token_ids[i] = tok

@@ -69,7 +69,19 @@ class Staging:
 
     def from_device(self, name: str, dev, nbytes: int, stream) -> np.ndarray:
         """Copy the first `nbytes` of device array `dev` into pinned buffer `name`, wait, return them."""
+        host = self.from_device_async(name, dev, nbytes, stream)
+        self.wait(name)
+        return host
+
+    def from_device_async(self, name: str, dev, nbytes: int, stream) -> np.ndarray:
+        """Queue the copy of the first `nbytes` of `dev` into pinned buffer `name`; the returned bytes
+        are valid once `wait(name)` returns (and until the next copy into `name` is queued)."""
         host = self.host(name, nbytes)
         self._copy(name, host.ctypes.data, dev.data.ptr, nbytes, self.cupy.cuda.runtime.memcpyDeviceToHost, stream)
-        self.buffers[name].event.synchronize()
         return host[:nbytes]
+
+    def wait(self, name: str) -> None:
+        """Block until the last copy queued on pinned buffer `name` has run."""
+        event = self.buffers[name].event
+        if event is not None:
+            event.synchronize()

@@ -43,6 +43,10 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.90, "CUDA backend: share of device memory for weights + caches")
     seed: int = _opt(0, "seeds requests that bring no seed of their own")
     enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
+    # on the full 48B shape (H200, batch 32) the engine's host work between steps is ~0.7 ms of an
+    # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
+    async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
+                                        "(same outputs; off: every step waits for the previous one)")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -60,6 +64,9 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
@@ -86,7 +93,7 @@ class EngineConfig:
             default = defaults.get(f.name, f.default)
             kw = {"default": default, "help": f.metadata["help"]}
             if f.type == "bool":
-                group.add_argument(flag, action="store_true", **kw)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
                 continue
             kind = {"int": int, "float": float, "str": str, "int | None": int}[f.type]
             if "choices" in f.metadata:

@@ -11,7 +11,10 @@
                  while its forward runs (kda_rt/engine/structured.py)
 
 The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
-and `runner.score(ForwardBatch)` (the `Runner` contract, kda_rt/engine/runner.py), nothing else.
+(or its two halves `launch` / `collect`) and `runner.score(ForwardBatch)` (the `Runner` contract,
+kda_rt/engine/runner.py), nothing else.  With `async_scheduling` a steady decode step is launched
+before the previous step's tokens reach the host (`step()` says when), so the host's postprocess
+overlaps the GPU's next forward.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import itertools
 import logging
 import random
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +35,7 @@ from kda_rt.engine.config import EngineConfig
 from kda_rt.engine.postprocess import OUTPUT_KINDS, Postprocessor, request_output
 from kda_rt.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kda_rt.engine.sequence import Sequence
-from kda_rt.sampler.batch import SamplingBatch
+from kda_rt.sampler.batch import SamplingBatch, needs_host_sampling
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +56,18 @@ def _raise_gc_threshold() -> None:
     first, *rest = gc.get_threshold()
     if threshold > first:
         gc.set_threshold(threshold, *rest)
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step handed to the runner: what was scheduled and the handle its results come from."""
+    sched: SchedulerOutput
+    batch: ForwardBatch
+    sampled: list[Sequence]
+    sampling: SamplingBatch
+    num_decodes: int
+    handle: object
+    result: object = None  # the runner's StepOutput once collected
 
 
 class LLMEngine:
@@ -81,8 +97,9 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self._inflight: _Launched | None = None  # a decode step queued ahead (async_scheduling)
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
-                         "requests_finished": 0, "requests_aborted": 0}
+                         "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
         _raise_gc_threshold()
 
     # -- requests ---------------------------------------------------------------------------
@@ -195,12 +212,35 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns the cumulative output of every request that got a token."""
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if self.scheduler.has_unfinished():  # cannot happen: the oldest sequence always fits
-                raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
-            return []
+        """Run one model step; returns the cumulative output of every request that got a token.
+
+        With `async_scheduling` (and a runner that can `launch` without waiting), a decode step whose
+        successor is already known (every running sequence decodes again, nothing waits, no host-side
+        sampling) queues that successor before collecting its own tokens: the GPU runs step k+1 while
+        the host postprocesses step k.  Step k+1 takes its input ids from step k's samples on the
+        device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step k+1
+        dropped.  Outputs are the same as without it, one step of tokens per call."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None and all(s.finished for s in cur.sampled):  # aborted or finished meanwhile
+            self._collect(cur)
+            cur = None
+        if cur is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                if self.scheduler.has_unfinished():  # cannot happen: the oldest sequence always fits
+                    raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
+                return []
+            cur = self._launch(sched)
+        nxt = self._launch_next(cur)
+        outputs = self._postprocess(cur, self._collect(cur))
+        if nxt is not None:
+            if all(s.finished for s in nxt.sampled):  # every row was finished by this step: drop it
+                self._collect(nxt)
+            else:
+                self._inflight = nxt
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> _Launched:
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
         rows = ((s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in sampled)
@@ -210,13 +250,66 @@ class LLMEngine:
                                            masks=lambda: self._structured.masks(sampled))
         else:
             sampling = SamplingBatch.build(rows, self.eos_token_ids)
-        result = self.runner.execute(batch, sampling)
-        self.scheduler.commit(sched)
+        return self._submit(sched, batch, sampled, sampling, num_decodes)
+
+    def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: bool = False) -> _Launched:
+        launch = getattr(self.runner, "launch", None)
+        if launch is None:  # a runner that only executes: run now
+            return _Launched(sched, batch, sampled, sampling, num_decodes, None, self.runner.execute(batch, sampling))
+        handle = launch(batch, sampling, ids_from_last=True) if ids_from_last else launch(batch, sampling)
+        return _Launched(sched, batch, sampled, sampling, num_decodes, handle)
+
+    def _collect(self, launched: _Launched):
+        if launched.result is None:
+            launched.result = self.runner.collect(launched.handle)
+        return launched.result
+
+    def _launch_next(self, cur: _Launched) -> _Launched | None:
+        """Queue the decode step after `cur` before `cur`'s tokens are known, when it is determined
+        without them: `cur` decoded every running sequence, nothing waits, no row samples on the host
+        or under a grammar, no sequence ends by length with `cur`'s token, and the pages for one more
+        token are free (otherwise the next call schedules normally, preempting if it must)."""
+        if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
+            return None
+        sched = self.scheduler
+        seqs = cur.sampled
+        if sched.waiting or not seqs or len(seqs) != len(cur.sched.scheduled) or len(seqs) != len(sched.running):
+            return None
+        if cur.sampling.host_rows.any() or cur.sampling.constrained.any():
+            return None
+        limit = self.config.max_model_len
+        need = 0
+        for (seq, n), s in zip(cur.sched.scheduled, seqs, strict=True):
+            if (n != 1 or seq is not s or s.finished or s.num_computed != s.num_tokens - 1 or s.grammar is not None
+                    or s.params.logit_bias or len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit
+                    or needs_host_sampling(s.params, len(s.output_token_ids) + 1)):
+                return None
+            need += max(0, sched.pages_for(s.num_computed + 2) - len(s.blocks))
+        if need > sched.pages.num_free:
+            return None
+        for s in seqs:  # position num_computed + 1 (the token `cur` samples) needs its page
+            extra = sched.pages_for(s.num_computed + 2) - len(s.blocks)
+            if extra > 0:
+                s.blocks.extend(sched.pages.allocate(extra))
+        batch = ForwardBatch.build([[0]] * len(seqs), [s.num_computed + 1 for s in seqs], [s.slot for s in seqs],
+                                   [s.blocks for s in seqs])
+        # one output token more than the host holds: `cur`'s, still on the device
+        sampling = SamplingBatch.build(((s.params, s.seed, s.prompt_token_ids, range(len(s.output_token_ids) + 1))
+                                        for s in seqs), self.eos_token_ids)
+        nsched = SchedulerOutput(scheduled=[(s, 1) for s in seqs])
+        self.counters["steps_launched_ahead"] += 1
+        return self._submit(nsched, batch, list(seqs), sampling, len(seqs), ids_from_last=True)
+
+    def _postprocess(self, cur: _Launched, result) -> list[RequestOutput]:
+        """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped."""
+        sched, batch, sampled = cur.sched, cur.batch, cur.sampled
+        live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
+        self.scheduler.commit(SchedulerOutput(scheduled=[(s, n) for s, n in sched.scheduled if not s.finished]))
         self.counters["steps"] += 1
         self.counters["tokens_processed"] += batch.num_tokens
-        self.counters["prefill_tokens"] += batch.num_tokens - num_decodes
+        self.counters["prefill_tokens"] += batch.num_tokens - cur.num_decodes
         touched: dict[str, None] = {}
-        for i, seq in enumerate(sampled):
+        for i, seq in live:
             self.counters["generated_tokens"] += 1
             if result.errors[i] is not None:
                 done = self.postprocessor.fail(seq, result.errors[i])
@@ -268,6 +361,8 @@ class LLMEngine:
         """[len(token_ids), vocab] float32 logits of every position of one sequence: one prefill in a
         slot and pages borrowed from the free pools and returned at once, so running requests are
         untouched.  RuntimeError when too few are free (other requests hold them)."""
+        if self._inflight is not None:  # a decode step queued ahead: its results are kept for step()
+            self._collect(self._inflight)
         _, ids = self.prompt_ids({"prompt_token_ids": list(token_ids)})
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")

@@ -5,6 +5,10 @@ A runner owns one backend's weights, cache pools and model.  It plans its pools 
 (`plan`, from kda_rt/engine/pools.py) and then only ever sees flat batches:
 
     execute(ForwardBatch, SamplingBatch) -> StepOutput   forward + sample the rows that sample
+    launch(ForwardBatch, SamplingBatch, *, ids_from_last=False) -> handle    optional: execute's
+    collect(handle) -> StepOutput                            two halves (queue; wait); with
+                                 ids_from_last a decode batch takes the previous launch's sampled
+                                 ids, row for row, in place of its input_ids (async_scheduling)
     score(ForwardBatch) -> [N, vocab] float32            forward only (LLM.score, all positions)
     report() -> str                                      what a decode step runs
     peak_memory_bytes() -> int

@@ -3,6 +3,7 @@ weights, cache pools and the NumPy model; `execute` = forward + the NumPy refere
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ class NumpyRunner:
         # np.zeros is backed by lazily committed pages, so a generous pool costs little until used
         self.kda_pool = KDAStatePool(config, self.plan.num_slots, dtype=self.dtype)
         self.mla_pool = MLAKVPool(config, self.plan.num_blocks, engine.block_size, dtype=self.dtype)
+        self._last: StepOutput | None = None  # what the last launch sampled (ids_from_last)
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """[N, vocab] float32 logits at `batch.logits_indices`."""
@@ -54,7 +56,27 @@ class NumpyRunner:
         logits = self.forward(batch)
         out = StepOutput.empty(sampling.num_rows)
         sample_rows(logits, sampling, range(sampling.num_rows), out)
+        self._last = out
         return out
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last: bool = False) -> StepOutput:
+        """`execute` now (the CPU has nothing to overlap), kept for `collect`; `ids_from_last`: the batch's
+        input ids are the tokens the previous launch sampled, row for row (the engine's pipelined decode,
+        the same contract as the CUDA runner's; an errored row feeds id 0, its sequence is finished)."""
+        if ids_from_last:
+            last = self._last
+            if last is None or len(last.token_ids) != batch.num_seqs or batch.num_tokens != batch.num_seqs:
+                raise ValueError(f"ids_from_last: the previous launch sampled "
+                                 f"{None if last is None else len(last.token_ids)} rows, this batch has "
+                                 f"{batch.num_seqs} sequences and {batch.num_tokens} tokens")
+            ids = np.array([0 if t is None else t for t in last.token_ids], dtype=np.int32)
+            batch = dataclasses.replace(batch, input_ids=ids)
+        self._last = None
+        return self.execute(batch, sampling)
+
+    @staticmethod
+    def collect(pending: StepOutput) -> StepOutput:
+        return pending
 
     def score(self, batch: ForwardBatch) -> np.ndarray:
         return self.forward(batch)

@@ -51,6 +51,8 @@ _ENGINE = {
     "prefill_tokens": ("prompt_tokens_computed", "counter", "Prefill tokens run through the model (with recomputes)."),
     "requests_finished": ("engine_requests_finished", "counter", "Requests finished in the engine."),
     "requests_aborted": ("engine_requests_aborted", "counter", "Requests aborted in the engine."),
+    "steps_launched_ahead": ("engine_steps_launched_ahead", "counter",
+                             "Decode steps launched before the previous step's tokens reached the host."),
 }
 
 

@@ -96,6 +96,10 @@ class Recorder:
         self.batches.append(batch)
         return self.inner.execute(batch, sampling)
 
+    def launch(self, batch, sampling, **kw):
+        self.batches.append(batch)
+        return self.inner.launch(batch, sampling, **kw)
+
 
 @pytest.mark.parametrize("length", [1, B - 1, B, B + 1, 3 * B + 7])
 def test_prompt_lengths_around_the_budget(ckpt, oracle, length):
@@ -194,3 +198,43 @@ def test_default_max_model_len_is_the_models(ckpt):
     assert gpu.engine_config.max_model_len == 65536
     with pytest.raises(ValueError, match="exceeds the model's limit 65536"):
         LLM(ckpt, backend="cuda", max_model_len=70000)
+
+
+def test_async_scheduling_same_outputs(ckpt, oracle):
+    """Decode steps launched ahead (the default) against the synchronous engine, on the GPU: the same
+    tokens and logprobs bit for bit (same batches, same kernels), through stop-token finishes in the
+    middle of a batch, seeded sampling, an arrival and an abort between steps, and greedy rows that
+    still match the oracle."""
+    prompts = [prompt_of(n, seed=300 + n) for n in (5, 17, 40, 63, 64, 90, 130)]
+    kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
+    sync = LLM(ckpt, async_scheduling=False, **kw)
+    first = run_all(sync, prompts, greedy(24))
+    params = [greedy(24, stop_token_ids=[first[i].token_ids[5]]) if i % 3 == 0 else
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=20 + i, ignore_eos=True, logprobs=3)
+              if i % 3 == 1 else greedy(12 + 2 * i) for i in range(len(prompts))]
+    results = []
+    for llm in (sync, LLM(ckpt, **kw)):
+        eng, finals = llm.llm_engine, {}
+        for i, (p, sp) in enumerate(zip(prompts[:-1], params[:-1], strict=True)):
+            eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp, output_kind="final")
+        for step in range(400):
+            if step == 8:
+                eng.add_request("late", {"prompt_token_ids": prompts[-1]}, params[-1], output_kind="final")
+            if step == 11:
+                eng.abort("r4")
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0]
+            if step > 11 and not eng.has_unfinished_requests():
+                break
+        results.append((finals, eng.counters["steps_launched_ahead"]))
+        no_leaks(llm)
+    (want, zero), (got, ahead) = results
+    assert zero == 0 and ahead > 10, (zero, ahead)
+    assert set(got) == set(want) and "r4" not in got
+    for rid in want:
+        assert (got[rid].token_ids, got[rid].logprobs, got[rid].finish_reason) == \
+            (want[rid].token_ids, want[rid].logprobs, want[rid].finish_reason), rid
+    assert any(o.finish_reason == "stop" for o in want.values())
+    for i in (2, 5):  # plain greedy rows against the oracle too
+        assert_matches_oracle(oracle, prompts[i], got[f"r{i}"], f"async, prompt {i}")

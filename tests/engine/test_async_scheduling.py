@@ -1,0 +1,106 @@
+"""Async scheduling (the next decode step launched before this step's tokens reach the host) changes
+nothing a user sees: tokens, logprobs, finish reasons and texts equal those of the synchronous engine,
+through EOS / stop-token finishes in the middle of a batch, different max_tokens, seeded sampling,
+arrivals and aborts between steps, host-sampled rows and preemption.  Tiny checkpoint, NumPy
+backend (its runner implements the same launch / collect contract as the CUDA runner, with the
+previous step's ids fed from its own samples), float64 so batching cannot flip an argmax."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.engine import assert_no_leaks, greedy, make_llm, mixed_prompts
+from kda_rt import SamplingParams
+
+
+def _llms(tiny_dir, **kw):
+    return make_llm(tiny_dir, async_scheduling=False, **kw), make_llm(tiny_dir, async_scheduling=True, **kw)
+
+
+def _key(out):
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.logprobs, o.cumulative_logprob) for o in out.outputs]
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [_key(o) for o in outs]
+
+
+def test_same_outputs_with_finishes_in_the_middle(tiny_dir):
+    sync, ahead = _llms(tiny_dir, max_num_seqs=8, max_model_len=128)
+    prompts = mixed_prompts(8, seed=3, lo=3, hi=30)
+    base = [greedy(10 + 3 * i) for i in range(8)]
+    first = _run(sync, prompts, base)
+    # stop on a token each request really produces at its 4th / 6th step, so rows finish mid-batch
+    params = []
+    for i, p in enumerate(base):
+        if i % 3 == 0:
+            stop = first[i][0][0][3]
+            params.append(SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=[stop], logprobs=2))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=0.9, top_p=0.8, seed=50 + i, max_tokens=p.max_tokens, n=2,
+                                         ignore_eos=True))
+        else:
+            params.append(p)
+    want = _run(sync, prompts, params)
+    before = ahead.stats()["steps_launched_ahead"]
+    got = _run(ahead, prompts, params)
+    assert got == want
+    assert any(r[0][1] == "stop" for r in want), "no request stopped early: the test lost its point"
+    assert ahead.stats()["steps_launched_ahead"] - before > 10, "the pipelined path did not run"
+    assert sync.stats()["steps_launched_ahead"] == 0
+    assert_no_leaks(ahead)
+
+
+def test_arrivals_and_aborts_between_steps(tiny_dir):
+    """Drive the engines by hand: requests arrive after a few decode steps and one is aborted while a
+    step holding its row is already queued; every surviving output equals the synchronous engine's."""
+    results = []
+    for llm in _llms(tiny_dir, max_num_seqs=6, max_model_len=128):
+        eng = llm.llm_engine
+        prompts = mixed_prompts(5, seed=9, lo=4, hi=20)
+        for i in range(3):
+            eng.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, greedy(14), output_kind="final")
+        finals = {}
+        launched_ahead_before_abort = None
+        for step in range(200):
+            if step == 6:
+                eng.add_request("r3", {"prompt_token_ids": prompts[3]}, greedy(9), output_kind="final")
+            if step == 9:
+                launched_ahead_before_abort = eng.counters["steps_launched_ahead"]
+                eng.abort("r1")
+            if step == 12:
+                eng.add_request("r4", {"prompt_token_ids": prompts[4]}, greedy(5), output_kind="final")
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = _key(out)
+            if not eng.has_unfinished_requests() and step > 12:
+                break
+        results.append((finals, launched_ahead_before_abort))
+        assert_no_leaks(llm)
+    (want, sync_ahead), (got, ahead_count) = results
+    assert got == want and set(got) == {"r0", "r2", "r3", "r4"}
+    assert sync_ahead == 0 and ahead_count > 0  # the abort hit a step queued ahead
+
+
+def test_host_rows_and_preemption_fall_back(tiny_dir):
+    """Penalties (host-sampled rows) and a pool too small to grow every sequence: the engine launches
+    ahead only where that is safe, and the outputs still match."""
+    prompts = mixed_prompts(14, seed=1, lo=2, hi=40)
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3) if i == 0 else
+              greedy(12 + (i % 5) * 4) for i in range(14)]
+    # 5 pages of 16 tokens: one request fits alone, six at once never do (as tests/engine/test_preemption.py)
+    kw = dict(max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=5, max_num_batched_tokens=64)
+    sync, ahead = _llms(tiny_dir, **kw)
+    want = _run(sync, prompts, params)
+    got = _run(ahead, prompts, params)
+    assert got == want
+    assert ahead.stats()["preemptions"] > 0, "the pool was meant to force preemption"
+    assert ahead.stats()["steps_launched_ahead"] > 0
+    assert_no_leaks(ahead)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_setting_is_a_bool(tiny_dir, value):
+    with pytest.raises(ValueError, match="async_scheduling must be a bool"):
+        make_llm(tiny_dir, async_scheduling=value)
