@@ -108,6 +108,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
+    built0 = _build_stats(engine)
     t0 = time.perf_counter()
     for i in range(batch):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params,
@@ -140,7 +141,19 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         "num_steps": engine.counters["steps"] - steps0,
         "num_decode_steps": len(decode_steps),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
+        # kernel variants first built inside the timed run (their build time is in the numbers above)
+        **({"kernels_built": built[0] - built0[0], "kernel_build_s": built[1] - built0[1]}
+           if (built := _build_stats(engine)) is not None and built0 is not None else {}),
     }
+
+
+def _build_stats(engine: LLMEngine) -> tuple[int, float] | None:
+    """(kernel modules loaded, seconds spent building them) so far, on the cuda backend; else None."""
+    if engine.runner.name != "cuda":
+        return None
+    from kda_rt.cuda.ops.compile import BUILD_STATS
+
+    return BUILD_STATS["loaded"], BUILD_STATS["seconds"]
 
 
 def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) -> dict:
