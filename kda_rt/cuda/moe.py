@@ -20,11 +20,12 @@ import numpy as np
 
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket, moe_combine
+from kda_rt.cuda.ops.moe_align import MoEPlan, bucket_kernel, max_tiles, moe_bucket, moe_combine
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
-from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows
+from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows, tc_kernel, tile_config
+from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
-from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_route import SPLIT_MIN_T, moe_route, split_router
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from kda_rt.cuda.weights import DeviceMoE
     from kda_rt.loader.config import MoEConfig
 
-__all__ = ["moe_forward", "moe_workspace_bytes"]
+__all__ = ["moe_forward", "moe_workspace_bytes", "precompile"]
 
 _ALIGN = 256
 
@@ -64,6 +65,29 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
     """Bytes of the uint8 workspace moe_forward needs for T tokens: D hidden, `inter` = I expert width,
     `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks."""
     return _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
+
+
+def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
+    """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
+    this MoE shape: tiles of 16, 64 and 128 rows (128 on wgmma where it runs), so no step, e.g. a
+    mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
+    (~0.2-0.4 s a variant).  Returns the number of variants."""
+    E, A = cfg.num_experts, cfg.top_k
+    pairs, bins = (A + 1, E + 1) if fused else (A, E)
+    count = 0
+    for bm in (16, 64, 128):
+        gemms = [(nout, k, fuse, tile_config(bm, nout, k, fuse)) for nout, k, fuse in ((2 * inter, D, True),
+                                                                                      (D, inter, False))]
+        if not all(t for *_, t in gemms):  # as prefill_tile_rows: no tile of bm rows fits (D, I)
+            continue
+        bucket_kernel(bins, bm, A if fused else 0)
+        for nout, k, fuse, tile in gemms:
+            if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
+                wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
+            else:
+                tc_kernel(tile, k, nout, fuse, pairs)
+        count += 3
+    return count
 
 
 def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, stream=None):

@@ -83,3 +83,27 @@ def test_wgmma_runs_on_sm90a_128_row_tiles_unless_switched_off(monkeypatch):
     monkeypatch.delenv("KDA_RT_WGMMA")
     monkeypatch.setattr(wg, "device_arch", lambda: "sm_100a")
     assert not wg.available(128, 2304, 1024)      # Blackwell has no wgmma
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
+    """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and
+    both GEMMs for 16-, 64- and 128-row tiles, the 128-row GEMMs on wgmma where it runs; exactly the
+    variants moe_forward asks for (the same kernel helpers), so a mixed step never waits for NVRTC."""
+    import kda_rt.cuda.moe as moe
+    import kda_rt.cuda.ops.moe_align as align
+    import kda_rt.cuda.ops.moe_gemm_tc as tc
+
+    built = []
+    for mod in (align, tc, wg):
+        monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
+    monkeypatch.setattr(wg, "device_arch", lambda: arch)
+    cfg = types.SimpleNamespace(num_experts=256, top_k=8)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 9
+    buckets = sorted(kw["BT"] for f, kw in built if f == "moe_align.cu")
+    assert buckets == [16, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
+                                            for f, kw in built if f == "moe_align.cu")
+    gemms = sorted((f, kw.get("BM", 128), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built if "gemm" in f)
+    big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
+    assert gemms == sorted([("moe_gemm_tc.cu", bm, fuse, 9) for bm in (16, 64) for fuse in (False, True)]
+                           + [(big, 128, fuse, 9) for fuse in (False, True)])

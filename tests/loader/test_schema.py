@@ -7,7 +7,6 @@ tied configs."""
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import sys
 import types

@@ -54,12 +54,18 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot:
         raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
     if stats is not None:
         expect(stats, "stats", shape=(2,), dtype=np.int32)
-    kernel = get_kernel("moe_align.cu", "moe_bucket", E=E, BT=plan.tile_rows, BUCKET_THREADS=_BUCKET_THREADS,
-                        SHARED_A=A if shared_slot else 0)
+    kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
                                       stats if stats is not None else np.uint64(0)), stream=stream)
     return plan
+
+
+def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int):
+    """The moe_bucket variant for `num_bins` experts (with the shared slot: E + 1), tiles of `tile_rows`,
+    `shared_a` = top_k when the shared expert is a slot, else 0."""
+    return get_kernel("moe_align.cu", "moe_bucket", E=num_bins, BT=tile_rows, BUCKET_THREADS=_BUCKET_THREADS,
+                      SHARED_A=shared_a)
 
 
 def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, stream=None):

@@ -76,6 +76,13 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int)
     return bm if ok else 0
 
 
+def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int):
+    """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
+    return get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+                      FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
+
+
 def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out) -> tuple[int, int, int, int]:
     """The contract shared by the grouped-GEMM launchers (this one and moe_gemm_wg.py); returns
     (K, E, NOUT, N)."""
@@ -98,9 +105,7 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu)
     if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_tc: no tile {tile} for BM={plan.tile_rows}, K={K}, NOUT={nout}")
-    kernel = get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
-                        FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                        WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
+    kernel = tc_kernel(tile, K, nout, fuse_silu, top_k)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, tile.bm))
     if N:
         kernel(grid, (32 * tile.warps_m * tile.warps_n,), (src, plan.sorted_pair, weight, plan.tile_expert,

@@ -54,6 +54,12 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
             and wg_tile(2 * inter, hidden, True) is not None and wg_tile(hidden, inter, False) is not None)
 
 
+def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
+    """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
+    return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages)
+
+
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
                 stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
@@ -62,8 +68,7 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     tile = tile or wg_tile(nout, K, fuse_silu)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    kernel = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
-                        FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages)
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     if N:
         kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
