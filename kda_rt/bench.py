@@ -18,6 +18,7 @@ weights in memory from the config alone (same names, shapes and value scales as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -165,7 +166,11 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     from kda_rt.sampler.params import SamplingParams
 
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    # enough tokens that every prompt is still running when the last one finishes its prefill (the
+    # first ones decode while later ones prefill); the requests are aborted afterwards
+    budget = engine.config.max_num_batched_tokens
+    max_tokens = min(engine.config.max_model_len - input_len, -(-batch * input_len // budget) + 8)
+    params = SamplingParams(temperature=0.0, max_tokens=max(2, max_tokens), ignore_eos=True)
     vocab = engine.model_config.vocab_size
     ids = [engine.add_request(f"profile-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params)
            for i in range(batch)]
@@ -185,18 +190,27 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
             engine.step()
         runner = engine.runner
         count = getattr(runner, "experts_touched", None)
-        if count is not None:
-            count(reset=True)
-        eager, runner.enforce_eager = runner.enforce_eager, True
+        # one eager decode step of the sequences still running, nothing launched ahead into the window
+        eager = getattr(runner, "enforce_eager", None)  # the cuda runner's switch; None elsewhere
+        if eager is not None:
+            runner.enforce_eager = True
+        settings, engine.config = engine.config, dataclasses.replace(engine.config, async_scheduling=False)
         try:
+            if engine.has_pending_step():  # a step launched ahead before the switch: run it first
+                engine.step()
+            running = len(engine.scheduler.running)
+            if count is not None:
+                count(reset=True)
             with Profile() as prof:
                 engine.step()
         finally:
-            runner.enforce_eager = eager
-        work = op_work(engine.model_config, decode=True, batch=batch, tokens=batch, context=input_len + 1,
+            if eager is not None:
+                runner.enforce_eager = eager
+            engine.config = settings
+        work = op_work(engine.model_config, decode=True, batch=running, tokens=running, context=input_len + 1,
                        touched=(count(reset=True) or None) if count is not None else None)
-        out["decode"] = {"batch": batch, "ops": prof.summary(), "work": work}
-        print(f"decode step (eager, batch {batch}):\n{prof.table(work)}", file=sys.stderr)
+        out["decode"] = {"batch": running, "ops": prof.summary(), "work": work}
+        print(f"decode step (eager, batch {running}):\n{prof.table(work)}", file=sys.stderr)
     finally:
         for rid in ids:
             engine.abort(rid)

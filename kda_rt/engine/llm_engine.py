@@ -205,6 +205,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_pending_step(self) -> bool:
+        """A decode step was launched ahead (async scheduling) and the next step() collects it."""
+        return self._inflight is not None
+
     def num_waiting(self) -> int:
         """Sequences in the waiting queue (a request with n samples adds n)."""
         return len(self.scheduler.waiting)

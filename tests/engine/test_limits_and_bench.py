@@ -201,3 +201,20 @@ def test_bench_cli_config_needs_random_weights(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kda_rt.bench", "--config", "c.json"], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert res.returncode == 2 and "--random-weights" in res.stderr
+
+
+def test_profile_decodes_every_prompt_once_all_are_prefilled(tiny_dir):
+    """bench --profile's decode step runs the whole batch: the prompts still decode after the last
+    one's prefill (the early ones do not run out of tokens while later ones prefill), nothing launched
+    ahead falls into the timed window, and the requests are aborted afterwards.  (NumPy backend: the
+    CUDA-event tables are empty here, the engine flow is what is checked.)"""
+    from kda_rt.bench import profile_steps
+
+    llm = make_llm(tiny_dir, max_num_seqs=6, max_model_len=256, block_size=16, max_num_batched_tokens=64)
+    engine = llm.llm_engine
+    steps = engine.counters["steps"]
+    out = profile_steps(engine, batch=6, input_len=40, seed=3)
+    assert out["decode"]["batch"] == 6
+    assert engine.counters["steps"] - steps >= 5  # 240 prompt tokens at 64 per step, then the decode
+    assert not engine.has_pending_step()
+    assert_no_leaks(llm)
