@@ -235,7 +235,11 @@ class LLMEngine:
                     raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
                 return []
             cur = self._launch(sched)
-        nxt = self._launch_next(cur)
+        try:
+            nxt = self._launch_next(cur)
+        except BaseException:  # the launch ahead failed: step k still counts, its tokens are kept
+            self._postprocess(cur, self._collect(cur))
+            raise
         outputs = self._postprocess(cur, self._collect(cur))
         if nxt is not None:
             if all(s.finished for s in nxt.sampled):  # every row was finished by this step: drop it

@@ -104,3 +104,39 @@ def test_host_rows_and_preemption_fall_back(tiny_dir):
 def test_setting_is_a_bool(tiny_dir, value):
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         make_llm(tiny_dir, async_scheduling=value)
+
+
+def test_failed_launch_ahead_keeps_the_step_it_followed(tiny_dir):
+    """A launch ahead that raises (e.g. a kernel that cannot be built) must not lose the step it was
+    queued behind: that step's tokens are accepted before the error propagates, and stepping on gives
+    the synchronous engine's outputs."""
+    sync, ahead = _llms(tiny_dir, max_num_seqs=4, max_model_len=128)
+    prompts = mixed_prompts(3, seed=11, lo=3, hi=12)
+    want = _run(sync, prompts, [greedy(10)] * 3)
+    eng = ahead.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, greedy(10), output_kind="final")
+    launch, calls = eng.runner.launch, []
+
+    def flaky(batch, sampling, **kw):
+        calls.append(kw)
+        if kw.get("ids_from_last") and len([c for c in calls if c.get("ids_from_last")]) == 2:
+            raise RuntimeError("injected launch failure")
+        return launch(batch, sampling, **kw)
+
+    eng.runner.launch = flaky
+    finals, failed = {}, 0
+    try:
+        while eng.has_unfinished_requests():
+            try:
+                outs = eng.step()
+            except RuntimeError as exc:
+                assert "injected" in str(exc)
+                failed += 1
+                continue
+            finals.update({o.request_id: _key(o) for o in outs if o.finished})
+    finally:
+        eng.runner.launch = launch
+    assert failed == 1
+    assert [finals[f"r{i}"] for i in range(3)] == want
+    assert_no_leaks(ahead)
