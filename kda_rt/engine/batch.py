@@ -7,6 +7,7 @@ N positions whose logits are wanted, M max pages per sequence.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,7 @@ class ForwardBatch:
         tables = np.full((len(block_tables), max(width, 1)), -1, dtype=np.int32)
         for b, bt in enumerate(block_tables):
             tables[b, : len(bt)] = bt
-        ids = np.fromiter((t for seq in new_tokens for t in seq), dtype=np.int64, count=int(cu[-1]))
+        ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=int(cu[-1]))
         logits_idx = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
         if logits_for is not None:
             if all_logits or len(logits_for) != len(new_tokens):

@@ -78,8 +78,15 @@ class Sequence:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        """Token ids at positions start..stop-1."""
-        return [self.token_at(i) for i in range(start, stop)]
+        """Token ids at positions start..stop-1 (IndexError outside 0 <= start <= stop <= num_tokens)."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"tokens({start}, {stop}) of a sequence of {self.num_tokens} tokens")
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
 
     @property
     def finished(self) -> bool:

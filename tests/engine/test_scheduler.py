@@ -200,3 +200,18 @@ def test_deterministic():
         return trace
 
     assert run() == run()
+
+
+@given(prompt=st.lists(st.integers(0, 999), min_size=1, max_size=12), out=st.lists(st.integers(0, 999), max_size=8),
+       data=st.data())
+def test_sequence_tokens_slices_prompt_then_outputs(prompt, out, data):
+    """Sequence.tokens(start, stop) (what build_batch feeds the model) equals the positions one by one,
+    across the prompt / output boundary, and refuses a range outside the sequence."""
+    seq = Sequence("s", 0, list(prompt), SamplingParams(), 0, 16)
+    seq.output_token_ids = list(out)
+    n = seq.num_tokens
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    assert seq.tokens(start, stop) == (prompt + out)[start:stop]
+    with pytest.raises(IndexError):
+        seq.tokens(start, n + 1)
