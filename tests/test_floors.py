@@ -67,3 +67,18 @@ def test_op_work_splits_the_floors(full):
 
     table = format_table({"moe": (8.076, 26), "kda.decode": (4.63, 20)}, dec)
     assert "3.28 TB/s" in table and "moe" in table.splitlines()[1]
+
+
+def test_launch_table_counts_launches_per_layer():
+    """The fast-path report (issue 12: kernels per step per layer): each op's launches divided by the
+    layers that run it, beside the per-step table."""
+    from kda_rt.cuda.ops.trace import Trace
+
+    tr = Trace()
+    tr.counts.update({("kda.decode", "cublasGemmEx"): 60, ("kda.decode", "kda_decode.cu:kda_decode_step"): 20,
+                      ("moe", "moe_route.cu:moe_route_logits"): 26, ("moe", "moe_gemm_tc.cu:moe_grouped_gemm_tc"): 52,
+                      ("norm+residual", "rmsnorm.cu:rmsnorm_fwd"): 54})
+    table = tr.table({"kda.decode": 20, "mla.decode": 7, "moe": 26, "norm+residual": 27})
+    assert table.splitlines()[-2].split() == ["total", "212"]
+    assert table.splitlines()[-1] == "launches per layer: kda.decode 4, moe 3, norm+residual 2"
+    assert "per layer" not in tr.table()

@@ -365,7 +365,15 @@ class CudaRunner:
             self.stream.synchronize()
         graphs = "off (--enforce-eager)" if self.enforce_eager else f"one per bucket {self.buckets}"
         return (f"fast-path report (cuda backend, {self.config.num_hidden_layers} layers; decode CUDA graphs: {graphs})\n"
-                f"{tr.table()}\n{'sampling':<22} {'sampling.cu:sample_rows':<44} 1 (after the graph)")
+                f"{tr.table(self._layers_per_op())}\n"
+                f"{'sampling':<22} {'sampling.cu:sample_rows':<44} 1 (after the graph)")
+
+    def _layers_per_op(self) -> dict[str, int]:
+        """Model op name (as traced in cuda/model.py) -> how many layers run it in one decode step."""
+        c = self.config
+        return {"kda.decode": len(c.kda_layer_ids), "mla.decode": len(c.mla_layer_ids),
+                "moe": c.mlp_types.count("moe"), "dense": c.mlp_types.count("dense"),
+                "norm+residual": c.num_hidden_layers}
 
     def experts_touched(self, reset: bool = False) -> dict[int, float]:
         """MoE layer id -> mean experts touched per decode step (graph-replayed and eager decode steps

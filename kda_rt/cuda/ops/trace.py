@@ -34,11 +34,19 @@ class Trace:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def table(self) -> str:
+    def table(self, layers: dict[str, int] | None = None) -> str:
+        """Launches per step by (op, kernel); with `layers` ({op: how many layers run it}) also each
+        op's launches per layer."""
         rows = [f"{'op':<22} {'kernel':<44} launches/step"]
         for (op, kernel), n in sorted(self.counts.items()):
             rows.append(f"{op:<22} {kernel:<44} {n}")
         rows.append(f"{'total':<22} {'':<44} {self.total()}")
+        if layers:
+            per_op: Counter[str] = Counter()
+            for (op, _), n in self.counts.items():
+                per_op[op] += n
+            parts = [f"{op} {per_op[op] / k:g}" for op, k in layers.items() if k and op in per_op]
+            rows.append("launches per layer: " + ", ".join(parts))
         return "\n".join(rows)
 
 
