@@ -120,16 +120,19 @@ class CudaRunner:
                 self._graph(rows)
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
+        from kda_rt.cuda.ops.kda_prefill import precompile as precompile_kda
         from kda_rt.cuda.weights import DeviceMoE
         from kda_rt.sampler.sampling import precompile
 
         precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
-        if moe is not None:  # nor for a tile size the warm-up did not use (mixed steps)
-            try:
+        try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
+            if moe is not None:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack)
-            except CompileError as exc:  # a step that needs the variant raises it again; others run
-                logger.warning("could not build every MoE kernel variant at start: %s", exc)
+            if config.kda is not None:
+                precompile_kda(config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size)
+        except CompileError as exc:  # a step that needs the variant raises it again; others run
+            logger.warning("could not build every kernel variant at start: %s", exc)
 
     # ------------------------------------------------------------------------------------------
 

@@ -52,6 +52,25 @@ def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
     return 16 if pairs <= 64 else 32 if pairs <= 512 else 64
 
 
+def _kernels(K: int, W: int, vb: int):
+    """The intra, state and norm kernels of one state width (one module: built together)."""
+    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS)
+    return (get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=_intra_smem_bytes(K, _CHUNK, W), **consts),
+            get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=_state_smem_bytes(K, _CHUNK, vb),
+                       **consts),
+            get_kernel("kda_prefill.cu", "kda_prefill_norm", **consts))
+
+
+def precompile(num_heads: int, head_dim: int, conv_w: int) -> int:
+    """Build (or load from the disk cache) the module of every state width `_state_columns` picks for
+    some batch (16, 32, 64 at H = 32), so no prefill waits for NVRTC (~1.5 s a width) because its number
+    of sequences is new.  Returns the number of widths."""
+    widths = sorted({_state_columns(b, num_heads, head_dim) for b in range(1, 4096 // max(1, num_heads) + 2)})
+    for vb in widths:
+        _kernels(head_dim, conv_w, vb)
+    return len(widths)
+
+
 def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
                 state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
                 state_columns: int | None = None):
@@ -74,20 +93,17 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
     a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
     g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
-    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=L, VB=vb, INTRA_THREADS=_INTRA_THREADS)
+    intra, state, norm = _kernels(K, W, vb)
     smem = _intra_smem_bytes(K, L, W)
-    intra = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
     intra((num_chunks, num_heads), (_INTRA_THREADS,),
           (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
            qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads),
            i32(_num_sms(cupy.cuda.Device().id))),  # one CTA per SM: the next wave starts that many ids on
           shared_mem=smem, stream=stream)
     smem = _state_smem_bytes(K, L, vb)
-    state = get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=smem, **consts)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
           (qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, qkv, conv_pool, rec_pool, cu_seqlens, context_lens,
            state_slots, out, i32(num_heads)), shared_mem=smem, stream=stream)
-    norm = get_kernel("kda_prefill.cu", "kda_prefill_norm", **consts)
     rows = T * num_heads
     norm(((rows * 16 + 255) // 256,), (256,), (gate, o_norm_w, out, i32(rows), f32(eps)), stream=stream)
     return out
