@@ -4,7 +4,8 @@
    scheduler's budget is swapped on the same engine; the eager workspace grows as needed);
 2. decode, per batch: the engine's mean decode step with async scheduling off and on (bytes floor
    from the experts routed in that run beside it), and the decode graph's replay alone (launch + sync,
-   10 times; it repeats the run's last step, whose routing may differ from the run's mean).
+   10 times; it repeats the run's last step, whose routing may differ from the run's mean: the experts it
+   touches are printed beside it).
 
     PYTHONPATH=. python tests/gpu/bench_split.py [--budgets 8192,16384,32768] [--batches 1,32]
 One JSON line per measurement on stdout.
@@ -70,6 +71,7 @@ def main() -> int:
                               "ttft_max_s": round(rep["ttft_s_max"], 4),
                               "launched_ahead": engine.counters["steps_launched_ahead"]}), flush=True)
         g = runner.graphs[rows]
+        runner.experts_touched(reset=True)
         with runner.stream:
             walls = []
             for _ in range(10):  # one replay at a time: launch + sync
@@ -77,8 +79,11 @@ def main() -> int:
                 g.graph.launch(runner.stream)
                 runner.stream.synchronize()
                 walls.append(time.perf_counter() - ts)
+        touched = runner.experts_touched(reset=True)  # the replayed step's routing (padding rows route too)
         print(json.dumps({"what": "replay", "batch": batch, "graph_rows": rows,
-                          "replay_wall_ms": round(statistics.fmean(walls) * 1e3, 3)}), flush=True)
+                          "replay_wall_ms": round(statistics.fmean(walls) * 1e3, 3),
+                          "experts_per_moe_layer": round(statistics.fmean(touched.values()), 1) if touched else None}),
+              flush=True)
     print(runner.report(), file=sys.stderr)
     return 0
 
