@@ -22,9 +22,15 @@
 //   counting (rank_e = #{f : v_f > v_e or (v_f == v_e and f < e)}), which is deterministic and
 //   matches a stable descending sort.  A NaN score ranks as -inf, so ids are always valid and
 //   distinct (the weights of such a token are NaN: garbage in, visible garbage out).
+// moe_route_select_warp — num_groups == 1 only (Kimi Linear), grid ceil(T / SEL_WARPS), block
+//   SEL_WARPS·32: one warp per token, lane l holds experts l, l + 32, ...; top_k rounds of a warp
+//   argmax over the experts not taken yet (larger score first, lower index on ties: the order of the
+//   rank counting above, so ids and weights are bit-identical to moe_route_select); lane k keeps the
+//   k-th id and weight, and the renormalising sum adds them in k order as above.
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
-// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select).
+// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select);
+// E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
@@ -33,6 +39,9 @@
 #endif
 #if defined(THREADS) && (!defined(MAX_TOP_K) || !defined(PARTS))
 #error "moe_route_select needs -DMAX_TOP_K -DPARTS"
+#endif
+#if defined(SEL_WARPS) && (!defined(PARTS) || !defined(MAX_TOP_K) || MAX_TOP_K > 32)
+#error "moe_route_select_warp needs -DPARTS and -DMAX_TOP_K <= 32"
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -136,6 +145,80 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
         const float w = renormalize ? w_sh[e] / (sum + 1e-20f) : w_sh[e];
         out_ids[(size_t)t * top_k + e] = ids_sh[e];
         out_w[(size_t)t * top_k + e] = w * scaling;
+    }
+}
+#endif
+
+#ifdef SEL_WARPS
+#define PER_LANE ((E + 31) / 32)
+extern "C" __global__ void __launch_bounds__(SEL_WARPS * 32)
+moe_route_select_warp(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
+                      float* __restrict__ out_w, int num_tokens, int top_k, int renormalize, int biased,
+                      float scaling) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
+    if (t >= num_tokens) return;  // whole warps only: no shuffle below loses a lane
+    float s[PER_LANE], sel[PER_LANE];
+    unsigned taken = 0u;  // bit i: expert i·32 + lane is chosen already (or does not exist)
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        s[i] = 0.f;
+        sel[i] = neg_inf();
+        if (e < E) {
+#if PARTS == 3
+            const float* l = logits + (size_t)t * 3 * E + e;
+            s[i] = sigmoid((l[0] + l[E]) + l[2 * E]);
+#else
+            s[i] = sigmoid(logits[(size_t)t * E + e]);
+#endif
+            const float v = s[i] + bias[e];
+            sel[i] = v == v ? v : neg_inf();  // NaN ranks as -inf, as in moe_route_select
+        } else {
+            taken |= 1u << i;
+        }
+    }
+    int my_id = 0;
+    float my_w = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+        float best = neg_inf();
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {  // ascending index within the lane: strict > keeps the lowest
+            if (!((taken >> i) & 1u) && (best_e == 0x7fffffff || sel[i] > best)) {
+                best = sel[i];
+                best_e = i * 32 + lane;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, off);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
+            if (oe != 0x7fffffff && (best_e == 0x7fffffff || ov > best || (ov == best && oe < best_e))) {
+                best = ov;
+                best_e = oe;
+            }
+        }
+        // best_e is the same in every lane now; its owner takes it and hands out its unbiased score
+        const int owner = best_e & 31, slot = best_e >> 5;
+        float mine = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            if (i == slot) mine = s[i];
+        }
+        const float s_win = __shfl_sync(0xffffffffu, mine, owner);
+        if (lane == owner) taken |= 1u << slot;
+        if (lane == k) {
+            my_id = best_e;
+            my_w = biased ? best : s_win;
+        }
+    }
+    float sum = 0.f;
+    for (int j = 0; j < top_k; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);  // k order, as above
+    if (lane < top_k) {
+        const float w = renormalize ? my_w / (sum + 1e-20f) : my_w;
+        out_ids[(size_t)t * top_k + lane] = my_id;
+        out_w[(size_t)t * top_k + lane] = w * scaling;
     }
 }
 #endif
