@@ -159,7 +159,7 @@ def _check_entry(path: str, name: str, entry: Any, data_len: int) -> tuple[np.dt
     if extra:
         raise CheckpointError(f"{where}: unknown fields {sorted(extra)}")
     code = entry.get("dtype")
-    if code not in DTYPES:
+    if not isinstance(code, str) or code not in DTYPES:  # a list or object is unhashable: check the type first
         raise CheckpointError(f"{where}: unknown or missing dtype {code!r}")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):

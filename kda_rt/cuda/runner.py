@@ -131,8 +131,9 @@ class CudaRunner:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack)
             if config.kda is not None:
                 precompile_kda(config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size)
-        except CompileError as exc:  # a step that needs the variant raises it again; others run
-            logger.warning("could not build every kernel variant at start: %s", exc)
+        except (CompileError, cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError) as exc:
+            # a best-effort warm-up: a step that needs the variant raises the same error; others run
+            logger.warning("could not build every kernel variant at start (%s: %s)", type(exc).__name__, exc)
 
     # ------------------------------------------------------------------------------------------
 

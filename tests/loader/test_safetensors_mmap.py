@@ -101,6 +101,9 @@ BAD_FILES = {
     "unknown-field": ({"t": {**entry(), "extra": 1}}, bytes(8), None, "t"),
     "unknown-dtype": ({"t": entry(dtype="F7")}, bytes(8), None, "t"),
     "missing-dtype": ({"t": {"shape": [2], "data_offsets": [0, 8]}}, bytes(8), None, "t"),
+    "dtype-list": ({"t": entry(dtype=[])}, bytes(8), None, "t"),  # unhashable: was a TypeError (fuzz find)
+    "dtype-object": ({"t": entry(dtype={"F32": 1})}, bytes(8), None, "t"),
+    "dtype-number": ({"t": entry(dtype=4)}, bytes(8), None, "t"),
     "shape-not-list": ({"t": {**entry(), "shape": 2}}, bytes(8), None, "t"),
     "shape-negative": ({"t": entry(shape=(-2,))}, bytes(8), None, "t"),
     "shape-float": ({"t": {**entry(), "shape": [2.0]}}, bytes(8), None, "t"),
