@@ -33,6 +33,7 @@
 // E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
+#include "moe_select.cuh"
 
 #ifndef E
 #error "moe_route.cu needs -DE=<num experts>"
@@ -150,75 +151,26 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
 #endif
 
 #ifdef SEL_WARPS
-#define PER_LANE ((E + 31) / 32)
 extern "C" __global__ void __launch_bounds__(SEL_WARPS * 32)
 moe_route_select_warp(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
                       float* __restrict__ out_w, int num_tokens, int top_k, int renormalize, int biased,
                       float scaling) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
-    if (t >= num_tokens) return;  // whole warps only: no shuffle below loses a lane
-    float s[PER_LANE], sel[PER_LANE];
-    unsigned taken = 0u;  // bit i: expert i·32 + lane is chosen already (or does not exist)
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-        const int e = i * 32 + lane;
-        s[i] = 0.f;
-        sel[i] = neg_inf();
-        if (e < E) {
+    if (t >= num_tokens) return;  // whole warps only: no shuffle in warp_route_token loses a lane
+    int id;
+    float w;
 #if PARTS == 3
-            const float* l = logits + (size_t)t * 3 * E + e;
-            s[i] = sigmoid((l[0] + l[E]) + l[2 * E]);
+    const float* l = logits + (size_t)t * 3 * E;
+    warp_route_token<E>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
+                        scaling, &id, &w);
 #else
-            s[i] = sigmoid(logits[(size_t)t * E + e]);
+    const float* l = logits + (size_t)t * E;
+    warp_route_token<E>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
 #endif
-            const float v = s[i] + bias[e];
-            sel[i] = v == v ? v : neg_inf();  // NaN ranks as -inf, as in moe_route_select
-        } else {
-            taken |= 1u << i;
-        }
-    }
-    int my_id = 0;
-    float my_w = 0.f;
-    for (int k = 0; k < top_k; ++k) {
-        float best = neg_inf();
-        int best_e = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {  // ascending index within the lane: strict > keeps the lowest
-            if (!((taken >> i) & 1u) && (best_e == 0x7fffffff || sel[i] > best)) {
-                best = sel[i];
-                best_e = i * 32 + lane;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, off);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-            if (oe != 0x7fffffff && (best_e == 0x7fffffff || ov > best || (ov == best && oe < best_e))) {
-                best = ov;
-                best_e = oe;
-            }
-        }
-        // best_e is the same in every lane now; its owner takes it and hands out its unbiased score
-        const int owner = best_e & 31, slot = best_e >> 5;
-        float mine = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            if (i == slot) mine = s[i];
-        }
-        const float s_win = __shfl_sync(0xffffffffu, mine, owner);
-        if (lane == owner) taken |= 1u << slot;
-        if (lane == k) {
-            my_id = best_e;
-            my_w = biased ? best : s_win;
-        }
-    }
-    float sum = 0.f;
-    for (int j = 0; j < top_k; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);  // k order, as above
     if (lane < top_k) {
-        const float w = renormalize ? my_w / (sum + 1e-20f) : my_w;
-        out_ids[(size_t)t * top_k + lane] = my_id;
-        out_w[(size_t)t * top_k + lane] = w * scaling;
+        out_ids[(size_t)t * top_k + lane] = id;
+        out_w[(size_t)t * top_k + lane] = w;
     }
 }
 #endif

@@ -19,12 +19,12 @@
 // Compile-time constants: D (multiple of 4), E (<= 1023), MAX_T (<= 32), MAX_TOP_K (<= 32), BT, SHARED_A.
 #include "common.cuh"
 #include "moe_bucket.cuh"
+#include "moe_select.cuh"
 
 #if !defined(D) || !defined(E) || !defined(MAX_T) || !defined(MAX_TOP_K) || !defined(BT) || !defined(SHARED_A)
 #error "moe_route_small.cu needs -DD -DE -DMAX_T -DMAX_TOP_K -DBT -DSHARED_A"
 #endif
 #define BINS (SHARED_A ? E + 1 : E)
-#define PER_LANE ((E + 31) / 32)
 static_assert(D % 4 == 0 && MAX_T <= 32 && MAX_TOP_K <= 32 && BINS <= BUCKET_BLOCK, "moe_route_small: shape limits");
 
 extern "C" __global__ void __launch_bounds__(BUCKET_BLOCK)
@@ -83,62 +83,14 @@ moe_route_small(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     __threadfence();
     if (warp < T) {
         const int t = warp;
-        float s[PER_LANE], sel[PER_LANE];
-        unsigned taken = 0u;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-            const int ex = i * 32 + lane;
-            s[i] = 0.f;
-            sel[i] = neg_inf();
-            if (ex < E) {
-                s[i] = sigmoid(__ldcg(logits + (size_t)t * E + ex));
-                const float v = s[i] + bias[ex];
-                sel[i] = v == v ? v : neg_inf();
-            } else {
-                taken |= 1u << i;
-            }
-        }
-        int my_id = 0;
-        float my_w = 0.f;
-        for (int k = 0; k < top_k; ++k) {
-            float best = neg_inf();
-            int best_e = 0x7fffffff;
-#pragma unroll
-            for (int i = 0; i < PER_LANE; ++i) {
-                if (!((taken >> i) & 1u) && (best_e == 0x7fffffff || sel[i] > best)) {
-                    best = sel[i];
-                    best_e = i * 32 + lane;
-                }
-            }
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, best, off);
-                const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-                if (oe != 0x7fffffff && (best_e == 0x7fffffff || ov > best || (ov == best && oe < best_e))) {
-                    best = ov;
-                    best_e = oe;
-                }
-            }
-            const int owner = best_e & 31, slot = best_e >> 5;
-            float mine = 0.f;
-#pragma unroll
-            for (int i = 0; i < PER_LANE; ++i) {
-                if (i == slot) mine = s[i];
-            }
-            const float s_win = __shfl_sync(0xffffffffu, mine, owner);
-            if (lane == owner) taken |= 1u << slot;
-            if (lane == k) {
-                my_id = best_e;
-                my_w = biased ? best : s_win;
-            }
-        }
-        float sum = 0.f;
-        for (int j = 0; j < top_k; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);
+        const float* l = logits + (size_t)t * E;
+        int id;
+        float w;
+        warp_route_token<E>([&](int e) { return __ldcg(l + e); }, bias, top_k, renormalize, biased, scaling, &id, &w);
         if (lane < top_k) {
-            const float wk = renormalize ? my_w / (sum + 1e-20f) : my_w;
-            out_ids[(size_t)t * top_k + lane] = my_id;
-            out_w[(size_t)t * top_k + lane] = wk * scaling;
-            ids_sh[t * top_k + lane] = my_id;
+            out_ids[(size_t)t * top_k + lane] = id;
+            out_w[(size_t)t * top_k + lane] = w;
+            ids_sh[t * top_k + lane] = id;
         }
     }
     __syncthreads();
