@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold"]
+__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "wgmma", "fused_route"]
 
 
 def cache_dir() -> Path:
@@ -54,4 +54,13 @@ def wgmma() -> bool:
     value = os.environ.get("KDA_RT_WGMMA") or "1"
     if value not in ("0", "1"):
         raise ValueError(f"KDA_RT_WGMMA must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def fused_route() -> bool:
+    """KDA_RT_FUSED_ROUTE: 0 routes small decode batches with the separate logits, select and bucket
+    kernels instead of moe_route_small.cu's single launch; default 1."""
+    value = os.environ.get("KDA_RT_FUSED_ROUTE") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KDA_RT_FUSED_ROUTE must be 0 or 1, got {value!r}")
     return value == "1"

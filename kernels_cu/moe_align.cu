@@ -32,45 +32,18 @@
 // Compile-time constants: E (≤ 1024 bins), BT, BUCKET_THREADS, SHARED_A (bucket); D (multiple of 4), A,
 // THREADS, HAS_SHARED (combine).
 #include "common.cuh"
+#include "moe_bucket.cuh"
 
 #if defined(BT) && !defined(BUCKET_THREADS)
 #error "moe_bucket needs -DBUCKET_THREADS"
 #endif
 #ifdef BT
-static_assert(BUCKET_THREADS == 32 * 32 && E <= BUCKET_THREADS,
+static_assert(BUCKET_THREADS == BUCKET_BLOCK && E <= BUCKET_THREADS,
               "moe_bucket: the scan needs 32 full warps, and one thread per expert");
 #endif
 
 // ---------------------------------------------------------------------------------------------
 // helpers
-
-// Exclusive prefix sum over a block of BUCKET_THREADS threads (one value each); `warp_tot`
-// holds 32 ints of shared memory.  *total gets the block sum.  Ends with a barrier.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_tot, int* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int inc = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += n;
-    }
-    if (lane == 31) warp_tot[warp] = inc;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_tot[lane];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += n;
-        }
-        warp_tot[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const int result = (warp > 0 ? warp_tot[warp - 1] : 0) + inc - v;
-    *total = warp_tot[31];
-    __syncthreads();
-    return result;
-}
 
 #ifdef BT
 // moe_route never produces an id outside [0, E); clamping anyway keeps every later index in
@@ -101,40 +74,8 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
            int* __restrict__ num_tiles, int* __restrict__ stats) {
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
-    const int tid = threadIdx.x;
-    for (int e = tid; e < E; e += BUCKET_THREADS) { count_sh[e] = 0; fill_sh[e] = 0; }
-    __syncthreads();
-    for (int p = tid; p < num_pairs; p += BUCKET_THREADS) atomicAdd(&count_sh[expert_of(ids, p)], 1);
-    __syncthreads();
-    const int cnt = tid < E ? count_sh[tid] : 0;
-    const int ntile = (cnt + BT - 1) / BT;
-    int total_rows, total_tiles;
-    const int row0 = block_exclusive_scan(cnt, warp_tot, &total_rows);
-    const int tile0 = block_exclusive_scan(ntile, warp_tot, &total_tiles);
-    if (tid < E) {
-        off_sh[tid] = row0;
-        expert_off[tid] = row0;
-        for (int j = 0; j < ntile; ++j) {
-            tile_expert[tile0 + j] = tid;
-            tile_row[tile0 + j] = row0 + j * BT;
-        }
-    }
-    if (tid == 0) {
-        expert_off[E] = total_rows;
-        num_tiles[0] = total_tiles;
-    }
-    if (stats != nullptr) {  // experts touched by this call: one atomic per warp
-        const int touched = __popc(__ballot_sync(0xffffffffu, cnt > 0 && tid < ROUTED));
-        if ((tid & 31) == 0 && touched) atomicAdd(stats, touched);
-        if (tid == 0) atomicAdd(stats + 1, 1);
-    }
-    __syncthreads();
-    for (int p = tid; p < num_pairs; p += BUCKET_THREADS) {
-        const int e = expert_of(ids, p);
-        const int r = off_sh[e] + atomicAdd(&fill_sh[e], 1);
-        sorted_pair[r] = p;
-        pair_pos[p] = r;
-    }
+    bucket_block([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
+                 pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh, off_sh, fill_sh, warp_tot);
 }
 #endif
 

@@ -22,17 +22,27 @@
 //   counting (rank_e = #{f : v_f > v_e or (v_f == v_e and f < e)}), which is deterministic and
 //   matches a stable descending sort.  A NaN score ranks as -inf, so ids are always valid and
 //   distinct (the weights of such a token are NaN: garbage in, visible garbage out).
+// moe_route_select_warp — num_groups == 1 only (Kimi Linear), grid ceil(T / SEL_WARPS), block
+//   SEL_WARPS·32: one warp per token, lane l holds experts l, l + 32, ...; top_k rounds of a warp
+//   argmax over the experts not taken yet (larger score first, lower index on ties: the order of the
+//   rank counting above, so ids and weights are bit-identical to moe_route_select); lane k keeps the
+//   k-th id and weight, and the renormalising sum adds them in k order as above.
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
-// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select).
+// Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select);
+// E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
+#include "moe_select.cuh"
 
 #ifndef E
 #error "moe_route.cu needs -DE=<num experts>"
 #endif
 #if defined(THREADS) && (!defined(MAX_TOP_K) || !defined(PARTS))
 #error "moe_route_select needs -DMAX_TOP_K -DPARTS"
+#endif
+#if defined(SEL_WARPS) && (!defined(PARTS) || !defined(MAX_TOP_K) || MAX_TOP_K > 32)
+#error "moe_route_select_warp needs -DPARTS and -DMAX_TOP_K <= 32"
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -136,6 +146,31 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
         const float w = renormalize ? w_sh[e] / (sum + 1e-20f) : w_sh[e];
         out_ids[(size_t)t * top_k + e] = ids_sh[e];
         out_w[(size_t)t * top_k + e] = w * scaling;
+    }
+}
+#endif
+
+#ifdef SEL_WARPS
+extern "C" __global__ void __launch_bounds__(SEL_WARPS * 32)
+moe_route_select_warp(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
+                      float* __restrict__ out_w, int num_tokens, int top_k, int renormalize, int biased,
+                      float scaling) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
+    if (t >= num_tokens) return;  // whole warps only: no shuffle in warp_route_token loses a lane
+    int id;
+    float w;
+#if PARTS == 3
+    const float* l = logits + (size_t)t * 3 * E;
+    warp_route_token<E>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
+                        scaling, &id, &w);
+#else
+    const float* l = logits + (size_t)t * E;
+    warp_route_token<E>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
+#endif
+    if (lane < top_k) {
+        out_ids[(size_t)t * top_k + lane] = id;
+        out_w[(size_t)t * top_k + lane] = w;
     }
 }
 #endif

@@ -4,6 +4,8 @@
     route fp32:  moe_route_logits (fp32 CUDA cores) + moe_route_select
     route split: one cuBLAS bf16 GEMM on the router split in three exact bf16 parts ([T, 3E] fp32 partial
                  logits) + moe_route_select adding them (moe_route's path from SPLIT_MIN_T tokens)
+    select rank / warp: the two select kernels alone on the split logits (one thread per expert with rank
+                 counting / one warp per token), and whether their ids and weights are bit-identical
     bucket:      moe_bucket with the shared expert in the stacks (A + 1 pairs a token)
     combine:     moe_combine, shared expert row in y (ncu before the change: 7.5 us at T = 1)
 
@@ -38,7 +40,8 @@ def main(sizes=(1, 8, 32, 64, 128, 8192)):
     w_router = (rng.standard_normal((E, D), dtype=np.float32) / np.sqrt(D)).astype(np.float32)
     bias = (rng.standard_normal(E, dtype=np.float32) * 0.1).astype(np.float32)
     w_split = mr.split_router(w_router)
-    print(f"{'T':>6} {'route fp32 us':>13} {'route split us':>14} {'bucket us':>10} {'combine us':>11}")
+    print(f"{'T':>6} {'route fp32 us':>13} {'route split us':>14} {'bucket us':>10} {'combine us':>11} "
+          f"{'select rank us':>14} {'select warp us':>14}")
     for T in sizes:
         x = rng.standard_normal((T, D), dtype=np.float32).astype(BF16)
         ids, w = cupy.empty((T, A), np.int32), cupy.empty((T, A), np.float32)
@@ -72,8 +75,31 @@ def main(sizes=(1, 8, 32, 64, 128, 8192)):
         out = cupy.empty((T, D), BF16)
         combine_us = graph_us(lambda s, y=y, plan=plan, w=w, out=out:
                               moe_combine(y, plan.pair_pos, w, shared_in_y=True, out=out, stream=s))
-        print(f"{T:>6} {old_us:>13.2f} {new_us:>13.2f} {bucket_us:>10.2f} {combine_us:>11.2f}"
-              f"   ids fp32 == split: {same}   combine {N * D * 4 / combine_us / 1e3:.0f} GB/s")
+        k_warp = get_kernel("moe_route.cu", "moe_route_select_warp", E=E, SEL_WARPS=mr._SEL_WARPS,
+                            MAX_TOP_K=mr.MAX_TOP_K, PARTS=3)
+        warp_flags = (i32(T), i32(A), i32(1), i32(0), f32(2.446))
+        ids2, w2 = cupy.empty_like(ids), cupy.empty_like(w)
+        rank_us = graph_us(lambda s, T=T, scratch=scratch, ids=ids, w=w, k=k_select3, flags=flags:
+                           k((T,), (E,), (scratch, bias, ids, w, *flags), stream=s))
+        warp_us = graph_us(lambda s, T=T, scratch=scratch, ids2=ids2, w2=w2, k=k_warp, flags=warp_flags:
+                           k((-(-T // mr._SEL_WARPS),), (32 * mr._SEL_WARPS,), (scratch, bias, ids2, w2, *flags),
+                             stream=s))
+        cupy.cuda.Device().synchronize()
+        exact = bool(cupy.array_equal(ids, ids2) and cupy.array_equal(w.view(np.uint32), w2.view(np.uint32)))
+        fused_us = float("nan")
+        if T <= 8:  # moe_route_small: logits + select + bucket in one launch, against old + bucket above
+            from kda_rt.cuda.ops.moe_route_small import moe_route_small
+
+            ticket = cupy.zeros(1, np.int32)
+            fused_us = graph_us(lambda s, x=x, ids2=ids2, w2=w2, plan=plan, logits=logits, ticket=ticket:
+                                moe_route_small(x, w_router, bias, plan, top_k=A, renormalize=True, scaling=2.446,
+                                                biased_weights=False, logits=logits, out_ids=ids2, out_w=w2,
+                                                ticket=ticket, shared_slot=True, stream=s))
+            print(f"{T:>6} fused route + bucket {fused_us:.2f} us against {old_us + bucket_us:.2f} us "
+                  f"(fp32 route + bucket)")
+        print(f"{T:>6} {old_us:>13.2f} {new_us:>13.2f} {bucket_us:>10.2f} {combine_us:>11.2f} {rank_us:>14.2f} "
+              f"{warp_us:>14.2f}   ids fp32 == split: {same}   warp == rank bitwise: {exact}   "
+              f"combine {N * D * 4 / combine_us / 1e3:.0f} GB/s")
 
 
 if __name__ == "__main__":

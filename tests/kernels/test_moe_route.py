@@ -90,6 +90,44 @@ def test_moe_route_nan_row_keeps_ids_valid():
         assert set(ids[t]) == set(ids_ref[t])
 
 
+@pytest.mark.parametrize(("T", "E", "A", "biased", "renorm"), [
+    (1, 256, 8, False, True), (7, 16, 4, False, False), (9, 64, 8, True, True), (33, 256, 8, False, True),
+    (300, 384, 16, False, True), (8192, 256, 8, False, True), (100, 256, 1, True, False)])
+def test_moe_route_select_warp_equals_rank(T, E, A, biased, renorm):
+    """The warp-per-token select against the rank-counting one on the same inputs: ids in the same
+    order and weights bit for bit, with exact score ties (duplicated router rows and biases: ties go to
+    the lower index), a NaN row, T not a multiple of the 8 tokens per block, E not a multiple of 32, and
+    both logits paths (T >= 32 takes the split router).  Outputs poisoned first."""
+    import cupy
+
+    from kda_rt.cuda.ops.moe_route import moe_route, split_router
+
+    rng = np.random.default_rng(T * 1000 + E + A)
+    D = 256
+    w_router = rng.standard_normal((E, D)).astype(np.float32) * 0.05
+    w_router[1::5] = w_router[0::5][: w_router[1::5].shape[0]]  # every 5th pair of experts ties exactly
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    bias[1::5] = bias[0::5][: bias[1::5].shape[0]]
+    x = to_gpu_bf16(rng.standard_normal((T, D)).astype(np.float32))
+    if T > 3:
+        x[3] = np.nan
+    wg, bg = cupy.asarray(w_router), cupy.asarray(bias)
+    outs = []
+    for select in ("rank", "warp"):
+        ids = cupy.full((T, A), -7, dtype=np.int32)
+        w = cupy.full((T, A), np.inf, dtype=np.float32)
+        moe_route(x, wg, bg, top_k=A, num_groups=1, topk_group=1, renormalize=renorm, scaling=2.5,
+                  biased_weights=biased, out_ids=ids, out_w=w, router_split=split_router(wg), select=select)
+        outs.append((cupy.asnumpy(ids), cupy.asnumpy(w)))
+    (ids_r, w_r), (ids_w, w_w) = outs
+    assert ids_r.min() >= 0 and ids_r.max() < E
+    np.testing.assert_array_equal(ids_w, ids_r)
+    np.testing.assert_array_equal(w_w.view(np.uint32), w_r.view(np.uint32))  # NaN rows included, bitwise
+    finite = np.delete(ids_r, 3, axis=0) if T > 3 else ids_r  # the NaN row picks 0..A-1 by index alone
+    tied = (finite[:, :-1] // 5 == finite[:, 1:] // 5) & (finite[:, :-1] % 5 == 0) & (finite[:, 1:] % 5 == 1)
+    assert tied.any() or T < 33 or A == 1, "no exact tie was selected: the tie-break went untested"
+
+
 if __name__ == "__main__":
     for case in CASES:
         test_moe_route(case)

@@ -20,6 +20,7 @@ __all__ = ["MAX_TOP_K", "SPLIT_MIN_T", "moe_route", "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
+_SEL_WARPS = 8  # tokens per block of moe_route_select_warp
 
 MAX_TOP_K = 16
 _WARPS = 8  # one expert per warp in the logits kernel
@@ -54,8 +55,10 @@ def _array_module(a):
 
 def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int, renormalize: bool,
               scaling: float, biased_weights: bool = False, out_ids=None, out_w=None, logits=None,
-              router_split=None, stream=None):
+              router_split=None, stream=None, select: str | None = None):
     """x: [T, D] bf16, w_router: [E, D] fp32, bias: [E] fp32 -> (ids [T, A] int32, w [T, A] fp32).
+    `select`: "warp" (one warp per token; num_groups == 1 only, the default there) or "rank" (one thread
+    per expert, rank counting; the default with groups); both give bit-identical ids and weights.
     `logits` is an optional [T, E] fp32 scratch, or [T, 3E] (preallocate it for CUDA graphs);
     `router_split` ([3E, D] bf16 on the device, `split_router`) with T >= SPLIT_MIN_T and a [T, 3E]
     scratch computes the logits on the tensor cores."""
@@ -92,6 +95,16 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
         logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
         k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
         k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
+    select = select or ("warp" if num_groups == 1 else "rank")
+    if select not in ("warp", "rank") or (select == "warp" and num_groups != 1):
+        raise ValueError(f"moe_route: select must be 'warp' (num_groups == 1) or 'rank', got {select!r} "
+                         f"with num_groups={num_groups}")
+    if select == "warp":
+        k_select = get_kernel("moe_route.cu", "moe_route_select_warp", E=E, SEL_WARPS=_SEL_WARPS,
+                              MAX_TOP_K=MAX_TOP_K, PARTS=3 if split else 1)
+        k_select((-(-T // _SEL_WARPS),), (32 * _SEL_WARPS,), (logits, bias, out_ids, out_w, i32(T), i32(top_k),
+                 i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
+        return out_ids, out_w
     threads = max(128, -(-E // 32) * 32)
     k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=threads, MAX_TOP_K=MAX_TOP_K,
                           PARTS=3 if split else 1)
