@@ -58,9 +58,10 @@ def wgmma() -> bool:
 
 
 def fused_route() -> bool:
-    """KDA_RT_FUSED_ROUTE: 0 routes small decode batches with the separate logits, select and bucket
-    kernels instead of moe_route_small.cu's single launch; default 1."""
-    value = os.environ.get("KDA_RT_FUSED_ROUTE") or "1"
+    """KDA_RT_FUSED_ROUTE: 1 routes decode batches of up to 8 tokens with moe_route_small.cu's single
+    launch (logits, top-k, bucketing) instead of the separate kernels; default 0 until it has been run
+    and measured on a GPU (written 2026-11-30 without device time; tests/kernels/test_moe_route_small.py)."""
+    value = os.environ.get("KDA_RT_FUSED_ROUTE") or "0"
     if value not in ("0", "1"):
         raise ValueError(f"KDA_RT_FUSED_ROUTE must be 0 or 1, got {value!r}")
     return value == "1"

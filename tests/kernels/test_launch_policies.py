@@ -125,7 +125,7 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 def test_small_decode_batches_route_in_one_launch(monkeypatch):
     """moe_route_small takes decode batches of up to 8 tokens with ungrouped routing whose staged x rows
-    fit static shared memory (the 48B shape: 40.6 KB at D = 2304); KDA_RT_FUSED_ROUTE=0 is the A/B switch."""
+    fit static shared memory (the 48B shape: 40.6 KB at D = 2304); KDA_RT_FUSED_ROUTE=1 turns it on (off until measured)."""
     from kda_rt import env
     from kda_rt.cuda.ops.moe_route_small import _smem_bytes, fits
 
@@ -134,9 +134,9 @@ def test_small_decode_batches_route_in_one_launch(monkeypatch):
     assert not fits(9, 2304, 256, 8, 1, True)     # prefill chunks and batch >= 9 keep the separate kernels
     assert not fits(4, 2304, 256, 8, 8, True)     # grouped routing: the rank-counting select
     assert not fits(4, 7168, 256, 8, 1, True)     # 8 x rows of 7168 do not fit 48 KB
-    assert env.fused_route()
-    monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "0")
     assert not env.fused_route()
+    monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "1")
+    assert env.fused_route()
     monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "yes")
     with pytest.raises(ValueError, match="KDA_RT_FUSED_ROUTE"):
         env.fused_route()

@@ -57,8 +57,9 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
               scaling: float, biased_weights: bool = False, out_ids=None, out_w=None, logits=None,
               router_split=None, stream=None, select: str | None = None):
     """x: [T, D] bf16, w_router: [E, D] fp32, bias: [E] fp32 -> (ids [T, A] int32, w [T, A] fp32).
-    `select`: "warp" (one warp per token; num_groups == 1 only, the default there) or "rank" (one thread
-    per expert, rank counting; the default with groups); both give bit-identical ids and weights.
+    `select`: "rank" (one thread per expert, rank counting; the default) or "warp" (one warp per token,
+    num_groups == 1 only; bit-identical by construction, to become the default there once it has been run
+    and timed on a GPU: tests/kernels/test_moe_route.py, tests/gpu/bench_moe_route.py).
     `logits` is an optional [T, E] fp32 scratch, or [T, 3E] (preallocate it for CUDA graphs);
     `router_split` ([3E, D] bf16 on the device, `split_router`) with T >= SPLIT_MIN_T and a [T, 3E]
     scratch computes the logits on the tensor cores."""
@@ -95,7 +96,7 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
         logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
         k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
         k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
-    select = select or ("warp" if num_groups == 1 else "rank")
+    select = select or "rank"
     if select not in ("warp", "rank") or (select == "warp" and num_groups != 1):
         raise ValueError(f"moe_route: select must be 'warp' (num_groups == 1) or 'rank', got {select!r} "
                          f"with num_groups={num_groups}")
