@@ -149,7 +149,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             # every call, so it is zeroed here only outside a capture (the warm-up before it zeroes it)
             if not cupy.cuda.get_current_stream().is_capturing():
                 ticket = ws["ticket"]
-                cupy.cuda.runtime.memsetAsync(ticket.data.ptr, 0, 4, (stream or cupy.cuda.get_current_stream()).ptr)
+                cupy.cuda.runtime.memsetAsync(ticket.data.ptr, 0, 4, cupy.cuda.get_current_stream().ptr)
             moe_route_small(x, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, logits=ws["logits"],
                             out_ids=ws["ids"], out_w=ws["w"], ticket=ws["ticket"], shared_slot=fused, stats=stats,

@@ -264,7 +264,7 @@ class LLMEngine:
         launch = getattr(self.runner, "launch", None)
         if launch is None:  # a runner that only executes: run now
             return _Launched(sched, batch, sampled, sampling, num_decodes, None, self.runner.execute(batch, sampling))
-        handle = launch(batch, sampling, ids_from_last=True) if ids_from_last else launch(batch, sampling)
+        handle = launch(batch, sampling, ids_from_last=ids_from_last)
         return _Launched(sched, batch, sampled, sampling, num_decodes, handle)
 
     def _collect(self, launched: _Launched):

@@ -179,10 +179,11 @@ def _module(filename: str, frozen_defines: tuple[tuple[str, Any], ...], arch: st
     compiled = BUILD_STATS["compiled"]
     mod = function.Module()
     mod.load(compile_cubin(filename, dict(frozen_defines), arch))
+    seconds = time.perf_counter() - t0
     BUILD_STATS["loaded"] += 1
-    BUILD_STATS["seconds"] += time.perf_counter() - t0
+    BUILD_STATS["seconds"] += seconds
     logger.info("kernels_cu/%s %s: %s in %.3f s", filename, dict(frozen_defines),
-                "compiled" if BUILD_STATS["compiled"] > compiled else "loaded from the cache", time.perf_counter() - t0)
+                "compiled" if BUILD_STATS["compiled"] > compiled else "loaded from the cache", seconds)
     return mod
 
 
