@@ -158,7 +158,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
                       biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
-                      router_split=w.router_split, stream=stream)
+                      router_split=w.router_split, stream=stream,
+                      select=env.route_select() if cfg.num_expert_group == 1 else "rank")
             moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, stream=stream)
         gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
         gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
