@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "wgmma", "fused_route", "route_select"]
+__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "wgmma"]
 
 
 def cache_dir() -> Path:
@@ -56,22 +56,3 @@ def wgmma() -> bool:
         raise ValueError(f"KDA_RT_WGMMA must be 0 or 1, got {value!r}")
     return value == "1"
 
-
-def fused_route() -> bool:
-    """KDA_RT_FUSED_ROUTE: 1 routes decode batches of up to 8 tokens with moe_route_small.cu's single
-    launch (logits, top-k, bucketing) instead of the separate kernels; default 0 until it has been run
-    and measured on a GPU (written 2026-11-30 without device time; tests/kernels/test_moe_route_small.py)."""
-    value = os.environ.get("KDA_RT_FUSED_ROUTE") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"KDA_RT_FUSED_ROUTE must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def route_select() -> str:
-    """KDA_RT_ROUTE_SELECT: the MoE top-k select kernel of ungrouped routing, "rank" (one thread per
-    expert, rank counting) or "warp" (one warp per token, bit-identical ids and weights); default "rank"
-    until the warp kernel has been run and timed on a GPU (tests/kernels/test_moe_route.py)."""
-    value = os.environ.get("KDA_RT_ROUTE_SELECT") or "rank"
-    if value not in ("rank", "warp"):
-        raise ValueError(f"KDA_RT_ROUTE_SELECT must be 'rank' or 'warp', got {value!r}")
-    return value

@@ -1,5 +1,5 @@
 // moe_bucket.cuh — bucketing the (token, expert) pairs of a step by expert, as one 1024-thread block:
-// the body of moe_align.cu's moe_bucket, also run by the last block of moe_route_small.cu.
+// the body of moe_align.cu's moe_bucket.
 //
 //   counts[e]       = #{p : expert(p) = e}                     (shared-memory atomics)
 //   expert_off[e]   = Σ_{f<e} counts[f],  expert_off[BINS] = N  (block scan)

@@ -1,5 +1,5 @@
-// moe_select.cuh — one token's routing decision by one warp, for ungrouped routing (spec §5.2), shared by
-// moe_route.cu's moe_route_select_warp and moe_route_small.cu.
+// moe_select.cuh — one token's routing decision by one warp, for ungrouped routing (spec §5.2), used by
+// moe_route.cu's moe_route_select_warp.
 //
 // Lane l holds experts l, l + 32, ...: s = sigmoid(logit), sel = s + bias (a NaN sel ranks as -inf).
 // top_k rounds of a warp argmax over the experts not taken yet, larger sel first and the lower index

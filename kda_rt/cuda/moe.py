@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.moe_align import MoEPlan, bucket_kernel, max_tiles, moe_bucket, moe_combine
@@ -28,8 +27,6 @@ from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_route import SPLIT_MIN_T, moe_route, split_router
-from kda_rt.cuda.ops.moe_route_small import fits as route_small_fits
-from kda_rt.cuda.ops.moe_route_small import moe_route_small
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
@@ -48,7 +45,7 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
     N = T * (A + 1) if fused else T * A
     tiles = max_tiles(N, bins, 8)  # BT = 8 gives the most tiles
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-    parts = [("logits", (T, 3 * E), f32), ("ticket", (1,), i32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
+    parts = [("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
              ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), f32)]
     if inter_s and not fused:
@@ -144,23 +141,11 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             # kernel, and so does a router that three bf16 parts cannot represent)
             with contextlib.suppress(ValueError):
                 w.router_split = split_router(w_router)
-        if env.fused_route() and route_small_fits(T, D, E, A, cfg.num_expert_group, fused):
-            # one launch for logits, top-k and bucketing (small decode batches); its ticket is left 0 by
-            # every call, so it is zeroed here only outside a capture (the warm-up before it zeroes it)
-            if not cupy.cuda.get_current_stream().is_capturing():
-                ticket = ws["ticket"]
-                cupy.cuda.runtime.memsetAsync(ticket.data.ptr, 0, 4, cupy.cuda.get_current_stream().ptr)
-            moe_route_small(x, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
-                            scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, logits=ws["logits"],
-                            out_ids=ws["ids"], out_w=ws["w"], ticket=ws["ticket"], shared_slot=fused, stats=stats,
-                            stream=stream)
-        else:
-            moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
-                      renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
-                      biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
-                      router_split=w.router_split, stream=stream,
-                      select=env.route_select() if cfg.num_expert_group == 1 else "rank")
-            moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, stream=stream)
+        moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
+                  renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
+                  biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
+                  router_split=w.router_split, stream=stream)
+        moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, stream=stream)
         gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
         gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None

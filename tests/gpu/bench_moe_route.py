@@ -27,7 +27,7 @@ D, E, A = 2304, 256, 8
 TPB = 8  # tokens per block of moe_route_logits at D = 2304 (the launcher's choice)
 
 
-def main(sizes=(1, 8, 32, 64, 128, 8192)):
+def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
     import cupy
 
     import kda_rt.cuda.ops.moe_route as mr
@@ -86,17 +86,6 @@ def main(sizes=(1, 8, 32, 64, 128, 8192)):
                              stream=s))
         cupy.cuda.Device().synchronize()
         exact = bool(cupy.array_equal(ids, ids2) and cupy.array_equal(w.view(np.uint32), w2.view(np.uint32)))
-        fused_us = float("nan")
-        if T <= 8:  # moe_route_small: logits + select + bucket in one launch, against old + bucket above
-            from kda_rt.cuda.ops.moe_route_small import moe_route_small
-
-            ticket = cupy.zeros(1, np.int32)
-            fused_us = graph_us(lambda s, x=x, ids2=ids2, w2=w2, plan=plan, logits=logits, ticket=ticket:
-                                moe_route_small(x, w_router, bias, plan, top_k=A, renormalize=True, scaling=2.446,
-                                                biased_weights=False, logits=logits, out_ids=ids2, out_w=w2,
-                                                ticket=ticket, shared_slot=True, stream=s))
-            print(f"{T:>6} fused route + bucket {fused_us:.2f} us against {old_us + bucket_us:.2f} us "
-                  f"(fp32 route + bucket)")
         print(f"{T:>6} {old_us:>13.2f} {new_us:>13.2f} {bucket_us:>10.2f} {combine_us:>11.2f} {rank_us:>14.2f} "
               f"{warp_us:>14.2f}   ids fp32 == split: {same}   warp == rank bitwise: {exact}   "
               f"combine {N * D * 4 / combine_us / 1e3:.0f} GB/s")

@@ -123,20 +123,10 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
     assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 16, 17, 256)] == [16, 16, 32, 32, 64, 64]
 
 
-def test_small_decode_batches_route_in_one_launch(monkeypatch):
-    """moe_route_small takes decode batches of up to 8 tokens with ungrouped routing whose staged x rows
-    fit static shared memory (the 48B shape: 40.6 KB at D = 2304); KDA_RT_FUSED_ROUTE=1 turns it on (off until measured)."""
-    from kda_rt import env
-    from kda_rt.cuda.ops.moe_route_small import _smem_bytes, fits
+def test_moe_route_select_policy():
+    """Ungrouped routing selects with one warp per token from 256 tokens (prefill chunks: 22 vs 148 us at
+    8192 on the H200), with rank counting below (5.0 vs 6.7 us at 128) and for every grouped routing."""
+    from kda_rt.cuda.ops.moe_route import default_select
 
-    assert _smem_bytes(2304, 256, True) == 40592  # ptxas: 40592 bytes smem (nvcc 13, sm_90a)
-    assert fits(1, 2304, 256, 8, 1, True) and fits(8, 2304, 256, 8, 1, True)
-    assert not fits(9, 2304, 256, 8, 1, True)     # prefill chunks and batch >= 9 keep the separate kernels
-    assert not fits(4, 2304, 256, 8, 8, True)     # grouped routing: the rank-counting select
-    assert not fits(4, 7168, 256, 8, 1, True)     # 8 x rows of 7168 do not fit 48 KB
-    assert not env.fused_route()
-    monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "1")
-    assert env.fused_route()
-    monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "yes")
-    with pytest.raises(ValueError, match="KDA_RT_FUSED_ROUTE"):
-        env.fused_route()
+    assert [default_select(t, 1) for t in (1, 32, 255, 256, 8192)] == ["rank"] * 3 + ["warp"] * 2
+    assert default_select(8192, 8) == "rank"
