@@ -15,6 +15,15 @@ __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
 // x rounded to the nearest bf16, kept in fp32: where a reference stores a bf16 tensor
 __device__ __forceinline__ float round_bf16(float x) { return to_f32(to_bf16(x)); }
+// two packed bf16 (low half first) -> float2;  four bf16 at p (8-byte aligned) -> float4
+__device__ __forceinline__ float2 bf16x2_to_float2(unsigned u) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+__device__ __forceinline__ float4 ld_bf16x4(const bf16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = bf16x2_to_float2(u.x), hi = bf16x2_to_float2(u.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
 
 // -inf (NVRTC has no math.h INFINITY)
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }

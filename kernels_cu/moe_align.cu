@@ -18,17 +18,18 @@
 //   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
 //   fixed k order, so the block output is bitwise deterministic all the same.
 // moe_combine — grid (T, ceil(D / (4·THREADS))), block THREADS: each thread owns 4 columns of one
-//   token and issues all its A (+1) 16-byte row loads at once (at T = 1 the old grid (T) x 256
+//   token and issues all its A (+1) 8-byte row loads (4 bf16) at once (at T = 1 the old grid (T) x 256
 //   threads left one SM to walk 9 rows: ~7.5 us; now D / 4 threads on D / (4·THREADS) SMs).
 //   out[t, :] = bf16( shared[t, :] + Σ_k w[t, k] · y[pair_pos[t·A + k], :] )
-//   fp32 sum in k order; `shared` (fp32, the shared expert's output) only when HAS_SHARED = 1; with
+//   fp32 sum in k order of the bf16 expert rows (HF's expert outputs are bf16, summed in fp32: spec §5);
+//   `shared` (fp32, the shared expert's output) only when HAS_SHARED = 1; with
 //   HAS_SHARED = 2 the shared expert's row is y[pair_pos[t·(A+1) + A]] (SHARED_A bucketing).
 //   Measured (H200, graph replay, D = 2304, A = 8 + shared; tests/gpu/bench_moe_route.py, 2026-11-30):
-//   T = 1 1.5 us, 32 2.0, 128 3.0, 8192 169 us (4.0 TB/s of y read); the previous one-block-per-token
+//   T = 1 1.5 us, 32 2.0, 128 3.0, 8192 169 us (4.0 TB/s of y read, y then fp32); the previous one-block-per-token
 //   kernel took 7.5 us at T = 1 (ncu).
 // Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
 //   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
-//   y [N, D] fp32; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
+//   y [N, D] bf16; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
 // Compile-time constants: E (≤ 1024 bins), BT, BUCKET_THREADS, SHARED_A (bucket); D (multiple of 4), A,
 // THREADS, HAS_SHARED (combine).
 #include "common.cuh"
@@ -82,7 +83,7 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
 #ifdef THREADS
 static_assert(THREADS >= A + 1, "moe_combine: one thread per pair of a token loads its row index");
 extern "C" __global__ void __launch_bounds__(THREADS)
-moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
+moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
             const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {
     __shared__ int pos_sh[A + 1];
     __shared__ float w_sh[A];
@@ -97,17 +98,18 @@ moe_combine(const float* __restrict__ y, const int* __restrict__ pair_pos, const
 #if HAS_SHARED == 1
         float4 acc = *reinterpret_cast<const float4*>(shared + (size_t)t * D + c);
 #elif HAS_SHARED == 2
-        float4 acc = *reinterpret_cast<const float4*>(y + (size_t)pos_sh[A] * D + c);
+        float4 acc = ld_bf16x4(y + (size_t)pos_sh[A] * D + c);
 #else
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
-        float4 v[A];  // all row loads in flight before the first FMA
+        uint2 v[A];  // all row loads (4 bf16 each) in flight before the first FMA
 #pragma unroll
-        for (int k = 0; k < A; ++k) v[k] = *reinterpret_cast<const float4*>(y + (size_t)pos_sh[k] * D + c);
+        for (int k = 0; k < A; ++k) v[k] = *reinterpret_cast<const uint2*>(y + (size_t)pos_sh[k] * D + c);
 #pragma unroll
         for (int k = 0; k < A; ++k) {
             const float wk = w_sh[k];
-            acc.x += wk * v[k].x; acc.y += wk * v[k].y; acc.z += wk * v[k].z; acc.w += wk * v[k].w;
+            const float2 lo = bf16x2_to_float2(v[k].x), hi = bf16x2_to_float2(v[k].y);
+            acc.x += wk * lo.x; acc.y += wk * lo.y; acc.z += wk * hi.x; acc.w += wk * hi.y;
         }
         __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
         uint2 packed;

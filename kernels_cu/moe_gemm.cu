@@ -4,7 +4,7 @@
 //   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
 //                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
 //                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
-//   FUSE_SILU = 0 (down):     y[r, f] = h[r] · W[e, f]ᵀ  in fp32                      W = w2 [E, NOUT, K]
+//   FUSE_SILU = 0 (down):     y[r, f] = bf16(h[r] · W[e, f]ᵀ)                       W = w2 [E, NOUT, K]
 //
 // Rows r are the expert-sorted pair rows of moe_align.cu; tile i covers rows
 // [tile_row[i], min(tile_row[i] + BT, expert_off[e + 1])) of expert e = tile_expert[i].
@@ -31,7 +31,7 @@
 // x rows are shared by all warps of the block through L1.
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
-//   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT].
+//   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output).
 // Compile-time constants: K (multiple of 32·KU·KSPLIT), NOUT, FUSE_SILU, TOPK, MT, NT, KU, WARPS, KSPLIT.
 //   NOUT (or HALF = NOUT / 2) is a multiple of WARPS·16·MT (resp. WARPS·16·MT/2).
 // Measured on H200 (MT=2, WARPS=4, KU=4, NT=1; untuned): the whole moe_forward at T=32, E=256,
@@ -176,7 +176,7 @@ moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pa
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
                 const int f = f0 + 16 * i + g + (j >> 1) * 8;
-                static_cast<float*>(dst)[(size_t)r * NOUT + f] = acc[i][nt][j];
+                static_cast<bf16*>(dst)[(size_t)r * NOUT + f] = to_bf16(acc[i][nt][j]);
             }
 #endif
         }

@@ -5,7 +5,7 @@
 //   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
 //                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
 //                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
-//   FUSE_SILU = 0 (down):     y[r, f] = h[r] · W[e, f]ᵀ  in fp32                      W = w2 [E, NOUT, K]
+//   FUSE_SILU = 0 (down):     y[r, f] = bf16(h[r] · W[e, f]ᵀ)                       W = w2 [E, NOUT, K]
 //
 // Rows r are the expert-sorted pair rows of moe_align.cu built with BT = BM: tile i covers rows
 // [tile_row[i], min(tile_row[i] + BM, expert_off[e + 1])) of expert e = tile_expert[i].
@@ -32,7 +32,7 @@
 // the 8 row addresses of one ldmatrix phase fall in 8 distinct 16-byte bank groups.
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
-//   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT]; plan arrays int32 (moe_align.cu).
+//   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
 // Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS.
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, random routing;
 // tiles as chosen in kda_rt/cuda/ops/moe_gemm_tc.py: BM=128 BN=128 BK=64, 3 stages, 2x2 warps,
@@ -217,8 +217,8 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 #pragma unroll
             for (int t = 0; t < NI; ++t) {
                 const int f = f0 + wn * WN + 8 * t + 2 * c;
-                *reinterpret_cast<float2*>(static_cast<float*>(dst) + r * NOUT + f) =
-                    make_float2(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * NOUT + f) =
+                    __floats2bfloat162_rn(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
             }
 #endif
         }

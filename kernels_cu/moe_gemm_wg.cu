@@ -5,7 +5,7 @@
 //   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
 //                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
 //                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
-//   FUSE_SILU = 0 (down):     y[r, f] = h[r] · W[e, f]ᵀ  in fp32                      W = w2 [E, NOUT, K]
+//   FUSE_SILU = 0 (down):     y[r, f] = bf16(h[r] · W[e, f]ᵀ)                       W = w2 [E, NOUT, K]
 //
 // Rows r are the expert-sorted pair rows of moe_align.cu built with BT = 128: tile i covers rows
 // [tile_row[i], min(tile_row[i] + 128, expert_off[e + 1])) of expert e = tile_expert[i].  A CTA whose
@@ -34,7 +34,7 @@
 //   any branch around the wgmma makes ptxas serialise them (C7518).
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
-//   dst bf16 [N, HALF] (FUSE_SILU) or fp32 [N, NOUT]; plan arrays int32 (moe_align.cu).
+//   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
 // Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES.
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
@@ -195,8 +195,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[ACC], void* __rest
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             const int f = f0 + 8 * j + 2 * c;
-            *reinterpret_cast<float2*>(static_cast<float*>(dst) + r * NOUT + f) =
-                make_float2(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * NOUT + f) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
         }
 #endif
     }

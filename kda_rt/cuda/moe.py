@@ -3,6 +3,9 @@ fused → grouped down GEMM → weighted per-token combine (+ shared expert), ro
 
     y[t] = bf16( Σ_k w[t, k] · Expert_{ids[t, k]}(x[t])  +  Shared(x[t]) )       (fp32 sum, k order)
 
+Each expert's output row is rounded to bf16 by the down GEMM (as HF's expert outputs, spec §5
+precision notes; half the bytes of an fp32 row for the GEMM to write and the combine to read).
+
 CUDA-graph contract: with `out` and `workspace` given, nothing is allocated, nothing syncs with
 the host, and every grid is sized from (T, A, E) alone (tiles past the device-side count exit), so
 the whole call can be captured once per T and replayed on new x / weights in the same buffers.
@@ -47,7 +50,7 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
     parts = [("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
-             ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), f32)]
+             ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), BF16)]
     if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
     return parts

@@ -56,4 +56,4 @@ def gated_mlp(w: MLPWeights, x: np.ndarray, num: Compute) -> np.ndarray:
     """SiLU-gated MLP of §5.1 (dense layer, shared experts, one routed expert).  x: [T, D] -> [T, D]."""
     act = num.act
     h = act(act(silu(act(linear(x, num.w(w.gate))))) * act(linear(x, num.w(w.up))))  # [T, F]
-    return linear(h, num.w(w.down))  # [T, D] (callers round: a routed expert's output is combined in fp32)
+    return linear(h, num.w(w.down))  # [T, D] (callers round: the routed experts' bf16 outputs are combined in fp32)

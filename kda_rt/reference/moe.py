@@ -80,7 +80,7 @@ def moe_forward(w: MoEWeights, x: np.ndarray, cfg: MoEConfig, num: Compute | Non
     for j, e in enumerate(experts):
         pairs = order[bounds[j]:bounds[j + 1]]
         tokens, slots = pairs // cfg.top_k, pairs % cfg.top_k  # each token at most once per expert
-        y = gated_mlp(w.experts[int(e)], x[tokens], num)  # [n_e, D]
+        y = num.act(gated_mlp(w.experts[int(e)], x[tokens], num))  # [n_e, D], bf16 as HF's expert output
         out[tokens] += weight[tokens, slots][:, None] * y
     if w.shared is not None:
         out += num.act(gated_mlp(w.shared, x, num))

@@ -55,7 +55,7 @@ def main():
             b13, b2 = touched * per13, touched * per2
             print(f"T={T} {routing}: {touched} experts touched, {b13 / 1e6:.0f} + {b2 / 1e6:.0f} MB", flush=True)
             plan = make_plan(ids, E, tile_rows_for(N, E))
-            h_ref, y_ref = cupy.empty((N, INTER), BF16), cupy.empty((N, D), np.float32)
+            h_ref, y_ref = cupy.empty((N, INTER), BF16), cupy.empty((N, D), BF16)
             ms13 = median_ms(partial(moe_gemm, x, w13, plan, top_k=A, fuse_silu=True, out=h_ref))
             ms2 = median_ms(partial(moe_gemm, h_ref, w2, plan, top_k=A, fuse_silu=False, out=y_ref))
             print(f"  old          gate/up {ms13 * 1e3:7.1f} us {b13 / ms13 / 1e9:5.2f} TB/s | down "

@@ -75,7 +75,7 @@ def bench_step(T, wts, cfg, sweep):
           f"launcher BM={prefill_tile_rows(N, E, D, INTER)}", flush=True)
 
     plan_old = make_plan(ids, E, tile_rows_for(N, E))
-    h_old, y_old = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
+    h_old, y_old = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
     ms = median_ms(partial(moe_gemm, x, w13, plan_old, top_k=A, fuse_silu=True, out=h_old))
     line(f"old gate/up [{N},{D}]x[{2 * INTER},{D}]", ms, f13)
     ms = median_ms(partial(moe_gemm, h_old, w2, plan_old, top_k=A, fuse_silu=False, out=y_old))
@@ -119,9 +119,9 @@ def bench_step(T, wts, cfg, sweep):
     # cuBLAS on one dense GEMM of the same size (the ceiling for a perfect grouped GEMM)
     rng = cupy.random.default_rng(T)
     xd, hd = rand_bf16(rng, (N, D), 1.0), rand_bf16(rng, (N, INTER), 1.0)
-    c13, c2 = cupy.empty((N, 2 * INTER), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
+    c13, c2 = cupy.empty((N, 2 * INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
     line("cuBLAS dense gate/up (bf16 out)", median_ms(partial(linear, xd, w13[0], out=c13)), f13)
-    line("cuBLAS dense down (fp32 out)", median_ms(partial(linear, hd, w2[0], out=c2)), f2)
+    line("cuBLAS dense down (bf16 out)", median_ms(partial(linear, hd, w2[0], out=c2)), f2)
 
     # whole MoE block: prefill path (launcher policy) vs the decode kernels everywhere
     ws = cupy.empty(moe_workspace_bytes(T, cfg, D, INTER, INTER), dtype=np.uint8)

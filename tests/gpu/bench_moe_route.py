@@ -9,7 +9,7 @@
     bucket:      moe_bucket with the shared expert in the stacks (A + 1 pairs a token)
     combine:     moe_combine, shared expert row in y (ncu before the change: 7.5 us at T = 1)
 
-Bytes floors: the router is E·D·4 = 2.4 MB (0.5 us at 4.8 TB/s); combine reads T·(A+1)·D·4 bytes.
+Bytes floors: the router is E·D·4 = 2.4 MB (0.5 us at 4.8 TB/s); combine reads T·(A+1)·D·2 bytes (bf16 y).
 Run from the repo root: PYTHONPATH=. python tests/gpu/bench_moe_route.py"""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
         plan = MoEPlan(cupy.empty(bins + 1, np.int32), cupy.empty(N, np.int32), cupy.empty(N, np.int32),
                        cupy.empty(tiles, np.int32), cupy.empty(tiles, np.int32), cupy.empty(1, np.int32), 16)
         bucket_us = graph_us(lambda s, ids=ids, plan=plan: moe_bucket(ids, E, plan, shared_slot=True, stream=s))
-        y = rng.standard_normal((N, D), dtype=np.float32)
+        y = rng.standard_normal((N, D), dtype=np.float32).astype(BF16)
         out = cupy.empty((T, D), BF16)
         combine_us = graph_us(lambda s, y=y, plan=plan, w=w, out=out:
                               moe_combine(y, plan.pair_pos, w, shared_in_y=True, out=out, stream=s))
@@ -88,7 +88,7 @@ def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
         exact = bool(cupy.array_equal(ids, ids2) and cupy.array_equal(w.view(np.uint32), w2.view(np.uint32)))
         print(f"{T:>6} {old_us:>13.2f} {new_us:>13.2f} {bucket_us:>10.2f} {combine_us:>11.2f} {rank_us:>14.2f} "
               f"{warp_us:>14.2f}   ids fp32 == split: {same}   warp == rank bitwise: {exact}   "
-              f"combine {N * D * 4 / combine_us / 1e3:.0f} GB/s")
+              f"combine {N * D * 2 / combine_us / 1e3:.0f} GB/s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """kernels_cu/moe_align.cu moe_combine against a float64 NumPy gather-sum on random inputs.
 
-    out[t] = bf16( shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]] )     (fp32 sum in k order)
+    out[t] = bf16( shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]] )     (y bf16, fp32 sum in k order)
 
 shared: none, a separate [T, D] fp32 input, or row pair_pos[t·(A+1) + A] of y (shared expert in the
 stacks).  Check: |out - ref| ≤ 2^-8·|ref| + 1e-6 (one bf16 rounding of an fp32 sum).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.gpu import assert_close, poison, to_np
+from helpers.gpu import assert_close, bf16_round, poison, to_gpu_bf16, to_np
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,7 @@ def test_moe_combine(name):
     rng = np.random.default_rng(len(name) + T)
     pairs = A + 1 if mode == "in_y" else A
     N = T * pairs
-    y = rng.normal(size=(N, D)).astype(np.float32)
+    y = bf16_round(rng.normal(size=(N, D)))  # the grouped GEMM's bf16 expert rows
     pos = rng.permutation(N).astype(np.int32)
     w = rng.uniform(0.05, 1.0, size=(T, A)).astype(np.float32)
     shared = rng.normal(size=(T, D)).astype(np.float32) if mode == "separate" else None
@@ -42,7 +42,7 @@ def test_moe_combine(name):
         ref += shared
     out = cupy.empty((T, D), dtype=BF16)
     poison(out)
-    moe_combine(cupy.asarray(y), cupy.asarray(pos), cupy.asarray(w), None if shared is None else cupy.asarray(shared),
+    moe_combine(to_gpu_bf16(y), cupy.asarray(pos), cupy.asarray(w), None if shared is None else cupy.asarray(shared),
                 shared_in_y=mode == "in_y", out=out)
     assert_close(to_np(out), ref, atol=1e-6, rtol=2.0**-8, name=name)
 

@@ -2,14 +2,13 @@
 the expert-sorted rows of moe_bucket (kernels_cu/moe_align.cu):
 
     gate/up:  h[r] = bf16( bf16(SiLU(bf16(x[tok(r)] · W1_eᵀ))) · bf16(x[tok(r)] · W3_eᵀ) )   [N, I] bf16
-    down:     y[r] = h[r] · W2_eᵀ                                                              [N, D] fp32
+    down:     y[r] = bf16( h[r] · W2_eᵀ )                                                      [N, D] bf16
 
-Tolerances.  down: the GPU sums K bf16 products in fp32, the reference in float64, on the same
-bf16 h: RMS(out - ref) / RMS(ref) ≤ 1e-5 and |out - ref| ≤ 1e-4 · (|ref| + RMS(ref)) (fp32
-accumulation error is ~2^-24 · sqrt(K) ≈ 2e-6 relative).  gate/up: the reference rounds where the
-kernel rounds, so the two differ only where a tiny fp32-vs-float64 difference flips one of the
-bf16 roundings of g, u, SiLU(g) or h (rare; each flip is one bf16 ulp, 2^-8..2^-7 relative):
-RMS ≤ 1e-3 and |out - ref| ≤ 3e-2 · |ref| + 1e-3 · RMS(ref) (three flips at once).
+Tolerances.  The reference rounds where the kernel rounds, so the two differ only where a tiny
+fp32-vs-float64 difference (fp32 accumulation error ~2^-24 · sqrt(K) ≈ 2e-6 relative) flips a bf16
+rounding (rare; each flip is one bf16 ulp, 2^-8..2^-7 relative).  down (one rounding, on the kernel's
+own bf16 h): RMS ≤ 1e-3 and |out - ref| ≤ 2^-7 · |ref| + 1e-4 · RMS(ref).  gate/up (roundings of g,
+u, SiLU(g) and h): RMS ≤ 1e-3 and |out - ref| ≤ 3e-2 · |ref| + 1e-3 · RMS(ref) (three flips at once).
 The E=256 cases check all rows against the decode kernel (moe_gemm.cu, tested on its own) and a
 sample of experts (the busiest, the emptiest, random ones) against NumPy, to keep the host work
 small; every output row is poisoned with NaN first, so a row left unwritten fails.
@@ -59,7 +58,8 @@ def silu(v):
 
 
 def reference_rows(e, plan_np, x, w13, w2, h_gpu, A):
-    """float64 (h_ref, y_ref) for the rows of expert e; y_ref from the kernel's own h (exact bf16 input)."""
+    """(h_ref, y_ref) for the rows of expert e, float64 products rounded to bf16 where the kernels round;
+    y_ref from the kernel's own h (exact bf16 input)."""
     off, sorted_pair = plan_np
     rows = np.arange(off[e], off[e + 1])
     inter = w13.shape[1] // 2
@@ -67,7 +67,7 @@ def reference_rows(e, plan_np, x, w13, w2, h_gpu, A):
     xr = x[sorted_pair[rows] // A]
     g, u = bf16_round(xr @ w13e[:inter].T), bf16_round(xr @ w13e[inter:].T)
     h_ref = bf16_round(bf16_round(silu(g)) * u)
-    y_ref = h_gpu[rows] @ w2e.T
+    y_ref = bf16_round(h_gpu[rows] @ w2e.T)
     return rows, h_ref, y_ref
 
 
@@ -91,7 +91,7 @@ def run_tc(x, w13, w2, ids, E, bm, tile=None, gemm=None):
     T, A = ids.shape
     N, inter, D = T * A, w13.shape[1] // 2, w2.shape[1]
     plan = make_plan(ids, E, bm)
-    h, y = cupy.empty((N, inter), dtype=BF16), cupy.empty((N, D), dtype=np.float32)
+    h, y = cupy.empty((N, inter), dtype=BF16), cupy.empty((N, D), dtype=BF16)
     poison(h)
     poison(y)
     gemm(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=tile)
@@ -110,7 +110,7 @@ def check_experts(experts, plan, x_np, w13, w2, h, y, A, label):
             continue
         rows, h_ref, y_ref = reference_rows(e, (off, sp), x_np, w13, w2, h_np, A)
         check(h_np[rows], h_ref, f"{label} h expert {e}", rms_tol=1e-3, rtol=3e-2, atol_rms=1e-3)
-        check(y_np[rows], y_ref, f"{label} y expert {e}", rms_tol=1e-5, rtol=1e-4, atol_rms=1e-4)
+        check(y_np[rows], y_ref, f"{label} y expert {e}", rms_tol=1e-3, rtol=2.0**-7, atol_rms=1e-4)
 
 
 SMALL = {  # name: (T, D, I, E, A, bm) -- odd T, tiny E; D384-I192 takes the BN = 128 tiles
@@ -218,7 +218,7 @@ def check_real_shape(name, big_weights, T, skewed, bm, tile, gemm=None):
     err_h = rms_rel(to_np(h[plan.pair_pos]), to_np(h_old[plan_old.pair_pos]))
     err_y = rms_rel(to_np(y[plan.pair_pos]), to_np(y_old[plan_old.pair_pos]))
     print(f"\n{name}: vs decode kernel: h rms rel {err_h:.2e}, y rms rel {err_y:.2e}", end="")
-    assert err_h <= 1e-3 and err_y <= 1e-5, f"{name}: h {err_h:.3e}, y {err_y:.3e} against moe_gemm"
+    assert err_h <= 1e-3 and err_y <= 1e-3, f"{name}: h {err_h:.3e}, y {err_y:.3e} against moe_gemm"
 
     counts = np.bincount(ids.ravel(), minlength=E)
     touched = np.flatnonzero(counts)

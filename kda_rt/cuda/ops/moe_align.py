@@ -70,7 +70,7 @@ def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int):
 
 def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, stream=None):
     """out[t] = bf16(shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]]).
-    y: [N, D] fp32, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16.
+    y: [N, D] bf16, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16.
     shared_in_y: the plan was bucketed with shared_slot (N = T·(A+1)): the shared expert's row of token t
     is y[pair_pos[t·(A+1) + A]] (then `shared` must be None)."""
     import cupy
@@ -79,7 +79,7 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
 
     T, A = expect(w, "w", ndim=2, dtype=np.float32)
     pairs = A + 1 if shared_in_y else A
-    _, D = expect(y, "y", shape=(T * pairs, None), dtype=np.float32)
+    _, D = expect(y, "y", shape=(T * pairs, None), dtype=BF16)
     expect(pair_pos, "pair_pos", shape=(T * pairs,), dtype=np.int32)
     if shared is not None:
         if shared_in_y:

@@ -1,5 +1,5 @@
 """Launcher for kernels_cu/moe_gemm.cu: grouped bf16 tensor-core GEMM over expert-sorted rows,
-gate/up with the SiLU·up epilogue fused (bf16 out) or down (fp32 out)."""
+gate/up with the SiLU·up epilogue fused (bf16 out) or down (bf16 out)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _ksplit(num_pairs: int, num_experts: int, tile_rows: int, feat_blocks: int, 
 
 def moe_gemm(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     rows, K = expect(src, "src", ndim=2, dtype=BF16)
     E, nout, _ = expect(weight, "weight", shape=(None, None, K), dtype=BF16)
     N = plan.sorted_pair.shape[0]
@@ -59,7 +59,7 @@ def moe_gemm(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, st
         expect(out, "out", shape=(N, nout // 2), dtype=BF16)
     else:
         expect(src, "src", shape=(N, K))
-        expect(out, "out", shape=(N, nout), dtype=np.float32)
+        expect(out, "out", shape=(N, nout), dtype=BF16)
     nt = plan.tile_rows // 8
     mt, warps, ku = _config(nout, K, nt, fuse_silu)
     feats_per_block = warps * 16 * (mt // 2 if fuse_silu else mt)

@@ -1,6 +1,6 @@
 """Launcher for kernels_cu/moe_gemm_tc.cu: the prefill grouped GEMM (shared-memory tiles, cp.async
 pipeline, bf16 tensor cores) over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down
-(fp32 out).  Same contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.
+(bf16 out).  Same contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
@@ -93,14 +93,14 @@ def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out) -> tupl
         expect(out, "out", shape=(N, nout // 2), dtype=BF16)
     else:
         expect(src, "src", shape=(N, K))
-        expect(out, "out", shape=(N, nout), dtype=np.float32)
+        expect(out, "out", shape=(N, nout), dtype=BF16)
     return K, E, nout, N
 
 
 def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: TileConfig | None = None,
                 stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu)
     if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu):

@@ -1,5 +1,5 @@
 """Launcher for kernels_cu/moe_gemm_wg.cu: the prefill grouped GEMM on Hopper's warpgroup MMA (sm_90a),
-128-row tiles over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (fp32 out).
+128-row tiles over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (bf16 out).
 Same contract as moe_gemm_tc.py with a plan built for tile_rows = 128; `available()` says whether it
 runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.
 
@@ -63,7 +63,7 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
                 stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] fp32 (unscaled expert rows)."""
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or wg_tile(nout, K, fuse_silu)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
