@@ -3,8 +3,6 @@ gate/up with the SiLU·up epilogue fused (bf16 out) or down (bf16 out)."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles

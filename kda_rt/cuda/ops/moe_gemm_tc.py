@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
