@@ -11,8 +11,7 @@
 //                     tile_expert[i] = e, tile_row[i] = first sorted row;  num_tiles[0] = total
 //   sorted_pair[r]  = p and pair_pos[p] = r, r in [expert_off[e], expert_off[e+1])
 //   SHARED_A = A > 0 (the shared expert rides in the expert stacks as expert E - 1): every token has
-//   A + 1 pairs p = t·(A+1) + k, pair k = A goes to expert E - 1 (its rows in token order, placed without
-//   an atomic) and pair k < A to ids[t·A + k].
+//   A + 1 pairs p = t·(A+1) + k, pair k = A goes to expert E - 1 and pair k < A to ids[t·A + k].
 //   stats (may be null): stats[0] += #{e : counts[e] > 0} (routed experts this call touched), stats[1] += 1,
 //   so a caller can average the experts actually routed per step (the decode bytes floor).
 //   The order of pairs inside one expert's rows depends on atomics, but every row of the
@@ -56,6 +55,15 @@ static_assert(BUCKET_THREADS == BUCKET_BLOCK && E <= BUCKET_THREADS,
 #define ROUTED (SHARED_A ? E - 1 : E)  // routed experts; bin E - 1 is the shared expert when SHARED_A
 __device__ __forceinline__ int clamp_expert(int e) { return min(max(e, 0), ROUTED - 1); }
 
+// expert of pair p (see SHARED_A above)
+__device__ __forceinline__ int expert_of(const int* __restrict__ ids, int p) {
+#if SHARED_A
+    const int k = p % (SHARED_A + 1);
+    return k == SHARED_A ? E - 1 : clamp_expert(ids[(p / (SHARED_A + 1)) * SHARED_A + k]);
+#else
+    return clamp_expert(ids[p]);
+#endif
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -67,7 +75,7 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
            int* __restrict__ num_tiles, int* __restrict__ stats) {
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
-    bucket_block<SHARED_A>([&](int q) { return clamp_expert(ids[q]); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
+    bucket_block([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
                  pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh, off_sh, fill_sh, warp_tot);
 }
 #endif

@@ -42,12 +42,9 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_tot, int* t
 }
 
 // The whole bucketing of `num_pairs` pairs into `bins` bins (bins <= BUCKET_BLOCK) of `bt`-row tiles,
-// by one block of BUCKET_BLOCK threads.  SharedA = 0: pair q's bin is expert_of(q).  SharedA = A > 0:
-// token t has pairs p = t·(A+1) + k; its routed pairs k < A are routed pair q = t·A + k with bin
-// expert_of(q) (< bins - 1), and its pair k = A goes to the last bin at row expert_off[bins - 1] + t
-// without an atomic (token order: one bin in nine at the 48B shape, which the atomics serialized on).
-// Shared scratch: count_sh, off_sh, fill_sh of `bins` ints, warp_tot of 32.
-template <int SharedA, typename ExpertOf>
+// by one block of BUCKET_BLOCK threads; expert_of(p) gives pair p's bin.  Shared scratch: count_sh,
+// off_sh, fill_sh of `bins` ints, warp_tot of 32.
+template <typename ExpertOf>
 __device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, int bins, int bt, int routed,
                                              int* __restrict__ expert_off, int* __restrict__ sorted_pair,
                                              int* __restrict__ pair_pos, int* __restrict__ tile_expert,
@@ -55,11 +52,9 @@ __device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, 
                                              int* __restrict__ stats, int* count_sh, int* off_sh, int* fill_sh,
                                              int* warp_tot) {
     const int tid = threadIdx.x;
-    const int tokens = SharedA ? num_pairs / (SharedA + 1) : 0, routed_pairs = num_pairs - tokens;
     for (int e = tid; e < bins; e += BUCKET_BLOCK) { count_sh[e] = 0; fill_sh[e] = 0; }
     __syncthreads();
-    for (int q = tid; q < routed_pairs; q += BUCKET_BLOCK) atomicAdd(&count_sh[expert_of(q)], 1);
-    if (SharedA && tid == 0) atomicAdd(&count_sh[bins - 1], tokens);
+    for (int p = tid; p < num_pairs; p += BUCKET_BLOCK) atomicAdd(&count_sh[expert_of(p)], 1);
     __syncthreads();
     const int cnt = tid < bins ? count_sh[tid] : 0;
     const int ntile = (cnt + bt - 1) / bt;
@@ -84,18 +79,10 @@ __device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, 
         if (tid == 0) atomicAdd(stats + 1, 1);
     }
     __syncthreads();
-    for (int q = tid; q < routed_pairs; q += BUCKET_BLOCK) {
-        const int e = expert_of(q), p = SharedA ? q + q / SharedA : q;  // t·(A+1) + k for q = t·A + k
+    for (int p = tid; p < num_pairs; p += BUCKET_BLOCK) {
+        const int e = expert_of(p);
         const int r = off_sh[e] + atomicAdd(&fill_sh[e], 1);
         sorted_pair[r] = p;
         pair_pos[p] = r;
-    }
-    if (SharedA) {
-        const int r0 = off_sh[bins - 1];
-        for (int t = tid; t < tokens; t += BUCKET_BLOCK) {
-            const int p = t * (SharedA + 1) + SharedA;
-            sorted_pair[r0 + t] = p;
-            pair_pos[p] = r0 + t;
-        }
     }
 }
