@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.gpu import graph_us  # noqa: E402
 
 D, E, A = 2304, 256, 8
-TPB = 8  # tokens per block of moe_route_logits at D = 2304 (the launcher's choice)
 
 
 def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
@@ -47,6 +46,7 @@ def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
         ids, w = cupy.empty((T, A), np.int32), cupy.empty((T, A), np.float32)
         scratch = cupy.empty((T, 3 * E), np.float32)
         logits = scratch.reshape(-1)[: T * E]
+        TPB = mr.logits_tokens_per_block(T, D)  # the launcher's choice
         k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=TPB, WARPS=8)
         k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=E, MAX_TOP_K=mr.MAX_TOP_K, PARTS=1)
         k_select3 = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=E, MAX_TOP_K=mr.MAX_TOP_K, PARTS=3)

@@ -130,3 +130,13 @@ def test_moe_route_select_policy():
 
     assert [default_select(t, 1) for t in (1, 32, 255, 256, 8192)] == ["rank"] * 3 + ["warp"] * 2
     assert default_select(8192, 8) == "rank"
+
+
+def test_moe_route_logits_tokens_per_block():
+    """The logits kernel stages the fewest rows (1, 2, 4, 8) that cover a decode batch, 8 from 8 tokens on,
+    and fewer where 8 rows of a wide hidden size would not fit its 48 KB of staged x."""
+    from kda_rt.cuda.ops.moe_route import logits_tokens_per_block
+
+    assert [logits_tokens_per_block(t, 2304) for t in (1, 2, 3, 4, 5, 8, 9, 8192)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert logits_tokens_per_block(100, 7168) == 2 and logits_tokens_per_block(1, 2 * 24 * 1024) is None
+

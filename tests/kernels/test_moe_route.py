@@ -26,6 +26,8 @@ pytestmark = pytest.mark.gpu
 
 CASES = {
     "T1-E256": (1, 256, dict()),
+    "T2-E256": (2, 256, dict()),
+    "T3-E256-biased": (3, 256, dict(biased=True)),
     "T7-E256-norenorm": (7, 256, dict(renormalize=False)),
     "T64-E64-G8k3": (64, 64, dict(G=8, topk_group=3)),
     "T300-E256-G8k4": (300, 256, dict(G=8, topk_group=4)),

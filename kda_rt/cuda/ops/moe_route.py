@@ -16,7 +16,7 @@ from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "default_select", "moe_route", "split_router"]
+__all__ = ["MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "default_select", "logits_tokens_per_block", "moe_route", "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
@@ -28,6 +28,14 @@ WARP_SELECT_MIN_T = 256
 MAX_TOP_K = 16
 _WARPS = 8  # one expert per warp in the logits kernel
 _SMEM_X_BYTES = 48 * 1024  # static shared memory for the staged x rows
+
+
+def logits_tokens_per_block(T: int, D: int) -> int | None:
+    """TPB of moe_route_logits: the fewest of 1, 2, 4, 8 that cover T (the staged x rows fit 48 KB);
+    fewer rows per block leave ptxas the registers to issue more of a lane's router loads at once (at
+    D = 2304: all 18 with TPB 1, 13 with 2, 7 with 4, 4 with 8; the logits of a decode step wait on them)."""
+    fits = [t for t in (1, 2, 4, 8) if 2 * t * D <= _SMEM_X_BYTES]
+    return next((t for t in fits if t >= T), fits[-1] if fits else None)
 
 
 def default_select(T: int, num_groups: int) -> str:
@@ -82,7 +90,7 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
         raise ValueError(f"moe_route: need 1 <= top_k <= min(16, E), E <= 1024, D % 4 == 0 (top_k={top_k}, E={E}, D={D})")
     if num_groups < 1 or E % num_groups or not (1 <= topk_group <= num_groups):
         raise ValueError(f"moe_route: bad grouping num_groups={num_groups}, topk_group={topk_group} for E={E}")
-    tpb = next((t for t in (8, 4, 2, 1) if 2 * t * D <= _SMEM_X_BYTES), None)
+    tpb = logits_tokens_per_block(T, D)
     if tpb is None:
         raise ValueError(f"moe_route: hidden size {D} too large for the staged-x kernel")
     out_ids = cupy.empty((T, top_k), dtype=np.int32) if out_ids is None else out_ids
