@@ -46,14 +46,14 @@ def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
         ids, w = cupy.empty((T, A), np.int32), cupy.empty((T, A), np.float32)
         scratch = cupy.empty((T, 3 * E), np.float32)
         logits = scratch.reshape(-1)[: T * E]
-        TPB = mr.logits_tokens_per_block(T, D)  # the launcher's choice
-        k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=TPB, WARPS=8)
+        tpb = mr.logits_tokens_per_block(T, D)  # the launcher's choice
+        k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=8)
         k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=E, MAX_TOP_K=mr.MAX_TOP_K, PARTS=1)
         k_select3 = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=E, MAX_TOP_K=mr.MAX_TOP_K, PARTS=3)
         flags = (i32(T), i32(A), i32(1), i32(1), i32(1), i32(0), f32(2.446))
 
-        def old(stream, T=T, x=x, logits=logits, ids=ids, w=w, k_logits=k_logits, k_select=k_select, flags=flags):
-            k_logits((-(-T // TPB), E // 8), (256,), (x, w_router, logits, i32(T)), stream=stream)
+        def old(stream, T=T, x=x, logits=logits, ids=ids, w=w, k_logits=k_logits, k_select=k_select, flags=flags, tpb=tpb):
+            k_logits((-(-T // tpb), E // 8), (256,), (x, w_router, logits, i32(T)), stream=stream)
             k_select((T,), (E,), (logits, bias, ids, w, *flags), stream=stream)
 
         def new(stream, T=T, x=x, ids=ids, w=w, scratch=scratch, k_select3=k_select3, flags=flags):
