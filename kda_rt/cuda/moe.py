@@ -72,7 +72,8 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
 
 def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
     """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
-    this MoE shape: tiles of 16, 64 and 128 rows (128 on wgmma where it runs), so no step, e.g. a
+    this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), 64 and 128 rows
+    (128 on wgmma where it runs), so no step, e.g. a
     mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
     (~0.2-0.4 s a variant).  Returns the number of variants."""
     E, A = cfg.num_experts, cfg.top_k
@@ -89,6 +90,10 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
             else:
                 tc_kernel(tile, k, nout, fuse, pairs)
+                small = tile_config(bm, nout, k, fuse, tokens=1)
+                if small and small != tile:
+                    tc_kernel(small, k, nout, fuse, pairs)
+                    count += 1
         count += 3
     return count
 

@@ -99,14 +99,16 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 9
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 11
     buckets = sorted(kw["BT"] for f, kw in built if f == "moe_align.cu")
     assert buckets == [16, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
                                             for f, kw in built if f == "moe_align.cu")
-    gemms = sorted((f, kw.get("BM", 128), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built if "gemm" in f)
+    gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
+                   if "gemm" in f)
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
-    assert gemms == sorted([("moe_gemm_tc.cu", bm, fuse, 9) for bm in (16, 64) for fuse in (False, True)]
-                           + [(big, 128, fuse, 9) for fuse in (False, True)])
+    want = [("moe_gemm_tc.cu", bm, bn, fuse, 9) for bm, bn in ((16, 64), (16, 128), (64, 128)) for fuse in (False, True)]
+    want += [(big, 128, 256 if big == "moe_gemm_wg.cu" else 128, fuse, 9) for fuse in (False, True)]
+    assert gemms == sorted(want)
 
 
 def test_runner_precompiles_every_kda_state_width(monkeypatch):
@@ -139,4 +141,14 @@ def test_moe_route_logits_tokens_per_block():
 
     assert [logits_tokens_per_block(t, 2304) for t in (1, 2, 3, 4, 5, 8, 9, 8192)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert logits_tokens_per_block(100, 7168) == 2 and logits_tokens_per_block(1, 2 * 24 * 1024) is None
+
+
+def test_moe_decode_tile_by_batch():
+    """16-row decode tiles: 64 features (3 CTAs per SM) for batches of up to 8 tokens, so a batch-1 step's
+    144 + 162 CTAs of the 48B shape fit one pass over the 132 SMs; 128 features from 9 tokens on."""
+    from kda_rt.cuda.ops.moe_gemm_tc import tile_config
+
+    for nout, k, fuse in ((2048, 2304, True), (2304, 1024, False)):
+        assert [tile_config(16, nout, k, fuse, tokens=t).bn for t in (1, 8, 9, 256)] == [64, 64, 128, 128]
+        assert tile_config(16, nout, k, fuse).bn == 128 and tile_config(64, nout, k, fuse, tokens=1).bm == 64
 

@@ -157,6 +157,7 @@ BIG = {  # name: (T, skewed, bm)
     "T2048-skewed-bm128": (2048, True, 128),
     # decode steps with 16-row tiles (the weights stream; most rows of a tile are empty)
     "T1-bm16": (1, False, 16),
+    "T8-bm16": (8, False, 16),
     "T32-bm16": (32, False, 16),
     "T128-skewed-bm16": (128, True, 16),
 }
@@ -175,6 +176,7 @@ TILES = [  # candidate tiles (bm, bn, bk, stages, warps_m, warps_n, min_blocks),
     (16, 128, 64, 4, 1, 4, 2),  # decode tiles: one m16 row tile, weights streamed through 4-6 stages
     (16, 64, 64, 4, 1, 2, 4),
     (16, 128, 64, 6, 1, 4, 2),
+    (16, 64, 64, 6, 1, 2, 3),  # batches of up to 8 tokens
 ]
 
 

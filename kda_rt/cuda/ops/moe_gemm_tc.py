@@ -12,7 +12,7 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["TileConfig", "check_grouped_gemm", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
+__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -46,6 +46,11 @@ _SMALL = TileConfig(64, 128, 64, 4, 2, 2, 2)  # warp tile 32 x 64, 108 KB smem, 
 # H200, E=256 top-8 D=2304 I=1024 (bench_moe_decode.py), gate/up | down: batch 1 25 | 21 us, batch 32
 # with 66 experts touched 164 | 90 us (3.8 | 3.5 TB/s), batch 128 586 | 300 us (4.0 | 3.9 TB/s)
 _DECODE = TileConfig(16, 128, 64, 6, 1, 4, 2)
+# batches of up to SMALL_DECODE_TOKENS tokens: 64-feature tiles, 69 KB smem, 3 CTAs per SM.  With 128
+# features a batch-1 step of the 48B shape has 16 x 9 = 144 gate/up and 18 x 9 = 162 down CTAs of one
+# per SM, two waves on 132 SMs: 36 + 18.5 us (ncu, cold weights) for 127 MB, 2.3 TB/s.
+_DECODE_SMALL = TileConfig(16, 64, 64, 6, 1, 2, 3)
+SMALL_DECODE_TOKENS = 8
 
 
 def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
@@ -56,9 +61,11 @@ def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
     return out_ok and k % t.bk == 0 and k // t.bk >= t.stages - 1 and t.bm % rpp == 0 and t.bn % rpp == 0
 
 
-def tile_config(bm: int, nout: int, k: int, fuse_silu: bool) -> TileConfig | None:
-    """The tile for BM-row tiles of one GEMM (nout x k weights), or None when no tile fits the shape."""
-    base = {128: _BIG, 16: _DECODE}.get(bm, _SMALL)
+def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None = None) -> TileConfig | None:
+    """The tile for BM-row tiles of one GEMM (nout x k weights) in a step of `tokens` tokens (None: a
+    larger batch), or None when no tile fits the shape."""
+    small = bm == 16 and tokens is not None and tokens <= SMALL_DECODE_TOKENS
+    base = _DECODE_SMALL if small else {128: _BIG, 16: _DECODE}.get(bm, _SMALL)
     short_k = base._replace(bk=32, stages=4)  # K of a few BK (small test shapes)
     for t in (base, short_k, base._replace(bn=128, warps_n=2), short_k._replace(bn=128, warps_n=2)):
         if _fits(t, nout, k, fuse_silu):
@@ -100,7 +107,7 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
     else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
-    tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu)
+    tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu, tokens=N // top_k)
     if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_tc: no tile {tile} for BM={plan.tile_rows}, K={K}, NOUT={nout}")
     kernel = tc_kernel(tile, K, nout, fuse_silu, top_k)
