@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Full Kimi-Linear-48B-A3B shape (27 layers, random bf16 weights built by the bench, router bias std
-# 0.05): the seed benchmark (batch 32, 2048 in, 512 out, with --profile), batch 1 (2048 in, 128 out)
+# 0.05): the seed benchmark (batch 32, 2048 in, 512 out, with --profile), batch 1 and 8 (2048 in, 128 out)
 # and one 32K and one 128K prompt ($ALSO), each printing its decode bytes floor from the experts the
 # run routed and its prefill floor; `peer` then times transformers + fla at batch 32 and 1 (2048 in)
 # (peer_transformers.py --layers 27, its own random weights, same shapes).
@@ -12,7 +12,7 @@ for mode in "$@"; do
   if [ "$mode" = ours ]; then  # one process, one load: the seed benchmark (profiled), batch 1, long prompts
     timeout ${BENCH_TIMEOUT:-400} python -m kda_rt.bench --config kimi-linear-48b-a3b --random-weights \
       --router-bias-std 0.05 --batch 32 --input-len 2048 --output-len 512 --profile \
-      --also ${ALSO:-1:2048:128,1:32768:16,1:131072:16} 2>>$OUT/bench_full_err.txt | tee -a $OUT/bench_full.jsonl \
+      --also ${ALSO:-1:2048:128,8:2048:128,1:32768:16,1:131072:16} 2>>$OUT/bench_full_err.txt | tee -a $OUT/bench_full.jsonl \
       | cut -c1-300
     grep -E "^[0-9]+ x [0-9]+ / [0-9]+: decode" $OUT/bench_full_err.txt
   elif [ "$mode" = peer ]; then
