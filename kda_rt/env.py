@@ -48,6 +48,16 @@ def gc_threshold() -> int:
     return n
 
 
+def skinny() -> bool:
+    """KDA_RT_SKINNY: 0 sends the narrow dense projections of decode batches (up to 8 rows, 4096 outputs)
+    to cuBLAS instead of kernels_cu/skinny_gemm.cu; default 1.  Read at each call (a CUDA graph keeps the kernels
+    it captured)."""
+    value = os.environ.get("KDA_RT_SKINNY") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KDA_RT_SKINNY must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def wgmma() -> bool:
     """KDA_RT_WGMMA: 0 turns the Hopper warpgroup-MMA prefill kernels off (moe_gemm_wg.cu), so the
     portable mma.sync ones run instead; default 1 (they run wherever the arch is sm_90a)."""

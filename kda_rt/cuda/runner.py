@@ -121,10 +121,12 @@ class CudaRunner:
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
         from kda_rt.cuda.ops.kda_prefill import precompile as precompile_kda
+        from kda_rt.cuda.ops.skinny_gemm import precompile as precompile_skinny
         from kda_rt.cuda.weights import DeviceMoE
         from kda_rt.sampler.sampling import precompile
 
         precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
+        precompile_skinny()  # nor for the decode projections' kernel (by rows, output dtype)
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             if moe is not None:

@@ -1,0 +1,102 @@
+// skinny_gemm.cu — y = x · Wᵀ for a handful of rows (decode: M ≤ 8 tokens), bf16 in, fp32
+// accumulate, bf16 or fp32 out: the dense decode projections whose output is narrow (N ≤ 4096), where
+// cuBLAS picks small-M kernels that leave the weight stream below bandwidth (o_proj 4096 -> 2304 at
+// M = 1: split-K + a reduce kernel, 9.9 us for 18.9 MB; f_a|g_a|b 2304 -> 288: 5.9 us for 1.3 MB).
+//
+// Grid (N / 16), block WARPS·32 = 256: one CTA per 16 output features (rows of W), each warp a
+// contiguous K / WARPS slice of the reduction; the 8 per-warp partial tiles are summed in shared memory
+// in warp order (deterministic), then rounded once.
+// Per warp, mma.sync m16n8k16 with A = the 16 weight rows, B = xᵀ (8 tokens per n-tile), over chunks
+// of 32 k: lane (g = lane / 4, c = lane mod 4) loads 16 bytes (k = 8c .. 8c + 7 of the chunk) of weight
+// rows g and g + 8 and of token row g.  The mma's k order inside a chunk is thereby
+// permuted (step s takes physical k 8c + 4s .. 8c + 4s + 3 as logical 2c, 2c + 1, 2c + 8, 2c + 9) the
+// same way for both operands, so the sum is the plain dot product, and every load is one 16-byte piece
+// straight into the fragment registers (moe_gemm.cu's weight-stationary loads, without shared memory).
+// UNROLL chunks of loads are issued before their mma so that a warp keeps UNROLL·1 KB of weights in
+// flight (__launch_bounds__(256, 1) lets ptxas keep them all in registers: with its default budget
+// it interleaved each load with its mma, one chunk in flight).  Weight loads bypass L1 (each byte is read once); token rows stay cached (every CTA reads them).
+//
+// Measured (H200, 2026-11-30, tests/gpu/bench_skinny.py: graph replay over weight copies streamed
+// from HBM, M = 1 / 8, against cuBLAS): o_proj 7.5 / 8.2 us (cuBLAS 9.9 / 9.8), f_a|g_a|b 3.4 / 3.7 us
+// (5.9 / 6.0), dense down 9216 -> 2304 14.0 / 14.8 us (15.6 / 15.7).  On wide outputs cuBLAS is as fast
+// or faster (q|k|v 12288: 17.3 vs 16.9 us; lm_head: 178 vs 175 us), and with 16 rows (two n-tiles,
+// one CTA per SM for its registers) this kernel lost everywhere: ops/skinny_gemm.py sends only M ≤ 8,
+// N ≤ 4096 here.
+// Shapes: x [M, K] bf16 rows ldx apart; w [N, K] bf16 contiguous; out [M, N] rows ldo apart, bf16
+// (OUT_F32 = 0) or fp32.  N % 16 == 0, K % (32·WARPS) == 0, x, w 16-byte aligned, ldx % 8 == 0,
+// 1 ≤ M ≤ 8 (ops/skinny_gemm.py checks all of it).
+// Compile-time constants: OUT_F32, UNROLL.
+#include "common.cuh"
+
+#if !defined(OUT_F32) || !defined(UNROLL)
+#error "skinny_gemm.cu needs -DOUT_F32 -DUNROLL"
+#endif
+#define WARPS 8
+#define FT 16  // output features per CTA (one mma m-tile)
+
+template <int N>
+struct Count {
+    static constexpr int value = N;
+};
+
+// 16 bytes of weights that are read once: no L1 allocation
+__device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
+    uint4 v;  // (not volatile: ptxas may issue it ahead of earlier mma)
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf16* __restrict__ x, int ldx,
+                                                                     const bf16* __restrict__ w, void* __restrict__ out,
+                                                                     int ldo, int M, int K) {
+    __shared__ float part[WARPS][8][FT + 1];  // [warp][token][feature] partial sums
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int f0 = blockIdx.x * FT;
+    const int kw = K / WARPS, kbeg = warp * kw, nch = kw / 32;
+
+    const bf16* w0 = w + (size_t)(f0 + g) * K + kbeg + 8 * c;
+    const bf16* w1 = w0 + (size_t)8 * K;
+    const bool xv = g < M;  // token row g exists (rows past M multiply zeros and are not stored)
+    const bf16* xr = x + (size_t)(xv ? g : 0) * ldx + kbeg + 8 * c;
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // UNROLL chunks of loads, then their mma; the last nch mod UNROLL chunks one at a time
+    auto chunks = [&](int ch, auto n_tag) {  // n_tag: Count<n> (NVRTC has no <type_traits>)
+        constexpr int n = decltype(n_tag)::value;
+        uint4 a0[n], a1[n], b[n];
+#pragma unroll
+        for (int u = 0; u < n; ++u) {
+            const int k = (ch + u) * 32;
+            a0[u] = ld_stream16(w0 + k);
+            a1[u] = ld_stream16(w1 + k);
+            b[u] = xv ? __ldg(reinterpret_cast<const uint4*>(xr + k)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < n; ++u) {
+            const unsigned s0[4] = {a0[u].x, a1[u].x, a0[u].y, a1[u].y}, s1[4] = {a0[u].z, a1[u].z, a0[u].w, a1[u].w};
+            mma_bf16(acc, s0, b[u].x, b[u].y);
+            mma_bf16(acc, s1, b[u].z, b[u].w);
+        }
+    };
+    int ch = 0;
+    for (; ch + UNROLL <= nch; ch += UNROLL) chunks(ch, Count<UNROLL>{});
+    for (; ch < nch; ++ch) chunks(ch, Count<1>{});
+
+    // acc = {(feature g, token 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
+#pragma unroll
+    for (int j = 0; j < 4; ++j) part[warp][2 * c + (j & 1)][g + 8 * (j >> 1)] = acc[j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < M * FT; i += WARPS * 32) {
+        const int tok = i / FT, f = i % FT;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) s += part[v][tok][f];  // warp order: deterministic
+#if OUT_F32
+        static_cast<float*>(out)[(size_t)tok * ldo + f0 + f] = s;
+#else
+        static_cast<bf16*>(out)[(size_t)tok * ldo + f0 + f] = to_bf16(s);
+#endif
+    }
+}
