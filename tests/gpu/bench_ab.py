@@ -1,0 +1,82 @@
+"""A/B of one KDA_RT_* switch on the full 27-layer shape with one model load: the seed benchmark's
+prefill (32 x 2048 prompts, 2 output tokens: TTFT max) and optionally a decode run, alternating the
+switch's values so that drift in the GPU's state hits both alike.  The switch must be one the runtime
+reads at each call (e.g. KDA_RT_SKINNY), not one read once at start; the decode graphs are captured
+again after each flip (they keep the kernels they captured).
+
+    PYTHONPATH=. python tests/gpu/bench_ab.py --env KDA_RT_HALF_TAILS --values 1,0 [--rounds 3]
+        [--decode 1:2048:64,8:2048:64]
+One JSON line per run on stdout, then one summary line per value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--env", required=True)
+    ap.add_argument("--values", default="1,0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--decode", default="", help="batch:input:output of decode runs per round, e.g. 1:2048:64,8:2048:64")
+    args = ap.parse_args()
+    if not args.env.startswith("KDA_RT_"):
+        ap.error(f"--env must name a KDA_RT_ switch, got {args.env!r}")
+
+    from kda_rt.bench import floors, random_weights, run_bench
+    from kda_rt.demo.presets import PRESETS
+    from kda_rt.engine.config import EngineConfig
+    from kda_rt.llm import build_engine
+    from kda_rt.loader.config import parse_config
+
+    cfg = parse_config(PRESETS["kimi-linear-48b-a3b"](args.layers), source="preset")
+    t0 = time.perf_counter()
+    engine = build_engine(cfg, random_weights(cfg, 0, router_bias_std=0.05),
+                          EngineConfig(max_num_seqs=max(32, args.prompts), gpu_memory_utilization=0.85))
+    print(f"load {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    values = args.values.split(",")
+    decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
+    run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
+    ttft: dict[str, list[float]] = {v: [] for v in values}
+    steps: dict[tuple, list[float]] = {(v, d): [] for v in values for d in decodes}
+    for r in range(args.rounds):
+        for v in values:
+            os.environ[args.env] = v
+            if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
+                engine.runner.graphs.clear()
+                for b, *_ in decodes:  # (the decode runs' buckets now, outside their timing)
+                    run_bench(engine, b, 64, 4, seed=99)
+            rep = run_bench(engine, args.prompts, args.input_len, 2, seed=2 + r)
+            ttft[v].append(rep["ttft_s_max"])
+            row = {"what": "prefill", args.env: v, "round": r, "ttft_max_s": round(rep["ttft_s_max"], 4),
+                   "kernels_built": rep.get("kernels_built")}
+            print(json.dumps(row), flush=True)
+            for b, i, o in decodes:
+                engine.runner.experts_touched(reset=True)
+                dec = run_bench(engine, b, i, o, seed=50 + r)
+                fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True))
+                steps[v, (b, i, o)].append(dec["decode_step_s_mean"])
+                row = {"what": "decode", args.env: v, "round": r, "workload": f"{b}:{i}:{o}",
+                       "step_ms": round(dec["decode_step_s_mean"] * 1e3, 3), "floor_ms": round(fl["decode_floor_ms"], 3),
+                       "ratio": round(fl["decode_ratio"], 3), "experts": fl["experts_per_moe_layer"],
+                       "kernels_built": dec.get("kernels_built")}
+                print(json.dumps(row), flush=True)
+    for v in values:
+        print(json.dumps({"summary": args.env, "value": v, "ttft_max_s": [round(t, 4) for t in ttft[v]],
+                          "ttft_median_s": round(statistics.median(ttft[v]), 4),
+                          **{f"step_ms_median {b}:{i}:{o}": round(statistics.median(steps[v, (b, i, o)]) * 1e3, 3)
+                             for b, i, o in decodes}}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Per-kernel timeline of decode-graph replays on the full 27-layer shape: which kernels run, their
+summed time, and the idle gaps between them (the launch cost inside the graph).
+
+A measurement tool for the device only: the kernel timestamps come from CUPTI through torch.profiler
+(torch is on the device image, never a kda_rt dependency).
+
+    PYTHONPATH=. python tests/gpu/trace_decode.py [--batches 1,32] [--layers 27] [--trace-dir DIR]
+One JSON line per batch on stdout (replay wall, kernels, busy and gap time, largest kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+
+def _short(name: str) -> str:
+    name = re.sub(r"<.*", "", name)
+    return name[:60]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--trace-dir", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+
+    from kda_rt.bench import random_weights, run_bench
+    from kda_rt.demo.presets import PRESETS
+    from kda_rt.engine.config import EngineConfig
+    from kda_rt.llm import build_engine
+    from kda_rt.loader.config import parse_config
+
+    cfg = parse_config(PRESETS["kimi-linear-48b-a3b"](args.layers), source="preset")
+    batches = [int(b) for b in args.batches.split(",") if b]
+    t0 = time.perf_counter()
+    engine = build_engine(cfg, random_weights(cfg, 0, router_bias_std=0.05),
+                          EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192,
+                                       gpu_memory_utilization=0.85))
+    print(f"load {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    runner = engine.runner
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in batches:
+        rows = next(b for b in runner.buckets if b >= batch)
+        run_bench(engine, batch, args.input_len, 8, seed=3)
+        g = runner.graphs[rows]
+        with runner.stream:
+            for _ in range(3):
+                g.graph.launch(runner.stream)
+            runner.stream.synchronize()
+            walls = []
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.replays):
+                    ts = time.perf_counter()
+                    g.graph.launch(runner.stream)
+                    runner.stream.synchronize()
+                    walls.append(time.perf_counter() - ts)
+                    time.sleep(0.002)  # a clear break between replays in the timeline
+        path = os.path.join(args.trace_dir, f"trace_decode_b{batch}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+        kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        # split into replays at gaps of more than 1 ms
+        replays, cur = [], []
+        for e in kernels:
+            if cur and e["ts"] - (cur[-1]["ts"] + cur[-1]["dur"]) > 1000:
+                replays.append(cur)
+                cur = []
+            cur.append(e)
+        if cur:
+            replays.append(cur)
+        stats = []
+        per_kernel: collections.Counter[str] = collections.Counter()
+        count: collections.Counter[str] = collections.Counter()
+        gap_after: collections.Counter[str] = collections.Counter()
+        gaps_all = []
+        for rep in replays:
+            span = rep[-1]["ts"] + rep[-1]["dur"] - rep[0]["ts"]
+            busy = sum(e["dur"] for e in rep)
+            gaps = [max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(rep, rep[1:], strict=False)]
+            gaps_all += gaps
+            for a, gap in zip(rep, gaps, strict=False):
+                gap_after[_short(a["name"])] += gap / len(replays)
+            for e in rep:
+                per_kernel[_short(e["name"])] += e["dur"] / len(replays)
+                count[_short(e["name"])] += 1 / len(replays)
+            stats.append((len(rep), span, busy))
+        print(json.dumps({
+            "batch": batch, "graph_rows": rows, "replay_wall_ms": round(statistics.fmean(walls) * 1e3, 3),
+            "replays_seen": len(replays), "kernels_per_replay": [s[0] for s in stats],
+            "span_ms": round(statistics.fmean(s[1] for s in stats) / 1e3, 3),
+            "busy_ms": round(statistics.fmean(s[2] for s in stats) / 1e3, 3),
+            "gap_ms": round(statistics.fmean(s[1] - s[2] for s in stats) / 1e3, 3),
+            "gap_us_median": round(statistics.median(gaps_all), 2) if gaps_all else None,
+            "gap_us_p90": round(sorted(gaps_all)[int(0.9 * len(gaps_all))], 2) if gaps_all else None,
+            "kernels": [{"name": k, "n": round(count[k], 1), "us": round(v, 1), "gap_after_us": round(gap_after[k], 1)}
+                        for k, v in per_kernel.most_common(40)],
+        }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
