@@ -48,6 +48,15 @@ def gc_threshold() -> int:
     return n
 
 
+def pdl() -> bool:
+    """KDA_RT_PDL: 0 captures the decode graphs with plain kernel launches instead of programmatic
+    dependent launches (kda_rt/cuda/ops/pdl.py, sm_90+); default 1.  Read when a graph is captured."""
+    value = os.environ.get("KDA_RT_PDL") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KDA_RT_PDL must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def skinny() -> bool:
     """KDA_RT_SKINNY: 0 sends the narrow dense projections of decode batches (up to 8 rows, 4096 outputs)
     to cuBLAS instead of kernels_cu/skinny_gemm.cu; default 1.  Read at each call (a CUDA graph keeps the kernels

@@ -8,6 +8,25 @@
 
 typedef __nv_bfloat16 bf16;
 
+// Programmatic dependent launch (sm_90+).  Every kernel starts with KDA_PDL_ENTRY(): it waits until the
+// kernel before it in the stream has completed and its writes are visible (griddepcontrol.wait; a no-op
+// unless this launch carried the programmatic-serialization attribute), then lets the next such launch
+// be scheduled (griddepcontrol.launch_dependents), so that its launch and ramp overlap this kernel's
+// run.  Waiting first, before any memory access, keeps the stream order exact for every kernel that
+// follows (kda_rt/cuda/ops/pdl.py launches with the attribute while a decode graph is captured;
+// tests/kernels/test_pdl.py checks that every __global__ in kernels_cu/ starts with this line).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KDA_PDL_ENTRY()                                             \
+    do {                                                            \
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");        \
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); \
+    } while (0)
+#else
+#define KDA_PDL_ENTRY() \
+    do {                \
+    } while (0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // conversions
 

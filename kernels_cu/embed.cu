@@ -22,6 +22,7 @@
 
 extern "C" __global__ void embed_gather(const int* __restrict__ ids, const bf16x8* __restrict__ table,
                                         bf16x8* __restrict__ out, int num_tokens, int vocab) {
+    KDA_PDL_ENTRY();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int id = ids[t];

@@ -155,6 +155,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     float* __restrict__ rec_pool, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
     bf16* __restrict__ out, int num_heads, float eps, const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
     int ldr) {
+    KDA_PDL_ENTRY();
     __shared__ float q_s[K], k_s[K], decay_s[K], v_s[VC], ss_s[SPLIT];
     __shared__ __align__(16) float red_r[NUM_WARPS][VC], red_o[NUM_WARPS][VC];
     __shared__ float red3[NUM_WARPS][3];

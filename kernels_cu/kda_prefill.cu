@@ -199,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     const int* __restrict__ state_slots, bf16* __restrict__ ws_q, bf16* __restrict__ ws_k, bf16* __restrict__ ws_w,
     bf16* __restrict__ ws_u, bf16* __restrict__ ws_a, float* __restrict__ ws_g, int num_seqs, int num_heads,
     int prefetch_ahead) {
+    KDA_PDL_ENTRY();
     extern __shared__ float4 smem4[];
     char* sm = reinterpret_cast<char*>(smem4);
     bf16* Raw = (bf16*)(sm + IN_QR);  // raw q, k, v tiles, rows c0-(W-1) .. c0+L-1, each SZ_TR bytes
@@ -561,6 +562,7 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
     const bf16* __restrict__ qkv, bf16* __restrict__ conv_pool, float* __restrict__ rec_pool,
     const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
     bf16* __restrict__ out, int num_heads) {
+    KDA_PDL_ENTRY();
     constexpr int THREADS = 32 * STATE_WARPS, NT = WN / 8;
     extern __shared__ float4 smem4[];
     char* sm = reinterpret_cast<char*>(smem4);
@@ -741,6 +743,7 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
 // 16 threads per (token, head) row of 128 channels, 8 each: in place over out, which holds bf16(O)
 extern "C" __global__ void __launch_bounds__(256) kda_prefill_norm(
     const bf16* __restrict__ gate, const float* __restrict__ o_norm_w, bf16* __restrict__ out, int num_rows, float eps) {
+    KDA_PDL_ENTRY();
     const int gid = blockIdx.x * blockDim.x + threadIdx.x, row = gid >> 4, c = 8 * (gid & 15);
     const bool ok = row < num_rows;  // rows of K channels: (token, head) pairs, contiguous in out
     bf16x8 o, gv;

@@ -137,6 +137,7 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
                const int* __restrict__ context_lens, const int* __restrict__ block_tables,
                int num_seqs, int max_pages, float scale_log2,
                bf16* ctx_out, bf16* __restrict__ partial, float* __restrict__ stats) {
+    KDA_PDL_ENTRY();
     // q_lat and ctx_out alias: no __restrict__ on them
     extern __shared__ __align__(128) unsigned char smem_raw[];
     constexpr int QS_BYTES = HP * LDK * 2, SP_BYTES = KG * HP * LDS_S * 4;
@@ -334,6 +335,7 @@ extern "C" __global__ void __launch_bounds__(256)
 mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ stats,
                  const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
                  int num_seqs, int max_pages, int num_splits, bf16* __restrict__ ctx_out) {
+    KDA_PDL_ENTRY();
     __shared__ float red_m[CG], red_l[CG];
     __shared__ __align__(16) float red_acc[CG][CC + 4];
     const int t = blockIdx.x, h = blockIdx.y, col = blockIdx.z * CC + (threadIdx.x % CT) * 8;
@@ -404,6 +406,7 @@ mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ sta
 extern "C" __global__ void __launch_bounds__(256)
 mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kvb, int num_tokens,
              bf16* __restrict__ q_lat) {
+    KDA_PDL_ENTRY();
     constexpr int NPT = DN / 32;  // weight rows per thread
     __shared__ float q_s[TMAX][DN];
     __shared__ __align__(16) float red[8][TMAX][64];
@@ -470,6 +473,7 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
 extern "C" __global__ void __launch_bounds__(256)
 mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int num_tokens,
                bf16* __restrict__ out, int ld_out) {
+    KDA_PDL_ENTRY();
     constexpr int RPL = R / 256;  // 16-byte chunks per lane and row
     __shared__ __align__(16) bf16 c_s[TMAX][R];
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -104,6 +104,7 @@ extern "C" __global__ void mla_prefill_gather(const bf16* __restrict__ kv_pool, 
                                               int max_pages, const int* __restrict__ seq_rec,
                                               const int* __restrict__ row_start, int num_seqs, int num_rows,
                                               bf16* __restrict__ lat) {
+    KDA_PDL_ENTRY();
     constexpr int CH = LATW / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)num_rows * CH) return;
@@ -119,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 mla_prefill_attn(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ kv, const bf16* __restrict__ lat,
                  const int* __restrict__ seq_rec, const int* __restrict__ tiles, float scale_log2,
                  bf16* __restrict__ out, int ld_out, float* __restrict__ o_state, float* __restrict__ ml_state) {
+    KDA_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* q_s = reinterpret_cast<bf16*>(smem_raw);          // [BLOCK_M][LDQ]
     bf16* k_s = q_s + BLOCK_M * LDQ;                         // [2][BLOCK_N][LDK]

@@ -36,6 +36,7 @@ mla_store_rows(const bf16* __restrict__ kv_a, int ld_kv_a, const bf16* __restric
                bf16* __restrict__ kv_pool, const int* __restrict__ cu_seqlens,
                const int* __restrict__ context_lens, const int* __restrict__ block_tables,
                int num_seqs, int max_pages, float eps) {
+    KDA_PDL_ENTRY();
     __shared__ float scratch[THREADS / 32 > 0 ? THREADS / 32 : 1];
     const int t = blockIdx.x;
     if (t >= __ldg(cu_seqlens + num_seqs)) return;

@@ -152,6 +152,7 @@ extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_off, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
            int* __restrict__ num_tiles, int* __restrict__ stats) {
+    KDA_PDL_ENTRY();
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
     bucket_block([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
                  pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh, off_sh, fill_sh, warp_tot);
@@ -163,6 +164,7 @@ static_assert(THREADS >= A + 1, "moe_combine: one thread per pair of a token loa
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
             const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {
+    KDA_PDL_ENTRY();
     __shared__ int pos_sh[A + 1];
     __shared__ float w_sh[A];
     const int t = blockIdx.x;

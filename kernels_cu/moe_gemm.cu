@@ -62,6 +62,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * KSPLIT * 32)
 moe_grouped_gemm(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                  const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                  const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    KDA_PDL_ENTRY();
     const int tile = blockIdx.x;
     if (tile >= num_tiles[0]) return;
     const int e = tile_expert[tile], row0 = tile_row[tile], row_end = expert_off[e + 1];

@@ -121,6 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    KDA_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
     bf16* sb = sa + STAGES * BM * LDS;              // [STAGES][BN][LDS]

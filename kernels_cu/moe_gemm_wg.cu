@@ -209,6 +209,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment

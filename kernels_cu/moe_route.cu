@@ -119,6 +119,7 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
 #ifdef TPB
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) moe_route_logits(const bf16* __restrict__ x, const float* __restrict__ w_router,
                                             float* __restrict__ logits, int num_tokens) {
+    KDA_PDL_ENTRY();
     __shared__ __align__(16) bf16 xs[TPB][D];
     const int t0 = blockIdx.x * TPB;
     // stage TPB rows (zeros past the end) with 8-byte copies: D % 4 == 0 keeps them aligned
@@ -174,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 moe_route_select(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
                  float* __restrict__ out_w, int num_tokens, int top_k, int num_groups, int topk_group,
                  int renormalize, int biased, float scaling) {
+    KDA_PDL_ENTRY();
     __shared__ float s_sh[E], sel_sh[E], group_sh[E];
     __shared__ int keep_sh[E], ids_sh[MAX_TOP_K];
     __shared__ float w_sh[MAX_TOP_K];
@@ -239,6 +241,7 @@ extern "C" __global__ void __launch_bounds__(SEL_WARPS * 32)
 moe_route_select_warp(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
                       float* __restrict__ out_w, int num_tokens, int top_k, int renormalize, int biased,
                       float scaling) {
+    KDA_PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * SEL_WARPS + (threadIdx.x >> 5);
     if (t >= num_tokens) return;  // whole warps only: no shuffle in warp_route_token loses a lane

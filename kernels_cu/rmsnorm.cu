@@ -16,6 +16,7 @@
 
 extern "C" __global__ void rmsnorm_fwd(const bf16* __restrict__ x, bf16* __restrict__ residual,
                                        const bf16* __restrict__ w, bf16* __restrict__ y, int num_rows, float eps) {
+    KDA_PDL_ENTRY();
     __shared__ float scratch[THREADS / 32];
     const int row = blockIdx.x;
     if (row >= num_rows) return;

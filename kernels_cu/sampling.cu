@@ -552,6 +552,7 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
             const float* __restrict__ frequency, int* __restrict__ out_ids, float* __restrict__ out_logprobs,
             int* __restrict__ out_top_ids, float* __restrict__ out_top_logprobs, const unsigned* __restrict__ allowed,
             int* __restrict__ out_flags, int num_rows) {
+    KDA_PDL_ENTRY();
     extern __shared__ float4 xs_dyn[];  // [SLICE / 4] with CACHE_X
     __shared__ Shared sh;
     __shared__ float red_v[NUM_WARPS], red_s[NUM_WARPS];
@@ -758,6 +759,7 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
 
 // counts[b, ids[b]] += 1 after each step (rows with an id outside [0, V) are left alone).
 extern "C" __global__ void update_counts(int* __restrict__ counts, const int* __restrict__ ids, int num_rows) {
+    KDA_PDL_ENTRY();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_rows) return;
     const int id = ids[b];
@@ -767,6 +769,7 @@ extern "C" __global__ void update_counts(int* __restrict__ counts, const int* __
 // prompt_mask[row, ids[j]] = 1 for j < num_ids (ids outside [0, V) are skipped).
 extern "C" __global__ void mark_prompt_tokens(unsigned char* __restrict__ prompt_mask, const int* __restrict__ ids,
                                               int row, int num_ids) {
+    KDA_PDL_ENTRY();
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= num_ids) return;
     const int id = ids[j];

@@ -23,6 +23,7 @@
 // kernels
 
 extern "C" __global__ void silu_mul_fwd(const bf16* __restrict__ gu, bf16* __restrict__ out, int num_rows) {
+    KDA_PDL_ENTRY();
     const int t = blockIdx.x;
     const int c = (blockIdx.y * THREADS + threadIdx.x) * 8;
     if (t >= num_rows || c >= I) return;

@@ -51,6 +51,7 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf16* __restrict__ x, int ldx,
                                                                      const bf16* __restrict__ w, void* __restrict__ out,
                                                                      int ldo, int M, int K) {
+    KDA_PDL_ENTRY();
     __shared__ float part[WARPS][8][FT + 1];  // [warp][token][feature] partial sums
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int f0 = blockIdx.x * FT;

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kda_rt.cuda.model import CudaModel, DeviceBatch
+from kda_rt.cuda.ops import pdl
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.staging import Staging, pack_layout
 from kda_rt.cuda.weights import upload_weights
@@ -204,7 +205,8 @@ class CudaRunner:
             ws.frozen = True
             self.stream.begin_capture()
             try:
-                logits = self.model.forward(dev, ws)
+                with pdl.capturing():  # our kernels as programmatic dependent launches (sm_90+)
+                    logits = self.model.forward(dev, ws)
             finally:
                 graph = self.stream.end_capture()
         g = self.graphs[rows] = _Graph(dev, ws, graph, logits)

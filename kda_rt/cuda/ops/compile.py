@@ -198,9 +198,10 @@ def get_kernel(filename: str, name: str, *, max_dynamic_smem: int = 0, **defines
 
         driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem)
         _smem_allowed[fn.ptr] = max_dynamic_smem
-    from kda_rt.cuda.ops import trace
+    from kda_rt.cuda.ops import pdl, trace
 
-    return trace.Counted(fn, f"{filename}:{name}") if trace.active() is not None else fn
+    kernel = pdl.Kernel(fn)  # (launched with PDL inside a decode-graph capture: ops/pdl.py)
+    return trace.Counted(kernel, f"{filename}:{name}") if trace.active() is not None else kernel
 
 
 def startup_log() -> str:
