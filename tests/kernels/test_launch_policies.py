@@ -152,3 +152,38 @@ def test_moe_decode_tile_by_batch():
         assert [tile_config(16, nout, k, fuse, tokens=t).bn for t in (1, 8, 9, 256)] == [64, 64, 128, 128]
         assert tile_config(16, nout, k, fuse).bn == 128 and tile_config(64, nout, k, fuse, tokens=1).bm == 64
 
+
+
+def _fake(shape, *, dtype=None, ptr=256, row_stride=None, contiguous=True):
+    """Enough of a device array for the launch policies: shape, dtype, strides, flags, data.ptr."""
+    import numpy as np
+
+    from kda_rt.cuda.ops.check import BF16
+
+    dtype = np.dtype(dtype or BF16)
+    stride = (row_stride or shape[-1]) * dtype.itemsize
+    return types.SimpleNamespace(shape=shape, dtype=dtype, itemsize=dtype.itemsize, strides=(stride, dtype.itemsize),
+                                 flags=types.SimpleNamespace(c_contiguous=contiguous),
+                                 data=types.SimpleNamespace(ptr=ptr))
+
+
+def test_skinny_gemm_takes_narrow_projections_of_up_to_8_rows():
+    """The decode projections the skinny kernel measured faster than cuBLAS on the H200 (o_proj, f_a|g_a|b,
+    the dense down: M <= 8, N <= 4096), and nothing it cannot run."""
+    import numpy as np
+
+    from kda_rt.cuda.ops.skinny_gemm import fits
+
+    def ok(M, K, N, **kw):
+        x = _fake((M, K), ptr=kw.get("x_ptr", 256), row_stride=kw.get("ldx"))
+        w = _fake((N, K), contiguous=kw.get("contiguous", True))
+        return fits(x, w, _fake((M, N), dtype=kw.get("out_dtype")), kw.get("accumulate", False))
+
+    assert ok(1, 4096, 2304) and ok(8, 2304, 288) and ok(8, 9216, 2304) and ok(3, 2304, 4096, out_dtype=np.float32)
+    assert ok(2, 2304, 576, ldx=2368)                                  # a column slice of a wider buffer
+    assert not ok(9, 4096, 2304)                                       # more rows: cuBLAS
+    assert not ok(1, 2304, 12288) and not ok(1, 2304, 163840)          # wide outputs (q|k|v, lm_head): cuBLAS
+    assert not ok(4, 128, 4096) and not ok(4, 2304, 8)                 # K % 256, N % 16
+    assert not ok(4, 2304, 288, accumulate=True) and not ok(4, 2304, 288, contiguous=False)
+    assert not ok(4, 2304, 288, x_ptr=258) and not ok(4, 2304, 288, ldx=2310)   # 16-byte rows
+    assert not ok(4, 2304, 288, out_dtype=np.float16)
