@@ -65,8 +65,9 @@ def supported() -> bool:
 
 @contextlib.contextmanager
 def capturing(enabled: bool = True):
-    """Kernels of kernels_cu/ launched inside this block (on this thread's CUDA-graph capture) carry the
-    programmatic-serialization attribute when `enabled`, the device supports it and KDA_RT_PDL is not 0."""
+    """Kernels of kernels_cu/ launched inside this block carry the programmatic-serialization attribute
+    when `enabled`, the device supports it and KDA_RT_PDL is not 0.  The switch is process-wide: the
+    runner holds it only around a decode-graph capture, which runs on the engine's one thread."""
     global _active
     from kda_rt import env
 
