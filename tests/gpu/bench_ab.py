@@ -16,7 +16,9 @@ import json
 import os
 import statistics
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 
 
 def main() -> int:
@@ -32,17 +34,10 @@ def main() -> int:
     if not args.env.startswith("KDA_RT_"):
         ap.error(f"--env must name a KDA_RT_ switch, got {args.env!r}")
 
-    from kda_rt.bench import floors, random_weights, run_bench
-    from kda_rt.demo.presets import PRESETS
-    from kda_rt.engine.config import EngineConfig
-    from kda_rt.llm import build_engine
-    from kda_rt.loader.config import parse_config
+    from helpers.full_model import full_engine
+    from kda_rt.bench import floors, run_bench
 
-    cfg = parse_config(PRESETS["kimi-linear-48b-a3b"](args.layers), source="preset")
-    t0 = time.perf_counter()
-    engine = build_engine(cfg, random_weights(cfg, 0, router_bias_std=0.05),
-                          EngineConfig(max_num_seqs=max(32, args.prompts), gpu_memory_utilization=0.85))
-    print(f"load {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts))
     values = args.values.split(",")
     decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
     run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm

@@ -18,6 +18,9 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 
 
 def _short(name: str) -> str:
@@ -34,19 +37,11 @@ def main() -> int:
     ap.add_argument("--trace-dir", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
 
-    from kda_rt.bench import random_weights, run_bench
-    from kda_rt.demo.presets import PRESETS
-    from kda_rt.engine.config import EngineConfig
-    from kda_rt.llm import build_engine
-    from kda_rt.loader.config import parse_config
+    from helpers.full_model import full_engine
+    from kda_rt.bench import run_bench
 
-    cfg = parse_config(PRESETS["kimi-linear-48b-a3b"](args.layers), source="preset")
     batches = [int(b) for b in args.batches.split(",") if b]
-    t0 = time.perf_counter()
-    engine = build_engine(cfg, random_weights(cfg, 0, router_bias_std=0.05),
-                          EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192,
-                                       gpu_memory_utilization=0.85))
-    print(f"load {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    _, engine = full_engine(args.layers, max_num_seqs=max(batches), max_num_batched_tokens=8192)
     runner = engine.runner
 
     from torch.profiler import ProfilerActivity, profile
