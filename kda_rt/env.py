@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "wgmma"]
+__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "pdl", "skinny", "wgmma"]
 
 
 def cache_dir() -> Path:
@@ -48,30 +48,29 @@ def gc_threshold() -> int:
     return n
 
 
+def _on_off(name: str) -> bool:
+    """A switch that is on unless set to 0 (unset or empty: on); any other value is refused."""
+    value = os.environ.get(name) or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def pdl() -> bool:
     """KDA_RT_PDL: 0 captures the decode graphs with plain kernel launches instead of programmatic
     dependent launches (kda_rt/cuda/ops/pdl.py, sm_90+); default 1.  Read when a graph is captured."""
-    value = os.environ.get("KDA_RT_PDL") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"KDA_RT_PDL must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _on_off("KDA_RT_PDL")
 
 
 def skinny() -> bool:
     """KDA_RT_SKINNY: 0 sends the narrow dense projections of decode batches (up to 8 rows, 4096 outputs)
-    to cuBLAS instead of kernels_cu/skinny_gemm.cu; default 1.  Read at each call (a CUDA graph keeps the kernels
-    it captured)."""
-    value = os.environ.get("KDA_RT_SKINNY") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"KDA_RT_SKINNY must be 0 or 1, got {value!r}")
-    return value == "1"
+    to cuBLAS instead of kernels_cu/skinny_gemm.cu; default 1.  Read at each call (a CUDA graph keeps the
+    kernels it captured)."""
+    return _on_off("KDA_RT_SKINNY")
 
 
 def wgmma() -> bool:
     """KDA_RT_WGMMA: 0 turns the Hopper warpgroup-MMA prefill kernels off (moe_gemm_wg.cu), so the
     portable mma.sync ones run instead; default 1 (they run wherever the arch is sm_90a)."""
-    value = os.environ.get("KDA_RT_WGMMA") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"KDA_RT_WGMMA must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _on_off("KDA_RT_WGMMA")
 

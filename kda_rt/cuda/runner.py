@@ -127,7 +127,7 @@ class CudaRunner:
         from kda_rt.sampler.sampling import precompile
 
         precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
-        precompile_skinny()  # nor for the decode projections' kernel (by rows, output dtype)
+        precompile_skinny()  # nor for the decode projections' kernel (by output dtype)
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             if moe is not None:
