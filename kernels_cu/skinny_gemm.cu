@@ -3,7 +3,7 @@
 // cuBLAS picks small-M kernels that leave the weight stream below bandwidth (o_proj 4096 -> 2304 at
 // M = 1: split-K + a reduce kernel, 9.9 us for 18.9 MB; f_a|g_a|b 2304 -> 288: 5.9 us for 1.3 MB).
 //
-// Grid (N / 16), block WARPS·32 = 256: one CTA per 16 output features (rows of W), each warp a
+// Grid (N / 16), block WARPS·32 (256): one CTA per 16 output features (rows of W), each warp a
 // contiguous K / WARPS slice of the reduction; the 8 per-warp partial tiles are summed in shared memory
 // in warp order (deterministic), then rounded once.
 // Per warp, mma.sync m16n8k16 with A = the 16 weight rows, B = xᵀ (8 tokens per n-tile), over chunks
@@ -25,13 +25,12 @@
 // Shapes: x [M, K] bf16 rows ldx apart; w [N, K] bf16 contiguous; out [M, N] rows ldo apart, bf16
 // (OUT_F32 = 0) or fp32.  N % 16 == 0, K % (32·WARPS) == 0, x, w 16-byte aligned, ldx % 8 == 0,
 // 1 ≤ M ≤ 8 (ops/skinny_gemm.py checks all of it).
-// Compile-time constants: OUT_F32, UNROLL.
+// Compile-time constants: OUT_F32, UNROLL, WARPS (8: the launcher's block is WARPS·32 threads).
 #include "common.cuh"
 
-#if !defined(OUT_F32) || !defined(UNROLL)
-#error "skinny_gemm.cu needs -DOUT_F32 -DUNROLL"
+#if !defined(OUT_F32) || !defined(UNROLL) || !defined(WARPS)
+#error "skinny_gemm.cu needs -DOUT_F32 -DUNROLL -DWARPS"
 #endif
-#define WARPS 8
 #define FT 16  // output features per CTA (one mma m-tile)
 
 template <int N>

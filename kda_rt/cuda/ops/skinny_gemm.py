@@ -32,7 +32,7 @@ def fits(x, weight, out, accumulate: bool) -> bool:
 
 
 def _kernel(out_f32: bool):
-    return get_kernel("skinny_gemm.cu", "skinny_gemm", OUT_F32=int(out_f32), UNROLL=_UNROLL)
+    return get_kernel("skinny_gemm.cu", "skinny_gemm", OUT_F32=int(out_f32), UNROLL=_UNROLL, WARPS=_WARPS)
 
 
 def precompile() -> int:
