@@ -33,7 +33,7 @@
 // Compile-time constants (all from ops/mla_prefill.py): H, R, DN, DR, DV, BLOCK_SIZE (pool page),
 // NUM_WARPS, BLOCK_N (keys per tile), LDQ / LDK / LDV (smem row strides in bf16, padded by 16 B
 // against bank conflicts), FLAG_HAS_PREV / FLAG_FINAL (seq_rec flags).  sm_80+.
-#include "common.cuh"
+#include "mla_prefill.cuh"
 
 #if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(BLOCK_SIZE) || \
     !defined(NUM_WARPS) || !defined(BLOCK_N) || !defined(LDQ) || !defined(LDK) || !defined(LDV) || \
@@ -60,21 +60,7 @@ static_assert(LDQ >= DQK && LDK >= DQK && LDV >= DV && BLOCK_N % 16 == 0, "bad t
 static_assert(DQK % 16 == 0 && DV % 16 == 0 && DN % 8 == 0 && DR % 8 == 0, "bad MLA head dims");
 static_assert(NUM_WARPS == 4 || NUM_WARPS == 8, "4 or 8 warps");
 
-// helpers: cp.async / ldmatrix / mma wrappers are in common.cuh
-
-// 2^x on the SFU; ex2.approx(-inf) = +0
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-
-#define NEG_INF (-__int_as_float(0x7f800000))
+// helpers: cp.async / ldmatrix / mma wrappers are in common.cuh; softmax, epilogue, gather in mla_prefill.cuh
 
 // Issue the cp.async copies of key positions [kb, kb + BLOCK_N) (scratch rows row0 + pos - ks):
 // K rows = [k_nope_h | k_pe], V rows = v_h; positions >= kend are zero-filled.
@@ -99,21 +85,13 @@ __device__ __forceinline__ void load_kv_tile(bf16* k_s, bf16* v_s, const bf16* _
 // ---------------------------------------------------------------------------------------------
 // kernels
 
-// lat[r] = pool row of (b, pos) for every scratch row r of the round; one thread per 16-byte chunk.
+// lat[r] = pool row of (b, pos) for every scratch row r of the round (zeros in the padding rows)
 extern "C" __global__ void mla_prefill_gather(const bf16* __restrict__ kv_pool, const int* __restrict__ block_tables,
                                               int max_pages, const int* __restrict__ seq_rec,
                                               const int* __restrict__ row_start, int num_seqs, int num_rows,
                                               bf16* __restrict__ lat) {
     KDA_PDL_ENTRY();
-    constexpr int CH = LATW / 8;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)num_rows * CH) return;
-    const int r = (int)(i / CH), chunk = (int)(i % CH);
-    const int b = sequence_of(row_start, num_seqs, r);
-    const int pos = __ldg(seq_rec + b * 8 + 4) + r - __ldg(row_start + b);
-    const int page = __ldg(block_tables + (size_t)b * max_pages + pos / BLOCK_SIZE);
-    const bf16* src = kv_pool + ((size_t)page * BLOCK_SIZE + pos % BLOCK_SIZE) * LATW + chunk * 8;
-    *reinterpret_cast<uint4*>(lat + (size_t)r * LATW + chunk * 8) = __ldg(reinterpret_cast<const uint4*>(src));
+    gather_latent<LATW, BLOCK_SIZE>(kv_pool, block_tables, max_pages, seq_rec, row_start, num_seqs, num_rows, lat);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -200,30 +178,7 @@ mla_prefill_attn(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ 
                     if (key > prow0 + (e >> 1) * 8 || key >= kend) s[j][e] = NEG_INF;
                 }
         }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m_run[r];
-#pragma unroll
-            for (int j = 0; j < SN; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float ms = mx == NEG_INF ? 0.f : mx * scale_log2;  // no (-inf) - (-inf) for rows without keys yet
-            alpha[r] = fast_exp2(m_run[r] * scale_log2 - ms);       // 0 while m_run = -inf
-            m_run[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < SN; ++j) {
-                s[j][2 * r] = fast_exp2(fmaf(s[j][2 * r], scale_log2, -ms));
-                s[j][2 * r + 1] = fast_exp2(fmaf(s[j][2 * r + 1], scale_log2, -ms));
-                sum += s[j][2 * r] + s[j][2 * r + 1];
-            }
-            l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's columns; the quad sums at the end
-        }
-#pragma unroll
-        for (int j = 0; j < ON; ++j) {
-            o[j][0] *= alpha[0]; o[j][1] *= alpha[0]; o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
-        }
+        softmax_tile<SN, ON>(&s[0][0], &o[0][0], m_run, l_run, scale_log2);
 
         // 3. O += P·V: the S accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk
 #pragma unroll
@@ -242,65 +197,6 @@ mla_prefill_attn(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ 
         __syncthreads();  // the next iteration's cp.async overwrites this stage
     }
     cp_async_wait<0>();
-
-    // epilogue: merge with the previous rounds' state, then write bf16 o / l or the new state.
-    // The C fragment o[j] holds rows g (+8) of the warp, columns 8j + 2·c4 (+1).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
-    float mp[2] = {NEG_INF, NEG_INF}, lp[2] = {0.f, 0.f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = warp * 16 + g + 8 * r;
-        if ((flags & FLAG_HAS_PREV) && i < rows) {
-            const size_t row = (size_t)(tok0 + i0 + i) * H + h;
-            mp[r] = ml_state[row * 2];
-            lp[r] = ml_state[row * 2 + 1];
-        }
-    }
-    __syncwarp();  // every lane of a quad has read its row's (m, l) before lane c4 = 0 overwrites them
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = warp * 16 + g + 8 * r;
-        if (i >= rows) continue;
-        const size_t row = (size_t)(tok0 + i0 + i) * H + h;
-        float m = m_run[r] == NEG_INF ? NEG_INF : m_run[r] * scale_log2;  // log2 units
-        float l = l_run[r], f_new = 1.f, f_prev = 0.f;
-        if (flags & FLAG_HAS_PREV) {
-            const float mm = fmaxf(m, mp[r]), ms = mm == NEG_INF ? 0.f : mm;
-            f_new = fast_exp2(m - ms);  // 0 when this round gave the row no key
-            f_prev = fast_exp2(mp[r] - ms);
-            l = l * f_new + lp[r] * f_prev;
-            m = mm;
-        }
-        const float* prev = o_state + row * DV + 2 * c4;
-        float x[ON][2];
-#pragma unroll
-        for (int j = 0; j < ON; ++j) {
-            x[j][0] = o[j][2 * r] * f_new;
-            x[j][1] = o[j][2 * r + 1] * f_new;
-            if (flags & FLAG_HAS_PREV) {
-                const float2 pv = *reinterpret_cast<const float2*>(prev + j * 8);
-                x[j][0] += pv.x * f_prev;
-                x[j][1] += pv.y * f_prev;
-            }
-        }
-        if (flags & FLAG_FINAL) {
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            bf16* dst = out + (size_t)(tok0 + i0 + i) * ld_out + h * DV + 2 * c4;
-#pragma unroll
-            for (int j = 0; j < ON; ++j)
-                *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) = __floats2bfloat162_rn(x[j][0] * inv, x[j][1] * inv);
-        } else {
-            float* dst = o_state + row * DV + 2 * c4;
-#pragma unroll
-            for (int j = 0; j < ON; ++j) *reinterpret_cast<float2*>(dst + j * 8) = make_float2(x[j][0], x[j][1]);
-            if (c4 == 0) {
-                ml_state[row * 2] = m;
-                ml_state[row * 2 + 1] = l;
-            }
-        }
-    }
+    store_rows(&o[0][0], l_run, m_run, warp, rows, (size_t)(tok0 + i0), h, flags, scale_log2, out, ld_out, o_state,
+               ml_state);
 }

@@ -1,31 +1,34 @@
-"""MLA prefill: absorbed (mla_attention) vs expanded (mla_prefill) path, H = 32, one layer.
+"""MLA prefill, expanded form, H = 32, one layer: the mma.sync attention (mla_prefill.cu, KDA_RT_WGMMA=0)
+against the Hopper wgmma one (mla_prefill_wg.cu, the default on sm_90a).
 
-    PYTHONPATH=. python tests/gpu/bench_mla_prefill.py
+    PYTHONPATH=. python tests/gpu/bench_mla_prefill.py [--shapes 1x2048,8x2048,...]
 
 Per shape (chunked shapes run every chunk in order, each after the previous chunks' context) it
-prints the warm CUDA-event time of the whole old and new calls (the new one includes its host
-readback and planning), and, from a replay of the new path's rounds with events between launches,
-the gather, the decompress GEMM and the attention kernel alone.  Attention FLOPs (causal):
-2·H·(Dqk + Dv)·Σ_queries (keys attended) = 2·32·320·Σ (ctx + i + 1).  GEMM FLOPs: 2·keys·R·H·(Dn+Dv).
+prints the warm CUDA-event time of the whole mla_prefill call on each path (host readback and planning
+included), and, from a replay of the rounds with events between launches, the gather, the decompress
+GEMM(s) and the attention kernel alone, with the attention's TFLOP/s and the relative RMS difference
+between the two paths' outputs (largest over the chunks).  Attention FLOPs (causal):
+2·H·(Dqk + Dv)·Σ_queries (keys attended) = 2·32·320·Σ (ctx + i + 1).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import time
 
 import cupy
 import numpy as np
 
-from kda_rt.cuda.gemm import linear
+from kda_rt.cuda.gemm import bmm, linear
 from kda_rt.cuda.ops.check import BF16
-from kda_rt.cuda.ops.mla_attn import mla_attention
-from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, _kernels, mla_prefill, plan_rounds
+from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, _kernels, _wg_kernel, _wg_smem, mla_prefill, plan_rounds
 
 H, R, DN, DR, DV, S = 32, 512, 128, 64, 128, 64
 SCALE = (DN + DR) ** -0.5
-SHAPES = [("1x2048", 1, 2048, 2048), ("8x2048", 8, 2048, 2048), ("1x32768 chunks 2048", 1, 32768, 2048),
-          ("1x32768 whole", 1, 32768, 32768), ("1x131072 chunks 8192", 1, 131072, 8192)]
+SHAPES = {"1x2048": (1, 2048, 2048), "8x2048": (8, 2048, 2048), "1x32768-chunks-8192": (1, 32768, 8192),
+          "1x32768-whole": (1, 32768, 32768), "1x131072-chunks-8192": (1, 131072, 8192)}
 
 
 def events_ms(fn, reps: int, warm: bool) -> float:
@@ -40,17 +43,21 @@ def events_ms(fn, reps: int, warm: bool) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
-def replay_rounds(q, pool, w_kvb, cu, ctx, tables, cu_h, ctx_h) -> tuple[float, float, float]:
-    """(gather, GEMM, attention) ms of the new path's rounds, events between launches."""
+def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool) -> tuple[float, float, float]:
+    """(gather, decompress, attention) ms of one call's rounds on one path, events between launches."""
     gather, attn, smem = _kernels(H, R, DN, DR, DV, S)
     rounds = plan_rounds(cu_h, ctx_h, list(range(len(ctx_h))), 65536)
     T, M = q.shape[0], tables.shape[1]
     rows = max(r.rows for r in rounds)
-    lat, kv = cupy.empty((rows, R + DR), BF16), cupy.empty((rows, H * (DN + DV)), BF16)
+    lat = cupy.empty((rows, R + DR), BF16)
+    kv = cupy.empty((rows, H * (DN + DV)), BF16)
+    kn, vt = cupy.empty((H, rows, DN), BF16), cupy.empty((H, DV, rows), BF16)
+    w3 = w_kvb.reshape(H, DN + DV, R)
     out = cupy.empty((T, H * DV), BF16)
     st_o, st_ml = cupy.empty((T, H, DV), np.float32), cupy.empty((T, H, 2), np.float32)
     ev = [cupy.cuda.Event() for _ in range(4)]
     total = [0.0, 0.0, 0.0]
+    scale_log2 = np.float32(SCALE * math.log2(math.e))
     for rd in rounds:
         meta = cupy.asarray(np.concatenate([rd.seq_rec.ravel(), rd.row_start, rd.tiles.ravel()]))
         rec, rs, tl = meta, meta[rd.seq_rec.size:], meta[rd.seq_rec.size + len(ctx_h) + 1:]
@@ -58,11 +65,20 @@ def replay_rounds(q, pool, w_kvb, cu, ctx, tables, cu_h, ctx_h) -> tuple[float, 
         gather(((rd.rows * 72 + 255) // 256,), (256,), (pool, tables, np.int32(M), rec, rs, np.int32(len(ctx_h)),
                                                         np.int32(rd.rows), lat))
         ev[1].record()
-        linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
+        if wg:
+            c = cupy.broadcast_to(lat[None, :rd.rows, :R], (H, rd.rows, R))
+            bmm(c, w3[:, :DN], out=kn[:, :rd.rows], transpose_b=True)
+            bmm(w3[:, DN:], c, out=vt[:, :, :rd.rows], transpose_b=True)
+        else:
+            linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
         ev[2].record()
-        attn((len(rd.tiles), H), (NUM_WARPS * 32,), (q, np.int32(q.shape[1]), kv, lat, rec, tl,
-                                                     np.float32(SCALE * math.log2(math.e)), out, np.int32(H * DV),
-                                                     st_o, st_ml), shared_mem=smem)
+        if wg:
+            _wg_kernel(H, R, DN, DR, DV)((len(rd.tiles), H), (256,), (
+                q, np.int32(q.shape[1]), kn, vt, lat, np.int32(rows), rec, tl, scale_log2, out, np.int32(H * DV),
+                st_o, st_ml), shared_mem=_wg_smem(DN, DR))
+        else:
+            attn((len(rd.tiles), H), (NUM_WARPS * 32,), (q, np.int32(q.shape[1]), kv, lat, rec, tl, scale_log2, out,
+                                                         np.int32(H * DV), st_o, st_ml), shared_mem=smem)
         ev[3].record()
         ev[3].synchronize()
         for k in range(3):
@@ -70,34 +86,52 @@ def replay_rounds(q, pool, w_kvb, cu, ctx, tables, cu_h, ctx_h) -> tuple[float, 
     return tuple(total)
 
 
+def on_path(wg: bool, fn):
+    os.environ["KDA_RT_WGMMA"] = "1" if wg else "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("KDA_RT_WGMMA", None)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
     t_start = time.time()
     w_kvb = (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
-    print(f"{'shape':<22} {'old ms':>9} {'new ms':>9} {'speedup':>7} | {'gather':>7} {'GEMM ms':>8} {'GEMM TF':>7} "
-          f"{'attn ms':>8} {'attn TF/s':>9}")
-    for name, B, L, chunk in SHAPES:
+    print(f"{'shape':<22} {'mma ms':>8} {'wg ms':>8} {'speedup':>7} | {'attn mma':>8} {'TF/s':>5} {'attn wg':>8} "
+          f"{'TF/s':>5} | {'gather':>6} {'dec mma':>7} {'dec wg':>7} | rel RMS diff")
+    for name in args.shapes.split(","):
+        B, L, chunk = SHAPES[name]
         pages = -(-L // S)
         pool = cupy.random.standard_normal((B * pages, S, R + DR), dtype=np.float32).astype(BF16)
         tables = cupy.arange(B * pages, dtype=np.int32).reshape(B, pages)
         q_all = cupy.random.standard_normal((B * chunk, H * (DN + DR)), dtype=np.float32).astype(BF16)
-        old = new = gat = gemm = att = 0.0
-        flops_attn = flops_gemm = 0
+        whole = [0.0, 0.0]
+        parts = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+        flops_attn, diff = 0, 0.0
         for c0 in range(0, L, chunk):
             cu_h = (np.arange(B + 1) * chunk).astype(np.int32)
             ctx_h = np.full(B, c0, np.int32)
             cu, ctx = cupy.asarray(cu_h), cupy.asarray(ctx_h)
-            args = (q_all, pool, w_kvb, cu, ctx, tables)
+            call = (q_all, pool, w_kvb, cu, ctx, tables)
             reps = 3 if L <= 32768 and chunk == L else 1
-            old += events_ms(lambda args=args, chunk=chunk: mla_attention(*args, num_heads=H, scale=SCALE, max_seqlen=chunk,
-                                                   decode=False), reps, c0 == 0)
-            new += events_ms(lambda args=args: mla_prefill(*args, num_heads=H, scale=SCALE), reps, c0 == 0)
-            g, m, a = replay_rounds(q_all, pool, w_kvb, cu, ctx, tables, cu_h, ctx_h)
-            gat, gemm, att = gat + g, gemm + m, att + a
+            outs = []
+            for k, wg in enumerate((False, True)):
+                whole[k] += on_path(wg, lambda call=call, reps=reps, c0=c0: events_ms(
+                    lambda: mla_prefill(*call, num_heads=H, scale=SCALE), reps, c0 == 0))
+                outs.append(on_path(wg, lambda call=call: mla_prefill(*call, num_heads=H, scale=SCALE)))
+                got = replay_rounds(q_all, pool, w_kvb, tables, cu_h, ctx_h, wg)
+                parts[k] = [a + b for a, b in zip(parts[k], got, strict=True)]
+            a, b = outs[0].astype(np.float32), outs[1].astype(np.float32)
+            diff = max(diff, float(cupy.sqrt(cupy.mean((a - b) ** 2) / cupy.mean(a ** 2))))
             keys = np.arange(c0 + 1, c0 + chunk + 1, dtype=np.float64).sum()
             flops_attn += B * 2 * H * (DN + DR + DV) * keys
-            flops_gemm += B * 2 * (c0 + chunk) * R * H * (DN + DV)
-        print(f"{name:<22} {old:9.2f} {new:9.2f} {old / new:6.2f}x | {gat:7.2f} {gemm:8.2f} "
-              f"{flops_gemm / gemm / 1e9:7.0f} {att:8.2f} {flops_attn / att / 1e9:9.0f}")
+        (_, dm, am), (gw, dw, aw) = parts
+        print(f"{name:<22} {whole[0]:8.2f} {whole[1]:8.2f} {whole[0] / whole[1]:6.2f}x | {am:8.2f} "
+              f"{flops_attn / am / 1e9:5.0f} {aw:8.2f} {flops_attn / aw / 1e9:5.0f} | {gw:6.2f} {dm:7.2f} {dw:7.2f} | "
+              f"{diff:.3g}", flush=True)
         del pool, q_all
         cupy.get_default_memory_pool().free_all_blocks()
     print(f"wall {time.time() - t_start:.1f} s")

@@ -1,4 +1,6 @@
-"""kda_rt/cuda/ops/mla_prefill.py (kernels_cu/mla_prefill.cu + cuBLAS) against float64 NumPy.
+"""kda_rt/cuda/ops/mla_prefill.py (kernels_cu/mla_prefill.cu or, on sm_90a, mla_prefill_wg.cu, + cuBLAS)
+against float64 NumPy.  The kernel tests run on both attention paths where the GPU has both (the
+`path` fixture: "mma" sets KDA_RT_WGMMA=0, "wg" needs sm_90a).
 
 Token i of sequence b (position p = context_lens[b] + i) attends over pool positions 0 .. p:
 
@@ -23,9 +25,23 @@ import numpy as np
 import pytest
 
 from helpers.gpu import BF16, poison, rms_rel, to_gpu_bf16, to_np
-from helpers.mla_kernel import DN, DV, SCALE, TOL, R, device_meta, make_case, reference, upload_q
+from helpers.mla_kernel import DN, DR, DV, SCALE, TOL, R, device_meta, make_case, reference, upload_q
 
 gpu = pytest.mark.gpu
+
+
+@pytest.fixture(params=["mma", "wg"])
+def path(request, monkeypatch):
+    """The attention kernel mla_prefill runs: mma.sync (every arch) or wgmma (sm_90a only)."""
+    if request.param == "mma":
+        monkeypatch.setenv("KDA_RT_WGMMA", "0")
+    else:
+        from kda_rt.cuda.ops.mla_prefill import use_wgmma
+
+        monkeypatch.setenv("KDA_RT_WGMMA", "1")
+        if not use_wgmma(DN, DR, DV):
+            pytest.skip("the wgmma path needs sm_90a")
+    return request.param
 
 
 def run(q, pool, w_kvb, tables, lens, ctx, H, *, strided=True, **kw):
@@ -83,13 +99,13 @@ CASES = {"single": ((300,), (0,)),
 @pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("keys_per_round", [65536, 256, 100], ids=lambda k: f"round{k}")
-def test_mla_prefill_expanded(block_size, case, keys_per_round):
+def test_mla_prefill_expanded(block_size, case, keys_per_round, path):
     """Every sequence on the expanded path; small keys_per_round forces multi-round merges."""
     H = 32
     lens, ctx = CASES[case]
     q, pool, w_kvb, tables = make_case(block_size + keys_per_round + len(case), H, block_size, lens, ctx)
     out = run(q, pool, w_kvb, tables, lens, ctx, H, keys_per_round=keys_per_round, expanded_min_tokens=1)
-    check(f"expanded-{case}-S{block_size}-round{keys_per_round}", to_np(out),
+    check(f"expanded-{path}-{case}-S{block_size}-round{keys_per_round}", to_np(out),
           reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
@@ -109,7 +125,7 @@ LONG = {"fresh8192": ((8192,), (0,), 65536), "ctx30000": ((2048,), (30000,), 655
 
 @gpu
 @pytest.mark.parametrize("case", list(LONG))
-def test_mla_prefill_long(case):
+def test_mla_prefill_long(case, path):
     """Long contexts, checked on a sample of query rows (first, last, random)."""
     H, block_size = 32, 64
     lens, ctx, kpr = LONG[case]
@@ -120,12 +136,12 @@ def test_mla_prefill_long(case):
     cu = np.concatenate([[0], np.cumsum(lens)])
     rows = sorted(set(rng.choice(sum(lens), 40, replace=False).tolist()) | set(cu[:-1].tolist())
                   | set((cu[1:] - 1).tolist()))
-    check(f"long-{case}", out[rows], reference_rows(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H, rows))
+    check(f"long-{path}-{case}", out[rows], reference_rows(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H, rows))
 
 
 @gpu
 @pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")
-def test_mla_prefill_matches_absorbed(block_size):
+def test_mla_prefill_matches_absorbed(block_size, path):
     """Expanded (new) and absorbed (mla_attention) paths on the same inputs agree."""
     from kda_rt.cuda.ops.mla_attn import mla_attention
 
@@ -136,15 +152,16 @@ def test_mla_prefill_matches_absorbed(block_size):
     cu, ctx_d, tables_d = device_meta(lens, ctx, tables)
     old = mla_attention(upload_q(q, True), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H, scale=SCALE,
                         max_seqlen=max(lens), decode=False)
-    check(f"expanded-vs-absorbed-S{block_size}", to_np(new), to_np(old))
+    check(f"expanded-{path}-vs-absorbed-S{block_size}", to_np(new), to_np(old))
 
 
 @pytest.mark.parametrize("keys_per_round", [100, 256, 65536])
 def test_plan_rounds_covers_each_pair_once(keys_per_round):
     """CPU: the rounds give every (query, key) pair of each long sequence exactly once, in order,
     start each sequence at ks = 0 with no HAS_PREV, and end it with FINAL; tiles of a final round
-    cover all its queries."""
-    from kda_rt.cuda.ops.mla_prefill import BLOCK_M, FLAG_FINAL, FLAG_HAS_PREV, plan_rounds
+    cover all its queries; each segment starts at a multiple of SEGMENT_ALIGN scratch rows, with at most
+    SEGMENT_ALIGN - 1 padding rows after it, and no round exceeds keys_per_round rounded up likewise."""
+    from kda_rt.cuda.ops.mla_prefill import BLOCK_M, FLAG_FINAL, FLAG_HAS_PREV, SEGMENT_ALIGN, plan_rounds
 
     lens, ctx = [1, 300, 129, 0, 1000], [4000, 0, 700, 5, 130]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -154,14 +171,16 @@ def test_plan_rounds_covers_each_pair_once(keys_per_round):
     covered = {b: np.zeros(ctx[b] + lens[b], np.int64) for b in seqs}
     finals = {b: 0 for b in seqs}
     for rd in rounds:
-        assert rd.rows <= keys_per_round and rd.row_start[-1] == rd.rows
+        assert rd.rows <= -(-keys_per_round // SEGMENT_ALIGN) * SEGMENT_ALIGN and rd.row_start[-1] == rd.rows
+        assert np.all(rd.row_start % SEGMENT_ALIGN == 0)
         for b, i0 in rd.tiles:
             assert b in seqs and 0 <= i0 < lens[b] and i0 % BLOCK_M == 0
         for b in seqs:
             tok0, n, c, row0, ks, ke, flags, _ = rd.seq_rec[b]
             if ke == ks:
                 continue
-            assert (tok0, n, c, row0) == (cu[b], lens[b], ctx[b], rd.row_start[b]) and ke - ks == np.diff(rd.row_start)[b]
+            assert (tok0, n, c, row0) == (cu[b], lens[b], ctx[b], rd.row_start[b])
+            assert 0 <= np.diff(rd.row_start)[b] - (ke - ks) < SEGMENT_ALIGN
             assert covered[b][:ks].all() and not covered[b][ks:].any(), "segments out of order"
             covered[b][ks:ke] += 1
             assert bool(flags & FLAG_HAS_PREV) == (ks > 0)

@@ -4,6 +4,12 @@
     kv[r]       = c · W_kvbᵀ = per head [k_nope | v]                      linear (cuBLAS), [rows, H·(Dn+Dv)]
     out[t, h]   = softmax_causal(scale · q[t, h] · [k_nope_h | k_pe]ᵀ) · v_h   mla_prefill_attn
 
+On Hopper (sm_90a, KDA_RT_WGMMA not 0, Dn and Dr multiples of 64, Dv = 128) the attention runs on
+warpgroup MMA instead (mla_prefill_wg.cu), which wants the values transposed (keys contiguous), so the
+decompression is two batched cuBLAS GEMMs over the heads: kn [H, rows, Dn] = c · W_k,hᵀ and
+vt [H, Dv, rows] = W_v,h · cᵀ (same FLOPs as the one GEMM above).
+H200 (2026-12-01, tests/gpu/bench_mla_prefill.py): see docs/PERFORMANCE.md.
+
 Used for every non-decode step.  Query i of sequence b sits at position ctx_b + i and attends
 positions 0 .. ctx_b + i.  The attended positions of all sequences are decompressed in rounds of
 at most `keys_per_round` rows (bounded scratch: 16 KB of k_nope|v plus 1.1 KB of latent per row
@@ -25,11 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kda_rt.cuda.gemm import linear
+from kda_rt import env
+from kda_rt.cuda.gemm import bmm, linear
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import device_arch, get_kernel
 
-__all__ = ["mla_prefill", "plan_rounds", "Round", "BLOCK_M", "KEYS_PER_ROUND", "EXPANDED_MIN_TOKENS"]
+__all__ = ["mla_prefill", "plan_rounds", "use_wgmma", "Round", "BLOCK_M", "KEYS_PER_ROUND", "EXPANDED_MIN_TOKENS",
+           "SEGMENT_ALIGN"]
 
 NUM_WARPS = 8
 BLOCK_M = 16 * NUM_WARPS  # query rows per CTA of mla_prefill_attn
@@ -37,12 +45,15 @@ _BLOCK_N = 64
 KEYS_PER_ROUND = 65536
 EXPANDED_MIN_TOKENS = 128
 FLAG_HAS_PREV, FLAG_FINAL = 1, 2
+SEGMENT_ALIGN = 8  # scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns)
+_WG_THREADS = 256
 
 
 @dataclass
 class Round:
     """One decompress + attention launch.  seq_rec [B, 8] int32 (tok0, n, ctx, row0, ks, ke, flags, 0),
-    row_start [B+1], tiles [N, 2] (b, i0) heaviest first, rows = scratch rows used."""
+    row_start [B+1] (segment starts, multiples of SEGMENT_ALIGN), tiles [N, 2] (b, i0) heaviest first,
+    rows = scratch rows used (padding included)."""
     seq_rec: np.ndarray
     row_start: np.ndarray
     tiles: np.ndarray
@@ -51,23 +62,28 @@ class Round:
 
 def plan_rounds(cu_seqlens: np.ndarray, context_lens: np.ndarray, seqs: list[int], keys_per_round: int) -> list[Round]:
     """Split the attended positions 0 .. ctx_b + n_b - 1 of sequences `seqs` into segments of at most
-    keys_per_round, packed in order into rounds of at most keys_per_round rows.  A sequence's segments
-    come in increasing position order; its first has ks = 0, its last sets FLAG_FINAL."""
+    keys_per_round, packed in order into rounds of at most keys_per_round rows (each segment's rows
+    padded to a multiple of SEGMENT_ALIGN, the bound likewise rounded up).  A sequence's segments come
+    in increasing position order; its first has ks = 0, its last sets FLAG_FINAL."""
     B = len(context_lens)
     segs = []
     for b in seqs:
         L = int(context_lens[b]) + int(cu_seqlens[b + 1] - cu_seqlens[b])
         segs += [(b, ks, min(ks + keys_per_round, L), L) for ks in range(0, L, keys_per_round)]
-    rounds, cur, used = [], [], 0
+    rounds, cur, used, bound = [], [], 0, _pad(keys_per_round)
     for seg in segs + [None]:
-        if seg is None or used + seg[2] - seg[1] > keys_per_round:
+        if seg is None or used + _pad(seg[2] - seg[1]) > bound:
             if cur:
                 rounds.append(_round(cu_seqlens, context_lens, B, cur))
             cur, used = [], 0
         if seg is not None:
             cur.append(seg)
-            used += seg[2] - seg[1]
+            used += _pad(seg[2] - seg[1])
     return rounds
+
+
+def _pad(rows: int) -> int:
+    return -(-rows // SEGMENT_ALIGN) * SEGMENT_ALIGN
 
 
 def _round(cu_seqlens, context_lens, B, segs) -> Round:
@@ -78,7 +94,7 @@ def _round(cu_seqlens, context_lens, B, segs) -> Round:
     lengths = np.zeros(B, np.int64)
     tiles = []
     for b, ks, ke, L in segs:
-        lengths[b] = ke - ks
+        lengths[b] = _pad(ke - ks)
         final = ke == L
         rec[b, 4:7] = ks, ke, (FLAG_HAS_PREV if ks > 0 else 0) | (FLAG_FINAL if final else 0)
         ctx, n = int(context_lens[b]), int(rec[b, 1])
@@ -112,6 +128,24 @@ def _kernels(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int):
     defs = _defines(H, R, Dn, Dr, Dv, block_size)
     attn = get_kernel("mla_prefill.cu", "mla_prefill_attn", max_dynamic_smem=_smem(defs), **defs)
     return get_kernel("mla_prefill.cu", "mla_prefill_gather", **defs), attn, _smem(defs)
+
+
+def _wg_smem(Dn: int, Dr: int) -> int:
+    """Dynamic shared memory of mla_prefill_attn_wg: Q, two stages of K and Vᵀ ([128][64] bf16 sub-tiles
+    of 16 KB), plus 1 KB for the 1024-byte alignment."""
+    qsub = (Dn + Dr) // 64
+    return (qsub + 2 * (qsub + 2)) * 16384 + 1024
+
+
+def use_wgmma(Dn: int, Dr: int, Dv: int) -> bool:
+    """Whether mla_prefill runs its attention on warpgroup MMA here (see the module docstring)."""
+    return env.wgmma() and device_arch() == "sm_90a" and Dn % 64 == 0 and Dr % 64 == 0 and Dv == 128
+
+
+@functools.cache
+def _wg_kernel(H: int, R: int, Dn: int, Dr: int, Dv: int):
+    return get_kernel("mla_prefill_wg.cu", "mla_prefill_attn_wg", max_dynamic_smem=_wg_smem(Dn, Dr), H=H, R=R, DN=Dn,
+                      DR=Dr, DV=Dv, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
 
 
 def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
@@ -156,10 +190,19 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
         if not rounds:
             return out
         gather, attn, smem = _kernels(H, R, Dn, Dr, Dv, block_size)
+        wg = use_wgmma(Dn, Dr, Dv)
         rows = max(r.rows for r in rounds)
         lat = cupy.empty((rows, KD), dtype=BF16)
-        kv = cupy.empty((rows, HW), dtype=BF16)
-        o_state = ml_state = kv  # unread unless a sequence spans several rounds
+        if wg:
+            attn_wg = _wg_kernel(H, R, Dn, Dr, Dv)
+            w3 = w_kvb.reshape(H, Dn + Dv, R)
+            kn = cupy.empty((H, rows, Dn), dtype=BF16)
+            vt = cupy.empty((H, Dv, rows), dtype=BF16)
+            scratch = kn
+        else:
+            kv = cupy.empty((rows, HW), dtype=BF16)
+            scratch = kv
+        o_state = ml_state = scratch  # unread unless a sequence spans several rounds
         if len(rounds) > 1:
             o_state = cupy.empty((T, H, Dv), dtype=np.float32)
             ml_state = cupy.empty((T, H, 2), dtype=np.float32)
@@ -169,10 +212,20 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
             chunks = rd.rows * (KD // 8)
             gather(((chunks + 255) // 256,), (256,), (kv_pool, block_tables, i32(M), rec, row_start, i32(B1 - 1),
                                                      i32(rd.rows), lat), stream=stream)
+            scale_log2 = f32(scale * math.log2(math.e))
+            if wg:
+                c = cupy.broadcast_to(lat[None, :rd.rows, :R], (H, rd.rows, R))  # batch stride 0
+                bmm(c, w3[:, :Dn], out=kn[:, :rd.rows], transpose_b=True)    # kn[h] = c · W_k,hᵀ
+                bmm(w3[:, Dn:], c, out=vt[:, :, :rd.rows], transpose_b=True)  # vt[h] = W_v,h · cᵀ
+                if len(rd.tiles):
+                    attn_wg((len(rd.tiles), H), (_WG_THREADS,), (
+                        q2, i32(leading_dim(q2)), kn, vt, lat, i32(rows), rec, tiles, scale_log2, out,
+                        i32(leading_dim(out)), o_state, ml_state), shared_mem=_wg_smem(Dn, Dr), stream=stream)
+                continue
             linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
             if len(rd.tiles):
                 attn((len(rd.tiles), H), (NUM_WARPS * 32,), (
-                    q2, i32(leading_dim(q2)), kv, lat, rec, tiles, f32(scale * math.log2(math.e)), out,
+                    q2, i32(leading_dim(q2)), kv, lat, rec, tiles, scale_log2, out,
                     i32(leading_dim(out)), o_state, ml_state), shared_mem=smem, stream=stream)
     return out
 

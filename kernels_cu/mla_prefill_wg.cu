@@ -1,0 +1,174 @@
+// mla_prefill_wg.cu — MLA prefill attention, expanded form, on Hopper's warpgroup MMA (sm_90a only:
+// KDA_RT_HOPPER).  Same contract, rounds, masking, running state and rounding points as
+// mla_prefill_attn in mla_prefill.cu (mma.sync, every sm_80+ arch, and the fallback here); only the
+// products and the scratch layout of the decompressed keys and values differ:
+//
+//   kn [H, ld_rows, DN]  k_nope of scratch row r and head h at (h·ld_rows + r)·DN    (cuBLAS, batched)
+//   vt [H, DV, ld_rows]  v of scratch row r and head h, transposed: column r of rows h·DV .. h·DV + DV - 1
+//   lat [rows, R + DR]   k_pe at column R (mla_prefill_gather)
+// Each sequence's segment starts at a scratch row that is a multiple of 8 (ops/mla_prefill.py pads the
+// segments; the gather zero-fills the padding rows), so a key tile's V^T columns are 16-byte aligned.
+//
+// Geometry.  Grid (num_tiles, H), 256 threads = two warpgroups; a CTA owns BLOCK_M = 128 query rows of one
+// (sequence, head), warpgroup w rows 64w .. 64w + 63 (warp q of it rows 16q .. of those: the same
+// rows per warp as mla_prefill_attn, so the epilogue is shared).  Key tiles of BLOCK_N = 128 positions:
+//   S[64, 128] = Q·Kᵀ: DQK/16 wgmma.m64n128k16, A = Q and B = K both K-major in shared memory;
+//   mask, online softmax (mla_prefill.cuh) on the accumulators;
+//   O[64, 128] += P·V: BLOCK_N/16 wgmma.m64n128k16 with A = P from registers (the S accumulators packed
+//   to bf16: wgmma.cuh's layouts) and B = Vᵀ K-major (keys contiguous) in shared memory.
+// Shared memory, 128-byte rows with the 128-byte swizzle in [128][64] bf16 sub-tiles of 16 KB, each
+// 1024-byte aligned: Q as DQK/64 sub-tiles; two stages of K (DQK/64 sub-tiles, [key][d]) and Vᵀ (two
+// sub-tiles [dv][key], keys 0-63 and 64-127): 208 KB at DQK = 192, one CTA per SM.  Every copy is a
+// 16-byte cp.async into its swizzled place; key positions past the key end are zero-filled.
+// Pipeline: tile it + 1's copies fly while tile it is multiplied; each warpgroup waits for its own
+// wgmma groups, and one barrier per tile hands the stage back.
+// Compile-time constants: H, R, DN, DR, DV (DN, DR multiples of 64, DV = 128), FLAG_HAS_PREV, FLAG_FINAL.
+#include "mla_prefill.cuh"
+#include "wgmma.cuh"
+
+#if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(FLAG_HAS_PREV) || \
+    !defined(FLAG_FINAL)
+#error "mla_prefill_wg.cu needs -DH -DR -DDN -DDR -DDV -DFLAG_HAS_PREV -DFLAG_FINAL"
+#endif
+
+#define THREADS 256
+#define BLOCK_M 128
+#define BLOCK_N 128
+#define DQK (DN + DR)
+#define LATW (R + DR)
+#define SUB_BYTES 16384                 // one [128][64] bf16 sub-tile
+#define QSUB (DQK / 64)                 // sub-tiles of a Q or K tile
+#define Q_BYTES (QSUB * SUB_BYTES)
+#define STAGE_BYTES ((QSUB + 2) * SUB_BYTES)
+#define SN (BLOCK_N / 8)                // n8 score blocks per thread
+#define ON (DV / 8)                     // n8 output blocks per thread
+
+static_assert(DN % 64 == 0 && DR % 64 == 0 && DV == 128, "mla_prefill_wg: DN, DR multiples of 64 and DV = 128");
+
+// cp.async of tile rows: Q rows, K rows (k_nope from kn, k_pe from lat), Vᵀ rows (dv index, keys contiguous)
+__device__ __forceinline__ void load_q(unsigned q_base, const bf16* __restrict__ q, int ld_q, size_t tok, int h, int rows) {
+    constexpr int CH = DQK / 8;
+    for (int i = threadIdx.x; i < BLOCK_M * CH; i += THREADS) {
+        const int row = i / CH, ch = i % CH;
+        const bool ok = row < rows;
+        const bf16* src = q + (ok ? tok + row : 0) * (size_t)ld_q + h * DQK + ch * 8;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(q_base + (ch / 8) * SUB_BYTES + swz(row, ch % 8)),
+                     "l"(src), "r"(ok ? 16 : 0));
+    }
+}
+
+__device__ __forceinline__ void load_kv(unsigned stage, const bf16* __restrict__ kn, const bf16* __restrict__ vt,
+                                        const bf16* __restrict__ lat, int ld_rows, int h, int row0, int ks, int kb,
+                                        int kend) {
+    constexpr int CH = DQK / 8, NCH = DN / 8;
+    for (int i = threadIdx.x; i < BLOCK_N * CH; i += THREADS) {
+        const int key = i / CH, ch = i % CH, pos = kb + key;
+        const bool ok = pos < kend;
+        const size_t r = ok ? (size_t)(row0 + pos - ks) : 0;
+        const bf16* src = ch < NCH ? kn + ((size_t)h * ld_rows + r) * DN + ch * 8 : lat + r * LATW + R + (ch - NCH) * 8;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + (ch / 8) * SUB_BYTES + swz(key, ch % 8)),
+                     "l"(src), "r"(ok ? 16 : 0));
+    }
+    const unsigned v_base = stage + QSUB * SUB_BYTES;
+    for (int i = threadIdx.x; i < DV * (BLOCK_N / 8); i += THREADS) {
+        const int d = i / (BLOCK_N / 8), j = i % (BLOCK_N / 8), pos = kb + 8 * j;
+        const bool ok = pos < kend;  // a chunk reaching past kend holds the segment's zero padding
+        const bf16* src = vt + ((size_t)h * DV + d) * ld_rows + (ok ? row0 + pos - ks : 0);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_base + (j / 8) * SUB_BYTES + swz(d, j % 8)),
+                     "l"(src), "r"(ok ? 16 : 0));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ kn, const bf16* __restrict__ vt,
+                    const bf16* __restrict__ lat, int ld_rows, const int* __restrict__ seq_rec,
+                    const int* __restrict__ tiles, float scale_log2, bf16* __restrict__ out, int ld_out,
+                    float* __restrict__ o_state, float* __restrict__ ml_state) {
+    KDA_PDL_ENTRY();
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
+    const unsigned q_base = base, stage0 = base + Q_BYTES;
+
+    const int h = blockIdx.y;
+    const int b = __ldg(tiles + 2 * blockIdx.x), i0 = __ldg(tiles + 2 * blockIdx.x + 1);
+    const int* rec = seq_rec + b * 8;
+    const int tok0 = __ldg(rec), n = __ldg(rec + 1), ctx = __ldg(rec + 2), row0 = __ldg(rec + 3);
+    const int ks = __ldg(rec + 4), ke = __ldg(rec + 5), flags = __ldg(rec + 6);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int g = lane >> 2, c4 = lane & 3;
+
+    const int rows = min(BLOCK_M, n - i0);                   // valid query rows of this CTA
+    const int p0 = ctx + i0;                                 // position of the CTA's first query
+    const int kend = min(ke, p0 + rows);                     // keys past the last query's position are skipped
+    const int num_tiles = kend > ks ? (kend - ks + BLOCK_N - 1) / BLOCK_N : 0;
+    const int mask_from = min(p0 + 1, kend);                 // tiles reaching past here need the mask
+
+    float o[4 * ON];
+#pragma unroll
+    for (int j = 0; j < 4 * ON; ++j) o[j] = 0.f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};  // rows g and g + 8 of this warp (raw score units)
+
+    if (num_tiles > 0) {
+        load_q(q_base, q, ld_q, (size_t)(tok0 + i0), h, rows);
+        load_kv(stage0, kn, vt, lat, ld_rows, h, row0, ks, ks, kend);
+        cp_async_commit();
+    }
+    const int prow0 = p0 + warp * 16 + g;  // positions of rows g and g + 8
+    const unsigned q_wg = q_base + wg * 64 * 128;  // this warpgroup's 64 rows of each Q sub-tile
+    for (int it = 0; it < num_tiles; ++it) {
+        const int kb = ks + it * BLOCK_N;
+        if (it + 1 < num_tiles) load_kv(stage0 + ((it + 1) & 1) * STAGE_BYTES, kn, vt, lat, ld_rows, h, row0, ks, kb + BLOCK_N, kend);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile it (and Q) have landed (this thread's copies) ...
+        fence_proxy_async();  // ... and are visible to the tensor cores' proxy ...
+        __syncthreads();      // ... for everyone's copies
+        const unsigned k_tile = stage0 + (it & 1) * STAGE_BYTES, v_tile = k_tile + QSUB * SUB_BYTES;
+
+        // 1. S = Q·Kᵀ
+        float s[4 * SN];
+#pragma unroll
+        for (int j = 0; j < 4 * SN; ++j) s[j] = 0.f;
+        fence_regs(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16; ++kk) {
+            const unsigned off = (kk / 4) * SUB_BYTES + 32 * (kk % 4);
+            wgmma_m64n128k16(s, smem_desc(q_wg + off), smem_desc(k_tile + off));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+
+        // 2. mask (key > query position, or past the key end), online softmax in base 2
+        if (kb + BLOCK_N > mask_from) {
+#pragma unroll
+            for (int j = 0; j < SN; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kb + j * 8 + 2 * c4 + (e & 1);
+                    if (key > prow0 + (e >> 1) * 8 || key >= kend) s[4 * j + e] = NEG_INF;
+                }
+        }
+        softmax_tile<SN, ON>(s, o, m_run, l_run, scale_log2);
+
+        // 3. O += P·V: score blocks 2kk, 2kk + 1 packed to bf16 are the A fragment of k16 slice kk (all
+        // packed before the fence: a register written between two wgmma costs an injected arrive)
+        unsigned pa[BLOCK_N / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        }
+        fence_regs(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            wgmma_m64n128k16_rs(o, pa[kk], smem_desc(v_tile + (kk / 4) * SUB_BYTES + 32 * (kk % 4)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        __syncthreads();  // every warpgroup is done with this stage: the next iteration's copies overwrite it
+    }
+    cp_async_wait<0>();
+    store_rows(o, l_run, m_run, warp, rows, (size_t)(tok0 + i0), h, flags, scale_log2, out, ld_out, o_state, ml_state);
+}
