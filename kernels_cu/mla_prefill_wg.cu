@@ -11,17 +11,19 @@
 //
 // Geometry.  Grid (num_tiles, H), 256 threads = two warpgroups; a CTA owns BLOCK_M = 128 query rows of one
 // (sequence, head), warpgroup w rows 64w .. 64w + 63 (warp q of it rows 16q .. of those: the same
-// rows per warp as mla_prefill_attn, so the epilogue is shared).  Key tiles of BLOCK_N = 128 positions:
-//   S[64, 128] = Q·Kᵀ: DQK/16 wgmma.m64n128k16, A = Q and B = K both K-major in shared memory;
-//   mask, online softmax (mla_prefill.cuh) on the accumulators;
+// rows per warp as mla_prefill_attn, so the epilogue is shared).  Key tiles of BLOCK_N = 64 positions:
+//   S[64, 64] = Q·Kᵀ: DQK/16 wgmma.m64n64k16, A = Q from registers (loaded once with ldmatrix), B = K
+//   K-major in shared memory;  mask, online softmax (mla_prefill.cuh) on the accumulators;
 //   O[64, 128] += P·V: BLOCK_N/16 wgmma.m64n128k16 with A = P from registers (the S accumulators packed
 //   to bf16: wgmma.cuh's layouts) and B = Vᵀ K-major (keys contiguous) in shared memory.
-// Shared memory, 128-byte rows with the 128-byte swizzle in [128][64] bf16 sub-tiles of 16 KB, each
-// 1024-byte aligned: Q as DQK/64 sub-tiles; two stages of K (DQK/64 sub-tiles, [key][d]) and Vᵀ (two
-// sub-tiles [dv][key], keys 0-63 and 64-127): 208 KB at DQK = 192, one CTA per SM.  Every copy is a
-// 16-byte cp.async into its swizzled place; key positions past the key end are zero-filled.
-// Pipeline: tile it + 1's copies fly while tile it is multiplied; each warpgroup waits for its own
-// wgmma groups, and one barrier per tile hands the stage back.
+// Staggered warpgroups: between two barriers (one key tile), warpgroup 0 runs S(it), softmax(it), PV(it)
+// while warpgroup 1 runs softmax(it-1), PV(it-1) on the scores it kept in registers, then S(it); so each
+// one's softmax overlaps the other's products on the tensor cores.  Three stages: tile it+1 is copied
+// into the stage of tile it-2 while warpgroup 1 still reads tile it-1's values.
+// Shared memory, 128-byte rows with the 128-byte swizzle, every sub-tile 1024-byte aligned: Q as DQK/64
+// sub-tiles [128][64]; per stage K as DQK/64 sub-tiles [64 keys][64] and Vᵀ as one [128 dv][64 keys]
+// (168 KB at DQK = 192, one CTA per SM).  Every copy is a 16-byte cp.async into its swizzled place; key
+// positions past the key end are zero-filled.
 // Compile-time constants: H, R, DN, DR, DV (DN, DR multiples of 64, DV = 128), FLAG_HAS_PREV, FLAG_FINAL.
 #include "mla_prefill.cuh"
 #include "wgmma.cuh"
@@ -33,17 +35,21 @@
 
 #define THREADS 256
 #define BLOCK_M 128
-#define BLOCK_N 128
+#define BLOCK_N 64
+#define STAGES 3
 #define DQK (DN + DR)
 #define LATW (R + DR)
-#define SUB_BYTES 16384                 // one [128][64] bf16 sub-tile
+#define SUB_BYTES 16384                 // one [128][64] bf16 sub-tile (Q, Vᵀ)
+#define KSUB_BYTES (BLOCK_N * 128)      // one [BLOCK_N][64] bf16 sub-tile (K)
 #define QSUB (DQK / 64)                 // sub-tiles of a Q or K tile
+#define QK_STEPS (DQK / 16)             // k16 slices of Q·Kᵀ
 #define Q_BYTES (QSUB * SUB_BYTES)
-#define STAGE_BYTES ((QSUB + 2) * SUB_BYTES)
+#define STAGE_BYTES (QSUB * KSUB_BYTES + SUB_BYTES)
 #define SN (BLOCK_N / 8)                // n8 score blocks per thread
 #define ON (DV / 8)                     // n8 output blocks per thread
 
 static_assert(DN % 64 == 0 && DR % 64 == 0 && DV == 128, "mla_prefill_wg: DN, DR multiples of 64 and DV = 128");
+static_assert(BLOCK_N == 64, "mla_prefill_wg: one Vᵀ sub-tile per stage, m64n64 score products");
 
 // cp.async of tile rows: Q rows, K rows (k_nope from kn, k_pe from lat), Vᵀ rows (dv index, keys contiguous)
 __device__ __forceinline__ void load_q(unsigned q_base, const bf16* __restrict__ q, int ld_q, size_t tok, int h, int rows) {
@@ -66,10 +72,10 @@ __device__ __forceinline__ void load_kv(unsigned stage, const bf16* __restrict__
         const bool ok = pos < kend;
         const size_t r = ok ? (size_t)(row0 + pos - ks) : 0;
         const bf16* src = ch < NCH ? kn + ((size_t)h * ld_rows + r) * DN + ch * 8 : lat + r * LATW + R + (ch - NCH) * 8;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + (ch / 8) * SUB_BYTES + swz(key, ch % 8)),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + (ch / 8) * KSUB_BYTES + swz(key, ch % 8)),
                      "l"(src), "r"(ok ? 16 : 0));
     }
-    const unsigned v_base = stage + QSUB * SUB_BYTES;
+    const unsigned v_base = stage + QSUB * KSUB_BYTES;
     for (int i = threadIdx.x; i < DV * (BLOCK_N / 8); i += THREADS) {
         const int d = i / (BLOCK_N / 8), j = i % (BLOCK_N / 8), pos = kb + 8 * j;
         const bool ok = pos < kend;  // a chunk reaching past kend holds the segment's zero padding
@@ -107,6 +113,8 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
 #pragma unroll
     for (int j = 0; j < 4 * ON; ++j) o[j] = 0.f;
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};  // rows g and g + 8 of this warp (raw score units)
+    float s[4 * SN];       // scores of the tile in hand (warpgroup 1 keeps them across the barrier)
+    unsigned qa[QK_STEPS][4];  // this warpgroup's Q rows as A fragments
 
     if (num_tiles > 0) {
         load_q(q_base, q, ld_q, (size_t)(tok0 + i0), h, rows);
@@ -114,32 +122,20 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         cp_async_commit();
     }
     const int prow0 = p0 + warp * 16 + g;  // positions of rows g and g + 8
-    const unsigned q_wg = q_base + wg * 64 * 128;  // this warpgroup's 64 rows of each Q sub-tile
-    for (int it = 0; it < num_tiles; ++it) {
-        const int kb = ks + it * BLOCK_N;
-        if (it + 1 < num_tiles) load_kv(stage0 + ((it + 1) & 1) * STAGE_BYTES, kn, vt, lat, ld_rows, h, row0, ks, kb + BLOCK_N, kend);
-        cp_async_commit();
-        cp_async_wait<1>();  // tile it (and Q) have landed (this thread's copies) ...
-        fence_proxy_async();  // ... and are visible to the tensor cores' proxy ...
-        __syncthreads();      // ... for everyone's copies
-        const unsigned k_tile = stage0 + (it & 1) * STAGE_BYTES, v_tile = k_tile + QSUB * SUB_BYTES;
 
-        // 1. S = Q·Kᵀ
-        float s[4 * SN];
+    auto scores = [&](unsigned k_tile) {  // s = Q·Kᵀ of one tile (waits for it)
 #pragma unroll
         for (int j = 0; j < 4 * SN; ++j) s[j] = 0.f;
         fence_regs(s);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < DQK / 16; ++kk) {
-            const unsigned off = (kk / 4) * SUB_BYTES + 32 * (kk % 4);
-            wgmma_m64n128k16(s, smem_desc(q_wg + off), smem_desc(k_tile + off));
-        }
+        for (int kk = 0; kk < QK_STEPS; ++kk)
+            wgmma_m64n64k16_rs(s, qa[kk], smem_desc(k_tile + (kk / 4) * KSUB_BYTES + 32 * (kk % 4)));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
-
-        // 2. mask (key > query position, or past the key end), online softmax in base 2
+    };
+    auto attend = [&](int kb, unsigned v_tile) {  // mask, softmax, O += P·V of the tile in s (issued, not waited)
         if (kb + BLOCK_N > mask_from) {
 #pragma unroll
             for (int j = 0; j < SN; ++j)
@@ -150,9 +146,8 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
                 }
         }
         softmax_tile<SN, ON>(s, o, m_run, l_run, scale_log2);
-
-        // 3. O += P·V: score blocks 2kk, 2kk + 1 packed to bf16 are the A fragment of k16 slice kk (all
-        // packed before the fence: a register written between two wgmma costs an injected arrive)
+        // score blocks 2kk, 2kk + 1 packed to bf16 are the A fragment of k16 slice kk (all packed before the
+        // fence: a register written between two wgmma costs an injected arrive)
         unsigned pa[BLOCK_N / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -162,12 +157,41 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         fence_regs(o);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            wgmma_m64n128k16_rs(o, pa[kk], smem_desc(v_tile + (kk / 4) * SUB_BYTES + 32 * (kk % 4)));
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_m64n128k16_rs(o, pa[kk], smem_desc(v_tile + 32 * kk));
         wgmma_commit();
+    };
+
+    for (int it = 0; it < num_tiles; ++it) {
+        const int kb = ks + it * BLOCK_N;
+        // tile it + 1 into the stage of tile it - 2 (every warpgroup is past it: the barrier ending it - 1)
+        if (it + 1 < num_tiles) load_kv(stage0 + ((it + 1) % STAGES) * STAGE_BYTES, kn, vt, lat, ld_rows, h, row0, ks, kb + BLOCK_N, kend);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile it (and Q) have landed (this thread's copies) ...
+        fence_proxy_async();  // ... and are visible to the tensor cores' proxy ...
+        __syncthreads();      // ... for everyone's copies
+        if (it == 0) {
+#pragma unroll
+            for (int kk = 0; kk < QK_STEPS; ++kk)  // rows 16·warp + (lane mod 16), columns 16kk + 8·(lane / 16)
+                ldmatrix_x4(qa[kk], smem_raw + (q_base - smem_addr(smem_raw)) + (kk / 4) * SUB_BYTES +
+                                        swz(warp * 16 + (lane & 15), 2 * (kk % 4) + (lane >> 4)));
+        }
+        const unsigned stage = stage0 + (it % STAGES) * STAGE_BYTES;
+        if (wg == 0) {
+            scores(stage);
+            attend(kb, stage + QSUB * KSUB_BYTES);
+            wgmma_wait<0>();
+            fence_regs(o);
+        } else {
+            if (it > 0) attend(kb - BLOCK_N, stage0 + ((it + STAGES - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
+            scores(stage);  // its wait also retires the PV product above
+            fence_regs(o);
+        }
+        __syncthreads();  // every warpgroup is done with tile it - 1: the next iteration's copies overwrite it
+    }
+    if (wg == 1 && num_tiles > 0) {  // warpgroup 1's last tile
+        attend(ks + (num_tiles - 1) * BLOCK_N, stage0 + ((num_tiles - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
         wgmma_wait<0>();
         fence_regs(o);
-        __syncthreads();  // every warpgroup is done with this stage: the next iteration's copies overwrite it
     }
     cp_async_wait<0>();
     store_rows(o, l_run, m_run, warp, rows, (size_t)(tok0 + i0), h, flags, scale_log2, out, ld_out, o_state, ml_state);

@@ -131,10 +131,10 @@ def _kernels(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int):
 
 
 def _wg_smem(Dn: int, Dr: int) -> int:
-    """Dynamic shared memory of mla_prefill_attn_wg: Q, two stages of K and Vᵀ ([128][64] bf16 sub-tiles
-    of 16 KB), plus 1 KB for the 1024-byte alignment."""
+    """Dynamic shared memory of mla_prefill_attn_wg: Q ([128][64] bf16 sub-tiles of 16 KB), three stages of
+    K ([64][64] sub-tiles of 8 KB) and Vᵀ (one [128][64]), plus 1 KB for the 1024-byte alignment."""
     qsub = (Dn + Dr) // 64
-    return (qsub + 2 * (qsub + 2)) * 16384 + 1024
+    return qsub * 16384 + 3 * (qsub * 8192 + 16384) + 1024
 
 
 def use_wgmma(Dn: int, Dr: int, Dv: int) -> bool:
