@@ -178,7 +178,7 @@ mla_prefill_attn(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ 
                     if (key > prow0 + (e >> 1) * 8 || key >= kend) s[j][e] = NEG_INF;
                 }
         }
-        softmax_tile<SN, ON>(&s[0][0], &o[0][0], m_run, l_run, scale_log2);
+        softmax_tile<SN, ON, false>(&s[0][0], &o[0][0], m_run, l_run, scale_log2);
 
         // 3. O += P·V: the S accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk
 #pragma unroll

@@ -24,8 +24,10 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 
 // Online softmax, base 2, over one tile of SN n8 score blocks s[4·SN] (raw scores, masked ones -inf):
 // s becomes the unnormalised probabilities 2^(scale_log2·(s - m)), m_run / l_run (raw-score max and this
-// thread's partial row sums) are updated, and the SN_O n8 output blocks o[4·SN_O] are rescaled.
-template <int SN, int SN_O>
+// thread's partial row sums) are updated, and the SN_O n8 output blocks o[4·SN_O] are rescaled.  With
+// SKIP_HELD, a warp whose rows all kept their max skips the rescale (by 1: the same bits); H200, 2026-12-01:
+// it helps the wgmma kernel and cost the mma.sync one ~7% (tests/gpu/bench_mla_prefill.py), which keeps it off.
+template <int SN, int SN_O, bool SKIP_HELD>
 __device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[2], float (&l_run)[2], float scale_log2) {
     float alpha[2];
 #pragma unroll
@@ -47,12 +49,14 @@ __device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[
         }
         l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's columns; the quad sums at the end
     }
+    if (!SKIP_HELD || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < SN_O; ++j) {
-        o[4 * j] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
+        for (int j = 0; j < SN_O; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
     }
 }
 

@@ -63,26 +63,52 @@ __device__ __forceinline__ void load_q(unsigned q_base, const bf16* __restrict__
     }
 }
 
-__device__ __forceinline__ void load_kv(unsigned stage, const bf16* __restrict__ kn, const bf16* __restrict__ vt,
-                                        const bf16* __restrict__ lat, int ld_rows, int h, int row0, int ks, int kb,
-                                        int kend) {
-    constexpr int CH = DQK / 8, NCH = DN / 8;
-    for (int i = threadIdx.x; i < BLOCK_N * CH; i += THREADS) {
-        const int key = i / CH, ch = i % CH, pos = kb + key;
+// Per-thread copy geometry of the K and Vᵀ tiles (fixed for the CTA): thread t copies 16-byte chunk
+// lch = t mod 8 of rows lrow = t / 8 + 32·i of every sub-tile; its sources advance with the tile's first key.
+struct KvCopy {
+    const bf16* k_src[QSUB];  // row 0 of the round's scratch, this thread's chunk of K sub-tile s
+    int k_ld[QSUB];           // row stride of that source (DN for kn, LATW for lat)
+    const bf16* v_src;        // Vᵀ row h·DV + lrow, key column row0 - ks + 8·lch
+    unsigned dst;             // swz(lrow, lch): the same in every 32-row pass (32 mod 8 == 0)
+    int lrow, lch;
+};
+
+__device__ __forceinline__ KvCopy kv_copy(const bf16* __restrict__ kn, const bf16* __restrict__ vt,
+                                          const bf16* __restrict__ lat, int ld_rows, int h, int row0, int ks) {
+    KvCopy c;
+    c.lrow = threadIdx.x >> 3, c.lch = threadIdx.x & 7;
+#pragma unroll
+    for (int sb = 0; sb < QSUB; ++sb) {
+        const bool nope = sb < DN / 64;
+        c.k_src[sb] = nope ? kn + (size_t)h * ld_rows * DN + sb * 64 + c.lch * 8 : lat + R + (sb - DN / 64) * 64 + c.lch * 8;
+        c.k_ld[sb] = nope ? DN : LATW;
+    }
+    c.v_src = vt + ((size_t)h * DV + c.lrow) * ld_rows + (row0 - ks) + 8 * c.lch;
+    c.dst = swz(c.lrow, c.lch);
+    return c;
+}
+
+// cp.async of the tile of keys kb .. kb + BLOCK_N - 1 into a stage (key positions >= kend zero-filled; a Vᵀ
+// chunk reaching past kend holds the segment's zero padding or keys the mask drops)
+__device__ __forceinline__ void load_kv(const KvCopy& c, unsigned stage, int ld_rows, int row0, int ks, int kb, int kend) {
+    static_assert(THREADS == 256 && BLOCK_N % 32 == 0 && DV % 32 == 0, "copy passes of 32 rows");
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 32; ++i) {
+        const int pos = kb + c.lrow + 32 * i;
         const bool ok = pos < kend;
         const size_t r = ok ? (size_t)(row0 + pos - ks) : 0;
-        const bf16* src = ch < NCH ? kn + ((size_t)h * ld_rows + r) * DN + ch * 8 : lat + r * LATW + R + (ch - NCH) * 8;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + (ch / 8) * KSUB_BYTES + swz(key, ch % 8)),
-                     "l"(src), "r"(ok ? 16 : 0));
+#pragma unroll
+        for (int sb = 0; sb < QSUB; ++sb)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage + sb * KSUB_BYTES + c.dst + i * 32 * 128),
+                         "l"(c.k_src[sb] + r * c.k_ld[sb]), "r"(ok ? 16 : 0));
     }
     const unsigned v_base = stage + QSUB * KSUB_BYTES;
-    for (int i = threadIdx.x; i < DV * (BLOCK_N / 8); i += THREADS) {
-        const int d = i / (BLOCK_N / 8), j = i % (BLOCK_N / 8), pos = kb + 8 * j;
-        const bool ok = pos < kend;  // a chunk reaching past kend holds the segment's zero padding
-        const bf16* src = vt + ((size_t)h * DV + d) * ld_rows + (ok ? row0 + pos - ks : 0);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_base + (j / 8) * SUB_BYTES + swz(d, j % 8)),
-                     "l"(src), "r"(ok ? 16 : 0));
-    }
+    const bool ok = kb + 8 * c.lch < kend;
+    const bf16* src = c.v_src + (ok ? kb : ks - row0 - 8 * c.lch);  // not ok: column 0 of the row, nothing read
+#pragma unroll
+    for (int i = 0; i < DV / 32; ++i)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(v_base + c.dst + i * 32 * 128),
+                     "l"(src + (size_t)32 * i * ld_rows), "r"(ok ? 16 : 0));
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -113,24 +139,23 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
 #pragma unroll
     for (int j = 0; j < 4 * ON; ++j) o[j] = 0.f;
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};  // rows g and g + 8 of this warp (raw score units)
-    float s[4 * SN];       // scores of the tile in hand (warpgroup 1 keeps them across the barrier)
+    float s[4 * SN] = {};  // scores of the tile in hand (warpgroup 1 keeps them across the barrier)
     unsigned qa[QK_STEPS][4];  // this warpgroup's Q rows as A fragments
 
+    const KvCopy cp = kv_copy(kn, vt, lat, ld_rows, h, row0, ks);
     if (num_tiles > 0) {
         load_q(q_base, q, ld_q, (size_t)(tok0 + i0), h, rows);
-        load_kv(stage0, kn, vt, lat, ld_rows, h, row0, ks, ks, kend);
+        load_kv(cp, stage0, ld_rows, row0, ks, ks, kend);
         cp_async_commit();
     }
     const int prow0 = p0 + warp * 16 + g;  // positions of rows g and g + 8
 
     auto scores = [&](unsigned k_tile) {  // s = Q·Kᵀ of one tile (waits for it)
-#pragma unroll
-        for (int j = 0; j < 4 * SN; ++j) s[j] = 0.f;
         fence_regs(s);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < QK_STEPS; ++kk)
-            wgmma_m64n64k16_rs(s, qa[kk], smem_desc(k_tile + (kk / 4) * KSUB_BYTES + 32 * (kk % 4)));
+        for (int kk = 0; kk < QK_STEPS; ++kk)  // the first slice overwrites s
+            wgmma_m64n64k16_rs(s, qa[kk], smem_desc(k_tile + (kk / 4) * KSUB_BYTES + 32 * (kk % 4)), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
@@ -145,7 +170,7 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
                     if (key > prow0 + (e >> 1) * 8 || key >= kend) s[4 * j + e] = NEG_INF;
                 }
         }
-        softmax_tile<SN, ON>(s, o, m_run, l_run, scale_log2);
+        softmax_tile<SN, ON, true>(s, o, m_run, l_run, scale_log2);
         // score blocks 2kk, 2kk + 1 packed to bf16 are the A fragment of k16 slice kk (all packed before the
         // fence: a register written between two wgmma costs an injected arrive)
         unsigned pa[BLOCK_N / 16][4];
@@ -164,7 +189,7 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
     for (int it = 0; it < num_tiles; ++it) {
         const int kb = ks + it * BLOCK_N;
         // tile it + 1 into the stage of tile it - 2 (every warpgroup is past it: the barrier ending it - 1)
-        if (it + 1 < num_tiles) load_kv(stage0 + ((it + 1) % STAGES) * STAGE_BYTES, kn, vt, lat, ld_rows, h, row0, ks, kb + BLOCK_N, kend);
+        if (it + 1 < num_tiles) load_kv(cp, stage0 + ((it + 1) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, kb + BLOCK_N, kend);
         cp_async_commit();
         cp_async_wait<1>();  // tile it (and Q) have landed (this thread's copies) ...
         fence_proxy_async();  // ... and are visible to the tensor cores' proxy ...
