@@ -70,7 +70,8 @@ def skinny() -> bool:
 
 
 def wgmma() -> bool:
-    """KDA_RT_WGMMA: 0 turns the Hopper warpgroup-MMA prefill kernels off (moe_gemm_wg.cu), so the
-    portable mma.sync ones run instead; default 1 (they run wherever the arch is sm_90a)."""
+    """KDA_RT_WGMMA: 0 turns the Hopper warpgroup-MMA prefill kernels off (moe_gemm_wg.cu, mla_prefill_wg.cu),
+    so the portable mma.sync ones run instead; default 1 (they run wherever the arch is sm_90a).  Read at
+    each call."""
     return _on_off("KDA_RT_WGMMA")
 

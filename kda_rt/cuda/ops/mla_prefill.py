@@ -8,7 +8,8 @@ On Hopper (sm_90a, KDA_RT_WGMMA not 0, Dn and Dr multiples of 64, Dv = 128) the 
 warpgroup MMA instead (mla_prefill_wg.cu), which wants the values transposed (keys contiguous), so the
 decompression is two batched cuBLAS GEMMs over the heads: kn [H, rows, Dn] = c · W_k,hᵀ and
 vt [H, Dv, rows] = W_v,h · cᵀ (same FLOPs as the one GEMM above).
-H200 (2026-12-01, tests/gpu/bench_mla_prefill.py): see docs/PERFORMANCE.md.
+H200 (2026-12-01, tests/gpu/bench_mla_prefill.py, attention kernel alone): 467-483 TFLOP/s against 258-264
+for mma.sync from 32K context, 387 against 226 at 8 x 2048; outputs bit-identical.
 
 Used for every non-decode step.  Query i of sequence b sits at position ctx_b + i and attends
 positions 0 .. ctx_b + i.  The attended positions of all sequences are decompressed in rounds of
