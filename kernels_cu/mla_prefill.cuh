@@ -22,6 +22,32 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
+// One CTA's query tile of a round: entry blockIdx.x of tiles [N, 2] (b, i0), the sequence's record of
+// seq_rec [B, 8] (tok0, n, ctx, row0, ks, ke, flags, 0), and what both kernels derive from them.
+struct QueryTile {
+    int tok0, i0, row0, ks, flags;
+    int rows;       // valid query rows of this CTA
+    int p0;         // position of the CTA's first query
+    int kend;       // keys past the last query's position are skipped
+    int num_tiles;  // key tiles of BlockN positions
+    int mask_from;  // tiles reaching past here need the mask
+};
+
+template <int BlockM, int BlockN>
+__device__ __forceinline__ QueryTile query_tile(const int* __restrict__ seq_rec, const int* __restrict__ tiles) {
+    QueryTile t;
+    const int b = __ldg(tiles + 2 * blockIdx.x);
+    const int* rec = seq_rec + b * 8;
+    t.i0 = __ldg(tiles + 2 * blockIdx.x + 1);
+    t.tok0 = __ldg(rec), t.row0 = __ldg(rec + 3), t.ks = __ldg(rec + 4), t.flags = __ldg(rec + 6);
+    t.rows = min(BlockM, __ldg(rec + 1) - t.i0);
+    t.p0 = __ldg(rec + 2) + t.i0;
+    t.kend = min(__ldg(rec + 5), t.p0 + t.rows);
+    t.num_tiles = t.kend > t.ks ? (t.kend - t.ks + BlockN - 1) / BlockN : 0;
+    t.mask_from = min(t.p0 + 1, t.kend);
+    return t;
+}
+
 // Online softmax, base 2, over one tile of SN n8 score blocks s[4·SN] (raw scores, masked ones -inf):
 // s becomes the unnormalised probabilities 2^(scale_log2·(s - m)), m_run / l_run (raw-score max and this
 // thread's partial row sums) are updated, and the SN_O n8 output blocks o[4·SN_O] are rescaled.  With

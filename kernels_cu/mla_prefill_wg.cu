@@ -126,18 +126,11 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
     const unsigned q_base = base, stage0 = base + Q_BYTES;
 
     const int h = blockIdx.y;
-    const int b = __ldg(tiles + 2 * blockIdx.x), i0 = __ldg(tiles + 2 * blockIdx.x + 1);
-    const int* rec = seq_rec + b * 8;
-    const int tok0 = __ldg(rec), n = __ldg(rec + 1), ctx = __ldg(rec + 2), row0 = __ldg(rec + 3);
-    const int ks = __ldg(rec + 4), ke = __ldg(rec + 5), flags = __ldg(rec + 6);
+    const QueryTile qt = query_tile<BLOCK_M, BLOCK_N>(seq_rec, tiles);
+    const int row0 = qt.row0, ks = qt.ks, rows = qt.rows, p0 = qt.p0, kend = qt.kend;
+    const int num_tiles = qt.num_tiles, mask_from = qt.mask_from;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int g = lane >> 2, c4 = lane & 3;
-
-    const int rows = min(BLOCK_M, n - i0);                   // valid query rows of this CTA
-    const int p0 = ctx + i0;                                 // position of the CTA's first query
-    const int kend = min(ke, p0 + rows);                     // keys past the last query's position are skipped
-    const int num_tiles = kend > ks ? (kend - ks + BLOCK_N - 1) / BLOCK_N : 0;
-    const int mask_from = min(p0 + 1, kend);                 // tiles reaching past here need the mask
 
     float o[4 * ON];
 #pragma unroll
@@ -148,7 +141,7 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
 
     const KvCopy cp = kv_copy(kn, vt, lat, ld_rows, h, row0, ks);
     if (num_tiles > 0) {
-        load_q(q_base, q, ld_q, (size_t)(tok0 + i0), h, rows);
+        load_q(q_base, q, ld_q, (size_t)(qt.tok0 + qt.i0), h, rows);
         load_kv(cp, stage0, ld_rows, row0, ks, ks, kend);
         cp_async_commit();
     }
@@ -223,5 +216,5 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         fence_regs(o);
     }
     cp_async_wait<0>();
-    store_rows(o, l_run, m_run, warp, rows, (size_t)(tok0 + i0), h, flags, scale_log2, out, ld_out, o_state, ml_state);
+    store_rows(o, l_run, m_run, warp, rows, (size_t)(qt.tok0 + qt.i0), h, qt.flags, scale_log2, out, ld_out, o_state, ml_state);
 }
