@@ -162,15 +162,7 @@ mla_prefill_attn(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ 
         }
 
         // 2. mask (key > query position, or past the key end), online softmax in base 2
-        if (kb + BLOCK_N > mask_from) {
-#pragma unroll
-            for (int j = 0; j < SN; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kb + j * 8 + 2 * c4 + (e & 1);
-                    if (key > prow0 + (e >> 1) * 8 || key >= kend) s[j][e] = NEG_INF;
-                }
-        }
+        mask_tile<SN>(&s[0][0], kb, prow0, kend, mask_from, c4);
         softmax_tile<SN, ON, false>(&s[0][0], &o[0][0], m_run, l_run, scale_log2);
 
         // 3. O += P·V: the S accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk

@@ -48,6 +48,22 @@ __device__ __forceinline__ QueryTile query_tile(const int* __restrict__ seq_rec,
     return t;
 }
 
+// Causal mask of one tile of SN n8 score blocks s[4·SN] whose first key is kb: keys past the row's position
+// (rows g and g + 8 of the warp at positions prow0, prow0 + 8; c4 = lane mod 4) or at / past kend become -inf.  Only tiles
+// reaching past mask_from (the first query's position + 1, or kend) have any.
+template <int SN>
+__device__ __forceinline__ void mask_tile(float* s, int kb, int prow0, int kend, int mask_from, int c4) {
+    if (kb + 8 * SN > mask_from) {
+#pragma unroll
+        for (int j = 0; j < SN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kb + j * 8 + 2 * c4 + (e & 1);
+                if (key > prow0 + (e >> 1) * 8 || key >= kend) s[4 * j + e] = NEG_INF;
+            }
+    }
+}
+
 // Online softmax, base 2, over one tile of SN n8 score blocks s[4·SN] (raw scores, masked ones -inf):
 // s becomes the unnormalised probabilities 2^(scale_log2·(s - m)), m_run / l_run (raw-score max and this
 // thread's partial row sums) are updated, and the SN_O n8 output blocks o[4·SN_O] are rescaled.  With

@@ -158,15 +158,7 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         fence_regs(s);
     };
     auto attend = [&](int kb, unsigned v_tile) {  // mask, softmax, O += P·V of the tile in s (issued, not waited)
-        if (kb + BLOCK_N > mask_from) {
-#pragma unroll
-            for (int j = 0; j < SN; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kb + j * 8 + 2 * c4 + (e & 1);
-                    if (key > prow0 + (e >> 1) * 8 || key >= kend) s[4 * j + e] = NEG_INF;
-                }
-        }
+        mask_tile<SN>(s, kb, prow0, kend, mask_from, c4);
         softmax_tile<SN, ON, true>(s, o, m_run, l_run, scale_log2);
         // score blocks 2kk, 2kk + 1 packed to bf16 are the A fragment of k16 slice kk (all packed before the
         // fence: a register written between two wgmma costs an injected arrive)
