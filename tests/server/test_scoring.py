@@ -136,7 +136,10 @@ def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_RT_LOG_STATS_INTERVAL", "0.05")
     srv = ServerProc(tmp_path / "info.log", "--enable-log-requests", api_key=None)
     try:
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 24, "ignore_eos": True},
+        # the periodic line needs a busy period longer than the interval: 200 decode steps of the demo
+        # model take ~0.39 s here (1.9 ms a step, NumPy backend), ~8 intervals; 24 steps took 0.068 s
+        # once on a CI-like machine and logged no line (a flaky failure)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "ignore_eos": True},
                        timeout=120)
         assert r.status_code == 200
     finally:
