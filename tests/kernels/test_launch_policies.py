@@ -85,6 +85,22 @@ def test_wgmma_runs_on_sm90a_128_row_tiles_unless_switched_off(monkeypatch):
     assert not wg.available(128, 2304, 1024)      # Blackwell has no wgmma
 
 
+def test_mla_prefill_wgmma_only_where_its_tile_fits(monkeypatch):
+    """The wgmma MLA prefill attention: sm_90a, Dn / Dr multiples of 64, Dv = 128, its shared memory (Q and
+    three K / Vᵀ stages) within 227 KB; else the mma.sync kernel."""
+    import kda_rt.cuda.ops.mla_prefill as mp
+
+    monkeypatch.setattr(mp, "device_arch", lambda: "sm_90a")
+    assert mp.use_wgmma(128, 64, 128) and mp._wg_smem(128, 64) == 169 * 1024
+    assert not mp.use_wgmma(256, 64, 128)        # 249 KB of shared memory: too much
+    assert not mp.use_wgmma(96, 64, 128) and not mp.use_wgmma(128, 64, 64)
+    monkeypatch.setenv("KDA_RT_WGMMA", "0")
+    assert not mp.use_wgmma(128, 64, 128)
+    monkeypatch.delenv("KDA_RT_WGMMA")
+    monkeypatch.setattr(mp, "device_arch", lambda: "sm_100a")
+    assert not mp.use_wgmma(128, 64, 128)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and

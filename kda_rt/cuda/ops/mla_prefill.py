@@ -48,6 +48,9 @@ EXPANDED_MIN_TOKENS = 128
 FLAG_HAS_PREV, FLAG_FINAL = 1, 2
 SEGMENT_ALIGN = 8  # scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns)
 _WG_THREADS = 256
+_MAX_SMEM = 227 * 1024  # dynamic shared memory a CTA may take on sm_90
+# mla_prefill_wg.cu hard-codes 128 query rows a CTA; the tile plan (BLOCK_M) must give the same
+assert BLOCK_M == 128, "mla_prefill_wg.cu's BLOCK_M is 128: keep NUM_WARPS = 8"
 
 
 @dataclass
@@ -139,8 +142,10 @@ def _wg_smem(Dn: int, Dr: int) -> int:
 
 
 def use_wgmma(Dn: int, Dr: int, Dv: int) -> bool:
-    """Whether mla_prefill runs its attention on warpgroup MMA here (see the module docstring)."""
-    return env.wgmma() and device_arch() == "sm_90a" and Dn % 64 == 0 and Dr % 64 == 0 and Dv == 128
+    """Whether mla_prefill runs its attention on warpgroup MMA here (see the module docstring): Hopper, head
+    dims it is written for, and its shared memory within the 227 KB a CTA may take (DN + DR <= 192)."""
+    return (env.wgmma() and device_arch() == "sm_90a" and Dn % 64 == 0 and Dr % 64 == 0 and Dv == 128
+            and _wg_smem(Dn, Dr) <= _MAX_SMEM)
 
 
 @functools.cache
