@@ -209,6 +209,7 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
             kv = cupy.empty((rows, HW), dtype=BF16)
             scratch = kv
         o_state = ml_state = scratch  # unread unless a sequence spans several rounds
+        scale_log2 = f32(scale * math.log2(math.e))
         if len(rounds) > 1:
             o_state = cupy.empty((T, H, Dv), dtype=np.float32)
             ml_state = cupy.empty((T, H, 2), dtype=np.float32)
@@ -218,7 +219,6 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
             chunks = rd.rows * (KD // 8)
             gather(((chunks + 255) // 256,), (256,), (kv_pool, block_tables, i32(M), rec, row_start, i32(B1 - 1),
                                                      i32(rd.rows), lat), stream=stream)
-            scale_log2 = f32(scale * math.log2(math.e))
             if wg:
                 c = cupy.broadcast_to(lat[None, :rd.rows, :R], (H, rd.rows, R))  # batch stride 0
                 bmm(c, w3[:, :Dn], out=kn[:, :rd.rows], transpose_b=True)    # kn[h] = c · W_k,hᵀ
