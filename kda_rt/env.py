@@ -75,3 +75,17 @@ def wgmma() -> bool:
     each call."""
     return _on_off("KDA_RT_WGMMA")
 
+
+
+def fused_norm() -> bool:
+    """KDA_RT_FUSED_NORM: 0 runs a small step's MoE combine, the residual add and the next RMSNorm as two
+    kernels (moe_combine, rmsnorm) instead of one (moe_combine_norm); default 1.  Read at each forward."""
+    return _on_off("KDA_RT_FUSED_NORM")
+
+
+def early_weights() -> bool:
+    """KDA_RT_EARLY_WEIGHTS: 0 makes the MoE down GEMM of small decode batches (moe_gemm_tc.cu) wait for the
+    gate/up kernel before it copies anything, instead of copying its first weight steps while gate/up still
+    runs (EARLY_B; it matters under programmatic dependent launch, i.e. in decode graphs); default 1.  Read
+    when a kernel is picked (a CUDA graph keeps the kernels it captured)."""
+    return _on_off("KDA_RT_EARLY_WEIGHTS")

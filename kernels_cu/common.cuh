@@ -21,9 +21,21 @@ typedef __nv_bfloat16 bf16;
         asm volatile("griddepcontrol.wait;\n" ::: "memory");        \
         asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); \
     } while (0)
+// A kernel that first reads only what no kernel of the stream writes (weights) may start with
+// KDA_PDL_ENTRY_DEFERRED() instead: the next launch is let go at once, and the kernel itself executes
+// KDA_PDL_WAIT() before its first access to anything an earlier kernel writes, or to its outputs
+// (tests/kernels/test_pdl.py allows this form only in the kernels it lists).
+#define KDA_PDL_ENTRY_DEFERRED() asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory")
+#define KDA_PDL_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
 #else
 #define KDA_PDL_ENTRY() \
     do {                \
+    } while (0)
+#define KDA_PDL_ENTRY_DEFERRED() \
+    do {                         \
+    } while (0)
+#define KDA_PDL_WAIT() \
+    do {               \
     } while (0)
 #endif
 

@@ -27,11 +27,12 @@
 //   Measured (H200, graph replay, D = 2304, A = 8 + shared; tests/gpu/bench_moe_route.py, 2026-11-30):
 //   T = 1 1.5 us, 32 2.0, 128 3.0, 8192 169 us (4.0 TB/s of y read, y then fp32); the previous one-block-per-token
 //   kernel took 7.5 us at T = 1 (ncu).
+// moe_combine_norm (NORM = 1) — the combine, the residual add and the next RMSNorm in one launch (below).
 // Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
 //   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
-//   y [N, D] bf16; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16.
+//   y [N, D] bf16; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16; residual [T, D] bf16, norm_w [D] bf16.
 // Compile-time constants: E (≤ 1024 bins), BT, BUCKET_THREADS, SHARED_A (bucket); D (multiple of 4), A,
-// THREADS, HAS_SHARED (combine).
+// THREADS, HAS_SHARED, NORM (combine).
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -161,6 +162,46 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
 
 #ifdef THREADS
 static_assert(THREADS >= A + 1, "moe_combine: one thread per pair of a token loads its row index");
+constexpr int PAIRS = HAS_SHARED == 2 ? A + 1 : A;  // pairs per token in pair_pos
+
+// Token t's sorted-row indices and routing weights into shared memory (the callers sync after).
+__device__ __forceinline__ void load_token_pairs(const int* __restrict__ pair_pos, const float* __restrict__ w, int t,
+                                                 int* pos_sh, float* w_sh) {
+    if (threadIdx.x < PAIRS) pos_sh[threadIdx.x] = pair_pos[t * PAIRS + threadIdx.x];
+    if (threadIdx.x < A) w_sh[threadIdx.x] = w[t * A + threadIdx.x];
+}
+
+// fp32 combine of 4 columns c .. c + 3 of token t: the shared expert's part plus Σ_k w_k · y[row_k], in k order
+__device__ __forceinline__ float4 combine_cols(const bf16* __restrict__ y, const float* __restrict__ shared,
+                                               const int* pos_sh, const float* w_sh, int t, int c) {
+#if HAS_SHARED == 1
+    float4 acc = *reinterpret_cast<const float4*>(shared + (size_t)t * D + c);
+#elif HAS_SHARED == 2
+    float4 acc = ld_bf16x4(y + (size_t)pos_sh[A] * D + c);
+#else
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
+    uint2 v[A];  // all row loads (4 bf16 each) in flight before the first FMA
+#pragma unroll
+    for (int k = 0; k < A; ++k) v[k] = *reinterpret_cast<const uint2*>(y + (size_t)pos_sh[k] * D + c);
+#pragma unroll
+    for (int k = 0; k < A; ++k) {
+        const float wk = w_sh[k];
+        const float2 lo = bf16x2_to_float2(v[k].x), hi = bf16x2_to_float2(v[k].y);
+        acc.x += wk * lo.x; acc.y += wk * lo.y; acc.z += wk * hi.x; acc.w += wk * hi.y;
+    }
+    return acc;
+}
+
+__device__ __forceinline__ void st_bf16x4(bf16* p, float a, float b, float c, float d) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 packed;
+    packed.x = *reinterpret_cast<unsigned*>(&lo);
+    packed.y = *reinterpret_cast<unsigned*>(&hi);
+    *reinterpret_cast<uint2*>(p) = packed;
+}
+
+#if !NORM
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
             const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {
@@ -169,33 +210,51 @@ moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const 
     __shared__ float w_sh[A];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
-    constexpr int PAIRS = HAS_SHARED == 2 ? A + 1 : A;  // pairs per token in pair_pos
-    if (threadIdx.x < PAIRS) pos_sh[threadIdx.x] = pair_pos[t * PAIRS + threadIdx.x];
-    if (threadIdx.x < A) w_sh[threadIdx.x] = w[t * A + threadIdx.x];
+    load_token_pairs(pair_pos, w, t, pos_sh, w_sh);
     __syncthreads();
     const int c = (blockIdx.y * THREADS + threadIdx.x) * 4;
     if (c < D) {
-#if HAS_SHARED == 1
-        float4 acc = *reinterpret_cast<const float4*>(shared + (size_t)t * D + c);
-#elif HAS_SHARED == 2
-        float4 acc = ld_bf16x4(y + (size_t)pos_sh[A] * D + c);
-#else
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#endif
-        uint2 v[A];  // all row loads (4 bf16 each) in flight before the first FMA
-#pragma unroll
-        for (int k = 0; k < A; ++k) v[k] = *reinterpret_cast<const uint2*>(y + (size_t)pos_sh[k] * D + c);
-#pragma unroll
-        for (int k = 0; k < A; ++k) {
-            const float wk = w_sh[k];
-            const float2 lo = bf16x2_to_float2(v[k].x), hi = bf16x2_to_float2(v[k].y);
-            acc.x += wk * lo.x; acc.y += wk * lo.y; acc.z += wk * hi.x; acc.w += wk * hi.y;
-        }
-        __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-        uint2 packed;
-        packed.x = *reinterpret_cast<unsigned*>(&lo);
-        packed.y = *reinterpret_cast<unsigned*>(&hi);
-        *reinterpret_cast<uint2*>(out + (size_t)t * D + c) = packed;
+        const float4 acc = combine_cols(y, shared, pos_sh, w_sh, t, c);
+        st_bf16x4(out + (size_t)t * D + c, acc.x, acc.y, acc.z, acc.w);
     }
 }
+#else
+// moe_combine_norm — the combine, the residual add and the next RMSNorm of the block in one launch (a
+// decode step's MoE layer ends in one kernel instead of two): grid (T), block THREADS >= D / 4, thread i
+// owns columns 4i .. 4i + 3 of its token.  Same roundings as moe_combine followed by rmsnorm.cu:
+//   delta = bf16(combine)          h = bf16(delta + residual)  (written back: the new residual stream)
+//   out   = bf16( bf16(h · rsqrt(mean(h²) + eps)) · norm_w )   (mean in fp32; only its summation order
+//                                                               differs from rmsnorm.cu's)
+static_assert(THREADS * 4 >= D && THREADS % 32 == 0, "moe_combine_norm: one block covers the row, whole warps");
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_combine_norm(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
+                 const float* __restrict__ shared, bf16* __restrict__ residual, const bf16* __restrict__ norm_w,
+                 bf16* __restrict__ out, int num_tokens, float eps) {
+    KDA_PDL_ENTRY();
+    __shared__ int pos_sh[A + 1];
+    __shared__ float w_sh[A];
+    __shared__ float scratch[THREADS / 32];
+    const int t = blockIdx.x;
+    if (t >= num_tokens) return;
+    load_token_pairs(pair_pos, w, t, pos_sh, w_sh);
+    __syncthreads();
+    const int c = threadIdx.x * 4;
+    float4 h = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < D) {
+        const float4 acc = combine_cols(y, shared, pos_sh, w_sh, t, c);
+        bf16* res = residual + (size_t)t * D + c;
+        const float4 r = ld_bf16x4(res);
+        h = make_float4(round_bf16(round_bf16(acc.x) + r.x), round_bf16(round_bf16(acc.y) + r.y),
+                        round_bf16(round_bf16(acc.z) + r.z), round_bf16(round_bf16(acc.w) + r.w));
+        st_bf16x4(res, h.x, h.y, h.z, h.w);
+    }
+    const float ss = h.x * h.x + h.y * h.y + h.z * h.z + h.w * h.w;
+    const float inv = rsqrtf(block_sum(ss, scratch) / (float)D + eps);
+    if (c < D) {
+        const float4 g = ld_bf16x4(norm_w + c);
+        st_bf16x4(out + (size_t)t * D + c, round_bf16(h.x * inv) * g.x, round_bf16(h.y * inv) * g.y,
+                  round_bf16(h.z * inv) * g.z, round_bf16(h.w * inv) * g.w);
+    }
+}
+#endif
 #endif

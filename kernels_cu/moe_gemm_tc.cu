@@ -33,7 +33,7 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS.
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS, EARLY_B (0/1).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, random routing;
 // tiles as chosen in kda_rt/cuda/ops/moe_gemm_tc.py: BM=128 BN=128 BK=64, 3 stages, 2x2 warps,
 // 2 CTAs per SM), gate/up | down, against moe_gemm.cu:
@@ -45,6 +45,19 @@
 // k step; wgmma with a warp-specialised TMA producer is the next step for large T.
 #include "common.cuh"
 
+#ifndef EARLY_B
+#define EARLY_B 0
+#endif
+#if EARLY_B && FUSE_SILU
+#error "EARLY_B: only the down GEMM reads nothing but weights before its wait (gate/up needs the plan first)"
+#endif
+// gate/up keeps the plain entry (wait, then let the next launch go), so that when the down kernel starts
+// every gate/up block is past its wait, i.e. the plan the down kernel reads first is complete
+#if EARLY_B
+#define TC_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
+#else
+#define TC_PDL_ENTRY() KDA_PDL_ENTRY()
+#endif
 #if !defined(K) || !defined(NOUT) || !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || \
     !defined(WARPS_M) || !defined(WARPS_N) || !defined(FUSE_SILU) || !defined(TOPK) || !defined(MIN_BLOCKS)
 #error "moe_gemm_tc.cu needs -DK -DNOUT -DBM -DBN -DBK -DSTAGES -DWARPS_M -DWARPS_N -DFUSE_SILU -DTOPK -DMIN_BLOCKS"
@@ -121,15 +134,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
-    KDA_PDL_ENTRY();
+    // EARLY_B (down only): the tile's first STAGES - 1 weight steps are copied before waiting for the gate/up
+    // kernel, whose h rows this reads (under programmatic dependent launch a decode step's down kernel starts
+    // while gate/up runs; the plan it reads first was written two kernels back, before any gate/up block
+    // passed its own wait, and is read from L2: ld.cg)
+    TC_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
     bf16* sb = sa + STAGES * BM * LDS;              // [STAGES][BN][LDS]
 
     const int tile = blockIdx.y;
-    if (tile >= num_tiles[0]) return;
-    const int e = tile_expert[tile], row0 = tile_row[tile];
-    const int nrows = min(BM, expert_off[e + 1] - row0);
+    if (tile >= __ldcg(num_tiles)) {
+        KDA_PDL_WAIT();  // (again a no-op without EARLY_B; every block waits before it exits)
+        return;
+    }
+    const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
+    const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
 #if FUSE_SILU
@@ -140,25 +160,39 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 
     // copy geometry: thread copies chunk lch of rows lrow + i·RPP
     const int lrow = tid / CH, lch = tid % CH;
-    const bf16* a_src[A_PASSES];
-    int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
-    tile_row_sources(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
     const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
     bf16* a_dst = sa + lrow * LDS + lch * 8;
     bf16* b_dst = sb + lrow * LDS + lch * 8;
-
-    auto load_stage = [&](int stage, int kt) {
-        const int k0 = kt * BK;
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i) cp_async16(a_dst + stage * BM * LDS + i * RPP * LDS, a_src[i] + k0, a_bytes[i]);
+    auto load_b = [&](int stage, int kt) {
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i)
-            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS, b_src + (size_t)b_pass_offset(i) * K + k0, 16);
+            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS, b_src + (size_t)b_pass_offset(i) * K + kt * BK, 16);
+    };
+#if EARLY_B
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);  // (committed with stage 0's A rows below)
+    KDA_PDL_WAIT();
+#endif
+    const bf16* a_src[A_PASSES];
+    int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
+    tile_row_sources(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
+    auto load_a = [&](int stage, int kt) {
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i)
+            cp_async16(a_dst + stage * BM * LDS + i * RPP * LDS, a_src[i] + kt * BK, a_bytes[i]);
+    };
+    auto load_stage = [&](int stage, int kt) {
+        load_a(stage, kt);
+        load_b(stage, kt);
     };
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
+#if EARLY_B
+        load_a(s, s);
+#else
         load_stage(s, s);
+#endif
         cp_async_commit();
     }
 

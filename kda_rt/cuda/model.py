@@ -6,7 +6,8 @@ step can be captured into a CUDA graph.
     per layer: a = norm(h) ; h += KDA(a) | MLA(a) ; m = norm(h) ; h += MLP(m) | MoE(m)
     logits = lm_head(norm(h)[logits_rows])          (fp32)
 
-Residual adds are fused into the next RMSNorm (bf16 residual stream, as in the references).
+Residual adds are fused into the next RMSNorm (bf16 residual stream, as in the references); after a MoE
+block of a small step the add and the next norm ride in the MoE's combine kernel (KDA_RT_FUSED_NORM).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
 from kda_rt.cuda.ops.check import BF16
@@ -25,6 +27,7 @@ from kda_rt.cuda.ops.kda_prefill import kda_prefill
 from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 from kda_rt.cuda.ops.mla_prefill import mla_prefill
 from kda_rt.cuda.ops.mla_store import mla_store
+from kda_rt.cuda.ops.moe_align import FUSED_NORM_MAX_T, NormAfter, fits_norm
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 from kda_rt.cuda.ops.silu_mul import silu_mul
 from kda_rt.cuda.ops.trace import trace_scope
@@ -75,12 +78,17 @@ class CudaModel:
             res = embed(b.input_ids, self.w.embed, out=ws.get("res", (T, D), BF16))
         a = ws.get("a", (T, D), BF16)
         delta = ws.get("delta", (T, D), BF16)
-        for i, L in enumerate(self.w.layers):
-            with trace_scope("norm+residual"):
-                if i == 0:
-                    rmsnorm(res, L.in_norm, eps, out=a)
-                else:
-                    rmsnorm(delta, L.in_norm, eps, residual=res, out=a)
+        final = ws.get("final", (T, D), BF16)
+        fuse_norm = env.fused_norm() and T <= FUSED_NORM_MAX_T and fits_norm(D)
+        layers = self.w.layers
+        normed = False  # the previous MoE block already added its output to res and normalised it into a
+        for i, L in enumerate(layers):
+            if not normed:
+                with trace_scope("norm+residual"):
+                    if i == 0:
+                        rmsnorm(res, L.in_norm, eps, out=a)
+                    else:
+                        rmsnorm(delta, L.in_norm, eps, residual=res, out=a)
             with trace_scope(f"{L.kind}.{'decode' if b.decode else 'prefill'}"):
                 if isinstance(L.mixer, DeviceKDA):
                     self._kda(i, L.mixer, a, b, ws, out=delta)
@@ -88,14 +96,20 @@ class CudaModel:
                     self._mla(i, L.mixer, a, b, ws, out=delta)
             with trace_scope("norm+residual"):
                 rmsnorm(delta, L.post_norm, eps, residual=res, out=a)
+            last = i + 1 == len(layers)
+            normed = fuse_norm and isinstance(L.mlp, DeviceMoE)
             with trace_scope(L.mlp_kind):
                 if isinstance(L.mlp, DeviceMoE):
-                    self._moe(L.mlp, a, ws, out=delta, stats=self.expert_stats[i] if b.decode else None)
+                    # the block's residual add and the next norm (the next layer's, or the final one) ride in
+                    # the MoE's last kernel; its output is then the next normalised input (a, or final)
+                    norm = NormAfter(res, self.w.norm if last else layers[i + 1].in_norm, eps) if normed else None
+                    self._moe(L.mlp, a, ws, out=(final if last else a) if normed else delta,
+                              stats=self.expert_stats[i] if b.decode else None, norm=norm)
                 else:
                     self._mlp(L.mlp, a, ws, out=delta)
         with trace_scope("final norm+lm_head"):
-            final = ws.get("final", (T, D), BF16)
-            rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
+            if not normed:
+                rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
             N = int(b.logits_indices.shape[0])
             logits = ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32)
             if N == 0:  # prefill chunks that finish no prompt: nothing to project
@@ -135,11 +149,11 @@ class CudaModel:
                         max_seqlen=b.max_seqlen)
         linear(y, w.o_proj, out=out)
 
-    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None) -> None:
+    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack)
-        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats)
+        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         mc = self.config.mla

@@ -5,8 +5,11 @@ reads at each call (e.g. KDA_RT_SKINNY), not one read once at start; the decode 
 again after each flip (they keep the kernels they captured).
 
     PYTHONPATH=. python tests/gpu/bench_ab.py --env KDA_RT_HALF_TAILS --values 1,0 [--rounds 3]
-        [--decode 1:2048:64,8:2048:64]
-One JSON line per run on stdout, then one summary line per value.
+        [--decode 1:2048:64,8:2048:64] [--replays 1,32] [--prompts 0]
+Several switches flip together with --env A,B --values 1:1,0:0,1:0 (one value per switch, ':'-joined).
+--replays times the captured decode graph of each batch (graph replays of one step at ~2K context, CUDA
+events, median of 5 x 20): the same routing for every value, so the difference is the kernels'.
+--prompts 0 skips the prefill runs.  One JSON line per run on stdout, then one summary line per value.
 """
 
 from __future__ import annotations
@@ -29,32 +32,46 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--replays", default="", help="decode batch sizes whose graph replays are timed, e.g. 1,32")
     ap.add_argument("--decode", default="", help="batch:input:output of decode runs per round, e.g. 1:2048:64,8:2048:64")
     args = ap.parse_args()
-    if not args.env.startswith("KDA_RT_"):
-        ap.error(f"--env must name a KDA_RT_ switch, got {args.env!r}")
+    envs = args.env.split(",")
+    if not all(e.startswith("KDA_RT_") for e in envs):
+        ap.error(f"--env must name KDA_RT_ switches, got {args.env!r}")
 
     from helpers.full_model import full_engine
     from kda_rt.bench import floors, run_bench
 
-    cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts))
+    replays = [int(b) for b in args.replays.split(",") if b]
+    cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts, *replays))
     values = args.values.split(",")
     decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
-    run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
+    if args.prompts:
+        run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
     ttft: dict[str, list[float]] = {v: [] for v in values}
     steps: dict[tuple, list[float]] = {(v, d): [] for v in values for d in decodes}
+    steps.update({(v, ("replay", b)): [] for v in values for b in replays})
     for r in range(args.rounds):
         for v in values:
-            os.environ[args.env] = v
+            parts = v.split(":")
+            if len(parts) != len(envs):
+                ap.error(f"value {v!r} needs one ':'-joined part per switch in {envs}")
+            os.environ.update(zip(envs, parts, strict=True))
             if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
                 engine.runner.graphs.clear()
                 for b, *_ in decodes:  # (the decode runs' buckets now, outside their timing)
                     run_bench(engine, b, 64, 4, seed=99)
-            rep = run_bench(engine, args.prompts, args.input_len, 2, seed=2 + r)
-            ttft[v].append(rep["ttft_s_max"])
-            row = {"what": "prefill", args.env: v, "round": r, "ttft_max_s": round(rep["ttft_s_max"], 4),
-                   "kernels_built": rep.get("kernels_built")}
-            print(json.dumps(row), flush=True)
+            for b in replays:
+                ms = _replay_ms(engine, b, args.input_len)
+                steps[v, ("replay", b)].append(ms / 1e3)
+                print(json.dumps({"what": "replay", args.env: v, "round": r, "batch": b, "step_ms": round(ms, 4)}),
+                      flush=True)
+            if args.prompts:
+                rep = run_bench(engine, args.prompts, args.input_len, 2, seed=2 + r)
+                ttft[v].append(rep["ttft_s_max"])
+                row = {"what": "prefill", args.env: v, "round": r, "ttft_max_s": round(rep["ttft_s_max"], 4),
+                       "kernels_built": rep.get("kernels_built")}
+                print(json.dumps(row), flush=True)
             for b, i, o in decodes:
                 engine.runner.experts_touched(reset=True)
                 dec = run_bench(engine, b, i, o, seed=50 + r)
@@ -67,10 +84,35 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     for v in values:
         print(json.dumps({"summary": args.env, "value": v, "ttft_max_s": [round(t, 4) for t in ttft[v]],
-                          "ttft_median_s": round(statistics.median(ttft[v]), 4),
-                          **{f"step_ms_median {b}:{i}:{o}": round(statistics.median(steps[v, (b, i, o)]) * 1e3, 3)
-                             for b, i, o in decodes}}), flush=True)
+                          "ttft_median_s": round(statistics.median(ttft[v]), 4) if ttft[v] else None,
+                          **{f"step_ms_median {':'.join(map(str, d))}": round(statistics.median(steps[v, d]) * 1e3, 4)
+                             for d in [*decodes, *(("replay", b) for b in replays)]}}), flush=True)
     return 0
+
+
+def _replay_ms(engine, batch: int, input_len: int) -> float:
+    """ms per replay of the decode graph of `batch` rows (captured now by a short run at input_len context)."""
+    import cupy
+
+    from kda_rt.bench import run_bench
+
+    runner = engine.runner
+    run_bench(engine, batch, input_len, 8, seed=7)
+    rows = next(b for b in runner.buckets if b >= batch)
+    g = runner.graphs[rows]
+    times = []
+    with runner.stream:
+        for _ in range(3):
+            g.graph.launch(runner.stream)
+        for _ in range(5):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(runner.stream)
+            for _ in range(20):
+                g.graph.launch(runner.stream)
+            end.record(runner.stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,23 @@ def test_skinny_gemm_takes_narrow_projections_of_up_to_8_rows():
     assert not ok(4, 2304, 288, accumulate=True) and not ok(4, 2304, 288, contiguous=False)
     assert not ok(4, 2304, 288, x_ptr=258) and not ok(4, 2304, 288, ldx=2310)   # 16-byte rows
     assert not ok(4, 2304, 288, out_dtype=np.float16)
+
+
+def test_fused_moe_norm_needs_one_block_per_row():
+    from kda_rt.cuda.ops.moe_align import fits_norm
+
+    assert fits_norm(2304) and fits_norm(4096) and fits_norm(132)
+    assert not fits_norm(4100) and not fits_norm(2306)
+
+
+def test_early_weight_copies_only_in_the_small_decode_down_gemm(monkeypatch):
+    from kda_rt.cuda.ops.moe_gemm_tc import copies_weights_early, tile_config
+
+    monkeypatch.delenv("KDA_RT_EARLY_WEIGHTS", raising=False)
+    down_b1, down_b32 = (tile_config(16, 2304, 1024, False, tokens=t) for t in (1, 32))
+    assert copies_weights_early(down_b1, False)
+    assert not copies_weights_early(down_b32, False)  # one CTA per SM: an early block would hold gate/up's SM
+    assert not copies_weights_early(tile_config(16, 2048, 2304, True, tokens=1), True)  # gate/up reads the plan first
+    assert not copies_weights_early(tile_config(128, 2304, 1024, False), False)
+    monkeypatch.setenv("KDA_RT_EARLY_WEIGHTS", "0")
+    assert not copies_weights_early(down_b1, False)

@@ -83,10 +83,14 @@ def run(gpu, cfg, fused=False, **kw):
             gpu["w13_fused"] = cupy.concatenate([gpu["w13"], gpu["shared_w13"][None]])
             gpu["w2_fused"] = cupy.concatenate([gpu["w2"], gpu["shared_w2"][None]])
         w13, w2, E = gpu["w13_fused"], gpu["w2_fused"], gpu["w13"].shape[0]
-        moe = DeviceMoE(gpu["w_router"], gpu["bias"], w13, w2, DeviceMLP(w13[E], w2[E]), shared_in_stack=True)
-        return moe_forward(gpu["x"], moe, cfg, **kw)
-    shared = DeviceMLP(gpu["shared_w13"], gpu["shared_w2"]) if gpu["shared_w13"] is not None else None
-    return moe_forward(gpu["x"], DeviceMoE(gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], shared), cfg, **kw)
+        if "moe_fused" not in gpu:  # one DeviceMoE per block, as a model keeps (its routing counter with it)
+            gpu["moe_fused"] = DeviceMoE(gpu["w_router"], gpu["bias"], w13, w2, DeviceMLP(w13[E], w2[E]),
+                                         shared_in_stack=True)
+        return moe_forward(gpu["x"], gpu["moe_fused"], cfg, **kw)
+    if "moe" not in gpu:
+        shared = DeviceMLP(gpu["shared_w13"], gpu["shared_w2"]) if gpu["shared_w13"] is not None else None
+        gpu["moe"] = DeviceMoE(gpu["w_router"], gpu["bias"], gpu["w13"], gpu["w2"], shared)
+    return moe_forward(gpu["x"], gpu["moe"], cfg, **kw)
 
 
 CASES = {  # name: (T, D, I, Is, E, cfg kwargs)
@@ -131,14 +135,18 @@ def test_moe_forward(name, fused):
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-@pytest.mark.parametrize("T,E", [(16, 64), (512, 16)], ids=["T16-E64-decode", "T512-E16-prefill"])
-def test_moe_forward_in_cuda_graph(T, E, fused):
+@pytest.mark.parametrize("T,E", [(4, 256), (16, 64), (512, 16)], ids=["T4-E256-decode", "T16-E64-decode", "T512-E16-prefill"])
+def test_moe_forward_in_cuda_graph(T, E, fused, pdl):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
-    new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu."""
+    new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
+    with programmatic dependent launches, as the decode graphs are (the down GEMM then copies its first
+    weight steps while gate/up runs, EARLY_B; the decode steps route with moe_route_fused)."""
     import cupy
 
     from kda_rt.cuda.moe import moe_workspace_bytes
+    from kda_rt.cuda.ops import pdl as pdl_launch
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.reference.moe import moe_forward as moe_ref
 
@@ -152,9 +160,12 @@ def test_moe_forward_in_cuda_graph(T, E, fused):
     cupy.cuda.Device().synchronize()
     with stream:
         run(gpu, cfg, fused, out=out, workspace=ws, stream=stream)  # warm up: compile, cuBLAS handle
-        stream.begin_capture()
-        run(gpu, cfg, fused, out=out, workspace=ws, stream=stream)
-        graph = stream.end_capture()
+        with pdl_launch.capturing(pdl) as on:
+            if pdl and not on:
+                pytest.skip("no programmatic dependent launch here (compute capability < 9.0 or KDA_RT_PDL=0)")
+            stream.begin_capture()
+            run(gpu, cfg, fused, out=out, workspace=ws, stream=stream)
+            graph = stream.end_capture()
     stream.synchronize()
     x2, _, _ = make_router(T, D, cfg, 12)
     gpu["x"][...] = to_gpu_bf16(x2)

@@ -9,13 +9,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kda_rt.cuda.ops.check import expect, i32
+from kda_rt.cuda.ops.check import expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["MoEPlan", "max_tiles", "moe_bucket", "moe_combine"]
+__all__ = ["FUSED_NORM_MAX_T", "MoEPlan", "NormAfter", "fits_norm", "max_tiles", "moe_bucket", "moe_combine"]
 
 _BUCKET_THREADS = 1024  # one block of 32 warps: its scan adds up one total per warp in a single warp
 _COMBINE_THREADS = 64  # 256 columns per block: D = 2304 spreads one token over 9 SMs
+_NORM_MAX_THREADS = 1024  # moe_combine_norm: one block per token
+
+
+class NormAfter(NamedTuple):
+    """The residual add and RMSNorm that follow the MoE block (moe_combine(norm=...)): residual [T, D] bf16
+    (updated in place), weight [D] bf16, eps."""
+
+    residual: object
+    weight: object
+    eps: float
 
 
 class MoEPlan(NamedTuple):
@@ -68,11 +78,14 @@ def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int):
                       SHARED_A=shared_a)
 
 
-def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, stream=None):
+def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, norm=None, stream=None):
     """out[t] = bf16(shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]]).
     y: [N, D] bf16, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16.
     shared_in_y: the plan was bucketed with shared_slot (N = T·(A+1)): the shared expert's row of token t
-    is y[pair_pos[t·(A+1) + A]] (then `shared` must be None)."""
+    is y[pair_pos[t·(A+1) + A]] (then `shared` must be None).
+    norm: a NormAfter (residual [T, D] bf16, weight [D] bf16, eps): the block's residual add and the next
+    RMSNorm in the same launch (moe_combine_norm): residual += bf16(combine) (bf16), out = RMSNorm(residual)
+    (as rmsnorm(combine, weight, eps, residual=residual, out=out)); needs D <= 4 · 1024."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
@@ -89,10 +102,33 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
         raise ValueError(f"moe_combine: hidden size {D} must be a multiple of 4")
     out = cupy.empty((T, D), dtype=BF16) if out is None else out
     expect(out, "out", shape=(T, D), dtype=BF16)
-    threads = max(_COMBINE_THREADS, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread; >= one thread per pair
     has_shared = 2 if shared_in_y else int(shared is not None)
+    args = (y, pair_pos, w, shared if shared is not None else y)
+    if norm is not None:
+        if not fits_norm(D):
+            raise ValueError(f"moe_combine: the fused norm needs hidden size <= {4 * _NORM_MAX_THREADS}, got {D}")
+        expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
+        expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
+        threads = max(-(-D // 128) * 32, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread, whole warps
+        kernel = get_kernel("moe_align.cu", "moe_combine_norm", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared,
+                            NORM=1)
+        if T:
+            kernel((T,), (threads,), (*args, norm.residual, norm.weight, out, i32(T), f32(norm.eps)), stream=stream)
+        return out
+    threads = max(_COMBINE_THREADS, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread; >= one thread per pair
     kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared)
     if T:
-        kernel((T, -(-D // (4 * threads))), (threads,), (y, pair_pos, w, shared if shared is not None else y, out, i32(T)),
-               stream=stream)
+        kernel((T, -(-D // (4 * threads))), (threads,), (*args, out, i32(T)), stream=stream)
     return out
+
+
+def fits_norm(hidden: int) -> bool:
+    """moe_combine(norm=...) runs for this hidden size (one block of <= 1024 threads covers a row)."""
+    return hidden % 4 == 0 and hidden <= 4 * _NORM_MAX_THREADS
+
+
+# The model fuses the combine with the next norm for steps of up to this many tokens: graph replay on the full
+# model (tests/gpu/bench_ab.py --replays, H200, 2026-12-01): batch 1 2.684 -> 2.660 ms, batch 8 5.775 -> 5.751,
+# batch 32 8.871 -> 8.957 (32 blocks of one token each load 9 rows with 8-byte loads: slower than the combine's
+# 288 narrow blocks followed by rmsnorm)
+FUSED_NORM_MAX_T = 8

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
+__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -81,11 +82,20 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int)
     return bm if ok else 0
 
 
+def copies_weights_early(tile: TileConfig, fuse_silu: bool) -> bool:
+    """The down GEMM of small decode batches (the 16 x 64 tile, 3 CTAs per SM) copies its first weight steps
+    before waiting for gate/up (EARLY_B).  Graph replay on the full model (tests/gpu/bench_ab.py --replays,
+    H200, 2026-12-01): batch 1 2.684 -> 2.577 ms, batch 8 5.775 -> 5.722; but with the batch-32 tile (one
+    CTA per SM) 8.871 -> 8.950 ms, so not there: an early down block holds an SM that gate/up's next wave needs."""
+    return not fuse_silu and tile.bm == 16 and tile.min_blocks >= 3 and env.early_weights()
+
+
 def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
+    early = {"EARLY_B": 1} if copies_weights_early(tile, fuse_silu) else {}
     return get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
                       FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early)
 
 
 def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out) -> tuple[int, int, int, int]:
