@@ -104,11 +104,13 @@ static_assert(MIN_TILES >= 1, "MIN_TILES: at least one tile per split");
 // of `tps` tiles each (the last one shorter); every split < used has at least one position.
 struct SplitPlan { int b, kv_end, tps, used; };
 
+// one_token (decode: every sequence has exactly one token, so token t is sequence t): no search through
+// cu_seqlens, whose dependent loads were most of a block's start-up latency.
 __device__ __forceinline__ SplitPlan split_plan(const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
-                                                int num_seqs, int max_pages, int num_splits, int t) {
+                                                int num_seqs, int one_token, int max_pages, int num_splits, int t) {
     SplitPlan p;
-    p.b = sequence_of(cu_seqlens, num_seqs, t);
-    const int pos = __ldg(context_lens + p.b) + t - __ldg(cu_seqlens + p.b);
+    p.b = one_token ? t : sequence_of(cu_seqlens, num_seqs, t);
+    const int pos = __ldg(context_lens + p.b) + (one_token ? 0 : t - __ldg(cu_seqlens + p.b));
     p.kv_end = max(1, min(pos + 1, max_pages * BLOCK_SIZE));  // positions past the table are never read
     const int tiles = (p.kv_end + NT - 1) / NT;
     p.tps = max((tiles + num_splits - 1) / num_splits, MIN_TILES);
@@ -135,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
                const bf16* __restrict__ kv_pool, const int* __restrict__ cu_seqlens,
                const int* __restrict__ context_lens, const int* __restrict__ block_tables,
-               int num_seqs, int max_pages, float scale_log2,
+               int num_seqs, int one_token, int max_pages, float scale_log2,
                bf16* ctx_out, bf16* __restrict__ partial, float* __restrict__ stats) {
     KDA_PDL_ENTRY();
     // q_lat and ctx_out alias: no __restrict__ on them
@@ -150,8 +152,8 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
 
     const int t = blockIdx.x, split = blockIdx.y, num_splits = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (t >= __ldg(cu_seqlens + num_seqs)) return;
-    const SplitPlan plan = split_plan(cu_seqlens, context_lens, num_seqs, max_pages, num_splits, t);
+    if (t >= (one_token ? num_seqs : __ldg(cu_seqlens + num_seqs))) return;
+    const SplitPlan plan = split_plan(cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, t);
     if (split >= plan.used) return;  // uniform over the block; never reads q_lat
     const int kv_end = plan.kv_end;
     const int first = split * plan.tps * NT;
@@ -334,14 +336,14 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
 extern "C" __global__ void __launch_bounds__(256)
 mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ stats,
                  const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
-                 int num_seqs, int max_pages, int num_splits, bf16* __restrict__ ctx_out) {
+                 int num_seqs, int one_token, int max_pages, int num_splits, bf16* __restrict__ ctx_out) {
     KDA_PDL_ENTRY();
     __shared__ float red_m[CG], red_l[CG];
     __shared__ __align__(16) float red_acc[CG][CC + 4];
     const int t = blockIdx.x, h = blockIdx.y, col = blockIdx.z * CC + (threadIdx.x % CT) * 8;
     const int grp = threadIdx.x / CT;
-    if (t >= __ldg(cu_seqlens + num_seqs)) return;
-    const SplitPlan plan = split_plan(cu_seqlens, context_lens, num_seqs, max_pages, num_splits, t);
+    if (t >= (one_token ? num_seqs : __ldg(cu_seqlens + num_seqs))) return;
+    const SplitPlan plan = split_plan(cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, t);
     if (plan.used <= 1) return;
     const float* st = stats + ((size_t)t * num_splits * H + h) * 2;
     const bf16* pp = partial + ((size_t)t * num_splits * H + h) * R + col;

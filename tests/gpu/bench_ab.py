@@ -41,6 +41,7 @@ def main() -> int:
 
     from helpers.full_model import full_engine
     from kda_rt.bench import floors, run_bench
+    from kda_rt.floors import decode_floor
 
     replays = [int(b) for b in args.replays.split(",") if b]
     cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts, *replays))
@@ -62,10 +63,12 @@ def main() -> int:
                 for b, *_ in decodes:  # (the decode runs' buckets now, outside their timing)
                     run_bench(engine, b, 64, 4, seed=99)
             for b in replays:
-                ms = _replay_ms(engine, b, args.input_len)
+                ms, touched = _replay_ms(engine, b, args.input_len)
                 steps[v, ("replay", b)].append(ms / 1e3)
-                print(json.dumps({"what": "replay", args.env: v, "round": r, "batch": b, "step_ms": round(ms, 4)}),
-                      flush=True)
+                fl = decode_floor(cfg, b, args.input_len + 8, touched)
+                print(json.dumps({"what": "replay", args.env: v, "round": r, "batch": b, "step_ms": round(ms, 4),
+                                  "floor_ms": round(fl["seconds"] * 1e3, 4), "ratio": round(ms / (fl["seconds"] * 1e3), 3),
+                                  "experts": round(sum(touched.values()) / max(1, len(touched)), 1)}), flush=True)
             if args.prompts:
                 rep = run_bench(engine, args.prompts, args.input_len, 2, seed=2 + r)
                 ttft[v].append(rep["ttft_s_max"])
@@ -90,8 +93,9 @@ def main() -> int:
     return 0
 
 
-def _replay_ms(engine, batch: int, input_len: int) -> float:
-    """ms per replay of the decode graph of `batch` rows (captured now by a short run at input_len context)."""
+def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, float]]:
+    """ms per replay of the decode graph of `batch` rows (captured now by a short run at input_len context),
+    and the experts its routing touches per MoE layer (the replays' own count: their bytes floor)."""
     import cupy
 
     from kda_rt.bench import run_bench
@@ -101,9 +105,11 @@ def _replay_ms(engine, batch: int, input_len: int) -> float:
     rows = next(b for b in runner.buckets if b >= batch)
     g = runner.graphs[rows]
     times = []
+    runner.experts_touched(reset=True)
     with runner.stream:
         for _ in range(3):
             g.graph.launch(runner.stream)
+        touched = runner.experts_touched(reset=True)
         for _ in range(5):
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(runner.stream)
@@ -112,7 +118,7 @@ def _replay_ms(engine, batch: int, input_len: int) -> float:
             end.record(runner.stream)
             end.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
-    return statistics.median(times)
+    return statistics.median(times), touched
 
 
 if __name__ == "__main__":

@@ -171,13 +171,14 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
         kernel = get_kernel("mla_attn.cu", "mla_attn_split", max_dynamic_smem=smem, **consts)
         partial = workspace[o_partial:] if S > 1 else workspace
         stats = workspace[o_stats:] if S > 1 else workspace
+        one_token = i32(decode)  # T == B, one token each (checked above): token t is sequence t
         kernel((T, S), (_THREADS,), (workspace, q2, i32(ldq), kv_pool, cu_seqlens, context_lens, block_tables,
-                                     i32(B1 - 1), i32(M), f32(scale * math.log2(math.e)), workspace,
+                                     i32(B1 - 1), one_token, i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
         if S > 1:  # tokens whose context used one split were written by mla_attn_split; the combine skips them
             combine = get_kernel("mla_attn.cu", "mla_attn_combine", **consts)
-            combine((T, H, R // _COMBINE_COLS), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1), i32(M),
-                                                         i32(S), workspace), stream=stream)
+            combine((T, H, R // _COMBINE_COLS), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
+                                                         one_token, i32(M), i32(S), workspace), stream=stream)
         if gemv:
             expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
             expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
