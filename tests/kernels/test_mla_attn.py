@@ -74,7 +74,8 @@ def test_mla_prefill(H, block_size, case):
 DECODE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),              # B=8: GEMV up-projections
           "long": (4000, 1234),
           "many": (9000,),                                        # one sequence, ~70 splits
-          "edges": (127, 128, 255, 256, 511, 512, 0, 383, 384, 1023, 1024, 2047)}  # B=12: bmm, tile edges
+          "edges": (127, 128, 255, 256, 511, 512, 0, 383, 384, 1023, 1024, 2047),  # B=12: bmm, tile edges
+          "tile32": (30, 31, 32, 33, 95, 96, 97, 159, 160, 161, 4096 + 31, 4096 + 33)}  # 32-position tiles, pipeline ends
 
 
 @pytest.mark.parametrize("H", [2, 32], ids=lambda h: f"H{h}")

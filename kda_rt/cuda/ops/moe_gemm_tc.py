@@ -42,11 +42,12 @@ class TileConfig(NamedTuple):
 # Chosen on H200 from the sweep of tests/gpu/bench_moe_gemm.py (candidates in test_moe_gemm_tc.py)
 _BIG = TileConfig(128, 128, 64, 3, 2, 2, 2)  # warp tile 64 x 64, 108 KB smem, 218 registers: 2 CTAs per SM
 _SMALL = TileConfig(64, 128, 64, 4, 2, 2, 2)  # warp tile 32 x 64, 108 KB smem, 138 registers: 2 CTAs per SM
-# decode: one m16 row tile per CTA, the weights streamed through 6 stages (124 KB smem: 1 CTA per SM
-# whatever MIN_BLOCKS says; 63 registers);
-# H200, E=256 top-8 D=2304 I=1024 (bench_moe_decode.py), gate/up | down: batch 1 25 | 21 us, batch 32
-# with 66 experts touched 164 | 90 us (3.8 | 3.5 TB/s), batch 128 586 | 300 us (4.0 | 3.9 TB/s)
-_DECODE = TileConfig(16, 128, 64, 6, 1, 4, 2)
+# decode: one m16 row tile per CTA, the weights streamed through 4 stages (83 KB smem: 2 CTAs per SM, so
+# one block's start overlaps another's stream); H200, E=256 top-8 D=2304 I=1024 (bench_moe_decode.py
+# --tiles, 2026-12-01), gate/up | down, batch 32 with 66 experts touched: 6 stages (1 CTA per SM)
+# 166.4 | 92.8 us (3.74 | 3.36 TB/s), 4 stages 163.2 | 85.7 us (3.82 | 3.63); uniform routing (155
+# experts) 366 | 189 against 369 | 186 us
+_DECODE = TileConfig(16, 128, 64, 4, 1, 4, 2)
 # batches of up to SMALL_DECODE_TOKENS tokens: 64-feature tiles, 69 KB smem, 3 CTAs per SM.  With 128
 # features a batch-1 step of the 48B shape has 16 x 9 = 144 gate/up and 18 x 9 = 162 down CTAs of one
 # per SM, two waves on 132 SMs: 36 + 18.5 us (ncu, cold weights) for 127 MB, 2.3 TB/s.
