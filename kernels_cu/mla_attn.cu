@@ -20,23 +20,23 @@
 // Softmax in fp32 with max subtraction, in base 2 (scores pre-multiplied by scale·log2 e).
 //
 // Block geometry (mla_attn_split): THREADS = 256 threads = 8 warps, ONE block per SM (≈190 KB smem);
-// all HP = 16·⌈H/16⌉ head rows (HP <= 32) share one pass over each latent row.  Per tile of NT = 32
-// (or 64) positions (tensor cores: mma.sync m16n8k16 bf16 -> fp32, operands by ldmatrix):
+// all HP = 16·⌈H/16⌉ head rows (HP <= 32) share one pass over each latent row.  Per tile of NT = 64
+// positions (tensor cores: mma.sync m16n8k16 bf16 -> fp32, operands by ldmatrix):
 //   1. S[HP, NT] = Q·KVᵀ split over K: warp w = (ng, kg) = (w / KG, w % KG) computes positions
-//      [NPW·ng, NPW·ng + NPW) (NPW = NT / 2) over depth [KW·kg, KW·kg + KW) (KW = KD / KG = 144).  Its Q fragments
+//      [32·ng, 32·ng + 32) over depth [KW·kg, KW·kg + KW) (KW = KD / KG = 144).  Its Q fragments
 //      (HP x KW) stay in registers for the whole block, so each KV element is read from shared memory
 //      once (the Q-in-shared form re-read Q per warp: 2.4x the shared traffic, the old bottleneck).
 //      The KG partial score tiles go to shared memory (fp32).
 //   2. online softmax: sum of the KG partials, HP·NT / 256 scores per thread, P (bf16) to shared memory.
 //   3. O[HP, R] += P·C: warp w owns output columns [w·R/8, (w+1)·R/8) in registers.
-// KV tiles stream through KV_STAGES shared-memory stages with cp.async: tile i + KV_STAGES - 1 is issued
-// into tile i-1's stage as soon as every warp is done with it (top of iteration i), so KV_STAGES - 1 tiles
-// are in flight per SM (the launcher: 32-position tiles, 5 stages, 149 KB in flight; the former 64-position
-// tiles in 2 stages kept one 74 KB tile in flight, and the loop waited on memory: 2.5 TB/s at B=32 L=32K).
+// KV tiles stream through two shared-memory stages with cp.async: tile i+1 is issued as soon as
+// every warp is done with tile i-1 (top of iteration i), so one 72 KB tile is always in flight per SM.
+// (Tried 2026-12-01: 32-position tiles through 5 stages, four in flight: B=32 L=32K 484 -> 517 us, B=1
+// L=128K 78 -> 81 us; the loop is bound by its own instructions and barriers, not by waiting on memory.)
 // Positions past the context or on a missing page are zero-filled, so NaN garbage in unowned rows
 // never reaches the math.  Rows are padded (LDK, LDS_S, LDP) so ldmatrix / float2 phases hit distinct banks.
-// Shared memory: max(HP·LDK·2, KG·HP·LDS_S·4) (Q staging, then the partial scores) + KV_STAGES·NT·LDK·2
-// (KV stages) + HP·LDP·2 + HP·4 bytes (226,944 at HP = 32, NT = 32, 5 stages).
+// Shared memory: max(HP·LDK·2, KG·HP·LDS_S·4) (Q staging, then the partial scores) + 2·NT·LDK·2 (KV
+// stages) + HP·LDP·2 + HP·4 bytes (191,616 at HP = 32).
 //
 // mla_attn_combine: grid (T, H, R / CC), 256 threads = CC / 8 column threads x CG split groups; each
 // thread merges splits g, g + CG, ... for 8 columns, then the groups are summed in shared memory.
@@ -51,7 +51,7 @@
 // GEMVs (each kv_b row read once for all T tokens); larger T uses cuBLAS bmm.
 //
 // Compile-time constants (chosen in kda_rt/cuda/ops/mla_attn.py): H, R, DR, DN, DV, BLOCK_SIZE, THREADS,
-// NT, KV_STAGES, HP, MIN_TILES, TMAX, and the padded shared-memory row strides LDK (Q and KV tiles, bf16), LDS_S (scores,
+// NT, HP, MIN_TILES, TMAX, and the padded shared-memory row strides LDK (Q and KV tiles, bf16), LDS_S (scores,
 // fp32), LDP (probabilities, bf16).  Needs sm_80+ (mma.sync, cp.async).
 // Measured (H200, graph replay incl. the two cuBLAS bmm, before this layout: Q re-read per warp, fp32
 // partials, S from the table width, serial combine): B=1 L=32K 96.5 us (0.48 TB/s), B=32 L=8K 199 us
@@ -65,9 +65,8 @@
     !defined(MIN_TILES) || !defined(TMAX)
 #error "mla_attn.cu needs -DH -DR -DDR -DDN -DDV -DBLOCK_SIZE -DMIN_TILES -DTMAX"
 #endif
-#if !defined(THREADS) || !defined(NT) || !defined(HP) || !defined(LDK) || !defined(LDS_S) || !defined(LDP) || \
-    !defined(KV_STAGES)
-#error "mla_attn.cu needs -DTHREADS -DNT -DHP -DLDK -DLDS_S -DLDP -DKV_STAGES"
+#if !defined(THREADS) || !defined(NT) || !defined(HP) || !defined(LDK) || !defined(LDS_S) || !defined(LDP)
+#error "mla_attn.cu needs -DTHREADS -DNT -DHP -DLDK -DLDS_S -DLDP"
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "mla_attn.cu needs sm_80 or newer (mma.sync bf16, cp.async)"
@@ -92,8 +91,7 @@
 
 static_assert(HP % 16 == 0 && H <= HP && HP < H + 16, "HP: the heads padded to whole m16 tiles");
 static_assert(HP <= 32, "mla_attn.cu supports at most 32 heads per launch (shared memory, registers)");
-static_assert(THREADS == 256 && (NT == 32 || NT == 64), "the warp maps assume 8 warps and tiles of 32 or 64 positions");
-static_assert(KV_STAGES >= 2, "KV_STAGES: at least double buffering");
+static_assert(THREADS == 256 && NT == 64, "the warp maps assume 8 warps and tiles of 64 positions");
 static_assert(KD % (KG * 16) == 0 && NPW % 16 == 0, "score GEMM split: whole k16 steps, pairs of n8 tiles");
 static_assert(LDK >= KD && LDK % 8 == 0 && LDP >= NT && LDP % 8 == 0 && LDS_S >= NT && LDS_S % 4 == 0,
               "padded rows must keep 16-byte alignment");
@@ -150,8 +148,8 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
     constexpr int U_BYTES = QS_BYTES > SP_BYTES ? QS_BYTES : SP_BYTES;
     bf16* q_s = reinterpret_cast<bf16*>(smem_raw);                        // [HP][LDK], until the Q fragments are loaded
     float* sp_s = reinterpret_cast<float*>(smem_raw);                     // [KG][HP][LDS_S], afterwards
-    bf16* kv_s = reinterpret_cast<bf16*>(smem_raw + U_BYTES);             // [KV_STAGES][NT][LDK]
-    bf16* p_s = kv_s + KV_STAGES * NT * LDK;                              // [HP][LDP]
+    bf16* kv_s = reinterpret_cast<bf16*>(smem_raw + U_BYTES);             // [2][NT][LDK]
+    bf16* p_s = kv_s + 2 * NT * LDK;                                      // [HP][LDP]
     float* alpha_s = reinterpret_cast<float*>(p_s + HP * LDP);            // [HP]
 
     const int t = blockIdx.x, split = blockIdx.y, num_splits = gridDim.y;
@@ -165,8 +163,7 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
     const int num_tiles = (last - first + NT - 1) / NT;  // >= 1
     const int* table = block_tables + (size_t)plan.b * max_pages;
 
-    // queries: [q_lat | q_pe] for heads < H, zeros for padding rows (commit group 0), then tiles 0 .. KV_STAGES - 2
-    // (groups 1 .. KV_STAGES - 1, empty past the last tile: every thread commits the same number of groups)
+    // queries: [q_lat | q_pe] for heads < H, zeros for padding rows (commit group 0), then tile 0 (group 1)
     for (int i = threadIdx.x; i < HP * CHUNKS; i += THREADS) {
         const int h = i / CHUNKS, chunk = i % CHUNKS;
         bf16* dst = q_s + h * LDK + chunk * 8;
@@ -176,16 +173,13 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
         cp_async16(dst, src, 16);
     }
     cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < KV_STAGES - 1; ++s) {
-        if (s < num_tiles) load_kv_tile(kv_s + s * NT * LDK, kv_pool, table, first + s * NT, kv_end);
-        cp_async_commit();
-    }
+    load_kv_tile(kv_s, kv_pool, table, first, kv_end);
+    cp_async_commit();
 
     // score-GEMM role of this warp and its Q fragments (HP rows x KW depth), kept in registers
     const int kg = warp % KG, ng = warp / KG;
     unsigned qf[MT][KSTEPS][4];
-    cp_async_wait<KV_STAGES - 1>();  // the queries (the tiles may still be in flight)
+    cp_async_wait<1>();
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -205,13 +199,13 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
 
     for (int it = 0; it < num_tiles; ++it) {
         const int start = first + it * NT;
-        cp_async_wait<KV_STAGES - 2>();  // tile it (the groups after it: tiles it + 1 .. it + KV_STAGES - 2)
-        __syncthreads();  // ... visible to all; every warp is done with tile it-1's stage, p_s and alpha_s
-        if (it + KV_STAGES - 1 < num_tiles)  // into tile it-1's stage
-            load_kv_tile(kv_s + ((it + KV_STAGES - 1) % KV_STAGES) * NT * LDK, kv_pool, table,
-                         start + (KV_STAGES - 1) * NT, kv_end);
-        cp_async_commit();  // (empty near the end)
-        const bf16* kv = kv_s + (it % KV_STAGES) * NT * LDK;
+        cp_async_wait<0>();  // tile it (the only group in flight)
+        __syncthreads();     // ... visible to all; every warp is done with tile it-1's stage, p_s and alpha_s
+        if (it + 1 < num_tiles) {
+            load_kv_tile(kv_s + ((it + 1) & 1) * NT * LDK, kv_pool, table, start + NT, kv_end);
+            cp_async_commit();
+        }
+        const bf16* kv = kv_s + (it & 1) * NT * LDK;
 
         // 1. partial scores: positions [NPW·ng, NPW·ng + NPW), depth [KW·kg, KW·kg + KW), all head rows
         {

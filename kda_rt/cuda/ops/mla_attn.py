@@ -29,14 +29,10 @@ from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "num_splits"]
 
-_NT = 32  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 16 positions x 4 warps of depth)
-# KV tiles in shared memory (KV_STAGES - 1 in flight while one is used): as many as fit, at most 5.  H200
-# (tests/gpu/bench_decode_sweep.py --parts=mla, 2026-12-01), 64-position tiles in 2 stages -> 32 in 5: see
-# PERFORMANCE.md (one 72 KB tile in flight per SM left the loop waiting on memory)
-_MAX_KV_STAGES = 5
+_NT = 64  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 32 positions x 4 warps of depth)
 _THREADS = 256
-_MIN_TILES = 4  # a split reads at least 4 tiles (128 positions): its fixed cost (Q, partial, combine) stays < ~1/2
-_SPLIT_COST = 4  # fixed cost of one split in tiles' time (Q load, prologue latency, partial write + combine read)
+_MIN_TILES = 2  # a split reads at least 2 tiles (128 positions): its fixed cost (Q, partial, combine) stays < ~1/2
+_SPLIT_COST = 2  # fixed cost of one split in tiles' time (Q load, prologue latency, partial write + combine read)
 _COMBINE_COLS = 128  # columns per mla_attn_combine block
 _GEMV_TOKENS = 8  # T <= this: the up-projections run as mla_absorb_q / mla_expand_out (TMAX), else cuBLAS bmm
 _ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
@@ -95,40 +91,19 @@ def _view(buf, offset: int, shape: tuple, dtype, strides: tuple | None = None):
 
 
 def _constants(H: int, R: int, Dr: int, Dn: int, Dv: int, block_size: int) -> dict[str, int]:
-    """The -D constants of mla_attn.cu (its cache key): the shapes, the tile, the KV pipeline depth and the
-    padded row strides (bf16 rows + 16 bytes and fp32 score rows + 32 bytes: ldmatrix / float2 phases on
-    distinct banks)."""
-    import cupy
-
-    c = dict(H=H, R=R, DR=Dr, DN=Dn, DV=Dv, BLOCK_SIZE=block_size, MIN_TILES=_MIN_TILES, TMAX=_GEMV_TOKENS,
-             THREADS=_THREADS, NT=_NT,
-             HP=-(-H // 16) * 16,  # heads padded to whole m16 tiles
-             LDK=R + Dr + _ROW_PAD_BYTES // 2, LDS_S=_NT + 8, LDP=_NT + _ROW_PAD_BYTES // 2)
-    c["KV_STAGES"] = kv_stages(c, _smem_optin(cupy.cuda.Device().id))
-    return c
-
-
-def kv_stages(c: dict[str, int], smem_limit: int) -> int:
-    """The deepest KV pipeline (2 .. _MAX_KV_STAGES tiles) whose shared memory fits `smem_limit` bytes."""
-    fits = [s for s in range(2, _MAX_KV_STAGES + 1) if _split_smem_bytes({**c, "KV_STAGES": s}) <= smem_limit]
-    if not fits:
-        raise ValueError(f"mla_attention: {_split_smem_bytes({**c, 'KV_STAGES': 2})} bytes of shared memory needed, "
-                         f"the device allows {smem_limit}")
-    return fits[-1]
-
-
-@functools.cache
-def _smem_optin(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.deviceGetAttribute(97, device_id))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    """The -D constants of mla_attn.cu (its cache key): the shapes, the tile and the padded row strides
+    (bf16 rows + 16 bytes and fp32 score rows + 32 bytes: ldmatrix / float2 phases on distinct banks)."""
+    return dict(H=H, R=R, DR=Dr, DN=Dn, DV=Dv, BLOCK_SIZE=block_size, MIN_TILES=_MIN_TILES, TMAX=_GEMV_TOKENS,
+                THREADS=_THREADS, NT=_NT,
+                HP=-(-H // 16) * 16,  # heads padded to whole m16 tiles
+                LDK=R + Dr + _ROW_PAD_BYTES // 2, LDS_S=_NT + 8, LDP=_NT + _ROW_PAD_BYTES // 2)
 
 
 def _split_smem_bytes(c: dict[str, int]) -> int:
-    """mla_attn_split's shared memory: Q staging / the 4 partial score tiles (fp32), KV_STAGES KV tiles (bf16),
+    """mla_attn_split's shared memory: Q staging / the 4 partial score tiles (fp32), two KV stages (bf16),
     probabilities (bf16), alpha."""
     staging = max(c["HP"] * c["LDK"] * 2, 4 * c["HP"] * c["LDS_S"] * 4)
-    return staging + c["KV_STAGES"] * c["NT"] * c["LDK"] * 2 + c["HP"] * (c["LDP"] * 2 + 4)
+    return staging + 2 * c["NT"] * c["LDK"] * 2 + c["HP"] * (c["LDP"] * 2 + 4)
 
 
 def mla_dims(q, kv_pool, w_kvb, H: int):
