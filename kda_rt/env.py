@@ -76,7 +76,6 @@ def wgmma() -> bool:
     return _on_off("KDA_RT_WGMMA")
 
 
-
 def fused_norm() -> bool:
     """KDA_RT_FUSED_NORM: 0 runs a small step's MoE combine, the residual add and the next RMSNorm as two
     kernels (moe_combine, rmsnorm) instead of one (moe_combine_norm); default 1.  Read at each forward."""

@@ -23,14 +23,13 @@ import numpy as np
 
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.moe_align import MoEPlan, NormAfter, bucket_kernel, fits_norm, max_tiles, moe_bucket, moe_combine
+from kda_rt.cuda.ops.moe_align import MoEPlan, NormAfter, bucket_kernel, max_tiles, moe_bucket, moe_combine
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows, tc_kernel, tile_config
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_route import SPLIT_MIN_T, moe_route, split_router
-from kda_rt.cuda.ops.rmsnorm import rmsnorm
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
@@ -105,8 +104,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
     down [D, Is], bf16) or None.  stats: optional int32 [2] device counter of the experts touched
     (ops/moe_align.moe_bucket).  norm (ops/moe_align.NormAfter): the residual add and RMSNorm after the block
-    are done here too: norm.residual += bf16(MoE(x)), out = RMSNorm(norm.residual) (one kernel with the
-    combine where ops/moe_align.fits_norm allows, else the combine then rmsnorm)."""
+    are done here too, by the combine (ops/moe_align.moe_combine): norm.residual += bf16(MoE(x)),
+    out = RMSNorm(norm.residual)."""
     import cupy
 
     w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2
@@ -165,9 +164,5 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             linear(x, shared_w13, out=ws["gu_s"])
             silu_mul(ws["gu_s"], out=ws["h_s"], stream=stream)
             shared = linear(ws["h_s"], shared_w2, out=ws["y_s"])
-        if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel
-            delta = moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, shared_in_y=fused, stream=stream)
-            rmsnorm(delta, norm.weight, norm.eps, residual=norm.residual, out=out)
-            return out
         moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, shared_in_y=fused, out=out, norm=norm, stream=stream)
     return out

@@ -38,6 +38,9 @@ def main() -> int:
     envs = args.env.split(",")
     if not all(e.startswith("KDA_RT_") for e in envs):
         ap.error(f"--env must name KDA_RT_ switches, got {args.env!r}")
+    values = args.values.split(",")
+    if any(len(v.split(":")) != len(envs) for v in values):
+        ap.error(f"each of --values {args.values!r} needs one ':'-joined part per switch in {envs}")
 
     from helpers.full_model import full_engine
     from kda_rt.bench import floors, run_bench
@@ -45,7 +48,6 @@ def main() -> int:
 
     replays = [int(b) for b in args.replays.split(",") if b]
     cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts, *replays))
-    values = args.values.split(",")
     decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
     if args.prompts:
         run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
@@ -54,10 +56,7 @@ def main() -> int:
     steps.update({(v, ("replay", b)): [] for v in values for b in replays})
     for r in range(args.rounds):
         for v in values:
-            parts = v.split(":")
-            if len(parts) != len(envs):
-                ap.error(f"value {v!r} needs one ':'-joined part per switch in {envs}")
-            os.environ.update(zip(envs, parts, strict=True))
+            os.environ.update(zip(envs, v.split(":"), strict=True))
             if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
                 engine.runner.graphs.clear()
                 for b, *_ in decodes:  # (the decode runs' buckets now, outside their timing)

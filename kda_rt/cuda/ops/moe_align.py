@@ -11,6 +11,7 @@ import numpy as np
 
 from kda_rt.cuda.ops.check import expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
 __all__ = ["FUSED_NORM_MAX_T", "MoEPlan", "NormAfter", "fits_norm", "max_tiles", "moe_bucket", "moe_combine"]
 
@@ -83,9 +84,10 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     y: [N, D] bf16, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16.
     shared_in_y: the plan was bucketed with shared_slot (N = T·(A+1)): the shared expert's row of token t
     is y[pair_pos[t·(A+1) + A]] (then `shared` must be None).
-    norm: a NormAfter (residual [T, D] bf16, weight [D] bf16, eps): the block's residual add and the next
-    RMSNorm in the same launch (moe_combine_norm): residual += bf16(combine) (bf16), out = RMSNorm(residual)
-    (as rmsnorm(combine, weight, eps, residual=residual, out=out)); needs D <= 4 · 1024."""
+    norm: a NormAfter (residual [T, D] bf16, weight [D] bf16, eps): also the block's residual add and the
+    next RMSNorm: residual += bf16(combine) (bf16), out = RMSNorm(residual), as rmsnorm(combine, weight,
+    eps, residual=residual, out=out); in the same launch (moe_combine_norm) where `fits_norm(D)`, else
+    the combine then rmsnorm."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
@@ -104,9 +106,10 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     expect(out, "out", shape=(T, D), dtype=BF16)
     has_shared = 2 if shared_in_y else int(shared is not None)
     args = (y, pair_pos, w, shared if shared is not None else y)
+    if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel
+        delta = moe_combine(y, pair_pos, w, shared, shared_in_y=shared_in_y, stream=stream)
+        return rmsnorm(delta, norm.weight, norm.eps, residual=norm.residual, out=out, stream=stream)
     if norm is not None:
-        if not fits_norm(D):
-            raise ValueError(f"moe_combine: the fused norm needs hidden size <= {4 * _NORM_MAX_THREADS}, got {D}")
         expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
         expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
         threads = max(-(-D // 128) * 32, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread, whole warps

@@ -13,7 +13,8 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early", "moe_gemm_tc", "prefill_tile_rows", "tile_config"]
+__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early", "moe_gemm_tc",
+           "prefill_tile_rows", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
