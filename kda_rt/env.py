@@ -88,3 +88,10 @@ def early_weights() -> bool:
     runs (EARLY_B; it matters under programmatic dependent launch, i.e. in decode graphs); default 1.  Read
     when a kernel is picked (a CUDA graph keeps the kernels it captured)."""
     return _on_off("KDA_RT_EARLY_WEIGHTS")
+
+
+def fused_moe() -> bool:
+    """KDA_RT_FUSED_MOE: 0 runs a decode step's two MoE expert GEMMs (16-row tiles) as two launches
+    (moe_grouped_gemm_tc) instead of one that streams both GEMMs' tiles (moe_decode_fused in
+    kernels_cu/moe_gemm_tc.cu); default 1.  Read at each MoE call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_FUSED_MOE")

@@ -14,6 +14,7 @@
 //   A + 1 pairs p = t·(A+1) + k, pair k = A goes to expert E - 1 and pair k < A to ids[t·A + k].
 //   stats (may be null): stats[0] += #{e : counts[e] > 0} (routed experts this call touched), stats[1] += 1,
 //   so a caller can average the experts actually routed per step (the decode bytes floor).
+//   sync (may be null, sync_words = 0): zeroed, for the counters of moe_decode_fused (moe_gemm_tc.cu).
 //   The order of pairs inside one expert's rows depends on atomics, but every row of the
 //   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
 //   fixed k order, so the block output is bitwise deterministic all the same.
@@ -152,9 +153,10 @@ __device__ __forceinline__ int expert_of(const int* __restrict__ ids, int p) {
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_off, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
-           int* __restrict__ num_tiles, int* __restrict__ stats) {
+           int* __restrict__ num_tiles, int* __restrict__ stats, int* __restrict__ sync, int sync_words) {
     KDA_PDL_ENTRY();
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
+    for (int i = threadIdx.x; i < sync_words; i += BUCKET_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     bucket_block([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
                  pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh, off_sh, fill_sh, warp_tot);
 }

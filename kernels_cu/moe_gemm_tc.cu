@@ -48,8 +48,20 @@
 #ifndef EARLY_B
 #define EARLY_B 0
 #endif
+#ifndef FUSED_DECODE
+#define FUSED_DECODE 0
+#endif
+#if FUSED_DECODE
+#if !defined(HIDDEN) || !defined(INTER) || EARLY_B
+#error "moe_gemm_tc.cu with FUSED_DECODE needs -DHIDDEN -DINTER (and no EARLY_B: its down items always copy weights first)"
+#endif
+#else
+#if !defined(K) || !defined(NOUT) || !defined(FUSE_SILU)
+#error "moe_gemm_tc.cu needs -DK -DNOUT -DFUSE_SILU (or -DFUSED_DECODE=1 -DHIDDEN -DINTER)"
+#endif
 #if EARLY_B && FUSE_SILU
 #error "EARLY_B: only the down GEMM reads nothing but weights before its wait (gate/up needs the plan first)"
+#endif
 #endif
 // gate/up keeps the plain entry (wait, then let the next launch go), so that when the down kernel starts
 // every gate/up block is past its wait, i.e. the plan the down kernel reads first is complete
@@ -58,9 +70,9 @@
 #else
 #define TC_PDL_ENTRY() KDA_PDL_ENTRY()
 #endif
-#if !defined(K) || !defined(NOUT) || !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || \
-    !defined(WARPS_M) || !defined(WARPS_N) || !defined(FUSE_SILU) || !defined(TOPK) || !defined(MIN_BLOCKS)
-#error "moe_gemm_tc.cu needs -DK -DNOUT -DBM -DBN -DBK -DSTAGES -DWARPS_M -DWARPS_N -DFUSE_SILU -DTOPK -DMIN_BLOCKS"
+#if !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || !defined(WARPS_M) || !defined(WARPS_N) || \
+    !defined(TOPK) || !defined(MIN_BLOCKS)
+#error "moe_gemm_tc.cu needs -DBM -DBN -DBK -DSTAGES -DWARPS_M -DWARPS_N -DTOPK -DMIN_BLOCKS"
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "moe_gemm_tc.cu needs sm_80 or newer (mma.sync bf16, cp.async, ldmatrix)"
@@ -76,17 +88,10 @@
 #define RPP (THREADS / CH)             // rows copied per pass of all threads
 #define A_PASSES (BM / RPP)
 #define B_PASSES (BN / RPP)
-#define KT (K / BK)                    // k steps
-#define HALF (NOUT / 2)
 
-static_assert(K % BK == 0 && BK % 16 == 0 && KT >= STAGES - 1 && STAGES >= 2, "K must be a multiple of BK");
+static_assert(BK % 16 == 0 && STAGES >= 2, "BK must be a multiple of 16");
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16 x 16");
 static_assert(THREADS % CH == 0 && BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
-#if FUSE_SILU
-static_assert(NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
-#else
-static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
-#endif
 
 #include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
 
@@ -102,15 +107,14 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 }
 
 // Shared-memory B row of this warp's n-tile t (first of the pair t, t + 1 for ldmatrix x4)
+template <bool SILU>
 __device__ __forceinline__ int b_tile_row(int wn, int t) {
-#if FUSE_SILU
-    return t < NI / 2 ? wn * (WN / 2) + 8 * t : BN / 2 + wn * (WN / 2) + 8 * (t - NI / 2);
-#else
+    if (SILU) return t < NI / 2 ? wn * (WN / 2) + 8 * t : BN / 2 + wn * (WN / 2) + 8 * (t - NI / 2);
     return wn * WN + 8 * t;
-#endif
 }
 
 // A fragments (MI m16 tiles) and B fragments (NI n8 tiles) of k16 step kk of one stage
+template <bool SILU>
 __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (&bfr)[NI][2], const bf16* ta,
                                                const bf16* tb, int wm, int wn, int lane, int kk) {
 #pragma unroll
@@ -119,7 +123,7 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 #pragma unroll
     for (int t = 0; t < NI; t += 2) {
         unsigned r[4];
-        ldmatrix_x4(r, tb + (b_tile_row(wn, t) + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+        ldmatrix_x4(r, tb + (b_tile_row<SILU>(wn, t) + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
         bfr[t][0] = r[0];
         bfr[t][1] = r[1];
         bfr[t + 1][0] = r[2];
@@ -127,9 +131,128 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
     }
 }
 
+// One CTA tile of one grouped GEMM (the body of both kernels below): bucketed rows [row0, row0 + nrows) of
+// expert e (nrows <= BM) times feature block fb of the expert's weight [NOUT_, K_] (gate/up: SILU, NOUT_ =
+// 2·HALF), into dst.  EARLY: the first STAGES - 1 weight steps are copied before before_a() returns (the
+// A rows, src, may be written by someone else until then); otherwise before_a is not called.
+template <int K_, int NOUT_, bool SILU, bool EARLY, typename BeforeA>
+__device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
+                                          const bf16* __restrict__ weight, int e, int row0, int nrows, int fb,
+                                          bf16* __restrict__ dst, bf16* sa, bf16* sb, BeforeA before_a) {
+    constexpr int KT = K_ / BK, HALF_ = NOUT_ / 2;
+    static_assert(K_ % BK == 0 && KT >= STAGES - 1, "K must be a multiple of BK, with at least STAGES - 1 steps");
+    static_assert(!SILU || (NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF_ % (BN / 2) == 0),
+                  "gate/up tiles: BN/2 must divide HALF");
+    static_assert(SILU || NOUT_ % BN == 0, "NOUT must be a multiple of BN");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int f0 = SILU ? fb * (BN / 2) : fb * BN;  // gate/up: first gate feature (= first h column) of the block
+
+    // copy geometry: thread copies chunk lch of rows lrow + i·RPP
+    const int lrow = tid / CH, lch = tid % CH;
+    const bf16* b_src = weight + ((size_t)e * NOUT_ + f0 + lrow) * K_ + lch * 8;
+    bf16* a_dst = sa + lrow * LDS + lch * 8;
+    bf16* b_dst = sb + lrow * LDS + lch * 8;
+    auto load_b = [&](int stage, int kt) {
+#pragma unroll
+        for (int i = 0; i < B_PASSES; ++i)
+            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS,
+                       b_src + (size_t)b_pass_offset<SILU, HALF_>(i) * K_ + kt * BK, 16);
+    };
+    if (EARLY) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);  // (committed with stage 0's A rows below)
+        before_a();
+    }
+    const bf16* a_src[A_PASSES];
+    int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
+    tile_row_sources<K_, SILU>(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
+    auto load_a = [&](int stage, int kt) {
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i)
+            cp_async16(a_dst + stage * BM * LDS + i * RPP * LDS, a_src[i] + kt * BK, a_bytes[i]);
+    };
+    auto load_stage = [&](int stage, int kt) {
+        load_a(stage, kt);
+        load_b(stage, kt);
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (EARLY)
+            load_a(s, s);
+        else
+            load_stage(s, s);
+        cp_async_commit();
+    }
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int t = 0; t < NI; ++t) acc[mi][t][0] = acc[mi][t][1] = acc[mi][t][2] = acc[mi][t][3] = 0.f;
+    const bool active = wm * WM < nrows;  // warp-uniform: rows of this warp exist
+
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies) ...
+        __syncthreads();              // ... everyone's; and step kt - 1's stage is free to refill
+        if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
+        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+        if (active) {
+            const bf16* ta = sa + (kt % STAGES) * BM * LDS;
+            const bf16* tb = sb + (kt % STAGES) * BN * LDS;
+            unsigned af[2][MI][4], bfr[2][NI][2];
+            load_fragments<SILU>(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                if (kk + 1 < BK / 16) load_fragments<SILU>(af[(kk + 1) & 1], bfr[(kk + 1) & 1], ta, tb, wm, wn, lane, kk + 1);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // epilogue: acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
+    if (!active) return;
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            const int rl = wm * WM + mi * 16 + g + 8 * hrow;
+            if (rl >= nrows) continue;
+            const size_t r = (size_t)(row0 + rl);
+            if (SILU) {
+#pragma unroll
+                for (int t = 0; t < NI / 2; ++t) {
+                    const int f = f0 + wn * (WN / 2) + 8 * t + 2 * c;
+                    float hv[2];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float gate = round_bf16(acc[mi][t][2 * hrow + j]);
+                        const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j]);
+                        hv[j] = round_bf16(silu(gate)) * up;
+                    }
+                    *reinterpret_cast<__nv_bfloat162*>(dst + r * HALF_ + f) = __floats2bfloat162_rn(hv[0], hv[1]);
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < NI; ++t) {
+                    const int f = f0 + wn * WN + 8 * t + 2 * c;
+                    *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
+                        __floats2bfloat162_rn(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
+                }
+            }
+        }
+}
+
 // ---------------------------------------------------------------------------------------------
 // kernels
 
+#if !FUSED_DECODE
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -150,111 +273,71 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
     }
     const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
     const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-#if FUSE_SILU
-    const int f0 = blockIdx.x * (BN / 2);  // first gate feature (= first h column) of the block
-#else
-    const int f0 = blockIdx.x * BN;
-#endif
-
-    // copy geometry: thread copies chunk lch of rows lrow + i·RPP
-    const int lrow = tid / CH, lch = tid % CH;
-    const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
-    bf16* a_dst = sa + lrow * LDS + lch * 8;
-    bf16* b_dst = sb + lrow * LDS + lch * 8;
-    auto load_b = [&](int stage, int kt) {
-#pragma unroll
-        for (int i = 0; i < B_PASSES; ++i)
-            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS, b_src + (size_t)b_pass_offset(i) * K + kt * BK, 16);
-    };
-#if EARLY_B
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);  // (committed with stage 0's A rows below)
-    KDA_PDL_WAIT();
-#endif
-    const bf16* a_src[A_PASSES];
-    int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
-    tile_row_sources(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
-    auto load_a = [&](int stage, int kt) {
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i)
-            cp_async16(a_dst + stage * BM * LDS + i * RPP * LDS, a_src[i] + kt * BK, a_bytes[i]);
-    };
-    auto load_stage = [&](int stage, int kt) {
-        load_a(stage, kt);
-        load_b(stage, kt);
-    };
-
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-#if EARLY_B
-        load_a(s, s);
-#else
-        load_stage(s, s);
-#endif
-        cp_async_commit();
-    }
-
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int t = 0; t < NI; ++t) acc[mi][t][0] = acc[mi][t][1] = acc[mi][t][2] = acc[mi][t][3] = 0.f;
-    const bool active = wm * WM < nrows;  // warp-uniform: rows of this warp exist
-
-    for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies) ...
-        __syncthreads();              // ... everyone's; and step kt - 1's stage is free to refill
-        if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
-        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-        if (active) {
-            const bf16* ta = sa + (kt % STAGES) * BM * LDS;
-            const bf16* tb = sb + (kt % STAGES) * BN * LDS;
-            unsigned af[2][MI][4], bfr[2][NI][2];
-            load_fragments(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                if (kk + 1 < BK / 16) load_fragments(af[(kk + 1) & 1], bfr[(kk + 1) & 1], ta, tb, wm, wn, lane, kk + 1);
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
-            }
-        }
-    }
-    cp_async_wait<0>();
-
-    // epilogue: acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
-    if (!active) return;
-    const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            const int rl = wm * WM + mi * 16 + g + 8 * hrow;
-            if (rl >= nrows) continue;
-            const size_t r = (size_t)(row0 + rl);
-#if FUSE_SILU
-#pragma unroll
-            for (int t = 0; t < NI / 2; ++t) {
-                const int f = f0 + wn * (WN / 2) + 8 * t + 2 * c;
-                float hv[2];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const float gate = round_bf16(acc[mi][t][2 * hrow + j]);
-                    const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j]);
-                    hv[j] = round_bf16(silu(gate)) * up;
-                }
-                *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * HALF + f) = __floats2bfloat162_rn(hv[0], hv[1]);
-            }
-#else
-#pragma unroll
-            for (int t = 0; t < NI; ++t) {
-                const int f = f0 + wn * WN + 8 * t + 2 * c;
-                *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * NOUT + f) =
-                    __floats2bfloat162_rn(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
-            }
-#endif
-        }
+    gemm_tile<K, NOUT, FUSE_SILU, EARLY_B>(src, sorted_pair, weight, e, row0, nrows, blockIdx.x,
+                                           static_cast<bf16*>(dst), sa, sb, [] { KDA_PDL_WAIT(); });
 }
+#endif
+
+#if FUSED_DECODE
+// moe_decode_fused — both grouped GEMMs of a decode step's MoE layer in one launch, over the (tile, feature
+// block) work actually routed: the gate/up items (num_tiles · GU_BLOCKS, tile-major) then the down items
+// (num_tiles · DN_BLOCKS).  A grid of as many CTAs as fit on the GPU at once claims items in order from one
+// atomic counter (sync[0]), so a down item is claimed only after every gate/up item; a CTA finishing a
+// gate/up item of tile i adds 1 to sync[1 + i] after its h stores (release), and a down item of tile i
+// copies its first weight steps, then waits until sync[1 + i] = GU_BLOCKS (acquire) before copying the h
+// rows.  Every item waited on was claimed earlier by a running CTA that waits on nothing, so the wait
+// always ends, whatever the grid and however many CTAs are resident.  This replaces the two launches'
+// tail and ramp (the gate/up grid's last partial wave, the down grid's start) with one stream of items.
+// sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch.
+#define GU_BLOCKS (INTER / (BN / 2))
+#define DN_BLOCKS (HIDDEN / BN)
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair, const bf16* __restrict__ w13,
+                 const bf16* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                 const int* __restrict__ expert_off, const int* __restrict__ num_tiles, bf16* __restrict__ h,
+                 bf16* __restrict__ y, int* __restrict__ sync) {
+    KDA_PDL_ENTRY();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
+    bf16* sb = sa + STAGES * BM * LDS;              // [STAGES][BN][LDS]
+    __shared__ int next_item;
+
+    const int ntiles = __ldcg(num_tiles);
+    const int n_gu = ntiles * GU_BLOCKS, n_all = n_gu + ntiles * DN_BLOCKS;
+    if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
+    __syncthreads();
+    for (int item = next_item; item < n_all; item = next_item) {
+        __syncthreads();  // everyone has read next_item: claim the one after this (its latency hides under the tile)
+        if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
+        const bool gate_up = item < n_gu;
+        const int j = gate_up ? item : item - n_gu;
+        const int blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
+        const int tile = j / blocks, fb = j - tile * blocks;
+        const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
+        const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
+        if (gate_up) {
+            gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, e, row0, nrows, fb, h, sa, sb, [] {});
+            __syncthreads();  // every h store of the tile is issued ...
+            if (threadIdx.x == 0) {
+                __threadfence();  // ... and visible GPU-wide before the count says so
+                atomicAdd(sync + 1 + tile, 1);
+            }
+        } else {
+            int* done = sync + 1 + tile;
+            gemm_tile<INTER, HIDDEN, false, true>(h, sorted_pair, w2, e, row0, nrows, fb, y, sa, sb, [done] {
+                if (threadIdx.x == 0)
+                    while (ld_acquire(done) < GU_BLOCKS) __nanosleep(100);
+                __syncthreads();  // the h rows are read with cp.async.cg (L2), after this
+            });
+        }
+        __syncthreads();  // next_item is written; the stages are free for the next item
+    }
+}
+#endif

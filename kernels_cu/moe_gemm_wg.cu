@@ -151,7 +151,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     const int lrow = tid >> 3, lch = tid & 7;
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
-    tile_row_sources(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
+    tile_row_sources<K, FUSE_SILU>(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
     const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
     // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
     const unsigned dst_off = swz(lrow, lch);
@@ -166,7 +166,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
-                         "l"(b_src + (size_t)b_pass_offset(i) * K + k0));
+                         "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
     };
 
 #pragma unroll

@@ -21,11 +21,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.moe_align import MoEPlan, NormAfter, bucket_kernel, max_tiles, moe_bucket, moe_combine
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
-from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, prefill_tile_rows, tc_kernel, tile_config
+from kda_rt.cuda.ops.moe_gemm_tc import (
+    SMALL_DECODE_TOKENS,
+    fused_decode_tile,
+    fused_kernel,
+    moe_decode_fused,
+    moe_gemm_tc,
+    prefill_tile_rows,
+    tc_kernel,
+    tile_config,
+)
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
@@ -50,7 +60,8 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
     parts = [("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
-             ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), BF16)]
+             ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), BF16),
+             ("sync", (1 + tiles,), i32)]  # moe_decode_fused's counters (>= sync_words: tiles of 16 rows)
     if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
     return parts
@@ -95,6 +106,11 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                     tc_kernel(small, k, nout, fuse, pairs)
                     count += 1
         count += 3
+        if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
+            for tokens in (1, SMALL_DECODE_TOKENS + 1):
+                if tile := fused_decode_tile(tokens, D, inter):
+                    fused_kernel(tile, D, inter, pairs)
+                    count += 1
     return count
 
 
@@ -144,6 +160,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     pairs = A + 1 if fused else A
     bm = prefill_tile_rows(T * pairs, stacked, D, inter)
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
+    # decode sizes: both GEMMs in one launch (moe_decode_fused), where one 16-row tile fits both
+    fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and env.fused_moe() else None
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else contextlib.nullcontext():
@@ -156,9 +174,14 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                   renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
                   biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
                   router_split=w.router_split, stream=stream)
-        moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, stream=stream)
-        gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
-        gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
+        moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=ws["sync"] if fused_tile else None,
+                   stream=stream)
+        if fused_tile:
+            moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
+                             stream=stream)
+        else:
+            gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
+            gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None
         if inter_s and not fused:
             linear(x, shared_w13, out=ws["gu_s"])

@@ -8,7 +8,12 @@ a decode step's MoE: every touched expert's weights read once).  Routing: unifor
 
 Times: CUDA events around each call, 3 warm-ups, median of 20.
 Run: python tests/gpu/bench_moe_decode.py [--tokens 1,8,32,128] [--tiles "16,128,64,5,1,4,2;16,64,64,6,1,2,3"]
-(--tiles: TileConfig fields bm, bn, bk, stages, warps_m, warps_n, min_blocks; default TILES below)"""
+(--tiles: TileConfig fields bm, bn, bk, stages, warps_m, warps_n, min_blocks; default TILES below)
+
+--fused: instead, the decode path as the model runs it, in CUDA-graph replays captured with programmatic
+dependent launch: moe_bucket + the two moe_gemm_tc launches against moe_bucket + moe_decode_fused (both
+GEMMs in one launch), with the launcher's tiles; each graph cycles through 8 routings (different experts,
+so the weights come from HBM, not L2); outputs compared bit for bit."""
 
 from __future__ import annotations
 
@@ -41,7 +46,10 @@ def main():
     ap.add_argument("--tokens", default="1,4,8,32,64,128,256")
     ap.add_argument("--tiles", default="", help="';'-separated tiles, each 7 comma-separated TileConfig fields")
     ap.add_argument("--no-old", action="store_true", help="skip the weight-stationary moe_gemm.cu rows")
+    ap.add_argument("--fused", action="store_true", help="time moe_decode_fused against the two launches")
     args = ap.parse_args()
+    if args.fused:
+        return bench_fused([int(t) for t in args.tokens.split(",")])
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] or TILES
     rng = cupy.random.default_rng(1)
     w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
@@ -84,6 +92,66 @@ def main():
                 e13, e2 = rms_rel(to_np(h[p.pair_pos]), h_ref_s), rms_rel(to_np(y[p.pair_pos]), y_ref_s)
                 print(f"  tc {str(t):26s} gate/up {ms13 * 1e3:7.1f} us {b13 / ms13 / 1e9:5.2f} TB/s | down "
                       f"{ms2 * 1e3:7.1f} us {b2 / ms2 / 1e9:5.2f} TB/s | err {e13:.1e} {e2:.1e}", flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _decode_moe(cases, x, w13, w2, h, y, tiles, stream):
+    """Every routing of `cases` through the decode MoE GEMMs: bucket, then the two launches (tiles = the
+    gate/up and down TileConfigs) or the fused one (tiles = its TileConfig)."""
+    from kda_rt.cuda.ops.moe_align import moe_bucket
+    from kda_rt.cuda.ops.moe_gemm_tc import moe_decode_fused, moe_gemm_tc
+
+    for ids, plan, sync in cases:
+        moe_bucket(ids, E, plan, sync=sync, stream=stream)
+        if isinstance(tiles, tuple) and len(tiles) == 2:
+            moe_gemm_tc(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=tiles[0], stream=stream)
+            moe_gemm_tc(h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=tiles[1], stream=stream)
+        else:
+            moe_decode_fused(x, w13, w2, plan, top_k=A, h=h, out=y, sync=sync, tile=tiles, stream=stream)
+
+
+def bench_fused(tokens, rounds: int = 8):
+    import cupy
+
+    from helpers.gpu import graph_us, rand_bf16
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, sync_words, tile_config
+
+    rng = cupy.random.default_rng(1)
+    w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
+    per_expert = 3 * INTER * D * 2
+    for T in tokens:
+        for routing in ("uniform", "concentrated"):
+            pool = E if routing == "uniform" else max(A, min(E, int(T * A / 3.7)))
+            if routing == "concentrated" and pool == E:
+                continue
+            hrng = np.random.default_rng(T)
+            N, tiles = T * A, max_tiles(T * A, E, 16)
+            cases, touched = [], []
+            for _ in range(rounds):
+                experts = hrng.choice(E, pool, replace=False)
+                ids = np.stack([hrng.choice(experts, A, replace=False) for _ in range(T)]).astype(np.int32)
+                touched.append(np.unique(ids).size)
+                z = lambda n: cupy.zeros(n, dtype=np.int32)  # noqa: E731
+                plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
+                cases.append((cupy.asarray(ids), plan, z(sync_words(N, E))))
+            x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+            h, y = cupy.empty((N, INTER), BF16), cupy.empty((N, D), BF16)
+            t13, t2, tf = tile_config(16, 2 * INTER, D, True, T), tile_config(16, D, INTER, False, T), fused_decode_tile(T, D, INTER)
+
+            with pdl.capturing(True):
+                run = partial(_decode_moe, cases, x, w13, w2, h, y)
+                last = cases[-1][1]  # rows of y in pair order (the order inside an expert is the atomics')
+                us_two = graph_us(partial(run, (t13, t2)), calls=2) / rounds
+                y_two = y[last.pair_pos].view(cupy.uint16)
+                us_one = graph_us(partial(run, tf), calls=2) / rounds
+            same = bool(cupy.all(y[last.pair_pos].view(cupy.uint16) == y_two))
+            mb = np.mean(touched) * per_expert / 1e6
+            print(f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts {mb:7.1f} MB | two launches "
+                  f"{us_two:7.1f} us {mb / us_two:5.2f} TB/s | fused {us_one:7.1f} us {mb / us_one:5.2f} TB/s "
+                  f"({us_one / us_two - 1:+.1%}) | tiles {t13.bn}/{t2.bn} {tf} | same {same}", flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
 
 

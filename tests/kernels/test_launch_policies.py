@@ -104,8 +104,9 @@ def test_mla_prefill_wgmma_only_where_its_tile_fits(monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and
-    both GEMMs for 16-, 64- and 128-row tiles, the 128-row GEMMs on wgmma where it runs; exactly the
-    variants moe_forward asks for (the same kernel helpers), so a mixed step never waits for NVRTC."""
+    both GEMMs for 16-, 64- and 128-row tiles, the 128-row GEMMs on wgmma where it runs, and the fused decode
+    kernel (both GEMMs in one launch) for the two 16-row tiles; exactly the variants moe_forward asks for
+    (the same kernel helpers), so a mixed step never waits for NVRTC."""
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
     import kda_rt.cuda.ops.moe_gemm_tc as tc
@@ -115,12 +116,15 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 11
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 13
     buckets = sorted(kw["BT"] for f, kw in built if f == "moe_align.cu")
     assert buckets == [16, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
                                             for f, kw in built if f == "moe_align.cu")
+    fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"]) for f, kw in built
+                   if kw.get("FUSED_DECODE"))
+    assert fused == [(64, 6, 2304, 1024, 9), (128, 4, 2304, 1024, 9)]
     gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
-                   if "gemm" in f)
+                   if "gemm" in f and not kw.get("FUSED_DECODE"))
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
     want = [("moe_gemm_tc.cu", bm, bn, fuse, 9) for bm, bn in ((16, 64), (16, 128), (64, 128)) for fuse in (False, True)]
     want += [(big, 128, 256 if big == "moe_gemm_wg.cu" else 128, fuse, 9) for fuse in (False, True)]

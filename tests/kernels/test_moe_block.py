@@ -135,15 +135,22 @@ def test_moe_forward(name, fused):
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
 
 
+@pytest.mark.parametrize("launches", ["one", "two"], ids=["fused-gemms", "two-gemms"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 @pytest.mark.parametrize("T,E", [(4, 256), (16, 64), (512, 16)], ids=["T4-E256-decode", "T16-E64-decode", "T512-E16-prefill"])
-def test_moe_forward_in_cuda_graph(T, E, fused, pdl):
+def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, monkeypatch):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
     new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
-    with programmatic dependent launches, as the decode graphs are (the down GEMM then copies its first
-    weight steps while gate/up runs, EARLY_B; the decode steps route with moe_route_fused)."""
+    with programmatic dependent launches, as the decode graphs are.  launches: the decode steps' two expert
+    GEMMs in one launch (moe_decode_fused, whose counters the replay's moe_bucket zeroes again) or two (the
+    down GEMM then copies its first weight steps while gate/up runs, EARLY_B)."""
     import cupy
+
+    if launches == "two":
+        monkeypatch.setenv("KDA_RT_FUSED_MOE", "0")
+    elif T >= 512:
+        pytest.skip("prefill sizes take the two-launch path either way")
 
     from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops import pdl as pdl_launch

@@ -255,6 +255,75 @@ def test_moe_gemm_wg(name, big_weights):
     check_real_shape(f"wg-{name}", big_weights, T, skewed, 128, WgTile(*tile), moe_gemm_wg)
 
 
+# moe_decode_fused (both decode GEMMs in one launch, items claimed from a counter, each down item waiting for
+# its tile's gate/up items): bit for bit the two launches of moe_gemm_tc on the same plan (same tiles, same
+# accumulation order), and a sample of experts against NumPy.  ctas = 1 runs every item on one CTA (all
+# gate/up items, then the down items, no wait can block); 3 and 7 leave many items per CTA with down items
+# waiting on tiles another CTA is still computing; None is the launcher's grid (all CTAs resident).
+FUSED = {  # name: (T, D, I, E, A, skewed, ctas)
+    "T1-E256": (1, 2304, 1024, 256, 8, False, None),
+    "T1-E256-ctas1": (1, 2304, 1024, 256, 8, False, 1),
+    "T8-E256": (8, 2304, 1024, 256, 8, False, None),
+    "T9-E256-ctas7": (9, 2304, 1024, 256, 8, False, 7),
+    "T32-E256": (32, 2304, 1024, 256, 8, False, None),
+    "T32-E256-ctas3": (32, 2304, 1024, 256, 8, False, 3),
+    "T128-E256-skewed": (128, 2304, 1024, 256, 8, True, None),  # expert 0: 8 tiles of 16 rows
+    "T5-D512-I384-E16": (5, 512, 384, 16, 4, False, None),
+    "T40-D512-I384-E16-skewed-ctas2": (40, 512, 384, 16, 4, True, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_moe_decode_fused(name, big_weights):
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, moe_decode_fused, moe_gemm_tc, sync_words
+
+    T, D, inter, E, A, skewed, ctas = FUSED[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    if E == 256:
+        w13, w2 = big_weights
+    else:
+        crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+        w13 = rand_bf16(crng, (E, 2 * inter, D), 1 / np.sqrt(D))
+        w2 = rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
+    tile = fused_decode_tile(T, D, inter)
+    assert tile is not None and tile.bm == 16, f"{name}: no fused decode tile"
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    x = to_gpu_bf16(x_np)
+    ids = make_ids(T, E, A, skewed, rng)
+    N, tiles = T * A, max_tiles(T * A, E, 16)
+    z = lambda n: cupy.full(n, -1, dtype=np.int32)  # noqa: E731
+    plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
+    sync = cupy.full(sync_words(N, E), 0x5A5A5A5A, dtype=np.int32)  # moe_bucket must zero it
+    moe_bucket(cupy.asarray(ids), E, plan, sync=sync)
+    h, y = cupy.empty((N, inter), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    poison(h)
+    poison(y)
+    moe_decode_fused(x, w13, w2, plan, top_k=A, h=h, out=y, sync=sync, ctas=ctas)
+    h2, y2 = cupy.empty_like(h), cupy.empty_like(y)
+    poison(h2)
+    poison(y2)
+    moe_gemm_tc(x, w13, plan, top_k=A, fuse_silu=True, out=h2, tile=tile)
+    moe_gemm_tc(h2, w2, plan, top_k=A, fuse_silu=False, out=y2, tile=tile)
+    bits = lambda a: cupy.asnumpy(a).view(np.uint16)  # noqa: E731
+    assert np.array_equal(bits(h), bits(h2)), f"{name}: h differs from the two-launch path"
+    assert np.array_equal(bits(y), bits(y2)), f"{name}: y differs from the two-launch path"
+    counts = np.bincount(ids.ravel(), minlength=E)
+    touched = np.flatnonzero(counts)
+    picks = {int(touched[np.argmax(counts[touched])]), *map(int, rng.choice(touched, min(4, touched.size), replace=False))}
+    check_experts(sorted(picks), plan, x_np, w13, w2, h, y, A, name)
+    # the counters end at: items claimed = every item + one failed claim per CTA; each tile counted its
+    # gate/up items
+    ntiles = int(plan.num_tiles[0])
+    counters = cupy.asnumpy(sync)
+    gu = inter // (tile.bn // 2)
+    assert np.all(counters[1:1 + ntiles] == gu), f"{name}: tile counters {counters[1:1 + ntiles]}, expected {gu}"
+
+
 if __name__ == "__main__":
     for n in SMALL:
         test_moe_gemm_tc_small(n)

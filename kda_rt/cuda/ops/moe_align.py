@@ -46,12 +46,13 @@ def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
     return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
 
 
-def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot: bool = False,
+def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot: bool = False, sync=None,
                stream=None) -> MoEPlan:
     """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place.
     stats: optional int32 [2] device counter: [0] += routed experts touched by this call, [1] += 1.
     shared_slot: the shared expert is expert `num_experts` of the stacks: every token gets an
-    (A+1)-th pair for it (pairs t·(A+1) + k, the plan has T·(A+1) rows and num_experts + 1 bins)."""
+    (A+1)-th pair for it (pairs t·(A+1) + k, the plan has T·(A+1) rows and num_experts + 1 bins).
+    sync: optional int32 [n] device array, zeroed in the same launch (the counters of moe_decode_fused)."""
     T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
     pairs = A + 1 if shared_slot else A
     N, E = T * pairs, num_experts + (1 if shared_slot else 0)
@@ -65,10 +66,14 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot:
         raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
     if stats is not None:
         expect(stats, "stats", shape=(2,), dtype=np.int32)
+    if sync is not None:
+        expect(sync, "sync", ndim=1, dtype=np.int32)
     kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
+    null = np.uint64(0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
-                                      stats if stats is not None else np.uint64(0)), stream=stream)
+                                      stats if stats is not None else null, sync if sync is not None else null,
+                                      i32(0 if sync is None else sync.size)), stream=stream)
     return plan
 
 

@@ -1,6 +1,7 @@
-"""Launcher for kernels_cu/moe_gemm_tc.cu: the prefill grouped GEMM (shared-memory tiles, cp.async
-pipeline, bf16 tensor cores) over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down
-(bf16 out).  Same contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.
+"""Launcher for kernels_cu/moe_gemm_tc.cu: the grouped GEMM (shared-memory tiles, cp.async pipeline, bf16
+tensor cores) over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (bf16 out).  Same
+contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.  moe_decode_fused: both
+GEMMs of a decode step (16-row tiles) in one launch.
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
@@ -8,13 +9,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early", "moe_gemm_tc",
-           "prefill_tile_rows", "tile_config"]
+__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early", "fused_decode_tile",
+           "moe_decode_fused", "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -127,4 +130,62 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     if N:
         kernel(grid, (32 * tile.warps_m * tile.warps_n,), (src, plan.sorted_pair, weight, plan.tile_expert,
                plan.tile_row, plan.expert_off, plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# both decode GEMMs in one launch (moe_decode_fused in kernels_cu/moe_gemm_tc.cu)
+
+
+def fused_decode_tile(tokens: int, hidden: int, inter: int) -> TileConfig | None:
+    """The 16-row decode tile that both GEMMs of a `tokens`-token step take as they are (gate/up: w13
+    [2I, D], down: w2 [D, I]), or None: then the two-launch path runs."""
+    t = tile_config(16, 2 * inter, hidden, True, tokens)
+    if t is None or t != tile_config(16, hidden, inter, False, tokens):
+        return None
+    return t if _fits(t, 2 * inter, hidden, True) and _fits(t, hidden, inter, False) else None
+
+
+def sync_words(num_pairs: int, num_bins: int) -> int:
+    """int32 counters moe_decode_fused needs: the item counter and one per tile of 16 rows."""
+    return 1 + max_tiles(num_pairs, num_bins, 16)
+
+
+def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int):
+    """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
+    return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem_bytes, FUSED_DECODE=1,
+                      HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
+
+
+def _num_sms() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
+                     ctas: int | None = None, stream=None):
+    """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
+    out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them (same tiles, same order).
+    x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 (moe_bucket with
+    sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
+    ctas: the grid (default: as many CTAs as fit on the GPU at once; any number >= 1 is correct)."""
+    K, E, two_i, N = check_grouped_gemm(x, w13, plan, True, h)
+    inter = two_i // 2
+    check_grouped_gemm(h, w2, plan, False, out)
+    expect(w2, "w2", shape=(E, K, inter), dtype=BF16)
+    expect(sync, "sync", ndim=1, dtype=np.int32)
+    if sync.size < sync_words(N, E):
+        raise ValueError(f"moe_decode_fused: sync has {sync.size} counters, needs {sync_words(N, E)}")
+    tile = tile or fused_decode_tile(N // top_k, K, inter)
+    if tile is None or plan.tile_rows != 16 or tile.bm != 16 or not (_fits(tile, two_i, K, True) and
+                                                                     _fits(tile, K, inter, False)):
+        raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})")
+    items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
+    grid = min(items, ctas or _num_sms() * tile.min_blocks)
+    if N:
+        fused_kernel(tile, K, inter, top_k)((grid,), (32 * tile.warps_m * tile.warps_n,), (
+            x, plan.sorted_pair, w13, w2, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, h, out,
+            sync), shared_mem=tile.smem_bytes, stream=stream)
     return out
