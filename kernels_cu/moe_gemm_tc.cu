@@ -134,11 +134,13 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 // One CTA tile of one grouped GEMM (the body of both kernels below): bucketed rows [row0, row0 + nrows) of
 // expert e (nrows <= BM) times feature block fb of the expert's weight [NOUT_, K_] (gate/up: SILU, NOUT_ =
 // 2·HALF), into dst.  EARLY: the first STAGES - 1 weight steps are copied before before_a() returns (the
-// A rows, src, may be written by someone else until then); otherwise before_a is not called.
-template <int K_, int NOUT_, bool SILU, bool EARLY, typename BeforeA>
+// A rows, src, may be written by someone else until then); otherwise before_a is not called.  after_loop()
+// runs once every product is issued, before the epilogue.
+template <int K_, int NOUT_, bool SILU, bool EARLY, typename BeforeA, typename AfterLoop>
 __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
                                           const bf16* __restrict__ weight, int e, int row0, int nrows, int fb,
-                                          bf16* __restrict__ dst, bf16* sa, bf16* sb, BeforeA before_a) {
+                                          bf16* __restrict__ dst, bf16* sa, bf16* sb, BeforeA before_a,
+                                          AfterLoop after_loop) {
     constexpr int KT = K_ / BK, HALF_ = NOUT_ / 2;
     static_assert(K_ % BK == 0 && KT >= STAGES - 1, "K must be a multiple of BK, with at least STAGES - 1 steps");
     static_assert(!SILU || (NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF_ % (BN / 2) == 0),
@@ -214,6 +216,7 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
         }
     }
     cp_async_wait<0>();
+    after_loop();
 
     // epilogue: acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
     if (!active) return;
@@ -274,7 +277,7 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
     const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
     const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
     gemm_tile<K, NOUT, FUSE_SILU, EARLY_B>(src, sorted_pair, weight, e, row0, nrows, blockIdx.x,
-                                           static_cast<bf16*>(dst), sa, sb, [] { KDA_PDL_WAIT(); });
+                                           static_cast<bf16*>(dst), sa, sb, [] { KDA_PDL_WAIT(); }, [] {});
 }
 #endif
 
@@ -288,6 +291,10 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 // rows.  Every item waited on was claimed earlier by a running CTA that waits on nothing, so the wait
 // always ends, whatever the grid and however many CTAs are resident.  This replaces the two launches'
 // tail and ramp (the gate/up grid's last partial wave, the down grid's start) with one stream of items.
+// A CTA claims its next item when its current one has issued its last products (its epilogue hides the
+// atomic's latency), not earlier: a claim made at an item's start fixes who does what at time zero (at
+// batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left:
+// 35.2 -> 40.8 us in tests/gpu/bench_moe_decode.py --fused, H200).
 // sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch.
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
@@ -314,8 +321,11 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
     if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
     __syncthreads();
     for (int item = next_item; item < n_all; item = next_item) {
-        __syncthreads();  // everyone has read next_item: claim the one after this (its latency hides under the tile)
-        if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
+        __syncthreads();  // everyone has read next_item
+        int* next = &next_item;  // (a __shared__ variable is not captured by reference)
+        const auto claim = [sync, next] {
+            if (threadIdx.x == 0) *next = atomicAdd(sync, 1);
+        };
         const bool gate_up = item < n_gu;
         const int j = gate_up ? item : item - n_gu;
         const int blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
@@ -323,7 +333,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
         const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
         if (gate_up) {
-            gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, e, row0, nrows, fb, h, sa, sb, [] {});
+            gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, e, row0, nrows, fb, h, sa, sb, [] {}, claim);
             __syncthreads();  // every h store of the tile is issued ...
             if (threadIdx.x == 0) {
                 __threadfence();  // ... and visible GPU-wide before the count says so
@@ -335,7 +345,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                 if (threadIdx.x == 0)
                     while (ld_acquire(done) < GU_BLOCKS) __nanosleep(100);
                 __syncthreads();  // the h rows are read with cp.async.cg (L2), after this
-            });
+            }, claim);
         }
         __syncthreads();  // next_item is written; the stages are free for the next item
     }
