@@ -75,7 +75,9 @@ DECODE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),              # B=8: GEMV up
           "long": (4000, 1234),
           "many": (9000,),                                        # one sequence, ~70 splits
           "edges": (127, 128, 255, 256, 511, 512, 0, 383, 384, 1023, 1024, 2047),  # B=12: bmm, tile edges
-          "tile32": (30, 31, 32, 33, 95, 96, 97, 159, 160, 161, 4096 + 31, 4096 + 33)}  # 32-position tiles, pipeline ends
+          "tile32": (30, 31, 32, 33, 95, 96, 97, 159, 160, 161, 4096 + 31, 4096 + 33),  # 32-position tiles, pipeline ends
+          "b32": tuple(1900 + 7 * i for i in range(32)),  # S = 4 at 64-row pages: combine blocks of 4 split groups
+          "b16": tuple(900 + 13 * i for i in range(16))}  # S = 6: 8 split groups, two without a split
 
 
 @pytest.mark.parametrize("H", [2, 32], ids=lambda h: f"H{h}")

@@ -33,7 +33,6 @@ _NT = 64  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 32 p
 _THREADS = 256
 _MIN_TILES = 2  # a split reads at least 2 tiles (128 positions): its fixed cost (Q, partial, combine) stays < ~1/2
 _SPLIT_COST = 2  # fixed cost of one split in tiles' time (Q load, prologue latency, partial write + combine read)
-_COMBINE_COLS = 128  # columns per mla_attn_combine block
 _GEMV_TOKENS = 8  # T <= this: the up-projections run as mla_absorb_q / mla_expand_out (TMAX), else cuBLAS bmm
 _ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
 
@@ -67,6 +66,12 @@ def _best_splits(T: int, width: int, sms: int) -> int:
         if waves > 8:  # more splits only add waves
             break
     return best
+
+
+def combine_groups(S: int, R: int) -> int:
+    """Split groups of an mla_attn_combine block (256 threads = 2048 / groups columns x groups): S rounded up
+    to a power of two within [4, 16], and at least 2048 / R (one block never spans more than R columns)."""
+    return max(min(16, max(4, 1 << (S - 1).bit_length())), 2048 // R)
 
 
 def _layout(T: int, H: int, R: int, S: int) -> tuple[int, int, int]:
@@ -177,8 +182,11 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
                                      partial, stats), shared_mem=smem, stream=stream)
         if S > 1:  # tokens whose context used one split were written by mla_attn_split; the combine skips them
             combine = get_kernel("mla_attn.cu", "mla_attn_combine", **consts)
-            combine((T, H, R // _COMBINE_COLS), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
-                                                         one_token, i32(M), i32(S), workspace), stream=stream)
+            groups = combine_groups(S, R)
+            combine((T, H, R * groups // 2048), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
+                                                         one_token, i32(M), i32(S), i32(groups.bit_length() - 1),
+                                                         workspace),
+                    stream=stream)
         if gemv:
             expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
             expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
