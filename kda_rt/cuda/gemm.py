@@ -168,7 +168,6 @@ def bmm(a, b, *, out, transpose_b: bool = False):
         return out
     h = _handle()
     h.bind(cupy.cuda.get_current_stream().ptr)
-    trace.record("cublasGemmEx")
     ctype = _CUDA_R_16BF if out.dtype == BF16 else _CUDA_R_32F
     # column-major: outᵀ[N, M] = op(b)ᵀ-view [N, K] · aᵀ-view [K, M]
     trace.record("cublasGemmStridedBatchedEx")

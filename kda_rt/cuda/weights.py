@@ -37,7 +37,7 @@ F32 = np.float32
 class DeviceKDA:
     qkv: Any  # [3P, D] q|k|v proj
     fgb: Any  # [Rf+Rg+H, D] f_a | g_a | b_proj (one small GEMM)
-    f_b: Any  # [P, Rf]
+    f_b: Any  # [P, Rf]  (with Rf = Rg: [0] and [1] of one [2, P, R] array, see low_rank_pair)
     g_b: Any  # [P, Rg]
     conv_w: Any  # [3P, W] fp32
     A_log: Any  # [H] fp32
@@ -46,6 +46,14 @@ class DeviceKDA:
     o_proj: Any  # [D, P]
     rank_f: int
     rank_g: int
+
+
+    def low_rank_pair(self):
+        """[2, P, R] array whose [0] is f_b and [1] is g_b (both uploaded into it), or None."""
+        base = self.f_b.base
+        if base is None or self.g_b.base is not base or base.ndim != 3 or base.shape[0] != 2:
+            return None
+        return base if self.f_b.data.ptr == base.data.ptr and self.g_b.data.ptr == base[1].data.ptr else None
 
 
 @dataclass
@@ -119,9 +127,22 @@ def _put(up: Uploader, src: np.ndarray | Stack, dtype=BF16):
     return dst
 
 
+def _pair(up: Uploader, a: np.ndarray, b: np.ndarray):
+    """One [2, *shape] device array holding a and b (same shape): f_b and g_b side by side, so a decode step
+    applies both in one strided-batched GEMM (cuda/model.py)."""
+    import cupy
+
+    dst = cupy.empty((2, *np.shape(a)), dtype=BF16)
+    up.copy(dst[0], a)
+    up.copy(dst[1], b)
+    return dst
+
+
 def _kda(up: Uploader, w: KDAWeights) -> DeviceKDA:
+    f_b, g_b = ((fg := _pair(up, w.f_b_proj, w.g_b_proj))[0], fg[1]) if np.shape(w.f_b_proj) == np.shape(
+        w.g_b_proj) else (_put(up, w.f_b_proj), _put(up, w.g_b_proj))
     return DeviceKDA(
-        qkv=_put(up, w.qkv), fgb=_put(up, w.fgb), f_b=_put(up, w.f_b_proj), g_b=_put(up, w.g_b_proj),
+        qkv=_put(up, w.qkv), fgb=_put(up, w.fgb), f_b=f_b, g_b=g_b,
         conv_w=_put(up, w.conv_taps, F32), A_log=_put(up, np.ravel(w.A_log), F32),
         dt_bias=_put(up, np.ravel(w.dt_bias), F32), o_norm=_put(up, w.o_norm, F32), o_proj=_put(up, w.o_proj),
         rank_f=w.rank_f, rank_g=w.rank_g,
