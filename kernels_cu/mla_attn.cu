@@ -16,7 +16,7 @@
 // blocks with split >= used exit at once (split_plan, shared by both kernels).
 //   - used == 1: the block writes bf16 ctx = acc / l directly (no partial, combine skips the token).
 //   - used > 1: each block writes its normalised partial acc / l (bf16, [T, S, H, R]) and (m, l)
-//     (fp32, m in log2 units); mla_attn_combine merges the used splits.
+//     (fp32, m in log2 units); mla_attn_combine{4,8,16} merge the used splits.
 // Softmax in fp32 with max subtraction, in base 2 (scores pre-multiplied by scale·log2 e).
 //
 // Block geometry (mla_attn_split): THREADS = 256 threads = 8 warps, ONE block per SM (≈190 KB smem);
@@ -38,8 +38,8 @@
 // Shared memory: max(HP·LDK·2, KG·HP·LDS_S·4) (Q staging, then the partial scores) + 2·NT·LDK·2 (KV
 // stages) + HP·LDP·2 + HP·4 bytes (191,616 at HP = 32).
 //
-// mla_attn_combine: grid (T, H, R / CC), 256 threads = CT = CC / 8 column threads x CG split groups, CG =
-// 2^group_shift (4, 8 or 16: the launcher's S rounded up to a power of two, at least 2048 / R); each thread
+// mla_attn_combine{4,8,16}: grid (T, H, R / CC), 256 threads = CT = CC / 8 column threads x CG split groups,
+// CG = 4, 8 or 16 (the launcher's S rounded up to a power of two, at least 2048 / R); each thread
 // merges splits g, g + CG, ... for 8 columns, then the groups are summed in shared memory.  (With CG fixed
 // at 16, a batch-32 decode step at 2K context, S = 4, left three quarters of the threads without a split
 // and ran 4096 blocks where 1024 do.)
@@ -88,7 +88,6 @@
 #define TPR (THREADS / HP)           // softmax threads per head row
 #define CPT (NT / TPR)               // softmax columns per thread
 #define CHUNKS (KD / 8)              // 16-byte chunks per row
-#define CG_MAX 16                    // combine: at most 16 split groups (then 128 columns per block)
 
 static_assert(HP % 16 == 0 && H <= HP && HP < H + 16, "HP: the heads padded to whole m16 tiles");
 static_assert(HP <= 32, "mla_attn.cu supports at most 32 heads per launch (shared memory, registers)");
@@ -96,7 +95,7 @@ static_assert(THREADS == 256 && NT == 64, "the warp maps assume 8 warps and tile
 static_assert(KD % (KG * 16) == 0 && NPW % 16 == 0, "score GEMM split: whole k16 steps, pairs of n8 tiles");
 static_assert(LDK >= KD && LDK % 8 == 0 && LDP >= NT && LDP % 8 == 0 && LDS_S >= NT && LDS_S % 4 == 0,
               "padded rows must keep 16-byte alignment");
-static_assert(R % (NUM_WARPS * 16) == 0 && R % (8 * 256 / CG_MAX) == 0 && DR % 8 == 0, "bad MLA dims");
+static_assert(R % (NUM_WARPS * 16) == 0 && R % 128 == 0 && DR % 8 == 0, "bad MLA dims");
 static_assert(TPR <= 32 && CPT % 4 == 0, "softmax row split must stay inside a warp, float4 columns");
 static_assert(MIN_TILES >= 1, "MIN_TILES: at least one tile per split");
 
@@ -335,17 +334,18 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
 }
 
 // Merge the used splits of token t, head h, columns [CC·z, CC·z + CC): ctx = Σ w_s o_s / Σ w_s,
-// w_s = 2^(m_s - m) l_s.  Tokens with one used split were written by mla_attn_split.
-extern "C" __global__ void __launch_bounds__(256)
-mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ stats,
-                 const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
-                 int num_seqs, int one_token, int max_pages, int num_splits, int group_shift,
-                 bf16* __restrict__ ctx_out) {
-    KDA_PDL_ENTRY();
-    __shared__ float red_m[CG_MAX], red_l[CG_MAX];
-    __shared__ __align__(16) float red_acc[256 * 8 + 4 * CG_MAX];  // [CG][CC + 4]: CG · CC = 256 · 8
-    const int CG = 1 << group_shift, CT = 256 >> group_shift, CC = 8 * CT, LDR = CC + 4;
-    const int ct = threadIdx.x & (CT - 1), grp = threadIdx.x >> (8 - group_shift);
+// w_s = 2^(m_s - m) l_s.  Tokens with one used split were written by mla_attn_split.  CG split groups of
+// CT = 256 / CG column threads (a compile-time CG keeps the split loop's loads together: one kernel per CG).
+template <int CG>
+__device__ __forceinline__ void combine_splits(const bf16* __restrict__ partial, const float* __restrict__ stats,
+                                               const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
+                                               int num_seqs, int one_token, int max_pages, int num_splits,
+                                               bf16* __restrict__ ctx_out) {
+    constexpr int CT = 256 / CG, CC = 8 * CT;
+    static_assert(CG >= 1 && CG <= 256 && 256 % CG == 0 && R % CC == 0, "combine: CG groups of 256 / CG threads");
+    __shared__ float red_m[CG], red_l[CG];
+    __shared__ __align__(16) float red_acc[CG][CC + 4];
+    const int ct = threadIdx.x % CT, grp = threadIdx.x / CT;
     const int t = blockIdx.x, h = blockIdx.y, col = blockIdx.z * CC + ct * 8;
     if (t >= (one_token ? num_seqs : __ldg(cu_seqlens + num_seqs))) return;
     const SplitPlan plan = split_plan(cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, t);
@@ -359,8 +359,7 @@ mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ sta
     if (ct == 0) red_m[grp] = m;
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < CG_MAX; ++i)
-        if (i < CG) m = fmaxf(m, red_m[i]);
+    for (int i = 0; i < CG; ++i) m = fmaxf(m, red_m[i]);
 
     // pass 2: weighted sum of the partials (loads of different splits are independent)
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -379,7 +378,7 @@ mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ sta
         }
         l += w;
     }
-    float* ra = &red_acc[grp * LDR + ct * 8];
+    float* ra = &red_acc[grp][ct * 8];
     *reinterpret_cast<float4*>(ra) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     *reinterpret_cast<float4*>(ra + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
     if (ct == 0) red_l[grp] = l;
@@ -387,15 +386,13 @@ mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ sta
     if (grp != 0) return;
     l = 0.f;
 #pragma unroll
-    for (int i = 0; i < CG_MAX; ++i)
-        if (i < CG) l += red_l[i];
+    for (int i = 0; i < CG; ++i) l += red_l[i];
     const float inv = 1.f / l;  // l >= the weight of the max split, its l_s > 0
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < CG_MAX; ++i)
-            if (i < CG) sum += red_acc[i * LDR + ct * 8 + j];
+        for (int i = 0; i < CG; ++i) sum += red_acc[i][ct * 8 + j];
         acc[j] = sum * inv;
     }
     bf16x8 out;
@@ -403,6 +400,19 @@ mla_attn_combine(const bf16* __restrict__ partial, const float* __restrict__ sta
     for (int j = 0; j < 8; ++j) out.v[j] = to_bf16(acc[j]);
     *reinterpret_cast<bf16x8*>(ctx_out + ((size_t)t * H + h) * R + col) = out;
 }
+
+#define MLA_COMBINE_KERNEL(NAME, GROUPS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                                              \
+    NAME(const bf16* __restrict__ partial, const float* __restrict__ stats, const int* __restrict__ cu_seqlens,    \
+         const int* __restrict__ context_lens, int num_seqs, int one_token, int max_pages, int num_splits,        \
+         bf16* __restrict__ ctx_out) {                                                                             \
+        KDA_PDL_ENTRY();                                                                                           \
+        combine_splits<GROUPS>(partial, stats, cu_seqlens, context_lens, num_seqs, one_token, max_pages,          \
+                               num_splits, ctx_out);                                                               \
+    }
+MLA_COMBINE_KERNEL(mla_attn_combine4, 4)
+MLA_COMBINE_KERNEL(mla_attn_combine8, 8)
+MLA_COMBINE_KERNEL(mla_attn_combine16, 16)
 
 // ---------------------------------------------------------------------------------------------
 // small-batch up-projections (T <= TMAX tokens; larger T uses cuBLAS bmm): weight-streaming GEMVs that

@@ -284,13 +284,18 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 #if FUSED_DECODE
 // moe_decode_fused — both grouped GEMMs of a decode step's MoE layer in one launch, over the (tile, feature
 // block) work actually routed: the gate/up items (num_tiles · GU_BLOCKS, tile-major) then the down items
-// (num_tiles · DN_BLOCKS).  A grid of as many CTAs as fit on the GPU at once claims items in order from one
-// atomic counter (sync[0]), so a down item is claimed only after every gate/up item; a CTA finishing a
-// gate/up item of tile i adds 1 to sync[1 + i] after its h stores (release), and a down item of tile i
-// copies its first weight steps, then waits until sync[1 + i] = GU_BLOCKS (acquire) before copying the h
-// rows.  Every item waited on was claimed earlier by a running CTA that waits on nothing, so the wait
-// always ends, whatever the grid and however many CTAs are resident.  This replaces the two launches'
-// tail and ramp (the gate/up grid's last partial wave, the down grid's start) with one stream of items.
+// (num_tiles · DN_BLOCKS).  The grid is at most as many CTAs as the GPU holds at once (the launcher asks the
+// occupancy calculator).  CTA b < S = min(grid, gate/up items) starts with gate/up item b: the hardware
+// places consecutive blocks on different SMs, so the first wave's weight streams spread over the SMs as a
+// plain launch's would (claimed from the counter, some SMs drew three gate/up items and others one: batch 1
+// 34.5 -> 39.1 us).  Every later item, from S on, is claimed in order from one atomic counter (sync[0]), so a
+// down item is claimed only after every gate/up item; a CTA finishing a gate/up item of tile i adds 1 to
+// sync[1 + i] after its h stores (release), and a down item of tile i copies its first weight steps, then
+// waits until sync[1 + i] = GU_BLOCKS (acquire) before copying the h rows.  Each gate/up item waited on is a
+// resident CTA's first item or was claimed earlier by a running CTA, and neither waits on anything, so every
+// wait ends (the whole grid is resident: the next kernel's CTAs start only after each of ours has begun).
+// This replaces the two launches' tail and ramp (the gate/up grid's last partial wave, the down grid's
+// start) with one stream of items.
 // A CTA claims its next item when its current one has issued its last products (its epilogue hides the
 // atomic's latency), not earlier: a claim made at an item's start fixes who does what at time zero (at
 // batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left:
@@ -318,13 +323,14 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 
     const int ntiles = __ldcg(num_tiles);
     const int n_gu = ntiles * GU_BLOCKS, n_all = n_gu + ntiles * DN_BLOCKS;
-    if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
+    const int n_static = min((int)gridDim.x, n_gu);  // items [0, n_static): block b's first item is b
+    if (threadIdx.x == 0) next_item = blockIdx.x < n_static ? blockIdx.x : n_static + atomicAdd(sync, 1);
     __syncthreads();
     for (int item = next_item; item < n_all; item = next_item) {
         __syncthreads();  // everyone has read next_item
         int* next = &next_item;  // (a __shared__ variable is not captured by reference)
-        const auto claim = [sync, next] {
-            if (threadIdx.x == 0) *next = atomicAdd(sync, 1);
+        const auto claim = [sync, next, n_static] {
+            if (threadIdx.x == 0) *next = n_static + atomicAdd(sync, 1);
         };
         const bool gate_up = item < n_gu;
         const int j = gate_up ? item : item - n_gu;

@@ -230,7 +230,7 @@ def test_early_weight_copies_only_in_the_small_decode_down_gemm(monkeypatch):
 
 
 def test_mla_combine_groups():
-    """mla_attn_combine's split groups per block follow the launch's split count S (a power of two in [4, 16],
+    """mla_attn_combine{4,8,16}: the split groups per block follow the launch's split count S (a power of two in [4, 16],
     at least 2048 / R so a block spans at most R columns): batch 32 at 2K context has S = 4, and 16 groups
     left three quarters of the threads idle."""
     from kda_rt.cuda.ops.mla_attn import _best_splits, combine_groups

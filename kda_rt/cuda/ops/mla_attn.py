@@ -1,7 +1,7 @@
 """MLA attention over the paged latent cache, absorbed form (kernels_cu/mla_attn.cu + two up-projections).
 
     q_lat[t, h] = W_UK_hᵀ q_nope[t, h]                    mla_absorb_q (T <= 8) or cuBLAS bmm (bf16 out)
-    ctx[t, h]   = softmax(scale · [q_lat | q_pe] · kvᵀ) · c   mla_attn_split (+ mla_attn_combine)
+    ctx[t, h]   = softmax(scale · [q_lat | q_pe] · kvᵀ) · c   mla_attn_split (+ mla_attn_combine{4,8,16})
     out[t, h]   = W_UV_h ctx[t, h]                         mla_expand_out (T <= 8) or bmm -> [T, H·Dv] for o_proj
 
 Decode and prefill share the path (prefill queries are one group per token, causal by length).
@@ -69,7 +69,7 @@ def _best_splits(T: int, width: int, sms: int) -> int:
 
 
 def combine_groups(S: int, R: int) -> int:
-    """Split groups of an mla_attn_combine block (256 threads = 2048 / groups columns x groups): S rounded up
+    """Split groups of an mla_attn_combine{4,8,16} block (256 threads = 2048 / groups columns x groups): S rounded up
     to a power of two within [4, 16], and at least 2048 / R (one block never spans more than R columns)."""
     return max(min(16, max(4, 1 << (S - 1).bit_length())), 2048 // R)
 
@@ -181,12 +181,10 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
                                      i32(B1 - 1), one_token, i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
         if S > 1:  # tokens whose context used one split were written by mla_attn_split; the combine skips them
-            combine = get_kernel("mla_attn.cu", "mla_attn_combine", **consts)
             groups = combine_groups(S, R)
+            combine = get_kernel("mla_attn.cu", f"mla_attn_combine{groups}", **consts)
             combine((T, H, R * groups // 2048), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
-                                                         one_token, i32(M), i32(S), i32(groups.bit_length() - 1),
-                                                         workspace),
-                    stream=stream)
+                                                         one_token, i32(M), i32(S), workspace), stream=stream)
         if gemv:
             expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
             expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)

@@ -164,13 +164,27 @@ def _num_sms() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
+_resident: dict[tuple[int, int, int], int] = {}
+
+
+def _resident_per_sm(kernel, threads: int, smem: int) -> int:
+    """CTAs of the fused kernel one SM holds at once (moe_decode_fused needs its whole grid resident)."""
+    key = (kernel.ptr, threads, smem)
+    if key not in _resident:
+        from kda_rt.cuda.ops.pdl import max_active_blocks
+
+        _resident[key] = max(1, max_active_blocks(kernel, threads, smem))
+    return _resident[key]
+
+
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
                      ctas: int | None = None, stream=None):
     """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
     out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them (same tiles, same order).
     x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 (moe_bucket with
     sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
-    ctas: the grid (default: as many CTAs as fit on the GPU at once; any number >= 1 is correct)."""
+    ctas: the grid (default: as many CTAs as the GPU holds at once, the most it may be: every CTA of the grid must
+    be resident together, since a CTA's first gate/up item is its block index)."""
     K, E, two_i, N = check_grouped_gemm(x, w13, plan, True, h)
     inter = two_i // 2
     check_grouped_gemm(h, w2, plan, False, out)
@@ -183,9 +197,13 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
                                                                      _fits(tile, K, inter, False)):
         raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
-    grid = min(items, ctas or _num_sms() * tile.min_blocks)
+    kernel, threads = fused_kernel(tile, K, inter, top_k), 32 * tile.warps_m * tile.warps_n
+    resident = _num_sms() * _resident_per_sm(kernel, threads, tile.smem_bytes)
+    if ctas is not None and not 1 <= ctas <= resident:
+        raise ValueError(f"moe_decode_fused: ctas must be in [1, {resident}] (CTAs the GPU holds at once), got {ctas}")
+    grid = min(items, ctas or resident)
     if N:
-        fused_kernel(tile, K, inter, top_k)((grid,), (32 * tile.warps_m * tile.warps_n,), (
+        kernel((grid,), (threads,), (
             x, plan.sorted_pair, w13, w2, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, h, out,
             sync), shared_mem=tile.smem_bytes, stream=stream)
     return out

@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-__all__ = ["Kernel", "PdlError", "capturing", "launch", "supported"]
+__all__ = ["Kernel", "PdlError", "capturing", "launch", "max_active_blocks", "supported"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,22 @@ def _driver() -> ctypes.CDLL:
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                      ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                                ctypes.c_int, ctypes.c_size_t]
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.restype = ctypes.c_int
     return lib
+
+
+def max_active_blocks(function, threads: int, shared_mem: int) -> int:
+    """CTAs of `function` (a CuPy Function or kernels_cu Kernel) that one SM holds at once with `threads`
+    threads and `shared_mem` bytes of dynamic shared memory each (the driver's occupancy calculator)."""
+    n = ctypes.c_int(0)
+    handle = function.ptr if hasattr(function, "ptr") else function.kernel.ptr
+    status = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(handle), threads,
+                                                                   shared_mem)
+    if status != 0:
+        raise PdlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA driver error {status}")
+    return n.value
 
 
 @functools.lru_cache(maxsize=1)
