@@ -401,18 +401,29 @@ __device__ __forceinline__ void combine_splits(const bf16* __restrict__ partial,
     *reinterpret_cast<bf16x8*>(ctx_out + ((size_t)t * H + h) * R + col) = out;
 }
 
-#define MLA_COMBINE_KERNEL(NAME, GROUPS)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256)                                                              \
-    NAME(const bf16* __restrict__ partial, const float* __restrict__ stats, const int* __restrict__ cu_seqlens,    \
-         const int* __restrict__ context_lens, int num_seqs, int one_token, int max_pages, int num_splits,        \
-         bf16* __restrict__ ctx_out) {                                                                             \
-        KDA_PDL_ENTRY();                                                                                           \
-        combine_splits<GROUPS>(partial, stats, cu_seqlens, context_lens, num_seqs, one_token, max_pages,          \
-                               num_splits, ctx_out);                                                               \
-    }
-MLA_COMBINE_KERNEL(mla_attn_combine4, 4)
-MLA_COMBINE_KERNEL(mla_attn_combine8, 8)
-MLA_COMBINE_KERNEL(mla_attn_combine16, 16)
+extern "C" __global__ void __launch_bounds__(256)
+mla_attn_combine4(const bf16* __restrict__ partial, const float* __restrict__ stats, const int* __restrict__ cu_seqlens,
+                  const int* __restrict__ context_lens, int num_seqs, int one_token, int max_pages, int num_splits,
+                  bf16* __restrict__ ctx_out) {
+    KDA_PDL_ENTRY();
+    combine_splits<4>(partial, stats, cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, ctx_out);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_attn_combine8(const bf16* __restrict__ partial, const float* __restrict__ stats, const int* __restrict__ cu_seqlens,
+                  const int* __restrict__ context_lens, int num_seqs, int one_token, int max_pages, int num_splits,
+                  bf16* __restrict__ ctx_out) {
+    KDA_PDL_ENTRY();
+    combine_splits<8>(partial, stats, cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, ctx_out);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_attn_combine16(const bf16* __restrict__ partial, const float* __restrict__ stats, const int* __restrict__ cu_seqlens,
+                  const int* __restrict__ context_lens, int num_seqs, int one_token, int max_pages, int num_splits,
+                  bf16* __restrict__ ctx_out) {
+    KDA_PDL_ENTRY();
+    combine_splits<16>(partial, stats, cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, ctx_out);
+}
 
 // ---------------------------------------------------------------------------------------------
 // small-batch up-projections (T <= TMAX tokens; larger T uses cuBLAS bmm): weight-streaming GEMVs that
