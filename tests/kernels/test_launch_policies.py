@@ -238,3 +238,16 @@ def test_mla_combine_groups():
     assert [combine_groups(s, 512) for s in (2, 3, 4, 5, 8, 9, 16, 20, 132)] == [4, 4, 4, 8, 8, 16, 16, 16, 16]
     assert combine_groups(4, 256) == 8 and combine_groups(4, 128) == 16
     assert _best_splits(32, 2560, 132) == 4 and _best_splits(16, 1088, 132) == 6
+
+
+def test_mla_launch_splits(monkeypatch):
+    """A decode launch uses at most one wave of split blocks (SMs // T splits per token), however wide the
+    table: batch 32 with the 1M-token table of the 48B shape has S = 33 but launches 4."""
+    import kda_rt.cuda.ops.mla_attn as mla
+
+    monkeypatch.setattr(mla, "_sm_count", lambda device_id: 132)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))))
+    assert mla._best_splits(32, 16384 * 64, 132) == 33
+    assert [mla.launch_splits(T, 33) for T in (1, 8, 16, 32, 64, 132, 200)] == [33, 16, 8, 4, 2, 1, 1]
+    assert mla.launch_splits(32, 3) == 3 and mla.launch_splits(0, 5) == 5

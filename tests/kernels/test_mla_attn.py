@@ -101,6 +101,33 @@ def test_mla_decode(H, block_size, case):
     check(f"decode-H{H}-S{block_size}-{case}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
+@pytest.mark.parametrize("B", [8, 32])
+def test_mla_decode_wide_table(B):
+    """A decode graph is captured for max_model_len, so the block table is far wider than the contexts (the
+    48B shape: 1M positions, 16384 pages of 64): the split count S then comes from the table width, the
+    launch uses launch_splits(T, S) <= S of them, and the partial / stats buffers sized for S are indexed
+    with the launch's count."""
+    import cupy
+
+    from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, launch_splits, mla_attention, num_splits
+
+    H, block_size, width = 32, 64, 16384
+    ctx = tuple(1500 + 37 * i for i in range(B))
+    lens = (1,) * B
+    q, pool, w_kvb, tables = make_case(900 + B, H, block_size, lens, ctx)
+    wide = np.full((B, width), -1, np.int32)
+    wide[:, :tables.shape[1]] = tables
+    S = num_splits(B, width, block_size)
+    assert launch_splits(B, S) < S, f"S = {S}: the case should launch fewer splits than the table allows"
+    cu, ctx_d, tables_d = device_meta(lens, ctx, wide)
+    out = cupy.empty((B, H * DV), dtype=BF16)
+    poison(out)
+    ws = cupy.full(decode_workspace_bytes(B, H, width, block_size), 255, dtype=np.uint8)
+    mla_attention(upload_q(q, strided=False), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
+                  scale=SCALE, max_seqlen=1, decode=True, out=out, workspace=ws)
+    check(f"decode-wide-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
+
+
 def test_mla_decode_cuda_graph():
     """mla_store + mla_attention(decode) captured once, replayed after context_lens change on the device."""
     import cupy

@@ -27,7 +27,7 @@ from kda_rt.cuda.gemm import bmm
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "num_splits"]
+__all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "launch_splits", "num_splits"]
 
 _NT = 64  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 32 positions x 4 warps of depth)
 _THREADS = 256
@@ -66,6 +66,18 @@ def _best_splits(T: int, width: int, sms: int) -> int:
         if waves > 8:  # more splits only add waves
             break
     return best
+
+
+def launch_splits(T: int, S: int) -> int:
+    """Splits per token of a launch: S (from the table width), but at most as many as put one wave of split
+    blocks on the GPU (SMs // T).  Each token cuts its own context into at most this many (mla_attn.cu's
+    split_plan, splits of at least _MIN_TILES tiles), so a decode graph captured for a long max_model_len no
+    longer splits a short context ever finer: batch 32 at 2K context with the 48B shape's 1M-token table
+    has S = 33 and used 17 splits of 2 tiles each (544 blocks, 4+ waves); now 4 of 8 tiles (128 blocks),
+    as when the table is as wide as the context (tests/gpu/bench_decode_sweep.py --parts=mla)."""
+    import cupy
+
+    return max(1, min(S, _sm_count(cupy.cuda.Device().id) // max(T, 1)))
 
 
 def combine_groups(S: int, R: int) -> int:
@@ -174,17 +186,18 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
                 _view(w_kvb, 0, (H, Dn, R), BF16, (Dkv * R * isz, R * isz, isz)), out=q_lat)
         smem = _split_smem_bytes(consts)
         kernel = get_kernel("mla_attn.cu", "mla_attn_split", max_dynamic_smem=smem, **consts)
-        partial = workspace[o_partial:] if S > 1 else workspace
-        stats = workspace[o_stats:] if S > 1 else workspace
+        G = launch_splits(T, S)  # the grid's splits (<= S: partial / stats, sized for S, have room)
+        partial = workspace[o_partial:] if G > 1 else workspace
+        stats = workspace[o_stats:] if G > 1 else workspace
         one_token = i32(decode)  # T == B, one token each (checked above): token t is sequence t
-        kernel((T, S), (_THREADS,), (workspace, q2, i32(ldq), kv_pool, cu_seqlens, context_lens, block_tables,
+        kernel((T, G), (_THREADS,), (workspace, q2, i32(ldq), kv_pool, cu_seqlens, context_lens, block_tables,
                                      i32(B1 - 1), one_token, i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
-        if S > 1:  # tokens whose context used one split were written by mla_attn_split; the combine skips them
-            groups = combine_groups(S, R)
+        if G > 1:  # tokens whose context used one split were written by mla_attn_split; the combine skips them
+            groups = combine_groups(G, R)
             combine = get_kernel("mla_attn.cu", f"mla_attn_combine{groups}", **consts)
             combine((T, H, R * groups // 2048), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
-                                                         one_token, i32(M), i32(S), workspace), stream=stream)
+                                                         one_token, i32(M), i32(G), workspace), stream=stream)
         if gemv:
             expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
             expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
