@@ -1,6 +1,7 @@
-// moe_gemm_tc.cu — prefill grouped GEMM over expert-bucketed rows: shared-memory tiled bf16
-// tensor-core GEMM (mma.sync m16n8k16, fp32 accumulate) with a multi-stage cp.async pipeline, for
-// the two MoE projections (spec §5.1).  Same math and rounding as moe_gemm.cu (the decode kernel):
+// moe_gemm_tc.cu — grouped GEMM over expert-bucketed rows: shared-memory tiled bf16 tensor-core GEMM
+// (mma.sync m16n8k16, fp32 accumulate) with a multi-stage cp.async pipeline, for the two MoE projections
+// (spec §5.1): moe_grouped_gemm_tc (one projection a launch) and moe_decode_fused (both projections of a
+// decode step in one launch, below).  Same math and rounding as moe_gemm.cu (the weight-stationary kernel):
 //
 //   FUSE_SILU = 1 (gate/up):  g = x[tok(r)] · W[e, f]ᵀ,  u = x[tok(r)] · W[e, HALF + f]ᵀ
 //                             h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) )      (as silu_mul.cu)
@@ -33,7 +34,8 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS, EARLY_B (0/1).
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS, EARLY_B (0/1);
+// moe_decode_fused: FUSED_DECODE = 1, HIDDEN (D), INTER (I) instead of K, NOUT, FUSE_SILU.
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, random routing;
 // tiles as chosen in kda_rt/cuda/ops/moe_gemm_tc.py: BM=128 BN=128 BK=64, 3 stages, 2x2 warps,
 // 2 CTAs per SM), gate/up | down, against moe_gemm.cu:
@@ -295,7 +297,12 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 // resident CTA's first item or was claimed earlier by a running CTA, and neither waits on anything, so every
 // wait ends (the whole grid is resident: the next kernel's CTAs start only after each of ours has begun).
 // This replaces the two launches' tail and ramp (the gate/up grid's last partial wave, the down grid's
-// start) with one stream of items.
+// start) with one stream of items.  Measured (H200, 2026-12-01, tests/gpu/bench_moe_decode.py --fused:
+// bucket + GEMMs in graph replays with programmatic dependent launch, 8 routings cycled, E = 256, top-8,
+// D = 2304, I = 1024), two launches -> fused: T = 1 35.3 -> 36.7 us, T = 4 116.2 -> 110.6, T = 8 214.6 ->
+// 209.5 (17 experts: 72.0 -> 67.4), T = 32 580.0 -> 573.2 (68 experts: 255.3 -> 247.0); in the full
+// model's decode graphs (tests/gpu/bench_ab.py --replays) batch 1 2.542 -> 2.520 ms, 8 5.651 -> 5.519,
+// 32 8.540 -> 8.270.
 // A CTA claims its next item when its current one has issued its last products (its epilogue hides the
 // atomic's latency), not earlier: a claim made at an item's start fixes who does what at time zero (at
 // batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left:
