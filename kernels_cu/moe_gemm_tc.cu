@@ -286,27 +286,27 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 #if FUSED_DECODE
 // moe_decode_fused — both grouped GEMMs of a decode step's MoE layer in one launch, over the (tile, feature
 // block) work actually routed: the gate/up items (num_tiles · GU_BLOCKS, tile-major) then the down items
-// (num_tiles · DN_BLOCKS).  The grid is at most as many CTAs as the GPU holds at once (the launcher asks the
-// occupancy calculator).  CTA b < S = min(grid, gate/up items) starts with gate/up item b: the hardware
-// places consecutive blocks on different SMs, so the first wave's weight streams spread over the SMs as a
-// plain launch's would (claimed from the counter, some SMs drew three gate/up items and others one: batch 1
-// 34.5 -> 39.1 us).  Every later item, from S on, is claimed in order from one atomic counter (sync[0]), so a
-// down item is claimed only after every gate/up item; a CTA finishing a gate/up item of tile i adds 1 to
-// sync[1 + i] after its h stores (release), and a down item of tile i copies its first weight steps, then
-// waits until sync[1 + i] = GU_BLOCKS (acquire) before copying the h rows.  Each gate/up item waited on is a
-// resident CTA's first item or was claimed earlier by a running CTA, and neither waits on anything, so every
-// wait ends (the whole grid is resident: the next kernel's CTAs start only after each of ours has begun).
-// This replaces the two launches' tail and ramp (the gate/up grid's last partial wave, the down grid's
-// start) with one stream of items.  Measured (H200, 2026-12-01, tests/gpu/bench_moe_decode.py --fused:
-// bucket + GEMMs in graph replays with programmatic dependent launch, 8 routings cycled, E = 256, top-8,
-// D = 2304, I = 1024), two launches -> fused: T = 1 35.3 -> 36.7 us, T = 4 116.2 -> 110.6, T = 8 214.6 ->
-// 209.5 (17 experts: 72.0 -> 67.4), T = 32 580.0 -> 573.2 (68 experts: 255.3 -> 247.0); in the full
-// model's decode graphs (tests/gpu/bench_ab.py --replays) batch 1 2.542 -> 2.520 ms, 8 5.651 -> 5.519,
-// 32 8.540 -> 8.270.
+// (num_tiles · DN_BLOCKS).  A grid of as many CTAs as the GPU holds at once (the launcher asks the occupancy
+// calculator) claims items in order from one atomic counter (sync[0]), so a down item is claimed only after
+// every gate/up item; a CTA finishing a gate/up item of tile i adds 1 to sync[1 + i] after its h stores
+// (release), and a down item of tile i copies its first weight steps, then waits until sync[1 + i] =
+// GU_BLOCKS (acquire) before copying the h rows.  Every item waited on was claimed earlier by a running CTA
+// that waits on nothing, so every wait ends whatever the grid and however many of its CTAs are resident (other
+// streams' or processes' kernels may hold SMs).  This replaces the two launches' tail and ramp (the gate/up
+// grid's last partial wave, the down grid's start) with one stream of items.
 // A CTA claims its next item when its current one has issued its last products (its epilogue hides the
 // atomic's latency), not earlier: a claim made at an item's start fixes who does what at time zero (at
-// batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left:
-// 35.2 -> 40.8 us in tests/gpu/bench_moe_decode.py --fused, H200).
+// batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left).
+// Tried and not kept: CTA b starting with gate/up item b (consecutive blocks land on different SMs, so the
+// first wave spreads over the SMs like a plain grid's; claimed from the counter, some SMs draw three gate/up
+// streams and others one): batch 1 39.1 -> 36.7 us, but a down item could then wait on a gate/up item whose
+// CTA is not resident, a deadlock as soon as another stream's kernel holds SMs.
+// Measured (H200, 2026-12-01, tests/gpu/bench_moe_decode.py --fused: bucket + GEMMs in graph replays with
+// programmatic dependent launch, 8 routings cycled, E = 256, top-8, D = 2304, I = 1024), two launches ->
+// fused: T = 1 34.5 -> 39.1 us (so T = 1 keeps two launches: moe_gemm_tc.py FUSED_MIN_TOKENS), T = 4
+// 113.3 -> 107.4, T = 8 208.0 -> 203.4 (17 experts: 70.8 -> 65.8), T = 32 559.8 -> 554.0 (68 experts:
+// 244.1 -> 239.1); in the full model's decode graphs (tests/gpu/bench_ab.py --replays) batch 8 5.559 ->
+// 5.425 ms, 32 8.416 -> 8.160.
 // sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch.
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
@@ -330,14 +330,13 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 
     const int ntiles = __ldcg(num_tiles);
     const int n_gu = ntiles * GU_BLOCKS, n_all = n_gu + ntiles * DN_BLOCKS;
-    const int n_static = min((int)gridDim.x, n_gu);  // items [0, n_static): block b's first item is b
-    if (threadIdx.x == 0) next_item = blockIdx.x < n_static ? blockIdx.x : n_static + atomicAdd(sync, 1);
+    if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
     __syncthreads();
     for (int item = next_item; item < n_all; item = next_item) {
         __syncthreads();  // everyone has read next_item
         int* next = &next_item;  // (a __shared__ variable is not captured by reference)
-        const auto claim = [sync, next, n_static] {
-            if (threadIdx.x == 0) *next = n_static + atomicAdd(sync, 1);
+        const auto claim = [sync, next] {
+            if (threadIdx.x == 0) *next = atomicAdd(sync, 1);
         };
         const bool gate_up = item < n_gu;
         const int j = gate_up ? item : item - n_gu;

@@ -27,6 +27,7 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.moe_align import MoEPlan, NormAfter, bucket_kernel, max_tiles, moe_bucket, moe_combine
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import (
+    FUSED_MIN_TOKENS,
     SMALL_DECODE_TOKENS,
     fused_decode_tile,
     fused_kernel,
@@ -160,8 +161,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     pairs = A + 1 if fused else A
     bm = prefill_tile_rows(T * pairs, stacked, D, inter)
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
-    # decode sizes: both GEMMs in one launch (moe_decode_fused), where one 16-row tile fits both
-    fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and env.fused_moe() else None
+    # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
+    fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else contextlib.nullcontext():

@@ -16,8 +16,8 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early", "fused_decode_tile",
-           "moe_decode_fused", "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config"]
+__all__ = ["FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early",
+           "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -137,6 +137,12 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
 # both decode GEMMs in one launch (moe_decode_fused in kernels_cu/moe_gemm_tc.cu)
 
 
+# Steps of fewer tokens keep the two launches: at batch 1 the fused kernel lost (H200, 2026-12-01, graph
+# replays: bench_moe_decode.py --fused T = 1 34.5 -> 39.1 us; the full model's batch-1 step 2.538 -> 2.565 ms),
+# from T = 4 it wins (113.3 -> 107.4 us; batch 8 5.559 -> 5.425 ms, batch 32 8.416 -> 8.160 ms).
+FUSED_MIN_TOKENS = 2
+
+
 def fused_decode_tile(tokens: int, hidden: int, inter: int) -> TileConfig | None:
     """The 16-row decode tile that both GEMMs of a `tokens`-token step take as they are (gate/up: w13
     [2I, D], down: w2 [D, I]), or None: then the two-launch path runs."""
@@ -168,7 +174,7 @@ _resident: dict[tuple[int, int, int], int] = {}
 
 
 def _resident_per_sm(kernel, threads: int, smem: int) -> int:
-    """CTAs of the fused kernel one SM holds at once (moe_decode_fused needs its whole grid resident)."""
+    """CTAs of the fused kernel one SM holds at once (its default grid: one CTA per slot, no second wave)."""
     key = (kernel.ptr, threads, smem)
     if key not in _resident:
         from kda_rt.cuda.ops.pdl import max_active_blocks
@@ -183,8 +189,8 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them (same tiles, same order).
     x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 (moe_bucket with
     sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
-    ctas: the grid (default: as many CTAs as the GPU holds at once, the most it may be: every CTA of the grid must
-    be resident together, since a CTA's first gate/up item is its block index)."""
+    ctas: the grid (default: as many CTAs as the GPU holds at once; any number >= 1 is correct, since every
+    item is claimed from a counter by a running CTA)."""
     K, E, two_i, N = check_grouped_gemm(x, w13, plan, True, h)
     inter = two_i // 2
     check_grouped_gemm(h, w2, plan, False, out)
@@ -198,10 +204,9 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
         raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
     kernel, threads = fused_kernel(tile, K, inter, top_k), 32 * tile.warps_m * tile.warps_n
-    resident = _num_sms() * _resident_per_sm(kernel, threads, tile.smem_bytes)
-    if ctas is not None and not 1 <= ctas <= resident:
-        raise ValueError(f"moe_decode_fused: ctas must be in [1, {resident}] (CTAs the GPU holds at once), got {ctas}")
-    grid = min(items, ctas or resident)
+    if ctas is not None and ctas < 1:
+        raise ValueError(f"moe_decode_fused: ctas must be >= 1, got {ctas}")
+    grid = min(items, ctas or _num_sms() * _resident_per_sm(kernel, threads, tile.smem_bytes))
     if N:
         kernel((grid,), (threads,), (
             x, plan.sorted_pair, w13, w2, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, h, out,
