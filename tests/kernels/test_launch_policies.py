@@ -231,12 +231,13 @@ def test_early_weight_copies_only_in_the_small_decode_down_gemm(monkeypatch):
 
 def test_mla_combine_groups():
     """mla_attn_combine{4,8,16}: the split groups per block follow the launch's split count S (a power of two in [4, 16],
-    at least 2048 / R so a block spans at most R columns): batch 32 at 2K context has S = 4, and 16 groups
+    raised until a block's 2048 / groups columns divide R): batch 32 at 2K context has S = 4, and 16 groups
     left three quarters of the threads idle."""
     from kda_rt.cuda.ops.mla_attn import _best_splits, combine_groups
 
     assert [combine_groups(s, 512) for s in (2, 3, 4, 5, 8, 9, 16, 20, 132)] == [4, 4, 4, 8, 8, 16, 16, 16, 16]
     assert combine_groups(4, 256) == 8 and combine_groups(4, 128) == 16
+    assert combine_groups(4, 384) == 16 and combine_groups(4, 640) == 16 and combine_groups(8, 768) == 8
     assert _best_splits(32, 2560, 132) == 4 and _best_splits(16, 1088, 132) == 6
 
 

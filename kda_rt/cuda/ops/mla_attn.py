@@ -81,9 +81,11 @@ def launch_splits(T: int, S: int) -> int:
 
 
 def combine_groups(S: int, R: int) -> int:
-    """Split groups of an mla_attn_combine{4,8,16} block (256 threads = 2048 / groups columns x groups): S rounded up
-    to a power of two within [4, 16], and at least 2048 / R (one block never spans more than R columns)."""
-    return max(min(16, max(4, 1 << (S - 1).bit_length())), 2048 // R)
+    """Split groups of an mla_attn_combine{4,8,16} block (256 threads = 2048 / groups columns x groups): S rounded
+    up to a power of two within [4, 16], raised until a block's 2048 / groups columns divide R (R % 128 == 0, so
+    16 groups always fit)."""
+    base = min(16, max(4, 1 << (S - 1).bit_length()))
+    return next(g for g in (4, 8, 16) if g >= base and R % (2048 // g) == 0)
 
 
 def _layout(T: int, H: int, R: int, S: int) -> tuple[int, int, int]:
