@@ -136,14 +136,14 @@ class CudaModel:
         y = ws.get("kda_y", (T, P), BF16)
         if b.decode and fuses_low_rank(T, f_a, g_a):  # small decode batches: f_b, g_b applied in the kernel
             f, gate, low_rank = f_a, g_a, {"f_b": w.f_b, "g_b": w.g_b}
-        elif b.decode and rf == rg and (pair := w.low_rank_pair()) is not None:
+        elif b.decode and w.fg_b is not None:
             # f = f_a · f_bᵀ and gate = g_a · g_bᵀ in one strided-batched GEMM (f_a, g_a: adjacent column
             # blocks of `small`; f_b, g_b: one [2, P, R] array); larger decode batches, where the kernel
             # does not take them (a graph-replayed batch-32 step paid ~3.6 us per cuBLAS call, 40 calls)
             from cupy.lib.stride_tricks import as_strided
 
             fg = ws.get("kda_fg", (2, T, P), BF16)
-            bmm(as_strided(small, (2, T, rf), (rf * 2, small.strides[0], 2)), pair, out=fg, transpose_b=True)
+            bmm(as_strided(small, (2, T, rf), (rf * 2, small.strides[0], 2)), w.fg_b, out=fg, transpose_b=True)
             f, gate, low_rank = fg[0], fg[1], {}
         else:
             f = linear(f_a, w.f_b, out=ws.get("kda_f", (T, P), BF16))

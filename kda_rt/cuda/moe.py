@@ -108,7 +108,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                     count += 1
         count += 3
         if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
-            for tokens in (1, SMALL_DECODE_TOKENS + 1):
+            for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
                 if tile := fused_decode_tile(tokens, D, inter):
                     fused_kernel(tile, D, inter, pairs)
                     count += 1

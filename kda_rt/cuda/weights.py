@@ -37,8 +37,8 @@ F32 = np.float32
 class DeviceKDA:
     qkv: Any  # [3P, D] q|k|v proj
     fgb: Any  # [Rf+Rg+H, D] f_a | g_a | b_proj (one small GEMM)
-    f_b: Any  # [P, Rf]  (with Rf = Rg: [0] and [1] of one [2, P, R] array, see low_rank_pair)
-    g_b: Any  # [P, Rg]
+    f_b: Any  # [P, Rf]  (with Rf = Rg: fg_b[0])
+    g_b: Any  # [P, Rg]  (with Rf = Rg: fg_b[1])
     conv_w: Any  # [3P, W] fp32
     A_log: Any  # [H] fp32
     dt_bias: Any  # [P] fp32
@@ -46,14 +46,7 @@ class DeviceKDA:
     o_proj: Any  # [D, P]
     rank_f: int
     rank_g: int
-
-
-    def low_rank_pair(self):
-        """[2, P, R] array whose [0] is f_b and [1] is g_b (both uploaded into it), or None."""
-        base = self.f_b.base
-        if base is None or self.g_b.base is not base or base.ndim != 3 or base.shape[0] != 2:
-            return None
-        return base if self.f_b.data.ptr == base.data.ptr and self.g_b.data.ptr == base[1].data.ptr else None
+    fg_b: Any = None  # [2, P, R]: f_b and g_b side by side (Rf = Rg), one strided-batched GEMM applies both
 
 
 @dataclass
@@ -139,10 +132,10 @@ def _pair(up: Uploader, a: np.ndarray, b: np.ndarray):
 
 
 def _kda(up: Uploader, w: KDAWeights) -> DeviceKDA:
-    f_b, g_b = ((fg := _pair(up, w.f_b_proj, w.g_b_proj))[0], fg[1]) if np.shape(w.f_b_proj) == np.shape(
-        w.g_b_proj) else (_put(up, w.f_b_proj), _put(up, w.g_b_proj))
+    fg_b = _pair(up, w.f_b_proj, w.g_b_proj) if np.shape(w.f_b_proj) == np.shape(w.g_b_proj) else None
+    f_b, g_b = (fg_b[0], fg_b[1]) if fg_b is not None else (_put(up, w.f_b_proj), _put(up, w.g_b_proj))
     return DeviceKDA(
-        qkv=_put(up, w.qkv), fgb=_put(up, w.fgb), f_b=f_b, g_b=g_b,
+        qkv=_put(up, w.qkv), fgb=_put(up, w.fgb), f_b=f_b, g_b=g_b, fg_b=fg_b,
         conv_w=_put(up, w.conv_taps, F32), A_log=_put(up, np.ravel(w.A_log), F32),
         dt_bias=_put(up, np.ravel(w.dt_bias), F32), o_norm=_put(up, w.o_norm, F32), o_proj=_put(up, w.o_proj),
         rank_f=w.rank_f, rank_g=w.rank_g,

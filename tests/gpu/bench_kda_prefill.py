@@ -22,7 +22,7 @@ import cupy
 import numpy as np
 
 from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
-from kda_rt.cuda.ops.compile import KERNEL_DIR, get_kernel
+from kda_rt.cuda.ops.compile import KERNEL_DIR, get_kernel, sm_count
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
 
 H, K, W, ITERS = 32, 128, 4, 10
@@ -64,7 +64,7 @@ def intra_only(d):
                     VB=32, INTRA_THREADS=kp._INTRA_THREADS)
     args = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"],
             d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3], a_qk, g_last, i32(B),
-            i32(H), i32(kp._num_sms(cupy.cuda.Device().id)))
+            i32(H), i32(sm_count(cupy.cuda.Device().id)))
     return lambda: fn((chunks, H), (kp._INTRA_THREADS,), args, shared_mem=smem)
 
 

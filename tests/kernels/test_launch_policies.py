@@ -246,7 +246,7 @@ def test_mla_launch_splits(monkeypatch):
     table: batch 32 with the 1M-token table of the 48B shape has S = 33 but launches 4."""
     import kda_rt.cuda.ops.mla_attn as mla
 
-    monkeypatch.setattr(mla, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(mla, "sm_count", lambda device_id: 132)
     monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(
         cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))))
     assert mla._best_splits(32, 16384 * 64, 132) == 33

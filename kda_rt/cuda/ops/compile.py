@@ -29,7 +29,7 @@ import msgpack
 
 from kda_rt import env
 
-__all__ = ["KERNEL_DIR", "CompileError", "device_arch", "compile_cubin", "get_kernel", "startup_log"]
+__all__ = ["KERNEL_DIR", "CompileError", "device_arch", "compile_cubin", "get_kernel", "sm_count", "startup_log"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ def device_arch() -> str:
     cupy = _cupy()
     major, minor = cupy.cuda.Device().compute_capability[0], cupy.cuda.Device().compute_capability[1:]
     return arch_for(int(major), int(minor))
+
+
+@functools.cache
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_id` (grids sized to one wave, occupancy)."""
+    return int(_cupy().cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount
 
 
 @functools.lru_cache(maxsize=1)

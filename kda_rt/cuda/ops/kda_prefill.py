@@ -9,12 +9,10 @@ writes), kda_prefill_norm (gated RMSNorm in place).  Runs eagerly: allocates its
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.kda_decode import check_kda_args
 
 __all__ = ["kda_prefill"]
@@ -30,13 +28,6 @@ def _intra_smem_bytes(K: int, L: int, W: int) -> int:
     num_pairs, num_cross = num_sub * (num_sub + 1) // 2, num_sub * (num_sub - 1) // 2
     return (3 * (W - 1 + L) * (K + 8) * 2 + 2 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4
             + L * (L + 4) * 4 + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 3 * L * 4 + 32)
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 def _state_smem_bytes(K: int, L: int, vb: int) -> int:
@@ -98,7 +89,7 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     intra((num_chunks, num_heads), (_INTRA_THREADS,),
           (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
            qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads),
-           i32(_num_sms(cupy.cuda.Device().id))),  # one CTA per SM: the next wave starts that many ids on
+           i32(sm_count(cupy.cuda.Device().id))),  # one CTA per SM: the next wave starts that many ids on
           shared_mem=smem, stream=stream)
     smem = _state_smem_bytes(K, L, vb)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),

@@ -25,7 +25,7 @@ import numpy as np
 
 from kda_rt.cuda.gemm import bmm
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import get_kernel, sm_count
 
 __all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "launch_splits", "num_splits"]
 
@@ -37,13 +37,6 @@ _GEMV_TOKENS = 8  # T <= this: the up-projections run as mla_absorb_q / mla_expa
 _ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
 
 
-@functools.cache
-def _sm_count(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount
-
-
 def num_splits(T: int, M: int, block_size: int) -> int:
     """S for T tokens over [.., M] tables: the split count minimising waves x (tiles per split + _SPLIT_COST),
     one block per SM, splits of at least _MIN_TILES tiles of the table width (ties: fewer splits).  The kernel
@@ -51,7 +44,7 @@ def num_splits(T: int, M: int, block_size: int) -> int:
     table width, not the context)."""
     import cupy
 
-    return _best_splits(T, M * block_size, _sm_count(cupy.cuda.Device().id))
+    return _best_splits(T, M * block_size, sm_count(cupy.cuda.Device().id))
 
 
 @functools.cache
@@ -77,7 +70,7 @@ def launch_splits(T: int, S: int) -> int:
     as when the table is as wide as the context (tests/gpu/bench_decode_sweep.py --parts=mla)."""
     import cupy
 
-    return max(1, min(S, _sm_count(cupy.cuda.Device().id) // max(T, 1)))
+    return max(1, min(S, sm_count(cupy.cuda.Device().id) // max(T, 1)))
 
 
 def combine_groups(S: int, R: int) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early",
@@ -164,12 +164,6 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int):
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
 
 
-def _num_sms() -> int:
-    import cupy
-
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-
-
 _resident: dict[tuple[int, int, int], int] = {}
 
 
@@ -206,7 +200,11 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     kernel, threads = fused_kernel(tile, K, inter, top_k), 32 * tile.warps_m * tile.warps_n
     if ctas is not None and ctas < 1:
         raise ValueError(f"moe_decode_fused: ctas must be >= 1, got {ctas}")
-    grid = min(items, ctas or _num_sms() * _resident_per_sm(kernel, threads, tile.smem_bytes))
+    if not ctas:
+        import cupy
+
+        ctas = sm_count(cupy.cuda.Device().id) * _resident_per_sm(kernel, threads, tile.smem_bytes)
+    grid = min(items, ctas)
     if N:
         kernel((grid,), (threads,), (
             x, plan.sorted_pair, w13, w2, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, h, out,
