@@ -95,3 +95,10 @@ def fused_moe() -> bool:
     (moe_grouped_gemm_tc) instead of one that streams both GEMMs' tiles (moe_decode_fused in
     kernels_cu/moe_gemm_tc.cu); default 1.  Read at each MoE call (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_FUSED_MOE")
+
+
+def fused_route() -> bool:
+    """KDA_RT_FUSED_ROUTE: 0 routes a decode step's tokens with three kernels (router logits, select,
+    moe_bucket) instead of one (moe_route_fused in kernels_cu/moe_route.cu); default 1.  Read at each MoE
+    call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_FUSED_ROUTE")

@@ -36,91 +36,13 @@
 // THREADS, HAS_SHARED, NORM (combine).
 #include "common.cuh"
 
-// ---------------------------------------------------------------------------------------------
-// the bucketing block (moe_bucket's body)
-
-#define BUCKET_BLOCK 1024  // threads of the block that runs bucket_block (32 full warps for the scan)
-
-// Exclusive prefix sum over a block of BUCKET_BLOCK threads (one value each); `warp_tot` holds 32 ints
-// of shared memory.  *total gets the block sum.  Ends with a barrier.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_tot, int* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int inc = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o) inc += n;
-    }
-    if (lane == 31) warp_tot[warp] = inc;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_tot[lane];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += n;
-        }
-        warp_tot[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const int result = (warp > 0 ? warp_tot[warp - 1] : 0) + inc - v;
-    *total = warp_tot[31];
-    __syncthreads();
-    return result;
-}
-
-// The whole bucketing of `num_pairs` pairs into `bins` bins (bins <= BUCKET_BLOCK) of `bt`-row tiles,
-// by one block of BUCKET_BLOCK threads; expert_of(p) gives pair p's bin.  Shared scratch: count_sh,
-// off_sh, fill_sh of `bins` ints, warp_tot of 32.
-template <typename ExpertOf>
-__device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, int bins, int bt, int routed,
-                                             int* __restrict__ expert_off, int* __restrict__ sorted_pair,
-                                             int* __restrict__ pair_pos, int* __restrict__ tile_expert,
-                                             int* __restrict__ tile_row, int* __restrict__ num_tiles,
-                                             int* __restrict__ stats, int* count_sh, int* off_sh, int* fill_sh,
-                                             int* warp_tot) {
-    const int tid = threadIdx.x;
-    for (int e = tid; e < bins; e += BUCKET_BLOCK) { count_sh[e] = 0; fill_sh[e] = 0; }
-    __syncthreads();
-    for (int p = tid; p < num_pairs; p += BUCKET_BLOCK) atomicAdd(&count_sh[expert_of(p)], 1);
-    __syncthreads();
-    const int cnt = tid < bins ? count_sh[tid] : 0;
-    const int ntile = (cnt + bt - 1) / bt;
-    int total_rows, total_tiles;
-    const int row0 = block_exclusive_scan(cnt, warp_tot, &total_rows);
-    const int tile0 = block_exclusive_scan(ntile, warp_tot, &total_tiles);
-    if (tid < bins) {
-        off_sh[tid] = row0;
-        expert_off[tid] = row0;
-        for (int j = 0; j < ntile; ++j) {
-            tile_expert[tile0 + j] = tid;
-            tile_row[tile0 + j] = row0 + j * bt;
-        }
-    }
-    if (tid == 0) {
-        expert_off[bins] = total_rows;
-        num_tiles[0] = total_tiles;
-    }
-    if (stats != nullptr) {  // bins touched by this call: one atomic per warp
-        const int touched = __popc(__ballot_sync(0xffffffffu, cnt > 0 && tid < routed));
-        if ((tid & 31) == 0 && touched) atomicAdd(stats, touched);
-        if (tid == 0) atomicAdd(stats + 1, 1);
-    }
-    __syncthreads();
-    for (int p = tid; p < num_pairs; p += BUCKET_BLOCK) {
-        const int e = expert_of(p);
-        const int r = off_sh[e] + atomicAdd(&fill_sh[e], 1);
-        sorted_pair[r] = p;
-        pair_pos[p] = r;
-    }
-}
+#include "moe_bucket.cuh"  // bucket_block: the bucketing by one block (also moe_route.cu's fused kernel)
 
 #if defined(BT) && !defined(BUCKET_THREADS)
 #error "moe_bucket needs -DBUCKET_THREADS"
 #endif
 #ifdef BT
-static_assert(BUCKET_THREADS == BUCKET_BLOCK && E <= BUCKET_THREADS,
-              "moe_bucket: the scan needs 32 full warps, and one thread per expert");
+static_assert(BUCKET_THREADS % 32 == 0 && E <= BUCKET_THREADS, "moe_bucket: full warps, one thread per bin");
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -157,7 +79,7 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
     KDA_PDL_ENTRY();
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
     for (int i = threadIdx.x; i < sync_words; i += BUCKET_THREADS) sync[i] = 0;  // moe_decode_fused's counters
-    bucket_block([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
+    bucket_block<BUCKET_THREADS>([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
                  pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh, off_sh, fill_sh, warp_tot);
 }
 #endif

@@ -29,10 +29,22 @@
 //   argmax over the experts not taken yet (larger score first, lower index on ties: the order of the
 //   rank counting above, so ids and weights are bit-identical to moe_route_select); lane k keeps the
 //   k-th id and weight, and the renormalising sum adds them in k order as above.
+// moe_route_fused (FUSED_ROUTE) — a decode step's whole routing in one launch (num_groups == 1): the logits,
+//   the warp select and the bucketing of moe_align.cu's moe_bucket.  Grid (ceil(T / FR_TPB), E / 8), block
+//   512 threads: each block stages FR_TPB rows of x and computes 8 experts' logits for them, two warps per expert
+//   (warp 2i + h sums the half h of D, the block adds the halves: logits[t, e] = Σ_{d < D/2} + Σ_{d ≥ D/2},
+//   fp32), and stores them.  Then each block bumps done[0] (after a fence); the block that brings it to the
+//   number of blocks is the last one, sees every logit (fence, L2 loads), and alone does the rest: its 16
+//   warps select the tokens' experts (warp_route_token, as moe_route_select_warp), the block buckets the
+//   pairs (bucket_block of moe_bucket.cuh: same plan, stats and zeroed `sync` words as moe_bucket) and sets
+//   done[0] back to 0 for the next launch.  So done[0] must be 0 before the first launch (the launcher
+//   zeroes it on every call outside a CUDA-graph capture), and nothing else may touch it.
+//   SHARED = 1: the shared expert rides in the stacks as bin E (pairs per token A + 1, as moe_bucket's SHARED_A).
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
 // Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select);
-// E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp).
+// E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp); FUSED_ROUTE, D (multiple of 8), E (multiple of 8,
+// E + SHARED <= 512), FR_TPB, MAX_T (T <= MAX_T), MAX_TOP_K, BT (tile rows), SHARED (fused).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
@@ -259,5 +271,111 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
         out_ids[(size_t)t * top_k + lane] = id;
         out_w[(size_t)t * top_k + lane] = w;
     }
+}
+#endif
+
+#ifdef FUSED_ROUTE
+#include "moe_bucket.cuh"
+
+#define FR_THREADS 512
+#define FR_WARPS (FR_THREADS / 32)
+#define FR_EPB (FR_WARPS / 2)  // experts per block: two warps each
+#define FR_BINS (E + SHARED)
+static_assert(D % 8 == 0 && E % FR_EPB == 0 && FR_BINS <= FR_THREADS && MAX_TOP_K <= 32,
+              "moe_route_fused: D % 8, E % 8, E + SHARED <= 512, top_k <= 32");
+static_assert(2 * FR_TPB * D + MAX_T * MAX_TOP_K * 4 + 3 * FR_BINS * 4 + 32 * 4 + FR_WARPS * FR_TPB * 4 <= 48 * 1024,
+              "moe_route_fused: static shared memory over 48 KB (fewer FR_TPB or MAX_T)");
+
+extern "C" __global__ void __launch_bounds__(FR_THREADS, 1)
+moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, const float* __restrict__ bias,
+                float* __restrict__ logits, int* __restrict__ out_ids, float* __restrict__ out_w, int num_tokens,
+                int top_k, int renormalize, int biased, float scaling, int* __restrict__ expert_off,
+                int* __restrict__ sorted_pair, int* __restrict__ pair_pos, int* __restrict__ tile_expert,
+                int* __restrict__ tile_row, int* __restrict__ num_tiles, int* __restrict__ stats,
+                int* __restrict__ sync, int sync_words, int* __restrict__ done) {
+    KDA_PDL_ENTRY();
+    __shared__ __align__(16) bf16 xs[FR_TPB][D];
+    __shared__ float part_sh[FR_WARPS][FR_TPB];
+    __shared__ int ids_sh[MAX_T * MAX_TOP_K];
+    __shared__ int count_sh[FR_BINS], off_sh[FR_BINS], fill_sh[FR_BINS], warp_tot[32];
+    __shared__ int last_sh;
+    const int t0 = blockIdx.x * FR_TPB, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < FR_TPB * (D / 4); i += FR_THREADS) {
+        const int t = i / (D / 4), d = (i % (D / 4)) * 4;
+        uint2 v = make_uint2(0u, 0u);
+        if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + d);
+        *reinterpret_cast<uint2*>(&xs[t][d]) = v;
+    }
+    __syncthreads();
+    {
+        constexpr int DH = D / 2, ITER = (DH + 127) / 128, CH = ITER <= 24 ? ITER : 16;
+        const int e = blockIdx.y * FR_EPB + (warp >> 1), h0 = (warp & 1) * DH;
+        const float* row = w_router + (size_t)e * D + h0;
+        float acc[FR_TPB];
+#pragma unroll
+        for (int t = 0; t < FR_TPB; ++t) acc[t] = 0.f;
+        for (int i0 = 0; i0 < ITER; i0 += CH) {  // all CH loads of the lane in flight before its first FMA
+            float4 wv[CH];
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int d = (i0 + i) * 128 + lane * 4;
+                wv[i] = i0 + i < ITER && d < DH ? *reinterpret_cast<const float4*>(row + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            asm volatile("" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < CH; ++i) {
+                const int d = (i0 + i) * 128 + lane * 4;
+                if (i0 + i >= ITER || d >= DH) continue;
+                const float4 w = wv[i];
+#pragma unroll
+                for (int t = 0; t < FR_TPB; ++t) {
+                    const uint2 raw = *reinterpret_cast<const uint2*>(&xs[t][h0 + d]);
+                    const bf16* xv = reinterpret_cast<const bf16*>(&raw);
+                    acc[t] += w.x * to_f32(xv[0]) + w.y * to_f32(xv[1]) + w.z * to_f32(xv[2]) + w.w * to_f32(xv[3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < FR_TPB; ++t) {
+            const float v = warp_sum(acc[t]);
+            if (lane == 0) part_sh[warp][t] = v;
+        }
+    }
+    __syncthreads();
+    if (tid < FR_EPB * FR_TPB) {
+        const int ei = tid / FR_TPB, t = tid % FR_TPB;
+        if (t0 + t < num_tokens)
+            logits[(size_t)(t0 + t) * E + blockIdx.y * FR_EPB + ei] = part_sh[2 * ei][t] + part_sh[2 * ei + 1][t];
+    }
+    __threadfence();  // this block's logits are visible GPU-wide before its count is
+    __syncthreads();
+    if (tid == 0) last_sh = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (!last_sh) return;
+    __threadfence();  // every other block's logits were fenced before their counts: read them from L2
+
+    // select: warp w routes tokens w, w + 16, ...
+    for (int t = warp; t < num_tokens; t += FR_WARPS) {
+        const float* l = logits + (size_t)t * E;
+        int id;
+        float w;
+        warp_route_token<E>([&](int e) { return __ldcg(l + e); }, bias, top_k, renormalize, biased, scaling, &id, &w);
+        if (lane < top_k) {
+            out_ids[(size_t)t * top_k + lane] = id;
+            out_w[(size_t)t * top_k + lane] = w;
+            ids_sh[t * top_k + lane] = id;
+        }
+    }
+    for (int i = tid; i < sync_words; i += FR_THREADS) sync[i] = 0;  // moe_decode_fused's counters
+    __syncthreads();
+    const int pairs = top_k + SHARED;
+    bucket_block<FR_THREADS>(
+        [&](int p) {
+            const int t = p / pairs, k = p - t * pairs;
+            return k == top_k ? E : min(max(ids_sh[t * top_k + k], 0), E - 1);  // k == top_k: the shared bin
+        },
+        num_tokens * pairs, FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
+        stats, count_sh, off_sh, fill_sh, warp_tot);
+    if (tid == 0) *done = 0;  // every block has counted: ready for the next launch
 }
 #endif

@@ -9,7 +9,12 @@ precision notes; half the bytes of an fp32 row for the GEMM to write and the com
 CUDA-graph contract: with `out` and `workspace` given, nothing is allocated, nothing syncs with
 the host, and every grid is sized from (T, A, E) alone (tiles past the device-side count exit), so
 the whole call can be captured once per T and replayed on new x / weights in the same buffers.
-The workspace is one uint8 buffer of `moe_workspace_bytes(T, cfg, D, I, Is)` bytes.
+The workspace is one uint8 buffer of `moe_workspace_bytes(T, cfg, D, I, Is)` bytes; run one eager call
+on it before a capture (it zeroes the counter of moe_route_fused that every launch leaves at 0).
+
+Decode sizes (T <= FUSED_MAX_T, ungrouped routing) route and bucket in one launch (moe_route_fused), and
+from FUSED_MIN_TOKENS run both expert GEMMs in one more (moe_decode_fused); larger steps route, bucket and
+multiply in separate launches.
 
 Letters: T tokens, D hidden, E experts, A = top_k, N = T·A pairs, I expert width, Is shared width.
 """
@@ -40,7 +45,15 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
-from kda_rt.cuda.ops.moe_route import SPLIT_MIN_T, moe_route, split_router
+from kda_rt.cuda.ops.moe_route import (
+    FUSED_MAX_T,
+    SPLIT_MIN_T,
+    fused_route_fits,
+    moe_route,
+    moe_route_fused,
+    split_router,
+)
+from kda_rt.cuda.ops.moe_route import fused_kernel as fused_route_kernel
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
@@ -59,7 +72,8 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
     N = T * (A + 1) if fused else T * A
     tiles = max_tiles(N, bins, 8)  # BT = 8 gives the most tiles
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
-    parts = [("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
+    # route_done first: at the same offset for every T, so the 0 that moe_route_fused leaves is found again
+    parts = [("route_done", (64,), i32), ("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
              ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), BF16),
              ("sync", (1 + tiles,), i32)]  # moe_decode_fused's counters (>= sync_words: tiles of 16 rows)
@@ -111,6 +125,10 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
             for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
                 if tile := fused_decode_tile(tokens, D, inter):
                     fused_kernel(tile, D, inter, pairs)
+                    count += 1
+            for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
+                if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
+                    fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
     return count
 
@@ -171,12 +189,18 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             # kernel, and so does a router that three bf16 parts cannot represent)
             with contextlib.suppress(ValueError):
                 w.router_split = split_router(w_router)
-        moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
-                  renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
-                  biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
-                  router_split=w.router_split, stream=stream)
-        moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=ws["sync"] if fused_tile else None,
-                   stream=stream)
+        sync = ws["sync"] if fused_tile else None
+        if fused_route_fits(T, E, D, A, cfg.num_expert_group, fused):
+            moe_route_fused(x, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
+                            scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
+                            out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=fused,
+                            sync=sync, stream=stream)
+        else:
+            moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
+                      renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
+                      biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
+                      router_split=w.router_split, stream=stream)
+            moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=sync, stream=stream)
         if fused_tile:
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
                              stream=stream)

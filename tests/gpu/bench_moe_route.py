@@ -10,7 +10,12 @@
     combine:     moe_combine, shared expert row in y (ncu before the change: 7.5 us at T = 1)
 
 Bytes floors: the router is E·D·4 = 2.4 MB (0.5 us at 4.8 TB/s); combine reads T·(A+1)·D·2 bytes (bf16 y).
-Run from the repo root: PYTHONPATH=. python tests/gpu/bench_moe_route.py"""
+Run from the repo root: PYTHONPATH=. python tests/gpu/bench_moe_route.py
+
+    PYTHONPATH=. python tests/gpu/bench_moe_route.py --fused [--tokens 1,8,32,64]
+A decode step's routing as moe_forward runs it: three launches (logits on the fp32 kernel below SPLIT_MIN_T,
+else the split-router GEMM; select; moe_bucket with the shared slot) against moe_route_fused's one, each
+captured plainly and with programmatic dependent launch; and whether ids, weights and plan agree."""
 
 from __future__ import annotations
 
@@ -91,5 +96,61 @@ def main(sizes=(1, 8, 32, 64, 128, 256, 512, 2048, 8192)):
               f"combine {N * D * 2 / combine_us / 1e3:.0f} GB/s")
 
 
+def fused(sizes=(1, 2, 4, 8, 16, 32, 64)):
+    import cupy
+
+    import kda_rt.cuda.ops.moe_route as mr
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+
+    rng = cupy.random.default_rng(0)
+    w_router = (rng.standard_normal((E, D), dtype=np.float32) / np.sqrt(D)).astype(np.float32)
+    bias = (rng.standard_normal(E, dtype=np.float32) * 0.1).astype(np.float32)
+    w_split = mr.split_router(w_router)
+    print(f"{'T':>4} {'3 launches us':>13} {'fused us':>9} {'3 launches pdl':>15} {'fused pdl':>10}  same")
+    for T in sizes:
+        x = rng.standard_normal((T, D), dtype=np.float32).astype(BF16)
+        N, bins = T * (A + 1), E + 1
+        tiles = max_tiles(N, bins, 16)
+        outs = []
+        for _ in range(2):
+            plan = MoEPlan(*(cupy.zeros(n, np.int32) for n in (bins + 1, N, N, tiles, tiles, 1)), 16)
+            outs.append((plan, cupy.empty((T, A), np.int32), cupy.empty((T, A), np.float32),
+                         cupy.empty((T, 3 * E), np.float32), cupy.zeros(1 + tiles, np.int32), cupy.zeros(64, np.int32),
+                         cupy.zeros(2, np.int32)))
+
+        def three(s, o=outs[0], x=x):
+            plan, ids, w, logits, sync, _, stats = o
+            mr.moe_route(x, w_router, bias, top_k=A, num_groups=1, topk_group=1, renormalize=True, scaling=2.446,
+                         out_ids=ids, out_w=w, logits=logits, router_split=w_split, stream=s)
+            moe_bucket(ids, E, plan, stats=stats, shared_slot=True, sync=sync, stream=s)
+
+        def one(s, o=outs[1], x=x):
+            plan, ids, w, logits, sync, done, stats = o
+            mr.moe_route_fused(x, w_router, bias, plan, top_k=A, renormalize=True, scaling=2.446, out_ids=ids,
+                               out_w=w, logits=logits, done=done, stats=stats, shared_slot=True, sync=sync, stream=s)
+
+        times = [graph_us(three), graph_us(one)]
+        with pdl.capturing(True):
+            times += [graph_us(three), graph_us(one)]
+        cupy.cuda.Device().synchronize()
+        (p0, i0, w0, *_), (p1, i1, w1, *_) = outs
+        same_ids = bool(cupy.array_equal(cupy.sort(i0, axis=1), cupy.sort(i1, axis=1)))
+        rel = float(cupy.max(cupy.abs(cupy.sort(w0, axis=1) - cupy.sort(w1, axis=1)) / cupy.abs(w0).max()))
+        same_plan = bool(cupy.array_equal(p0.expert_off, p1.expert_off) and cupy.array_equal(p0.num_tiles, p1.num_tiles))
+        print(f"{T:>4} {times[0]:>13.2f} {times[1]:>9.2f} {times[2]:>15.2f} {times[3]:>10.2f}  ids {same_ids}, "
+              f"w rel {rel:.1e}, expert_off/num_tiles {same_plan}")
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    args = ap.parse_args()
+    if args.fused:
+        fused(tuple(int(t) for t in args.tokens.split(",")))
+    else:
+        main()

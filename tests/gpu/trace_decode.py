@@ -6,6 +6,10 @@ A measurement tool for the device only: the kernel timestamps come from CUPTI th
 
     PYTHONPATH=. python tests/gpu/trace_decode.py [--batches 1,32] [--layers 27] [--trace-dir DIR]
 One JSON line per batch on stdout (replay wall, kernels, busy and gap time, largest kernels).
+
+    PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --prefill 4x2048,1x32768
+Per-kernel totals of whole prefills instead (B prompts of L tokens, 2 output tokens, after one warm-up run
+of the same shape; steps of max_num_batched_tokens = 8192): one JSON line per shape.
 """
 
 from __future__ import annotations
@@ -35,16 +39,42 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--trace-dir", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--prefill", default="", help="BxL shapes whose whole prefill is traced, e.g. 4x2048")
     args = ap.parse_args()
 
     from helpers.full_model import full_engine
     from kda_rt.bench import run_bench
 
     batches = [int(b) for b in args.batches.split(",") if b]
-    _, engine = full_engine(args.layers, max_num_seqs=max(batches), max_num_batched_tokens=8192)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefill.split(",") if s]
+    _, engine = full_engine(args.layers, max_num_seqs=max(batches + [b for b, _ in shapes]),
+                            max_num_batched_tokens=8192)
     runner = engine.runner
 
     from torch.profiler import ProfilerActivity, profile
+
+    for num, length in shapes:
+        run_bench(engine, num, length, 2, seed=3)
+        ts = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_bench(engine, num, length, 2, seed=4)
+        wall = time.perf_counter() - ts
+        path = os.path.join(args.trace_dir, f"trace_prefill_{num}x{length}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            kernels = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"]
+        per_kernel: collections.Counter[str] = collections.Counter()
+        count: collections.Counter[str] = collections.Counter()
+        for e in kernels:
+            per_kernel[_short(e["name"])] += e["dur"]
+            count[_short(e["name"])] += 1
+        busy = sum(per_kernel.values())
+        print(json.dumps({
+            "prefill": f"{num}x{length}", "wall_s": round(wall, 3), "kernels": len(kernels),
+            "busy_ms": round(busy / 1e3, 2),
+            "top": [{"name": k, "n": count[k], "ms": round(v / 1e3, 2), "share": round(v / busy, 3)}
+                    for k, v in per_kernel.most_common(45)],
+        }), flush=True)
 
     for batch in batches:
         rows = next(b for b in runner.buckets if b >= batch)

@@ -135,22 +135,27 @@ def test_moe_forward(name, fused):
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
 
 
+@pytest.mark.parametrize("route", ["one", "three"], ids=["fused-route", "three-route"])
 @pytest.mark.parametrize("launches", ["one", "two"], ids=["fused-gemms", "two-gemms"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 @pytest.mark.parametrize("T,E", [(4, 256), (16, 64), (512, 16)], ids=["T4-E256-decode", "T16-E64-decode", "T512-E16-prefill"])
-def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, monkeypatch):
+def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatch):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
     new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
     with programmatic dependent launches, as the decode graphs are.  launches: the decode steps' two expert
-    GEMMs in one launch (moe_decode_fused, whose counters the replay's moe_bucket zeroes again) or two (the
-    down GEMM then copies its first weight steps while gate/up runs, EARLY_B)."""
+    GEMMs in one launch (moe_decode_fused, whose counters the replay's bucketing zeroes again) or two (the
+    down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'
+    logits, select and bucketing in one launch (moe_route_fused, its counter left 0 by the eager calls and
+    by every launch) or three.  The workspace is poisoned before the eager calls."""
     import cupy
 
     if launches == "two":
         monkeypatch.setenv("KDA_RT_FUSED_MOE", "0")
-    elif T >= 512:
-        pytest.skip("prefill sizes take the two-launch path either way")
+    if route == "three":
+        monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "0")
+    if T >= 512 and (launches == "one" or route == "one"):
+        pytest.skip("prefill sizes take the two-launch, three-kernel route path either way")
 
     from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops import pdl as pdl_launch
@@ -162,6 +167,7 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, monkeypatch):
     x, gpu, params = make_block(T, D, inter, inter, cfg, 11)
     out = cupy.empty((T, D), dtype=BF16)
     ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter, fused), dtype=np.uint8)
+    ws[...] = 0xFF
     run(gpu, cfg, fused, out=out, workspace=ws)  # builds the fused stacks outside the capture
     stream = cupy.cuda.Stream(non_blocking=True)  # does not wait for the null stream: sync by hand
     cupy.cuda.Device().synchronize()
@@ -182,6 +188,14 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, monkeypatch):
     stream.synchronize()
     err = rms_rel(to_np(out), moe_ref(params, x2, cfg))
     assert err <= 1e-2, f"graph replay: rms rel err {err:.3e}"
+    x3, _, _ = make_router(T, D, cfg, 13)  # a second replay: the first left every counter as it found it
+    gpu["x"][...] = to_gpu_bf16(x3)
+    poison(out)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    err = rms_rel(to_np(out), moe_ref(params, x3, cfg))
+    assert err <= 1e-2, f"second graph replay: rms rel err {err:.3e}"
 
 
 def bench(T=32, D=2304, inter=1024, E=256, reps=50):

@@ -1,10 +1,6 @@
 """kernels_cu/moe_align.cu moe_bucket: the plan it writes, checked exactly against counts made here on
-random and skewed routings, with and without the shared expert as the last bin (shared_slot):
-
-    expert_off  = exclusive prefix sum of the per-bin pair counts, expert_off[bins] = N
-    sorted_pair = a permutation of the N pairs with pair_pos its inverse; the rows of bin e hold exactly
-                  the pairs routed to e (shared slot: pair t·(A+1) + A goes to the last bin)
-    tiles       = for each bin in order, ceil(count / BT) tiles of BT rows: tile_expert, tile_row, num_tiles
+random and skewed routings, with and without the shared expert as the last bin (shared_slot); the
+invariants are in tests/helpers/moe_plan.py.
 
 Every output is poisoned (-7) first, so an entry left unwritten fails.  (Run on the H200 on 2026-11-30
 against a variant of the kernel that placed the shared pairs without atomics, since reverted; the
@@ -14,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from helpers.moe_plan import assert_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -36,18 +34,4 @@ def test_moe_bucket_plan(T, E, A, BT, skew, shared_slot):
     tiles = max_tiles(N, bins, BT)
     plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (bins + 1, N, N, tiles, tiles, 1)), BT)
     moe_bucket(cupy.asarray(ids), E, plan, shared_slot=shared_slot)
-    off, sp, pos = (plan.expert_off.get(), plan.sorted_pair.get(), plan.pair_pos.get())
-    tile_expert, tile_row, num_tiles = plan.tile_expert.get(), plan.tile_row.get(), int(plan.num_tiles.get()[0])
-
-    bin_of = np.full((T, pairs), E, np.int64)  # the shared slot's bin is E
-    bin_of[:, :A] = ids
-    bin_of = bin_of.ravel()
-    counts = np.bincount(bin_of, minlength=bins)
-    assert off.tolist() == np.concatenate([[0], np.cumsum(counts)]).tolist()
-    assert np.array_equal(np.sort(sp), np.arange(N)), "sorted_pair is not a permutation of the pairs"
-    assert np.array_equal(pos[sp], np.arange(N)), "pair_pos is not the inverse of sorted_pair"
-    row_bin = np.repeat(np.arange(bins), counts)
-    assert np.array_equal(bin_of[sp], row_bin), "a row holds a pair of another bin"
-    want = [(e, off[e] + j * BT) for e in range(bins) for j in range(-(-counts[e] // BT))]
-    assert num_tiles == len(want)
-    assert list(zip(tile_expert[:num_tiles].tolist(), tile_row[:num_tiles].tolist(), strict=True)) == want
+    assert_plan(plan, ids, E, shared_slot)

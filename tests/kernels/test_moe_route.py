@@ -130,6 +130,75 @@ def test_moe_route_select_warp_equals_rank(T, E, A, biased, renorm):
     assert tied.any() or T < 33 or A == 1, "no exact tie was selected: the tie-break went untested"
 
 
+FUSED_CASES = {
+    "T1-E256": (1, 256, False, dict()),
+    "T1-E256-shared": (1, 256, True, dict()),
+    "T2-E256-shared-biased": (2, 256, True, dict(biased=True)),
+    "T3-E64-norenorm": (3, 64, False, dict(renormalize=False)),
+    "T8-E256-shared": (8, 256, True, dict()),
+    "T17-E256-shared": (17, 256, True, dict()),  # more tokens than the last block's 16 warps
+    "T32-E256-shared": (32, 256, True, dict()),
+    "T64-E256": (64, 256, False, dict()),
+    "T64-E256-shared": (64, 256, True, dict()),
+    "T5-E16-A4-shared": (5, 16, True, dict(A=4, scaling=1.0)),
+    "T9-E504-A16-shared": (9, 504, True, dict(A=16)),  # 505 bins of the 512-thread bucketing block
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_moe_route_fused(name):
+    """moe_route_fused (logits, select and bucketing in one launch) against float64 NumPy: logits within
+    1e-5 of Σ|x·w| (fp32 sums of D = 2304 products: ~5e-7 relative), ids as sets per token and weights to
+    1e-5 relative (inputs without near-ties, as test_moe_route), the plan exactly (tests/helpers/moe_plan.py),
+    stats (+touched routed experts, +1) and the zeroed sync words.  Three launches on one workspace with new
+    inputs each (the done counter is left 0 by the kernel; the first call finds it poisoned and the launcher
+    zeroes it); every output poisoned before each launch."""
+    import cupy
+
+    from helpers.moe_plan import assert_plan
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+    from kda_rt.cuda.ops.moe_route import moe_route_fused
+    from kda_rt.reference.moe import route
+
+    T, E, shared, kw = FUSED_CASES[name]
+    D, BT = 2304, 16
+    cfg = make_cfg(E, **kw)
+    A = cfg.top_k
+    pairs, bins = A + int(shared), E + int(shared)
+    N, tiles = T * pairs, max_tiles(T * pairs, bins, BT)
+    plan = MoEPlan(*(cupy.empty(n, np.int32) for n in (bins + 1, N, N, tiles, tiles, 1)), BT)
+    ids, w = cupy.empty((T, A), np.int32), cupy.empty((T, A), np.float32)
+    logits, sync, stats = cupy.empty((T, 3 * E), np.float32), cupy.empty(1 + tiles, np.int32), cupy.zeros(2, np.int32)
+    done = cupy.full(64, 5, np.int32)
+    touched = 0
+    for call in range(3):
+        x, w_router, bias = make_router(T, D, cfg, seed=zlib.crc32(name.encode()) + call)
+        for arr in (*plan[:6], ids, sync):
+            arr.fill(-7)
+        w.fill(np.nan)
+        logits.fill(np.nan)
+        moe_route_fused(to_gpu_bf16(x), cupy.asarray(w_router.astype(np.float32)),
+                        cupy.asarray(bias.astype(np.float32)), plan, top_k=A, renormalize=cfg.renormalize,
+                        scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ids, out_w=w,
+                        logits=logits, done=done, stats=stats, shared_slot=shared, sync=sync)
+        ref = x @ w_router.T
+        bound = 1e-5 * (np.abs(x) @ np.abs(w_router).T)
+        got = cupy.asnumpy(logits[:, :E])
+        assert np.all(np.abs(got - ref) <= bound), f"call {call}: logits off by {np.max(np.abs(got - ref) / bound):.2f} bounds"
+        ids_ref, w_ref = route(x, w_router, bias, cfg)
+        got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
+        order, order_ref = np.argsort(got_ids, -1), np.argsort(ids_ref, -1)
+        np.testing.assert_array_equal(np.take_along_axis(got_ids, order, -1), np.take_along_axis(ids_ref, order_ref, -1))
+        w_s, w_ref_s = np.take_along_axis(got_w, order, -1), np.take_along_axis(w_ref, order_ref, -1)
+        rel = np.abs(w_s - w_ref_s) / np.abs(w_ref_s)
+        assert np.all(np.isfinite(w_s)) and rel.max() <= 1e-5, f"call {call}: weights max rel err {rel.max():.3e}"
+        assert_plan(plan, got_ids, E, shared)
+        assert not cupy.any(sync), "sync words not zeroed"
+        assert int(done[0]) == 0, "the kernel left its counter set"
+        touched += len(np.unique(got_ids))
+        assert stats.get().tolist() == [touched, call + 1]
+
+
 if __name__ == "__main__":
     for case in CASES:
         test_moe_route(case)

@@ -13,7 +13,8 @@ from kda_rt.cuda.ops.check import expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
-__all__ = ["FUSED_NORM_MAX_T", "MoEPlan", "NormAfter", "fits_norm", "max_tiles", "moe_bucket", "moe_combine"]
+__all__ = ["FUSED_NORM_MAX_T", "MoEPlan", "NormAfter", "check_plan", "fits_norm", "max_tiles", "moe_bucket",
+           "moe_combine"]
 
 _BUCKET_THREADS = 1024  # one block of 32 warps: its scan adds up one total per warp in a single warp
 _COMBINE_THREADS = 64  # 256 columns per block: D = 2304 spreads one token over 9 SMs
@@ -58,16 +59,7 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot:
     N, E = T * pairs, num_experts + (1 if shared_slot else 0)
     if not 1 <= E <= _BUCKET_THREADS:
         raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS - int(shared_slot)}], got {num_experts}")
-    tiles = max_tiles(N, E, plan.tile_rows)
-    for name, shape in (("expert_off", (E + 1,)), ("sorted_pair", (N,)), ("pair_pos", (N,)), ("num_tiles", (1,)),
-                        ("tile_expert", (None,)), ("tile_row", (None,))):
-        expect(getattr(plan, name), f"plan.{name}", shape=shape, dtype=np.int32)
-    if min(plan.tile_expert.size, plan.tile_row.size) < tiles:
-        raise ValueError(f"moe_bucket: tile arrays need >= {tiles} entries")
-    if stats is not None:
-        expect(stats, "stats", shape=(2,), dtype=np.int32)
-    if sync is not None:
-        expect(sync, "sync", ndim=1, dtype=np.int32)
+    check_plan(plan, N, E, stats, sync, "moe_bucket")
     kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
     null = np.uint64(0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
@@ -75,6 +67,21 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot:
                                       stats if stats is not None else null, sync if sync is not None else null,
                                       i32(0 if sync is None else sync.size)), stream=stream)
     return plan
+
+
+def check_plan(plan: MoEPlan, num_pairs: int, num_bins: int, stats, sync, who: str) -> None:
+    """The plan arrays (and the optional stats / sync arrays) a bucketing of `num_pairs` pairs into `num_bins`
+    bins writes: names the first one of the wrong shape or dtype."""
+    tiles = max_tiles(num_pairs, num_bins, plan.tile_rows)
+    for name, shape in (("expert_off", (num_bins + 1,)), ("sorted_pair", (num_pairs,)), ("pair_pos", (num_pairs,)),
+                        ("num_tiles", (1,)), ("tile_expert", (None,)), ("tile_row", (None,))):
+        expect(getattr(plan, name), f"plan.{name}", shape=shape, dtype=np.int32)
+    if min(plan.tile_expert.size, plan.tile_row.size) < tiles:
+        raise ValueError(f"{who}: tile arrays need >= {tiles} entries")
+    if stats is not None:
+        expect(stats, "stats", shape=(2,), dtype=np.int32)
+    if sync is not None:
+        expect(sync, "sync", ndim=1, dtype=np.int32)
 
 
 def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int):

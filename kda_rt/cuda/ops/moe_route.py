@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
-__all__ = ["MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "default_select", "logits_tokens_per_block", "moe_route", "split_router"]
+__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "default_select", "fused_kernel",
+           "fused_route_fits", "logits_tokens_per_block", "moe_route", "moe_route_fused", "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
@@ -28,6 +31,11 @@ WARP_SELECT_MIN_T = 256
 MAX_TOP_K = 16
 _WARPS = 8  # one expert per warp in the logits kernel
 _SMEM_X_BYTES = 48 * 1024  # static shared memory for the staged x rows
+
+# moe_route_fused: tokens up to which a step's routing and bucketing run as one launch (its last block
+# selects and buckets every token alone); its blocks are 512 threads of 8 experts, x rows staged 8 at most
+FUSED_MAX_T = 64
+_FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
 
 
 def logits_tokens_per_block(T: int, D: int) -> int | None:
@@ -59,6 +67,62 @@ def split_router(w_router):
     if bool(xp.any(rest != 0)) and bool(xp.all(xp.isfinite(w_router))):
         raise ValueError("split_router: the router is not a sum of three bf16 matrices (subnormal entries?)")
     return xp.concatenate(parts).view(BF16)
+
+
+def fused_route_fits(T: int, E: int, D: int, top_k: int, num_groups: int, shared_slot: bool) -> bool:
+    """moe_route_fused handles this step (ungrouped routing, T <= FUSED_MAX_T, the kernel's shape limits) and
+    KDA_RT_FUSED_ROUTE is not 0."""
+    return (num_groups == 1 and 1 <= T <= FUSED_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
+            and E + int(shared_slot) <= _FR_MAX_BINS and D % 8 == 0 and 2 * _FR_MAX_TPB * D <= 37 * 1024
+            and env.fused_route())
+
+
+def _fused_tpb(T: int) -> int:
+    return next(t for t in (1, 2, 4, _FR_MAX_TPB) if t >= min(T, _FR_MAX_TPB))
+
+
+def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool):
+    """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T)."""
+    return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=_fused_tpb(T),
+                      MAX_T=FUSED_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot))
+
+
+def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
+                    biased_weights: bool = False, out_ids, out_w, logits, done, stats=None, shared_slot: bool = False,
+                    sync=None, stream=None):
+    """A decode step's routing and bucketing in one launch (kernels_cu/moe_route.cu moe_route_fused):
+    moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
+    x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
+    T·E floats are used); done: int32 [>= 1] device counter that must be 0 before a CUDA graph captures this
+    call (every eager call zeroes it; the kernel leaves it 0)."""
+    import cupy
+
+    T, D = expect(x, "x", ndim=2, dtype=BF16)
+    E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
+    expect(bias, "bias", shape=(E,), dtype=np.float32)
+    expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
+    expect(out_w, "out_w", shape=(T, top_k), dtype=np.float32)
+    expect(logits, "logits", shape=(T, None), dtype=np.float32)
+    expect(done, "done", ndim=1, dtype=np.int32)
+    if logits.shape[1] < E or not logits.flags.c_contiguous:
+        raise ValueError(f"moe_route_fused: logits scratch must be C-contiguous [T, >= {E}], got {logits.shape}")
+    if not (1 <= T <= FUSED_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
+            and E + int(shared_slot) <= _FR_MAX_BINS and D % 8 == 0):
+        raise ValueError(f"moe_route_fused: needs 1 <= T <= {FUSED_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
+                         f"E % {_FR_EPB} == 0, E + shared <= {_FR_MAX_BINS}, D % 8 == 0 "
+                         f"(T={T}, top_k={top_k}, E={E}, D={D}, shared_slot={shared_slot})")
+    check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
+    stream = stream if stream is not None else cupy.cuda.get_current_stream()
+    if not stream.is_capturing():
+        cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4, stream.ptr)
+    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot)
+    null = np.uint64(0)
+    kernel((-(-T // _fused_tpb(T)), E // _FR_EPB), (_FR_THREADS,),
+           (x, w_router, bias, logits, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)),
+            i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
+            plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
+            sync if sync is not None else null, i32(0 if sync is None else sync.size), done), stream=stream)
+    return out_ids, out_w
 
 
 def _array_module(a):
