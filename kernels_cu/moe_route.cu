@@ -25,10 +25,10 @@
 //   matches a stable descending sort.  A NaN score ranks as -inf, so ids are always valid and
 //   distinct (the weights of such a token are NaN: garbage in, visible garbage out).
 // moe_route_select_warp — num_groups == 1 only (Kimi Linear), grid ceil(T / SEL_WARPS), block
-//   SEL_WARPS·32: one warp per token, lane l holds experts l, l + 32, ...; top_k rounds of a warp
-//   argmax over the experts not taken yet (larger score first, lower index on ties: the order of the
-//   rank counting above, so ids and weights are bit-identical to moe_route_select); lane k keeps the
-//   k-th id and weight, and the renormalising sum adds them in k order as above.
+//   SEL_WARPS·32: one warp per token, lane l holds experts l, l + 32, ... sorted; top_k rounds of a warp
+//   argmax (redux.sync) over the lanes' best experts not taken yet (larger score first, lower index on
+//   ties: the order of the rank counting above, so ids and weights are bit-identical to moe_route_select);
+//   lane k keeps the k-th id and weight, and the renormalising sum adds them in k order as above.
 // moe_route_fused (FUSED_ROUTE) — a decode step's whole routing in one launch (num_groups == 1): the logits,
 //   the warp select and the bucketing of moe_align.cu's moe_bucket.  Grid (ceil(T / FR_TPB), E / 8), block
 //   512 threads: each block stages FR_TPB rows of x and computes 8 experts' logits for them, two warps per expert
@@ -49,64 +49,72 @@
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// one token's routing decision by one warp (moe_route_select_warp's body): lane l holds experts
-// l, l + 32, ...; top_k rounds of a warp argmax, larger sel first, lower index on ties
+// one token's routing decision by one warp (moe_route_select_warp's and moe_route_fused's): top_k rounds
+// of a warp argmax, larger sel first, lower index on ties
+
+// Orderable key of a float that is not NaN: a > b exactly when order_key(a) > order_key(b); order_key(-inf)
+// = 0x007fffff, so key 0 stands below every score (an expert that does not exist, or is taken).
+__device__ __forceinline__ unsigned order_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 
 // NE experts; logit(e) returns the token's router logit of expert e (called once per expert).
+// Lane l holds experts l, l + 32, ... sorted by (sel descending, index ascending); each round takes the
+// largest head key of the warp (redux.sync max), the lowest expert index among the heads with that key
+// (redux.sync min; within a lane equal keys are already in index order) and pops it from its lane.
 template <int NE, typename Logit>
 __device__ __forceinline__ void warp_route_token(Logit logit, const float* __restrict__ bias, int top_k,
                                                  int renormalize, int biased, float scaling, int* id_out,
                                                  float* w_out) {
     constexpr int PER = (NE + 31) / 32;
     const int lane = threadIdx.x & 31;
-    float s[PER], sel[PER];
-    unsigned taken = 0u;  // bit i: expert i·32 + lane is chosen already (or does not exist)
+    unsigned key[PER], eid[PER];
+    float wv[PER];  // the weight the expert gets if chosen: s, or sel when biased
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int e = i * 32 + lane;
-        s[i] = 0.f;
-        sel[i] = neg_inf();
+        key[i] = 0u;
+        eid[i] = 0xffffffffu;
+        wv[i] = 0.f;
         if (e < NE) {
-            s[i] = sigmoid(logit(e));
-            const float v = s[i] + bias[e];
-            sel[i] = v == v ? v : neg_inf();
-        } else {
-            taken |= 1u << i;
+            const float s = sigmoid(logit(e));
+            float v = s + bias[e];
+            v = v == v ? v : neg_inf();
+            key[i] = order_key(v);
+            eid[i] = e;
+            wv[i] = biased ? v : s;
+        }
+    }
+    // odd-even transposition sort of the lane's PER entries: larger key first, lower index on equal keys
+#pragma unroll
+    for (int pass = 0; pass < PER; ++pass) {
+#pragma unroll
+        for (int j = pass & 1; j + 1 < PER; j += 2) {
+            if (key[j + 1] > key[j] || (key[j + 1] == key[j] && eid[j + 1] < eid[j])) {
+                const unsigned k = key[j], id = eid[j];
+                const float w = wv[j];
+                key[j] = key[j + 1]; eid[j] = eid[j + 1]; wv[j] = wv[j + 1];
+                key[j + 1] = k; eid[j + 1] = id; wv[j + 1] = w;
+            }
         }
     }
     int my_id = 0;
     float my_w = 0.f;
     for (int k = 0; k < top_k; ++k) {
-        float best = neg_inf();
-        int best_e = 0x7fffffff;
+        const unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
+        const unsigned win = __reduce_min_sync(0xffffffffu, key[0] == best ? eid[0] : 0xffffffffu);
+        const int owner = (int)(win & 31u);
+        const float w_win = __shfl_sync(0xffffffffu, wv[0], owner);
+        if (lane == owner) {  // pop the head
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {  // ascending index within the lane: strict > keeps the lowest
-            if (!((taken >> i) & 1u) && (best_e == 0x7fffffff || sel[i] > best)) {
-                best = sel[i];
-                best_e = i * 32 + lane;
-            }
+            for (int j = 0; j + 1 < PER; ++j) { key[j] = key[j + 1]; eid[j] = eid[j + 1]; wv[j] = wv[j + 1]; }
+            key[PER - 1] = 0u;
+            eid[PER - 1] = 0xffffffffu;
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, off);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-            if (oe != 0x7fffffff && (best_e == 0x7fffffff || ov > best || (ov == best && oe < best_e))) {
-                best = ov;
-                best_e = oe;
-            }
-        }
-        // best_e is the same in every lane now; its owner takes it and hands out its unbiased score
-        const int owner = best_e & 31, slot = best_e >> 5;
-        float mine = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            if (i == slot) mine = s[i];
-        }
-        const float s_win = __shfl_sync(0xffffffffu, mine, owner);
-        if (lane == owner) taken |= 1u << slot;
         if (lane == k) {
-            my_id = best_e;
-            my_w = biased ? best : s_win;
+            my_id = (int)win;
+            my_w = w_win;
         }
     }
     float sum = 0.f;
@@ -277,6 +285,9 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
 #ifdef FUSED_ROUTE
 #include "moe_bucket.cuh"
 
+#ifndef FR_PHASES
+#define FR_PHASES 3  // tests/gpu/bench_moe_route.py times the kernel cut after phase 0 (logits), 1 (the count), 2 (select)
+#endif
 #define FR_THREADS 512
 #define FR_WARPS (FR_THREADS / 32)
 #define FR_EPB (FR_WARPS / 2)  // experts per block: two warps each
@@ -347,12 +358,17 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         if (t0 + t < num_tokens)
             logits[(size_t)(t0 + t) * E + blockIdx.y * FR_EPB + ei] = part_sh[2 * ei][t] + part_sh[2 * ei + 1][t];
     }
+    if (FR_PHASES == 0) return;
     __threadfence();  // this block's logits are visible GPU-wide before its count is
     __syncthreads();
     if (tid == 0) last_sh = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
     __syncthreads();
     if (!last_sh) return;
     __threadfence();  // every other block's logits were fenced before their counts: read them from L2
+    if (FR_PHASES == 1) {
+        if (tid == 0) *done = 0;
+        return;
+    }
 
     // select: warp w routes tokens w, w + 16, ...
     for (int t = warp; t < num_tokens; t += FR_WARPS) {
@@ -368,6 +384,10 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     }
     for (int i = tid; i < sync_words; i += FR_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     __syncthreads();
+    if (FR_PHASES == 2) {
+        if (tid == 0) *done = 0;
+        return;
+    }
     const int pairs = top_k + SHARED;
     bucket_block<FR_THREADS>(
         [&](int p) {

@@ -108,7 +108,8 @@ def fused(sizes=(1, 2, 4, 8, 16, 32, 64)):
     w_router = (rng.standard_normal((E, D), dtype=np.float32) / np.sqrt(D)).astype(np.float32)
     bias = (rng.standard_normal(E, dtype=np.float32) * 0.1).astype(np.float32)
     w_split = mr.split_router(w_router)
-    print(f"{'T':>4} {'3 launches us':>13} {'fused us':>9} {'3 launches pdl':>15} {'fused pdl':>10}  same")
+    print(f"{'T':>4} {'3 launches us':>13} {'fused us':>9} {'3 launches pdl':>15} {'fused pdl':>10}  same   "
+          "| fused cut after logits / count / select (plain)")
     for T in sizes:
         x = rng.standard_normal((T, D), dtype=np.float32).astype(BF16)
         N, bins = T * (A + 1), E + 1
@@ -126,11 +127,13 @@ def fused(sizes=(1, 2, 4, 8, 16, 32, 64)):
                          out_ids=ids, out_w=w, logits=logits, router_split=w_split, stream=s)
             moe_bucket(ids, E, plan, stats=stats, shared_slot=True, sync=sync, stream=s)
 
-        def one(s, o=outs[1], x=x):
+        def one(s, o=outs[1], x=x, phases=3):
             plan, ids, w, logits, sync, done, stats = o
             mr.moe_route_fused(x, w_router, bias, plan, top_k=A, renormalize=True, scaling=2.446, out_ids=ids,
-                               out_w=w, logits=logits, done=done, stats=stats, shared_slot=True, sync=sync, stream=s)
+                               out_w=w, logits=logits, done=done, stats=stats, shared_slot=True, sync=sync, stream=s,
+                               phases=phases)
 
+        cuts = [graph_us(lambda s, n=n: one(s, phases=n)) for n in (0, 1, 2)]
         times = [graph_us(three), graph_us(one)]
         with pdl.capturing(True):
             times += [graph_us(three), graph_us(one)]
@@ -140,7 +143,7 @@ def fused(sizes=(1, 2, 4, 8, 16, 32, 64)):
         rel = float(cupy.max(cupy.abs(cupy.sort(w0, axis=1) - cupy.sort(w1, axis=1)) / cupy.abs(w0).max()))
         same_plan = bool(cupy.array_equal(p0.expert_off, p1.expert_off) and cupy.array_equal(p0.num_tiles, p1.num_tiles))
         print(f"{T:>4} {times[0]:>13.2f} {times[1]:>9.2f} {times[2]:>15.2f} {times[3]:>10.2f}  ids {same_ids}, "
-              f"w rel {rel:.1e}, expert_off/num_tiles {same_plan}")
+              f"w rel {rel:.1e}, expert_off/num_tiles {same_plan} | " + " / ".join(f"{c:.2f}" for c in cuts))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def test_moe_route_fused(name):
                         logits=logits, done=done, stats=stats, shared_slot=shared, sync=sync)
         ref = x @ w_router.T
         bound = 1e-5 * (np.abs(x) @ np.abs(w_router).T)
-        got = cupy.asnumpy(logits[:, :E])
+        got = cupy.asnumpy(logits.reshape(-1)[: T * E].reshape(T, E))  # its first T·E floats, [T, E]
         assert np.all(np.abs(got - ref) <= bound), f"call {call}: logits off by {np.max(np.abs(got - ref) / bound):.2f} bounds"
         ids_ref, w_ref = route(x, w_router, bias, cfg)
         got_ids, got_w = cupy.asnumpy(ids), cupy.asnumpy(w)
@@ -197,6 +197,53 @@ def test_moe_route_fused(name):
         assert int(done[0]) == 0, "the kernel left its counter set"
         touched += len(np.unique(got_ids))
         assert stats.get().tolist() == [touched, call + 1]
+
+
+@pytest.mark.parametrize(("T", "E", "A", "shared", "biased"), [
+    (1, 256, 8, True, False), (5, 64, 8, False, True), (17, 256, 8, True, False), (64, 256, 16, True, False),
+    (40, 96, 1, False, False)])
+def test_moe_route_fused_select_equals_rank(T, E, A, shared, biased):
+    """moe_route_fused's select (warp_route_token: sorted lanes, redux.sync rounds) against the rank-counting
+    select kernel run on the logits the fused kernel wrote: ids in the same order and weights bit for bit,
+    with exact score ties (every 5th router row and bias duplicated: ties go to the lower index) and a NaN
+    row (its ids 0..A-1, so the bucketing still sees valid ids).  Outputs poisoned first."""
+    import cupy
+
+    from helpers.moe_plan import assert_plan
+    from kda_rt.cuda.ops.check import f32, i32
+    from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+    from kda_rt.cuda.ops.moe_route import MAX_TOP_K, moe_route_fused
+
+    rng = np.random.default_rng(T * 1000 + E + A)
+    D = 256
+    w_router = rng.standard_normal((E, D)).astype(np.float32) * 0.05
+    w_router[1::5] = w_router[0::5][: w_router[1::5].shape[0]]
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    bias[1::5] = bias[0::5][: bias[1::5].shape[0]]
+    x = to_gpu_bf16(rng.standard_normal((T, D)).astype(np.float32))
+    if T > 3:
+        x[3] = np.nan
+    wg, bg = cupy.asarray(w_router), cupy.asarray(bias)
+    pairs, bins = A + int(shared), E + int(shared)
+    tiles = max_tiles(T * pairs, bins, 16)
+    plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (bins + 1, T * pairs, T * pairs, tiles, tiles, 1)), 16)
+    ids, w = cupy.full((T, A), -7, np.int32), cupy.full((T, A), np.inf, np.float32)
+    logits = cupy.full((T, E), np.nan, np.float32)
+    moe_route_fused(x, wg, bg, plan, top_k=A, renormalize=True, scaling=2.5, biased_weights=biased, out_ids=ids,
+                    out_w=w, logits=logits, done=cupy.zeros(1, np.int32), shared_slot=shared)
+    ids_r, w_r = cupy.full((T, A), -7, np.int32), cupy.full((T, A), np.inf, np.float32)
+    threads = max(128, -(-E // 32) * 32)
+    rank = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=threads, MAX_TOP_K=MAX_TOP_K, PARTS=1)
+    rank((T,), (threads,), (logits, bg, ids_r, w_r, i32(T), i32(A), i32(1), i32(1), i32(1), i32(int(biased)),
+                            f32(2.5)))
+    got_ids, ref_ids = cupy.asnumpy(ids), cupy.asnumpy(ids_r)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    np.testing.assert_array_equal(cupy.asnumpy(w).view(np.uint32), cupy.asnumpy(w_r).view(np.uint32))
+    finite = np.delete(got_ids, 3, axis=0) if T > 3 else got_ids
+    tied = (finite[:, :-1] // 5 == finite[:, 1:] // 5) & (finite[:, :-1] % 5 == 0) & (finite[:, 1:] % 5 == 1)
+    assert tied.any() or T < 17 or A == 1, "no exact tie was selected: the tie-break went untested"
+    assert_plan(plan, got_ids, E, shared)
 
 
 if __name__ == "__main__":

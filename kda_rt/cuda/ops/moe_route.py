@@ -81,15 +81,17 @@ def _fused_tpb(T: int) -> int:
     return next(t for t in (1, 2, 4, _FR_MAX_TPB) if t >= min(T, _FR_MAX_TPB))
 
 
-def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool):
-    """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T)."""
+def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3):
+    """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T);
+    `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts)."""
+    cut = {} if phases == 3 else {"FR_PHASES": phases}
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=_fused_tpb(T),
-                      MAX_T=FUSED_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot))
+                      MAX_T=FUSED_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot), **cut)
 
 
 def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
                     biased_weights: bool = False, out_ids, out_w, logits, done, stats=None, shared_slot: bool = False,
-                    sync=None, stream=None):
+                    sync=None, stream=None, phases: int = 3):
     """A decode step's routing and bucketing in one launch (kernels_cu/moe_route.cu moe_route_fused):
     moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
     x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
@@ -115,7 +117,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4, stream.ptr)
-    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot)
+    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases)
     null = np.uint64(0)
     kernel((-(-T // _fused_tpb(T)), E // _FR_EPB), (_FR_THREADS,),
            (x, w_router, bias, logits, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)),
