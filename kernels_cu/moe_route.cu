@@ -33,8 +33,8 @@
 //   the warp select and the bucketing of moe_align.cu's moe_bucket.  Grid (ceil(T / FR_TPB), E / 8), block
 //   512 threads: each block stages FR_TPB rows of x and computes 8 experts' logits for them, two warps per expert
 //   (warp 2i + h sums the half h of D, the block adds the halves: logits[t, e] = Σ_{d < D/2} + Σ_{d ≥ D/2},
-//   fp32), and stores them.  Then each block bumps done[0] (after a fence); the block that brings it to the
-//   number of blocks is the last one, sees every logit (fence, L2 loads), and alone does the rest: its 16
+//   fp32), and stores them.  Then each block bumps done[0] (an acq_rel atomic after a barrier); the block that
+//   brings it to the number of blocks is the last one, sees every logit (L2 loads), and alone does the rest: its 16
 //   warps select the tokens' experts (warp_route_token, as moe_route_select_warp), the block buckets the
 //   pairs (bucket_block of moe_bucket.cuh: same plan, stats and zeroed `sync` words as moe_bucket) and sets
 //   done[0] back to 0 for the next launch.  So done[0] must be 0 before the first launch (the launcher
@@ -69,6 +69,14 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
                                                  float* w_out) {
     constexpr int PER = (NE + 31) / 32;
     const int lane = threadIdx.x & 31;
+    float lg[PER], bs[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {  // every load in flight at once (in the loop below each waited on the last)
+        const int e = i * 32 + lane;
+        lg[i] = e < NE ? logit(e) : 0.f;
+        bs[i] = e < NE ? bias[e] : 0.f;
+    }
+    asm volatile("" ::: "memory");
     unsigned key[PER], eid[PER];
     float wv[PER];  // the weight the expert gets if chosen: s, or sel when biased
 #pragma unroll
@@ -78,8 +86,8 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
         eid[i] = 0xffffffffu;
         wv[i] = 0.f;
         if (e < NE) {
-            const float s = sigmoid(logit(e));
-            float v = s + bias[e];
+            const float s = sigmoid(lg[i]);
+            float v = s + bs[i];
             v = v == v ? v : neg_inf();
             key[i] = order_key(v);
             eid[i] = e;
@@ -294,7 +302,7 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
 #define FR_BINS (E + SHARED)
 static_assert(D % 8 == 0 && E % FR_EPB == 0 && FR_BINS <= FR_THREADS && MAX_TOP_K <= 32,
               "moe_route_fused: D % 8, E % 8, E + SHARED <= 512, top_k <= 32");
-static_assert(2 * FR_TPB * D + MAX_T * MAX_TOP_K * 4 + 3 * FR_BINS * 4 + 32 * 4 + FR_WARPS * FR_TPB * 4 <= 48 * 1024,
+static_assert(2 * FR_TPB * D + MAX_T * (MAX_TOP_K + SHARED) * 4 + 3 * FR_BINS * 4 + 32 * 4 + FR_WARPS * FR_TPB * 4 <= 48 * 1024,
               "moe_route_fused: static shared memory over 48 KB (fewer FR_TPB or MAX_T)");
 
 extern "C" __global__ void __launch_bounds__(FR_THREADS, 1)
@@ -307,7 +315,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     KDA_PDL_ENTRY();
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
-    __shared__ int ids_sh[MAX_T * MAX_TOP_K];
+    __shared__ int bin_sh[MAX_T * (MAX_TOP_K + SHARED)];  // pair p's bin
     __shared__ int count_sh[FR_BINS], off_sh[FR_BINS], fill_sh[FR_BINS], warp_tot[32];
     __shared__ int last_sh;
     const int t0 = blockIdx.x * FR_TPB, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -359,12 +367,17 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
             logits[(size_t)(t0 + t) * E + blockIdx.y * FR_EPB + ei] = part_sh[2 * ei][t] + part_sh[2 * ei + 1][t];
     }
     if (FR_PHASES == 0) return;
-    __threadfence();  // this block's logits are visible GPU-wide before its count is
+    // the count: the barrier orders the block's logit stores before thread 0's atomic, whose release makes
+    // them visible GPU-wide with it (cumulativity); its acquire, and the barrier after, order every other
+    // block's released logits before this block's loads of them in the last block
     __syncthreads();
-    if (tid == 0) last_sh = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    if (tid == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done) : "memory");
+        last_sh = old == (int)(gridDim.x * gridDim.y) - 1;
+    }
     __syncthreads();
     if (!last_sh) return;
-    __threadfence();  // every other block's logits were fenced before their counts: read them from L2
     if (FR_PHASES == 1) {
         if (tid == 0) *done = 0;
         return;
@@ -379,8 +392,9 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         if (lane < top_k) {
             out_ids[(size_t)t * top_k + lane] = id;
             out_w[(size_t)t * top_k + lane] = w;
-            ids_sh[t * top_k + lane] = id;
+            bin_sh[t * (top_k + SHARED) + lane] = min(max(id, 0), E - 1);
         }
+        if (SHARED && lane == 0) bin_sh[t * (top_k + SHARED) + top_k] = E;  // the shared expert's bin
     }
     for (int i = tid; i < sync_words; i += FR_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     __syncthreads();
@@ -388,13 +402,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         if (tid == 0) *done = 0;
         return;
     }
-    const int pairs = top_k + SHARED;
-    bucket_block<FR_THREADS>(
-        [&](int p) {
-            const int t = p / pairs, k = p - t * pairs;
-            return k == top_k ? E : min(max(ids_sh[t * top_k + k], 0), E - 1);  // k == top_k: the shared bin
-        },
-        num_tokens * pairs, FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
+    bucket_block<FR_THREADS>([&](int p) { return bin_sh[p]; }, num_tokens * (top_k + SHARED), FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
         stats, count_sh, off_sh, fill_sh, warp_tot);
     if (tid == 0) *done = 0;  // every block has counted: ready for the next launch
 }
