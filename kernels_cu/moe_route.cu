@@ -31,7 +31,8 @@
 //   lane k keeps the k-th id and weight, and the renormalising sum adds them in k order as above.
 // moe_route_fused (FUSED_ROUTE) — a decode step's whole routing in one launch (num_groups == 1): the logits,
 //   the warp select and the bucketing of moe_align.cu's moe_bucket.  Grid (ceil(T / FR_TPB), E / 8), block
-//   512 threads: each block stages FR_TPB rows of x and computes 8 experts' logits for them, two warps per expert
+//   512 threads: each block loads its router rows' first pieces (before the programmatic-launch wait: a weight),
+//   stages FR_TPB rows of x and computes 8 experts' logits for them, two warps per expert
 //   (warp 2i + h sums the half h of D, the block adds the halves: logits[t, e] = Σ_{d < D/2} + Σ_{d ≥ D/2},
 //   fp32), and stores them.  Then each block bumps done[0] (an acq_rel atomic after a barrier); the block that
 //   brings it to the number of blocks is the last one, sees every logit (L2 loads), and alone does the rest: its 16
@@ -59,11 +60,11 @@ __device__ __forceinline__ unsigned order_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// NE experts; logit(e) returns the token's router logit of expert e (called once per expert).
+// NE experts, top_k <= MAXK; logit(e) returns the token's router logit of expert e (called once per expert).
 // Lane l holds experts l, l + 32, ... sorted by (sel descending, index ascending); each round takes the
 // largest head key of the warp (redux.sync max), the lowest expert index among the heads with that key
 // (redux.sync min; within a lane equal keys are already in index order) and pops it from its lane.
-template <int NE, typename Logit>
+template <int NE, int MAXK, typename Logit>
 __device__ __forceinline__ void warp_route_token(Logit logit, const float* __restrict__ bias, int top_k,
                                                  int renormalize, int biased, float scaling, int* id_out,
                                                  float* w_out) {
@@ -94,36 +95,40 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
             wv[i] = biased ? v : s;
         }
     }
-    // odd-even transposition sort of the lane's PER entries: larger key first, lower index on equal keys
+    // odd-even transposition sort of the lane's PER entries, larger key first; it swaps only strictly
+    // smaller keys forward, so equal keys keep their (ascending) index order.  Branch-free selects.
 #pragma unroll
     for (int pass = 0; pass < PER; ++pass) {
 #pragma unroll
         for (int j = pass & 1; j + 1 < PER; j += 2) {
-            if (key[j + 1] > key[j] || (key[j + 1] == key[j] && eid[j + 1] < eid[j])) {
-                const unsigned k = key[j], id = eid[j];
-                const float w = wv[j];
-                key[j] = key[j + 1]; eid[j] = eid[j + 1]; wv[j] = wv[j + 1];
-                key[j + 1] = k; eid[j + 1] = id; wv[j + 1] = w;
-            }
+            const bool sw = key[j + 1] > key[j];
+            const unsigned ka = key[j], kb = key[j + 1], ia = eid[j], ib = eid[j + 1];
+            const float wa = wv[j], wb = wv[j + 1];
+            key[j] = sw ? kb : ka; key[j + 1] = sw ? ka : kb;
+            eid[j] = sw ? ib : ia; eid[j + 1] = sw ? ia : ib;
+            wv[j] = sw ? wb : wa; wv[j + 1] = sw ? wa : wb;
         }
     }
     int my_id = 0;
     float my_w = 0.f;
-    for (int k = 0; k < top_k; ++k) {
+#pragma unroll
+    for (int k = 0; k < MAXK; ++k) {
+        if (k >= top_k) break;  // warp-uniform (top_k <= MAXK)
         const unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
         const unsigned win = __reduce_min_sync(0xffffffffu, key[0] == best ? eid[0] : 0xffffffffu);
         const int owner = (int)(win & 31u);
         const float w_win = __shfl_sync(0xffffffffu, wv[0], owner);
-        if (lane == owner) {  // pop the head
+        const bool pop = lane == owner;  // the owner drops its head
 #pragma unroll
-            for (int j = 0; j + 1 < PER; ++j) { key[j] = key[j + 1]; eid[j] = eid[j + 1]; wv[j] = wv[j + 1]; }
-            key[PER - 1] = 0u;
-            eid[PER - 1] = 0xffffffffu;
+        for (int j = 0; j + 1 < PER; ++j) {
+            key[j] = pop ? key[j + 1] : key[j];
+            eid[j] = pop ? eid[j + 1] : eid[j];
+            wv[j] = pop ? wv[j + 1] : wv[j];
         }
-        if (lane == k) {
-            my_id = (int)win;
-            my_w = w_win;
-        }
+        key[PER - 1] = pop ? 0u : key[PER - 1];
+        eid[PER - 1] = pop ? 0xffffffffu : eid[PER - 1];
+        my_id = lane == k ? (int)win : my_id;
+        my_w = lane == k ? w_win : my_w;
     }
     float sum = 0.f;
     for (int j = 0; j < top_k; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);  // k order
@@ -277,11 +282,11 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
     float w;
 #if PARTS == 3
     const float* l = logits + (size_t)t * 3 * E;
-    warp_route_token<E>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
+    warp_route_token<E, MAX_TOP_K>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
                         scaling, &id, &w);
 #else
     const float* l = logits + (size_t)t * E;
-    warp_route_token<E>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
+    warp_route_token<E, MAX_TOP_K>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
 #endif
     if (lane < top_k) {
         out_ids[(size_t)t * top_k + lane] = id;
@@ -312,13 +317,26 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 int* __restrict__ sorted_pair, int* __restrict__ pair_pos, int* __restrict__ tile_expert,
                 int* __restrict__ tile_row, int* __restrict__ num_tiles, int* __restrict__ stats,
                 int* __restrict__ sync, int sync_words, int* __restrict__ done) {
-    KDA_PDL_ENTRY();
+    KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
     __shared__ int bin_sh[MAX_T * (MAX_TOP_K + SHARED)];  // pair p's bin
     __shared__ int count_sh[FR_BINS], off_sh[FR_BINS], fill_sh[FR_BINS], warp_tot[32];
     __shared__ int last_sh;
     const int t0 = blockIdx.x * FR_TPB, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int DH = D / 2, ITER = (DH + 127) / 128, CH = ITER <= 24 ? ITER : 16;
+    const float* row = w_router + (size_t)(blockIdx.y * FR_EPB + (warp >> 1)) * D + (warp & 1) * DH;
+    float4 wv[CH];  // the lane's 16-byte router pieces, CH at a time, all in flight before the first FMA
+    auto load_router = [&](int i0) {
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+            const int d = (i0 + i) * 128 + lane * 4;
+            wv[i] = i0 + i < ITER && d < DH ? *reinterpret_cast<const float4*>(row + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        asm volatile("" ::: "memory");
+    };
+    load_router(0);
+    KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
     for (int i = tid; i < FR_TPB * (D / 4); i += FR_THREADS) {
         const int t = i / (D / 4), d = (i % (D / 4)) * 4;
         uint2 v = make_uint2(0u, 0u);
@@ -327,20 +345,12 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     }
     __syncthreads();
     {
-        constexpr int DH = D / 2, ITER = (DH + 127) / 128, CH = ITER <= 24 ? ITER : 16;
-        const int e = blockIdx.y * FR_EPB + (warp >> 1), h0 = (warp & 1) * DH;
-        const float* row = w_router + (size_t)e * D + h0;
+        const int h0 = (warp & 1) * DH;
         float acc[FR_TPB];
 #pragma unroll
         for (int t = 0; t < FR_TPB; ++t) acc[t] = 0.f;
-        for (int i0 = 0; i0 < ITER; i0 += CH) {  // all CH loads of the lane in flight before its first FMA
-            float4 wv[CH];
-#pragma unroll
-            for (int i = 0; i < CH; ++i) {
-                const int d = (i0 + i) * 128 + lane * 4;
-                wv[i] = i0 + i < ITER && d < DH ? *reinterpret_cast<const float4*>(row + d) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-            asm volatile("" ::: "memory");
+        for (int i0 = 0; i0 < ITER; i0 += CH) {
+            if (i0 > 0) load_router(i0);
 #pragma unroll
             for (int i = 0; i < CH; ++i) {
                 const int d = (i0 + i) * 128 + lane * 4;
@@ -388,7 +398,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         const float* l = logits + (size_t)t * E;
         int id;
         float w;
-        warp_route_token<E>([&](int e) { return __ldcg(l + e); }, bias, top_k, renormalize, biased, scaling, &id, &w);
+        warp_route_token<E, MAX_TOP_K>([&](int e) { return __ldcg(l + e); }, bias, top_k, renormalize, biased, scaling, &id, &w);
         if (lane < top_k) {
             out_ids[(size_t)t * top_k + lane] = id;
             out_w[(size_t)t * top_k + lane] = w;
