@@ -122,6 +122,9 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"]) for f, kw in built if f == "moe_route.cu")
     assert routes == [(tpb, 16, 1, 256, 2304) for tpb in (1, 2, 4, 8)]
     assert {route._fused_tpb(t) for t in range(1, route.FUSED_MAX_T + 1)} == {1, 2, 4, 8}
+    assert route.fused_route_fits(route.FUSED_MAX_T, 256, 2304, 8, 1, True)
+    assert not route.fused_route_fits(route.FUSED_MAX_T + 1, 256, 2304, 8, 1, True)
+    assert not route.fused_route_fits(1, 256, 2304, 8, 8, True)  # grouped routing: three launches
     buckets = sorted(kw["BT"] for f, kw in built if f == "moe_align.cu")
     assert buckets == [16, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
                                             for f, kw in built if f == "moe_align.cu")
@@ -151,12 +154,12 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 
 def test_moe_route_select_policy():
-    """Ungrouped routing selects with one warp per token from 256 tokens (prefill chunks: 22 vs 148 us at
-    8192 on the H200), with rank counting below (5.0 vs 6.7 us at 128) and for every grouped routing."""
+    """Ungrouped routing selects with one warp per token at every T (H200: 3.80 vs 4.59 us at 1 token, 13.5
+    vs 148 at 8192), grouped routing by rank counting."""
     from kda_rt.cuda.ops.moe_route import default_select
 
-    assert [default_select(t, 1) for t in (1, 32, 255, 256, 8192)] == ["rank"] * 3 + ["warp"] * 2
-    assert default_select(8192, 8) == "rank"
+    assert [default_select(t, 1) for t in (1, 32, 255, 256, 8192)] == ["warp"] * 5
+    assert [default_select(t, 8) for t in (1, 8192)] == ["rank"] * 2
 
 
 def test_moe_route_logits_tokens_per_block():

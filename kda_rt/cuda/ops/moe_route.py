@@ -24,18 +24,23 @@ __all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "defa
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
 _SEL_WARPS = 8  # tokens per block of moe_route_select_warp
-# tokens from which ungrouped routing selects with one warp per token (between the measured 128, where
-# rank counting is 1.7 us faster, and 8192, where the warp select is 6.7x faster)
-WARP_SELECT_MIN_T = 256
+# tokens from which ungrouped routing selects with one warp per token: every T since its lanes sort their
+# experts and take rounds by redux.sync (H200, 2026-12-01, bench_moe_route.py graph replay incl. launch,
+# rank / warp: 4.59 / 3.80 us at T = 1, 4.89 / 4.28 at 32, 4.99 / 4.33 at 128, 148 / 13.5 at 8192)
+WARP_SELECT_MIN_T = 1
 
 MAX_TOP_K = 16
 _WARPS = 8  # one expert per warp in the logits kernel
 _SMEM_X_BYTES = 48 * 1024  # static shared memory for the staged x rows
 
 # moe_route_fused: tokens up to which a step's routing and bucketing run as one launch (its last block
-# selects and buckets every token alone); its blocks are 512 threads of 8 experts, x rows staged 8 at most
-FUSED_MAX_T = 64
+# selects and buckets every token alone, so its time grows by a warp select per 16 tokens); its blocks are
+# 512 threads of 8 experts, x rows staged 8 at most.  H200 (bench_moe_route.py --fused, graph replay with
+# programmatic dependent launch, us per routing + bucketing): T = 1 6.29 against 8.90 for three launches,
+# 8 9.14 / 11.31, 16 10.23 / 11.54, 32 13.90 / 12.19, 64 25.57 / 12.47
+FUSED_MAX_T = 16
 _FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
+_FR_MAX_T = 64  # what the kernel can take (its shared bins), above the policy's FUSED_MAX_T
 
 
 def logits_tokens_per_block(T: int, D: int) -> int | None:
@@ -86,7 +91,7 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
     `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=_fused_tpb(T),
-                      MAX_T=FUSED_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot), **cut)
+                      MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot), **cut)
 
 
 def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
@@ -108,9 +113,9 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     expect(done, "done", ndim=1, dtype=np.int32)
     if logits.shape[1] < E or not logits.flags.c_contiguous:
         raise ValueError(f"moe_route_fused: logits scratch must be C-contiguous [T, >= {E}], got {logits.shape}")
-    if not (1 <= T <= FUSED_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
+    if not (1 <= T <= _FR_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
             and E + int(shared_slot) <= _FR_MAX_BINS and D % 8 == 0):
-        raise ValueError(f"moe_route_fused: needs 1 <= T <= {FUSED_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
+        raise ValueError(f"moe_route_fused: needs 1 <= T <= {_FR_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
                          f"E % {_FR_EPB} == 0, E + shared <= {_FR_MAX_BINS}, D % 8 == 0 "
                          f"(T={T}, top_k={top_k}, E={E}, D={D}, shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
@@ -142,8 +147,7 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
     `select`: "rank" (one CTA per token, one thread per expert, rank counting) or "warp" (one warp per
     token, num_groups == 1 only; ids and weights bit-identical to "rank", tests/kernels/test_moe_route.py);
     default (None): "warp" for ungrouped routing from WARP_SELECT_MIN_T tokens, "rank" below and for grouped
-    routing (H200, E = 256, A = 8, tests/gpu/bench_moe_route.py: rank 5.0 / warp 6.7 us at 128 tokens, rank
-    148 / warp 22 us at 8192).
+    routing.
     `logits` is an optional [T, E] fp32 scratch, or [T, 3E] (preallocate it for CUDA graphs);
     `router_split` ([3E, D] bf16 on the device, `split_router`) with T >= SPLIT_MIN_T and a [T, 3E]
     scratch computes the logits on the tensor cores."""
