@@ -102,3 +102,10 @@ def fused_route() -> bool:
     moe_bucket) instead of one (moe_route_fused in kernels_cu/moe_route.cu); default 1.  Read at each MoE
     call (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_FUSED_ROUTE")
+
+
+def skinny_wide() -> bool:
+    """KDA_RT_SKINNY_WIDE: 0 keeps the narrow dense projections of 9 to 32 rows (decode batches) on cuBLAS
+    instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
+    graph keeps what it captured)."""
+    return _on_off("KDA_RT_SKINNY_WIDE")

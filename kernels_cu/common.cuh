@@ -163,3 +163,22 @@ __device__ __forceinline__ int sequence_of(const int* __restrict__ cu_seqlens, i
 
 // 8 bf16 = 16 bytes: one vector load / store
 struct __align__(16) bf16x8 { bf16 v[8]; };
+
+// ---------------------------------------------------------------------------------------------
+// thread-block clusters (sm_90+ PTX: only kernels that launch as clusters call these)
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// every thread of every CTA of the cluster calls arrive then wait (uniform control flow)
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// v -> the same shared variable `p` in the CTA of cluster rank `rank`
+__device__ __forceinline__ void st_cluster(float* p, unsigned rank, float v) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}

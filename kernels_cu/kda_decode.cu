@@ -83,23 +83,8 @@ static_assert(VC <= 32 && 4 * VC <= THREADS, "kda_decode.cu: FUSE_FG needs SPLIT
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// thread-block cluster helpers (sm_90 PTX; only referenced when SPLIT > 1)
+// thread-block cluster helpers (cluster_rank, cluster_arrive*, cluster_wait, st_cluster: common.cuh)
 
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// every thread of every CTA of the cluster calls arrive then wait (uniform control flow)
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// v -> the same shared variable `p` in the CTA of cluster rank `rank`
-__device__ __forceinline__ void st_cluster(float* p, unsigned rank, float v) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
 // v into `p` of every CTA of the cluster (just the local store when SPLIT == 1)
 __device__ __forceinline__ void st_all(float* p, float v) {
 #if SPLIT > 1

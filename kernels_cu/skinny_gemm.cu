@@ -26,6 +26,23 @@
 // (OUT_F32 = 0) or fp32.  N % 16 == 0, K % (32·WARPS) == 0, x, w 16-byte aligned, ldx % 8 == 0,
 // 1 ≤ M ≤ 8 (ops/skinny_gemm.py checks all of it).
 // Compile-time constants: OUT_F32, UNROLL, WARPS (8: the launcher's block is WARPS·32 threads).
+//
+// skinny_gemm_cl (SPLITS defined) — the same weight stream for 9 ≤ M ≤ 8·NT rows (decode batches of up to
+// 32), where x no longer fits the registers: x is staged in shared memory, and the reduction is split over
+// a thread-block cluster (sm_90+) so that a CTA stages only its K / SPLITS slice of x.
+//   Grid (N / FPC, SPLITS), cluster (1, SPLITS, 1), block WARPS·32.  CTA (b, s) computes features
+//   [b·FPC, b·FPC + FPC) over k in [s·KS, s·KS + KS): it issues its first UNROLL weight chunks (weights:
+//   before the programmatic-launch wait), copies rows [0, 8·NT) of its x slice into shared memory (rows ≥ M
+//   zero-filled; row pitch KS + 32 bf16, so the 8 rows of a 16-byte load phase fall on distinct banks), and
+//   its warps stream the weight rows as above: warp w takes m-tile w / WPM (16 features) and the k quarter
+//   (or half) w mod WPM of the slice, with NT n-tiles of 8 tokens per chunk (x fragments are 16-byte
+//   shared loads in the same permuted k order as the weights).
+//   Reduction, in a fixed order (deterministic): the WPM warps of an m-tile in warp order in shared memory,
+//   then each element of the CTA's [8·NT, FPC] partial goes to the shared memory of the cluster CTA that
+//   owns it (element i to rank i mod SPLITS, remote stores after a "started" cluster barrier), and after a
+//   second cluster barrier every owner adds its elements' SPLITS partials in split order and stores them.
+// Compile-time constants: OUT_F32, UNROLL, WARPS, SPLITS (cluster size, 1 ... 8), FPC (32 or 64 features per
+// CTA), KS (k per CTA), NT (n-tiles); K = SPLITS·KS, N % FPC == 0, KS % (32·WPM) == 0, 9 ≤ M ≤ 8·NT.
 #include "common.cuh"
 
 #if !defined(OUT_F32) || !defined(UNROLL) || !defined(WARPS)
@@ -47,6 +64,7 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
     return v;
 }
 
+#ifndef SPLITS
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf16* __restrict__ x, int ldx,
                                                                      const bf16* __restrict__ w, void* __restrict__ out,
                                                                      int ldo, int M, int K) {
@@ -100,3 +118,112 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf
 #endif
     }
 }
+#endif
+
+#ifdef SPLITS
+#define MT (FPC / 16)           // m-tiles of 16 features per CTA
+#define WPM (WARPS / MT)        // warps per m-tile: each a k part of the CTA's slice
+#define KW (KS / WPM)           // k per warp
+#define NCH (KW / 32)           // 32-wide chunks per warp
+#define MP (8 * NT)             // staged x rows
+#define XPITCH (KS + 32)        // bf16 per staged x row (row pitch = 64 mod 128 bytes)
+#define ELEMS (MP * FPC)        // partial sums of a CTA
+#define PER_RANK ((ELEMS + SPLITS - 1) / SPLITS)
+static_assert((FPC == 32 || FPC == 64) && WARPS % MT == 0, "skinny_gemm_cl: FPC 32 or 64, whole warps per m-tile");
+static_assert(KS % (32 * WPM) == 0 && NT >= 1 && NT <= 4 && SPLITS >= 1 && SPLITS <= 8,
+              "skinny_gemm_cl: KS a multiple of 32 per warp, 1 to 4 n-tiles, clusters of 1 to 8");
+
+extern "C" __global__ void __cluster_dims__(1, SPLITS, 1) __launch_bounds__(WARPS * 32, 2)
+skinny_gemm_cl(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, void* __restrict__ out, int ldo,
+               int M, int K) {
+    KDA_PDL_ENTRY_DEFERRED();  // the weights are no kernel's output: their first loads go out before the wait
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* xs = reinterpret_cast<bf16*>(smem_raw);                       // [MP][XPITCH]
+    float* part = reinterpret_cast<float*>(smem_raw + MP * XPITCH * 2);  // [WARPS][MP][16]
+    float* red = part + WARPS * MP * 16;                                 // [SPLITS][PER_RANK]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int mt = warp / WPM, q = warp % WPM;
+    const int split = blockIdx.y;  // the cluster rank: cluster (1, SPLITS, 1), grid y = SPLITS
+    const int kcta = split * KS;
+    const bf16* w0 = w + (size_t)(blockIdx.x * FPC + mt * 16 + g) * K + kcta + q * KW + 8 * c;
+    const bf16* w1 = w0 + (size_t)8 * K;
+    cluster_arrive_relaxed();  // "started": waited for before the first remote store
+
+    constexpr int U = NCH < UNROLL ? NCH : UNROLL;
+    uint4 a0[U], a1[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        a0[u] = ld_stream16(w0 + u * 32);
+        a1[u] = ld_stream16(w1 + u * 32);
+    }
+    KDA_PDL_WAIT();  // x (and out) only after the kernel before has finished
+    for (int i = tid; i < MP * (KS / 8); i += WARPS * 32) {
+        const int r = i / (KS / 8), cc = i - r * (KS / 8);
+        cp_async16(xs + r * XPITCH + 8 * cc, x + (size_t)(r < M ? r : 0) * ldx + kcta + 8 * cc, r < M ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const bf16* xq = xs + g * XPITCH + q * KW + 8 * c;  // token g of n-tile 0 at the warp's first k
+#pragma unroll
+    for (int ch0 = 0; ch0 < NCH; ch0 += U) {
+        if (ch0 > 0) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (ch0 + u < NCH) {
+                    a0[u] = ld_stream16(w0 + (ch0 + u) * 32);
+                    a1[u] = ld_stream16(w1 + (ch0 + u) * 32);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ch0 + u >= NCH) break;
+            const unsigned s0[4] = {a0[u].x, a1[u].x, a0[u].y, a1[u].y}, s1[4] = {a0[u].z, a1[u].z, a0[u].w, a1[u].w};
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const uint4 b = *reinterpret_cast<const uint4*>(xq + j * 8 * XPITCH + (ch0 + u) * 32);
+                mma_bf16(acc[j], s0, b.x, b.y);
+                mma_bf16(acc[j], s1, b.z, b.w);
+            }
+        }
+    }
+
+    // acc[j] = {(feature g, token 8j + 2c), (g, 8j + 2c + 1), (g + 8, 8j + 2c), (g + 8, 8j + 2c + 1)}
+    float* pw = part + warp * MP * 16;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pw[(8 * j + 2 * c + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[j][e];
+    }
+    __syncthreads();
+    cluster_wait();  // every CTA of the cluster has started: its shared memory takes remote stores
+    for (int i = tid; i < ELEMS; i += WARPS * 32) {
+        const int tok = i / FPC, f = i - tok * FPC, m = f >> 4;
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < WPM; ++k) v += part[((m * WPM + k) * MP + tok) * 16 + (f & 15)];  // warp order
+        st_cluster(red + split * PER_RANK + i / SPLITS, (unsigned)(i % SPLITS), v);
+    }
+    cluster_arrive();  // every partial is at its owner after the wait
+    cluster_wait();
+    for (int jj = tid; jj < PER_RANK; jj += WARPS * 32) {
+        const int i = jj * SPLITS + split;
+        const int tok = i / FPC, f = i - tok * FPC;
+        if (i >= ELEMS || tok >= M) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp) v += red[sp * PER_RANK + jj];  // split order
+        const size_t o = (size_t)tok * ldo + blockIdx.x * FPC + f;
+#if OUT_F32
+        static_cast<float*>(out)[o] = v;
+#else
+        static_cast<bf16*>(out)[o] = to_bf16(v);
+#endif
+    }
+}
+#endif

@@ -1,5 +1,6 @@
-"""kernels_cu/skinny_gemm.cu (ops/skinny_gemm.py): y = x · Wᵀ for up to 8 rows, on fresh random inputs
-against float64 NumPy, every output element checked, outputs poisoned first.
+"""kernels_cu/skinny_gemm.cu (ops/skinny_gemm.py): y = x · Wᵀ for up to 8 rows (skinny_gemm) and for 9 to 32
+rows on sm_90+ (skinny_gemm_cl: x in shared memory, K split over a thread-block cluster), on fresh random
+inputs against float64 NumPy, every output element checked, outputs poisoned first.
 
 Tolerances.  The inputs are bf16 (exact in fp32); the kernel accumulates in fp32 on the tensor cores in
 its own order, so an element may differ from the float64 sum by a few fp32 roundings of the partial
@@ -25,6 +26,16 @@ SHAPES = [  # (M, K, N): batch-1 to batch-8 decode projections of the 48B shape,
     (5, 256, 16),      # one CTA, one k chunk per warp
     (2, 768, 48),      # a chunk count (3 per warp) below the unroll
     (7, 8192, 4096),   # the widest output it takes, 4 unrolled groups per warp
+]
+WIDE_SHAPES = [  # (M, K, N): batch-9 to batch-32 decode projections (skinny_gemm_cl), and edge shapes
+    (32, 4096, 2304),  # o_proj: 64 features per CTA, K over clusters of 4
+    (16, 4096, 2304),  # two n-tiles
+    (9, 2304, 288),    # f_a | g_a | b: 32 features per CTA, clusters of 6, the fewest rows
+    (32, 2304, 288),
+    (24, 2304, 768),   # the split router's logits (fp32 out in the model), a partial last n-tile
+    (17, 9216, 2304),  # dense MLP down
+    (31, 512, 64),     # one feature block: one cluster
+    (20, 1024, 4096),  # the widest output it takes
 ]
 
 
@@ -52,6 +63,36 @@ def test_skinny_gemm_matches_numpy(M, K, N, out_dtype):
     bound = 1e-5 * mag + (2.0**-8 * np.abs(ref) if out_dtype == "bf16" else 0.0)
     bad = ~(np.abs(got - ref) <= bound)  # NaN (an element left unwritten) counts as bad
     assert not bad.any(), f"{int(bad.sum())} of {got.size} elements off, max err {np.nanmax(np.abs(got - ref)):.3e}"
+
+
+@pytest.mark.parametrize("M, K, N", WIDE_SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
+def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype):
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import clusters_supported
+    from kda_rt.cuda.ops.skinny_gemm import fits, skinny_gemm, wide_plan
+
+    if not clusters_supported():
+        pytest.skip("skinny_gemm_cl needs thread-block clusters (sm_90+)")
+    assert wide_plan(M, N, K) is not None
+    rng = np.random.default_rng(M * 7919 + K + N + 1)
+    x, w = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+    xg, wg = to_gpu_bf16(x), to_gpu_bf16(w)
+    out = cupy.empty((M, N), dtype=BF16 if out_dtype == "bf16" else np.float32)
+    ref, mag = _reference(x, w)
+    bound = 1e-5 * mag + (2.0**-8 * np.abs(ref) if out_dtype == "bf16" else 0.0)
+    runs = []
+    for _ in range(2):  # twice: the same values (the cluster reduction adds in a fixed order)
+        poison(out)
+        assert fits(xg, wg, out, accumulate=False)
+        skinny_gemm(xg, wg, out)
+        got = to_np(out)
+        bad = ~(np.abs(got - ref) <= bound)
+        assert not bad.any(), f"{int(bad.sum())} of {got.size} elements off, max err {np.nanmax(np.abs(got - ref)):.3e}"
+        runs.append(got)
+    assert np.array_equal(runs[0], runs[1]), "not deterministic"
 
 
 def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):
@@ -83,11 +124,13 @@ def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):
     assert (diff <= 2.0**-7 * np.abs(ref) + 1e-5 * mag).all()
 
 
-@pytest.mark.parametrize("M, K, N, accumulate", [(9, 2304, 288, False), (1, 2304, 12288, False), (4, 128, 4096, False),
-                                                 (4, 2304, 8, False), (4, 2304, 288, True)], ids=str)
+@pytest.mark.parametrize("M, K, N, accumulate", [(33, 2304, 288, False), (1, 2304, 12288, False), (4, 128, 4096, False),
+                                                 (4, 2304, 8, False), (4, 2304, 288, True), (16, 2304, 12288, False),
+                                                 (16, 2304, 48, False), (16, 96, 64, False)], ids=str)
 def test_skinny_gemm_refuses_what_it_cannot_run(M, K, N, accumulate):
-    """More than 8 rows, more than 4096 outputs (q|k|v, lm_head: cuBLAS streams those as fast), K not a
-    multiple of 256 (the f_b / g_b rank-128 projections), N not a multiple of 16, and accumulate=True stay
+    """More than 32 rows, more than 4096 outputs (q|k|v, lm_head: cuBLAS streams those as fast), K not a
+    multiple of 256 with up to 8 rows (the f_b / g_b rank-128 projections) or not a multiple of a warp's
+    32-wide chunks with more, N not a multiple of 16 (of 32 with more than 8 rows), and accumulate=True stay
     on cuBLAS."""
     import cupy
 

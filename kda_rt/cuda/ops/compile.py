@@ -73,6 +73,17 @@ def device_arch() -> str:
 
 
 @functools.cache
+def compute_capability(device_id: int) -> int:
+    """Compute capability of CUDA device `device_id` as major * 10 + minor (90 on Hopper)."""
+    return int(_cupy().cuda.Device(device_id).compute_capability)
+
+
+def clusters_supported() -> bool:
+    """Thread-block clusters (sm_90+) on the current device."""
+    return compute_capability(_cupy().cuda.Device().id) >= 90
+
+
+@functools.cache
 def sm_count(device_id: int) -> int:
     """Streaming multiprocessors of CUDA device `device_id` (grids sized to one wave, occupancy)."""
     return int(_cupy().cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount

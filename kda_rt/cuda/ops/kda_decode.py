@@ -7,11 +7,10 @@ NumPy cache (kda_rt/cache.py); bf16 holds the raw projections exactly.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
+from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests monkeypatch this name)
 from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
@@ -29,20 +28,6 @@ _VARIANTS = {(1, 256): 2, (2, 128): 4, (2, 256): 2, (4, 128): 7, (8, 128): 8}
 FUSE_MAX_SEQS = 4
 # the column split (cluster of 4 CTAs per head) up to this batch; one CTA per head above
 SPLIT_MAX_SEQS = 4
-
-
-def _clusters() -> bool:
-    """Thread-block clusters (sm_90+) on the current device."""
-    import cupy
-
-    return _compute_capability(cupy.cuda.Device().id) >= 90
-
-
-@functools.cache
-def _compute_capability(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).compute_capability)
 
 
 def decode_config(split: int | None = None, threads: int | None = None, fused: bool = False,

@@ -1,9 +1,11 @@
 """Launcher for kernels_cu/skinny_gemm.cu: y = x · Wᵀ for up to MAX_ROWS rows and MAX_N outputs (the
 narrow decode projections: o_proj, f_a|g_a|b, the dense MLP's down), bf16 in, fp32 accumulate, bf16 or
-fp32 out, one CTA per 16 output features with the reduction split over its 8 warps.  `fits` says
-whether a call qualifies; `gemm.linear` takes this path for those and cuBLAS for the rest
+fp32 out, one CTA per 16 output features with the reduction split over its 8 warps; and on sm_90+ for
+MAX_ROWS < M <= WIDE_MAX_ROWS rows (decode batches up to 32) skinny_gemm_cl, x staged in shared memory and
+the reduction split over a thread-block cluster (`wide_plan` picks the features per CTA and the split).
+`fits` says whether a call qualifies; `gemm.linear` takes this path for those and cuBLAS for the rest
 (KDA_RT_SKINNY=0 sends everything to cuBLAS).  The limits are measured (tests/gpu/bench_skinny.py, H200):
-wider outputs stream as fast through cuBLAS, and 16 rows ran slower here.
+wider outputs stream as fast through cuBLAS.
 
 Letters: M rows (tokens), K reduction width, N output features."""
 
@@ -11,24 +13,62 @@ from __future__ import annotations
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, i32, leading_dim
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import clusters_supported, get_kernel
 
-__all__ = ["MAX_N", "MAX_ROWS", "fits", "precompile", "skinny_gemm"]
+__all__ = ["MAX_N", "MAX_ROWS", "WIDE_MAX_ROWS", "fits", "precompile", "skinny_gemm", "wide_plan"]
 
 MAX_ROWS = 8  # rows of one call (one n-tile of 8 tokens)
 MAX_N = 4096  # output features
+WIDE_MAX_ROWS = 32  # skinny_gemm_cl: up to 4 n-tiles of tokens
 _WARPS = 8
 _UNROLL = 8  # 32-wide k chunks of loads in flight per warp (106 registers: two CTAs per SM)
+_SPLITS = (1, 2, 3, 4, 6, 8)  # cluster sizes (portable: at most 8)
+_TARGET_CTAS = 128  # about one CTA per SM: the smallest split that reaches it
+_WIDE_SMEM_MAX = 200 * 1024
+
+
+def _wide_smem(fpc: int, ks: int, nt: int, splits: int) -> int:
+    """skinny_gemm_cl's dynamic shared memory: x rows [8·NT][KS + 32] bf16, warp partials [8][8·NT][16] and
+    the owners' slots [SPLITS][ceil(8·NT·FPC / SPLITS)] fp32."""
+    rows = 8 * nt
+    return rows * (ks + 32) * 2 + _WARPS * rows * 16 * 4 + splits * -(-rows * fpc // splits) * 4
+
+
+def wide_plan(M: int, N: int, K: int) -> tuple[int, int, int] | None:
+    """(features per CTA, cluster split of K, n-tiles) of skinny_gemm_cl for M rows, or None: FPC 64 where
+    it divides N, else 32; the smallest split whose grid reaches _TARGET_CTAS, else the largest that divides
+    K into whole 32-wide chunks per warp."""
+    if not (MAX_ROWS < M <= WIDE_MAX_ROWS) or N > MAX_N:
+        return None
+    nt = 2 if M <= 16 else 4
+    for fpc in (64, 32):
+        if N % fpc:
+            continue
+        wpm = _WARPS // (fpc // 16)
+        best = None
+        for splits in _SPLITS:
+            if K % (splits * wpm * 32) or _wide_smem(fpc, K // splits, nt, splits) > _WIDE_SMEM_MAX:
+                continue
+            best = splits
+            if N // fpc * splits >= _TARGET_CTAS:
+                break
+        if best is not None:
+            return fpc, best, nt
+    return None
 
 
 def fits(x, weight, out, accumulate: bool) -> bool:
-    """This kernel can compute out = x · weightᵀ (shapes already checked by the caller)."""
+    """One of the kernels can compute out = x · weightᵀ (shapes already checked by the caller)."""
     M, K = x.shape
     N = weight.shape[0]
-    return (not accumulate and 1 <= M <= MAX_ROWS and N <= MAX_N and N % 16 == 0 and K % (32 * _WARPS) == 0
-            and weight.flags.c_contiguous and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0
-            and leading_dim(x) % 8 == 0 and out.dtype in (BF16, np.dtype(np.float32)))
+    if (accumulate or not weight.flags.c_contiguous or weight.data.ptr % 16 or x.data.ptr % 16
+            or leading_dim(x) % 8 or out.dtype not in (BF16, np.dtype(np.float32))):
+        return False
+    if M <= MAX_ROWS:
+        return 1 <= M and N <= MAX_N and N % 16 == 0 and K % (32 * _WARPS) == 0
+    return wide_plan(M, N, K) is not None and env.skinny_wide() and clusters_supported()
 
 
 def _kernel(out_f32: bool):
@@ -42,11 +82,24 @@ def precompile() -> int:
     return 2
 
 
+def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
+    ks = K // splits
+    return get_kernel("skinny_gemm.cu", "skinny_gemm_cl", max_dynamic_smem=_wide_smem(fpc, ks, nt, splits),
+                      OUT_F32=int(out_f32), UNROLL=_UNROLL, WARPS=_WARPS, SPLITS=splits, FPC=fpc, KS=ks, NT=nt)
+
+
 def skinny_gemm(x, weight, out, *, stream=None):
     """out [M, N] (bf16 or fp32, rows may be strided) = x [M, K] bf16 (rows may be strided) · weight [N, K]ᵀ;
     the caller checked shapes and `fits`."""
     M, K = x.shape
     N = weight.shape[0]
+    if M > MAX_ROWS:
+        fpc, splits, nt = wide_plan(M, N, K)
+        kernel = _wide_kernel(out.dtype == np.float32, fpc, splits, nt, K)
+        kernel((N // fpc, splits), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M),
+                                                   i32(K)), shared_mem=_wide_smem(fpc, K // splits, nt, splits),
+               stream=stream)
+        return out
     kernel = _kernel(out.dtype == np.float32)
     kernel((N // 16,), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M), i32(K)),
            stream=stream)
