@@ -230,25 +230,16 @@ __device__ __forceinline__ int coarse_digit(float x, float zc, float w) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// thread-block cluster helpers (sm_90 PTX); with CLUSTER == 1 they are CTA-local
+// thread-block cluster helpers (common.cuh's, sm_90 PTX); with CLUSTER == 1 they are CTA-local
 
 #if CLUSTER > 1
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
+__device__ __forceinline__ unsigned cta_rank() { return cluster_rank(); }
 // every thread of every CTA of the cluster calls it (uniform control flow)
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_arrive();
+    cluster_wait();
 }
-__device__ __forceinline__ unsigned peer_addr(const void* p, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
-    return r;
-}
-// the shared variable `p` of the CTA of cluster rank `rank`
+// the shared variable `p` of the CTA of cluster rank `rank` (peer_addr: common.cuh)
 __device__ __forceinline__ u64 ld_peer(const u64* p, unsigned rank) {
     u64 v;
     asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(peer_addr(p, rank)) : "memory");
@@ -265,7 +256,7 @@ __device__ __forceinline__ int ld_peer(const int* p, unsigned rank) {
     return v;
 }
 #else
-__device__ __forceinline__ unsigned cluster_rank() { return 0u; }
+__device__ __forceinline__ unsigned cta_rank() { return 0u; }
 __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 template <class T>
 __device__ __forceinline__ T ld_peer(const T* p, unsigned) { return *p; }
@@ -560,7 +551,7 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
     const int b = blockIdx.x / CLUSTER;
     if (b >= num_rows) return;  // whole clusters (the grid is B * CLUSTER)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const unsigned rank = cluster_rank();
+    const unsigned rank = cta_rank();
     const size_t base = (size_t)b * V;
     Row row;
     row.logits = logits + base;

@@ -3,8 +3,9 @@ KDA_RT_SKINNY=0), by rows M.  Each timing is a CUDA graph of calls cycling over 
 weight (>= 160 MB in all) that every call streams its weight from HBM, as in a decode step; time per
 call and TB/s of the weight bytes.
 
-    PYTHONPATH=. python tests/gpu/bench_skinny.py [--rows 1,2,4,8,16,32]
-One JSON line per (shape, M).
+    PYTHONPATH=. python tests/gpu/bench_skinny.py [--rows 1,2,4,8,16,32] [--splits]
+One JSON line per (shape, M).  --splits: for 9-32 rows also skinny_gemm_cl at every cluster split that
+divides K (features per CTA as wide_plan picks them), "split_S_us" per split.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ SHAPES = {  # name: (K, N)
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--splits", action="store_true")
     args = ap.parse_args()
 
     import cupy
 
     from helpers.gpu import graph_us
     from kda_rt.cuda.gemm import linear
+    from kda_rt.cuda.ops import skinny_gemm as sk
     from kda_rt.cuda.ops.check import BF16
 
     rng = cupy.random.default_rng(0)
@@ -62,6 +65,20 @@ def main() -> int:
                 key = "skinny" if flag == "1" else "cublas"
                 row[f"{key}_us"] = round(us, 2)
                 row[f"{key}_tb_s"] = round(nbytes / us / 1e6, 2)
+            plan = sk.wide_plan(M, N, K)
+            if args.splits and plan:
+                row["plan"] = plan
+                fpc, _, nt = plan
+                wpm = 8 // (fpc // 16)
+                for splits in (1, 2, 3, 4, 6, 8):
+                    if K % (splits * wpm * 32) or sk._wide_smem(fpc, K // splits, nt, splits) > 200 * 1024:
+                        continue
+
+                    def forced(stream, x=x, out=out, ws=ws, p=(fpc, splits, nt)):
+                        for w in ws:
+                            sk.skinny_gemm(x, w, out, stream=stream, plan=p)
+
+                    row[f"split_{splits}_us"] = round(graph_us(forced, calls=4) / copies, 2)
             print(json.dumps(row), flush=True)
         del ws
     os.environ.pop("KDA_RT_SKINNY", None)

@@ -195,12 +195,17 @@ def _fake(shape, *, dtype=None, ptr=256, row_stride=None, contiguous=True):
                                  data=types.SimpleNamespace(ptr=ptr))
 
 
-def test_skinny_gemm_takes_narrow_projections_of_up_to_8_rows():
+@pytest.mark.parametrize("clusters", [False, True])
+def test_skinny_gemm_takes_narrow_projections_of_up_to_8_rows(monkeypatch, clusters):
     """The decode projections the skinny kernel measured faster than cuBLAS on the H200 (o_proj, f_a|g_a|b,
-    the dense down: M <= 8, N <= 4096), and nothing it cannot run."""
+    the dense down: M <= 8, N <= 4096), and nothing it cannot run; 9 to 32 rows only with thread-block
+    clusters (skinny_gemm_cl), K <= 4096."""
     import numpy as np
 
+    import kda_rt.cuda.ops.skinny_gemm as sk
     from kda_rt.cuda.ops.skinny_gemm import fits
+
+    monkeypatch.setattr(sk, "clusters_supported", lambda: clusters)
 
     def ok(M, K, N, **kw):
         x = _fake((M, K), ptr=kw.get("x_ptr", 256), row_stride=kw.get("ldx"))
@@ -209,7 +214,11 @@ def test_skinny_gemm_takes_narrow_projections_of_up_to_8_rows():
 
     assert ok(1, 4096, 2304) and ok(8, 2304, 288) and ok(8, 9216, 2304) and ok(3, 2304, 4096, out_dtype=np.float32)
     assert ok(2, 2304, 576, ldx=2368)                                  # a column slice of a wider buffer
-    assert not ok(9, 4096, 2304)                                       # more rows: cuBLAS
+    assert ok(9, 4096, 2304) == clusters and ok(32, 2304, 288) == clusters  # 9 to 32 rows: clusters
+    assert not ok(16, 9216, 2304) and not ok(33, 4096, 2304)           # K > 4096, more rows: cuBLAS
+    monkeypatch.setenv("KDA_RT_SKINNY_WIDE", "0")
+    assert not ok(16, 4096, 2304)
+    monkeypatch.delenv("KDA_RT_SKINNY_WIDE")
     assert not ok(1, 2304, 12288) and not ok(1, 2304, 163840)          # wide outputs (q|k|v, lm_head): cuBLAS
     assert not ok(4, 128, 4096) and not ok(4, 2304, 8)                 # K % 256, N % 16
     assert not ok(4, 2304, 288, accumulate=True) and not ok(4, 2304, 288, contiguous=False)

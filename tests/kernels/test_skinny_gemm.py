@@ -33,7 +33,7 @@ WIDE_SHAPES = [  # (M, K, N): batch-9 to batch-32 decode projections (skinny_gem
     (9, 2304, 288),    # f_a | g_a | b: 32 features per CTA, clusters of 6, the fewest rows
     (32, 2304, 288),
     (24, 2304, 768),   # the split router's logits (fp32 out in the model), a partial last n-tile
-    (17, 9216, 2304),  # dense MLP down
+    (17, 4096, 1024),  # a ragged row count
     (31, 512, 64),     # one feature block: one cluster
     (20, 1024, 4096),  # the widest output it takes
 ]
@@ -126,12 +126,13 @@ def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):
 
 @pytest.mark.parametrize("M, K, N, accumulate", [(33, 2304, 288, False), (1, 2304, 12288, False), (4, 128, 4096, False),
                                                  (4, 2304, 8, False), (4, 2304, 288, True), (16, 2304, 12288, False),
-                                                 (16, 2304, 48, False), (16, 96, 64, False)], ids=str)
+                                                 (16, 2304, 48, False), (16, 96, 64, False), (16, 9216, 2304, False)],
+                         ids=str)
 def test_skinny_gemm_refuses_what_it_cannot_run(M, K, N, accumulate):
     """More than 32 rows, more than 4096 outputs (q|k|v, lm_head: cuBLAS streams those as fast), K not a
     multiple of 256 with up to 8 rows (the f_b / g_b rank-128 projections) or not a multiple of a warp's
-    32-wide chunks with more, N not a multiple of 16 (of 32 with more than 8 rows), and accumulate=True stay
-    on cuBLAS."""
+    32-wide chunks with more, K above 4096 with more than 8 rows (the dense down: cuBLAS was faster), N not a
+    multiple of 16 (of 32 with more than 8 rows), and accumulate=True stay on cuBLAS."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16

@@ -24,6 +24,8 @@ MAX_N = 4096  # output features
 WIDE_MAX_ROWS = 32  # skinny_gemm_cl: up to 4 n-tiles of tokens
 _WARPS = 8
 _UNROLL = 8  # 32-wide k chunks of loads in flight per warp (106 registers: two CTAs per SM)
+_WIDE_UNROLL = 4  # skinny_gemm_cl: chunks per register buffer (two buffers)
+_WIDE_MAX_K = 4096  # the dense MLP's down (K = 9216) ran slower than cuBLAS (H200, M = 16 / 32)
 _SPLITS = (1, 2, 3, 4, 6, 8)  # cluster sizes (portable: at most 8)
 _TARGET_CTAS = 128  # about one CTA per SM: the smallest split that reaches it
 _WIDE_SMEM_MAX = 200 * 1024
@@ -40,7 +42,7 @@ def wide_plan(M: int, N: int, K: int) -> tuple[int, int, int] | None:
     """(features per CTA, cluster split of K, n-tiles) of skinny_gemm_cl for M rows, or None: FPC 64 where
     it divides N, else 32; the smallest split whose grid reaches _TARGET_CTAS, else the largest that divides
     K into whole 32-wide chunks per warp."""
-    if not (MAX_ROWS < M <= WIDE_MAX_ROWS) or N > MAX_N:
+    if not (MAX_ROWS < M <= WIDE_MAX_ROWS) or N > MAX_N or K > _WIDE_MAX_K:
         return None
     nt = 2 if M <= 16 else 4
     for fpc in (64, 32):
@@ -85,16 +87,16 @@ def precompile() -> int:
 def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
     ks = K // splits
     return get_kernel("skinny_gemm.cu", "skinny_gemm_cl", max_dynamic_smem=_wide_smem(fpc, ks, nt, splits),
-                      OUT_F32=int(out_f32), UNROLL=_UNROLL, WARPS=_WARPS, SPLITS=splits, FPC=fpc, KS=ks, NT=nt)
+                      OUT_F32=int(out_f32), UNROLL=_WIDE_UNROLL, WARPS=_WARPS, SPLITS=splits, FPC=fpc, KS=ks, NT=nt)
 
 
-def skinny_gemm(x, weight, out, *, stream=None):
+def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | None = None):
     """out [M, N] (bf16 or fp32, rows may be strided) = x [M, K] bf16 (rows may be strided) · weight [N, K]ᵀ;
-    the caller checked shapes and `fits`."""
+    the caller checked shapes and `fits`.  `plan` overrides wide_plan's (FPC, SPLITS, NT) (benchmarks)."""
     M, K = x.shape
     N = weight.shape[0]
     if M > MAX_ROWS:
-        fpc, splits, nt = wide_plan(M, N, K)
+        fpc, splits, nt = plan or wide_plan(M, N, K)
         kernel = _wide_kernel(out.dtype == np.float32, fpc, splits, nt, K)
         kernel((N // fpc, splits), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M),
                                                    i32(K)), shared_mem=_wide_smem(fpc, K // splits, nt, splits),
