@@ -44,6 +44,13 @@
 //   second cluster barrier every owner adds its elements' SPLITS partials in split order and stores them.
 // Compile-time constants: OUT_F32, UNROLL, WARPS, SPLITS (cluster size, 1 ... 8), FPC (32 or 64 features per
 // CTA), KS (k per CTA), NT (n-tiles); K = SPLITS·KS, N % FPC == 0, KS % (32·WPM) == 0, 9 ≤ M ≤ 8·NT.
+//   Measured (H200, 2026-12-01, tests/gpu/bench_skinny.py --rows 16,32 --splits, weights from HBM, M = 16 / 32):
+//   o_proj 4096 -> 2304 8.63 / 10.64 us at the launcher's split of 4 (cuBLAS 9.90 / 10.08; splits 2 and 8:
+//   9.28 / 11.09 and 11.30 / 13.63), f_a|g_a|b 2304 -> 288 3.14 / 3.62 us at 6 (cuBLAS 6.01 / 6.01), the
+//   dense down 9216 -> 2304 slower than cuBLAS (18.5 / 24.4 against 16.0 us with one buffer: K > 4096 stays
+//   there).  In the model's decode graphs (tests/gpu/bench_ab.py --env KDA_RT_SKINNY_WIDE) batch 16 went
+//   6.190 -> 6.075 ms and batch 32 8.041 -> 7.892 ms, although o_proj at 32 rows is 0.6 us slower alone
+//   here (in the graph cuBLAS ran it as split-K + reduce: 12.3 + 2.7 us per call in the traces).
 #include "common.cuh"
 
 #if !defined(OUT_F32) || !defined(UNROLL) || !defined(WARPS)
