@@ -136,6 +136,17 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
     *w_out = (renormalize ? my_w / (sum + 1e-20f) : my_w) * scaling;
 }
 
+// acc[t] += w · (the 4 staged x values of row t at column d), for the NT rows: a lane's router piece
+template <int NT, int DX>
+__device__ __forceinline__ void fma_rows(float (&acc)[NT], float4 w, const bf16 (&xs)[NT][DX], int d) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(&xs[t][d]);
+        const bf16* xv = reinterpret_cast<const bf16*>(&raw);
+        acc[t] += w.x * to_f32(xv[0]) + w.y * to_f32(xv[1]) + w.z * to_f32(xv[2]) + w.w * to_f32(xv[3]);
+    }
+}
+
 #ifndef E
 #error "moe_route.cu needs -DE=<num experts>"
 #endif
@@ -186,13 +197,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) moe_route_logits(con
         for (int i = 0; i < CH; ++i) {
             const int d = (i0 + i) * 128 + lane * 4;
             if (i0 + i >= ITER || d >= D) continue;
-            const float4 w = wv[i];
-#pragma unroll
-            for (int t = 0; t < TPB; ++t) {
-                const uint2 raw = *reinterpret_cast<const uint2*>(&xs[t][d]);
-                const bf16* xv = reinterpret_cast<const bf16*>(&raw);
-                acc[t] += w.x * to_f32(xv[0]) + w.y * to_f32(xv[1]) + w.z * to_f32(xv[2]) + w.w * to_f32(xv[3]);
-            }
+            fma_rows(acc, wv[i], xs, d);
         }
     }
 #pragma unroll
@@ -355,13 +360,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
             for (int i = 0; i < CH; ++i) {
                 const int d = (i0 + i) * 128 + lane * 4;
                 if (i0 + i >= ITER || d >= DH) continue;
-                const float4 w = wv[i];
-#pragma unroll
-                for (int t = 0; t < FR_TPB; ++t) {
-                    const uint2 raw = *reinterpret_cast<const uint2*>(&xs[t][h0 + d]);
-                    const bf16* xv = reinterpret_cast<const bf16*>(&raw);
-                    acc[t] += w.x * to_f32(xv[0]) + w.y * to_f32(xv[1]) + w.z * to_f32(xv[2]) + w.w * to_f32(xv[3]);
-                }
+                fma_rows(acc, wv[i], xs, h0 + d);
             }
         }
 #pragma unroll

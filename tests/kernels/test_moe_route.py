@@ -92,6 +92,32 @@ def test_moe_route_nan_row_keeps_ids_valid():
         assert set(ids[t]) == set(ids_ref[t])
 
 
+def _tied_router(T: int, E: int, A: int):
+    """x [T, 256] bf16 (row 3 NaN when T > 3), router [E, 256] and bias [E] fp32 on the GPU, every 5th pair of
+    experts (rows 5i and 5i + 1, router and bias) tied exactly."""
+    import cupy
+
+    rng = np.random.default_rng(T * 1000 + E + A)
+    D = 256
+    w_router = rng.standard_normal((E, D)).astype(np.float32) * 0.05
+    w_router[1::5] = w_router[0::5][: w_router[1::5].shape[0]]
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    bias[1::5] = bias[0::5][: bias[1::5].shape[0]]
+    x = to_gpu_bf16(rng.standard_normal((T, D)).astype(np.float32))
+    if T > 3:
+        x[3] = np.nan
+    return x, cupy.asarray(w_router), cupy.asarray(bias)
+
+
+def _assert_a_tie_was_taken(ids: np.ndarray, min_tokens: int) -> None:
+    """With min_tokens or more tokens and A > 1, some token took both experts of a tied pair in a row (the
+    lower index first), so the tie-break was exercised; the NaN row 3 picks 0..A-1 by index alone."""
+    T, A = ids.shape
+    finite = np.delete(ids, 3, axis=0) if T > 3 else ids
+    tied = (finite[:, :-1] // 5 == finite[:, 1:] // 5) & (finite[:, :-1] % 5 == 0) & (finite[:, 1:] % 5 == 1)
+    assert tied.any() or T < min_tokens or A == 1, "no exact tie was selected: the tie-break went untested"
+
+
 @pytest.mark.parametrize(("T", "E", "A", "biased", "renorm"), [
     (1, 256, 8, False, True), (7, 16, 4, False, False), (9, 64, 8, True, True), (33, 256, 8, False, True),
     (300, 384, 16, False, True), (8192, 256, 8, False, True), (100, 256, 1, True, False)])
@@ -104,16 +130,7 @@ def test_moe_route_select_warp_equals_rank(T, E, A, biased, renorm):
 
     from kda_rt.cuda.ops.moe_route import moe_route, split_router
 
-    rng = np.random.default_rng(T * 1000 + E + A)
-    D = 256
-    w_router = rng.standard_normal((E, D)).astype(np.float32) * 0.05
-    w_router[1::5] = w_router[0::5][: w_router[1::5].shape[0]]  # every 5th pair of experts ties exactly
-    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
-    bias[1::5] = bias[0::5][: bias[1::5].shape[0]]
-    x = to_gpu_bf16(rng.standard_normal((T, D)).astype(np.float32))
-    if T > 3:
-        x[3] = np.nan
-    wg, bg = cupy.asarray(w_router), cupy.asarray(bias)
+    x, wg, bg = _tied_router(T, E, A)
     outs = []
     for select in ("rank", "warp"):
         ids = cupy.full((T, A), -7, dtype=np.int32)
@@ -125,9 +142,7 @@ def test_moe_route_select_warp_equals_rank(T, E, A, biased, renorm):
     assert ids_r.min() >= 0 and ids_r.max() < E
     np.testing.assert_array_equal(ids_w, ids_r)
     np.testing.assert_array_equal(w_w.view(np.uint32), w_r.view(np.uint32))  # NaN rows included, bitwise
-    finite = np.delete(ids_r, 3, axis=0) if T > 3 else ids_r  # the NaN row picks 0..A-1 by index alone
-    tied = (finite[:, :-1] // 5 == finite[:, 1:] // 5) & (finite[:, :-1] % 5 == 0) & (finite[:, 1:] % 5 == 1)
-    assert tied.any() or T < 33 or A == 1, "no exact tie was selected: the tie-break went untested"
+    _assert_a_tie_was_taken(ids_r, min_tokens=33)
 
 
 FUSED_CASES = {
@@ -215,16 +230,7 @@ def test_moe_route_fused_select_equals_rank(T, E, A, shared, biased):
     from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
     from kda_rt.cuda.ops.moe_route import MAX_TOP_K, moe_route_fused
 
-    rng = np.random.default_rng(T * 1000 + E + A)
-    D = 256
-    w_router = rng.standard_normal((E, D)).astype(np.float32) * 0.05
-    w_router[1::5] = w_router[0::5][: w_router[1::5].shape[0]]
-    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
-    bias[1::5] = bias[0::5][: bias[1::5].shape[0]]
-    x = to_gpu_bf16(rng.standard_normal((T, D)).astype(np.float32))
-    if T > 3:
-        x[3] = np.nan
-    wg, bg = cupy.asarray(w_router), cupy.asarray(bias)
+    x, wg, bg = _tied_router(T, E, A)
     pairs, bins = A + int(shared), E + int(shared)
     tiles = max_tiles(T * pairs, bins, 16)
     plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (bins + 1, T * pairs, T * pairs, tiles, tiles, 1)), 16)
@@ -240,9 +246,7 @@ def test_moe_route_fused_select_equals_rank(T, E, A, shared, biased):
     got_ids, ref_ids = cupy.asnumpy(ids), cupy.asnumpy(ids_r)
     np.testing.assert_array_equal(got_ids, ref_ids)
     np.testing.assert_array_equal(cupy.asnumpy(w).view(np.uint32), cupy.asnumpy(w_r).view(np.uint32))
-    finite = np.delete(got_ids, 3, axis=0) if T > 3 else got_ids
-    tied = (finite[:, :-1] // 5 == finite[:, 1:] // 5) & (finite[:, :-1] % 5 == 0) & (finite[:, 1:] % 5 == 1)
-    assert tied.any() or T < 17 or A == 1, "no exact tie was selected: the tie-break went untested"
+    _assert_a_tie_was_taken(got_ids, min_tokens=17)
     assert_plan(plan, got_ids, E, shared)
 
 
