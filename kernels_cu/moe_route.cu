@@ -53,7 +53,8 @@
 // one token's routing decision by one warp (moe_route_select_warp's and moe_route_fused's): top_k rounds
 // of a warp argmax, larger sel first, lower index on ties
 
-// Orderable key of a float that is not NaN: a > b exactly when order_key(a) > order_key(b); order_key(-inf)
+// Orderable key of a float that is not NaN: a > b exactly when order_key(a) > order_key(b) (-0 keys below +0,
+// which no score here produces: s >= +0 and s + bias is never -0); order_key(-inf)
 // = 0x007fffff, so key 0 stands below every score (an expert that does not exist, or is taken).
 __device__ __forceinline__ unsigned order_key(float v) {
     const unsigned u = __float_as_uint(v);

@@ -97,6 +97,8 @@ def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | Non
     N = weight.shape[0]
     if M > MAX_ROWS:
         fpc, splits, nt = plan or wide_plan(M, N, K)
+        if plan and (K % (splits * (_WARPS // (fpc // 16)) * 32) or N % fpc or not M <= 8 * nt <= 32):
+            raise ValueError(f"skinny_gemm: plan {plan} does not fit M={M}, N={N}, K={K}")
         kernel = _wide_kernel(out.dtype == np.float32, fpc, splits, nt, K)
         kernel((N // fpc, splits), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M),
                                                    i32(K)), shared_mem=_wide_smem(fpc, K // splits, nt, splits),
