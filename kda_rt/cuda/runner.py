@@ -51,6 +51,27 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
+    """(N, K, fp32 out) of every dense projection a decode step sends through gemm.linear: the mixers'
+    q|k|v, f_a|g_a|b and o_proj (KDA), q|kv_a and o_proj (MLA), the dense MLPs' and a separate shared
+    expert's gate|up and down, and the MoE router split in three bf16 parts (fp32 logits)."""
+    from kda_rt.cuda.weights import DeviceKDA, DeviceMLP, DeviceMoE
+
+    shapes = []
+    for layer in weights.layers:
+        mixer, mlp = layer.mixer, layer.mlp
+        mats = [mixer.qkv, mixer.fgb, mixer.o_proj] if isinstance(mixer, DeviceKDA) else [mixer.q_kva, mixer.o_proj]
+        if isinstance(mlp, DeviceMLP):
+            mats += [mlp.gate_up, mlp.down]
+        elif isinstance(mlp, DeviceMoE):
+            if mlp.shared is not None and not mlp.shared_in_stack:
+                mats += [mlp.shared.gate_up, mlp.shared.down]
+            if mlp.router_split is not None:
+                shapes.append((*mlp.router_split.shape, True))
+        shapes += [(*w.shape, False) for w in mats]
+    return shapes
+
+
 class _Pending:
     """A launched step: its sampling batch, logits and the pinned views its results land in."""
 
@@ -127,9 +148,9 @@ class CudaRunner:
         from kda_rt.sampler.sampling import precompile
 
         precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
-        precompile_skinny()  # nor for the decode projections' kernel (by output dtype)
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
+            precompile_skinny(_decode_projection_shapes(self.weights))  # nor for the decode projections' kernels
             if moe is not None:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack)
             if config.kda is not None:

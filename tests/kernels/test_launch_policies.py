@@ -226,6 +226,34 @@ def test_skinny_gemm_takes_narrow_projections_of_up_to_8_rows(monkeypatch, clust
     assert not ok(4, 2304, 288, out_dtype=np.float16)
 
 
+def test_runner_precompiles_the_wide_skinny_variants_of_the_model(monkeypatch):
+    """The 48B shape's dense decode projections (KDA, MLA, a dense MLP, a MoE layer with the router split):
+    the runner builds the 8-row kernel by output dtype and, with clusters, skinny_gemm_cl for each shape that
+    wide_plan takes at 16 and at 32 rows: o_proj (KDA and MLA: one shape), f_a|g_a|b and the router split
+    (fp32 out); not q|k|v, q|kv_a or the dense MLP (wide outputs, K > 4096)."""
+    import kda_rt.cuda.ops.skinny_gemm as sk
+    from kda_rt.cuda.runner import _decode_projection_shapes
+    from kda_rt.cuda.weights import DeviceKDA, DeviceLayer, DeviceMLA, DeviceMLP, DeviceMoE
+
+    kda = DeviceKDA(qkv=_fake((12288, 2304)), fgb=_fake((288, 2304)), f_b=None, g_b=None, conv_w=None, A_log=None,
+                    dt_bias=None, o_norm=None, o_proj=_fake((2304, 4096)), rank_f=128, rank_g=128)
+    mla = DeviceMLA(q_kva=_fake((6720, 2304)), kv_norm=None, kv_b=None, o_proj=_fake((2304, 4096)))
+    dense = DeviceMLP(gate_up=_fake((18432, 2304)), down=_fake((2304, 9216)))
+    moe = DeviceMoE(router=None, bias=None, w13=None, w2=None, shared=None, shared_in_stack=True,
+                    router_split=_fake((768, 2304)))
+    weights = types.SimpleNamespace(layers=[DeviceLayer(None, kda, None, dense), DeviceLayer(None, mla, None, moe),
+                                            DeviceLayer(None, kda, None, moe)])
+    built = []
+    monkeypatch.setattr(sk, "get_kernel", lambda f, n, _built=built, **kw: _built.append((n, kw)))
+    for clusters, want in ((False, 2), (True, 8)):
+        built.clear()
+        monkeypatch.setattr(sk, "clusters_supported", lambda c=clusters: c)
+        assert sk.precompile(_decode_projection_shapes(weights)) == want
+    wide = sorted((kw["OUT_F32"], kw["FPC"], kw["SPLITS"], kw["KS"], kw["NT"]) for n, kw in built if n == "skinny_gemm_cl")
+    assert wide == sorted([(0, 64, 4, 1024, 2), (0, 64, 4, 1024, 4), (0, 32, 6, 384, 2), (0, 32, 6, 384, 4),
+                           (1, 64, 6, 384, 2), (1, 64, 6, 384, 4)])
+
+
 def test_fused_moe_norm_needs_one_block_per_row():
     from kda_rt.cuda.ops.moe_align import fits_norm
 

@@ -77,11 +77,21 @@ def _kernel(out_f32: bool):
     return get_kernel("skinny_gemm.cu", "skinny_gemm", OUT_F32=int(out_f32), UNROLL=_UNROLL, WARPS=_WARPS)
 
 
-def precompile() -> int:
-    """Build every variant a decode step can pick (so no step waits for NVRTC); returns their number."""
+def precompile(shapes=()) -> int:
+    """Build every variant a decode step can pick (so no step waits for NVRTC): the kernel of up to 8 rows
+    by output dtype, and on sm_90+ skinny_gemm_cl for each (N, K, out_f32) in `shapes` (the model's dense
+    decode projections) and both of its row classes (9-16 and 17-32 rows) where wide_plan takes it.
+    Returns the number of variants."""
     for out_f32 in (False, True):
         _kernel(out_f32)
-    return 2
+    count = 2
+    if shapes and env.skinny_wide() and clusters_supported():
+        for n, k, out_f32 in sorted(set(shapes)):
+            for rows in (2 * MAX_ROWS, WIDE_MAX_ROWS):
+                if plan := wide_plan(rows, n, k):
+                    _wide_kernel(out_f32, *plan, k)
+                    count += 1
+    return count
 
 
 def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
