@@ -137,6 +137,18 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
     *w_out = (renormalize ? my_w / (sum + 1e-20f) : my_w) * scaling;
 }
 
+// x rows t0 .. t0 + NT - 1 (zeros past num_tokens) into shared memory with 8-byte copies by NTHREADS threads
+// (DX % 4 == 0 keeps them aligned); the callers sync after
+template <int NTHREADS, int NT, int DX>
+__device__ __forceinline__ void stage_rows(bf16 (&xs)[NT][DX], const bf16* __restrict__ x, int t0, int num_tokens) {
+    for (int i = threadIdx.x; i < NT * (DX / 4); i += NTHREADS) {
+        const int t = i / (DX / 4), d = (i % (DX / 4)) * 4;
+        uint2 v = make_uint2(0u, 0u);
+        if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * DX + d);
+        *reinterpret_cast<uint2*>(&xs[t][d]) = v;
+    }
+}
+
 // acc[t] += w · (the 4 staged x values of row t at column d), for the NT rows: a lane's router piece
 template <int NT, int DX>
 __device__ __forceinline__ void fma_rows(float (&acc)[NT], float4 w, const bf16 (&xs)[NT][DX], int d) {
@@ -167,13 +179,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) moe_route_logits(con
     KDA_PDL_ENTRY();
     __shared__ __align__(16) bf16 xs[TPB][D];
     const int t0 = blockIdx.x * TPB;
-    // stage TPB rows (zeros past the end) with 8-byte copies: D % 4 == 0 keeps them aligned
-    for (int i = threadIdx.x; i < TPB * (D / 4); i += WARPS * 32) {
-        const int t = i / (D / 4), d = (i % (D / 4)) * 4;
-        uint2 v = make_uint2(0u, 0u);
-        if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + d);
-        *reinterpret_cast<uint2*>(&xs[t][d]) = v;
-    }
+    // stage TPB rows (zeros past the end)
+    stage_rows<WARPS * 32>(xs, x, t0, num_tokens);
     __syncthreads();
     const int lane = threadIdx.x & 31;
     const int e = blockIdx.y * WARPS + (threadIdx.x >> 5);
@@ -343,12 +350,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     };
     load_router(0);
     KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
-    for (int i = tid; i < FR_TPB * (D / 4); i += FR_THREADS) {
-        const int t = i / (D / 4), d = (i % (D / 4)) * 4;
-        uint2 v = make_uint2(0u, 0u);
-        if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D + d);
-        *reinterpret_cast<uint2*>(&xs[t][d]) = v;
-    }
+    stage_rows<FR_THREADS>(xs, x, t0, num_tokens);
     __syncthreads();
     {
         const int h0 = (warp & 1) * DH;

@@ -69,9 +69,8 @@ def main() -> int:
             if args.splits and plan:
                 row["plan"] = plan
                 fpc, _, nt = plan
-                wpm = 8 // (fpc // 16)
                 for splits in (1, 2, 3, 4, 6, 8):
-                    if K % (splits * wpm * 32) or sk._wide_smem(fpc, K // splits, nt, splits) > 200 * 1024:
+                    if not sk._plan_fits(M, N, K, fpc, splits, nt):
                         continue
 
                     def forced(stream, x=x, out=out, ws=ws, p=(fpc, splits, nt)):

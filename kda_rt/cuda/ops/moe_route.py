@@ -41,6 +41,7 @@ _SMEM_X_BYTES = 48 * 1024  # static shared memory for the staged x rows
 FUSED_MAX_T = 16
 _FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
 _FR_MAX_T = 64  # what the kernel can take (its shared bins), above the policy's FUSED_MAX_T
+_FR_X_BYTES = 37 * 1024  # staged x rows (2·8·D bytes): its 48 KB of static shared memory less the bins and scratch
 
 
 def logits_tokens_per_block(T: int, D: int) -> int | None:
@@ -74,11 +75,16 @@ def split_router(w_router):
     return xp.concatenate(parts).view(BF16)
 
 
+def _fused_shape_ok(T: int, E: int, D: int, top_k: int, shared_slot: bool) -> bool:
+    """The shapes moe_route_fused's kernel can take."""
+    return (1 <= T <= _FR_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
+            and E + int(shared_slot) <= _FR_MAX_BINS and D % 8 == 0 and 2 * _FR_MAX_TPB * D <= _FR_X_BYTES)
+
+
 def fused_route_fits(T: int, E: int, D: int, top_k: int, num_groups: int, shared_slot: bool) -> bool:
     """moe_route_fused handles this step (ungrouped routing, T <= FUSED_MAX_T, the kernel's shape limits) and
     KDA_RT_FUSED_ROUTE is not 0."""
-    return (num_groups == 1 and 1 <= T <= FUSED_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
-            and E + int(shared_slot) <= _FR_MAX_BINS and D % 8 == 0 and 2 * _FR_MAX_TPB * D <= 37 * 1024
+    return (num_groups == 1 and T <= FUSED_MAX_T and _fused_shape_ok(T, E, D, top_k, shared_slot)
             and env.fused_route())
 
 
@@ -113,11 +119,11 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     expect(done, "done", ndim=1, dtype=np.int32)
     if logits.shape[1] < E or not logits.flags.c_contiguous:
         raise ValueError(f"moe_route_fused: logits scratch must be C-contiguous [T, >= {E}], got {logits.shape}")
-    if not (1 <= T <= _FR_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E % _FR_EPB == 0
-            and E + int(shared_slot) <= _FR_MAX_BINS and D % 8 == 0):
+    if not _fused_shape_ok(T, E, D, top_k, shared_slot):
         raise ValueError(f"moe_route_fused: needs 1 <= T <= {_FR_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
-                         f"E % {_FR_EPB} == 0, E + shared <= {_FR_MAX_BINS}, D % 8 == 0 "
-                         f"(T={T}, top_k={top_k}, E={E}, D={D}, shared_slot={shared_slot})")
+                         f"E % {_FR_EPB} == 0, E + shared <= {_FR_MAX_BINS}, D % 8 == 0, "
+                         f"D <= {_FR_X_BYTES // (2 * _FR_MAX_TPB)} (T={T}, top_k={top_k}, E={E}, D={D}, "
+                         f"shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     if not stream.is_capturing():

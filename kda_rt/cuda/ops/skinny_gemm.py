@@ -38,6 +38,14 @@ def _wide_smem(fpc: int, ks: int, nt: int, splits: int) -> int:
     return rows * (ks + 32) * 2 + _WARPS * rows * 16 * 4 + splits * -(-rows * fpc // splits) * 4
 
 
+def _plan_fits(M: int, N: int, K: int, fpc: int, splits: int, nt: int) -> bool:
+    """skinny_gemm_cl with (FPC, SPLITS, NT) covers [M, K] x [N, K]: whole feature blocks, whole 32-wide
+    chunks per warp, every row, and its shared memory within _WIDE_SMEM_MAX."""
+    wpm = _WARPS // (fpc // 16)  # warps per 16-feature m-tile
+    return (N % fpc == 0 and K % (splits * wpm * 32) == 0 and M <= 8 * nt <= WIDE_MAX_ROWS
+            and _wide_smem(fpc, K // splits, nt, splits) <= _WIDE_SMEM_MAX)
+
+
 def wide_plan(M: int, N: int, K: int) -> tuple[int, int, int] | None:
     """(features per CTA, cluster split of K, n-tiles) of skinny_gemm_cl for M rows, or None: FPC 64 where
     it divides N, else 32; the smallest split whose grid reaches _TARGET_CTAS, else the largest that divides
@@ -46,12 +54,9 @@ def wide_plan(M: int, N: int, K: int) -> tuple[int, int, int] | None:
         return None
     nt = 2 if M <= 16 else 4
     for fpc in (64, 32):
-        if N % fpc:
-            continue
-        wpm = _WARPS // (fpc // 16)
         best = None
         for splits in _SPLITS:
-            if K % (splits * wpm * 32) or _wide_smem(fpc, K // splits, nt, splits) > _WIDE_SMEM_MAX:
+            if not _plan_fits(M, N, K, fpc, splits, nt):
                 continue
             best = splits
             if N // fpc * splits >= _TARGET_CTAS:
@@ -107,7 +112,7 @@ def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | Non
     N = weight.shape[0]
     if M > MAX_ROWS:
         fpc, splits, nt = plan or wide_plan(M, N, K)
-        if plan and (K % (splits * (_WARPS // (fpc // 16)) * 32) or N % fpc or not M <= 8 * nt <= 32):
+        if plan and not _plan_fits(M, N, K, fpc, splits, nt):
             raise ValueError(f"skinny_gemm: plan {plan} does not fit M={M}, N={N}, K={K}")
         kernel = _wide_kernel(out.dtype == np.float32, fpc, splits, nt, K)
         kernel((N // fpc, splits), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M),
