@@ -46,6 +46,9 @@
 // 3 steps ahead on mbarriers: 435 | 377 TFLOP/s at T=8192 and 512 | 382 at T=16384, no better.
 #include "common.cuh"
 
+#ifndef EXP_SKIP
+#define EXP_SKIP 0
+#endif
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
 #error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK"
 #endif
@@ -78,12 +81,13 @@ static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 #include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
 #include "wgmma.cuh"
 
-// one k16 slice of the warpgroup tile
-__device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b) {
+// one k16 slice of the warpgroup tile (d = product when accumulate == 0)
+__device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b,
+                                           int accumulate = 1) {
 #if BN == 256
-    wgmma_m64n256k16(d, desc_a, desc_b);
+    wgmma_m64n256k16(d, desc_a, desc_b, accumulate);
 #else
-    wgmma_m64n128k16(d, desc_a, desc_b);
+    wgmma_m64n128k16(d, desc_a, desc_b, accumulate);
 #endif
 }
 
@@ -159,10 +163,17 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     auto load_stage = [&](int stage, int kt) {
         const int k0 = kt * BK;
         const unsigned a_dst = base + stage * STAGE_BYTES + dst_off, b_dst = a_dst + A_BYTES;
+#if EXP_SKIP  // bench only (tests/gpu/bench_moe_gemm.py --limits): 1 skips B, 2 A, 3 both after the prologue
+        const bool skip_a = (EXP_SKIP & 2) && kt >= STAGES - 2, skip_b = (EXP_SKIP & 1) && kt >= STAGES - 2;
+#else
+        const bool skip_a = false, skip_b = false;
+#endif
+        if (!skip_a)
 #pragma unroll
         for (int i = 0; i < A_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
                          "r"(a_bytes[i]));
+        if (!skip_b)
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
@@ -204,3 +215,146 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 }
 
 
+
+// Persistent form: grid = one CTA per SM (at most the number of items), block 256, same shared memory.
+// The (tile, feature block) items, item = tile · FB + block (FB feature blocks, the plain kernel's grid.x),
+// are dealt round-robin: CTA c runs items c, c + gridDim.x, ...  The k steps of all its items form one
+// stream through the STAGES shared-memory stages, so the copies of an item's first steps are issued
+// during the previous item's last steps and its epilogue (the stores) runs while they land; the
+// plain kernel pays a pipeline fill per tile.  The first k16 product of an item overwrites the
+// accumulators (scale_d = 0).  A CTA's next item's sources (plan reads: tile, expert, end row, and for
+// gate/up the gathered pair ids) are read in three steps during the current one, each used one step
+// later, so no copy waits on a plan read.  Same products, order and rounding as the plain kernel.
+#define FB ((FUSE_SILU ? HALF : NOUT) / (FUSE_SILU ? BN / 2 : BN))
+static_assert(KT >= 4, "moe_grouped_gemm_wg_persist: the source prefetch needs 4 k steps per item");
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
+                            const bf16* __restrict__ weight, const int* __restrict__ tile_expert,
+                            const int* __restrict__ tile_row, const int* __restrict__ expert_off,
+                            const int* __restrict__ num_tiles, void* __restrict__ dst) {
+    KDA_PDL_ENTRY();
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned raw = smem_addr(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
+
+    const int items = num_tiles[0] * FB;
+    if ((int)blockIdx.x >= items) return;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int lrow = tid >> 3, lch = tid & 7;
+    const unsigned dst_off = swz(lrow, lch);
+
+    // load cursor: item l_item, step l_kt; its copy sources
+    int l_item = blockIdx.x, l_kt = 0;
+    const bf16* a_src[A_PASSES];
+    int a_bytes[A_PASSES];
+    const bf16* b_src;
+    // the load item's tile geometry, handed to the compute side when its products start
+    int p_row0, p_nrows, p_f0;
+    // the next load item's plan reads, filled during steps 0..2 of the current one
+    int n_e = 0, n_row0 = 0, n_end = 0, n_pair[A_PASSES];
+
+    auto item_geometry = [&](int it, int e, int row0, int end) {
+        const int fb = it % FB;
+        p_row0 = row0;
+        p_nrows = min(BM, end - row0);
+        p_f0 = FUSE_SILU ? fb * (BN / 2) : fb * BN;
+        b_src = weight + ((size_t)e * NOUT + p_f0 + lrow) * K + lch * 8;
+    };
+    auto pair_rows = [&](int row0, int nrows, int (&pr)[A_PASSES]) {  // source row per pass (clamped)
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i) {
+            const int r = lrow + i * RPP < nrows ? row0 + lrow + i * RPP : row0;
+            pr[i] = FUSE_SILU ? sorted_pair[r] / TOPK : r;
+        }
+    };
+    auto set_sources = [&](int nrows, const int (&pr)[A_PASSES]) {
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i) {
+            a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
+            a_src[i] = src + (size_t)pr[i] * K + lch * 8;
+        }
+    };
+    {  // first item: read its plan entries directly
+        const int tile = l_item / FB, e = tile_expert[tile], row0 = tile_row[tile];
+        item_geometry(l_item, e, row0, expert_off[e + 1]);
+        int pr[A_PASSES];
+        pair_rows(row0, p_nrows, pr);
+        set_sources(p_nrows, pr);
+    }
+
+    auto load_stage = [&](int stage, int kt) {
+        const int k0 = kt * BK;
+        const unsigned a_dst = base + stage * STAGE_BYTES + dst_off, b_dst = a_dst + A_BYTES;
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
+                         "r"(a_bytes[i]));
+#pragma unroll
+        for (int i = 0; i < B_PASSES; ++i)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
+                         "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
+    };
+    // issue the copies of the cursor's step into `stage`, then move the cursor (reading the next item's
+    // plan entries on the way)
+    auto load_and_advance = [&](int stage) {
+        load_stage(stage, l_kt);
+        const int nxt = l_item + gridDim.x;
+        if (nxt < items) {
+            if (l_kt == 0) {
+                n_e = tile_expert[nxt / FB];
+                n_row0 = tile_row[nxt / FB];
+            } else if (l_kt == 1) {
+                n_end = expert_off[n_e + 1];
+            } else if (l_kt == 2) {
+                const int nrows = min(BM, n_end - n_row0);
+                pair_rows(n_row0, nrows, n_pair);
+            }
+        }
+        if (++l_kt == KT) {
+            l_kt = 0;
+            l_item = nxt;
+            if (nxt < items) {
+                item_geometry(nxt, n_e, n_row0, n_end);
+                set_sources(p_nrows, n_pair);
+            }
+        }
+    };
+
+    // compute side: the item whose products run, and its geometry (taken from the load side)
+    int c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (l_item < items) load_and_advance(s);
+        cp_async_commit();
+    }
+
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;  // (each item's first product overwrites them)
+    int g = 0;  // global k step of this CTA
+    for (int c_item = blockIdx.x; c_item < items; c_item += gridDim.x) {
+        for (int kt = 0; kt < KT; ++kt, ++g) {
+            cp_async_wait<STAGES - 3>();  // step g has landed (this thread's copies) ...
+            fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
+            __syncthreads();              // ... for everyone's copies; step g - 2's stage is free
+            if (l_item < items) load_and_advance((g + STAGES - 2) % STAGES);
+            cp_async_commit();
+            const unsigned a_tile = base + (g % STAGES) * STAGE_BYTES + wg * 64 * 128;
+            const unsigned b_tile = base + (g % STAGES) * STAGE_BYTES + A_BYTES;
+            fence_regs(acc);
+            wgmma_fence();
+            wgmma_tile(acc, smem_desc(a_tile), smem_desc(b_tile), kt);
+#pragma unroll
+            for (int s = 1; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_regs(acc);
+        }
+        wgmma_wait<0>();
+        fence_regs(acc);
+        store_rows(acc, dst, c_row0, c_nrows, c_f0, wg * 64, tid & 127);
+        c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;  // the next item's (set when the cursor moved to it)
+    }
+    cp_async_wait<0>();
+}

@@ -141,6 +141,50 @@ def bench_step(T, wts, cfg, sweep):
     line("moe_forward, decode kernels", ms_old, flops, f"new vs old err {err:.1e}")
 
 
+def bench_limits(T, wts):
+    """What bounds the wgmma grouped GEMM: its default tile timed as built (EXP_SKIP=0) and with the B
+    (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue (wrong results,
+    timing only).  Prints useful TFLOP/s (routed rows) and executed TFLOP/s (128-row tiles, padding
+    included) and the bytes each CTA copies into shared memory per second (L2 -> SM traffic)."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.moe_align import max_tiles
+    from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_tile
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    tiles = int(plan.num_tiles.get()[0])
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    print(f"T={T}: {tiles} tiles of 128 rows for {N} rows ({tiles * 128 / N:.3f}x padded)", flush=True)
+    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
+        t = wg_tile(nout, k, bool(silu))
+        fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
+        for skip in (0, 3) if T < 8192 else (0, 1, 2, 3):
+            kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
+                              FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip)
+            args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
+            grid = (fb, max_tiles(N, E, 128))
+            ms = median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes))
+            useful, done = 2 * N * k * nout / ms / 1e9, 2 * tiles * 128 * k * nout / ms / 1e9
+            l2 = tiles * fb * (k // 64) * (128 + t.bn) * 64 * 2 / ms / 1e9
+            print(f"  {name:8s} skip={skip} {ms:7.3f} ms  useful {useful:6.1f}  executed {done:6.1f} TFLOP/s  "
+                  f"smem fill {l2:5.2f} TB/s (as built)", flush=True)
+        ref = None
+        for persist in (False, True):  # the launcher's two forms, results compared
+            ms = median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=bool(silu), out=out, persist=persist))
+            ref = cupy.array(out) if ref is None else ref
+            same = bool(cupy.array_equal(out, ref))
+            print(f"  {name:8s} {'persistent' if persist else 'plain':10s} {ms:7.3f} ms  useful "
+                  f"{2 * N * k * nout / ms / 1e9:6.1f}  executed {2 * tiles * 128 * k * nout / ms / 1e9:6.1f} TFLOP/s"
+                  f"{'' if same else '  DIFFERS from plain'}", flush=True)
+
+
 def main():
     import cupy
 
@@ -151,6 +195,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--limits", action="store_true", help="only the wgmma kernel with its copies skipped (bench_limits)")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -161,7 +206,7 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     for T in map(int, args.tokens.split(",")):
-        bench_step(T, wts, cfg, args.sweep)
+        bench_limits(T, wts) if args.limits else bench_step(T, wts, cfg, args.sweep)
         cupy.get_default_memory_pool().free_all_blocks()
 
 
