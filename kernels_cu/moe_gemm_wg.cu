@@ -218,23 +218,26 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 
 // Persistent form: grid = one CTA per SM (at most the number of items), block 256, same shared memory.
 // The (tile, feature block) items, item = tile · FB + block (FB feature blocks, the plain kernel's grid.x),
-// are dealt round-robin: CTA c runs items c, c + gridDim.x, ...  The k steps of all its items form one
-// stream through the STAGES shared-memory stages, so the copies of an item's first steps are issued
-// during the previous item's last steps and its epilogue (the stores) runs while they land; the
-// plain kernel pays a pipeline fill per tile.  The first k16 product of an item overwrites the
-// accumulators (scale_d = 0).  A CTA's next item's sources (plan reads: tile, expert, end row, and for
-// gate/up the gathered pair ids) are read in three steps during the current one, each used one step
-// later, so no copy waits on a plan read.  Same products, order and rounding as the plain kernel.
+// go to the CTAs in order: CTA c starts with item c; its later items are claimed from the counter `claim`
+// (zeroed by the launcher; item gridDim.x + the count), or when `claim` is null dealt round-robin
+// (c + gridDim.x, c + 2·gridDim.x, ...).  The k steps of all of a CTA's items form one stream through the
+// STAGES shared-memory stages, so the copies of an item's first steps are issued during the previous item's
+// last steps and its epilogue (the stores) runs while they land; the plain kernel pays a pipeline fill per
+// tile.  The first k16 product of an item overwrites the accumulators (scale_d = 0).  The next item is
+// claimed at the first k step of the current one and its plan entries (tile, expert, end row, and for
+// gate/up the gathered pair ids) are read over the next three, each read used one step later, so no copy
+// waits on them.  Same products, order and rounding as the plain kernel.
 #define FB ((FUSE_SILU ? HALF : NOUT) / (FUSE_SILU ? BN / 2 : BN))
-static_assert(KT >= 4, "moe_grouped_gemm_wg_persist: the source prefetch needs 4 k steps per item");
+static_assert(KT >= 5, "moe_grouped_gemm_wg_persist: claiming and reading the next item spans 4 k steps");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
                             const bf16* __restrict__ weight, const int* __restrict__ tile_expert,
                             const int* __restrict__ tile_row, const int* __restrict__ expert_off,
-                            const int* __restrict__ num_tiles, void* __restrict__ dst) {
+                            const int* __restrict__ num_tiles, void* __restrict__ dst, int* __restrict__ claim) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
+    __shared__ int next_item_s;
     const unsigned raw = smem_addr(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
 
@@ -249,13 +252,14 @@ moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict_
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];
     const bf16* b_src;
-    // the load item's tile geometry, handed to the compute side when its products start
-    int p_row0, p_nrows, p_f0;
-    // the next load item's plan reads, filled during steps 0..2 of the current one
-    int n_e = 0, n_row0 = 0, n_end = 0, n_pair[A_PASSES];
+    // the load item's id and tile geometry, handed to the compute side when its products start
+    int p_item = l_item, p_row0, p_nrows, p_f0;
+    // the next load item and its plan reads, filled during steps 1..3 of the current one
+    int nxt = items, n_e = 0, n_row0 = 0, n_end = 0, n_pair[A_PASSES];
 
     auto item_geometry = [&](int it, int e, int row0, int end) {
         const int fb = it % FB;
+        p_item = it;
         p_row0 = row0;
         p_nrows = min(BM, end - row0);
         p_f0 = FUSE_SILU ? fb * (BN / 2) : fb * BN;
@@ -295,21 +299,24 @@ moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict_
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
                          "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
     };
-    // issue the copies of the cursor's step into `stage`, then move the cursor (reading the next item's
-    // plan entries on the way)
+    // issue the copies of the cursor's step into `stage`, then move the cursor, claiming and reading the
+    // next item on the way (called right after a block-wide barrier: the claim written at step 0 is read
+    // by every thread at step 1)
     auto load_and_advance = [&](int stage) {
         load_stage(stage, l_kt);
-        const int nxt = l_item + gridDim.x;
-        if (nxt < items) {
-            if (l_kt == 0) {
+        if (l_kt == 0) {
+            if (claim == nullptr) nxt = l_item + gridDim.x;
+            else if (tid == 0) next_item_s = gridDim.x + atomicAdd(claim, 1);
+        } else if (l_kt == 1) {
+            if (claim != nullptr) nxt = next_item_s;
+            if (nxt < items) {
                 n_e = tile_expert[nxt / FB];
                 n_row0 = tile_row[nxt / FB];
-            } else if (l_kt == 1) {
-                n_end = expert_off[n_e + 1];
-            } else if (l_kt == 2) {
-                const int nrows = min(BM, n_end - n_row0);
-                pair_rows(n_row0, nrows, n_pair);
             }
+        } else if (l_kt == 2) {
+            if (nxt < items) n_end = expert_off[n_e + 1];
+        } else if (l_kt == 3) {
+            if (nxt < items) pair_rows(n_row0, min(BM, n_end - n_row0), n_pair);
         }
         if (++l_kt == KT) {
             l_kt = 0;
@@ -317,23 +324,26 @@ moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict_
             if (nxt < items) {
                 item_geometry(nxt, n_e, n_row0, n_end);
                 set_sources(p_nrows, n_pair);
+            } else {
+                p_item = items;
             }
         }
     };
 
     // compute side: the item whose products run, and its geometry (taken from the load side)
-    int c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;
+    int c_item = p_item, c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
-        if (l_item < items) load_and_advance(s);
+        load_and_advance(s);  // (KT >= 5: the first item's steps, no wrap)
         cp_async_commit();
+        __syncthreads();      // (the claim of step 0 is read at step 1)
     }
 
     float acc[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;  // (each item's first product overwrites them)
-    int g = 0;  // global k step of this CTA
-    for (int c_item = blockIdx.x; c_item < items; c_item += gridDim.x) {
+    int g = 0;  // k step of this CTA's stream
+    while (c_item < items) {
         for (int kt = 0; kt < KT; ++kt, ++g) {
             cp_async_wait<STAGES - 3>();  // step g has landed (this thread's copies) ...
             fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
@@ -354,7 +364,8 @@ moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict_
         wgmma_wait<0>();
         fence_regs(acc);
         store_rows(acc, dst, c_row0, c_nrows, c_f0, wg * 64, tid & 127);
-        c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;  // the next item's (set when the cursor moved to it)
+        // the next item's (set when the load cursor moved to it, STAGES - 2 steps ago)
+        c_item = p_item, c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;
     }
     cp_async_wait<0>();
 }

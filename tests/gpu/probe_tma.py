@@ -50,13 +50,14 @@ def main():
 
     rows, cols = 1000, 256
     a = cupy.arange(rows * cols, dtype=np.uint32).astype(np.uint16).reshape(rows, cols)  # bf16 bits = index
-    tm = cupy.asarray(np.frombuffer(tma.encode_2d(a.data.ptr, rows, cols, cols * 2, 128, 64), dtype=np.uint8))
+    maps = {box: cupy.asarray(np.frombuffer(tma.encode_2d(a.data.ptr, rows, cols, cols * 2, box, 64), dtype=np.uint8))
+            for box in (128, 64)}  # the multicast case loads 64-row boxes, one per CTA
     mod = cupy.RawModule(code=SRC, options=("--std=c++17", "-arch=sm_90a"))
     fn = mod.get_function("probe")
     fn.max_dynamic_shared_size_bytes = 128 * 128 + 1024
     for mc, row0, col0 in ((0, 3, 64), (1, 200, 128), (0, 936, 192)):
         out = cupy.full(2 * 128 * 64, 0xFFFF, dtype=np.uint16)
-        fn((1, 2), (128,), (tm, out, np.int32(row0), np.int32(col0), np.int32(mc)), shared_mem=128 * 128 + 1024)
+        fn((1, 2), (128,), (maps[64 if mc else 128], out, np.int32(row0), np.int32(col0), np.int32(mc)), shared_mem=128 * 128 + 1024)
         cupy.cuda.Device().synchronize()
         got = out.get().reshape(2, 128, 64)
         host = a.get()
