@@ -49,6 +49,9 @@
 #ifndef EXP_SKIP
 #define EXP_SKIP 0
 #endif
+#ifndef ISSUE_FIRST  // 1: each k step issues its products right after the barrier, then the copies of a later step
+#define ISSUE_FIRST 1
+#endif
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
 #error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK"
 #endif
@@ -194,8 +197,10 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
         fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
         __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
+#if !ISSUE_FIRST
         if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+#endif
         // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
         const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
         const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
@@ -204,6 +209,10 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 #pragma unroll
         for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
         wgmma_commit();
+#if ISSUE_FIRST  // the copies are issued while the products run: off the path from the barrier to the wgmma
+        if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
+        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+#endif
         wgmma_wait<1>();
         fence_regs(acc);
     }
@@ -348,8 +357,10 @@ moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict_
             cp_async_wait<STAGES - 3>();  // step g has landed (this thread's copies) ...
             fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
             __syncthreads();              // ... for everyone's copies; step g - 2's stage is free
+#if !ISSUE_FIRST
             if (l_item < items) load_and_advance((g + STAGES - 2) % STAGES);
             cp_async_commit();
+#endif
             const unsigned a_tile = base + (g % STAGES) * STAGE_BYTES + wg * 64 * 128;
             const unsigned b_tile = base + (g % STAGES) * STAGE_BYTES + A_BYTES;
             fence_regs(acc);
@@ -358,6 +369,10 @@ moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict_
 #pragma unroll
             for (int s = 1; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
             wgmma_commit();
+#if ISSUE_FIRST
+            if (l_item < items) load_and_advance((g + STAGES - 2) % STAGES);
+            cp_async_commit();
+#endif
             wgmma_wait<1>();
             fence_regs(acc);
         }
