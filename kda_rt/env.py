@@ -76,13 +76,6 @@ def wgmma() -> bool:
     return _on_off("KDA_RT_WGMMA")
 
 
-def wg_persist() -> bool:
-    """KDA_RT_WG_PERSIST: 0 runs the prefill MoE GEMMs on wgmma (moe_gemm_wg.cu) as one CTA per (tile, feature
-    block) instead of the persistent kernel (one CTA per SM streaming its items' k steps); default 1.  Read
-    at each call."""
-    return _on_off("KDA_RT_WG_PERSIST")
-
-
 def fused_norm() -> bool:
     """KDA_RT_FUSED_NORM: 0 runs a small step's MoE combine, the residual add and the next RMSNorm as two
     kernels (moe_combine, rmsnorm) instead of one (moe_combine_norm); default 1.  Read at each forward."""

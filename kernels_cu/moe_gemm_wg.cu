@@ -49,9 +49,6 @@
 #ifndef EXP_SKIP
 #define EXP_SKIP 0
 #endif
-#ifndef ISSUE_FIRST  // 1: each k step issues its products right after the barrier, then the copies of a later step
-#define ISSUE_FIRST 1
-#endif
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
 #error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK"
 #endif
@@ -84,13 +81,12 @@ static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 #include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
 #include "wgmma.cuh"
 
-// one k16 slice of the warpgroup tile (d = product when accumulate == 0)
-__device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b,
-                                           int accumulate = 1) {
+// one k16 slice of the warpgroup tile
+__device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b) {
 #if BN == 256
-    wgmma_m64n256k16(d, desc_a, desc_b, accumulate);
+    wgmma_m64n256k16(d, desc_a, desc_b);
 #else
-    wgmma_m64n128k16(d, desc_a, desc_b, accumulate);
+    wgmma_m64n128k16(d, desc_a, desc_b);
 #endif
 }
 
@@ -197,10 +193,8 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
         fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
         __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
-#if !ISSUE_FIRST
         if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-#endif
         // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
         const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
         const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
@@ -209,10 +203,6 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 #pragma unroll
         for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
         wgmma_commit();
-#if ISSUE_FIRST  // the copies are issued while the products run: off the path from the barrier to the wgmma
-        if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
-        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-#endif
         wgmma_wait<1>();
         fence_regs(acc);
     }
@@ -224,163 +214,3 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 }
 
 
-
-// Persistent form: grid = one CTA per SM (at most the number of items), block 256, same shared memory.
-// The (tile, feature block) items, item = tile · FB + block (FB feature blocks, the plain kernel's grid.x),
-// go to the CTAs in order: CTA c starts with item c; its later items are claimed from the counter `claim`
-// (zeroed by the launcher; item gridDim.x + the count), or when `claim` is null dealt round-robin
-// (c + gridDim.x, c + 2·gridDim.x, ...).  The k steps of all of a CTA's items form one stream through the
-// STAGES shared-memory stages, so the copies of an item's first steps are issued during the previous item's
-// last steps and its epilogue (the stores) runs while they land; the plain kernel pays a pipeline fill per
-// tile.  The first k16 product of an item overwrites the accumulators (scale_d = 0).  The next item is
-// claimed at the first k step of the current one and its plan entries (tile, expert, end row, and for
-// gate/up the gathered pair ids) are read over the next three, each read used one step later, so no copy
-// waits on them.  Same products, order and rounding as the plain kernel.
-#define FB ((FUSE_SILU ? HALF : NOUT) / (FUSE_SILU ? BN / 2 : BN))
-static_assert(KT >= 5, "moe_grouped_gemm_wg_persist: claiming and reading the next item spans 4 k steps");
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_grouped_gemm_wg_persist(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
-                            const bf16* __restrict__ weight, const int* __restrict__ tile_expert,
-                            const int* __restrict__ tile_row, const int* __restrict__ expert_off,
-                            const int* __restrict__ num_tiles, void* __restrict__ dst, int* __restrict__ claim) {
-    KDA_PDL_ENTRY();
-    extern __shared__ unsigned char smem_raw[];
-    __shared__ int next_item_s;
-    const unsigned raw = smem_addr(smem_raw);
-    const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
-
-    const int items = num_tiles[0] * FB;
-    if ((int)blockIdx.x >= items) return;
-    const int tid = threadIdx.x, wg = tid >> 7;
-    const int lrow = tid >> 3, lch = tid & 7;
-    const unsigned dst_off = swz(lrow, lch);
-
-    // load cursor: item l_item, step l_kt; its copy sources
-    int l_item = blockIdx.x, l_kt = 0;
-    const bf16* a_src[A_PASSES];
-    int a_bytes[A_PASSES];
-    const bf16* b_src;
-    // the load item's id and tile geometry, handed to the compute side when its products start
-    int p_item = l_item, p_row0, p_nrows, p_f0;
-    // the next load item and its plan reads, filled during steps 1..3 of the current one
-    int nxt = items, n_e = 0, n_row0 = 0, n_end = 0, n_pair[A_PASSES];
-
-    auto item_geometry = [&](int it, int e, int row0, int end) {
-        const int fb = it % FB;
-        p_item = it;
-        p_row0 = row0;
-        p_nrows = min(BM, end - row0);
-        p_f0 = FUSE_SILU ? fb * (BN / 2) : fb * BN;
-        b_src = weight + ((size_t)e * NOUT + p_f0 + lrow) * K + lch * 8;
-    };
-    auto pair_rows = [&](int row0, int nrows, int (&pr)[A_PASSES]) {  // source row per pass (clamped)
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i) {
-            const int r = lrow + i * RPP < nrows ? row0 + lrow + i * RPP : row0;
-            pr[i] = FUSE_SILU ? sorted_pair[r] / TOPK : r;
-        }
-    };
-    auto set_sources = [&](int nrows, const int (&pr)[A_PASSES]) {
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i) {
-            a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
-            a_src[i] = src + (size_t)pr[i] * K + lch * 8;
-        }
-    };
-    {  // first item: read its plan entries directly
-        const int tile = l_item / FB, e = tile_expert[tile], row0 = tile_row[tile];
-        item_geometry(l_item, e, row0, expert_off[e + 1]);
-        int pr[A_PASSES];
-        pair_rows(row0, p_nrows, pr);
-        set_sources(p_nrows, pr);
-    }
-
-    auto load_stage = [&](int stage, int kt) {
-        const int k0 = kt * BK;
-        const unsigned a_dst = base + stage * STAGE_BYTES + dst_off, b_dst = a_dst + A_BYTES;
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
-                         "r"(a_bytes[i]));
-#pragma unroll
-        for (int i = 0; i < B_PASSES; ++i)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
-                         "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
-    };
-    // issue the copies of the cursor's step into `stage`, then move the cursor, claiming and reading the
-    // next item on the way (called right after a block-wide barrier: the claim written at step 0 is read
-    // by every thread at step 1)
-    auto load_and_advance = [&](int stage) {
-        load_stage(stage, l_kt);
-        if (l_kt == 0) {
-            if (claim == nullptr) nxt = l_item + gridDim.x;
-            else if (tid == 0) next_item_s = gridDim.x + atomicAdd(claim, 1);
-        } else if (l_kt == 1) {
-            if (claim != nullptr) nxt = next_item_s;
-            if (nxt < items) {
-                n_e = tile_expert[nxt / FB];
-                n_row0 = tile_row[nxt / FB];
-            }
-        } else if (l_kt == 2) {
-            if (nxt < items) n_end = expert_off[n_e + 1];
-        } else if (l_kt == 3) {
-            if (nxt < items) pair_rows(n_row0, min(BM, n_end - n_row0), n_pair);
-        }
-        if (++l_kt == KT) {
-            l_kt = 0;
-            l_item = nxt;
-            if (nxt < items) {
-                item_geometry(nxt, n_e, n_row0, n_end);
-                set_sources(p_nrows, n_pair);
-            } else {
-                p_item = items;
-            }
-        }
-    };
-
-    // compute side: the item whose products run, and its geometry (taken from the load side)
-    int c_item = p_item, c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;
-#pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) {
-        load_and_advance(s);  // (KT >= 5: the first item's steps, no wrap)
-        cp_async_commit();
-        __syncthreads();      // (the claim of step 0 is read at step 1)
-    }
-
-    float acc[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;  // (each item's first product overwrites them)
-    int g = 0;  // k step of this CTA's stream
-    while (c_item < items) {
-        for (int kt = 0; kt < KT; ++kt, ++g) {
-            cp_async_wait<STAGES - 3>();  // step g has landed (this thread's copies) ...
-            fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
-            __syncthreads();              // ... for everyone's copies; step g - 2's stage is free
-#if !ISSUE_FIRST
-            if (l_item < items) load_and_advance((g + STAGES - 2) % STAGES);
-            cp_async_commit();
-#endif
-            const unsigned a_tile = base + (g % STAGES) * STAGE_BYTES + wg * 64 * 128;
-            const unsigned b_tile = base + (g % STAGES) * STAGE_BYTES + A_BYTES;
-            fence_regs(acc);
-            wgmma_fence();
-            wgmma_tile(acc, smem_desc(a_tile), smem_desc(b_tile), kt);
-#pragma unroll
-            for (int s = 1; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
-            wgmma_commit();
-#if ISSUE_FIRST
-            if (l_item < items) load_and_advance((g + STAGES - 2) % STAGES);
-            cp_async_commit();
-#endif
-            wgmma_wait<1>();
-            fence_regs(acc);
-        }
-        wgmma_wait<0>();
-        fence_regs(acc);
-        store_rows(acc, dst, c_row0, c_nrows, c_f0, wg * 64, tid & 127);
-        // the next item's (set when the load cursor moved to it, STAGES - 2 steps ago)
-        c_item = p_item, c_row0 = p_row0, c_nrows = p_nrows, c_f0 = p_f0;
-    }
-    cp_async_wait<0>();
-}

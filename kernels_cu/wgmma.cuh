@@ -34,22 +34,20 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
 #define WG_REGS64 WG_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define WG_REGS128 WG_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// d = A[64 x 16] · B[128 x 16]ᵀ (+ d when accumulate != 0), A and B K-major in shared memory (descriptors)
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b,
-                                                 int accumulate = 1) {
+// d += A[64 x 16] · B[128 x 16]ᵀ (scale_d = 1), A and B K-major in shared memory (descriptors)
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_REGS64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                  : WG_ACC32(d, 0), WG_ACC32(d, 32)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// d = A[64 x 16] · B[256 x 16]ᵀ (+ d when accumulate != 0), A and B K-major in shared memory (descriptors)
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b,
-                                                 int accumulate = 1) {
+// d += A[64 x 16] · B[256 x 16]ᵀ (scale_d = 1), A and B K-major in shared memory (descriptors)
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" WG_REGS128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
                  : WG_ACC32(d, 0), WG_ACC32(d, 32), WG_ACC32(d, 64), WG_ACC32(d, 96)
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile

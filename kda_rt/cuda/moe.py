@@ -113,8 +113,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
         bucket_kernel(bins, bm, A if fused else 0)
         for nout, k, fuse, tile in gemms:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
-                for persist in (False, True):  # (one module: the second is a lookup)
-                    wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, persist)
+                wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
             else:
                 tc_kernel(tile, k, nout, fuse, pairs)
                 small = tile_config(bm, nout, k, fuse, tokens=1)

@@ -141,7 +141,7 @@ def bench_step(T, wts, cfg, sweep):
     line("moe_forward, decode kernels", ms_old, flops, f"new vs old err {err:.1e}")
 
 
-def bench_limits(T, wts, once=False):
+def bench_limits(T, wts):
     """What bounds the wgmma grouped GEMM: its default tile timed as built (EXP_SKIP=0) and with the B
     (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue (wrong results,
     timing only).  Prints useful TFLOP/s (routed rows) and executed TFLOP/s (128-row tiles, padding
@@ -151,7 +151,7 @@ def bench_limits(T, wts, once=False):
 
     from helpers.gpu import median_ms
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.compile import get_kernel, sm_count
+    from kda_rt.cuda.ops.compile import get_kernel
     from kda_rt.cuda.ops.moe_align import max_tiles
     from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
 
@@ -165,7 +165,7 @@ def bench_limits(T, wts, once=False):
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
-        for skip in () if once else (0, 3):
+        for skip in (0, 1, 2, 3):
             kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
                               FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip)
             args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
@@ -175,31 +175,6 @@ def bench_limits(T, wts, once=False):
             l2 = tiles * fb * (k // 64) * (128 + t.bn) * 64 * 2 / ms / 1e9
             print(f"  {name:8s} skip={skip} {ms:7.3f} ms  useful {useful:6.1f}  executed {done:6.1f} TFLOP/s  "
                   f"smem fill {l2:5.2f} TB/s (as built)", flush=True)
-        ref = None
-        blocks, grid_tiles = fb, max_tiles(N, E, 128)
-        counter = cupy.zeros(1, dtype=np.int32)
-        for issue_first in (0, 1):
-            for form, persist, claim in (("plain", False, False), ("persist rr", True, False), ("persist claim", True, True)):
-                kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg_persist" if persist else "moe_grouped_gemm_wg",
-                                  max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout, FUSE_SILU=silu, TOPK=A, BN=t.bn,
-                                  STAGES=t.stages, ISSUE_FIRST=issue_first)
-                args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
-                grid = (min(sm_count(0), blocks * grid_tiles),) if persist else (blocks, grid_tiles)
-                args += ((counter if claim else np.uint64(0)),) if persist else ()
-
-                def call(kern=kern, grid=grid, args=args, counter=counter, smem=t.smem_bytes):
-                    counter.fill(0)
-                    kern(grid, (256,), args, shared_mem=smem)
-
-                if once:  # one launch of each form (for a profiler)
-                    call()
-                    continue
-                ms = median_ms(call)
-                ref = cupy.array(out) if ref is None else ref
-                same = bool(cupy.array_equal(out, ref))
-                print(f"  {name:8s} issue_first={issue_first} {form:13s} {ms:7.3f} ms  useful "
-                      f"{2 * N * k * nout / ms / 1e9:6.1f}  executed {2 * tiles * 128 * k * nout / ms / 1e9:6.1f} TFLOP/s"
-                      f"{'' if same else '  DIFFERS from plain'}", flush=True)
 
 
 def main():
@@ -213,7 +188,6 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--limits", action="store_true", help="only the wgmma kernel with its copies skipped (bench_limits)")
-    ap.add_argument("--once", action="store_true", help="with --limits: launch each form once, time nothing (for ncu)")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -224,7 +198,7 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     for T in map(int, args.tokens.split(",")):
-        bench_limits(T, wts, args.once) if args.limits else bench_step(T, wts, cfg, args.sweep)
+        bench_limits(T, wts) if args.limits else bench_step(T, wts, cfg, args.sweep)
         cupy.get_default_memory_pool().free_all_blocks()
 
 

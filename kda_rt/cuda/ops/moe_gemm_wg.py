@@ -7,12 +7,10 @@ Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction widt
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import NamedTuple
 
 from kda_rt import env
-from kda_rt.cuda.ops.compile import device_arch, get_kernel, sm_count
+from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 
@@ -56,52 +54,23 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
             and wg_tile(2 * inter, hidden, True) is not None and wg_tile(hidden, inter, False) is not None)
 
 
-def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, persist: bool = False):
-    """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); both
-    forms live in one module."""
-    name = "moe_grouped_gemm_wg_persist" if persist else "moe_grouped_gemm_wg"
-    return get_kernel("moe_gemm_wg.cu", name, max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
+    """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
+    return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
                       FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages)
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
-                persist: bool | None = None, claim: bool = True, stream=None):
+                stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows).
-    persist: one CTA per SM streaming its (tile, feature block) items (None: KDA_RT_WG_PERSIST, default on)
-    or one CTA per item; same results.  claim: the persistent CTAs take their later items from a counter
-    (in order, as the hardware deals a plain grid) rather than round-robin."""
-    import cupy
-
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or wg_tile(nout, K, fuse_silu)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    persist = env.wg_persist() if persist is None else persist
-    persist = persist and K // BK >= 5  # (claiming and reading the next item spans 4 k steps)
-    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, persist)
-    blocks = (nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn)
-    tiles = max_tiles(N, E, BM)
-    grid = (min(sm_count(cupy.cuda.Device().id), blocks * tiles),) if persist else (blocks, tiles)
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k)
+    grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     if N:
-        args = (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
-        if persist:
-            counter = _claim_counter() if claim else None
-            if counter is not None:
-                cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, (stream or cupy.cuda.get_current_stream()).ptr)
-            args += (counter if counter is not None else np.uint64(0),)
-        kernel(grid, (256,), args, shared_mem=tile.smem_bytes, stream=stream)
+        kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
+                              plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
     return out
-
-
-_counters: dict[int, Any] = {}
-
-
-def _claim_counter():
-    """The persistent kernel's item counter of the current device (4 bytes, zeroed before each launch)."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _counters:
-        _counters[dev] = cupy.zeros(1, dtype=np.int32)
-    return _counters[dev]
