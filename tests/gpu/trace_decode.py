@@ -69,9 +69,22 @@ def main() -> int:
             per_kernel[_short(e["name"])] += e["dur"]
             count[_short(e["name"])] += 1
         busy = sum(per_kernel.values())
+        # idle time between consecutive kernels (the GPU waiting for the host), by the kernel that ends it
+        kernels.sort(key=lambda e: e["ts"])
+        gap_before: collections.Counter[str] = collections.Counter()
+        big = []
+        for a, b in zip(kernels, kernels[1:], strict=False):
+            gap = max(0.0, b["ts"] - (a["ts"] + a["dur"]))
+            gap_before[_short(b["name"])] += gap
+            big.append((gap, _short(a["name"]), _short(b["name"])))
+        big.sort(reverse=True)
         print(json.dumps({
             "prefill": f"{num}x{length}", "wall_s": round(wall, 3), "kernels": len(kernels),
             "busy_ms": round(busy / 1e3, 2),
+            "span_ms": round((kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) / 1e3, 2),
+            "idle_ms": round(sum(gap_before.values()) / 1e3, 2),
+            "idle_before": [{"name": k, "ms": round(v / 1e3, 2)} for k, v in gap_before.most_common(15)],
+            "largest_gaps": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in big[:15]],
             "top": [{"name": k, "n": count[k], "ms": round(v / 1e3, 2), "share": round(v / busy, 3)}
                     for k, v in per_kernel.most_common(45)],
         }), flush=True)
