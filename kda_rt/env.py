@@ -76,6 +76,13 @@ def wgmma() -> bool:
     return _on_off("KDA_RT_WGMMA")
 
 
+def wg_tma() -> bool:
+    """KDA_RT_WG_TMA: 0 runs the prefill MoE GEMMs on wgmma with every thread copying and multiplying
+    (moe_gemm_wg.cu) instead of the warp-specialised kernel whose weights arrive by bulk tensor copies
+    (moe_gemm_ws.cu); default 1.  Read at each call."""
+    return _on_off("KDA_RT_WG_TMA")
+
+
 def fused_norm() -> bool:
     """KDA_RT_FUSED_NORM: 0 runs a small step's MoE combine, the residual add and the next RMSNorm as two
     kernels (moe_combine, rmsnorm) instead of one (moe_combine_norm); default 1.  Read at each forward."""
