@@ -17,7 +17,16 @@
 // Consumer warpgroup c computes rows [64c, 64c + 64) x BN features as moe_gemm_wg.cu's warpgroup c does
 // (wgmma m64nBNk16, 4 per k step, one group in flight), then stores (store_rows).
 // Block 384 threads (warpgroup 0 produces, 1 and 2 consume); grid, plan and shapes as moe_gemm_wg.cu.
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES.
+//
+// MC = 1: clusters of two CTAs along the tiles (grid.y even): when tiles 2i and 2i + 1 are both in use and
+// belong to one expert, they read the same weight boxes, so each CTA loads one of the two 128-row boxes of
+// a stage and multicasts it into both CTAs' shared memory: half the weight traffic from L2.  Then each
+// CTA's full[s] expects both boxes' bytes, its empty[s] counts the consumer warps of both CTAs (16: a CTA's
+// copy writes the peer's stage too, so it may refill only when both have read it; consumers arrive on the
+// peer's barrier through its cluster address), the barriers are initialised before a cluster barrier, and
+// both CTAs meet at a cluster barrier before leaving (the peer may still arrive on this CTA's barriers).
+// Otherwise (a pair of two experts, or a partner past the tiles in use) each CTA loads alone, as MC = 0.
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, MC (0 or 1).
 #include "common.cuh"
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
@@ -27,6 +36,9 @@
 #error "moe_gemm_ws.cu needs sm_90a (wgmma, bulk tensor copies)"
 #endif
 
+#ifndef MC
+#define MC 0
+#endif
 #define BM 128
 #define BK 64
 #define THREADS 384
@@ -79,10 +91,23 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int r
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(bar) : "memory");
 }
+// the same box into the same shared-memory offset of both CTAs of the cluster (each one's barrier at `bar`)
+__device__ __forceinline__ void tma_load_2d_mc2(unsigned dst, const void* map, int row, int col, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(bar), "h"((unsigned short)3) : "memory");
+}
+// arrive on the barrier at the cluster address `bar` (the peer CTA's)
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+}
 
 #include "moe_wg_epilogue.cuh"  // store_rows
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
+#if MC
+__cluster_dims__(1, 2, 1)
+#endif
 moe_grouped_gemm_ws(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const void* __restrict__ wmap,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
@@ -94,6 +119,15 @@ moe_grouped_gemm_ws(const bf16* __restrict__ src, const int* __restrict__ sorted
     const unsigned full0 = smem_addr(bars), empty0 = full0 + 8 * STAGES;
 
     const int tile = blockIdx.y;
+#if MC
+    // both CTAs of the pair read the same plan entries, so they agree on `mc` (a CTA may leave at once
+    // only when the pair does not share: then neither touches the other)
+    const int used = num_tiles[0], peer_tile = tile ^ 1;
+    const bool mc = tile < used && peer_tile < used && tile_expert[tile] == tile_expert[peer_tile];
+    const unsigned rank = cluster_rank();
+#else
+    constexpr bool mc = false;
+#endif
     if (tile >= num_tiles[0]) return;
     const int e = tile_expert[tile], row0 = tile_row[tile];
     const int nrows = min(BM, expert_off[e + 1] - row0);
@@ -108,11 +142,18 @@ moe_grouped_gemm_ws(const bf16* __restrict__ src, const int* __restrict__ sorted
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, PTHREADS + 1);
-            mbar_init(empty0 + 8 * s, 8);
+            mbar_init(empty0 + 8 * s, mc ? 16 : 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+#if MC
+    if (mc) {  // the peer's barriers are initialised before any copy or arrive reaches them
+        cluster_arrive();
+        cluster_wait();
+    }
+    const unsigned peer_empty0 = mc ? peer_addr(bars + STAGES, rank ^ 1) : 0u;
+#endif
 
     if (wg == 0) {  // ---- producer
         const int lrow = tid >> 3, lch = tid & 7;
@@ -133,7 +174,10 @@ moe_grouped_gemm_ws(const bf16* __restrict__ src, const int* __restrict__ sorted
                     for (int j = 0; j < BN / BOX; ++j) {
                         const int r = FUSE_SILU ? (j * BOX < BN / 2 ? wrow + j * BOX : wrow + HALF - BN / 2 + j * BOX)
                                                 : wrow + j * BOX;
-                        tma_load_2d(b_dst + j * BOX * 128, wmap, r, kt * BK, full0 + 8 * s);
+                        if (!mc) tma_load_2d(b_dst + j * BOX * 128, wmap, r, kt * BK, full0 + 8 * s);
+#if MC
+                        else if (j == (int)rank) tma_load_2d_mc2(b_dst + j * BOX * 128, wmap, r, kt * BK, full0 + 8 * s);
+#endif
                     }
                 }
 #pragma unroll
@@ -149,29 +193,39 @@ moe_grouped_gemm_ws(const bf16* __restrict__ src, const int* __restrict__ sorted
                 mbar_arrive(full0 + 8 * ((kt - 1) % STAGES));
             }
         }
-        return;
-    }
-
-    // ---- consumers: warpgroup c = wg - 1 multiplies rows [64c, 64c + 64)
-    const int c = wg - 1, lane = tid & 31;
-    float acc[ACC];
+    } else {  // ---- consumers: warpgroup c = wg - 1 multiplies rows [64c, 64c + 64)
+        const int c = wg - 1, lane = tid & 31;
+        float acc[ACC];
 #pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-    for (int kt = 0; kt < KT; ++kt) {
-        const int s = kt % STAGES;
-        mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
-        const unsigned a_tile = base + s * STAGE_BYTES + c * 64 * 128;
-        const unsigned b_tile = base + s * STAGE_BYTES + A_BYTES;
-        fence_regs(acc);
-        wgmma_fence();
+        for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+        for (int kt = 0; kt < KT; ++kt) {
+            const int s = kt % STAGES;
+            mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
+            const unsigned a_tile = base + s * STAGE_BYTES + c * 64 * 128;
+            const unsigned b_tile = base + s * STAGE_BYTES + A_BYTES;
+            fence_regs(acc);
+            wgmma_fence();
 #pragma unroll
-        for (int k16 = 0; k16 < BK / 16; ++k16) wgmma_tile(acc, smem_desc(a_tile + 32 * k16), smem_desc(b_tile + 32 * k16));
-        wgmma_commit();
-        wgmma_wait<1>();
+            for (int k16 = 0; k16 < BK / 16; ++k16) wgmma_tile(acc, smem_desc(a_tile + 32 * k16), smem_desc(b_tile + 32 * k16));
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_regs(acc);
+            if (kt >= 1 && lane == 0) {  // step kt - 1's products are done: its stage may be refilled
+                const unsigned off = 8 * ((kt - 1) % STAGES);
+                mbar_arrive(empty0 + off);
+#if MC
+                if (mc) mbar_arrive_cluster(peer_empty0 + off);
+#endif
+            }
+        }
+        wgmma_wait<0>();
         fence_regs(acc);
-        if (kt >= 1 && lane == 0) mbar_arrive(empty0 + 8 * ((kt - 1) % STAGES));  // step kt - 1's products are done
+        store_rows(acc, dst, row0, nrows, f0, c * 64, tid & 127);
     }
-    wgmma_wait<0>();
-    fence_regs(acc);
-    store_rows(acc, dst, row0, nrows, f0, c * 64, tid & 127);
+#if MC
+    if (mc) {  // the peer may still arrive on this CTA's barriers until it is past its last step
+        cluster_arrive();
+        cluster_wait();
+    }
+#endif
 }

@@ -115,8 +115,9 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
                 wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
                 if wg_tile(nout, k, fuse).bn == 256:
-                    ws_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
-                    count += 1
+                    for mc in (False, True):
+                        ws_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, mc)
+                        count += 1
             else:
                 tc_kernel(tile, k, nout, fuse, pairs)
                 small = tile_config(bm, nout, k, fuse, tokens=1)

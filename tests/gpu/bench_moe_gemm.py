@@ -176,11 +176,12 @@ def bench_limits(T, wts):
             print(f"  {name:8s} skip={skip} {ms:7.3f} ms  useful {useful:6.1f}  executed {done:6.1f} TFLOP/s  "
                   f"smem fill {l2:5.2f} TB/s (as built)", flush=True)
         ref = None
-        for form in ("plain", "tma", "plain", "tma"):  # twice, interleaved: the GPU's clock drifts as it heats
-            ms = median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=bool(silu), out=out, tma=form == "tma"))
+        for form in ("plain", "tma", "tma+mc") * 2:  # twice, interleaved: the GPU's clock drifts as it heats
+            ms = median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=bool(silu), out=out,
+                                   tma=form != "plain", mc=form == "tma+mc"))
             ref = cupy.array(out) if ref is None else ref
             same = "" if bool(cupy.array_equal(out, ref)) else "  DIFFERS from plain"
-            print(f"  {name:8s} {form:5s} {ms:7.3f} ms  useful {2 * N * k * nout / ms / 1e9:6.1f}  executed "
+            print(f"  {name:8s} {form:6s} {ms:7.3f} ms  useful {2 * N * k * nout / ms / 1e9:6.1f}  executed "
                   f"{2 * tiles * 128 * k * nout / ms / 1e9:6.1f} TFLOP/s{same}", flush=True)
 
 

@@ -262,12 +262,15 @@ def test_moe_gemm_wg(name, tma, big_weights):
                      partial(moe_gemm_wg, tma=tma))
 
 
+@pytest.mark.parametrize("mc", [False, True], ids=["solo", "mc"])
 @pytest.mark.parametrize("stages", [4, 3])
 @pytest.mark.parametrize("name", ["T1", "T300", "T2048-skewed", "T8192"])
-def test_moe_gemm_ws_equals_plain(name, stages, big_weights):
+def test_moe_gemm_ws_equals_plain(name, stages, mc, big_weights):
     """The warp-specialised kernel (weights by bulk tensor copies, a producer warpgroup, mbarrier hand-over)
     gives the plain wgmma kernel's values exactly: same tiles, same products in the same order.  Outputs
-    poisoned first; 3 stages make the producer wait on a release every other step."""
+    poisoned first; 3 stages make the producer wait on a release every other step.  mc: tile pairs of one
+    expert multicast each weight box into both CTAs (T1: one tile, a lone CTA; T300: pairs of two experts and
+    of one; skewed: a 2048-row expert's long run of shared pairs)."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16
@@ -288,7 +291,7 @@ def test_moe_gemm_ws_equals_plain(name, stages, big_weights):
         h, y = cupy.empty((N, w13.shape[1] // 2), dtype=x.dtype), cupy.empty((N, D), dtype=x.dtype)
         poison(h)  # every row must be written
         poison(y)
-        kw = dict(tile=WgTile(256, stages) if tma else WgTile(256, 4), tma=tma)
+        kw = dict(tile=WgTile(256, stages) if tma else WgTile(256, 4), tma=tma, mc=mc)
         moe_gemm_wg(x, w13, plan, top_k=A, fuse_silu=True, out=h, **kw)
         moe_gemm_wg(outs[0][0] if tma else h, w2, plan, top_k=A, fuse_silu=False, out=y, **kw)
         outs.append((h, y))
