@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kda_rt.engine import EngineConfig, LLMEngine
+from kda_rt.engine.config import offline_batched_tokens
 from kda_rt.engine.postprocess import DeltaTracker
 from kda_rt.engine.runner import make_runner, select_backend
 from kda_rt.loader.config import load_config
@@ -35,13 +36,28 @@ logger = logging.getLogger(__name__)
 
 def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], settings: EngineConfig, *,
                  tokenizer: Tokenizer | None = None, extra_eos_ids: Sequence[int] = ()) -> LLMEngine:
-    """Runner + engine for in-memory weights.  The runner plans its pools (kda_rt/engine/pools.py);
+    """Runner + engine for in-memory weights.  An unset max_num_batched_tokens takes the offline default
+    (`offline_batched_tokens` of the backend's device).  The runner plans its pools (kda_rt/engine/pools.py);
     the engine gets the plan's slots and pages and the resolved max_model_len."""
+    if settings.max_num_batched_tokens is None:
+        settings = dataclasses.replace(settings, max_num_batched_tokens=_offline_batched_tokens(settings.backend))
     runner = make_runner(model_config, weights, settings)
     plan = runner.plan
     settings = dataclasses.replace(settings, max_model_len=plan.max_model_len)
     return LLMEngine(model_config, runner, tokenizer, settings, num_slots=plan.engine_slots,
                      num_blocks=plan.engine_blocks, extra_eos_ids=extra_eos_ids)
+
+
+def _offline_batched_tokens(backend: str) -> int:
+    """offline_batched_tokens for the device the backend will run on (none for NumPy)."""
+    if select_backend(backend) != "cuda":
+        return offline_batched_tokens(None)
+    import cupy
+
+    dev = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return offline_batched_tokens(int(dev.mem_info[1]), name)
 
 
 def _has_tokenizer(model_dir: str) -> bool:

@@ -11,10 +11,20 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig"]
+__all__ = ["SERVER_BATCHED_TOKENS", "EngineConfig", "offline_batched_tokens"]
+
+SERVER_BATCHED_TOKENS = 8192  # the server's --max-num-batched-tokens default (vLLM's for its API server)
 
 BACKENDS = ("auto", "numpy", "cuda")
 NUMPY_DTYPES = ("float32", "float64", "bfloat16")
+
+
+def offline_batched_tokens(device_memory: int | None, device_name: str = "") -> int:
+    """The offline default of max_num_batched_tokens (vLLM's rule for its LLM class): 16384 on a GPU with
+    70 GiB or more that is not an A100 (where vLLM measured a loss), else 8192 (also with no GPU)."""
+    if device_memory is not None and device_memory >= 70 * 2**30 and "a100" not in device_name.lower():
+        return 16384
+    return 8192
 
 
 def _opt(default, help: str, **cli):  # noqa: A002  (argparse's name)
@@ -37,9 +47,14 @@ class EngineConfig:
                                            "the KV pool holds it, else the largest length that fits)")
     block_size: int = _opt(64, "tokens per MLA page", choices=(16, 32, 64))
     num_blocks: int | None = _opt(None, "MLA pages (default: sized from memory)")
-    # 8192: on the full 48B shape (H200) 32 x 2048-token prompts prefill in 1.87 s with 8192-token
-    # steps against 5.90 s with 2048 (docs/PERFORMANCE.md); a larger step stalls running decodes longer
-    max_num_batched_tokens: int = _opt(8192, "new tokens per engine step (prefill chunks + decodes)")
+    # None: resolved by build_engine as vLLM does: offline (LLM, generate, bench) 16384 on a GPU of 70+ GiB
+    # (not A100), else 8192; the server's flag defaults to 8192 (SERVER_BATCHED_TOKENS).  On the full 48B
+    # shape (H200) 32 x 2048-token prompts prefill in 1.06 s with 16384-token steps, 1.14 s with 8192 and
+    # 5.90 s with 2048 (docs/PERFORMANCE.md); a larger step stalls running decodes longer, which a server's
+    # streams feel and an offline batch does not
+    max_num_batched_tokens: int | None = _opt(None, "new tokens per engine step (prefill chunks + decodes); "
+                                                    "default: 16384 offline on a GPU of 70+ GiB (not A100), "
+                                                    "else 8192; the server's default is 8192")
     gpu_memory_utilization: float = _opt(0.90, "CUDA backend: share of device memory for weights + caches")
     seed: int = _opt(0, "seeds requests that bring no seed of their own")
     enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
@@ -53,10 +68,10 @@ class EngineConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in NUMPY_DTYPES:
             raise ValueError(f"dtype must be one of {NUMPY_DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            _check_int(name, getattr(self, name))
-        if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len)
+        _check_int("max_num_seqs", self.max_num_seqs)
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
         if self.num_blocks is not None:

@@ -21,7 +21,7 @@ import time
 import uvicorn
 
 from kda_rt import env
-from kda_rt.engine.config import EngineConfig
+from kda_rt.engine.config import SERVER_BATCHED_TOKENS, EngineConfig
 from kda_rt.log import configure as configure_logging
 
 __all__ = ["build_parser", "main", "serve"]
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    EngineConfig.add_cli_args(ap)
+    EngineConfig.add_cli_args(ap, max_num_batched_tokens=SERVER_BATCHED_TOKENS)  # streams feel long steps
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="reserved; only 1 is supported")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="sequences allowed in the engine's waiting queue; beyond it requests get 429")

@@ -65,6 +65,30 @@ def test_engine_config_errors(kw, match):
         EngineConfig(**kw)
 
 
+@pytest.mark.parametrize("memory_gib,name,expected", [
+    (141, "NVIDIA H200", 16384), (80, "NVIDIA H100 80GB HBM3", 16384), (192, "NVIDIA B200", 16384),
+    (80, "NVIDIA A100-SXM4-80GB", 8192), (48, "NVIDIA L40S", 8192), (69.9, "NVIDIA H100 NVL", 8192),
+    (None, "", 8192),
+])
+def test_offline_batched_tokens_rule(memory_gib, name, expected):
+    """vLLM's offline default: 16384 new tokens a step on GPUs of 70+ GiB but the A100, else (and on CPU) 8192."""
+    from kda_rt.engine.config import offline_batched_tokens
+
+    memory = None if memory_gib is None else int(memory_gib * 2**30)
+    assert offline_batched_tokens(memory, name) == expected
+
+
+def test_batched_tokens_defaults(tiny_dir):
+    """Unset, max_num_batched_tokens is resolved when the engine is built (NumPy: 8192); given, it is kept;
+    the server's flag defaults to 8192 (its streams feel every long step)."""
+    from kda_rt.server.__main__ import build_parser
+
+    assert EngineConfig().max_num_batched_tokens is None
+    assert make_llm(tiny_dir, backend="numpy").llm_engine.config.max_num_batched_tokens == 8192
+    assert make_llm(tiny_dir, backend="numpy", max_num_batched_tokens=96).llm_engine.config.max_num_batched_tokens == 96
+    assert build_parser().parse_args([]).max_num_batched_tokens == 8192
+
+
 def test_backend_errors(tiny_dir):
     from kda_rt.engine.runner import cuda_unavailable_reason
 
