@@ -76,20 +76,6 @@ def wgmma() -> bool:
     return _on_off("KDA_RT_WGMMA")
 
 
-def wg_tma() -> bool:
-    """KDA_RT_WG_TMA: 0 runs the prefill MoE GEMMs on wgmma with every thread copying and multiplying
-    (moe_gemm_wg.cu) instead of the warp-specialised kernel whose weights arrive by bulk tensor copies
-    (moe_gemm_ws.cu); default 1.  Read at each call."""
-    return _on_off("KDA_RT_WG_TMA")
-
-
-def wg_mc() -> bool:
-    """KDA_RT_WG_MC: 0 makes every CTA of the warp-specialised prefill MoE GEMM (moe_gemm_ws.cu) load its own
-    weight boxes, instead of pairs of tiles of one expert loading each box once for both (clusters of two,
-    multicast); default 1.  Read at each call."""
-    return _on_off("KDA_RT_WG_MC")
-
-
 def fused_norm() -> bool:
     """KDA_RT_FUSED_NORM: 0 runs a small step's MoE combine, the residual add and the next RMSNorm as two
     kernels (moe_combine, rmsnorm) instead of one (moe_combine_norm); default 1.  Read at each forward."""

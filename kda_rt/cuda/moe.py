@@ -44,7 +44,7 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 )
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
-from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile, ws_kernel
+from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_route import (
     FUSED_MAX_T,
     SPLIT_MIN_T,
@@ -114,10 +114,6 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
         for nout, k, fuse, tile in gemms:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
                 wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
-                if wg_tile(nout, k, fuse).bn == 256:
-                    for mc in (False, True):
-                        ws_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, mc)
-                        count += 1
             else:
                 tc_kernel(tile, k, nout, fuse, pairs)
                 small = tile_config(bm, nout, k, fuse, tokens=1)

@@ -14,7 +14,7 @@ from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 
-__all__ = ["WgTile", "available", "moe_gemm_wg", "wg_kernel", "wg_tile", "ws_kernel"]
+__all__ = ["WgTile", "available", "moe_gemm_wg", "wg_tile"]
 
 BM, BK = 128, 64
 
@@ -60,39 +60,17 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
                       FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages)
 
 
-def ws_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, mc: bool = False):
-    """The warp-specialised variant (kernels_cu/moe_gemm_ws.cu: weights by bulk tensor copies, BN = 256);
-    mc: CTA pairs of one expert share each weight box (clusters of 2 along the tiles, multicast)."""
-    return get_kernel("moe_gemm_ws.cu", "moe_grouped_gemm_ws", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
-                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages, MC=int(mc))
-
-
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
-                tma: bool | None = None, mc: bool | None = None, stream=None):
+                stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows).
-    tma: the warp-specialised kernel whose weights arrive by bulk tensor copies (None: KDA_RT_WG_TMA, on by
-    default, where the tile has BN = 256); same results as the plain kernel, bit for bit.  mc (with tma): tile
-    pairs of one expert load each weight box once for both (None: KDA_RT_WG_MC, default on)."""
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or wg_tile(nout, K, fuse_silu)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    tma = (env.wg_tma() if tma is None else tma) and tile.bn == 256
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
-    if not N:
-        return out
-    if tma:
-        from kda_rt.cuda.ops.tma import weight_map
-
-        mc = env.wg_mc() if mc is None else mc
-        if mc:
-            grid = (grid[0], grid[1] + grid[1] % 2)  # whole clusters of two tiles
-        ws_kernel(tile, K, nout, fuse_silu, top_k, mc)(
-            grid, (384,), (src, plan.sorted_pair, weight_map(weight, 128), plan.tile_expert, plan.tile_row,
-                           plan.expert_off, plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
-    else:
-        wg_kernel(tile, K, nout, fuse_silu, top_k)(
-            grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
-                           plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
+    if N:
+        kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
+                              plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
     return out
