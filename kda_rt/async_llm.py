@@ -12,6 +12,10 @@ lock.  Leaving the `async for` early (break, cancellation) aborts the request.
 An `AsyncLLM` belongs to the event loop of its first `generate`: a call from another loop while
 that one is still open raises RuntimeError (its stepping task and queues live on the first loop);
 once the first loop is closed (e.g. after `asyncio.run`), the next loop takes it over.
+
+The `LLM` brings its engine settings: serving streams, pass `max_num_batched_tokens=8192` as the server
+does (`SERVER_BATCHED_TOKENS`); left unset it takes the offline default, which may be 16384 (longer steps,
+which every running stream waits out).
 """
 
 from __future__ import annotations
