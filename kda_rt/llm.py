@@ -54,10 +54,10 @@ def _offline_batched_tokens(backend: str) -> int:
         return offline_batched_tokens(None)
     import cupy
 
+    from kda_rt.cuda.ops.compile import device_name
+
     dev = cupy.cuda.Device()
-    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    return offline_batched_tokens(int(dev.mem_info[1]), name)
+    return offline_batched_tokens(int(dev.mem_info[1]), device_name(dev.id))
 
 
 def _has_tokenizer(model_dir: str) -> bool:

@@ -29,7 +29,8 @@ import msgpack
 
 from kda_rt import env
 
-__all__ = ["KERNEL_DIR", "CompileError", "device_arch", "compile_cubin", "get_kernel", "sm_count", "startup_log"]
+__all__ = ["KERNEL_DIR", "CompileError", "device_arch", "device_name", "compile_cubin", "get_kernel", "sm_count",
+           "startup_log"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,12 @@ def clusters_supported() -> bool:
 def sm_count(device_id: int) -> int:
     """Streaming multiprocessors of CUDA device `device_id` (grids sized to one wave, occupancy)."""
     return int(_cupy().cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount
+
+
+def device_name(device_id: int) -> str:
+    """The name of CUDA device `device_id` (e.g. "NVIDIA H200")."""
+    name = _cupy().cuda.runtime.getDeviceProperties(device_id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,10 +232,9 @@ def startup_log() -> str:
     """One line: GPU, arch, driver, NVRTC and CuPy versions (logged once when the backend starts)."""
     cupy = _cupy()
     rt = cupy.cuda.runtime
-    props = rt.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    dev = cupy.cuda.Device().id
     drv = rt.driverGetVersion()
-    line = (f"GPU {name} ({props['multiProcessorCount']} SMs), arch {device_arch()}, driver CUDA {drv // 1000}.{drv % 1000 // 10}, "
+    line = (f"GPU {device_name(dev)} ({sm_count(dev)} SMs), arch {device_arch()}, driver CUDA {drv // 1000}.{drv % 1000 // 10}, "
             f"NVRTC {'.'.join(map(str, nvrtc_version()))}, CuPy {cupy.__version__}")
     logger.info(line)
     return line
