@@ -10,6 +10,12 @@ One JSON line per batch on stdout (replay wall, kernels, busy and gap time, larg
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --prefill 4x2048,1x32768
 Per-kernel totals of whole prefills instead (B prompts of L tokens, 2 output tokens, after one warm-up run
 of the same shape; steps of max_num_batched_tokens = 8192): one JSON line per shape.
+
+    PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --run 32:2048:64
+The decode steps of a whole engine run (B prompts of I tokens, O output tokens, after a warm-up run of the
+same shape): GPU time per step (kernels, idle between them and between steps) beside the host's time per
+engine.step() split into launching, waiting for results and the rest (postprocess, scheduling), so a step
+slower than its graph replay shows whether the GPU or the host sets the pace.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--trace-dir", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--prefill", default="", help="BxL shapes whose whole prefill is traced, e.g. 4x2048")
+    ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
 
     from helpers.full_model import full_engine
@@ -47,7 +54,8 @@ def main() -> int:
 
     batches = [int(b) for b in args.batches.split(",") if b]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefill.split(",") if s]
-    _, engine = full_engine(args.layers, max_num_seqs=max(batches + [b for b, _ in shapes]),
+    runs = [tuple(int(v) for v in s.split(":")) for s in args.run.split(",") if s]
+    _, engine = full_engine(args.layers, max_num_seqs=max(batches + [b for b, _ in shapes] + [b for b, _, _ in runs]),
                             max_num_batched_tokens=8192)
     runner = engine.runner
 
@@ -88,6 +96,9 @@ def main() -> int:
             "top": [{"name": k, "n": count[k], "ms": round(v / 1e3, 2), "share": round(v / busy, 3)}
                     for k, v in per_kernel.most_common(45)],
         }), flush=True)
+
+    for run in runs:
+        print(json.dumps(_trace_run(engine, *run, args.trace_dir, profile, ProfilerActivity)), flush=True)
 
     for batch in batches:
         rows = next(b for b in runner.buckets if b >= batch)
@@ -147,6 +158,72 @@ def main() -> int:
                         for k, v in per_kernel.most_common(40)],
         }), flush=True)
     return 0
+
+
+def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: str, profile, activity) -> dict:
+    """One engine run's decode steps: host time per step by phase, GPU kernels and idle per step."""
+    from kda_rt.bench import run_bench
+
+    runner = engine.runner
+    host: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(obj, name: str, key: str):
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                host[key].append(time.perf_counter() - t)
+        setattr(obj, name, wrapper)
+        return inner
+
+    run_bench(engine, batch, input_len, min(output_len, 8), seed=3)
+    saved = [(runner, "launch", timed(runner, "launch", "launch")),
+             (runner, "collect", timed(runner, "collect", "collect")),
+             (runner.staging, "wait", timed(runner.staging, "wait", "wait")),
+             (engine, "_postprocess", timed(engine, "_postprocess", "postprocess"))]
+    try:
+        with profile(activities=[activity.CUDA]) as prof:
+            report = run_bench(engine, batch, input_len, output_len, seed=4)
+    finally:
+        for obj, name, inner in saved:
+            setattr(obj, name, inner)
+    path = os.path.join(trace_dir, f"trace_run_{batch}x{input_len}x{output_len}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+        kernels = sorted((e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # the decode steps: from the first kernel after the last prefill-sized gap; steps end at the sampler's last
+    # kernel (the results copy follows it), found as the kernel name that occurs once per step at the end
+    names = [_short(e["name"]) for e in kernels]
+    last = names[-1]
+    ends = [i for i, n in enumerate(names) if n == last]
+    steps = []
+    for a, b in zip(ends, ends[1:], strict=False):
+        seg = kernels[a + 1:b + 1]
+        busy = sum(e["dur"] for e in seg)
+        span = seg[-1]["ts"] + seg[-1]["dur"] - seg[0]["ts"]
+        lead = seg[0]["ts"] - (kernels[a]["ts"] + kernels[a]["dur"])  # idle between the steps
+        steps.append((len(seg), busy, span, lead))
+    tail = steps[-min(len(steps), output_len - 8):] if len(steps) > 8 else steps  # steady decode steps
+    gap_before: collections.Counter[str] = collections.Counter()
+    for x, y in zip(kernels, kernels[1:], strict=False):
+        gap_before[_short(y["name"])] += max(0.0, y["ts"] - (x["ts"] + x["dur"]))
+    mean = lambda v: round(statistics.fmean(v), 3) if v else None  # noqa: E731
+    return {
+        "run": f"{batch}:{input_len}:{output_len}", "decode_step_ms": round(report["decode_step_s_mean"] * 1e3, 3),
+        "steps_seen": len(steps), "steady_steps": len(tail),
+        "gpu_kernels_per_step": mean([s[0] for s in tail]),
+        "gpu_busy_ms": mean([s[1] / 1e3 for s in tail]), "gpu_span_ms": mean([s[2] / 1e3 for s in tail]),
+        "gpu_idle_in_step_ms": mean([(s[2] - s[1]) / 1e3 for s in tail]),
+        "gpu_idle_between_steps_ms": mean([s[3] / 1e3 for s in tail]),
+        "gpu_idle_between_steps_max_ms": round(max(s[3] for s in tail) / 1e3, 3) if tail else None,
+        "host_ms_per_call": {k: mean([t * 1e3 for t in v]) for k, v in host.items()},
+        "host_calls": {k: len(v) for k, v in host.items()},
+        "idle_before": [{"name": k, "ms": round(v / 1e3, 2)} for k, v in gap_before.most_common(10)],
+        "report": {k: report[k] for k in ("elapsed_s", "ttft_s_max", "num_decode_steps")},
+    }
 
 
 if __name__ == "__main__":
