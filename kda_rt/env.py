@@ -109,23 +109,3 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
-
-
-L2_PREFETCH_POINTS = {"o": "KDA o_proj", "s": "shared expert", "m": "MLA o_proj"}
-
-
-def l2_prefetch() -> frozenset[str]:
-    """KDA_RT_L2_PREFETCH: which weights a decode step asks L2 for while the latency-bound kernels before
-    them run (kernels_cu/l2_prefetch.cu): letters of L2_PREFETCH_POINTS (o: a KDA layer's o_proj during
-    the recurrence, s: the shared expert during the routing, m: an MLA layer's o_proj during its
-    attention), 1 for all, 0 for none; default 1.  Read at each forward (a CUDA graph keeps what it
-    captured)."""
-    value = os.environ.get("KDA_RT_L2_PREFETCH") or "1"
-    if value == "0":
-        return frozenset()
-    if value == "1":
-        return frozenset(L2_PREFETCH_POINTS)
-    if not set(value) <= set(L2_PREFETCH_POINTS):
-        raise ValueError(f"KDA_RT_L2_PREFETCH must be 0, 1 or letters of {''.join(L2_PREFETCH_POINTS)} "
-                         f"({', '.join(f'{k}: {v}' for k, v in L2_PREFETCH_POINTS.items())}), got {value!r}")
-    return frozenset(value)

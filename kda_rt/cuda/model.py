@@ -20,12 +20,10 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.gemm import bmm, linear
 from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
-from kda_rt.cuda.ops import pdl
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
-from kda_rt.cuda.ops.l2_prefetch import l2_prefetch
 from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 from kda_rt.cuda.ops.mla_prefill import mla_prefill
 from kda_rt.cuda.ops.mla_store import mla_store
@@ -65,9 +63,6 @@ class CudaModel:
         self.kda_pools = kda_pools  # layer id -> (conv_pool, rec_pool)
         self.mla_pools = mla_pools  # layer id -> kv_pool [num_blocks, block_size, 576]
         self.launches = 0
-        self._prefetch: frozenset[str] = frozenset()  # env.l2_prefetch() of the forward being launched
-        self._side = None  # the stream of the L2 prefetches (created on first use)
-        self._side_used = False
         import cupy
 
         # decode steps only, per layer: [experts touched summed over calls, calls] (the bench's bytes floor)
@@ -85,8 +80,6 @@ class CudaModel:
         delta = ws.get("delta", (T, D), BF16)
         final = ws.get("final", (T, D), BF16)
         fuse_norm = env.fused_norm() and T <= FUSED_NORM_MAX_T and fits_norm(D)
-        self._prefetch = env.l2_prefetch() if b.decode else frozenset()
-        self._side_used = False
         layers = self.w.layers
         normed = False  # the previous MoE block already added its output to res and normalised it into a
         for i, L in enumerate(layers):
@@ -120,39 +113,9 @@ class CudaModel:
             N = int(b.logits_indices.shape[0])
             logits = ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32)
             if N == 0:  # prefill chunks that finish no prompt: nothing to project
-                self._join_side()
                 return logits
             rows = final if (b.decode and N == T) else final.take(b.logits_indices, axis=0)
-            linear(rows, self.w.lm_head, out=logits)
-        self._join_side()
-        return logits
-
-    # ------------------------------------------------------------------------------------------
-
-    def _prefetch_l2(self, first, second=None) -> None:
-        """Ask L2 for weights on a side stream forked here, so that no kernel of the step waits for the
-        prefetch (a prefetch kernel in the main stream would hold up the next kernel until its bytes
-        arrived: +6-8 us per call in a batch-1 graph).  The fork's edge makes it start after the kernel
-        launched last; `_join_side` joins it back before the forward ends (a graph capture needs that)."""
-        import cupy
-
-        if self._side is None:
-            self._side = cupy.cuda.Stream(non_blocking=True)
-        fork = cupy.cuda.Event(disable_timing=True)
-        fork.record(cupy.cuda.get_current_stream())
-        self._side.wait_event(fork)
-        with pdl.capturing(False):  # a plain launch: the fork is its only dependency
-            l2_prefetch(first, second, stream=self._side)
-        self._side_used = True
-
-    def _join_side(self) -> None:
-        import cupy
-
-        if self._side_used:
-            done = cupy.cuda.Event(disable_timing=True)
-            done.record(self._side)
-            cupy.cuda.get_current_stream().wait_event(done)
-            self._side_used = False
+            return linear(rows, self.w.lm_head, out=logits)
 
     # ------------------------------------------------------------------------------------------
 
@@ -189,8 +152,6 @@ class CudaModel:
         args = (qkv, f, beta, gate, w.conv_w, w.A_log, w.dt_bias, w.o_norm, conv_pool, rec_pool,
                 b.cu_seqlens, b.context_lens, b.state_slots)
         if b.decode:
-            if "o" in self._prefetch:  # o_proj's weights into L2 while the recurrence runs
-                self._prefetch_l2(w.o_proj)
             kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y, **low_rank)
         else:
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
@@ -201,8 +162,6 @@ class CudaModel:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack)
-        if "s" in self._prefetch and w.shared is not None:  # the shared expert into L2 while the routing runs
-            self._prefetch_l2(w.shared.gate_up, w.shared.down)
         moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
@@ -211,8 +170,6 @@ class CudaModel:
         qdim = H * mc.qk_head_dim
         qkva = linear(a, w.q_kva, out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
         pool = self.mla_pools[layer]
-        if "m" in self._prefetch:  # o_proj's weights into L2 while the attention runs
-            self._prefetch_l2(w.o_proj)
         mla_store(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps, pool, b.cu_seqlens, b.context_lens,
                   b.block_tables)
         o = ws.get("mla_o", (T, H * mc.v_head_dim), BF16)
