@@ -18,6 +18,19 @@
 //   The order of pairs inside one expert's rows depends on atomics, but every row of the
 //   grouped GEMM is computed independently and moe_combine reads rows through pair_pos in a
 //   fixed k order, so the block output is bitwise deterministic all the same.
+// moe_bucket_count / moe_bucket_plan / moe_bucket_scatter — the same plan for prefill-sized N in three
+//   launches over G blocks instead of one block (one block walked the 147 K pairs of a 16384-token step in
+//   ~150 us).  Block g takes pairs [g·chunk, min(N, (g + 1)·chunk)), chunk a multiple of the pairs per token:
+//   count: per-bin counts in shared memory, then base[g·E + e] = atomicAdd(&counts[e], count) (one global
+//     atomic per bin and block; counts zeroed by the launcher): the block's first row inside bin e;
+//   plan (one block): expert_off, tiles, num_tiles, stats from counts (plan_from_counts), sync zeroed;
+//   scatter: r = expert_off[e] + base[g·E + e] + the pair's rank inside the block (shared atomics).
+//   The shared expert's pairs (SHARED_A) are every (A+1)-th pair: their counts and ranks are arithmetic, no
+//   atomics on that one hot bin.  Which block's rows come first inside a bin depends on the global atomics;
+//   as in moe_bucket that order does not change any output.
+//   Measured (H200, 2026-12-01, tests/gpu/bench_bucket.py: E = 256 + the shared slot, top-8, graph replays),
+//   one block -> three launches: T = 512 7.3 -> 8.3 us, 2048 22.4 -> 9.2, 8192 83.4 -> 10.8, 16384 164.1 ->
+//   13.1, 32768 326.8 -> 19.6 (ops/moe_align.py takes the three launches from 8192 pairs).
 // moe_combine — grid (T, ceil(D / (4·THREADS))), block THREADS: each thread owns 4 columns of one
 //   token and issues all its A (+1) 8-byte row loads (4 bf16) at once (at T = 1 the old grid (T) x 256
 //   threads left one SM to walk 9 rows: ~7.5 us; now D / 4 threads on D / (4·THREADS) SMs).
@@ -81,6 +94,61 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
     for (int i = threadIdx.x; i < sync_words; i += BUCKET_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     bucket_block<BUCKET_THREADS>([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
                  pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh, off_sh, fill_sh, warp_tot);
+}
+#endif
+
+#ifdef BT
+#define PAIRS_PER_TOKEN (SHARED_A ? SHARED_A + 1 : 1)  // chunks are multiples of this (block slices hold whole tokens)
+
+extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
+moe_bucket_count(const int* __restrict__ ids, int num_pairs, int chunk, int* __restrict__ counts, int* __restrict__ base) {
+    KDA_PDL_ENTRY();
+    __shared__ int count_sh[E];
+    const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = min(num_pairs, p0 + chunk);
+    for (int e = tid; e < E; e += BUCKET_THREADS) count_sh[e] = 0;
+    __syncthreads();
+    for (int p = p0 + tid; p < p1; p += BUCKET_THREADS)
+        if (!SHARED_A || p % (SHARED_A + 1) != SHARED_A) atomicAdd(&count_sh[expert_of(ids, p)], 1);
+    __syncthreads();
+    for (int e = tid; e < E; e += BUCKET_THREADS) {
+        const int c = SHARED_A && e == E - 1 ? (p1 - p0) / (SHARED_A + 1) : count_sh[e];
+        base[blockIdx.x * E + e] = c ? atomicAdd(counts + e, c) : 0;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
+moe_bucket_plan(const int* __restrict__ counts, int* __restrict__ expert_off, int* __restrict__ tile_expert,
+                int* __restrict__ tile_row, int* __restrict__ num_tiles, int* __restrict__ stats,
+                int* __restrict__ sync, int sync_words) {
+    KDA_PDL_ENTRY();
+    __shared__ int off_sh[E], warp_tot[32];
+    for (int i = threadIdx.x; i < sync_words; i += BUCKET_THREADS) sync[i] = 0;
+    plan_from_counts<BUCKET_THREADS>(threadIdx.x < E ? counts[threadIdx.x] : 0, E, BT, ROUTED, expert_off, tile_expert,
+                                     tile_row, num_tiles, stats, off_sh, warp_tot);
+}
+
+extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
+moe_bucket_scatter(const int* __restrict__ ids, int num_pairs, int chunk, const int* __restrict__ expert_off,
+                   const int* __restrict__ base, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+    KDA_PDL_ENTRY();
+    __shared__ int start_sh[E], fill_sh[E];
+    const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = min(num_pairs, p0 + chunk);
+    for (int e = tid; e < E; e += BUCKET_THREADS) {
+        start_sh[e] = expert_off[e] + base[blockIdx.x * E + e];
+        fill_sh[e] = 0;
+    }
+    __syncthreads();
+    for (int p = p0 + tid; p < p1; p += BUCKET_THREADS) {
+        int r;
+        if (SHARED_A && p % (SHARED_A + 1) == SHARED_A) {
+            r = start_sh[E - 1] + (p - p0) / (SHARED_A + 1);
+        } else {
+            const int e = expert_of(ids, p);
+            r = start_sh[e] + atomicAdd(&fill_sh[e], 1);
+        }
+        sorted_pair[r] = p;
+        pair_pos[p] = r;
+    }
 }
 #endif
 

@@ -34,22 +34,15 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_tot, int* t
     return result;
 }
 
-// The whole bucketing of `num_pairs` pairs into `bins` bins (bins <= NT) of `bt`-row tiles, by one block
-// of NT threads; expert_of(p) gives pair p's bin.  Shared scratch: count_sh, off_sh, fill_sh of `bins`
-// ints, warp_tot of 32.
-template <int NT, typename ExpertOf>
-__device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, int bins, int bt, int routed,
-                                             int* __restrict__ expert_off, int* __restrict__ sorted_pair,
-                                             int* __restrict__ pair_pos, int* __restrict__ tile_expert,
-                                             int* __restrict__ tile_row, int* __restrict__ num_tiles,
-                                             int* __restrict__ stats, int* count_sh, int* off_sh, int* fill_sh,
-                                             int* warp_tot) {
+// The plan from the per-bin counts (thread b < bins holds bin b's count in cnt), by one block of NT threads:
+// expert_off, the tiles of `bt` rows (tile_expert, tile_row, num_tiles), the optional stats; off_sh[b] gets bin
+// b's first row (shared scratch of `bins` ints; warp_tot of 32).  Ends with a barrier.
+template <int NT>
+__device__ __forceinline__ void plan_from_counts(int cnt, int bins, int bt, int routed, int* __restrict__ expert_off,
+                                                 int* __restrict__ tile_expert, int* __restrict__ tile_row,
+                                                 int* __restrict__ num_tiles, int* __restrict__ stats, int* off_sh,
+                                                 int* warp_tot) {
     const int tid = threadIdx.x;
-    for (int e = tid; e < bins; e += NT) { count_sh[e] = 0; fill_sh[e] = 0; }
-    __syncthreads();
-    for (int p = tid; p < num_pairs; p += NT) atomicAdd(&count_sh[expert_of(p)], 1);
-    __syncthreads();
-    const int cnt = tid < bins ? count_sh[tid] : 0;
     const int ntile = (cnt + bt - 1) / bt;
     int total_rows, total_tiles;
     const int row0 = block_exclusive_scan<NT>(cnt, warp_tot, &total_rows);
@@ -72,6 +65,25 @@ __device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, 
         if (tid == 0) atomicAdd(stats + 1, 1);
     }
     __syncthreads();
+}
+
+// The whole bucketing of `num_pairs` pairs into `bins` bins (bins <= NT) of `bt`-row tiles, by one block
+// of NT threads; expert_of(p) gives pair p's bin.  Shared scratch: count_sh, off_sh, fill_sh of `bins`
+// ints, warp_tot of 32.
+template <int NT, typename ExpertOf>
+__device__ __forceinline__ void bucket_block(ExpertOf expert_of, int num_pairs, int bins, int bt, int routed,
+                                             int* __restrict__ expert_off, int* __restrict__ sorted_pair,
+                                             int* __restrict__ pair_pos, int* __restrict__ tile_expert,
+                                             int* __restrict__ tile_row, int* __restrict__ num_tiles,
+                                             int* __restrict__ stats, int* count_sh, int* off_sh, int* fill_sh,
+                                             int* warp_tot) {
+    const int tid = threadIdx.x;
+    for (int e = tid; e < bins; e += NT) { count_sh[e] = 0; fill_sh[e] = 0; }
+    __syncthreads();
+    for (int p = tid; p < num_pairs; p += NT) atomicAdd(&count_sh[expert_of(p)], 1);
+    __syncthreads();
+    plan_from_counts<NT>(tid < bins ? count_sh[tid] : 0, bins, bt, routed, expert_off, tile_expert, tile_row,
+                         num_tiles, stats, off_sh, warp_tot);
     for (int p = tid; p < num_pairs; p += NT) {
         const int e = expert_of(p);
         const int r = off_sh[e] + atomicAdd(&fill_sh[e], 1);

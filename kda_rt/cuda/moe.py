@@ -29,7 +29,15 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.moe_align import MoEPlan, NormAfter, bucket_kernel, max_tiles, moe_bucket, moe_combine
+from kda_rt.cuda.ops.moe_align import (
+    MoEPlan,
+    NormAfter,
+    bucket_kernel,
+    bucket_scratch_words,
+    max_tiles,
+    moe_bucket,
+    moe_combine,
+)
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import (
     FUSED_MIN_TOKENS,
@@ -76,7 +84,8 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
     parts = [("route_done", (64,), i32), ("logits", (T, 3 * E), f32), ("ids", (T, A), i32), ("w", (T, A), f32), ("expert_off", (bins + 1,), i32),
              ("sorted_pair", (N,), i32), ("pair_pos", (N,), i32), ("tile_expert", (tiles,), i32),
              ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), BF16),
-             ("sync", (1 + tiles,), i32)]  # moe_decode_fused's counters (>= sync_words: tiles of 16 rows)
+             ("sync", (1 + tiles,), i32),  # moe_decode_fused's counters (>= sync_words: tiles of 16 rows)
+             ("bucket_scratch", (max(1, bucket_scratch_words(N, bins)),), i32)]
     if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
     return parts
@@ -200,7 +209,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
                       biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
                       router_split=w.router_split, stream=stream)
-            moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=sync, stream=stream)
+            moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=sync, scratch=ws["bucket_scratch"],
+                       stream=stream)
         if fused_tile:
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
                              stream=stream)

@@ -10,9 +10,10 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("wide", [None, True])  # the one-block kernel / moe_bucket_plan (by N, then forced)
 @pytest.mark.parametrize("T,E,A,skew", [(1, 256, 8, False), (32, 256, 8, False), (300, 64, 6, True),
                                          (2048, 256, 8, False)])
-def test_bucket_counts_touched_experts(T, E, A, skew):
+def test_bucket_counts_touched_experts(T, E, A, skew, wide):
     import cupy
 
     from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
@@ -26,7 +27,7 @@ def test_bucket_counts_touched_experts(T, E, A, skew):
         N, BT = T * A, 8
         tiles = max_tiles(N, E, BT)
         plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (E + 1, N, N, tiles, tiles, 1)), BT)
-        moe_bucket(cupy.asarray(ids), E, plan, stats=stats)
+        moe_bucket(cupy.asarray(ids), E, plan, stats=stats, wide=wide)
         expect += (np.unique(ids).size, 1)
         assert stats.get().tolist() == expect.tolist(), f"call {call}"
         assert int(plan.num_tiles.get()[0]) == sum(-(-c // BT) for c in np.bincount(ids.ravel(), minlength=E))

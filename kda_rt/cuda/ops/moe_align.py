@@ -5,6 +5,7 @@ Letters: T tokens, A active experts per token, E experts, N = T·A pairs, D hidd
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -13,10 +14,16 @@ from kda_rt.cuda.ops.check import expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
-__all__ = ["FUSED_NORM_MAX_T", "MoEPlan", "NormAfter", "check_plan", "fits_norm", "max_tiles", "moe_bucket",
-           "moe_combine"]
+__all__ = ["FUSED_NORM_MAX_T", "WIDE_MIN_PAIRS", "MoEPlan", "NormAfter", "bucket_kernel", "bucket_scratch_words",
+           "check_plan", "fits_norm", "max_tiles", "moe_bucket", "moe_combine"]
 
 _BUCKET_THREADS = 1024  # one block of 32 warps: its scan adds up one total per warp in a single warp
+# From this many pairs the bucketing runs as count / plan / scatter over up to _WIDE_BLOCKS blocks instead of in
+# one block (tests/gpu/bench_bucket.py, H200, 2026-12-01, graph replays, 257 bins: 4608 pairs 7.3 us in one
+# block against 8.3 in three launches, 9216 pairs 12.4 against 9.2; table in moe_align.cu's header)
+WIDE_MIN_PAIRS = 8192
+_WIDE_BLOCKS = 64
+_WIDE_MIN_CHUNK = 1024  # pairs per block at least
 _COMBINE_THREADS = 64  # 256 columns per block: D = 2304 spreads one token over 9 SMs
 _NORM_MAX_THREADS = 1024  # moe_combine_norm: one block per token
 
@@ -47,26 +54,66 @@ def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
     return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
 
 
+def bucket_scratch_words(num_pairs: int, num_bins: int) -> int:
+    """int32 scratch moe_bucket needs for `num_pairs` pairs into `num_bins` bins (0: the one-block kernel)."""
+    return num_bins * (1 + _WIDE_BLOCKS) if num_pairs >= WIDE_MIN_PAIRS else 0
+
+
 def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot: bool = False, sync=None,
-               stream=None) -> MoEPlan:
+               scratch=None, wide: bool | None = None, stream=None) -> MoEPlan:
     """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place.
     stats: optional int32 [2] device counter: [0] += routed experts touched by this call, [1] += 1.
     shared_slot: the shared expert is expert `num_experts` of the stacks: every token gets an
     (A+1)-th pair for it (pairs t·(A+1) + k, the plan has T·(A+1) rows and num_experts + 1 bins).
-    sync: optional int32 [n] device array, zeroed in the same launch (the counters of moe_decode_fused)."""
+    sync: optional int32 [n] device array, zeroed in the same launch (the counters of moe_decode_fused).
+    scratch: int32 device array of >= bucket_scratch_words(N, bins) words for the three-launch path of large N
+    (allocated here when None); wide: force that path (True) or the one-block kernel (False), None: by N."""
     T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
     pairs = A + 1 if shared_slot else A
     N, E = T * pairs, num_experts + (1 if shared_slot else 0)
     if not 1 <= E <= _BUCKET_THREADS:
         raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS - int(shared_slot)}], got {num_experts}")
     check_plan(plan, N, E, stats, sync, "moe_bucket")
-    kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
     null = np.uint64(0)
+    if N and (N >= WIDE_MIN_PAIRS if wide is None else wide):
+        _bucket_wide(ids, N, E, A if shared_slot else 0, plan, stats, sync, scratch, stream)
+        return plan
+    kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
                                       stats if stats is not None else null, sync if sync is not None else null,
                                       i32(0 if sync is None else sync.size)), stream=stream)
     return plan
+
+
+def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync, scratch, stream) -> None:
+    """moe_bucket_count / _plan / _scatter (moe_align.cu) over G blocks of whole tokens."""
+    import cupy
+
+    per_token = shared_a + 1 if shared_a else 1
+    blocks = max(1, min(_WIDE_BLOCKS, N // _WIDE_MIN_CHUNK))
+    per_block = -(-N // blocks)
+    chunk = -(-per_block // per_token) * per_token  # whole tokens per block
+    blocks = -(-N // chunk)
+    words = E * (1 + _WIDE_BLOCKS)
+    if scratch is None:
+        scratch = cupy.empty(words, dtype=np.int32)
+    expect(scratch, "scratch", ndim=1, dtype=np.int32)
+    if scratch.size < words:
+        raise ValueError(f"moe_bucket: scratch has {scratch.size} int32 words, needs {words} (bucket_scratch_words)")
+    counts, base = scratch[:E], scratch[E:words]
+    kernel = functools.partial(bucket_kernel, E, plan.tile_rows, shared_a)
+    null = np.uint64(0)
+    on = stream if stream is not None else cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memsetAsync(counts.data.ptr, 0, 4 * E, on.ptr)
+    kernel("moe_bucket_count")((blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), counts, base), stream=stream)
+    kernel("moe_bucket_plan")(
+        (1,), (_BUCKET_THREADS,), (counts, plan.expert_off, plan.tile_expert, plan.tile_row, plan.num_tiles,
+                                   stats if stats is not None else null, sync if sync is not None else null,
+                                   i32(0 if sync is None else sync.size)), stream=stream)
+    kernel("moe_bucket_scatter")(
+        (blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), plan.expert_off, base, plan.sorted_pair,
+                                        plan.pair_pos), stream=stream)
 
 
 def check_plan(plan: MoEPlan, num_pairs: int, num_bins: int, stats, sync, who: str) -> None:
@@ -84,10 +131,11 @@ def check_plan(plan: MoEPlan, num_pairs: int, num_bins: int, stats, sync, who: s
         expect(sync, "sync", ndim=1, dtype=np.int32)
 
 
-def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int):
-    """The moe_bucket variant for `num_bins` experts (with the shared slot: E + 1), tiles of `tile_rows`,
-    `shared_a` = top_k when the shared expert is a slot, else 0."""
-    return get_kernel("moe_align.cu", "moe_bucket", E=num_bins, BT=tile_rows, BUCKET_THREADS=_BUCKET_THREADS,
+def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int, name: str = "moe_bucket"):
+    """The moe_bucket variant (or `name`: moe_bucket_count / _plan / _scatter, the same module) for `num_bins`
+    experts (with the shared slot: E + 1), tiles of `tile_rows`, `shared_a` = top_k when the shared expert is a
+    slot, else 0."""
+    return get_kernel("moe_align.cu", name, E=num_bins, BT=tile_rows, BUCKET_THREADS=_BUCKET_THREADS,
                       SHARED_A=shared_a)
 
 
