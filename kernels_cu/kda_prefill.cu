@@ -52,12 +52,33 @@
 // Compile-time constants (kda_rt/cuda/ops/kda_prefill.py): HEAD_DIM (K = V, must be 128), CONV_W
 // (W), CHUNK (L, must be 64), VB (state columns per CTA of kda_prefill_state: 16, 32, 64 or 128),
 // INTRA_THREADS (must be 512).
+// Phases of the intra kernel (H200, 2026-12-01, `PYTHONPATH=. python tests/gpu/bench_kda_phases.py`: clock64
+// stamps, 32 x 2048, random gates as the random-weight model's, so most diagonal sub-blocks are unsafe): 49.2 K
+// cycles a CTA, kernel 7.42 ms -> 45.5 K, 6.83 ms after (c) took three exp2f per element instead of ~5.5
+// (tables hold 2^sums) and (e) one round of the 512 threads (strictly-lower pairs; the diagonal from (b)'s q.k).
+// Now: loads 14%, conv + SiLU + gates 24%, (b) 8%, (c) 13%, (d, e) 17%, T off-diagonal blocks 15%, (g) 5%.
 // Timing (H200, 2026-11-30, `PYTHONPATH=. python tests/gpu/bench_kda_prefill.py`, H = 32, K = V = 128,
 // median ms of the whole launcher): 1x2048 0.476, 8x2048 2.58, 32x2048 9.14, 1x32768 5.65; the intra
 // kernel alone 29.5 us per CTA and SM (was ~94 us when it loaded its inputs row by row).  Before this
 // file (one CTA per (head, sequence), fp32 FMA): 3.30 / 7.32 / 29.2 / 49.3 ms.  fla's chunk_kda
 // (earlier measurement, same GPU kind): 1.38 ms at 1x2048, 2.08 ms at 8x2048.
 #include "kda_common.cuh"
+
+// PHASE_CLOCK (bench-only, tests/gpu/bench_kda_phases.py): thread 0 of each kda_prefill_intra CTA stores clock64()
+// at its phase boundaries into kda_phase_clk[block][i]; undefined (every build of the runtime) it compiles to nothing.
+#ifdef PHASE_CLOCK
+#define PHASES 12
+__device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
+#define STAMP(i)                                                                                      \
+    do {                                                                                              \
+        const int blk_ = blockIdx.y * gridDim.x + blockIdx.x;                                         \
+        if (threadIdx.x == 0 && blk_ < PHASE_CLOCK) kda_phase_clk[blk_][i] = clock64();              \
+    } while (0)
+#else
+#define STAMP(i) \
+    do {         \
+    } while (0)
+#endif
 
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
@@ -184,8 +205,8 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 #define IN_AKK (IN_G + L * LDF * 4)                // beta A_kk fp32 [L][LDT]
 #define NUM_CROSS (NUM_SUB * (NUM_SUB - 1) / 2)   // (row block, earlier column block) pairs
 #define IN_TAB (IN_AKK + L * LDT * 4)              // fp32 tables P, R [NUM_SUB][K], C [NUM_CROSS][K]; X [NUM_SUB-1][SUB][SUB]
-#define IN_VEC (IN_TAB + ((2 * NUM_SUB + NUM_CROSS) * K + (NUM_SUB - 1) * SUB * SUB) * 4)  // beta, rq, rk [L], flags
-#define INTRA_SMEM (IN_VEC + 3 * L * 4 + 32)
+#define IN_VEC (IN_TAB + ((2 * NUM_SUB + NUM_CROSS) * K + (NUM_SUB - 1) * SUB * SUB) * 4)  // beta, rq, rk, q.k [L], flags
+#define INTRA_SMEM (IN_VEC + 4 * L * 4 + 32)
 static_assert((3 * CONV_W + 1) * K * 4 <= L * LDT * 4, "kda_prefill_intra: the conv taps must fit the A_kk tile");
 static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags and -exp(A_log) share 32 bytes");
 
@@ -207,7 +228,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     bf16 *QA = (bf16*)(sm + IN_QA), *KA = (bf16*)(sm + IN_KA), *KX = (bf16*)(sm + IN_KX);
     float *Gf = (float*)(sm + IN_G), *Akk = (float*)(sm + IN_AKK), *Pt = (float*)(sm + IN_TAB);
     float *Rt = Pt + NUM_SUB * K, *Ct = Rt + NUM_SUB * K, *Xs = Ct + NUM_CROSS * K, *Bs = (float*)(sm + IN_VEC), *rq = Bs + L, *rk = rq + L;
-    int* unsafe = (int*)(rk + L);
+    float* dqk = rk + L;  // each row's q.k (raw conv outputs)
+    int* unsafe = (int*)(dqk + L);
     float* NegA = (float*)(unsafe + NUM_SUB);  // -exp(A_log[h])
     bf16* Fs = QA;                     // raw f rows, until QA is built
     float* Tap = Akk;                  // conv taps [3][K][W] and dt_bias [K] of the head, until A_kk is built
@@ -222,6 +244,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     const size_t slot = (size_t)__ldg(state_slots + seq), tile = (size_t)cid * num_heads + h;
     const int c0 = (cid - seq - start / L) * L;  // cid - chunk_base(seq)
     if (c0 >= len) return;  // an unused id
+    STAMP(0);
     const int n = min(L, len - c0), P = num_heads * K;
 
     // ---- (a) every global input of the tile in one round trip (16-byte cp.async pieces, coalesced):
@@ -274,6 +297,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
         if (tid < NUM_SUB) unsafe[tid] = 0;
         cp_async_wait<0>();
+        
         __syncthreads();
 
         const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
@@ -287,6 +311,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
         const float na = *NegA, bias = Tap[3 * K * CONV_W + c];
         __syncthreads();  // a thread's history rows are the last rows of the previous thread's, rewritten below
+        STAMP(2);
 #pragma unroll
         for (int i = 0; i < 3; ++i) {
             bf16* dst = Raw + i * (SZ_TR / 2) + (CONV_W - 1 + r0) * LDB + c;
@@ -308,20 +333,23 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
     }
     __syncthreads();
+    STAMP(3);
 
     // ---- (b) row norms (warp w: rows 4w..4w+3); gate bookkeeping per channel d (threads < K):
-    // Lam in place; tables P_I = G(n_I), R_J = sum of the blocks after J, C_IJ = G(n_I) - G(last row of J)
-    // (all sums of gates, no differences); G_last -> workspace; unsafe diagonal sub-blocks
+    // Lam in place; tables P_I = 2^G(n_I), R_J = 2^(sum of the blocks after J), C_IJ = 2^(G(n_I) - G(last row
+    // of J)) (exponents are sums of gates, no differences: every entry <= 1); G_last -> workspace; unsafe
+    // diagonal sub-blocks.  Also each row's q.k (the A_qk diagonal of an unsafe sub-block, where E = 1)
 #pragma unroll
     for (int r = (L / INTRA_WARPS) * warp; r < (L / INTRA_WARPS) * (warp + 1); ++r) {  // unrolled: shuffle chains interleave
-        float sq = 0.f, sk = 0.f;
+        float sq = 0.f, sk = 0.f, sqk = 0.f;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const float2 q2 = ld_bf16x2(Qr + r * LDB + 4 * lane + 2 * e), k2 = ld_bf16x2(Kr + r * LDB + 4 * lane + 2 * e);
             sq = fmaf(q2.x, q2.x, fmaf(q2.y, q2.y, sq)), sk = fmaf(k2.x, k2.x, fmaf(k2.y, k2.y, sk));
+            sqk = fmaf(q2.x, k2.x, fmaf(q2.y, k2.y, sqk));
         }
-        sq = warp_sum(sq), sk = warp_sum(sk);
-        if (lane == 0) rq[r] = rsqrtf((float)K) / sqrtf(sq + 1e-6f), rk[r] = 1.f / sqrtf(sk + 1e-6f);
+        sq = warp_sum(sq), sk = warp_sum(sk), sqk = warp_sum(sqk);
+        if (lane == 0) rq[r] = rsqrtf((float)K) / sqrtf(sq + 1e-6f), rk[r] = 1.f / sqrtf(sk + 1e-6f), dqk[r] = sqk;
     }
     if (tid < K) {
         const int d = tid;
@@ -340,11 +368,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
         float run = 0.f;
 #pragma unroll
-        for (int I = 0; I < NUM_SUB; ++I) Pt[I * K + d] = run + first[I], run += total[I];
+        for (int I = 0; I < NUM_SUB; ++I) Pt[I * K + d] = exp2f(run + first[I]), run += total[I];
         ws_g[tile * K + d] = run;  // G_last (log2)
         run = 0.f;
 #pragma unroll
-        for (int J = NUM_SUB - 1; J >= 0; --J) Rt[J * K + d] = run, run += total[J];
+        for (int J = NUM_SUB - 1; J >= 0; --J) Rt[J * K + d] = exp2f(run), run += total[J];
 #pragma unroll
         for (int I = 1; I < NUM_SUB; ++I) {
 #pragma unroll
@@ -352,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 float acc = first[I];
 #pragma unroll
                 for (int B = J + 1; B < I; ++B) acc += total[B];
-                Ct[cross_index(I, J) * K + d] = acc;
+                Ct[cross_index(I, J) * K + d] = exp2f(acc);
             }
         }
 #pragma unroll
@@ -360,9 +388,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             if (bad >> I & 1) unsafe[I] = 1;  // benign race: every writer stores 1
     }
     __syncthreads();
+    STAMP(4);
 
     // ---- (c) scaled tiles (two channels per thread and step) and the workspace's qg, kd.  Every
-    // exponent is (Lam_last(I) - Lam_r) (<= 15 gates) plus a table entry (sums of whole blocks).
+    // factor is 2^Lam_r or 2^(Lam_last(I) - Lam_r) (<= 15 gates) times a table entry (whole blocks): three
+    // exp2f per element (each <= 1, so their products underflow to 0 exactly where the exponent sums do).
     for (int idx = tid; idx < L * K / 2; idx += INTRA_THREADS) {
         const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
         const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
@@ -371,14 +401,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const float lam = Gf[r * LDF + d + e], tail = Gf[(I * SUB + SUB - 1) * LDF + d + e] - lam;
-            const float el = exp2f(lam);
+            const float el = exp2f(lam), et = exp2f(tail);  // both <= 1, as every table entry
             qa[e] = q[e] * el, ka[e] = k[e] * el;
             kx[e] = k[e] * exp2f(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
-            qg[e] = q[e] * exp2f(Pt[I * K + d + e] + lam);
-            kd[e] = k[e] * exp2f(fminf(tail + Rt[I * K + d + e], 0.f));
+            qg[e] = q[e] * (Pt[I * K + d + e] * el);
+            kd[e] = k[e] * (et * Rt[I * K + d + e]);
 #pragma unroll
             for (int I2 = 1; I2 < NUM_SUB; ++I2)
-                kb[I2][e] = I2 > I ? k[e] * exp2f(fminf(tail + Ct[cross_index(I2, I) * K + d + e], 0.f)) : 0.f;
+                kb[I2][e] = I2 > I ? k[e] * (et * Ct[cross_index(I2, I) * K + d + e]) : 0.f;
         }
         st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
         st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
@@ -390,6 +420,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         st_bf16x2(ws_k + (tile * L + r) * K + d, kd[0], kd[1]);
     }
     __syncthreads();
+    STAMP(5);
 
     // ---- (d) A_qk and beta A_kk, 16 x 16 sub-block pairs (I, J <= I) on tensor cores: 2 products x
     // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e)
@@ -431,14 +462,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
     }
 
-    // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r >= s) per thread
-    for (int idx = tid; idx < NUM_SUB * (SUB * (SUB + 1) / 2); idx += INTRA_THREADS) {
-        const int I = idx / (SUB * (SUB + 1) / 2);
+    // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r > s) per thread (480
+    // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b)
+    for (int idx = tid; idx < NUM_SUB * (SUB * (SUB - 1) / 2); idx += INTRA_THREADS) {
+        const int I = idx / (SUB * (SUB - 1) / 2);
         if (!unsafe[I]) continue;
-        const int p = idx % (SUB * (SUB + 1) / 2);
-        int rl = 0;
-        while ((rl + 1) * (rl + 2) / 2 <= p) ++rl;
-        const int sl = p - rl * (rl + 1) / 2, R = I * SUB + rl, S = I * SUB + sl;
+        const int p = idx % (SUB * (SUB - 1) / 2);
+        int rl = 1;
+        while (rl * (rl + 1) / 2 <= p) ++rl;
+        const int sl = p - rl * (rl - 1) / 2, R = I * SUB + rl, S = I * SUB + sl;
         float aqk = 0.f, akk = 0.f;
         for (int d = 0; d < K; d += 2) {
             const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
@@ -448,10 +480,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
         }
         ws_a[(tile * L + R) * L + S] = to_bf16(aqk * rq[R] * rk[S]);
-        Akk[R * LDT + S] = sl < rl ? akk * Bs[R] * rk[R] * rk[S] : 0.f;
-        if (sl < rl) ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+        Akk[R * LDT + S] = akk * Bs[R] * rk[R] * rk[S];
+        ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+    }
+    if (tid < L && unsafe[tid / SUB]) {
+        ws_a[(tile * L + tid) * L + tid] = to_bf16(dqk[tid] * rq[tid] * rk[tid]);
+        Akk[tid * LDT + tid] = 0.f;
     }
     __syncthreads();
+    STAMP(6);
 
     // ---- (f) T = (I + A_kk)^-1.  Diagonal blocks: thread (I, column c) < 64 by forward substitution;
     // meanwhile the others build W's right-hand side e^G k^ (bf16) over the raw q tile.
@@ -474,11 +511,12 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         for (int idx = tid - L; idx < L * K / 2; idx += INTRA_THREADS - L) {
             const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
             const float2 k2 = ld_bf16x2(Kr + r * LDB + d);
-            const float e0 = exp2f(Pt[I * K + d] + Gf[r * LDF + d]), e1 = exp2f(Pt[I * K + d + 1] + Gf[r * LDF + d + 1]);
+            const float e0 = Pt[I * K + d] * exp2f(Gf[r * LDF + d]), e1 = Pt[I * K + d + 1] * exp2f(Gf[r * LDF + d + 1]);
             st_bf16x2(KG + r * LDB + d, k2.x * rk[r] * e0, k2.y * rk[r] * e1);
         }
     }
     __syncthreads();
+    STAMP(7);
     // off-diagonal blocks, one block row I at a time: X_J = sum_{J <= M < I} A_IM T_MJ, T_IJ = -D_I X_J;
     // element (rr, cc) of a 16 x 16 block per thread, J = 0 on the first 256 threads and J >= 1 on the
     // others (the same FMA count for the last block row)
@@ -508,12 +546,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             __syncthreads();
         }
     }
+    STAMP(8);
     // T diag(beta) -> bf16, zero above the diagonal
     for (int idx = tid; idx < L * L; idx += INTRA_THREADS) {
         const int r = idx / L, s = idx % L;
         Tb[r * LDA + s] = to_bf16(s <= r ? Tm[r * LDT + s] * Bs[s] : 0.f);
     }
     __syncthreads();
+    STAMP(9);
 
     // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns GC nh ..
     {
@@ -544,6 +584,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
         }
     }
+    STAMP(10);
 }
 
 // dynamic shared memory plan of kda_prefill_state, bytes

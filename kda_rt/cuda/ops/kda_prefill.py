@@ -23,11 +23,11 @@ _INTRA_THREADS = 512  # 16 warps: the intra kernel's thread maps are written for
 
 def _intra_smem_bytes(K: int, L: int, W: int) -> int:
     """The IN_* plan of kda_prefill.cu: 3 bf16 [W-1+L][K+8] conv tiles, 2 bf16 [L][K+8] tiles, 10
-    scaled-key sub-tiles, Lam and A_kk fp32, gate tables, T-solve scratch, beta, norms and flags."""
+    scaled-key sub-tiles, Lam and A_kk fp32, gate tables, T-solve scratch, beta, norms, q.k and flags."""
     num_sub, tile = L // 16, L * (K + 8) * 2
     num_pairs, num_cross = num_sub * (num_sub + 1) // 2, num_sub * (num_sub - 1) // 2
     return (3 * (W - 1 + L) * (K + 8) * 2 + 2 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4
-            + L * (L + 4) * 4 + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 3 * L * 4 + 32)
+            + L * (L + 4) * 4 + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 4 * L * 4 + 32)
 
 
 def _state_smem_bytes(K: int, L: int, vb: int) -> int:

@@ -1,0 +1,79 @@
+"""Where kda_prefill_intra's time goes, phase by phase: the kernel built with -DPHASE_CLOCK (bench-only; the
+runtime's build has no stamps, byte-identical SASS), thread 0 of each CTA stamping clock64() at the phase
+boundaries (kernels_cu/kda_prefill.cu, STAMP(i)).  Per shape: the kernel's time (CUDA events), the mean
+cycles of each phase over the CTAs, its share, and the mean CTA length in us at the measured clock.
+
+    PYTHONPATH=. python tests/gpu/bench_kda_phases.py [--shapes 32x2048,1x32768]
+Inputs as tests/gpu/bench_kda_prefill.py (random N(0, 1) bf16, |g| ~ 1 per token)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
+
+PHASES = ["start: sequence lookup -> copies issued and landed", "conv taps / history to registers",
+          "conv + SiLU + gates (a)", "row norms, gate sums, tables (b)", "scaled tiles, qg / kd out (c)",
+          "A_qk, A_kk on tensor cores + unsafe blocks (d, e)", "T diagonal blocks | e^G k^ (f)",
+          "T off-diagonal blocks", "T diag(beta) to bf16", "W, U on tensor cores + stores (g)"]
+
+
+def main() -> int:
+    import cupy
+    from gpu.bench_kda_prefill import H, K, W, make
+
+    from kda_rt.cuda.ops import kda_prefill as kp
+    from kda_rt.cuda.ops.check import i32, leading_dim
+    from kda_rt.cuda.ops.compile import _module, device_arch, get_kernel, sm_count
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="32x2048,8x2048,1x32768")
+    args = ap.parse_args()
+    cap = 40000
+    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=32, INTRA_THREADS=kp._INTRA_THREADS, PHASE_CLOCK=cap)
+    smem = kp._intra_smem_bytes(K, 64, W)
+    fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
+    mod = _module("kda_prefill.cu", tuple(sorted(consts.items())), device_arch())
+    ptr = mod.get_global_var("kda_phase_clk")
+    if isinstance(ptr, int):
+        ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, cap * 12 * 8, mod), 0)
+    clk = cupy.ndarray((cap, 12), np.int64, memptr=ptr)
+    for shape in args.shapes.split(","):
+        B, S = map(int, shape.split("x"))
+        d = make(B, S)
+        T, L = B * S, 64
+        chunks = B + T // L
+        ws = cupy.empty((4, chunks, H, L, K), dtype=np.uint16)
+        a_qk, g_last = cupy.empty((chunks, H, L, L), dtype=np.uint16), cupy.empty((chunks, H, K), dtype=np.float32)
+        launch = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"],
+                  d["conv_pool"], d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3],
+                  a_qk, g_last, i32(B), i32(H), i32(sm_count(cupy.cuda.Device().id)))
+        for _ in range(3):
+            fn((chunks, H), (kp._INTRA_THREADS,), launch, shared_mem=smem)
+        clk.fill(0)
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn((chunks, H), (kp._INTRA_THREADS,), launch, shared_mem=smem)
+        b.record()
+        b.synchronize()
+        ms = cupy.cuda.get_elapsed_time(a, b)
+        c = clk.get()[: min(cap, chunks * H)]
+        c = c[(c[:, 0] != 0) & (c[:, 10] != 0)]
+        dt = np.diff(c[:, :11], axis=1).astype(np.float64)
+        # phase 1 -> 2 is the register loads; STAMP(2) comes before the conv loop
+        total = (c[:, 10] - c[:, 0]).astype(np.float64)
+        mhz = float(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)) / 1e3
+        print(f"{shape}: kernel {ms:.3f} ms, {len(c)} CTAs stamped, mean CTA {total.mean():.0f} cycles "
+              f"({total.mean() / mhz:.1f} us at {mhz:.0f} MHz), CTAs x mean / SMs = "
+              f"{len(c) * total.mean() / mhz / 1e3 / sm_count(0):.3f} ms", flush=True)
+        for name, col in zip(PHASES, dt.T, strict=True):
+            print(f"  {name:<52s} {col.mean():8.0f} cycles  {col.mean() / total.mean():6.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
