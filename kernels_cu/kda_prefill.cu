@@ -56,7 +56,11 @@
 // stamps, 32 x 2048, random gates as the random-weight model's, so most diagonal sub-blocks are unsafe): 49.2 K
 // cycles a CTA, kernel 7.42 ms -> 45.5 K, 6.83 ms after (c) took three exp2f per element instead of ~5.5
 // (tables hold 2^sums) and (e) one round of the 512 threads (strictly-lower pairs; the diagonal from (b)'s q.k).
-// Now: loads 14%, conv + SiLU + gates 24%, (b) 8%, (c) 13%, (d, e) 17%, T off-diagonal blocks 15%, (g) 5%.
+// The off-diagonal T blocks then read A and D rows as float4 with two accumulators: 6.6 K -> 6.0 K cycles,
+// 6.78 ms.  Now: loads 14%, conv + SiLU + gates 25%, (b) 8%, (c) 13%, (d, e) 17%, T off-diagonal 13%, (g) 5%.
+// Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
+// 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
+// rule of ops/kda_prefill.py moved to 32 / 64 columns).
 // Timing (H200, 2026-11-30, `PYTHONPATH=. python tests/gpu/bench_kda_prefill.py`, H = 32, K = V = 128,
 // median ms of the whole launcher): 1x2048 0.476, 8x2048 2.58, 32x2048 9.14, 1x32768 5.65; the intra
 // kernel alone 29.5 us per CTA and SM (was ~94 us when it loaded its inputs row by row).  Before this
@@ -209,6 +213,7 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 #define INTRA_SMEM (IN_VEC + 4 * L * 4 + 32)
 static_assert((3 * CONV_W + 1) * K * 4 <= L * LDT * 4, "kda_prefill_intra: the conv taps must fit the A_kk tile");
 static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags and -exp(A_log) share 32 bytes");
+static_assert(IN_KA % 16 == 0 && IN_AKK % 16 == 0 && LDT % 4 == 0, "kda_prefill_intra: T and A_kk rows are read as float4");
 
 // ---------------------------------------------------------------------------------------------
 // kernels
@@ -525,23 +530,38 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #pragma unroll 1
         for (int I = 1; I < NUM_SUB; ++I) {
             const int jlo = hf == 0 ? 0 : 1, jhi = hf == 0 ? 1 : I;
+            // A rows as 16-byte loads (broadcast across the 16 threads of a row), two accumulators (even and
+            // odd k) to halve the FMA chain
             for (int J = jlo; J < jhi; ++J) {
-                float acc = 0.f;
+                float acc0 = 0.f, acc1 = 0.f;
                 for (int M = J; M < I; ++M) {
-                    const float* a = Akk + (I * SUB + rr) * LDT + M * SUB;
+                    const float4* a4 = reinterpret_cast<const float4*>(Akk + (I * SUB + rr) * LDT + M * SUB);
                     const float* tt = Tm + (M * SUB) * LDT + J * SUB + cc;
 #pragma unroll
-                    for (int k = 0; k < SUB; ++k) acc = fmaf(a[k], tt[k * LDT], acc);
+                    for (int k4 = 0; k4 < SUB / 4; ++k4) {
+                        const float4 a = a4[k4];
+                        acc0 = fmaf(a.x, tt[(4 * k4) * LDT], acc0);
+                        acc1 = fmaf(a.y, tt[(4 * k4 + 1) * LDT], acc1);
+                        acc0 = fmaf(a.z, tt[(4 * k4 + 2) * LDT], acc0);
+                        acc1 = fmaf(a.w, tt[(4 * k4 + 3) * LDT], acc1);
+                    }
                 }
-                Xs[(J * SUB + rr) * SUB + cc] = acc;
+                Xs[(J * SUB + rr) * SUB + cc] = acc0 + acc1;
             }
             __syncthreads();
             for (int J = jlo; J < jhi; ++J) {
-                const float* dI = Tm + (I * SUB + rr) * LDT + I * SUB;
-                float acc = 0.f;
+                const float4* d4 = reinterpret_cast<const float4*>(Tm + (I * SUB + rr) * LDT + I * SUB);
+                float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
-                for (int k = 0; k < SUB; ++k) acc = fmaf(dI[k], Xs[(J * SUB + k) * SUB + cc], acc);  // D_I lower: k > rr reads 0
-                Tm[(I * SUB + rr) * LDT + J * SUB + cc] = -acc;
+                for (int k4 = 0; k4 < SUB / 4; ++k4) {  // D_I lower: k > rr reads 0
+                    const float4 dI = d4[k4];
+                    const float* x = Xs + (J * SUB + 4 * k4) * SUB + cc;
+                    acc0 = fmaf(dI.x, x[0], acc0);
+                    acc1 = fmaf(dI.y, x[SUB], acc1);
+                    acc0 = fmaf(dI.z, x[2 * SUB], acc0);
+                    acc1 = fmaf(dI.w, x[3 * SUB], acc1);
+                }
+                Tm[(I * SUB + rr) * LDT + J * SUB + cc] = -(acc0 + acc1);
             }
             __syncthreads();
         }

@@ -140,17 +140,17 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
 
 
 def test_runner_precompiles_every_kda_state_width(monkeypatch):
-    """kda_prefill's state width follows the number of sequences (16 / 32 / 64 at 32 heads); each width is
+    """kda_prefill's state width follows the number of sequences (32 / 64 at 32 heads); each width is
     its own module (~1.5 s of NVRTC), so the runner builds all of them at start, with the exact defines
     the launcher uses."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     built = []
     monkeypatch.setattr(kp, "get_kernel", lambda f, n, **kw: built.append((n, kw["VB"], kw.get("max_dynamic_smem"))))
-    assert kp.precompile(32, 128, 4) == 3
-    assert sorted({vb for _, vb, _ in built}) == [16, 32, 64]
+    assert kp.precompile(32, 128, 4) == 2
+    assert sorted({vb for _, vb, _ in built}) == [32, 64]
     assert {n for n, _, _ in built} == {"kda_prefill_intra", "kda_prefill_state", "kda_prefill_norm"}
-    assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 16, 17, 256)] == [16, 16, 32, 32, 64, 64]
+    assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 8, 16, 17, 256)] == [32, 32, 64, 64, 64, 64, 64]
 
 
 def test_moe_route_select_policy():

@@ -36,11 +36,13 @@ def _state_smem_bytes(K: int, L: int, vb: int) -> int:
 
 
 def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
-    """State columns per kda_prefill_state CTA: narrow when few (head, sequence) pairs must fill
-    the GPU (one long prompt), wide when there are many (less re-reading of W, qg, kd).
-    Measured on the H200 by tests/gpu/bench_kda_prefill.py."""
+    """State columns per kda_prefill_state CTA: narrower when few (head, sequence) pairs must fill
+    the GPU (one long prompt), wider when there are many (less re-reading of W, qg, kd).  Measured on the
+    H200 by tests/gpu/bench_kda_prefill.py (whole launcher, ms by width 16 / 32 / 64 / 128, 2026-12-01):
+    1 x 2048 0.547 / 0.518 / 0.534 / 0.605, 1 x 32768 5.465 / 5.048 / 5.461 / 6.251, 8 x 2048 (a 16384-token
+    step of 2K prompts) 2.675 / 2.564 / 2.407 / 2.411, 32 x 2048 10.02 / 9.19 / 8.50 / 8.53."""
     pairs = num_seqs * num_heads
-    return 16 if pairs <= 64 else 32 if pairs <= 512 else 64
+    return 32 if pairs <= 64 else 64
 
 
 def _kernels(K: int, W: int, vb: int):
@@ -54,7 +56,7 @@ def _kernels(K: int, W: int, vb: int):
 
 def precompile(num_heads: int, head_dim: int, conv_w: int) -> int:
     """Build (or load from the disk cache) the module of every state width `_state_columns` picks for
-    some batch (16, 32, 64 at H = 32), so no prefill waits for NVRTC (~1.5 s a width) because its number
+    some batch (32, 64 at H = 32), so no prefill waits for NVRTC (~1.5 s a width) because its number
     of sequences is new.  Returns the number of widths."""
     widths = sorted({_state_columns(b, num_heads, head_dim) for b in range(1, 4096 // max(1, num_heads) + 2)})
     for vb in widths:
