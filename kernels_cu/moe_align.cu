@@ -4,7 +4,8 @@
 // Letters: T tokens, A active experts per token, E experts, N = T·A pairs (pair p = t·A + k),
 // D hidden, BT rows per GEMM tile.
 //
-// moe_bucket — grid (1), block BUCKET_THREADS = 1024 (one block: N is at most a few ten thousand pairs).
+// moe_bucket — grid (1), block BUCKET_THREADS = 1024 (one block: decode steps and small prefills; from 8192
+//   pairs the launcher takes moe_bucket_count / _plan / _scatter below, which write the same plan).
 //   counts[e]       = #{p : ids[p] = e}                       (shared-memory atomics)
 //   expert_off[e]   = Σ_{f<e} counts[f],  expert_off[E] = N    (block scan)
 //   tiles           = for each expert, ceil(counts[e] / BT) tiles of BT rows, in expert order:
