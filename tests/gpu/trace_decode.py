@@ -219,7 +219,8 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
         "gpu_idle_in_step_ms": mean([(s[2] - s[1]) / 1e3 for s in tail]),
         "gpu_idle_between_steps_ms": mean([s[3] / 1e3 for s in tail]),
         "gpu_idle_between_steps_max_ms": round(max(s[3] for s in tail) / 1e3, 3) if tail else None,
-        "host_ms_per_call": {k: mean([t * 1e3 for t in v]) for k, v in host.items()},
+        # medians: the means would carry the prefill steps' eager launches and waits
+        "host_ms_per_call_median": {k: round(statistics.median(v) * 1e3, 3) for k, v in host.items() if v},
         "host_calls": {k: len(v) for k, v in host.items()},
         "idle_before": [{"name": k, "ms": round(v / 1e3, 2)} for k, v in gap_before.most_common(10)],
         "report": {k: report[k] for k in ("elapsed_s", "ttft_s_max", "num_decode_steps")},
