@@ -71,11 +71,14 @@ static_assert(BUCKET_THREADS % 32 == 0 && E <= BUCKET_THREADS, "moe_bucket: full
 #define ROUTED (SHARED_A ? E - 1 : E)  // routed experts; bin E - 1 is the shared expert when SHARED_A
 __device__ __forceinline__ int clamp_expert(int e) { return min(max(e, 0), ROUTED - 1); }
 
+// pair p is a token's shared-expert pair (the last of its SHARED_A + 1; never without SHARED_A)
+__device__ __forceinline__ bool is_shared_pair(int p) { return SHARED_A && p % (SHARED_A + 1) == SHARED_A; }
+
 // expert of pair p (see SHARED_A above)
 __device__ __forceinline__ int expert_of(const int* __restrict__ ids, int p) {
 #if SHARED_A
     const int k = p % (SHARED_A + 1);
-    return k == SHARED_A ? E - 1 : clamp_expert(ids[(p / (SHARED_A + 1)) * SHARED_A + k]);
+    return is_shared_pair(p) ? E - 1 : clamp_expert(ids[(p / (SHARED_A + 1)) * SHARED_A + k]);
 #else
     return clamp_expert(ids[p]);
 #endif
@@ -99,8 +102,6 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
 #endif
 
 #ifdef BT
-#define PAIRS_PER_TOKEN (SHARED_A ? SHARED_A + 1 : 1)  // chunks are multiples of this (block slices hold whole tokens)
-
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 moe_bucket_count(const int* __restrict__ ids, int num_pairs, int chunk, int* __restrict__ counts, int* __restrict__ base) {
     KDA_PDL_ENTRY();
@@ -109,7 +110,7 @@ moe_bucket_count(const int* __restrict__ ids, int num_pairs, int chunk, int* __r
     for (int e = tid; e < E; e += BUCKET_THREADS) count_sh[e] = 0;
     __syncthreads();
     for (int p = p0 + tid; p < p1; p += BUCKET_THREADS)
-        if (!SHARED_A || p % (SHARED_A + 1) != SHARED_A) atomicAdd(&count_sh[expert_of(ids, p)], 1);
+        if (!is_shared_pair(p)) atomicAdd(&count_sh[expert_of(ids, p)], 1);
     __syncthreads();
     for (int e = tid; e < E; e += BUCKET_THREADS) {
         const int c = SHARED_A && e == E - 1 ? (p1 - p0) / (SHARED_A + 1) : count_sh[e];
@@ -141,7 +142,7 @@ moe_bucket_scatter(const int* __restrict__ ids, int num_pairs, int chunk, const 
     __syncthreads();
     for (int p = p0 + tid; p < p1; p += BUCKET_THREADS) {
         int r;
-        if (SHARED_A && p % (SHARED_A + 1) == SHARED_A) {
+        if (is_shared_pair(p)) {
             r = start_sh[E - 1] + (p - p0) / (SHARED_A + 1);
         } else {
             const int e = expert_of(ids, p);

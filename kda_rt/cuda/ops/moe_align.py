@@ -74,11 +74,11 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot:
     if not 1 <= E <= _BUCKET_THREADS:
         raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS - int(shared_slot)}], got {num_experts}")
     check_plan(plan, N, E, stats, sync, "moe_bucket")
-    null = np.uint64(0)
     if N and (N >= WIDE_MIN_PAIRS if wide is None else wide):
         _bucket_wide(ids, N, E, A if shared_slot else 0, plan, stats, sync, scratch, stream)
         return plan
     kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
+    null = np.uint64(0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
                                       stats if stats is not None else null, sync if sync is not None else null,

@@ -70,12 +70,13 @@ def max_active_blocks(function, threads: int, shared_mem: int) -> int:
     return n.value
 
 
-@functools.lru_cache(maxsize=1)
 def supported() -> bool:
     """The current device runs programmatic dependent launches (compute capability 9.0 or newer)."""
     import cupy
 
-    return int(cupy.cuda.Device().compute_capability) >= 90
+    from kda_rt.cuda.ops.compile import compute_capability
+
+    return compute_capability(cupy.cuda.Device().id) >= 90
 
 
 @contextlib.contextmanager
