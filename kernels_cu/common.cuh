@@ -113,6 +113,17 @@ __device__ __forceinline__ float block_sum(float v, float (&scratch)[Warps]) {
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+// silu with the quotient x / (1 + e^-x) from one Newton step on the hardware reciprocal (within an ulp of
+// IEEE division, so the same after a bf16 rounding but for rare ties): IEEE division compiles around a
+// slow-path call whose branches keep the compiler from overlapping neighbouring quotients.  e^-x = inf
+// (x < -88) gives -0, as the division does.
+__device__ __forceinline__ float silu_nr(float x) {
+    const float y = 1.f + expf(-x);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    const float q0 = x * r, q = fmaf(fmaf(-y, q0, x), r, q0);
+    return y == __int_as_float(0x7f800000) ? 0.f * x : q;
+}
 
 // ---------------------------------------------------------------------------------------------
 // tensor cores and async copies (sm_80+)

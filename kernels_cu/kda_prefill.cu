@@ -123,21 +123,15 @@ __device__ __forceinline__ float2 unpack_bf16(unsigned u) {
 __device__ __forceinline__ void st_bf16x2(bf16* p, float lo, float hi) { *reinterpret_cast<unsigned*>(p) = pack_bf16(lo, hi); }
 __device__ __forceinline__ float2 ld_bf16x2(const bf16* p) { return unpack_bf16(*reinterpret_cast<const unsigned*>(p)); }
 
-// bf16(SiLU(conv)) as kda_conv_silu, but the quotient u / (1 + e^-u) from one Newton step on the
-// hardware reciprocal (within an ulp of IEEE division, before the bf16 rounding): IEEE division
-// compiles around a slow-path call that keeps the compiler from overlapping rows.  e^-u = inf
-// (u < -88) gives -0, as the division does.
+// bf16(SiLU(conv)) as kda_conv_silu, but with common.cuh's silu_nr (no slow-path call of IEEE division,
+// which kept the compiler from overlapping rows)
 template <int W>
 __device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const float (&hist)[W - 1], float x) {
     float u = 0.f;
 #pragma unroll
     for (int j = 0; j < W - 1; ++j) u = fmaf(taps[j], hist[j], u);
     u = fmaf(taps[W - 1], x, u);
-    const float y = 1.f + expf(-u);
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
-    const float q0 = u * r, q = fmaf(fmaf(-y, q0, u), r, q0);
-    return round_bf16(y == __int_as_float(0x7f800000) ? 0.f * u : q);
+    return round_bf16(silu_nr(u));
 }
 
 // index of sub-block pair (I, J <= I) in the scaled-key tile

@@ -35,7 +35,7 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES.
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
@@ -49,8 +49,12 @@
 #ifndef EXP_SKIP
 #define EXP_SKIP 0
 #endif
-#if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK)
-#error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK"
+#ifndef EXP_IEEE_SILU
+#define EXP_IEEE_SILU 0
+#endif
+#if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
+    !defined(STAGED_OUT)
+#error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK -DSTAGED_OUT"
 #endif
 #if defined(__CUDA_ARCH__) && !defined(KDA_RT_HOPPER)
 #error "moe_gemm_wg.cu needs sm_90a (wgmma); other archs use moe_gemm_tc.cu"
@@ -90,40 +94,81 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long d
 #endif
 }
 
-// Epilogue of one warpgroup (thread t of it) whose 64 rows start at tile row `rbase`: accumulator
-// 4j + q of thread (warp w of the warpgroup, lane l) is row 16w + l/4 + 8·(q/2), column
-// 8j + 2·(l mod 4) + (q mod 2) of the warpgroup's 64 x BN tile.  Rows ≥ nrows are not stored.
+// Epilogue (STAGED_OUT picks one; ops/moe_gemm_wg.py: staged for down, direct for gate/up).  The tensor
+// cores idle while it runs (one CTA per SM), so its cost is the kernel's: with no epilogue at all the down
+// GEMM at T = 16384 ran 0.975 ms against 1.377 (bench_moe_gemm.py --limits, EXP_SKIP=4).
+//   direct (0): each thread stores its accumulator pairs as they lie (4-byte pieces, 8 rows per warp store);
+//   staged (1): each warpgroup writes its bf16 results into a [BM][OUT_COLS] tile over the idle stage buffers
+//     with stmatrix, rows OUT_PITCH bytes apart (16 bytes of padding put the 8 row addresses of one stmatrix
+//     on distinct banks), and after a barrier the block copies whole rows out in 16-byte pieces.
+// H200, bench_moe_gemm.py --epilogue (T = 8192 | 16384, interleaved rounds): down staged -18 | -21% against
+// direct; gate/up direct -8 | -7% and staged -6 | -4% against the IEEE-division SiLU the kernel had (the
+// quotient's slow-path call serialised the epilogue; silu_nr has none).  Same roundings either way; rows >=
+// nrows are not stored.
+#define OUT_COLS (FUSE_SILU ? BN / 2 : BN)  // output columns of the CTA
+#define OUT_PITCH (OUT_COLS * 2 + 16)       // bytes between staged rows
+#define OUT_LD (FUSE_SILU ? HALF : NOUT)    // output row stride (elements)
+static_assert(BM * OUT_PITCH <= STAGES * STAGE_BYTES, "the staged output tile must fit the stage buffers");
+
+// accumulator pair (j, hrow) of thread t as the packed bf16 outputs: row 16w + l/4 + 8·hrow, columns
+// 8j + 2·(l mod 4) + {0, 1} of the warpgroup's output tile (see wgmma.cuh)
+__device__ __forceinline__ unsigned out_pair(const float (&acc)[ACC], int j, int hrow) {
+#if FUSE_SILU
+    float hv[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const float gate = round_bf16(acc[4 * j + 2 * hrow + q]);
+        const float up = round_bf16(acc[4 * (j + BN / 16) + 2 * hrow + q]);
+#if EXP_IEEE_SILU  // bench only: the IEEE quotient, as before silu_nr
+        hv[q] = round_bf16(silu(gate)) * up;
+#else
+        hv[q] = round_bf16(silu_nr(gate)) * up;
+#endif
+    }
+    __nv_bfloat162 p = __floats2bfloat162_rn(hv[0], hv[1]);
+#else
+    __nv_bfloat162 p = __floats2bfloat162_rn(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
+#endif
+    return *reinterpret_cast<unsigned*>(&p);
+}
+
+// warpgroup rows [rbase, rbase + 64) of the output tile into the staging tile at shared address `stage`
+__device__ __forceinline__ void stage_rows(const float (&acc)[ACC], unsigned stage, int nrows, int rbase, int t) {
+    if (rbase >= nrows) return;  // no rows of this warpgroup (uniform over it: stmatrix is warp-collective)
+    const int lane = t & 31, wq = t >> 5, m = lane >> 3;
+    // this lane names row (m mod 2)·8 + lane mod 8 of the warp's 16 rows, 16 bytes (8 columns) into the pair
+    const unsigned addr = stage + (rbase + wq * 16 + 8 * (m & 1) + (lane & 7)) * OUT_PITCH + 16 * (m >> 1);
+#pragma unroll
+    for (int j = 0; j < OUT_COLS / 8; j += 2)  // matrices (j, rows 0-7), (j, 8-15), (j + 1, 0-7), (j + 1, 8-15)
+        stmatrix_x4(addr + 16 * j, out_pair(acc, j, 0), out_pair(acc, j, 1), out_pair(acc, j + 1, 0), out_pair(acc, j + 1, 1));
+}
+
+// direct epilogue: warpgroup rows [rbase, rbase + 64) from the accumulators to dst
 __device__ __forceinline__ void store_rows(const float (&acc)[ACC], void* __restrict__ dst, int row0, int nrows, int f0,
                                            int rbase, int t) {
-    if (rbase >= nrows) return;  // no rows of this warpgroup (their products were of zero rows)
+    if (rbase >= nrows) return;
     const int lane = t & 31, wq = t >> 5;
-    const int g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
-        const int rl = rbase + wq * 16 + g + 8 * hrow;
+        const int rl = rbase + wq * 16 + (lane >> 2) + 8 * hrow;
         if (rl >= nrows) continue;
-        const size_t r = (size_t)(row0 + rl);
-#if FUSE_SILU
+        bf16* out = static_cast<bf16*>(dst) + (size_t)(row0 + rl) * OUT_LD + f0 + 2 * (lane & 3);
 #pragma unroll
-        for (int j = 0; j < BN / 16; ++j) {
-            const int f = f0 + 8 * j + 2 * c;
-            float hv[2];
+        for (int j = 0; j < OUT_COLS / 8; ++j) *reinterpret_cast<unsigned*>(out + 8 * j) = out_pair(acc, j, hrow);
+    }
+}
+
+// the staged tile's rows < nrows to dst rows row0 + r, columns f0 .. f0 + OUT_COLS, in 16-byte pieces
+__device__ __forceinline__ void copy_out(const unsigned char* staged, void* __restrict__ dst, int row0, int nrows, int f0) {
+    constexpr int PPR = OUT_COLS / 8;  // 16-byte pieces per row
+    bf16* out = static_cast<bf16*>(dst) + (size_t)row0 * OUT_LD + f0;
+    static_assert(BM * PPR % THREADS == 0, "copy_out: whole passes of the block");
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const float gate = round_bf16(acc[4 * j + 2 * hrow + q]);
-                const float up = round_bf16(acc[4 * (j + BN / 16) + 2 * hrow + q]);
-                hv[q] = round_bf16(silu(gate)) * up;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * HALF + f) = __floats2bfloat162_rn(hv[0], hv[1]);
-        }
-#else
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int f = f0 + 8 * j + 2 * c;
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(dst) + r * NOUT + f) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
-        }
-#endif
+    for (int i = 0; i < BM * PPR / THREADS; ++i) {
+        const int p = threadIdx.x + i * THREADS, r = p / PPR, ch = p % PPR;
+        if (r < nrows)
+            *reinterpret_cast<uint4*>(out + (size_t)r * OUT_LD + ch * 8) =
+                *reinterpret_cast<const uint4*>(staged + r * OUT_PITCH + ch * 16);
     }
 }
 
@@ -162,7 +207,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     auto load_stage = [&](int stage, int kt) {
         const int k0 = kt * BK;
         const unsigned a_dst = base + stage * STAGE_BYTES + dst_off, b_dst = a_dst + A_BYTES;
-#if EXP_SKIP  // bench only (tests/gpu/bench_moe_gemm.py --limits): 1 skips B, 2 A, 3 both after the prologue
+#if EXP_SKIP & 3  // bench only (tests/gpu/bench_moe_gemm.py --limits): 1 skips B, 2 A, 3 both after the prologue, 4 the epilogue
         const bool skip_a = (EXP_SKIP & 2) && kt >= STAGES - 2, skip_b = (EXP_SKIP & 1) && kt >= STAGES - 2;
 #else
         const bool skip_a = false, skip_b = false;
@@ -210,7 +255,16 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     fence_regs(acc);
     cp_async_wait<0>();
 
+#if EXP_SKIP & 4  // bench only: no epilogue (one store kept so that the products stay live)
+    if (acc[0] == 1.2345e-30f) static_cast<bf16*>(dst)[0] = to_bf16(acc[ACC - 1]);
+#elif STAGED_OUT
+    __syncthreads();  // both warpgroups' products are done: the stage buffers are free
+    stage_rows(acc, base, nrows, wg * 64, tid & 127);
+    __syncthreads();
+    copy_out(smem_raw + (base - raw), dst, row0, nrows, f0);
+#else
     store_rows(acc, dst, row0, nrows, f0, wg * 64, tid & 127);
+#endif
 }
 
 

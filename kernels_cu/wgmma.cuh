@@ -1,7 +1,8 @@
 // wgmma.cuh — Hopper warpgroup-MMA helpers (PTX ISA 8.0+, sm_90a only: KDA_RT_HOPPER) shared by the
 // wgmma kernels (moe_gemm_wg.cu, mla_prefill_wg.cu): fences, commit / wait, the shared-memory matrix
 // descriptor of a K-major operand tile with 128-byte rows and the 128-byte swizzle, the m64nNk16 bf16
-// products (A from shared memory, or A from registers), and the swizzled byte offset of a 16-byte chunk.
+// products (A from shared memory, or A from registers), the swizzled byte offset of a 16-byte chunk, and
+// stmatrix (bf16 accumulator pairs into shared memory).
 //
 // Register layouts (per warp q = 0..3 of the warpgroup, lane l, g = l / 4, c = l mod 4):
 //   fp32 accumulator of m64nNk16: d[4j + e] is row 16q + g + 8·(e / 2), column 8j + 2c + (e mod 2);
@@ -69,6 +70,15 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigne
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_REGS32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                  : WG_ACC32(d, 0)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// Four 8 x 8 bf16 matrices from registers into shared memory (the accumulator layout of one n8-block
+// pair above, packed to bf16 pairs): lanes 8m .. 8m + 7 name the 16-byte rows of matrix m, r[m] is
+// this lane's pair of matrix m
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
 }
 
 // Keeps N accumulators in registers across the asynchronous wgmma (no spill / reorder around them)

@@ -143,8 +143,8 @@ def bench_step(T, wts, cfg, sweep):
 
 def bench_limits(T, wts):
     """What bounds the wgmma grouped GEMM: its default tile timed as built (EXP_SKIP=0) and with the B
-    (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue (wrong results,
-    timing only).  Prints useful TFLOP/s (routed rows) and executed TFLOP/s (128-row tiles, padding
+    (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue, and the epilogue (4; 7:
+    copies and epilogue) skipped (wrong results, timing only).  Prints useful TFLOP/s (routed rows) and executed TFLOP/s (128-row tiles, padding
     included) and the bytes each CTA copies into shared memory per second (L2 -> SM traffic)."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
@@ -165,9 +165,10 @@ def bench_limits(T, wts):
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
-        for skip in (0, 1, 2, 3):
+        for skip in (0, 1, 2, 3, 4, 7):
             kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
-                              FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip)
+                              FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip,
+                              STAGED_OUT=int(t.staged_out))
             args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
             grid = (fb, max_tiles(N, E, 128))
             ms = median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes))
@@ -175,6 +176,42 @@ def bench_limits(T, wts):
             l2 = tiles * fb * (k // 64) * (128 + t.bn) * 64 * 2 / ms / 1e9
             print(f"  {name:8s} skip={skip} {ms:7.3f} ms  useful {useful:6.1f}  executed {done:6.1f} TFLOP/s  "
                   f"smem fill {l2:5.2f} TB/s (as built)", flush=True)
+
+
+def bench_epilogue(T, wts, rounds: int = 5):
+    """The launcher's tile with each epilogue: STAGED_OUT 0 (direct stores of the accumulator pairs) or 1 (staged
+    through shared memory), and for gate/up also the SiLU quotient of
+    IEEE division (EXP_IEEE_SILU=1, the kernel before silu_nr), interleaved over `rounds` rounds (the kernel
+    drifts as the GPU heats): medians."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.moe_align import max_tiles
+    from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
+        t = wg_tile(nout, k, bool(silu))
+        fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
+        variants = [(0, 1), (0, 0), (1, 0)] if silu else [(0, 0), (1, 0)]  # (STAGED_OUT, EXP_IEEE_SILU)
+        times = {v: [] for v in variants}
+        for _ in range(rounds):
+            for v in variants:
+                kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
+                                  FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=v[0], EXP_IEEE_SILU=v[1])
+                args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
+                times[v].append(median_ms(partial(kern, (fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)))
+        base = float(np.median(times[variants[0]]))
+        print(f"T={T} {name}: " + "  ".join(
+            f"staged={v[0]}{' ieee' if v[1] else ''} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
+            for v, ts in times.items()), flush=True)
 
 
 def main():
@@ -188,6 +225,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--limits", action="store_true", help="only the wgmma kernel with its copies skipped (bench_limits)")
+    ap.add_argument("--epilogue", action="store_true", help="only the wgmma kernel's two epilogues, interleaved")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -198,7 +236,10 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     for T in map(int, args.tokens.split(",")):
-        bench_limits(T, wts) if args.limits else bench_step(T, wts, cfg, args.sweep)
+        if args.epilogue:
+            bench_epilogue(T, wts)
+        else:
+            bench_limits(T, wts) if args.limits else bench_step(T, wts, cfg, args.sweep)
         cupy.get_default_memory_pool().free_all_blocks()
 
 

@@ -48,6 +48,7 @@ def main() -> int:
         rows = [run_bench(engine, args.prompts, args.input_len, 2, seed=2 + k) for k in range(2)]
         print(json.dumps({"what": "prefill", "budget": budget, "prompts": args.prompts, "input_len": args.input_len,
                           "ttft_max_s": [round(r["ttft_s_max"], 4) for r in rows],
+                          "ttft_mean_s": [round(r["ttft_s_mean"], 4) for r in rows],
                           "steps": [r["num_steps"] for r in rows]}), flush=True)
     sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=8192)
 

@@ -231,9 +231,9 @@ def check_real_shape(name, big_weights, T, skewed, bm, tile, gemm=None):
     check_experts(sorted(picks), plan, x_np, w13, w2, h, y, A, name)
 
 
-# kernels_cu/moe_gemm_wg.cu (wgmma, sm_90a): same checks, 128-row tiles, both BN and the two pipeline
-# depths; T=1 and T=300 give tiles of 1 and ragged rows (a warpgroup with no rows), skewed routing a
-# 2048-row expert.
+# kernels_cu/moe_gemm_wg.cu (wgmma, sm_90a): same checks, 128-row tiles, both BN, the two pipeline
+# depths and both epilogues (staged through shared memory, or "direct" stores of the accumulators); T=1 and T=300 give tiles of 1 and
+# ragged rows (a warpgroup with no rows), skewed routing a 2048-row expert.
 WG = {  # name: (T, skewed, (bn, stages))
     "T1": (1, False, (256, 4)),
     "T300": (300, False, (256, 4)),
@@ -241,6 +241,10 @@ WG = {  # name: (T, skewed, (bn, stages))
     "T8192": (8192, False, (256, 4)),
     "T2048-skewed-bn128": (2048, True, (128, 4)),
     "T2048-bn128-s3": (2048, False, (128, 3)),
+    "T1-direct": (1, False, (256, 4, False)),
+    "T300-direct": (300, False, (256, 4, False)),
+    "T2048-skewed-direct": (2048, True, (256, 4, False)),
+    "T2048-bn128-s3-direct": (2048, False, (128, 3, False)),
 }
 
 
