@@ -117,12 +117,19 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 // IEEE division, so the same after a bf16 rounding but for rare ties): IEEE division compiles around a
 // slow-path call whose branches keep the compiler from overlapping neighbouring quotients.  e^-x = inf
 // (x < -88) gives -0, as the division does.
-__device__ __forceinline__ float silu_nr(float x) {
-    const float y = 1.f + expf(-x);
+__device__ __forceinline__ float silu_quotient(float x, float y) {  // x / y, y = 1 + e^-x
     float r;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
     const float q0 = x * r, q = fmaf(fmaf(-y, q0, x), r, q0);
     return y == __int_as_float(0x7f800000) ? 0.f * x : q;
+}
+__device__ __forceinline__ float silu_nr(float x) { return silu_quotient(x, 1.f + expf(-x)); }
+// 2^x by the hardware exponential alone (ex2.approx.ftz: relative error ~2^-22; 0 below 2^-126, inf above
+// 2^128): no range reduction, for callers whose result is rounded to bf16 or feeds a log1p
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // ---------------------------------------------------------------------------------------------

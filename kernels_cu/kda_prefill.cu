@@ -84,6 +84,9 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
     } while (0)
 #endif
 
+#ifndef EXP_ACCURATE_EXP
+#define EXP_ACCURATE_EXP 0
+#endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
@@ -123,15 +126,21 @@ __device__ __forceinline__ float2 unpack_bf16(unsigned u) {
 __device__ __forceinline__ void st_bf16x2(bf16* p, float lo, float hi) { *reinterpret_cast<unsigned*>(p) = pack_bf16(lo, hi); }
 __device__ __forceinline__ float2 ld_bf16x2(const bf16* p) { return unpack_bf16(*reinterpret_cast<const unsigned*>(p)); }
 
-// bf16(SiLU(conv)) as kda_conv_silu, but with common.cuh's silu_nr (no slow-path call of IEEE division,
-// which kept the compiler from overlapping rows)
+// bf16(SiLU(conv)) as kda_conv_silu, but with common.cuh's Newton quotient (no slow-path call of IEEE
+// division, which kept the compiler from overlapping rows) and e^-u from the hardware exponential alone
+// (relative error ~2^-22 + |u|·2^-24 before the bf16 rounding; expf's range reduction took ~6 more
+// instructions an element in this issue-bound stage; EXP_ACCURATE_EXP=1, bench only, restores expf)
 template <int W>
 __device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const float (&hist)[W - 1], float x) {
     float u = 0.f;
 #pragma unroll
     for (int j = 0; j < W - 1; ++j) u = fmaf(taps[j], hist[j], u);
     u = fmaf(taps[W - 1], x, u);
+#if EXP_ACCURATE_EXP
     return round_bf16(silu_nr(u));
+#else
+    return round_bf16(silu_quotient(u, 1.f + exp2_approx(-LOG2E * u)));
+#endif
 }
 
 // index of sub-block pair (I, J <= I) in the scaled-key tile
@@ -328,7 +337,13 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         for (int rr = 0; rr < CONV_ROWS; ++rr) {
             const int r = r0 + rr;
             const float fr = to_f32(Fs[r * LDB + c]);
+#if EXP_ACCURATE_EXP
             Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus(fr, bias)) : 0.f;  // == LOG2E * kda_log_decay
+#else
+            // kda_softplus with e^z from the hardware exponential: log1p's relative error stays ~2^-22
+            const float z = fr + bias;
+            Gf[r * LDF + c] = r < n ? LOG2E * (na * (z > 20.f ? z : log1pf(exp2_approx(LOG2E * z)))) : 0.f;
+#endif
         }
     }
     __syncthreads();

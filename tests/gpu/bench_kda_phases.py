@@ -3,13 +3,14 @@ runtime's build has no stamps, byte-identical SASS), thread 0 of each CTA stampi
 boundaries (kernels_cu/kda_prefill.cu, STAMP(i)).  Per shape: the kernel's time (CUDA events), the mean
 cycles of each phase over the CTAs, its share, and the mean CTA length in us at the measured clock.
 
-    PYTHONPATH=. python tests/gpu/bench_kda_phases.py [--shapes 32x2048,1x32768]
+    PYTHONPATH=. python tests/gpu/bench_kda_phases.py [--shapes 32x2048,1x32768] [--ab EXP_ACCURATE_EXP]
 Inputs as tests/gpu/bench_kda_prefill.py (random N(0, 1) bf16, |g| ~ 1 per token)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +27,29 @@ def main() -> int:
     import cupy
     from gpu.bench_kda_prefill import H, K, W, make
 
+    from helpers.gpu import median_ms
     from kda_rt.cuda.ops import kda_prefill as kp
     from kda_rt.cuda.ops.check import i32, leading_dim
     from kda_rt.cuda.ops.compile import _module, device_arch, get_kernel, sm_count
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="32x2048,8x2048,1x32768")
+    ap.add_argument("--ab", default="", help="a bench-only define (e.g. EXP_ACCURATE_EXP): both builds, 0 and 1, "
+                                              "timed in interleaved rounds, phases of each")
     args = ap.parse_args()
     cap = 40000
-    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=32, INTRA_THREADS=kp._INTRA_THREADS, PHASE_CLOCK=cap)
     smem = kp._intra_smem_bytes(K, 64, W)
-    fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
-    mod = _module("kda_prefill.cu", tuple(sorted(consts.items())), device_arch())
-    ptr = mod.get_global_var("kda_phase_clk")
-    if isinstance(ptr, int):
-        ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, cap * 12 * 8, mod), 0)
-    clk = cupy.ndarray((cap, 12), np.int64, memptr=ptr)
+    variants = [{args.ab: 0}, {args.ab: 1}] if args.ab else [{}]
+    built = []
+    for extra in variants:
+        consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=32, INTRA_THREADS=kp._INTRA_THREADS, PHASE_CLOCK=cap, **extra)
+        fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
+        mod = _module("kda_prefill.cu", tuple(sorted(consts.items())), device_arch())
+        ptr = mod.get_global_var("kda_phase_clk")
+        if isinstance(ptr, int):
+            ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, cap * 12 * 8, mod), 0)
+        built.append((extra, fn, cupy.ndarray((cap, 12), np.int64, memptr=ptr)))
+    mhz = float(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)) / 1e3
     for shape in args.shapes.split(","):
         B, S = map(int, shape.split("x"))
         d = make(B, S)
@@ -52,26 +60,30 @@ def main() -> int:
         launch = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"],
                   d["conv_pool"], d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3],
                   a_qk, g_last, i32(B), i32(H), i32(sm_count(cupy.cuda.Device().id)))
-        for _ in range(3):
-            fn((chunks, H), (kp._INTRA_THREADS,), launch, shared_mem=smem)
-        clk.fill(0)
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn((chunks, H), (kp._INTRA_THREADS,), launch, shared_mem=smem)
-        b.record()
-        b.synchronize()
-        ms = cupy.cuda.get_elapsed_time(a, b)
-        c = clk.get()[: min(cap, chunks * H)]
-        c = c[(c[:, 0] != 0) & (c[:, 10] != 0)]
-        dt = np.diff(c[:, :11], axis=1).astype(np.float64)
-        # phase 1 -> 2 is the register loads; STAMP(2) comes before the conv loop
-        total = (c[:, 10] - c[:, 0]).astype(np.float64)
-        mhz = float(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)) / 1e3
-        print(f"{shape}: kernel {ms:.3f} ms, {len(c)} CTAs stamped, mean CTA {total.mean():.0f} cycles "
-              f"({total.mean() / mhz:.1f} us at {mhz:.0f} MHz), CTAs x mean / SMs = "
-              f"{len(c) * total.mean() / mhz / 1e3 / sm_count(0):.3f} ms", flush=True)
-        for name, col in zip(PHASES, dt.T, strict=True):
-            print(f"  {name:<52s} {col.mean():8.0f} cycles  {col.mean() / total.mean():6.1%}", flush=True)
+
+        def run(fn, grid=(chunks, H), launch=launch):
+            fn(grid, (kp._INTRA_THREADS,), launch, shared_mem=smem)
+
+        times = [[] for _ in built]
+        for _ in range(5 if len(built) > 1 else 1):  # interleaved rounds: the GPU's clock drifts as it heats
+            for i, (_, fn, _) in enumerate(built):
+                times[i].append(median_ms(partial(run, fn), reps=5, warm=2))
+        for (extra, fn, clk), ts in zip(built, times, strict=True):
+            clk.fill(0)
+            run(fn)
+            cupy.cuda.Device().synchronize()
+            ms = float(np.median(ts))
+            c = clk.get()[: min(cap, chunks * H)]
+            c = c[(c[:, 0] != 0) & (c[:, 10] != 0)]
+            dt = np.diff(c[:, :11], axis=1).astype(np.float64)
+            # phase 1 -> 2 is the register loads; STAMP(2) comes before the conv loop
+            total = (c[:, 10] - c[:, 0]).astype(np.float64)
+            tag = f" {extra}" if extra else ""
+            print(f"{shape}{tag}: kernel {ms:.3f} ms (rounds {[round(t, 3) for t in ts]}), {len(c)} CTAs stamped, mean "
+                  f"CTA {total.mean():.0f} cycles ({total.mean() / mhz:.1f} us at {mhz:.0f} MHz), CTAs x mean / SMs = "
+                  f"{len(c) * total.mean() / mhz / 1e3 / sm_count(0):.3f} ms", flush=True)
+            for name, col in zip(PHASES, dt.T, strict=True):
+                print(f"  {name:<52s} {col.mean():8.0f} cycles  {col.mean() / total.mean():6.1%}", flush=True)
     return 0
 
 
