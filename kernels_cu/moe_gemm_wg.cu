@@ -103,8 +103,11 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long d
 //     on distinct banks), and after a barrier the block copies whole rows out in 16-byte pieces.
 // H200, bench_moe_gemm.py --epilogue (T = 8192 | 16384, interleaved rounds): down staged -18 | -21% against
 // direct; gate/up direct -8 | -7% and staged -6 | -4% against the IEEE-division SiLU the kernel had (the
-// quotient's slow-path call serialised the epilogue; silu_nr has none).  Same roundings either way; rows >=
-// nrows are not stored.
+// quotient's slow-path call serialised the epilogue; silu_nr has none).  Tried: the staged tile stored by one
+// bulk copy per row (cp.async.bulk, the CTA waiting only for the copies' reads): down -16% against direct where
+// the 16-byte stores gave -21% in the same rounds, gate/up +1%.  What is left (--limits, T = 16384): without
+// any epilogue gate/up ran 1.872 against 2.067 ms and down 0.973 against 1.090.  Same roundings either way;
+// rows >= nrows are not stored.
 #define OUT_COLS (FUSE_SILU ? BN / 2 : BN)  // output columns of the CTA
 #define OUT_PITCH (OUT_COLS * 2 + 16)       // bytes between staged rows
 #define OUT_LD (FUSE_SILU ? HALF : NOUT)    // output row stride (elements)
