@@ -57,7 +57,9 @@
 // cycles a CTA, kernel 7.42 ms -> 45.5 K, 6.83 ms after (c) took three exp2f per element instead of ~5.5
 // (tables hold 2^sums) and (e) one round of the 512 threads (strictly-lower pairs; the diagonal from (b)'s q.k).
 // The off-diagonal T blocks then read A and D rows as float4 with two accumulators: 6.6 K -> 6.0 K cycles,
-// 6.78 ms.  Now: loads 14%, conv + SiLU + gates 25%, (b) 8%, (c) 13%, (d, e) 17%, T off-diagonal 13%, (g) 5%.
+// 6.78 ms.  The conv SiLU's e^-u and the softplus's e^z from ex2.approx alone (2026-12-01, twelfth session):
+// conv + SiLU + gates 11.1 K -> 9.65 K cycles, 6.79 -> 6.54 ms (--ab EXP_ACCURATE_EXP).  Now: loads 14%, conv +
+// SiLU + gates 22%, (b) 9%, (c) 13%, (d, e) 18%, T off-diagonal 14%, (g) 4%.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).

@@ -214,6 +214,34 @@ def bench_epilogue(T, wts, rounds: int = 5):
             for v, ts in times.items()), flush=True)
 
 
+def bench_tiles(T, wts, rounds: int = 5):
+    """The launcher's tile against the other tiles that fit (BN = 128 with 3 stages runs two CTAs per SM, so
+    one CTA's epilogue overlaps the other's products), each GEMM with its launcher's epilogue, interleaved
+    over `rounds` rounds: medians."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg, wg_tile
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, True), ("down", h, wts.w2, y, INTER, D, False)):
+        t0 = wg_tile(nout, k, silu)
+        tiles = [t0] + [WgTile(bn, st, t0.staged_out) for bn, st in ((128, 3), (128, 4)) if (bn, st) != t0[:2]]
+        times = {t: [] for t in tiles}
+        for _ in range(rounds):
+            for t in tiles:
+                times[t].append(median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, tile=t)))
+        base = float(np.median(times[t0]))
+        print(f"T={T} {name}: " + "  ".join(f"bn={t.bn} stages={t.stages} staged={t.staged_out} {np.median(ts):.3f} ms "
+                                             f"({np.median(ts) / base - 1:+.1%})" for t, ts in times.items()), flush=True)
+
+
 def main():
     import cupy
 
@@ -226,6 +254,7 @@ def main():
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--limits", action="store_true", help="only the wgmma kernel with its copies skipped (bench_limits)")
     ap.add_argument("--epilogue", action="store_true", help="only the wgmma kernel's two epilogues, interleaved")
+    ap.add_argument("--tiles", action="store_true", help="only the wgmma kernel's tiles, interleaved")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -236,7 +265,9 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     for T in map(int, args.tokens.split(",")):
-        if args.epilogue:
+        if args.tiles:
+            bench_tiles(T, wts)
+        elif args.epilogue:
             bench_epilogue(T, wts)
         else:
             bench_limits(T, wts) if args.limits else bench_step(T, wts, cfg, args.sweep)
