@@ -7,13 +7,12 @@
 //                             W = w13 [E, 2·HALF, K] (gate rows first), x [T, K], tok(r) = sorted_pair[r] / TOPK
 //   FUSE_SILU = 0 (down):     y[r, f] = bf16(h[r] · W[e, f]ᵀ)                       W = w2 [E, NOUT, K]
 //
-// Rows r are the expert-sorted pair rows of moe_align.cu built with BT = BM: tile i covers rows
-// [tile_row[i], min(tile_row[i] + BM, expert_off[e + 1])) of expert e = tile_expert[i].  A CTA whose
+// Rows r are the expert-sorted pair rows of moe_align.cu built with BT = 128: tile i covers rows
+// [tile_row[i], min(tile_row[i] + 128, expert_off[e + 1])) of expert e = tile_expert[i].  A CTA whose
 // tile index is ≥ num_tiles[0] (read on the device) exits at once (graph-capturable grid).
 //
-// Geometry.  CTA tile BM rows × BN features (BM = 128 or 192, BN = 128 or 256), K in steps of 64 (one
-// 128-byte row per operand row and step).  BM / 64 warpgroups (256 or 384 threads; the weight rows are
-// copied by the first 256, the A rows by all); warpgroup w computes rows [64w, 64w + 64)
+// Geometry.  CTA tile 128 rows × BN features (BN = 128 or 256), K in steps of 64 (one 128-byte row
+// per operand row and step).  Two warpgroups (256 threads); warpgroup w computes rows [64w, 64w + 64)
 // × all BN features with wgmma.m64nBNk16 (4 per k step), A and B both K-major from shared memory, the
 // fp32 accumulators in registers (BN / 2 per thread).  Grid (feature blocks, max_tiles), as moe_gemm_tc.cu.
 //   FUSE_SILU: shared-memory B rows [0, BN/2) are gate features f0 .. f0 + BN/2 - 1 and rows
@@ -26,7 +25,7 @@
 //   tensor cores read); barrier (every warpgroup is past step kt - 1's wait, so step kt - 2's stage is
 //   free); copy step kt + STAGES - 2 into it; issue step kt's 4 wgmma, commit, wait until ≤ 1 group is
 //   pending (step kt - 1's done).
-// Shared memory layout: each stage is A [BM][64] then B [BN][64] bf16, 128-byte rows with the 128-byte
+// Shared memory layout: each stage is A [128][64] then B [BN][64] bf16, 128-byte rows with the 128-byte
 // swizzle that the descriptors name (16-byte chunk c of row r stored at chunk c ^ (r mod 8)), every
 // operand tile 1024-byte aligned; descriptor: start >> 4, stride between 8-row groups 1024 B, swizzle
 // mode 1 (128 B); the k16 slice s of a step starts 32·s bytes into the rows.
@@ -36,7 +35,7 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, STAGES, STAGED_OUT (the epilogue, below).
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
@@ -53,32 +52,30 @@
 #ifndef EXP_IEEE_SILU
 #define EXP_IEEE_SILU 0
 #endif
-#if !defined(K) || !defined(NOUT) || !defined(BM) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || \
-    !defined(TOPK) || !defined(STAGED_OUT)
-#error "moe_gemm_wg.cu needs -DK -DNOUT -DBM -DBN -DSTAGES -DFUSE_SILU -DTOPK -DSTAGED_OUT"
+#if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
+    !defined(STAGED_OUT)
+#error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK -DSTAGED_OUT"
 #endif
 #if defined(__CUDA_ARCH__) && !defined(KDA_RT_HOPPER)
 #error "moe_gemm_wg.cu needs sm_90a (wgmma); other archs use moe_gemm_tc.cu"
 #endif
 
+#define BM 128
 #define BK 64
-#define THREADS (2 * BM)                     // one warpgroup (128 threads) per 64 tile rows
+#define THREADS 256
 #define ACC (BN / 2)                         // fp32 accumulators per thread (64 rows x BN per warpgroup)
-#define A_BYTES (BM * BK * 2)                // 16 KB at BM = 128
+#define A_BYTES (BM * BK * 2)                // 16 KB
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define KT (K / BK)
 #define HALF (NOUT / 2)
-#define RPP (THREADS / 8)                    // A rows copied per pass of all threads: 8 chunks of 16 B per row
+#define RPP (THREADS / 8)                    // rows copied per pass: 8 chunks of 16 B per 128-byte row
 #define A_PASSES (BM / RPP)
-#define B_THREADS 256                        // the weight rows are copied by the first 256 threads
-#define RPP_B (B_THREADS / 8)
-#define B_PASSES (BN / RPP_B)
+#define B_PASSES (BN / RPP)
 
-static_assert(BM == 128 || BM == 192, "BM must be 128 or 192 (two or three warpgroups of 64 rows)");
 static_assert(BN == 128 || BN == 256, "BN must be 128 or 256 (one wgmma per k16 slice)");
 static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of 64, STAGES >= 3");
-static_assert(BM % RPP == 0 && BN % RPP_B == 0 && (BN / 2) % RPP_B == 0, "copy passes must tile the stage");
+static_assert(BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
 #if FUSE_SILU
 static_assert(HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
 #else
@@ -206,8 +203,8 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
     tile_row_sources<K, FUSE_SILU>(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
-    const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;  // threads < B_THREADS
-    // (lrow + i·RPP) mod 8 == lrow mod 8 (and for RPP_B): one swizzled offset per thread, plus i·RPP rows
+    const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
+    // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
     const unsigned dst_off = swz(lrow, lch);
 
     auto load_stage = [&](int stage, int kt) {
@@ -223,11 +220,11 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         for (int i = 0; i < A_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
                          "r"(a_bytes[i]));
-        if (!skip_b && (THREADS == B_THREADS || tid < B_THREADS))
+        if (!skip_b)
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP_B * 128),
-                         "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF, RPP_B>(i) * K + k0));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
+                         "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
     };
 
 #pragma unroll

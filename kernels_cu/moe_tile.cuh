@@ -23,10 +23,9 @@ __device__ __forceinline__ void tile_row_sources(const bf16* (&a_src)[PASSES], i
     }
 }
 
-// Weight row (relative to the block's first gate / output feature) copied by pass i of passes STRIDE rows
-// apart (default RPP): for gate/up (SILU) the first BN/2 tile rows are gate features, the rest the matching
-// up features HALF_ rows further on
-template <bool SILU, int HALF_, int STRIDE = RPP>
+// Weight row (relative to the block's first gate / output feature) copied by pass i: for gate/up (SILU)
+// the first BN/2 tile rows are gate features, the rest the matching up features HALF_ rows further on
+template <bool SILU, int HALF_>
 __device__ __forceinline__ constexpr int b_pass_offset(int i) {
-    return SILU ? (i * STRIDE < BN / 2 ? i * STRIDE : HALF_ - BN / 2 + i * STRIDE) : i * STRIDE;
+    return SILU ? (i * RPP < BN / 2 ? i * RPP : HALF_ - BN / 2 + i * RPP) : i * RPP;
 }

@@ -167,11 +167,11 @@ def bench_limits(T, wts):
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
         for skip in (0, 1, 2, 3, 4, 7):
             kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
-                              FUSE_SILU=silu, TOPK=A, BM=t.bm, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip,
+                              FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip,
                               STAGED_OUT=int(t.staged_out))
             args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
             grid = (fb, max_tiles(N, E, 128))
-            ms = median_ms(partial(kern, grid, (t.threads,), args, shared_mem=t.smem_bytes))
+            ms = median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes))
             useful, done = 2 * N * k * nout / ms / 1e9, 2 * tiles * 128 * k * nout / ms / 1e9
             l2 = tiles * fb * (k // 64) * (128 + t.bn) * 64 * 2 / ms / 1e9
             print(f"  {name:8s} skip={skip} {ms:7.3f} ms  useful {useful:6.1f}  executed {done:6.1f} TFLOP/s  "
@@ -205,10 +205,9 @@ def bench_epilogue(T, wts, rounds: int = 5):
         for _ in range(rounds):
             for v in variants:
                 kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
-                                  FUSE_SILU=silu, TOPK=A, BM=t.bm, BN=t.bn, STAGES=t.stages, STAGED_OUT=v[0], EXP_IEEE_SILU=v[1])
+                                  FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=v[0], EXP_IEEE_SILU=v[1])
                 args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
-                times[v].append(median_ms(partial(kern, (fb, max_tiles(N, E, 128)), (t.threads,), args,
-                                                   shared_mem=t.smem_bytes)))
+                times[v].append(median_ms(partial(kern, (fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)))
         base = float(np.median(times[variants[0]]))
         print(f"T={T} {name}: " + "  ".join(
             f"staged={v[0]}{' ieee' if v[1] else ''} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
@@ -216,10 +215,9 @@ def bench_epilogue(T, wts, rounds: int = 5):
 
 
 def bench_tiles(T, wts, rounds: int = 5):
-    """The launcher's tile against other tiles (192 rows on three warpgroups over a plan of 192-row tiles:
-    fewer L2 bytes per product; BN = 128 with 3 stages: two CTAs per SM, so one CTA's epilogue overlaps the
-    other's products), each GEMM with its launcher's epilogue unless named, interleaved over `rounds`
-    rounds: medians."""
+    """The launcher's tile against the other tiles that fit (BN = 128 with 3 stages runs two CTAs per SM, so
+    one CTA's epilogue overlaps the other's products), each GEMM with its launcher's epilogue, interleaved
+    over `rounds` rounds: medians."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 
@@ -230,26 +228,18 @@ def bench_tiles(T, wts, rounds: int = 5):
     N = T * A
     hrng = np.random.default_rng(T)
     x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-    ids = make_ids(T, E, A, False, hrng)
-    plans = {bm: make_plan(ids, E, bm) for bm in (128, 192)}
-    for bm, plan in plans.items():
-        tiles = int(plan.num_tiles.get()[0])
-        print(f"T={T}: {tiles} tiles of {bm} rows for {N} rows ({tiles * bm / N:.3f}x padded)", flush=True)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
     h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, True), ("down", h, wts.w2, y, INTER, D, False)):
         t0 = wg_tile(nout, k, silu)
-        tiles = [t0] + [WgTile(bn, st, t0.staged_out, bm) for bn, st, bm in ((256, 4, 192), (128, 3, 128))]
-        if silu:
-            tiles.append(WgTile(256, 4, True, 192))
+        tiles = [t0] + [WgTile(bn, st, t0.staged_out) for bn, st in ((128, 3), (128, 4)) if (bn, st) != t0[:2]]
         times = {t: [] for t in tiles}
         for _ in range(rounds):
             for t in tiles:
-                run = partial(moe_gemm_wg, src, w, plans[t.bm], top_k=A, fuse_silu=silu, out=out, tile=t)
-                times[t].append(median_ms(run))
+                times[t].append(median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, tile=t)))
         base = float(np.median(times[t0]))
-        print(f"T={T} {name}: " + "  ".join(f"bm={t.bm} bn={t.bn} stages={t.stages} staged={int(t.staged_out)} "
-                                             f"{np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
-                                             for t, ts in times.items()), flush=True)
+        print(f"T={T} {name}: " + "  ".join(f"bn={t.bn} stages={t.stages} staged={t.staged_out} {np.median(ts):.3f} ms "
+                                             f"({np.median(ts) / base - 1:+.1%})" for t, ts in times.items()), flush=True)
 
 
 def main():

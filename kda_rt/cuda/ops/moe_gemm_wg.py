@@ -17,7 +17,6 @@ from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 __all__ = ["WgTile", "available", "moe_gemm_wg", "wg_tile"]
 
 BM, BK = 128, 64
-_SMEM_MAX = 227 * 1024  # dynamic shared memory of one block (sm_90)
 
 
 class WgTile(NamedTuple):
@@ -27,15 +26,10 @@ class WgTile(NamedTuple):
     bn: int
     stages: int
     staged_out: bool = True
-    bm: int = BM  # rows per tile: 128, or 192 (three warpgroups); the plan's tile_rows must match
 
     @property
-    def smem_bytes(self) -> int:  # stages of A [BM][64] + B [BN][64] bf16, plus 1 KB to align to 1024
-        return self.stages * (self.bm + self.bn) * BK * 2 + 1024
-
-    @property
-    def threads(self) -> int:  # one warpgroup of 128 threads per 64 rows
-        return 2 * self.bm
+    def smem_bytes(self) -> int:  # stages of A [128][64] + B [BN][64] bf16, plus 1 KB to align to 1024
+        return self.stages * (BM + self.bn) * BK * 2 + 1024
 
 
 # 192 KB of stages: 1 CTA per SM, 2 k steps in flight; H200 (bench_moe_gemm.py), T = 8192 gate/up | down:
@@ -48,8 +42,7 @@ _STAGED_OUT = {False: True, True: False}
 
 def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool) -> bool:
     out_ok = (nout // 2) % (t.bn // 2) == 0 if fuse_silu else nout % t.bn == 0
-    return (out_ok and k % BK == 0 and k // BK >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
-            and t.bm in (128, 192) and t.smem_bytes <= _SMEM_MAX)
+    return out_ok and k % BK == 0 and k // BK >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
 
 
 def wg_tile(nout: int, k: int, fuse_silu: bool) -> WgTile | None:
@@ -69,7 +62,7 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
-                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BM=tile.bm, BN=tile.bn, STAGES=tile.stages,
+                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
                       STAGED_OUT=int(tile.staged_out))
 
 
@@ -79,11 +72,11 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
     tile = tile or wg_tile(nout, K, fuse_silu)
-    if tile is None or plan.tile_rows != tile.bm or not _fits(tile, nout, K, fuse_silu):
-        raise ValueError(f"moe_gemm_wg: no tile {tile} for a plan of {plan.tile_rows}-row tiles, K={K}, NOUT={nout}")
+    if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
+        raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
     kernel = wg_kernel(tile, K, nout, fuse_silu, top_k)
-    grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, tile.bm))
+    grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     if N:
-        kernel(grid, (tile.threads,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
+        kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
                               plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
     return out
