@@ -41,11 +41,12 @@
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
 //   T=8192:  1.28 | 0.79 ms = 483 | 390 TFLOP/s (2.36 | 1.21 ms = 262 | 256)
 //   T=16384: 2.19 | 1.40 ms = 566 | 441 TFLOP/s (4.11 | 2.24 ms = 301 | 276); cuBLAS dense: 755 | 534
-// 3 stages (1 k step in flight) lose a quarter: the copies are not hidden.  Tried and dropped (2026-12-01,
-// commit 221ed90): 192-row tiles on three warpgroups, 110 instead of 85 FLOP per byte copied: -1% at T=16384
-// (padding 1.125x against 1.114x), +17% at 8192 (1.5x); BN = 128 at 2 CTAs per SM: +20-29%.  Tried and dropped (same bench,
+// 3 stages (1 k step in flight) lose a quarter: the copies are not hidden.  Tried and dropped (same bench,
 // 2026-11-30): a persistent variant (one CTA per SM) with a producer warpgroup streaming cp.async stages
-// 3 steps ahead on mbarriers: 435 | 377 TFLOP/s at T=8192 and 512 | 382 at T=16384, no better.
+// 3 steps ahead on mbarriers: 435 | 377 TFLOP/s at T=8192 and 512 | 382 at T=16384, no better.  Tried and
+// dropped (2026-12-01, bench_moe_gemm.py --tiles): 192-row tiles on three warpgroups (commit 221ed90), 110
+// instead of 85 FLOP per byte copied: -1% at T=16384 (padding 1.125x against 1.114x), +17% at 8192 (1.5x);
+// BN = 128 with 3 stages at 2 CTAs per SM: +20-29%.
 #include "common.cuh"
 
 #ifndef EXP_SKIP
