@@ -64,9 +64,7 @@
 #endif
 
 #define BM 128
-#ifndef BK
-#define BK 64                                // K per step: 64 (128-byte rows, 128-byte swizzle) or 32 (64-byte)
-#endif
+#define BK 64
 #define THREADS 256
 #define ACC (BN / 2)                         // fp32 accumulators per thread (64 rows x BN per warpgroup)
 #define A_BYTES (BM * BK * 2)                // 16 KB
@@ -74,15 +72,12 @@
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define KT (K / BK)
 #define HALF (NOUT / 2)
-#define CPR (BK / 8)                         // 16-byte chunks per operand row of a step
-#define ROWB (BK * 2)                        // bytes per operand row of a step
-#define RPP (THREADS / CPR)                  // rows copied per pass
+#define RPP (THREADS / 8)                    // rows copied per pass: 8 chunks of 16 B per 128-byte row
 #define A_PASSES (BM / RPP)
 #define B_PASSES (BN / RPP)
 
 static_assert(BN == 128 || BN == 256, "BN must be 128 or 256 (one wgmma per k16 slice)");
-static_assert(BK == 64 || BK == 32, "BK must be 64 or 32");
-static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of BK, STAGES >= 3");
+static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of 64, STAGES >= 3");
 static_assert(BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
 #if FUSE_SILU
 static_assert(HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
@@ -92,10 +87,6 @@ static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 
 #include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
 #include "wgmma.cuh"
-
-// the swizzled byte offset of 16-byte chunk c of operand row r, and the operand descriptor, for the step width
-__device__ __forceinline__ unsigned swz_op(int r, int c) { return BK == 64 ? swz(r, c) : swz64(r, c); }
-__device__ __forceinline__ unsigned long long desc_op(unsigned addr) { return BK == 64 ? smem_desc(addr) : smem_desc64(addr); }
 
 // one k16 slice of the warpgroup tile
 __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b) {
@@ -211,13 +202,13 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 #endif
 
     // copy geometry: thread copies chunk lch of rows lrow + i·RPP
-    const int lrow = tid >> (BK == 64 ? 3 : 2), lch = tid & (CPR - 1);
+    const int lrow = tid >> 3, lch = tid & 7;
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
     tile_row_sources<K, FUSE_SILU>(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
     const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
-    // the swizzle of row lrow + i·RPP is row lrow's (RPP is a multiple of 8): one offset per thread, plus i·RPP rows
-    const unsigned dst_off = swz_op(lrow, lch);
+    // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
+    const unsigned dst_off = swz(lrow, lch);
 
     auto load_stage = [&](int stage, int kt) {
         const int k0 = kt * BK;
@@ -230,12 +221,12 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         if (!skip_a)
 #pragma unroll
         for (int i = 0; i < A_PASSES; ++i)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * ROWB), "l"(a_src[i] + k0),
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
                          "r"(a_bytes[i]));
         if (!skip_b)
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i)
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * ROWB),
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
                          "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
     };
 
@@ -256,12 +247,12 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
         // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
-        const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * ROWB;
+        const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
         const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
         fence_regs(acc);
         wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, desc_op(a_tile + 32 * s), desc_op(b_tile + 32 * s));
+        for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
         wgmma_commit();
         wgmma_wait<1>();
         fence_regs(acc);

@@ -27,11 +27,6 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)1 << 16) | ((unsigned long long)(1024 >> 4) << 32) | ((unsigned long long)1 << 62);
 }
 
-// The same for 64-byte rows (32 bf16 of K) and the 64-byte swizzle: 8-row groups 512 bytes apart, mode 2
-__device__ __forceinline__ unsigned long long smem_desc64(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)1 << 16) | ((unsigned long long)(512 >> 4) << 32) | ((unsigned long long)2 << 62);
-}
-
 // Operand lists of the inline PTX below: accumulators "+f"(d[b]) .. "+f"(d[b + 31]), and the register
 // placeholders of 32, 64 and 128 accumulators.
 #define WG_ACC8(d, b) "+f"(d[(b)]), "+f"(d[(b) + 1]), "+f"(d[(b) + 2]), "+f"(d[(b) + 3]), "+f"(d[(b) + 4]), "+f"(d[(b) + 5]), "+f"(d[(b) + 6]), "+f"(d[(b) + 7])
@@ -58,8 +53,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile
 __device__ __forceinline__ unsigned swz(int r, int c) { return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4)); }
-// 64-byte rows, 64-byte swizzle (address bits 4-5 XOR bits 7-8): chunk c of row r at chunk c ^ ((r / 2) mod 4)
-__device__ __forceinline__ unsigned swz64(int r, int c) { return (unsigned)(r * 64 + ((c ^ ((r >> 1) & 3)) << 4)); }
 
 // d += A[64 x 16] · B[128 x 16]ᵀ with A from registers (bf16 pairs, layout above), B K-major in shared memory
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b) {

@@ -232,8 +232,7 @@ def check_real_shape(name, big_weights, T, skewed, bm, tile, gemm=None):
 
 
 # kernels_cu/moe_gemm_wg.cu (wgmma, sm_90a): same checks, 128-row tiles, both BN, the two pipeline
-# depths, both epilogues (staged through shared memory, or "direct" stores of the accumulators) and both
-# step widths (BK = 64, or 32 with the 64-byte swizzle and twice the stages); T=1 and T=300 give tiles of 1 and
+# depths and both epilogues (staged through shared memory, or "direct" stores of the accumulators); T=1 and T=300 give tiles of 1 and
 # ragged rows (a warpgroup with no rows), skewed routing a 2048-row expert.
 WG = {  # name: (T, skewed, (bn, stages))
     "T1": (1, False, (256, 4)),
@@ -246,12 +245,6 @@ WG = {  # name: (T, skewed, (bn, stages))
     "T300-direct": (300, False, (256, 4, False)),
     "T2048-skewed-direct": (2048, True, (256, 4, False)),
     "T2048-bn128-s3-direct": (2048, False, (128, 3, False)),
-    "T1-bk32": (1, False, (256, 8, True, 32)),
-    "T300-bk32": (300, False, (256, 8, True, 32)),
-    "T300-bk32-direct": (300, False, (256, 8, False, 32)),
-    "T2048-skewed-bk32": (2048, True, (256, 8, True, 32)),
-    "T2048-skewed-bk32-direct-s6": (2048, True, (256, 6, False, 32)),
-    "T8192-bk32": (8192, False, (256, 8, True, 32)),
 }
 
 

@@ -26,11 +26,10 @@ class WgTile(NamedTuple):
     bn: int
     stages: int
     staged_out: bool = True
-    bk: int = BK  # K per step: 64 (128-byte rows) or 32 (64-byte rows, twice the stages in the same memory)
 
     @property
-    def smem_bytes(self) -> int:  # stages of A [128][BK] + B [BN][BK] bf16, plus 1 KB to align to 1024
-        return self.stages * (BM + self.bn) * self.bk * 2 + 1024
+    def smem_bytes(self) -> int:  # stages of A [128][64] + B [BN][64] bf16, plus 1 KB to align to 1024
+        return self.stages * (BM + self.bn) * BK * 2 + 1024
 
 
 # 192 KB of stages: 1 CTA per SM, 2 k steps in flight; H200 (bench_moe_gemm.py), T = 8192 gate/up | down:
@@ -43,8 +42,7 @@ _STAGED_OUT = {False: True, True: False}
 
 def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool) -> bool:
     out_ok = (nout // 2) % (t.bn // 2) == 0 if fuse_silu else nout % t.bn == 0
-    return (out_ok and t.bk in (32, 64) and k % t.bk == 0 and k // t.bk >= t.stages - 2 and t.bn in (128, 256)
-            and t.stages >= 3 and t.smem_bytes <= 227 * 1024)
+    return out_ok and k % BK == 0 and k // BK >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
 
 
 def wg_tile(nout: int, k: int, fuse_silu: bool) -> WgTile | None:
@@ -64,7 +62,7 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
-                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
+                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
                       STAGED_OUT=int(tile.staged_out))
 
 
