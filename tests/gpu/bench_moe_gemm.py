@@ -242,6 +242,27 @@ def bench_tiles(T, wts, rounds: int = 5):
                                              f"({np.median(ts) / base - 1:+.1%})" for t, ts in times.items()), flush=True)
 
 
+def run_once(T, wts):
+    """Both GEMMs once with the launcher's tiles after one warm-up pair (for a profiler: launches 3 and 4 of
+    moe_grouped_gemm_wg are the gate/up and down GEMMs to look at; tests/gpu/ncu_moe_gemm.sh)."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    for _ in range(2):
+        moe_gemm_wg(x, wts.w13, plan, top_k=A, fuse_silu=True, out=h)
+        moe_gemm_wg(h, wts.w2, plan, top_k=A, fuse_silu=False, out=y)
+    cupy.cuda.Device().synchronize()
+    print(f"T={T}: gate/up and down ran twice", flush=True)
+
+
 def main():
     import cupy
 
@@ -255,6 +276,7 @@ def main():
     ap.add_argument("--limits", action="store_true", help="only the wgmma kernel with its copies skipped (bench_limits)")
     ap.add_argument("--epilogue", action="store_true", help="only the wgmma kernel's two epilogues, interleaved")
     ap.add_argument("--tiles", action="store_true", help="only the wgmma kernel's tiles, interleaved")
+    ap.add_argument("--once", action="store_true", help="both wgmma GEMMs twice, untimed (for ncu)")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -265,7 +287,9 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     for T in map(int, args.tokens.split(",")):
-        if args.tiles:
+        if args.once:
+            run_once(T, wts)
+        elif args.tiles:
             bench_tiles(T, wts)
         elif args.epilogue:
             bench_epilogue(T, wts)
