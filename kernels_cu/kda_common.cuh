@@ -35,3 +35,8 @@ __device__ __forceinline__ float kda_softplus(float f, float dt_bias) {
     const float z = f + dt_bias;
     return z > 20.f ? z : log1pf(expf(z));
 }
+// the same with e^z from ex2.approx alone (kda_prefill.cu's intra kernel; relative error ~2^-22 before log1pf)
+__device__ __forceinline__ float kda_softplus_approx(float f, float dt_bias) {
+    const float z = f + dt_bias;
+    return z > 20.f ? z : log1pf(exp2_approx(1.4426950408889634f * z));
+}

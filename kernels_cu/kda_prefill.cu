@@ -342,9 +342,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #if EXP_ACCURATE_EXP
             Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus(fr, bias)) : 0.f;  // == LOG2E * kda_log_decay
 #else
-            // kda_softplus with e^z from the hardware exponential: log1p's relative error stays ~2^-22
-            const float z = fr + bias;
-            Gf[r * LDF + c] = r < n ? LOG2E * (na * (z > 20.f ? z : log1pf(exp2_approx(LOG2E * z)))) : 0.f;
+            Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus_approx(fr, bias)) : 0.f;
 #endif
         }
     }

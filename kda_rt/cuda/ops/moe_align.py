@@ -56,7 +56,11 @@ def max_tiles(num_pairs: int, num_experts: int, tile_rows: int) -> int:
 
 def bucket_scratch_words(num_pairs: int, num_bins: int) -> int:
     """int32 scratch moe_bucket needs for `num_pairs` pairs into `num_bins` bins (0: the one-block kernel)."""
-    return num_bins * (1 + _WIDE_BLOCKS) if num_pairs >= WIDE_MIN_PAIRS else 0
+    return _wide_scratch_words(num_bins) if num_pairs >= WIDE_MIN_PAIRS else 0
+
+
+def _wide_scratch_words(num_bins: int) -> int:  # counts [bins], then base [_WIDE_BLOCKS][bins]
+    return num_bins * (1 + _WIDE_BLOCKS)
 
 
 def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot: bool = False, sync=None,
@@ -95,7 +99,7 @@ def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync,
     per_block = -(-N // blocks)
     chunk = -(-per_block // per_token) * per_token  # whole tokens per block
     blocks = -(-N // chunk)
-    words = E * (1 + _WIDE_BLOCKS)
+    words = _wide_scratch_words(E)
     if scratch is None:
         scratch = cupy.empty(words, dtype=np.int32)
     expect(scratch, "scratch", ndim=1, dtype=np.int32)
