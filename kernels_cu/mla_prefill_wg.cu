@@ -18,13 +18,16 @@
 //   to bf16: wgmma.cuh's layouts) and B = Vᵀ K-major (keys contiguous) in shared memory.
 // Staggered warpgroups: between two barriers (one key tile), warpgroup 0 runs S(it), softmax(it), PV(it)
 // while warpgroup 1 runs softmax(it-1), PV(it-1) on the scores it kept in registers, then S(it); so each
-// one's softmax overlaps the other's products on the tensor cores.  Three stages: tile it+1 is copied
-// into the stage of tile it-2 while warpgroup 1 still reads tile it-1's values.
+// one's softmax overlaps the other's products on the tensor cores.  STAGES stages, STAGES - 2 tiles in
+// flight: right after the barrier that starts iteration it (every warpgroup is past iteration it - 1, whose
+// wgmma waits retired every product that read tile it - 2), tile it + STAGES - 2 is copied into the stage of
+// tile it - 2 while warpgroup 1 still reads tile it - 1's values; one block barrier per tile.
 // Shared memory, 128-byte rows with the 128-byte swizzle, every sub-tile 1024-byte aligned: Q as DQK/64
 // sub-tiles [128][64]; per stage K as DQK/64 sub-tiles [64 keys][64] and Vᵀ as one [128 dv][64 keys]
-// (168 KB at DQK = 192, one CTA per SM).  Every copy is a 16-byte cp.async into its swizzled place; key
+// (168 KB at DQK = 192 with 3 stages, 208 KB with 4; one CTA per SM).  Every copy is a 16-byte cp.async into its swizzled place; key
 // positions past the key end are zero-filled.
-// Compile-time constants: H, R, DN, DR, DV (DN, DR multiples of 64, DV = 128), FLAG_HAS_PREV, FLAG_FINAL.
+// Compile-time constants: H, R, DN, DR, DV (DN, DR multiples of 64, DV = 128), STAGES (3 or 4), FLAG_HAS_PREV,
+// FLAG_FINAL.
 // H200, 2026-12-01 (tests/gpu/bench_mla_prefill.py, H = 32): 467-483 TFLOP/s from 32K context (mma.sync
 // 258-264), 387 at 8 x 2048 (226).  Before the per-thread copy geometry, the first-slice overwrite and the
 // held-max rescale skip, 352 (ncu at 8 x 2048: tensor pipe 32% busy, issue 43%, 1.97 warps per scheduler
@@ -32,15 +35,18 @@
 #include "mla_prefill.cuh"
 #include "wgmma.cuh"
 
-#if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(FLAG_HAS_PREV) || \
-    !defined(FLAG_FINAL)
-#error "mla_prefill_wg.cu needs -DH -DR -DDN -DDR -DDV -DFLAG_HAS_PREV -DFLAG_FINAL"
+#if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(STAGES) || \
+    !defined(FLAG_HAS_PREV) || !defined(FLAG_FINAL)
+#error "mla_prefill_wg.cu needs -DH -DR -DDN -DDR -DDV -DSTAGES -DFLAG_HAS_PREV -DFLAG_FINAL"
+#endif
+#ifndef PIPE
+#define PIPE 1
 #endif
 
 #define THREADS 256
 #define BLOCK_M 128
 #define BLOCK_N 64
-#define STAGES 3
+#define AHEAD (STAGES - 2)            // key tiles in flight
 #define DQK (DN + DR)
 #define LATW (R + DR)
 #define SUB_BYTES 16384                 // one [128][64] bf16 sub-tile (Q, Vᵀ)
@@ -54,6 +60,7 @@
 
 static_assert(DN % 64 == 0 && DR % 64 == 0 && DV == 128, "mla_prefill_wg: DN, DR multiples of 64 and DV = 128");
 static_assert(BLOCK_N == 64, "mla_prefill_wg: one Vᵀ sub-tile per stage, m64n64 score products");
+static_assert(STAGES == 3 || STAGES == 4, "mla_prefill_wg: 3 or 4 stages");
 
 // cp.async of tile rows: Q rows, K rows (k_nope from kn, k_pe from lat), Vᵀ rows (dv index, keys contiguous)
 __device__ __forceinline__ void load_q(unsigned q_base, const bf16* __restrict__ q, int ld_q, size_t tok, int h, int rows) {
@@ -140,10 +147,13 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
     unsigned qa[QK_STEPS][4];  // this warpgroup's Q rows as A fragments
 
     const KvCopy cp = kv_copy(kn, vt, lat, ld_rows, h, row0, ks);
-    if (num_tiles > 0) {
+    if (num_tiles > 0) {  // Q and tiles 0 .. AHEAD - 1, one commit group each (group t holds tile t)
         load_q(q_base, q, ld_q, (size_t)(qt.tok0 + qt.i0), h, rows);
-        load_kv(cp, stage0, ld_rows, row0, ks, ks, kend);
-        cp_async_commit();
+#pragma unroll
+        for (int t = 0; t < AHEAD; ++t) {
+            if (t < num_tiles) load_kv(cp, stage0 + t * STAGE_BYTES, ld_rows, row0, ks, ks + t * BLOCK_N, kend);
+            cp_async_commit();
+        }
     }
     const int prow0 = p0 + warp * 16 + g;  // positions of rows g and g + 8
 
@@ -175,14 +185,85 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         wgmma_commit();
     };
 
+#if PIPE
+    // Pipelined warpgroups: each one issues S(it) and P·V(it - 1) back to back, waits for S(it) alone, and
+    // runs the mask and softmax of tile it while P·V(it - 1) is on the tensor cores; only the output rescale
+    // and the packing of P(it) wait for it.  Tile 0 is peeled (no branch around a wgmma).
+    unsigned pa[BLOCK_N / 16][4];  // P of the tile whose P·V is next, packed to bf16 (A fragments)
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    };
+    auto issue_scores = [&](unsigned k_tile) {
+        fence_regs(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk)  // the first slice overwrites s
+            wgmma_m64n64k16_rs(s, qa[kk], smem_desc(k_tile + (kk / 4) * KSUB_BYTES + 32 * (kk % 4)), kk > 0);
+        wgmma_commit();
+    };
+    auto issue_pv = [&](unsigned v_tile) {
+        fence_regs(o);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_m64n128k16_rs(o, pa[kk], smem_desc(v_tile + 32 * kk));
+        wgmma_commit();
+    };
+    auto next_tile = [&](int it) {  // tile it has landed for everyone; tile it + AHEAD's copies issued
+        cp_async_wait<AHEAD - 1>();
+        fence_proxy_async();
+        __syncthreads();  // every warpgroup is past iteration it - 1 (its waits retired every read of tile it - 2)
+        if (it + AHEAD < num_tiles)
+            load_kv(cp, stage0 + ((it + AHEAD) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, ks + (it + AHEAD) * BLOCK_N, kend);
+        cp_async_commit();
+    };
+    if (num_tiles > 0) {
+        next_tile(0);
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk)  // rows 16·warp + (lane mod 16), columns 16kk + 8·(lane / 16)
+            ldmatrix_x4(qa[kk], smem_raw + (q_base - smem_addr(smem_raw)) + (kk / 4) * SUB_BYTES +
+                                    swz(warp * 16 + (lane & 15), 2 * (kk % 4) + (lane >> 4)));
+        issue_scores(stage0);
+        wgmma_wait<0>();
+        fence_regs(s);
+        mask_tile<SN>(s, ks, prow0, kend, mask_from, c4);
+        float alpha[2];
+        softmax_probs<SN>(s, m_run, l_run, scale_log2, alpha);  // o is still 0: no rescale
+        pack_p();
+    }
+    for (int it = 1; it < num_tiles; ++it) {
+        next_tile(it);
+        const unsigned stage = stage0 + (it % STAGES) * STAGE_BYTES;
+        issue_scores(stage);
+        issue_pv(stage0 + ((it - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
+        wgmma_wait<1>();  // S(it) is done (groups retire in order); P·V(it - 1) may still run
+        fence_regs(s);
+        mask_tile<SN>(s, ks + it * BLOCK_N, prow0, kend, mask_from, c4);
+        float alpha[2];
+        softmax_probs<SN>(s, m_run, l_run, scale_log2, alpha);
+        wgmma_wait<0>();  // P·V(it - 1) is done: o and pa are free
+        fence_regs(o);
+        rescale_out<ON, true>(o, alpha);
+        pack_p();
+    }
+    if (num_tiles > 0) {  // P·V of the last tile
+        wgmma_fence();
+        issue_pv(stage0 + ((num_tiles - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
+        wgmma_wait<0>();
+        fence_regs(o);
+    }
+#else
     for (int it = 0; it < num_tiles; ++it) {
         const int kb = ks + it * BLOCK_N;
-        // tile it + 1 into the stage of tile it - 2 (every warpgroup is past it: the barrier ending it - 1)
-        if (it + 1 < num_tiles) load_kv(cp, stage0 + ((it + 1) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, kb + BLOCK_N, kend);
+        cp_async_wait<AHEAD - 1>();  // tile it (and Q) have landed (this thread's copies) ...
+        fence_proxy_async();         // ... and are visible to the tensor cores' proxy ...
+        __syncthreads();             // ... for everyone's copies; and every warpgroup is past iteration it - 1
+        // tile it + AHEAD into the stage of tile it - 2 (its last reader, warpgroup 1's P·V of iteration it - 1,
+        // was retired by that iteration's score wait); an empty group past the end keeps the count uniform
+        if (it + AHEAD < num_tiles)
+            load_kv(cp, stage0 + ((it + AHEAD) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, kb + AHEAD * BLOCK_N, kend);
         cp_async_commit();
-        cp_async_wait<1>();  // tile it (and Q) have landed (this thread's copies) ...
-        fence_proxy_async();  // ... and are visible to the tensor cores' proxy ...
-        __syncthreads();      // ... for everyone's copies
         if (it == 0) {
 #pragma unroll
             for (int kk = 0; kk < QK_STEPS; ++kk)  // rows 16·warp + (lane mod 16), columns 16kk + 8·(lane / 16)
@@ -200,13 +281,13 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
             scores(stage);  // its wait also retires the PV product above
             fence_regs(o);
         }
-        __syncthreads();  // every warpgroup is done with tile it - 1: the next iteration's copies overwrite it
     }
     if (wg == 1 && num_tiles > 0) {  // warpgroup 1's last tile
         attend(ks + (num_tiles - 1) * BLOCK_N, stage0 + ((num_tiles - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
         wgmma_wait<0>();
         fence_regs(o);
     }
+#endif
     cp_async_wait<0>();
     store_rows(o, l_run, m_run, warp, rows, (size_t)(qt.tok0 + qt.i0), h, qt.flags, scale_log2, out, ld_out, o_state, ml_state);
 }

@@ -23,7 +23,7 @@ import numpy as np
 
 from kda_rt.cuda.gemm import bmm, linear
 from kda_rt.cuda.ops.check import BF16
-from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, _kernels, _wg_kernel, _wg_smem, mla_prefill, plan_rounds
+from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, WG_STAGES, _kernels, _wg_kernel, _wg_smem, mla_prefill, plan_rounds
 
 H, R, DN, DR, DV, S = 32, 512, 128, 64, 128, 64
 SCALE = (DN + DR) ** -0.5
@@ -43,8 +43,10 @@ def events_ms(fn, reps: int, warm: bool) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
-def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool) -> tuple[float, float, float]:
-    """(gather, decompress, attention) ms of one call's rounds on one path, events between launches."""
+def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool, variant: tuple[int, int] = (WG_STAGES, 1),
+                  want_out: bool = False):
+    """(gather, decompress, attention) ms of one call's rounds on one path, events between launches (and the
+    output when want_out); `variant`: the wgmma kernel's (pipeline stages, PIPE)."""
     gather, attn, smem = _kernels(H, R, DN, DR, DV, S)
     rounds = plan_rounds(cu_h, ctx_h, list(range(len(ctx_h))), 65536)
     T, M = q.shape[0], tables.shape[1]
@@ -73,9 +75,9 @@ def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool) -> tuple[float,
             linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
         ev[2].record()
         if wg:
-            _wg_kernel(H, R, DN, DR, DV)((len(rd.tiles), H), (256,), (
+            _wg_kernel(H, R, DN, DR, DV, *variant)((len(rd.tiles), H), (256,), (
                 q, np.int32(q.shape[1]), kn, vt, lat, np.int32(rows), rec, tl, scale_log2, out, np.int32(H * DV),
-                st_o, st_ml), shared_mem=_wg_smem(DN, DR))
+                st_o, st_ml), shared_mem=_wg_smem(DN, DR, variant[0]))
         else:
             attn((len(rd.tiles), H), (NUM_WARPS * 32,), (q, np.int32(q.shape[1]), kv, lat, rec, tl, scale_log2, out,
                                                          np.int32(H * DV), st_o, st_ml), shared_mem=smem)
@@ -83,7 +85,40 @@ def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool) -> tuple[float,
         ev[3].synchronize()
         for k in range(3):
             total[k] += cupy.cuda.get_elapsed_time(ev[k], ev[k + 1])
-    return tuple(total)
+    return (*total, out) if want_out else tuple(total)
+
+
+def bench_variants(name: str, variants: list[tuple[int, int]], rounds: int = 3) -> None:
+    """The wgmma attention kernel built as each (stages, PIPE) variant, interleaved over `rounds` rounds after a
+    warm-up one (the GPU's clock drifts as it heats): attention ms and TFLOP/s of each, and whether the outputs
+    are bit-identical."""
+    B, L, chunk = SHAPES[name]
+    pages = -(-L // S)
+    pool = cupy.random.standard_normal((B * pages, S, R + DR), dtype=np.float32).astype(BF16)
+    tables = cupy.arange(B * pages, dtype=np.int32).reshape(B, pages)
+    q_all = cupy.random.standard_normal((B * chunk, H * (DN + DR)), dtype=np.float32).astype(BF16)
+    w_kvb = (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+    times = {v: [] for v in variants}
+    same, flops = True, 0.0
+    for c0 in range(0, L, chunk):
+        cu_h, ctx_h = (np.arange(B + 1) * chunk).astype(np.int32), np.full(B, c0, np.int32)
+        flops += B * 2 * H * (DN + DR + DV) * np.arange(c0 + 1, c0 + chunk + 1, dtype=np.float64).sum()
+        ref = None
+        for v in variants:
+            times[v].append(0.0)
+        for r in range(rounds + 1):
+            for v in variants:
+                *t, out = replay_rounds(q_all, pool, w_kvb, tables, cu_h, ctx_h, True, v, want_out=True)
+                if r > 0:  # round 0 warms up (and builds) every variant
+                    times[v][-1] += t[2] / rounds
+                if ref is None:
+                    ref = out.copy()
+                else:
+                    same = same and bool(cupy.array_equal(ref, out))
+    base = sum(times[variants[0]])
+    print(f"{name}: " + "  ".join(f"stages={v[0]} pipe={v[1]} {sum(ts):.2f} ms {flops / sum(ts) / 1e9:.0f} TF/s "
+                                  f"({sum(ts) / base - 1:+.1%})" for v, ts in times.items())
+          + f"  outputs bit-identical: {same}", flush=True)
 
 
 def on_path(wg: bool, fn):
@@ -97,8 +132,17 @@ def on_path(wg: bool, fn):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--variants", default="", help="e.g. 3:0,4:1: only the wgmma attention built with each "
+                                                   "STAGES:PIPE, interleaved rounds")
     args = ap.parse_args()
     t_start = time.time()
+    if args.variants:
+        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        for name in args.shapes.split(","):
+            bench_variants(name, variants)
+            cupy.get_default_memory_pool().free_all_blocks()
+        print(f"wall {time.time() - t_start:.1f} s")
+        return
     w_kvb = (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
     print(f"{'shape':<22} {'mma ms':>8} {'wg ms':>8} {'speedup':>7} | {'attn mma':>8} {'TF/s':>5} {'attn wg':>8} "
           f"{'TF/s':>5} | {'gather':>6} {'dec mma':>7} {'dec wg':>7} | rel RMS diff")

@@ -23,16 +23,35 @@ def main() -> int:
     ap.add_argument("path")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
+    # one table per profiled kernel, each after a '"Kernel Name","<name>",' line
+    tables: list[tuple[str, list[str]]] = []
     with open(args.path, newline="") as fh:
-        rows = list(csv.DictReader(line for line in fh if line.strip()))
-    if not rows:
+        for line in fh:
+            if line.startswith('"Kernel Name"'):
+                tables.append((next(csv.reader([line]))[1], []))
+            elif line.strip():
+                if not tables:
+                    tables.append(("", []))
+                tables[-1][1].append(line)
+    if not tables:
         print(f"{args.path}: no rows")
         return 1
-    header = list(rows[0])
+    for i, (name, lines) in enumerate(tables):
+        print(f"--- kernel {i}: {name}")
+        if _table(list(csv.DictReader(lines)), args.path, args.top):
+            return 1
+    return 0
+
+
+def _table(rows: list[dict], path: str, top: int) -> int:
+    if not rows:
+        print(f"{path}: no rows")
+        return 1
+    header = [h for h in rows[0] if h is not None]
     src, samples = _col(header, "source"), _col(header, "stall sampling", "all") or _col(header, "stall sampling")
     addr = _col(header, "address")
     if src is None or samples is None:
-        print(f"{args.path}: no source / stall-sampling columns among {header}")
+        print(f"{path}: no source / stall-sampling columns among {header}")
         return 1
 
     def value(r: dict) -> float:
@@ -41,10 +60,21 @@ def main() -> int:
         except ValueError:
             return 0.0
 
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+
+    def num(r: dict, col: str) -> float:
+        try:
+            return float((r.get(col) or "0").replace(",", ""))
+        except ValueError:
+            return 0.0
+
     total = sum(value(r) for r in rows) or 1.0
     print(f"{len(rows)} SASS lines, {total:.0f} stall samples ({samples})")
-    for r in sorted(rows, key=value, reverse=True)[: args.top]:
-        print(f"{value(r):9.0f} {value(r) / total:6.1%}  {(r.get(addr) or '')[:10]:10s} {(r.get(src) or '')[:100]}")
+    by_reason = sorted(((sum(num(r, c) for r in rows), c[6:]) for c in reasons), reverse=True)
+    print("by reason: " + ", ".join(f"{n} {v / total:.1%}" for v, n in by_reason[:10]))
+    for r in sorted(rows, key=value, reverse=True)[:top]:
+        why = " ".join(f"{c[6:]}:{num(r, c):.0f}" for c in sorted(reasons, key=lambda c: -num(r, c))[:3])
+        print(f"{value(r):9.0f} {value(r) / total:6.1%}  {(r.get(addr) or '')[-6:]:6s} {(r.get(src) or '')[:64]:64s} {why}")
     return 0
 
 

@@ -87,12 +87,15 @@ def test_wgmma_runs_on_sm90a_128_row_tiles_unless_switched_off(monkeypatch):
 
 def test_mla_prefill_wgmma_only_where_its_tile_fits(monkeypatch):
     """The wgmma MLA prefill attention: sm_90a, Dn / Dr multiples of 64, Dv = 128, its shared memory (Q and
-    three K / Vᵀ stages) within 227 KB; else the mma.sync kernel."""
+    at least three K / Vᵀ stages) within 227 KB; else the mma.sync kernel.  Four stages where they fit."""
     import kda_rt.cuda.ops.mla_prefill as mp
 
     monkeypatch.setattr(mp, "device_arch", lambda: "sm_90a")
-    assert mp.use_wgmma(128, 64, 128) and mp._wg_smem(128, 64) == 169 * 1024
-    assert not mp.use_wgmma(256, 64, 128)        # 249 KB of shared memory: too much
+    assert mp.use_wgmma(128, 64, 128) and mp._wg_smem(128, 64, 3) == 169 * 1024
+    assert mp._wg_stages(128, 64) == 4 and mp._wg_smem(128, 64, 4) == 209 * 1024
+    assert mp.use_wgmma(64, 64, 128) and mp._wg_stages(64, 64) == 4
+    assert mp.use_wgmma(128, 128, 128) and mp._wg_stages(128, 128) == 3  # 4 stages: 257 KB, 3: 209 KB
+    assert not mp.use_wgmma(256, 64, 128)        # 249 KB of shared memory at 3 stages: too much
     assert not mp.use_wgmma(96, 64, 128) and not mp.use_wgmma(128, 64, 64)
     monkeypatch.setenv("KDA_RT_WGMMA", "0")
     assert not mp.use_wgmma(128, 64, 128)

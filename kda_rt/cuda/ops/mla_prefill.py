@@ -48,6 +48,8 @@ EXPANDED_MIN_TOKENS = 128
 FLAG_HAS_PREV, FLAG_FINAL = 1, 2
 SEGMENT_ALIGN = 8  # scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns)
 _WG_THREADS = 256
+# pipeline stages of mla_prefill_attn_wg (STAGES - 2 key tiles in flight); 3 where 4 do not fit the CTA's smem
+WG_STAGES = 4
 _MAX_SMEM = 227 * 1024  # dynamic shared memory a CTA may take on sm_90
 # mla_prefill_wg.cu hard-codes 128 query rows a CTA; the tile plan (BLOCK_M) must give the same
 assert BLOCK_M == 128, "mla_prefill_wg.cu's BLOCK_M is 128: keep NUM_WARPS = 8"
@@ -134,24 +136,30 @@ def _kernels(H: int, R: int, Dn: int, Dr: int, Dv: int, block_size: int):
     return get_kernel("mla_prefill.cu", "mla_prefill_gather", **defs), attn, _smem(defs)
 
 
-def _wg_smem(Dn: int, Dr: int) -> int:
-    """Dynamic shared memory of mla_prefill_attn_wg: Q ([128][64] bf16 sub-tiles of 16 KB), three stages of
+def _wg_smem(Dn: int, Dr: int, stages: int = WG_STAGES) -> int:
+    """Dynamic shared memory of mla_prefill_attn_wg: Q ([128][64] bf16 sub-tiles of 16 KB), `stages` stages of
     K ([64][64] sub-tiles of 8 KB) and Vᵀ (one [128][64]), plus 1 KB for the 1024-byte alignment."""
     qsub = (Dn + Dr) // 64
-    return qsub * 16384 + 3 * (qsub * 8192 + 16384) + 1024
+    return qsub * 16384 + stages * (qsub * 8192 + 16384) + 1024
 
 
 def use_wgmma(Dn: int, Dr: int, Dv: int) -> bool:
     """Whether mla_prefill runs its attention on warpgroup MMA here (see the module docstring): Hopper, head
     dims it is written for, and its shared memory within the 227 KB a CTA may take (DN + DR <= 192)."""
     return (env.wgmma() and device_arch() == "sm_90a" and Dn % 64 == 0 and Dr % 64 == 0 and Dv == 128
-            and _wg_smem(Dn, Dr) <= _MAX_SMEM)
+            and _wg_smem(Dn, Dr, 3) <= _MAX_SMEM)
+
+
+def _wg_stages(Dn: int, Dr: int) -> int:
+    """WG_STAGES, or 3 when that many stages do not fit in shared memory (DN + DR > 192)."""
+    return WG_STAGES if _wg_smem(Dn, Dr, WG_STAGES) <= _MAX_SMEM else 3
 
 
 @functools.cache
-def _wg_kernel(H: int, R: int, Dn: int, Dr: int, Dv: int):
-    return get_kernel("mla_prefill_wg.cu", "mla_prefill_attn_wg", max_dynamic_smem=_wg_smem(Dn, Dr), H=H, R=R, DN=Dn,
-                      DR=Dr, DV=Dv, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
+def _wg_kernel(H: int, R: int, Dn: int, Dr: int, Dv: int, stages: int = WG_STAGES, pipe: int = 1):
+    """pipe = 0 (bench only): the staggered schedule instead of the pipelined one (mla_prefill_wg.cu, PIPE)."""
+    return get_kernel("mla_prefill_wg.cu", "mla_prefill_attn_wg", max_dynamic_smem=_wg_smem(Dn, Dr, stages), H=H, R=R,
+                      DN=Dn, DR=Dr, DV=Dv, STAGES=stages, PIPE=pipe, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
 
 
 def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
@@ -200,7 +208,8 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
         rows = max(r.rows for r in rounds)
         lat = cupy.empty((rows, KD), dtype=BF16)
         if wg:
-            attn_wg = _wg_kernel(H, R, Dn, Dr, Dv)
+            wg_stages = _wg_stages(Dn, Dr)
+            attn_wg = _wg_kernel(H, R, Dn, Dr, Dv, wg_stages)
             w3 = w_kvb.reshape(H, Dn + Dv, R)
             kn = cupy.empty((H, rows, Dn), dtype=BF16)
             vt = cupy.empty((H, Dv, rows), dtype=BF16)
@@ -226,7 +235,7 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
                 if len(rd.tiles):
                     attn_wg((len(rd.tiles), H), (_WG_THREADS,), (
                         q2, i32(leading_dim(q2)), kn, vt, lat, i32(rows), rec, tiles, scale_log2, out,
-                        i32(leading_dim(out)), o_state, ml_state), shared_mem=_wg_smem(Dn, Dr), stream=stream)
+                        i32(leading_dim(out)), o_state, ml_state), shared_mem=_wg_smem(Dn, Dr, wg_stages), stream=stream)
                 continue
             linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
             if len(rd.tiles):
