@@ -66,10 +66,12 @@ __device__ __forceinline__ void mask_tile(float* s, int kb, int prow0, int kend,
 
 // Online softmax, base 2, over one tile of SN n8 score blocks s[4·SN] (raw scores, masked ones -inf):
 // s becomes the unnormalised probabilities 2^(scale_log2·(s - m)), m_run / l_run (raw-score max and this
-// thread's partial row sums) are updated, and alpha[r] is the factor the row's output must be scaled by.
-template <int SN>
-__device__ __forceinline__ void softmax_probs(float* s, float (&m_run)[2], float (&l_run)[2], float scale_log2,
-                                              float (&alpha)[2]) {
+// thread's partial row sums) are updated, and the SN_O n8 output blocks o[4·SN_O] are rescaled.  With
+// SKIP_HELD, a warp whose rows all kept their max skips the rescale (by 1: the same bits); H200, 2026-12-01:
+// it helps the wgmma kernel and cost the mma.sync one ~7% (tests/gpu/bench_mla_prefill.py), which keeps it off.
+template <int SN, int SN_O, bool SKIP_HELD>
+__device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[2], float (&l_run)[2], float scale_log2) {
+    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float mx = m_run[r];
@@ -89,13 +91,6 @@ __device__ __forceinline__ void softmax_probs(float* s, float (&m_run)[2], float
         }
         l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's columns; the quad sums at the end
     }
-}
-
-// The SN_O n8 output blocks o[4·SN_O] of rows g, g + 8 times alpha[0], alpha[1].  With SKIP_HELD, a warp whose
-// rows all kept their max skips it (by 1: the same bits); H200, 2026-12-01: it helps the wgmma kernel and cost
-// the mma.sync one ~7% (tests/gpu/bench_mla_prefill.py), which keeps it off.
-template <int SN_O, bool SKIP_HELD>
-__device__ __forceinline__ void rescale_out(float* o, const float (&alpha)[2]) {
     if (!SKIP_HELD || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int j = 0; j < SN_O; ++j) {
@@ -105,14 +100,6 @@ __device__ __forceinline__ void rescale_out(float* o, const float (&alpha)[2]) {
             o[4 * j + 3] *= alpha[1];
         }
     }
-}
-
-// softmax_probs, then rescale_out: the tile's probabilities and the output scaled to the new row max
-template <int SN, int SN_O, bool SKIP_HELD>
-__device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[2], float (&l_run)[2], float scale_log2) {
-    float alpha[2];
-    softmax_probs<SN>(s, m_run, l_run, scale_log2, alpha);
-    rescale_out<SN_O, SKIP_HELD>(o, alpha);
 }
 
 // Epilogue of warp `warp` (rows 16·warp + g, + 8 of the CTA's query tile starting at i0): merge with the

@@ -21,7 +21,10 @@
 // one's softmax overlaps the other's products on the tensor cores.  STAGES stages, STAGES - 2 tiles in
 // flight: right after the barrier that starts iteration it (every warpgroup is past iteration it - 1, whose
 // wgmma waits retired every product that read tile it - 2), tile it + STAGES - 2 is copied into the stage of
-// tile it - 2 while warpgroup 1 still reads tile it - 1's values; one block barrier per tile.
+// tile it - 2 while warpgroup 1 still reads tile it - 1's values; one block barrier per tile.  Tried and
+// dropped (H200, 2026-12-01, bench_mla_prefill.py --variants, commit db03181): both warpgroups in step, each
+// issuing S(it) and P·V(it - 1) together and running the softmax of tile it under P·V(it - 1) (FA3's
+// in-warpgroup overlap without its ping-pong): +11-12% at 32K and 128K, +6% at 8 x 2048.
 // Shared memory, 128-byte rows with the 128-byte swizzle, every sub-tile 1024-byte aligned: Q as DQK/64
 // sub-tiles [128][64]; per stage K as DQK/64 sub-tiles [64 keys][64] and Vᵀ as one [128 dv][64 keys]
 // (168 KB at DQK = 192 with 3 stages, 208 KB with 4; one CTA per SM).  Every copy is a 16-byte cp.async into its swizzled place; key
@@ -38,9 +41,6 @@
 #if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(STAGES) || \
     !defined(FLAG_HAS_PREV) || !defined(FLAG_FINAL)
 #error "mla_prefill_wg.cu needs -DH -DR -DDN -DDR -DDV -DSTAGES -DFLAG_HAS_PREV -DFLAG_FINAL"
-#endif
-#ifndef PIPE
-#define PIPE 1
 #endif
 
 #define THREADS 256
@@ -185,75 +185,6 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         wgmma_commit();
     };
 
-#if PIPE
-    // Pipelined warpgroups: each one issues S(it) and P·V(it - 1) back to back, waits for S(it) alone, and
-    // runs the mask and softmax of tile it while P·V(it - 1) is on the tensor cores; only the output rescale
-    // and the packing of P(it) wait for it.  Tile 0 is peeled (no branch around a wgmma).
-    unsigned pa[BLOCK_N / 16][4];  // P of the tile whose P·V is next, packed to bf16 (A fragments)
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-    };
-    auto issue_scores = [&](unsigned k_tile) {
-        fence_regs(s);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < QK_STEPS; ++kk)  // the first slice overwrites s
-            wgmma_m64n64k16_rs(s, qa[kk], smem_desc(k_tile + (kk / 4) * KSUB_BYTES + 32 * (kk % 4)), kk > 0);
-        wgmma_commit();
-    };
-    auto issue_pv = [&](unsigned v_tile) {
-        fence_regs(o);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_m64n128k16_rs(o, pa[kk], smem_desc(v_tile + 32 * kk));
-        wgmma_commit();
-    };
-    auto next_tile = [&](int it) {  // tile it has landed for everyone; tile it + AHEAD's copies issued
-        cp_async_wait<AHEAD - 1>();
-        fence_proxy_async();
-        __syncthreads();  // every warpgroup is past iteration it - 1 (its waits retired every read of tile it - 2)
-        if (it + AHEAD < num_tiles)
-            load_kv(cp, stage0 + ((it + AHEAD) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, ks + (it + AHEAD) * BLOCK_N, kend);
-        cp_async_commit();
-    };
-    if (num_tiles > 0) {
-        next_tile(0);
-#pragma unroll
-        for (int kk = 0; kk < QK_STEPS; ++kk)  // rows 16·warp + (lane mod 16), columns 16kk + 8·(lane / 16)
-            ldmatrix_x4(qa[kk], smem_raw + (q_base - smem_addr(smem_raw)) + (kk / 4) * SUB_BYTES +
-                                    swz(warp * 16 + (lane & 15), 2 * (kk % 4) + (lane >> 4)));
-        issue_scores(stage0);
-        wgmma_wait<0>();
-        fence_regs(s);
-        mask_tile<SN>(s, ks, prow0, kend, mask_from, c4);
-        float alpha[2];
-        softmax_probs<SN>(s, m_run, l_run, scale_log2, alpha);  // o is still 0: no rescale
-        pack_p();
-    }
-    for (int it = 1; it < num_tiles; ++it) {
-        next_tile(it);
-        const unsigned stage = stage0 + (it % STAGES) * STAGE_BYTES;
-        issue_scores(stage);
-        issue_pv(stage0 + ((it - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
-        wgmma_wait<1>();  // S(it) is done (groups retire in order); P·V(it - 1) may still run
-        fence_regs(s);
-        mask_tile<SN>(s, ks + it * BLOCK_N, prow0, kend, mask_from, c4);
-        float alpha[2];
-        softmax_probs<SN>(s, m_run, l_run, scale_log2, alpha);
-        wgmma_wait<0>();  // P·V(it - 1) is done: o and pa are free
-        fence_regs(o);
-        rescale_out<ON, true>(o, alpha);
-        pack_p();
-    }
-    if (num_tiles > 0) {  // P·V of the last tile
-        wgmma_fence();
-        issue_pv(stage0 + ((num_tiles - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
-        wgmma_wait<0>();
-        fence_regs(o);
-    }
-#else
     for (int it = 0; it < num_tiles; ++it) {
         const int kb = ks + it * BLOCK_N;
         cp_async_wait<AHEAD - 1>();  // tile it (and Q) have landed (this thread's copies) ...
@@ -287,7 +218,6 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         wgmma_wait<0>();
         fence_regs(o);
     }
-#endif
     cp_async_wait<0>();
     store_rows(o, l_run, m_run, warp, rows, (size_t)(qt.tok0 + qt.i0), h, qt.flags, scale_log2, out, ld_out, o_state, ml_state);
 }

@@ -43,10 +43,9 @@ def events_ms(fn, reps: int, warm: bool) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
-def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool, variant: tuple[int, int] = (WG_STAGES, 1),
-                  want_out: bool = False):
+def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool, stages: int = WG_STAGES, want_out: bool = False):
     """(gather, decompress, attention) ms of one call's rounds on one path, events between launches (and the
-    output when want_out); `variant`: the wgmma kernel's (pipeline stages, PIPE)."""
+    output when want_out); `stages`: the wgmma kernel's pipeline stages."""
     gather, attn, smem = _kernels(H, R, DN, DR, DV, S)
     rounds = plan_rounds(cu_h, ctx_h, list(range(len(ctx_h))), 65536)
     T, M = q.shape[0], tables.shape[1]
@@ -75,9 +74,9 @@ def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool, variant: tuple[
             linear(lat[:rd.rows, :R], w_kvb, out=kv[:rd.rows])
         ev[2].record()
         if wg:
-            _wg_kernel(H, R, DN, DR, DV, *variant)((len(rd.tiles), H), (256,), (
+            _wg_kernel(H, R, DN, DR, DV, stages)((len(rd.tiles), H), (256,), (
                 q, np.int32(q.shape[1]), kn, vt, lat, np.int32(rows), rec, tl, scale_log2, out, np.int32(H * DV),
-                st_o, st_ml), shared_mem=_wg_smem(DN, DR, variant[0]))
+                st_o, st_ml), shared_mem=_wg_smem(DN, DR, stages))
         else:
             attn((len(rd.tiles), H), (NUM_WARPS * 32,), (q, np.int32(q.shape[1]), kv, lat, rec, tl, scale_log2, out,
                                                          np.int32(H * DV), st_o, st_ml), shared_mem=smem)
@@ -88,10 +87,10 @@ def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool, variant: tuple[
     return (*total, out) if want_out else tuple(total)
 
 
-def bench_variants(name: str, variants: list[tuple[int, int]], rounds: int = 3) -> None:
-    """The wgmma attention kernel built as each (stages, PIPE) variant, interleaved over `rounds` rounds after a
-    warm-up one (the GPU's clock drifts as it heats): attention ms and TFLOP/s of each, and whether the outputs
-    are bit-identical."""
+def bench_variants(name: str, variants: list[int], rounds: int = 3) -> None:
+    """The wgmma attention kernel built with each number of pipeline stages, interleaved over `rounds` rounds
+    after a warm-up one (the GPU's clock drifts as it heats): attention ms and TFLOP/s of each, and whether the
+    outputs are bit-identical."""
     B, L, chunk = SHAPES[name]
     pages = -(-L // S)
     pool = cupy.random.standard_normal((B * pages, S, R + DR), dtype=np.float32).astype(BF16)
@@ -116,7 +115,7 @@ def bench_variants(name: str, variants: list[tuple[int, int]], rounds: int = 3) 
                 else:
                     same = same and bool(cupy.array_equal(ref, out))
     base = sum(times[variants[0]])
-    print(f"{name}: " + "  ".join(f"stages={v[0]} pipe={v[1]} {sum(ts):.2f} ms {flops / sum(ts) / 1e9:.0f} TF/s "
+    print(f"{name}: " + "  ".join(f"stages={v} {sum(ts):.2f} ms {flops / sum(ts) / 1e9:.0f} TF/s "
                                   f"({sum(ts) / base - 1:+.1%})" for v, ts in times.items())
           + f"  outputs bit-identical: {same}", flush=True)
 
@@ -132,12 +131,12 @@ def on_path(wg: bool, fn):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--variants", default="", help="e.g. 3:0,4:1: only the wgmma attention built with each "
-                                                   "STAGES:PIPE, interleaved rounds")
+    ap.add_argument("--variants", default="", help="e.g. 3,4: only the wgmma attention built with each number "
+                                                   "of stages, interleaved rounds")
     args = ap.parse_args()
     t_start = time.time()
     if args.variants:
-        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        variants = [int(v) for v in args.variants.split(",")]
         for name in args.shapes.split(","):
             bench_variants(name, variants)
             cupy.get_default_memory_pool().free_all_blocks()

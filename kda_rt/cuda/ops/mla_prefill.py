@@ -48,7 +48,9 @@ EXPANDED_MIN_TOKENS = 128
 FLAG_HAS_PREV, FLAG_FINAL = 1, 2
 SEGMENT_ALIGN = 8  # scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns)
 _WG_THREADS = 256
-# pipeline stages of mla_prefill_attn_wg (STAGES - 2 key tiles in flight); 3 where 4 do not fit the CTA's smem
+# pipeline stages of mla_prefill_attn_wg (STAGES - 2 key tiles in flight); 3 where 4 do not fit the CTA's smem.
+# H200, 2026-12-01 (tests/gpu/bench_mla_prefill.py --variants 3,4): attention -2.2% at 1 x 32768, -2.9% at
+# 32768 in chunks of 8192, -3.2% at 131072 in chunks of 8192 (467 -> 478 TFLOP/s), against 3
 WG_STAGES = 4
 _MAX_SMEM = 227 * 1024  # dynamic shared memory a CTA may take on sm_90
 # mla_prefill_wg.cu hard-codes 128 query rows a CTA; the tile plan (BLOCK_M) must give the same
@@ -156,10 +158,9 @@ def _wg_stages(Dn: int, Dr: int) -> int:
 
 
 @functools.cache
-def _wg_kernel(H: int, R: int, Dn: int, Dr: int, Dv: int, stages: int = WG_STAGES, pipe: int = 1):
-    """pipe = 0 (bench only): the staggered schedule instead of the pipelined one (mla_prefill_wg.cu, PIPE)."""
+def _wg_kernel(H: int, R: int, Dn: int, Dr: int, Dv: int, stages: int = WG_STAGES):
     return get_kernel("mla_prefill_wg.cu", "mla_prefill_attn_wg", max_dynamic_smem=_wg_smem(Dn, Dr, stages), H=H, R=R,
-                      DN=Dn, DR=Dr, DV=Dv, STAGES=stages, PIPE=pipe, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
+                      DN=Dn, DR=Dr, DV=Dv, STAGES=stages, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
 
 
 def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
