@@ -57,6 +57,9 @@
 #ifndef EXP_IEEE_SILU
 #define EXP_IEEE_SILU 0
 #endif
+#ifndef PF_AHEAD  // k steps ahead whose rows are prefetched into L2 (0: none)
+#define PF_AHEAD 0
+#endif
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
 #error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK -DSTAGED_OUT"
@@ -232,11 +235,28 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
                          "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
     };
 
+    // L2 prefetch of k step kt: one 128-byte line per thread, B row pass lch (B_PASSES <= 8 chunks a row) and
+    // A row pass lch, so the step's lines arrive in L2 PF_AHEAD steps before its cp.async asks for them
+    auto prefetch_step = [&](int kt) {
+#if PF_AHEAD
+        const int k0 = kt * BK;
+#pragma unroll
+        for (int i = 0; i < B_PASSES; ++i)
+            if (i == lch)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
+#pragma unroll
+        for (int i = 0; i < A_PASSES; ++i)
+            if (i == lch) asm volatile("prefetch.global.L2 [%0];" ::"l"(a_src[i] + k0));
+#endif
+    };
+    static_assert(B_PASSES <= 8 && A_PASSES <= 8, "prefetch_step: one pass per chunk index");
+
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         load_stage(s, s);
         cp_async_commit();
     }
+    for (int s = STAGES - 2; s < PF_AHEAD && s < KT; ++s) prefetch_step(s);
 
     float acc[ACC];
 #pragma unroll
@@ -248,6 +268,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
         if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+        if (PF_AHEAD && kt + PF_AHEAD < KT) prefetch_step(kt + PF_AHEAD);
         // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
         const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
         const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;

@@ -214,6 +214,50 @@ def bench_epilogue(T, wts, rounds: int = 5):
             for v, ts in times.items()), flush=True)
 
 
+def bench_define(T, wts, spec: str, rounds: int = 5):
+    """The launcher's tile and epilogue built with each value of one compile-time define ("NAME=v1,v2,..."; the
+    first value is the baseline), interleaved over `rounds` rounds: medians, and whether every variant's output
+    is bit-identical to the first's."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.moe_align import max_tiles
+    from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
+
+    name_def, values = spec.split("=")
+    values = [int(v) for v in values.split(",")]
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
+        t = wg_tile(nout, k, bool(silu))
+        fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
+        args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
+        kerns = {v: get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
+                               FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out),
+                               **{name_def: v}) for v in values}
+        same, ref = True, None
+        for kern in kerns.values():
+            out.fill(0)
+            kern((fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)
+            if ref is None:
+                ref = out.copy()
+            else:
+                same = same and bool(cupy.array_equal(ref, out))
+        times = {v: [] for v in values}
+        for _ in range(rounds):
+            for v, kern in kerns.items():
+                times[v].append(median_ms(partial(kern, (fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)))
+        base = float(np.median(times[values[0]]))
+        print(f"T={T} {name}: " + "  ".join(f"{name_def}={v} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
+                                            for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
+
+
 def bench_tiles(T, wts, rounds: int = 5):
     """The launcher's tile against the other tiles that fit (BN = 128 with 3 stages runs two CTAs per SM, so
     one CTA's epilogue overlaps the other's products), each GEMM with its launcher's epilogue, interleaved
@@ -277,6 +321,7 @@ def main():
     ap.add_argument("--epilogue", action="store_true", help="only the wgmma kernel's two epilogues, interleaved")
     ap.add_argument("--tiles", action="store_true", help="only the wgmma kernel's tiles, interleaved")
     ap.add_argument("--once", action="store_true", help="both wgmma GEMMs twice, untimed (for ncu)")
+    ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -289,6 +334,8 @@ def main():
     for T in map(int, args.tokens.split(",")):
         if args.once:
             run_once(T, wts)
+        elif args.define:
+            bench_define(T, wts, args.define)
         elif args.tiles:
             bench_tiles(T, wts)
         elif args.epilogue:
