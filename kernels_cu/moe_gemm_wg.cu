@@ -49,6 +49,11 @@
 // BN = 128 with 3 stages at 2 CTAs per SM: +20-29%; 32-wide k steps in 64-byte swizzled rows with 8 stages
 // (commit 9ef6472): +17% gate/up, +8.5% down: the fixed cost of a k step (block barrier, wgmma wait, copy
 // issue) is ~17% of a 64-wide one, the largest item between this kernel and the tensor cores' rate.
+// ncu (2026-12-01, tests/gpu/ncu_moe_gemm.sh, T = 16384): tensor pipe 79% (gate/up) | 75% (down) active at
+// 1.53 GHz, L2 throughput 74 | 78%, issue slots 27 | 25%; stall samples at the block barrier 21 | 26%, the
+// cp.async wait 17 | 15%.  Tried and dropped (commit c94080d, bench_moe_gemm.py --define PF_AHEAD=0,3,4,6): each
+// thread prefetching one 128-byte line of a later k step into L2 (prefetch.global.L2), 3 to 6 steps ahead:
+// +35-62% at 8192 and 16384.  So L2 requests, not DRAM latency, bound the copies: any extra request costs.
 #include "common.cuh"
 
 #ifndef EXP_SKIP
@@ -57,9 +62,7 @@
 #ifndef EXP_IEEE_SILU
 #define EXP_IEEE_SILU 0
 #endif
-#ifndef PF_AHEAD  // k steps ahead whose rows are prefetched into L2 (0: none)
-#define PF_AHEAD 0
-#endif
+
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
 #error "moe_gemm_wg.cu needs -DK -DNOUT -DBN -DSTAGES -DFUSE_SILU -DTOPK -DSTAGED_OUT"
@@ -235,28 +238,11 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
                          "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
     };
 
-    // L2 prefetch of k step kt: one 128-byte line per thread, B row pass lch (B_PASSES <= 8 chunks a row) and
-    // A row pass lch, so the step's lines arrive in L2 PF_AHEAD steps before its cp.async asks for them
-    auto prefetch_step = [&](int kt) {
-#if PF_AHEAD
-        const int k0 = kt * BK;
-#pragma unroll
-        for (int i = 0; i < B_PASSES; ++i)
-            if (i == lch)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i)
-            if (i == lch) asm volatile("prefetch.global.L2 [%0];" ::"l"(a_src[i] + k0));
-#endif
-    };
-    static_assert(B_PASSES <= 8 && A_PASSES <= 8, "prefetch_step: one pass per chunk index");
-
 #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         load_stage(s, s);
         cp_async_commit();
     }
-    for (int s = STAGES - 2; s < PF_AHEAD && s < KT; ++s) prefetch_step(s);
 
     float acc[ACC];
 #pragma unroll
@@ -268,7 +254,6 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
         if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-        if (PF_AHEAD && kt + PF_AHEAD < KT) prefetch_step(kt + PF_AHEAD);
         // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
         const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
         const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
