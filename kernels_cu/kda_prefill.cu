@@ -59,7 +59,12 @@
 // The off-diagonal T blocks then read A and D rows as float4 with two accumulators: 6.6 K -> 6.0 K cycles,
 // 6.78 ms.  The conv SiLU's e^-u and the softplus's e^z from ex2.approx alone (2026-12-01, twelfth session):
 // conv + SiLU + gates 11.1 K -> 9.65 K cycles, 6.79 -> 6.54 ms (--ab EXP_ACCURATE_EXP).  Now: loads 14%, conv +
-// SiLU + gates 22%, (b) 9%, (c) 13%, (d, e) 18%, T off-diagonal 14%, (g) 4%.
+// SiLU + gates 22%, (b) 9%, (c) 13%, (d, e) 18%, T off-diagonal 14%, (g) 4%.  ncu (2026-12-01, thirteenth
+// session, tests/gpu/ncu_kda_intra.sh, 32 x 2048): 16 warps per SM (one CTA: 71 registers x 512 threads and
+// 195.5 KB of smem each allow one), 0.61 instructions issued per scheduler and cycle, 1.35 eligible warps; stall
+// samples: fixed-latency waits 19%, not selected 18%, barrier 12%, short scoreboard 10%, drain at exit 5%;
+// memory 0.72 TB/s (not the limit).  The workspace stores (4-byte pieces in mma fragment layout) take twice
+// the sectors they fill.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).

@@ -27,14 +27,18 @@
 // in-warpgroup overlap without its ping-pong): +11-12% at 32K and 128K, +6% at 8 x 2048.
 // Shared memory, 128-byte rows with the 128-byte swizzle, every sub-tile 1024-byte aligned: Q as DQK/64
 // sub-tiles [128][64]; per stage K as DQK/64 sub-tiles [64 keys][64] and Vᵀ as one [128 dv][64 keys]
-// (168 KB at DQK = 192 with 3 stages, 208 KB with 4; one CTA per SM).  Every copy is a 16-byte cp.async into its swizzled place; key
-// positions past the key end are zero-filled.
+// (168 KB at DQK = 192 with 3 stages, 208 KB with 4; one CTA per SM).  Every copy is a 16-byte cp.async
+// into its swizzled place; key positions past the key end are zero-filled.
 // Compile-time constants: H, R, DN, DR, DV (DN, DR multiples of 64, DV = 128), STAGES (3 or 4), FLAG_HAS_PREV,
 // FLAG_FINAL.
 // H200, 2026-12-01 (tests/gpu/bench_mla_prefill.py, H = 32): 467-483 TFLOP/s from 32K context (mma.sync
 // 258-264), 387 at 8 x 2048 (226).  Before the per-thread copy geometry, the first-slice overwrite and the
 // held-max rescale skip, 352 (ncu at 8 x 2048: tensor pipe 32% busy, issue 43%, 1.97 warps per scheduler
 // with 0.62 eligible, 860 instructions per warp and tile: the copies' address arithmetic dominated).
+// 4 stages (2026-12-01, thirteenth session, --variants 3,4 interleaved): 489 -> 500 TFLOP/s at 1 x 32768, 463 ->
+// 478 at 131072 in chunks of 8192.  ncu at 1 x 32768 (3 stages, before): tensor pipe 51% of its cycles at 1.80 GHz,
+// issue slots 38%, 0.52 eligible warps per scheduler; stall samples: fixed-latency waits 29%, the block
+// barrier 15%, the cp.async wait 8%, the wgmma waits ~8%.
 #include "mla_prefill.cuh"
 #include "wgmma.cuh"
 
