@@ -141,17 +141,13 @@ def bench_step(T, wts, cfg, sweep):
     line("moe_forward, decode kernels", ms_old, flops, f"new vs old err {err:.1e}")
 
 
-def bench_limits(T, wts):
-    """What bounds the wgmma grouped GEMM: its default tile timed as built (EXP_SKIP=0) and with the B
-    (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue, and the epilogue (4; 7:
-    copies and epilogue) skipped (wrong results, timing only).  Prints useful TFLOP/s (routed rows) and executed TFLOP/s (128-row tiles, padding
-    included) and the bytes each CTA copies into shared memory per second (L2 -> SM traffic)."""
+def _wg_cases(T, wts):
+    """The plan of T tokens (uniform random routing, 128-row tiles) and both wgmma GEMMs of it as (name, kernel
+    arguments, K, NOUT, FUSE_SILU, launcher tile, grid) cases; gate/up writes the h that down reads."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 
-    from helpers.gpu import median_ms
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.compile import get_kernel
     from kda_rt.cuda.ops.moe_align import max_tiles
     from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
 
@@ -159,21 +155,36 @@ def bench_limits(T, wts):
     hrng = np.random.default_rng(T)
     x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
     plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
-    tiles = int(plan.num_tiles.get()[0])
     h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
-    print(f"T={T}: {tiles} tiles of 128 rows for {N} rows ({tiles * 128 / N:.3f}x padded)", flush=True)
+    cases = []
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
+        args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
+        cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
+    return plan, cases
+
+
+def bench_limits(T, wts):
+    """What bounds the wgmma grouped GEMM: its default tile timed as built (EXP_SKIP=0) and with the B
+    (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue, and the epilogue (4; 7:
+    copies and epilogue) skipped (wrong results, timing only).  Prints useful TFLOP/s (routed rows) and executed TFLOP/s (128-row tiles, padding
+    included) and the bytes each CTA copies into shared memory per second (L2 -> SM traffic)."""
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops.compile import get_kernel
+
+    N = T * A
+    plan, cases = _wg_cases(T, wts)
+    tiles = int(plan.num_tiles.get()[0])
+    print(f"T={T}: {tiles} tiles of 128 rows for {N} rows ({tiles * 128 / N:.3f}x padded)", flush=True)
+    for name, args, k, nout, silu, t, grid in cases:
         for skip in (0, 1, 2, 3, 4, 7):
             kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
                               FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, EXP_SKIP=skip,
                               STAGED_OUT=int(t.staged_out))
-            args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
-            grid = (fb, max_tiles(N, E, 128))
             ms = median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes))
             useful, done = 2 * N * k * nout / ms / 1e9, 2 * tiles * 128 * k * nout / ms / 1e9
-            l2 = tiles * fb * (k // 64) * (128 + t.bn) * 64 * 2 / ms / 1e9
+            l2 = tiles * grid[0] * (k // 64) * (128 + t.bn) * 64 * 2 / ms / 1e9
             print(f"  {name:8s} skip={skip} {ms:7.3f} ms  useful {useful:6.1f}  executed {done:6.1f} TFLOP/s  "
                   f"smem fill {l2:5.2f} TB/s (as built)", flush=True)
 
@@ -183,31 +194,18 @@ def bench_epilogue(T, wts, rounds: int = 5):
     through shared memory), and for gate/up also the SiLU quotient of
     IEEE division (EXP_IEEE_SILU=1, the kernel before silu_nr), interleaved over `rounds` rounds (the kernel
     drifts as the GPU heats): medians."""
-    import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
-
     from helpers.gpu import median_ms
-    from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.compile import get_kernel
-    from kda_rt.cuda.ops.moe_align import max_tiles
-    from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
 
-    N = T * A
-    hrng = np.random.default_rng(T)
-    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
-    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
-    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
-        t = wg_tile(nout, k, bool(silu))
-        fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
+    _, cases = _wg_cases(T, wts)
+    for name, args, k, nout, silu, t, grid in cases:
         variants = [(0, 1), (0, 0), (1, 0)] if silu else [(0, 0), (1, 0)]  # (STAGED_OUT, EXP_IEEE_SILU)
         times = {v: [] for v in variants}
         for _ in range(rounds):
             for v in variants:
                 kern = get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
                                   FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=v[0], EXP_IEEE_SILU=v[1])
-                args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
-                times[v].append(median_ms(partial(kern, (fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)))
+                times[v].append(median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes)))
         base = float(np.median(times[variants[0]]))
         print(f"T={T} {name}: " + "  ".join(
             f"staged={v[0]}{' ieee' if v[1] else ''} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
@@ -219,32 +217,22 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
     first value is the baseline), interleaved over `rounds` rounds: medians, and whether every variant's output
     is bit-identical to the first's."""
     import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
 
     from helpers.gpu import median_ms
-    from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.compile import get_kernel
-    from kda_rt.cuda.ops.moe_align import max_tiles
-    from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
 
     name_def, values = spec.split("=")
     values = [int(v) for v in values.split(",")]
-    N = T * A
-    hrng = np.random.default_rng(T)
-    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
-    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
-    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
-        t = wg_tile(nout, k, bool(silu))
-        fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
-        args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
+    _, cases = _wg_cases(T, wts)
+    for name, args, k, nout, silu, t, grid in cases:
+        out = args[-1]
         kerns = {v: get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
                                FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out),
                                **{name_def: v}) for v in values}
         same, ref = True, None
         for kern in kerns.values():
             out.fill(0)
-            kern((fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)
+            kern(grid, (256,), args, shared_mem=t.smem_bytes)
             if ref is None:
                 ref = out.copy()
             else:
@@ -252,7 +240,7 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
         times = {v: [] for v in values}
         for _ in range(rounds):
             for v, kern in kerns.items():
-                times[v].append(median_ms(partial(kern, (fb, max_tiles(N, E, 128)), (256,), args, shared_mem=t.smem_bytes)))
+                times[v].append(median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes)))
         base = float(np.median(times[values[0]]))
         print(f"T={T} {name}: " + "  ".join(f"{name_def}={v} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
                                             for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
