@@ -226,9 +226,9 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
     _, cases = _wg_cases(T, wts)
     for name, args, k, nout, silu, t, grid in cases:
         out = args[-1]
-        kerns = {v: get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes, K=k, NOUT=nout,
-                               FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out),
-                               **{name_def: v}) for v in values}
+        defs = dict(K=k, NOUT=nout, FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out))
+        kerns = {v: get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes,
+                               **{**defs, name_def: v}) for v in values}
         same, ref = True, None
         for kern in kerns.values():
             out.fill(0)
