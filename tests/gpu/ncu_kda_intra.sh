@@ -16,6 +16,9 @@ import sys; sys.path.insert(0, 'tests/gpu')
 import cupy, bench_kda_prefill as b
 run = b.intra_only(b.make($B, $S))
 run(); run(); cupy.cuda.Device().synchronize(); print('kda_prefill_intra ran twice')"
-$NCU --import "$OUT/ncu_kda_intra.ncu-rep" --page details --print-units base
+# the whole details page to a file; its headline rows here
+$NCU --import "$OUT/ncu_kda_intra.ncu-rep" --page details --print-units base > "$OUT/ncu_kda_intra_details.txt"
+grep -E "^  [a-z_]+|SM Frequency|Duration|Throughput|Issue Slots Busy|Eligible Warps|Active Warps Per|highest-utilized|Registers Per" \
+  "$OUT/ncu_kda_intra_details.txt"
 $NCU --import "$OUT/ncu_kda_intra.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_kda_intra_sass.csv" \
   && python tests/gpu/ncu_source_top.py "$OUT/ncu_kda_intra_sass.csv" --top 40
