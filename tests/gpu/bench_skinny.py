@@ -3,9 +3,12 @@ KDA_RT_SKINNY=0), by rows M.  Each timing is a CUDA graph of calls cycling over 
 weight (>= 160 MB in all) that every call streams its weight from HBM, as in a decode step; time per
 call and TB/s of the weight bytes.
 
-    PYTHONPATH=. python tests/gpu/bench_skinny.py [--rows 1,2,4,8,16,32] [--splits]
+    PYTHONPATH=. python tests/gpu/bench_skinny.py [--rows 1,2,4,8,16,32] [--splits] [--small-splits] [--only o_proj]
 One JSON line per (shape, M).  --splits: for 9-32 rows also skinny_gemm_cl at every cluster split that
-divides K (features per CTA as wide_plan picks them), "split_S_us" per split.
+divides K (features per CTA as wide_plan picks them), "split_S_us" per split.  --small-splits: for 1-8 rows
+also skinny_gemm_cl with one n-tile of 8 rows at every (FPC, SPLITS) that fits, "cl_FPCxS_us" (shapes of up
+to MAX_N outputs; a measurement for the 8-row kernel's alternative: its 144 CTAs of o_proj on 132 SMs leave
+12 SMs with two).  --only: shapes whose name contains the text.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--splits", action="store_true")
+    ap.add_argument("--small-splits", action="store_true",
+                    help="rows <= 8: also skinny_gemm_cl with one n-tile at every (FPC, SPLITS) that fits")
+    ap.add_argument("--only", default="", help="shapes whose name contains this text")
     args = ap.parse_args()
 
     import cupy
@@ -46,6 +52,8 @@ def main() -> int:
 
     rng = cupy.random.default_rng(0)
     for name, (K, N) in SHAPES.items():
+        if args.only not in name:
+            continue
         nbytes = N * K * 2
         copies = int(min(64, max(1, -(-(160 << 20) // nbytes))))
         ws = [(rng.standard_normal((N, K), dtype=np.float32) * K**-0.5).astype(BF16) for _ in range(copies)]
@@ -78,6 +86,17 @@ def main() -> int:
                             sk.skinny_gemm(x, w, out, stream=stream, plan=p)
 
                     row[f"split_{splits}_us"] = round(graph_us(forced, calls=4) / copies, 2)
+            if args.small_splits and M <= sk.MAX_ROWS and N <= sk.MAX_N:
+                for fpc in (32, 64):
+                    for splits in (1, 2, 3, 4, 6, 8):
+                        if not sk._plan_fits(M, N, K, fpc, splits, 1):
+                            continue
+
+                        def small(stream, x=x, out=out, ws=ws, p=(fpc, splits, 1)):
+                            for w in ws:
+                                sk.skinny_gemm(x, w, out, stream=stream, plan=p)
+
+                        row[f"cl_{fpc}x{splits}_us"] = round(graph_us(small, calls=4) / copies, 2)
             print(json.dumps(row), flush=True)
         del ws
     os.environ.pop("KDA_RT_SKINNY", None)

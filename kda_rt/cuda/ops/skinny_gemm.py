@@ -107,10 +107,11 @@ def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
 
 def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | None = None):
     """out [M, N] (bf16 or fp32, rows may be strided) = x [M, K] bf16 (rows may be strided) · weight [N, K]ᵀ;
-    the caller checked shapes and `fits`.  `plan` overrides wide_plan's (FPC, SPLITS, NT) (benchmarks)."""
+    the caller checked shapes and `fits`.  `plan` overrides wide_plan's (FPC, SPLITS, NT) (benchmarks; with a
+    plan, M <= 8 rows also run on skinny_gemm_cl)."""
     M, K = x.shape
     N = weight.shape[0]
-    if M > MAX_ROWS:
+    if M > MAX_ROWS or plan is not None:
         fpc, splits, nt = plan or wide_plan(M, N, K)
         if plan and not _plan_fits(M, N, K, fpc, splits, nt):
             raise ValueError(f"skinny_gemm: plan {plan} does not fit M={M}, N={N}, K={K}")
