@@ -97,6 +97,10 @@ def main() -> int:
                                 sk.skinny_gemm(x, w, out, stream=stream, plan=p)
 
                         row[f"cl_{fpc}x{splits}_us"] = round(graph_us(small, calls=4) / copies, 2)
+                        os.environ["KDA_RT_SKINNY"] = "0"
+                        ref = linear(x, ws[0], out=cupy.empty_like(out)).astype(np.float32)
+                        got = sk.skinny_gemm(x, ws[0], cupy.empty_like(out), plan=(fpc, splits, 1)).astype(np.float32)
+                        row[f"cl_{fpc}x{splits}_err"] = float(cupy.abs(got - ref).max() / cupy.abs(ref).max())
             print(json.dumps(row), flush=True)
         del ws
     os.environ.pop("KDA_RT_SKINNY", None)
