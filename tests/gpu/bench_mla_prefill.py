@@ -87,21 +87,37 @@ def replay_rounds(q, pool, w_kvb, tables, cu_h, ctx_h, wg: bool, stages: int = W
     return (*total, out) if want_out else tuple(total)
 
 
-def bench_variants(name: str, variants: list[int], rounds: int = 3) -> None:
-    """The wgmma attention kernel built with each number of pipeline stages, interleaved over `rounds` rounds
-    after a warm-up one (the GPU's clock drifts as it heats): attention ms and TFLOP/s of each, and whether the
-    outputs are bit-identical."""
+def shape_inputs(name: str):
+    """(B, L, chunk, pool, tables, q_all) of a SHAPES entry: a random latent cache of B sequences of L
+    positions in pages of S, identity block tables, random queries of one chunk."""
     B, L, chunk = SHAPES[name]
     pages = -(-L // S)
     pool = cupy.random.standard_normal((B * pages, S, R + DR), dtype=np.float32).astype(BF16)
     tables = cupy.arange(B * pages, dtype=np.int32).reshape(B, pages)
     q_all = cupy.random.standard_normal((B * chunk, H * (DN + DR)), dtype=np.float32).astype(BF16)
-    w_kvb = (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+    return B, L, chunk, pool, tables, q_all
+
+
+def random_w_kvb():
+    return (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+
+
+def chunk_flops(B: int, c0: int, chunk: int) -> float:
+    """Causal attention FLOPs of B sequences' queries c0 .. c0 + chunk - 1 (after c0 cached positions)."""
+    return B * 2 * H * (DN + DR + DV) * np.arange(c0 + 1, c0 + chunk + 1, dtype=np.float64).sum()
+
+
+def bench_variants(name: str, variants: list[int], rounds: int = 3) -> None:
+    """The wgmma attention kernel built with each number of pipeline stages, interleaved over `rounds` rounds
+    after a warm-up one (the GPU's clock drifts as it heats): attention ms and TFLOP/s of each, and whether the
+    outputs are bit-identical."""
+    B, L, chunk, pool, tables, q_all = shape_inputs(name)
+    w_kvb = random_w_kvb()
     times = {v: [] for v in variants}
     same, flops = True, 0.0
     for c0 in range(0, L, chunk):
         cu_h, ctx_h = (np.arange(B + 1) * chunk).astype(np.int32), np.full(B, c0, np.int32)
-        flops += B * 2 * H * (DN + DR + DV) * np.arange(c0 + 1, c0 + chunk + 1, dtype=np.float64).sum()
+        flops += chunk_flops(B, c0, chunk)
         ref = None
         for v in variants:
             times[v].append(0.0)
@@ -142,15 +158,11 @@ def main() -> None:
             cupy.get_default_memory_pool().free_all_blocks()
         print(f"wall {time.time() - t_start:.1f} s")
         return
-    w_kvb = (cupy.random.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+    w_kvb = random_w_kvb()
     print(f"{'shape':<22} {'mma ms':>8} {'wg ms':>8} {'speedup':>7} | {'attn mma':>8} {'TF/s':>5} {'attn wg':>8} "
           f"{'TF/s':>5} | {'gather':>6} {'dec mma':>7} {'dec wg':>7} | rel RMS diff")
     for name in args.shapes.split(","):
-        B, L, chunk = SHAPES[name]
-        pages = -(-L // S)
-        pool = cupy.random.standard_normal((B * pages, S, R + DR), dtype=np.float32).astype(BF16)
-        tables = cupy.arange(B * pages, dtype=np.int32).reshape(B, pages)
-        q_all = cupy.random.standard_normal((B * chunk, H * (DN + DR)), dtype=np.float32).astype(BF16)
+        B, L, chunk, pool, tables, q_all = shape_inputs(name)
         whole = [0.0, 0.0]
         parts = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
         flops_attn, diff = 0, 0.0
@@ -169,8 +181,7 @@ def main() -> None:
                 parts[k] = [a + b for a, b in zip(parts[k], got, strict=True)]
             a, b = outs[0].astype(np.float32), outs[1].astype(np.float32)
             diff = max(diff, float(cupy.sqrt(cupy.mean((a - b) ** 2) / cupy.mean(a ** 2))))
-            keys = np.arange(c0 + 1, c0 + chunk + 1, dtype=np.float64).sum()
-            flops_attn += B * 2 * H * (DN + DR + DV) * keys
+            flops_attn += chunk_flops(B, c0, chunk)
         (_, dm, am), (gw, dw, aw) = parts
         print(f"{name:<22} {whole[0]:8.2f} {whole[1]:8.2f} {whole[0] / whole[1]:6.2f}x | {am:8.2f} "
               f"{flops_attn / am / 1e9:5.0f} {aw:8.2f} {flops_attn / aw / 1e9:5.0f} | {gw:6.2f} {dm:7.2f} {dw:7.2f} | "

@@ -48,10 +48,12 @@ EXPANDED_MIN_TOKENS = 128
 FLAG_HAS_PREV, FLAG_FINAL = 1, 2
 SEGMENT_ALIGN = 8  # scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns)
 _WG_THREADS = 256
-# pipeline stages of mla_prefill_attn_wg (STAGES - 2 key tiles in flight); 3 where 4 do not fit the CTA's smem.
+# pipeline stages of mla_prefill_attn_wg (STAGES - 2 key tiles in flight); _WG_MIN_STAGES where these do not fit
+# the CTA's shared memory.
 # H200, 2026-12-01 (tests/gpu/bench_mla_prefill.py --variants 3,4): attention -2.2% at 1 x 32768, -2.9% at
 # 32768 in chunks of 8192, -3.2% at 131072 in chunks of 8192 (467 -> 478 TFLOP/s), against 3
 WG_STAGES = 4
+_WG_MIN_STAGES = 3
 _MAX_SMEM = 227 * 1024  # dynamic shared memory a CTA may take on sm_90
 # mla_prefill_wg.cu hard-codes 128 query rows a CTA; the tile plan (BLOCK_M) must give the same
 assert BLOCK_M == 128, "mla_prefill_wg.cu's BLOCK_M is 128: keep NUM_WARPS = 8"
@@ -149,12 +151,12 @@ def use_wgmma(Dn: int, Dr: int, Dv: int) -> bool:
     """Whether mla_prefill runs its attention on warpgroup MMA here (see the module docstring): Hopper, head
     dims it is written for, and its shared memory within the 227 KB a CTA may take (DN + DR <= 192)."""
     return (env.wgmma() and device_arch() == "sm_90a" and Dn % 64 == 0 and Dr % 64 == 0 and Dv == 128
-            and _wg_smem(Dn, Dr, 3) <= _MAX_SMEM)
+            and _wg_smem(Dn, Dr, _WG_MIN_STAGES) <= _MAX_SMEM)
 
 
 def _wg_stages(Dn: int, Dr: int) -> int:
-    """WG_STAGES, or 3 when that many stages do not fit in shared memory (DN + DR > 192)."""
-    return WG_STAGES if _wg_smem(Dn, Dr, WG_STAGES) <= _MAX_SMEM else 3
+    """WG_STAGES, or _WG_MIN_STAGES when that many stages do not fit in shared memory (DN + DR > 192)."""
+    return WG_STAGES if _wg_smem(Dn, Dr, WG_STAGES) <= _MAX_SMEM else _WG_MIN_STAGES
 
 
 @functools.cache
