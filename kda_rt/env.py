@@ -104,6 +104,13 @@ def fused_route() -> bool:
     return _on_off("KDA_RT_FUSED_ROUTE")
 
 
+def fused_kda_projection() -> bool:
+    """KDA_RT_FUSED_KDA_PROJ: 0 runs a KDA layer's decode projections of x as two GEMMs (q|k|v, f_a|g_a|b)
+    instead of one over their stacked weights (kda_rt/cuda/model.py); default 1.  Read at each call (a CUDA
+    graph keeps what it captured)."""
+    return _on_off("KDA_RT_FUSED_KDA_PROJ")
+
+
 def skinny_wide() -> bool:
     """KDA_RT_SKINNY_WIDE: 0 keeps the narrow dense projections of 9 to 32 rows (decode batches) on cuBLAS
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA

@@ -33,7 +33,7 @@
 // written once, as 16-byte vectors (a warp touches 32 / CT rows of VC * 4 contiguous bytes).  The
 // state loads are issued before the prologue, so its dependent loads, the cluster exchange and the
 // reductions overlap them.
-// Shapes: qkv [B, 3P] bf16; f, gate [B, P] bf16; b [B, ldb] bf16 (column h); conv_w [3P, W] fp32;
+// Shapes: qkv [B, 3P] bf16 rows ldq apart (a column block of the decode step's q|k|v|f_a|g_a|b GEMM); f, gate [B, P] bf16; b [B, ldb] bf16 (column h); conv_w [3P, W] fp32;
 // A_log [H], dt_bias [P], o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16 (oldest first);
 // rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32; out [B, P] bf16.  With FUSE_FG:
 // f [B, ldr] (first RANK_F columns: the f_a output), gate [B, ldr] (first RANK_G: the g_a output),
@@ -134,7 +134,7 @@ extern "C" __global__ void
 __cluster_dims__(SPLIT, 1, 1)
 #endif
 __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ f, const bf16* __restrict__ b, int ldb,
+    const bf16* __restrict__ qkv, int ldq, const bf16* __restrict__ f, const bf16* __restrict__ b, int ldb,
     const bf16* __restrict__ gate, const float* __restrict__ conv_w, const float* __restrict__ A_log,
     const float* __restrict__ dt_bias, const float* __restrict__ o_norm_w, bf16* __restrict__ conv_pool,
     float* __restrict__ rec_pool, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
@@ -206,7 +206,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         float hist[CONV_W - 1];
 #pragma unroll
         for (int t = 0; t < CONV_W - 1; ++t) hist[t] = fresh ? 0.f : to_f32(hist_p[(size_t)t * P]);
-        const bf16 x = qkv[(size_t)seq * 3 * P + i * P + ch];
+        const bf16 x = qkv[(size_t)seq * ldq + i * P + ch];
         const float y = kda_conv_silu<CONV_W>(conv_w + (size_t)(i * P + ch) * CONV_W, hist, to_f32(x));
 #pragma unroll
         for (int t = 0; t < CONV_W - 2; ++t) hist_p[(size_t)t * P] = to_bf16(hist[t + 1]);

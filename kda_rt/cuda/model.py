@@ -129,8 +129,15 @@ class CudaModel:
         kc = self.config.kda
         T, P, H = b.num_tokens, kc.num_heads * kc.head_dim, kc.num_heads
         rf, rg = w.rank_f, w.rank_g
-        qkv = linear(a, w.qkv, out=ws.get("kda_qkv", (T, 3 * P), BF16))
-        small = linear(a, w.fgb, out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
+        if b.decode and w.qkv_fgb is not None and env.fused_kda_projection():
+            # decode: the six projections of x in one GEMM (a latency-bound f_a|g_a|b launch less a layer);
+            # kda_decode reads q|k|v as a row-strided view.  Prefill keeps them apart: kda_prefill's copies
+            # take contiguous q|k|v rows.
+            both = linear(a, w.qkv_fgb, out=ws.get("kda_qkv_fgb", (T, w.qkv_fgb.shape[0]), BF16))
+            qkv, small = both[:, :3 * P], both[:, 3 * P:3 * P + rf + rg + H]
+        else:
+            qkv = linear(a, w.qkv, out=ws.get("kda_qkv", (T, 3 * P), BF16))
+            small = linear(a, w.fgb, out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
         f_a, g_a, beta = small[:, :rf], small[:, rf:rf + rg], small[:, rf + rg:]
         conv_pool, rec_pool = self.kda_pools[layer]
         y = ws.get("kda_y", (T, P), BF16)

@@ -53,14 +53,19 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
     """(N, K, fp32 out) of every dense projection a decode step sends through gemm.linear: the mixers'
-    q|k|v, f_a|g_a|b and o_proj (KDA), q|kv_a and o_proj (MLA), the dense MLPs' and a separate shared
-    expert's gate|up and down, and the MoE router split in three bf16 parts (fp32 logits)."""
+    q|k|v|f_a|g_a|b (or q|k|v and f_a|g_a|b apart) and o_proj (KDA), q|kv_a and o_proj (MLA), the dense
+    MLPs' and a separate shared expert's gate|up and down, and the MoE router split in three bf16 parts
+    (fp32 logits)."""
     from kda_rt.cuda.weights import DeviceKDA, DeviceMLP, DeviceMoE
 
     shapes = []
     for layer in weights.layers:
         mixer, mlp = layer.mixer, layer.mlp
-        mats = [mixer.qkv, mixer.fgb, mixer.o_proj] if isinstance(mixer, DeviceKDA) else [mixer.q_kva, mixer.o_proj]
+        if isinstance(mixer, DeviceKDA):
+            mats = [mixer.qkv_fgb] if mixer.qkv_fgb is not None else [mixer.qkv, mixer.fgb]
+            mats.append(mixer.o_proj)
+        else:
+            mats = [mixer.q_kva, mixer.o_proj]
         if isinstance(mlp, DeviceMLP):
             mats += [mlp.gate_up, mlp.down]
         elif isinstance(mlp, DeviceMoE):

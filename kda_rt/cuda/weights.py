@@ -35,8 +35,8 @@ F32 = np.float32
 
 @dataclass
 class DeviceKDA:
-    qkv: Any  # [3P, D] q|k|v proj
-    fgb: Any  # [Rf+Rg+H, D] f_a | g_a | b_proj (one small GEMM)
+    qkv: Any  # [3P, D] q|k|v proj (rows of qkv_fgb when that is set)
+    fgb: Any  # [Rf+Rg+H, D] f_a | g_a | b_proj (one small GEMM; the rows of qkv_fgb after qkv)
     f_b: Any  # [P, Rf]  (with Rf = Rg: fg_b[0])
     g_b: Any  # [P, Rg]  (with Rf = Rg: fg_b[1])
     conv_w: Any  # [3P, W] fp32
@@ -47,6 +47,8 @@ class DeviceKDA:
     rank_f: int
     rank_g: int
     fg_b: Any = None  # [2, P, R]: f_b and g_b side by side (Rf = Rg), one strided-batched GEMM applies both
+    qkv_fgb: Any = None  # [3P+Rf+Rg+H (+ zero rows to a multiple of 8), D]: q|k|v then f_a|g_a|b, one decode
+    #                      GEMM for all six projections of x, its output rows 16-byte aligned
 
 
 @dataclass
@@ -103,20 +105,22 @@ class ModelWeights:
     nbytes: int
 
 
-def _put(up: Uploader, src: np.ndarray | Stack, dtype=BF16):
-    """Device array of a host array, or of a `Stack` uploaded part by part into its rows."""
+def _put(up: Uploader, src: np.ndarray | Stack, dtype=BF16, *, pad_rows: int = 0):
+    """Device array of a host array, or of a `Stack` uploaded part by part into its rows (then `pad_rows`
+    zero rows after them)."""
     import cupy
 
     if not isinstance(src, Stack):
         return up.new(np.asarray(src), dtype=dtype)
-    dst = cupy.empty(src.shape, dtype=dtype)
+    dst = cupy.empty((src.shape[0] + pad_rows, *src.shape[1:]), dtype=dtype)
     rows = dst.reshape(-1, *src.parts[0].shape[1:])  # a view: the stack's rows
     r = 0
     for p in src.parts:
         up.copy(rows[r:r + p.shape[0]], p)
         r += p.shape[0]
-    if r != rows.shape[0]:
-        raise ValueError(f"stack parts fill {r} of {rows.shape[0]} rows")
+    if r != rows.shape[0] - pad_rows:
+        raise ValueError(f"stack parts fill {r} of {rows.shape[0] - pad_rows} rows")
+    rows[r:] = 0
     return dst
 
 
@@ -134,8 +138,12 @@ def _pair(up: Uploader, a: np.ndarray, b: np.ndarray):
 def _kda(up: Uploader, w: KDAWeights) -> DeviceKDA:
     fg_b = _pair(up, w.f_b_proj, w.g_b_proj) if np.shape(w.f_b_proj) == np.shape(w.g_b_proj) else None
     f_b, g_b = (fg_b[0], fg_b[1]) if fg_b is not None else (_put(up, w.f_b_proj), _put(up, w.g_b_proj))
+    qkv, fgb = w.qkv, w.fgb
+    # one allocation, qkv and fgb its row blocks, zero rows after them up to a multiple of 8 (16-byte output rows)
+    both = _put(up, Stack.rows(*qkv.parts, *fgb.parts), pad_rows=-(qkv.shape[0] + fgb.shape[0]) % 8)
+    qkv_d, fgb_d = both[:qkv.shape[0]], both[qkv.shape[0]:qkv.shape[0] + fgb.shape[0]]
     return DeviceKDA(
-        qkv=_put(up, w.qkv), fgb=_put(up, w.fgb), f_b=f_b, g_b=g_b, fg_b=fg_b,
+        qkv=qkv_d, fgb=fgb_d, qkv_fgb=both, f_b=f_b, g_b=g_b, fg_b=fg_b,
         conv_w=_put(up, w.conv_taps, F32), A_log=_put(up, np.ravel(w.A_log), F32),
         dt_bias=_put(up, np.ravel(w.dt_bias), F32), o_norm=_put(up, w.o_norm, F32), o_proj=_put(up, w.o_proj),
         rank_f=w.rank_f, rank_g=w.rank_g,

@@ -130,6 +130,62 @@ def test_kda_decode_fused_low_rank(num_seqs, num_heads, gates, split):
         check(out, dev, reference(inp, num_heads), inp, f"fused low-rank step {step} B{num_seqs} H{num_heads} {gates}")
 
 
+STRIDED = [(1, 8, True), (3, 8, True), (32, 8, False)]  # H = 8: rows of 3P + 2R + H a multiple of 8
+
+
+@pytest.mark.parametrize("num_seqs, num_heads, fused", STRIDED, ids=[f"B{c[0]}-H{c[1]}-{'fused' if c[2] else 'plain'}"
+                                                                     for c in STRIDED])
+def test_kda_decode_reads_qkv_as_a_column_block(num_seqs, num_heads, fused):
+    """qkv as the model's decode step passes it: the first 3P columns of one [B, 3P + 2R + H] GEMM output
+    whose other columns are f_a | g_a | b (fused: the kernel applies f_b, g_b; plain: f and gate given and
+    the f_a | g_a columns NaN, never read), against the float64 reference, two steps."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_decode import kda_decode
+
+    rank, P = K, num_heads * K
+    rng = np.random.default_rng(5 * num_seqs + num_heads)
+    inp = make_inputs(rng, [1] * num_seqs, num_heads, "mixed", num_slots=num_seqs + 2)
+    dev = upload(inp)
+    for step in range(2):
+        if step:
+            nxt = step_inputs(rng, inp, num_heads, [False] * num_seqs)
+            sync_pools(nxt, dev)
+            inp = nxt
+            for name in ("f", "gate", "context_lens"):
+                dev[name] = upload({name: inp[name]})[name]
+        lr = low_rank_inputs(rng, inp, num_heads, rank) if fused else None
+        host = np.full((num_seqs, 3 * P + 2 * rank + num_heads), np.nan, dtype=np.float32)  # unread columns: NaN
+        host[:, :3 * P], host[:, 3 * P + 2 * rank:] = inp["qkv"], inp["b"]
+        if fused:
+            host[:, 3 * P:3 * P + rank], host[:, 3 * P + rank:3 * P + 2 * rank] = lr["f_a"], lr["g_a"]
+        both = cupy.asarray(host.astype(BF16))
+        dev["qkv"], dev["b"] = both[:, :3 * P], both[:, 3 * P + 2 * rank:]
+        kw = {}
+        if fused:
+            dev["f"], dev["gate"] = both[:, 3 * P:3 * P + rank], both[:, 3 * P + rank:3 * P + 2 * rank]
+            kw = {n: cupy.asarray(lr[n].astype(np.float32).astype(BF16)) for n in ("f_b", "g_b")}
+        out = cupy.empty((num_seqs, P), dtype=BF16)
+        poison(out)
+        run_op(kda_decode, dev, num_heads, out=out, **kw)
+        check(out, dev, reference(inp, num_heads), inp, f"strided qkv step {step} B{num_seqs} H{num_heads} fused={fused}")
+
+
+def test_kda_decode_rejects_misaligned_qkv_rows():
+    """A qkv view whose rows are not 16-byte aligned is refused before any launch, naming qkv."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_decode import kda_decode
+
+    rng = np.random.default_rng(3)
+    inp = make_inputs(rng, [1, 1], 2, "normal", num_slots=2)
+    dev = upload(inp)
+    wide = cupy.zeros((2, 3 * 2 * K + 4), dtype=BF16)
+    dev["qkv"] = wide[:, :3 * 2 * K]  # row stride 3P + 4 elements: 8 bytes off 16
+    with pytest.raises(ValueError, match="qkv"):
+        run_op(kda_decode, dev, 2)
+
+
 @pytest.mark.parametrize("gates", ["normal", "mixed"])
 def test_decode_after_prefill_equals_prefill(gates):
     """prefill(L tokens) + 3 decode steps in slots 0, 1 == prefill(L + 3 tokens) in slots 2, 3."""

@@ -257,6 +257,19 @@ def test_runner_precompiles_the_wide_skinny_variants_of_the_model(monkeypatch):
                            (1, 64, 6, 384, 2), (1, 64, 6, 384, 4)])
 
 
+def test_decode_projection_shapes_take_the_fused_kda_projection():
+    """With q|k|v|f_a|g_a|b in one weight (qkv_fgb, as upload_weights builds it), a KDA layer's decode step
+    sends one [3P + 2R + H, D] GEMM through linear instead of q|k|v and f_a|g_a|b apart."""
+    from kda_rt.cuda.runner import _decode_projection_shapes
+    from kda_rt.cuda.weights import DeviceKDA, DeviceLayer
+
+    kda = DeviceKDA(qkv=_fake((12288, 2304)), fgb=_fake((288, 2304)), f_b=None, g_b=None, conv_w=None, A_log=None,
+                    dt_bias=None, o_norm=None, o_proj=_fake((2304, 4096)), rank_f=128, rank_g=128,
+                    qkv_fgb=_fake((12576, 2304)))
+    weights = types.SimpleNamespace(layers=[DeviceLayer(None, kda, None, None)])
+    assert _decode_projection_shapes(weights) == [(12576, 2304, False), (2304, 4096, False)]
+
+
 def test_fused_moe_norm_needs_one_block_per_row():
     from kda_rt.cuda.ops.moe_align import fits_norm
 

@@ -67,11 +67,14 @@ def conv_state_shape(num_slots: int, P: int, W: int) -> tuple[int, int, int, int
 
 def check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
                    context_lens, state_slots, num_heads: int, head_dim: int, out, *,
-                   low_rank: bool = False) -> tuple[int, int, int]:
+                   low_rank: bool = False, qkv_row_stride: bool = False) -> tuple[int, int, int]:
     """Validate the KDA boundary shared by kda_decode and kda_prefill; returns (T, B, W).  With
-    `low_rank`, f and gate are the f_a / g_a outputs [T, R] (row-strided views) instead of [T, P]."""
+    `low_rank`, f and gate are the f_a / g_a outputs [T, R] (row-strided views) instead of [T, P]; with
+    `qkv_row_stride` (kda_decode), qkv may be a row-strided view with 16-byte aligned rows."""
     P = num_heads * head_dim
-    T, _ = expect(qkv, "qkv", shape=(None, 3 * P), dtype=BF16)
+    T, _ = expect(qkv, "qkv", shape=(None, 3 * P), dtype=BF16, row_stride=qkv_row_stride)
+    if qkv_row_stride and (qkv.data.ptr % 16 or qkv.strides[0] % 16):
+        raise ValueError(f"qkv rows must be 16-byte aligned (pointer {qkv.data.ptr:#x}, row stride {qkv.strides[0]} B)")
     expect(f, "f", shape=(T, None if low_rank else P), dtype=BF16, row_stride=low_rank)
     expect(b, "b", shape=(T, num_heads), dtype=BF16, row_stride=True)
     expect(gate, "gate", shape=(T, None if low_rank else P), dtype=BF16, row_stride=low_rank)
@@ -96,7 +99,8 @@ def check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool,
 def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
                state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
                f_b=None, g_b=None, split: int | None = None, threads: int | None = None):
-    """One token per sequence (T == B; token b is sequence b, cu_seqlens is not read).  Updates the
+    """One token per sequence (T == B; token b is sequence b, cu_seqlens is not read); qkv [B, 3P] may be a
+    row-strided view (the q|k|v columns of the model's fused decode projection).  Updates the
     slots' conv and recurrent state in place; returns out [B, P] bf16 (gated-RMSNorm output).
     Allocates nothing when `out` is given and never reads device data on the host (graph-capturable).
     With f_b [P, Rf] and g_b [P, Rg] (see fuses_low_rank), f and gate are the f_a / g_a outputs
@@ -108,7 +112,7 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
     P = num_heads * head_dim
     out = cupy.empty((qkv.shape[0], P), dtype=BF16) if out is None else out
     T, B, W = check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
-                             context_lens, state_slots, num_heads, head_dim, out, low_rank=fused)
+                             context_lens, state_slots, num_heads, head_dim, out, low_rank=fused, qkv_row_stride=True)
     if T != B:
         raise ValueError(f"kda_decode takes one token per sequence, got {T} tokens for {B} sequences")
     if o_norm_w.data.ptr % 16:
@@ -127,7 +131,7 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
                         SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g)
     if B:
         kernel((num_heads * n_split, B), (n_threads,),
-               (qkv, f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool,
+               (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool,
                 context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
                 g_b if fused else np.uint64(0), i32(ldr)), stream=stream)
     return out
