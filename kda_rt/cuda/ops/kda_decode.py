@@ -131,7 +131,7 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
                         SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g)
     if B:
         kernel((num_heads * n_split, B), (n_threads,),
-               (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool,
-                context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
+               (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
+                conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
                 g_b if fused else np.uint64(0), i32(ldr)), stream=stream)
     return out
