@@ -124,6 +124,79 @@ def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):
     assert (diff <= 2.0**-7 * np.abs(ref) + 1e-5 * mag).all()
 
 
+@pytest.mark.parametrize("M, K, N", [(1, 4096, 2304), (3, 2304, 12576), (8, 2304, 6720), (2, 768, 48)], ids=str)
+def test_skinny_gemm_prefetch_is_bit_identical(monkeypatch, M, K, N):
+    """PREFETCH (the first weight chunks loaded before the programmatic-launch wait) reorders loads only: the
+    same products in the same order, so the outputs of both builds are equal bit for bit; also the q|k|v|f_a|
+    g_a|b (12576) and MLA q|kv_a (6720) widths that KDA_RT_SKINNY_MAX_N can send here, against NumPy."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.skinny_gemm import fits, skinny_gemm
+
+    rng = np.random.default_rng(M * 31 + K + N)
+    x, w = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+    xg, wg = to_gpu_bf16(x), to_gpu_bf16(w)
+    monkeypatch.setenv("KDA_RT_SKINNY_MAX_N", "16384")
+    ref, mag = _reference(x, w)
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KDA_RT_SKINNY_PREFETCH", flag)
+        out = cupy.empty((M, N), dtype=BF16)
+        poison(out)
+        assert fits(xg, wg, out, accumulate=False)
+        got[flag] = to_np(skinny_gemm(xg, wg, out))
+        bad = ~(np.abs(got[flag] - ref) <= 1e-5 * mag + 2.0**-8 * np.abs(ref))
+        assert not bad.any(), f"PREFETCH={flag}: {int(bad.sum())} of {ref.size} elements off"
+    assert np.array_equal(got["1"], got["0"])
+    monkeypatch.delenv("KDA_RT_SKINNY_MAX_N")
+    assert fits(xg, wg, cupy.empty((M, N), dtype=BF16), accumulate=False) == (N <= 4096)
+
+
+@pytest.mark.parametrize("prefetch", ["1", "0"])
+def test_skinny_gemm_chain_under_programmatic_launch(monkeypatch, prefetch):
+    """y1 = x · W1ᵀ, then y2 = y1 · W2ᵀ, captured in a graph with programmatic dependent launch: the second
+    kernel loads W2 while the first still runs (PREFETCH), but reads y1 only after it; y1 is poisoned before
+    each replay, so a read of y1 before the first kernel's stores shows as NaN in y2."""
+    import cupy
+
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.skinny_gemm import skinny_gemm
+
+    if not pdl.supported():
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    monkeypatch.setenv("KDA_RT_SKINNY_PREFETCH", prefetch)
+    rng = np.random.default_rng(5)
+    M, K, N1, N2 = 4, 2304, 4096, 2304
+    w1, w2 = (bf16_round(rng.normal(size=(n, k)) / np.sqrt(k)) for n, k in ((N1, K), (N2, N1)))
+    xg, w1g, w2g = to_gpu_bf16(rng.normal(size=(M, K))), to_gpu_bf16(w1), to_gpu_bf16(w2)
+    y1, y2 = cupy.empty((M, N1), dtype=BF16), cupy.empty((M, N2), dtype=BF16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        skinny_gemm(xg, w1g, y1)  # built (and loaded) outside the capture
+        skinny_gemm(y1, w2g, y2)
+        stream.begin_capture()
+        with pdl.capturing() as active:
+            assert active
+            poison(y1)
+            skinny_gemm(xg, w1g, y1)
+            skinny_gemm(y1, w2g, y2)
+        graph = stream.end_capture()
+        for r in range(3):
+            x = bf16_round(rng.normal(size=(M, K)))
+            xg[...] = to_gpu_bf16(x)
+            poison(y2)
+            graph.launch(stream)
+            stream.synchronize()
+            h = to_np(y1)
+            assert np.isfinite(h).all(), f"replay {r}: y1 not written"
+            ref, mag = _reference(h, w2)
+            got = to_np(y2)
+            bad = ~(np.abs(got - ref) <= 1e-5 * mag + 2.0**-8 * np.abs(ref))
+            assert not bad.any(), f"replay {r}: {int(bad.sum())} of {got.size} elements off"
+
+
 @pytest.mark.parametrize("M, K, N, accumulate", [(33, 2304, 288, False), (1, 2304, 12288, False), (4, 128, 4096, False),
                                                  (4, 2304, 8, False), (4, 2304, 288, True), (16, 2304, 12288, False),
                                                  (16, 2304, 48, False), (16, 96, 64, False), (16, 9216, 2304, False)],
