@@ -116,24 +116,3 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
-
-
-def skinny_prefetch() -> bool:
-    """KDA_RT_SKINNY_PREFETCH: 0 makes skinny_gemm (decode projections of up to 8 rows) wait for the kernel
-    before it under programmatic dependent launch before it loads anything, instead of loading its first
-    weight chunks first (PREFETCH in kernels_cu/skinny_gemm.cu); default 1.  Read when a kernel is picked (a
-    CUDA graph keeps the kernels it captured)."""
-    return _on_off("KDA_RT_SKINNY_PREFETCH")
-
-
-def skinny_max_n() -> int:
-    """KDA_RT_SKINNY_MAX_N: the widest output (features) that decode projections of up to 8 rows send to
-    skinny_gemm instead of cuBLAS; default 4096.  Read at each call (a CUDA graph keeps what it captured)."""
-    value = os.environ.get("KDA_RT_SKINNY_MAX_N") or "4096"
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"KDA_RT_SKINNY_MAX_N must be an integer, got {value!r}") from None
-    if n < 16:
-        raise ValueError(f"KDA_RT_SKINNY_MAX_N must be >= 16, got {n}")
-    return n

@@ -73,20 +73,10 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
 }
 
 #ifndef SPLITS
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
-#if PREFETCH
-#define SKINNY_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
-#else
-#define SKINNY_PDL_ENTRY() KDA_PDL_ENTRY()
-#endif
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf16* __restrict__ x, int ldx,
                                                                      const bf16* __restrict__ w, void* __restrict__ out,
                                                                      int ldo, int M, int K) {
-    // PREFETCH: the weights are no kernel's output, so each warp's first UNROLL chunks of them are loaded
-    // before the programmatic-launch wait (under PDL they stream while the kernel before still runs)
-    SKINNY_PDL_ENTRY();
+    KDA_PDL_ENTRY();
     __shared__ float part[WARPS][8][FT + 1];  // [warp][token][feature] partial sums
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int f0 = blockIdx.x * FT;
@@ -98,12 +88,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf
     const bf16* xr = x + (size_t)(xv ? g : 0) * ldx + kbeg + 8 * c;
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    auto mma_chunk = [&](const uint4& a0, const uint4& a1, const uint4& b) {
-        const unsigned s0[4] = {a0.x, a1.x, a0.y, a1.y}, s1[4] = {a0.z, a1.z, a0.w, a1.w};
-        mma_bf16(acc, s0, b.x, b.y);
-        mma_bf16(acc, s1, b.z, b.w);
-    };
-    auto ld_x = [&](int k) { return xv ? __ldg(reinterpret_cast<const uint4*>(xr + k)) : make_uint4(0u, 0u, 0u, 0u); };
     // UNROLL chunks of loads, then their mma; the last nch mod UNROLL chunks one at a time
     auto chunks = [&](int ch, auto n_tag) {  // n_tag: Count<n> (NVRTC has no <type_traits>)
         constexpr int n = decltype(n_tag)::value;
@@ -113,33 +97,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf
             const int k = (ch + u) * 32;
             a0[u] = ld_stream16(w0 + k);
             a1[u] = ld_stream16(w1 + k);
-            b[u] = ld_x(k);
+            b[u] = xv ? __ldg(reinterpret_cast<const uint4*>(xr + k)) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
-        for (int u = 0; u < n; ++u) mma_chunk(a0[u], a1[u], b[u]);
+        for (int u = 0; u < n; ++u) {
+            const unsigned s0[4] = {a0[u].x, a1[u].x, a0[u].y, a1[u].y}, s1[4] = {a0[u].z, a1[u].z, a0[u].w, a1[u].w};
+            mma_bf16(acc, s0, b[u].x, b[u].y);
+            mma_bf16(acc, s1, b[u].z, b[u].w);
+        }
     };
     int ch = 0;
-#if PREFETCH
-    {  // the first min(nch, UNROLL) chunks: weights before the wait, x after it
-        const int n0 = nch < UNROLL ? nch : UNROLL;
-        uint4 a0[UNROLL], a1[UNROLL], b[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (u < n0) {
-                a0[u] = ld_stream16(w0 + u * 32);
-                a1[u] = ld_stream16(w1 + u * 32);
-            }
-        }
-        KDA_PDL_WAIT();  // x, and out, only after the kernel before has finished
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (u < n0) b[u] = ld_x(u * 32);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (u < n0) mma_chunk(a0[u], a1[u], b[u]);
-        ch = n0;
-    }
-#endif
     for (; ch + UNROLL <= nch; ch += UNROLL) chunks(ch, Count<UNROLL>{});
     for (; ch < nch; ++ch) chunks(ch, Count<1>{});
 

@@ -74,13 +74,12 @@ def fits(x, weight, out, accumulate: bool) -> bool:
             or leading_dim(x) % 8 or out.dtype not in (BF16, np.dtype(np.float32))):
         return False
     if M <= MAX_ROWS:
-        return 1 <= M and N <= env.skinny_max_n() and N % 16 == 0 and K % (32 * _WARPS) == 0
+        return 1 <= M and N <= MAX_N and N % 16 == 0 and K % (32 * _WARPS) == 0
     return wide_plan(M, N, K) is not None and env.skinny_wide() and clusters_supported()
 
 
 def _kernel(out_f32: bool):
-    return get_kernel("skinny_gemm.cu", "skinny_gemm", OUT_F32=int(out_f32), UNROLL=_UNROLL, WARPS=_WARPS,
-                      PREFETCH=int(env.skinny_prefetch()))
+    return get_kernel("skinny_gemm.cu", "skinny_gemm", OUT_F32=int(out_f32), UNROLL=_UNROLL, WARPS=_WARPS)
 
 
 def precompile(shapes=()) -> int:
