@@ -288,3 +288,52 @@ if __name__ == "__main__":
     bench(T=1)
     bench(T=64)
     bench_parts(T=32, configs=((2, 4, 4), (2, 4, 2), (4, 4, 4), (2, 8, 4), (4, 4, 2)))
+
+
+@pytest.mark.parametrize("T", [1, 8], ids=["T1", "T8"])
+def test_moe_side_shared_matches_the_stacked_slot(T, monkeypatch):
+    """Steps of up to SIDE_SHARED_MAX_T tokens compute the stacked shared expert on a second stream (forked
+    after x, joined before the combine): captured with programmatic dependent launches and replayed on new x,
+    against the NumPy block, and against the same step with the shared expert as one more pair of the
+    stacked GEMMs (KDA_RT_SIDE_SHARED=0).  The two differ only in the shared expert's rounding (fp32 on the
+    side, one bf16 row in the stacks), so they agree to the bf16 tolerance of the reference (1e-2)."""
+    import cupy
+
+    from kda_rt.cuda.moe import SIDE_SHARED_MAX_T, _side_shared, moe_workspace_bytes
+    from kda_rt.cuda.ops import pdl as pdl_launch
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.reference.moe import moe_forward as moe_ref
+
+    assert T <= SIDE_SHARED_MAX_T and _side_shared(T, True) and not _side_shared(SIDE_SHARED_MAX_T + 1, True)
+    D, inter, E = 2304, 1024, 256
+    cfg = make_cfg(E)
+    x, gpu, params = make_block(T, D, inter, inter, cfg, 21)
+    ws = cupy.empty(moe_workspace_bytes(T, cfg, D, inter, inter, True), dtype=np.uint8)
+    outs = {}
+    for flag in ("0", "1"):  # the stacked slot first: the graph of "1" is captured last
+        monkeypatch.setenv("KDA_RT_SIDE_SHARED", flag)
+        ws[...] = 0xFF
+        out = cupy.empty((T, D), dtype=BF16)
+        poison(out)
+        run(gpu, cfg, True, out=out, workspace=ws)
+        outs[flag] = to_np(out)
+        assert rms_rel(outs[flag], moe_ref(params, x, cfg)) <= 1e-2, f"KDA_RT_SIDE_SHARED={flag}"
+    assert rms_rel(outs["1"], outs["0"]) <= 1e-2
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    with stream:
+        run(gpu, cfg, True, out=out, workspace=ws, stream=stream)
+        with pdl_launch.capturing() as on:
+            stream.begin_capture()
+            run(gpu, cfg, True, out=out, workspace=ws, stream=stream)
+            graph = stream.end_capture()
+    stream.synchronize()
+    for replay, seed in enumerate((22, 23)):
+        x2, _, _ = make_router(T, D, cfg, seed)
+        gpu["x"][...] = to_gpu_bf16(x2)
+        poison(out)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        err = rms_rel(to_np(out), moe_ref(params, x2, cfg))
+        assert err <= 1e-2, f"graph replay {replay} (programmatic launch: {on}): rms rel err {err:.3e}"
