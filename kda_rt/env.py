@@ -116,10 +116,3 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
-
-
-def side_shared() -> bool:
-    """KDA_RT_SIDE_SHARED: 0 keeps the shared expert of decode steps of up to 8 tokens in the stacked expert
-    GEMMs instead of computing it on a second stream while the step routes (kda_rt/cuda/moe.py); default 1.
-    Read at each MoE call (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_SIDE_SHARED")

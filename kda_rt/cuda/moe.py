@@ -16,11 +16,6 @@ Decode sizes (T <= FUSED_MAX_T, ungrouped routing) route and bucket in one launc
 from FUSED_MIN_TOKENS run both expert GEMMs in one more (moe_decode_fused); larger steps route, bucket and
 multiply in separate launches.
 
-Steps of up to SIDE_SHARED_MAX_T tokens with the shared expert in the stacks compute it on a second stream
-(gate/up, SiLU·up, down: three launches forked after x is ready, joined before the combine), so it runs on
-the SMs that routing leaves idle (moe_route_fused is 32 CTAs at batch 1) instead of as one more pair of the
-routed GEMMs; KDA_RT_SIDE_SHARED=0 keeps it in the stacks.  In a captured graph the fork is a branch.
-
 Letters: T tokens, D hidden, E experts, A = top_k, N = T·A pairs, I expert width, Is shared width.
 """
 
@@ -76,30 +71,13 @@ if TYPE_CHECKING:
 __all__ = ["moe_forward", "moe_workspace_bytes", "precompile"]
 
 _ALIGN = 256
-SIDE_SHARED_MAX_T = 8  # steps of up to this many tokens compute a stacked shared expert on a second stream
-_side_streams: dict[int, object] = {}
 
 
-def _side_shared(T: int, fused: bool) -> bool:
-    """The shared expert (expert E of the stacks) of this step runs on the side stream."""
-    return fused and 1 <= T <= SIDE_SHARED_MAX_T and env.side_shared()
-
-
-def _side_stream():
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _side_streams:
-        _side_streams[dev] = cupy.cuda.Stream(non_blocking=True)
-    return _side_streams[dev]
-
-
-def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int, fused: bool = False,
-            side: bool = False) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
+            fused: bool = False) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     E, A = cfg.num_experts, cfg.top_k
-    slot = fused and not side  # the shared expert is bin E, every token has A + 1 pairs
-    bins = E + 1 if slot else E
-    N = T * (A + 1) if slot else T * A
+    bins = E + 1 if fused else E  # fused: the shared expert is bin E, every token has A + 1 pairs
+    N = T * (A + 1) if fused else T * A
     tiles = max_tiles(N, bins, 8)  # BT = 8 gives the most tiles
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
     # route_done first: at the same offset for every T, so the 0 that moe_route_fused leaves is found again
@@ -108,7 +86,7 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int, fused: boo
              ("tile_row", (tiles,), i32), ("num_tiles", (1,), i32), ("h", (N, inter), BF16), ("y", (N, D), BF16),
              ("sync", (1 + tiles,), i32),  # moe_decode_fused's counters (>= sync_words: tiles of 16 rows)
              ("bucket_scratch", (max(1, bucket_scratch_words(N, bins)),), i32)]
-    if inter_s and (not fused or side):  # apart, or on the side stream (_side_shared)
+    if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
     return parts
 
@@ -123,12 +101,8 @@ def _offsets(parts) -> tuple[list[int], int]:
 
 def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int = 0, fused: bool = False) -> int:
     """Bytes of the uint8 workspace moe_forward needs for T tokens: D hidden, `inter` = I expert width,
-    `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks (then
-    small steps may also take the side-stream layout, whichever KDA_RT_SIDE_SHARED says at the call)."""
-    nbytes = _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
-    if fused and inter_s and T <= SIDE_SHARED_MAX_T:
-        nbytes = max(nbytes, _offsets(_layout(T, cfg, D, inter, inter_s, fused, side=True))[1])
-    return nbytes
+    `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks."""
+    return _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
 
 
 def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
@@ -138,10 +112,8 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
     mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
     (~0.2-0.4 s a variant).  Returns the number of variants."""
     E, A = cfg.num_experts, cfg.top_k
-    count = 0
-    if fused and env.side_shared():  # small steps route and multiply without the shared slot
-        count += _precompile_decode(cfg, D, inter, False, A, E)
     pairs, bins = (A + 1, E + 1) if fused else (A, E)
+    count = 0
     for bm in (16, 64, 128):
         gemms = [(nout, k, fuse, tile_config(bm, nout, k, fuse)) for nout, k, fuse in ((2 * inter, D, True),
                                                                                       (D, inter, False))]
@@ -158,34 +130,15 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                     tc_kernel(small, k, nout, fuse, pairs)
                     count += 1
         count += 3
-        if bm == 16:
-            count += _precompile_decode(cfg, D, inter, fused, pairs, bins, small_only=False)
-    return count
-
-
-def _precompile_decode(cfg: MoEConfig, D: int, inter: int, slot: bool, pairs: int, bins: int,
-                       small_only: bool = True) -> int:
-    """The 16-row decode variants of a plan with (slot) or without the shared expert's slot: both GEMMs in
-    one launch, routing + bucketing in one launch; small_only: also the bucket and the two-launch GEMMs of
-    steps of up to SMALL_DECODE_TOKENS tokens (the side-stream path's own variants)."""
-    E, A = cfg.num_experts, cfg.top_k
-    count = 0
-    if small_only:
-        bucket_kernel(bins, 16, 0)
-        for nout, k, fuse in ((2 * inter, D, True), (D, inter, False)):
-            if tile := tile_config(16, nout, k, fuse, tokens=1):
-                tc_kernel(tile, k, nout, fuse, pairs)
-                count += 1
-    top = SIDE_SHARED_MAX_T if small_only else SMALL_DECODE_TOKENS + 1
-    for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):  # both decode GEMMs in one launch
-        if tokens <= top and (tile := fused_decode_tile(tokens, D, inter)):
-            fused_kernel(tile, D, inter, pairs)
-            count += 1
-    # routing + bucketing in one launch: each rows-per-block variant
-    for tokens in (1, 2, 4, SIDE_SHARED_MAX_T if small_only else FUSED_MAX_T):
-        if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, slot):
-            fused_route_kernel(tokens, E, D, 16, slot)
-            count += 1
+        if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
+            for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
+                if tile := fused_decode_tile(tokens, D, inter):
+                    fused_kernel(tile, D, inter, pairs)
+                    count += 1
+            for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
+                if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
+                    fused_route_kernel(tokens, E, D, bm, fused)
+                    count += 1
     return count
 
 
@@ -217,8 +170,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     if shared_w13 is not None:
         inter_s = expect(shared_w13, "shared_w13", shape=(None, D), dtype=BF16)[0] // 2
         expect(shared_w2, "shared_w2", shape=(D, inter_s), dtype=BF16)
-    side = _side_shared(T, fused) and inter_s > 0  # the stacked shared expert on the side stream: no slot
-    parts = _layout(T, cfg, D, inter, inter_s, fused, side)
+    parts = _layout(T, cfg, D, inter, inter_s, fused)
     offs, nbytes = _offsets(parts)
     workspace = cupy.empty(nbytes, dtype=np.uint8) if workspace is None else workspace
     expect(workspace, "workspace", ndim=1, dtype=np.uint8)
@@ -233,14 +185,13 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     # the shared-memory tiled GEMM with BM = 128 / 64 / 16-row tiles by the rows per expert (128-row
     # tiles on wgmma where the arch is sm_90a); the weight-stationary kernel only where no tile fits
     # (D, I) (small test shapes)
-    slot = fused and not side
-    pairs, bins = (A + 1, stacked) if slot else (A, E)
-    bm = prefill_tile_rows(T * pairs, bins, D, inter)
+    pairs = A + 1 if fused else A
+    bm = prefill_tile_rows(T * pairs, stacked, D, inter)
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
     fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
-                   ws["num_tiles"], bm or tile_rows_for(T * pairs, bins))
+                   ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else contextlib.nullcontext():
         if w.router_split is None and T >= SPLIT_MIN_T and not cupy.cuda.get_current_stream().is_capturing():
             # weights built without upload_weights: split on first eager use (a capture keeps the fp32
@@ -248,18 +199,17 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             with contextlib.suppress(ValueError):
                 w.router_split = split_router(w_router)
         sync = ws["sync"] if fused_tile else None
-        joined = _fork_shared(x, shared_w13, shared_w2, ws) if side else None
-        if fused_route_fits(T, E, D, A, cfg.num_expert_group, slot):
+        if fused_route_fits(T, E, D, A, cfg.num_expert_group, fused):
             moe_route_fused(x, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
-                            out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=slot,
+                            out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=fused,
                             sync=sync, stream=stream)
         else:
             moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
                       biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
                       router_split=w.router_split, stream=stream)
-            moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=slot, sync=sync, scratch=ws["bucket_scratch"],
+            moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=sync, scratch=ws["bucket_scratch"],
                        stream=stream)
         if fused_tile:
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
@@ -269,31 +219,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None
         if inter_s and not fused:
-            shared = _shared_expert(x, shared_w13, shared_w2, ws)
-        if joined is not None:
-            cupy.cuda.get_current_stream().wait_event(joined)
-            shared = ws["y_s"]
-        moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, shared_in_y=slot, out=out, norm=norm, stream=stream)
+            linear(x, shared_w13, out=ws["gu_s"])
+            silu_mul(ws["gu_s"], out=ws["h_s"], stream=stream)
+            shared = linear(ws["h_s"], shared_w2, out=ws["y_s"])
+        moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, shared_in_y=fused, out=out, norm=norm, stream=stream)
     return out
-
-
-def _shared_expert(x, w13, w2, ws):
-    """y_s [T, D] fp32 = the shared expert of x on the current stream (gate/up, SiLU·up, down)."""
-    linear(x, w13, out=ws["gu_s"])
-    silu_mul(ws["gu_s"], out=ws["h_s"])
-    return linear(ws["h_s"], w2, out=ws["y_s"])
-
-
-def _fork_shared(x, w13, w2, ws):
-    """Start the shared expert on the side stream once the current stream has x; returns the event that
-    the current stream waits on before it reads ws["y_s"]."""
-    import cupy
-
-    main, side = cupy.cuda.get_current_stream(), _side_stream()
-    ready, done = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
-    ready.record(main)
-    side.wait_event(ready)
-    with side:
-        _shared_expert(x, w13, w2, ws)
-        done.record(side)
-    return done
