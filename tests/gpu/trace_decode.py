@@ -70,7 +70,15 @@ def main() -> int:
         path = os.path.join(args.trace_dir, f"trace_prefill_{num}x{length}.json")
         prof.export_chrome_trace(path)
         with open(path) as fh:
-            kernels = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"]
+            events = json.load(fh)["traceEvents"]
+        kernels = [e for e in events if e.get("cat") == "kernel"]
+        # the host's CUDA API calls (CUPTI): where it blocks (synchronize, cudaFree, blocking copies)
+        api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
+        api_total: collections.Counter[str] = collections.Counter()
+        api_count: collections.Counter[str] = collections.Counter()
+        for e in api:
+            api_total[e["name"]] += e["dur"]
+            api_count[e["name"]] += 1
         per_kernel: collections.Counter[str] = collections.Counter()
         count: collections.Counter[str] = collections.Counter()
         for e in kernels:
@@ -93,6 +101,9 @@ def main() -> int:
             "idle_ms": round(sum(gap_before.values()) / 1e3, 2),
             "idle_before": [{"name": k, "ms": round(v / 1e3, 2)} for k, v in gap_before.most_common(15)],
             "largest_gaps": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in big[:15]],
+            "host_api": [{"name": k, "n": api_count[k], "ms": round(v / 1e3, 2)} for k, v in api_total.most_common(12)],
+            "host_api_longest": [{"name": e["name"], "us": round(e["dur"], 1)}
+                                 for e in sorted(api, key=lambda e: -e["dur"])[:15]],
             "top": [{"name": k, "n": count[k], "ms": round(v / 1e3, 2), "share": round(v / busy, 3)}
                     for k, v in per_kernel.most_common(45)],
         }), flush=True)
