@@ -7,6 +7,7 @@ again after each flip (they keep the kernels they captured).
     PYTHONPATH=. python tests/gpu/bench_ab.py --env KDA_RT_HALF_TAILS --values 1,0 [--rounds 3]
         [--decode 1:2048:64,8:2048:64] [--replays 1,32] [--prompts 0]
 Several switches flip together with --env A,B --values 1:1,0:0,1:0 (one value per switch, ':'-joined).
+A switch named engine.FIELD flips a boolean EngineConfig field instead (1 / 0), e.g. --env engine.async_scheduling.
 --replays times the captured decode graph of each batch (graph replays of one step at ~2K context, CUDA
 events, median of 5 x 20): the same routing for every value, so the difference is the kernels'.
 --prompts 0 skips the prefill runs.  One JSON line per run on stdout, then one summary line per value.
@@ -15,6 +16,7 @@ events, median of 5 x 20): the same routing for every value, so the difference i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,8 +38,8 @@ def main() -> int:
     ap.add_argument("--decode", default="", help="batch:input:output of decode runs per round, e.g. 1:2048:64,8:2048:64")
     args = ap.parse_args()
     envs = args.env.split(",")
-    if not all(e.startswith("KDA_RT_") for e in envs):
-        ap.error(f"--env must name KDA_RT_ switches, got {args.env!r}")
+    if not all(e.startswith(("KDA_RT_", "engine.")) for e in envs):
+        ap.error(f"--env must name KDA_RT_ switches or engine.FIELD, got {args.env!r}")
     values = args.values.split(",")
     if any(len(v.split(":")) != len(envs) for v in values):
         ap.error(f"each of --values {args.values!r} needs one ':'-joined part per switch in {envs}")
@@ -56,7 +58,11 @@ def main() -> int:
     steps.update({(v, ("replay", b)): [] for v in values for b in replays})
     for r in range(args.rounds):
         for v in values:
-            os.environ.update(zip(envs, v.split(":"), strict=True))
+            for name, value in zip(envs, v.split(":"), strict=True):
+                if name.startswith("engine."):  # a boolean EngineConfig field, read at each step
+                    engine.config = dataclasses.replace(engine.config, **{name[len("engine."):]: value == "1"})
+                else:
+                    os.environ[name] = value
             if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
                 engine.runner.graphs.clear()
                 for b, *_ in decodes:  # (the decode runs' buckets now, outside their timing)
