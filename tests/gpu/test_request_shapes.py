@@ -201,15 +201,13 @@ def test_default_max_model_len_is_the_models(ckpt):
 
 
 def test_async_scheduling_same_outputs(ckpt, oracle):
-    """Steps launched ahead (the default) on the GPU.  (1) Requests that all start together, prefill in one
-    step (a budget above their 409 prompt tokens) and run to the same length see the same batches either
-    way: tokens and logprobs equal the synchronous engine's bit for bit.  (2) With the boundary tests'
-    budget of B tokens, prompt chunks, stop-token finishes in the middle of a batch, seeded sampling, a late
-    arrival and an abort between steps: a step launched ahead fixes its batch before an arrival, and after a
-    step with prompt chunks the sequences it samples decode a step later, so the batches differ from the
-    synchronous engine's; every greedy row is checked against the oracle instead (a stale or misplaced input
-    id, or a chunk counted twice, would show as tokens the oracle does not predict)."""
-    kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=512)
+    """Decode steps launched ahead (the default) on the GPU.  (1) Requests that all start together and
+    run to the same length see the same batches either way: tokens and logprobs equal the synchronous
+    engine's bit for bit.  (2) Stop-token finishes in the middle of a batch, seeded sampling, a late
+    arrival and an abort between steps: a launched-ahead step fixes its batch before an arrival, so the
+    batches differ from the synchronous engine's; every greedy row is checked against the oracle instead
+    (a stale or misplaced input id would show as tokens the oracle does not predict)."""
+    kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
     sync, ahead = LLM(ckpt, async_scheduling=False, **kw), LLM(ckpt, **kw)
     prompts = [prompt_of(n, seed=300 + n) for n in (5, 17, 40, 63, 64, 90, 130)]
     params = [greedy(20) if i % 2 else SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=20,
@@ -222,8 +220,6 @@ def test_async_scheduling_same_outputs(ckpt, oracle):
 
     stops = [greedy(24, stop_token_ids=[w.token_ids[5]]) if w.logprobs is not None and i % 2 else greedy(12 + 2 * i)
              for i, w in enumerate(want)]
-    del sync
-    ahead = LLM(ckpt, **{**kw, "max_num_batched_tokens": B})
     eng, finals = ahead.llm_engine, {}
     for i, (p, sp) in enumerate(zip(prompts[:-1], stops[:-1], strict=True)):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp, output_kind="final")
