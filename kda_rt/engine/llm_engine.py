@@ -12,9 +12,9 @@
 
 The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
 (or its two halves `launch` / `collect`) and `runner.score(ForwardBatch)` (the `Runner` contract,
-kda_rt/engine/runner.py), nothing else.  With `async_scheduling` a steady decode step, and the step after
-one with prompt chunks, is launched before the previous step's tokens reach the host (`step()` says when),
-so the host's scheduling and postprocess overlap the GPU's forward.
+kda_rt/engine/runner.py), nothing else.  With `async_scheduling` a steady decode step is launched
+before the previous step's tokens reach the host (`step()` says when), so the host's postprocess
+overlaps the GPU's next forward.
 """
 
 from __future__ import annotations
@@ -68,8 +68,6 @@ class _Launched:
     num_decodes: int
     handle: object
     result: object = None  # the runner's StepOutput once collected
-    committed: bool = False  # the scheduler counted its tokens as computed at launch (a step launched after it)
-    decode_ahead: bool = False  # launched ahead by _launch_next as the decode step after a decode step
 
 
 class LLMEngine:
@@ -100,7 +98,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._inflight: _Launched | None = None  # a step queued ahead (async_scheduling)
+        self._inflight: _Launched | None = None  # a decode step queued ahead (async_scheduling)
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
         _raise_gc_threshold()
@@ -209,7 +207,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def has_pending_step(self) -> bool:
-        """A step was launched ahead (async scheduling) and the next step() collects it."""
+        """A decode step was launched ahead (async scheduling) and the next step() collects it."""
         return self._inflight is not None
 
     def num_waiting(self) -> int:
@@ -226,11 +224,9 @@ class LLMEngine:
         sampling) queues that successor before collecting its own tokens: the GPU runs step k+1 while
         the host postprocesses step k.  Step k+1 takes its input ids from step k's samples on the
         device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step k+1
-        dropped.  A step with prompt chunks likewise queues the next schedule before its tokens are known,
-        with its chunks counted as computed and the sequences it samples left out of that step
-        (_launch_prefill_ahead).  Outputs are the same as without it, one step of tokens per call."""
+        dropped.  Outputs are the same as without it, one step of tokens per call."""
         cur, self._inflight = self._inflight, None
-        if cur is not None and cur.decode_ahead and all(s.finished for s in cur.sampled):  # aborted or finished
+        if cur is not None and all(s.finished for s in cur.sampled):  # aborted or finished meanwhile
             self._collect(cur)
             cur = None
         if cur is None:
@@ -247,7 +243,7 @@ class LLMEngine:
             raise
         outputs = self._postprocess(cur, self._collect(cur))
         if nxt is not None:
-            if nxt.decode_ahead and all(s.finished for s in nxt.sampled):  # every row finished by this step: drop it
+            if all(s.finished for s in nxt.sampled):  # every row was finished by this step: drop it
                 self._collect(nxt)
             else:
                 self._inflight = nxt
@@ -286,8 +282,6 @@ class LLMEngine:
             return None
         sched = self.scheduler
         seqs = cur.sampled
-        if cur.num_decodes < len(cur.sched.scheduled):  # `cur` prefills: what comes next needs none of its tokens
-            return self._launch_prefill_ahead(cur)
         if sched.waiting or not seqs or len(seqs) != len(cur.sched.scheduled) or len(seqs) != len(sched.running):
             return None
         if cur.sampling.host_rows.any() or cur.sampling.constrained.any():
@@ -313,33 +307,13 @@ class LLMEngine:
                                         for s in seqs), self.eos_token_ids)
         nsched = SchedulerOutput(scheduled=[(s, 1) for s in seqs])
         self.counters["steps_launched_ahead"] += 1
-        nxt = self._submit(nsched, batch, list(seqs), sampling, len(seqs), ids_from_last=True)
-        nxt.decode_ahead = True
-        return nxt
-
-    def _launch_prefill_ahead(self, cur: _Launched) -> _Launched | None:
-        """Queue the step after a step with prompt chunks before `cur`'s tokens are known: `cur`'s chunks are
-        counted as computed now, and the next schedule leaves out the sequences `cur` samples (their token is
-        still on the device; they decode a step later) and preempts nobody.  The host then builds and launches
-        this step while the GPU still runs `cur`, instead of after `cur`'s results (H200, 32 x 2048 prompts in
-        8192-token steps: ~1.4 ms of GPU idle at each step boundary, and ~4 ms more while the host caught up
-        with the GPU at the start of each step)."""
-        if cur.committed or any(s.finished for s in cur.sampled):
-            return None
-        self.scheduler.commit(cur.sched)
-        cur.committed = True
-        nsched = self.scheduler.schedule(exclude=frozenset(cur.sampled), preempt=False)
-        if not nsched.scheduled:
-            return None
-        self.counters["steps_launched_ahead"] += 1
-        return self._launch(nsched)
+        return self._submit(nsched, batch, list(seqs), sampling, len(seqs), ids_from_last=True)
 
     def _postprocess(self, cur: _Launched, result) -> list[RequestOutput]:
         """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped."""
         sched, batch, sampled = cur.sched, cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
-        if not cur.committed:
-            self.scheduler.commit(SchedulerOutput(scheduled=[(s, n) for s, n in sched.scheduled if not s.finished]))
+        self.scheduler.commit(SchedulerOutput(scheduled=[(s, n) for s, n in sched.scheduled if not s.finished]))
         self.counters["steps"] += 1
         self.counters["tokens_processed"] += batch.num_tokens
         self.counters["prefill_tokens"] += batch.num_tokens - cur.num_decodes

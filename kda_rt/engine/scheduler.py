@@ -106,21 +106,16 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self, exclude: frozenset[Sequence] = frozenset(), preempt: bool = True) -> SchedulerOutput:
-        """The next step under the token budget: running decodes, then running prefills, then admissions.
-        exclude: running sequences to leave out (the engine's step launched ahead: their last token is still
-        on the device); preempt=False: a sequence that finds no free page is left out instead of preempting."""
+    def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = [self.config.max_num_batched_tokens]  # boxed: preemption refunds it
         chosen: dict[Sequence, int] = {}
-        decodes = [s for s in self.running if not s.in_prefill and s not in exclude]
-        prefills = [s for s in self.running if s.in_prefill and s not in exclude]
+        decodes = [s for s in self.running if not s.in_prefill]
+        prefills = [s for s in self.running if s.in_prefill]
         for seq in decodes + prefills:
             if budget[0] == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
-                continue
-            if not preempt and seq.num_uncomputed > 0 and not self._fits_now(seq):
                 continue
             n = self._grow(seq, min(seq.num_uncomputed, budget[0]), chosen, budget, out.preempted)
             if n:
@@ -135,10 +130,6 @@ class Scheduler:
         """The model ran `out`: the scheduled tokens are now in the cache."""
         for seq, n in out.scheduled:
             seq.num_computed += n
-
-    def _fits_now(self, seq: Sequence) -> bool:
-        """At least one more token of `seq` fits its pages and the free ones (so _grow will not preempt)."""
-        return (len(seq.blocks) + self.pages.num_free) * self.config.block_size > seq.num_computed
 
     def _grow(self, seq: Sequence, n: int, chosen: dict[Sequence, int], budget: list[int],
               preempted: list[Sequence]) -> int:

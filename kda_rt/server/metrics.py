@@ -52,7 +52,7 @@ _ENGINE = {
     "requests_finished": ("engine_requests_finished", "counter", "Requests finished in the engine."),
     "requests_aborted": ("engine_requests_aborted", "counter", "Requests aborted in the engine."),
     "steps_launched_ahead": ("engine_steps_launched_ahead", "counter",
-                             "Steps launched before the previous step's tokens reached the host."),
+                             "Decode steps launched before the previous step's tokens reached the host."),
 }
 
 

@@ -69,8 +69,8 @@ def test_flat_batch_metadata(tiny_dir):
     engine.step()  # a: whole prompt
     engine.add_request("b", {"prompt_token_ids": list(range(40, 50))}, greedy(4))  # 10 tokens
     engine.add_request("c", {"prompt_token_ids": list(range(60, 100))}, greedy(4))  # 40 tokens
-    engine.step()  # a decodes (1), b whole (10), c first 29 tokens (then, launched ahead: c's last 11)
-    b = rec.batches[1]
+    engine.step()  # a decodes (1), b whole (10), c first 29 tokens
+    b = rec.batches[-1]
     a_seq = engine.requests["a"][1][0]
     assert b.cu_seqlens.tolist() == [0, 1, 11, 40]
     assert b.context_lens.tolist() == [20, 0, 0]
@@ -78,12 +78,12 @@ def test_flat_batch_metadata(tiny_dir):
     assert b.input_ids[11:14].tolist() == [60, 61, 62]
     assert b.is_prefill.tolist() == [False, True, True]
     assert b.logits_indices.tolist() == [0, 10]  # c is mid-prompt: no row
-    assert rec.logits[1].shape == (2, llm.model_config.vocab_size)
+    assert rec.logits[-1].shape == (2, llm.model_config.vocab_size)
     assert len(set(b.state_slots.tolist())) == 3
     tables = [set(row[row >= 0].tolist()) for row in b.block_tables]
     assert [len(t) for t in tables] == [2, 1, 2] and not (tables[0] & tables[1] or tables[1] & tables[2])
-    engine.step()  # c: last 11 tokens, context 29 (the step launched ahead by the call before)
-    b = rec.batches[2]
+    engine.step()  # c: last 11 tokens, context 29
+    b = rec.batches[-1]
     assert b.context_lens.tolist()[-1] == 29 and b.seq_lens.tolist()[-1] == 11
     while engine.has_unfinished_requests():
         engine.step()
