@@ -60,9 +60,8 @@ class EngineConfig:
     enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
     # on the full 48B shape (H200, batch 32) the engine's host work between steps is ~0.7 ms of an
     # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
-    async_scheduling: bool = _opt(True, "launch the next decode step, or the step after one with prompt chunks, "
-                                        "before this step's tokens reach the host (same outputs; off: every step "
-                                        "waits for the previous one)")
+    async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
+                                        "(same outputs; off: every step waits for the previous one)")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
