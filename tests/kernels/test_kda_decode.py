@@ -57,6 +57,16 @@ def vid(variant):
     return "auto" if variant is None else f"split{variant[0]}x{variant[1]}"
 
 
+def _next_step(rng, inp, dev, num_heads, names):
+    """The inputs of the next decode step of every sequence, with the device pools synced to them and the
+    named inputs uploaded again; returns the new host inputs."""
+    nxt = step_inputs(rng, inp, num_heads, [False] * len(inp["context_lens"]))
+    sync_pools(nxt, dev)
+    for name in names:
+        dev[name] = upload({name: nxt[name]})[name]
+    return nxt
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=[vid(v) for v in VARIANTS])
 @pytest.mark.parametrize("num_seqs, num_heads, gates", CASES, ids=[f"B{c[0]}-H{c[1]}-{c[2]}" for c in CASES])
 def test_kda_decode_steps(num_seqs, num_heads, gates, variant):
@@ -68,12 +78,7 @@ def test_kda_decode_steps(num_seqs, num_heads, gates, variant):
     dev = upload(inp)
     for step in range(3):
         if step:
-            fresh = [False] * num_seqs
-            nxt = step_inputs(rng, inp, num_heads, fresh)
-            sync_pools(nxt, dev)
-            inp = nxt
-            for name in ("qkv", "f", "b", "gate", "context_lens"):
-                dev[name] = upload({name: inp[name]})[name]
+            inp = _next_step(rng, inp, dev, num_heads, ("qkv", "f", "b", "gate", "context_lens"))
         out = run_op(kda_decode, dev, num_heads, **kw)
         check(out, dev, reference(inp, num_heads), inp,
               f"decode step {step} B{num_seqs} H{num_heads} {gates} {vid(variant)}")
@@ -118,11 +123,7 @@ def test_kda_decode_fused_low_rank(num_seqs, num_heads, gates, split):
     dev = upload(inp)
     for step in range(2):
         if step:
-            nxt = step_inputs(rng, inp, num_heads, [False] * num_seqs)
-            sync_pools(nxt, dev)
-            inp = nxt
-            for name in ("qkv", "b", "context_lens"):
-                dev[name] = upload({name: inp[name]})[name]
+            inp = _next_step(rng, inp, dev, num_heads, ("qkv", "b", "context_lens"))
         upload_low_rank(dev, low_rank_inputs(rng, inp, num_heads, rank), rank)
         out = cupy.empty((num_seqs, num_heads * K), dtype=BF16)
         poison(out)
@@ -149,11 +150,7 @@ def test_kda_decode_reads_qkv_as_a_column_block(num_seqs, num_heads, fused):
     dev = upload(inp)
     for step in range(2):
         if step:
-            nxt = step_inputs(rng, inp, num_heads, [False] * num_seqs)
-            sync_pools(nxt, dev)
-            inp = nxt
-            for name in ("f", "gate", "context_lens"):
-                dev[name] = upload({name: inp[name]})[name]
+            inp = _next_step(rng, inp, dev, num_heads, ("f", "gate", "context_lens"))
         lr = low_rank_inputs(rng, inp, num_heads, rank) if fused else None
         host = np.full((num_seqs, 3 * P + 2 * rank + num_heads), np.nan, dtype=np.float32)  # unread columns: NaN
         host[:, :3 * P], host[:, 3 * P + 2 * rank:] = inp["qkv"], inp["b"]
