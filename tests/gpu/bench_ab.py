@@ -10,7 +10,8 @@ Several switches flip together with --env A,B --values 1:1,0:0,1:0 (one value pe
 A switch named engine.FIELD flips a boolean EngineConfig field instead (1 / 0), e.g. --env engine.async_scheduling.
 --replays times the captured decode graph of each batch (graph replays of one step at ~2K context, CUDA
 events, median of 5 x 20): the same routing for every value, so the difference is the kernels'.
---prompts 0 skips the prefill runs.  One JSON line per run on stdout, then one summary line per value.
+--prompts 0 skips the prefill runs.  The values run in turn, in reverse order every other round.  One JSON line
+per run on stdout (prefill runs: TTFT max and mean), then one summary line per value (medians).
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def main() -> int:
     if args.prompts:
         run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
     ttft: dict[str, list[float]] = {v: [] for v in values}
+    ttft_mean: dict[str, list[float]] = {v: [] for v in values}
     steps: dict[tuple, list[float]] = {(v, d): [] for v in values for d in decodes}
     steps.update({(v, ("replay", b)): [] for v in values for b in replays})
     for r in range(args.rounds):
-        for v in values:
+        for v in values if r % 2 == 0 else values[::-1]:  # the order alternates, so neither value always runs first
             for name, value in zip(envs, v.split(":"), strict=True):
                 if name.startswith("engine."):  # a boolean EngineConfig field, read at each step
                     engine.config = dataclasses.replace(engine.config, **{name[len("engine."):]: value == "1"})
@@ -77,8 +79,9 @@ def main() -> int:
             if args.prompts:
                 rep = run_bench(engine, args.prompts, args.input_len, 2, seed=2 + r)
                 ttft[v].append(rep["ttft_s_max"])
+                ttft_mean[v].append(rep["ttft_s_mean"])
                 row = {"what": "prefill", args.env: v, "round": r, "ttft_max_s": round(rep["ttft_s_max"], 4),
-                       "kernels_built": rep.get("kernels_built")}
+                       "ttft_mean_s": round(rep["ttft_s_mean"], 4), "kernels_built": rep.get("kernels_built")}
                 print(json.dumps(row), flush=True)
             for b, i, o in decodes:
                 engine.runner.experts_touched(reset=True)
@@ -93,6 +96,7 @@ def main() -> int:
     for v in values:
         print(json.dumps({"summary": args.env, "value": v, "ttft_max_s": [round(t, 4) for t in ttft[v]],
                           "ttft_median_s": round(statistics.median(ttft[v]), 4) if ttft[v] else None,
+                          "ttft_mean_median_s": round(statistics.median(ttft_mean[v]), 4) if ttft_mean[v] else None,
                           **{f"step_ms_median {':'.join(map(str, d))}": round(statistics.median(steps[v, d]) * 1e3, 4)
                              for d in [*decodes, *(("replay", b) for b in replays)]}}), flush=True)
     return 0
