@@ -120,7 +120,8 @@ def _put(up: Uploader, src: np.ndarray | Stack, dtype=BF16, *, pad_rows: int = 0
         r += p.shape[0]
     if r != rows.shape[0] - pad_rows:
         raise ValueError(f"stack parts fill {r} of {rows.shape[0] - pad_rows} rows")
-    rows[r:] = 0
+    with up.stream:  # ordered with the copies: up.finish() waits for both
+        rows[r:] = 0
     return dst
 
 
