@@ -177,12 +177,8 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     out: dict = {}
     try:
         tokens = engine.counters["tokens_processed"]
-        settings, engine.config = engine.config, dataclasses.replace(engine.config, async_scheduling=False)
-        try:  # one step alone in the window: nothing launched ahead
-            with Profile() as prof:
-                engine.step()
-        finally:
-            engine.config = settings
+        with Profile() as prof:
+            engine.step()
         done = engine.counters["tokens_processed"] - tokens
         whole, rest = divmod(done, input_len)  # whole prompts, then the first chunk of the next one
         work = op_work(engine.model_config, decode=False, batch=batch, tokens=done, context=0,
