@@ -29,6 +29,9 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
+from kda_rt.cuda.ops.gemv import moe_fits as gemv_fits
+from kda_rt.cuda.ops.gemv import moe_gemv_gate_up
+from kda_rt.cuda.ops.gemv import moe_kernel as gemv_kernel
 from kda_rt.cuda.ops.moe_align import (
     MoEPlan,
     NormAfter,
@@ -135,6 +138,9 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if tile := fused_decode_tile(tokens, D, inter):
                     fused_kernel(tile, D, inter, pairs)
                     count += 1
+            if gemv_fits(1, D):  # a one-token step's gate/up
+                gemv_kernel(D, inter)
+                count += 1
             for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
@@ -215,7 +221,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
                              stream=stream)
         else:
-            gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
+            if gemv_fits(T, D):  # one token: its routed rows spread evenly over the SMs
+                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream)
+            else:
+                gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
             gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None
         if inter_s and not fused:

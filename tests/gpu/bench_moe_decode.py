@@ -13,7 +13,12 @@ Run: python tests/gpu/bench_moe_decode.py [--tokens 1,8,32,128] [--tiles "16,128
 --fused: instead, the decode path as the model runs it, in CUDA-graph replays captured with programmatic
 dependent launch: moe_bucket + the two moe_gemm_tc launches against moe_bucket + moe_decode_fused (both
 GEMMs in one launch), with the launcher's tiles; each graph cycles through 8 routings (different experts,
-so the weights come from HBM, not L2); outputs compared bit for bit."""
+so the weights come from HBM, not L2); outputs compared bit for bit.
+
+--gemv: one-token steps (9 routed rows, as the 48B model's 8 experts + the shared slot) in CUDA-graph replays
+with programmatic dependent launch, 8 routings a graph: moe_bucket + the tiled gate/up (moe_gemm_tc) + down
+against moe_bucket + the GEMV gate/up (moe_gemv.cu, each configuration of --gemv-configs) + the same down; and
+the gate/up launch alone each way.  h compared against the tiled kernel's (RMS relative)."""
 
 from __future__ import annotations
 
@@ -47,7 +52,12 @@ def main():
     ap.add_argument("--tiles", default="", help="';'-separated tiles, each 7 comma-separated TileConfig fields")
     ap.add_argument("--no-old", action="store_true", help="skip the weight-stationary moe_gemm.cu rows")
     ap.add_argument("--fused", action="store_true", help="time moe_decode_fused against the two launches")
+    ap.add_argument("--gemv", action="store_true", help="time the one-token GEMV gate/up against the tiled one")
+    ap.add_argument("--gemv-configs", default="8,2,0;8,1,1;4,3,0;16,1,0",
+                    help="';'-separated GemvConfig fields: warps, blocks per SM, pipe")
     args = ap.parse_args()
+    if args.gemv:
+        return bench_gemv([tuple(int(v) for v in c.split(",")) for c in args.gemv_configs.split(";") if c])
     if args.fused:
         return bench_fused([int(t) for t in args.tokens.split(",")])
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] or TILES
@@ -153,6 +163,55 @@ def bench_fused(tokens, rounds: int = 8):
                   f"{us_two:7.1f} us {mb / us_two:5.2f} TB/s | fused {us_one:7.1f} us {mb / us_one:5.2f} TB/s "
                   f"({us_one / us_two - 1:+.1%}) | tiles {t13.bn}/{t2.bn} {tf} | same {same}", flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
+
+
+def bench_gemv(configs, rounds: int = 8, pairs: int = 9):
+    import cupy
+
+    from helpers.gpu import graph_us, rand_bf16, rms_rel, to_np
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import GemvConfig, moe_gemv_gate_up
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+    from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, tile_config
+
+    rng = cupy.random.default_rng(1)
+    w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
+    hrng = np.random.default_rng(1)
+    tiles = max_tiles(pairs, E, 16)
+    cases = []
+    for _ in range(rounds):
+        z = lambda n: cupy.zeros(n, dtype=np.int32)  # noqa: E731
+        ids = cupy.asarray(hrng.choice(E, pairs, replace=False)[None].astype(np.int32))
+        cases.append((ids, MoEPlan(z(E + 1), z(pairs), z(pairs), z(tiles), z(tiles), z(1), 16)))
+    x = cupy.asarray(hrng.standard_normal((1, D), dtype=np.float32)).astype(BF16)
+    h, y = cupy.empty((pairs, INTER), BF16), cupy.empty((pairs, D), BF16)
+    t13, t2 = tile_config(16, 2 * INTER, D, True, 1), tile_config(16, D, INTER, False, 1)
+    mb13, mb2 = pairs * 2 * INTER * D * 2 / 1e6, pairs * D * INTER * 2 / 1e6
+
+    def step(cfg, down, stream):
+        for ids, plan in cases:
+            moe_bucket(ids, E, plan, stream=stream)
+            if cfg is None:
+                moe_gemm_tc(x, w13, plan, top_k=pairs, fuse_silu=True, out=h, tile=t13, stream=stream)
+            else:
+                moe_gemv_gate_up(x, w13, plan, out=h, cfg=cfg, stream=stream)
+            if down:
+                moe_gemm_tc(h, w2, plan, top_k=pairs, fuse_silu=False, out=y, tile=t2, stream=stream)
+
+    with pdl.capturing(True):
+        ref = None
+        for _ in range(2):  # every variant twice, interleaved (the clock drifts within a process)
+            for c in [None, *configs]:
+                cfg = GemvConfig(c[0], c[1], bool(c[2])) if c else None
+                us_both = graph_us(partial(step, cfg, True), calls=2) / rounds
+                us_gu = graph_us(partial(step, cfg, False), calls=2) / rounds
+                got = to_np(h)
+                ref = got if cfg is None else ref
+                err = rms_rel(got, ref)
+                print(f"{'tiled' if cfg is None else str(tuple(cfg)):22s} gate/up+bucket {us_gu:6.1f} us "
+                      f"({mb13 / us_gu:4.2f} TB/s) | with down {us_both:6.1f} us ({(mb13 + mb2) / us_both:4.2f} TB/s) "
+                      f"| h rms rel vs tiled {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

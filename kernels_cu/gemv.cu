@@ -1,0 +1,179 @@
+// gemv.cu — one-token (batch-1 decode) products as GEMVs whose work is cut evenly over every warp of a grid
+// of one wave, bf16 in, fp32 accumulate:
+//
+//   moe_gemv_gate_up (MOE = 1): the gate/up projection of a one-token MoE step (spec §5.1), same math and
+//     rounding as moe_gemm_tc.cu's FUSE_SILU = 1:
+//       h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) ),   g = x · W[e, f]ᵀ,  u = x · W[e, INTER + f]ᵀ
+//     for the rows r of the plan's tiles (moe_align.cu, any BT): at one token every pair has its own expert
+//     (the top-k ids are distinct, the shared slot is bin E), so tile t is the single row tile_row[t] of
+//     expert e = tile_expert[t].  x [1, KW], W = w13 [E, 2·INTER, KW] (gate rows first), h [N, INTER] bf16.
+//     A unit of work is one feature: its gate and up rows.
+//   gemv_dense (MOE = 0): y[n] = x · W[n]ᵀ for n < N, x [1, KW], W [N, KW], y [N] bf16 or fp32 (OUT_F32).
+//     A unit of work is two rows (2v, 2v + 1; the last alone when N is odd).
+//
+// Why: the tiled kernels cut a one-token product into blocks of 64 or more weight rows, a few per SM, so some
+// SMs stream one block's bytes more than the rest: at batch 1 the MoE gate/up ran 288 CTAs of 64 rows (9
+// experts x 32 feature blocks), 2.18 per SM; tests/gpu/probe_stream.py (H200, 2026-12-01) streamed those 85 MB
+// in that grid's order at 3.37 TB/s and spread evenly over 396 CTAs at 3.77 TB/s (a plain copy: 4.06).  Here
+// warp w of the W warps in the grid takes units [w U / W, (w + 1) U / W), so every SM streams the same bytes
+// within one unit.  Lane l holds the 16-byte pieces l, l + 32, .. of both rows of its unit (KW / 256 loads of
+// each in flight per lane), multiplies them by the matching pieces of x (staged once per CTA in shared memory,
+// read from there at each unit), and the warp sums by shuffles; with PIPE = 1 the next unit's rows are loaded
+// before the current one is reduced (~167 registers a thread against ~102).  Weight loads skip L1 (each byte
+// is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait.
+//
+// Compile-time constants: MOE (0 / 1), KW (the reduction width, a multiple of 8), WARPS (warps per CTA),
+// PIPE (0 / 1); MOE = 1: INTER; MOE = 0: OUT_F32 (0 / 1).
+#include "common.cuh"
+
+#if !defined(MOE) || !defined(KW) || !defined(WARPS) || !defined(PIPE)
+#error "gemv.cu needs -DMOE -DKW -DWARPS -DPIPE"
+#endif
+#if MOE && !defined(INTER)
+#error "gemv.cu with MOE = 1 needs -DINTER"
+#endif
+#if !MOE && !defined(OUT_F32)
+#error "gemv.cu with MOE = 0 needs -DOUT_F32"
+#endif
+#if KW % 8
+#error "gemv.cu: KW must be a multiple of 8 (16-byte pieces)"
+#endif
+#define PIECES (KW / 8)                  // 16-byte pieces of one weight row
+#define PER_LANE ((PIECES + 31) / 32)    // pieces of one row per lane
+
+__device__ __forceinline__ uint4 ld_once(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Σ over the 8 bf16 pairs of two 16-byte pieces, into acc (fp32 FMA in element order)
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+    const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 a = bf16x2_to_float2(wv[i]), b = bf16x2_to_float2(xv[i]);
+        acc = fmaf(a.x, b.x, acc);
+        acc = fmaf(a.y, b.y, acc);
+    }
+    return acc;
+}
+
+// the lane's pieces of a unit's two weight rows
+struct Rows {
+    uint4 a[PER_LANE], b[PER_LANE];
+};
+
+__device__ __forceinline__ void load_rows(Rows& r, const bf16* ra, const bf16* rb, int lane) {
+    const uint4 *a = reinterpret_cast<const uint4*>(ra), *b = reinterpret_cast<const uint4*>(rb);
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        const int p = lane + 32 * j;
+        r.a[j] = p < PIECES ? ld_once(a + p) : make_uint4(0, 0, 0, 0);
+        r.b[j] = p < PIECES ? ld_once(b + p) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// both rows' products with x (shared memory), summed over the warp (every lane gets them)
+__device__ __forceinline__ float2 reduce_rows(const Rows& r, const uint4* xs, int lane) {
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        if (lane + 32 * j >= PIECES) continue;  // (its rows are zeros)
+        const uint4 xv = xs[lane + 32 * j];     // 16 bytes a lane, consecutive: no bank conflicts
+        sa = dot8(r.a[j], xv, sa);
+        sb = dot8(r.b[j], xv, sb);
+    }
+    return make_float2(warp_sum(sa), warp_sum(sb));
+}
+
+// x [KW] bf16 into shared memory (every thread of the CTA takes part)
+__device__ __forceinline__ void stage_x(uint4* xs, const bf16* __restrict__ x) {
+    for (int p = threadIdx.x; p < PIECES; p += 32 * WARPS) xs[p] = reinterpret_cast<const uint4*>(x)[p];
+    __syncthreads();
+}
+
+// The units [u0, u1) of this warp over `units`
+__device__ __forceinline__ int2 warp_units(long long units) {
+    const long long warps = (long long)gridDim.x * WARPS, warp = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
+}
+
+#if MOE
+struct Unit {  // feature f of tile t: expert e, output row `row`
+    int t, e, row;
+};
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const int* __restrict__ tile_expert,
+                 const int* __restrict__ tile_row, const int* __restrict__ num_tiles, bf16* __restrict__ h) {
+    KDA_PDL_ENTRY();
+    __shared__ uint4 xs[PIECES];
+    const int lane = threadIdx.x & 31;
+    const int2 range = warp_units((long long)__ldcg(num_tiles) * INTER);
+    auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows, the tile's plan entries when it changes
+        const int t = u / INTER;
+        if (t != c.t) c.t = t, c.e = __ldcg(tile_expert + t), c.row = __ldcg(tile_row + t);
+        const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
+        load_rows(r, g, g + (size_t)INTER * KW, lane);
+    };
+    Rows cur;
+    Unit c{-1, 0, 0};
+    if (range.x < range.y) rows(cur, c, range.x);  // in flight while x lands in shared memory
+    stage_x(xs, x);
+    for (int u = range.x; u < range.y; ++u) {
+        const Unit here = c;
+#if PIPE
+        Rows next;
+        if (u + 1 < range.y) rows(next, c, u + 1);
+#endif
+        const float2 s = reduce_rows(cur, xs, lane);
+        if (lane == 0)
+            h[(size_t)here.row * INTER + (u - here.t * INTER)] =
+                to_bf16(round_bf16(silu(round_bf16(s.x))) * round_bf16(s.y));
+#if PIPE
+        cur = next;
+#else
+        if (u + 1 < range.y) rows(cur, c, u + 1);
+#endif
+    }
+}
+#else
+#if OUT_F32
+typedef float out_t;
+__device__ __forceinline__ out_t to_out(float v) { return v; }
+#else
+typedef bf16 out_t;
+__device__ __forceinline__ out_t to_out(float v) { return to_bf16(v); }
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, out_t* __restrict__ y) {
+    KDA_PDL_ENTRY();
+    __shared__ uint4 xs[PIECES];
+    const int lane = threadIdx.x & 31;
+    const int2 range = warp_units((n + 1) / 2);
+    auto rows = [&](Rows& r, int u) {  // rows 2u and 2u + 1 (2u again past the end)
+        const bf16* a = w + (size_t)(2 * u) * KW;
+        load_rows(r, a, 2 * u + 1 < n ? a + KW : a, lane);
+    };
+    Rows cur;
+    if (range.x < range.y) rows(cur, range.x);
+    stage_x(xs, x);
+    for (int u = range.x; u < range.y; ++u) {
+#if PIPE
+        Rows next;
+        if (u + 1 < range.y) rows(next, u + 1);
+#endif
+        const float2 s = reduce_rows(cur, xs, lane);
+        if (lane == 0) y[2 * u] = to_out(s.x);
+        if (lane == 1 && 2 * u + 1 < n) y[2 * u + 1] = to_out(s.y);
+#if PIPE
+        cur = next;
+#else
+        if (u + 1 < range.y) rows(cur, u + 1);
+#endif
+    }
+}
+#endif
