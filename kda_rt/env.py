@@ -99,17 +99,9 @@ def fused_moe() -> bool:
 
 def moe_gemv() -> bool:
     """KDA_RT_MOE_GEMV: 0 runs a one-token step's MoE gate/up projection on the tiled grouped GEMM
-    (moe_gemm_tc.cu) instead of the GEMV spread evenly over the SMs (moe_gemv_gate_up in gemv.cu); default 1.
+    (moe_gemm_tc.cu) instead of the GEMV spread evenly over the SMs (kernels_cu/moe_gemv.cu); default 1.
     Read at each MoE call (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_MOE_GEMV")
-
-
-def gemv() -> bool:
-    """KDA_RT_GEMV: 0 sends the wide dense projections of a one-row step (more than 4096 outputs: q|k|v,
-    the MLA q|kv_a, the dense MLP's gate|up, the lm_head) to cuBLAS instead of the GEMV spread evenly over
-    the SMs (gemv_dense in kernels_cu/gemv.cu); default 1.  Read at each call (a CUDA graph keeps what it
-    captured)."""
-    return _on_off("KDA_RT_GEMV")
 
 
 def fused_route() -> bool:

@@ -1,6 +1,5 @@
 """Dense GEMM through cuBLAS: y = x · Wᵀ (row-major), bf16 in, fp32 accumulate, bf16 or fp32 out
-(calls of up to 8 rows and 4096 outputs go to our weight-streaming kernel instead: ops/skinny_gemm.py; wider
-calls of one row to our GEMV: ops/gemv.py).
+(calls of up to 8 rows and 4096 outputs go to our weight-streaming kernel instead: ops/skinny_gemm.py).
 
 We call cuBLAS through ctypes with our own handle instead of CuPy's wrappers because CuPy's
 refuse to run during CUDA-graph capture.  The handle gets a fixed workspace (so cuBLAS never
@@ -18,8 +17,8 @@ import threading
 import numpy as np
 
 from kda_rt import env
-from kda_rt.cuda.ops import gemv, trace
 from kda_rt.cuda.ops import skinny_gemm as skinny
+from kda_rt.cuda.ops import trace
 from kda_rt.cuda.ops.check import BF16, expect, leading_dim
 
 __all__ = ["linear", "bmm", "CublasError"]
@@ -119,8 +118,6 @@ def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
         return out
     if env.skinny() and skinny.fits(x, weight, out, accumulate):  # decode-sized: our weight-streaming kernel
         return skinny.skinny_gemm(x, weight, out)
-    if gemv.dense_fits(x, weight, out, accumulate):  # one row, wide: rows spread evenly over the SMs
-        return gemv.gemv(x, weight, out=out)
     h = _handle()
     h.bind(cupy.cuda.get_current_stream().ptr)
     trace.record("cublasGemmEx")

@@ -29,9 +29,6 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.gemv import moe_fits as gemv_fits
-from kda_rt.cuda.ops.gemv import moe_gemv_gate_up
-from kda_rt.cuda.ops.gemv import moe_kernel as gemv_kernel
 from kda_rt.cuda.ops.moe_align import (
     MoEPlan,
     NormAfter,
@@ -56,6 +53,8 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
+from kda_rt.cuda.ops.moe_gemv import fits as gemv_fits
+from kda_rt.cuda.ops.moe_gemv import gemv_kernel, moe_gemv_gate_up
 from kda_rt.cuda.ops.moe_route import (
     FUSED_MAX_T,
     SPLIT_MIN_T,

@@ -171,9 +171,9 @@ def bench_gemv(configs, rounds: int = 8, pairs: int = 9):
     from helpers.gpu import graph_us, rand_bf16, rms_rel, to_np
     from kda_rt.cuda.ops import pdl
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.gemv import GemvConfig, moe_gemv_gate_up
     from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
     from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc, tile_config
+    from kda_rt.cuda.ops.moe_gemv import GemvConfig, moe_gemv_gate_up
 
     rng = cupy.random.default_rng(1)
     w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)

@@ -8,9 +8,7 @@ One JSON line per (shape, M).  --splits: for 9-32 rows also skinny_gemm_cl at ev
 divides K (features per CTA as wide_plan picks them), "split_S_us" per split.  --small-splits: for 1-8 rows
 also skinny_gemm_cl with one n-tile of 8 rows at every (FPC, SPLITS) that fits, "cl_FPCxS_us" (shapes of up
 to MAX_N outputs; a measurement for the 8-row kernel's alternative: its 144 CTAs of o_proj on 132 SMs leave
-12 SMs with two).  --only: shapes whose name contains the text.  At one row the wide shapes also time
-kernels_cu/gemv.cu's gemv_dense ("gemv_us", the launcher's config) and each configuration of --gemv-configs
-("gemv_W_B_P_us": warps, CTAs per SM, pipelined); "skinny" / "cublas" then run with KDA_RT_GEMV=0.
+12 SMs with two).  --only: shapes whose name contains the text.
 """
 
 from __future__ import annotations
@@ -43,15 +41,12 @@ def main() -> int:
     ap.add_argument("--small-splits", action="store_true",
                     help="rows <= 8: also skinny_gemm_cl with one n-tile at every (FPC, SPLITS) that fits")
     ap.add_argument("--only", default="", help="shapes whose name contains this text")
-    ap.add_argument("--gemv-configs", default="8,2,0;8,1,0;16,1,0",
-                    help="';'-separated GemvConfig fields (warps, CTAs per SM, pipelined) timed at one row")
     args = ap.parse_args()
 
     import cupy
 
     from helpers.gpu import graph_us
     from kda_rt.cuda.gemm import linear
-    from kda_rt.cuda.ops import gemv as gv
     from kda_rt.cuda.ops import skinny_gemm as sk
     from kda_rt.cuda.ops.check import BF16
 
@@ -66,7 +61,6 @@ def main() -> int:
             x = rng.standard_normal((M, K), dtype=np.float32).astype(BF16)
             out = cupy.empty((M, N), dtype=BF16)
             row = {"shape": name, "M": M, "K": K, "N": N, "MB": round(nbytes / 1e6, 2), "copies": copies}
-            os.environ["KDA_RT_GEMV"] = "0"
             for flag in ("1", "0"):
                 os.environ["KDA_RT_SKINNY"] = flag
 
@@ -79,19 +73,6 @@ def main() -> int:
                 key = "skinny" if flag == "1" else "cublas"
                 row[f"{key}_us"] = round(us, 2)
                 row[f"{key}_tb_s"] = round(nbytes / us / 1e6, 2)
-            os.environ.pop("KDA_RT_GEMV", None)
-            if M == 1 and gv.dense_fits(x, ws[0], out, False):
-                for cfg in [gv.DEFAULT, *(gv.GemvConfig(*(int(v) for v in c.split(","))) for c in args.gemv_configs.split(";") if c)]:
-
-                    def dense(stream, x=x, out=out, ws=ws, cfg=cfg):
-                        for w in ws:
-                            gv.gemv(x, w, out=out, cfg=cfg, stream=stream)
-
-                    us = graph_us(dense, calls=4) / copies
-                    key = "gemv" if cfg is gv.DEFAULT else "gemv_" + "_".join(str(int(v)) for v in cfg)
-                    row[f"{key}_us"] = round(us, 2)
-                    if cfg is gv.DEFAULT:
-                        row["gemv_tb_s"] = round(nbytes / us / 1e6, 2)
             plan = sk.wide_plan(M, N, K)
             if args.splits and plan:
                 row["plan"] = plan
@@ -123,7 +104,6 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         del ws
     os.environ.pop("KDA_RT_SKINNY", None)
-    os.environ.pop("KDA_RT_GEMV", None)
     return 0
 
 

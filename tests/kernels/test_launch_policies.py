@@ -112,9 +112,9 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     import kda_rt.cuda.moe as moe
-    import kda_rt.cuda.ops.gemv as gemv
     import kda_rt.cuda.ops.moe_align as align
     import kda_rt.cuda.ops.moe_gemm_tc as tc
+    import kda_rt.cuda.ops.moe_gemv as gemv
     import kda_rt.cuda.ops.moe_route as route
 
     built = []
@@ -123,7 +123,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     assert moe.precompile(cfg, 2304, 1024, fused=True) == 18
-    assert [(kw["MOE"], kw["KW"], kw["INTER"]) for f, kw in built if f == "gemv.cu"] == [(1, 2304, 1024)]
+    assert [(kw["KW"], kw["INTER"]) for f, kw in built if f == "moe_gemv.cu"] == [(2304, 1024)]
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"]) for f, kw in built if f == "moe_route.cu")
     assert routes == [(tpb, 16, 1, 256, 2304) for tpb in (1, 2, 4, 8)]
     assert {route._fused_tpb(t) for t in range(1, route.FUSED_MAX_T + 1)} == {1, 2, 4, 8}

@@ -1,15 +1,12 @@
-// gemv.cu — one-token (batch-1 decode) products as GEMVs whose work is cut evenly over every warp of a grid
-// of one wave, bf16 in, fp32 accumulate:
+// moe_gemv.cu — the gate/up projection of a one-token MoE step (batch-1 decode) as a GEMV whose work is cut
+// evenly over every warp of a grid of one wave, bf16 in, fp32 accumulate:
 //
-//   moe_gemv_gate_up (MOE = 1): the gate/up projection of a one-token MoE step (spec §5.1), same math and
-//     rounding as moe_gemm_tc.cu's FUSE_SILU = 1:
+//   moe_gemv_gate_up: same math and rounding as moe_gemm_tc.cu's FUSE_SILU = 1 (spec §5.1):
 //       h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) ),   g = x · W[e, f]ᵀ,  u = x · W[e, INTER + f]ᵀ
 //     for the rows r of the plan's tiles (moe_align.cu, any BT): at one token every pair has its own expert
 //     (the top-k ids are distinct, the shared slot is bin E), so tile t is the single row tile_row[t] of
 //     expert e = tile_expert[t].  x [1, KW], W = w13 [E, 2·INTER, KW] (gate rows first), h [N, INTER] bf16.
 //     A unit of work is one feature: its gate and up rows.
-//   gemv_dense (MOE = 0): y[n] = x · W[n]ᵀ for n < N, x [1, KW], W [N, KW], y [N] bf16 or fp32 (OUT_F32).
-//     A unit of work is two rows (2v, 2v + 1; the last alone when N is odd).
 //
 // Why: the tiled kernels cut a one-token product into blocks of 64 or more weight rows, a few per SM, so some
 // SMs stream one block's bytes more than the rest: at batch 1 the MoE gate/up ran 288 CTAs of 64 rows (9
@@ -22,21 +19,18 @@
 // before the current one is reduced (~167 registers a thread against ~102).  Weight loads skip L1 (each byte
 // is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait.
 //
-// Compile-time constants: MOE (0 / 1), KW (the reduction width, a multiple of 8), WARPS (warps per CTA),
-// PIPE (0 / 1); MOE = 1: INTER; MOE = 0: OUT_F32 (0 / 1).
+// The same scheme for dense one-row projections (a unit of two rows) lost to cuBLAS, which already spreads them
+// evenly (H200, 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's gemv_dense in gemv.cu: q|k|v 17.3 against
+// 16.2 us, q|kv_a 11.9 / 10.9, dense gate|up 24.2 / 23.9, lm_head 182.8 / 170.5): it was withdrawn.
+//
+// Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1).
 #include "common.cuh"
 
-#if !defined(MOE) || !defined(KW) || !defined(WARPS) || !defined(PIPE)
-#error "gemv.cu needs -DMOE -DKW -DWARPS -DPIPE"
-#endif
-#if MOE && !defined(INTER)
-#error "gemv.cu with MOE = 1 needs -DINTER"
-#endif
-#if !MOE && !defined(OUT_F32)
-#error "gemv.cu with MOE = 0 needs -DOUT_F32"
+#if !defined(KW) || !defined(INTER) || !defined(WARPS) || !defined(PIPE)
+#error "moe_gemv.cu needs -DKW -DINTER -DWARPS -DPIPE"
 #endif
 #if KW % 8
-#error "gemv.cu: KW must be a multiple of 8 (16-byte pieces)"
+#error "moe_gemv.cu: KW must be a multiple of 8 (16-byte pieces)"
 #endif
 #define PIECES (KW / 8)                  // 16-byte pieces of one weight row
 #define PER_LANE ((PIECES + 31) / 32)    // pieces of one row per lane
@@ -100,7 +94,6 @@ __device__ __forceinline__ int2 warp_units(long long units) {
     return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
 }
 
-#if MOE
 struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
 };
@@ -139,41 +132,3 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
     }
 }
-#else
-#if OUT_F32
-typedef float out_t;
-__device__ __forceinline__ out_t to_out(float v) { return v; }
-#else
-typedef bf16 out_t;
-__device__ __forceinline__ out_t to_out(float v) { return to_bf16(v); }
-#endif
-
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, out_t* __restrict__ y) {
-    KDA_PDL_ENTRY();
-    __shared__ uint4 xs[PIECES];
-    const int lane = threadIdx.x & 31;
-    const int2 range = warp_units((n + 1) / 2);
-    auto rows = [&](Rows& r, int u) {  // rows 2u and 2u + 1 (2u again past the end)
-        const bf16* a = w + (size_t)(2 * u) * KW;
-        load_rows(r, a, 2 * u + 1 < n ? a + KW : a, lane);
-    };
-    Rows cur;
-    if (range.x < range.y) rows(cur, range.x);
-    stage_x(xs, x);
-    for (int u = range.x; u < range.y; ++u) {
-#if PIPE
-        Rows next;
-        if (u + 1 < range.y) rows(next, u + 1);
-#endif
-        const float2 s = reduce_rows(cur, xs, lane);
-        if (lane == 0) y[2 * u] = to_out(s.x);
-        if (lane == 1 && 2 * u + 1 < n) y[2 * u + 1] = to_out(s.y);
-#if PIPE
-        cur = next;
-#else
-        if (u + 1 < range.y) rows(cur, u + 1);
-#endif
-    }
-}
-#endif

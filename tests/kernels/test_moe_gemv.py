@@ -1,0 +1,78 @@
+"""kernels_cu/moe_gemv.cu (a one-token step's MoE gate/up as a GEMV spread over every warp) against NumPy
+float64 on fresh random bf16 inputs, over the plan moe_bucket builds for one token:
+
+    h[r] = bf16( bf16(SiLU(bf16(x · W1_eᵀ))) · bf16(x · W3_eᵀ) )      [N, I] bf16, e the expert of row r
+
+Tolerances as test_moe_gemm_tc.py's gate/up (the reference rounds where the kernel rounds; an fp32-vs-float64
+difference can flip one of the four bf16 roundings): RMS ≤ 1e-3 and |out - ref| ≤ 3e-2 · |ref| + 1e-3 · RMS(ref).
+Every output row is poisoned with NaN first, so a row left unwritten fails.  The launch configurations cover
+the default (pipelined), the unpipelined variant, and grids with more warps than features (warps with no
+work), and hidden widths that are not a multiple of 256 (lanes with no piece)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from kernels.test_moe_gemm_tc import check, make_ids, make_plan, reference_rows
+
+from helpers.gpu import bf16_round, poison, rand_bf16, to_np
+
+pytestmark = pytest.mark.gpu
+
+CASES = {  # name: (D, I, E, A)
+    "D2304-I1024-E12-A9": (2304, 1024, 12, 9),  # the 48B shape's widths, 8 routed + the shared slot
+    "D256-I128-E8-A2": (256, 128, 8, 2),
+    "D72-I40-E5-A3": (72, 40, 5, 3),  # 9 pieces a row: lanes 9..31 hold none
+    "D2312-I24-E4-A1": (2312, 24, 4, 1),  # 289 pieces: one lane holds a tenth; 24 features for 132 x 16 warps
+}
+CONFIGS = {"default": {}, "w8-b2": {"pipe": False, "blocks_per_sm": 2}, "w4-b3": {"warps": 4, "blocks_per_sm": 3},
+           "w16-b4": {"warps": 16, "blocks_per_sm": 4, "pipe": False}}  # w16-b4: more CTAs than fit, one wave
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_gemv_gate_up(name, config):
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import DEFAULT, moe_gemv_gate_up
+
+    D, inter, E, A = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(f"{name}/{config}".encode()))
+    crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+    x_np = bf16_round(rng.normal(size=(1, D)))
+    w13, w2 = rand_bf16(crng, (E, 2 * inter, D), 1 / np.sqrt(D)), rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
+    ids = make_ids(1, E, A, False, rng)
+    for bm in (8, 16):  # the plan's tile rows do not matter at one token (one row a tile)
+        plan = make_plan(ids, E, bm)
+        h = cupy.empty((A, inter), dtype=BF16)
+        poison(h)
+        moe_gemv_gate_up(to_gpu_bf16(x_np), w13, plan, out=h, cfg=DEFAULT._replace(**CONFIGS[config]))
+        h_np = to_np(h)
+        assert np.all(np.isfinite(h_np)), f"{name}/{config}: rows left unwritten (NaN)"
+        off, sp = cupy.asnumpy(plan.expert_off), cupy.asnumpy(plan.sorted_pair)
+        for e in np.unique(ids):
+            rows, h_ref, _ = reference_rows(int(e), (off, sp), x_np, w13, w2, h_np, A)
+            check(h_np[rows], h_ref, f"{name}/{config} bm{bm} h expert {e}", rms_tol=1e-3, rtol=3e-2, atol_rms=1e-3)
+
+
+def test_moe_gemv_rejects_bad_inputs():
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import moe_gemv_gate_up
+
+    E, D, inter, A = 4, 256, 64, 2
+    plan = make_plan(np.array([[0, 2]], np.int32), E, 16)
+    w13 = cupy.zeros((E, 2 * inter, D), dtype=BF16)
+    h = cupy.empty((A, inter), dtype=BF16)
+    with pytest.raises(ValueError, match="x must have shape"):
+        moe_gemv_gate_up(cupy.zeros((2, D), dtype=BF16), w13, plan, out=h)
+    with pytest.raises(ValueError, match="out must have shape"):
+        moe_gemv_gate_up(cupy.zeros((1, D), dtype=BF16), w13, plan, out=cupy.empty((A, inter + 1), dtype=BF16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        moe_gemv_gate_up(cupy.zeros((1, 12), dtype=BF16), cupy.zeros((E, 2 * inter, 12), dtype=BF16), plan, out=h)
+
