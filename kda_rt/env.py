@@ -104,13 +104,6 @@ def moe_gemv() -> bool:
     return _on_off("KDA_RT_MOE_GEMV")
 
 
-def moe_gemv_prefetch() -> bool:
-    """KDA_RT_MOE_GEMV_PREFETCH: 0 stops the one-token MoE gate/up GEMV from prefetching the shared expert's
-    rows into L2 while the routing kernel before it runs (under programmatic dependent launch: decode graphs);
-    default 1.  Read at each MoE call (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MOE_GEMV_PREFETCH")
-
-
 def fused_route() -> bool:
     """KDA_RT_FUSED_ROUTE: 0 routes a decode step's tokens with three kernels (router logits, select,
     moe_bucket) instead of one (moe_route_fused in kernels_cu/moe_route.cu); default 1.  Read at each MoE

@@ -13,13 +13,11 @@
 // experts x 32 feature blocks), 2.18 per SM; tests/gpu/probe_stream.py (H200, 2026-12-01) streamed those 85 MB
 // in that grid's order at 3.37 TB/s and spread evenly over 396 CTAs at 3.77 TB/s (a plain copy: 4.06).  Here
 // warp w of the W warps in the grid takes units [w U / W, (w + 1) U / W), so every SM streams the same bytes
-// within one unit; unit u is feature u / N of tile u % N (N tiles), so each warp's units cover every routed
-// expert alike (the shared expert's rows, prefetched into L2 below, are not all on a few SMs).  Lane l holds the 16-byte pieces l, l + 32, .. of both rows of its unit (KW / 256 loads of
+// within one unit.  Lane l holds the 16-byte pieces l, l + 32, .. of both rows of its unit (KW / 256 loads of
 // each in flight per lane), multiplies them by the matching pieces of x (staged once per CTA in shared memory,
 // read from there at each unit), and the warp sums by shuffles; with PIPE = 1 the next unit's rows are loaded
 // before the current one is reduced (~167 registers a thread against ~102).  Weight loads skip L1 (each byte
-// is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait;
-// the plan's tile table is staged in shared memory with x.
+// is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait.
 //
 // The same scheme for dense one-row projections (a unit of two rows) lost to cuBLAS, which already spreads them
 // evenly (H200, 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's gemv_dense in gemv.cu: q|k|v 17.3 against
@@ -35,7 +33,6 @@
 #error "moe_gemv.cu: KW must be a multiple of 8 (16-byte pieces)"
 #endif
 #define PIECES (KW / 8)                  // 16-byte pieces of one weight row
-#define MAX_TILES 64                     // routed rows of the token (the launcher checks)
 #define PER_LANE ((PIECES + 31) / 32)    // pieces of one row per lane
 
 __device__ __forceinline__ uint4 ld_once(const uint4* p) {
@@ -97,54 +94,41 @@ __device__ __forceinline__ int2 warp_units(long long units) {
     return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
 }
 
-// The shared expert's gate/up rows (bin shared_e of w13: weights, which no kernel writes) into L2 before the
-// programmatic-launch wait, in 16 KB bulk prefetches spread over the CTAs (one per CTA and round); nothing when
-// shared_e < 0.  At batch 1 this kernel's CTAs start while the routing kernel runs (it lets its dependents go at
-// once), so the shared expert's 1/9 of the bytes stream while the routing's few blocks leave HBM idle.
-__device__ __forceinline__ void prefetch_rows_l2(const bf16* __restrict__ w13, int shared_e) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const size_t bytes = (size_t)2 * INTER * KW * 2, piece = 16384, pieces = (bytes + piece - 1) / piece;
-    if (shared_e < 0) return;
-    const char* base = reinterpret_cast<const char*>(w13 + (size_t)shared_e * 2 * INTER * KW);
-    for (size_t i = (size_t)threadIdx.x * gridDim.x + blockIdx.x; i < pieces; i += (size_t)gridDim.x * blockDim.x) {
-        const unsigned n = (unsigned)min(piece, bytes - i * piece);  // a multiple of 16: KW is of 8
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + i * piece), "r"(n) : "memory");
-    }
-#endif
-}
+struct Unit {  // feature f of tile t: expert e, output row `row`
+    int t, e, row;
+};
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const int* __restrict__ tile_expert,
-                 const int* __restrict__ tile_row, const int* __restrict__ num_tiles, bf16* __restrict__ h,
-                 int shared_e) {
-    prefetch_rows_l2(w13, shared_e);
-    KDA_PDL_WAIT();
-    KDA_PDL_ENTRY_DEFERRED();  // the next launch goes only now: the down GEMM reads the plan before its own wait
+                 const int* __restrict__ tile_row, const int* __restrict__ num_tiles, bf16* __restrict__ h) {
+    KDA_PDL_ENTRY();
     __shared__ uint4 xs[PIECES];
-    __shared__ int tab_e[MAX_TILES], tab_row[MAX_TILES];
     const int lane = threadIdx.x & 31;
-    const int tiles = min(__ldcg(num_tiles), MAX_TILES);
-    const int2 range = warp_units((long long)tiles * INTER);
-    auto rows = [&](Rows& r, int e, int u) {  // unit u = feature u / tiles of tile u % tiles (expert e)
-        const bf16* g = w13 + ((size_t)e * 2 * INTER + u / tiles) * KW;
+    const int2 range = warp_units((long long)__ldcg(num_tiles) * INTER);
+    auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows, the tile's plan entries when it changes
+        const int t = u / INTER;
+        if (t != c.t) c.t = t, c.e = __ldcg(tile_expert + t), c.row = __ldcg(tile_row + t);
+        const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
         load_rows(r, g, g + (size_t)INTER * KW, lane);
     };
     Rows cur;
-    if (range.x < range.y) rows(cur, __ldcg(tile_expert + range.x % tiles), range.x);  // in flight during staging
-    for (int t = threadIdx.x; t < tiles; t += 32 * WARPS) tab_e[t] = __ldcg(tile_expert + t), tab_row[t] = __ldcg(tile_row + t);
-    stage_x(xs, x);  // (and the barrier after the tables)
+    Unit c{-1, 0, 0};
+    if (range.x < range.y) rows(cur, c, range.x);  // in flight while x lands in shared memory
+    stage_x(xs, x);
     for (int u = range.x; u < range.y; ++u) {
+        const Unit here = c;
 #if PIPE
         Rows next;
-        if (u + 1 < range.y) rows(next, tab_e[(u + 1) % tiles], u + 1);
+        if (u + 1 < range.y) rows(next, c, u + 1);
 #endif
         const float2 s = reduce_rows(cur, xs, lane);
         if (lane == 0)
-            h[(size_t)tab_row[u % tiles] * INTER + u / tiles] = to_bf16(round_bf16(silu(round_bf16(s.x))) * round_bf16(s.y));
+            h[(size_t)here.row * INTER + (u - here.t * INTER)] =
+                to_bf16(round_bf16(silu(round_bf16(s.x))) * round_bf16(s.y));
 #if PIPE
         cur = next;
 #else
-        if (u + 1 < range.y) rows(cur, tab_e[(u + 1) % tiles], u + 1);
+        if (u + 1 < range.y) rows(cur, c, u + 1);
 #endif
     }
 }

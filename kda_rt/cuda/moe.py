@@ -137,7 +137,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if tile := fused_decode_tile(tokens, D, inter):
                     fused_kernel(tile, D, inter, pairs)
                     count += 1
-            if gemv_fits(1, D, pairs):  # a one-token step's gate/up
+            if gemv_fits(1, D):  # a one-token step's gate/up
                 gemv_kernel(D, inter)
                 count += 1
             for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
@@ -220,9 +220,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
                              stream=stream)
         else:
-            if gemv_fits(T, D, pairs):  # one token: its routed rows spread evenly over the SMs
-                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream,
-                                 prefetch_expert=E if fused and env.moe_gemv_prefetch() else -1)
+            if gemv_fits(T, D):  # one token: its routed rows spread evenly over the SMs
+                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
             gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)

@@ -29,8 +29,6 @@ CASES = {  # name: (D, I, E, A)
 }
 CONFIGS = {"default": {}, "w8-b2": {"pipe": False, "blocks_per_sm": 2}, "w4-b3": {"warps": 4, "blocks_per_sm": 3},
            "w16-b4": {"warps": 16, "blocks_per_sm": 4, "pipe": False}}  # w16-b4: more CTAs than fit, one wave
-# prefetch_expert: none, the last routed expert (as the shared expert of the stacks), an expert not routed
-PREFETCH = {"default": "none", "w8-b2": "routed", "w4-b3": "other", "w16-b4": "routed"}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -48,14 +46,11 @@ def test_moe_gemv_gate_up(name, config):
     x_np = bf16_round(rng.normal(size=(1, D)))
     w13, w2 = rand_bf16(crng, (E, 2 * inter, D), 1 / np.sqrt(D)), rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
     ids = make_ids(1, E, A, False, rng)
-    unrouted = sorted(set(range(E)) - set(ids[0].tolist()))
-    prefetch = {"none": -1, "routed": int(ids.max()), "other": unrouted[0] if unrouted else 0}[PREFETCH[config]]
     for bm in (8, 16):  # the plan's tile rows do not matter at one token (one row a tile)
         plan = make_plan(ids, E, bm)
         h = cupy.empty((A, inter), dtype=BF16)
         poison(h)
-        moe_gemv_gate_up(to_gpu_bf16(x_np), w13, plan, out=h, prefetch_expert=prefetch,
-                         cfg=DEFAULT._replace(**CONFIGS[config]))
+        moe_gemv_gate_up(to_gpu_bf16(x_np), w13, plan, out=h, cfg=DEFAULT._replace(**CONFIGS[config]))
         h_np = to_np(h)
         assert np.all(np.isfinite(h_np)), f"{name}/{config}: rows left unwritten (NaN)"
         off, sp = cupy.asnumpy(plan.expert_off), cupy.asnumpy(plan.sorted_pair)
@@ -78,8 +73,6 @@ def test_moe_gemv_rejects_bad_inputs():
         moe_gemv_gate_up(cupy.zeros((2, D), dtype=BF16), w13, plan, out=h)
     with pytest.raises(ValueError, match="out must have shape"):
         moe_gemv_gate_up(cupy.zeros((1, D), dtype=BF16), w13, plan, out=cupy.empty((A, inter + 1), dtype=BF16))
-    with pytest.raises(ValueError, match="prefetch_expert 4"):
-        moe_gemv_gate_up(cupy.zeros((1, D), dtype=BF16), w13, plan, out=h, prefetch_expert=E)
     with pytest.raises(ValueError, match="multiple of 8"):
         moe_gemv_gate_up(cupy.zeros((1, 12), dtype=BF16), cupy.zeros((E, 2 * inter, 12), dtype=BF16), plan, out=h)
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan
 
-__all__ = ["DEFAULT", "MAX_K", "MAX_PAIRS", "GemvConfig", "fits", "gemv_kernel", "moe_gemv_gate_up"]
+__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "fits", "gemv_kernel", "moe_gemv_gate_up"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
-MAX_PAIRS = 64  # routed rows of the token (the kernel's MAX_TILES: its plan table in shared memory)
 
 
 class GemvConfig(NamedTuple):
@@ -37,10 +34,9 @@ class GemvConfig(NamedTuple):
 DEFAULT = GemvConfig()
 
 
-def fits(tokens: int, hidden: int, pairs: int) -> bool:
-    """A MoE step of `tokens` tokens with hidden width `hidden` and `pairs` routed rows a token takes
-    moe_gemv_gate_up."""
-    return tokens == 1 and hidden % 8 == 0 and hidden <= MAX_K and pairs <= MAX_PAIRS and env.moe_gemv()
+def fits(tokens: int, hidden: int) -> bool:
+    """A MoE step of `tokens` tokens with hidden width `hidden` takes moe_gemv_gate_up."""
+    return tokens == 1 and hidden % 8 == 0 and hidden <= MAX_K and env.moe_gemv()
 
 
 def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT):
@@ -63,12 +59,9 @@ def _grid(kernel, cfg: GemvConfig) -> int:
     return sm_count(cupy.cuda.Device().id) * min(cfg.blocks_per_sm, _resident[key])
 
 
-def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, prefetch_expert: int = -1, cfg: GemvConfig = DEFAULT,
-                     stream=None):
+def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, stream=None):
     """x [1, D] bf16, w13 [E, 2I, D] bf16 ([gate; up] rows), plan of the token's pairs -> out h [N, I] bf16,
-    row tile_row[t] = SiLU(x · gate_e) · (x · up_e) for e = tile_expert[t], t < num_tiles (one row a tile).
-    prefetch_expert >= 0: that expert's rows (the shared expert of the stacks, routed every step) are prefetched
-    into L2 before the kernel waits for the one before it (programmatic dependent launch)."""
+    row tile_row[t] = SiLU(x · gate_e) · (x · up_e) for e = tile_expert[t], t < num_tiles (one row a tile)."""
     _, D = expect(x, "x", shape=(1, None), dtype=BF16)
     _, two_i, _ = expect(w13, "w13", shape=(None, None, D), dtype=BF16)
     N = plan.sorted_pair.shape[0]
@@ -77,13 +70,9 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, prefetch_expert: int = -1, c
         raise ValueError(f"moe_gemv_gate_up: hidden width {D} must be a multiple of 8 and at most {MAX_K}")
     if two_i % 2 or x.data.ptr % 16 or w13.data.ptr % 16:
         raise ValueError(f"moe_gemv_gate_up: w13 needs an even row count (got {two_i}) and x, w13 16-byte aligned")
-    if N > MAX_PAIRS:
-        raise ValueError(f"moe_gemv_gate_up: {N} routed rows, at most {MAX_PAIRS} (one token's pairs)")
-    if not -1 <= prefetch_expert < w13.shape[0]:
-        raise ValueError(f"moe_gemv_gate_up: prefetch_expert {prefetch_expert} is not -1 or an expert of w13")
     if N == 0:
         return out
     kernel = gemv_kernel(D, two_i // 2, cfg)
-    kernel((_grid(kernel, cfg),), (32 * cfg.warps,), (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out,
-                                                     np.int32(prefetch_expert)), stream=stream)
+    kernel((_grid(kernel, cfg),), (32 * cfg.warps,), (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out),
+           stream=stream)
     return out
