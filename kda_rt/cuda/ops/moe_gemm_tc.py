@@ -164,19 +164,6 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int):
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
 
 
-_resident: dict[tuple[int, int, int], int] = {}
-
-
-def _resident_per_sm(kernel, threads: int, smem: int) -> int:
-    """CTAs of the fused kernel one SM holds at once (its default grid: one CTA per slot, no second wave)."""
-    key = (kernel.ptr, threads, smem)
-    if key not in _resident:
-        from kda_rt.cuda.ops.pdl import max_active_blocks
-
-        _resident[key] = max(1, max_active_blocks(kernel, threads, smem))
-    return _resident[key]
-
-
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
                      ctas: int | None = None, stream=None):
     """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
@@ -203,7 +190,9 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     if not ctas:
         import cupy
 
-        ctas = sm_count(cupy.cuda.Device().id) * _resident_per_sm(kernel, threads, tile.smem_bytes)
+        from kda_rt.cuda.ops.pdl import resident_per_sm
+
+        ctas = sm_count(cupy.cuda.Device().id) * resident_per_sm(kernel, threads, tile.smem_bytes)
     grid = min(items, ctas)
     if N:
         kernel((grid,), (threads,), (

@@ -44,19 +44,13 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT):
     return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe))
 
 
-_resident: dict[tuple[int, int], int] = {}
-
-
 def _grid(kernel, cfg: GemvConfig) -> int:
     """One wave: cfg.blocks_per_sm CTAs per SM, capped at what one SM holds at once."""
     import cupy
 
-    key = (kernel.ptr, cfg.warps)
-    if key not in _resident:
-        from kda_rt.cuda.ops.pdl import max_active_blocks
+    from kda_rt.cuda.ops.pdl import resident_per_sm
 
-        _resident[key] = max(1, max_active_blocks(kernel, 32 * cfg.warps, 0))
-    return sm_count(cupy.cuda.Device().id) * min(cfg.blocks_per_sm, _resident[key])
+    return sm_count(cupy.cuda.Device().id) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * cfg.warps, 0))
 
 
 def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, stream=None):

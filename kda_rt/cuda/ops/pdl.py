@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-__all__ = ["Kernel", "PdlError", "capturing", "launch", "max_active_blocks", "supported"]
+__all__ = ["Kernel", "PdlError", "capturing", "launch", "max_active_blocks", "resident_per_sm", "supported"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,19 @@ def max_active_blocks(function, threads: int, shared_mem: int) -> int:
     if status != 0:
         raise PdlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA driver error {status}")
     return n.value
+
+
+_resident: dict[tuple[int, int, int], int] = {}
+
+
+def resident_per_sm(function, threads: int, shared_mem: int) -> int:
+    """max_active_blocks, at least 1, asked once per (kernel, threads, shared memory): the CTAs per SM of a
+    one-wave grid."""
+    handle = function.ptr if hasattr(function, "ptr") else function.kernel.ptr
+    key = (handle, threads, shared_mem)
+    if key not in _resident:
+        _resident[key] = max(1, max_active_blocks(function, threads, shared_mem))
+    return _resident[key]
 
 
 def supported() -> bool:
