@@ -118,6 +118,14 @@ def fused_kda_projection() -> bool:
     return _on_off("KDA_RT_FUSED_KDA_PROJ")
 
 
+def skinny_staged() -> bool:
+    """KDA_RT_SKINNY_STAGED: 0 keeps the projections of up to 8 rows whose weights fit one CTA per SM in
+    shared memory (o_proj) on the streaming skinny_gemm instead of skinny_gemm_staged, which copies them
+    before the programmatic-launch wait (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call
+    (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_SKINNY_STAGED")
+
+
 def skinny_wide() -> bool:
     """KDA_RT_SKINNY_WIDE: 0 keeps the narrow dense projections of 9 to 32 rows (decode batches) on cuBLAS
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA

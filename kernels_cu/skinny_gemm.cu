@@ -72,7 +72,7 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
     return v;
 }
 
-#ifndef SPLITS
+#if !defined(SPLITS) && !defined(SROWS)
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf16* __restrict__ x, int ldx,
                                                                      const bf16* __restrict__ w, void* __restrict__ out,
                                                                      int ldo, int M, int K) {
@@ -232,6 +232,92 @@ skinny_gemm_cl(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, 
         static_cast<float*>(out)[o] = v;
 #else
         static_cast<bf16*>(out)[o] = to_bf16(v);
+#endif
+    }
+}
+#endif
+
+#ifdef SROWS
+// skinny_gemm_staged (SROWS defined) — the M <= 8 product with the CTA's weight rows copied into shared memory
+// BEFORE the programmatic-launch wait, so that the whole weight stream can run under the kernel before it
+// (a decode layer's o_proj under kda_decode_step or the MLA attention, which leave HBM mostly idle at small
+// batches): after the wait only x (L2) and the products from shared memory remain.
+//   Grid G (about one CTA per SM, the launcher's choice), block WARPS·32.  CTA i owns the output features
+//   [i·N/G, (i + 1)·N/G) (at most SROWS rows of W, 16-row m-tiles, the rows past its range read its last row
+//   and are not stored): every thread issues cp.async copies of 16-byte pieces of those rows into shared
+//   memory (row pitch 2K + 64 bytes: the 8 lanes of a 16-byte load phase, rows g and g + 1 at pieces c, fall
+//   on distinct banks), then waits for the kernel before, loads its token rows, waits for its copies.
+//   Warp w takes the k slice [w·K/WARPS, (w + 1)·K/WARPS) of every m-tile, the same fragments (permuted k
+//   order) and the same chunk order as skinny_gemm, and the partials are summed in warp order: the results
+//   are bit-identical to skinny_gemm's.
+// Compile-time constants: OUT_F32, WARPS, SROWS (weight rows per CTA, at most), SK (K).  Needs the launcher's
+// dynamic shared memory: SROWS·(2·SK + 64) + WARPS·16·SMT·8·4 bytes.
+#define SMT ((SROWS + 15) / 16)       // m-tiles per CTA
+#define SPITCH (2 * SK + 64)          // bytes per staged weight row
+#define SKW (SK / WARPS)              // k per warp
+#define SNCH (SKW / 32)               // 32-wide chunks per warp
+static_assert(SK % (32 * WARPS) == 0 && SROWS >= 1, "skinny_gemm_staged: K a multiple of 32 per warp");
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
+skinny_gemm_staged(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, void* __restrict__ out, int ldo,
+                   int M, int N) {
+    KDA_PDL_ENTRY_DEFERRED();  // the weights are no kernel's output: all of them are copied before the wait
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* part = reinterpret_cast<float*>(smem_raw + SROWS * SPITCH);  // [WARPS][SMT·16][8]
+    const int n0 = (int)((long long)blockIdx.x * N / gridDim.x);
+    const int rows = (int)((long long)(blockIdx.x + 1) * N / gridDim.x) - n0;  // 1 .. SROWS (launcher)
+    constexpr int PIECES = SK / 8;  // 16-byte pieces of a weight row
+    const bf16* wc = w + (size_t)n0 * SK;
+    for (int i = threadIdx.x; i < rows * PIECES; i += WARPS * 32) {
+        const int r = i / PIECES, p = i - r * PIECES;
+        cp_async16(smem_raw + r * SPITCH + 16 * p, wc + (size_t)r * SK + 8 * p, 16);
+    }
+    cp_async_commit();
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int kbeg = warp * SKW;
+    KDA_PDL_WAIT();  // x (and out) only after the kernel before has finished
+    const bool xv = g < M;  // token row g exists (rows past M multiply zeros and are not stored)
+    const bf16* xr = x + (size_t)(xv ? g : 0) * ldx + kbeg + 8 * c;
+    uint4 b[SNCH];
+#pragma unroll
+    for (int u = 0; u < SNCH; ++u) b[u] = xv ? __ldg(reinterpret_cast<const uint4*>(xr + u * 32)) : make_uint4(0u, 0u, 0u, 0u);
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float acc[SMT][4];
+#pragma unroll
+    for (int mt = 0; mt < SMT; ++mt) {
+        acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+        const int r0 = min(mt * 16 + g, rows - 1), r1 = min(mt * 16 + g + 8, rows - 1);
+        const unsigned char* a0p = smem_raw + r0 * SPITCH + 2 * (kbeg + 8 * c);
+        const unsigned char* a1p = smem_raw + r1 * SPITCH + 2 * (kbeg + 8 * c);
+#pragma unroll
+        for (int u = 0; u < SNCH; ++u) {
+            const uint4 A0 = *reinterpret_cast<const uint4*>(a0p + 64 * u);
+            const uint4 A1 = *reinterpret_cast<const uint4*>(a1p + 64 * u);
+            const unsigned s0[4] = {A0.x, A1.x, A0.y, A1.y}, s1[4] = {A0.z, A1.z, A0.w, A1.w};
+            mma_bf16(acc[mt], s0, b[u].x, b[u].y);
+            mma_bf16(acc[mt], s1, b[u].z, b[u].w);
+        }
+    }
+    // acc[mt] = {(feature 16mt + g, token 2c), (.., 2c + 1), (16mt + g + 8, 2c), (.., 2c + 1)}
+    float* pw = part + warp * (SMT * 16 * 8);
+#pragma unroll
+    for (int mt = 0; mt < SMT; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pw[(mt * 16 + g + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] = acc[mt][e];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < M * rows; i += WARPS * 32) {
+        const int tok = i / rows, f = i - tok * rows;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) s += part[(v * SMT * 16 + f) * 8 + tok];  // warp order: deterministic
+#if OUT_F32
+        static_cast<float*>(out)[(size_t)tok * ldo + n0 + f] = s;
+#else
+        static_cast<bf16*>(out)[(size_t)tok * ldo + n0 + f] = to_bf16(s);
 #endif
     }
 }

@@ -46,6 +46,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--trace-dir", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--prefill", default="", help="BxL shapes whose whole prefill is traced, e.g. 4x2048")
+    ap.add_argument("--timeline", default="", help="FROM:COUNT: kernels FROM .. FROM+COUNT-1 of the last replay "
+                    "with start and end (us from the replay's first kernel), e.g. 40:40")
     ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
 
@@ -167,8 +169,17 @@ def main() -> int:
             "gap_us_p90": round(sorted(gaps_all)[int(0.9 * len(gaps_all))], 2) if gaps_all else None,
             "kernels": [{"name": k, "n": round(count[k], 1), "us": round(v, 1), "gap_after_us": round(gap_after[k], 1)}
                         for k, v in per_kernel.most_common(40)],
+            "timeline": _timeline(replays[-1], args.timeline) if args.timeline and replays else [],
         }), flush=True)
     return 0
+
+
+def _timeline(rep: list[dict], spec: str) -> list[list]:
+    """[start, end, name] (us from the replay's first kernel) of kernels FROM .. FROM+COUNT-1: under programmatic
+    launch a kernel's start is when its first CTA ran, before its wait, so overlaps show."""
+    first, n = (int(v) for v in spec.split(":"))
+    t0 = rep[0]["ts"]
+    return [[round(e["ts"] - t0, 2), round(e["ts"] + e["dur"] - t0, 2), _short(e["name"])] for e in rep[first:first + n]]
 
 
 def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: str, profile, activity) -> dict:

@@ -250,13 +250,30 @@ def test_runner_precompiles_the_wide_skinny_variants_of_the_model(monkeypatch):
                                             DeviceLayer(None, kda, None, moe)])
     built = []
     monkeypatch.setattr(sk, "get_kernel", lambda f, n, _built=built, **kw: _built.append((n, kw)))
-    for clusters, want in ((False, 2), (True, 8)):
+    monkeypatch.setattr(sk, "_sms", lambda: 132)
+    for clusters, want in ((False, 2), (True, 11)):
         built.clear()
         monkeypatch.setattr(sk, "clusters_supported", lambda c=clusters: c)
         assert sk.precompile(_decode_projection_shapes(weights)) == want
     wide = sorted((kw["OUT_F32"], kw["FPC"], kw["SPLITS"], kw["KS"], kw["NT"]) for n, kw in built if n == "skinny_gemm_cl")
     assert wide == sorted([(0, 64, 4, 1024, 2), (0, 64, 4, 1024, 4), (0, 32, 6, 384, 2), (0, 32, 6, 384, 4),
                            (1, 64, 6, 384, 2), (1, 64, 6, 384, 4)])
+    staged = sorted((kw["OUT_F32"], kw["SROWS"], kw["SK"]) for n, kw in built if n == "skinny_gemm_staged")
+    assert staged == [(0, 3, 2304), (0, 18, 4096), (1, 6, 2304)]  # f_a|g_a|b, o_proj, the router split
+
+
+def test_staged_skinny_plan_keeps_a_ctas_weight_rows_in_shared_memory():
+    """skinny_gemm_staged: one CTA per SM (fewer for narrow outputs), and only where that CTA's weight rows fit
+    the shared-memory budget beside the kernel before it: o_proj (18 rows of 4096), not the dense down (K = 9216)."""
+    from kda_rt.cuda.ops.skinny_gemm import _STAGED_SMEM_MAX, _staged_smem, staged_plan
+
+    assert staged_plan(2304, 4096, 132) == (132, 18)
+    assert staged_plan(2304, 4096, 148) == (148, 16)  # B200
+    assert staged_plan(16, 256, 132) == (16, 1)
+    assert staged_plan(2304, 9216, 132) is None and staged_plan(4096, 4096, 132) is None
+    assert staged_plan(2304, 4096, 64) is None  # 36 rows a CTA: too many
+    assert staged_plan(288, 100, 132) is None  # K not whole 32-wide chunks per warp
+    assert _staged_smem(18, 4096) <= _STAGED_SMEM_MAX < _staged_smem(32, 4096)
 
 
 def test_decode_projection_shapes_take_the_fused_kda_projection():

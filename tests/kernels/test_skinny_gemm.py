@@ -1,6 +1,7 @@
-"""kernels_cu/skinny_gemm.cu (ops/skinny_gemm.py): y = x · Wᵀ for up to 8 rows (skinny_gemm) and for 9 to 32
-rows on sm_90+ (skinny_gemm_cl: x in shared memory, K split over a thread-block cluster), on fresh random
-inputs against float64 NumPy, every output element checked, outputs poisoned first.
+"""kernels_cu/skinny_gemm.cu (ops/skinny_gemm.py): y = x · Wᵀ for up to 8 rows (skinny_gemm, and on sm_90+
+skinny_gemm_staged where a CTA's weight rows fit in shared memory) and for 9 to 32 rows on sm_90+
+(skinny_gemm_cl: x in shared memory, K split over a thread-block cluster), on fresh random inputs against
+float64 NumPy, every output element checked, outputs poisoned first.
 
 Tolerances.  The inputs are bf16 (exact in fp32); the kernel accumulates in fp32 on the tensor cores in
 its own order, so an element may differ from the float64 sum by a few fp32 roundings of the partial
@@ -45,9 +46,11 @@ def _reference(x, w):
 
 @pytest.mark.parametrize("M, K, N", SHAPES, ids=str)
 @pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
-def test_skinny_gemm_matches_numpy(M, K, N, out_dtype):
+@pytest.mark.parametrize("staged", ["1", "0"])
+def test_skinny_gemm_matches_numpy(M, K, N, out_dtype, staged, monkeypatch):
     import cupy
 
+    monkeypatch.setenv("KDA_RT_SKINNY_STAGED", staged)
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.skinny_gemm import fits, skinny_gemm
 
@@ -93,6 +96,44 @@ def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype):
         assert not bad.any(), f"{int(bad.sum())} of {got.size} elements off, max err {np.nanmax(np.abs(got - ref)):.3e}"
         runs.append(got)
     assert np.array_equal(runs[0], runs[1]), "not deterministic"
+
+
+STAGED_SHAPES = [  # (M, K, N) that skinny_gemm_staged takes on an H200 (132 SMs)
+    (1, 4096, 2304),   # o_proj: 17 or 18 rows a CTA (two m-tiles, the second ragged)
+    (8, 4096, 2304),
+    (4, 2304, 288),    # 2 or 3 rows a CTA
+    (6, 256, 16),      # fewer features than SMs: one row a CTA
+    (2, 2048, 4096),   # 31 or 32 rows a CTA: two full m-tiles
+]
+
+
+@pytest.mark.parametrize("M, K, N", STAGED_SHAPES, ids=str)
+def test_skinny_gemm_staged_equals_the_streaming_kernel(M, K, N, monkeypatch):
+    """skinny_gemm_staged takes each warp's k slice in the streaming kernel's chunk order and sums the warps in
+    the same order: the same bits, and both within the NumPy bound."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import clusters_supported, sm_count
+    from kda_rt.cuda.ops.skinny_gemm import skinny_gemm, staged_plan
+
+    if not clusters_supported():
+        pytest.skip("skinny_gemm_staged runs on sm_90+ only")
+    assert staged_plan(N, K, sm_count(cupy.cuda.Device().id)) is not None
+    rng = np.random.default_rng(M * 31 + K + N)
+    x, w = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+    xg, wg = to_gpu_bf16(x), to_gpu_bf16(w)
+    got = {}
+    for staged in ("1", "0"):
+        monkeypatch.setenv("KDA_RT_SKINNY_STAGED", staged)
+        out = cupy.empty((M, N), dtype=BF16)
+        poison(out)
+        skinny_gemm(xg, wg, out)
+        got[staged] = to_np(out)
+    ref, mag = _reference(x, w)
+    bad = ~(np.abs(got["1"] - ref) <= 1e-5 * mag + 2.0**-8 * np.abs(ref))
+    assert not bad.any(), f"{int(bad.sum())} of {ref.size} elements off"
+    assert np.array_equal(got["1"], got["0"]), "staged and streaming kernels differ"
 
 
 def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):

@@ -3,7 +3,9 @@ narrow decode projections: o_proj, f_a|g_a|b, the dense MLP's down), bf16 in, fp
 fp32 out, one CTA per 16 output features with the reduction split over its 8 warps; and on sm_90+ for
 MAX_ROWS < M <= WIDE_MAX_ROWS rows (decode batches up to 32) skinny_gemm_cl, x staged in shared memory and
 the reduction split over a thread-block cluster (`wide_plan` picks the features per CTA and the split).
-`fits` says whether a call qualifies; `gemm.linear` takes this path for those and cuBLAS for the rest
+Where the weight rows of one CTA per SM fit in shared memory (o_proj at up to 8 rows),
+skinny_gemm_staged copies them there before the programmatic-launch wait, so the weight stream runs under
+the kernel before it (KDA_RT_SKINNY_STAGED=0: the streaming kernel).  `fits` says whether a call qualifies; `gemm.linear` takes this path for those and cuBLAS for the rest
 (KDA_RT_SKINNY=0 sends everything to cuBLAS).  The limits are measured (tests/gpu/bench_skinny.py, H200):
 wider outputs stream as fast through cuBLAS.
 
@@ -15,9 +17,9 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, i32, leading_dim
-from kda_rt.cuda.ops.compile import clusters_supported, get_kernel
+from kda_rt.cuda.ops.compile import clusters_supported, get_kernel, sm_count
 
-__all__ = ["MAX_N", "MAX_ROWS", "WIDE_MAX_ROWS", "fits", "precompile", "skinny_gemm", "wide_plan"]
+__all__ = ["MAX_N", "MAX_ROWS", "WIDE_MAX_ROWS", "fits", "precompile", "skinny_gemm", "staged_plan", "wide_plan"]
 
 MAX_ROWS = 8  # rows of one call (one n-tile of 8 tokens)
 MAX_N = 4096  # output features
@@ -29,6 +31,9 @@ _WIDE_MAX_K = 4096  # the dense MLP's down (K = 9216) ran slower than cuBLAS (H2
 _SPLITS = (1, 2, 3, 4, 6, 8)  # cluster sizes (portable: at most 8)
 _TARGET_CTAS = 128  # about one CTA per SM: the smallest split that reaches it
 _WIDE_SMEM_MAX = 200 * 1024
+# skinny_gemm_staged: at most this much shared memory a CTA, so that it fits on an SM beside the kernel before
+# it (kda_decode_step: ~21 KB a CTA; 228 KB an SM on sm_90)
+_STAGED_SMEM_MAX = 176 * 1024
 
 
 def _wide_smem(fpc: int, ks: int, nt: int, splits: int) -> int:
@@ -66,6 +71,22 @@ def wide_plan(M: int, N: int, K: int) -> tuple[int, int, int] | None:
     return None
 
 
+def _staged_smem(rows: int, K: int) -> int:
+    """skinny_gemm_staged's dynamic shared memory: `rows` weight rows of 2K + 64 bytes and the warp partials
+    [8][16·ceil(rows / 16)][8] fp32."""
+    return rows * (2 * K + 64) + _WARPS * 16 * -(-rows // 16) * 8 * 4
+
+
+def staged_plan(N: int, K: int, sms: int) -> tuple[int, int] | None:
+    """(grid, weight rows per CTA at most) of skinny_gemm_staged for [N, K] weights on `sms` SMs: one CTA
+    per SM (fewer when N is smaller), or None when those rows do not fit in _STAGED_SMEM_MAX."""
+    grid = min(sms, N)
+    rows = -(-N // grid)
+    if grid < 1 or K % (32 * _WARPS) or _staged_smem(rows, K) > _STAGED_SMEM_MAX:
+        return None
+    return grid, rows
+
+
 def fits(x, weight, out, accumulate: bool) -> bool:
     """One of the kernels can compute out = x · weightᵀ (shapes already checked by the caller)."""
     M, K = x.shape
@@ -85,11 +106,16 @@ def _kernel(out_f32: bool):
 def precompile(shapes=()) -> int:
     """Build every variant a decode step can pick (so no step waits for NVRTC): the kernel of up to 8 rows
     by output dtype, and on sm_90+ skinny_gemm_cl for each (N, K, out_f32) in `shapes` (the model's dense
-    decode projections) and both of its row classes (9-16 and 17-32 rows) where wide_plan takes it.
-    Returns the number of variants."""
+    decode projections) and both of its row classes (9-16 and 17-32 rows) where wide_plan takes it, and
+    skinny_gemm_staged where staged_plan takes the shape.  Returns the number of variants."""
     for out_f32 in (False, True):
         _kernel(out_f32)
     count = 2
+    if shapes and env.skinny_staged() and clusters_supported():
+        for n, k, out_f32 in sorted(set(shapes)):
+            if n <= MAX_N and n % 16 == 0 and (sp := staged_plan(n, k, _sms())):
+                _staged_kernel(out_f32, sp[1], k)
+                count += 1
     if shapes and env.skinny_wide() and clusters_supported():
         for n, k, out_f32 in sorted(set(shapes)):
             for rows in (2 * MAX_ROWS, WIDE_MAX_ROWS):
@@ -97,6 +123,17 @@ def precompile(shapes=()) -> int:
                     _wide_kernel(out_f32, *plan, k)
                     count += 1
     return count
+
+
+def _sms() -> int:
+    import cupy
+
+    return sm_count(cupy.cuda.Device().id)
+
+
+def _staged_kernel(out_f32: bool, rows: int, K: int):
+    return get_kernel("skinny_gemm.cu", "skinny_gemm_staged", max_dynamic_smem=_staged_smem(rows, K),
+                      OUT_F32=int(out_f32), WARPS=_WARPS, SROWS=rows, SK=K)
 
 
 def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
@@ -119,6 +156,12 @@ def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | Non
         kernel((N // fpc, splits), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M),
                                                    i32(K)), shared_mem=_wide_smem(fpc, K // splits, nt, splits),
                stream=stream)
+        return out
+    if env.skinny_staged() and clusters_supported() and (sp := staged_plan(N, K, _sms())):
+        grid, rows = sp
+        kernel = _staged_kernel(out.dtype == np.float32, rows, K)
+        kernel((grid,), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M), i32(N)),
+               shared_mem=_staged_smem(rows, K), stream=stream)
         return out
     kernel = _kernel(out.dtype == np.float32)
     kernel((N // 16,), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M), i32(K)),
