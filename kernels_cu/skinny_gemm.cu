@@ -53,8 +53,8 @@
 //   here (in the graph cuBLAS ran it as split-K + reduce: 246 + 54 us per batch-32 step in the traces).
 #include "common.cuh"
 
-#if !defined(OUT_F32) || !defined(UNROLL) || !defined(WARPS)
-#error "skinny_gemm.cu needs -DOUT_F32 -DUNROLL -DWARPS"
+#if !defined(OUT_F32) || !defined(WARPS) || (!defined(UNROLL) && !defined(SROWS))
+#error "skinny_gemm.cu needs -DOUT_F32 -DWARPS and -DUNROLL (skinny_gemm, skinny_gemm_cl) or -DSROWS -DSK"
 #endif
 #define FT 16  // output features per CTA (one mma m-tile)
 
