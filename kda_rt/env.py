@@ -123,7 +123,20 @@ def skinny_staged() -> bool:
     shared memory (o_proj) on the streaming skinny_gemm instead of skinny_gemm_staged, which copies them
     before the programmatic-launch wait (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call
     (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_SKINNY_STAGED")
+    return _staged_value() != "0"
+
+
+def skinny_staged_bulk() -> bool:
+    """KDA_RT_SKINNY_STAGED=2: skinny_gemm_staged copies each weight row with one bulk copy (cp.async.bulk)
+    instead of 16-byte cp.async pieces (bench A/B)."""
+    return _staged_value() == "2"
+
+
+def _staged_value() -> str:
+    value = os.environ.get("KDA_RT_SKINNY_STAGED") or "1"
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"KDA_RT_SKINNY_STAGED must be 0, 1 or 2, got {value!r}")
+    return value
 
 
 def skinny_wide() -> bool:

@@ -250,12 +250,16 @@ skinny_gemm_cl(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, 
 //   Warp w takes the k slice [w·K/WARPS, (w + 1)·K/WARPS) of every m-tile, the same fragments (permuted k
 //   order) and the same chunk order as skinny_gemm, and the partials are summed in warp order: the results
 //   are bit-identical to skinny_gemm's.
-// Compile-time constants: OUT_F32, WARPS, SROWS (weight rows per CTA, at most), SK (K).  Needs the launcher's
+// SBULK = 1: one bulk copy (cp.async.bulk, the copy engine) per weight row instead of 16-byte cp.async pieces.
+// Compile-time constants: OUT_F32, WARPS, SROWS (weight rows per CTA, at most), SK (K), SBULK.  Needs the launcher's
 // dynamic shared memory: SROWS·(2·SK + 64) + WARPS·16·SMT·8·4 bytes.
 #define SMT ((SROWS + 15) / 16)       // m-tiles per CTA
 #define SPITCH (2 * SK + 64)          // bytes per staged weight row
 #define SKW (SK / WARPS)              // k per warp
 #define SNCH (SKW / 32)               // 32-wide chunks per warp
+#ifndef SBULK
+#define SBULK 0
+#endif
 static_assert(SK % (32 * WARPS) == 0 && SROWS >= 1, "skinny_gemm_staged: K a multiple of 32 per warp");
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1)
@@ -266,13 +270,31 @@ skinny_gemm_staged(const bf16* __restrict__ x, int ldx, const bf16* __restrict__
     float* part = reinterpret_cast<float*>(smem_raw + SROWS * SPITCH);  // [WARPS][SMT·16][8]
     const int n0 = (int)((long long)blockIdx.x * N / gridDim.x);
     const int rows = (int)((long long)(blockIdx.x + 1) * N / gridDim.x) - n0;  // 1 .. SROWS (launcher)
-    constexpr int PIECES = SK / 8;  // 16-byte pieces of a weight row
     const bf16* wc = w + (size_t)n0 * SK;
+#if SBULK
+    // one bulk copy (the copy engine) per weight row, all completing on one mbarrier
+    __shared__ __align__(8) unsigned long long bar;
+    const unsigned bar_a = smem_addr(&bar);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_a));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_a), "r"(rows * SK * 2) : "memory");
+    }
+    __syncwarp();
+    for (int r = threadIdx.x; r < rows && threadIdx.x < 32; r += 32)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                     ::"r"(smem_addr(smem_raw + r * SPITCH)), "l"(wc + (size_t)r * SK), "n"(SK * 2), "r"(bar_a)
+                     : "memory");
+    __syncthreads();  // the barrier's initialisation before any thread waits on it
+#else
+    constexpr int PIECES = SK / 8;  // 16-byte pieces of a weight row
     for (int i = threadIdx.x; i < rows * PIECES; i += WARPS * 32) {
         const int r = i / PIECES, p = i - r * PIECES;
         cp_async16(smem_raw + r * SPITCH + 16 * p, wc + (size_t)r * SK + 8 * p, 16);
     }
     cp_async_commit();
+#endif
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int kbeg = warp * SKW;
@@ -282,8 +304,14 @@ skinny_gemm_staged(const bf16* __restrict__ x, int ldx, const bf16* __restrict__
     uint4 b[SNCH];
 #pragma unroll
     for (int u = 0; u < SNCH; ++u) b[u] = xv ? __ldg(reinterpret_cast<const uint4*>(xr + u * 32)) : make_uint4(0u, 0u, 0u, 0u);
+#if SBULK
+    for (unsigned done = 0; !done;)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar_a) : "memory");
+#else
     cp_async_wait<0>();
     __syncthreads();
+#endif
 
     float acc[SMT][4];
 #pragma unroll

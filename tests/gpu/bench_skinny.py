@@ -9,6 +9,11 @@ divides K (features per CTA as wide_plan picks them), "split_S_us" per split.  -
 also skinny_gemm_cl with one n-tile of 8 rows at every (FPC, SPLITS) that fits, "cl_FPCxS_us" (shapes of up
 to MAX_N outputs; a measurement for the 8-row kernel's alternative: its 144 CTAs of o_proj on 132 SMs leave
 12 SMs with two).  --only: shapes whose name contains the text.
+--spin-us US: each call comes after a kernel of 128 small CTAs that only waits US microseconds (a latency-bound
+predecessor such as kda_decode_step), both launched with programmatic dependent launch as in a decode graph:
+"spin_<kernel>_us" is the time each call adds to the spin alone, for the streaming kernel (KDA_RT_SKINNY_STAGED=0),
+skinny_gemm_staged with cp.async pieces (1) or bulk copies (2), and cuBLAS: what of the weight stream the
+predecessor hides.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main() -> int:
     ap.add_argument("--splits", action="store_true")
     ap.add_argument("--small-splits", action="store_true",
                     help="rows <= 8: also skinny_gemm_cl with one n-tile at every (FPC, SPLITS) that fits")
+    ap.add_argument("--spin-us", type=float, default=0.0)
     ap.add_argument("--only", default="", help="shapes whose name contains this text")
     args = ap.parse_args()
 
@@ -63,6 +69,7 @@ def main() -> int:
             row = {"shape": name, "M": M, "K": K, "N": N, "MB": round(nbytes / 1e6, 2), "copies": copies}
             for flag in ("1", "0"):
                 os.environ["KDA_RT_SKINNY"] = flag
+                os.environ["KDA_RT_SKINNY_STAGED"] = "0"  # the streaming kernel (--spin-us times the staged ones)
 
                 def body(stream, x=x, out=out, ws=ws):
                     with stream:
@@ -73,6 +80,8 @@ def main() -> int:
                 key = "skinny" if flag == "1" else "cublas"
                 row[f"{key}_us"] = round(us, 2)
                 row[f"{key}_tb_s"] = round(nbytes / us / 1e6, 2)
+            if args.spin_us:
+                row.update(_spin_rows(x, out, ws, args.spin_us, linear))
             plan = sk.wide_plan(M, N, K)
             if args.splits and plan:
                 row["plan"] = plan
@@ -105,6 +114,44 @@ def main() -> int:
         del ws
     os.environ.pop("KDA_RT_SKINNY", None)
     return 0
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long ns) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)ns);
+}
+"""
+
+
+def _spin_rows(x, out, ws, spin_us: float, linear) -> dict:
+    """Per call: (spin + projection) - spin alone, in graphs captured with programmatic dependent launch."""
+    import cupy
+
+    from helpers.gpu import graph_us
+    from kda_rt.cuda.ops import pdl
+
+    spin = cupy.RawKernel(_SPIN, "spin")
+    ns = np.int64(spin_us * 1e3)
+
+    def spins(stream, with_gemm: bool):
+        with pdl.capturing(True), stream:
+            for w in ws:
+                if not pdl.launch(spin, (128,), (128,), (ns,), stream=stream):
+                    raise RuntimeError("spin: PDL launch refused")
+                if with_gemm:
+                    linear(x, w, out=out)
+
+    alone = graph_us(lambda st: spins(st, False), calls=4) / len(ws)
+    row = {"spin_alone_us": round(alone, 2)}
+    for key, skinny, staged in (("stream", "1", "0"), ("staged", "1", "1"), ("bulk", "1", "2"), ("cublas", "0", "1")):
+        os.environ["KDA_RT_SKINNY"], os.environ["KDA_RT_SKINNY_STAGED"] = skinny, staged
+        row[f"spin_{key}_us"] = round(graph_us(lambda st: spins(st, True), calls=4) / len(ws) - alone, 2)
+    os.environ.pop("KDA_RT_SKINNY_STAGED", None)
+    return row
 
 
 if __name__ == "__main__":

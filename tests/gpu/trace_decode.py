@@ -5,7 +5,9 @@ A measurement tool for the device only: the kernel timestamps come from CUPTI th
 (torch is on the device image, never a kda_rt dependency).
 
     PYTHONPATH=. python tests/gpu/trace_decode.py [--batches 1,32] [--layers 27] [--trace-dir DIR]
-One JSON line per batch on stdout (replay wall, kernels, busy and gap time, largest kernels).
+        [--timeline FROM:COUNT] [--env KDA_RT_X --values 1,0]
+One JSON line per batch (and value of --env) on stdout (replay wall, kernels, busy and gap time, largest
+kernels; with --timeline the start and end of kernels FROM .. FROM+COUNT-1 of the last replay).
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --prefill 4x2048,1x32768
 Per-kernel totals of whole prefills instead (B prompts of L tokens, 2 output tokens, after one warm-up run
@@ -48,6 +50,8 @@ def main() -> int:
     ap.add_argument("--prefill", default="", help="BxL shapes whose whole prefill is traced, e.g. 4x2048")
     ap.add_argument("--timeline", default="", help="FROM:COUNT: kernels FROM .. FROM+COUNT-1 of the last replay "
                     "with start and end (us from the replay's first kernel), e.g. 40:40")
+    ap.add_argument("--env", default="", help="a KDA_RT_* switch: the decode traces run once per --values entry")
+    ap.add_argument("--values", default="", help="values of --env, e.g. 1,0 (graphs captured again for each)")
     ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
 
@@ -113,7 +117,11 @@ def main() -> int:
     for run in runs:
         print(json.dumps(_trace_run(engine, *run, args.trace_dir, profile, ProfilerActivity)), flush=True)
 
-    for batch in batches:
+    settings = [(args.env, v) for v in args.values.split(",")] if args.env else [("", "")]
+    for (name, value), batch in [(sv, b) for sv in settings for b in batches]:
+        if name:
+            os.environ[name] = value
+            runner.graphs.clear()  # decode graphs keep the kernels they captured
         rows = next(b for b in runner.buckets if b >= batch)
         run_bench(engine, batch, args.input_len, 8, seed=3)
         g = runner.graphs[rows]
@@ -160,7 +168,7 @@ def main() -> int:
                 count[_short(e["name"])] += 1 / len(replays)
             stats.append((len(rep), span, busy))
         print(json.dumps({
-            "batch": batch, "graph_rows": rows, "replay_wall_ms": round(statistics.fmean(walls) * 1e3, 3),
+            "batch": batch, "env": f"{name}={value}" if name else "", "graph_rows": rows, "replay_wall_ms": round(statistics.fmean(walls) * 1e3, 3),
             "replays_seen": len(replays), "kernels_per_replay": [s[0] for s in stats],
             "span_ms": round(statistics.fmean(s[1] for s in stats) / 1e3, 3),
             "busy_ms": round(statistics.fmean(s[2] for s in stats) / 1e3, 3),

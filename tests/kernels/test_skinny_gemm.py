@@ -46,7 +46,7 @@ def _reference(x, w):
 
 @pytest.mark.parametrize("M, K, N", SHAPES, ids=str)
 @pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("staged", ["1", "0"])
+@pytest.mark.parametrize("staged", ["1", "2", "0"])
 def test_skinny_gemm_matches_numpy(M, K, N, out_dtype, staged, monkeypatch):
     import cupy
 
@@ -124,7 +124,7 @@ def test_skinny_gemm_staged_equals_the_streaming_kernel(M, K, N, monkeypatch):
     x, w = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
     xg, wg = to_gpu_bf16(x), to_gpu_bf16(w)
     got = {}
-    for staged in ("1", "0"):
+    for staged in ("1", "2", "0"):  # cp.async pieces, bulk copies, the streaming kernel
         monkeypatch.setenv("KDA_RT_SKINNY_STAGED", staged)
         out = cupy.empty((M, N), dtype=BF16)
         poison(out)
@@ -134,6 +134,7 @@ def test_skinny_gemm_staged_equals_the_streaming_kernel(M, K, N, monkeypatch):
     bad = ~(np.abs(got["1"] - ref) <= 1e-5 * mag + 2.0**-8 * np.abs(ref))
     assert not bad.any(), f"{int(bad.sum())} of {ref.size} elements off"
     assert np.array_equal(got["1"], got["0"]), "staged and streaming kernels differ"
+    assert np.array_equal(got["2"], got["0"]), "staged (bulk copies) and streaming kernels differ"
 
 
 def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):

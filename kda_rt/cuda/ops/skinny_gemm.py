@@ -114,7 +114,7 @@ def precompile(shapes=()) -> int:
     if shapes and env.skinny_staged() and clusters_supported():
         for n, k, out_f32 in sorted(set(shapes)):
             if n <= MAX_N and n % 16 == 0 and (sp := staged_plan(n, k, _sms())):
-                _staged_kernel(out_f32, sp[1], k)
+                _staged_kernel(out_f32, sp[1], k, env.skinny_staged_bulk())
                 count += 1
     if shapes and env.skinny_wide() and clusters_supported():
         for n, k, out_f32 in sorted(set(shapes)):
@@ -131,9 +131,9 @@ def _sms() -> int:
     return sm_count(cupy.cuda.Device().id)
 
 
-def _staged_kernel(out_f32: bool, rows: int, K: int):
+def _staged_kernel(out_f32: bool, rows: int, K: int, bulk: bool = False):
     return get_kernel("skinny_gemm.cu", "skinny_gemm_staged", max_dynamic_smem=_staged_smem(rows, K),
-                      OUT_F32=int(out_f32), WARPS=_WARPS, SROWS=rows, SK=K)
+                      OUT_F32=int(out_f32), WARPS=_WARPS, SROWS=rows, SK=K, SBULK=int(bulk))
 
 
 def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
@@ -159,7 +159,7 @@ def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | Non
         return out
     if env.skinny_staged() and clusters_supported() and (sp := staged_plan(N, K, _sms())):
         grid, rows = sp
-        kernel = _staged_kernel(out.dtype == np.float32, rows, K)
+        kernel = _staged_kernel(out.dtype == np.float32, rows, K, env.skinny_staged_bulk())
         kernel((grid,), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M), i32(N)),
                shared_mem=_staged_smem(rows, K), stream=stream)
         return out
