@@ -139,6 +139,19 @@ def _staged_value() -> str:
     return value
 
 
+def smem_carveout() -> int | None:
+    """KDA_RT_SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1 / shared memory, or
+    -1: the driver's choice) that every kernels_cu/ kernel is given; unset: not set at all.  An SM changes its
+    carveout only when idle, so a kernel that leaves the SM at a small one keeps a large-shared-memory kernel
+    launched under it (programmatic dependent launch) off that SM until it ends."""
+    value = os.environ.get("KDA_RT_SMEM_CARVEOUT") or ""
+    if not value:
+        return None
+    if value.lstrip("-").isdigit() and -1 <= int(value) <= 100:
+        return int(value)
+    raise ValueError(f"KDA_RT_SMEM_CARVEOUT must be -1 or 0 to 100, got {value!r}")
+
+
 def skinny_wide() -> bool:
     """KDA_RT_SKINNY_WIDE: 0 keeps the narrow dense projections of 9 to 32 rows (decode batches) on cuBLAS
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA

@@ -40,6 +40,8 @@ if not KERNEL_DIR.is_dir():  # installed (non-editable): kernels ship as the kda
     KERNEL_DIR = _PACKAGE / "kernels_cu"
 _lock = threading.Lock()
 _smem_allowed: dict[int, int] = {}  # CUfunction handle -> dynamic shared memory bytes it has opted in to
+_carveout: dict[int, int] = {}  # CUfunction handle -> the shared-memory carveout it was given (env.smem_carveout)
+_ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 
 
 class CompileError(RuntimeError):
@@ -222,6 +224,12 @@ def get_kernel(filename: str, name: str, *, max_dynamic_smem: int = 0, **defines
 
         driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem)
         _smem_allowed[fn.ptr] = max_dynamic_smem
+    carveout = env.smem_carveout()
+    if carveout is not None and _carveout.get(fn.ptr) != carveout:
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(fn.ptr, _ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout)
+        _carveout[fn.ptr] = carveout
     from kda_rt.cuda.ops import pdl, trace
 
     kernel = pdl.Kernel(fn)  # (launched with PDL inside a decode-graph capture: ops/pdl.py)
