@@ -13,7 +13,8 @@ to MAX_N outputs; a measurement for the 8-row kernel's alternative: its 144 CTAs
 predecessor such as kda_decode_step), both launched with programmatic dependent launch as in a decode graph:
 "spin_<kernel>_us" is the time each call adds to the spin alone, for the streaming kernel (KDA_RT_SKINNY_STAGED=0),
 skinny_gemm_staged with cp.async pieces (1) or bulk copies (2), and cuBLAS: what of the weight stream the
-predecessor hides.
+predecessor hides.  SPIN_SHAPE=C:B (environment) gives the spin kernel clusters of C CTAs and B bytes of dynamic
+shared memory a CTA (kda_decode_step at batch 1: 4:21504).
 """
 
 from __future__ import annotations
@@ -117,7 +118,11 @@ def main() -> int:
 
 
 _SPIN = r"""
+#ifdef CLUSTER
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) spin(long long ns) {
+#else
 extern "C" __global__ void spin(long long ns) {
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     unsigned long long t0, t;
@@ -134,13 +139,16 @@ def _spin_rows(x, out, ws, spin_us: float, linear) -> dict:
     from helpers.gpu import graph_us
     from kda_rt.cuda.ops import pdl
 
-    spin = cupy.RawKernel(_SPIN, "spin")
+    cluster, smem = (int(v) for v in os.environ.get("SPIN_SHAPE", "1:0").split(":"))
+    spin = cupy.RawKernel(_SPIN, "spin", options=(f"-DCLUSTER={cluster}",) if cluster > 1 else ())
+    if smem > 48 * 1024:
+        spin.max_dynamic_shared_size_bytes = smem
     ns = np.int64(spin_us * 1e3)
 
     def spins(stream, with_gemm: bool):
         with pdl.capturing(True), stream:
             for w in ws:
-                if not pdl.launch(spin, (128,), (128,), (ns,), stream=stream):
+                if not pdl.launch(spin, (128,), (128,), (ns,), shared_mem=smem, stream=stream):
                     raise RuntimeError("spin: PDL launch refused")
                 if with_gemm:
                     linear(x, w, out=out)
