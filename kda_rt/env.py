@@ -141,9 +141,9 @@ def _staged_value() -> str:
 
 def smem_carveout() -> int | None:
     """KDA_RT_SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1 / shared memory, or
-    -1: the driver's choice) that every kernels_cu/ kernel is given; unset: not set at all.  An SM changes its
-    carveout only when idle, so a kernel that leaves the SM at a small one keeps a large-shared-memory kernel
-    launched under it (programmatic dependent launch) off that SM until it ends."""
+    -1: the driver's choice) given to every kernels_cu/ kernel instead of the launchers' own (ops/compile.py
+    get_kernel's `carveout`: kda_decode_step and mla_expand_out ask for all of it, so that skinny_gemm_staged
+    fits beside them); unset: the launchers' choices.  Bench A/B switch."""
     value = os.environ.get("KDA_RT_SMEM_CARVEOUT") or ""
     if not value:
         return None
