@@ -140,10 +140,12 @@ def _staged_value() -> str:
 
 
 def smem_carveout() -> int | None:
-    """KDA_RT_SMEM_CARVEOUT: the preferred shared-memory carveout (percent of the unified L1 / shared memory, or
-    -1: the driver's choice) given to every kernels_cu/ kernel instead of the launchers' own (ops/compile.py
-    get_kernel's `carveout`: kda_decode_step and mla_expand_out ask for all of it, so that skinny_gemm_staged
-    fits beside them); unset: the launchers' choices.  Bench A/B switch."""
+    """KDA_RT_SMEM_CARVEOUT (a bench switch): the preferred shared-memory carveout (percent of the unified L1 /
+    shared memory, or -1: the driver's choice) given to every kernels_cu/ kernel; unset: none is set.  The
+    driver sizes an SM's shared memory for each kernel's own occupancy and changes it only on an idle SM, so a
+    kernel launched early (programmatic launch) that needs more than is left waits for the kernel before to
+    leave; a carveout that differs between neighbours makes SMs drain between them (H200: 100 for every
+    kernel, or for kda_decode_step and mla_expand_out alone, made batch-1 decode steps slower)."""
     value = os.environ.get("KDA_RT_SMEM_CARVEOUT") or ""
     if not value:
         return None

@@ -251,6 +251,14 @@ skinny_gemm_cl(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, 
 //   order) and the same chunk order as skinny_gemm, and the partials are summed in warp order: the results
 //   are bit-identical to skinny_gemm's.
 // SBULK = 1: one bulk copy (cp.async.bulk, the copy engine) per weight row instead of 16-byte cp.async pieces.
+// Measured (H200, 2026-12-01): after a 6-10 us latency-bound predecessor (tests/gpu/bench_skinny.py --spin-us,
+// 128 CTAs of 128 threads, also in clusters of 4 with 21 KB of shared memory) o_proj adds 2.8-3.0 us at 1 row and
+// 3.3-3.4 us at 8 (cp.async or bulk alike) where the streaming kernel adds 7.1 / 7.8 us.  In the model's decode
+// graphs (tests/gpu/bench_ab.py --env KDA_RT_SKINNY_STAGED) batch 8 gains 1.1% and batch 1 nothing: the timeline
+// (trace_decode.py --timeline) shows most CTAs starting only after kda_decode_step ends, because the driver sizes
+// that kernel's SMs' shared memory for its own occupancy and an SM changes it only when idle; forcing the whole
+// carveout on kda_decode_step lets them start under it (o_proj then ends 2.6 us after it, not 7.2) but slows
+// kda_decode_step itself and the kernels around it (KDA_RT_SMEM_CARVEOUT, env.py): no net gain.
 // Compile-time constants: OUT_F32, WARPS, SROWS (weight rows per CTA, at most), SK (K), SBULK.  Needs the launcher's
 // dynamic shared memory: SROWS·(2·SK + 64) + WARPS·16·SMT·8·4 bytes.
 #define SMT ((SROWS + 15) / 16)       // m-tiles per CTA

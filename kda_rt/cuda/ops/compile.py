@@ -213,14 +213,11 @@ def _module(filename: str, frozen_defines: tuple[tuple[str, Any], ...], arch: st
     return mod
 
 
-def get_kernel(filename: str, name: str, *, max_dynamic_smem: int = 0, carveout: int | None = None, **defines: Any):
+def get_kernel(filename: str, name: str, *, max_dynamic_smem: int = 0, **defines: Any):
     """The `extern "C"` kernel `name` of `kernels_cu/<filename>` specialised by `defines`.
     Call it as kernel(grid, block, args, shared_mem=bytes, stream=stream) with exact scalar types;
-    `max_dynamic_smem` is the most dynamic shared memory (bytes) its launches will ask for; `carveout` the
-    preferred shared-memory carveout (percent; KDA_RT_SMEM_CARVEOUT overrides it for every kernel).  The
-    driver otherwise sizes an SM's shared memory for the kernel's own occupancy, and an SM changes it only
-    when idle: a kernel launched under this one (programmatic launch) that needs more shared memory than
-    is left waits for this one's CTAs to leave (kda_decode_step -> skinny_gemm_staged)."""
+    `max_dynamic_smem` is the most dynamic shared memory (bytes) its launches will ask for.  With
+    KDA_RT_SMEM_CARVEOUT set (a bench switch) every kernel gets that preferred shared-memory carveout."""
     mod = _module(filename, tuple(sorted(defines.items())), device_arch())
     fn = mod.get_function(name)
     if max_dynamic_smem > _smem_allowed.get(fn.ptr, 0):  # > 48 KB needs an explicit opt-in, once
@@ -228,8 +225,7 @@ def get_kernel(filename: str, name: str, *, max_dynamic_smem: int = 0, carveout:
 
         driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem)
         _smem_allowed[fn.ptr] = max_dynamic_smem
-    forced = env.smem_carveout()
-    carveout = forced if forced is not None else carveout
+    carveout = env.smem_carveout()
     if carveout is not None and _carveout.get(fn.ptr) != carveout:
         from cupy_backends.cuda.api import driver
 

@@ -127,10 +127,8 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
             raise ValueError("fused low-rank gates need sm_90+, ranks that are multiples of 8 up to 256, one row "
                              "stride for f and gate, and 16-byte aligned rows")
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
-    # all the shared memory an SM has: o_proj's skinny_gemm_staged copies its weights beside this kernel's CTAs
-    kernel = get_kernel("kda_decode.cu", "kda_decode_step", carveout=100, HEAD_DIM=head_dim, CONV_W=W,
-                        THREADS=n_threads, SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f,
-                        RANK_G=rank_g)
+    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads,
+                        SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g)
     if B:
         kernel((num_heads * n_split, B), (n_threads,),
                (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,

@@ -194,7 +194,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
             combine((T, H, R * groups // 2048), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
                                                          one_token, i32(M), i32(G), workspace), stream=stream)
         if gemv:
-            expand = get_kernel("mla_attn.cu", "mla_expand_out", carveout=100, **consts)  # (as kda_decode_step)
+            expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
             expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
         else:
             bmm(q_lat, _view(w_kvb, Dn * R * isz, (H, Dv, R), BF16, (Dkv * R * isz, R * isz, isz)),
