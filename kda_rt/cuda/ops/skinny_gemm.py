@@ -4,8 +4,9 @@ fp32 out, one CTA per 16 output features with the reduction split over its 8 war
 MAX_ROWS < M <= WIDE_MAX_ROWS rows (decode batches up to 32) skinny_gemm_cl, x staged in shared memory and
 the reduction split over a thread-block cluster (`wide_plan` picks the features per CTA and the split).
 Where the weight rows of one CTA per SM fit in shared memory (o_proj at up to 8 rows),
-skinny_gemm_staged copies them there before the programmatic-launch wait, so the weight stream runs under
-the kernel before it (KDA_RT_SKINNY_STAGED=0: the streaming kernel).  `fits` says whether a call qualifies; `gemm.linear` takes this path for those and cuBLAS for the rest
+skinny_gemm_staged copies them there before the programmatic-launch wait, so the weight stream can run
+under the kernel before it (KDA_RT_SKINNY_STAGED=0: the streaming kernel; 2: bulk copies, a bench variant).
+`fits` says whether a call qualifies; `gemm.linear` takes this path for those and cuBLAS for the rest
 (KDA_RT_SKINNY=0 sends everything to cuBLAS).  The limits are measured (tests/gpu/bench_skinny.py, H200):
 wider outputs stream as fast through cuBLAS.
 
