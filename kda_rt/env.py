@@ -82,6 +82,20 @@ def fused_norm() -> bool:
     return _on_off("KDA_RT_FUSED_NORM")
 
 
+def fused_norm_max_t(default: int) -> int:
+    """KDA_RT_FUSED_NORM_MAX_T (bench switch): the largest step whose MoE combine carries the next RMSNorm
+    (moe_combine_norm: one block a token), instead of the measured default (ops/moe_align.FUSED_NORM_MAX_T).
+    Read at each forward."""
+    value = os.environ.get("KDA_RT_FUSED_NORM_MAX_T") or str(default)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"KDA_RT_FUSED_NORM_MAX_T must be an integer, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"KDA_RT_FUSED_NORM_MAX_T must be >= 0, got {n}")
+    return n
+
+
 def early_weights() -> bool:
     """KDA_RT_EARLY_WEIGHTS: 0 makes the MoE down GEMM of small decode batches (moe_gemm_tc.cu) wait for the
     gate/up kernel before it copies anything, instead of copying its first weight steps while gate/up still
@@ -109,6 +123,13 @@ def fused_route() -> bool:
     moe_bucket) instead of one (moe_route_fused in kernels_cu/moe_route.cu); default 1.  Read at each MoE
     call (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_FUSED_ROUTE")
+
+
+def route_norm() -> bool:
+    """KDA_RT_ROUTE_NORM: 0 keeps the residual add and RMSNorm between a small decode step's mixer and its MoE
+    block as their own kernel (rmsnorm.cu) instead of inside the fused routing kernel (moe_route_fused with
+    ROUTE_NORM); default 1.  Read at each forward (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_ROUTE_NORM")
 
 
 def fused_kda_projection() -> bool:

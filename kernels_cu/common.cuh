@@ -56,6 +56,15 @@ __device__ __forceinline__ float4 ld_bf16x4(const bf16* p) {
     return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
+// four floats -> four bf16 at p (8-byte aligned), each rounded to nearest even
+__device__ __forceinline__ void st_bf16x4(bf16* p, float a, float b, float c, float d) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+    uint2 packed;
+    packed.x = *reinterpret_cast<unsigned*>(&lo);
+    packed.y = *reinterpret_cast<unsigned*>(&hi);
+    *reinterpret_cast<uint2*>(p) = packed;
+}
+
 // -inf (NVRTC has no math.h INFINITY)
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 

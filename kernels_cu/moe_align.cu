@@ -187,14 +187,6 @@ __device__ __forceinline__ float4 combine_cols(const bf16* __restrict__ y, const
     return acc;
 }
 
-__device__ __forceinline__ void st_bf16x4(bf16* p, float a, float b, float c, float d) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-    uint2 packed;
-    packed.x = *reinterpret_cast<unsigned*>(&lo);
-    packed.y = *reinterpret_cast<unsigned*>(&hi);
-    *reinterpret_cast<uint2*>(p) = packed;
-}
-
 #if !NORM
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
@@ -216,14 +208,16 @@ moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const 
 // moe_combine_norm — the combine, the residual add and the next RMSNorm of the block in one launch (a
 // decode step's MoE layer ends in one kernel instead of two): grid (T), block THREADS >= D / 4, thread i
 // owns columns 4i .. 4i + 3 of its token.  Same roundings as moe_combine followed by rmsnorm.cu:
-//   delta = bf16(combine)          h = bf16(delta + residual)  (written back: the new residual stream)
+//   delta = bf16(combine)          h = bf16(delta + residual_in)  (into residual: the new residual stream;
+//                                  residual_in is residual itself, or the stream that moe_route_fused's
+//                                  pre-MoE norm wrote aside while others still read residual)
 //   out   = bf16( bf16(h · rsqrt(mean(h²) + eps)) · norm_w )   (mean in fp32; only its summation order
 //                                                               differs from rmsnorm.cu's)
 static_assert(THREADS * 4 >= D && THREADS % 32 == 0, "moe_combine_norm: one block covers the row, whole warps");
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine_norm(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
-                 const float* __restrict__ shared, bf16* __restrict__ residual, const bf16* __restrict__ norm_w,
-                 bf16* __restrict__ out, int num_tokens, float eps) {
+                 const float* __restrict__ shared, bf16* residual, const bf16* __restrict__ norm_w,
+                 bf16* __restrict__ out, int num_tokens, float eps, const bf16* residual_in) {
     KDA_PDL_ENTRY();
     __shared__ int pos_sh[A + 1];
     __shared__ float w_sh[A];
@@ -237,7 +231,7 @@ moe_combine_norm(const bf16* __restrict__ y, const int* __restrict__ pair_pos, c
     if (c < D) {
         const float4 acc = combine_cols(y, shared, pos_sh, w_sh, t, c);
         bf16* res = residual + (size_t)t * D + c;
-        const float4 r = ld_bf16x4(res);
+        const float4 r = ld_bf16x4(residual_in + (size_t)t * D + c);  // each element read, then written, by one thread
         h = make_float4(round_bf16(round_bf16(acc.x) + r.x), round_bf16(round_bf16(acc.y) + r.y),
                         round_bf16(round_bf16(acc.z) + r.z), round_bf16(round_bf16(acc.w) + r.w));
         st_bf16x4(res, h.x, h.y, h.z, h.w);

@@ -41,11 +41,17 @@
 //   done[0] back to 0 for the next launch.  So done[0] must be 0 before the first launch (the launcher
 //   zeroes it on every call outside a CUDA-graph capture), and nothing else may touch it.
 //   SHARED = 1: the shared expert rides in the stacks as bin E (pairs per token A + 1, as moe_bucket's SHARED_A).
+//   ROUTE_NORM = 1: the block's input is also computed here, so the RMSNorm kernel between the mixer and the MoE
+//   goes: x is then the mixer's output delta, and each block stages h = bf16(delta + residual) (rmsnorm.cu's
+//   residual add) for its rows, sums h^2 per row (fp32; only the summation order differs from rmsnorm.cu) and
+//   normalises its staged rows in place, a = bf16(bf16(h rsqrt(mean(h^2) + eps)) norm_w), before the logits.
+//   The blocks with blockIdx.y == 0 store their rows' h (h_out) and a (a_out: the MoE GEMMs' x).  residual
+//   itself is not written (other blocks still read it): the combine takes h_out as its residual_in.
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
 // Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select);
 // E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp); FUSED_ROUTE, D (multiple of 8), E (multiple of 8,
-// E + SHARED <= 512), FR_TPB, MAX_T (T <= MAX_T), MAX_TOP_K, BT (tile rows), SHARED (fused).
+// E + SHARED <= 512), FR_TPB, MAX_T (T <= MAX_T), MAX_TOP_K, BT (tile rows), SHARED, ROUTE_NORM (fused).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
@@ -147,6 +153,48 @@ __device__ __forceinline__ void stage_rows(bf16 (&xs)[NT][DX], const bf16* __res
         if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * DX + d);
         *reinterpret_cast<uint2*>(&xs[t][d]) = v;
     }
+}
+
+// rmsnorm.cu's residual add and norm of rows t0 .. t0 + NT - 1 into shared memory (moe_route_fused with
+// ROUTE_NORM): xs = h = bf16(delta + residual), per-row fp32 sums of h^2 over the block, then xs = a =
+// bf16(bf16(h rsqrt(mean + eps)) norm_w) in place; `writer` also stores h and a of the rows < num_tokens.
+// part: shared [NTHREADS / 32][NT]; ends with a barrier.
+template <int NTHREADS, int NT, int DX>
+__device__ __forceinline__ void stage_norm_rows(bf16 (&xs)[NT][DX], const bf16* __restrict__ delta,
+                                                const bf16* __restrict__ residual, const bf16* __restrict__ norm_w,
+                                                bf16* __restrict__ h_out, bf16* __restrict__ a_out, int t0,
+                                                int num_tokens, float eps, bool writer, float (&part)[NTHREADS / 32][NT]) {
+    float ss[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        ss[t] = 0.f;
+        const bool valid = t0 + t < num_tokens;
+        for (int d = threadIdx.x * 4; d < DX; d += NTHREADS * 4) {
+            float4 h = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (valid) {
+                const size_t o = (size_t)(t0 + t) * DX + d;
+                const float4 a = ld_bf16x4(delta + o), r = ld_bf16x4(residual + o);
+                h = make_float4(round_bf16(a.x + r.x), round_bf16(a.y + r.y), round_bf16(a.z + r.z), round_bf16(a.w + r.w));
+                if (writer) st_bf16x4(h_out + o, h.x, h.y, h.z, h.w);
+            }
+            st_bf16x4(&xs[t][d], h.x, h.y, h.z, h.w);
+            ss[t] += h.x * h.x + h.y * h.y + h.z * h.z + h.w * h.w;
+        }
+    }
+    block_sum(ss, part);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        const float inv = rsqrtf(ss[t] / (float)DX + eps);
+        const bool valid = t0 + t < num_tokens;
+        for (int d = threadIdx.x * 4; d < DX; d += NTHREADS * 4) {  // the same elements this thread staged
+            const float4 h = ld_bf16x4(&xs[t][d]), g = ld_bf16x4(norm_w + d);
+            const float4 a = make_float4(round_bf16(h.x * inv) * g.x, round_bf16(h.y * inv) * g.y,
+                                         round_bf16(h.z * inv) * g.z, round_bf16(h.w * inv) * g.w);
+            st_bf16x4(&xs[t][d], a.x, a.y, a.z, a.w);
+            if (writer && valid) st_bf16x4(a_out + (size_t)(t0 + t) * DX + d, a.x, a.y, a.z, a.w);
+        }
+    }
+    __syncthreads();
 }
 
 // acc[t] += w · (the 4 staged x values of row t at column d), for the NT rows: a lane's router piece
@@ -317,6 +365,9 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
 #define FR_THREADS 512
 #define FR_WARPS (FR_THREADS / 32)
 #define FR_EPB (FR_WARPS / 2)  // experts per block: two warps each
+#ifndef ROUTE_NORM
+#define ROUTE_NORM 0
+#endif
 #define FR_BINS (E + SHARED)
 static_assert(D % 8 == 0 && E % FR_EPB == 0 && FR_BINS <= FR_THREADS && MAX_TOP_K <= 32,
               "moe_route_fused: D % 8, E % 8, E + SHARED <= 512, top_k <= 32");
@@ -329,7 +380,8 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 int top_k, int renormalize, int biased, float scaling, int* __restrict__ expert_off,
                 int* __restrict__ sorted_pair, int* __restrict__ pair_pos, int* __restrict__ tile_expert,
                 int* __restrict__ tile_row, int* __restrict__ num_tiles, int* __restrict__ stats,
-                int* __restrict__ sync, int sync_words, int* __restrict__ done) {
+                int* __restrict__ sync, int sync_words, int* __restrict__ done, const bf16* __restrict__ residual,
+                const bf16* __restrict__ norm_w, bf16* __restrict__ h_out, bf16* __restrict__ a_out, float eps) {
     KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
@@ -350,8 +402,12 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     };
     load_router(0);
     KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
+#if ROUTE_NORM
+    stage_norm_rows<FR_THREADS>(xs, x, residual, norm_w, h_out, a_out, t0, num_tokens, eps, blockIdx.y == 0, part_sh);
+#else
     stage_rows<FR_THREADS>(xs, x, t0, num_tokens);
     __syncthreads();
+#endif
     {
         const int h0 = (warp & 1) * DH;
         float acc[FR_TPB];

@@ -7,7 +7,8 @@ step can be captured into a CUDA graph.
     logits = lm_head(norm(h)[logits_rows])          (fp32)
 
 Residual adds are fused into the next RMSNorm (bf16 residual stream, as in the references); after a MoE
-block of a small step the add and the next norm ride in the MoE's combine kernel (KDA_RT_FUSED_NORM).
+block of a small step the add and the next norm ride in the MoE's combine kernel (KDA_RT_FUSED_NORM), and
+the add and norm before it in its routing kernel (KDA_RT_ROUTE_NORM).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.gemm import bmm, linear
-from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
+from kda_rt.cuda.moe import NormBefore, moe_forward, moe_workspace_bytes, takes_norm_before
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
@@ -79,7 +80,7 @@ class CudaModel:
         a = ws.get("a", (T, D), BF16)
         delta = ws.get("delta", (T, D), BF16)
         final = ws.get("final", (T, D), BF16)
-        fuse_norm = env.fused_norm() and T <= FUSED_NORM_MAX_T and fits_norm(D)
+        fuse_norm = env.fused_norm() and T <= env.fused_norm_max_t(FUSED_NORM_MAX_T) and fits_norm(D)
         layers = self.w.layers
         normed = False  # the previous MoE block already added its output to res and normalised it into a
         for i, L in enumerate(layers):
@@ -94,17 +95,21 @@ class CudaModel:
                     self._kda(i, L.mixer, a, b, ws, out=delta)
                 else:
                     self._mla(i, L.mixer, a, b, ws, out=delta)
-            with trace_scope("norm+residual"):
-                rmsnorm(delta, L.post_norm, eps, residual=res, out=a)
             last = i + 1 == len(layers)
             normed = fuse_norm and isinstance(L.mlp, DeviceMoE)
+            # small steps: the add and norm before the MoE ride in its routing kernel too (moe_route_fused)
+            pre = normed and takes_norm_before(T, cfg.moe, D, L.mlp.shared_in_stack)
+            if not pre:
+                with trace_scope("norm+residual"):
+                    rmsnorm(delta, L.post_norm, eps, residual=res, out=a)
             with trace_scope(L.mlp_kind):
                 if isinstance(L.mlp, DeviceMoE):
                     # the block's residual add and the next norm (the next layer's, or the final one) ride in
                     # the MoE's last kernel; its output is then the next normalised input (a, or final)
                     norm = NormAfter(res, self.w.norm if last else layers[i + 1].in_norm, eps) if normed else None
-                    self._moe(L.mlp, a, ws, out=(final if last else a) if normed else delta,
-                              stats=self.expert_stats[i] if b.decode else None, norm=norm)
+                    before = NormBefore(res, L.post_norm, eps, ws.get("h_pre", (T, D), BF16), a) if pre else None
+                    self._moe(L.mlp, delta if pre else a, ws, out=(final if last else a) if normed else delta,
+                              stats=self.expert_stats[i] if b.decode else None, norm=norm, norm_before=before)
                 else:
                     self._mlp(L.mlp, a, ws, out=delta)
         with trace_scope("final norm+lm_head"):
@@ -165,11 +170,12 @@ class CudaModel:
                         max_seqlen=b.max_seqlen)
         linear(y, w.o_proj, out=out)
 
-    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None) -> None:
+    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack)
-        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm)
+        moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm,
+                    norm_before=norm_before)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         mc = self.config.mla

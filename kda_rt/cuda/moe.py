@@ -34,6 +34,7 @@ from kda_rt.cuda.ops.moe_align import (
     NormAfter,
     bucket_kernel,
     bucket_scratch_words,
+    fits_norm,
     max_tiles,
     moe_bucket,
     moe_combine,
@@ -58,6 +59,7 @@ from kda_rt.cuda.ops.moe_gemv import gemv_kernel, moe_gemv_gate_up
 from kda_rt.cuda.ops.moe_route import (
     FUSED_MAX_T,
     SPLIT_MIN_T,
+    NormBefore,
     fused_route_fits,
     moe_route,
     moe_route_fused,
@@ -70,7 +72,7 @@ if TYPE_CHECKING:
     from kda_rt.cuda.weights import DeviceMoE
     from kda_rt.loader.config import MoEConfig
 
-__all__ = ["moe_forward", "moe_workspace_bytes", "precompile"]
+__all__ = ["NormBefore", "moe_forward", "moe_workspace_bytes", "precompile", "takes_norm_before"]
 
 _ALIGN = 256
 
@@ -144,17 +146,32 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
+                    if fits_norm(D):  # with the norm before the block (takes_norm_before)
+                        fused_route_kernel(tokens, E, D, bm, fused, norm=True)
+                        count += 1
     return count
 
 
+def takes_norm_before(T: int, cfg: MoEConfig, D: int, shared_in_stack: bool) -> bool:
+    """moe_forward can take norm_before for a T-token step: its routing runs as moe_route_fused and its
+    combine can carry the norm after the block (fits_norm), and KDA_RT_ROUTE_NORM is not 0."""
+    return (env.route_norm() and fits_norm(D)
+            and fused_route_fits(T, cfg.num_experts, D, cfg.top_k, cfg.num_expert_group, shared_in_stack))
+
+
 def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, norm: NormAfter | None = None,
-                stream=None):
+                stream=None, norm_before: NormBefore | None = None):
     """x: [T, D] bf16 -> [T, D] bf16.  Weights (cuda/weights.py): w.router [E, D] fp32, w.bias [E] fp32,
     w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
     down [D, Is], bf16) or None.  stats: optional int32 [2] device counter of the experts touched
     (ops/moe_align.moe_bucket).  norm (ops/moe_align.NormAfter): the residual add and RMSNorm after the block
     are done here too, by the combine (ops/moe_align.moe_combine): norm.residual += bf16(MoE(x)),
-    out = RMSNorm(norm.residual)."""
+    out = RMSNorm(norm.residual).
+    norm_before (ops/moe_route.NormBefore, where takes_norm_before; needs `norm`): x is the mixer's output and
+    the residual add and RMSNorm before the block ride in the routing kernel: the block's input is
+    RMSNorm(x + norm_before.residual), written to norm_before.a_out, and norm.residual ends as
+    x + residual + MoE(...), as rmsnorm(x, ..., residual=...) before this call would give (norm_before.residual
+    is norm.residual; norm_before.h_out holds the stream in between)."""
     import cupy
 
     w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2
@@ -162,6 +179,14 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
 
     T, D = expect(x, "x", ndim=2, dtype=BF16)
     E, A = cfg.num_experts, cfg.top_k
+    if norm_before is not None:
+        if norm is None or norm_before.residual is not norm.residual:
+            raise ValueError("moe_forward: norm_before needs norm (the combine writes the new residual stream) "
+                             "on the same residual array")
+        if not takes_norm_before(T, cfg, D, w.shared_in_stack):
+            raise ValueError(f"moe_forward: norm_before needs the fused routing and norm (takes_norm_before) at T={T}")
+        norm = norm._replace(residual_in=norm_before.h_out)
+    delta, x = x, (x if norm_before is None else norm_before.a_out)  # the mixer's output; the block's input
     fused = w.shared_in_stack  # the shared expert is expert E of the stacks: one more pair per token
     stacked = E + 1 if fused else E
     _, two_i, _ = expect(w13, "w13", shape=(stacked, None, D), dtype=BF16)
@@ -205,10 +230,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 w.router_split = split_router(w_router)
         sync = ws["sync"] if fused_tile else None
         if fused_route_fits(T, E, D, A, cfg.num_expert_group, fused):
-            moe_route_fused(x, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
+            moe_route_fused(delta, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
                             out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=fused,
-                            sync=sync, stream=stream)
+                            sync=sync, stream=stream, norm_before=norm_before)
         else:
             moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,

@@ -122,10 +122,11 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 18
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 22
     assert [(kw["KW"], kw["INTER"]) for f, kw in built if f == "moe_gemv.cu"] == [(2304, 1024)]
-    routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"]) for f, kw in built if f == "moe_route.cu")
-    assert routes == [(tpb, 16, 1, 256, 2304) for tpb in (1, 2, 4, 8)]
+    routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"], kw["ROUTE_NORM"]) for f, kw in built
+                    if f == "moe_route.cu")
+    assert routes == [(tpb, 16, 1, 256, 2304, norm) for tpb in (1, 2, 4, 8) for norm in (0, 1)]
     assert {route._fused_tpb(t) for t in range(1, route.FUSED_MAX_T + 1)} == {1, 2, 4, 8}
     assert route.fused_route_fits(route.FUSED_MAX_T, 256, 2304, 8, 1, True)
     assert not route.fused_route_fits(route.FUSED_MAX_T + 1, 256, 2304, 8, 1, True)
@@ -294,6 +295,27 @@ def test_fused_moe_norm_needs_one_block_per_row():
 
     assert fits_norm(2304) and fits_norm(4096) and fits_norm(132)
     assert not fits_norm(4100) and not fits_norm(2306)
+
+
+def test_norm_before_the_moe_rides_in_the_fused_routing_only(monkeypatch):
+    """The add and RMSNorm before a MoE block go into moe_route_fused exactly where that kernel routes the
+    step (ungrouped routing, T <= FUSED_MAX_T) and the combine can carry the norm after the block; the model
+    (cuda/model.py) asks only for steps whose combine carries it (T <= FUSED_NORM_MAX_T)."""
+    from kda_rt.cuda.moe import takes_norm_before
+    from kda_rt.cuda.ops.moe_align import FUSED_NORM_MAX_T
+    from kda_rt.cuda.ops.moe_route import FUSED_MAX_T
+
+    cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
+    assert FUSED_NORM_MAX_T <= FUSED_MAX_T
+    assert all(takes_norm_before(t, cfg, 2304, True) for t in (1, 2, 8, FUSED_MAX_T))
+    assert not takes_norm_before(FUSED_MAX_T + 1, cfg, 2304, True)
+    assert not takes_norm_before(1, cfg, 4100, True)  # no one-block norm in the combine
+    assert not takes_norm_before(1, types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=8), 2304, True)
+    monkeypatch.setenv("KDA_RT_ROUTE_NORM", "0")
+    assert not takes_norm_before(1, cfg, 2304, True)
+    monkeypatch.setenv("KDA_RT_ROUTE_NORM", "2")
+    with pytest.raises(ValueError, match="KDA_RT_ROUTE_NORM"):
+        takes_norm_before(1, cfg, 2304, True)
 
 
 def test_early_weight_copies_only_in_the_small_decode_down_gemm(monkeypatch):

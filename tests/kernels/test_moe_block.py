@@ -191,6 +191,52 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         assert err <= 1e-2, f"graph replay {replay}: rms rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_moe_forward_norm_before(T, fused):
+    """moe_forward(delta, norm_before=..., norm=...) (the add and RMSNorm before the block in the routing kernel,
+    the ones after it in the combine) against rmsnorm.cu then moe_forward(a, norm=...): the new residual
+    stream and the next block's input within 1e-2 RMS (a differs from rmsnorm.cu's by at most one bf16 ulp
+    in <= 1% of the entries: test_moe_route_fused_norm_before), and norm_before.a_out is the block input the
+    GEMMs read.  Also the refusals: without `norm`, and at T = 32 (three-kernel routing)."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import NormAfter
+    from kda_rt.cuda.ops.moe_route import NormBefore
+    from kda_rt.cuda.ops.rmsnorm import rmsnorm
+
+    D, inter, E, eps = 2304, 1024, 256, 1e-6
+    cfg = dataclasses.replace(make_cfg(E), num_shared_experts=1, intermediate_size=inter)
+    _, gpu, _ = make_block(T, D, inter, inter, cfg, 40 + T)
+    rng = np.random.default_rng(T)
+    delta, residual = to_gpu_bf16(rng.normal(size=(T, D))), rng.normal(size=(T, D)) * 3.0
+    w_post, w_next = (to_gpu_bf16(rng.uniform(0.5, 1.5, size=D)) for _ in range(2))
+    # two kernels before the block, then the block with the norm after it
+    res1 = to_gpu_bf16(residual)
+    gpu["x"] = rmsnorm(delta, w_post, eps, residual=res1)
+    out1 = cupy.empty((T, D), BF16)
+    run(gpu, cfg, fused, out=out1, norm=NormAfter(res1, w_next, eps))
+    # the norm in the routing kernel
+    res2 = to_gpu_bf16(residual)
+    h, a, out2 = (cupy.empty((T, D), BF16) for _ in range(3))
+    for arr in (h, a, out2):
+        poison(arr)
+    gpu["x"] = delta
+    run(gpu, cfg, fused, out=out2, norm=NormAfter(res2, w_next, eps), norm_before=NormBefore(res2, w_post, eps, h, a))
+    for name, got, want in (("residual", res2, res1), ("out", out2, out1)):
+        err = rms_rel(to_np(got), to_np(want))
+        assert err <= 1e-2, f"{name}: rms rel err {err:.3e}"
+    with pytest.raises(ValueError, match="needs norm"):
+        run(gpu, cfg, fused, norm_before=NormBefore(res2, w_post, eps, h, a))
+    x32 = to_gpu_bf16(rng.normal(size=(32, D)))
+    gpu["x"] = x32
+    with pytest.raises(ValueError, match="fused routing"):
+        r32 = cupy.zeros((32, D), BF16)
+        run(gpu, cfg, fused, norm=NormAfter(r32, w_next, eps),
+            norm_before=NormBefore(r32, w_post, eps, cupy.empty_like(x32), cupy.empty_like(x32)))
+
+
 def bench(T=32, D=2304, inter=1024, E=256, reps=50):
     """Decode-shaped timing by CUDA-graph replay; bytes = touched experts' w13 + w2, shared expert,
     router (each read once), the floor for this memory-bound step."""

@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import pytest
 
-from helpers.gpu import to_gpu_bf16, to_np
+from helpers.gpu import poison, to_gpu_bf16, to_np
 from helpers.moe_router import make_cfg, make_router
 
 pytestmark = pytest.mark.gpu
@@ -248,6 +248,60 @@ def test_moe_route_fused_select_equals_rank(T, E, A, shared, biased):
     np.testing.assert_array_equal(cupy.asnumpy(w).view(np.uint32), cupy.asnumpy(w_r).view(np.uint32))
     _assert_a_tie_was_taken(got_ids, min_tokens=17)
     assert_plan(plan, got_ids, E, shared)
+
+
+@pytest.mark.parametrize(("T", "E", "shared"), [(1, 256, True), (3, 256, True), (8, 256, True), (16, 256, False),
+                                                (5, 64, False)])
+def test_moe_route_fused_norm_before(T, E, shared):
+    """moe_route_fused with NormBefore (ROUTE_NORM: the residual add and RMSNorm before the block in the
+    routing kernel): h_out bit-identical to rmsnorm.cu's updated residual (same roundings), a_out within one
+    bf16 ulp of rmsnorm.cu's output (only the order of the fp32 sum of squares differs) on <= 1% of the
+    entries, residual left unchanged; and the ids, weights, logits and plan bit-identical to moe_route_fused
+    routing the kernel's own a_out without the norm (the same staged values).  T = 16 has two token groups
+    (8 rows a block).  Outputs poisoned first."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+    from kda_rt.cuda.ops.moe_route import NormBefore, moe_route_fused
+    from kda_rt.cuda.ops.rmsnorm import rmsnorm
+
+    D, A, eps = 2304, 8, 1e-6
+    rng = np.random.default_rng(1000 * T + E)
+    cfg = make_cfg(E)
+    _, w_router, bias = make_router(T, D, cfg, seed=T + E)
+    wg, bg = cupy.asarray(w_router.astype(np.float32)), cupy.asarray(bias.astype(np.float32))
+    delta = to_gpu_bf16(rng.normal(size=(T, D)) * 0.7)
+    residual = rng.normal(size=(T, D)) * 4.0
+    norm_w = to_gpu_bf16(rng.uniform(0.5, 1.5, size=D))
+    res_ref = to_gpu_bf16(residual)
+    a_ref = rmsnorm(delta, norm_w, eps, residual=res_ref)
+
+    pairs, bins = A + int(shared), E + int(shared)
+    tiles = max_tiles(T * pairs, bins, 16)
+
+    def route(x, norm_before=None):
+        plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (bins + 1, T * pairs, T * pairs, tiles, tiles, 1)), 16)
+        ids, w = cupy.full((T, A), -7, np.int32), cupy.full((T, A), np.nan, np.float32)
+        logits = cupy.full((T, E), np.nan, np.float32)
+        moe_route_fused(x, wg, bg, plan, top_k=A, renormalize=True, scaling=2.5, out_ids=ids, out_w=w, logits=logits,
+                        done=cupy.zeros(1, np.int32), shared_slot=shared, norm_before=norm_before)
+        return [cupy.asnumpy(a).view(np.uint32) for a in (ids, w, logits, *plan[:6])]
+
+    res = to_gpu_bf16(residual)
+    h, a = cupy.empty((T, D), BF16), cupy.empty((T, D), BF16)
+    poison(h)
+    poison(a)
+    got = route(delta, NormBefore(res, norm_w, eps, h, a))
+    np.testing.assert_array_equal(to_np(res), to_np(to_gpu_bf16(residual)))  # left as it was
+    np.testing.assert_array_equal(to_np(h), to_np(res_ref))
+    got_a, want_a = to_np(a), to_np(a_ref)
+    assert np.all(np.isfinite(got_a))
+    assert np.all(np.abs(got_a - want_a) <= np.abs(want_a) * 2.0**-7 + 1e-30), "more than one bf16 ulp from rmsnorm"
+    assert np.mean(got_a != want_a) <= 0.01, f"{np.mean(got_a != want_a):.3%} of the entries differ from rmsnorm"
+    for name, g, r in zip(("ids", "w", "logits", "expert_off", "sorted_pair", "pair_pos", "tile_expert", "tile_row",
+                           "num_tiles"), got, route(a), strict=True):
+        np.testing.assert_array_equal(g, r, err_msg=name)
 
 
 if __name__ == "__main__":

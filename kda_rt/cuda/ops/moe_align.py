@@ -5,6 +5,7 @@ Letters: T tokens, A active experts per token, E experts, N = T·A pairs, D hidd
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -30,11 +31,13 @@ _NORM_MAX_THREADS = 1024  # moe_combine_norm: one block per token
 
 class NormAfter(NamedTuple):
     """The residual add and RMSNorm that follow the MoE block (moe_combine(norm=...)): residual [T, D] bf16
-    (updated in place), weight [D] bf16, eps."""
+    (updated in place), weight [D] bf16, eps; residual_in: where the stream is read from when not residual
+    itself (moe_route_fused's NormBefore.h_out)."""
 
     residual: object
     weight: object
     eps: float
+    residual_in: object = None
 
 
 class MoEPlan(NamedTuple):
@@ -170,17 +173,25 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     expect(out, "out", shape=(T, D), dtype=BF16)
     has_shared = 2 if shared_in_y else int(shared is not None)
     args = (y, pair_pos, w, shared if shared is not None else y)
-    if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel
-        delta = moe_combine(y, pair_pos, w, shared, shared_in_y=shared_in_y, stream=stream)
-        return rmsnorm(delta, norm.weight, norm.eps, residual=norm.residual, out=out, stream=stream)
     if norm is not None:
         expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
         expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
+        if norm.residual_in is not None:
+            expect(norm.residual_in, "norm.residual_in", shape=(T, D), dtype=BF16)
+    if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel
+        delta = moe_combine(y, pair_pos, w, shared, shared_in_y=shared_in_y, stream=stream)
+        if norm.residual_in is not None:
+            with stream if stream is not None else contextlib.nullcontext():
+                norm.residual[...] = norm.residual_in
+        return rmsnorm(delta, norm.weight, norm.eps, residual=norm.residual, out=out, stream=stream)
+    if norm is not None:
         threads = max(-(-D // 128) * 32, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread, whole warps
         kernel = get_kernel("moe_align.cu", "moe_combine_norm", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared,
                             NORM=1)
+        res_in = norm.residual if norm.residual_in is None else norm.residual_in
         if T:
-            kernel((T,), (threads,), (*args, norm.residual, norm.weight, out, i32(T), f32(norm.eps)), stream=stream)
+            kernel((T,), (threads,), (*args, norm.residual, norm.weight, out, i32(T), f32(norm.eps), res_in),
+                   stream=stream)
         return out
     threads = max(_COMBINE_THREADS, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread; >= one thread per pair
     kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared)

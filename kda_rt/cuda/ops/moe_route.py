@@ -10,6 +10,8 @@ against 876 (same ids in every case).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from kda_rt import env
@@ -18,8 +20,9 @@ from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
-__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "default_select", "fused_kernel",
-           "fused_route_fits", "logits_tokens_per_block", "moe_route", "moe_route_fused", "split_router"]
+__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
+           "fused_kernel", "fused_route_fits", "logits_tokens_per_block", "moe_route", "moe_route_fused",
+           "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
@@ -42,6 +45,19 @@ FUSED_MAX_T = 16
 _FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
 _FR_MAX_T = 64  # what the kernel can take (its shared bins), above the policy's FUSED_MAX_T
 _FR_X_BYTES = 37 * 1024  # staged x rows (2·8·D bytes): its 48 KB of static shared memory less the bins and scratch
+
+
+class NormBefore(NamedTuple):
+    """The residual add and RMSNorm before the MoE block, done by moe_route_fused (its x is then the mixer's
+    output delta [T, D] bf16): h = bf16(delta + residual) -> h_out, a_out = RMSNorm(h) · weight (the MoE's
+    input), as rmsnorm(delta, weight, eps, residual=residual, out=a_out) except that residual [T, D] bf16 is
+    left as it was (the route kernel's other blocks read it): h_out is the new residual stream."""
+
+    residual: object
+    weight: object
+    eps: float
+    h_out: object
+    a_out: object
 
 
 def logits_tokens_per_block(T: int, D: int) -> int | None:
@@ -92,25 +108,38 @@ def _fused_tpb(T: int) -> int:
     return next(t for t in (1, 2, 4, _FR_MAX_TPB) if t >= min(T, _FR_MAX_TPB))
 
 
-def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3):
+def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3, norm: bool = False):
     """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T);
-    `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts)."""
+    `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts); `norm`: the variant
+    that also does the residual add and RMSNorm before the block (NormBefore)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=_fused_tpb(T),
-                      MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot), **cut)
+                      MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot),
+                      ROUTE_NORM=int(norm), **cut)
 
 
 def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
                     biased_weights: bool = False, out_ids, out_w, logits, done, stats=None, shared_slot: bool = False,
-                    sync=None, stream=None, phases: int = 3):
+                    sync=None, stream=None, phases: int = 3, norm_before: NormBefore | None = None):
     """A decode step's routing and bucketing in one launch (kernels_cu/moe_route.cu moe_route_fused):
     moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
     x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
     T·E floats are used); done: int32 [>= 1] device counter that must be 0 before a CUDA graph captures this
-    call (every eager call zeroes it; the kernel leaves it 0)."""
+    call (every eager call zeroes it; the kernel leaves it 0).
+    norm_before (NormBefore): x is the mixer's output delta; the routing is then of RMSNorm(delta + residual),
+    which the kernel also writes to norm_before.a_out, and the new residual stream to norm_before.h_out."""
     import cupy
 
     T, D = expect(x, "x", ndim=2, dtype=BF16)
+    nb = norm_before
+    if nb is not None:
+        expect(nb.residual, "norm_before.residual", shape=(T, D), dtype=BF16)
+        expect(nb.weight, "norm_before.weight", shape=(D,), dtype=BF16)
+        expect(nb.h_out, "norm_before.h_out", shape=(T, D), dtype=BF16)
+        expect(nb.a_out, "norm_before.a_out", shape=(T, D), dtype=BF16)
+        if len({int(a.data.ptr) for a in (x, nb.residual, nb.h_out, nb.a_out)}) < 4:
+            raise ValueError("moe_route_fused: x, norm_before.residual, h_out and a_out must be four buffers "
+                             "(every block reads x and residual while some write h_out and a_out)")
     E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
     expect(bias, "bias", shape=(E,), dtype=np.float32)
     expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
@@ -128,13 +157,15 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4, stream.ptr)
-    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases)
+    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None)
     null = np.uint64(0)
+    norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
     kernel((-(-T // _fused_tpb(T)), E // _FR_EPB), (_FR_THREADS,),
            (x, w_router, bias, logits, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)),
             i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
             plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
-            sync if sync is not None else null, i32(0 if sync is None else sync.size), done), stream=stream)
+            sync if sync is not None else null, i32(0 if sync is None else sync.size), done, *norm_args),
+           stream=stream)
     return out_ids, out_w
 
 
