@@ -257,10 +257,12 @@ def test_moe_route_fused_norm_before(T, E, shared):
     routing kernel): h_out bit-identical to rmsnorm.cu's updated residual (same roundings), a_out within one
     bf16 ulp of rmsnorm.cu's output (only the order of the fp32 sum of squares differs) on <= 1% of the
     entries, residual left unchanged; and the ids, weights, logits and plan bit-identical to moe_route_fused
-    routing the kernel's own a_out without the norm (the same staged values).  T = 16 has two token groups
-    (8 rows a block).  Outputs poisoned first."""
+    routing the kernel's own a_out without the norm (the same staged values; the plan's row order inside a bin
+    follows shared-memory atomics, so sorted_pair / pair_pos are checked by assert_plan).  T = 16 has two token
+    groups (8 rows a block).  Outputs poisoned first."""
     import cupy
 
+    from helpers.moe_plan import assert_plan
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
     from kda_rt.cuda.ops.moe_route import NormBefore, moe_route_fused
@@ -299,9 +301,12 @@ def test_moe_route_fused_norm_before(T, E, shared):
     assert np.all(np.isfinite(got_a))
     assert np.all(np.abs(got_a - want_a) <= np.abs(want_a) * 2.0**-7 + 1e-30), "more than one bf16 ulp from rmsnorm"
     assert np.mean(got_a != want_a) <= 0.01, f"{np.mean(got_a != want_a):.3%} of the entries differ from rmsnorm"
-    for name, g, r in zip(("ids", "w", "logits", "expert_off", "sorted_pair", "pair_pos", "tile_expert", "tile_row",
-                           "num_tiles"), got, route(a), strict=True):
-        np.testing.assert_array_equal(g, r, err_msg=name)
+    names = ("ids", "w", "logits", "expert_off", "sorted_pair", "pair_pos", "tile_expert", "tile_row", "num_tiles")
+    for name, g, r in zip(names, got, route(a), strict=True):
+        if name not in ("sorted_pair", "pair_pos"):
+            np.testing.assert_array_equal(g, r, err_msg=name)
+    plan = MoEPlan(*(cupy.asarray(p.view(np.int32)) for p in got[3:]), 16)
+    assert_plan(plan, got[0].view(np.int32), E, shared)
 
 
 if __name__ == "__main__":
