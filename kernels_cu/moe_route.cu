@@ -156,43 +156,48 @@ __device__ __forceinline__ void stage_rows(bf16 (&xs)[NT][DX], const bf16* __res
 }
 
 // rmsnorm.cu's residual add and norm of rows t0 .. t0 + NT - 1 into shared memory (moe_route_fused with
-// ROUTE_NORM): xs = h = bf16(delta + residual), per-row fp32 sums of h^2 over the block, then xs = a =
-// bf16(bf16(h rsqrt(mean + eps)) norm_w) in place; `writer` also stores h and a of the rows < num_tokens.
-// part: shared [NTHREADS / 32][NT]; ends with a barrier.
+// ROUTE_NORM): xs = h = bf16(delta + residual), per-row fp32 sums of h^2, then xs = a = bf16(bf16(h rsqrt(mean
+// + eps)) norm_w) in place; `writer` also stores h and a of the rows < num_tokens.  Thread i works on row
+// i / (NTHREADS / NT) only (whole warps a row), a few 4-column pieces at a time, so its registers stay few: the
+// logits' router pieces are in flight across this, and the kernel's blocks must fit beside the next kernel's
+// early-launched CTAs (a first version with every row's loads unrolled took 102 registers, and at NT = 8 the
+// launch 40 us instead of 11).  part: shared [NTHREADS / 32]; ends with a barrier.
 template <int NTHREADS, int NT, int DX>
 __device__ __forceinline__ void stage_norm_rows(bf16 (&xs)[NT][DX], const bf16* __restrict__ delta,
                                                 const bf16* __restrict__ residual, const bf16* __restrict__ norm_w,
                                                 bf16* __restrict__ h_out, bf16* __restrict__ a_out, int t0,
-                                                int num_tokens, float eps, bool writer, float (&part)[NTHREADS / 32][NT]) {
-    float ss[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        ss[t] = 0.f;
-        const bool valid = t0 + t < num_tokens;
-        for (int d = threadIdx.x * 4; d < DX; d += NTHREADS * 4) {
-            float4 h = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (valid) {
-                const size_t o = (size_t)(t0 + t) * DX + d;
-                const float4 a = ld_bf16x4(delta + o), r = ld_bf16x4(residual + o);
-                h = make_float4(round_bf16(a.x + r.x), round_bf16(a.y + r.y), round_bf16(a.z + r.z), round_bf16(a.w + r.w));
-                if (writer) st_bf16x4(h_out + o, h.x, h.y, h.z, h.w);
-            }
-            st_bf16x4(&xs[t][d], h.x, h.y, h.z, h.w);
-            ss[t] += h.x * h.x + h.y * h.y + h.z * h.z + h.w * h.w;
+                                                int num_tokens, float eps, bool writer, float* part) {
+    constexpr int TPR = NTHREADS / NT, WPR = TPR / 32;  // threads, warps a row
+    static_assert(TPR % 32 == 0, "stage_norm_rows: whole warps a row");
+    const int t = threadIdx.x / TPR, first = (threadIdx.x % TPR) * 4;
+    const bool valid = t0 + t < num_tokens;
+    const size_t row = (size_t)(t0 + t) * DX;
+    float ss = 0.f;
+#pragma unroll 2
+    for (int d = first; d < DX; d += TPR * 4) {
+        float4 h = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+            const float4 a = ld_bf16x4(delta + row + d), r = ld_bf16x4(residual + row + d);
+            h = make_float4(round_bf16(a.x + r.x), round_bf16(a.y + r.y), round_bf16(a.z + r.z), round_bf16(a.w + r.w));
+            if (writer) st_bf16x4(h_out + row + d, h.x, h.y, h.z, h.w);
         }
+        st_bf16x4(&xs[t][d], h.x, h.y, h.z, h.w);
+        ss += h.x * h.x + h.y * h.y + h.z * h.z + h.w * h.w;
     }
-    block_sum(ss, part);
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        const float inv = rsqrtf(ss[t] / (float)DX + eps);
-        const bool valid = t0 + t < num_tokens;
-        for (int d = threadIdx.x * 4; d < DX; d += NTHREADS * 4) {  // the same elements this thread staged
-            const float4 h = ld_bf16x4(&xs[t][d]), g = ld_bf16x4(norm_w + d);
-            const float4 a = make_float4(round_bf16(h.x * inv) * g.x, round_bf16(h.y * inv) * g.y,
-                                         round_bf16(h.z * inv) * g.z, round_bf16(h.w * inv) * g.w);
-            st_bf16x4(&xs[t][d], a.x, a.y, a.z, a.w);
-            if (writer && valid) st_bf16x4(a_out + (size_t)(t0 + t) * DX + d, a.x, a.y, a.z, a.w);
-        }
+    for (int w = 0; w < WPR; ++w) ss += part[t * WPR + w];
+    const float inv = rsqrtf(ss / (float)DX + eps);
+#pragma unroll 2
+    for (int d = first; d < DX; d += TPR * 4) {  // the pieces this thread staged
+        const float4 h = ld_bf16x4(&xs[t][d]), g = ld_bf16x4(norm_w + d);
+        const float4 a = make_float4(round_bf16(h.x * inv) * g.x, round_bf16(h.y * inv) * g.y,
+                                     round_bf16(h.z * inv) * g.z, round_bf16(h.w * inv) * g.w);
+        st_bf16x4(&xs[t][d], a.x, a.y, a.z, a.w);
+        if (writer && valid) st_bf16x4(a_out + row + d, a.x, a.y, a.z, a.w);
     }
     __syncthreads();
 }
@@ -403,7 +408,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     load_router(0);
     KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
 #if ROUTE_NORM
-    stage_norm_rows<FR_THREADS>(xs, x, residual, norm_w, h_out, a_out, t0, num_tokens, eps, blockIdx.y == 0, part_sh);
+    stage_norm_rows<FR_THREADS>(xs, x, residual, norm_w, h_out, a_out, t0, num_tokens, eps, blockIdx.y == 0, &part_sh[0][0]);
 #else
     stage_rows<FR_THREADS>(xs, x, t0, num_tokens);
     __syncthreads();
