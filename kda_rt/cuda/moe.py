@@ -61,6 +61,7 @@ from kda_rt.cuda.ops.moe_route import (
     SPLIT_MIN_T,
     NormBefore,
     fused_route_fits,
+    fused_route_rows,
     moe_route,
     moe_route_fused,
     split_router,
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from kda_rt.cuda.weights import DeviceMoE
     from kda_rt.loader.config import MoEConfig
 
-__all__ = ["NormBefore", "moe_forward", "moe_workspace_bytes", "precompile", "takes_norm_before"]
+__all__ = ["ROUTE_NORM_MAX_T", "NormBefore", "moe_forward", "moe_workspace_bytes", "precompile", "takes_norm_before"]
 
 _ALIGN = 256
 
@@ -146,16 +147,25 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
-                    if fits_norm(D):  # with the norm before the block (takes_norm_before)
-                        fused_route_kernel(tokens, E, D, bm, fused, norm=True)
+                    if fits_norm(D) and any(fused_route_rows(t) == fused_route_rows(tokens)
+                                            for t in range(1, ROUTE_NORM_MAX_T + 1)):
+                        fused_route_kernel(tokens, E, D, bm, fused, norm=True)  # with NormBefore (takes_norm_before)
                         count += 1
     return count
 
 
+# Steps of up to this many tokens take the add and RMSNorm before the block inside moe_route_fused (NormBefore):
+# each route block stages its rows' delta and residual itself, which lengthens its critical path by the loads
+# of T rows while it saves the rmsnorm launch.  Graph replays of the full model (tests/gpu/bench_ab.py --env
+# KDA_RT_ROUTE_NORM --replays, H200, 2026-12-01): batch 1 2.3560 -> 2.3232 ms (-1.4%), batch 8 5.0503 -> 5.1336
+# (+1.6%), batch 16 6.9775 -> 7.0689 (+1.3%).
+ROUTE_NORM_MAX_T = 4
+
+
 def takes_norm_before(T: int, cfg: MoEConfig, D: int, shared_in_stack: bool) -> bool:
-    """moe_forward can take norm_before for a T-token step: its routing runs as moe_route_fused and its
-    combine can carry the norm after the block (fits_norm), and KDA_RT_ROUTE_NORM is not 0."""
-    return (env.route_norm() and fits_norm(D)
+    """moe_forward can take norm_before for a T-token step: T <= ROUTE_NORM_MAX_T, its routing runs as
+    moe_route_fused, its combine can carry the norm after the block (fits_norm), and KDA_RT_ROUTE_NORM is not 0."""
+    return (T <= ROUTE_NORM_MAX_T and env.route_norm() and fits_norm(D)
             and fused_route_fits(T, cfg.num_experts, D, cfg.top_k, cfg.num_expert_group, shared_in_stack))
 
 

@@ -122,12 +122,15 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 22
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 18 + len({route.fused_route_rows(t)
+                                                                     for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     assert [(kw["KW"], kw["INTER"]) for f, kw in built if f == "moe_gemv.cu"] == [(2304, 1024)]
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"], kw["ROUTE_NORM"]) for f, kw in built
                     if f == "moe_route.cu")
-    assert routes == [(tpb, 16, 1, 256, 2304, norm) for tpb in (1, 2, 4, 8) for norm in (0, 1)]
-    assert {route._fused_tpb(t) for t in range(1, route.FUSED_MAX_T + 1)} == {1, 2, 4, 8}
+    norm_rows = {route.fused_route_rows(t) for t in range(1, moe.ROUTE_NORM_MAX_T + 1)}
+    assert routes == sorted([(tpb, 16, 1, 256, 2304, 0) for tpb in (1, 2, 4, 8)]
+                            + [(tpb, 16, 1, 256, 2304, 1) for tpb in norm_rows])
+    assert {route.fused_route_rows(t) for t in range(1, route.FUSED_MAX_T + 1)} == {1, 2, 4, 8}
     assert route.fused_route_fits(route.FUSED_MAX_T, 256, 2304, 8, 1, True)
     assert not route.fused_route_fits(route.FUSED_MAX_T + 1, 256, 2304, 8, 1, True)
     assert not route.fused_route_fits(1, 256, 2304, 8, 8, True)  # grouped routing: three launches
@@ -298,17 +301,17 @@ def test_fused_moe_norm_needs_one_block_per_row():
 
 
 def test_norm_before_the_moe_rides_in_the_fused_routing_only(monkeypatch):
-    """The add and RMSNorm before a MoE block go into moe_route_fused exactly where that kernel routes the
-    step (ungrouped routing, T <= FUSED_MAX_T) and the combine can carry the norm after the block; the model
-    (cuda/model.py) asks only for steps whose combine carries it (T <= FUSED_NORM_MAX_T)."""
-    from kda_rt.cuda.moe import takes_norm_before
+    """The add and RMSNorm before a MoE block go into moe_route_fused for steps of up to ROUTE_NORM_MAX_T tokens
+    (measured), where that kernel routes the step (ungrouped routing) and the combine can carry the norm after
+    the block; the model (cuda/model.py) asks only for steps whose combine carries it (T <= FUSED_NORM_MAX_T)."""
+    from kda_rt.cuda.moe import ROUTE_NORM_MAX_T, takes_norm_before
     from kda_rt.cuda.ops.moe_align import FUSED_NORM_MAX_T
     from kda_rt.cuda.ops.moe_route import FUSED_MAX_T
 
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert FUSED_NORM_MAX_T <= FUSED_MAX_T
-    assert all(takes_norm_before(t, cfg, 2304, True) for t in (1, 2, 8, FUSED_MAX_T))
-    assert not takes_norm_before(FUSED_MAX_T + 1, cfg, 2304, True)
+    assert 1 <= ROUTE_NORM_MAX_T <= min(FUSED_NORM_MAX_T, FUSED_MAX_T)
+    assert all(takes_norm_before(t, cfg, 2304, True) for t in range(1, ROUTE_NORM_MAX_T + 1))
+    assert not takes_norm_before(ROUTE_NORM_MAX_T + 1, cfg, 2304, True)
     assert not takes_norm_before(1, cfg, 4100, True)  # no one-block norm in the combine
     assert not takes_norm_before(1, types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=8), 2304, True)
     monkeypatch.setenv("KDA_RT_ROUTE_NORM", "0")

@@ -208,5 +208,8 @@ def fits_norm(hidden: int) -> bool:
 # The model fuses the combine with the next norm for steps of up to this many tokens: graph replay on the full
 # model (tests/gpu/bench_ab.py --replays, H200, 2026-12-01): batch 1 2.684 -> 2.660 ms, batch 8 5.775 -> 5.751,
 # batch 32 8.871 -> 8.957 (32 blocks of one token each load 9 rows with 8-byte loads: slower than the combine's
-# 288 narrow blocks followed by rmsnorm)
-FUSED_NORM_MAX_T = 8
+# 288 narrow blocks followed by rmsnorm).  Measured again after the programmatic launches and the fused decode
+# MoE (seventeenth session, `bench_ab.py --env KDA_RT_FUSED_NORM_MAX_T --values 8,32 --replays 16,32`, two calls):
+# batch 32 7.9219 -> 7.8920 and 7.8070 -> 7.7785 ms (-0.4%), batch 16 7.0095 -> 6.9775 (-0.5%); the seed
+# prefill with every step fused (100000) 0.925 -> 0.924 s TTFT max: no gain, so prefill steps keep two kernels.
+FUSED_NORM_MAX_T = 32

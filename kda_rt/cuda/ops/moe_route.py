@@ -21,7 +21,7 @@ from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
 __all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
-           "fused_kernel", "fused_route_fits", "logits_tokens_per_block", "moe_route", "moe_route_fused",
+           "fused_kernel", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block", "moe_route", "moe_route_fused",
            "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
@@ -104,7 +104,8 @@ def fused_route_fits(T: int, E: int, D: int, top_k: int, num_groups: int, shared
             and env.fused_route())
 
 
-def _fused_tpb(T: int) -> int:
+def fused_route_rows(T: int) -> int:
+    """Rows of x per block of moe_route_fused for a T-token step (its FR_TPB): the fewest of 1, 2, 4, 8 covering T."""
     return next(t for t in (1, 2, 4, _FR_MAX_TPB) if t >= min(T, _FR_MAX_TPB))
 
 
@@ -113,7 +114,7 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
     `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts); `norm`: the variant
     that also does the residual add and RMSNorm before the block (NormBefore)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
-    return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=_fused_tpb(T),
+    return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=fused_route_rows(T),
                       MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot),
                       ROUTE_NORM=int(norm), **cut)
 
@@ -160,7 +161,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None)
     null = np.uint64(0)
     norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
-    kernel((-(-T // _fused_tpb(T)), E // _FR_EPB), (_FR_THREADS,),
+    kernel((-(-T // fused_route_rows(T)), E // _FR_EPB), (_FR_THREADS,),
            (x, w_router, bias, logits, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)),
             i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
             plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
