@@ -157,9 +157,10 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
 # Steps of up to this many tokens take the add and RMSNorm before the block inside moe_route_fused (NormBefore):
 # each route block stages its rows' delta and residual itself, which lengthens its critical path by the loads
 # of T rows while it saves the rmsnorm launch.  Graph replays of the full model (tests/gpu/bench_ab.py --env
-# KDA_RT_ROUTE_NORM --replays, H200, 2026-12-01): batch 1 2.3560 -> 2.3232 ms (-1.4%), batch 8 5.0503 -> 5.1336
-# (+1.6%), batch 16 6.9775 -> 7.0689 (+1.3%).
-ROUTE_NORM_MAX_T = 4
+# KDA_RT_ROUTE_NORM --replays, H200, 2026-12-01): batch 1 2.3560 -> 2.3232 ms (-1.4%) and 2.3687 -> 2.3344 (-1.4%),
+# batch 2 3.0474 -> 3.0429 (-0.1%), batch 4 3.8384 -> 3.8680 (+0.8%), batch 8 5.0503 -> 5.1336 (+1.6%), batch 16
+# 6.9775 -> 7.0689 (+1.3%).
+ROUTE_NORM_MAX_T = 1
 
 
 def takes_norm_before(T: int, cfg: MoEConfig, D: int, shared_in_stack: bool) -> bool:
