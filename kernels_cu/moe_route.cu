@@ -143,15 +143,28 @@ __device__ __forceinline__ void warp_route_token(Logit logit, const float* __res
     *w_out = (renormalize ? my_w / (sum + 1e-20f) : my_w) * scaling;
 }
 
-// x rows t0 .. t0 + NT - 1 (zeros past num_tokens) into shared memory with 8-byte copies by NTHREADS threads
-// (DX % 4 == 0 keeps them aligned); the callers sync after
+// x rows t0 .. t0 + NT - 1 (zeros past num_tokens) into shared memory by NTHREADS threads; the callers sync
+// after.  DX % 8 == 0 (x rows and xs 16-byte aligned: the launchers check x): 16-byte cp.async pieces, all in
+// flight at once and no registers held (a loop of 8-byte loads and stores waited on each load: at 8 rows a
+// block, 9 round trips); else 8-byte copies (DX % 4 == 0).
 template <int NTHREADS, int NT, int DX>
 __device__ __forceinline__ void stage_rows(bf16 (&xs)[NT][DX], const bf16* __restrict__ x, int t0, int num_tokens) {
-    for (int i = threadIdx.x; i < NT * (DX / 4); i += NTHREADS) {
-        const int t = i / (DX / 4), d = (i % (DX / 4)) * 4;
-        uint2 v = make_uint2(0u, 0u);
-        if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * DX + d);
-        *reinterpret_cast<uint2*>(&xs[t][d]) = v;
+    if constexpr (DX % 8 == 0) {
+        constexpr int P = DX / 8;
+        for (int i = threadIdx.x; i < NT * P; i += NTHREADS) {
+            const int t = i / P, p = i - t * P;
+            const bool v = t0 + t < num_tokens;
+            cp_async16(&xs[t][8 * p], x + (size_t)(v ? t0 + t : 0) * DX + 8 * p, v ? 16 : 0);  // 0: zero fill
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+    } else {
+        for (int i = threadIdx.x; i < NT * (DX / 4); i += NTHREADS) {
+            const int t = i / (DX / 4), d = (i % (DX / 4)) * 4;
+            uint2 v = make_uint2(0u, 0u);
+            if (t0 + t < num_tokens) v = *reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * DX + d);
+            *reinterpret_cast<uint2*>(&xs[t][d]) = v;
+        }
     }
 }
 

@@ -309,6 +309,31 @@ def test_moe_route_fused_norm_before(T, E, shared):
     assert_plan(plan, got[0].view(np.int32), E, shared)
 
 
+def test_moe_route_refuses_x_off_a_16_byte_boundary():
+    """The kernels stage x by 16-byte copies (D % 8 == 0): a view starting 8 bytes into its buffer is refused
+    by both launchers, with the reason, before anything runs."""
+    import cupy
+
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+    from kda_rt.cuda.ops.moe_route import moe_route, moe_route_fused
+
+    T, D, E, A = 2, 2304, 64, 8
+    cfg = make_cfg(E)
+    x, w_router, bias = make_router(T, D, cfg, seed=3)
+    buf = cupy.zeros(T * D + 4, dtype=to_gpu_bf16(x).dtype)
+    xs = buf[4:].reshape(T, D)
+    xs[...] = to_gpu_bf16(x)
+    wg, bg = cupy.asarray(w_router.astype(np.float32)), cupy.asarray(bias.astype(np.float32))
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        moe_route(xs, wg, bg, top_k=A, num_groups=1, topk_group=1, renormalize=True, scaling=1.0)
+    tiles = max_tiles(T * A, E, 16)
+    plan = MoEPlan(*(cupy.zeros(n, np.int32) for n in (E + 1, T * A, T * A, tiles, tiles, 1)), 16)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        moe_route_fused(xs, wg, bg, plan, top_k=A, renormalize=True, scaling=1.0, out_ids=cupy.empty((T, A), np.int32),
+                        out_w=cupy.empty((T, A), np.float32), logits=cupy.empty((T, E), np.float32),
+                        done=cupy.zeros(1, np.int32))
+
+
 if __name__ == "__main__":
     for case in CASES:
         test_moe_route(case)

@@ -68,6 +68,12 @@ def logits_tokens_per_block(T: int, D: int) -> int | None:
     return next((t for t in fits if t >= T), fits[-1] if fits else None)
 
 
+def _check_x_aligned(x, D: int, who: str) -> None:
+    """The kernels stage x rows by 16-byte copies when D % 8 == 0 (moe_route.cu stage_rows)."""
+    if D % 8 == 0 and x.data.ptr % 16:
+        raise ValueError(f"{who}: x must start on a 16-byte boundary (address {x.data.ptr:#x})")
+
+
 def default_select(T: int, num_groups: int) -> str:
     """The select kernel moe_route runs when the caller names none (see moe_route)."""
     return "warp" if num_groups == 1 and T >= WARP_SELECT_MIN_T else "rank"
@@ -155,6 +161,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"D <= {_FR_X_BYTES // (2 * _FR_MAX_TPB)} (T={T}, top_k={top_k}, E={E}, D={D}, "
                          f"shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
+    _check_x_aligned(x, D, "moe_route_fused")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4, stream.ptr)
@@ -220,6 +227,7 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
             linear(x, router_split, out=logits)
     else:
         logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
+        _check_x_aligned(x, D, "moe_route")
         k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
         k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
     select = select or default_select(T, num_groups)
