@@ -40,7 +40,9 @@ _SMEM_X_BYTES = 48 * 1024  # static shared memory for the staged x rows
 # selects and buckets every token alone, so its time grows by a warp select per 16 tokens); its blocks are
 # 512 threads of 8 experts, x rows staged 8 at most.  H200 (bench_moe_route.py --fused, graph replay with
 # programmatic dependent launch, us per routing + bucketing): T = 1 6.29 against 8.90 for three launches,
-# 8 9.14 / 11.31, 16 10.23 / 11.54, 32 13.90 / 12.19, 64 25.57 / 12.47
+# 8 9.14 / 11.31, 16 10.23 / 11.54, 32 13.90 / 12.19, 64 25.57 / 12.47.  With x staged by cp.async (2026-12-01,
+# seventeenth session): T = 1 6.12 / 6.66, 4 6.99 / 7.22, 8 8.62 / 8.85, 16 9.57 / 8.90, 32 13.38 / 9.03: at 16
+# tokens the three launches are now ahead in this bench; the full model was not measured at that setting.
 FUSED_MAX_T = 16
 _FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
 _FR_MAX_T = 64  # what the kernel can take (its shared bins), above the policy's FUSED_MAX_T
