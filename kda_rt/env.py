@@ -38,13 +38,18 @@ def gc_threshold() -> int:
     step allocates a few objects per sequence, and every young collection re-examines the live ones:
     at 256 sequences the engine's host work per decode step drops from ~3.1 to ~1.9 ms (CPU harness
     tests/engine/host_overhead.py, 800 steps)."""
-    value = os.environ.get("KDA_RT_GC_THRESHOLD") or "10000"
+    return _non_negative_int("KDA_RT_GC_THRESHOLD", 10000)
+
+
+def _non_negative_int(name: str, default: int) -> int:
+    """An integer >= 0 (unset or empty: the default); anything else is refused."""
+    value = os.environ.get(name) or str(default)
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"KDA_RT_GC_THRESHOLD must be an integer, got {value!r}") from None
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if n < 0:
-        raise ValueError(f"KDA_RT_GC_THRESHOLD must be >= 0, got {n}")
+        raise ValueError(f"{name} must be >= 0, got {n}")
     return n
 
 
@@ -86,14 +91,7 @@ def fused_norm_max_t(default: int) -> int:
     """KDA_RT_FUSED_NORM_MAX_T (bench switch): the largest step whose MoE combine carries the next RMSNorm
     (moe_combine_norm: one block a token), instead of the measured default (ops/moe_align.FUSED_NORM_MAX_T).
     Read at each forward."""
-    value = os.environ.get("KDA_RT_FUSED_NORM_MAX_T") or str(default)
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"KDA_RT_FUSED_NORM_MAX_T must be an integer, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"KDA_RT_FUSED_NORM_MAX_T must be >= 0, got {n}")
-    return n
+    return _non_negative_int("KDA_RT_FUSED_NORM_MAX_T", default)
 
 
 def early_weights() -> bool:
