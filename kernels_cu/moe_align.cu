@@ -45,7 +45,8 @@
 // moe_combine_norm (NORM = 1) — the combine, the residual add and the next RMSNorm in one launch (below).
 // Shapes: ids, sorted_pair, pair_pos [N] int32; expert_off [E + 1] int32; tile_expert,
 //   tile_row [max_tiles] int32 with max_tiles = ceil(N / BT) + min(E, N); num_tiles [1] int32;
-//   y [N, D] bf16; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16; residual [T, D] bf16, norm_w [D] bf16.
+//   y [N, D] bf16; w [T, A] fp32; shared [T, D] fp32; out [T, D] bf16; residual, residual_in [T, D] bf16 (may be
+//   one array), norm_w [D] bf16.
 // Compile-time constants: E (≤ 1024 bins), BT, BUCKET_THREADS, SHARED_A (bucket); D (multiple of 4), A,
 // THREADS, HAS_SHARED, NORM (combine).
 #include "common.cuh"

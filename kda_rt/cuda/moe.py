@@ -147,7 +147,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
-                    if fits_norm(D) and any(fused_route_rows(t) == fused_route_rows(tokens)
+                    if env.route_norm() and fits_norm(D) and any(fused_route_rows(t) == fused_route_rows(tokens)
                                             for t in range(1, ROUTE_NORM_MAX_T + 1)):
                         fused_route_kernel(tokens, E, D, bm, fused, norm=True)  # with NormBefore (takes_norm_before)
                         count += 1
@@ -191,11 +191,16 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     T, D = expect(x, "x", ndim=2, dtype=BF16)
     E, A = cfg.num_experts, cfg.top_k
     if norm_before is not None:
-        if norm is None or norm_before.residual is not norm.residual:
-            raise ValueError("moe_forward: norm_before needs norm (the combine writes the new residual stream) "
-                             "on the same residual array")
+        if norm is None:
+            raise ValueError("moe_forward: norm_before needs `norm` too (the combine writes the new residual stream)")
+        if norm_before.residual is not norm.residual:
+            raise ValueError("moe_forward: norm_before.residual and norm.residual must be the same array")
         if not takes_norm_before(T, cfg, D, w.shared_in_stack):
-            raise ValueError(f"moe_forward: norm_before needs the fused routing and norm (takes_norm_before) at T={T}")
+            why = (f"T={T} > ROUTE_NORM_MAX_T={ROUTE_NORM_MAX_T}" if T > ROUTE_NORM_MAX_T else
+                   "KDA_RT_ROUTE_NORM=0" if not env.route_norm() else
+                   f"hidden size {D} too wide for the combine's one-block norm" if not fits_norm(D) else
+                   "this step's routing is not moe_route_fused (grouped routing, KDA_RT_FUSED_ROUTE=0 or its limits)")
+            raise ValueError(f"moe_forward: norm_before cannot ride in the routing kernel here: {why}")
         norm = norm._replace(residual_in=norm_before.h_out)
     delta, x = x, (x if norm_before is None else norm_before.a_out)  # the mixer's output; the block's input
     fused = w.shared_in_stack  # the shared expert is expert E of the stacks: one more pair per token

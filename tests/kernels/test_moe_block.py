@@ -193,19 +193,22 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 @pytest.mark.parametrize("T", [1, 8])
-def test_moe_forward_norm_before(T, fused):
+def test_moe_forward_norm_before(T, fused, monkeypatch):
     """moe_forward(delta, norm_before=..., norm=...) (the add and RMSNorm before the block in the routing kernel,
     the ones after it in the combine) against rmsnorm.cu then moe_forward(a, norm=...): the new residual
-    stream and the next block's input within 1e-2 RMS (a differs from rmsnorm.cu's by at most one bf16 ulp
-    in <= 1% of the entries: test_moe_route_fused_norm_before), and norm_before.a_out is the block input the
-    GEMMs read.  Also the refusals: without `norm`, and at T = 32 (three-kernel routing)."""
+    stream and the block's output (the next block's normalised input) within 1e-2 RMS (a differs from
+    rmsnorm.cu's by at most one bf16 ulp in <= 1% of the entries: test_moe_route_fused_norm_before).  T = 8
+    raises the policy's ROUTE_NORM_MAX_T (1) so that the 8-rows-a-block kernel runs end to end.  Also the
+    refusals: without `norm`, and at T = 32 (over ROUTE_NORM_MAX_T and the fused routing's FUSED_MAX_T)."""
     import cupy
 
+    import kda_rt.cuda.moe as moe
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import NormAfter
     from kda_rt.cuda.ops.moe_route import NormBefore
     from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
+    monkeypatch.setattr(moe, "ROUTE_NORM_MAX_T", max(T, moe.ROUTE_NORM_MAX_T))
     D, inter, E, eps = 2304, 1024, 256, 1e-6
     cfg = dataclasses.replace(make_cfg(E), num_shared_experts=1, intermediate_size=inter)
     _, gpu, _ = make_block(T, D, inter, inter, cfg, 40 + T)
@@ -227,11 +230,11 @@ def test_moe_forward_norm_before(T, fused):
     for name, got, want in (("residual", res2, res1), ("out", out2, out1)):
         err = rms_rel(to_np(got), to_np(want))
         assert err <= 1e-2, f"{name}: rms rel err {err:.3e}"
-    with pytest.raises(ValueError, match="needs norm"):
+    with pytest.raises(ValueError, match="needs `norm`"):
         run(gpu, cfg, fused, norm_before=NormBefore(res2, w_post, eps, h, a))
     x32 = to_gpu_bf16(rng.normal(size=(32, D)))
     gpu["x"] = x32
-    with pytest.raises(ValueError, match="fused routing"):
+    with pytest.raises(ValueError, match="ROUTE_NORM_MAX_T"):
         r32 = cupy.zeros((32, D), BF16)
         run(gpu, cfg, fused, norm=NormAfter(r32, w_next, eps),
             norm_before=NormBefore(r32, w_post, eps, cupy.empty_like(x32), cupy.empty_like(x32)))

@@ -250,16 +250,16 @@ def test_moe_route_fused_select_equals_rank(T, E, A, shared, biased):
     assert_plan(plan, got_ids, E, shared)
 
 
-@pytest.mark.parametrize(("T", "E", "shared"), [(1, 256, True), (3, 256, True), (8, 256, True), (16, 256, False),
-                                                (5, 64, False)])
+@pytest.mark.parametrize(("T", "E", "shared"), [(1, 256, True), (2, 256, True), (3, 256, True), (8, 256, True),
+                                                (16, 256, False), (5, 64, False)])
 def test_moe_route_fused_norm_before(T, E, shared):
     """moe_route_fused with NormBefore (ROUTE_NORM: the residual add and RMSNorm before the block in the
     routing kernel): h_out bit-identical to rmsnorm.cu's updated residual (same roundings), a_out within one
     bf16 ulp of rmsnorm.cu's output (only the order of the fp32 sum of squares differs) on <= 1% of the
     entries, residual left unchanged; and the ids, weights, logits and plan bit-identical to moe_route_fused
     routing the kernel's own a_out without the norm (the same staged values; the plan's row order inside a bin
-    follows shared-memory atomics, so sorted_pair / pair_pos are checked by assert_plan).  T = 16 has two token
-    groups (8 rows a block).  Outputs poisoned first."""
+    follows shared-memory atomics, so sorted_pair / pair_pos are checked by assert_plan).  1, 2, 4 and 8 rows a
+    block; T = 16 has two token groups.  Outputs poisoned first."""
     import cupy
 
     from helpers.moe_plan import assert_plan

@@ -152,9 +152,9 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     shared_in_y: the plan was bucketed with shared_slot (N = T·(A+1)): the shared expert's row of token t
     is y[pair_pos[t·(A+1) + A]] (then `shared` must be None).
     norm: a NormAfter (residual [T, D] bf16, weight [D] bf16, eps): also the block's residual add and the
-    next RMSNorm: residual += bf16(combine) (bf16), out = RMSNorm(residual), as rmsnorm(combine, weight,
-    eps, residual=residual, out=out); in the same launch (moe_combine_norm) where `fits_norm(D)`, else
-    the combine then rmsnorm."""
+    next RMSNorm: residual = bf16(residual_in + bf16(combine)) (residual_in: norm.residual unless given),
+    out = RMSNorm(residual), as rmsnorm(combine, weight, eps, residual=residual, out=out); in the same launch
+    (moe_combine_norm) where `fits_norm(D)`, else the combine then rmsnorm."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
@@ -176,6 +176,10 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     if norm is not None:
         expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
         expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
+        for name in ("residual", "residual_in"):
+            arr = getattr(norm, name)
+            if arr is not None and arr.data.ptr % 8:
+                raise ValueError(f"moe_combine: norm.{name} must start on an 8-byte boundary (8-byte accesses)")
         if norm.residual_in is not None:
             expect(norm.residual_in, "norm.residual_in", shape=(T, D), dtype=BF16)
     if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel

@@ -10,6 +10,7 @@ against 876 (same ids in every case).
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -146,9 +147,15 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
         expect(nb.weight, "norm_before.weight", shape=(D,), dtype=BF16)
         expect(nb.h_out, "norm_before.h_out", shape=(T, D), dtype=BF16)
         expect(nb.a_out, "norm_before.a_out", shape=(T, D), dtype=BF16)
-        if len({int(a.data.ptr) for a in (x, nb.residual, nb.h_out, nb.a_out)}) < 4:
-            raise ValueError("moe_route_fused: x, norm_before.residual, h_out and a_out must be four buffers "
-                             "(every block reads x and residual while some write h_out and a_out)")
+        spans = sorted((int(a.data.ptr), int(a.data.ptr) + a.nbytes, name) for a, name in
+                       ((x, "x"), (nb.residual, "residual"), (nb.h_out, "h_out"), (nb.a_out, "a_out")))
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise ValueError(f"moe_route_fused: norm_before's {a} and {b} overlap (every block reads x and "
+                                 "residual while some write h_out and a_out)")
+        for name in ("residual", "h_out", "a_out"):
+            if getattr(nb, name).data.ptr % 8:
+                raise ValueError(f"moe_route_fused: norm_before.{name} must start on an 8-byte boundary")
     E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
     expect(bias, "bias", shape=(E,), dtype=np.float32)
     expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
