@@ -147,8 +147,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
-                    if env.route_norm() and fits_norm(D) and any(fused_route_rows(t) == fused_route_rows(tokens)
-                                            for t in range(1, ROUTE_NORM_MAX_T + 1)):
+                    if env.route_norm() and fits_norm(D) and fused_route_rows(tokens) <= fused_route_rows(ROUTE_NORM_MAX_T):
                         fused_route_kernel(tokens, E, D, bm, fused, norm=True)  # with NormBefore (takes_norm_before)
                         count += 1
     return count

@@ -176,12 +176,12 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     if norm is not None:
         expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
         expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
+        if norm.residual_in is not None:
+            expect(norm.residual_in, "norm.residual_in", shape=(T, D), dtype=BF16)
         for name in ("residual", "residual_in"):
             arr = getattr(norm, name)
             if arr is not None and arr.data.ptr % 8:
                 raise ValueError(f"moe_combine: norm.{name} must start on an 8-byte boundary (8-byte accesses)")
-        if norm.residual_in is not None:
-            expect(norm.residual_in, "norm.residual_in", shape=(T, D), dtype=BF16)
     if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel
         delta = moe_combine(y, pair_pos, w, shared, shared_in_y=shared_in_y, stream=stream)
         if norm.residual_in is not None:
