@@ -130,6 +130,13 @@ def route_norm() -> bool:
     return _on_off("KDA_RT_ROUTE_NORM")
 
 
+def route_norm_max_t(default: int) -> int:
+    """KDA_RT_ROUTE_NORM_MAX_T (bench switch): the largest step whose residual add and RMSNorm before the MoE
+    block ride in the routing kernel, instead of the measured default (cuda/moe.ROUTE_NORM_MAX_T).  Read at each
+    forward and by the precompile (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_ROUTE_NORM_MAX_T", default)
+
+
 def fused_kda_projection() -> bool:
     """KDA_RT_FUSED_KDA_PROJ: 0 runs a KDA layer's decode projections of x as two GEMMs (q|k|v, f_a|g_a|b)
     instead of one over their stacked weights (kda_rt/cuda/model.py); default 1.  Read at each call (a CUDA

@@ -23,17 +23,22 @@ def test_wgmma_switch_rejects_other_values(monkeypatch, value):
         env.wgmma()
 
 
+_MAX_T_SWITCHES = [("KDA_RT_FUSED_NORM_MAX_T", env.fused_norm_max_t), ("KDA_RT_ROUTE_NORM_MAX_T", env.route_norm_max_t)]
+
+
+@pytest.mark.parametrize(("name", "read"), _MAX_T_SWITCHES)
 @pytest.mark.parametrize(("value", "expected"), [(None, 8), ("", 8), ("32", 32), ("0", 0)])
-def test_fused_norm_max_t_defaults_to_the_callers_value(monkeypatch, value, expected):
+def test_max_t_switches_default_to_the_callers_value(monkeypatch, name, read, value, expected):
     if value is None:
-        monkeypatch.delenv("KDA_RT_FUSED_NORM_MAX_T", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("KDA_RT_FUSED_NORM_MAX_T", value)
-    assert env.fused_norm_max_t(8) == expected
+        monkeypatch.setenv(name, value)
+    assert read(8) == expected
 
 
+@pytest.mark.parametrize(("name", "read"), _MAX_T_SWITCHES)
 @pytest.mark.parametrize(("value", "match"), [("-1", ">= 0"), ("eight", "an integer"), ("1.5", "an integer")])
-def test_fused_norm_max_t_rejects_bad_values(monkeypatch, value, match):
-    monkeypatch.setenv("KDA_RT_FUSED_NORM_MAX_T", value)
-    with pytest.raises(ValueError, match=f"KDA_RT_FUSED_NORM_MAX_T must be {match}"):
-        env.fused_norm_max_t(8)
+def test_max_t_switches_reject_bad_values(monkeypatch, name, read, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be {match}"):
+        read(8)

@@ -147,7 +147,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
-                    if env.route_norm() and fits_norm(D) and fused_route_rows(tokens) <= fused_route_rows(ROUTE_NORM_MAX_T):
+                    if env.route_norm() and fits_norm(D) and fused_route_rows(tokens) <= fused_route_rows(_route_norm_max_t()):
                         fused_route_kernel(tokens, E, D, bm, fused, norm=True)  # with NormBefore (takes_norm_before)
                         count += 1
     return count
@@ -162,10 +162,14 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
 ROUTE_NORM_MAX_T = 1
 
 
+def _route_norm_max_t() -> int:
+    return env.route_norm_max_t(ROUTE_NORM_MAX_T)  # the bench switch KDA_RT_ROUTE_NORM_MAX_T, else the policy
+
+
 def takes_norm_before(T: int, cfg: MoEConfig, D: int, shared_in_stack: bool) -> bool:
     """moe_forward can take norm_before for a T-token step: T <= ROUTE_NORM_MAX_T, its routing runs as
     moe_route_fused, its combine can carry the norm after the block (fits_norm), and KDA_RT_ROUTE_NORM is not 0."""
-    return (T <= ROUTE_NORM_MAX_T and env.route_norm() and fits_norm(D)
+    return (T <= _route_norm_max_t() and env.route_norm() and fits_norm(D)
             and fused_route_fits(T, cfg.num_experts, D, cfg.top_k, cfg.num_expert_group, shared_in_stack))
 
 
@@ -195,7 +199,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         if norm_before.residual is not norm.residual:
             raise ValueError("moe_forward: norm_before.residual and norm.residual must be the same array")
         if not takes_norm_before(T, cfg, D, w.shared_in_stack):
-            why = (f"T={T} > ROUTE_NORM_MAX_T={ROUTE_NORM_MAX_T}" if T > ROUTE_NORM_MAX_T else
+            limit = _route_norm_max_t()
+            why = (f"T={T} > ROUTE_NORM_MAX_T={limit}" if T > limit else
                    "KDA_RT_ROUTE_NORM=0" if not env.route_norm() else
                    f"hidden size {D} too wide for the combine's one-block norm" if not fits_norm(D) else
                    "this step's routing is not moe_route_fused (grouped routing, KDA_RT_FUSED_ROUTE=0 or its limits)")
