@@ -137,6 +137,23 @@ def route_norm_max_t(default: int) -> int:
     return _non_negative_int("KDA_RT_ROUTE_NORM_MAX_T", default)
 
 
+def mla_store_fold() -> bool:
+    """KDA_RT_MLA_STORE_FOLD: 0 writes a decode step's MLA latent rows with their own kernel (mla_store.cu) instead
+    of inside the mla_absorb_q launch of steps of up to 8 tokens (kernels_cu/mla_attn.cu); default 1.  Read at each
+    forward (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MLA_STORE_FOLD")
+
+
+def mla_min_tiles(default: int) -> int:
+    """KDA_RT_MLA_MIN_TILES (bench switch): the fewest 64-position tiles one split of the MLA decode attention
+    reads (kernels_cu/mla_attn.cu MIN_TILES), instead of the measured default (ops/mla_attn._MIN_TILES); at least
+    1.  Read when the kernel is picked and its splits counted (a CUDA graph keeps what it captured)."""
+    value = _non_negative_int("KDA_RT_MLA_MIN_TILES", default)
+    if value < 1:
+        raise ValueError(f"KDA_RT_MLA_MIN_TILES must be >= 1, got {value}")
+    return value
+
+
 def fused_kda_projection() -> bool:
     """KDA_RT_FUSED_KDA_PROJ: 0 runs a KDA layer's decode projections of x as two GEMMs (q|k|v, f_a|g_a|b)
     instead of one over their stacked weights (kda_rt/cuda/model.py); default 1.  Read at each call (a CUDA

@@ -430,15 +430,29 @@ mla_attn_combine16(const bf16* __restrict__ partial, const float* __restrict__ s
 // small-batch up-projections (T <= TMAX tokens; larger T uses cuBLAS bmm): weight-streaming GEMVs that
 // read each kv_b row once for all tokens (cuBLAS' batched GEMM with M = T <= 8: ~5 us each for 4 MB on H200).
 #if R % 256 == 0 && DN % 32 == 0 && DV % 16 == 0   // the launcher uses them only then
+#include "mla_store.cuh"
 
 // q_lat[t, h, r] = Σ_{n < DN} q[t, h·(DN+DR) + n] · w_kvb[h·(DN+DV) + n, r]       (W_UK_hᵀ q_nope)
 // Grid (H, R / 64), 256 threads: thread (ng, cg) = (tid / 8, tid % 8) sums rows n = ng·NPT .. +NPT for
 // columns 8·cg .. +8 of the block's 64 (one 16-byte weight load per row); lanes sharing cg are reduced
 // with shuffles, then the 8 warps in shared memory.
+// With `store` (grid (H + 1, R / 64), num_tokens <= R / 64), block (H, t) writes token t's latent row into its page
+// instead (mla_store.cuh, bit-identical to mla_store.cu's mla_store_rows): a small decode step's MLA layer is one
+// launch shorter; both only read the q|kv_a projection.  The attention kernel after it reads the row.
 extern "C" __global__ void __launch_bounds__(256)
 mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kvb, int num_tokens,
-             bf16* __restrict__ q_lat) {
+             bf16* __restrict__ q_lat, int store, const bf16* __restrict__ kv_a, int ld_kv_a,
+             const bf16* __restrict__ kv_norm_w, bf16* __restrict__ kv_pool, const int* __restrict__ cu_seqlens,
+             const int* __restrict__ context_lens, const int* __restrict__ block_tables, int num_seqs,
+             int max_pages, float eps) {
     KDA_PDL_ENTRY();
+    if (store && blockIdx.x == H) {
+        __shared__ float scratch[8];
+        if (blockIdx.y < num_tokens)
+            store_latent_row<256>(kv_a, ld_kv_a, kv_norm_w, kv_pool, cu_seqlens, context_lens, block_tables, num_seqs,
+                                  max_pages, eps, blockIdx.y, scratch);
+        return;
+    }
     constexpr int NPT = DN / 32;  // weight rows per thread
     __shared__ float q_s[TMAX][DN];
     __shared__ __align__(16) float red[8][TMAX][64];

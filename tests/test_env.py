@@ -42,3 +42,19 @@ def test_max_t_switches_reject_bad_values(monkeypatch, name, read, value, match)
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name} must be {match}"):
         read(8)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 2), ("1", 1), ("4", 4)])
+def test_mla_min_tiles_defaults_to_the_callers_value(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("KDA_RT_MLA_MIN_TILES", raising=False)
+    else:
+        monkeypatch.setenv("KDA_RT_MLA_MIN_TILES", value)
+    assert env.mla_min_tiles(2) == expected
+
+
+@pytest.mark.parametrize(("value", "match"), [("0", ">= 1"), ("-1", ">= 0"), ("two", "an integer")])
+def test_mla_min_tiles_rejects_bad_values(monkeypatch, value, match):
+    monkeypatch.setenv("KDA_RT_MLA_MIN_TILES", value)
+    with pytest.raises(ValueError, match=f"KDA_RT_MLA_MIN_TILES must be {match}"):
+        env.mla_min_tiles(2)

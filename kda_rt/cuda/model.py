@@ -25,7 +25,7 @@ from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
-from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
+from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
 from kda_rt.cuda.ops.mla_prefill import mla_prefill
 from kda_rt.cuda.ops.mla_store import mla_store
 from kda_rt.cuda.ops.moe_align import FUSED_NORM_MAX_T, NormAfter, fits_norm
@@ -183,8 +183,9 @@ class CudaModel:
         qdim = H * mc.qk_head_dim
         qkva = linear(a, w.q_kva, out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
         pool = self.mla_pools[layer]
-        mla_store(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps, pool, b.cu_seqlens, b.context_lens,
-                  b.block_tables)
+        store = LatentStore(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps)
+        if not (b.decode and env.mla_store_fold()):
+            mla_store(store.kv_a, store.norm_w, store.eps, pool, b.cu_seqlens, b.context_lens, b.block_tables)
         o = ws.get("mla_o", (T, H * mc.v_head_dim), BF16)
         scale = float(mc.qk_head_dim) ** -0.5
         if b.decode:  # absorbed form over the latent pages; preallocated scratch (graph capture)
@@ -192,7 +193,8 @@ class CudaModel:
             nbytes = decode_workspace_bytes(T, H, M, pool.shape[1], mc.kv_lora_rank)
             mla_attention(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                           num_heads=H, scale=scale, max_seqlen=1, decode=True, out=o,
-                          workspace=ws.get("mla_ws", (nbytes,), np.uint8))
+                          workspace=ws.get("mla_ws", (nbytes,), np.uint8),
+                          store=store if env.mla_store_fold() else None)
         else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                         num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens))

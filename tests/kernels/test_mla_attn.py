@@ -128,11 +128,53 @@ def test_mla_decode_wide_table(B):
     check(f"decode-wide-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
-def test_mla_decode_cuda_graph():
-    """mla_store + mla_attention(decode) captured once, replayed after context_lens change on the device."""
+@pytest.mark.parametrize("B", [1, 5, 8, 12])
+def test_mla_decode_store_folded(B):
+    """mla_attention(store=...) writes this step's latent rows itself (inside mla_absorb_q at B <= 8, R / 64 = 8;
+    mla_store's own kernel at 12): the pool and the output are bit-identical to mla_store then mla_attention
+    (same row code, mla_store.cuh), and no other pool row changes (NaN rows stay NaN)."""
     import cupy
 
-    from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
+    from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
+    from kda_rt.cuda.ops.mla_store import mla_store
+
+    H, block_size = 32, 16
+    rng = np.random.default_rng(40 + B)
+    ctx = tuple(int(c) for c in rng.integers(0, 400, size=B))
+    tables, num_blocks = shuffled_tables(rng, [c + 1 for c in ctx], block_size)
+    w = bf16_round(1 + 0.2 * rng.normal(size=R))
+    pools = [nan_pool(num_blocks, block_size) for _ in range(2)]
+    old = bf16_round(rng.normal(size=(sum(ctx), R + DR)))
+    for pool in pools:
+        if sum(ctx):
+            run_store(old, w, pool, ctx, [0] * B, tables)
+    fused = to_gpu_bf16(bf16_round(rng.normal(size=(B, 24 + R + DR))))
+    kv_a = fused[:, 24:]  # a column slice of the q|kv_a projection, as in the model
+    q = upload_q(bf16_round(rng.normal(size=(B, H, DN + DR)) * 1.5), strided=False)
+    cu, ctx_d, tables_d = device_meta((1,) * B, ctx, tables)
+    w_d, w_kvb = to_gpu_bf16(w), to_gpu_bf16(bf16_round(rng.normal(size=(H * (DN + DV), R)) / np.sqrt(R)))
+    outs = []
+    for folded, pool in zip((False, True), pools, strict=True):
+        out = cupy.empty((B, H * DV), dtype=BF16)
+        poison(out)
+        ws = cupy.full(decode_workspace_bytes(B, H, tables.shape[1], block_size), 255, dtype=np.uint8)
+        if not folded:
+            mla_store(kv_a, w_d, EPS, pool, cu, ctx_d, tables_d)
+        mla_attention(q, pool, w_kvb, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
+                      out=out, workspace=ws, store=LatentStore(kv_a, w_d, EPS) if folded else None)
+        outs.append(to_np(out))
+    bits = [cupy.asnumpy(p.view(np.uint16)) for p in pools]
+    assert np.array_equal(bits[0], bits[1]), "the folded store wrote other pool bits than mla_store"
+    assert np.array_equal(outs[0], outs[1], equal_nan=True) and not np.isnan(outs[1]).any()
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["store-kernel", "store-folded"])
+def test_mla_decode_cuda_graph(fold):
+    """mla_store + mla_attention(decode) captured once, replayed after context_lens change on the device (fold:
+    the store rides in mla_absorb_q, mla_attention(store=...))."""
+    import cupy
+
+    from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
     from kda_rt.cuda.ops.mla_store import mla_store
 
     H, S, B, max_ctx = 32, 16, 4, 300
@@ -152,9 +194,10 @@ def test_mla_decode_cuda_graph():
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def step():
-        mla_store(kv_a, w_d, EPS, pool, cu, ctx_d, tables_d, stream=stream)
+        if not fold:
+            mla_store(kv_a, w_d, EPS, pool, cu, ctx_d, tables_d, stream=stream)
         mla_attention(q, pool, w_kvb_d, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
-                      out=out, workspace=ws, stream=stream)
+                      out=out, workspace=ws, stream=stream, store=LatentStore(kv_a, w_d, EPS) if fold else None)
 
     cupy.cuda.Device().synchronize()  # inputs made on the legacy stream, which `stream` does not wait for
     with stream:

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.gemm import bmm
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.mla_store import mla_store
 
-__all__ = ["mla_attention", "mla_dims", "decode_workspace_bytes", "launch_splits", "num_splits"]
+__all__ = ["LatentStore", "mla_attention", "mla_dims", "decode_workspace_bytes", "launch_splits", "num_splits"]
 
 _NT = 64  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 32 positions x 4 warps of depth)
 _THREADS = 256
@@ -37,6 +40,16 @@ _GEMV_TOKENS = 8  # T <= this: the up-projections run as mla_absorb_q / mla_expa
 _ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
 
 
+class LatentStore(NamedTuple):
+    """This step's latent rows for mla_attention to write into the pool first (ops/mla_store.mla_store's
+    kv_a [T, R+Dr] (row-strided view allowed), norm_w [R] bf16 and eps): small decode steps do it inside the
+    mla_absorb_q launch."""
+
+    kv_a: object
+    norm_w: object
+    eps: float
+
+
 def num_splits(T: int, M: int, block_size: int) -> int:
     """S for T tokens over [.., M] tables: the split count minimising waves x (tiles per split + _SPLIT_COST),
     one block per SM, splits of at least _MIN_TILES tiles of the table width (ties: fewer splits).  The kernel
@@ -44,14 +57,18 @@ def num_splits(T: int, M: int, block_size: int) -> int:
     table width, not the context)."""
     import cupy
 
-    return _best_splits(T, M * block_size, sm_count(cupy.cuda.Device().id))
+    return _best_splits(T, M * block_size, sm_count(cupy.cuda.Device().id), _min_tiles())
+
+
+def _min_tiles() -> int:
+    return env.mla_min_tiles(_MIN_TILES)  # the bench switch KDA_RT_MLA_MIN_TILES, else the default
 
 
 @functools.cache
-def _best_splits(T: int, width: int, sms: int) -> int:
+def _best_splits(T: int, width: int, sms: int, min_tiles: int = _MIN_TILES) -> int:
     tiles = max(1, math.ceil(width / _NT))
     best, best_cost = 1, math.inf
-    for s in range(1, math.ceil(tiles / _MIN_TILES) + 1):
+    for s in range(1, math.ceil(tiles / min_tiles) + 1):
         waves = math.ceil(max(T, 1) * s / sms)
         cost = waves * (math.ceil(tiles / s) + _SPLIT_COST)
         if cost < best_cost:
@@ -105,7 +122,7 @@ def _view(buf, offset: int, shape: tuple, dtype, strides: tuple | None = None):
 def _constants(H: int, R: int, Dr: int, Dn: int, Dv: int, block_size: int) -> dict[str, int]:
     """The -D constants of mla_attn.cu (its cache key): the shapes, the tile and the padded row strides
     (bf16 rows + 16 bytes and fp32 score rows + 32 bytes: ldmatrix / float2 phases on distinct banks)."""
-    return dict(H=H, R=R, DR=Dr, DN=Dn, DV=Dv, BLOCK_SIZE=block_size, MIN_TILES=_MIN_TILES, TMAX=_GEMV_TOKENS,
+    return dict(H=H, R=R, DR=Dr, DN=Dn, DV=Dv, BLOCK_SIZE=block_size, MIN_TILES=_min_tiles(), TMAX=_GEMV_TOKENS,
                 THREADS=_THREADS, NT=_NT,
                 HP=-(-H // 16) * 16,  # heads padded to whole m16 tiles
                 LDK=R + Dr + _ROW_PAD_BYTES // 2, LDS_S=_NT + 8, LDP=_NT + _ROW_PAD_BYTES // 2)
@@ -116,6 +133,16 @@ def _split_smem_bytes(c: dict[str, int]) -> int:
     probabilities (bf16), alpha."""
     staging = max(c["HP"] * c["LDK"] * 2, 4 * c["HP"] * c["LDS_S"] * 4)
     return staging + 2 * c["NT"] * c["LDK"] * 2 + c["HP"] * (c["LDP"] * 2 + 4)
+
+
+def _check_store(store: LatentStore, kv_pool, R: int, T: int) -> None:
+    """mla_store's checks of the rows mla_absorb_q writes (same messages)."""
+    _, W = expect(store.kv_a, "kv_a", shape=(T, None), dtype=BF16, row_stride=True)
+    if W != kv_pool.shape[2]:
+        raise ValueError(f"kv_pool rows are {kv_pool.shape[2]} wide but kv_a has {W} columns")
+    expect(store.norm_w, "norm_w", shape=(R,), dtype=BF16)
+    if leading_dim(store.kv_a) % 8 or store.kv_a.data.ptr % 16:
+        raise ValueError("mla_store: kv_a rows must start on 16-byte boundaries (leading dim a multiple of 8)")
 
 
 def mla_dims(q, kv_pool, w_kvb, H: int):
@@ -132,12 +159,14 @@ def mla_dims(q, kv_pool, w_kvb, H: int):
 
 
 def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
-                  max_seqlen: int, decode: bool, out=None, workspace=None, stream=None):
+                  max_seqlen: int, decode: bool, out=None, workspace=None, stream=None, store: LatentStore | None = None):
     """q: [T, H, Dn+Dr] bf16 (or a row-strided [T, H·(Dn+Dr)] view), kv_pool: [num_blocks, block_size, R+Dr]
     bf16 (rows already stored), w_kvb: [H·(Dn+Dv), R] bf16, cu_seqlens [B+1] / context_lens [B] /
     block_tables [B, M] int32.  Token i of sequence b attends to positions 0 .. context_lens[b] + i.
     Returns out [T, H·Dv] bf16.  decode=True needs T == B and max_seqlen == 1; with `out` and
-    `workspace` (uint8, >= decode_workspace_bytes) it allocates nothing and never reads the device."""
+    `workspace` (uint8, >= decode_workspace_bytes) it allocates nothing and never reads the device.
+    store (LatentStore): this step's rows are written into kv_pool first, as mla_store would (inside the
+    mla_absorb_q launch where that runs and T <= R / 64)."""
     import cupy
 
     H = num_heads
@@ -172,10 +201,19 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     stream = cupy.cuda.get_current_stream() if stream is None else stream
     consts = _constants(H, R, Dr, Dn, Dv, block_size)
     gemv = T <= _GEMV_TOKENS and R % 256 == 0 and Dn % 32 == 0 and Dv % 16 == 0 and w_kvb.data.ptr % 16 == 0
+    fold = store is not None and gemv and T <= R // 64  # the store rides in mla_absorb_q's launch
+    if store is not None and not fold:
+        mla_store(store.kv_a, store.norm_w, store.eps, kv_pool, cu_seqlens, context_lens, block_tables, stream=stream)
+    elif fold:
+        _check_store(store, kv_pool, R, T)
     with stream:
         if gemv:
             absorb = get_kernel("mla_attn.cu", "mla_absorb_q", **consts)
-            absorb((H, R // 64), (256,), (q2, i32(ldq), w_kvb, i32(T), workspace), stream=stream)
+            null = np.uint64(0)
+            store_args = ((i32(1), store.kv_a, i32(leading_dim(store.kv_a)), store.norm_w, kv_pool, cu_seqlens,
+                           context_lens, block_tables, i32(B1 - 1), i32(M), f32(store.eps)) if fold else
+                          (i32(0), null, i32(0), null, null, null, null, null, i32(0), i32(0), f32(0)))
+            absorb((H + int(fold), R // 64), (256,), (q2, i32(ldq), w_kvb, i32(T), workspace, *store_args), stream=stream)
         else:
             bmm(_view(q2, 0, (H, T, Dn), BF16, (Dqk * isz, ldq * isz, isz)),
                 _view(w_kvb, 0, (H, Dn, R), BF16, (Dkv * R * isz, R * isz, isz)), out=q_lat)
