@@ -171,31 +171,58 @@ __device__ __forceinline__ void stage_rows(bf16 (&xs)[NT][DX], const bf16* __res
 // rmsnorm.cu's residual add and norm of rows t0 .. t0 + NT - 1 into shared memory (moe_route_fused with
 // ROUTE_NORM): xs = h = bf16(delta + residual), per-row fp32 sums of h^2, then xs = a = bf16(bf16(h rsqrt(mean
 // + eps)) norm_w) in place; `writer` also stores h and a of the rows < num_tokens.  Thread i works on row
-// i / (NTHREADS / NT) only (whole warps a row), a few 4-column pieces at a time, so its registers stay few: the
-// logits' router pieces are in flight across this, and the kernel's blocks must fit beside the next kernel's
-// early-launched CTAs (a first version with every row's loads unrolled took 102 registers, and at NT = 8 the
-// launch 40 us instead of 11).  part: shared [NTHREADS / 32]; ends with a barrier.
+// i / (NTHREADS / NT) only (whole warps a row), on 16-byte pieces: delta by cp.async into xs, the residual into
+// registers, up to 3 pieces a thread in flight (one round trip up to 4 rows a block, two at 8).  part: shared
+// [NTHREADS / 32]; ends with a barrier.  (Branch next/route-norm-async, not measured: the version on main
+// loads both through registers a few pieces at a time, 64-68 registers, and loses from 4 tokens on.)
 template <int NTHREADS, int NT, int DX>
 __device__ __forceinline__ void stage_norm_rows(bf16 (&xs)[NT][DX], const bf16* __restrict__ delta,
                                                 const bf16* __restrict__ residual, const bf16* __restrict__ norm_w,
                                                 bf16* __restrict__ h_out, bf16* __restrict__ a_out, int t0,
                                                 int num_tokens, float eps, bool writer, float* part) {
     constexpr int TPR = NTHREADS / NT, WPR = TPR / 32;  // threads, warps a row
-    static_assert(TPR % 32 == 0, "stage_norm_rows: whole warps a row");
-    const int t = threadIdx.x / TPR, first = (threadIdx.x % TPR) * 4;
+    constexpr int PIECES = DX / 8, RP = (PIECES + TPR - 1) / TPR;  // 16-byte pieces a row, a thread
+    static_assert(TPR % 32 == 0 && DX % 8 == 0, "stage_norm_rows: whole warps a row, 16-byte pieces");
+    const int t = threadIdx.x / TPR, lane_r = threadIdx.x % TPR;
     const bool valid = t0 + t < num_tokens;
-    const size_t row = (size_t)(t0 + t) * DX;
+    const size_t row = (size_t)(valid ? t0 + t : 0) * DX;
+    constexpr int BATCH = 3;  // pieces in flight a thread (12 registers of residual): one round trip up to 4 rows a block
     float ss = 0.f;
-#pragma unroll 2
-    for (int d = first; d < DX; d += TPR * 4) {
-        float4 h = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (valid) {
-            const float4 a = ld_bf16x4(delta + row + d), r = ld_bf16x4(residual + row + d);
-            h = make_float4(round_bf16(a.x + r.x), round_bf16(a.y + r.y), round_bf16(a.z + r.z), round_bf16(a.w + r.w));
-            if (writer) st_bf16x4(h_out + row + d, h.x, h.y, h.z, h.w);
+#pragma unroll
+    for (int i0 = 0; i0 < RP; i0 += BATCH) {
+        uint4 r[BATCH];
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int p = lane_r + (i0 + i) * TPR;
+            if (i0 + i < RP && p < PIECES) {
+                cp_async16(&xs[t][8 * p], delta + row + 8 * p, valid ? 16 : 0);
+                r[i] = valid ? __ldg(reinterpret_cast<const uint4*>(residual + row + 8 * p)) : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
-        st_bf16x4(&xs[t][d], h.x, h.y, h.z, h.w);
-        ss += h.x * h.x + h.y * h.y + h.z * h.z + h.w * h.w;
+        cp_async_commit();
+        cp_async_wait<0>();  // this thread's own pieces: no barrier before it reads them back
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int p = lane_r + (i0 + i) * TPR;
+            if (i0 + i >= RP || p >= PIECES) continue;
+            const uint4 dv = *reinterpret_cast<const uint4*>(&xs[t][8 * p]);
+            const unsigned dw[4] = {dv.x, dv.y, dv.z, dv.w}, rw[4] = {r[i].x, r[i].y, r[i].z, r[i].w};
+            float h[8];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float2 a = bf16x2_to_float2(dw[k]), b = bf16x2_to_float2(rw[k]);
+                h[2 * k] = round_bf16(a.x + b.x);
+                h[2 * k + 1] = round_bf16(a.y + b.y);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) ss += h[k] * h[k];
+            st_bf16x4(&xs[t][8 * p], h[0], h[1], h[2], h[3]);
+            st_bf16x4(&xs[t][8 * p + 4], h[4], h[5], h[6], h[7]);
+            if (writer && valid) {
+                st_bf16x4(h_out + row + 8 * p, h[0], h[1], h[2], h[3]);
+                st_bf16x4(h_out + row + 8 * p + 4, h[4], h[5], h[6], h[7]);
+            }
+        }
     }
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
@@ -204,13 +231,19 @@ __device__ __forceinline__ void stage_norm_rows(bf16 (&xs)[NT][DX], const bf16* 
 #pragma unroll
     for (int w = 0; w < WPR; ++w) ss += part[t * WPR + w];
     const float inv = rsqrtf(ss / (float)DX + eps);
-#pragma unroll 2
-    for (int d = first; d < DX; d += TPR * 4) {  // the pieces this thread staged
-        const float4 h = ld_bf16x4(&xs[t][d]), g = ld_bf16x4(norm_w + d);
-        const float4 a = make_float4(round_bf16(h.x * inv) * g.x, round_bf16(h.y * inv) * g.y,
-                                     round_bf16(h.z * inv) * g.z, round_bf16(h.w * inv) * g.w);
-        st_bf16x4(&xs[t][d], a.x, a.y, a.z, a.w);
-        if (writer && valid) st_bf16x4(a_out + row + d, a.x, a.y, a.z, a.w);
+#pragma unroll
+    for (int i = 0; i < RP; ++i) {
+        const int p = lane_r + i * TPR;
+        if (p >= PIECES) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int d = 8 * p + 4 * half;
+            const float4 h = ld_bf16x4(&xs[t][d]), g = ld_bf16x4(norm_w + d);
+            const float4 a = make_float4(round_bf16(h.x * inv) * g.x, round_bf16(h.y * inv) * g.y,
+                                         round_bf16(h.z * inv) * g.z, round_bf16(h.w * inv) * g.w);
+            st_bf16x4(&xs[t][d], a.x, a.y, a.z, a.w);
+            if (writer && valid) st_bf16x4(a_out + row + d, a.x, a.y, a.z, a.w);
+        }
     }
     __syncthreads();
 }

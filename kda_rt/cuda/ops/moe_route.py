@@ -171,6 +171,8 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
     _check_x_aligned(x, D, "moe_route_fused")
+    if nb is not None:
+        _check_x_aligned(nb.residual, D, "moe_route_fused (norm_before.residual)")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4, stream.ptr)
