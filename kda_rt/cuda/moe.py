@@ -158,8 +158,10 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
 # of T rows while it saves the rmsnorm launch.  Graph replays of the full model (tests/gpu/bench_ab.py --env
 # KDA_RT_ROUTE_NORM --replays, H200, 2026-12-01): batch 1 2.3560 -> 2.3232 ms (-1.4%) and 2.3687 -> 2.3344 (-1.4%),
 # batch 2 3.0474 -> 3.0429 (-0.1%), batch 4 3.8384 -> 3.8680 (+0.8%), batch 8 5.0503 -> 5.1336 (+1.6%), batch 16
-# 6.9775 -> 7.0689 (+1.3%).
-ROUTE_NORM_MAX_T = 1
+# 6.9775 -> 7.0689 (+1.3%).  With delta staged by cp.async and the residual by 16-byte loads (eighteenth session,
+# `--env ...,KDA_RT_ROUTE_NORM,KDA_RT_ROUTE_NORM_MAX_T --values ...:1:8,...:0:1`, one call): batch 2 3.0328 ->
+# 3.0172 ms (-0.5%), batch 4 3.8205 -> 3.8068 (-0.4%), batch 8 5.1124 -> 5.1508 (+0.8%), batch 1 as before; so 4.
+ROUTE_NORM_MAX_T = 4
 
 
 def _route_norm_max_t() -> int:

@@ -34,7 +34,13 @@ __all__ = ["LatentStore", "mla_attention", "mla_dims", "decode_workspace_bytes",
 
 _NT = 64  # positions per tile of mla_attn_split (the score GEMM: 2 warps x 32 positions x 4 warps of depth)
 _THREADS = 256
-_MIN_TILES = 2  # a split reads at least 2 tiles (128 positions): its fixed cost (Q, partial, combine) stays < ~1/2
+# A split reads at least this many tiles.  1 (was 2): at batch 1-4 and 2K context each token's 32 tiles go to 32
+# one-tile splits on 32-128 SMs instead of 16 two-tile ones; a block's KV stream is bound by what one SM keeps in
+# flight, so more SMs finish sooner, and the combine of 32 partials costs about what it did for 16.  Graph replays
+# of the full model (tests/gpu/bench_ab.py --env KDA_RT_MLA_MIN_TILES, H200, 2026-12-01): batch 1 2.3335 ->
+# 2.3193 ms (-0.6%), batch 2 2.9991 -> 2.9842 (-0.5%), batch 4 3.7681 -> 3.7601 (-0.2%), batch 8 unchanged (its
+# 16 splits a token already hold 2 tiles each).
+_MIN_TILES = 1
 _SPLIT_COST = 2  # fixed cost of one split in tiles' time (Q load, prologue latency, partial write + combine read)
 _GEMV_TOKENS = 8  # T <= this: the up-projections run as mla_absorb_q / mla_expand_out (TMAX), else cuBLAS bmm
 _ROW_PAD_BYTES = 16  # after each shared-memory row, so ldmatrix phases hit 32 distinct banks
