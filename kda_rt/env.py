@@ -116,6 +116,13 @@ def moe_gemv() -> bool:
     return _on_off("KDA_RT_MOE_GEMV")
 
 
+def gemv_routed() -> bool:
+    """KDA_RT_GEMV_ROUTED: 0 makes a one-token step's MoE gate/up GEMV wait for the whole routing kernel and read
+    its plan, instead of selecting the token's experts itself from the routing kernel's logits as soon as they are
+    stored (kernels_cu/moe_gemv.cu ROUTED); default 1.  Read at each MoE call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_GEMV_ROUTED")
+
+
 def fused_route() -> bool:
     """KDA_RT_FUSED_ROUTE: 0 routes a decode step's tokens with three kernels (router logits, select,
     moe_bucket) instead of one (moe_route_fused in kernels_cu/moe_route.cu); default 1.  Read at each MoE

@@ -23,11 +23,27 @@
 // evenly (H200, 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's gemv_dense in gemv.cu: q|k|v 17.3 against
 // 16.2 us, q|kv_a 11.9 / 10.9, dense gate|up 24.2 / 23.9, lm_head 182.8 / 170.5): it was withdrawn.
 //
-// Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1).
+// ROUTED = 1 (moe_gemv_routed): the GEMV does not wait for the whole routing kernel (moe_route.cu's moe_route_fused,
+// launched with signal_ready): once every routing block has stored its logits and the normalised x (done[1]
+// counted up to `ready_target`, acquire), warp 0 of each CTA runs the same warp selection on those logits
+// (moe_select.cuh: the same ids) and ranks the token's bins (its top_k experts and, with SHARED, the shared slot E)
+// in ascending order, which is the routing kernel's plan at one token: tile t = the t-th bin, row t.  So the weight
+// stream starts while the routing kernel's last block still selects and buckets (for the down GEMM and the
+// combine).  The CTA's extra warp (WARPS + 1 warps) alone waits for the routing kernel to complete and only then
+// lets the next launch go (the down GEMM reads the plan before its own wait); the other warps sync by a named
+// barrier.  The CTA that counts done[2] up to the grid size resets done[1] and done[2] to 0 for the next launch.
+// Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
+// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1).
 #include "common.cuh"
 
 #if !defined(KW) || !defined(INTER) || !defined(WARPS) || !defined(PIPE)
 #error "moe_gemv.cu needs -DKW -DINTER -DWARPS -DPIPE"
+#endif
+#ifndef ROUTED
+#define ROUTED 0
+#endif
+#if ROUTED && (!defined(NE) || !defined(MAX_TOP_K) || !defined(SHARED) || MAX_TOP_K + SHARED > 32)
+#error "moe_gemv.cu with ROUTED needs -DNE -DMAX_TOP_K -DSHARED (MAX_TOP_K + SHARED <= 32)"
 #endif
 #if KW % 8
 #error "moe_gemv.cu: KW must be a multiple of 8 (16-byte pieces)"
@@ -82,10 +98,19 @@ __device__ __forceinline__ float2 reduce_rows(const Rows& r, const uint4* xs, in
     return make_float2(warp_sum(sa), warp_sum(sb));
 }
 
-// x [KW] bf16 into shared memory (every thread of the CTA takes part)
-__device__ __forceinline__ void stage_x(uint4* xs, const bf16* __restrict__ x) {
-    for (int p = threadIdx.x; p < PIECES; p += 32 * WARPS) xs[p] = reinterpret_cast<const uint4*>(x)[p];
+// barrier of the WARPS compute warps (the routed variant's extra warp never joins it)
+__device__ __forceinline__ void compute_sync() {
+#if ROUTED
+    asm volatile("bar.sync 1, %0;\n" :: "n"(32 * WARPS) : "memory");
+#else
     __syncthreads();
+#endif
+}
+
+// x [KW] bf16 into shared memory (every compute thread of the CTA takes part)
+__device__ __forceinline__ void stage_x(uint4* xs, const bf16* __restrict__ x) {
+    for (int p = threadIdx.x; p < PIECES; p += 32 * WARPS) xs[p] = __ldcg(reinterpret_cast<const uint4*>(x) + p);
+    compute_sync();
 }
 
 // The units [u0, u1) of this warp over `units`
@@ -98,10 +123,75 @@ struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
 };
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
+#if ROUTED
+#include "moe_select.cuh"
+
+// Only the extra warp waits for the kernel before (the routing kernel) and then lets the next launch go; the
+// compute warps start on the routing kernel's signal (await_logits) instead (tests/kernels/test_pdl.py lists this
+// entry).
+#define GEMV_PDL_ENTRY()                                                                                     \
+    do {                                                                                                     \
+        if (threadIdx.x >= 32 * WARPS) {                                                                     \
+            KDA_PDL_ENTRY();                                                                                 \
+            return;                                                                                          \
+        }                                                                                                    \
+    } while (0)
+
+// Spin until the routing kernel's blocks have all signalled (acquire), then count this CTA in done[2]; the last
+// CTA to do so resets both words (every CTA has stopped reading done[1] by then).  Thread 0 of the CTA.
+__device__ __forceinline__ void await_logits(int* done, int target) {
+    unsigned v;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(done + 1) : "memory");
+        if ((int)v >= target) break;
+        __nanosleep(64);
+    }
+    unsigned old;
+    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done + 2) : "memory");
+    if (old == gridDim.x - 1) {
+        done[1] = 0;
+        done[2] = 0;
+    }
+}
+#endif
+
+#else
+#define GEMV_PDL_ENTRY() KDA_PDL_ENTRY()
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * (WARPS + ROUTED))
 moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const int* __restrict__ tile_expert,
-                 const int* __restrict__ tile_row, const int* __restrict__ num_tiles, bf16* __restrict__ h) {
-    KDA_PDL_ENTRY();
+                 const int* __restrict__ tile_row, const int* __restrict__ num_tiles, bf16* __restrict__ h,
+                 const float* __restrict__ logits, const float* __restrict__ bias, int top_k, int* done,
+                 int ready_target) {
+    GEMV_PDL_ENTRY();
+#if ROUTED
+    __shared__ int bins_sh[32];
+    __shared__ int ntiles_sh;
+    if (threadIdx.x == 0) await_logits(done, ready_target);
+    compute_sync();
+    if (threadIdx.x < 32) {  // warp 0: the routing kernel's choice, then the bins in ascending order (tile t, row t)
+        int id;
+        float w;
+        warp_route_token<NE, MAX_TOP_K>([&](int e) { return __ldcg(logits + e); }, bias, top_k, 0, 0, 1.f, &id, &w);
+        const int lane = threadIdx.x, n = top_k + SHARED;
+        const int bin = lane < top_k ? min(max(id, 0), NE - 1) : NE;  // lane top_k: the shared slot (SHARED)
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += __shfl_sync(0xffffffffu, bin, j) < bin;
+        if (lane < n) bins_sh[rank] = bin;
+        if (lane == 0) ntiles_sh = n;
+    }
+    compute_sync();
+    const int lane = threadIdx.x & 31;
+    const int2 range = warp_units((long long)ntiles_sh * INTER);
+    auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows
+        const int t = u / INTER;
+        if (t != c.t) c.t = t, c.e = bins_sh[t], c.row = t;
+        const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
+        load_rows(r, g, g + (size_t)INTER * KW, lane);
+    };
+    __shared__ uint4 xs[PIECES];
+#else
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
     const int2 range = warp_units((long long)__ldcg(num_tiles) * INTER);
@@ -111,6 +201,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
         load_rows(r, g, g + (size_t)INTER * KW, lane);
     };
+#endif
     Rows cur;
     Unit c{-1, 0, 0};
     if (range.x < range.y) rows(cur, c, range.x);  // in flight while x lands in shared memory

@@ -47,6 +47,8 @@
 //   normalises its staged rows in place, a = bf16(bf16(h rsqrt(mean(h^2) + eps)) norm_w), before the logits.
 //   The blocks with blockIdx.y == 0 store their rows' h (h_out) and a (a_out: the MoE GEMMs' x).  residual
 //   itself is not written (other blocks still read it): the combine takes h_out as its residual_in.
+//   signal_ready = 1: each block also adds 1 to done[1] (release) once its logits (and a_out) are stored, the
+//   signal moe_gemv.cu's routed GEMV spins on before it repeats the selection for its own units (it resets done[1]).
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
 // Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select);
@@ -55,93 +57,7 @@
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
-// ---------------------------------------------------------------------------------------------
-// one token's routing decision by one warp (moe_route_select_warp's and moe_route_fused's): top_k rounds
-// of a warp argmax, larger sel first, lower index on ties
-
-// Orderable key of a float that is not NaN: a > b exactly when order_key(a) > order_key(b) (-0 keys below +0,
-// which no score here produces: s >= +0 and s + bias is never -0); order_key(-inf)
-// = 0x007fffff, so key 0 stands below every score (an expert that does not exist, or is taken).
-__device__ __forceinline__ unsigned order_key(float v) {
-    const unsigned u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// NE experts, top_k <= MAXK; logit(e) returns the token's router logit of expert e (called once per expert).
-// Lane l holds experts l, l + 32, ... sorted by (sel descending, index ascending); each round takes the
-// largest head key of the warp (redux.sync max), the lowest expert index among the heads with that key
-// (redux.sync min; within a lane equal keys are already in index order) and pops it from its lane.
-template <int NE, int MAXK, typename Logit>
-__device__ __forceinline__ void warp_route_token(Logit logit, const float* __restrict__ bias, int top_k,
-                                                 int renormalize, int biased, float scaling, int* id_out,
-                                                 float* w_out) {
-    constexpr int PER = (NE + 31) / 32;
-    const int lane = threadIdx.x & 31;
-    float lg[PER], bs[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {  // every load in flight at once (in the loop below each waited on the last)
-        const int e = i * 32 + lane;
-        lg[i] = e < NE ? logit(e) : 0.f;
-        bs[i] = e < NE ? bias[e] : 0.f;
-    }
-    asm volatile("" ::: "memory");
-    unsigned key[PER], eid[PER];
-    float wv[PER];  // the weight the expert gets if chosen: s, or sel when biased
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int e = i * 32 + lane;
-        key[i] = 0u;
-        eid[i] = 0xffffffffu;
-        wv[i] = 0.f;
-        if (e < NE) {
-            const float s = sigmoid(lg[i]);
-            float v = s + bs[i];
-            v = v == v ? v : neg_inf();
-            key[i] = order_key(v);
-            eid[i] = e;
-            wv[i] = biased ? v : s;
-        }
-    }
-    // odd-even transposition sort of the lane's PER entries, larger key first; it swaps only strictly
-    // smaller keys forward, so equal keys keep their (ascending) index order.  Branch-free selects.
-#pragma unroll
-    for (int pass = 0; pass < PER; ++pass) {
-#pragma unroll
-        for (int j = pass & 1; j + 1 < PER; j += 2) {
-            const bool sw = key[j + 1] > key[j];
-            const unsigned ka = key[j], kb = key[j + 1], ia = eid[j], ib = eid[j + 1];
-            const float wa = wv[j], wb = wv[j + 1];
-            key[j] = sw ? kb : ka; key[j + 1] = sw ? ka : kb;
-            eid[j] = sw ? ib : ia; eid[j + 1] = sw ? ia : ib;
-            wv[j] = sw ? wb : wa; wv[j + 1] = sw ? wa : wb;
-        }
-    }
-    int my_id = 0;
-    float my_w = 0.f;
-#pragma unroll
-    for (int k = 0; k < MAXK; ++k) {
-        if (k >= top_k) break;  // warp-uniform (top_k <= MAXK)
-        const unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
-        const unsigned win = __reduce_min_sync(0xffffffffu, key[0] == best ? eid[0] : 0xffffffffu);
-        const int owner = (int)(win & 31u);
-        const float w_win = __shfl_sync(0xffffffffu, wv[0], owner);
-        const bool pop = lane == owner;  // the owner drops its head
-#pragma unroll
-        for (int j = 0; j + 1 < PER; ++j) {
-            key[j] = pop ? key[j + 1] : key[j];
-            eid[j] = pop ? eid[j + 1] : eid[j];
-            wv[j] = pop ? wv[j + 1] : wv[j];
-        }
-        key[PER - 1] = pop ? 0u : key[PER - 1];
-        eid[PER - 1] = pop ? 0xffffffffu : eid[PER - 1];
-        my_id = lane == k ? (int)win : my_id;
-        my_w = lane == k ? w_win : my_w;
-    }
-    float sum = 0.f;
-    for (int j = 0; j < top_k; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);  // k order
-    *id_out = my_id;
-    *w_out = (renormalize ? my_w / (sum + 1e-20f) : my_w) * scaling;
-}
+#include "moe_select.cuh"
 
 // x rows t0 .. t0 + NT - 1 (zeros past num_tokens) into shared memory by NTHREADS threads; the callers sync
 // after.  DX % 8 == 0 (x rows and xs 16-byte aligned: the launchers check x): 16-byte cp.async pieces, all in
@@ -432,7 +348,8 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 int* __restrict__ sorted_pair, int* __restrict__ pair_pos, int* __restrict__ tile_expert,
                 int* __restrict__ tile_row, int* __restrict__ num_tiles, int* __restrict__ stats,
                 int* __restrict__ sync, int sync_words, int* __restrict__ done, const bf16* __restrict__ residual,
-                const bf16* __restrict__ norm_w, bf16* __restrict__ h_out, bf16* __restrict__ a_out, float eps) {
+                const bf16* __restrict__ norm_w, bf16* __restrict__ h_out, bf16* __restrict__ a_out, float eps,
+                int signal_ready) {
     KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
@@ -491,6 +408,9 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     // block's released logits before this block's loads of them in the last block
     __syncthreads();
     if (tid == 0) {
+        // done[1] (the routed GEMV's start signal, moe_gemv.cu ROUTED): released in the same way, counted up to the
+        // number of blocks; the GEMV resets it
+        if (signal_ready) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done + 1) : "memory");
         int old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done) : "memory");
         last_sh = old == (int)(gridDim.x * gridDim.y) - 1;

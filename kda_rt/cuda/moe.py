@@ -54,12 +54,13 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
+from kda_rt.cuda.ops.moe_gemv import GemvRouting, gemv_kernel, moe_gemv_gate_up
 from kda_rt.cuda.ops.moe_gemv import fits as gemv_fits
-from kda_rt.cuda.ops.moe_gemv import gemv_kernel, moe_gemv_gate_up
 from kda_rt.cuda.ops.moe_route import (
     FUSED_MAX_T,
     SPLIT_MIN_T,
     NormBefore,
+    fused_route_blocks,
     fused_route_fits,
     fused_route_rows,
     moe_route,
@@ -140,9 +141,12 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if tile := fused_decode_tile(tokens, D, inter):
                     fused_kernel(tile, D, inter, pairs)
                     count += 1
-            if gemv_fits(1, D):  # a one-token step's gate/up
+            if gemv_fits(1, D):  # a one-token step's gate/up (and the variant that selects its own experts)
                 gemv_kernel(D, inter)
                 count += 1
+                if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
+                    gemv_kernel(D, inter, routed=(E, fused))
+                    count += 1
             for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
@@ -251,11 +255,15 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             with contextlib.suppress(ValueError):
                 w.router_split = split_router(w_router)
         sync = ws["sync"] if fused_tile else None
-        if fused_route_fits(T, E, D, A, cfg.num_expert_group, fused):
+        fused_routing = fused_route_fits(T, E, D, A, cfg.num_expert_group, fused)
+        # one token: the GEMV selects its experts from the routing kernel's logits instead of waiting for its plan
+        routed = (GemvRouting(ws["logits"], bias, A, ws["route_done"], fused_route_blocks(T, E), E, fused)
+                  if fused_routing and gemv_fits(T, D) and not fused_tile and env.gemv_routed() else None)
+        if fused_routing:
             moe_route_fused(delta, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
                             out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=fused,
-                            sync=sync, stream=stream, norm_before=norm_before)
+                            sync=sync, stream=stream, norm_before=norm_before, signal_ready=routed is not None)
         else:
             moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
@@ -268,7 +276,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                              stream=stream)
         else:
             if gemv_fits(T, D):  # one token: its routed rows spread evenly over the SMs
-                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream)
+                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
             gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)

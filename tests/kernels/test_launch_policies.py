@@ -122,9 +122,11 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 18 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 19 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
-    assert [(kw["KW"], kw["INTER"]) for f, kw in built if f == "moe_gemv.cu"] == [(2304, 1024)]
+    # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
+    assert [(kw["KW"], kw["INTER"], kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED")) for f, kw in built
+            if f == "moe_gemv.cu"] == [(2304, 1024, 0, None, None), (2304, 1024, 1, 256, 1)]
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"], kw["ROUTE_NORM"]) for f, kw in built
                     if f == "moe_route.cu")
     norm_rows = {route.fused_route_rows(t) for t in range(1, moe.ROUTE_NORM_MAX_T + 1)}

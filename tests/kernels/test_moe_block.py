@@ -139,7 +139,8 @@ def test_moe_forward(name, fused):
 @pytest.mark.parametrize("launches", ["one", "two"], ids=["fused-gemms", "two-gemms"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-@pytest.mark.parametrize("T,E", [(4, 256), (16, 64), (512, 16)], ids=["T4-E256-decode", "T16-E64-decode", "T512-E16-prefill"])
+@pytest.mark.parametrize("T,E", [(1, 256), (4, 256), (16, 64), (512, 16)],
+                         ids=["T1-E256-gemv", "T4-E256-decode", "T16-E64-decode", "T512-E16-prefill"])
 def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatch):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
     new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
@@ -147,7 +148,9 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
     GEMMs in one launch (moe_decode_fused, whose counters the replay's bucketing zeroes again) or two (the
     down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'
     logits, select and bucketing in one launch (moe_route_fused, its counter left 0 by the eager calls and
-    by every launch) or three.  The workspace is poisoned before the eager calls."""
+    by every launch) or three.  T1: the gate/up GEMV, which with the fused route selects the token's experts
+    itself from the routing kernel's logits (moe_gemv.cu ROUTED: its counters left 0 by every launch); the
+    two-launch MoE is the same there.  The workspace is poisoned before the eager calls."""
     import cupy
 
     if launches == "two":
@@ -156,6 +159,8 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "0")
     if T >= 512 and (launches == "one" or route == "one"):
         pytest.skip("prefill sizes take the two-launch, three-kernel route path either way")
+    if T == 1 and launches == "two":
+        pytest.skip("one token takes the GEMV and the down GEMM either way")
 
     from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops import pdl as pdl_launch
@@ -189,6 +194,53 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         stream.synchronize()
         err = rms_rel(to_np(out), moe_ref(params, x2, cfg))
         assert err <= 1e-2, f"graph replay {replay}: rms rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("norm_before", [False, True], ids=["x", "norm-before"])
+@pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
+def test_moe_forward_gemv_routed(fused, norm_before, monkeypatch):
+    """One token: the GEMV that selects its experts from the routing kernel's logits (KDA_RT_GEMV_ROUTED=1, the
+    default) gives bit for bit the output (and residual stream) of the GEMV that reads the routing kernel's plan
+    (=0), three calls in a row on new inputs (its counters done[1:3] back to 0 after each), with x as the block
+    input or with the add and norm before the block in the routing kernel (norm_before: the GEMV then reads the
+    kernel's a_out).  Outputs and workspace poisoned before each call."""
+    import cupy
+
+    from kda_rt.cuda.moe import moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import NormAfter
+    from kda_rt.cuda.ops.moe_route import NormBefore
+
+    D, inter, E, eps = 2304, 1024, 256, 1e-6
+    cfg = dataclasses.replace(make_cfg(E), num_shared_experts=1, intermediate_size=inter)
+    _, gpu, _ = make_block(1, D, inter, inter, cfg, 21)
+    rng = np.random.default_rng(22)
+    inputs = [(rng.normal(size=(1, D)), rng.normal(size=(1, D)) * 3.0) for _ in range(3)]
+    w_post, w_next = (to_gpu_bf16(rng.uniform(0.5, 1.5, size=D)) for _ in range(2))
+    results = {}
+    for routed in ("1", "0"):
+        monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
+        got = []
+        for x, residual in inputs:
+            gpu["x"] = to_gpu_bf16(x)
+            out = cupy.empty((1, D), dtype=BF16)
+            poison(out)
+            ws = cupy.full(moe_workspace_bytes(1, cfg, D, inter, inter, fused), 0xFF, dtype=np.uint8)
+            res = to_gpu_bf16(residual)
+            kw = dict(norm=NormAfter(res, w_next, eps))
+            if norm_before:
+                h, a = cupy.empty((1, D), BF16), cupy.empty((1, D), BF16)
+                poison(h)
+                poison(a)
+                kw["norm_before"] = NormBefore(res, w_post, eps, h, a)
+            run(gpu, cfg, fused, out=out, workspace=ws, **kw)
+            cupy.cuda.Device().synchronize()
+            assert not np.isnan(to_np(out)).any()
+            assert cupy.asnumpy(ws[:12].view(np.int32)).tolist() == [0, 0, 0], "routing counters not left at 0"
+            got.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16))))
+        results[routed] = got
+    for (o1, r1), (o0, r0) in zip(results["1"], results["0"], strict=True):
+        assert np.array_equal(o1, o0) and np.array_equal(r1, r0), "the routed GEMV's output differs"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])

@@ -54,14 +54,36 @@ DEFERRED = {"moe_grouped_gemm_tc": "TC_PDL_ENTRY();", "moe_route_fused": "KDA_PD
             "skinny_gemm_cl": "KDA_PDL_ENTRY_DEFERRED();", "skinny_gemm_staged": "KDA_PDL_ENTRY_DEFERRED();"}
 
 
+# kernels whose entry is a macro of their file that waits in only some threads (the others start on a signal of
+# the kernel before, in the kernel's own code): every definition of the macro must contain KDA_PDL_ENTRY()
+SIGNALLED = {"moe_gemv_gate_up": "GEMV_PDL_ENTRY"}
+
+
+def _macro_text(src: str, start: int) -> str:
+    """A #define's text from `start` to the end of its last continued line."""
+    lines = []
+    for line in src[start:].split("\n"):
+        lines.append(line)
+        if not line.rstrip().endswith("\\"):
+            break
+    return "\n".join(lines)
+
+
 def test_every_kernel_starts_with_the_pdl_wait():
     found = []
     for path in sorted(KERNELS.glob("*.cu")):
-        for name, body in _kernel_bodies(path.read_text()):
+        src = path.read_text()
+        for name, body in _kernel_bodies(src):
             found.append(name)
             first = body.lstrip().split("\n", 1)[0].strip()
             if name in DEFERRED:
                 assert first == DEFERRED[name] and "KDA_PDL_WAIT();" in body, f"{path.name}: kernel {name}"
+                continue
+            if name in SIGNALLED:
+                macro = SIGNALLED[name]
+                assert first == f"{macro}();", f"{path.name}: kernel {name} starts with {first!r}"
+                defs = [_macro_text(src, m.end()) for m in re.finditer(rf"#define {macro}\(\)", src)]
+                assert len(defs) == 2 and all("KDA_PDL_ENTRY()" in d for d in defs), f"{path.name}: {macro} {defs}"
                 continue
             assert first == "KDA_PDL_ENTRY();", f"{path.name}: kernel {name} starts with {first!r}"
     assert len(found) >= 20, found  # every file's kernels were parsed

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from kda_rt import env
-from kda_rt.cuda.ops.check import BF16, expect
+from kda_rt.cuda.ops.check import BF16, expect, i32
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan
+from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
-__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "fits", "gemv_kernel", "moe_gemv_gate_up"]
+__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "fits", "gemv_kernel", "moe_gemv_gate_up"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
 
@@ -34,28 +37,53 @@ class GemvConfig(NamedTuple):
 DEFAULT = GemvConfig()
 
 
+class GemvRouting(NamedTuple):
+    """The routed GEMV's inputs (moe_gemv.cu ROUTED): it starts on the fused routing kernel's logits (launched just
+    before it with signal_ready) instead of waiting for its plan.  logits [1, >= E] fp32 and bias [E] fp32 as the
+    routing kernel reads them, top_k, done (the routing kernel's int32 counters, >= 3 words), ready_target (its
+    number of blocks), num_experts E, shared (the shared expert rides as bin E)."""
+
+    logits: object
+    bias: object
+    top_k: int
+    done: object
+    ready_target: int
+    num_experts: int
+    shared: bool
+
+
 def fits(tokens: int, hidden: int) -> bool:
     """A MoE step of `tokens` tokens with hidden width `hidden` takes moe_gemv_gate_up."""
     return tokens == 1 and hidden % 8 == 0 and hidden <= MAX_K and env.moe_gemv()
 
 
-def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT):
-    """The kernel variant (built on first use; the runner builds it at start)."""
-    return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe))
+def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tuple[int, bool] | None = None):
+    """The kernel variant (built on first use; the runner builds it at start); routed = (E, shared): the variant
+    that selects the token's experts itself (GemvRouting)."""
+    extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]))
+    return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe),
+                      **extra)
 
 
-def _grid(kernel, cfg: GemvConfig) -> int:
-    """One wave: cfg.blocks_per_sm CTAs per SM, capped at what one SM holds at once."""
+def _grid(kernel, cfg: GemvConfig, warps: int, routed: bool = False) -> int:
+    """One wave: cfg.blocks_per_sm CTAs per SM, capped at what one SM holds at once.  The routed variant starts
+    while the routing kernel's last block still runs, and a CTA of it does not fit beside that block (registers):
+    one SM fewer, or the CTA left over would start when the routing kernel ends and finish that much later."""
     import cupy
 
     from kda_rt.cuda.ops.pdl import resident_per_sm
 
-    return sm_count(cupy.cuda.Device().id) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * cfg.warps, 0))
+    sms = sm_count(cupy.cuda.Device().id)
+    return max(1, sms - int(routed)) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * warps, 0))
 
 
-def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, stream=None):
+def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, stream=None,
+                     routed: GemvRouting | None = None):
     """x [1, D] bf16, w13 [E, 2I, D] bf16 ([gate; up] rows), plan of the token's pairs -> out h [N, I] bf16,
-    row tile_row[t] = SiLU(x · gate_e) · (x · up_e) for e = tile_expert[t], t < num_tiles (one row a tile)."""
+    row tile_row[t] = SiLU(x · gate_e) · (x · up_e) for e = tile_expert[t], t < num_tiles (one row a tile).
+    routed (GemvRouting): the experts come from the routing kernel's logits instead (the same choice and rows:
+    the t-th smallest of the token's bins at row t); the plan is then only written, by that kernel, for the
+    kernels after this one."""
     _, D = expect(x, "x", shape=(1, None), dtype=BF16)
     _, two_i, _ = expect(w13, "w13", shape=(None, None, D), dtype=BF16)
     N = plan.sorted_pair.shape[0]
@@ -66,7 +94,22 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, s
         raise ValueError(f"moe_gemv_gate_up: w13 needs an even row count (got {two_i}) and x, w13 16-byte aligned")
     if N == 0:
         return out
-    kernel = gemv_kernel(D, two_i // 2, cfg)
-    kernel((_grid(kernel, cfg),), (32 * cfg.warps,), (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out),
-           stream=stream)
+    null = np.uint64(0)
+    if routed is None:
+        kernel = gemv_kernel(D, two_i // 2, cfg)
+        extra, warps = (null, null, i32(0), null, i32(0)), cfg.warps
+    else:
+        r = routed
+        if not 1 <= r.top_k <= MAX_TOP_K or N != r.top_k + int(r.shared) or r.ready_target < 1:
+            raise ValueError(f"moe_gemv_gate_up: routed needs 1 <= top_k <= {MAX_TOP_K}, one row a pair (N = {N}, "
+                             f"top_k {r.top_k}, shared {r.shared}) and ready_target >= 1 (got {r.ready_target})")
+        expect(r.logits, "routed.logits", ndim=2, dtype=np.float32)
+        expect(r.bias, "routed.bias", shape=(r.num_experts,), dtype=np.float32)
+        expect(r.done, "routed.done", ndim=1, dtype=np.int32)
+        if r.logits.shape[1] < r.num_experts or r.done.size < 3 or not r.logits.flags.c_contiguous:
+            raise ValueError("moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= E], routed.done >= 3 words")
+        kernel = gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared))
+        extra, warps = (r.logits, r.bias, i32(r.top_k), r.done, i32(r.ready_target)), cfg.warps + 1
+    kernel((_grid(kernel, cfg, warps, routed is not None),), (32 * warps,),
+           (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out, *extra), stream=stream)
     return out

@@ -22,7 +22,7 @@ from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
 __all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
-           "fused_kernel", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block", "moe_route", "moe_route_fused",
+           "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block", "moe_route", "moe_route_fused",
            "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
@@ -118,6 +118,11 @@ def fused_route_rows(T: int) -> int:
     return next(t for t in (1, 2, 4, _FR_MAX_TPB) if t >= min(T, _FR_MAX_TPB))
 
 
+def fused_route_blocks(T: int, E: int) -> int:
+    """Blocks of a moe_route_fused launch (token groups x expert groups): what its signal_ready counts up to."""
+    return -(-T // fused_route_rows(T)) * (E // _FR_EPB)
+
+
 def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3, norm: bool = False):
     """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T);
     `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts); `norm`: the variant
@@ -130,14 +135,17 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
 
 def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
                     biased_weights: bool = False, out_ids, out_w, logits, done, stats=None, shared_slot: bool = False,
-                    sync=None, stream=None, phases: int = 3, norm_before: NormBefore | None = None):
+                    sync=None, stream=None, phases: int = 3, norm_before: NormBefore | None = None,
+                    signal_ready: bool = False):
     """A decode step's routing and bucketing in one launch (kernels_cu/moe_route.cu moe_route_fused):
     moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
     x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
     T·E floats are used); done: int32 [>= 1] device counter that must be 0 before a CUDA graph captures this
     call (every eager call zeroes it; the kernel leaves it 0).
     norm_before (NormBefore): x is the mixer's output delta; the routing is then of RMSNorm(delta + residual),
-    which the kernel also writes to norm_before.a_out, and the new residual stream to norm_before.h_out."""
+    which the kernel also writes to norm_before.a_out, and the new residual stream to norm_before.h_out.
+    signal_ready: every block also counts done[1] up once its logits are stored, the start signal of the routed
+    GEMV (ops/moe_gemv.moe_gemv_gate_up with `routed`), which must follow this launch and resets done[1:3]."""
     import cupy
 
     T, D = expect(x, "x", ndim=2, dtype=BF16)
@@ -174,8 +182,10 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     if nb is not None:
         _check_x_aligned(nb.residual, D, "moe_route_fused (norm_before.residual)")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
+    if signal_ready and done.size < 3:
+        raise ValueError(f"moe_route_fused: signal_ready needs done of >= 3 words (the GEMV's counters), got {done.size}")
     if not stream.is_capturing():
-        cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4, stream.ptr)
+        cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4 * min(int(done.size), 3), stream.ptr)
     kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None)
     null = np.uint64(0)
     norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
@@ -183,7 +193,8 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
            (x, w_router, bias, logits, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)),
             i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
             plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
-            sync if sync is not None else null, i32(0 if sync is None else sync.size), done, *norm_args),
+            sync if sync is not None else null, i32(0 if sync is None else sync.size), done, *norm_args,
+            i32(bool(signal_ready))),
            stream=stream)
     return out_ids, out_w
 
