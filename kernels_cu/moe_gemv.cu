@@ -153,7 +153,6 @@ __device__ __forceinline__ void await_logits(int* done, int target) {
         done[2] = 0;
     }
 }
-#endif
 
 #else
 #define GEMV_PDL_ENTRY() KDA_PDL_ENTRY()
