@@ -41,15 +41,15 @@ def gc_threshold() -> int:
     return _non_negative_int("KDA_RT_GC_THRESHOLD", 10000)
 
 
-def _non_negative_int(name: str, default: int) -> int:
-    """An integer >= 0 (unset or empty: the default); anything else is refused."""
+def _non_negative_int(name: str, default: int, low: int = 0) -> int:
+    """An integer >= low (unset or empty: the default); anything else is refused."""
     value = os.environ.get(name) or str(default)
     try:
         n = int(value)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
+    if n < low:
+        raise ValueError(f"{name} must be >= {low}, got {n}")
     return n
 
 
@@ -155,10 +155,7 @@ def mla_min_tiles(default: int) -> int:
     """KDA_RT_MLA_MIN_TILES (bench switch): the fewest 64-position tiles one split of the MLA decode attention
     reads (kernels_cu/mla_attn.cu MIN_TILES), instead of the measured default (ops/mla_attn._MIN_TILES); at least
     1.  Read when the kernel is picked and its splits counted (a CUDA graph keeps what it captured)."""
-    value = _non_negative_int("KDA_RT_MLA_MIN_TILES", default)
-    if value < 1:
-        raise ValueError(f"KDA_RT_MLA_MIN_TILES must be >= 1, got {value}")
-    return value
+    return _non_negative_int("KDA_RT_MLA_MIN_TILES", default, low=1)
 
 
 def fused_kda_projection() -> bool:

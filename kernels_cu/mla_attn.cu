@@ -438,7 +438,8 @@ mla_attn_combine16(const bf16* __restrict__ partial, const float* __restrict__ s
 // with shuffles, then the 8 warps in shared memory.
 // With `store` (grid (H + 1, R / 64), num_tokens <= R / 64), block (H, t) writes token t's latent row into its page
 // instead (mla_store.cuh, bit-identical to mla_store.cu's mla_store_rows): a small decode step's MLA layer is one
-// launch shorter; both only read the q|kv_a projection.  The attention kernel after it reads the row.
+// launch shorter; both only read the q|kv_a projection.  The attention kernel after it (mla_attn_split) reads the
+// row, so it must not touch the pool before its programmatic-launch wait (it does not: KDA_PDL_ENTRY first).
 extern "C" __global__ void __launch_bounds__(256)
 mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kvb, int num_tokens,
              bf16* __restrict__ q_lat, int store, const bf16* __restrict__ kv_a, int ld_kv_a,
@@ -446,6 +447,7 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
              const int* __restrict__ context_lens, const int* __restrict__ block_tables, int num_seqs,
              int max_pages, float eps) {
     KDA_PDL_ENTRY();
+#if R <= 2048  // (the launcher folds the store only then: a row's 16-byte pieces must fit 256 threads)
     if (store && blockIdx.x == H) {
         __shared__ float scratch[8];
         if (blockIdx.y < num_tokens)
@@ -453,6 +455,7 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
                                   max_pages, eps, blockIdx.y, scratch);
         return;
     }
+#endif
     constexpr int NPT = DN / 32;  // weight rows per thread
     __shared__ float q_s[TMAX][DN];
     __shared__ __align__(16) float red[8][TMAX][64];

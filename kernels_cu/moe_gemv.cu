@@ -17,21 +17,23 @@
 // each in flight per lane), multiplies them by the matching pieces of x (staged once per CTA in shared memory,
 // read from there at each unit), and the warp sums by shuffles; with PIPE = 1 the next unit's rows are loaded
 // before the current one is reduced (~167 registers a thread against ~102).  Weight loads skip L1 (each byte
-// is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait.
+// is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait
+// (ROUTED: after the routing kernel's signal instead, below).
 //
 // The same scheme for dense one-row projections (a unit of two rows) lost to cuBLAS, which already spreads them
 // evenly (H200, 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's gemv_dense in gemv.cu: q|k|v 17.3 against
 // 16.2 us, q|kv_a 11.9 / 10.9, dense gate|up 24.2 / 23.9, lm_head 182.8 / 170.5): it was withdrawn.
 //
-// ROUTED = 1 (moe_gemv_routed): the GEMV does not wait for the whole routing kernel (moe_route.cu's moe_route_fused,
-// launched with signal_ready): once every routing block has stored its logits and the normalised x (done[1]
-// counted up to `ready_target`, acquire), warp 0 of each CTA runs the same warp selection on those logits
-// (moe_select.cuh: the same ids) and ranks the token's bins (its top_k experts and, with SHARED, the shared slot E)
-// in ascending order, which is the routing kernel's plan at one token: tile t = the t-th bin, row t.  So the weight
-// stream starts while the routing kernel's last block still selects and buckets (for the down GEMM and the
-// combine).  The CTA's extra warp (WARPS + 1 warps) alone waits for the routing kernel to complete and only then
-// lets the next launch go (the down GEMM reads the plan before its own wait); the other warps sync by a named
-// barrier.  The CTA that counts done[2] up to the grid size resets done[1] and done[2] to 0 for the next launch.
+// ROUTED = 1 (the routed variant of moe_gemv_gate_up): the GEMV does not wait for the whole routing kernel
+// (moe_route.cu's moe_route_fused, launched with signal_ready): once every routing block has stored its logits and
+// the normalised x (done[1] counted up to `ready_target`, acquire), warp 0 of each CTA runs the same warp selection
+// on those logits (moe_select.cuh: the same ids) and ranks the token's bins (its top_k experts and, with SHARED,
+// the shared slot E) in ascending order, which is the routing kernel's plan at one token: tile t = the t-th bin,
+// row t.  So the weight stream starts while the routing kernel's last block still selects and buckets (for the down
+// GEMM and the combine).  The CTA's extra warp (WARPS + 1 warps) alone waits for the routing kernel to complete and
+// only then lets the next launch go (the down GEMM reads the plan before its own wait); the other warps sync by a
+// named barrier.  The CTA that counts done[2] up to the grid size resets done[1] and done[2] to 0 for the next
+// launch.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1).
 #include "common.cuh"
@@ -137,17 +139,20 @@ struct Unit {  // feature f of tile t: expert e, output row `row`
         }                                                                                                    \
     } while (0)
 
-// Spin until the routing kernel's blocks have all signalled (acquire), then count this CTA in done[2]; the last
-// CTA to do so resets both words (every CTA has stopped reading done[1] by then).  Thread 0 of the CTA.
+// Spin until the routing kernel's blocks have all signalled (acquire), then count this CTA in done[2] (acq_rel:
+// the CTAs' reads of done[1] come before the last one's reset); that last CTA resets both words (every CTA has
+// stopped reading done[1] by then).  Thread 0 of the CTA.  A signal that never comes (a routing launch without
+// signal_ready before this one: a launcher bug) traps after some seconds instead of hanging the GPU.
 __device__ __forceinline__ void await_logits(int* done, int target) {
     unsigned v;
-    for (;;) {
+    for (long long spins = 0;; ++spins) {
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(done + 1) : "memory");
         if ((int)v >= target) break;
+        if (spins > (1ll << 22)) __trap();
         __nanosleep(64);
     }
     unsigned old;
-    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done + 2) : "memory");
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done + 2) : "memory");
     if (old == gridDim.x - 1) {
         done[1] = 0;
         done[2] = 0;
@@ -166,7 +171,6 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     GEMV_PDL_ENTRY();
 #if ROUTED
     __shared__ int bins_sh[32];
-    __shared__ int ntiles_sh;
     if (threadIdx.x == 0) await_logits(done, ready_target);
     compute_sync();
     if (threadIdx.x < 32) {  // warp 0: the routing kernel's choice, then the bins in ascending order (tile t, row t)
@@ -178,11 +182,10 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         int rank = 0;
         for (int j = 0; j < n; ++j) rank += __shfl_sync(0xffffffffu, bin, j) < bin;
         if (lane < n) bins_sh[rank] = bin;
-        if (lane == 0) ntiles_sh = n;
     }
     compute_sync();
     const int lane = threadIdx.x & 31;
-    const int2 range = warp_units((long long)ntiles_sh * INTER);
+    const int2 range = warp_units((long long)(top_k + SHARED) * INTER);
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = bins_sh[t], c.row = t;

@@ -89,8 +89,8 @@ __device__ __forceinline__ void stage_rows(bf16 (&xs)[NT][DX], const bf16* __res
 // + eps)) norm_w) in place; `writer` also stores h and a of the rows < num_tokens.  Thread i works on row
 // i / (NTHREADS / NT) only (whole warps a row), on 16-byte pieces: delta by cp.async into xs, the residual into
 // registers, up to 3 pieces a thread in flight (one round trip up to 4 rows a block, two at 8).  part: shared
-// [NTHREADS / 32]; ends with a barrier.  (Branch next/route-norm-async, not measured: the version on main
-// loads both through registers a few pieces at a time, 64-68 registers, and loses from 4 tokens on.)
+// [NTHREADS / 32]; ends with a barrier.  (The seventeenth session's version loaded both through registers a few
+// pieces at a time and lost from 2 tokens on; this one gains up to 4: kda_rt/cuda/moe.py ROUTE_NORM_MAX_T.)
 template <int NTHREADS, int NT, int DX>
 __device__ __forceinline__ void stage_norm_rows(bf16 (&xs)[NT][DX], const bf16* __restrict__ delta,
                                                 const bf16* __restrict__ residual, const bf16* __restrict__ norm_w,

@@ -3,8 +3,6 @@
 // kernel's choice for its own units), so the same logits give the same ids in every kernel.
 #pragma once
 
-// top_k rounds of a warp argmax, larger sel first, lower index on ties
-
 // Orderable key of a float that is not NaN: a > b exactly when order_key(a) > order_key(b) (-0 keys below +0,
 // which no score here produces: s >= +0 and s + bias is never -0); order_key(-inf)
 // = 0x007fffff, so key 0 stands below every score (an expert that does not exist, or is taken).
@@ -13,6 +11,7 @@ __device__ __forceinline__ unsigned order_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// top_k rounds of a warp argmax, larger sel first, lower index on ties.
 // NEXP experts, top_k <= MAXK; logit(e) returns the token's router logit of expert e (called once per expert).
 // Lane l holds experts l, l + 32, ... sorted by (sel descending, index ascending); each round takes the
 // largest head key of the warp (redux.sync max), the lowest expert index among the heads with that key

@@ -53,7 +53,7 @@ def test_mla_min_tiles_defaults_to_the_callers_value(monkeypatch, value, expecte
     assert env.mla_min_tiles(2) == expected
 
 
-@pytest.mark.parametrize(("value", "match"), [("0", ">= 1"), ("-1", ">= 0"), ("two", "an integer")])
+@pytest.mark.parametrize(("value", "match"), [("0", ">= 1"), ("-1", ">= 1"), ("two", "an integer")])
 def test_mla_min_tiles_rejects_bad_values(monkeypatch, value, match):
     monkeypatch.setenv("KDA_RT_MLA_MIN_TILES", value)
     with pytest.raises(ValueError, match=f"KDA_RT_MLA_MIN_TILES must be {match}"):

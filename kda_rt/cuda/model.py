@@ -184,7 +184,8 @@ class CudaModel:
         qkva = linear(a, w.q_kva, out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
         pool = self.mla_pools[layer]
         store = LatentStore(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps)
-        if not (b.decode and env.mla_store_fold()):
+        fold = b.decode and env.mla_store_fold()  # mla_attention writes the rows (in mla_absorb_q's launch)
+        if not fold:
             mla_store(store.kv_a, store.norm_w, store.eps, pool, b.cu_seqlens, b.context_lens, b.block_tables)
         o = ws.get("mla_o", (T, H * mc.v_head_dim), BF16)
         scale = float(mc.qk_head_dim) ** -0.5
@@ -194,7 +195,7 @@ class CudaModel:
             mla_attention(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                           num_heads=H, scale=scale, max_seqlen=1, decode=True, out=o,
                           workspace=ws.get("mla_ws", (nbytes,), np.uint8),
-                          store=store if env.mla_store_fold() else None)
+                          store=store if fold else None)
         else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                         num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens))

@@ -54,7 +54,7 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
-from kda_rt.cuda.ops.moe_gemv import GemvRouting, gemv_kernel, moe_gemv_gate_up
+from kda_rt.cuda.ops.moe_gemv import GemvRouting, gemv_kernel, moe_gemv_gate_up, routed_kernel
 from kda_rt.cuda.ops.moe_gemv import fits as gemv_fits
 from kda_rt.cuda.ops.moe_route import (
     FUSED_MAX_T,
@@ -151,7 +151,9 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
-                    if env.route_norm() and fits_norm(D) and fused_route_rows(tokens) <= fused_route_rows(_route_norm_max_t()):
+                    norm_max_t = _route_norm_max_t()
+                    if (env.route_norm() and fits_norm(D) and norm_max_t >= 1
+                            and fused_route_rows(tokens) <= fused_route_rows(norm_max_t)):
                         fused_route_kernel(tokens, E, D, bm, fused, norm=True)  # with NormBefore (takes_norm_before)
                         count += 1
     return count
@@ -259,6 +261,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         # one token: the GEMV selects its experts from the routing kernel's logits instead of waiting for its plan
         routed = (GemvRouting(ws["logits"], bias, A, ws["route_done"], fused_route_blocks(T, E), E, fused)
                   if fused_routing and gemv_fits(T, D) and not fused_tile and env.gemv_routed() else None)
+        if routed is not None:  # its checks and build before the routing kernel sets the signal it consumes
+            routed_kernel(w13, T * pairs, routed)
         if fused_routing:
             moe_route_fused(delta, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],

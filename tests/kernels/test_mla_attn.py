@@ -132,9 +132,11 @@ def test_mla_decode_wide_table(B):
 def test_mla_decode_store_folded(B):
     """mla_attention(store=...) writes this step's latent rows itself (inside mla_absorb_q at B <= 8, R / 64 = 8;
     mla_store's own kernel at 12): the pool and the output are bit-identical to mla_store then mla_attention
-    (same row code, mla_store.cuh), and no other pool row changes (NaN rows stay NaN)."""
+    (same row code, mla_store.cuh), and no other pool row changes (NaN rows stay NaN).  mla_attention calls
+    mla_store itself exactly when it cannot fold the store (B > 8)."""
     import cupy
 
+    import kda_rt.cuda.ops.mla_attn as attn
     from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
     from kda_rt.cuda.ops.mla_store import mla_store
 
@@ -160,8 +162,12 @@ def test_mla_decode_store_folded(B):
         ws = cupy.full(decode_workspace_bytes(B, H, tables.shape[1], block_size), 255, dtype=np.uint8)
         if not folded:
             mla_store(kv_a, w_d, EPS, pool, cu, ctx_d, tables_d)
-        mla_attention(q, pool, w_kvb, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
-                      out=out, workspace=ws, store=LatentStore(kv_a, w_d, EPS) if folded else None)
+        inner = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attn, "mla_store", lambda *a, _n=inner, **kw: _n.append(1) or mla_store(*a, **kw))
+            mla_attention(q, pool, w_kvb, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
+                          out=out, workspace=ws, store=LatentStore(kv_a, w_d, EPS) if folded else None)
+        assert len(inner) == (1 if folded and B > 8 else 0), f"mla_store called {len(inner)} times inside"
         outs.append(to_np(out))
     bits = [cupy.asnumpy(p.view(np.uint16)) for p in pools]
     assert np.array_equal(bits[0], bits[1]), "the folded store wrote other pool bits than mla_store"

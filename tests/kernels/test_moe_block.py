@@ -196,16 +196,20 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         assert err <= 1e-2, f"graph replay {replay}: rms rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("inputs", ["random", "tied", "nan"])
 @pytest.mark.parametrize("norm_before", [False, True], ids=["x", "norm-before"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-def test_moe_forward_gemv_routed(fused, norm_before, monkeypatch):
+def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     """One token: the GEMV that selects its experts from the routing kernel's logits (KDA_RT_GEMV_ROUTED=1, the
     default) gives bit for bit the output (and residual stream) of the GEMV that reads the routing kernel's plan
     (=0), three calls in a row on new inputs (its counters done[1:3] back to 0 after each), with x as the block
     input or with the add and norm before the block in the routing kernel (norm_before: the GEMV then reads the
-    kernel's a_out).  Outputs and workspace poisoned before each call."""
+    kernel's a_out).  inputs: random; tied (router and bias zero: every score equal, the choice is the lowest
+    indices by the tie rule); nan (a NaN in x: NaN logits rank as -inf, the ids stay valid and the output is NaN
+    in both).  The GEMV is checked to get `routed` (=1) or not (=0).  Outputs and workspace poisoned first."""
     import cupy
 
+    import kda_rt.cuda.moe as moe
     from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import NormAfter
@@ -214,14 +218,23 @@ def test_moe_forward_gemv_routed(fused, norm_before, monkeypatch):
     D, inter, E, eps = 2304, 1024, 256, 1e-6
     cfg = dataclasses.replace(make_cfg(E), num_shared_experts=1, intermediate_size=inter)
     _, gpu, _ = make_block(1, D, inter, inter, cfg, 21)
+    if inputs == "tied":
+        gpu["w_router"][...] = 0
+        gpu["bias"][...] = 0
     rng = np.random.default_rng(22)
-    inputs = [(rng.normal(size=(1, D)), rng.normal(size=(1, D)) * 3.0) for _ in range(3)]
+    calls = [(rng.normal(size=(1, D)), rng.normal(size=(1, D)) * 3.0) for _ in range(3)]
+    if inputs == "nan":
+        calls[1][0][0, 7] = np.nan
     w_post, w_next = (to_gpu_bf16(rng.uniform(0.5, 1.5, size=D)) for _ in range(2))
+    seen = []
+    real = moe.moe_gemv_gate_up
+    monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **kw: seen.append(kw.get("routed")) or real(*a, **kw))
     results = {}
     for routed in ("1", "0"):
         monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
+        seen.clear()
         got = []
-        for x, residual in inputs:
+        for x, residual in calls:
             gpu["x"] = to_gpu_bf16(x)
             out = cupy.empty((1, D), dtype=BF16)
             poison(out)
@@ -235,9 +248,10 @@ def test_moe_forward_gemv_routed(fused, norm_before, monkeypatch):
                 kw["norm_before"] = NormBefore(res, w_post, eps, h, a)
             run(gpu, cfg, fused, out=out, workspace=ws, **kw)
             cupy.cuda.Device().synchronize()
-            assert not np.isnan(to_np(out)).any()
+            assert np.isnan(to_np(out)).any() == (inputs == "nan" and len(got) == 1)
             assert cupy.asnumpy(ws[:12].view(np.int32)).tolist() == [0, 0, 0], "routing counters not left at 0"
             got.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16))))
+        assert len(seen) == 3 and all((r is not None) == (routed == "1") for r in seen), seen
         results[routed] = got
     for (o1, r1), (o0, r0) in zip(results["1"], results["0"], strict=True):
         assert np.array_equal(o1, o0) and np.array_equal(r1, r0), "the routed GEMV's output differs"
@@ -250,7 +264,7 @@ def test_moe_forward_norm_before(T, fused, monkeypatch):
     the ones after it in the combine) against rmsnorm.cu then moe_forward(a, norm=...): the new residual
     stream and the block's output (the next block's normalised input) within 1e-2 RMS (a differs from
     rmsnorm.cu's by at most one bf16 ulp in <= 1% of the entries: test_moe_route_fused_norm_before).  T = 8
-    raises the policy's ROUTE_NORM_MAX_T (1) so that the 8-rows-a-block kernel runs end to end.  Also the
+    raises the policy's ROUTE_NORM_MAX_T (4) so that the 8-rows-a-block kernel runs end to end.  Also the
     refusals: without `norm`, and at T = 32 (over ROUTE_NORM_MAX_T and the fused routing's FUSED_MAX_T)."""
     import cupy
 

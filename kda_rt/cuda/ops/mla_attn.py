@@ -1,5 +1,6 @@
 """MLA attention over the paged latent cache, absorbed form (kernels_cu/mla_attn.cu + two up-projections).
 
+    (store)     this step's latent rows into the pool        in mla_absorb_q's launch (T <= 8), else mla_store
     q_lat[t, h] = W_UK_hᵀ q_nope[t, h]                    mla_absorb_q (T <= 8) or cuBLAS bmm (bf16 out)
     ctx[t, h]   = softmax(scale · [q_lat | q_pe] · kvᵀ) · c   mla_attn_split (+ mla_attn_combine{4,8,16})
     out[t, h]   = W_UV_h ctx[t, h]                         mla_expand_out (T <= 8) or bmm -> [T, H·Dv] for o_proj
@@ -165,9 +166,11 @@ def mla_dims(q, kv_pool, w_kvb, H: int):
 
 
 def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
-                  max_seqlen: int, decode: bool, out=None, workspace=None, stream=None, store: LatentStore | None = None):
+                  max_seqlen: int, decode: bool, out=None, workspace=None, stream=None,
+                  store: LatentStore | None = None):
     """q: [T, H, Dn+Dr] bf16 (or a row-strided [T, H·(Dn+Dr)] view), kv_pool: [num_blocks, block_size, R+Dr]
-    bf16 (rows already stored), w_kvb: [H·(Dn+Dv), R] bf16, cu_seqlens [B+1] / context_lens [B] /
+    bf16 (rows already stored, or this step's written first: `store`), w_kvb: [H·(Dn+Dv), R] bf16, cu_seqlens
+    [B+1] / context_lens [B] /
     block_tables [B, M] int32.  Token i of sequence b attends to positions 0 .. context_lens[b] + i.
     Returns out [T, H·Dv] bf16.  decode=True needs T == B and max_seqlen == 1; with `out` and
     `workspace` (uint8, >= decode_workspace_bytes) it allocates nothing and never reads the device.
@@ -207,7 +210,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     stream = cupy.cuda.get_current_stream() if stream is None else stream
     consts = _constants(H, R, Dr, Dn, Dv, block_size)
     gemv = T <= _GEMV_TOKENS and R % 256 == 0 and Dn % 32 == 0 and Dv % 16 == 0 and w_kvb.data.ptr % 16 == 0
-    fold = store is not None and gemv and T <= R // 64  # the store rides in mla_absorb_q's launch
+    fold = store is not None and gemv and T <= R // 64 and R <= 2048  # the store rides in mla_absorb_q's launch
     if store is not None and not fold:
         mla_store(store.kv_a, store.norm_w, store.eps, kv_pool, cu_seqlens, context_lens, block_tables, stream=stream)
     elif fold:
@@ -219,7 +222,8 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
             store_args = ((i32(1), store.kv_a, i32(leading_dim(store.kv_a)), store.norm_w, kv_pool, cu_seqlens,
                            context_lens, block_tables, i32(B1 - 1), i32(M), f32(store.eps)) if fold else
                           (i32(0), null, i32(0), null, null, null, null, null, i32(0), i32(0), f32(0)))
-            absorb((H + int(fold), R // 64), (256,), (q2, i32(ldq), w_kvb, i32(T), workspace, *store_args), stream=stream)
+            absorb((H + int(fold), R // 64), (256,), (q2, i32(ldq), w_kvb, i32(T), workspace, *store_args),
+                   stream=stream)
         else:
             bmm(_view(q2, 0, (H, T, Dn), BF16, (Dqk * isz, ldq * isz, isz)),
                 _view(w_kvb, 0, (H, Dn, R), BF16, (Dkv * R * isz, R * isz, isz)), out=q_lat)

@@ -17,7 +17,7 @@ from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
-__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "fits", "gemv_kernel", "moe_gemv_gate_up"]
+__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "fits", "gemv_kernel", "moe_gemv_gate_up", "routed_kernel"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
 
@@ -37,8 +37,8 @@ class GemvConfig(NamedTuple):
 DEFAULT = GemvConfig()
 
 
-# KDA_RT_GEMV_ROUTED (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_ROUTED --values 1,0 --rounds 3 --prompts 0
-# --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not take the GEMV.  In
+# KDA_RT_GEMV_ROUTED (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_ROUTED --values 1,0 --rounds 3
+# --prompts 0 --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not take the GEMV.  In
 # the timeline (trace_decode.py --timeline) the GEMV now ends 2.7 us sooner after the routing kernel, whose last block
 # (select + bucketing, under the GEMV's stream) ends ~1.4 us later, and the down GEMM waits for it.
 class GemvRouting(NamedTuple):
@@ -81,6 +81,26 @@ def _grid(kernel, cfg: GemvConfig, warps: int, routed: bool = False) -> int:
     return max(1, sms - int(routed)) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * warps, 0))
 
 
+def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
+    """Checks a routed call's inputs (w13 [E', 2I, D], `pairs` rows of h) and builds its kernel: moe_forward calls
+    it before it launches the routing kernel with signal_ready, so that no refusal here can leave that kernel's
+    signal set with no GEMV to reset it."""
+    E_stack, two_i, D = w13.shape
+    if not 1 <= r.top_k <= min(MAX_TOP_K, r.num_experts) or pairs != r.top_k + int(r.shared) or r.ready_target < 1:
+        raise ValueError(f"moe_gemv_gate_up: routed needs 1 <= top_k <= min({MAX_TOP_K}, E), one row a pair (N = "
+                         f"{pairs}, top_k {r.top_k}, shared {r.shared}) and ready_target >= 1 (got {r.ready_target})")
+    if E_stack < r.num_experts + int(r.shared):
+        raise ValueError(f"moe_gemv_gate_up: routed over {r.num_experts} experts{' + the shared slot' * r.shared} "
+                         f"needs that many w13 stacks, got {E_stack}")
+    expect(r.logits, "routed.logits", ndim=2, dtype=np.float32)
+    expect(r.bias, "routed.bias", shape=(r.num_experts,), dtype=np.float32)
+    expect(r.done, "routed.done", ndim=1, dtype=np.int32)
+    if r.logits.shape[0] < 1 or r.logits.shape[1] < r.num_experts or not r.logits.flags.c_contiguous or r.done.size < 3:
+        raise ValueError(f"moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= {r.num_experts}] (got "
+                         f"{r.logits.shape}) and routed.done >= 3 words (got {r.done.size})")
+    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared))
+
+
 def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, stream=None,
                      routed: GemvRouting | None = None):
     """x [1, D] bf16, w13 [E, 2I, D] bf16 ([gate; up] rows), plan of the token's pairs -> out h [N, I] bf16,
@@ -103,16 +123,8 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, s
         kernel = gemv_kernel(D, two_i // 2, cfg)
         extra, warps = (null, null, i32(0), null, i32(0)), cfg.warps
     else:
+        kernel = routed_kernel(w13, N, routed, cfg)
         r = routed
-        if not 1 <= r.top_k <= MAX_TOP_K or N != r.top_k + int(r.shared) or r.ready_target < 1:
-            raise ValueError(f"moe_gemv_gate_up: routed needs 1 <= top_k <= {MAX_TOP_K}, one row a pair (N = {N}, "
-                             f"top_k {r.top_k}, shared {r.shared}) and ready_target >= 1 (got {r.ready_target})")
-        expect(r.logits, "routed.logits", ndim=2, dtype=np.float32)
-        expect(r.bias, "routed.bias", shape=(r.num_experts,), dtype=np.float32)
-        expect(r.done, "routed.done", ndim=1, dtype=np.int32)
-        if r.logits.shape[1] < r.num_experts or r.done.size < 3 or not r.logits.flags.c_contiguous:
-            raise ValueError("moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= E], routed.done >= 3 words")
-        kernel = gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared))
         extra, warps = (r.logits, r.bias, i32(r.top_k), r.done, i32(r.ready_target)), cfg.warps + 1
     kernel((_grid(kernel, cfg, warps, routed is not None),), (32 * warps,),
            (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out, *extra), stream=stream)

@@ -22,7 +22,8 @@ from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
 __all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
-           "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block", "moe_route", "moe_route_fused",
+           "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block",
+           "moe_route", "moe_route_fused",
            "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
@@ -118,9 +119,15 @@ def fused_route_rows(T: int) -> int:
     return next(t for t in (1, 2, 4, _FR_MAX_TPB) if t >= min(T, _FR_MAX_TPB))
 
 
+def _fused_route_grid(T: int, E: int) -> tuple[int, int]:
+    """moe_route_fused's grid: (token groups of fused_route_rows(T) rows, expert groups of 8)."""
+    return -(-T // fused_route_rows(T)), E // _FR_EPB
+
+
 def fused_route_blocks(T: int, E: int) -> int:
-    """Blocks of a moe_route_fused launch (token groups x expert groups): what its signal_ready counts up to."""
-    return -(-T // fused_route_rows(T)) * (E // _FR_EPB)
+    """Blocks of a moe_route_fused launch: what its signal_ready counts up to (the routed GEMV's ready_target)."""
+    gx, gy = _fused_route_grid(T, E)
+    return gx * gy
 
 
 def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3, norm: bool = False):
@@ -140,8 +147,9 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     """A decode step's routing and bucketing in one launch (kernels_cu/moe_route.cu moe_route_fused):
     moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
     x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
-    T·E floats are used); done: int32 [>= 1] device counter that must be 0 before a CUDA graph captures this
-    call (every eager call zeroes it; the kernel leaves it 0).
+    T·E floats are used); done: int32 [>= 1] device counters (done[0] the kernel's own; with signal_ready also
+    done[1:3], the routed GEMV's) that must be 0 before a CUDA graph captures this call (every eager call zeroes
+    them; the kernel leaves done[0] at 0, the GEMV done[1:3]).
     norm_before (NormBefore): x is the mixer's output delta; the routing is then of RMSNorm(delta + residual),
     which the kernel also writes to norm_before.a_out, and the new residual stream to norm_before.h_out.
     signal_ready: every block also counts done[1] up once its logits are stored, the start signal of the routed
@@ -161,7 +169,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
             if start < end:
                 raise ValueError(f"moe_route_fused: norm_before's {a} and {b} overlap (every block reads x and "
                                  "residual while some write h_out and a_out)")
-        for name in ("residual", "h_out", "a_out"):
+        for name in ("h_out", "a_out"):  # (residual: 16 bytes, checked with x below)
             if getattr(nb, name).data.ptr % 8:
                 raise ValueError(f"moe_route_fused: norm_before.{name} must start on an 8-byte boundary")
     E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
@@ -182,14 +190,15 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     if nb is not None:
         _check_x_aligned(nb.residual, D, "moe_route_fused (norm_before.residual)")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
-    if signal_ready and done.size < 3:
-        raise ValueError(f"moe_route_fused: signal_ready needs done of >= 3 words (the GEMV's counters), got {done.size}")
+    if signal_ready and (done.size < 3 or phases < 1):
+        raise ValueError(f"moe_route_fused: signal_ready needs done of >= 3 words (the GEMV's counters; got "
+                         f"{done.size}) and the kernel's count phase (phases >= 1; got {phases})")
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4 * min(int(done.size), 3), stream.ptr)
     kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None)
     null = np.uint64(0)
     norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
-    kernel((-(-T // fused_route_rows(T)), E // _FR_EPB), (_FR_THREADS,),
+    kernel(_fused_route_grid(T, E), (_FR_THREADS,),
            (x, w_router, bias, logits, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)),
             i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
             plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
