@@ -7,7 +7,8 @@ A measurement tool for the device only: the kernel timestamps come from CUPTI th
     PYTHONPATH=. python tests/gpu/trace_decode.py [--batches 1,32] [--layers 27] [--trace-dir DIR]
         [--timeline FROM:COUNT] [--env KDA_RT_X --values 1,0]
 One JSON line per batch (and value of --env) on stdout (replay wall, kernels, busy and gap time, largest
-kernels; with --timeline the start and end of kernels FROM .. FROM+COUNT-1 of the last replay).
+kernels, and "advance": what each kernel adds to the replay's span, the per-op cost under programmatic launch;
+with --timeline the start and end of kernels FROM .. FROM+COUNT-1 of the last replay).
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --prefill 4x2048,1x32768
 Per-kernel totals of whole prefills instead (B prompts of L tokens, 2 output tokens, after one warm-up run
@@ -152,6 +153,10 @@ def main() -> int:
         if cur:
             replays.append(cur)
         stats = []
+        advance: collections.Counter[str] = collections.Counter()
+        for rep in replays:
+            for k, v in critical_advance(rep).items():
+                advance[k] += v / len(replays)
         per_kernel: collections.Counter[str] = collections.Counter()
         count: collections.Counter[str] = collections.Counter()
         gap_after: collections.Counter[str] = collections.Counter()
@@ -177,9 +182,26 @@ def main() -> int:
             "gap_us_p90": round(sorted(gaps_all)[int(0.9 * len(gaps_all))], 2) if gaps_all else None,
             "kernels": [{"name": k, "n": round(count[k], 1), "us": round(v, 1), "gap_after_us": round(gap_after[k], 1)}
                         for k, v in per_kernel.most_common(40)],
+            # what each kernel adds to the replay's span (critical_advance): meaningful under programmatic launch,
+            # where the kernels' own intervals overlap and their sum ("busy") is not
+            "advance": [{"name": k, "n": round(count[k], 1), "us": round(v, 1), "us_each": round(v / count[k], 2),
+                         "share": round(v / sum(advance.values()), 3)} for k, v in advance.most_common(40)],
             "timeline": _timeline(replays[-1], args.timeline) if args.timeline and replays else [],
         }), flush=True)
     return 0
+
+
+def critical_advance(rep: list[dict]) -> collections.Counter[str]:
+    """Per kernel name (summed over its launches), how far each launch moves the frontier of finished work: the
+    kernels in start order, launch i adds max(0, end_i - max(end_j, j < i)), and the first its whole duration, so
+    the values add up to the replay's span.  Under programmatic dependent launch a kernel starts (its first CTA
+    runs) long before its wait returns, so its own duration overstates it; this is the "+end" of a timeline."""
+    frontier, out = None, collections.Counter()
+    for e in sorted(rep, key=lambda e: e["ts"]):
+        end = e["ts"] + e["dur"]
+        out[_short(e["name"])] += end - e["ts"] if frontier is None else max(0.0, end - frontier)
+        frontier = end if frontier is None else max(frontier, end)
+    return out
 
 
 def _timeline(rep: list[dict], spec: str) -> list[list]:
