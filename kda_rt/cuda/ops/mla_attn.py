@@ -29,7 +29,7 @@ from kda_rt import env
 from kda_rt.cuda.gemm import bmm
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
-from kda_rt.cuda.ops.mla_store import mla_store
+from kda_rt.cuda.ops.mla_store import check_rows, mla_store
 
 __all__ = ["LatentStore", "mla_attention", "mla_dims", "decode_workspace_bytes", "launch_splits", "num_splits"]
 
@@ -142,16 +142,6 @@ def _split_smem_bytes(c: dict[str, int]) -> int:
     return staging + 2 * c["NT"] * c["LDK"] * 2 + c["HP"] * (c["LDP"] * 2 + 4)
 
 
-def _check_store(store: LatentStore, kv_pool, R: int, T: int) -> None:
-    """mla_store's checks of the rows mla_absorb_q writes (same messages)."""
-    _, W = expect(store.kv_a, "kv_a", shape=(T, None), dtype=BF16, row_stride=True)
-    if W != kv_pool.shape[2]:
-        raise ValueError(f"kv_pool rows are {kv_pool.shape[2]} wide but kv_a has {W} columns")
-    expect(store.norm_w, "norm_w", shape=(R,), dtype=BF16)
-    if leading_dim(store.kv_a) % 8 or store.kv_a.data.ptr % 16:
-        raise ValueError("mla_store: kv_a rows must start on 16-byte boundaries (leading dim a multiple of 8)")
-
-
 def mla_dims(q, kv_pool, w_kvb, H: int):
     """(q as [T, H·(Dn+Dr)], (QW, block_size, KD, HW, R, Dr, Dqk, Dkv, Dn, Dv)) after the shared checks:
     q row width, page size, pool width, kv_b rows, latent rank, and the per-head dims (Dn nope, Dr rope,
@@ -214,7 +204,8 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     if store is not None and not fold:
         mla_store(store.kv_a, store.norm_w, store.eps, kv_pool, cu_seqlens, context_lens, block_tables, stream=stream)
     elif fold:
-        _check_store(store, kv_pool, R, T)
+        expect(store.kv_a, "kv_a", shape=(T, None), dtype=BF16, row_stride=True)
+        check_rows(store.kv_a, store.norm_w, kv_pool, cu_seqlens, context_lens, block_tables)
     with stream:
         if gemv:
             absorb = get_kernel("mla_attn.cu", "mla_absorb_q", **consts)

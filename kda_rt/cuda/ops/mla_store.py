@@ -9,7 +9,7 @@ from __future__ import annotations
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel
 
-__all__ = ["mla_store"]
+__all__ = ["check_rows", "mla_store"]
 
 
 def mla_store(kv_a, norm_w, eps: float, kv_pool, cu_seqlens, context_lens, block_tables, *, stream=None):
@@ -17,6 +17,18 @@ def mla_store(kv_a, norm_w, eps: float, kv_pool, cu_seqlens, context_lens, block
     kv_pool: [num_blocks, block_size, R+Dr] bf16 (written in place), cu_seqlens: [B+1] int32,
     context_lens: [B] int32, block_tables: [B, M] int32.  Token t of sequence b lands at position
     context_lens[b] + t - cu_seqlens[b] through its block table."""
+    T, ld, R, Dr, block_size, B1, M = check_rows(kv_a, norm_w, kv_pool, cu_seqlens, context_lens, block_tables)
+    if T == 0 or B1 == 1:
+        return kv_pool
+    kernel = get_kernel("mla_store.cu", "mla_store_rows", R=R, DR=Dr, BLOCK_SIZE=block_size)
+    kernel((T,), (R // 8,), (kv_a, i32(ld), norm_w, kv_pool, cu_seqlens, context_lens, block_tables,
+                             i32(B1 - 1), i32(M), f32(eps)), stream=stream)
+    return kv_pool
+
+
+def check_rows(kv_a, norm_w, kv_pool, cu_seqlens, context_lens, block_tables):
+    """mla_store's checks of its inputs (also run by mla_attention where its launch writes the rows):
+    (T, kv_a's leading dim, R, Dr, block_size, B + 1, M)."""
     import numpy as np
 
     T, W = expect(kv_a, "kv_a", ndim=2, dtype=BF16, row_stride=True)
@@ -34,9 +46,4 @@ def mla_store(kv_a, norm_w, eps: float, kv_pool, cu_seqlens, context_lens, block
     ld = leading_dim(kv_a)
     if ld % 8 or kv_a.data.ptr % 16:
         raise ValueError("mla_store: kv_a rows must start on 16-byte boundaries (leading dim a multiple of 8)")
-    if T == 0 or B1 == 1:
-        return kv_pool
-    kernel = get_kernel("mla_store.cu", "mla_store_rows", R=R, DR=Dr, BLOCK_SIZE=block_size)
-    kernel((T,), (R // 8,), (kv_a, i32(ld), norm_w, kv_pool, cu_seqlens, context_lens, block_tables,
-                             i32(B1 - 1), i32(M), f32(eps)), stream=stream)
-    return kv_pool
+    return T, ld, R, Dr, block_size, B1, M

@@ -38,9 +38,10 @@ DEFAULT = GemvConfig()
 
 
 # KDA_RT_GEMV_ROUTED (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_ROUTED --values 1,0 --rounds 3
-# --prompts 0 --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not take the GEMV.  In
-# the timeline (trace_decode.py --timeline) the GEMV now ends 2.7 us sooner after the routing kernel, whose last block
-# (select + bucketing, under the GEMV's stream) ends ~1.4 us later, and the down GEMM waits for it.
+# --prompts 0 --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not
+# take the GEMV.  In the timeline (trace_decode.py --timeline) the GEMV now ends 2.7 us sooner after the routing
+# kernel, whose last block (select + bucketing, under the GEMV's stream) ends ~1.4 us later, and the down GEMM waits
+# for it.
 class GemvRouting(NamedTuple):
     """The routed GEMV's inputs (moe_gemv.cu ROUTED): it starts on the fused routing kernel's logits (launched just
     before it with signal_ready) instead of waiting for its plan.  logits [1, >= E] fp32 and bias [E] fp32 as the
