@@ -123,6 +123,14 @@ def gemv_routed() -> bool:
     return _on_off("KDA_RT_GEMV_ROUTED")
 
 
+def gemv_shared_first() -> bool:
+    """KDA_RT_GEMV_SHARED_FIRST: 0 keeps the shared expert's units in the routed one-token GEMV's order (the last
+    tile), instead of first in every warp with the first one's weight rows loaded before the routing kernel's
+    signal (kernels_cu/moe_gemv.cu SHARED_FIRST); default 1.  Read when the kernel variant is chosen (a CUDA graph
+    keeps what it captured)."""
+    return _on_off("KDA_RT_GEMV_SHARED_FIRST")
+
+
 def fused_route() -> bool:
     """KDA_RT_FUSED_ROUTE: 0 routes a decode step's tokens with three kernels (router logits, select,
     moe_bucket) instead of one (moe_route_fused in kernels_cu/moe_route.cu); default 1.  Read at each MoE

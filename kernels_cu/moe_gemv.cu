@@ -34,8 +34,12 @@
 // only then lets the next launch go (the down GEMM reads the plan before its own wait); the other warps sync by a
 // named barrier.  The CTA that counts done[2] up to the grid size resets done[1] and done[2] to 0 for the next
 // launch.
+// SHARED_FIRST = 1 (with ROUTED and SHARED): the shared expert's units (its slot E is the largest bin, so tile top_k)
+// are spread over every warp ahead of the routed ones, and the first of a warp's is loaded before the routing
+// kernel's signal (its weights do not depend on the choice), so that ~1/9 of the bytes stream while the routing
+// kernel still runs; the routed tiles 0 .. top_k - 1 follow in contiguous runs.  Each unit's math is unchanged.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
-// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1).
+// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1).
 #include "common.cuh"
 
 #if !defined(KW) || !defined(INTER) || !defined(WARPS) || !defined(PIPE)
@@ -43,6 +47,9 @@
 #endif
 #ifndef ROUTED
 #define ROUTED 0
+#endif
+#ifndef SHARED_FIRST
+#define SHARED_FIRST 0
 #endif
 #if ROUTED && (!defined(NE) || !defined(MAX_TOP_K) || !defined(SHARED) || MAX_TOP_K + SHARED > 32)
 #error "moe_gemv.cu with ROUTED needs -DNE -DMAX_TOP_K -DSHARED (MAX_TOP_K + SHARED <= 32)"
@@ -171,48 +178,69 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     GEMV_PDL_ENTRY();
 #if ROUTED
     __shared__ int bins_sh[32];
-    if (threadIdx.x == 0) await_logits(done, ready_target);
-    compute_sync();
-    if (threadIdx.x < 32) {  // warp 0: the routing kernel's choice, then the bins in ascending order (tile t, row t)
-        int id;
-        float w;
-        warp_route_token<NE, MAX_TOP_K>([&](int e) { return __ldcg(logits + e); }, bias, top_k, 0, 0, 1.f, &id, &w);
-        const int lane = threadIdx.x, n = top_k + SHARED;
-        const int bin = lane < top_k ? min(max(id, 0), NE - 1) : NE;  // lane top_k: the shared slot (SHARED)
-        int rank = 0;
-        for (int j = 0; j < n; ++j) rank += __shfl_sync(0xffffffffu, bin, j) < bin;
-        if (lane < n) bins_sh[rank] = bin;
-    }
-    compute_sync();
+    __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
-    const int2 range = warp_units((long long)(top_k + SHARED) * INTER);
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = bins_sh[t], c.row = t;
         const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
         load_rows(r, g, g + (size_t)INTER * KW, lane);
     };
-    __shared__ uint4 xs[PIECES];
+    Rows cur;
+    Unit c{-1, 0, 0};
+#if SHARED && SHARED_FIRST
+    // the shared expert's units first, spread over every warp (its slot E is the largest bin: tile top_k), the
+    // first one's rows loaded before the routing kernel's signal; then the routed tiles 0 .. top_k - 1
+    const int2 sh = warp_units(INTER), rt = warp_units((long long)top_k * INTER);
+    const int nsh = sh.y - sh.x, n = nsh + rt.y - rt.x;
+    auto unit_of = [&](int i) { return i < nsh ? top_k * INTER + sh.x + i : rt.x + i - nsh; };
+    if (nsh > 0) c = Unit{top_k, NE, top_k}, rows(cur, c, unit_of(0));
+#else
+    const int2 range = warp_units((long long)(top_k + SHARED) * INTER);
+    const int n = range.y - range.x;
+    auto unit_of = [&](int i) { return range.x + i; };
+#endif
+    if (threadIdx.x == 0) await_logits(done, ready_target);
+    compute_sync();
+    if (threadIdx.x < 32) {  // warp 0: the routing kernel's choice, then the bins in ascending order (tile t, row t)
+        int id;
+        float w;
+        warp_route_token<NE, MAX_TOP_K>([&](int e) { return __ldcg(logits + e); }, bias, top_k, 0, 0, 1.f, &id, &w);
+        const int bins = top_k + SHARED;
+        const int bin = lane < top_k ? min(max(id, 0), NE - 1) : NE;  // lane top_k: the shared slot (SHARED)
+        int rank = 0;
+        for (int j = 0; j < bins; ++j) rank += __shfl_sync(0xffffffffu, bin, j) < bin;
+        if (lane < bins) bins_sh[rank] = bin;
+    }
+    compute_sync();
+#if SHARED && SHARED_FIRST
+    if (nsh == 0 && n > 0) rows(cur, c, unit_of(0));  // in flight while x lands in shared memory
+#else
+    if (n > 0) rows(cur, c, unit_of(0));
+#endif
 #else
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
     const int2 range = warp_units((long long)__ldcg(num_tiles) * INTER);
+    const int n = range.y - range.x;
+    auto unit_of = [&](int i) { return range.x + i; };
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows, the tile's plan entries when it changes
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = __ldcg(tile_expert + t), c.row = __ldcg(tile_row + t);
         const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
         load_rows(r, g, g + (size_t)INTER * KW, lane);
     };
-#endif
     Rows cur;
     Unit c{-1, 0, 0};
-    if (range.x < range.y) rows(cur, c, range.x);  // in flight while x lands in shared memory
+    if (n > 0) rows(cur, c, unit_of(0));  // in flight while x lands in shared memory
+#endif
     stage_x(xs, x);
-    for (int u = range.x; u < range.y; ++u) {
+    for (int i = 0; i < n; ++i) {
         const Unit here = c;
+        const int u = unit_of(i);
 #if PIPE
         Rows next;
-        if (u + 1 < range.y) rows(next, c, u + 1);
+        if (i + 1 < n) rows(next, c, unit_of(i + 1));
 #endif
         const float2 s = reduce_rows(cur, xs, lane);
         if (lane == 0)
@@ -221,7 +249,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #if PIPE
         cur = next;
 #else
-        if (u + 1 < range.y) rows(cur, c, u + 1);
+        if (i + 1 < n) rows(cur, c, unit_of(i + 1));
 #endif
     }
 }

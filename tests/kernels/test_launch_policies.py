@@ -111,7 +111,8 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     kernel (both GEMMs in one launch) for the two 16-row tiles, the one-token GEMV gate/up, and the one-launch
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
-    for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV", "KDA_RT_FUSED_ROUTE"):
+    for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV", "KDA_RT_FUSED_ROUTE",
+                 "KDA_RT_GEMV_SHARED_FIRST"):
         monkeypatch.delenv(name, raising=False)  # the policies' defaults, not a bench switch of the caller's shell
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
@@ -127,8 +128,8 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     assert moe.precompile(cfg, 2304, 1024, fused=True) == 19 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
-    assert [(kw["KW"], kw["INTER"], kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED")) for f, kw in built
-            if f == "moe_gemv.cu"] == [(2304, 1024, 0, None, None), (2304, 1024, 1, 256, 1)]
+    assert [(kw["KW"], kw["INTER"], kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"))
+            for f, kw in built if f == "moe_gemv.cu"] == [(2304, 1024, 0, None, None, None), (2304, 1024, 1, 256, 1, 1)]
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"], kw["ROUTE_NORM"]) for f, kw in built
                     if f == "moe_route.cu")
     norm_rows = {route.fused_route_rows(t) for t in range(1, moe.ROUTE_NORM_MAX_T + 1)}

@@ -206,7 +206,9 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     input or with the add and norm before the block in the routing kernel (norm_before: the GEMV then reads the
     kernel's a_out).  inputs: random; tied (router and bias zero: every score equal, the choice is the lowest
     indices by the tie rule); nan (a NaN in x: NaN logits rank as -inf, the ids stay valid and the output is NaN
-    in both).  The GEMV is checked to get `routed` (=1) or not (=0).  Outputs and workspace poisoned first."""
+    in both).  The GEMV is checked to get `routed` (=1) or not (=0).  The routed GEMV with a shared expert in the
+    stack runs its units first (KDA_RT_GEMV_SHARED_FIRST=1, the default) or in tile order (=0): the same output bit
+    for bit, the variant checked by its build defines.  Outputs and workspace poisoned first."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -226,13 +228,19 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     if inputs == "nan":
         calls[1][0][0, 7] = np.nan
     w_post, w_next = (to_gpu_bf16(rng.uniform(0.5, 1.5, size=D)) for _ in range(2))
-    seen = []
+    import kda_rt.cuda.ops.moe_gemv as gemv_ops
+
+    seen, built = [], []
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **kw: seen.append(kw.get("routed")) or real(*a, **kw))
+    real_get = gemv_ops.get_kernel
+    monkeypatch.setattr(gemv_ops, "get_kernel", lambda *a, **kw: built.append(kw.get("SHARED_FIRST")) or real_get(*a, **kw))
     results = {}
-    for routed in ("1", "0"):
+    for path, (routed, first) in {"1": ("1", "1"), "1-in-order": ("1", "0"), "0": ("0", "1")}.items():
         monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
+        monkeypatch.setenv("KDA_RT_GEMV_SHARED_FIRST", first)
         seen.clear()
+        built.clear()
         got = []
         for x, residual in calls:
             gpu["x"] = to_gpu_bf16(x)
@@ -252,9 +260,12 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
             assert cupy.asnumpy(ws[:12].view(np.int32)).tolist() == [0, 0, 0], "routing counters not left at 0"
             got.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16))))
         assert len(seen) == 3 and all((r is not None) == (routed == "1") for r in seen), seen
-        results[routed] = got
-    for (o1, r1), (o0, r0) in zip(results["1"], results["0"], strict=True):
-        assert np.array_equal(o1, o0) and np.array_equal(r1, r0), "the routed GEMV's output differs"
+        if routed == "1":  # the routed variant's build defines: shared units first only with a shared slot
+            assert built and set(built) == {int(fused and first == "1")}, (path, built)
+        results[path] = got
+    for path in ("1", "1-in-order"):
+        for (o1, r1), (o0, r0) in zip(results[path], results["0"], strict=True):
+            assert np.array_equal(o1, o0) and np.array_equal(r1, r0), f"the routed GEMV's output differs ({path})"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])

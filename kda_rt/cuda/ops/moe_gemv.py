@@ -64,8 +64,10 @@ def fits(tokens: int, hidden: int) -> bool:
 
 def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tuple[int, bool] | None = None):
     """The kernel variant (built on first use; the runner builds it at start); routed = (E, shared): the variant
-    that selects the token's experts itself (GemvRouting)."""
-    extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]))
+    that selects the token's experts itself (GemvRouting), with a shared expert its units first (SHARED_FIRST,
+    KDA_RT_GEMV_SHARED_FIRST)."""
+    extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]),
+                                           SHARED_FIRST=int(routed[1] and env.gemv_shared_first()))
     return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe),
                       **extra)
 
