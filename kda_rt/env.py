@@ -123,6 +123,14 @@ def gemv_routed() -> bool:
     return _on_off("KDA_RT_GEMV_ROUTED")
 
 
+def dense_gemv() -> bool:
+    """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
+    q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight
+    rows loaded before the programmatic-launch wait); default 1.  Read at each gemm.linear call (a CUDA graph keeps
+    what it captured)."""
+    return _on_off("KDA_RT_DENSE_GEMV")
+
+
 def gemv_shared_first() -> bool:
     """KDA_RT_GEMV_SHARED_FIRST: 0 keeps the shared expert's units in the routed one-token GEMV's order (the last
     tile), instead of first in every warp with the first one's weight rows loaded before the routing kernel's

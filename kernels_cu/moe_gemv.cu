@@ -42,8 +42,11 @@
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1).
 #include "common.cuh"
 
-#if !defined(KW) || !defined(INTER) || !defined(WARPS) || !defined(PIPE)
-#error "moe_gemv.cu needs -DKW -DINTER -DWARPS -DPIPE"
+#ifndef DENSE
+#define DENSE 0
+#endif
+#if !defined(KW) || !defined(WARPS) || !defined(PIPE) || (!DENSE && !defined(INTER))
+#error "moe_gemv.cu needs -DKW -DWARPS -DPIPE and (unless DENSE) -DINTER"
 #endif
 #ifndef ROUTED
 #define ROUTED 0
@@ -128,6 +131,7 @@ __device__ __forceinline__ int2 warp_units(long long units) {
     return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
 }
 
+#if !DENSE
 struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
 };
@@ -253,3 +257,41 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
     }
 }
+#endif  // !DENSE
+
+#if DENSE
+// gemv_dense (DENSE = 1): y[n] = bf16(x · W[n]ᵀ) for n < N (fp32 sums in the lanes' piece order, then the warp's
+// shuffles), x [1, KW], W [N, KW], y [N] bf16; a unit is two rows (2v, 2v + 1; the last one alone when N is odd),
+// cut over the grid's warps as above.  The weights are no kernel's output: each warp loads its first two units'
+// rows before the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a
+// one-row projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
+// Two row buffers in turn (PIPE is ignored): while one unit is reduced the next one's rows are in flight.
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* __restrict__ y) {
+    KDA_PDL_ENTRY_DEFERRED();
+    __shared__ uint4 xs[PIECES];
+    const int lane = threadIdx.x & 31;
+    const int2 range = warp_units((n + 1) / 2);
+    auto rows = [&](Rows& r, int u) {  // rows 2u and 2u + 1 (2u again past the end)
+        const bf16* a = w + (size_t)(2 * u) * KW;
+        load_rows(r, a, 2 * u + 1 < n ? a + KW : a, lane);
+    };
+    auto finish = [&](const Rows& r, int u) {  // unit u's two outputs
+        const float2 s = reduce_rows(r, xs, lane);
+        if (lane == 0) y[2 * u] = to_bf16(s.x);
+        if (lane == 1 && 2 * u + 1 < n) y[2 * u + 1] = to_bf16(s.y);
+    };
+    Rows ra, rb;
+    if (range.x < range.y) rows(ra, range.x);
+    if (range.x + 1 < range.y) rows(rb, range.x + 1);
+    KDA_PDL_WAIT();  // x is the kernel before's output; y may still be read by an earlier kernel
+    stage_x(xs, x);
+    for (int u = range.x; u < range.y; u += 2) {
+        finish(ra, u);
+        if (u + 2 < range.y) rows(ra, u + 2);
+        if (u + 1 >= range.y) break;
+        finish(rb, u + 1);
+        if (u + 3 < range.y) rows(rb, u + 3);
+    }
+}
+#endif  // DENSE

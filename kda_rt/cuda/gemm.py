@@ -17,8 +17,8 @@ import threading
 import numpy as np
 
 from kda_rt import env
+from kda_rt.cuda.ops import gemv, trace
 from kda_rt.cuda.ops import skinny_gemm as skinny
-from kda_rt.cuda.ops import trace
 from kda_rt.cuda.ops.check import BF16, expect, leading_dim
 
 __all__ = ["linear", "bmm", "CublasError"]
@@ -118,6 +118,8 @@ def linear(x, weight, *, out=None, out_dtype=BF16, accumulate: bool = False):
         return out
     if env.skinny() and skinny.fits(x, weight, out, accumulate):  # decode-sized: our weight-streaming kernel
         return skinny.skinny_gemm(x, weight, out)
+    if gemv.fits(x, weight, out, accumulate):  # one wide row: a GEMV that starts before the kernel before ends
+        return gemv.gemv_dense(x, weight, out)
     h = _handle()
     h.bind(cupy.cuda.get_current_stream().ptr)
     trace.record("cublasGemmEx")

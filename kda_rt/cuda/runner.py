@@ -147,6 +147,7 @@ class CudaRunner:
                 self._graph(rows)
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
+        from kda_rt.cuda.ops.gemv import precompile as precompile_gemv
         from kda_rt.cuda.ops.kda_prefill import precompile as precompile_kda
         from kda_rt.cuda.ops.skinny_gemm import precompile as precompile_skinny
         from kda_rt.cuda.weights import DeviceMoE
@@ -155,7 +156,9 @@ class CudaRunner:
         precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
-            precompile_skinny(_decode_projection_shapes(self.weights))  # nor for the decode projections' kernels
+            shapes = _decode_projection_shapes(self.weights)
+            precompile_skinny(shapes)  # nor for the decode projections' kernels
+            precompile_gemv(shapes)
             if moe is not None:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack)
             if config.kda is not None:

@@ -13,29 +13,12 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
-from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, grid
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
 __all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "fits", "gemv_kernel", "moe_gemv_gate_up", "routed_kernel"]
-
-MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
-
-
-class GemvConfig(NamedTuple):
-    """Warps per CTA, CTAs per SM (at most as many as fit: the grid is one wave) and whether each warp loads
-    its next unit's rows before reducing the current one (~166 registers a thread against ~100)."""
-
-    warps: int = 8
-    blocks_per_sm: int = 1
-    pipe: bool = True
-
-
-# H200 (tests/gpu/bench_moe_decode.py --gemv, 2026-12-01: graph replays of bucket + gate/up at batch 1, 9 routed
-# rows): tiled 28.9-29.1 us, (8, 1, pipe) 25.6-25.8, (8, 2) 26.4-26.5, (8, 1) 26.6-26.7, (4, 3) / (4, 4) /
-# (12, 1) / (16, 1) 27.0-27.3
-DEFAULT = GemvConfig()
-
 
 # KDA_RT_GEMV_ROUTED (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_ROUTED --values 1,0 --rounds 3
 # --prompts 0 --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not
@@ -70,18 +53,6 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
                                            SHARED_FIRST=int(routed[1] and env.gemv_shared_first()))
     return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe),
                       **extra)
-
-
-def _grid(kernel, cfg: GemvConfig, warps: int, routed: bool = False) -> int:
-    """One wave: cfg.blocks_per_sm CTAs per SM, capped at what one SM holds at once.  The routed variant starts
-    while the routing kernel's last block still runs, and a CTA of it does not fit beside that block (registers):
-    one SM fewer, or the CTA left over would start when the routing kernel ends and finish that much later."""
-    import cupy
-
-    from kda_rt.cuda.ops.pdl import resident_per_sm
-
-    sms = sm_count(cupy.cuda.Device().id)
-    return max(1, sms - int(routed)) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * warps, 0))
 
 
 def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
@@ -129,6 +100,6 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, s
         kernel = routed_kernel(w13, N, routed, cfg)
         r = routed
         extra, warps = (r.logits, r.bias, i32(r.top_k), r.done, i32(r.ready_target)), cfg.warps + 1
-    kernel((_grid(kernel, cfg, warps, routed is not None),), (32 * warps,),
+    kernel((grid(kernel, cfg, warps, routed is not None),), (32 * warps,),
            (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out, *extra), stream=stream)
     return out

@@ -1,0 +1,89 @@
+"""Launcher for gemv_dense (kernels_cu/moe_gemv.cu, DENSE = 1): a one-row projection y = x · Wᵀ as a GEMV whose
+row pairs are spread evenly over every warp of a one-wave grid, its first weight rows loaded before the
+programmatic-launch wait.  gemm.linear takes it where `fits` (one row, bf16 out, KDA_RT_DENSE_GEMV not 0): at batch
+1 the KDA q|k|v|f_a|g_a|b and MLA q|kv_a projections, and a dense MLP's gate|up."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kda_rt import env
+from kda_rt.cuda.ops.check import BF16, expect, i32
+from kda_rt.cuda.ops.compile import get_kernel, sm_count
+
+__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "fits", "gemv_dense", "grid", "precompile"]
+
+MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
+
+
+class GemvConfig(NamedTuple):
+    """Warps per CTA, CTAs per SM (at most as many as fit: the grid is one wave) and whether each warp loads
+    its next unit's rows before reducing the current one (~166 registers a thread against ~100)."""
+
+    warps: int = 8
+    blocks_per_sm: int = 1
+    pipe: bool = True
+
+
+# H200 (tests/gpu/bench_moe_decode.py --gemv, 2026-12-01: graph replays of bucket + gate/up at batch 1, 9 routed
+# rows): tiled 28.9-29.1 us, (8, 1, pipe) 25.6-25.8, (8, 2) 26.4-26.5, (8, 1) 26.6-26.7, (4, 3) / (4, 4) /
+# (12, 1) / (16, 1) 27.0-27.3
+DEFAULT = GemvConfig()
+
+
+def grid(kernel, cfg: GemvConfig, warps: int, routed: bool = False) -> int:
+    """One wave: cfg.blocks_per_sm CTAs per SM, capped at what one SM holds at once.  The routed variant starts
+    while the routing kernel's last block still runs, and a CTA of it does not fit beside that block (registers):
+    one SM fewer, or the CTA left over would start when the routing kernel ends and finish that much later."""
+    import cupy
+
+    from kda_rt.cuda.ops.pdl import resident_per_sm
+
+    sms = sm_count(cupy.cuda.Device().id)
+    return max(1, sms - int(routed)) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * warps, 0))
+
+MIN_BYTES = 4 << 20  # smaller weights: skinny_gemm or cuBLAS (the wait-free start matters little there)
+MAX_BYTES = 256 << 20  # larger (lm_head's 755 MB): cuBLAS is at its bytes floor
+
+
+def fits(x, weight, out, accumulate: bool) -> bool:
+    """gemv_dense can compute out = x · weightᵀ (shapes already checked by the caller: x [M, K], weight [N, K],
+    out [M, N])."""
+    M, K = x.shape
+    N = weight.shape[0]
+    return (M == 1 and not accumulate and out.dtype == BF16 and env.dense_gemv() and K % 8 == 0 and K <= MAX_K
+            and MIN_BYTES <= 2 * N * K <= MAX_BYTES and weight.flags.c_contiguous and weight.data.ptr % 16 == 0
+            and x.data.ptr % 16 == 0 and out.strides[1] == 2)
+
+
+def _kernel(K: int, cfg: GemvConfig = DEFAULT):
+    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, PIPE=int(cfg.pipe))
+
+
+def precompile(shapes=()) -> int:
+    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` would take."""
+    widths = sorted({k for n, k, f32 in shapes if not f32 and k % 8 == 0 and k <= MAX_K
+                     and MIN_BYTES <= 2 * n * k <= MAX_BYTES})
+    if not env.dense_gemv():
+        return 0
+    for k in widths:
+        _kernel(k)
+    return len(widths)
+
+
+def gemv_dense(x, weight, out, *, cfg: GemvConfig = DEFAULT, stream=None):
+    """x [1, K] bf16 (16-byte aligned), weight [N, K] bf16 C-contiguous -> out [1, N] bf16 (a row of a wider
+    buffer is fine): out = bf16(x · weightᵀ) with fp32 sums."""
+    _, K = expect(x, "x", shape=(1, None), dtype=BF16, row_stride=True)
+    N, _ = expect(weight, "weight", shape=(None, K), dtype=BF16)
+    expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
+    if K % 8 or K > MAX_K or not weight.flags.c_contiguous or weight.data.ptr % 16 or x.data.ptr % 16:
+        raise ValueError(f"gemv_dense: needs K % 8 == 0 and K <= {MAX_K} (got {K}), a C-contiguous weight and x "
+                         "and weight 16-byte aligned")
+    if out.strides[1] != 2:
+        raise ValueError(f"gemv_dense: out's row must be contiguous (strides {out.strides})")
+    if N == 0:
+        return out
+    kernel = _kernel(K, cfg)
+    kernel((grid(kernel, cfg, cfg.warps),), (32 * cfg.warps,), (x, weight, i32(N), out), stream=stream)
+    return out

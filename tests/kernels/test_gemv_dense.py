@@ -1,0 +1,148 @@
+"""kernels_cu/moe_gemv.cu's gemv_dense (a one-row projection as a GEMV over every warp, its first weight rows loaded
+before the programmatic-launch wait) against NumPy float64 on fresh random bf16 inputs:
+
+    y[n] = bf16(x · W[n]ᵀ)      x [1, K], W [N, K] bf16, fp32 sums
+
+Tolerance: the kernel rounds its fp32 sum once to bf16 (half an ulp, <= 2^-9 |y|) and the fp32 sum of K products
+is off by at most K 2^-24 Σ|x_k w_k| (<= 2^-12 Σ|x_k w_k| up to K = 4096): |y - ref| <= 2^-8 |ref| + 2^-12 Σ|x w|.
+A wrong row or a stale x is off by ~Σ|x w| / sqrt(K), 30-90x that bound at these widths.  Outputs are poisoned
+(NaN) first, and written through a column slice of a wider poisoned buffer (as the fused projections pass them):
+every element outside the view must stay NaN."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from helpers.gpu import bf16_round, poison, to_gpu_bf16, to_np
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {  # name: (N, K)
+    "qkv-fgb": (12576, 2304),  # the 48B KDA layer's q|k|v|f_a|g_a|b
+    "mla-q-kva": (6720, 2304),  # its MLA layers' q|kv_a
+    "odd-N-K520": (1001, 520),  # 65 pieces a row (lanes hold 3 or 2), the last unit one row
+    "N3-K72": (3, 72),  # fewer units than warps (most warps idle), 9 pieces a row
+    "K2560": (4096, 2560),  # MAX_K
+}
+
+
+def _check(got, x, w, what):
+    ref, mag = (x @ w.T)[0], (np.abs(x) @ np.abs(w).T)[0]
+    bad = ~(np.abs(got - ref) <= 2.0**-8 * np.abs(ref) + 2.0**-12 * mag)
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} outputs off, first at {np.flatnonzero(bad)[:5]}"
+
+
+@pytest.mark.parametrize("config", ["default", "w4-b3"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gemv_dense_matches_numpy(name, config):
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import DEFAULT, gemv_dense
+
+    N, K = SHAPES[name]
+    cfg = DEFAULT if config == "default" else DEFAULT._replace(warps=4, blocks_per_sm=3)
+    rng = np.random.default_rng(zlib.crc32(f"{name}/{config}".encode()))
+    x, w = bf16_round(rng.normal(size=(1, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+    wide = cupy.empty((1, N + 24), dtype=BF16)
+    poison(wide)
+    gemv_dense(to_gpu_bf16(x), to_gpu_bf16(w), wide[:, 8:8 + N], cfg=cfg)
+    got = to_np(wide)
+    assert np.isnan(got[:, :8]).all() and np.isnan(got[:, 8 + N:]).all(), "wrote outside the view"
+    assert np.isfinite(got[:, 8:8 + N]).all(), "outputs left unwritten"
+    _check(got[:, 8:8 + N], x, w, f"{name}/{config}")
+
+
+def test_linear_takes_the_gemv_where_it_fits(monkeypatch):
+    """gemm.linear sends one row of 4-256 MB of weights with bf16 out to gemv_dense (KDA_RT_DENSE_GEMV=1, the
+    default) and to cuBLAS with =0, both within the bound above; two rows, fp32 out or accumulate stay on cuBLAS
+    / skinny_gemm (the GEMV is not called)."""
+    import cupy
+
+    import kda_rt.cuda.ops.gemv as gemv
+    from kda_rt.cuda.gemm import linear
+    from kda_rt.cuda.ops.check import BF16
+
+    calls = []
+    real = gemv.gemv_dense
+    monkeypatch.setattr(gemv, "gemv_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(5)
+    N, K = 12576, 2304
+    x, w = bf16_round(rng.normal(size=(2, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+    xg, wg = to_gpu_bf16(x), to_gpu_bf16(w)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KDA_RT_DENSE_GEMV", flag)
+        calls.clear()
+        out = cupy.empty((1, N), dtype=BF16)
+        poison(out)
+        linear(xg[:1], wg, out=out)
+        assert len(calls) == (flag == "1"), (flag, calls)
+        _check(to_np(out), x[:1], w, f"linear, KDA_RT_DENSE_GEMV={flag}")
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV", "1")
+    calls.clear()
+    linear(xg, wg)  # two rows
+    linear(xg[:1], wg, out_dtype=np.float32)  # fp32 out
+    out = linear(xg[:1], wg)
+    linear(xg[:1], wg, out=out, accumulate=True)
+    linear(xg[:1, :K // 4], wg[:8, :K // 4].copy())  # 36 KB of weights
+    assert len(calls) == 1, calls  # only the plain one-row call
+
+
+def test_gemv_dense_in_a_pdl_graph_reads_its_input_after_the_wait():
+    """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
+    own wait) writes x, gemv_dense reads it.  The GEMV loads weights before its wait, so a read of x before it
+    would see the previous replay's x; five replays on new inputs each must all match NumPy."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import gemv_dense
+    from kda_rt.cuda.ops.rmsnorm import rmsnorm
+
+    rng = np.random.default_rng(9)
+    N, K, eps = 12576, 2304, 1e-6
+    w = bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+    wg, ones = to_gpu_bf16(w), cupy.ones(K, dtype=BF16)
+    src, x, y = cupy.empty((1, K), dtype=BF16), cupy.empty((1, K), dtype=BF16), cupy.empty((1, N), dtype=BF16)
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        rmsnorm(src, ones, eps, out=x)
+        gemv_dense(x, wg, y)
+        stream.synchronize()
+        stream.begin_capture()
+        rmsnorm(src, ones, eps, out=x)
+        gemv_dense(x, wg, y)
+        graph = stream.end_capture()
+        for i in range(5):
+            s = rng.normal(size=(1, K)) * (i + 1)
+            src[...] = to_gpu_bf16(s)
+            poison(y)
+            stream.synchronize()
+            graph.launch(stream)
+            stream.synchronize()
+            xn = to_np(x)  # the kernel's own normalised row (its rounding is rmsnorm's test's business)
+            assert np.allclose(xn, s / np.sqrt(np.mean(s**2) + eps), rtol=2e-2, atol=1e-2), f"replay {i}: rmsnorm"
+            _check(to_np(y), xn, w, f"replay {i}")
+
+
+def test_gemv_dense_refuses_what_it_cannot_run():
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import MAX_K, gemv_dense
+
+    x, w = cupy.zeros((1, 64), dtype=BF16), cupy.zeros((16, 64), dtype=BF16)
+    with pytest.raises(ValueError, match="x"):
+        gemv_dense(cupy.zeros((2, 64), dtype=BF16), w, cupy.empty((2, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="K % 8"):
+        gemv_dense(cupy.zeros((1, 60), dtype=BF16), cupy.zeros((16, 60), dtype=BF16), cupy.empty((1, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="K % 8"):
+        big = MAX_K + 8
+        gemv_dense(cupy.zeros((1, big), dtype=BF16), cupy.zeros((16, big), dtype=BF16), cupy.empty((1, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv_dense(x, w, cupy.empty((1, 32), dtype=BF16)[:, ::2])
+    with pytest.raises((ValueError, TypeError)):
+        gemv_dense(x, w, cupy.empty((1, 16), dtype=np.float32))
