@@ -131,6 +131,16 @@ def dense_gemv() -> bool:
     return _on_off("KDA_RT_DENSE_GEMV")
 
 
+def dense_gemv_pre(default: int) -> int:
+    """KDA_RT_DENSE_GEMV_PRE (bench switch): how many units (row pairs) each warp of gemv_dense loads before its
+    programmatic-launch wait, 0, 1 or 2 (kernels_cu/moe_gemv.cu DENSE_PRE), instead of the measured default
+    (ops/gemv.PRE_UNITS).  Read when the kernel is picked (a CUDA graph keeps what it captured)."""
+    n = _non_negative_int("KDA_RT_DENSE_GEMV_PRE", default)
+    if n > 2:
+        raise ValueError(f"KDA_RT_DENSE_GEMV_PRE must be 0, 1 or 2, got {n}")
+    return n
+
+
 def gemv_shared_first() -> bool:
     """KDA_RT_GEMV_SHARED_FIRST: 0 keeps the shared expert's units in the routed one-token GEMV's order (the last
     tile), instead of first in every warp with the first one's weight rows loaded before the routing kernel's

@@ -260,12 +260,16 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif  // !DENSE
 
 #if DENSE
+#ifndef DENSE_PRE
+#define DENSE_PRE 1
+#endif
 // gemv_dense (DENSE = 1): y[n] = bf16(x · W[n]ᵀ) for n < N (fp32 sums in the lanes' piece order, then the warp's
 // shuffles), x [1, KW], W [N, KW], y [N] bf16; a unit is two rows (2v, 2v + 1; the last one alone when N is odd),
-// cut over the grid's warps as above.  The weights are no kernel's output: each warp loads its first two units'
-// rows before the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a
-// one-row projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
-// Two row buffers in turn (PIPE is ignored): while one unit is reduced the next one's rows are in flight.
+// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced (PIPE is
+// ignored).  The weights are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before
+// the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a one-row
+// projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
+// DENSE_PRE = 2 holds two row buffers in turn (239 registers a thread against 162).
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* __restrict__ y) {
     KDA_PDL_ENTRY_DEFERRED();
@@ -281,6 +285,7 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
         if (lane == 0) y[2 * u] = to_bf16(s.x);
         if (lane == 1 && 2 * u + 1 < n) y[2 * u + 1] = to_bf16(s.y);
     };
+#if DENSE_PRE == 2
     Rows ra, rb;
     if (range.x < range.y) rows(ra, range.x);
     if (range.x + 1 < range.y) rows(rb, range.x + 1);
@@ -293,5 +298,22 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
         finish(rb, u + 1);
         if (u + 3 < range.y) rows(rb, u + 3);
     }
+#else
+    Rows cur;
+#if DENSE_PRE == 1
+    if (range.x < range.y) rows(cur, range.x);
+    KDA_PDL_WAIT();  // x is the kernel before's output; y may still be read by an earlier kernel
+#else
+    KDA_PDL_WAIT();
+    if (range.x < range.y) rows(cur, range.x);
+#endif
+    stage_x(xs, x);
+    for (int u = range.x; u < range.y; ++u) {
+        Rows next;
+        if (u + 1 < range.y) rows(next, u + 1);
+        finish(cur, u);
+        cur = next;
+    }
+#endif
 }
 #endif  // DENSE

@@ -35,10 +35,14 @@ def _check(got, x, w, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} outputs off, first at {np.flatnonzero(bad)[:5]}"
 
 
+@pytest.mark.parametrize("pre", ["0", "1", "2"])
 @pytest.mark.parametrize("config", ["default", "w4-b3"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_gemv_dense_matches_numpy(name, config):
+def test_gemv_dense_matches_numpy(name, config, pre, monkeypatch):
+    """Every variant of the pre-wait loads (KDA_RT_DENSE_GEMV_PRE: 0, 1 or 2 units a warp)."""
     import cupy
+
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", pre)
 
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.gemv import DEFAULT, gemv_dense
@@ -91,7 +95,8 @@ def test_linear_takes_the_gemv_where_it_fits(monkeypatch):
     assert len(calls) == 1, calls  # only the plain one-row call
 
 
-def test_gemv_dense_in_a_pdl_graph_reads_its_input_after_the_wait():
+@pytest.mark.parametrize("pre", ["1", "2"])
+def test_gemv_dense_in_a_pdl_graph_reads_its_input_after_the_wait(pre, monkeypatch):
     """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
     own wait) writes x, gemv_dense reads it.  The GEMV loads weights before its wait, so a read of x before it
     would see the previous replay's x; five replays on new inputs each must all match NumPy."""
@@ -101,6 +106,7 @@ def test_gemv_dense_in_a_pdl_graph_reads_its_input_after_the_wait():
     from kda_rt.cuda.ops.gemv import gemv_dense
     from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", pre)
     rng = np.random.default_rng(9)
     N, K, eps = 12576, 2304, 1e-6
     w = bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
@@ -146,3 +152,13 @@ def test_gemv_dense_refuses_what_it_cannot_run():
         gemv_dense(x, w, cupy.empty((1, 32), dtype=BF16)[:, ::2])
     with pytest.raises((ValueError, TypeError)):
         gemv_dense(x, w, cupy.empty((1, 16), dtype=np.float32))
+
+
+def test_dense_gemv_pre_switch_is_checked(monkeypatch):
+    from kda_rt import env
+
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", "3")
+    with pytest.raises(ValueError, match="KDA_RT_DENSE_GEMV_PRE"):
+        env.dense_gemv_pre(1)
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", "")
+    assert env.dense_gemv_pre(1) == 1

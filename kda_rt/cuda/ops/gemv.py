@@ -42,6 +42,7 @@ def grid(kernel, cfg: GemvConfig, warps: int, routed: bool = False) -> int:
     sms = sm_count(cupy.cuda.Device().id)
     return max(1, sms - int(routed)) * min(cfg.blocks_per_sm, resident_per_sm(kernel, 32 * warps, 0))
 
+
 MIN_BYTES = 4 << 20  # smaller weights: skinny_gemm or cuBLAS (the wait-free start matters little there)
 MAX_BYTES = 256 << 20  # larger (lm_head's 755 MB): cuBLAS is at its bytes floor
 
@@ -56,8 +57,12 @@ def fits(x, weight, out, accumulate: bool) -> bool:
             and x.data.ptr % 16 == 0 and out.strides[1] == 2)
 
 
+PRE_UNITS = 1  # row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE)
+
+
 def _kernel(K: int, cfg: GemvConfig = DEFAULT):
-    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, PIPE=int(cfg.pipe))
+    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, PIPE=int(cfg.pipe),
+                      DENSE_PRE=env.dense_gemv_pre(PRE_UNITS))
 
 
 def precompile(shapes=()) -> int:
