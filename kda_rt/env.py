@@ -141,6 +141,13 @@ def dense_gemv_pre(default: int) -> int:
     return n
 
 
+def kda_early_state() -> bool:
+    """KDA_RT_KDA_EARLY_STATE: 0 makes the KDA decode kernel wait for the kernel before it (programmatic launch)
+    before any load, instead of loading its weights and the slots' recurrent state first (kernels_cu/kda_decode.cu
+    EARLY_STATE); default 1.  Read when the kernel is picked (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_KDA_EARLY_STATE")
+
+
 def gemv_shared_first() -> bool:
     """KDA_RT_GEMV_SHARED_FIRST: 0 keeps the shared expert's units in the routed one-token GEMV's order (the last
     tile), instead of first in every warp with the first one's weight rows loaded before the routing kernel's

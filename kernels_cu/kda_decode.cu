@@ -65,6 +65,17 @@
 #if SPLIT > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "kda_decode.cu: SPLIT > 1 uses thread-block clusters (sm_90+); use SPLIT=1 on older GPUs"
 #endif
+#ifndef EARLY_STATE
+#define EARLY_STATE 0
+#endif
+// EARLY_STATE = 1: the next launch is let go at once and the weights, metadata and state rows are loaded before the
+// programmatic-launch wait (none of them is written by the kernels of this step before this one: the slot's state
+// and conv history last changed in an earlier step, which completed before the kernel before this one started)
+#if EARLY_STATE
+#define KD_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
+#else
+#define KD_PDL_ENTRY() KDA_PDL_ENTRY()
+#endif
 #define K HEAD_DIM
 #define VC (K / SPLIT)           // value columns per CTA (= channels whose prologue it runs)
 #define CT (VC / 4)              // lanes per row block, one float4 each
@@ -140,7 +151,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     float* __restrict__ rec_pool, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
     bf16* __restrict__ out, int num_heads, float eps, const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
     int ldr) {
-    KDA_PDL_ENTRY();
+    KD_PDL_ENTRY();
     __shared__ float q_s[K], k_s[K], decay_s[K], v_s[VC], ss_s[SPLIT];
     __shared__ __align__(16) float red_r[NUM_WARPS][VC], red_o[NUM_WARPS][VC];
     __shared__ float red3[NUM_WARPS][3];
@@ -163,9 +174,10 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const int P = num_heads * K;
     const bool fresh = context_lens[seq] == 0;
     const size_t slot = (size_t)state_slots[seq];
-    // slot-independent loads, issued now so they are not on the critical path later: beta, the
-    // decay inputs of this CTA's channels, and (async, into shared memory) its output gate and norm weights
-    const float b_raw = to_f32(b[(size_t)seq * ldb + h]);
+    // loads of what no kernel of this step writes before this one (weights, the step's metadata, the slot's
+    // recurrent state: EARLY_STATE issues them before the programmatic-launch wait), then the token's inputs:
+    // the decay inputs of this CTA's channels, (async, into shared memory) its low-rank rows, output gate and
+    // norm weights, issued now so they are not on the critical path later
     const bool decay_thread = tid >= THREADS - VC;  // the last threads: the conv loop starts at thread 0
     const int dj = decay_thread ? tid - (THREADS - VC) : 0, dch = h * K + c0 + dj;
     const float dt_b = decay_thread ? dt_bias[dch] : 0.f, a_log = A_log[h];
@@ -176,6 +188,20 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         const int row = e / chunks, c = e % chunks;
         cp_async16(w_s[(is_f ? 0 : VC) + row] + 8 * c, (is_f ? f_b : g_b) + (size_t)(h * K + c0 + row) * chunks * 8 + 8 * c, 16);
     }
+#endif
+    if (tid >= THREADS - VC / 4) cp_async16(norm_s + 4 * (tid - (THREADS - VC / 4)), o_norm_w + c0 + 4 * (tid - (THREADS - VC / 4)), 16);
+
+    // ---- the state rows: this CTA's K x VC block is in flight while the prologue runs
+    const int ct = tid % CT, row0 = (tid / CT) * RPT;
+    float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
+    float4 s[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
+#if EARLY_STATE
+    KDA_PDL_WAIT();  // the token's q|k|v|f_a|g_a|b: the kernel before's output
+#endif
+    const float b_raw = to_f32(b[(size_t)seq * ldb + h]);
+#if FUSE_FG
     if (tid < (RANK_F + RANK_G) / 8) {
         const bool is_f = tid < RANK_F / 8;
         const int c = is_f ? tid : tid - RANK_F / 8;
@@ -186,15 +212,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const float f_raw = decay_thread ? to_f32(f[(size_t)seq * P + dch]) : 0.f;
     if (tid < VC / 8) cp_async16(gate_s + 8 * tid, gate + (size_t)seq * P + h * K + c0 + 8 * tid, 16);
 #endif
-    if (tid >= THREADS - VC / 4) cp_async16(norm_s + 4 * (tid - (THREADS - VC / 4)), o_norm_w + c0 + 4 * (tid - (THREADS - VC / 4)), 16);
     cp_async_commit();  // no registers held meanwhile
-
-    // ---- the state rows first: this CTA's K x VC block is in flight while the prologue runs
-    const int ct = tid % CT, row0 = (tid / CT) * RPT;
-    float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
-    float4 s[RPT];
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
 #if SPLIT > 1
     cluster_wait();
 #endif

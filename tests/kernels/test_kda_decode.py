@@ -67,10 +67,15 @@ def _next_step(rng, inp, dev, num_heads, names):
     return nxt
 
 
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early-state", "wait-first"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=[vid(v) for v in VARIANTS])
 @pytest.mark.parametrize("num_seqs, num_heads, gates", CASES, ids=[f"B{c[0]}-H{c[1]}-{c[2]}" for c in CASES])
-def test_kda_decode_steps(num_seqs, num_heads, gates, variant):
+def test_kda_decode_steps(num_seqs, num_heads, gates, variant, early, monkeypatch):
+    """Both entries: the state and weights loaded before the programmatic-launch wait (KDA_RT_KDA_EARLY_STATE=1,
+    the default) or after it."""
     from kda_rt.cuda.ops.kda_decode import kda_decode
+
+    monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", early)
 
     kw = variant_kw(variant)
     rng = np.random.default_rng(num_seqs * num_heads)
@@ -258,6 +263,51 @@ def test_kda_decode_graph_capture(variant):
     assert np.array_equal(to_np(out), to_np(out_eager))
     assert np.array_equal(to_np(graphed["rec_pool"]), to_np(eager["rec_pool"]))
     assert np.array_equal(to_np(graphed["conv_pool"]), to_np(eager["conv_pool"]))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 6])
+def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, monkeypatch):
+    """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
+    own wait) writes q|k|v, then kda_decode with its state loaded before its wait (KDA_RT_KDA_EARLY_STATE=1);
+    replayed four times on new inputs, the state carried in the pools from replay to replay.  Bit for bit the
+    eager steps of the kernel that waits first (=0) on a copy of the same pools: a q|k|v read before the wait
+    would see the previous replay's rows, a state read that raced the previous replay's writes would differ."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_decode import kda_decode
+    from kda_rt.cuda.ops.rmsnorm import rmsnorm
+
+    num_heads = 8
+    rng = np.random.default_rng(17 + num_seqs)
+    inp = make_inputs(rng, [1] * num_seqs, num_heads, num_slots=num_seqs + 2)
+    oracle, graphed = upload(inp), upload(inp)
+    P3 = 3 * num_heads * K
+    ones = cupy.ones(P3, dtype=BF16)
+    src = cupy.empty((num_seqs, P3), dtype=BF16)
+    out, out_o = cupy.empty((num_seqs, num_heads * K), dtype=BF16), cupy.empty((num_seqs, num_heads * K), dtype=BF16)
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "1")
+    with stream:
+        stream.begin_capture()
+        rmsnorm(src, ones, 1e-6, out=graphed["qkv"])
+        run_op(kda_decode, graphed, num_heads, out=out, stream=stream)
+        graph = stream.end_capture()
+    for replay in range(4):
+        src[...] = cupy.asarray(rng.normal(size=(num_seqs, P3)).astype(np.float32).astype(BF16))
+        poison(out)
+        cupy.cuda.Device().synchronize()
+        monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "0")
+        rmsnorm(src, ones, 1e-6, out=oracle["qkv"])
+        run_op(kda_decode, oracle, num_heads, out=out_o)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(to_np(out), to_np(out_o)), f"replay {replay}: out"
+        assert np.array_equal(to_np(graphed["rec_pool"]), to_np(oracle["rec_pool"])), f"replay {replay}: state"
+        assert np.array_equal(to_np(graphed["conv_pool"]), to_np(oracle["conv_pool"])), f"replay {replay}: conv"
+        for dev in (oracle, graphed):  # continuing sequences from the second replay on
+            dev["context_lens"][...] = 1
 
 
 if __name__ == "__main__":  # graph-replay times: tests/gpu/bench_decode_sweep.py --parts=kda

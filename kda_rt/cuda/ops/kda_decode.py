@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests monkeypatch this name)
 from kda_rt.cuda.ops.compile import get_kernel
@@ -128,7 +129,8 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
                              "stride for f and gate, and 16-byte aligned rows")
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
     kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads,
-                        SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g)
+                        SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g,
+                        EARLY_STATE=int(env.kda_early_state()))
     if B:
         kernel((num_heads * n_split, B), (n_threads,),
                (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
