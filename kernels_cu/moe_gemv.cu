@@ -38,6 +38,11 @@
 // are spread over every warp ahead of the routed ones, and the first of a warp's is loaded before the routing
 // kernel's signal (its weights do not depend on the choice), so that ~1/9 of the bytes stream while the routing
 // kernel still runs; the routed tiles 0 .. top_k - 1 follow in contiguous runs.  Each unit's math is unchanged.
+// Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_SHARED_FIRST --values 1,0 --rounds 3 --prompts 0
+// --replays 1, full-model graph replays): batch 1 2.2787 against 2.2898 ms (-0.5%, every round).
+// Tried on branch next/gemv-fused-down: the down projection as this kernel's second phase (items wait on per-tile
+// counts of stored h features): 2.3406 against 2.2923 ms (+2.1%): its down loads start only after the gate/up
+// units, where the separate down GEMM copies its first weights while the GEMV still runs.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1).
 #include "common.cuh"
@@ -269,7 +274,13 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 // ignored).  The weights are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before
 // the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a one-row
 // projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
-// DENSE_PRE = 2 holds two row buffers in turn (239 registers a thread against 162).
+// DENSE_PRE = 2 holds two row buffers in turn (239 registers a thread against 160).
+// Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_DENSE_GEMV,KDA_RT_DENSE_GEMV_PRE --values
+// 1:1,1:2,1:0,0:1 --rounds 3 --prompts 0 --replays 1): batch-1 replay 2.2197 ms (1 unit before the wait), 2.2400 (2),
+// 2.2324 (0), cuBLAS 2.2694: -2.2% with 1.  The timeline (trace_decode.py --timeline) shows the cost of loading
+// early: the combine kernel before it ends ~4.7 us after the down GEMM instead of ~2.3 (its loads queue behind the
+// GEMV's), more so with 2 units (19 MB); the KDA decode kernel after it then ended ~8.6 us after the GEMV (6.4
+// after cuBLAS) until it loaded its state before its own wait too (kda_decode.cu EARLY_STATE).
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* __restrict__ y) {
     KDA_PDL_ENTRY_DEFERRED();

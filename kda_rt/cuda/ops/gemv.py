@@ -57,7 +57,10 @@ def fits(x, weight, out, accumulate: bool) -> bool:
             and x.data.ptr % 16 == 0 and out.strides[1] == 2)
 
 
-PRE_UNITS = 1  # row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE)
+# row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE).  H200, 2026-12-01, batch-1
+# full-model replays (tests/gpu/bench_ab.py --env KDA_RT_DENSE_GEMV,KDA_RT_DENSE_GEMV_PRE --values 1:1,1:2,1:0,0:1
+# --rounds 3 --prompts 0 --replays 1): 1 unit 2.2197 ms, 2 units 2.2400, 0 2.2324, cuBLAS 2.2694
+PRE_UNITS = 1
 
 
 def _kernel(K: int, cfg: GemvConfig = DEFAULT):
