@@ -273,9 +273,10 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
 // gemv_dense (DENSE = 1): y[n] = bf16(x · W[n]ᵀ) for n < N (fp32 sums in the lanes' piece order, then the warp's
 // shuffles), x [1, KW], W [N, KW], y [N] bf16; a unit is two rows (2v, 2v + 1; the last one alone when N is odd),
-// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced.  The weights are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before
-// the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a one-row
-// projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
+// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced.  The weights
+// are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before the programmatic-launch
+// wait, so they stream while the kernel before still runs (cuBLAS, which a one-row projection otherwise takes,
+// starts only when that kernel ends), and the next launch is let go at once.
 // DENSE_PRE = 2 holds two row buffers in turn (239 registers a thread against 160).
 // Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_DENSE_GEMV,KDA_RT_DENSE_GEMV_PRE --values
 // 1:1,1:2,1:0,0:1 --rounds 3 --prompts 0 --replays 1): batch-1 replay 2.2197 ms (1 unit before the wait), 2.2400 (2),
