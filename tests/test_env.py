@@ -44,13 +44,17 @@ def test_max_t_switches_reject_bad_values(monkeypatch, name, read, value, match)
         read(8)
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, 2), ("1", 1), ("4", 4)])
-def test_mla_min_tiles_defaults_to_the_callers_value(monkeypatch, value, expected):
+@pytest.mark.parametrize(("name", "read", "default", "value", "expected"), [
+    ("KDA_RT_MLA_MIN_TILES", env.mla_min_tiles, 2, None, 2), ("KDA_RT_MLA_MIN_TILES", env.mla_min_tiles, 2, "1", 1),
+    ("KDA_RT_MLA_MIN_TILES", env.mla_min_tiles, 2, "4", 4),
+    ("KDA_RT_DENSE_GEMV_PRE", env.dense_gemv_pre, 1, None, 1), ("KDA_RT_DENSE_GEMV_PRE", env.dense_gemv_pre, 1, "", 1),
+    ("KDA_RT_DENSE_GEMV_PRE", env.dense_gemv_pre, 1, "0", 0), ("KDA_RT_DENSE_GEMV_PRE", env.dense_gemv_pre, 1, "2", 2)])
+def test_count_switches_default_to_the_callers_value(monkeypatch, name, read, default, value, expected):
     if value is None:
-        monkeypatch.delenv("KDA_RT_MLA_MIN_TILES", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("KDA_RT_MLA_MIN_TILES", value)
-    assert env.mla_min_tiles(2) == expected
+        monkeypatch.setenv(name, value)
+    assert read(default) == expected
 
 
 @pytest.mark.parametrize(("value", "match"), [("0", ">= 1"), ("-1", ">= 1"), ("two", "an integer")])
@@ -58,15 +62,6 @@ def test_mla_min_tiles_rejects_bad_values(monkeypatch, value, match):
     monkeypatch.setenv("KDA_RT_MLA_MIN_TILES", value)
     with pytest.raises(ValueError, match=f"KDA_RT_MLA_MIN_TILES must be {match}"):
         env.mla_min_tiles(2)
-
-
-@pytest.mark.parametrize("value, expected", [(None, 1), ("", 1), ("0", 0), ("2", 2)])
-def test_dense_gemv_pre_defaults_to_the_callers_value(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("KDA_RT_DENSE_GEMV_PRE", raising=False)
-    else:
-        monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", value)
-    assert env.dense_gemv_pre(1) == expected
 
 
 @pytest.mark.parametrize("value", ["3", "-1", "one"])
