@@ -52,13 +52,17 @@ MIN_BYTES = 4 << 20  # smaller weights: skinny_gemm or cuBLAS (the wait-free sta
 MAX_BYTES = 256 << 20  # larger (lm_head's 755 MB): cuBLAS is at its bytes floor
 
 
+def _takes(N: int, K: int) -> bool:
+    """A [N, K] bf16 weight that gemv_dense serves: K the kernel can hold, 4-256 MB."""
+    return 0 < K <= MAX_K and K % 8 == 0 and MIN_BYTES <= 2 * N * K <= MAX_BYTES
+
+
 def fits(x, weight, out, accumulate: bool) -> bool:
     """gemv_dense can compute out = x · weightᵀ (shapes already checked by the caller: x [M, K], weight [N, K],
     out [M, N])."""
     M, K = x.shape
-    N = weight.shape[0]
-    return (M == 1 and not accumulate and out.dtype == BF16 and env.dense_gemv() and K % 8 == 0 and K <= MAX_K
-            and MIN_BYTES <= 2 * N * K <= MAX_BYTES and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0)
+    return (M == 1 and not accumulate and out.dtype == BF16 and env.dense_gemv() and _takes(weight.shape[0], K)
+            and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0)
 
 
 # row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE).  H200, 2026-12-01, batch-1
@@ -75,8 +79,7 @@ def precompile(shapes=()) -> int:
     """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take."""
     if not env.dense_gemv():
         return 0
-    widths = sorted({k for n, k, f32 in shapes if not f32 and 0 < k <= MAX_K and k % 8 == 0
-                     and MIN_BYTES <= 2 * n * k <= MAX_BYTES})
+    widths = sorted({k for n, k, f32 in shapes if not f32 and _takes(n, k)})
     for k in widths:
         _kernel(k)
     return len(widths)
