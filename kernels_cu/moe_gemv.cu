@@ -209,7 +209,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     if (nsh > 0) c = Unit{top_k, NE, top_k}, rows(cur, c, unit_of(0));
 #else
     const int2 range = warp_units((long long)(top_k + SHARED) * INTER);
-    const int n = range.y - range.x;
+    const int n = range.y - range.x, nsh = 0;  // (nothing loaded before the signal)
     auto unit_of = [&](int i) { return range.x + i; };
 #endif
     if (threadIdx.x == 0) await_logits(done, ready_target);
@@ -225,11 +225,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         if (lane < bins) bins_sh[rank] = bin;
     }
     compute_sync();
-#if SHARED && SHARED_FIRST
     if (nsh == 0 && n > 0) rows(cur, c, unit_of(0));  // in flight while x lands in shared memory
-#else
-    if (n > 0) rows(cur, c, unit_of(0));
-#endif
 #else
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
