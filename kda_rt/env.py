@@ -148,6 +148,14 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
+def gemv_signal_overlap() -> bool:
+    """KDA_RT_GEMV_SIGNAL_OVERLAP (branch next/gemv-signal): 0 makes thread 0 of each routed one-token GEMV CTA take
+    the CTA's count right after the routing kernel's signal and the x staging wait for the selection, instead of a
+    second warp counting and the others staging x while warp 0 selects (kernels_cu/moe_gemv.cu SIGNAL_OVERLAP);
+    default 1.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_GEMV_SIGNAL_OVERLAP")
+
+
 def gemv_shared_first() -> bool:
     """KDA_RT_GEMV_SHARED_FIRST: 0 keeps the shared expert's units in the routed one-token GEMV's order (the last
     tile), instead of first in every warp with the first one's weight rows loaded before the routing kernel's

@@ -42,6 +42,9 @@
 // kernel still runs; the routed tiles 0 .. top_k - 1 follow in contiguous runs.  Each unit's math is unchanged.
 // Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_SHARED_FIRST --values 1,0 --rounds 3 --prompts 0
 // --replays 1, full-model graph replays): batch 1 2.2787 against 2.2898 ms (-0.5%, every round).
+// SIGNAL_OVERLAP = 1 (with ROUTED; branch next/gemv-signal, not measured yet): after the signal, warp 0 selects while
+// warp 1 takes the CTA's count (an atomic round trip that thread 0 otherwise makes before the selection) and warps
+// 2 .. stage x, so the first routed loads go out one L2 round trip or two sooner.
 // Tried on branch next/gemv-fused-down: the down projection as this kernel's second phase (items wait on per-tile
 // counts of stored h features): 2.3406 against 2.2923 ms (+2.1%): its down loads start only after the gate/up
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
@@ -61,6 +64,12 @@
 #endif
 #ifndef SHARED_FIRST
 #define SHARED_FIRST 0
+#endif
+#ifndef SIGNAL_OVERLAP
+#define SIGNAL_OVERLAP 0
+#endif
+#if ROUTED && SIGNAL_OVERLAP && WARPS < 3
+#error "moe_gemv.cu: SIGNAL_OVERLAP needs 3 or more compute warps (warp 0 selects, warp 1 counts, the rest stage x)"
 #endif
 #if ROUTED && (!defined(NE) || !defined(MAX_TOP_K) || !defined(SHARED) || MAX_TOP_K + SHARED > 32)
 #error "moe_gemv.cu with ROUTED needs -DNE -DMAX_TOP_K -DSHARED (MAX_TOP_K + SHARED <= 32)"
@@ -158,11 +167,10 @@ struct Unit {  // feature f of tile t: expert e, output row `row`
         }                                                                                                    \
     } while (0)
 
-// Spin until the routing kernel's blocks have all signalled (acquire), then count this CTA in done[2] (acq_rel:
-// the CTAs' reads of done[1] come before the last one's reset); that last CTA resets both words (every CTA has
-// stopped reading done[1] by then).  Thread 0 of the CTA.  A signal that never comes (a routing launch without
-// signal_ready before this one: a launcher bug) traps after some seconds instead of hanging the GPU.
-__device__ __forceinline__ void await_logits(int* done, int target) {
+// Spin until the routing kernel's blocks have all signalled (acquire; thread 0 of the CTA).  A signal that never
+// comes (a routing launch without signal_ready before this one: a launcher bug) traps after some seconds instead of
+// hanging the GPU.
+__device__ __forceinline__ void await_signal(const int* done, int target) {
     unsigned v;
     for (long long spins = 0;; ++spins) {
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(done + 1) : "memory");
@@ -170,6 +178,11 @@ __device__ __forceinline__ void await_logits(int* done, int target) {
         if (spins > (1ll << 22)) __trap();
         __nanosleep(64);
     }
+}
+
+// Count this CTA in done[2] (acq_rel: the CTA's read of done[1], before it in the CTA's order, comes before the last
+// one's reset); that last CTA resets both words (every CTA has stopped reading done[1] by then).  One thread.
+__device__ __forceinline__ void count_reset(int* done) {
     unsigned old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done + 2) : "memory");
     if (old == gridDim.x - 1) {
@@ -212,8 +225,22 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     const int n = range.y - range.x, nsh = 0;  // (nothing loaded before the signal)
     auto unit_of = [&](int i) { return range.x + i; };
 #endif
-    if (threadIdx.x == 0) await_logits(done, ready_target);
+#if SIGNAL_OVERLAP
+    if (threadIdx.x == 0) await_signal(done, ready_target);
+    compute_sync();  // (orders thread 0's read of the signal before warp 1's count below)
+    if (threadIdx.x >= 32 && threadIdx.x < 64) {
+        if (threadIdx.x == 32) count_reset(done);  // the count's round trip off warp 0's path
+    } else if (threadIdx.x >= 64) {  // meanwhile x into shared memory (warps 2 ..)
+        for (int p = threadIdx.x - 64; p < PIECES; p += 32 * (WARPS - 2))
+            xs[p] = __ldcg(reinterpret_cast<const uint4*>(x) + p);
+    }
+#else
+    if (threadIdx.x == 0) {
+        await_signal(done, ready_target);
+        count_reset(done);
+    }
     compute_sync();
+#endif
     if (threadIdx.x < 32) {  // warp 0: the routing kernel's choice, then the bins in ascending order (tile t, row t)
         int id;
         float w;
@@ -242,7 +269,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     Unit c{-1, 0, 0};
     if (n > 0) rows(cur, c, unit_of(0));  // in flight while x lands in shared memory
 #endif
+#if !(ROUTED && SIGNAL_OVERLAP)
     stage_x(xs, x);
+#endif
     for (int i = 0; i < n; ++i) {
         const Unit here = c;
         const int u = unit_of(i);

@@ -112,7 +112,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV", "KDA_RT_FUSED_ROUTE",
-                 "KDA_RT_GEMV_SHARED_FIRST"):
+                 "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP"):
         monkeypatch.delenv(name, raising=False)  # the policies' defaults, not a bench switch of the caller's shell
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align

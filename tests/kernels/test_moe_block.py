@@ -208,7 +208,9 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     indices by the tie rule); nan (a NaN in x: NaN logits rank as -inf, the ids stay valid and the output is NaN
     in both).  The GEMV is checked to get `routed` (=1) or not (=0).  The routed GEMV with a shared expert in the
     stack runs its units first (KDA_RT_GEMV_SHARED_FIRST=1, the default) or in tile order (=0): the same output bit
-    for bit, the variant checked by its build defines.  Outputs and workspace poisoned first."""
+    for bit, the variant checked by its build defines; so does the routed GEMV that takes its CTA count on thread 0
+    before the selection (KDA_RT_GEMV_SIGNAL_OVERLAP=0) instead of on warp 1 beside it (=1).  Outputs and workspace
+    poisoned first."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -234,11 +236,17 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **kw: seen.append(kw.get("routed")) or real(*a, **kw))
     real_get = gemv_ops.get_kernel
-    monkeypatch.setattr(gemv_ops, "get_kernel", lambda *a, **kw: built.append(kw.get("SHARED_FIRST")) or real_get(*a, **kw))
+    def spy(*a, **kw):  # the variant's build defines
+        built.append((kw.get("SHARED_FIRST"), kw.get("SIGNAL_OVERLAP")))
+        return real_get(*a, **kw)
+
+    monkeypatch.setattr(gemv_ops, "get_kernel", spy)
     results = {}
-    for path, (routed, first) in {"1": ("1", "1"), "1-in-order": ("1", "0"), "0": ("0", "1")}.items():
+    paths = {"1": ("1", "1", "1"), "1-in-order": ("1", "0", "1"), "1-count-first": ("1", "1", "0"), "0": ("0", "1", "1")}
+    for path, (routed, first, overlap) in paths.items():
         monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
         monkeypatch.setenv("KDA_RT_GEMV_SHARED_FIRST", first)
+        monkeypatch.setenv("KDA_RT_GEMV_SIGNAL_OVERLAP", overlap)
         seen.clear()
         built.clear()
         got = []
@@ -261,9 +269,9 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
             got.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16))))
         assert len(seen) == 3 and all((r is not None) == (routed == "1") for r in seen), seen
         if routed == "1":  # the routed variant's build defines: shared units first only with a shared slot
-            assert built and set(built) == {int(fused and first == "1")}, (path, built)
+            assert built and set(built) == {(int(fused and first == "1"), int(overlap))}, (path, built)
         results[path] = got
-    for path in ("1", "1-in-order"):
+    for path in ("1", "1-in-order", "1-count-first"):
         for (o1, r1), (o0, r0) in zip(results[path], results["0"], strict=True):
             assert np.array_equal(o1, o0) and np.array_equal(r1, r0), f"the routed GEMV's output differs ({path})"
 

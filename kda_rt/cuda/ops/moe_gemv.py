@@ -50,7 +50,8 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
     that selects the token's experts itself (GemvRouting), with a shared expert its units first (SHARED_FIRST,
     KDA_RT_GEMV_SHARED_FIRST)."""
     extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]),
-                                           SHARED_FIRST=int(routed[1] and env.gemv_shared_first()))
+                                           SHARED_FIRST=int(routed[1] and env.gemv_shared_first()),
+                                           SIGNAL_OVERLAP=int(env.gemv_signal_overlap()))
     return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe),
                       **extra)
 
