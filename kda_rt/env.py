@@ -123,6 +123,14 @@ def gemv_routed() -> bool:
     return _on_off("KDA_RT_GEMV_ROUTED")
 
 
+def down_gemv() -> bool:
+    """KDA_RT_DOWN_GEMV: 0 runs a one-token step's MoE down projection on the tiled grouped GEMM (moe_gemm_tc.cu)
+    instead of moe_gemv_down (kernels_cu/moe_gemv.cu DOWN: units spread over every warp, the first weight rows
+    copied before the programmatic-launch wait); default 1.  Read at each MoE call (a CUDA graph keeps what it
+    captured)."""
+    return _on_off("KDA_RT_DOWN_GEMV")
+
+
 def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight

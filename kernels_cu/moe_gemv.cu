@@ -50,8 +50,14 @@
 #ifndef DENSE
 #define DENSE 0
 #endif
-#if !defined(KW) || !defined(WARPS) || !defined(PIPE) || (!DENSE && !defined(INTER))
-#error "moe_gemv.cu needs -DKW -DWARPS -DPIPE and (unless DENSE) -DINTER"
+#ifndef DOWN
+#define DOWN 0
+#endif
+#if !defined(KW) || !defined(WARPS) || !defined(PIPE) || (!DENSE && !DOWN && !defined(INTER))
+#error "moe_gemv.cu needs -DKW -DWARPS -DPIPE and (unless DENSE or DOWN) -DINTER"
+#endif
+#if DOWN && (!defined(NOUT) || !defined(STAGES) || NOUT % 2)
+#error "moe_gemv.cu with DOWN needs -DNOUT (even) -DSTAGES"
 #endif
 #ifndef ROUTED
 #define ROUTED 0
@@ -136,7 +142,7 @@ __device__ __forceinline__ int2 warp_units(long long units) {
     return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
 }
 
-#if !DENSE
+#if !DENSE && !DOWN
 struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
 };
@@ -262,7 +268,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
     }
 }
-#endif  // !DENSE
+#endif  // !DENSE && !DOWN
 
 #if DENSE
 #ifndef DENSE_PRE
@@ -328,3 +334,70 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
 #endif
 }
 #endif  // DENSE
+
+#if DOWN
+// moe_gemv_down (DOWN = 1): the down projection of a one-token MoE step, y[r_t, d] = bf16(h[r_t] · w2[e_t, d]ᵀ)
+// (fp32 sums) for every tile t of the plan (at one token a tile is one row r_t = tile_row[t], of expert e_t =
+// tile_expert[t]), h [rows, KW] (KW = the expert width), w2 [E, NOUT, KW], y [rows, NOUT] bf16, rows <= MAX_TILES.
+// A unit is two output features (2p, 2p + 1) of one tile; the grid's warps take contiguous runs of units as above.
+// Each warp streams its units' weight rows through a ring of STAGES shared-memory stages by cp.async (a lane copies
+// and later reads only its own 16-byte pieces, so no barrier guards a stage), and the first STAGES units are copied
+// before the programmatic-launch wait: the plan is complete when this kernel launches (the gate/up GEMV before it
+// lets the next launch go only once the kernel that writes the plan has finished) and the weights are no kernel's
+// output, so ~30% of the down bytes stream while the gate/up GEMV still runs.  After the wait (h is the GEMV's
+// output) the CTA stages every tile's h row in shared memory.  Small: ~36 registers and (WARPS·STAGES·2 + rows)·KW·2
+// bytes of shared memory, so a CTA fits beside the gate/up GEMV's CTA on its SM.
+// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, STAGES; PIPE is ignored.
+#define MAX_TILES 32
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int* __restrict__ tile_expert,
+              const int* __restrict__ tile_row, const int* __restrict__ num_tiles, int rows, bf16* __restrict__ y) {
+    KDA_PDL_ENTRY_DEFERRED();
+    extern __shared__ uint4 dsm[];  // [WARPS][STAGES][2][PIECES] weight stages, then [rows][PIECES] h rows
+    __shared__ int te[MAX_TILES], tr[MAX_TILES];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tiles = min(__ldcg(num_tiles), min(rows, MAX_TILES));  // one token: a tile a row (<= rows <= 32)
+    if (threadIdx.x < tiles) te[threadIdx.x] = __ldcg(tile_expert + threadIdx.x), tr[threadIdx.x] = __ldcg(tile_row + threadIdx.x);
+    __syncthreads();
+    const int2 range = warp_units((long long)tiles * (NOUT / 2));
+    uint4* ring = dsm + (size_t)warp * STAGES * 2 * PIECES;
+    auto issue = [&](int i) {  // unit range.x + i into stage i % STAGES; one commit group a unit, empty past the end
+        const int u = range.x + i;
+        if (u < range.y) {
+            const int t = u / (NOUT / 2), p = u - t * (NOUT / 2);
+            const uint4* src = reinterpret_cast<const uint4*>(w2 + ((size_t)te[t] * NOUT + 2 * p) * KW);
+            uint4* dst = ring + (i % STAGES) * 2 * PIECES;
+            for (int j = lane; j < PIECES; j += 32) {
+                cp_async16(dst + j, src + j, 16);
+                cp_async16(dst + PIECES + j, src + PIECES + j, 16);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) issue(i);
+    KDA_PDL_WAIT();  // h: the gate/up GEMV's output; y may still be read by an earlier kernel
+    uint4* hs = dsm + (size_t)WARPS * STAGES * 2 * PIECES;
+    for (int idx = threadIdx.x; idx < tiles * PIECES; idx += 32 * WARPS)
+        hs[idx] = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)tr[idx / PIECES] * KW) + idx % PIECES);
+    __syncthreads();
+    for (int i = 0; range.x + i < range.y; ++i) {
+        cp_async_wait<STAGES - 1>();  // this lane's pieces of unit i have landed
+        const int u = range.x + i, t = u / (NOUT / 2), p = u - t * (NOUT / 2);
+        const uint4* st = ring + (i % STAGES) * 2 * PIECES;
+        float sa = 0.f, sb = 0.f;
+        for (int j = lane; j < PIECES; j += 32) {
+            const uint4 hv = hs[t * PIECES + j];
+            sa = dot8(st[j], hv, sa);
+            sb = dot8(st[PIECES + j], hv, sb);
+        }
+        sa = warp_sum(sa), sb = warp_sum(sb);
+        if (lane == 0) y[(size_t)tr[t] * NOUT + 2 * p] = to_bf16(sa);
+        if (lane == 1) y[(size_t)tr[t] * NOUT + 2 * p + 1] = to_bf16(sb);
+        asm volatile("" ::: "memory");  // the stage's reads above stay above its refill
+        issue(i + STAGES);
+    }
+    cp_async_wait<0>();
+}
+#endif  // DOWN

@@ -208,7 +208,8 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     indices by the tie rule); nan (a NaN in x: NaN logits rank as -inf, the ids stay valid and the output is NaN
     in both).  The GEMV is checked to get `routed` (=1) or not (=0).  The routed GEMV with a shared expert in the
     stack runs its units first (KDA_RT_GEMV_SHARED_FIRST=1, the default) or in tile order (=0): the same output bit
-    for bit, the variant checked by its build defines.  Outputs and workspace poisoned first."""
+    for bit, the variant checked by its build defines.  The down projection on the down GEMV (KDA_RT_DOWN_GEMV=1, the
+    default) against the tiled down GEMM (=0): within 2e-3 RMS (only the fp32 summation order differs).  Outputs and workspace poisoned first."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -236,9 +237,11 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     real_get = gemv_ops.get_kernel
     monkeypatch.setattr(gemv_ops, "get_kernel", lambda *a, **kw: built.append(kw.get("SHARED_FIRST")) or real_get(*a, **kw))
     results = {}
-    for path, (routed, first) in {"1": ("1", "1"), "1-in-order": ("1", "0"), "0": ("0", "1")}.items():
+    paths = {"1": ("1", "1", "1"), "1-in-order": ("1", "0", "1"), "0": ("0", "1", "1"), "tiled-down": ("1", "1", "0")}
+    for path, (routed, first, down) in paths.items():
         monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
         monkeypatch.setenv("KDA_RT_GEMV_SHARED_FIRST", first)
+        monkeypatch.setenv("KDA_RT_DOWN_GEMV", down)
         seen.clear()
         built.clear()
         got = []
@@ -266,6 +269,15 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     for path in ("1", "1-in-order"):
         for (o1, r1), (o0, r0) in zip(results[path], results["0"], strict=True):
             assert np.array_equal(o1, o0) and np.array_equal(r1, r0), f"the routed GEMV's output differs ({path})"
+    # the down GEMV (the default) against the tiled down GEMM: the same bf16 roundings, only the fp32 summation
+    # order of the down products differs (a bf16 ulp on a few expert outputs): within 2e-3 RMS
+    for i, ((o1, _), (o2, _)) in enumerate(zip(results["1"], results["tiled-down"], strict=True)):
+        a, b = (o.view(np.uint16).astype(np.uint32) << 16 for o in (o1, o2))
+        a, b = a.view(np.float32), b.view(np.float32)
+        if inputs == "nan" and i == 1:
+            assert np.isnan(a).any() and np.isnan(b).any()
+            continue
+        assert rms_rel(a, b) <= 2e-3, f"call {i}: down GEMV against the tiled down GEMM, rms rel {rms_rel(a, b):.3e}"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])

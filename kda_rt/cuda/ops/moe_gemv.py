@@ -13,12 +13,13 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, grid
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
-__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "fits", "gemv_kernel", "moe_gemv_gate_up", "routed_kernel"]
+__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "down_kernel", "fits", "gemv_kernel", "moe_gemv_down",
+           "moe_gemv_gate_up", "routed_kernel"]
 
 # KDA_RT_GEMV_ROUTED (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_ROUTED --values 1,0 --rounds 3
 # --prompts 0 --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not
@@ -102,4 +103,42 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, s
         extra, warps = (r.logits, r.bias, i32(r.top_k), r.done, i32(r.ready_target)), cfg.warps + 1
     kernel((grid(kernel, cfg, warps, routed is not None),), (32 * warps,),
            (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out, *extra), stream=stream)
+    return out
+
+
+DOWN_WARPS, DOWN_STAGES, MAX_DOWN_TILES = 4, 6, 32  # moe_gemv.cu's MAX_TILES
+
+
+def down_kernel(inter: int, hidden: int, warps: int = DOWN_WARPS, stages: int = DOWN_STAGES):
+    """moe_gemv_down for expert width `inter` and output width `hidden` (built on first use; precompiled at start)."""
+    return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, warps, stages, MAX_DOWN_TILES),
+                      DOWN=1, KW=inter, NOUT=hidden, WARPS=warps, STAGES=stages, PIPE=1)
+
+
+def _down_smem(inter: int, warps: int, stages: int, tiles: int) -> int:
+    return (warps * stages * 2 + tiles) * inter * 2  # weight stages, then the tiles' h rows (bf16)
+
+
+def moe_gemv_down(h, w2, plan: MoEPlan, *, out, warps: int = DOWN_WARPS, stages: int = DOWN_STAGES, stream=None):
+    """h [N, I] bf16 (the gate/up GEMV's rows), w2 [E, D, I] bf16, plan of one token's pairs -> out y [N, D] bf16,
+    row tile_row[t] = bf16(h[tile_row[t]] · w2[tile_expert[t]]ᵀ) for t < num_tiles (fp32 sums; moe_gemm_tc's down
+    GEMM rounds the same way, only its summation order differs).  One CTA an SM; each warp's first `stages` units
+    of weight rows are copied before the programmatic-launch wait (moe_gemv.cu DOWN)."""
+    N, inter = expect(h, "h", ndim=2, dtype=BF16)
+    _, D, _ = expect(w2, "w2", shape=(None, None, inter), dtype=BF16)
+    expect(out, "out", shape=(N, D), dtype=BF16)
+    if inter % 8 or D % 2 or h.data.ptr % 16 or w2.data.ptr % 16:
+        raise ValueError(f"moe_gemv_down: needs an expert width % 8 == 0 (got {inter}), an even output width (got {D}) "
+                         "and h, w2 16-byte aligned")
+    if N > MAX_DOWN_TILES:
+        raise ValueError(f"moe_gemv_down: one token's pairs, at most {MAX_DOWN_TILES} (one tile and h row each), got "
+                         f"{N} rows")
+    if N == 0:
+        return out
+    import cupy
+
+    kernel = down_kernel(inter, D, warps, stages)
+    kernel((sm_count(cupy.cuda.Device().id),), (32 * warps,),
+           (h, w2, plan.tile_expert, plan.tile_row, plan.num_tiles, i32(N), out),
+           shared_mem=_down_smem(inter, warps, stages, N), stream=stream)
     return out
