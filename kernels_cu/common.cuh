@@ -21,10 +21,15 @@ typedef __nv_bfloat16 bf16;
         asm volatile("griddepcontrol.wait;\n" ::: "memory");        \
         asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); \
     } while (0)
-// A kernel that first reads only what no kernel of the stream writes (weights) may start with
+// A kernel that first reads only what no earlier kernel of the same decode graph writes may start with
 // KDA_PDL_ENTRY_DEFERRED() instead: the next launch is let go at once, and the kernel itself executes
-// KDA_PDL_WAIT() before its first access to anything an earlier kernel writes, or to its outputs
-// (tests/kernels/test_pdl.py allows this form only in the kernels it lists).
+// KDA_PDL_WAIT() before its first access to anything an earlier kernel of the graph writes, and before any write
+// (tests/kernels/test_pdl.py allows this form only in the kernels it lists).  What such a kernel may read first:
+// weights; the plan when the kernel before it let it go only after the plan's writer finished; the step's
+// metadata and a KDA layer's recurrent state.  This holds because the attribute is set only while a decode graph
+// is captured (pdl.py): replays never overlap, the metadata is copied in outside the graph, a decode graph holds no
+// prefill kernel, and each layer's pools are written only by that layer's one decode kernel.  Adding programmatic
+// launches to eager or mixed steps, or several steps to one graph, means revisiting these kernels.
 #define KDA_PDL_ENTRY_DEFERRED() asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory")
 #define KDA_PDL_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
 #else

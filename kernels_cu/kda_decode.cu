@@ -40,7 +40,7 @@
 // f_b [P, RANK_F], g_b [P, RANK_G] bf16 (16-byte aligned rows).
 // Compile-time constants (chosen in kda_rt/cuda/ops/kda_decode.py): HEAD_DIM (K = V, must be 128),
 // CONV_W (W), THREADS, SPLIT (1, 2, 4 or 8; > 1 needs sm_90+), MIN_BLOCKS (launch-bounds occupancy),
-// FUSE_FG (0 / 1), RANK_F, RANK_G (multiples of 8, <= 256; 0 when FUSE_FG is 0).
+// FUSE_FG (0 / 1), RANK_F, RANK_G (multiples of 8, <= 256; 0 when FUSE_FG is 0), EARLY_STATE (0 / 1).
 // Registers (sm_90a ptxas, no spills): SPLIT 1 x 256 threads 122, 2 x 128 116, 2 x 256 92, 4 x 128 71,
 // 8 x 128 63; fused 4 x 128 85 (21 KB smem), 8 x 128 69.
 // Measured (H200, graph replay, H = 32), the unsplit kernel before this split (same math, 126 registers):
@@ -68,9 +68,10 @@
 #ifndef EARLY_STATE
 #define EARLY_STATE 0
 #endif
-// EARLY_STATE = 1: the next launch is let go at once and the weights, metadata and state rows are loaded before the
-// programmatic-launch wait (none of them is written by the kernels of this step before this one: the slot's state
-// and conv history last changed in an earlier step, which completed before the kernel before this one started).
+// EARLY_STATE = 1: the next launch is let go at once and the weights, the step's metadata and the slot's recurrent
+// state rows are loaded before the programmatic-launch wait (no earlier kernel of the decode graph writes them: the
+// state last changed in this layer's kernel of an earlier replay, and the metadata is copied in before the replay;
+// common.cuh's PDL note says what this rests on).  The conv history and the token's inputs are read after it.
 // Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_KDA_EARLY_STATE --values 1,0 --rounds 2 --prompts 0
 // --replays 1,8,32): batch 1 2.2251 against 2.2462 ms (-0.9%; the kernel before is gemv_dense, which lets this one
 // launch while it streams), batch 8 5.1088 / 5.1094, batch 32 7.9021 / 7.8997 (cuBLAS before it: no change).
@@ -177,10 +178,9 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const int P = num_heads * K;
     const bool fresh = context_lens[seq] == 0;
     const size_t slot = (size_t)state_slots[seq];
-    // loads of what no kernel of this step writes before this one (weights, the step's metadata, the slot's
-    // recurrent state: EARLY_STATE issues them before the programmatic-launch wait), then the token's inputs:
-    // the decay inputs of this CTA's channels, (async, into shared memory) its low-rank rows, output gate and
-    // norm weights, issued now so they are not on the critical path later
+    // first what no earlier kernel of the graph writes (EARLY_STATE: before the programmatic-launch wait): the
+    // metadata, the decay weights of this CTA's channels, (async, into shared memory) its f_b / g_b rows and norm
+    // weights, the state rows; then the token's inputs: beta's b, the low-rank rows or f, and the output gate
     const bool decay_thread = tid >= THREADS - VC;  // the last threads: the conv loop starts at thread 0
     const int dj = decay_thread ? tid - (THREADS - VC) : 0, dch = h * K + c0 + dj;
     const float dt_b = decay_thread ? dt_bias[dch] : 0.f, a_log = A_log[h];

@@ -1,5 +1,6 @@
-// moe_gemv.cu — the gate/up projection of a one-token MoE step (batch-1 decode) as a GEMV whose work is cut
-// evenly over every warp of a grid of one wave, bf16 in, fp32 accumulate:
+// moe_gemv.cu — one-row products (batch-1 decode) as GEMVs whose work is cut evenly over every warp of a grid of
+// one wave, bf16 in, fp32 accumulate: the gate/up projection of a one-token MoE step, and (DENSE = 1, gemv_dense
+// at the end of the file, launched by kda_rt/cuda/ops/gemv.py) a dense one-row projection:
 //
 //   moe_gemv_gate_up: same math and rounding as moe_gemm_tc.cu's FUSE_SILU = 1 (spec §5.1):
 //       h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) ),   g = x · W[e, f]ᵀ,  u = x · W[e, INTER + f]ᵀ
@@ -20,9 +21,10 @@
 // is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait
 // (ROUTED: after the routing kernel's signal instead, below).
 //
-// The same scheme for dense one-row projections (a unit of two rows) lost to cuBLAS, which already spreads them
-// evenly (H200, 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's gemv_dense in gemv.cu: q|k|v 17.3 against
-// 16.2 us, q|kv_a 11.9 / 10.9, dense gate|up 24.2 / 23.9, lm_head 182.8 / 170.5): it was withdrawn.
+// The same scheme for dense one-row projections lost to cuBLAS in isolation, which already spreads them evenly (H200,
+// 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's first gemv_dense: q|k|v 17.3 against 16.2 us, q|kv_a
+// 11.9 / 10.9, dense gate|up 24.2 / 23.9, lm_head 182.8 / 170.5); in the model it wins once it loads its first
+// weight rows before the programmatic-launch wait, which cuBLAS cannot (gemv_dense below; lm_head stays on cuBLAS).
 //
 // ROUTED = 1 (the routed variant of moe_gemv_gate_up): the GEMV does not wait for the whole routing kernel
 // (moe_route.cu's moe_route_fused, launched with signal_ready): once every routing block has stored its logits and
@@ -44,7 +46,8 @@
 // counts of stored h features): 2.3406 against 2.2923 ms (+2.1%): its down loads start only after the gate/up
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
-// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1).
+// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1).  DENSE = 1: KW, WARPS and
+// DENSE_PRE (0, 1 or 2) only.
 #include "common.cuh"
 
 #ifndef DENSE
@@ -53,8 +56,8 @@
 #ifndef DOWN
 #define DOWN 0
 #endif
-#if !defined(KW) || !defined(WARPS) || !defined(PIPE) || (!DENSE && !DOWN && !defined(INTER))
-#error "moe_gemv.cu needs -DKW -DWARPS -DPIPE and (unless DENSE or DOWN) -DINTER"
+#if !defined(KW) || !defined(WARPS) || (!DENSE && !DOWN && (!defined(PIPE) || !defined(INTER)))
+#error "moe_gemv.cu needs -DKW -DWARPS and (unless DENSE or DOWN) -DPIPE -DINTER"
 #endif
 #if DOWN && (!defined(NOUT) || !defined(STAGES) || NOUT % 2)
 #error "moe_gemv.cu with DOWN needs -DNOUT (even) -DSTAGES"
@@ -276,8 +279,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
 // gemv_dense (DENSE = 1): y[n] = bf16(x · W[n]ᵀ) for n < N (fp32 sums in the lanes' piece order, then the warp's
 // shuffles), x [1, KW], W [N, KW], y [N] bf16; a unit is two rows (2v, 2v + 1; the last one alone when N is odd),
-// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced (PIPE is
-// ignored).  The weights are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before
+// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced.  The weights are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before
 // the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a one-row
 // projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
 // DENSE_PRE = 2 holds two row buffers in turn (239 registers a thread against 160).
@@ -347,7 +349,7 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
 // output, so ~30% of the down bytes stream while the gate/up GEMV still runs.  After the wait (h is the GEMV's
 // output) the CTA stages every tile's h row in shared memory.  Small: ~36 registers and (WARPS·STAGES·2 + rows)·KW·2
 // bytes of shared memory, so a CTA fits beside the gate/up GEMV's CTA on its SM.
-// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, STAGES; PIPE is ignored.
+// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, STAGES.
 #define MAX_TILES 32
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS)

@@ -58,3 +58,19 @@ def test_mla_min_tiles_rejects_bad_values(monkeypatch, value, match):
     monkeypatch.setenv("KDA_RT_MLA_MIN_TILES", value)
     with pytest.raises(ValueError, match=f"KDA_RT_MLA_MIN_TILES must be {match}"):
         env.mla_min_tiles(2)
+
+
+@pytest.mark.parametrize("value, expected", [(None, 1), ("", 1), ("0", 0), ("2", 2)])
+def test_dense_gemv_pre_defaults_to_the_callers_value(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("KDA_RT_DENSE_GEMV_PRE", raising=False)
+    else:
+        monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", value)
+    assert env.dense_gemv_pre(1) == expected
+
+
+@pytest.mark.parametrize("value", ["3", "-1", "one"])
+def test_dense_gemv_pre_rejects_bad_values(monkeypatch, value):
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", value)
+    with pytest.raises(ValueError, match="KDA_RT_DENSE_GEMV_PRE must be"):
+        env.dense_gemv_pre(1)

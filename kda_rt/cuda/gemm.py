@@ -1,5 +1,6 @@
 """Dense GEMM through cuBLAS: y = x · Wᵀ (row-major), bf16 in, fp32 accumulate, bf16 or fp32 out
-(calls of up to 8 rows and 4096 outputs go to our weight-streaming kernel instead: ops/skinny_gemm.py).
+(calls of up to 8 rows and 4096 outputs go to our weight-streaming kernel instead: ops/skinny_gemm.py, and one-row
+calls of 4-256 MB of weights with bf16 out to a GEMV that starts before the kernel before it ends: ops/gemv.py).
 
 We call cuBLAS through ctypes with our own handle instead of CuPy's wrappers because CuPy's
 refuse to run during CUDA-graph capture.  The handle gets a fixed workspace (so cuBLAS never

@@ -365,3 +365,22 @@ def test_mla_launch_splits(monkeypatch):
     assert mla._best_splits(32, 16384 * 64, 132) == 33
     assert [mla.launch_splits(T, 33) for T in (1, 8, 16, 32, 64, 132, 200)] == [33, 16, 8, 4, 2, 1, 1]
     assert mla.launch_splits(32, 3) == 3 and mla.launch_splits(0, 5) == 5
+
+
+def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):
+    """ops/gemv.precompile (the runner calls it with the decode projections' shapes) builds gemv_dense once per
+    reduction width that `fits` can take: bf16 out, K <= MAX_K, 4-256 MB of weights (not the fp32 lm_head, not
+    o_proj's K = 4096, not a small matrix), and nothing with KDA_RT_DENSE_GEMV=0."""
+    import kda_rt.cuda.ops.gemv as gemv
+
+    built = []
+    monkeypatch.setattr(gemv, "get_kernel", lambda f, n, **kw: built.append((f, n, kw)))
+    monkeypatch.delenv("KDA_RT_DENSE_GEMV_PRE", raising=False)
+    shapes = [(12576, 2304, False), (6720, 2304, False), (18432, 2304, False), (163840, 2304, True),
+              (2304, 4096, False), (8, 64, False)]
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV", "1")
+    assert gemv.precompile(shapes) == 1
+    assert built == [("moe_gemv.cu", "gemv_dense", dict(DENSE=1, KW=2304, WARPS=gemv.DEFAULT.warps,
+                                                        DENSE_PRE=gemv.PRE_UNITS))]
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV", "0")
+    assert gemv.precompile(shapes) == 0

@@ -1,7 +1,12 @@
 """Launcher for gemv_dense (kernels_cu/moe_gemv.cu, DENSE = 1): a one-row projection y = x · Wᵀ as a GEMV whose
 row pairs are spread evenly over every warp of a one-wave grid, its first weight rows loaded before the
 programmatic-launch wait.  gemm.linear takes it where `fits` (one row, bf16 out, KDA_RT_DENSE_GEMV not 0): at batch
-1 the KDA q|k|v|f_a|g_a|b and MLA q|kv_a projections, and a dense MLP's gate|up."""
+1 the KDA q|k|v|f_a|g_a|b and MLA q|kv_a projections, and a dense MLP's gate|up.  Also the GEMVs' shared launch
+configuration (GemvConfig, grid), which ops/moe_gemv.py uses too.
+
+The kernel sits in moe_gemv.cu beside the MoE GEMVs, whose helpers it shares; its launcher is apart from
+ops/moe_gemv.py because gemm.linear imports it and ops/moe_gemv.py imports the routing launcher, which imports
+gemm (one launcher module per .cu would make that a cycle)."""
 
 from __future__ import annotations
 
@@ -53,8 +58,7 @@ def fits(x, weight, out, accumulate: bool) -> bool:
     M, K = x.shape
     N = weight.shape[0]
     return (M == 1 and not accumulate and out.dtype == BF16 and env.dense_gemv() and K % 8 == 0 and K <= MAX_K
-            and MIN_BYTES <= 2 * N * K <= MAX_BYTES and weight.flags.c_contiguous and weight.data.ptr % 16 == 0
-            and x.data.ptr % 16 == 0 and out.strides[1] == 2)
+            and MIN_BYTES <= 2 * N * K <= MAX_BYTES and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0)
 
 
 # row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE).  H200, 2026-12-01, batch-1
@@ -64,16 +68,15 @@ PRE_UNITS = 1
 
 
 def _kernel(K: int, cfg: GemvConfig = DEFAULT):
-    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, PIPE=int(cfg.pipe),
-                      DENSE_PRE=env.dense_gemv_pre(PRE_UNITS))
+    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, DENSE_PRE=env.dense_gemv_pre(PRE_UNITS))
 
 
 def precompile(shapes=()) -> int:
-    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` would take."""
-    widths = sorted({k for n, k, f32 in shapes if not f32 and k % 8 == 0 and k <= MAX_K
-                     and MIN_BYTES <= 2 * n * k <= MAX_BYTES})
+    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take."""
     if not env.dense_gemv():
         return 0
+    widths = sorted({k for n, k, f32 in shapes if not f32 and 0 < k <= MAX_K and k % 8 == 0
+                     and MIN_BYTES <= 2 * n * k <= MAX_BYTES})
     for k in widths:
         _kernel(k)
     return len(widths)
@@ -85,11 +88,8 @@ def gemv_dense(x, weight, out, *, cfg: GemvConfig = DEFAULT, stream=None):
     _, K = expect(x, "x", shape=(1, None), dtype=BF16, row_stride=True)
     N, _ = expect(weight, "weight", shape=(None, K), dtype=BF16)
     expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
-    if K % 8 or K > MAX_K or not weight.flags.c_contiguous or weight.data.ptr % 16 or x.data.ptr % 16:
-        raise ValueError(f"gemv_dense: needs K % 8 == 0 and K <= {MAX_K} (got {K}), a C-contiguous weight and x "
-                         "and weight 16-byte aligned")
-    if out.strides[1] != 2:
-        raise ValueError(f"gemv_dense: out's row must be contiguous (strides {out.strides})")
+    if K <= 0 or K % 8 or K > MAX_K or weight.data.ptr % 16 or x.data.ptr % 16:
+        raise ValueError(f"gemv_dense: needs 0 < K <= {MAX_K}, K % 8 == 0 (got {K}) and x and weight 16-byte aligned")
     if N == 0:
         return out
     kernel = _kernel(K, cfg)

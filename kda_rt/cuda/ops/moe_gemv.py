@@ -112,7 +112,7 @@ DOWN_WARPS, DOWN_STAGES, MAX_DOWN_TILES = 4, 6, 32  # moe_gemv.cu's MAX_TILES
 def down_kernel(inter: int, hidden: int, warps: int = DOWN_WARPS, stages: int = DOWN_STAGES):
     """moe_gemv_down for expert width `inter` and output width `hidden` (built on first use; precompiled at start)."""
     return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, warps, stages, MAX_DOWN_TILES),
-                      DOWN=1, KW=inter, NOUT=hidden, WARPS=warps, STAGES=stages, PIPE=1)
+                      DOWN=1, KW=inter, NOUT=hidden, WARPS=warps, STAGES=stages)
 
 
 def _down_smem(inter: int, warps: int, stages: int, tiles: int) -> int:
