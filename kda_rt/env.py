@@ -123,12 +123,15 @@ def gemv_routed() -> bool:
     return _on_off("KDA_RT_GEMV_ROUTED")
 
 
-def down_gemv() -> bool:
-    """KDA_RT_DOWN_GEMV: 0 runs a one-token step's MoE down projection on the tiled grouped GEMM (moe_gemm_tc.cu)
-    instead of moe_gemv_down (kernels_cu/moe_gemv.cu DOWN: units spread over every warp, the first weight rows
-    copied before the programmatic-launch wait); default 1.  Read at each MoE call (a CUDA graph keeps what it
-    captured)."""
-    return _on_off("KDA_RT_DOWN_GEMV")
+def down_gemv() -> int:
+    """KDA_RT_DOWN_GEMV (bench switch, branch next/down-gemv): a one-token step's MoE down projection on the tiled
+    grouped GEMM (0, the default: moe_gemm_tc.cu) or on moe_gemv_down (kernels_cu/moe_gemv.cu DOWN: units spread over
+    every warp, the first weight rows loaded before the programmatic-launch wait) with shared-memory rings (1) or
+    register buffers (2).  Read at each MoE call (a CUDA graph keeps what it captured)."""
+    n = _non_negative_int("KDA_RT_DOWN_GEMV", 0)
+    if n > 2:
+        raise ValueError(f"KDA_RT_DOWN_GEMV must be 0, 1 or 2, got {n}")
+    return n
 
 
 def dense_gemv() -> bool:

@@ -125,14 +125,19 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 20 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 19 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
     assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"))
             for f, kw in built if f == "moe_gemv.cu" and not kw.get("DOWN")] == [(2304, 1024, 0, None, None, None),
                                                                                 (2304, 1024, 1, 256, 1, 1)]
-    # and the one-token down projection (KDA_RT_DOWN_GEMV)
-    assert [(kw["KW"], kw["NOUT"]) for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")] == [(1024, 2304)]
+    # the one-token down GEMV only under its bench switch (KDA_RT_DOWN_GEMV, default 0: the tiled GEMM)
+    assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
+    built.clear()
+    monkeypatch.setenv("KDA_RT_DOWN_GEMV", "2")
+    moe.precompile(cfg, 2304, 1024, fused=True)
+    assert [(kw["KW"], kw["NOUT"], kw["DOWN"]) for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")] == [
+        (1024, 2304, 2)]
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"], kw["ROUTE_NORM"]) for f, kw in built
                     if f == "moe_route.cu")
     norm_rows = {route.fused_route_rows(t) for t in range(1, moe.ROUTE_NORM_MAX_T + 1)}
