@@ -280,9 +280,10 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
 // gemv_dense (DENSE = 1): y[n] = bf16(x · W[n]ᵀ) for n < N (fp32 sums in the lanes' piece order, then the warp's
 // shuffles), x [1, KW], W [N, KW], y [N] bf16; a unit is two rows (2v, 2v + 1; the last one alone when N is odd),
-// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced.  The weights are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before
-// the programmatic-launch wait, so they stream while the kernel before still runs (cuBLAS, which a one-row
-// projection otherwise takes, starts only when that kernel ends), and the next launch is let go at once.
+// cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced.  The weights
+// are no kernel's output: each warp loads its first DENSE_PRE (0, 1 or 2) units' rows before the programmatic-launch
+// wait, so they stream while the kernel before still runs (cuBLAS, which a one-row projection otherwise takes,
+// starts only when that kernel ends), and the next launch is let go at once.
 // DENSE_PRE = 2 holds two row buffers in turn (239 registers a thread against 160).
 // Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_DENSE_GEMV,KDA_RT_DENSE_GEMV_PRE --values
 // 1:1,1:2,1:0,0:1 --rounds 3 --prompts 0 --replays 1): batch-1 replay 2.2197 ms (1 unit before the wait), 2.2400 (2),
@@ -373,19 +374,21 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
               const int* __restrict__ tile_row, const int* __restrict__ num_tiles, int rows, bf16* __restrict__ y) {
     KDA_PDL_ENTRY_DEFERRED();
     __shared__ int te[MAX_TILES], tr[MAX_TILES];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int tiles = min(__ldcg(num_tiles), min(rows, MAX_TILES));  // one token: a tile a row (<= rows)
-    if (threadIdx.x < tiles) te[threadIdx.x] = __ldcg(tile_expert + threadIdx.x), tr[threadIdx.x] = __ldcg(tile_row + threadIdx.x);
+    if (threadIdx.x < tiles)
+        te[threadIdx.x] = __ldcg(tile_expert + threadIdx.x), tr[threadIdx.x] = __ldcg(tile_row + threadIdx.x);
     __syncthreads();
     constexpr int UPT = NOUT / 2;  // units a tile
     const int2 range = warp_units((long long)tiles * UPT);
     auto store = [&](int u, float2 s) {  // the unit's two outputs, one 4-byte store (NOUT even: aligned)
         const int t = u / UPT, p = u - t * UPT;
-        if (lane == 0) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)tr[t] * NOUT + 2 * p) = __floats2bfloat162_rn(s.x, s.y);
+        if (lane == 0)
+            *reinterpret_cast<__nv_bfloat162*>(y + (size_t)tr[t] * NOUT + 2 * p) = __floats2bfloat162_rn(s.x, s.y);
     };
 #if DOWN == 1
     extern __shared__ uint4 dsm[];  // [WARPS][STAGES][2][PIECES] weight stages, then the CTA's h rows [.][PIECES]
-    uint4* ring = dsm + (size_t)warp * STAGES * 2 * PIECES;
+    uint4* ring = dsm + (size_t)(threadIdx.x >> 5) * STAGES * 2 * PIECES;  // this warp's stages
     auto issue = [&](int i) {  // unit range.x + i into stage i % STAGES; one commit group a unit, empty past the end
         const int u = range.x + i;
         if (u < range.y) {
@@ -447,7 +450,8 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
 #pragma unroll
             for (int j = 0; j < PER_LANE; ++j) {
                 const int p = lane + 32 * j;
-                hv[j] = p < PIECES ? __ldcg(reinterpret_cast<const uint4*>(h + (size_t)tr[t] * KW) + p) : make_uint4(0, 0, 0, 0);
+                const uint4* hrow = reinterpret_cast<const uint4*>(h + (size_t)tr[t] * KW);
+                hv[j] = p < PIECES ? __ldcg(hrow + p) : make_uint4(0, 0, 0, 0);
             }
         }
         store(u, dot_h(r.a, r.b, hv, lane));

@@ -281,7 +281,8 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
             if inputs == "nan" and i == 1:
                 assert np.isnan(a).any() and np.isnan(b).any()
                 continue
-            assert rms_rel(a, b) <= 2e-3, f"call {i}: down GEMV against the tiled down GEMM, rms rel {rms_rel(a, b):.3e}"
+            err = rms_rel(a, b)
+            assert err <= 2e-3, f"{path} call {i}: down GEMV against the tiled down GEMM, rms rel {err:.3e}"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
