@@ -123,6 +123,17 @@ def gemv_routed() -> bool:
     return _on_off("KDA_RT_GEMV_ROUTED")
 
 
+def down_gemv() -> int:
+    """KDA_RT_DOWN_GEMV (bench switch, branch next/down-gemv): a one-token step's MoE down projection on the tiled
+    grouped GEMM (0, the default: moe_gemm_tc.cu) or on moe_gemv_down (kernels_cu/moe_gemv.cu DOWN: units spread over
+    every warp, the first weight rows loaded before the programmatic-launch wait) with shared-memory rings (1) or
+    register buffers (2).  Read at each MoE call (a CUDA graph keeps what it captured)."""
+    n = _non_negative_int("KDA_RT_DOWN_GEMV", 0)
+    if n > 2:
+        raise ValueError(f"KDA_RT_DOWN_GEMV must be 0, 1 or 2, got {n}")
+    return n
+
+
 def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight

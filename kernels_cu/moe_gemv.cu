@@ -1,6 +1,7 @@
 // moe_gemv.cu — one-row products (batch-1 decode) as GEMVs whose work is cut evenly over every warp of a grid of
-// one wave, bf16 in, fp32 accumulate: the gate/up projection of a one-token MoE step, and (DENSE = 1, gemv_dense
-// at the end of the file, launched by kda_rt/cuda/ops/gemv.py) a dense one-row projection:
+// one wave, bf16 in, fp32 accumulate: the gate/up projection of a one-token MoE step, (DOWN = 1 or 2,
+// moe_gemv_down) its down projection, and (DENSE = 1, gemv_dense at the end of the file, launched by
+// kda_rt/cuda/ops/gemv.py) a dense one-row projection:
 //
 //   moe_gemv_gate_up: same math and rounding as moe_gemm_tc.cu's FUSE_SILU = 1 (spec §5.1):
 //       h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) ),   g = x · W[e, f]ᵀ,  u = x · W[e, INTER + f]ᵀ
@@ -56,8 +57,14 @@
 #ifndef DENSE
 #define DENSE 0
 #endif
-#if !defined(KW) || !defined(WARPS) || (!DENSE && (!defined(PIPE) || !defined(INTER)))
-#error "moe_gemv.cu needs -DKW -DWARPS and (unless DENSE) -DPIPE -DINTER"
+#ifndef DOWN
+#define DOWN 0
+#endif
+#if !defined(KW) || !defined(WARPS) || (!DENSE && !DOWN && (!defined(PIPE) || !defined(INTER)))
+#error "moe_gemv.cu needs -DKW -DWARPS and (unless DENSE or DOWN) -DPIPE -DINTER"
+#endif
+#if DOWN && (!defined(NOUT) || !defined(MAX_TILES) || NOUT % 2 || (DOWN == 1 && !defined(STAGES)))
+#error "moe_gemv.cu with DOWN needs -DNOUT (even) -DMAX_TILES, and with DOWN = 1 -DSTAGES"
 #endif
 #ifndef ROUTED
 #define ROUTED 0
@@ -148,7 +155,7 @@ __device__ __forceinline__ int2 warp_units(long long units) {
     return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
 }
 
-#if !DENSE
+#if !DENSE && !DOWN
 struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
 };
@@ -290,7 +297,7 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #endif
     }
 }
-#endif  // !DENSE
+#endif  // !DENSE && !DOWN
 
 #if DENSE
 #ifndef DENSE_PRE
@@ -356,3 +363,131 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
 #endif
 }
 #endif  // DENSE
+
+#if DOWN
+// moe_gemv_down (DOWN = 1 or 2): the down projection of a one-token MoE step, y[r_t, d] = bf16(h[r_t] · w2[e_t, d]ᵀ)
+// (fp32 sums) for every tile t of the plan (at one token a tile is one row r_t = tile_row[t], of expert e_t =
+// tile_expert[t]), h [rows, KW] (KW = the expert width), w2 [E, NOUT, KW], y [rows, NOUT] bf16, rows <= MAX_TILES.
+// A unit is two output features (2p, 2p + 1) of one tile; the grid's warps take contiguous runs of units as above.
+// The plan is complete when this kernel launches (the gate/up GEMV before it lets the next launch go only once the
+// kernel that writes the plan has finished) and the weights are no kernel's output: each warp issues its first
+// units' weight rows before the programmatic-launch wait, so they stream while the gate/up GEMV still runs; h (the
+// GEMV's output) is read after it.
+//   DOWN = 1: the rows go through a ring of STAGES shared-memory stages per warp by cp.async (a lane copies and
+//   later reads only its own 16-byte pieces, so no barrier guards a stage), and the CTA stages the h rows of its
+//   own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory.  The driver sizes an SM's shared
+//   memory for the kernel running there and changes it only on an idle SM, so these CTAs may not start beside the
+//   gate/up GEMV's (4.7 KB of shared memory) and copy nothing early: measure (trace_decode.py --timeline).
+//   DOWN = 2: no shared memory but the plan's: two units' rows a warp in registers (two buffers in turn, as
+//   gemv_dense), the lane's pieces of its tile's h row in registers, so a CTA fits beside the GEMV's by registers.
+// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, MAX_TILES; DOWN = 1: STAGES.
+
+// Σ of a unit's two rows times h (the lane's pieces), summed over the warp
+__device__ __forceinline__ float2 dot_h(const uint4* a, const uint4* b, const uint4* hv, int lane) {
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        if (lane + 32 * j >= PIECES) continue;
+        sa = dot8(a[j], hv[j], sa);
+        sb = dot8(b[j], hv[j], sb);
+    }
+    return make_float2(warp_sum(sa), warp_sum(sb));
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int* __restrict__ tile_expert,
+              const int* __restrict__ tile_row, const int* __restrict__ num_tiles, int rows, bf16* __restrict__ y) {
+    KDA_PDL_ENTRY_DEFERRED();
+    __shared__ int te[MAX_TILES], tr[MAX_TILES];
+    const int lane = threadIdx.x & 31;
+    const int tiles = min(__ldcg(num_tiles), min(rows, MAX_TILES));  // one token: a tile a row (<= rows)
+    if (threadIdx.x < tiles)
+        te[threadIdx.x] = __ldcg(tile_expert + threadIdx.x), tr[threadIdx.x] = __ldcg(tile_row + threadIdx.x);
+    __syncthreads();
+    constexpr int UPT = NOUT / 2;  // units a tile
+    const int2 range = warp_units((long long)tiles * UPT);
+    auto store = [&](int u, float2 s) {  // the unit's two outputs, one 4-byte store (NOUT even: aligned)
+        const int t = u / UPT, p = u - t * UPT;
+        if (lane == 0)
+            *reinterpret_cast<__nv_bfloat162*>(y + (size_t)tr[t] * NOUT + 2 * p) = __floats2bfloat162_rn(s.x, s.y);
+    };
+#if DOWN == 1
+    extern __shared__ uint4 dsm[];  // [WARPS][STAGES][2][PIECES] weight stages, then the CTA's h rows [.][PIECES]
+    uint4* ring = dsm + (size_t)(threadIdx.x >> 5) * STAGES * 2 * PIECES;  // this warp's stages
+    auto issue = [&](int i) {  // unit range.x + i into stage i % STAGES; one commit group a unit, empty past the end
+        const int u = range.x + i;
+        if (u < range.y) {
+            const int t = u / UPT, p = u - t * UPT;
+            const uint4* src = reinterpret_cast<const uint4*>(w2 + ((size_t)te[t] * NOUT + 2 * p) * KW);
+            uint4* dst = ring + (i % STAGES) * 2 * PIECES;
+            for (int j = lane; j < PIECES; j += 32) {
+                cp_async16(dst + j, src + j, 16);
+                cp_async16(dst + PIECES + j, src + PIECES + j, 16);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) issue(i);
+    KDA_PDL_WAIT();  // h: the gate/up GEMV's output; y may still be read by an earlier kernel
+    // the h rows of this CTA's tiles (its warps' units are contiguous: tiles t_lo .. t_hi)
+    const long long all = (long long)tiles * UPT, warps = (long long)gridDim.x * WARPS;
+    const int t_lo = (int)((long long)blockIdx.x * WARPS * all / warps) / UPT;
+    const int t_hi = min(tiles - 1, (int)(((long long)(blockIdx.x + 1) * WARPS * all / warps - 1) / UPT));
+    uint4* hs = dsm + (size_t)WARPS * STAGES * 2 * PIECES;
+    for (int idx = threadIdx.x; idx < (t_hi - t_lo + 1) * PIECES; idx += 32 * WARPS)
+        hs[idx] = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)tr[t_lo + idx / PIECES] * KW) + idx % PIECES);
+    __syncthreads();
+    for (int i = 0; range.x + i < range.y; ++i) {
+        cp_async_wait<STAGES - 1>();  // this lane's pieces of unit i have landed
+        asm volatile("" ::: "memory");  // (the stage's loads below stay below the wait)
+        const int u = range.x + i, t = u / UPT;
+        const uint4* st = ring + (i % STAGES) * 2 * PIECES;
+        uint4 a[PER_LANE], b[PER_LANE], hv[PER_LANE];
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            const int p = lane + 32 * j;
+            a[j] = p < PIECES ? st[p] : make_uint4(0, 0, 0, 0);
+            b[j] = p < PIECES ? st[PIECES + p] : make_uint4(0, 0, 0, 0);
+            hv[j] = p < PIECES ? hs[(t - t_lo) * PIECES + p] : make_uint4(0, 0, 0, 0);
+        }
+        store(u, dot_h(a, b, hv, lane));
+        asm volatile("" ::: "memory");  // the stage's loads above stay above its refill
+        issue(i + STAGES);
+    }
+    cp_async_wait<0>();
+#else
+    auto rows_of = [&](Rows& r, int u) {  // unit u's two weight rows
+        const int t = u / UPT, p = u - t * UPT;
+        const bf16* a = w2 + ((size_t)te[t] * NOUT + 2 * p) * KW;
+        load_rows(r, a, a + KW, lane);
+    };
+    Rows ra, rb;
+    if (range.x < range.y) rows_of(ra, range.x);
+    if (range.x + 1 < range.y) rows_of(rb, range.x + 1);
+    KDA_PDL_WAIT();  // h: the gate/up GEMV's output; y may still be read by an earlier kernel
+    uint4 hv[PER_LANE];
+    int ht = -1;
+    auto finish = [&](const Rows& r, int u) {
+        const int t = u / UPT;
+        if (t != ht) {  // the lane's pieces of this tile's h row (L2)
+            ht = t;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                const int p = lane + 32 * j;
+                const uint4* hrow = reinterpret_cast<const uint4*>(h + (size_t)tr[t] * KW);
+                hv[j] = p < PIECES ? __ldcg(hrow + p) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        store(u, dot_h(r.a, r.b, hv, lane));
+    };
+    for (int u = range.x; u < range.y; u += 2) {
+        finish(ra, u);
+        if (u + 2 < range.y) rows_of(ra, u + 2);
+        if (u + 1 >= range.y) break;
+        finish(rb, u + 1);
+        if (u + 3 < range.y) rows_of(rb, u + 3);
+    }
+#endif
+}
+#endif  // DOWN

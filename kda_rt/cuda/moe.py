@@ -54,7 +54,15 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
 from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
-from kda_rt.cuda.ops.moe_gemv import GemvRouting, gemv_kernel, moe_gemv_gate_up, routed_kernel
+from kda_rt.cuda.ops.moe_gemv import (
+    GemvRouting,
+    down_fits,
+    down_kernel,
+    gemv_kernel,
+    moe_gemv_down,
+    moe_gemv_gate_up,
+    routed_kernel,
+)
 from kda_rt.cuda.ops.moe_gemv import fits as gemv_fits
 from kda_rt.cuda.ops.moe_route import (
     FUSED_MAX_T,
@@ -141,9 +149,12 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if tile := fused_decode_tile(tokens, D, inter):
                     fused_kernel(tile, D, inter, pairs)
                     count += 1
-            if gemv_fits(1, D):  # a one-token step's gate/up (and the variant that selects its own experts)
+            if gemv_fits(1, D):  # a one-token step's gate/up (and the variant that selects its own experts), down
                 gemv_kernel(D, inter)
                 count += 1
+                if down_fits(inter, D, env.down_gemv()):
+                    down_kernel(inter, D, env.down_gemv())
+                    count += 1
                 if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
                     gemv_kernel(D, inter, routed=(E, fused))
                     count += 1
@@ -283,7 +294,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
-            gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
+            if gemv_fits(T, D) and down_fits(inter, D, env.down_gemv()):  # (bench switch: KDA_RT_DOWN_GEMV)
+                moe_gemv_down(ws["h"], w2, plan, out=ws["y"], mode=env.down_gemv(), stream=stream)
+            else:
+                gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None
         if inter_s and not fused:
             linear(x, shared_w13, out=ws["gu_s"])

@@ -76,3 +76,66 @@ def test_moe_gemv_rejects_bad_inputs():
     with pytest.raises(ValueError, match="multiple of 8"):
         moe_gemv_gate_up(cupy.zeros((1, 12), dtype=BF16), cupy.zeros((E, 2 * inter, 12), dtype=BF16), plan, out=h)
 
+
+DOWN_CASES = {  # name: (D, I, E, A)
+    "D2304-I1024-E12-A9": (2304, 1024, 12, 9),  # the 48B shape: 8 routed + the shared slot
+    "D72-I40-E5-A3": (72, 40, 5, 3),  # 5 pieces a row: lanes 5..31 hold none
+    "D2312-I24-E4-A1": (2312, 24, 4, 1),  # one tile, 3 pieces a row, 1156 units for ~528 warps
+    "D256-I136-E8-A8": (256, 136, 8, 8),  # 17 pieces a row (lanes 0..16 hold one), every expert routed
+}
+
+
+@pytest.mark.parametrize("mode", [1, 2], ids=["smem-ring", "registers"])
+@pytest.mark.parametrize("name", list(DOWN_CASES))
+def test_moe_gemv_down(name, mode):
+    """moe_gemv_down (the one-token down projection, its first weight rows loaded before the programmatic-launch wait;
+    mode 1: shared-memory rings, 2: register buffers) against NumPy: y[r] = bf16(h[r] · w2_eᵀ) from the same bf16 h.
+    The kernel rounds its fp32 sum once (half an ulp, <= 2^-8 |y|) and its fp32 sum of I products is off by at most
+    I 2^-24 Σ|h w| (<= 2^-14 Σ|h w| here): |y - ref| <= 2^-8 |ref| + 2^-13 Σ|h w|; a wrong expert, row or stage is
+    off by ~Σ|h w| / sqrt(I), 100x that bound or more.  y is poisoned first, so a row left unwritten fails."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import moe_gemv_down
+
+    D, inter, E, A = DOWN_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(f"down/{name}/{mode}".encode()))
+    crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+    w2 = rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
+    ids = make_ids(1, E, A, False, rng)
+    plan = make_plan(ids, E, 16)
+    h_np = bf16_round(rng.normal(size=(A, inter)))
+    y = cupy.empty((A, D), dtype=BF16)
+    poison(y)
+    moe_gemv_down(cupy.asarray(h_np.astype(np.float32).astype(BF16)), w2, plan, out=y, mode=mode)
+    y_np = to_np(y)
+    assert np.all(np.isfinite(y_np)), f"{name}/{mode}: rows left unwritten (NaN)"
+    off = cupy.asnumpy(plan.expert_off)
+    for e in np.unique(ids):
+        rows = np.arange(off[e], off[e + 1])
+        w2e = to_np(w2[e])
+        ref, mag = h_np[rows] @ w2e.T, np.abs(h_np[rows]) @ np.abs(w2e).T
+        bad = ~(np.abs(y_np[rows] - ref) <= 2.0**-8 * np.abs(ref) + 2.0**-13 * mag)
+        assert not bad.any(), f"{name}/{mode} expert {e}: {int(bad.sum())} outputs off"
+
+
+def test_moe_gemv_down_rejects_bad_inputs():
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import moe_gemv_down
+
+    E, D, inter = 4, 256, 64
+    plan = make_plan(np.array([[0, 2]], np.int32), E, 16)
+    w2 = cupy.zeros((E, D, inter), dtype=BF16)
+    h, y = cupy.zeros((2, inter), dtype=BF16), cupy.empty((2, D), dtype=BF16)
+    with pytest.raises(ValueError, match="out must have shape"):
+        moe_gemv_down(h, w2, plan, out=cupy.empty((2, D + 2), dtype=BF16), mode=2)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        moe_gemv_down(h, cupy.zeros((E, D, inter + 8), dtype=BF16), plan, out=y, mode=2)
+    with pytest.raises(ValueError, match="% 8"):
+        moe_gemv_down(cupy.zeros((2, 12), dtype=BF16), cupy.zeros((E, D, 12), dtype=BF16), plan, out=y, mode=2)
+    with pytest.raises(ValueError, match="mode 1 or 2"):
+        moe_gemv_down(h, w2, plan, out=y, mode=0)
+    with pytest.raises(ValueError, match="the plan's"):
+        moe_gemv_down(cupy.zeros((3, inter), dtype=BF16), w2, plan, out=cupy.empty((3, D), dtype=BF16), mode=2)
