@@ -123,15 +123,12 @@ def gemv_routed() -> bool:
     return _on_off("KDA_RT_GEMV_ROUTED")
 
 
-def down_gemv() -> int:
-    """KDA_RT_DOWN_GEMV (bench switch, branch next/down-gemv): a one-token step's MoE down projection on the tiled
-    grouped GEMM (0, the default: moe_gemm_tc.cu) or on moe_gemv_down (kernels_cu/moe_gemv.cu DOWN: units spread over
-    every warp, the first weight rows loaded before the programmatic-launch wait) with shared-memory rings (1) or
-    register buffers (2).  Read at each MoE call (a CUDA graph keeps what it captured)."""
-    n = _non_negative_int("KDA_RT_DOWN_GEMV", 0)
-    if n > 2:
-        raise ValueError(f"KDA_RT_DOWN_GEMV must be 0, 1 or 2, got {n}")
-    return n
+def down_gemv() -> bool:
+    """KDA_RT_DOWN_GEMV: 0 sends a one-token step's MoE down projection to the tiled grouped GEMM (moe_gemm_tc.cu)
+    instead of moe_gemv_down (kernels_cu/moe_gemv.cu DOWN: units spread over every warp, each warp's first weight
+    rows copied into its shared-memory ring before the programmatic-launch wait); default 1.  Read at each MoE call
+    (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_DOWN_GEMV")
 
 
 def dense_gemv() -> bool:
@@ -160,7 +157,7 @@ def kda_early_state() -> bool:
 
 
 def gemv_signal_overlap() -> bool:
-    """KDA_RT_GEMV_SIGNAL_OVERLAP (branch next/gemv-signal): 0 makes thread 0 of each routed one-token GEMV CTA take
+    """KDA_RT_GEMV_SIGNAL_OVERLAP: 0 makes thread 0 of each routed one-token GEMV CTA take
     the CTA's count right after the routing kernel's signal and the x staging wait for the selection, instead of a
     second warp counting and the others staging x while warp 0 selects (kernels_cu/moe_gemv.cu SIGNAL_OVERLAP);
     default 1.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""

@@ -1,5 +1,5 @@
 // moe_gemv.cu — one-row products (batch-1 decode) as GEMVs whose work is cut evenly over every warp of a grid of
-// one wave, bf16 in, fp32 accumulate: the gate/up projection of a one-token MoE step, (DOWN = 1 or 2,
+// one wave, bf16 in, fp32 accumulate: the gate/up projection of a one-token MoE step, (DOWN = 1,
 // moe_gemv_down) its down projection, and (DENSE = 1, gemv_dense at the end of the file, launched by
 // kda_rt/cuda/ops/gemv.py) a dense one-row projection:
 //
@@ -43,9 +43,11 @@
 // kernel still runs; the routed tiles 0 .. top_k - 1 follow in contiguous runs.  Each unit's math is unchanged.
 // Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_SHARED_FIRST --values 1,0 --rounds 3 --prompts 0
 // --replays 1, full-model graph replays): batch 1 2.2787 against 2.2898 ms (-0.5%, every round).
-// SIGNAL_OVERLAP = 1 (with ROUTED; branch next/gemv-signal, not measured yet): after the signal, warp 0 selects while
-// warp 1 takes the CTA's count (an atomic round trip that thread 0 otherwise makes before the selection) and warps
-// 2 .. stage x, so the first routed loads go out one L2 round trip or two sooner.
+// SIGNAL_OVERLAP = 1 (with ROUTED): after the signal, warp 0 selects while warp 1 takes the CTA's count (an atomic
+// round trip that thread 0 otherwise makes before the selection) and warps 2 .. stage x, so the first routed loads
+// go out one L2 round trip or two sooner.  Measured (H200, 2026-12-01, bench_ab.py --env
+// KDA_RT_DOWN_GEMV,KDA_RT_GEMV_SIGNAL_OVERLAP --values 0:0,0:1,1:1,2:1 --rounds 3 --prompts 0 --replays 1): batch 1
+// 2.1950 against 2.2079 ms (-0.6%, every round).
 // Tried on branch next/gemv-fused-down: the down projection as this kernel's second phase (items wait on per-tile
 // counts of stored h features): 2.3406 against 2.2923 ms (+2.1%): its down loads start only after the gate/up
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
@@ -63,8 +65,8 @@
 #if !defined(KW) || !defined(WARPS) || (!DENSE && !DOWN && (!defined(PIPE) || !defined(INTER)))
 #error "moe_gemv.cu needs -DKW -DWARPS and (unless DENSE or DOWN) -DPIPE -DINTER"
 #endif
-#if DOWN && (!defined(NOUT) || !defined(MAX_TILES) || NOUT % 2 || (DOWN == 1 && !defined(STAGES)))
-#error "moe_gemv.cu with DOWN needs -DNOUT (even) -DMAX_TILES, and with DOWN = 1 -DSTAGES"
+#if DOWN && (DOWN != 1 || !defined(NOUT) || !defined(MAX_TILES) || NOUT % 2 || !defined(STAGES))
+#error "moe_gemv.cu with DOWN = 1 needs -DNOUT (even) -DMAX_TILES -DSTAGES"
 #endif
 #ifndef ROUTED
 #define ROUTED 0
@@ -365,22 +367,20 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
 #endif  // DENSE
 
 #if DOWN
-// moe_gemv_down (DOWN = 1 or 2): the down projection of a one-token MoE step, y[r_t, d] = bf16(h[r_t] · w2[e_t, d]ᵀ)
+// moe_gemv_down (DOWN = 1): the down projection of a one-token MoE step, y[r_t, d] = bf16(h[r_t] · w2[e_t, d]ᵀ)
 // (fp32 sums) for every tile t of the plan (at one token a tile is one row r_t = tile_row[t], of expert e_t =
 // tile_expert[t]), h [rows, KW] (KW = the expert width), w2 [E, NOUT, KW], y [rows, NOUT] bf16, rows <= MAX_TILES.
 // A unit is two output features (2p, 2p + 1) of one tile; the grid's warps take contiguous runs of units as above.
 // The plan is complete when this kernel launches (the gate/up GEMV before it lets the next launch go only once the
 // kernel that writes the plan has finished) and the weights are no kernel's output: each warp issues its first
-// units' weight rows before the programmatic-launch wait, so they stream while the gate/up GEMV still runs; h (the
-// GEMV's output) is read after it.
-//   DOWN = 1: the rows go through a ring of STAGES shared-memory stages per warp by cp.async (a lane copies and
-//   later reads only its own 16-byte pieces, so no barrier guards a stage), and the CTA stages the h rows of its
-//   own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory.  The driver sizes an SM's shared
-//   memory for the kernel running there and changes it only on an idle SM, so these CTAs may not start beside the
-//   gate/up GEMV's (4.7 KB of shared memory) and copy nothing early: measure (trace_decode.py --timeline).
-//   DOWN = 2: no shared memory but the plan's: two units' rows a warp in registers (two buffers in turn, as
-//   gemv_dense), the lane's pieces of its tile's h row in registers, so a CTA fits beside the GEMV's by registers.
-// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, MAX_TILES; DOWN = 1: STAGES.
+// STAGES units' weight rows before the programmatic-launch wait, so they stream while the gate/up GEMV still runs;
+// h (the GEMV's output) is read after it.  The rows go through a ring of STAGES shared-memory stages per warp by
+// cp.async (a lane copies and later reads only its own 16-byte pieces, so no barrier guards a stage), and the CTA
+// stages the h rows of its own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory.
+// Measured (H200, 2026-12-01, full-model batch-1 graph replays): 2.1711 ms against 2.1950 with the tiled down GEMM
+// (-1.1%).  A variant holding two units a warp in registers (no dynamic shared memory, so its CTAs fit beside the
+// gate/up GEMV's by registers) ran 2.3961 ms (+9%) and was removed.
+// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, MAX_TILES, STAGES.
 
 // Σ of a unit's two rows times h (the lane's pieces), summed over the warp
 __device__ __forceinline__ float2 dot_h(const uint4* a, const uint4* b, const uint4* hv, int lane) {
@@ -411,7 +411,6 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
         if (lane == 0)
             *reinterpret_cast<__nv_bfloat162*>(y + (size_t)tr[t] * NOUT + 2 * p) = __floats2bfloat162_rn(s.x, s.y);
     };
-#if DOWN == 1
     extern __shared__ uint4 dsm[];  // [WARPS][STAGES][2][PIECES] weight stages, then the CTA's h rows [.][PIECES]
     uint4* ring = dsm + (size_t)(threadIdx.x >> 5) * STAGES * 2 * PIECES;  // this warp's stages
     auto issue = [&](int i) {  // unit range.x + i into stage i % STAGES; one commit group a unit, empty past the end
@@ -456,38 +455,5 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
         issue(i + STAGES);
     }
     cp_async_wait<0>();
-#else
-    auto rows_of = [&](Rows& r, int u) {  // unit u's two weight rows
-        const int t = u / UPT, p = u - t * UPT;
-        const bf16* a = w2 + ((size_t)te[t] * NOUT + 2 * p) * KW;
-        load_rows(r, a, a + KW, lane);
-    };
-    Rows ra, rb;
-    if (range.x < range.y) rows_of(ra, range.x);
-    if (range.x + 1 < range.y) rows_of(rb, range.x + 1);
-    KDA_PDL_WAIT();  // h: the gate/up GEMV's output; y may still be read by an earlier kernel
-    uint4 hv[PER_LANE];
-    int ht = -1;
-    auto finish = [&](const Rows& r, int u) {
-        const int t = u / UPT;
-        if (t != ht) {  // the lane's pieces of this tile's h row (L2)
-            ht = t;
-#pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) {
-                const int p = lane + 32 * j;
-                const uint4* hrow = reinterpret_cast<const uint4*>(h + (size_t)tr[t] * KW);
-                hv[j] = p < PIECES ? __ldcg(hrow + p) : make_uint4(0, 0, 0, 0);
-            }
-        }
-        store(u, dot_h(r.a, r.b, hv, lane));
-    };
-    for (int u = range.x; u < range.y; u += 2) {
-        finish(ra, u);
-        if (u + 2 < range.y) rows_of(ra, u + 2);
-        if (u + 1 >= range.y) break;
-        finish(rb, u + 1);
-        if (u + 3 < range.y) rows_of(rb, u + 3);
-    }
-#endif
 }
 #endif  // DOWN

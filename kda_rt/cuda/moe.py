@@ -152,8 +152,8 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
             if gemv_fits(1, D):  # a one-token step's gate/up (and the variant that selects its own experts), down
                 gemv_kernel(D, inter)
                 count += 1
-                if down_fits(inter, D, env.down_gemv()):
-                    down_kernel(inter, D, env.down_gemv())
+                if env.down_gemv() and down_fits(inter, D):
+                    down_kernel(inter, D)
                     count += 1
                 if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
                     gemv_kernel(D, inter, routed=(E, fused))
@@ -294,8 +294,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
-            if gemv_fits(T, D) and down_fits(inter, D, env.down_gemv()):  # (bench switch: KDA_RT_DOWN_GEMV)
-                moe_gemv_down(ws["h"], w2, plan, out=ws["y"], mode=env.down_gemv(), stream=stream)
+            if gemv_fits(T, D) and env.down_gemv() and down_fits(inter, D):
+                moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream)
             else:
                 gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
         shared = None

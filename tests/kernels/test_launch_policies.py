@@ -108,11 +108,11 @@ def test_mla_prefill_wgmma_only_where_its_tile_fits(monkeypatch):
 def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and
     both GEMMs for 16-, 64- and 128-row tiles, the 128-row GEMMs on wgmma where it runs, the fused decode
-    kernel (both GEMMs in one launch) for the two 16-row tiles, the one-token GEMV gate/up, and the one-launch
+    kernel (both GEMMs in one launch) for the two 16-row tiles, the one-token GEMV gate/up and down, and the one-launch
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV", "KDA_RT_FUSED_ROUTE",
-                 "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP", "KDA_RT_FUSED_ROUTE_MAX_T",
+                 "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP",
                  "KDA_RT_DOWN_GEMV"):
         monkeypatch.delenv(name, raising=False)  # the policies' defaults, not a bench switch of the caller's shell
     import kda_rt.cuda.moe as moe
@@ -126,19 +126,21 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 19 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 20 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
     assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"))
             for f, kw in built if f == "moe_gemv.cu" and not kw.get("DOWN")] == [(2304, 1024, 0, None, None, None),
                                                                                 (2304, 1024, 1, 256, 1, 1)]
-    # the one-token down GEMV only under its bench switch (KDA_RT_DOWN_GEMV, default 0: the tiled GEMM)
-    assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
-    built.clear()
-    monkeypatch.setenv("KDA_RT_DOWN_GEMV", "2")
-    moe.precompile(cfg, 2304, 1024, fused=True)
+    # the one-token down GEMV (KDA_RT_DOWN_GEMV, default 1), and not with the switch off
     assert [(kw["KW"], kw["NOUT"], kw["DOWN"]) for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")] == [
-        (1024, 2304, 2)]
+        (1024, 2304, 1)]
+    built.clear()
+    monkeypatch.setenv("KDA_RT_DOWN_GEMV", "0")
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 19 + len({route.fused_route_rows(t)
+                                                                    for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
+    assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
+    monkeypatch.delenv("KDA_RT_DOWN_GEMV")
     routes = sorted((kw["FR_TPB"], kw["BT"], kw["SHARED"], kw["E"], kw["D"], kw["ROUTE_NORM"]) for f, kw in built
                     if f == "moe_route.cu")
     norm_rows = {route.fused_route_rows(t) for t in range(1, moe.ROUTE_NORM_MAX_T + 1)}

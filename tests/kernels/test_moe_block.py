@@ -210,8 +210,7 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     stack runs its units first (KDA_RT_GEMV_SHARED_FIRST=1, the default) or in tile order (=0): the same output bit
     for bit, the variant checked by its build defines; so does the routed GEMV that takes its CTA count on thread 0
     before the selection (KDA_RT_GEMV_SIGNAL_OVERLAP=0) instead of on warp 1 beside it (=1).  The down projection on
-    the down GEMV (KDA_RT_DOWN_GEMV=1: shared-memory rings, 2: registers) against the tiled down GEMM (0, the
-    default): within 2e-3 RMS (only the fp32 summation order differs).  Outputs and workspace poisoned first."""
+    the down GEMV (KDA_RT_DOWN_GEMV=1, the default) against the tiled down GEMM (0): within 2e-3 RMS (only the fp32 summation order differs).  Outputs and workspace poisoned first."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -245,7 +244,7 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     monkeypatch.setattr(gemv_ops, "get_kernel", spy)
     results = {}
     paths = {"1": ("1", "1", "1", "0"), "1-in-order": ("1", "0", "1", "0"), "1-count-first": ("1", "1", "0", "0"),
-             "0": ("0", "1", "1", "0"), "down-smem": ("1", "1", "1", "1"), "down-regs": ("1", "1", "1", "2")}
+             "0": ("0", "1", "1", "0"), "down-gemv": ("1", "1", "1", "1"), "down-gemv-unrouted": ("0", "1", "1", "1")}
     for path, (routed, first, overlap, down) in paths.items():
         monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
         monkeypatch.setenv("KDA_RT_GEMV_SHARED_FIRST", first)
@@ -278,9 +277,10 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     for path in ("1", "1-in-order", "1-count-first"):
         for (o1, r1), (o0, r0) in zip(results[path], results["0"], strict=True):
             assert np.array_equal(o1, o0) and np.array_equal(r1, r0), f"the routed GEMV's output differs ({path})"
-    # the down GEMV (KDA_RT_DOWN_GEMV 1 or 2) against the tiled down GEMM (0): the same bf16 roundings, only the
-    # fp32 summation order of the down products differs (a bf16 ulp on a few expert outputs): within 2e-3 RMS
-    for path in ("down-smem", "down-regs"):
+    # the down GEMV (KDA_RT_DOWN_GEMV=1) against the tiled down GEMM (0), after the routed and the plan-reading
+    # gate/up GEMV: the same bf16 roundings, only the fp32 summation order of the down products differs (a bf16
+    # ulp on a few expert outputs): within 2e-3 RMS
+    for path in ("down-gemv", "down-gemv-unrouted"):
         for i, ((o1, _), (o2, _)) in enumerate(zip(results["1"], results[path], strict=True)):
             a, b = (o.view(np.uint16).astype(np.uint32) << 16 for o in (o1, o2))
             a, b = a.view(np.float32), b.view(np.float32)

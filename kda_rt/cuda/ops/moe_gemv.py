@@ -107,40 +107,38 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, s
     return out
 
 
-# moe_gemv_down (moe_gemv.cu DOWN; branch next/down-gemv, not measured yet): KDA_RT_DOWN_GEMV = 1 streams the weight
-# rows through shared-memory rings (STAGES units a warp copied before the wait), 2 holds two units a warp in
-# registers (no shared memory, so a CTA fits beside the gate/up GEMV's on its SM)
+# moe_gemv_down (moe_gemv.cu DOWN = 1): the weight rows stream through per-warp shared-memory rings, STAGES units a
+# warp copied before the programmatic-launch wait (KDA_RT_DOWN_GEMV=0: the tiled down GEMM instead)
 DOWN_WARPS, DOWN_STAGES, MAX_DOWN_TILES = 4, 6, 32
 _DOWN_SMEM_MAX = 160 * 1024
 
 
-def _down_smem(inter: int, mode: int, rows: int, warps: int = DOWN_WARPS, stages: int = DOWN_STAGES) -> int:
-    return (warps * stages * 2 + rows) * inter * 2 if mode == 1 else 0  # ring stages, then the CTA's h rows
+def _down_smem(inter: int, rows: int, warps: int = DOWN_WARPS, stages: int = DOWN_STAGES) -> int:
+    return (warps * stages * 2 + rows) * inter * 2  # ring stages, then the CTA's h rows
 
 
-def down_fits(inter: int, hidden: int, mode: int) -> bool:
-    """moe_gemv_down can run a one-token step's down projection in `mode` (KDA_RT_DOWN_GEMV: 1 or 2)."""
-    return (mode in (1, 2) and inter % 8 == 0 and 0 < inter <= MAX_K and hidden % 2 == 0
-            and _down_smem(inter, mode, MAX_DOWN_TILES) <= _DOWN_SMEM_MAX)
+def down_fits(inter: int, hidden: int) -> bool:
+    """moe_gemv_down can run a one-token step's down projection of expert width `inter` to `hidden` features."""
+    return (inter % 8 == 0 and 0 < inter <= MAX_K and hidden % 2 == 0
+            and _down_smem(inter, MAX_DOWN_TILES) <= _DOWN_SMEM_MAX)
 
 
-def down_kernel(inter: int, hidden: int, mode: int):
-    """moe_gemv_down for expert width `inter` and output width `hidden` in `mode` (built on first use; precompiled)."""
-    stages = {"STAGES": DOWN_STAGES} if mode == 1 else {}
-    return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, mode, MAX_DOWN_TILES),
-                      DOWN=mode, KW=inter, NOUT=hidden, WARPS=DOWN_WARPS, MAX_TILES=MAX_DOWN_TILES, **stages)
+def down_kernel(inter: int, hidden: int):
+    """moe_gemv_down for expert width `inter` and output width `hidden` (built on first use; precompiled)."""
+    return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, MAX_DOWN_TILES),
+                      DOWN=1, KW=inter, NOUT=hidden, WARPS=DOWN_WARPS, MAX_TILES=MAX_DOWN_TILES, STAGES=DOWN_STAGES)
 
 
-def moe_gemv_down(h, w2, plan: MoEPlan, *, out, mode: int, stream=None):
+def moe_gemv_down(h, w2, plan: MoEPlan, *, out, stream=None):
     """h [N, I] bf16 (the gate/up GEMV's rows), w2 [E, D, I] bf16, plan of one token's N pairs -> out y [N, D] bf16,
     row tile_row[t] = bf16(h[tile_row[t]] · w2[tile_expert[t]]ᵀ) for t < num_tiles (fp32 sums; moe_gemm_tc's down
     GEMM rounds the same way, only its summation order differs).  One CTA an SM; each warp's first units of weight
-    rows are loaded before the programmatic-launch wait (moe_gemv.cu DOWN = `mode`)."""
+    rows are loaded before the programmatic-launch wait (moe_gemv.cu DOWN)."""
     N, inter = expect(h, "h", ndim=2, dtype=BF16)
     _, D, _ = expect(w2, "w2", shape=(None, None, inter), dtype=BF16)
     expect(out, "out", shape=(N, D), dtype=BF16)
-    if not down_fits(inter, D, mode) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
-        raise ValueError(f"moe_gemv_down: needs mode 1 or 2 (got {mode}), an expert width % 8 == 0 and <= {MAX_K} "
+    if not down_fits(inter, D) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
+        raise ValueError(f"moe_gemv_down: needs an expert width % 8 == 0 and <= {MAX_K} "
                          f"(got {inter}), an even output width (got {D}), h, w2 16-byte and out 4-byte aligned")
     if N > MAX_DOWN_TILES or N != plan.sorted_pair.shape[0]:
         raise ValueError(f"moe_gemv_down: one token's pairs, at most {MAX_DOWN_TILES} (one tile and h row each) and "
@@ -149,8 +147,8 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, mode: int, stream=None):
         return out
     import cupy
 
-    kernel = down_kernel(inter, D, mode)
+    kernel = down_kernel(inter, D)
     kernel((sm_count(cupy.cuda.Device().id),), (32 * DOWN_WARPS,),
            (h, w2, plan.tile_expert, plan.tile_row, plan.num_tiles, i32(N), out),
-           shared_mem=_down_smem(inter, mode, N), stream=stream)
+           shared_mem=_down_smem(inter, N), stream=stream)
     return out
