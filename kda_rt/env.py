@@ -157,10 +157,10 @@ def kda_early_state() -> bool:
 
 
 def gemv_signal_overlap() -> bool:
-    """KDA_RT_GEMV_SIGNAL_OVERLAP: 0 makes thread 0 of each routed one-token GEMV CTA take
-    the CTA's count right after the routing kernel's signal and the x staging wait for the selection, instead of a
-    second warp counting and the others staging x while warp 0 selects (kernels_cu/moe_gemv.cu SIGNAL_OVERLAP);
-    default 1.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    """KDA_RT_GEMV_SIGNAL_OVERLAP: 0 makes thread 0 of each routed one-token GEMV CTA take the CTA's count right
+    after the routing kernel's signal and the x staging wait for the selection, instead of a second warp counting
+    and the others staging x while warp 0 selects (kernels_cu/moe_gemv.cu SIGNAL_OVERLAP); default 1.  Read when
+    the kernel variant is chosen (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_GEMV_SIGNAL_OVERLAP")
 
 

@@ -19,8 +19,9 @@
 // each in flight per lane), multiplies them by the matching pieces of x (staged once per CTA in shared memory,
 // read from there at each unit), and the warp sums by shuffles; with PIPE = 1 the next unit's rows are loaded
 // before the current one is reduced (~167 registers a thread against ~102).  Weight loads skip L1 (each byte
-// is read once).  Everything an earlier kernel writes (x, the plan) is read after the programmatic-launch wait
-// (ROUTED: after the routing kernel's signal instead, below).
+// is read once).  In moe_gemv_gate_up everything an earlier kernel writes (x, the plan) is read after the
+// programmatic-launch wait (ROUTED: after the routing kernel's signal instead, below); moe_gemv_down reads the plan
+// before its wait (see there).
 //
 // The same scheme for dense one-row projections lost to cuBLAS in isolation, which already spreads them evenly (H200,
 // 2026-12-01, bench_skinny.py --rows 1 with commit f8079ab's first gemv_dense: q|k|v 17.3 against 16.2 us, q|kv_a
@@ -34,7 +35,8 @@
 // the shared slot E) in ascending order, which is the routing kernel's plan at one token: tile t = the t-th bin,
 // row t.  So the weight stream starts while the routing kernel's last block still selects and buckets (for the down
 // GEMM and the combine).  The CTA's extra warp (WARPS + 1 warps) alone waits for the routing kernel to complete and
-// only then lets the next launch go (the down GEMM reads the plan before its own wait); the other warps sync by a
+// only then lets the next launch go (moe_gemv_down, or the tiled down GEMM with EARLY_B, reads the plan before its
+// own wait); the other warps sync by a
 // named barrier.  The CTA that counts done[2] up to the grid size resets done[1] and done[2] to 0 for the next
 // launch.
 // SHARED_FIRST = 1 (with ROUTED and SHARED): the shared expert's units (its slot E is the largest bin, so tile top_k)
@@ -46,14 +48,14 @@
 // SIGNAL_OVERLAP = 1 (with ROUTED): after the signal, warp 0 selects while warp 1 takes the CTA's count (an atomic
 // round trip that thread 0 otherwise makes before the selection) and warps 2 .. stage x, so the first routed loads
 // go out one L2 round trip or two sooner.  Measured (H200, 2026-12-01, bench_ab.py --env
-// KDA_RT_DOWN_GEMV,KDA_RT_GEMV_SIGNAL_OVERLAP --values 0:0,0:1,1:1,2:1 --rounds 3 --prompts 0 --replays 1): batch 1
-// 2.1950 against 2.2079 ms (-0.6%, every round).
+// KDA_RT_DOWN_GEMV,KDA_RT_GEMV_SIGNAL_OVERLAP --values 0:0,0:1,1:1,2:1 --rounds 3 --prompts 0 --replays 1; value 2
+// was moe_gemv_down's register variant, since removed): batch 1 2.1950 against 2.2079 ms (-0.6%, every round).
 // Tried on branch next/gemv-fused-down: the down projection as this kernel's second phase (items wait on per-tile
 // counts of stored h features): 2.3406 against 2.2923 ms (+2.1%): its down loads start only after the gate/up
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
-// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1).  DENSE = 1: KW, WARPS and
-// DENSE_PRE (0, 1 or 2) only.
+// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1).
+// DENSE = 1: KW, WARPS and DENSE_PRE (0, 1 or 2) only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
 #include "common.cuh"
 
 #ifndef DENSE
@@ -166,7 +168,7 @@ struct Unit {  // feature f of tile t: expert e, output row `row`
 #include "moe_select.cuh"
 
 // Only the extra warp waits for the kernel before (the routing kernel) and then lets the next launch go; the
-// compute warps start on the routing kernel's signal (await_logits) instead (tests/kernels/test_pdl.py lists this
+// compute warps start on the routing kernel's signal (await_signal) instead (tests/kernels/test_pdl.py lists this
 // entry).
 #define GEMV_PDL_ENTRY()                                                                                     \
     do {                                                                                                     \
@@ -379,7 +381,8 @@ gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* 
 // stages the h rows of its own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory.
 // Measured (H200, 2026-12-01, full-model batch-1 graph replays): 2.1711 ms against 2.1950 with the tiled down GEMM
 // (-1.1%).  A variant holding two units a warp in registers (no dynamic shared memory, so its CTAs fit beside the
-// gate/up GEMV's by registers) ran 2.3961 ms (+9%) and was removed.
+// gate/up GEMV's by registers) ran 2.3961 ms (+9% on the tiled GEMM, +10% on this one) and was removed.  Ring
+// depths (KDA_RT_DOWN_STAGES, branch next/down-stages): 3 2.2836, 4 2.2186, 6 2.1841 / 2.1771, 7 2.1767, 8 2.1853.
 // Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, MAX_TILES, STAGES.
 
 // Σ of a unit's two rows times h (the lane's pieces), summed over the warp

@@ -129,9 +129,9 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     assert moe.precompile(cfg, 2304, 1024, fused=True) == 20 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
-    assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"))
-            for f, kw in built if f == "moe_gemv.cu" and not kw.get("DOWN")] == [(2304, 1024, 0, None, None, None),
-                                                                                (2304, 1024, 1, 256, 1, 1)]
+    assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"),
+             kw.get("SIGNAL_OVERLAP")) for f, kw in built if f == "moe_gemv.cu" and not kw.get("DOWN")] == [
+        (2304, 1024, 0, None, None, None, None), (2304, 1024, 1, 256, 1, 1, 1)]
     # the one-token down GEMV (KDA_RT_DOWN_GEMV, default 1), and not with the switch off
     assert [(kw["KW"], kw["NOUT"], kw["DOWN"]) for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")] == [
         (1024, 2304, 1)]

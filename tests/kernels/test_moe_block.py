@@ -149,8 +149,9 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
     down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'
     logits, select and bucketing in one launch (moe_route_fused, its counter left 0 by the eager calls and
     by every launch) or three.  T1: the gate/up GEMV, which with the fused route selects the token's experts
-    itself from the routing kernel's logits (moe_gemv.cu ROUTED: its counters left 0 by every launch); the
-    two-launch MoE is the same there.  The workspace is poisoned before the eager calls."""
+    itself from the routing kernel's logits (moe_gemv.cu ROUTED: its counters left 0 by every launch), then the
+    down GEMV (moe_gemv_down), which reads the plan before its programmatic-launch wait: T1 with pdl is its graph
+    test; the two-launch MoE is the same there.  The workspace is poisoned before the eager calls."""
     import cupy
 
     if launches == "two":
@@ -160,7 +161,7 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
     if T >= 512 and (launches == "one" or route == "one"):
         pytest.skip("prefill sizes take the two-launch, three-kernel route path either way")
     if T == 1 and launches == "two":
-        pytest.skip("one token takes the GEMV and the down GEMM either way")
+        pytest.skip("one token takes the gate/up and down GEMVs either way")
 
     from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops import pdl as pdl_launch
@@ -209,8 +210,10 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     in both).  The GEMV is checked to get `routed` (=1) or not (=0).  The routed GEMV with a shared expert in the
     stack runs its units first (KDA_RT_GEMV_SHARED_FIRST=1, the default) or in tile order (=0): the same output bit
     for bit, the variant checked by its build defines; so does the routed GEMV that takes its CTA count on thread 0
-    before the selection (KDA_RT_GEMV_SIGNAL_OVERLAP=0) instead of on warp 1 beside it (=1).  The down projection on
-    the down GEMV (KDA_RT_DOWN_GEMV=1, the default) against the tiled down GEMM (0): within 2e-3 RMS (only the fp32 summation order differs).  Outputs and workspace poisoned first."""
+    before the selection (KDA_RT_GEMV_SIGNAL_OVERLAP=0) instead of on warp 1 beside it (=1).  The down projection
+    on the down GEMV (KDA_RT_DOWN_GEMV=1, the default; checked to run) against the tiled down GEMM (0): within
+    2e-3 RMS (only the fp32 summation order differs), and bit for bit between the routed and the plan-reading
+    gate/up GEMV before it.  Outputs and workspace poisoned first."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -236,12 +239,16 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **kw: seen.append(kw.get("routed")) or real(*a, **kw))
     real_get = gemv_ops.get_kernel
+
     def spy(*a, **kw):  # the routed gate/up variants' build defines (not the down GEMV's)
         if kw.get("ROUTED"):
             built.append((kw["SHARED_FIRST"], kw["SIGNAL_OVERLAP"]))
         return real_get(*a, **kw)
 
     monkeypatch.setattr(gemv_ops, "get_kernel", spy)
+    downs = []
+    real_down = moe.moe_gemv_down
+    monkeypatch.setattr(moe, "moe_gemv_down", lambda *a, **kw: downs.append(1) or real_down(*a, **kw))
     results = {}
     paths = {"1": ("1", "1", "1", "0"), "1-in-order": ("1", "0", "1", "0"), "1-count-first": ("1", "1", "0", "0"),
              "0": ("0", "1", "1", "0"), "down-gemv": ("1", "1", "1", "1"), "down-gemv-unrouted": ("0", "1", "1", "1")}
@@ -252,6 +259,7 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
         monkeypatch.setenv("KDA_RT_DOWN_GEMV", down)
         seen.clear()
         built.clear()
+        downs.clear()
         got = []
         for x, residual in calls:
             gpu["x"] = to_gpu_bf16(x)
@@ -271,6 +279,7 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
             assert cupy.asnumpy(ws[:12].view(np.int32)).tolist() == [0, 0, 0], "routing counters not left at 0"
             got.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16))))
         assert len(seen) == 3 and all((r is not None) == (routed == "1") for r in seen), seen
+        assert len(downs) == (3 if down == "1" else 0), (path, downs)
         if routed == "1":  # the routed variant's build defines: shared units first only with a shared slot
             assert built and set(built) == {(int(fused and first == "1"), int(overlap))}, (path, built)
         results[path] = got
@@ -280,6 +289,8 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     # the down GEMV (KDA_RT_DOWN_GEMV=1) against the tiled down GEMM (0), after the routed and the plan-reading
     # gate/up GEMV: the same bf16 roundings, only the fp32 summation order of the down products differs (a bf16
     # ulp on a few expert outputs): within 2e-3 RMS
+    for (o1, r1), (o0, r0) in zip(results["down-gemv"], results["down-gemv-unrouted"], strict=True):
+        assert np.array_equal(o1, o0) and np.array_equal(r1, r0), "the down GEMV differs after the routed gate/up GEMV"
     for path in ("down-gemv", "down-gemv-unrouted"):
         for i, ((o1, _), (o2, _)) in enumerate(zip(results["1"], results[path], strict=True)):
             a, b = (o.view(np.uint16).astype(np.uint32) << 16 for o in (o1, o2))

@@ -1,7 +1,9 @@
 """Launcher for kernels_cu/moe_gemv.cu: the gate/up projection of a one-token MoE step over its routed rows,
 h = SiLU(x · W_gate) · (x · W_up), as a GEMV whose features are spread evenly over every warp of a one-wave grid
 (at batch 1 the tiled kernel's 2.18 CTAs per SM leave some SMs a block more to stream than others).
-moe_forward takes it where `fits` (one token, KDA_RT_MOE_GEMV not 0).
+moe_forward takes it where `fits` (one token, KDA_RT_MOE_GEMV not 0).  Also moe_gemv_down, the same step's down
+projection as a GEMV whose warps copy their first weight rows before the programmatic-launch wait (where
+`down_fits`, KDA_RT_DOWN_GEMV not 0).
 
 Letters: E experts, N routed rows (pairs), D hidden (the reduction width), I expert width."""
 
