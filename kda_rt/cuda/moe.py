@@ -158,11 +158,11 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
                 if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
                     gemv_kernel(D, inter, routed=(E, fused))
                     count += 1
+            norm_max_t = _route_norm_max_t()
             for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
                 if fused_route_fits(tokens, E, D, A, cfg.num_expert_group, fused):
                     fused_route_kernel(tokens, E, D, bm, fused)
                     count += 1
-                    norm_max_t = _route_norm_max_t()
                     if (env.route_norm() and fits_norm(D) and norm_max_t >= 1
                             and fused_route_rows(tokens) <= fused_route_rows(norm_max_t)):
                         fused_route_kernel(tokens, E, D, bm, fused, norm=True)  # with NormBefore (takes_norm_before)
@@ -269,9 +269,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 w.router_split = split_router(w_router)
         sync = ws["sync"] if fused_tile else None
         fused_routing = fused_route_fits(T, E, D, A, cfg.num_expert_group, fused)
+        gemv = gemv_fits(T, D)  # one token: both expert projections as GEMVs (moe_gemv.cu)
         # one token: the GEMV selects its experts from the routing kernel's logits instead of waiting for its plan
         routed = (GemvRouting(ws["logits"], bias, A, ws["route_done"], fused_route_blocks(T, E), E, fused)
-                  if fused_routing and gemv_fits(T, D) and not fused_tile and env.gemv_routed() else None)
+                  if fused_routing and gemv and not fused_tile and env.gemv_routed() else None)
         if routed is not None:  # its checks and build before the routing kernel sets the signal it consumes
             routed_kernel(w13, T * pairs, routed)
         if fused_routing:
@@ -290,11 +291,11 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
                              stream=stream)
         else:
-            if gemv_fits(T, D):  # one token: its routed rows spread evenly over the SMs
+            if gemv:  # its routed rows spread evenly over the SMs
                 moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
-            if gemv_fits(T, D) and env.down_gemv() and down_fits(inter, D):
+            if gemv and env.down_gemv() and down_fits(inter, D):
                 moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream)
             else:
                 gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)

@@ -4,7 +4,8 @@ before the programmatic-launch wait) against NumPy float64 on fresh random bf16 
     y[n] = bf16(x · W[n]ᵀ)      x [1, K], W [N, K] bf16, fp32 sums
 
 Tolerance: the kernel rounds its fp32 sum once to bf16 and the fp32 sum of K products
-is off by at most K 2^-24 Σ|x_k w_k| (<= 2^-12 Σ|x_k w_k| up to K = 4096); half an ulp is <= 2^-8 |y|: |y - ref| <= 2^-8 |ref| + 2^-12 Σ|x w|.
+is off by at most K 2^-24 Σ|x_k w_k| (<= 2^-12 Σ|x_k w_k| up to K = 4096); half an ulp is <= 2^-8 |y|:
+|y - ref| <= 2^-8 |ref| + 2^-12 Σ|x w|.
 A wrong row or a stale x is off by ~Σ|x w| / sqrt(K), 30-90x that bound at these widths.  Outputs are poisoned
 (NaN) first, and written through a column slice of a wider poisoned buffer (as the fused projections pass them):
 every element outside the view must stay NaN."""

@@ -111,9 +111,8 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     kernel (both GEMMs in one launch) for the two 16-row tiles, the one-token GEMV gate/up and down, and the one-launch
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
-    for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV", "KDA_RT_FUSED_ROUTE",
-                 "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP",
-                 "KDA_RT_DOWN_GEMV"):
+    for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV",
+                 "KDA_RT_FUSED_ROUTE", "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP", "KDA_RT_DOWN_GEMV"):
         monkeypatch.delenv(name, raising=False)  # the policies' defaults, not a bench switch of the caller's shell
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align

@@ -72,7 +72,8 @@ PRE_UNITS = 1
 
 
 def _kernel(K: int, cfg: GemvConfig = DEFAULT):
-    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, DENSE_PRE=env.dense_gemv_pre(PRE_UNITS))
+    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps,
+                      DENSE_PRE=env.dense_gemv_pre(PRE_UNITS))
 
 
 def precompile(shapes=()) -> int:

@@ -160,8 +160,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
                   store: LatentStore | None = None):
     """q: [T, H, Dn+Dr] bf16 (or a row-strided [T, H·(Dn+Dr)] view), kv_pool: [num_blocks, block_size, R+Dr]
     bf16 (rows already stored, or this step's written first: `store`), w_kvb: [H·(Dn+Dv), R] bf16, cu_seqlens
-    [B+1] / context_lens [B] /
-    block_tables [B, M] int32.  Token i of sequence b attends to positions 0 .. context_lens[b] + i.
+    [B+1] / context_lens [B] / block_tables [B, M] int32.  Token i of sequence b attends to positions 0 .. context_lens[b] + i.
     Returns out [T, H·Dv] bf16.  decode=True needs T == B and max_seqlen == 1; with `out` and
     `workspace` (uint8, >= decode_workspace_bytes) it allocates nothing and never reads the device.
     store (LatentStore): this step's rows are written into kv_pool first, as mla_store would (inside the

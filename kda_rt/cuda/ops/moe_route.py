@@ -23,8 +23,7 @@ from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
 __all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
            "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block",
-           "moe_route", "moe_route_fused",
-           "split_router"]
+           "moe_route", "moe_route_fused", "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
