@@ -179,6 +179,16 @@ def fused_route() -> bool:
     return _on_off("KDA_RT_FUSED_ROUTE")
 
 
+def moe_half_skip() -> bool:
+    """KDA_RT_MOE_HALF_SKIP (bench switch): 1 builds the prefill MoE GEMMs on wgmma so that a warpgroup whose 64 rows
+    all lie past its tile's end skips its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 0.  Read when the
+    kernel variant is chosen."""
+    n = _non_negative_int("KDA_RT_MOE_HALF_SKIP", 0)
+    if n > 1:
+        raise ValueError(f"KDA_RT_MOE_HALF_SKIP must be 0 or 1, got {n}")
+    return n == 1
+
+
 def route_norm() -> bool:
     """KDA_RT_ROUTE_NORM: 0 keeps the residual add and RMSNorm between a small decode step's mixer and its MoE
     block as their own kernel (rmsnorm.cu) instead of inside the fused routing kernel (moe_route_fused with

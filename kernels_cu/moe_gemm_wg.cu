@@ -59,6 +59,13 @@
 #ifndef EXP_SKIP
 #define EXP_SKIP 0
 #endif
+#ifndef HALF_SKIP
+#define HALF_SKIP 0  // 1: a warpgroup with no rows in the tile skips its wgmma (k_loop below)
+#endif
+template <bool B>
+struct BoolC {
+    static constexpr bool value = B;
+};
 #ifndef EXP_IEEE_SILU
 #define EXP_IEEE_SILU 0
 #endif
@@ -248,25 +255,42 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
-    for (int kt = 0; kt < KT; ++kt) {
-        cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
-        fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
-        __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
-        if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
-        cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-        // (no branch around the wgmma, not even a warpgroup-uniform one: ptxas then serialises them)
-        const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
-        const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
-        fence_regs(acc);
-        wgmma_fence();
+    // the k loop; MMA = false: a warpgroup whose 64 rows all lie past the tile's end (HALF_SKIP) only copies and
+    // meets the barriers, so the other warpgroup has the tensor cores to itself (a branch inside the loop around
+    // the wgmma, even a warpgroup-uniform one, makes ptxas serialise them: the choice is made once, outside)
+    auto k_loop = [&](auto mma) {
+        constexpr bool MMA = decltype(mma)::value;
+        for (int kt = 0; kt < KT; ++kt) {
+            cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
+            fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
+            __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
+            if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
+            cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
+            if constexpr (MMA) {
+                const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
+                const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+                fence_regs(acc);
+                wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_regs(acc);
-    }
-    wgmma_wait<0>();
-    fence_regs(acc);
+                for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
+                wgmma_commit();
+                wgmma_wait<1>();
+                fence_regs(acc);
+            }
+        }
+        if constexpr (MMA) {
+            wgmma_wait<0>();
+            fence_regs(acc);
+        }
+    };
+#if HALF_SKIP
+    if (wg * 64 < nrows)
+        k_loop(BoolC<true>{});
+    else
+        k_loop(BoolC<false>{});
+#else
+    k_loop(BoolC<true>{});
+#endif
     cp_async_wait<0>();
 
 #if EXP_SKIP & 4  // bench only: no epilogue (one store kept so that the products stay live)

@@ -259,6 +259,44 @@ def test_moe_gemm_wg(name, big_weights):
     check_real_shape(f"wg-{name}", big_weights, T, skewed, 128, WgTile(*tile), moe_gemm_wg)
 
 
+@pytest.mark.parametrize("name", ["T300", "T2048-skewed", "T8192", "T2048-bn128-s3-direct"])
+def test_moe_gemm_wg_half_skip(name, big_weights, monkeypatch):
+    """KDA_RT_MOE_HALF_SKIP=1 (a warpgroup whose 64 rows all lie past its tile's end skips its wgmma): h and y bit
+    for bit the kernel's without the skip (=0) on the same plan, with tiles of 64 rows or fewer in the plan (so
+    the skipping path ran) and the NumPy checks of test_moe_gemm_wg."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
+
+    if device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_wg.cu needs sm_90a (wgmma)")
+    T, skewed, tile = WG[name]
+    w13, w2 = big_weights
+    E, A, D = 256, 8, 2304
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 1)
+    x = to_gpu_bf16(bf16_round(rng.normal(size=(T, D))))
+    ids = make_ids(T, E, A, skewed, rng)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    assert np.any((counts % 128 > 0) & (counts % 128 <= 64)), "no tile of 64 rows or fewer: nothing to skip"
+    outs = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("KDA_RT_MOE_HALF_SKIP", v)
+        plan = make_plan(ids, E, 128)
+        h, y = (cupy.empty((T * A, n), dtype=x.dtype) for n in (w13.shape[1] // 2, D))
+        poison(h)
+        poison(y)
+        moe_gemm_wg(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=WgTile(*tile))
+        moe_gemm_wg(h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=WgTile(*tile))
+        # rows by pair (the order inside an expert follows the bucketing's atomics)
+        outs[v] = (cupy.asnumpy(h[plan.pair_pos].view(np.uint16)), cupy.asnumpy(y[plan.pair_pos].view(np.uint16)))
+    for a, b, what in zip(outs["1"], outs["0"], ("h", "y"), strict=True):
+        assert np.array_equal(a, b), f"{name}: {what} with the skip differs from the kernel without it"
+    monkeypatch.setenv("KDA_RT_MOE_HALF_SKIP", "1")
+    check_real_shape(f"wg-half-skip-{name}", big_weights, T, skewed, 128, WgTile(*tile), moe_gemm_wg)
+
+
 # moe_decode_fused (both decode GEMMs in one launch, items claimed from a counter, each down item waiting for
 # its tile's gate/up items): bit for bit the two launches of moe_gemm_tc on the same plan (same tiles, same
 # accumulation order), and a sample of experts against NumPy.  ctas = 1 runs every item on one CTA (all
