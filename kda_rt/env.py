@@ -180,13 +180,10 @@ def fused_route() -> bool:
 
 
 def moe_half_skip() -> bool:
-    """KDA_RT_MOE_HALF_SKIP (bench switch): 1 builds the prefill MoE GEMMs on wgmma so that a warpgroup whose 64 rows
-    all lie past its tile's end skips its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 0.  Read when the
-    kernel variant is chosen."""
-    n = _non_negative_int("KDA_RT_MOE_HALF_SKIP", 0)
-    if n > 1:
-        raise ValueError(f"KDA_RT_MOE_HALF_SKIP must be 0 or 1, got {n}")
-    return n == 1
+    """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
+    tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.
+    Read when the kernel variant is chosen."""
+    return _on_off("KDA_RT_MOE_HALF_SKIP")
 
 
 def route_norm() -> bool:

@@ -30,8 +30,13 @@
 // operand tile 1024-byte aligned; descriptor: start >> 4, stride between 8-row groups 1024 B, swizzle
 // mode 1 (128 B); the k16 slice s of a step starts 32·s bytes into the rows.
 //   Rows past the tile end are zero-filled by cp.async (source clamped to the tile's first row, nothing
-//   read) and never stored; a warpgroup whose 64 rows all lie past the end still multiplies (zeros):
-//   any branch around the wgmma makes ptxas serialise them (C7518).
+//   read) and never stored.  A warpgroup whose 64 rows all lie past the end (an expert's last tile of 64 rows
+//   or fewer) skips its wgmma (HALF_SKIP = 1): it runs a copy of the k loop without them, chosen once before
+//   the loop (a branch around the wgmma inside the loop, even a warpgroup-uniform one, makes ptxas serialise
+//   them: C7518), and still copies its share and meets every barrier; the other warpgroup then has the tensor
+//   cores to itself.  Outputs bit-identical.  H200, 2026-12-01, tests/gpu/bench_moe_gemm.py --define
+//   HALF_SKIP=0,1 (5 interleaved rounds, uniform routing): gate/up | down at T = 8192 -2.9 | -2.8%, 16384
+//   -4.9 | -2.5%, 32768 -1.0 | -1.2% (fewer experts' last tiles against the full ones).
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
@@ -60,7 +65,7 @@
 #define EXP_SKIP 0
 #endif
 #ifndef HALF_SKIP
-#define HALF_SKIP 0  // 1: a warpgroup with no rows in the tile skips its wgmma (k_loop below)
+#define HALF_SKIP 1  // a warpgroup with no rows in the tile skips its wgmma (k_loop below); 0: it multiplies zeros
 #endif
 template <bool B>
 struct BoolC {
