@@ -22,8 +22,8 @@
 // gather, so no bulk tensor copy), STAGES - 2 k steps in flight while one is multiplied and the
 // previous one's wgmma group may still run:
 //   step kt: wait for stage kt's copies; fence.proxy.async (cp.async writes are generic-proxy writes the
-//   tensor cores read); barrier (every warpgroup is past step kt - 1's wait, so step kt - 2's stage is
-//   free); copy step kt + STAGES - 2 into it; issue step kt's 4 wgmma, commit, wait until ≤ 1 group is
+//   tensor cores read); barrier (every warpgroup that multiplies is past step kt - 1's wait, so step kt - 2's
+//   stage is free); copy step kt + STAGES - 2 into it; issue step kt's 4 wgmma, commit, wait until ≤ 1 group is
 //   pending (step kt - 1's done).
 // Shared memory layout: each stage is A [128][64] then B [BN][64] bf16, 128-byte rows with the 128-byte
 // swizzle that the descriptors name (16-byte chunk c of row r stored at chunk c ^ (r mod 8)), every
@@ -35,12 +35,13 @@
 //   the loop (a branch around the wgmma inside the loop, even a warpgroup-uniform one, makes ptxas serialise
 //   them: C7518), and still copies its share and meets every barrier; the other warpgroup then has the tensor
 //   cores to itself.  Outputs bit-identical.  H200, 2026-12-01, tests/gpu/bench_moe_gemm.py --define
-//   HALF_SKIP=0,1 (5 interleaved rounds, uniform routing): gate/up | down at T = 8192 -2.9 | -2.8%, 16384
-//   -4.9 | -2.5%, 32768 -1.0 | -1.2% (fewer experts' last tiles against the full ones).
+//   HALF_SKIP=0,1 (5 interleaved rounds, uniform routing; the tool's percentages, from unrounded medians):
+//   gate/up | down at T = 8192 -2.9 | -2.8%, 16384 -4.9 | -2.5%, 32768 -1.0 | -1.2% (fewer experts' last tiles
+//   against the full ones).
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below).
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below), HALF_SKIP (0 / 1).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
@@ -67,10 +68,9 @@
 #ifndef HALF_SKIP
 #define HALF_SKIP 1  // a warpgroup with no rows in the tile skips its wgmma (k_loop below); 0: it multiplies zeros
 #endif
-template <bool B>
-struct BoolC {
-    static constexpr bool value = B;
-};
+#ifndef UNALIGNED_BAR
+#define UNALIGNED_BAR 0  // bench only: the k loop's block barrier as barrier.sync (unaligned) instead of bar.sync
+#endif
 #ifndef EXP_IEEE_SILU
 #define EXP_IEEE_SILU 0
 #endif
@@ -201,6 +201,25 @@ __device__ __forceinline__ void copy_out(const unsigned char* staged, void* __re
 // ---------------------------------------------------------------------------------------------
 // kernels
 
+template <bool B>
+struct BoolC {  // the k loop's variant (k_loop)
+    static constexpr bool value = B;
+};
+
+// the k loop's block barrier.  With HALF_SKIP the two warpgroups can run different copies of the loop, so they
+// meet at two barrier instructions: bar.sync is the .aligned form, which the PTX ISA defines only when every
+// thread of the CTA executes the same instruction.  The hardware counts the arriving warps (each warp is whole in
+// one copy: the choice is warpgroup-uniform), and the GPU tests check every output bit for bit, but the form that
+// is defined for this, barrier.sync (UNALIGNED_BAR = 1), compiles to other SASS (~380 bytes more a kernel) and has
+// not been timed yet: tests/gpu/bench_moe_gemm.py --define UNALIGNED_BAR=0,1 decides.
+__device__ __forceinline__ void k_barrier() {
+#if UNALIGNED_BAR
+    asm volatile("barrier.sync 0;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -268,7 +287,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         for (int kt = 0; kt < KT; ++kt) {
             cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
             fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
-            __syncthreads();              // ... for everyone's copies; step kt - 2's stage is free
+            k_barrier();                  // ... for everyone's copies; step kt - 2's stage is free
             if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
             cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
             if constexpr (MMA) {
@@ -277,7 +296,8 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
                 fence_regs(acc);
                 wgmma_fence();
 #pragma unroll
-                for (int s = 0; s < BK / 16; ++s) wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
+                for (int s = 0; s < BK / 16; ++s)
+                    wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
                 wgmma_commit();
                 wgmma_wait<1>();
                 fence_regs(acc);

@@ -261,11 +261,13 @@ def test_moe_gemm_wg(name, big_weights):
 
 @pytest.mark.parametrize("name", ["T300", "T2048-skewed", "T8192", "T2048-bn128-s3-direct"])
 def test_moe_gemm_wg_half_skip(name, big_weights, monkeypatch):
-    """KDA_RT_MOE_HALF_SKIP=1 (a warpgroup whose 64 rows all lie past its tile's end skips its wgmma): h and y bit
-    for bit the kernel's without the skip (=0) on the same plan, with tiles of 64 rows or fewer in the plan (so
-    the skipping path ran) and the NumPy checks of test_moe_gemm_wg."""
+    """KDA_RT_MOE_HALF_SKIP=1 (a warpgroup whose 64 rows all lie past its tile's end skips its wgmma) against =0 on
+    one plan: h and y bit for bit, on plans that have tiles of 64 rows or fewer (where the skip acts; T300 has only
+    those) and tiles of 65-127 rows (where it must not).  The switch is checked to reach the kernel build.  The
+    NumPy checks of the default (skipping) kernel are test_moe_gemm_wg's."""
     import cupy
 
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops.compile import device_arch
     from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
@@ -280,21 +282,23 @@ def test_moe_gemm_wg_half_skip(name, big_weights, monkeypatch):
     ids = make_ids(T, E, A, skewed, rng)
     counts = np.bincount(ids.ravel(), minlength=E)
     assert np.any((counts % 128 > 0) & (counts % 128 <= 64)), "no tile of 64 rows or fewer: nothing to skip"
+    plan = make_plan(ids, E, 128)
+    built = []
+    real_get = wg_ops.get_kernel
+    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: built.append(kw.get("HALF_SKIP")) or real_get(*a, **kw))
     outs = {}
     for v in ("0", "1"):
         monkeypatch.setenv("KDA_RT_MOE_HALF_SKIP", v)
-        plan = make_plan(ids, E, 128)
+        built.clear()
         h, y = (cupy.empty((T * A, n), dtype=x.dtype) for n in (w13.shape[1] // 2, D))
         poison(h)
         poison(y)
         moe_gemm_wg(x, w13, plan, top_k=A, fuse_silu=True, out=h, tile=WgTile(*tile))
         moe_gemm_wg(h, w2, plan, top_k=A, fuse_silu=False, out=y, tile=WgTile(*tile))
-        # rows by pair (the order inside an expert follows the bucketing's atomics)
-        outs[v] = (cupy.asnumpy(h[plan.pair_pos].view(np.uint16)), cupy.asnumpy(y[plan.pair_pos].view(np.uint16)))
+        assert built and set(built) == {int(v)}, (v, built)
+        outs[v] = (cupy.asnumpy(h.view(np.uint16)), cupy.asnumpy(y.view(np.uint16)))
     for a, b, what in zip(outs["1"], outs["0"], ("h", "y"), strict=True):
         assert np.array_equal(a, b), f"{name}: {what} with the skip differs from the kernel without it"
-    monkeypatch.setenv("KDA_RT_MOE_HALF_SKIP", "1")
-    check_real_shape(f"wg-half-skip-{name}", big_weights, T, skewed, 128, WgTile(*tile), moe_gemm_wg)
 
 
 # moe_decode_fused (both decode GEMMs in one launch, items claimed from a counter, each down item waiting for

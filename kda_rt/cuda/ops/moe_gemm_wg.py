@@ -63,7 +63,7 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
                       FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
-                      STAGED_OUT=int(tile.staged_out), **({} if env.moe_half_skip() else {"HALF_SKIP": 0}))
+                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()))
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
