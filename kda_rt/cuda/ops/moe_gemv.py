@@ -115,8 +115,8 @@ DOWN_WARPS, DOWN_STAGES, MAX_DOWN_TILES = 4, 6, 32
 _DOWN_SMEM_MAX = 160 * 1024
 
 
-def _down_smem(inter: int, rows: int, warps: int = DOWN_WARPS, stages: int = DOWN_STAGES) -> int:
-    return (warps * stages * 2 + rows) * inter * 2  # ring stages, then the CTA's h rows
+def _down_smem(inter: int, rows: int) -> int:
+    return (DOWN_WARPS * DOWN_STAGES * 2 + rows) * inter * 2  # ring stages, then the CTA's h rows
 
 
 def down_fits(inter: int, hidden: int) -> bool:
