@@ -41,7 +41,8 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below), HALF_SKIP (0 / 1).
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below), HALF_SKIP (0 / 1),
+// UNALIGNED_BAR (0 / 1: k_barrier).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
