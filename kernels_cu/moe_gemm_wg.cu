@@ -210,7 +210,7 @@ struct BoolC {  // the k loop's variant (k_loop)
 // the k loop's block barrier.  With HALF_SKIP the two warpgroups can run different copies of the loop, so they
 // meet at two barrier instructions: bar.sync is the .aligned form, which the PTX ISA defines only when every
 // thread of the CTA executes the same instruction, so the kernel uses barrier.sync, the form defined for this
-// (UNALIGNED_BAR = 1, the default; 0 builds bar.sync, bench only).  It costs nothing measurable (H200,
+// (UNALIGNED_BAR = 1, the default; 0 builds bar.sync, bench only).  It costs at most 1% (H200,
 // 2026-12-01, tests/gpu/bench_moe_gemm.py --define UNALIGNED_BAR=0,1 --tokens 8192,16384, bit-identical):
 // gate/up 1.364 / 1.365 ms at 8192, 2.406 / 2.406 at 16384; down 0.709 / 0.709, 1.246 / 1.258 (+1.0%).
 __device__ __forceinline__ void k_barrier() {
