@@ -262,3 +262,10 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
+
+
+def pdl_dep() -> bool:
+    """KDA_RT_PDL_DEP: 0 builds the kernels that load weights into registers before their programmatic-launch wait
+    (moe_route_fused, skinny_gemm_cl) with the plain wait, which ptxas issues before those loads
+    (kernels_cu/common.cuh KDA_PDL_WAIT_AFTER); default 1.  Read when a kernel variant is built."""
+    return _on_off("KDA_RT_PDL_DEP")
