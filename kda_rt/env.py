@@ -262,3 +262,13 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
+
+
+def mla_early_weights() -> bool:
+    """KDA_RT_MLA_EARLY_WEIGHTS (a bench switch): 1 builds the small-step MLA up-projections (mla_absorb_q,
+    mla_expand_out) so that they load their kv_b rows before the programmatic-launch wait (kernels_cu/mla_attn.cu
+    EARLY_W); default 0 (not measured yet).  Read at each call (a CUDA graph keeps what it captured)."""
+    value = os.environ.get("KDA_RT_MLA_EARLY_WEIGHTS") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"KDA_RT_MLA_EARLY_WEIGHTS must be 0 or 1, got {value!r}")
+    return value == "1"
