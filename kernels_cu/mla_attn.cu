@@ -481,7 +481,12 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
     for (int i = 0; i < NPT; ++i)
         wv[i] = __ldg(reinterpret_cast<const uint4*>(w_kvb + (size_t)(h * (DN + DV) + ng * NPT + i) * R + c0 + cg * 8));
 #if EARLY_W
-    KDA_PDL_WAIT();  // q: the projection before's output
+    {
+        unsigned dep = 0u;  // (every early load feeds the wait, else ptxas may issue it first: KDA_PDL_WAIT_AFTER)
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) dep |= wv[i].x;
+        KDA_PDL_WAIT_AFTER(dep);  // q: the projection before's output
+    }
 #endif
     for (int i = threadIdx.x; i < TMAX * DN; i += 256) {
         const int t = i / DN, n = i % DN;
@@ -553,7 +558,14 @@ mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int
             wv[row][i] = __ldg(reinterpret_cast<const uint4*>(w_kvb + (size_t)(h * (DN + DV) + DN + v0 + row) * R
                                                               + lane * 8 + i * 256));
 #if EARLY_W
-    KDA_PDL_WAIT();  // ctx: the attention's output
+    {
+        unsigned dep = 0u;  // (every early load feeds the wait, else ptxas issues it first: KDA_PDL_WAIT_AFTER)
+#pragma unroll
+        for (int row = 0; row < 2; ++row)
+#pragma unroll
+            for (int i = 0; i < RPL; ++i) dep |= wv[row][i].x;
+        KDA_PDL_WAIT_AFTER(dep);  // ctx: the attention's output
+    }
 #endif
     for (int i = threadIdx.x; i < num_tokens * (R / 8); i += 256) {
         const int t = i / (R / 8), c = (i % (R / 8)) * 8;
