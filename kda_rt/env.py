@@ -53,9 +53,9 @@ def _non_negative_int(name: str, default: int, low: int = 0) -> int:
     return n
 
 
-def _on_off(name: str) -> bool:
-    """A switch that is on unless set to 0 (unset or empty: on); any other value is refused."""
-    value = os.environ.get(name) or "1"
+def _on_off(name: str, default: str = "1") -> bool:
+    """A 0 / 1 switch (unset or empty: the default, on unless given "0"); any other value is refused."""
+    value = os.environ.get(name) or default
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -262,6 +262,13 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
+
+
+def mla_early_weights() -> bool:
+    """KDA_RT_MLA_EARLY_WEIGHTS (a bench switch): 1 builds the small-step MLA up-projections (mla_absorb_q,
+    mla_expand_out) so that they load their kv_b rows before the programmatic-launch wait (kernels_cu/mla_attn.cu
+    EARLY_W); default 0 (not measured yet).  Read at each call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MLA_EARLY_WEIGHTS", default="0")
 
 
 def pdl_dep() -> bool:

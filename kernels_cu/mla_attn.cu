@@ -51,7 +51,10 @@
 // BLOCK_SIZE, R+DR] bf16; block_tables [B, M], cu_seqlens [B+1], context_lens [B] int32;
 // partial [T, S, H, R] bf16, stats [T, S, H, 2] fp32 (m, l).
 // mla_absorb_q / mla_expand_out (T <= TMAX only): the two per-head up-projections as weight-streaming
-// GEMVs (each kv_b row read once for all T tokens); larger T uses cuBLAS bmm.
+// GEMVs (each kv_b row read once for all T tokens); larger T uses cuBLAS bmm.  EARLY_W = 1 (bench switch
+// KDA_RT_MLA_EARLY_WEIGHTS): each loads its kv_b rows before the programmatic-launch wait (they are weights) and lets
+// the next launch go at once (MLA_UP_PDL_ENTRY), so in a decode graph the rows stream while the kernel before still
+// runs; the latent-row store that mla_absorb_q may carry waits first.  Same math and outputs.
 //
 // Compile-time constants (chosen in kda_rt/cuda/ops/mla_attn.py): H, R, DR, DN, DV, BLOCK_SIZE, THREADS,
 // NT, HP, MIN_TILES, TMAX, and the padded shared-memory row strides LDK (Q and KV tiles, bf16), LDS_S (scores,
@@ -73,6 +76,15 @@
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "mla_attn.cu needs sm_80 or newer (mma.sync bf16, cp.async)"
+#endif
+
+#ifndef EARLY_W
+#define EARLY_W 0
+#endif
+#if EARLY_W
+#define MLA_UP_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
+#else
+#define MLA_UP_PDL_ENTRY() KDA_PDL_ENTRY()
 #endif
 
 #define NUM_WARPS (THREADS / 32)
@@ -446,9 +458,12 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
              const bf16* __restrict__ kv_norm_w, bf16* __restrict__ kv_pool, const int* __restrict__ cu_seqlens,
              const int* __restrict__ context_lens, const int* __restrict__ block_tables, int num_seqs,
              int max_pages, float eps) {
-    KDA_PDL_ENTRY();
+    MLA_UP_PDL_ENTRY();
 #if R <= 2048  // (the launcher folds the store only then: a row's 16-byte pieces must fit 256 threads)
     if (store && blockIdx.x == H) {
+#if EARLY_W
+        KDA_PDL_WAIT();  // kv_a: the projection before's output
+#endif
         __shared__ float scratch[8];
         if (blockIdx.y < num_tokens)
             store_latent_row<256>(kv_a, ld_kv_a, kv_norm_w, kv_pool, cu_seqlens, context_lens, block_tables, num_seqs,
@@ -465,6 +480,14 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
 #pragma unroll
     for (int i = 0; i < NPT; ++i)
         wv[i] = __ldg(reinterpret_cast<const uint4*>(w_kvb + (size_t)(h * (DN + DV) + ng * NPT + i) * R + c0 + cg * 8));
+#if EARLY_W
+    {
+        unsigned dep = 0u;  // (every early load feeds the wait, else ptxas may issue it first: KDA_PDL_WAIT_AFTER)
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) dep |= wv[i].x;
+        KDA_PDL_WAIT_AFTER(dep);  // q: the projection before's output
+    }
+#endif
     for (int i = threadIdx.x; i < TMAX * DN; i += 256) {
         const int t = i / DN, n = i % DN;
         q_s[t][n] = t < num_tokens ? to_f32(q[(size_t)t * ld_q + h * (DN + DR) + n]) : 0.f;
@@ -522,7 +545,7 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
 extern "C" __global__ void __launch_bounds__(256)
 mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int num_tokens,
                bf16* __restrict__ out, int ld_out) {
-    KDA_PDL_ENTRY();
+    MLA_UP_PDL_ENTRY();
     constexpr int RPL = R / 256;  // 16-byte chunks per lane and row
     __shared__ __align__(16) bf16 c_s[TMAX][R];
     const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -534,6 +557,16 @@ mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int
         for (int i = 0; i < RPL; ++i)
             wv[row][i] = __ldg(reinterpret_cast<const uint4*>(w_kvb + (size_t)(h * (DN + DV) + DN + v0 + row) * R
                                                               + lane * 8 + i * 256));
+#if EARLY_W
+    {
+        unsigned dep = 0u;  // (every early load feeds the wait, else ptxas issues it first: KDA_PDL_WAIT_AFTER)
+#pragma unroll
+        for (int row = 0; row < 2; ++row)
+#pragma unroll
+            for (int i = 0; i < RPL; ++i) dep |= wv[row][i].x;
+        KDA_PDL_WAIT_AFTER(dep);  // ctx: the attention's output
+    }
+#endif
     for (int i = threadIdx.x; i < num_tokens * (R / 8); i += 256) {
         const int t = i / (R / 8), c = (i % (R / 8)) * 8;
         *reinterpret_cast<uint4*>(&c_s[t][c]) = *reinterpret_cast<const uint4*>(ctx + ((size_t)t * H + h) * R + c);

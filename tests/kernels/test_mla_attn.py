@@ -230,6 +230,89 @@ def test_mla_decode_cuda_graph(fold):
         check(f"graph-replay-ctx{ctx}", out, ref)
 
 
+@pytest.mark.parametrize("B", [1, 5])
+@pytest.mark.parametrize("fold", [False, True], ids=["store-kernel", "store-folded"])
+def test_mla_decode_early_weights_after_a_pdl_writer(B, fold, monkeypatch):
+    """A graph captured with programmatic dependent launch: one rmsnorm writes q and kv_a (column blocks of one row,
+    as the model's q|kv_a projection), then the decode step with the up-projections that load their kv_b rows
+    before their wait and let the next launch go at once (KDA_RT_MLA_EARLY_WEIGHTS=1, mla_attn.cu EARLY_W), then
+    rmsnorm reads the output.  Replayed four times on new inputs: bit for bit the eager steps of the kernels that
+    wait first (=0) on a copy of the pool, so a q or kv_a read before mla_absorb_q's wait (its writer is the launch
+    right before it when the store is folded) or a context read before mla_expand_out's would show."""
+    import cupy
+
+    import kda_rt.cuda.ops.mla_attn as attn
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
+    from kda_rt.cuda.ops.mla_store import mla_store
+    from kda_rt.cuda.ops.rmsnorm import rmsnorm
+
+    H, S = 32, 16
+    rng = np.random.default_rng(60 + B + 10 * fold)
+    ctx = tuple(int(c) for c in rng.integers(1, 300, size=B))
+    tables, num_blocks = shuffled_tables(rng, [c + 1 for c in ctx], S)
+    w = bf16_round(1 + 0.2 * rng.normal(size=R))
+    pool_o, pool_g = nan_pool(num_blocks, S), nan_pool(num_blocks, S)
+    old = bf16_round(rng.normal(size=(sum(ctx), R + DR)))
+    for pool in (pool_o, pool_g):
+        run_store(old, w, pool, ctx, [0] * B, tables)
+    QW, FW = H * (DN + DR), 7168  # the fused row: q | kv_a | padding
+    src = cupy.empty((B, FW), dtype=BF16)
+    ones_f, ones_o = cupy.ones(FW, dtype=BF16), cupy.ones(H * DV, dtype=BF16)
+    fused_o, fused_g = cupy.empty((B, FW), dtype=BF16), cupy.empty((B, FW), dtype=BF16)
+    out_o, out_g = cupy.empty((B, H * DV), dtype=BF16), cupy.empty((B, H * DV), dtype=BF16)
+    y_o, y_g = cupy.empty((B, H * DV), dtype=BF16), cupy.empty((B, H * DV), dtype=BF16)
+    cu, ctx_d, tables_d = device_meta((1,) * B, ctx, tables)
+    w_d, w_kvb = to_gpu_bf16(w), to_gpu_bf16(bf16_round(rng.normal(size=(H * (DN + DV), R)) / np.sqrt(R)))
+    ws_o, ws_g = (cupy.empty(decode_workspace_bytes(B, H, tables.shape[1], S), dtype=np.uint8) for _ in range(2))
+
+    def step(fused, pool, out, y, ws, stream):
+        q, kv_a = fused[:, :QW], fused[:, QW:QW + R + DR]
+        rmsnorm(src, ones_f, EPS, out=fused, stream=stream)
+        if not fold:
+            mla_store(kv_a, w_d, EPS, pool, cu, ctx_d, tables_d, stream=stream)
+        mla_attention(q, pool, w_kvb, cu, ctx_d, tables_d, num_heads=H, scale=SCALE, max_seqlen=1, decode=True,
+                      out=out, workspace=ws, stream=stream, store=LatentStore(kv_a, w_d, EPS) if fold else None)
+        rmsnorm(out, ones_o, EPS, out=y, stream=stream)
+
+    def new_inputs():
+        src[...] = cupy.asarray(rng.normal(size=(B, FW)).astype(np.float32).astype(BF16))
+
+    built = []
+    real = attn.get_kernel
+    monkeypatch.setattr(attn, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("EARLY_W"))) or real(f, n, **kw))
+    new_inputs()
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    monkeypatch.setenv("KDA_RT_MLA_EARLY_WEIGHTS", "1")
+    with stream:
+        step(fused_g, pool_g, out_g, y_g, ws_g, stream)  # builds outside the capture
+        stream.synchronize()
+    with stream, pdl.capturing() as on:  # the launches carry the programmatic attribute only inside this block
+        if not on:
+            pytest.skip("no programmatic dependent launch here (compute capability < 9.0 or KDA_RT_PDL=0)")
+        built.clear()
+        stream.begin_capture()
+        step(fused_g, pool_g, out_g, y_g, ws_g, stream)
+        graph = stream.end_capture()
+    assert ("mla_absorb_q", 1) in built and ("mla_expand_out", 1) in built, built
+    monkeypatch.setenv("KDA_RT_MLA_EARLY_WEIGHTS", "0")
+    for replay in range(4):
+        new_inputs()
+        for buf in (out_o, out_g, y_o, y_g):
+            poison(buf)
+        cupy.cuda.Device().synchronize()
+        step(fused_o, pool_o, out_o, y_o, ws_o, None)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        assert np.array_equal(to_np(out_g), to_np(out_o)), f"replay {replay}: out"
+        assert np.array_equal(to_np(y_g), to_np(y_o)), f"replay {replay}: the reader after it"
+        bits = [cupy.asnumpy(p.view(np.uint16)) for p in (pool_g, pool_o)]
+        assert np.array_equal(bits[0], bits[1]), f"replay {replay}: pool"
+        assert not np.isnan(to_np(out_g)).any()
+
+
 def bench():
     """`PYTHONPATH=. python tests/kernels/test_mla_attn.py --bench` (H200, before the issue-12 rewrite: decode B=32
     L=2048 63 us; the decode sweep is tests/gpu/check_mla_decode.sh).

@@ -53,7 +53,8 @@ def _kernel_bodies(src: str):
 DEFERRED = {"moe_grouped_gemm_tc": "TC_PDL_ENTRY();", "moe_route_fused": "KDA_PDL_ENTRY_DEFERRED();",
             "skinny_gemm_cl": "KDA_PDL_ENTRY_DEFERRED();", "skinny_gemm_staged": "KDA_PDL_ENTRY_DEFERRED();",
             "gemv_dense": "KDA_PDL_ENTRY_DEFERRED();", "kda_decode_step": "KD_PDL_ENTRY();",
-            "moe_gemv_down": "KDA_PDL_ENTRY_DEFERRED();"}
+            "moe_gemv_down": "KDA_PDL_ENTRY_DEFERRED();", "mla_absorb_q": "MLA_UP_PDL_ENTRY();",
+            "mla_expand_out": "MLA_UP_PDL_ENTRY();"}
 
 
 # kernels whose entry is a macro of their file that waits in only some threads (the others start on a signal of

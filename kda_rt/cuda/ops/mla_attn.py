@@ -200,6 +200,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     consts = _constants(H, R, Dr, Dn, Dv, block_size)
     gemv = T <= _GEMV_TOKENS and R % 256 == 0 and Dn % 32 == 0 and Dv % 16 == 0 and w_kvb.data.ptr % 16 == 0
     fold = store is not None and gemv and T <= R // 64 and R <= 2048  # the store rides in mla_absorb_q's launch
+    early = {"EARLY_W": 1} if gemv and env.mla_early_weights() else {}  # bench switch (kernels_cu/mla_attn.cu)
     if store is not None and not fold:
         mla_store(store.kv_a, store.norm_w, store.eps, kv_pool, cu_seqlens, context_lens, block_tables, stream=stream)
     elif fold:
@@ -207,7 +208,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
         check_rows(store.kv_a, store.norm_w, kv_pool, cu_seqlens, context_lens, block_tables)
     with stream:
         if gemv:
-            absorb = get_kernel("mla_attn.cu", "mla_absorb_q", **consts)
+            absorb = get_kernel("mla_attn.cu", "mla_absorb_q", **consts, **early)
             null = np.uint64(0)
             store_args = ((i32(1), store.kv_a, i32(leading_dim(store.kv_a)), store.norm_w, kv_pool, cu_seqlens,
                            context_lens, block_tables, i32(B1 - 1), i32(M), f32(store.eps)) if fold else
@@ -232,7 +233,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
             combine((T, H, R * groups // 2048), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
                                                          one_token, i32(M), i32(G), workspace), stream=stream)
         if gemv:
-            expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts)
+            expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts, **early)
             expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
         else:
             bmm(q_lat, _view(w_kvb, Dn * R * isz, (H, Dv, R), BF16, (Dkv * R * isz, R * isz, isz)),
