@@ -262,3 +262,11 @@ def skinny_wide() -> bool:
     instead of skinny_gemm_cl (kernels_cu/skinny_gemm.cu; sm_90+); default 1.  Read at each call (a CUDA
     graph keeps what it captured)."""
     return _on_off("KDA_RT_SKINNY_WIDE")
+
+
+def chain_probe() -> int:
+    """KDA_RT_CHAIN_PROBE (a bench switch, tests/gpu/probe_route_chain.py): N > 0 builds the fused routing kernel
+    and the routed gate/up GEMV with CHAIN_PROBE=N, which stamp %globaltimer at the links of a one-token MoE step
+    into N rows of their modules (kernels_cu/common.cuh); 0 (default): the runtime's kernels.  Read when a kernel
+    variant is built."""
+    return _non_negative_int("KDA_RT_CHAIN_PROBE", 0)

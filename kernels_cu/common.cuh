@@ -218,3 +218,25 @@ __device__ __forceinline__ unsigned peer_addr(const void* p, unsigned rank) {
 __device__ __forceinline__ void st_cluster(float* p, unsigned rank, float v) {
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(peer_addr(p, rank)), "f"(v) : "memory");
 }
+
+// ---------------------------------------------------------------------------------------------
+// CHAIN_PROBE (bench only: tests/gpu/probe_route_chain.py, KDA_RT_CHAIN_PROBE=rows): kernels built with it stamp
+// %globaltimer (ns) at the links of a one-token MoE step's routing chain into chain_probe[row][event] of their own
+// module; row = the launch's index since the tool last zeroed chain_probe_blocks (every block of a launch counts
+// once, so row = count / blocks per launch).  Events stamped by several blocks keep their earliest (probe_min) or
+// latest (probe_max) time; the tool sets the slots to ~0 or 0 before each replay.  Undefined (every runtime build),
+// none of this exists.
+#ifdef CHAIN_PROBE
+#define PROBE_EVENTS 8
+__device__ unsigned long long chain_probe[CHAIN_PROBE][PROBE_EVENTS];
+__device__ unsigned chain_probe_blocks;
+__device__ __forceinline__ unsigned long long probe_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+// this launch's row (one thread of each block; blocks = the launch's block count)
+__device__ __forceinline__ int probe_row(unsigned blocks) { return (int)(atomicAdd(&chain_probe_blocks, 1u) / blocks) % CHAIN_PROBE; }
+__device__ __forceinline__ void probe_min(int row, int event) { atomicMin(&chain_probe[row][event], probe_now()); }
+__device__ __forceinline__ void probe_max(int row, int event) { atomicMax(&chain_probe[row][event], probe_now()); }
+#endif

@@ -202,6 +202,18 @@ __device__ __forceinline__ void count_reset(int* done) {
     }
 }
 
+#ifdef CHAIN_PROBE
+// thread 0, right after the routing kernel's signal (by then the previous launch of this kernel has completed, so the
+// count gives this launch's row): the CTA's entry time (0, earliest), the signal seen (1 earliest, 2 latest)
+__device__ __forceinline__ void probe_stamp_signal(unsigned long long entry, int& row_sh) {
+    const int row = probe_row(gridDim.x);
+    row_sh = row;  // (read by the other threads after the next compute_sync)
+    atomicMin(&chain_probe[row][0], entry);
+    probe_min(row, 1);
+    probe_max(row, 2);
+}
+#endif
+
 #else
 #define GEMV_PDL_ENTRY() KDA_PDL_ENTRY()
 #endif
@@ -213,6 +225,10 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
                  int ready_target) {
     GEMV_PDL_ENTRY();
 #if ROUTED
+#ifdef CHAIN_PROBE
+    const unsigned long long probe_entry = probe_now();
+    __shared__ int probe_row_sh;
+#endif
     __shared__ int bins_sh[32];
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
@@ -237,7 +253,12 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     auto unit_of = [&](int i) { return range.x + i; };
 #endif
 #if SIGNAL_OVERLAP
-    if (threadIdx.x == 0) await_signal(done, ready_target);
+    if (threadIdx.x == 0) {
+        await_signal(done, ready_target);
+#ifdef CHAIN_PROBE
+        probe_stamp_signal(probe_entry, probe_row_sh);
+#endif
+    }
     compute_sync();  // (orders thread 0's read of the signal before warp 1's count below)
     if (threadIdx.x >= 32 && threadIdx.x < 64) {
         if (threadIdx.x == 32) count_reset(done);  // the count's round trip off warp 0's path
@@ -248,6 +269,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #else
     if (threadIdx.x == 0) {
         await_signal(done, ready_target);
+#ifdef CHAIN_PROBE
+        probe_stamp_signal(probe_entry, probe_row_sh);
+#endif
         count_reset(done);
     }
     compute_sync();
@@ -263,6 +287,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         if (lane < bins) bins_sh[rank] = bin;
     }
     compute_sync();
+#ifdef CHAIN_PROBE
+    if (threadIdx.x == 0) probe_max(probe_row_sh, 3);  // the CTA's selection done
+#endif
     if (nsh == 0 && n > 0) rows(cur, c, unit_of(0));  // in flight while x lands in shared memory
 #else
     __shared__ uint4 xs[PIECES];
@@ -294,6 +321,10 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         if (lane == 0)
             h[(size_t)here.row * INTER + (u - here.t * INTER)] =
                 to_bf16(round_bf16(silu(round_bf16(s.x))) * round_bf16(s.y));
+#if ROUTED && defined(CHAIN_PROBE)
+        if (lane == 0 && i == nsh) probe_min(probe_row_sh, 4);  // this warp's first routed unit reduced
+        if (lane == 0 && i == n - 1) probe_max(probe_row_sh, 5);  // this warp's last unit
+#endif
 #if PIPE
         cur = next;
 #else

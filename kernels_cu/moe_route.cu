@@ -351,6 +351,10 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 const bf16* __restrict__ norm_w, bf16* __restrict__ h_out, bf16* __restrict__ a_out, float eps,
                 int signal_ready) {
     KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
+#ifdef CHAIN_PROBE
+    const unsigned long long probe_entry = probe_now();
+    __shared__ int probe_row_sh;
+#endif
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
     __shared__ int bin_sh[MAX_T * (MAX_TOP_K + SHARED)];  // pair p's bin
@@ -370,11 +374,23 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     };
     load_router(0);
     KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
+#ifdef CHAIN_PROBE
+    // (counted after the wait: the previous routing launch has completed by then)
+    if (tid == 0) {
+        const int row = probe_row(gridDim.x * gridDim.y);
+        probe_row_sh = row;
+        atomicMin(&chain_probe[row][0], probe_entry);
+        probe_min(row, 1);
+    }
+#endif
 #if ROUTE_NORM
     stage_norm_rows<FR_THREADS>(xs, x, residual, norm_w, h_out, a_out, t0, num_tokens, eps, blockIdx.y == 0, &part_sh[0][0]);
 #else
     stage_rows<FR_THREADS>(xs, x, t0, num_tokens);
     __syncthreads();
+#endif
+#ifdef CHAIN_PROBE
+    if (tid == 0) probe_max(probe_row_sh, 2);  // (the barrier above ordered the row's store)
 #endif
     {
         const int h0 = (warp & 1) * DH;
@@ -411,6 +427,9 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         // done[1] (the routed GEMV's start signal, moe_gemv.cu ROUTED): released in the same way, counted up to the
         // number of blocks; the GEMV resets it
         if (signal_ready) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done + 1) : "memory");
+#ifdef CHAIN_PROBE
+        probe_max(probe_row_sh, 3);
+#endif
         int old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done) : "memory");
         last_sh = old == (int)(gridDim.x * gridDim.y) - 1;
@@ -437,12 +456,19 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     }
     for (int i = tid; i < sync_words; i += FR_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     __syncthreads();
+#ifdef CHAIN_PROBE
+    if (tid == 0) probe_max(probe_row_sh, 4);
+#endif
     if (FR_PHASES == 2) {
         if (tid == 0) *done = 0;
         return;
     }
     bucket_block<FR_THREADS>([&](int p) { return bin_sh[p]; }, num_tokens * (top_k + SHARED), FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
         stats, count_sh, off_sh, fill_sh, warp_tot);
+#ifdef CHAIN_PROBE
+    __syncthreads();  // (probe builds only) every thread's share of the bucketing done
+    if (tid == 0) probe_max(probe_row_sh, 5);
+#endif
     if (tid == 0) *done = 0;  // every block has counted: ready for the next launch
 }
 #endif

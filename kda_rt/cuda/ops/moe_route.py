@@ -134,6 +134,8 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
     `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts); `norm`: the variant
     that also does the residual add and RMSNorm before the block (NormBefore)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
+    if env.chain_probe():
+        cut["CHAIN_PROBE"] = env.chain_probe()
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=fused_route_rows(T),
                       MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot),
                       ROUTE_NORM=int(norm), **cut)
