@@ -221,11 +221,12 @@ __device__ __forceinline__ void st_cluster(float* p, unsigned rank, float v) {
 
 // ---------------------------------------------------------------------------------------------
 // CHAIN_PROBE (bench only: tests/gpu/probe_route_chain.py, KDA_RT_CHAIN_PROBE=rows): kernels built with it stamp
-// %globaltimer (ns) at the links of a one-token MoE step's routing chain into chain_probe[row][event] of their own
-// module; row = the launch's index since the tool last zeroed chain_probe_blocks (every block of a launch counts
-// once, so row = count / blocks per launch).  Events stamped by several blocks keep their earliest (probe_min) or
-// latest (probe_max) time; the tool sets the slots to ~0 or 0 before each replay.  Undefined (every runtime build),
-// none of this exists.
+// %globaltimer (ns) at the links of a one-token MoE step's routing chain.  A block keeps its stamps in registers
+// (nothing is added to its path but the timer reads) and posts them once, at its end, into chain_probe[row][event]
+// of its own module: row = the launch's index since the tool last zeroed chain_probe_blocks (every block of a
+// launch counts once, after the kernel's wait, so a launch counts only after the previous one has completed); a
+// slot keeps the earliest or the latest time over the launch's blocks.  The tool sets the slots to ~0 or 0 before
+// each replay.  Undefined (every runtime build), none of this exists.
 #ifdef CHAIN_PROBE
 #define PROBE_EVENTS 8
 __device__ unsigned long long chain_probe[CHAIN_PROBE][PROBE_EVENTS];
@@ -235,8 +236,16 @@ __device__ __forceinline__ unsigned long long probe_now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
     return t;
 }
-// this launch's row (one thread of each block; blocks = the launch's block count)
-__device__ __forceinline__ int probe_row(unsigned blocks) { return (int)(atomicAdd(&chain_probe_blocks, 1u) / blocks) % CHAIN_PROBE; }
-__device__ __forceinline__ void probe_min(int row, int event) { atomicMin(&chain_probe[row][event], probe_now()); }
-__device__ __forceinline__ void probe_max(int row, int event) { atomicMax(&chain_probe[row][event], probe_now()); }
+// One thread of the block: its stamps t[i] for the events of bit mask `events`; the events of `earliest` keep the
+// launch's earliest time, the others its latest.  blocks = the launch's block count.
+__device__ __forceinline__ void probe_post(const unsigned long long (&t)[PROBE_EVENTS], unsigned events,
+                                           unsigned earliest, unsigned blocks) {
+    const int row = (int)(atomicAdd(&chain_probe_blocks, 1u) / blocks) % CHAIN_PROBE;
+#pragma unroll
+    for (int i = 0; i < PROBE_EVENTS; ++i) {
+        if (!(events >> i & 1)) continue;
+        if (earliest >> i & 1) atomicMin(&chain_probe[row][i], t[i]);
+        else atomicMax(&chain_probe[row][i], t[i]);
+    }
+}
 #endif

@@ -352,8 +352,10 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 int signal_ready) {
     KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
 #ifdef CHAIN_PROBE
-    const unsigned long long probe_entry = probe_now();
-    __shared__ int probe_row_sh;
+    // thread 0's stamps: 0 resident, 1 the wait returned (earliest of the blocks), 2 x staged, 3 logits signalled,
+    // 4 selected, 5 bucketed (latest; 4 and 5 the last block's)
+    unsigned long long pt[PROBE_EVENTS] = {probe_now()};
+    constexpr unsigned PROBE_EARLIEST = 0x3u;
 #endif
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
@@ -375,13 +377,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     load_router(0);
     KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
 #ifdef CHAIN_PROBE
-    // (counted after the wait: the previous routing launch has completed by then)
-    if (tid == 0) {
-        const int row = probe_row(gridDim.x * gridDim.y);
-        probe_row_sh = row;
-        atomicMin(&chain_probe[row][0], probe_entry);
-        probe_min(row, 1);
-    }
+    pt[1] = probe_now();
 #endif
 #if ROUTE_NORM
     stage_norm_rows<FR_THREADS>(xs, x, residual, norm_w, h_out, a_out, t0, num_tokens, eps, blockIdx.y == 0, &part_sh[0][0]);
@@ -390,7 +386,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     __syncthreads();
 #endif
 #ifdef CHAIN_PROBE
-    if (tid == 0) probe_max(probe_row_sh, 2);  // (the barrier above ordered the row's store)
+    pt[2] = probe_now();
 #endif
     {
         const int h0 = (warp & 1) * DH;
@@ -428,13 +424,16 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         // number of blocks; the GEMV resets it
         if (signal_ready) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done + 1) : "memory");
 #ifdef CHAIN_PROBE
-        probe_max(probe_row_sh, 3);
+        pt[3] = probe_now();
 #endif
         int old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done) : "memory");
         last_sh = old == (int)(gridDim.x * gridDim.y) - 1;
     }
     __syncthreads();
+#ifdef CHAIN_PROBE
+    if (tid == 0 && (!last_sh || FR_PHASES == 1)) probe_post(pt, 0xfu, PROBE_EARLIEST, gridDim.x * gridDim.y);
+#endif
     if (!last_sh) return;
     if (FR_PHASES == 1) {
         if (tid == 0) *done = 0;
@@ -457,7 +456,8 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     for (int i = tid; i < sync_words; i += FR_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     __syncthreads();
 #ifdef CHAIN_PROBE
-    if (tid == 0) probe_max(probe_row_sh, 4);
+    pt[4] = probe_now();
+    if (tid == 0 && FR_PHASES == 2) probe_post(pt, 0x1fu, PROBE_EARLIEST, gridDim.x * gridDim.y);
 #endif
     if (FR_PHASES == 2) {
         if (tid == 0) *done = 0;
@@ -467,7 +467,8 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         stats, count_sh, off_sh, fill_sh, warp_tot);
 #ifdef CHAIN_PROBE
     __syncthreads();  // (probe builds only) every thread's share of the bucketing done
-    if (tid == 0) probe_max(probe_row_sh, 5);
+    pt[5] = probe_now();
+    if (tid == 0) probe_post(pt, 0x3fu, PROBE_EARLIEST, gridDim.x * gridDim.y);
 #endif
     if (tid == 0) *done = 0;  // every block has counted: ready for the next launch
 }

@@ -14,9 +14,10 @@ the MoE layers and replays:
   GEMV: its first CTA resident, the signal seen (first and last CTA), every CTA's selection done, the first
     routed unit reduced (first warp), the last unit (last warp: the GEMV's end).
 
-Also printed: how many distinct values the stamps take modulo 1024 ns (a handful means the timer ticks coarsely,
-e.g. every 1 us, and single links below that are only seen in the medians).  The stamps cost a few atomics a
-block, so the probed replay is a little slower than the plain one; its time is printed beside.
+Times are printed in us.  Also printed: the smallest step between distinct stamps (a coarse %globaltimer tick,
+e.g. 1 us, shows there: links below it are then seen only in the medians).  The blocks keep their stamps in
+registers and post them at their end, so the probed replay differs from the plain one by the timer reads, the
+posts after the work and one barrier in each kernel's last part; compare its replay time with trace_decode.py's.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=2048)
     args = ap.parse_args()
+    if args.replays < 1:
+        ap.error("--replays must be >= 1")
     os.environ["KDA_RT_CHAIN_PROBE"] = str(ROWS)  # before any kernel is built
 
     from helpers.full_model import full_engine
@@ -85,7 +88,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     links: dict[str, list[float]] = {name: [] for name in ROUTE + GEMV}
-    residue: set[int] = set()
+    steps: list[int] = []
     walls = []
     with runner.stream:
         for _ in range(3):
@@ -98,25 +101,32 @@ def main() -> int:
             g.graph.launch(runner.stream)
             runner.stream.synchronize()
             walls.append(time.perf_counter() - t)
-            got = {}
+            got: dict[str, list] = {f: [] for f in MIN_EVENTS}
             for filename, (stamps, count) in views:
-                if int(count.get()[0]):  # the variant this graph ran (other variants of the file were only built)
-                    got[filename] = stamps.get()
-            route, gemv = got["moe_route.cu"], got["moe_gemv.cu"]
+                if int(count.get()[0]):  # a variant this graph ran (other variants of the file were only built)
+                    got[filename].append(stamps.get())
+            if any(len(v) != 1 for v in got.values()):
+                print(f"error: variants that ran, per file: { {f: len(v) for f, v in got.items()} } (one each "
+                      "expected: the routed GEMV and the fused routing kernel at one token)", file=sys.stderr)
+                return 2
+            (route,), (gemv,) = got["moe_route.cu"], got["moe_gemv.cu"]
             # row r: the r-th launch of each kernel in the replay (every block of a launch counts once), so the
             # same MoE layer for both at one token (one routing launch and one GEMV a layer)
             unset = np.iinfo(np.uint64).max
             used = [r for r in range(ROWS) if route[r, 1] != unset and gemv[r, 1] != unset]
+            stamps_seen = set()
             for r in used:
                 t0 = int(route[r, 1])
                 for i, name in enumerate(ROUTE):
                     links[name].append((int(route[r, i]) - t0) / 1e3)
                 for i, name in enumerate(GEMV):
                     links[name].append((int(gemv[r, i]) - t0) / 1e3)
-                residue.update(int(v) % 1024 for v in list(route[r, :6]) + list(gemv[r, :6]))
+                stamps_seen.update(int(v) for v in list(route[r, :6]) + list(gemv[r, :6]) if 0 < v < unset)
+            ordered = sorted(stamps_seen)
+            steps += [b - a for a, b in zip(ordered, ordered[1:], strict=False)]
     out = {"what": "route chain (us from the routing kernel's wait returning)", "layers_per_replay": len(used),
            "replays": args.replays, "replay_ms_median": round(1e3 * statistics.median(walls), 4),
-           "stamp_residues_mod_1024": len(residue),
+           "smallest_stamp_step_ns": min(steps) if steps else None,
            "median_us": {k: round(statistics.median(v), 2) for k, v in links.items() if v},
            "p10_p90_us": {k: [round(float(np.percentile(v, 10)), 2), round(float(np.percentile(v, 90)), 2)]
                           for k, v in links.items() if v}}
