@@ -270,3 +270,10 @@ def chain_probe() -> int:
     into N rows of their modules (kernels_cu/common.cuh); 0 (default): the runtime's kernels.  Read when a kernel
     variant is built."""
     return _non_negative_int("KDA_RT_CHAIN_PROBE", 0)
+
+
+def pdl_dep() -> bool:
+    """KDA_RT_PDL_DEP: 0 builds the kernels that load weights into registers before their programmatic-launch wait
+    (moe_route_fused, skinny_gemm_cl) with the plain wait, which ptxas issues before those loads
+    (kernels_cu/common.cuh KDA_PDL_WAIT_AFTER); default 1.  Read when a kernel variant is built."""
+    return _on_off("KDA_RT_PDL_DEP")

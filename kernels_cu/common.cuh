@@ -32,6 +32,23 @@ typedef __nv_bfloat16 bf16;
 // launches to eager or mixed steps, or several steps to one graph, means revisiting these kernels.
 #define KDA_PDL_ENTRY_DEFERRED() asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory")
 #define KDA_PDL_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
+// KDA_PDL_WAIT_AFTER(dep): the same wait, issued only once the 32-bit value `dep` is in a register.  ptxas issues
+// griddepcontrol.wait as early as it can, above loads into registers that do not feed it (nvcc 13 SASS for sm_90a,
+// 2026-12-01: moe_route_fused's and skinny_gemm_cl's early weight loads went out after the wait, so they did not
+// stream while the kernel before ran; cp.async copies stay in place).  A kernel that loads weights into registers
+// before its wait passes a value made from every such load (an OR of one word of each): the loads are then issued
+// first and have arrived when the wait is issued, which costs nothing while the kernel before still runs.  Both
+// arms of the predicate wait.  PDL_DEP=0 (bench switch KDA_RT_PDL_DEP=0) builds the plain wait instead.
+#ifndef PDL_DEP
+#define PDL_DEP 1
+#endif
+#if PDL_DEP
+#define KDA_PDL_WAIT_AFTER(dep)                                                                        \
+    asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %0, 0;\n @p griddepcontrol.wait;\n @!p griddepcontrol.wait;\n}\n" \
+                 ::"r"(dep) : "memory")
+#else
+#define KDA_PDL_WAIT_AFTER(dep) KDA_PDL_WAIT()
+#endif
 #else
 #define KDA_PDL_ENTRY() \
     do {                \
@@ -41,6 +58,10 @@ typedef __nv_bfloat16 bf16;
     } while (0)
 #define KDA_PDL_WAIT() \
     do {               \
+    } while (0)
+#define KDA_PDL_WAIT_AFTER(dep) \
+    do {                        \
+        (void)(dep);            \
     } while (0)
 #endif
 

@@ -375,7 +375,12 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         asm volatile("" ::: "memory");
     };
     load_router(0);
-    KDA_PDL_WAIT();  // x, and every output, only after the kernel before has finished
+    {
+        unsigned dep = 0u;  // (every early load feeds the wait: common.cuh KDA_PDL_WAIT_AFTER)
+#pragma unroll
+        for (int i = 0; i < CH; ++i) dep |= __float_as_uint(wv[i].x);
+        KDA_PDL_WAIT_AFTER(dep);  // x, and every output, only after the kernel before has finished
+    }
 #ifdef CHAIN_PROBE
     pt[1] = probe_now();
 #endif

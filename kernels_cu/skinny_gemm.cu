@@ -171,7 +171,12 @@ skinny_gemm_cl(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, 
         }
     };
     load_group(0);
-    KDA_PDL_WAIT();  // x (and out) only after the kernel before has finished
+    {
+        unsigned dep = 0u;  // (every early load feeds the wait: common.cuh KDA_PDL_WAIT_AFTER)
+#pragma unroll
+        for (int u = 0; u < U; ++u) dep |= a0[0][u].x | a1[0][u].x;
+        KDA_PDL_WAIT_AFTER(dep);  // x (and out) only after the kernel before has finished
+    }
     for (int i = tid; i < MP * (KS / 8); i += WARPS * 32) {
         const int r = i / (KS / 8), cc = i - r * (KS / 8);
         cp_async16(xs + r * XPITCH + 8 * cc, x + (size_t)(r < M ? r : 0) * ldx + kcta + 8 * cc, r < M ? 16 : 0);

@@ -414,3 +414,24 @@ def test_chain_probe_switch_reaches_only_the_routing_chain_builds(monkeypatch):
         monkeypatch.setenv("KDA_RT_CHAIN_PROBE", bad)
         with pytest.raises(ValueError, match="KDA_RT_CHAIN_PROBE"):
             mr.fused_kernel(1, 256, 2304, 16, True)
+
+
+def test_pdl_dep_switch_reaches_the_register_preloading_kernels(monkeypatch):
+    """The kernels that load weights into registers before their programmatic-launch wait (moe_route_fused,
+    skinny_gemm_cl) build with the wait fed by those loads (common.cuh KDA_PDL_WAIT_AFTER: PDL_DEP's default) unless
+    KDA_RT_PDL_DEP=0, which passes PDL_DEP=0 (the plain wait, bench only); a value other than 0 or 1 is refused."""
+    import kda_rt.cuda.ops.moe_route as mr
+    import kda_rt.cuda.ops.skinny_gemm as sk
+
+    built = []
+    monkeypatch.setattr(mr, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("PDL_DEP"))))
+    monkeypatch.setattr(sk, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("PDL_DEP"))))
+    for value, want in (("", None), ("1", None), ("0", 0)):
+        built.clear()
+        monkeypatch.setenv("KDA_RT_PDL_DEP", value)
+        mr.fused_kernel(1, 256, 2304, 16, True, norm=True)
+        sk._wide_kernel(False, 64, 4, 4, 4096)
+        assert built == [("moe_route_fused", want), ("skinny_gemm_cl", want)]
+    monkeypatch.setenv("KDA_RT_PDL_DEP", "2")
+    with pytest.raises(ValueError, match="KDA_RT_PDL_DEP"):
+        mr.fused_kernel(1, 256, 2304, 16, True)

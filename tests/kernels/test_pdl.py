@@ -49,7 +49,7 @@ def _kernel_bodies(src: str):
 
 
 # kernels that may defer their wait (KDA_PDL_ENTRY_DEFERRED, common.cuh), directly or through a macro of their
-# file: the entry line they start with; their body must also execute KDA_PDL_WAIT()
+# file: the entry line they start with; their body must also execute KDA_PDL_WAIT() or KDA_PDL_WAIT_AFTER(dep)
 DEFERRED = {"moe_grouped_gemm_tc": "TC_PDL_ENTRY();", "moe_route_fused": "KDA_PDL_ENTRY_DEFERRED();",
             "skinny_gemm_cl": "KDA_PDL_ENTRY_DEFERRED();", "skinny_gemm_staged": "KDA_PDL_ENTRY_DEFERRED();",
             "gemv_dense": "KDA_PDL_ENTRY_DEFERRED();", "kda_decode_step": "KD_PDL_ENTRY();",
@@ -79,7 +79,8 @@ def test_every_kernel_starts_with_the_pdl_wait():
             found.append(name)
             first = body.lstrip().split("\n", 1)[0].strip()
             if name in DEFERRED:
-                assert first == DEFERRED[name] and "KDA_PDL_WAIT();" in body, f"{path.name}: kernel {name}"
+                waits = "KDA_PDL_WAIT();" in body or "KDA_PDL_WAIT_AFTER(" in body
+                assert first == DEFERRED[name] and waits, f"{path.name}: kernel {name}"
                 continue
             if name in SIGNALLED:
                 macro = SIGNALLED[name]

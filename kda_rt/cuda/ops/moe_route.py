@@ -135,6 +135,8 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
     that also does the residual add and RMSNorm before the block (NormBefore).  KDA_RT_CHAIN_PROBE (bench only)
     builds it with the routing chain's timer stamps (kernels_cu/common.cuh CHAIN_PROBE)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
+    if not env.pdl_dep():  # bench switch: the plain programmatic-launch wait (common.cuh KDA_PDL_WAIT_AFTER)
+        cut["PDL_DEP"] = 0
     probe = env.chain_probe()  # bench only (tests/gpu/probe_route_chain.py)
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=fused_route_rows(T),
                       MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot),

@@ -139,8 +139,10 @@ def _staged_kernel(out_f32: bool, rows: int, K: int, bulk: bool = False):
 
 def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
     ks = K // splits
+    plain = {} if env.pdl_dep() else {"PDL_DEP": 0}  # bench switch (kernels_cu/common.cuh KDA_PDL_WAIT_AFTER)
     return get_kernel("skinny_gemm.cu", "skinny_gemm_cl", max_dynamic_smem=_wide_smem(fpc, ks, nt, splits),
-                      OUT_F32=int(out_f32), UNROLL=_WIDE_UNROLL, WARPS=_WARPS, SPLITS=splits, FPC=fpc, KS=ks, NT=nt)
+                      OUT_F32=int(out_f32), UNROLL=_WIDE_UNROLL, WARPS=_WARPS, SPLITS=splits, FPC=fpc, KS=ks, NT=nt,
+                      **plain)
 
 
 def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | None = None):
