@@ -267,8 +267,17 @@ def skinny_wide() -> bool:
 def mla_early_weights() -> bool:
     """KDA_RT_MLA_EARLY_WEIGHTS (a bench switch): 1 builds the small-step MLA up-projections (mla_absorb_q,
     mla_expand_out) so that they load their kv_b rows before the programmatic-launch wait (kernels_cu/mla_attn.cu
-    EARLY_W); default 0 (not measured yet).  Read at each call (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MLA_EARLY_WEIGHTS", default="0")
+    EARLY_W); default 1 (measured -0.6% at batch 1: docs/PERFORMANCE.md, twenty-third session).  Read at each
+    call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MLA_EARLY_WEIGHTS", default="1")
+
+
+def chain_probe() -> int:
+    """KDA_RT_CHAIN_PROBE (a bench switch, tests/gpu/probe_route_chain.py): N > 0 builds the fused routing kernel
+    and the routed gate/up GEMV with CHAIN_PROBE=N, which stamp %globaltimer at the links of a one-token MoE step
+    into N rows of their modules (kernels_cu/common.cuh); 0 (default): the runtime's kernels.  Read when a kernel
+    variant is built."""
+    return _non_negative_int("KDA_RT_CHAIN_PROBE", 0)
 
 
 def pdl_dep() -> bool:

@@ -239,3 +239,34 @@ __device__ __forceinline__ unsigned peer_addr(const void* p, unsigned rank) {
 __device__ __forceinline__ void st_cluster(float* p, unsigned rank, float v) {
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(peer_addr(p, rank)), "f"(v) : "memory");
 }
+
+// ---------------------------------------------------------------------------------------------
+// CHAIN_PROBE (bench only: tests/gpu/probe_route_chain.py, KDA_RT_CHAIN_PROBE=rows): kernels built with it stamp
+// %globaltimer (ns) at the links of a one-token MoE step's routing chain.  A block keeps its stamps in registers
+// (nothing is added to its path but the timer reads) and posts them once, at its end, into chain_probe[row][event]
+// of its own module: row = the launch's index since the tool last zeroed chain_probe_blocks (every block of a
+// launch counts once, after the kernel's wait, so a launch counts only after the previous one has completed); a
+// slot keeps the earliest or the latest time over the launch's blocks.  The tool sets the slots to ~0 or 0 before
+// each replay.  Undefined (every runtime build), none of this exists.
+#ifdef CHAIN_PROBE
+#define PROBE_EVENTS 8
+__device__ unsigned long long chain_probe[CHAIN_PROBE][PROBE_EVENTS];
+__device__ unsigned chain_probe_blocks;
+__device__ __forceinline__ unsigned long long probe_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+// One thread of the block: its stamps t[i] for the events of bit mask `events`; the events of `earliest` keep the
+// launch's earliest time, the others its latest.  blocks = the launch's block count.
+__device__ __forceinline__ void probe_post(const unsigned long long (&t)[PROBE_EVENTS], unsigned events,
+                                           unsigned earliest, unsigned blocks) {
+    const int row = (int)(atomicAdd(&chain_probe_blocks, 1u) / blocks) % CHAIN_PROBE;
+#pragma unroll
+    for (int i = 0; i < PROBE_EVENTS; ++i) {
+        if (!(events >> i & 1)) continue;
+        if (earliest >> i & 1) atomicMin(&chain_probe[row][i], t[i]);
+        else atomicMax(&chain_probe[row][i], t[i]);
+    }
+}
+#endif

@@ -213,6 +213,14 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
                  int ready_target) {
     GEMV_PDL_ENTRY();
 #if ROUTED
+#ifdef CHAIN_PROBE
+    // thread 0's stamps (in shared memory: registers are at the cap here): 0 resident, 1 / 2 the signal seen
+    // (earliest / latest CTA), 3 the CTA's selection done; from the warps' own (probe_w, lane 0 of each): 4 the first
+    // routed unit reduced (earliest; with SHARED_FIRST, else the warp's first unit), 5 the last unit (the GEMV's end)
+    __shared__ unsigned long long probe_t[PROBE_EVENTS], probe_w[WARPS][2];
+    if (threadIdx.x == 0) probe_t[0] = probe_now();
+    if ((threadIdx.x & 31) == 0) probe_w[threadIdx.x >> 5][0] = ~0ull, probe_w[threadIdx.x >> 5][1] = 0ull;
+#endif
     __shared__ int bins_sh[32];
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
@@ -237,7 +245,12 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     auto unit_of = [&](int i) { return range.x + i; };
 #endif
 #if SIGNAL_OVERLAP
-    if (threadIdx.x == 0) await_signal(done, ready_target);
+    if (threadIdx.x == 0) {
+        await_signal(done, ready_target);
+#ifdef CHAIN_PROBE
+        probe_t[1] = probe_t[2] = probe_now();
+#endif
+    }
     compute_sync();  // (orders thread 0's read of the signal before warp 1's count below)
     if (threadIdx.x >= 32 && threadIdx.x < 64) {
         if (threadIdx.x == 32) count_reset(done);  // the count's round trip off warp 0's path
@@ -248,6 +261,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #else
     if (threadIdx.x == 0) {
         await_signal(done, ready_target);
+#ifdef CHAIN_PROBE
+        probe_t[1] = probe_t[2] = probe_now();
+#endif
         count_reset(done);
     }
     compute_sync();
@@ -263,6 +279,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         if (lane < bins) bins_sh[rank] = bin;
     }
     compute_sync();
+#ifdef CHAIN_PROBE
+    if (threadIdx.x == 0) probe_t[3] = probe_now();  // the CTA's selection done
+#endif
     if (nsh == 0 && n > 0) rows(cur, c, unit_of(0));  // in flight while x lands in shared memory
 #else
     __shared__ uint4 xs[PIECES];
@@ -294,12 +313,24 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         if (lane == 0)
             h[(size_t)here.row * INTER + (u - here.t * INTER)] =
                 to_bf16(round_bf16(silu(round_bf16(s.x))) * round_bf16(s.y));
+#if ROUTED && defined(CHAIN_PROBE)
+        if (lane == 0 && i == nsh) probe_w[threadIdx.x >> 5][0] = probe_now();  // this warp's first routed unit
+        if (lane == 0 && i == n - 1) probe_w[threadIdx.x >> 5][1] = probe_now();  // this warp's last unit
+#endif
 #if PIPE
         cur = next;
 #else
         if (i + 1 < n) rows(cur, c, unit_of(i + 1));
 #endif
     }
+#if ROUTED && defined(CHAIN_PROBE)
+    compute_sync();  // (probe builds only) every warp's stamps in probe_w
+    if (threadIdx.x == 0) {
+        unsigned long long pt[PROBE_EVENTS] = {probe_t[0], probe_t[1], probe_t[2], probe_t[3], ~0ull, 0ull};
+        for (int w = 0; w < WARPS; ++w) pt[4] = min(pt[4], probe_w[w][0]), pt[5] = max(pt[5], probe_w[w][1]);
+        probe_post(pt, 0x3fu, 0x13u, gridDim.x);  // earliest: 0, 1, 4
+    }
+#endif
 }
 #endif  // !DENSE && !DOWN
 

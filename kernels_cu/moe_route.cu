@@ -351,6 +351,12 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 const bf16* __restrict__ norm_w, bf16* __restrict__ h_out, bf16* __restrict__ a_out, float eps,
                 int signal_ready) {
     KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
+#ifdef CHAIN_PROBE
+    // thread 0's stamps: 0 resident, 1 the wait returned (earliest of the blocks), 2 x staged, 3 logits signalled,
+    // 4 selected, 5 bucketed (latest; 4 and 5 the last block's)
+    unsigned long long pt[PROBE_EVENTS] = {probe_now()};
+    constexpr unsigned PROBE_EARLIEST = 0x3u;
+#endif
     __shared__ __align__(16) bf16 xs[FR_TPB][D];
     __shared__ float part_sh[FR_WARPS][FR_TPB];
     __shared__ int bin_sh[MAX_T * (MAX_TOP_K + SHARED)];  // pair p's bin
@@ -375,11 +381,17 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         for (int i = 0; i < CH; ++i) dep |= __float_as_uint(wv[i].x);
         KDA_PDL_WAIT_AFTER(dep);  // x, and every output, only after the kernel before has finished
     }
+#ifdef CHAIN_PROBE
+    pt[1] = probe_now();
+#endif
 #if ROUTE_NORM
     stage_norm_rows<FR_THREADS>(xs, x, residual, norm_w, h_out, a_out, t0, num_tokens, eps, blockIdx.y == 0, &part_sh[0][0]);
 #else
     stage_rows<FR_THREADS>(xs, x, t0, num_tokens);
     __syncthreads();
+#endif
+#ifdef CHAIN_PROBE
+    pt[2] = probe_now();
 #endif
     {
         const int h0 = (warp & 1) * DH;
@@ -416,11 +428,17 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         // done[1] (the routed GEMV's start signal, moe_gemv.cu ROUTED): released in the same way, counted up to the
         // number of blocks; the GEMV resets it
         if (signal_ready) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done + 1) : "memory");
+#ifdef CHAIN_PROBE
+        pt[3] = probe_now();
+#endif
         int old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done) : "memory");
         last_sh = old == (int)(gridDim.x * gridDim.y) - 1;
     }
     __syncthreads();
+#ifdef CHAIN_PROBE
+    if (tid == 0 && (!last_sh || FR_PHASES == 1)) probe_post(pt, 0xfu, PROBE_EARLIEST, gridDim.x * gridDim.y);
+#endif
     if (!last_sh) return;
     if (FR_PHASES == 1) {
         if (tid == 0) *done = 0;
@@ -442,12 +460,21 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     }
     for (int i = tid; i < sync_words; i += FR_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     __syncthreads();
+#ifdef CHAIN_PROBE
+    pt[4] = probe_now();
+    if (tid == 0 && FR_PHASES == 2) probe_post(pt, 0x1fu, PROBE_EARLIEST, gridDim.x * gridDim.y);
+#endif
     if (FR_PHASES == 2) {
         if (tid == 0) *done = 0;
         return;
     }
     bucket_block<FR_THREADS>([&](int p) { return bin_sh[p]; }, num_tokens * (top_k + SHARED), FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
         stats, count_sh, off_sh, fill_sh, warp_tot);
+#ifdef CHAIN_PROBE
+    __syncthreads();  // (probe builds only) every thread's share of the bucketing done
+    pt[5] = probe_now();
+    if (tid == 0) probe_post(pt, 0x3fu, PROBE_EARLIEST, gridDim.x * gridDim.y);
+#endif
     if (tid == 0) *done = 0;  // every block has counted: ready for the next launch
 }
 #endif

@@ -393,6 +393,29 @@ def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):
     assert gemv.precompile(shapes) == 0
 
 
+def test_chain_probe_switch_reaches_only_the_routing_chain_builds(monkeypatch):
+    """KDA_RT_CHAIN_PROBE=N (bench only: tests/gpu/probe_route_chain.py) builds the fused routing kernel and the
+    routed gate/up GEMV with CHAIN_PROBE=N, and no other variant (the plain GEMV stays the runtime's); unset or 0,
+    neither build has the define; a negative or non-integer value is refused by name."""
+    import kda_rt.cuda.ops.moe_gemv as mg
+    import kda_rt.cuda.ops.moe_route as mr
+
+    built = []
+    monkeypatch.setattr(mr, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("CHAIN_PROBE"))))
+    monkeypatch.setattr(mg, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("ROUTED"), kw.get("CHAIN_PROBE"))))
+    for value, want in (("", None), ("0", None), ("64", 64)):
+        built.clear()
+        monkeypatch.setenv("KDA_RT_CHAIN_PROBE", value)
+        mr.fused_kernel(1, 256, 2304, 16, True, norm=True)
+        mg.gemv_kernel(2304, 1024, routed=(256, True))
+        mg.gemv_kernel(2304, 1024)
+        assert built == [("moe_route_fused", want), ("moe_gemv_gate_up", 1, want), ("moe_gemv_gate_up", None, None)]
+    for bad in ("-1", "x"):
+        monkeypatch.setenv("KDA_RT_CHAIN_PROBE", bad)
+        with pytest.raises(ValueError, match="KDA_RT_CHAIN_PROBE"):
+            mr.fused_kernel(1, 256, 2304, 16, True)
+
+
 def test_pdl_dep_switch_reaches_the_register_preloading_kernels(monkeypatch):
     """The kernels that load weights into registers before their programmatic-launch wait (moe_route_fused,
     skinny_gemm_cl) build with the wait fed by those loads (common.cuh KDA_PDL_WAIT_AFTER: PDL_DEP's default) unless

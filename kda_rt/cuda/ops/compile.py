@@ -195,6 +195,9 @@ def compile_cubin(filename: str, defines: dict[str, Any] | None = None, arch: st
 # kernel variants built in this process: modules loaded, of which NVRTC compiled (not in the disk cache),
 # and the seconds both took; the bench reports what a timed run spent here
 BUILD_STATS = {"loaded": 0, "compiled": 0, "seconds": 0.0}
+# (file, module) of every variant built with CHAIN_PROBE (KDA_RT_CHAIN_PROBE, bench only): the probe tool reads their
+# chain_probe arrays (tests/gpu/probe_route_chain.py)
+PROBED: list[tuple[str, Any]] = []
 
 
 @functools.cache
@@ -205,6 +208,8 @@ def _module(filename: str, frozen_defines: tuple[tuple[str, Any], ...], arch: st
     compiled = BUILD_STATS["compiled"]
     mod = function.Module()
     mod.load(compile_cubin(filename, dict(frozen_defines), arch))
+    if any(name == "CHAIN_PROBE" for name, _ in frozen_defines):
+        PROBED.append((filename, mod))
     seconds = time.perf_counter() - t0
     BUILD_STATS["loaded"] += 1
     BUILD_STATS["seconds"] += seconds

@@ -200,7 +200,7 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
     consts = _constants(H, R, Dr, Dn, Dv, block_size)
     gemv = T <= _GEMV_TOKENS and R % 256 == 0 and Dn % 32 == 0 and Dv % 16 == 0 and w_kvb.data.ptr % 16 == 0
     fold = store is not None and gemv and T <= R // 64 and R <= 2048  # the store rides in mla_absorb_q's launch
-    early = {"EARLY_W": 1} if gemv and env.mla_early_weights() else {}  # bench switch (kernels_cu/mla_attn.cu)
+    early = {"EARLY_W": 1} if gemv and env.mla_early_weights() else {}  # kernels_cu/mla_attn.cu EARLY_W
     if store is not None and not fold:
         mla_store(store.kv_a, store.norm_w, store.eps, kv_pool, cu_seqlens, context_lens, block_tables, stream=stream)
     elif fold:

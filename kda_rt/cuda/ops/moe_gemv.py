@@ -55,6 +55,9 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
     extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]),
                                            SHARED_FIRST=int(routed[1] and env.gemv_shared_first()),
                                            SIGNAL_OVERLAP=int(env.gemv_signal_overlap()))
+    probe = env.chain_probe() if routed is not None else 0  # bench only: the routing chain's timer stamps
+    if probe:
+        extra["CHAIN_PROBE"] = probe
     return get_kernel("moe_gemv.cu", "moe_gemv_gate_up", KW=hidden, INTER=inter, WARPS=cfg.warps, PIPE=int(cfg.pipe),
                       **extra)
 

@@ -132,13 +132,15 @@ def fused_route_blocks(T: int, E: int) -> int:
 def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3, norm: bool = False):
     """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T);
     `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts); `norm`: the variant
-    that also does the residual add and RMSNorm before the block (NormBefore)."""
+    that also does the residual add and RMSNorm before the block (NormBefore).  KDA_RT_CHAIN_PROBE (bench only)
+    builds it with the routing chain's timer stamps (kernels_cu/common.cuh CHAIN_PROBE)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
     if not env.pdl_dep():  # bench switch: the plain programmatic-launch wait (common.cuh KDA_PDL_WAIT_AFTER)
         cut["PDL_DEP"] = 0
+    probe = env.chain_probe()  # bench only (tests/gpu/probe_route_chain.py)
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=fused_route_rows(T),
                       MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot),
-                      ROUTE_NORM=int(norm), **cut)
+                      ROUTE_NORM=int(norm), **cut, **({"CHAIN_PROBE": probe} if probe else {}))
 
 
 def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
