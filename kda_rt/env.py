@@ -164,24 +164,6 @@ def gemv_signal_overlap() -> bool:
     return _on_off("KDA_RT_GEMV_SIGNAL_OVERLAP")
 
 
-def gemv_pool_keep() -> int:
-    """KDA_RT_GEMV_POOL: the eighths of the routed units that the routed one-token MoE gate/up GEMV cuts over its
-    warps up front, 0 .. 8; below 8 the warps draw the rest one unit at a time from a pool (kernels_cu/moe_gemv.cu
-    POOL), 8 (default): every unit cut up front.  Read when the kernel variant is chosen (a CUDA graph keeps what it
-    captured)."""
-    n = _non_negative_int("KDA_RT_GEMV_POOL", 8)
-    if n > 8:
-        raise ValueError(f"KDA_RT_GEMV_POOL must be 0 .. 8 (eighths of the routed units cut up front), got {n}")
-    return n
-
-
-def route_finisher() -> bool:
-    """KDA_RT_ROUTE_FINISHER: 1 makes block 0 of the fused routing kernel the one that selects and buckets, so the
-    other blocks count without awaiting the atomic's answer and leave sooner (kernels_cu/moe_route.cu FR_FINISHER);
-    default 0, the last block to count does it.  Read when the kernel variant is built."""
-    return _on_off("KDA_RT_ROUTE_FINISHER", default="0")
-
-
 def gemv_shared_first() -> bool:
     """KDA_RT_GEMV_SHARED_FIRST: 0 keeps the shared expert's units in the routed one-token GEMV's order (the last
     tile), instead of first in every warp with the first one's weight rows loaded before the routing kernel's

@@ -53,15 +53,8 @@
 // Tried on branch next/gemv-fused-down: the down projection as this kernel's second phase (items wait on per-tile
 // counts of stored h features): 2.3406 against 2.2923 ms (+2.1%): its down loads start only after the gate/up
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
-// POOL = 1 (with ROUTED and PIPE): only the first POOL_KEEP / 8 of the routed units are cut over the warps up
-// front; each warp then draws the rest one unit at a time from a pool (an atomic counter, done[3], that the routing
-// kernel zeroes before its signal).  Why: the CTAs on the SMs that the routing kernel's blocks hold cannot start
-// beside them (registers) and begin ~2.7 us after the others (tests/gpu/probe_route_chain.py: the signal seen
-// 3.9 us after the wait by the first CTA, 6.6 by the last), and with an even static cut they ended the GEMV that
-// much later.  Each unit's math is unchanged, so the output is the same bit for bit.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
-// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1),
-// POOL (0 / 1), POOL_KEEP (0 .. 7, with POOL).
+// ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1).
 // DENSE = 1: KW, WARPS and DENSE_PRE (0, 1 or 2) only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
 #include "common.cuh"
 
@@ -85,12 +78,6 @@
 #endif
 #ifndef SIGNAL_OVERLAP
 #define SIGNAL_OVERLAP 0
-#endif
-#ifndef POOL
-#define POOL 0
-#endif
-#if POOL && !(ROUTED && PIPE && POOL_KEEP >= 0 && POOL_KEEP < 8)
-#error "moe_gemv.cu with POOL = 1 needs ROUTED = 1, PIPE = 1 and -DPOOL_KEEP (0 .. 7)"
 #endif
 #if ROUTED && SIGNAL_OVERLAP && WARPS < 3
 #error "moe_gemv.cu: SIGNAL_OVERLAP needs 3 or more compute warps (warp 0 selects, warp 1 counts, the rest stage x)"
@@ -172,15 +159,6 @@ __device__ __forceinline__ int2 warp_units(long long units) {
     return make_int2((int)(warp * units / warps), (int)((warp + 1) * units / warps));
 }
 
-// POOL: the first POOL_KEEP / 8 of the routed units are cut over the warps as above, the rest are drawn one at a time
-__device__ __forceinline__ long long pool_static(long long units) {
-#if POOL
-    return units * POOL_KEEP / 8;
-#else
-    return units;
-#endif
-}
-
 #if !DENSE && !DOWN
 struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
@@ -257,12 +235,12 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #if SHARED && SHARED_FIRST
     // the shared expert's units first, spread over every warp (its slot E is the largest bin: tile top_k), the
     // first one's rows loaded before the routing kernel's signal; then the routed tiles 0 .. top_k - 1
-    const int2 sh = warp_units(INTER), rt = warp_units(pool_static((long long)top_k * INTER));
+    const int2 sh = warp_units(INTER), rt = warp_units((long long)top_k * INTER);
     const int nsh = sh.y - sh.x, n = nsh + rt.y - rt.x;
     auto unit_of = [&](int i) { return i < nsh ? top_k * INTER + sh.x + i : rt.x + i - nsh; };
     if (nsh > 0) c = Unit{top_k, NE, top_k}, rows(cur, c, unit_of(0));
 #else
-    const int2 range = warp_units(pool_static((long long)(top_k + SHARED) * INTER));
+    const int2 range = warp_units((long long)(top_k + SHARED) * INTER);
     const int n = range.y - range.x, nsh = 0;  // (nothing loaded before the signal)
     auto unit_of = [&](int i) { return range.x + i; };
 #endif
@@ -324,38 +302,6 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 #if !(ROUTED && SIGNAL_OVERLAP)
     stage_x(xs, x);
 #endif
-#if ROUTED && POOL
-    // the warp's static units (unit_of(0 .. n - 1): the shared ones, then its share of the first routed ones), then
-    // units drawn from the pool of the rest, one at a time (done[3], zeroed by the routing kernel before its signal;
-    // lane 0 holds the draw for the unit after the next one, so its round trip hides under a unit's stream)
-    const int pool_end = (SHARED && SHARED_FIRST ? top_k : top_k + SHARED) * INTER;
-    const int pool_begin = (int)pool_static(pool_end);
-    int draw = lane == 0 ? atomicAdd(done + 3, 1) : 0;
-    auto from_pool = [&]() -> int {  // the next unit from the pool, or -1 once it is empty
-        const int p = pool_begin + __shfl_sync(0xffffffffu, draw, 0);
-        if (p >= pool_end) return -1;
-        if (lane == 0) draw = atomicAdd(done + 3, 1);
-        return p;
-    };
-    int u = n > 0 ? unit_of(0) : from_pool();  // unit_of(0)'s rows are in cur already
-    if (u >= 0 && n == 0) rows(cur, c, u);
-    for (int i = 0; u >= 0; ++i) {
-        const Unit here = c;
-        const int un = i + 1 < n ? unit_of(i + 1) : from_pool();
-        Rows next;
-        if (un >= 0) rows(next, c, un);
-        const float2 s = reduce_rows(cur, xs, lane);
-        if (lane == 0)
-            h[(size_t)here.row * INTER + (u - here.t * INTER)] =
-                to_bf16(round_bf16(silu(round_bf16(s.x))) * round_bf16(s.y));
-#ifdef CHAIN_PROBE
-        if (lane == 0 && i == nsh) probe_w[threadIdx.x >> 5][0] = probe_now();  // this warp's first routed unit
-        if (lane == 0 && un < 0) probe_w[threadIdx.x >> 5][1] = probe_now();  // this warp's last unit
-#endif
-        cur = next;
-        u = un;
-    }
-#else
     for (int i = 0; i < n; ++i) {
         const Unit here = c;
         const int u = unit_of(i);
@@ -377,7 +323,6 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
         if (i + 1 < n) rows(cur, c, unit_of(i + 1));
 #endif
     }
-#endif  // ROUTED && POOL
 #if ROUTED && defined(CHAIN_PROBE)
     compute_sync();  // (probe builds only) every warp's stamps in probe_w
     if (threadIdx.x == 0) {

@@ -48,15 +48,12 @@
 //   The blocks with blockIdx.y == 0 store their rows' h (h_out) and a (a_out: the MoE GEMMs' x).  residual
 //   itself is not written (other blocks still read it): the combine takes h_out as its residual_in.
 //   signal_ready = 1: each block also adds 1 to done[1] (release) once its logits (and a_out) are stored, the
-//   signal moe_gemv.cu's routed GEMV spins on before it repeats the selection for its own units (it resets done[1]);
-//   block 0 zeroes done[3] (the GEMV's unit pool, POOL) before it signals.
-//   FR_FINISHER = 1: block 0 is the one that selects and buckets, whatever the order the blocks end in: the others
-//   add 1 to done[0] (release, no answer awaited) and leave; block 0 spins until done[0] reaches their number.
+//   signal moe_gemv.cu's routed GEMV spins on before it repeats the selection for its own units (it resets done[1]).
 // Shapes: x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32, logits [T, E] fp32 ([T, 3E] with PARTS = 3),
 //   ids [T, A] int32, w [T, A] fp32.
 // Compile-time constants: D (multiple of 4), E, TPB, WARPS (logits); E, THREADS, MAX_TOP_K, PARTS (select);
 // E, SEL_WARPS, MAX_TOP_K, PARTS (select_warp); FUSED_ROUTE, D (multiple of 8), E (multiple of 8,
-// E + SHARED <= 512), FR_TPB, MAX_T (T <= MAX_T), MAX_TOP_K, BT (tile rows), SHARED, ROUTE_NORM, FR_FINISHER (fused).
+// E + SHARED <= 512), FR_TPB, MAX_T (T <= MAX_T), MAX_TOP_K, BT (tile rows), SHARED, ROUTE_NORM (fused).
 // sigmoid is the accurate one of common.cuh (expf): the routing weights are checked to 1e-5 relative.
 #include "common.cuh"
 
@@ -338,9 +335,6 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
 #ifndef ROUTE_NORM
 #define ROUTE_NORM 0
 #endif
-#ifndef FR_FINISHER
-#define FR_FINISHER 0
-#endif
 #define FR_BINS (E + SHARED)
 static_assert(D % 8 == 0 && E % FR_EPB == 0 && FR_BINS <= FR_THREADS && MAX_TOP_K <= 32,
               "moe_route_fused: D % 8, E % 8, E + SHARED <= 512, top_k <= 32");
@@ -432,36 +426,14 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     __syncthreads();
     if (tid == 0) {
         // done[1] (the routed GEMV's start signal, moe_gemv.cu ROUTED): released in the same way, counted up to the
-        // number of blocks; the GEMV resets it.  Block 0 first zeroes done[3], the GEMV's unit pool (POOL), which no
-        // kernel reads before this signal (the GEMV of the layer before has completed: every launch in between
-        // waited for it)
-        if (signal_ready) {
-            if (blockIdx.x == 0 && blockIdx.y == 0) done[3] = 0;
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done + 1) : "memory");
-        }
+        // number of blocks; the GEMV resets it
+        if (signal_ready) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done + 1) : "memory");
 #ifdef CHAIN_PROBE
         pt[3] = probe_now();
 #endif
-#if FR_FINISHER
-        // block 0 finishes: the others count without waiting for the atomic's answer and leave, so that the next
-        // kernel's CTAs get their SMs one L2 round trip sooner; block 0 spins until they have all counted (acquire)
-        const int others = (int)(gridDim.x * gridDim.y) - 1;
-        last_sh = blockIdx.x == 0 && blockIdx.y == 0;
-        if (!last_sh) {
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" :: "l"(done) : "memory");
-        } else {
-            unsigned v;
-            for (long long spins = 0;; ++spins) {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(done) : "memory");
-                if ((int)v >= others) break;
-                if (spins > (1ll << 26)) __trap();  // a block that never counts: trap instead of hanging the GPU
-            }
-        }
-#else
         int old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(done) : "memory");
         last_sh = old == (int)(gridDim.x * gridDim.y) - 1;
-#endif
     }
     __syncthreads();
 #ifdef CHAIN_PROBE

@@ -435,32 +435,3 @@ def test_pdl_dep_switch_reaches_the_register_preloading_kernels(monkeypatch):
     monkeypatch.setenv("KDA_RT_PDL_DEP", "2")
     with pytest.raises(ValueError, match="KDA_RT_PDL_DEP"):
         mr.fused_kernel(1, 256, 2304, 16, True)
-
-
-def test_gemv_pool_and_route_finisher_switches_reach_their_builds(monkeypatch):
-    """KDA_RT_GEMV_POOL=k (0 .. 7) builds the routed gate/up GEMV with POOL=1, POOL_KEEP=k and no other GEMV
-    variant; 8 (the default) builds it without the pool.  KDA_RT_ROUTE_FINISHER=1 builds the fused routing kernel
-    with FR_FINISHER=1.  Out-of-range values are refused by name."""
-    import kda_rt.cuda.ops.moe_gemv as mg
-    import kda_rt.cuda.ops.moe_route as mr
-
-    built = []
-    monkeypatch.setattr(mr, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("FR_FINISHER"))))
-    monkeypatch.setattr(mg, "get_kernel", lambda f, n, **kw: built.append((n, kw.get("POOL"), kw.get("POOL_KEEP"))))
-    for pool, finisher, want in (("", "", [("moe_route_fused", None), ("moe_gemv_gate_up", None, None)]),
-                                 ("8", "0", [("moe_route_fused", None), ("moe_gemv_gate_up", None, None)]),
-                                 ("0", "1", [("moe_route_fused", 1), ("moe_gemv_gate_up", 1, 0)]),
-                                 ("5", "1", [("moe_route_fused", 1), ("moe_gemv_gate_up", 1, 5)])):
-        built.clear()
-        monkeypatch.setenv("KDA_RT_GEMV_POOL", pool)
-        monkeypatch.setenv("KDA_RT_ROUTE_FINISHER", finisher)
-        mr.fused_kernel(1, 256, 2304, 16, True, norm=True)
-        mg.gemv_kernel(2304, 1024, routed=(256, True))
-        mg.gemv_kernel(2304, 1024)
-        assert built == [*want, ("moe_gemv_gate_up", None, None)], (pool, finisher, built)
-    monkeypatch.setenv("KDA_RT_GEMV_POOL", "9")
-    with pytest.raises(ValueError, match="KDA_RT_GEMV_POOL"):
-        mg.gemv_kernel(2304, 1024, routed=(256, True))
-    monkeypatch.setenv("KDA_RT_ROUTE_FINISHER", "2")
-    with pytest.raises(ValueError, match="KDA_RT_ROUTE_FINISHER"):
-        mr.fused_kernel(1, 256, 2304, 16, True)

@@ -210,10 +210,7 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
     in both).  The GEMV is checked to get `routed` (=1) or not (=0).  The routed GEMV with a shared expert in the
     stack runs its units first (KDA_RT_GEMV_SHARED_FIRST=1, the default) or in tile order (=0): the same output bit
     for bit, the variant checked by its build defines; so does the routed GEMV that takes its CTA count on thread 0
-    before the selection (KDA_RT_GEMV_SIGNAL_OVERLAP=0) instead of on warp 1 beside it (=1); so does the routed GEMV
-    that draws half, all or a quarter of its routed units from a pool (KDA_RT_GEMV_POOL=4, 0, 6: its defines
-    checked), the last two after a routing kernel whose block 0 always selects and buckets (KDA_RT_ROUTE_FINISHER=1:
-    its define checked).  The down projection
+    before the selection (KDA_RT_GEMV_SIGNAL_OVERLAP=0) instead of on warp 1 beside it (=1).  The down projection
     on the down GEMV (KDA_RT_DOWN_GEMV=1, the default; checked to run) against the tiled down GEMM (0): within
     2e-3 RMS (only the fp32 summation order differs), and bit for bit between the routed and the plan-reading
     gate/up GEMV before it.  Outputs and workspace poisoned first."""
@@ -245,42 +242,24 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
 
     def spy(*a, **kw):  # the routed gate/up variants' build defines (not the down GEMV's)
         if kw.get("ROUTED"):
-            built.append((kw["SHARED_FIRST"], kw["SIGNAL_OVERLAP"], kw.get("POOL_KEEP", 8)))
+            built.append((kw["SHARED_FIRST"], kw["SIGNAL_OVERLAP"]))
         return real_get(*a, **kw)
 
     monkeypatch.setattr(gemv_ops, "get_kernel", spy)
-    import kda_rt.cuda.ops.moe_route as route_ops
-
-    finishers = []
-    real_route_get = route_ops.get_kernel
-
-    def route_spy(*a, **kw):  # the fused routing kernel's FR_FINISHER
-        if kw.get("FUSED_ROUTE"):
-            finishers.append(kw.get("FR_FINISHER", 0))
-        return real_route_get(*a, **kw)
-
-    monkeypatch.setattr(route_ops, "get_kernel", route_spy)
     downs = []
     real_down = moe.moe_gemv_down
     monkeypatch.setattr(moe, "moe_gemv_down", lambda *a, **kw: downs.append(1) or real_down(*a, **kw))
     results = {}
-    # (routed, shared first, signal overlap, down GEMV, pool keep, routing finisher)
-    paths = {"1": ("1", "1", "1", "0", "8", "0"), "1-in-order": ("1", "0", "1", "0", "8", "0"),
-             "1-count-first": ("1", "1", "0", "0", "8", "0"), "1-pool-half": ("1", "1", "1", "0", "4", "0"),
-             "1-pool-all": ("1", "1", "1", "0", "0", "1"), "1-in-order-pool": ("1", "0", "1", "0", "6", "1"),
-             "0": ("0", "1", "1", "0", "8", "0"), "down-gemv": ("1", "1", "1", "1", "8", "0"),
-             "down-gemv-unrouted": ("0", "1", "1", "1", "8", "0")}
-    for path, (routed, first, overlap, down, keep, finisher) in paths.items():
+    paths = {"1": ("1", "1", "1", "0"), "1-in-order": ("1", "0", "1", "0"), "1-count-first": ("1", "1", "0", "0"),
+             "0": ("0", "1", "1", "0"), "down-gemv": ("1", "1", "1", "1"), "down-gemv-unrouted": ("0", "1", "1", "1")}
+    for path, (routed, first, overlap, down) in paths.items():
         monkeypatch.setenv("KDA_RT_GEMV_ROUTED", routed)
         monkeypatch.setenv("KDA_RT_GEMV_SHARED_FIRST", first)
         monkeypatch.setenv("KDA_RT_GEMV_SIGNAL_OVERLAP", overlap)
         monkeypatch.setenv("KDA_RT_DOWN_GEMV", down)
-        monkeypatch.setenv("KDA_RT_GEMV_POOL", keep)
-        monkeypatch.setenv("KDA_RT_ROUTE_FINISHER", finisher)
         seen.clear()
         built.clear()
         downs.clear()
-        finishers.clear()
         got = []
         for x, residual in calls:
             gpu["x"] = to_gpu_bf16(x)
@@ -302,10 +281,9 @@ def test_moe_forward_gemv_routed(fused, norm_before, inputs, monkeypatch):
         assert len(seen) == 3 and all((r is not None) == (routed == "1") for r in seen), seen
         assert len(downs) == (3 if down == "1" else 0), (path, downs)
         if routed == "1":  # the routed variant's build defines: shared units first only with a shared slot
-            assert built and set(built) == {(int(fused and first == "1"), int(overlap), int(keep))}, (path, built)
-        assert finishers and set(finishers) == {int(finisher)}, (path, finishers)
+            assert built and set(built) == {(int(fused and first == "1"), int(overlap))}, (path, built)
         results[path] = got
-    for path in ("1", "1-in-order", "1-count-first", "1-pool-half", "1-pool-all", "1-in-order-pool"):
+    for path in ("1", "1-in-order", "1-count-first"):
         for (o1, r1), (o0, r0) in zip(results[path], results["0"], strict=True):
             assert np.array_equal(o1, o0) and np.array_equal(r1, r0), f"the routed GEMV's output differs ({path})"
     # the down GEMV (KDA_RT_DOWN_GEMV=1) against the tiled down GEMM (0), after the routed and the plan-reading

@@ -31,7 +31,7 @@ __all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "down_fits", "down_k
 class GemvRouting(NamedTuple):
     """The routed GEMV's inputs (moe_gemv.cu ROUTED): it starts on the fused routing kernel's logits (launched just
     before it with signal_ready) instead of waiting for its plan.  logits [1, >= E] fp32 and bias [E] fp32 as the
-    routing kernel reads them, top_k, done (the routing kernel's int32 counters, >= 4 words), ready_target (its
+    routing kernel reads them, top_k, done (the routing kernel's int32 counters, >= 3 words), ready_target (its
     number of blocks), num_experts E, shared (the shared expert rides as bin E)."""
 
     logits: object
@@ -55,9 +55,6 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
     extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]),
                                            SHARED_FIRST=int(routed[1] and env.gemv_shared_first()),
                                            SIGNAL_OVERLAP=int(env.gemv_signal_overlap()))
-    keep = env.gemv_pool_keep() if routed is not None else 8
-    if keep < 8 and cfg.pipe:  # the rest of the routed units drawn from a pool (moe_gemv.cu POOL)
-        extra.update(POOL=1, POOL_KEEP=keep)
     probe = env.chain_probe() if routed is not None else 0  # bench only: the routing chain's timer stamps
     if probe:
         extra["CHAIN_PROBE"] = probe
@@ -78,10 +75,6 @@ def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
                          f"needs that many w13 stacks, got {E_stack}")
     expect(r.logits, "routed.logits", ndim=2, dtype=np.float32)
     expect(r.bias, "routed.bias", shape=(r.num_experts,), dtype=np.float32)
-    expect(r.done, "routed.done", ndim=1, dtype=np.int32)
-    if r.done.size < 4:
-        raise ValueError(f"moe_gemv_gate_up: routed.done needs >= 4 words (the signal, the count, the unit pool), "
-                         f"got {r.done.size}")
     expect(r.done, "routed.done", ndim=1, dtype=np.int32)
     if r.logits.shape[0] < 1 or r.logits.shape[1] < r.num_experts or not r.logits.flags.c_contiguous or r.done.size < 3:
         raise ValueError(f"moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= {r.num_experts}] (got "

@@ -137,8 +137,6 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
     cut = {} if phases == 3 else {"FR_PHASES": phases}
     if not env.pdl_dep():  # bench switch: the plain programmatic-launch wait (common.cuh KDA_PDL_WAIT_AFTER)
         cut["PDL_DEP"] = 0
-    if env.route_finisher():  # block 0 selects and buckets (moe_route.cu FR_FINISHER)
-        cut["FR_FINISHER"] = 1
     probe = env.chain_probe()  # bench only (tests/gpu/probe_route_chain.py)
     return get_kernel("moe_route.cu", "moe_route_fused", FUSED_ROUTE=1, D=D, E=E, FR_TPB=fused_route_rows(T),
                       MAX_T=_FR_MAX_T, MAX_TOP_K=MAX_TOP_K, BT=tile_rows, SHARED=int(shared_slot),
@@ -153,9 +151,8 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
     x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
     T·E floats are used); done: int32 [>= 1] device counters (done[0] the kernel's own; with signal_ready also
-    done[1:4], the routed GEMV's) whose first three must be 0 before a CUDA graph captures this call (every eager call
-    zeroes them; the kernel leaves done[0] at 0, the GEMV done[1:3]; done[3], the GEMV's unit pool, is zeroed by
-    this kernel before its signal).
+    done[1:3], the routed GEMV's) that must be 0 before a CUDA graph captures this call (every eager call zeroes
+    them; the kernel leaves done[0] at 0, the GEMV done[1:3]).
     norm_before (NormBefore): x is the mixer's output delta; the routing is then of RMSNorm(delta + residual),
     which the kernel also writes to norm_before.a_out, and the new residual stream to norm_before.h_out.
     signal_ready: every block also counts done[1] up once its logits are stored, the start signal of the routed
@@ -196,8 +193,8 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     if nb is not None:
         _check_x_aligned(nb.residual, D, "moe_route_fused (norm_before.residual)")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
-    if signal_ready and (done.size < 4 or phases < 1):
-        raise ValueError(f"moe_route_fused: signal_ready needs done of >= 4 words (the GEMV's counters; got "
+    if signal_ready and (done.size < 3 or phases < 1):
+        raise ValueError(f"moe_route_fused: signal_ready needs done of >= 3 words (the GEMV's counters; got "
                          f"{done.size}) and the kernel's count phase (phases >= 1; got {phases})")
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4 * min(int(done.size), 3), stream.ptr)
