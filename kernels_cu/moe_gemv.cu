@@ -55,7 +55,7 @@
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1).
-// DENSE = 1: KW, WARPS and DENSE_PRE (0, 1 or 2) only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
+// DENSE = 1: KW, WARPS, DENSE_PRE (0, 1 or 2) and WFMT (0 bf16 weights, 1 e4m3 with a scale a row) only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
 #include "common.cuh"
 
 #ifndef DENSE
@@ -88,8 +88,25 @@
 #if KW % 8
 #error "moe_gemv.cu: KW must be a multiple of 8 (16-byte pieces)"
 #endif
-#define PIECES (KW / 8)                  // 16-byte pieces of one weight row
+#define PIECES (KW / 8)                  // 16-byte pieces of one bf16 row (x, and bf16 weight rows)
 #define PER_LANE ((PIECES + 31) / 32)    // pieces of one row per lane
+#ifndef WFMT
+#define WFMT 0
+#endif
+#if WFMT == 1  // e4m3 weights, one fp32 scale a row (loader/quant.py): 16 weights a 16-byte piece
+#if !DENSE || KW % 16
+#error "moe_gemv.cu: WFMT = 1 (e4m3 weights) is gemv_dense's (DENSE = 1) and needs KW % 16 == 0"
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#error "moe_gemv.cu: WFMT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
+#endif
+#define W_PIECES (KW / 16)
+#elif WFMT == 0
+#define W_PIECES PIECES
+#else
+#error "moe_gemv.cu: WFMT must be 0 (bf16) or 1 (e4m3 with row scales)"
+#endif
+#define W_PER_LANE ((W_PIECES + 31) / 32)  // weight pieces of one row per lane
 
 __device__ __forceinline__ uint4 ld_once(const uint4* p) {
     uint4 v;
@@ -110,32 +127,72 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
     return acc;
 }
 
-// the lane's pieces of a unit's two weight rows
+#if WFMT == 1
+// two e4m3 values (the low byte first in memory) as floats, exactly (e4m3 -> f16 -> f32 loses nothing)
+__device__ __forceinline__ float2 e4m3x2_to_float2(unsigned pair) {
+    unsigned h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)pair));
+    float lo, hi;
+    asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    return make_float2(lo, hi);
+}
+
+// Σ over 16 e4m3 weights (one 16-byte piece) times the matching 16 bf16 x values (two pieces), into acc (fp32
+// FMA in element order)
+__device__ __forceinline__ float dot16_e4m3(uint4 w, uint4 x0, uint4 x1, float acc) {
+    const unsigned wv[4] = {w.x, w.y, w.z, w.w}, xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float2 a = e4m3x2_to_float2(wv[i / 2] >> (16 * (i & 1))), b = bf16x2_to_float2(xv[i]);
+        acc = fmaf(a.x, b.x, acc);
+        acc = fmaf(a.y, b.y, acc);
+    }
+    return acc;
+}
+#endif
+
+// the lane's pieces of a unit's two weight rows (WFMT = 1: also the rows' scales, set by the caller)
 struct Rows {
-    uint4 a[PER_LANE], b[PER_LANE];
+    uint4 a[W_PER_LANE], b[W_PER_LANE];
+#if WFMT == 1
+    float sa, sb;
+#endif
 };
 
-__device__ __forceinline__ void load_rows(Rows& r, const bf16* ra, const bf16* rb, int lane) {
+// the lane's pieces of two weight rows of W_PIECES 16-byte pieces (bf16: 8 weights a piece; e4m3: 16)
+__device__ __forceinline__ void load_rows(Rows& r, const void* ra, const void* rb, int lane) {
     const uint4 *a = reinterpret_cast<const uint4*>(ra), *b = reinterpret_cast<const uint4*>(rb);
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
+    for (int j = 0; j < W_PER_LANE; ++j) {
         const int p = lane + 32 * j;
-        r.a[j] = p < PIECES ? ld_once(a + p) : make_uint4(0, 0, 0, 0);
-        r.b[j] = p < PIECES ? ld_once(b + p) : make_uint4(0, 0, 0, 0);
+        r.a[j] = p < W_PIECES ? ld_once(a + p) : make_uint4(0, 0, 0, 0);
+        r.b[j] = p < W_PIECES ? ld_once(b + p) : make_uint4(0, 0, 0, 0);
     }
 }
 
-// both rows' products with x (shared memory), summed over the warp (every lane gets them)
+// both rows' products with x (shared memory), summed over the warp (every lane gets them); WFMT = 1: times the
+// rows' scales after the sum
 __device__ __forceinline__ float2 reduce_rows(const Rows& r, const uint4* xs, int lane) {
     float sa = 0.f, sb = 0.f;
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        if (lane + 32 * j >= PIECES) continue;  // (its rows are zeros)
+    for (int j = 0; j < W_PER_LANE; ++j) {
+        if (lane + 32 * j >= W_PIECES) continue;  // (its rows are zeros)
+#if WFMT == 1
+        const int p = lane + 32 * j;
+        const uint4 x0 = xs[2 * p], x1 = xs[2 * p + 1];
+        sa = dot16_e4m3(r.a[j], x0, x1, sa);
+        sb = dot16_e4m3(r.b[j], x0, x1, sb);
+#else
         const uint4 xv = xs[lane + 32 * j];     // 16 bytes a lane, consecutive: no bank conflicts
         sa = dot8(r.a[j], xv, sa);
         sb = dot8(r.b[j], xv, sb);
+#endif
     }
+#if WFMT == 1
+    return make_float2(warp_sum(sa) * r.sa, warp_sum(sb) * r.sb);
+#else
     return make_float2(warp_sum(sa), warp_sum(sb));
+#endif
 }
 
 // barrier of the WARPS compute warps (the routed variant's extra warp never joins it)
@@ -351,15 +408,27 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 // early: the combine kernel before it ends ~4.7 us after the down GEMM instead of ~2.3 (its loads queue behind the
 // GEMV's), more so with 2 units (19 MB); the KDA decode kernel after it then ended ~8.6 us after the GEMV (6.4
 // after cuBLAS) until it loaded its state before its own wait too (kda_decode.cu EARLY_STATE).
+// WFMT = 1: w holds e4m3 weights (KW bytes a row) and scale[n] each row's fp32 scale (loader/quant.py), loaded with
+// the row: y[n] = bf16(scale[n] · Σ_k x[k] · float(w[n, k])) (the scale applied once, to the fp32 sum).
+#if WFMT == 1
+typedef unsigned char wtype;
+#else
+typedef bf16 wtype;
+#endif
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
-gemv_dense(const bf16* __restrict__ x, const bf16* __restrict__ w, int n, bf16* __restrict__ y) {
+gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16* __restrict__ y,
+           const float* __restrict__ scale) {
     KDA_PDL_ENTRY_DEFERRED();
     __shared__ uint4 xs[PIECES];
     const int lane = threadIdx.x & 31;
     const int2 range = warp_units((n + 1) / 2);
     auto rows = [&](Rows& r, int u) {  // rows 2u and 2u + 1 (2u again past the end)
-        const bf16* a = w + (size_t)(2 * u) * KW;
+        const wtype* a = w + (size_t)(2 * u) * KW;
         load_rows(r, a, 2 * u + 1 < n ? a + KW : a, lane);
+#if WFMT == 1
+        r.sa = __ldg(scale + 2 * u);
+        r.sb = __ldg(scale + (2 * u + 1 < n ? 2 * u + 1 : 2 * u));
+#endif
     };
     auto finish = [&](const Rows& r, int u) {  // unit u's two outputs
         const float2 s = reduce_rows(r, xs, lane);

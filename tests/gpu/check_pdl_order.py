@@ -123,7 +123,12 @@ def main() -> int:
         for filename, kernel, defines in variants():
             path = Path(tmp) / f"{kernel}.cubin"
             path.write_bytes(cubin(filename, defines, use_nvcc))
-            sass = subprocess.run([tool, str(path)], check=True, capture_output=True, text=True).stdout
+            run = subprocess.run([tool, str(path)], capture_output=True, text=True)
+            if run.returncode:
+                print(f"error: {tool} failed on {kernel} ({filename}, {len(path.read_bytes())} bytes, starts "
+                      f"{path.read_bytes()[:4]!r}): {run.stderr.strip()[:400]}", file=sys.stderr)
+                return 2
+            sass = run.stdout
             counts = order(sass, kernel)
             flag = ""
             if kernel in EARLY_LOADS and (not counts or counts[-1] == 0):

@@ -158,3 +158,66 @@ def test_gemv_dense_refuses_what_it_cannot_run():
     with pytest.raises((ValueError, TypeError)):
         gemv_dense(x, w, cupy.empty((1, 16), dtype=np.float32))
 
+
+
+E4M3_SHAPES = {  # name: (N, K), K % 16 == 0 (16 e4m3 weights a 16-byte piece)
+    "qkv-fgb": (12576, 2304),  # 144 pieces a row: lanes hold 5 or 4
+    "mla-q-kva": (6720, 2304),
+    "odd-N-K528": (1001, 528),  # 33 pieces a row (lane 0 holds two), the last unit one row
+    "N3-K80": (3, 80),  # fewer units than warps, 5 pieces a row
+    "K2560": (4096, 2560),  # MAX_K
+}
+
+
+@pytest.mark.parametrize("pre", ["0", "1"])
+@pytest.mark.parametrize("name", list(E4M3_SHAPES))
+def test_gemv_dense_e4m3_matches_numpy(name, pre, monkeypatch):
+    """e4m3 weights with a scale a row (moe_gemv.cu WFMT = 1, loader/quant.quantize_rows) against float64 NumPy of
+    x · (float(q) · scale)ᵀ: the same bound as the bf16 kernel's (the e4m3 -> fp32 conversion is exact and the
+    scale adds one fp32 rounding to the sum).  Rows of very different magnitudes (scales from 2^-12 to 2^6) and a
+    row of zeros (scale 1), so a scale applied to the wrong row or not at all is off by orders of magnitude; a
+    swapped e4m3 pair within a word is off by ~Σ|x w| / sqrt(K), far above the bound.  Outputs poisoned first,
+    written through a column slice of a wider buffer."""
+    import cupy
+
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", pre)
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import gemv_dense
+    from kda_rt.loader.quant import dequantize_rows, quantize_rows
+
+    N, K = E4M3_SHAPES[name]
+    rng = np.random.default_rng(zlib.crc32(f"e4m3/{name}".encode()))
+    x = bf16_round(rng.normal(size=(1, K)))
+    w = rng.normal(size=(N, K)) / np.sqrt(K) * 2.0 ** rng.integers(-12, 7, size=(N, 1))
+    w[N // 2] = 0.0
+    q, scale = quantize_rows(w, "w")
+    assert scale[N // 2] == 1.0
+    wq = dequantize_rows(q, scale).astype(np.float64)
+    wide = cupy.empty((1, N + 24), dtype=BF16)
+    poison(wide)
+    gemv_dense(to_gpu_bf16(x), cupy.asarray(q.view(np.uint8)), wide[:, 8:8 + N], scale=cupy.asarray(scale))
+    got = to_np(wide)
+    assert np.isnan(got[:, :8]).all() and np.isnan(got[:, 8 + N:]).all(), "wrote outside the view"
+    assert np.isfinite(got[:, 8:8 + N]).all(), "outputs left unwritten"
+    assert (got[0, 8 + N // 2] == 0.0), "the zero row's output is not 0"
+    _check(got[:, 8:8 + N], x, wq, f"e4m3/{name}")
+
+
+def test_gemv_dense_e4m3_refusals():
+    """Bad e4m3 calls are refused by name: bf16 weights with a scale, K not a multiple of 16, a scale of the wrong
+    length or dtype."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import gemv_dense
+
+    x, out = cupy.ones((1, 64), BF16), cupy.empty((1, 4), BF16)
+    with pytest.raises(TypeError, match="weight must have dtype uint8"):
+        gemv_dense(x, cupy.ones((4, 64), BF16), out, scale=cupy.ones(4, np.float32))
+    with pytest.raises(ValueError, match="K % 16 == 0"):
+        gemv_dense(cupy.ones((1, 72), BF16), cupy.ones((4, 72), np.uint8), out, scale=cupy.ones(4, np.float32))
+    with pytest.raises(ValueError, match="scale must have shape"):
+        gemv_dense(x, cupy.ones((4, 64), np.uint8), out, scale=cupy.ones(5, np.float32))
+    with pytest.raises(TypeError, match="scale must have dtype float32"):
+        gemv_dense(x, cupy.ones((4, 64), np.uint8), out, scale=cupy.ones(4, np.float16))

@@ -71,9 +71,10 @@ def fits(x, weight, out, accumulate: bool) -> bool:
 PRE_UNITS = 1
 
 
-def _kernel(K: int, cfg: GemvConfig = DEFAULT):
+def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False):
+    fmt = {"WFMT": 1} if e4m3 else {}  # e4m3 weights with a scale a row (moe_gemv.cu WFMT)
     return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps,
-                      DENSE_PRE=env.dense_gemv_pre(PRE_UNITS))
+                      DENSE_PRE=env.dense_gemv_pre(PRE_UNITS), **fmt)
 
 
 def precompile(shapes=()) -> int:
@@ -86,16 +87,31 @@ def precompile(shapes=()) -> int:
     return len(widths)
 
 
-def gemv_dense(x, weight, out, *, cfg: GemvConfig = DEFAULT, stream=None):
+def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=None):
     """x [1, K] bf16 (16-byte aligned), weight [N, K] bf16 C-contiguous -> out [1, N] bf16 (a row of a wider
-    buffer is fine): out = bf16(x · weightᵀ) with fp32 sums."""
+    buffer is fine): out = bf16(x · weightᵀ) with fp32 sums.
+    With scale [N] fp32, weight holds e4m3 values as uint8 bits [N, K] (loader/quant.quantize_rows; K % 16 == 0,
+    sm_89+): out = bf16(scale · (x · float(weight)ᵀ)), the scale applied to each row's fp32 sum."""
+    import numpy as np
+
     _, K = expect(x, "x", shape=(1, None), dtype=BF16, row_stride=True)
-    N, _ = expect(weight, "weight", shape=(None, K), dtype=BF16)
+    e4m3 = scale is not None
+    N, _ = expect(weight, "weight", shape=(None, K), dtype=np.uint8 if e4m3 else BF16)
     expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
-    if K <= 0 or K % 8 or K > MAX_K or weight.data.ptr % 16 or x.data.ptr % 16:
-        raise ValueError(f"gemv_dense: needs 0 < K <= {MAX_K}, K % 8 == 0 (got {K}) and x and weight 16-byte aligned")
+    piece = 16 if e4m3 else 8  # weights a 16-byte piece
+    if K <= 0 or K % piece or K > MAX_K or weight.data.ptr % 16 or x.data.ptr % 16:
+        raise ValueError(f"gemv_dense: needs 0 < K <= {MAX_K}, K % {piece} == 0 (got {K}; {piece} "
+                         f"{'e4m3' if e4m3 else 'bf16'} weights a 16-byte piece) and x and weight 16-byte aligned")
+    if e4m3:
+        expect(scale, "scale", shape=(N,), dtype=np.float32)
+        from kda_rt.cuda.ops.compile import device_arch
+
+        arch = device_arch()
+        if int(arch.removeprefix("sm_").rstrip("a")) < 89:
+            raise ValueError(f"gemv_dense: e4m3 weights need sm_89 or newer (this GPU: {arch})")
     if N == 0:
         return out
-    kernel = _kernel(K, cfg)
-    kernel((grid(kernel, cfg, cfg.warps),), (32 * cfg.warps,), (x, weight, i32(N), out), stream=stream)
+    kernel = _kernel(K, cfg, e4m3)
+    kernel((grid(kernel, cfg, cfg.warps),), (32 * cfg.warps,),
+           (x, weight, i32(N), out, scale if e4m3 else np.uint64(0)), stream=stream)
     return out

@@ -1,0 +1,44 @@
+"""FP8 (e4m3) weights with one fp32 scale per output row (per channel): the weight format that the GEMV kernels take
+besides bf16 (kernels_cu/moe_gemv.cu WFMT = 1, ops/gemv.gemv_dense with `scale`).
+
+    w[n, k] ≈ float(q[n, k]) · scale[n],   scale[n] = max_k |w[n, k]| / 448   (448: e4m3's largest finite value)
+
+so each row uses e4m3's whole range and the rounding error of an entry is at most half an e4m3 ulp of its scaled
+value (2^-4 relative for normal values).  A row of zeros gets scale 1 (every q 0).  e4m3 here is the "fn" variant
+(no infinities, one NaN pattern), the one checkpoints store as safetensors F8_E4M3."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["E4M3", "E4M3_MAX", "dequantize_rows", "quantize_rows"]
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0
+
+
+def quantize_rows(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """w [N, K] (any float dtype) -> (q [N, K] e4m3, scale [N] fp32) as above.  A non-finite entry is refused with
+    the tensor's name and the entry's row and column (it would make its whole row's scale, and every product, NaN)."""
+    w = np.asarray(w)
+    if w.ndim != 2 or not (w.dtype.kind == "f" or w.dtype == np.dtype(ml_dtypes.bfloat16)):
+        raise ValueError(f"quantize_rows: {name} must be a 2-D float array, got shape {w.shape} dtype {w.dtype}")
+    w32 = w.astype(np.float32)
+    bad = ~np.isfinite(w32)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise ValueError(f"quantize_rows: {name} has a non-finite entry ({w32[r, c]}) at row {r}, column {c}")
+    amax = np.abs(w32).max(axis=1) if w32.shape[1] else np.zeros(w32.shape[0], np.float32)
+    scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    # the division's rounding can put |w / scale| a hair above 448; clip so that it rounds to 448, not to NaN
+    q = np.clip(w32 / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return q, scale
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 q · scale (per row), the values the kernels multiply."""
+    if q.dtype != E4M3 or q.ndim != 2 or scale.shape != (q.shape[0],):
+        raise ValueError(f"dequantize_rows: needs q [N, K] e4m3 and scale [N], got {q.dtype} {q.shape} and "
+                         f"{scale.dtype} {scale.shape}")
+    return q.astype(np.float32) * scale.astype(np.float32)[:, None]
