@@ -3,7 +3,8 @@
 // moe_gemv_down) its down projection, and (DENSE = 1, gemv_dense at the end of the file, launched by
 // kda_rt/cuda/ops/gemv.py) a dense one-row projection:
 //
-//   moe_gemv_gate_up: same math and rounding as moe_gemm_tc.cu's FUSE_SILU = 1 (spec §5.1):
+//   moe_gemv_gate_up: same math and rounding as moe_gemm_tc.cu's FUSE_SILU = 1 (spec §5.1) (WFMT = 1: w13 in e4m3
+//   with scale13 [E, 2·INTER] fp32, g and u each their row's scale times the fp32 sum, then the same roundings):
 //       h[r, f] = bf16( bf16(SiLU(bf16(g))) · bf16(u) ),   g = x · W[e, f]ᵀ,  u = x · W[e, INTER + f]ᵀ
 //     for the rows r of the plan's tiles (moe_align.cu, any BT): at one token every pair has its own expert
 //     (the top-k ids are distinct, the shared slot is bin E), so tile t is the single row tile_row[t] of
@@ -55,7 +56,8 @@
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1).
-// DENSE = 1: KW, WARPS, DENSE_PRE (0, 1 or 2) and WFMT (0 bf16 weights, 1 e4m3 with a scale a row) only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
+// WFMT (gate/up and DENSE): 0 bf16 weights, 1 e4m3 with an fp32 scale a row (KW % 16 == 0, sm_89+).
+// DENSE = 1: KW, WARPS, DENSE_PRE (0, 1 or 2) and WFMT only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
 #include "common.cuh"
 
 #ifndef DENSE
@@ -94,8 +96,8 @@
 #define WFMT 0
 #endif
 #if WFMT == 1  // e4m3 weights, one fp32 scale a row (loader/quant.py): 16 weights a 16-byte piece
-#if !DENSE || KW % 16
-#error "moe_gemv.cu: WFMT = 1 (e4m3 weights) is gemv_dense's (DENSE = 1) and needs KW % 16 == 0"
+#if DOWN || KW % 16
+#error "moe_gemv.cu: WFMT = 1 (e4m3 weights) is gemv_dense's and moe_gemv_gate_up's and needs KW % 16 == 0"
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 #error "moe_gemv.cu: WFMT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
@@ -107,6 +109,11 @@
 #error "moe_gemv.cu: WFMT must be 0 (bf16) or 1 (e4m3 with row scales)"
 #endif
 #define W_PER_LANE ((W_PIECES + 31) / 32)  // weight pieces of one row per lane
+#if WFMT == 1
+typedef unsigned char wtype;  // e4m3 bits
+#else
+typedef bf16 wtype;
+#endif
 
 __device__ __forceinline__ uint4 ld_once(const uint4* p) {
     uint4 v;
@@ -217,6 +224,14 @@ __device__ __forceinline__ int2 warp_units(long long units) {
 }
 
 #if !DENSE && !DOWN
+// WFMT = 1: the scales of a unit's gate row (index g of w13's rows) and its up row (g + INTER); nothing for bf16
+__device__ __forceinline__ void row_scales(Rows& r, const float* __restrict__ scale13, size_t g) {
+#if WFMT == 1
+    r.sa = __ldg(scale13 + g);
+    r.sb = __ldg(scale13 + g + INTER);
+#endif
+}
+
 struct Unit {  // feature f of tile t: expert e, output row `row`
     int t, e, row;
 };
@@ -264,10 +279,10 @@ __device__ __forceinline__ void count_reset(int* done) {
 #endif
 
 extern "C" __global__ void __launch_bounds__(32 * (WARPS + ROUTED))
-moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const int* __restrict__ tile_expert,
+moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, const int* __restrict__ tile_expert,
                  const int* __restrict__ tile_row, const int* __restrict__ num_tiles, bf16* __restrict__ h,
                  const float* __restrict__ logits, const float* __restrict__ bias, int top_k, int* done,
-                 int ready_target) {
+                 int ready_target, const float* __restrict__ scale13) {
     GEMV_PDL_ENTRY();
 #if ROUTED
 #ifdef CHAIN_PROBE
@@ -284,8 +299,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = bins_sh[t], c.row = t;
-        const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
+        const wtype* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
         load_rows(r, g, g + (size_t)INTER * KW, lane);
+        row_scales(r, scale13, (size_t)c.e * 2 * INTER + (u - t * INTER));
     };
     Rows cur;
     Unit c{-1, 0, 0};
@@ -349,8 +365,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows, the tile's plan entries when it changes
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = __ldcg(tile_expert + t), c.row = __ldcg(tile_row + t);
-        const bf16* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
+        const wtype* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
         load_rows(r, g, g + (size_t)INTER * KW, lane);
+        row_scales(r, scale13, (size_t)c.e * 2 * INTER + (u - t * INTER));
     };
     Rows cur;
     Unit c{-1, 0, 0};
@@ -410,11 +427,6 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const bf16* __restrict__ w13, const
 // after cuBLAS) until it loaded its state before its own wait too (kda_decode.cu EARLY_STATE).
 // WFMT = 1: w holds e4m3 weights (KW bytes a row) and scale[n] each row's fp32 scale (loader/quant.py), loaded with
 // the row: y[n] = bf16(scale[n] · Σ_k x[k] · float(w[n, k])) (the scale applied once, to the fp32 sum).
-#if WFMT == 1
-typedef unsigned char wtype;
-#else
-typedef bf16 wtype;
-#endif
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16* __restrict__ y,
            const float* __restrict__ scale) {

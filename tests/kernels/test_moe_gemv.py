@@ -59,6 +59,69 @@ def test_moe_gemv_gate_up(name, config):
             check(h_np[rows], h_ref, f"{name}/{config} bm{bm} h expert {e}", rms_tol=1e-3, rtol=3e-2, atol_rms=1e-3)
 
 
+E4M3_CASES = {  # name: (D, I, E, A), D % 16 == 0
+    "D2304-I1024-E12-A9": (2304, 1024, 12, 9),
+    "D256-I128-E8-A2": (256, 128, 8, 2),
+    "D80-I40-E5-A3": (80, 40, 5, 3),  # 5 e4m3 pieces a row: lanes 5..31 hold none
+}
+
+
+@pytest.mark.parametrize("config", ["default", "w8-b2"])
+@pytest.mark.parametrize("name", list(E4M3_CASES))
+def test_moe_gemv_gate_up_e4m3(name, config):
+    """w13 in e4m3 with a scale a row (moe_gemv.cu WFMT = 1, loader/quant.quantize_rows over every expert's rows)
+    against the float64 reference on the dequantized weights, with the bf16 test's tolerances (the same rounding
+    points; the scale adds one fp32 rounding to each sum).  Experts of magnitudes 2^-6 .. 2^4 apart, so a scale
+    taken from the wrong expert or row, or the up row's scale on the gate row, fails by far."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import DEFAULT, moe_gemv_gate_up
+    from kda_rt.loader.quant import dequantize_rows, quantize_rows
+
+    D, inter, E, A = E4M3_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(f"e4m3/{name}/{config}".encode()))
+    x_np = bf16_round(rng.normal(size=(1, D)))
+    w = rng.normal(size=(E, 2 * inter, D)) / np.sqrt(D) * 2.0 ** rng.integers(-6, 5, size=(E, 2, 1, 1)).repeat(
+        inter, axis=2).reshape(E, 2 * inter, 1)
+    q, scale = quantize_rows(w.reshape(E * 2 * inter, D), "w13")
+    w_deq = dequantize_rows(q, scale).reshape(E, 2 * inter, D)
+    w13 = cupy.asarray(q.view(np.uint8).reshape(E, 2 * inter, D))
+    ids = make_ids(1, E, A, False, rng)
+    plan = make_plan(ids, E, 16)
+    h = cupy.empty((A, inter), dtype=BF16)
+    poison(h)
+    cfg = DEFAULT if config == "default" else DEFAULT._replace(pipe=False, blocks_per_sm=2)
+    moe_gemv_gate_up(to_gpu_bf16(x_np), w13, plan, out=h, scale=cupy.asarray(scale.reshape(E, 2 * inter)), cfg=cfg)
+    h_np = to_np(h)
+    assert np.all(np.isfinite(h_np)), f"{name}/{config}: rows left unwritten (NaN)"
+    off, sp = cupy.asnumpy(plan.expert_off), cupy.asnumpy(plan.sorted_pair)
+    w2 = np.zeros((E, D, inter), np.float32)  # (reference_rows also forms y; unused here)
+    for e in np.unique(ids):
+        rows, h_ref, _ = reference_rows(int(e), (off, sp), x_np, w_deq, w2, h_np, A)
+        check(h_np[rows], h_ref, f"e4m3 {name}/{config} h expert {e}", rms_tol=1e-3, rtol=3e-2, atol_rms=1e-3)
+
+
+def test_moe_gemv_gate_up_e4m3_refusals():
+    """e4m3 calls refused by name: bf16 w13 with a scale, D not a multiple of 16, a scale of the wrong shape."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import moe_gemv_gate_up
+
+    E, D, inter, A = 4, 256, 64, 2
+    plan = make_plan(np.array([[0, 2]], np.int32), E, 16)
+    h, x = cupy.empty((A, inter), dtype=BF16), cupy.zeros((1, D), dtype=BF16)
+    with pytest.raises(TypeError, match="w13 must have dtype uint8"):
+        moe_gemv_gate_up(x, cupy.zeros((E, 2 * inter, D), BF16), plan, out=h, scale=cupy.ones((E, 2 * inter), np.float32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        moe_gemv_gate_up(cupy.zeros((1, 24), BF16), cupy.zeros((E, 2 * inter, 24), np.uint8), plan, out=h,
+                         scale=cupy.ones((E, 2 * inter), np.float32))
+    with pytest.raises(ValueError, match="scale must have shape"):
+        moe_gemv_gate_up(x, cupy.zeros((E, 2 * inter, D), np.uint8), plan, out=h, scale=cupy.ones((E, inter), np.float32))
+
+
 def test_moe_gemv_rejects_bad_inputs():
     import cupy
 

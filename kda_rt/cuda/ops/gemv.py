@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
-from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.compile import device_arch, get_kernel, sm_count
 
-__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "fits", "gemv_dense", "grid", "precompile"]
+__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "check_e4m3_arch", "fits", "gemv_dense", "grid",
+           "precompile"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
 
@@ -71,6 +72,13 @@ def fits(x, weight, out, accumulate: bool) -> bool:
 PRE_UNITS = 1
 
 
+def check_e4m3_arch(what: str) -> None:
+    """e4m3 weights (moe_gemv.cu WFMT = 1) convert with cvt.rn.f16x2.e4m3x2: sm_89 or newer."""
+    arch = device_arch()
+    if int(arch.removeprefix("sm_").rstrip("a")) < 89:
+        raise ValueError(f"{what}: e4m3 weights need sm_89 or newer (this GPU: {arch})")
+
+
 def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False):
     fmt = {"WFMT": 1} if e4m3 else {}  # e4m3 weights with a scale a row (moe_gemv.cu WFMT)
     return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps,
@@ -104,11 +112,7 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
                          f"{'e4m3' if e4m3 else 'bf16'} weights a 16-byte piece) and x and weight 16-byte aligned")
     if e4m3:
         expect(scale, "scale", shape=(N,), dtype=np.float32)
-        from kda_rt.cuda.ops.compile import device_arch
-
-        arch = device_arch()
-        if int(arch.removeprefix("sm_").rstrip("a")) < 89:
-            raise ValueError(f"gemv_dense: e4m3 weights need sm_89 or newer (this GPU: {arch})")
+        check_e4m3_arch("gemv_dense")
     if N == 0:
         return out
     kernel = _kernel(K, cfg, e4m3)

@@ -16,7 +16,7 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
-from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, grid
+from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, check_e4m3_arch, grid
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
@@ -48,13 +48,16 @@ def fits(tokens: int, hidden: int) -> bool:
     return tokens == 1 and hidden % 8 == 0 and hidden <= MAX_K and env.moe_gemv()
 
 
-def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tuple[int, bool] | None = None):
+def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tuple[int, bool] | None = None,
+                e4m3: bool = False):
     """The kernel variant (built on first use; the runner builds it at start); routed = (E, shared): the variant
     that selects the token's experts itself (GemvRouting), with a shared expert its units first (SHARED_FIRST,
-    KDA_RT_GEMV_SHARED_FIRST)."""
+    KDA_RT_GEMV_SHARED_FIRST); e4m3: w13 in e4m3 with a scale a row (moe_gemv.cu WFMT = 1)."""
     extra = {} if routed is None else dict(ROUTED=1, NE=routed[0], MAX_TOP_K=MAX_TOP_K, SHARED=int(routed[1]),
                                            SHARED_FIRST=int(routed[1] and env.gemv_shared_first()),
                                            SIGNAL_OVERLAP=int(env.gemv_signal_overlap()))
+    if e4m3:
+        extra["WFMT"] = 1
     probe = env.chain_probe() if routed is not None else 0  # bench only: the routing chain's timer stamps
     if probe:
         extra["CHAIN_PROBE"] = probe
@@ -79,36 +82,45 @@ def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
     if r.logits.shape[0] < 1 or r.logits.shape[1] < r.num_experts or not r.logits.flags.c_contiguous or r.done.size < 3:
         raise ValueError(f"moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= {r.num_experts}] (got "
                          f"{r.logits.shape}) and routed.done >= 3 words (got {r.done.size})")
-    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared))
+    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared), e4m3=w13.dtype == np.uint8)
 
 
-def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, cfg: GemvConfig = DEFAULT, stream=None,
+def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig = DEFAULT, stream=None,
                      routed: GemvRouting | None = None):
     """x [1, D] bf16, w13 [E, 2I, D] bf16 ([gate; up] rows), plan of the token's pairs -> out h [N, I] bf16,
     row tile_row[t] = SiLU(x · gate_e) · (x · up_e) for e = tile_expert[t], t < num_tiles (one row a tile).
+    With scale [E, 2I] fp32, w13 holds e4m3 values as uint8 bits (loader/quant.quantize_rows per expert; D % 16 == 0,
+    sm_89+): gate and up are then each their row's scale times the fp32 sum, rounded as above.
     routed (GemvRouting): the experts come from the routing kernel's logits instead (the same choice and rows:
     the t-th smallest of the token's bins at row t); the plan is then only written, by that kernel, for the
     kernels after this one."""
     _, D = expect(x, "x", shape=(1, None), dtype=BF16)
-    _, two_i, _ = expect(w13, "w13", shape=(None, None, D), dtype=BF16)
+    e4m3 = scale is not None
+    E_w, two_i, _ = expect(w13, "w13", shape=(None, None, D), dtype=np.uint8 if e4m3 else BF16)
     N = plan.sorted_pair.shape[0]
     expect(out, "out", shape=(N, two_i // 2), dtype=BF16)
-    if D % 8 or D > MAX_K:
-        raise ValueError(f"moe_gemv_gate_up: hidden width {D} must be a multiple of 8 and at most {MAX_K}")
+    piece = 16 if e4m3 else 8  # weights a 16-byte piece
+    if D % piece or D > MAX_K:
+        raise ValueError(f"moe_gemv_gate_up: hidden width {D} must be a multiple of {piece} ({piece} "
+                         f"{'e4m3' if e4m3 else 'bf16'} weights a 16-byte piece) and at most {MAX_K}")
+    if e4m3:
+        expect(scale, "scale", shape=(E_w, two_i), dtype=np.float32)
+        check_e4m3_arch("moe_gemv_gate_up")
     if two_i % 2 or x.data.ptr % 16 or w13.data.ptr % 16:
         raise ValueError(f"moe_gemv_gate_up: w13 needs an even row count (got {two_i}) and x, w13 16-byte aligned")
     if N == 0:
         return out
     null = np.uint64(0)
     if routed is None:
-        kernel = gemv_kernel(D, two_i // 2, cfg)
+        kernel = gemv_kernel(D, two_i // 2, cfg, e4m3=e4m3)
         extra, warps = (null, null, i32(0), null, i32(0)), cfg.warps
     else:
         kernel = routed_kernel(w13, N, routed, cfg)
         r = routed
         extra, warps = (r.logits, r.bias, i32(r.top_k), r.done, i32(r.ready_target)), cfg.warps + 1
     kernel((grid(kernel, cfg, warps, routed is not None),), (32 * warps,),
-           (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out, *extra), stream=stream)
+           (x, w13, plan.tile_expert, plan.tile_row, plan.num_tiles, out, *extra, scale if e4m3 else null),
+           stream=stream)
     return out
 
 
