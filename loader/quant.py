@@ -1,10 +1,12 @@
 """FP8 (e4m3) weights with one fp32 scale per output row (per channel): the weight format that the GEMV kernels take
-besides bf16 (kernels_cu/moe_gemv.cu WFMT = 1, ops/gemv.gemv_dense with `scale`).
+besides bf16 (kernels_cu/moe_gemv.cu WFMT = 1: ops/gemv.gemv_dense and ops/moe_gemv.moe_gemv_gate_up with `scale`).
 
     w[n, k] ≈ float(q[n, k]) · scale[n],   scale[n] = max_k |w[n, k]| / 448   (448: e4m3's largest finite value)
 
 so each row uses e4m3's whole range and the rounding error of an entry is at most half an e4m3 ulp of its scaled
-value (2^-4 relative for normal values).  A row of zeros gets scale 1 (every q 0).  e4m3 here is the "fn" variant
+value (2^-4 relative for normal values).  A row of zeros gets scale 1 (every q 0), and so does a row whose largest
+entry is below 448 x fp32's smallest normal (~5e-36: its scale would be an fp32 subnormal, losing the row's range;
+such a row is zero to any use).  e4m3 here is the "fn" variant
 (no infinities, one NaN pattern), the one checkpoints store as safetensors F8_E4M3."""
 
 from __future__ import annotations
@@ -24,13 +26,21 @@ def quantize_rows(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.n
     w = np.asarray(w)
     if w.ndim != 2 or not (w.dtype.kind == "f" or w.dtype == np.dtype(ml_dtypes.bfloat16)):
         raise ValueError(f"quantize_rows: {name} must be a 2-D float array, got shape {w.shape} dtype {w.dtype}")
-    w32 = w.astype(np.float32)
-    bad = ~np.isfinite(w32)
+    w64 = w.astype(np.float64)
+    bad = ~np.isfinite(w64)
     if bad.any():
         r, c = np.argwhere(bad)[0]
-        raise ValueError(f"quantize_rows: {name} has a non-finite entry ({w32[r, c]}) at row {r}, column {c}")
+        raise ValueError(f"quantize_rows: {name} has a non-finite entry ({w64[r, c]}) at row {r}, column {c}")
+    big = np.abs(w64) > np.finfo(np.float32).max
+    if big.any():
+        r, c = np.argwhere(big)[0]
+        raise ValueError(f"quantize_rows: {name} has an entry outside float32's range ({w64[r, c]}) at row {r}, "
+                         f"column {c}")
+    w32 = w64.astype(np.float32)
     amax = np.abs(w32).max(axis=1) if w32.shape[1] else np.zeros(w32.shape[0], np.float32)
-    scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    tiny = E4M3_MAX * float(np.finfo(np.float32).tiny)  # below it the scale would be subnormal
+    scale = np.where(amax >= tiny, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    w32[amax < tiny] = 0.0  # (zero to any use: see above)
     # the division's rounding can put |w / scale| a hair above 448; clip so that it rounds to 448, not to NaN
     q = np.clip(w32 / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
     return q, scale

@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 SHAPES = {  # name: (N, K)
     "kda q|k|v|f_a|g_a|b": (12576, 2304),
     "mla q|kv_a": (6720, 2304),
-    "dense gate|up": (18432, 2304),
-    "expert gate|up x 9 (one token)": (9 * 2048, 2304),
+    "dense gate|up (the 9 experts' gate|up rows of a token have the same shape)": (18432, 2304),
 }
 
 

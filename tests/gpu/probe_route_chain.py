@@ -127,6 +127,7 @@ def main() -> int:
     out = {"what": "route chain (us from the routing kernel's wait returning)", "layers_per_replay": len(used),
            "replays": args.replays, "replay_ms_median": round(1e3 * statistics.median(walls), 4),
            "smallest_stamp_step_ns": min(steps) if steps else None,
+           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KDA_RT_")},  # the switches it ran under
            "median_us": {k: round(statistics.median(v), 2) for k, v in links.items() if v},
            "p10_p90_us": {k: [round(float(np.percentile(v, 10)), 2), round(float(np.percentile(v, 90)), 2)]
                           for k, v in links.items() if v}}

@@ -435,3 +435,36 @@ def test_pdl_dep_switch_reaches_the_register_preloading_kernels(monkeypatch):
     monkeypatch.setenv("KDA_RT_PDL_DEP", "2")
     with pytest.raises(ValueError, match="KDA_RT_PDL_DEP"):
         mr.fused_kernel(1, 256, 2304, 16, True)
+
+
+@pytest.mark.parametrize(("cc", "arch"), [("80", "sm_80"), ("89", "sm_89"), ("90", "sm_90a"), ("100", "sm_100a"),
+                                          ("120", "sm_120")])
+def test_device_arch_reads_two_and_three_digit_capabilities(cc, arch, monkeypatch):
+    """CuPy gives the capability as a string of digits: "90" on H200, "100" on B200 (not major 1, minor 00: that
+    built for sm_10 and failed on every Blackwell GPU).  arch_number reads the number back."""
+    import types
+
+    from kda_rt.cuda.ops import compile as c
+
+    monkeypatch.delenv("KDA_RT_ARCH", raising=False)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(compute_capability=cc)))
+    monkeypatch.setattr(c, "_cupy", lambda: fake)
+    assert c.device_arch() == arch
+    assert c.arch_number(arch) == int(cc)
+    for bad in ("gfx90a", "sm90", "sm_"):
+        with pytest.raises(ValueError, match="not a CUDA arch name"):
+            c.arch_number(bad)
+
+
+@pytest.mark.parametrize(("arch", "ok"), [("sm_80", False), ("sm_86", False), ("sm_89", True), ("sm_90a", True),
+                                          ("sm_100a", True), ("compute_120", True)])
+def test_e4m3_weights_need_sm89(arch, ok, monkeypatch):
+    """The e4m3 GEMVs (cvt.rn.f16x2.e4m3x2) refuse GPUs before sm_89 by name (KDA_RT_ARCH stands in for the GPU)."""
+    from kda_rt.cuda.ops.gemv import check_e4m3_arch
+
+    monkeypatch.setenv("KDA_RT_ARCH", arch)
+    if ok:
+        check_e4m3_arch("gemv_dense")
+    else:
+        with pytest.raises(ValueError, match=f"gemv_dense: e4m3 weights need sm_89 or newer .*{arch}"):
+            check_e4m3_arch("gemv_dense")

@@ -35,6 +35,11 @@ def test_quantize_rows_zero_rows_and_edges():
     assert q[1, 5].astype(np.float32) == -E4M3_MAX and np.isfinite(scale).all()
     assert np.all(q[2].astype(np.float32) == E4M3_MAX)
     assert not np.isnan(q.astype(np.float32)).any()
+    # rows below 448 x fp32's smallest normal (~5e-36): zero rows (scale 1, q 0), never NaN from a subnormal scale
+    t = np.zeros((2, 4), np.float32)
+    t[0, 0], t[1, 1] = 1e-44, -3e-36
+    q, scale = quantize_rows(t)
+    assert scale.tolist() == [1.0, 1.0] and not q.astype(np.float32).any()
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -43,6 +48,13 @@ def test_quantize_rows_refuses_non_finite_entries_by_name_and_place(bad):
     w[2, 3] = bad
     with pytest.raises(ValueError, match=r"experts\.w2 has a non-finite entry .* row 2, column 3"):
         quantize_rows(w, "experts.w2")
+
+
+def test_quantize_rows_refuses_entries_outside_float32_by_name_and_place():
+    w = np.ones((3, 5))
+    w[1, 4] = 1e39
+    with pytest.raises(ValueError, match=r"w13 has an entry outside float32's range .* row 1, column 4"):
+        quantize_rows(w, "w13")
 
 
 def test_quantize_rows_refuses_other_shapes_and_dtypes():

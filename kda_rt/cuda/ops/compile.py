@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ import msgpack
 
 from kda_rt import env
 
-__all__ = ["KERNEL_DIR", "CompileError", "device_arch", "device_name", "compile_cubin", "get_kernel", "sm_count",
+__all__ = ["KERNEL_DIR", "CompileError", "arch_number", "device_arch", "device_name", "compile_cubin", "get_kernel", "sm_count",
            "startup_log"]
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,18 @@ def device_arch() -> str:
     forced = env.arch_override()
     if forced:
         return forced
-    cupy = _cupy()
-    major, minor = cupy.cuda.Device().compute_capability[0], cupy.cuda.Device().compute_capability[1:]
-    return arch_for(int(major), int(minor))
+    # CuPy gives the capability as digits, major then one digit of minor ("90" on Hopper, "100" on B200): split
+    # by value, not by characters (the first character of "100" is not its major)
+    major, minor = divmod(int(_cupy().cuda.Device().compute_capability), 10)
+    return arch_for(major, minor)
+
+
+def arch_number(arch: str) -> int:
+    """The capability in an arch name as major * 10 + minor: "sm_90a" -> 90, "sm_100a" -> 100, "compute_89" -> 89."""
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)[a-z]?", arch)
+    if m is None:
+        raise ValueError(f"not a CUDA arch name: {arch!r} (expected e.g. sm_90a or sm_100a)")
+    return int(m.group(1))
 
 
 @functools.cache

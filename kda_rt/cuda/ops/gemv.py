@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
-from kda_rt.cuda.ops.compile import device_arch, get_kernel, sm_count
+from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 
 __all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "check_e4m3_arch", "fits", "gemv_dense", "grid",
            "precompile"]
@@ -75,7 +75,7 @@ PRE_UNITS = 1
 def check_e4m3_arch(what: str) -> None:
     """e4m3 weights (moe_gemv.cu WFMT = 1) convert with cvt.rn.f16x2.e4m3x2: sm_89 or newer."""
     arch = device_arch()
-    if int(arch.removeprefix("sm_").rstrip("a")) < 89:
+    if arch_number(arch) < 89:
         raise ValueError(f"{what}: e4m3 weights need sm_89 or newer (this GPU: {arch})")
 
 
@@ -104,7 +104,10 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
 
     _, K = expect(x, "x", shape=(1, None), dtype=BF16, row_stride=True)
     e4m3 = scale is not None
-    N, _ = expect(weight, "weight", shape=(None, K), dtype=np.uint8 if e4m3 else BF16)
+    N, _ = expect(weight, "weight", shape=(None, K))
+    want = "uint8 (e4m3 bits, with scale=)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scale=)"
+    if weight.dtype != (np.uint8 if e4m3 else BF16):
+        raise TypeError(f"gemv_dense: weight must have dtype {want}, got {weight.dtype.name}")
     expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
     piece = 16 if e4m3 else 8  # weights a 16-byte piece
     if K <= 0 or K % piece or K > MAX_K or weight.data.ptr % 16 or x.data.ptr % 16:

@@ -82,7 +82,10 @@ def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
     if r.logits.shape[0] < 1 or r.logits.shape[1] < r.num_experts or not r.logits.flags.c_contiguous or r.done.size < 3:
         raise ValueError(f"moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= {r.num_experts}] (got "
                          f"{r.logits.shape}) and routed.done >= 3 words (got {r.done.size})")
-    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared), e4m3=w13.dtype == np.uint8)
+    if w13.dtype != BF16:  # (moe_gemv.cu builds WFMT = 1 routed, but no test runs it and no model path feeds it)
+        raise TypeError(f"moe_gemv_gate_up: the routed variant takes bf16 w13 only, got {w13.dtype.name} (e4m3 "
+                        "weights: the plan-reading variant, routed=None)")
+    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared))
 
 
 def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig = DEFAULT, stream=None,
@@ -96,7 +99,10 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig 
     kernels after this one."""
     _, D = expect(x, "x", shape=(1, None), dtype=BF16)
     e4m3 = scale is not None
-    E_w, two_i, _ = expect(w13, "w13", shape=(None, None, D), dtype=np.uint8 if e4m3 else BF16)
+    E_w, two_i, _ = expect(w13, "w13", shape=(None, None, D))
+    want = "uint8 (e4m3 bits, with scale=)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scale=)"
+    if w13.dtype != (np.uint8 if e4m3 else BF16):
+        raise TypeError(f"moe_gemv_gate_up: w13 must have dtype {want}, got {w13.dtype.name}")
     N = plan.sorted_pair.shape[0]
     expect(out, "out", shape=(N, two_i // 2), dtype=BF16)
     piece = 16 if e4m3 else 8  # weights a 16-byte piece
