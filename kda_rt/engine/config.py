@@ -55,6 +55,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "new tokens per engine step (prefill chunks + decodes); "
                                                     "default: 16384 offline on a GPU of 70+ GiB (not A100), "
                                                     "else 8192; the server's default is 8192")
+    prefill_tail_tokens: int = _opt(0, "tokens a step may run over max_num_batched_tokens to finish a prompt, "
+                                       "so that no later step runs just its last few tokens")
     gpu_memory_utilization: float = _opt(0.90, "CUDA backend: share of device memory for weights + caches")
     seed: int = _opt(0, "seeds requests that bring no seed of their own")
     enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
@@ -72,6 +74,7 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
+        _check_int("prefill_tail_tokens", self.prefill_tail_tokens, lo=0)
         if self.block_size not in (16, 32, 64):
             raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size!r}")
         if self.num_blocks is not None:

@@ -4,6 +4,9 @@ One step, under a budget of `max_num_batched_tokens` new tokens:
 
 1. Running sequences, decodes first, then unfinished (chunked) prefills, each group oldest first.
    A sequence gets min(uncomputed tokens, budget left) tokens and the MLA pages those tokens need
+   (a prompt whose rest exceeds the budget left by at most the step's `prefill_tail_tokens` takes it
+   all: no later step runs just its last few tokens, at the price of a step up to that many tokens
+   over the budget; the same when a waiting prompt is admitted)
    (pages are allocated as tokens are computed, never for the whole length up front).  A prefill
    chunk shrinks to the pages that are free; when not even one token fits, the newest running
    sequence is preempted by recompute: its slot and pages are freed, `num_computed` drops to 0
@@ -45,12 +48,16 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int  # MLA pages the scheduler may hand out (ids 0..num_blocks-1)
     num_slots: int  # KDA state slots the scheduler may hand out (ids 0..num_slots-1)
+    prefill_tail_tokens: int = 0  # tokens a step may run over its budget to finish a prompt (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "num_slots"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        t = self.prefill_tail_tokens
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"prefill_tail_tokens must be an int >= 0, got {t!r}")
 
 
 @dataclass
@@ -108,16 +115,18 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = [self.config.max_num_batched_tokens]  # boxed: preemption refunds it
+        # boxed: preemption refunds it.  Tokens left of the budget plus the tail: a chunk may use the tail only
+        # to finish its prompt (_chunk), and no chunk starts once the budget proper is spent
+        budget = [self.config.max_num_batched_tokens + self.config.prefill_tail_tokens]
         chosen: dict[Sequence, int] = {}
         decodes = [s for s in self.running if not s.in_prefill]
         prefills = [s for s in self.running if s.in_prefill]
         for seq in decodes + prefills:
-            if budget[0] == 0:
+            if self._spent(budget):
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = self._grow(seq, min(seq.num_uncomputed, budget[0]), chosen, budget, out.preempted)
+            n = self._grow(seq, self._chunk(seq, budget), chosen, budget, out.preempted)
             if n:
                 chosen[seq] = n
                 budget[0] -= n
@@ -125,6 +134,16 @@ class Scheduler:
             self._admit(chosen, budget)
         out.scheduled = list(chosen.items())
         return out
+
+    def _spent(self, budget: list[int]) -> bool:
+        """No budget proper left (the tail alone starts no chunk)."""
+        return budget[0] <= self.config.prefill_tail_tokens
+
+    def _chunk(self, seq: Sequence, budget: list[int]) -> int:
+        """Tokens `seq` asks for: all its uncomputed tokens when they fit the budget and tail left, else as many
+        as the budget proper has left."""
+        n = seq.num_uncomputed
+        return n if n <= budget[0] else min(n, budget[0] - self.config.prefill_tail_tokens)
 
     def commit(self, out: SchedulerOutput) -> None:
         """The model ran `out`: the scheduled tokens are now in the cache."""
@@ -159,9 +178,9 @@ class Scheduler:
         # pages the running prefills will still take, plus one page of growth per running sequence
         promised = sum(max(0, self.pages_for(s.num_tokens) - len(s.blocks)) for s in self.running if s.in_prefill)
         for seq in [head] + [window[i] for i in order]:
-            if budget[0] == 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
+            if self._spent(budget) or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            n = min(seq.num_uncomputed, budget[0])
+            n = self._chunk(seq, budget)
             need = self.pages_for(n)
             whole = self.pages_for(seq.num_uncomputed)
             if whole > self.pages.num_free - promised - len(self.running):

@@ -112,7 +112,7 @@ def workloads(draw):
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=draw(st.integers(1, 48)),
         block_size=draw(st.sampled_from([16, 16, 32, 64])), num_blocks=draw(st.integers(2, 12)),
-        num_slots=5,
+        num_slots=5, prefill_tail_tokens=draw(st.sampled_from([0, 0, 1, 8, 100])),
     )
     events = draw(st.lists(st.tuples(
         st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60)), max_size=4),  # arrivals (prompt, max_tokens)
@@ -122,8 +122,14 @@ def workloads(draw):
 
 
 def check_schedule(sched: Scheduler, scheduled: list[tuple[Sequence, int]]) -> None:
-    """Before the model runs: budget kept, every chunk valid and backed by exactly its pages."""
-    assert sum(n for _, n in scheduled) <= sched.config.max_num_batched_tokens
+    """Before the model runs: budget kept (the tail only by a chunk that finishes its prompt), every chunk valid
+    and backed by exactly its pages."""
+    cfg = sched.config
+    total = sum(n for _, n in scheduled)
+    assert total <= cfg.max_num_batched_tokens + cfg.prefill_tail_tokens
+    if total > cfg.max_num_batched_tokens:  # the tail: the last chunk of the step finishes its prompt
+        seq, n = scheduled[-1]
+        assert seq.num_computed + n == seq.num_tokens and total - n < cfg.max_num_batched_tokens, scheduled
     assert len({id(s) for s, _ in scheduled}) == len(scheduled)
     for seq, n in scheduled:
         assert seq.status is SequenceStatus.RUNNING and seq.slot >= 0
@@ -215,3 +221,35 @@ def test_sequence_tokens_slices_prompt_then_outputs(prompt, out, data):
     assert seq.tokens(start, stop) == (prompt + out)[start:stop]
     with pytest.raises(IndexError):
         seq.tokens(start, n + 1)
+
+
+def test_prefill_tail_finishes_a_prompt_instead_of_a_tiny_last_step():
+    """Prompts of equal length whose first ones decode while later ones prefill: the decodes take budget, so the
+    last prompt's final tokens would run alone in one more step (the seed benchmark's 32 x 2048 at 16384: four full
+    steps, then 77 tokens).  With prefill_tail_tokens the chunk that would leave such a rest takes it: one step
+    fewer, each step over the budget by at most the tail and only by a chunk that ends its prompt (check_schedule);
+    the same prompts finish, and a rest larger than the tail is still cut at the budget."""
+    def steps(tail: int, prompts: int = 8, length: int = 48, budget: int = 96) -> list[list[tuple[Sequence, int]]]:
+        sched = Scheduler(config(max_num_seqs=prompts, num_slots=prompts, max_num_batched_tokens=budget,
+                                 num_blocks=200, prefill_tail_tokens=tail))
+        seqs = [make_seq(length, 4) for _ in range(prompts)]
+        for q in seqs:
+            sched.add(q)
+        out = []
+        while any(not q.output_token_ids for q in seqs):
+            out.append(fake_step(sched, check=True))
+        return out
+
+    plain, tail = steps(0), steps(16)
+    # two prompts a step, the finished ones decoding: step k leaves 2(k - 1) prompt tokens for a fifth step of 7
+    # decodes and the last prompt's final 8 tokens; with the tail each step takes its rest (2, 4, 6 over)
+    assert [sum(n for _, n in s) for s in plain] == [96, 96, 96, 96, 15]
+    assert [sum(n for _, n in s) for s in tail] == [96, 98, 100, 102]
+    assert [sum(n for _, n in s) for s in steps(1)] == [96, 96, 96, 96, 15]  # rests of 2 or more: cut as before
+    assert [sum(n for _, n in s) for s in steps(0, budget=100)] == [100, 100, 100, 96]  # room: no fifth step
+
+
+def test_prefill_tail_tokens_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="prefill_tail_tokens must be an int >= 0"):
+            config(prefill_tail_tokens=bad)

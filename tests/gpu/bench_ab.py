@@ -7,7 +7,8 @@ again after each flip (they keep the kernels they captured).
     PYTHONPATH=. python tests/gpu/bench_ab.py --env KDA_RT_HALF_TAILS --values 1,0 [--rounds 3]
         [--decode 1:2048:64,8:2048:64] [--replays 1,32] [--prompts 0]
 Several switches flip together with --env A,B --values 1:1,0:0,1:0 (one value per switch, ':'-joined).
-A switch named engine.FIELD flips a boolean EngineConfig field instead (1 / 0), e.g. --env engine.async_scheduling.
+A switch named engine.FIELD sets an EngineConfig field instead (a boolean one by 1 / 0, an int one to the value,
+the scheduler's copy too), e.g. --env engine.async_scheduling or engine.prefill_tail_tokens --values 0,256.
 --replays times the captured decode graph of each batch (graph replays of one step at ~2K context, CUDA
 events, median of 5 x 20): the same routing for every value, so the difference is the kernels'.
 --prompts 0 skips the prefill runs.  The values run in turn, in reverse order every other round.  One JSON line
@@ -61,8 +62,12 @@ def main() -> int:
     for r in range(args.rounds):
         for v in values if r % 2 == 0 else values[::-1]:  # the order alternates, so neither value always runs first
             for name, value in zip(envs, v.split(":"), strict=True):
-                if name.startswith("engine."):  # a boolean EngineConfig field, read at each step
-                    engine.config = dataclasses.replace(engine.config, **{name[len("engine."):]: value == "1"})
+                if name.startswith("engine."):  # an EngineConfig field, read at each step (a scheduler one too)
+                    field = name[len("engine."):]
+                    typed = value == "1" if isinstance(getattr(engine.config, field), bool) else int(value)
+                    engine.config = dataclasses.replace(engine.config, **{field: typed})
+                    if hasattr(engine.scheduler.config, field):
+                        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, **{field: typed})
                 else:
                     os.environ[name] = value
             if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
