@@ -88,3 +88,28 @@ def test_flat_batch_metadata(tiny_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(llm)
+
+
+def test_prefill_tail_tokens_finish_prompts_a_step_sooner(tiny_dir):
+    """Four 32-token prompts under a 64-token budget: the first two prompts' decodes take 2 tokens of the second
+    step, so without a tail the last prompt's final 2 tokens wait for a third step; with prefill_tail_tokens
+    (default budget // 64, here 1: too small; 8 given) the second step takes them, the run has one step fewer,
+    every step stays within budget + tail, and the greedy tokens are the same (float64)."""
+    prompts = mixed_prompts(4, seed=9, lo=32, hi=32)
+    runs = {}
+    for tail in (None, 0, 8):
+        llm = make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                       **({} if tail is None else {"prefill_tail_tokens": tail}))
+        assert llm.llm_engine.scheduler.config.prefill_tail_tokens == (1 if tail is None else tail)
+        rec = RecordingRunner(llm.llm_engine.runner)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(3))
+        finally:
+            rec.close()
+        sizes = [b.num_tokens for b in rec.batches]
+        assert max(sizes) <= 64 + (tail or 0), sizes
+        runs[tail] = ([o.outputs[0].token_ids for o in outs], sizes)
+        assert_no_leaks(llm)
+    assert runs[None][1] == runs[0][1]
+    assert len(runs[8][1]) == len(runs[0][1]) - 1, (runs[0][1], runs[8][1])
+    assert runs[8][0] == runs[0][0]
