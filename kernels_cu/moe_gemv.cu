@@ -490,7 +490,8 @@ gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16*
 // STAGES units' weight rows before the programmatic-launch wait, so they stream while the gate/up GEMV still runs;
 // h (the GEMV's output) is read after it.  The rows go through a ring of STAGES shared-memory stages per warp by
 // cp.async (a lane copies and later reads only its own 16-byte pieces, so no barrier guards a stage), and the CTA
-// stages the h rows of its own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory.
+// stages the h rows of its own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory (WFMT = 1:
+// WARPS·STAGES·2·KW + rows·KW·2 + WARPS·STAGES·8).
 // Measured (H200, 2026-12-01, full-model batch-1 graph replays): 2.1711 ms against 2.1950 with the tiled down GEMM
 // (-1.1%).  A variant holding two units a warp in registers (no dynamic shared memory, so its CTAs fit beside the
 // gate/up GEMV's by registers) ran 2.3961 ms (+9% on the tiled GEMM, +10% on this one) and was removed.  Ring

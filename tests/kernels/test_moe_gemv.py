@@ -271,3 +271,9 @@ def test_moe_gemv_down_e4m3_refusals():
                       scale=cupy.ones((E, D), np.float32))
     with pytest.raises(ValueError, match="scale must have shape"):
         moe_gemv_down(h, w2, plan, out=y, scale=cupy.ones((E, D + 2), np.float32))
+    with pytest.raises(TypeError, match=r"w2 must have dtype uint8 \(e4m3 bits, with scale=\)"):
+        moe_gemv_down(h, cupy.zeros((E, D, inter), dtype=BF16), plan, out=y, scale=cupy.ones((E, D), np.float32))
+    with pytest.raises(TypeError, match="scale must have dtype float32"):
+        moe_gemv_down(h, w2, plan, out=y, scale=cupy.ones((E, D), np.float64))
+    with pytest.raises(ValueError, match="8-byte boundary"):
+        moe_gemv_down(h, w2, plan, out=y, scale=cupy.ones(E * D + 1, np.float32)[1:].reshape(E, D))

@@ -180,6 +180,8 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
             raise ValueError(f"moe_gemv_down: e4m3 w2 needs an expert width % 16 == 0 (16 weights a 16-byte "
                              f"piece), got {inter}")
         expect(scale, "scale", shape=(E_w, D), dtype=np.float32)
+        if scale.data.ptr % 8:  # (the kernel copies each unit's two scales as one 8-byte piece)
+            raise ValueError("moe_gemv_down: scale must start on an 8-byte boundary")
         check_e4m3_arch("moe_gemv_down")
     if N > MAX_DOWN_TILES or N != plan.sorted_pair.shape[0]:
         raise ValueError(f"moe_gemv_down: one token's pairs, at most {MAX_DOWN_TILES} (one tile and h row each) and "
