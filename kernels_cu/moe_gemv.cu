@@ -103,17 +103,14 @@
 #error "moe_gemv.cu: WFMT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
 #endif
 #define W_PIECES (KW / 16)
+typedef unsigned char wtype;  // e4m3 bits
 #elif WFMT == 0
 #define W_PIECES PIECES
+typedef bf16 wtype;
 #else
 #error "moe_gemv.cu: WFMT must be 0 (bf16) or 1 (e4m3 with row scales)"
 #endif
 #define W_PER_LANE ((W_PIECES + 31) / 32)  // weight pieces of one row per lane
-#if WFMT == 1
-typedef unsigned char wtype;  // e4m3 bits
-#else
-typedef bf16 wtype;
-#endif
 
 __device__ __forceinline__ uint4 ld_once(const uint4* p) {
     uint4 v;
@@ -299,9 +296,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, cons
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = bins_sh[t], c.row = t;
-        const wtype* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
-        load_rows(r, g, g + (size_t)INTER * KW, lane);
-        row_scales(r, scale13, (size_t)c.e * 2 * INTER + (u - t * INTER));
+        const size_t gate = (size_t)c.e * 2 * INTER + (u - t * INTER);  // the unit's gate row in w13
+        load_rows(r, w13 + gate * KW, w13 + (gate + INTER) * KW, lane);
+        row_scales(r, scale13, gate);
     };
     Rows cur;
     Unit c{-1, 0, 0};
@@ -365,9 +362,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, cons
     auto rows = [&](Rows& r, Unit& c, int u) {  // loads unit u's rows, the tile's plan entries when it changes
         const int t = u / INTER;
         if (t != c.t) c.t = t, c.e = __ldcg(tile_expert + t), c.row = __ldcg(tile_row + t);
-        const wtype* g = w13 + ((size_t)c.e * 2 * INTER + (u - t * INTER)) * KW;
-        load_rows(r, g, g + (size_t)INTER * KW, lane);
-        row_scales(r, scale13, (size_t)c.e * 2 * INTER + (u - t * INTER));
+        const size_t gate = (size_t)c.e * 2 * INTER + (u - t * INTER);  // the unit's gate row in w13
+        load_rows(r, w13 + gate * KW, w13 + (gate + INTER) * KW, lane);
+        row_scales(r, scale13, gate);
     };
     Rows cur;
     Unit c{-1, 0, 0};

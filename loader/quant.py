@@ -6,8 +6,8 @@ besides bf16 (kernels_cu/moe_gemv.cu WFMT = 1: ops/gemv.gemv_dense and ops/moe_g
 so each row uses e4m3's whole range and the rounding error of an entry is at most half an e4m3 ulp of its scaled
 value (2^-4 relative for normal values).  A row of zeros gets scale 1 (every q 0), and so does a row whose largest
 entry is below 448 x fp32's smallest normal (~5e-36: its scale would be an fp32 subnormal, losing the row's range;
-such a row is zero to any use).  e4m3 here is the "fn" variant
-(no infinities, one NaN pattern), the one checkpoints store as safetensors F8_E4M3."""
+such a row is zero to any use).  e4m3 here is the "fn" variant (no infinities, one NaN pattern), the one
+checkpoints store as safetensors F8_E4M3."""
 
 from __future__ import annotations
 
@@ -26,17 +26,14 @@ def quantize_rows(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.n
     w = np.asarray(w)
     if w.ndim != 2 or not (w.dtype.kind == "f" or w.dtype == np.dtype(ml_dtypes.bfloat16)):
         raise ValueError(f"quantize_rows: {name} must be a 2-D float array, got shape {w.shape} dtype {w.dtype}")
-    w64 = w.astype(np.float64)
-    bad = ~np.isfinite(w64)
+    with np.errstate(over="ignore"):  # (a float64 entry past float32's range becomes inf: refused below)
+        w32 = w.astype(np.float32)
+    bad = ~np.isfinite(w32)
     if bad.any():
         r, c = np.argwhere(bad)[0]
-        raise ValueError(f"quantize_rows: {name} has a non-finite entry ({w64[r, c]}) at row {r}, column {c}")
-    big = np.abs(w64) > np.finfo(np.float32).max
-    if big.any():
-        r, c = np.argwhere(big)[0]
-        raise ValueError(f"quantize_rows: {name} has an entry outside float32's range ({w64[r, c]}) at row {r}, "
-                         f"column {c}")
-    w32 = w64.astype(np.float32)
+        v = float(w[r, c])
+        what = "a non-finite entry" if not np.isfinite(v) else "an entry outside float32's range"
+        raise ValueError(f"quantize_rows: {name} has {what} ({v}) at row {r}, column {c}")
     amax = np.abs(w32).max(axis=1) if w32.shape[1] else np.zeros(w32.shape[0], np.float32)
     tiny = E4M3_MAX * float(np.finfo(np.float32).tiny)  # below it the scale would be subnormal
     scale = np.where(amax >= tiny, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)

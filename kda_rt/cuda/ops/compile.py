@@ -30,8 +30,8 @@ import msgpack
 
 from kda_rt import env
 
-__all__ = ["KERNEL_DIR", "CompileError", "arch_number", "device_arch", "device_name", "compile_cubin", "get_kernel", "sm_count",
-           "startup_log"]
+__all__ = ["KERNEL_DIR", "CompileError", "arch_number", "device_arch", "device_name", "compile_cubin", "get_kernel",
+           "sm_count", "startup_log"]
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 
-__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "check_e4m3_arch", "fits", "gemv_dense", "grid",
+__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "check_e4m3_arch", "check_weight_dtype", "fits", "gemv_dense", "grid",
            "precompile"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
@@ -79,6 +81,13 @@ def check_e4m3_arch(what: str) -> None:
         raise ValueError(f"{what}: e4m3 weights need sm_89 or newer (this GPU: {arch})")
 
 
+def check_weight_dtype(what: str, name: str, weight, e4m3: bool) -> None:
+    """The GEMVs' weight: bf16, or uint8 e4m3 bits when a scale is given (moe_gemv.cu WFMT)."""
+    if weight.dtype != (np.uint8 if e4m3 else BF16):
+        want = "uint8 (e4m3 bits, with scale=)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scale=)"
+        raise TypeError(f"{what}: {name} must have dtype {want}, got {weight.dtype.name}")
+
+
 def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False):
     fmt = {"WFMT": 1} if e4m3 else {}  # e4m3 weights with a scale a row (moe_gemv.cu WFMT)
     return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps,
@@ -100,14 +109,10 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
     buffer is fine): out = bf16(x · weightᵀ) with fp32 sums.
     With scale [N] fp32, weight holds e4m3 values as uint8 bits [N, K] (loader/quant.quantize_rows; K % 16 == 0,
     sm_89+): out = bf16(scale · (x · float(weight)ᵀ)), the scale applied to each row's fp32 sum."""
-    import numpy as np
-
     _, K = expect(x, "x", shape=(1, None), dtype=BF16, row_stride=True)
     e4m3 = scale is not None
     N, _ = expect(weight, "weight", shape=(None, K))
-    want = "uint8 (e4m3 bits, with scale=)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scale=)"
-    if weight.dtype != (np.uint8 if e4m3 else BF16):
-        raise TypeError(f"gemv_dense: weight must have dtype {want}, got {weight.dtype.name}")
+    check_weight_dtype("gemv_dense", "weight", weight, e4m3)
     expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
     piece = 16 if e4m3 else 8  # weights a 16-byte piece
     if K <= 0 or K % piece or K > MAX_K or weight.data.ptr % 16 or x.data.ptr % 16:

@@ -16,7 +16,7 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
-from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, check_e4m3_arch, grid
+from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, check_e4m3_arch, check_weight_dtype, grid
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
@@ -100,9 +100,7 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig 
     _, D = expect(x, "x", shape=(1, None), dtype=BF16)
     e4m3 = scale is not None
     E_w, two_i, _ = expect(w13, "w13", shape=(None, None, D))
-    want = "uint8 (e4m3 bits, with scale=)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scale=)"
-    if w13.dtype != (np.uint8 if e4m3 else BF16):
-        raise TypeError(f"moe_gemv_gate_up: w13 must have dtype {want}, got {w13.dtype.name}")
+    check_weight_dtype("moe_gemv_gate_up", "w13", w13, e4m3)
     N = plan.sorted_pair.shape[0]
     expect(out, "out", shape=(N, two_i // 2), dtype=BF16)
     piece = 16 if e4m3 else 8  # weights a 16-byte piece
