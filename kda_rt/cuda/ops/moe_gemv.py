@@ -166,9 +166,7 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
     N, inter = expect(h, "h", ndim=2, dtype=BF16)
     e4m3 = scale is not None
     E_w, D, _ = expect(w2, "w2", shape=(None, None, inter))
-    want = "uint8 (e4m3 bits, with scale=)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scale=)"
-    if w2.dtype != (np.uint8 if e4m3 else BF16):
-        raise TypeError(f"moe_gemv_down: w2 must have dtype {want}, got {w2.dtype.name}")
+    check_weight_dtype("moe_gemv_down", "w2", w2, e4m3)
     expect(out, "out", shape=(N, D), dtype=BF16)
     if not down_fits(inter, D) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
         raise ValueError(f"moe_gemv_down: needs an expert width % 8 == 0 and <= {MAX_K} "
