@@ -56,7 +56,7 @@
 // units, where the separate down GEMM copies its first weights while the GEMV still runs.
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1).
-// WFMT (gate/up and DENSE): 0 bf16 weights, 1 e4m3 with an fp32 scale a row (KW % 16 == 0, sm_89+).
+// WFMT (every kernel here): 0 bf16 weights, 1 e4m3 with an fp32 scale a row (KW % 16 == 0, sm_89+).
 // DENSE = 1: KW, WARPS, DENSE_PRE (0, 1 or 2) and WFMT only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
 #include "common.cuh"
 
@@ -96,8 +96,8 @@
 #define WFMT 0
 #endif
 #if WFMT == 1  // e4m3 weights, one fp32 scale a row (loader/quant.py): 16 weights a 16-byte piece
-#if DOWN || KW % 16
-#error "moe_gemv.cu: WFMT = 1 (e4m3 weights) is gemv_dense's and moe_gemv_gate_up's and needs KW % 16 == 0"
+#if KW % 16
+#error "moe_gemv.cu: WFMT = 1 (e4m3 weights) needs KW % 16 == 0"
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 #error "moe_gemv.cu: WFMT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
@@ -487,28 +487,38 @@ gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16*
 // STAGES units' weight rows before the programmatic-launch wait, so they stream while the gate/up GEMV still runs;
 // h (the GEMV's output) is read after it.  The rows go through a ring of STAGES shared-memory stages per warp by
 // cp.async (a lane copies and later reads only its own 16-byte pieces, so no barrier guards a stage), and the CTA
-// stages the h rows of its own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory.
+// stages the h rows of its own tiles after the wait: (WARPS·STAGES·2 + rows)·KW·2 bytes of shared memory (WFMT = 1:
+// WARPS·STAGES·2·KW + rows·KW·2 + WARPS·STAGES·8).
 // Measured (H200, 2026-12-01, full-model batch-1 graph replays): 2.1711 ms against 2.1950 with the tiled down GEMM
 // (-1.1%).  A variant holding two units a warp in registers (no dynamic shared memory, so its CTAs fit beside the
 // gate/up GEMV's by registers) ran 2.3961 ms (+9% on the tiled GEMM, +10% on this one) and was removed.  Ring
 // depths (KDA_RT_DOWN_STAGES, branch next/down-stages): 3 2.2836, 4 2.2186, 6 2.1841 / 2.1771, 7 2.1767, 8 2.1853.
-// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, MAX_TILES, STAGES.
+// WFMT = 1: w2 in e4m3 (KW bytes a row, KW % 16 == 0) with scale2 [E, NOUT] fp32, each output its row's scale
+// times the fp32 sum (the pair of scales copied with the unit's rows, 8 bytes, by lane 0, which stores the outputs).
+// Compile-time constants: KW (a multiple of 8), NOUT (even), WARPS, MAX_TILES, STAGES, WFMT.
 
-// Σ of a unit's two rows times h (the lane's pieces), summed over the warp
+// Σ of a unit's two rows times h (the lane's weight pieces; hv holds the matching h pieces: one a weight piece for
+// bf16, two for e4m3, 2j and 2j + 1), summed over the warp
 __device__ __forceinline__ float2 dot_h(const uint4* a, const uint4* b, const uint4* hv, int lane) {
     float sa = 0.f, sb = 0.f;
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        if (lane + 32 * j >= PIECES) continue;
+    for (int j = 0; j < W_PER_LANE; ++j) {
+        if (lane + 32 * j >= W_PIECES) continue;
+#if WFMT == 1
+        sa = dot16_e4m3(a[j], hv[2 * j], hv[2 * j + 1], sa);
+        sb = dot16_e4m3(b[j], hv[2 * j], hv[2 * j + 1], sb);
+#else
         sa = dot8(a[j], hv[j], sa);
         sb = dot8(b[j], hv[j], sb);
+#endif
     }
     return make_float2(warp_sum(sa), warp_sum(sb));
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
-moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int* __restrict__ tile_expert,
-              const int* __restrict__ tile_row, const int* __restrict__ num_tiles, int rows, bf16* __restrict__ y) {
+moe_gemv_down(const bf16* __restrict__ h, const wtype* __restrict__ w2, const int* __restrict__ tile_expert,
+              const int* __restrict__ tile_row, const int* __restrict__ num_tiles, int rows, bf16* __restrict__ y,
+              const float* __restrict__ scale2) {
     KDA_PDL_ENTRY_DEFERRED();
     __shared__ int te[MAX_TILES], tr[MAX_TILES];
     const int lane = threadIdx.x & 31;
@@ -518,23 +528,38 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
     __syncthreads();
     constexpr int UPT = NOUT / 2;  // units a tile
     const int2 range = warp_units((long long)tiles * UPT);
-    auto store = [&](int u, float2 s) {  // the unit's two outputs, one 4-byte store (NOUT even: aligned)
+    // dynamic shared memory: [WARPS][STAGES][2][W_PIECES] weight stages, the CTA's h rows [.][PIECES], and with
+    // WFMT = 1 the stages' row scales [WARPS][STAGES] float2 (lane 0 copies and reads its warp's)
+    extern __shared__ uint4 dsm[];
+    uint4* ring = dsm + (size_t)(threadIdx.x >> 5) * STAGES * 2 * W_PIECES;  // this warp's stages
+#if WFMT == 1
+    float2* scale_ring = reinterpret_cast<float2*>(dsm + (size_t)WARPS * STAGES * 2 * W_PIECES + (size_t)rows * PIECES) +
+                         (threadIdx.x >> 5) * STAGES;
+#endif
+    auto store = [&](int i, int u, float2 s) {  // the unit's two outputs, one 4-byte store (NOUT even: aligned)
         const int t = u / UPT, p = u - t * UPT;
-        if (lane == 0)
+        if (lane == 0) {
+#if WFMT == 1
+            const float2 sc = scale_ring[i % STAGES];  // (lane 0's own copy: landed with the stage)
+            s.x *= sc.x;
+            s.y *= sc.y;
+#endif
             *reinterpret_cast<__nv_bfloat162*>(y + (size_t)tr[t] * NOUT + 2 * p) = __floats2bfloat162_rn(s.x, s.y);
+        }
     };
-    extern __shared__ uint4 dsm[];  // [WARPS][STAGES][2][PIECES] weight stages, then the CTA's h rows [.][PIECES]
-    uint4* ring = dsm + (size_t)(threadIdx.x >> 5) * STAGES * 2 * PIECES;  // this warp's stages
     auto issue = [&](int i) {  // unit range.x + i into stage i % STAGES; one commit group a unit, empty past the end
         const int u = range.x + i;
         if (u < range.y) {
             const int t = u / UPT, p = u - t * UPT;
             const uint4* src = reinterpret_cast<const uint4*>(w2 + ((size_t)te[t] * NOUT + 2 * p) * KW);
-            uint4* dst = ring + (i % STAGES) * 2 * PIECES;
-            for (int j = lane; j < PIECES; j += 32) {
+            uint4* dst = ring + (i % STAGES) * 2 * W_PIECES;
+            for (int j = lane; j < W_PIECES; j += 32) {
                 cp_async16(dst + j, src + j, 16);
-                cp_async16(dst + PIECES + j, src + PIECES + j, 16);
+                cp_async16(dst + W_PIECES + j, src + W_PIECES + j, 16);
             }
+#if WFMT == 1
+            if (lane == 0) cp_async8(scale_ring + i % STAGES, scale2 + (size_t)te[t] * NOUT + 2 * p);
+#endif
         }
         cp_async_commit();
     };
@@ -545,7 +570,7 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
     const long long all = (long long)tiles * UPT, warps = (long long)gridDim.x * WARPS;
     const int t_lo = (int)((long long)blockIdx.x * WARPS * all / warps) / UPT;
     const int t_hi = min(tiles - 1, (int)(((long long)(blockIdx.x + 1) * WARPS * all / warps - 1) / UPT));
-    uint4* hs = dsm + (size_t)WARPS * STAGES * 2 * PIECES;
+    uint4* hs = dsm + (size_t)WARPS * STAGES * 2 * W_PIECES;
     for (int idx = threadIdx.x; idx < (t_hi - t_lo + 1) * PIECES; idx += 32 * WARPS)
         hs[idx] = __ldcg(reinterpret_cast<const uint4*>(h + (size_t)tr[t_lo + idx / PIECES] * KW) + idx % PIECES);
     __syncthreads();
@@ -553,16 +578,19 @@ moe_gemv_down(const bf16* __restrict__ h, const bf16* __restrict__ w2, const int
         cp_async_wait<STAGES - 1>();  // this lane's pieces of unit i have landed
         asm volatile("" ::: "memory");  // (the stage's loads below stay below the wait)
         const int u = range.x + i, t = u / UPT;
-        const uint4* st = ring + (i % STAGES) * 2 * PIECES;
-        uint4 a[PER_LANE], b[PER_LANE], hv[PER_LANE];
+        const uint4* st = ring + (i % STAGES) * 2 * W_PIECES;
+        constexpr int HV = WFMT == 1 ? 2 : 1;  // h pieces a weight piece
+        uint4 a[W_PER_LANE], b[W_PER_LANE], hv[HV * W_PER_LANE];
 #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {
+        for (int j = 0; j < W_PER_LANE; ++j) {
             const int p = lane + 32 * j;
-            a[j] = p < PIECES ? st[p] : make_uint4(0, 0, 0, 0);
-            b[j] = p < PIECES ? st[PIECES + p] : make_uint4(0, 0, 0, 0);
-            hv[j] = p < PIECES ? hs[(t - t_lo) * PIECES + p] : make_uint4(0, 0, 0, 0);
+            a[j] = p < W_PIECES ? st[p] : make_uint4(0, 0, 0, 0);
+            b[j] = p < W_PIECES ? st[W_PIECES + p] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int k = 0; k < HV; ++k)
+                hv[HV * j + k] = p < W_PIECES ? hs[(t - t_lo) * PIECES + HV * p + k] : make_uint4(0, 0, 0, 0);
         }
-        store(u, dot_h(a, b, hv, lane));
+        store(i, u, dot_h(a, b, hv, lane));
         asm volatile("" ::: "memory");  // the stage's loads above stay above its refill
         issue(i + STAGES);
     }

@@ -208,3 +208,72 @@ def test_moe_gemv_down_rejects_bad_inputs():
         moe_gemv_down(cupy.zeros((2, 12), dtype=BF16), cupy.zeros((E, D, 12), dtype=BF16), plan, out=y)
     with pytest.raises(ValueError, match="the plan's"):
         moe_gemv_down(cupy.zeros((3, inter), dtype=BF16), w2, plan, out=cupy.empty((3, D), dtype=BF16))
+
+
+E4M3_DOWN_CASES = {  # name: (D, I, E, A), I % 16 == 0
+    "D2304-I1024-E12-A9": (2304, 1024, 12, 9),  # the 48B shape: 64 e4m3 pieces a row (lanes hold two)
+    "D72-I48-E5-A3": (72, 48, 5, 3),  # 3 pieces a row: lanes 3..31 hold none
+    "D2312-I32-E4-A1": (2312, 32, 4, 1),  # one tile, 2 pieces a row, 1156 units for ~528 warps
+    "D256-I144-E8-A8": (256, 144, 8, 8),  # 9 pieces a row, every expert routed
+}
+
+
+@pytest.mark.parametrize("name", list(E4M3_DOWN_CASES))
+def test_moe_gemv_down_e4m3(name):
+    """moe_gemv_down with w2 in e4m3 and a scale a row (moe_gemv.cu WFMT = 1: the rows' scale pair rides in the ring
+    stage with the rows) against NumPy on the dequantized weights, with the bf16 test's bound (the conversion to fp32
+    is exact; the scale adds one fp32 rounding).  Rows of magnitudes 2^-6 .. 2^4 apart, so a scale from another stage,
+    row or expert fails by far; y poisoned first."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import moe_gemv_down
+    from kda_rt.loader.quant import dequantize_rows, quantize_rows
+
+    D, inter, E, A = E4M3_DOWN_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(f"down-e4m3/{name}".encode()))
+    w = rng.normal(size=(E, D, inter)) / np.sqrt(inter) * 2.0 ** rng.integers(-6, 5, size=(E, D, 1))
+    q, scale = quantize_rows(w.reshape(E * D, inter), "w2")
+    w_deq = dequantize_rows(q, scale).astype(np.float64).reshape(E, D, inter)
+    ids = make_ids(1, E, A, False, rng)
+    plan = make_plan(ids, E, 16)
+    h_np = bf16_round(rng.normal(size=(A, inter)))
+    y = cupy.empty((A, D), dtype=BF16)
+    poison(y)
+    moe_gemv_down(cupy.asarray(h_np.astype(np.float32).astype(BF16)), cupy.asarray(q.view(np.uint8).reshape(E, D, inter)),
+                  plan, out=y, scale=cupy.asarray(scale.reshape(E, D)))
+    y_np = to_np(y)
+    assert np.all(np.isfinite(y_np)), f"{name}: rows left unwritten (NaN)"
+    off = cupy.asnumpy(plan.expert_off)
+    for e in np.unique(ids):
+        rows = np.arange(off[e], off[e + 1])
+        ref, mag = h_np[rows] @ w_deq[e].T, np.abs(h_np[rows]) @ np.abs(w_deq[e]).T
+        bad = ~(np.abs(y_np[rows] - ref) <= 2.0**-8 * np.abs(ref) + 2.0**-13 * mag)
+        assert not bad.any(), f"e4m3 {name} expert {e}: {int(bad.sum())} outputs off"
+
+
+def test_moe_gemv_down_e4m3_refusals():
+    """e4m3 down calls refused by name: uint8 w2 without a scale, an expert width not a multiple of 16, a scale of
+    the wrong shape."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemv import moe_gemv_down
+
+    E, D, inter = 4, 256, 64
+    plan = make_plan(np.array([[0, 2]], np.int32), E, 16)
+    h, y = cupy.zeros((2, inter), dtype=BF16), cupy.empty((2, D), dtype=BF16)
+    w2 = cupy.zeros((E, D, inter), dtype=np.uint8)
+    with pytest.raises(TypeError, match=r"w2 must have dtype bfloat16 \(or uint8 e4m3 bits with scale=\)"):
+        moe_gemv_down(h, w2, plan, out=y)
+    with pytest.raises(ValueError, match="% 16 == 0"):
+        moe_gemv_down(cupy.zeros((2, 24), dtype=BF16), cupy.zeros((E, D, 24), dtype=np.uint8), plan, out=y,
+                      scale=cupy.ones((E, D), np.float32))
+    with pytest.raises(ValueError, match="scale must have shape"):
+        moe_gemv_down(h, w2, plan, out=y, scale=cupy.ones((E, D + 2), np.float32))
+    with pytest.raises(TypeError, match=r"w2 must have dtype uint8 \(e4m3 bits, with scale=\)"):
+        moe_gemv_down(h, cupy.zeros((E, D, inter), dtype=BF16), plan, out=y, scale=cupy.ones((E, D), np.float32))
+    with pytest.raises(TypeError, match="scale must have dtype float32"):
+        moe_gemv_down(h, w2, plan, out=y, scale=cupy.ones((E, D), np.float64))
+    with pytest.raises(ValueError, match="8-byte boundary"):
+        moe_gemv_down(h, w2, plan, out=y, scale=cupy.ones(E * D + 1, np.float32)[1:].reshape(E, D))

@@ -134,8 +134,11 @@ DOWN_WARPS, DOWN_STAGES, MAX_DOWN_TILES = 4, 6, 32
 _DOWN_SMEM_MAX = 160 * 1024
 
 
-def _down_smem(inter: int, rows: int) -> int:
-    return (DOWN_WARPS * DOWN_STAGES * 2 + rows) * inter * 2  # ring stages, then the CTA's h rows
+def _down_smem(inter: int, rows: int, e4m3: bool = False) -> int:
+    """Ring stages (two weight rows each: bf16 2 bytes a weight, e4m3 1), the CTA's h rows (bf16), and with e4m3 each
+    stage's pair of row scales (moe_gemv.cu DOWN's layout)."""
+    ring = DOWN_WARPS * DOWN_STAGES * 2 * inter * (1 if e4m3 else 2)
+    return ring + rows * inter * 2 + (DOWN_WARPS * DOWN_STAGES * 8 if e4m3 else 0)
 
 
 def down_fits(inter: int, hidden: int) -> bool:
@@ -144,23 +147,38 @@ def down_fits(inter: int, hidden: int) -> bool:
             and _down_smem(inter, MAX_DOWN_TILES) <= _DOWN_SMEM_MAX)
 
 
-def down_kernel(inter: int, hidden: int):
-    """moe_gemv_down for expert width `inter` and output width `hidden` (built on first use; precompiled)."""
-    return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, MAX_DOWN_TILES),
-                      DOWN=1, KW=inter, NOUT=hidden, WARPS=DOWN_WARPS, MAX_TILES=MAX_DOWN_TILES, STAGES=DOWN_STAGES)
+def down_kernel(inter: int, hidden: int, e4m3: bool = False):
+    """moe_gemv_down for expert width `inter` and output width `hidden` (built on first use; precompiled); e4m3: w2
+    in e4m3 with a scale a row (moe_gemv.cu WFMT = 1)."""
+    fmt = {"WFMT": 1} if e4m3 else {}
+    return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, MAX_DOWN_TILES, e4m3),
+                      DOWN=1, KW=inter, NOUT=hidden, WARPS=DOWN_WARPS, MAX_TILES=MAX_DOWN_TILES, STAGES=DOWN_STAGES,
+                      **fmt)
 
 
-def moe_gemv_down(h, w2, plan: MoEPlan, *, out, stream=None):
+def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
     """h [N, I] bf16 (the gate/up GEMV's rows), w2 [E, D, I] bf16, plan of one token's N pairs -> out y [N, D] bf16,
     row tile_row[t] = bf16(h[tile_row[t]] · w2[tile_expert[t]]ᵀ) for t < num_tiles (fp32 sums; moe_gemm_tc's down
     GEMM rounds the same way, only its summation order differs).  One CTA an SM; each warp's first units of weight
-    rows are loaded before the programmatic-launch wait (moe_gemv.cu DOWN)."""
+    rows are loaded before the programmatic-launch wait (moe_gemv.cu DOWN).
+    With scale [E, D] fp32, w2 holds e4m3 values as uint8 bits (loader/quant.quantize_rows per expert; I % 16 == 0,
+    sm_89+): each output is its row's scale times the fp32 sum, rounded as above."""
     N, inter = expect(h, "h", ndim=2, dtype=BF16)
-    _, D, _ = expect(w2, "w2", shape=(None, None, inter), dtype=BF16)
+    e4m3 = scale is not None
+    E_w, D, _ = expect(w2, "w2", shape=(None, None, inter))
+    check_weight_dtype("moe_gemv_down", "w2", w2, e4m3)
     expect(out, "out", shape=(N, D), dtype=BF16)
     if not down_fits(inter, D) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
         raise ValueError(f"moe_gemv_down: needs an expert width % 8 == 0 and <= {MAX_K} "
                          f"(got {inter}), an even output width (got {D}), h, w2 16-byte and out 4-byte aligned")
+    if e4m3:
+        if inter % 16:
+            raise ValueError(f"moe_gemv_down: e4m3 w2 needs an expert width % 16 == 0 (16 weights a 16-byte "
+                             f"piece), got {inter}")
+        expect(scale, "scale", shape=(E_w, D), dtype=np.float32)
+        if scale.data.ptr % 8:  # (the kernel copies each unit's two scales as one 8-byte piece)
+            raise ValueError("moe_gemv_down: scale must start on an 8-byte boundary")
+        check_e4m3_arch("moe_gemv_down")
     if N > MAX_DOWN_TILES or N != plan.sorted_pair.shape[0]:
         raise ValueError(f"moe_gemv_down: one token's pairs, at most {MAX_DOWN_TILES} (one tile and h row each) and "
                          f"the plan's (got {N} rows of h, a plan of {plan.sorted_pair.shape[0]} pairs)")
@@ -168,8 +186,8 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, stream=None):
         return out
     import cupy
 
-    kernel = down_kernel(inter, D)
+    kernel = down_kernel(inter, D, e4m3)
     kernel((sm_count(cupy.cuda.Device().id),), (32 * DOWN_WARPS,),
-           (h, w2, plan.tile_expert, plan.tile_row, plan.num_tiles, i32(N), out),
-           shared_mem=_down_smem(inter, N), stream=stream)
+           (h, w2, plan.tile_expert, plan.tile_row, plan.num_tiles, i32(N), out, scale if e4m3 else np.uint64(0)),
+           shared_mem=_down_smem(inter, N, e4m3), stream=stream)
     return out
