@@ -58,6 +58,9 @@ class SchedulerConfig:
         t = self.prefill_tail_tokens
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"prefill_tail_tokens must be an int >= 0, got {t!r}")
+        if t > self.max_num_batched_tokens:  # a step of up to twice the budget: more than the tail is for
+            raise ValueError(f"prefill_tail_tokens ({t}) must be at most max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})")
 
 
 @dataclass
@@ -152,10 +155,14 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int, chosen: dict[Sequence, int], budget: list[int],
               preempted: list[Sequence]) -> int:
-        """Give `seq` pages for up to `n` more tokens; returns how many it gets (0: `seq` was preempted)."""
+        """Give `seq` pages for up to `n` more tokens; returns how many it gets (0: `seq` was preempted).  A chunk
+        that the free pages cut short of the prompt's end keeps to the budget proper (the tail is only for a chunk
+        that ends its prompt)."""
         bs = self.config.block_size
         while True:
             fit = min(n, (len(seq.blocks) + self.pages.num_free) * bs - seq.num_computed)
+            if fit < seq.num_uncomputed:  # (the step is not spent: budget[0] > tail, so this stays >= 1)
+                fit = min(fit, budget[0] - self.config.prefill_tail_tokens)
             if fit > 0:
                 extra = self.pages_for(seq.num_computed + fit) - len(seq.blocks)
                 if extra > 0:
