@@ -67,7 +67,10 @@ def main() -> int:
                     typed = value == "1" if isinstance(getattr(engine.config, field), bool) else int(value)
                     engine.config = dataclasses.replace(engine.config, **{field: typed})
                     if hasattr(engine.scheduler.config, field):
-                        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, **{field: typed})
+                        sched = {field: typed}
+                        if field == "max_num_batched_tokens" and engine.config.prefill_tail_tokens is None:
+                            sched["prefill_tail_tokens"] = typed // 64  # the default tail follows the budget
+                        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, **sched)
                 else:
                     os.environ[name] = value
             if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
