@@ -59,6 +59,8 @@ def test_generate_all_or_nothing_and_max_tokens_none(llm):
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"block_size": 8}, "block_size"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"num_blocks": 0}, "num_blocks"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"), ({"max_model_len": 0}, "max_model_len"),
+    ({"prefill_tail_tokens": -1}, "prefill_tail_tokens must be an int >= 0"),
+    ({"prefill_tail_tokens": 1.5}, "prefill_tail_tokens must be an int >= 0"),
 ])
 def test_engine_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -242,3 +244,12 @@ def test_profile_decodes_every_prompt_once_all_are_prefilled(tiny_dir):
     assert engine.counters["steps"] - steps >= 5  # 240 prompt tokens at 64 per step, then the decode
     assert not engine.has_pending_step()
     assert_no_leaks(llm)
+
+
+def test_prefill_tail_tokens_over_the_budget_refused_at_engine_build(tiny_dir):
+    """A tail larger than the step budget (a step of up to twice the budget) is refused when the engine is built,
+    naming both settings; the default follows the budget (budget // 64)."""
+    with pytest.raises(ValueError, match=r"prefill_tail_tokens \(65\) must be at most max_num_batched_tokens \(64\)"):
+        make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_batched_tokens=64, prefill_tail_tokens=65)
+    llm = make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_batched_tokens=640)
+    assert llm.llm_engine.scheduler.config.prefill_tail_tokens == 10
