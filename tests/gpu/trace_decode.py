@@ -12,7 +12,7 @@ with --timeline the start and end of kernels FROM .. FROM+COUNT-1 of the last re
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --prefill 4x2048,1x32768
 Per-kernel totals of whole prefills instead (B prompts of L tokens, 2 output tokens, after one warm-up run
-of the same shape; steps of max_num_batched_tokens = 8192): one JSON line per shape.
+of the same shape; steps of max_num_batched_tokens = --step-tokens, default 8192): one JSON line per shape.
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --run 32:2048:64
 The decode steps of a whole engine run (B prompts of I tokens, O output tokens, after a warm-up run of the
@@ -53,6 +53,8 @@ def main() -> int:
                     "with start and end (us from the replay's first kernel), e.g. 40:40")
     ap.add_argument("--env", default="", help="a KDA_RT_* switch: the decode traces run once per --values entry")
     ap.add_argument("--values", default="", help="values of --env, e.g. 1,0 (graphs captured again for each)")
+    ap.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens of the engine (the offline "
+                    "default on an H200 is 16384; 8192 keeps the earlier traces comparable)")
     ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
 
@@ -63,7 +65,7 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefill.split(",") if s]
     runs = [tuple(int(v) for v in s.split(":")) for s in args.run.split(",") if s]
     _, engine = full_engine(args.layers, max_num_seqs=max(batches + [b for b, _ in shapes] + [b for b, _, _ in runs]),
-                            max_num_batched_tokens=8192)
+                            max_num_batched_tokens=args.step_tokens)
     runner = engine.runner
 
     from torch.profiler import ProfilerActivity, profile
