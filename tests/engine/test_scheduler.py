@@ -140,6 +140,16 @@ def check_schedule(sched: Scheduler, scheduled: list[tuple[Sequence, int]]) -> N
         assert len(seq.blocks) == sched.pages_for(seq.num_computed + n)
 
 
+def run_checked(sched: Scheduler, steps: int = 10_000) -> None:
+    """Fake steps, each checked (check_schedule, check_invariants), until every sequence has finished."""
+    for _ in range(steps):
+        if not sched.has_unfinished():
+            break
+        fake_step(sched, check=True)
+        check_invariants(sched)
+    assert not sched.has_unfinished()
+
+
 def check_invariants(sched: Scheduler) -> None:
     """Between steps: no leaks, no double allocation, queues consistent."""
     cfg = sched.config
@@ -186,12 +196,7 @@ def test_invariants_random_arrivals_and_aborts(workload):
         scheduled = fake_step(sched, check=True)
         check_invariants(sched)
         assert scheduled or not sched.has_unfinished()  # some progress every step
-    for _ in range(10_000):
-        if not sched.has_unfinished():
-            break
-        fake_step(sched, check=True)
-        check_invariants(sched)
-    assert not sched.has_unfinished()
+    run_checked(sched)
     for seq in every:
         assert seq.finished
         assert id(seq) in aborted or len(seq.output_token_ids) == seq.max_tokens
@@ -271,12 +276,7 @@ def test_prefill_tail_not_taken_by_a_chunk_the_pages_cut_short():
     a, c = make_seq(10, 49), make_seq(40, 18)
     sched.add(a)
     sched.add(c)
-    for _ in range(200):
-        if not sched.has_unfinished():
-            break
-        fake_step(sched, check=True)
-        check_invariants(sched)
-    assert not sched.has_unfinished()
+    run_checked(sched, steps=200)
 
 
 def test_prefill_tail_tokens_at_most_the_budget():
