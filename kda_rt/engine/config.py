@@ -94,6 +94,15 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
+    def tail_tokens(self) -> int:
+        """prefill_tail_tokens as the scheduler takes it: the given value, else max_num_batched_tokens // 64 (which
+        must be resolved by then)."""
+        if self.prefill_tail_tokens is not None:
+            return self.prefill_tail_tokens
+        if self.max_num_batched_tokens is None:
+            raise ValueError("prefill_tail_tokens follows max_num_batched_tokens, which is not resolved yet")
+        return self.max_num_batched_tokens // 64
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Like the constructor, but an unknown name is a TypeError listing the known ones."""

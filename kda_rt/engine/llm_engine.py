@@ -89,8 +89,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
-            prefill_tail_tokens=(config.max_num_batched_tokens // 64 if config.prefill_tail_tokens is None
-                                 else config.prefill_tail_tokens),
+            prefill_tail_tokens=config.tail_tokens(),
         ))
         self.postprocessor = Postprocessor(self.eos_token_ids, config.max_model_len)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}

@@ -125,7 +125,7 @@ class Scheduler:
         decodes = [s for s in self.running if not s.in_prefill]
         prefills = [s for s in self.running if s.in_prefill]
         for seq in decodes + prefills:
-            if self._spent(budget):
+            if self._proper(budget) <= 0:  # the tail alone starts no chunk
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
                 continue
@@ -138,15 +138,15 @@ class Scheduler:
         out.scheduled = list(chosen.items())
         return out
 
-    def _spent(self, budget: list[int]) -> bool:
-        """No budget proper left (the tail alone starts no chunk)."""
-        return budget[0] <= self.config.prefill_tail_tokens
+    def _proper(self, budget: list[int]) -> int:
+        """Tokens left of the budget proper (budget[0] holds the tail too)."""
+        return budget[0] - self.config.prefill_tail_tokens
 
     def _chunk(self, seq: Sequence, budget: list[int]) -> int:
         """Tokens `seq` asks for: all its uncomputed tokens when they fit the budget and tail left, else as many
         as the budget proper has left."""
         n = seq.num_uncomputed
-        return n if n <= budget[0] else min(n, budget[0] - self.config.prefill_tail_tokens)
+        return n if n <= budget[0] else min(n, self._proper(budget))
 
     def commit(self, out: SchedulerOutput) -> None:
         """The model ran `out`: the scheduled tokens are now in the cache."""
@@ -162,7 +162,7 @@ class Scheduler:
         while True:
             fit = min(n, (len(seq.blocks) + self.pages.num_free) * bs - seq.num_computed)
             if fit < seq.num_uncomputed:  # (the step is not spent: budget[0] > tail, so this stays >= 1)
-                fit = min(fit, budget[0] - self.config.prefill_tail_tokens)
+                fit = min(fit, self._proper(budget))
             if fit > 0:
                 extra = self.pages_for(seq.num_computed + fit) - len(seq.blocks)
                 if extra > 0:
@@ -185,7 +185,7 @@ class Scheduler:
         # pages the running prefills will still take, plus one page of growth per running sequence
         promised = sum(max(0, self.pages_for(s.num_tokens) - len(s.blocks)) for s in self.running if s.in_prefill)
         for seq in [head] + [window[i] for i in order]:
-            if self._spent(budget) or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
+            if self._proper(budget) <= 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             n = self._chunk(seq, budget)
             need = self.pages_for(n)

@@ -66,11 +66,9 @@ def main() -> int:
                     field = name[len("engine."):]
                     typed = value == "1" if isinstance(getattr(engine.config, field), bool) else int(value)
                     engine.config = dataclasses.replace(engine.config, **{field: typed})
-                    if hasattr(engine.scheduler.config, field):
-                        sched = {field: typed}
-                        if field == "max_num_batched_tokens" and engine.config.prefill_tail_tokens is None:
-                            sched["prefill_tail_tokens"] = typed // 64  # the default tail follows the budget
-                        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, **sched)
+                    if hasattr(engine.scheduler.config, field):  # (the default tail follows the budget)
+                        engine.scheduler.config = dataclasses.replace(
+                            engine.scheduler.config, **{field: typed, "prefill_tail_tokens": engine.config.tail_tokens()})
                 else:
                     os.environ[name] = value
             if engine.runner.graphs:  # decode graphs keep the kernels they captured: capture them again
