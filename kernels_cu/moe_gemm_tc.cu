@@ -34,8 +34,21 @@
 //
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
-// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS, EARLY_B (0/1);
-// moe_decode_fused: FUSED_DECODE = 1, HIDDEN (D), INTER (I) instead of K, NOUT, FUSE_SILU.
+// Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS, EARLY_B (0/1),
+// WFMT and E4M3_CVT (below); moe_decode_fused: FUSED_DECODE = 1, HIDDEN (D), INTER (I) instead of K, NOUT, FUSE_SILU.
+//
+// WFMT = 1: the weights in e4m3 (uint8 bits, [E, NOUT, K]) with one fp32 scale a weight row (scale [E, NOUT],
+// loader/quant.py), as moe_gemv.cu's WFMT = 1.  The B stages hold the e4m3 bytes (half the bf16 bytes: BK bytes a row,
+// rows LDW = BK + 16 bytes apart, so the 8 row addresses of one ldmatrix fall on distinct bank groups); the products
+// stay bf16 x bf16 on the tensor cores.  One ldmatrix.x4 gives a thread 4 consecutive e4m3 bytes of one weight row
+// (k = 4c .. 4c + 3 of a k16 slice, c = lane mod 4) for each of 4 n-tiles; they become the bf16 pairs b0 = (4c, 4c + 1)
+// and b1 = (4c + 2, 4c + 3), which the mma reads as k slots (2c, 2c + 1) and (2c + 8, 2c + 9).  The A fragments are
+// loaded in the same k order (8-byte shared loads of k = 4c .. 4c + 3 instead of ldmatrix), so every product pairs the
+// same k: the sum is over the same terms, in the tensor core's order.  The e4m3 -> bf16 conversion is exact (every
+// e4m3 value is a bf16 value): E4M3_CVT = 0 moves each byte's sign and its 7 exponent and mantissa bits into bf16
+// positions (the bf16 then holds the value times 2^-120, subnormal codes included) and multiplies the pair by 2^120 in
+// bf16 (exact); E4M3_CVT = 1 goes through the conversion unit (e4m3x2 -> f16x2 -> 2 x f32 -> bf16x2, sm_89+).  The
+// epilogue multiplies each fp32 sum by its row's scale before the roundings (gate and up each by their own row's).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, random routing;
 // tiles as chosen in kda_rt/cuda/ops/moe_gemm_tc.py: BM=128 BN=128 BK=64, 3 stages, 2x2 warps,
 // 2 CTAs per SM), gate/up | down, against moe_gemm.cu:
@@ -80,6 +93,23 @@
 #error "moe_gemm_tc.cu needs sm_80 or newer (mma.sync bf16, cp.async, ldmatrix)"
 #endif
 
+#ifndef WFMT
+#define WFMT 0
+#endif
+#ifndef E4M3_CVT
+#define E4M3_CVT 0  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT, 1)
+#endif
+#if WFMT == 1
+typedef unsigned char wtype;  // e4m3 bits
+#elif WFMT == 0
+typedef bf16 wtype;
+#else
+#error "moe_gemm_tc.cu: WFMT must be 0 (bf16) or 1 (e4m3 with row scales)"
+#endif
+#if WFMT == 1 && E4M3_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#error "moe_gemm_tc.cu: E4M3_CVT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
+#endif
+
 #define THREADS (WARPS_M * WARPS_N * 32)
 #define WM (BM / WARPS_M)              // rows per warp
 #define WN (BN / WARPS_N)              // features per warp
@@ -94,6 +124,16 @@
 static_assert(BK % 16 == 0 && STAGES >= 2, "BK must be a multiple of 16");
 static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16 x 16");
 static_assert(THREADS % CH == 0 && BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
+#if WFMT == 1
+#define LDW (BK + 16)                  // shared row stride of the e4m3 B stages, in bytes
+#define CHW (BK / 16)                  // 16-byte chunks per e4m3 row and stage
+#define RPPW (THREADS / CHW)           // e4m3 rows copied per pass
+#define B_PASSES_W (BN / RPPW)
+static_assert(BK % 16 == 0 && THREADS % CHW == 0 && BN % RPPW == 0 && (BN / 2) % RPPW == 0 && NI % 4 == 0,
+              "e4m3 B stages: copy passes must tile the stage (and each half of a gate/up stage); 4 n-tiles a load");
+#else
+#define LDW LDS
+#endif
 
 #include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
 
@@ -115,10 +155,55 @@ __device__ __forceinline__ int b_tile_row(int wn, int t) {
     return wn * WN + 8 * t;
 }
 
+#if WFMT == 1
+// two e4m3 values (bits 0-7 the first, 8-15 the second) as a bf16 pair (the first in the low half), exactly
+__device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned pair) {
+#if E4M3_CVT
+    unsigned h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)pair));
+    float lo, hi;
+    asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&p);
+#else
+    // byte b (s eeee mmm) into bf16 bits s 0000eeee mmm0000: its value times 2^-120 (e4m3's exponent bias is 7, bf16's
+    // 127; a subnormal code, eeee = 0, lands on the bf16 subnormal of the same ratio), then times 2^120 (bf16 0x7B80)
+    const unsigned v = __byte_perm(pair, 0u, 0x1404);  // the bytes at bits 8-15 and 24-31, zeros below them
+    unsigned b = (v & 0x80008000u) | ((v >> 4) & 0x07F007F0u);
+    const unsigned two120 = 0x7B807B80u, neg_zero = 0x80008000u;  // (b · 2^120 + -0: exact, the sign of 0 kept)
+    asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(b) : "r"(two120), "r"(neg_zero));
+    return b;
+#endif
+}
+
+// The fragments of k16 step kk as loaded below, in the k order of the e4m3 B fragments (see the header): A row g
+// holds k = 4c .. 4c + 3 in registers a0 (4c, 4c + 1) and a2 (4c + 2, 4c + 3), row g + 8 in a1 and a3
+template <bool SILU>
+__device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (&bfr)[NI][2], const bf16* ta,
+                                               const wtype* tb, int wm, int wn, int lane, int kk) {
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+        const bf16* p = ta + (wm * WM + mi * 16 + g) * LDS + kk * 16 + 4 * c;
+        const uint2 lo = *reinterpret_cast<const uint2*>(p), hi = *reinterpret_cast<const uint2*>(p + 8 * LDS);
+        af[mi][0] = lo.x, af[mi][1] = hi.x, af[mi][2] = lo.y, af[mi][3] = hi.y;
+    }
+#pragma unroll
+    for (int t = 0; t < NI; t += 4) {
+        unsigned r[4];  // r[q]: bytes 4c .. 4c + 3 of weight row g of n-tile t + q (lanes 8q .. 8q + 7 name its rows)
+        ldmatrix_x4(r, tb + (b_tile_row<SILU>(wn, t + (lane >> 3)) + (lane & 7)) * LDW + kk * 16);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            bfr[t + q][0] = e4m3x2_to_bf16x2(r[q] & 0xFFFFu);
+            bfr[t + q][1] = e4m3x2_to_bf16x2(r[q] >> 16);
+        }
+    }
+}
+#else
 // A fragments (MI m16 tiles) and B fragments (NI n8 tiles) of k16 step kk of one stage
 template <bool SILU>
 __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (&bfr)[NI][2], const bf16* ta,
-                                               const bf16* tb, int wm, int wn, int lane, int kk) {
+                                               const wtype* tb, int wm, int wn, int lane, int kk) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
         ldmatrix_x4(af[mi], ta + (wm * WM + mi * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
@@ -132,17 +217,18 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
         bfr[t + 1][1] = r[3];
     }
 }
+#endif
 
 // One CTA tile of one grouped GEMM (the body of both kernels below): bucketed rows [row0, row0 + nrows) of
 // expert e (nrows <= BM) times feature block fb of the expert's weight [NOUT_, K_] (gate/up: SILU, NOUT_ =
-// 2·HALF), into dst.  EARLY: the first STAGES - 1 weight steps are copied before before_a() returns (the
+// 2·HALF), into dst (WFMT = 1: each sum times its weight row's scale, scale [E, NOUT_]).  EARLY: the first STAGES - 1 weight steps are copied before before_a() returns (the
 // A rows, src, may be written by someone else until then); otherwise before_a is not called.  after_loop()
 // runs once every product is issued, before the epilogue.
 template <int K_, int NOUT_, bool SILU, bool EARLY, typename BeforeA, typename AfterLoop>
 __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
-                                          const bf16* __restrict__ weight, int e, int row0, int nrows, int fb,
-                                          bf16* __restrict__ dst, bf16* sa, bf16* sb, BeforeA before_a,
-                                          AfterLoop after_loop) {
+                                          const wtype* __restrict__ weight, const float* __restrict__ scale, int e,
+                                          int row0, int nrows, int fb, bf16* __restrict__ dst, bf16* sa, wtype* sb,
+                                          BeforeA before_a, AfterLoop after_loop) {
     constexpr int KT = K_ / BK, HALF_ = NOUT_ / 2;
     static_assert(K_ % BK == 0 && KT >= STAGES - 1, "K must be a multiple of BK, with at least STAGES - 1 steps");
     static_assert(!SILU || (NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF_ % (BN / 2) == 0),
@@ -154,8 +240,22 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 
     // copy geometry: thread copies chunk lch of rows lrow + i·RPP
     const int lrow = tid / CH, lch = tid % CH;
-    const bf16* b_src = weight + ((size_t)e * NOUT_ + f0 + lrow) * K_ + lch * 8;
     bf16* a_dst = sa + lrow * LDS + lch * 8;
+#if WFMT == 1
+    // e4m3 rows: thread copies chunk (16 weights) tid mod CHW of rows tid / CHW + i·RPPW
+    const int wrow = tid / CHW, wch = tid % CHW;
+    const wtype* b_src = weight + ((size_t)e * NOUT_ + f0 + wrow) * K_ + wch * 16;
+    wtype* b_dst = sb + wrow * LDW + wch * 16;
+    auto load_b = [&](int stage, int kt) {
+#pragma unroll
+        for (int i = 0; i < B_PASSES_W; ++i) {
+            const int r = i * RPPW;  // a pass lies in one half of a gate/up stage ((BN / 2) % RPPW == 0)
+            const int off = SILU && r >= BN / 2 ? HALF_ - BN / 2 + r : r;
+            cp_async16(b_dst + stage * BN * LDW + r * LDW, b_src + (size_t)off * K_ + kt * BK, 16);
+        }
+    };
+#else
+    const bf16* b_src = weight + ((size_t)e * NOUT_ + f0 + lrow) * K_ + lch * 8;
     bf16* b_dst = sb + lrow * LDS + lch * 8;
     auto load_b = [&](int stage, int kt) {
 #pragma unroll
@@ -163,6 +263,7 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
             cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS,
                        b_src + (size_t)b_pass_offset<SILU, HALF_>(i) * K_ + kt * BK, 16);
     };
+#endif
     if (EARLY) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);  // (committed with stage 0's A rows below)
@@ -204,7 +305,7 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
         if (active) {
             const bf16* ta = sa + (kt % STAGES) * BM * LDS;
-            const bf16* tb = sb + (kt % STAGES) * BN * LDS;
+            const wtype* tb = sb + (kt % STAGES) * BN * LDW;
             unsigned af[2][MI][4], bfr[2][NI][2];
             load_fragments<SILU>(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
 #pragma unroll
@@ -234,11 +335,21 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 #pragma unroll
                 for (int t = 0; t < NI / 2; ++t) {
                     const int f = f0 + wn * (WN / 2) + 8 * t + 2 * c;
+#if WFMT == 1
+                    const float2 sg = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + f));
+                    const float2 su = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + HALF_ + f));
+                    const float sgv[2] = {sg.x, sg.y}, suv[2] = {su.x, su.y};
+#endif
                     float hv[2];
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
+#if WFMT == 1
+                        const float gate = round_bf16(acc[mi][t][2 * hrow + j] * sgv[j]);
+                        const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j] * suv[j]);
+#else
                         const float gate = round_bf16(acc[mi][t][2 * hrow + j]);
                         const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j]);
+#endif
                         hv[j] = round_bf16(silu(gate)) * up;
                     }
                     *reinterpret_cast<__nv_bfloat162*>(dst + r * HALF_ + f) = __floats2bfloat162_rn(hv[0], hv[1]);
@@ -247,8 +358,14 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 #pragma unroll
                 for (int t = 0; t < NI; ++t) {
                     const int f = f0 + wn * WN + 8 * t + 2 * c;
+#if WFMT == 1
+                    const float2 s2 = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + f));
+                    *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
+                        __floats2bfloat162_rn(acc[mi][t][2 * hrow] * s2.x, acc[mi][t][2 * hrow + 1] * s2.y);
+#else
                     *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
                         __floats2bfloat162_rn(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
+#endif
                 }
             }
         }
@@ -259,17 +376,18 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 
 #if !FUSED_DECODE
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
+moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
-                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
+                    const float* __restrict__ scale) {
     // EARLY_B (down only): the tile's first STAGES - 1 weight steps are copied before waiting for the gate/up
     // kernel, whose h rows this reads (under programmatic dependent launch a decode step's down kernel starts
     // while gate/up runs; the plan it reads first was written two kernels back, before any gate/up block
     // passed its own wait, and is read from L2: ld.cg)
     TC_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
-    bf16* sb = sa + STAGES * BM * LDS;              // [STAGES][BN][LDS]
+    bf16* sa = reinterpret_cast<bf16*>(smem_raw);                 // [STAGES][BM][LDS]
+    wtype* sb = reinterpret_cast<wtype*>(sa + STAGES * BM * LDS);  // [STAGES][BN][LDW]
 
     const int tile = blockIdx.y;
     if (tile >= __ldcg(num_tiles)) {
@@ -278,7 +396,7 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
     }
     const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
     const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
-    gemm_tile<K, NOUT, FUSE_SILU, EARLY_B>(src, sorted_pair, weight, e, row0, nrows, blockIdx.x,
+    gemm_tile<K, NOUT, FUSE_SILU, EARLY_B>(src, sorted_pair, weight, scale, e, row0, nrows, blockIdx.x,
                                            static_cast<bf16*>(dst), sa, sb, [] { KDA_PDL_WAIT(); }, [] {});
 }
 #endif
@@ -307,7 +425,8 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 // 113.3 -> 107.4, T = 8 208.0 -> 203.4 (17 experts: 70.8 -> 65.8), T = 32 559.8 -> 554.0 (68 experts:
 // 244.1 -> 239.1); in the full model's decode graphs (tests/gpu/bench_ab.py --replays) batch 8 5.559 ->
 // 5.425 ms, 32 8.416 -> 8.160.
-// sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch.
+// sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch; WFMT = 1: w13, w2
+// in e4m3 with scale13 [E, 2·INTER], scale2 [E, HIDDEN] (null for bf16).
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
 
@@ -318,14 +437,15 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair, const bf16* __restrict__ w13,
-                 const bf16* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair, const wtype* __restrict__ w13,
+                 const wtype* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                  const int* __restrict__ expert_off, const int* __restrict__ num_tiles, bf16* __restrict__ h,
-                 bf16* __restrict__ y, int* __restrict__ sync) {
+                 bf16* __restrict__ y, int* __restrict__ sync, const float* __restrict__ scale13,
+                 const float* __restrict__ scale2) {
     KDA_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
-    bf16* sb = sa + STAGES * BM * LDS;              // [STAGES][BN][LDS]
+    bf16* sa = reinterpret_cast<bf16*>(smem_raw);                 // [STAGES][BM][LDS]
+    wtype* sb = reinterpret_cast<wtype*>(sa + STAGES * BM * LDS);  // [STAGES][BN][LDW]
     __shared__ int next_item;
 
     const int ntiles = __ldcg(num_tiles);
@@ -345,7 +465,8 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
         const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
         if (gate_up) {
-            gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, e, row0, nrows, fb, h, sa, sb, [] {}, claim);
+            gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, scale13, e, row0, nrows, fb, h, sa, sb, [] {},
+                                                      claim);
             __syncthreads();  // every h store of the tile is issued ...
             if (threadIdx.x == 0) {
                 __threadfence();  // ... and visible GPU-wide before the count says so
@@ -353,7 +474,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             }
         } else {
             int* done = sync + 1 + tile;
-            gemm_tile<INTER, HIDDEN, false, true>(h, sorted_pair, w2, e, row0, nrows, fb, y, sa, sb, [done] {
+            gemm_tile<INTER, HIDDEN, false, true>(h, sorted_pair, w2, scale2, e, row0, nrows, fb, y, sa, sb, [done] {
                 if (threadIdx.x == 0)
                     while (ld_acquire(done) < GU_BLOCKS) __nanosleep(100);
                 __syncthreads();  // the h rows are read with cp.async.cg (L2), after this

@@ -18,7 +18,11 @@ so the weights come from HBM, not L2); outputs compared bit for bit.
 --gemv: one-token steps (9 routed rows, as the 48B model's 8 experts + the shared slot) in CUDA-graph replays
 with programmatic dependent launch, 8 routings a graph: moe_bucket + the tiled gate/up (moe_gemm_tc) + down
 against moe_bucket + the GEMV gate/up (moe_gemv.cu, each configuration of --gemv-configs) + the same down; and
-the gate/up launch alone each way.  h compared against the tiled kernel's (RMS relative)."""
+the gate/up launch alone each way.  h compared against the tiled kernel's (RMS relative).
+
+--e4m3: moe_decode_fused with bf16 weights against e4m3 weights (uint8 codes with a scale a row, moe_gemm_tc.cu
+WFMT = 1) in the same graph replays as --fused: e4m3 with the launcher's tile (twice the k step), with the bf16 tile's
+k step, and with the conversion unit (E4M3_CONVERT = 1); TB/s counted in each format's own bytes."""
 
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ def main():
     ap.add_argument("--no-old", action="store_true", help="skip the weight-stationary moe_gemm.cu rows")
     ap.add_argument("--fused", action="store_true", help="time moe_decode_fused against the two launches")
     ap.add_argument("--gemv", action="store_true", help="time the one-token GEMV gate/up against the tiled one")
+    ap.add_argument("--e4m3", action="store_true", help="time moe_decode_fused with e4m3 weights against bf16")
     ap.add_argument("--gemv-configs", default="8,2,0;8,1,1;4,3,0;16,1,0",
                     help="';'-separated GemvConfig fields: warps, blocks per SM, pipe")
     args = ap.parse_args()
@@ -60,6 +65,8 @@ def main():
         return bench_gemv([tuple(int(v) for v in c.split(",")) for c in args.gemv_configs.split(";") if c])
     if args.fused:
         return bench_fused([int(t) for t in args.tokens.split(",")])
+    if args.e4m3:
+        return bench_e4m3([int(t) for t in args.tokens.split(",")])
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] or TILES
     rng = cupy.random.default_rng(1)
     w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
@@ -162,6 +169,67 @@ def bench_fused(tokens, rounds: int = 8):
             print(f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts {mb:7.1f} MB | two launches "
                   f"{us_two:7.1f} us {mb / us_two:5.2f} TB/s | fused {us_one:7.1f} us {mb / us_one:5.2f} TB/s "
                   f"({us_one / us_two - 1:+.1%}) | tiles {t13.bn}/{t2.bn} {tf} | same {same}", flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def bench_e4m3(tokens, rounds: int = 8):
+    import cupy
+    from kernels.test_moe_gemm_tc import e4m3_stack
+
+    from helpers.gpu import graph_us, rand_bf16
+    from kda_rt.cuda.ops import moe_gemm_tc as mod
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+
+    rng = cupy.random.default_rng(1)
+    hrng = np.random.default_rng(1)
+    w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
+    q13, s13 = e4m3_stack(rng, hrng, E, 2 * INTER, D)
+    q2, s2 = e4m3_stack(rng, hrng, E, D, INTER)
+    per_expert = 3 * INTER * D  # elements
+    shapes = [(2 * INTER, D, True), (D, INTER, False)]
+
+    def run(cases, x, h, y, tile, e4m3, stream):
+        for ids, plan, sync in cases:
+            moe_bucket(ids, E, plan, sync=sync, stream=stream)
+            if e4m3:
+                mod.moe_decode_fused(x, q13, q2, plan, top_k=A, h=h, out=y, sync=sync, tile=tile, scale13=s13,
+                                     scale2=s2, stream=stream)
+            else:
+                mod.moe_decode_fused(x, w13, w2, plan, top_k=A, h=h, out=y, sync=sync, tile=tile, stream=stream)
+
+    for T in tokens:
+        for routing in ("uniform", "concentrated"):
+            pool = E if routing == "uniform" else max(A, min(E, int(T * A / 3.7)))
+            if routing == "concentrated" and pool == E:
+                continue
+            N, tiles = T * A, max_tiles(T * A, E, 16)
+            cases, touched = [], []
+            for _ in range(rounds):
+                experts = hrng.choice(E, pool, replace=False)
+                ids = np.stack([hrng.choice(experts, A, replace=False) for _ in range(T)]).astype(np.int32)
+                touched.append(np.unique(ids).size)
+                z = lambda n: cupy.zeros(n, dtype=np.int32)  # noqa: E731
+                plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
+                cases.append((cupy.asarray(ids), plan, z(mod.sync_words(N, E))))
+            x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+            h, y = cupy.empty((N, INTER), BF16), cupy.empty((N, D), BF16)
+            tf = mod.fused_decode_tile(T, D, INTER)
+            variants = [("bf16", tf, False, 0), ("e4m3", mod.e4m3_tile(tf, shapes), True, 0),
+                        ("e4m3 bk" + str(tf.bk), tf, True, 0), ("e4m3 cvt", mod.e4m3_tile(tf, shapes), True, 1)]
+            n = np.mean(touched) * per_expert
+            line = [f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts"]
+            base = None
+            with pdl.capturing(True):
+                for label, tile, e4m3, convert in variants:
+                    mod.E4M3_CONVERT = convert
+                    us = graph_us(partial(run, cases, x, h, y, tile, e4m3), calls=2) / rounds
+                    base = base or us
+                    mb = n * (1 if e4m3 else 2) / 1e6
+                    line.append(f"{label} {us:7.1f} us {mb / us:5.2f} TB/s ({us / base:.3f}x)")
+            mod.E4M3_CONVERT = 0
+            print(" | ".join(line), flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
 
 

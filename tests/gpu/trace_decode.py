@@ -72,9 +72,17 @@ def main() -> int:
 
     for num, length in shapes:
         run_bench(engine, num, length, 2, seed=3)
+        host: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+        saved = [_timed(host, obj, name, key) for obj, name, key in (
+            (runner, "launch", "launch"), (runner, "collect", "collect"), (engine, "_postprocess", "postprocess"),
+            (engine.scheduler, "schedule", "schedule"), (engine, "build_batch", "build_batch"))]
         ts = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run_bench(engine, num, length, 2, seed=4)
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                report = run_bench(engine, num, length, 2, seed=4)
+        finally:
+            for obj, name, inner in saved:
+                setattr(obj, name, inner)
         wall = time.perf_counter() - ts
         path = os.path.join(args.trace_dir, f"trace_prefill_{num}x{length}.json")
         prof.export_chrome_trace(path)
@@ -104,7 +112,11 @@ def main() -> int:
             big.append((gap, _short(a["name"]), _short(b["name"])))
         big.sort(reverse=True)
         print(json.dumps({
-            "prefill": f"{num}x{length}", "wall_s": round(wall, 3), "kernels": len(kernels),
+            "prefill": f"{num}x{length}", "wall_s": round(wall, 3), "ttft_s_max": round(report["ttft_s_max"], 4),
+            "kernels": len(kernels),
+            # host time of each call in the run, in order (ms): a step's launch returns once its kernels are
+            # queued; collect waits for its results; the GPU idles from a step's end to the next step's first kernel
+            "host_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in host.items()},
             "busy_ms": round(busy / 1e3, 2),
             "span_ms": round((kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) / 1e3, 2),
             "idle_ms": round(sum(gap_before.values()) / 1e3, 2),
@@ -214,6 +226,20 @@ def _timeline(rep: list[dict], spec: str) -> list[list]:
     return [[round(e["ts"] - t0, 2), round(e["ts"] + e["dur"] - t0, 2), _short(e["name"])] for e in rep[first:first + n]]
 
 
+def _timed(host: dict[str, list[float]], obj, name: str, key: str) -> tuple:
+    """Wrap obj.name so that each call's host time is appended to host[key]; returns what restores it."""
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            host[key].append(time.perf_counter() - t)
+    setattr(obj, name, wrapper)
+    return obj, name, inner
+
+
 def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: str, profile, activity) -> dict:
     """One engine run's decode steps: host time per step by phase, GPU kernels and idle per step."""
     from kda_rt.bench import run_bench
@@ -221,23 +247,10 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
     runner = engine.runner
     host: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
 
-    def timed(obj, name: str, key: str):
-        inner = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                host[key].append(time.perf_counter() - t)
-        setattr(obj, name, wrapper)
-        return inner
-
     run_bench(engine, batch, input_len, min(output_len, 8), seed=3)
-    saved = [(runner, "launch", timed(runner, "launch", "launch")),
-             (runner, "collect", timed(runner, "collect", "collect")),
-             (runner.staging, "wait", timed(runner.staging, "wait", "wait")),
-             (engine, "_postprocess", timed(engine, "_postprocess", "postprocess"))]
+    saved = [_timed(host, obj, name, key) for obj, name, key in (
+        (runner, "launch", "launch"), (runner, "collect", "collect"), (runner.staging, "wait", "wait"),
+        (engine, "_postprocess", "postprocess"))]
     try:
         with profile(activities=[activity.CUDA]) as prof:
             report = run_bench(engine, batch, input_len, output_len, seed=4)

@@ -370,6 +370,156 @@ def test_moe_decode_fused(name, big_weights):
     assert np.all(counters[1:1 + ntiles] == gu), f"{name}: tile counters {counters[1:1 + ntiles]}, expected {gu}"
 
 
+
+# e4m3 weights (moe_gemm_tc.cu WFMT = 1): uint8 bits with one fp32 scale a weight row.  The references run on the
+# dequantized weights (exact in float64), so the bf16 tolerances above hold (the scale adds one fp32 rounding to each
+# sum).  The codes are drawn uniformly over every finite e4m3 code, so all 254 of them occur; the "subnormal" cases
+# hold only zeros and the 14 subnormal codes (a conversion that flushed them would leave those outputs 0), and the
+# experts' scales lie 2^-6 .. 2^4 apart (a scale read from the wrong expert or row fails by far).
+
+
+class Dequantized:
+    """w[e] -> float64 [NOUT, K]: an e4m3 expert stack dequantized one expert at a time (for reference_rows)."""
+
+    def __init__(self, q, scale):
+        self.q, self.scale, self.shape = q, scale, q.shape
+
+    def __getitem__(self, e):
+        import cupy
+        import ml_dtypes
+
+        q = cupy.asnumpy(self.q[e]).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        return q * cupy.asnumpy(self.scale[e]).astype(np.float64)[:, None]
+
+
+def e4m3_stack(crng, rng, E, nout, k, subnormal=False):
+    """(q uint8 [E, nout, k], scale fp32 [E, nout]) on the GPU: codes uniform over the finite ones (or over zero and
+    the subnormals), row scales around 1 / (44 sqrt(k)) (the codes' RMS is ~44) times 2^-6 .. 2^4 by expert."""
+    import cupy
+
+    q = cupy.empty((E, nout, k), dtype=np.uint8)
+    for e in range(E):  # (one expert at a time: the int32 draws of a 48B stack would be 10 GB)
+        mag = crng.integers(0, 8 if subnormal else 127, size=(nout, k), dtype=np.int32)  # 0x7F is NaN: never
+        q[e] = (mag | (crng.integers(0, 2, size=(nout, k), dtype=np.int32) << 7)).astype(np.uint8)
+    base = 1.0 / (44.0 * np.sqrt(k)) * (2.0**9 if subnormal else 1.0)  # (subnormal codes are ~2^-9..2^-6)
+    scale = base * np.exp(rng.normal(0, 0.5, size=(E, nout))) * 2.0 ** rng.integers(-6, 5, size=(E, 1))
+    return q, cupy.asarray(scale.astype(np.float32))
+
+
+FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
+    "T32-E256": (32, 2304, 1024, 256, 8, False, None, False),
+    "T8-E256": (8, 2304, 1024, 256, 8, False, None, False),  # the small-batch tile (64 features, 3 CTAs an SM)
+    "T9-E256-ctas7": (9, 2304, 1024, 256, 8, False, 7, False),
+    "T40-D512-I384-E16-skewed-ctas2": (40, 512, 384, 16, 4, True, 2, False),
+    "T5-D512-I384-E16-subnormal": (5, 512, 384, 16, 4, False, None, True),
+}
+
+
+@pytest.mark.parametrize("convert", [0, 1], ids=["bits", "cvt"])
+@pytest.mark.parametrize("name", list(FUSED_E4M3))
+def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
+    """moe_decode_fused with e4m3 w13 and w2: bit for bit the two e4m3 moe_gemm_tc launches on the same plan and tile,
+    and every touched expert (E = 16) or a sample (E = 256) against NumPy on the dequantized weights; both
+    conversions of the codes (E4M3_CONVERT)."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops import moe_gemm_tc as mod
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+
+    monkeypatch.setattr(mod, "E4M3_CONVERT", convert)
+    T, D, inter, E, A, skewed, ctas, subnormal = FUSED_E4M3[name]
+    rng = np.random.default_rng(zlib.crc32(f"e4m3/{name}".encode()))
+    crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+    q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D, subnormal)
+    q2, s2 = e4m3_stack(crng, rng, E, D, inter, subnormal)
+    tile = mod.e4m3_tile(mod.fused_decode_tile(T, D, inter), [(2 * inter, D, True), (D, inter, False)])
+    assert tile is not None and tile.bm == 16, f"{name}: no e4m3 decode tile"
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    x = to_gpu_bf16(x_np)
+    ids = make_ids(T, E, A, skewed, rng)
+    N, tiles = T * A, max_tiles(T * A, E, 16)
+    z = lambda n: cupy.full(n, -1, dtype=np.int32)  # noqa: E731
+    plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
+    sync = cupy.full(mod.sync_words(N, E), 0x5A5A5A5A, dtype=np.int32)
+    moe_bucket(cupy.asarray(ids), E, plan, sync=sync)
+    h, y, h2, y2 = (cupy.empty((N, n), dtype=BF16) for n in (inter, D, inter, D))
+    for a in (h, y, h2, y2):
+        poison(a)
+    mod.moe_decode_fused(x, q13, q2, plan, top_k=A, h=h, out=y, sync=sync, ctas=ctas, scale13=s13, scale2=s2)
+    mod.moe_gemm_tc(x, q13, plan, top_k=A, fuse_silu=True, out=h2, tile=tile, scale=s13)
+    mod.moe_gemm_tc(h2, q2, plan, top_k=A, fuse_silu=False, out=y2, tile=tile, scale=s2)
+    bits = lambda a: cupy.asnumpy(a).view(np.uint16)  # noqa: E731
+    assert np.array_equal(bits(h), bits(h2)), f"{name}: h differs from the two-launch path"
+    assert np.array_equal(bits(y), bits(y2)), f"{name}: y differs from the two-launch path"
+    counts = np.bincount(ids.ravel(), minlength=E)
+    touched = np.flatnonzero(counts)
+    picks = touched if E <= 16 else sorted({int(touched[np.argmax(counts[touched])]),
+                                            *map(int, rng.choice(touched, 4, replace=False))})
+    if subnormal:  # the outputs are not all zero (a conversion that flushed the subnormal codes would give zeros)
+        assert float(cupy.abs(h.astype(np.float32)).max()) > 0, f"{name}: h is all zero"
+    check_experts(picks, plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, f"{name}/{convert}")
+
+
+E4M3_TC = {  # name: (T, D, I, E, A, bm): the prefill tiles of other archs and the 16-row decode tile, one launch each
+    "T17-D256-I128-E8-bm16": (17, 256, 128, 8, 2, 16),
+    "T17-D256-I128-E8-bm64": (17, 256, 128, 8, 2, 64),
+    "T300-D384-I192-E4-bm128": (300, 384, 192, 4, 3, 128),
+}
+
+
+@pytest.mark.parametrize("name", list(E4M3_TC))
+def test_moe_gemm_tc_e4m3(name):
+    """moe_gemm_tc with e4m3 weights (each GEMM on its own, the launcher's tile) against NumPy, every expert."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc
+
+    T, D, inter, E, A, bm = E4M3_TC[name]
+    rng = np.random.default_rng(zlib.crc32(f"e4m3-tc/{name}".encode()))
+    crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+    q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
+    q2, s2 = e4m3_stack(crng, rng, E, D, inter)
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    ids = make_ids(T, E, A, False, rng)
+
+    def gemm(src, weight, plan, *, top_k, fuse_silu, out, tile=None):
+        return moe_gemm_tc(src, weight, plan, top_k=top_k, fuse_silu=fuse_silu, out=out,
+                           scale=s13 if fuse_silu else s2)
+
+    plan, h, y = run_tc(to_gpu_bf16(x_np), q13, q2, ids, E, bm, gemm=gemm)
+    check_experts(range(E), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
+
+
+def test_e4m3_grouped_gemm_refusals():
+    """e4m3 calls refused by name: a scale without e4m3 weights, e4m3 weights without scales, one of the two fused
+    scales, a scale of the wrong shape."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_tc import moe_decode_fused, moe_gemm_tc
+
+    T, D, inter, E, A = 3, 256, 128, 4, 2
+    rng = np.random.default_rng(5)
+    crng = cupy.random.default_rng(5)
+    q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
+    q2, s2 = e4m3_stack(crng, rng, E, D, inter)
+    x = to_gpu_bf16(rng.normal(size=(T, D)))
+    plan = make_plan(make_ids(T, E, A, False, rng), E, 16)
+    h, y = cupy.empty((T * A, inter), dtype=BF16), cupy.empty((T * A, D), dtype=BF16)
+    w13_bf16 = cupy.zeros((E, 2 * inter, D), dtype=BF16)
+    with pytest.raises(TypeError, match=r"weight must have dtype uint8 \(e4m3 bits, with scales\), got bfloat16"):
+        moe_gemm_tc(x, w13_bf16, plan, top_k=A, fuse_silu=True, out=h, scale=s13)
+    with pytest.raises(TypeError, match=r"weight must have dtype bfloat16 \(or uint8 e4m3 bits with scales\)"):
+        moe_gemm_tc(x, q13, plan, top_k=A, fuse_silu=True, out=h)
+    with pytest.raises(ValueError, match="scale"):
+        moe_gemm_tc(x, q13, plan, top_k=A, fuse_silu=True, out=h, scale=s13[:, :-1])
+    with pytest.raises(ValueError, match="need both scale13 and scale2"):
+        moe_decode_fused(x, q13, q2, plan, top_k=A, h=h, out=y, sync=cupy.zeros(64, np.int32), scale13=s13)
+
 if __name__ == "__main__":
     for n in SMALL:
         test_moe_gemm_tc_small(n)

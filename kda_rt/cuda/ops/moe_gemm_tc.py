@@ -1,7 +1,9 @@
 """Launcher for kernels_cu/moe_gemm_tc.cu: the grouped GEMM (shared-memory tiles, cp.async pipeline, bf16
 tensor cores) over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (bf16 out).  Same
 contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.  moe_decode_fused: both
-GEMMs of a decode step (16-row tiles) in one launch.
+GEMMs of a decode step (16-row tiles) in one launch.  Both take e4m3 weights too (uint8 bits with one fp32 scale a
+row, loader/quant.py; moe_gemm_tc.cu WFMT = 1): pass `scale` (moe_gemm_tc) or `scale13` and `scale2`
+(moe_decode_fused).
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
@@ -16,8 +18,9 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "copies_weights_early",
-           "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config"]
+__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
+           "copies_weights_early", "e4m3_tile", "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc",
+           "prefill_tile_rows", "sync_words", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -40,7 +43,20 @@ class TileConfig(NamedTuple):
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * (self.bk + 8) * 2
+        return self.smem(False)
+
+    def smem(self, e4m3: bool) -> int:
+        """Dynamic shared memory: the stages' bf16 A rows (BK + 8 elements apart) and B rows (bf16 the same; e4m3
+        BK + 16 bytes apart)."""
+        b_row = self.bk + 16 if e4m3 else (self.bk + 8) * 2
+        return self.stages * (self.bm * (self.bk + 8) * 2 + self.bn * b_row)
+
+
+# moe_gemm_tc.cu E4M3_CVT: how e4m3 weights become bf16 fragments (both exact): 0 moves each byte's bits into bf16
+# places and multiplies by 2^120 in bf16, 1 goes through the conversion unit (sm_89+).  H200, 2026-12-02,
+# tests/gpu/bench_moe_decode.py --e4m3 (moe_decode_fused in graph replays, 8 routings cycled): batch 32 with 67.9
+# experts bf16 246.9 us, e4m3 bits 159.8, cvt 143.8 us; batch 2 (8 experts) 39.8 / 35.1 / 30.8 us: 1 it is
+E4M3_CONVERT = 1
 
 
 # Chosen on H200 from the sweep of tests/gpu/bench_moe_gemm.py (candidates in test_moe_gemm_tc.py)
@@ -59,11 +75,14 @@ _DECODE_SMALL = TileConfig(16, 64, 64, 6, 1, 2, 3)
 SMALL_DECODE_TOKENS = 8
 
 
-def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool) -> bool:
+def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool, e4m3: bool = False) -> bool:
     threads = 32 * t.warps_m * t.warps_n
     rpp = threads // (t.bk // 8)
     ni = t.bn // t.warps_n // 8
     out_ok = (nout // 2) % (t.bn // 2) == 0 and ni % 4 == 0 and (t.bn // 2) % rpp == 0 if fuse_silu else nout % t.bn == 0
+    if e4m3:  # (moe_gemm_tc.cu WFMT = 1: 16 weights a copied chunk, passes within each half, 4 n-tiles a load)
+        rppw = threads // (t.bk // 16) if t.bk % 16 == 0 and threads % (t.bk // 16) == 0 else 0
+        out_ok = out_ok and rppw > 0 and t.bn % rppw == 0 and (t.bn // 2) % rppw == 0 and ni % 4 == 0
     return out_ok and k % t.bk == 0 and k // t.bk >= t.stages - 1 and t.bm % rpp == 0 and t.bn % rpp == 0
 
 
@@ -95,19 +114,46 @@ def copies_weights_early(tile: TileConfig, fuse_silu: bool) -> bool:
     return not fuse_silu and tile.bm == 16 and tile.min_blocks >= 3 and env.early_weights()
 
 
-def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int):
+def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConfig | None:
+    """The tile for e4m3 weights: `tile` with twice its k step where every (nout, k, fuse_silu) GEMM of `shapes` takes
+    it (the same weight bytes a stage as bf16), else `tile` where they take that, else None."""
+    for t in (tile._replace(bk=2 * tile.bk), tile):
+        if all(_fits(t, nout, k, silu, e4m3=True) for nout, k, silu in shapes):
+            return t
+    return None
+
+
+def _format(e4m3: bool) -> dict[str, int]:
+    return {"WFMT": 1, "E4M3_CVT": E4M3_CONVERT} if e4m3 else {}
+
+
+def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
     early = {"EARLY_B": 1} if copies_weights_early(tile, fuse_silu) else {}
-    return get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+    return get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem(e4m3), K=K, NOUT=nout,
                       FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early)
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early, **_format(e4m3))
 
 
-def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out) -> tuple[int, int, int, int]:
+def _check_scale(what: str, name: str, scale, weight) -> None:
+    """An e4m3 weight's row scales: fp32 [E, NOUT], 8-byte aligned (the epilogue reads a thread's two as one piece)."""
+    from kda_rt.cuda.ops.gemv import check_e4m3_arch
+
+    expect(scale, name, shape=weight.shape[:2], dtype=np.float32)
+    if not scale.flags.c_contiguous or scale.data.ptr % 8:
+        raise ValueError(f"{what}: {name} must be C-contiguous and start on an 8-byte boundary")
+    check_e4m3_arch(what)
+
+
+def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out,
+                       e4m3: bool = False) -> tuple[int, int, int, int]:
     """The contract shared by the grouped-GEMM launchers (this one and moe_gemm_wg.py); returns
-    (K, E, NOUT, N)."""
+    (K, E, NOUT, N).  e4m3: the weight is uint8 e4m3 bits (its scale checked by the caller)."""
     _, K = expect(src, "src", ndim=2, dtype=BF16)
-    E, nout, _ = expect(weight, "weight", shape=(None, None, K), dtype=BF16)
+    E, nout, _ = expect(weight, "weight", shape=(None, None, K))
+    if weight.dtype != (np.uint8 if e4m3 else BF16):
+        want = "uint8 (e4m3 bits, with scales)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scales)"
+        raise TypeError(f"grouped GEMM: weight must have dtype {want}, got {weight.dtype.name}")
     N = plan.sorted_pair.shape[0]
     if fuse_silu:
         expect(out, "out", shape=(N, nout // 2), dtype=BF16)
@@ -118,18 +164,27 @@ def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out) -> tupl
 
 
 def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: TileConfig | None = None,
-                stream=None):
+                scale=None, stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
-    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
-    tile = tile or tile_config(plan.tile_rows, nout, K, fuse_silu, tokens=N // top_k)
-    if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu):
-        raise ValueError(f"moe_gemm_tc: no tile {tile} for BM={plan.tile_rows}, K={K}, NOUT={nout}")
-    kernel = tc_kernel(tile, K, nout, fuse_silu, top_k)
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows).
+    With scale [E, NOUT] fp32 the weight holds e4m3 values as uint8 bits (loader/quant.quantize_rows per expert):
+    each sum is then its weight row's scale times the fp32 sum, rounded as above (default tile: e4m3_tile's)."""
+    e4m3 = scale is not None
+    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3)
+    if e4m3:
+        _check_scale("moe_gemm_tc", "scale", scale, weight)
+    if tile is None:
+        tile = tile_config(plan.tile_rows, nout, K, fuse_silu, tokens=N // top_k)
+        tile = e4m3_tile(tile, [(nout, K, fuse_silu)]) if e4m3 and tile else tile
+    if tile is None or tile.bm != plan.tile_rows or not _fits(tile, nout, K, fuse_silu, e4m3):
+        raise ValueError(f"moe_gemm_tc: no tile {tile} for BM={plan.tile_rows}, K={K}, NOUT={nout}"
+                         f"{' (e4m3 weights)' if e4m3 else ''}")
+    kernel = tc_kernel(tile, K, nout, fuse_silu, top_k, e4m3)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, tile.bm))
     if N:
         kernel(grid, (32 * tile.warps_m * tile.warps_n,), (src, plan.sorted_pair, weight, plan.tile_expert,
-               plan.tile_row, plan.expert_off, plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
+               plan.tile_row, plan.expert_off, plan.num_tiles, out, scale if e4m3 else np.uint64(0)),
+               shared_mem=tile.smem(e4m3), stream=stream)
     return out
 
 
@@ -157,34 +212,46 @@ def sync_words(num_pairs: int, num_bins: int) -> int:
     return 1 + max_tiles(num_pairs, num_bins, 16)
 
 
-def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int):
+def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bool = False):
     """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
-    return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem_bytes, FUSED_DECODE=1,
+    return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks)
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **_format(e4m3))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
-                     ctas: int | None = None, stream=None):
+                     ctas: int | None = None, scale13=None, scale2=None, stream=None):
     """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
     out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them (same tiles, same order).
     x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 (moe_bucket with
     sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
     ctas: the grid (default: as many CTAs as the GPU holds at once; any number >= 1 is correct, since every
-    item is claimed from a counter by a running CTA)."""
-    K, E, two_i, N = check_grouped_gemm(x, w13, plan, True, h)
+    item is claimed from a counter by a running CTA).
+    scale13 [E, 2I] and scale2 [E, D] fp32 (both or neither): w13 and w2 hold e4m3 values as uint8 bits
+    (loader/quant.quantize_rows per expert), each sum its weight row's scale times the fp32 sum (default tile:
+    e4m3_tile's)."""
+    if (scale13 is None) != (scale2 is None):
+        raise ValueError("moe_decode_fused: e4m3 weights need both scale13 and scale2 (bf16: neither)")
+    e4m3 = scale13 is not None
+    K, E, two_i, N = check_grouped_gemm(x, w13, plan, True, h, e4m3=e4m3)
     inter = two_i // 2
-    check_grouped_gemm(h, w2, plan, False, out)
-    expect(w2, "w2", shape=(E, K, inter), dtype=BF16)
+    check_grouped_gemm(h, w2, plan, False, out, e4m3=e4m3)
+    expect(w2, "w2", shape=(E, K, inter))
+    if e4m3:
+        _check_scale("moe_decode_fused", "scale13", scale13, w13)
+        _check_scale("moe_decode_fused", "scale2", scale2, w2)
     expect(sync, "sync", ndim=1, dtype=np.int32)
     if sync.size < sync_words(N, E):
         raise ValueError(f"moe_decode_fused: sync has {sync.size} counters, needs {sync_words(N, E)}")
-    tile = tile or fused_decode_tile(N // top_k, K, inter)
-    if tile is None or plan.tile_rows != 16 or tile.bm != 16 or not (_fits(tile, two_i, K, True) and
-                                                                     _fits(tile, K, inter, False)):
-        raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})")
+    if tile is None:
+        tile = fused_decode_tile(N // top_k, K, inter)
+        tile = e4m3_tile(tile, [(two_i, K, True), (K, inter, False)]) if e4m3 and tile else tile
+    if tile is None or plan.tile_rows != 16 or tile.bm != 16 or not (_fits(tile, two_i, K, True, e4m3) and
+                                                                     _fits(tile, K, inter, False, e4m3)):
+        raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})"
+                         f"{' with e4m3 weights' if e4m3 else ''}")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
-    kernel, threads = fused_kernel(tile, K, inter, top_k), 32 * tile.warps_m * tile.warps_n
+    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3), 32 * tile.warps_m * tile.warps_n
     if ctas is not None and ctas < 1:
         raise ValueError(f"moe_decode_fused: ctas must be >= 1, got {ctas}")
     if not ctas:
@@ -192,10 +259,11 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
 
         from kda_rt.cuda.ops.pdl import resident_per_sm
 
-        ctas = sm_count(cupy.cuda.Device().id) * resident_per_sm(kernel, threads, tile.smem_bytes)
+        ctas = sm_count(cupy.cuda.Device().id) * resident_per_sm(kernel, threads, tile.smem(e4m3))
     grid = min(items, ctas)
+    null = np.uint64(0)
     if N:
         kernel((grid,), (threads,), (
             x, plan.sorted_pair, w13, w2, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, h, out,
-            sync), shared_mem=tile.smem_bytes, stream=stream)
+            sync, scale13 if e4m3 else null, scale2 if e4m3 else null), shared_mem=tile.smem(e4m3), stream=stream)
     return out
