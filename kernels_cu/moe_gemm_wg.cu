@@ -42,7 +42,19 @@
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
 // Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BN, STAGES, STAGED_OUT (the epilogue, below), HALF_SKIP (0 / 1),
-// UNALIGNED_BAR (0 / 1: k_barrier).
+// UNALIGNED_BAR (0 / 1: k_barrier), WFMT and E4M3_CVT (below).
+//
+// WFMT = 1: the weights in e4m3 (uint8 bits [E, NOUT, K]) with one fp32 scale a weight row (scale [E, NOUT],
+// loader/quant.py).  wgmma multiplies bf16 by bf16 only, so each k step's e4m3 B rows are widened to bf16 in shared
+// memory first (exact: every e4m3 value is a bf16 value): a stage holds A [128][64] bf16 and Bq [BN][64] e4m3 (plain
+// 64-byte rows), and three bf16 B tiles Bc [BN][64] in the swizzled layout above take step kt's weights in tile
+// kt mod 3.  Each thread converts exactly the 16-byte pieces it copied (after its own cp.async wait, no barrier
+// needed) into two swizzled 16-byte pieces of Bc; the step's one barrier then publishes A and Bc together.  Three
+// tiles, not two: a thread converts step kt before the barrier of step kt, while the other warpgroup may still be
+// multiplying step kt - 2 (its wait for kt - 2 comes after the barrier of step kt - 1); step kt - 3's products are
+// done before the barrier of step kt - 1.  Shared memory: STAGES x (16 KB + BN x 64) + 3 x BN x 128 bytes (224 KB
+// at BN = 256, 4 stages).  The conversion is E4M3_CVT's (as moe_gemm_tc.cu: 1 the conversion unit, 0 bit moves and a
+// bf16 multiply by 2^120); the epilogue multiplies each fp32 sum by its row's scale before the roundings.
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
@@ -75,6 +87,12 @@
 #ifndef EXP_IEEE_SILU
 #define EXP_IEEE_SILU 0
 #endif
+#ifndef WFMT
+#define WFMT 0
+#endif
+#ifndef E4M3_CVT
+#define E4M3_CVT 1
+#endif
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -89,7 +107,23 @@
 #define THREADS 256
 #define ACC (BN / 2)                         // fp32 accumulators per thread (64 rows x BN per warpgroup)
 #define A_BYTES (BM * BK * 2)                // 16 KB
+#if WFMT == 1
+typedef unsigned char wtype;                 // e4m3 bits
+#define B_BYTES (BN * BK)                    // the stage's e4m3 rows (64 bytes each)
+#define BC_BYTES (BN * BK * 2)               // one widened bf16 B tile (swizzled 128-byte rows)
+#define BC_TILES 3
+#define CHW (BK / 16)                        // 16-byte pieces of an e4m3 row
+#define RPPW (THREADS / CHW)                 // e4m3 rows copied per pass
+#define B_PASSES_W (BN / RPPW)
+static_assert((BN / 2) % RPPW == 0, "e4m3 gate/up stages: a copy pass lies in one half");
+#elif WFMT == 0
+typedef bf16 wtype;
 #define B_BYTES (BN * BK * 2)
+#define BC_BYTES 0
+#define BC_TILES 0
+#else
+#error "moe_gemm_wg.cu: WFMT must be 0 (bf16) or 1 (e4m3 with row scales)"
+#endif
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define KT (K / BK)
 #define HALF (NOUT / 2)
@@ -137,15 +171,37 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long d
 #define OUT_LD (FUSE_SILU ? HALF : NOUT)    // output row stride (elements)
 static_assert(BM * OUT_PITCH <= STAGES * STAGE_BYTES, "the staged output tile must fit the stage buffers");
 
+// WFMT = 1: where the row scales of the thread's output columns start (weight row f0 + 2·(l mod 4) of expert e; column
+// 8j + q is row + 8j + q, and gate/up's matching up row HALF further on), read from L1 as the epilogue needs them
+struct Scales {
+#if WFMT == 1
+    const float* row;
+#endif
+};
+__device__ __forceinline__ void load_scales(Scales& sc, const float* __restrict__ scale, int e, int f0, int lane) {
+#if WFMT == 1
+    sc.row = scale + (size_t)e * NOUT + f0 + 2 * (lane & 3);
+#endif
+}
+// accumulator value q of pair (j, hrow), times its row scale (WFMT = 1); up = 1: the up half of gate/up
+__device__ __forceinline__ float acc_val(const float (&acc)[ACC], const Scales& sc, int j, int hrow, int q, int up) {
+    const float a = acc[4 * (j + up * (BN / 16)) + 2 * hrow + q];
+#if WFMT == 1
+    return a * __ldg(sc.row + up * HALF + 8 * j + q);
+#else
+    return a;
+#endif
+}
+
 // accumulator pair (j, hrow) of thread t as the packed bf16 outputs: row 16w + l/4 + 8·hrow, columns
 // 8j + 2·(l mod 4) + {0, 1} of the warpgroup's output tile (see wgmma.cuh)
-__device__ __forceinline__ unsigned out_pair(const float (&acc)[ACC], int j, int hrow) {
+__device__ __forceinline__ unsigned out_pair(const float (&acc)[ACC], const Scales& sc, int j, int hrow) {
 #if FUSE_SILU
     float hv[2];
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-        const float gate = round_bf16(acc[4 * j + 2 * hrow + q]);
-        const float up = round_bf16(acc[4 * (j + BN / 16) + 2 * hrow + q]);
+        const float gate = round_bf16(acc_val(acc, sc, j, hrow, q, 0));
+        const float up = round_bf16(acc_val(acc, sc, j, hrow, q, 1));
 #if EXP_IEEE_SILU  // bench only: the IEEE quotient, as before silu_nr
         hv[q] = round_bf16(silu(gate)) * up;
 #else
@@ -154,25 +210,27 @@ __device__ __forceinline__ unsigned out_pair(const float (&acc)[ACC], int j, int
     }
     __nv_bfloat162 p = __floats2bfloat162_rn(hv[0], hv[1]);
 #else
-    __nv_bfloat162 p = __floats2bfloat162_rn(acc[4 * j + 2 * hrow], acc[4 * j + 2 * hrow + 1]);
+    __nv_bfloat162 p = __floats2bfloat162_rn(acc_val(acc, sc, j, hrow, 0, 0), acc_val(acc, sc, j, hrow, 1, 0));
 #endif
     return *reinterpret_cast<unsigned*>(&p);
 }
 
 // warpgroup rows [rbase, rbase + 64) of the output tile into the staging tile at shared address `stage`
-__device__ __forceinline__ void stage_rows(const float (&acc)[ACC], unsigned stage, int nrows, int rbase, int t) {
+__device__ __forceinline__ void stage_rows(const float (&acc)[ACC], const Scales& sc, unsigned stage, int nrows, int rbase,
+                                           int t) {
     if (rbase >= nrows) return;  // no rows of this warpgroup (uniform over it: stmatrix is warp-collective)
     const int lane = t & 31, wq = t >> 5, m = lane >> 3;
     // this lane names row (m mod 2)·8 + lane mod 8 of the warp's 16 rows, 16 bytes (8 columns) into the pair
     const unsigned addr = stage + (rbase + wq * 16 + 8 * (m & 1) + (lane & 7)) * OUT_PITCH + 16 * (m >> 1);
 #pragma unroll
     for (int j = 0; j < OUT_COLS / 8; j += 2)  // matrices (j, rows 0-7), (j, 8-15), (j + 1, 0-7), (j + 1, 8-15)
-        stmatrix_x4(addr + 16 * j, out_pair(acc, j, 0), out_pair(acc, j, 1), out_pair(acc, j + 1, 0), out_pair(acc, j + 1, 1));
+        stmatrix_x4(addr + 16 * j, out_pair(acc, sc, j, 0), out_pair(acc, sc, j, 1), out_pair(acc, sc, j + 1, 0),
+                    out_pair(acc, sc, j + 1, 1));
 }
 
 // direct epilogue: warpgroup rows [rbase, rbase + 64) from the accumulators to dst
-__device__ __forceinline__ void store_rows(const float (&acc)[ACC], void* __restrict__ dst, int row0, int nrows, int f0,
-                                           int rbase, int t) {
+__device__ __forceinline__ void store_rows(const float (&acc)[ACC], const Scales& sc, void* __restrict__ dst, int row0,
+                                           int nrows, int f0, int rbase, int t) {
     if (rbase >= nrows) return;
     const int lane = t & 31, wq = t >> 5;
 #pragma unroll
@@ -181,7 +239,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[ACC], void* __rest
         if (rl >= nrows) continue;
         bf16* out = static_cast<bf16*>(dst) + (size_t)(row0 + rl) * OUT_LD + f0 + 2 * (lane & 3);
 #pragma unroll
-        for (int j = 0; j < OUT_COLS / 8; ++j) *reinterpret_cast<unsigned*>(out + 8 * j) = out_pair(acc, j, hrow);
+        for (int j = 0; j < OUT_COLS / 8; ++j) *reinterpret_cast<unsigned*>(out + 8 * j) = out_pair(acc, sc, j, hrow);
     }
 }
 
@@ -198,6 +256,43 @@ __device__ __forceinline__ void copy_out(const unsigned char* staged, void* __re
                 *reinterpret_cast<const uint4*>(staged + r * OUT_PITCH + ch * 16);
     }
 }
+
+#if WFMT == 1
+// two e4m3 codes (bits 0-7 the first, 8-15 the second) as a bf16 pair (the first in the low half), exactly
+__device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned pair) {
+#if E4M3_CVT
+    unsigned h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)pair));
+    float lo, hi;
+    asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&p);
+#else
+    // byte s eeee mmm into bf16 bits s 0000eeee mmm0000 (the value times 2^-120), then times 2^120 (exact)
+    const unsigned v = __byte_perm(pair, 0u, 0x1404);
+    unsigned b = (v & 0x80008000u) | ((v >> 4) & 0x07F007F0u);
+    const unsigned two120 = 0x7B807B80u, neg_zero = 0x80008000u;
+    asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(b) : "r"(two120), "r"(neg_zero));
+    return b;
+#endif
+}
+
+// 16 e4m3 codes (a 16-byte piece of weight row r, k = 16c .. 16c + 15 of the step) into the bf16 tile at shared
+// address bc: bf16 pieces 2c and 2c + 1 of row r, at the swizzled places c' ^ (r mod 8)
+__device__ __forceinline__ void widen_piece(unsigned bc, uint4 q, int r, int c) {
+    const unsigned w[4] = {q.x, q.y, q.z, q.w};
+    unsigned o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        o[2 * i] = e4m3x2_to_bf16x2(w[i] & 0xFFFFu);
+        o[2 * i + 1] = e4m3x2_to_bf16x2(w[i] >> 16);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(bc + swz(r, 2 * c)), "r"(o[0]), "r"(o[1]), "r"(o[2]),
+                 "r"(o[3]) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(bc + swz(r, 2 * c + 1)), "r"(o[4]), "r"(o[5]),
+                 "r"(o[6]), "r"(o[7]) : "memory");
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // kernels
@@ -222,9 +317,10 @@ __device__ __forceinline__ void k_barrier() {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const bf16* __restrict__ weight,
+moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
-                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst) {
+                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
+                    const float* __restrict__ scale) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
@@ -246,7 +342,14 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     const bf16* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
     tile_row_sources<K, FUSE_SILU>(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
-    const bf16* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
+#if WFMT == 1
+    // e4m3 rows: thread copies (and later widens) piece wch (16 codes) of rows wrow + i·RPPW of each stage
+    const int wrow = tid / CHW, wch = tid % CHW;
+    const wtype* b_src = weight + ((size_t)e * NOUT + f0 + wrow) * K + wch * 16;
+    const unsigned bc_base = base + STAGES * STAGE_BYTES;  // the BC_TILES widened bf16 B tiles
+#else
+    const wtype* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
+#endif
     // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
     const unsigned dst_off = swz(lrow, lch);
 
@@ -263,11 +366,23 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         for (int i = 0; i < A_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
                          "r"(a_bytes[i]));
+#if WFMT == 1
+        if (!skip_b)
+#pragma unroll
+        for (int i = 0; i < B_PASSES_W; ++i) {
+            const int r = i * RPPW;  // (a pass lies in one half of a gate/up stage)
+            const int off = FUSE_SILU && r >= BN / 2 ? HALF - BN / 2 + r : r;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(base + stage * STAGE_BYTES + A_BYTES +
+                         (wrow + r) * BK + wch * 16), "l"(b_src + (size_t)off * K + k0));
+        }
+        (void)b_dst;
+#else
         if (!skip_b)
 #pragma unroll
         for (int i = 0; i < B_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(b_dst + i * RPP * 128),
                          "l"(b_src + (size_t)b_pass_offset<FUSE_SILU, HALF>(i) * K + k0));
+#endif
     };
 
 #pragma unroll
@@ -287,13 +402,28 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
         constexpr bool MMA = decltype(mma)::value;
         for (int kt = 0; kt < KT; ++kt) {
             cp_async_wait<STAGES - 3>();  // step kt has landed (this thread's copies) ...
+#if WFMT == 1
+            // ... and this thread widens its own e4m3 pieces of it into bf16 tile kt mod 3 (see the header)
+#pragma unroll
+            for (int i = 0; i < B_PASSES_W; ++i) {
+                const int r = wrow + i * RPPW;
+                uint4 q;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                             : "r"(base + (kt % STAGES) * STAGE_BYTES + A_BYTES + r * BK + wch * 16) : "memory");
+                widen_piece(bc_base + (kt % BC_TILES) * BC_BYTES, q, r, wch);
+            }
+#endif
             fence_proxy_async();          // ... and is visible to the tensor cores' (async) proxy ...
             k_barrier();                  // ... for everyone's copies; step kt - 2's stage is free
             if (kt + STAGES - 2 < KT) load_stage((kt + STAGES - 2) % STAGES, kt + STAGES - 2);
             cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
             if constexpr (MMA) {
                 const unsigned a_tile = base + (kt % STAGES) * STAGE_BYTES + wg * 64 * 128;
+#if WFMT == 1
+                const unsigned b_tile = bc_base + (kt % BC_TILES) * BC_BYTES;
+#else
                 const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+#endif
                 fence_regs(acc);
                 wgmma_fence();
 #pragma unroll
@@ -321,13 +451,17 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 
 #if EXP_SKIP & 4  // bench only: no epilogue (one store kept so that the products stay live)
     if (acc[0] == 1.2345e-30f) static_cast<bf16*>(dst)[0] = to_bf16(acc[ACC - 1]);
-#elif STAGED_OUT
+#else
+    Scales sc;
+    load_scales(sc, scale, e, f0, tid & 31);
+#if STAGED_OUT
     __syncthreads();  // both warpgroups' products are done: the stage buffers are free
-    stage_rows(acc, base, nrows, wg * 64, tid & 127);
+    stage_rows(acc, sc, base, nrows, wg * 64, tid & 127);
     __syncthreads();
     copy_out(smem_raw + (base - raw), dst, row0, nrows, f0);
 #else
-    store_rows(acc, dst, row0, nrows, f0, wg * 64, tid & 127);
+    store_rows(acc, sc, dst, row0, nrows, f0, wg * 64, tid & 127);
+#endif
 #endif
 }
 

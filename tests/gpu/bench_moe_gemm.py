@@ -160,9 +160,44 @@ def _wg_cases(T, wts):
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
-        args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out)
+        args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
+                np.uint64(0))  # (no scales: bf16 weights)
         cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
     return plan, cases
+
+
+def bench_e4m3(T, wts, q, rounds: int = 5):
+    """The wgmma GEMMs (launcher tiles) with bf16 weights against e4m3 weights (q = (q13, s13, q2, s2): uint8 codes
+    and row scales; moe_gemm_wg.cu WFMT = 1) widened by the conversion unit (E4M3_CVT = 1) or by bit moves (0),
+    interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows)."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops import moe_gemm_tc
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    q13, s13, q2, s2 = q
+    for name, src, w, wq, sc, out, silu, flop in (("gate/up", x, wts.w13, q13, s13, h, True, 2 * N * D * 2 * INTER),
+                                                  ("down", h, wts.w2, q2, s2, y, False, 2 * N * INTER * D)):
+        variants = {"bf16": (w, None, 1), "e4m3 cvt": (wq, sc, 1), "e4m3 bits": (wq, sc, 0)}
+        times = {v: [] for v in variants}
+        for _ in range(rounds):
+            for v, (wt, scale, convert) in variants.items():
+                moe_gemm_tc.E4M3_CONVERT = convert
+                times[v].append(median_ms(partial(moe_gemm_wg, src, wt, plan, top_k=A, fuse_silu=silu, out=out,
+                                                  scale=scale)))
+        moe_gemm_tc.E4M3_CONVERT = 1
+        base = float(np.median(times["bf16"]))
+        print(f"T={T} {name}: " + "  ".join(
+            f"{v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
+            for v, ts in times.items()), flush=True)
 
 
 def bench_limits(T, wts):
@@ -310,6 +345,7 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="only the wgmma kernel's tiles, interleaved")
     ap.add_argument("--once", action="store_true", help="both wgmma GEMMs twice, untimed (for ncu)")
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
+    ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -319,8 +355,16 @@ def main():
     wts = DeviceMoE(router, cupy.zeros(E, dtype=np.float32), w13, w2, DeviceMLP(s13, s2))
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
+    q = None
+    if args.e4m3:
+        from kernels.test_moe_gemm_tc import e4m3_stack
+
+        hrng = np.random.default_rng(3)
+        q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))
     for T in map(int, args.tokens.split(",")):
-        if args.once:
+        if args.e4m3:
+            bench_e4m3(T, wts, q)
+        elif args.once:
             run_once(T, wts)
         elif args.define:
             bench_define(T, wts, args.define)

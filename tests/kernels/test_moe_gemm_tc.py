@@ -493,6 +493,68 @@ def test_moe_gemm_tc_e4m3(name):
     check_experts(range(E), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
 
 
+@pytest.fixture(scope="module")
+def big_e4m3():
+    """Kimi-Linear-48B expert stacks in e4m3 (E=256, D=2304, I=1024: 1.8 GB of codes) with their row scales."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    crng = cupy.random.default_rng(11)
+    return (*e4m3_stack(crng, rng, 256, 2048, 2304), *e4m3_stack(crng, rng, 256, 2304, 1024))
+
+
+WG_E4M3 = {  # name: (T, D, I, E, A, skewed, tile, convert, subnormal); E = 256: the big_e4m3 stacks
+    "T1-direct": (1, 2304, 1024, 256, 8, False, (256, 4, False), 1, False),
+    "T300": (300, 2304, 1024, 256, 8, False, (256, 4), 1, False),
+    "T2048-skewed": (2048, 2304, 1024, 256, 8, True, (256, 4), 1, False),
+    "T2048-skewed-bits": (2048, 2304, 1024, 256, 8, True, (256, 4), 0, False),
+    "T8192": (8192, 2304, 1024, 256, 8, False, (256, 4), 1, False),
+    "T2048-bn128-s3-direct": (2048, 2304, 1024, 256, 8, False, (128, 3, False), 1, False),
+    "T40-D512-I384-E16-subnormal": (40, 512, 384, 16, 4, False, (256, 4), 1, True),
+    "T40-D512-I384-E16-subnormal-bits": (40, 512, 384, 16, 4, False, (256, 4), 0, True),
+}
+
+
+@pytest.mark.parametrize("name", list(WG_E4M3))
+def test_moe_gemm_wg_e4m3(name, big_e4m3, monkeypatch):
+    """moe_gemm_wg with e4m3 weights (moe_gemm_wg.cu WFMT = 1: each step's codes widened to bf16 in shared memory)
+    against NumPy on the dequantized weights: every expert (E = 16) or the busiest, the emptiest and random ones;
+    tiles and epilogues as test_moe_gemm_wg, both conversions."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops import moe_gemm_tc as mod
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
+
+    if device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_wg.cu needs sm_90a (wgmma)")
+    T, D, inter, E, A, skewed, tile, convert, subnormal = WG_E4M3[name]
+    monkeypatch.setattr(mod, "E4M3_CONVERT", convert)
+    rng = np.random.default_rng(zlib.crc32(f"wg-e4m3/{name}".encode()))
+    if E == 256:
+        q13, s13, q2, s2 = big_e4m3
+    else:
+        crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+        q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D, subnormal)
+        q2, s2 = e4m3_stack(crng, rng, E, D, inter, subnormal)
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    ids = make_ids(T, E, A, skewed, rng)
+
+    def gemm(src, weight, plan, *, top_k, fuse_silu, out, tile=None):
+        return moe_gemm_wg(src, weight, plan, top_k=top_k, fuse_silu=fuse_silu, out=out, tile=tile,
+                           scale=s13 if fuse_silu else s2)
+
+    plan, h, y = run_tc(to_gpu_bf16(x_np), q13, q2, ids, E, 128, WgTile(*tile), gemm)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    touched = np.flatnonzero(counts)
+    picks = touched if E <= 16 else sorted({int(touched[np.argmax(counts[touched])]),
+                                            int(touched[np.argmin(counts[touched])]),
+                                            *map(int, rng.choice(touched, min(4, touched.size), replace=False))})
+    if subnormal:
+        assert float(cupy.abs(h.astype(np.float32)).max()) > 0, f"{name}: h is all zero"
+    check_experts(picks, plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
+
 def test_e4m3_grouped_gemm_refusals():
     """e4m3 calls refused by name: a scale without e4m3 weights, e4m3 weights without scales, one of the two fused
     scales, a scale of the wrong shape."""

@@ -19,7 +19,7 @@ from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
-           "copies_weights_early", "e4m3_tile", "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc",
+           "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc",
            "prefill_tile_rows", "sync_words", "tile_config"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
@@ -135,7 +135,7 @@ def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int, 
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early, **_format(e4m3))
 
 
-def _check_scale(what: str, name: str, scale, weight) -> None:
+def check_scale(what: str, name: str, scale, weight) -> None:
     """An e4m3 weight's row scales: fp32 [E, NOUT], 8-byte aligned (the epilogue reads a thread's two as one piece)."""
     from kda_rt.cuda.ops.gemv import check_e4m3_arch
 
@@ -172,7 +172,7 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     e4m3 = scale is not None
     K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3)
     if e4m3:
-        _check_scale("moe_gemm_tc", "scale", scale, weight)
+        check_scale("moe_gemm_tc", "scale", scale, weight)
     if tile is None:
         tile = tile_config(plan.tile_rows, nout, K, fuse_silu, tokens=N // top_k)
         tile = e4m3_tile(tile, [(nout, K, fuse_silu)]) if e4m3 and tile else tile
@@ -238,8 +238,8 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     check_grouped_gemm(h, w2, plan, False, out, e4m3=e4m3)
     expect(w2, "w2", shape=(E, K, inter))
     if e4m3:
-        _check_scale("moe_decode_fused", "scale13", scale13, w13)
-        _check_scale("moe_decode_fused", "scale2", scale2, w2)
+        check_scale("moe_decode_fused", "scale13", scale13, w13)
+        check_scale("moe_decode_fused", "scale2", scale2, w2)
     expect(sync, "sync", ndim=1, dtype=np.int32)
     if sync.size < sync_words(N, E):
         raise ValueError(f"moe_decode_fused: sync has {sync.size} counters, needs {sync_words(N, E)}")

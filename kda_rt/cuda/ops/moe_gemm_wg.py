@@ -1,7 +1,8 @@
 """Launcher for kernels_cu/moe_gemm_wg.cu: the prefill grouped GEMM on Hopper's warpgroup MMA (sm_90a),
 128-row tiles over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (bf16 out).
 Same contract as moe_gemm_tc.py with a plan built for tile_rows = 128; `available()` says whether it
-runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.
+runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.  e4m3 weights (uint8 codes
+with one fp32 scale a row, loader/quant.py; moe_gemm_wg.cu WFMT = 1) through `scale`.
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from kda_rt import env
+from kda_rt.cuda.ops import moe_gemm_tc
 from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
@@ -29,7 +33,13 @@ class WgTile(NamedTuple):
 
     @property
     def smem_bytes(self) -> int:  # stages of A [128][64] + B [BN][64] bf16, plus 1 KB to align to 1024
-        return self.stages * (BM + self.bn) * BK * 2 + 1024
+        return self.smem(False)
+
+    def smem(self, e4m3: bool) -> int:
+        """Dynamic shared memory; e4m3: stages of A bf16 + B e4m3 [BN][64], and the three widened bf16 B tiles."""
+        if not e4m3:
+            return self.stages * (BM + self.bn) * BK * 2 + 1024
+        return self.stages * (BM * BK * 2 + self.bn * BK) + 3 * self.bn * BK * 2 + 1024
 
 
 # 192 KB of stages: 1 CTA per SM, 2 k steps in flight; H200 (bench_moe_gemm.py), T = 8192 gate/up | down:
@@ -59,24 +69,31 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
             and wg_tile(2 * inter, hidden, True) is not None and wg_tile(hidden, inter, False) is not None)
 
 
-def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int):
+def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
-    return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem_bytes, K=K, NOUT=nout,
+    fmt = {"WFMT": 1, "E4M3_CVT": moe_gemm_tc.E4M3_CONVERT} if e4m3 else {}
+    return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3), K=K, NOUT=nout,
                       FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
-                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()))
+                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt)
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
-                stream=None):
+                scale=None, stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
-    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows)."""
-    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out)
+    else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows).
+    With scale [E, NOUT] fp32 the weight holds e4m3 values as uint8 bits (loader/quant.quantize_rows per expert):
+    each sum is then its weight row's scale times the fp32 sum, rounded as above."""
+    e4m3 = scale is not None
+    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3)
+    if e4m3:
+        moe_gemm_tc.check_scale("moe_gemm_wg", "scale", scale, weight)
     tile = tile or wg_tile(nout, K, fuse_silu)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k)
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     if N:
         kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
-                              plan.num_tiles, out), shared_mem=tile.smem_bytes, stream=stream)
+                              plan.num_tiles, out, scale if e4m3 else np.uint64(0)), shared_mem=tile.smem(e4m3),
+               stream=stream)
     return out
