@@ -55,6 +55,12 @@
 // done before the barrier of step kt - 1.  Shared memory: STAGES x (16 KB + BN x 64) + 3 x BN x 128 bytes (224 KB
 // at BN = 256, 4 stages).  The conversion is E4M3_CVT's (as moe_gemm_tc.cu: 1 the conversion unit, 0 bit moves and a
 // bf16 multiply by 2^120); the epilogue multiplies each fp32 sum by its row's scale before the roundings.
+// Measured (H200, 2026-12-02, tests/gpu/bench_moe_gemm.py --e4m3, interleaved rounds, uniform routing), gate/up | down
+// at T = 8192: bf16 1.165 | 0.606 ms, e4m3 through the conversion unit 1.784 | 0.847 (+53 | +40%), by bit moves 1.941
+// | 1.013; T = 16384: 2.045 | 1.064, 3.319 | 1.690 (+62 | +59%), 3.347 | 1.796.  The widening (32 K codes a k step
+// and SM) takes longer than the step's products (~1370 cycles at 605 TFLOP/s), so e4m3 weights cost prefill time
+// here: still above moe_gemm_tc.cu's mma.sync rate, and correct, but the fast prefill form for e4m3 weights is FP8
+// tensor-core products (activations quantized per row to e4m3 as well, wgmma e4m3 x e4m3), not written.
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
