@@ -75,6 +75,29 @@
 // Measured (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_KDA_EARLY_STATE --values 1,0 --rounds 2 --prompts 0
 // --replays 1,8,32): batch 1 2.2251 against 2.2462 ms (-0.9%; the kernel before is gemv_dense, which lets this one
 // launch while it streams), batch 8 5.1088 / 5.1094, batch 32 7.9021 / 7.8997 (cuBLAS before it: no change).
+// STATE_HINTS (bench: tests/gpu/bench_decode_sweep.py --kda-define): cache hints of the state's loads and stores.
+// 0 plain; 1 loads without L1 allocation and streaming (evict-first) stores; 2 the loads only; 3 the stores only.
+#ifndef STATE_HINTS
+#define STATE_HINTS 0
+#endif
+__device__ __forceinline__ float4 ld_state(const float4* p) {
+#if STATE_HINTS == 1 || STATE_HINTS == 2
+    float4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+__device__ __forceinline__ void st_state(float4* p, float4 v) {
+#if STATE_HINTS == 1 || STATE_HINTS == 3
+    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+#else
+    *p = v;
+#endif
+}
 #if EARLY_STATE
 #define KD_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
 #else
@@ -199,7 +222,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
     float4 s[RPT];
 #pragma unroll
-    for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : state[(row0 + i) * (K / 4)];
+    for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : ld_state(state + (row0 + i) * (K / 4));
 #if EARLY_STATE
     KDA_PDL_WAIT();  // the token's q|k|v|f_a|g_a|b: the kernel before's output
 #endif
@@ -303,7 +326,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         const float kd = k_s[row0 + i];
         s[i].x = fmaf(kd, kdelta[0], s[i].x), s[i].y = fmaf(kd, kdelta[1], s[i].y);
         s[i].z = fmaf(kd, kdelta[2], s[i].z), s[i].w = fmaf(kd, kdelta[3], s[i].w);
-        state[(row0 + i) * (K / 4)] = s[i];
+        st_state(state + (row0 + i) * (K / 4), s[i]);
     }
 
     // ---- read-out and gated RMSNorm: lanes 0..CT-1 of warp 0 hold this CTA's VC outputs (4 each)

@@ -1,10 +1,11 @@
 """Decode kernels swept over batch and context (issue 12), one device call:
 
     PYTHONPATH=. python tests/gpu/bench_decode_sweep.py [--quick] [--parts=kda,mla,moe]
-        [--kda-batches=1,8,32] [--kda-variants]
+        [--kda-batches=1,8,32] [--kda-variants] [--kda-define=STATE_HINTS=0,1,2,3]
 
 - kda_decode (H = 32, K = V = 128): batch 1 ... 256; bytes = the fp32 state read and written
-  (2 * B * H * K * K * 4; q/k/v/gate rows are < 1%); --kda-variants adds every column-split variant.
+  (2 * B * H * K * K * 4; q/k/v/gate rows are < 1%); --kda-variants adds every column-split variant;
+  --kda-define builds the kernel with each value of a bench-only define, three interleaved rounds.
 - mla_attention, absorbed decode (H = 32, latent 512 + rope 64, pages of 64): batch 1 ... 256 x
   context 1K ... 128K (a shape whose latent pool would pass 8 GB is skipped); bytes = the latent rows
   read once + the kv_b weights.  Each line also names S (the split count of the grid) and, in
@@ -58,28 +59,41 @@ def kda_bench_inputs(B: int, H: int):
     return dev
 
 
-def sweep_kda(batches, variants=(None,)) -> None:
-    """`variants`: (split, threads) pairs of kda_decode, None = the launcher's choice."""
+def sweep_kda(batches, variants=(None,), define: str = "", rounds: int = 1) -> None:
+    """`variants`: (split, threads) pairs of kda_decode, None = the launcher's choice.  `define` "NAME=v1,v2":
+    the kernel built with each value of a bench-only define (kda_decode.cu's STATE_HINTS), `rounds` interleaved
+    rounds of all of them."""
     import cupy
 
+    import kda_rt.cuda.ops.kda_decode as kd
     from helpers.gpu import graph_us
     from helpers.kda_kernel import run_op
     from kda_rt.cuda.ops.kda_decode import decode_config, kda_decode
 
     H, K = 32, 128
+    name, values = define.split("=") if define else ("", "")
+    values = [int(v) for v in values.split(",")] if define else [None]
+    real_get = kd.get_kernel
     for B in batches:
         dev = kda_bench_inputs(B, H)
-        for variant in variants:
-            kw = {} if variant is None else {"split": variant[0], "threads": variant[1]}
-            out = run_op(kda_decode, dev, H, **kw)
-            # the uploads (async, from pinned staging) and this warm-up ran on the legacy default stream,
-            # which graph_us's non-blocking stream does not wait for: without this sync its first call
-            # could read state_slots before they arrived (the illegal address seen at B=128)
-            cupy.cuda.Device().synchronize()
-            us = graph_us(lambda s, dev=dev, out=out, kw=kw: run_op(kda_decode, dev, H, out=out, stream=s, **kw))
-            split, threads, _ = decode_config(**kw)
-            tag = "" if variant is None else f" split={split}x{threads}"
-            line(f"kda_decode B={B}{tag}", us, 2 * B * H * K * K * 4)
+        for _ in range(rounds):
+            for variant in variants:
+                for value in values:
+                    kd.get_kernel = real_get if value is None else (
+                        lambda *a, _v=value, **k: real_get(*a, **{**k, name: _v}))
+                    kw = {} if variant is None else {"split": variant[0], "threads": variant[1]}
+                    out = run_op(kda_decode, dev, H, **kw)
+                    # the uploads (async, from pinned staging) and this warm-up ran on the legacy default stream,
+                    # which graph_us's non-blocking stream does not wait for: without this sync its first call
+                    # could read state_slots before they arrived (the illegal address seen at B=128)
+                    cupy.cuda.Device().synchronize()
+                    us = graph_us(lambda s, dev=dev, out=out, kw=kw: run_op(kda_decode, dev, H, out=out, stream=s,
+                                                                           **kw))
+                    split, threads, _ = decode_config(**kw)
+                    tag = ("" if variant is None else f" split={split}x{threads}") + (
+                        "" if value is None else f" {name}={value}")
+                    line(f"kda_decode B={B}{tag}", us, 2 * B * H * K * K * 4)
+        kd.get_kernel = real_get
         del dev
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -169,8 +183,11 @@ def main() -> None:
     if "kda" in parts:
         kda_batches = next((tuple(int(b) for b in a.split("=", 1)[1].split(",")) for a in sys.argv
                             if a.startswith("--kda-batches=")), batches)
-        sweep_kda(kda_batches, (None, *KDA_VARIANTS) if "--kda-variants" in sys.argv else (None,))
-        sweep_kda_low_rank(tuple(b for b in kda_batches if b <= 64))
+        define = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--kda-define=")), "")
+        sweep_kda(kda_batches, (None, *KDA_VARIANTS) if "--kda-variants" in sys.argv else (None,), define,
+                  rounds=3 if define else 1)
+        if not define:
+            sweep_kda_low_rank(tuple(b for b in kda_batches if b <= 64))
     if "mla" in parts:
         arg = lambda key: next((tuple(map(int, a.split("=", 1)[1].split(","))) for a in sys.argv  # noqa: E731
                                 if a.startswith(f"--mla-{key}=")), None)
