@@ -156,6 +156,19 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
+def kda_state_hints(default: int) -> int:
+    """KDA_RT_KDA_STATE_HINTS (bench switch): the cache hints of the KDA decode kernel's recurrent-state loads and
+    stores (kernels_cu/kda_decode.cu STATE_HINTS: 0 plain, 1 loads without L1 allocation and streaming stores, 2 the
+    loads only, 3 the stores only) instead of the launcher's choice by batch (ops/kda_decode.state_hints).  Read when
+    the kernel is picked (a CUDA graph keeps what it captured)."""
+    if not os.environ.get("KDA_RT_KDA_STATE_HINTS"):
+        return default
+    n = _non_negative_int("KDA_RT_KDA_STATE_HINTS", default)
+    if n > 3:
+        raise ValueError(f"KDA_RT_KDA_STATE_HINTS must be 0, 1, 2 or 3, got {n}")
+    return n
+
+
 def gemv_signal_overlap() -> bool:
     """KDA_RT_GEMV_SIGNAL_OVERLAP: 0 makes thread 0 of each routed one-token GEMV CTA take the CTA's count right
     after the routing kernel's signal and the x staging wait for the selection, instead of a second warp counting

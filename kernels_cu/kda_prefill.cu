@@ -94,9 +94,6 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef EXP_ACCURATE_EXP
 #define EXP_ACCURATE_EXP 0
 #endif
-#ifndef D_SPLIT_N
-#define D_SPLIT_N 0
-#endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
@@ -446,13 +443,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 
     // ---- (d) A_qk and beta A_kk, 16 x 16 sub-block pairs (I, J <= I) on tensor cores: 2 products x
     // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e)
-    // (D_SPLIT_N = 1, bench: each task one 8-column half of its 16 x 16 block, so the 40 half tasks take three
-    // rounds of the 16 warps where the 20 whole ones take two of twice the length)
     {
         const int g = lane >> 2, t = lane & 3;
-        constexpr int NH = D_SPLIT_N ? 2 : 1;  // tasks per block
-        for (int task2 = warp; task2 < 2 * NUM_PAIRS * NH; task2 += INTRA_THREADS / 32) {
-            const int task = task2 / NH, half = task2 % NH;
+        for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) {
             const bool kk = task >= NUM_PAIRS;
             const int p = kk ? task - NUM_PAIRS : task;
             int I = 0;
@@ -467,12 +460,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 unsigned a[4], bb[4];
                 frag_a(a, A + ks * 16, LDB);
                 frag_b_nk(bb, Bt + ks * 16, LDB);
-                if (!D_SPLIT_N || half == 0) mma_bf16(acc[0], a, bb[0], bb[1]);
-                if (!D_SPLIT_N || half == 1) mma_bf16(acc[1], a, bb[2], bb[3]);
+                mma_bf16(acc[0], a, bb[0], bb[1]);
+                mma_bf16(acc[1], a, bb[2], bb[3]);
             }
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                if (D_SPLIT_N && nt != half) continue;
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int rl = g + 8 * hh, sl = 8 * nt + 2 * t, R = I * SUB + rl, S = J * SUB + sl;

@@ -78,7 +78,7 @@ def main() -> int:
             outs = [a.copy() for a in (ws, a_qk, g_last)]
             if first is None:
                 first = outs
-            else:  # every variant against the first, bit for bit (EXP_ACCURATE_EXP changes roundings; D_SPLIT_N not)
+            else:  # every variant against the first, bit for bit (EXP_ACCURATE_EXP changes roundings)
                 same = all(bool(cupy.array_equal(a.view(np.uint8), b.view(np.uint8)))
                            for a, b in zip(outs, first, strict=True))
                 print(f"{shape} {extra}: outputs bit-identical to {built[0][0]}: {same}", flush=True)

@@ -468,3 +468,18 @@ def test_e4m3_weights_need_sm89(arch, ok, monkeypatch):
     else:
         with pytest.raises(ValueError, match=f"gemv_dense: e4m3 weights need sm_89 or newer .*{arch}"):
             check_e4m3_arch("gemv_dense")
+
+
+def test_kda_state_hints_rule(monkeypatch):
+    """kda_decode.cu STATE_HINTS by batch (1 up to 128 sequences, 2 above), and the switch's override and refusals."""
+    monkeypatch.delenv("KDA_RT_KDA_STATE_HINTS", raising=False)
+    assert kd.state_hints(1) == 1 and kd.state_hints(kd.HINTS_BOTH_MAX_SEQS) == 1
+    assert kd.state_hints(kd.HINTS_BOTH_MAX_SEQS + 1) == 2
+    monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", "0")
+    assert kd.state_hints(300) == 0
+    monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", "4")
+    with pytest.raises(ValueError, match="KDA_RT_KDA_STATE_HINTS must be 0, 1, 2 or 3"):
+        kd.state_hints(8)
+    monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", "x")
+    with pytest.raises(ValueError, match="KDA_RT_KDA_STATE_HINTS must be an integer"):
+        kd.state_hints(8)

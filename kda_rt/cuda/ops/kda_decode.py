@@ -15,7 +15,7 @@ from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests mo
 from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
-           "fuses_low_rank", "kda_decode"]
+           "fuses_low_rank", "kda_decode", "state_hints"]
 
 CONV_STATE_DTYPE = BF16
 # (SPLIT, THREADS) -> MIN_BLOCKS.  SPLIT: a head's value columns over that many CTAs of one cluster
@@ -29,6 +29,17 @@ _VARIANTS = {(1, 256): 2, (2, 128): 4, (2, 256): 2, (4, 128): 7, (8, 128): 8}
 FUSE_MAX_SEQS = 4
 # the column split (cluster of 4 CTAs per head) up to this batch; one CTA per head above
 SPLIT_MAX_SEQS = 4
+# kda_decode.cu STATE_HINTS by batch: the state loads without L1 allocation and its stores streaming (evict-first)
+# up to this batch, the loads' hint alone above.  H200, 2026-12-02, tests/gpu/bench_decode_sweep.py --parts=kda
+# --kda-define=STATE_HINTS=0,1,2,3 (graph replay, three interleaved rounds, us): B = 64 83.6-83.9 / 77.5-77.8 /
+# 82.4-83.1 / 91.1-91.7, B = 128 159.1-159.6 / 154.3-154.4 / 156.2-156.8 / 177.5-178.1, B = 256 307.7-308.0 /
+# 311.5-311.7 / 304.5-305.0 / 345.9-346.2 (the stores' hint alone is slower everywhere)
+HINTS_BOTH_MAX_SEQS = 128
+
+
+def state_hints(num_seqs: int) -> int:
+    """kda_decode.cu STATE_HINTS for a batch of num_seqs (KDA_RT_KDA_STATE_HINTS overrides it)."""
+    return env.kda_state_hints(1 if num_seqs <= HINTS_BOTH_MAX_SEQS else 2)
 
 
 def decode_config(split: int | None = None, threads: int | None = None, fused: bool = False,
@@ -130,7 +141,7 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
     kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads,
                         SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g,
-                        EARLY_STATE=int(env.kda_early_state()))
+                        EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B))
     if B:
         kernel((num_heads * n_split, B), (n_threads,),
                (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
