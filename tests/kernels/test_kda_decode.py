@@ -89,23 +89,33 @@ def test_kda_decode_steps(num_seqs, num_heads, gates, variant, early, monkeypatc
               f"decode step {step} B{num_seqs} H{num_heads} {gates} {vid(variant)}")
 
 
-@pytest.mark.parametrize("hints", ["0", "1", "2", "3"])
-@pytest.mark.parametrize("num_seqs", [5, 160])
-def test_kda_decode_state_hints(num_seqs, hints, monkeypatch):
-    """Every cache-hint variant of the state's loads and stores (kda_decode.cu STATE_HINTS, forced through
-    KDA_RT_KDA_STATE_HINTS; the launcher picks 1 up to 128 sequences and 2 above) against the reference, two steps."""
+@pytest.mark.parametrize("num_seqs, gates", [(5, "mixed"), (160, "normal")])
+def test_kda_decode_state_hints(num_seqs, gates, monkeypatch):
+    """Every cache-hint variant of the state's loads and stores (kda_decode.cu STATE_HINTS 0-3, forced through
+    KDA_RT_KDA_STATE_HINTS; the launcher picks 1 up to 128 sequences and 2 above) on the same inputs, two steps:
+    outputs and pools bit for bit those of the plain variant (0), which is checked against the reference."""
+    import cupy
+
     from kda_rt.cuda.ops.kda_decode import kda_decode, state_hints
 
-    monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", hints)
-    assert state_hints(num_seqs) == int(hints)
-    rng = np.random.default_rng(num_seqs + 17 * int(hints))
-    inp = make_inputs(rng, [1] * num_seqs, 4, "mixed", num_slots=num_seqs + 2)
-    dev = upload(inp)
-    for step in range(2):
-        if step:
-            inp = _next_step(rng, inp, dev, 4, ("qkv", "f", "b", "gate", "context_lens"))
-        out = run_op(kda_decode, dev, 4)
-        check(out, dev, reference(inp, 4), inp, f"decode step {step} B{num_seqs} STATE_HINTS={hints}")
+    results = {}
+    for hints in ("0", "1", "2", "3"):
+        monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", hints)
+        assert state_hints(num_seqs) == int(hints)
+        rng = np.random.default_rng(num_seqs)
+        inp = make_inputs(rng, [1] * num_seqs, 4, gates, num_slots=num_seqs + 2)
+        dev = upload(inp)
+        got = []
+        for step in range(2):
+            if step:
+                inp = _next_step(rng, inp, dev, 4, ("qkv", "f", "b", "gate", "context_lens"))
+            out = run_op(kda_decode, dev, 4)
+            if hints == "0":
+                check(out, dev, reference(inp, 4), inp, f"decode step {step} B{num_seqs} {gates}")
+            got.append([cupy.asnumpy(a).tobytes() for a in (out, dev["rec_pool"], dev["conv_pool"])])
+        results[hints] = got
+    for hints in ("1", "2", "3"):
+        assert results[hints] == results["0"], f"STATE_HINTS={hints}: outputs or pools differ from the plain variant"
 
 
 def low_rank_inputs(rng, inp, num_heads, rank):
