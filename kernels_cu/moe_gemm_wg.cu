@@ -53,8 +53,8 @@
 // tiles, not two: a thread converts step kt before the barrier of step kt, while the other warpgroup may still be
 // multiplying step kt - 2 (its wait for kt - 2 comes after the barrier of step kt - 1); step kt - 3's products are
 // done before the barrier of step kt - 1.  Shared memory: STAGES x (16 KB + BN x 64) + 3 x BN x 128 bytes (224 KB
-// at BN = 256, 4 stages).  The conversion is E4M3_CVT's (as moe_gemm_tc.cu: 1 the conversion unit, 0 bit moves and a
-// bf16 multiply by 2^120); the epilogue multiplies each fp32 sum by its row's scale before the roundings.
+// at BN = 256, 4 stages).  The conversion is e4m3.cuh's (E4M3_CVT picks it); the epilogue multiplies each
+// fp32 sum by its row's scale before the roundings.
 // Measured (H200, 2026-12-02, tests/gpu/bench_moe_gemm.py --e4m3, interleaved rounds, uniform routing), gate/up | down
 // at T = 8192: bf16 1.165 | 0.606 ms, e4m3 through the conversion unit 1.784 | 0.847 (+53 | +40%), by bit moves 1.941
 // | 1.013; T = 16384: 2.045 | 1.064, 3.319 | 1.690 (+62 | +59%), 3.347 | 1.796.  The widening (32 K codes a k step
@@ -97,7 +97,7 @@
 #define WFMT 0
 #endif
 #ifndef E4M3_CVT
-#define E4M3_CVT 1
+#define E4M3_CVT 1  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT)
 #endif
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
@@ -148,6 +148,7 @@ static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 
 #include "moe_tile.cuh"  // after the constants above: tile_row_sources, b_pass_offset
 #include "wgmma.cuh"
+#include "e4m3.cuh"
 
 // one k16 slice of the warpgroup tile
 __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b) {
@@ -264,25 +265,6 @@ __device__ __forceinline__ void copy_out(const unsigned char* staged, void* __re
 }
 
 #if WFMT == 1
-// two e4m3 codes (bits 0-7 the first, 8-15 the second) as a bf16 pair (the first in the low half), exactly
-__device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned pair) {
-#if E4M3_CVT
-    unsigned h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)pair));
-    float lo, hi;
-    asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}" : "=f"(lo), "=f"(hi) : "r"(h));
-    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&p);
-#else
-    // byte s eeee mmm into bf16 bits s 0000eeee mmm0000 (the value times 2^-120), then times 2^120 (exact)
-    const unsigned v = __byte_perm(pair, 0u, 0x1404);
-    unsigned b = (v & 0x80008000u) | ((v >> 4) & 0x07F007F0u);
-    const unsigned two120 = 0x7B807B80u, neg_zero = 0x80008000u;
-    asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(b) : "r"(two120), "r"(neg_zero));
-    return b;
-#endif
-}
-
 // 16 e4m3 codes (a 16-byte piece of weight row r, k = 16c .. 16c + 15 of the step) into the bf16 tile at shared
 // address bc: bf16 pieces 2c and 2c + 1 of row r, at the swizzled places c' ^ (r mod 8)
 __device__ __forceinline__ void widen_piece(unsigned bc, uint4 q, int r, int c) {
@@ -290,8 +272,8 @@ __device__ __forceinline__ void widen_piece(unsigned bc, uint4 q, int r, int c) 
     unsigned o[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        o[2 * i] = e4m3x2_to_bf16x2(w[i] & 0xFFFFu);
-        o[2 * i + 1] = e4m3x2_to_bf16x2(w[i] >> 16);
+        o[2 * i] = e4m3x2_to_bf16x2<E4M3_CVT>(w[i] & 0xFFFFu);
+        o[2 * i + 1] = e4m3x2_to_bf16x2<E4M3_CVT>(w[i] >> 16);
     }
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(bc + swz(r, 2 * c)), "r"(o[0]), "r"(o[1]), "r"(o[2]),
                  "r"(o[3]) : "memory");

@@ -21,8 +21,9 @@ against moe_bucket + the GEMV gate/up (moe_gemv.cu, each configuration of --gemv
 the gate/up launch alone each way.  h compared against the tiled kernel's (RMS relative).
 
 --e4m3: moe_decode_fused with bf16 weights against e4m3 weights (uint8 codes with a scale a row, moe_gemm_tc.cu
-WFMT = 1) in the same graph replays as --fused: e4m3 with the launcher's tile (twice the k step), with the bf16 tile's
-k step, and with the conversion unit (E4M3_CONVERT = 1); TB/s counted in each format's own bytes."""
+WFMT = 1) in the same graph replays as --fused: e4m3 converted by bit moves (E4M3_CONVERT = 0) with the launcher's
+tile (twice the k step) and with the bf16 tile's k step, and by the conversion unit (1, the launcher's default) with
+the launcher's tile; TB/s counted in each format's own bytes."""
 
 from __future__ import annotations
 
@@ -112,6 +113,37 @@ def main():
             cupy.get_default_memory_pool().free_all_blocks()
 
 
+def _decode_cases(tokens, rounds: int, seed: int | None = None):
+    """For each T of `tokens` and routing (uniform; concentrated where its pool of ~T·A/3.7 experts is smaller than
+    E): (T, routing, cases, touched, x, h, y) with `rounds` cases of (ids on the device, a 16-row plan, zeroed
+    counters), the experts each touches, the step's x and its h / y buffers.  Draws from default_rng(T) per step, or
+    from one default_rng(seed) over all of them."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
+    from kda_rt.cuda.ops.moe_gemm_tc import sync_words
+
+    shared = None if seed is None else np.random.default_rng(seed)
+    for T in tokens:
+        for routing in ("uniform", "concentrated"):
+            pool = E if routing == "uniform" else max(A, min(E, int(T * A / 3.7)))
+            if routing == "concentrated" and pool == E:
+                continue
+            hrng = shared or np.random.default_rng(T)
+            N, tiles = T * A, max_tiles(T * A, E, 16)
+            cases, touched = [], []
+            for _ in range(rounds):
+                experts = hrng.choice(E, pool, replace=False)
+                ids = np.stack([hrng.choice(experts, A, replace=False) for _ in range(T)]).astype(np.int32)
+                touched.append(np.unique(ids).size)
+                z = lambda n: cupy.zeros(n, dtype=np.int32)  # noqa: E731
+                plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
+                cases.append((cupy.asarray(ids), plan, z(sync_words(N, E))))
+            x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+            yield T, routing, cases, touched, x, cupy.empty((N, INTER), BF16), cupy.empty((N, D), BF16)
+
+
 def _decode_moe(cases, x, w13, w2, h, y, tiles, stream):
     """Every routing of `cases` through the decode MoE GEMMs: bucket, then the two launches (tiles = the
     gate/up and down TileConfigs) or the fused one (tiles = its TileConfig)."""
@@ -132,44 +164,26 @@ def bench_fused(tokens, rounds: int = 8):
 
     from helpers.gpu import graph_us, rand_bf16
     from kda_rt.cuda.ops import pdl
-    from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
-    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, sync_words, tile_config
+    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, tile_config
 
     rng = cupy.random.default_rng(1)
     w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
     per_expert = 3 * INTER * D * 2
-    for T in tokens:
-        for routing in ("uniform", "concentrated"):
-            pool = E if routing == "uniform" else max(A, min(E, int(T * A / 3.7)))
-            if routing == "concentrated" and pool == E:
-                continue
-            hrng = np.random.default_rng(T)
-            N, tiles = T * A, max_tiles(T * A, E, 16)
-            cases, touched = [], []
-            for _ in range(rounds):
-                experts = hrng.choice(E, pool, replace=False)
-                ids = np.stack([hrng.choice(experts, A, replace=False) for _ in range(T)]).astype(np.int32)
-                touched.append(np.unique(ids).size)
-                z = lambda n: cupy.zeros(n, dtype=np.int32)  # noqa: E731
-                plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
-                cases.append((cupy.asarray(ids), plan, z(sync_words(N, E))))
-            x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-            h, y = cupy.empty((N, INTER), BF16), cupy.empty((N, D), BF16)
-            t13, t2, tf = tile_config(16, 2 * INTER, D, True, T), tile_config(16, D, INTER, False, T), fused_decode_tile(T, D, INTER)
+    for T, routing, cases, touched, x, h, y in _decode_cases(tokens, rounds):
+        t13, t2, tf = tile_config(16, 2 * INTER, D, True, T), tile_config(16, D, INTER, False, T), fused_decode_tile(T, D, INTER)
 
-            with pdl.capturing(True):
-                run = partial(_decode_moe, cases, x, w13, w2, h, y)
-                last = cases[-1][1]  # rows of y in pair order (the order inside an expert is the atomics')
-                us_two = graph_us(partial(run, (t13, t2)), calls=2) / rounds
-                y_two = y[last.pair_pos].view(cupy.uint16)
-                us_one = graph_us(partial(run, tf), calls=2) / rounds
-            same = bool(cupy.all(y[last.pair_pos].view(cupy.uint16) == y_two))
-            mb = np.mean(touched) * per_expert / 1e6
-            print(f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts {mb:7.1f} MB | two launches "
-                  f"{us_two:7.1f} us {mb / us_two:5.2f} TB/s | fused {us_one:7.1f} us {mb / us_one:5.2f} TB/s "
-                  f"({us_one / us_two - 1:+.1%}) | tiles {t13.bn}/{t2.bn} {tf} | same {same}", flush=True)
-            cupy.get_default_memory_pool().free_all_blocks()
+        with pdl.capturing(True):
+            run = partial(_decode_moe, cases, x, w13, w2, h, y)
+            last = cases[-1][1]  # rows of y in pair order (the order inside an expert is the atomics')
+            us_two = graph_us(partial(run, (t13, t2)), calls=2) / rounds
+            y_two = y[last.pair_pos].view(cupy.uint16)
+            us_one = graph_us(partial(run, tf), calls=2) / rounds
+        same = bool(cupy.all(y[last.pair_pos].view(cupy.uint16) == y_two))
+        mb = np.mean(touched) * per_expert / 1e6
+        print(f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts {mb:7.1f} MB | two launches "
+              f"{us_two:7.1f} us {mb / us_two:5.2f} TB/s | fused {us_one:7.1f} us {mb / us_one:5.2f} TB/s "
+              f"({us_one / us_two - 1:+.1%}) | tiles {t13.bn}/{t2.bn} {tf} | same {same}", flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def bench_e4m3(tokens, rounds: int = 8):
@@ -179,8 +193,7 @@ def bench_e4m3(tokens, rounds: int = 8):
     from helpers.gpu import graph_us, rand_bf16
     from kda_rt.cuda.ops import moe_gemm_tc as mod
     from kda_rt.cuda.ops import pdl
-    from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+    from kda_rt.cuda.ops.moe_align import moe_bucket
 
     rng = cupy.random.default_rng(1)
     hrng = np.random.default_rng(1)
@@ -199,28 +212,15 @@ def bench_e4m3(tokens, rounds: int = 8):
             else:
                 mod.moe_decode_fused(x, w13, w2, plan, top_k=A, h=h, out=y, sync=sync, tile=tile, stream=stream)
 
-    for T in tokens:
-        for routing in ("uniform", "concentrated"):
-            pool = E if routing == "uniform" else max(A, min(E, int(T * A / 3.7)))
-            if routing == "concentrated" and pool == E:
-                continue
-            N, tiles = T * A, max_tiles(T * A, E, 16)
-            cases, touched = [], []
-            for _ in range(rounds):
-                experts = hrng.choice(E, pool, replace=False)
-                ids = np.stack([hrng.choice(experts, A, replace=False) for _ in range(T)]).astype(np.int32)
-                touched.append(np.unique(ids).size)
-                z = lambda n: cupy.zeros(n, dtype=np.int32)  # noqa: E731
-                plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
-                cases.append((cupy.asarray(ids), plan, z(mod.sync_words(N, E))))
-            x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-            h, y = cupy.empty((N, INTER), BF16), cupy.empty((N, D), BF16)
-            tf = mod.fused_decode_tile(T, D, INTER)
-            variants = [("bf16", tf, False, 0), ("e4m3", mod.e4m3_tile(tf, shapes), True, 0),
-                        ("e4m3 bk" + str(tf.bk), tf, True, 0), ("e4m3 cvt", mod.e4m3_tile(tf, shapes), True, 1)]
-            n = np.mean(touched) * per_expert
-            line = [f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts"]
-            base = None
+    for T, routing, cases, touched, x, h, y in _decode_cases(tokens, rounds, seed=2):
+        tf = mod.fused_decode_tile(T, D, INTER)
+        variants = [("bf16", tf, False, 0), ("e4m3 bits", mod.e4m3_tile(tf, shapes), True, 0),
+                    (f"e4m3 bits bk{tf.bk}", tf, True, 0), ("e4m3 cvt", mod.e4m3_tile(tf, shapes), True, 1)]
+        n = np.mean(touched) * per_expert
+        line = [f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts"]
+        base = None
+        default = mod.E4M3_CONVERT
+        try:
             with pdl.capturing(True):
                 for label, tile, e4m3, convert in variants:
                     mod.E4M3_CONVERT = convert
@@ -228,9 +228,10 @@ def bench_e4m3(tokens, rounds: int = 8):
                     base = base or us
                     mb = n * (1 if e4m3 else 2) / 1e6
                     line.append(f"{label} {us:7.1f} us {mb / us:5.2f} TB/s ({us / base:.3f}x)")
-            mod.E4M3_CONVERT = 0
-            print(" | ".join(line), flush=True)
-            cupy.get_default_memory_pool().free_all_blocks()
+        finally:
+            mod.E4M3_CONVERT = default
+        print(" | ".join(line), flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def bench_gemv(configs, rounds: int = 8, pairs: int = 9):

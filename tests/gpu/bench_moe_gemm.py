@@ -184,6 +184,7 @@ def bench_e4m3(T, wts, q, rounds: int = 5):
     plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
     h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
     q13, s13, q2, s2 = q
+    default = moe_gemm_tc.E4M3_CONVERT
     for name, src, w, wq, sc, out, silu, flop in (("gate/up", x, wts.w13, q13, s13, h, True, 2 * N * D * 2 * INTER),
                                                   ("down", h, wts.w2, q2, s2, y, False, 2 * N * INTER * D)):
         variants = {"bf16": (w, None, 1), "e4m3 cvt": (wq, sc, 1), "e4m3 bits": (wq, sc, 0)}
@@ -193,7 +194,7 @@ def bench_e4m3(T, wts, q, rounds: int = 5):
                 moe_gemm_tc.E4M3_CONVERT = convert
                 times[v].append(median_ms(partial(moe_gemm_wg, src, wt, plan, top_k=A, fuse_silu=silu, out=out,
                                                   scale=scale)))
-        moe_gemm_tc.E4M3_CONVERT = 1
+        moe_gemm_tc.E4M3_CONVERT = default
         base = float(np.median(times["bf16"]))
         print(f"T={T} {name}: " + "  ".join(
             f"{v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
@@ -260,7 +261,7 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
     values = [int(v) for v in values.split(",")]
     _, cases = _wg_cases(T, wts)
     for name, args, k, nout, silu, t, grid in cases:
-        out = args[-1]
+        out = args[7]  # (args[8] is the scale pointer, 0: bf16 weights)
         defs = dict(K=k, NOUT=nout, FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out))
         kerns = {v: get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes,
                                **{**defs, name_def: v}) for v in values}

@@ -59,7 +59,7 @@ def variants() -> list[tuple[str, str, dict]]:
     split, threads, min_blocks = kd.decode_config(None, None, True, num_seqs=1)
     built.append(("kda_decode.cu", "kda_decode_step", dict(HEAD_DIM=128, CONV_W=4, THREADS=threads, SPLIT=split,
                                                            MIN_BLOCKS=min_blocks, FUSE_FG=1, RANK_F=128, RANK_G=128,
-                                                           EARLY_STATE=1)))
+                                                           EARLY_STATE=1, STATE_HINTS=kd.state_hints(1))))
     tc.tc_kernel(tc._DECODE_SMALL, 1024, 2304, False, 8)  # noqa: SLF001 (the down GEMM with EARLY_B)
     return built
 

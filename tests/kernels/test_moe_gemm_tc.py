@@ -11,7 +11,8 @@ own bf16 h): RMS ≤ 1e-3 and |out - ref| ≤ 2^-7 · |ref| + 1e-4 · RMS(ref). 
 u, SiLU(g) and h): RMS ≤ 1e-3 and |out - ref| ≤ 3e-2 · |ref| + 1e-3 · RMS(ref) (three flips at once).
 The E=256 cases check all rows against the decode kernel (moe_gemm.cu, tested on its own) and a
 sample of experts (the busiest, the emptiest, random ones) against NumPy, to keep the host work
-small; every output row is poisoned with NaN first, so a row left unwritten fails.
+small; every output row is poisoned with NaN first, so a row left unwritten fails.  e4m3 weights (WFMT = 1 in
+moe_gemm_tc.cu and moe_gemm_wg.cu) run the same checks against NumPy on the dequantized weights (below).
 Letters: T tokens, A active experts per token, E experts, N = T·A rows, D hidden, I expert width."""
 
 from __future__ import annotations
@@ -113,29 +114,66 @@ def check_experts(experts, plan, x_np, w13, w2, h, y, A, label):
         check(y_np[rows], y_ref, f"{label} y expert {e}", rms_tol=1e-3, rtol=2.0**-7, atol_rms=1e-4)
 
 
+def skip_without_e4m3() -> None:
+    """e4m3 weights need sm_89 or newer (the launchers refuse them below)."""
+    from kda_rt.cuda.ops.compile import arch_number, device_arch
+
+    if arch_number(device_arch()) < 89:
+        pytest.skip("e4m3 weights need sm_89 or newer")
+
+
+def sample_experts(ids, E, rng, extra=()) -> list[int]:
+    """The experts to check against NumPy: every touched one when E <= 16, else the busiest, the emptiest, up to 4
+    random touched ones and `extra` (the NumPy products of all 256 would dominate the test's time)."""
+    counts = np.bincount(ids.ravel(), minlength=E)
+    touched = np.flatnonzero(counts)
+    if E <= 16:
+        return [int(e) for e in touched]
+    picks = {int(touched[np.argmax(counts[touched])]), int(touched[np.argmin(counts[touched])]),
+             *map(int, rng.choice(touched, min(4, touched.size), replace=False)), *extra}
+    return sorted(picks)
+
+
 SMALL = {  # name: (T, D, I, E, A, bm) -- odd T, tiny E; D384-I192 takes the BN = 128 tiles
     **{f"T{T}-D256-I128-E8-bm{bm}": (T, 256, 128, 8, 2, bm) for T in (1, 3, 5, 9, 17) for bm in (64, 128)},
     "T17-D384-I192-E4-bm64": (17, 384, 192, 4, 3, 64),
     "T300-D384-I192-E4-bm128": (300, 384, 192, 4, 3, 128),
     "T200-D256-I128-E8-skewed-bm64": (200, 256, 128, 8, 4, 64),
+    "T17-D256-I128-E8-bm16": (17, 256, 128, 8, 2, 16),  # the 16-row decode tile, one launch a GEMM
 }
 
 
+@pytest.mark.parametrize("weights", ["bf16", "e4m3"])
 @pytest.mark.parametrize("name", list(SMALL))
-def test_moe_gemm_tc_small(name):
+def test_moe_gemm_tc_small(name, weights):
+    """Every expert against NumPy; e4m3: the weights as e4m3 codes with a scale a row (moe_gemm_tc.cu WFMT = 1, the
+    launcher's e4m3 tile), the reference on the dequantized weights."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc
 
+    if weights == "e4m3":
+        skip_without_e4m3()
     T, D, inter, E, A, bm = SMALL[name]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    rng = np.random.default_rng(zlib.crc32(name.encode() if weights == "bf16" else f"e4m3-tc/{name}".encode()))
     crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)
-    w13, w2 = rand_bf16(crng, (E, 2 * inter, D), 1 / np.sqrt(D)), rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
+    gemm = None
+    if weights == "bf16":
+        w13, w2 = rand_bf16(crng, (E, 2 * inter, D), 1 / np.sqrt(D)), rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
+        ref13, ref2 = w13, w2
+    else:
+        (w13, s13), (w2, s2) = e4m3_stack(crng, rng, E, 2 * inter, D), e4m3_stack(crng, rng, E, D, inter)
+        ref13, ref2 = Dequantized(w13, s13), Dequantized(w2, s2)
+
+        def gemm(src, weight, plan, *, top_k, fuse_silu, out, tile=None):
+            return moe_gemm_tc(src, weight, plan, top_k=top_k, fuse_silu=fuse_silu, out=out,
+                               scale=s13 if fuse_silu else s2)
     ids = make_ids(T, E, A, "skewed" in name, rng)
-    plan, h, y = run_tc(x, w13, w2, ids, E, bm)
-    check_experts(range(E), plan, x_np, w13, w2, h, y, A, name)
+    plan, h, y = run_tc(x, w13, w2, ids, E, bm, gemm=gemm)
+    check_experts(range(E), plan, x_np, ref13, ref2, h, y, A, f"{name}/{weights}")
 
 
 @pytest.fixture(scope="module")
@@ -222,13 +260,8 @@ def check_real_shape(name, big_weights, T, skewed, bm, tile, gemm=None):
     print(f"\n{name}: vs decode kernel: h rms rel {err_h:.2e}, y rms rel {err_y:.2e}", end="")
     assert err_h <= 1e-3 and err_y <= 1e-3, f"{name}: h {err_h:.3e}, y {err_y:.3e} against moe_gemm"
 
-    counts = np.bincount(ids.ravel(), minlength=E)
-    touched = np.flatnonzero(counts)
-    picks = {int(touched[np.argmax(counts[touched])]), int(touched[np.argmin(counts[touched])]),
-             *map(int, rng.choice(touched, 4, replace=False))}
-    if skewed:
-        picks |= {E - 1, E - 2}
-    check_experts(sorted(picks), plan, x_np, w13, w2, h, y, A, name)
+    check_experts(sample_experts(ids, E, rng, extra=(E - 1, E - 2) if skewed else ()), plan, x_np, w13, w2, h, y, A,
+                  name)
 
 
 # kernels_cu/moe_gemm_wg.cu (wgmma, sm_90a): same checks, 128-row tiles, both BN, the two pipeline
@@ -319,14 +352,29 @@ FUSED = {  # name: (T, D, I, E, A, skewed, ctas)
 }
 
 
+def fused_plan(ids, E):
+    """The 16-row plan of `ids` [T, A] for moe_decode_fused and its counters, built by moe_bucket into poisoned arrays
+    (the counters too: moe_bucket must zero them)."""
+    import cupy
+
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+    from kda_rt.cuda.ops.moe_gemm_tc import sync_words
+
+    N, tiles = ids.size, max_tiles(ids.size, E, 16)
+    z = lambda n: cupy.full(n, -1, dtype=np.int32)  # noqa: E731
+    plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
+    sync = cupy.full(sync_words(N, E), 0x5A5A5A5A, dtype=np.int32)
+    moe_bucket(cupy.asarray(ids), E, plan, sync=sync)
+    return plan, sync
+
+
 @pytest.mark.parametrize("name", list(FUSED))
 def test_moe_decode_fused(name, big_weights):
     import cupy
 
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
-    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, moe_decode_fused, moe_gemm_tc, sync_words
+    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, moe_decode_fused, moe_gemm_tc
 
     T, D, inter, E, A, skewed, ctas = FUSED[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -341,11 +389,8 @@ def test_moe_decode_fused(name, big_weights):
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
-    N, tiles = T * A, max_tiles(T * A, E, 16)
-    z = lambda n: cupy.full(n, -1, dtype=np.int32)  # noqa: E731
-    plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
-    sync = cupy.full(sync_words(N, E), 0x5A5A5A5A, dtype=np.int32)  # moe_bucket must zero it
-    moe_bucket(cupy.asarray(ids), E, plan, sync=sync)
+    N = T * A
+    plan, sync = fused_plan(ids, E)
     h, y = cupy.empty((N, inter), dtype=BF16), cupy.empty((N, D), dtype=BF16)
     poison(h)
     poison(y)
@@ -358,10 +403,7 @@ def test_moe_decode_fused(name, big_weights):
     bits = lambda a: cupy.asnumpy(a).view(np.uint16)  # noqa: E731
     assert np.array_equal(bits(h), bits(h2)), f"{name}: h differs from the two-launch path"
     assert np.array_equal(bits(y), bits(y2)), f"{name}: y differs from the two-launch path"
-    counts = np.bincount(ids.ravel(), minlength=E)
-    touched = np.flatnonzero(counts)
-    picks = {int(touched[np.argmax(counts[touched])]), *map(int, rng.choice(touched, min(4, touched.size), replace=False))}
-    check_experts(sorted(picks), plan, x_np, w13, w2, h, y, A, name)
+    check_experts(sample_experts(ids, E, rng), plan, x_np, w13, w2, h, y, A, name)
     # the counters end at: items claimed = every item + one failed claim per CTA; each tile counted its
     # gate/up items
     ntiles = int(plan.num_tiles[0])
@@ -426,8 +468,8 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops import moe_gemm_tc as mod
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
 
+    skip_without_e4m3()
     monkeypatch.setattr(mod, "E4M3_CONVERT", convert)
     T, D, inter, E, A, skewed, ctas, subnormal = FUSED_E4M3[name]
     rng = np.random.default_rng(zlib.crc32(f"e4m3/{name}".encode()))
@@ -439,11 +481,8 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
-    N, tiles = T * A, max_tiles(T * A, E, 16)
-    z = lambda n: cupy.full(n, -1, dtype=np.int32)  # noqa: E731
-    plan = MoEPlan(z(E + 1), z(N), z(N), z(tiles), z(tiles), z(1), 16)
-    sync = cupy.full(mod.sync_words(N, E), 0x5A5A5A5A, dtype=np.int32)
-    moe_bucket(cupy.asarray(ids), E, plan, sync=sync)
+    N = T * A
+    plan, sync = fused_plan(ids, E)
     h, y, h2, y2 = (cupy.empty((N, n), dtype=BF16) for n in (inter, D, inter, D))
     for a in (h, y, h2, y2):
         poison(a)
@@ -453,50 +492,22 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     bits = lambda a: cupy.asnumpy(a).view(np.uint16)  # noqa: E731
     assert np.array_equal(bits(h), bits(h2)), f"{name}: h differs from the two-launch path"
     assert np.array_equal(bits(y), bits(y2)), f"{name}: y differs from the two-launch path"
-    counts = np.bincount(ids.ravel(), minlength=E)
-    touched = np.flatnonzero(counts)
-    picks = touched if E <= 16 else sorted({int(touched[np.argmax(counts[touched])]),
-                                            *map(int, rng.choice(touched, 4, replace=False))})
     if subnormal:  # the outputs are not all zero (a conversion that flushed the subnormal codes would give zeros)
         assert float(cupy.abs(h.astype(np.float32)).max()) > 0, f"{name}: h is all zero"
-    check_experts(picks, plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, f"{name}/{convert}")
-
-
-E4M3_TC = {  # name: (T, D, I, E, A, bm): the prefill tiles of other archs and the 16-row decode tile, one launch each
-    "T17-D256-I128-E8-bm16": (17, 256, 128, 8, 2, 16),
-    "T17-D256-I128-E8-bm64": (17, 256, 128, 8, 2, 64),
-    "T300-D384-I192-E4-bm128": (300, 384, 192, 4, 3, 128),
-}
-
-
-@pytest.mark.parametrize("name", list(E4M3_TC))
-def test_moe_gemm_tc_e4m3(name):
-    """moe_gemm_tc with e4m3 weights (each GEMM on its own, the launcher's tile) against NumPy, every expert."""
-    import cupy
-
-    from helpers.gpu import to_gpu_bf16
-    from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc
-
-    T, D, inter, E, A, bm = E4M3_TC[name]
-    rng = np.random.default_rng(zlib.crc32(f"e4m3-tc/{name}".encode()))
-    crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
-    q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
-    q2, s2 = e4m3_stack(crng, rng, E, D, inter)
-    x_np = bf16_round(rng.normal(size=(T, D)))
-    ids = make_ids(T, E, A, False, rng)
-
-    def gemm(src, weight, plan, *, top_k, fuse_silu, out, tile=None):
-        return moe_gemm_tc(src, weight, plan, top_k=top_k, fuse_silu=fuse_silu, out=out,
-                           scale=s13 if fuse_silu else s2)
-
-    plan, h, y = run_tc(to_gpu_bf16(x_np), q13, q2, ids, E, bm, gemm=gemm)
-    check_experts(range(E), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
+    check_experts(sample_experts(ids, E, rng), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A,
+                  f"{name}/{convert}")
 
 
 @pytest.fixture(scope="module")
 def big_e4m3():
-    """Kimi-Linear-48B expert stacks in e4m3 (E=256, D=2304, I=1024: 1.8 GB of codes) with their row scales."""
+    """Kimi-Linear-48B expert stacks in e4m3 (E=256, D=2304, I=1024: 1.8 GB of codes) with their row scales (only on
+    sm_90a, the wgmma kernel's arch: drawn lazily by the tests that need them)."""
     import cupy
+
+    from kda_rt.cuda.ops.compile import device_arch
+
+    if device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_wg.cu needs sm_90a (wgmma)")
 
     rng = np.random.default_rng(11)
     crng = cupy.random.default_rng(11)
@@ -546,14 +557,9 @@ def test_moe_gemm_wg_e4m3(name, big_e4m3, monkeypatch):
                            scale=s13 if fuse_silu else s2)
 
     plan, h, y = run_tc(to_gpu_bf16(x_np), q13, q2, ids, E, 128, WgTile(*tile), gemm)
-    counts = np.bincount(ids.ravel(), minlength=E)
-    touched = np.flatnonzero(counts)
-    picks = touched if E <= 16 else sorted({int(touched[np.argmax(counts[touched])]),
-                                            int(touched[np.argmin(counts[touched])]),
-                                            *map(int, rng.choice(touched, min(4, touched.size), replace=False))})
     if subnormal:
         assert float(cupy.abs(h.astype(np.float32)).max()) > 0, f"{name}: h is all zero"
-    check_experts(picks, plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
+    check_experts(sample_experts(ids, E, rng), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
 
 def test_e4m3_grouped_gemm_refusals():
     """e4m3 calls refused by name: a scale without e4m3 weights, e4m3 weights without scales, one of the two fused

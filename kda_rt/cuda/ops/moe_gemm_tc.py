@@ -115,9 +115,11 @@ def copies_weights_early(tile: TileConfig, fuse_silu: bool) -> bool:
 
 
 def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConfig | None:
-    """The tile for e4m3 weights: `tile` with twice its k step where every (nout, k, fuse_silu) GEMM of `shapes` takes
-    it (the same weight bytes a stage as bf16), else `tile` where they take that, else None."""
-    for t in (tile._replace(bk=2 * tile.bk), tile):
+    """The tile for e4m3 weights: a 16-row (decode) tile with twice its k step where every (nout, k, fuse_silu) GEMM
+    of `shapes` takes it (the same weight bytes a stage as bf16: measured, bench_moe_decode.py --e4m3), else `tile`
+    where they take that, else None.  Larger tiles keep their k step (twice it would double their A stages too and
+    halve the CTAs an SM; not measured)."""
+    for t in ((tile._replace(bk=2 * tile.bk), tile) if tile.bm == 16 else (tile,)):
         if all(_fits(t, nout, k, silu, e4m3=True) for nout, k, silu in shapes):
             return t
     return None
