@@ -6,8 +6,8 @@
 // has id c = b + cu_seqlens[b] / L + j.  Ids are distinct and < B + T / L, so every per-chunk
 // workspace has B + T / L tiles, found without a host-side chunk table (32-way search on the id).
 //
-// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195 KB dynamic smem
-// (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
+// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195 KB dynamic smem, 221.6 KB with
+// QUAD_SPLIT (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
 //   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
 //   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
 //   prefetches the rows of the tile that starts on its SM next into L2 (block id + number of SMs)
@@ -93,6 +93,13 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 
 #ifndef EXP_ACCURATE_EXP
 #define EXP_ACCURATE_EXP 0
+#endif
+// QUAD_SPLIT = 1: an unsafe diagonal sub-block (below) takes its lower-left 8 x 8 quadrant (rows 8-15, columns 0-7)
+// on tensor cores, split around its row 8: E[r,s] = e^(Lam_r - Lam_8) * e^(Lam_8 - Lam_s), both exponents <= 0
+// (Lam never increases), so neither factor overflows, whatever the gates; only its two 8 x 8 diagonal halves (56 of
+// the 120 pairs) stay per element, two threads a pair.  0: all 120 per element, one thread a pair (as before).
+#ifndef QUAD_SPLIT
+#define QUAD_SPLIT 1
 #endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
@@ -220,7 +227,15 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 #define NUM_CROSS (NUM_SUB * (NUM_SUB - 1) / 2)   // (row block, earlier column block) pairs
 #define IN_TAB (IN_AKK + L * LDT * 4)              // fp32 tables P, R [NUM_SUB][K], C [NUM_CROSS][K]; X [NUM_SUB-1][SUB][SUB]
 #define IN_VEC (IN_TAB + ((2 * NUM_SUB + NUM_CROSS) * K + (NUM_SUB - 1) * SUB * SUB) * 4)  // beta, rq, rk, q.k [L], flags
+#if QUAD_SPLIT
+// per sub-block, bf16 [QUAD_ROWS][LDB]: rows 0-7 k^_R e^(Lam_R - Lam_8) and rows 8-15 q^_R e^(Lam_R - Lam_8) for R = 8..15
+// (the quadrant product's A: rows 0-7 give A_kk, rows 8-15 A_qk), rows 16-23 k^_S e^(Lam_8 - Lam_S) for S = 0..7 (its B)
+#define QUAD_ROWS 24
+#define IN_QUAD ((IN_VEC + 4 * L * 4 + 32 + 15) / 16 * 16)
+#define INTRA_SMEM (IN_QUAD + NUM_SUB * QUAD_ROWS * LDB * 2)
+#else
 #define INTRA_SMEM (IN_VEC + 4 * L * 4 + 32)
+#endif
 static_assert((3 * CONV_W + 1) * K * 4 <= L * LDT * 4, "kda_prefill_intra: the conv taps must fit the A_kk tile");
 static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags and -exp(A_log) share 32 bytes");
 static_assert(IN_KA % 16 == 0 && IN_AKK % 16 == 0 && LDT % 4 == 0, "kda_prefill_intra: T and A_kk rows are read as float4");
@@ -246,6 +261,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     float* dqk = rk + L;  // each row's q.k (raw conv outputs)
     int* unsafe = (int*)(dqk + L);
     float* NegA = (float*)(unsafe + NUM_SUB);  // -exp(A_log[h])
+#if QUAD_SPLIT
+    bf16* Quad = (bf16*)(sm + IN_QUAD);
+#endif
     bf16* Fs = QA;                     // raw f rows, until QA is built
     float* Tap = Akk;                  // conv taps [3][K][W] and dt_bias [K] of the head, until A_kk is built
     float* Tm = (float*)(sm + IN_KA);  // T, once KA is dead
@@ -437,12 +455,31 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + r % SUB) * LDB + d, kb[I2][0], kb[I2][1]);
         st_bf16x2(ws_q + (tile * L + r) * K + d, qg[0], qg[1]);
         st_bf16x2(ws_k + (tile * L + r) * K + d, kd[0], kd[1]);
+#if QUAD_SPLIT
+        if (unsafe[I]) {  // the quadrant's factors around row 8 of the sub-block (both exponents <= 0)
+            bf16* Qd = Quad + I * QUAD_ROWS * LDB;
+            const int rr = r % SUB;
+            float e[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float diff = Gf[r * LDF + d + c] - Gf[(I * SUB + 8) * LDF + d + c];
+                e[c] = exp2f(rr >= 8 ? fminf(diff, 0.f) : fminf(-diff, 0.f));
+            }
+            if (rr >= 8) {
+                st_bf16x2(Qd + (rr - 8) * LDB + d, k[0] * e[0], k[1] * e[1]);
+                st_bf16x2(Qd + rr * LDB + d, q[0] * e[0], q[1] * e[1]);
+            } else {
+                st_bf16x2(Qd + (16 + rr) * LDB + d, k[0] * e[0], k[1] * e[1]);
+            }
+        }
+#endif
     }
     __syncthreads();
     STAMP(5);
 
     // ---- (d) A_qk and beta A_kk, 16 x 16 sub-block pairs (I, J <= I) on tensor cores: 2 products x
-    // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e)
+    // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e) (QUAD_SPLIT: but for its
+    // lower-left quadrant, both products in one task here)
     {
         const int g = lane >> 2, t = lane & 3;
         for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) {
@@ -451,7 +488,29 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             int I = 0;
             while (pair_index(I + 1, 0) <= p) ++I;
             const int J = p - pair_index(I, 0);
-            if (J == I && unsafe[I]) continue;
+            if (J == I && unsafe[I]) {
+#if QUAD_SPLIT
+                if (kk) continue;  // the A_qk task computes both: rows 0-7 of its product are A_kk's, rows 8-15 A_qk's
+                const bf16* Qd = Quad + I * QUAD_ROWS * LDB;
+                float acc[4] = {};
+#pragma unroll
+                for (int ks = 0; ks < K / 16; ++ks) {
+                    unsigned a[4], b[2];
+                    frag_a(a, Qd + ks * 16, LDB);
+                    // B: rows 16-23 (n = S), k contiguous; ldmatrix x2 (lanes 0-7: k 0-7, lanes 8-15: k 8-15)
+                    const bf16* bp = Qd + (16 + (lane & 7)) * LDB + ks * 16 + ((lane >> 3) & 1) * 8;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                                 : "=r"(b[0]), "=r"(b[1]) : "r"(smem_addr(bp)));
+                    mma_bf16(acc, a, b[0], b[1]);
+                }
+                const int R = I * SUB + 8 + g, S = I * SUB + 2 * t;  // acc[0, 1]: A_kk (R, S, S + 1); acc[2, 3]: A_qk
+                Akk[R * LDT + S] = Bs[R] * acc[0], Akk[R * LDT + S + 1] = Bs[R] * acc[1];
+                st_bf16x2(ws_a + (tile * L + R) * L + S, acc[2], acc[3]);
+                ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // the upper-right quadrant of the diagonal block
+                ws_a[(tile * L + S + 1) * L + R] = to_bf16(0.f);
+#endif
+                continue;
+            }
             float acc[2][4] = {};
             const bf16* A = (kk ? KA : QA) + I * SUB * LDB;
             const bf16* Bt = KX + p * SUB * LDB;
@@ -482,7 +541,37 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
 
     // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r > s) per thread (480
-    // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b)
+    // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b).  QUAD_SPLIT: only the
+    // pairs inside the two 8 x 8 halves (4 x 56 pairs), each over two threads (half the channels each, adjacent
+    // lanes summed by a shuffle): 448 threads, one round of half the length
+#if QUAD_SPLIT
+    static_assert(NUM_SUB * 2 * 28 * 2 <= INTRA_THREADS && (NUM_SUB * 2 * 28 * 2) % 32 == 0,
+                  "kda_prefill_intra: the halves' pairs take whole warps of one round");
+    if (tid < NUM_SUB * 2 * 28 * 2) {
+        const int dh = tid & 1, pi = tid >> 1, I = pi / 56, half = (pi / 28) % 2, p = pi % 28;
+        const bool act = unsafe[I];  // (no early exit: both lanes of a pair meet at the shuffle)
+        int rl = 1;
+        while (rl * (rl + 1) / 2 <= p) ++rl;
+        const int sl = p - rl * (rl - 1) / 2, R = I * SUB + 8 * half + rl, S = I * SUB + 8 * half + sl;
+        float aqk = 0.f, akk = 0.f;
+        if (act) {
+            for (int d = dh * (K / 2); d < (dh + 1) * (K / 2); d += 2) {
+                const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
+                const float e0 = exp2f(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
+                const float e1 = exp2f(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
+                aqk = fmaf(q2.x * ks2.x, e0, fmaf(q2.y * ks2.y, e1, aqk));
+                akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
+            }
+        }
+        aqk += __shfl_xor_sync(0xffffffffu, aqk, 1);
+        akk += __shfl_xor_sync(0xffffffffu, akk, 1);
+        if (act && dh == 0) {
+            ws_a[(tile * L + R) * L + S] = to_bf16(aqk * rq[R] * rk[S]);
+            Akk[R * LDT + S] = akk * Bs[R] * rk[R] * rk[S];
+            ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+        }
+    }
+#else
     for (int idx = tid; idx < NUM_SUB * (SUB * (SUB - 1) / 2); idx += INTRA_THREADS) {
         const int I = idx / (SUB * (SUB - 1) / 2);
         if (!unsafe[I]) continue;
@@ -502,6 +591,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         Akk[R * LDT + S] = akk * Bs[R] * rk[R] * rk[S];
         ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
     }
+#endif
     if (tid < L && unsafe[tid / SUB]) {
         ws_a[(tile * L + tid) * L + tid] = to_bf16(dqk[tid] * rq[tid] * rk[tid]);
         Akk[tid * LDT + tid] = 0.f;

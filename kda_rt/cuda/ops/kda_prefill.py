@@ -21,13 +21,20 @@ _CHUNK = 64  # tokens per chunk (the kernels' thread maps are written for 64)
 _INTRA_THREADS = 512  # 16 warps: the intra kernel's thread maps are written for this
 
 
-def _intra_smem_bytes(K: int, L: int, W: int) -> int:
+# kda_prefill.cu QUAD_SPLIT: an unsafe diagonal sub-block's lower-left quadrant on tensor cores (its 24-row factor
+# tiles: 26 KB more shared memory, still one CTA an SM)
+_QUAD_SPLIT = True
+
+
+def _intra_smem_bytes(K: int, L: int, W: int, quad: bool = _QUAD_SPLIT) -> int:
     """The IN_* plan of kda_prefill.cu: 3 bf16 [W-1+L][K+8] conv tiles, 2 bf16 [L][K+8] tiles, 10
-    scaled-key sub-tiles, Lam and A_kk fp32, gate tables, T-solve scratch, beta, norms, q.k and flags."""
+    scaled-key sub-tiles, Lam and A_kk fp32, gate tables, T-solve scratch, beta, norms, q.k and flags; with `quad`
+    (QUAD_SPLIT) the quadrant factors, bf16 [L/16][24][K+8] from the next 16-byte boundary."""
     num_sub, tile = L // 16, L * (K + 8) * 2
     num_pairs, num_cross = num_sub * (num_sub + 1) // 2, num_sub * (num_sub - 1) // 2
-    return (3 * (W - 1 + L) * (K + 8) * 2 + 2 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4
+    base = (3 * (W - 1 + L) * (K + 8) * 2 + 2 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4
             + L * (L + 4) * 4 + ((2 * num_sub + num_cross) * K + (num_sub - 1) * 256) * 4 + 4 * L * 4 + 32)
+    return (base + 15) // 16 * 16 + num_sub * 24 * (K + 8) * 2 if quad else base
 
 
 def _state_smem_bytes(K: int, L: int, vb: int) -> int:
@@ -47,7 +54,7 @@ def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
 
 def _kernels(K: int, W: int, vb: int):
     """The intra, state and norm kernels of one state width (one module: built together)."""
-    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS)
+    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT))
     return (get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=_intra_smem_bytes(K, _CHUNK, W), **consts),
             get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=_state_smem_bytes(K, _CHUNK, vb),
                        **consts),
