@@ -38,8 +38,12 @@
 // so A is a plain product of the scaled tiles q^ e^Lam and k^ e^(G_n - G_s).  A diagonal sub-block
 // uses the same split around its first row, e^(Lam_r) * e^(-Lam_s), when every channel decays by
 // less than 2^-DIAG_SPAN over the sub-block (both factors within 2^+-DIAG_SPAN: no overflow, bf16
-// keeps its relative precision at any exponent); otherwise (strong gates) it is computed per
-// element in fp32 with exp2(Lam_r - Lam_s), exactly as the reference.
+// keeps its relative precision at any exponent); otherwise (strong gates) its lower-left 8 x 8 quadrant is
+// split around its row 8 instead (QUAD_SPLIT: e^(Lam_r - Lam_8) * e^(Lam_8 - Lam_s), both <= 1, on tensor cores)
+// and its two 8 x 8 halves are computed per element in fp32 with exp2(Lam_r - Lam_s), exactly as the reference.
+// QUAD_SPLIT (H200, 2026-12-02, `PYTHONPATH=. python tests/gpu/bench_kda_phases.py --shapes 32x2048,1x32768 --ab
+// QUAD_SPLIT`, 5 interleaved rounds, random gates as the random-weight model's): 32 x 2048 6.573 -> 6.470 ms, 1 x 32768
+// 3.238 -> 3.188; phases (d, e) 7708 -> 6460 cycles a CTA, (c) 5816 -> 6697 (it builds the quadrant's factors).
 //
 // Rounding points: conv outputs bf16 (exact in the smem tiles); l2norm, gates, A_kk, T fp32; the
 // tensor-core operands bf16 (q^ e^.., k^ e^.., T diag(beta), v, W, qg, kd, A_qk, V_new, a bf16 copy
