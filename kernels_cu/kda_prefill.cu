@@ -6,8 +6,8 @@
 // has id c = b + cu_seqlens[b] / L + j.  Ids are distinct and < B + T / L, so every per-chunk
 // workspace has B + T / L tiles, found without a host-side chunk table (32-way search on the id).
 //
-// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195 KB dynamic smem, 221.6 KB with
-// QUAD_SPLIT (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
+// kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195,504 bytes of dynamic smem, 221,616
+// with QUAD_SPLIT (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
 //   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
 //   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
 //   prefetches the rows of the tile that starts on its SM next into L2 (block id + number of SMs)

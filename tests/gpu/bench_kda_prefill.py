@@ -61,7 +61,7 @@ def intra_only(d):
     a_qk, g_last = cupy.empty((chunks, H, L, L), dtype=BF16), cupy.empty((chunks, H, K), dtype=np.float32)
     smem = kp._intra_smem_bytes(K, L, W)
     fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, HEAD_DIM=K, CONV_W=W, CHUNK=L,
-                    VB=32, INTRA_THREADS=kp._INTRA_THREADS)
+                    VB=32, INTRA_THREADS=kp._INTRA_THREADS, QUAD_SPLIT=int(kp._QUAD_SPLIT))
     args = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"],
             d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3], a_qk, g_last, i32(B),
             i32(H), i32(sm_count(cupy.cuda.Device().id)))
@@ -143,9 +143,12 @@ def fla_runner(d, num_seqs, seqlen):
 def kernel_report():
     from cupy_backends.cuda.api import driver
 
+    from kda_rt.cuda.ops import kda_prefill as kp
+
     for vb in (16, 32, 64, 128):
         for name in ("kda_prefill_intra", "kda_prefill_state", "kda_prefill_norm"):
-            fn = get_kernel("kda_prefill.cu", name, HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=vb, INTRA_THREADS=512)
+            fn = get_kernel("kda_prefill.cu", name, HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=vb, INTRA_THREADS=512,
+                            QUAD_SPLIT=int(kp._QUAD_SPLIT))
             fn = getattr(fn, "fn", fn)
             regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn.ptr)
             local = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn.ptr)
