@@ -116,7 +116,12 @@ def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, flo
     from kda_rt.bench import run_bench
 
     runner = engine.runner
-    run_bench(engine, batch, input_len, 8, seed=7)
+    # enough output tokens that every sequence still decodes once the last prompt is in (the prompts take about
+    # batch * input_len / max_num_batched_tokens steps, the first ones decoding meanwhile): the graph of `batch`
+    # rows is then captured and its last replay holds all of them (with 8 tokens a batch of 128 2K prompts never
+    # decoded all at once, and its graph did not exist: KeyError 128)
+    steps = -(-batch * input_len // engine.scheduler.config.max_num_batched_tokens)
+    run_bench(engine, batch, input_len, 8 + steps + 1, seed=7)
     rows = next(b for b in runner.buckets if b >= batch)
     g = runner.graphs[rows]
     times = []
