@@ -78,6 +78,14 @@ class DeviceMoE:
     # [3E, D] bf16, the router as three bf16 parts summing to it exactly (ops/moe_route.split_router):
     # prefill steps compute the logits on the tensor cores; None: made on first use (eager steps only)
     router_split: Any = None
+    # e4m3 experts (loader/quant.py): w13 / w2 hold uint8 e4m3 codes and these their fp32 row scales, [E', 2M] and
+    # [E', D] (E' as the stacks); None: bf16 stacks.  A shared expert apart (`shared` not in the stack) stays bf16.
+    scale13: Any = None
+    scale2: Any = None
+
+    @property
+    def e4m3(self) -> bool:
+        return self.scale13 is not None
 
 
 @dataclass
