@@ -43,6 +43,7 @@ from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import (
     FUSED_MIN_TOKENS,
     SMALL_DECODE_TOKENS,
+    check_scale,
     e4m3_tile,
     fused_decode_tile,
     fused_kernel,
@@ -238,9 +239,9 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     _, two_i, _ = expect(w13, "w13", shape=(stacked, None, D), dtype=wdtype)
     inter = two_i // 2
     expect(w2, "w2", shape=(stacked, D, inter), dtype=wdtype)
-    if w.e4m3:
-        expect(s13, "scale13", shape=(stacked, two_i), dtype=np.float32)
-        expect(s2, "scale2", shape=(stacked, D), dtype=np.float32)
+    if w.e4m3:  # (every refusal before the routing kernel launches: the routed GEMV waits on its signal)
+        check_scale("moe_forward", "scale13", s13, w13)
+        check_scale("moe_forward", "scale2", s2, w2)
     if fused and (w.shared is None or w.shared.down.shape != (D, inter)):
         raise ValueError("moe_forward: shared_in_stack needs one shared expert of the experts' width")
     if (shared_w13 is None) != (shared_w2 is None) or (shared_w13 is None) != (cfg.num_shared_experts == 0):

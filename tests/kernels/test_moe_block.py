@@ -156,17 +156,30 @@ class _E4m3Experts(Sequence):
         return self.count
 
 
-E4M3_CASES = ["T1-E256", "T7-E256", "T64-E16", "T300-E64-G8k4", "T1024-E64-prefill", "T300-small"]
+E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the ones the switches pick instead
+    "T1-E256": ("T1-E256", {}),
+    "T1-E256-plan-gemv": ("T1-E256", {"KDA_RT_GEMV_ROUTED": "0"}),
+    "T1-E256-tiled": ("T1-E256", {"KDA_RT_MOE_GEMV": "0", "KDA_RT_DOWN_GEMV": "0"}),
+    "T7-E256": ("T7-E256", {}),
+    "T7-E256-two-launches": ("T7-E256", {"KDA_RT_FUSED_MOE": "0"}),
+    "T64-E16": ("T64-E16", {}),
+    "T300-E64-G8k4": ("T300-E64-G8k4", {}),
+    "T1024-E64-prefill": ("T1024-E64-prefill", {}),
+    "T300-small": ("T300-small", {}),
+    "T300-small-tc128": ("T300-small", {"KDA_RT_WGMMA": "0"}),
+}
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-@pytest.mark.parametrize("name", E4M3_CASES)
-def test_moe_forward_e4m3(name, fused, monkeypatch):
+@pytest.mark.parametrize("case", list(E4M3_CASES))
+def test_moe_forward_e4m3(case, fused, monkeypatch):
     """moe_forward on e4m3 expert stacks (DeviceMoE.scale13 / scale2; codes over every finite e4m3 value, row
     scales; with the shared expert in the stack it is e4m3 too, apart it stays bf16) against the NumPy block on the
-    dequantized weights, with the bf16 test's tolerance.  The cases take each path: one token on the routed gate/up
-    GEMV and the down GEMV (checked: routed), 7 tokens on the fused decode kernel, 64-row tiles on moe_gemm_tc,
-    128-row tiles on the wgmma kernel (sm_90a; moe_gemm_tc elsewhere)."""
+    dequantized weights, with the bf16 test's tolerance.  Every expert's scales sit at one level (each adds about as
+    much to the output, so a wrong one shows).  The cases take each path: one token on the routed gate/up GEMV and
+    the down GEMV (checked: routed), on the plan-reading GEMV, on the tiled GEMMs; 7 tokens on the fused decode
+    kernel and on its two launches; 64-row tiles on moe_gemm_tc; 128-row tiles on the wgmma kernel (sm_90a) and on
+    moe_gemm_tc."""
     import cupy
     from kernels.test_moe_gemm_tc import e4m3_stack
 
@@ -180,6 +193,9 @@ def test_moe_forward_e4m3(name, fused, monkeypatch):
 
     if arch_number(device_arch()) < 89:
         pytest.skip("e4m3 weights need sm_89 or newer")
+    name, switches = E4M3_CASES[case]
+    for key, value in switches.items():
+        monkeypatch.setenv(key, value)
     T, D, inter, inter_s, E, kw = CASES[name]
     cfg = make_cfg(E, **kw)
     cfg = dataclasses.replace(cfg, num_shared_experts=1 if inter_s else 0, intermediate_size=inter)
@@ -190,8 +206,8 @@ def test_moe_forward_e4m3(name, fused, monkeypatch):
     rng = np.random.default_rng(seed)
     crng = cupy.random.default_rng(seed)
     stacked = E + 1 if fused else E
-    q13, s13 = e4m3_stack(crng, rng, stacked, 2 * inter, D)
-    q2, s2 = e4m3_stack(crng, rng, stacked, D, inter)
+    q13, s13 = e4m3_stack(crng, rng, stacked, 2 * inter, D, expert_spread=False)
+    q2, s2 = e4m3_stack(crng, rng, stacked, D, inter, expert_spread=False)
     experts = _E4m3Experts(q13, s13, q2, s2, E)
     if fused:
         shared_np = _E4m3Experts(q13, s13, q2, s2, E + 1)[E]
@@ -218,7 +234,7 @@ def test_moe_forward_e4m3(name, fused, monkeypatch):
     err = rms_rel(got, ref)
     print(f"\n{name} e4m3: rms rel err {err:.2e}", end="")
     assert err <= 1e-2, f"{name} e4m3: rms rel err {err:.3e}, max abs {np.max(np.abs(got - ref)):.3e}"
-    if T == 1:  # the one-token step's gate/up GEMV selected its experts itself (the routed variant, e4m3 build)
+    if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
