@@ -77,10 +77,21 @@ def _weight_split(config: ModelConfig) -> dict[str, list[int]]:
     return out
 
 
-def weight_bytes(config: ModelConfig) -> WeightBytes:
+def weight_bytes(config: ModelConfig, quantization: str | None = None) -> WeightBytes:
+    """quantization "fp8" (EngineConfig.quantization): the experts (and a shared expert of their width) as one byte a
+    weight plus an fp32 scale a row."""
     split = _weight_split(config)
     stored = 4 if config.dtype == "float32" else 2
     expert_params = 3 * config.hidden_size * config.moe.intermediate_size if config.moe is not None else 0
+    if quantization == "fp8" and config.moe is not None:
+        rows = 2 * config.moe.intermediate_size + config.hidden_size  # w1 | w3 rows, w2 rows: a scale each
+        if config.moe.num_shared_experts == 1:  # (stored like the experts: loader/quant.expert_weight_names)
+            n = split["shared"][0]
+            split["shared"] = [n, n + 4 * rows * len(_moe_layers(config))]
+        dense = sum(b for _, b in split.values())
+        return WeightBytes(dense, expert_params + 4 * rows, config.hidden_size * stored,
+                           sum(n for key, (n, _) in split.items() if key != "lm_head"), split["lm_head"][0],
+                           expert_params)
     dense = sum(b for _, b in split.values())
     dense_params = sum(n for key, (n, _) in split.items() if key != "lm_head")
     embed_row = config.hidden_size * stored
@@ -114,11 +125,12 @@ def _state_bytes(config: ModelConfig, batch: int, context: float) -> tuple[int, 
 
 
 def decode_floor(config: ModelConfig, batch: int, context: float, touched: dict[int, float] | None = None,
-                 *, bandwidth: float = COPY_BYTES_PER_S) -> dict:
+                 *, bandwidth: float = COPY_BYTES_PER_S, quantization: str | None = None) -> dict:
     """Bytes and seconds one decode step of `batch` sequences at mean `context` tokens must move.
     `touched`: MoE layer id -> mean experts routed per step (as counted in the run); default: the
-    expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch)."""
-    w = weight_bytes(config)
+    expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch).  quantization: as
+    weight_bytes."""
+    w = weight_bytes(config, quantization)
     moe = _moe_layers(config)
     experts = sum(_touched(config, batch, touched).get(i, 0.0) for i in moe)
     state, cache = _state_bytes(config, batch, context)

@@ -103,7 +103,7 @@ class CudaRunner:
         self.cupy = cupy
         self.config = config
         startup_log()
-        self.weights = upload_weights(config, weights, progress=progress)
+        self.weights = upload_weights(config, weights, progress=progress, quantization=engine.quantization)
         gc.collect()  # runners dropped earlier in this process: give their pools back to the device
         cupy.get_default_memory_pool().free_all_blocks()
         free, total = cupy.cuda.runtime.memGetInfo()

@@ -101,6 +101,26 @@ def test_stable_logits_every_position(stable_pair):
     check_positions(gpu.score(ids), ref_logits, margins, "demo-arch, stable routing")
 
 
+def test_stable_fp8_experts_every_position(stable_pair, tmp_path_factory):
+    """quantization="fp8" on both backends (the CUDA one quantizes its expert stacks on upload, the NumPy oracle runs
+    their dequantized values: the same e4m3 codes and scales): the same per-position bound as bf16, and the fp8
+    model is not the bf16 one (its logits differ from the bf16 oracle's by more than that bound's median)."""
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    ref_bf16, _ = stable_pair
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("stable-fp8"), seed=3,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)  # (stable_pair's checkpoint)
+    ref = LLM(str(path), backend="numpy", dtype="bfloat16", quantization="fp8", **KW)
+    gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
+    ids = list(np.random.default_rng(0).integers(0, 768, size=150))
+    ref_logits, margins = score_with_margins(ref, ids)
+    assert margins.min() > NEAR_TIE
+    check_positions(gpu.score(ids), ref_logits, margins, "demo-arch, stable routing, fp8 experts")
+    moved = row_rel_err(ref_logits, score_with_margins(ref_bf16, ids)[0])
+    assert np.median(moved) > TOL, f"the fp8 oracle is within {np.median(moved):.2e} of the bf16 one: not quantized?"
+
+
 def test_demo_logits_statistics(demo_pair):
     """Shipped demo: the median position is within the bound; the worst positions and their router
     margins are printed (near-ties and the positions after them)."""
