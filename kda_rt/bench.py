@@ -208,7 +208,8 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
                 runner.enforce_eager = eager
             engine.config = settings
         work = op_work(engine.model_config, decode=True, batch=running, tokens=running, context=input_len + 1,
-                       touched=(count(reset=True) or None) if count is not None else None)
+                       touched=(count(reset=True) or None) if count is not None else None,
+                       quantization=engine.config.quantization)
         out["decode"] = {"batch": running, "ops": prof.summary(), "work": work}
         print(f"decode step (eager, batch {running}):\n{prof.table(work)}", file=sys.stderr)
     finally:

@@ -121,12 +121,14 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
     return _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
 
 
-def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
+def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = False) -> int:
     """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
     this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), 64 and 128 rows
     (128 on wgmma where it runs), so no step, e.g. a
     mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
-    (~0.2-0.4 s a variant).  Returns the number of variants."""
+    (~0.2-0.4 s a variant); `e4m3`: the variants for e4m3 expert stacks (their tiles as moe_forward picks them).
+    Returns the number of variants."""
+    shapes = [(2 * inter, D, True), (D, inter, False)]
     E, A = cfg.num_experts, cfg.top_k
     pairs, bins = (A + 1, E + 1) if fused else (A, E)
     count = 0
@@ -138,27 +140,28 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
         bucket_kernel(bins, bm, A if fused else 0)
         for nout, k, fuse, tile in gemms:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
-                wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
+                wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, e4m3)
             else:
-                tc_kernel(tile, k, nout, fuse, pairs)
+                tc_kernel(e4m3_tile(tile, [(nout, k, fuse)]) if e4m3 else tile, k, nout, fuse, pairs, e4m3)
                 small = tile_config(bm, nout, k, fuse, tokens=1)
                 if small and small != tile:
-                    tc_kernel(small, k, nout, fuse, pairs)
+                    tc_kernel(e4m3_tile(small, [(nout, k, fuse)]) if e4m3 else small, k, nout, fuse, pairs, e4m3)
                     count += 1
         count += 3
         if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
             for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
                 if tile := fused_decode_tile(tokens, D, inter):
-                    fused_kernel(tile, D, inter, pairs)
+                    fused_kernel(e4m3_tile(tile, shapes) if e4m3 else tile, D, inter, pairs, e4m3)
                     count += 1
-            if gemv_fits(1, D):  # a one-token step's gate/up (and the variant that selects its own experts), down
-                gemv_kernel(D, inter)
+            if gemv_fits(1, D) and (not e4m3 or (D % 16 == 0 and inter % 16 == 0)):  # (e4m3: 16 weights a piece)
+                # a one-token step's gate/up (and the variant that selects its own experts), down
+                gemv_kernel(D, inter, e4m3=e4m3)
                 count += 1
                 if env.down_gemv() and down_fits(inter, D):
-                    down_kernel(inter, D)
+                    down_kernel(inter, D, e4m3=e4m3)
                     count += 1
                 if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
-                    gemv_kernel(D, inter, routed=(E, fused))
+                    gemv_kernel(D, inter, routed=(E, fused), e4m3=e4m3)
                     count += 1
             norm_max_t = _route_norm_max_t()
             for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant

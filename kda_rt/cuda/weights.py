@@ -202,6 +202,8 @@ def _quantize_moe(up: Uploader, m: DeviceMoE) -> DeviceMoE:
 
     q13, s13 = quantize_rows_e4m3(m.w13, "w13", stream=up.stream)
     q2, s2 = quantize_rows_e4m3(m.w2, "w2", stream=up.stream)
+    # the weights' device bytes (the runner plans its pools from them): the e4m3 stacks, not the bf16 ones uploaded
+    up.bytes_uploaded -= m.w13.nbytes + m.w2.nbytes - (q13.nbytes + s13.nbytes + q2.nbytes + s2.nbytes)
     E = q13.shape[0] - 1
     shared = DeviceMLP(q13[E], q2[E]) if m.shared_in_stack else m.shared
     return DeviceMoE(m.router, m.bias, q13, q2, shared, shared_in_stack=m.shared_in_stack,

@@ -30,15 +30,17 @@ def quantize_rows_e4m3(w, name: str = "weight", *, out=None, scale_out=None, str
         raise ValueError(f"quantize_rows_e4m3: {name} must be C-contiguous, 4-byte aligned, with an even row width "
                          f"(got {w.shape})")
     check_e4m3_arch("quantize_rows_e4m3")
-    q = cupy.empty(w.shape, dtype=np.uint8) if out is None else out
-    scale = cupy.empty(w.shape[:-1], dtype=np.float32) if scale_out is None else scale_out
-    expect(q, "out", shape=w.shape, dtype=np.uint8)
-    expect(scale, "scale_out", shape=w.shape[:-1], dtype=np.float32)
-    bad = cupy.full(1, np.iinfo(np.uint64).max, dtype=np.uint64)
-    if rows:
-        get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_THREADS)((rows,), (_THREADS,), (w, np.int32(K), q, scale, bad),
-                                                                        stream=stream)
-    first = int(bad.get(stream=stream)[0])
+    # everything on `stream` (the fill of `bad` before the kernel's atomics; the uploader's stream is non-blocking)
+    with stream if stream is not None else cupy.cuda.get_current_stream():
+        q = cupy.empty(w.shape, dtype=np.uint8) if out is None else out
+        scale = cupy.empty(w.shape[:-1], dtype=np.float32) if scale_out is None else scale_out
+        expect(q, "out", shape=w.shape, dtype=np.uint8)
+        expect(scale, "scale_out", shape=w.shape[:-1], dtype=np.float32)
+        bad = cupy.full(1, np.iinfo(np.uint64).max, dtype=np.uint64)
+        if rows:
+            get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_THREADS)(
+                (rows,), (_THREADS,), (w, np.int32(K), q, scale, bad))
+        first = int(bad.get()[0])
     if first != np.iinfo(np.uint64).max:
         r, c = divmod(first, K)
         v = float(w.reshape(rows, K)[r, c].astype(np.float32).get())
