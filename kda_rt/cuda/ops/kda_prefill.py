@@ -26,10 +26,12 @@ _INTRA_THREADS = 512  # 16 warps: the intra kernel's thread maps are written for
 _QUAD_SPLIT = True
 
 
-def _intra_smem_bytes(K: int, L: int, W: int, quad: bool = _QUAD_SPLIT) -> int:
+def _intra_smem_bytes(K: int, L: int, W: int, quad: bool | None = None) -> int:
     """The IN_* plan of kda_prefill.cu: 3 bf16 [W-1+L][K+8] conv tiles, 2 bf16 [L][K+8] tiles, 10
     scaled-key sub-tiles, Lam and A_kk fp32, gate tables, T-solve scratch, beta, norms, q.k and flags; with `quad`
-    (QUAD_SPLIT) the quadrant factors, bf16 [L/16][24][K+8] from the next 16-byte boundary."""
+    (QUAD_SPLIT; default: _QUAD_SPLIT as it is at the call) the quadrant factors, bf16 [L/16][24][K+8] from the
+    next 16-byte boundary."""
+    quad = _QUAD_SPLIT if quad is None else quad
     num_sub, tile = L // 16, L * (K + 8) * 2
     num_pairs, num_cross = num_sub * (num_sub + 1) // 2, num_sub * (num_sub - 1) // 2
     base = (3 * (W - 1 + L) * (K + 8) * 2 + 2 * tile + num_pairs * 16 * (K + 8) * 2 + L * (K + 4) * 4

@@ -20,7 +20,7 @@ from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
            "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc",
-           "prefill_tile_rows", "sync_words", "tile_config"]
+           "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -125,7 +125,8 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
     return None
 
 
-def _format(e4m3: bool) -> dict[str, int]:
+def weight_format(e4m3: bool) -> dict[str, int]:
+    """The build defines of a weight format (both grouped-GEMM kernels): e4m3 with the launcher's conversion."""
     return {"WFMT": 1, "E4M3_CVT": E4M3_CONVERT} if e4m3 else {}
 
 
@@ -134,7 +135,7 @@ def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int, 
     early = {"EARLY_B": 1} if copies_weights_early(tile, fuse_silu) else {}
     return get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem(e4m3), K=K, NOUT=nout,
                       FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early, **_format(e4m3))
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early, **weight_format(e4m3))
 
 
 def check_scale(what: str, name: str, scale, weight) -> None:
@@ -218,7 +219,7 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **_format(e4m3))
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,

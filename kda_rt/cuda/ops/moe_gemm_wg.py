@@ -71,10 +71,10 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
 
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
-    fmt = {"WFMT": 1, "E4M3_CVT": moe_gemm_tc.E4M3_CONVERT} if e4m3 else {}
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3), K=K, NOUT=nout,
                       FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
-                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt)
+                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()),
+                      **moe_gemm_tc.weight_format(e4m3))
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
