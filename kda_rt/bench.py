@@ -208,7 +208,8 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
                 runner.enforce_eager = eager
             engine.config = settings
         work = op_work(engine.model_config, decode=True, batch=running, tokens=running, context=input_len + 1,
-                       touched=(count(reset=True) or None) if count is not None else None)
+                       touched=(count(reset=True) or None) if count is not None else None,
+                       quantization=engine.config.quantization)
         out["decode"] = {"batch": running, "ops": prof.summary(), "work": work}
         print(f"decode step (eager, batch {running}):\n{prof.table(work)}", file=sys.stderr)
     finally:
@@ -217,13 +218,15 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     return out
 
 
-def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None) -> dict:
-    """The decode bytes floor (from the experts routed in the run) and the prefill FLOPs floor of a
-    (batch, input, output) run, with the measured / floor ratios; one summary line on stderr."""
+def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None,
+           quantization: str | None = None) -> dict:
+    """The decode bytes floor (from the experts routed in the run; `quantization` as EngineConfig's: the experts'
+    bytes in that format) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
+    ratios; one summary line on stderr."""
     from kda_rt.floors import decode_floor, prefill_floor
 
     batch, input_len, output_len = shape
-    dec = decode_floor(config, batch, input_len + output_len / 2, touched or None)
+    dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization)
     pre = prefill_floor(config, [input_len] * batch)
     step = report["decode_step_s_mean"]
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 count(reset=True)
             report = run_bench(engine, batch, input_len, output_len, args.seed)
             report.update(floors(model_config, (batch, input_len, output_len), report,
-                                 count(reset=True) if count is not None else None))
+                                 count(reset=True) if count is not None else None, engine_config.quantization))
             if args.profile and k == 0:
                 if engine.runner.name != "cuda":
                     raise ValueError("--profile needs the cuda backend (CUDA events)")

@@ -44,11 +44,12 @@ class WeightBytes:
     expert_params: int  # one routed expert
 
 
-def _weight_split(config: ModelConfig) -> dict[str, list[int]]:
+def _weight_split(config: ModelConfig, quantization: str | None = None) -> dict[str, list[int]]:
     """[parameters, device bytes] of the weights per profiled op: 'kda', 'mla' (mixer weights), 'dense'
     (dense MLPs), 'router', 'shared' (MoE layers), 'lm_head', 'norm' (every norm weight), 'other';
     the routed experts and the embedding table are left out (`weight_bytes` has them).  Matmuls are
-    stored in the config's dtype, routers and small tensors in fp32 (as cuda/weights.py uploads them)."""
+    stored in the config's dtype, routers and small tensors in fp32 (as cuda/weights.py uploads them); with
+    quantization "fp8" a shared expert of the experts' width in e4m3 (a byte a weight, an fp32 scale a row)."""
     from kda_rt.loader.weights import MATMUL_KINDS, expected_tensors
 
     stored = 4 if config.dtype == "float32" else 2
@@ -74,13 +75,25 @@ def _weight_split(config: ModelConfig) -> dict[str, list[int]]:
             key = "other"
         out[key][0] += n
         out[key][1] += n * size
+    if quantization == "fp8" and config.moe is not None and config.moe.num_shared_experts == 1:
+        rows = 2 * config.moe.intermediate_size + config.hidden_size  # (loader/quant.expert_weight_names)
+        n = out["shared"][0]
+        out["shared"][1] = n + 4 * rows * len(_moe_layers(config))
     return out
 
 
-def weight_bytes(config: ModelConfig) -> WeightBytes:
-    split = _weight_split(config)
+def weight_bytes(config: ModelConfig, quantization: str | None = None) -> WeightBytes:
+    """quantization "fp8" (EngineConfig.quantization): the experts (and a shared expert of their width) as one byte a
+    weight plus an fp32 scale a row."""
+    split = _weight_split(config, quantization)
     stored = 4 if config.dtype == "float32" else 2
     expert_params = 3 * config.hidden_size * config.moe.intermediate_size if config.moe is not None else 0
+    if quantization == "fp8" and config.moe is not None:
+        rows = 2 * config.moe.intermediate_size + config.hidden_size  # w1 | w3 rows, w2 rows: a scale each
+        dense = sum(b for _, b in split.values())
+        return WeightBytes(dense, expert_params + 4 * rows, config.hidden_size * stored,
+                           sum(n for key, (n, _) in split.items() if key != "lm_head"), split["lm_head"][0],
+                           expert_params)
     dense = sum(b for _, b in split.values())
     dense_params = sum(n for key, (n, _) in split.items() if key != "lm_head")
     embed_row = config.hidden_size * stored
@@ -114,11 +127,12 @@ def _state_bytes(config: ModelConfig, batch: int, context: float) -> tuple[int, 
 
 
 def decode_floor(config: ModelConfig, batch: int, context: float, touched: dict[int, float] | None = None,
-                 *, bandwidth: float = COPY_BYTES_PER_S) -> dict:
+                 *, bandwidth: float = COPY_BYTES_PER_S, quantization: str | None = None) -> dict:
     """Bytes and seconds one decode step of `batch` sequences at mean `context` tokens must move.
     `touched`: MoE layer id -> mean experts routed per step (as counted in the run); default: the
-    expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch)."""
-    w = weight_bytes(config)
+    expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch).  quantization: as
+    weight_bytes."""
+    w = weight_bytes(config, quantization)
     moe = _moe_layers(config)
     experts = sum(_touched(config, batch, touched).get(i, 0.0) for i in moe)
     state, cache = _state_bytes(config, batch, context)
@@ -151,15 +165,17 @@ def prefill_floor(config: ModelConfig, prompt_lens: list[int], *, flops_rate: fl
 
 
 def op_work(config: ModelConfig, *, decode: bool, batch: int, tokens: int, context: float,
-            touched: dict[int, float] | None = None, prompt_lens: list[int] | None = None) -> dict[str, tuple[float, str]]:
+            touched: dict[int, float] | None = None, prompt_lens: list[int] | None = None,
+            quantization: str | None = None) -> dict[str, tuple[float, str]]:
     """What each profiled op (`bench --profile`'s scopes) must at least do in one step: bytes moved
     ('B') for a decode step of `batch` sequences at mean `context`, FLOPs ('FLOP') for a prefill step
     of `tokens` new tokens (whole prompts `prompt_lens`).  Same models as `decode_floor` /
-    `prefill_floor`, split by op; norms, embed and the KDA chunk products are left out of prefill."""
-    split = _weight_split(config)
+    `prefill_floor`, split by op; norms, embed and the KDA chunk products are left out of prefill.  quantization:
+    as weight_bytes (the experts' bytes of a decode step)."""
+    split = _weight_split(config, quantization)
     p = {k: n for k, (n, _) in split.items()}  # parameters (prefill FLOPs)
     nbytes = {k: b for k, (_, b) in split.items()}  # device bytes (decode)
-    w = weight_bytes(config)
+    w = weight_bytes(config, quantization)
     moe_layers = _moe_layers(config)
     D = config.hidden_size
     if decode:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["E4M3", "E4M3_MAX", "dequantize_rows", "quantize_rows"]
+__all__ = ["E4M3", "E4M3_MAX", "dequantize_rows", "expert_weight_names", "quantize_experts", "quantize_rows"]
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -49,3 +49,38 @@ def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
         raise ValueError(f"dequantize_rows: needs q [N, K] e4m3 and scale [N], got {q.dtype} {q.shape} and "
                          f"{scale.dtype} {scale.shape}")
     return q.astype(np.float32) * scale.astype(np.float32)[:, None]
+
+
+def expert_weight_names(config) -> list[str]:
+    """The checkpoint names of the weights `EngineConfig.quantization = "fp8"` stores in e4m3: every routed expert's
+    w1, w3, w2 and, when the MoE has one shared expert (of the experts' width: the CUDA backend computes it in the
+    experts' stacks), its gate, up and down projections.  Row-wise e4m3 per these [rows, K] matrices is the same as
+    per the CUDA stacks' rows (w1 | w3 stacked by rows, w2 as it is)."""
+    if config.moe is None:
+        return []
+    names = []
+    for i, kind in enumerate(config.mlp_types):
+        if kind != "moe":
+            continue
+        base = f"model.layers.{i}.block_sparse_moe."
+        names += [f"{base}experts.{e}.{w}.weight" for e in range(config.moe.num_experts) for w in ("w1", "w3", "w2")]
+        if config.moe.num_shared_experts == 1:
+            names += [f"{base}shared_experts.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def quantize_experts(config, raw):
+    """The checkpoint `raw` (name -> array) with each weight of expert_weight_names replaced by its e4m3 values,
+    dequantized (float32 q · scale, quantize_rows per row): what the NumPy backend runs for an fp8 model, the values the
+    CUDA backend's e4m3 kernels multiply (ops/quant.quantize_rows_e4m3 gives the same codes and scales from the bf16
+    values it uploads, so the weights are rounded to bf16 first here too).  Other entries are passed through as they
+    are."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    out = dict(raw)
+    for name in expert_weight_names(config):
+        if name not in out:
+            raise ValueError(f"quantize_experts: the checkpoint has no {name}")
+        w = np.asarray(out[name])
+        q, scale = quantize_rows(w if w.dtype == bf16 else w.astype(bf16), name)
+        out[name] = dequantize_rows(q, scale)
+    return out

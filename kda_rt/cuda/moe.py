@@ -43,6 +43,8 @@ from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import (
     FUSED_MIN_TOKENS,
     SMALL_DECODE_TOKENS,
+    check_scale,
+    e4m3_tile,
     fused_decode_tile,
     fused_kernel,
     moe_decode_fused,
@@ -119,12 +121,14 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
     return _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
 
 
-def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
+def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = False) -> int:
     """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
     this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), 64 and 128 rows
     (128 on wgmma where it runs), so no step, e.g. a
     mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
-    (~0.2-0.4 s a variant).  Returns the number of variants."""
+    (~0.2-0.4 s a variant); `e4m3`: the variants for e4m3 expert stacks (their tiles as moe_forward picks them).
+    Returns the number of variants."""
+    shapes = [(2 * inter, D, True), (D, inter, False)]
     E, A = cfg.num_experts, cfg.top_k
     pairs, bins = (A + 1, E + 1) if fused else (A, E)
     count = 0
@@ -136,27 +140,28 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool) -> int:
         bucket_kernel(bins, bm, A if fused else 0)
         for nout, k, fuse, tile in gemms:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
-                wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs)
+                wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, e4m3)
             else:
-                tc_kernel(tile, k, nout, fuse, pairs)
+                tc_kernel(e4m3_tile(tile, [(nout, k, fuse)]) if e4m3 else tile, k, nout, fuse, pairs, e4m3)
                 small = tile_config(bm, nout, k, fuse, tokens=1)
                 if small and small != tile:
-                    tc_kernel(small, k, nout, fuse, pairs)
+                    tc_kernel(e4m3_tile(small, [(nout, k, fuse)]) if e4m3 else small, k, nout, fuse, pairs, e4m3)
                     count += 1
         count += 3
         if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
             for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
                 if tile := fused_decode_tile(tokens, D, inter):
-                    fused_kernel(tile, D, inter, pairs)
+                    fused_kernel(e4m3_tile(tile, shapes) if e4m3 else tile, D, inter, pairs, e4m3)
                     count += 1
-            if gemv_fits(1, D):  # a one-token step's gate/up (and the variant that selects its own experts), down
-                gemv_kernel(D, inter)
+            if gemv_fits(1, D) and (not e4m3 or (D % 16 == 0 and inter % 16 == 0)):  # (e4m3: 16 weights a piece)
+                # a one-token step's gate/up (and the variant that selects its own experts), down
+                gemv_kernel(D, inter, e4m3=e4m3)
                 count += 1
                 if env.down_gemv() and down_fits(inter, D):
-                    down_kernel(inter, D)
+                    down_kernel(inter, D, e4m3=e4m3)
                     count += 1
                 if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
-                    gemv_kernel(D, inter, routed=(E, fused))
+                    gemv_kernel(D, inter, routed=(E, fused), e4m3=e4m3)
                     count += 1
             norm_max_t = _route_norm_max_t()
             for tokens in (1, 2, 4, FUSED_MAX_T):  # routing + bucketing in one launch: each rows-per-block variant
@@ -196,7 +201,9 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 stream=None, norm_before: NormBefore | None = None):
     """x: [T, D] bf16 -> [T, D] bf16.  Weights (cuda/weights.py): w.router [E, D] fp32, w.bias [E] fp32,
     w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
-    down [D, Is], bf16) or None.  stats: optional int32 [2] device counter of the experts touched
+    down [D, Is], bf16) or None; with w.scale13 / w.scale2 the stacks hold e4m3 codes (uint8) and those their fp32
+    row scales (every expert kernel takes them: WFMT = 1; the weight-stationary moe_gemm.cu of the smallest shapes
+    does not, so those are refused).  stats: optional int32 [2] device counter of the experts touched
     (ops/moe_align.moe_bucket).  norm (ops/moe_align.NormAfter): the residual add and RMSNorm after the block
     are done here too, by the combine (ops/moe_align.moe_combine): norm.residual += bf16(MoE(x)),
     out = RMSNorm(norm.residual).
@@ -228,17 +235,25 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     delta, x = x, (x if norm_before is None else norm_before.a_out)  # the mixer's output; the block's input
     fused = w.shared_in_stack  # the shared expert is expert E of the stacks: one more pair per token
     stacked = E + 1 if fused else E
-    _, two_i, _ = expect(w13, "w13", shape=(stacked, None, D), dtype=BF16)
+    wdtype = np.uint8 if w.e4m3 else BF16
+    s13, s2 = w.scale13, w.scale2
+    if (s13 is None) != (s2 is None):
+        raise ValueError("moe_forward: e4m3 expert stacks need both scale13 and scale2 (bf16 stacks: neither)")
+    _, two_i, _ = expect(w13, "w13", shape=(stacked, None, D), dtype=wdtype)
     inter = two_i // 2
-    expect(w2, "w2", shape=(stacked, D, inter), dtype=BF16)
+    expect(w2, "w2", shape=(stacked, D, inter), dtype=wdtype)
+    if w.e4m3:  # (every refusal before the routing kernel launches: the routed GEMV waits on its signal)
+        check_scale("moe_forward", "scale13", s13, w13)
+        check_scale("moe_forward", "scale2", s2, w2)
     if fused and (w.shared is None or w.shared.down.shape != (D, inter)):
         raise ValueError("moe_forward: shared_in_stack needs one shared expert of the experts' width")
     if (shared_w13 is None) != (shared_w2 is None) or (shared_w13 is None) != (cfg.num_shared_experts == 0):
         raise ValueError("moe_forward: give both shared expert weights exactly when cfg.num_shared_experts > 0")
     inter_s = 0
-    if shared_w13 is not None:
-        inter_s = expect(shared_w13, "shared_w13", shape=(None, D), dtype=BF16)[0] // 2
-        expect(shared_w2, "shared_w2", shape=(D, inter_s), dtype=BF16)
+    if shared_w13 is not None:  # (views of the stacks when they carry it: e4m3 codes then)
+        sdt = wdtype if fused else BF16
+        inter_s = expect(shared_w13, "shared_w13", shape=(None, D), dtype=sdt)[0] // 2
+        expect(shared_w2, "shared_w2", shape=(D, inter_s), dtype=sdt)
     parts = _layout(T, cfg, D, inter, inter_s, fused)
     offs, nbytes = _offsets(parts)
     workspace = cupy.empty(nbytes, dtype=np.uint8) if workspace is None else workspace
@@ -257,8 +272,13 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     pairs = A + 1 if fused else A
     bm = prefill_tile_rows(T * pairs, stacked, D, inter)
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
+    if w.e4m3 and not bm:
+        raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
     fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
+    if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)
+        fused_tile = e4m3_tile(fused_tile, [(two_i, D, True), (D, inter, False)])
+    scale_kw = {"scale": s13}, {"scale": s2}  # the gate/up and down GEMMs' (None for bf16)
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
     with stream if stream is not None else contextlib.nullcontext():
@@ -274,7 +294,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         routed = (GemvRouting(ws["logits"], bias, A, ws["route_done"], fused_route_blocks(T, E), E, fused)
                   if fused_routing and gemv and not fused_tile and env.gemv_routed() else None)
         if routed is not None:  # its checks and build before the routing kernel sets the signal it consumes
-            routed_kernel(w13, T * pairs, routed)
+            routed_kernel(w13, T * pairs, routed, scale=s13)
         if fused_routing:
             moe_route_fused(delta, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
@@ -289,16 +309,17 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                        stream=stream)
         if fused_tile:
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
-                             stream=stream)
+                             scale13=s13, scale2=s2, stream=stream)
         else:
+            kw13, kw2 = scale_kw if w.e4m3 else ({}, {})  # (moe_gemm.cu, the bf16-only kernel, takes no scale)
             if gemv:  # its routed rows spread evenly over the SMs
-                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed)
+                moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed, **kw13)
             else:
-                gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream)
+                gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, **kw13)
             if gemv and env.down_gemv() and down_fits(inter, D):
-                moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream)
+                moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream, **kw2)
             else:
-                gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream)
+                gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream, **kw2)
         shared = None
         if inter_s and not fused:
             linear(x, shared_w13, out=ws["gu_s"])

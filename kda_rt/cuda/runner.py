@@ -103,7 +103,7 @@ class CudaRunner:
         self.cupy = cupy
         self.config = config
         startup_log()
-        self.weights = upload_weights(config, weights, progress=progress)
+        self.weights = upload_weights(config, weights, progress=progress, quantization=engine.quantization)
         gc.collect()  # runners dropped earlier in this process: give their pools back to the device
         cupy.get_default_memory_pool().free_all_blocks()
         free, total = cupy.cuda.runtime.memGetInfo()
@@ -160,7 +160,7 @@ class CudaRunner:
             precompile_skinny(shapes)  # nor for the decode projections' kernels
             precompile_gemv(shapes)
             if moe is not None:
-                precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack)
+                precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack, moe.e4m3)
             if config.kda is not None:
                 precompile_kda(config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size)
         except (CompileError, cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError) as exc:

@@ -78,6 +78,14 @@ class DeviceMoE:
     # [3E, D] bf16, the router as three bf16 parts summing to it exactly (ops/moe_route.split_router):
     # prefill steps compute the logits on the tensor cores; None: made on first use (eager steps only)
     router_split: Any = None
+    # e4m3 experts (loader/quant.py): w13 / w2 hold uint8 e4m3 codes and these their fp32 row scales, [E', 2M] and
+    # [E', D] (E' as the stacks); None: bf16 stacks.  A shared expert apart (`shared` not in the stack) stays bf16.
+    scale13: Any = None
+    scale2: Any = None
+
+    @property
+    def e4m3(self) -> bool:
+        return self.scale13 is not None
 
 
 @dataclass
@@ -185,9 +193,27 @@ def _moe(up: Uploader, w: MoEWeights) -> DeviceMoE:
                      shared=_mlp(up, w.shared) if w.shared is not None else None, router_split=router_split)
 
 
+def _quantize_moe(up: Uploader, m: DeviceMoE) -> DeviceMoE:
+    """`m` with its expert stacks in e4m3 (ops/quant.quantize_rows_e4m3 per row, on the uploader's stream after the
+    stacks' copies: the codes and scales loader/quant.quantize_experts gives the NumPy backend); the bf16 stacks are
+    released.  A shared expert in the stack goes with it; one apart stays bf16 (quantize_experts then leaves it too:
+    it quantizes a shared expert only when there is one, which is when the stack carries it)."""
+    from kda_rt.cuda.ops.quant import quantize_rows_e4m3
+
+    q13, s13 = quantize_rows_e4m3(m.w13, "w13", stream=up.stream)
+    q2, s2 = quantize_rows_e4m3(m.w2, "w2", stream=up.stream)
+    # the weights' device bytes (the runner plans its pools from them): the e4m3 stacks, not the bf16 ones uploaded
+    up.bytes_uploaded -= m.w13.nbytes + m.w2.nbytes - (q13.nbytes + s13.nbytes + q2.nbytes + s2.nbytes)
+    E = q13.shape[0] - 1
+    shared = DeviceMLP(q13[E], q2[E]) if m.shared_in_stack else m.shared
+    return DeviceMoE(m.router, m.bias, q13, q2, shared, shared_in_stack=m.shared_in_stack,
+                     router_split=m.router_split, scale13=s13, scale2=s2)
+
+
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
-                   progress: bool | None = None) -> ModelWeights:
-    """The checkpoint `raw` (hub name -> host array, as `load_checkpoint` returns) on the device."""
+                   progress: bool | None = None, quantization: str | None = None) -> ModelWeights:
+    """The checkpoint `raw` (hub name -> host array, as `load_checkpoint` returns) on the device; quantization
+    "fp8": the MoE experts' stacks in e4m3 with a scale a row (EngineConfig.quantization)."""
     host = read_weights(config, raw)
     up = Uploader()
     total = sum(np.asarray(v).nbytes for v in raw.values())
@@ -201,6 +227,8 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
     for L in host.layers:
         mixer = _kda(up, L.mixer) if isinstance(L.mixer, KDAWeights) else _mla(up, L.mixer)
         mlp = _moe(up, L.mlp) if isinstance(L.mlp, MoEWeights) else _mlp(up, L.mlp)
+        if quantization == "fp8" and isinstance(mlp, DeviceMoE):
+            mlp = _quantize_moe(up, mlp)
         layers.append(DeviceLayer(_put(up, L.input_layernorm), mixer, _put(up, L.post_attention_layernorm), mlp))
         bar.update(1)
     up.finish()

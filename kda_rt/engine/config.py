@@ -27,6 +27,9 @@ def offline_batched_tokens(device_memory: int | None, device_name: str = "") -> 
     return 8192
 
 
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization (loader/quant.quantize_experts)
+
+
 def _opt(default, help: str, **cli):  # noqa: A002  (argparse's name)
     return field(default=default, metadata={"help": help, **cli})
 
@@ -69,6 +72,9 @@ class EngineConfig:
     # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
     async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
                                         "(same outputs; off: every step waits for the previous one)")
+    quantization: str | None = _opt(None, "fp8: the routed experts (and a shared expert of their width) as e4m3 "
+                                          "weights with one fp32 scale a row, quantized at load on either backend",
+                                    choices=QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -93,6 +99,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
 
     def tail_tokens(self) -> int:
         """prefill_tail_tokens as the scheduler takes it: the given value, else max_num_batched_tokens // 64 (which
@@ -128,7 +136,7 @@ class EngineConfig:
             if f.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
                 continue
-            kind = {"int": int, "float": float, "str": str, "int | None": int}[f.type]
+            kind = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}[f.type]
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             group.add_argument(flag, type=kind, **kw)

@@ -62,6 +62,10 @@ def make_runner(config: ModelConfig, weights: Mapping[str, np.ndarray], settings
         return CudaRunner(config, weights, settings)
     from kda_rt.reference.runner import NumpyRunner
 
+    if settings.quantization == "fp8":  # the experts' e4m3 values, dequantized (the CUDA backend quantizes on upload)
+        from kda_rt.loader.quant import quantize_experts
+
+        weights = quantize_experts(config, weights)
     return NumpyRunner(config, weights, settings)
 
 

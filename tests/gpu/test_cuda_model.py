@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -73,6 +74,7 @@ def check_positions(gpu_logits, ref_logits, margins, label):
 
 
 KW = dict(max_num_seqs=8, max_model_len=512, num_blocks=64)
+BF16_NP = np.dtype(ml_dtypes.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,53 @@ def test_stable_logits_every_position(stable_pair):
     ref_logits, margins = score_with_margins(ref, ids)
     assert margins.min() > NEAR_TIE
     check_positions(gpu.score(ids), ref_logits, margins, "demo-arch, stable routing")
+
+
+def test_stable_fp8_experts_every_position(stable_pair, tmp_path_factory):
+    """quantization="fp8" on both backends (the CUDA one quantizes its expert stacks on upload, the NumPy oracle runs
+    their dequantized values: the same e4m3 codes and scales): the same per-position bound as bf16, and the fp8
+    model is not the bf16 one (its logits differ from the bf16 oracle's by more than that bound's median)."""
+    import cupy
+
+    from kda_rt.cuda.ops.compile import arch_number, device_arch
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.loader.quant import quantize_rows
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    if arch_number(device_arch()) < 89:
+        pytest.skip("e4m3 weights need sm_89 or newer")
+    ref_bf16, _ = stable_pair
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("stable-fp8"), seed=3,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)  # (stable_pair's checkpoint)
+    ref = LLM(str(path), backend="numpy", dtype="bfloat16", quantization="fp8", **KW)
+    gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
+    # every MoE layer's stacks hold exactly the host quantizer's codes and scales of the bf16 rows they uploaded
+    from kda_rt.cuda.weights import DeviceMoE
+    from kda_rt.loader.weights import load_checkpoint
+
+    raw = load_checkpoint(path, gpu.model_config)
+    for i, layer in enumerate(gpu.runner.weights.layers):
+        if not isinstance(layer.mlp, DeviceMoE):
+            continue
+        m = layer.mlp
+        assert m.e4m3, f"layer {i}: the MoE stacks are not e4m3"
+        base = f"model.layers.{i}.block_sparse_moe."
+        E = gpu.model_config.moe.num_experts
+        for e in range(m.w13.shape[0]):
+            stem = f"{base}experts.{e}." if e < E else f"{base}shared_experts."
+            names = ("w1", "w3", "w2") if e < E else ("gate_proj", "up_proj", "down_proj")
+            w13 = np.concatenate([np.asarray(raw[f"{stem}{n}.weight"]) for n in names[:2]]).astype(BF16_NP)
+            q, s = quantize_rows(w13, "w13")
+            assert np.array_equal(cupy.asnumpy(m.w13[e]), q.view(np.uint8)), f"layer {i} expert {e}: w13 codes"
+            assert np.array_equal(cupy.asnumpy(m.scale13[e]), s), f"layer {i} expert {e}: w13 scales"
+            q, s = quantize_rows(np.asarray(raw[f"{stem}{names[2]}.weight"]).astype(BF16_NP), "w2")
+            assert np.array_equal(cupy.asnumpy(m.w2[e]), q.view(np.uint8)), f"layer {i} expert {e}: w2 codes"
+    ids = list(np.random.default_rng(0).integers(0, 768, size=150))
+    ref_logits, margins = score_with_margins(ref, ids)
+    assert margins.min() > NEAR_TIE
+    check_positions(gpu.score(ids), ref_logits, margins, "demo-arch, stable routing, fp8 experts")
+    moved = row_rel_err(ref_logits, score_with_margins(ref_bf16, ids)[0])
+    assert np.median(moved) > TOL, f"the fp8 oracle is within {np.median(moved):.2e} of the bf16 one: not quantized?"
 
 
 def test_demo_logits_statistics(demo_pair):

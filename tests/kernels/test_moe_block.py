@@ -135,6 +135,112 @@ def test_moe_forward(name, fused):
     assert np.array_equal(cupy.asnumpy(again).view(np.uint16), cupy.asnumpy(out).view(np.uint16)), "not deterministic"
 
 
+class _E4m3Experts(Sequence):
+    """Routed experts of e4m3 GPU stacks as `MLPWeights` of their dequantized values (float64), per expert."""
+
+    def __init__(self, q13, s13, q2, s2, count):
+        from kernels.test_moe_gemm_tc import Dequantized
+
+        self.w13, self.w2, self.count = Dequantized(q13, s13), Dequantized(q2, s2), count
+
+    def __getitem__(self, e):
+        from kda_rt.loader.schema import MLPWeights
+
+        if not 0 <= e < self.count:
+            raise IndexError(e)
+        w13 = self.w13[e]
+        inter = w13.shape[0] // 2
+        return MLPWeights(w13[:inter], w13[inter:], self.w2[e])
+
+    def __len__(self):
+        return self.count
+
+
+E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the ones the switches pick instead
+    "T1-E256": ("T1-E256", {}),
+    "T1-E256-plan-gemv": ("T1-E256", {"KDA_RT_GEMV_ROUTED": "0"}),
+    "T1-E256-tiled": ("T1-E256", {"KDA_RT_MOE_GEMV": "0", "KDA_RT_DOWN_GEMV": "0"}),
+    "T7-E256": ("T7-E256", {}),
+    "T7-E256-two-launches": ("T7-E256", {"KDA_RT_FUSED_MOE": "0"}),
+    "T64-E16": ("T64-E16", {}),
+    "T300-E64-G8k4": ("T300-E64-G8k4", {}),
+    "T1024-E64-prefill": ("T1024-E64-prefill", {}),
+    "T300-small": ("T300-small", {}),
+    "T300-small-tc128": ("T300-small", {"KDA_RT_WGMMA": "0"}),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
+@pytest.mark.parametrize("case", list(E4M3_CASES))
+def test_moe_forward_e4m3(case, fused, monkeypatch):
+    """moe_forward on e4m3 expert stacks (DeviceMoE.scale13 / scale2; codes over every finite e4m3 value, row
+    scales; with the shared expert in the stack it is e4m3 too, apart it stays bf16) against the NumPy block on the
+    dequantized weights, with the bf16 test's tolerance.  Every expert's scales sit at one level (each adds about as
+    much to the output, so a wrong one shows).  The cases take each path: one token on the routed gate/up GEMV and
+    the down GEMV (checked: routed), on the plan-reading GEMV, on the tiled GEMMs; 7 tokens on the fused decode
+    kernel and on its two launches; 64-row tiles on moe_gemm_tc; 128-row tiles on the wgmma kernel (sm_90a) and on
+    moe_gemm_tc."""
+    import cupy
+    from kernels.test_moe_gemm_tc import e4m3_stack
+
+    import kda_rt.cuda.moe as moe
+    from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import arch_number, device_arch
+    from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
+    from kda_rt.loader.schema import MLPWeights, MoEWeights
+    from kda_rt.reference.moe import moe_forward as moe_ref
+
+    if arch_number(device_arch()) < 89:
+        pytest.skip("e4m3 weights need sm_89 or newer")
+    name, switches = E4M3_CASES[case]
+    for key, value in switches.items():
+        monkeypatch.setenv(key, value)
+    T, D, inter, inter_s, E, kw = CASES[name]
+    cfg = make_cfg(E, **kw)
+    cfg = dataclasses.replace(cfg, num_shared_experts=1 if inter_s else 0, intermediate_size=inter)
+    if fused and (not inter_s or inter_s != inter):
+        pytest.skip("no shared expert of the experts' width")
+    seed = zlib.crc32(f"e4m3/{name}".encode())
+    x, router, bias = make_router(T, D, cfg, seed)
+    rng = np.random.default_rng(seed)
+    crng = cupy.random.default_rng(seed)
+    stacked = E + 1 if fused else E
+    q13, s13 = e4m3_stack(crng, rng, stacked, 2 * inter, D, expert_spread=False)
+    q2, s2 = e4m3_stack(crng, rng, stacked, D, inter, expert_spread=False)
+    experts = _E4m3Experts(q13, s13, q2, s2, E)
+    if fused:
+        shared_np = _E4m3Experts(q13, s13, q2, s2, E + 1)[E]
+        shared_dev = DeviceMLP(q13[E], q2[E])  # (views; the stacks carry it)
+    elif inter_s:
+        sg = rand_bf16(crng, (2 * inter_s, D), 1 / np.sqrt(D))
+        sd = rand_bf16(crng, (D, inter_s), 1 / np.sqrt(inter_s))
+        shared_np = MLPWeights(to_np(sg[:inter_s]), to_np(sg[inter_s:]), to_np(sd))
+        shared_dev = DeviceMLP(sg, sd)
+    else:
+        shared_np = shared_dev = None
+    params = MoEWeights(router, bias, experts, shared_np)
+    w = DeviceMoE(cupy.asarray(router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)), q13, q2, shared_dev,
+                  shared_in_stack=fused, scale13=s13, scale2=s2)
+    seen = []
+    real = moe.moe_gemv_gate_up
+    monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
+    ref = moe_ref(params, x, cfg)
+    out = cupy.empty((T, D), dtype=BF16)
+    ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, fused), 0xFF, dtype=np.uint8)
+    poison(out)
+    moe_forward(to_gpu_bf16(x), w, cfg, out=out, workspace=ws)
+    got = to_np(out)
+    err = rms_rel(got, ref)
+    print(f"\n{name} e4m3: rms rel err {err:.2e}", end="")
+    assert err <= 1e-2, f"{name} e4m3: rms rel err {err:.3e}, max abs {np.max(np.abs(got - ref)):.3e}"
+    if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
+        assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
+    with pytest.raises(ValueError, match="need both scale13 and scale2"):
+        moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
+                                              scale13=s13), cfg)
+
+
 @pytest.mark.parametrize("route", ["one", "three"], ids=["fused-route", "three-route"])
 @pytest.mark.parametrize("launches", ["one", "two"], ids=["fused-gemms", "two-gemms"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])

@@ -434,9 +434,10 @@ class Dequantized:
         return q * cupy.asnumpy(self.scale[e]).astype(np.float64)[:, None]
 
 
-def e4m3_stack(crng, rng, E, nout, k, subnormal=False):
+def e4m3_stack(crng, rng, E, nout, k, subnormal=False, expert_spread=True):
     """(q uint8 [E, nout, k], scale fp32 [E, nout]) on the GPU: codes uniform over the finite ones (or over zero and
-    the subnormals), row scales around 1 / (44 sqrt(k)) (the codes' RMS is ~44) times 2^-6 .. 2^4 by expert."""
+    the subnormals), row scales around 1 / (44 sqrt(k)) (the codes' RMS is ~44) times 2^-6 .. 2^4 by expert (without
+    `expert_spread`: every expert at the same level, so that each adds about as much to a block's output)."""
     import cupy
 
     q = cupy.empty((E, nout, k), dtype=np.uint8)
@@ -444,7 +445,9 @@ def e4m3_stack(crng, rng, E, nout, k, subnormal=False):
         mag = crng.integers(0, 8 if subnormal else 127, size=(nout, k), dtype=np.int32)  # 0x7F is NaN: never
         q[e] = (mag | (crng.integers(0, 2, size=(nout, k), dtype=np.int32) << 7)).astype(np.uint8)
     base = 1.0 / (44.0 * np.sqrt(k)) * (2.0**9 if subnormal else 1.0)  # (subnormal codes are ~2^-9..2^-6)
-    scale = base * np.exp(rng.normal(0, 0.5, size=(E, nout))) * 2.0 ** rng.integers(-6, 5, size=(E, 1))
+    scale = base * np.exp(rng.normal(0, 0.5, size=(E, nout)))
+    if expert_spread:
+        scale = scale * 2.0 ** rng.integers(-6, 5, size=(E, 1))
     return q, cupy.asarray(scale.astype(np.float32))
 
 

@@ -122,13 +122,15 @@ def test_moe_gemv_gate_up_e4m3_refusals():
         moe_gemv_gate_up(x, cupy.zeros((E, 2 * inter, D), np.uint8), plan, out=h, scale=cupy.ones((E, inter), np.float32))
     with pytest.raises(TypeError, match=r"w13 must have dtype bfloat16 \(or uint8 e4m3 bits with scale=\)"):
         moe_gemv_gate_up(x, cupy.zeros((E, 2 * inter, D), np.uint8), plan, out=h)
-    # the routed variant (no test runs its e4m3 build, no model path feeds it) refuses e4m3 weights before the
-    # routing kernel is launched (moe_forward calls routed_kernel first)
+    # the routed variant checks its weights before the routing kernel is launched (moe_forward calls routed_kernel
+    # first): e4m3 codes without their scales, and scales of the wrong shape, are refused there
     from kda_rt.cuda.ops.moe_gemv import GemvRouting, routed_kernel
 
     r = GemvRouting(cupy.zeros((1, E), np.float32), cupy.zeros(E, np.float32), 2, cupy.zeros(64, np.int32), 1, E, False)
-    with pytest.raises(TypeError, match="routed variant takes bf16 w13 only"):
+    with pytest.raises(TypeError, match=r"w13 must have dtype bfloat16 \(or uint8 e4m3 bits with scale=\)"):
         routed_kernel(cupy.zeros((E, 2 * inter, D), np.uint8), A, r)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        routed_kernel(cupy.zeros((E, 2 * inter, D), np.uint8), A, r, scale=cupy.ones((E, inter), np.float32))
 
 
 def test_moe_gemv_rejects_bad_inputs():

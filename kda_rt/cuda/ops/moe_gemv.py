@@ -65,10 +65,10 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
                       **extra)
 
 
-def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
-    """Checks a routed call's inputs (w13 [E', 2I, D], `pairs` rows of h) and builds its kernel: moe_forward calls
-    it before it launches the routing kernel with signal_ready, so that no refusal here can leave that kernel's
-    signal set with no GEMV to reset it."""
+def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT, scale=None):
+    """Checks a routed call's inputs (w13 [E', 2I, D], `pairs` rows of h; with `scale` [E', 2I] fp32, w13 in e4m3)
+    and builds its kernel: moe_forward calls it before it launches the routing kernel with signal_ready, so that no
+    refusal here can leave that kernel's signal set with no GEMV to reset it."""
     E_stack, two_i, D = w13.shape
     if not 1 <= r.top_k <= min(MAX_TOP_K, r.num_experts) or pairs != r.top_k + int(r.shared) or r.ready_target < 1:
         raise ValueError(f"moe_gemv_gate_up: routed needs 1 <= top_k <= min({MAX_TOP_K}, E), one row a pair (N = "
@@ -82,10 +82,14 @@ def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT):
     if r.logits.shape[0] < 1 or r.logits.shape[1] < r.num_experts or not r.logits.flags.c_contiguous or r.done.size < 3:
         raise ValueError(f"moe_gemv_gate_up: routed.logits must be C-contiguous [>= 1, >= {r.num_experts}] (got "
                          f"{r.logits.shape}) and routed.done >= 3 words (got {r.done.size})")
-    if w13.dtype != BF16:  # (moe_gemv.cu builds WFMT = 1 routed, but no test runs it and no model path feeds it)
-        raise TypeError(f"moe_gemv_gate_up: the routed variant takes bf16 w13 only, got {w13.dtype.name} (e4m3 "
-                        "weights: the plan-reading variant, routed=None)")
-    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared))
+    e4m3 = scale is not None
+    check_weight_dtype("moe_gemv_gate_up", "w13", w13, e4m3)
+    if e4m3:
+        expect(scale, "scale", shape=(E_stack, two_i), dtype=np.float32)
+        check_e4m3_arch("moe_gemv_gate_up")
+        if D % 16:
+            raise ValueError(f"moe_gemv_gate_up: hidden width {D} must be a multiple of 16 (16 e4m3 weights a piece)")
+    return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared), e4m3=e4m3)
 
 
 def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig = DEFAULT, stream=None,
@@ -119,7 +123,7 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig 
         kernel = gemv_kernel(D, two_i // 2, cfg, e4m3=e4m3)
         extra, warps = (null, null, i32(0), null, i32(0)), cfg.warps
     else:
-        kernel = routed_kernel(w13, N, routed, cfg)
+        kernel = routed_kernel(w13, N, routed, cfg, scale)
         r = routed
         extra, warps = (r.logits, r.bias, i32(r.top_k), r.done, i32(r.ready_target)), cfg.warps + 1
     kernel((grid(kernel, cfg, warps, routed is not None),), (32 * warps,),

@@ -1,0 +1,70 @@
+// quant.cu — weights to e4m3 with one fp32 scale a row on the GPU, bit for bit as loader/quant.quantize_rows does on
+// the host (the FP8 format of the expert kernels, WFMT = 1):
+//
+//   amax = max_k |w[n, k]|;  scale[n] = amax / 448 (fp32 division), or 1 when amax < 448 * FLT_MIN (the row is then
+//   stored as zeros: its scale would be subnormal);  q[n, k] = e4m3(w[n, k] / scale[n]) (fp32 division, rounded to
+//   nearest even, saturated at +-448, as the host's clip then cast)
+//
+// A row with a non-finite entry is not quantized: the first such (row, column) in row-major order goes to bad[0]
+// (atomicMin of row * K + column, initialised by the launcher to INT64_MAX), which the launcher reports by name.
+// Grid: one block per row; block THREADS threads over the row's K / 2 pairs (two passes: the row's max, then the
+// codes).  Shapes: w [N, K] bf16 (K even, 4-byte aligned rows), q [N, K] uint8, scale [N] fp32, bad [1] int64.
+// Compile-time constants: THREADS (a multiple of 32, at most 1024).
+#include "common.cuh"
+
+#ifndef THREADS
+#error "quant.cu needs -DTHREADS"
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#error "quant.cu needs sm_89 or newer (cvt.rn.satfinite.e4m3x2.f32)"
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const bf16* __restrict__ w, int K,
+                                                                         unsigned char* __restrict__ q,
+                                                                         float* __restrict__ scale,
+                                                                         unsigned long long* __restrict__ bad) {
+    KDA_PDL_ENTRY();
+    __shared__ float red[THREADS / 32];
+    __shared__ int row_bad;
+    const size_t row = blockIdx.x;
+    const __nv_bfloat162* src = reinterpret_cast<const __nv_bfloat162*>(w + row * K);
+    if (threadIdx.x == 0) row_bad = 0;
+    __syncthreads();
+    float amax = 0.f;
+    for (int p = threadIdx.x; p < K / 2; p += THREADS) {
+        const float2 v = __bfloat1622float2(src[p]);
+        const bool f0 = isfinite(v.x), f1 = isfinite(v.y);
+        if (!f0 || !f1) {
+            atomicMin(bad, (unsigned long long)(row * K + 2 * p + (f0 ? 1 : 0)));
+            row_bad = 1;  // (benign race: every writer stores 1)
+        }
+        amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+    }
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float m = threadIdx.x < THREADS / 32 ? red[threadIdx.x] : 0.f;
+        m = warp_max(m);
+        if (threadIdx.x == 0) red[0] = m;
+    }
+    __syncthreads();
+    if (row_bad) return;  // the launcher refuses the tensor
+    amax = red[0];
+    const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
+    const bool zero = !(amax >= tiny);
+    const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
+    if (threadIdx.x == 0) scale[row] = s;
+    unsigned short* dst = reinterpret_cast<unsigned short*>(q + row * K);
+    for (int p = threadIdx.x; p < K / 2; p += THREADS) {
+        unsigned short pair = 0;
+        if (!zero) {
+            const float2 v = __bfloat1622float2(src[p]);
+            const float a = fminf(fmaxf(__fdiv_rn(v.x, s), -448.f), 448.f);
+            const float b = fminf(fmaxf(__fdiv_rn(v.y, s), -448.f), 448.f);
+            // the first operand goes to the upper byte: (b, a) puts element 2p at the lower address
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
+        }
+        dst[p] = pair;
+    }
+}
