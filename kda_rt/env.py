@@ -131,6 +131,24 @@ def down_gemv() -> bool:
     return _on_off("KDA_RT_DOWN_GEMV")
 
 
+def down_warps(default: int) -> int:
+    """KDA_RT_DOWN_WARPS: warps per CTA of moe_gemv_down (one CTA an SM); default by weight format
+    (ops/moe_gemv.down_shape).  Read at each MoE call (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_DOWN_WARPS", default, low=1)
+
+
+def down_stages(default: int) -> int:
+    """KDA_RT_DOWN_STAGES: units (two weight rows each) in each warp's shared-memory ring in moe_gemv_down, the first
+    of them copied before the programmatic-launch wait; default by weight format (ops/moe_gemv.down_shape)."""
+    return _non_negative_int("KDA_RT_DOWN_STAGES", default, low=1)
+
+
+def gemv_warps(default: int) -> int:
+    """KDA_RT_GEMV_WARPS: warps per CTA of the one-token MoE gate/up GEMV (moe_gemv_gate_up; the routed variant adds
+    one); default by weight format (ops/moe_gemv.gate_up_config).  Read at each MoE call."""
+    return _non_negative_int("KDA_RT_GEMV_WARPS", default, low=1)
+
+
 def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight

@@ -46,6 +46,7 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
     check_scale,
     e4m3_tile,
     fused_decode_tile,
+    fused_e4m3_tile,
     fused_kernel,
     moe_decode_fused,
     moe_gemm_tc,
@@ -151,13 +152,13 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
         if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
             for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
                 if tile := fused_decode_tile(tokens, D, inter):
-                    fused_kernel(e4m3_tile(tile, shapes) if e4m3 else tile, D, inter, pairs, e4m3)
+                    fused_kernel(fused_e4m3_tile(tile, shapes) if e4m3 else tile, D, inter, pairs, e4m3)
                     count += 1
             if gemv_fits(1, D) and (not e4m3 or (D % 16 == 0 and inter % 16 == 0)):  # (e4m3: 16 weights a piece)
                 # a one-token step's gate/up (and the variant that selects its own experts), down
                 gemv_kernel(D, inter, e4m3=e4m3)
                 count += 1
-                if env.down_gemv() and down_fits(inter, D):
+                if env.down_gemv() and down_fits(inter, D, e4m3):
                     down_kernel(inter, D, e4m3=e4m3)
                     count += 1
                 if env.gemv_routed() and fused_route_fits(1, E, D, A, cfg.num_expert_group, fused):
@@ -277,7 +278,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
     fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
     if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)
-        fused_tile = e4m3_tile(fused_tile, [(two_i, D, True), (D, inter, False)])
+        fused_tile = fused_e4m3_tile(fused_tile, [(two_i, D, True), (D, inter, False)])
     scale_kw = {"scale": s13}, {"scale": s2}  # the gate/up and down GEMMs' (None for bf16)
     plan = MoEPlan(ws["expert_off"], ws["sorted_pair"], ws["pair_pos"], ws["tile_expert"], ws["tile_row"],
                    ws["num_tiles"], bm or tile_rows_for(T * pairs, stacked))
@@ -316,7 +317,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed, **kw13)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, **kw13)
-            if gemv and env.down_gemv() and down_fits(inter, D):
+            if gemv and env.down_gemv() and down_fits(inter, D, w.e4m3):
                 moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream, **kw2)
             else:
                 gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream, **kw2)

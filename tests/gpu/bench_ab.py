@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--replays", default="", help="decode batch sizes whose graph replays are timed, e.g. 1,32")
     ap.add_argument("--decode", default="", help="batch:input:output of decode runs per round, e.g. 1:2048:64,8:2048:64")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="EngineConfig.quantization of the model")
     args = ap.parse_args()
     envs = args.env.split(",")
     if not all(e.startswith(("KDA_RT_", "engine.")) for e in envs):
@@ -51,7 +52,8 @@ def main() -> int:
     from kda_rt.floors import decode_floor
 
     replays = [int(b) for b in args.replays.split(",") if b]
-    cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts, *replays))
+    cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts, *replays),
+                              quantization=args.quantization)
     decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
     if args.prompts:
         run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
@@ -78,7 +80,7 @@ def main() -> int:
             for b in replays:
                 ms, touched = _replay_ms(engine, b, args.input_len)
                 steps[v, ("replay", b)].append(ms / 1e3)
-                fl = decode_floor(cfg, b, args.input_len + 8, touched)
+                fl = decode_floor(cfg, b, args.input_len + 8, touched, quantization=args.quantization)
                 print(json.dumps({"what": "replay", args.env: v, "round": r, "batch": b, "step_ms": round(ms, 4),
                                   "floor_ms": round(fl["seconds"] * 1e3, 4), "ratio": round(ms / (fl["seconds"] * 1e3), 3),
                                   "experts": round(sum(touched.values()) / max(1, len(touched)), 1)}), flush=True)
@@ -92,7 +94,7 @@ def main() -> int:
             for b, i, o in decodes:
                 engine.runner.experts_touched(reset=True)
                 dec = run_bench(engine, b, i, o, seed=50 + r)
-                fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True))
+                fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True), args.quantization)
                 steps[v, (b, i, o)].append(dec["decode_step_s_mean"])
                 row = {"what": "decode", args.env: v, "round": r, "workload": f"{b}:{i}:{o}",
                        "step_ms": round(dec["decode_step_s_mean"] * 1e3, 3), "floor_ms": round(fl["decode_floor_ms"], 3),

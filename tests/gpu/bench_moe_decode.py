@@ -67,7 +67,8 @@ def main():
     if args.fused:
         return bench_fused([int(t) for t in args.tokens.split(",")])
     if args.e4m3:
-        return bench_e4m3([int(t) for t in args.tokens.split(",")])
+        return bench_e4m3([int(t) for t in args.tokens.split(",")],
+                          [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t])
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] or TILES
     rng = cupy.random.default_rng(1)
     w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)
@@ -186,7 +187,7 @@ def bench_fused(tokens, rounds: int = 8):
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-def bench_e4m3(tokens, rounds: int = 8):
+def bench_e4m3(tokens, tiles=(), rounds: int = 8):
     import cupy
     from kernels.test_moe_gemm_tc import e4m3_stack
 
@@ -215,7 +216,12 @@ def bench_e4m3(tokens, rounds: int = 8):
     for T, routing, cases, touched, x, h, y in _decode_cases(tokens, rounds, seed=2):
         tf = mod.fused_decode_tile(T, D, INTER)
         variants = [("bf16", tf, False, 0), ("e4m3 bits", mod.e4m3_tile(tf, shapes), True, 0),
-                    (f"e4m3 bits bk{tf.bk}", tf, True, 0), ("e4m3 cvt", mod.e4m3_tile(tf, shapes), True, 1)]
+                    (f"e4m3 bits bk{tf.bk}", tf, True, 0), ("e4m3 cvt", mod.e4m3_tile(tf, shapes), True, 1),
+                    ("e4m3 cvt launcher", mod.fused_e4m3_tile(tf, shapes), True, 1)]
+        if tiles:  # --tiles: the launcher's e4m3 tile against these (conversion unit), those both GEMMs take
+            fit = [mod.TileConfig(*t) for t in tiles]
+            fit = [t for t in fit if all(mod._fits(t, nout, k, silu, e4m3=True) for nout, k, silu in shapes)]
+            variants = variants[:1] + variants[3:] + [(f"e4m3 {tuple(t)}", t, True, 1) for t in fit]
         n = np.mean(touched) * per_expert
         line = [f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts"]
         base = None

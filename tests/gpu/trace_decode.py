@@ -55,6 +55,8 @@ def main() -> int:
     ap.add_argument("--values", default="", help="values of --env, e.g. 1,0 (graphs captured again for each)")
     ap.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens of the engine (the offline "
                     "default on an H200 is 16384; 8192 keeps the earlier traces comparable)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="EngineConfig.quantization (fp8: e4m3 "
+                    "expert stacks)")
     ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
 
@@ -65,7 +67,7 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefill.split(",") if s]
     runs = [tuple(int(v) for v in s.split(":")) for s in args.run.split(",") if s]
     _, engine = full_engine(args.layers, max_num_seqs=max(batches + [b for b, _ in shapes] + [b for b, _, _ in runs]),
-                            max_num_batched_tokens=args.step_tokens)
+                            max_num_batched_tokens=args.step_tokens, quantization=args.quantization)
     runner = engine.runner
 
     from torch.profiler import ProfilerActivity, profile

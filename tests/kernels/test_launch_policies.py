@@ -483,3 +483,29 @@ def test_kda_state_hints_rule(monkeypatch):
     monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", "x")
     with pytest.raises(ValueError, match="KDA_RT_KDA_STATE_HINTS must be an integer"):
         kd.state_hints(8)
+
+
+def test_one_token_moe_gemv_shapes_by_format(monkeypatch):
+    """moe_gemv_down's (warps, stages) and the gate/up GEMV's warps by weight format (e4m3: more warps, the measured
+    choice), the switches' overrides, the e4m3 ring's shared memory, and refusals of values below 1."""
+    from kda_rt.cuda.ops import moe_gemv as mg
+
+    for name in ("KDA_RT_DOWN_WARPS", "KDA_RT_DOWN_STAGES", "KDA_RT_GEMV_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    assert mg.down_shape() == (4, 6) and mg.down_shape(e4m3=True) == (16, 3)
+    assert mg.gate_up_config().warps == 8 and mg.gate_up_config(e4m3=True).warps == 12
+    # the e4m3 ring: 16 warps x 3 stages x two 1024-byte rows, 9 h rows of 2048 bytes, a scale pair a stage
+    assert mg._down_smem(1024, 9, e4m3=True) == 16 * 3 * 2 * 1024 + 9 * 2048 + 16 * 3 * 8
+    assert mg.down_fits(1024, 2304) and mg.down_fits(1024, 2304, e4m3=True)
+    monkeypatch.setenv("KDA_RT_DOWN_WARPS", "8")
+    monkeypatch.setenv("KDA_RT_DOWN_STAGES", "2")
+    monkeypatch.setenv("KDA_RT_GEMV_WARPS", "4")
+    assert mg.down_shape() == (8, 2) == mg.down_shape(e4m3=True)
+    assert mg.gate_up_config(e4m3=True).warps == 4
+    monkeypatch.setenv("KDA_RT_DOWN_STAGES", "64")  # a ring past the shared memory the kernel may take
+    assert not mg.down_fits(1024, 2304)
+    for name in ("KDA_RT_DOWN_WARPS", "KDA_RT_DOWN_STAGES", "KDA_RT_GEMV_WARPS"):
+        monkeypatch.setenv(name, "0")
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            mg.down_shape(), mg.gate_up_config()
+        monkeypatch.setenv(name, "2")

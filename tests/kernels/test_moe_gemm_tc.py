@@ -479,7 +479,7 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
     q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D, subnormal)
     q2, s2 = e4m3_stack(crng, rng, E, D, inter, subnormal)
-    tile = mod.e4m3_tile(mod.fused_decode_tile(T, D, inter), [(2 * inter, D, True), (D, inter, False)])
+    tile = mod.fused_e4m3_tile(mod.fused_decode_tile(T, D, inter), [(2 * inter, D, True), (D, inter, False)])
     assert tile is not None and tile.bm == 16, f"{name}: no e4m3 decode tile"
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)

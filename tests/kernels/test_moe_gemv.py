@@ -66,7 +66,7 @@ E4M3_CASES = {  # name: (D, I, E, A), D % 16 == 0
 }
 
 
-@pytest.mark.parametrize("config", ["default", "w8-b2"])
+@pytest.mark.parametrize("config", ["default", "e4m3", "w8-b2"])  # e4m3: gate_up_config(e4m3=True), moe_forward's
 @pytest.mark.parametrize("name", list(E4M3_CASES))
 def test_moe_gemv_gate_up_e4m3(name, config):
     """w13 in e4m3 with a scale a row (moe_gemv.cu WFMT = 1, loader/quant.quantize_rows over every expert's rows)
@@ -77,7 +77,7 @@ def test_moe_gemv_gate_up_e4m3(name, config):
 
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_gemv import DEFAULT, moe_gemv_gate_up
+    from kda_rt.cuda.ops.moe_gemv import DEFAULT, gate_up_config, moe_gemv_gate_up
     from kda_rt.loader.quant import dequantize_rows, quantize_rows
 
     D, inter, E, A = E4M3_CASES[name]
@@ -92,7 +92,8 @@ def test_moe_gemv_gate_up_e4m3(name, config):
     plan = make_plan(ids, E, 16)
     h = cupy.empty((A, inter), dtype=BF16)
     poison(h)
-    cfg = DEFAULT if config == "default" else DEFAULT._replace(pipe=False, blocks_per_sm=2)
+    cfg = {"default": DEFAULT, "e4m3": gate_up_config(e4m3=True),
+           "w8-b2": DEFAULT._replace(pipe=False, blocks_per_sm=2)}[config]
     moe_gemv_gate_up(to_gpu_bf16(x_np), w13, plan, out=h, scale=cupy.asarray(scale.reshape(E, 2 * inter)), cfg=cfg)
     h_np = to_np(h)
     assert np.all(np.isfinite(h_np)), f"{name}/{config}: rows left unwritten (NaN)"
@@ -220,12 +221,18 @@ E4M3_DOWN_CASES = {  # name: (D, I, E, A), I % 16 == 0
 }
 
 
+@pytest.mark.parametrize("shape", ["default", "4x6", "24x2"])  # (warps x stages; default: down_shape(e4m3=True))
 @pytest.mark.parametrize("name", list(E4M3_DOWN_CASES))
-def test_moe_gemv_down_e4m3(name):
+def test_moe_gemv_down_e4m3(name, shape, monkeypatch):
     """moe_gemv_down with w2 in e4m3 and a scale a row (moe_gemv.cu WFMT = 1: the rows' scale pair rides in the ring
     stage with the rows) against NumPy on the dequantized weights, with the bf16 test's bound (the conversion to fp32
     is exact; the scale adds one fp32 rounding).  Rows of magnitudes 2^-6 .. 2^4 apart, so a scale from another stage,
-    row or expert fails by far; y poisoned first."""
+    row or expert fails by far; y poisoned first.  The launch shapes: the e4m3 default, the bf16 one's, and more
+    warps than a 16-warp CTA (KDA_RT_DOWN_WARPS / KDA_RT_DOWN_STAGES)."""
+    if shape != "default":
+        warps, stages = shape.split("x")
+        monkeypatch.setenv("KDA_RT_DOWN_WARPS", warps)
+        monkeypatch.setenv("KDA_RT_DOWN_STAGES", stages)
     import cupy
 
     from kda_rt.cuda.ops.check import BF16

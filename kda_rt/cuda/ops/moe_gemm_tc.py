@@ -19,7 +19,7 @@ from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
-           "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "moe_decode_fused", "moe_gemm_tc",
+           "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused", "moe_gemm_tc",
            "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
@@ -123,6 +123,24 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
         if all(_fits(t, nout, k, silu, e4m3=True) for nout, k, silu in shapes):
             return t
     return None
+
+
+# moe_decode_fused with e4m3 weights: 128 features, a 128-wide k step (16 KB of codes a stage), 3 stages, 3 CTAs an SM
+# (68 KB of shared memory each) for every batch it runs.  H200, 2026-12-02, tests/gpu/bench_moe_decode.py --e4m3
+# --tokens 8,32,64 --tiles ... (graph replays, 8 routings cycled), against e4m3_tile's (4 stages, 2 CTAs an SM from
+# 9 tokens; 64 features, 6 stages, 3 CTAs up to 8): T = 8 58.9 experts 149.0 -> 115.9 us, 17.0 experts 50.2 -> 46.4;
+# T = 32 164.0 experts 324.7 -> 300.5, 67.6 experts 143.0 -> 134.0; T = 64 221.5 experts 434.0 -> 403.9, 134.5
+# experts 272.3 -> 253.8 (3.57-3.88 TB/s of codes).  Slower: 64-wide k steps at 6-8 stages (2.5-2.8 TB/s), 256
+# features (8 warps) at 3 stages one CTA an SM (2.9) or 2 stages two (3.5-3.7), 64 features (2.7-2.9).
+_FUSED_E4M3 = TileConfig(16, 128, 128, 3, 1, 4, 3)
+
+
+def fused_e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConfig | None:
+    """moe_decode_fused's tile for e4m3 weights, given its bf16 tile: _FUSED_E4M3 where both GEMMs of `shapes` take
+    it, else e4m3_tile's."""
+    if tile is not None and tile.bm == 16 and all(_fits(_FUSED_E4M3, n, k, silu, e4m3=True) for n, k, silu in shapes):
+        return _FUSED_E4M3
+    return e4m3_tile(tile, shapes) if tile is not None else None
 
 
 def weight_format(e4m3: bool) -> dict[str, int]:
@@ -232,7 +250,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     item is claimed from a counter by a running CTA).
     scale13 [E, 2I] and scale2 [E, D] fp32 (both or neither): w13 and w2 hold e4m3 values as uint8 bits
     (loader/quant.quantize_rows per expert), each sum its weight row's scale times the fp32 sum (default tile:
-    e4m3_tile's)."""
+    fused_e4m3_tile's)."""
     if (scale13 is None) != (scale2 is None):
         raise ValueError("moe_decode_fused: e4m3 weights need both scale13 and scale2 (bf16: neither)")
     e4m3 = scale13 is not None
@@ -248,7 +266,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
         raise ValueError(f"moe_decode_fused: sync has {sync.size} counters, needs {sync_words(N, E)}")
     if tile is None:
         tile = fused_decode_tile(N // top_k, K, inter)
-        tile = e4m3_tile(tile, [(two_i, K, True), (K, inter, False)]) if e4m3 and tile else tile
+        tile = fused_e4m3_tile(tile, [(two_i, K, True), (K, inter, False)]) if e4m3 and tile else tile
     if tile is None or plan.tile_rows != 16 or tile.bm != 16 or not (_fits(tile, two_i, K, True, e4m3) and
                                                                      _fits(tile, K, inter, False, e4m3)):
         raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})"

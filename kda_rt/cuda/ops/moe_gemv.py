@@ -20,8 +20,8 @@ from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, check_e4m3_arch, ch
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
 
-__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "down_fits", "down_kernel", "fits", "gemv_kernel",
-           "moe_gemv_down", "moe_gemv_gate_up", "routed_kernel"]
+__all__ = ["DEFAULT", "MAX_K", "GemvConfig", "GemvRouting", "down_fits", "down_kernel", "down_shape", "fits",
+           "gate_up_config", "gemv_kernel", "moe_gemv_down", "moe_gemv_gate_up", "routed_kernel"]
 
 # KDA_RT_GEMV_ROUTED (H200, 2026-12-01, tests/gpu/bench_ab.py --env KDA_RT_GEMV_ROUTED --values 1,0 --rounds 3
 # --prompts 0 --replays 1,2, full 27-layer graph replays): batch 1 2.2822 -> 2.2475 ms (-1.5%); batch 2 does not
@@ -48,7 +48,14 @@ def fits(tokens: int, hidden: int) -> bool:
     return tokens == 1 and hidden % 8 == 0 and hidden <= MAX_K and env.moe_gemv()
 
 
-def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tuple[int, bool] | None = None,
+def gate_up_config(e4m3: bool = False) -> GemvConfig:
+    """The gate/up GEMV's launch shape for the weight format (KDA_RT_GEMV_WARPS overrides its warps): e4m3 at 12
+    warps (full-model batch-1 replays, H200, 2026-12-02, with moe_gemv_down at 16 x 3: 8 warps 1.8760 ms, 10
+    1.8778, 12 1.8375, 16 1.8678); bf16 at 8 (12: 2.4769 against 2.1403 ms)."""
+    return DEFAULT._replace(warps=env.gemv_warps(12 if e4m3 else DEFAULT.warps))
+
+
+def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig | None = None, routed: tuple[int, bool] | None = None,
                 e4m3: bool = False):
     """The kernel variant (built on first use; the runner builds it at start); routed = (E, shared): the variant
     that selects the token's experts itself (GemvRouting), with a shared expert its units first (SHARED_FIRST,
@@ -58,6 +65,7 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
                                            SIGNAL_OVERLAP=int(env.gemv_signal_overlap()))
     if e4m3:
         extra["WFMT"] = 1
+    cfg = cfg or gate_up_config(e4m3)
     probe = env.chain_probe() if routed is not None else 0  # bench only: the routing chain's timer stamps
     if probe:
         extra["CHAIN_PROBE"] = probe
@@ -65,7 +73,7 @@ def gemv_kernel(hidden: int, inter: int, cfg: GemvConfig = DEFAULT, routed: tupl
                       **extra)
 
 
-def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT, scale=None):
+def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig | None = None, scale=None):
     """Checks a routed call's inputs (w13 [E', 2I, D], `pairs` rows of h; with `scale` [E', 2I] fp32, w13 in e4m3)
     and builds its kernel: moe_forward calls it before it launches the routing kernel with signal_ready, so that no
     refusal here can leave that kernel's signal set with no GEMV to reset it."""
@@ -92,7 +100,7 @@ def routed_kernel(w13, pairs: int, r: GemvRouting, cfg: GemvConfig = DEFAULT, sc
     return gemv_kernel(D, two_i // 2, cfg, routed=(r.num_experts, r.shared), e4m3=e4m3)
 
 
-def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig = DEFAULT, stream=None,
+def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig | None = None, stream=None,
                      routed: GemvRouting | None = None):
     """x [1, D] bf16, w13 [E, 2I, D] bf16 ([gate; up] rows), plan of the token's pairs -> out h [N, I] bf16,
     row tile_row[t] = SiLU(x · gate_e) · (x · up_e) for e = tile_expert[t], t < num_tiles (one row a tile).
@@ -119,6 +127,7 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig 
     if N == 0:
         return out
     null = np.uint64(0)
+    cfg = cfg or gate_up_config(e4m3)
     if routed is None:
         kernel = gemv_kernel(D, two_i // 2, cfg, e4m3=e4m3)
         extra, warps = (null, null, i32(0), null, i32(0)), cfg.warps
@@ -134,30 +143,45 @@ def moe_gemv_gate_up(x, w13, plan: MoEPlan, *, out, scale=None, cfg: GemvConfig 
 
 # moe_gemv_down (moe_gemv.cu DOWN = 1): the weight rows stream through per-warp shared-memory rings, STAGES units a
 # warp copied before the programmatic-launch wait (KDA_RT_DOWN_GEMV=0: the tiled down GEMM instead)
-DOWN_WARPS, DOWN_STAGES, MAX_DOWN_TILES = 4, 6, 32
-_DOWN_SMEM_MAX = 160 * 1024
+MAX_DOWN_TILES = 32
+_DOWN_SMEM_MAX = 200 * 1024
+# (warps, stages) of moe_gemv_down by weight format (bf16, e4m3); KDA_RT_DOWN_WARPS / KDA_RT_DOWN_STAGES override.
+# e4m3: a unit's rows are half the bytes but its dot products (and their conversions) take as long, so at 4 warps an
+# SM each warp's chain of units sets the pace; H200, 2026-12-02, tests/gpu/bench_ab.py --quantization fp8 --env
+# KDA_RT_DOWN_WARPS,KDA_RT_DOWN_STAGES,KDA_RT_GEMV_WARPS --replays 1 --prompts 0 (full 27-layer batch-1 graph
+# replays, medians of 3 rounds): 4:6:8 2.0973 ms, 8:6:8 1.9069, 16:3:8 1.8760, 4:12:8 2.0037, 8:4:8 1.9679;
+# with the gate/up GEMV at 12 warps 8:6:12 1.8735, 16:3:12 1.8375, 16:4:12 1.8622, 24:2:12 1.8443, 8:8:12 1.8866.
+# bf16 (same call, default 4:6:8 2.1436): 8:3:8 2.1403 (within its rounds' spread), so it stays.
+_DOWN_SHAPE = {False: (4, 6), True: (16, 3)}
+
+
+def down_shape(e4m3: bool = False) -> tuple[int, int]:
+    """(warps a CTA, ring stages a warp) of moe_gemv_down for the weight format."""
+    warps, stages = _DOWN_SHAPE[e4m3]
+    return env.down_warps(warps), env.down_stages(stages)
 
 
 def _down_smem(inter: int, rows: int, e4m3: bool = False) -> int:
     """Ring stages (two weight rows each: bf16 2 bytes a weight, e4m3 1), the CTA's h rows (bf16), and with e4m3 each
     stage's pair of row scales (moe_gemv.cu DOWN's layout)."""
-    ring = DOWN_WARPS * DOWN_STAGES * 2 * inter * (1 if e4m3 else 2)
-    return ring + rows * inter * 2 + (DOWN_WARPS * DOWN_STAGES * 8 if e4m3 else 0)
+    warps, stages = down_shape(e4m3)
+    ring = warps * stages * 2 * inter * (1 if e4m3 else 2)
+    return ring + rows * inter * 2 + (warps * stages * 8 if e4m3 else 0)
 
 
-def down_fits(inter: int, hidden: int) -> bool:
+def down_fits(inter: int, hidden: int, e4m3: bool = False) -> bool:
     """moe_gemv_down can run a one-token step's down projection of expert width `inter` to `hidden` features."""
     return (inter % 8 == 0 and 0 < inter <= MAX_K and hidden % 2 == 0
-            and _down_smem(inter, MAX_DOWN_TILES) <= _DOWN_SMEM_MAX)
+            and _down_smem(inter, MAX_DOWN_TILES, e4m3) <= _DOWN_SMEM_MAX)
 
 
 def down_kernel(inter: int, hidden: int, e4m3: bool = False):
     """moe_gemv_down for expert width `inter` and output width `hidden` (built on first use; precompiled); e4m3: w2
     in e4m3 with a scale a row (moe_gemv.cu WFMT = 1)."""
     fmt = {"WFMT": 1} if e4m3 else {}
+    warps, stages = down_shape(e4m3)
     return get_kernel("moe_gemv.cu", "moe_gemv_down", max_dynamic_smem=_down_smem(inter, MAX_DOWN_TILES, e4m3),
-                      DOWN=1, KW=inter, NOUT=hidden, WARPS=DOWN_WARPS, MAX_TILES=MAX_DOWN_TILES, STAGES=DOWN_STAGES,
-                      **fmt)
+                      DOWN=1, KW=inter, NOUT=hidden, WARPS=warps, MAX_TILES=MAX_DOWN_TILES, STAGES=stages, **fmt)
 
 
 def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
@@ -172,7 +196,7 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
     E_w, D, _ = expect(w2, "w2", shape=(None, None, inter))
     check_weight_dtype("moe_gemv_down", "w2", w2, e4m3)
     expect(out, "out", shape=(N, D), dtype=BF16)
-    if not down_fits(inter, D) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
+    if not down_fits(inter, D, e4m3) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
         raise ValueError(f"moe_gemv_down: needs an expert width % 8 == 0 and <= {MAX_K} "
                          f"(got {inter}), an even output width (got {D}), h, w2 16-byte and out 4-byte aligned")
     if e4m3:
@@ -191,7 +215,7 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
     import cupy
 
     kernel = down_kernel(inter, D, e4m3)
-    kernel((sm_count(cupy.cuda.Device().id),), (32 * DOWN_WARPS,),
+    kernel((sm_count(cupy.cuda.Device().id),), (32 * down_shape(e4m3)[0],),
            (h, w2, plan.tile_expert, plan.tile_row, plan.num_tiles, i32(N), out, scale if e4m3 else np.uint64(0)),
            shared_mem=_down_smem(inter, N, e4m3), stream=stream)
     return out
