@@ -41,8 +41,8 @@ def gc_threshold() -> int:
     return _non_negative_int("KDA_RT_GC_THRESHOLD", 10000)
 
 
-def _non_negative_int(name: str, default: int, low: int = 0) -> int:
-    """An integer >= low (unset or empty: the default); anything else is refused."""
+def _non_negative_int(name: str, default: int, low: int = 0, high: int | None = None) -> int:
+    """An integer >= low (and <= high when given; unset or empty: the default); anything else is refused."""
     value = os.environ.get(name) or str(default)
     try:
         n = int(value)
@@ -50,6 +50,8 @@ def _non_negative_int(name: str, default: int, low: int = 0) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if n < low:
         raise ValueError(f"{name} must be >= {low}, got {n}")
+    if high is not None and n > high:
+        raise ValueError(f"{name} must be <= {high}, got {n}")
     return n
 
 
@@ -134,19 +136,19 @@ def down_gemv() -> bool:
 def down_warps(default: int) -> int:
     """KDA_RT_DOWN_WARPS: warps per CTA of moe_gemv_down (one CTA an SM); default by weight format
     (ops/moe_gemv.down_shape).  Read at each MoE call (a CUDA graph keeps what it captured)."""
-    return _non_negative_int("KDA_RT_DOWN_WARPS", default, low=1)
+    return _non_negative_int("KDA_RT_DOWN_WARPS", default, low=1, high=32)
 
 
 def down_stages(default: int) -> int:
     """KDA_RT_DOWN_STAGES: units (two weight rows each) in each warp's shared-memory ring in moe_gemv_down, the first
     of them copied before the programmatic-launch wait; default by weight format (ops/moe_gemv.down_shape)."""
-    return _non_negative_int("KDA_RT_DOWN_STAGES", default, low=1)
+    return _non_negative_int("KDA_RT_DOWN_STAGES", default, low=1, high=64)
 
 
 def gemv_warps(default: int) -> int:
     """KDA_RT_GEMV_WARPS: warps per CTA of the one-token MoE gate/up GEMV (moe_gemv_gate_up; the routed variant adds
-    one); default by weight format (ops/moe_gemv.gate_up_config).  Read at each MoE call."""
-    return _non_negative_int("KDA_RT_GEMV_WARPS", default, low=1)
+    one, and needs 3 or more); default by weight format (ops/moe_gemv.gate_up_config).  Read at each MoE call."""
+    return _non_negative_int("KDA_RT_GEMV_WARPS", default, low=3, high=31)
 
 
 def dense_gemv() -> bool:

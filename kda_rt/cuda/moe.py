@@ -150,11 +150,13 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
                     count += 1
         count += 3
         if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
-            for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1):
-                if tile := fused_decode_tile(tokens, D, inter):
-                    fused_kernel(fused_e4m3_tile(tile, shapes) if e4m3 else tile, D, inter, pairs, e4m3)
-                    count += 1
-            if gemv_fits(1, D) and (not e4m3 or (D % 16 == 0 and inter % 16 == 0)):  # (e4m3: 16 weights a piece)
+            fused_tiles = {fused_e4m3_tile(t, shapes) if e4m3 else t  # (e4m3: one tile for both sizes)
+                           for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1)
+                           if (t := fused_decode_tile(tokens, D, inter))}
+            for tile in fused_tiles - {None}:
+                fused_kernel(tile, D, inter, pairs, e4m3)
+                count += 1
+            if gemv_fits(1, D, e4m3):
                 # a one-token step's gate/up (and the variant that selects its own experts), down
                 gemv_kernel(D, inter, e4m3=e4m3)
                 count += 1
@@ -290,7 +292,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 w.router_split = split_router(w_router)
         sync = ws["sync"] if fused_tile else None
         fused_routing = fused_route_fits(T, E, D, A, cfg.num_expert_group, fused)
-        gemv = gemv_fits(T, D)  # one token: both expert projections as GEMVs (moe_gemv.cu)
+        gemv = gemv_fits(T, D, w.e4m3)  # one token: both expert projections as GEMVs (moe_gemv.cu)
         # one token: the GEMV selects its experts from the routing kernel's logits instead of waiting for its plan
         routed = (GemvRouting(ws["logits"], bias, A, ws["route_done"], fused_route_blocks(T, E), E, fused)
                   if fused_routing and gemv and not fused_tile and env.gemv_routed() else None)

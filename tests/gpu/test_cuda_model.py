@@ -142,6 +142,7 @@ def test_stable_fp8_experts_every_position(stable_pair, tmp_path_factory):
             assert np.array_equal(cupy.asnumpy(m.scale13[e]), s), f"layer {i} expert {e}: w13 scales"
             q, s = quantize_rows(np.asarray(raw[f"{stem}{names[2]}.weight"]).astype(BF16_NP), "w2")
             assert np.array_equal(cupy.asnumpy(m.w2[e]), q.view(np.uint8)), f"layer {i} expert {e}: w2 codes"
+            assert np.array_equal(cupy.asnumpy(m.scale2[e]), s), f"layer {i} expert {e}: w2 scales"
     ids = list(np.random.default_rng(0).integers(0, 768, size=150))
     ref_logits, margins = score_with_margins(ref, ids)
     assert margins.min() > NEAR_TIE

@@ -497,6 +497,17 @@ def test_one_token_moe_gemv_shapes_by_format(monkeypatch):
     # the e4m3 ring: 16 warps x 3 stages x two 1024-byte rows, 9 h rows of 2048 bytes, a scale pair a stage
     assert mg._down_smem(1024, 9, e4m3=True) == 16 * 3 * 2 * 1024 + 9 * 2048 + 16 * 3 * 8
     assert mg.down_fits(1024, 2304) and mg.down_fits(1024, 2304, e4m3=True)
+    assert not mg.down_fits(1032, 2304, e4m3=True) and mg.down_fits(1032, 2304)  # e4m3: 16 weights a piece
+    assert not mg.fits(1, 2312, e4m3=True) and mg.fits(1, 2312)
+    monkeypatch.setattr(mg, "_device_id", lambda: 0)  # a GPU whose blocks may opt in to 99 KB (sm_89)
+    monkeypatch.setattr(mg, "smem_optin", lambda device: 101376)
+    mg._smem_cap.cache_clear()
+    assert mg.down_fits(1024, 2304) is False and mg.down_fits(1024, 2304, e4m3=True) is False
+    assert mg.down_fits(256, 2304, e4m3=True)
+    mg._smem_cap.cache_clear()
+    monkeypatch.undo()
+    for name in ("KDA_RT_DOWN_WARPS", "KDA_RT_DOWN_STAGES", "KDA_RT_GEMV_WARPS"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KDA_RT_DOWN_WARPS", "8")
     monkeypatch.setenv("KDA_RT_DOWN_STAGES", "2")
     monkeypatch.setenv("KDA_RT_GEMV_WARPS", "4")
@@ -504,8 +515,11 @@ def test_one_token_moe_gemv_shapes_by_format(monkeypatch):
     assert mg.gate_up_config(e4m3=True).warps == 4
     monkeypatch.setenv("KDA_RT_DOWN_STAGES", "64")  # a ring past the shared memory the kernel may take
     assert not mg.down_fits(1024, 2304)
-    for name in ("KDA_RT_DOWN_WARPS", "KDA_RT_DOWN_STAGES", "KDA_RT_GEMV_WARPS"):
-        monkeypatch.setenv(name, "0")
-        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+    for name, low, high in (("KDA_RT_DOWN_WARPS", 1, 32), ("KDA_RT_DOWN_STAGES", 1, 64), ("KDA_RT_GEMV_WARPS", 3, 31)):
+        monkeypatch.setenv(name, str(low - 1))
+        with pytest.raises(ValueError, match=f"{name} must be >= {low}"):
             mg.down_shape(), mg.gate_up_config()
-        monkeypatch.setenv(name, "2")
+        monkeypatch.setenv(name, str(high + 1))
+        with pytest.raises(ValueError, match=f"{name} must be <= {high}"):
+            mg.down_shape(), mg.gate_up_config()
+        monkeypatch.setenv(name, str(low + 2))

@@ -453,10 +453,11 @@ def e4m3_stack(crng, rng, E, nout, k, subnormal=False, expert_spread=True):
 
 FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
     "T32-E256": (32, 2304, 1024, 256, 8, False, None, False),
-    "T8-E256": (8, 2304, 1024, 256, 8, False, None, False),  # the small-batch tile (64 features, 3 CTAs an SM)
+    "T8-E256": (8, 2304, 1024, 256, 8, False, None, False),  # a small batch (the same e4m3 tile: fused_e4m3_tile)
     "T9-E256-ctas7": (9, 2304, 1024, 256, 8, False, 7, False),
     "T40-D512-I384-E16-skewed-ctas2": (40, 512, 384, 16, 4, True, 2, False),
     "T5-D512-I384-E16-subnormal": (5, 512, 384, 16, 4, False, None, True),
+    "T8-D512-I320-E16": (8, 512, 320, 16, 4, False, None, False),  # I % 128 != 0: fused_e4m3_tile falls back
 }
 
 

@@ -102,6 +102,11 @@ def sm_count(device_id: int) -> int:
     return int(_cupy().cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount
 
 
+def smem_optin(device_id: int) -> int:
+    """The most shared memory (static + dynamic, bytes) one block of CUDA device `device_id` may opt in to."""
+    return int(_cupy().cuda.runtime.deviceGetAttribute(97, device_id))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
 def device_name(device_id: int) -> str:
     """The name of CUDA device `device_id` (e.g. "NVIDIA H200")."""
     name = _cupy().cuda.runtime.getDeviceProperties(device_id)["name"]

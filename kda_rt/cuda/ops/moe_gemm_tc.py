@@ -126,7 +126,7 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
 
 
 # moe_decode_fused with e4m3 weights: 128 features, a 128-wide k step (16 KB of codes a stage), 3 stages, 3 CTAs an SM
-# (68 KB of shared memory each) for every batch it runs.  H200, 2026-12-02, tests/gpu/bench_moe_decode.py --e4m3
+# (68,352 bytes of shared memory each) for every batch it runs (measured at 8, 32 and 64 tokens; 2-4 not).  H200, 2026-12-02, tests/gpu/bench_moe_decode.py --e4m3
 # --tokens 8,32,64 --tiles ... (graph replays, 8 routings cycled), against e4m3_tile's (4 stages, 2 CTAs an SM from
 # 9 tokens; 64 features, 6 stages, 3 CTAs up to 8): T = 8 58.9 experts 149.0 -> 115.9 us, 17.0 experts 50.2 -> 46.4;
 # T = 32 164.0 experts 324.7 -> 300.5, 67.6 experts 143.0 -> 134.0; T = 64 221.5 experts 434.0 -> 403.9, 134.5
@@ -243,7 +243,8 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
                      ctas: int | None = None, scale13=None, scale2=None, stream=None):
     """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
-    out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them (same tiles, same order).
+    out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them on the same tile (same order; with e4m3
+    weights the default tiles differ, fused_e4m3_tile against e4m3_tile).
     x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 (moe_bucket with
     sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
     ctas: the grid (default: as many CTAs as the GPU holds at once; any number >= 1 is correct, since every

@@ -9,13 +9,14 @@ Letters: E experts, N routed rows (pairs), D hidden (the reduction width), I exp
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
-from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.compile import get_kernel, sm_count, smem_optin
 from kda_rt.cuda.ops.gemv import DEFAULT, MAX_K, GemvConfig, check_e4m3_arch, check_weight_dtype, grid
 from kda_rt.cuda.ops.moe_align import MoEPlan
 from kda_rt.cuda.ops.moe_route import MAX_TOP_K
@@ -43,9 +44,9 @@ class GemvRouting(NamedTuple):
     shared: bool
 
 
-def fits(tokens: int, hidden: int) -> bool:
-    """A MoE step of `tokens` tokens with hidden width `hidden` takes moe_gemv_gate_up."""
-    return tokens == 1 and hidden % 8 == 0 and hidden <= MAX_K and env.moe_gemv()
+def fits(tokens: int, hidden: int, e4m3: bool = False) -> bool:
+    """A MoE step of `tokens` tokens with hidden width `hidden` takes moe_gemv_gate_up (e4m3 weights: 16 a piece)."""
+    return tokens == 1 and hidden % (16 if e4m3 else 8) == 0 and hidden <= MAX_K and env.moe_gemv()
 
 
 def gate_up_config(e4m3: bool = False) -> GemvConfig:
@@ -169,10 +170,31 @@ def _down_smem(inter: int, rows: int, e4m3: bool = False) -> int:
     return ring + rows * inter * 2 + (warps * stages * 8 if e4m3 else 0)
 
 
+@functools.lru_cache(maxsize=8)
+def _smem_cap(device_id: int | None) -> int:
+    """_DOWN_SMEM_MAX, or less on a GPU whose blocks may opt in to less (its maximum less 1 KB for the kernel's static
+    arrays: sm_86 / sm_89 allow ~99 KB); device_id None (no GPU): _DOWN_SMEM_MAX."""
+    if device_id is None:
+        return _DOWN_SMEM_MAX
+    return min(_DOWN_SMEM_MAX, smem_optin(device_id) - 1024)
+
+
+def _device_id() -> int | None:
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        return cupy.cuda.Device().id if cupy.cuda.runtime.getDeviceCount() else None
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return None
+
+
 def down_fits(inter: int, hidden: int, e4m3: bool = False) -> bool:
-    """moe_gemv_down can run a one-token step's down projection of expert width `inter` to `hidden` features."""
-    return (inter % 8 == 0 and 0 < inter <= MAX_K and hidden % 2 == 0
-            and _down_smem(inter, MAX_DOWN_TILES, e4m3) <= _DOWN_SMEM_MAX)
+    """moe_gemv_down can run a one-token step's down projection of expert width `inter` to `hidden` features (e4m3
+    weights: 16 a piece) within the shared memory this GPU lets a block take."""
+    return (inter % (16 if e4m3 else 8) == 0 and 0 < inter <= MAX_K and hidden % 2 == 0
+            and _down_smem(inter, MAX_DOWN_TILES, e4m3) <= _smem_cap(_device_id()))
 
 
 def down_kernel(inter: int, hidden: int, e4m3: bool = False):
