@@ -69,6 +69,19 @@ def make_runner(config: ModelConfig, weights: Mapping[str, np.ndarray], settings
     return NumpyRunner(config, weights, settings)
 
 
+def smem_shortfall(optin: int, head_dim: int = 128) -> str | None:
+    """Why a GPU whose blocks may opt in to `optin` bytes of shared memory cannot run the CUDA kernels, or None.  The
+    largest block is the KDA prefill kernel's (kda_prefill_intra: 64-token chunks of Kimi Linear's 128-wide heads,
+    221,616 bytes): sm_90 and sm_100 GPUs allow 232,448, sm_80 (A100) 166,912, sm_86 / sm_89 101,376."""
+    from kda_rt.cuda.ops.kda_prefill import _CHUNK, _intra_smem_bytes
+
+    need = _intra_smem_bytes(head_dim, _CHUNK, 4)
+    if optin >= need:
+        return None
+    return (f"this GPU lets a block use {optin} bytes of shared memory and the KDA prefill kernel (kda_prefill_intra) "
+            f"needs {need}: the CUDA backend runs on Hopper or newer data-center GPUs (sm_90 / sm_100 allow 232448)")
+
+
 def cuda_unavailable_reason() -> str | None:
     """Why the CUDA backend cannot run here, or None when it can."""
     try:
@@ -83,6 +96,9 @@ def cuda_unavailable_reason() -> str | None:
         cc = int(cupy.cuda.Device().compute_capability)  # e.g. "90" -> 90
         if cc < 80:
             return f"compute capability {cc // 10}.{cc % 10} is below 8.0 (bf16 kernels need Ampere or newer)"
+        short = smem_shortfall(int(runtime.deviceGetAttribute(97, cupy.cuda.Device().id)))  # ...PerBlockOptin
+        if short:
+            return short
         if runtime.driverGetVersion() < 12000:
             return f"the NVIDIA driver supports CUDA {runtime.driverGetVersion()}, kda_rt needs CUDA >= 12.0"
         nvrtc.getVersion()

@@ -101,6 +101,20 @@ def test_backend_errors(tiny_dir):
         make_llm(tiny_dir, dtype="float16")
 
 
+@pytest.mark.parametrize(("optin", "ok"), [(232448, True), (166912, False), (101376, False)],
+                         ids=["sm_90", "sm_80-A100", "sm_89"])
+def test_backend_needs_the_kda_kernels_shared_memory(optin, ok):
+    """A GPU whose blocks may opt in to less shared memory than the largest kernel's (kda_prefill_intra, 221,616
+    bytes) is refused with the numbers (backend='auto' then runs NumPy), instead of failing at its first prefill."""
+    from kda_rt.engine.runner import smem_shortfall
+
+    reason = smem_shortfall(optin)
+    if ok:
+        assert reason is None
+    else:
+        assert reason is not None and f"use {optin} bytes" in reason and "needs 221616" in reason
+
+
 def test_stats_counters(llm):
     before = llm.stats()
     llm.generate([{"prompt_token_ids": [9] * 7}, {"prompt_token_ids": [8] * 3}], greedy(4))
