@@ -110,10 +110,10 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     built0 = _build_stats(engine)
+    prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(batch)]  # (made before the clock starts)
     t0 = time.perf_counter()
-    for i in range(batch):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params,
-                           output_kind="delta")
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": ids}, params, output_kind="delta")
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     decode_steps: list[float] = []

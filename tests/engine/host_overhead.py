@@ -2,7 +2,9 @@
 [BATCH] [OUTPUT_KIND] [-p]`.  A runner that returns fixed tokens stands in for the model, so what
 is timed is the scheduler, the flat batches, postprocess and the RequestOutputs: the part of a GPU
 decode step that the GPU waits for.  Prompts of 2048 tokens on the 48B-shaped 4-layer config,
-prefill done first, then $STEPS (default 100) decode steps (`-p`: cProfile, sorted by own time)."""
+prefill done first, then $STEPS (default 100) decode steps (`-p`: cProfile, sorted by own time).
+`--prefill`: instead, the host work before and between the steps of the seed benchmark's prefill (32 x 2048
+prompts, 16384-token steps): add_request for every prompt (in the bench's TTFT), then each engine.step()."""
 
 from __future__ import annotations
 
@@ -43,7 +45,31 @@ class FixedTokens:
         return 0
 
 
+def prefill() -> None:
+    config = parse_config(kimi_linear_48b_a3b(4))
+    settings = EngineConfig(max_num_seqs=32, max_model_len=4096, max_num_batched_tokens=16384)
+    runner = FixedTokens(config, settings)
+    engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=runner.plan.max_model_len),
+                       num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompts = [rng.integers(0, 1000, 2048).tolist() for _ in range(32)]
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params, output_kind="delta")
+    added = time.perf_counter() - t0
+    steps = []
+    while engine.has_unfinished_requests():
+        ts = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - ts)
+    print(f"32 x 2048 prompts: add_request {added * 1e3:.2f} ms for all; engine.step host ms "
+          f"{[round(s * 1e3, 2) for s in steps]}")
+
+
 def main() -> None:
+    if "--prefill" in sys.argv:
+        return prefill()
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
     batch = int(args[0]) if args else 32
     kind = args[1] if len(args) > 1 else "cumulative"

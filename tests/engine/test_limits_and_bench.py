@@ -35,6 +35,10 @@ def test_bad_requests_leave_others_running(llm):
         ({"prompt_token_ids": [5, 512]}, greedy(1), r"512 is outside the vocabulary \[0, 512\)"),
         ({"prompt_token_ids": [-1]}, greedy(1), "outside the vocabulary"),
         ({"prompt_token_ids": [True]}, greedy(1), "outside the vocabulary"),
+        ({"prompt_token_ids": [5, True, 6]}, greedy(1), r"id True is outside"),  # (numpy would make it 1)
+        ({"prompt_token_ids": [5, 2**70]}, greedy(1), r"id 1180591620717411303424 is outside"),  # past int64
+        ({"prompt_token_ids": [5, 6.0]}, greedy(1), r"id 6.0 is outside"),
+        ({"prompt_token_ids": [5, -3, 7]}, greedy(1), r"id -3 is outside"),
         ("text prompt", greedy(1), "no tokenizer"),
         ({"prompt_token_ids": [5]}, greedy(1), "already in use"),
     ]
@@ -45,6 +49,19 @@ def test_bad_requests_leave_others_running(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leaks(llm)
+
+
+def test_prompt_ids_fast_path_keeps_the_values(llm):
+    """Lists of Python ints are range-checked in one NumPy pass (a 2048-token prompt: ~0.1 ms instead of ~0.5);
+    other item types (numpy integers) take the per-item pass; both give Python ints of the same values."""
+    engine = llm.llm_engine
+    ids = list(np.random.default_rng(1).integers(0, 512, 300))
+    text, got = engine.prompt_ids([int(i) for i in ids])
+    assert text is None and got == [int(i) for i in ids] and all(type(i) is int for i in got)
+    _, got_np = engine.prompt_ids(np.asarray(ids, dtype=np.int32))
+    assert got_np == got and all(type(i) is int for i in got_np)
+    _, edge = engine.prompt_ids([0, 511])
+    assert edge == [0, 511]
 
 
 def test_generate_all_or_nothing_and_max_tokens_none(llm):
