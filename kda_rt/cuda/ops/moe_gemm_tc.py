@@ -126,7 +126,8 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
 
 
 # moe_decode_fused with e4m3 weights: 128 features, a 128-wide k step (16 KB of codes a stage), 3 stages, 3 CTAs an SM
-# (68,352 bytes of shared memory each) for every batch it runs (measured at 8, 32 and 64 tokens; 2-4 not).  H200, 2026-12-02, tests/gpu/bench_moe_decode.py --e4m3
+# (68,352 bytes of shared memory each) for every batch it runs (measured at 8, 32 and 64 tokens; 2-4 not).  H200,
+# 2026-12-02, tests/gpu/bench_moe_decode.py --e4m3
 # --tokens 8,32,64 --tiles ... (graph replays, 8 routings cycled), against e4m3_tile's (4 stages, 2 CTAs an SM from
 # 9 tokens; 64 features, 6 stages, 3 CTAs up to 8): T = 8 58.9 experts 149.0 -> 115.9 us, 17.0 experts 50.2 -> 46.4;
 # T = 32 164.0 experts 324.7 -> 300.5, 67.6 experts 143.0 -> 134.0; T = 64 221.5 experts 434.0 -> 403.9, 134.5
