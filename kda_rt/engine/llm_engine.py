@@ -168,7 +168,10 @@ class LLMEngine:
         return self._structured
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """(text or None, checked token ids) of a prompt."""
+        """(text or None, checked token ids) of a prompt.  A text prompt is the model's whole input, so its
+        special-token strings (`<|im_user|>`, `<|im_end|>`, ...) are the control tokens, as the checkpoint's own
+        tokenizer and vLLM read them: a chat template applied by the caller works.  (Chat messages go through
+        `Tokenizer.encode_chat` instead, where client text never becomes a control token.)"""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -179,7 +182,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer files; pass {'prompt_token_ids': [...]} instead of text")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt, allow_special=True)
         else:
             text, ids = None, list(prompt)
         if not ids:

@@ -98,7 +98,7 @@ class EngineWorker:
                                                      add_generation_prompt=msg.get("add_generation_prompt", True),
                                                      chat_template_kwargs=msg.get("chat_template_kwargs"))
                 else:
-                    ids = self.tokenizer.encode(msg.get("prompt") or "")
+                    ids = self.tokenizer.encode(msg.get("prompt") or "", allow_special=True)  # as a completion
                 result = {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids,
                           "token_strs": None}
         except (ValueError, TypeError, KeyError) as exc:

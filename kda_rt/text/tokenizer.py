@@ -9,7 +9,8 @@ Files read from a model directory:
 Special ids fill [N, N + 256): the named ones from `added_tokens_decoder`, every other slot
 `<|reserved_token_{id}|>`.  Unlike the reference tokenizer, plain `encode()` never emits a special
 id: a literal `<|im_end|>` in user text stays text.  Control tokens come only from the chat
-template's markers (`encode_chat`) or from `encode(..., allow_special=True)`.
+template's markers (`encode_chat`) or from `encode(..., allow_special=True)`, which the engine uses for a
+text prompt (the caller's whole input, as in vLLM's completions).
 """
 
 from __future__ import annotations

@@ -93,6 +93,22 @@ def test_chat_and_errors(llm):
     assert llm.stats()["slots_used"] == 0 and llm.stats()["pages_used"] == 0
 
 
+def test_text_prompt_reads_special_tokens(llm):
+    """A text prompt is the whole model input: the chat template applied by the caller gives the chat's own ids
+    (its markers are control tokens, as the checkpoint's tokenizer and vLLM read them), and the same greedy output;
+    a chat message's literal marker stays text (test above)."""
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "Is 123 a prime?"}]
+    text = tok.apply_chat_template(msgs)
+    chat = llm.chat(msgs, greedy(5))[0]
+    plain = llm.generate(text, greedy(5))[0]
+    assert plain.prompt_token_ids == chat.prompt_token_ids == tok.encode_chat(msgs)
+    assert tok.encode("<|im_end|>", allow_special=True)[0] in plain.prompt_token_ids
+    assert plain.outputs[0].token_ids == chat.outputs[0].token_ids
+    assert llm.generate("a <|im_end|> b", greedy(1))[0].prompt_token_ids == tok.encode("a <|im_end|> b",
+                                                                                      allow_special=True)
+
+
 def test_cli_runs_demo():
     res = subprocess.run([sys.executable, "-m", "kda_rt.generate", "--max-tokens", "5", "--backend", "numpy"],
                          capture_output=True, text=True, timeout=300)

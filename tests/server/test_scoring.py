@@ -94,6 +94,11 @@ def test_tokenize_detokenize_version(server, reference_llm):
     assert r["tokens"] == tok.encode_chat(msgs)
     assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
     assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
+    rendered = tok.apply_chat_template(msgs)  # a template applied by the client: its markers are control tokens
+    r = _post(server, "/tokenize", {"prompt": rendered}).json()
+    assert r["tokens"] == tok.encode_chat(msgs) == tok.encode(rendered, allow_special=True) != tok.encode(rendered)
+    r = _post(server, "/v1/completions", {"prompt": rendered, "max_tokens": 1}).json()
+    assert r["usage"]["prompt_tokens"] == len(tok.encode_chat(msgs))
     assert httpx.get(server.url + "/version").json() == {"version": "0.1.0"}
 
 
