@@ -29,6 +29,9 @@ __all__ = ["build_parser", "main", "serve"]
 logger = logging.getLogger("kda_rt.server")
 
 
+MAX_WAITING = 4096  # a bound on the waiting queue's host memory (prompt ids), far past what load tools send at once
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kda_rt.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the bundled tiny demo checkpoint)")
@@ -37,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     EngineConfig.add_cli_args(ap, max_num_batched_tokens=SERVER_BATCHED_TOKENS)  # streams feel long steps
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="reserved; only 1 is supported")
-    ap.add_argument("--max-waiting", type=int, default=256,
-                    help="sequences allowed in the engine's waiting queue; beyond it requests get 429")
+    ap.add_argument("--max-waiting", type=int, default=MAX_WAITING,
+                    help="sequences allowed in the engine's waiting queue; beyond it requests get 429 "
+                         f"(default {MAX_WAITING}: vLLM queues without a bound, and its benchmark sends 1000 at once)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
     ap.add_argument("--api-key", default=env.api_key(),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY)")

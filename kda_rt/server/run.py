@@ -31,8 +31,14 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
+RETRY_AFTER_S = 1  # the Retry-After of a 429: the waiting queue drains at the engine's pace (seconds)
+
+
 def error_response(message: str, status: int, param: str | None = None) -> Response:
-    return json_response(protocol.error_body(message, status, param=param), status)
+    response = json_response(protocol.error_body(message, status, param=param), status)
+    if status == 429:  # the openai client's retries honour it
+        response.headers["retry-after"] = str(RETRY_AFTER_S)
+    return response
 
 
 class RequestRun:
