@@ -86,10 +86,16 @@ class LLM:
     """Offline generation over one `LLMEngine` (continuous batching, chunked prefill, preemption)."""
 
     def __init__(self, model: str | os.PathLike[str], backend: str = "auto", *, skip_tokenizer_init: bool = False,
-                 progress: bool | None = None, report: bool = False, **settings: Any) -> None:
+                 progress: bool | None = None, report: bool = False, trust_remote_code: bool = False,
+                 tensor_parallel_size: int = 1, **settings: Any) -> None:
         """`settings`: any `EngineConfig` field (dtype, max_num_seqs, max_model_len, block_size,
-        num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager)."""
+        num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager).  `trust_remote_code` is
+        accepted for vLLM's call lines (no code from the checkpoint is ever run); `tensor_parallel_size` must be 1."""
         from kda_rt.loader.weights import load_checkpoint
+
+        del trust_remote_code  # nothing to trust: the model code is kda_rt's own
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size!r}: only 1 GPU is supported")
 
         model_dir = os.fspath(model)
         if not os.path.isdir(model_dir):

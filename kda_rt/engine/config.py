@@ -44,7 +44,8 @@ class EngineConfig:
     backend: str = _opt("auto", "auto (CUDA when CuPy and a GPU are usable, else NumPy), numpy or cuda",
                         choices=BACKENDS)
     dtype: str = _opt("float32", "NumPy backend compute dtype: float32, float64, or bfloat16 (float32 math with "
-                                 "bf16-rounded activations, the CUDA oracle)", choices=NUMPY_DTYPES)
+                                 "bf16-rounded activations, the CUDA oracle); auto (vLLM's word): float32",
+                        choices=("auto", *NUMPY_DTYPES))
     max_num_seqs: int = _opt(16, "sequences running at once (= KDA state slots)")
     max_model_len: int | None = _opt(None, "prompt + output tokens per sequence (default: the model's limit when "
                                            "the KV pool holds it, else the largest length that fits)")
@@ -79,6 +80,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype == "auto":  # vLLM command lines pass it; the CUDA backend always computes in bf16
+            object.__setattr__(self, "dtype", "float32")
         if self.dtype not in NUMPY_DTYPES:
             raise ValueError(f"dtype must be one of {NUMPY_DTYPES}, got {self.dtype!r}")
         _check_int("max_num_seqs", self.max_num_seqs)

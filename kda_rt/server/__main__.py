@@ -35,7 +35,11 @@ MAX_WAITING = 4096  # a bound on the waiting queue's host memory (prompt ids), f
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kda_rt.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the bundled tiny demo checkpoint)")
-    ap.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="model id(s) in the API, the first one in responses (default: the directory name; the "
+                         "--model argument as given is accepted too)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="accepted for vLLM's command lines; kda_rt never runs code from a checkpoint")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     EngineConfig.add_cli_args(ap, max_num_batched_tokens=SERVER_BATCHED_TOKENS)  # streams feel long steps
@@ -82,8 +86,13 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
     except RuntimeError as exc:
         logger.error("%s", exc)
         return 1
-    name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    state = ServerState(client, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    if args.served_model_name:
+        name, *aliases = args.served_model_name
+        listed = tuple(dict.fromkeys(a for a in aliases if a != name))
+    else:
+        name, aliases, listed = os.path.basename(os.path.normpath(model)), [model, os.path.normpath(model)], ()
+    state = ServerState(client, name, aliases=tuple(dict.fromkeys(a for a in aliases if a != name)), listed_aliases=listed,
+                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, log_requests=args.enable_log_requests,
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None)
     from kda_rt.server.http import header_timeout_protocol

@@ -71,6 +71,10 @@ _DRAIN_READ_FACTOR = 8  # an oversized body is read (and dropped) up to this man
 class ServerState:
     client: EngineClient
     model_name: str
+    # other names a request's "model" may use: the rest of --served-model-name's names (listed by /v1/models too),
+    # and, without that flag, the model argument as given (a path or a Hugging Face id, vLLM's default name)
+    aliases: tuple[str, ...] = ()
+    listed_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout: float = 30.0  # seconds to receive a whole request body
@@ -83,6 +87,10 @@ class ServerState:
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = Metrics(self.model_name)
+
+    def serves(self, name: str | None) -> bool:
+        """Whether a request's "model" names this server's model (None: the field left out)."""
+        return name is None or name == self.model_name or name in self.aliases
 
     def abort_all(self) -> None:
         """End every in-flight request now (finish_reason "abort") and free its engine resources."""
@@ -142,9 +150,10 @@ def build_app(state: ServerState) -> Starlette:
     async def models(request: Request) -> Response:
         if not authorized(request):
             return _error("invalid or missing API key", 401)
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kda_rt",
-                "max_model_len": state.client.info.get("max_model_len")}
-        return _json({"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "kda_rt", "root": state.model_name,
+                  "max_model_len": state.client.info.get("max_model_len")}
+                 for name in (state.model_name, *state.listed_aliases)]
+        return _json({"object": "list", "data": cards})
 
     async def prometheus(request: Request) -> Response:
         stats = None
@@ -186,7 +195,7 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"request body not received within {state.body_timeout:g} s (--body-timeout)", 408)
         except protocol.InvalidRequest as exc:
             return _error(str(exc), 400)
-        if req.model is not None and req.model != state.model_name:
+        if not state.serves(req.model):
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         try:
             result = await state.client.call(op, payload)
@@ -248,7 +257,7 @@ def build_app(state: ServerState) -> Starlette:
             return response
         except protocol.InvalidRequest as exc:
             return _error(str(exc), 400)
-        if req.model is not None and req.model != state.model_name:
+        if not state.serves(req.model):
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
             return _error("the server is shutting down", 503)

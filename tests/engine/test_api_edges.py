@@ -97,3 +97,13 @@ def test_params_changed_after_construction_are_checked(llm):
     q.stop = [text[2:4]]
     out = llm.generate("abc", q)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == text[2:4]
+
+
+def test_vllm_constructor_words():
+    """LLM(..., trust_remote_code=True, tensor_parallel_size=1, dtype="auto") as vLLM's examples write it; another
+    tensor_parallel_size is refused by name."""
+    llm = LLM(str(demo_path()), backend="numpy", trust_remote_code=True, tensor_parallel_size=1, dtype="auto",
+              max_model_len=64)
+    assert llm.engine_config.dtype == "float32"
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        LLM(str(demo_path()), backend="numpy", tensor_parallel_size=2)

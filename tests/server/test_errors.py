@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -126,3 +127,35 @@ def test_waiting_queue_full_is_429(tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_vllm_command_line_and_model_names(tmp_path):
+    """vLLM's serve line runs (--trust-remote-code, --dtype auto); --served-model-name takes aliases, all listed, the
+    first in responses; any other name is 404.  Without the flag the directory's name is listed and the --model
+    argument as given is accepted too (vLLM's default name), e.g. a client copying the launch line."""
+    from kda_rt.demo import demo_path
+
+    srv = ServerProc(tmp_path / "a.log", "--served-model-name", "kimi", "org/Kimi-Linear", "--trust-remote-code",
+                     "--dtype", "auto")
+    try:
+        r = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=10).json()
+        assert [m["id"] for m in r["data"]] == ["kimi", "org/Kimi-Linear"]
+        for name in ("kimi", "org/Kimi-Linear", None):
+            body = {"prompt": "a", "max_tokens": 1, **({"model": name} if name else {})}
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers=srv.headers, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == "kimi", r.text
+        bad = {"prompt": "a", "max_tokens": 1, "model": "demo"}
+        assert "'demo' does not exist" in _envelope(httpx.post(srv.url + "/v1/completions", json=bad,
+                                                               headers=srv.headers, timeout=60), 404)
+    finally:
+        assert srv.stop() == 0, srv.log()
+    path = str(demo_path())
+    srv = ServerProc(tmp_path / "b.log", "--model", path)
+    try:
+        r = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=10).json()
+        assert [m["id"] for m in r["data"]] == [os.path.basename(path)]
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=srv.headers, timeout=60,
+                       json={"model": path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == os.path.basename(path), r.text
+    finally:
+        assert srv.stop() == 0, srv.log()
