@@ -82,6 +82,12 @@ def _generation_eos(model_dir: str) -> list[int]:
     return [int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool)]
 
 
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
 class LLM:
     """Offline generation over one `LLMEngine` (continuous batching, chunked prefill, preemption)."""
 
@@ -139,17 +145,25 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         stream: bool = False,
+        use_tqdm: bool = False,
+        lora_request: None = None,
     ) -> list[RequestOutput] | Iterator[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+        """Generate for every prompt; outputs come back in prompt order.  A prompt is a text, a dict with
+        `prompt_token_ids` (or `prompt`), or a list of token ids; a flat list of ints is one prompt, as in vLLM.
+        `use_tqdm`: a progress bar of finished requests on stderr (not with `stream`); `lora_request`: only None.
 
         With `stream=True`, returns an iterator instead, yielding a `RequestOutput` each time a
         request gets new tokens; its `CompletionOutput`s then hold only what is new (text delta,
         new token ids and logprobs), and `finished` marks a request's last one.  Request ids are
         the prompt indices as strings.  Closing the iterator early aborts what is still running.
         """
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [prompts]  # one prompt of token ids
         if not (sampling_params is None or isinstance(sampling_params, SamplingParams) or (
                 isinstance(sampling_params, list) and all(isinstance(p, SamplingParams) for p in sampling_params))):
             raise TypeError(f"sampling_params must be a SamplingParams, a list of them or None, got "
@@ -175,11 +189,16 @@ class LLM:
             done.append(weakref.finalize(gen, self._abort_all, list(ids)))
             return gen
         final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
         try:
             for out in self._drive(ids):
                 if out.finished:
                     final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
         finally:
+            if bar is not None:
+                bar.close()
             self._abort_all(ids)
         return [attach(final[rid]) if attach else final[rid] for rid in ids]
 
@@ -273,12 +292,16 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         stream: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        use_tqdm: bool = False,
+        lora_request: None = None,
     ) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Apply the chat template to one conversation (a list of messages) or several.  Messages may
         carry assistant `tool_calls` (content None) and `tool` results with `tool_call_id`; the
         `developer` role reads as `system`.  Generated tool calls stay in the text (pass
         `skip_special_tokens=False` to keep the markers) and `kda_rt.text.tool_parser.parse_tool_calls`
-        reads them."""
+        reads them.  `continue_final_message` (with `add_generation_prompt=False`): the model continues the last
+        message instead of starting a new one, as in vLLM."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files, so chat() is unavailable")
         if not isinstance(messages, list) or not messages:
@@ -289,10 +312,11 @@ class LLM:
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
         prompts = [
             {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                                                            chat_template_kwargs=chat_template_kwargs)}
+                                                            chat_template_kwargs=chat_template_kwargs,
+                                                            continue_final_message=continue_final_message)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, stream=stream)
+        return self.generate(prompts, sampling_params, stream=stream, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """[len(token_ids), vocab] float32 logits of every position of one sequence (`LLMEngine.score`:

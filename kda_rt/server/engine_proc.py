@@ -96,6 +96,7 @@ class EngineWorker:
                 if msg.get("messages") is not None:
                     ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
                                                      add_generation_prompt=msg.get("add_generation_prompt", True),
+                                                     continue_final_message=msg.get("continue_final_message", False),
                                                      chat_template_kwargs=msg.get("chat_template_kwargs"))
                 else:
                     ids = self.tokenizer.encode(msg.get("prompt") or "", allow_special=True)  # as a completion
@@ -115,6 +116,7 @@ class EngineWorker:
             raise ValueError("this model has no tokenizer files, so chat requests are unavailable")
         ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
                                          add_generation_prompt=msg.get("add_generation_prompt", True),
+                                         continue_final_message=msg.get("continue_final_message", False),
                                          chat_template_kwargs=msg.get("chat_template_kwargs"))
         return [{"prompt_token_ids": ids + tool_prefix_ids(self.tokenizer, msg.get("tool_mode"))}]
 

@@ -97,6 +97,7 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: str | None = None  # accepted, not used (the model has no reasoning mode)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model continues the last message (Tokenizer.encode_chat)
 
 
 class TokenizeRequest(msgspec.Struct):
@@ -107,6 +108,7 @@ class TokenizeRequest(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = True  # accepted: the Kimi tokenizer adds none
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -311,5 +313,6 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[s
                                      "it cannot be combined with response_format or structured_outputs")
             params["structured_outputs"] = forced
     return {"messages": messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
-            "add_generation_prompt": req.add_generation_prompt, "params": params, "tool_mode": tool_mode,
+            "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
+            "params": params, "tool_mode": tool_mode,
             "prompt_logprobs": req.prompt_logprobs}

@@ -193,15 +193,34 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
-                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            chat_template_kwargs: Mapping[str, Any] | None = None, tokenize: bool = False,
+                            continue_final_message: bool = False) -> str | list[int]:
         """Render the chat template to a prompt string; `chat_template_kwargs` are extra template
-        variables (e.g. `thinking`)."""
+        variables (e.g. `thinking`).  `tokenize=True`: the prompt ids instead (`encode_chat`).
+        `continue_final_message`: the text stops right after the last message's content, so the model
+        continues that message (its end marker and whatever the template puts after it are left out)."""
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs,
+                                    continue_final_message=continue_final_message)
         validate_messages(messages, tools, chat_template_kwargs)
-        return self._render(normalize_messages(messages), add_generation_prompt, tools, chat_template_kwargs)
+        _check_continue(messages, add_generation_prompt, continue_final_message)
+        text = self._render(normalize_messages(messages), add_generation_prompt, tools, chat_template_kwargs)
+        return text[:len(text) - len(self._final_tail(text, messages))] if continue_final_message else text
+
+    def _final_tail(self, rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+        """What the template put after the last message's content (continue_final_message)."""
+        content = messages[-1]["content"]
+        at = rendered.rfind(content)
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not print the last message's content "
+                             "as it is, so the prompt cannot stop right after it")
+        return rendered[at + len(content):]
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """Prompt ids: the template's markers are control tokens; every client string (contents,
         names, tool names, descriptions, schemas, tool-call arguments, tool results) stays text.
 
@@ -212,9 +231,11 @@ class Tokenizer:
         control ids (template text and client text alike) is encoded as one ordinary span, so the
         ids equal `encode(rendered, allow_special=True)` whenever no client string holds a
         special-token string.  Dict keys and the steering values `role` / `type` are not stood in
-        for: one holding a special-token string is refused.
+        for: one holding a special-token string is refused.  `continue_final_message`: the ids stop
+        right after the last message's content (`apply_chat_template`).
         """
         validate_messages(messages, tools, chat_template_kwargs)
+        _check_continue(messages, add_generation_prompt, continue_final_message)
         messages = normalize_messages(messages)
         real = self._render(messages, add_generation_prompt, tools, chat_template_kwargs)
         tag = "\ue000"
@@ -245,10 +266,29 @@ class Tokenizer:
                 ids.append(self._specials[match.group()])
                 span, pos = [], match.end()
             span.append(part[pos:])
-        return ids + self.encode("".join(span))
+        ids += self.encode("".join(span))
+        if continue_final_message:
+            tail = self.encode(self._final_tail(real, messages), allow_special=True)
+            if tail and ids[len(ids) - len(tail):] != tail:
+                raise ValueError("continue_final_message: the template's text after the last message's content "
+                                 "does not tokenize apart from it")
+            ids = ids[:len(ids) - len(tail)]
+        return ids
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
                 extra: Mapping[str, Any] | None = None) -> str:
         return render_template(self._template, self._template_name, **(extra or {}), messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
                                eos_token=self._eos_token or "")
+
+
+def _check_continue(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, cont: bool) -> None:
+    """continue_final_message's conditions (as vLLM's): no generation prompt, a last message with text content."""
+    if not cont:
+        return
+    if add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
+                         "add_generation_prompt=False to continue the last message")
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content:
+        raise ValueError("continue_final_message needs the last message's content as a non-empty string")

@@ -107,3 +107,25 @@ def test_vllm_constructor_words():
     assert llm.engine_config.dtype == "float32"
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
         LLM(str(demo_path()), backend="numpy", tensor_parallel_size=2)
+
+
+def test_vllm_generate_and_chat_words(capsys):
+    """A flat list of token ids is one prompt (vLLM); use_tqdm draws a bar on stderr and changes nothing else;
+    lora_request other than None is refused; chat(continue_final_message=True) continues the last message."""
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ids = [5, 6, 7]
+    one = llm.generate(ids, greedy)
+    assert len(one) == 1 and one[0].prompt_token_ids == ids
+    assert one[0].outputs[0].token_ids == llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids
+    capsys.readouterr()
+    barred = llm.generate(["a", "b"], greedy, use_tqdm=True)
+    assert "requests" in capsys.readouterr().err
+    assert [o.outputs[0].token_ids for o in barred] == [o.outputs[0].token_ids for o in llm.generate(["a", "b"], greedy)]
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate("a", greedy, lora_request=object())
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}]
+    cont = llm.chat(msgs, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    tok = llm.get_tokenizer()
+    assert cont.prompt_token_ids == tok.encode_chat(msgs, add_generation_prompt=False)[:-1]
+    assert cont.prompt_token_ids[-1] != tok.eos_token_id

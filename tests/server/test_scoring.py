@@ -169,3 +169,18 @@ def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_continue_final_message(server, reference_llm):
+    """vLLM's continue_final_message: /tokenize and chat stop the prompt after the last message's content; with the
+    default add_generation_prompt it is a 400 naming both."""
+    tok = reference_llm.tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}]
+    want = tok.encode_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    assert _post(server, "/tokenize", body).json()["tokens"] == want
+    r = _post(server, "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+    assert "x-kda-rt-ignored-fields" not in r.headers
+    r = _post(server, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True, "max_tokens": 1})
+    assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]

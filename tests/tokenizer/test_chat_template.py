@@ -111,3 +111,21 @@ def test_template_failures(model_dir):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_continue_final_message(demo_tok):
+    """continue_final_message: the prompt stops right after the last message's content (its end marker dropped), as
+    text and as ids alike; with a generation prompt, or a last message without text content, it is refused."""
+    messages = [USER, {"role": "assistant", "content": "The answer is"}]
+    full = demo_tok.apply_chat_template(messages, add_generation_prompt=False)
+    text = demo_tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert full == text + "<|im_end|>" and text.endswith("<|im_middle|>The answer is")
+    ids = demo_tok.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ids == demo_tok.encode(text, allow_special=True) == demo_tok.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    assert demo_tok.apply_chat_template(messages, tokenize=True) == demo_tok.encode_chat(messages)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        demo_tok.encode_chat(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="non-empty string"):
+        demo_tok.apply_chat_template([USER, {"role": "assistant", "content": None, "tool_calls": []}],
+                                     add_generation_prompt=False, continue_final_message=True)
