@@ -180,6 +180,7 @@ def build_app(state: ServerState) -> Starlette:
             if op == "tokenize":
                 protocol.check_depth(req.messages, "messages")
                 protocol.check_depth(req.tools, "tools")
+                protocol.check_depth(req.chat_template_kwargs, "chat_template_kwargs")
                 if (req.prompt is None) == (req.messages is None):
                     raise protocol.InvalidRequest("give exactly one of prompt and messages")
                 payload = {"prompt": req.prompt, "add_generation_prompt": req.add_generation_prompt,
@@ -196,6 +197,8 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"request body not received within {state.body_timeout:g} s (--body-timeout)", 408)
         except protocol.InvalidRequest as exc:
             return _error(str(exc), 400)
+        except RecursionError:  # msgspec's decoder on a body nested past Python's limit (an ignored field's too)
+            return _error("request body is nested too deeply", 400)
         if not state.serves(req.model):
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         try:

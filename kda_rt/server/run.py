@@ -31,6 +31,7 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
+DISCONNECT_POLL_S = 1.0  # how often a non-streaming request looks for its client's disconnect (seconds)
 RETRY_AFTER_S = 1  # the Retry-After of a 429: the waiting queue drains at the engine's pace (seconds)
 
 
@@ -100,13 +101,18 @@ class RequestRun:
         outcome = "aborted"
         try:
             it = self.items()
+            checked = time.monotonic()
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
                 while not nxt.done():
-                    await asyncio.wait([nxt], timeout=1.0)
-                    if not nxt.done() and await request.is_disconnected():
-                        nxt.cancel()
-                        return Response(status_code=499)
+                    await asyncio.wait([nxt], timeout=DISCONNECT_POLL_S)
+                    # every DISCONNECT_POLL_S whether or not deltas come (the engine sends one a step, so a check
+                    # made only when none came never ran while a request generated)
+                    if not nxt.done() or time.monotonic() - checked >= DISCONNECT_POLL_S:
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            nxt.cancel()
+                            return Response(status_code=499)
                 try:
                     nxt.result()
                 except StopAsyncIteration:

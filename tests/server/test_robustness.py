@@ -55,6 +55,36 @@ def test_deep_json_is_counted_400(srv, field):
     assert srv.metrics().get(key, 0) == before.get(key, 0) + 1
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/detokenize", b'{"tokens": [1], "zzz": ' + b"[" * 1000 + b"1" + b"]" * 1000 + b"}"),
+    ("/tokenize", b'{"prompt": "a", "chat_template_kwargs": {"a": ' + b"[" * 100 + b"]" * 100 + b"}}"),
+    ("/tokenize", b'{"prompt": "a", "zzz": ' + b"[" * 100000 + b"]" * 100000 + b"}"),
+])
+def test_deep_json_on_text_routes_is_400(srv, path, body):
+    """/tokenize and /detokenize answer a body nested past the limit (or past Python's, in an ignored field) with a
+    400, as the generation routes do (was: a 500 from msgspec's RecursionError and a reset connection)."""
+    r = httpx.post(srv.url + path, content=body, timeout=30, headers={**srv.headers, "Content-Type": "application/json"})
+    assert "nested" in _envelope(r, 400)
+    assert httpx.post(srv.url + "/tokenize", json={"prompt": "a"}, headers=srv.headers, timeout=30).status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(srv):
+    """A non-streaming client that gives up has its request aborted while tokens still flow (was: the check ran
+    only after a second with no delta, and the engine sends one a step, so it generated to the end)."""
+    before = srv.metrics()
+    body = {"prompt": "hi", "max_tokens": 200, "n": 16, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(srv.url + "/v1/completions", json=body, headers=srv.headers, timeout=1.0)
+    key = 'kda_rt:requests_total{outcome="aborted"}'
+    deadline = time.monotonic() + 30
+    while srv.metrics().get(key, 0) < before.get(key, 0) + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = srv.metrics()
+    assert after.get(key, 0) == before.get(key, 0) + 1, after
+    made = after["kda_rt:generation_tokens_total"] - before.get("kda_rt:generation_tokens_total", 0)
+    assert made < 16 * 200, f"{made} tokens: the request ran to its end"
+
+
 def _raw_post(srv, content_length: int, body: bytes, timeout: float) -> bytes:
     """Send a completions request head declaring `content_length` and then only `body`; the first reply bytes."""
     with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
