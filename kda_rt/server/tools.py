@@ -48,6 +48,11 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] |
         fn = tool.get("function")
         if tool.get("type", "function") != "function" or not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
             raise InvalidRequest(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
+        if not fn["name"] or fn["name"] in names:
+            raise InvalidRequest(f"tools[{k}].function.name must be a non-empty name of its own, got {fn['name']!r}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidRequest(f"tools[{k}].function.parameters must be a JSON schema object, got "
+                                 f"{type(fn['parameters']).__name__}")
         names.append(fn["name"])
     if choice is None:
         choice = "auto" if names else "none"

@@ -159,3 +159,22 @@ def test_vllm_command_line_and_model_names(tmp_path):
         assert r.status_code == 200 and r.json()["model"] == os.path.basename(path), r.text
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize(("fn", "needle"), [
+    ({"name": "f", "parameters": "x"}, "parameters must be a JSON schema object"),
+    ({"name": "f", "parameters": 5}, "parameters must be a JSON schema object"),
+    ({"name": "f", "parameters": [["type", "string"]]}, "parameters must be a JSON schema object"),
+    ({"name": ""}, "non-empty name"),
+])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}, "none"])
+def test_bad_tool_definitions_are_400(server, fn, needle, choice):
+    """A tool whose parameters are not a schema object, or whose name is empty, is a 400 naming the field with any
+    tool_choice (was: a 500 from the grammar builder under required / a named function, and a list of pairs
+    silently read as a schema); a duplicate name too."""
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "tools": [{"type": "function",
+                                                                                           "function": fn}]}
+    assert needle in _envelope(_post(server, "/v1/chat/completions", {**body, "tool_choice": choice}), 400)
+    twice = {**body, "tools": [{"type": "function", "function": {"name": "g"}}] * 2}
+    assert "name of its own" in _envelope(_post(server, "/v1/chat/completions", twice), 400)
+    assert _post(server, "/v1/chat/completions", {"messages": body["messages"], "max_tokens": 1}).status_code == 200
