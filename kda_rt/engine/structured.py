@@ -74,6 +74,15 @@ def grammar_of(spec: StructuredOutputsParams, field: str = "structured_outputs")
     return grammar
 
 
+MAX_ERROR_CHARS = 500  # llguidance's error text carries its state and the whole grammar (megabytes for a large one)
+
+
+def matcher_error(matcher: Any) -> str:
+    """A matcher's error, its first line cut to MAX_ERROR_CHARS."""
+    text = (matcher.get_error() or "the matcher failed").split("\n", 1)[0]
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
+
+
 class GrammarState:
     """One sequence's matcher, how many output tokens it has consumed, and its next-token mask."""
 
@@ -113,8 +122,20 @@ class StructuredOutputs:
             self._grammars.move_to_end(key)
         first = self.llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if first.is_error():
-            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {first.get_error()}")
-        return [GrammarState(first if i == 0 else first.deep_copy()) for i in range(n)]
+            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {matcher_error(first)}")
+        # the first mask now (kept for the first step): a grammar that no output can satisfy fails only here (it
+        # used to leave EOS alone allowed, and the request ended "stop" with an empty text that does not match)
+        from llguidance.numpy import fill_next_token_bitmask
+
+        mask = np.zeros((1, self.mask_words), dtype=np.int32)
+        fill_next_token_bitmask(first, mask, 0)
+        if first.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind} is invalid: no output can satisfy it "
+                             f"(llguidance: {matcher_error(first)})")
+        states = [GrammarState(first if i == 0 else first.deep_copy()) for i in range(n)]
+        for g in states:
+            g.mask = mask[0]
+        return states
 
     def masks(self, seqs: Sequence[Seq]) -> list[np.ndarray | None] | None:
         """Each sequence's mask for its next token (None: unconstrained); None when no sequence is
@@ -144,8 +165,8 @@ class StructuredOutputs:
         complete: the sequence must end), or an error message (the token breaks the grammar)."""
         g = seq.grammar
         g.mask = None
-        if not g.matcher.consume_token(token):
-            return f"token {token} does not match the structured-output grammar: {g.matcher.get_error()}"
+        if not g.matcher.consume_token(token) or g.matcher.is_error():
+            return f"token {token} does not match the structured-output grammar: {matcher_error(g.matcher)}"
         g.num_consumed += 1
         return "stop" if g.matcher.is_stopped() else None
 

@@ -101,6 +101,26 @@ def test_invalid_grammar_and_bias_refused(llm):
     assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
 
 
+@pytest.mark.parametrize("spec", [{"regex": "[^\\s\\S]"}, {"regex": "a[^\\s\\S]"}, {"json": {"$ref": "#"}},
+                                  {"grammar": 'start: a\na: a "x"'}], ids=["empty", "dead-end", "self-ref", "no-base"])
+def test_unsatisfiable_grammar_refused(llm, spec):
+    """A grammar that no output can satisfy is refused when the request is added, naming the field (was: only EOS
+    allowed, and the request ended "stop" with an empty text that does not match)."""
+    kind = next(iter(spec))
+    with pytest.raises(ValueError, match=rf"structured_outputs\.{kind} is invalid: no output can satisfy it"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
+
+
+def test_too_complex_grammar_error_is_short(llm):
+    """A grammar past llguidance's parser limits fails at its first token: the request ends "error" with the
+    matcher's first line (was: its state dump and the whole grammar, 540 KB a sample, in the output and the log)."""
+    grammar = "start: " + " | ".join(f'"w{i}"' for i in range(5000))
+    out = llm.generate(["x"], SamplingParams(max_tokens=4, n=2, structured_outputs={"grammar": grammar}))[0]
+    for c in out.outputs:
+        assert c.finish_reason == "error" and "Parser Error" in c.stop_reason and len(c.stop_reason) < 1000
+
+
 def test_missing_llguidance_names_the_extra(monkeypatch):
     from kda_rt.engine.structured import grammar_of
 
