@@ -16,6 +16,7 @@ __all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_LOGIT
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 _MAX_SEED = 2**63 - 1
+_MAX_INT32 = 2**31 - 1  # token ids and top_k go to the samplers as int32
 # Where the math breaks outside these, the value is refused (issue 10 #2): a repetition penalty of
 # 1e-40 divides logits into inf, so softmax gives NaN.
 MIN_REPETITION_PENALTY = 0.01
@@ -139,8 +140,9 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         self.temperature = _number("temperature", self.temperature, 0.0)
         self.top_p = _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _MAX_INT32:
+            raise ValueError(f"top_k must be an int in [-1, 2**31 - 1] (0 or -1 disables it; any value past the "
+                             f"vocabulary keeps every token), got {self.top_k!r}")
         self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -166,8 +168,9 @@ class SamplingParams:
             raise ValueError(f"stop strings total {sum(len(s) for s in stop)} characters; the limit is "
                              f"MAX_STOP_CHARS = {MAX_STOP_CHARS}")
         ids = self.stop_token_ids
-        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids)):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+        if ids is not None and (not isinstance(ids, (list, tuple)) or
+                                not all(_is_int(i) and 0 <= i <= _MAX_INT32 for i in ids)):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints in [0, 2**31 - 1]), got {ids!r:.200}")
         self.stop_token_ids = list(ids or [])
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -191,9 +194,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
         out = {}
         for k, v in bias.items():
-            token = int(k) if isinstance(k, str) and k.isdigit() else k
-            if not _is_int(token) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {k!r}")
+            # a JSON key is a string: ASCII digits only ('²'.isdigit() is true, and int() refuses it)
+            token = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 else k
+            if not _is_int(token) or not 0 <= token <= _MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids (ints in [0, 2**31 - 1]), got {k!r:.40}")
             out[token] = _number(f"logit_bias[{token}]", v, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
         self.logit_bias = out or None
 

@@ -153,9 +153,10 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
         mask = batch.allowed[i]
         if mask is not None:
             x = np.where(allowed_tokens(mask, vocab), x, -np.inf).astype(np.float32)
-            if not np.isfinite(x).any():
-                out.errors[i] = f"no token is allowed at output token {step} (the grammar and the bans exclude all)"
-                continue
+        if (mask is not None or banned or bias is not None) and not np.isfinite(x).any():
+            out.errors[i] = (f"no token is allowed at output token {step} (the grammar, the bans of stop_token_ids "
+                             "and EOS under min_tokens, and logit_bias exclude all)")
+            continue
         token = sample_row(x, p, int(batch.seeds[i]), step)
         out.token_ids[i] = token
         if batch.num_logprobs[i] >= 0:

@@ -129,3 +129,17 @@ def test_vllm_generate_and_chat_words(capsys):
     tok = llm.get_tokenizer()
     assert cont.prompt_token_ids == tok.encode_chat(msgs, add_generation_prompt=False)[:-1]
     assert cont.prompt_token_ids[-1] != tok.eos_token_id
+
+
+def test_every_token_banned_is_an_error():
+    """With every token banned (stop_token_ids covering the vocabulary under min_tokens) and no grammar, the sample
+    ends with an error naming the cause (was: a draw from NaN probabilities, token 0, and min_tokens ignored); the
+    engine goes on serving."""
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    vocab = llm.model_config.vocab_size
+    out = llm.generate("hi", SamplingParams(max_tokens=3, min_tokens=3, seed=0, stop_token_ids=list(range(vocab))))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "error" and "no token is allowed" in c.stop_reason and c.token_ids == []
+    big = SamplingParams(max_tokens=2, top_k=2**31 - 1, temperature=0.0)
+    assert llm.generate("hi", big)[0].outputs[0].token_ids == llm.generate(
+        "hi", SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids

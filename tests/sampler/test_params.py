@@ -27,7 +27,9 @@ def test_vllm_defaults():
         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"n": 0}, "n"), ({"logprobs": 100}, "logprobs"),
         ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"), ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
-        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"ignore_eos": 1}, "ignore_eos"), ({"top_k": 2**31}, "top_k"), ({"top_k": 2**70}, "top_k"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"), ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"9" * 40: 1.0}}, "logit_bias"), ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_values_name_the_parameter(kwargs, name):
@@ -38,3 +40,10 @@ def test_bad_values_name_the_parameter(kwargs, name):
 def test_stop_string_normalised():
     assert SamplingParams(stop="###").stop_strings == ("###",)
     assert SamplingParams(stop=["a", "b"]).stop_strings == ("a", "b")
+
+
+def test_int32_edges_accepted():
+    """The largest top_k, token id and logit_bias key that the samplers take (int32) pass; a digit-string key is
+    read as its id, as JSON sends them."""
+    p = SamplingParams(top_k=2**31 - 1, stop_token_ids=[2**31 - 1], logit_bias={"2147483647": 1.0, "7": -1.0})
+    assert p.logit_bias == {2**31 - 1: 1.0, 7: -1.0}
