@@ -161,6 +161,9 @@ class LLM:
             raise ValueError("lora_request: LoRA adapters are not supported")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a str, a dict, a list of token ids or a list of those, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
             prompts = [prompts]  # one prompt of token ids
@@ -327,9 +330,13 @@ class LLM:
                         ) -> tuple[list[dict[int, float] | None], list[int | None]]:
         """(logprobs, ranks) of every prompt token from one `score()` pass: per position i >= 1,
         {token_id: logprob} of the prompt token and the `num` most likely ones under the logits of
-        position i - 1, and the prompt token's rank (1 = most likely); position 0 has None."""
+        position i - 1, and the prompt token's rank (1 = most likely); position 0 has None.  `num` is an int in
+        [0, 20] (vLLM's limit); past the vocabulary it lists every token."""
+        if isinstance(num, bool) or not isinstance(num, (int, np.integer)) or not 0 <= num <= 20:
+            raise ValueError(f"prompt_logprobs must be an int in [0, 20], got {num!r}")
         _, ids = self.llm_engine.prompt_ids(prompt)
         logits = self.score(ids)  # [T, V]
+        num = min(int(num), logits.shape[1])
         dicts: list[dict[int, float] | None] = [None]
         ranks: list[int | None] = [None]
         for i in range(1, len(ids)):

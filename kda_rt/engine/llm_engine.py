@@ -175,10 +175,17 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple, np.ndarray)):
+                    raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(prompt).__name__}")
             else:
                 raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+        elif not isinstance(prompt, (str, list, tuple, np.ndarray)):  # bytes would read as ids, an int not at all
+            raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt_token_ids' or "
+                            f"'prompt', got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer files; pass {'prompt_token_ids': [...]} instead of text")
@@ -382,6 +389,8 @@ class LLMEngine:
         untouched.  RuntimeError when too few are free (other requests hold them)."""
         if self._inflight is not None:  # a decode step queued ahead: its results are kept for step()
             self._collect(self._inflight)
+        if not isinstance(token_ids, (list, tuple, np.ndarray)):
+            raise TypeError(f"token_ids must be a list of token ids, got {type(token_ids).__name__}")
         _, ids = self.prompt_ids({"prompt_token_ids": list(token_ids)})
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")

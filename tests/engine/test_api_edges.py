@@ -143,3 +143,30 @@ def test_every_token_banned_is_an_error():
     big = SamplingParams(max_tokens=2, top_k=2**31 - 1, temperature=0.0)
     assert llm.generate("hi", big)[0].outputs[0].token_ids == llm.generate(
         "hi", SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("prompt", "needle"), [(5, "prompts must be"), (b"abc", "prompts must be"),
+                                                ([None], "a prompt must be"), ([b"abc"], "a prompt must be"),
+                                                ([{"prompt_token_ids": None}], "prompt_token_ids must be"),
+                                                ([{"prompt": 5}], "'prompt' must be a str")])
+def test_prompt_types_are_named(prompt, needle):
+    """A prompt of a wrong type is a TypeError naming what a prompt may be (was: "'int' object is not iterable",
+    or bytes read as token ids)."""
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    with pytest.raises(TypeError, match=needle):
+        llm.generate(prompt, SamplingParams(max_tokens=1))
+    for bad in (None, "hello"):
+        with pytest.raises(TypeError, match="token_ids must be"):
+            llm.score(bad)
+    assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
+
+
+def test_prompt_logprobs_count_checked():
+    """prompt_logprobs counts outside [0, 20] are refused by name (was: -1 listed every token, 5000 failed in NumPy's
+    argpartition); a count past a small vocabulary lists every token."""
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    for bad in (-1, 21, 5000, 2.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            llm.prompt_logprobs([1, 2, 3], bad)
+    dicts, _ = llm.prompt_logprobs([1, 2, 3], 20)
+    assert all(len(d) >= 20 for d in dicts[1:])
