@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -161,11 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size != 1:
         print("error: --tensor-parallel-size is reserved; only 1 is supported", file=sys.stderr)
         return 2
-    if args.engine_timeout <= 0 or args.body_timeout <= 0 or args.header_timeout <= 0:
-        print("error: --engine-timeout, --body-timeout and --header-timeout must be > 0", file=sys.stderr)
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    if args.max_waiting < 1 or args.max_body_bytes < 1 or args.shutdown_timeout < 0:
-        print("error: --max-waiting and --max-body-bytes must be >= 1, --shutdown-timeout >= 0", file=sys.stderr)
+    timeouts = {"--engine-timeout": args.engine_timeout, "--body-timeout": args.body_timeout,
+                "--header-timeout": args.header_timeout, "--engine-start-timeout": args.engine_start_timeout}
+    for flag, value in timeouts.items():  # (not value > 0 also refuses NaN)
+        if value is not None and not (0 < value < math.inf):
+            print(f"error: {flag} must be a finite number of seconds > 0, got {value}", file=sys.stderr)
+            return 2
+    if not 0 <= args.shutdown_timeout < math.inf:
+        print(f"error: --shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}",
+              file=sys.stderr)
+        return 2
+    if args.max_waiting < 1 or args.max_body_bytes < 1:
+        print("error: --max-waiting and --max-body-bytes must be >= 1", file=sys.stderr)
         return 2
     try:
         settings = EngineConfig.from_cli_args(args)

@@ -82,9 +82,12 @@ class EngineClient:
         self._writer.write(pack(self.init))
         try:
             reply = await asyncio.wait_for(read_frame(reader), timeout)
-        except (FrameError, asyncio.TimeoutError) as exc:
+        except asyncio.TimeoutError:
             await self.close()
-            raise RuntimeError(f"engine process did not start ({exc or 'timed out'})") from None
+            raise RuntimeError(f"engine process did not start within {timeout:g} s (--engine-start-timeout)") from None
+        except FrameError as exc:
+            await self.close()
+            raise RuntimeError(f"engine process did not start ({exc})") from None
         if reply is None or reply["op"] != "ready":
             why = reply["error"] if reply else f"it exited with status {self.proc.wait()}"
             await self.close()

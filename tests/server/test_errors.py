@@ -125,10 +125,6 @@ def test_waiting_queue_full_is_429(tmp_path):
         assert srv.stop() == 0, srv.log()
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_vllm_command_line_and_model_names(tmp_path):
     """vLLM's serve line runs (--trust-remote-code, --dtype auto); --served-model-name takes aliases, all listed, the
     first in responses; any other name is 404.  Without the flag the directory's name is listed and the --model
@@ -178,3 +174,7 @@ def test_bad_tool_definitions_are_400(server, fn, needle, choice):
     twice = {**body, "tools": [{"type": "function", "function": {"name": "g"}}] * 2}
     assert "name of its own" in _envelope(_post(server, "/v1/chat/completions", twice), 400)
     assert _post(server, "/v1/chat/completions", {"messages": body["messages"], "max_tokens": 1}).status_code == 200
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -167,10 +167,6 @@ def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
     assert "INFO" not in srv.log(), srv.log()  # the engine process follows --log-level too
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_continue_final_message(server, reference_llm):
     """vLLM's continue_final_message: /tokenize and chat stop the prompt after the last message's content; with the
     default add_generation_prompt it is a 400 naming both."""
@@ -184,3 +180,7 @@ def test_continue_final_message(server, reference_llm):
     assert "x-kda-rt-ignored-fields" not in r.headers
     r = _post(server, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True, "max_tokens": 1})
     assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -109,10 +109,6 @@ def test_template_failures(model_dir):
         Tokenizer.from_dir(model_dir)
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_continue_final_message(demo_tok):
     """continue_final_message: the prompt stops right after the last message's content (its end marker dropped), as
     text and as ids alike; with a generation prompt, or a last message without text content, it is refused."""
@@ -129,3 +125,7 @@ def test_continue_final_message(demo_tok):
     with pytest.raises(ValueError, match="non-empty string"):
         demo_tok.apply_chat_template([USER, {"role": "assistant", "content": None, "tool_calls": []}],
                                      add_generation_prompt=False, continue_final_message=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
