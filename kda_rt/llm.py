@@ -64,7 +64,7 @@ def _has_tokenizer(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, "tiktoken.model"))
 
 
-def _generation_eos(model_dir: str) -> list[int]:
+def _generation_eos(model_dir: str, vocab_size: int) -> list[int]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.exists(path):
         return []
@@ -78,8 +78,13 @@ def _generation_eos(model_dir: str) -> list[int]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     eos = data.get("eos_token_id")
-    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
-    return [int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool)]
+    eos = [] if eos is None else [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        raise ValueError(f"{path}: 'eos_token_id' must be an int or a list of ints, got {eos!r:.80}")
+    bad = next((e for e in eos if not 0 <= e < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{path}: 'eos_token_id' holds {bad}, outside the vocabulary [0, {vocab_size})")
+    return eos
 
 
 def _progress_bar(total: int):
@@ -108,6 +113,7 @@ class LLM:
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         engine_config = EngineConfig.from_kwargs(backend=backend, **settings)
         self.model_config = load_config(model_dir)
+        extra_eos = _generation_eos(model_dir, self.model_config.vocab_size)  # checked before the weights load
         limit, max_model_len = self.model_config.max_model_len, engine_config.max_model_len
         if max_model_len is not None and max_model_len > limit:  # checked again by the pool plan; fail before loading
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit} (config.json)")
@@ -122,7 +128,10 @@ class LLM:
                                "not know produce no text", self.tokenizer.vocab_size, self.model_config.vocab_size)
         weights = load_checkpoint(model_dir, self.model_config, progress=progress)
         self.llm_engine = build_engine(self.model_config, weights, engine_config, tokenizer=self.tokenizer,
-                                       extra_eos_ids=_generation_eos(model_dir))
+                                       extra_eos_ids=extra_eos)
+        if not self.llm_engine.eos_token_ids:
+            logger.warning("%s names no EOS token (config.json / generation_config.json eos_token_id): a sequence ends "
+                           "only at max_tokens, a stop string or a stop token id", model_dir)
         self.engine_config = self.llm_engine.config  # max_model_len resolved
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name

@@ -212,8 +212,12 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
         raise ConfigError(f"{source}: field 'eos_token_id' must be an int or a list of ints")
+    vocab_size = f.get("vocab_size", int, positive=True)
+    bad = next((i for i in eos_ids if not 0 <= i < vocab_size), None)
+    if bad is not None:  # generation could never stop on it
+        raise ConfigError(f"{source}: field 'eos_token_id' holds {bad}, outside the vocabulary [0, {vocab_size})")
     return ModelConfig(
-        vocab_size=f.get("vocab_size", int, positive=True),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=num_layers,
         intermediate_size=f.get("intermediate_size", int, positive=True) if DENSE in mlp_types else 0,

@@ -30,6 +30,32 @@ def test_generation_config_named(demo_copy, body):
         LLM(str(demo_copy), backend="numpy")
 
 
+@pytest.mark.parametrize("eos", [5000, -1, [770, 99999], [770, "x"], True], ids=["past", "negative", "list-past",
+                                                                                 "list-str", "bool"])
+def test_eos_ids_outside_the_vocabulary_named(demo_copy, eos):
+    """An EOS id no token can have (past the vocabulary, negative, not an int) is refused naming the file and field
+    (was: accepted, so a sequence could never stop on EOS); none at all, from the files or the tokenizer, is allowed
+    with a warning."""
+    gen = demo_copy / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(ValueError, match="generation_config.json: 'eos_token_id'"):
+        LLM(str(demo_copy), backend="numpy")
+    gen.unlink()
+    cfg = json.loads((demo_copy / "config.json").read_text())
+    (demo_copy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    with pytest.raises(ConfigError, match="config.json: field 'eos_token_id'"):
+        LLM(str(demo_copy), backend="numpy")
+
+
+def test_no_eos_is_a_warning(demo_copy, caplog):
+    cfg = json.loads((demo_copy / "config.json").read_text())
+    (demo_copy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": None}))
+    (demo_copy / "generation_config.json").unlink(missing_ok=True)
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(demo_copy), backend="numpy", max_model_len=64, skip_tokenizer_init=True)  # (its EOS: none)
+    assert not llm.llm_engine.eos_token_ids and "names no EOS token" in caplog.text
+
+
 @pytest.mark.parametrize(("field", "value"), [("num_hidden_layers", 10**9), ("num_experts", 10**7)])
 def test_huge_sizes_refused_at_once(demo_copy, field, value):
     cfg = json.loads((demo_copy / "config.json").read_text())
