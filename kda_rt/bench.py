@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -254,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--also takes BATCH:INPUT:OUTPUT[,...], got {args.also!r}")
     if any(len(sh) != 3 or min(sh) < 1 for sh in shapes):
         ap.error("--batch, --input-len and --output-len (and each --also workload) must be >= 1")
+    if args.num_layers is not None and (args.num_layers < 1 or not args.config):
+        ap.error("--num-layers must be >= 1 and works with a preset --config only")
+    if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
+        ap.error(f"--router-bias-std must be a finite number >= 0, got {args.router_bias_std}")
     from kda_rt.demo.presets import PRESETS
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.config in PRESETS:
-            raw = PRESETS[args.config](args.num_layers or 27)
+            raw = PRESETS[args.config](27 if args.num_layers is None else args.num_layers)
             model_config = parse_config(raw, source=f"preset {args.config}")
         elif args.config:
             if args.num_layers is not None:

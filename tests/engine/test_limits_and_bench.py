@@ -254,6 +254,22 @@ def test_bench_cli_num_layers_needs_a_preset(tmp_path):
     assert res.returncode == 2 and "--num-layers works with a preset" in res.stderr
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--num-layers", "0"], "--num-layers must be >= 1"),
+    (["--model", "/nonexistent", "--num-layers", "2"], "works with a preset --config only"),
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "nan"], "--router-bias-std"),
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "-1"], "--router-bias-std"),
+])
+def test_bench_cli_bad_flags_named(capsys, argv, needle):
+    """Refused before anything is built (was: --num-layers 0 became 27 layers and failed on host memory, --num-layers
+    with --model was ignored, a NaN bias std printed NaN into the JSON line)."""
+    from kda_rt.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_bench_cli_config_needs_random_weights(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kda_rt.bench", "--config", "c.json"], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
