@@ -127,12 +127,15 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.prompt_ids(prompt)
         limit = self.config.max_model_len
+        # "maximum context length" as OpenAI and vLLM word it: clients (LiteLLM, LangChain) match that phrase
         if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit} (room for at least one output token needed)")
+            raise ValueError(f"This model's maximum context length is {limit} tokens: prompt has {len(ids)} tokens; "
+                             f"max_model_len is {limit} (room for at least one output token needed)")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len {limit}"
+                f"This model's maximum context length is {limit} tokens: prompt ({len(ids)} tokens) + max_tokens "
+                f"({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len {limit}"
             )
         self.scheduler.check_fits(len(ids) + max_tokens - 1)
         vocab = self.model_config.vocab_size

@@ -29,6 +29,8 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     assert "300" in msg and str(MAX_MODEL_LEN) in msg
     msg = _envelope(_post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1000}), 400)
     assert "1000" in msg and str(MAX_MODEL_LEN) in msg
+    # OpenAI's and vLLM's phrase, which LiteLLM and LangChain match to tell a context overflow from other 400s
+    assert msg.startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens")
 
 
 @pytest.mark.parametrize("body, word", [
