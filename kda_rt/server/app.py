@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -63,6 +66,19 @@ def _note_ignored(response: Response, fields: list[str]) -> None:
     if len(value) > _MAX_HEADER_CHARS:
         value = value[:_MAX_HEADER_CHARS].rsplit(", ", 1)[0] + ", ..."
     response.headers[IGNORED_HEADER] = value
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/=+-]{1,128}")  # an X-Request-Id the server takes into its ids
+
+
+def _request_id(request: Request, prefix: str, open_ids: Mapping[str, Any]) -> str:
+    """The request's id: `{prefix}-{X-Request-Id}` when the client sends a plain one (vLLM's rule), with a random
+    suffix only when that id is still in flight; else `{prefix}-{random hex}`."""
+    client = request.headers.get("x-request-id", "")
+    if _CLIENT_ID.fullmatch(client):
+        rid = f"{prefix}-{client}"
+        return rid if rid not in open_ids else f"{rid}-{uuid.uuid4().hex[:8]}"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
 
 _DRAIN_READ_FACTOR = 8  # an oversized body is read (and dropped) up to this many caps, so the 413 arrives
 
@@ -265,7 +281,7 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
             return _error("the server is shutting down", 503)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = _request_id(request, "chatcmpl" if chat else "cmpl", state.open)
         start = time.perf_counter()
         try:
             queue, added = await state.client.add(rid, payload)
@@ -284,7 +300,9 @@ def build_app(state: ServerState) -> Starlette:
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        return await run.collect(request)
+        response = await run.collect(request)
+        response.headers["X-Request-Id"] = rid
+        return response
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)

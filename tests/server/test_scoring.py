@@ -19,8 +19,8 @@ CONTEXTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
 CONTINUATIONS = [[10, 11], [43, 44, 45]]
 
 
-def _post(server, path, body, **kw):
-    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=120, **kw)
+def _post(server, path, body, headers=None, **kw):
+    return httpx.post(server.url + path, json=body, headers={**server.headers, **(headers or {})}, timeout=120, **kw)
 
 
 def _lm_eval_parse(out: dict, ctxlens: list[int], trailing: int) -> list[tuple[float, bool]]:
@@ -180,6 +180,21 @@ def test_continue_final_message(server, reference_llm):
     assert "x-kda-rt-ignored-fields" not in r.headers
     r = _post(server, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True, "max_tokens": 1})
     assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+
+
+def test_request_id_header(server):
+    """A client's X-Request-Id names the request (`cmpl-{id}`, vLLM's rule) and comes back as a header, streaming or
+    not; ids not plain enough to take are replaced by a random one."""
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "job-42"})
+    assert r.json()["id"] == "cmpl-job-42" and r.headers["x-request-id"] == "cmpl-job-42"
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+              headers={"X-Request-Id": "bad id;"})
+    assert r.json()["id"].startswith("chatcmpl-") and "bad" not in r.json()["id"]
+    assert r.headers["x-request-id"] == r.json()["id"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream": True},
+                      headers={**server.headers, "X-Request-Id": "s1"}, timeout=60) as s:
+        assert s.headers["x-request-id"] == "cmpl-s1"
+        s.read()
 
 
 if __name__ == "__main__":
