@@ -312,6 +312,7 @@ def build_app(state: ServerState) -> Starlette:
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) name for the same check
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

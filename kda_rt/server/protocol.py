@@ -200,6 +200,8 @@ def _structured_outputs(req: _Sampling) -> dict[str, Any] | None:
 
 
 def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+    if req.stream_options is not None and not req.stream:  # as vLLM answers it
+        raise InvalidRequest("stream_options can only be given with stream: true")
     kwargs: dict[str, Any] = {"logit_bias": req.logit_bias or None, "structured_outputs": _structured_outputs(req),
                               "n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": req.seed,
                               "stop": req.stop, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens,

@@ -204,9 +204,10 @@ class StreamChoices(_Shape):
 
 
 def chunk(request_id: str, model: str, chat: bool, choices: list[dict[str, Any]],
-          usage_: dict[str, int] | None = None) -> dict[str, Any]:
+          usage_: dict[str, int] | None = None, created: int | None = None) -> dict[str, Any]:
+    """One SSE chunk; `created` is the request's (every chunk of a stream carries the same, as OpenAI's do)."""
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices}
+            "created": int(time.time()) if created is None else created, "model": model, "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
     return body

@@ -5,6 +5,7 @@ it ends any other way than finished.  Also the JSON / error response helpers the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -53,6 +54,7 @@ class RequestRun:
         self.prompts = added["prompts"]
         self.num_choices = req.n * len(self.prompts)
         self.first: float | None = None
+        self.created = int(time.time())  # the response's and every chunk's "created"
         self.server_aborted = False
         self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
                       "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None}
@@ -124,7 +126,7 @@ class RequestRun:
         finally:
             self._end(outcome)
         body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.state.model_name, "choices": self.choices.build(),
+                "created": self.created, "model": self.state.model_name, "choices": self.choices.build(),
                 "usage": self._usage()}
         if self.chat and self.prompts and "logprobs" in self.prompts[0]:
             body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
@@ -132,6 +134,7 @@ class RequestRun:
 
     async def sse(self) -> AsyncIterator[bytes]:
         outcome, model, chat = "aborted", self.state.model_name, self.chat
+        chunk = functools.partial(responses.chunk, self.rid, model, chat, created=self.created)
         stream = responses.StreamChoices(self.req.n, chat, **self.shape)
         options = self.req.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
@@ -139,24 +142,24 @@ class RequestRun:
             if chat:
                 first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(self.num_choices)]
-                body = responses.chunk(self.rid, model, chat, first, self._usage() if continuous else None)
+                body = chunk(first, self._usage() if continuous else None)
                 if self.prompts and "logprobs" in self.prompts[0]:
                     body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
                 yield _event(body)
             elif self.shape["echo"] or any("logprobs" in p for p in self.prompts):
-                yield _event(responses.chunk(self.rid, model, chat, stream.echo_choices(),
-                                             self._usage() if continuous else None))
+                yield _event(chunk(stream.echo_choices(), self._usage() if continuous else None))
             async for item in self.items():
                 choices = stream.choices(item)
                 if choices:
-                    yield _event(responses.chunk(self.rid, model, chat, choices, self._usage() if continuous else None))
+                    yield _event(chunk(choices, self._usage() if continuous else None))
             if options is not None and options.include_usage:
-                yield _event(responses.chunk(self.rid, model, chat, [], self._usage()))
+                yield _event(chunk([], self._usage()))
             outcome = "finished"
             yield b"data: [DONE]\n\n"
         except (EngineDeadError, EngineTimeoutError) as exc:
             outcome = "error"
             yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
+            yield b"data: [DONE]\n\n"  # a stream always ends so, as vLLM's do after an error event
         finally:
             self._end(outcome)
 

@@ -162,3 +162,20 @@ def test_stopped_engine_is_reported_and_times_out(srv):
         os.kill(srv.engine_pid, signal.SIGCONT)
     time.sleep(0.5)
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+def test_stream_protocol_details(srv):
+    """Every chunk of a stream carries the request's one `created`; stream_options without stream is a 400 (as
+    vLLM); /ping answers as /health does."""
+    import json as _json
+
+    body = {"prompt": "x", "max_tokens": 6, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=srv.headers, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert len({_json.loads(ln[6:])["created"] for ln in lines[:-1]}) == 1
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1,
+                                                      "stream_options": {"include_usage": True}},
+                   headers=srv.headers, timeout=60)
+    assert "stream_options" in _envelope(r, 400)
+    assert httpx.get(srv.url + "/ping", timeout=10).json()["status"] == "ok"

@@ -98,7 +98,8 @@ def test_engine_crash_becomes_503(tmp_path):
         os.kill(srv.engine_pid, signal.SIGKILL)
         for t in threads:
             t.join(60)
-        assert results[0]["error"] is not None and not results[0]["done"], results  # the open stream is told
+        # the open stream is told: an error event with no finish_reason, then [DONE] as vLLM's streams end
+        assert results[0]["error"] is not None and results[0]["finish"] is None and results[0]["done"], results
         deadline = time.monotonic() + 10
         while httpx.get(srv.url + "/health").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.02)
