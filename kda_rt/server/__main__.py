@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                     help="sequences allowed in the engine's waiting queue; beyond it requests get 429 "
                          f"(default {MAX_WAITING}: vLLM queues without a bound, and its benchmark sends 1000 at once)")
+    ap.add_argument("--allowed-origins", nargs="*", default=["*"],
+                    help="CORS: origins browsers may call from (vLLM's default: any); none: no CORS headers")
+    ap.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS: allowed methods")
+    ap.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS: allowed request headers")
+    ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
     ap.add_argument("--api-key", default=env.api_key(),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY)")
@@ -95,7 +100,10 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
     state = ServerState(client, name, aliases=tuple(dict.fromkeys(a for a in aliases if a != name)), listed_aliases=listed,
                         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, log_requests=args.enable_log_requests,
-                        auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None)
+                        auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,
+                        cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                              "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+                        if args.allowed_origins else None)
     from kda_rt.server.http import header_timeout_protocol
 
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,

@@ -98,6 +98,7 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests
     auto_tools: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     metrics: Metrics | None = None
+    cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS headers
     open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
 
     def __post_init__(self) -> None:
@@ -332,4 +333,11 @@ def build_app(state: ServerState) -> Starlette:
         response.headers.update(exc.headers or {})
         return response
 
-    return Starlette(routes=routes, exception_handlers={Exception: internal_error, HTTPException: http_error})
+    middleware = []
+    if state.cors is not None:  # browser front ends calling the server directly (vLLM installs the same middleware)
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, **state.cors))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={Exception: internal_error, HTTPException: http_error})

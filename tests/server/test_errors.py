@@ -134,8 +134,15 @@ def test_vllm_command_line_and_model_names(tmp_path):
     from kda_rt.demo import demo_path
 
     srv = ServerProc(tmp_path / "a.log", "--served-model-name", "kimi", "org/Kimi-Linear", "--trust-remote-code",
-                     "--dtype", "auto")
+                     "--dtype", "auto", "--allowed-origins", "https://ui.example")
     try:
+        pre = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization,content-type"}
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=pre, timeout=10)  # a browser's preflight
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+        r = httpx.options(srv.url + "/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"},
+                          timeout=10)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
         r = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=10).json()
         assert [m["id"] for m in r["data"]] == ["kimi", "org/Kimi-Linear"]
         for name in ("kimi", "org/Kimi-Linear", None):

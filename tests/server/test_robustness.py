@@ -179,3 +179,14 @@ def test_stream_protocol_details(srv):
                    headers=srv.headers, timeout=60)
     assert "stream_options" in _envelope(r, 400)
     assert httpx.get(srv.url + "/ping", timeout=10).json()["status"] == "ok"
+
+
+def test_cors_by_default(srv):
+    """CORS as vLLM sets it by default (any origin): a browser's preflight is answered without the API key, and
+    responses name the origin as allowed."""
+    pre = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(srv.url + "/v1/completions", headers=pre, timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(srv.url + "/v1/models", headers={**srv.headers, "Origin": "http://localhost:3000"}, timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
