@@ -26,7 +26,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from kda_rt.engine.postprocess import DeltaTracker
+from kda_rt.engine.postprocess import OUTPUT_KINDS, DeltaTracker
 
 if TYPE_CHECKING:
     from kda_rt.llm import LLM
@@ -48,9 +48,14 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
         """Yield the new text / token ids of one request as they come; the last output has
-        `finished=True`.  Invalid prompts raise ValueError before anything is yielded."""
+        `finished=True`.  Invalid prompts raise ValueError before anything is yielded.  `output_kind` (vLLM's
+        RequestOutputKind, whose AsyncLLM default is "cumulative"): "delta" (what is new), "cumulative" (each
+        output holds everything so far) or "final" ("final_only": only the last output)."""
+        output_kind = {"final_only": "final"}.get(output_kind, output_kind)  # vLLM's FINAL_ONLY
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         self._bind_loop()
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         if rid in self._queues:
@@ -75,7 +80,10 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield tracker.delta(item)
+                if output_kind == "delta":
+                    yield tracker.delta(item)
+                elif finished or output_kind == "cumulative":
+                    yield item
         finally:
             self._queues.pop(rid, None)
             if not finished:

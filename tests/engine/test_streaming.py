@@ -111,3 +111,23 @@ def test_interleaved_streams_and_generate(llm):
     assert next(iter(got2.values()))[0][:2] == (ref[1].outputs[0].text, ref[1].outputs[0].token_ids)
     assert mid.outputs[0].token_ids == ref[2].outputs[0].token_ids
     assert llm.stats()["slots_used"] == 0 and not llm._parked and not llm._open
+
+
+def test_async_output_kinds(llm):
+    """AsyncLLM.generate(output_kind=...): "cumulative" (vLLM's AsyncLLM default) yields outputs that each hold
+    everything so far, the last equal to the non-streaming result; "final" yields only that one; deltas add up to it."""
+    p = params(max_tokens=8)
+    want = llm.generate("Hello", p)[0].outputs[0]
+
+    async def run(kind):
+        return [out async for out in AsyncLLM(llm).generate("Hello", p, output_kind=kind)]
+
+    cum = asyncio.run(run("cumulative"))
+    assert len(cum) == 8 and [len(o.outputs[0].token_ids) for o in cum] == list(range(1, 9))
+    assert cum[-1].finished and cum[-1].outputs[0].token_ids == want.token_ids and cum[-1].outputs[0].text == want.text
+    final = asyncio.run(run("final_only"))
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == want.token_ids
+    deltas = asyncio.run(run("delta"))
+    assert "".join(o.outputs[0].text for o in deltas) == want.text
+    with pytest.raises(ValueError, match="output_kind"):
+        asyncio.run(run("everything"))
