@@ -186,7 +186,8 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
-        prompt_lps = [self.prompt_logprobs(p, sp.prompt_logprobs)[0] if sp.prompt_logprobs is not None else None
+        prompt_lps = [self.prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)[0]
+                      if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
         ids = self._add_all(prompts, params_list, "cumulative" if stream else "final")
         if any(lp is not None for lp in prompt_lps):

@@ -125,6 +125,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (LLM.generate; vLLM's name)
+    # keep only the prompt's last N tokens (-1: max_model_len of them), as vLLM's left truncation
+    truncate_prompt_tokens: int | None = None
     # {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI / vLLM)
     logit_bias: dict[int, float] | None = None
     # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
@@ -179,6 +181,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an int in [0, 20] or None, got {self.prompt_logprobs!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or 1 <= t <= _MAX_INT32)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an int >= 1, got {t!r}")
         self._validate_logit_bias()
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)

@@ -125,7 +125,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self.prompt_ids(prompt)
+        text, ids = self.request_prompt(prompt, params)
         limit = self.config.max_model_len
         # "maximum context length" as OpenAI and vLLM word it: clients (LiteLLM, LangChain) match that phrase
         if len(ids) >= limit:
@@ -169,6 +169,17 @@ class LLMEngine:
 
             self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._structured
+
+    def request_prompt(self, prompt: str | list[int] | dict, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """`prompt_ids`, then `params.truncate_prompt_tokens`: the last N ids (vLLM's left truncation; -1 is
+        max_model_len of them), and no text once cut (it no longer matches the ids)."""
+        text, ids = self.prompt_ids(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.config.max_model_len if keep == -1 else keep
+            if len(ids) > keep:
+                text, ids = None, ids[len(ids) - keep:]
+        return text, ids
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(text or None, checked token ids) of a prompt.  A text prompt is the model's whole input, so its

@@ -144,7 +144,7 @@ class EngineWorker:
             prompts = self._prompts(msg)
             infos, num_tokens = [], 0
             for prompt in prompts:
-                text, ids = self.engine.prompt_ids(prompt)
+                text, ids = self.engine.request_prompt(prompt, params)
                 num_tokens += len(ids)
                 info: dict[str, Any] = {"num_tokens": len(ids)}
                 if msg.get("echo"):

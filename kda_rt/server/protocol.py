@@ -62,6 +62,7 @@ class _Sampling(msgspec.Struct):
     metadata: dict[str, Any] | None = None  # accepted, not used
     store: bool | None = None  # accepted, nothing is stored
     prompt_logprobs: Logprobs | None = None  # vLLM: top-N logprobs of every prompt token
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=_INT32)] | None = None  # vLLM: keep the last N
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -131,11 +132,25 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     ignored = sorted(set(raw) - set(schema.__struct_fields__))
+    for name in ignored:  # fields that would change the output: refused rather than passed over
+        if name in _UNSUPPORTED and msgspec.json.decode(raw[name]) not in _UNSUPPORTED[name][0]:
+            raise InvalidRequest(f"{name} is not supported by this server ({_UNSUPPORTED[name][1]})")
     if getattr(req, "stream_options", None) is not None:
         inner = msgspec.json.decode(raw["stream_options"], type=dict[str, msgspec.Raw])
         ignored += sorted(f"stream_options.{k}" for k in set(inner) - set(StreamOptions.__struct_fields__))
     return req, ignored
 
+
+# vLLM request fields kda_rt does not implement, whose values other than these change the output: a 400 naming the
+# field instead of an answer made without it (other unknown fields are accepted and listed, issue 13)
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False, None), "no beam search"),
+    "allowed_token_ids": ((None,), "use logit_bias or structured_outputs.choice / regex"),
+    "bad_words": ((None, []), "use logit_bias to ban tokens"),
+    "priority": ((0, None), "requests are served first come, first served"),
+    "chat_template": ((None,), "the checkpoint's template renders every chat"),
+    "echo": ((False, None), "echo is a completions field"),
+}
 
 MAX_JSON_DEPTH = 64  # nesting of `messages` / `tools`: deeper is a 400, before any recursive code sees it
 
@@ -206,7 +221,8 @@ def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | Non
                               "n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": req.seed,
                               "stop": req.stop, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens,
                               "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
-                              "include_stop_str_in_output": req.include_stop_str_in_output}
+                              "include_stop_str_in_output": req.include_stop_str_in_output,
+                              "truncate_prompt_tokens": req.truncate_prompt_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)

@@ -170,3 +170,22 @@ def test_prompt_logprobs_count_checked():
             llm.prompt_logprobs([1, 2, 3], bad)
     dicts, _ = llm.prompt_logprobs([1, 2, 3], 20)
     assert all(len(d) >= 20 for d in dicts[1:])
+
+
+def test_truncate_prompt_tokens():
+    """truncate_prompt_tokens keeps the prompt's last N ids (vLLM's left truncation; -1: max_model_len of them, which
+    leaves no room to generate and is refused as any full prompt is); shorter prompts are untouched; bad values
+    are named."""
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    greedy = dict(temperature=0.0, max_tokens=3)
+    ids = list(range(5, 45))
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=10, **greedy))[0]
+    ref = llm.generate({"prompt_token_ids": ids[-10:]}, SamplingParams(**greedy))[0]
+    assert cut.prompt_token_ids == ids[-10:] and cut.outputs[0].token_ids == ref.outputs[0].token_ids
+    same = llm.generate({"prompt_token_ids": ids[:5]}, SamplingParams(truncate_prompt_tokens=10, **greedy))[0]
+    assert same.prompt_token_ids == ids[:5]
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate({"prompt_token_ids": ids * 2}, SamplingParams(truncate_prompt_tokens=-1, **greedy))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -197,5 +197,26 @@ def test_request_id_header(server):
         s.read()
 
 
+@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("allowed_token_ids", [1, 2]),
+                                              ("bad_words", ["x"]), ("priority", 3), ("chat_template", "{{ x }}"),
+                                              ("echo", True)])
+def test_unsupported_fields_that_change_output_are_400(server, field, value):
+    """vLLM fields kda_rt does not implement are refused by name when their value would change the answer (was:
+    accepted, listed as ignored, and answered without them); their no-op values still pass."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    r = _post(server, "/v1/chat/completions", {**body, field: value})
+    assert r.status_code == 400 and f"{field} is not supported" in r.json()["error"]["message"], r.text
+    noop = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": [], "priority": 0,
+            "chat_template": None, "echo": False}[field]
+    assert _post(server, "/v1/chat/completions", {**body, field: noop}).status_code == 200
+
+
+def test_truncate_prompt_tokens_server(server):
+    """truncate_prompt_tokens: the prompt's last N tokens are used and counted (vLLM)."""
+    r = _post(server, "/v1/completions", {"prompt": list(range(5, 45)), "max_tokens": 1, "truncate_prompt_tokens": 7,
+                                          "echo": True, "logprobs": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 7, r.text
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
