@@ -98,10 +98,12 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str], backend: str = "auto", *, skip_tokenizer_init: bool = False,
                  progress: bool | None = None, report: bool = False, trust_remote_code: bool = False,
-                 tensor_parallel_size: int = 1, **settings: Any) -> None:
+                 tensor_parallel_size: int = 1, chat_template: str | None = None, **settings: Any) -> None:
         """`settings`: any `EngineConfig` field (dtype, max_num_seqs, max_model_len, block_size,
         num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager).  `trust_remote_code` is
-        accepted for vLLM's call lines (no code from the checkpoint is ever run); `tensor_parallel_size` must be 1."""
+        accepted for vLLM's call lines (no code from the checkpoint is ever run); `tensor_parallel_size` must be 1.
+        `chat_template`: a Jinja file's path or the template itself, in place of the checkpoint's (vLLM's
+        --chat-template)."""
         from kda_rt.loader.weights import load_checkpoint
 
         del trust_remote_code  # nothing to trust: the model code is kda_rt's own
@@ -119,10 +121,13 @@ class LLM:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit} (config.json)")
         select_backend(engine_config.backend)  # a clear error before the weights load
         self.tokenizer = None
+        if chat_template is not None and (skip_tokenizer_init or not _has_tokenizer(model_dir)):
+            raise ValueError(f"chat_template needs the tokenizer ({model_dir} has no tiktoken.model, or "
+                             "skip_tokenizer_init is set)")
         if not skip_tokenizer_init and _has_tokenizer(model_dir):
             from kda_rt.text.tokenizer import Tokenizer
 
-            self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.tokenizer = Tokenizer.from_dir(model_dir, chat_template=chat_template)
             if self.tokenizer.vocab_size != self.model_config.vocab_size:
                 logger.warning("tokenizer has %d tokens but the model has %d vocabulary rows; ids the tokenizer does "
                                "not know produce no text", self.tokenizer.vocab_size, self.model_config.vocab_size)

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="model id(s) in the API, the first one in responses (default: the directory name; the "
                          "--model argument as given is accepted too)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template file (or the template itself) in place of the checkpoint's")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="accepted for vLLM's command lines; kda_rt never runs code from a checkpoint")
     ap.add_argument("--host", default="127.0.0.1")
@@ -85,7 +87,8 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
 
         model = str(demo_path())
         logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
-    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting, "log_level": args.log_level}
+    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting, "log_level": args.log_level,
+            "chat_template": args.chat_template}
     client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)

@@ -263,7 +263,7 @@ class EngineWorker:
 def _load(init: dict[str, Any]):
     from kda_rt.llm import LLM
 
-    return LLM(init["model"], progress=None, **init["settings"])
+    return LLM(init["model"], progress=None, chat_template=init.get("chat_template"), **init["settings"])
 
 
 def main(argv: list[str] | None = None) -> int:

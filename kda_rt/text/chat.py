@@ -24,12 +24,23 @@ RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"
 BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
-def template_source(model_dir: Path, config: Mapping[str, Any], where: str) -> tuple[str | None, str]:
-    """(source, name) of the model's chat template: `chat_template.jinja` in the directory, else the
-    config's `chat_template`, else None (the built-in template is used); name says which."""
+def template_source(model_dir: Path, config: Mapping[str, Any], where: str,
+                    override: str | None = None) -> tuple[str | None, str]:
+    """(source, name) of the model's chat template: `override` (vLLM's --chat-template: a file's path, or the
+    template itself when it holds a `{`), else `chat_template.jinja` in the directory, else the config's
+    `chat_template`, else None (the built-in template is used); name says which."""
     from kda_rt.text.tokenizer import TokenizerError
 
-    jinja_path = model_dir / "chat_template.jinja"
+    if override is not None:
+        if not isinstance(override, str) or not override:
+            raise TokenizerError(f"chat_template must be a file path or a template string, got {override!r:.80}")
+        if "{" in override:
+            return override, "the given chat_template"
+        jinja_path = Path(override)
+        if not jinja_path.is_file():
+            raise TokenizerError(f"chat_template {override!r}: no such file (a template string holds '{{')")
+    else:
+        jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():
         try:
             return jinja_path.read_text(encoding="utf-8"), str(jinja_path)

@@ -100,15 +100,16 @@ class Tokenizer:
         self._template_name = chat_template_name or ("built-in template" if chat_template is None else "given template")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load `tiktoken.model` + `tokenizer_config.json` (+ optional `chat_template.jinja`) from a directory."""
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load `tiktoken.model` + `tokenizer_config.json` (+ optional `chat_template.jinja`) from a directory;
+        `chat_template` (a file's path or the template itself) replaces the checkpoint's template."""
         model_dir = Path(model_dir)
         ranks = load_rank_file(model_dir / "tiktoken.model")
         config_path = model_dir / "tokenizer_config.json"
         config = load_json(config_path)
         specials = special_tokens(config, str(config_path), len(ranks))
         tokens = {f: token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
-        template, template_name = template_source(model_dir, config, str(config_path))
+        template, template_name = template_source(model_dir, config, str(config_path), chat_template)
         try:
             return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",
                        chat_template_name=template_name)

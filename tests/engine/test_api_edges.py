@@ -189,3 +189,14 @@ def test_truncate_prompt_tokens():
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_llm_chat_template_argument():
+    """LLM(chat_template=...) renders chats with the given template; without tokenizer files it is refused."""
+    source = "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64, chat_template=source)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1))[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode("<|im_user|>hi<|im_end|>", allow_special=True)
+    with pytest.raises(ValueError, match="chat_template needs the tokenizer"):
+        LLM(str(demo_path()), backend="numpy", chat_template=source, skip_tokenizer_init=True)

@@ -128,8 +128,8 @@ def test_waiting_queue_full_is_429(tmp_path):
 
 
 def test_vllm_command_line_and_model_names(tmp_path):
-    """vLLM's serve line runs (--trust-remote-code, --dtype auto); --served-model-name takes aliases, all listed, the
-    first in responses; any other name is 404.  Without the flag the directory's name is listed and the --model
+    """vLLM's serve line runs (--trust-remote-code, --dtype auto, --chat-template FILE); --served-model-name takes
+    aliases, all listed, the first in responses; any other name is 404.  Without the flag the directory's name is listed and the --model
     argument as given is accepted too (vLLM's default name), e.g. a client copying the launch line."""
     from kda_rt.demo import demo_path
 
@@ -155,8 +155,16 @@ def test_vllm_command_line_and_model_names(tmp_path):
     finally:
         assert srv.stop() == 0, srv.log()
     path = str(demo_path())
-    srv = ServerProc(tmp_path / "b.log", "--model", path)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    srv = ServerProc(tmp_path / "b.log", "--model", path, "--chat-template", str(template))
     try:
+        r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                       headers=srv.headers, timeout=10).json()
+        from kda_rt.text.tokenizer import Tokenizer
+
+        want = Tokenizer.from_dir(path).encode("<|im_user|>hi<|im_end|>", allow_special=True)
+        assert r["tokens"] == want  # the given template, not the checkpoint's
         r = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=10).json()
         assert [m["id"] for m in r["data"]] == [os.path.basename(path)]
         r = httpx.post(srv.url + "/v1/chat/completions", headers=srv.headers, timeout=60,

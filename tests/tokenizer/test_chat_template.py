@@ -127,5 +127,21 @@ def test_continue_final_message(demo_tok):
                                      add_generation_prompt=False, continue_final_message=True)
 
 
+def test_chat_template_override(tmp_path):
+    """A chat template given by the caller (a file's path, or the template itself when it holds '{') replaces the
+    checkpoint's, as vLLM's --chat-template; a missing file is named."""
+    from kda_rt.demo import demo_path
+    from kda_rt.text.tokenizer import Tokenizer, TokenizerError
+
+    source = "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(source)
+    for given in (source, str(path)):
+        tok = Tokenizer.from_dir(demo_path(), chat_template=given)
+        assert tok.apply_chat_template([USER]) == "<|im_user|>Is 123 a prime?<|im_end|>"
+    with pytest.raises(TokenizerError, match="no such file"):
+        Tokenizer.from_dir(demo_path(), chat_template=str(tmp_path / "missing.jinja"))
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
