@@ -81,9 +81,9 @@ class AsyncLLM:
                     raise item
                 finished = item.finished
                 if output_kind == "delta":
-                    yield tracker.delta(item)
+                    yield self._vllm(tracker.delta(item), sampling_params)
                 elif finished or output_kind == "cumulative":
-                    yield item
+                    yield self._vllm(item, sampling_params)
         finally:
             self._queues.pop(rid, None)
             if not finished:
@@ -101,6 +101,10 @@ class AsyncLLM:
     def _abort_later(self, rid: str) -> None:
         self._to_abort.append(rid)  # applied under the lock before the next step
         self._ensure_task()
+
+    def _vllm(self, out: RequestOutput, params: SamplingParams | None) -> RequestOutput:
+        """Logprobs as vLLM's {token: Logprob} (LLM._vllm_output)."""
+        return out if params is None or params.logprobs is None else self.llm._vllm_output(out, params, None)
 
     def stats(self) -> dict[str, int]:
         return self._locked(self.engine.stats)

@@ -22,7 +22,7 @@ from kda_rt.engine.config import offline_batched_tokens
 from kda_rt.engine.postprocess import DeltaTracker
 from kda_rt.engine.runner import make_runner, select_backend
 from kda_rt.loader.config import load_config
-from kda_rt.outputs import RequestOutput
+from kda_rt.outputs import Logprob, RequestOutput, vllm_logprobs
 from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -191,13 +191,13 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
-        prompt_lps = [self.prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)[0]
+        prompt_lps = [self._vllm_prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
         ids = self._add_all(prompts, params_list, "cumulative" if stream else "final")
-        if any(lp is not None for lp in prompt_lps):
-            by_id = dict(zip(ids, prompt_lps, strict=True))
-            attach = lambda out: dataclasses.replace(out, prompt_logprobs=by_id.get(out.request_id))  # noqa: E731
+        if any(lp is not None for lp in prompt_lps) or any(sp.logprobs is not None for sp in params_list):
+            by_id = {rid: (sp, lps) for rid, sp, lps in zip(ids, params_list, prompt_lps, strict=True)}
+            attach = lambda out: self._vllm_output(out, *by_id[out.request_id])  # noqa: E731
         else:
             attach = None
         if stream:
@@ -219,6 +219,22 @@ class LLM:
                 bar.close()
             self._abort_all(ids)
         return [attach(final[rid]) if attach else final[rid] for rid in ids]
+
+    def _decode_token(self, token: int) -> str | None:
+        tok = self.tokenizer
+        return tok.decode([token]) if tok is not None and token < tok.vocab_size else None
+
+    def _vllm_output(self, out: RequestOutput, params: SamplingParams, prompt_lps: list | None) -> RequestOutput:
+        """`out` with its logprobs as vLLM's {token: Logprob} and its prompt logprobs attached."""
+        outputs = [c if c.logprobs is None else dataclasses.replace(
+            c, logprobs=[vllm_logprobs(e, params.logprobs, self._decode_token) for e in c.logprobs])
+            for c in out.outputs]
+        return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_lps)
+
+    def _vllm_prompt_logprobs(self, ids: list[int], num: int) -> list[dict[int, Logprob] | None]:
+        dicts, ranks = self.prompt_logprobs(ids, num)
+        return [None] + [vllm_logprobs(d, num, self._decode_token, rank=r)
+                         for d, r in zip(dicts[1:], ranks[1:], strict=True)]
 
     def _add_all(self, prompts: list, params_list: list[SamplingParams], output_kind: str) -> list[str]:
         """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted.

@@ -4,7 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CompletionOutput", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput", "vllm_logprobs"]
+
+
+class Logprob(float):
+    """One token's log probability as vLLM's `Logprob` (`.logprob`, `.rank`: 1 = most likely, None where the
+    step did not rank it; `.decoded_token`), and at the same time that float: code written for plain
+    {token_id: float} dicts keeps working.  The offline API (`LLM`, `AsyncLLM`) hands these out."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank, obj.decoded_token = rank, decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+def vllm_logprobs(entry: dict[int, float], num: int, decode, rank: int | None = None) -> dict[int, Logprob]:
+    """{token: Logprob} of one position's {token: logprob}: the chosen token first, then the top `num` by value
+    (samplers' and prompt_logprobs' order).  Each top token's rank is 1 + the entries above it (every token above
+    it is among them); so is the chosen token's when it is one of the top `num` (the dict then holds at most `num`
+    entries), else its rank is `rank` (when the caller knows it) or None.  `decode(token) -> str` names them."""
+    items = list(entry.items())
+    chosen_in_top = len(items) <= num
+    out = {}
+    for k, (token, value) in enumerate(items):
+        if k == 0 and rank is not None:
+            r = rank
+        else:
+            r = 1 + sum(v > value for _, v in items) if k > 0 or chosen_in_top else None
+        out[token] = Logprob(value, r, decode(token))
+    return out
 
 
 @dataclass
@@ -13,7 +53,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    # per generated token: {token_id: logprob} (offline: `Logprob`s, floats with vLLM's rank and decoded_token)
+    logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

@@ -47,3 +47,41 @@ def test_chat_with_tool_history_and_none_content(llm):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_logprobs_are_vllm_logprob_objects():
+    """Offline logprobs are vLLM's Logprob (`.logprob`, `.rank`, `.decoded_token`) and still the floats they were:
+    the top-N ranks are 1..N in order, the sampled token's rank is exact when it is among them (greedy: 1), the
+    decoded token is the tokenizer's; prompt logprobs carry the ranks llm.prompt_logprobs computes."""
+    from kda_rt import LLM, Logprob, SamplingParams
+    from kda_rt.demo import demo_path
+
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    tok = llm.get_tokenizer()
+    out = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2))[0]
+    c = out.outputs[0]
+    for token, entry in zip(c.token_ids, c.logprobs, strict=True):
+        assert all(isinstance(v, Logprob) and v.logprob == float(v) for v in entry.values())
+        assert entry[token].rank == 1 and entry[token].decoded_token == tok.decode([token])
+        assert sorted(v.rank for v in entry.values()) == list(range(1, len(entry) + 1))
+    assert abs(sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)) - c.cumulative_logprob) < 1e-6
+    _, ranks = llm.prompt_logprobs(out.prompt_token_ids, 2)
+    assert out.prompt_logprobs[0] is None
+    for token, entry, rank in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], ranks[1:], strict=True):
+        assert entry[token].rank == rank and isinstance(entry[token], Logprob)
+
+
+def test_vllm_logprobs_rank_rules():
+    """The sampled token first, then the top N: ranks from the order wherever every token above is listed; a sampled
+    token outside the top N (N + 1 entries) has rank None unless the caller knows it."""
+    from kda_rt.outputs import vllm_logprobs
+
+    def name(t):
+        return f"t{t}"
+
+    inside = vllm_logprobs({5: -1.0, 7: -0.5, 9: -2.0}, 3, name)  # sampled 5 is the 2nd most likely
+    assert [inside[t].rank for t in (5, 7, 9)] == [2, 1, 3] and inside[9].decoded_token == "t9"
+    outside = vllm_logprobs({5: -3.0, 7: -0.5, 9: -2.0}, 2, name)
+    assert [outside[t].rank for t in (5, 7, 9)] == [None, 1, 2]
+    assert vllm_logprobs({5: -3.0, 7: -0.5, 9: -2.0}, 2, name, rank=40)[5].rank == 40
+    assert vllm_logprobs({5: -3.0}, 0, name)[5].rank is None
