@@ -24,6 +24,7 @@ import gc
 import itertools
 import logging
 import random
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -218,6 +219,11 @@ class LLMEngine:
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab:
                 raise ValueError(f"prompt token id {i!r} is outside the vocabulary [0, {vocab})")
         return text, [int(i) for i in ids]
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """vLLM's name: abort one request or several (`abort` returns the final output of one)."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self.abort(rid)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request now; its slots and pages return to the pools at once.  Returns its final

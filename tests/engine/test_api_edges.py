@@ -200,3 +200,14 @@ def test_llm_chat_template_argument():
     assert out.prompt_token_ids == tok.encode("<|im_user|>hi<|im_end|>", allow_special=True)
     with pytest.raises(ValueError, match="chat_template needs the tokenizer"):
         LLM(str(demo_path()), backend="numpy", chat_template=source, skip_tokenizer_init=True)
+
+
+def test_abort_request_alias():
+    """LLMEngine.abort_request (vLLM's name) takes one id or several; the slots come back."""
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    engine = llm.llm_engine
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, "hi", SamplingParams(max_tokens=5))
+    engine.abort_request("a")
+    engine.abort_request(["b", "c", "unknown"])
+    assert not engine.requests and llm.stats()["slots_used"] == 0
