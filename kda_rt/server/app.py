@@ -67,16 +67,18 @@ def _note_ignored(response: Response, fields: list[str]) -> None:
         value = value[:_MAX_HEADER_CHARS].rsplit(", ", 1)[0] + ", ..."
     response.headers[IGNORED_HEADER] = value
 
-_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/=+-]{1,128}")  # an X-Request-Id the server takes into its ids
+# an X-Request-Id the server takes into its ids ('/' is left out: the engine names a request's prompts `{id}/{k}`)
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:=+-]{1,128}")
 
 
-def _request_id(request: Request, prefix: str, open_ids: Mapping[str, Any]) -> str:
+def _request_id(request: Request, prefix: str, *taken: Mapping[str, Any]) -> str:
     """The request's id: `{prefix}-{X-Request-Id}` when the client sends a plain one (vLLM's rule), with a random
-    suffix only when that id is still in flight; else `{prefix}-{random hex}`."""
+    suffix when that id is in any of `taken` (in flight, or being added: the caller adds it before its next await);
+    else `{prefix}-{random hex}`."""
     client = request.headers.get("x-request-id", "")
     if _CLIENT_ID.fullmatch(client):
         rid = f"{prefix}-{client}"
-        return rid if rid not in open_ids else f"{rid}-{uuid.uuid4().hex[:8]}"
+        return rid if not any(rid in t for t in taken) else f"{rid}-{uuid.uuid4().hex[:8]}"
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
@@ -282,7 +284,7 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
             return _error("the server is shutting down", 503)
-        rid = _request_id(request, "chatcmpl" if chat else "cmpl", state.open)
+        rid = _request_id(request, "chatcmpl" if chat else "cmpl", state.open, state.client.queues)
         start = time.perf_counter()
         try:
             queue, added = await state.client.add(rid, payload)

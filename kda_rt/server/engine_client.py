@@ -134,6 +134,8 @@ class EngineClient:
         and per prompt `num_tokens`, echo `text`, `logprobs`).  Raises RequestRejected or EngineDeadError.  The queue yields `outs` items, then None at the end
         (or an EngineDeadError instance if the engine dies first)."""
         self._check_alive()
+        if request_id in self.queues or request_id in self._pending:  # its replies would reach the other one
+            raise RequestRejected(400, f"request id {request_id!r} is already in use")
         try:
             frame = pack({"op": "add", "id": request_id, **payload})
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits in `tools`

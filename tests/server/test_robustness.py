@@ -190,3 +190,47 @@ def test_cors_by_default(srv):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     r = httpx.get(srv.url + "/v1/models", headers={**srv.headers, "Origin": "http://localhost:3000"}, timeout=10)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_request_id_reserved_while_adding():
+    """An X-Request-Id already in flight, or still being added (in the client's queues before the engine answers),
+    gets a random suffix: two concurrent requests with one header must not share an id (they swapped outputs and
+    one hung); '/' (the engine's prompt separator) is not taken from clients."""
+    from starlette.requests import Request
+
+    from kda_rt.server.app import _request_id
+
+    def req(value: bytes) -> Request:
+        return Request({"type": "http", "headers": [(b"x-request-id", value)]})
+
+    assert _request_id(req(b"same"), "cmpl", {}, {}) == "cmpl-same"
+    for taken in ({"cmpl-same": 1}, {}), ({}, {"cmpl-same": 1}):
+        rid = _request_id(req(b"same"), "cmpl", *taken)
+        assert rid.startswith("cmpl-same-") and len(rid) == len("cmpl-same-") + 8
+    assert "foo/1" not in _request_id(req(b"foo/1"), "cmpl", {}, {})
+
+
+def test_same_request_id_concurrently(srv):
+    """Two requests sent together with one X-Request-Id (the first slow to add: prompt logprobs) each get their
+    own answer."""
+    import threading
+
+    slow = {"prompt": list(range(5, 200)), "max_tokens": 2, "prompt_logprobs": 5, "temperature": 0.0}
+    fast = {"prompt": "Zebra 123 zebra", "max_tokens": 4, "temperature": 0.0}
+    alone = httpx.post(srv.url + "/v1/completions", json=fast, headers=srv.headers, timeout=60).json()
+    results = {}
+
+    def send(name, body):
+        results[name] = httpx.post(srv.url + "/v1/completions", json=body, timeout=60,
+                                   headers={**srv.headers, "X-Request-Id": "same"})
+
+    threads = [threading.Thread(target=send, args=("slow", slow))]
+    threads[0].start()
+    time.sleep(0.02)
+    threads.append(threading.Thread(target=send, args=("fast", fast)))
+    threads[1].start()
+    for t in threads:
+        t.join(90)
+    assert results["slow"].status_code == 200 and results["fast"].status_code == 200
+    assert results["fast"].json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert results["slow"].json()["id"] != results["fast"].json()["id"]
