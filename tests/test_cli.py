@@ -85,16 +85,13 @@ def test_runtime_dependencies_match_imports():
     assert imported - optional <= {IMPORT_NAMES[d] for d in required}, "runtime code imports an undeclared package"
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--port", "99999"], "--port must be in [0, 65535]"), (["--port", "-1"], "--port must be in [0, 65535]"),
     (["--engine-start-timeout", "-5"], "--engine-start-timeout must be"),
     (["--engine-start-timeout", "nan"], "--engine-start-timeout must be"),
     (["--engine-timeout", "nan"], "--engine-timeout must be"), (["--body-timeout", "inf"], "--body-timeout must be"),
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be"),
+    (["--allow-credentials"], "--allow-credentials needs the origins named"),
 ])
 def test_serve_flag_bounds(capsys, argv, needle):
     """Out-of-range serve flags are refused by name before the model loads (was: --port 99999 an OverflowError
@@ -103,3 +100,7 @@ def test_serve_flag_bounds(capsys, argv, needle):
 
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -412,8 +412,10 @@ class LLMEngine:
         if not isinstance(token_ids, (list, tuple, np.ndarray)):
             raise TypeError(f"token_ids must be a list of token ids, got {type(token_ids).__name__}")
         _, ids = self.prompt_ids({"prompt_token_ids": list(token_ids)})
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"token_ids has {len(ids)} tokens; max_model_len is {self.config.max_model_len}")
+        limit = self.config.max_model_len
+        if len(ids) > limit:  # (prompt logprobs come through here before add_request checks the prompt)
+            raise ValueError(f"This model's maximum context length is {limit} tokens: prompt has {len(ids)} tokens; "
+                             f"max_model_len is {limit}")
         sched = self.scheduler
         need = sched.pages_for(len(ids))
         if sched.slots.num_free < 1 or sched.pages.num_free < need:

@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}",
               file=sys.stderr)
         return 2
+    if args.allow_credentials and "*" in (args.allowed_origins or []):
+        print("error: --allow-credentials needs the origins named in --allowed-origins (with '*' any web page could "
+              "make credentialed calls)", file=sys.stderr)
+        return 2
     if args.max_waiting < 1 or args.max_body_bytes < 1:
         print("error: --max-waiting and --max-body-bytes must be >= 1", file=sys.stderr)
         return 2

@@ -206,17 +206,27 @@ class Tokenizer:
                                     continue_final_message=continue_final_message)
         validate_messages(messages, tools, chat_template_kwargs)
         _check_continue(messages, add_generation_prompt, continue_final_message)
-        text = self._render(normalize_messages(messages), add_generation_prompt, tools, chat_template_kwargs)
-        return text[:len(text) - len(self._final_tail(text, messages))] if continue_final_message else text
+        messages = normalize_messages(messages)
+        text = self._render(messages, add_generation_prompt, tools, chat_template_kwargs)
+        if continue_final_message:
+            text = text[:len(text) - len(self._final_tail(text, messages, tools, chat_template_kwargs))]
+        return text
 
-    def _final_tail(self, rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
-        """What the template put after the last message's content (continue_final_message)."""
+    def _final_tail(self, rendered: str, messages: list[dict[str, Any]], tools: Any, extra: Any) -> str:
+        """What the template put after the last message's content (continue_final_message): found by rendering
+        again with a mark after that content (a search for the content itself can land inside the end marker,
+        e.g. for the content "e"), and checked to follow the content in `rendered`."""
         content = messages[-1]["content"]
-        at = rendered.rfind(content)
-        if at < 0:
+        mark = "\ue001"
+        while mark in rendered:
+            mark += "\ue001"
+        marked = self._render([*messages[:-1], {**messages[-1], "content": content + mark}], False, tools, extra)
+        at = marked.rfind(mark)
+        tail = marked[at + len(mark):] if at >= 0 else None
+        if tail is None or not rendered.endswith(content + tail):
             raise ValueError("continue_final_message: the chat template does not print the last message's content "
                              "as it is, so the prompt cannot stop right after it")
-        return rendered[at + len(content):]
+        return tail
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -269,7 +279,7 @@ class Tokenizer:
             span.append(part[pos:])
         ids += self.encode("".join(span))
         if continue_final_message:
-            tail = self.encode(self._final_tail(real, messages), allow_special=True)
+            tail = self.encode(self._final_tail(real, messages, tools, chat_template_kwargs), allow_special=True)
             if tail and ids[len(ids) - len(tail):] != tail:
                 raise ValueError("continue_final_message: the template's text after the last message's content "
                                  "does not tokenize apart from it")

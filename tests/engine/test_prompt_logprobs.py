@@ -85,3 +85,14 @@ def test_vllm_logprobs_rank_rules():
     assert [outside[t].rank for t in (5, 7, 9)] == [None, 1, 2]
     assert vllm_logprobs({5: -3.0, 7: -0.5, 9: -2.0}, 2, name, rank=40)[5].rank == 40
     assert vllm_logprobs({5: -3.0}, 0, name)[5].rank is None
+
+
+def test_prompt_logprobs_over_the_context_length_names_it():
+    """A prompt over max_model_len with prompt_logprobs fails in the scoring pass with the same "maximum context
+    length" message as without them (LiteLLM / LangChain match the phrase)."""
+    from kda_rt import LLM, SamplingParams
+    from kda_rt.demo import demo_path
+
+    llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens: prompt has 95 tokens"):
+        llm.generate({"prompt_token_ids": list(range(5, 100))}, SamplingParams(max_tokens=1, prompt_logprobs=1))

@@ -169,9 +169,12 @@ def test_stream_protocol_details(srv):
     vLLM); /ping answers as /health does."""
     import json as _json
 
-    body = {"prompt": "x", "max_tokens": 6, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=srv.headers, timeout=60) as r:
+    body = {"prompt": "x", "max_tokens": 250, "n": 16, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=srv.headers, timeout=120) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    # the stream must cross a second boundary for the check to mean anything (a per-chunk clock would differ)
+    assert time.monotonic() - start > 1.0, "the stream ended within a second: lengthen it"
     assert lines[-1] == "data: [DONE]"
     assert len({_json.loads(ln[6:])["created"] for ln in lines[:-1]}) == 1
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1,

@@ -120,6 +120,12 @@ def test_continue_final_message(demo_tok):
     assert ids == demo_tok.encode(text, allow_special=True) == demo_tok.apply_chat_template(
         messages, add_generation_prompt=False, continue_final_message=True, tokenize=True)
     assert demo_tok.apply_chat_template(messages, tokenize=True) == demo_tok.encode_chat(messages)
+    for short in ("e", "end", "im", "|", "<"):  # contents that also occur inside the end marker
+        cut = [USER, {"role": "assistant", "content": short}]
+        text = demo_tok.apply_chat_template(cut, add_generation_prompt=False, continue_final_message=True)
+        assert text.endswith("<|im_middle|>" + short), (short, text[-30:])
+        assert demo_tok.encode_chat(cut, add_generation_prompt=False, continue_final_message=True) == \
+            demo_tok.encode_chat(cut, add_generation_prompt=False)[:-1]
     with pytest.raises(ValueError, match="add_generation_prompt"):
         demo_tok.encode_chat(messages, continue_final_message=True)
     with pytest.raises(ValueError, match="non-empty string"):
