@@ -19,8 +19,9 @@ def arch_override() -> str | None:
 
 
 def api_key() -> str | None:
-    """KDA_RT_API_KEY: default for `python -m kda_rt.serve --api-key` (require 'Authorization: Bearer KEY')."""
-    return os.environ.get("KDA_RT_API_KEY") or None
+    """KDA_RT_API_KEY (else vLLM's VLLM_API_KEY): default for `python -m kda_rt.serve --api-key` (require
+    'Authorization: Bearer KEY')."""
+    return os.environ.get("KDA_RT_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 def log_stats_interval() -> float:

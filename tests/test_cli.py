@@ -92,6 +92,7 @@ def test_runtime_dependencies_match_imports():
     (["--engine-timeout", "nan"], "--engine-timeout must be"), (["--body-timeout", "inf"], "--body-timeout must be"),
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be"),
     (["--allow-credentials"], "--allow-credentials needs the origins named"),
+    (["--ssl-keyfile", "k.pem"], "go together"), (["--ssl-keyfile", "/no/k", "--ssl-certfile", "/no/c"], "no such file"),
 ])
 def test_serve_flag_bounds(capsys, argv, needle):
     """Out-of-range serve flags are refused by name before the model loads (was: --port 99999 an OverflowError

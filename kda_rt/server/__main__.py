@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
     ap.add_argument("--api-key", default=env.api_key(),
-                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY)")
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY, else $VLLM_API_KEY)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
     ap.add_argument("--engine-timeout", type=float, default=60.0,
@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                     help="for the HTTP and the engine process alike")
+    ap.add_argument("--disable-log-stats", action="store_true",
+                    help="no periodic throughput / usage log line (else every $KDA_RT_LOG_STATS_INTERVAL s, 10)")
+    ap.add_argument("--uvicorn-log-level", default=None, choices=("critical", "error", "warning", "info", "debug",
+                                                                  "trace"),
+                    help="uvicorn's own log level (default: --log-level)")
+    ap.add_argument("--root-path", default="", help="ASGI root_path, behind a proxy that serves the API under a prefix")
+    ap.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key (and --ssl-certfile)")
+    ap.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (and --ssl-keyfile)")
     ap.add_argument("--enable-log-requests", action="store_true",
                     help="log each request (id, prompt tokens, sampling parameters) and its end at INFO")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -88,7 +96,7 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
         model = str(demo_path())
         logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
     init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting, "log_level": args.log_level,
-            "chat_template": args.chat_template}
+            "chat_template": args.chat_template, "disable_log_stats": args.disable_log_stats}
     client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)
@@ -109,7 +117,9 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
                         if args.allowed_origins else None)
     from kda_rt.server.http import header_timeout_protocol
 
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
+                            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                             timeout_graceful_shutdown=5, access_log=False, log_config=None,
                             http=header_timeout_protocol(args.header_timeout))
     server = _Server(config)
@@ -186,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}",
               file=sys.stderr)
         return 2
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
+        return 2
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            print(f"error: {flag} {path!r}: no such file", file=sys.stderr)
+            return 2
     if args.allow_credentials and "*" in (args.allowed_origins or []):
         print("error: --allow-credentials needs the origins named in --allowed-origins (with '*' any web page could "
               "make credentialed calls)", file=sys.stderr)

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     conn.send({"op": "ready", "backend": llm.backend, "max_model_len": cfg.max_model_len,
                "max_num_seqs": cfg.max_num_seqs, "vocab_size": llm.model_config.vocab_size,
                "has_tokenizer": llm.tokenizer is not None})
-    worker = EngineWorker(llm, conn, init["max_waiting"])
+    worker = EngineWorker(llm, conn, init["max_waiting"], 0.0 if init.get("disable_log_stats") else None)
     try:
         worker.run()
     except Exception as exc:

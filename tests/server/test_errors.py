@@ -193,5 +193,24 @@ def test_bad_tool_definitions_are_400(server, fn, needle, choice):
     assert _post(server, "/v1/chat/completions", {"messages": body["messages"], "max_tokens": 1}).status_code == 200
 
 
+def test_operational_flags(tmp_path, monkeypatch):
+    """--disable-log-stats silences the periodic throughput line (here due every 0.05 s), --root-path serves the API
+    as before (a proxy strips the prefix), --uvicorn-log-level is taken; $VLLM_API_KEY sets the key as
+    $KDA_RT_API_KEY does."""
+    monkeypatch.setenv("KDA_RT_LOG_STATS_INTERVAL", "0.05")
+    monkeypatch.delenv("KDA_RT_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    srv = ServerProc(tmp_path / "a.log", "--disable-log-stats", "--root-path", "/api", "--uvicorn-log-level", "warning",
+                     api_key=None)
+    try:
+        body = {"prompt": "a", "max_tokens": 30, "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer vk"}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "prompt throughput" not in srv.log()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
