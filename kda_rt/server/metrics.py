@@ -4,7 +4,8 @@
 vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1]),
 num_preemptions_total, prompt_tokens_total, generation_tokens_total, request_success_total
 {finished_reason}, time_to_first_token_seconds, time_per_output_token_seconds,
-e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens.
+e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens, request_decode_time_seconds,
+inter_token_latency_seconds, request_params_n, request_params_max_tokens.
 Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free,
 state_slots_used / _free, engine_steps_total, prompt_tokens_computed_total (prefill tokens run,
 recomputation included), engine_requests_finished_total / _aborted_total, http_requests_total
@@ -118,6 +119,14 @@ class Metrics:
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self._req_gen = Histogram(p + "request_generation_tokens", "Generated tokens per request.", name,
                                   buckets=_TOKEN_BUCKETS, registry=r)
+        self._decode = Histogram(p + "request_decode_time_seconds", "Time from a request's first token to its end.",
+                                 name, buckets=_E2E_BUCKETS, registry=r)
+        self._itl = Histogram(p + "inter_token_latency_seconds", "Time between a request's successive token deliveries.",
+                              name, buckets=_TPOT_BUCKETS, registry=r)
+        self._params_n = Histogram(p + "request_params_n", "The n of each request.", name,
+                                   buckets=(1, 2, 5, 10, 20), registry=r)
+        self._params_max_tokens = Histogram(p + "request_params_max_tokens", "The max_tokens of each request.", name,
+                                            buckets=_TOKEN_BUCKETS, registry=r)
         for outcome in ("finished", "aborted", "rejected", "error"):
             self._outcomes.labels(model_name, outcome)
         self.registry.register(_EngineCollector(self))
@@ -131,10 +140,17 @@ class Metrics:
     def started(self) -> None:
         self._in_flight.labels(self.model_name).inc()
 
+    def token_gap(self, seconds: float) -> None:
+        """One gap between a request's successive deliveries of tokens (vLLM's inter-token latency)."""
+        self._itl.labels(self.model_name).observe(seconds)
+
     def finish(self, outcome: str, prompt_tokens: int, completion_tokens: int, *, start: float, first: float | None,
-               end: float, finished_reason: str | None = None) -> None:
-        """Record one admitted request: outcome, tokens, and its latencies (perf_counter times)."""
+               end: float, finished_reason: str | None = None, n: int = 1, max_tokens: int | None = None) -> None:
+        """Record one admitted request: outcome, tokens, its latencies (perf_counter times) and parameters."""
         m = self.model_name
+        self._params_n.labels(m).observe(n)
+        if max_tokens is not None:
+            self._params_max_tokens.labels(m).observe(max_tokens)
         self._in_flight.labels(m).dec()
         self._outcomes.labels(m, outcome).inc()
         if outcome == "finished" and finished_reason is not None:
@@ -145,6 +161,7 @@ class Metrics:
         self._req_gen.labels(m).observe(completion_tokens)
         if first is not None:
             self._ttft.labels(m).observe(first - start)
+            self._decode.labels(m).observe(end - first)
             if completion_tokens > 1:
                 self._tpot.labels(m).observe((end - first) / (completion_tokens - 1))
         self._e2e.labels(m).observe(end - start)

@@ -52,8 +52,10 @@ class RequestRun:
         self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
         self.prompt_tokens, self.start = added["prompt_tokens"], start
         self.prompts = added["prompts"]
+        self.max_tokens = payload["params"].get("max_tokens")
         self.num_choices = req.n * len(self.prompts)
         self.first: float | None = None
+        self.last = 0.0  # when the latest delta with tokens came (inter-token latency)
         self.created = int(time.time())  # the response's and every chunk's "created"
         self.server_aborted = False
         self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
@@ -76,8 +78,13 @@ class RequestRun:
                      "stop_reason": None} for i in range(self.num_choices) if i not in done]}
             if isinstance(item, BaseException):
                 raise item
-            if self.first is None and any(c["token_ids"] for c in item["outputs"]):
-                self.first = time.perf_counter()
+            if any(c["token_ids"] for c in item["outputs"]):
+                now = time.perf_counter()
+                if self.first is None:
+                    self.first = now
+                else:
+                    self.state.metrics.token_gap(now - self.last)
+                self.last = now
             self.choices.add(item)
             yield item
             if item["finished"]:
@@ -91,6 +98,7 @@ class RequestRun:
         end = time.perf_counter()
         reason = self.choices.finish[0][0] if self.choices.finish else None
         self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
+                                  n=self.req.n, max_tokens=self.max_tokens,
                                   first=self.first, end=end, finished_reason=reason)
         if self.state.log_requests:
             logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,

@@ -137,6 +137,21 @@ def test_metrics_have_vllm_names_and_model_label(server):
     assert 0.0 <= m["kda_rt:kv_cache_usage_perc"] <= 1.0
 
 
+def test_latency_and_parameter_metrics(server):
+    """vLLM's request_decode_time_seconds, inter_token_latency_seconds, request_params_n / _max_tokens: one request
+    of n = 2 and max_tokens = 5 moves each by what it should."""
+    before = parse_metrics(httpx.get(server.url + "/metrics").text)
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 5, "n": 2, "ignore_eos": True})
+    assert r.status_code == 200
+    after = parse_metrics(httpx.get(server.url + "/metrics").text)
+
+    def moved(name):
+        return after[f"kda_rt:{name}"] - before.get(f"kda_rt:{name}", 0)
+
+    assert moved("request_params_n_sum") == 2 and moved("request_params_max_tokens_sum") == 5
+    assert moved("request_decode_time_seconds_count") == 1 and moved("inter_token_latency_seconds_count") >= 1
+
+
 def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
     monkeypatch.setenv("KDA_RT_LOG_STATS_INTERVAL", "0.05")
     srv = ServerProc(tmp_path / "info.log", "--enable-log-requests", api_key=None)
