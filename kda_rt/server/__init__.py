@@ -6,6 +6,7 @@ engine in its own process behind msgpack frames.  Needs the `server` extra (`kda
     http.py           uvicorn's HTTP protocol with a header read timeout
     protocol.py       request schemas (msgspec) -> engine payloads; the OpenAI error envelope
     responses.py      response bodies and stream chunks from engine deltas
+    responses_api.py  POST /v1/responses: the Responses API as a chat request, its bodies and stream events
     engine_client.py  HTTP side of the engine process: spawn, frames, per-request queues
     engine_proc.py    the engine process: frames in, LLMEngine.step(), deltas out
     wire.py           msgpack frame format

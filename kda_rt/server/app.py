@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kda_rt.server import protocol
+from kda_rt.server import protocol, responses_api
 from kda_rt.server.engine_client import EngineClient, EngineDeadError, EngineTimeoutError, RequestRejected
 from kda_rt.server.metrics import CONTENT_TYPE, Metrics
 from kda_rt.server.run import ABORTED as _ABORTED
@@ -237,11 +237,12 @@ def build_app(state: ServerState) -> Starlette:
     async def detokenize(request: Request) -> Response:
         return await text_op(request, "detokenize")
 
-    async def generate(request: Request, chat: bool) -> Response:
-        endpoint = "chat" if chat else "completions"
+    async def generate(request: Request, chat: bool, api: str | None = None) -> Response:
+        """Completions, chat, or (api="responses", chat=True) the Responses API over a chat request."""
+        endpoint = api or ("chat" if chat else "completions")
         ignored: list[str] = []
         try:
-            response = await _generate(request, chat, ignored)
+            response = await _generate(request, chat, ignored, api)
         except RecursionError:  # a nesting check missed a path: still the client's input, still counted
             response = _error("request body is nested too deeply", 400)
         except ClientDisconnect:
@@ -255,14 +256,20 @@ def build_app(state: ServerState) -> Starlette:
             _note_ignored(response, ignored)
         return response
 
-    async def _generate(request: Request, chat: bool, ignored: list[str]) -> Response:
+    async def _generate(request: Request, chat: bool, ignored: list[str], api: str | None) -> Response:
         if not authorized(request):
             return _error("invalid or missing API key", 401)
         if state.draining:
             return _error("the server is shutting down", 503)
         try:
             body = await asyncio.wait_for(_read_body(request, state.max_body_bytes), state.body_timeout)
-            if chat:
+            outer = None  # the Responses API's own request, around the chat request it runs as
+            if api == "responses":
+                outer, names = protocol.decode_body(body, responses_api.ResponsesRequest)
+                ignored += names
+                req = responses_api.chat_request(outer)
+                payload = protocol.chat_payload(req, state.auto_tools)
+            elif chat:
                 req, names = protocol.decode_body(body, protocol.ChatCompletionRequest)
                 ignored += names
                 payload = protocol.chat_payload(req, state.auto_tools)
@@ -284,7 +291,8 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
             return _error("the server is shutting down", 503)
-        rid = _request_id(request, "chatcmpl" if chat else "cmpl", state.open, state.client.queues)
+        prefix = "resp" if api == "responses" else "chatcmpl" if chat else "cmpl"
+        rid = _request_id(request, prefix, state.open, state.client.queues)
         start = time.perf_counter()
         try:
             queue, added = await state.client.add(rid, payload)
@@ -301,9 +309,10 @@ def build_app(state: ServerState) -> Starlette:
                         f", tools {payload['tool_mode']}" if chat and payload.get("tool_mode") else "")
         run = RequestRun(state, rid, req, chat, queue, added, payload, start)
         if req.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream",
+            events = responses_api.events(run, outer) if api == "responses" else run.sse()
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        response = await run.collect(request)
+        response = await run.collect(request, responses_api.shape(rid, outer) if api == "responses" else None)
         response.headers["X-Request-Id"] = rid
         return response
 
@@ -312,6 +321,9 @@ def build_app(state: ServerState) -> Starlette:
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
+
+    async def responses_create(request: Request) -> Response:
+        return await generate(request, chat=True, api="responses")
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -323,6 +335,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses_create, methods=["POST"]),
     ]
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)

@@ -107,7 +107,9 @@ class RequestRun:
     def _usage(self) -> dict[str, int]:
         return responses.usage(self.prompt_tokens, self.choices.completion_tokens)
 
-    async def collect(self, request: Request) -> Response:
+    async def collect(self, request: Request, shape=None) -> Response:
+        """The whole answer once the request ends (a client disconnect aborts it); `shape(body)` turns the chat
+        body into another API's (the Responses API)."""
         outcome = "aborted"
         try:
             it = self.items()
@@ -138,7 +140,7 @@ class RequestRun:
                 "usage": self._usage()}
         if self.chat and self.prompts and "logprobs" in self.prompts[0]:
             body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
-        return json_response(body)
+        return json_response(body if shape is None else shape(body))
 
     async def sse(self) -> AsyncIterator[bytes]:
         outcome, model, chat = "aborted", self.state.model_name, self.chat

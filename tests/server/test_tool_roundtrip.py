@@ -39,6 +39,7 @@ class FakeEngine:
         self.script: list[str] = []
         self.prompts: list[list[int]] = []
         self.payloads: list[dict] = []
+        self.queues: dict = {}  # (EngineClient's requests being added or running: the server checks ids against it)
 
     async def add(self, rid, payload):
         self.payloads.append(payload)

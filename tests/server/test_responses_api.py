@@ -1,0 +1,76 @@
+"""POST /v1/responses (OpenAI's Responses API, stateless text subset) with the `openai` client: the answer equals
+the chat completion of the same conversation, streaming events arrive in the documented order and add up to the
+same text, max_output_tokens gives `incomplete`, json_schema output validates, and what is not supported is a 400
+naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs the test extra (openai)")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from helpers.server import API_KEY
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_create_equals_chat(client):
+    chat = client.chat.completions.create(model="demo", max_tokens=8, seed=5, temperature=0.8, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}])
+    resp = client.responses.create(model="demo", instructions="Be brief.", input="Name a prime.",
+                                   max_output_tokens=8, temperature=0.8, extra_body={"seed": 5})
+    assert resp.object == "response" and resp.id.startswith("resp-")
+    assert resp.output_text == chat.choices[0].message.content
+    want = "completed" if chat.choices[0].finish_reason == "stop" else "incomplete"
+    assert resp.status == want
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    parts = client.responses.create(model="demo", input=[
+        {"role": "system", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"type": "message", "role": "user", "content": "Name a prime."}], max_output_tokens=8, temperature=0.8,
+        extra_body={"seed": 5})
+    assert parts.output_text == resp.output_text
+
+
+def test_length_is_incomplete_and_stream_events(client):
+    resp = client.responses.create(model="demo", input="Count to a hundred.", max_output_tokens=5,
+                                   extra_body={"ignore_eos": True, "seed": 1})
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    with client.responses.stream(model="demo", input="Count to a hundred.", max_output_tokens=5,
+                                 extra_body={"ignore_eos": True, "seed": 1}) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert final.output_text == resp.output_text and final.status == "incomplete"
+
+
+def test_json_schema_format(client):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    resp = client.responses.create(model="demo", input="A digit as JSON.", max_output_tokens=40, text={
+        "format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}})
+    assert resp.status == "completed" and 0 <= json.loads(resp.output_text)["n"] <= 9
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0]"),
+    ({"input": ""}, "input"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+])
+def test_unsupported_is_named(server, body, needle):
+    r = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
