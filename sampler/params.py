@@ -44,6 +44,9 @@ def _number(name: str, value: object, lo: float | None = None, hi: float | None 
     return float(value)
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # exactly one per request
+
+
 @dataclass
 class StructuredOutputsParams:
     """One output constraint (vLLM's `StructuredOutputsParams`): exactly one of
@@ -57,12 +60,19 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's options.  JSON is written compact on one line already, so disable_any_whitespace changes nothing, and
+    # there is no other grammar engine to fall back to; whitespace_pattern (a regex) sets the whitespace JSON may
+    # use between tokens; disable_additional_properties closes every object schema that does not say otherwise
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
                              f"got {given or 'none'}")
@@ -82,10 +92,16 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.whitespace_pattern is not None and not (isinstance(self.whitespace_pattern, str) and
+                                                        self.whitespace_pattern):
+            raise ValueError("structured_outputs.whitespace_pattern must be a non-empty regex string")
 
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
     @classmethod
     def from_dict(cls, value: Any) -> StructuredOutputsParams:
@@ -102,7 +118,10 @@ class StructuredOutputsParams:
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:
-        return {self.kind: getattr(self, self.kind)}
+        out = {self.kind: getattr(self, self.kind)}
+        out.update({f.name: getattr(self, f.name) for f in fields(self)
+                    if f.name not in _CONSTRAINTS and getattr(self, f.name) != f.default})
+        return out
 
 
 @dataclass

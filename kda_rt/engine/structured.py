@@ -55,11 +55,15 @@ def grammar_of(spec: StructuredOutputsParams, field: str = "structured_outputs")
     llg = import_llguidance()
     kind = spec.kind
     where = f"{field}.{kind}" if field == "structured_outputs" else field
+    options = dict(_JSON_DEFAULTS)
+    if spec.whitespace_pattern is not None:  # JSON's whitespace as the caller's regex instead of compact
+        options = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
     try:
         if kind == "json":
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=_JSON_DEFAULTS)
+            schema = _closed(spec.json) if spec.disable_additional_properties else spec.json
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
         elif kind == "json_object":
-            grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
+            grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
         elif kind == "choice":
@@ -81,6 +85,19 @@ def matcher_error(matcher: Any) -> str:
     """A matcher's error, its first line cut to MAX_ERROR_CHARS."""
     text = (matcher.get_error() or "the matcher failed").split("\n", 1)[0]
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
+
+
+def _closed(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema without `additionalProperties` gets it false (vLLM's
+    disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarState:

@@ -121,6 +121,28 @@ def test_too_complex_grammar_error_is_short(llm):
         assert c.finish_reason == "error" and "Parser Error" in c.stop_reason and len(c.stop_reason) < 1000
 
 
+def test_vllm_options(llm):
+    """vLLM's structured-output options: disable_additional_properties closes an open object schema (only the named
+    key can appear), whitespace_pattern lets JSON use that whitespace, disable_fallback and disable_any_whitespace are
+    accepted; the options travel in to_dict; bad values are named."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                   "required": ["a"]}
+    for seed in range(3):
+        p = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=StructuredOutputsParams(
+            json=open_schema, disable_additional_properties=True, disable_fallback=True, disable_any_whitespace=True))
+        text, reason = _texts(llm, p, ["x"])[0]
+        assert reason == "stop" and set(json.loads(text)) == {"a"}, text
+    spec = StructuredOutputsParams(json_object=True, whitespace_pattern=r"[\n ]{0,3}")
+    assert StructuredOutputsParams.from_dict(spec.to_dict()) == spec
+    outs = _texts(llm, SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=30, structured_outputs=spec), ["x"])
+    for text, reason in outs:
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict)
+    for bad in ({"disable_fallback": 1}, {"whitespace_pattern": ""}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            StructuredOutputsParams(json_object=True, **bad)
+
+
 def test_missing_llguidance_names_the_extra(monkeypatch):
     from kda_rt.engine.structured import grammar_of
 
