@@ -73,7 +73,7 @@ class AsyncLLM:
                                       else None)
             raise
         self._ensure_task()
-        tracker, finished = DeltaTracker(), False
+        tracker, finished, converted = DeltaTracker(), False, {}
         try:
             while not finished:
                 item = await queue.get()
@@ -83,7 +83,7 @@ class AsyncLLM:
                 if output_kind == "delta":
                     yield self._vllm(tracker.delta(item), sampling_params)
                 elif finished or output_kind == "cumulative":
-                    yield self._vllm(item, sampling_params)
+                    yield self._vllm(item, sampling_params, converted)
         finally:
             self._queues.pop(rid, None)
             if not finished:
@@ -102,9 +102,9 @@ class AsyncLLM:
         self._to_abort.append(rid)  # applied under the lock before the next step
         self._ensure_task()
 
-    def _vllm(self, out: RequestOutput, params: SamplingParams | None) -> RequestOutput:
-        """Logprobs as vLLM's {token: Logprob} (LLM._vllm_output)."""
-        return out if params is None or params.logprobs is None else self.llm._vllm_output(out, params, None)
+    def _vllm(self, out: RequestOutput, params: SamplingParams | None, done: dict | None = None) -> RequestOutput:
+        """Logprobs as vLLM's {token: Logprob} (LLM._vllm_output; `done` keeps a cumulative request's conversions)."""
+        return out if params is None or params.logprobs is None else self.llm._vllm_output(out, params, None, done)
 
     def stats(self) -> dict[str, int]:
         return self._locked(self.engine.stats)

@@ -224,11 +224,25 @@ class LLM:
         tok = self.tokenizer
         return tok.decode([token]) if tok is not None and token < tok.vocab_size else None
 
-    def _vllm_output(self, out: RequestOutput, params: SamplingParams, prompt_lps: list | None) -> RequestOutput:
-        """`out` with its logprobs as vLLM's {token: Logprob} and its prompt logprobs attached."""
-        outputs = [c if c.logprobs is None else dataclasses.replace(
-            c, logprobs=[vllm_logprobs(e, params.logprobs, self._decode_token) for e in c.logprobs])
-            for c in out.outputs]
+    def _vllm_output(self, out: RequestOutput, params: SamplingParams, prompt_lps: list | None,
+                     done: dict[int, list] | None = None) -> RequestOutput:
+        """`out` with its logprobs as vLLM's {token: Logprob} and its prompt logprobs attached.  `done` (for a
+        request's cumulative outputs): each sample's entries converted so far, so each step converts only its own."""
+        def convert(entries):
+            return [vllm_logprobs(e, params.logprobs, self._decode_token, greedy=params.greedy) for e in entries]
+
+        outputs = []
+        for c in out.outputs:
+            if c.logprobs is None:
+                outputs.append(c)
+                continue
+            if done is None:
+                logprobs = convert(c.logprobs)
+            else:
+                seen = done.setdefault(c.index, [])
+                seen += convert(c.logprobs[len(seen):])
+                logprobs = list(seen)
+            outputs.append(dataclasses.replace(c, logprobs=logprobs))
         return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_lps)
 
     def _vllm_prompt_logprobs(self, ids: list[int], num: int) -> list[dict[int, Logprob] | None]:

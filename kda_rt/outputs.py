@@ -9,8 +9,9 @@ __all__ = ["CompletionOutput", "Logprob", "RequestOutput", "vllm_logprobs"]
 
 class Logprob(float):
     """One token's log probability as vLLM's `Logprob` (`.logprob`, `.rank`: 1 = most likely, None where the
-    step did not rank it; `.decoded_token`), and at the same time that float: code written for plain
-    {token_id: float} dicts keeps working.  The offline API (`LLM`, `AsyncLLM`) hands these out."""
+    step did not rank it; `.decoded_token`), and at the same time that float: arithmetic, comparisons, `json` and
+    `msgpack` treat it as one (msgspec needs `enc_hook=float`).  The offline API (`LLM`, `AsyncLLM`) hands these
+    out."""
 
     __slots__ = ("rank", "decoded_token")
 
@@ -30,11 +31,14 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
-def vllm_logprobs(entry: dict[int, float], num: int, decode, rank: int | None = None) -> dict[int, Logprob]:
+def vllm_logprobs(entry: dict[int, float], num: int, decode, rank: int | None = None,
+                  greedy: bool = False) -> dict[int, Logprob]:
     """{token: Logprob} of one position's {token: logprob}: the chosen token first, then the top `num` by value
     (samplers' and prompt_logprobs' order).  Each top token's rank is 1 + the entries above it (every token above
     it is among them); so is the chosen token's when it is one of the top `num` (the dict then holds at most `num`
-    entries), else its rank is `rank` (when the caller knows it) or None.  `decode(token) -> str` names them."""
+    entries), else its rank is `rank` (when the caller knows it), 1 when `greedy` (the sampled token is the most
+    likely one), or None.  `decode(token) -> str` names them."""
+    rank = 1 if rank is None and greedy else rank
     items = list(entry.items())
     chosen_in_top = len(items) <= num
     out = {}

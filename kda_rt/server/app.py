@@ -343,7 +343,9 @@ def build_app(state: ServerState) -> Starlette:
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         """404 unknown route, 405 wrong method: the OpenAI envelope instead of Starlette's plain text."""
-        message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
+        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # as sent (uvicorn puts --root-path in front)
+        message = {404: f"no route {path}", 405: f"method {request.method} is not allowed on {path}"}
         response = _error(message.get(exc.status_code, str(exc.detail)), exc.status_code)
         response.headers.update(exc.headers or {})
         return response

@@ -42,6 +42,7 @@ class ResponsesRequest(msgspec.Struct):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None  # (vLLM accepts it here too)
+    ignore_eos: bool = False  # (vLLM's sampling extra, as in chat)
     stream: bool = False
     text: dict[str, Any] | None = None
     store: bool | None = None
@@ -112,7 +113,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
     return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
-                                 response_format=_response_format(req.text))
+                                 ignore_eos=req.ignore_eos, response_format=_response_format(req.text))
 
 
 def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:
@@ -129,10 +130,13 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
     """A `response` object: one assistant message holding `text` (None: no output item yet)."""
     state, incomplete = _status(reason)
     state = status or state
+    if state == "failed" and not error:
+        error = ("the request was aborted (the client disconnected or the server is shutting down)"
+                 if reason == "abort" else "the request failed")
     output = []
     if text is not None:
-        output.append({"type": "message", "id": item_id, "status": "incomplete" if state == "incomplete" else
-                       "completed", "role": "assistant",
+        output.append({"type": "message", "id": item_id, "status": "completed" if state == "completed" else
+                       "incomplete", "role": "assistant",
                        "content": [{"type": "output_text", "text": text, "annotations": []}]})
     body = {"id": rid, "object": "response", "created_at": created, "status": state, "model": model,
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,

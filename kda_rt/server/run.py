@@ -52,7 +52,9 @@ class RequestRun:
         self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
         self.prompt_tokens, self.start = added["prompt_tokens"], start
         self.prompts = added["prompts"]
-        self.max_tokens = payload["params"].get("max_tokens")
+        # the max_tokens the client asked for (a score-only request's 0 too), None when it left it out
+        self.max_tokens = next((v for v in (getattr(req, "max_completion_tokens", None), getattr(req, "max_tokens", None))
+                                if v is not None), None)
         self.num_choices = req.n * len(self.prompts)
         self.first: float | None = None
         self.last = 0.0  # when the latest delta with tokens came (inter-token latency)

@@ -26,19 +26,25 @@ BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 def template_source(model_dir: Path, config: Mapping[str, Any], where: str,
                     override: str | None = None) -> tuple[str | None, str]:
-    """(source, name) of the model's chat template: `override` (vLLM's --chat-template: a file's path, or the
-    template itself when it holds a `{`), else `chat_template.jinja` in the directory, else the config's
+    """(source, name) of the model's chat template: `override` (vLLM's --chat-template: a file's path, else the
+    template itself when it holds `{`, `}` or a newline; on one line its \\n and \\t escapes are read), else `chat_template.jinja` in the directory, else the config's
     `chat_template`, else None (the built-in template is used); name says which."""
     from kda_rt.text.tokenizer import TokenizerError
 
     if override is not None:
         if not isinstance(override, str) or not override:
             raise TokenizerError(f"chat_template must be a file path or a template string, got {override!r:.80}")
-        if "{" in override:
-            return override, "the given chat_template"
         jinja_path = Path(override)
-        if not jinja_path.is_file():
-            raise TokenizerError(f"chat_template {override!r}: no such file (a template string holds '{{')")
+        try:  # a path is tried first (vLLM's order): one holding '{' is still a path
+            is_file = "\n" not in override and jinja_path.is_file()
+        except (OSError, ValueError):  # too long for a name, a NUL: a template then
+            is_file = False
+        if not is_file:
+            if not any(c in override for c in "{}\n"):
+                raise TokenizerError(f"chat_template {override!r}: no such file (a template string holds '{{')")
+            if "\n" not in override:  # one command-line line, as vLLM reads it: its \n and \t escapes are meant
+                override = override.replace("\\n", "\n").replace("\\t", "\t")
+            return override, "the given chat_template"
     else:
         jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():

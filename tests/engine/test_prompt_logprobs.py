@@ -45,10 +45,6 @@ def test_chat_with_tool_history_and_none_content(llm):
     assert llm.tokenizer.token_to_id("<|tool_call_begin|>") in out.prompt_token_ids
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_logprobs_are_vllm_logprob_objects():
     """Offline logprobs are vLLM's Logprob (`.logprob`, `.rank`, `.decoded_token`) and still the floats they were:
     the top-N ranks are 1..N in order, the sampled token's rank is exact when it is among them (greedy: 1), the
@@ -96,3 +92,7 @@ def test_prompt_logprobs_over_the_context_length_names_it():
     llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
     with pytest.raises(ValueError, match="maximum context length is 64 tokens: prompt has 95 tokens"):
         llm.generate({"prompt_token_ids": list(range(5, 100))}, SamplingParams(max_tokens=1, prompt_logprobs=1))
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -131,3 +131,23 @@ def test_async_output_kinds(llm):
     assert "".join(o.outputs[0].text for o in deltas) == want.text
     with pytest.raises(ValueError, match="output_kind"):
         asyncio.run(run("everything"))
+
+
+def test_async_cumulative_logprobs_converted_once(llm):
+    """Cumulative outputs with logprobs: each step converts only its new entries to Logprob (an earlier step's
+    entries are the same objects later: re-converting the whole history every step made long outputs slow), and
+    greedy sampled tokens rank 1 even with logprobs=0."""
+    from kda_rt import Logprob
+
+    p = params(max_tokens=6, logprobs=0, temperature=0.0)
+
+    async def run():
+        return [out async for out in AsyncLLM(llm).generate("Hello", p, output_kind="cumulative")]
+
+    outs = asyncio.run(run())
+    last = outs[-1].outputs[0]
+    for k, out in enumerate(outs):
+        for j, entry in enumerate(out.outputs[0].logprobs):
+            assert entry is last.logprobs[j], (k, j)
+    for token, entry in zip(last.token_ids, last.logprobs, strict=True):
+        assert isinstance(entry[token], Logprob) and entry[token].rank == 1

@@ -374,10 +374,6 @@ def test_large_batch_greedy_and_top_p(B):
         check_logprobs(x, ids, lp)
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-v"]))
-
-
 @gpu
 @pytest.mark.parametrize("V", [1003, 163840], ids=lambda v: f"V{v}")
 def test_grammar_mask_and_flags(V):
@@ -420,3 +416,7 @@ def test_grammar_mask_and_flags(V):
         assert (masks[b, ids[b] // 32] >> (ids[b] % 32)) & 1, f"row {b}: token {ids[b]} is not allowed"
     allowed_rows = [b for b in good if b != 2]  # row 2 has one allowed token: fewer than 4 top logprobs exist
     check_logprobs(xm[allowed_rows], ids[allowed_rows], lp[allowed_rows], top_ids[allowed_rows], top_lp[allowed_rows])
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v"]))

@@ -194,9 +194,11 @@ def test_bad_tool_definitions_are_400(server, fn, needle, choice):
 
 
 def test_operational_flags(tmp_path, monkeypatch):
-    """--disable-log-stats silences the periodic throughput line (here due every 0.05 s), --root-path serves the API
-    as before (a proxy strips the prefix), --uvicorn-log-level is taken; $VLLM_API_KEY sets the key as
-    $KDA_RT_API_KEY does."""
+    """--disable-log-stats silences the periodic throughput line (here due every 0.05 s; test_scoring's log test sees
+    it without the flag), --uvicorn-log-level warning drops uvicorn's INFO start line (which that test sees at
+    info); $VLLM_API_KEY sets the key as $KDA_RT_API_KEY does.  --root-path only changes the URLs the app builds
+    (a proxy strips the prefix before the request arrives): the API answers as before, and a 404 names the path
+    as sent, not the root path put in front again."""
     monkeypatch.setenv("KDA_RT_LOG_STATS_INTERVAL", "0.05")
     monkeypatch.delenv("KDA_RT_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "vk")
@@ -207,9 +209,10 @@ def test_operational_flags(tmp_path, monkeypatch):
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 401
         r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer vk"}, timeout=60)
         assert r.status_code == 200, r.text
+        assert _envelope(httpx.get(srv.url + "/nope", timeout=10), 404) == "no route /nope"
     finally:
         assert srv.stop() == 0, srv.log()
-    assert "prompt throughput" not in srv.log()
+    assert "prompt throughput" not in srv.log() and "Uvicorn running" not in srv.log()
 
 
 if __name__ == "__main__":

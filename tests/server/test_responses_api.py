@@ -74,3 +74,18 @@ def test_json_schema_format(client):
 def test_unsupported_is_named(server, body, needle):
     r = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=60)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_failed_response_names_the_cause():
+    """An aborted or failed request gives status failed with a message (OpenAI's schema requires one) and an
+    incomplete item; an incomplete one names max_output_tokens."""
+    from kda_rt.server.responses_api import ResponsesRequest, response_body
+
+    req = ResponsesRequest(input="x")
+    for reason in ("abort", "error"):
+        body = response_body("resp-1", 0, "demo", req, text="par", reason=reason, usage=None, item_id="msg_1")
+        assert body["status"] == "failed" and isinstance(body["error"]["message"], str) and body["error"]["message"]
+        assert body["output"][0]["status"] == "incomplete"
+    body = response_body("resp-1", 0, "demo", req, text="par", reason="length", usage=None, item_id="msg_1")
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["error"] is None and body["output"][0]["status"] == "incomplete"

@@ -147,6 +147,13 @@ def test_chat_template_override(tmp_path):
         assert tok.apply_chat_template([USER]) == "<|im_user|>Is 123 a prime?<|im_end|>"
     with pytest.raises(TokenizerError, match="no such file"):
         Tokenizer.from_dir(demo_path(), chat_template=str(tmp_path / "missing.jinja"))
+    odd = tmp_path / "t{1}" / "t.jinja"  # a path holding '{' is still a path (tried first, as vLLM does)
+    odd.parent.mkdir()
+    odd.write_text(source)
+    assert Tokenizer.from_dir(demo_path(), chat_template=str(odd)).apply_chat_template([USER]).startswith("<|im_user|>")
+    line = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}"  # a command line's one-line template
+    assert Tokenizer.from_dir(demo_path(), chat_template=line).apply_chat_template([USER, USER]) == \
+        "Is 123 a prime?\nIs 123 a prime?\n"
 
 
 if __name__ == "__main__":

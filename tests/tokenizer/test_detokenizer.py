@@ -62,10 +62,6 @@ def test_specials_kept_when_asked(demo_tok):
     assert detok.flush() == ""
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_unknown_ids_produce_no_text():
     """A model with more vocabulary rows than the tokenizer has tokens must not crash generation."""
     from kda_rt.demo import demo_path
@@ -76,3 +72,7 @@ def test_unknown_ids_produce_no_text():
     detok = IncrementalDetokenizer(tok)
     ids = tok.encode("abc")
     assert detok.add([ids[0], tok.vocab_size + 5, *ids[1:]]) + detok.flush() == "abc"
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
