@@ -64,10 +64,11 @@ def _has_tokenizer(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, "tiktoken.model"))
 
 
-def _generation_eos(model_dir: str, vocab_size: int) -> list[int]:
+def _generation_config(model_dir: str) -> tuple[dict[str, Any], str]:
+    """(generation_config.json as a dict ({} when absent), its path)."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.exists(path):
-        return []
+        return {}, path
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -77,6 +78,10 @@ def _generation_eos(model_dir: str, vocab_size: int) -> list[int]:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    return data, path
+
+
+def _generation_eos(data: dict[str, Any], path: str, vocab_size: int) -> list[int]:
     eos = data.get("eos_token_id")
     eos = [] if eos is None else [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
     if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
@@ -85,6 +90,24 @@ def _generation_eos(model_dir: str, vocab_size: int) -> list[int]:
     if bad is not None:
         raise ValueError(f"{path}: 'eos_token_id' holds {bad}, outside the vocabulary [0, {vocab_size})")
     return eos
+
+
+# generation_config.json keys that become default sampling settings, as vLLM's --generation-config auto reads them
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def _generation_defaults(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The sampling defaults the model's creator wrote into generation_config.json, checked (ValueError naming the
+    file and key)."""
+    out = {field: data[key] for key, field in _GENERATION_DEFAULTS.items() if data.get(key) is not None}
+    for field, value in out.items():
+        try:
+            SamplingParams(**{field: value})
+        except (ValueError, TypeError) as exc:
+            key = next(k for k, f in _GENERATION_DEFAULTS.items() if f == field)
+            raise ValueError(f"{path}: '{key}' {value!r} is not a valid {field} ({exc})") from None
+    return out
 
 
 def _progress_bar(total: int):
@@ -98,12 +121,15 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str], backend: str = "auto", *, skip_tokenizer_init: bool = False,
                  progress: bool | None = None, report: bool = False, trust_remote_code: bool = False,
-                 tensor_parallel_size: int = 1, chat_template: str | None = None, **settings: Any) -> None:
+                 tensor_parallel_size: int = 1, chat_template: str | None = None, generation_config: str = "auto",
+                 **settings: Any) -> None:
         """`settings`: any `EngineConfig` field (dtype, max_num_seqs, max_model_len, block_size,
         num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager).  `trust_remote_code` is
         accepted for vLLM's call lines (no code from the checkpoint is ever run); `tensor_parallel_size` must be 1.
         `chat_template`: a Jinja file's path or the template itself, in place of the checkpoint's (vLLM's
-        --chat-template)."""
+        --chat-template).  `generation_config` (vLLM's): "auto" takes the default sampling settings (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens) from the checkpoint's generation_config.json, a
+        directory's path from that directory's, "vllm" none (SamplingParams' own defaults)."""
         from kda_rt.loader.weights import load_checkpoint
 
         del trust_remote_code  # nothing to trust: the model code is kda_rt's own
@@ -115,7 +141,17 @@ class LLM:
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         engine_config = EngineConfig.from_kwargs(backend=backend, **settings)
         self.model_config = load_config(model_dir)
-        extra_eos = _generation_eos(model_dir, self.model_config.vocab_size)  # checked before the weights load
+        gen, gen_path = _generation_config(model_dir)
+        extra_eos = _generation_eos(gen, gen_path, self.model_config.vocab_size)  # checked before the weights load
+        if generation_config not in ("auto", "vllm"):
+            if not os.path.isdir(generation_config):
+                raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding "
+                                 f"generation_config.json, got {generation_config!r}")
+            gen, gen_path = _generation_config(generation_config)
+        self.default_sampling = {} if generation_config == "vllm" else _generation_defaults(gen, gen_path)
+        if self.default_sampling:
+            logger.warning("default sampling settings from %s: %s (as vLLM; generation_config='vllm' turns them off)",
+                           gen_path, self.default_sampling)
         limit, max_model_len = self.model_config.max_model_len, engine_config.max_model_len
         if max_model_len is not None and max_model_len > limit:  # checked again by the pool plan; fail before loading
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit} (config.json)")
@@ -190,7 +226,7 @@ class LLM:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params_list = sampling_params
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         prompt_lps = [self._vllm_prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
@@ -219,6 +255,10 @@ class LLM:
                 bar.close()
             self._abort_all(ids)
         return [attach(final[rid]) if attach else final[rid] for rid in ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's method)."""
+        return SamplingParams(**self.default_sampling)
 
     def _decode_token(self, token: int) -> str | None:
         tok = self.tokenizer

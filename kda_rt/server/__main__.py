@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--model argument as given is accepted too)")
     ap.add_argument("--chat-template", default=None,
                     help="a Jinja chat template file (or the template itself) in place of the checkpoint's")
+    ap.add_argument("--generation-config", default="auto",
+                    help="auto: default sampling settings from the checkpoint's generation_config.json (as vLLM); "
+                         "vllm: none; or a directory holding a generation_config.json")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="accepted for vLLM's command lines; kda_rt never runs code from a checkpoint")
     ap.add_argument("--host", default="127.0.0.1")
@@ -96,7 +99,8 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
         model = str(demo_path())
         logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
     init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting, "log_level": args.log_level,
-            "chat_template": args.chat_template, "disable_log_stats": args.disable_log_stats}
+            "chat_template": args.chat_template, "disable_log_stats": args.disable_log_stats,
+            "generation_config": args.generation_config}
     client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)

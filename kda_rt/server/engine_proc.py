@@ -140,7 +140,8 @@ class EngineWorker:
             return
         added: list[str] = []
         try:
-            params = SamplingParams(**msg["params"])
+            given = {k: v for k, v in msg["params"].items() if v is not None or k not in self.llm.default_sampling}
+            params = SamplingParams(**{**self.llm.default_sampling, **given})  # the checkpoint's defaults, then the request's
             prompts = self._prompts(msg)
             infos, num_tokens = [], 0
             for prompt in prompts:
@@ -263,7 +264,8 @@ class EngineWorker:
 def _load(init: dict[str, Any]):
     from kda_rt.llm import LLM
 
-    return LLM(init["model"], progress=None, chat_template=init.get("chat_template"), **init["settings"])
+    return LLM(init["model"], progress=None, chat_template=init.get("chat_template"),
+               generation_config=init.get("generation_config", "auto"), **init["settings"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -211,3 +211,35 @@ def test_abort_request_alias():
     engine.abort_request("a")
     engine.abort_request(["b", "c", "unknown"])
     assert not engine.requests and llm.stats()["slots_used"] == 0
+
+
+def test_generation_config_defaults(tmp_path):
+    """generation_config.json's sampling settings are the defaults (vLLM's --generation-config auto): a request
+    without SamplingParams uses them, explicit ones win; "vllm" turns them off; a directory's file is read; a bad
+    value names the file and key."""
+    import json
+    import shutil
+
+    for f in demo_path().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3,
+                                                                 "do_sample": False}))
+    llm = LLM(str(tmp_path), backend="numpy", max_model_len=64)
+    assert llm.default_sampling == {"temperature": 0.0, "max_tokens": 3}
+    out = llm.generate("hi")[0].outputs[0]
+    greedy = llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids and len(out.token_ids) <= 3
+    assert len(llm.chat([{"role": "user", "content": "hi"}])[0].outputs[0].token_ids) <= 3
+    plain = LLM(str(tmp_path), backend="numpy", max_model_len=64, generation_config="vllm")
+    assert plain.default_sampling == {} and plain.get_default_sampling_params().max_tokens == 16
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 5}))
+    assert LLM(str(tmp_path), backend="numpy", max_model_len=64, generation_config=str(other)).default_sampling == \
+        {"top_k": 5}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: 'temperature' -1"):
+        LLM(str(tmp_path), backend="numpy")
+    with pytest.raises(ValueError, match="generation_config must be"):
+        LLM(str(demo_path()), backend="numpy", generation_config="/nope")

@@ -215,5 +215,34 @@ def test_operational_flags(tmp_path, monkeypatch):
     assert "prompt throughput" not in srv.log() and "Uvicorn running" not in srv.log()
 
 
+
+def test_generation_config_defaults_served(tmp_path):
+    """The checkpoint's generation_config.json sets the server's defaults (vLLM's --generation-config auto): a chat
+    without max_tokens stops at max_new_tokens; a request's own value wins; --generation-config vllm ignores them."""
+    import json
+    import shutil
+
+    from kda_rt.demo import demo_path
+
+    for f in demo_path().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2, "temperature": 0.0}))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    for extra, want in (((), 2), (("--generation-config", "vllm"), None)):
+        srv = ServerProc(tmp_path / "s.log", "--model", str(tmp_path), *extra)
+        try:
+            r = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=srv.headers, timeout=60).json()
+            if want is None:
+                assert r["usage"]["completion_tokens"] > 2
+            else:
+                assert r["usage"]["completion_tokens"] == want
+                r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "max_tokens": 4}, headers=srv.headers,
+                               timeout=60).json()
+                assert r["usage"]["completion_tokens"] == 4
+        finally:
+            assert srv.stop() == 0, srv.log()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
