@@ -1,20 +1,23 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless, text in and text out (as clients built on it, such as
-the OpenAI Agents SDK, call it first).
+"""POST /v1/responses: OpenAI's Responses API, stateless (as clients built on it, such as the OpenAI Agents SDK,
+call it first).
 
-A request becomes a chat request (`instructions` the system message, `input` a string or message items whose
-content is a string or `input_text` / `output_text` parts, `max_output_tokens`, `temperature`, `top_p`,
-`text.format` text / json_object / json_schema) and runs as one; the answer is a `response` object with one
-`message` output item.  `stream: true` sends the Responses events (`response.created`, `response.in_progress`,
-`response.output_item.added`, `response.content_part.added`, `response.output_text.delta` ..., the matching
-`.done` events, then `response.completed`, whose status is `incomplete` when max_output_tokens cut it, or
-`response.failed`).  Nothing is stored: `previous_response_id`
-and `store: true` answers can't be fetched later, so the former is a 400 and the latter is answered with
-`store: false`; tools, images and files are 400s naming the field.
+A request becomes a chat request and runs as one: `instructions` the system message; `input` a string or items:
+messages (content a string or `input_text` / `output_text` parts), `function_call` items (the assistant's earlier
+calls) and `function_call_output` items (their results, as `tool` messages); `max_output_tokens`, `temperature`,
+`top_p`, `text.format` text / json_object / json_schema; function `tools` with `tool_choice` and
+`parallel_tool_calls`, as chat's tool calling (auto needs the server's --enable-auto-tool-choice and
+--tool-call-parser).  The answer is a `response` whose output holds the assistant's message (when it wrote text or
+called nothing) and one `function_call` item per call.  `stream: true` sends the Responses events: `response.created`,
+`response.in_progress`, then per output item `response.output_item.added`, its content (`response.content_part.added`,
+`response.output_text.delta` ..., `.done`; or `response.function_call_arguments.delta` ..., `.done`) and
+`response.output_item.done`, and last `response.completed` (its status `incomplete` when max_output_tokens cut the
+answer, as vLLM's streams end and the openai client's helper waits for) or `response.failed`.  Nothing is stored:
+`previous_response_id` is a 400 and `store: true` is answered with `store: false`; other tool types, images and files
+are 400s naming the field.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -50,7 +53,7 @@ class ResponsesRequest(msgspec.Struct):
     user: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
@@ -84,36 +87,82 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": fmt["type"]}
 
 
+def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    """Chat's tools and tool_choice of the Responses API's function tools (flat: name, description, parameters)."""
+    tools = None
+    if req.tools:
+        tools = []
+        for k, tool in enumerate(req.tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+                raise InvalidRequest(f"tools[{k}] must be a function tool {{'type': 'function', 'name': str, "
+                                     f"'parameters': {{...}}}} (others are not supported), got {kind!r}")
+            fn = {"name": tool["name"], **{key: tool[key] for key in ("description", "parameters")
+                                           if tool.get(key) is not None}}
+            tools.append({"type": "function", "function": fn})
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': str}")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools, choice
+
+
+def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages of the input items: messages, function_call (an assistant turn's calls: they join the
+    assistant message right before them, as one chat turn holds its text and its calls) and function_call_output
+    (a tool message)."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "message":
+            if item.get("role") not in _ROLES:
+                raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {item.get('role')!r}")
+            messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
+                raise InvalidRequest(f"{where} (function_call) needs call_id, name and arguments as strings")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # the same turn: its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise InvalidRequest(f"{where} (function_call_output) needs call_id as a string")
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str) else _content(where, output)})
+        else:
+            raise InvalidRequest(f"{where} must be a message, function_call or function_call_output item, "
+                                 f"got {kind!r}")
+    return messages
+
+
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that answers `req` (InvalidRequest naming the field for what is not supported)."""
     if req.previous_response_id is not None:
         raise InvalidRequest("previous_response_id is not supported: this server stores no responses; send the whole "
                              "conversation in input")
-    if req.tools:
-        raise InvalidRequest("tools are not supported on /v1/responses; use /v1/chat/completions for tool calls")
     if req.truncation not in (None, "disabled"):
         raise InvalidRequest(f"truncation {req.truncation!r} is not supported (only 'disabled')")
     messages: list[dict[str, Any]] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
+    if not req.input:
+        raise InvalidRequest("input must be a non-empty string or a list of items")
     if isinstance(req.input, str):
-        if not req.input:
-            raise InvalidRequest("input must be a non-empty string or a list of messages")
         messages.append({"role": "user", "content": req.input})
     else:
-        if not req.input:
-            raise InvalidRequest("input must be a non-empty string or a list of messages")
-        for i, item in enumerate(req.input):
-            where = f"input[{i}]"
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise InvalidRequest(f"{where} must be a message item (role and content), got {kind!r}")
-            if item.get("role") not in _ROLES:
-                raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {item.get('role')!r}")
-            messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
+        messages += _input_messages(req.input)
+    tools, choice = _tools(req)
     return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
-                                 ignore_eos=req.ignore_eos, response_format=_response_format(req.text))
+                                 ignore_eos=req.ignore_eos, response_format=_response_format(req.text), tools=tools,
+                                 tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls)
 
 
 def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:
@@ -124,25 +173,41 @@ def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, text: str | None,
-                  reason: str | None, usage: dict[str, int] | None, item_id: str, error: str | None = None,
-                  status: str | None = None) -> dict[str, Any]:
-    """A `response` object: one assistant message holding `text` (None: no output item yet)."""
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def output_items(rid: str, text: str, calls: list[dict[str, Any]], state: str) -> list[dict[str, Any]]:
+    """The response's output: the assistant's message (when it wrote text or called nothing), then one
+    function_call item per call (chat's tool_calls)."""
+    status = "completed" if state == "completed" else "incomplete"
+    items = [_message_item(f"msg_{rid}", text, status)] if text or not calls else []
+    return items + [_call_item(f"fc_{rid}_{k}", call, status) for k, call in enumerate(calls)]
+
+
+def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, reason: str | None,
+                  usage: dict[str, int] | None, text: str | None = None, calls: list[dict[str, Any]] | None = None,
+                  error: str | None = None, status: str | None = None) -> dict[str, Any]:
+    """A `response` object; `text` None: no output yet (the stream's first events)."""
     state, incomplete = _status(reason)
     state = status or state
     if state == "failed" and not error:
         error = ("the request was aborted (the client disconnected or the server is shutting down)"
                  if reason == "abort" else "the request failed")
-    output = []
-    if text is not None:
-        output.append({"type": "message", "id": item_id, "status": "completed" if state == "completed" else
-                       "incomplete", "role": "assistant",
-                       "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    output = [] if text is None else output_items(rid, text, calls or [], state)
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     body = {"id": rid, "object": "response", "created_at": created, "status": state, "model": model,
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "store": False, "text": req.text or {"format": {"type": "text"}},
-            "metadata": req.metadata or {}, "incomplete_details": incomplete,
+            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": choice, "tools": req.tools or [], "store": False,
+            "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
+            "incomplete_details": incomplete,
             "error": {"code": "server_error", "message": error} if state == "failed" else None, "usage": None}
     if usage is not None:
         body["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
@@ -153,14 +218,13 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
 
 def shape(rid: str, req: ResponsesRequest):
     """The body transform for `RequestRun.collect`: the chat completion's one choice as a response."""
-    item_id = f"msg_{uuid.uuid4().hex}"
-
     def to_response(chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
         reason = choice["finish_reason"]
         error = choice.get("stop_reason") if reason == "error" else None
-        return response_body(rid, chat["created"], chat["model"], req, text=choice["message"]["content"] or "",
-                             reason=reason, usage=chat["usage"], item_id=item_id, error=error)
+        message = choice["message"]
+        return response_body(rid, chat["created"], chat["model"], req, text=message["content"] or "",
+                             calls=message.get("tool_calls") or [], reason=reason, usage=chat["usage"], error=error)
 
     return to_response
 
@@ -172,43 +236,77 @@ def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
 
 
 async def events(run: RequestRun, req: ResponsesRequest) -> AsyncIterator[bytes]:
-    """The Responses API's stream for one running request."""
-    seq, item_id, model = [0], f"msg_{uuid.uuid4().hex}", run.state.model_name
+    """The Responses API's stream for one running request: output items open as their first piece arrives (the
+    message at its first text, a function_call at its call's header) and close in order at the end."""
+    seq, model, rid = [0], run.state.model_name, run.rid
     stream = responses.StreamChoices(1, True, **run.shape)
-    text, reason, stop_reason, outcome = "", None, None, "aborted"
+    text, calls, reason, stop_reason, outcome = "", [], None, None, "aborted"
+    opened: list[tuple[str, int]] = []  # ("message", 0) / ("call", k) in output order
 
     def body(status: str | None = None, final: bool = False) -> dict[str, Any]:
-        return response_body(run.rid, run.created, model, req, text=text if final else None, reason=reason,
-                             usage=run._usage() if final else None, item_id=item_id, status=status,
+        return response_body(rid, run.created, model, req, text=text if final else None, calls=calls, reason=reason,
+                             usage=run._usage() if final else None, status=status,
                              error=stop_reason if reason == "error" else None)
 
-    part = {"type": "output_text", "text": "", "annotations": []}
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    def message_where() -> dict[str, Any]:
+        return {"item_id": f"msg_{rid}", "output_index": opened.index(("message", 0)), "content_index": 0}
+
+    def open_message() -> list[bytes]:
+        opened.append(("message", 0))
+        where = message_where()
+        return [_event(seq, "response.output_item.added", output_index=where["output_index"],
+                       item={**_message_item(where["item_id"], "", "in_progress"), "content": []}),
+                _event(seq, "response.content_part.added", part={"type": "output_text", "text": "", "annotations": []},
+                       **where)]
+
     try:
         yield _event(seq, "response.created", response=body("in_progress"))
         yield _event(seq, "response.in_progress", response=body("in_progress"))
-        yield _event(seq, "response.output_item.added", output_index=0,
-                     item={"type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
-                           "content": []})
-        yield _event(seq, "response.content_part.added", part=part, **where)
         async for item in run.items():
             for choice in stream.choices(item):
                 delta = choice["delta"].get("content") or ""
                 if delta:
+                    if ("message", 0) not in opened:
+                        for event in open_message():
+                            yield event
                     text += delta
-                    yield _event(seq, "response.output_text.delta", delta=delta, logprobs=[], **where)
+                    yield _event(seq, "response.output_text.delta", delta=delta, logprobs=[], **message_where())
+                for tc in choice["delta"].get("tool_calls") or []:
+                    k = tc["index"]
+                    if k >= len(calls):  # a call's header: id and name first
+                        calls.append({"id": tc.get("id"), "type": "function",
+                                      "function": {"name": tc["function"].get("name"), "arguments": ""}})
+                        opened.append(("call", k))
+                        yield _event(seq, "response.output_item.added", output_index=len(opened) - 1,
+                                     item=_call_item(f"fc_{rid}_{k}", calls[k], "in_progress"))
+                    piece = tc["function"].get("arguments") or ""
+                    if piece:
+                        calls[k]["function"]["arguments"] += piece
+                        yield _event(seq, "response.function_call_arguments.delta", item_id=f"fc_{rid}_{k}",
+                                     output_index=opened.index(("call", k)), delta=piece)
                 if choice["finish_reason"] is not None:
                     reason = choice["finish_reason"]
             for c in item["outputs"]:
                 if c["finish_reason"] == "error":
                     stop_reason = c.get("stop_reason")
-        done = {**part, "text": text}
-        yield _event(seq, "response.output_text.done", text=text, logprobs=[], **where)
-        yield _event(seq, "response.content_part.done", part=done, **where)
+        if not opened:  # nothing written and nothing called: the message is there, empty
+            for event in open_message():
+                yield event
         final = body(final=True)
-        yield _event(seq, "response.output_item.done", output_index=0, item=final["output"][0])
-        # an incomplete answer (max_output_tokens) ends with response.completed too, its status saying so, as vLLM's
-        # streams do: the openai client's stream helper waits for that event
+        message = [it for it in final["output"] if it["type"] == "message"]
+        items = {("message", 0): message[0]} if message else {}
+        items.update({("call", k): it for k, it in enumerate(it for it in final["output"] if it["type"] != "message")})
+        final["output"] = [items[key] for key in opened]  # in the order the stream opened them
+        for index, key in enumerate(opened):
+            done = items[key]
+            if key[0] == "message":
+                where = message_where()
+                yield _event(seq, "response.output_text.done", text=text, logprobs=[], **where)
+                yield _event(seq, "response.content_part.done", part=done["content"][0], **where)
+            else:
+                yield _event(seq, "response.function_call_arguments.done", item_id=done["id"], output_index=index,
+                             arguments=done["arguments"])
+            yield _event(seq, "response.output_item.done", output_index=index, item=done)
         kind = "response.failed" if final["status"] == "failed" else "response.completed"
         outcome = "finished"
         yield _event(seq, kind, response=final)

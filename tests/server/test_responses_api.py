@@ -65,9 +65,10 @@ def test_json_schema_format(client):
 
 @pytest.mark.parametrize(("body", "needle"), [
     ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0] must be a function tool"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0] must be a message, function_call"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0] (function_call) needs call_id"),
     ({"input": ""}, "input"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
 ])
@@ -83,9 +84,9 @@ def test_failed_response_names_the_cause():
 
     req = ResponsesRequest(input="x")
     for reason in ("abort", "error"):
-        body = response_body("resp-1", 0, "demo", req, text="par", reason=reason, usage=None, item_id="msg_1")
+        body = response_body("resp-1", 0, "demo", req, text="par", reason=reason, usage=None)
         assert body["status"] == "failed" and isinstance(body["error"]["message"], str) and body["error"]["message"]
         assert body["output"][0]["status"] == "incomplete"
-    body = response_body("resp-1", 0, "demo", req, text="par", reason="length", usage=None, item_id="msg_1")
+    body = response_body("resp-1", 0, "demo", req, text="par", reason="length", usage=None)
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["error"] is None and body["output"][0]["status"] == "incomplete"

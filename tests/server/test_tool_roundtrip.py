@@ -169,5 +169,53 @@ def test_parallel_tool_calls_false():
     asyncio.run(run())
 
 
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_api_round_trip(stream):
+    """The same round trip over /v1/responses: flat function tools; the call comes back as a function_call item
+    after the message; the message, function_call and function_call_output input items give the chat round trip's
+    prompt (the calls join the assistant message before them, one turn)."""
+    flat = [{"type": "function", **TOOLS[0]["function"]}]
+
+    async def turn(client, items):
+        if not stream:
+            return await client.responses.create(model="demo", input=items, tools=flat)
+        async with client.responses.stream(model="demo", input=items, tools=flat) as s:
+            kinds = [e.type async for e in s]
+            final = await s.get_final_response()
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        if final.output and final.output[-1].type == "function_call":
+            assert "response.function_call_arguments.delta" in kinds
+            assert "response.function_call_arguments.done" in kinds
+        return final
+
+    async def run():
+        engine = FakeEngine()
+        engine.script = [CALL, ANSWER]
+        client = _client(engine)
+        items = [{"role": "developer", "content": "Use tools when needed."},
+                 {"role": "user", "content": "What is the weather in Paris?"}]
+        first = await turn(client, items)
+        assert [o.type for o in first.output] == ["message", "function_call"]
+        assert first.output[0].content[0].text == "I'll check."
+        call = first.output[1]
+        assert (call.call_id, call.name, json.loads(call.arguments)) == ("functions.get_weather:0", "get_weather",
+                                                                         {"city": "Paris"})
+        items += [{"role": "assistant", "content": "I'll check."},
+                  {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "22 C, sunny"}]
+        second = await turn(client, items)
+        assert second.output_text == ANSWER and [o.type for o in second.output] == ["message"]
+        chat = [{"role": "system", "content": "Use tools when needed."}, items[1],
+                {"role": "assistant", "content": "I'll check.", "tool_calls": [
+                    {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
+                                                                         "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "22 C, sunny"}]
+        assert engine.prompts[1] == engine.tok.encode_chat(chat, tools=TOOLS)  # the chat round trip's prompt
+        await client.close()
+
+    asyncio.run(run())
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
