@@ -60,7 +60,7 @@ class AsyncLLM:
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        sampling_params = sampling_params or self.llm.get_default_sampling_params()
+        sampling_params = sampling_params or self.llm._default_params_for(prompt)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before adding: the stepping task may produce output at once
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, self.engine.add_request, rid, prompt,

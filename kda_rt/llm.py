@@ -225,8 +225,10 @@ class LLM:
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params_list = sampling_params
+        elif sampling_params is not None:
+            params_list = [sampling_params] * len(prompts)
         else:
-            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+            params_list = [self._default_params_for(p) for p in prompts]
         prompt_lps = [self._vllm_prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
@@ -259,6 +261,16 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's method)."""
         return SamplingParams(**self.default_sampling)
+
+    def _default_params_for(self, prompt) -> SamplingParams:
+        """The defaults for one prompt: a max_tokens from generation_config.json capped to the prompt's room in the
+        context, as vLLM caps it."""
+        params = self.get_default_sampling_params()
+        if "max_tokens" in self.default_sampling:
+            room = self.llm_engine.config.max_model_len - len(self.llm_engine.request_prompt(prompt, params)[1])
+            if 1 <= room < params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=room)
+        return params
 
     def _decode_token(self, token: int) -> str | None:
         tok = self.tokenizer

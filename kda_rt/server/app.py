@@ -312,7 +312,7 @@ def build_app(state: ServerState) -> Starlette:
             events = responses_api.events(run, outer) if api == "responses" else run.sse()
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        response = await run.collect(request, responses_api.shape(rid, outer) if api == "responses" else None)
+        response = await run.collect(request, responses_api.shape(run, outer) if api == "responses" else None)
         response.headers["X-Request-Id"] = rid
         return response
 

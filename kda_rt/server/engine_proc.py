@@ -15,6 +15,7 @@ reaches the server too, which drains and then shuts this process down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import socket
@@ -153,10 +154,16 @@ class EngineWorker:
                 if msg.get("prompt_logprobs") is not None:
                     info["logprobs"] = self._prompt_logprobs(ids, msg["prompt_logprobs"])
                 infos.append(info)
+            # a max_tokens from generation_config.json is capped to each prompt's room in the context, as vLLM caps
+            # it (a client's own value is checked against the context instead)
+            default_max = msg["params"].get("max_tokens") is None and "max_tokens" in self.llm.default_sampling
             if not msg.get("score_only"):
                 for k, prompt in enumerate(prompts):
                     sub = rid if len(prompts) == 1 else f"{rid}/{k}"
-                    self.engine.add_request(sub, prompt, params, output_kind="delta")
+                    room = self.engine.config.max_model_len - infos[k]["num_tokens"]
+                    fitted = (dataclasses.replace(params, max_tokens=room)
+                              if default_max and 1 <= room < params.max_tokens else params)
+                    self.engine.add_request(sub, prompt, fitted, output_kind="delta")
                     added.append(sub)
                     self.open[sub] = _Open(params.logprobs, rid, k * n)
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now

@@ -53,7 +53,7 @@ class ResponsesRequest(msgspec.Struct):
     user: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # (null: the default, as OpenAI's schema allows)
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
@@ -97,6 +97,11 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
                 kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
                 raise InvalidRequest(f"tools[{k}] must be a function tool {{'type': 'function', 'name': str, "
                                      f"'parameters': {{...}}}} (others are not supported), got {kind!r}")
+            if not tool["name"] or any(t["function"]["name"] == tool["name"] for t in tools):
+                raise InvalidRequest(f"tools[{k}].name must be a non-empty name of its own, got {tool['name']!r}")
+            if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+                raise InvalidRequest(f"tools[{k}].parameters must be a JSON schema object, got "
+                                     f"{type(tool['parameters']).__name__}")
             fn = {"name": tool["name"], **{key: tool[key] for key in ("description", "parameters")
                                            if tool.get(key) is not None}}
             tools.append({"type": "function", "function": fn})
@@ -121,8 +126,8 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {item.get('role')!r}")
             messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
         elif kind == "function_call":
-            if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
-                raise InvalidRequest(f"{where} (function_call) needs call_id, name and arguments as strings")
+            if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")) or not item["name"]:
+                raise InvalidRequest(f"{where} (function_call) needs call_id, name (non-empty) and arguments as strings")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -162,7 +167,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
                                  ignore_eos=req.ignore_eos, response_format=_response_format(req.text), tools=tools,
-                                 tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls)
+                                 tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
 def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:
@@ -185,10 +190,13 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
 
 def output_items(rid: str, text: str, calls: list[dict[str, Any]], state: str) -> list[dict[str, Any]]:
     """The response's output: the assistant's message (when it wrote text or called nothing), then one
-    function_call item per call (chat's tool_calls)."""
-    status = "completed" if state == "completed" else "incomplete"
-    items = [_message_item(f"msg_{rid}", text, status)] if text or not calls else []
-    return items + [_call_item(f"fc_{rid}_{k}", call, status) for k, call in enumerate(calls)]
+    function_call item per call (chat's tool_calls); when the answer did not complete, its last item is
+    `incomplete`."""
+    items = [_message_item(f"msg_{rid}", text, "completed")] if text or not calls else []
+    items += [_call_item(f"fc_{rid}_{k}", call, "completed") for k, call in enumerate(calls)]
+    if state != "completed":  # the answer stopped in its last item; the ones before it were finished
+        items[-1]["status"] = "incomplete"
+    return items
 
 
 def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, reason: str | None,
@@ -204,7 +212,8 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     body = {"id": rid, "object": "response", "created_at": created, "status": state, "model": model,
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice, "tools": req.tools or [], "store": False,
             "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
             "incomplete_details": incomplete,
@@ -216,14 +225,15 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
     return body
 
 
-def shape(rid: str, req: ResponsesRequest):
-    """The body transform for `RequestRun.collect`: the chat completion's one choice as a response."""
+def shape(run: RequestRun, req: ResponsesRequest):
+    """The body transform for `RequestRun.collect`: the chat completion's one choice as a response, its status from
+    the engine's finish reason (chat reports a call cut by max_tokens as "tool_calls")."""
     def to_response(chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
-        reason = choice["finish_reason"]
+        reason = run.choices.finish[0][0]
         error = choice.get("stop_reason") if reason == "error" else None
         message = choice["message"]
-        return response_body(rid, chat["created"], chat["model"], req, text=message["content"] or "",
+        return response_body(run.rid, chat["created"], chat["model"], req, text=message["content"] or "",
                              calls=message.get("tool_calls") or [], reason=reason, usage=chat["usage"], error=error)
 
     return to_response
@@ -236,28 +246,48 @@ def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
 
 
 async def events(run: RequestRun, req: ResponsesRequest) -> AsyncIterator[bytes]:
-    """The Responses API's stream for one running request: output items open as their first piece arrives (the
-    message at its first text, a function_call at its call's header) and close in order at the end."""
+    """The Responses API's stream for one running request: an output item opens when its first piece arrives (the
+    message at its first text, a function_call at its call's header) and closes when the next one opens (finished)
+    or the answer ends (with the answer's state)."""
     seq, model, rid = [0], run.state.model_name, run.rid
     stream = responses.StreamChoices(1, True, **run.shape)
     text, calls, reason, stop_reason, outcome = "", [], None, None, "aborted"
-    opened: list[tuple[str, int]] = []  # ("message", 0) / ("call", k) in output order
+    opened: list[tuple[str, int]] = []  # ("message", 0) / ("call", k) in output order; the last may be open
+    closed: list[dict[str, Any]] = []  # the items closed so far, as sent
 
     def body(status: str | None = None, final: bool = False) -> dict[str, Any]:
         return response_body(rid, run.created, model, req, text=text if final else None, calls=calls, reason=reason,
                              usage=run._usage() if final else None, status=status,
                              error=stop_reason if reason == "error" else None)
 
-    def message_where() -> dict[str, Any]:
-        return {"item_id": f"msg_{rid}", "output_index": opened.index(("message", 0)), "content_index": 0}
+    def close(status: str) -> list[bytes]:
+        """The done events of the open item (the last opened)."""
+        index, key = len(opened) - 1, opened[-1]
+        if key[0] == "message":
+            item = _message_item(f"msg_{rid}", text, status)
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out = [_event(seq, "response.output_text.done", text=text, logprobs=[], **where),
+                   _event(seq, "response.content_part.done", part=item["content"][0], **where)]
+        else:
+            item = _call_item(f"fc_{rid}_{key[1]}", calls[key[1]], status)
+            out = [_event(seq, "response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                          arguments=item["arguments"])]
+        closed.append(item)
+        return out + [_event(seq, "response.output_item.done", output_index=index, item=item)]
 
-    def open_message() -> list[bytes]:
-        opened.append(("message", 0))
-        where = message_where()
-        return [_event(seq, "response.output_item.added", output_index=where["output_index"],
-                       item={**_message_item(where["item_id"], "", "in_progress"), "content": []}),
-                _event(seq, "response.content_part.added", part={"type": "output_text", "text": "", "annotations": []},
-                       **where)]
+    def open_item(key: tuple[str, int]) -> list[bytes]:
+        out = close("completed") if len(closed) < len(opened) else []
+        opened.append(key)
+        index = len(opened) - 1
+        if key[0] == "message":
+            item_id = f"msg_{rid}"
+            return out + [
+                _event(seq, "response.output_item.added", output_index=index,
+                       item={**_message_item(item_id, "", "in_progress"), "content": []}),
+                _event(seq, "response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})]
+        return out + [_event(seq, "response.output_item.added", output_index=index,
+                             item=_call_item(f"fc_{rid}_{key[1]}", calls[key[1]], "in_progress"))]
 
     try:
         yield _event(seq, "response.created", response=body("in_progress"))
@@ -267,46 +297,35 @@ async def events(run: RequestRun, req: ResponsesRequest) -> AsyncIterator[bytes]
                 delta = choice["delta"].get("content") or ""
                 if delta:
                     if ("message", 0) not in opened:
-                        for event in open_message():
+                        for event in open_item(("message", 0)):
                             yield event
                     text += delta
-                    yield _event(seq, "response.output_text.delta", delta=delta, logprobs=[], **message_where())
+                    yield _event(seq, "response.output_text.delta", delta=delta, logprobs=[], item_id=f"msg_{rid}",
+                                 output_index=opened.index(("message", 0)), content_index=0)
                 for tc in choice["delta"].get("tool_calls") or []:
                     k = tc["index"]
                     if k >= len(calls):  # a call's header: id and name first
                         calls.append({"id": tc.get("id"), "type": "function",
                                       "function": {"name": tc["function"].get("name"), "arguments": ""}})
-                        opened.append(("call", k))
-                        yield _event(seq, "response.output_item.added", output_index=len(opened) - 1,
-                                     item=_call_item(f"fc_{rid}_{k}", calls[k], "in_progress"))
+                        for event in open_item(("call", k)):
+                            yield event
                     piece = tc["function"].get("arguments") or ""
                     if piece:
                         calls[k]["function"]["arguments"] += piece
                         yield _event(seq, "response.function_call_arguments.delta", item_id=f"fc_{rid}_{k}",
                                      output_index=opened.index(("call", k)), delta=piece)
-                if choice["finish_reason"] is not None:
-                    reason = choice["finish_reason"]
-            for c in item["outputs"]:
+            for c in item["outputs"]:  # the engine's own reason (chat turns a cut call's "length" into "tool_calls")
+                if c["finish_reason"] is not None:
+                    reason = c["finish_reason"]
                 if c["finish_reason"] == "error":
                     stop_reason = c.get("stop_reason")
         if not opened:  # nothing written and nothing called: the message is there, empty
-            for event in open_message():
+            for event in open_item(("message", 0)):
                 yield event
         final = body(final=True)
-        message = [it for it in final["output"] if it["type"] == "message"]
-        items = {("message", 0): message[0]} if message else {}
-        items.update({("call", k): it for k, it in enumerate(it for it in final["output"] if it["type"] != "message")})
-        final["output"] = [items[key] for key in opened]  # in the order the stream opened them
-        for index, key in enumerate(opened):
-            done = items[key]
-            if key[0] == "message":
-                where = message_where()
-                yield _event(seq, "response.output_text.done", text=text, logprobs=[], **where)
-                yield _event(seq, "response.content_part.done", part=done["content"][0], **where)
-            else:
-                yield _event(seq, "response.function_call_arguments.done", item_id=done["id"], output_index=index,
-                             arguments=done["arguments"])
-            yield _event(seq, "response.output_item.done", output_index=index, item=done)
+        for event in close("completed" if final["status"] == "completed" else "incomplete"):
+            yield event
+        final["output"] = closed  # as the stream sent them
         kind = "response.failed" if final["status"] == "failed" else "response.completed"
         outcome = "finished"
         yield _event(seq, kind, response=final)

@@ -243,3 +243,23 @@ def test_generation_config_defaults(tmp_path):
         LLM(str(tmp_path), backend="numpy")
     with pytest.raises(ValueError, match="generation_config must be"):
         LLM(str(demo_path()), backend="numpy", generation_config="/nope")
+
+
+def test_generation_config_max_tokens_fits_the_context(tmp_path):
+    """A max_new_tokens from generation_config.json larger than a prompt's room in the context is capped to that
+    room, as vLLM caps it (was: every request without its own max_tokens failed on the context length); a client's
+    own max_tokens is still checked."""
+    import json
+    import shutil
+
+    for f in demo_path().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 1000, "temperature": 0.0}))
+    llm = LLM(str(tmp_path), backend="numpy", max_model_len=64)
+    ids = list(range(5, 55))
+    out = llm.generate({"prompt_token_ids": ids})[0].outputs[0]
+    assert len(out.token_ids) <= 14
+    assert len(llm.chat([{"role": "user", "content": "hi"}])[0].outputs[0].token_ids) <= 64
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1000))

@@ -242,6 +242,16 @@ def test_generation_config_defaults_served(tmp_path):
                 assert r["usage"]["completion_tokens"] == 4
         finally:
             assert srv.stop() == 0, srv.log()
+    # a max_new_tokens past the context is capped to each prompt's room (was: every such request a 400)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100000, "temperature": 0.0}))
+    srv = ServerProc(tmp_path / "s.log", "--model", str(tmp_path))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=srv.headers, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= 256, r.text
+        r = httpx.post(srv.url + "/v1/responses", json={"input": "hi"}, headers=srv.headers, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 if __name__ == "__main__":

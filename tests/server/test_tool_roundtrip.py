@@ -40,6 +40,7 @@ class FakeEngine:
         self.prompts: list[list[int]] = []
         self.payloads: list[dict] = []
         self.queues: dict = {}  # (EngineClient's requests being added or running: the server checks ids against it)
+        self.finish = "stop"  # the last delta's finish_reason ("length": max_tokens cut the script)
 
     async def add(self, rid, payload):
         self.payloads.append(payload)
@@ -55,7 +56,7 @@ class FakeEngine:
             text = detok.add([token]) + (detok.flush() if last else "")
             queue.put_nowait({"id": rid, "finished": last, "outputs": [
                 {"index": 0, "text": text, "token_ids": [token], "logprobs": None,
-                 "finish_reason": "stop" if last else None, "stop_reason": None}]})
+                 "finish_reason": (self.finish if last else None), "stop_reason": None}]})
         queue.put_nowait(None)
         return queue, {"prompt_tokens": len(ids), "prompts": [{"num_tokens": len(ids)}]}
 
@@ -212,6 +213,58 @@ def test_responses_api_round_trip(stream):
                                                                          "arguments": call.arguments}}]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": "22 C, sunny"}]
         assert engine.prompts[1] == engine.tok.encode_chat(chat, tools=TOOLS)  # the chat round trip's prompt
+        await client.close()
+
+    asyncio.run(run())
+
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_api_cut_call_is_incomplete(stream):
+    """max_output_tokens cutting a call: the response is incomplete (chat reports such a choice as "tool_calls"; the
+    Responses layer reads the engine's "length"), and its last item is incomplete while the ones before it are
+    completed; streamed, each item's done events come before the next item opens."""
+    flat = [{"type": "function", **TOOLS[0]["function"]}]
+    cut = ("I'll check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+           '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1'
+           '<|tool_call_argument_begin|>{"city":')
+
+    async def run():
+        engine = FakeEngine()
+        engine.script, engine.finish = [cut], "length"
+        client = _client(engine)
+        if not stream:
+            resp = await client.responses.create(model="demo", input="Paris and Rome?", tools=flat)
+        else:
+            async with client.responses.stream(model="demo", input="Paris and Rome?", tools=flat) as s:
+                events = [e async for e in s]
+                resp = await s.get_final_response()
+            order = [(e.type, getattr(e, "output_index", None)) for e in events
+                     if e.type in ("response.output_item.added", "response.output_item.done")]
+            assert order == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                             ("response.output_item.added", 1), ("response.output_item.done", 1),
+                             ("response.output_item.added", 2), ("response.output_item.done", 2)]
+        assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+        statuses = [o.status for o in resp.output]
+        assert statuses[-1] == "incomplete" and set(statuses[:-1]) == {"completed"}
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_responses_api_tool_fields_named():
+    """Responses tools are flat: their errors name Responses fields; parallel_tool_calls may be null."""
+    async def run():
+        engine = FakeEngine()
+        engine.script = [ANSWER]
+        client = _client(engine)
+        ok = await client.responses.create(model="demo", input="hi", extra_body={"parallel_tool_calls": None})
+        assert ok.parallel_tool_calls is True
+        for tools, needle in (([{"type": "function", "name": "f", "parameters": "x"}], "tools[0].parameters"),
+                              ([{"type": "function", "name": "f"}] * 2, "tools[1].name"),
+                              ([{"type": "function", "name": ""}], "tools[0].name")):
+            with pytest.raises(openai.BadRequestError, match=needle.replace("[", "\\[").replace("]", "\\]")):
+                await client.responses.create(model="demo", input="hi", tools=tools)
         await client.close()
 
     asyncio.run(run())
