@@ -25,6 +25,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 CALL = ("I'll check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
 ANSWER = "It is 22 C and sunny in Paris."
+OPENING = ({"role": "developer", "content": "Use tools when needed."},
+           {"role": "user", "content": "What is the weather in Paris?"})
 
 
 class FakeEngine:
@@ -102,8 +104,7 @@ def test_round_trip(stream):
         engine = FakeEngine()
         engine.script = [CALL, ANSWER]
         client = _client(engine)
-        messages = [{"role": "developer", "content": "Use tools when needed."},
-                    {"role": "user", "content": "What is the weather in Paris?"}]
+        messages = [dict(m) for m in OPENING]
         content, calls, reason = await _turn(client, messages, stream)
         assert content == "I'll check."
         assert calls == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}')]
@@ -194,8 +195,7 @@ def test_responses_api_round_trip(stream):
         engine = FakeEngine()
         engine.script = [CALL, ANSWER]
         client = _client(engine)
-        items = [{"role": "developer", "content": "Use tools when needed."},
-                 {"role": "user", "content": "What is the weather in Paris?"}]
+        items = [dict(m) for m in OPENING]
         first = await turn(client, items)
         assert [o.type for o in first.output] == ["message", "function_call"]
         assert first.output[0].content[0].text == "I'll check."
