@@ -11,11 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
+ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream", "stream_options",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "echo",
-          "best_of", "logit_bias", "suffix", "user", "tools", "skip_special_tokens", "include_stop_str_in_output"]
+          "best_of", "logit_bias", "suffix", "user", "tools", "skip_special_tokens", "include_stop_str_in_output",
+          "input", "instructions", "max_output_tokens", "text", "tool_choice", "parallel_tool_calls",
+          "previous_response_id", "truncation", "store"]
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.integers(-3, 40)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12) | st.sampled_from(["demo", "user"]))
@@ -31,6 +33,16 @@ valid_ish = st.fixed_dictionaries(
               "n": st.integers(-1, 4), "stream": st.booleans(), "logprobs": st.integers(-1, 25),
               "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2), "seed": json_values,
               "top_p": json_values, "extra": json_values})
+items = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]) | json_values},
+    optional={"role": st.sampled_from(["user", "assistant", "developer", "x"]) | json_values,
+              "content": st.text(max_size=20) | json_values, "call_id": json_values, "name": json_values,
+              "arguments": json_values, "output": json_values}), max_size=3)
+responses_ish = st.fixed_dictionaries({"input": st.text(max_size=20) | items},
+                                      optional={"max_output_tokens": st.integers(-1, 8) | json_values,
+                                                "instructions": json_values, "stream": st.booleans(),
+                                                "text": json_values, "tools": json_values,
+                                                "tool_choice": json_values, "parallel_tool_calls": json_values})
 chat_ish = st.fixed_dictionaries({"messages": messages},
                                  optional={"max_tokens": st.integers(-1, 8), "logprobs": json_values,
                                            "top_logprobs": json_values, "stream": st.booleans(), "tools": json_values})
@@ -63,7 +75,7 @@ def http():
 
 @pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(ENDPOINTS), body=bodies | valid_ish | chat_ish | json_values,
+@given(path=st.sampled_from(ENDPOINTS), body=bodies | valid_ish | chat_ish | responses_ish | json_values,
        how=st.sampled_from(["json", "json", "truncate", "bad-utf8"]), data=st.data())
 def test_fuzzed_bodies_never_5xx(server, http, path, body, how, data):
     _check(server, http, path, _encode(body, how, data))
