@@ -101,6 +101,7 @@ class ServerState:
     auto_tools: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     metrics: Metrics | None = None
     cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS headers
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when the server started
     open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
 
     def __post_init__(self) -> None:
@@ -169,7 +170,7 @@ def build_app(state: ServerState) -> Starlette:
     async def models(request: Request) -> Response:
         if not authorized(request):
             return _error("invalid or missing API key", 401)
-        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "kda_rt", "root": state.model_name,
+        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kda_rt", "root": state.model_name,
                   "max_model_len": state.client.info.get("max_model_len")}
                  for name in (state.model_name, *state.listed_aliases)]
         return _json({"object": "list", "data": cards})

@@ -28,8 +28,11 @@ def _ref_chat(llm, **kw):
 
 
 def test_models(client):
+    import time
+
     models = client.models.list().data
     assert [m.id for m in models] == ["demo"]
+    assert 0 < time.time() - models[0].created < 3600  # when the server started (was 0)
 
 
 @pytest.mark.parametrize("seed", [0, 7])
