@@ -144,7 +144,7 @@ class LLM:
         gen, gen_path = _generation_config(model_dir)
         extra_eos = _generation_eos(gen, gen_path, self.model_config.vocab_size)  # checked before the weights load
         if generation_config not in ("auto", "vllm"):
-            if not os.path.isdir(generation_config):
+            if not isinstance(generation_config, (str, os.PathLike)) or not os.path.isdir(generation_config):
                 raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding "
                                  f"generation_config.json, got {generation_config!r}")
             gen, gen_path = _generation_config(generation_config)
