@@ -269,7 +269,7 @@ def build_app(state: ServerState) -> Starlette:
                 outer, names = protocol.decode_body(body, responses_api.ResponsesRequest)
                 ignored += names
                 req = responses_api.chat_request(outer)
-                payload = protocol.chat_payload(req, state.auto_tools)
+                payload = responses_api.chat_payload(req, state.auto_tools)
             elif chat:
                 req, names = protocol.decode_body(body, protocol.ChatCompletionRequest)
                 ignored += names

@@ -170,6 +170,24 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                                  tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False)
 
 
+# chat's field names in its errors -> the Responses API's (the request was written with these)
+_FIELD_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+                ("max_tokens", "max_output_tokens"), (".function.", "."))
+
+
+def chat_payload(req: ChatCompletionRequest, auto_tools: bool) -> dict[str, Any]:
+    """protocol.chat_payload for the chat request of a Responses request; its errors name Responses fields."""
+    from kda_rt.server import protocol
+
+    try:
+        return protocol.chat_payload(req, auto_tools)
+    except InvalidRequest as exc:
+        message = str(exc)
+        for chat, ours in _FIELD_NAMES:
+            message = message.replace(chat, ours)
+        raise InvalidRequest(message) from None
+
+
 def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:
     if reason == "length":
         return "incomplete", {"reason": "max_output_tokens"}

@@ -253,7 +253,8 @@ def test_responses_api_cut_call_is_incomplete(stream):
 
 
 def test_responses_api_tool_fields_named():
-    """Responses tools are flat: their errors name Responses fields; parallel_tool_calls may be null."""
+    """Responses tools are flat: their errors name Responses fields (chat's checks too: text.format, not
+    response_format); parallel_tool_calls may be null."""
     async def run():
         engine = FakeEngine()
         engine.script = [ANSWER]
@@ -265,6 +266,9 @@ def test_responses_api_tool_fields_named():
                               ([{"type": "function", "name": ""}], "tools[0].name")):
             with pytest.raises(openai.BadRequestError, match=needle.replace("[", "\\[").replace("]", "\\]")):
                 await client.responses.create(model="demo", input="hi", tools=tools)
+        with pytest.raises(openai.BadRequestError, match="cannot be combined with text.format"):
+            await client.responses.create(model="demo", input="hi", tools=[{"type": "function", "name": "f"}],
+                                          tool_choice="required", text={"format": {"type": "json_object"}})
         await client.close()
 
     asyncio.run(run())
