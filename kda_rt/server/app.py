@@ -205,6 +205,7 @@ def build_app(state: ServerState) -> Starlette:
                     raise protocol.InvalidRequest("give exactly one of prompt and messages")
                 payload = {"prompt": req.prompt, "add_generation_prompt": req.add_generation_prompt,
                            "continue_final_message": req.continue_final_message,
+                           "return_token_strs": bool(req.return_token_strs),
                            "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
                 if req.messages is not None:
                     payload["messages"] = protocol.chat_payload(protocol.ChatCompletionRequest(

@@ -101,8 +101,10 @@ class EngineWorker:
                                                      chat_template_kwargs=msg.get("chat_template_kwargs"))
                 else:
                     ids = self.tokenizer.encode(msg.get("prompt") or "", allow_special=True)  # as a completion
+                strs = [self._bytes(t).decode("utf-8", errors="replace") for t in ids] \
+                    if msg.get("return_token_strs") else None
                 result = {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids,
-                          "token_strs": None}
+                          "token_strs": strs}
         except (ValueError, TypeError, KeyError) as exc:
             self.conn.send({"op": "rejected", "id": msg["id"], "status": 400, "error": str(exc)})
             return

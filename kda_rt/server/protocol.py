@@ -110,6 +110,7 @@ class TokenizeRequest(msgspec.Struct):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_token_strs: bool | None = False  # vLLM's: each token's text beside its id
     add_special_tokens: bool = True  # accepted: the Kimi tokenizer adds none
     chat_template_kwargs: dict[str, Any] | None = None
 

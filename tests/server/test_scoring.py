@@ -94,6 +94,8 @@ def test_tokenize_detokenize_version(server, reference_llm):
     assert r["tokens"] == tok.encode_chat(msgs)
     assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
     assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
+    r = _post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and "".join(r["token_strs"]) == "Hello world"
     rendered = tok.apply_chat_template(msgs)  # a template applied by the client: its markers are control tokens
     r = _post(server, "/tokenize", {"prompt": rendered}).json()
     assert r["tokens"] == tok.encode_chat(msgs) == tok.encode(rendered, allow_special=True) != tok.encode(rendered)
