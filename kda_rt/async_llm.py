@@ -21,6 +21,7 @@ which every running stream waits out).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator
@@ -60,11 +61,13 @@ class AsyncLLM:
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
-        sampling_params = sampling_params or self.llm._default_params_for(prompt)
+        # the defaults: a max_tokens of theirs fits the prompt's room (add_request)
+        fit = sampling_params is None and "max_tokens" in self.llm.default_sampling
+        sampling_params = sampling_params or self.llm.get_default_sampling_params()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before adding: the stepping task may produce output at once
-        add = asyncio.ensure_future(asyncio.to_thread(self._locked, self.engine.add_request, rid, prompt,
-                                                      sampling_params))
+        add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
+            self.engine.add_request, rid, prompt, sampling_params, fit_max_tokens=fit)))
         try:
             await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
         except BaseException as exc:

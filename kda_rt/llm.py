@@ -225,14 +225,13 @@ class LLM:
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params_list = sampling_params
-        elif sampling_params is not None:
-            params_list = [sampling_params] * len(prompts)
         else:
-            params_list = [self._default_params_for(p) for p in prompts]
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        fit = sampling_params is None and "max_tokens" in self.default_sampling  # fits each prompt's room
         prompt_lps = [self._vllm_prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
-        ids = self._add_all(prompts, params_list, "cumulative" if stream else "final")
+        ids = self._add_all(prompts, params_list, "cumulative" if stream else "final", fit)
         if any(lp is not None for lp in prompt_lps) or any(sp.logprobs is not None for sp in params_list):
             by_id = {rid: (sp, lps) for rid, sp, lps in zip(ids, params_list, prompt_lps, strict=True)}
             attach = lambda out: self._vllm_output(out, *by_id[out.request_id])  # noqa: E731
@@ -261,16 +260,6 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's method)."""
         return SamplingParams(**self.default_sampling)
-
-    def _default_params_for(self, prompt) -> SamplingParams:
-        """The defaults for one prompt: a max_tokens from generation_config.json capped to the prompt's room in the
-        context, as vLLM caps it."""
-        params = self.get_default_sampling_params()
-        if "max_tokens" in self.default_sampling:
-            room = self.llm_engine.config.max_model_len - len(self.llm_engine.request_prompt(prompt, params)[1])
-            if 1 <= room < params.max_tokens:
-                params = dataclasses.replace(params, max_tokens=room)
-        return params
 
     def _decode_token(self, token: int) -> str | None:
         tok = self.tokenizer
@@ -302,15 +291,18 @@ class LLM:
         return [None] + [vllm_logprobs(d, num, self._decode_token, rank=r)
                          for d, r in zip(dicts[1:], ranks[1:], strict=True)]
 
-    def _add_all(self, prompts: list, params_list: list[SamplingParams], output_kind: str) -> list[str]:
+    def _add_all(self, prompts: list, params_list: list[SamplingParams], output_kind: str,
+                 fit_max_tokens: bool = False) -> list[str]:
         """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted.
-        Non-streaming requests ask the engine for their final output only (no per-step copies)."""
+        Non-streaming requests ask the engine for their final output only (no per-step copies).
+        `fit_max_tokens`: the params are the defaults (LLMEngine.add_request)."""
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = self._request_id(i)
                 try:
-                    ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind))
+                    ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind,
+                                                           fit_max_tokens=fit_max_tokens))
                 except BaseException:
                     self._open.discard(rid)  # refused: the id was never the engine's
                     raise

@@ -109,12 +109,16 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
-                    sampling_params: SamplingParams | None = None, *, output_kind: str = "cumulative") -> str:
+                    sampling_params: SamplingParams | None = None, *, output_kind: str = "cumulative",
+                    fit_max_tokens: bool = False) -> str:
         """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id.
 
         `output_kind` (vLLM's RequestOutputKind): "cumulative" (every output holds everything so
         far), "delta" (only what is new since the request's previous output) or "final" (one
         output, when the request finishes): the last two cost O(new tokens) per step, not O(all).
+
+        `fit_max_tokens`: `max_tokens` is a default (generation_config.json's max_new_tokens), capped to the
+        prompt's room in the context as vLLM caps it, instead of refused when it does not fit.
 
         Raises ValueError (and queues nothing) for an empty prompt, token ids outside the
         vocabulary, prompt + max_tokens over max_model_len, or a request the page pool can never hold.
@@ -133,6 +137,8 @@ class LLMEngine:
             raise ValueError(f"This model's maximum context length is {limit} tokens: prompt has {len(ids)} tokens; "
                              f"max_model_len is {limit} (room for at least one output token needed)")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if fit_max_tokens:
+            max_tokens = min(max_tokens, limit - len(ids))
         if len(ids) + max_tokens > limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens: prompt ({len(ids)} tokens) + max_tokens "

@@ -15,7 +15,6 @@ reaches the server too, which drains and then shuts this process down.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import socket
@@ -162,10 +161,7 @@ class EngineWorker:
             if not msg.get("score_only"):
                 for k, prompt in enumerate(prompts):
                     sub = rid if len(prompts) == 1 else f"{rid}/{k}"
-                    room = self.engine.config.max_model_len - infos[k]["num_tokens"]
-                    fitted = (dataclasses.replace(params, max_tokens=room)
-                              if default_max and 1 <= room < params.max_tokens else params)
-                    self.engine.add_request(sub, prompt, fitted, output_kind="delta")
+                    self.engine.add_request(sub, prompt, params, output_kind="delta", fit_max_tokens=default_max)
                     added.append(sub)
                     self.open[sub] = _Open(params.logprobs, rid, k * n)
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now
