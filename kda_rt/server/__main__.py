@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
     ap.add_argument("--api-key", default=env.api_key(),
-                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KDA_RT_API_KEY, else $VLLM_API_KEY)")
+                    help="require 'Authorization: Bearer KEY' on /v1 routes "
+                         "(default: $KDA_RT_API_KEY, else $VLLM_API_KEY)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
     ap.add_argument("--engine-timeout", type=float, default=60.0,
@@ -98,9 +99,9 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
 
         model = str(demo_path())
         logger.warning("no --model given: serving the bundled demo checkpoint (random weights)")
-    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting, "log_level": args.log_level,
-            "chat_template": args.chat_template, "disable_log_stats": args.disable_log_stats,
-            "generation_config": args.generation_config}
+    init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting,
+            "log_level": args.log_level, "chat_template": args.chat_template,
+            "disable_log_stats": args.disable_log_stats, "generation_config": args.generation_config}
     client = EngineClient(init, engine_timeout=args.engine_timeout)
     try:
         await client.start(args.engine_start_timeout)
@@ -108,11 +109,11 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
         logger.error("%s", exc)
         return 1
     if args.served_model_name:
-        name, *aliases = args.served_model_name
-        listed = tuple(dict.fromkeys(a for a in aliases if a != name))
-    else:
-        name, aliases, listed = os.path.basename(os.path.normpath(model)), [model, os.path.normpath(model)], ()
-    state = ServerState(client, name, aliases=tuple(dict.fromkeys(a for a in aliases if a != name)), listed_aliases=listed,
+        name, *others = args.served_model_name
+    else:  # the directory's name, and the --model argument as given (vLLM's default name), not listed
+        name, others = os.path.basename(os.path.normpath(model)), [model, os.path.normpath(model)]
+    aliases = tuple(dict.fromkeys(a for a in others if a != name))
+    state = ServerState(client, name, aliases=aliases, listed_aliases=aliases if args.served_model_name else (),
                         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, log_requests=args.enable_log_requests,
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,

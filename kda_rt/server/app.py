@@ -170,8 +170,8 @@ def build_app(state: ServerState) -> Starlette:
     async def models(request: Request) -> Response:
         if not authorized(request):
             return _error("invalid or missing API key", 401)
-        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kda_rt", "root": state.model_name,
-                  "max_model_len": state.client.info.get("max_model_len")}
+        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "kda_rt",
+                  "root": state.model_name, "max_model_len": state.client.info.get("max_model_len")}
                  for name in (state.model_name, *state.listed_aliases)]
         return _json({"object": "list", "data": cards})
 
@@ -346,7 +346,7 @@ def build_app(state: ServerState) -> Starlette:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         """404 unknown route, 405 wrong method: the OpenAI envelope instead of Starlette's plain text."""
         path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
-        path = path[len(root):] if root and path.startswith(root) else path  # as sent (uvicorn puts --root-path in front)
+        path = path[len(root):] if root and path.startswith(root) else path  # as sent (uvicorn adds --root-path)
         message = {404: f"no route {path}", 405: f"method {request.method} is not allowed on {path}"}
         response = _error(message.get(exc.status_code, str(exc.detail)), exc.status_code)
         response.headers.update(exc.headers or {})

@@ -26,11 +26,12 @@ import msgspec
 from kda_rt.server import responses
 from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError
 from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, error_body
+from kda_rt.server.protocol import chat_payload as _chat_payload
 
 if TYPE_CHECKING:
     from kda_rt.server.run import RequestRun
 
-__all__ = ["ResponsesRequest", "chat_request", "events", "response_body"]
+__all__ = ["ResponsesRequest", "chat_payload", "chat_request", "events", "response_body", "shape"]
 
 _INT32 = 2**31 - 1
 _ROLES = ("user", "system", "developer", "assistant")
@@ -127,7 +128,8 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
         elif kind == "function_call":
             if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")) or not item["name"]:
-                raise InvalidRequest(f"{where} (function_call) needs call_id, name (non-empty) and arguments as strings")
+                raise InvalidRequest(f"{where} (function_call) needs call_id, name (non-empty) and arguments as "
+                                     "strings")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -177,10 +179,8 @@ _FIELD_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "m
 
 def chat_payload(req: ChatCompletionRequest, auto_tools: bool) -> dict[str, Any]:
     """protocol.chat_payload for the chat request of a Responses request; its errors name Responses fields."""
-    from kda_rt.server import protocol
-
     try:
-        return protocol.chat_payload(req, auto_tools)
+        return _chat_payload(req, auto_tools)
     except InvalidRequest as exc:
         message = str(exc)
         for chat, ours in _FIELD_NAMES:

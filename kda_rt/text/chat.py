@@ -27,8 +27,9 @@ BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 def template_source(model_dir: Path, config: Mapping[str, Any], where: str,
                     override: str | None = None) -> tuple[str | None, str]:
     """(source, name) of the model's chat template: `override` (vLLM's --chat-template: a file's path, else the
-    template itself when it holds `{`, `}` or a newline; on one line its \\n and \\t escapes are read), else `chat_template.jinja` in the directory, else the config's
-    `chat_template`, else None (the built-in template is used); name says which."""
+    template itself when it holds `{`, `}` or a newline; on one line its \\n and \\t escapes are read), else
+    `chat_template.jinja` in the directory, else the config's `chat_template`, else None (the built-in template is
+    used); name says which."""
     from kda_rt.text.tokenizer import TokenizerError
 
     if override is not None:
