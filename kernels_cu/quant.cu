@@ -7,6 +7,8 @@
 //
 // A row with a non-finite entry is not quantized: the first such (row, column) in row-major order goes to bad[0]
 // (atomicMin of row * K + column, initialised by the launcher to INT64_MAX), which the launcher reports by name.
+// Activations (bad = null, the prefill GEMMs' e4m3 sources: nothing is refused mid-step) get a NaN scale for such
+// a row instead, so that every product of the row is NaN, as the bf16 products of a non-finite entry would be.
 // Grid: one block per row; block THREADS threads over the row's K / 2 pairs (two passes: the row's max, then the
 // codes).  Shapes: w [N, K] bf16 (K even, 4-byte aligned rows), q [N, K] uint8, scale [N] fp32, bad [1] int64.
 // Compile-time constants: THREADS (a multiple of 32, at most 1024).
@@ -35,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
         const float2 v = __bfloat1622float2(src[p]);
         const bool f0 = isfinite(v.x), f1 = isfinite(v.y);
         if (!f0 || !f1) {
-            atomicMin(bad, (unsigned long long)(row * K + 2 * p + (f0 ? 1 : 0)));
+            if (bad) atomicMin(bad, (unsigned long long)(row * K + 2 * p + (f0 ? 1 : 0)));
             row_bad = 1;  // (benign race: every writer stores 1)
         }
         amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
@@ -49,7 +51,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
         if (threadIdx.x == 0) red[0] = m;
     }
     __syncthreads();
-    if (row_bad) return;  // the launcher refuses the tensor
+    if (row_bad) {  // the launcher refuses the tensor (weights), or the row's products are NaN (activations)
+        if (!bad && threadIdx.x == 0) scale[row] = __int_as_float(0x7fc00000);
+        return;
+    }
     amax = red[0];
     const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
     const bool zero = !(amax >= tiny);
