@@ -61,6 +61,18 @@
 // and SM) takes longer than the step's products (~1370 cycles at 605 TFLOP/s), so e4m3 weights cost prefill time
 // here: still above moe_gemm_tc.cu's mma.sync rate, and correct, but the fast prefill form for e4m3 weights is FP8
 // tensor-core products (activations quantized per row to e4m3 as well, wgmma e4m3 x e4m3), not written.
+// WFMT = 2 (branch next/w8a8-prefill, KDA_RT_FP8_PREFILL): the sources are e4m3 codes too, with one fp32 scale a
+// source row (ops/quant.quantize_activations_e4m3), and the products run on the e4m3 tensor cores: a k step is 128
+// codes, one 128-byte row of A and of B as bf16's 64 elements, so the stages, swizzle and descriptors are bf16's and
+// each of a step's four wgmma m64nNk32 takes 32 bytes of every row; the epilogue multiplies each sum by its weight
+// row's scale and its source row's (the token's x row for gate/up, the h row for down).
+// Measured (H200, 2026-12-02, tests/gpu/bench_moe_gemm.py --e4m3 --w8a8, 5 interleaved rounds, uniform routing),
+// gate/up | down: T = 8192 bf16 1.270 | 0.633 ms, w8a8 0.756 | 0.447 (-40.5 | -29.3%; with the source's quantization
+// 0.805 | 0.569), T = 16384 bf16 2.328 | 1.139, w8a8 1.300 | 0.785 = 951 | 787 TFLOP/s (-44.1 | -31.0%; with the
+// quantization 1.561 | 1.014: h's pass, 268 MB read, is 0.23 ms and wants to ride in the gate/up epilogue).
+// Open: the whole K accumulates in the tensor cores' accumulator, which on Hopper keeps fewer bits than fp32 for e4m3
+// products (DeepSeek-V3 report, section 3.3.2, promotes to fp32 every 128 of K); the first unit test case measured
+// RMS 4.07e-3 on h against the 4e-3 bound it was given.
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)

@@ -55,8 +55,8 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
     tile_config,
 )
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
-from kda_rt.cuda.ops.moe_gemm_wg import E4M3_BK, moe_gemm_wg, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
+from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, w8a8_fits, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_gemv import (
     GemvRouting,
     down_fits,
@@ -106,7 +106,7 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int, fused: boo
              ("bucket_scratch", (max(1, bucket_scratch_words(N, bins)),), i32)]
     if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
-    if e4m3:  # e4m3 expert stacks: the prefill GEMMs' e4m3 sources (KDA_RT_FP8_PREFILL), codes and row scales
+    if e4m3 and env.fp8_prefill():  # the prefill GEMMs' e4m3 sources (e4m3 stacks), codes and row scales
         u8 = np.dtype(np.uint8)
         parts += [("xq", (T, D), u8), ("xs", (T,), f32), ("hq", (N, inter), u8), ("hs", (N,), f32)]
     return parts
@@ -124,7 +124,8 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
                         e4m3: bool = False) -> int:
     """Bytes of the uint8 workspace moe_forward needs for T tokens: D hidden, `inter` = I expert width,
     `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks, `e4m3`: the
-    stacks hold e4m3 codes (room for the prefill GEMMs' e4m3 sources)."""
+    stacks hold e4m3 codes (with KDA_RT_FP8_PREFILL, read here as moe_forward reads it: room for the prefill GEMMs'
+    e4m3 sources)."""
     return _offsets(_layout(T, cfg, D, inter, inter_s, fused, e4m3))[1]
 
 
@@ -148,8 +149,8 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
         for nout, k, fuse, tile in gemms:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
                 wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, e4m3)
-                if e4m3 and env.fp8_prefill() and D % E4M3_BK == 0 and inter % E4M3_BK == 0:  # e4m3 sources too
-                    wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, e4m3, e4m3_src=True)
+                if e4m3 and env.fp8_prefill() and w8a8_fits(D, inter):  # e4m3 sources too
+                    wg_kernel(wg_tile(nout, k, fuse, e4m3_src=True), k, nout, fuse, pairs, e4m3, e4m3_src=True)
                     activation_kernel(k)
                     count += 2
             else:
@@ -288,7 +289,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     if w.e4m3 and not bm:
         raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")
     # e4m3 stacks on the wgmma GEMMs (prefill): sources quantized a row at a time and e4m3 products (KDA_RT_FP8_PREFILL)
-    w8a8 = (w.e4m3 and gemm is moe_gemm_wg and env.fp8_prefill() and D % E4M3_BK == 0 and inter % E4M3_BK == 0)
+    w8a8 = w.e4m3 and gemm is moe_gemm_wg and env.fp8_prefill() and w8a8_fits(D, inter)
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
     fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
     if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)

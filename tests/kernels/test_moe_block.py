@@ -168,6 +168,7 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T300-small": ("T300-small", {}),
     "T300-small-tc128": ("T300-small", {"KDA_RT_WGMMA": "0"}),
     "T1024-E64-prefill-w8a8": ("T1024-E64-prefill", {"KDA_RT_FP8_PREFILL": "1"}),  # e4m3 sources (WFMT = 2)
+    "T300-small-w8a8": ("T300-small", {"KDA_RT_FP8_PREFILL": "1"}),  # I = 128: the down GEMM's one k step, BN 128
 }
 
 
@@ -230,7 +231,9 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     out = cupy.empty((T, D), dtype=BF16)
     ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, fused, e4m3=True), 0xFF, dtype=np.uint8)
     poison(out)
-    w8a8 = switches.get("KDA_RT_FP8_PREFILL") == "1"
+    from kda_rt.cuda.ops.moe_gemm_wg import w8a8_fits
+
+    w8a8 = switches.get("KDA_RT_FP8_PREFILL") == "1" and w8a8_fits(D, inter)
     if w8a8:  # the e4m3-source GEMMs must be the ones that run (a sm_90a build with K % 128 == 0)
         if device_arch() != "sm_90a":
             pytest.skip("e4m3 sources run on the wgmma kernel (sm_90a)")

@@ -21,7 +21,7 @@ from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 
-__all__ = ["WgTile", "available", "moe_gemm_wg", "wg_tile"]
+__all__ = ["E4M3_BK", "WgTile", "available", "moe_gemm_wg", "w8a8_fits", "wg_tile"]
 
 BM, BK = 128, 64
 E4M3_BK = 128  # the k step of e4m3 sources and weights (WFMT = 2): 128 codes, one 128-byte row as bf16's 64
@@ -61,12 +61,19 @@ def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool, e4m3_src: bool = False)
     return out_ok and k % bk == 0 and k // bk >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
 
 
-def wg_tile(nout: int, k: int, fuse_silu: bool) -> WgTile | None:
-    """The tile for one GEMM (nout x k weights), or None when none fits."""
+def wg_tile(nout: int, k: int, fuse_silu: bool, e4m3_src: bool = False) -> WgTile | None:
+    """The tile for one GEMM (nout x k weights; e4m3_src: 128-code k steps), or None when none fits."""
     for t in (_DEFAULT, WgTile(128, 4), WgTile(128, 3)):
-        if _fits(t, nout, k, fuse_silu):
+        if _fits(t, nout, k, fuse_silu, e4m3_src):
             return t._replace(staged_out=_STAGED_OUT[fuse_silu])
     return None
+
+
+def w8a8_fits(hidden: int, inter: int) -> bool:
+    """Both MoE GEMMs of a prefill step can take e4m3 sources (128-code k steps: K % 128 and a tile with enough of
+    them)."""
+    return (wg_tile(2 * inter, hidden, True, e4m3_src=True) is not None
+            and wg_tile(hidden, inter, False, e4m3_src=True) is not None)
 
 
 def available(tile_rows: int, hidden: int, inter: int) -> bool:
@@ -104,7 +111,7 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
         expect(src_scale, "src_scale", shape=(src.shape[0],), dtype=np.float32)
         if K % E4M3_BK:
             raise ValueError(f"moe_gemm_wg: e4m3 sources need K % {E4M3_BK} == 0 (128-code k steps), got K={K}")
-    tile = tile or wg_tile(nout, K, fuse_silu)
+    tile = tile or wg_tile(nout, K, fuse_silu, e4m3_src)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu, e4m3_src):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
     kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src)
