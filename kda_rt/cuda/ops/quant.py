@@ -48,13 +48,24 @@ def quantize_rows_e4m3(w, name: str = "weight", *, out=None, scale_out=None, str
     return q, scale
 
 
+_WARP_ROWS = 8  # rows a block of the warp-per-row kernel (256 threads)
+
+
 def _threads(K: int) -> int:
-    """Threads a row's block: ~4 pairs each, 32 to _THREADS (a 1024-wide h row takes 128, a 2304-wide x row 256)."""
+    """Threads a row's block in the block-per-row kernel: ~4 pairs each, 32 to _THREADS."""
     return max(32, min(_THREADS, (K // 8 + 31) // 32 * 32))
 
 
+def _warp_rows(K: int) -> bool:
+    """Rows of K take the warp-per-row kernel (16-byte pieces, at most 32 a lane)."""
+    return K % 8 == 0 and 0 < K <= 8192
+
+
 def activation_kernel(K: int):
-    """quantize_activations_e4m3's kernel for rows of K (built on first use; the runner builds it at start)."""
+    """quantize_activations_e4m3's kernel for rows of K (built on first use; the runner builds it at start): one warp
+    a row holding its pieces in registers (quant.cu ROW_K), or for other widths a block a row."""
+    if _warp_rows(K):
+        return get_kernel("quant.cu", "quantize_rows_e4m3_warp", THREADS=32 * _WARP_ROWS, ROW_K=K)
     return get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))
 
 
@@ -71,5 +82,10 @@ def quantize_activations_e4m3(x, *, out, scale_out, stream=None):
                          f"(got {x.shape})")
     check_e4m3_arch("quantize_activations_e4m3")
     if N:
-        activation_kernel(K)((N,), (_threads(K),), (x, np.int32(K), out, scale_out, np.uint64(0)), stream=stream)
+        kernel = activation_kernel(K)
+        if _warp_rows(K) and x.data.ptr % 16 == 0 and out.data.ptr % 8 == 0:
+            kernel((-(-N // _WARP_ROWS),), (32 * _WARP_ROWS,), (x, np.int32(N), out, scale_out), stream=stream)
+        else:  # (the block-per-row kernel: other widths, or sources not aligned for 16-byte pieces)
+            get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))(
+                (N,), (_threads(K),), (x, np.int32(K), out, scale_out, np.uint64(0)), stream=stream)
     return out, scale_out
