@@ -72,7 +72,10 @@
 // quantization 1.561 | 1.014: h's pass, 268 MB read, is 0.23 ms and wants to ride in the gate/up epilogue).
 // Open: the whole K accumulates in the tensor cores' accumulator, which on Hopper keeps fewer bits than fp32 for e4m3
 // products (DeepSeek-V3 report, section 3.3.2, promotes to fp32 every 128 of K); the first unit test case measured
-// RMS 4.07e-3 on h against the 4e-3 bound it was given.
+// RMS 4.07e-3 on h against the 4e-3 bound it was given.  Kept so: vLLM's per-token x per-channel FP8 GEMMs on sm_90
+// (csrc/quantization/cutlass_w8a8/c3x/scaled_mm_sm90_fp8_dispatch.cuh) run CUTLASS's FP8 "fast accumulation" schedule,
+// no promotion, in every M bucket; promotion here would need a second accumulator set (BN / 2 more registers a
+// thread: BN = 128 only).  The unit test's bounds follow from the drift (tests/kernels/test_moe_gemm_tc.py).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
