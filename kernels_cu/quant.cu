@@ -7,6 +7,8 @@
 //
 // A row with a non-finite entry is not quantized: the first such (row, column) in row-major order goes to bad[0]
 // (atomicMin of row * K + column, initialised by the launcher to INT64_MAX), which the launcher reports by name.
+// Activations (bad = null, the prefill GEMMs' e4m3 sources: nothing is refused mid-step) get a NaN scale for such
+// a row instead, so that every product of the row is NaN, as the bf16 products of a non-finite entry would be.
 // Grid: one block per row; block THREADS threads over the row's K / 2 pairs (two passes: the row's max, then the
 // codes).  Shapes: w [N, K] bf16 (K even, 4-byte aligned rows), q [N, K] uint8, scale [N] fp32, bad [1] int64.
 // Compile-time constants: THREADS (a multiple of 32, at most 1024).
@@ -35,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
         const float2 v = __bfloat1622float2(src[p]);
         const bool f0 = isfinite(v.x), f1 = isfinite(v.y);
         if (!f0 || !f1) {
-            atomicMin(bad, (unsigned long long)(row * K + 2 * p + (f0 ? 1 : 0)));
+            if (bad) atomicMin(bad, (unsigned long long)(row * K + 2 * p + (f0 ? 1 : 0)));
             row_bad = 1;  // (benign race: every writer stores 1)
         }
         amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
@@ -49,7 +51,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
         if (threadIdx.x == 0) red[0] = m;
     }
     __syncthreads();
-    if (row_bad) return;  // the launcher refuses the tensor
+    if (row_bad) {  // the launcher refuses the tensor (weights), or the row's products are NaN (activations)
+        if (!bad && threadIdx.x == 0) scale[row] = __int_as_float(0x7fc00000);
+        return;
+    }
     amax = red[0];
     const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
     const bool zero = !(amax >= tiny);
@@ -68,3 +73,70 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
         dst[p] = pair;
     }
 }
+
+#ifdef ROW_K
+// quantize_rows_e4m3_warp (ROW_K defined: the row width, a multiple of 8): activations, the prefill GEMMs' e4m3
+// sources (moe_gemm_wg.cu WFMT = 2): one warp a row, THREADS / 32 rows a block, the row's 16-byte pieces held in
+// registers between its max and its codes (one read of x), the same codes and scales as the kernel above; a row
+// with a non-finite entry gets a NaN scale (nothing is refused), so that its products are NaN.  Shapes: x [rows,
+// ROW_K] bf16 (16-byte aligned), q [rows, ROW_K] uint8 (8-byte aligned), scale [rows] fp32.
+#define ROW_PIECES (ROW_K / 8)
+#define PIECES_A_LANE ((ROW_PIECES + 31) / 32)
+static_assert(ROW_K % 8 == 0 && PIECES_A_LANE <= 32, "quantize_rows_e4m3_warp: ROW_K % 8 == 0, at most 8192");
+
+__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// the e4m3 codes of two values over the row's scale, element a at the lower byte (as the kernel above)
+__device__ __forceinline__ unsigned short e4m3_pair(float a, float b, float s) {
+    unsigned short pair;
+    const float qa = fminf(fmaxf(__fdiv_rn(a, s), -448.f), 448.f), qb = fminf(fmaxf(__fdiv_rn(b, s), -448.f), 448.f);
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(qb), "f"(qa));
+    return pair;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_warp(const bf16* __restrict__ x, int rows,
+                                                                              unsigned char* __restrict__ q,
+                                                                              float* __restrict__ scale) {
+    KDA_PDL_ENTRY();
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= rows) return;  // (a whole warp: the shuffles below stay full)
+    const uint4* src = reinterpret_cast<const uint4*>(x + row * ROW_K);
+    uint4 v[PIECES_A_LANE];
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int j = 0; j < PIECES_A_LANE; ++j) {
+        const int p = lane + 32 * j;
+        v[j] = p < ROW_PIECES ? src[p] : make_uint4(0, 0, 0, 0);
+        const unsigned w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float a = bf16_lo(w[i]), b = bf16_hi(w[i]);
+            finite = finite && isfinite(a) && isfinite(b);
+            amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b)));
+        }
+    }
+    amax = warp_max(amax);
+    if (!__all_sync(0xFFFFFFFFu, finite)) {
+        if (lane == 0) scale[row] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
+    const bool zero = !(amax >= tiny);
+    const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
+    if (lane == 0) scale[row] = s;
+    uint2* dst = reinterpret_cast<uint2*>(q + row * ROW_K);
+#pragma unroll
+    for (int j = 0; j < PIECES_A_LANE; ++j) {
+        const int p = lane + 32 * j;
+        if (p >= ROW_PIECES) break;
+        const unsigned w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+        unsigned c[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] = zero ? 0u : e4m3_pair(bf16_lo(w[i]), bf16_hi(w[i]), s);
+        dst[p] = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+    }
+}
+#endif

@@ -51,6 +51,25 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
                  : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
+// d += A[64 x 32] · B[128 x 32]ᵀ in e4m3 (scale_d = 1), A and B K-major in shared memory (descriptors: the same
+// 128-byte rows and swizzle, a k32 slice of 32 bytes as bf16's k16; 8-bit operands take no transpose)
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], unsigned long long desc_a,
+                                                      unsigned long long desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" WG_REGS64 "}, %64, %65, p, 1, 1;\n}\n"
+                 : WG_ACC32(d, 0), WG_ACC32(d, 32)
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d += A[64 x 32] · B[256 x 32]ᵀ in e4m3 (scale_d = 1), as above
+__device__ __forceinline__ void wgmma_m64n256k32_e4m3(float (&d)[128], unsigned long long desc_a,
+                                                      unsigned long long desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {" WG_REGS128 "}, %128, %129, p, 1, 1;\n}\n"
+                 : WG_ACC32(d, 0), WG_ACC32(d, 32), WG_ACC32(d, 64), WG_ACC32(d, 96)
+                 : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile
 __device__ __forceinline__ unsigned swz(int r, int c) { return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4)); }
 

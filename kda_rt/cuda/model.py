@@ -173,7 +173,7 @@ class CudaModel:
     def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
-        nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack)
+        nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack, w.e4m3)
         moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm,
                     norm_before=norm_before)
 

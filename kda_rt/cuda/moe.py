@@ -56,7 +56,7 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 )
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
-from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, wg_kernel, wg_tile
+from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, w8a8_fits, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_gemv import (
     GemvRouting,
     down_fits,
@@ -79,6 +79,7 @@ from kda_rt.cuda.ops.moe_route import (
     split_router,
 )
 from kda_rt.cuda.ops.moe_route import fused_kernel as fused_route_kernel
+from kda_rt.cuda.ops.quant import activation_kernel, quantize_activations_e4m3
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
@@ -90,8 +91,8 @@ __all__ = ["ROUTE_NORM_MAX_T", "NormBefore", "moe_forward", "moe_workspace_bytes
 _ALIGN = 256
 
 
-def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
-            fused: bool = False) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int, fused: bool = False,
+            e4m3: bool = False) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     E, A = cfg.num_experts, cfg.top_k
     bins = E + 1 if fused else E  # fused: the shared expert is bin E, every token has A + 1 pairs
     N = T * (A + 1) if fused else T * A
@@ -105,6 +106,9 @@ def _layout(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int,
              ("bucket_scratch", (max(1, bucket_scratch_words(N, bins)),), i32)]
     if inter_s and not fused:
         parts += [("gu_s", (T, 2 * inter_s), BF16), ("h_s", (T, inter_s), BF16), ("y_s", (T, D), f32)]
+    if e4m3 and env.fp8_prefill():  # the prefill GEMMs' e4m3 sources (e4m3 stacks), codes and row scales
+        u8 = np.dtype(np.uint8)
+        parts += [("xq", (T, D), u8), ("xs", (T,), f32), ("hq", (N, inter), u8), ("hs", (N,), f32)]
     return parts
 
 
@@ -116,10 +120,13 @@ def _offsets(parts) -> tuple[list[int], int]:
     return offs, pos
 
 
-def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int = 0, fused: bool = False) -> int:
+def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int = 0, fused: bool = False,
+                        e4m3: bool = False) -> int:
     """Bytes of the uint8 workspace moe_forward needs for T tokens: D hidden, `inter` = I expert width,
-    `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks."""
-    return _offsets(_layout(T, cfg, D, inter, inter_s, fused))[1]
+    `inter_s` = Is shared width (0: no shared expert), `fused`: the shared expert is in the stacks, `e4m3`: the
+    stacks hold e4m3 codes (with KDA_RT_FP8_PREFILL, read here as moe_forward reads it: room for the prefill GEMMs'
+    e4m3 sources)."""
+    return _offsets(_layout(T, cfg, D, inter, inter_s, fused, e4m3))[1]
 
 
 def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = False) -> int:
@@ -142,6 +149,10 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
         for nout, k, fuse, tile in gemms:
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
                 wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, e4m3)
+                if e4m3 and env.fp8_prefill() and w8a8_fits(D, inter):  # e4m3 sources too
+                    wg_kernel(wg_tile(nout, k, fuse, e4m3_src=True), k, nout, fuse, pairs, e4m3, e4m3_src=True)
+                    activation_kernel(k)
+                    count += 2
             else:
                 tc_kernel(e4m3_tile(tile, [(nout, k, fuse)]) if e4m3 else tile, k, nout, fuse, pairs, e4m3)
                 small = tile_config(bm, nout, k, fuse, tokens=1)
@@ -257,7 +268,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         sdt = wdtype if fused else BF16
         inter_s = expect(shared_w13, "shared_w13", shape=(None, D), dtype=sdt)[0] // 2
         expect(shared_w2, "shared_w2", shape=(D, inter_s), dtype=sdt)
-    parts = _layout(T, cfg, D, inter, inter_s, fused)
+    parts = _layout(T, cfg, D, inter, inter_s, fused, w.e4m3)
     offs, nbytes = _offsets(parts)
     workspace = cupy.empty(nbytes, dtype=np.uint8) if workspace is None else workspace
     expect(workspace, "workspace", ndim=1, dtype=np.uint8)
@@ -277,6 +288,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
     if w.e4m3 and not bm:
         raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")
+    # e4m3 stacks on the wgmma GEMMs (prefill): sources quantized a row at a time and e4m3 products (KDA_RT_FP8_PREFILL)
+    w8a8 = w.e4m3 and gemm is moe_gemm_wg and env.fp8_prefill() and w8a8_fits(D, inter)
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
     fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
     if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)
@@ -317,10 +330,18 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             kw13, kw2 = scale_kw if w.e4m3 else ({}, {})  # (moe_gemm.cu, the bf16-only kernel, takes no scale)
             if gemv:  # its routed rows spread evenly over the SMs
                 moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed, **kw13)
+            elif w8a8:
+                quantize_activations_e4m3(x, out=ws["xq"], scale_out=ws["xs"], stream=stream)
+                gemm(ws["xq"], w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, src_scale=ws["xs"],
+                     **kw13)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, **kw13)
             if gemv and env.down_gemv() and down_fits(inter, D, w.e4m3):
                 moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream, **kw2)
+            elif w8a8:
+                quantize_activations_e4m3(ws["h"], out=ws["hq"], scale_out=ws["hs"], stream=stream)
+                gemm(ws["hq"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream,
+                     src_scale=ws["hs"], **kw2)
             else:
                 gemm(ws["h"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream, **kw2)
         shared = None

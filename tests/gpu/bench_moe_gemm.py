@@ -161,15 +161,16 @@ def _wg_cases(T, wts):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
         args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
-                np.uint64(0))  # (no scales: bf16 weights)
+                np.uint64(0), np.uint64(0))  # (no scales: bf16 weights and sources)
         cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
     return plan, cases
 
 
-def bench_e4m3(T, wts, q, rounds: int = 5):
+def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
     """The wgmma GEMMs (launcher tiles) with bf16 weights against e4m3 weights (q = (q13, s13, q2, s2): uint8 codes
     and row scales; moe_gemm_wg.cu WFMT = 1) widened by the conversion unit (E4M3_CVT = 1) or by bit moves (0),
-    interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows)."""
+    interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows).  w8a8: also e4m3 sources
+    (WFMT = 2), the GEMM alone and after its source's quantization (ops/quant.quantize_activations_e4m3)."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 
@@ -177,6 +178,7 @@ def bench_e4m3(T, wts, q, rounds: int = 5):
     from kda_rt.cuda.ops import moe_gemm_tc
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
 
     N = T * A
     hrng = np.random.default_rng(T)
@@ -188,12 +190,26 @@ def bench_e4m3(T, wts, q, rounds: int = 5):
     for name, src, w, wq, sc, out, silu, flop in (("gate/up", x, wts.w13, q13, s13, h, True, 2 * N * D * 2 * INTER),
                                                   ("down", h, wts.w2, q2, s2, y, False, 2 * N * INTER * D)):
         variants = {"bf16": (w, None, 1), "e4m3 cvt": (wq, sc, 1), "e4m3 bits": (wq, sc, 0)}
+        srcq = srcs = None
+        if w8a8:  # e4m3 sources too (WFMT = 2): the GEMM alone, and with its source's quantization
+            srcq = cupy.empty(src.shape, dtype=np.uint8)
+            srcs = cupy.empty(src.shape[0], dtype=np.float32)
+            quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
+            variants = {"bf16": variants["bf16"], "e4m3 cvt": variants["e4m3 cvt"], "w8a8": (wq, sc, 1),
+                        "w8a8+quant": (wq, sc, 1)}
         times = {v: [] for v in variants}
+
+        def run(v, wt, scale, src=src, srcq=srcq, srcs=srcs, silu=silu, out=out):
+            if v.startswith("w8a8"):
+                if v == "w8a8+quant":
+                    quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
+                return moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale, src_scale=srcs)
+            return moe_gemm_wg(src, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale)
+
         for _ in range(rounds):
             for v, (wt, scale, convert) in variants.items():
                 moe_gemm_tc.E4M3_CONVERT = convert
-                times[v].append(median_ms(partial(moe_gemm_wg, src, wt, plan, top_k=A, fuse_silu=silu, out=out,
-                                                  scale=scale)))
+                times[v].append(median_ms(partial(run, v, wt, scale)))
         moe_gemm_tc.E4M3_CONVERT = default
         base = float(np.median(times["bf16"]))
         print(f"T={T} {name}: " + "  ".join(
@@ -347,6 +363,7 @@ def main():
     ap.add_argument("--once", action="store_true", help="both wgmma GEMMs twice, untimed (for ncu)")
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
+    ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -364,7 +381,7 @@ def main():
         q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))
     for T in map(int, args.tokens.split(",")):
         if args.e4m3:
-            bench_e4m3(T, wts, q)
+            bench_e4m3(T, wts, q, w8a8=args.w8a8)
         elif args.once:
             run_once(T, wts)
         elif args.define:

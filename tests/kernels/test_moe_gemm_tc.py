@@ -565,6 +565,97 @@ def test_moe_gemm_wg_e4m3(name, big_e4m3, monkeypatch):
         assert float(cupy.abs(h.astype(np.float32)).max()) > 0, f"{name}: h is all zero"
     check_experts(sample_experts(ids, E, rng), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A, name)
 
+W8A8 = {  # name: (T, D, I, E, A, skewed, tile); E = 256: the big_e4m3 stacks
+    "T300": (300, 2304, 1024, 256, 8, False, (256, 4)),
+    "T2048-skewed": (2048, 2304, 1024, 256, 8, True, (256, 4)),
+    "T8192": (8192, 2304, 1024, 256, 8, False, (256, 4)),
+    "T2048-bn128-s3-direct": (2048, 2304, 1024, 256, 8, False, (128, 3, False)),
+    "T2048-direct": (2048, 2304, 1024, 256, 8, False, (256, 4, False)),  # the launcher's gate/up epilogue
+    "T40-D512-I384-E16": (40, 512, 384, 16, 4, False, (256, 4)),  # K = 384: 3 k steps of 128 codes
+}
+
+
+@pytest.mark.parametrize("name", list(W8A8))
+def test_moe_gemm_wg_w8a8(name, big_e4m3):
+    """moe_gemm_wg with e4m3 sources and weights (moe_gemm_wg.cu WFMT = 2: wgmma e4m3 x e4m3): each GEMM's bf16
+    source quantized a row at a time (quantize_activations_e4m3), checked against NumPy float64 on the dequantized
+    sources and weights.  Hopper's e4m3 tensor cores keep ~14 bits of their partial sums (DeepSeek-V3 report,
+    section 3.3.2); cut toward zero once a k32 slice, the sum drifts by up to (K / 32) 2^-14 of its partial sums'
+    size, 4.4e-3 at K = 2304 (the first GPU run measured RMS 4.07e-3 on h, 2026-12-02), so the bounds are twice
+    that: RMS 8e-3 and |got - ref| <= 3e-2 |ref| + 1.6e-2 RMS(ref); a wrong source row, scale or expert is off by
+    ~100%.  Outputs poisoned first (run_tc).  Not yet run with these bounds."""
+    import cupy
+    import ml_dtypes
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    if device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_wg.cu needs sm_90a (wgmma)")
+    T, D, inter, E, A, skewed, tile = W8A8[name]
+    rng = np.random.default_rng(zlib.crc32(f"w8a8/{name}".encode()))
+    if E == 256:
+        q13, s13, q2, s2 = big_e4m3
+    else:
+        crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+        q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
+        q2, s2 = e4m3_stack(crng, rng, E, D, inter)
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    ids = make_ids(T, E, A, skewed, rng)
+    sources = {}  # fuse_silu -> the dequantized source rows the kernel multiplied (float64)
+
+    def gemm(src, weight, plan, *, top_k, fuse_silu, out, tile=None):
+        q = cupy.full(src.shape, 0x7F, dtype=np.uint8)
+        s = cupy.full(src.shape[0], np.nan, dtype=np.float32)
+        quantize_activations_e4m3(src, out=q, scale_out=s)
+        codes = cupy.asnumpy(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        sources[fuse_silu] = codes * cupy.asnumpy(s).astype(np.float64)[:, None]
+        return moe_gemm_wg(q, weight, plan, top_k=top_k, fuse_silu=fuse_silu, out=out, tile=tile,
+                           scale=s13 if fuse_silu else s2, src_scale=s)
+
+    plan, h, y = run_tc(to_gpu_bf16(x_np), q13, q2, ids, E, 128, WgTile(*tile), gemm)
+    off, sp = cupy.asnumpy(plan.expert_off), cupy.asnumpy(plan.sorted_pair)
+    h_np, y_np = to_np(h), to_np(y)
+    assert np.all(np.isfinite(h_np)) and np.all(np.isfinite(y_np)), f"{name}: rows left unwritten (NaN)"
+    w13, w2 = Dequantized(q13, s13), Dequantized(q2, s2)
+    for e in sample_experts(ids, E, rng):
+        if off[e + 1] == off[e]:
+            continue
+        rows, h_ref, _ = reference_rows(e, (off, sp), sources[True], w13, w2, h_np, A)
+        _, _, y_ref = reference_rows(e, (off, sp), sources[True], w13, w2, sources[False], A)
+        check(h_np[rows], h_ref, f"w8a8 {name} h expert {e}", rms_tol=8e-3, rtol=3e-2, atol_rms=1.6e-2)
+        check(y_np[rows], y_ref, f"w8a8 {name} y expert {e}", rms_tol=8e-3, rtol=3e-2, atol_rms=1.6e-2)
+
+
+def test_w8a8_refusals():
+    """e4m3 sources refused by name: without e4m3 weights, a bf16 source with a source scale, a source scale of the
+    wrong length, K not a multiple of 128."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+
+    T, D, inter, E, A = 3, 256, 128, 4, 2
+    rng = np.random.default_rng(6)
+    crng = cupy.random.default_rng(6)
+    q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
+    plan = make_plan(make_ids(T, E, A, False, rng), E, 128)
+    h = cupy.empty((T * A, inter), dtype=BF16)
+    xq, xs = cupy.zeros((T, D), np.uint8), cupy.ones(T, np.float32)
+    with pytest.raises(ValueError, match="need e4m3 weights"):
+        moe_gemm_wg(xq, cupy.zeros((E, 2 * inter, D), BF16), plan, top_k=A, fuse_silu=True, out=h, src_scale=xs)
+    with pytest.raises(TypeError, match="src must have dtype uint8"):
+        moe_gemm_wg(cupy.zeros((T, D), BF16), q13, plan, top_k=A, fuse_silu=True, out=h, scale=s13, src_scale=xs)
+    with pytest.raises(ValueError, match="src_scale must have shape"):
+        moe_gemm_wg(xq, q13, plan, top_k=A, fuse_silu=True, out=h, scale=s13, src_scale=xs[:2])
+    q13b, s13b = e4m3_stack(crng, rng, E, 2 * inter, 192)
+    with pytest.raises(ValueError, match="K % 128 == 0"):
+        moe_gemm_wg(cupy.zeros((T, 192), np.uint8), q13b, plan, top_k=A, fuse_silu=True, out=h, scale=s13b,
+                    src_scale=xs)
+
+
 def test_e4m3_grouped_gemm_refusals():
     """e4m3 calls refused by name: a scale without e4m3 weights, e4m3 weights without scales, one of the two fused
     scales, a scale of the wrong shape."""

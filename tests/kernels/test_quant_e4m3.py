@@ -66,3 +66,40 @@ def test_quantize_rows_refusals():
         quantize_rows_e4m3(cupy.zeros((4, 8), np.float32), "w")
     with pytest.raises(ValueError, match="even row width"):
         quantize_rows_e4m3(cupy.zeros((4, 7), BF), "w")
+
+
+@pytest.mark.parametrize(("shape", "offset"), [((300, 2304), 0), ((257, 1024), 0), ((257, 1024), 2), ((5, 2), 0)],
+                         ids=["300x2304", "257x1024", "257x1024-offset", "5x2"])
+def test_quantize_activations_matches_host(shape, offset):
+    """quantize_activations_e4m3 (the prefill GEMMs' e4m3 sources: one warp a row where the width is a multiple of 8
+    and x 16-byte aligned; else, as for x `offset` elements into its buffer or rows of 2, a block a row): the codes
+    and scales of quantize_rows bit for bit, and a row with a non-finite entry gets a NaN scale instead of a refusal
+    (its other rows as the host's)."""
+    import cupy
+
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+    from kda_rt.loader.quant import quantize_rows
+
+    rng = np.random.default_rng(sum(shape) + 1)
+    n, k = shape
+    x = _rows(rng, n, k)
+    q = cupy.full(shape, 0x7F, dtype=np.uint8)
+    s = cupy.full(n, -1.0, dtype=np.float32)  # (a scale is never negative)
+
+    def on_gpu(a):
+        buf = cupy.empty(a.size + offset, dtype=BF)
+        buf[offset:] = cupy.asarray(a.reshape(-1))
+        return buf[offset:].reshape(a.shape)
+
+    quantize_activations_e4m3(on_gpu(x), out=q, scale_out=s)
+    qh, sh = quantize_rows(x, "x")
+    assert np.array_equal(cupy.asnumpy(q), qh.view(np.uint8)), "codes differ from quantize_rows"
+    assert np.array_equal(cupy.asnumpy(s).view(np.uint32), sh.view(np.uint32)), "scales differ"
+    if n > 4:
+        x_bad = x.copy()
+        x_bad[n - 2, k // 3] = np.inf
+        quantize_activations_e4m3(on_gpu(x_bad), out=q, scale_out=s)
+        s_np = cupy.asnumpy(s)
+        assert np.isnan(s_np[n - 2]), "a row with a non-finite entry must get a NaN scale"
+        keep = np.arange(n) != n - 2
+        assert np.array_equal(s_np[keep].view(np.uint32), sh[keep].view(np.uint32)), "the other rows' scales moved"

@@ -168,10 +168,11 @@ def check_scale(what: str, name: str, scale, weight) -> None:
 
 
 def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out,
-                       e4m3: bool = False) -> tuple[int, int, int, int]:
+                       e4m3: bool = False, e4m3_src: bool = False) -> tuple[int, int, int, int]:
     """The contract shared by the grouped-GEMM launchers (this one and moe_gemm_wg.py); returns
-    (K, E, NOUT, N).  e4m3: the weight is uint8 e4m3 bits (its scale checked by the caller)."""
-    _, K = expect(src, "src", ndim=2, dtype=BF16)
+    (K, E, NOUT, N).  e4m3: the weight is uint8 e4m3 bits (its scale checked by the caller); e4m3_src: the source
+    too (moe_gemm_wg only)."""
+    _, K = expect(src, "src", ndim=2, dtype=np.uint8 if e4m3_src else BF16)
     E, nout, _ = expect(weight, "weight", shape=(None, None, K))
     if weight.dtype != (np.uint8 if e4m3 else BF16):
         want = "uint8 (e4m3 bits, with scales)" if e4m3 else "bfloat16 (or uint8 e4m3 bits with scales)"

@@ -2,7 +2,9 @@
 128-row tiles over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (bf16 out).
 Same contract as moe_gemm_tc.py with a plan built for tile_rows = 128; `available()` says whether it
 runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.  e4m3 weights (uint8 codes
-with one fp32 scale a row, loader/quant.py; moe_gemm_wg.cu WFMT = 1) through `scale`.
+with one fp32 scale a row, loader/quant.py; moe_gemm_wg.cu WFMT = 1) through `scale`; with `src_scale` too the
+source rows are e4m3 codes with a scale a row as well (ops/quant.quantize_activations_e4m3) and the products run
+on the e4m3 tensor cores (WFMT = 2).
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
@@ -14,13 +16,15 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops import moe_gemm_tc
+from kda_rt.cuda.ops.check import expect
 from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 
-__all__ = ["WgTile", "available", "moe_gemm_wg", "wg_tile"]
+__all__ = ["E4M3_BK", "WgTile", "available", "moe_gemm_wg", "w8a8_fits", "wg_tile"]
 
 BM, BK = 128, 64
+E4M3_BK = 128  # the k step of e4m3 sources and weights (WFMT = 2): 128 codes, one 128-byte row as bf16's 64
 
 
 class WgTile(NamedTuple):
@@ -35,9 +39,10 @@ class WgTile(NamedTuple):
     def smem_bytes(self) -> int:  # stages of A [128][64] + B [BN][64] bf16, plus 1 KB to align to 1024
         return self.smem(False)
 
-    def smem(self, e4m3: bool) -> int:
-        """Dynamic shared memory; e4m3: stages of A bf16 + B e4m3 [BN][64], and the three widened bf16 B tiles."""
-        if not e4m3:
+    def smem(self, e4m3: bool, e4m3_src: bool = False) -> int:
+        """Dynamic shared memory; e4m3: stages of A bf16 + B e4m3 [BN][64], and the three widened bf16 B tiles;
+        e4m3_src (both operands e4m3): stages of A [128][128] + B [BN][128] codes, bf16's bytes."""
+        if not e4m3 or e4m3_src:
             return self.stages * (BM + self.bn) * BK * 2 + 1024
         return self.stages * (BM * BK * 2 + self.bn * BK) + 3 * self.bn * BK * 2 + 1024
 
@@ -50,17 +55,25 @@ _DEFAULT = WgTile(256, 4)
 _STAGED_OUT = {False: True, True: False}
 
 
-def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool) -> bool:
+def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool, e4m3_src: bool = False) -> bool:
     out_ok = (nout // 2) % (t.bn // 2) == 0 if fuse_silu else nout % t.bn == 0
-    return out_ok and k % BK == 0 and k // BK >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
+    bk = E4M3_BK if e4m3_src else BK
+    return out_ok and k % bk == 0 and k // bk >= t.stages - 2 and t.bn in (128, 256) and t.stages >= 3
 
 
-def wg_tile(nout: int, k: int, fuse_silu: bool) -> WgTile | None:
-    """The tile for one GEMM (nout x k weights), or None when none fits."""
+def wg_tile(nout: int, k: int, fuse_silu: bool, e4m3_src: bool = False) -> WgTile | None:
+    """The tile for one GEMM (nout x k weights; e4m3_src: 128-code k steps), or None when none fits."""
     for t in (_DEFAULT, WgTile(128, 4), WgTile(128, 3)):
-        if _fits(t, nout, k, fuse_silu):
+        if _fits(t, nout, k, fuse_silu, e4m3_src):
             return t._replace(staged_out=_STAGED_OUT[fuse_silu])
     return None
+
+
+def w8a8_fits(hidden: int, inter: int) -> bool:
+    """Both MoE GEMMs of a prefill step can take e4m3 sources (128-code k steps: K % 128 and a tile with enough of
+    them)."""
+    return (wg_tile(2 * inter, hidden, True, e4m3_src=True) is not None
+            and wg_tile(hidden, inter, False, e4m3_src=True) is not None)
 
 
 def available(tile_rows: int, hidden: int, inter: int) -> bool:
@@ -69,31 +82,43 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
             and wg_tile(2 * inter, hidden, True) is not None and wg_tile(hidden, inter, False) is not None)
 
 
-def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False):
-    """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
-    return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3), K=K, NOUT=nout,
-                      FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
-                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()),
-                      **moe_gemm_tc.weight_format(e4m3))
+def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
+              e4m3_src: bool = False):
+    """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
+    operands e4m3 (WFMT = 2)."""
+    fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
+    return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3, e4m3_src), K=K,
+                      NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
+                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt)
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
-                scale=None, stream=None):
+                scale=None, src_scale=None, stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
     else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows).
     With scale [E, NOUT] fp32 the weight holds e4m3 values as uint8 bits (loader/quant.quantize_rows per expert):
-    each sum is then its weight row's scale times the fp32 sum, rounded as above."""
-    e4m3 = scale is not None
-    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3)
+    each sum is then its weight row's scale times the fp32 sum, rounded as above.  With src_scale [T] (gate/up) or
+    [N] (down) fp32 as well, src holds e4m3 codes too (ops/quant.quantize_activations_e4m3, K % 128 == 0) and the
+    products run on the e4m3 tensor cores: each sum is then the fp32 sum of code products times its weight row's
+    scale times its source row's."""
+    e4m3, e4m3_src = scale is not None, src_scale is not None
+    if e4m3_src and not e4m3:
+        raise ValueError("moe_gemm_wg: e4m3 sources (src_scale) need e4m3 weights (scale) too")
+    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3, e4m3_src=e4m3_src)
     if e4m3:
         moe_gemm_tc.check_scale("moe_gemm_wg", "scale", scale, weight)
-    tile = tile or wg_tile(nout, K, fuse_silu)
-    if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu):
+    if e4m3_src:
+        expect(src_scale, "src_scale", shape=(src.shape[0],), dtype=np.float32)
+        if K % E4M3_BK:
+            raise ValueError(f"moe_gemm_wg: e4m3 sources need K % {E4M3_BK} == 0 (128-code k steps), got K={K}")
+    tile = tile or wg_tile(nout, K, fuse_silu, e4m3_src)
+    if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu, e4m3_src):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3)
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
+    null = np.uint64(0)
     if N:
         kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
-                              plan.num_tiles, out, scale if e4m3 else np.uint64(0)), shared_mem=tile.smem(e4m3),
-               stream=stream)
+                              plan.num_tiles, out, scale if e4m3 else null, src_scale if e4m3_src else null),
+               shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out

@@ -10,7 +10,7 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.gemv import check_e4m3_arch
 
-__all__ = ["quantize_rows_e4m3"]
+__all__ = ["activation_kernel", "quantize_activations_e4m3", "quantize_rows_e4m3"]
 
 _THREADS = 256
 
@@ -46,3 +46,46 @@ def quantize_rows_e4m3(w, name: str = "weight", *, out=None, scale_out=None, str
         v = float(w.reshape(rows, K)[r, c].astype(np.float32).get())
         raise ValueError(f"quantize_rows_e4m3: {name} has a non-finite entry ({v}) at row {r}, column {c}")
     return q, scale
+
+
+_WARP_ROWS = 8  # rows a block of the warp-per-row kernel (256 threads)
+
+
+def _threads(K: int) -> int:
+    """Threads a row's block in the block-per-row kernel: ~4 pairs each, 32 to _THREADS."""
+    return max(32, min(_THREADS, (K // 8 + 31) // 32 * 32))
+
+
+def _warp_rows(K: int) -> bool:
+    """Rows of K take the warp-per-row kernel (16-byte pieces, at most 32 a lane)."""
+    return K % 8 == 0 and 0 < K <= 8192
+
+
+def activation_kernel(K: int):
+    """quantize_activations_e4m3's kernel for rows of K (built on first use; the runner builds it at start): one warp
+    a row holding its pieces in registers (quant.cu ROW_K), or for other widths a block a row."""
+    if _warp_rows(K):
+        return get_kernel("quant.cu", "quantize_rows_e4m3_warp", THREADS=32 * _WARP_ROWS, ROW_K=K)
+    return get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))
+
+
+def quantize_activations_e4m3(x, *, out, scale_out, stream=None):
+    """x [N, K] bf16 rows -> out [N, K] uint8 e4m3 codes and scale_out [N] fp32, the same codes and scales as
+    quantize_rows_e4m3 (one fp32 scale a row, amax / 448), for a prefill GEMM's e4m3 sources (moe_gemm_wg.cu WFMT =
+    2).  Nothing synchronizes and nothing is refused: a row with a non-finite entry gets a NaN scale, so its
+    products are NaN as bf16 ones would be.  Capturable."""
+    N, K = expect(x, "x", ndim=2, dtype=BF16)
+    expect(out, "out", shape=(N, K), dtype=np.uint8)
+    expect(scale_out, "scale_out", shape=(N,), dtype=np.float32)
+    if K % 2 or not x.flags.c_contiguous or x.data.ptr % 4:
+        raise ValueError(f"quantize_activations_e4m3: x must be C-contiguous, 4-byte aligned, with an even row width "
+                         f"(got {x.shape})")
+    check_e4m3_arch("quantize_activations_e4m3")
+    if N:
+        kernel = activation_kernel(K)
+        if _warp_rows(K) and x.data.ptr % 16 == 0 and out.data.ptr % 8 == 0:
+            kernel((-(-N // _WARP_ROWS),), (32 * _WARP_ROWS,), (x, np.int32(N), out, scale_out), stream=stream)
+        else:  # (the block-per-row kernel: other widths, or sources not aligned for 16-byte pieces)
+            get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))(
+                (N,), (_threads(K),), (x, np.int32(K), out, scale_out, np.uint64(0)), stream=stream)
+    return out, scale_out
