@@ -218,13 +218,15 @@ def moe_gemv_down(h, w2, plan: MoEPlan, *, out, scale=None, stream=None):
     E_w, D, _ = expect(w2, "w2", shape=(None, None, inter))
     check_weight_dtype("moe_gemv_down", "w2", w2, e4m3)
     expect(out, "out", shape=(N, D), dtype=BF16)
+    if e4m3 and inter % 16:
+        raise ValueError(f"moe_gemv_down: e4m3 w2 needs an expert width % 16 == 0 (16 weights a 16-byte "
+                         f"piece), got {inter}")
     if not down_fits(inter, D, e4m3) or h.data.ptr % 16 or w2.data.ptr % 16 or out.data.ptr % 4:
         raise ValueError(f"moe_gemv_down: needs an expert width % 8 == 0 and <= {MAX_K} "
-                         f"(got {inter}), an even output width (got {D}), h, w2 16-byte and out 4-byte aligned")
+                         f"(got {inter}) whose tiles fit this GPU's per-block shared memory "
+                         f"({_smem_cap(_device_id())} bytes), an even output width (got {D}), h, w2 16-byte and "
+                         f"out 4-byte aligned")
     if e4m3:
-        if inter % 16:
-            raise ValueError(f"moe_gemv_down: e4m3 w2 needs an expert width % 16 == 0 (16 weights a 16-byte "
-                             f"piece), got {inter}")
         expect(scale, "scale", shape=(E_w, D), dtype=np.float32)
         if scale.data.ptr % 8:  # (the kernel copies each unit's two scales as one 8-byte piece)
             raise ValueError("moe_gemv_down: scale must start on an 8-byte boundary")
