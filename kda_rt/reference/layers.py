@@ -52,8 +52,10 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * sigmoid(x)
 
 
-def gated_mlp(w: MLPWeights, x: np.ndarray, num: Compute) -> np.ndarray:
-    """SiLU-gated MLP of §5.1 (dense layer, shared experts, one routed expert).  x: [T, D] -> [T, D]."""
-    act = num.act
+def gated_mlp(w: MLPWeights, x: np.ndarray, num: Compute, source=None) -> np.ndarray:
+    """SiLU-gated MLP of §5.1 (dense layer, shared experts, one routed expert).  x: [T, D] -> [T, D]; `source`
+    (optional): what each projection's source rows (x, then h) become before their products, e.g. e4m3 codes."""
+    act, source = num.act, source or (lambda a: a)
+    x = source(x)
     h = act(act(silu(act(linear(x, num.w(w.gate))))) * act(linear(x, num.w(w.up))))  # [T, F]
-    return linear(h, num.w(w.down))  # [T, D] (callers round: the routed experts' bf16 outputs are combined in fp32)
+    return linear(source(h), num.w(w.down))  # [T, D] (callers round: the routed experts' bf16 outputs are combined in fp32)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kda_rt.loader.config import MoEConfig
     from kda_rt.loader.schema import MoEWeights
 
-__all__ = ["moe_forward", "route"]
+__all__ = ["e4m3_rows", "moe_forward", "route"]
 
 def _top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """[T, k] indices of the k largest entries per row, descending, lower index first on ties."""
@@ -63,14 +63,27 @@ def route(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, cfg: MoEConfig) -
     return idx, w * cfg.routed_scaling_factor
 
 
-def moe_forward(w: MoEWeights, x: np.ndarray, cfg: MoEConfig, num: Compute | None = None) -> np.ndarray:
+def e4m3_rows(a: np.ndarray) -> np.ndarray:
+    """a's rows as e4m3 codes times a scale a row (loader/quant.quantize_rows, as the CUDA backend's
+    quantize_activations_e4m3 makes them), in a's dtype."""
+    from kda_rt.loader.quant import dequantize_rows, quantize_rows
+
+    return dequantize_rows(*quantize_rows(a, "source rows")).astype(a.dtype)
+
+
+def moe_forward(w: MoEWeights, x: np.ndarray, cfg: MoEConfig, num: Compute | None = None, *,
+                e4m3_sources: bool = False, shared_e4m3_sources: bool = False) -> np.ndarray:
     """MoE block.  w: one layer's block_sparse_moe weights; x: [T, D] -> [T, D]; num: compute dtype
-    and bf16 rounding (default: x's dtype, no rounding).
+    and bf16 rounding (default: x's dtype, no rounding).  e4m3_sources: each routed expert's source rows (x,
+    then h) quantized to e4m3 a row at a time before its products, as the CUDA backend's prefill GEMMs on
+    e4m3 stacks take them (KDA_RT_FP8_PREFILL); shared_e4m3_sources: the shared expert's too (it runs in the
+    stacks there).
 
     Routed experts run once each on the tokens that picked them (only experts with at least one
     token are touched), accumulated in the compute dtype in ascending expert order.
     """
     num = num or Compute(x.dtype)
+    routed_source = e4m3_rows if e4m3_sources else None
     idx, weight = route(x, num.w(w.gate), num.w(w.e_score_correction_bias), cfg)
     out = np.zeros_like(x)
     flat = idx.ravel()
@@ -80,9 +93,9 @@ def moe_forward(w: MoEWeights, x: np.ndarray, cfg: MoEConfig, num: Compute | Non
     for j, e in enumerate(experts):
         pairs = order[bounds[j]:bounds[j + 1]]
         tokens, slots = pairs // cfg.top_k, pairs % cfg.top_k  # each token at most once per expert
-        y = num.act(gated_mlp(w.experts[int(e)], x[tokens], num))  # [n_e, D], bf16 as HF's expert output
+        y = num.act(gated_mlp(w.experts[int(e)], x[tokens], num, routed_source))  # [n_e, D], bf16 as HF's expert output
         out[tokens] += weight[tokens, slots][:, None] * y
     if w.shared is not None:
-        out += num.act(gated_mlp(w.shared, x, num))
+        out += num.act(gated_mlp(w.shared, x, num, e4m3_rows if shared_e4m3_sources else None))
     return out
 

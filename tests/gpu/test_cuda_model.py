@@ -103,11 +103,14 @@ def test_stable_logits_every_position(stable_pair):
     check_positions(gpu.score(ids), ref_logits, margins, "demo-arch, stable routing")
 
 
-def test_stable_fp8_experts_every_position(stable_pair, tmp_path_factory):
+def test_stable_fp8_experts_every_position(stable_pair, tmp_path_factory, monkeypatch):
     """quantization="fp8" on both backends (the CUDA one quantizes its expert stacks on upload, the NumPy oracle runs
     their dequantized values: the same e4m3 codes and scales): the same per-position bound as bf16, and the fp8
-    model is not the bf16 one (its logits differ from the bf16 oracle's by more than that bound's median)."""
+    model is not the bf16 one (its logits differ from the bf16 oracle's by more than that bound's median).  The
+    prefill GEMMs' e4m3 sources are off here (the oracle keeps bf16 sources; test_moe_block.py checks them)."""
     import cupy
+
+    monkeypatch.setenv("KDA_RT_FP8_PREFILL", "0")
 
     from kda_rt.cuda.ops.compile import arch_number, device_arch
     from kda_rt.demo.make_demo import DEMO_CONFIG

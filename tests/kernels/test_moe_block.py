@@ -196,6 +196,7 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     if arch_number(device_arch()) < 89:
         pytest.skip("e4m3 weights need sm_89 or newer")
     name, switches = E4M3_CASES[case]
+    switches = {"KDA_RT_FP8_PREFILL": "0", **switches}  # widened weights unless the case names the e4m3 sources
     for key, value in switches.items():
         monkeypatch.setenv(key, value)
     T, D, inter, inter_s, E, kw = CASES[name]
@@ -227,13 +228,13 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     seen = []
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
-    ref = moe_ref(params, x, cfg)
+    from kda_rt.cuda.ops.moe_gemm_wg import w8a8_fits
+
+    w8a8 = switches["KDA_RT_FP8_PREFILL"] == "1" and w8a8_fits(D, inter)
+    ref = moe_ref(params, x, cfg, e4m3_sources=w8a8, shared_e4m3_sources=w8a8 and fused)
     out = cupy.empty((T, D), dtype=BF16)
     ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, fused, e4m3=True), 0xFF, dtype=np.uint8)
     poison(out)
-    from kda_rt.cuda.ops.moe_gemm_wg import w8a8_fits
-
-    w8a8 = switches.get("KDA_RT_FP8_PREFILL") == "1" and w8a8_fits(D, inter)
     if w8a8:  # the e4m3-source GEMMs must be the ones that run (a sm_90a build with K % 128 == 0)
         if device_arch() != "sm_90a":
             pytest.skip("e4m3 sources run on the wgmma kernel (sm_90a)")
@@ -244,10 +245,12 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     got = to_np(out)
     err = rms_rel(got, ref)
     print(f"\n{name} e4m3: rms rel err {err:.2e}", end="")
-    # e4m3 sources: each source element rounded to 3 mantissa bits (relative error uniform within +-2^-4, RMS
-    # 2^-4 / sqrt(3) = 3.6%) in both GEMMs, against an oracle with bf16 sources: the block's output moves by ~5% RMS;
-    # one wrong expert of the 8 (each adds about as much) moves it by ~35%
-    bound = 8e-2 if w8a8 else 1e-2
+    # e4m3 sources: the oracle quantizes the same rows (reference.moe.e4m3_rows), so what is left is the kernels'
+    # drift (the e4m3 tensor cores' ~14-bit partial sums: 4e-3 RMS on h, test_moe_gemm_wg_w8a8) and its effect on
+    # h's codes: where the GPU's h and the oracle's straddle an e4m3 rounding boundary (~4e-3 / ~9% spacing, ~4% of
+    # elements) the code moves one step (~9%), ~2% RMS on the down GEMM's sources; twice that bounds it.  One wrong
+    # expert of the 8 (each adds about as much) moves the output by ~35%
+    bound = 4e-2 if w8a8 else 1e-2
     assert err <= bound, f"{name} e4m3: rms rel err {err:.3e}, max abs {np.max(np.abs(got - ref)):.3e}"
     if w8a8:
         assert len(quantized) == 2, f"{name}: the e4m3-source GEMMs did not run ({len(quantized)} quantizations)"
