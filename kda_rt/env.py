@@ -157,8 +157,11 @@ def fp8_prefill() -> bool:
     wgmma kernels, sm_90a) on e4m3 products, as vLLM's fp8 runs its GEMMs: x and h quantized a row at a time
     (ops/quant.quantize_activations_e4m3) and multiplied as e4m3 (moe_gemm_wg.cu WFMT = 2); the seed prefill's TTFT
     max 0.987 -> 0.736 s (H200, 2026-12-02, tests/gpu/bench_ab.py --quantization fp8).  0: bf16 sources times the
-    weights widened to bf16 (WFMT = 1), the weights' rounding alone.  Read at each MoE call (the workspace's room
-    for the codes is sized by it when the model loads)."""
+    weights widened to bf16 (WFMT = 1), the weights' rounding alone.  Only steps whose MoE GEMMs take 128-row tiles
+    on wgmma (prefill steps of ~1.4K tokens or more on the 48B shape) multiply in FP8; smaller steps and decode
+    keep bf16 activations, so a token's numerics depend on the step it runs in (as batch composition moves them in
+    vLLM without batch invariance).  Read at each MoE call, and by moe_workspace_bytes, which sizes the room for the
+    codes."""
     return _on_off("KDA_RT_FP8_PREFILL", "1")
 
 

@@ -9,7 +9,7 @@ precision notes; half the bytes of an fp32 row for the GEMM to write and the com
 CUDA-graph contract: with `out` and `workspace` given, nothing is allocated, nothing syncs with
 the host, and every grid is sized from (T, A, E) alone (tiles past the device-side count exit), so
 the whole call can be captured once per T and replayed on new x / weights in the same buffers.
-The workspace is one uint8 buffer of `moe_workspace_bytes(T, cfg, D, I, Is)` bytes; run one eager call
+The workspace is one uint8 buffer of `moe_workspace_bytes(T, cfg, D, I, Is, fused, e4m3)` bytes; run one eager call
 on it before a capture (it zeroes the counter of moe_route_fused that every launch leaves at 0).
 
 Decode sizes (T <= FUSED_MAX_T, ungrouped routing) route and bucket in one launch (moe_route_fused), and

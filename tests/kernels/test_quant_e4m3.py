@@ -103,3 +103,4 @@ def test_quantize_activations_matches_host(shape, offset):
         assert np.isnan(s_np[n - 2]), "a row with a non-finite entry must get a NaN scale"
         keep = np.arange(n) != n - 2
         assert np.array_equal(s_np[keep].view(np.uint32), sh[keep].view(np.uint32)), "the other rows' scales moved"
+        assert np.array_equal(cupy.asnumpy(q)[keep], qh.view(np.uint8)[keep]), "the other rows' codes moved"

@@ -80,6 +80,8 @@ def quantize_activations_e4m3(x, *, out, scale_out, stream=None):
     if K % 2 or not x.flags.c_contiguous or x.data.ptr % 4:
         raise ValueError(f"quantize_activations_e4m3: x must be C-contiguous, 4-byte aligned, with an even row width "
                          f"(got {x.shape})")
+    if not out.flags.c_contiguous or out.data.ptr % 2:  # (the codes are stored in pairs)
+        raise ValueError("quantize_activations_e4m3: out must be C-contiguous and 2-byte aligned")
     check_e4m3_arch("quantize_activations_e4m3")
     if N:
         kernel = activation_kernel(K)
