@@ -163,6 +163,32 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     assert gemms == sorted(want)
 
 
+@pytest.mark.parametrize("fp8_prefill", ["1", "0"])
+def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
+    """e4m3 stacks of the 48B MoE shape on sm_90a: the 128-row wgmma GEMMs with widened weights (WFMT = 1) and, with
+    KDA_RT_FP8_PREFILL (default 1), with e4m3 sources too (WFMT = 2) and the activation quantizer for each source
+    width (x: 2304, h: 1024), the variants moe_forward asks for in a large prefill step."""
+    import kda_rt.cuda.moe as moe
+    import kda_rt.cuda.ops.moe_align as align
+    import kda_rt.cuda.ops.moe_gemm_tc as tc
+    import kda_rt.cuda.ops.moe_gemv as gemv
+    import kda_rt.cuda.ops.moe_route as route
+    import kda_rt.cuda.ops.quant as quant
+
+    monkeypatch.setenv("KDA_RT_FP8_PREFILL", fp8_prefill)
+    built = []
+    for mod in (align, tc, wg, route, gemv, quant):
+        monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
+    monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
+    cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=True)
+    wgs = sorted((kw["K"], kw["FUSE_SILU"], kw["WFMT"]) for f, n, kw in built if f == "moe_gemm_wg.cu")
+    want = [(2304, 1, 1), (1024, 0, 1)] + ([(2304, 1, 2), (1024, 0, 2)] if fp8_prefill == "1" else [])
+    assert wgs == sorted(want)
+    quantizers = sorted(kw.get("ROW_K") for f, n, kw in built if f == "quant.cu")
+    assert quantizers == ([1024, 2304] if fp8_prefill == "1" else [])
+
+
 def test_runner_precompiles_every_kda_state_width(monkeypatch):
     """kda_prefill's state width follows the number of sequences (32 / 64 at 32 heads); each width is
     its own module (~1.5 s of NVRTC), so the runner builds all of them at start, with the exact defines
