@@ -154,6 +154,41 @@ def test_stable_fp8_experts_every_position(stable_pair, tmp_path_factory, monkey
     assert np.median(moved) > TOL, f"the fp8 oracle is within {np.median(moved):.2e} of the bf16 one: not quantized?"
 
 
+def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
+    """quantization="fp8" with the FP8 prefill products on (KDA_RT_FP8_PREFILL, the default): a 150-token prompt's
+    one prefill step has 128-row expert tiles (150 x 3 pairs over 9 bins: 50 a bin, >= 48), so on sm_90a its expert
+    GEMMs take e4m3 sources (counted; skipped where the step does not), against the oracle with bf16 sources.  The
+    bound comes from the NumPy model itself (CPU, 2026-12-02, this checkpoint and prompt): with each expert GEMM's
+    source rows quantized as the kernels quantize them (reference.moe.e4m3_rows) its logits move from the bf16-source
+    ones by 5.5e-2 median, 0.118 max per position, and by 5.5-5.8e-2 median, 0.12-0.15 max with 2e-3 to 8e-3 of noise
+    on the rows before the rounding (the kernels' drift and the bf16 oracle's own differences move some codes by a
+    step, and this random model carries that as far as the whole rounding); so median <= 0.1 and every position
+    <= 0.25.  The kernels' numerics are checked tightly in test_moe_gemm_tc.py / test_moe_block.py (w8a8 cases);
+    this catches a wrong path in the model (a scale, a layer, the workspace).  Not yet GPU-run (written
+    2026-12-02 after the device time was spent)."""
+    import kda_rt.cuda.moe as cuda_moe
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    monkeypatch.setenv("KDA_RT_FP8_PREFILL", "1")
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("stable-fp8-w8a8"), seed=3,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)
+    ref = LLM(str(path), backend="numpy", dtype="bfloat16", quantization="fp8", **KW)
+    gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
+    quantized = []
+    real_q = cuda_moe.quantize_activations_e4m3
+    monkeypatch.setattr(cuda_moe, "quantize_activations_e4m3", lambda *a, **k: quantized.append(1) or real_q(*a, **k))
+    ids = list(np.random.default_rng(1).integers(0, 768, size=150))
+    gpu_logits = gpu.score(ids)
+    if not quantized:
+        pytest.skip("this GPU's prefill step did not take the e4m3-source GEMMs (sm_90a wgmma, 128-row tiles)")
+    ref_logits, margins = score_with_margins(ref, ids)
+    err = row_rel_err(gpu_logits, ref_logits)
+    print(f"fp8 prefill products: per-position rel err median {np.median(err):.2e}, max {err.max():.2e}")
+    assert np.all(np.isfinite(gpu_logits)), "non-finite logits"
+    assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
+
+
 def test_demo_logits_statistics(demo_pair):
     """Shipped demo: the median position is within the bound; the worst positions and their router
     margins are printed (near-ties and the positions after them)."""
