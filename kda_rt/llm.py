@@ -174,8 +174,10 @@ class LLM:
             logger.warning("%s names no EOS token (config.json / generation_config.json eos_token_id): a sequence ends "
                            "only at max_tokens, a stop string or a stop token id", model_dir)
         self.engine_config = self.llm_engine.config  # max_model_len resolved
-        if generation_config not in ("auto", "vllm"):  # a directory's max_new_tokens caps requests' own too (vLLM)
-            self.llm_engine.max_tokens_cap = self.default_sampling.get("max_tokens")
+        # vLLM's override_max_tokens: a --generation-config directory's max_new_tokens, which the server (not the
+        # offline API) also applies to a request's own max_tokens
+        self.max_tokens_override = (self.default_sampling.get("max_tokens")
+                                    if generation_config not in ("auto", "vllm") else None)
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name
         self.report = self.runner.report() if report else None

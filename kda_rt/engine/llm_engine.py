@@ -102,9 +102,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._inflight: _Launched | None = None  # a decode step queued ahead (async_scheduling)
-        # vLLM's override_max_tokens: the max_new_tokens of a --generation-config directory caps every request's
-        # max_tokens, its own too (LLM sets it; None: no cap)
-        self.max_tokens_cap: int | None = None
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
         _raise_gc_threshold()
@@ -147,8 +144,6 @@ class LLMEngine:
                 f"This model's maximum context length is {limit} tokens: prompt ({len(ids)} tokens) + max_tokens "
                 f"({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len {limit}"
             )
-        if self.max_tokens_cap is not None:
-            max_tokens = min(max_tokens, self.max_tokens_cap)
         self.scheduler.check_fits(len(ids) + max_tokens - 1)
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:

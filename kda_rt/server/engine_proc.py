@@ -144,6 +144,9 @@ class EngineWorker:
         try:
             given = {k: v for k, v in msg["params"].items() if v is not None or k not in self.llm.default_sampling}
             params = SamplingParams(**{**self.llm.default_sampling, **given})  # the checkpoint's defaults, then the request's
+            cap = self.llm.max_tokens_override  # vLLM's serving cap (a --generation-config directory's max_new_tokens)
+            if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
+                params = SamplingParams(**{**self.llm.default_sampling, **given, "max_tokens": cap})  # (min_tokens)
             prompts = self._prompts(msg)
             infos, num_tokens = [], 0
             for prompt in prompts:

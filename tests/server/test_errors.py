@@ -242,6 +242,21 @@ def test_generation_config_defaults_served(tmp_path):
                 assert r["usage"]["completion_tokens"] == 4
         finally:
             assert srv.stop() == 0, srv.log()
+    # --generation-config DIR: its max_new_tokens caps a request's own max_tokens too (vLLM's override_max_tokens);
+    # a min_tokens past the cap is refused
+    gen_dir = tmp_path / "gen"
+    gen_dir.mkdir()
+    (gen_dir / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    srv = ServerProc(tmp_path / "s.log", "--model", str(tmp_path), "--generation-config", str(gen_dir))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "max_tokens": 5}, headers=srv.headers,
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "max_tokens": 5, "min_tokens": 5},
+                       headers=srv.headers, timeout=60)
+        assert r.status_code == 400 and "min_tokens" in r.text, r.text
+    finally:
+        assert srv.stop() == 0, srv.log()
     # a max_new_tokens past the context is capped to each prompt's room (was: every such request a 400)
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100000, "temperature": 0.0}))
     srv = ServerProc(tmp_path / "s.log", "--model", str(tmp_path))
