@@ -266,6 +266,8 @@ def build_app(state: ServerState) -> Starlette:
         try:
             body = await asyncio.wait_for(_read_body(request, state.max_body_bytes), state.body_timeout)
             outer = None  # the Responses API's own request, around the chat request it runs as
+            if api == "invocations":  # chat or completion, as the body says
+                chat, api = protocol.invocation_kind(body), None
             if api == "responses":
                 outer, names = protocol.decode_body(body, responses_api.ResponsesRequest)
                 ignored += names
@@ -327,6 +329,9 @@ def build_app(state: ServerState) -> Starlette:
     async def responses_create(request: Request) -> Response:
         return await generate(request, chat=True, api="responses")
 
+    async def invocations(request: Request) -> Response:
+        return await generate(request, chat=False, api="invocations")
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) name for the same check
@@ -338,6 +343,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_create, methods=["POST"]),
+        Route("/invocations", invocations, methods=["POST"]),  # vLLM's SageMaker entry: chat or completion
     ]
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)

@@ -142,6 +142,23 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
     return req, ignored
 
 
+def invocation_kind(body: bytes) -> bool:
+    """/invocations (vLLM's SageMaker entry point): True for a chat request (it has `messages`), False for a
+    completion (it has `prompt`); InvalidRequest for anything else."""
+    try:
+        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise InvalidRequest("invalid request body: expected a JSON object") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if "messages" in raw:
+        return True
+    if "prompt" in raw:
+        return False
+    raise InvalidRequest("/invocations takes a chat completion request (with 'messages') or a completion request "
+                         "(with 'prompt')")
+
+
 # vLLM request fields kda_rt does not implement, whose values other than these change the output: a 400 naming the
 # field instead of an answer made without it (other unknown fields are accepted and listed, issue 13)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream", "stream_options",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "echo",

@@ -184,6 +184,25 @@ def test_stream_protocol_details(srv):
     assert httpx.get(srv.url + "/ping", timeout=10).json()["status"] == "ok"
 
 
+def test_invocations_dispatch(srv):
+    """/invocations (vLLM's SageMaker entry point) answers a body with `messages` as a chat completion and one with
+    `prompt` as a completion, the same as their own routes (greedy); anything else is a 400 naming both shapes (or
+    saying the body is no JSON object)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    a = httpx.post(srv.url + "/invocations", json=chat, headers=srv.headers, timeout=60).json()
+    b = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=srv.headers, timeout=60).json()
+    assert a["object"] == "chat.completion" and a["choices"][0]["message"] == b["choices"][0]["message"]
+    comp = {"prompt": "once upon", "max_tokens": 4, "temperature": 0}
+    a = httpx.post(srv.url + "/invocations", json=comp, headers=srv.headers, timeout=60).json()
+    b = httpx.post(srv.url + "/v1/completions", json=comp, headers=srv.headers, timeout=60).json()
+    assert a["object"] == "text_completion" and a["choices"][0]["text"] == b["choices"][0]["text"]
+    for body, says in (({"input": "hi"}, "'messages'"), ([1, 2], "JSON object")):
+        r = httpx.post(srv.url + "/invocations", json=body, headers=srv.headers, timeout=60)
+        assert says in _envelope(r, 400)
+    r = httpx.post(srv.url + "/invocations", content=b"{", headers=srv.headers, timeout=60)
+    assert "not valid JSON" in _envelope(r, 400)
+
+
 def test_cors_by_default(srv):
     """CORS as vLLM sets it by default (any origin): a browser's preflight is answered without the API key, and
     responses name the origin as allowed."""
