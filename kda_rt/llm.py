@@ -100,13 +100,15 @@ _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k":
 def _generation_defaults(data: dict[str, Any], path: str) -> dict[str, Any]:
     """The sampling defaults the model's creator wrote into generation_config.json, checked (ValueError naming the
     file and key)."""
-    out = {field: data[key] for key, field in _GENERATION_DEFAULTS.items() if data.get(key) is not None}
-    for field, value in out.items():
+    out = {}
+    for key, field in _GENERATION_DEFAULTS.items():
+        if data.get(key) is None:
+            continue
         try:
-            SamplingParams(**{field: value})
+            SamplingParams(**{field: data[key]})
         except (ValueError, TypeError) as exc:
-            key = next(k for k, f in _GENERATION_DEFAULTS.items() if f == field)
-            raise ValueError(f"{path}: '{key}' {value!r} is not a valid {field} ({exc})") from None
+            raise ValueError(f"{path}: '{key}' {data[key]!r} is not a valid {field} ({exc})") from None
+        out[field] = data[key]
     return out
 
 
@@ -143,7 +145,8 @@ class LLM:
         self.model_config = load_config(model_dir)
         gen, gen_path = _generation_config(model_dir)
         extra_eos = _generation_eos(gen, gen_path, self.model_config.vocab_size)  # checked before the weights load
-        if generation_config not in ("auto", "vllm"):
+        from_dir = generation_config not in ("auto", "vllm")
+        if from_dir:
             if not isinstance(generation_config, (str, os.PathLike)) or not os.path.isdir(generation_config):
                 raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding "
                                  f"generation_config.json, got {generation_config!r}")
@@ -176,8 +179,7 @@ class LLM:
         self.engine_config = self.llm_engine.config  # max_model_len resolved
         # vLLM's override_max_tokens: a --generation-config directory's max_new_tokens, which the server (not the
         # offline API) also applies to a request's own max_tokens
-        self.max_tokens_override = (self.default_sampling.get("max_tokens")
-                                    if generation_config not in ("auto", "vllm") else None)
+        self.max_tokens_override = self.default_sampling.get("max_tokens") if from_dir else None
         self.runner = self.llm_engine.runner
         self.backend = self.runner.name
         self.report = self.runner.report() if report else None

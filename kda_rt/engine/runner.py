@@ -96,7 +96,9 @@ def cuda_unavailable_reason() -> str | None:
         cc = int(cupy.cuda.Device().compute_capability)  # e.g. "90" -> 90
         if cc < 80:
             return f"compute capability {cc // 10}.{cc % 10} is below 8.0 (bf16 kernels need Ampere or newer)"
-        short = smem_shortfall(int(runtime.deviceGetAttribute(97, cupy.cuda.Device().id)))  # ...PerBlockOptin
+        from kda_rt.cuda.ops.compile import smem_optin
+
+        short = smem_shortfall(smem_optin(cupy.cuda.Device().id))
         if short:
             return short
         if runtime.driverGetVersion() < 12000:

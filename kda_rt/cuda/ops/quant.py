@@ -61,12 +61,16 @@ def _warp_rows(K: int) -> bool:
     return K % 8 == 0 and 0 < K <= 8192
 
 
+def _block_kernel(K: int):
+    return get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))
+
+
 def activation_kernel(K: int):
     """quantize_activations_e4m3's kernel for rows of K (built on first use; the runner builds it at start): one warp
     a row holding its pieces in registers (quant.cu ROW_K), or for other widths a block a row."""
     if _warp_rows(K):
         return get_kernel("quant.cu", "quantize_rows_e4m3_warp", THREADS=32 * _WARP_ROWS, ROW_K=K)
-    return get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))
+    return _block_kernel(K)
 
 
 def quantize_activations_e4m3(x, *, out, scale_out, stream=None):
@@ -84,10 +88,9 @@ def quantize_activations_e4m3(x, *, out, scale_out, stream=None):
         raise ValueError("quantize_activations_e4m3: out must be C-contiguous and 2-byte aligned")
     check_e4m3_arch("quantize_activations_e4m3")
     if N:
-        kernel = activation_kernel(K)
         if _warp_rows(K) and x.data.ptr % 16 == 0 and out.data.ptr % 8 == 0:
-            kernel((-(-N // _WARP_ROWS),), (32 * _WARP_ROWS,), (x, np.int32(N), out, scale_out), stream=stream)
+            activation_kernel(K)((-(-N // _WARP_ROWS),), (32 * _WARP_ROWS,), (x, np.int32(N), out, scale_out),
+                                 stream=stream)
         else:  # (the block-per-row kernel: other widths, or sources not aligned for 16-byte pieces)
-            get_kernel("quant.cu", "quantize_rows_e4m3", THREADS=_threads(K))(
-                (N,), (_threads(K),), (x, np.int32(K), out, scale_out, np.uint64(0)), stream=stream)
+            _block_kernel(K)((N,), (_threads(K),), (x, np.int32(K), out, scale_out, np.uint64(0)), stream=stream)
     return out, scale_out
