@@ -101,8 +101,8 @@ class CudaModel:
             pre = normed and takes_norm_before(T, cfg.moe, D, L.mlp.shared_in_stack)
             # a large fp8 step: the norm writes the MoE's e4m3 sources as well (the same codes the MoE would make)
             codes = None
-            if (not pre and isinstance(L.mlp, DeviceMoE) and env.norm_e4m3()
-                    and takes_x_codes(T, L.mlp, cfg.moe, D)):
+            if (not pre and isinstance(L.mlp, DeviceMoE) and takes_x_codes(T, L.mlp, cfg.moe, D)
+                    and env.norm_e4m3()):
                 codes = (ws.get("x_codes", (T, D), np.uint8), ws.get("x_code_scales", (T,), np.float32))
             if not pre:
                 with trace_scope("norm+residual"):
