@@ -165,6 +165,14 @@ def fp8_prefill() -> bool:
     return _on_off("KDA_RT_FP8_PREFILL", "1")
 
 
+def norm_e4m3() -> bool:
+    """KDA_RT_NORM_E4M3: 1 (default) has the RMSNorm before an fp8 MoE block write x's e4m3 codes too where the block's
+    gate/up GEMM takes e4m3 sources (rmsnorm.cu E4M3_OUT, moe_forward x_codes=), so x is not read again to quantize
+    it; 0: the MoE quantizes x itself (ops/quant.quantize_activations_e4m3).  The same codes either way.  Read at
+    each forward."""
+    return _on_off("KDA_RT_NORM_E4M3")
+
+
 def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight

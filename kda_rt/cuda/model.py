@@ -20,7 +20,7 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.gemm import bmm, linear
-from kda_rt.cuda.moe import NormBefore, moe_forward, moe_workspace_bytes, takes_norm_before
+from kda_rt.cuda.moe import NormBefore, moe_forward, moe_workspace_bytes, takes_norm_before, takes_x_codes
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
@@ -99,9 +99,14 @@ class CudaModel:
             normed = fuse_norm and isinstance(L.mlp, DeviceMoE)
             # small steps: the add and norm before the MoE ride in its routing kernel too (moe_route_fused)
             pre = normed and takes_norm_before(T, cfg.moe, D, L.mlp.shared_in_stack)
+            # a large fp8 step: the norm writes the MoE's e4m3 sources as well (the same codes the MoE would make)
+            codes = None
+            if (not pre and isinstance(L.mlp, DeviceMoE) and takes_x_codes(T, L.mlp, cfg.moe, D)
+                    and env.norm_e4m3()):
+                codes = (ws.get("x_codes", (T, D), np.uint8), ws.get("x_code_scales", (T,), np.float32))
             if not pre:
                 with trace_scope("norm+residual"):
-                    rmsnorm(delta, L.post_norm, eps, residual=res, out=a)
+                    rmsnorm(delta, L.post_norm, eps, residual=res, out=a, e4m3_out=codes)
             with trace_scope(L.mlp_kind):
                 if isinstance(L.mlp, DeviceMoE):
                     # the block's residual add and the next norm (the next layer's, or the final one) ride in
@@ -109,7 +114,8 @@ class CudaModel:
                     norm = NormAfter(res, self.w.norm if last else layers[i + 1].in_norm, eps) if normed else None
                     before = NormBefore(res, L.post_norm, eps, ws.get("h_pre", (T, D), BF16), a) if pre else None
                     self._moe(L.mlp, delta if pre else a, ws, out=(final if last else a) if normed else delta,
-                              stats=self.expert_stats[i] if b.decode else None, norm=norm, norm_before=before)
+                              stats=self.expert_stats[i] if b.decode else None, norm=norm, norm_before=before,
+                              x_codes=codes)
                 else:
                     self._mlp(L.mlp, a, ws, out=delta)
         with trace_scope("final norm+lm_head"):
@@ -170,12 +176,13 @@ class CudaModel:
                         max_seqlen=b.max_seqlen)
         linear(y, w.o_proj, out=out)
 
-    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None) -> None:
+    def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None,
+             x_codes=None) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack, w.e4m3)
         moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm,
-                    norm_before=norm_before)
+                    norm_before=norm_before, x_codes=x_codes)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
         mc = self.config.mla

@@ -80,13 +80,15 @@ from kda_rt.cuda.ops.moe_route import (
 )
 from kda_rt.cuda.ops.moe_route import fused_kernel as fused_route_kernel
 from kda_rt.cuda.ops.quant import activation_kernel, quantize_activations_e4m3
+from kda_rt.cuda.ops.rmsnorm import rmsnorm_kernel
 from kda_rt.cuda.ops.silu_mul import silu_mul
 
 if TYPE_CHECKING:
     from kda_rt.cuda.weights import DeviceMoE
     from kda_rt.loader.config import MoEConfig
 
-__all__ = ["ROUTE_NORM_MAX_T", "NormBefore", "moe_forward", "moe_workspace_bytes", "precompile", "takes_norm_before"]
+__all__ = ["ROUTE_NORM_MAX_T", "NormBefore", "moe_forward", "moe_workspace_bytes", "precompile", "takes_norm_before",
+           "takes_x_codes"]
 
 _ALIGN = 256
 
@@ -153,6 +155,9 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
                     wg_kernel(wg_tile(nout, k, fuse, e4m3_src=True), k, nout, fuse, pairs, e4m3, e4m3_src=True)
                     activation_kernel(k)
                     count += 2
+                    if fuse and env.norm_e4m3():  # x's codes from the norm before the block (model.py)
+                        rmsnorm_kernel(D, True, e4m3_out=True)
+                        count += 1
             else:
                 tc_kernel(e4m3_tile(tile, [(nout, k, fuse)]) if e4m3 else tile, k, nout, fuse, pairs, e4m3)
                 small = tile_config(bm, nout, k, fuse, tokens=1)
@@ -211,8 +216,24 @@ def takes_norm_before(T: int, cfg: MoEConfig, D: int, shared_in_stack: bool) -> 
             and fused_route_fits(T, cfg.num_experts, D, cfg.top_k, cfg.num_expert_group, shared_in_stack))
 
 
+def takes_x_codes(T: int, w: DeviceMoE, cfg: MoEConfig, D: int) -> bool:
+    """A step of T tokens runs its gate/up GEMM on e4m3 sources (moe_forward's FP8 prefill products), so the caller
+    may hand it x's codes (moe_forward x_codes=, made by the RMSNorm before the block: rmsnorm e4m3_out=)."""
+    if not w.e4m3:
+        return False
+    fused = 1 if w.shared_in_stack else 0
+    inter = w.w2.shape[2]
+    return _e4m3_sources(prefill_tile_rows(T * (cfg.top_k + fused), cfg.num_experts + fused, D, inter), D, inter, True)
+
+
+def _e4m3_sources(bm: int, D: int, inter: int, e4m3: bool) -> bool:
+    """The prefill GEMMs of a step with `bm`-row tiles (0: none fits) take e4m3 sources: e4m3 stacks on the wgmma
+    kernel with 128-code k steps, and KDA_RT_FP8_PREFILL."""
+    return e4m3 and bool(bm) and moe_gemm_wg_available(bm, D, inter) and env.fp8_prefill() and w8a8_fits(D, inter)
+
+
 def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, norm: NormAfter | None = None,
-                stream=None, norm_before: NormBefore | None = None):
+                stream=None, norm_before: NormBefore | None = None, x_codes=None):
     """x: [T, D] bf16 -> [T, D] bf16.  Weights (cuda/weights.py): w.router [E, D] fp32, w.bias [E] fp32,
     w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
     down [D, Is], bf16) or None; with w.scale13 / w.scale2 the stacks hold e4m3 codes (uint8) and those their fp32
@@ -225,7 +246,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     the residual add and RMSNorm before the block ride in the routing kernel: the block's input is
     RMSNorm(x + norm_before.residual), written to norm_before.a_out, and norm.residual ends as
     x + residual + MoE(...), as rmsnorm(x, ..., residual=...) before this call would give (norm_before.residual
-    is norm.residual; norm_before.h_out holds the stream in between)."""
+    is norm.residual; norm_before.h_out holds the stream in between).
+    x_codes: optional (q [T, D] uint8, scale [T] fp32), x's rows as e4m3 codes (rmsnorm e4m3_out=, the same codes as
+    quantize_activations_e4m3 makes); where the step's gate/up GEMM takes e4m3 sources (takes_x_codes) it reads
+    them instead of quantizing x again, elsewhere they are not read."""
     import cupy
 
     w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2
@@ -289,7 +313,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     if w.e4m3 and not bm:
         raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")
     # e4m3 stacks on the wgmma GEMMs (prefill): sources quantized a row at a time and e4m3 products (KDA_RT_FP8_PREFILL)
-    w8a8 = w.e4m3 and gemm is moe_gemm_wg and env.fp8_prefill() and w8a8_fits(D, inter)
+    w8a8 = _e4m3_sources(bm, D, inter, w.e4m3)  # (gemm is then moe_gemm_wg)
+    if x_codes is not None:
+        expect(x_codes[0], "x_codes[0]", shape=(T, D), dtype=np.uint8)
+        expect(x_codes[1], "x_codes[1]", shape=(T,), dtype=np.float32)
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
     fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
     if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)
@@ -331,9 +358,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             if gemv:  # its routed rows spread evenly over the SMs
                 moe_gemv_gate_up(x, w13, plan, out=ws["h"], stream=stream, routed=routed, **kw13)
             elif w8a8:
-                quantize_activations_e4m3(x, out=ws["xq"], scale_out=ws["xs"], stream=stream)
-                gemm(ws["xq"], w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, src_scale=ws["xs"],
-                     **kw13)
+                xq, xs = x_codes if x_codes is not None else (ws["xq"], ws["xs"])
+                if x_codes is None:
+                    quantize_activations_e4m3(x, out=xq, scale_out=xs, stream=stream)
+                gemm(xq, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, src_scale=xs, **kw13)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, **kw13)
             if gemv and env.down_gemv() and down_fits(inter, D, w.e4m3):

@@ -4,7 +4,7 @@ and SM count set to the target's, and nvcc builds each recorded variant for it.
 
     PYTHONPATH=. python tests/gpu/check_arch_build.py [--arch sm_100a] [--sms 148] [--nvcc PATH]
 
-Covers moe.precompile (bf16 and e4m3 stacks: bucketing, the tiled, wgmma and fused decode GEMMs, the one-token
+Covers moe.precompile (bf16 and e4m3 stacks: bucketing, the tiled, wgmma and fused decode GEMMs, the norm with e4m3 codes, the one-token
 GEMVs, the routing kernels) and kda_prefill.precompile for the 48B shape.  Exit status 1 when a variant fails.
 """
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 _MODULES = ("kda_rt.cuda.ops.moe_gemm_tc", "kda_rt.cuda.ops.moe_gemm_wg", "kda_rt.cuda.ops.moe_gemv",
             "kda_rt.cuda.ops.gemv", "kda_rt.cuda.ops.kda_prefill", "kda_rt.cuda.ops.moe_route",
-            "kda_rt.cuda.ops.moe_align", "kda_rt.cuda.ops.quant", "kda_rt.cuda.moe")
+            "kda_rt.cuda.ops.moe_align", "kda_rt.cuda.ops.quant", "kda_rt.cuda.ops.rmsnorm", "kda_rt.cuda.moe")
 
 
 def variants(arch: str, sms: int) -> list[tuple[str, str, dict]]:

@@ -174,10 +174,12 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     import kda_rt.cuda.ops.moe_gemv as gemv
     import kda_rt.cuda.ops.moe_route as route
     import kda_rt.cuda.ops.quant as quant
+    import kda_rt.cuda.ops.rmsnorm as rms
 
     monkeypatch.setenv("KDA_RT_FP8_PREFILL", fp8_prefill)
+    monkeypatch.delenv("KDA_RT_NORM_E4M3", raising=False)
     built = []
-    for mod in (align, tc, wg, route, gemv, quant):
+    for mod in (align, tc, wg, route, gemv, quant, rms):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
@@ -187,6 +189,9 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     assert wgs == sorted(want)
     quantizers = sorted(kw.get("ROW_K") for f, n, kw in built if f == "quant.cu")
     assert quantizers == ([1024, 2304] if fp8_prefill == "1" else [])
+    # the norm before the block that writes x's codes too (KDA_RT_NORM_E4M3, default 1)
+    norms = [(n, kw["D"], kw["HAS_RESIDUAL"], kw.get("E4M3_OUT")) for f, n, kw in built if f == "rmsnorm.cu"]
+    assert norms == ([("rmsnorm_fwd_e4m3", 2304, True, 1)] if fp8_prefill == "1" else [])
 
 
 def test_runner_precompiles_every_kda_state_width(monkeypatch):
