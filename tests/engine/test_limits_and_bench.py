@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -208,6 +209,11 @@ def test_llm_resolves_max_num_seqs(tiny_dir):
     llm = make_llm(tiny_dir, max_model_len=64, block_size=16, max_num_seqs=None)
     assert llm.engine_config.max_num_seqs == 16 == llm.llm_engine.scheduler.config.max_num_seqs
     assert llm.llm_engine.runner.plan.engine_slots == 16
+    from kda_rt.engine.llm_engine import LLMEngine
+
+    unresolved = dataclasses.replace(llm.engine_config, max_num_seqs=None)
+    with pytest.raises(ValueError, match="resolved max_model_len, max_num_batched_tokens and max_num_seqs"):
+        LLMEngine(llm.model_config, llm.llm_engine.runner, None, unresolved, num_slots=16, num_blocks=4)
 
 
 def test_max_model_len_resolution(caplog):
