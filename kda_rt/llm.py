@@ -38,12 +38,12 @@ def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], s
                  tokenizer: Tokenizer | None = None, extra_eos_ids: Sequence[int] = ()) -> LLMEngine:
     """Runner + engine for in-memory weights.  An unset max_num_batched_tokens takes the offline default
     (`offline_batched_tokens` of the backend's device).  The runner plans its pools (kda_rt/engine/pools.py);
-    the engine gets the plan's slots and pages and the resolved max_model_len."""
+    the engine gets the plan's slots and pages, the resolved max_model_len and max_num_seqs."""
     if settings.max_num_batched_tokens is None:
         settings = dataclasses.replace(settings, max_num_batched_tokens=_offline_batched_tokens(settings.backend))
     runner = make_runner(model_config, weights, settings)
     plan = runner.plan
-    settings = dataclasses.replace(settings, max_model_len=plan.max_model_len)
+    settings = dataclasses.replace(settings, max_model_len=plan.max_model_len, max_num_seqs=plan.engine_slots)
     return LLMEngine(model_config, runner, tokenizer, settings, num_slots=plan.engine_slots,
                      num_blocks=plan.engine_blocks, extra_eos_ids=extra_eos_ids)
 

@@ -96,8 +96,9 @@ class CudaRunner:
                  progress: bool | None = None) -> None:
         import cupy
 
-        from kda_rt.cuda.ops.compile import startup_log
+        from kda_rt.cuda.ops.compile import device_name, startup_log
         from kda_rt.cuda.ops.kda_decode import CONV_STATE_DTYPE, conv_state_shape
+        from kda_rt.engine.config import default_max_num_seqs
         from kda_rt.engine.pools import plan_pools
 
         self.cupy = cupy
@@ -109,7 +110,8 @@ class CudaRunner:
         free, total = cupy.cuda.runtime.memGetInfo()
         used_by_others = total - free - self.weights.nbytes
         self.plan = plan = plan_pools(config, engine, itemsize=2, state_itemsize=4, memory_bytes=total,
-                                      weight_bytes=self.weights.nbytes + max(0, used_by_others), padding=True)
+                                      weight_bytes=self.weights.nbytes + max(0, used_by_others), padding=True,
+                                      default_seqs=default_max_num_seqs(total, device_name(cupy.cuda.Device().id)))
         self.num_slots, self.num_blocks = plan.num_slots, plan.num_blocks
         self.pad_slot, self.pad_page = plan.pad_slot, plan.pad_page
         self.max_pages = plan.max_pages_per_seq
@@ -137,7 +139,7 @@ class CudaRunner:
         self.sample_ws = Workspace()
         self.staging = Staging()
         self.enforce_eager = engine.enforce_eager
-        self.buckets = graph_buckets(engine.max_num_seqs)
+        self.buckets = graph_buckets(plan.engine_slots)
         self.graphs: dict[int, _Graph] = {}
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._launches = 0  # parity of the staging set the next launch uses
@@ -153,7 +155,7 @@ class CudaRunner:
         from kda_rt.cuda.weights import DeviceMoE
         from kda_rt.sampler.sampling import precompile
 
-        precompile(config.vocab_size, engine.max_num_seqs)  # nor for the sampler's variants (by batch size)
+        precompile(config.vocab_size, plan.engine_slots)  # nor for the sampler's variants (by batch size)
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             shapes = _decode_projection_shapes(self.weights)

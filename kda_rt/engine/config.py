@@ -27,6 +27,16 @@ def offline_batched_tokens(device_memory: int | None, device_name: str = "") -> 
     return 8192
 
 
+def default_max_num_seqs(device_memory: int | None, device_name: str = "") -> int:
+    """vLLM's default max_num_seqs for its LLM class and its server: 1024 on a GPU with 70 GiB or more that is not an
+    A100, else 256.  The CUDA runner caps it to what the memory holds (engine/pools.plan_pools)."""
+    if device_memory is not None and device_memory >= 70 * 2**30 and "a100" not in device_name.lower():
+        return 1024
+    return 256
+
+
+NUMPY_MAX_NUM_SEQS = 16  # the NumPy backend's default max_num_seqs (the reference runs a sequence at a time per op)
+
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization (loader/quant.quantize_experts)
 
 
@@ -46,7 +56,14 @@ class EngineConfig:
     dtype: str = _opt("float32", "NumPy backend compute dtype: float32, float64, or bfloat16 (float32 math with "
                                  "bf16-rounded activations, the CUDA oracle); auto (vLLM's word): float32",
                         choices=("auto", *NUMPY_DTYPES))
-    max_num_seqs: int = _opt(16, "sequences running at once (= KDA state slots)")
+    # None: resolved when the runner plans its pools (engine/pools.plan_pools): the CUDA backend takes vLLM's default
+    # (1024 on a GPU of 70+ GiB that is not an A100, else 256) as long as the KDA state slots (42 MB a sequence on
+    # the 48B shape) take at most half the memory left after the weights, else as many as do (a multiple of 16);
+    # the NumPy backend 16
+    max_num_seqs: int | None = _opt(None, "sequences running at once (= KDA state slots); default: CUDA vLLM's "
+                                          "(1024 on a GPU of 70+ GiB, not A100, else 256) while their state slots "
+                                          "take at most half the memory after the weights, else as many as do; "
+                                          "NumPy 16")
     max_model_len: int | None = _opt(None, "prompt + output tokens per sequence (default: the model's limit when "
                                            "the KV pool holds it, else the largest length that fits)")
     block_size: int = _opt(64, "tokens per MLA page", choices=(16, 32, 64))
@@ -84,8 +101,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", "float32")
         if self.dtype not in NUMPY_DTYPES:
             raise ValueError(f"dtype must be one of {NUMPY_DTYPES}, got {self.dtype!r}")
-        _check_int("max_num_seqs", self.max_num_seqs)
-        for name in ("max_model_len", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
         if self.prefill_tail_tokens is not None:

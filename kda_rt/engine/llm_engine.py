@@ -77,9 +77,9 @@ class LLMEngine:
                  *, num_slots: int, num_blocks: int, extra_eos_ids: Seq[int] = ()) -> None:
         """The engine hands out slots 0..num_slots-1 and pages 0..num_blocks-1 of the runner's pools.
         `config.max_model_len` must be resolved (not None): `build_engine` does that."""
-        if config.max_model_len is None or config.max_num_batched_tokens is None:
-            raise ValueError("LLMEngine needs a resolved max_model_len and max_num_batched_tokens (build_engine "
-                             "plans the first from the pools and defaults the second)")
+        if config.max_model_len is None or config.max_num_batched_tokens is None or config.max_num_seqs is None:
+            raise ValueError("LLMEngine needs a resolved max_model_len, max_num_batched_tokens and max_num_seqs "
+                             "(build_engine plans the first and the last from the pools and defaults the second)")
         self.model_config = model_config
         self.runner = runner
         self.tokenizer = tokenizer

@@ -2,7 +2,9 @@
 `max_model_len` those pools can serve.  Both backends, the bench and the server use `plan_pools`.
 
 - Slots: `max_num_seqs` for the engine, plus one padding slot on the CUDA backend (graph rows
-  that carry no sequence write there).  Pages: what the memory budget holds (the CUDA backend:
+  that carry no sequence write there).  `max_num_seqs` None takes the runner's `default_seqs` (vLLM's default
+  on CUDA) while that many slots take at most half the budget left after the weights, else as many as do
+  (a multiple of 16 past 16), so that the KV pages keep the other half.  Pages: what the memory budget holds (the CUDA backend:
   `gpu_memory_utilization` of the device minus weights and state; the NumPy backend: the same
   share of host memory, and never more than `max_num_seqs` full-length sequences need), plus one
   padding page on CUDA.  `num_blocks` overrides the page count.
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
     from kda_rt.engine import EngineConfig
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["PoolPlan", "plan_pools", "kv_bytes_per_block", "state_bytes_per_slot", "host_memory_bytes"]
+__all__ = ["PoolPlan", "fit_max_num_seqs", "host_memory_bytes", "kv_bytes_per_block", "plan_pools",
+           "state_bytes_per_slot"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,19 +79,35 @@ class PoolPlan:
         return math.ceil(self.max_model_len / self.block_size)
 
 
+def fit_max_num_seqs(default_seqs: int, slot_bytes: int, room: int) -> int:
+    """max_num_seqs when the caller gives none: `default_seqs`, or fewer when that many state slots of `slot_bytes`
+    would take more than half of `room` (the memory budget after the weights): as many as fit there, a multiple of
+    16 past 16, at least 1."""
+    if slot_bytes <= 0 or default_seqs * slot_bytes <= room // 2:
+        return default_seqs
+    fit = max(1, (room // 2) // slot_bytes)
+    return fit - fit % 16 if fit > 16 else fit
+
+
 def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, state_itemsize: int | None = None,
                memory_bytes: int, weight_bytes: int = 0, padding: bool = False, cap_to_sequences: bool = False,
-               where: str = "GPU") -> PoolPlan:
+               where: str = "GPU", default_seqs: int = 16) -> PoolPlan:
     """Plan the pools within `memory_bytes * gpu_memory_utilization - weight_bytes`.
 
     `cap_to_sequences` (NumPy backend): never more pages than `max_num_seqs` sequences of
-    `max_model_len` tokens use.  `where` names the memory in errors ("GPU" or "host").
+    `max_model_len` tokens use.  `where` names the memory in errors ("GPU" or "host").  `default_seqs`: the
+    max_num_seqs an unset one starts from (fit_max_num_seqs).
     """
     bs, seqs, limit = engine.block_size, engine.max_num_seqs, config.max_model_len
     pad = 1 if padding else 0
     page = kv_bytes_per_block(config, bs, itemsize)
     slot = state_bytes_per_slot(config, itemsize, state_itemsize)
-    budget = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - (seqs + pad) * slot - pad * page
+    room = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - pad * (slot + page)
+    if seqs is None:
+        seqs = fit_max_num_seqs(default_seqs, slot, room)
+        logger.info("max_num_seqs %d (default %d; %d state slots of %.1f MiB, %.2f GiB of the %.2f GiB after the "
+                    "weights)", seqs, default_seqs, seqs, slot / 2**20, seqs * slot / 2**30, room / 2**30)
+    budget = room - seqs * slot
     if engine.num_blocks is not None:
         fit_pages = engine.num_blocks
     elif page == 0:  # no MLA layer: positions cost no pages' memory

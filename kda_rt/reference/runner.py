@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kda_rt.engine.config import NUMPY_MAX_NUM_SEQS
 from kda_rt.engine.pools import host_memory_bytes, plan_pools
 from kda_rt.reference.cache import KDAStatePool, MLAKVPool
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
@@ -40,7 +41,8 @@ class NumpyRunner:
         self.dtype = np.dtype(np.float32 if bf16_activations else engine.dtype)
         weight_bytes = sum(int(np.prod(w.shape)) for w in weights.values()) * self.dtype.itemsize
         self.plan = plan_pools(config, engine, itemsize=self.dtype.itemsize, memory_bytes=host_memory_bytes(),
-                               weight_bytes=weight_bytes, cap_to_sequences=True, where="host")
+                               weight_bytes=weight_bytes, cap_to_sequences=True, where="host",
+                               default_seqs=NUMPY_MAX_NUM_SEQS)
         self.model = KimiLinearModel(config, weights, self.dtype, bf16_activations=bf16_activations)
         # np.zeros is backed by lazily committed pages, so a generous pool costs little until used
         self.kda_pool = KDAStatePool(config, self.plan.num_slots, dtype=self.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from helpers.engine import assert_no_leaks, greedy, make_llm
 from kda_rt.bench import random_weights
 from kda_rt.demo import demo_path
 from kda_rt.engine import EngineConfig
-from kda_rt.engine.pools import kv_bytes_per_block, plan_pools, state_bytes_per_slot
+from kda_rt.engine.config import default_max_num_seqs
+from kda_rt.engine.pools import fit_max_num_seqs, kv_bytes_per_block, plan_pools, state_bytes_per_slot
 from kda_rt.loader.config import parse_config
 from kda_rt.loader.weights import expected_tensors
 
@@ -169,6 +171,49 @@ def test_pool_plan_device_budget():
     used = 2**20 + plan.num_slots * slot + plan.num_blocks * page
     assert plan.num_slots == 5 and plan.pad_slot == 4 and plan.pad_page == plan.engine_blocks
     assert used == 2**20 + plan.bytes and used <= 0.9 * device < used + page
+
+
+def test_default_max_num_seqs():
+    """vLLM's default (1024 on a GPU of 70+ GiB that is not an A100, else 256), capped so the state slots take at
+    most half the memory after the weights: as many as fit there, a multiple of 16 past 16; NumPy 16."""
+    assert default_max_num_seqs(141 * 10**9, "NVIDIA H200") == 1024
+    assert default_max_num_seqs(80 * 2**30, "NVIDIA A100-SXM4-80GB") == 256
+    assert default_max_num_seqs(48 * 2**30, "NVIDIA L40S") == 256 and default_max_num_seqs(None) == 256
+    mb = 2**20
+    assert fit_max_num_seqs(1024, 42 * mb, 100 * 2**30) == 1024  # 42 GiB of slots in 100 GiB
+    # the 48B shape in bf16 on an H200: ~34 GiB after the weights, 42 MiB a slot: 414 fit in half, 400 taken
+    assert fit_max_num_seqs(1024, 42 * mb, 34 * 2**30) == 400
+    assert fit_max_num_seqs(256, 42 * mb, 420 * mb) == 5  # under 16: as many as fit
+    assert fit_max_num_seqs(256, 42 * mb, 10 * mb) == 1  # never 0 (plan_pools then names what does not fit)
+    assert fit_max_num_seqs(256, 0, 0) == 256  # no KDA layer: slots cost nothing
+    cfg = parse_config(tiny_config())
+    slot, page = state_bytes_per_slot(cfg, 2, 4), kv_bytes_per_block(cfg, 16, 2)
+    roomy = plan_pools(cfg, EngineConfig(block_size=16), itemsize=2, state_itemsize=4, memory_bytes=2**30,
+                       padding=True, default_seqs=1024)
+    assert roomy.engine_slots == 1024 and roomy.num_slots == 1025
+    memory = 2**20 + 2 * 100 * slot  # ~100 slots fit in half of what the weights leave
+    tight = plan_pools(cfg, EngineConfig(block_size=16, gpu_memory_utilization=1.0), itemsize=2, state_itemsize=4,
+                       memory_bytes=memory, weight_bytes=2**20, padding=True, default_seqs=1024)
+    room = memory - 2**20 - slot - page
+    assert tight.engine_slots == (room // 2 // slot) // 16 * 16 and tight.engine_slots * slot <= room // 2
+    explicit = plan_pools(cfg, EngineConfig(block_size=16, max_num_seqs=40, gpu_memory_utilization=1.0), itemsize=2,
+                          state_itemsize=4, memory_bytes=memory, weight_bytes=2**20, padding=True, default_seqs=1024)
+    assert explicit.engine_slots == 40  # a given value is kept (its pages are what is left)
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1"):
+        EngineConfig(max_num_seqs=0)
+
+
+def test_llm_resolves_max_num_seqs(tiny_dir):
+    """An unset max_num_seqs is resolved when the engine is built (NumPy: 16), and the scheduler and the
+    engine's config carry the resolved number."""
+    llm = make_llm(tiny_dir, max_model_len=64, block_size=16, max_num_seqs=None)
+    assert llm.engine_config.max_num_seqs == 16 == llm.llm_engine.scheduler.config.max_num_seqs
+    assert llm.llm_engine.runner.plan.engine_slots == 16
+    from kda_rt.engine.llm_engine import LLMEngine
+
+    unresolved = dataclasses.replace(llm.engine_config, max_num_seqs=None)
+    with pytest.raises(ValueError, match="resolved max_model_len, max_num_batched_tokens and max_num_seqs"):
+        LLMEngine(llm.model_config, llm.llm_engine.runner, None, unresolved, num_slots=16, num_blocks=4)
 
 
 def test_max_model_len_resolution(caplog):
