@@ -161,7 +161,7 @@ def _wg_cases(T, wts):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
         args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
-                np.uint64(0), np.uint64(0))  # (no scales: bf16 weights and sources)
+                np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0))  # (no scales, bf16 h)
         cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
     return plan, cases
 
@@ -170,7 +170,8 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
     """The wgmma GEMMs (launcher tiles) with bf16 weights against e4m3 weights (q = (q13, s13, q2, s2): uint8 codes
     and row scales; moe_gemm_wg.cu WFMT = 1) widened by the conversion unit (E4M3_CVT = 1) or by bit moves (0),
     interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows).  w8a8: also e4m3 sources
-    (WFMT = 2), the GEMM alone and after its source's quantization (ops/quant.quantize_activations_e4m3)."""
+    (WFMT = 2), the GEMM alone and after its source's quantization (ops/quant.quantize_activations_e4m3), and for
+    gate/up the GEMM with h's quantization after it against the GEMM writing h's codes itself (H_CODES)."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 
@@ -185,6 +186,7 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
     x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
     plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
     h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    hq, hs = cupy.empty((N, INTER), dtype=np.uint8), cupy.empty(N, dtype=np.float32)  # h's codes (gate/up)
     q13, s13, q2, s2 = q
     default = moe_gemm_tc.E4M3_CONVERT
     for name, src, w, wq, sc, out, silu, flop in (("gate/up", x, wts.w13, q13, s13, h, True, 2 * N * D * 2 * INTER),
@@ -197,13 +199,21 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
             quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
             variants = {"bf16": variants["bf16"], "e4m3 cvt": variants["e4m3 cvt"], "w8a8": (wq, sc, 1),
                         "w8a8+quant": (wq, sc, 1)}
+            if silu:  # h's codes: the bf16 h then its quantization, against the GEMM writing them (H_CODES)
+                variants |= {"w8a8+h quant": (wq, sc, 1), "w8a8 h codes": (wq, sc, 1)}
         times = {v: [] for v in variants}
 
-        def run(v, wt, scale, src=src, srcq=srcq, srcs=srcs, silu=silu, out=out):
+        def run(v, wt, scale, src=src, srcq=srcq, srcs=srcs, silu=silu, out=out, hq=hq, hs=hs):
+            if v == "w8a8 h codes":
+                return moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=True, out=hq, scale=scale, src_scale=srcs,
+                                   out_scale=hs)
             if v.startswith("w8a8"):
                 if v == "w8a8+quant":
                     quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
-                return moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale, src_scale=srcs)
+                r = moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale, src_scale=srcs)
+                if v == "w8a8+h quant":
+                    quantize_activations_e4m3(out, out=hq, scale_out=hs)
+                return r
             return moe_gemm_wg(src, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale)
 
         for _ in range(rounds):

@@ -164,8 +164,7 @@ def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
     on the rows before the rounding (the kernels' drift and the bf16 oracle's own differences move some codes by a
     step, and this random model carries that as far as the whole rounding); so median <= 0.1 and every position
     <= 0.25.  The kernels' numerics are checked tightly in test_moe_gemm_tc.py / test_moe_block.py (w8a8 cases);
-    this catches a wrong path in the model (a scale, a layer, the workspace).  Not yet GPU-run (written
-    2026-12-02 after the device time was spent)."""
+    this catches a wrong path in the model (a scale, a layer, the workspace)."""
     import kda_rt.cuda.moe as cuda_moe
     from kda_rt.cuda.ops.compile import device_arch
     from kda_rt.demo.make_demo import DEMO_CONFIG
@@ -178,12 +177,13 @@ def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
                                    tokenizer_dir=demo_path(), fixed_routing=True)
     ref = LLM(str(path), backend="numpy", dtype="bfloat16", quantization="fp8", **KW)
     gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
-    quantized = []
-    real_q = cuda_moe.quantize_activations_e4m3
-    monkeypatch.setattr(cuda_moe, "quantize_activations_e4m3", lambda *a, **k: quantized.append(1) or real_q(*a, **k))
+    e4m3_src = []  # expert GEMMs on e4m3 sources (src_scale given)
+    real_gemm = cuda_moe.moe_gemm_wg
+    monkeypatch.setattr(cuda_moe, "moe_gemm_wg", lambda *a, **k: (k.get("src_scale") is not None
+                                                                   and e4m3_src.append(1)) or real_gemm(*a, **k))
     ids = list(np.random.default_rng(1).integers(0, 768, size=150))
     gpu_logits = gpu.score(ids)
-    if not quantized:
+    if not e4m3_src:
         pytest.skip("this GPU's prefill step did not take the e4m3-source GEMMs (sm_90a wgmma, 128-row tiles)")
     ref_logits, margins = score_with_margins(ref, ids)
     err = row_rel_err(gpu_logits, ref_logits)
@@ -192,11 +192,10 @@ def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
     assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
 
 
-def test_fp8_norm_codes_same_logits(tmp_path_factory, monkeypatch):
-    """KDA_RT_NORM_E4M3 (the norm before an fp8 MoE block writes x's e4m3 codes, so the block does not quantize x
-    again): the same codes, so the same logits bit for bit as with it off, on a prefill step whose expert GEMMs take
-    e4m3 sources; and the blocks then quantize only h (one call a block instead of two).  Not yet GPU-run (written
-    2026-12-02 after the device time was spent)."""
+def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str, fixed: dict[str, str]):
+    """The fp8 demo-shape model's logits of a 150-token prompt (one prefill step whose expert GEMMs take e4m3
+    sources on sm_90a, else skipped) with the KDA_RT_* `switch` at 0 and at 1 (`fixed`: other switches held), and
+    per value the calls of the MoE's activation quantizer and of its gate/up GEMM writing h's codes."""
     import kda_rt.cuda.moe as cuda_moe
     from kda_rt.cuda.ops.compile import device_arch
     from kda_rt.demo.make_demo import DEMO_CONFIG
@@ -205,25 +204,46 @@ def test_fp8_norm_codes_same_logits(tmp_path_factory, monkeypatch):
     if device_arch() != "sm_90a":
         pytest.skip("the e4m3-source GEMMs run on the wgmma kernel (sm_90a)")
     monkeypatch.setenv("KDA_RT_FP8_PREFILL", "1")
-    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("fp8-norm-codes"), seed=3,
+    for name, value in fixed.items():
+        monkeypatch.setenv(name, value)
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("fp8-switch"), seed=3,
                                    tokenizer_dir=demo_path(), fixed_routing=True)
     gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
     calls = []
-    real_q = cuda_moe.quantize_activations_e4m3
-    monkeypatch.setattr(cuda_moe, "quantize_activations_e4m3", lambda *a, **k: calls.append(1) or real_q(*a, **k))
+    real_q, real_gemm = cuda_moe.quantize_activations_e4m3, cuda_moe.moe_gemm_wg
+    monkeypatch.setattr(cuda_moe, "quantize_activations_e4m3", lambda *a, **k: calls.append("quant") or real_q(*a, **k))
+    monkeypatch.setattr(cuda_moe, "moe_gemm_wg", lambda *a, **k: calls.append(
+        "codes" if k.get("out_scale") is not None else "e4m3" if k.get("src_scale") is not None else "bf16")
+        or real_gemm(*a, **k))
     ids = list(np.random.default_rng(1).integers(0, 768, size=150))
-    logits = {}
+    logits, counts = {}, {}
     for value in ("0", "1"):
-        monkeypatch.setenv("KDA_RT_NORM_E4M3", value)
+        monkeypatch.setenv(switch, value)
         calls.clear()
         logits[value] = gpu.score(ids)
-        quantized = len(calls)
-        if value == "0":
-            if not quantized:
-                pytest.skip("this GPU's prefill step did not take the e4m3-source GEMMs")
-            off = quantized
-    assert quantized * 2 == off, f"quantize calls: {off} with the switch off, {quantized} on"
+        counts[value] = {kind: calls.count(kind) for kind in ("quant", "codes", "e4m3")}
+        if not counts[value]["codes"] + counts[value]["e4m3"]:
+            pytest.skip("this GPU's prefill step did not take the e4m3-source GEMMs")
+    return logits, counts
+
+
+def test_fp8_norm_codes_same_logits(tmp_path_factory, monkeypatch):
+    """KDA_RT_NORM_E4M3 (the norm before an fp8 MoE block writes x's e4m3 codes, so the block does not quantize x
+    again): the same codes, so the same logits bit for bit as with it off, on a prefill step whose expert GEMMs take
+    e4m3 sources; and the blocks then quantize only h (one call a block instead of two; h's codes from its own
+    pass: KDA_RT_H_CODES=0)."""
+    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_NORM_E4M3", {"KDA_RT_H_CODES": "0"})
+    assert counts["1"]["quant"] * 2 == counts["0"]["quant"] > 0, counts
     assert np.array_equal(logits["0"], logits["1"]), "the norm's codes changed the logits"
+
+
+def test_fp8_h_codes_same_logits(tmp_path_factory, monkeypatch):
+    """KDA_RT_H_CODES (the e4m3-source gate/up GEMM writes h's codes and row scales itself, moe_gemm_wg.cu H_CODES):
+    the same codes as h's own quantization pass, so the same logits bit for bit as with it off; with it on no block
+    quantizes anything (x's codes from the norm, KDA_RT_NORM_E4M3=1), with it off each quantizes h once."""
+    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_H_CODES", {"KDA_RT_NORM_E4M3": "1"})
+    assert counts["1"]["quant"] == 0 and counts["1"]["codes"] == counts["0"]["quant"] > 0, counts
+    assert np.array_equal(logits["0"], logits["1"]), "h's codes from the GEMM changed the logits"
 
 
 def test_demo_logits_statistics(demo_pair):

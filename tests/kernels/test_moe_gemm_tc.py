@@ -636,6 +636,74 @@ def test_moe_gemm_wg_w8a8(name, big_e4m3):
         check_drift(y_np[rows], y_ref, drift(inter) * y_mag + 2.0**-7 * np.abs(y_ref), f"w8a8 {name} y expert {e}")
 
 
+H_CODES = {  # name: (T, D, I, E, A, skewed); E = 256: the big_e4m3 stacks (8 CTAs a row tile), else 3
+    "T300": (300, 2304, 1024, 256, 8, False),
+    "T2048-skewed": (2048, 2304, 1024, 256, 8, True),
+    "T8192": (8192, 2304, 1024, 256, 8, False),
+    "T40-D512-I384-E16": (40, 512, 384, 16, 4, False),
+}
+
+
+@pytest.mark.parametrize("name", list(H_CODES))
+def test_moe_gemm_wg_h_codes(name, big_e4m3):
+    """The e4m3-source gate/up GEMM writing h as e4m3 codes with row scales (out_scale, moe_gemm_wg.cu H_CODES: the
+    CTAs of a row tile agree on each row's max through counters) gives bit for bit the codes and scales that
+    quantize_activations_e4m3 makes from the same GEMM's bf16 h, on every row: rows of a token whose source scale is
+    NaN or inf (a non-finite h row: NaN scale), of a token whose x is zero (h zero: scale 1, codes 0), and the rest.
+    Three launches in a row (the counters must come back to zero after each: the buffer is checked), outputs
+    poisoned before each."""
+    import cupy
+
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.moe_align import max_tiles
+    from kda_rt.cuda.ops.moe_gemm_wg import h_codes_sync, moe_gemm_wg
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    if device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_wg.cu needs sm_90a (wgmma)")
+    T, D, inter, E, A, skewed = H_CODES[name]
+    rng = np.random.default_rng(zlib.crc32(f"h_codes/{name}".encode()))
+    if E == 256:
+        q13, s13, _, _ = big_e4m3
+    else:
+        crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+        q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
+    x_np = bf16_round(rng.normal(size=(T, D)))
+    x_np[T // 3] = 0.0  # h of its pairs all zero
+    ids = make_ids(T, E, A, skewed, rng)
+    plan = make_plan(ids, E, 128)
+    N = T * A
+    xq, xs = cupy.empty((T, D), np.uint8), cupy.empty(T, np.float32)
+    quantize_activations_e4m3(to_gpu_bf16(x_np), out=xq, scale_out=xs)
+    xs[T // 2] = np.nan  # h of its pairs NaN
+    xs[T - 1] = np.inf  # inf * 0 products: NaN or inf
+    h = cupy.empty((N, inter), dtype=BF16)
+    poison(h)
+    moe_gemm_wg(xq, q13, plan, top_k=A, fuse_silu=True, out=h, scale=s13, src_scale=xs)
+    want_q, want_s = cupy.full((N, inter), 0x7F, np.uint8), cupy.full(N, np.nan, np.float32)
+    quantize_activations_e4m3(h, out=want_q, scale_out=want_s)
+    want_q, want_s = cupy.asnumpy(want_q), cupy.asnumpy(want_s)
+    bad_rows = np.isnan(want_s)
+    sp = cupy.asnumpy(plan.sorted_pair)
+    assert np.array_equal(bad_rows, np.isin(sp // A, [T // 2, T - 1])), f"{name}: the reference's NaN rows"
+    zero_rows = sp // A == T // 3
+    assert np.all(want_s[zero_rows] == 1.0) and not np.any(want_q[zero_rows])
+    sync = h_codes_sync(max_tiles(N, E, 128))
+    for launch in range(3):
+        got_q, got_s = cupy.full((N, inter), 0x7F, np.uint8), cupy.full(N, -1.0, np.float32)
+        moe_gemm_wg(xq, q13, plan, top_k=A, fuse_silu=True, out=got_q, scale=s13, src_scale=xs, out_scale=got_s)
+        got_q, got_s = cupy.asnumpy(got_q), cupy.asnumpy(got_s)
+        assert not np.any(cupy.asnumpy(sync)), f"{name} launch {launch}: counters left nonzero"
+        assert np.array_equal(np.isnan(got_s), bad_rows), f"{name} launch {launch}: NaN scales on other rows"
+        good = ~bad_rows
+        wrong = np.flatnonzero(got_s[good].view(np.uint32) != want_s[good].view(np.uint32))
+        assert wrong.size == 0, f"{name} launch {launch}: {wrong.size} row scales differ, first row {wrong[0]}"
+        diff = np.argwhere(got_q[good] != want_q[good])
+        assert diff.size == 0, f"{name} launch {launch}: {len(diff)} codes differ, first (row, column) {diff[0]}"
+
+
 def drift(k: int) -> float:
     """Twice the e4m3 tensor cores' worst drift on a K-long sum, as a fraction of |x| @ |w| (test_moe_gemm_wg_w8a8)."""
     return 2 * (k / 32) * 2.0**-14
