@@ -129,6 +129,9 @@
 #ifndef H_CODES
 #define H_CODES 0
 #endif
+#ifndef EXP_HC
+#define EXP_HC 0  // bench only (H_CODES): 1 no waiting (each CTA its own max: wrong codes), 2 codes by h * (1 / s), 4 tiles from blockIdx
+#endif
 #ifndef E4M3_CVT
 #define E4M3_CVT 1  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT)
 #endif
@@ -409,7 +412,8 @@ __device__ __forceinline__ void store_codes(const float (&acc)[ACC], const Scale
     __syncthreads();  // (both warpgroups' products are done too: the stage buffers are free)
     if (threadIdx.x == 0) {
         atomicAdd(tsync, 1u);
-        while (ld_acquire_gpu(tsync) < FBLOCKS) __nanosleep(32);
+        if (!(EXP_HC & 1))
+            while (ld_acquire_gpu(tsync) < FBLOCKS) __nanosleep(32);
     }
     __syncthreads();
     float s[2];
@@ -427,7 +431,17 @@ __device__ __forceinline__ void store_codes(const float (&acc)[ACC], const Scale
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int hrow = 0; hrow < 2; ++hrow) {
+#if EXP_HC & 2
+            const float inv = __frcp_rn(s[hrow]);
+            unsigned short c = 0;
+            if (!zero[hrow]) {
+                const float qa = fminf(fmaxf(bf16_lo(hp[j][hrow]) * inv, -448.f), 448.f);
+                const float qb = fminf(fmaxf(bf16_hi(hp[j][hrow]) * inv, -448.f), 448.f);
+                asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(c) : "f"(qb), "f"(qa));
+            }
+#else
             const unsigned short c = zero[hrow] ? 0 : e4m3_pair_div(bf16_lo(hp[j][hrow]), bf16_hi(hp[j][hrow]), s[hrow]);
+#endif
             *reinterpret_cast<unsigned short*>(smem + rl[hrow] * CODE_PITCH + 8 * j + 2 * (lane & 3)) = c;
         }
     __syncthreads();  // every thread has read its rows' max and staged its codes
@@ -504,7 +518,11 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 
 #if H_CODES  // (tile, feature block) from a ticket (see the header)
     __shared__ int ticket;
+#if EXP_HC & 4
+    if (threadIdx.x == 0) ticket = blockIdx.y * FBLOCKS + blockIdx.x;
+#else
     if (threadIdx.x == 0) ticket = (int)atomicAdd(sync, 1u);
+#endif
     __syncthreads();
     const int tile = ticket / FBLOCKS, fblk = ticket % FBLOCKS;
     if (tile >= num_tiles[0]) {

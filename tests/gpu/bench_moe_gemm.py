@@ -227,6 +227,52 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
             for v, ts in times.items()), flush=True)
 
 
+def bench_h_codes(T, q, values: str, rounds: int = 5):
+    """The e4m3-source gate/up GEMM (launcher tile) writing bf16 h ("plain") against writing h's codes (H_CODES) built
+    with each EXP_HC value ("0,1,2,4": 1 no waiting for the tile's other CTAs, 2 codes by h * (1 / s) instead of
+    the quotient, 4 tiles from blockIdx instead of a ticket; bench only), interleaved over `rounds` rounds: medians."""
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt import env
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.moe_align import max_tiles
+    from kda_rt.cuda.ops.moe_gemm_wg import h_codes_sync, wg_tile
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    xq, xs = cupy.empty((T, D), dtype=np.uint8), cupy.empty(T, dtype=np.float32)
+    quantize_activations_e4m3(x, out=xq, scale_out=xs)
+    h, hq, hs = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, INTER), dtype=np.uint8), cupy.empty(N, np.float32)
+    q13, s13 = q[0], q[1]
+    t = wg_tile(2 * INTER, D, True, e4m3_src=True)
+    grid = (INTER // (t.bn // 2), max_tiles(N, E, 128))
+    sync = h_codes_sync(grid[1])
+    defs = dict(K=D, NOUT=2 * INTER, FUSE_SILU=1, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out),
+                HALF_SKIP=int(env.moe_half_skip()), WFMT=2)
+    smem = t.smem(True, True)
+    null = np.uint64(0)
+    head = (xq, plan.sorted_pair, q13, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles)
+    kerns = {"plain": (get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=smem, **defs),
+                       (*head, h, s13, xs, null, null))}
+    for v in map(int, values.split(",")):
+        kerns[f"EXP_HC={v}"] = (get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=smem, **defs,
+                                           H_CODES=1, EXP_HC=v), (*head, hq, s13, xs, hs, sync))
+    times = {k: [] for k in kerns}
+    for _ in range(rounds):
+        for k, (kern, args) in kerns.items():
+            times[k].append(median_ms(partial(kern, grid, (256,), args, shared_mem=smem)))
+    assert not cupy.asnumpy(sync).any(), "H_CODES counters left nonzero"
+    base = float(np.median(times["plain"]))
+    print(f"T={T} gate/up h codes: " + "  ".join(f"{k} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
+                                                 for k, ts in times.items()), flush=True)
+
+
 def bench_limits(T, wts):
     """What bounds the wgmma grouped GEMM: its default tile timed as built (EXP_SKIP=0) and with the B
     (weight, 1), A (rows, 2) or both (3) cp.async copies skipped after the prologue, and the epilogue (4; 7:
@@ -374,6 +420,8 @@ def main():
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
+    ap.add_argument("--h-codes", default="", help="EXP_HC values, e.g. 0,1,2,4: only the gate/up GEMM writing h's "
+                    "codes against bf16 h (bench_h_codes)")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -384,13 +432,15 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     q = None
-    if args.e4m3:
+    if args.e4m3 or args.h_codes:
         from kernels.test_moe_gemm_tc import e4m3_stack
 
         hrng = np.random.default_rng(3)
         q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))
     for T in map(int, args.tokens.split(",")):
-        if args.e4m3:
+        if args.h_codes:
+            bench_h_codes(T, q, args.h_codes)
+        elif args.e4m3:
             bench_e4m3(T, wts, q, w8a8=args.w8a8)
         elif args.once:
             run_once(T, wts)
