@@ -97,7 +97,7 @@
 // +35-62% at 8192 and 16384.  So L2 requests, not DRAM latency, bound the copies: any extra request costs.
 // H_CODES = 1 (gate/up with WFMT = 2 only): h is written as e4m3 codes with one fp32 scale a row, bit for bit as
 // ops/quant.quantize_activations_e4m3 would make them from the bf16 h (amax over the row's I columns, scale = amax /
-// 448, codes = e4m3(h / scale); a row with a non-finite entry gets a NaN scale), so the down GEMM reads codes and the
+// 448, codes = e4m3(h · (1 / scale)); a row with a non-finite entry gets a NaN scale), so the down GEMM reads codes and the
 // separate pass over h (read 2 bytes, write 1 an element) is gone.  A row's I columns come from the FBLOCKS CTAs of
 // its tile, which meet once: each posts its rows' max |h| (atomicMax of the fp32 bits, non-negative, so integer
 // order is float order; a non-finite row posts a NaN's bits, above every other) into the tile's words of `sync`,
@@ -130,7 +130,7 @@
 #define H_CODES 0
 #endif
 #ifndef EXP_HC
-#define EXP_HC 0  // bench only (H_CODES): 1 no waiting (each CTA its own max: wrong codes), 2 codes by h * (1 / s), 4 tiles from blockIdx
+#define EXP_HC 0  // bench only (H_CODES): 1 no waiting (each CTA its own max: wrong codes), 4 tiles from blockIdx
 #endif
 #ifndef E4M3_CVT
 #define E4M3_CVT 1  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT)
@@ -357,15 +357,6 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
 
-// the e4m3 codes of two values over their row's scale, a at the lower byte (as quant.cu: IEEE quotient, clamped
-// to +-448, rounded to nearest even)
-__device__ __forceinline__ unsigned short e4m3_pair_div(float a, float b, float s) {
-    unsigned short pair;
-    const float qa = fminf(fmaxf(__fdiv_rn(a, s), -448.f), 448.f), qb = fminf(fmaxf(__fdiv_rn(b, s), -448.f), 448.f);
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(qb), "f"(qa));
-    return pair;
-}
-
 // the CTA is done with `sync` (thread 0, after everything else): the grid's last one zeroes the two counters
 __device__ __forceinline__ void grid_leave(unsigned* sync) {
     if (threadIdx.x == 0) {
@@ -408,15 +399,15 @@ __device__ __forceinline__ void store_codes(const float (&acc)[ACC], const Scale
         if ((lane & 3) == 0 && rl[hrow] < nrows)
             atomicMax(tsync + 2 + rl[hrow], f ? __float_as_uint(m[hrow]) : 0x7FC00000u);
     }
-    __threadfence();
     __syncthreads();  // (both warpgroups' products are done too: the stage buffers are free)
     if (threadIdx.x == 0) {
+        __threadfence();  // (cumulative: the block's maxima, ordered before it by the barrier, before the arrival)
         atomicAdd(tsync, 1u);
         if (!(EXP_HC & 1))
             while (ld_acquire_gpu(tsync) < FBLOCKS) __nanosleep(32);
     }
     __syncthreads();
-    float s[2];
+    float s[2], r[2];
     bool zero[2];
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
@@ -425,23 +416,19 @@ __device__ __forceinline__ void store_codes(const float (&acc)[ACC], const Scale
         const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32 (quant.cu's rule)
         zero[hrow] = bits >= 0x7F800000u || !(amax >= tiny);
         s[hrow] = bits >= 0x7F800000u ? __int_as_float(0x7fc00000) : zero[hrow] ? 1.f : __fdiv_rn(amax, 448.f);
+        r[hrow] = __frcp_rn(s[hrow]);
         if (fblk == 0 && (lane & 3) == 0 && rl[hrow] < nrows) code_scale[row0 + rl[hrow]] = s[hrow];
     }
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int hrow = 0; hrow < 2; ++hrow) {
-#if EXP_HC & 2
-            const float inv = __frcp_rn(s[hrow]);
             unsigned short c = 0;
-            if (!zero[hrow]) {
-                const float qa = fminf(fmaxf(bf16_lo(hp[j][hrow]) * inv, -448.f), 448.f);
-                const float qb = fminf(fmaxf(bf16_hi(hp[j][hrow]) * inv, -448.f), 448.f);
+            if (!zero[hrow]) {  // quant.cu's activations: h · r, r = 1 / s rounded once
+                const float qa = fminf(fmaxf(bf16_lo(hp[j][hrow]) * r[hrow], -448.f), 448.f);
+                const float qb = fminf(fmaxf(bf16_hi(hp[j][hrow]) * r[hrow], -448.f), 448.f);
                 asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(c) : "f"(qb), "f"(qa));
             }
-#else
-            const unsigned short c = zero[hrow] ? 0 : e4m3_pair_div(bf16_lo(hp[j][hrow]), bf16_hi(hp[j][hrow]), s[hrow]);
-#endif
             *reinterpret_cast<unsigned short*>(smem + rl[hrow] * CODE_PITCH + 8 * j + 2 * (lane & 3)) = c;
         }
     __syncthreads();  // every thread has read its rows' max and staged its codes

@@ -8,7 +8,11 @@
 // A row with a non-finite entry is not quantized: the first such (row, column) in row-major order goes to bad[0]
 // (atomicMin of row * K + column, initialised by the launcher to INT64_MAX), which the launcher reports by name.
 // Activations (bad = null, the prefill GEMMs' e4m3 sources: nothing is refused mid-step) get a NaN scale for such
-// a row instead, so that every product of the row is NaN, as the bf16 products of a non-finite entry would be.
+// a row instead, so that every product of the row is NaN, as the bf16 products of a non-finite entry would be, and
+// their codes are e4m3(x · r) with r = 1 / scale[n] rounded once (loader/quant.quantize_rows reciprocal=True, as
+// vLLM's per-token quantization multiplies by its inverted scale): with a quotient an element the gate/up GEMM that
+// writes h's codes (moe_gemm_wg.cu H_CODES) took 1.946 ms, with the product 1.527, against 1.357 writing bf16 h (H200,
+// 2026-12-02, T = 16384, tests/gpu/bench_moe_gemm.py --h-codes).
 // Grid: one block per row; block THREADS threads over the row's K / 2 pairs (two passes: the row's max, then the
 // codes).  Shapes: w [N, K] bf16 (K even, 4-byte aligned rows), q [N, K] uint8, scale [N] fp32, bad [1] int64.
 // Compile-time constants: THREADS (a multiple of 32, at most 1024).
@@ -60,13 +64,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
     const bool zero = !(amax >= tiny);
     const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
     if (threadIdx.x == 0) scale[row] = s;
+    const float r = __frcp_rn(s);  // (activations: x · r)
     unsigned short* dst = reinterpret_cast<unsigned short*>(q + row * K);
     for (int p = threadIdx.x; p < K / 2; p += THREADS) {
         unsigned short pair = 0;
         if (!zero) {
             const float2 v = __bfloat1622float2(src[p]);
-            const float a = fminf(fmaxf(__fdiv_rn(v.x, s), -448.f), 448.f);
-            const float b = fminf(fmaxf(__fdiv_rn(v.y, s), -448.f), 448.f);
+            const float a = fminf(fmaxf(bad ? __fdiv_rn(v.x, s) : v.x * r, -448.f), 448.f);
+            const float b = fminf(fmaxf(bad ? __fdiv_rn(v.y, s) : v.y * r, -448.f), 448.f);
             // the first operand goes to the upper byte: (b, a) puts element 2p at the lower address
             asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
         }
@@ -87,10 +92,10 @@ static_assert(ROW_K % 8 == 0 && PIECES_A_LANE <= 32, "quantize_rows_e4m3_warp: R
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
 
-// the e4m3 codes of two values over the row's scale, element a at the lower byte (as the kernel above)
-__device__ __forceinline__ unsigned short e4m3_pair(float a, float b, float s) {
+// the e4m3 codes of two values times the row's reciprocal scale r, element a at the lower byte (as the kernel above)
+__device__ __forceinline__ unsigned short e4m3_pair(float a, float b, float r) {
     unsigned short pair;
-    const float qa = fminf(fmaxf(__fdiv_rn(a, s), -448.f), 448.f), qb = fminf(fmaxf(__fdiv_rn(b, s), -448.f), 448.f);
+    const float qa = fminf(fmaxf(a * r, -448.f), 448.f), qb = fminf(fmaxf(b * r, -448.f), 448.f);
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(qb), "f"(qa));
     return pair;
 }
@@ -127,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_warp(co
     const bool zero = !(amax >= tiny);
     const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
     if (lane == 0) scale[row] = s;
+    const float r = __frcp_rn(s);
     uint2* dst = reinterpret_cast<uint2*>(q + row * ROW_K);
 #pragma unroll
     for (int j = 0; j < PIECES_A_LANE; ++j) {
@@ -135,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_warp(co
         const unsigned w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
         unsigned c[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = zero ? 0u : e4m3_pair(bf16_lo(w[i]), bf16_hi(w[i]), s);
+        for (int i = 0; i < 4; ++i) c[i] = zero ? 0u : e4m3_pair(bf16_lo(w[i]), bf16_hi(w[i]), r);
         dst[p] = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
     }
 }

@@ -10,7 +10,7 @@
 //
 // E4M3_OUT = 1 (rmsnorm_fwd_e4m3, sm_89+): y's row also as e4m3 codes with one fp32 scale, the source rows of the
 // MoE's FP8 prefill GEMMs (moe_gemm_wg.cu WFMT = 2), the same codes and scale as quant.cu gives the stored bf16 row
-// (amax / 448, __fdiv_rn, round to nearest even, saturated; 1 with zero codes below 448 * FLT_MIN; a NaN scale for a
+// (amax / 448, __fdiv_rn; codes of y · __frcp_rn(scale), rounded to nearest even, saturated; 1 with zero codes below 448 * FLT_MIN; a NaN scale for a
 // row with a non-finite value), so the MoE need not read y again to quantize it.  Shapes: q [T, D] uint8, qs [T] fp32.
 #include "common.cuh"
 
@@ -78,11 +78,12 @@ __device__ __forceinline__ void rmsnorm_row(const bf16* __restrict__ x, bf16* __
         const bool zero = !(amax >= tiny);
         const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
         if (threadIdx.x == 0) qs[row] = s;
+        const float r = __frcp_rn(s);  // (quant.cu's activations: y · (1 / s))
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
             unsigned short pair = 0;
             if (!zero) {
-                const float v = fminf(fmaxf(__fdiv_rn(h[i], s), -448.f), 448.f);
+                const float v = fminf(fmaxf(h[i] * r, -448.f), 448.f);
                 asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(v));  // v: the lower byte
             }
             q[base + threadIdx.x + i * THREADS] = (unsigned char)(pair & 0xFF);

@@ -20,9 +20,12 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
 
 
-def quantize_rows(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+def quantize_rows(w: np.ndarray, name: str = "weight", reciprocal: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """w [N, K] (any float dtype) -> (q [N, K] e4m3, scale [N] fp32) as above.  A non-finite entry is refused with
-    the tensor's name and the entry's row and column (it would make its whole row's scale, and every product, NaN)."""
+    the tensor's name and the entry's row and column (it would make its whole row's scale, and every product, NaN).
+    reciprocal: the activations' rule (the prefill GEMMs' e4m3 sources, quant.cu / rmsnorm.cu / moe_gemm_wg.cu
+    H_CODES): q = e4m3(w · (1 / scale)) with the reciprocal rounded once in fp32, as vLLM's dynamic per-token
+    quantization multiplies by its inverted scale, instead of one quotient an element (weights, at load)."""
     w = np.asarray(w)
     if w.ndim != 2 or not (w.dtype.kind == "f" or w.dtype == np.dtype(ml_dtypes.bfloat16)):
         raise ValueError(f"quantize_rows: {name} must be a 2-D float array, got shape {w.shape} dtype {w.dtype}")
@@ -39,7 +42,8 @@ def quantize_rows(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.n
     scale = np.where(amax >= tiny, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
     w32[amax < tiny] = 0.0  # (zero to any use: see above)
     # the division's rounding can put |w / scale| a hair above 448; clip so that it rounds to 448, not to NaN
-    q = np.clip(w32 / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    scaled = w32 * (np.float32(1) / scale)[:, None] if reciprocal else w32 / scale[:, None]
+    q = np.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(E4M3)
     return q, scale
 
 

@@ -229,8 +229,8 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
 
 def bench_h_codes(T, q, values: str, rounds: int = 5):
     """The e4m3-source gate/up GEMM (launcher tile) writing bf16 h ("plain") against writing h's codes (H_CODES) built
-    with each EXP_HC value ("0,1,2,4": 1 no waiting for the tile's other CTAs, 2 codes by h * (1 / s) instead of
-    the quotient, 4 tiles from blockIdx instead of a ticket; bench only), interleaved over `rounds` rounds: medians."""
+    with each EXP_HC value ("0,1,4,5": 1 no waiting for the tile's other CTAs, 4 tiles from blockIdx instead of a
+    ticket; bench only), interleaved over `rounds` rounds: medians."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 

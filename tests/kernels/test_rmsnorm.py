@@ -68,7 +68,7 @@ def test_rmsnorm_e4m3_out(T, D):
     rmsnorm(to_gpu_bf16(x), to_gpu_bf16(w), 1e-5, residual=to_gpu_bf16(r), out=out, e4m3_out=(q, s))
     y = to_np(out)
     assert np.array_equal(y, to_np(plain)), "y moved with e4m3_out"
-    qh, sh = quantize_rows(y, "y")
+    qh, sh = quantize_rows(y, "y", reciprocal=True)  # (the activations' rule)
     assert np.array_equal(cupy.asnumpy(q), qh.view(np.uint8)), "codes differ from quantize_rows of y"
     assert np.array_equal(cupy.asnumpy(s).view(np.uint32), sh.view(np.uint32)), "scales differ"
     assert sh[1] == 1.0 and not cupy.asnumpy(q)[1].any(), "a zero row: scale 1, zero codes"

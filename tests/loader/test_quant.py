@@ -42,6 +42,31 @@ def test_quantize_rows_zero_rows_and_edges():
     assert scale.tolist() == [1.0, 1.0] and not q.astype(np.float32).any()
 
 
+def test_quantize_rows_reciprocal_rule_moves_only_ties_by_one_step():
+    """reciprocal=True (the activations' rule: w · (1 / scale), the reciprocal rounded once) gives the quotient
+    rule's codes except where w / scale lies within an fp32 ulp or two of a point halfway between two e4m3 values:
+    there it may take the neighbouring code, one step away.  Also on the edge rows above (zero, tiny, near fp32's
+    top) it keeps the same scales and never makes NaN."""
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(256, 1024)) * 2.0 ** rng.integers(-20, 20, size=(256, 1))).astype(ml_dtypes.bfloat16)
+    qd, sd = quantize_rows(w, "w")
+    qr, sr = quantize_rows(w, "w", reciprocal=True)
+    assert np.array_equal(sd, sr)
+    a, b = qd.astype(np.float32), qr.astype(np.float32)
+    moved = a != b
+    assert moved.mean() < 1e-3, f"{moved.mean():.2e} of the codes moved"
+    step = np.abs(a[moved] - b[moved]) / np.maximum(np.abs(a[moved]), np.abs(b[moved]))
+    assert np.all(step <= 2.0**-2), "a moved code went further than one e4m3 step"
+    w32 = w.astype(np.float32)
+    expect = np.clip(w32 * (np.float32(1) / sr)[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3).astype(np.float32)
+    assert np.array_equal(b, expect)
+    e = np.zeros((3, 16), np.float32)
+    e[1, 5], e[2, :] = -1e-30, np.float32(3.4e38)
+    q, scale = quantize_rows(e, reciprocal=True)
+    assert scale[0] == 1.0 and q[1, 5].astype(np.float32) == -E4M3_MAX and np.all(q[2].astype(np.float32) == E4M3_MAX)
+    assert not np.isnan(q.astype(np.float32)).any()
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_quantize_rows_refuses_non_finite_entries_by_name_and_place(bad):
     w = np.ones((4, 8), np.float32)
