@@ -173,14 +173,6 @@ def norm_e4m3() -> bool:
     return _on_off("KDA_RT_NORM_E4M3")
 
 
-def h_codes() -> bool:
-    """KDA_RT_H_CODES: 1 (default) has an fp8 prefill's gate/up GEMM write h as e4m3 codes with their row scales
-    (moe_gemm_wg.cu H_CODES: the CTAs of a row tile agree on each row's max), so h is not read again to quantize
-    it; 0: gate/up writes bf16 h and the MoE quantizes it (ops/quant.quantize_activations_e4m3).  The same codes
-    either way.  Read at each MoE call."""
-    return _on_off("KDA_RT_H_CODES")
-
-
 def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight

@@ -95,20 +95,6 @@
 // cp.async wait 17 | 15%.  Tried and dropped (commit c94080d, bench_moe_gemm.py --define PF_AHEAD=0,3,4,6): each
 // thread prefetching one 128-byte line of a later k step into L2 (prefetch.global.L2), 3 to 6 steps ahead:
 // +35-62% at 8192 and 16384.  So L2 requests, not DRAM latency, bound the copies: any extra request costs.
-// H_CODES = 1 (gate/up with WFMT = 2 only): h is written as e4m3 codes with one fp32 scale a row, bit for bit as
-// ops/quant.quantize_activations_e4m3 would make them from the bf16 h (amax over the row's I columns, scale = amax /
-// 448, codes = e4m3(h · (1 / scale)); a row with a non-finite entry gets a NaN scale), so the down GEMM reads codes and the
-// separate pass over h (read 2 bytes, write 1 an element) is gone.  A row's I columns come from the FBLOCKS CTAs of
-// its tile, which meet once: each posts its rows' max |h| (atomicMax of the fp32 bits, non-negative, so integer
-// order is float order; a non-finite row posts a NaN's bits, above every other) into the tile's words of `sync`,
-// counts itself in, and waits until all FBLOCKS have; then each quantizes its own columns (staged in shared memory,
-// stored in 16-byte pieces) and the first one writes the row scales.  The last CTA of a tile to leave zeroes its
-// words, and the last CTA of the grid the two counters below, so every launch finds `sync` zero (the launcher
-// allocates it zeroed).  No CTA waits on one that has not started: each takes its (tile, feature block) from a
-// ticket (sync[0], atomicAdd at entry) rather than from blockIdx, so the tickets taken are always a prefix; only
-// the tile of the latest tickets can be incomplete, its <= FBLOCKS - 1 CTAs wait while every other resident CTA
-// finishes and frees its SM for the next ticket (the launcher asks for FBLOCKS <= the SM count).
-// sync (uint32): [0] tickets, [1] CTAs done, then per tile i at 2 + i (BM + 2): arrivals, departures, max |h| [BM].
 #include "common.cuh"
 
 #ifndef EXP_SKIP
@@ -126,12 +112,6 @@
 #ifndef WFMT
 #define WFMT 0
 #endif
-#ifndef H_CODES
-#define H_CODES 0
-#endif
-#ifndef EXP_HC
-#define EXP_HC 0  // bench only (H_CODES): 1 no waiting (each CTA its own max: wrong codes), 4 tiles from blockIdx
-#endif
 #ifndef E4M3_CVT
 #define E4M3_CVT 1  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT)
 #endif
@@ -144,12 +124,6 @@
 #error "moe_gemm_wg.cu needs sm_90a (wgmma); other archs use moe_gemm_tc.cu"
 #endif
 
-#if H_CODES && (EXP_SKIP & 4)
-#error "moe_gemm_wg.cu: H_CODES keeps its counters in the epilogue (EXP_SKIP & 4 drops it)"
-#endif
-#if H_CODES && !(FUSE_SILU && WFMT == 2)
-#error "moe_gemm_wg.cu: H_CODES (h as e4m3 codes) needs FUSE_SILU = 1 and WFMT = 2"
-#endif
 #define BM 128
 #if WFMT == 2
 #define BK 128                               // e4m3 operands: 128 codes, one 128-byte row a step as bf16's 64
@@ -343,115 +317,6 @@ __device__ __forceinline__ void copy_out(const unsigned char* staged, void* __re
     }
 }
 
-#if H_CODES
-#define FBLOCKS (HALF / (BN / 2))    // gate/up CTAs of one row tile
-#define CODE_PITCH (BN / 2 + 16)     // bytes between staged code rows (16 of padding)
-static_assert(BM * CODE_PITCH <= STAGES * STAGE_BYTES, "the staged code tile must fit the stage buffers");
-static_assert((BN / 2) % 16 == 0 && HALF % 16 == 0, "H_CODES stores 16-byte pieces of code rows");
-
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
-
-// the CTA is done with `sync` (thread 0, after everything else): the grid's last one zeroes the two counters
-__device__ __forceinline__ void grid_leave(unsigned* sync) {
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(sync + 1, 1u) == gridDim.x * gridDim.y - 1) {
-            sync[0] = 0;
-            sync[1] = 0;
-        }
-    }
-}
-
-// gate/up epilogue with H_CODES (see the header): warpgroup rows [rbase, rbase + 64) of this CTA's h columns
-// [f0, f0 + BN/2) as e4m3 codes into codes [N, HALF], their rows' scales into code_scale (feature block 0)
-__device__ __forceinline__ void store_codes(const float (&acc)[ACC], const Scales& sc, unsigned char* smem,
-                                            unsigned char* __restrict__ codes, float* __restrict__ code_scale,
-                                            unsigned* tsync, int row0, int nrows, int f0, int fblk, int rbase, int t) {
-    const int lane = t & 31, wq = t >> 5;
-    constexpr int NJ = OUT_COLS / 8;
-    unsigned hp[NJ][2];  // the packed bf16 h pairs (j, hrow), as the direct epilogue would store them
-    float m[2] = {0.f, 0.f};
-    bool fin[2] = {true, true};
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            hp[j][hrow] = out_pair(acc, sc, j, hrow);
-            const float a = bf16_lo(hp[j][hrow]), b = bf16_hi(hp[j][hrow]);
-            fin[hrow] = fin[hrow] && isfinite(a) && isfinite(b);
-            m[hrow] = fmaxf(m[hrow], fmaxf(fabsf(a), fabsf(b)));
-        }
-    int rl[2];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {  // the row's max over the quad that holds its columns
-        m[hrow] = fmaxf(m[hrow], __shfl_xor_sync(0xFFFFFFFFu, m[hrow], 1));
-        m[hrow] = fmaxf(m[hrow], __shfl_xor_sync(0xFFFFFFFFu, m[hrow], 2));
-        int f = fin[hrow];
-        f &= __shfl_xor_sync(0xFFFFFFFFu, f, 1);
-        f &= __shfl_xor_sync(0xFFFFFFFFu, f, 2);
-        rl[hrow] = rbase + wq * 16 + (lane >> 2) + 8 * hrow;
-        if ((lane & 3) == 0 && rl[hrow] < nrows)
-            atomicMax(tsync + 2 + rl[hrow], f ? __float_as_uint(m[hrow]) : 0x7FC00000u);
-    }
-    __syncthreads();  // (both warpgroups' products are done too: the stage buffers are free)
-    if (threadIdx.x == 0) {
-        __threadfence();  // (cumulative: the block's maxima, ordered before it by the barrier, before the arrival)
-        atomicAdd(tsync, 1u);
-        if (!(EXP_HC & 1))
-            while (ld_acquire_gpu(tsync) < FBLOCKS) __nanosleep(32);
-    }
-    __syncthreads();
-    float s[2], r[2];
-    bool zero[2];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        const unsigned bits = rl[hrow] < nrows ? __ldcg(tsync + 2 + rl[hrow]) : 0u;
-        const float amax = __uint_as_float(bits);
-        const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32 (quant.cu's rule)
-        zero[hrow] = bits >= 0x7F800000u || !(amax >= tiny);
-        s[hrow] = bits >= 0x7F800000u ? __int_as_float(0x7fc00000) : zero[hrow] ? 1.f : __fdiv_rn(amax, 448.f);
-        r[hrow] = __frcp_rn(s[hrow]);
-        if (fblk == 0 && (lane & 3) == 0 && rl[hrow] < nrows) code_scale[row0 + rl[hrow]] = s[hrow];
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            unsigned short c = 0;
-            if (!zero[hrow]) {  // quant.cu's activations: h · r, r = 1 / s rounded once
-                const float qa = fminf(fmaxf(bf16_lo(hp[j][hrow]) * r[hrow], -448.f), 448.f);
-                const float qb = fminf(fmaxf(bf16_hi(hp[j][hrow]) * r[hrow], -448.f), 448.f);
-                asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(c) : "f"(qb), "f"(qa));
-            }
-            *reinterpret_cast<unsigned short*>(smem + rl[hrow] * CODE_PITCH + 8 * j + 2 * (lane & 3)) = c;
-        }
-    __syncthreads();  // every thread has read its rows' max and staged its codes
-    if (threadIdx.x < 32) {  // the tile's last CTA to leave zeroes its words for the next launch
-        unsigned last = 0;
-        if (threadIdx.x == 0) last = atomicAdd(tsync + 1, 1u) == FBLOCKS - 1;
-        if (__shfl_sync(0xFFFFFFFFu, last, 0)) {
-            for (int i = threadIdx.x; i < BM; i += 32) tsync[2 + i] = 0;
-            if (threadIdx.x == 0) tsync[0] = 0, tsync[1] = 0;
-        }
-    }
-    constexpr int PPR = OUT_COLS / 16;  // 16-byte pieces of a code row
-    static_assert(BM * PPR % THREADS == 0, "store_codes: whole passes of the block");
-#pragma unroll
-    for (int i = 0; i < BM * PPR / THREADS; ++i) {
-        const int p = threadIdx.x + i * THREADS, r = p / PPR, ch = p % PPR;
-        if (r < nrows)
-            *reinterpret_cast<uint4*>(codes + (size_t)(row0 + r) * HALF + f0 + ch * 16) =
-                *reinterpret_cast<const uint4*>(smem + r * CODE_PITCH + ch * 16);
-    }
-}
-#endif
-
 #if WFMT == 1
 // 16 e4m3 codes (a 16-byte piece of weight row r, k = 16c .. 16c + 15 of the step) into the bf16 tile at shared
 // address bc: bf16 pieces 2c and 2c + 1 of row r, at the swizzled places c' ^ (r mod 8)
@@ -496,38 +361,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
-                    const float* __restrict__ scale, const float* __restrict__ src_scale,
-                    float* __restrict__ code_scale, unsigned* __restrict__ sync) {
+                    const float* __restrict__ scale, const float* __restrict__ src_scale) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
 
-#if H_CODES  // (tile, feature block) from a ticket (see the header)
-    __shared__ int ticket;
-#if EXP_HC & 4
-    if (threadIdx.x == 0) ticket = blockIdx.y * FBLOCKS + blockIdx.x;
-#else
-    if (threadIdx.x == 0) ticket = (int)atomicAdd(sync, 1u);
-#endif
-    __syncthreads();
-    const int tile = ticket / FBLOCKS, fblk = ticket % FBLOCKS;
-    if (tile >= num_tiles[0]) {
-        grid_leave(sync);
-        return;
-    }
-#else
-    (void)code_scale, (void)sync;
-    const int tile = blockIdx.y, fblk = blockIdx.x;
+    const int tile = blockIdx.y;
     if (tile >= num_tiles[0]) return;
-#endif
     const int e = tile_expert[tile], row0 = tile_row[tile];
     const int nrows = min(BM, expert_off[e + 1] - row0);
     const int tid = threadIdx.x, wg = tid >> 7;
 #if FUSE_SILU
-    const int f0 = fblk * (BN / 2);  // first gate feature (= first h column) of the block
+    const int f0 = blockIdx.x * (BN / 2);  // first gate feature (= first h column) of the block
 #else
-    const int f0 = fblk * BN;
+    const int f0 = blockIdx.x * BN;
 #endif
 
     // copy geometry: thread copies chunk lch of rows lrow + i·RPP
@@ -647,11 +495,7 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #else
     Scales sc;
     load_scales(sc, scale, e, f0, tid & 127, src_scale, sorted_pair, row0, nrows, wg * 64);
-#if H_CODES
-    store_codes(acc, sc, smem_raw + (base - raw), static_cast<unsigned char*>(dst), code_scale,
-                sync + 2 + (size_t)tile * (BM + 2), row0, nrows, f0, fblk, wg * 64, tid & 127);
-    grid_leave(sync);
-#elif STAGED_OUT
+#if STAGED_OUT
     __syncthreads();  // both warpgroups' products are done: the stage buffers are free
     stage_rows(acc, sc, base, nrows, wg * 64, tid & 127);
     __syncthreads();

@@ -10,9 +10,10 @@
 // Activations (bad = null, the prefill GEMMs' e4m3 sources: nothing is refused mid-step) get a NaN scale for such
 // a row instead, so that every product of the row is NaN, as the bf16 products of a non-finite entry would be, and
 // their codes are e4m3(x · r) with r = 1 / scale[n] rounded once (loader/quant.quantize_rows reciprocal=True, as
-// vLLM's per-token quantization multiplies by its inverted scale): with a quotient an element the gate/up GEMM that
-// writes h's codes (moe_gemm_wg.cu H_CODES) took 1.946 ms, with the product 1.527, against 1.357 writing bf16 h (H200,
-// 2026-12-02, T = 16384, tests/gpu/bench_moe_gemm.py --h-codes).
+// vLLM's per-token quantization multiplies by its inverted scale) instead of a quotient an element, whose issue cost
+// showed where the quantization rode in a GEMM's epilogue (branch next/h-codes, dropped: the gate/up GEMM writing h's
+// codes itself took 1.946 ms with quotients and 1.527 with products, against 1.357 writing bf16 h; H200, 2026-12-02,
+// T = 16384, its tests/gpu/bench_moe_gemm.py --h-codes).
 // Grid: one block per row; block THREADS threads over the row's K / 2 pairs (two passes: the row's max, then the
 // codes).  Shapes: w [N, K] bf16 (K even, 4-byte aligned rows), q [N, K] uint8, scale [N] fp32, bad [1] int64.
 // Compile-time constants: THREADS (a multiple of 32, at most 1024).

@@ -56,7 +56,7 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
 )
 from kda_rt.cuda.ops.moe_gemm_wg import BM as WG_BM
 from kda_rt.cuda.ops.moe_gemm_wg import available as moe_gemm_wg_available
-from kda_rt.cuda.ops.moe_gemm_wg import h_codes_fits, moe_gemm_wg, w8a8_fits, wg_kernel, wg_tile
+from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg, w8a8_fits, wg_kernel, wg_tile
 from kda_rt.cuda.ops.moe_gemv import (
     GemvRouting,
     down_fits,
@@ -152,13 +152,9 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
             if bm == WG_BM and moe_gemm_wg_available(bm, D, inter):
                 wg_kernel(wg_tile(nout, k, fuse), k, nout, fuse, pairs, e4m3)
                 if e4m3 and env.fp8_prefill() and w8a8_fits(D, inter):  # e4m3 sources too
-                    codes = fuse and _h_codes(D, inter)  # gate/up writes h's codes itself: no quantizer for h
-                    wg_kernel(wg_tile(nout, k, fuse, e4m3_src=True), k, nout, fuse, pairs, e4m3, e4m3_src=True,
-                              h_codes=codes)
-                    count += 1
-                    if fuse or not _h_codes(D, inter):
-                        activation_kernel(k)
-                        count += 1
+                    wg_kernel(wg_tile(nout, k, fuse, e4m3_src=True), k, nout, fuse, pairs, e4m3, e4m3_src=True)
+                    activation_kernel(k)
+                    count += 2
                     if fuse and env.norm_e4m3():  # x's codes from the norm before the block (model.py)
                         rmsnorm_kernel(D, True, e4m3_out=True)
                         count += 1
@@ -234,11 +230,6 @@ def _e4m3_sources(bm: int, D: int, inter: int, e4m3: bool) -> bool:
     """The prefill GEMMs of a step with `bm`-row tiles (0: none fits) take e4m3 sources: e4m3 stacks on the wgmma
     kernel with 128-code k steps, and KDA_RT_FP8_PREFILL."""
     return e4m3 and bool(bm) and moe_gemm_wg_available(bm, D, inter) and env.fp8_prefill() and w8a8_fits(D, inter)
-
-
-def _h_codes(D: int, inter: int) -> bool:
-    """The e4m3-source gate/up GEMM writes h's codes and row scales itself (KDA_RT_H_CODES, h_codes_fits)."""
-    return env.h_codes() and h_codes_fits(D, inter)
 
 
 def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, norm: NormAfter | None = None,
@@ -370,17 +361,13 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                 xq, xs = x_codes if x_codes is not None else (ws["xq"], ws["xs"])
                 if x_codes is None:
                     quantize_activations_e4m3(x, out=xq, scale_out=xs, stream=stream)
-                if _h_codes(D, inter):  # h straight to its codes (moe_gemm_wg.cu H_CODES)
-                    gemm(xq, w13, plan, top_k=pairs, fuse_silu=True, out=ws["hq"], stream=stream, src_scale=xs,
-                         out_scale=ws["hs"], **kw13)
-                else:
-                    gemm(xq, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, src_scale=xs, **kw13)
-                    quantize_activations_e4m3(ws["h"], out=ws["hq"], scale_out=ws["hs"], stream=stream)
+                gemm(xq, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, src_scale=xs, **kw13)
             else:
                 gemm(x, w13, plan, top_k=pairs, fuse_silu=True, out=ws["h"], stream=stream, **kw13)
             if gemv and env.down_gemv() and down_fits(inter, D, w.e4m3):
                 moe_gemv_down(ws["h"], w2, plan, out=ws["y"], stream=stream, **kw2)
             elif w8a8:
+                quantize_activations_e4m3(ws["h"], out=ws["hq"], scale_out=ws["hs"], stream=stream)
                 gemm(ws["hq"], w2, plan, top_k=pairs, fuse_silu=False, out=ws["y"], stream=stream,
                      src_scale=ws["hs"], **kw2)
             else:

@@ -161,7 +161,7 @@ def _wg_cases(T, wts):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
         args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
-                np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0))  # (no scales, bf16 h)
+                np.uint64(0), np.uint64(0))  # (no scales: bf16 weights and sources)
         cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
     return plan, cases
 
@@ -170,8 +170,7 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
     """The wgmma GEMMs (launcher tiles) with bf16 weights against e4m3 weights (q = (q13, s13, q2, s2): uint8 codes
     and row scales; moe_gemm_wg.cu WFMT = 1) widened by the conversion unit (E4M3_CVT = 1) or by bit moves (0),
     interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows).  w8a8: also e4m3 sources
-    (WFMT = 2), the GEMM alone and after its source's quantization (ops/quant.quantize_activations_e4m3), and for
-    gate/up the GEMM with h's quantization after it against the GEMM writing h's codes itself (H_CODES)."""
+    (WFMT = 2), the GEMM alone and after its source's quantization (ops/quant.quantize_activations_e4m3)."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 
@@ -186,7 +185,6 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
     x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
     plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
     h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
-    hq, hs = cupy.empty((N, INTER), dtype=np.uint8), cupy.empty(N, dtype=np.float32)  # h's codes (gate/up)
     q13, s13, q2, s2 = q
     default = moe_gemm_tc.E4M3_CONVERT
     for name, src, w, wq, sc, out, silu, flop in (("gate/up", x, wts.w13, q13, s13, h, True, 2 * N * D * 2 * INTER),
@@ -199,21 +197,13 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
             quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
             variants = {"bf16": variants["bf16"], "e4m3 cvt": variants["e4m3 cvt"], "w8a8": (wq, sc, 1),
                         "w8a8+quant": (wq, sc, 1)}
-            if silu:  # h's codes: the bf16 h then its quantization, against the GEMM writing them (H_CODES)
-                variants |= {"w8a8+h quant": (wq, sc, 1), "w8a8 h codes": (wq, sc, 1)}
         times = {v: [] for v in variants}
 
-        def run(v, wt, scale, src=src, srcq=srcq, srcs=srcs, silu=silu, out=out, hq=hq, hs=hs):
-            if v == "w8a8 h codes":
-                return moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=True, out=hq, scale=scale, src_scale=srcs,
-                                   out_scale=hs)
+        def run(v, wt, scale, src=src, srcq=srcq, srcs=srcs, silu=silu, out=out):
             if v.startswith("w8a8"):
                 if v == "w8a8+quant":
                     quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
-                r = moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale, src_scale=srcs)
-                if v == "w8a8+h quant":
-                    quantize_activations_e4m3(out, out=hq, scale_out=hs)
-                return r
+                return moe_gemm_wg(srcq, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale, src_scale=srcs)
             return moe_gemm_wg(src, wt, plan, top_k=A, fuse_silu=silu, out=out, scale=scale)
 
         for _ in range(rounds):
@@ -225,52 +215,6 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
         print(f"T={T} {name}: " + "  ".join(
             f"{v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
             for v, ts in times.items()), flush=True)
-
-
-def bench_h_codes(T, q, values: str, rounds: int = 5):
-    """The e4m3-source gate/up GEMM (launcher tile) writing bf16 h ("plain") against writing h's codes (H_CODES) built
-    with each EXP_HC value ("0,1,4,5": 1 no waiting for the tile's other CTAs, 4 tiles from blockIdx instead of a
-    ticket; bench only), interleaved over `rounds` rounds: medians."""
-    import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
-
-    from helpers.gpu import median_ms
-    from kda_rt import env
-    from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.compile import get_kernel
-    from kda_rt.cuda.ops.moe_align import max_tiles
-    from kda_rt.cuda.ops.moe_gemm_wg import h_codes_sync, wg_tile
-    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
-
-    N = T * A
-    hrng = np.random.default_rng(T)
-    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
-    xq, xs = cupy.empty((T, D), dtype=np.uint8), cupy.empty(T, dtype=np.float32)
-    quantize_activations_e4m3(x, out=xq, scale_out=xs)
-    h, hq, hs = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, INTER), dtype=np.uint8), cupy.empty(N, np.float32)
-    q13, s13 = q[0], q[1]
-    t = wg_tile(2 * INTER, D, True, e4m3_src=True)
-    grid = (INTER // (t.bn // 2), max_tiles(N, E, 128))
-    sync = h_codes_sync(grid[1])
-    defs = dict(K=D, NOUT=2 * INTER, FUSE_SILU=1, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out),
-                HALF_SKIP=int(env.moe_half_skip()), WFMT=2)
-    smem = t.smem(True, True)
-    null = np.uint64(0)
-    head = (xq, plan.sorted_pair, q13, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles)
-    kerns = {"plain": (get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=smem, **defs),
-                       (*head, h, s13, xs, null, null))}
-    for v in map(int, values.split(",")):
-        kerns[f"EXP_HC={v}"] = (get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=smem, **defs,
-                                           H_CODES=1, EXP_HC=v), (*head, hq, s13, xs, hs, sync))
-    times = {k: [] for k in kerns}
-    for _ in range(rounds):
-        for k, (kern, args) in kerns.items():
-            times[k].append(median_ms(partial(kern, grid, (256,), args, shared_mem=smem)))
-    assert not cupy.asnumpy(sync).any(), "H_CODES counters left nonzero"
-    base = float(np.median(times["plain"]))
-    print(f"T={T} gate/up h codes: " + "  ".join(f"{k} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
-                                                 for k, ts in times.items()), flush=True)
 
 
 def bench_limits(T, wts):
@@ -420,8 +364,6 @@ def main():
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
-    ap.add_argument("--h-codes", default="", help="EXP_HC values, e.g. 0,1,2,4: only the gate/up GEMM writing h's "
-                    "codes against bf16 h (bench_h_codes)")
     args = ap.parse_args()
 
     rng = cupy.random.default_rng(1)
@@ -432,15 +374,13 @@ def main():
     cfg = dataclasses.replace(make_cfg(E), intermediate_size=INTER)
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     q = None
-    if args.e4m3 or args.h_codes:
+    if args.e4m3:
         from kernels.test_moe_gemm_tc import e4m3_stack
 
         hrng = np.random.default_rng(3)
         q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))
     for T in map(int, args.tokens.split(",")):
-        if args.h_codes:
-            bench_h_codes(T, q, args.h_codes)
-        elif args.e4m3:
+        if args.e4m3:
             bench_e4m3(T, wts, q, w8a8=args.w8a8)
         elif args.once:
             run_once(T, wts)

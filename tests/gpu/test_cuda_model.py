@@ -195,7 +195,7 @@ def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
 def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str, fixed: dict[str, str]):
     """The fp8 demo-shape model's logits of a 150-token prompt (one prefill step whose expert GEMMs take e4m3
     sources on sm_90a, else skipped) with the KDA_RT_* `switch` at 0 and at 1 (`fixed`: other switches held), and
-    per value the calls of the MoE's activation quantizer and of its gate/up GEMM writing h's codes."""
+    per value the calls of the MoE's activation quantizer and of its GEMMs on e4m3 sources."""
     import kda_rt.cuda.moe as cuda_moe
     from kda_rt.cuda.ops.compile import device_arch
     from kda_rt.demo.make_demo import DEMO_CONFIG
@@ -213,16 +213,15 @@ def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str, fixed: dict[s
     real_q, real_gemm = cuda_moe.quantize_activations_e4m3, cuda_moe.moe_gemm_wg
     monkeypatch.setattr(cuda_moe, "quantize_activations_e4m3", lambda *a, **k: calls.append("quant") or real_q(*a, **k))
     monkeypatch.setattr(cuda_moe, "moe_gemm_wg", lambda *a, **k: calls.append(
-        "codes" if k.get("out_scale") is not None else "e4m3" if k.get("src_scale") is not None else "bf16")
-        or real_gemm(*a, **k))
+        "e4m3" if k.get("src_scale") is not None else "bf16") or real_gemm(*a, **k))
     ids = list(np.random.default_rng(1).integers(0, 768, size=150))
     logits, counts = {}, {}
     for value in ("0", "1"):
         monkeypatch.setenv(switch, value)
         calls.clear()
         logits[value] = gpu.score(ids)
-        counts[value] = {kind: calls.count(kind) for kind in ("quant", "codes", "e4m3")}
-        if not counts[value]["codes"] + counts[value]["e4m3"]:
+        counts[value] = {kind: calls.count(kind) for kind in ("quant", "e4m3")}
+        if not counts[value]["e4m3"]:
             pytest.skip("this GPU's prefill step did not take the e4m3-source GEMMs")
     return logits, counts
 
@@ -230,20 +229,10 @@ def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str, fixed: dict[s
 def test_fp8_norm_codes_same_logits(tmp_path_factory, monkeypatch):
     """KDA_RT_NORM_E4M3 (the norm before an fp8 MoE block writes x's e4m3 codes, so the block does not quantize x
     again): the same codes, so the same logits bit for bit as with it off, on a prefill step whose expert GEMMs take
-    e4m3 sources; and the blocks then quantize only h (one call a block instead of two; h's codes from its own
-    pass: KDA_RT_H_CODES=0)."""
-    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_NORM_E4M3", {"KDA_RT_H_CODES": "0"})
+    e4m3 sources; and the blocks then quantize only h (one call a block instead of two)."""
+    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_NORM_E4M3", {})
     assert counts["1"]["quant"] * 2 == counts["0"]["quant"] > 0, counts
     assert np.array_equal(logits["0"], logits["1"]), "the norm's codes changed the logits"
-
-
-def test_fp8_h_codes_same_logits(tmp_path_factory, monkeypatch):
-    """KDA_RT_H_CODES (the e4m3-source gate/up GEMM writes h's codes and row scales itself, moe_gemm_wg.cu H_CODES):
-    the same codes as h's own quantization pass, so the same logits bit for bit as with it off; with it on no block
-    quantizes anything (x's codes from the norm, KDA_RT_NORM_E4M3=1), with it off each quantizes h once."""
-    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_H_CODES", {"KDA_RT_NORM_E4M3": "1"})
-    assert counts["1"]["quant"] == 0 and counts["1"]["codes"] == counts["0"]["quant"] > 0, counts
-    assert np.array_equal(logits["0"], logits["1"]), "h's codes from the GEMM changed the logits"
 
 
 def test_demo_logits_statistics(demo_pair):

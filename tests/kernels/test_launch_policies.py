@@ -163,8 +163,8 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     assert gemms == sorted(want)
 
 
-@pytest.mark.parametrize("fp8_prefill,h_codes", [("1", "1"), ("1", "0"), ("0", "1")])
-def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill, h_codes):
+@pytest.mark.parametrize("fp8_prefill", ["1", "0"])
+def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     """e4m3 stacks of the 48B MoE shape on sm_90a: the 128-row wgmma GEMMs with widened weights (WFMT = 1) and, with
     KDA_RT_FP8_PREFILL (default 1), with e4m3 sources too (WFMT = 2) and the activation quantizer for each source
     width (x: 2304, h: 1024), the variants moe_forward asks for in a large prefill step."""
@@ -178,21 +178,17 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill, 
 
     monkeypatch.setenv("KDA_RT_FP8_PREFILL", fp8_prefill)
     monkeypatch.delenv("KDA_RT_NORM_E4M3", raising=False)
-    monkeypatch.setenv("KDA_RT_H_CODES", h_codes)
-    monkeypatch.setattr(wg, "_sm_count", lambda: 132)
     built = []
     for mod in (align, tc, wg, route, gemv, quant, rms):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=True)
-    wgs = sorted((kw["K"], kw["FUSE_SILU"], kw["WFMT"], kw.get("H_CODES", 0)) for f, n, kw in built
-                 if f == "moe_gemm_wg.cu")
-    codes = int(h_codes == "1")  # gate/up writes h's codes itself (KDA_RT_H_CODES, default 1): no quantizer for h
-    want = [(2304, 1, 1, 0), (1024, 0, 1, 0)] + ([(2304, 1, 2, codes), (1024, 0, 2, 0)] if fp8_prefill == "1" else [])
+    wgs = sorted((kw["K"], kw["FUSE_SILU"], kw["WFMT"]) for f, n, kw in built if f == "moe_gemm_wg.cu")
+    want = [(2304, 1, 1), (1024, 0, 1)] + ([(2304, 1, 2), (1024, 0, 2)] if fp8_prefill == "1" else [])
     assert wgs == sorted(want)
     quantizers = sorted(kw.get("ROW_K") for f, n, kw in built if f == "quant.cu")
-    assert quantizers == (([2304] if codes else [1024, 2304]) if fp8_prefill == "1" else [])
+    assert quantizers == ([1024, 2304] if fp8_prefill == "1" else [])
     # the norm before the block that writes x's codes too (KDA_RT_NORM_E4M3, default 1)
     norms = [(n, kw["D"], kw["HAS_RESIDUAL"], kw.get("E4M3_OUT")) for f, n, kw in built if f == "rmsnorm.cu"]
     assert norms == ([("rmsnorm_fwd_e4m3", 2304, True, 1)] if fp8_prefill == "1" else [])

@@ -169,8 +169,6 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T300-small-tc128": ("T300-small", {"KDA_RT_WGMMA": "0"}),
     "T1024-E64-prefill-w8a8": ("T1024-E64-prefill", {"KDA_RT_FP8_PREFILL": "1"}),  # e4m3 sources (WFMT = 2)
     "T300-small-w8a8": ("T300-small", {"KDA_RT_FP8_PREFILL": "1"}),  # I = 128: the down GEMM's one k step, BN 128
-    # h quantized by its own pass instead of the gate/up GEMM writing its codes (H_CODES)
-    "T1024-E64-prefill-w8a8-h-pass": ("T1024-E64-prefill", {"KDA_RT_FP8_PREFILL": "1", "KDA_RT_H_CODES": "0"}),
 }
 
 
@@ -240,11 +238,9 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     if w8a8:  # the e4m3-source GEMMs must be the ones that run (a sm_90a build with K % 128 == 0)
         if device_arch() != "sm_90a":
             pytest.skip("e4m3 sources run on the wgmma kernel (sm_90a)")
-        real_q, real_gemm = moe.quantize_activations_e4m3, moe.moe_gemm_wg
-        quantized = []  # x's and h's quantization: a pass each, or h's codes from the gate/up GEMM (H_CODES)
+        real_q = moe.quantize_activations_e4m3
+        quantized = []
         monkeypatch.setattr(moe, "quantize_activations_e4m3", lambda *a, **k: quantized.append(1) or real_q(*a, **k))
-        monkeypatch.setattr(moe, "moe_gemm_wg", lambda *a, **k: (k.get("out_scale") is not None and quantized.append(1))
-                            or real_gemm(*a, **k))
     moe_forward(to_gpu_bf16(x), w, cfg, out=out, workspace=ws)
     got = to_np(out)
     err = rms_rel(got, ref)

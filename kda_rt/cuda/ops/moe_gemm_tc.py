@@ -168,10 +168,10 @@ def check_scale(what: str, name: str, scale, weight) -> None:
 
 
 def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out,
-                       e4m3: bool = False, e4m3_src: bool = False, codes_out: bool = False) -> tuple[int, int, int, int]:
+                       e4m3: bool = False, e4m3_src: bool = False) -> tuple[int, int, int, int]:
     """The contract shared by the grouped-GEMM launchers (this one and moe_gemm_wg.py); returns
     (K, E, NOUT, N).  e4m3: the weight is uint8 e4m3 bits (its scale checked by the caller); e4m3_src: the source
-    too; codes_out: gate/up's h as uint8 e4m3 codes (moe_gemm_wg only)."""
+    too (moe_gemm_wg only)."""
     _, K = expect(src, "src", ndim=2, dtype=np.uint8 if e4m3_src else BF16)
     E, nout, _ = expect(weight, "weight", shape=(None, None, K))
     if weight.dtype != (np.uint8 if e4m3 else BF16):
@@ -179,7 +179,7 @@ def check_grouped_gemm(src, weight, plan: MoEPlan, fuse_silu: bool, out,
         raise TypeError(f"grouped GEMM: weight must have dtype {want}, got {weight.dtype.name}")
     N = plan.sorted_pair.shape[0]
     if fuse_silu:
-        expect(out, "out", shape=(N, nout // 2), dtype=np.uint8 if codes_out else BF16)
+        expect(out, "out", shape=(N, nout // 2), dtype=BF16)
     else:
         expect(src, "src", shape=(N, K))
         expect(out, "out", shape=(N, nout), dtype=BF16)

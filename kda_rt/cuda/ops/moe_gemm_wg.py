@@ -4,8 +4,7 @@ Same contract as moe_gemm_tc.py with a plan built for tile_rows = 128; `availabl
 runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.  e4m3 weights (uint8 codes
 with one fp32 scale a row, loader/quant.py; moe_gemm_wg.cu WFMT = 1) through `scale`; with `src_scale` too the
 source rows are e4m3 codes with a scale a row as well (ops/quant.quantize_activations_e4m3) and the products run
-on the e4m3 tensor cores (WFMT = 2); gate/up can then write h as e4m3 codes with their row scales (`out_scale`,
-H_CODES), the codes quantize_activations_e4m3 would make from its bf16 h.
+on the e4m3 tensor cores (WFMT = 2).
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
@@ -18,11 +17,11 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops import moe_gemm_tc
 from kda_rt.cuda.ops.check import expect
-from kda_rt.cuda.ops.compile import device_arch, get_kernel, sm_count
+from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 
-__all__ = ["E4M3_BK", "WgTile", "available", "h_codes_fits", "moe_gemm_wg", "w8a8_fits", "wg_tile"]
+__all__ = ["E4M3_BK", "WgTile", "available", "moe_gemm_wg", "w8a8_fits", "wg_tile"]
 
 BM, BK = 128, 64
 E4M3_BK = 128  # the k step of e4m3 sources and weights (WFMT = 2): 128 codes, one 128-byte row as bf16's 64
@@ -77,49 +76,6 @@ def w8a8_fits(hidden: int, inter: int) -> bool:
             and wg_tile(hidden, inter, False, e4m3_src=True) is not None)
 
 
-def h_codes_fits(hidden: int, inter: int) -> bool:
-    """The e4m3-source gate/up GEMM can write h's codes itself (H_CODES): its CTAs of a row tile (one an SM) wait
-    for each other once, so there must be at least as many SMs as there are of them."""
-    t = wg_tile(2 * inter, hidden, True, e4m3_src=True)
-    return t is not None and inter % 16 == 0 and inter // (t.bn // 2) <= _sm_count()
-
-
-def _cupy_device() -> int:
-    import cupy
-
-    return cupy.cuda.Device().id
-
-
-def _sm_count() -> int:
-    return sm_count(_cupy_device())
-
-
-# H_CODES' counters and row maxima (moe_gemm_wg.cu header), one zeroed buffer per (device, stream): every launch
-# leaves it zero again, and launches on one stream never overlap
-_SYNC: dict[tuple[int, int], object] = {}
-
-
-def _sync_words(tiles: int) -> int:
-    return 2 + tiles * (BM + 2)
-
-
-def h_codes_sync(tiles: int, stream=None):
-    """The zeroed uint32 buffer of H_CODES for a grid of `tiles` row tiles on `stream` (the current one when None),
-    allocated on first use or when too small (never inside a CUDA-graph capture: RuntimeError)."""
-    import cupy
-
-    stream = stream if stream is not None else cupy.cuda.get_current_stream()
-    key = (_cupy_device(), stream.ptr)
-    buf = _SYNC.get(key)
-    if buf is None or buf.size < _sync_words(tiles):
-        if stream.is_capturing():
-            raise RuntimeError(f"moe_gemm_wg: h's codes need a {_sync_words(tiles)}-word counter buffer, which would be "
-                               "allocated inside a CUDA-graph capture (run the step eagerly first)")
-        with stream:
-            buf = _SYNC[key] = cupy.zeros(_sync_words(tiles), dtype=np.uint32)
-    return buf
-
-
 def available(tile_rows: int, hidden: int, inter: int) -> bool:
     """Both MoE GEMMs of a step with `tile_rows`-row tiles can run here on wgmma."""
     return (tile_rows == BM and env.wgmma() and device_arch() == "sm_90a"
@@ -127,36 +83,28 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
 
 
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
-              e4m3_src: bool = False, h_codes: bool = False):
+              e4m3_src: bool = False):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
-    operands e4m3 (WFMT = 2); h_codes: gate/up writes h's e4m3 codes and row scales (H_CODES)."""
+    operands e4m3 (WFMT = 2)."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
-    if h_codes:
-        fmt["H_CODES"] = 1
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3, e4m3_src), K=K,
                       NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
                       STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt)
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
-                scale=None, src_scale=None, out_scale=None, stream=None):
+                scale=None, src_scale=None, stream=None):
     """fuse_silu: src = x [T, K], weight = w13 [E, 2I, K] -> out h [N, I] bf16 (h = SiLU(gate)·up).
     else:       src = h [N, K], weight = w2 [E, D, K]  -> out y [N, D] bf16 (unscaled expert rows).
     With scale [E, NOUT] fp32 the weight holds e4m3 values as uint8 bits (loader/quant.quantize_rows per expert):
     each sum is then its weight row's scale times the fp32 sum, rounded as above.  With src_scale [T] (gate/up) or
     [N] (down) fp32 as well, src holds e4m3 codes too (ops/quant.quantize_activations_e4m3, K % 128 == 0) and the
     products run on the e4m3 tensor cores: each sum is then the fp32 sum of code products times its weight row's
-    scale times its source row's.  With out_scale [N] fp32 as well (gate/up only), out is h as uint8 e4m3 codes
-    [N, I] and out_scale its row scales, bit for bit what quantize_activations_e4m3 makes from the bf16 h (H_CODES:
-    h_codes_fits)."""
-    e4m3, e4m3_src, h_codes = scale is not None, src_scale is not None, out_scale is not None
+    scale times its source row's."""
+    e4m3, e4m3_src = scale is not None, src_scale is not None
     if e4m3_src and not e4m3:
         raise ValueError("moe_gemm_wg: e4m3 sources (src_scale) need e4m3 weights (scale) too")
-    if h_codes and not (fuse_silu and e4m3_src):
-        raise ValueError("moe_gemm_wg: h as codes (out_scale) needs the gate/up GEMM (fuse_silu) on e4m3 sources "
-                         "(src_scale)")
-    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3, e4m3_src=e4m3_src,
-                                       codes_out=h_codes)
+    K, E, nout, N = check_grouped_gemm(src, weight, plan, fuse_silu, out, e4m3=e4m3, e4m3_src=e4m3_src)
     if e4m3:
         moe_gemm_tc.check_scale("moe_gemm_wg", "scale", scale, weight)
     if e4m3_src:
@@ -166,21 +114,11 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     tile = tile or wg_tile(nout, K, fuse_silu, e4m3_src)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu, e4m3_src):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    fblocks = (nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn)
-    grid = (fblocks, max_tiles(N, E, BM))
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src)
+    grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
-    sync = null
-    if h_codes:
-        expect(out_scale, "out_scale", shape=(N,), dtype=np.float32)
-        if (nout // 2) % 16 or fblocks > _sm_count():
-            raise ValueError(f"moe_gemm_wg: h as codes needs I % 16 == 0 and at most one CTA of a row tile an SM, got "
-                             f"I={nout // 2} in {fblocks} feature blocks ({_sm_count()} SMs)")
-        if N:
-            sync = h_codes_sync(grid[1], stream)
-    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src, h_codes)
     if N:
         kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
-                              plan.num_tiles, out, scale if e4m3 else null, src_scale if e4m3_src else null,
-                              out_scale if h_codes else null, sync),
+                              plan.num_tiles, out, scale if e4m3 else null, src_scale if e4m3_src else null),
                shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out
