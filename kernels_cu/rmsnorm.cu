@@ -10,8 +10,9 @@
 //
 // E4M3_OUT = 1 (rmsnorm_fwd_e4m3, sm_89+): y's row also as e4m3 codes with one fp32 scale, the source rows of the
 // MoE's FP8 prefill GEMMs (moe_gemm_wg.cu WFMT = 2), the same codes and scale as quant.cu gives the stored bf16 row
-// (amax / 448, __fdiv_rn; codes of y · __frcp_rn(scale), rounded to nearest even, saturated; 1 with zero codes below 448 * FLT_MIN; a NaN scale for a
-// row with a non-finite value), so the MoE need not read y again to quantize it.  Shapes: q [T, D] uint8, qs [T] fp32.
+// (amax / 448, __fdiv_rn; codes of y · __frcp_rn(scale), rounded to nearest even, saturated; 1 with zero codes
+// below 448 * FLT_MIN; a NaN scale for a row with a non-finite value), so the MoE need not read y again to quantize
+// it.  Shapes: q [T, D] uint8, qs [T] fp32.
 #include "common.cuh"
 
 #ifndef D

@@ -23,9 +23,10 @@ E4M3_MAX = 448.0
 def quantize_rows(w: np.ndarray, name: str = "weight", reciprocal: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """w [N, K] (any float dtype) -> (q [N, K] e4m3, scale [N] fp32) as above.  A non-finite entry is refused with
     the tensor's name and the entry's row and column (it would make its whole row's scale, and every product, NaN).
-    reciprocal: the activations' rule (the prefill GEMMs' e4m3 sources, quant.cu / rmsnorm.cu / moe_gemm_wg.cu
-    H_CODES): q = e4m3(w · (1 / scale)) with the reciprocal rounded once in fp32, as vLLM's dynamic per-token
-    quantization multiplies by its inverted scale, instead of one quotient an element (weights, at load)."""
+    reciprocal: the activations' rule (the prefill GEMMs' e4m3 sources, quant.cu's activation kernels and
+    rmsnorm.cu E4M3_OUT): q = e4m3(w · (1 / scale)) with the reciprocal rounded once in fp32, as vLLM's dynamic
+    per-token quantization multiplies by its inverted scale, instead of one quotient an element (weights, at
+    load); the same scale, and a code moves only where w / scale lies within an ulp of a rounding tie."""
     w = np.asarray(w)
     if w.ndim != 2 or not (w.dtype.kind == "f" or w.dtype == np.dtype(ml_dtypes.bfloat16)):
         raise ValueError(f"quantize_rows: {name} must be a 2-D float array, got shape {w.shape} dtype {w.dtype}")

@@ -65,8 +65,8 @@ def route(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, cfg: MoEConfig) -
 
 def e4m3_rows(a: np.ndarray) -> np.ndarray:
     """a's rows as e4m3 codes times a scale a row (loader/quant.quantize_rows with the activations' reciprocal rule,
-    as the CUDA backend's quantize_activations_e4m3 makes them), in a's dtype; a row with a non-finite entry becomes NaN (the kernel gives
-    it a NaN scale, so every product of it is NaN)."""
+    as the CUDA backend's quantize_activations_e4m3 makes them), in a's dtype; a row with a non-finite entry becomes
+    NaN (the kernel gives it a NaN scale, so every product of it is NaN)."""
     from kda_rt.loader.quant import dequantize_rows, quantize_rows
 
     finite = np.isfinite(a).all(axis=-1)
