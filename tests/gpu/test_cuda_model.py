@@ -192,9 +192,9 @@ def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
     assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
 
 
-def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str, fixed: dict[str, str]):
+def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str):
     """The fp8 demo-shape model's logits of a 150-token prompt (one prefill step whose expert GEMMs take e4m3
-    sources on sm_90a, else skipped) with the KDA_RT_* `switch` at 0 and at 1 (`fixed`: other switches held), and
+    sources on sm_90a, else skipped) with the KDA_RT_* `switch` at 0 and at 1, and
     per value the calls of the MoE's activation quantizer and of its GEMMs on e4m3 sources."""
     import kda_rt.cuda.moe as cuda_moe
     from kda_rt.cuda.ops.compile import device_arch
@@ -204,8 +204,6 @@ def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str, fixed: dict[s
     if device_arch() != "sm_90a":
         pytest.skip("the e4m3-source GEMMs run on the wgmma kernel (sm_90a)")
     monkeypatch.setenv("KDA_RT_FP8_PREFILL", "1")
-    for name, value in fixed.items():
-        monkeypatch.setenv(name, value)
     path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("fp8-switch"), seed=3,
                                    tokenizer_dir=demo_path(), fixed_routing=True)
     gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
@@ -230,7 +228,7 @@ def test_fp8_norm_codes_same_logits(tmp_path_factory, monkeypatch):
     """KDA_RT_NORM_E4M3 (the norm before an fp8 MoE block writes x's e4m3 codes, so the block does not quantize x
     again): the same codes, so the same logits bit for bit as with it off, on a prefill step whose expert GEMMs take
     e4m3 sources; and the blocks then quantize only h (one call a block instead of two)."""
-    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_NORM_E4M3", {})
+    logits, counts = _fp8_switch_logits(tmp_path_factory, monkeypatch, "KDA_RT_NORM_E4M3")
     assert counts["1"]["quant"] * 2 == counts["0"]["quant"] > 0, counts
     assert np.array_equal(logits["0"], logits["1"]), "the norm's codes changed the logits"
 

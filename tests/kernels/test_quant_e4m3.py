@@ -1,5 +1,6 @@
 """kernels_cu/quant.cu (ops/quant.quantize_rows_e4m3) against loader/quant.quantize_rows on the same bf16 rows: the
-same e4m3 codes and fp32 scales, bit for bit (both divide in fp32, round to nearest even and saturate at 448), and
+same e4m3 codes and fp32 scales, bit for bit (weights: both divide in fp32; activations: both multiply by the
+reciprocal scale rounded once, reciprocal=True; then round to nearest even and saturate at 448), and
 the same refusal of non-finite entries, named by row and column.  Rows span 2^-60 .. 2^60 in magnitude and include
 a zero row, a row below the zero threshold (448 x fp32's smallest normal), -0 entries, bf16's largest values and a
 row with one nonzero entry; the outputs are poisoned first."""

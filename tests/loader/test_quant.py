@@ -60,10 +60,12 @@ def test_quantize_rows_reciprocal_rule_moves_only_ties_by_one_step():
     w32 = w.astype(np.float32)
     expect = np.clip(w32 * (np.float32(1) / sr)[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3).astype(np.float32)
     assert np.array_equal(b, expect)
-    e = np.zeros((3, 16), np.float32)
-    e[1, 5], e[2, :] = -1e-30, np.float32(3.4e38)
+    assert moved.any(), "the two rules gave the same codes on every entry: is reciprocal=True taken?"
+    e = np.zeros((4, 16), np.float32)
+    e[1, 5], e[2, :], e[3, 1] = -1e-30, np.float32(3.4e38), -3e-36  # row 3: below 448 x fp32's smallest normal
     q, scale = quantize_rows(e, reciprocal=True)
     assert scale[0] == 1.0 and q[1, 5].astype(np.float32) == -E4M3_MAX and np.all(q[2].astype(np.float32) == E4M3_MAX)
+    assert scale[3] == 1.0 and not q[3].astype(np.float32).any()
     assert not np.isnan(q.astype(np.float32)).any()
 
 
