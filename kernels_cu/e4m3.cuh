@@ -9,6 +9,29 @@
 #pragma once
 #include "common.cuh"
 
+// The e4m3 row rule of quant.cu and rmsnorm.cu E4M3_OUT (loader/quant.quantize_rows): a finite row's scale is
+// amax / 448, or 1 with zero codes when amax < 448 * FLT_MIN (its scale would be subnormal); activations' codes are
+// e4m3(x · r) with r = 1 / scale rounded once (reciprocal=True), clamped to +-448 and rounded to nearest even.
+struct E4m3Row {
+    float scale, r;  // r = 1 / scale
+    bool zero;       // every code 0
+};
+__device__ __forceinline__ E4m3Row e4m3_row(float amax) {
+    const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
+    E4m3Row q;
+    q.zero = !(amax >= tiny);
+    q.scale = q.zero ? 1.f : __fdiv_rn(amax, 448.f);
+    q.r = __frcp_rn(q.scale);
+    return q;
+}
+// the codes of a and b (already over the scale), a at the lower byte
+__device__ __forceinline__ unsigned short e4m3x2_codes(float a, float b) {
+    unsigned short pair;
+    const float qa = fminf(fmaxf(a, -448.f), 448.f), qb = fminf(fmaxf(b, -448.f), 448.f);
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(qb), "f"(qa));
+    return pair;
+}
+
 // the codes in bits 0-7 (the first, to the low half) and 8-15 of `pair`
 template <int CVT>
 __device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned pair) {

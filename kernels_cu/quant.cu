@@ -17,7 +17,7 @@
 // Grid: one block per row; block THREADS threads over the row's K / 2 pairs (two passes: the row's max, then the
 // codes).  Shapes: w [N, K] bf16 (K even, 4-byte aligned rows), q [N, K] uint8, scale [N] fp32, bad [1] int64.
 // Compile-time constants: THREADS (a multiple of 32, at most 1024).
-#include "common.cuh"
+#include "e4m3.cuh"
 
 #ifndef THREADS
 #error "quant.cu needs -DTHREADS"
@@ -60,21 +60,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3(const b
         if (!bad && threadIdx.x == 0) scale[row] = __int_as_float(0x7fc00000);
         return;
     }
-    amax = red[0];
-    const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
-    const bool zero = !(amax >= tiny);
-    const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
-    if (threadIdx.x == 0) scale[row] = s;
-    const float r = __frcp_rn(s);  // (activations: x · r)
+    const E4m3Row qr = e4m3_row(red[0]);
+    if (threadIdx.x == 0) scale[row] = qr.scale;
     unsigned short* dst = reinterpret_cast<unsigned short*>(q + row * K);
     for (int p = threadIdx.x; p < K / 2; p += THREADS) {
         unsigned short pair = 0;
-        if (!zero) {
+        if (!qr.zero) {  // (weights: the quotient; activations: x · r)
             const float2 v = __bfloat1622float2(src[p]);
-            const float a = fminf(fmaxf(bad ? __fdiv_rn(v.x, s) : v.x * r, -448.f), 448.f);
-            const float b = fminf(fmaxf(bad ? __fdiv_rn(v.y, s) : v.y * r, -448.f), 448.f);
-            // the first operand goes to the upper byte: (b, a) puts element 2p at the lower address
-            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
+            pair = bad ? e4m3x2_codes(__fdiv_rn(v.x, qr.scale), __fdiv_rn(v.y, qr.scale))
+                       : e4m3x2_codes(v.x * qr.r, v.y * qr.r);
         }
         dst[p] = pair;
     }
@@ -92,14 +86,6 @@ static_assert(ROW_K % 8 == 0 && PIECES_A_LANE <= 32, "quantize_rows_e4m3_warp: R
 
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
-
-// the e4m3 codes of two values times the row's reciprocal scale r, element a at the lower byte (as the kernel above)
-__device__ __forceinline__ unsigned short e4m3_pair(float a, float b, float r) {
-    unsigned short pair;
-    const float qa = fminf(fmaxf(a * r, -448.f), 448.f), qb = fminf(fmaxf(b * r, -448.f), 448.f);
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(qb), "f"(qa));
-    return pair;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_warp(const bf16* __restrict__ x, int rows,
                                                                               unsigned char* __restrict__ q,
@@ -129,11 +115,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_warp(co
         if (lane == 0) scale[row] = __int_as_float(0x7fc00000);
         return;
     }
-    const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
-    const bool zero = !(amax >= tiny);
-    const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
-    if (lane == 0) scale[row] = s;
-    const float r = __frcp_rn(s);
+    const E4m3Row qr = e4m3_row(amax);
+    if (lane == 0) scale[row] = qr.scale;
     uint2* dst = reinterpret_cast<uint2*>(q + row * ROW_K);
 #pragma unroll
     for (int j = 0; j < PIECES_A_LANE; ++j) {
@@ -142,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_warp(co
         const unsigned w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
         unsigned c[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = zero ? 0u : e4m3_pair(bf16_lo(w[i]), bf16_hi(w[i]), r);
+        for (int i = 0; i < 4; ++i) c[i] = qr.zero ? 0u : e4m3x2_codes(bf16_lo(w[i]) * qr.r, bf16_hi(w[i]) * qr.r);
         dst[p] = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
     }
 }

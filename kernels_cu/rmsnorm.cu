@@ -13,7 +13,7 @@
 // (amax / 448, __fdiv_rn; codes of y · __frcp_rn(scale), rounded to nearest even, saturated; 1 with zero codes
 // below 448 * FLT_MIN; a NaN scale for a row with a non-finite value), so the MoE need not read y again to quantize
 // it.  Shapes: q [T, D] uint8, qs [T] fp32.
-#include "common.cuh"
+#include "e4m3.cuh"
 
 #ifndef D
 #error "rmsnorm.cu needs -DD=<row width>"
@@ -75,20 +75,11 @@ __device__ __forceinline__ void rmsnorm_row(const bf16* __restrict__ x, bf16* __
             if (threadIdx.x == 0) qs[row] = __int_as_float(0x7fc00000);
             return;
         }
-        const float tiny = 448.f * 1.17549435e-38f;  // 448 * FLT_MIN, exact in fp32
-        const bool zero = !(amax >= tiny);
-        const float s = zero ? 1.f : __fdiv_rn(amax, 448.f);
-        if (threadIdx.x == 0) qs[row] = s;
-        const float r = __frcp_rn(s);  // (quant.cu's activations: y · (1 / s))
+        const E4m3Row qr = e4m3_row(amax);  // (quant.cu's activations: y · (1 / scale))
+        if (threadIdx.x == 0) qs[row] = qr.scale;
 #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            unsigned short pair = 0;
-            if (!zero) {
-                const float v = fminf(fmaxf(h[i] * r, -448.f), 448.f);
-                asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(v));  // v: the lower byte
-            }
-            q[base + threadIdx.x + i * THREADS] = (unsigned char)(pair & 0xFF);
-        }
+        for (int i = 0; i < PER_THREAD; ++i)
+            q[base + threadIdx.x + i * THREADS] = qr.zero ? 0 : (unsigned char)(e4m3x2_codes(h[i] * qr.r, 0.f) & 0xFF);
     }
 }
 

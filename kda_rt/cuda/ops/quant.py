@@ -77,8 +77,9 @@ def quantize_activations_e4m3(x, *, out, scale_out, stream=None):
     """x [N, K] bf16 rows -> out [N, K] uint8 e4m3 codes and scale_out [N] fp32: quantize_rows_e4m3's scales (one
     fp32 scale a row, amax / 448) with the activations' codes, e4m3(x · (1 / scale)) with the reciprocal rounded once
     (loader/quant.quantize_rows reciprocal=True; ~6e-4 of the codes differ from the weights' quotient rule, by one
-    step), for a prefill GEMM's e4m3 sources (moe_gemm_wg.cu WFMT = 2).  Nothing synchronizes and nothing is refused: a row with a non-finite entry gets a NaN scale, so its
-    products are NaN as bf16 ones would be.  Capturable."""
+    step), for a prefill GEMM's e4m3 sources (moe_gemm_wg.cu WFMT = 2).  Nothing synchronizes and nothing is
+    refused: a row with a non-finite entry gets a NaN scale, so its products are NaN as bf16 ones would be.
+    Capturable."""
     N, K = expect(x, "x", ndim=2, dtype=BF16)
     expect(out, "out", shape=(N, K), dtype=np.uint8)
     expect(scale_out, "scale_out", shape=(N,), dtype=np.float32)
