@@ -4,8 +4,8 @@
 - Slots: `max_num_seqs` for the engine, plus one padding slot on the CUDA backend (graph rows
   that carry no sequence write there).  `max_num_seqs` None takes the runner's `default_seqs` (vLLM's default
   on CUDA) while that many slots take at most half the budget left after the weights, else as many as do
-  (a multiple of 16 past 16), so that the KV pages keep the other half.  Pages: what the memory budget holds (the CUDA backend:
-  `gpu_memory_utilization` of the device minus weights and state; the NumPy backend: the same
+  (a multiple of 16 past 16), so that the KV pages keep the other half.  Pages: what the memory budget
+  holds (the CUDA backend: `gpu_memory_utilization` of the device minus weights and state; the NumPy backend: the same
   share of host memory, and never more than `max_num_seqs` full-length sequences need), plus one
   padding page on CUDA.  `num_blocks` overrides the page count.
 - `max_model_len` as vLLM resolves it: None means the model's limit when the pool can hold one
