@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -92,8 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more workloads on the same engine after the first, as BATCH:INPUT:OUTPUT[,...] "
                          "(one JSON line each; saves loading the model again)")
     ap.add_argument("--no-warmup", action="store_true",
-                    help="time the first run too (by default a run of the same prompts with at most 4 output "
-                         "tokens first compiles every kernel variant the run uses)")
+                    help="time the first run too (the same as --num-iters-warmup 0)")
+    ap.add_argument("--num-iters-warmup", type=int, default=1,
+                    help="untimed runs of each workload first, with at most 4 output tokens (they build every "
+                         "kernel variant the timed runs use)")
+    ap.add_argument("--num-iters", type=int, default=1,
+                    help="timed runs of each workload; with more than one, each number reported is the median "
+                         "over the runs and the runs' own reports are under \"iters\"")
     ap.add_argument("--profile", action="store_true",
                     help="cuda backend: after the run, time each model op of one prefill step and one (eager) "
                          "decode step with CUDA events; tables on stderr, numbers in the JSON line")
@@ -112,6 +118,8 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     built0 = _build_stats(engine)
     prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(batch)]  # (made before the clock starts)
+    gc_time = _GcTimer()
+    gc.callbacks.append(gc_time)
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": ids}, params, output_kind="delta")
@@ -130,6 +138,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
             if out.finished:
                 done[out.request_id] = te - t0
     elapsed = time.perf_counter() - t0
+    gc.callbacks.remove(gc_time)
     ttft = [first[r] for r in done]
     tpot = [(done[r] - first[r]) / (output_len - 1) for r in done] if output_len > 1 else [0.0]
     return {
@@ -143,10 +152,38 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         "num_steps": engine.counters["steps"] - steps0,
         "num_decode_steps": len(decode_steps),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
+        # the interpreter's garbage collections inside the timed run (all generations) and their time
+        "gc_collections": gc_time.count, "gc_s": gc_time.seconds,
         # kernel variants first built inside the timed run (their build time is in the numbers above)
         **({"kernels_built": built[0] - built0[0], "kernel_build_s": built[1] - built0[1]}
            if (built := _build_stats(engine)) is not None and built0 is not None else {}),
     }
+
+
+class _GcTimer:
+    """A `gc.callbacks` entry adding up the collections it sees and the time they take."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+
+def _median_report(runs: list[dict]) -> dict:
+    """One report from several timed runs of a workload: each number the median over the runs, the runs'
+    own reports under "iters"."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {k: (statistics.median(r[k] for r in runs) if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and all(isinstance(r.get(k), (int, float)) for r in runs) else v)
+           for k, v in runs[0].items()}
+    out["iters"] = runs
+    return out
 
 
 def _build_stats(engine: LLMEngine) -> tuple[int, float] | None:
@@ -255,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--also takes BATCH:INPUT:OUTPUT[,...], got {args.also!r}")
     if any(len(sh) != 3 or min(sh) < 1 for sh in shapes):
         ap.error("--batch, --input-len and --output-len (and each --also workload) must be >= 1")
+    if args.num_iters < 1 or args.num_iters_warmup < 0:
+        ap.error(f"--num-iters must be >= 1 and --num-iters-warmup >= 0, got {args.num_iters} and "
+                 f"{args.num_iters_warmup}")
+    if args.no_warmup:
+        args.num_iters_warmup = 0
     if args.num_layers is not None and (args.num_layers < 1 or not args.config):
         ap.error("--num-layers must be >= 1 and works with a preset --config only")
     if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
@@ -283,11 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         count = getattr(engine.runner, "experts_touched", None)
         for k, (batch, input_len, output_len) in enumerate(shapes):
-            if not args.no_warmup:  # the same prompts: every kernel variant the run needs is compiled now
-                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1)
+            for i in range(args.num_iters_warmup):  # same shapes: every kernel variant the runs need is built now
+                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i)
             if count is not None:
                 count(reset=True)
-            report = run_bench(engine, batch, input_len, output_len, args.seed)
+            report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed)
+                                     for _ in range(args.num_iters)])
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization))
             if args.profile and k == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 
@@ -299,7 +300,24 @@ def test_bench_cli_num_layers_needs_a_preset(tmp_path):
     assert res.returncode == 2 and "--num-layers works with a preset" in res.stderr
 
 
+def test_bench_cli_num_iters_reports_medians():
+    """--num-iters 3: each number the median over the three timed runs, the runs' own reports under "iters", with
+    the garbage collections each run saw; --num-iters-warmup 0 is --no-warmup."""
+    res = subprocess.run([sys.executable, "-m", "kda_rt.bench", "--model", str(demo_path()), "--batch", "2",
+                          "--input-len", "16", "--output-len", "4", "--backend", "numpy", "--num-iters", "3",
+                          "--num-iters-warmup", "0"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    runs = report["iters"]
+    assert len(runs) == 3 and report["args"]["num_iters_warmup"] == 0
+    for key in ("elapsed_s", "ttft_s_max", "gc_s", "gc_collections", "num_steps"):
+        assert report[key] == statistics.median(r[key] for r in runs), key
+    assert all(r["gc_collections"] >= 0 and r["gc_s"] >= 0 for r in runs)
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--num-iters", "0"], "--num-iters must be >= 1"),
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--num-iters-warmup", "-1"], "--num-iters-warmup >= 0"),
     (["--config", "kimi-linear-48b-a3b", "--random-weights", "--num-layers", "0"], "--num-layers must be >= 1"),
     (["--model", "/nonexistent", "--num-layers", "2"], "works with a preset --config only"),
     (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "nan"], "--router-bias-std"),
