@@ -234,6 +234,20 @@ def fused_route() -> bool:
     return _on_off("KDA_RT_FUSED_ROUTE")
 
 
+def w8a8_tile() -> tuple[int, int] | None:
+    """KDA_RT_W8A8_TILE (bench switch): BNxSTAGES, the tile of the prefill MoE GEMMs on e4m3 sources and weights
+    (kernels_cu/moe_gemm_wg.cu WFMT = 2), e.g. 128x3 (two CTAs an SM); unset: the launcher's choice.  Read at each
+    launch; a tile that does not fit the GEMM is refused there."""
+    value = os.environ.get("KDA_RT_W8A8_TILE") or ""
+    if not value:
+        return None
+    try:
+        bn, stages = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"KDA_RT_W8A8_TILE must be BNxSTAGES (e.g. 128x3), got {value!r}") from None
+    return bn, stages
+
+
 def moe_half_skip() -> bool:
     """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
     tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.

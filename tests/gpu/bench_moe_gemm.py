@@ -298,32 +298,46 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
                                             for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
 
 
-def bench_tiles(T, wts, rounds: int = 5):
+def bench_tiles(T, wts, rounds: int = 5, q=None):
     """The launcher's tile against the other tiles that fit (BN = 128 with 3 stages runs two CTAs per SM, so
-    one CTA's epilogue overlaps the other's products), each GEMM with its launcher's epilogue, interleaved
-    over `rounds` rounds: medians."""
+    one CTA's epilogue overlaps the other's products), each GEMM with its launcher's epilogue and the other
+    epilogue, interleaved over `rounds` rounds: medians.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): the GEMMs
+    on e4m3 sources and weights (moe_gemm_wg.cu WFMT = 2; the sources quantized once, untimed)."""
     import cupy
     from kernels.test_moe_gemm_tc import make_ids, make_plan
 
     from helpers.gpu import median_ms
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg, wg_tile
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
 
     N = T * A
     hrng = np.random.default_rng(T)
     x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
     plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
     h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
-    for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, True), ("down", h, wts.w2, y, INTER, D, False)):
-        t0 = wg_tile(nout, k, silu)
+    if q is not None:  # h must be defined before it is quantized: the gate/up GEMM once
+        moe_gemm_wg(x, wts.w13, plan, top_k=A, fuse_silu=True, out=h)
+    for name, src, w, sc, out, k, nout, silu in (
+            ("gate/up", x, wts.w13 if q is None else q[0], None if q is None else q[1], h, D, 2 * INTER, True),
+            ("down", h, wts.w2 if q is None else q[2], None if q is None else q[3], y, INTER, D, False)):
+        kw = {}
+        if q is not None:
+            codes, scales = cupy.empty(src.shape, dtype=np.uint8), cupy.empty(src.shape[0], dtype=np.float32)
+            quantize_activations_e4m3(src, out=codes, scale_out=scales)
+            src, kw = codes, {"scale": sc, "src_scale": scales}
+        t0 = wg_tile(nout, k, silu, e4m3_src=q is not None)
         tiles = [t0] + [WgTile(bn, st, t0.staged_out) for bn, st in ((128, 3), (128, 4)) if (bn, st) != t0[:2]]
+        tiles += [t._replace(staged_out=not t.staged_out) for t in tiles[:2]]
         times = {t: [] for t in tiles}
         for _ in range(rounds):
             for t in tiles:
-                times[t].append(median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, tile=t)))
+                times[t].append(median_ms(partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, tile=t,
+                                                  **kw)))
         base = float(np.median(times[t0]))
-        print(f"T={T} {name}: " + "  ".join(f"bn={t.bn} stages={t.stages} staged={t.staged_out} {np.median(ts):.3f} ms "
-                                             f"({np.median(ts) / base - 1:+.1%})" for t, ts in times.items()), flush=True)
+        print(f"T={T} {name}{' w8a8' if q is not None else ''}: " + "  ".join(
+            f"bn={t.bn} stages={t.stages} staged={int(t.staged_out)} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
+            for t, ts in times.items()), flush=True)
 
 
 def run_once(T, wts):
@@ -359,7 +373,7 @@ def main():
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--limits", action="store_true", help="only the wgmma kernel with its copies skipped (bench_limits)")
     ap.add_argument("--epilogue", action="store_true", help="only the wgmma kernel's two epilogues, interleaved")
-    ap.add_argument("--tiles", action="store_true", help="only the wgmma kernel's tiles, interleaved")
+    ap.add_argument("--tiles", action="store_true", help="only the wgmma kernel's tiles, interleaved (with --e4m3 --w8a8: on e4m3 sources and weights)")
     ap.add_argument("--once", action="store_true", help="both wgmma GEMMs twice, untimed (for ncu)")
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
@@ -380,14 +394,14 @@ def main():
         hrng = np.random.default_rng(3)
         q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))
     for T in map(int, args.tokens.split(",")):
-        if args.e4m3:
+        if args.tiles:
+            bench_tiles(T, wts, q=q if args.w8a8 else None)
+        elif args.e4m3:
             bench_e4m3(T, wts, q, w8a8=args.w8a8)
         elif args.once:
             run_once(T, wts)
         elif args.define:
             bench_define(T, wts, args.define)
-        elif args.tiles:
-            bench_tiles(T, wts)
         elif args.epilogue:
             bench_epilogue(T, wts)
         else:

@@ -63,6 +63,11 @@ def _fits(t: WgTile, nout: int, k: int, fuse_silu: bool, e4m3_src: bool = False)
 
 def wg_tile(nout: int, k: int, fuse_silu: bool, e4m3_src: bool = False) -> WgTile | None:
     """The tile for one GEMM (nout x k weights; e4m3_src: 128-code k steps), or None when none fits."""
+    if e4m3_src and (forced := env.w8a8_tile()) is not None:
+        t = WgTile(*forced, _STAGED_OUT[fuse_silu])
+        if not _fits(t, nout, k, fuse_silu, e4m3_src):
+            raise ValueError(f"KDA_RT_W8A8_TILE={forced[0]}x{forced[1]} does not fit the GEMM (NOUT={nout}, K={k})")
+        return t
     for t in (_DEFAULT, WgTile(128, 4), WgTile(128, 3)):
         if _fits(t, nout, k, fuse_silu, e4m3_src):
             return t._replace(staged_out=_STAGED_OUT[fuse_silu])
