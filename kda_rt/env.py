@@ -165,6 +165,16 @@ def fp8_prefill() -> bool:
     return _on_off("KDA_RT_FP8_PREFILL", "1")
 
 
+def fp8_dense() -> bool:
+    """KDA_RT_FP8_DENSE: 1 (default) gives quantization="fp8" models e4m3 copies of the large dense projections (KDA
+    q|k|v and o_proj, MLA q|kv_a and o_proj, the dense layer's MLP; ~1 GB on the 48B shape, made at upload beside the
+    bf16 weights, which decode keeps using) and runs them on e4m3 products in prefill steps of
+    ops/dense_w8a8.MIN_TOKENS tokens or more (sm_90a), as vLLM's fp8 runs every linear layer: x's rows quantized
+    (by the RMSNorm before, or ops/quant.quantize_activations_e4m3), one scale a weight row.  0 at upload: no copies;
+    0 later: the copies stay unused (bench A/B).  Read at upload and at each prefill forward."""
+    return _on_off("KDA_RT_FP8_DENSE", "1")
+
+
 def norm_e4m3() -> bool:
     """KDA_RT_NORM_E4M3: 1 (default) has the RMSNorm before an fp8 MoE block write x's e4m3 codes too where the block's
     gate/up GEMM takes e4m3 sources (rmsnorm.cu E4M3_OUT, moe_forward x_codes=), so x is not read again to quantize

@@ -22,6 +22,8 @@ from kda_rt import env
 from kda_rt.cuda.gemm import bmm, linear
 from kda_rt.cuda.moe import NormBefore, moe_forward, moe_workspace_bytes, takes_norm_before, takes_x_codes
 from kda_rt.cuda.ops.check import BF16
+from kda_rt.cuda.ops.dense_w8a8 import MIN_TOKENS as FP8_DENSE_MIN_TOKENS
+from kda_rt.cuda.ops.dense_w8a8 import E4m3Dense, dense_w8a8
 from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -83,18 +85,23 @@ class CudaModel:
         fuse_norm = env.fused_norm() and T <= env.fused_norm_max_t(FUSED_NORM_MAX_T) and fits_norm(D)
         layers = self.w.layers
         normed = False  # the previous MoE block already added its output to res and normalised it into a
+        fp8 = not b.decode and T >= FP8_DENSE_MIN_TOKENS and env.fp8_dense()  # dense projections on e4m3 copies
         for i, L in enumerate(layers):
+            first = L.mixer.qkv_e4m3 if isinstance(L.mixer, DeviceKDA) else L.mixer.q_kva_e4m3
+            # the mixer's first projection on e4m3 products: the norm writes a's codes too (and the mixer takes
+            # them); after a fused MoE norm (`normed`, small steps only) there are none
+            mix_codes = self._codes(ws, "mix", T, D) if fp8 and first is not None and not normed else None
             if not normed:
                 with trace_scope("norm+residual"):
                     if i == 0:
-                        rmsnorm(res, L.in_norm, eps, out=a)
+                        rmsnorm(res, L.in_norm, eps, out=a, e4m3_out=mix_codes)
                     else:
-                        rmsnorm(delta, L.in_norm, eps, residual=res, out=a)
+                        rmsnorm(delta, L.in_norm, eps, residual=res, out=a, e4m3_out=mix_codes)
             with trace_scope(f"{L.kind}.{'decode' if b.decode else 'prefill'}"):
                 if isinstance(L.mixer, DeviceKDA):
-                    self._kda(i, L.mixer, a, b, ws, out=delta)
+                    self._kda(i, L.mixer, a, b, ws, out=delta, fp8=fp8, codes=mix_codes)
                 else:
-                    self._mla(i, L.mixer, a, b, ws, out=delta)
+                    self._mla(i, L.mixer, a, b, ws, out=delta, fp8=fp8, codes=mix_codes)
             last = i + 1 == len(layers)
             normed = fuse_norm and isinstance(L.mlp, DeviceMoE)
             # small steps: the add and norm before the MoE ride in its routing kernel too (moe_route_fused)
@@ -103,7 +110,9 @@ class CudaModel:
             codes = None
             if (not pre and isinstance(L.mlp, DeviceMoE) and takes_x_codes(T, L.mlp, cfg.moe, D)
                     and env.norm_e4m3()):
-                codes = (ws.get("x_codes", (T, D), np.uint8), ws.get("x_code_scales", (T,), np.float32))
+                codes = self._codes(ws, "x", T, D)
+            elif fp8 and isinstance(L.mlp, DeviceMLP) and L.mlp.gate_up_e4m3 is not None:
+                codes = self._codes(ws, "x", T, D)
             if not pre:
                 with trace_scope("norm+residual"):
                     rmsnorm(delta, L.post_norm, eps, residual=res, out=a, e4m3_out=codes)
@@ -117,7 +126,7 @@ class CudaModel:
                               stats=self.expert_stats[i] if b.decode else None, norm=norm, norm_before=before,
                               x_codes=codes)
                 else:
-                    self._mlp(L.mlp, a, ws, out=delta)
+                    self._mlp(L.mlp, a, ws, out=delta, codes=codes)
         with trace_scope("final norm+lm_head"):
             if not normed:
                 rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
@@ -130,13 +139,41 @@ class CudaModel:
 
     # ------------------------------------------------------------------------------------------
 
-    def _mlp(self, w: DeviceMLP, a, ws: Workspace, *, out) -> None:
+    @staticmethod
+    def _codes(ws: Workspace, name: str, T: int, K: int) -> tuple[Any, Any]:
+        """Workspace room for T rows of K e4m3 codes and their scales."""
+        return ws.get(f"{name}_codes", (T, K), np.uint8), ws.get(f"{name}_code_scales", (T,), np.float32)
+
+    def _proj(self, x, w, w8: E4m3Dense | None, ws: Workspace, name: str, *, fp8: bool, codes=None, out=None):
+        """x · wᵀ: on e4m3 products when `fp8` and the weight has its e4m3 copy `w8` (x's codes from the norm
+        before when `codes` is given, else made here), else cuBLAS bf16; into `out` or the workspace's `name`."""
+        T = x.shape[0]
+        if not (fp8 and w8 is not None):
+            return linear(x, w, out=out if out is not None else ws.get(name, (T, w.shape[0]), BF16))
+        padded = int(w8.codes.shape[1]) // (2 if w8.fuse_silu else 1)
+        width = w8.nout // (2 if w8.fuse_silu else 1)
+        dst = out if out is not None and padded == width else ws.get(f"{name}_e4m3", (T, padded), BF16)
+        dense_w8a8(x, w8, out=dst, codes=codes if codes is not None else self._codes(ws, name, T, x.shape[1]),
+                   quantized=codes is not None)
+        if dst is out:
+            return out
+        if out is not None:
+            out[...] = dst[:, :width]
+            return out
+        return dst[:, :width] if padded != width else dst
+
+    def _mlp(self, w: DeviceMLP, a, ws: Workspace, *, out, codes=None) -> None:
         T, two_f = a.shape[0], w.gate_up.shape[0]
+        if codes is not None and w.gate_up_e4m3 is not None:  # fp8 prefill: SiLU · up in the GEMM's epilogue
+            act = self._proj(a, w.gate_up, w.gate_up_e4m3, ws, "act", fp8=True, codes=codes)
+            self._proj(act, w.down, w.down_e4m3, ws, "down", fp8=True, out=out)
+            return
         gu = linear(a, w.gate_up, out=ws.get("gu", (T, two_f), BF16))
         act = silu_mul(gu, out=ws.get("act", (T, two_f // 2), BF16))
         linear(act, w.down, out=out)
 
-    def _kda(self, layer: int, w: DeviceKDA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
+    def _kda(self, layer: int, w: DeviceKDA, a, b: DeviceBatch, ws: Workspace, *, out, fp8: bool = False,
+             codes=None) -> None:
         kc = self.config.kda
         T, P, H = b.num_tokens, kc.num_heads * kc.head_dim, kc.num_heads
         rf, rg = w.rank_f, w.rank_g
@@ -147,7 +184,7 @@ class CudaModel:
             both = linear(a, w.qkv_fgb, out=ws.get("kda_qkv_fgb", (T, w.qkv_fgb.shape[0]), BF16))
             qkv, small = both[:, :3 * P], both[:, 3 * P:3 * P + rf + rg + H]
         else:
-            qkv = linear(a, w.qkv, out=ws.get("kda_qkv", (T, 3 * P), BF16))
+            qkv = self._proj(a, w.qkv, w.qkv_e4m3, ws, "kda_qkv", fp8=fp8, codes=codes)
             small = linear(a, w.fgb, out=ws.get("kda_fgb", (T, rf + rg + H), BF16))
         f_a, g_a, beta = small[:, :rf], small[:, rf:rf + rg], small[:, rf + rg:]
         conv_pool, rec_pool = self.kda_pools[layer]
@@ -174,7 +211,7 @@ class CudaModel:
         else:
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
                         max_seqlen=b.max_seqlen)
-        linear(y, w.o_proj, out=out)
+        self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out)
 
     def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None,
              x_codes=None) -> None:
@@ -184,11 +221,12 @@ class CudaModel:
         moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm,
                     norm_before=norm_before, x_codes=x_codes)
 
-    def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out) -> None:
+    def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out, fp8: bool = False,
+             codes=None) -> None:
         mc = self.config.mla
         T, H = b.num_tokens, mc.num_heads
         qdim = H * mc.qk_head_dim
-        qkva = linear(a, w.q_kva, out=ws.get("mla_qkva", (T, qdim + mc.cache_width), BF16))
+        qkva = self._proj(a, w.q_kva, w.q_kva_e4m3, ws, "mla_qkva", fp8=fp8, codes=codes)
         pool = self.mla_pools[layer]
         store = LatentStore(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps)
         fold = b.decode and env.mla_store_fold()  # mla_attention writes the rows (in mla_absorb_q's launch)
@@ -206,4 +244,4 @@ class CudaModel:
         else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                         num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens))
-        linear(o, w.o_proj, out=out)
+        self._proj(o, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out)

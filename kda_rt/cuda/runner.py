@@ -51,6 +51,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+def _e4m3_dense(weights) -> list:
+    """The e4m3 copies of dense projections in `weights` (ops/dense_w8a8; quantization="fp8")."""
+    names = ("qkv_e4m3", "o_proj_e4m3", "q_kva_e4m3", "gate_up_e4m3", "down_e4m3")
+    return [w for L in weights.layers for part in (L.mixer, L.mlp) for n in names
+            if (w := getattr(part, n, None)) is not None]
+
+
 def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
     """(N, K, fp32 out) of every dense projection a decode step sends through gemm.linear: the mixers'
     q|k|v|f_a|g_a|b (or q|k|v and f_a|g_a|b apart) and o_proj (KDA), q|kv_a and o_proj (MLA), the dense
@@ -149,6 +156,7 @@ class CudaRunner:
                 self._graph(rows)
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
+        from kda_rt.cuda.ops.dense_w8a8 import precompile as precompile_dense
         from kda_rt.cuda.ops.gemv import precompile as precompile_gemv
         from kda_rt.cuda.ops.kda_prefill import precompile as precompile_kda
         from kda_rt.cuda.ops.skinny_gemm import precompile as precompile_skinny
@@ -165,6 +173,7 @@ class CudaRunner:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack, moe.e4m3)
             if config.kda is not None:
                 precompile_kda(config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size)
+            precompile_dense(_e4m3_dense(self.weights), config.hidden_size)  # (none without quantization="fp8")
         except (CompileError, cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError) as exc:
             # a best-effort warm-up: a step that needs the variant raises the same error; others run
             logger.warning("could not build every kernel variant at start (%s: %s)", type(exc).__name__, exc)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from kda_rt import env
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.moe_route import split_router
 from kda_rt.cuda.upload import Uploader
@@ -49,6 +50,9 @@ class DeviceKDA:
     fg_b: Any = None  # [2, P, R]: f_b and g_b side by side (Rf = Rg), one strided-batched GEMM applies both
     qkv_fgb: Any = None  # [3P+Rf+Rg+H (+ zero rows to a multiple of 8), D]: q|k|v then f_a|g_a|b, one decode
     #                      GEMM for all six projections of x, its output rows 16-byte aligned
+    # quantization="fp8" (KDA_RT_FP8_DENSE): e4m3 copies of qkv and o_proj for large prefill steps (ops/dense_w8a8)
+    qkv_e4m3: Any = None
+    o_proj_e4m3: Any = None
 
 
 @dataclass
@@ -57,12 +61,16 @@ class DeviceMLA:
     kv_norm: Any  # [R]
     kv_b: Any  # [Hm*(Dn+Dv), R]
     o_proj: Any  # [D, Hm*Dv]
+    q_kva_e4m3: Any = None  # quantization="fp8": e4m3 copies for large prefill steps (ops/dense_w8a8)
+    o_proj_e4m3: Any = None
 
 
 @dataclass
 class DeviceMLP:
     gate_up: Any  # [2F, D]
     down: Any  # [D, F]
+    gate_up_e4m3: Any = None  # the dense layer's, quantization="fp8": e4m3 copies for large prefill steps
+    down_e4m3: Any = None
 
 
 @dataclass
@@ -210,12 +218,41 @@ def _quantize_moe(up: Uploader, m: DeviceMoE) -> DeviceMoE:
                      router_split=m.router_split, scale13=s13, scale2=s2)
 
 
+def _e4m3_products() -> bool:
+    """This device runs the e4m3 x e4m3 wgmma GEMMs (sm_90a, KDA_RT_WGMMA on)."""
+    from kda_rt.cuda.ops.compile import device_arch
+
+    return env.wgmma() and device_arch() == "sm_90a"
+
+
+def _quantize_dense(up: Uploader, mixer: DeviceKDA | DeviceMLA, mlp: DeviceMLP | DeviceMoE) -> None:
+    """e4m3 copies (ops/dense_w8a8.quantize_dense) of the layer's large dense projections, set on `mixer` and a dense
+    `mlp`; a projection whose shape the e4m3 GEMM does not take keeps cuBLAS bf16 alone."""
+    from kda_rt.cuda.ops.dense_w8a8 import fits, quantize_dense
+
+    def copy(w, name, fuse_silu=False):
+        if not fits(*w.shape, fuse_silu):
+            return None
+        q = quantize_dense(w, name, fuse_silu=fuse_silu, stream=up.stream)
+        up.bytes_uploaded += q.nbytes
+        return q
+
+    if isinstance(mixer, DeviceKDA):
+        mixer.qkv_e4m3, mixer.o_proj_e4m3 = copy(mixer.qkv, "q|k|v"), copy(mixer.o_proj, "o_proj")
+    else:
+        mixer.q_kva_e4m3, mixer.o_proj_e4m3 = copy(mixer.q_kva, "q|kv_a"), copy(mixer.o_proj, "o_proj")
+    if isinstance(mlp, DeviceMLP) and mlp.gate_up.shape[0] % 2 == 0:
+        mlp.gate_up_e4m3, mlp.down_e4m3 = copy(mlp.gate_up, "gate|up", True), copy(mlp.down, "down")
+
+
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
                    progress: bool | None = None, quantization: str | None = None) -> ModelWeights:
     """The checkpoint `raw` (hub name -> host array, as `load_checkpoint` returns) on the device; quantization
-    "fp8": the MoE experts' stacks in e4m3 with a scale a row (EngineConfig.quantization)."""
+    "fp8": the MoE experts' stacks in e4m3 with a scale a row (EngineConfig.quantization), and on sm_90a
+    (KDA_RT_FP8_DENSE) e4m3 copies of the large dense projections for prefill."""
     host = read_weights(config, raw)
     up = Uploader()
+    dense_e4m3 = quantization == "fp8" and env.fp8_dense() and _e4m3_products()
     total = sum(np.asarray(v).nbytes for v in raw.values())
     show = progress if progress is not None else total > (1 << 30)
     bar = tqdm(total=config.num_hidden_layers + 1, desc="upload weights", unit="layer", disable=not show)
@@ -229,6 +266,8 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
         mlp = _moe(up, L.mlp) if isinstance(L.mlp, MoEWeights) else _mlp(up, L.mlp)
         if quantization == "fp8" and isinstance(mlp, DeviceMoE):
             mlp = _quantize_moe(up, mlp)
+        if quantization == "fp8" and dense_e4m3:
+            _quantize_dense(up, mixer, mlp)
         layers.append(DeviceLayer(_put(up, L.input_layernorm), mixer, _put(up, L.post_attention_layernorm), mlp))
         bar.update(1)
     up.finish()

@@ -49,7 +49,7 @@ def kda_forward(
     x = x.astype(dtype, copy=False)
 
     act = num.act  # bf16 rounding points of the references (identity unless emulating bf16)
-    raw = [act(x @ p(m).T) for m in (w.q_proj, w.k_proj, w.v_proj)]  # 3 x [T, P]
+    raw = [act(num.dense(x, m)) for m in (w.q_proj, w.k_proj, w.v_proj)]  # 3 x [T, P]
     taps = [p(c).reshape(-1, width) for c in (w.q_conv1d, w.k_conv1d, w.v_conv1d)]  # 3 x [P, W]
     f = act(act(x @ p(w.f_a_proj).T) @ p(w.f_b_proj).T)
     g = kda_gate(f, p(w.A_log), p(w.dt_bias), num_heads)
@@ -85,4 +85,4 @@ def kda_forward(
     o = act(o)
     normed = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + rms_eps)
     y = act(normed * p(w.o_norm) * sigmoid(out_gate))  # [T, H, V]
-    return y.reshape(num_tokens, -1) @ p(w.o_proj).T
+    return num.dense(y.reshape(num_tokens, -1), w.o_proj)

@@ -81,7 +81,7 @@ class KimiLinearModel:
                 h = act(h + act(mla_forward(layer.mixer, a, batch, mla_pool.layer(i), cfg.mla, num)))
             m = rms_norm(h, p(layer.post_attention_layernorm), eps, act)
             mlp = layer.mlp
-            y = gated_mlp(mlp, m, num) if isinstance(mlp, MLPWeights) else moe_forward(mlp, m, cfg.moe, num)
+            y = gated_mlp(mlp, m, num, dense=True) if isinstance(mlp, MLPWeights) else moe_forward(mlp, m, cfg.moe, num)
             h = act(h + act(y))
         rows = rms_norm(h[np.asarray(batch.logits_indices, dtype=np.int64)], p(self.weights.norm), eps, act)
         return linear(rows, p(self.weights.output)).astype(np.float32)  # [N, V]

@@ -52,10 +52,12 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * sigmoid(x)
 
 
-def gated_mlp(w: MLPWeights, x: np.ndarray, num: Compute, source=None) -> np.ndarray:
+def gated_mlp(w: MLPWeights, x: np.ndarray, num: Compute, source=None, *, dense: bool = False) -> np.ndarray:
     """SiLU-gated MLP of §5.1 (dense layer, shared experts, one routed expert).  x: [T, D] -> [T, D]; `source`
-    (optional): what each projection's source rows (x, then h) become before their products, e.g. e4m3 codes."""
+    (optional): what each projection's source rows (x, then h) become before their products, e.g. e4m3 codes;
+    `dense` (the dense layer): the products through `num.dense` (Compute.e4m3_dense)."""
     act, source = num.act, source or (lambda a: a)
     x = source(x)
-    h = act(act(silu(act(linear(x, num.w(w.gate))))) * act(linear(x, num.w(w.up))))  # [T, F]
-    return linear(source(h), num.w(w.down))  # [T, D] (callers round: the routed experts' bf16 outputs are combined in fp32)
+    mm = num.dense if dense else (lambda a, weight: linear(a, num.w(weight)))
+    h = act(act(silu(act(mm(x, w.gate)))) * act(mm(x, w.up)))  # [T, F]
+    return mm(source(h), w.down)  # [T, D] (callers round: the routed experts' bf16 outputs are combined in fp32)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kda_rt.reference.layers import linear, rms_norm
+from kda_rt.reference.layers import rms_norm
 from kda_rt.reference.params import Compute
 
 if TYPE_CHECKING:
@@ -125,8 +125,8 @@ def mla_forward(w: MLAWeights, x: np.ndarray, batch: ForwardBatch, kv_pool: np.n
 
     num = num or Compute(x.dtype)
     p, act = num.w, num.act  # act: bf16 rounding points (identity unless emulating bf16)
-    q = act(linear(x, p(w.q_proj))).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
-    ckv = act(linear(x, p(w.kv_a_proj_with_mqa)))  # [T, R+Dr]
+    q = act(num.dense(x, w.q_proj)).reshape(T, H, Dn + Dr)  # [T, H, Dn+Dr]
+    ckv = act(num.dense(x, w.kv_a_proj_with_mqa))  # [T, R+Dr]
     c_lat = rms_norm(ckv[:, :R], p(w.kv_a_layernorm), cfg.kv_a_layernorm_eps, act)  # [T, R]
     rows = np.concatenate([c_lat, ckv[:, R:]], axis=-1)  # [T, R+Dr] pool rows
     w_kvb = p(w.kv_b_proj).reshape(H, Dn + Dv, R)
@@ -145,4 +145,4 @@ def mla_forward(w: MLAWeights, x: np.ndarray, batch: ForwardBatch, kv_pool: np.n
             out[s] = _attend_absorbed(q[s], cached, w_uk, w_uv, cfg, scale)
         else:
             out[s:e] = _attend_expanded(q[s:e], cached, w_uk, w_uv, start, cfg, scale)
-    return linear(act(out).reshape(T, H * Dv), p(w.o_proj))
+    return num.dense(act(out).reshape(T, H * Dv), w.o_proj)

@@ -22,9 +22,13 @@ __all__ = ["Compute"]
 
 class Compute:
     def __init__(self, dtype: np.dtype | type = np.float32, *, cache_bytes: int = 2 << 30,
-                 bf16_activations: bool = False) -> None:
+                 bf16_activations: bool = False, e4m3_dense: bool = False) -> None:
         self.dtype = np.dtype(dtype)
         self.bf16_activations = bf16_activations
+        # the dense projections (`dense`) on e4m3 rows, as the CUDA backend's large fp8 prefill steps run them
+        # (ops/dense_w8a8); off in the backend, set by measurements of how far that moves the model
+        self.e4m3_dense = e4m3_dense
+        self._e4m3: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(source) -> (source, dequantized e4m3 rows)
         self._budget = cache_bytes
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(source) -> (source, converted)
 
@@ -34,6 +38,21 @@ class Compute:
         if not self.bf16_activations:
             return x
         return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(self.dtype)
+
+    def dense(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x · weightᵀ of a dense projection (KDA q / k / v and o_proj, MLA q / kv_a and o_proj, the dense MLP);
+        with `e4m3_dense` both operands as e4m3 rows times a scale a row, x's by the activations' reciprocal rule
+        (reference.moe.e4m3_rows) and the weight's by the weights' rule (loader/quant.quantize_rows)."""
+        if not self.e4m3_dense:
+            return x @ self.w(weight).T
+        from kda_rt.loader.quant import dequantize_rows, quantize_rows
+        from kda_rt.reference.moe import e4m3_rows
+
+        hit = self._e4m3.get(id(weight))
+        if hit is None or hit[0] is not weight:
+            hit = self._e4m3[id(weight)] = (weight, dequantize_rows(*quantize_rows(
+                np.asarray(weight, dtype=np.float32), "dense weight")).astype(self.dtype))
+        return e4m3_rows(x) @ hit[1].T
 
     def w(self, weight: np.ndarray) -> np.ndarray:
         """`weight` in the compute dtype (read-only; cached while the budget lasts)."""

@@ -233,6 +233,55 @@ def test_fp8_norm_codes_same_logits(tmp_path_factory, monkeypatch):
     assert np.array_equal(logits["0"], logits["1"]), "the norm's codes changed the logits"
 
 
+def test_stable_fp8_dense_prefill_products(tmp_path_factory, monkeypatch):
+    """quantization="fp8" with the dense projections on e4m3 products (KDA_RT_FP8_DENSE; the step-size threshold
+    lowered so the 150-token prompt takes them: every KDA q|k|v and o_proj, MLA q|kv_a and o_proj and the dense
+    layer's MLP, counted) against the NumPy oracle quantizing the same rows (Compute.e4m3_dense, and the MoE's
+    sources by reference.moe.e4m3_rows).  On CPU (2026-12-02, this checkpoint and prompt) the NumPy model's logits
+    move from its bf16-source ones by 5.6e-2 median, 0.113 max with the MoE's sources quantized and by 9.4e-2 median,
+    0.18 max with the dense projections too; against the oracle that quantizes the same rows what is left is the
+    kernels' drift and the codes it moves by a step, which this random model carries about as far as the MoE-only
+    case (test_stable_fp8_prefill_products): median <= 0.1 and every position <= 0.25.  A wrong scale, layer or
+    padding column moves the logits by more than the whole quantization does."""
+    import functools
+
+    import kda_rt.cuda.model as cuda_model
+    import kda_rt.reference.kimi_linear as np_model
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    if device_arch() != "sm_90a":
+        pytest.skip("the e4m3 products run on the wgmma kernel (sm_90a)")
+    monkeypatch.setenv("KDA_RT_FP8_PREFILL", "1")
+    monkeypatch.setenv("KDA_RT_FP8_DENSE", "1")
+    monkeypatch.setattr(cuda_model, "FP8_DENSE_MIN_TOKENS", 1)
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("stable-fp8-dense"), seed=3,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)
+    gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
+    calls = []
+    real = cuda_model.dense_w8a8
+    monkeypatch.setattr(cuda_model, "dense_w8a8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = list(np.random.default_rng(1).integers(0, 768, size=150))
+    gpu_logits = gpu.score(ids)
+    cfg = DEMO_CONFIG["linear_attn_config"]
+    kda, mla = len(cfg["kda_layers"]), len(cfg["full_attn_layers"])
+    assert len(calls) == 2 * kda + 2 * mla + 2 * DEMO_CONFIG["first_k_dense_replace"], len(calls)
+    ref = LLM(str(path), backend="numpy", dtype="bfloat16", quantization="fp8", **KW)
+    bf16_logits = ref.score(ids)
+    ref.runner.model.num.e4m3_dense = True
+    monkeypatch.setattr(np_model, "moe_forward", functools.partial(np_model.moe_forward, e4m3_sources=True,
+                                                                    shared_e4m3_sources=True))
+    ref_logits, margins = score_with_margins(ref, ids)
+    err = row_rel_err(gpu_logits, ref_logits)
+    moved = row_rel_err(ref_logits, bf16_logits)
+    print(f"fp8 dense products: rel err median {np.median(err):.2e}, max {err.max():.2e}; the oracle's own move "
+          f"{np.median(moved):.2e} median")
+    assert np.all(np.isfinite(gpu_logits)), "non-finite logits"
+    assert np.median(moved) > TOL, "the oracle did not quantize (e4m3_dense not applied?)"
+    assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
+
+
 def test_demo_logits_statistics(demo_pair):
     """Shipped demo: the median position is within the bound; the worst positions and their router
     margins are printed (near-ties and the positions after them)."""
