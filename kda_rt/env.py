@@ -169,9 +169,11 @@ def fp8_dense() -> bool:
     """KDA_RT_FP8_DENSE: 1 (default) gives quantization="fp8" models e4m3 copies of the large dense projections (KDA
     q|k|v and o_proj, MLA q|kv_a and o_proj, the dense layer's MLP; ~1 GB on the 48B shape, made at upload beside the
     bf16 weights, which decode keeps using) and runs them on e4m3 products in prefill steps of
-    ops/dense_w8a8.MIN_TOKENS tokens or more (sm_90a), as vLLM's fp8 runs every linear layer: x's rows quantized
-    (by the RMSNorm before, or ops/quant.quantize_activations_e4m3), one scale a weight row.  0 at upload: no copies;
-    0 later: the copies stay unused (bench A/B).  Read at upload and at each prefill forward."""
+    ops/dense_w8a8.MIN_TOKENS tokens or more, as vLLM's fp8 runs every linear layer: x's rows quantized (by the
+    RMSNorm before, or ops/quant.quantize_activations_e4m3), one scale a weight row.  The copies need sm_90a and
+    KDA_RT_WGMMA on at upload (each prefill forward reads KDA_RT_WGMMA again); KDA_RT_FP8_PREFILL and
+    KDA_RT_NORM_E4M3 (the experts' products) do not touch them.  0 at upload: no copies; 0 later: the copies stay
+    unused (bench A/B).  Read at upload and at each prefill forward."""
     return _on_off("KDA_RT_FP8_DENSE", "1")
 
 
@@ -245,9 +247,10 @@ def fused_route() -> bool:
 
 
 def w8a8_tile() -> tuple[int, int] | None:
-    """KDA_RT_W8A8_TILE (bench switch): BNxSTAGES, the tile of the prefill MoE GEMMs on e4m3 sources and weights
-    (kernels_cu/moe_gemm_wg.cu WFMT = 2), e.g. 128x3 (two CTAs an SM); unset: the launcher's choice.  Read at each
-    launch; a tile that does not fit the GEMM is refused there."""
+    """KDA_RT_W8A8_TILE (bench switch): BNxSTAGES, the tile of the prefill GEMMs on e4m3 sources and weights
+    (kernels_cu/moe_gemm_wg.cu WFMT = 2: the MoE's, and the dense projections' of fp8 models, ops/dense_w8a8), e.g.
+    128x3 (two CTAs an SM); unset: the launcher's choice.  Read at each launch; a tile that does not fit the GEMM
+    is refused there (and a dense projection it does not fit at upload gets no e4m3 copy)."""
     value = os.environ.get("KDA_RT_W8A8_TILE") or ""
     if not value:
         return None

@@ -85,7 +85,8 @@ class CudaModel:
         fuse_norm = env.fused_norm() and T <= env.fused_norm_max_t(FUSED_NORM_MAX_T) and fits_norm(D)
         layers = self.w.layers
         normed = False  # the previous MoE block already added its output to res and normalised it into a
-        fp8 = not b.decode and T >= FP8_DENSE_MIN_TOKENS and env.fp8_dense()  # dense projections on e4m3 copies
+        # the dense projections on their e4m3 copies (KDA_RT_WGMMA=0 turns them off too: they run on wgmma)
+        fp8 = not b.decode and T >= FP8_DENSE_MIN_TOKENS and env.fp8_dense() and env.wgmma()
         for i, L in enumerate(layers):
             first = L.mixer.qkv_e4m3 if isinstance(L.mixer, DeviceKDA) else L.mixer.q_kva_e4m3
             # the mixer's first projection on e4m3 products: the norm writes a's codes too (and the mixer takes
@@ -152,7 +153,8 @@ class CudaModel:
             return linear(x, w, out=out if out is not None else ws.get(name, (T, w.shape[0]), BF16))
         padded = int(w8.codes.shape[1]) // (2 if w8.fuse_silu else 1)
         width = w8.nout // (2 if w8.fuse_silu else 1)
-        dst = out if out is not None and padded == width else ws.get(f"{name}_e4m3", (T, padded), BF16)
+        # (the bf16 path's buffer of the same name: one allocation, re-viewed at the padded width)
+        dst = out if out is not None and padded == width else ws.get(name, (T, padded), BF16)
         dense_w8a8(x, w8, out=dst, codes=codes if codes is not None else self._codes(ws, name, T, x.shape[1]),
                    quantized=codes is not None)
         if dst is out:

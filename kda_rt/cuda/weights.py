@@ -230,19 +230,22 @@ def _quantize_dense(up: Uploader, mixer: DeviceKDA | DeviceMLA, mlp: DeviceMLP |
     `mlp`; a projection whose shape the e4m3 GEMM does not take keeps cuBLAS bf16 alone."""
     from kda_rt.cuda.ops.dense_w8a8 import fits, quantize_dense
 
-    def copy(w, name, fuse_silu=False):
-        if not fits(*w.shape, fuse_silu):
+    def copy(w, name, fuse_silu=False, pad=True):
+        if not fits(*w.shape, fuse_silu, pad=pad):
             return None
         q = quantize_dense(w, name, fuse_silu=fuse_silu, stream=up.stream)
         up.bytes_uploaded += q.nbytes
         return q
 
+    # (q|k|v and the MLP's h feed consumers of contiguous rows only: no padded copies of those; MLA's q|kv_a feeds
+    # row-strided views, o_proj and down write through the caller's `out`)
     if isinstance(mixer, DeviceKDA):
-        mixer.qkv_e4m3, mixer.o_proj_e4m3 = copy(mixer.qkv, "q|k|v"), copy(mixer.o_proj, "o_proj")
+        mixer.qkv_e4m3, mixer.o_proj_e4m3 = copy(mixer.qkv, "q|k|v", pad=False), copy(mixer.o_proj, "o_proj")
     else:
         mixer.q_kva_e4m3, mixer.o_proj_e4m3 = copy(mixer.q_kva, "q|kv_a"), copy(mixer.o_proj, "o_proj")
-    if isinstance(mlp, DeviceMLP) and mlp.gate_up.shape[0] % 2 == 0:
-        mlp.gate_up_e4m3, mlp.down_e4m3 = copy(mlp.gate_up, "gate|up", True), copy(mlp.down, "down")
+    if isinstance(mlp, DeviceMLP):
+        mlp.gate_up_e4m3 = copy(mlp.gate_up, "gate|up", True, pad=False)
+        mlp.down_e4m3 = copy(mlp.down, "down") if mlp.gate_up_e4m3 is not None else None
 
 
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
@@ -266,7 +269,7 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
         mlp = _moe(up, L.mlp) if isinstance(L.mlp, MoEWeights) else _mlp(up, L.mlp)
         if quantization == "fp8" and isinstance(mlp, DeviceMoE):
             mlp = _quantize_moe(up, mlp)
-        if quantization == "fp8" and dense_e4m3:
+        if dense_e4m3:
             _quantize_dense(up, mixer, mlp)
         layers.append(DeviceLayer(_put(up, L.input_layernorm), mixer, _put(up, L.post_attention_layernorm), mlp))
         bar.update(1)

@@ -1,7 +1,7 @@
 """Dense prefill projections of the Kimi-Linear-48B shape in FP8: cuBLAS bf16 (`kda_rt.cuda.gemm.linear`, what the
-model runs) against the e4m3 x e4m3 wgmma GEMM (`moe_gemm_wg`, WFMT = 2) run as a one-expert grouped GEMM over an
-identity plan (row r of the output is row r of the source), alone and after its source's quantization
-(`quantize_activations_e4m3`).  Random codes and scales: the times do not depend on the values.
+model runs without the e4m3 copies) against `ops/dense_w8a8.dense_w8a8` (the e4m3 x e4m3 wgmma GEMM, WFMT = 2, as a
+one-expert grouped GEMM over an identity plan), on codes made before (as the norm hands them over) and with its
+source's quantization (`quantize_activations_e4m3`).  Random codes and scales: the times do not depend on the values.
 
     PYTHONPATH=. python tests/gpu/bench_dense_w8a8.py [--tokens 16384,8192] [--rounds 5]
 
@@ -29,18 +29,6 @@ SHAPES = {  # name: (K, NOUT, padded NOUT for the e4m3 tile, SiLU fused)
 }
 
 
-def identity_plan(T: int):
-    """A one-expert MoEPlan whose sorted row r is source row r (top_k 1), in 128-row tiles."""
-    import cupy
-
-    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
-
-    tiles = max_tiles(T, 1, 128)
-    rows = cupy.arange(T, dtype=np.int32)
-    return MoEPlan(cupy.asarray([0, T], dtype=np.int32), rows, rows, cupy.zeros(tiles, dtype=np.int32),
-                   cupy.arange(tiles, dtype=np.int32) * 128, cupy.asarray([-(-T // 128)], dtype=np.int32), 128)
-
-
 def main() -> int:
     import cupy
     from kernels.test_moe_gemm_tc import e4m3_stack
@@ -48,7 +36,7 @@ def main() -> int:
     from helpers.gpu import median_ms
     from kda_rt.cuda.gemm import linear
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+    from kda_rt.cuda.ops.dense_w8a8 import E4m3Dense, dense_w8a8
     from kda_rt.cuda.ops.quant import quantize_activations_e4m3
 
     ap = argparse.ArgumentParser()
@@ -57,21 +45,19 @@ def main() -> int:
     args = ap.parse_args()
     crng, hrng = cupy.random.default_rng(1), np.random.default_rng(2)
     for T in map(int, args.tokens.split(",")):
-        plan = identity_plan(T)
         total = {"bf16": 0.0, "w8a8": 0.0, "w8a8+quant": 0.0}
         for name, (K, nout, padded, silu) in SHAPES.items():
             x = (crng.standard_normal((T, K), dtype=np.float32)).astype(BF16)
             w = (crng.standard_normal((nout, K), dtype=np.float32) * K**-0.5).astype(BF16)
-            wq, ws = e4m3_stack(crng, hrng, 1, padded, K)
+            wq, ws = e4m3_stack(crng, hrng, 1, padded, K)  # (random codes: the timing does not depend on them)
+            w8 = E4m3Dense(wq, ws, nout, silu)
             xq, xs = cupy.empty((T, K), dtype=np.uint8), cupy.empty(T, dtype=np.float32)
             quantize_activations_e4m3(x, out=xq, scale_out=xs)
             out_bf16 = cupy.empty((T, nout), dtype=BF16)
             out_q = cupy.empty((T, padded // 2 if silu else padded), dtype=BF16)
 
-            def w8a8(quant: bool, x=x, xq=xq, xs=xs, wq=wq, ws=ws, out_q=out_q, silu=silu, plan=plan):
-                if quant:
-                    quantize_activations_e4m3(x, out=xq, scale_out=xs)
-                moe_gemm_wg(xq, wq, plan, top_k=1, fuse_silu=silu, out=out_q, scale=ws, src_scale=xs)
+            def w8a8(quant: bool, x=x, xq=xq, xs=xs, w8=w8, out_q=out_q):
+                dense_w8a8(x, w8, out=out_q, codes=(xq, xs), quantized=not quant)
 
             runs = {"bf16": partial(linear, x, w, out=out_bf16), "w8a8": partial(w8a8, False),
                     "w8a8+quant": partial(w8a8, True)}
@@ -86,7 +72,7 @@ def main() -> int:
             print(f"T={T} {name} ({K} -> {nout}{' SiLU' if silu else ''}): " + "  ".join(
                 f"{k} {m:.3f} ms {flop / m / 1e9:.0f} TFLOP/s ({m / med['bf16'] - 1:+.1%})" for k, m in med.items()),
                 flush=True)
-            del x, w, wq, ws, xq, xs, out_bf16, out_q
+            del x, w, wq, ws, w8, xq, xs, out_bf16, out_q
             cupy.get_default_memory_pool().free_all_blocks()
         print(f"T={T} all five: " + "  ".join(f"{k} {v:.3f} ms" for k, v in total.items()), flush=True)
     return 0

@@ -194,6 +194,54 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     assert norms == ([("rmsnorm_fwd_e4m3", 2304, True, 1)] if fp8_prefill == "1" else [])
 
 
+def test_dense_e4m3_copies_only_for_shapes_the_consumers_take(monkeypatch):
+    """ops/dense_w8a8.fits: K a multiple of 128 codes; padded widths only where the caller takes row-strided output
+    (pad=True: MLA's q|kv_a, o_proj, down), never for KDA q|k|v with an odd head count (3P = 384 H is not a
+    multiple of 256) or a gate|up whose halves need padding (the MLP's h is quantized as contiguous rows); a forced
+    tile that does not fit gives no copy instead of an error."""
+    from kda_rt.cuda.ops.dense_w8a8 import fits
+
+    assert fits(12288, 2304) and fits(12288, 2304, pad=False)  # 48B q|k|v (32 heads)
+    assert fits(6720, 2304) and not fits(6720, 2304, pad=False)  # MLA q|kv_a: padded to 6912
+    assert fits(1152, 256) and not fits(1152, 256, pad=False)  # q|k|v of 3 heads
+    assert fits(18432, 2304, True, pad=False) and not fits(2 * 384, 256, True, pad=False)  # gate|up, F = 9216 / 384
+    assert not fits(2304, 192) and not fits(401, 256, True)  # K % 128; an odd gate|up
+    monkeypatch.setenv("KDA_RT_W8A8_TILE", "256x4")
+    assert not fits(768, 128)  # one k step: 256x4 needs two
+    monkeypatch.delenv("KDA_RT_W8A8_TILE")
+    assert fits(768, 128)  # the launcher picks 128x3
+
+
+def test_runner_precompiles_the_dense_e4m3_variants(monkeypatch):
+    """The 48B shape's dense e4m3 copies: one GEMM variant per (padded width, K, SiLU), one activation quantizer per
+    source width, and both e4m3 norms (first layer without the residual add, the others with it)."""
+    import numpy as np
+
+    import kda_rt.cuda.ops.dense_w8a8 as dense
+    import kda_rt.cuda.ops.quant as quant
+    import kda_rt.cuda.ops.rmsnorm as rms
+
+    built = []
+    for mod in (wg, quant, rms):
+        monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
+
+    def copy(nout, K, fuse=False):
+        return dense.E4m3Dense(np.zeros((1, nout, K), np.uint8), np.zeros((1, nout), np.float32), nout, fuse)
+
+    copies = [copy(12288, 2304), copy(2304, 4096), copy(6912, 2304), copy(2304, 4096), copy(18432, 2304, True),
+              copy(2304, 9216)]
+    assert dense.precompile(copies, 2304) == 5 + 3 + 2
+    gemms = sorted((kw["NOUT"], kw["K"], kw["FUSE_SILU"], kw["TOPK"], kw["WFMT"]) for f, n, kw in built
+                   if f == "moe_gemm_wg.cu")
+    assert gemms == sorted([(12288, 2304, 0, 1, 2), (2304, 4096, 0, 1, 2), (6912, 2304, 0, 1, 2),
+                            (18432, 2304, 1, 1, 2), (2304, 9216, 0, 1, 2)])
+    quant_kernels = [(n, kw.get("ROW_K")) for f, n, kw in built if f == "quant.cu"]  # 9216 > 8192: a block a row
+    assert sorted(quant_kernels, key=str) == sorted([("quantize_rows_e4m3_warp", 2304), ("quantize_rows_e4m3_warp", 4096),
+                                                     ("quantize_rows_e4m3", None)], key=str)
+    norms = sorted((kw["HAS_RESIDUAL"], kw.get("E4M3_OUT")) for f, n, kw in built if f == "rmsnorm.cu")
+    assert norms == [(False, 1), (True, 1)]
+
+
 def test_runner_precompiles_every_kda_state_width(monkeypatch):
     """kda_prefill's state width follows the number of sequences (32 / 64 at 32 heads); each width is
     its own module (~1.5 s of NVRTC), so the runner builds all of them at start, with the exact defines

@@ -7,7 +7,9 @@ x's rows are quantized as `quantize_activations_e4m3` quantizes them (or by the 
 E4M3_OUT: the same codes), the weight's rows once at upload (`quantize_rows_e4m3`).  The GEMM is moe_gemm_wg.cu's
 (WFMT = 2) over one expert and an identity plan: sorted row r is source row r, in 128-row tiles.  The weight's rows
 are padded with zero codes and zero scales to a multiple of the tile width (256), so the output holds that many
-columns and the caller takes its first `nout`.  sm_90a only (wgmma); elsewhere the model keeps cuBLAS bf16.
+columns and the caller takes its first `nout` (a row-strided view: `fits(pad=False)` keeps the copies to shapes
+without padding where the consumer takes contiguous rows only).  sm_90a only (wgmma); elsewhere the model keeps
+cuBLAS bf16.
 
 Measured (H200, 2026-12-02, `PYTHONPATH=. python tests/gpu/bench_dense_w8a8.py`, T = 16384, quantization of x
 included | GEMM alone, against cuBLAS bf16): KDA q|k|v 0.973 | 0.931 ms against 1.363 (-28.6 | -31.7%), o_proj
@@ -49,10 +51,17 @@ class E4m3Dense(NamedTuple):
         return int(self.codes.nbytes + self.scale.nbytes)
 
 
-def fits(nout: int, k: int, fuse_silu: bool = False) -> bool:
-    """A [nout, k] weight can run here: k a multiple of 128 codes, and a tile for its padded width."""
+def fits(nout: int, k: int, fuse_silu: bool = False, *, pad: bool = True) -> bool:
+    """A [nout, k] weight can run here: k a multiple of 128 codes, and a tile for its padded width; without `pad`
+    only when no padding is needed (for consumers of the output that take contiguous rows only: KDA's q|k|v, the
+    dense MLP's h).  False, not an error, where KDA_RT_W8A8_TILE names a tile that does not fit."""
     padded = _padded(nout, fuse_silu)
-    return k % E4M3_BK == 0 and wg_tile(padded, k, fuse_silu, e4m3_src=True) is not None
+    if k % E4M3_BK or (fuse_silu and nout % 2) or (not pad and padded != nout):
+        return False
+    try:
+        return wg_tile(padded, k, fuse_silu, e4m3_src=True) is not None
+    except ValueError:  # (a forced tile that does not fit this shape)
+        return False
 
 
 def _padded(nout: int, fuse_silu: bool) -> int:
@@ -67,6 +76,8 @@ def quantize_dense(w, name: str, *, fuse_silu: bool = False, stream=None) -> E4m
     import cupy
 
     nout, K = w.shape
+    if fuse_silu and nout % 2:
+        raise ValueError(f"quantize_dense: {name} has {nout} rows; gate|up needs an even number")
     padded = _padded(nout, fuse_silu)
     q, s = quantize_rows_e4m3(w, name, stream=stream)
     if padded == nout:
@@ -122,10 +133,13 @@ def dense_w8a8(x, w: E4m3Dense, *, out, codes, quantized: bool = False, stream=N
     codes = (q uint8 [T, K], s fp32 [T]): x's e4m3 rows, made here unless `quantized` (the norm before wrote them).
     out: bf16 [T, padded] ([T, padded / 2] with fuse_silu), padded = w.codes.shape[1]; its first nout (nout / 2)
     columns are the projection.  Returns out."""
+    import cupy
+
     q, s = codes
     if not quantized:
         quantize_activations_e4m3(x, out=q, scale_out=s, stream=stream)
-    plan = _PLANS.get(int(q.shape[0]))
+    with stream if stream is not None else cupy.cuda.get_current_stream():  # (the plan's arrays in stream order)
+        plan = _PLANS.get(int(q.shape[0]))
     return moe_gemm_wg(q, w.codes, plan, top_k=1, fuse_silu=w.fuse_silu, out=out, scale=w.scale, src_scale=s,
                        stream=stream)
 
@@ -138,15 +152,13 @@ def precompile(dense, hidden: int) -> int:
     from kda_rt.cuda.ops.quant import activation_kernel
     from kda_rt.cuda.ops.rmsnorm import rmsnorm_kernel
 
-    seen: set[tuple[int, int, bool]] = set()
-    for w in dense:
-        _, nout, K = w.codes.shape
-        if (nout, K, w.fuse_silu) in seen:
-            continue
-        seen.add((nout, K, w.fuse_silu))
-        wg_kernel(wg_tile(nout, K, w.fuse_silu, e4m3_src=True), K, nout, w.fuse_silu, 1, True, e4m3_src=True)
+    gemms = {(int(w.codes.shape[1]), int(w.codes.shape[2]), w.fuse_silu) for w in dense}
+    for nout, K, fuse in gemms:
+        wg_kernel(wg_tile(nout, K, fuse, e4m3_src=True), K, nout, fuse, 1, True, e4m3_src=True)
+    sources = {K for _, K, _ in gemms}
+    for K in sources:
         activation_kernel(K)
-    if seen:
+    if gemms:
         rmsnorm_kernel(hidden, False, e4m3_out=True)
         rmsnorm_kernel(hidden, True, e4m3_out=True)
-    return 2 * len(seen) + 2 * bool(seen)
+    return len(gemms) + len(sources) + 2 * bool(gemms)

@@ -4,7 +4,8 @@ Same contract as moe_gemm_tc.py with a plan built for tile_rows = 128; `availabl
 runs here (arch sm_90a, KDA_RT_WGMMA not 0, shape fits), else callers use moe_gemm_tc.  e4m3 weights (uint8 codes
 with one fp32 scale a row, loader/quant.py; moe_gemm_wg.cu WFMT = 1) through `scale`; with `src_scale` too the
 source rows are e4m3 codes with a scale a row as well (ops/quant.quantize_activations_e4m3) and the products run
-on the e4m3 tensor cores (WFMT = 2).
+on the e4m3 tensor cores (WFMT = 2); ops/dense_w8a8.py runs fp8 models' dense prefill projections through it as
+one expert over an identity plan (top_k 1).
 
 Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction width, NOUT output width."""
 
