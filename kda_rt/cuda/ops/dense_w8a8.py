@@ -115,9 +115,10 @@ class _IdentityPlans:
             self._tile_row = cupy.arange(t, dtype=np.int32) * BM
             self._zeros = cupy.zeros(t, dtype=np.int32)
         small = self._small.pop(T, None)
-        if small is None:
-            small = (cupy.asarray(np.array([0, T], dtype=np.int32)),
-                     cupy.asarray(np.array([-(-T // BM)], dtype=np.int32)))
+        if small is None:  # (filled on the device: no copy from pageable host memory, which may wait for the stream)
+            off = cupy.zeros(2, dtype=np.int32)
+            off[1] = T
+            small = (off, cupy.full(1, -(-T // BM), dtype=np.int32))
             while len(self._small) >= self.KEEP:
                 self._small.popitem(last=False)
         self._small[T] = small
