@@ -11,7 +11,8 @@ Prefill (FLOPs at the bf16 tensor-core peak): 2 FLOP per active weight per token
 and the shared experts; the lm_head only for the rows that are sampled) plus causal MLA attention
 (q·k over qk_head_dim and p·v over v_head_dim per head, L(L+1)/2 pairs per prompt).  KDA's chunk
 products (~6 MFLOP per token per layer at the 48B shape, a few % of the weights' FLOPs) are left out,
-so the floor is a little low, never high.
+so the floor is a little low, never high.  For fp8 models a second prefill floor takes the products they run on
+e4m3 tensor cores at twice the bf16 rate.
 """
 
 from __future__ import annotations
@@ -153,15 +154,45 @@ def _attention_flops(config: ModelConfig, prompt_lens: list[int]) -> float:
     return 2.0 * mc.num_heads * (mc.qk_head_dim + mc.v_head_dim) * pairs * len(config.mla_layer_ids)
 
 
-def prefill_floor(config: ModelConfig, prompt_lens: list[int], *, flops_rate: float = BF16_FLOPS) -> dict:
-    """FLOPs and seconds of prefilling prompts of these lengths (one sampled row each)."""
+def prefill_floor(config: ModelConfig, prompt_lens: list[int], *, flops_rate: float = BF16_FLOPS,
+                  quantization: str | None = None) -> dict:
+    """FLOPs and seconds of prefilling prompts of these lengths (one sampled row each).  quantization "fp8": also
+    "seconds_fp8", the same FLOPs with the products that fp8 models run on e4m3 tensor cores (`_fp8_params`) at twice
+    `flops_rate` (the e4m3 tensor cores' nominal rate is twice bf16's; not measured here), and "fp8_share", their
+    share of the FLOPs."""
     w = weight_bytes(config)
     tokens = sum(prompt_lens)
     per_token = w.dense_params
     if config.moe is not None:
         per_token += len(_moe_layers(config)) * config.moe.top_k * w.expert_params
     flops = 2.0 * per_token * tokens + 2.0 * w.lm_head_params * len(prompt_lens) + _attention_flops(config, prompt_lens)
-    return {"flops": flops, "seconds": flops / flops_rate, "active_params_per_token": per_token}
+    out = {"flops": flops, "seconds": flops / flops_rate, "active_params_per_token": per_token}
+    if quantization == "fp8":
+        fp8 = 2.0 * _fp8_params(config) * tokens
+        out.update(seconds_fp8=fp8 / (2 * flops_rate) + (flops - fp8) / flops_rate, fp8_share=fp8 / flops)
+    return out
+
+
+_FP8_MIXER = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".kv_a_proj_with_mqa.")
+
+
+def _fp8_params(config: ModelConfig) -> int:
+    """Active parameters a token multiplies on e4m3 tensor cores in a large prefill step of an fp8 model on sm_90a
+    (cuda/weights.py): the routed top-k experts and the shared experts, each KDA layer's q / k / v and o_proj, each
+    MLA layer's q and kv_a and o_proj, the dense MLPs.  (Counting the shared experts even where a shared expert apart
+    stays bf16 only lowers the floor.)"""
+    from kda_rt.loader.weights import expected_tensors
+
+    n = 0
+    for name, (shape, _) in expected_tensors(config).items():
+        if _EXPERT in name:
+            continue
+        if ((".self_attn." in name and any(p in name for p in _FP8_MIXER)) or ".mlp." in name
+                or ".block_sparse_moe.shared_experts." in name):
+            n += int(np.prod(shape))
+    if config.moe is not None:
+        n += len(_moe_layers(config)) * config.moe.top_k * weight_bytes(config).expert_params
+    return n
 
 
 def op_work(config: ModelConfig, *, decode: bool, batch: int, tokens: int, context: float,

@@ -46,6 +46,23 @@ def test_prefill_floor_matches_hand_numbers(full):
     assert prefill_floor(full, [131072])["seconds"] / 131072 > 1.2 * pre["seconds"] / (32 * 2048)
 
 
+def test_prefill_floor_fp8_counts_the_e4m3_products_by_hand(full):
+    """quantization "fp8": the products fp8 models run on e4m3 (per token: 8 routed + 1 shared experts of 3 x 2304 x
+    1024 in 26 MoE layers, KDA q|k|v + o_proj 4 x 4096 x 2304 in 20 layers, MLA (32 x 192 + 576) x 2304 + 2304 x 4096
+    in 7, the dense MLP 3 x 9216 x 2304) at twice the rate; the rest (attention, KDA's small projections, kv_b,
+    lm_head) at the bf16 rate."""
+    from kda_rt.floors import BF16_FLOPS
+
+    pre = prefill_floor(full, [2048] * 32, quantization="fp8")
+    tokens = 32 * 2048
+    e4m3 = (26 * 9 * 3 * 2304 * 1024 + 20 * 4 * 4096 * 2304 + 7 * ((32 * 192 + 576) * 2304 + 2304 * 4096)
+            + 3 * 9216 * 2304)
+    want = 2.0 * e4m3 * tokens / (2 * BF16_FLOPS) + (pre["flops"] - 2.0 * e4m3 * tokens) / BF16_FLOPS
+    assert pre["seconds_fp8"] == pytest.approx(want, rel=1e-12)
+    assert 0.5 * pre["seconds"] < pre["seconds_fp8"] < 0.55 * pre["seconds"]  # ~95% of the FLOPs at twice the rate
+    assert "seconds_fp8" not in prefill_floor(full, [2048] * 32)
+
+
 def test_op_work_splits_the_floors(full):
     """The per-op minimum work of `bench --profile` adds up to the step floors (the norms' few MB
     and the embedding rows aside), so each op's rate is measured against its share of the floor."""
