@@ -93,6 +93,32 @@ def test_kda_prefill_long():
     _run([32768 - 5, 5], 2, "bursty", None, seed=32769, windows=True, fresh=[False, True])
 
 
+@pytest.mark.parametrize("lengths, num_heads, gates", [([1, 3, 64, 65, 200], 4, "bursty"), ([130, 70], 32, "normal")])
+def test_kda_prefill_e4m3_out(lengths, num_heads, gates):
+    """e4m3_out (kda_prefill_norm_e4m3, one token a block): out bit for bit as without it (same inputs, same state),
+    and the codes and scales bit for bit what quantize_activations_e4m3 makes from out (into poisoned buffers)."""
+    import cupy
+
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.cuda.ops.kda_prefill import kda_prefill
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    if device_arch() in ("sm_80", "sm_86", "sm_87"):
+        pytest.skip("e4m3 codes need sm_89+")
+    inp = _inputs(lengths, num_heads, gates, seed=7 * sum(lengths) + num_heads)
+    dev, dev2 = upload(inp), upload(inp)  # (two copies of the pools: each call updates its own)
+    T, P = dev["f"].shape
+    plain = run_op(kda_prefill, dev, num_heads)
+    q = cupy.full((T, P), 0x7F, dtype=np.uint8)
+    qs = cupy.full(T, np.nan, dtype=np.float32)
+    out = run_op(kda_prefill, dev2, num_heads, e4m3_out=(q, qs))
+    assert cupy.array_equal(out.view(cupy.uint16), plain.view(cupy.uint16)), "e4m3_out changed out"
+    want_q, want_s = cupy.empty_like(q), cupy.empty_like(qs)
+    quantize_activations_e4m3(out, out=want_q, scale_out=want_s)
+    assert cupy.array_equal(qs, want_s), "scales differ from quantize_activations_e4m3's"
+    assert cupy.array_equal(q, want_q), f"{int((q != want_q).sum())} codes differ from quantize_activations_e4m3's"
+
+
 if __name__ == "__main__":
     for case in CASES:
         test_kda_prefill(*case)
