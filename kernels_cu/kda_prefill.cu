@@ -941,7 +941,7 @@ extern "C" __global__ void __launch_bounds__(1024) kda_prefill_norm_e4m3(
     unsigned char* __restrict__ q, float* __restrict__ qs) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     KDA_PDL_ENTRY();
-    __shared__ float scratch[32];
+    __shared__ float scratch[64];  // one max a head (16 lanes: an odd head count leaves a half warp)
     const int token = blockIdx.x, c = 8 * threadIdx.x, cw = c % K;  // cw: the channel within the head
     const size_t base = (size_t)token * (blockDim.x * 8) + c;
     const bf16x8 o = *reinterpret_cast<const bf16x8*>(out + base), gv = *reinterpret_cast<const bf16x8*>(gate + base);
@@ -961,10 +961,10 @@ extern "C" __global__ void __launch_bounds__(1024) kda_prefill_norm_e4m3(
         amax = fmaxf(amax, fabsf(y[j]));
     }
     *reinterpret_cast<bf16x8*>(out + base) = res;
-    amax = warp_max(amax);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = amax;
+    amax = warp_max<16>(amax);  // (within the head's 16 lanes: never a shuffle with a lane past the block)
+    if ((threadIdx.x & 15) == 0) scratch[threadIdx.x >> 4] = amax;
     const bool bad = __syncthreads_or(!finite);
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) amax = fmaxf(amax, scratch[w]);
+    for (int hd = 0; hd < (int)(blockDim.x >> 4); ++hd) amax = fmaxf(amax, scratch[hd]);
     if (bad) {
         if (threadIdx.x == 0) qs[token] = __int_as_float(0x7fc00000);
         return;
