@@ -78,6 +78,7 @@
 // file (one CTA per (head, sequence), fp32 FMA): 3.30 / 7.32 / 29.2 / 49.3 ms.  fla's chunk_kda
 // (earlier measurement, same GPU kind): 1.38 ms at 1x2048, 2.08 ms at 8x2048.
 #include "kda_common.cuh"
+#include "e4m3.cuh"
 
 // PHASE_CLOCK (bench-only, tests/gpu/bench_kda_phases.py): thread 0 of each kda_prefill_intra CTA stores clock64()
 // at its phase boundaries into kda_phase_clk[block][i]; undefined (every build of the runtime) it compiles to nothing.
@@ -927,4 +928,54 @@ extern "C" __global__ void __launch_bounds__(256) kda_prefill_norm(
 #pragma unroll
     for (int j = 0; j < 8; ++j) res.v[j] = to_bf16(y[j] * inv * o_norm_w[c + j] * sigmoid(to_f32(gv.v[j])));
     *reinterpret_cast<bf16x8*>(out + (size_t)row * K + c) = res;
+}
+
+// kda_prefill_norm_e4m3 (sm_89+; the launcher's e4m3_out): one token a block of num_heads x 16 threads (thread i:
+// channels 8i .. 8i + 7 of the token's P = num_heads * K), the same y as kda_prefill_norm, and the token's row of y
+// also as e4m3 codes with one fp32 scale, e4m3.cuh's activation rule: the codes and scale quant.cu's
+// quantize_activations_e4m3 gives the stored bf16 row (a NaN scale, codes left as they are, for a row with a
+// non-finite value).  They are the source of o_proj's FP8 prefill GEMM (ops/dense_w8a8), so y is not read again
+// to quantize it.  Shapes: q [T, P] uint8, qs [T] fp32; grid = T.
+extern "C" __global__ void __launch_bounds__(1024) kda_prefill_norm_e4m3(
+    const bf16* __restrict__ gate, const float* __restrict__ o_norm_w, bf16* __restrict__ out, float eps,
+    unsigned char* __restrict__ q, float* __restrict__ qs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    KDA_PDL_ENTRY();
+    __shared__ float scratch[64];  // one max a head (16 lanes: an odd head count leaves a half warp)
+    const int token = blockIdx.x, c = 8 * threadIdx.x, cw = c % K;  // cw: the channel within the head
+    const size_t base = (size_t)token * (blockDim.x * 8) + c;
+    const bf16x8 o = *reinterpret_cast<const bf16x8*>(out + base), gv = *reinterpret_cast<const bf16x8*>(gate + base);
+    float y[8], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) y[j] = to_f32(o.v[j]), ss = fmaf(y[j], y[j], ss);
+    ss = warp_sum<16>(ss);
+    const float inv = rsqrtf(ss / (float)K + eps);
+    bf16x8 res;
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        res.v[j] = to_bf16(y[j] * inv * o_norm_w[cw + j] * sigmoid(to_f32(gv.v[j])));
+        y[j] = to_f32(res.v[j]);  // the stored value: its codes
+        finite = finite && isfinite(y[j]);
+        amax = fmaxf(amax, fabsf(y[j]));
+    }
+    *reinterpret_cast<bf16x8*>(out + base) = res;
+    amax = warp_max<16>(amax);  // (within the head's 16 lanes: never a shuffle with a lane past the block)
+    if ((threadIdx.x & 15) == 0) scratch[threadIdx.x >> 4] = amax;
+    const bool bad = __syncthreads_or(!finite);
+    for (int hd = 0; hd < (int)(blockDim.x >> 4); ++hd) amax = fmaxf(amax, scratch[hd]);
+    if (bad) {
+        if (threadIdx.x == 0) qs[token] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const E4m3Row qr = e4m3_row(amax);
+    if (threadIdx.x == 0) qs[token] = qr.scale;
+    unsigned pair[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pair[i] = qr.zero ? 0u : e4m3x2_codes(y[2 * i] * qr.r, y[2 * i + 1] * qr.r);
+    *reinterpret_cast<uint2*>(q + base) = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+#else
+    __trap();  // (the launcher refuses e4m3_out below sm_89)
+#endif
 }

@@ -208,12 +208,15 @@ class CudaModel:
             low_rank = {}
         args = (qkv, f, beta, gate, w.conv_w, w.A_log, w.dt_bias, w.o_norm, conv_pool, rec_pool,
                 b.cu_seqlens, b.context_lens, b.state_slots)
+        y_codes = None  # o_proj on e4m3 products: the gated norm writes y's codes too
         if b.decode:
             kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y, **low_rank)
         else:
+            if fp8 and w.o_proj_e4m3 is not None and H <= 64 and env.kda_norm_e4m3():
+                y_codes = self._codes(ws, "o", T, P)
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
-                        max_seqlen=b.max_seqlen)
-        self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out)
+                        max_seqlen=b.max_seqlen, e4m3_out=y_codes)
+        self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, codes=y_codes, out=out)
 
     def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None,
              x_codes=None) -> None:

@@ -282,6 +282,37 @@ def test_stable_fp8_dense_prefill_products(tmp_path_factory, monkeypatch):
     assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
 
 
+def test_kda_norm_codes_same_logits(tmp_path_factory, monkeypatch):
+    """KDA_RT_KDA_NORM_E4M3 (the KDA prefill's gated norm writes o_proj's e4m3 codes, so o_proj does not quantize y
+    again): the same codes, so the fp8 model's logits bit for bit the same with it on and off, on a prefill step whose
+    dense projections run on e4m3 products (the step-size threshold lowered)."""
+    import kda_rt.cuda.model as cuda_model
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    if device_arch() != "sm_90a":
+        pytest.skip("the e4m3 products run on the wgmma kernel (sm_90a)")
+    monkeypatch.setenv("KDA_RT_FP8_DENSE", "1")
+    monkeypatch.setattr(cuda_model, "FP8_DENSE_MIN_TOKENS", 1)
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("kda-norm-codes"), seed=3,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)
+    gpu = LLM(str(path), backend="cuda", quantization="fp8", **KW)
+    quantized = []  # dense_w8a8 calls given codes made before (the norms')
+    real = cuda_model.dense_w8a8
+    monkeypatch.setattr(cuda_model, "dense_w8a8", lambda *a, **k: quantized.append(k["quantized"]) or real(*a, **k))
+    ids = list(np.random.default_rng(1).integers(0, 768, size=150))
+    logits, counts = {}, {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("KDA_RT_KDA_NORM_E4M3", value)
+        quantized.clear()
+        logits[value] = gpu.score(ids)
+        counts[value] = sum(quantized)
+    kda = len(DEMO_CONFIG["linear_attn_config"]["kda_layers"])
+    assert counts["1"] == counts["0"] + kda, counts  # each KDA layer's o_proj takes the norm's codes
+    assert np.array_equal(logits["0"], logits["1"]), "the gated norm's codes changed the logits"
+
+
 def test_demo_logits_statistics(demo_pair):
     """Shipped demo: the median position is within the bound; the worst positions and their router
     margins are printed (near-ties and the positions after them)."""

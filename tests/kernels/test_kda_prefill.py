@@ -93,6 +93,40 @@ def test_kda_prefill_long():
     _run([32768 - 5, 5], 2, "bursty", None, seed=32769, windows=True, fresh=[False, True])
 
 
+@pytest.mark.parametrize("lengths, num_heads, gates", [([1, 3, 64, 65, 200], 4, "bursty"), ([130, 70], 32, "normal"),
+                                                     ([40, 9], 1, "normal"), ([40, 9], 3, "mixed"),
+                                                     ([33, 2], 64, "normal")])
+def test_kda_prefill_e4m3_out(lengths, num_heads, gates):
+    """e4m3_out (kda_prefill_norm_e4m3, one token a block of 16 threads a head; 1 and 3 heads leave a half warp, 64 a
+    1024-thread block): out bit for bit as without it (same inputs, same state), and the codes and scales bit for bit
+    what quantize_activations_e4m3 makes from out, both into buffers poisoned alike; with one token whose gates are all
+    -inf (y = 0: scale 1, zero codes) and one with a NaN gate (a NaN scale, its codes left as they were)."""
+    import cupy
+
+    from kda_rt.cuda.ops.compile import arch_number, device_arch
+    from kda_rt.cuda.ops.kda_prefill import kda_prefill
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    if arch_number(device_arch()) < 89:
+        pytest.skip("e4m3 codes need sm_89+")
+    inp = _inputs(lengths, num_heads, gates, seed=7 * sum(lengths) + num_heads)
+    inp["gate"][1] = -np.inf  # token 1: every head's output gated to 0
+    inp["gate"][-1, 5] = np.nan  # the last token: a NaN in one head
+    dev, dev2 = upload(inp), upload(inp)  # (two copies of the pools: each call updates its own)
+    T, P = dev["f"].shape
+    plain = run_op(kda_prefill, dev, num_heads)
+    poisoned = lambda: (cupy.full((T, P), 0x7F, dtype=np.uint8), cupy.full(T, -1.0, dtype=np.float32))  # noqa: E731
+    q, qs = poisoned()
+    out = run_op(kda_prefill, dev2, num_heads, e4m3_out=(q, qs))
+    assert cupy.array_equal(out.view(cupy.uint16), plain.view(cupy.uint16)), "e4m3_out changed out"
+    want_q, want_s = poisoned()
+    quantize_activations_e4m3(out, out=want_q, scale_out=want_s)
+    assert float(want_s[1]) == 1.0 and not bool(want_q[1].any()), "token 1 is not a zero row (test setup)"
+    assert bool(cupy.isnan(want_s[-1])), "the last token's row is finite (test setup)"
+    assert cupy.array_equal(qs, want_s, equal_nan=True), "scales differ from quantize_activations_e4m3's"
+    assert cupy.array_equal(q, want_q), f"{int((q != want_q).sum())} codes differ from quantize_activations_e4m3's"
+
+
 if __name__ == "__main__":
     for case in CASES:
         test_kda_prefill(*case)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
+from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.gemv import check_e4m3_arch
 from kda_rt.cuda.ops.kda_decode import check_kda_args
 
 __all__ = ["kda_prefill"]
@@ -54,13 +55,23 @@ def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
     return 32 if pairs <= 64 else 64
 
 
+def _consts(K: int, W: int, vb: int) -> dict:
+    """The defines of kda_prefill.cu's module for one state width."""
+    return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT))
+
+
 def _kernels(K: int, W: int, vb: int):
     """The intra, state and norm kernels of one state width (one module: built together)."""
-    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT))
+    consts = _consts(K, W, vb)
     return (get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=_intra_smem_bytes(K, _CHUNK, W), **consts),
             get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=_state_smem_bytes(K, _CHUNK, vb),
                        **consts),
             get_kernel("kda_prefill.cu", "kda_prefill_norm", **consts))
+
+
+def _norm_e4m3_kernel(K: int, W: int, vb: int):
+    """kda_prefill_norm_e4m3 of the module of one state width (the same build as _kernels')."""
+    return get_kernel("kda_prefill.cu", "kda_prefill_norm_e4m3", **_consts(K, W, vb))
 
 
 def precompile(num_heads: int, head_dim: int, conv_w: int) -> int:
@@ -75,15 +86,27 @@ def precompile(num_heads: int, head_dim: int, conv_w: int) -> int:
 
 def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
                 state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
-                state_columns: int | None = None):
+                state_columns: int | None = None, e4m3_out=None):
     """Sequences of any length >= 1 (cu_seqlens [B+1]); updates the slots' conv and recurrent state in
     place and returns out [T, P] bf16.  `max_seqlen` is accepted for interface symmetry and unused;
-    `state_columns` overrides the state-kernel width (16, 32, 64 or 128; benchmarks)."""
+    `state_columns` overrides the state-kernel width (16, 32, 64 or 128; benchmarks).  e4m3_out: optional
+    (q [T, P] uint8, s [T] fp32) that also receive out's rows as e4m3 codes with a scale a row, as
+    ops/quant.quantize_activations_e4m3 makes them from out (kda_prefill_norm_e4m3; sm_89+, num_heads <= 64)."""
     import cupy
 
     out = cupy.empty(f.shape, dtype=BF16) if out is None else out
     T, B, W = check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
                              context_lens, state_slots, num_heads, head_dim, out)
+    if e4m3_out is not None:
+        q, qs = e4m3_out
+        expect(q, "e4m3_out[0]", shape=(T, num_heads * head_dim), dtype=np.uint8)
+        expect(qs, "e4m3_out[1]", shape=(T,), dtype=np.float32)
+        if not (q.flags.c_contiguous and qs.flags.c_contiguous) or q.data.ptr % 8:
+            raise ValueError("kda_prefill: e4m3_out's codes (8-byte aligned) and scales must be C-contiguous")
+        if num_heads * 16 > 1024:
+            raise ValueError(f"kda_prefill: e4m3_out takes one token a block of 16 threads a head: at most 64 heads, "
+                             f"got {num_heads}")
+        check_e4m3_arch("kda_prefill e4m3_out")
     if T == 0 or B == 0:
         return out
     for name, arr in (("qkv", qkv), ("f", f), ("conv_w", conv_w), ("dt_bias", dt_bias), ("conv_pool", conv_pool)):
@@ -106,6 +129,9 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
           (qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, qkv, conv_pool, rec_pool, cu_seqlens, context_lens,
            state_slots, out, i32(num_heads)), shared_mem=smem, stream=stream)
+    if e4m3_out is not None:
+        _norm_e4m3_kernel(K, W, vb)((T,), (16 * num_heads,), (gate, o_norm_w, out, f32(eps), *e4m3_out), stream=stream)
+        return out
     rows = T * num_heads
     norm(((rows * 16 + 255) // 256,), (256,), (gate, o_norm_w, out, i32(rows), f32(eps)), stream=stream)
     return out
