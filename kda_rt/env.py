@@ -178,11 +178,11 @@ def fp8_dense() -> bool:
 
 
 def kda_norm_e4m3() -> bool:
-    """KDA_RT_KDA_NORM_E4M3: 1 (default) has the KDA prefill's gated norm write its output's e4m3 codes too where
-    o_proj runs on e4m3 products (kda_prefill.cu kda_prefill_norm_e4m3, with KDA_RT_FP8_DENSE), so o_proj's source
-    is not read again to quantize it; 0: ops/quant.quantize_activations_e4m3 quantizes it.  The same codes either
-    way.  Read at each prefill forward."""
-    return _on_off("KDA_RT_KDA_NORM_E4M3")
+    """KDA_RT_KDA_NORM_E4M3: 1 has the KDA prefill's gated norm write its output's e4m3 codes too where o_proj runs
+    on e4m3 products (kda_prefill.cu kda_prefill_norm_e4m3, with KDA_RT_FP8_DENSE), so o_proj's source is not read
+    again to quantize it; 0 (default until it is measured on the GPU): ops/quant.quantize_activations_e4m3
+    quantizes it.  The same codes either way.  Read at each prefill forward."""
+    return _on_off("KDA_RT_KDA_NORM_E4M3", "0")
 
 
 def norm_e4m3() -> bool:
