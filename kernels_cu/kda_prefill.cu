@@ -910,6 +910,16 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
             }
 }
 
+// the gated norm of a thread's 8 channels of a (token, head) row: y = bf16(O) / sqrt(mean(bf16(O)^2) + eps) * w *
+// sigmoid(gate), with o8 = bf16(O) as floats, ss the row's sum of their squares and w = o_norm_w at their channels
+__device__ __forceinline__ bf16x8 gated_norm8(const float (&o8)[8], float ss, const bf16x8& gv, const float* w, float eps) {
+    const float inv = rsqrtf(ss / (float)K + eps);
+    bf16x8 res;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) res.v[j] = to_bf16(o8[j] * inv * w[j] * sigmoid(to_f32(gv.v[j])));
+    return res;
+}
+
 // 16 threads per (token, head) row of 128 channels, 8 each: in place over out, which holds bf16(O)
 extern "C" __global__ void __launch_bounds__(256) kda_prefill_norm(
     const bf16* __restrict__ gate, const float* __restrict__ o_norm_w, bf16* __restrict__ out, int num_rows, float eps) {
@@ -923,11 +933,7 @@ extern "C" __global__ void __launch_bounds__(256) kda_prefill_norm(
     for (int j = 0; j < 8; ++j) y[j] = ok ? to_f32(o.v[j]) : 0.f, ss = fmaf(y[j], y[j], ss);
     ss = warp_sum<16>(ss);
     if (!ok) return;
-    const float inv = rsqrtf(ss / (float)K + eps);
-    bf16x8 res;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) res.v[j] = to_bf16(y[j] * inv * o_norm_w[c + j] * sigmoid(to_f32(gv.v[j])));
-    *reinterpret_cast<bf16x8*>(out + (size_t)row * K + c) = res;
+    *reinterpret_cast<bf16x8*>(out + (size_t)row * K + c) = gated_norm8(y, ss, gv, o_norm_w + c, eps);
 }
 
 // kda_prefill_norm_e4m3 (sm_89+; the launcher's e4m3_out): one token a block of num_heads x 16 threads (thread i:
@@ -949,13 +955,11 @@ extern "C" __global__ void __launch_bounds__(1024) kda_prefill_norm_e4m3(
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = to_f32(o.v[j]), ss = fmaf(y[j], y[j], ss);
     ss = warp_sum<16>(ss);
-    const float inv = rsqrtf(ss / (float)K + eps);
-    bf16x8 res;
+    const bf16x8 res = gated_norm8(y, ss, gv, o_norm_w + cw, eps);
     float amax = 0.f;
     bool finite = true;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        res.v[j] = to_bf16(y[j] * inv * o_norm_w[cw + j] * sigmoid(to_f32(gv.v[j])));
         y[j] = to_f32(res.v[j]);  // the stored value: its codes
         finite = finite && isfinite(y[j]);
         amax = fmaxf(amax, fabsf(y[j]));

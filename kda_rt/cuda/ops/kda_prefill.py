@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
+from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
-from kda_rt.cuda.ops.gemv import check_e4m3_arch
 from kda_rt.cuda.ops.kda_decode import check_kda_args
+from kda_rt.cuda.ops.quant import check_e4m3_out
 
 __all__ = ["kda_prefill"]
 
@@ -98,15 +98,10 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     T, B, W = check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens,
                              context_lens, state_slots, num_heads, head_dim, out)
     if e4m3_out is not None:
-        q, qs = e4m3_out
-        expect(q, "e4m3_out[0]", shape=(T, num_heads * head_dim), dtype=np.uint8)
-        expect(qs, "e4m3_out[1]", shape=(T,), dtype=np.float32)
-        if not (q.flags.c_contiguous and qs.flags.c_contiguous) or q.data.ptr % 8:
-            raise ValueError("kda_prefill: e4m3_out's codes (8-byte aligned) and scales must be C-contiguous")
+        check_e4m3_out(e4m3_out, T, num_heads * head_dim, "kda_prefill", align=8)
         if num_heads * 16 > 1024:
             raise ValueError(f"kda_prefill: e4m3_out takes one token a block of 16 threads a head: at most 64 heads, "
                              f"got {num_heads}")
-        check_e4m3_arch("kda_prefill e4m3_out")
     if T == 0 or B == 0:
         return out
     for name, arr in (("qkv", qkv), ("f", f), ("conv_w", conv_w), ("dt_bias", dt_bias), ("conv_pool", conv_pool)):

@@ -10,9 +10,21 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.gemv import check_e4m3_arch
 
-__all__ = ["activation_kernel", "quantize_activations_e4m3", "quantize_rows_e4m3"]
+__all__ = ["activation_kernel", "check_e4m3_out", "quantize_activations_e4m3", "quantize_rows_e4m3"]
 
 _THREADS = 256
+
+
+def check_e4m3_out(e4m3_out, T: int, K: int, who: str, align: int = 1) -> None:
+    """A kernel's extra output of its rows as e4m3 codes (q [T, K] uint8, `align`-byte aligned, and scale [T] fp32,
+    both C-contiguous), on a GPU that writes e4m3 (sm_89+); refused by name otherwise."""
+    q, qs = e4m3_out
+    expect(q, "e4m3_out[0]", shape=(T, K), dtype=np.uint8)
+    expect(qs, "e4m3_out[1]", shape=(T,), dtype=np.float32)
+    if not (q.flags.c_contiguous and qs.flags.c_contiguous) or q.data.ptr % align:
+        raise ValueError(f"{who}: e4m3_out's codes{f' ({align}-byte aligned)' if align > 1 else ''} and scales must "
+                         "be C-contiguous")
+    check_e4m3_arch(f"{who} e4m3_out")
 
 
 def quantize_rows_e4m3(w, name: str = "weight", *, out=None, scale_out=None, stream=None):

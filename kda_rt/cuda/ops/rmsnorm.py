@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
-from kda_rt.cuda.ops.gemv import check_e4m3_arch
+from kda_rt.cuda.ops.quant import check_e4m3_out
 
 __all__ = ["rmsnorm", "rmsnorm_kernel"]
 
@@ -39,13 +37,8 @@ def rmsnorm(x, weight, eps: float, *, residual=None, out=None, e4m3_out=None, st
     threads = _threads(D)
     codes = ()
     if e4m3_out is not None:
-        q, qs = e4m3_out
-        expect(q, "e4m3_out[0]", shape=(T, D), dtype=np.uint8)
-        expect(qs, "e4m3_out[1]", shape=(T,), dtype=np.float32)
-        if not (q.flags.c_contiguous and qs.flags.c_contiguous):
-            raise ValueError("rmsnorm: e4m3_out's codes and scales must be C-contiguous")
-        check_e4m3_arch("rmsnorm e4m3_out")
-        codes = (q, qs)
+        check_e4m3_out(e4m3_out, T, D, "rmsnorm")
+        codes = tuple(e4m3_out)
     kernel = rmsnorm_kernel(D, residual is not None, bool(codes))
     if T:
         kernel((T,), (threads,), (x, residual if residual is not None else x, weight, out, i32(T), f32(eps), *codes),
