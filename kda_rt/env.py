@@ -180,9 +180,10 @@ def fp8_dense() -> bool:
 def kda_norm_e4m3() -> bool:
     """KDA_RT_KDA_NORM_E4M3: 1 has the KDA prefill's gated norm write its output's e4m3 codes too where o_proj runs
     on e4m3 products (kda_prefill.cu kda_prefill_norm_e4m3, with KDA_RT_FP8_DENSE), so o_proj's source is not read
-    again to quantize it; 0 (default until it is measured on the GPU): ops/quant.quantize_activations_e4m3
-    quantizes it.  The same codes either way.  Read at each prefill forward."""
-    return _on_off("KDA_RT_KDA_NORM_E4M3", "0")
+    again to quantize it (the default: the seed prefill's TTFT max 0.6702 -> 0.664 s in fp8, H200, 2026-12-02,
+    tests/gpu/bench_ab.py --quantization fp8 --env KDA_RT_KDA_NORM_E4M3 --values 0,1 --rounds 3); 0:
+    ops/quant.quantize_activations_e4m3 quantizes it.  The same codes either way.  Read at each prefill forward."""
+    return _on_off("KDA_RT_KDA_NORM_E4M3", "1")
 
 
 def norm_e4m3() -> bool:

@@ -26,7 +26,8 @@
 // for one sequence (S[:, vb] evolves on its own), sequential over the sequence's chunks:
 //   V_new = U - W S;  O = qg S + A_qk V_new -> bf16(O) into out;  S <- diag(e^G_last) S + kd^T V_new
 // with the state in fp32 mma accumulators (a bf16 copy in smem is the B operand of W S and qg S);
-// the next chunk's tiles stream in with cp.async while the current one finishes.  Also writes the
+// the next chunk's tiles stream in with cp.async while the current one runs (STATE_PF: from its phase (1) on, or for
+// the whole chunk in second buffers; two barriers a chunk, three at STATE_PF 0).  Also writes the
 // conv-state slot (vb == 0) and the final state to the slot.
 // kda_prefill_norm, 16 threads per (token, head): y = bf16(O) / sqrt(mean(bf16(O)^2) + eps)
 //   * o_norm_w * sigmoid(gate), in place in out.
@@ -716,13 +717,24 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     STAMP(10);
 }
 
-// dynamic shared memory plan of kda_prefill_state, bytes
-#define ST_W 0                                // W [L][LDB]
-#define ST_Q (ST_W + L * LDB * 2)             // qg [L][LDB]
-#define ST_K (ST_Q + L * LDB * 2)             // kd [L][LDB]
-#define ST_A (ST_K + L * LDB * 2)             // A_qk [L][LDA]
-#define ST_U (ST_A + L * LDA * 2)             // U[:, vb] [L][LDV]
-#define ST_S (ST_U + L * LDV * 2)             // bf16 copy of S[:, vb] [K][LDV]
+// dynamic shared memory plan of kda_prefill_state, bytes.  STATE_PF (the launcher's rule, ops/kda_prefill.py) picks how
+// far ahead a chunk's tiles stream in: 0 (one buffer each: W, qg, U after phase (1) of the chunk before, A_qk and kd
+// after its phase (3)), 1 (A_qk and kd in two buffers, requested a whole chunk ahead), 2 (every tile in two buffers,
+// all requested a whole chunk ahead)
+#ifndef STATE_PF
+#define STATE_PF 0
+#endif
+#if STATE_PF < 0 || STATE_PF > 2
+#error "kda_prefill.cu: STATE_PF must be 0, 1 or 2"
+#endif
+#define NB_WQU (STATE_PF == 2 ? 2 : 1)        // buffers of W, qg, U
+#define NB_AK (STATE_PF >= 1 ? 2 : 1)         // buffers of A_qk, kd
+#define ST_W 0                                // W [NB_WQU][L][LDB]
+#define ST_Q (ST_W + NB_WQU * L * LDB * 2)    // qg [NB_WQU][L][LDB]
+#define ST_U (ST_Q + NB_WQU * L * LDB * 2)    // U[:, vb] [NB_WQU][L][LDV]
+#define ST_K (ST_U + NB_WQU * L * LDV * 2)    // kd [NB_AK][L][LDB]
+#define ST_A (ST_K + NB_AK * L * LDB * 2)     // A_qk [NB_AK][L][LDA]
+#define ST_S (ST_A + NB_AK * L * LDA * 2)     // bf16 copy of S[:, vb] [K][LDV]
 #define ST_V (ST_S + K * LDV * 2)             // V_new[:, vb] [L][LDV]
 #define STATE_SMEM (ST_V + L * LDV * 2)
 
@@ -736,8 +748,8 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
     constexpr int THREADS = 32 * STATE_WARPS, NT = WN / 8;
     extern __shared__ float4 smem4[];
     char* sm = reinterpret_cast<char*>(smem4);
-    bf16 *Ws = (bf16*)(sm + ST_W), *Qs = (bf16*)(sm + ST_Q), *Ks = (bf16*)(sm + ST_K), *As = (bf16*)(sm + ST_A);
-    bf16 *Us = (bf16*)(sm + ST_U), *Sb = (bf16*)(sm + ST_S), *Vn = (bf16*)(sm + ST_V);
+    bf16 *Ws0 = (bf16*)(sm + ST_W), *Qs0 = (bf16*)(sm + ST_Q), *Us0 = (bf16*)(sm + ST_U), *Ks0 = (bf16*)(sm + ST_K);
+    bf16 *As0 = (bf16*)(sm + ST_A), *Sb = (bf16*)(sm + ST_S), *Vn = (bf16*)(sm + ST_V);
     const int vb = blockIdx.x, h = blockIdx.y, seq = blockIdx.z, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, wr = warp & 3, wc = warp >> 2, g = lane >> 2, t = lane & 3;
     const int P = num_heads * K, col0 = vb * VB;  // first state column of this CTA
@@ -763,20 +775,19 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
         }
     }
 
-    auto load_wqu = [&](int c) {
+    // chunk c's W, qg, U into buffer buf (of NB_WQU), its A_qk, kd into buffer buf (of NB_AK); the caller commits
+    auto load_wqu = [&](int c, int buf) {
         const size_t tl = (size_t)c * num_heads + h;
-        tile_async<L, K, THREADS>(Ws, LDB, ws_w + tl * L * K, K);
-        tile_async<L, K, THREADS>(Qs, LDB, ws_q + tl * L * K, K);
-        tile_async<L, VB, THREADS>(Us, LDV, ws_u + tl * L * K + col0, K);
-        cp_async_commit();
+        tile_async<L, K, THREADS>(Ws0 + buf * L * LDB, LDB, ws_w + tl * L * K, K);
+        tile_async<L, K, THREADS>(Qs0 + buf * L * LDB, LDB, ws_q + tl * L * K, K);
+        tile_async<L, VB, THREADS>(Us0 + buf * L * LDV, LDV, ws_u + tl * L * K + col0, K);
     };
-    auto load_ak = [&](int c) {
+    auto load_ak = [&](int c, int buf) {
         const size_t tl = (size_t)c * num_heads + h;
-        tile_async<L, L, THREADS>(As, LDA, ws_a + tl * L * L, L);
-        tile_async<L, K, THREADS>(Ks, LDB, ws_k + tl * L * K, K);
-        cp_async_commit();
+        tile_async<L, L, THREADS>(As0 + buf * L * LDA, LDA, ws_a + tl * L * L, L);
+        tile_async<L, K, THREADS>(Ks0 + buf * L * LDB, LDB, ws_k + tl * L * K, K);
     };
-    if (num_chunks > 0) load_wqu(base), load_ak(base);
+    if (num_chunks > 0) load_wqu(base, 0), load_ak(base, 0), cp_async_commit();
 
     // ---- state S[32 wr + 16 mt + g (+8), col0 + WN wc + 8 nt + 2t (+1)] in mma accumulators
     float* state = rec_pool + (slot * num_heads + h) * K * K;
@@ -805,14 +816,24 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
 #pragma unroll 1
     for (int j = 0; j < num_chunks; ++j) {
         const int c = base + j, c0 = j * L, n = min(L, len - c0);
+        const int bw = STATE_PF == 2 ? j & 1 : 0, ba = STATE_PF >= 1 ? j & 1 : 0;  // this chunk's buffers
+        const bf16 *Ws = Ws0 + bw * L * LDB, *Qs = Qs0 + bw * L * LDB, *Us = Us0 + bw * L * LDV;
+        const bf16 *Ks = Ks0 + ba * L * LDB, *As = As0 + ba * L * LDA;
         float decay[2][2];  // e^G_last of this thread's state rows
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
                 decay[mt][hh] = exp2f(ws_g[((size_t)c * num_heads + h) * K + 32 * wr + 16 * mt + g + 8 * hh]);
-        cp_async_wait<0>();
+        cp_async_wait<0>();  // this chunk's tiles (every group in flight is this chunk's)
         __syncthreads();
+        // STATE_PF >= 1: the next chunk's tiles whose other buffer is free now (its readers, the chunk before, are past
+        // the barrier above) stream in during this whole chunk
+        if (STATE_PF >= 1 && j + 1 < num_chunks) {
+            if (STATE_PF == 2) load_wqu(c + 1, bw ^ 1);
+            load_ak(c + 1, ba ^ 1);
+            cp_async_commit();
+        }
 
         // ---- (1) V_new = U - W S and O = qg S for rows 16 wr .., columns WN wc ..
         float accv[NT][4] = {}, acco[NT][4] = {};
@@ -839,14 +860,14 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
                 const float2 u = ld_bf16x2(Us + r * LDV + cl);
                 accv[nt][2 * hh] = u.x - accv[nt][2 * hh], accv[nt][2 * hh + 1] = u.y - accv[nt][2 * hh + 1];
             }
-        __syncthreads();  // W, qg, U and S are consumed: the next chunk's W, qg, U may stream in
-        if (j + 1 < num_chunks) load_wqu(c + 1);
+        // V_new's readers of the chunk before (phases (2), (3)) are past this chunk's first barrier
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
                 st_bf16x2(Vn + (wr * 16 + g + 8 * hh) * LDV + WN * wc + 8 * nt + 2 * t, accv[nt][2 * hh], accv[nt][2 * hh + 1]);
-        __syncthreads();
+        __syncthreads();  // V_new is whole; W, qg, U and S are consumed (STATE_PF < 2: the next W, qg, U may stream in)
+        if (STATE_PF < 2 && j + 1 < num_chunks) load_wqu(c + 1, 0), cp_async_commit();
 
         // ---- (2) O += A_qk V_new (A_qk lower: column blocks <= wr), bf16(O) -> out
         for (int ks = 0; ks <= wr; ++ks) {
@@ -893,9 +914,11 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
                 }
             }
         }
-        __syncthreads();  // A_qk, kd, V_new and the old S copy are consumed
-        if (j + 1 < num_chunks) load_ak(c + 1);
-        store_sb();
+        if (STATE_PF == 0) {
+            __syncthreads();  // A_qk and kd are consumed
+            if (j + 1 < num_chunks) load_ak(c + 1, 0), cp_async_commit();
+        }
+        store_sb();  // S's readers (phase (1)) are past the V_new barrier
     }
 
     // ---- final state back to the slot

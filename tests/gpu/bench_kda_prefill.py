@@ -2,6 +2,11 @@
 the previous one-CTA-per-(head, sequence) kernel and fla's chunk_kda.
 
     PYTHONPATH=. python tests/gpu/bench_kda_prefill.py      (fla optional: PYTHONPATH=/tmp/site:.)
+    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf [--shapes 1x32768,8x2048] [--rounds 5]
+
+--state-pf: the whole launcher at each of kda_prefill_state's prefetch depths (STATE_PF 0, 1, 2; state width as the
+launcher picks it), interleaved rounds (the order reversed every other round), medians per depth and shape, and
+the depth the launcher's rule picks.
 
 Per shape: median of CUDA-event times over ITERS warm calls of each.  ours = the whole launcher
 (conv, l2norm, gates, beta, chunked delta rule, gated RMSNorm, slot writes, workspace allocation
@@ -16,6 +21,7 @@ bf16 workspace (~1.1 KB per token and head) written once and read once.
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import cupy
@@ -177,7 +183,40 @@ def bench_shape(num_seqs, seqlen, have_old):
     return shape, ms_old, new, ms_fla
 
 
+def ab_state_prefetch(shapes, rounds):
+    from kda_rt.cuda.ops import kda_prefill as kp
+
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    for num_seqs, seqlen in shapes:
+        d = make(num_seqs, seqlen)
+        out = cupy.empty((num_seqs * seqlen, H * K), dtype=BF16)
+        vb = kp._state_columns(num_seqs, H, K)
+        times = {pf: [] for pf in (0, 1, 2)}
+        for r in range(rounds):
+            for pf in (0, 1, 2) if r % 2 == 0 else (2, 1, 0):
+                run = functools.partial(kda_prefill, *[d[n] for n in ARGS], num_heads=H, head_dim=K, eps=1e-5, out=out,
+                                        state_prefetch=pf)
+                times[pf].append(median_ms(run))
+        med = {pf: statistics.median(t) for pf, t in times.items()}
+        rule = kp._state_prefetch(num_seqs, H, K, vb, sms)
+        print(f"{num_seqs}x{seqlen} (vb {vb}, {K // vb * H * num_seqs} state CTAs, rule picks {rule}): "
+              + ", ".join(f"pf {pf} {m:.3f} ms ({100 * (m / med[0] - 1):+.1f}%)" for pf, m in med.items())
+              + "  rounds " + "; ".join(f"{pf}: " + " ".join(f"{t:.3f}" for t in ts) for pf, ts in times.items()),
+              flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--state-pf", action="store_true", help="A/B of kda_prefill_state's prefetch depths only")
+    ap.add_argument("--shapes", default="1x2048,2x2048,8x2048,32x2048,1x32768,2x16384,1x131072")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if args.state_pf:
+        ab_state_prefetch([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")], args.rounds)
+        return
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     print(f"GPU {props['name'].decode() if isinstance(props['name'], bytes) else props['name']}, H={H}, K=V={K}")
     try:

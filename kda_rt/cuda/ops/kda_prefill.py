@@ -40,9 +40,11 @@ def _intra_smem_bytes(K: int, L: int, W: int, quad: bool | None = None) -> int:
     return (base + 15) // 16 * 16 + num_sub * 24 * (K + 8) * 2 if quad else base
 
 
-def _state_smem_bytes(K: int, L: int, vb: int) -> int:
-    """The ST_* plan: W, qg, kd [L][K+8] and A_qk [L][L+8] bf16, then U, V_new [L][vb+8] and S [K][vb+8]."""
-    return 3 * L * (K + 8) * 2 + L * (L + 8) * 2 + (2 * L + K) * (vb + 8) * 2
+def _state_smem_bytes(K: int, L: int, vb: int, pf: int = 0) -> int:
+    """The ST_* plan: W, qg, kd [L][K+8] and A_qk [L][L+8] bf16, then U, V_new [L][vb+8] and S [K][vb+8]; with
+    prefetch `pf` (STATE_PF) 1 a second A_qk and kd, 2 a second of each but V_new and S."""
+    nb_wqu, nb_ak = (2 if pf == 2 else 1), (2 if pf >= 1 else 1)
+    return (nb_wqu * (2 * L * (K + 8) + L * (vb + 8)) + nb_ak * (L * (K + 8) + L * (L + 8)) + (L + K) * (vb + 8)) * 2
 
 
 def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
@@ -55,41 +57,69 @@ def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
     return 32 if pairs <= 64 else 64
 
 
-def _consts(K: int, W: int, vb: int) -> dict:
-    """The defines of kda_prefill.cu's module for one state width."""
-    return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT))
+# kda_prefill.cu STATE_PF for grids of more than one wave at one CTA an SM (None: the rule below); the bench's A/B
+# (tests/gpu/bench_kda_prefill.py --state-pf) sets it
+_STATE_PF_OVERRIDE: int | None = None
 
 
-def _kernels(K: int, W: int, vb: int):
-    """The intra, state and norm kernels of one state width (one module: built together)."""
-    consts = _consts(K, W, vb)
+def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: int) -> int:
+    """How far ahead kda_prefill_state streams a chunk's tiles (kda_prefill.cu STATE_PF): 2 (every tile a whole chunk
+    ahead, in second buffers) when the grid is one wave at one CTA an SM (one long prompt: a CTA alone on its SM
+    waited out each chunk's copies), else 0 (one buffer each: two CTAs an SM hide each other's copies)."""
+    if _STATE_PF_OVERRIDE is not None:
+        return _STATE_PF_OVERRIDE
+    return 2 if head_dim // vb * num_heads * num_seqs <= sms else 0
+
+
+def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
+    """The defines of kda_prefill.cu's module for one state width and prefetch."""
+    return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
+                STATE_PF=pf)
+
+
+def _kernels(K: int, W: int, vb: int, pf: int = 0):
+    """The intra, state and norm kernels of one state width and prefetch (one module: built together)."""
+    consts = _consts(K, W, vb, pf)
     return (get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=_intra_smem_bytes(K, _CHUNK, W), **consts),
-            get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=_state_smem_bytes(K, _CHUNK, vb),
+            get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=_state_smem_bytes(K, _CHUNK, vb, pf),
                        **consts),
             get_kernel("kda_prefill.cu", "kda_prefill_norm", **consts))
 
 
-def _norm_e4m3_kernel(K: int, W: int, vb: int):
-    """kda_prefill_norm_e4m3 of the module of one state width (the same build as _kernels')."""
-    return get_kernel("kda_prefill.cu", "kda_prefill_norm_e4m3", **_consts(K, W, vb))
+def _norm_e4m3_kernel(K: int, W: int, vb: int, pf: int = 0):
+    """kda_prefill_norm_e4m3 of the module of one state width and prefetch (the same build as _kernels')."""
+    return get_kernel("kda_prefill.cu", "kda_prefill_norm_e4m3", **_consts(K, W, vb, pf))
 
 
-def precompile(num_heads: int, head_dim: int, conv_w: int) -> int:
-    """Build (or load from the disk cache) the module of every state width `_state_columns` picks for
-    some batch (32, 64 at H = 32), so no prefill waits for NVRTC (~1.5 s a width) because its number
-    of sequences is new.  Returns the number of widths."""
-    widths = sorted({_state_columns(b, num_heads, head_dim) for b in range(1, 4096 // max(1, num_heads) + 2)})
-    for vb in widths:
-        _kernels(head_dim, conv_w, vb)
-    return len(widths)
+def _variants(num_heads: int, head_dim: int, sms: int) -> list[tuple[int, int]]:
+    """Every (state width, prefetch) the rules pick for some number of sequences."""
+    return sorted({(vb, _state_prefetch(b, num_heads, head_dim, vb, sms))
+                   for b in range(1, 4096 // max(1, num_heads) + 2)
+                   for vb in (_state_columns(b, num_heads, head_dim),)})
+
+
+def precompile(num_heads: int, head_dim: int, conv_w: int, sms: int | None = None) -> int:
+    """Build (or load from the disk cache) the module of every (state width, prefetch) the rules pick for some
+    batch ((32, 2), (32, 0), (64, 0) at H = 32 on 132 SMs), so no prefill waits for NVRTC (~1.5 s a module) because
+    its number of sequences is new.  `sms`: the GPU's SM count (default: the current device's).  Returns the number of
+    modules."""
+    if sms is None:
+        import cupy
+
+        sms = sm_count(cupy.cuda.Device().id)
+    variants = _variants(num_heads, head_dim, sms)
+    for vb, pf in variants:
+        _kernels(head_dim, conv_w, vb, pf)
+    return len(variants)
 
 
 def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
                 state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
-                state_columns: int | None = None, e4m3_out=None):
+                state_columns: int | None = None, state_prefetch: int | None = None, e4m3_out=None):
     """Sequences of any length >= 1 (cu_seqlens [B+1]); updates the slots' conv and recurrent state in
     place and returns out [T, P] bf16.  `max_seqlen` is accepted for interface symmetry and unused;
-    `state_columns` overrides the state-kernel width (16, 32, 64 or 128; benchmarks).  e4m3_out: optional
+    `state_columns` overrides the state-kernel width (16, 32, 64 or 128; benchmarks), `state_prefetch` its STATE_PF
+    (0, 1 or 2; tests and benchmarks).  e4m3_out: optional
     (q [T, P] uint8, s [T] fp32) that also receive out's rows as e4m3 codes with a scale a row, as
     ops/quant.quantize_activations_e4m3 makes them from out (kda_prefill_norm_e4m3; sm_89+, num_heads <= 64)."""
     import cupy
@@ -110,22 +140,25 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     K, L = head_dim, _CHUNK
     num_chunks = B + T // L  # chunk ids: b + cu_seqlens[b] // L + j (kda_prefill.cu's header)
     vb = state_columns or _state_columns(B, num_heads, K)
+    if state_prefetch not in (None, 0, 1, 2):
+        raise ValueError(f"kda_prefill: state_prefetch must be 0, 1 or 2, got {state_prefetch!r}")
+    pf = _state_prefetch(B, num_heads, K, vb, sm_count(cupy.cuda.Device().id)) if state_prefetch is None else state_prefetch
     qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
     a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
     g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
-    intra, state, norm = _kernels(K, W, vb)
+    intra, state, norm = _kernels(K, W, vb, pf)
     smem = _intra_smem_bytes(K, L, W)
     intra((num_chunks, num_heads), (_INTRA_THREADS,),
           (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
            qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads),
            i32(sm_count(cupy.cuda.Device().id))),  # one CTA per SM: the next wave starts that many ids on
           shared_mem=smem, stream=stream)
-    smem = _state_smem_bytes(K, L, vb)
+    smem = _state_smem_bytes(K, L, vb, pf)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
           (qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, qkv, conv_pool, rec_pool, cu_seqlens, context_lens,
            state_slots, out, i32(num_heads)), shared_mem=smem, stream=stream)
     if e4m3_out is not None:
-        _norm_e4m3_kernel(K, W, vb)((T,), (16 * num_heads,), (gate, o_norm_w, out, f32(eps), *e4m3_out), stream=stream)
+        _norm_e4m3_kernel(K, W, vb, pf)((T,), (16 * num_heads,), (gate, o_norm_w, out, f32(eps), *e4m3_out), stream=stream)
         return out
     rows = T * num_heads
     norm(((rows * 16 + 255) // 256,), (256,), (gate, o_norm_w, out, i32(rows), f32(eps)), stream=stream)
