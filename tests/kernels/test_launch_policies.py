@@ -252,21 +252,22 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
     monkeypatch.setattr(kp, "get_kernel", lambda f, n, **kw: built.append((n, kw["VB"], kw["STATE_PF"],
                                                                             kw.get("max_dynamic_smem"))))
     assert kp.precompile(32, 128, 4, sms=132) == 3
-    assert sorted({(vb, pf) for _, vb, pf, _ in built}) == [(32, 0), (32, 2), (64, 0)]
+    assert sorted({(vb, pf) for _, vb, pf, _ in built}) == [(32, 1), (32, 2), (64, 0)]
     assert {n for n, _, _, _ in built} == {"kda_prefill_intra", "kda_prefill_state", "kda_prefill_norm"}
     assert {smem for n, vb, pf, smem in built if n == "kda_prefill_state"} == {
-        kp._state_smem_bytes(128, 64, 32, 0), kp._state_smem_bytes(128, 64, 32, 2), kp._state_smem_bytes(128, 64, 64, 0)}
+        kp._state_smem_bytes(128, 64, 32, 1), kp._state_smem_bytes(128, 64, 32, 2), kp._state_smem_bytes(128, 64, 64, 0)}
     assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 8, 16, 17, 256)] == [32, 32, 64, 64, 64, 64, 64]
 
 
 def test_kda_state_prefetch_rule():
     """kda_prefill_state streams every tile a chunk ahead (STATE_PF 2) only when its grid is one wave at one CTA an SM
-    (one long prompt: 128 CTAs at 32 heads), where no second CTA hides a chunk's copies; the shared-memory plan
+    (one long prompt: 128 CTAs at 32 heads), where no second CTA hides a chunk's copies, A_qk and kd only (1) at 32
+    state columns otherwise (two CTAs an SM still fit), nothing ahead (0) at 64 columns; the shared-memory plan
     of each depth as kda_prefill.cu's ST_* defines add up (bf16 tiles, row strides K + 8, L + 8, vb + 8)."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
-    assert [kp._state_prefetch(b, 32, 128, kp._state_columns(b, 32, 128), 132) for b in (1, 2, 3, 64)] == [2, 0, 0, 0]
-    assert kp._state_prefetch(1, 40, 128, 32, 132) == 0  # 160 CTAs: two waves at one an SM
+    assert [kp._state_prefetch(b, 32, 128, kp._state_columns(b, 32, 128), 132) for b in (1, 2, 3, 64)] == [2, 1, 0, 0]
+    assert kp._state_prefetch(1, 40, 128, 32, 132) == 1  # 160 CTAs: two waves at one an SM
     assert kp._state_prefetch(1, 40, 128, 32, 160) == 2
     tile_k, tile_a, tile_v = 64 * 136 * 2, 64 * 72 * 2, 64 * 40 * 2  # [L][K+8], [L][L+8], [L][vb+8] bf16 at vb 32
     base = 3 * tile_k + tile_a + 2 * tile_v + 128 * 40 * 2  # W, qg, kd, A_qk, U, V_new, S

@@ -65,10 +65,17 @@ _STATE_PF_OVERRIDE: int | None = None
 def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: int) -> int:
     """How far ahead kda_prefill_state streams a chunk's tiles (kda_prefill.cu STATE_PF): 2 (every tile a whole chunk
     ahead, in second buffers) when the grid is one wave at one CTA an SM (one long prompt: a CTA alone on its SM
-    waited out each chunk's copies), else 0 (one buffer each: two CTAs an SM hide each other's copies)."""
+    waited out each chunk's copies), else 1 (A_qk and kd a chunk ahead: 106 KB, still two CTAs an SM) at 32 state
+    columns or fewer, else 0 (one buffer a tile, two CTAs an SM hiding each other's copies).  H200, 2026-12-02,
+    `PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf` (whole launcher, H = 32, 5 interleaved rounds,
+    ms at depth 0 / 1 / 2): 1 x 2048 0.517 / 0.498 / 0.498, 1 x 32768 5.112 / 4.820 / 4.704, 1 x 131072 19.686 /
+    18.539 / 18.097 (128 CTAs); 2 x 2048 0.771 / 0.756 / 0.783, 2 x 16384 4.616 / 4.508 / 4.703 (256 CTAs at 32
+    columns); 8 x 2048 2.295 / 2.319 / 2.323, 32 x 2048 8.461 / 8.616 / 8.645 (64 columns)."""
     if _STATE_PF_OVERRIDE is not None:
         return _STATE_PF_OVERRIDE
-    return 2 if head_dim // vb * num_heads * num_seqs <= sms else 0
+    if head_dim // vb * num_heads * num_seqs <= sms:
+        return 2
+    return 1 if vb <= 32 else 0
 
 
 def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
@@ -100,7 +107,7 @@ def _variants(num_heads: int, head_dim: int, sms: int) -> list[tuple[int, int]]:
 
 def precompile(num_heads: int, head_dim: int, conv_w: int, sms: int | None = None) -> int:
     """Build (or load from the disk cache) the module of every (state width, prefetch) the rules pick for some
-    batch ((32, 2), (32, 0), (64, 0) at H = 32 on 132 SMs), so no prefill waits for NVRTC (~1.5 s a module) because
+    batch ((32, 2), (32, 1), (64, 0) at H = 32 on 132 SMs), so no prefill waits for NVRTC (~1.5 s a module) because
     its number of sequences is new.  `sms`: the GPU's SM count (default: the current device's).  Returns the number of
     modules."""
     if sms is None:
