@@ -243,7 +243,7 @@ def test_runner_precompiles_the_dense_e4m3_variants(monkeypatch):
 
 
 def test_runner_precompiles_every_kda_state_width(monkeypatch):
-    """kda_prefill's state width follows the number of sequences (32 / 64 at 32 heads); each width is
+    """kda_prefill's state width follows the number of sequences (32 for one, 64 from two at 32 heads); each width is
     its own module (~1.5 s of NVRTC), so the runner builds all of them at start, with the exact defines
     the launcher uses."""
     import kda_rt.cuda.ops.kda_prefill as kp
@@ -252,11 +252,11 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
     monkeypatch.setattr(kp, "get_kernel", lambda f, n, **kw: built.append((n, kw["VB"], kw["STATE_PF"],
                                                                             kw.get("max_dynamic_smem"))))
     assert kp.precompile(32, 128, 4, sms=132) == 3
-    assert sorted({(vb, pf) for _, vb, pf, _ in built}) == [(32, 1), (32, 2), (64, 0)]
+    assert sorted({(vb, pf) for _, vb, pf, _ in built}) == [(32, 2), (64, 0), (64, 2)]
     assert {n for n, _, _, _ in built} == {"kda_prefill_intra", "kda_prefill_state", "kda_prefill_norm"}
     assert {smem for n, vb, pf, smem in built if n == "kda_prefill_state"} == {
-        kp._state_smem_bytes(128, 64, 32, 1), kp._state_smem_bytes(128, 64, 32, 2), kp._state_smem_bytes(128, 64, 64, 0)}
-    assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 8, 16, 17, 256)] == [32, 32, 64, 64, 64, 64, 64]
+        kp._state_smem_bytes(128, 64, 32, 2), kp._state_smem_bytes(128, 64, 64, 0), kp._state_smem_bytes(128, 64, 64, 2)}
+    assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 8, 16, 17, 256)] == [32, 64, 64, 64, 64, 64, 64]
 
 
 def test_kda_state_prefetch_rule():
@@ -266,7 +266,8 @@ def test_kda_state_prefetch_rule():
     of each depth as kda_prefill.cu's ST_* defines add up (bf16 tiles, row strides K + 8, L + 8, vb + 8)."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
-    assert [kp._state_prefetch(b, 32, 128, kp._state_columns(b, 32, 128), 132) for b in (1, 2, 3, 64)] == [2, 1, 0, 0]
+    assert [kp._state_prefetch(b, 32, 128, kp._state_columns(b, 32, 128), 132) for b in (1, 2, 3, 64)] == [2, 2, 0, 0]
+    assert kp._state_prefetch(2, 32, 128, 32, 132) == 1  # 256 CTAs at 32 columns
     assert kp._state_prefetch(1, 40, 128, 32, 132) == 1  # 160 CTAs: two waves at one an SM
     assert kp._state_prefetch(1, 40, 128, 32, 160) == 2
     tile_k, tile_a, tile_v = 64 * 136 * 2, 64 * 72 * 2, 64 * 40 * 2  # [L][K+8], [L][L+8], [L][vb+8] bf16 at vb 32

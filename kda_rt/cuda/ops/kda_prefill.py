@@ -52,9 +52,12 @@ def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
     the GPU (one long prompt), wider when there are many (less re-reading of W, qg, kd).  Measured on the
     H200 by tests/gpu/bench_kda_prefill.py (whole launcher, ms by width 16 / 32 / 64 / 128, 2026-12-01):
     1 x 2048 0.547 / 0.518 / 0.534 / 0.605, 1 x 32768 5.465 / 5.048 / 5.461 / 6.251, 8 x 2048 (a 16384-token
-    step of 2K prompts) 2.675 / 2.564 / 2.407 / 2.411, 32 x 2048 10.02 / 9.19 / 8.50 / 8.53."""
+    step of 2K prompts) 2.675 / 2.564 / 2.407 / 2.411, 32 x 2048 10.02 / 9.19 / 8.50 / 8.53.  Two sequences take 64
+    (128 CTAs at 32 heads: one wave with every tile a chunk ahead, `_state_prefetch`): H200, 2026-12-02, ms at 32
+    columns (prefetch 1) / 64 (prefetch 2): 2 x 2048 0.750 / 0.720, 2 x 8192 2.417 / 2.341, 2 x 16384 4.429 / 4.362,
+    2 x 65536 17.362 / 16.862; one sequence keeps 32 (1 x 32768 4.658 at 32, 4.965 at 64, both prefetch 2)."""
     pairs = num_seqs * num_heads
-    return 32 if pairs <= 64 else 64
+    return 32 if pairs <= 32 else 64
 
 
 # kda_prefill.cu STATE_PF for grids of more than one wave at one CTA an SM (None: the rule below); the bench's A/B
@@ -107,7 +110,7 @@ def _variants(num_heads: int, head_dim: int, sms: int) -> list[tuple[int, int]]:
 
 def precompile(num_heads: int, head_dim: int, conv_w: int, sms: int | None = None) -> int:
     """Build (or load from the disk cache) the module of every (state width, prefetch) the rules pick for some
-    batch ((32, 2), (32, 1), (64, 0) at H = 32 on 132 SMs), so no prefill waits for NVRTC (~1.5 s a module) because
+    batch ((32, 2), (64, 2), (64, 0) at H = 32 on 132 SMs), so no prefill waits for NVRTC (~1.5 s a module) because
     its number of sequences is new.  `sms`: the GPU's SM count (default: the current device's).  Returns the number of
     modules."""
     if sms is None:
