@@ -26,8 +26,9 @@
 // for one sequence (S[:, vb] evolves on its own), sequential over the sequence's chunks:
 //   V_new = U - W S;  O = qg S + A_qk V_new -> bf16(O) into out;  S <- diag(e^G_last) S + kd^T V_new
 // with the state in fp32 mma accumulators (a bf16 copy in smem is the B operand of W S and qg S);
-// the next chunk's tiles stream in with cp.async while the current one runs (STATE_PF: from its phase (1) on, or for
-// the whole chunk in second buffers; two barriers a chunk, three at STATE_PF 0).  Also writes the
+// the next chunk's tiles stream in with cp.async while the current one runs (STATE_PF 0: W, qg, U after the V_new
+// barrier, A_qk and kd after phase (3); 1: A_qk and kd a whole chunk ahead in second buffers; 2: every tile a whole
+// chunk ahead; two barriers a chunk, three at STATE_PF 0).  Also writes the
 // conv-state slot (vb == 0) and the final state to the slot.
 // kda_prefill_norm, 16 threads per (token, head): y = bf16(O) / sqrt(mean(bf16(O)^2) + eps)
 //   * o_norm_w * sigmoid(gate), in place in out.

@@ -48,7 +48,7 @@ def variants(arch: str, sms: int) -> list[tuple[str, str, dict]]:
     cfg = parse_config(kimi_linear_48b_a3b(4))
     for e4m3 in (False, True):
         moe.precompile(cfg.moe, cfg.hidden_size, cfg.moe.intermediate_size, True, e4m3)
-    kp.precompile(cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size)
+    kp.precompile(cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size, sms=sms)
     unique = {(f, n, tuple(sorted(d.items()))): (f, n, d) for f, n, d in built}
     return list(unique.values())
 

@@ -133,8 +133,9 @@ def test_kda_prefill_e4m3_out(lengths, num_heads, gates):
 def test_kda_prefill_state_prefetch(lengths, num_heads, gates, columns):
     """kda_prefill_state's prefetch depths (STATE_PF 0: one buffer a tile; 1: A_qk and kd a chunk ahead; 2: every tile
     a chunk ahead) against the reference, with a nonzero initial state on some sequences, and bit for bit equal to one
-    another (the same products in the same order: a buffer read before its tile landed or overwritten while read shows
-    as a difference or as the NaN poison)."""
+    another (the same products in the same order: a wrong buffer or chunk index, a tile read before it landed or
+    overwritten while read shows as a difference from depth 0; depth 0 itself, whose barriers moved too, is held to
+    the reference's bound)."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill

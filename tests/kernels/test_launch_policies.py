@@ -259,15 +259,27 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
     assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 8, 16, 17, 256)] == [32, 64, 64, 64, 64, 64, 64]
 
 
+@pytest.mark.parametrize("kw", [{"state_columns": 48}, {"state_columns": 0}, {"state_columns": True},
+                                {"state_prefetch": 3}, {"state_prefetch": True}, {"state_prefetch": 1.5}])
+def test_kda_prefill_refuses_bad_variant(kw):
+    """kda_prefill's bench and test overrides name the bad value before anything is built or launched."""
+    import kda_rt.cuda.ops.kda_prefill as kp
+
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"kda_prefill: {name} must be"):
+        kp.kda_prefill(*[None] * 13, num_heads=32, head_dim=128, eps=1e-5, **kw)
+
+
 def test_kda_state_prefetch_rule():
     """kda_prefill_state streams every tile a chunk ahead (STATE_PF 2) only when its grid is one wave at one CTA an SM
-    (one long prompt: 128 CTAs at 32 heads), where no second CTA hides a chunk's copies, A_qk and kd only (1) at 32
-    state columns otherwise (two CTAs an SM still fit), nothing ahead (0) at 64 columns; the shared-memory plan
+    (one or two long prompts: 128 CTAs at 32 heads), where no second CTA hides a chunk's copies, A_qk and kd only (1)
+    at 32 state columns otherwise (two CTAs an SM still fit; smaller GPUs or explicit widths), nothing ahead (0) at
+    64 columns; the shared-memory plan
     of each depth as kda_prefill.cu's ST_* defines add up (bf16 tiles, row strides K + 8, L + 8, vb + 8)."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     assert [kp._state_prefetch(b, 32, 128, kp._state_columns(b, 32, 128), 132) for b in (1, 2, 3, 64)] == [2, 2, 0, 0]
-    assert kp._state_prefetch(2, 32, 128, 32, 132) == 1  # 256 CTAs at 32 columns
+    assert kp._state_prefetch(2, 32, 128, 32, 132) == 1  # 256 CTAs at an explicit 32 columns
     assert kp._state_prefetch(1, 40, 128, 32, 132) == 1  # 160 CTAs: two waves at one an SM
     assert kp._state_prefetch(1, 40, 128, 32, 160) == 2
     tile_k, tile_a, tile_v = 64 * 136 * 2, 64 * 72 * 2, 64 * 40 * 2  # [L][K+8], [L][L+8], [L][vb+8] bf16 at vb 32

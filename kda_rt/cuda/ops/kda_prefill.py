@@ -60,22 +60,17 @@ def _state_columns(num_seqs: int, num_heads: int, head_dim: int) -> int:
     return 32 if pairs <= 32 else 64
 
 
-# kda_prefill.cu STATE_PF for grids of more than one wave at one CTA an SM (None: the rule below); the bench's A/B
-# (tests/gpu/bench_kda_prefill.py --state-pf) sets it
-_STATE_PF_OVERRIDE: int | None = None
-
-
 def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: int) -> int:
     """How far ahead kda_prefill_state streams a chunk's tiles (kda_prefill.cu STATE_PF): 2 (every tile a whole chunk
-    ahead, in second buffers) when the grid is one wave at one CTA an SM (one long prompt: a CTA alone on its SM
-    waited out each chunk's copies), else 1 (A_qk and kd a chunk ahead: 106 KB, still two CTAs an SM) at 32 state
-    columns or fewer, else 0 (one buffer a tile, two CTAs an SM hiding each other's copies).  H200, 2026-12-02,
-    `PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf` (whole launcher, H = 32, 5 interleaved rounds,
-    ms at depth 0 / 1 / 2): 1 x 2048 0.517 / 0.498 / 0.498, 1 x 32768 5.112 / 4.820 / 4.704, 1 x 131072 19.686 /
-    18.539 / 18.097 (128 CTAs); 2 x 2048 0.771 / 0.756 / 0.783, 2 x 16384 4.616 / 4.508 / 4.703 (256 CTAs at 32
-    columns); 8 x 2048 2.295 / 2.319 / 2.323, 32 x 2048 8.461 / 8.616 / 8.645 (64 columns)."""
-    if _STATE_PF_OVERRIDE is not None:
-        return _STATE_PF_OVERRIDE
+    ahead, in second buffers) when the grid is one wave at one CTA an SM (one or two long prompts at 32 heads: a CTA
+    alone on its SM waited out each chunk's copies), else 1 (A_qk and kd a chunk ahead: 106 KB, still two CTAs an
+    SM) at 32 state columns or fewer, else 0 (one buffer a tile, two CTAs an SM hiding each other's copies).  With
+    `_state_columns` on 128+ SMs at 32 heads, 32 columns always come with a one-wave grid, so depth 1 runs on smaller
+    GPUs, with other head counts or with an explicit width.  H200, 2026-12-02, `PYTHONPATH=. python
+    tests/gpu/bench_kda_prefill.py --state-pf` (whole launcher, H = 32, 5 interleaved rounds, ms at depth 0 / 1 /
+    2): 1 x 2048 0.517 / 0.498 / 0.498, 1 x 32768 5.112 / 4.820 / 4.704, 1 x 131072 19.686 / 18.539 / 18.097 (128
+    CTAs); 2 x 2048 0.771 / 0.756 / 0.783, 2 x 16384 4.616 / 4.508 / 4.703 (256 CTAs at 32 columns, the width two
+    sequences had then); 8 x 2048 2.295 / 2.319 / 2.323, 32 x 2048 8.461 / 8.616 / 8.645 (64 columns)."""
     if head_dim // vb * num_heads * num_seqs <= sms:
         return 2
     return 1 if vb <= 32 else 0
@@ -132,6 +127,10 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     (0, 1 or 2; tests and benchmarks).  e4m3_out: optional
     (q [T, P] uint8, s [T] fp32) that also receive out's rows as e4m3 codes with a scale a row, as
     ops/quant.quantize_activations_e4m3 makes them from out (kda_prefill_norm_e4m3; sm_89+, num_heads <= 64)."""
+    if state_columns is not None and (isinstance(state_columns, bool) or state_columns not in (16, 32, 64, 128)):
+        raise ValueError(f"kda_prefill: state_columns must be 16, 32, 64 or 128, got {state_columns!r}")
+    if state_prefetch is not None and (isinstance(state_prefetch, bool) or state_prefetch not in (0, 1, 2)):
+        raise ValueError(f"kda_prefill: state_prefetch must be 0, 1 or 2, got {state_prefetch!r}")
     import cupy
 
     out = cupy.empty(f.shape, dtype=BF16) if out is None else out
@@ -149,10 +148,8 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
             raise ValueError(f"{name} must be 16-byte aligned")
     K, L = head_dim, _CHUNK
     num_chunks = B + T // L  # chunk ids: b + cu_seqlens[b] // L + j (kda_prefill.cu's header)
-    vb = state_columns or _state_columns(B, num_heads, K)
-    if state_prefetch not in (None, 0, 1, 2):
-        raise ValueError(f"kda_prefill: state_prefetch must be 0, 1 or 2, got {state_prefetch!r}")
-    pf = _state_prefetch(B, num_heads, K, vb, sm_count(cupy.cuda.Device().id)) if state_prefetch is None else state_prefetch
+    vb = int(state_columns) if state_columns is not None else _state_columns(B, num_heads, K)
+    pf = _state_prefetch(B, num_heads, K, vb, sm_count(cupy.cuda.Device().id)) if state_prefetch is None else int(state_prefetch)
     qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
     a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
     g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
