@@ -109,10 +109,8 @@ class CudaModel:
             pre = normed and takes_norm_before(T, cfg.moe, D, L.mlp.shared_in_stack)
             # a large fp8 step: the norm writes the MoE's e4m3 sources as well (the same codes the MoE would make)
             codes = None
-            if (not pre and isinstance(L.mlp, DeviceMoE) and takes_x_codes(T, L.mlp, cfg.moe, D)
-                    and env.norm_e4m3()):
-                codes = self._codes(ws, "x", T, D)
-            elif fp8 and isinstance(L.mlp, DeviceMLP) and L.mlp.gate_up_e4m3 is not None:
+            if ((not pre and isinstance(L.mlp, DeviceMoE) and takes_x_codes(T, L.mlp, cfg.moe, D) and env.norm_e4m3())
+                    or (fp8 and isinstance(L.mlp, DeviceMLP) and L.mlp.gate_up_e4m3 is not None)):
                 codes = self._codes(ws, "x", T, D)
             if not pre:
                 with trace_scope("norm+residual"):

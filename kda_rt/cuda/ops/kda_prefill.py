@@ -148,8 +148,9 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
             raise ValueError(f"{name} must be 16-byte aligned")
     K, L = head_dim, _CHUNK
     num_chunks = B + T // L  # chunk ids: b + cu_seqlens[b] // L + j (kda_prefill.cu's header)
+    sms = sm_count(cupy.cuda.Device().id)
     vb = int(state_columns) if state_columns is not None else _state_columns(B, num_heads, K)
-    pf = _state_prefetch(B, num_heads, K, vb, sm_count(cupy.cuda.Device().id)) if state_prefetch is None else int(state_prefetch)
+    pf = _state_prefetch(B, num_heads, K, vb, sms) if state_prefetch is None else int(state_prefetch)
     qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
     a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
     g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
@@ -158,7 +159,7 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     intra((num_chunks, num_heads), (_INTRA_THREADS,),
           (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
            qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads),
-           i32(sm_count(cupy.cuda.Device().id))),  # one CTA per SM: the next wave starts that many ids on
+           i32(sms)),  # one CTA per SM: the next wave starts that many ids on
           shared_mem=smem, stream=stream)
     smem = _state_smem_bytes(K, L, vb, pf)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
