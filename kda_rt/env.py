@@ -152,6 +152,15 @@ def gemv_warps(default: int) -> int:
     return _non_negative_int("KDA_RT_GEMV_WARPS", default, low=3, high=31)
 
 
+def mla_fp8() -> bool:
+    """KDA_RT_MLA_FP8: 1 runs the MLA prefill attention (expanded form) on e4m3 products (mla_prefill_fp8.cu: queries,
+    keys and values quantized per round with fp32 scales, the probabilities as e4m3 too; sm_90a, KDA_RT_WGMMA on),
+    for long prompts, whose attention FLOPs grow with the square of the length.  Lossy beyond the bf16 path (see
+    tests/kernels/test_mla_prefill.py for the measured error), like FlashAttention-3's FP8 attention; off by default
+    (0), also for quantization="fp8", which quantizes weights only.  Read at each prefill step."""
+    return _on_off("KDA_RT_MLA_FP8", "0")
+
+
 def fp8_prefill() -> bool:
     """KDA_RT_FP8_PREFILL: 1 (default) runs the prefill MoE GEMMs of e4m3 expert stacks (quantization="fp8", the
     wgmma kernels, sm_90a) on e4m3 products, as vLLM's fp8 runs its GEMMs: x and h quantized a row at a time

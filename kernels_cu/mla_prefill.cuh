@@ -69,8 +69,11 @@ __device__ __forceinline__ void mask_tile(float* s, int kb, int prow0, int kend,
 // thread's partial row sums) are updated, and the SN_O n8 output blocks o[4·SN_O] are rescaled.  With
 // SKIP_HELD, a warp whose rows all kept their max skips the rescale (by 1: the same bits); H200, 2026-12-01:
 // it helps the wgmma kernel and cost the mma.sync one ~7% (tests/gpu/bench_mla_prefill.py), which keeps it off.
-template <int SN, int SN_O, bool SKIP_HELD>
-__device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[2], float (&l_run)[2], float scale_log2) {
+// Row r's scores use scale sl[r] (mla_prefill_fp8.cu: the softmax scale times the row's query scale; the bf16
+// kernels pass one scale twice); P_SHIFT adds that many to the probabilities' base-2 exponents (their
+// row sums too, so o / l is unchanged).
+template <int SN, int SN_O, bool SKIP_HELD, int P_SHIFT = 0>
+__device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[2], float (&l_run)[2], const float (&sl)[2]) {
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -79,14 +82,15 @@ __device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[
         for (int j = 0; j < SN; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float ms = mx == NEG_INF ? 0.f : mx * scale_log2;  // no (-inf) - (-inf) for rows without keys yet
-        alpha[r] = fast_exp2(m_run[r] * scale_log2 - ms);       // 0 while m_run = -inf
+        const float ms = mx == NEG_INF ? 0.f : mx * sl[r];  // no (-inf) - (-inf) for rows without keys yet
+        alpha[r] = fast_exp2(m_run[r] * sl[r] - ms);       // 0 while m_run = -inf
         m_run[r] = mx;
+        const float shifted = P_SHIFT == 0 ? -ms : (float)P_SHIFT - ms;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < SN; ++j) {
-            s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -ms));
-            s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -ms));
+            s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], sl[r], shifted));
+            s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl[r], shifted));
             sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
         }
         l_run[r] = l_run[r] * alpha[r] + sum;  // this thread's columns; the quad sums at the end
@@ -102,11 +106,18 @@ __device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[
     }
 }
 
+template <int SN, int SN_O, bool SKIP_HELD>
+__device__ __forceinline__ void softmax_tile(float* s, float* o, float (&m_run)[2], float (&l_run)[2], float scale_log2) {
+    const float sl[2] = {scale_log2, scale_log2};
+    softmax_tile<SN, SN_O, SKIP_HELD>(s, o, m_run, l_run, sl);
+}
+
 // Epilogue of warp `warp` (rows 16·warp + g, + 8 of the CTA's query tile starting at i0): merge with the
 // previous rounds' state (FLAG_HAS_PREV), then write bf16 o / l (FLAG_FINAL) or the new fp32 state.
-// o[4·(DV / 8)] in the layout above; m_run in raw score units; rows = valid query rows of the tile.
+// o[4·(DV / 8)] in the layout above; m_run in raw score units (row r's scale sl[r], as softmax_tile's);
+// rows = valid query rows of the tile.
 __device__ __forceinline__ void store_rows(const float* o, float (&l_run)[2], const float (&m_run)[2], int warp, int rows,
-                                           size_t tok_i0, int h, int flags, float scale_log2, bf16* __restrict__ out,
+                                           size_t tok_i0, int h, int flags, const float (&sl)[2], bf16* __restrict__ out,
                                            int ld_out, float* __restrict__ o_state, float* __restrict__ ml_state) {
     constexpr int ON = DV / 8;
     const int lane = threadIdx.x & 31, g = lane >> 2, c4 = lane & 3;
@@ -131,7 +142,7 @@ __device__ __forceinline__ void store_rows(const float* o, float (&l_run)[2], co
         const int i = warp * 16 + g + 8 * r;
         if (i >= rows) continue;
         const size_t row = (tok_i0 + i) * H + h;
-        float m = m_run[r] == NEG_INF ? NEG_INF : m_run[r] * scale_log2;  // log2 units
+        float m = m_run[r] == NEG_INF ? NEG_INF : m_run[r] * sl[r];  // log2 units
         float l = l_run[r], f_new = 1.f, f_prev = 0.f;
         if (flags & FLAG_HAS_PREV) {
             const float mm = fmaxf(m, mp[r]), ms = mm == NEG_INF ? 0.f : mm;
@@ -168,6 +179,13 @@ __device__ __forceinline__ void store_rows(const float* o, float (&l_run)[2], co
             }
         }
     }
+}
+
+__device__ __forceinline__ void store_rows(const float* o, float (&l_run)[2], const float (&m_run)[2], int warp, int rows,
+                                           size_t tok_i0, int h, int flags, float scale_log2, bf16* __restrict__ out,
+                                           int ld_out, float* __restrict__ o_state, float* __restrict__ ml_state) {
+    const float sl[2] = {scale_log2, scale_log2};
+    store_rows(o, l_run, m_run, warp, rows, tok_i0, h, flags, sl, out, ld_out, o_state, ml_state);
 }
 
 // lat[r] = pool row of (b, pos) for every scratch row r of the round, zeros for the padding rows after

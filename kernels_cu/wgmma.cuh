@@ -1,5 +1,5 @@
 // wgmma.cuh — Hopper warpgroup-MMA helpers (PTX ISA 8.0+, sm_90a only: KDA_RT_HOPPER) shared by the
-// wgmma kernels (moe_gemm_wg.cu, mla_prefill_wg.cu): fences, commit / wait, the shared-memory matrix
+// wgmma kernels (moe_gemm_wg.cu, mla_prefill_wg.cu, mla_prefill_fp8.cu): fences, commit / wait, the shared-memory matrix
 // descriptor of a K-major operand tile with 128-byte rows and the 128-byte swizzle, the m64nNk16 bf16
 // products (A from shared memory, or A from registers), the swizzled byte offset of a 16-byte chunk, and
 // stmatrix (bf16 accumulator pairs into shared memory).
@@ -88,6 +88,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigne
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_REGS32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                  : WG_ACC32(d, 0)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// d = A[64 x 32] · B[128 x 32]ᵀ in e4m3 (+ d when accumulate != 0), A from registers, B K-major in shared memory.
+// The 8-bit A fragment (per warp m16k32, as mma.sync m16n8k32's): a[0] row g, bytes 4c .. 4c + 3 of the k32 slice;
+// a[1] row g + 8; a[2] bytes 16 + 4c ..; a[3] both (the lowest byte the lowest k).
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b,
+                                                         int accumulate = 1) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" WG_REGS64 "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : WG_ACC32(d, 0), WG_ACC32(d, 32)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 

@@ -28,7 +28,7 @@ from kda_rt.cuda.ops.embed import embed
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
 from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
-from kda_rt.cuda.ops.mla_prefill import mla_prefill
+from kda_rt.cuda.ops.mla_prefill import mla_prefill, use_fp8
 from kda_rt.cuda.ops.mla_store import mla_store
 from kda_rt.cuda.ops.moe_align import FUSED_NORM_MAX_T, NormAfter, fits_norm
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
@@ -246,5 +246,6 @@ class CudaModel:
                           store=store if fold else None)
         else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
-                        num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens))
+                        num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens),
+                        fp8=env.mla_fp8() and use_fp8(mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim))
         self._proj(o, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out)

@@ -2,6 +2,7 @@
 against the Hopper wgmma one (mla_prefill_wg.cu, the default on sm_90a).
 
     PYTHONPATH=. python tests/gpu/bench_mla_prefill.py [--shapes 1x2048,8x2048,...]
+    PYTHONPATH=. python tests/gpu/bench_mla_prefill.py --fp8 [--shapes ...]   (bf16 wgmma against fp8=True)
 
 Per shape (chunked shapes run every chunk in order, each after the previous chunks' context) it
 prints the warm CUDA-event time of the whole mla_prefill call on each path (host readback and planning
@@ -14,6 +15,7 @@ between the two paths' outputs (largest over the chunks).  Attention FLOPs (caus
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -28,7 +30,8 @@ from kda_rt.cuda.ops.mla_prefill import NUM_WARPS, WG_STAGES, _kernels, _wg_kern
 H, R, DN, DR, DV, S = 32, 512, 128, 64, 128, 64
 SCALE = (DN + DR) ** -0.5
 SHAPES = {"1x2048": (1, 2048, 2048), "8x2048": (8, 2048, 2048), "1x32768-chunks-8192": (1, 32768, 8192),
-          "1x32768-whole": (1, 32768, 32768), "1x131072-chunks-8192": (1, 131072, 8192)}
+          "1x32768-whole": (1, 32768, 32768), "1x131072-chunks-8192": (1, 131072, 8192),
+          "1x32768-chunks-16384": (1, 32768, 16384), "1x131072-chunks-16384": (1, 131072, 16384)}
 
 
 def events_ms(fn, reps: int, warm: bool) -> float:
@@ -136,6 +139,35 @@ def bench_variants(name: str, variants: list[int], rounds: int = 3) -> None:
           + f"  outputs bit-identical: {same}", flush=True)
 
 
+def bench_fp8(names: list[str], rounds: int = 3) -> None:
+    """The whole mla_prefill call (every chunk in order) with the bf16 wgmma attention and with fp8=True (its
+    quantization passes included), interleaved over `rounds` rounds after a warm-up call: ms, the causal attention's
+    TFLOP/s at that time, and the relative RMS difference of the outputs (largest over the chunks)."""
+    w_kvb = random_w_kvb()
+    print(f"{'shape':<24} {'bf16 ms':>8} {'TF/s':>5} {'fp8 ms':>8} {'TF/s':>5} {'speedup':>7} | rel RMS diff")
+    for name in names:
+        B, L, chunk, pool, tables, q_all = shape_inputs(name)
+        t = {False: 0.0, True: 0.0}
+        flops, diff = 0.0, 0.0
+        for c0 in range(0, L, chunk):
+            cu, ctx = cupy.asarray((np.arange(B + 1) * chunk).astype(np.int32)), cupy.asarray(np.full(B, c0, np.int32))
+            flops += chunk_flops(B, c0, chunk)
+            outs = {}
+            for fp8 in (False, True):  # warm-up (and build)
+                outs[fp8] = mla_prefill(q_all, pool, w_kvb, cu, ctx, tables, num_heads=H, scale=SCALE, fp8=fp8)
+            a, b = outs[False].astype(np.float32), outs[True].astype(np.float32)
+            diff = max(diff, float(cupy.sqrt(cupy.mean((a - b) ** 2) / cupy.mean(a ** 2))))
+            for r in range(rounds):
+                for fp8 in ((False, True) if r % 2 == 0 else (True, False)):
+                    call = functools.partial(mla_prefill, q_all, pool, w_kvb, cu, ctx, tables, num_heads=H, scale=SCALE,
+                                             fp8=fp8)
+                    t[fp8] += events_ms(call, 1, False) / rounds
+        print(f"{name:<24} {t[False]:8.2f} {flops / t[False] / 1e9:5.0f} {t[True]:8.2f} {flops / t[True] / 1e9:5.0f} "
+              f"{t[False] / t[True]:6.2f}x | {diff:.3g}", flush=True)
+        del pool, q_all
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def on_path(wg: bool, fn):
     os.environ["KDA_RT_WGMMA"] = "1" if wg else "0"
     try:
@@ -149,8 +181,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default="", help="e.g. 3,4: only the wgmma attention built with each number "
                                                    "of stages, interleaved rounds")
+    ap.add_argument("--fp8", action="store_true", help="the bf16 wgmma attention against fp8=True (whole calls)")
     args = ap.parse_args()
     t_start = time.time()
+    if args.fp8:
+        bench_fp8(args.shapes.split(","))
+        print(f"wall {time.time() - t_start:.1f} s")
+        return
     if args.variants:
         variants = [int(v) for v in args.variants.split(",")]
         for name in args.shapes.split(","):

@@ -192,6 +192,42 @@ def test_stable_fp8_prefill_products(tmp_path_factory, monkeypatch):
     assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
 
 
+def test_stable_mla_fp8_attention(tmp_path_factory, monkeypatch):
+    """KDA_RT_MLA_FP8=1 (the MLA prefill attention on e4m3 products, mla_prefill_fp8.cu; opt-in and lossy) on a bf16
+    model: a 150-token prompt's MLA layers take the FP8 attention (counted), and the logits stay within the bounds the
+    fp8 weight tests use against the exact NumPy oracle (median <= 0.1, every position away from a router near-tie
+    <= 0.25): the kernel's outputs are ~5e-2 (relative RMS) from exact attention (test_mla_prefill.py), here in the
+    MLA layers only.  Also checks that the switch moves the logits (the path was taken)."""
+    import kda_rt.cuda.model as cuda_model
+    from kda_rt.cuda.ops.mla_prefill import use_fp8
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    if not use_fp8(128, 64, 128):
+        pytest.skip("the FP8 attention needs sm_90a")
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("stable-mla-fp8"), seed=3,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)
+    gpu = LLM(str(path), backend="cuda", **KW)
+    ids = list(np.random.default_rng(1).integers(0, 768, size=150))
+    monkeypatch.setenv("KDA_RT_MLA_FP8", "0")
+    bf16_logits = gpu.score(ids)
+    calls = []
+    real = cuda_model.mla_prefill
+    monkeypatch.setattr(cuda_model, "mla_prefill", lambda *a, **k: calls.append(k.get("fp8")) or real(*a, **k))
+    monkeypatch.setenv("KDA_RT_MLA_FP8", "1")
+    gpu_logits = gpu.score(ids)
+    assert calls and all(calls), calls
+    ref = LLM(str(path), backend="numpy", dtype="bfloat16", **KW)
+    ref_logits, margins = score_with_margins(ref, ids)
+    err = row_rel_err(gpu_logits, ref_logits)
+    moved = row_rel_err(gpu_logits, bf16_logits)
+    print(f"MLA fp8 attention: per-position rel err median {np.median(err):.2e}, max {err.max():.2e}; against the "
+          f"bf16 attention {np.median(moved):.2e} median")
+    assert np.all(np.isfinite(gpu_logits)), "non-finite logits"
+    assert np.median(moved) > 0, "KDA_RT_MLA_FP8=1 left every logit as it was"
+    assert np.median(err) <= 0.1 and not (err[margins >= NEAR_TIE] > 0.25).any(), err
+
+
 def _fp8_switch_logits(tmp_path_factory, monkeypatch, switch: str):
     """The fp8 demo-shape model's logits of a 150-token prompt (one prefill step whose expert GEMMs take e4m3
     sources on sm_90a, else skipped) with the KDA_RT_* `switch` at 0 and at 1, and

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.gpu import BF16, poison, rms_rel, to_gpu_bf16, to_np
+from helpers.gpu import BF16, bf16_round, poison, rms_rel, to_gpu_bf16, to_np
 from helpers.mla_kernel import DN, DR, DV, SCALE, TOL, R, device_meta, make_case, reference, upload_q
 
 gpu = pytest.mark.gpu
@@ -153,6 +153,110 @@ def test_mla_prefill_matches_absorbed(block_size, path):
     old = mla_attention(upload_q(q, True), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H, scale=SCALE,
                         max_seqlen=max(lens), decode=False)
     check(f"expanded-{path}-vs-absorbed-S{block_size}", to_np(new), to_np(old))
+
+
+# -- FP8 attention (mla_prefill_fp8.cu, fp8=True) -------------------------------------------------------------------
+# Two checks.  Against `fp8_emulation` (the same scales and codes of q, k and v, made by loader/quant.quantize_rows'
+# activation rule from the bf16 keys and values cuBLAS would round, then exact products and softmax): what is left
+# is the kernel's own rounding, the probabilities to e4m3 (3 mantissa bits: at most 2^-4 relative each, independent
+# across keys, so their effect on an output averages over the keys a row attends), fp32 accumulation and the bf16
+# output; bound TOL_FP8_EMU.  Against the exact reference: the scheme's whole loss.  An e4m3 code is within 2^-4 of
+# its value (relative; ~2.6% RMS), so a score q · k moves by ~sqrt(2) x 2.6% of |q| |k| (per-key, independent), and
+# the softmax turns a score error of d nats into a relative change d of that key's weight: with this test's scores
+# (~1.5 nats RMS) ~5% of the output, and more where the scores are larger; the values' and the probabilities' codes
+# add ~2.6% and ~1.5%.  Measured on the H200 (2026-12-02): 1.49-1.53e-2 against the emulation, 5.19-5.33e-2 against
+# the exact reference (3.06-3.47e-2 in the long cases); the bounds are ~1.6x and ~1.5x those.
+TOL_FP8_EMU = 2.5e-2
+TOL_FP8 = 8e-2
+
+
+@pytest.fixture
+def fp8_path(monkeypatch):
+    from kda_rt.cuda.ops.mla_prefill import use_fp8
+
+    monkeypatch.setenv("KDA_RT_WGMMA", "1")
+    if not use_fp8(DN, DR, DV):
+        pytest.skip("the FP8 attention needs sm_90a")
+
+
+def fp8_emulation(q, pool_np, w_kvb, tables, lens, ctx, block_size, H):
+    """Float64 outputs [T, H·Dv] of mla_prefill_fp8.cu's scheme when every sequence's keys form one round."""
+    from kda_rt.loader.quant import quantize_rows
+
+    w = w_kvb.reshape(H, DN + DV, R).astype(np.float32)
+    cached = []
+    for b, (n, c) in enumerate(zip(lens, ctx, strict=True)):
+        pos = np.arange(c + n)
+        cached.append(pool_np[tables[b, pos // block_size], pos % block_size].astype(np.float32))
+    lat = np.concatenate(cached)  # every key row of the round
+    kn = bf16_round(np.einsum("lr,hdr->hld", lat[:, :R], w[:, :DN], optimize=True))  # [H, N, Dn], cuBLAS's bf16 output
+    vt = bf16_round(np.einsum("hvr,lr->hvl", w[:, DN:], lat[:, :R], optimize=True))  # [H, Dv, N]
+    N = lat.shape[0]
+    k8, sk = quantize_rows(kn.reshape(H, N * DN), reciprocal=True)  # one scale a head
+    pe8, spe = quantize_rows(lat[:, R:].reshape(1, N * DR), reciprocal=True)  # k_pe: one scale
+    v8, sv = quantize_rows(vt.reshape(H * DV, N), reciprocal=True)  # one scale a value channel
+    k8 = k8.astype(np.float64).reshape(H, N, DN)
+    pe8 = pe8.astype(np.float64).reshape(N, DR)
+    v8 = v8.astype(np.float64).reshape(H, DV, N) * sv.reshape(H, DV, 1)
+    T = q.shape[0]
+    kscale = np.concatenate([np.repeat(sk[:, None], DN, 1), np.full((H, DR), spe[0])], axis=1)  # [H, Dqk]
+    q8, qs = quantize_rows((q.astype(np.float32) * kscale[None]).astype(np.float32).reshape(T * H, DN + DR),
+                           reciprocal=True)
+    q8 = q8.astype(np.float64).reshape(T, H, DN + DR)
+    qs = qs.astype(np.float64).reshape(T, H)
+    out, t, k0 = np.empty((T, H, DV)), 0, 0
+    for n, c in zip(lens, ctx, strict=True):
+        L = c + n
+        s = (np.einsum("thd,hld->thl", q8[t:t + n, :, :DN], k8[:, k0:k0 + L], optimize=True)
+             + np.einsum("thd,ld->thl", q8[t:t + n, :, DN:], pe8[k0:k0 + L], optimize=True)) * qs[t:t + n, :, None]
+        s = np.where(np.arange(L)[None, None, :] <= (c + np.arange(n))[:, None, None], s * SCALE, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[t:t + n] = np.einsum("thl,hvl->thv", p / p.sum(-1, keepdims=True), v8[:, :, k0:k0 + L], optimize=True)
+        t, k0 = t + n, k0 + L
+    return out.reshape(T, H * DV)
+
+
+@gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_mla_prefill_fp8(case, fp8_path):
+    """fp8=True against the emulation of its scheme (tight) and the exact reference (the scheme's loss)."""
+    H, block_size = 32, 16
+    lens, ctx = CASES[case]
+    q, pool, w_kvb, tables = make_case(41 + len(case), H, block_size, lens, ctx)
+    out = to_np(run(q, pool, w_kvb, tables, lens, ctx, H, expanded_min_tokens=1, fp8=True))
+    pool_np = to_np(pool)
+    emu = rms_rel(out, fp8_emulation(q, pool_np, w_kvb, tables, lens, ctx, block_size, H))
+    exact = rms_rel(out, reference(q, pool_np, w_kvb, tables, lens, ctx, block_size, H))
+    print(f"fp8-{case}: rel RMS err {emu:.2e} against the emulation, {exact:.2e} against the exact reference")
+    assert emu <= TOL_FP8_EMU and exact <= TOL_FP8, (emu, exact)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["ctx30000-rounds", "batch"])
+def test_mla_prefill_fp8_long(case, fp8_path):
+    """fp8=True over long contexts and several rounds (each round's own scales), on sampled rows, exact reference."""
+    H, block_size = 32, 64
+    lens, ctx, kpr = LONG[case]
+    q, pool, w_kvb, tables = make_case(sum(lens) + kpr + 3, H, block_size, lens, ctx)
+    out = to_np(run(q, pool, w_kvb, tables, lens, ctx, H, keys_per_round=kpr, expanded_min_tokens=1, fp8=True))
+    assert np.all(np.isfinite(out)), f"{np.count_nonzero(~np.isfinite(out))} non-finite outputs"
+    rng = np.random.default_rng(6)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    rows = sorted(set(rng.choice(sum(lens), 40, replace=False).tolist()) | set(cu[:-1].tolist())
+                  | set((cu[1:] - 1).tolist()))
+    err = rms_rel(out[rows], reference_rows(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H, rows))
+    print(f"fp8-long-{case}: rel RMS err {err:.2e} against the exact reference")
+    assert err <= TOL_FP8, err
+
+
+@gpu
+def test_mla_prefill_fp8_refused_where_unsupported(monkeypatch):
+    """fp8=True where the FP8 kernel cannot run (here: the wgmma kernels turned off) is refused by name."""
+    monkeypatch.setenv("KDA_RT_WGMMA", "0")
+    lens, ctx = CASES["single"]
+    q, pool, w_kvb, tables = make_case(3, 2, 16, lens, ctx)
+    with pytest.raises(ValueError, match="fp8=True needs sm_90a with KDA_RT_WGMMA on"):
+        run(q, pool, w_kvb, tables, lens, ctx, 2, expanded_min_tokens=1, fp8=True)
 
 
 @pytest.mark.parametrize("keys_per_round", [100, 256, 65536])

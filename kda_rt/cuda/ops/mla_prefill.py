@@ -37,7 +37,7 @@ from kda_rt.cuda.gemm import bmm, linear
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import device_arch, get_kernel
 
-__all__ = ["mla_prefill", "plan_rounds", "use_wgmma", "Round", "BLOCK_M", "KEYS_PER_ROUND", "EXPANDED_MIN_TOKENS",
+__all__ = ["mla_prefill", "plan_rounds", "use_wgmma", "use_fp8", "Round", "BLOCK_M", "KEYS_PER_ROUND", "EXPANDED_MIN_TOKENS",
            "SEGMENT_ALIGN"]
 
 NUM_WARPS = 8
@@ -46,7 +46,9 @@ _BLOCK_N = 64
 KEYS_PER_ROUND = 65536
 EXPANDED_MIN_TOKENS = 128
 FLAG_HAS_PREV, FLAG_FINAL = 1, 2
-SEGMENT_ALIGN = 8  # scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns)
+# scratch rows: each sequence's segment starts at a multiple of this (16-byte vt columns; the fp8 values' codes are
+# permuted within 32-key groups counted from the segment's start, mla_prefill_fp8.cu)
+SEGMENT_ALIGN = 32
 _WG_THREADS = 256
 # pipeline stages of mla_prefill_attn_wg (STAGES - 2 key tiles in flight); _WG_MIN_STAGES where these do not fit
 # the CTA's shared memory.
@@ -165,13 +167,37 @@ def _wg_kernel(H: int, R: int, Dn: int, Dr: int, Dv: int, stages: int = WG_STAGE
                       DN=Dn, DR=Dr, DV=Dv, STAGES=stages, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
 
 
+_FP8_STAGES = 4
+_FP8_SUB = 16384  # one [128][128 B] sub-tile of mla_prefill_fp8.cu
+
+
+def use_fp8(Dn: int, Dr: int, Dv: int) -> bool:
+    """Whether the FP8 attention of mla_prefill_fp8.cu can run here: the wgmma path and MLA's usual head dims."""
+    return use_wgmma(Dn, Dr, Dv) and (Dn, Dr, Dv) == (128, 64, 128)
+
+
+def _fp8_smem(stages: int = _FP8_STAGES) -> int:
+    """Q (two sub-tiles), `stages` stages of K nope, K pe and Vᵀ sub-tiles, 1 KB for the 1024-byte alignment."""
+    return 2 * _FP8_SUB + stages * 3 * _FP8_SUB + 1024
+
+
+@functools.cache
+def _fp8_kernels(H: int, R: int, Dn: int, Dr: int, Dv: int):
+    defs = dict(H=H, R=R, DN=Dn, DR=Dr, DV=Dv, STAGES=_FP8_STAGES, FLAG_HAS_PREV=FLAG_HAS_PREV, FLAG_FINAL=FLAG_FINAL)
+    names = ("mla_fp8_amax", "mla_fp8_quant_k", "mla_fp8_quant_v", "mla_fp8_quant_q")
+    quant = [get_kernel("mla_prefill_fp8.cu", n, **defs) for n in names]
+    attn = get_kernel("mla_prefill_fp8.cu", "mla_prefill_attn_fp8", max_dynamic_smem=_fp8_smem(), **defs)
+    return (*quant, attn)
+
+
 def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, num_heads: int, scale: float,
                 out=None, keys_per_round: int = KEYS_PER_ROUND, expanded_min_tokens: int = EXPANDED_MIN_TOKENS,
-                stream=None, host_lens=(None, None)):
+                stream=None, host_lens=(None, None), fp8: bool = False):
     """q: [T, H·(Dn+Dr)] bf16 (rows may be strided) or [T, H, Dn+Dr]; kv_pool [num_blocks, block_size, R+Dr]
     bf16 with the new rows stored; w_kvb [H·(Dn+Dv), R] bf16; cu_seqlens [B+1], context_lens [B],
     block_tables [B, M] int32.  Returns out [T, H·Dv] bf16 (may be row-strided).  host_lens: NumPy
-    copies of (cu_seqlens, context_lens) when the caller has them (no device -> host sync then)."""
+    copies of (cu_seqlens, context_lens) when the caller has them (no device -> host sync then).
+    fp8: the expanded path's products in e4m3 (mla_prefill_fp8.cu: lossy, opt-in; needs `use_fp8`)."""
     import cupy
 
     from kda_rt.cuda.ops.mla_attn import mla_attention, mla_dims
@@ -181,6 +207,9 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
     if QW != H * Dqk or HW != H * Dkv or Dn % 16 or Dr % 16 or Dv % 16 or R % 8 or leading_dim(q2) % 8 or q2.data.ptr % 16:
         raise ValueError(f"mla_prefill: inconsistent dims or misaligned q (q {q.shape}, pool width {KD}, "
                          f"w_kvb {w_kvb.shape}, H {H})")
+    if fp8 and not use_fp8(Dn, Dr, Dv):
+        raise ValueError(f"mla_prefill: fp8=True needs sm_90a with KDA_RT_WGMMA on and head dims Dn = 128, Dr = 64, "
+                         f"Dv = 128 (here {device_arch()}, KDA_RT_WGMMA {int(env.wgmma())}, Dn {Dn}, Dr {Dr}, Dv {Dv})")
     (B1,) = expect(cu_seqlens, "cu_seqlens", ndim=1, dtype=np.int32)
     expect(context_lens, "context_lens", shape=(B1 - 1,), dtype=np.int32)
     _, M = expect(block_tables, "block_tables", shape=(B1 - 1, None), dtype=np.int32)
@@ -217,6 +246,15 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
             kn = cupy.empty((H, rows, Dn), dtype=BF16)
             vt = cupy.empty((H, Dv, rows), dtype=BF16)
             scratch = kn
+            if fp8:
+                amax_k, quant_k, quant_v, quant_q, attn_fp8 = _fp8_kernels(H, R, Dn, Dr, Dv)
+                kn8 = cupy.empty((H, rows, Dn), dtype=np.uint8)
+                kpe8 = cupy.empty((rows, Dr), dtype=np.uint8)
+                vt8 = cupy.empty((H, Dv, rows), dtype=np.uint8)
+                q8 = cupy.empty((T, H * (Dn + Dr)), dtype=np.uint8)
+                qsc = cupy.empty((T, H), dtype=np.float32)
+                sv = cupy.empty((H, Dv), dtype=np.float32)
+                amax = cupy.empty((H + 1,), dtype=np.uint32)
         else:
             kv = cupy.empty((rows, HW), dtype=BF16)
             scratch = kv
@@ -235,7 +273,10 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
                 c = cupy.broadcast_to(lat[None, :rd.rows, :R], (H, rd.rows, R))  # batch stride 0
                 bmm(c, w3[:, :Dn], out=kn[:, :rd.rows], transpose_b=True)    # kn[h] = c · W_k,hᵀ
                 bmm(w3[:, Dn:], c, out=vt[:, :, :rd.rows], transpose_b=True)  # vt[h] = W_v,h · cᵀ
-                if len(rd.tiles):
+                if fp8 and len(rd.tiles):
+                    _fp8_round(rd, (amax_k, quant_k, quant_v, quant_q, attn_fp8), q2, kn, vt, lat, rows, rec, tiles,
+                               (kn8, kpe8, vt8, q8, qsc, sv, amax), scale_log2, out, o_state, ml_state, stream)
+                elif len(rd.tiles):
                     attn_wg((len(rd.tiles), H), (_WG_THREADS,), (
                         q2, i32(leading_dim(q2)), kn, vt, lat, i32(rows), rec, tiles, scale_log2, out,
                         i32(leading_dim(out)), o_state, ml_state), shared_mem=_wg_smem(Dn, Dr, wg_stages), stream=stream)
@@ -246,6 +287,24 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
                     q2, i32(leading_dim(q2)), kv, lat, rec, tiles, scale_log2, out,
                     i32(leading_dim(out)), o_state, ml_state), shared_mem=smem, stream=stream)
     return out
+
+
+def _fp8_round(rd, kernels, q2, kn, vt, lat, rows, rec, tiles, bufs, scale_log2, out, o_state, ml_state, stream):
+    """One round of the FP8 attention: the scales and codes of the round's keys, values and every query row, then
+    mla_prefill_attn_fp8 (mla_prefill_fp8.cu has the scheme)."""
+    amax_k, quant_k, quant_v, quant_q, attn_fp8 = kernels
+    kn8, kpe8, vt8, q8, qsc, sv, amax = bufs
+    H, _, Dn = kn.shape
+    Dv, T = vt.shape[1], q2.shape[0]
+    amax.fill(0)
+    blocks = (min(-(-rd.rows * (Dn // 8) // 256), 1024), H + 1)
+    amax_k(blocks, (256,), (kn, lat, i32(rows), i32(rd.rows), amax), stream=stream)
+    quant_k(blocks, (256,), (kn, lat, i32(rows), i32(rd.rows), amax, kn8, kpe8), stream=stream)
+    quant_v((H * Dv,), (256,), (vt, i32(rows), i32(rd.rows), vt8, sv), stream=stream)
+    quant_q((-(-T * H // 8),), (256,), (q2, i32(leading_dim(q2)), i32(T), amax, q8, qsc), stream=stream)
+    attn_fp8((len(rd.tiles), H), (_WG_THREADS,), (q8, qsc, kn8, kpe8, vt8, sv, i32(rows), rec, tiles, scale_log2, out,
+                                                   i32(leading_dim(out)), o_state, ml_state),
+             shared_mem=_fp8_smem(), stream=stream)
 
 
 def _absorbed(seqs, q2, kv_pool, w_kvb, cu, ctx, block_tables, H, scale, out, mla_attention) -> None:
