@@ -189,7 +189,7 @@ __device__ __forceinline__ void store_rows(const float* o, float (&l_run)[2], co
 }
 
 // lat[r] = pool row of (b, pos) for every scratch row r of the round, zeros for the padding rows after
-// each sequence's segment (pos >= ke: segments start at multiples of 8 rows); one thread per 16-byte chunk.
+// each sequence's segment (pos >= ke: segments start at multiples of 32 rows); one thread per 16-byte chunk.
 // seq_rec [B, 8] (tok0, n, ctx, row0, ks, ke, flags, 0), row_start [B + 1]; LATW = R + DR.
 template <int LATW, int BS>
 __device__ __forceinline__ void gather_latent(const bf16* __restrict__ kv_pool, const int* __restrict__ block_tables,

@@ -14,7 +14,10 @@
 //       group the codes are stored permuted (position L holds key vperm(L)), so that the probabilities of the
 //       score accumulators, packed in place, are the A fragment of the P·V product (below).
 //   P   e4m3 of 2^(s·sl − m + 8): the probabilities times 256 (softmax_tile's P_SHIFT; the row sums carry the same
-//       factor, so o / l is unchanged): probabilities down to 2^-17 stay normal codes, not zero.
+//       factor, so o / l is unchanged): probabilities down to 2^-14 keep normal codes (3 mantissa bits), down to
+//       2^-17 subnormal ones, instead of 2^-6 and 2^-9 unscaled.
+// The K and V scales are the round's, shared by the sequences in it (as a prefill step's activation scales are the
+// step's rows'): a sequence's outputs can move with what it is batched with, within the scheme's error.
 // Codes as e4m3.cuh's row rule (scale = amax / 448, codes of x · (1 / scale), clamped, round to nearest even).
 //
 // Geometry.  Grid (num_tiles, H), 256 threads = two warpgroups staggered as in mla_prefill_wg.cu (one's softmax under

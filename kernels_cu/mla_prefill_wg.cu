@@ -6,7 +6,7 @@
 //   kn [H, ld_rows, DN]  k_nope of scratch row r and head h at (h·ld_rows + r)·DN    (cuBLAS, batched)
 //   vt [H, DV, ld_rows]  v of scratch row r and head h, transposed: column r of rows h·DV .. h·DV + DV - 1
 //   lat [rows, R + DR]   k_pe at column R (mla_prefill_gather)
-// Each sequence's segment starts at a scratch row that is a multiple of 8 (ops/mla_prefill.py pads the
+// Each sequence's segment starts at a scratch row that is a multiple of 32 (ops/mla_prefill.py pads the
 // segments; the gather zero-fills the padding rows), so a key tile's V^T columns are 16-byte aligned.
 //
 // Geometry.  Grid (num_tiles, H), 256 threads = two warpgroups; a CTA owns BLOCK_M = 128 query rows of one

@@ -13,6 +13,8 @@ the add and norm before it in its routing kernel (KDA_RT_ROUTE_NORM).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +40,25 @@ from kda_rt.cuda.weights import DeviceKDA, DeviceMLA, DeviceMLP, DeviceMoE, Mode
 from kda_rt.cuda.workspace import Workspace
 from kda_rt.loader.config import ModelConfig
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["DeviceBatch", "CudaModel"]
+
+
+def _mla_fp8(Dn: int, Dr: int, Dv: int) -> bool:
+    """KDA_RT_MLA_FP8 where the FP8 MLA prefill attention can run; where it cannot, a warning (once) and bf16."""
+    if not env.mla_fp8():
+        return False
+    if use_fp8(Dn, Dr, Dv):
+        return True
+    _warn_once(f"KDA_RT_MLA_FP8=1 ignored: the FP8 MLA prefill attention needs sm_90a with KDA_RT_WGMMA on and head "
+               f"dims (128, 64, 128), here (Dn, Dr, Dv) = ({Dn}, {Dr}, {Dv}); running the bf16 attention")
+    return False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 @dataclass
@@ -247,5 +267,5 @@ class CudaModel:
         else:  # prefill / mixed step (eager): expanded form, ops/mla_prefill.py sizes its own scratch
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                         num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens),
-                        fp8=env.mla_fp8() and use_fp8(mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim))
+                        fp8=_mla_fp8(mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim))
         self._proj(o, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out)

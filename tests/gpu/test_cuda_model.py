@@ -199,6 +199,7 @@ def test_stable_mla_fp8_attention(tmp_path_factory, monkeypatch):
     <= 0.25): the kernel's outputs are ~5e-2 (relative RMS) from exact attention (test_mla_prefill.py), here in the
     MLA layers only.  Also checks that the switch moves the logits (the path was taken)."""
     import kda_rt.cuda.model as cuda_model
+    import kda_rt.cuda.ops.mla_prefill as mla_prefill_mod
     from kda_rt.cuda.ops.mla_prefill import use_fp8
     from kda_rt.demo.make_demo import DEMO_CONFIG
     from kda_rt.random_checkpoint import write_random_checkpoint
@@ -211,12 +212,14 @@ def test_stable_mla_fp8_attention(tmp_path_factory, monkeypatch):
     ids = list(np.random.default_rng(1).integers(0, 768, size=150))
     monkeypatch.setenv("KDA_RT_MLA_FP8", "0")
     bf16_logits = gpu.score(ids)
-    calls = []
-    real = cuda_model.mla_prefill
+    calls, rounds = [], []
+    real, real_round = cuda_model.mla_prefill, mla_prefill_mod._fp8_round
     monkeypatch.setattr(cuda_model, "mla_prefill", lambda *a, **k: calls.append(k.get("fp8")) or real(*a, **k))
+    monkeypatch.setattr(mla_prefill_mod, "_fp8_round", lambda *a, **k: rounds.append(1) or real_round(*a, **k))
     monkeypatch.setenv("KDA_RT_MLA_FP8", "1")
     gpu_logits = gpu.score(ids)
-    assert calls and all(calls), calls
+    mla_layers = len(DEMO_CONFIG["linear_attn_config"]["full_attn_layers"])
+    assert calls and all(calls) and len(rounds) == mla_layers, (calls, rounds)  # the FP8 kernel ran in every layer
     ref = LLM(str(path), backend="numpy", dtype="bfloat16", **KW)
     ref_logits, margins = score_with_margins(ref, ids)
     err = row_rel_err(gpu_logits, ref_logits)

@@ -179,60 +179,74 @@ def fp8_path(monkeypatch):
         pytest.skip("the FP8 attention needs sm_90a")
 
 
-def fp8_emulation(q, pool_np, w_kvb, tables, lens, ctx, block_size, H):
-    """Float64 outputs [T, H·Dv] of mla_prefill_fp8.cu's scheme when every sequence's keys form one round."""
+def fp8_emulation(q, pool_np, w_kvb, tables, lens, ctx, block_size, H, keys_per_round):
+    """Float64 outputs [T, H·Dv] of mla_prefill_fp8.cu's scheme: the rounds of plan_rounds, each with the scales of
+    its own keys, values and (with its key scales folded in) queries, exact products and softmax a round, and the
+    rounds' partial softmaxes merged exactly."""
+    from kda_rt.cuda.ops.mla_prefill import plan_rounds
     from kda_rt.loader.quant import quantize_rows
 
     w = w_kvb.reshape(H, DN + DV, R).astype(np.float32)
-    cached = []
-    for b, (n, c) in enumerate(zip(lens, ctx, strict=True)):
-        pos = np.arange(c + n)
-        cached.append(pool_np[tables[b, pos // block_size], pos % block_size].astype(np.float32))
-    lat = np.concatenate(cached)  # every key row of the round
-    kn = bf16_round(np.einsum("lr,hdr->hld", lat[:, :R], w[:, :DN], optimize=True))  # [H, N, Dn], cuBLAS's bf16 output
-    vt = bf16_round(np.einsum("hvr,lr->hvl", w[:, DN:], lat[:, :R], optimize=True))  # [H, Dv, N]
-    N = lat.shape[0]
-    k8, sk = quantize_rows(kn.reshape(H, N * DN), reciprocal=True)  # one scale a head
-    pe8, spe = quantize_rows(lat[:, R:].reshape(1, N * DR), reciprocal=True)  # k_pe: one scale
-    v8, sv = quantize_rows(vt.reshape(H * DV, N), reciprocal=True)  # one scale a value channel
-    k8 = k8.astype(np.float64).reshape(H, N, DN)
-    pe8 = pe8.astype(np.float64).reshape(N, DR)
-    v8 = v8.astype(np.float64).reshape(H, DV, N) * sv.reshape(H, DV, 1)
-    T = q.shape[0]
-    kscale = np.concatenate([np.repeat(sk[:, None], DN, 1), np.full((H, DR), spe[0])], axis=1)  # [H, Dqk]
-    q8, qs = quantize_rows((q.astype(np.float32) * kscale[None]).astype(np.float32).reshape(T * H, DN + DR),
-                           reciprocal=True)
-    q8 = q8.astype(np.float64).reshape(T, H, DN + DR)
-    qs = qs.astype(np.float64).reshape(T, H)
-    out, t, k0 = np.empty((T, H, DV)), 0, 0
-    for n, c in zip(lens, ctx, strict=True):
-        L = c + n
-        s = (np.einsum("thd,hld->thl", q8[t:t + n, :, :DN], k8[:, k0:k0 + L], optimize=True)
-             + np.einsum("thd,ld->thl", q8[t:t + n, :, DN:], pe8[k0:k0 + L], optimize=True)) * qs[t:t + n, :, None]
-        s = np.where(np.arange(L)[None, None, :] <= (c + np.arange(n))[:, None, None], s * SCALE, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[t:t + n] = np.einsum("thl,hvl->thv", p / p.sum(-1, keepdims=True), v8[:, :, k0:k0 + L], optimize=True)
-        t, k0 = t + n, k0 + L
-    return out.reshape(T, H * DV)
+    T, B = q.shape[0], len(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    m_acc, l_acc, o_acc = np.full((T, H), -np.inf), np.zeros((T, H)), np.zeros((T, H, DV))
+    for rd in plan_rounds(cu, np.asarray(ctx, np.int32), list(range(B)), keys_per_round):
+        segs = [(b, int(rd.seq_rec[b, 4]), int(rd.seq_rec[b, 5])) for b in range(B) if rd.seq_rec[b, 5] > rd.seq_rec[b, 4]]
+        lat = np.concatenate([pool_np[tables[b, np.arange(ks, ke) // block_size], np.arange(ks, ke) % block_size]
+                              for b, ks, ke in segs]).astype(np.float32)  # the round's key rows
+        kn = bf16_round(np.einsum("lr,hdr->hld", lat[:, :R], w[:, :DN], optimize=True))  # cuBLAS's bf16 outputs
+        vt = bf16_round(np.einsum("hvr,lr->hvl", w[:, DN:], lat[:, :R], optimize=True))
+        N = lat.shape[0]
+        k8, sk = quantize_rows(kn.reshape(H, N * DN), reciprocal=True)  # one scale a head
+        pe8, spe = quantize_rows(lat[:, R:].reshape(1, N * DR), reciprocal=True)  # k_pe: one scale
+        v8, sv = quantize_rows(vt.reshape(H * DV, N), reciprocal=True)  # one scale a value channel
+        k8 = k8.astype(np.float64).reshape(H, N, DN)
+        pe8 = pe8.astype(np.float64).reshape(N, DR)
+        v8 = v8.astype(np.float64).reshape(H, DV, N) * sv.reshape(H, DV, 1)
+        kscale = np.concatenate([np.repeat(sk[:, None], DN, 1), np.full((H, DR), spe[0])], axis=1)  # [H, Dqk]
+        q8, qs = quantize_rows((q.astype(np.float32) * kscale[None]).astype(np.float32).reshape(T * H, DN + DR),
+                               reciprocal=True)
+        q8 = q8.astype(np.float64).reshape(T, H, DN + DR)
+        qs = qs.astype(np.float64).reshape(T, H)
+        k0 = 0
+        for b, ks, ke in segs:
+            t, n, c = slice(cu[b], cu[b + 1]), lens[b], ctx[b]
+            kk = slice(k0, k0 + ke - ks)
+            s = (np.einsum("thd,hld->thl", q8[t, :, :DN], k8[:, kk], optimize=True)
+                 + np.einsum("thd,ld->thl", q8[t, :, DN:], pe8[kk], optimize=True)) * qs[t, :, None] * SCALE
+            s = np.where(np.arange(ks, ke)[None, None, :] <= (c + np.arange(n))[:, None, None], s, -np.inf)
+            m_new = np.maximum(m_acc[t], s.max(-1))
+            safe = np.where(np.isfinite(m_new), m_new, 0.0)
+            p = np.exp(s - safe[..., None])
+            f = np.exp(m_acc[t] - safe)
+            l_acc[t] = l_acc[t] * f + p.sum(-1)
+            o_acc[t] = o_acc[t] * f[..., None] + np.einsum("thl,hvl->thv", p, v8[:, :, kk], optimize=True)
+            m_acc[t] = m_new
+            k0 += ke - ks
+    return (o_acc / l_acc[..., None]).reshape(T, H * DV)
 
 
 @gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_mla_prefill_fp8(case, fp8_path):
-    """fp8=True against the emulation of its scheme (tight) and the exact reference (the scheme's loss)."""
+@pytest.mark.parametrize("keys_per_round", [65536, 256, 100], ids=lambda k: f"round{k}")
+def test_mla_prefill_fp8(case, keys_per_round, fp8_path):
+    """fp8=True against the emulation of its scheme (tight; small keys_per_round: several rounds, each with its own
+    scales, merged through the fp32 state) and the exact reference (the scheme's loss)."""
     H, block_size = 32, 16
     lens, ctx = CASES[case]
     q, pool, w_kvb, tables = make_case(41 + len(case), H, block_size, lens, ctx)
-    out = to_np(run(q, pool, w_kvb, tables, lens, ctx, H, expanded_min_tokens=1, fp8=True))
+    out = to_np(run(q, pool, w_kvb, tables, lens, ctx, H, keys_per_round=keys_per_round, expanded_min_tokens=1,
+                    fp8=True))
     pool_np = to_np(pool)
-    emu = rms_rel(out, fp8_emulation(q, pool_np, w_kvb, tables, lens, ctx, block_size, H))
+    emu = rms_rel(out, fp8_emulation(q, pool_np, w_kvb, tables, lens, ctx, block_size, H, keys_per_round))
     exact = rms_rel(out, reference(q, pool_np, w_kvb, tables, lens, ctx, block_size, H))
-    print(f"fp8-{case}: rel RMS err {emu:.2e} against the emulation, {exact:.2e} against the exact reference")
+    print(f"fp8-{case}-round{keys_per_round}: rel RMS err {emu:.2e} against the emulation, {exact:.2e} against the "
+          f"exact reference")
     assert emu <= TOL_FP8_EMU and exact <= TOL_FP8, (emu, exact)
 
 
 @gpu
-@pytest.mark.parametrize("case", ["ctx30000-rounds", "batch"])
+@pytest.mark.parametrize("case", ["ctx30000", "ctx30000-rounds", "batch"])
 def test_mla_prefill_fp8_long(case, fp8_path):
     """fp8=True over long contexts and several rounds (each round's own scales), on sampled rows, exact reference."""
     H, block_size = 32, 64

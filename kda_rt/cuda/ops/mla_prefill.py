@@ -14,7 +14,8 @@ for mma.sync from 32K context, 387 against 226 at 8 x 2048; outputs bit-identica
 Used for every non-decode step.  Query i of sequence b sits at position ctx_b + i and attends
 positions 0 .. ctx_b + i.  The attended positions of all sequences are decompressed in rounds of
 at most `keys_per_round` rows (bounded scratch: 16 KB of k_nope|v plus 1.1 KB of latent per row
-at H = 32, so 1.1 GB at the default 65536); a sequence longer than that spans several rounds and
+at H = 32, so 1.1 GB at the default 65536; fp8=True adds their 8 KB of e4m3 codes a row, 0.5 GB, and one code
+a query element); a sequence longer than that spans several rounds and
 its queries carry an fp32 running state (o, m, l) from round to round.
 Sequences with fewer than `expanded_min_tokens` new tokens (decode-like rows of a mixed step) go
 to the absorbed path instead (mla_attention): decompressing a long context for a few queries
