@@ -35,7 +35,7 @@
 // Compile-time constants: H, R, DN (128), DR (64), DV (128), STAGES (3 or 4), FLAG_HAS_PREV, FLAG_FINAL.
 #include "e4m3.cuh"
 #include "mla_prefill.cuh"
-#include "wgmma.cuh"
+#include "mla_prefill_wg.cuh"
 
 #if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(STAGES) || \
     !defined(FLAG_HAS_PREV) || !defined(FLAG_FINAL)
@@ -347,38 +347,16 @@ mla_prefill_attn_fp8(const unsigned char* __restrict__ q8, const float* __restri
         wgmma_commit();
     };
 
-    for (int it = 0; it < num_tiles; ++it) {
-        const int kb = ks + it * BLOCK_N;
-        cp_async_wait<AHEAD - 1>();
-        fence_proxy_async();
-        __syncthreads();
-        if (it + AHEAD < num_tiles)
-            load_kv8(cp, stage0 + ((it + AHEAD) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, kb + AHEAD * BLOCK_N, kend);
-        cp_async_commit();
-        if (it == 0) {
+    staggered_key_tiles<STAGES, BLOCK_N>(
+        num_tiles, ks, wg, stage0, STAGE_BYTES, 2 * SUB,
+        [&](unsigned stage, int kb) { load_kv8(cp, stage, ld_rows, row0, ks, kb, kend); },
+        [&] {
 #pragma unroll
             for (int kk = 0; kk < QK_STEPS; ++kk)
                 ldmatrix_x4(qa[kk], smem_raw + (q_base - smem_addr(smem_raw)) + (kk / 4) * SUB +
                                         swz(warp * 16 + (lane & 15), 2 * (kk % 4) + (lane >> 4)));
-        }
-        const unsigned stage = stage0 + (it % STAGES) * STAGE_BYTES;
-        if (wg == 0) {
-            scores(stage);
-            attend(kb, stage + 2 * SUB);
-            wgmma_wait<0>();
-            fence_regs(o);
-        } else {
-            if (it > 0) attend(kb - BLOCK_N, stage0 + ((it + STAGES - 1) % STAGES) * STAGE_BYTES + 2 * SUB);
-            scores(stage);
-            fence_regs(o);
-        }
-    }
-    if (wg == 1 && num_tiles > 0) {
-        attend(ks + (num_tiles - 1) * BLOCK_N, stage0 + ((num_tiles - 1) % STAGES) * STAGE_BYTES + 2 * SUB);
-        wgmma_wait<0>();
-        fence_regs(o);
-    }
-    cp_async_wait<0>();
+        },
+        scores, attend, [&] { fence_regs(o); });
 #pragma unroll
     for (int j = 0; j < ON; ++j) {  // the values' channel scales
         const float2 f = __ldg(reinterpret_cast<const float2*>(sv + h * DV + 8 * j + 2 * c4));

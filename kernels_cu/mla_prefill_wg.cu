@@ -40,7 +40,7 @@
 // issue slots 38%, 0.52 eligible warps per scheduler; stall samples: fixed-latency waits 29%, the block
 // barrier 15%, the cp.async wait 8%, the wgmma waits ~8%.
 #include "mla_prefill.cuh"
-#include "wgmma.cuh"
+#include "mla_prefill_wg.cuh"
 
 #if !defined(H) || !defined(R) || !defined(DN) || !defined(DR) || !defined(DV) || !defined(STAGES) || \
     !defined(FLAG_HAS_PREV) || !defined(FLAG_FINAL)
@@ -189,39 +189,15 @@ mla_prefill_attn_wg(const bf16* __restrict__ q, int ld_q, const bf16* __restrict
         wgmma_commit();
     };
 
-    for (int it = 0; it < num_tiles; ++it) {
-        const int kb = ks + it * BLOCK_N;
-        cp_async_wait<AHEAD - 1>();  // tile it (and Q) have landed (this thread's copies) ...
-        fence_proxy_async();         // ... and are visible to the tensor cores' proxy ...
-        __syncthreads();             // ... for everyone's copies; and every warpgroup is past iteration it - 1
-        // tile it + AHEAD into the stage of tile it - 2 (its last reader, warpgroup 1's P·V of iteration it - 1,
-        // was retired by that iteration's score wait); an empty group past the end keeps the count uniform
-        if (it + AHEAD < num_tiles)
-            load_kv(cp, stage0 + ((it + AHEAD) % STAGES) * STAGE_BYTES, ld_rows, row0, ks, kb + AHEAD * BLOCK_N, kend);
-        cp_async_commit();
-        if (it == 0) {
+    staggered_key_tiles<STAGES, BLOCK_N>(
+        num_tiles, ks, wg, stage0, STAGE_BYTES, QSUB * KSUB_BYTES,
+        [&](unsigned stage, int kb) { load_kv(cp, stage, ld_rows, row0, ks, kb, kend); },
+        [&] {
 #pragma unroll
             for (int kk = 0; kk < QK_STEPS; ++kk)  // rows 16·warp + (lane mod 16), columns 16kk + 8·(lane / 16)
                 ldmatrix_x4(qa[kk], smem_raw + (q_base - smem_addr(smem_raw)) + (kk / 4) * SUB_BYTES +
                                         swz(warp * 16 + (lane & 15), 2 * (kk % 4) + (lane >> 4)));
-        }
-        const unsigned stage = stage0 + (it % STAGES) * STAGE_BYTES;
-        if (wg == 0) {
-            scores(stage);
-            attend(kb, stage + QSUB * KSUB_BYTES);
-            wgmma_wait<0>();
-            fence_regs(o);
-        } else {
-            if (it > 0) attend(kb - BLOCK_N, stage0 + ((it + STAGES - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
-            scores(stage);  // its wait also retires the PV product above
-            fence_regs(o);
-        }
-    }
-    if (wg == 1 && num_tiles > 0) {  // warpgroup 1's last tile
-        attend(ks + (num_tiles - 1) * BLOCK_N, stage0 + ((num_tiles - 1) % STAGES) * STAGE_BYTES + QSUB * KSUB_BYTES);
-        wgmma_wait<0>();
-        fence_regs(o);
-    }
-    cp_async_wait<0>();
+        },
+        scores, attend, [&] { fence_regs(o); });
     store_rows(o, l_run, m_run, warp, rows, (size_t)(qt.tok0 + qt.i0), h, qt.flags, scale_log2, out, ld_out, o_state, ml_state);
 }
