@@ -1,6 +1,6 @@
-// mla_prefill.cuh — the parts both MLA prefill attention kernels share (mla_prefill.cu on mma.sync,
-// mla_prefill_wg.cu on wgmma): the online softmax over one tile of scores and the epilogue that merges
-// a query row's result with the previous rounds' state and stores it.  The two kernels hold scores
+// mla_prefill.cuh — the parts the MLA prefill attention kernels share (mla_prefill.cu on mma.sync,
+// mla_prefill_wg.cu on wgmma, mla_prefill_fp8.cu on e4m3 wgmma): the online softmax over one tile of scores and the
+// epilogue that merges a query row's result with the previous rounds' state and stores it.  The kernels hold scores
 // and outputs in the same register layout: per warp 16 query rows, thread (g = lane / 4, c = lane mod 4)
 // holds rows g and g + 8; element 4j + e of a [4·N] array is row g + 8·(e / 2), column 8j + 2c + (e mod 2)
 // (mma.sync's m16n8 C fragments side by side, and wgmma's m64nN accumulator per warp).
