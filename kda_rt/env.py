@@ -157,7 +157,8 @@ def mla_fp8() -> bool:
     keys and values quantized per round with fp32 scales, the probabilities as e4m3 too; sm_90a, KDA_RT_WGMMA on),
     for long prompts, whose attention FLOPs grow with the square of the length.  Lossy beyond the bf16 path (see
     tests/kernels/test_mla_prefill.py for the measured error), like FlashAttention-3's FP8 attention; off by default
-    (0), also for quantization="fp8", which quantizes weights only.  Read at each prefill step."""
+    (0), also for quantization="fp8", whose attention stays bf16 as vLLM's does.  Where it cannot run, the model logs
+    a warning once and keeps the bf16 attention.  Read at each prefill step."""
     return _on_off("KDA_RT_MLA_FP8", "0")
 
 
