@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["profile"] = profile_steps(engine, batch, input_len, args.seed + 2)
             line = {"backend": engine.runner.name, "model": os.fspath(args.model) if args.model else None,
                     "config": args.config, "args": vars(args), "workload": [batch, input_len, output_len],
-                    "load_s": load_s, **report, "peak_memory_bytes": engine.runner.peak_memory_bytes()}
+                    "load_s": load_s, **report, "peak_memory_bytes": engine.runner.peak_memory_bytes(),
+                    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KDA_RT_")}}  # switches set
             print(json.dumps(line), flush=True)
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)

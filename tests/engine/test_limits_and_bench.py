@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -281,13 +282,16 @@ def test_bench_cli(tmp_path, source):
     else:
         (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
         args = ["--config", str(tmp_path / "config.json"), "--random-weights", "--num-blocks", "6", "--block-size", "16"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDA_RT_")} | {"KDA_RT_MLA_FP8": "0"}
     res = subprocess.run([sys.executable, "-m", "kda_rt.bench", *args, "--batch", "2", "--input-len", "64",
-                          "--output-len", "8", "--backend", "numpy"], capture_output=True, text=True, timeout=120)
+                          "--output-len", "8", "--backend", "numpy"], capture_output=True, text=True, timeout=120,
+                         env=env)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 1
     report = json.loads(lines[0])
     assert report["backend"] == "numpy" and report["args"]["batch"] == 2
+    assert report["env"] == {"KDA_RT_MLA_FP8": "0"}, report["env"]  # the switches a row ran with
     for key in ("total_tok_s", "output_tok_s", "ttft_s_mean", "tpot_s_mean", "decode_step_s_mean", "peak_memory_bytes"):
         assert report[key] > 0, key
 
