@@ -95,23 +95,31 @@ __device__ __forceinline__ float amax8(uint4 v) {
     return m;
 }
 
+// Grid-stride walk over the 8-element chunks of the keys blockIdx.y names (y < H: the rows of kn[y]; y = H: lat's k_pe
+// columns), rows r < rows: f(the chunk's first element, r, its column within the row).
+template <class F>
+__device__ __forceinline__ void for_key_chunks(const bf16* __restrict__ kn, const bf16* __restrict__ lat, int ld_rows,
+                                               int rows, F&& f) {
+    const int y = blockIdx.y, per_row = (y < H ? DN : DR) / 8;
+    const long long n = (long long)rows * per_row;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / per_row;
+        const int c = (int)(i % per_row) * 8;
+        f(y < H ? kn + ((size_t)y * ld_rows + r) * DN + c : lat + (size_t)r * LATW + R + c, r, c);
+    }
+}
+
 // amax[h] (h < H) = max |kn[h, r, :]| and amax[H] = max |lat[r, R:R + DR]| over rows r < rows, as float bits
 // (non-negative floats order as their bits); amax zeroed by the caller.  Grid (blocks, H + 1), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) mla_fp8_amax(const bf16* __restrict__ kn, const bf16* __restrict__ lat,
                                                                 int ld_rows, int rows, unsigned* __restrict__ amax) {
     KDA_PDL_ENTRY();
-    const int y = blockIdx.y;
-    const int width = y < H ? DN : DR;
-    const long long n = (long long)rows * (width / 8);
     float m = 0.f;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / (width / 8);
-        const int ch = (int)(i % (width / 8));
-        const bf16* src = y < H ? kn + ((size_t)y * ld_rows + r) * DN + ch * 8 : lat + (size_t)r * LATW + R + ch * 8;
+    for_key_chunks(kn, lat, ld_rows, rows, [&](const bf16* src, long long, int) {
         m = fmaxf(m, amax8(__ldg(reinterpret_cast<const uint4*>(src))));
-    }
+    });
     m = block_max(m);
-    if (threadIdx.x == 0) atomicMax(amax + y, __float_as_uint(m));
+    if (threadIdx.x == 0) atomicMax(amax + blockIdx.y, __float_as_uint(m));
 }
 
 __device__ __forceinline__ uint2 codes8(uint4 v, float r) {
@@ -132,17 +140,11 @@ extern "C" __global__ void __launch_bounds__(256) mla_fp8_quant_k(const bf16* __
                                                                    unsigned char* __restrict__ kpe8) {
     KDA_PDL_ENTRY();
     const int y = blockIdx.y;
-    const int width = y < H ? DN : DR;
     const E4m3Row q = e4m3_row(__uint_as_float(__ldg(amax + y)));
-    const long long n = (long long)rows * (width / 8);
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / (width / 8);
-        const int ch = (int)(i % (width / 8));
-        const bf16* src = y < H ? kn + ((size_t)y * ld_rows + r) * DN + ch * 8 : lat + (size_t)r * LATW + R + ch * 8;
-        unsigned char* dst = y < H ? kn8 + ((size_t)y * ld_rows + r) * DN + ch * 8 : kpe8 + (size_t)r * DR + ch * 8;
-        const uint2 c = q.zero ? make_uint2(0u, 0u) : codes8(__ldg(reinterpret_cast<const uint4*>(src)), q.r);
-        *reinterpret_cast<uint2*>(dst) = c;
-    }
+    for_key_chunks(kn, lat, ld_rows, rows, [&](const bf16* src, long long r, int c) {
+        unsigned char* dst = y < H ? kn8 + ((size_t)y * ld_rows + r) * DN + c : kpe8 + (size_t)r * DR + c;
+        *reinterpret_cast<uint2*>(dst) = q.zero ? make_uint2(0u, 0u) : codes8(__ldg(reinterpret_cast<const uint4*>(src)), q.r);
+    });
 }
 
 // One CTA a Vᵀ row (h, d) = blockIdx.x: sv[h·DV + d] = amax over keys r < rows / 448, then the codes, each 32-key

@@ -248,7 +248,7 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
             vt = cupy.empty((H, Dv, rows), dtype=BF16)
             scratch = kn
             if fp8:
-                amax_k, quant_k, quant_v, quant_q, attn_fp8 = _fp8_kernels(H, R, Dn, Dr, Dv)
+                fp8_kernels = _fp8_kernels(H, R, Dn, Dr, Dv)
                 kn8 = cupy.empty((H, rows, Dn), dtype=np.uint8)
                 kpe8 = cupy.empty((rows, Dr), dtype=np.uint8)
                 vt8 = cupy.empty((H, Dv, rows), dtype=np.uint8)
@@ -275,7 +275,7 @@ def mla_prefill(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, nu
                 bmm(c, w3[:, :Dn], out=kn[:, :rd.rows], transpose_b=True)    # kn[h] = c · W_k,hᵀ
                 bmm(w3[:, Dn:], c, out=vt[:, :, :rd.rows], transpose_b=True)  # vt[h] = W_v,h · cᵀ
                 if fp8 and len(rd.tiles):
-                    _fp8_round(rd, (amax_k, quant_k, quant_v, quant_q, attn_fp8), q2, kn, vt, lat, rows, rec, tiles,
+                    _fp8_round(rd, fp8_kernels, q2, kn, vt, lat, rows, rec, tiles,
                                (kn8, kpe8, vt8, q8, qsc, sv, amax), scale_log2, out, o_state, ml_state, stream)
                 elif len(rd.tiles):
                     attn_wg((len(rd.tiles), H), (_WG_THREADS,), (
