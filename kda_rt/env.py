@@ -229,13 +229,6 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
-def kda_intra_persist() -> bool:
-    """KDA_RT_KDA_INTRA_PERSIST: 1 runs the KDA prefill's intra-chunk kernel as one CTA an SM walking its tiles, the
-    next tile's inputs copied while the current one is solved (kernels_cu/kda_prefill.cu PERSIST); 0 one tile a CTA.
-    Default 1.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_INTRA_PERSIST")
-
-
 def kda_state_hints(default: int) -> int:
     """KDA_RT_KDA_STATE_HINTS (bench switch): the cache hints of the KDA decode kernel's recurrent-state loads and
     stores (kernels_cu/kda_decode.cu STATE_HINTS: 0 plain, 1 loads without L1 allocation and streaming stores, 2 the

@@ -83,14 +83,14 @@
 #include "e4m3.cuh"
 
 // PHASE_CLOCK (bench-only, tests/gpu/bench_kda_phases.py): thread 0 of each kda_prefill_intra CTA stores clock64()
-// at its phase boundaries into kda_phase_clk[tile][i] (tile = the linear (head, chunk id) index the CTA works on);
-// undefined (every build of the runtime) it compiles to nothing.
+// at its phase boundaries into kda_phase_clk[block][i]; undefined (every build of the runtime) it compiles to nothing.
 #ifdef PHASE_CLOCK
 #define PHASES 12
 __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #define STAMP(i)                                                                                      \
     do {                                                                                              \
-        if (threadIdx.x == 0 && cur.t < PHASE_CLOCK) kda_phase_clk[cur.t][i] = clock64();            \
+        const int blk_ = blockIdx.y * gridDim.x + blockIdx.x;                                         \
+        if (threadIdx.x == 0 && blk_ < PHASE_CLOCK) kda_phase_clk[blk_][i] = clock64();              \
     } while (0)
 #else
 #define STAMP(i) \
@@ -250,85 +250,13 @@ static_assert(IN_KA % 16 == 0 && IN_AKK % 16 == 0 && LDT % 4 == 0, "kda_prefill_
 // ---------------------------------------------------------------------------------------------
 // kernels
 
-// One (chunk id, head) tile of kda_prefill_intra: where its rows are.  t = h * num_chunks + cid (the block order of the
-// one-tile-a-CTA grid); valid when the chunk id is one of its sequence's (c0 < len).
-struct IntraTile {
-    int t, cid, h, start, len, c0, n;
-    bool fresh;
-    size_t slot, tile;
-};
-
-// The first valid tile among t, t + stride, ... below num_tiles (false when none).  Warp-uniform (every warp searches
-// the same ids), so block-uniform.
-__device__ __forceinline__ bool next_intra_tile(const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
-                                                const int* __restrict__ state_slots, int num_seqs, int num_chunks,
-                                                int num_heads, int t, int stride, IntraTile& it) {
-    for (; t < num_chunks * num_heads; t += stride) {
-        const int cid = t % num_chunks, seq = sequence_of_chunk(cu_seqlens, num_seqs, cid);
-        const int start = __ldg(cu_seqlens + seq), len = __ldg(cu_seqlens + seq + 1) - start;
-        const int c0 = (cid - seq - start / L) * L;  // cid - chunk_base(seq)
-        if (c0 >= len) continue;  // an unused id
-        it.t = t, it.cid = cid, it.h = t / num_chunks, it.start = start, it.len = len, it.c0 = c0;
-        it.n = min(L, len - c0);
-        it.fresh = __ldg(context_lens + seq) == 0;
-        it.slot = (size_t)__ldg(state_slots + seq), it.tile = (size_t)cid * num_heads + it.h;
-        return true;
-    }
-    return false;
-}
-
-// cp.async (no commit) of raw input rows c0-(W-1) .. c0+L-1 of q|k|v parts i0 .. i1-1 of a tile into the conv tiles
-// (history before the sequence from the conv-state slot; zeros past the end and for a fresh sequence)
-template <int I0, int I1>
-__device__ __forceinline__ void load_raw_tiles(const IntraTile& it, bf16* Raw, const bf16* __restrict__ qkv,
-                                               const bf16* __restrict__ conv_pool, int P) {
-    constexpr int PIECES = K / 8, RAW = (L + CONV_W - 1) * PIECES;
-    for (int idx = threadIdx.x; idx < (I1 - I0) * RAW; idx += INTRA_THREADS) {
-        const int i = I0 + idx / RAW, rr = (idx % RAW) / PIECES, c = (idx % PIECES) * 8;
-        const int p = it.c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
-        const bool real = p < it.len && (p >= 0 || !it.fresh);
-        const bf16* src = !real ? qkv
-                        : p >= 0 ? qkv + (size_t)(it.start + p) * 3 * P + i * P + it.h * K + c
-                                 : conv_pool + ((it.slot * 3 + i) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + it.h * K + c;
-        cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, src, real ? 16 : 0);
-    }
-}
-
-// cp.async (no commit) of a tile's raw f rows (zeros past the end) and its head's conv taps [3][K][W] and dt_bias [K]
-__device__ __forceinline__ void load_f_taps(const IntraTile& it, bf16* Fs, float* Tap, const bf16* __restrict__ f,
-                                            const float* __restrict__ conv_w, const float* __restrict__ dt_bias, int P) {
-    constexpr int PIECES = K / 8, TAPP = K * CONV_W / 4;
-    for (int idx = threadIdx.x; idx < L * PIECES; idx += INTRA_THREADS) {
-        const int rr = idx / PIECES, c = (idx % PIECES) * 8;
-        cp_async16(Fs + rr * LDB + c, rr < it.n ? f + (size_t)(it.start + it.c0 + rr) * P + it.h * K + c : f,
-                   rr < it.n ? 16 : 0);
-    }
-    for (int idx = threadIdx.x; idx < 3 * TAPP + K / 4; idx += INTRA_THREADS) {
-        const float* src = idx < 3 * TAPP ? conv_w + (size_t)((idx / TAPP) * P + it.h * K) * CONV_W + (idx % TAPP) * 4
-                                          : dt_bias + it.h * K + (idx - 3 * TAPP) * 4;
-        cp_async16(Tap + idx * 4, src, 16);
-    }
-}
-
-// PERSIST = 1: grid (CTAs <= SMs), each CTA walks the tiles t = blockIdx.x, + gridDim.x, ... and copies the next
-// tile's raw q, k, f rows and taps while the current one solves T (its regions are dead from (f) on), and the next
-// raw v rows once (g) has read this tile's v; so after the first tile a CTA never waits for its inputs, and no CTA
-// switch (a CTA's exit and the next one's start on a one-CTA SM) sits between tiles.  0: grid (chunk ids, heads), one
-// tile a CTA, its rows prefetched into L2 by the CTA of the previous wave (prefetch_ahead).
-#ifndef PERSIST
-#define PERSIST 0
-#endif
-#if PERSIST && !QUAD_SPLIT
-#error "kda_prefill_intra: PERSIST keeps the conv taps in the quadrant tiles' room (QUAD_SPLIT)"
-#endif
-
 extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra(
     const bf16* __restrict__ qkv, const bf16* __restrict__ f, const bf16* __restrict__ b, int ldb,
     const float* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const bf16* __restrict__ conv_pool, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
     const int* __restrict__ state_slots, bf16* __restrict__ ws_q, bf16* __restrict__ ws_k, bf16* __restrict__ ws_w,
-    bf16* __restrict__ ws_u, bf16* __restrict__ ws_a, float* __restrict__ ws_g, int num_seqs, int num_chunks,
-    int num_heads, int prefetch_ahead) {
+    bf16* __restrict__ ws_u, bf16* __restrict__ ws_a, float* __restrict__ ws_g, int num_seqs, int num_heads,
+    int prefetch_ahead) {
     KDA_PDL_ENTRY();
     extern __shared__ float4 smem4[];
     char* sm = reinterpret_cast<char*>(smem4);
@@ -342,61 +270,58 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     float* NegA = (float*)(unsafe + NUM_SUB);  // -exp(A_log[h])
 #if QUAD_SPLIT
     bf16* Quad = (bf16*)(sm + IN_QUAD);
-    float* Tap = (float*)Quad;         // conv taps [3][K][W] and dt_bias [K] of the head, until (c) builds the quadrants
-    static_assert((3 * CONV_W + 1) * K * 4 <= NUM_SUB * QUAD_ROWS * LDB * 2, "kda_prefill_intra: the conv taps must fit the quadrant tiles");
-#else
-    float* Tap = Akk;                  // conv taps [3][K][W] and dt_bias [K] of the head, until A_kk is built
 #endif
     bf16* Fs = QA;                     // raw f rows, until QA is built
+    float* Tap = Akk;                  // conv taps [3][K][W] and dt_bias [K] of the head, until A_kk is built
     float* Tm = (float*)(sm + IN_KA);  // T, once KA is dead
     bf16* Tb = (bf16*)(sm + IN_KX);    // T diag(beta), once KX is dead
-    bf16* KG = Tb + L * LDA;           // beta-free W right-hand side e^G k^ beside it (raw q's room takes the next tile)
-    static_assert(L * LDA * 2 + L * LDB * 2 <= NUM_PAIRS * SUB * LDB * 2, "kda_prefill_intra: T diag(beta) and e^G k^ share KX");
+    bf16* KG = Qr;                     // beta-free W right-hand side e^G k^, once raw q is dead
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, P = num_heads * K;
-#if PERSIST
-    const int stride = gridDim.x;
-    int t0 = blockIdx.x;
-#else
-    const int stride = num_chunks * num_heads;  // one tile
-    int t0 = blockIdx.y * gridDim.x + blockIdx.x;
-#endif
-    IntraTile cur;
-    if (!next_intra_tile(cu_seqlens, context_lens, state_slots, num_seqs, num_chunks, num_heads, t0, stride, cur)) return;
-    // the first tile's inputs: q, k, f and taps in one commit group, v in the next
-    load_raw_tiles<0, 2>(cur, Raw, qkv, conv_pool, P);
-    load_f_taps(cur, Fs, Tap, f, conv_w, dt_bias, P);
-    cp_async_commit();
-    load_raw_tiles<2, 3>(cur, Raw, qkv, conv_pool, P);
-    cp_async_commit();
-    // the tile's raw beta (rows < n, threads < L) and A_log of its head, loaded with its copies (PERSIST: a tile ahead)
-    auto load_gate_inputs = [&](const IntraTile& it, float& bv, float& av) {
-        bv = tid < it.n ? to_f32(b[(size_t)(it.start + it.c0 + tid) * ldb + it.h]) : 0.f;
-        av = A_log[it.h];
-    };
-    float b_raw = 0.f, a_log = 0.f;
-    load_gate_inputs(cur, b_raw, a_log);
-    for (bool more = true; more;) {
-    IntraTile nxt;
-    more = next_intra_tile(cu_seqlens, context_lens, state_slots, num_seqs, num_chunks, num_heads, cur.t + stride, stride, nxt);
-    const int n = cur.n;
-    const size_t tile = cur.tile;
+    const int cid = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int seq = sequence_of_chunk(cu_seqlens, num_seqs, cid);
+    const int start = __ldg(cu_seqlens + seq), len = __ldg(cu_seqlens + seq + 1) - start;
+    const bool fresh = __ldg(context_lens + seq) == 0;
+    const size_t slot = (size_t)__ldg(state_slots + seq), tile = (size_t)cid * num_heads + h;
+    const int c0 = (cid - seq - start / L) * L;  // cid - chunk_base(seq)
+    if (c0 >= len) return;  // an unused id
     STAMP(0);
+    const int n = min(L, len - c0), P = num_heads * K;
 
-    // ---- (a) the tile's inputs have been copied (16-byte cp.async pieces, coalesced, two commit groups: raw q, k
-    // (with W-1 history rows), f and the head's conv taps and dt_bias; then raw v) by the previous tile's iteration or
-    // before the loop; beta and -exp(A_log) meanwhile (stored to smem before the barrier, so their loads overlap the
-    // copies).  Then conv + SiLU in place (thread: channel c, CONV_ROWS rows from r0; it reads its W-1 history values
-    // before a barrier, then only its own rows): q and k, gates, then v once its group has landed; padded rows are 0.
+    // ---- (a) every global input of the tile in one round trip (16-byte cp.async pieces, coalesced):
+    // raw q, k, v rows c0-(W-1) .. c0+L-1 into the conv tiles (history before the sequence from the
+    // conv-state slot; zeros past the end and for a fresh sequence), raw f rows into QA, the head's
+    // conv taps and dt_bias into the A_kk tile; beta and -exp(A_log) meanwhile (stored to smem before
+    // the barrier, so their loads overlap the copies).  Then conv + SiLU in place (thread: channel c,
+    // CONV_ROWS rows from r0; it reads its W-1 history values before a barrier, then only its own
+    // rows), gates; padded rows are 0.
     {
-#if !PERSIST
+        constexpr int PIECES = K / 8, RAW = (L + CONV_W - 1) * PIECES, TAPP = K * CONV_W / 4;
+        for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
+            const int i = idx / RAW, rr = (idx % RAW) / PIECES, c = (idx % PIECES) * 8;
+            const int p = c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
+            const bool real = p < len && (p >= 0 || !fresh);
+            const bf16* src = !real ? qkv
+                            : p >= 0 ? qkv + (size_t)(start + p) * 3 * P + i * P + h * K + c
+                                     : conv_pool + ((slot * 3 + i) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + h * K + c;
+            cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, src, real ? 16 : 0);
+        }
+        for (int idx = tid; idx < L * PIECES; idx += INTRA_THREADS) {
+            const int rr = idx / PIECES, c = (idx % PIECES) * 8;
+            cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+        }
+        for (int idx = tid; idx < 3 * TAPP + K / 4; idx += INTRA_THREADS) {  // Tap [3][K][W], then dt_bias [K]
+            const float* src = idx < 3 * TAPP ? conv_w + (size_t)((idx / TAPP) * P + h * K) * CONV_W + (idx % TAPP) * 4
+                                              : dt_bias + h * K + (idx - 3 * TAPP) * 4;
+            cp_async16(Tap + idx * 4, src, 16);
+        }
+        cp_async_commit();
         // while the copies fly: L2 prefetch of the q, k, v, f rows of the tile that starts on this SM
         // next (linear block id + prefetch_ahead = + the resident CTAs of the GPU, in the block
         // scheduler's dispatch order), so that its copies hit L2
         {
-            const int nxt2 = cur.t + prefetch_ahead;
-            const int cid2 = nxt2 % num_chunks, h2 = nxt2 / num_chunks;
-            if (prefetch_ahead > 0 && h2 < num_heads) {  // uniform over the block
+            const int nxt = blockIdx.y * gridDim.x + blockIdx.x + prefetch_ahead;
+            const int cid2 = nxt % gridDim.x, h2 = nxt / gridDim.x;
+            if (prefetch_ahead > 0 && h2 < (int)gridDim.y) {  // uniform over the block
                 const int seq2 = sequence_of_chunk(cu_seqlens, num_seqs, cid2);
                 const int start2 = __ldg(cu_seqlens + seq2), len2 = __ldg(cu_seqlens + seq2 + 1) - start2;
                 const int c02 = (cid2 - seq2 - start2 / L) * L, n2 = min(L, len2 - c02);
@@ -408,13 +333,12 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 }
             }
         }
-#endif
-        if (tid < L) Bs[tid] = tid < n ? sigmoid(b_raw) : 0.f;
-        if (tid == 0) *NegA = -expf(a_log);  // the gate's -exp(A_log), hoisted out of the row loops
+        if (tid < L) Bs[tid] = tid < n ? sigmoid(to_f32(b[(size_t)(start + c0 + tid) * ldb + h])) : 0.f;
+        if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
         if (tid < NUM_SUB) unsafe[tid] = 0;
-        cp_async_wait<1>();  // q, k, f, taps (v may still fly)
+        cp_async_wait<0>();
+        
         __syncthreads();
-        STAMP(1);
 
         const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
         float taps[3][CONV_W], hist[3][CONV_W - 1];
@@ -422,16 +346,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         for (int i = 0; i < 3; ++i) {
 #pragma unroll
             for (int j = 0; j < CONV_W; ++j) taps[i][j] = Tap[(i * K + c) * CONV_W + j];
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
 #pragma unroll
             for (int j = 0; j < CONV_W - 1; ++j) hist[i][j] = to_f32(Raw[i * (SZ_TR / 2) + (r0 + j) * LDB + c]);
         }
         const float na = *NegA, bias = Tap[3 * K * CONV_W + c];
         __syncthreads();  // a thread's history rows are the last rows of the previous thread's, rewritten below
         STAMP(2);
-        auto conv_part = [&](int i) {
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
             bf16* dst = Raw + i * (SZ_TR / 2) + (CONV_W - 1 + r0) * LDB + c;
 #pragma unroll 8
             for (int rr = 0; rr < CONV_ROWS; ++rr) {
@@ -442,9 +364,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 for (int j = 0; j < CONV_W - 2; ++j) hist[i][j] = hist[i][j + 1];
                 hist[i][CONV_W - 2] = x;
             }
-        };
-        conv_part(0);
-        conv_part(1);
+        }
 #pragma unroll 8
         for (int rr = 0; rr < CONV_ROWS; ++rr) {
             const int r = r0 + rr;
@@ -455,12 +375,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus_approx(fr, bias)) : 0.f;
 #endif
         }
-        cp_async_wait<0>();  // v
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < CONV_W - 1; ++j) hist[2][j] = to_f32(Raw[2 * (SZ_TR / 2) + (r0 + j) * LDB + c]);
-        __syncthreads();
-        conv_part(2);
     }
     __syncthreads();
     STAMP(3);
@@ -719,12 +633,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     __syncthreads();
     STAMP(7);
-    if (more) {  // the next tile's q, k, f and taps, into rooms dead from here on (raw q and k, QA, the quadrants)
-        load_raw_tiles<0, 2>(nxt, Raw, qkv, conv_pool, P);
-        load_f_taps(nxt, Fs, Tap, f, conv_w, dt_bias, P);
-        load_gate_inputs(nxt, b_raw, a_log);
-    }
-    cp_async_commit();
     // off-diagonal blocks, one block row I at a time: X_J = sum_{J <= M < I} A_IM T_MJ, T_IJ = -D_I X_J;
     // element (rr, cc) of a 16 x 16 block per thread, J = 0 on the first 256 threads and J >= 1 on the
     // others (the same FMA count for the last block row)
@@ -808,13 +716,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
     }
     STAMP(10);
-    if (more) {
-        __syncthreads();  // every warp's (g) has read this tile's v (and (a)'s vectors are free)
-        load_raw_tiles<2, 3>(nxt, Raw, qkv, conv_pool, P);
-    }
-    cp_async_commit();
-    cur = nxt;
-    }  // tiles
 }
 
 // dynamic shared memory plan of kda_prefill_state, bytes.  STATE_PF (the launcher's rule, ops/kda_prefill.py) picks how

@@ -17,8 +17,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 
-PHASES = ["start -> q, k, f copies landed (PERSIST: issued a tile earlier)", "conv taps / history to registers",
-          "conv + SiLU (q, k), gates, v's wait, conv v (a)", "row norms, gate sums, tables (b)", "scaled tiles, qg / kd out (c)",
+PHASES = ["start: sequence lookup -> copies issued and landed", "conv taps / history to registers",
+          "conv + SiLU + gates (a)", "row norms, gate sums, tables (b)", "scaled tiles, qg / kd out (c)",
           "A_qk, A_kk on tensor cores + unsafe blocks (d, e)", "T diagonal blocks | e^G k^ (f)",
           "T off-diagonal blocks", "T diag(beta) to bf16", "W, U on tensor cores + stores (g)"]
 
@@ -29,26 +29,26 @@ def main() -> int:
 
     from helpers.gpu import median_ms
     from kda_rt.cuda.ops import kda_prefill as kp
-    from kda_rt.cuda.ops.compile import _module, device_arch, sm_count
+    from kda_rt.cuda.ops.check import i32, leading_dim
+    from kda_rt.cuda.ops.compile import _module, device_arch, get_kernel, sm_count
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="32x2048,8x2048,1x32768")
-    ap.add_argument("--ab", default="", help="a define (e.g. EXP_ACCURATE_EXP, or PERSIST: the persistent grid): both "
-                                              "builds, 0 and 1, timed in interleaved rounds, phases of each")
+    ap.add_argument("--ab", default="", help="a bench-only define (e.g. EXP_ACCURATE_EXP): both builds, 0 and 1, "
+                                              "timed in interleaved rounds, phases of each")
     args = ap.parse_args()
     cap = 40000
+    smem = kp._intra_smem_bytes(K, 64, W)
     variants = [{args.ab: 0}, {args.ab: 1}] if args.ab else [{}]
     built = []
     for extra in variants:
-        persist = bool(extra.get("PERSIST", 0))
-        others = {k: v for k, v in extra.items() if k != "PERSIST"}
-        fn = kp.intra_kernel(K, W, persist=persist, PHASE_CLOCK=cap, **others)
-        consts = dict(kp._consts(K, W, 32, 0, persist), PHASE_CLOCK=cap, **others)
+        consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=32, INTRA_THREADS=kp._INTRA_THREADS, PHASE_CLOCK=cap, **extra)
+        fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, **consts)
         mod = _module("kda_prefill.cu", tuple(sorted(consts.items())), device_arch())
         ptr = mod.get_global_var("kda_phase_clk")
         if isinstance(ptr, int):
             ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, cap * 12 * 8, mod), 0)
-        built.append((extra, (fn, persist), cupy.ndarray((cap, 12), np.int64, memptr=ptr)))
+        built.append((extra, fn, cupy.ndarray((cap, 12), np.int64, memptr=ptr)))
     mhz = float(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)) / 1e3
     for shape in args.shapes.split(","):
         B, S = map(int, shape.split("x"))
@@ -57,13 +57,12 @@ def main() -> int:
         chunks = B + T // L
         ws = cupy.empty((4, chunks, H, L, K), dtype=np.uint16)
         a_qk, g_last = cupy.empty((chunks, H, L, L), dtype=np.uint16), cupy.empty((chunks, H, K), dtype=np.float32)
-        args = (d["qkv"], d["f"], d["b"], d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"], d["cu_seqlens"],
-                d["context_lens"], d["state_slots"], ws, a_qk, g_last)
+        launch = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"],
+                  d["conv_pool"], d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3],
+                  a_qk, g_last, i32(B), i32(H), i32(sm_count(cupy.cuda.Device().id)))
 
-        def run(fn, args=args, B=B, chunks=chunks):
-            kernel, persist = fn
-            kp.launch_intra(kernel, *args, num_seqs=B, num_chunks=chunks, num_heads=H, head_dim=K, conv_w_len=W,
-                            sms=sm_count(cupy.cuda.Device().id), persist=persist)
+        def run(fn, grid=(chunks, H), launch=launch):
+            fn(grid, (kp._INTRA_THREADS,), launch, shared_mem=smem)
 
         times = [[] for _ in built]
         for _ in range(5 if len(built) > 1 else 1):  # interleaved rounds: the GPU's clock drifts as it heats

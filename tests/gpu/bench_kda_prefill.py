@@ -57,7 +57,7 @@ def ours(d, out, vb=None):
     kda_prefill(*[d[n] for n in ARGS], num_heads=H, head_dim=K, eps=1e-5, out=out, state_columns=vb)
 
 
-def intra_only(d, persist: bool = False):
+def intra_only(d):
     """kda_prefill_intra alone, launched as kda_prefill launches it: returns a no-argument runner."""
     from kda_rt.cuda.ops import kda_prefill as kp
 
@@ -65,12 +65,13 @@ def intra_only(d, persist: bool = False):
     chunks = B + T // L
     ws = cupy.empty((4, chunks, H, L, K), dtype=BF16)
     a_qk, g_last = cupy.empty((chunks, H, L, L), dtype=BF16), cupy.empty((chunks, H, K), dtype=np.float32)
-    fn = kp.intra_kernel(K, W, persist=persist)
-    args = (d["qkv"], d["f"], d["b"], d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"], d["cu_seqlens"],
-            d["context_lens"], d["state_slots"], ws, a_qk, g_last)
-    sms = sm_count(cupy.cuda.Device().id)
-    return lambda: kp.launch_intra(fn, *args, num_seqs=B, num_chunks=chunks, num_heads=H, head_dim=K, conv_w_len=W,
-                                   sms=sms, persist=persist)
+    smem = kp._intra_smem_bytes(K, L, W)
+    fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, HEAD_DIM=K, CONV_W=W, CHUNK=L,
+                    VB=32, INTRA_THREADS=kp._INTRA_THREADS, QUAD_SPLIT=int(kp._QUAD_SPLIT))
+    args = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"],
+            d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3], a_qk, g_last, i32(B),
+            i32(H), i32(sm_count(cupy.cuda.Device().id)))
+    return lambda: fn((chunks, H), (kp._INTRA_THREADS,), args, shared_mem=smem)
 
 
 def old(d, out):
@@ -167,11 +168,10 @@ def bench_shape(num_seqs, seqlen, have_old):
     widths = {vb: median_ms(lambda vb=vb: ours(d, out, vb)) for vb in (16, 32, 64, 128)}
     new = median_ms(lambda: ours(d, out))
     ms_intra = median_ms(intra_only(d))
-    ms_persist = median_ms(intra_only(d, persist=True))
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     tiles = (num_seqs + num_seqs * seqlen // 64) * H
     print(f"{num_seqs}x{seqlen}: intra alone {ms_intra:.3f} ms = {1e3 * ms_intra / (tiles / sms):.1f} us per CTA "
-          f"and SM ({tiles} CTAs, {sms} SMs); persistent (PERSIST = 1) {ms_persist:.3f} ms", flush=True)
+          f"and SM ({tiles} CTAs, {sms} SMs)", flush=True)
     ms_old = median_ms(lambda: old(d, out), iters=3) if have_old else float("nan")
     timed = fla_runner(d, num_seqs, seqlen)
     ms_fla = timed() if timed else float("nan")

@@ -154,34 +154,6 @@ def test_kda_prefill_state_prefetch(lengths, num_heads, gates, columns):
         assert cupy.array_equal(recs[pf], recs[0]), f"prefetch {pf}: the final state differs from prefetch 0's"
 
 
-@pytest.mark.parametrize("lengths, num_heads, gates", [([31, 1, 33, 97, 1, 128, 300], 4, "bursty"),
-                                                     ([2048] * 8, 8, "extreme"),
-                                                     ([1, 63, 64, 65, 130, 7] * 12, 2, "mixed"),
-                                                     ([5000], 32, "normal")])
-def test_kda_prefill_persistent_intra(monkeypatch, lengths, num_heads, gates):
-    """KDA_RT_KDA_INTRA_PERSIST=1 (kda_prefill_intra as one CTA an SM walking its tiles, each tile's inputs copied
-    during the previous tile's T solve and W, U products) against the reference, and bit for bit what the one-tile-a-CTA
-    kernel gives (the same products per tile: a next tile's copy landing in a room still read, or a tile skipped or
-    done twice, shows as a difference).  Cases: 64 tiles (fewer than the SMs: each CTA one tile), 2112, 1104 and 2528
-    tiles (many a CTA, with unused chunk ids between sequences), nonzero initial states on some sequences."""
-    import cupy
-
-    from kda_rt.cuda.ops.kda_prefill import kda_prefill
-
-    fresh = [i % 3 != 1 for i in range(len(lengths))]
-    inp = _inputs(lengths, num_heads, gates, seed=13 * sum(lengths) + num_heads, fresh=fresh)
-    ref = reference(inp, num_heads)
-    outs, recs = [], []
-    for persist in ("0", "1"):
-        monkeypatch.setenv("KDA_RT_KDA_INTRA_PERSIST", persist)
-        dev = upload(inp)
-        out = run_op(kda_prefill, dev, num_heads)
-        check_prefill(out, dev, ref, inp, f"persist {persist} {len(lengths)} seqs H{num_heads} {gates}")
-        outs.append(out.view(cupy.uint16)), recs.append(dev["rec_pool"])
-    assert cupy.array_equal(outs[1], outs[0]), "persistent intra: out differs from the one-tile-a-CTA kernel's"
-    assert cupy.array_equal(recs[1], recs[0]), "persistent intra: the final state differs"
-
-
 if __name__ == "__main__":
     for case in CASES:
         test_kda_prefill(*case)

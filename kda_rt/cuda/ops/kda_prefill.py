@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.kda_decode import check_kda_args
@@ -77,44 +76,24 @@ def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: 
     return 1 if vb <= 32 else 0
 
 
-def _consts(K: int, W: int, vb: int, pf: int = 0, persist: bool = False) -> dict:
-    """The defines of kda_prefill.cu's module for one state width, prefetch and intra-kernel form."""
+def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
+    """The defines of kda_prefill.cu's module for one state width and prefetch."""
     return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
-                STATE_PF=pf, PERSIST=int(persist))
+                STATE_PF=pf)
 
 
-def intra_kernel(K: int, W: int, vb: int = 32, pf: int = 0, persist: bool = False, **extra):
-    """kda_prefill_intra of one module (`extra`: bench-only defines, e.g. PHASE_CLOCK)."""
-    return get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=_intra_smem_bytes(K, _CHUNK, W),
-                      **_consts(K, W, vb, pf, persist), **extra)
-
-
-def launch_intra(kernel, qkv, f, b, conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots, ws,
-                 a_qk, g_last, *, num_seqs: int, num_chunks: int, num_heads: int, head_dim: int, conv_w_len: int,
-                 sms: int, persist: bool, stream=None) -> None:
-    """One launch of kda_prefill_intra (`kernel` built with PERSIST = `persist`): grid (chunk ids, heads), one tile a
-    CTA, each CTA prefetching into L2 the rows of the CTA one wave later; or persistent, min(tiles, SMs) CTAs walking
-    the tiles.  ws: [4, num_chunks, H, L, K] bf16 (qg, kd, W, U)."""
-    grid = (min(num_chunks * num_heads, sms), 1) if persist else (num_chunks, num_heads)
-    kernel(grid, (_INTRA_THREADS,),
-           (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
-            ws[0], ws[1], ws[2], ws[3], a_qk, g_last, i32(num_seqs), i32(num_chunks), i32(num_heads),
-            i32(0 if persist else sms)),  # one CTA per SM: the next wave starts that many ids on
-           shared_mem=_intra_smem_bytes(head_dim, _CHUNK, conv_w_len), stream=stream)
-
-
-def _kernels(K: int, W: int, vb: int, pf: int = 0, persist: bool = False):
-    """The intra, state and norm kernels of one state width, prefetch and intra form (one module: built together)."""
-    consts = _consts(K, W, vb, pf, persist)
-    return (intra_kernel(K, W, vb, pf, persist),
+def _kernels(K: int, W: int, vb: int, pf: int = 0):
+    """The intra, state and norm kernels of one state width and prefetch (one module: built together)."""
+    consts = _consts(K, W, vb, pf)
+    return (get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=_intra_smem_bytes(K, _CHUNK, W), **consts),
             get_kernel("kda_prefill.cu", "kda_prefill_state", max_dynamic_smem=_state_smem_bytes(K, _CHUNK, vb, pf),
                        **consts),
             get_kernel("kda_prefill.cu", "kda_prefill_norm", **consts))
 
 
-def _norm_e4m3_kernel(K: int, W: int, vb: int, pf: int = 0, persist: bool = False):
-    """kda_prefill_norm_e4m3 of the module of one state width, prefetch and intra form (the same build as _kernels')."""
-    return get_kernel("kda_prefill.cu", "kda_prefill_norm_e4m3", **_consts(K, W, vb, pf, persist))
+def _norm_e4m3_kernel(K: int, W: int, vb: int, pf: int = 0):
+    """kda_prefill_norm_e4m3 of the module of one state width and prefetch (the same build as _kernels')."""
+    return get_kernel("kda_prefill.cu", "kda_prefill_norm_e4m3", **_consts(K, W, vb, pf))
 
 
 def _variants(num_heads: int, head_dim: int, sms: int) -> list[tuple[int, int]]:
@@ -135,7 +114,7 @@ def precompile(num_heads: int, head_dim: int, conv_w: int, sms: int | None = Non
         sms = sm_count(cupy.cuda.Device().id)
     variants = _variants(num_heads, head_dim, sms)
     for vb, pf in variants:
-        _kernels(head_dim, conv_w, vb, pf, env.kda_intra_persist())
+        _kernels(head_dim, conv_w, vb, pf)
     return len(variants)
 
 
@@ -175,17 +154,19 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     qkdwu = cupy.empty((4, num_chunks, num_heads, L, K), dtype=BF16)  # qg, kd, W, U per chunk and head
     a_qk = cupy.empty((num_chunks, num_heads, L, L), dtype=BF16)
     g_last = cupy.empty((num_chunks, num_heads, K), dtype=np.float32)
-    persist = env.kda_intra_persist()
-    intra, state, norm = _kernels(K, W, vb, pf, persist)
-    launch_intra(intra, qkv, f, b, conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots, qkdwu,
-                 a_qk, g_last, num_seqs=B, num_chunks=num_chunks, num_heads=num_heads, head_dim=K, conv_w_len=W,
-                 sms=sms, persist=persist, stream=stream)
+    intra, state, norm = _kernels(K, W, vb, pf)
+    smem = _intra_smem_bytes(K, L, W)
+    intra((num_chunks, num_heads), (_INTRA_THREADS,),
+          (qkv, f, b, i32(leading_dim(b)), conv_w, A_log, dt_bias, conv_pool, cu_seqlens, context_lens, state_slots,
+           qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, i32(B), i32(num_heads),
+           i32(sms)),  # one CTA per SM: the next wave starts that many ids on
+          shared_mem=smem, stream=stream)
     smem = _state_smem_bytes(K, L, vb, pf)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
           (qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, qkv, conv_pool, rec_pool, cu_seqlens, context_lens,
            state_slots, out, i32(num_heads)), shared_mem=smem, stream=stream)
     if e4m3_out is not None:
-        _norm_e4m3_kernel(K, W, vb, pf, persist)((T,), (16 * num_heads,), (gate, o_norm_w, out, f32(eps), *e4m3_out), stream=stream)
+        _norm_e4m3_kernel(K, W, vb, pf)((T,), (16 * num_heads,), (gate, o_norm_w, out, f32(eps), *e4m3_out), stream=stream)
         return out
     rows = T * num_heads
     norm(((rows * 16 + 255) // 256,), (256,), (gate, o_norm_w, out, i32(rows), f32(eps)), stream=stream)
