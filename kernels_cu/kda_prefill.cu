@@ -337,8 +337,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
         if (tid < NUM_SUB) unsafe[tid] = 0;
         cp_async_wait<0>();
-        
         __syncthreads();
+        STAMP(1);  // every copy has landed
 
         const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
         float taps[3][CONV_W], hist[3][CONV_W - 1];

@@ -17,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 
-PHASES = ["start: sequence lookup -> copies issued and landed", "conv taps / history to registers",
+PHASES = ["start: copies issued -> landed (after the sequence lookup)", "conv taps / history to registers",
           "conv + SiLU + gates (a)", "row norms, gate sums, tables (b)", "scaled tiles, qg / kd out (c)",
           "A_qk, A_kk on tensor cores + unsafe blocks (d, e)", "T diagonal blocks | e^G k^ (f)",
           "T off-diagonal blocks", "T diag(beta) to bf16", "W, U on tensor cores + stores (g)"]
