@@ -229,6 +229,20 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
+def kda_conv_one_round() -> bool:
+    """KDA_RT_KDA_CONV_ONE_ROUND: 1 rounds the KDA prefill's conv + SiLU outputs to bf16 once, by their store
+    (kernels_cu/kda_prefill.cu CONV_ONE_ROUND: the same bits, one conversion an element fewer); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_CONV_ONE_ROUND", "0")
+
+
+def kda_gate_fast() -> bool:
+    """KDA_RT_KDA_GATE_FAST: 1 computes the KDA prefill's gate softplus without log1pf and without a branch
+    (kernels_cu/kda_common.cuh kda_softplus_fast: relative error <= ~4e-6 against ~|z| 2^-24 now); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_GATE_FAST", "0")
+
+
 def kda_state_hints(default: int) -> int:
     """KDA_RT_KDA_STATE_HINTS (bench switch): the cache hints of the KDA decode kernel's recurrent-state loads and
     stores (kernels_cu/kda_decode.cu STATE_HINTS: 0 plain, 1 loads without L1 allocation and streaming stores, 2 the

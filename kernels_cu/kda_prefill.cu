@@ -108,6 +108,17 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef QUAD_SPLIT
 #define QUAD_SPLIT 1
 #endif
+// CONV_ONE_ROUND = 1: the conv + SiLU outputs are rounded to bf16 once, by their store, instead of by conv_silu_nr
+// and again (an identity) by the store: the same bits, one conversion (F2F.BF16.F32, on the 16-a-clock conversion
+// pipe beside ex2 and rcp in sm_90a SASS) and one shift fewer an element.  GATE_FAST = 1: the gate's softplus by
+// kda_softplus_fast (branch-free, no log1pf: see kda_common.cuh for its error bound) instead of kda_softplus_approx.
+// Both 0 until measured (ops/kda_prefill.py: KDA_RT_KDA_CONV_ONE_ROUND, KDA_RT_KDA_GATE_FAST).
+#ifndef CONV_ONE_ROUND
+#define CONV_ONE_ROUND 0
+#endif
+#ifndef GATE_FAST
+#define GATE_FAST 0
+#endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
@@ -150,7 +161,8 @@ __device__ __forceinline__ float2 ld_bf16x2(const bf16* p) { return unpack_bf16(
 // bf16(SiLU(conv)) as kda_conv_silu, but with common.cuh's Newton quotient (no slow-path call of IEEE
 // division, which kept the compiler from overlapping rows) and e^-u from the hardware exponential alone
 // (relative error ~2^-22 + |u|·2^-24 before the bf16 rounding; expf's range reduction took ~6 more
-// instructions an element in this issue-bound stage; EXP_ACCURATE_EXP=1, bench only, restores expf)
+// instructions an element in this issue-bound stage; EXP_ACCURATE_EXP=1, bench only, restores expf).
+// CONV_ONE_ROUND: returned unrounded (the caller's bf16 store rounds it).
 template <int W>
 __device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const float (&hist)[W - 1], float x) {
     float u = 0.f;
@@ -158,10 +170,11 @@ __device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const floa
     for (int j = 0; j < W - 1; ++j) u = fmaf(taps[j], hist[j], u);
     u = fmaf(taps[W - 1], x, u);
 #if EXP_ACCURATE_EXP
-    return round_bf16(silu_nr(u));
+    const float s = silu_nr(u);
 #else
-    return round_bf16(silu_quotient(u, 1.f + exp2_approx(-LOG2E * u)));
+    const float s = silu_quotient(u, 1.f + exp2_approx(-LOG2E * u));
 #endif
+    return CONV_ONE_ROUND ? s : round_bf16(s);
 }
 
 // index of sub-block pair (I, J <= I) in the scaled-key tile
@@ -371,6 +384,10 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             const float fr = to_f32(Fs[r * LDB + c]);
 #if EXP_ACCURATE_EXP
             Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus(fr, bias)) : 0.f;  // == LOG2E * kda_log_decay
+#elif GATE_FAST
+            // computed for every row (padded rows read zero-filled f) and selected: no branch around it
+            const float gv = LOG2E * (na * kda_softplus_fast(fr, bias));
+            Gf[r * LDF + c] = r < n ? gv : 0.f;
 #else
             Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus_approx(fr, bias)) : 0.f;
 #endif

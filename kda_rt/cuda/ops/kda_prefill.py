@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
 from kda_rt.cuda.ops.kda_decode import check_kda_args
@@ -77,9 +78,10 @@ def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: 
 
 
 def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
-    """The defines of kda_prefill.cu's module for one state width and prefetch."""
+    """The defines of kda_prefill.cu's module for one state width and prefetch (and the intra kernel's
+    CONV_ONE_ROUND and GATE_FAST as KDA_RT_KDA_CONV_ONE_ROUND and KDA_RT_KDA_GATE_FAST are set at the call)."""
     return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
-                STATE_PF=pf)
+                STATE_PF=pf, CONV_ONE_ROUND=int(env.kda_conv_one_round()), GATE_FAST=int(env.kda_gate_fast()))
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
