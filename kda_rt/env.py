@@ -243,6 +243,13 @@ def kda_gate_fast() -> bool:
     return _on_off("KDA_RT_KDA_GATE_FAST", "0")
 
 
+def kda_scale_unroll() -> bool:
+    """KDA_RT_KDA_SCALE_UNROLL: 1 builds the KDA prefill intra kernel's scaled-tile phase unrolled, each thread's
+    column pair fixed (kernels_cu/kda_prefill.cu SCALE_UNROLL: the same bits, fewer instructions); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_SCALE_UNROLL", "0")
+
+
 def kda_state_hints(default: int) -> int:
     """KDA_RT_KDA_STATE_HINTS (bench switch): the cache hints of the KDA decode kernel's recurrent-state loads and
     stores (kernels_cu/kda_decode.cu STATE_HINTS: 0 plain, 1 loads without L1 allocation and streaming stores, 2 the

@@ -119,6 +119,12 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef GATE_FAST
 #define GATE_FAST 0
 #endif
+// SCALE_UNROLL = 1: phase (c)'s loop unrolled with each thread's column pair fixed (rows r8, r8 + 8, ...), so its
+// sub-block, table rows and stores are compile-time per pass instead of recomputed from a flat index (the same
+// values in the same order: bit-identical).  0 until measured (KDA_RT_KDA_SCALE_UNROLL).
+#ifndef SCALE_UNROLL
+#define SCALE_UNROLL 0
+#endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
@@ -454,8 +460,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // ---- (c) scaled tiles (two channels per thread and step) and the workspace's qg, kd.  Every
     // factor is 2^Lam_r or 2^(Lam_last(I) - Lam_r) (<= 15 gates) times a table entry (whole blocks): three
     // exp2f per element (each <= 1, so their products underflow to 0 exactly where the exponent sums do).
-    for (int idx = tid; idx < L * K / 2; idx += INTRA_THREADS) {
-        const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
+    // pair (r, d..d+1) of row r (sub-block I, row rr of it)
+    auto scale_pair = [&](const int r, const int rr, const int d, const int I) {
         const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
         const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
         float qa[2], ka[2], kx[2], qg[2], kd[2], kb[NUM_SUB][2];
@@ -473,16 +479,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
         st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
         st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
-        st_bf16x2(KX + (pair_index(I, I) * SUB + r % SUB) * LDB + d, kx[0], kx[1]);
+        st_bf16x2(KX + (pair_index(I, I) * SUB + rr) * LDB + d, kx[0], kx[1]);
 #pragma unroll
         for (int I2 = 1; I2 < NUM_SUB; ++I2)
-            if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + r % SUB) * LDB + d, kb[I2][0], kb[I2][1]);
+            if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + rr) * LDB + d, kb[I2][0], kb[I2][1]);
         st_bf16x2(ws_q + (tile * L + r) * K + d, qg[0], qg[1]);
         st_bf16x2(ws_k + (tile * L + r) * K + d, kd[0], kd[1]);
 #if QUAD_SPLIT
         if (unsafe[I]) {  // the quadrant's factors around row 8 of the sub-block (both exponents <= 0)
             bf16* Qd = Quad + I * QUAD_ROWS * LDB;
-            const int rr = r % SUB;
             float e[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
@@ -497,7 +502,21 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
         }
 #endif
+    };
+#if SCALE_UNROLL
+    {  // the thread's column pair fixed, rows r8 + RPP j: the sub-block, its table rows and stores known at compile time
+        constexpr int RPP = INTRA_THREADS / (K / 2);  // rows a pass
+        static_assert(INTRA_THREADS % (K / 2) == 0 && SUB % RPP == 0 && L % RPP == 0, "kda_prefill_intra: (c)'s row passes");
+        const int r8 = tid / (K / 2), d = 2 * (tid % (K / 2));
+#pragma unroll
+        for (int j = 0; j < L / RPP; ++j) scale_pair(r8 + RPP * j, r8 + (RPP * j) % SUB, d, RPP * j / SUB);
     }
+#else
+    for (int idx = tid; idx < L * K / 2; idx += INTRA_THREADS) {
+        const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
+        scale_pair(r, r % SUB, d, I);
+    }
+#endif
     __syncthreads();
     STAMP(5);
 

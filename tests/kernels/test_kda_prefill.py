@@ -157,10 +157,11 @@ def test_kda_prefill_state_prefetch(lengths, num_heads, gates, columns):
 @pytest.mark.parametrize("lengths, num_heads, gates", [([31, 1, 33, 97, 1, 128, 300], 4, "bursty"),
                                                      ([200, 65, 3], 8, "extreme"), ([130, 1], 8, "near_zero"),
                                                      ([1, 3, 64, 65, 200], 4, "mixed"), ([4096], 4, "normal")])
-def test_kda_prefill_conv_one_round_and_gate_fast(monkeypatch, lengths, num_heads, gates):
-    """KDA_RT_KDA_CONV_ONE_ROUND=1 (the conv + SiLU outputs rounded to bf16 once, by their store): bit for bit what the
-    default build gives; KDA_RT_KDA_GATE_FAST=1 (the gate's softplus branch-free, without log1pf): against the
-    reference at the prefill bounds, every gate kind, nonzero initial state on some sequences."""
+def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
+    """The intra kernel's default-off builds: KDA_RT_KDA_CONV_ONE_ROUND=1 (the conv + SiLU outputs rounded to bf16 once,
+    by their store) and KDA_RT_KDA_SCALE_UNROLL=1 (phase (c) unrolled, each thread's column pair fixed): bit for bit
+    what the default build gives; KDA_RT_KDA_GATE_FAST=1 (the gate's softplus branch-free, without log1pf): against
+    the reference at the prefill bounds.  Every gate kind, nonzero initial state on some sequences."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -169,16 +170,17 @@ def test_kda_prefill_conv_one_round_and_gate_fast(monkeypatch, lengths, num_head
     inp = _inputs(lengths, num_heads, gates, seed=17 * sum(lengths) + num_heads, fresh=fresh)
     ref = reference(inp, num_heads)
     outs, recs = [], []
-    for one_round, fast in (("0", "0"), ("1", "0"), ("0", "1")):
-        monkeypatch.setenv("KDA_RT_KDA_CONV_ONE_ROUND", one_round)
-        monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", fast)
+    variants = ("", "KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_GATE_FAST")
+    for on in variants:
+        for name in variants[1:]:
+            monkeypatch.setenv(name, "1" if name == on else "0")
         dev = upload(inp)
         out = run_op(kda_prefill, dev, num_heads)
-        check_prefill(out, dev, ref, inp, f"one_round {one_round} gate_fast {fast} {len(lengths)} seqs H{num_heads} "
-                                          f"{gates}")
+        check_prefill(out, dev, ref, inp, f"{on or 'default'} {len(lengths)} seqs H{num_heads} {gates}")
         outs.append(out.view(cupy.uint16)), recs.append(dev["rec_pool"])
-    assert cupy.array_equal(outs[1], outs[0]), "CONV_ONE_ROUND: out differs from the default build's"
-    assert cupy.array_equal(recs[1], recs[0]), "CONV_ONE_ROUND: the final state differs from the default build's"
+    for i in (1, 2):  # the bit-identical ones
+        assert cupy.array_equal(outs[i], outs[0]), f"{variants[i]}: out differs from the default build's"
+        assert cupy.array_equal(recs[i], recs[0]), f"{variants[i]}: the final state differs from the default build's"
 
 
 if __name__ == "__main__":
