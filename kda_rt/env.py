@@ -250,6 +250,13 @@ def kda_scale_unroll() -> bool:
     return _on_off("KDA_RT_KDA_SCALE_UNROLL", "0")
 
 
+def kda_row_norm_spread() -> bool:
+    """KDA_RT_KDA_ROW_NORM_SPREAD: 1 builds the KDA prefill intra kernel's row norms on warps 0-7 (eight rows each,
+    finished side by side) and its gate bookkeeping on warps 12-15 (kernels_cu/kda_prefill.cu ROW_NORM_SPREAD: the
+    same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_ROW_NORM_SPREAD", "0")
+
+
 def kda_state_hints(default: int) -> int:
     """KDA_RT_KDA_STATE_HINTS (bench switch): the cache hints of the KDA decode kernel's recurrent-state loads and
     stores (kernels_cu/kda_decode.cu STATE_HINTS: 0 plain, 1 loads without L1 allocation and streaming stores, 2 the

@@ -125,6 +125,12 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef SCALE_UNROLL
 #define SCALE_UNROLL 0
 #endif
+// ROW_NORM_SPREAD = 1: phase (b)'s row norms on warps 0-7, eight rows each, finished by lanes 0-7 side by side, and
+// the channels' gate bookkeeping on warps 12-15 (it ran on warps 0-3 after their rows, the rows' square roots and
+// quotients one after another on lane 0); bit-identical.  0 until measured (KDA_RT_KDA_ROW_NORM_SPREAD).
+#ifndef ROW_NORM_SPREAD
+#define ROW_NORM_SPREAD 0
+#endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
@@ -406,6 +412,39 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // Lam in place; tables P_I = 2^G(n_I), R_J = 2^(sum of the blocks after J), C_IJ = 2^(G(n_I) - G(last row
     // of J)) (exponents are sums of gates, no differences: every entry <= 1); G_last -> workspace; unsafe
     // diagonal sub-blocks.  Also each row's q.k (the A_qk diagonal of an unsafe sub-block, where E = 1)
+#if ROW_NORM_SPREAD
+    // rows on warps 0 .. NORM_WARPS - 1, RPW each: the butterfly sums leave every row's sums in every lane (the same
+    // bits in each: a + b == b + a), and lane i < RPW finishes row RPW w + i, so the rows' square roots and quotients
+    // run side by side instead of one after another on lane 0; the channels' gate bookkeeping below runs on the last
+    // K / 32 warps, which have no rows, so neither chain waits for the other (bit-identical to the default build)
+    constexpr int NORM_WARPS = 8, RPW = L / NORM_WARPS;
+    static_assert(L % NORM_WARPS == 0 && RPW <= 32 && NORM_WARPS * 32 <= INTRA_THREADS - K,
+                  "kda_prefill_intra: ROW_NORM_SPREAD's row and gate warps");
+    if (warp < NORM_WARPS) {
+        float sq[RPW], sk[RPW], sqk[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {  // unrolled: shuffle chains interleave
+            const int r = RPW * warp + i;
+            sq[i] = 0.f, sk[i] = 0.f, sqk[i] = 0.f;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float2 q2 = ld_bf16x2(Qr + r * LDB + 4 * lane + 2 * e), k2 = ld_bf16x2(Kr + r * LDB + 4 * lane + 2 * e);
+                sq[i] = fmaf(q2.x, q2.x, fmaf(q2.y, q2.y, sq[i])), sk[i] = fmaf(k2.x, k2.x, fmaf(k2.y, k2.y, sk[i]));
+                sqk[i] = fmaf(q2.x, k2.x, fmaf(q2.y, k2.y, sqk[i]));
+            }
+            sq[i] = warp_sum(sq[i]), sk[i] = warp_sum(sk[i]), sqk[i] = warp_sum(sqk[i]);
+        }
+        float a = sq[0], bk = sk[0], c = sqk[0];
+#pragma unroll
+        for (int i = 1; i < RPW; ++i) a = lane == i ? sq[i] : a, bk = lane == i ? sk[i] : bk, c = lane == i ? sqk[i] : c;
+        if (lane < RPW) {
+            const int r = RPW * warp + lane;
+            rq[r] = rsqrtf((float)K) / sqrtf(a + 1e-6f), rk[r] = 1.f / sqrtf(bk + 1e-6f), dqk[r] = c;
+        }
+    }
+    if (tid >= INTRA_THREADS - K) {
+        const int d = tid - (INTRA_THREADS - K);
+#else
 #pragma unroll
     for (int r = (L / INTRA_WARPS) * warp; r < (L / INTRA_WARPS) * (warp + 1); ++r) {  // unrolled: shuffle chains interleave
         float sq = 0.f, sk = 0.f, sqk = 0.f;
@@ -420,6 +459,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     if (tid < K) {
         const int d = tid;
+#endif
         float first[NUM_SUB], total[NUM_SUB];
         int bad = 0;
 #pragma unroll
