@@ -238,8 +238,8 @@ def kda_conv_one_round() -> bool:
 
 def kda_gate_fast() -> bool:
     """KDA_RT_KDA_GATE_FAST: 1 computes the KDA prefill's gate softplus without log1pf and without a branch
-    (kernels_cu/kda_common.cuh kda_softplus_fast: relative error <= ~4e-6 against ~|z| 2^-24 now); default 0 until
-    measured.  Read at each prefill."""
+    (kernels_cu/kda_common.cuh kda_softplus_fast: <= ~1.5e-6 relative beyond what kda_softplus_approx has, the
+    rounding of ex2's argument, ~|z| 2^-24); default 0 until measured.  Read at each prefill."""
     return _on_off("KDA_RT_KDA_GATE_FAST", "0")
 
 

@@ -185,6 +185,52 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         assert cupy.array_equal(recs[i], recs[0]), f"{variants[i]}: the final state differs from the default build's"
 
 
+SOFTPLUS_SRC = r"""
+#include "kda_common.cuh"
+extern "C" __global__ void softplus_both(const float* z, float* fast, float* approx, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) fast[i] = kda_softplus_fast(z[i], 0.f), approx[i] = kda_softplus_approx(z[i], 0.f);
+}
+"""
+
+
+def test_kda_softplus_fast():
+    """kda_common.cuh's kda_softplus_fast (GATE_FAST's gate) on 2M points of z in [-80, 30] plus the switch points
+    (x = e^z = 1/8, z = 20 and the float after it, which must come back as itself) and NaN / +-inf, against float64
+    softplus.  Bound a point: 2e-6 relative (its formula
+    given x: <= ~1.5e-6, header) plus 2 |z| 2^-24 (the rounding of ex2's argument and ex2.approx's own ~2^-22, which
+    kda_softplus_approx, the default build's, has too: held to the same bound here).  A wrong series coefficient
+    costs >= ~1e-4 relative near x = 1/8 and fails."""
+    import cupy
+
+    from kda_rt.cuda.ops.compile import device_arch
+
+    KERNELS = __import__("pathlib").Path(__file__).resolve().parents[2] / "kernels_cu"
+    mod = cupy.RawModule(code=SOFTPLUS_SRC, options=("--std=c++17", f"-I{KERNELS}", f"--gpu-architecture={device_arch()}"))
+    sweep = np.linspace(-80.0, 30.0, 2_000_001, dtype=np.float32)
+    edges = np.float32([np.log(0.125), np.nextafter(np.float32(np.log(0.125)), np.float32(1)), 20.0,
+                        np.nextafter(np.float32(20.0), np.float32(21)), np.nan, -np.inf, np.inf])
+    z = np.concatenate([sweep, edges])
+    dz = cupy.asarray(z)
+    fast, approx = cupy.full(z.size, -7.0, dtype=np.float32), cupy.full(z.size, -7.0, dtype=np.float32)
+    n = z.size
+    mod.get_function("softplus_both")(((n + 255) // 256,), (256,), (dz, fast, approx, np.int32(n)))
+    fast, approx = fast.get(), approx.get()
+    z64 = z.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ref = np.where(z64 > 20, z64, np.logaddexp(0.0, z64))
+    fin = np.isfinite(z)
+    bound = 2e-6 + 2 * np.abs(z64[fin]) * 2.0**-24
+    for name, got in (("fast", fast), ("approx", approx)):
+        rel = np.abs(got[fin] - ref[fin]) / ref[fin]
+        worst = int(np.argmax(rel / bound))
+        print(f"kda_softplus_{name}: max rel {rel.max():.3e} (z = {z[fin][worst]:.4f}, its bound {bound[worst]:.2e})")
+        assert (rel <= bound).all(), f"kda_softplus_{name}: relative error {rel[worst]:.3e} > {bound[worst]:.3e} at " \
+                                     f"z = {z[fin][worst]!r}"
+        assert np.isnan(got[-3]) and got[-2] == 0.0 and got[-1] == np.inf, f"kda_softplus_{name}: NaN / -inf / +inf"
+        assert got[-4] == z[-4], f"kda_softplus_{name}: z just above 20 is not z itself"
+
+
 if __name__ == "__main__":
     for case in CASES:
         test_kda_prefill(*case)

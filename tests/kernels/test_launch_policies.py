@@ -259,6 +259,26 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
     assert [kp._state_columns(b, 32, 128) for b in (1, 2, 3, 8, 16, 17, 256)] == [32, 64, 64, 64, 64, 64, 64]
 
 
+def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
+    """Each KDA_RT_KDA_* intra-kernel switch puts its define (= 1) into kda_prefill.cu's module, and none is there when
+    off (the default module keeps its cache key), so the GPU variants test builds what it names."""
+    import kda_rt.cuda.ops.kda_prefill as kp
+
+    switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
+                "KDA_RT_KDA_SCALE_UNROLL": "SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD": "ROW_NORM_SPREAD"}
+    for name in switches:
+        monkeypatch.delenv(name, raising=False)
+    assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
+    for name, define in switches.items():
+        monkeypatch.setenv(name, "1")
+        consts = kp._consts(128, 4, 32, 0)
+        assert consts[define] == 1 and not (set(switches.values()) - {define}) & set(consts), name
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", "2")
+    with pytest.raises(ValueError, match="KDA_RT_KDA_GATE_FAST must be 0 or 1"):
+        kp._consts(128, 4, 32, 0)
+
+
 @pytest.mark.parametrize("kw", [{"state_columns": 48}, {"state_columns": 0}, {"state_columns": True},
                                 {"state_prefetch": 3}, {"state_prefetch": True}, {"state_prefetch": 1.5}])
 def test_kda_prefill_refuses_bad_variant(kw):
