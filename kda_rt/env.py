@@ -257,6 +257,13 @@ def kda_row_norm_spread() -> bool:
     return _on_off("KDA_RT_KDA_ROW_NORM_SPREAD", "0")
 
 
+def kda_exp2_ftz() -> bool:
+    """KDA_RT_KDA_EXP2_FTZ: 1 builds the KDA prefill intra kernel's per-element exponentials from ex2.approx.ftz alone
+    (kernels_cu/kda_prefill.cu EXP2_FTZ: the same bits down to 2^-126, 0 below it); default 0 until measured.  Read at
+    each prefill."""
+    return _on_off("KDA_RT_KDA_EXP2_FTZ", "0")
+
+
 def kda_state_hints(default: int) -> int:
     """KDA_RT_KDA_STATE_HINTS (bench switch): the cache hints of the KDA decode kernel's recurrent-state loads and
     stores (kernels_cu/kda_decode.cu STATE_HINTS: 0 plain, 1 loads without L1 allocation and streaming stores, 2 the

@@ -131,6 +131,19 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef ROW_NORM_SPREAD
 #define ROW_NORM_SPREAD 0
 #endif
+// EXP2_FTZ = 1: the per-element exponentials of phases (c), (e) and (f) by ex2.approx.ftz alone (exp2_approx) instead
+// of exp2f, whose handling of results below 2^-126 takes 3 of its 5 instructions (sm_90a SASS: a compare, a halving
+// and a squaring around the same MUFU.EX2).  The same bits wherever the result is 2^-126 or more; below it 0 instead of
+// a subnormal: a term under 2^-126 |q| |k| against the bf16 rounding of whatever it joins.  0 until measured
+// (KDA_RT_KDA_EXP2_FTZ).
+#ifndef EXP2_FTZ
+#define EXP2_FTZ 0
+#endif
+#if EXP2_FTZ
+#define EXP2_ELEM(x) exp2_approx(x)
+#else
+#define EXP2_ELEM(x) exp2f(x)
+#endif
 #if !defined(HEAD_DIM) || !defined(CONV_W) || !defined(CHUNK) || !defined(VB) || !defined(INTRA_THREADS)
 #error "kda_prefill.cu needs -DHEAD_DIM -DCONV_W -DCHUNK -DVB -DINTRA_THREADS"
 #endif
@@ -508,9 +521,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const float lam = Gf[r * LDF + d + e], tail = Gf[(I * SUB + SUB - 1) * LDF + d + e] - lam;
-            const float el = exp2f(lam), et = exp2f(tail);  // both <= 1, as every table entry
+            const float el = EXP2_ELEM(lam), et = EXP2_ELEM(tail);  // both <= 1, as every table entry
             qa[e] = q[e] * el, ka[e] = k[e] * el;
-            kx[e] = k[e] * exp2f(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
+            kx[e] = k[e] * EXP2_ELEM(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
             qg[e] = q[e] * (Pt[I * K + d + e] * el);
             kd[e] = k[e] * (et * Rt[I * K + d + e]);
 #pragma unroll
@@ -532,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const float diff = Gf[r * LDF + d + c] - Gf[(I * SUB + 8) * LDF + d + c];
-                e[c] = exp2f(rr >= 8 ? fminf(diff, 0.f) : fminf(-diff, 0.f));
+                e[c] = EXP2_ELEM(rr >= 8 ? fminf(diff, 0.f) : fminf(-diff, 0.f));
             }
             if (rr >= 8) {
                 st_bf16x2(Qd + (rr - 8) * LDB + d, k[0] * e[0], k[1] * e[1]);
@@ -640,8 +653,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (act) {
             for (int d = dh * (K / 2); d < (dh + 1) * (K / 2); d += 2) {
                 const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
-                const float e0 = exp2f(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
-                const float e1 = exp2f(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
+                const float e0 = EXP2_ELEM(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
+                const float e1 = EXP2_ELEM(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
                 aqk = fmaf(q2.x * ks2.x, e0, fmaf(q2.y * ks2.y, e1, aqk));
                 akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
             }
@@ -665,8 +678,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         float aqk = 0.f, akk = 0.f;
         for (int d = 0; d < K; d += 2) {
             const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
-            const float e0 = exp2f(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
-            const float e1 = exp2f(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
+            const float e0 = EXP2_ELEM(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
+            const float e1 = EXP2_ELEM(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
             aqk = fmaf(q2.x * ks2.x, e0, fmaf(q2.y * ks2.y, e1, aqk));
             akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
         }
@@ -703,7 +716,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         for (int idx = tid - L; idx < L * K / 2; idx += INTRA_THREADS - L) {
             const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
             const float2 k2 = ld_bf16x2(Kr + r * LDB + d);
-            const float e0 = Pt[I * K + d] * exp2f(Gf[r * LDF + d]), e1 = Pt[I * K + d + 1] * exp2f(Gf[r * LDF + d + 1]);
+            const float e0 = Pt[I * K + d] * EXP2_ELEM(Gf[r * LDF + d]);
+            const float e1 = Pt[I * K + d + 1] * EXP2_ELEM(Gf[r * LDF + d + 1]);
             st_bf16x2(KG + r * LDB + d, k2.x * rk[r] * e0, k2.y * rk[r] * e1);
         }
     }

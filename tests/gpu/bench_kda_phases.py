@@ -34,12 +34,14 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="32x2048,8x2048,1x32768")
-    ap.add_argument("--ab", default="", help="a bench-only define (e.g. EXP_ACCURATE_EXP): both builds, 0 and 1, "
-                                              "timed in interleaved rounds, phases of each")
+    ap.add_argument("--ab", default="", help="a define (e.g. EXP_ACCURATE_EXP, SCALE_UNROLL) or several, comma-joined: "
+                                              "the build with them 0 and with them 1, timed in interleaved rounds, "
+                                              "phases of each")
     args = ap.parse_args()
     cap = 40000
     smem = kp._intra_smem_bytes(K, 64, W)
-    variants = [{args.ab: 0}, {args.ab: 1}] if args.ab else [{}]
+    names = [n for n in args.ab.split(",") if n]  # several: all off against all on
+    variants = [dict.fromkeys(names, 0), dict.fromkeys(names, 1)] if names else [{}]
     built = []
     for extra in variants:
         consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=32, INTRA_THREADS=kp._INTRA_THREADS, PHASE_CLOCK=cap, **extra)

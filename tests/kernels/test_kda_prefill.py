@@ -161,8 +161,9 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     """The intra kernel's default-off builds: KDA_RT_KDA_CONV_ONE_ROUND=1 (the conv + SiLU outputs rounded to bf16 once,
     by their store), KDA_RT_KDA_SCALE_UNROLL=1 (phase (c) unrolled, each thread's column pair fixed) and
     KDA_RT_KDA_ROW_NORM_SPREAD=1 (row norms on warps 0-7, gate bookkeeping on warps 12-15): bit for bit what the
-    default build gives; KDA_RT_KDA_GATE_FAST=1 (the gate's softplus branch-free, without log1pf): against the
-    reference at the prefill bounds.  Every gate kind, nonzero initial state on some sequences."""
+    default build gives; KDA_RT_KDA_GATE_FAST=1 (the gate's softplus branch-free, without log1pf) and
+    KDA_RT_KDA_EXP2_FTZ=1 (per-element exponentials without subnormal results): against the reference at the prefill
+    bounds; all five together too.  Every gate kind, nonzero initial state on some sequences."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -172,10 +173,10 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     ref = reference(inp, num_heads)
     outs, recs = [], []
     variants = ("", "KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
-                "KDA_RT_KDA_GATE_FAST")
+                "KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "all")
     for on in variants:
-        for name in variants[1:]:
-            monkeypatch.setenv(name, "1" if name == on else "0")
+        for name in variants[1:-1]:
+            monkeypatch.setenv(name, "1" if on in (name, "all") else "0")
         dev = upload(inp)
         out = run_op(kda_prefill, dev, num_heads)
         check_prefill(out, dev, ref, inp, f"{on or 'default'} {len(lengths)} seqs H{num_heads} {gates}")

@@ -265,7 +265,8 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     import kda_rt.cuda.ops.kda_prefill as kp
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
-                "KDA_RT_KDA_SCALE_UNROLL": "SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD": "ROW_NORM_SPREAD"}
+                "KDA_RT_KDA_SCALE_UNROLL": "SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD": "ROW_NORM_SPREAD",
+                "KDA_RT_KDA_EXP2_FTZ": "EXP2_FTZ"}
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
