@@ -447,12 +447,12 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
             sq[i] = warp_sum(sq[i]), sk[i] = warp_sum(sk[i]), sqk[i] = warp_sum(sqk[i]);
         }
-        float a = sq[0], bk = sk[0], c = sqk[0];
+        float nq = sq[0], nk = sk[0], qk = sqk[0];  // this lane's row's sums
 #pragma unroll
-        for (int i = 1; i < RPW; ++i) a = lane == i ? sq[i] : a, bk = lane == i ? sk[i] : bk, c = lane == i ? sqk[i] : c;
+        for (int i = 1; i < RPW; ++i) nq = lane == i ? sq[i] : nq, nk = lane == i ? sk[i] : nk, qk = lane == i ? sqk[i] : qk;
         if (lane < RPW) {
             const int r = RPW * warp + lane;
-            rq[r] = rsqrtf((float)K) / sqrtf(a + 1e-6f), rk[r] = 1.f / sqrtf(bk + 1e-6f), dqk[r] = c;
+            rq[r] = rsqrtf((float)K) / sqrtf(nq + 1e-6f), rk[r] = 1.f / sqrtf(nk + 1e-6f), dqk[r] = qk;
         }
     }
     if (tid >= INTRA_THREADS - K) {
