@@ -6,7 +6,9 @@
 #   2. each one's kernel A/B and all five together (bench_kda_phases.py --ab: 5 interleaved rounds a shape, outputs
 #      compared bit for bit, phase cycles of both builds);
 #   3. with "model" as first argument, the full 27-layer model's seed prefill with all five switches off / on
-#      (bench_ab.py, fp8 weights, 3 rounds; ~100 s more).
+#      (bench_ab.py, fp8 weights, 3 rounds).
+# Estimated from this session's calls: ~4-6 minutes for 1 and 2 (the tests ~220 s, each A/B ~20-40 s), ~2.5 more for 3:
+# near the device's 10-minute limit a call, so run "model" as a second call if the first one was long.
 #   bash tests/gpu/kda_intra_variants.sh [model]      (from the repository root; writes $OUT/kda_intra_variants.txt)
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
