@@ -3,13 +3,25 @@ STYLE.md habit 5 (exact for copies, atol+rtol for elementwise, RMS ratio for red
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 
 __all__ = ["BF16", "to_gpu_bf16", "to_np", "poison", "bf16_round", "rms_rel", "assert_close", "rand_bf16",
-           "median_ms", "graph_us"]
+           "median_ms", "graph_us", "KERNELS", "inline_module"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+KERNELS = Path(__file__).resolve().parents[2] / "kernels_cu"  # the CUDA sources (their headers for inline modules)
+
+
+def inline_module(code: str):
+    """A test's own CUDA source, compiled by NVRTC for this GPU with kernels_cu/ on the include path."""
+    import cupy
+
+    from kda_rt.cuda.ops.compile import device_arch
+
+    return cupy.RawModule(code=code, options=("--std=c++17", f"-I{KERNELS}", f"--gpu-architecture={device_arch()}"))
 
 
 def to_gpu_bf16(a: np.ndarray):

@@ -29,7 +29,7 @@ import functools
 import numpy as np
 import pytest
 
-from helpers.gpu import bf16_round
+from helpers.gpu import bf16_round, inline_module
 from helpers.kda_kernel import check, make_inputs, reference, run_op, upload
 
 pytestmark = pytest.mark.gpu
@@ -198,16 +198,12 @@ extern "C" __global__ void softplus_both(const float* z, float* fast, float* app
 def test_kda_softplus_fast():
     """kda_common.cuh's kda_softplus_fast (GATE_FAST's gate) on 2M points of z in [-80, 30] plus the switch points
     (x = e^z = 1/8, z = 20 and the float after it, which must come back as itself) and NaN / +-inf, against float64
-    softplus.  Bound a point: 2e-6 relative (its formula
-    given x: <= ~1.5e-6, header) plus 2 |z| 2^-24 (the rounding of ex2's argument and ex2.approx's own ~2^-22, which
-    kda_softplus_approx, the default build's, has too: held to the same bound here).  A wrong series coefficient
-    costs >= ~1e-4 relative near x = 1/8 and fails."""
+    softplus.  Bound a point: 2e-6 relative (its formula given x: <= ~1.5e-6, header) plus 2 |z| 2^-24 (the rounding
+    of ex2's argument and ex2.approx's own ~2^-22, which kda_softplus_approx, the default build's, has too: held to
+    the same bound here).  A wrong series coefficient costs >= ~1e-4 relative near x = 1/8 and fails."""
     import cupy
 
-    from kda_rt.cuda.ops.compile import device_arch
-
-    KERNELS = __import__("pathlib").Path(__file__).resolve().parents[2] / "kernels_cu"
-    mod = cupy.RawModule(code=SOFTPLUS_SRC, options=("--std=c++17", f"-I{KERNELS}", f"--gpu-architecture={device_arch()}"))
+    mod = inline_module(SOFTPLUS_SRC)
     sweep = np.linspace(-80.0, 30.0, 2_000_001, dtype=np.float32)
     edges = np.float32([np.log(0.125), np.nextafter(np.float32(np.log(0.125)), np.float32(1)), 20.0,
                         np.nextafter(np.float32(20.0), np.float32(21)), np.nan, -np.inf, np.inf])

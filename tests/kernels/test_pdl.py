@@ -9,12 +9,11 @@ its predecessor would lose an increment) and check every argument type the launc
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels_cu"
+from helpers.gpu import KERNELS, inline_module
 
 
 def _kernel_bodies(src: str):
@@ -108,11 +107,7 @@ extern "C" __global__ void echo(int a, unsigned b, long long c, unsigned long lo
 
 
 def _module():
-    import cupy
-
-    from kda_rt.cuda.ops.compile import device_arch
-
-    return cupy.RawModule(code=CHAIN, options=("--std=c++17", f"-I{KERNELS}", f"--gpu-architecture={device_arch()}"))
+    return inline_module(CHAIN)
 
 
 @pytest.mark.gpu
