@@ -231,37 +231,39 @@ def kda_early_state() -> bool:
 
 def kda_conv_one_round() -> bool:
     """KDA_RT_KDA_CONV_ONE_ROUND: 1 rounds the KDA prefill's conv + SiLU outputs to bf16 once, by their store
-    (kernels_cu/kda_prefill.cu CONV_ONE_ROUND: the same bits, one conversion an element fewer); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_CONV_ONE_ROUND", "0")
+    (kernels_cu/kda_prefill.cu CONV_ONE_ROUND: the same bits, one conversion an element fewer); default 1 (0: the
+    build before 2026-12-02).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_CONV_ONE_ROUND")
 
 
 def kda_gate_fast() -> bool:
     """KDA_RT_KDA_GATE_FAST: 1 computes the KDA prefill's gate softplus without log1pf and without a branch
     (kernels_cu/kda_common.cuh kda_softplus_fast: <= ~1.5e-6 relative beyond what kda_softplus_approx has, the
-    rounding of ex2's argument, ~|z| 2^-24); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_GATE_FAST", "0")
+    rounding of ex2's argument, ~|z| 2^-24); default 1 (0: the build before 2026-12-02).
+    Read at each prefill."""
+    return _on_off("KDA_RT_KDA_GATE_FAST")
 
 
 def kda_scale_unroll() -> bool:
     """KDA_RT_KDA_SCALE_UNROLL: 1 builds the KDA prefill intra kernel's scaled-tile phase unrolled, each thread's
-    column pair fixed (kernels_cu/kda_prefill.cu SCALE_UNROLL: the same bits, fewer instructions); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_SCALE_UNROLL", "0")
+    column pair fixed (kernels_cu/kda_prefill.cu SCALE_UNROLL: the same bits, fewer instructions); default 1 (0: the
+    build before 2026-12-02).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_SCALE_UNROLL")
 
 
 def kda_row_norm_spread() -> bool:
     """KDA_RT_KDA_ROW_NORM_SPREAD: 1 builds the KDA prefill intra kernel's row norms on warps 0-7 (eight rows each,
     finished side by side) and its gate bookkeeping on warps 12-15 (kernels_cu/kda_prefill.cu ROW_NORM_SPREAD: the
-    same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_ROW_NORM_SPREAD", "0")
+    same bits); default 1 (0: the build before 2026-12-02).
+    Read at each prefill."""
+    return _on_off("KDA_RT_KDA_ROW_NORM_SPREAD")
 
 
 def kda_exp2_ftz() -> bool:
     """KDA_RT_KDA_EXP2_FTZ: 1 builds the KDA prefill intra kernel's per-element exponentials from ex2.approx.ftz alone
-    (kernels_cu/kda_prefill.cu EXP2_FTZ: the same bits down to 2^-126, 0 below it); default 0 until measured.  Read at
-    each prefill."""
-    return _on_off("KDA_RT_KDA_EXP2_FTZ", "0")
+    (kernels_cu/kda_prefill.cu EXP2_FTZ: the same bits down to 2^-126, 0 below it); default 1 (0: the build before
+    2026-12-02).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_EXP2_FTZ")
 
 
 def kda_state_hints(default: int) -> int:

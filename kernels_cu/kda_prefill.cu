@@ -112,32 +112,37 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // and again (an identity) by the store: the same bits, one conversion (F2F.BF16.F32, on the 16-a-clock conversion
 // pipe beside ex2 and rcp in sm_90a SASS) and one shift fewer an element.  GATE_FAST = 1: the gate's softplus by
 // kda_softplus_fast (branch-free, no log1pf: see kda_common.cuh for its error bound) instead of kda_softplus_approx.
-// Both 0 until measured (ops/kda_prefill.py: KDA_RT_KDA_CONV_ONE_ROUND, KDA_RT_KDA_GATE_FAST).
+// Both 1 by default (ops/kda_prefill.py: KDA_RT_KDA_CONV_ONE_ROUND, KDA_RT_KDA_GATE_FAST turn them off).  H200,
+// 2026-12-02, tests/gpu/bench_kda_phases.py --ab (intra kernel alone, 5 interleaved rounds, ms off -> on): 32x2048
+// CONV_ONE_ROUND 6.464 -> 6.309, GATE_FAST 6.458 -> 6.252; all five variants here together 6.452 -> 5.555 (-13.9%),
+// 8x2048 1.631 -> 1.411, 1x32768 3.182 -> 2.732 (docs/PERFORMANCE.md, thirty-fourth session).
 #ifndef CONV_ONE_ROUND
-#define CONV_ONE_ROUND 0
+#define CONV_ONE_ROUND 1
 #endif
 #ifndef GATE_FAST
-#define GATE_FAST 0
+#define GATE_FAST 1
 #endif
 // SCALE_UNROLL = 1: phase (c)'s loop unrolled with each thread's column pair fixed (rows r8, r8 + 8, ...), so its
 // sub-block, table rows and stores are compile-time per pass instead of recomputed from a flat index (the same
-// values in the same order: bit-identical).  0 until measured (KDA_RT_KDA_SCALE_UNROLL).
+// values in the same order: bit-identical).  1 by default (KDA_RT_KDA_SCALE_UNROLL=0 turns it off); 32x2048 6.444 ->
+// 6.097 ms alone.
 #ifndef SCALE_UNROLL
-#define SCALE_UNROLL 0
+#define SCALE_UNROLL 1
 #endif
 // ROW_NORM_SPREAD = 1: phase (b)'s row norms on warps 0-7, eight rows each, finished by lanes 0-7 side by side, and
 // the channels' gate bookkeeping on warps 12-15 (it ran on warps 0-3 after their rows, the rows' square roots and
-// quotients one after another on lane 0); bit-identical.  0 until measured (KDA_RT_KDA_ROW_NORM_SPREAD).
+// quotients one after another on lane 0); bit-identical.  1 by default (KDA_RT_KDA_ROW_NORM_SPREAD=0 turns it off);
+// 32x2048 6.448 -> 6.288 ms alone.
 #ifndef ROW_NORM_SPREAD
-#define ROW_NORM_SPREAD 0
+#define ROW_NORM_SPREAD 1
 #endif
 // EXP2_FTZ = 1: the per-element exponentials of phases (c), (e) and (f) by ex2.approx.ftz alone (exp2_approx) instead
 // of exp2f, whose handling of results below 2^-126 takes 3 of its 5 instructions (sm_90a SASS: a compare, a halving
 // and a squaring around the same MUFU.EX2).  The same bits wherever the result is 2^-126 or more; below it 0 instead of
-// a subnormal: a term under 2^-126 |q| |k| against the bf16 rounding of whatever it joins.  0 until measured
-// (KDA_RT_KDA_EXP2_FTZ).
+// a subnormal: a term under 2^-126 |q| |k| against the bf16 rounding of whatever it joins.  1 by default
+// (KDA_RT_KDA_EXP2_FTZ=0 turns it off); 32x2048 6.452 -> 6.269 ms alone.
 #ifndef EXP2_FTZ
-#define EXP2_FTZ 0
+#define EXP2_FTZ 1
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)

@@ -158,12 +158,13 @@ def test_kda_prefill_state_prefetch(lengths, num_heads, gates, columns):
                                                      ([200, 65, 3], 8, "extreme"), ([130, 1], 8, "near_zero"),
                                                      ([1, 3, 64, 65, 200], 4, "mixed"), ([4096], 4, "normal")])
 def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
-    """The intra kernel's default-off builds: KDA_RT_KDA_CONV_ONE_ROUND=1 (the conv + SiLU outputs rounded to bf16 once,
-    by their store), KDA_RT_KDA_SCALE_UNROLL=1 (phase (c) unrolled, each thread's column pair fixed) and
-    KDA_RT_KDA_ROW_NORM_SPREAD=1 (row norms on warps 0-7, gate bookkeeping on warps 12-15): bit for bit what the
-    default build gives; KDA_RT_KDA_GATE_FAST=1 (the gate's softplus branch-free, without log1pf) and
-    KDA_RT_KDA_EXP2_FTZ=1 (per-element exponentials without subnormal results): against the reference at the prefill
-    bounds; all five together too.  Every gate kind, nonzero initial state on some sequences."""
+    """The intra kernel's five variants, each alone on top of the build with all five off (the build before
+    2026-12-02): KDA_RT_KDA_CONV_ONE_ROUND (the conv + SiLU outputs rounded to bf16 once, by their store),
+    KDA_RT_KDA_SCALE_UNROLL (phase (c) unrolled, each thread's column pair fixed) and KDA_RT_KDA_ROW_NORM_SPREAD (row
+    norms on warps 0-7, gate bookkeeping on warps 12-15): bit for bit what the all-off build gives;
+    KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free, without log1pf) and KDA_RT_KDA_EXP2_FTZ (per-element
+    exponentials without subnormal results): against the reference at the prefill bounds; all five together (the
+    default build) too.  Every gate kind, nonzero initial state on some sequences."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -172,18 +173,18 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     inp = _inputs(lengths, num_heads, gates, seed=17 * sum(lengths) + num_heads, fresh=fresh)
     ref = reference(inp, num_heads)
     outs, recs = [], []
-    variants = ("", "KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
+    variants = ("none", "KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
                 "KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "all")
     for on in variants:
         for name in variants[1:-1]:
             monkeypatch.setenv(name, "1" if on in (name, "all") else "0")
         dev = upload(inp)
         out = run_op(kda_prefill, dev, num_heads)
-        check_prefill(out, dev, ref, inp, f"{on or 'default'} {len(lengths)} seqs H{num_heads} {gates}")
+        check_prefill(out, dev, ref, inp, f"variants {on} {len(lengths)} seqs H{num_heads} {gates}")
         outs.append(out.view(cupy.uint16)), recs.append(dev["rec_pool"])
     for i in (1, 2, 3):  # the bit-identical ones
-        assert cupy.array_equal(outs[i], outs[0]), f"{variants[i]}: out differs from the default build's"
-        assert cupy.array_equal(recs[i], recs[0]), f"{variants[i]}: the final state differs from the default build's"
+        assert cupy.array_equal(outs[i], outs[0]), f"{variants[i]}: out differs from the all-off build's"
+        assert cupy.array_equal(recs[i], recs[0]), f"{variants[i]}: the final state differs from the all-off build's"
 
 
 SOFTPLUS_SRC = r"""

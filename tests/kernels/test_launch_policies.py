@@ -260,8 +260,9 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
-    """Each KDA_RT_KDA_* intra-kernel switch puts its define (= 1) into kda_prefill.cu's module, and none is there when
-    off (the default module keeps its cache key), so the GPU variants test builds what it names."""
+    """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
+    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), so the GPU
+    variants test builds what it names."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
@@ -270,11 +271,17 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
-    for name, define in switches.items():
+    for name in switches:
         monkeypatch.setenv(name, "1")
-        consts = kp._consts(128, 4, 32, 0)
-        assert consts[define] == 1 and not (set(switches.values()) - {define}) & set(consts), name
+    assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
+    for name, define in switches.items():
         monkeypatch.setenv(name, "0")
+        consts = kp._consts(128, 4, 32, 0)
+        assert consts[define] == 0 and not (set(switches.values()) - {define}) & set(consts), name
+        monkeypatch.setenv(name, "1")
+    for name in switches:
+        monkeypatch.setenv(name, "0")
+    assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
     monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", "2")
     with pytest.raises(ValueError, match="KDA_RT_KDA_GATE_FAST must be 0 or 1"):
         kp._consts(128, 4, 32, 0)

@@ -78,14 +78,14 @@ def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: 
 
 
 def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
-    """The defines of kda_prefill.cu's module for one state width and prefetch (and the intra kernel's default-off
-    variants CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD and EXP2_FTZ, each as its KDA_RT_KDA_* switch
-    is set at the call)."""
+    """The defines of kda_prefill.cu's module for one state width and prefetch (and the intra kernel's variants
+    CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD and EXP2_FTZ, on by default, each off as its
+    KDA_RT_KDA_* switch is 0 at the call)."""
     variants = dict(CONV_ONE_ROUND=env.kda_conv_one_round(), GATE_FAST=env.kda_gate_fast(),
                     SCALE_UNROLL=env.kda_scale_unroll(), ROW_NORM_SPREAD=env.kda_row_norm_spread(),
                     EXP2_FTZ=env.kda_exp2_ftz())
     return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
-                STATE_PF=pf, **{name: 1 for name, on in variants.items() if on})  # off: absent (the kernel's default 0)
+                STATE_PF=pf, **{name: 0 for name, on in variants.items() if not on})  # on: absent (the kernel's default 1)
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
