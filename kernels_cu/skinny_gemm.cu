@@ -288,17 +288,10 @@ skinny_gemm_staged(const bf16* __restrict__ x, int ldx, const bf16* __restrict__
     // one bulk copy (the copy engine) per weight row, all completing on one mbarrier
     __shared__ __align__(8) unsigned long long bar;
     const unsigned bar_a = smem_addr(&bar);
-    if (threadIdx.x == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_a));
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_a), "r"(rows * SK * 2) : "memory");
-    }
+    if (threadIdx.x == 0) mbar_init(bar_a, 1), fence_proxy_async_smem(), mbar_arrive_expect_tx(bar_a, rows * SK * 2);
     __syncwarp();
     for (int r = threadIdx.x; r < rows && threadIdx.x < 32; r += 32)
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                     ::"r"(smem_addr(smem_raw + r * SPITCH)), "l"(wc + (size_t)r * SK), "n"(SK * 2), "r"(bar_a)
-                     : "memory");
+        bulk_copy_g2s(smem_addr(smem_raw + r * SPITCH), wc + (size_t)r * SK, SK * 2, bar_a);
     __syncthreads();  // the barrier's initialisation before any thread waits on it
 #else
     constexpr int PIECES = SK / 8;  // 16-byte pieces of a weight row
@@ -318,9 +311,7 @@ skinny_gemm_staged(const bf16* __restrict__ x, int ldx, const bf16* __restrict__
 #pragma unroll
     for (int u = 0; u < SNCH; ++u) b[u] = xv ? __ldg(reinterpret_cast<const uint4*>(xr + u * 32)) : make_uint4(0u, 0u, 0u, 0u);
 #if SBULK
-    for (unsigned done = 0; !done;)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar_a) : "memory");
+    mbar_wait(bar_a, 0);
 #else
     cp_async_wait<0>();
     __syncthreads();
