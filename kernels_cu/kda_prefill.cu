@@ -71,6 +71,9 @@
 // samples: fixed-latency waits 19%, not selected 18%, barrier 12%, short scoreboard 10%, drain at exit 5%;
 // memory 0.72 TB/s (not the limit).  The workspace stores (4-byte pieces in mma fragment layout) take twice
 // the sectors they fill.
+// Thirty-fourth session (2026-12-02, --ab of the five variants below, all on): 32 x 2048 6.452 -> 5.555 ms, 1 x 32768
+// 42.2 K -> 35.1 K cycles a CTA: copies 17%, conv + SiLU + gates 21%, (b) 7%, (c) 11%, (d, e) 17%, T off-diagonal
+// 16%, (g) 3%.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).
