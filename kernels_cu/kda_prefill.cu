@@ -9,7 +9,8 @@
 // kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195,504 bytes of dynamic smem, 221,616
 // with QUAD_SPLIT (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
 //   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
-//   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
+//   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces (BULK_IN: bulk copies of
+//   whole rows on four mbarriers, each tensor's conv once its own rows have landed); meanwhile the CTA
 //   prefetches the rows of the tile that starts on its SM next into L2 (block id + number of SMs)
 //   q, k, v = bf16(SiLU(conv)) from qkv (and the slot's conv state before the sequence start),
 //   computed in place in the staged tiles; the SiLU quotient from one Newton step on the hardware

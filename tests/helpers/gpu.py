@@ -24,6 +24,27 @@ def inline_module(code: str):
     return cupy.RawModule(code=code, options=("--std=c++17", f"-I{KERNELS}", f"--gpu-architecture={device_arch()}"))
 
 
+POISON_SMEM_SRC = r"""
+extern "C" __global__ void poison_smem(int words) {
+    extern __shared__ unsigned smem_words[];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) smem_words[i] = 0xFFFFFFFFu;  // NaN in fp32, bf16, fp16
+}
+"""
+
+
+def poison_shared_memory() -> None:
+    """Fill every SM's shared memory with NaN bytes (4 blocks an SM of the opt-in maximum each), so a kernel that reads
+    shared memory it never wrote sees NaN instead of what the previous launch left there."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    nbytes = int(dev.attributes["MaxSharedMemoryPerBlockOptin"]) // 16 * 16
+    kernel = inline_module(POISON_SMEM_SRC).get_function("poison_smem")
+    kernel.max_dynamic_shared_size_bytes = nbytes
+    kernel((4 * int(dev.attributes["MultiProcessorCount"]),), (1024,), (np.int32(nbytes // 4),), shared_mem=nbytes)
+    cupy.cuda.get_current_stream().synchronize()
+
+
 def to_gpu_bf16(a: np.ndarray):
     import cupy
 
