@@ -36,13 +36,12 @@ def poison_shared_memory() -> None:
     """Fill every SM's shared memory with NaN bytes (4 blocks an SM of the opt-in maximum each), so a kernel that reads
     shared memory it never wrote sees NaN instead of what the previous launch left there."""
     import cupy
-    from cupy_backends.cuda.api import driver
 
     rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
     nbytes = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerBlockOptin", 97), dev) // 16 * 16
     sms = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMultiProcessorCount", 16), dev)
-    fn = inline_module(POISON_SMEM_SRC).get_function("poison_smem")
-    driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    fn = inline_module(POISON_SMEM_SRC).get_function("poison_smem")  # a cupy.RawKernel
+    fn.max_dynamic_shared_size_bytes = nbytes
     fn((4 * sms,), (1024,), (np.int32(nbytes // 4),), shared_mem=nbytes)
     cupy.cuda.get_current_stream().synchronize()
 
