@@ -259,13 +259,6 @@ def kda_row_norm_spread() -> bool:
     return _on_off("KDA_RT_KDA_ROW_NORM_SPREAD")
 
 
-def kda_bulk_in() -> bool:
-    """KDA_RT_KDA_BULK_IN: 1 builds the KDA prefill intra kernel's input copies as bulk copies, one a row, on four
-    mbarriers (q with the taps, k, v, f), each tensor's conv starting once its rows have landed (kernels_cu/
-    kda_prefill.cu BULK_IN, sm_90+: the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_BULK_IN", "0")
-
-
 def kda_exp2_ftz() -> bool:
     """KDA_RT_KDA_EXP2_FTZ: 1 builds the KDA prefill intra kernel's per-element exponentials from ex2.approx.ftz alone
     (kernels_cu/kda_prefill.cu EXP2_FTZ: the same bits down to 2^-126, 0 below it); default 1 (0: the build before

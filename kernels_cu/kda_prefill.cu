@@ -9,8 +9,7 @@
 // kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195,504 bytes of dynamic smem, 221,616
 // with QUAD_SPLIT (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
 //   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
-//   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces (BULK_IN: bulk copies of
-//   whole rows on four mbarriers, each tensor's conv once its own rows have landed); meanwhile the CTA
+//   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
 //   prefetches the rows of the tile that starts on its SM next into L2 (block id + number of SMs)
 //   q, k, v = bf16(SiLU(conv)) from qkv (and the slot's conv state before the sequence start),
 //   computed in place in the staged tiles; the SiLU quotient from one Newton step on the hardware
@@ -74,7 +73,10 @@
 // the sectors they fill.
 // Thirty-fourth session (2026-12-02, --ab of the five variants below, all on): 32 x 2048 6.452 -> 5.555 ms, 1 x 32768
 // 42.2 K -> 35.1 K cycles a CTA: copies 17%, conv + SiLU + gates 21%, (b) 7%, (c) 11%, (d, e) 17%, T off-diagonal
-// 16%, (g) 3%.
+// 16%, (g) 3%.  Bulk copies (cp.async.bulk, one a 256-byte row, issued by four warps
+// on four mbarriers, each tensor's conv once its rows had landed; bit-identical) were slower: 32 x 2048 5.614 ->
+// 5.883 ms (+4.8%), 8 x 2048 +4.9%, 1 x 32768 +5.0%, q's rows landing 8.4 K cycles after the start against 6.0 K
+// for every cp.async piece (bench_kda_phases.py --ab BULK_IN, 9e033ff; removed).
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).
@@ -147,20 +149,6 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // (KDA_RT_KDA_EXP2_FTZ=0 turns it off); 32x2048 6.452 -> 6.269 ms alone.
 #ifndef EXP2_FTZ
 #define EXP2_FTZ 1
-#endif
-// BULK_IN = 1 (sm_90+; other GPUs build the cp.async path whatever it says): the intra kernel's inputs by bulk copies
-// (cp.async.bulk, the copy engine), one instruction a 256-byte row issued by warps 0-3 (q with the conv taps and
-// dt_bias, k, v, f: one mbarrier each) instead of ~4.6 K 16-byte cp.async pieces through the SM's load/store path,
-// and the conv of each of q, k, v starting as soon as its own rows have landed, the gates once f's have.  Rows
-// nothing is copied to (before a fresh sequence, past its end) are zeroed by stores.  The same bits.  0 until
-// measured (KDA_RT_KDA_BULK_IN).
-#ifndef BULK_IN
-#define BULK_IN 0
-#endif
-#if BULK_IN && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define INTRA_BULK 1
-#else
-#define INTRA_BULK 0
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
@@ -357,43 +345,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // rows), gates; padded rows are 0.
     {
         constexpr int PIECES = K / 8, RAW = (L + CONV_W - 1) * PIECES, TAPP = K * CONV_W / 4;
-#if INTRA_BULK
-        // rows rr of a raw tile hold sequence positions c0 - (W-1) + rr; [lo, hi) are the ones copied (from the
-        // sequence, or from the conv-state slot before it), the rest zeroed; f's rows [0, n)
-        __shared__ __align__(8) unsigned long long in_bar[4];  // q (with the taps and dt_bias), k, v, f
-        const int lo = fresh ? max(0, CONV_W - 1 - c0) : 0, hi = min(L + CONV_W - 1, len - c0 + CONV_W - 1);
-        if (warp < 4) {
-            const unsigned bar = smem_addr(in_bar + warp);
-            constexpr unsigned ROW = K * 2, TAPS = 3 * K * CONV_W * 4 + K * 4;
-            if (lane == 0)
-                mbar_init(bar, 1), fence_proxy_async_smem(), mbar_arrive_expect_tx(bar, warp == 3 ? n * ROW : (hi - lo) * ROW + (warp == 0 ? TAPS : 0));
-            __syncwarp();
-            if (warp < 3) {
-                for (int rr = lo + lane; rr < hi; rr += 32) {
-                    const int p = c0 - (CONV_W - 1) + rr;
-                    const bf16* src = p >= 0 ? qkv + (size_t)(start + p) * 3 * P + warp * P + h * K
-                                             : conv_pool + ((slot * 3 + warp) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + h * K;
-                    bulk_copy_g2s(smem_addr(Raw + warp * (SZ_TR / 2) + rr * LDB), src, ROW, bar);
-                }
-                if (warp == 0 && lane < 4)  // the taps of q, k, v ([K][W] each), then dt_bias
-                    bulk_copy_g2s(smem_addr(Tap + lane * K * CONV_W),
-                                  lane < 3 ? conv_w + (size_t)(lane * P + h * K) * CONV_W : dt_bias + h * K,
-                                  lane < 3 ? K * CONV_W * 4 : K * 4, bar);
-            } else {
-                for (int rr = lane; rr < n; rr += 32)
-                    bulk_copy_g2s(smem_addr(Fs + rr * LDB), f + (size_t)(start + c0 + rr) * P + h * K, ROW, bar);
-            }
-        }
-        {  // zeros: q, k, v rows outside [lo, hi), f rows from n (one 16-byte store a piece)
-            const int zr = lo + (L + CONV_W - 1 - hi), zf = L - n;
-            for (int idx = tid; idx < (3 * zr + zf) * PIECES; idx += INTRA_THREADS) {
-                const int row = idx / PIECES, c = (idx % PIECES) * 8;
-                bf16* dst = row >= 3 * zr ? Fs + (n + row - 3 * zr) * LDB
-                                          : Raw + (row / zr) * (SZ_TR / 2) + (row % zr < lo ? row % zr : hi + row % zr - lo) * LDB;
-                *reinterpret_cast<uint4*>(dst + c) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-#else
         for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
             const int i = idx / RAW, rr = (idx % RAW) / PIECES, c = (idx % PIECES) * 8;
             const int p = c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
@@ -413,7 +364,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             cp_async16(Tap + idx * 4, src, 16);
         }
         cp_async_commit();
-#endif
         // while the copies fly: L2 prefetch of the q, k, v, f rows of the tile that starts on this SM
         // next (linear block id + prefetch_ahead = + the resident CTAs of the GPU, in the block
         // scheduler's dispatch order), so that its copies hit L2
@@ -435,40 +385,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid < L) Bs[tid] = tid < n ? sigmoid(to_f32(b[(size_t)(start + c0 + tid) * ldb + h])) : 0.f;
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
         if (tid < NUM_SUB) unsafe[tid] = 0;
-        const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
-#if INTRA_BULK
-        __syncthreads();  // the barriers' initialisation and the zeroed rows, before any wait or read
-        float bias;
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {  // q, k, v: each one's conv once its rows have landed
-            mbar_wait(smem_addr(in_bar + i), 0);
-            if (i == 0) STAMP(1);  // q's rows (with the taps) have landed
-            float taps[CONV_W], hist[CONV_W - 1];
-#pragma unroll
-            for (int j = 0; j < CONV_W; ++j) taps[j] = Tap[(i * K + c) * CONV_W + j];
-#pragma unroll
-            for (int j = 0; j < CONV_W - 1; ++j) hist[j] = to_f32(Raw[i * (SZ_TR / 2) + (r0 + j) * LDB + c]);
-            if (i == 0) bias = Tap[3 * K * CONV_W + c];
-            __syncthreads();  // a thread's history rows are the last rows of the previous thread's, rewritten below
-            if (i == 0) STAMP(2);
-            bf16* dst = Raw + i * (SZ_TR / 2) + (CONV_W - 1 + r0) * LDB + c;
-#pragma unroll 8
-            for (int rr = 0; rr < CONV_ROWS; ++rr) {
-                const float x = to_f32(dst[rr * LDB]);  // 0 past the end (zeroed)
-                const float y = conv_silu_nr<CONV_W>(taps, hist, x);
-                dst[rr * LDB] = to_bf16(r0 + rr < n ? y : 0.f);
-#pragma unroll
-                for (int j = 0; j < CONV_W - 2; ++j) hist[j] = hist[j + 1];
-                hist[CONV_W - 2] = x;
-            }
-        }
-        const float na = *NegA;  // stored before the first barrier above
-        mbar_wait(smem_addr(in_bar + 3), 0);  // f's rows (each thread reads only its own channel's, below)
-#else
         cp_async_wait<0>();
         __syncthreads();
         STAMP(1);  // every copy has landed
 
+        const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
         float taps[3][CONV_W], hist[3][CONV_W - 1];
 #pragma unroll
         for (int i = 0; i < 3; ++i) {
@@ -493,7 +414,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 hist[i][CONV_W - 2] = x;
             }
         }
-#endif
 #pragma unroll 8
         for (int rr = 0; rr < CONV_ROWS; ++rr) {
             const int r = r0 + rr;

@@ -282,16 +282,6 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.setenv(name, "0")
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
-    monkeypatch.delenv("KDA_RT_KDA_BULK_IN", raising=False)
-    assert "BULK_IN" not in kp._consts(128, 4, 32, 0)  # default off: absent (the kernel's default 0)
-    monkeypatch.setenv("KDA_RT_KDA_BULK_IN", "1")
-    assert kp._consts(128, 4, 32, 0)["BULK_IN"] == 1
-    monkeypatch.setenv("KDA_RT_KDA_BULK_IN", "0")
-    assert "BULK_IN" not in kp._consts(128, 4, 32, 0)
-    monkeypatch.setenv("KDA_RT_KDA_BULK_IN", "yes")
-    with pytest.raises(ValueError, match="KDA_RT_KDA_BULK_IN must be 0 or 1"):
-        kp._consts(128, 4, 32, 0)
-    monkeypatch.delenv("KDA_RT_KDA_BULK_IN")
     monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", "2")
     with pytest.raises(ValueError, match="KDA_RT_KDA_GATE_FAST must be 0 or 1"):
         kp._consts(128, 4, 32, 0)

@@ -84,11 +84,8 @@ def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
     variants = dict(CONV_ONE_ROUND=env.kda_conv_one_round(), GATE_FAST=env.kda_gate_fast(),
                     SCALE_UNROLL=env.kda_scale_unroll(), ROW_NORM_SPREAD=env.kda_row_norm_spread(),
                     EXP2_FTZ=env.kda_exp2_ftz())
-    consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
-                  STATE_PF=pf, **{name: 0 for name, on in variants.items() if not on})  # on: absent (the kernel's 1)
-    if env.kda_bulk_in():  # off: absent (the kernel's default 0)
-        consts["BULK_IN"] = 1
-    return consts
+    return dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
+                STATE_PF=pf, **{name: 0 for name, on in variants.items() if not on})  # on: absent (the kernel's default 1)
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
