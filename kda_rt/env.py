@@ -259,6 +259,13 @@ def kda_row_norm_spread() -> bool:
     return _on_off("KDA_RT_KDA_ROW_NORM_SPREAD")
 
 
+def kda_conv_pairs() -> bool:
+    """KDA_RT_KDA_CONV_PAIRS: 1 builds the KDA prefill intra kernel's conv + SiLU + gate phase with two adjacent
+    channels a thread (kernels_cu/kda_prefill.cu CONV_PAIRS: 4-byte loads and stores, one packed conversion a row;
+    the same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_CONV_PAIRS", "0")
+
+
 def kda_exp2_ftz() -> bool:
     """KDA_RT_KDA_EXP2_FTZ: 1 builds the KDA prefill intra kernel's per-element exponentials from ex2.approx.ftz alone
     (kernels_cu/kda_prefill.cu EXP2_FTZ: the same bits down to 2^-126, 0 below it); default 1 (0: the build before

@@ -150,6 +150,14 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef EXP2_FTZ
 #define EXP2_FTZ 1
 #endif
+// CONV_PAIRS = 1: phase (a) with two adjacent channels a thread (8 rows) instead of one (16 rows), so each row's
+// loads and stores are 4-byte (8-byte for the gates) and its two bf16 conversions one packed F2FP instead of two F2F
+// on the 16-a-clock conversion pipe that the SiLU's ex2 and rcp and the gates' ex2 and lg2 also use (phase (a) is
+// bound by that pipe: 128 of its operations a thread against 48 conversions).  The same values, stored in the same
+// places: bit-identical.  0 until measured (KDA_RT_KDA_CONV_PAIRS).
+#ifndef CONV_PAIRS
+#define CONV_PAIRS 0
+#endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
 #else
@@ -211,6 +219,28 @@ __device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const floa
     const float s = silu_quotient(u, 1.f + exp2_approx(-LOG2E * u));
 #endif
     return CONV_ONE_ROUND ? s : round_bf16(s);
+}
+
+// CW (1 or 2) adjacent channels of one row: a bf16 load / store (2: one 4-byte access, one packed conversion) and an
+// fp32 store (2: one 8-byte access)
+template <int CW>
+__device__ __forceinline__ void ld_row_bf16(const bf16* p, float (&x)[CW]) {
+    if constexpr (CW == 2) {
+        const float2 v = ld_bf16x2(p);
+        x[0] = v.x, x[CW - 1] = v.y;
+    } else {
+        x[0] = to_f32(*p);
+    }
+}
+template <int CW>
+__device__ __forceinline__ void st_row_bf16(bf16* p, const float (&y)[CW]) {
+    if constexpr (CW == 2) st_bf16x2(p, y[0], y[CW - 1]);
+    else *p = to_bf16(y[0]);
+}
+template <int CW>
+__device__ __forceinline__ void st_row_f32(float* p, const float (&y)[CW]) {
+    if constexpr (CW == 2) *reinterpret_cast<float2*>(p) = make_float2(y[0], y[CW - 1]);
+    else *p = y[0];
 }
 
 // index of sub-block pair (I, J <= I) in the scaled-key tile
@@ -389,44 +419,65 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         __syncthreads();
         STAMP(1);  // every copy has landed
 
-        const int c = tid & (K - 1), r0 = (tid / K) * CONV_ROWS;
-        float taps[3][CONV_W], hist[3][CONV_W - 1];
+        constexpr int CW = CONV_PAIRS ? 2 : 1, CR = CONV_ROWS / CW;  // channels (adjacent) and rows a thread
+        const int c = CW * (tid & (K / CW - 1)), r0 = (tid / (K / CW)) * CR;
+        float taps[3][CW][CONV_W], hist[3][CW][CONV_W - 1], bias[CW];
 #pragma unroll
         for (int i = 0; i < 3; ++i) {
 #pragma unroll
-            for (int j = 0; j < CONV_W; ++j) taps[i][j] = Tap[(i * K + c) * CONV_W + j];
+            for (int e = 0; e < CW; ++e) {
 #pragma unroll
-            for (int j = 0; j < CONV_W - 1; ++j) hist[i][j] = to_f32(Raw[i * (SZ_TR / 2) + (r0 + j) * LDB + c]);
+                for (int j = 0; j < CONV_W; ++j) taps[i][e][j] = Tap[(i * K + c + e) * CONV_W + j];
+            }
+#pragma unroll
+            for (int j = 0; j < CONV_W - 1; ++j) {
+                float h[CW];
+                ld_row_bf16<CW>(Raw + i * (SZ_TR / 2) + (r0 + j) * LDB + c, h);
+#pragma unroll
+                for (int e = 0; e < CW; ++e) hist[i][e][j] = h[e];
+            }
         }
-        const float na = *NegA, bias = Tap[3 * K * CONV_W + c];
+        const float na = *NegA;
+#pragma unroll
+        for (int e = 0; e < CW; ++e) bias[e] = Tap[3 * K * CONV_W + c + e];
         __syncthreads();  // a thread's history rows are the last rows of the previous thread's, rewritten below
         STAMP(2);
 #pragma unroll
         for (int i = 0; i < 3; ++i) {
             bf16* dst = Raw + i * (SZ_TR / 2) + (CONV_W - 1 + r0) * LDB + c;
 #pragma unroll 8
-            for (int rr = 0; rr < CONV_ROWS; ++rr) {
-                const float x = to_f32(dst[rr * LDB]);  // 0 past the end (zero-filled)
-                const float y = conv_silu_nr<CONV_W>(taps[i], hist[i], x);
-                dst[rr * LDB] = to_bf16(r0 + rr < n ? y : 0.f);
+            for (int rr = 0; rr < CR; ++rr) {
+                float x[CW], y[CW];
+                ld_row_bf16<CW>(dst + rr * LDB, x);  // 0 past the end (zero-filled)
 #pragma unroll
-                for (int j = 0; j < CONV_W - 2; ++j) hist[i][j] = hist[i][j + 1];
-                hist[i][CONV_W - 2] = x;
+                for (int e = 0; e < CW; ++e) {
+                    y[e] = conv_silu_nr<CONV_W>(taps[i][e], hist[i][e], x[e]);
+                    y[e] = r0 + rr < n ? y[e] : 0.f;
+#pragma unroll
+                    for (int j = 0; j < CONV_W - 2; ++j) hist[i][e][j] = hist[i][e][j + 1];
+                    hist[i][e][CONV_W - 2] = x[e];
+                }
+                st_row_bf16<CW>(dst + rr * LDB, y);
             }
         }
 #pragma unroll 8
-        for (int rr = 0; rr < CONV_ROWS; ++rr) {
+        for (int rr = 0; rr < CR; ++rr) {
             const int r = r0 + rr;
-            const float fr = to_f32(Fs[r * LDB + c]);
+            float fr[CW], gv[CW];
+            ld_row_bf16<CW>(Fs + r * LDB + c, fr);
+#pragma unroll
+            for (int e = 0; e < CW; ++e) {
 #if EXP_ACCURATE_EXP
-            Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus(fr, bias)) : 0.f;  // == LOG2E * kda_log_decay
+                gv[e] = r < n ? LOG2E * (na * kda_softplus(fr[e], bias[e])) : 0.f;  // == LOG2E * kda_log_decay
 #elif GATE_FAST
-            // computed for every row (padded rows read zero-filled f) and selected: no branch around it
-            const float gv = LOG2E * (na * kda_softplus_fast(fr, bias));
-            Gf[r * LDF + c] = r < n ? gv : 0.f;
+                // computed for every row (padded rows read zero-filled f) and selected: no branch around it
+                const float g = LOG2E * (na * kda_softplus_fast(fr[e], bias[e]));
+                gv[e] = r < n ? g : 0.f;
 #else
-            Gf[r * LDF + c] = r < n ? LOG2E * (na * kda_softplus_approx(fr, bias)) : 0.f;
+                gv[e] = r < n ? LOG2E * (na * kda_softplus_approx(fr[e], bias[e])) : 0.f;
 #endif
+            }
+            st_row_f32<CW>(Gf + r * LDF + c, gv);
         }
     }
     __syncthreads();

@@ -158,14 +158,15 @@ def test_kda_prefill_state_prefetch(lengths, num_heads, gates, columns):
                                                      ([200, 65, 3], 8, "extreme"), ([130, 1], 8, "near_zero"),
                                                      ([1, 3, 64, 65, 200], 4, "mixed"), ([4096], 4, "normal")])
 def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
-    """The intra kernel's five variants, each alone on top of the build with all five off (the build before
+    """The intra kernel's variants, each alone on top of the build with all of them off (the build before
     2026-12-02): KDA_RT_KDA_CONV_ONE_ROUND (the conv + SiLU outputs rounded to bf16 once, by their store),
-    KDA_RT_KDA_SCALE_UNROLL (phase (c) unrolled, each thread's column pair fixed) and KDA_RT_KDA_ROW_NORM_SPREAD (row
-    norms on warps 0-7, gate bookkeeping on warps 12-15): bit for bit what the all-off build gives;
-    KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free, without log1pf) and KDA_RT_KDA_EXP2_FTZ (per-element
-    exponentials without subnormal results): against the reference at the prefill bounds; all five together (the
-    default build) too.  Every gate kind, fresh and continuing sequences, lengths 1-4096; every SM's shared memory
-    poisoned before each build."""
+    KDA_RT_KDA_SCALE_UNROLL (phase (c) unrolled, each thread's column pair fixed), KDA_RT_KDA_ROW_NORM_SPREAD (row
+    norms on warps 0-7, gate bookkeeping on warps 12-15) and KDA_RT_KDA_CONV_PAIRS (phase (a) two channels a
+    thread): bit for bit what the all-off build gives; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free,
+    without log1pf) and KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results): against the
+    reference at the prefill bounds.  Also "default" (no switch set: the first five on, CONV_PAIRS off) and "all"
+    (every switch on: CONV_PAIRS on top of the default, bit for bit the default).  Every gate kind, fresh and
+    continuing sequences, lengths 1-4096; every SM's shared memory poisoned before each build."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -175,18 +176,21 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     ref = reference(inp, num_heads)
     outs, recs = {}, {}
     switches = ("KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
-                "KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ")
-    for on in ("none", *switches, "all"):
+                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ")
+    for on in ("none", *switches, "default", "all"):
         for name in switches:
-            monkeypatch.setenv(name, "1" if on in (name, "all") else "0")
+            if on == "default":
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, "1" if on in (name, "all") else "0")
         dev = upload(inp)
         poison_shared_memory()  # no build may pass on what the one before left in shared memory
         out = run_op(kda_prefill, dev, num_heads)
         check_prefill(out, dev, ref, inp, f"variants {on} {len(lengths)} seqs H{num_heads} {gates}")
         outs[on], recs[on] = out.view(cupy.uint16), dev["rec_pool"]
-    for on in switches[:3]:  # the bit-identical ones
-        assert cupy.array_equal(outs[on], outs["none"]), f"{on}: out differs from the all-off build's"
-        assert cupy.array_equal(recs[on], recs["none"]), f"{on}: the final state differs from the all-off build's"
+    for on, base in zip((*switches[:4], "all"), ("none",) * 4 + ("default",), strict=True):  # the bit-identical ones
+        assert cupy.array_equal(outs[on], outs[base]), f"{on}: out differs from the {base} build's"
+        assert cupy.array_equal(recs[on], recs[base]), f"{on}: the final state differs from the {base} build's"
 
 
 SOFTPLUS_SRC = r"""

@@ -282,6 +282,16 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.setenv(name, "0")
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
+    monkeypatch.delenv("KDA_RT_KDA_CONV_PAIRS", raising=False)
+    assert "CONV_PAIRS" not in kp._consts(128, 4, 32, 0)  # default off: absent (the kernel's default 0)
+    monkeypatch.setenv("KDA_RT_KDA_CONV_PAIRS", "1")
+    assert kp._consts(128, 4, 32, 0)["CONV_PAIRS"] == 1
+    monkeypatch.setenv("KDA_RT_KDA_CONV_PAIRS", "0")
+    assert "CONV_PAIRS" not in kp._consts(128, 4, 32, 0)
+    monkeypatch.setenv("KDA_RT_KDA_CONV_PAIRS", "2")
+    with pytest.raises(ValueError, match="KDA_RT_KDA_CONV_PAIRS must be 0 or 1"):
+        kp._consts(128, 4, 32, 0)
+    monkeypatch.delenv("KDA_RT_KDA_CONV_PAIRS")
     monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", "2")
     with pytest.raises(ValueError, match="KDA_RT_KDA_GATE_FAST must be 0 or 1"):
         kp._consts(128, 4, 32, 0)
