@@ -266,6 +266,14 @@ def kda_conv_pairs() -> bool:
     return _on_off("KDA_RT_KDA_CONV_PAIRS", "0")
 
 
+def kda_t_halves() -> bool:
+    """KDA_RT_KDA_T_HALVES: 1 builds the KDA prefill intra kernel's off-diagonal T blocks by halves (T_10 and T_32,
+    then the lower-left 32 x 32 block) with T diag(beta) written by each stage, 5 barriers instead of 8
+    (kernels_cu/kda_prefill.cu T_HALVES: fp32 sums in another order, not bit-identical); default 0 until measured.
+    Read at each prefill."""
+    return _on_off("KDA_RT_KDA_T_HALVES", "0")
+
+
 def kda_exp2_ftz() -> bool:
     """KDA_RT_KDA_EXP2_FTZ: 1 builds the KDA prefill intra kernel's per-element exponentials from ex2.approx.ftz alone
     (kernels_cu/kda_prefill.cu EXP2_FTZ: the same bits down to 2^-126, 0 below it); default 1 (0: the build before

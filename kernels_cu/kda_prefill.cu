@@ -158,6 +158,15 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef CONV_PAIRS
 #define CONV_PAIRS 0
 #endif
+// T_HALVES = 1: T's off-diagonal blocks by halves instead of one block row at a time: T_10 and T_32 together (X =
+// A_IJ D_J, then -D_I X), then the lower-left 32 x 32 half, -T_BB (A_BA T_AA), with A_BA T_AA staged in T's upper
+// blocks (free: T is lower-triangular); the bf16 T diag(beta) written by each stage as it finishes its blocks (and
+// its upper blocks zeroed meanwhile) instead of by a pass of its own.  5 barriers from (f) to (g) instead of 8, 128
+// FMAs every thread against 112 / 144 on the two halves of the threads.  Sums in another order than the block-row
+// form (fp32): not bit-identical.  0 until measured (KDA_RT_KDA_T_HALVES).
+#ifndef T_HALVES
+#define T_HALVES 0
+#endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
 #else
@@ -177,7 +186,7 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #define LOG2E 1.4426950408889634f
 #define DIAG_SPAN 60.f                             // log2 range of a diagonal sub-block on tensor cores
 #define INTRA_WARPS (INTRA_THREADS / 32)
-#define CONV_ROWS (L * K / INTRA_THREADS)          // rows per thread of the conv / gate stage (one channel)
+#define CONV_ROWS (L * K / INTRA_THREADS)          // rows a thread of the conv / gate stage (one channel)
 #define LDB (K + 8)   // bf16 row stride of [.][K] smem tiles: 272 B, ldmatrix rows on distinct banks
 #define LDA (L + 8)   // bf16 row stride of [.][L] tiles
 #define LDF (K + 4)   // fp32 row stride of [.][K] tiles
@@ -371,8 +380,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // conv-state slot; zeros past the end and for a fresh sequence), raw f rows into QA, the head's
     // conv taps and dt_bias into the A_kk tile; beta and -exp(A_log) meanwhile (stored to smem before
     // the barrier, so their loads overlap the copies).  Then conv + SiLU in place (thread: channel c,
-    // CONV_ROWS rows from r0; it reads its W-1 history values before a barrier, then only its own
-    // rows), gates; padded rows are 0.
+    // CONV_ROWS rows from r0, or with CONV_PAIRS channels c and c + 1, CONV_ROWS / 2 rows; it reads its
+    // W-1 history values before a barrier, then only its own rows), gates; padded rows are 0.
     {
         constexpr int PIECES = K / 8, RAW = (L + CONV_W - 1) * PIECES, TAPP = K * CONV_W / 4;
         for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
@@ -420,6 +429,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         STAMP(1);  // every copy has landed
 
         constexpr int CW = CONV_PAIRS ? 2 : 1, CR = CONV_ROWS / CW;  // channels (adjacent) and rows a thread
+        static_assert(CONV_ROWS % CW == 0 && LDF % 2 == 0 && IN_G % 8 == 0, "kda_prefill_intra: CONV_PAIRS's map");
         const int c = CW * (tid & (K / CW - 1)), r0 = (tid / (K / CW)) * CR;
         float taps[3][CW][CONV_W], hist[3][CW][CONV_W - 1], bias[CW];
 #pragma unroll
@@ -431,10 +441,10 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
 #pragma unroll
             for (int j = 0; j < CONV_W - 1; ++j) {
-                float h[CW];
-                ld_row_bf16<CW>(Raw + i * (SZ_TR / 2) + (r0 + j) * LDB + c, h);
+                float hv[CW];
+                ld_row_bf16<CW>(Raw + i * (SZ_TR / 2) + (r0 + j) * LDB + c, hv);
 #pragma unroll
-                for (int e = 0; e < CW; ++e) hist[i][e][j] = h[e];
+                for (int e = 0; e < CW; ++e) hist[i][e][j] = hv[e];
             }
         }
         const float na = *NegA;
@@ -774,6 +784,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
 #pragma unroll
         for (int i = 0; i < SUB; ++i) Tm[(I * SUB + i) * LDT + I * SUB + c] = x[i];
+#if T_HALVES
+        const float bs = Bs[I * SUB + c];  // x[i] = +0 above the diagonal: the same bits as the pass's 0
+#pragma unroll
+        for (int i = 0; i < SUB; ++i) Tb[(I * SUB + i) * LDA + I * SUB + c] = to_bf16(x[i] * bs);
+#endif
     } else {
         for (int idx = tid - L; idx < L * K / 2; idx += INTRA_THREADS - L) {
             const int r = idx / (K / 2), d = 2 * (idx % (K / 2)), I = r / SUB;
@@ -785,6 +800,102 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     __syncthreads();
     STAMP(7);
+#if T_HALVES
+    {
+        static_assert(NUM_SUB == 4, "kda_prefill_intra: T_HALVES is written for four 16-row blocks");
+        const int hf = tid >> 8, e = tid & 255, rr = e >> 4, cc = e & 15;
+        // T_IJ (value v, row R, column S) into T and into T diag(beta) as bf16
+        auto put = [&](int R, int S, float v) { Tm[R * LDT + S] = v, Tb[R * LDA + S] = to_bf16(v * Bs[S]); };
+        // level 1, T_10 (hf 0) and T_32 (hf 1): X = A_IJ D_J into Xs block hf; meanwhile T diag(beta)'s six upper
+        // blocks zeroed (two elements a store)
+        const int I1 = hf ? 3 : 1, J1 = I1 - 1;
+        {
+            const float4* a4 = reinterpret_cast<const float4*>(Akk + (I1 * SUB + rr) * LDT + J1 * SUB);
+            const float* tt = Tm + (J1 * SUB) * LDT + J1 * SUB + cc;
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int k4 = 0; k4 < SUB / 4; ++k4) {
+                const float4 a = a4[k4];
+                acc0 = fmaf(a.x, tt[(4 * k4) * LDT], acc0);
+                acc1 = fmaf(a.y, tt[(4 * k4 + 1) * LDT], acc1);
+                acc0 = fmaf(a.z, tt[(4 * k4 + 2) * LDT], acc0);
+                acc1 = fmaf(a.w, tt[(4 * k4 + 3) * LDT], acc1);
+            }
+            Xs[(hf * SUB + rr) * SUB + cc] = acc0 + acc1;
+        }
+        for (int idx = tid; idx < 6 * SUB * SUB / 2; idx += INTRA_THREADS) {  // (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+            const int b = idx / (SUB * SUB / 2), I = b < 3 ? 0 : b < 5 ? 1 : 2, J = b < 3 ? b + 1 : b < 5 ? b - 1 : 3;
+            const int q = idx % (SUB * SUB / 2), r = q / (SUB / 2), s2 = 2 * (q % (SUB / 2));
+            st_bf16x2(Tb + (I * SUB + r) * LDA + J * SUB + s2, 0.f, 0.f);
+        }
+        __syncthreads();
+        {
+            const float4* d4 = reinterpret_cast<const float4*>(Tm + (I1 * SUB + rr) * LDT + I1 * SUB);
+            const float* x = Xs + hf * SUB * SUB + cc;
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int k4 = 0; k4 < SUB / 4; ++k4) {  // D_I lower: k > rr reads 0
+                const float4 dI = d4[k4];
+                acc0 = fmaf(dI.x, x[(4 * k4) * SUB], acc0);
+                acc1 = fmaf(dI.y, x[(4 * k4 + 1) * SUB], acc1);
+                acc0 = fmaf(dI.z, x[(4 * k4 + 2) * SUB], acc0);
+                acc1 = fmaf(dI.w, x[(4 * k4 + 3) * SUB], acc1);
+            }
+            put(I1 * SUB + rr, J1 * SUB + cc, -(acc0 + acc1));
+        }
+        __syncthreads();
+        // level 2, Y = A_BA T_AA (A rows 32-63, columns 0-31; T_AA = [D_0 0; T_10 D_1]): thread rows of block I2 = 2 +
+        // hf, Y_I2,0 (k < 32) and Y_I2,1 (16 <= k < 32: T_AA's upper block is not T's), into T's upper blocks:
+        // Y_M,J at rows (M - 2) * 16, columns (2 + J) * 16
+        {
+            const int I2 = 2 + hf;
+            const float4* a4 = reinterpret_cast<const float4*>(Akk + (I2 * SUB + rr) * LDT);
+            float y0a = 0.f, y0b = 0.f, y1a = 0.f, y1b = 0.f;
+#pragma unroll
+            for (int k4 = 0; k4 < 2 * SUB / 4; ++k4) {
+                const float4 a = a4[k4];
+                const float* t0 = Tm + (4 * k4) * LDT + cc;
+                y0a = fmaf(a.x, t0[0], y0a);
+                y0b = fmaf(a.y, t0[LDT], y0b);
+                y0a = fmaf(a.z, t0[2 * LDT], y0a);
+                y0b = fmaf(a.w, t0[3 * LDT], y0b);
+                if (k4 >= SUB / 4) {
+                    y1a = fmaf(a.x, t0[SUB], y1a);
+                    y1b = fmaf(a.y, t0[LDT + SUB], y1b);
+                    y1a = fmaf(a.z, t0[2 * LDT + SUB], y1a);
+                    y1b = fmaf(a.w, t0[3 * LDT + SUB], y1b);
+                }
+            }
+            Tm[(hf * SUB + rr) * LDT + 2 * SUB + cc] = y0a + y0b;
+            Tm[(hf * SUB + rr) * LDT + 3 * SUB + cc] = y1a + y1b;
+        }
+        __syncthreads();
+        // T_BA = -T_BB Y: thread column block J = hf, T_2J = -D_2 Y_2J (k < 16) and T_3J = -[T_32 D_3] [Y_2J; Y_3J]
+        // (k < 32: T's row 48 + rr from column 32 on)
+        {
+            const float* y = Tm + (2 + hf) * SUB + cc;  // Y_2J row k at y[k * LDT], Y_3J at y[(16 + k) * LDT]
+            const float4* d2 = reinterpret_cast<const float4*>(Tm + (2 * SUB + rr) * LDT + 2 * SUB);
+            const float4* t3 = reinterpret_cast<const float4*>(Tm + (3 * SUB + rr) * LDT + 2 * SUB);
+            float u0 = 0.f, u1 = 0.f, w0 = 0.f, w1 = 0.f;
+#pragma unroll
+            for (int k4 = 0; k4 < 2 * SUB / 4; ++k4) {
+                const float4 b3 = t3[k4];
+                const float y0 = y[(4 * k4) * LDT], y1 = y[(4 * k4 + 1) * LDT], y2 = y[(4 * k4 + 2) * LDT],
+                            y3 = y[(4 * k4 + 3) * LDT];
+                w0 = fmaf(b3.x, y0, w0), w1 = fmaf(b3.y, y1, w1), w0 = fmaf(b3.z, y2, w0), w1 = fmaf(b3.w, y3, w1);
+                if (k4 < SUB / 4) {  // D_2 lower: k > rr reads 0
+                    const float4 b2 = d2[k4];
+                    u0 = fmaf(b2.x, y0, u0), u1 = fmaf(b2.y, y1, u1), u0 = fmaf(b2.z, y2, u0), u1 = fmaf(b2.w, y3, u1);
+                }
+            }
+            put(2 * SUB + rr, hf * SUB + cc, -(u0 + u1));
+            put(3 * SUB + rr, hf * SUB + cc, -(w0 + w1));
+        }
+        __syncthreads();
+    }
+    STAMP(8);
+    STAMP(9);
+#else
     // off-diagonal blocks, one block row I at a time: X_J = sum_{J <= M < I} A_IM T_MJ, T_IJ = -D_I X_J;
     // element (rr, cc) of a 16 x 16 block per thread, J = 0 on the first 256 threads and J >= 1 on the
     // others (the same FMA count for the last block row)
@@ -837,6 +948,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     __syncthreads();
     STAMP(9);
+#endif
 
     // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns GC nh ..
     {

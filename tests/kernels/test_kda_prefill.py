@@ -163,10 +163,11 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     KDA_RT_KDA_SCALE_UNROLL (phase (c) unrolled, each thread's column pair fixed), KDA_RT_KDA_ROW_NORM_SPREAD (row
     norms on warps 0-7, gate bookkeeping on warps 12-15) and KDA_RT_KDA_CONV_PAIRS (phase (a) two channels a
     thread): bit for bit what the all-off build gives; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free,
-    without log1pf) and KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results): against the
-    reference at the prefill bounds.  Also "default" (no switch set: the first five on, CONV_PAIRS off) and "all"
-    (every switch on: CONV_PAIRS on top of the default, bit for bit the default).  Every gate kind, fresh and
-    continuing sequences, lengths 1-4096; every SM's shared memory poisoned before each build."""
+    without log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results) and
+    KDA_RT_KDA_T_HALVES (T's off-diagonal blocks by halves, fp32 sums in another order): against the reference at
+    the prefill bounds.  Also "default" (no switch set: the first five of the kernel's on), "default+pairs"
+    (CONV_PAIRS on top of it: bit for bit the default) and "all".  Every gate kind, fresh and continuing sequences,
+    lengths 1-4096; every SM's shared memory poisoned before each build."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -176,21 +177,23 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     ref = reference(inp, num_heads)
     outs, recs = {}, {}
     switches = ("KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
-                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ")
-    for on in ("none", *switches, "default", "all"):
+                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES")
+    runs = {"none": dict.fromkeys(switches, "0"), **{name: {**dict.fromkeys(switches, "0"), name: "1"} for name in switches},
+            "default": {}, "default+pairs": {"KDA_RT_KDA_CONV_PAIRS": "1"}, "all": dict.fromkeys(switches, "1")}
+    for run, env in runs.items():
         for name in switches:
-            if on == "default":
-                monkeypatch.delenv(name, raising=False)
+            if name in env:
+                monkeypatch.setenv(name, env[name])
             else:
-                monkeypatch.setenv(name, "1" if on in (name, "all") else "0")
+                monkeypatch.delenv(name, raising=False)
         dev = upload(inp)
         poison_shared_memory()  # no build may pass on what the one before left in shared memory
         out = run_op(kda_prefill, dev, num_heads)
-        check_prefill(out, dev, ref, inp, f"variants {on} {len(lengths)} seqs H{num_heads} {gates}")
-        outs[on], recs[on] = out.view(cupy.uint16), dev["rec_pool"]
-    for on, base in zip((*switches[:4], "all"), ("none",) * 4 + ("default",), strict=True):  # the bit-identical ones
-        assert cupy.array_equal(outs[on], outs[base]), f"{on}: out differs from the {base} build's"
-        assert cupy.array_equal(recs[on], recs[base]), f"{on}: the final state differs from the {base} build's"
+        check_prefill(out, dev, ref, inp, f"variants {run} {len(lengths)} seqs H{num_heads} {gates}")
+        outs[run], recs[run] = out.view(cupy.uint16), dev["rec_pool"]
+    for run, base in zip((*switches[:4], "default+pairs"), ("none",) * 4 + ("default",), strict=True):  # bit-identical
+        assert cupy.array_equal(outs[run], outs[base]), f"{run}: out differs from the {base} build's"
+        assert cupy.array_equal(recs[run], recs[base]), f"{run}: the final state differs from the {base} build's"
 
 
 SOFTPLUS_SRC = r"""

@@ -282,16 +282,18 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.setenv(name, "0")
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
-    monkeypatch.delenv("KDA_RT_KDA_CONV_PAIRS", raising=False)
-    assert "CONV_PAIRS" not in kp._consts(128, 4, 32, 0)  # default off: absent (the kernel's default 0)
-    monkeypatch.setenv("KDA_RT_KDA_CONV_PAIRS", "1")
-    assert kp._consts(128, 4, 32, 0)["CONV_PAIRS"] == 1
-    monkeypatch.setenv("KDA_RT_KDA_CONV_PAIRS", "0")
-    assert "CONV_PAIRS" not in kp._consts(128, 4, 32, 0)
-    monkeypatch.setenv("KDA_RT_KDA_CONV_PAIRS", "2")
-    with pytest.raises(ValueError, match="KDA_RT_KDA_CONV_PAIRS must be 0 or 1"):
-        kp._consts(128, 4, 32, 0)
-    monkeypatch.delenv("KDA_RT_KDA_CONV_PAIRS")
+    for name, define in (("KDA_RT_KDA_CONV_PAIRS", "CONV_PAIRS"), ("KDA_RT_KDA_T_HALVES", "T_HALVES")):
+        monkeypatch.delenv(name, raising=False)
+        assert define not in kp._consts(128, 4, 32, 0)  # default off: absent (the kernel's default 0)
+        monkeypatch.setenv(name, "1")
+        consts = kp._consts(128, 4, 32, 0)
+        assert consts[define] == 1 and not {"CONV_PAIRS", "T_HALVES"} - {define} & set(consts), name
+        monkeypatch.setenv(name, "0")
+        assert define not in kp._consts(128, 4, 32, 0)
+        monkeypatch.setenv(name, "2")
+        with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+            kp._consts(128, 4, 32, 0)
+        monkeypatch.delenv(name)
     monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", "2")
     with pytest.raises(ValueError, match="KDA_RT_KDA_GATE_FAST must be 0 or 1"):
         kp._consts(128, 4, 32, 0)

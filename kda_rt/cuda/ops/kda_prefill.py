@@ -80,14 +80,15 @@ def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: 
 def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
     """The defines of kda_prefill.cu's module for one state width and prefetch (and the intra kernel's variants
     CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD and EXP2_FTZ, on by default, each off as its
-    KDA_RT_KDA_* switch is 0 at the call; CONV_PAIRS, off by default, on as KDA_RT_KDA_CONV_PAIRS is 1)."""
+    KDA_RT_KDA_* switch is 0 at the call; CONV_PAIRS and T_HALVES, off by default, each on as its switch is 1)."""
     variants = dict(CONV_ONE_ROUND=env.kda_conv_one_round(), GATE_FAST=env.kda_gate_fast(),
                     SCALE_UNROLL=env.kda_scale_unroll(), ROW_NORM_SPREAD=env.kda_row_norm_spread(),
                     EXP2_FTZ=env.kda_exp2_ftz())
     consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
                   STATE_PF=pf, **{name: 0 for name, on in variants.items() if not on})  # on: absent (the kernel's 1)
-    if env.kda_conv_pairs():  # off: absent (the kernel's default 0)
-        consts["CONV_PAIRS"] = 1
+    for name, on in (("CONV_PAIRS", env.kda_conv_pairs()), ("T_HALVES", env.kda_t_halves())):
+        if on:  # off: absent (the kernel's default 0)
+            consts[name] = 1
     return consts
 
 
