@@ -3,8 +3,13 @@ runtime's build has no stamps, byte-identical SASS), thread 0 of each CTA stampi
 boundaries (kernels_cu/kda_prefill.cu, STAMP(i)).  Per shape: the kernel's time (CUDA events), the mean
 cycles of each phase over the CTAs, its share, and the mean CTA length in us at the measured clock.
 
-    PYTHONPATH=. python tests/gpu/bench_kda_phases.py [--shapes 32x2048,1x32768] [--ab EXP_ACCURATE_EXP]
-Inputs as tests/gpu/bench_kda_prefill.py (random N(0, 1) bf16, |g| ~ 1 per token)."""
+    PYTHONPATH=. python tests/gpu/bench_kda_phases.py [--shapes 32x2048,1x32768] [--ab EXP_ACCURATE_EXP] [--solo 8,132]
+Inputs as tests/gpu/bench_kda_prefill.py (random N(0, 1) bf16, |g| ~ 1 per token).
+
+--solo N[,N...]: after each shape's table, the phases of a launch of only the first N tiles of head 0 (grid (N, 1)),
+each alone on its SM: with N below the SM count no other SM competes for DRAM and L2, so the copies' phase against
+the whole grid's says how much of it is the wave's CTAs copying at once (the CTAs of a wave start together) rather
+than the SM's own issue of its copies."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ def main() -> int:
     ap.add_argument("--ab", default="", help="a define (e.g. EXP_ACCURATE_EXP, SCALE_UNROLL) or several, comma-joined: "
                                               "the build with them 0 and with them 1, timed in interleaved rounds, "
                                               "phases of each")
+    ap.add_argument("--solo", default="", help="tile counts N: the phases of a launch of the first N tiles alone")
     args = ap.parse_args()
     cap = 40000
     smem = kp._intra_smem_bytes(K, 64, W)
@@ -85,18 +91,37 @@ def main() -> int:
                            for a, b in zip(outs, first, strict=True))
                 print(f"{shape} {extra}: outputs bit-identical to {built[0][0]}: {same}", flush=True)
             ms = float(np.median(ts))
-            c = clk.get()[: min(cap, chunks * H)]
-            c = c[(c[:, 0] != 0) & (c[:, 10] != 0)]
-            dt = np.diff(c[:, :11], axis=1).astype(np.float64)
-            # phase 1 -> 2 is the register loads; STAMP(2) comes before the conv loop
+            c = stamped(clk, min(cap, chunks * H))
             total = (c[:, 10] - c[:, 0]).astype(np.float64)
             tag = f" {extra}" if extra else ""
             print(f"{shape}{tag}: kernel {ms:.3f} ms (rounds {[round(t, 3) for t in ts]}), {len(c)} CTAs stamped, mean "
                   f"CTA {total.mean():.0f} cycles ({total.mean() / mhz:.1f} us at {mhz:.0f} MHz), CTAs x mean / SMs = "
                   f"{len(c) * total.mean() / mhz / 1e3 / sm_count(0):.3f} ms", flush=True)
-            for name, col in zip(PHASES, dt.T, strict=True):
-                print(f"  {name:<52s} {col.mean():8.0f} cycles  {col.mean() / total.mean():6.1%}", flush=True)
+            print_phases(c)
+            for n in (int(v) for v in args.solo.split(",") if v):
+                clk.fill(0)
+                run(fn, grid=(min(n, chunks), 1))
+                cupy.cuda.Device().synchronize()
+                c = stamped(clk, min(n, chunks))
+                print(f"{shape}{tag}: the first {len(c)} tiles alone (grid ({min(n, chunks)}, 1)): mean CTA "
+                      f"{(c[:, 10] - c[:, 0]).mean():.0f} cycles", flush=True)
+                print_phases(c)
     return 0
+
+
+def stamped(clk, n: int) -> np.ndarray:
+    """The stamps of the first n CTAs that stamped both ends."""
+    c = clk.get()[:n]
+    return c[(c[:, 0] != 0) & (c[:, 10] != 0)]
+
+
+def print_phases(c: np.ndarray) -> None:
+    """Each phase's mean cycles over the CTAs and its share (phase 1 -> 2 is the register loads; STAMP(2) comes
+    before the conv loop)."""
+    dt = np.diff(c[:, :11], axis=1).astype(np.float64)
+    total = (c[:, 10] - c[:, 0]).astype(np.float64)
+    for name, col in zip(PHASES, dt.T, strict=True):
+        print(f"  {name:<52s} {col.mean():8.0f} cycles  {col.mean() / total.mean():6.1%}", flush=True)
 
 
 if __name__ == "__main__":

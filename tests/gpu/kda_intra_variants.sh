@@ -7,7 +7,9 @@
 #      everything together at the reference's bounds);
 #   2. each one's kernel A/B and both together (bench_kda_phases.py --ab: 5 interleaved rounds a shape, outputs
 #      compared bit for bit, phase cycles of both builds);
-#   3. with "model" as first argument, the full 27-layer model's seed prefill with both off / on (bench_ab.py, fp8
+#   3. the phases of 8 and of 132 tiles launched alone (bench_kda_phases.py --solo: are the copies slow because a
+#      wave's CTAs all copy at once?);
+#   4. with "model" as first argument, the full 27-layer model's seed prefill with both off / on (bench_ab.py, fp8
 #      weights, 3 rounds).
 # Times from the thirty-fourth session: the tests ~75-100 s, each A/B ~10 s, the model A/B ~80 s (builds included).
 #   bash tests/gpu/kda_intra_variants.sh [model]      (from the repository root; writes $OUT/kda_intra_variants.txt)
@@ -22,6 +24,9 @@ for ab in CONV_PAIRS T_HALVES CONV_PAIRS,T_HALVES; do
   timeout 120 python tests/gpu/bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ab "$ab" >> "$log" 2>&1
   grep -E "kernel [0-9.]+ ms|bit-identical" "$log" | tail -9
 done
+echo "== the copies alone (--solo 8,132)" | tee -a "$log"
+timeout 60 python tests/gpu/bench_kda_phases.py --shapes 32x2048 --solo 8,132 >> "$log" 2>&1
+grep -E "alone|start: copies" "$log" | tail -6
 if [ "$1" = model ]; then
   timeout 300 python tests/gpu/bench_ab.py --quantization fp8 --env KDA_RT_KDA_CONV_PAIRS,KDA_RT_KDA_T_HALVES \
     --values 0:0,1:1 --rounds 3 2>/dev/null | tee -a "$log" | grep summary
