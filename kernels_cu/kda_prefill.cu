@@ -160,10 +160,10 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #endif
 // T_HALVES = 1: T's off-diagonal blocks by halves instead of one block row at a time: T_10 and T_32 together (X =
 // A_IJ D_J, then -D_I X), then the lower-left 32 x 32 half, -T_BB (A_BA T_AA), with A_BA T_AA staged in T's upper
-// blocks (free: T is lower-triangular); the bf16 T diag(beta) written by each stage as it finishes its blocks (and
-// its upper blocks zeroed meanwhile) instead of by a pass of its own.  5 barriers from (f) to (g) instead of 8, 128
-// FMAs every thread against 112 / 144 on the two halves of the threads.  Sums in another order than the block-row
-// form (fp32): not bit-identical.  0 until measured (KDA_RT_KDA_T_HALVES).
+// blocks (free: T is lower-triangular); the bf16 T diag(beta) written by each stage as it finishes its blocks
+// (its upper blocks, which (g) never reads, left unwritten) instead of by a pass of its own.  5 barriers from (f) to
+// (g) instead of 8, 128 FMAs every thread against 112 / 144 on the two halves of the threads.  Sums in another order
+// than the block-row form (fp32): not bit-identical.  0 until measured (KDA_RT_KDA_T_HALVES).
 #ifndef T_HALVES
 #define T_HALVES 0
 #endif
@@ -806,8 +806,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         const int hf = tid >> 8, e = tid & 255, rr = e >> 4, cc = e & 15;
         // T_IJ (value v, row R, column S) into T and into T diag(beta) as bf16
         auto put = [&](int R, int S, float v) { Tm[R * LDT + S] = v, Tb[R * LDA + S] = to_bf16(v * Bs[S]); };
-        // level 1, T_10 (hf 0) and T_32 (hf 1): X = A_IJ D_J into Xs block hf; meanwhile T diag(beta)'s six upper
-        // blocks zeroed (two elements a store)
+        // level 1, T_10 (hf 0) and T_32 (hf 1): X = A_IJ D_J into Xs block hf (T diag(beta)'s upper blocks are left
+        // as they are: (g) reads the blocks on and below the diagonal only)
         const int I1 = hf ? 3 : 1, J1 = I1 - 1;
         {
             const float4* a4 = reinterpret_cast<const float4*>(Akk + (I1 * SUB + rr) * LDT + J1 * SUB);
@@ -822,11 +822,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 acc1 = fmaf(a.w, tt[(4 * k4 + 3) * LDT], acc1);
             }
             Xs[(hf * SUB + rr) * SUB + cc] = acc0 + acc1;
-        }
-        for (int idx = tid; idx < 6 * SUB * SUB / 2; idx += INTRA_THREADS) {  // (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
-            const int b = idx / (SUB * SUB / 2), I = b < 3 ? 0 : b < 5 ? 1 : 2, J = b < 3 ? b + 1 : b < 5 ? b - 1 : 3;
-            const int q = idx % (SUB * SUB / 2), r = q / (SUB / 2), s2 = 2 * (q % (SUB / 2));
-            st_bf16x2(Tb + (I * SUB + r) * LDA + J * SUB + s2, 0.f, 0.f);
         }
         __syncthreads();
         {
