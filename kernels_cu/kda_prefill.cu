@@ -252,6 +252,19 @@ __device__ __forceinline__ void st_row_f32(float* p, const float (&y)[CW]) {
     else *p = y[0];
 }
 
+// acc0 / acc1 += a[k] col[k ld] over the 16 k of one fp32 row a (float4s; even k into acc0, odd into acc1: two
+// chains of 8)
+__device__ __forceinline__ void dot16(const float4* a4, const float* col, int ld, float& acc0, float& acc1) {
+#pragma unroll
+    for (int k4 = 0; k4 < SUB / 4; ++k4) {
+        const float4 a = a4[k4];
+        acc0 = fmaf(a.x, col[(4 * k4) * ld], acc0);
+        acc1 = fmaf(a.y, col[(4 * k4 + 1) * ld], acc1);
+        acc0 = fmaf(a.z, col[(4 * k4 + 2) * ld], acc0);
+        acc1 = fmaf(a.w, col[(4 * k4 + 3) * ld], acc1);
+    }
+}
+
 // index of sub-block pair (I, J <= I) in the scaled-key tile
 __device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
 // index of the (row block I, column block J < I) pair in the gate table C
@@ -810,32 +823,16 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         // as they are: (g) reads the blocks on and below the diagonal only)
         const int I1 = hf ? 3 : 1, J1 = I1 - 1;
         {
-            const float4* a4 = reinterpret_cast<const float4*>(Akk + (I1 * SUB + rr) * LDT + J1 * SUB);
-            const float* tt = Tm + (J1 * SUB) * LDT + J1 * SUB + cc;
             float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-            for (int k4 = 0; k4 < SUB / 4; ++k4) {
-                const float4 a = a4[k4];
-                acc0 = fmaf(a.x, tt[(4 * k4) * LDT], acc0);
-                acc1 = fmaf(a.y, tt[(4 * k4 + 1) * LDT], acc1);
-                acc0 = fmaf(a.z, tt[(4 * k4 + 2) * LDT], acc0);
-                acc1 = fmaf(a.w, tt[(4 * k4 + 3) * LDT], acc1);
-            }
+            dot16(reinterpret_cast<const float4*>(Akk + (I1 * SUB + rr) * LDT + J1 * SUB),
+                  Tm + (J1 * SUB) * LDT + J1 * SUB + cc, LDT, acc0, acc1);
             Xs[(hf * SUB + rr) * SUB + cc] = acc0 + acc1;
         }
         __syncthreads();
         {
-            const float4* d4 = reinterpret_cast<const float4*>(Tm + (I1 * SUB + rr) * LDT + I1 * SUB);
-            const float* x = Xs + hf * SUB * SUB + cc;
-            float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-            for (int k4 = 0; k4 < SUB / 4; ++k4) {  // D_I lower: k > rr reads 0
-                const float4 dI = d4[k4];
-                acc0 = fmaf(dI.x, x[(4 * k4) * SUB], acc0);
-                acc1 = fmaf(dI.y, x[(4 * k4 + 1) * SUB], acc1);
-                acc0 = fmaf(dI.z, x[(4 * k4 + 2) * SUB], acc0);
-                acc1 = fmaf(dI.w, x[(4 * k4 + 3) * SUB], acc1);
-            }
+            float acc0 = 0.f, acc1 = 0.f;  // D_I lower: k > rr reads 0
+            dot16(reinterpret_cast<const float4*>(Tm + (I1 * SUB + rr) * LDT + I1 * SUB), Xs + hf * SUB * SUB + cc, SUB,
+                  acc0, acc1);
             put(I1 * SUB + rr, J1 * SUB + cc, -(acc0 + acc1));
         }
         __syncthreads();
@@ -843,24 +840,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         // hf, Y_I2,0 (k < 32) and Y_I2,1 (16 <= k < 32: T_AA's upper block is not T's), into T's upper blocks:
         // Y_M,J at rows (M - 2) * 16, columns (2 + J) * 16
         {
-            const int I2 = 2 + hf;
-            const float4* a4 = reinterpret_cast<const float4*>(Akk + (I2 * SUB + rr) * LDT);
+            const float4* a4 = reinterpret_cast<const float4*>(Akk + (2 * SUB + hf * SUB + rr) * LDT);  // row block 2 + hf
             float y0a = 0.f, y0b = 0.f, y1a = 0.f, y1b = 0.f;
-#pragma unroll
-            for (int k4 = 0; k4 < 2 * SUB / 4; ++k4) {
-                const float4 a = a4[k4];
-                const float* t0 = Tm + (4 * k4) * LDT + cc;
-                y0a = fmaf(a.x, t0[0], y0a);
-                y0b = fmaf(a.y, t0[LDT], y0b);
-                y0a = fmaf(a.z, t0[2 * LDT], y0a);
-                y0b = fmaf(a.w, t0[3 * LDT], y0b);
-                if (k4 >= SUB / 4) {
-                    y1a = fmaf(a.x, t0[SUB], y1a);
-                    y1b = fmaf(a.y, t0[LDT + SUB], y1b);
-                    y1a = fmaf(a.z, t0[2 * LDT + SUB], y1a);
-                    y1b = fmaf(a.w, t0[3 * LDT + SUB], y1b);
-                }
-            }
+            dot16(a4, Tm + cc, LDT, y0a, y0b);                               // D_0
+            dot16(a4 + SUB / 4, Tm + SUB * LDT + cc, LDT, y0a, y0b);         // T_10
+            dot16(a4 + SUB / 4, Tm + SUB * LDT + SUB + cc, LDT, y1a, y1b);  // D_1
             Tm[(hf * SUB + rr) * LDT + 2 * SUB + cc] = y0a + y0b;
             Tm[(hf * SUB + rr) * LDT + 3 * SUB + cc] = y1a + y1b;
         }
@@ -869,20 +853,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         // (k < 32: T's row 48 + rr from column 32 on)
         {
             const float* y = Tm + (2 + hf) * SUB + cc;  // Y_2J row k at y[k * LDT], Y_3J at y[(16 + k) * LDT]
-            const float4* d2 = reinterpret_cast<const float4*>(Tm + (2 * SUB + rr) * LDT + 2 * SUB);
             const float4* t3 = reinterpret_cast<const float4*>(Tm + (3 * SUB + rr) * LDT + 2 * SUB);
             float u0 = 0.f, u1 = 0.f, w0 = 0.f, w1 = 0.f;
-#pragma unroll
-            for (int k4 = 0; k4 < 2 * SUB / 4; ++k4) {
-                const float4 b3 = t3[k4];
-                const float y0 = y[(4 * k4) * LDT], y1 = y[(4 * k4 + 1) * LDT], y2 = y[(4 * k4 + 2) * LDT],
-                            y3 = y[(4 * k4 + 3) * LDT];
-                w0 = fmaf(b3.x, y0, w0), w1 = fmaf(b3.y, y1, w1), w0 = fmaf(b3.z, y2, w0), w1 = fmaf(b3.w, y3, w1);
-                if (k4 < SUB / 4) {  // D_2 lower: k > rr reads 0
-                    const float4 b2 = d2[k4];
-                    u0 = fmaf(b2.x, y0, u0), u1 = fmaf(b2.y, y1, u1), u0 = fmaf(b2.z, y2, u0), u1 = fmaf(b2.w, y3, u1);
-                }
-            }
+            dot16(reinterpret_cast<const float4*>(Tm + (2 * SUB + rr) * LDT + 2 * SUB), y, LDT, u0, u1);  // D_2 (lower)
+            dot16(t3, y, LDT, w0, w1);                                     // T_32
+            dot16(t3 + SUB / 4, y + SUB * LDT, LDT, w0, w1);               // D_3
             put(2 * SUB + rr, hf * SUB + cc, -(u0 + u1));
             put(3 * SUB + rr, hf * SUB + cc, -(w0 + w1));
         }
@@ -903,33 +878,16 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             // odd k) to halve the FMA chain
             for (int J = jlo; J < jhi; ++J) {
                 float acc0 = 0.f, acc1 = 0.f;
-                for (int M = J; M < I; ++M) {
-                    const float4* a4 = reinterpret_cast<const float4*>(Akk + (I * SUB + rr) * LDT + M * SUB);
-                    const float* tt = Tm + (M * SUB) * LDT + J * SUB + cc;
-#pragma unroll
-                    for (int k4 = 0; k4 < SUB / 4; ++k4) {
-                        const float4 a = a4[k4];
-                        acc0 = fmaf(a.x, tt[(4 * k4) * LDT], acc0);
-                        acc1 = fmaf(a.y, tt[(4 * k4 + 1) * LDT], acc1);
-                        acc0 = fmaf(a.z, tt[(4 * k4 + 2) * LDT], acc0);
-                        acc1 = fmaf(a.w, tt[(4 * k4 + 3) * LDT], acc1);
-                    }
-                }
+                for (int M = J; M < I; ++M)
+                    dot16(reinterpret_cast<const float4*>(Akk + (I * SUB + rr) * LDT + M * SUB),
+                          Tm + (M * SUB) * LDT + J * SUB + cc, LDT, acc0, acc1);
                 Xs[(J * SUB + rr) * SUB + cc] = acc0 + acc1;
             }
             __syncthreads();
             for (int J = jlo; J < jhi; ++J) {
-                const float4* d4 = reinterpret_cast<const float4*>(Tm + (I * SUB + rr) * LDT + I * SUB);
-                float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-                for (int k4 = 0; k4 < SUB / 4; ++k4) {  // D_I lower: k > rr reads 0
-                    const float4 dI = d4[k4];
-                    const float* x = Xs + (J * SUB + 4 * k4) * SUB + cc;
-                    acc0 = fmaf(dI.x, x[0], acc0);
-                    acc1 = fmaf(dI.y, x[SUB], acc1);
-                    acc0 = fmaf(dI.z, x[2 * SUB], acc0);
-                    acc1 = fmaf(dI.w, x[3 * SUB], acc1);
-                }
+                float acc0 = 0.f, acc1 = 0.f;  // D_I lower: k > rr reads 0
+                dot16(reinterpret_cast<const float4*>(Tm + (I * SUB + rr) * LDT + I * SUB), Xs + J * SUB * SUB + cc, SUB,
+                      acc0, acc1);
                 Tm[(I * SUB + rr) * LDT + J * SUB + cc] = -(acc0 + acc1);
             }
             __syncthreads();
