@@ -840,7 +840,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         // hf, Y_I2,0 (k < 32) and Y_I2,1 (16 <= k < 32: T_AA's upper block is not T's), into T's upper blocks:
         // Y_M,J at rows (M - 2) * 16, columns (2 + J) * 16
         {
-            const float4* a4 = reinterpret_cast<const float4*>(Akk + (2 * SUB + hf * SUB + rr) * LDT);  // row block 2 + hf
+            const float4* a4 = reinterpret_cast<const float4*>(Akk + ((2 + hf) * SUB + rr) * LDT);  // row block 2 + hf
             float y0a = 0.f, y0b = 0.f, y1a = 0.f, y1b = 0.f;
             dot16(a4, Tm + cc, LDT, y0a, y0b);                               // D_0
             dot16(a4 + SUB / 4, Tm + SUB * LDT + cc, LDT, y0a, y0b);         // T_10
@@ -886,8 +886,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             __syncthreads();
             for (int J = jlo; J < jhi; ++J) {
                 float acc0 = 0.f, acc1 = 0.f;  // D_I lower: k > rr reads 0
-                dot16(reinterpret_cast<const float4*>(Tm + (I * SUB + rr) * LDT + I * SUB), Xs + J * SUB * SUB + cc, SUB,
-                      acc0, acc1);
+                dot16(reinterpret_cast<const float4*>(Tm + (I * SUB + rr) * LDT + I * SUB), Xs + J * SUB * SUB + cc,
+                      SUB, acc0, acc1);
                 Tm[(I * SUB + rr) * LDT + J * SUB + cc] = -(acc0 + acc1);
             }
             __syncthreads();
