@@ -1,7 +1,7 @@
 """KDA prefill, one layer (H = 32, K = V = 128, W = 4): ours (kda_prefill: intra + state + norm) vs
 the previous one-CTA-per-(head, sequence) kernel and fla's chunk_kda.
 
-    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py      (fla optional: PYTHONPATH=/tmp/site:.)
+    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768]   (fla optional: PYTHONPATH=/tmp/site:.)
     PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf [--shapes 1x32768,8x2048] [--rounds 5]
 
 --state-pf: the whole launcher at each of kda_prefill_state's prefetch depths (STATE_PF 0, 1, 2; state width as the
@@ -211,11 +211,14 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--state-pf", action="store_true", help="A/B of kda_prefill_state's prefetch depths only")
-    ap.add_argument("--shapes", default="1x2048,2x2048,8x2048,32x2048,1x32768,2x16384,1x131072")
+    ap.add_argument("--shapes", default="", help="sequences x length, comma-joined (default: SHAPES; with --state-pf "
+                                                  "1x2048,2x2048,8x2048,32x2048,1x32768,2x16384,1x131072)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     if args.state_pf:
-        ab_state_prefetch([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")], args.rounds)
+        ab_state_prefetch(shapes or [(1, 2048), (2, 2048), (8, 2048), (32, 2048), (1, 32768), (2, 16384), (1, 131072)],
+                          args.rounds)
         return
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     print(f"GPU {props['name'].decode() if isinstance(props['name'], bytes) else props['name']}, H={H}, K=V={K}")
@@ -224,7 +227,7 @@ def main():
     except Exception as exc:  # noqa: BLE001 - report only
         print(f"kernel report unavailable: {exc}")
     have_old = (KERNEL_DIR / "kda_prefill_legacy.cu").exists()
-    rows = [bench_shape(num_seqs, seqlen, have_old) for num_seqs, seqlen in SHAPES]
+    rows = [bench_shape(num_seqs, seqlen, have_old) for num_seqs, seqlen in shapes or SHAPES]
     print("\n| shape | ours-old ms | ours-new ms | fla chunk_kda ms | fla / new |\n|---|---|---|---|---|")
     for shape, o, n, fl in rows:
         print(f"| {shape} | {o:.3f} | {n:.3f} | {fl:.3f} | {fl / n:.2f} |")
