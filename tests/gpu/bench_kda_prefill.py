@@ -1,7 +1,7 @@
 """KDA prefill, one layer (H = 32, K = V = 128, W = 4): ours (kda_prefill: intra + state + norm) vs
 the previous one-CTA-per-(head, sequence) kernel and fla's chunk_kda.
 
-    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768]   (fla optional: PYTHONPATH=/tmp/site:.)
+    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768]  (fla: PYTHONPATH=/tmp/site:.)
     PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf [--shapes 1x32768,8x2048] [--rounds 5]
 
 --state-pf: the whole launcher at each of kda_prefill_state's prefetch depths (STATE_PF 0, 1, 2; state width as the
