@@ -3,6 +3,7 @@ STYLE.md habit 5 (exact for copies, atol+rtol for elementwise, RMS ratio for red
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import ml_dtypes
@@ -37,13 +38,21 @@ def poison_shared_memory() -> None:
     shared memory it never wrote sees NaN instead of what the previous launch left there."""
     import cupy
 
-    rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
-    nbytes = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerBlockOptin", 97), dev) // 16 * 16
-    sms = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMultiProcessorCount", 16), dev)
-    fn = inline_module(POISON_SMEM_SRC).get_function("poison_smem")  # a cupy.RawKernel
-    fn.max_dynamic_shared_size_bytes = nbytes
+    fn, nbytes, sms = _poison_kernel(cupy.cuda.Device().id)
     fn((4 * sms,), (1024,), (np.int32(nbytes // 4),), shared_mem=nbytes)
     cupy.cuda.get_current_stream().synchronize()
+
+
+@functools.cache
+def _poison_kernel(dev: int):
+    """poison_smem built once a device, with its shared-memory opt-in set; the opt-in bytes and the SM count."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    nbytes = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxSharedMemoryPerBlockOptin", 97), dev) // 16 * 16
+    fn = inline_module(POISON_SMEM_SRC).get_function("poison_smem")  # a cupy.RawKernel
+    fn.max_dynamic_shared_size_bytes = nbytes
+    return fn, nbytes, rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMultiProcessorCount", 16), dev)
 
 
 def to_gpu_bf16(a: np.ndarray):

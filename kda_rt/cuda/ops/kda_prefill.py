@@ -78,18 +78,24 @@ def _state_prefetch(num_seqs: int, num_heads: int, head_dim: int, vb: int, sms: 
 
 
 def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
-    """The defines of kda_prefill.cu's module for one state width and prefetch (and the intra kernel's variants
-    CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD and EXP2_FTZ, on by default, each off as its
-    KDA_RT_KDA_* switch is 0 at the call; CONV_PAIRS and T_HALVES, off by default, each on as its switch is 1)."""
-    variants = dict(CONV_ONE_ROUND=env.kda_conv_one_round(), GATE_FAST=env.kda_gate_fast(),
-                    SCALE_UNROLL=env.kda_scale_unroll(), ROW_NORM_SPREAD=env.kda_row_norm_spread(),
-                    EXP2_FTZ=env.kda_exp2_ftz())
+    """The defines of kda_prefill.cu's module for one state width and prefetch, and the intra kernel's variants as
+    their KDA_RT_KDA_* switches are set at the call: a variant's define is passed only where its switch differs from
+    the kernel's default (so the default module's cache key has none of them)."""
     consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
-                  STATE_PF=pf, **{name: 0 for name, on in variants.items() if not on})  # on: absent (the kernel's 1)
-    for name, on in (("CONV_PAIRS", env.kda_conv_pairs()), ("T_HALVES", env.kda_t_halves())):
-        if on:  # off: absent (the kernel's default 0)
-            consts[name] = 1
+                  STATE_PF=pf)
+    for name, on, default in _intra_variants():
+        if on != default:
+            consts[name] = int(on)
     return consts
+
+
+def _intra_variants() -> list[tuple[str, bool, bool]]:
+    """(define, its switch now, the kernel's default) of each intra-kernel variant: on by default once measured,
+    off until then."""
+    return [("CONV_ONE_ROUND", env.kda_conv_one_round(), True), ("GATE_FAST", env.kda_gate_fast(), True),
+            ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
+            ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), False),
+            ("T_HALVES", env.kda_t_halves(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
