@@ -262,16 +262,16 @@ def kda_row_norm_spread() -> bool:
 def kda_conv_pairs() -> bool:
     """KDA_RT_KDA_CONV_PAIRS: 1 builds the KDA prefill intra kernel's conv + SiLU + gate phase with two adjacent
     channels a thread (kernels_cu/kda_prefill.cu CONV_PAIRS: 4-byte loads and stores, one packed conversion a row;
-    the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_CONV_PAIRS", "0")
+    the same bits); default 1 (0: the build before 2026-12-03).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_CONV_PAIRS")
 
 
 def kda_t_halves() -> bool:
     """KDA_RT_KDA_T_HALVES: 1 builds the KDA prefill intra kernel's off-diagonal T blocks by halves (T_10 and T_32,
     then the lower-left 32 x 32 block) with T diag(beta) written by each stage, 5 barriers instead of 8
-    (kernels_cu/kda_prefill.cu T_HALVES: fp32 sums in another order, not bit-identical); default 0 until measured.
-    Read at each prefill."""
-    return _on_off("KDA_RT_KDA_T_HALVES", "0")
+    (kernels_cu/kda_prefill.cu T_HALVES: fp32 sums in another order, not bit-identical); default 1 (0: the build
+    before 2026-12-03).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_T_HALVES")
 
 
 def kda_exp2_ftz() -> bool:

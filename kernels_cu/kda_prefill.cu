@@ -154,18 +154,19 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // loads and stores are 4-byte (8-byte for the gates) and its two bf16 conversions one packed F2FP instead of two F2F
 // on the 16-a-clock conversion pipe that the SiLU's ex2 and rcp and the gates' ex2 and lg2 also use (phase (a) is
 // bound by that pipe: 128 of its operations a thread against 48 conversions).  The same values, stored in the same
-// places: bit-identical.  0 until measured (KDA_RT_KDA_CONV_PAIRS).
+// places: bit-identical.  1 since 2026-12-03: -1.2% on the kernel at 32 x 2048 (KDA_RT_KDA_CONV_PAIRS=0: without).
 #ifndef CONV_PAIRS
-#define CONV_PAIRS 0
+#define CONV_PAIRS 1
 #endif
 // T_HALVES = 1: T's off-diagonal blocks by halves instead of one block row at a time: T_10 and T_32 together (X =
 // A_IJ D_J, then -D_I X), then the lower-left 32 x 32 half, -T_BB (A_BA T_AA), with A_BA T_AA staged in T's upper
 // blocks (free: T is lower-triangular); the bf16 T diag(beta) written by each stage as it finishes its blocks
 // (its upper blocks, which (g) never reads, left unwritten) instead of by a pass of its own.  5 barriers from (f) to
 // (g) instead of 8, 128 FMAs every thread against 112 / 144 on the two halves of the threads.  Sums in another order
-// than the block-row form (fp32): not bit-identical.  0 until measured (KDA_RT_KDA_T_HALVES).
+// than the block-row form (fp32): not bit-identical.  1 since 2026-12-03: -6.2% on the kernel at 32 x 2048
+// (KDA_RT_KDA_T_HALVES=0: without).
 #ifndef T_HALVES
-#define T_HALVES 0
+#define T_HALVES 1
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)

@@ -267,7 +267,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
                 "KDA_RT_KDA_SCALE_UNROLL": "SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD": "ROW_NORM_SPREAD",
-                "KDA_RT_KDA_EXP2_FTZ": "EXP2_FTZ"}
+                "KDA_RT_KDA_EXP2_FTZ": "EXP2_FTZ", "KDA_RT_KDA_CONV_PAIRS": "CONV_PAIRS", "KDA_RT_KDA_T_HALVES": "T_HALVES"}
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
@@ -282,22 +282,11 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.setenv(name, "0")
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
-    for name in ("KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_T_HALVES"):
-        monkeypatch.delenv(name, raising=False)
-    for name, define in (("KDA_RT_KDA_CONV_PAIRS", "CONV_PAIRS"), ("KDA_RT_KDA_T_HALVES", "T_HALVES")):
-        assert define not in kp._consts(128, 4, 32, 0)  # default off: absent (the kernel's default 0)
-        monkeypatch.setenv(name, "1")
-        consts = kp._consts(128, 4, 32, 0)
-        assert consts[define] == 1 and not {"CONV_PAIRS", "T_HALVES"} - {define} & set(consts), name
-        monkeypatch.setenv(name, "0")
-        assert define not in kp._consts(128, 4, 32, 0)
+    for name in switches:
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)
         monkeypatch.delenv(name)
-    monkeypatch.setenv("KDA_RT_KDA_GATE_FAST", "2")
-    with pytest.raises(ValueError, match="KDA_RT_KDA_GATE_FAST must be 0 or 1"):
-        kp._consts(128, 4, 32, 0)
 
 
 @pytest.mark.parametrize("kw", [{"state_columns": 48}, {"state_columns": 0}, {"state_columns": True},
