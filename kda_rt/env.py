@@ -266,6 +266,20 @@ def kda_conv_pairs() -> bool:
     return _on_off("KDA_RT_KDA_CONV_PAIRS")
 
 
+def kda_beta_early() -> bool:
+    """KDA_RT_KDA_BETA_EARLY: 1 builds the KDA prefill intra kernel with each row's beta loaded before the tile's
+    copies are issued (kernels_cu/kda_prefill.cu BETA_EARLY: the same bits); default 1 (0: the build before
+    2026-12-03).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_BETA_EARLY")
+
+
+def kda_copy_rows() -> bool:
+    """KDA_RT_KDA_COPY_ROWS: 1 builds the KDA prefill intra kernel's raw q, k, v, f copies with each thread on one
+    column piece of every 32nd row (kernels_cu/kda_prefill.cu COPY_ROWS: the same copies, less index arithmetic);
+    default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_COPY_ROWS", "0")
+
+
 def kda_t_halves() -> bool:
     """KDA_RT_KDA_T_HALVES: 1 builds the KDA prefill intra kernel's off-diagonal T blocks by halves (T_10 and T_32,
     then the lower-left 32 x 32 block) with T diag(beta) written by each stage, 5 barriers instead of 8

@@ -91,7 +91,7 @@
 // PHASE_CLOCK (bench-only, tests/gpu/bench_kda_phases.py): thread 0 of each kda_prefill_intra CTA stores clock64()
 // at its phase boundaries into kda_phase_clk[block][i]; undefined (every build of the runtime) it compiles to nothing.
 #ifdef PHASE_CLOCK
-#define PHASES 12
+#define PHASES 14
 __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #define STAMP(i)                                                                                      \
     do {                                                                                              \
@@ -167,6 +167,23 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // (KDA_RT_KDA_T_HALVES=0: without).
 #ifndef T_HALVES
 #define T_HALVES 1
+#endif
+// BETA_EARLY = 1: each thread < L loads its row's beta (one bf16 a row, rows ldb elements apart: 64 lines, not in
+// the L2 prefetch of the tile's q, k, v, f rows) into a register before the copies are issued, not after them and the
+// next tile's prefetch: its round trip under the copies instead of after their issue.  Bit-identical.  1 since
+// 2026-12-03 (KDA_RT_KDA_BETA_EARLY=0: without).  H200, tests/gpu/bench_kda_phases.py --ldb 288 --ab BETA_EARLY (the
+// model's beta, a column block of the [T, 288] f_a | g_a | b projection; 5 interleaved rounds, ms): 32 x 2048 5.205
+// -> 5.090, 8 x 2048 1.319 -> 1.294, 1 x 32768 2.542 -> 2.494; the copies' phase 6248 -> 5321 cycles a CTA (with the
+// next tile's beta lines also prefetched into L2, which added nothing measurable on top: not kept).
+#ifndef BETA_EARLY
+#define BETA_EARLY 1
+#endif
+// COPY_ROWS = 1: the raw q, k, v and f copies issued with each thread on one 16-byte column piece of rows r1, r1 + 32,
+// ..: a row's three pieces from one base pointer and a stride, no division or remainder a piece (the flat loop
+// divides its index by the 1072 pieces of a tensor and by 16 a row).  The same copies: bit-identical.  0 until
+// measured (bench_kda_phases.py --ab COPY_ROWS).
+#ifndef COPY_ROWS
+#define COPY_ROWS 0
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
@@ -380,6 +397,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     bf16* KG = Qr;                     // beta-free W right-hand side e^G k^, once raw q is dead
 
     const int cid = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    STAMP(11);  // the entry (bench only): the sequence lookup's cycles are STAMP(0) - STAMP(11)
     const int seq = sequence_of_chunk(cu_seqlens, num_seqs, cid);
     const int start = __ldg(cu_seqlens + seq), len = __ldg(cu_seqlens + seq + 1) - start;
     const bool fresh = __ldg(context_lens + seq) == 0;
@@ -398,6 +416,30 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // W-1 history values before a barrier, then only its own rows), gates; padded rows are 0.
     {
         constexpr int PIECES = K / 8, RAW = (L + CONV_W - 1) * PIECES, TAPP = K * CONV_W / 4;
+#if BETA_EARLY
+        const float beta_raw = tid < n ? to_f32(b[(size_t)(start + c0 + tid) * ldb + h]) : 0.f;
+#endif
+#if COPY_ROWS
+        {  // thread: piece c of rows r1, r1 + RPP, ..; each row's q, k, v pieces from one base and a stride
+            constexpr int RPP = INTRA_THREADS / PIECES;
+            static_assert(INTRA_THREADS % PIECES == 0, "kda_prefill_intra: COPY_ROWS's map");
+            const int c = (tid % PIECES) * 8, r1 = tid / PIECES;
+#pragma unroll
+            for (int rr = r1; rr < RAW / PIECES; rr += RPP) {
+                const int p = c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
+                const bool real = p < len && (p >= 0 || !fresh);
+                const bf16* src = p >= 0 ? qkv + (size_t)(start + p) * 3 * P + h * K + c
+                                         : conv_pool + ((slot * 3) * (CONV_W - 1) + (CONV_W - 1 + p)) * P + h * K + c;
+                const size_t step = p >= 0 ? (size_t)P : (size_t)(CONV_W - 1) * P;  // q -> k -> v
+#pragma unroll
+                for (int i = 0; i < 3; ++i)
+                    cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, real ? src + i * step : qkv, real ? 16 : 0);
+            }
+#pragma unroll
+            for (int rr = r1; rr < L; rr += RPP)
+                cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+        }
+#else
         for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
             const int i = idx / RAW, rr = (idx % RAW) / PIECES, c = (idx % PIECES) * 8;
             const int p = c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
@@ -411,12 +453,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             const int rr = idx / PIECES, c = (idx % PIECES) * 8;
             cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
         }
+#endif
         for (int idx = tid; idx < 3 * TAPP + K / 4; idx += INTRA_THREADS) {  // Tap [3][K][W], then dt_bias [K]
             const float* src = idx < 3 * TAPP ? conv_w + (size_t)((idx / TAPP) * P + h * K) * CONV_W + (idx % TAPP) * 4
                                               : dt_bias + h * K + (idx - 3 * TAPP) * 4;
             cp_async16(Tap + idx * 4, src, 16);
         }
         cp_async_commit();
+        STAMP(12);  // thread 0's copies issued (bench only)
         // while the copies fly: L2 prefetch of the q, k, v, f rows of the tile that starts on this SM
         // next (linear block id + prefetch_ahead = + the resident CTAs of the GPU, in the block
         // scheduler's dispatch order), so that its copies hit L2
@@ -435,7 +479,12 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 }
             }
         }
+        STAMP(13);  // thread 0's next-tile prefetch issued (bench only)
+#if BETA_EARLY
+        if (tid < L) Bs[tid] = tid < n ? sigmoid(beta_raw) : 0.f;
+#else
         if (tid < L) Bs[tid] = tid < n ? sigmoid(to_f32(b[(size_t)(start + c0 + tid) * ldb + h])) : 0.f;
+#endif
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
         if (tid < NUM_SUB) unsafe[tid] = 0;
         cp_async_wait<0>();

@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--ab", default="", help="a define (e.g. EXP_ACCURATE_EXP, SCALE_UNROLL) or several, comma-joined: "
                                               "the build with them 0 and with them 1, timed in interleaved rounds, "
                                               "phases of each")
+    ap.add_argument("--ldb", type=int, default=0, help="beta as a column block of a [T, ldb] array (the model's "
+                                                       "f_a | g_a | b: 288), not a contiguous [T, H]")
     ap.add_argument("--solo", default="", help="tile counts N: the phases of a launch of the first N tiles alone")
     args = ap.parse_args()
     cap = 40000
@@ -55,12 +57,15 @@ def main() -> int:
         mod = _module("kda_prefill.cu", tuple(sorted(consts.items())), device_arch())
         ptr = mod.get_global_var("kda_phase_clk")
         if isinstance(ptr, int):
-            ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, cap * 12 * 8, mod), 0)
-        built.append((extra, fn, cupy.ndarray((cap, 12), np.int64, memptr=ptr)))
+            ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, cap * 14 * 8, mod), 0)
+        built.append((extra, fn, cupy.ndarray((cap, 14), np.int64, memptr=ptr)))
     mhz = float(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)) / 1e3
     for shape in args.shapes.split(","):
         B, S = map(int, shape.split("x"))
         d = make(B, S)
+        if args.ldb:  # beta as the model passes it: a column block of the [T, ldb] f_a | g_a | b projection
+            d["b"] = cupy.random.RandomState(1).standard_normal((B * S, args.ldb), dtype=np.float32).astype(
+                d["b"].dtype)[:, args.ldb - H:]
         T, L = B * S, 64
         chunks = B + T // L
         ws = cupy.empty((4, chunks, H, L, K), dtype=np.uint16)
@@ -120,6 +125,11 @@ def print_phases(c: np.ndarray) -> None:
     before the conv loop)."""
     dt = np.diff(c[:, :11], axis=1).astype(np.float64)
     total = (c[:, 10] - c[:, 0]).astype(np.float64)
+    print(f"  {'(before the stamps) sequence lookup: entry -> STAMP(0)':<52s} "
+          f"{(c[:, 0] - c[:, 11]).astype(np.float64).mean():8.0f} cycles", flush=True)
+    for name, a, b in (("thread 0: its copies issued", 0, 12), ("thread 0: the next tile's lookup + prefetch", 12, 13),
+                       ("thread 0: beta, -exp(A_log), then the copies' wait", 13, 1)):
+        print(f"  {'  of which ' + name:<52s} {(c[:, b] - c[:, a]).astype(np.float64).mean():8.0f} cycles", flush=True)
     for name, col in zip(PHASES, dt.T, strict=True):
         print(f"  {name:<52s} {col.mean():8.0f} cycles  {col.mean() / total.mean():6.1%}", flush=True)
 

@@ -95,7 +95,8 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
     return [("CONV_ONE_ROUND", env.kda_conv_one_round(), True), ("GATE_FAST", env.kda_gate_fast(), True),
             ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
             ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), True),
-            ("T_HALVES", env.kda_t_halves(), True)]
+            ("T_HALVES", env.kda_t_halves(), True), ("BETA_EARLY", env.kda_beta_early(), True),
+            ("COPY_ROWS", env.kda_copy_rows(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
