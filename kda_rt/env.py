@@ -276,8 +276,15 @@ def kda_beta_early() -> bool:
 def kda_copy_rows() -> bool:
     """KDA_RT_KDA_COPY_ROWS: 1 builds the KDA prefill intra kernel's raw q, k, v, f copies with each thread on one
     column piece of every 32nd row (kernels_cu/kda_prefill.cu COPY_ROWS: the same copies, less index arithmetic);
-    default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_COPY_ROWS", "0")
+    default 1 (0: the build before 2026-12-03).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_COPY_ROWS")
+
+
+def kda_early_lookup() -> bool:
+    """KDA_RT_KDA_EARLY_LOOKUP: 1 builds the KDA prefill intra kernel with the next tile's sequence lookup (for its L2
+    prefetch) and the head's A_log at the entry, beside the tile's own lookup (kernels_cu/kda_prefill.cu
+    EARLY_LOOKUP: the same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_EARLY_LOOKUP", "0")
 
 
 def kda_t_halves() -> bool:

@@ -180,10 +180,20 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #endif
 // COPY_ROWS = 1: the raw q, k, v and f copies issued with each thread on one 16-byte column piece of rows r1, r1 + 32,
 // ..: a row's three pieces from one base pointer and a stride, no division or remainder a piece (the flat loop
-// divides its index by the 1072 pieces of a tensor and by 16 a row).  The same copies: bit-identical.  0 until
-// measured (bench_kda_phases.py --ab COPY_ROWS).
+// divides its index by the 1072 pieces of a tensor and by 16 a row).  The same copies: bit-identical.  1 since
+// 2026-12-03 (KDA_RT_KDA_COPY_ROWS=0: without).  H200, bench_kda_phases.py --ldb 288 --ab COPY_ROWS (5 interleaved
+// rounds, ms): 32 x 2048 5.112 -> 4.958, 8 x 2048 1.304 -> 1.273, 1 x 32768 2.517 -> 2.447; thread 0's issue of its
+// copies 4096 -> 2880 cycles, the copies' phase 5487 -> 4388.
 #ifndef COPY_ROWS
-#define COPY_ROWS 0
+#define COPY_ROWS 1
+#endif
+// EARLY_LOOKUP = 1: the next tile's sequence lookup (for its L2 prefetch) searched beside the tile's own at the entry,
+// one probe load of each in flight together, and its start, length and the head's A_log loaded there too, so the
+// thread that issued its copies goes on to the prefetch and the copies' wait without a round trip of its own (the
+// lookup + prefetch took ~0.8 K cycles after the copies' issue, then ~0.6 K for beta, -exp(A_log) and the wait).
+// The same lookups, prefetches and values: bit-identical.  0 until measured (bench_kda_phases.py --ab EARLY_LOOKUP).
+#ifndef EARLY_LOOKUP
+#define EARLY_LOOKUP 0
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
@@ -306,6 +316,27 @@ __device__ __forceinline__ int sequence_of_chunk(const int* __restrict__ cu_seql
     return seq;
 }
 
+// sequence_of_chunk of two chunk ids at once (EARLY_LOOKUP): the two 32-way searches in lockstep, each step's probe
+// loads of both issued before either ballot; a search already down to one sequence repeats a step that changes
+// nothing (lane 0's probe, its lower end, qualifies; no other lane loads).  The same results as two calls.
+__device__ __forceinline__ void sequence_of_chunk_pair(const int* __restrict__ cu_seqlens, int num_seqs, int cid,
+                                                       int cid2, int& seq, int& seq2) {
+    const int lane = threadIdx.x & 31;
+    int s1 = 0, s2 = 0, hi1 = num_seqs, hi2 = num_seqs;
+    while (hi1 - s1 > 1 || hi2 - s2 > 1) {
+        const int step1 = (hi1 - s1 + 31) / 32, probe1 = s1 + lane * step1;
+        const int step2 = (hi2 - s2 + 31) / 32, probe2 = s2 + lane * step2;
+        const bool in1 = probe1 < hi1, in2 = probe2 < hi2;
+        const int v1 = in1 ? __ldg(cu_seqlens + probe1) : 0, v2 = in2 ? __ldg(cu_seqlens + probe2) : 0;
+        const unsigned ok1 = __ballot_sync(0xffffffffu, in1 && probe1 + v1 / L <= cid);
+        const unsigned ok2 = __ballot_sync(0xffffffffu, in2 && probe2 + v2 / L <= cid2);
+        const int top1 = 31 - __clz(ok1), top2 = 31 - __clz(ok2);
+        hi1 = min(hi1, s1 + (top1 + 1) * step1), s1 += top1 * step1;
+        hi2 = min(hi2, s2 + (top2 + 1) * step2), s2 += top2 * step2;
+    }
+    seq = s1, seq2 = s2;
+}
+
 // bf16 [ROWS][COLS] tile, global row stride ld_src -> smem row stride ld_dst, 16-byte cp.async pieces
 template <int Rows, int Cols, int Threads>
 __device__ __forceinline__ void tile_async(bf16* dst, int ld_dst, const bf16* src, int ld_src) {
@@ -398,7 +429,19 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 
     const int cid = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     STAMP(11);  // the entry (bench only): the sequence lookup's cycles are STAMP(0) - STAMP(11)
+    // the tile that starts on this SM next (linear block id + prefetch_ahead = + the resident CTAs of the GPU, in the
+    // block scheduler's dispatch order): its rows are prefetched into L2 while this tile's copies fly
+    const int nxt = blockIdx.y * gridDim.x + blockIdx.x + prefetch_ahead;
+    const int cid2 = nxt % gridDim.x, h2 = nxt / gridDim.x;
+    const bool pf_next = prefetch_ahead > 0 && h2 < (int)gridDim.y;  // uniform over the block
+#if EARLY_LOOKUP
+    int seq, seq2;
+    sequence_of_chunk_pair(cu_seqlens, num_seqs, cid, pf_next ? cid2 : cid, seq, seq2);
+    const int start2 = __ldg(cu_seqlens + seq2), len2 = __ldg(cu_seqlens + seq2 + 1) - start2;
+    const float a_log = __ldg(A_log + h);
+#else
     const int seq = sequence_of_chunk(cu_seqlens, num_seqs, cid);
+#endif
     const int start = __ldg(cu_seqlens + seq), len = __ldg(cu_seqlens + seq + 1) - start;
     const bool fresh = __ldg(context_lens + seq) == 0;
     const size_t slot = (size_t)__ldg(state_slots + seq), tile = (size_t)cid * num_heads + h;
@@ -461,15 +504,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
         cp_async_commit();
         STAMP(12);  // thread 0's copies issued (bench only)
-        // while the copies fly: L2 prefetch of the q, k, v, f rows of the tile that starts on this SM
-        // next (linear block id + prefetch_ahead = + the resident CTAs of the GPU, in the block
-        // scheduler's dispatch order), so that its copies hit L2
+        // while the copies fly: L2 prefetch of the q, k, v, f rows of the next tile on this SM (above), so that its
+        // copies hit L2
         {
-            const int nxt = blockIdx.y * gridDim.x + blockIdx.x + prefetch_ahead;
-            const int cid2 = nxt % gridDim.x, h2 = nxt / gridDim.x;
-            if (prefetch_ahead > 0 && h2 < (int)gridDim.y) {  // uniform over the block
+            if (pf_next) {
+#if !EARLY_LOOKUP
                 const int seq2 = sequence_of_chunk(cu_seqlens, num_seqs, cid2);
                 const int start2 = __ldg(cu_seqlens + seq2), len2 = __ldg(cu_seqlens + seq2 + 1) - start2;
+#endif
                 const int c02 = (cid2 - seq2 - start2 / L) * L, n2 = min(L, len2 - c02);
                 for (int idx = tid; idx < 8 * n2; idx += INTRA_THREADS) {  // 4 row segments of 2 x 128 B
                     const int r = idx >> 3, seg = (idx >> 1) & 3, half = idx & 1;
@@ -485,7 +527,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #else
         if (tid < L) Bs[tid] = tid < n ? sigmoid(to_f32(b[(size_t)(start + c0 + tid) * ldb + h])) : 0.f;
 #endif
+#if EARLY_LOOKUP
+        if (tid == 0) *NegA = -expf(a_log);
+#else
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
+#endif
         if (tid < NUM_SUB) unsafe[tid] = 0;
         cp_async_wait<0>();
         __syncthreads();

@@ -268,7 +268,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
                 "KDA_RT_KDA_SCALE_UNROLL": "SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD": "ROW_NORM_SPREAD",
                 "KDA_RT_KDA_EXP2_FTZ": "EXP2_FTZ", "KDA_RT_KDA_CONV_PAIRS": "CONV_PAIRS", "KDA_RT_KDA_T_HALVES": "T_HALVES",
-                "KDA_RT_KDA_BETA_EARLY": "BETA_EARLY"}
+                "KDA_RT_KDA_BETA_EARLY": "BETA_EARLY", "KDA_RT_KDA_COPY_ROWS": "COPY_ROWS"}
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
@@ -283,13 +283,13 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.setenv(name, "0")
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
-    monkeypatch.delenv("KDA_RT_KDA_COPY_ROWS", raising=False)  # default off: absent unless 1
-    assert "COPY_ROWS" not in kp._consts(128, 4, 32, 0)
-    monkeypatch.setenv("KDA_RT_KDA_COPY_ROWS", "1")
-    assert kp._consts(128, 4, 32, 0)["COPY_ROWS"] == 1
-    monkeypatch.setenv("KDA_RT_KDA_COPY_ROWS", "0")
-    assert "COPY_ROWS" not in kp._consts(128, 4, 32, 0)
-    for name in (*switches, "KDA_RT_KDA_COPY_ROWS"):
+    monkeypatch.delenv("KDA_RT_KDA_EARLY_LOOKUP", raising=False)  # default off: absent unless 1
+    assert "EARLY_LOOKUP" not in kp._consts(128, 4, 32, 0)
+    monkeypatch.setenv("KDA_RT_KDA_EARLY_LOOKUP", "1")
+    assert kp._consts(128, 4, 32, 0)["EARLY_LOOKUP"] == 1
+    monkeypatch.setenv("KDA_RT_KDA_EARLY_LOOKUP", "0")
+    assert "EARLY_LOOKUP" not in kp._consts(128, 4, 32, 0)
+    for name in (*switches, "KDA_RT_KDA_EARLY_LOOKUP"):
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)
