@@ -287,6 +287,13 @@ def kda_early_lookup() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_LOOKUP", "0")
 
 
+def kda_split_f() -> bool:
+    """KDA_RT_KDA_SPLIT_F: 1 builds the KDA prefill intra kernel with f's rows in a second copy group, landing under
+    the conv of q, k, v (kernels_cu/kda_prefill.cu SPLIT_F, which needs COPY_ROWS: the same bits); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_SPLIT_F", "0")
+
+
 def kda_t_halves() -> bool:
     """KDA_RT_KDA_T_HALVES: 1 builds the KDA prefill intra kernel's off-diagonal T blocks by halves (T_10 and T_32,
     then the lower-left 32 x 32 block) with T diag(beta) written by each stage, 5 barriers instead of 8

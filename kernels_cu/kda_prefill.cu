@@ -195,6 +195,15 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef EARLY_LOOKUP
 #define EARLY_LOOKUP 0
 #endif
+// SPLIT_F = 1 (with COPY_ROWS): the raw f rows copied in a second cp.async group, so the conv of q, k, v starts once
+// their rows (and the taps) have landed and f's land under it; one more barrier, before the gates.  The same copies:
+// bit-identical.  0 until measured (bench_kda_phases.py --ab SPLIT_F).
+#ifndef SPLIT_F
+#define SPLIT_F 0
+#endif
+#if SPLIT_F && !COPY_ROWS
+#error "kda_prefill.cu: SPLIT_F needs COPY_ROWS"
+#endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
 #else
@@ -478,9 +487,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 for (int i = 0; i < 3; ++i)
                     cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, real ? src + i * step : qkv, real ? 16 : 0);
             }
+#if !SPLIT_F
 #pragma unroll
             for (int rr = r1; rr < L; rr += RPP)
                 cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+#endif
         }
 #else
         for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
@@ -502,6 +513,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                                               : dt_bias + h * K + (idx - 3 * TAPP) * 4;
             cp_async16(Tap + idx * 4, src, 16);
         }
+#if SPLIT_F
+        cp_async_commit();  // group 0: raw q, k, v and the taps; group 1: f
+        {
+            const int c = (tid % PIECES) * 8, r1 = tid / PIECES;
+#pragma unroll
+            for (int rr = r1; rr < L; rr += INTRA_THREADS / PIECES)
+                cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+        }
+#endif
         cp_async_commit();
         STAMP(12);  // thread 0's copies issued (bench only)
         // while the copies fly: L2 prefetch of the q, k, v, f rows of the next tile on this SM (above), so that its
@@ -533,9 +553,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
 #endif
         if (tid < NUM_SUB) unsafe[tid] = 0;
-        cp_async_wait<0>();
+        cp_async_wait<SPLIT_F>();
         __syncthreads();
-        STAMP(1);  // every copy has landed
+        STAMP(1);  // every copy has landed (SPLIT_F: all but f's)
 
         constexpr int CW = CONV_PAIRS ? 2 : 1, CR = CONV_ROWS / CW;  // channels (adjacent) and rows a thread
         static_assert(CONV_ROWS % CW == 0 && LDF % 2 == 0 && IN_G % 8 == 0, "kda_prefill_intra: CONV_PAIRS's map");
@@ -579,6 +599,10 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 st_row_bf16<CW>(dst + rr * LDB, y);
             }
         }
+#if SPLIT_F
+        cp_async_wait<0>();
+        __syncthreads();  // every thread's f pieces have landed
+#endif
 #pragma unroll 8
         for (int rr = 0; rr < CR; ++rr) {
             const int r = r0 + rr;
