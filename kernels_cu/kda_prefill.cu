@@ -77,6 +77,9 @@
 // on four mbarriers, each tensor's conv once its rows had landed; bit-identical) were slower: 32 x 2048 5.614 ->
 // 5.883 ms (+4.8%), 8 x 2048 +4.9%, 1 x 32768 +5.0%, q's rows landing 8.4 K cycles after the start against 6.0 K
 // for every cp.async piece (bench_kda_phases.py --ab BULK_IN, 9e033ff; removed).
+// Thirty-fifth / thirty-sixth sessions (2026-12-03, --ab, the model's beta with --ldb 288): CONV_PAIRS and T_HALVES
+// together 32 x 2048 5.594 -> 5.175 ms, then BETA_EARLY 5.205 -> 5.090 and COPY_ROWS 5.112 -> 4.958 (thread 0's issue
+// of its copies 4.1 K -> 2.9 K cycles), all on by default; the copies' phase 14% of a CTA after them.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).
