@@ -283,15 +283,8 @@ def kda_copy_rows() -> bool:
 def kda_early_lookup() -> bool:
     """KDA_RT_KDA_EARLY_LOOKUP: 1 builds the KDA prefill intra kernel with the next tile's sequence lookup (for its L2
     prefetch) and the head's A_log at the entry, beside the tile's own lookup (kernels_cu/kda_prefill.cu
-    EARLY_LOOKUP: the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_EARLY_LOOKUP", "0")
-
-
-def kda_split_f() -> bool:
-    """KDA_RT_KDA_SPLIT_F: 1 builds the KDA prefill intra kernel with f's rows in a second copy group, landing under
-    the conv of q, k, v (kernels_cu/kda_prefill.cu SPLIT_F, which needs COPY_ROWS: the same bits); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_SPLIT_F", "0")
+    EARLY_LOOKUP: the same bits); default 1 (0: the build before 2026-12-03).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_EARLY_LOOKUP")
 
 
 def kda_t_halves() -> bool:

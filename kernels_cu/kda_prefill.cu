@@ -194,18 +194,12 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // one probe load of each in flight together, and its start, length and the head's A_log loaded there too, so the
 // thread that issued its copies goes on to the prefetch and the copies' wait without a round trip of its own (the
 // lookup + prefetch took ~0.8 K cycles after the copies' issue, then ~0.6 K for beta, -exp(A_log) and the wait).
-// The same lookups, prefetches and values: bit-identical.  0 until measured (bench_kda_phases.py --ab EARLY_LOOKUP).
+// The same lookups, prefetches and values: bit-identical.  1 since 2026-12-03 (KDA_RT_KDA_EARLY_LOOKUP=0: without).
+// H200, bench_kda_phases.py --ldb 288 --ab EARLY_LOOKUP (5 interleaved rounds, ms): 32 x 2048 4.953 -> 4.852, 8 x 2048
+// 1.271 -> 1.246, 1 x 32768 2.442 -> 2.402.  (f's rows in a second copy group landing under the conv, SPLIT_F, were
+// slower: 4.976 -> 5.013, 1.269 -> 1.279, 2.442 -> 2.458; removed.)
 #ifndef EARLY_LOOKUP
-#define EARLY_LOOKUP 0
-#endif
-// SPLIT_F = 1 (with COPY_ROWS): the raw f rows copied in a second cp.async group, so the conv of q, k, v starts once
-// their rows (and the taps) have landed and f's land under it; one more barrier, before the gates.  The same copies:
-// bit-identical.  0 until measured (bench_kda_phases.py --ab SPLIT_F).
-#ifndef SPLIT_F
-#define SPLIT_F 0
-#endif
-#if SPLIT_F && !COPY_ROWS
-#error "kda_prefill.cu: SPLIT_F needs COPY_ROWS"
+#define EARLY_LOOKUP 1
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
@@ -490,11 +484,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 for (int i = 0; i < 3; ++i)
                     cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, real ? src + i * step : qkv, real ? 16 : 0);
             }
-#if !SPLIT_F
 #pragma unroll
             for (int rr = r1; rr < L; rr += RPP)
                 cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
-#endif
         }
 #else
         for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
@@ -516,15 +508,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                                               : dt_bias + h * K + (idx - 3 * TAPP) * 4;
             cp_async16(Tap + idx * 4, src, 16);
         }
-#if SPLIT_F
-        cp_async_commit();  // group 0: raw q, k, v and the taps; group 1: f
-        {
-            const int c = (tid % PIECES) * 8, r1 = tid / PIECES;
-#pragma unroll
-            for (int rr = r1; rr < L; rr += INTRA_THREADS / PIECES)
-                cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
-        }
-#endif
         cp_async_commit();
         STAMP(12);  // thread 0's copies issued (bench only)
         // while the copies fly: L2 prefetch of the q, k, v, f rows of the next tile on this SM (above), so that its
@@ -556,9 +539,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
 #endif
         if (tid < NUM_SUB) unsafe[tid] = 0;
-        cp_async_wait<SPLIT_F>();
+        cp_async_wait<0>();
         __syncthreads();
-        STAMP(1);  // every copy has landed (SPLIT_F: all but f's)
+        STAMP(1);  // every copy has landed
 
         constexpr int CW = CONV_PAIRS ? 2 : 1, CR = CONV_ROWS / CW;  // channels (adjacent) and rows a thread
         static_assert(CONV_ROWS % CW == 0 && LDF % 2 == 0 && IN_G % 8 == 0, "kda_prefill_intra: CONV_PAIRS's map");
@@ -602,10 +585,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 st_row_bf16<CW>(dst + rr * LDB, y);
             }
         }
-#if SPLIT_F
-        cp_async_wait<0>();
-        __syncthreads();  // every thread's f pieces have landed
-#endif
 #pragma unroll 8
         for (int rr = 0; rr < CR; ++rr) {
             const int r = r0 + rr;

@@ -83,14 +83,9 @@ def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
     the kernel's default (so the default module's cache key has none of them)."""
     consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=_CHUNK, VB=vb, INTRA_THREADS=_INTRA_THREADS, QUAD_SPLIT=int(_QUAD_SPLIT),
                   STATE_PF=pf)
-    variants = _intra_variants()
-    for name, on, default in variants:
+    for name, on, default in _intra_variants():
         if on != default:
             consts[name] = int(on)
-    on = {name for name, value, _ in variants if value}
-    if "SPLIT_F" in on and "COPY_ROWS" not in on:
-        raise ValueError("KDA_RT_KDA_SPLIT_F=1 needs KDA_RT_KDA_COPY_ROWS=1 (f's second copy group is in the "
-                         "row-by-row copies)")
     return consts
 
 
@@ -101,8 +96,7 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
             ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), True),
             ("T_HALVES", env.kda_t_halves(), True), ("BETA_EARLY", env.kda_beta_early(), True),
-            ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), False),
-            ("SPLIT_F", env.kda_split_f(), False)]
+            ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
