@@ -287,6 +287,13 @@ def kda_early_lookup() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_LOOKUP")
 
 
+def kda_g_balance() -> bool:
+    """KDA_RT_KDA_G_BALANCE: 1 builds the KDA prefill intra kernel's W, U products with each warp on two row blocks of
+    the lower-triangular T (kernels_cu/kda_prefill.cu G_BALANCE: 5 k steps a warp instead of 1-4 of twice the width;
+    the same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_G_BALANCE", "0")
+
+
 def kda_t_halves() -> bool:
     """KDA_RT_KDA_T_HALVES: 1 builds the KDA prefill intra kernel's off-diagonal T blocks by halves (T_10 and T_32,
     then the lower-left 32 x 32 block) with T diag(beta) written by each stage, 5 barriers instead of 8

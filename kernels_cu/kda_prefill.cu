@@ -201,6 +201,13 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef EARLY_LOOKUP
 #define EARLY_LOOKUP 1
 #endif
+// G_BALANCE = 1: phase (g)'s products (T diag(beta) is lower-triangular: row block mt takes mt + 1 k steps) with each
+// warp on two row blocks, p and 3 - p, and 16 columns, so every warp runs 5 k steps of 4 mma instead of 1-4 k steps of
+// 8 (the CTA ends with its slowest warp: 32 mma there now, 20 then).  The same products summed in the same order:
+// bit-identical.  0 until measured (bench_kda_phases.py --ab G_BALANCE; prepared 2026-12-03 without a GPU run).
+#ifndef G_BALANCE
+#define G_BALANCE 0
+#endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
 #else
@@ -1006,6 +1013,38 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #endif
 
     // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns GC nh ..
+#if G_BALANCE
+    // warp -> the row blocks p and 3 - p (p = warp & 1: 1 + 4 or 2 + 3 k steps of the lower-triangular T), columns
+    // 16 cg .. 16 cg + 15 (cg = warp >> 1)
+    {
+        static_assert(INTRA_WARPS == 16 && K == 128 && NUM_SUB == 4, "kda_prefill_intra: G_BALANCE's map");
+        const int p = warp & 1, cg = warp >> 1, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+            const int mt = which ? 3 - p : p;
+            float accw[2][4] = {}, accu[2][4] = {};
+            for (int ks = 0; ks <= mt; ++ks) {
+                unsigned a[4], bw[4], bu[4];
+                frag_a(a, Tb + mt * 16 * LDA + ks * 16, LDA);
+                frag_b_kn(bw, KG + ks * 16 * LDB + cg * 16, LDB);
+                frag_b_kn(bu, Vr + ks * 16 * LDB + cg * 16, LDB);
+                mma_bf16(accw[0], a, bw[0], bw[1]);
+                mma_bf16(accw[1], a, bw[2], bw[3]);
+                mma_bf16(accu[0], a, bu[0], bu[1]);
+                mma_bf16(accu[1], a, bu[2], bu[3]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const size_t o = (tile * L + mt * 16 + g + 8 * hh) * K + cg * 16 + nt * 8 + 2 * t;
+                    st_bf16x2(ws_w + o, accw[nt][2 * hh], accw[nt][2 * hh + 1]);
+                    st_bf16x2(ws_u + o, accu[nt][2 * hh], accu[nt][2 * hh + 1]);
+                }
+            }
+        }
+    }
+#else
     {
         constexpr int GC = K / (INTRA_WARPS / 4), GT = GC / 8;
         const int mt = warp & 3, nh = warp >> 2, g = lane >> 2, t = lane & 3;
@@ -1034,6 +1073,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
         }
     }
+#endif
     STAMP(10);
 }
 

@@ -96,7 +96,8 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
             ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), True),
             ("T_HALVES", env.kda_t_halves(), True), ("BETA_EARLY", env.kda_beta_early(), True),
-            ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True)]
+            ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
+            ("G_BALANCE", env.kda_g_balance(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
