@@ -201,6 +201,55 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         assert cupy.array_equal(recs[run], recs[base]), f"{run}: the final state differs from the {base} build's"
 
 
+LOOKUP_SRC = r"""
+#define HEAD_DIM 128
+#define CONV_W 4
+#define CHUNK 64
+#define VB 64
+#define INTRA_THREADS 512
+#include "kda_prefill.cu"
+// one warp a pair of chunk ids (all lanes active, as in the kernel): EARLY_LOOKUP's lockstep search and two calls of
+// the single one
+extern "C" __global__ void lookup_pairs(const int* cu, int num_seqs, const int* cids, int n, int* pair_out,
+                                        int* single_out) {
+    const int w = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (w >= n) return;  // warp-uniform
+    int s1, s2;
+    sequence_of_chunk_pair(cu, num_seqs, cids[2 * w], cids[2 * w + 1], s1, s2);
+    const int t1 = sequence_of_chunk(cu, num_seqs, cids[2 * w]), t2 = sequence_of_chunk(cu, num_seqs, cids[2 * w + 1]);
+    if ((threadIdx.x & 31) == 0) pair_out[2 * w] = s1, pair_out[2 * w + 1] = s2, single_out[2 * w] = t1, single_out[2 * w + 1] = t2;
+}
+"""
+
+
+def test_kda_sequence_of_chunk_pair():
+    """kda_prefill.cu's sequence_of_chunk_pair (EARLY_LOOKUP: the tile's own sequence and the next tile's, for its L2
+    prefetch, searched in lockstep) against NumPy (the last sequence whose first chunk id, b + cu_seqlens[b] // 64, is
+    <= the id) and against two calls of sequence_of_chunk, for 1-1025 sequences (one to three 32-way steps, the two
+    searches finishing on different steps), lengths 0-300 (empty sequences among them) and random pairs of ids
+    over every chunk id.  The model's tests reach only small batches, where the search is one step or none."""
+    import cupy
+
+    mod = inline_module(LOOKUP_SRC)
+    fn = mod.get_function("lookup_pairs")
+    rng = np.random.default_rng(5)
+    for num_seqs in (1, 2, 31, 32, 33, 100, 1000, 1025):
+        lens = rng.integers(0, 301, num_seqs)
+        lens[rng.random(num_seqs) < 0.1] = 0
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        chunks = num_seqs + int(cu[-1]) // 64
+        base = np.arange(num_seqs) + cu[:-1] // 64
+        ids = np.concatenate([np.repeat(np.arange(chunks), 2), rng.integers(0, chunks, 2 * chunks)]).astype(np.int32)
+        ids[1:2 * chunks:2] = rng.permutation(chunks)  # every id in both places, paired with another
+        n = ids.size // 2
+        want = np.searchsorted(base, ids, side="right") - 1
+        pair, single = cupy.full(2 * n, -7, dtype=np.int32), cupy.full(2 * n, -7, dtype=np.int32)
+        fn(((n * 32 + 127) // 128,), (128,), (cupy.asarray(cu), np.int32(num_seqs), cupy.asarray(ids), np.int32(n),
+                                              pair, single))
+        np.testing.assert_array_equal(single.get(), want, err_msg=f"sequence_of_chunk, {num_seqs} sequences")
+        np.testing.assert_array_equal(pair.get(), want, err_msg=f"sequence_of_chunk_pair, {num_seqs} sequences")
+
+
 SOFTPLUS_SRC = r"""
 #include "kda_common.cuh"
 extern "C" __global__ void softplus_both(const float* z, float* fast, float* approx, int n) {
