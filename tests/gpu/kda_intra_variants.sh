@@ -3,7 +3,7 @@
 # $AB (default "G_BALANCE", space-separated, a comma-joined entry flips several together) built 0
 # and 1.  The thirty-fourth to thirty-sixth sessions measured and turned on CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL,
 # ROW_NORM_SPREAD, EXP2_FTZ, CONV_PAIRS, T_HALVES, BETA_EARLY, COPY_ROWS and EARLY_LOOKUP with its forms; the
-# thirty-sixth ran it with AB="EARLY_LOOKUP SPLIT_F EARLY_LOOKUP,SPLIT_F" (SPLIT_F since removed: slower).
+# thirty-sixth ran its form at 8af2d47 on EARLY_LOOKUP, SPLIT_F and both (SPLIT_F since removed: slower).
 #   1. each entry's kernel A/B (bench_kda_phases.py --ab, beta as the model passes it with --ldb 288: 5 interleaved
 #      rounds a shape, outputs compared bit for bit, phase cycles of both builds);
 #   2. the phases of 8 and of 132 tiles launched alone, twice, the second from warm L2 (--solo: are the copies slow
