@@ -519,19 +519,17 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         STAMP(12);  // thread 0's copies issued (bench only)
         // while the copies fly: L2 prefetch of the q, k, v, f rows of the next tile on this SM (above), so that its
         // copies hit L2
-        {
-            if (pf_next) {
+        if (pf_next) {
 #if !EARLY_LOOKUP
-                const int seq2 = sequence_of_chunk(cu_seqlens, num_seqs, cid2);
-                const int start2 = __ldg(cu_seqlens + seq2), len2 = __ldg(cu_seqlens + seq2 + 1) - start2;
+            const int seq2 = sequence_of_chunk(cu_seqlens, num_seqs, cid2);
+            const int start2 = __ldg(cu_seqlens + seq2), len2 = __ldg(cu_seqlens + seq2 + 1) - start2;
 #endif
-                const int c02 = (cid2 - seq2 - start2 / L) * L, n2 = min(L, len2 - c02);
-                for (int idx = tid; idx < 8 * n2; idx += INTRA_THREADS) {  // 4 row segments of 2 x 128 B
-                    const int r = idx >> 3, seg = (idx >> 1) & 3, half = idx & 1;
-                    const size_t row = (size_t)(start2 + c02 + r);
-                    const bf16* p = (seg < 3 ? qkv + row * 3 * P + seg * P : f + row * P) + h2 * K + half * 64;
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-                }
+            const int c02 = (cid2 - seq2 - start2 / L) * L, n2 = min(L, len2 - c02);
+            for (int idx = tid; idx < 8 * n2; idx += INTRA_THREADS) {  // 4 row segments of 2 x 128 B
+                const int r = idx >> 3, seg = (idx >> 1) & 3, half = idx & 1;
+                const size_t row = (size_t)(start2 + c02 + r);
+                const bf16* p = (seg < 3 ? qkv + row * 3 * P + seg * P : f + row * P) + h2 * K + half * 64;
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
             }
         }
         STAMP(13);  // thread 0's next-tile prefetch issued (bench only)
