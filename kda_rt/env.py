@@ -290,8 +290,8 @@ def kda_early_lookup() -> bool:
 def kda_g_balance() -> bool:
     """KDA_RT_KDA_G_BALANCE: 1 builds the KDA prefill intra kernel's W, U products with each warp on two row blocks of
     the lower-triangular T (kernels_cu/kda_prefill.cu G_BALANCE: 5 k steps a warp instead of 1-4 of twice the width;
-    the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_G_BALANCE", "0")
+    the same bits); default 1 (0: the build before 2026-12-04).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_G_BALANCE")
 
 
 def kda_t_halves() -> bool:

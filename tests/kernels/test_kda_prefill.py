@@ -164,11 +164,11 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     norms on warps 0-7, gate bookkeeping on warps 12-15), KDA_RT_KDA_CONV_PAIRS (phase (a) two channels a
     thread), KDA_RT_KDA_BETA_EARLY (beta loaded before the copies), KDA_RT_KDA_COPY_ROWS (the copies issued row by
     row), KDA_RT_KDA_EARLY_LOOKUP (the next tile's lookup at the entry) and KDA_RT_KDA_G_BALANCE (phase (g) two row
-    blocks a warp; off by default): bit for bit what the all-off build gives; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free,
+    blocks a warp): bit for bit what the all-off build gives; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free,
     without log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results) and
     KDA_RT_KDA_T_HALVES (T's off-diagonal blocks by halves, fp32 sums in another order): against the reference at
-    the prefill bounds.  Also "default" (no switch set: all but G_BALANCE on) and "default-bit" (CONV_PAIRS,
-    BETA_EARLY, COPY_ROWS and EARLY_LOOKUP off in it, G_BALANCE on: bit for bit the default).  Every gate kind, fresh and continuing sequences,
+    the prefill bounds.  Also "default" (no switch set: all on) and "default-bit" (CONV_PAIRS, BETA_EARLY,
+    COPY_ROWS, EARLY_LOOKUP and G_BALANCE off in it: bit for bit the default).  Every gate kind, fresh and continuing sequences,
     lengths 1-4096; every SM's shared memory poisoned before each build."""
     import cupy
 
@@ -184,7 +184,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     runs = {"none": dict.fromkeys(switches, "0"), **{name: {**dict.fromkeys(switches, "0"), name: "1"} for name in switches},
             "default": {}, "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
                                            "KDA_RT_KDA_COPY_ROWS": "0", "KDA_RT_KDA_EARLY_LOOKUP": "0",
-                                           "KDA_RT_KDA_G_BALANCE": "1"}}
+                                           "KDA_RT_KDA_G_BALANCE": "0"}}
     for run, env in runs.items():
         for name in switches:
             if name in env:

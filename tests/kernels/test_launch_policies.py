@@ -261,15 +261,15 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
-    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), and the
-    other way round for G_BALANCE (off by default), so the GPU variants test builds what it names."""
+    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), so the GPU
+    variants test builds what it names."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
                 "KDA_RT_KDA_SCALE_UNROLL": "SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD": "ROW_NORM_SPREAD",
                 "KDA_RT_KDA_EXP2_FTZ": "EXP2_FTZ", "KDA_RT_KDA_CONV_PAIRS": "CONV_PAIRS", "KDA_RT_KDA_T_HALVES": "T_HALVES",
                 "KDA_RT_KDA_BETA_EARLY": "BETA_EARLY", "KDA_RT_KDA_COPY_ROWS": "COPY_ROWS",
-                "KDA_RT_KDA_EARLY_LOOKUP": "EARLY_LOOKUP"}
+                "KDA_RT_KDA_EARLY_LOOKUP": "EARLY_LOOKUP", "KDA_RT_KDA_G_BALANCE": "G_BALANCE"}
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
@@ -286,13 +286,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
     for name in switches:
         monkeypatch.delenv(name)
-    monkeypatch.delenv("KDA_RT_KDA_G_BALANCE", raising=False)  # off by default: absent unless 1
-    assert "G_BALANCE" not in kp._consts(128, 4, 32, 0)
-    monkeypatch.setenv("KDA_RT_KDA_G_BALANCE", "1")
-    assert kp._consts(128, 4, 32, 0)["G_BALANCE"] == 1
-    monkeypatch.setenv("KDA_RT_KDA_G_BALANCE", "0")
-    assert "G_BALANCE" not in kp._consts(128, 4, 32, 0)
-    for name in (*switches, "KDA_RT_KDA_G_BALANCE"):
+    for name in switches:
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)
