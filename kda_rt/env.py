@@ -287,6 +287,20 @@ def kda_early_lookup() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_LOOKUP")
 
 
+def kda_de_pool() -> bool:
+    """KDA_RT_KDA_DE_POOL: 1 builds the KDA prefill intra kernel's A_qk, A_kk products and unsafe diagonal sub-blocks
+    as one pool of warp parts taken from a shared counter (kernels_cu/kda_prefill.cu DE_POOL: the same bits); default 0
+    until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_DE_POOL", "0")
+
+
+def kda_silu_fast() -> bool:
+    """KDA_RT_KDA_SILU_FAST: 1 builds the KDA prefill intra kernel's conv + SiLU with the hardware reciprocal alone
+    (kernels_cu/kda_prefill.cu SILU_FAST: within ~2 ulp before the bf16 rounding, not the same bits); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_SILU_FAST", "0")
+
+
 def kda_g_balance() -> bool:
     """KDA_RT_KDA_G_BALANCE: 1 builds the KDA prefill intra kernel's W, U products with each warp on two row blocks of
     the lower-triangular T (kernels_cu/kda_prefill.cu G_BALANCE: 5 k steps a warp instead of 1-4 of twice the width;

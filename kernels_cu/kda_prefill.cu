@@ -209,6 +209,22 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef G_BALANCE
 #define G_BALANCE 1
 #endif
+// DE_POOL = 1: phases (d) and (e) as one pool of warp-sized parts taken from a shared counter, whole products first,
+// then (e)'s parts that have an unsafe pair, then the quadrant tasks (half a product), instead of task w, w + 16 to
+// warp w and (e)'s 14 parts to warps 0-13: with every sub-block unsafe (the model's random gates and the bench's)
+// warps 0-3 ran two products and a part of (e) while three warps had no product (ncu: the barrier after the phase
+// held 4.7% of all the warps' stall samples).  The same parts computing the same values: bit-identical.
+#ifndef DE_POOL
+#define DE_POOL 0
+#endif
+// SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
+// without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
+// division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-04: 20% of the
+// stall samples, "selected" and "not selected" 43% of them).  The product is within ~2 ulp of the quotient before the
+// bf16 rounding: other bits only where the quotient lies that close to a bf16 rounding boundary.
+#ifndef SILU_FAST
+#define SILU_FAST 0
+#endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
 #else
@@ -266,6 +282,10 @@ __device__ __forceinline__ float conv_silu_nr(const float (&taps)[W], const floa
     u = fmaf(taps[W - 1], x, u);
 #if EXP_ACCURATE_EXP
     const float s = silu_nr(u);
+#elif SILU_FAST
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + exp2_approx(-LOG2E * u)));
+    const float s = u * r;
 #else
     const float s = silu_quotient(u, 1.f + exp2_approx(-LOG2E * u));
 #endif
@@ -311,6 +331,11 @@ __device__ __forceinline__ void dot16(const float4* a4, const float* col, int ld
 __device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
 // index of the (row block I, column block J < I) pair in the gate table C
 __device__ __forceinline__ constexpr int cross_index(int I, int J) { return I * (I - 1) / 2 + J; }
+// the position of m's n-th set bit (n = 0: the lowest); m has more than n
+__device__ __forceinline__ int nth_bit(unsigned m, int n) {
+    for (int i = 0; i < n; ++i) m &= m - 1;
+    return __ffs(m) - 1;
+}
 
 // First chunk id of sequence b (see the header): strictly increasing in b.
 __device__ __forceinline__ int chunk_base(const int* __restrict__ cu_seqlens, int b) { return b + __ldg(cu_seqlens + b) / L; }
@@ -408,7 +433,7 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 #define INTRA_SMEM (IN_VEC + 4 * L * 4 + 32)
 #endif
 static_assert((3 * CONV_W + 1) * K * 4 <= L * LDT * 4, "kda_prefill_intra: the conv taps must fit the A_kk tile");
-static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags and -exp(A_log) share 32 bytes");
+static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags, -exp(A_log) and the DE_POOL counter share 32 bytes");
 static_assert(IN_KA % 16 == 0 && IN_AKK % 16 == 0 && LDT % 4 == 0, "kda_prefill_intra: T and A_kk rows are read as float4");
 
 // ---------------------------------------------------------------------------------------------
@@ -432,6 +457,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     float* dqk = rk + L;  // each row's q.k (raw conv outputs)
     int* unsafe = (int*)(dqk + L);
     float* NegA = (float*)(unsafe + NUM_SUB);  // -exp(A_log[h])
+    int* pool = (int*)(NegA + 1);               // DE_POOL: phases (d) and (e)'s next part
 #if QUAD_SPLIT
     bf16* Quad = (bf16*)(sm + IN_QUAD);
 #endif
@@ -545,6 +571,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
 #endif
         if (tid < NUM_SUB) unsafe[tid] = 0;
+        if (tid == NUM_SUB) *pool = 0;  // DE_POOL's counter
         cp_async_wait<0>();
         __syncthreads();
         STAMP(1);  // every copy has landed
@@ -769,9 +796,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // ---- (d) A_qk and beta A_kk, 16 x 16 sub-block pairs (I, J <= I) on tensor cores: 2 products x
     // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e) (QUAD_SPLIT: but for its
     // lower-left quadrant, both products in one task here)
+    // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r > s) per thread (480
+    // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b).  QUAD_SPLIT: only the
+    // pairs inside the two 8 x 8 halves (4 x 56 pairs), each over two threads (half the channels each, adjacent
+    // lanes summed by a shuffle): 448 threads (14 warps' parts), one round of half the length.  (d) and (e) write
+    // disjoint elements and read only what (c) left: one phase.  DE_POOL: each warp takes its next part from a
+    // shared counter (the whole products first, then (e)'s parts with work, then the quadrant tasks)
     {
         const int g = lane >> 2, t = lane & 3;
-        for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) {
+        auto d_task = [&](const int task) {
             const bool kk = task >= NUM_PAIRS;
             const int p = kk ? task - NUM_PAIRS : task;
             int I = 0;
@@ -779,7 +812,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             const int J = p - pair_index(I, 0);
             if (J == I && unsafe[I]) {
 #if QUAD_SPLIT
-                if (kk) continue;  // the A_qk task computes both: rows 0-7 of its product are A_kk's, rows 8-15 A_qk's
+                if (kk) return;  // the A_qk task computes both: rows 0-7 of its product are A_kk's, rows 8-15 A_qk's
                 const bf16* Qd = Quad + I * QUAD_ROWS * LDB;
                 float acc[4] = {};
 #pragma unroll
@@ -798,7 +831,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // the upper-right quadrant of the diagonal block
                 ws_a[(tile * L + S + 1) * L + R] = to_bf16(0.f);
 #endif
-                continue;
+                return;
             }
             float acc[2][4] = {};
             const bf16* A = (kk ? KA : QA) + I * SUB * LDB;
@@ -826,41 +859,72 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                     }
                 }
             }
-        }
-    }
-
-    // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r > s) per thread (480
-    // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b).  QUAD_SPLIT: only the
-    // pairs inside the two 8 x 8 halves (4 x 56 pairs), each over two threads (half the channels each, adjacent
-    // lanes summed by a shuffle): 448 threads, one round of half the length
+        };
 #if QUAD_SPLIT
-    static_assert(NUM_SUB * 2 * 28 * 2 <= INTRA_THREADS && (NUM_SUB * 2 * 28 * 2) % 32 == 0,
-                  "kda_prefill_intra: the halves' pairs take whole warps of one round");
-    if (tid < NUM_SUB * 2 * 28 * 2) {
-        const int dh = tid & 1, pi = tid >> 1, I = pi / 56, half = (pi / 28) % 2, p = pi % 28;
-        const bool act = unsafe[I];  // (no early exit: both lanes of a pair meet at the shuffle)
-        int rl = 1;
-        while (rl * (rl + 1) / 2 <= p) ++rl;
-        const int sl = p - rl * (rl - 1) / 2, R = I * SUB + 8 * half + rl, S = I * SUB + 8 * half + sl;
-        float aqk = 0.f, akk = 0.f;
-        if (act) {
-            for (int d = dh * (K / 2); d < (dh + 1) * (K / 2); d += 2) {
-                const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
-                const float e0 = EXP2_ELEM(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
-                const float e1 = EXP2_ELEM(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
-                aqk = fmaf(q2.x * ks2.x, e0, fmaf(q2.y * ks2.y, e1, aqk));
-                akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
+        constexpr int E_THREADS = NUM_SUB * 2 * 28 * 2;
+        static_assert(E_THREADS <= INTRA_THREADS && E_THREADS % 32 == 0,
+                      "kda_prefill_intra: the halves' pairs take whole warps of one round");
+        // (e)'s thread vt < E_THREADS (called by whole warps: the pair's two lanes meet at a shuffle)
+        auto e_part = [&](const int vt) {
+            const int dh = vt & 1, pi = vt >> 1, I = pi / 56, half = (pi / 28) % 2, p = pi % 28;
+            const bool act = unsafe[I];  // (no early exit: both lanes of a pair meet at the shuffle)
+            int rl = 1;
+            while (rl * (rl + 1) / 2 <= p) ++rl;
+            const int sl = p - rl * (rl - 1) / 2, R = I * SUB + 8 * half + rl, S = I * SUB + 8 * half + sl;
+            float aqk = 0.f, akk = 0.f;
+            if (act) {
+                for (int d = dh * (K / 2); d < (dh + 1) * (K / 2); d += 2) {
+                    const float2 q2 = ld_bf16x2(Qr + R * LDB + d), kr2 = ld_bf16x2(Kr + R * LDB + d), ks2 = ld_bf16x2(Kr + S * LDB + d);
+                    const float e0 = EXP2_ELEM(fminf(Gf[R * LDF + d] - Gf[S * LDF + d], 0.f));
+                    const float e1 = EXP2_ELEM(fminf(Gf[R * LDF + d + 1] - Gf[S * LDF + d + 1], 0.f));
+                    aqk = fmaf(q2.x * ks2.x, e0, fmaf(q2.y * ks2.y, e1, aqk));
+                    akk = fmaf(kr2.x * ks2.x, e0, fmaf(kr2.y * ks2.y, e1, akk));
+                }
             }
+            aqk += __shfl_xor_sync(0xffffffffu, aqk, 1);
+            akk += __shfl_xor_sync(0xffffffffu, akk, 1);
+            if (act && dh == 0) {
+                ws_a[(tile * L + R) * L + S] = to_bf16(aqk * rq[R] * rk[S]);
+                Akk[R * LDT + S] = akk * Bs[R] * rk[R] * rk[S];
+                ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+            }
+        };
+#endif
+#if DE_POOL
+        static_assert(QUAD_SPLIT && 2 * NUM_PAIRS <= 32 && E_THREADS <= 32 * 32, "kda_prefill_intra: DE_POOL's masks");
+        constexpr int E_UNITS = E_THREADS / 32;  // (e)'s warp parts: part v holds pairs 16 v .. 16 v + 15 (56 a block)
+        unsigned full, eun, quad;                // lane i: task i whole / (e) part i with work / task i a quadrant
+        {
+            const int p = lane % NUM_PAIRS, lo = min(16 * lane / 56, NUM_SUB - 1), hi = min((16 * lane + 15) / 56, NUM_SUB - 1);
+            int I = 0;
+            while (pair_index(I + 1, 0) <= p) ++I;
+            const bool diag_unsafe = p == pair_index(I, I) && unsafe[I];
+            full = __ballot_sync(0xffffffffu, lane < 2 * NUM_PAIRS && !diag_unsafe);
+            quad = __ballot_sync(0xffffffffu, lane < NUM_PAIRS && diag_unsafe);
+            eun = __ballot_sync(0xffffffffu, lane < E_UNITS && (unsafe[lo] || unsafe[hi]));
         }
-        aqk += __shfl_xor_sync(0xffffffffu, aqk, 1);
-        akk += __shfl_xor_sync(0xffffffffu, akk, 1);
-        if (act && dh == 0) {
-            ws_a[(tile * L + R) * L + S] = to_bf16(aqk * rq[R] * rk[S]);
-            Akk[R * LDT + S] = akk * Bs[R] * rk[R] * rk[S];
-            ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+        const int nf = __popc(full), ne = __popc(eun), nq = __popc(quad);
+        for (;;) {
+            int u = 0;
+            if (lane == 0) u = atomicAdd(pool, 1);
+            u = __shfl_sync(0xffffffffu, u, 0);
+            if (u < nf)
+                d_task(nth_bit(full, u));
+            else if (u < nf + ne)
+                e_part(32 * nth_bit(eun, u - nf) + lane);
+            else if (u < nf + ne + nq)
+                d_task(nth_bit(quad, u - nf - ne));
+            else
+                break;
         }
-    }
 #else
+        for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) d_task(task);
+#if QUAD_SPLIT
+        if (tid < E_THREADS) e_part(tid);
+#endif
+#endif
+    }
+#if !QUAD_SPLIT
     for (int idx = tid; idx < NUM_SUB * (SUB * (SUB - 1) / 2); idx += INTRA_THREADS) {
         const int I = idx / (SUB * (SUB - 1) / 2);
         if (!unsafe[I]) continue;

@@ -81,9 +81,7 @@ def _table(rows: list[dict], path: str, top: int) -> int:
     print("by reason: " + ", ".join(f"{n} {v / total:.1%}" for v, n in by_reason[:10]))
     for r in sorted(rows, key=value, reverse=True)[:top]:
         why = " ".join(f"{c[6:]}:{num(r, c):.0f}" for c in sorted(reasons, key=lambda c: -num(r, c))[:3])
-        print(
-            f"{value(r):9.0f} {value(r) / total:6.1%}  {(r.get(addr) or '')[-6:]:6s} {(r.get(src) or '')[:64]:64s} {why}"
-        )
+        print(f"{value(r):9.0f} {value(r) / total:6.1%}  {(r.get(addr) or '')[-6:]:6s} {(r.get(src) or '')[:64]:64s} {why}")
     return 0
 
 
