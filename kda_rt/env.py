@@ -301,6 +301,13 @@ def kda_silu_fast() -> bool:
     return _on_off("KDA_RT_KDA_SILU_FAST", "0")
 
 
+def kda_g_staged() -> bool:
+    """KDA_RT_KDA_G_STAGED: 1 builds the KDA prefill intra kernel's W, U stores staged in shared memory and written in
+    16-byte pieces (kernels_cu/kda_prefill.cu G_STAGED: the same bits); default 0 until measured.  Read at each
+    prefill."""
+    return _on_off("KDA_RT_KDA_G_STAGED", "0")
+
+
 def kda_g_balance() -> bool:
     """KDA_RT_KDA_G_BALANCE: 1 builds the KDA prefill intra kernel's W, U products with each warp on two row blocks of
     the lower-triangular T (kernels_cu/kda_prefill.cu G_BALANCE: 5 k steps a warp instead of 1-4 of twice the width;

@@ -225,6 +225,13 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef SILU_FAST
 #define SILU_FAST 0
 #endif
+// G_STAGED = 1: W and U (phase (g)) staged in shared memory and stored in whole 16-byte pieces (4 a thread, each warp
+// store 512 contiguous bytes) instead of 16 4-byte pieces a thread in the mma fragment layout (8 rows of 16 bytes a
+// warp store, half of each 32-byte sector): one more barrier.  ncu (2026-12-04): after the last barrier 12.6% of the
+// stall samples, 46% of them the warps' exit waiting for their stores to drain, 14% the store queue.  Same bits.
+#ifndef G_STAGED
+#define G_STAGED 0
+#endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
 #else
@@ -1076,6 +1083,21 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #endif
 
     // ---- (g) W = T diag(beta) e^G k^,  U = T diag(beta) v: warp -> rows 16 mt, columns GC nh ..
+    // the pairs (r, c .. c + 1) of W and U: to the workspace, or (G_STAGED) to rows LDB apart over the dead QA and fp32
+    // T tiles (4-byte stores on distinct banks), copied out below in 16-byte pieces
+#if G_STAGED
+    bf16 *Wst = QA, *Ust = (bf16*)(sm + IN_KA);
+    auto put_wu = [&](const int r, const int c, const float* w, const float* u) {
+        st_bf16x2(Wst + r * LDB + c, w[0], w[1]);
+        st_bf16x2(Ust + r * LDB + c, u[0], u[1]);
+    };
+#else
+    auto put_wu = [&](const int r, const int c, const float* w, const float* u) {
+        const size_t o = (tile * L + r) * K + c;
+        st_bf16x2(ws_w + o, w[0], w[1]);
+        st_bf16x2(ws_u + o, u[0], u[1]);
+    };
+#endif
 #if G_BALANCE
     // warp -> the row blocks p and 3 - p (p = warp & 1: 1 + 4 or 2 + 3 k steps of the lower-triangular T), columns
     // 16 cg .. 16 cg + 15 (cg = warp >> 1)
@@ -1100,9 +1122,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const size_t o = (tile * L + mt * 16 + g + 8 * hh) * K + cg * 16 + nt * 8 + 2 * t;
-                    st_bf16x2(ws_w + o, accw[nt][2 * hh], accw[nt][2 * hh + 1]);
-                    st_bf16x2(ws_u + o, accu[nt][2 * hh], accu[nt][2 * hh + 1]);
+                    put_wu(mt * 16 + g + 8 * hh, cg * 16 + nt * 8 + 2 * t, accw[nt] + 2 * hh, accu[nt] + 2 * hh);
                 }
             }
         }
@@ -1130,11 +1150,19 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         for (int nt = 0; nt < GT; ++nt) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const size_t o = (tile * L + mt * 16 + g + 8 * hh) * K + nh * GC + nt * 8 + 2 * t;
-                st_bf16x2(ws_w + o, accw[nt][2 * hh], accw[nt][2 * hh + 1]);
-                st_bf16x2(ws_u + o, accu[nt][2 * hh], accu[nt][2 * hh + 1]);
+                put_wu(mt * 16 + g + 8 * hh, nh * GC + nt * 8 + 2 * t, accw[nt] + 2 * hh, accu[nt] + 2 * hh);
             }
         }
+    }
+#endif
+#if G_STAGED
+    __syncthreads();
+    constexpr int PIECES = K / 8;  // 16-byte pieces of a row
+#pragma unroll
+    for (int i = tid; i < 2 * L * PIECES; i += INTRA_THREADS) {
+        const int u = i / (L * PIECES), r = (i / PIECES) % L, c = (i % PIECES) * 8;
+        const uint4 v = *reinterpret_cast<const uint4*>((u ? Ust : Wst) + r * LDB + c);
+        *reinterpret_cast<uint4*>((u ? ws_u : ws_w) + (tile * L + r) * K + c) = v;
     }
 #endif
     STAMP(10);

@@ -98,7 +98,7 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("T_HALVES", env.kda_t_halves(), True), ("BETA_EARLY", env.kda_beta_early(), True),
             ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
             ("G_BALANCE", env.kda_g_balance(), True), ("DE_POOL", env.kda_de_pool(), False),
-            ("SILU_FAST", env.kda_silu_fast(), False)]
+            ("SILU_FAST", env.kda_silu_fast(), False), ("G_STAGED", env.kda_g_staged(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
