@@ -287,25 +287,39 @@ def kda_early_lookup() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_LOOKUP")
 
 
-def kda_de_pool() -> bool:
-    """KDA_RT_KDA_DE_POOL: 1 builds the KDA prefill intra kernel's A_qk, A_kk products and unsafe diagonal sub-blocks
-    as one pool of warp parts taken from a shared counter (kernels_cu/kda_prefill.cu DE_POOL: the same bits); default 0
-    until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_DE_POOL", "0")
+def kda_d_order() -> bool:
+    """KDA_RT_KDA_D_ORDER: 1 builds the KDA prefill intra kernel's A_qk, A_kk tasks in the order that leaves the empty
+    ones (an unsafe sub-block's diagonal A_kk) to the second round (kernels_cu/kda_prefill.cu D_ORDER: the same bits);
+    default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_D_ORDER", "0")
+
+
+def kda_row_scatter() -> bool:
+    """KDA_RT_KDA_ROW_SCATTER: 1 builds the KDA prefill intra kernel's row sums (phase (b)) by a reduce-scatter over the
+    lanes, 27 shuffles a warp instead of 120 (kernels_cu/kda_prefill.cu ROW_SCATTER: the same bits); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_ROW_SCATTER", "0")
+
+
+def kda_kx_skip() -> bool:
+    """KDA_RT_KDA_KX_SKIP: 1 builds the KDA prefill intra kernel without the diagonal factor tile of unsafe sub-blocks,
+    which nothing reads (kernels_cu/kda_prefill.cu KX_SKIP: the same bits); default 0 until measured.  Read at each
+    prefill."""
+    return _on_off("KDA_RT_KDA_KX_SKIP", "0")
 
 
 def kda_silu_fast() -> bool:
     """KDA_RT_KDA_SILU_FAST: 1 builds the KDA prefill intra kernel's conv + SiLU with the hardware reciprocal alone
-    (kernels_cu/kda_prefill.cu SILU_FAST: within ~2 ulp before the bf16 rounding, not the same bits); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_SILU_FAST", "0")
+    (kernels_cu/kda_prefill.cu SILU_FAST: within ~2 ulp before the bf16 rounding, not the same bits); default 1 (0:
+    the build before 2026-12-04).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_SILU_FAST")
 
 
 def kda_g_staged() -> bool:
     """KDA_RT_KDA_G_STAGED: 1 builds the KDA prefill intra kernel's W, U stores staged in shared memory and written in
-    16-byte pieces (kernels_cu/kda_prefill.cu G_STAGED: the same bits); default 0 until measured.  Read at each
-    prefill."""
-    return _on_off("KDA_RT_KDA_G_STAGED", "0")
+    16-byte pieces (kernels_cu/kda_prefill.cu G_STAGED: the same bits); default 1 (0: the build before 2026-12-04).
+    Read at each prefill."""
+    return _on_off("KDA_RT_KDA_G_STAGED")
 
 
 def kda_g_balance() -> bool:

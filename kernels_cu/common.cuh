@@ -97,6 +97,12 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 // ---------------------------------------------------------------------------------------------
 // reductions (all lanes / threads get the result)
 
+// a compile-time count passed to a generic lambda (its decltype(n)::value)
+template <int N>
+struct Count {
+    static constexpr int value = N;
+};
+
 // Sum / max over aligned groups of Lanes lanes (a power of two <= 32; the whole warp by default).
 // Template parameters are mixed case: kernels pass their upper-case constants as -D macros.
 template <int Lanes = 32>

@@ -209,28 +209,46 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef G_BALANCE
 #define G_BALANCE 1
 #endif
-// DE_POOL = 1: phases (d) and (e) as one pool of warp-sized parts taken from a shared counter, whole products first,
-// then (e)'s parts that have an unsafe pair, then the quadrant tasks (half a product), instead of task w, w + 16 to
-// warp w and (e)'s 14 parts to warps 0-13: with every sub-block unsafe (the model's random gates and the bench's)
-// warps 0-3 ran two products and a part of (e) while three warps had no product (ncu: the barrier after the phase
-// held 4.7% of all the warps' stall samples).  The same parts computing the same values: bit-identical.
-#ifndef DE_POOL
-#define DE_POOL 0
+// D_ORDER = 1: phase (d)'s 20 tasks in another order over the warps (task of position w and w + 16 to warp w): the
+// diagonal A_qk tasks first (warps 0-3), then the other A_qk, then A_kk's off the diagonal, A_kk's diagonal tasks last
+// (positions 16-19).  An unsafe sub-block's diagonal A_kk task is empty (its A_qk task, a quadrant of half a
+// product, computes both), so with every sub-block unsafe (the model's random gates and the bench's) warps 0-3 run half
+// a product and their part of (e) instead of two products and the part (1 product + a part the most, was 2 + a part);
+// with every sub-block safe the same as before.  ncu (2026-12-04): the barrier after (d, e) held 4.7% of all the warps'
+// stall samples.  (Tried: a pool of parts taken from a shared counter, whole products first, DE_POOL: +3.2% at 32 x
+// 2048, (d, e) 6287 -> 6744 cycles; why was not looked into.)  The same products: bit-identical.
+#ifndef D_ORDER
+#define D_ORDER 0
+#endif
+// KX_SKIP = 1: phase (c) leaves out the diagonal factor tile k^ e^-Lam (one exponential, a multiply and a 4-byte store an
+// element) of an unsafe sub-block, which no phase reads (its diagonal products come from the quadrant tiles and (e)).
+// Same bits.
+#ifndef KX_SKIP
+#define KX_SKIP 0
+#endif
+// ROW_SCATTER = 1 (with ROW_NORM_SPREAD): phase (b)'s row sums of squares and q.k by a reduce-scatter over the lanes
+// (27 shuffles a warp instead of 120) with the butterfly's pairing: the same bits.  ncu (2026-12-04): the row-norm
+// warps are (b)'s longest, and the barrier after (b) held 2.6% of all the warps' stall samples.
+#ifndef ROW_SCATTER
+#define ROW_SCATTER 0
 #endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
 // without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
 // division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-04: 20% of the
 // stall samples, "selected" and "not selected" 43% of them).  The product is within ~2 ulp of the quotient before the
-// bf16 rounding: other bits only where the quotient lies that close to a bf16 rounding boundary.
+// bf16 rounding: other bits only where the quotient lies that close to a bf16 rounding boundary.  Measured (H200,
+// 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab SILU_FAST): 4.847 -> 4.801, 1.233 ->
+// 1.222, 2.376 -> 2.357 ms (phase (a) 6428 -> 6105 cycles); its outputs within the prefill bounds (the variants test).
 #ifndef SILU_FAST
-#define SILU_FAST 0
+#define SILU_FAST 1
 #endif
 // G_STAGED = 1: W and U (phase (g)) staged in shared memory and stored in whole 16-byte pieces (4 a thread, each warp
 // store 512 contiguous bytes) instead of 16 4-byte pieces a thread in the mma fragment layout (8 rows of 16 bytes a
 // warp store, half of each 32-byte sector): one more barrier.  ncu (2026-12-04): after the last barrier 12.6% of the
 // stall samples, 46% of them the warps' exit waiting for their stores to drain, 14% the store queue.  Same bits.
+// Measured (H200, 2026-12-03, --ab G_STAGED as above): 4.815 -> 4.726, 1.234 -> 1.206, 2.376 -> 2.328 ms.
 #ifndef G_STAGED
-#define G_STAGED 0
+#define G_STAGED 1
 #endif
 #if EXP2_FTZ
 #define EXP2_ELEM(x) exp2_approx(x)
@@ -338,11 +356,6 @@ __device__ __forceinline__ void dot16(const float4* a4, const float* col, int ld
 __device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
 // index of the (row block I, column block J < I) pair in the gate table C
 __device__ __forceinline__ constexpr int cross_index(int I, int J) { return I * (I - 1) / 2 + J; }
-// the position of m's n-th set bit (n = 0: the lowest); m has more than n
-__device__ __forceinline__ int nth_bit(unsigned m, int n) {
-    for (int i = 0; i < n; ++i) m &= m - 1;
-    return __ffs(m) - 1;
-}
 
 // First chunk id of sequence b (see the header): strictly increasing in b.
 __device__ __forceinline__ int chunk_base(const int* __restrict__ cu_seqlens, int b) { return b + __ldg(cu_seqlens + b) / L; }
@@ -440,7 +453,7 @@ __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16* p, int l
 #define INTRA_SMEM (IN_VEC + 4 * L * 4 + 32)
 #endif
 static_assert((3 * CONV_W + 1) * K * 4 <= L * LDT * 4, "kda_prefill_intra: the conv taps must fit the A_kk tile");
-static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags, -exp(A_log) and the DE_POOL counter share 32 bytes");
+static_assert(NUM_SUB <= 4, "kda_prefill_intra: the flags and -exp(A_log) share 32 bytes");
 static_assert(IN_KA % 16 == 0 && IN_AKK % 16 == 0 && LDT % 4 == 0, "kda_prefill_intra: T and A_kk rows are read as float4");
 
 // ---------------------------------------------------------------------------------------------
@@ -464,7 +477,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     float* dqk = rk + L;  // each row's q.k (raw conv outputs)
     int* unsafe = (int*)(dqk + L);
     float* NegA = (float*)(unsafe + NUM_SUB);  // -exp(A_log[h])
-    int* pool = (int*)(NegA + 1);               // DE_POOL: phases (d) and (e)'s next part
 #if QUAD_SPLIT
     bf16* Quad = (bf16*)(sm + IN_QUAD);
 #endif
@@ -578,7 +590,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         if (tid == 0) *NegA = -expf(A_log[h]);  // the gate's -exp(A_log), hoisted out of the row loops
 #endif
         if (tid < NUM_SUB) unsafe[tid] = 0;
-        if (tid == NUM_SUB) *pool = 0;  // DE_POOL's counter
         cp_async_wait<0>();
         __syncthreads();
         STAMP(1);  // every copy has landed
@@ -672,8 +683,35 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 sq[i] = fmaf(q2.x, q2.x, fmaf(q2.y, q2.y, sq[i])), sk[i] = fmaf(k2.x, k2.x, fmaf(k2.y, k2.y, sk[i]));
                 sqk[i] = fmaf(q2.x, k2.x, fmaf(q2.y, k2.y, sqk[i]));
             }
+#if !ROW_SCATTER
             sq[i] = warp_sum(sq[i]), sk[i] = warp_sum(sk[i]), sqk[i] = warp_sum(sqk[i]);
+#endif
         }
+#if ROW_SCATTER
+        // the butterfly's sums of warp_sum (lanes paired over 16, 8, 4, 2, 1: a + b, the same bits on both lanes), but
+        // over 16, 8 and 4 each lane passes on the half of its rows its partner keeps: 12 + 6 + 3 shuffles, then 3 x 2
+        // for the last row, 27 in all instead of 120; lane 4 i ends with row i's sums
+        static_assert(RPW == 8, "kda_prefill_intra: ROW_SCATTER halves 8 rows three times");
+        float v[3 * RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) v[3 * i] = sq[i], v[3 * i + 1] = sk[i], v[3 * i + 2] = sqk[i];
+        auto halve = [&](auto n) {  // n: values kept, the rows of the lane's half (lanes paired over 16 n / 12)
+            constexpr int half = decltype(n)::value, off = 16 * half / 12;
+            const bool hi = lane & off;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float a = v[j], b = v[half + j];
+                v[j] = (hi ? b : a) + __shfl_xor_sync(0xffffffffu, hi ? a : b, off);
+            }
+        };
+        halve(Count<12>{}), halve(Count<6>{}), halve(Count<3>{});
+#pragma unroll
+        for (int j = 0; j < 3; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], 2), v[j] += __shfl_xor_sync(0xffffffffu, v[j], 1);
+        if ((lane & 3) == 0) {
+            const int r = RPW * warp + (lane >> 2);
+            rq[r] = rsqrtf((float)K) / sqrtf(v[0] + 1e-6f), rk[r] = 1.f / sqrtf(v[1] + 1e-6f), dqk[r] = v[2];
+        }
+#else
         float nq = sq[0], nk = sk[0], qk = sqk[0];  // this lane's row's sums
 #pragma unroll
         for (int i = 1; i < RPW; ++i) nq = lane == i ? sq[i] : nq, nk = lane == i ? sk[i] : nk, qk = lane == i ? sqk[i] : qk;
@@ -681,6 +719,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             const int r = RPW * warp + lane;
             rq[r] = rsqrtf((float)K) / sqrtf(nq + 1e-6f), rk[r] = 1.f / sqrtf(nk + 1e-6f), dqk[r] = qk;
         }
+#endif
     }
     if (tid >= INTRA_THREADS - K) {
         const int d = tid - (INTRA_THREADS - K);
@@ -744,13 +783,13 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     auto scale_pair = [&](const int r, const int rr, const int d, const int I) {
         const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
         const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
-        float qa[2], ka[2], kx[2], qg[2], kd[2], kb[NUM_SUB][2];
+        float qa[2], ka[2], kx[2] = {}, qg[2], kd[2], kb[NUM_SUB][2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const float lam = Gf[r * LDF + d + e], tail = Gf[(I * SUB + SUB - 1) * LDF + d + e] - lam;
             const float el = EXP2_ELEM(lam), et = EXP2_ELEM(tail);  // both <= 1, as every table entry
             qa[e] = q[e] * el, ka[e] = k[e] * el;
-            kx[e] = k[e] * EXP2_ELEM(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
+            if (!KX_SKIP || !unsafe[I]) kx[e] = k[e] * EXP2_ELEM(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
             qg[e] = q[e] * (Pt[I * K + d + e] * el);
             kd[e] = k[e] * (et * Rt[I * K + d + e]);
 #pragma unroll
@@ -759,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
         st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
         st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
-        st_bf16x2(KX + (pair_index(I, I) * SUB + rr) * LDB + d, kx[0], kx[1]);
+        if (!KX_SKIP || !unsafe[I]) st_bf16x2(KX + (pair_index(I, I) * SUB + rr) * LDB + d, kx[0], kx[1]);
 #pragma unroll
         for (int I2 = 1; I2 < NUM_SUB; ++I2)
             if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + rr) * LDB + d, kb[I2][0], kb[I2][1]);
@@ -807,8 +846,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b).  QUAD_SPLIT: only the
     // pairs inside the two 8 x 8 halves (4 x 56 pairs), each over two threads (half the channels each, adjacent
     // lanes summed by a shuffle): 448 threads (14 warps' parts), one round of half the length.  (d) and (e) write
-    // disjoint elements and read only what (c) left: one phase.  DE_POOL: each warp takes its next part from a
-    // shared counter (the whole products first, then (e)'s parts with work, then the quadrant tasks)
+    // disjoint elements and read only what (c) left: one phase.
     {
         const int g = lane >> 2, t = lane & 3;
         auto d_task = [&](const int task) {
@@ -897,38 +935,20 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
         };
 #endif
-#if DE_POOL
-        static_assert(QUAD_SPLIT && 2 * NUM_PAIRS <= 32 && E_THREADS <= 32 * 32, "kda_prefill_intra: DE_POOL's masks");
-        constexpr int E_UNITS = E_THREADS / 32;  // (e)'s warp parts: part v holds pairs 16 v .. 16 v + 15 (56 a block)
-        unsigned full, eun, quad;                // lane i: task i whole / (e) part i with work / task i a quadrant
-        {
-            const int p = lane % NUM_PAIRS, lo = min(16 * lane / 56, NUM_SUB - 1), hi = min((16 * lane + 15) / 56, NUM_SUB - 1);
-            int I = 0;
-            while (pair_index(I + 1, 0) <= p) ++I;
-            const bool diag_unsafe = p == pair_index(I, I) && unsafe[I];
-            full = __ballot_sync(0xffffffffu, lane < 2 * NUM_PAIRS && !diag_unsafe);
-            quad = __ballot_sync(0xffffffffu, lane < NUM_PAIRS && diag_unsafe);
-            eun = __ballot_sync(0xffffffffu, lane < E_UNITS && (unsafe[lo] || unsafe[hi]));
-        }
-        const int nf = __popc(full), ne = __popc(eun), nq = __popc(quad);
-        for (;;) {
-            int u = 0;
-            if (lane == 0) u = atomicAdd(pool, 1);
-            u = __shfl_sync(0xffffffffu, u, 0);
-            if (u < nf)
-                d_task(nth_bit(full, u));
-            else if (u < nf + ne)
-                e_part(32 * nth_bit(eun, u - nf) + lane);
-            else if (u < nf + ne + nq)
-                d_task(nth_bit(quad, u - nf - ne));
-            else
-                break;
-        }
+#if D_ORDER
+        static_assert(NUM_SUB == 4 && INTRA_THREADS / 32 == 16, "kda_prefill_intra: D_ORDER's table");
+        // position -> task (5 bits each): A_qk 0 2 5 9 | 1 3 4 6 7 8, A_kk 11 13 14 16 17 18 | 10 12 15 19
+        constexpr unsigned long long ORD_LO = 0 | 2ull << 5 | 5ull << 10 | 9ull << 15 | 1ull << 20 | 3ull << 25 |
+                                              4ull << 30 | 6ull << 35 | 7ull << 40 | 8ull << 45 | 11ull << 50 | 13ull << 55;
+        constexpr unsigned long long ORD_HI = 14 | 16ull << 5 | 17ull << 10 | 18ull << 15 | 10ull << 20 | 12ull << 25 |
+                                              15ull << 30 | 19ull << 35;
+        for (int pos = warp; pos < 2 * NUM_PAIRS; pos += INTRA_THREADS / 32)
+            d_task((int)((pos < 12 ? ORD_LO >> (5 * pos) : ORD_HI >> (5 * (pos - 12))) & 31));
 #else
         for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) d_task(task);
+#endif
 #if QUAD_SPLIT
         if (tid < E_THREADS) e_part(tid);
-#endif
 #endif
     }
 #if !QUAD_SPLIT

@@ -97,8 +97,9 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), True),
             ("T_HALVES", env.kda_t_halves(), True), ("BETA_EARLY", env.kda_beta_early(), True),
             ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
-            ("G_BALANCE", env.kda_g_balance(), True), ("DE_POOL", env.kda_de_pool(), False),
-            ("SILU_FAST", env.kda_silu_fast(), False), ("G_STAGED", env.kda_g_staged(), False)]
+            ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
+            ("G_STAGED", env.kda_g_staged(), True), ("D_ORDER", env.kda_d_order(), False),
+            ("KX_SKIP", env.kda_kx_skip(), False), ("ROW_SCATTER", env.kda_row_scatter(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
