@@ -287,25 +287,11 @@ def kda_early_lookup() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_LOOKUP")
 
 
-def kda_d_order() -> bool:
-    """KDA_RT_KDA_D_ORDER: 1 builds the KDA prefill intra kernel's A_qk, A_kk tasks in the order that leaves the empty
-    ones (an unsafe sub-block's diagonal A_kk) to the second round (kernels_cu/kda_prefill.cu D_ORDER: the same bits);
-    default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_D_ORDER", "0")
-
-
 def kda_row_scatter() -> bool:
     """KDA_RT_KDA_ROW_SCATTER: 1 builds the KDA prefill intra kernel's row sums (phase (b)) by a reduce-scatter over the
-    lanes, 27 shuffles a warp instead of 120 (kernels_cu/kda_prefill.cu ROW_SCATTER: the same bits); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_ROW_SCATTER", "0")
-
-
-def kda_kx_skip() -> bool:
-    """KDA_RT_KDA_KX_SKIP: 1 builds the KDA prefill intra kernel without the diagonal factor tile of unsafe sub-blocks,
-    which nothing reads (kernels_cu/kda_prefill.cu KX_SKIP: the same bits); default 0 until measured.  Read at each
-    prefill."""
-    return _on_off("KDA_RT_KDA_KX_SKIP", "0")
+    lanes, 27 shuffles a warp instead of 120 (kernels_cu/kda_prefill.cu ROW_SCATTER: the same bits); default 1 (0: the
+    build before 2026-12-04).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_ROW_SCATTER")
 
 
 def kda_silu_fast() -> bool:

@@ -209,32 +209,19 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef G_BALANCE
 #define G_BALANCE 1
 #endif
-// D_ORDER = 1: phase (d)'s 20 tasks in another order over the warps (task of position w and w + 16 to warp w): the
-// diagonal A_qk tasks first (warps 0-3), then the other A_qk, then A_kk's off the diagonal, A_kk's diagonal tasks last
-// (positions 16-19).  An unsafe sub-block's diagonal A_kk task is empty (its A_qk task, a quadrant of half a
-// product, computes both), so with every sub-block unsafe (the model's random gates and the bench's) warps 0-3 run half
-// a product and their part of (e) instead of two products and the part (1 product + a part the most, was 2 + a part);
-// with every sub-block safe the same as before.  ncu (2026-12-04): the barrier after (d, e) held 4.7% of all the warps'
-// stall samples.  (Tried: a pool of parts taken from a shared counter, whole products first, DE_POOL: +3.2% at 32 x
-// 2048, (d, e) 6287 -> 6744 cycles; why was not looked into.)  The same products: bit-identical.
-#ifndef D_ORDER
-#define D_ORDER 0
-#endif
-// KX_SKIP = 1: phase (c) leaves out the diagonal factor tile k^ e^-Lam (one exponential, a multiply and a 4-byte store an
-// element) of an unsafe sub-block, which no phase reads (its diagonal products come from the quadrant tiles and (e)).
-// Same bits.
-#ifndef KX_SKIP
-#define KX_SKIP 0
-#endif
 // ROW_SCATTER = 1 (with ROW_NORM_SPREAD): phase (b)'s row sums of squares and q.k by a reduce-scatter over the lanes
-// (27 shuffles a warp instead of 120) with the butterfly's pairing: the same bits.  ncu (2026-12-04): the row-norm
-// warps are (b)'s longest, and the barrier after (b) held 2.6% of all the warps' stall samples.
+// (27 shuffles a warp instead of 120) with the butterfly's pairing: the same bits.  ncu (2026-12-03): the row-norm
+// warps are (b)'s longest, and the barrier after (b) held 2.6% of all the warps' stall samples.  Measured (H200,
+// 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab ROW_SCATTER): 4.653 -> 4.516, 1.190 ->
+// 1.154, 2.292 -> 2.221 ms.  (Also tried that call, bit-identical and slower, removed: phase (d)'s tasks in an order
+// that leaves an unsafe sub-block's empty diagonal A_kk task to the second round, +0.2%; no diagonal factor tile for
+// unsafe sub-blocks in (c), +0.8%.  In call 2: (d) and (e) as a pool of warp parts from a shared counter, +3.2%.)
 #ifndef ROW_SCATTER
-#define ROW_SCATTER 0
+#define ROW_SCATTER 1
 #endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
 // without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
-// division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-04: 20% of the
+// division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
 // stall samples, "selected" and "not selected" 43% of them).  The product is within ~2 ulp of the quotient before the
 // bf16 rounding: other bits only where the quotient lies that close to a bf16 rounding boundary.  Measured (H200,
 // 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab SILU_FAST): 4.847 -> 4.801, 1.233 ->
@@ -244,7 +231,7 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #endif
 // G_STAGED = 1: W and U (phase (g)) staged in shared memory and stored in whole 16-byte pieces (4 a thread, each warp
 // store 512 contiguous bytes) instead of 16 4-byte pieces a thread in the mma fragment layout (8 rows of 16 bytes a
-// warp store, half of each 32-byte sector): one more barrier.  ncu (2026-12-04): after the last barrier 12.6% of the
+// warp store, half of each 32-byte sector): one more barrier.  ncu (2026-12-03): after the last barrier 12.6% of the
 // stall samples, 46% of them the warps' exit waiting for their stores to drain, 14% the store queue.  Same bits.
 // Measured (H200, 2026-12-03, --ab G_STAGED as above): 4.815 -> 4.726, 1.234 -> 1.206, 2.376 -> 2.328 ms.
 #ifndef G_STAGED
@@ -783,13 +770,13 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     auto scale_pair = [&](const int r, const int rr, const int d, const int I) {
         const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
         const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
-        float qa[2], ka[2], kx[2] = {}, qg[2], kd[2], kb[NUM_SUB][2];
+        float qa[2], ka[2], kx[2], qg[2], kd[2], kb[NUM_SUB][2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const float lam = Gf[r * LDF + d + e], tail = Gf[(I * SUB + SUB - 1) * LDF + d + e] - lam;
             const float el = EXP2_ELEM(lam), et = EXP2_ELEM(tail);  // both <= 1, as every table entry
             qa[e] = q[e] * el, ka[e] = k[e] * el;
-            if (!KX_SKIP || !unsafe[I]) kx[e] = k[e] * EXP2_ELEM(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
+            kx[e] = k[e] * EXP2_ELEM(fminf(-lam, DIAG_SPAN + 4.f));  // read only when block I is safe
             qg[e] = q[e] * (Pt[I * K + d + e] * el);
             kd[e] = k[e] * (et * Rt[I * K + d + e]);
 #pragma unroll
@@ -798,7 +785,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
         st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
         st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
-        if (!KX_SKIP || !unsafe[I]) st_bf16x2(KX + (pair_index(I, I) * SUB + rr) * LDB + d, kx[0], kx[1]);
+        st_bf16x2(KX + (pair_index(I, I) * SUB + rr) * LDB + d, kx[0], kx[1]);
 #pragma unroll
         for (int I2 = 1; I2 < NUM_SUB; ++I2)
             if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + rr) * LDB + d, kb[I2][0], kb[I2][1]);
@@ -935,18 +922,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             }
         };
 #endif
-#if D_ORDER
-        static_assert(NUM_SUB == 4 && INTRA_THREADS / 32 == 16, "kda_prefill_intra: D_ORDER's table");
-        // position -> task (5 bits each): A_qk 0 2 5 9 | 1 3 4 6 7 8, A_kk 11 13 14 16 17 18 | 10 12 15 19
-        constexpr unsigned long long ORD_LO = 0 | 2ull << 5 | 5ull << 10 | 9ull << 15 | 1ull << 20 | 3ull << 25 |
-                                              4ull << 30 | 6ull << 35 | 7ull << 40 | 8ull << 45 | 11ull << 50 | 13ull << 55;
-        constexpr unsigned long long ORD_HI = 14 | 16ull << 5 | 17ull << 10 | 18ull << 15 | 10ull << 20 | 12ull << 25 |
-                                              15ull << 30 | 19ull << 35;
-        for (int pos = warp; pos < 2 * NUM_PAIRS; pos += INTRA_THREADS / 32)
-            d_task((int)((pos < 12 ? ORD_LO >> (5 * pos) : ORD_HI >> (5 * (pos - 12))) & 31));
-#else
         for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) d_task(task);
-#endif
 #if QUAD_SPLIT
         if (tid < E_THREADS) e_part(tid);
 #endif

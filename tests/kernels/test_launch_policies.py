@@ -261,8 +261,8 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
-    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), and the
-    other way round for D_ORDER, KX_SKIP and ROW_SCATTER (off by default), so the GPU variants test builds what it names."""
+    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), so the GPU
+    variants test builds what it names."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
@@ -270,7 +270,8 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
                 "KDA_RT_KDA_EXP2_FTZ": "EXP2_FTZ", "KDA_RT_KDA_CONV_PAIRS": "CONV_PAIRS", "KDA_RT_KDA_T_HALVES": "T_HALVES",
                 "KDA_RT_KDA_BETA_EARLY": "BETA_EARLY", "KDA_RT_KDA_COPY_ROWS": "COPY_ROWS",
                 "KDA_RT_KDA_EARLY_LOOKUP": "EARLY_LOOKUP", "KDA_RT_KDA_G_BALANCE": "G_BALANCE",
-                "KDA_RT_KDA_SILU_FAST": "SILU_FAST", "KDA_RT_KDA_G_STAGED": "G_STAGED"}
+                "KDA_RT_KDA_SILU_FAST": "SILU_FAST", "KDA_RT_KDA_G_STAGED": "G_STAGED",
+                "KDA_RT_KDA_ROW_SCATTER": "ROW_SCATTER"}
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
@@ -287,16 +288,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
     for name in switches:
         monkeypatch.delenv(name)
-    off = {"KDA_RT_KDA_D_ORDER": "D_ORDER", "KDA_RT_KDA_KX_SKIP": "KX_SKIP", "KDA_RT_KDA_ROW_SCATTER": "ROW_SCATTER"}  # off by default: absent unless 1
-    for name, define in off.items():
-        monkeypatch.delenv(name, raising=False)
-        assert define not in kp._consts(128, 4, 32, 0)
-        monkeypatch.setenv(name, "1")
-        assert kp._consts(128, 4, 32, 0)[define] == 1
-        monkeypatch.setenv(name, "0")
-        assert define not in kp._consts(128, 4, 32, 0)
-        monkeypatch.delenv(name)
-    for name in (*switches, *off):
+    for name in switches:
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)
