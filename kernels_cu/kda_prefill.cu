@@ -219,6 +219,23 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef ROW_SCATTER
 #define ROW_SCATTER 1
 #endif
+// T_ROWS (bench-only; 1, 2 or 4, with T_HALVES): each thread of T's off-diagonal products computes T_ROWS rows of its
+// column (rows rr, rr + 16 / T_ROWS, ..), the column's 16 shared-memory loads shared by them (dot16_rows): 12 (2 rows)
+// or 8 (4) loads an output instead of 20, on 256 or 128 threads.  ncu (2026-12-03): those products (13.5% of a CTA)
+// wait on the shared-memory instruction queue (MIO throttle 21-49% of their samples).  Each row's FMAs in dot16's
+// order: bit-identical.  Not yet run on a GPU: bench_kda_phases.py --ab T_ROWS=1:2:4.
+#ifndef T_ROWS
+#define T_ROWS 1
+#endif
+// LOOKUP_BOUNDS = 1 (with EARLY_LOOKUP and COPY_ROWS): the sequence search returns the sequence's start and end with it
+// (each probe loads its successor too; sequence_bounds_of_chunk_pair) instead of loading them after it, and the rows
+// that cannot read the conv-state slot (all but each thread's first) are issued before the one that can, so most
+// copies wait on no load after the search (the tile's fresh / slot loads only gate its first row).  ~0.9 K cycles from
+// the entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies: bit-identical.
+// 0 until measured (bench_kda_phases.py --ab LOOKUP_BOUNDS; not yet run on a GPU).
+#ifndef LOOKUP_BOUNDS
+#define LOOKUP_BOUNDS 0
+#endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
 // without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
 // division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
@@ -339,6 +356,23 @@ __device__ __forceinline__ void dot16(const float4* a4, const float* col, int ld
     }
 }
 
+// dot16 for R rows of one fp32 tile, astride floats apart, against one column: the column's 16 loads shared by the R
+// rows (acc[i][0 / 1]: row i's even / odd k, each row's FMAs in dot16's order: the same bits)
+template <int R>
+__device__ __forceinline__ void dot16_rows(const float* a, int astride, const float* col, int ld, float (&acc)[R][2]) {
+#pragma unroll
+    for (int k4 = 0; k4 < SUB / 4; ++k4) {
+        const float c0 = col[(4 * k4) * ld], c1 = col[(4 * k4 + 1) * ld], c2 = col[(4 * k4 + 2) * ld],
+                    c3 = col[(4 * k4 + 3) * ld];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float4 v = reinterpret_cast<const float4*>(a + i * astride)[k4];
+            acc[i][0] = fmaf(v.x, c0, acc[i][0]), acc[i][1] = fmaf(v.y, c1, acc[i][1]);
+            acc[i][0] = fmaf(v.z, c2, acc[i][0]), acc[i][1] = fmaf(v.w, c3, acc[i][1]);
+        }
+    }
+}
+
 // index of sub-block pair (I, J <= I) in the scaled-key tile
 __device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
 // index of the (row block I, column block J < I) pair in the gate table C
@@ -379,6 +413,35 @@ __device__ __forceinline__ void sequence_of_chunk_pair(const int* __restrict__ c
         const int top1 = 31 - __clz(ok1), top2 = 31 - __clz(ok2);
         hi1 = min(hi1, s1 + (top1 + 1) * step1), s1 += top1 * step1;
         hi2 = min(hi2, s2 + (top2 + 1) * step2), s2 += top2 * step2;
+    }
+    seq = s1, seq2 = s2;
+}
+
+// sequence_of_chunk_pair that also returns each sequence's bounds, cu_seqlens[seq] and cu_seqlens[seq + 1]
+// (LOOKUP_BOUNDS): every probe loads its successor beside it (same round trip), and the last step's qualifying lane
+// holds both; with one sequence (no step) they are loaded after.  The same sequences as sequence_of_chunk_pair.
+__device__ __forceinline__ void sequence_bounds_of_chunk_pair(const int* __restrict__ cu_seqlens, int num_seqs, int cid,
+                                                              int cid2, int& seq, int& seq2, int (&b1)[2], int (&b2)[2]) {
+    const int lane = threadIdx.x & 31;
+    int s1 = 0, s2 = 0, hi1 = num_seqs, hi2 = num_seqs;
+    bool stepped = false;
+    while (hi1 - s1 > 1 || hi2 - s2 > 1) {
+        const int step1 = (hi1 - s1 + 31) / 32, probe1 = s1 + lane * step1;
+        const int step2 = (hi2 - s2 + 31) / 32, probe2 = s2 + lane * step2;
+        const bool in1 = probe1 < hi1, in2 = probe2 < hi2;
+        const int v1 = in1 ? __ldg(cu_seqlens + probe1) : 0, v2 = in2 ? __ldg(cu_seqlens + probe2) : 0;
+        const int w1 = in1 ? __ldg(cu_seqlens + probe1 + 1) : 0, w2 = in2 ? __ldg(cu_seqlens + probe2 + 1) : 0;
+        const unsigned ok1 = __ballot_sync(0xffffffffu, in1 && probe1 + v1 / L <= cid);
+        const unsigned ok2 = __ballot_sync(0xffffffffu, in2 && probe2 + v2 / L <= cid2);
+        const int top1 = 31 - __clz(ok1), top2 = 31 - __clz(ok2);
+        b1[0] = __shfl_sync(0xffffffffu, v1, top1), b1[1] = __shfl_sync(0xffffffffu, w1, top1);
+        b2[0] = __shfl_sync(0xffffffffu, v2, top2), b2[1] = __shfl_sync(0xffffffffu, w2, top2);
+        hi1 = min(hi1, s1 + (top1 + 1) * step1), s1 += top1 * step1;
+        hi2 = min(hi2, s2 + (top2 + 1) * step2), s2 += top2 * step2;
+        stepped = true;
+    }
+    if (!stepped) {  // one sequence: both ids are in sequence 0
+        b1[0] = b2[0] = __ldg(cu_seqlens), b1[1] = b2[1] = __ldg(cu_seqlens + 1);
     }
     seq = s1, seq2 = s2;
 }
@@ -480,6 +543,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     const int nxt = blockIdx.y * gridDim.x + blockIdx.x + prefetch_ahead;
     const int cid2 = nxt % gridDim.x, h2 = nxt / gridDim.x;
     const bool pf_next = prefetch_ahead > 0 && h2 < (int)gridDim.y;  // uniform over the block
+#if LOOKUP_BOUNDS
+    static_assert(EARLY_LOOKUP && COPY_ROWS, "kda_prefill_intra: LOOKUP_BOUNDS is built on EARLY_LOOKUP and COPY_ROWS");
+    int seq, seq2, bounds[2], bounds2[2];
+    sequence_bounds_of_chunk_pair(cu_seqlens, num_seqs, cid, pf_next ? cid2 : cid, seq, seq2, bounds, bounds2);
+    const int start2 = bounds2[0], len2 = bounds2[1] - start2;
+    const float a_log = __ldg(A_log + h);
+    const int start = bounds[0], len = bounds[1] - start;
+#else
 #if EARLY_LOOKUP
     int seq, seq2;
     sequence_of_chunk_pair(cu_seqlens, num_seqs, cid, pf_next ? cid2 : cid, seq, seq2);
@@ -489,6 +560,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     const int seq = sequence_of_chunk(cu_seqlens, num_seqs, cid);
 #endif
     const int start = __ldg(cu_seqlens + seq), len = __ldg(cu_seqlens + seq + 1) - start;
+#endif
     const bool fresh = __ldg(context_lens + seq) == 0;
     const size_t slot = (size_t)__ldg(state_slots + seq), tile = (size_t)cid * num_heads + h;
     const int c0 = (cid - seq - start / L) * L;  // cid - chunk_base(seq)
@@ -513,8 +585,28 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             constexpr int RPP = INTRA_THREADS / PIECES;
             static_assert(INTRA_THREADS % PIECES == 0, "kda_prefill_intra: COPY_ROWS's map");
             const int c = (tid % PIECES) * 8, r1 = tid / PIECES;
+#if LOOKUP_BOUNDS
+            // rows from RPP on (p = c0 - (W - 1) + rr >= 0: no conv-state slot, nor the loads of fresh and slot to
+            // wait for) first, then row r1 with the rule below
+            static_assert(RPP >= CONV_W - 1, "kda_prefill_intra: LOOKUP_BOUNDS's rows without history");
+#pragma unroll
+            for (int rr = r1 + RPP; rr < RAW / PIECES; rr += RPP) {
+                const int p = c0 - (CONV_W - 1) + rr;
+                const bool real = p < len;
+                const bf16* src = qkv + (size_t)(start + p) * 3 * P + h * K + c;
+#pragma unroll
+                for (int i = 0; i < 3; ++i)
+                    cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, real ? src + i * (size_t)P : qkv, real ? 16 : 0);
+            }
+#pragma unroll
+            for (int rr = r1; rr < L; rr += RPP)
+                cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+            {
+                const int rr = r1;  // the one row of the thread that can read the slot (if r1 < W - 1)
+#else
 #pragma unroll
             for (int rr = r1; rr < RAW / PIECES; rr += RPP) {
+#endif
                 const int p = c0 - (CONV_W - 1) + rr;  // position in the sequence; < 0 reads the slot
                 const bool real = p < len && (p >= 0 || !fresh);
                 const bf16* src = p >= 0 ? qkv + (size_t)(start + p) * 3 * P + h * K + c
@@ -524,9 +616,11 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 for (int i = 0; i < 3; ++i)
                     cp_async16(Raw + i * (SZ_TR / 2) + rr * LDB + c, real ? src + i * step : qkv, real ? 16 : 0);
             }
+#if !LOOKUP_BOUNDS
 #pragma unroll
             for (int rr = r1; rr < L; rr += RPP)
                 cp_async16(Fs + rr * LDB + c, rr < n ? f + (size_t)(start + c0 + rr) * P + h * K + c : f, rr < n ? 16 : 0);
+#endif
         }
 #else
         for (int idx = tid; idx < 3 * RAW; idx += INTRA_THREADS) {
@@ -988,7 +1082,58 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     __syncthreads();
     STAMP(7);
-#if T_HALVES
+#if T_HALVES && T_ROWS > 1
+    {  // T_HALVES's products with T_ROWS rows a thread (rr + RS i), 2 x 16 x RS threads, the rest idle
+        static_assert(NUM_SUB == 4 && SUB % T_ROWS == 0, "kda_prefill_intra: T_ROWS's map");
+        constexpr int R = T_ROWS, RS = SUB / R, TPP = SUB * RS;  // threads a product
+        const bool on = tid < 2 * TPP;
+        const int hf = (tid / TPP) & 1, e = tid % TPP, rr = e / SUB, cc = e % SUB;
+        auto put = [&](int R_, int S, float v) { Tm[R_ * LDT + S] = v, Tb[R_ * LDA + S] = to_bf16(v * Bs[S]); };
+        const int I1 = hf ? 3 : 1, J1 = I1 - 1;
+        if (on) {  // level 1: X = A_IJ D_J
+            float acc[R][2] = {};
+            dot16_rows<R>(Akk + (I1 * SUB + rr) * LDT + J1 * SUB, RS * LDT, Tm + (J1 * SUB) * LDT + J1 * SUB + cc, LDT, acc);
+#pragma unroll
+            for (int i = 0; i < R; ++i) Xs[(hf * SUB + rr + RS * i) * SUB + cc] = acc[i][0] + acc[i][1];
+        }
+        __syncthreads();
+        if (on) {  // T_IJ = -D_I X (D_I lower: k > row reads 0)
+            float acc[R][2] = {};
+            dot16_rows<R>(Tm + (I1 * SUB + rr) * LDT + I1 * SUB, RS * LDT, Xs + hf * SUB * SUB + cc, SUB, acc);
+#pragma unroll
+            for (int i = 0; i < R; ++i) put(I1 * SUB + rr + RS * i, J1 * SUB + cc, -(acc[i][0] + acc[i][1]));
+        }
+        __syncthreads();
+        if (on) {  // level 2: Y = A_BA T_AA into T's upper blocks
+            const float* a = Akk + ((2 + hf) * SUB + rr) * LDT;
+            float y0[R][2] = {}, y1[R][2] = {};
+            dot16_rows<R>(a, RS * LDT, Tm + cc, LDT, y0);                          // D_0
+            dot16_rows<R>(a + SUB, RS * LDT, Tm + SUB * LDT + cc, LDT, y0);        // T_10
+            dot16_rows<R>(a + SUB, RS * LDT, Tm + SUB * LDT + SUB + cc, LDT, y1);  // D_1
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                Tm[(hf * SUB + rr + RS * i) * LDT + 2 * SUB + cc] = y0[i][0] + y0[i][1];
+                Tm[(hf * SUB + rr + RS * i) * LDT + 3 * SUB + cc] = y1[i][0] + y1[i][1];
+            }
+        }
+        __syncthreads();
+        if (on) {  // T_BA = -T_BB Y
+            const float* y = Tm + (2 + hf) * SUB + cc;
+            float u[R][2] = {}, w[R][2] = {};
+            dot16_rows<R>(Tm + (2 * SUB + rr) * LDT + 2 * SUB, RS * LDT, y, LDT, u);  // D_2 (lower)
+            dot16_rows<R>(Tm + (3 * SUB + rr) * LDT + 2 * SUB, RS * LDT, y, LDT, w);  // T_32
+            dot16_rows<R>(Tm + (3 * SUB + rr) * LDT + 3 * SUB, RS * LDT, y + SUB * LDT, LDT, w);  // D_3
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                put(2 * SUB + rr + RS * i, hf * SUB + cc, -(u[i][0] + u[i][1]));
+                put(3 * SUB + rr + RS * i, hf * SUB + cc, -(w[i][0] + w[i][1]));
+            }
+        }
+        __syncthreads();
+    }
+    STAMP(8);
+    STAMP(9);
+#elif T_HALVES
     {
         static_assert(NUM_SUB == 4, "kda_prefill_intra: T_HALVES is written for four 16-row blocks");
         const int hf = tid >> 8, e = tid & 255, rr = e >> 4, cc = e & 15;

@@ -4,6 +4,7 @@ boundaries (kernels_cu/kda_prefill.cu, STAMP(i)).  Per shape: the kernel's time 
 cycles of each phase over the CTAs, its share, and the mean CTA length in us at the measured clock.
 
     PYTHONPATH=. python tests/gpu/bench_kda_phases.py [--shapes 32x2048,1x32768] [--ab EXP_ACCURATE_EXP] [--solo 8,132]
+    PYTHONPATH=. python tests/gpu/bench_kda_phases.py --ab T_ROWS=1:2:4      (one define at several values)
 Inputs as tests/gpu/bench_kda_prefill.py (random N(0, 1) bf16, |g| ~ 1 per token).
 
 --solo N[,N...]: after each shape's table, the phases of a launch of only the first N tiles of head 0 (grid (N, 1)),
@@ -41,7 +42,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="32x2048,8x2048,1x32768")
     ap.add_argument("--ab", default="", help="a define (e.g. EXP_ACCURATE_EXP, SCALE_UNROLL) or several, comma-joined: "
                                               "the build with them 0 and with them 1, timed in interleaved rounds, "
-                                              "phases of each")
+                                              "phases of each; NAME=a:b:c builds NAME = a, b, c (the first the "
+                                              "reference of the bit-for-bit check)")
     ap.add_argument("--ldb", type=int, default=0, help="beta as a column block of a [T, ldb] array (the model's "
                                                        "f_a | g_a | b: 288), not a contiguous [T, H]")
     ap.add_argument("--solo", default="", help="tile counts N: the phases of a launch of the first N tiles alone")
@@ -49,7 +51,11 @@ def main() -> int:
     cap = 40000
     smem = kp._intra_smem_bytes(K, 64, W)
     names = [n for n in args.ab.split(",") if n]  # several: all off against all on
-    variants = [dict.fromkeys(names, 0), dict.fromkeys(names, 1)] if names else [{}]
+    if len(names) == 1 and "=" in names[0]:  # one define at several values
+        name, values = names[0].split("=")
+        variants = [{name: int(v)} for v in values.split(":")]
+    else:
+        variants = [dict.fromkeys(names, 0), dict.fromkeys(names, 1)] if names else [{}]
     built = []
     for extra in variants:
         consts = dict(HEAD_DIM=K, CONV_W=W, CHUNK=64, VB=32, INTRA_THREADS=kp._INTRA_THREADS, PHASE_CLOCK=cap, **extra)

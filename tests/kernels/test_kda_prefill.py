@@ -212,16 +212,21 @@ LOOKUP_SRC = r"""
 #define VB 64
 #define INTRA_THREADS 512
 #include "kda_prefill.cu"
-// one warp a pair of chunk ids (all lanes active, as in the kernel): EARLY_LOOKUP's lockstep search and two calls of
-// the single one
+// one warp a pair of chunk ids (all lanes active, as in the kernel): EARLY_LOOKUP's lockstep search, two calls of
+// the single one and LOOKUP_BOUNDS's search with the sequences' bounds (out: [2 n] ids, then [2 n][2] bounds)
 extern "C" __global__ void lookup_pairs(const int* cu, int num_seqs, const int* cids, int n, int* pair_out,
-                                        int* single_out) {
+                                        int* single_out, int* bounds_seq, int* bounds_out) {
     const int w = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     if (w >= n) return;  // warp-uniform
-    int s1, s2;
+    int s1, s2, u1, u2, b1[2], b2[2];
     sequence_of_chunk_pair(cu, num_seqs, cids[2 * w], cids[2 * w + 1], s1, s2);
     const int t1 = sequence_of_chunk(cu, num_seqs, cids[2 * w]), t2 = sequence_of_chunk(cu, num_seqs, cids[2 * w + 1]);
-    if ((threadIdx.x & 31) == 0) pair_out[2 * w] = s1, pair_out[2 * w + 1] = s2, single_out[2 * w] = t1, single_out[2 * w + 1] = t2;
+    sequence_bounds_of_chunk_pair(cu, num_seqs, cids[2 * w], cids[2 * w + 1], u1, u2, b1, b2);
+    if ((threadIdx.x & 31) == 0) {
+        pair_out[2 * w] = s1, pair_out[2 * w + 1] = s2, single_out[2 * w] = t1, single_out[2 * w + 1] = t2;
+        bounds_seq[2 * w] = u1, bounds_seq[2 * w + 1] = u2;
+        bounds_out[4 * w] = b1[0], bounds_out[4 * w + 1] = b1[1], bounds_out[4 * w + 2] = b2[0], bounds_out[4 * w + 3] = b2[1];
+    }
 }
 """
 
@@ -231,7 +236,9 @@ def test_kda_sequence_of_chunk_pair():
     prefetch, searched in lockstep) against NumPy (the last sequence whose first chunk id, b + cu_seqlens[b] // 64, is
     <= the id) and against two calls of sequence_of_chunk, for 1-1025 sequences (one to three 32-way steps, the two
     searches finishing on different steps), lengths 0-300 (empty sequences among them) and random pairs of ids
-    over every chunk id.  The model's tests reach only small batches, where the search is one step or none."""
+    over every chunk id; sequence_bounds_of_chunk_pair (LOOKUP_BOUNDS) the same sequences and each one's
+    cu_seqlens[seq], cu_seqlens[seq + 1].  The model's tests reach only small batches, where the search is one step
+    or none."""
     import cupy
 
     mod = inline_module(LOOKUP_SRC)
@@ -248,10 +255,14 @@ def test_kda_sequence_of_chunk_pair():
         n = ids.size // 2
         want = np.searchsorted(base, ids, side="right") - 1
         pair, single = cupy.full(2 * n, -7, dtype=np.int32), cupy.full(2 * n, -7, dtype=np.int32)
+        bseq, bounds = cupy.full(2 * n, -7, dtype=np.int32), cupy.full(4 * n, -7, dtype=np.int32)
         fn(((n * 32 + 127) // 128,), (128,), (cupy.asarray(cu), np.int32(num_seqs), cupy.asarray(ids), np.int32(n),
-                                              pair, single))
+                                              pair, single, bseq, bounds))
         np.testing.assert_array_equal(single.get(), want, err_msg=f"sequence_of_chunk, {num_seqs} sequences")
         np.testing.assert_array_equal(pair.get(), want, err_msg=f"sequence_of_chunk_pair, {num_seqs} sequences")
+        np.testing.assert_array_equal(bseq.get(), want, err_msg=f"sequence_bounds_of_chunk_pair, {num_seqs} sequences")
+        np.testing.assert_array_equal(bounds.get().reshape(-1, 2), np.stack([cu[want], cu[want + 1]], axis=1),
+                                      err_msg=f"sequence_bounds_of_chunk_pair's bounds, {num_seqs} sequences")
 
 
 SOFTPLUS_SRC = r"""
