@@ -80,6 +80,9 @@
 // Thirty-fifth / thirty-sixth sessions (2026-12-03, --ab, the model's beta with --ldb 288): CONV_PAIRS and T_HALVES
 // together 32 x 2048 5.594 -> 5.175 ms, then BETA_EARLY 5.205 -> 5.090 and COPY_ROWS 5.112 -> 4.958 (thread 0's issue
 // of its copies 4.1 K -> 2.9 K cycles), all on by default; the copies' phase 14% of a CTA after them.
+// Thirty-seventh session (2026-12-03): ncu by phase (tests/gpu/ncu_kda_intra.sh --regions: phase (a) issues 2048 warp
+// MUFU a CTA, 4096 cycles of the 16-a-clock pipe; the exit's drain 5.8% of the stall samples; the barriers after (b)
+// and (d, e) 2.6% and 4.7%), then G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER on: 32 x 2048 4.844 -> 4.516 ms.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).
