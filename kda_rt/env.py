@@ -301,6 +301,13 @@ def kda_silu_fast() -> bool:
     return _on_off("KDA_RT_KDA_SILU_FAST")
 
 
+def kda_gate_poly() -> bool:
+    """KDA_RT_KDA_GATE_POLY: 1 builds the KDA prefill intra kernel's gate softplus with one exponential and a polynomial
+    (kernels_cu/kda_common.cuh kda_softplus_poly: within kda_softplus_fast's bound, not the same bits); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_GATE_POLY", "0")
+
+
 def kda_g_staged() -> bool:
     """KDA_RT_KDA_G_STAGED: 1 builds the KDA prefill intra kernel's W, U stores staged in shared memory and written in
     16-byte pieces (kernels_cu/kda_prefill.cu G_STAGED: the same bits); default 1 (0: the build before 2026-12-04).

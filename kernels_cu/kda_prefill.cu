@@ -239,6 +239,14 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef LOOKUP_BOUNDS
 #define LOOKUP_BOUNDS 0
 #endif
+// GATE_POLY = 1: the gate's softplus by kda_softplus_poly (one exponential and a degree-7 polynomial, no logarithm:
+// kda_common.cuh) instead of kda_softplus_fast: 16 MUFU a thread fewer in phase (a), whose 128 (ex2 and rcp of the
+// SiLU, ex2 and lg2 of the gate) take 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).
+// Within the same bound as kda_softplus_fast (test_kda_softplus_poly); not the same bits.  0 until measured (not yet
+// run on a GPU).
+#ifndef GATE_POLY
+#define GATE_POLY 0
+#endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
 // without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
 // division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
@@ -729,6 +737,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             for (int e = 0; e < CW; ++e) {
 #if EXP_ACCURATE_EXP
                 gv[e] = r < n ? LOG2E * (na * kda_softplus(fr[e], bias[e])) : 0.f;  // == LOG2E * kda_log_decay
+#elif GATE_POLY
+                const float g = LOG2E * (na * kda_softplus_poly(fr[e], bias[e]));
+                gv[e] = r < n ? g : 0.f;
 #elif GATE_FAST
                 // computed for every row (padded rows read zero-filled f) and selected: no branch around it
                 const float g = LOG2E * (na * kda_softplus_fast(fr[e], bias[e]));

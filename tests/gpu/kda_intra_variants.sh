@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KDA prefill intra kernel's variants of kernels_cu/kda_prefill.cu (issue 11) in one device call: each define of
-# $AB (default "T_ROWS=1:2:4 LOOKUP_BOUNDS", space-separated; a comma-joined entry flips several together, NAME=a:b:c
+# $AB (default "T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY", space-separated; a comma-joined entry flips several together, NAME=a:b:c
 # builds one define at several values) built 0 and 1.  The thirty-fourth to thirty-seventh sessions measured and
 # turned on CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD, EXP2_FTZ, CONV_PAIRS, T_HALVES, BETA_EARLY,
 # COPY_ROWS, EARLY_LOOKUP, G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER with its forms.
@@ -9,9 +9,9 @@
 #   2. the phases of 8 and of 132 tiles launched alone, twice, the second from warm L2 (--solo: are the copies slow
 #      because a wave's CTAs all copy at once?);
 #   3. the GPU tests of tests/kernels/test_kda_prefill.py (the variants test: each switch against the all-off build);
-#   4. with "model" as first argument and $MODEL_ENV set (KDA_RT_KDA_* switches, comma-joined; T_ROWS and
-#      LOOKUP_BOUNDS are bench-only defines without one), the full 27-layer model's seed prefill with them all 0 / all 1
-#      (bench_ab.py, fp8 weights, 3 rounds).
+#   4. with "model" as first argument and $MODEL_ENV set (KDA_RT_KDA_* switches, comma-joined, e.g.
+#      KDA_RT_KDA_GATE_POLY; T_ROWS and LOOKUP_BOUNDS are bench-only defines without one), the full 27-layer model's
+#      seed prefill with them all 0 / all 1 (bench_ab.py, fp8 weights, 3 rounds).
 # Times (thirty-sixth session): each A/B ~15 s, the tests ~60-120 s, the model A/B ~90 s (builds included).
 #   [AB="..."] bash tests/gpu/kda_intra_variants.sh [model]   (from the repository root; writes $OUT/kda_intra_variants.txt)
 set -o pipefail
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 log="$OUT/kda_intra_variants.txt"
 rm -f "$log"
-for ab in ${AB:-T_ROWS=1:2:4 LOOKUP_BOUNDS}; do
+for ab in ${AB:-T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY}; do
   echo "== --ab $ab --ldb 288" | tee -a "$log"
   timeout 100 python tests/gpu/bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab "$ab" >> "$log" 2>&1
   grep -E "kernel [0-9.]+ ms|bit-identical" "$log" | tail -15

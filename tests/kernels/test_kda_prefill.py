@@ -167,9 +167,10 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     blocks a warp), KDA_RT_KDA_G_STAGED (W, U stored in 16-byte pieces) and KDA_RT_KDA_ROW_SCATTER ((b)'s row sums
     by a reduce-scatter): bit for bit what the all-off build gives; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free,
     without log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results),
-    KDA_RT_KDA_T_HALVES (T's off-diagonal blocks by halves, fp32 sums in another order) and KDA_RT_KDA_SILU_FAST
-    (conv + SiLU by the hardware reciprocal alone): against the reference at the prefill bounds.  Also "default" (no
-    switch set: all on) and "default-bit" (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and
+    KDA_RT_KDA_T_HALVES (T's off-diagonal blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST
+    (conv + SiLU by the hardware reciprocal alone) and KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential
+    and a polynomial; off by default): against the reference at the prefill bounds.  Also "default" (no switch set:
+    all on but GATE_POLY) and "default-bit" (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and
     ROW_SCATTER off in it: bit for bit the default).  Every gate kind, fresh and continuing sequences,
     lengths 1-4096; every SM's shared memory poisoned before each build."""
     import cupy
@@ -183,7 +184,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     switches = ("KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
                 "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_BETA_EARLY", "KDA_RT_KDA_COPY_ROWS", "KDA_RT_KDA_EARLY_LOOKUP",
                 "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED", "KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_GATE_FAST",
-                "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST")
+                "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST", "KDA_RT_KDA_GATE_POLY")
     runs = {"none": dict.fromkeys(switches, "0"), **{name: {**dict.fromkeys(switches, "0"), name: "1"} for name in switches},
             "default": {}, "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
                                            "KDA_RT_KDA_COPY_ROWS": "0", "KDA_RT_KDA_EARLY_LOOKUP": "0",
@@ -267,37 +268,39 @@ def test_kda_sequence_of_chunk_pair():
 
 SOFTPLUS_SRC = r"""
 #include "kda_common.cuh"
-extern "C" __global__ void softplus_both(const float* z, float* fast, float* approx, int n) {
+extern "C" __global__ void softplus_all(const float* z, float* fast, float* approx, float* poly, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) fast[i] = kda_softplus_fast(z[i], 0.f), approx[i] = kda_softplus_approx(z[i], 0.f);
+    if (i < n) fast[i] = kda_softplus_fast(z[i], 0.f), approx[i] = kda_softplus_approx(z[i], 0.f),
+               poly[i] = kda_softplus_poly(z[i], 0.f);
 }
 """
 
 
 def test_kda_softplus_fast():
-    """kda_common.cuh's kda_softplus_fast (GATE_FAST's gate) on 2M points of z in [-80, 30] plus the switch points
-    (x = e^z = 1/8, z = 20 and the float after it, which must come back as itself) and NaN / +-inf, against float64
-    softplus.  Bound a point: 2e-6 relative (its formula given x: <= ~1.5e-6, header) plus 2 |z| 2^-24 (the rounding
-    of ex2's argument and ex2.approx's own ~2^-22, which kda_softplus_approx, the default build's, has too: held to
-    the same bound here).  A wrong series coefficient costs >= ~1e-4 relative near x = 1/8 and fails."""
+    """kda_common.cuh's kda_softplus_fast (GATE_FAST's gate) and kda_softplus_poly (GATE_POLY's) on 2M points of z in
+    [-80, 30] plus the switch points (x = e^z = 1/8, z = 20 and the float after it, which must come back as itself;
+    z = 0 and the smallest |z|, where poly's two terms meet) and NaN / +-inf, against float64 softplus.  Bound a point:
+    2e-6 relative (fast's formula given x: <= ~1.5e-6, poly's <= 3.4e-7, kda_common.cuh) plus 2 |z| 2^-24 (the
+    rounding of ex2's argument and ex2.approx's own ~2^-22, which kda_softplus_approx, the default build's, has too:
+    held to the same bound here).  A wrong series or polynomial coefficient costs >= ~1e-4 relative and fails."""
     import cupy
 
     mod = inline_module(SOFTPLUS_SRC)
     sweep = np.linspace(-80.0, 30.0, 2_000_001, dtype=np.float32)
-    edges = np.float32([np.log(0.125), np.nextafter(np.float32(np.log(0.125)), np.float32(1)), 20.0,
-                        np.nextafter(np.float32(20.0), np.float32(21)), np.nan, -np.inf, np.inf])
+    edges = np.float32([0.0, 1e-30, -1e-30, np.log(0.125), np.nextafter(np.float32(np.log(0.125)), np.float32(1)),
+                        20.0, np.nextafter(np.float32(20.0), np.float32(21)), np.nan, -np.inf, np.inf])
     z = np.concatenate([sweep, edges])
     dz = cupy.asarray(z)
-    fast, approx = cupy.full(z.size, -7.0, dtype=np.float32), cupy.full(z.size, -7.0, dtype=np.float32)
+    fast, approx, poly = (cupy.full(z.size, -7.0, dtype=np.float32) for _ in range(3))
     n = z.size
-    mod.get_function("softplus_both")(((n + 255) // 256,), (256,), (dz, fast, approx, np.int32(n)))
-    fast, approx = fast.get(), approx.get()
+    mod.get_function("softplus_all")(((n + 255) // 256,), (256,), (dz, fast, approx, poly, np.int32(n)))
+    fast, approx, poly = fast.get(), approx.get(), poly.get()
     z64 = z.astype(np.float64)
     with np.errstate(invalid="ignore"):
         ref = np.where(z64 > 20, z64, np.logaddexp(0.0, z64))
     fin = np.isfinite(z)
     bound = 2e-6 + 2 * np.abs(z64[fin]) * 2.0**-24
-    for name, got in (("fast", fast), ("approx", approx)):
+    for name, got in (("fast", fast), ("approx", approx), ("poly", poly)):
         rel = np.abs(got[fin] - ref[fin]) / ref[fin]
         worst = int(np.argmax(rel / bound))
         print(f"kda_softplus_{name}: max rel {rel.max():.3e} (z = {z[fin][worst]:.4f}, its bound {bound[worst]:.2e})")

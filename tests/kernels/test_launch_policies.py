@@ -261,8 +261,8 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
-    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), so the GPU
-    variants test builds what it names."""
+    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), and the
+    other way round for GATE_POLY (off by default), so the GPU variants test builds what it names."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
@@ -288,7 +288,13 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
     for name in switches:
         monkeypatch.delenv(name)
-    for name in switches:
+    monkeypatch.delenv("KDA_RT_KDA_GATE_POLY", raising=False)  # off by default: absent unless 1
+    assert "GATE_POLY" not in kp._consts(128, 4, 32, 0)
+    monkeypatch.setenv("KDA_RT_KDA_GATE_POLY", "1")
+    assert kp._consts(128, 4, 32, 0)["GATE_POLY"] == 1
+    monkeypatch.setenv("KDA_RT_KDA_GATE_POLY", "0")
+    assert "GATE_POLY" not in kp._consts(128, 4, 32, 0)
+    for name in (*switches, "KDA_RT_KDA_GATE_POLY"):
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)

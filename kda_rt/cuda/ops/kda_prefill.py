@@ -91,14 +91,15 @@ def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
 
 def _intra_variants() -> list[tuple[str, bool, bool]]:
     """(define, its switch now, the kernel's default) of each intra-kernel variant: on by default once measured
-    (each one's 0 builds without it)."""
+    (each one's 0 builds without it), off until then."""
     return [("CONV_ONE_ROUND", env.kda_conv_one_round(), True), ("GATE_FAST", env.kda_gate_fast(), True),
             ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
             ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), True),
             ("T_HALVES", env.kda_t_halves(), True), ("BETA_EARLY", env.kda_beta_early(), True),
             ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
             ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
-            ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True)]
+            ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True),
+            ("GATE_POLY", env.kda_gate_poly(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
