@@ -290,14 +290,14 @@ def kda_early_lookup() -> bool:
 def kda_row_scatter() -> bool:
     """KDA_RT_KDA_ROW_SCATTER: 1 builds the KDA prefill intra kernel's row sums (phase (b)) by a reduce-scatter over the
     lanes, 27 shuffles a warp instead of 120 (kernels_cu/kda_prefill.cu ROW_SCATTER: the same bits); default 1 (0: the
-    build before 2026-12-04).  Read at each prefill."""
+    build without it, as before the thirty-seventh session, 2026-12-03).  Read at each prefill."""
     return _on_off("KDA_RT_KDA_ROW_SCATTER")
 
 
 def kda_silu_fast() -> bool:
     """KDA_RT_KDA_SILU_FAST: 1 builds the KDA prefill intra kernel's conv + SiLU with the hardware reciprocal alone
     (kernels_cu/kda_prefill.cu SILU_FAST: within ~2 ulp before the bf16 rounding, not the same bits); default 1 (0:
-    the build before 2026-12-04).  Read at each prefill."""
+    the build without it, as before the thirty-seventh session, 2026-12-03).  Read at each prefill."""
     return _on_off("KDA_RT_KDA_SILU_FAST")
 
 
@@ -308,17 +308,35 @@ def kda_gate_poly() -> bool:
     return _on_off("KDA_RT_KDA_GATE_POLY", "0")
 
 
+def kda_lookup_bounds() -> bool:
+    """KDA_RT_KDA_LOOKUP_BOUNDS: 1 builds the KDA prefill intra kernel with the sequence search returning the
+    sequence's bounds and the copies that cannot read the conv-state slot issued first (kernels_cu/kda_prefill.cu
+    LOOKUP_BOUNDS, with EARLY_LOOKUP and COPY_ROWS: the same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_LOOKUP_BOUNDS", "0")
+
+
+def kda_t_rows() -> int:
+    """KDA_RT_KDA_T_ROWS: 1, 2 or 4 rows a thread in the KDA prefill intra kernel's off-diagonal T products
+    (kernels_cu/kda_prefill.cu T_ROWS, with T_HALVES: the same bits); default 1 until measured.  Read at each
+    prefill."""
+    n = _non_negative_int("KDA_RT_KDA_T_ROWS", 1, 1, 4)
+    if n == 3:
+        raise ValueError("KDA_RT_KDA_T_ROWS must be 1, 2 or 4, got 3")
+    return n
+
+
 def kda_g_staged() -> bool:
     """KDA_RT_KDA_G_STAGED: 1 builds the KDA prefill intra kernel's W, U stores staged in shared memory and written in
-    16-byte pieces (kernels_cu/kda_prefill.cu G_STAGED: the same bits); default 1 (0: the build before 2026-12-04).
-    Read at each prefill."""
+    16-byte pieces (kernels_cu/kda_prefill.cu G_STAGED: the same bits); default 1 (0: the build without it, as
+    before the thirty-seventh session, 2026-12-03).  Read at each prefill."""
     return _on_off("KDA_RT_KDA_G_STAGED")
 
 
 def kda_g_balance() -> bool:
     """KDA_RT_KDA_G_BALANCE: 1 builds the KDA prefill intra kernel's W, U products with each warp on two row blocks of
     the lower-triangular T (kernels_cu/kda_prefill.cu G_BALANCE: 5 k steps a warp instead of 1-4 of twice the width;
-    the same bits); default 1 (0: the build before 2026-12-04).  Read at each prefill."""
+    the same bits); default 1 (0: the build without it, as before the thirty-seventh session, 2026-12-03).  Read at
+    each prefill."""
     return _on_off("KDA_RT_KDA_G_BALANCE")
 
 

@@ -7,14 +7,15 @@
 // workspace has B + T / L tiles, found without a host-side chunk table (32-way search on the id).
 //
 // kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195,504 bytes of dynamic smem, 221,616
-// with QUAD_SPLIT (W = 4; 1 CTA per SM), 72 registers: one chunk of one head, everything chunk-local:
+// with QUAD_SPLIT (W = 4; 1 CTA per SM), 125 registers (ptxas, 2026-12-03): one chunk of one head, everything
+// chunk-local:
 //   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
 //   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
 //   prefetches the rows of the tile that starts on its SM next into L2 (block id + number of SMs)
 //   q, k, v = bf16(SiLU(conv)) from qkv (and the slot's conv state before the sequence start),
-//   computed in place in the staged tiles; the SiLU quotient from one Newton step on the hardware
-//   reciprocal (within an ulp of IEEE division, before the bf16 rounding; IEEE division's slow-path
-//   call kept the compiler from overlapping rows);
+//   computed in place in the staged tiles; the SiLU quotient as u times the hardware reciprocal
+//   (SILU_FAST; within ~2 ulp of IEEE division before the bf16 rounding; 0: one Newton step on it; IEEE
+//   division's slow-path call kept the compiler from overlapping rows);
 //   q^ = l2norm(q) K^-1/2, k^ = l2norm(k); g2 = log2(e) g (every decay is one exp2f); beta = sigmoid(b)
 //   A_qk[r,s] = sum_d q^_r k^_s E[r,s] (s <= r),  A_kk[r,s] = beta_r sum_d k^_r k^_s E[r,s] (s < r),
 //   E[r,s] = exp(G_r - G_s), G the inclusive in-chunk prefix sum of g
@@ -212,7 +213,7 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef G_BALANCE
 #define G_BALANCE 1
 #endif
-// ROW_SCATTER = 1 (with ROW_NORM_SPREAD): phase (b)'s row sums of squares and q.k by a reduce-scatter over the lanes
+// ROW_SCATTER = 1 (applies with ROW_NORM_SPREAD; without it, no effect): phase (b)'s row sums of squares and q.k by a reduce-scatter over the lanes
 // (27 shuffles a warp instead of 120) with the butterfly's pairing: the same bits.  ncu (2026-12-03): the row-norm
 // warps are (b)'s longest, and the barrier after (b) held 2.6% of all the warps' stall samples.  Measured (H200,
 // 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab ROW_SCATTER): 4.653 -> 4.516, 1.190 ->
@@ -222,11 +223,11 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef ROW_SCATTER
 #define ROW_SCATTER 1
 #endif
-// T_ROWS (bench-only; 1, 2 or 4, with T_HALVES): each thread of T's off-diagonal products computes T_ROWS rows of its
+// T_ROWS (1, 2 or 4, with T_HALVES): each thread of T's off-diagonal products computes T_ROWS rows of its
 // column (rows rr, rr + 16 / T_ROWS, ..), the column's 16 shared-memory loads shared by them (dot16_rows): 12 (2 rows)
 // or 8 (4) loads an output instead of 20, on 256 or 128 threads.  ncu (2026-12-03): those products (13.5% of a CTA)
 // wait on the shared-memory instruction queue (MIO throttle 21-49% of their samples).  Each row's FMAs in dot16's
-// order: bit-identical.  Not yet run on a GPU: bench_kda_phases.py --ab T_ROWS=1:2:4.
+// order: bit-identical.  Not yet run on a GPU: bench_kda_phases.py --ab T_ROWS=1:2:4 (KDA_RT_KDA_T_ROWS in the runtime).
 #ifndef T_ROWS
 #define T_ROWS 1
 #endif
@@ -235,14 +236,15 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // that cannot read the conv-state slot (all but each thread's first) are issued before the one that can, so most
 // copies wait on no load after the search (the tile's fresh / slot loads only gate its first row).  ~0.9 K cycles from
 // the entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies: bit-identical.
-// 0 until measured (bench_kda_phases.py --ab LOOKUP_BOUNDS; not yet run on a GPU).
+// 0 until measured (bench_kda_phases.py --ab LOOKUP_BOUNDS, KDA_RT_KDA_LOOKUP_BOUNDS in the runtime; not yet run on a
+// GPU).
 #ifndef LOOKUP_BOUNDS
 #define LOOKUP_BOUNDS 0
 #endif
 // GATE_POLY = 1: the gate's softplus by kda_softplus_poly (one exponential and a degree-7 polynomial, no logarithm:
 // kda_common.cuh) instead of kda_softplus_fast: 16 MUFU a thread fewer in phase (a), whose 128 (ex2 and rcp of the
 // SiLU, ex2 and lg2 of the gate) take 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).
-// Within the same bound as kda_softplus_fast (test_kda_softplus_poly); not the same bits.  0 until measured (not yet
+// Within the same bound as kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  0 until measured (not yet
 // run on a GPU).
 #ifndef GATE_POLY
 #define GATE_POLY 0
@@ -309,8 +311,9 @@ __device__ __forceinline__ float2 unpack_bf16(unsigned u) {
 __device__ __forceinline__ void st_bf16x2(bf16* p, float lo, float hi) { *reinterpret_cast<unsigned*>(p) = pack_bf16(lo, hi); }
 __device__ __forceinline__ float2 ld_bf16x2(const bf16* p) { return unpack_bf16(*reinterpret_cast<const unsigned*>(p)); }
 
-// bf16(SiLU(conv)) as kda_conv_silu, but with common.cuh's Newton quotient (no slow-path call of IEEE
-// division, which kept the compiler from overlapping rows) and e^-u from the hardware exponential alone
+// bf16(SiLU(conv)) as kda_conv_silu, but with the hardware reciprocal (SILU_FAST) or common.cuh's Newton quotient
+// (no slow-path call of IEEE division, which kept the compiler from overlapping rows) and e^-u from the hardware
+// exponential alone
 // (relative error ~2^-22 + |u|·2^-24 before the bf16 rounding; expf's range reduction took ~6 more
 // instructions an element in this issue-bound stage; EXP_ACCURATE_EXP=1, bench only, restores expf).
 // CONV_ONE_ROUND: returned unrounded (the caller's bf16 store rounds it).
@@ -754,14 +757,15 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     __syncthreads();
     STAMP(3);
 
-    // ---- (b) row norms (warp w: rows 4w..4w+3); gate bookkeeping per channel d (threads < K):
+    // ---- (b) row norms (ROW_NORM_SPREAD: warps 0-7, 8 rows each; else warp w: rows 4w..4w+3); gate bookkeeping per
+    // channel d (ROW_NORM_SPREAD: the last K threads; else threads < K):
     // Lam in place; tables P_I = 2^G(n_I), R_J = 2^(sum of the blocks after J), C_IJ = 2^(G(n_I) - G(last row
     // of J)) (exponents are sums of gates, no differences: every entry <= 1); G_last -> workspace; unsafe
     // diagonal sub-blocks.  Also each row's q.k (the A_qk diagonal of an unsafe sub-block, where E = 1)
 #if ROW_NORM_SPREAD
     // rows on warps 0 .. NORM_WARPS - 1, RPW each: the butterfly sums leave every row's sums in every lane (the same
-    // bits in each: a + b == b + a), and lane i < RPW finishes row RPW w + i, so the rows' square roots and quotients
-    // run side by side instead of one after another on lane 0; the channels' gate bookkeeping below runs on the last
+    // bits in each: a + b == b + a), and lane i < RPW finishes row RPW w + i (ROW_SCATTER: lane 4 i, from its
+    // reduce-scatter), so the rows' square roots and quotients run side by side instead of one after another on lane 0; the channels' gate bookkeeping below runs on the last
     // K / 32 warps, which have no rows, so neither chain waits for the other (bit-identical to the default build)
     constexpr int NORM_WARPS = 8, RPW = L / NORM_WARPS;
     static_assert(L % NORM_WARPS == 0 && RPW <= 32 && NORM_WARPS * 32 <= INTRA_THREADS - K,
@@ -1096,6 +1100,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     }
     __syncthreads();
     STAMP(7);
+    static_assert(T_ROWS == 1 || T_ROWS == 2 || T_ROWS == 4, "kda_prefill_intra: T_ROWS is 1, 2 or 4");
+    static_assert(T_ROWS == 1 || T_HALVES, "kda_prefill_intra: T_ROWS applies to T_HALVES's products");
 #if T_HALVES && T_ROWS > 1
     {  // T_HALVES's products with T_ROWS rows a thread (rr + RS i), 2 x 16 x RS threads, the rest idle
         static_assert(NUM_SUB == 4 && SUB % T_ROWS == 0, "kda_prefill_intra: T_ROWS's map");

@@ -9,10 +9,11 @@
 #   2. the phases of 8 and of 132 tiles launched alone, twice, the second from warm L2 (--solo: are the copies slow
 #      because a wave's CTAs all copy at once?);
 #   3. the GPU tests of tests/kernels/test_kda_prefill.py (the variants test: each switch against the all-off build);
-#   4. with "model" as first argument and $MODEL_ENV set (KDA_RT_KDA_* switches, comma-joined, e.g.
-#      KDA_RT_KDA_GATE_POLY; T_ROWS and LOOKUP_BOUNDS are bench-only defines without one), the full 27-layer model's
-#      seed prefill with them all 0 / all 1 (bench_ab.py, fp8 weights, 3 rounds).
-# Times (thirty-sixth session): each A/B ~15 s, the tests ~60-120 s, the model A/B ~90 s (builds included).
+#   4. with "model" as first argument and $MODEL_ENV set (0 / 1 KDA_RT_KDA_* switches, comma-joined, e.g.
+#      KDA_RT_KDA_GATE_POLY,KDA_RT_KDA_LOOKUP_BOUNDS; KDA_RT_KDA_T_ROWS takes 1, 2, 4 and is not one of them), the full
+#      27-layer model's seed prefill with them all 0 / all 1 (bench_ab.py, fp8 weights, 3 rounds).
+# Times (thirty-seventh session): each A/B ~15-20 s, the tests ~90-150 s (more builds since: ~200 s?), the model A/B
+# ~90 s (builds included).
 #   [AB="..."] bash tests/gpu/kda_intra_variants.sh [model]   (from the repository root; writes $OUT/kda_intra_variants.txt)
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -27,7 +28,7 @@ done
 echo "== the copies alone (--solo 8,132, the default build)" | tee -a "$log"
 timeout 60 python tests/gpu/bench_kda_phases.py --shapes 32x2048 --ldb 288 --solo 8,132 >> "$log" 2>&1
 grep -E "alone|start: copies" "$log" | tail -6
-timeout 200 python -m pytest -q tests/kernels/test_kda_prefill.py 2>&1 | tail -3 | tee -a "$log"
+timeout 300 python -m pytest -q tests/kernels/test_kda_prefill.py 2>&1 | tail -3 | tee -a "$log"
 if [ "$1" = model ] && [ -n "$MODEL_ENV" ]; then
   envs=$MODEL_ENV
   n=$(echo "$envs" | tr ',' '\n' | wc -l)

@@ -164,15 +164,18 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     norms on warps 0-7, gate bookkeeping on warps 12-15), KDA_RT_KDA_CONV_PAIRS (phase (a) two channels a
     thread), KDA_RT_KDA_BETA_EARLY (beta loaded before the copies), KDA_RT_KDA_COPY_ROWS (the copies issued row by
     row), KDA_RT_KDA_EARLY_LOOKUP (the next tile's lookup at the entry), KDA_RT_KDA_G_BALANCE (phase (g) two row
-    blocks a warp), KDA_RT_KDA_G_STAGED (W, U stored in 16-byte pieces) and KDA_RT_KDA_ROW_SCATTER ((b)'s row sums
-    by a reduce-scatter): bit for bit what the all-off build gives; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free,
-    without log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results),
-    KDA_RT_KDA_T_HALVES (T's off-diagonal blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST
-    (conv + SiLU by the hardware reciprocal alone) and KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential
-    and a polynomial; off by default): against the reference at the prefill bounds.  Also "default" (no switch set:
-    all on but GATE_POLY) and "default-bit" (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and
-    ROW_SCATTER off in it: bit for bit the default).  Every gate kind, fresh and continuing sequences,
-    lengths 1-4096; every SM's shared memory poisoned before each build."""
+    blocks a warp) and KDA_RT_KDA_G_STAGED (W, U stored in 16-byte pieces): bit for bit what the all-off build gives;
+    the bit-identical variants that apply on top of another, each bit for bit that other alone: KDA_RT_KDA_ROW_SCATTER
+    ((b)'s row sums by a reduce-scatter) on ROW_NORM_SPREAD, KDA_RT_KDA_LOOKUP_BOUNDS (the search returns the bounds,
+    the slot-free copies first; off by default) on EARLY_LOOKUP + COPY_ROWS, KDA_RT_KDA_T_ROWS = 2 and 4 (rows a
+    thread in T's products; 1 by default) on T_HALVES; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free, without
+    log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results), KDA_RT_KDA_T_HALVES (T's
+    off-diagonal blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST (conv + SiLU by the hardware
+    reciprocal alone) and KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial; off by
+    default): against the reference at the prefill bounds.  Also "default" (no switch set) and "default-bit"
+    (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and ROW_SCATTER off in it: bit for bit the
+    default).  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
+    shared memory poisoned before each build."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -181,11 +184,22 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     inp = _inputs(lengths, num_heads, gates, seed=17 * sum(lengths) + num_heads, fresh=fresh)
     ref = reference(inp, num_heads)
     outs, recs = {}, {}
-    switches = ("KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
-                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_BETA_EARLY", "KDA_RT_KDA_COPY_ROWS", "KDA_RT_KDA_EARLY_LOOKUP",
-                "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED", "KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_GATE_FAST",
-                "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST", "KDA_RT_KDA_GATE_POLY")
-    runs = {"none": dict.fromkeys(switches, "0"), **{name: {**dict.fromkeys(switches, "0"), name: "1"} for name in switches},
+    bitwise = ("KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
+               "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_BETA_EARLY", "KDA_RT_KDA_COPY_ROWS", "KDA_RT_KDA_EARLY_LOOKUP",
+               "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED")
+    bounded = ("KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST",
+               "KDA_RT_KDA_GATE_POLY")
+    stacked = ("KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_LOOKUP_BOUNDS")
+    switches = (*bitwise, *bounded, *stacked, "KDA_RT_KDA_T_ROWS")
+    off = {**dict.fromkeys(switches, "0"), "KDA_RT_KDA_T_ROWS": "1"}
+    lookup_base = {"KDA_RT_KDA_EARLY_LOOKUP": "1", "KDA_RT_KDA_COPY_ROWS": "1"}
+    on_top = {  # run: (its switches over all-off, the run it must equal bit for bit)
+        "ROW_SCATTER": ({"KDA_RT_KDA_ROW_NORM_SPREAD": "1", "KDA_RT_KDA_ROW_SCATTER": "1"}, "KDA_RT_KDA_ROW_NORM_SPREAD"),
+        "LOOKUP_BOUNDS": ({**lookup_base, "KDA_RT_KDA_LOOKUP_BOUNDS": "1"}, "lookup-base"),
+        "T_ROWS=2": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "2"}, "KDA_RT_KDA_T_HALVES"),
+        "T_ROWS=4": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "4"}, "KDA_RT_KDA_T_HALVES")}
+    runs = {"none": off, **{name: {**off, name: "1"} for name in (*bitwise, *bounded)},
+            "lookup-base": {**off, **lookup_base}, **{run: {**off, **env} for run, (env, _) in on_top.items()},
             "default": {}, "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
                                            "KDA_RT_KDA_COPY_ROWS": "0", "KDA_RT_KDA_EARLY_LOOKUP": "0",
                                            "KDA_RT_KDA_G_BALANCE": "0", "KDA_RT_KDA_G_STAGED": "0",
@@ -201,10 +215,10 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         out = run_op(kda_prefill, dev, num_heads)
         check_prefill(out, dev, ref, inp, f"variants {run} {len(lengths)} seqs H{num_heads} {gates}")
         outs[run], recs[run] = out.view(cupy.uint16), dev["rec_pool"]
-    for run, base in zip((*switches[:10], "default-bit"), ("none",) * 10 + ("default",), strict=True):  # bit-identical
+    pairs = [(name, "none") for name in bitwise] + [(run, base) for run, (_, base) in on_top.items()]
+    for run, base in [*pairs, ("default-bit", "default")]:  # bit-identical
         assert cupy.array_equal(outs[run], outs[base]), f"{run}: out differs from the {base} build's"
         assert cupy.array_equal(recs[run], recs[base]), f"{run}: the final state differs from the {base} build's"
-
 
 LOOKUP_SRC = r"""
 #define HEAD_DIM 128

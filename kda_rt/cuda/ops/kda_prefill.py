@@ -86,6 +86,13 @@ def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
     for name, on, default in _intra_variants():
         if on != default:
             consts[name] = int(on)
+    if consts.get("LOOKUP_BOUNDS") and not (env.kda_early_lookup() and env.kda_copy_rows()):
+        raise ValueError("KDA_RT_KDA_LOOKUP_BOUNDS=1 needs KDA_RT_KDA_EARLY_LOOKUP and KDA_RT_KDA_COPY_ROWS on")
+    t_rows = env.kda_t_rows()
+    if t_rows != 1:
+        if not env.kda_t_halves():
+            raise ValueError(f"KDA_RT_KDA_T_ROWS={t_rows} needs KDA_RT_KDA_T_HALVES on")
+        consts["T_ROWS"] = t_rows
     return consts
 
 
@@ -99,7 +106,7 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
             ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
             ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True),
-            ("GATE_POLY", env.kda_gate_poly(), False)]
+            ("GATE_POLY", env.kda_gate_poly(), False), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
