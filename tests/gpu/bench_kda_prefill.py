@@ -1,7 +1,7 @@
 """KDA prefill, one layer (H = 32, K = V = 128, W = 4): ours (kda_prefill: intra + state + norm) vs
 the previous one-CTA-per-(head, sequence) kernel and fla's chunk_kda.
 
-    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768]  (fla: PYTHONPATH=/tmp/site:.)
+    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768] [--quick]  (fla: PYTHONPATH=/tmp/site:.)
     PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf [--shapes 1x32768,8x2048] [--rounds 5]
 
 --state-pf: the whole launcher at each of kda_prefill_state's prefetch depths (STATE_PF 0, 1, 2; state width as the
@@ -161,11 +161,11 @@ def kernel_report():
             print(f"  vb={vb:3d} {name}: {regs} registers, {local} B local")
 
 
-def bench_shape(num_seqs, seqlen, have_old):
+def bench_shape(num_seqs, seqlen, have_old, all_widths=True):
     d = make(num_seqs, seqlen)
     T = num_seqs * seqlen
     out = cupy.empty((T, H * K), dtype=BF16)
-    widths = {vb: median_ms(lambda vb=vb: ours(d, out, vb)) for vb in (16, 32, 64, 128)}
+    widths = {vb: median_ms(lambda vb=vb: ours(d, out, vb)) for vb in ((16, 32, 64, 128) if all_widths else ())}
     new = median_ms(lambda: ours(d, out))
     ms_intra = median_ms(intra_only(d))
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -214,6 +214,9 @@ def main():
     ap.add_argument("--shapes", default="", help="sequences x length, comma-joined (default: SHAPES; with --state-pf "
                                                   "1x2048,2x2048,8x2048,32x2048,1x32768,2x16384,1x131072)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="no kernel report and no state-width sweep: the launcher at "
+                                                          "its own width, the intra kernel alone and fla (whose first "
+                                                          "call autotunes for minutes: give the run its time)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     if args.state_pf:
@@ -222,12 +225,13 @@ def main():
         return
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     print(f"GPU {props['name'].decode() if isinstance(props['name'], bytes) else props['name']}, H={H}, K=V={K}")
-    try:
-        kernel_report()
-    except Exception as exc:  # noqa: BLE001 - report only
-        print(f"kernel report unavailable: {exc}")
+    if not args.quick:
+        try:
+            kernel_report()
+        except Exception as exc:  # noqa: BLE001 - report only
+            print(f"kernel report unavailable: {exc}")
     have_old = (KERNEL_DIR / "kda_prefill_legacy.cu").exists()
-    rows = [bench_shape(num_seqs, seqlen, have_old) for num_seqs, seqlen in shapes or SHAPES]
+    rows = [bench_shape(num_seqs, seqlen, have_old, not args.quick) for num_seqs, seqlen in shapes or SHAPES]
     print("\n| shape | ours-old ms | ours-new ms | fla chunk_kda ms | fla / new |\n|---|---|---|---|---|")
     for shape, o, n, fl in rows:
         print(f"| {shape} | {o:.3f} | {n:.3f} | {fl:.3f} | {fl / n:.2f} |")
