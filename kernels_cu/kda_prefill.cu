@@ -242,10 +242,10 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #define LOOKUP_BOUNDS 0
 #endif
 // GATE_POLY = 1: the gate's softplus by kda_softplus_poly (one exponential and a degree-7 polynomial, no logarithm:
-// kda_common.cuh) instead of kda_softplus_fast: 16 MUFU a thread fewer in phase (a), whose 128 (ex2 and rcp of the
-// SiLU, ex2 and lg2 of the gate) take 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).
-// Within the same bound as kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  0 until measured (not yet
-// run on a GPU).
+// kda_common.cuh) and log2(e) -exp(A_log) as one factor, instead of kda_softplus_fast and two multiplies: 16 MUFU and
+// ~100 instructions a thread fewer in phase (a), whose 128 MUFU (ex2 and rcp of the SiLU, ex2 and lg2 of the gate)
+// take 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).  Within the same bound as
+// kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  0 until measured (not yet run on a GPU).
 #ifndef GATE_POLY
 #define GATE_POLY 0
 #endif
@@ -741,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #if EXP_ACCURATE_EXP
                 gv[e] = r < n ? LOG2E * (na * kda_softplus(fr[e], bias[e])) : 0.f;  // == LOG2E * kda_log_decay
 #elif GATE_POLY
-                const float g = LOG2E * (na * kda_softplus_poly(fr[e], bias[e]));
+                const float g = (LOG2E * na) * kda_softplus_poly(fr[e], bias[e]);  // one multiply a gate (hoisted)
                 gv[e] = r < n ? g : 0.f;
 #elif GATE_FAST
                 // computed for every row (padded rows read zero-filled f) and selected: no branch around it
