@@ -308,6 +308,13 @@ def kda_gate_poly() -> bool:
     return _on_off("KDA_RT_KDA_GATE_POLY", "0")
 
 
+def kda_pad_fixup() -> bool:
+    """KDA_RT_KDA_PAD_FIXUP: 1 builds the KDA prefill intra kernel's phase (a) without the per-value selects of rows past
+    a sequence's end, zeroing those rows after (kernels_cu/kda_prefill.cu PAD_FIXUP: the same bits); default 0 until
+    measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_PAD_FIXUP", "0")
+
+
 def kda_lookup_bounds() -> bool:
     """KDA_RT_KDA_LOOKUP_BOUNDS: 1 builds the KDA prefill intra kernel with the sequence search returning the
     sequence's bounds and the copies that cannot read the conv-state slot issued first (kernels_cu/kda_prefill.cu

@@ -249,6 +249,12 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef GATE_POLY
 #define GATE_POLY 0
 #endif
+// PAD_FIXUP = 1: phase (a) stores every row's conv + SiLU output and gate, and a tile with rows past its sequence's end
+// (a sequence's last chunk) then overwrites those rows with 0 (the same thread, the same addresses), instead of a
+// select a value (64 a thread) in every tile.  The same bits.  0 until measured (not yet run on a GPU).
+#ifndef PAD_FIXUP
+#define PAD_FIXUP 0
+#endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
 // without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
 // division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
@@ -723,7 +729,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #pragma unroll
                 for (int e = 0; e < CW; ++e) {
                     y[e] = conv_silu_nr<CONV_W>(taps[i][e], hist[i][e], x[e]);
-                    y[e] = r0 + rr < n ? y[e] : 0.f;
+                    if (!PAD_FIXUP) y[e] = r0 + rr < n ? y[e] : 0.f;
 #pragma unroll
                     for (int j = 0; j < CONV_W - 2; ++j) hist[i][e][j] = hist[i][e][j + 1];
                     hist[i][e][CONV_W - 2] = x[e];
@@ -742,17 +748,29 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 gv[e] = r < n ? LOG2E * (na * kda_softplus(fr[e], bias[e])) : 0.f;  // == LOG2E * kda_log_decay
 #elif GATE_POLY
                 const float g = (LOG2E * na) * kda_softplus_poly(fr[e], bias[e]);  // one multiply a gate (hoisted)
-                gv[e] = r < n ? g : 0.f;
+                gv[e] = PAD_FIXUP || r < n ? g : 0.f;
 #elif GATE_FAST
                 // computed for every row (padded rows read zero-filled f) and selected: no branch around it
                 const float g = LOG2E * (na * kda_softplus_fast(fr[e], bias[e]));
-                gv[e] = r < n ? g : 0.f;
+                gv[e] = PAD_FIXUP || r < n ? g : 0.f;
 #else
                 gv[e] = r < n ? LOG2E * (na * kda_softplus_approx(fr[e], bias[e])) : 0.f;
 #endif
             }
             st_row_f32<CW>(Gf + r * LDF + c, gv);
         }
+#if PAD_FIXUP
+        if (n < L) {  // a sequence's last chunk: its rows past the end are 0 in q, k, v and the gates (as the selects gave)
+            const float zero[CW] = {};
+#pragma unroll
+            for (int rr = 0; rr < CR; ++rr) {
+                if (r0 + rr < n) continue;
+#pragma unroll
+                for (int i = 0; i < 3; ++i) st_row_bf16<CW>(Raw + i * (SZ_TR / 2) + (CONV_W - 1 + r0 + rr) * LDB + c, zero);
+                st_row_f32<CW>(Gf + (r0 + rr) * LDF + c, zero);
+            }
+        }
+#endif
     }
     __syncthreads();
     STAMP(3);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KDA prefill intra kernel's variants of kernels_cu/kda_prefill.cu (issue 11) in one device call: each define of
-# $AB (default "T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY", space-separated; a comma-joined entry flips several together, NAME=a:b:c
+# $AB (default "T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY PAD_FIXUP GATE_POLY,PAD_FIXUP", space-separated; a comma-joined entry flips several together, NAME=a:b:c
 # builds one define at several values) built 0 and 1.  The thirty-fourth to thirty-seventh sessions measured and
 # turned on CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD, EXP2_FTZ, CONV_PAIRS, T_HALVES, BETA_EARLY,
 # COPY_ROWS, EARLY_LOOKUP, G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER with its forms.
@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 log="$OUT/kda_intra_variants.txt"
 rm -f "$log"
-for ab in ${AB:-T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY}; do
+for ab in ${AB:-T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY PAD_FIXUP GATE_POLY,PAD_FIXUP}; do
   echo "== --ab $ab --ldb 288" | tee -a "$log"
   timeout 100 python tests/gpu/bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab "$ab" >> "$log" 2>&1
   grep -E "kernel [0-9.]+ ms|bit-identical" "$log" | tail -15

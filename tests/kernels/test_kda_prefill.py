@@ -164,7 +164,8 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     norms on warps 0-7, gate bookkeeping on warps 12-15), KDA_RT_KDA_CONV_PAIRS (phase (a) two channels a
     thread), KDA_RT_KDA_BETA_EARLY (beta loaded before the copies), KDA_RT_KDA_COPY_ROWS (the copies issued row by
     row), KDA_RT_KDA_EARLY_LOOKUP (the next tile's lookup at the entry), KDA_RT_KDA_G_BALANCE (phase (g) two row
-    blocks a warp) and KDA_RT_KDA_G_STAGED (W, U stored in 16-byte pieces): bit for bit what the all-off build gives;
+    blocks a warp), KDA_RT_KDA_G_STAGED (W, U stored in 16-byte pieces) and KDA_RT_KDA_PAD_FIXUP (rows past the end
+    zeroed after phase (a), not selected value by value; off by default): bit for bit what the all-off build gives;
     the bit-identical variants that apply on top of another, each bit for bit that other alone: KDA_RT_KDA_ROW_SCATTER
     ((b)'s row sums by a reduce-scatter) on ROW_NORM_SPREAD, KDA_RT_KDA_LOOKUP_BOUNDS (the search returns the bounds,
     the slot-free copies first; off by default) on EARLY_LOOKUP + COPY_ROWS, KDA_RT_KDA_T_ROWS = 2 and 4 (rows a
@@ -186,7 +187,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     outs, recs = {}, {}
     bitwise = ("KDA_RT_KDA_CONV_ONE_ROUND", "KDA_RT_KDA_SCALE_UNROLL", "KDA_RT_KDA_ROW_NORM_SPREAD",
                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_BETA_EARLY", "KDA_RT_KDA_COPY_ROWS", "KDA_RT_KDA_EARLY_LOOKUP",
-               "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED")
+               "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED", "KDA_RT_KDA_PAD_FIXUP")
     bounded = ("KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST",
                "KDA_RT_KDA_GATE_POLY")
     stacked = ("KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_LOOKUP_BOUNDS")

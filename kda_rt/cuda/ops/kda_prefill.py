@@ -106,7 +106,8 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
             ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
             ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True),
-            ("GATE_POLY", env.kda_gate_poly(), False), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), False)]
+            ("GATE_POLY", env.kda_gate_poly(), False), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), False),
+            ("PAD_FIXUP", env.kda_pad_fixup(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
