@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The KDA prefill intra kernel's variants of kernels_cu/kda_prefill.cu (issue 11) in one device call: each define of
-# $AB (default "T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY PAD_FIXUP GATE_POLY,PAD_FIXUP", space-separated; a comma-joined entry flips several together, NAME=a:b:c
-# builds one define at several values) built 0 and 1.  The thirty-fourth to thirty-seventh sessions measured and
-# turned on CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD, EXP2_FTZ, CONV_PAIRS, T_HALVES, BETA_EARLY,
-# COPY_ROWS, EARLY_LOOKUP, G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER with its forms.
+# $AB (default "T_ROWS=1:2:4 LOOKUP_BOUNDS GATE_POLY PAD_FIXUP GATE_POLY,PAD_FIXUP", space-separated; a comma-joined
+# entry flips several together, NAME=a:b:c builds one define at several values) built 0 and 1.  The thirty-fourth to
+# thirty-seventh sessions measured and turned on CONV_ONE_ROUND, GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD, EXP2_FTZ,
+# CONV_PAIRS, T_HALVES, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER with its
+# forms.
 #   1. each entry's kernel A/B (bench_kda_phases.py --ab, beta as the model passes it with --ldb 288: 5 interleaved
 #      rounds a shape, outputs compared bit for bit, phase cycles of both builds);
 #   2. the phases of 8 and of 132 tiles launched alone, twice, the second from warm L2 (--solo: are the copies slow
