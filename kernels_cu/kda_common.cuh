@@ -62,7 +62,7 @@ __device__ __forceinline__ float kda_softplus_fast(float f, float dt_bias) {
 // as y p(y), p a degree-7 least-squares fit of log1p(y) / y on Chebyshev nodes of [0, 1] (fp32 Horner: <= 3.4e-7
 // relative to log1p(y), measured in float64 against fp32 coefficients and roundings).  So ~1 MUFU and ~13 instructions
 // a gate instead of 2 and ~19; against softplus(z) the rounding of ex2's argument (|z| 2^-24 relative) dominates from
-// |z| ~ 6 on, as in kda_softplus_fast.  z > 20 gives z exactly (log1p(e^-z) < half an ulp of z from z ~ 14 on); NaN
+// |z| ~ 6 on, as in kda_softplus_fast.  z > 20 gives z exactly (log1p(e^-z) < half an ulp of z from z ~ 14.6 on); NaN
 // stays NaN, -inf gives 0 and +inf gives +inf.
 __device__ __forceinline__ float kda_softplus_poly(float f, float dt_bias) {
     const float z = f + dt_bias;

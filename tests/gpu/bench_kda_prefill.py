@@ -1,7 +1,7 @@
 """KDA prefill, one layer (H = 32, K = V = 128, W = 4): ours (kda_prefill: intra + state + norm) vs
 the previous one-CTA-per-(head, sequence) kernel and fla's chunk_kda.
 
-    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768] [--quick]  (fla: PYTHONPATH=/tmp/site:.)
+    PYTHONPATH=. python tests/gpu/bench_kda_prefill.py [--shapes 32x2048,1x32768] [--quick]  (fla: PYTHONPATH=/tmp/fla:.)
     PYTHONPATH=. python tests/gpu/bench_kda_prefill.py --state-pf [--shapes 1x32768,8x2048] [--rounds 5]
 
 --state-pf: the whole launcher at each of kda_prefill_state's prefetch depths (STATE_PF 0, 1, 2; state width as the
@@ -177,8 +177,8 @@ def bench_shape(num_seqs, seqlen, have_old, all_widths=True):
     ms_fla = timed() if timed else float("nan")
     shape = f"{num_seqs}x{seqlen}"
     print(f"{shape:>8}: old {ms_old:7.3f} ms  new {new:7.3f} ms ({T / new / 1e3:6.2f} M tok/s)  fla {ms_fla:7.3f} ms  "
-          f"fla/new {ms_fla / new:5.2f}  | new by vb: " + ", ".join(f"{vb}: {t:.3f}" for vb, t in widths.items()),
-          flush=True)
+          f"fla/new {ms_fla / new:5.2f}" + ("  | new by vb: " + ", ".join(f"{vb}: {t:.3f}" for vb, t in widths.items())
+                                           if widths else ""), flush=True)
     cupy.get_default_memory_pool().free_all_blocks()
     return shape, ms_old, new, ms_fla
 

@@ -173,9 +173,10 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results), KDA_RT_KDA_T_HALVES (T's
     off-diagonal blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST (conv + SiLU by the hardware
     reciprocal alone) and KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial; off by
-    default): against the reference at the prefill bounds.  Also "default" (no switch set) and "default-bit"
+    default): against the reference at the prefill bounds.  Also "default" (no switch set), "default-bit"
     (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and ROW_SCATTER off in it: bit for bit the
-    default).  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
+    default) and PAD_FIXUP on the default and on the GATE_POLY builds (its fix-up in place of the fast gates' selects,
+    two channels a thread: bit for bit the build without it).  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
     shared memory poisoned before each build."""
     import cupy
 
@@ -198,10 +199,13 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         "ROW_SCATTER": ({"KDA_RT_KDA_ROW_NORM_SPREAD": "1", "KDA_RT_KDA_ROW_SCATTER": "1"}, "KDA_RT_KDA_ROW_NORM_SPREAD"),
         "LOOKUP_BOUNDS": ({**lookup_base, "KDA_RT_KDA_LOOKUP_BOUNDS": "1"}, "lookup-base"),
         "T_ROWS=2": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "2"}, "KDA_RT_KDA_T_HALVES"),
-        "T_ROWS=4": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "4"}, "KDA_RT_KDA_T_HALVES")}
+        "T_ROWS=4": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "4"}, "KDA_RT_KDA_T_HALVES"),
+        # PAD_FIXUP where its fix-up replaces the fast gates' selects and two channels a thread: on the GATE_POLY build
+        "GATE_POLY+PAD_FIXUP": ({"KDA_RT_KDA_GATE_POLY": "1", "KDA_RT_KDA_PAD_FIXUP": "1"}, "KDA_RT_KDA_GATE_POLY")}
     runs = {"none": off, **{name: {**off, name: "1"} for name in (*bitwise, *bounded)},
             "lookup-base": {**off, **lookup_base}, **{run: {**off, **env} for run, (env, _) in on_top.items()},
-            "default": {}, "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
+            "default": {}, "default+PAD_FIXUP": {"KDA_RT_KDA_PAD_FIXUP": "1"},
+            "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
                                            "KDA_RT_KDA_COPY_ROWS": "0", "KDA_RT_KDA_EARLY_LOOKUP": "0",
                                            "KDA_RT_KDA_G_BALANCE": "0", "KDA_RT_KDA_G_STAGED": "0",
                                            "KDA_RT_KDA_ROW_SCATTER": "0"}}
@@ -217,7 +221,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         check_prefill(out, dev, ref, inp, f"variants {run} {len(lengths)} seqs H{num_heads} {gates}")
         outs[run], recs[run] = out.view(cupy.uint16), dev["rec_pool"]
     pairs = [(name, "none") for name in bitwise] + [(run, base) for run, (_, base) in on_top.items()]
-    for run, base in [*pairs, ("default-bit", "default")]:  # bit-identical
+    for run, base in [*pairs, ("default-bit", "default"), ("default+PAD_FIXUP", "default")]:  # bit-identical
         assert cupy.array_equal(outs[run], outs[base]), f"{run}: out differs from the {base} build's"
         assert cupy.array_equal(recs[run], recs[base]), f"{run}: the final state differs from the {base} build's"
 
