@@ -175,8 +175,8 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     reciprocal alone) and KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial; off by
     default): against the reference at the prefill bounds.  Also "default" (no switch set), "default-bit"
     (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and ROW_SCATTER off in it: bit for bit the
-    default) and PAD_FIXUP on the default and on the GATE_POLY builds (its fix-up in place of the fast gates' selects,
-    two channels a thread: bit for bit the build without it).  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
+    default) and PAD_FIXUP on the default build (its fix-up in place of GATE_FAST's select, two channels a thread) and
+    on the GATE_POLY build: bit for bit the build without it.  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
     shared memory poisoned before each build."""
     import cupy
 
@@ -200,7 +200,8 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         "LOOKUP_BOUNDS": ({**lookup_base, "KDA_RT_KDA_LOOKUP_BOUNDS": "1"}, "lookup-base"),
         "T_ROWS=2": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "2"}, "KDA_RT_KDA_T_HALVES"),
         "T_ROWS=4": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "4"}, "KDA_RT_KDA_T_HALVES"),
-        # PAD_FIXUP where its fix-up replaces the fast gates' selects and two channels a thread: on the GATE_POLY build
+        # PAD_FIXUP where its fix-up replaces the polynomial gate's select (the fast gate's and two channels a thread:
+        # "default+PAD_FIXUP" below)
         "GATE_POLY+PAD_FIXUP": ({"KDA_RT_KDA_GATE_POLY": "1", "KDA_RT_KDA_PAD_FIXUP": "1"}, "KDA_RT_KDA_GATE_POLY")}
     runs = {"none": off, **{name: {**off, name: "1"} for name in (*bitwise, *bounded)},
             "lookup-base": {**off, **lookup_base}, **{run: {**off, **env} for run, (env, _) in on_top.items()},
