@@ -57,8 +57,9 @@ def ours(d, out, vb=None):
     kda_prefill(*[d[n] for n in ARGS], num_heads=H, head_dim=K, eps=1e-5, out=out, state_columns=vb)
 
 
-def intra_only(d):
-    """kda_prefill_intra alone, launched as kda_prefill launches it: returns a no-argument runner."""
+def intra_only(d, **defines):
+    """kda_prefill_intra alone, launched as kda_prefill launches it (`defines`: extra -D values of kda_prefill.cu, e.g.
+    GATE_POLY=1): returns a no-argument runner."""
     from kda_rt.cuda.ops import kda_prefill as kp
 
     T, B, L = d["qkv"].shape[0], d["cu_seqlens"].shape[0] - 1, 64
@@ -67,7 +68,7 @@ def intra_only(d):
     a_qk, g_last = cupy.empty((chunks, H, L, L), dtype=BF16), cupy.empty((chunks, H, K), dtype=np.float32)
     smem = kp._intra_smem_bytes(K, L, W)
     fn = get_kernel("kda_prefill.cu", "kda_prefill_intra", max_dynamic_smem=smem, HEAD_DIM=K, CONV_W=W, CHUNK=L,
-                    VB=32, INTRA_THREADS=kp._INTRA_THREADS, QUAD_SPLIT=int(kp._QUAD_SPLIT))
+                    VB=32, INTRA_THREADS=kp._INTRA_THREADS, QUAD_SPLIT=int(kp._QUAD_SPLIT), **defines)
     args = (d["qkv"], d["f"], d["b"], i32(leading_dim(d["b"])), d["conv_w"], d["A_log"], d["dt_bias"], d["conv_pool"],
             d["cu_seqlens"], d["context_lens"], d["state_slots"], ws[0], ws[1], ws[2], ws[3], a_qk, g_last, i32(B),
             i32(H), i32(sm_count(cupy.cuda.Device().id)))

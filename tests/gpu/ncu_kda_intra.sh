@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Where kda_prefill_intra's warps wait (issue 11): Nsight Compute on one launch of the KDA intra-chunk kernel
 # at 32 x 2048 (bench_kda_prefill.py's random inputs), warp states, occupancy and per-SASS-line stall samples.
-#   bash tests/gpu/ncu_kda_intra.sh [NUM_SEQS] [SEQLEN]     (default 32 2048; writes $OUT/ncu_kda_intra.ncu-rep)
+#   [DEFINES="GATE_POLY=1,PAD_FIXUP=1"] bash tests/gpu/ncu_kda_intra.sh [NUM_SEQS] [SEQLEN]
+#   (default 32 2048, the kernel file's defaults; writes $OUT/ncu_kda_intra.ncu-rep)
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
 B=${1:-32} S=${2:-2048}
+# DEFINES as Python keyword arguments of intra_only (NAME=value, comma-joined)
+KW=$(echo "${DEFINES:-}" | tr ',' '\n' | grep . | sed 's/^/, /' | tr -d '\n')
 # launch 1 is the warm-up (compiles), launch 2 the one looked at
 $NCU --clock-control none -k regex:kda_prefill_intra --launch-skip 1 --launch-count 1 \
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
@@ -15,7 +18,7 @@ $NCU --clock-control none -k regex:kda_prefill_intra --launch-skip 1 --launch-co
   -f -o "$OUT/ncu_kda_intra" python -c "
 import sys; sys.path.insert(0, 'tests/gpu')
 import cupy, bench_kda_prefill as b
-run = b.intra_only(b.make($B, $S))
+run = b.intra_only(b.make($B, $S)$KW)
 run(); run(); cupy.cuda.Device().synchronize(); print('kda_prefill_intra ran twice')"
 # the whole details page to a file; its headline rows here
 $NCU --import "$OUT/ncu_kda_intra.ncu-rep" --page details --print-units base > "$OUT/ncu_kda_intra_details.txt"
@@ -31,5 +34,5 @@ sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_issued.a
 sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second python -c "
 import sys; sys.path.insert(0, 'tests/gpu')
 import cupy, bench_kda_prefill as b
-run = b.intra_only(b.make($B, $S))
+run = b.intra_only(b.make($B, $S)$KW)
 run(); run(); cupy.cuda.Device().synchronize()" 2>&1 | grep -E "sm__|==ERROR|==WARNING" || echo "pipe metrics: not read"
