@@ -213,13 +213,14 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef G_BALANCE
 #define G_BALANCE 1
 #endif
-// ROW_SCATTER = 1 (applies with ROW_NORM_SPREAD; without it, no effect): phase (b)'s row sums of squares and q.k by a reduce-scatter over the lanes
-// (27 shuffles a warp instead of 120) with the butterfly's pairing: the same bits.  ncu (2026-12-03): the row-norm
-// warps are (b)'s longest, and the barrier after (b) held 2.6% of all the warps' stall samples.  Measured (H200,
-// 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab ROW_SCATTER): 4.653 -> 4.516, 1.190 ->
-// 1.154, 2.292 -> 2.221 ms.  (Also tried that call, bit-identical and slower, removed: phase (d)'s tasks in an order
-// that leaves an unsafe sub-block's empty diagonal A_kk task to the second round, +0.2%; no diagonal factor tile for
-// unsafe sub-blocks in (c), +0.8%.  In call 2: (d) and (e) as a pool of warp parts from a shared counter, +3.2%.)
+// ROW_SCATTER = 1 (applies with ROW_NORM_SPREAD; without it, no effect): phase (b)'s row sums of squares and q.k by a
+// reduce-scatter over the lanes (27 shuffles a warp instead of 120) with the butterfly's pairing: the same bits.  ncu
+// (2026-12-03): the row-norm warps are (b)'s longest, and the barrier after (b) held 2.6% of all the warps' stall
+// samples.  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab
+// ROW_SCATTER): 4.653 -> 4.516, 1.190 -> 1.154, 2.292 -> 2.221 ms.  (Also tried that call, bit-identical and slower,
+// removed: phase (d)'s tasks in an order that leaves an unsafe sub-block's empty diagonal A_kk task to the second
+// round, +0.2%; no diagonal factor tile for unsafe sub-blocks in (c), +0.8%.  In call 2: (d) and (e) as a pool of warp
+// parts from a shared counter, +3.2%.)
 #ifndef ROW_SCATTER
 #define ROW_SCATTER 1
 #endif
@@ -227,7 +228,8 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // column (rows rr, rr + 16 / T_ROWS, ..), the column's 16 shared-memory loads shared by them (dot16_rows): 12 (2 rows)
 // or 8 (4) loads an output instead of 20, on 256 or 128 threads.  ncu (2026-12-03): those products (13.5% of a CTA)
 // wait on the shared-memory instruction queue (MIO throttle 21-49% of their samples).  Each row's FMAs in dot16's
-// order: bit-identical.  Not yet run on a GPU: bench_kda_phases.py --ab T_ROWS=1:2:4 (KDA_RT_KDA_T_ROWS in the runtime).
+// order: bit-identical.  Not yet run on a GPU: bench_kda_phases.py --ab T_ROWS=1:2:4 (KDA_RT_KDA_T_ROWS in the
+// runtime).
 #ifndef T_ROWS
 #define T_ROWS 1
 #endif
@@ -235,7 +237,8 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // (each probe loads its successor too; sequence_bounds_of_chunk_pair) instead of loading them after it, and the rows
 // that cannot read the conv-state slot (all but each thread's first) are issued before the one that can, so most
 // copies wait on no load after the search (the tile's fresh / slot loads only gate its first row).  ~0.9 K cycles from
-// the entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies: bit-identical.
+// the entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies:
+// bit-identical.
 // 0 until measured (bench_kda_phases.py --ab LOOKUP_BOUNDS, KDA_RT_KDA_LOOKUP_BOUNDS in the runtime; not yet run on a
 // GPU).
 #ifndef LOOKUP_BOUNDS
@@ -255,9 +258,9 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef PAD_FIXUP
 #define PAD_FIXUP 0
 #endif
-// SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an ulp),
-// without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as the
-// division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
+// SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an
+// ulp), without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as
+// the division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
 // stall samples, "selected" and "not selected" 43% of them).  The product is within ~2 ulp of the quotient before the
 // bf16 rounding: other bits only where the quotient lies that close to a bf16 rounding boundary.  Measured (H200,
 // 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab SILU_FAST): 4.847 -> 4.801, 1.233 ->
@@ -783,8 +786,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
 #if ROW_NORM_SPREAD
     // rows on warps 0 .. NORM_WARPS - 1, RPW each: the butterfly sums leave every row's sums in every lane (the same
     // bits in each: a + b == b + a), and lane i < RPW finishes row RPW w + i (ROW_SCATTER: lane 4 i, from its
-    // reduce-scatter), so the rows' square roots and quotients run side by side instead of one after another on lane 0; the channels' gate bookkeeping below runs on the last
-    // K / 32 warps, which have no rows, so neither chain waits for the other (bit-identical to the default build)
+    // reduce-scatter), so the rows' square roots and quotients run side by side instead of one after another on lane
+    // 0; the channels' gate bookkeeping below runs on the last K / 32 warps, which have no rows, so neither chain
+    // waits for the other (bit-identical to the default build)
     constexpr int NORM_WARPS = 8, RPW = L / NORM_WARPS;
     static_assert(L % NORM_WARPS == 0 && RPW <= 32 && NORM_WARPS * 32 <= INTRA_THREADS - K,
                   "kda_prefill_intra: ROW_NORM_SPREAD's row and gate warps");

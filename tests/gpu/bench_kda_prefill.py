@@ -217,7 +217,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="no kernel report and no state-width sweep: the launcher at "
                                                           "its own width, the intra kernel alone and fla (whose first "
-                                                          "call autotunes for minutes: give the run its time)")
+                                                          "call compiles and autotunes its Triton kernels)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     if args.state_pf:

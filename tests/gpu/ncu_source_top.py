@@ -14,6 +14,14 @@ import argparse
 import csv
 
 
+def _num(r: dict, col: str | None) -> float:
+    """A row's number in column col (ncu writes thousands with commas); 0 where empty, absent or not a number."""
+    try:
+        return float((r.get(col) or "0").replace(",", "")) if col else 0.0
+    except ValueError:
+        return 0.0
+
+
 def _col(header: list[str], *needles: str) -> str | None:
     for name in header:
         if all(n.lower() in name.lower() for n in needles):
@@ -62,19 +70,10 @@ def _table(rows: list[dict], path: str, top: int) -> int:
         return 1
 
     def value(r: dict) -> float:
-        try:
-            return float((r.get(samples) or "0").replace(",", ""))
-        except ValueError:
-            return 0.0
+        return _num(r, samples)
 
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
-
-    def num(r: dict, col: str) -> float:
-        try:
-            return float((r.get(col) or "0").replace(",", ""))
-        except ValueError:
-            return 0.0
-
+    num = _num
     total = sum(value(r) for r in rows) or 1.0
     print(f"{len(rows)} SASS lines, {total:.0f} stall samples ({samples})")
     by_reason = sorted(((sum(num(r, c) for r in rows), c[6:]) for c in reasons), reverse=True)
@@ -88,11 +87,11 @@ def _table(rows: list[dict], path: str, top: int) -> int:
 # executed-instruction kinds counted per region (by the SASS opcode's first word)
 _KINDS = {
     "MUFU": ("MUFU",),
-    "LDS": ("LDS", "LDSM"),
+    "LDS": ("LDS",),  # LDS, LDSM
     "STS": ("STS",),
     "MMA": ("HMMA", "HGMMA", "IMMA"),
     "FP32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP"),
-    "LDG": ("LDG", "LDGSTS"),
+    "LDG": ("LDG",),  # LDG, LDGSTS
 }
 
 
@@ -110,13 +109,7 @@ def _regions(rows: list[dict]) -> None:
     samples = _col(header, "stall sampling", "all") or _col(header, "stall sampling")
     executed = _col(header, "instructions executed") or _col(header, "inst_executed")
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
-
-    def num(r: dict, col: str | None) -> float:
-        try:
-            return float((r.get(col) or "0").replace(",", "")) if col else 0.0
-        except ValueError:
-            return 0.0
-
+    num = _num
     cuts: list[list[dict]] = [[]]
     for r in rows:
         cuts[-1].append(r)
