@@ -315,6 +315,13 @@ def kda_pad_fixup() -> bool:
     return _on_off("KDA_RT_KDA_PAD_FIXUP", "0")
 
 
+def kda_e_scan() -> bool:
+    """KDA_RT_KDA_E_SCAN: 1 builds the KDA prefill intra kernel's per-element path of unsafe diagonal sub-blocks as
+    row scans, the decay carried from row to row by one exponential a row and channel (kernels_cu/kda_prefill.cu
+    E_SCAN: products in another order, not the same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_E_SCAN", "0")
+
+
 def kda_lookup_bounds() -> bool:
     """KDA_RT_KDA_LOOKUP_BOUNDS: 1 builds the KDA prefill intra kernel with the sequence search returning the
     sequence's bounds and the copies that cannot read the conv-state slot issued first (kernels_cu/kda_prefill.cu

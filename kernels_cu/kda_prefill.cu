@@ -258,6 +258,19 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef PAD_FIXUP
 #define PAD_FIXUP 0
 #endif
+// E_SCAN = 1 (with QUAD_SPLIT): phase (e)'s 8 x 8 halves of unsafe diagonal sub-blocks by a warp a half and product
+// (A_qk or A_kk), the decay from each earlier row carried down the rows by one exponential a row and channel (7 a channel
+// and half instead of 28: 7,168 exponentials a tile of four unsafe sub-blocks instead of 28,672), q, k and Lam read
+// once a row (a few KB a warp instead of ~400 KB of shared-memory loads a tile), the channel sums by a reduce-scatter.
+// ncu (2026-12-03): the per-element path runs in nearly every tile of random gates, (d, e) 20.7% of a CTA.  Products of
+// up to 7 rounded factors instead of one exponential of the difference, sums in another order: not the same bits.
+// 0 until measured (not yet run on a GPU).
+#ifndef E_SCAN
+#define E_SCAN 0
+#endif
+#if E_SCAN && !QUAD_SPLIT
+#error "kda_prefill.cu: E_SCAN scans QUAD_SPLIT's 8 x 8 halves"
+#endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an
 // ulp), without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as
 // the division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
@@ -1026,7 +1039,68 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 }
             }
         };
-#if QUAD_SPLIT
+#if QUAD_SPLIT && E_SCAN
+        // (e) by scans: warp w takes the 8 x 8 half (w >> 1) & 1 of sub-block w >> 2, its A_qk (w even) or its A_kk (w
+        // odd), each lane four channels.  Row r = 1 .. 7 of the half in turn: each earlier row s's k carried as
+        // k_s 2^(Lam_r - Lam_s), one factor 2^(Lam_r - Lam_(r-1)) <= 1 a channel and row multiplying them all (7
+        // exponentials a channel and half instead of 28; the products underflow to 0 where the exponent sums do), then
+        // the pairs (r, s < r) as the lane's 4-channel dot products; the 28 pairs' sums over the lanes by a
+        // reduce-scatter (28 shuffles), lane j (j mod 8 < 7) ending with pair 14 (j >> 4 & 1) + 7 (j >> 3 & 1) + j mod 8.
+        static_assert(INTRA_WARPS == 4 * NUM_SUB && K == 4 * 32, "kda_prefill_intra: E_SCAN's warp and lane maps");
+        auto e_scan = [&](const int w) {
+            const int I = w >> 2, r0 = I * SUB + 8 * ((w >> 1) & 1), d = 4 * lane;
+            const bool kk = w & 1;
+            if (!unsafe[I]) return;  // warp-uniform
+            float acc[28], y[7][4], lam[4];
+            {
+                const float4 k0 = ld_bf16x4(Kr + r0 * LDB + d), g0 = *reinterpret_cast<const float4*>(Gf + r0 * LDF + d);
+                y[0][0] = k0.x, y[0][1] = k0.y, y[0][2] = k0.z, y[0][3] = k0.w;
+                lam[0] = g0.x, lam[1] = g0.y, lam[2] = g0.z, lam[3] = g0.w;
+            }
+#pragma unroll
+            for (int r = 1; r < 8; ++r) {
+                const float4 g4 = *reinterpret_cast<const float4*>(Gf + (r0 + r) * LDF + d);
+                const float4 x4 = ld_bf16x4((kk ? Kr : Qr) + (r0 + r) * LDB + d);
+                const float gr[4] = {g4.x, g4.y, g4.z, g4.w}, xr[4] = {x4.x, x4.y, x4.z, x4.w};
+                float a[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) a[c] = EXP2_ELEM(fminf(gr[c] - lam[c], 0.f)), lam[c] = gr[c];
+#pragma unroll
+                for (int s = 0; s < r; ++s) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) y[s][c] *= a[c];
+                    acc[r * (r - 1) / 2 + s] = fmaf(xr[0], y[s][0], fmaf(xr[1], y[s][1], fmaf(xr[2], y[s][2], xr[3] * y[s][3])));
+                }
+                if (r < 7) {
+                    const float4 k4 = ld_bf16x4(Kr + (r0 + r) * LDB + d);
+                    y[r][0] = k4.x, y[r][1] = k4.y, y[r][2] = k4.z, y[r][3] = k4.w;
+                }
+            }
+            auto halve = [&](auto n, const int off) {  // n: sums kept, the lane's half of them (as ROW_SCATTER's)
+                constexpr int half = decltype(n)::value;
+                const bool hi = lane & off;
+#pragma unroll
+                for (int j = 0; j < half; ++j) {
+                    const float a = acc[j], b = acc[half + j];
+                    acc[j] = (hi ? b : a) + __shfl_xor_sync(0xffffffffu, hi ? a : b, off);
+                }
+            };
+            halve(Count<14>{}, 16), halve(Count<7>{}, 8);
+            acc[7] = 0.f;  // 7 sums over 8 slots
+            halve(Count<4>{}, 4), halve(Count<2>{}, 2), halve(Count<1>{}, 1);
+            if ((lane & 7) == 7) return;
+            const int p = 14 * ((lane >> 4) & 1) + 7 * ((lane >> 3) & 1) + (lane & 7);
+            int rl = 1;
+            while (rl * (rl + 1) / 2 <= p) ++rl;
+            const int R = r0 + rl, S = r0 + p - rl * (rl - 1) / 2;
+            if (kk) {
+                Akk[R * LDT + S] = acc[0] * Bs[R] * rk[R] * rk[S];
+            } else {
+                ws_a[(tile * L + R) * L + S] = to_bf16(acc[0] * rq[R] * rk[S]);
+                ws_a[(tile * L + S) * L + R] = to_bf16(0.f);  // upper triangle of the diagonal block
+            }
+        };
+#elif QUAD_SPLIT
         constexpr int E_THREADS = NUM_SUB * 2 * 28 * 2;
         static_assert(E_THREADS <= INTRA_THREADS && E_THREADS % 32 == 0,
                       "kda_prefill_intra: the halves' pairs take whole warps of one round");
@@ -1057,7 +1131,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         };
 #endif
         for (int task = warp; task < 2 * NUM_PAIRS; task += INTRA_THREADS / 32) d_task(task);
-#if QUAD_SPLIT
+#if QUAD_SPLIT && E_SCAN
+        e_scan(warp);
+#elif QUAD_SPLIT
         if (tid < E_THREADS) e_part(tid);
 #endif
     }

@@ -172,8 +172,9 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     thread in T's products; 1 by default) on T_HALVES; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free, without
     log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results), KDA_RT_KDA_T_HALVES (T's
     off-diagonal blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST (conv + SiLU by the hardware
-    reciprocal alone) and KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial; off by
-    default): against the reference at the prefill bounds.  Also "default" (no switch set), "default-bit"
+    reciprocal alone), KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial; off by
+    default) and KDA_RT_KDA_E_SCAN (unsafe diagonal halves by row scans; off by default, also on the default build):
+    against the reference at the prefill bounds.  Also "default" (no switch set), "default-bit"
     (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and ROW_SCATTER off in it: bit for bit the
     default) and PAD_FIXUP on the default build (its fix-up in place of GATE_FAST's select, two channels a thread) and
     on the GATE_POLY build: bit for bit the build without it.  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
@@ -190,7 +191,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_BETA_EARLY", "KDA_RT_KDA_COPY_ROWS", "KDA_RT_KDA_EARLY_LOOKUP",
                "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED", "KDA_RT_KDA_PAD_FIXUP")
     bounded = ("KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST",
-               "KDA_RT_KDA_GATE_POLY")
+               "KDA_RT_KDA_GATE_POLY", "KDA_RT_KDA_E_SCAN")
     stacked = ("KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_LOOKUP_BOUNDS")
     switches = (*bitwise, *bounded, *stacked, "KDA_RT_KDA_T_ROWS")
     off = {**dict.fromkeys(switches, "0"), "KDA_RT_KDA_T_ROWS": "1"}
@@ -205,7 +206,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         "GATE_POLY+PAD_FIXUP": ({"KDA_RT_KDA_GATE_POLY": "1", "KDA_RT_KDA_PAD_FIXUP": "1"}, "KDA_RT_KDA_GATE_POLY")}
     runs = {"none": off, **{name: {**off, name: "1"} for name in (*bitwise, *bounded)},
             "lookup-base": {**off, **lookup_base}, **{run: {**off, **env} for run, (env, _) in on_top.items()},
-            "default": {}, "default+PAD_FIXUP": {"KDA_RT_KDA_PAD_FIXUP": "1"},
+            "default": {}, "default+PAD_FIXUP": {"KDA_RT_KDA_PAD_FIXUP": "1"}, "default+E_SCAN": {"KDA_RT_KDA_E_SCAN": "1"},
             "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
                                            "KDA_RT_KDA_COPY_ROWS": "0", "KDA_RT_KDA_EARLY_LOOKUP": "0",
                                            "KDA_RT_KDA_G_BALANCE": "0", "KDA_RT_KDA_G_STAGED": "0",

@@ -262,7 +262,7 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
     there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), and the
-    other way round for GATE_POLY, LOOKUP_BOUNDS and PAD_FIXUP (off by default); T_ROWS (1 by default) passes 2 or 4; the
+    other way round for GATE_POLY, LOOKUP_BOUNDS, PAD_FIXUP and E_SCAN (off by default); T_ROWS (1 by default) passes 2 or 4; the
     combinations the kernel cannot build are refused with the switches named, so the GPU variants test builds what it
     names."""
     import kda_rt.cuda.ops.kda_prefill as kp
@@ -275,7 +275,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
                 "KDA_RT_KDA_SILU_FAST": "SILU_FAST", "KDA_RT_KDA_G_STAGED": "G_STAGED",
                 "KDA_RT_KDA_ROW_SCATTER": "ROW_SCATTER"}
     for name in (*switches, "KDA_RT_KDA_GATE_POLY", "KDA_RT_KDA_LOOKUP_BOUNDS", "KDA_RT_KDA_PAD_FIXUP",
-                 "KDA_RT_KDA_T_ROWS"):  # whatever the shell has set
+                 "KDA_RT_KDA_E_SCAN", "KDA_RT_KDA_T_ROWS"):  # whatever the shell has set
         monkeypatch.delenv(name, raising=False)
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
     for name in switches:
@@ -292,7 +292,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     for name in switches:
         monkeypatch.delenv(name)
     off = {"KDA_RT_KDA_GATE_POLY": "GATE_POLY", "KDA_RT_KDA_LOOKUP_BOUNDS": "LOOKUP_BOUNDS",  # absent unless 1
-           "KDA_RT_KDA_PAD_FIXUP": "PAD_FIXUP"}
+           "KDA_RT_KDA_PAD_FIXUP": "PAD_FIXUP", "KDA_RT_KDA_E_SCAN": "E_SCAN"}
     for name, define in off.items():
         monkeypatch.delenv(name, raising=False)
         assert define not in kp._consts(128, 4, 32, 0)

@@ -107,7 +107,7 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
             ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True),
             ("GATE_POLY", env.kda_gate_poly(), False), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), False),
-            ("PAD_FIXUP", env.kda_pad_fixup(), False)]
+            ("PAD_FIXUP", env.kda_pad_fixup(), False), ("E_SCAN", env.kda_e_scan(), False)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
