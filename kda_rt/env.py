@@ -303,37 +303,39 @@ def kda_silu_fast() -> bool:
 
 def kda_gate_poly() -> bool:
     """KDA_RT_KDA_GATE_POLY: 1 builds the KDA prefill intra kernel's gate softplus with one exponential and a polynomial
-    (kernels_cu/kda_common.cuh kda_softplus_poly: within kda_softplus_fast's bound, not the same bits); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_GATE_POLY", "0")
+    (kernels_cu/kda_common.cuh kda_softplus_poly: within kda_softplus_fast's bound, not the same bits); default 1 (0:
+    kda_softplus_fast, as before 2026-12-03).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_GATE_POLY")
 
 
 def kda_pad_fixup() -> bool:
     """KDA_RT_KDA_PAD_FIXUP: 1 builds the KDA prefill intra kernel's phase (a) without the per-value selects of rows past
-    a sequence's end, zeroing those rows after (kernels_cu/kda_prefill.cu PAD_FIXUP: the same bits); default 0 until
-    measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_PAD_FIXUP", "0")
+    a sequence's end, zeroing those rows after (kernels_cu/kda_prefill.cu PAD_FIXUP: the same bits); default 1 (0: the
+    build without it).  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_PAD_FIXUP")
 
 
 def kda_e_scan() -> bool:
     """KDA_RT_KDA_E_SCAN: 1 builds the KDA prefill intra kernel's per-element path of unsafe diagonal sub-blocks as
     row scans, the decay carried from row to row by one exponential a row and channel (kernels_cu/kda_prefill.cu
-    E_SCAN: products in another order, not the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_E_SCAN", "0")
+    E_SCAN: products in another order, not the same bits); default 1 (0: per element, as before 2026-12-03).  Read at
+    each prefill."""
+    return _on_off("KDA_RT_KDA_E_SCAN")
 
 
 def kda_lookup_bounds() -> bool:
     """KDA_RT_KDA_LOOKUP_BOUNDS: 1 builds the KDA prefill intra kernel with the sequence search returning the
     sequence's bounds and the copies that cannot read the conv-state slot issued first (kernels_cu/kda_prefill.cu
-    LOOKUP_BOUNDS, with EARLY_LOOKUP and COPY_ROWS: the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_LOOKUP_BOUNDS", "0")
+    LOOKUP_BOUNDS, applies with EARLY_LOOKUP and COPY_ROWS: the same bits); default 1 (0: without).  Read at each
+    prefill."""
+    return _on_off("KDA_RT_KDA_LOOKUP_BOUNDS")
 
 
 def kda_t_rows() -> int:
     """KDA_RT_KDA_T_ROWS: 1, 2 or 4 rows a thread in the KDA prefill intra kernel's off-diagonal T products
-    (kernels_cu/kda_prefill.cu T_ROWS, with T_HALVES: the same bits); default 1 until measured.  Read at each
-    prefill."""
-    n = _non_negative_int("KDA_RT_KDA_T_ROWS", 1, 1, 4)
+    (kernels_cu/kda_prefill.cu T_ROWS, applies with T_HALVES: the same bits); default 2 (measured fastest of the
+    three, 2026-12-03).  Read at each prefill."""
+    n = _non_negative_int("KDA_RT_KDA_T_ROWS", 2, 1, 4)
     if n == 3:
         raise ValueError("KDA_RT_KDA_T_ROWS must be 1, 2 or 4, got 3")
     return n

@@ -7,7 +7,7 @@
 // workspace has B + T / L tiles, found without a host-side chunk table (32-way search on the id).
 //
 // kda_prefill_intra, grid (B + T/L, H), block INTRA_THREADS = 512 (16 warps), 195,504 bytes of dynamic smem, 221,616
-// with QUAD_SPLIT (W = 4; 1 CTA per SM), 125 registers (ptxas, 2026-12-03): one chunk of one head, everything
+// with QUAD_SPLIT (W = 4; 1 CTA per SM), 126 registers (ptxas, 2026-12-03): one chunk of one head, everything
 // chunk-local:
 //   every global input (raw q, k, v rows with W-1 history rows, f rows, the head's conv taps and
 //   dt_bias) arrives in ONE cp.async round trip of coalesced 16-byte pieces; meanwhile the CTA
@@ -228,48 +228,54 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // column (rows rr, rr + 16 / T_ROWS, ..), the column's 16 shared-memory loads shared by them (dot16_rows): 12 (2 rows)
 // or 8 (4) loads an output instead of 20, on 256 or 128 threads.  ncu (2026-12-03): those products (13.5% of a CTA)
 // wait on the shared-memory instruction queue (MIO throttle 21-49% of their samples).  Each row's FMAs in dot16's
-// order: bit-identical.  Not yet run on a GPU: bench_kda_phases.py --ab T_ROWS=1:2:4 (KDA_RT_KDA_T_ROWS in the
-// runtime).
+// order: bit-identical.  Applies with T_HALVES (the block-row form has no such map).  2 since 2026-12-03
+// (KDA_RT_KDA_T_ROWS=1 or 4: the others).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab T_ROWS=1:2:4, ms at
+// 1 / 2 / 4): 32 x 2048 4.525 / 4.387 / 4.442, 8 x 2048 1.160 / 1.128 / 1.141, 1 x 32768 2.224 / 2.157 / 2.184.
 #ifndef T_ROWS
-#define T_ROWS 1
+#define T_ROWS 2
 #endif
 // LOOKUP_BOUNDS = 1 (with EARLY_LOOKUP and COPY_ROWS): the sequence search returns the sequence's start and end with it
 // (each probe loads its successor too; sequence_bounds_of_chunk_pair) instead of loading them after it, and the rows
 // that cannot read the conv-state slot (all but each thread's first) are issued before the one that can, so most
 // copies wait on no load after the search (the tile's fresh / slot loads only gate its first row).  ~0.9 K cycles from
 // the entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies:
-// bit-identical.
-// 0 until measured (bench_kda_phases.py --ab LOOKUP_BOUNDS, KDA_RT_KDA_LOOKUP_BOUNDS in the runtime; not yet run on a
-// GPU).
+// bit-identical.  Applies with EARLY_LOOKUP and COPY_ROWS (without either it builds as 0).  1 since 2026-12-03
+// (KDA_RT_KDA_LOOKUP_BOUNDS=0: without).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab LOOKUP_BOUNDS): 4.535 -> 4.511, 1.153 -> 1.151, 2.220 -> 2.215 ms.
 #ifndef LOOKUP_BOUNDS
+#define LOOKUP_BOUNDS 1
+#endif
+#if LOOKUP_BOUNDS && !(EARLY_LOOKUP && COPY_ROWS)
+#undef LOOKUP_BOUNDS
 #define LOOKUP_BOUNDS 0
 #endif
 // GATE_POLY = 1: the gate's softplus by kda_softplus_poly (one exponential and a degree-7 polynomial, no logarithm:
 // kda_common.cuh) and log2(e) -exp(A_log) as one factor, instead of kda_softplus_fast and two multiplies: 16 MUFU and
 // ~100 instructions a thread fewer in phase (a), whose 128 MUFU (ex2 and rcp of the SiLU, ex2 and lg2 of the gate)
 // take 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).  Within the same bound as
-// kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  0 until measured (not yet run on a GPU).
+// kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  1 since 2026-12-03 (KDA_RT_KDA_GATE_POLY=0:
+// kda_softplus_fast).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab GATE_POLY): 4.540 -> 4.455, 1.154 -> 1.134, 2.222 -> 2.183 ms.
 #ifndef GATE_POLY
-#define GATE_POLY 0
+#define GATE_POLY 1
 #endif
 // PAD_FIXUP = 1: phase (a) stores every row's conv + SiLU output and gate, and a tile with rows past its sequence's end
 // (a sequence's last chunk) then overwrites those rows with 0 (the same thread, the same addresses), instead of a
-// select a value (64 a thread) in every tile.  The same bits.  0 until measured (not yet run on a GPU).
+// select a value (64 a thread) in every tile.  The same bits.  1 since 2026-12-03 (KDA_RT_KDA_PAD_FIXUP=0: without).
+// Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab PAD_FIXUP): 4.534 -> 4.489, 1.155 -> 1.142, 2.223 -> 2.201 ms; with GATE_POLY (--ab
+// GATE_POLY,PAD_FIXUP): 4.539 -> 4.423, 1.153 -> 1.125, 2.219 -> 2.163.
 #ifndef PAD_FIXUP
-#define PAD_FIXUP 0
+#define PAD_FIXUP 1
 #endif
-// E_SCAN = 1 (with QUAD_SPLIT): phase (e)'s 8 x 8 halves of unsafe diagonal sub-blocks by a warp a half and product
+// E_SCAN = 1 (applies with QUAD_SPLIT): phase (e)'s 8 x 8 halves of unsafe diagonal sub-blocks by a warp a half and product
 // (A_qk or A_kk), the decay from each earlier row carried down the rows by one exponential a row and channel (7 a channel
 // and half instead of 28: 7,168 exponentials a tile of four unsafe sub-blocks instead of 28,672), q, k and Lam read
 // once a row (a few KB a warp instead of ~400 KB of shared-memory loads a tile), the channel sums by a reduce-scatter.
 // ncu (2026-12-03): the per-element path runs in nearly every tile of random gates, (d, e) 20.7% of a CTA.  Products of
-// up to 7 rounded factors instead of one exponential of the difference, sums in another order: not the same bits.
-// 0 until measured (not yet run on a GPU).
+// up to 7 rounded factors instead of one exponential of the difference, sums in another order: not the same bits
+// (within the prefill bounds: the variants test).  1 since 2026-12-03 (KDA_RT_KDA_E_SCAN=0: per element).  Measured
+// (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab E_SCAN): 4.536 -> 4.235, 1.154 -> 1.070, 2.219 -> 2.081 ms (-6.6%, -7.3%,
+// -6.2%).
 #ifndef E_SCAN
-#define E_SCAN 0
-#endif
-#if E_SCAN && !QUAD_SPLIT
-#error "kda_prefill.cu: E_SCAN scans QUAD_SPLIT's 8 x 8 halves"
+#define E_SCAN 1
 #endif
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an
 // ulp), without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as
@@ -1199,9 +1205,12 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     __syncthreads();
     STAMP(7);
     static_assert(T_ROWS == 1 || T_ROWS == 2 || T_ROWS == 4, "kda_prefill_intra: T_ROWS is 1, 2 or 4");
-    static_assert(T_ROWS == 1 || T_HALVES, "kda_prefill_intra: T_ROWS applies to T_HALVES's products");
-#if T_HALVES && T_ROWS > 1
-    {  // T_HALVES's products with T_ROWS rows a thread (rr + RS i), 2 x 16 x RS threads, the rest idle
+#if T_HALVES
+    // T's off-diagonal blocks by halves: level 1, T_10 (hf 0) and T_32 (hf 1): X = A_IJ D_J into Xs block hf, then
+    // T_IJ = -D_I X; level 2, Y = A_BA T_AA (A rows 32-63, columns 0-31; T_AA = [D_0 0; T_10 D_1]) into T's upper
+    // blocks (Y_M,J at rows (M - 2) 16, columns (2 + J) 16), then T_BA = -T_BB Y (T_2J = -D_2 Y_2J, T_3J = -[T_32 D_3]
+    // [Y_2J; Y_3J]); each T_IJ written into T and, as bf16, into T diag(beta) (whose upper blocks (g) never reads).
+    {  // T_ROWS rows a thread (rr + RS i), 2 x 16 x RS threads, the rest idle
         static_assert(NUM_SUB == 4 && SUB % T_ROWS == 0, "kda_prefill_intra: T_ROWS's map");
         constexpr int R = T_ROWS, RS = SUB / R, TPP = SUB * RS;  // threads a product
         const bool on = tid < 2 * TPP;
@@ -1246,58 +1255,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                 put(2 * SUB + rr + RS * i, hf * SUB + cc, -(u[i][0] + u[i][1]));
                 put(3 * SUB + rr + RS * i, hf * SUB + cc, -(w[i][0] + w[i][1]));
             }
-        }
-        __syncthreads();
-    }
-    STAMP(8);
-    STAMP(9);
-#elif T_HALVES
-    {
-        static_assert(NUM_SUB == 4, "kda_prefill_intra: T_HALVES is written for four 16-row blocks");
-        const int hf = tid >> 8, e = tid & 255, rr = e >> 4, cc = e & 15;
-        // T_IJ (value v, row R, column S) into T and into T diag(beta) as bf16
-        auto put = [&](int R, int S, float v) { Tm[R * LDT + S] = v, Tb[R * LDA + S] = to_bf16(v * Bs[S]); };
-        // level 1, T_10 (hf 0) and T_32 (hf 1): X = A_IJ D_J into Xs block hf (T diag(beta)'s upper blocks are left
-        // as they are: (g) reads the blocks on and below the diagonal only)
-        const int I1 = hf ? 3 : 1, J1 = I1 - 1;
-        {
-            float acc0 = 0.f, acc1 = 0.f;
-            dot16(reinterpret_cast<const float4*>(Akk + (I1 * SUB + rr) * LDT + J1 * SUB),
-                  Tm + (J1 * SUB) * LDT + J1 * SUB + cc, LDT, acc0, acc1);
-            Xs[(hf * SUB + rr) * SUB + cc] = acc0 + acc1;
-        }
-        __syncthreads();
-        {
-            float acc0 = 0.f, acc1 = 0.f;  // D_I lower: k > rr reads 0
-            dot16(reinterpret_cast<const float4*>(Tm + (I1 * SUB + rr) * LDT + I1 * SUB), Xs + hf * SUB * SUB + cc, SUB,
-                  acc0, acc1);
-            put(I1 * SUB + rr, J1 * SUB + cc, -(acc0 + acc1));
-        }
-        __syncthreads();
-        // level 2, Y = A_BA T_AA (A rows 32-63, columns 0-31; T_AA = [D_0 0; T_10 D_1]): thread rows of block I2 = 2 +
-        // hf, Y_I2,0 (k < 32) and Y_I2,1 (16 <= k < 32: T_AA's upper block is not T's), into T's upper blocks:
-        // Y_M,J at rows (M - 2) * 16, columns (2 + J) * 16
-        {
-            const float4* a4 = reinterpret_cast<const float4*>(Akk + ((2 + hf) * SUB + rr) * LDT);  // row block 2 + hf
-            float y0a = 0.f, y0b = 0.f, y1a = 0.f, y1b = 0.f;
-            dot16(a4, Tm + cc, LDT, y0a, y0b);                               // D_0
-            dot16(a4 + SUB / 4, Tm + SUB * LDT + cc, LDT, y0a, y0b);         // T_10
-            dot16(a4 + SUB / 4, Tm + SUB * LDT + SUB + cc, LDT, y1a, y1b);  // D_1
-            Tm[(hf * SUB + rr) * LDT + 2 * SUB + cc] = y0a + y0b;
-            Tm[(hf * SUB + rr) * LDT + 3 * SUB + cc] = y1a + y1b;
-        }
-        __syncthreads();
-        // T_BA = -T_BB Y: thread column block J = hf, T_2J = -D_2 Y_2J (k < 16) and T_3J = -[T_32 D_3] [Y_2J; Y_3J]
-        // (k < 32: T's row 48 + rr from column 32 on)
-        {
-            const float* y = Tm + (2 + hf) * SUB + cc;  // Y_2J row k at y[k * LDT], Y_3J at y[(16 + k) * LDT]
-            const float4* t3 = reinterpret_cast<const float4*>(Tm + (3 * SUB + rr) * LDT + 2 * SUB);
-            float u0 = 0.f, u1 = 0.f, w0 = 0.f, w1 = 0.f;
-            dot16(reinterpret_cast<const float4*>(Tm + (2 * SUB + rr) * LDT + 2 * SUB), y, LDT, u0, u1);  // D_2 (lower)
-            dot16(t3, y, LDT, w0, w1);                                     // T_32
-            dot16(t3 + SUB / 4, y + SUB * LDT, LDT, w0, w1);               // D_3
-            put(2 * SUB + rr, hf * SUB + cc, -(u0 + u1));
-            put(3 * SUB + rr, hf * SUB + cc, -(w0 + w1));
         }
         __syncthreads();
     }

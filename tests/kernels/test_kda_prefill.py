@@ -165,20 +165,20 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     thread), KDA_RT_KDA_BETA_EARLY (beta loaded before the copies), KDA_RT_KDA_COPY_ROWS (the copies issued row by
     row), KDA_RT_KDA_EARLY_LOOKUP (the next tile's lookup at the entry), KDA_RT_KDA_G_BALANCE (phase (g) two row
     blocks a warp), KDA_RT_KDA_G_STAGED (W, U stored in 16-byte pieces) and KDA_RT_KDA_PAD_FIXUP (rows past the end
-    zeroed after phase (a), not selected value by value; off by default): bit for bit what the all-off build gives;
-    the bit-identical variants that apply on top of another, each bit for bit that other alone: KDA_RT_KDA_ROW_SCATTER
-    ((b)'s row sums by a reduce-scatter) on ROW_NORM_SPREAD, KDA_RT_KDA_LOOKUP_BOUNDS (the search returns the bounds,
-    the slot-free copies first; off by default) on EARLY_LOOKUP + COPY_ROWS, KDA_RT_KDA_T_ROWS = 2 and 4 (rows a
-    thread in T's products; 1 by default) on T_HALVES; KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free, without
-    log1pf), KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results), KDA_RT_KDA_T_HALVES (T's
-    off-diagonal blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST (conv + SiLU by the hardware
-    reciprocal alone), KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial; off by
-    default) and KDA_RT_KDA_E_SCAN (unsafe diagonal halves by row scans; off by default, also on the default build):
-    against the reference at the prefill bounds.  Also "default" (no switch set), "default-bit"
-    (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED and ROW_SCATTER off in it: bit for bit the
-    default) and PAD_FIXUP on the default build (its fix-up in place of GATE_FAST's select, two channels a thread) and
-    on the GATE_POLY build: bit for bit the build without it.  Every gate kind, fresh and continuing sequences (the conv-state slot read), lengths 1-4096; every SM's
-    shared memory poisoned before each build."""
+    zeroed after phase (a), not selected value by value): bit for bit what the all-off build gives; the bit-identical
+    variants that apply on top of another, each bit for bit that other alone: KDA_RT_KDA_ROW_SCATTER ((b)'s row sums
+    by a reduce-scatter) on ROW_NORM_SPREAD, KDA_RT_KDA_LOOKUP_BOUNDS (the search returns the bounds, the slot-free
+    copies first) on EARLY_LOOKUP + COPY_ROWS, KDA_RT_KDA_T_ROWS = 1 and 4 (rows a thread in T's products) on
+    T_HALVES (T_ROWS 2, the default), PAD_FIXUP on the one-channel GATE_FAST and GATE_POLY builds (its fix-up in
+    place of their selects); KDA_RT_KDA_GATE_FAST (the gate's softplus branch-free, without log1pf),
+    KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results), KDA_RT_KDA_T_HALVES (T's off-diagonal
+    blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST (conv + SiLU by the hardware reciprocal
+    alone), KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial) and KDA_RT_KDA_E_SCAN
+    (unsafe diagonal halves by row scans): against the reference at the prefill bounds.  Also "default" (no switch
+    set), "default-bit" (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED, ROW_SCATTER, PAD_FIXUP,
+    LOOKUP_BOUNDS off and T_ROWS 1 in it: bit for bit the default) and "default-PAD_FIXUP" (PAD_FIXUP on the default
+    build, two channels a thread: bit for bit without it).  Every gate kind, fresh and continuing sequences (the
+    conv-state slot read), lengths 1-4096; every SM's shared memory poisoned before each build."""
     import cupy
 
     from kda_rt.cuda.ops.kda_prefill import kda_prefill
@@ -194,23 +194,22 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
                "KDA_RT_KDA_GATE_POLY", "KDA_RT_KDA_E_SCAN")
     stacked = ("KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_LOOKUP_BOUNDS")
     switches = (*bitwise, *bounded, *stacked, "KDA_RT_KDA_T_ROWS")
-    off = {**dict.fromkeys(switches, "0"), "KDA_RT_KDA_T_ROWS": "1"}
+    off = dict.fromkeys((*bitwise, *bounded, *stacked), "0")  # T_ROWS unset: 2, applies with T_HALVES only
     lookup_base = {"KDA_RT_KDA_EARLY_LOOKUP": "1", "KDA_RT_KDA_COPY_ROWS": "1"}
     on_top = {  # run: (its switches over all-off, the run it must equal bit for bit)
         "ROW_SCATTER": ({"KDA_RT_KDA_ROW_NORM_SPREAD": "1", "KDA_RT_KDA_ROW_SCATTER": "1"}, "KDA_RT_KDA_ROW_NORM_SPREAD"),
         "LOOKUP_BOUNDS": ({**lookup_base, "KDA_RT_KDA_LOOKUP_BOUNDS": "1"}, "lookup-base"),
-        "T_ROWS=2": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "2"}, "KDA_RT_KDA_T_HALVES"),
+        "T_ROWS=1": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "1"}, "KDA_RT_KDA_T_HALVES"),
         "T_ROWS=4": ({"KDA_RT_KDA_T_HALVES": "1", "KDA_RT_KDA_T_ROWS": "4"}, "KDA_RT_KDA_T_HALVES"),
-        # PAD_FIXUP where its fix-up replaces the polynomial gate's select (the fast gate's and two channels a thread:
-        # "default+PAD_FIXUP" below)
+        "GATE_FAST+PAD_FIXUP": ({"KDA_RT_KDA_GATE_FAST": "1", "KDA_RT_KDA_PAD_FIXUP": "1"}, "KDA_RT_KDA_GATE_FAST"),
         "GATE_POLY+PAD_FIXUP": ({"KDA_RT_KDA_GATE_POLY": "1", "KDA_RT_KDA_PAD_FIXUP": "1"}, "KDA_RT_KDA_GATE_POLY")}
     runs = {"none": off, **{name: {**off, name: "1"} for name in (*bitwise, *bounded)},
             "lookup-base": {**off, **lookup_base}, **{run: {**off, **env} for run, (env, _) in on_top.items()},
-            "default": {}, "default+PAD_FIXUP": {"KDA_RT_KDA_PAD_FIXUP": "1"}, "default+E_SCAN": {"KDA_RT_KDA_E_SCAN": "1"},
-            "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0",
-                                           "KDA_RT_KDA_COPY_ROWS": "0", "KDA_RT_KDA_EARLY_LOOKUP": "0",
-                                           "KDA_RT_KDA_G_BALANCE": "0", "KDA_RT_KDA_G_STAGED": "0",
-                                           "KDA_RT_KDA_ROW_SCATTER": "0"}}
+            "default": {}, "default-PAD_FIXUP": {"KDA_RT_KDA_PAD_FIXUP": "0"},
+            "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0", "KDA_RT_KDA_COPY_ROWS": "0",
+                            "KDA_RT_KDA_EARLY_LOOKUP": "0", "KDA_RT_KDA_G_BALANCE": "0", "KDA_RT_KDA_G_STAGED": "0",
+                            "KDA_RT_KDA_ROW_SCATTER": "0", "KDA_RT_KDA_PAD_FIXUP": "0",
+                            "KDA_RT_KDA_LOOKUP_BOUNDS": "0", "KDA_RT_KDA_T_ROWS": "1"}}
     for run, env in runs.items():
         for name in switches:
             if name in env:
@@ -223,7 +222,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
         check_prefill(out, dev, ref, inp, f"variants {run} {len(lengths)} seqs H{num_heads} {gates}")
         outs[run], recs[run] = out.view(cupy.uint16), dev["rec_pool"]
     pairs = [(name, "none") for name in bitwise] + [(run, base) for run, (_, base) in on_top.items()]
-    for run, base in [*pairs, ("default-bit", "default"), ("default+PAD_FIXUP", "default")]:  # bit-identical
+    for run, base in [*pairs, ("default-bit", "default"), ("default-PAD_FIXUP", "default")]:  # bit-identical
         assert cupy.array_equal(outs[run], outs[base]), f"{run}: out differs from the {base} build's"
         assert cupy.array_equal(recs[run], recs[base]), f"{run}: the final state differs from the {base} build's"
 

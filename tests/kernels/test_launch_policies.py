@@ -261,10 +261,8 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
-    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), and the
-    other way round for GATE_POLY, LOOKUP_BOUNDS, PAD_FIXUP and E_SCAN (off by default); T_ROWS (1 by default) passes 2 or 4; the
-    combinations the kernel cannot build are refused with the switches named, so the GPU variants test builds what it
-    names."""
+    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it); T_ROWS (2 by
+    default) passes 1 or 4 and refuses anything else; a switch that is not 0 or 1 is refused, named."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
     switches = {"KDA_RT_KDA_CONV_ONE_ROUND": "CONV_ONE_ROUND", "KDA_RT_KDA_GATE_FAST": "GATE_FAST",
@@ -273,11 +271,12 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
                 "KDA_RT_KDA_BETA_EARLY": "BETA_EARLY", "KDA_RT_KDA_COPY_ROWS": "COPY_ROWS",
                 "KDA_RT_KDA_EARLY_LOOKUP": "EARLY_LOOKUP", "KDA_RT_KDA_G_BALANCE": "G_BALANCE",
                 "KDA_RT_KDA_SILU_FAST": "SILU_FAST", "KDA_RT_KDA_G_STAGED": "G_STAGED",
-                "KDA_RT_KDA_ROW_SCATTER": "ROW_SCATTER"}
-    for name in (*switches, "KDA_RT_KDA_GATE_POLY", "KDA_RT_KDA_LOOKUP_BOUNDS", "KDA_RT_KDA_PAD_FIXUP",
-                 "KDA_RT_KDA_E_SCAN", "KDA_RT_KDA_T_ROWS"):  # whatever the shell has set
+                "KDA_RT_KDA_ROW_SCATTER": "ROW_SCATTER", "KDA_RT_KDA_GATE_POLY": "GATE_POLY",
+                "KDA_RT_KDA_LOOKUP_BOUNDS": "LOOKUP_BOUNDS", "KDA_RT_KDA_PAD_FIXUP": "PAD_FIXUP",
+                "KDA_RT_KDA_E_SCAN": "E_SCAN"}
+    for name in (*switches, "KDA_RT_KDA_T_ROWS"):  # whatever the shell has set
         monkeypatch.delenv(name, raising=False)
-    assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
+    assert not (set(switches.values()) | {"T_ROWS"}) & set(kp._consts(128, 4, 32, 0))
     for name in switches:
         monkeypatch.setenv(name, "1")
     assert not set(switches.values()) & set(kp._consts(128, 4, 32, 0))
@@ -291,38 +290,15 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
     for name in switches:
         monkeypatch.delenv(name)
-    off = {"KDA_RT_KDA_GATE_POLY": "GATE_POLY", "KDA_RT_KDA_LOOKUP_BOUNDS": "LOOKUP_BOUNDS",  # absent unless 1
-           "KDA_RT_KDA_PAD_FIXUP": "PAD_FIXUP", "KDA_RT_KDA_E_SCAN": "E_SCAN"}
-    for name, define in off.items():
-        monkeypatch.delenv(name, raising=False)
-        assert define not in kp._consts(128, 4, 32, 0)
-        monkeypatch.setenv(name, "1")
-        assert kp._consts(128, 4, 32, 0)[define] == 1
-        monkeypatch.setenv(name, "0")
-        assert define not in kp._consts(128, 4, 32, 0)
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("KDA_RT_KDA_LOOKUP_BOUNDS", "1")
-    for needed in ("KDA_RT_KDA_EARLY_LOOKUP", "KDA_RT_KDA_COPY_ROWS"):
-        monkeypatch.setenv(needed, "0")
-        with pytest.raises(ValueError, match="KDA_RT_KDA_LOOKUP_BOUNDS=1 needs"):
-            kp._consts(128, 4, 32, 0)
-        monkeypatch.delenv(needed)
-    monkeypatch.delenv("KDA_RT_KDA_LOOKUP_BOUNDS")
-    monkeypatch.delenv("KDA_RT_KDA_T_ROWS", raising=False)
-    assert "T_ROWS" not in kp._consts(128, 4, 32, 0)
     for rows in ("1", "2", "4"):
         monkeypatch.setenv("KDA_RT_KDA_T_ROWS", rows)
-        assert kp._consts(128, 4, 32, 0).get("T_ROWS") == (None if rows == "1" else int(rows)), rows
-    monkeypatch.setenv("KDA_RT_KDA_T_HALVES", "0")
-    with pytest.raises(ValueError, match="KDA_RT_KDA_T_ROWS=4 needs KDA_RT_KDA_T_HALVES"):
-        kp._consts(128, 4, 32, 0)
-    monkeypatch.delenv("KDA_RT_KDA_T_HALVES")
+        assert kp._consts(128, 4, 32, 0).get("T_ROWS") == (None if rows == "2" else int(rows)), rows
     for bad in ("0", "3", "8", "two"):
         monkeypatch.setenv("KDA_RT_KDA_T_ROWS", bad)
         with pytest.raises(ValueError, match="KDA_RT_KDA_T_ROWS must be"):
             kp._consts(128, 4, 32, 0)
     monkeypatch.delenv("KDA_RT_KDA_T_ROWS")
-    for name in (*switches, *off):
+    for name in switches:
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)

@@ -86,19 +86,16 @@ def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
     for name, on, default in _intra_variants():
         if on != default:
             consts[name] = int(on)
-    if consts.get("LOOKUP_BOUNDS") and not (env.kda_early_lookup() and env.kda_copy_rows()):
-        raise ValueError("KDA_RT_KDA_LOOKUP_BOUNDS=1 needs KDA_RT_KDA_EARLY_LOOKUP and KDA_RT_KDA_COPY_ROWS on")
     t_rows = env.kda_t_rows()
-    if t_rows != 1:
-        if not env.kda_t_halves():
-            raise ValueError(f"KDA_RT_KDA_T_ROWS={t_rows} needs KDA_RT_KDA_T_HALVES on")
+    if t_rows != 2:
         consts["T_ROWS"] = t_rows
     return consts
 
 
 def _intra_variants() -> list[tuple[str, bool, bool]]:
     """(define, its switch now, the kernel's default) of each intra-kernel variant: on by default once measured
-    (each one's 0 builds without it), off until then."""
+    (each one's 0 builds without it), off until then.  LOOKUP_BOUNDS applies with EARLY_LOOKUP and COPY_ROWS,
+    ROW_SCATTER with ROW_NORM_SPREAD, T_ROWS with T_HALVES, E_SCAN with QUAD_SPLIT: without them they build as off."""
     return [("CONV_ONE_ROUND", env.kda_conv_one_round(), True), ("GATE_FAST", env.kda_gate_fast(), True),
             ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
             ("EXP2_FTZ", env.kda_exp2_ftz(), True), ("CONV_PAIRS", env.kda_conv_pairs(), True),
@@ -106,8 +103,8 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("COPY_ROWS", env.kda_copy_rows(), True), ("EARLY_LOOKUP", env.kda_early_lookup(), True),
             ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
             ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True),
-            ("GATE_POLY", env.kda_gate_poly(), False), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), False),
-            ("PAD_FIXUP", env.kda_pad_fixup(), False), ("E_SCAN", env.kda_e_scan(), False)]
+            ("GATE_POLY", env.kda_gate_poly(), True), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), True),
+            ("PAD_FIXUP", env.kda_pad_fixup(), True), ("E_SCAN", env.kda_e_scan(), True)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
