@@ -43,7 +43,8 @@
 // less than 2^-DIAG_SPAN over the sub-block (both factors within 2^+-DIAG_SPAN: no overflow, bf16
 // keeps its relative precision at any exponent); otherwise (strong gates) its lower-left 8 x 8 quadrant is
 // split around its row 8 instead (QUAD_SPLIT: e^(Lam_r - Lam_8) * e^(Lam_8 - Lam_s), both <= 1, on tensor cores)
-// and its two 8 x 8 halves are computed per element in fp32 with exp2(Lam_r - Lam_s), exactly as the reference.
+// and its two 8 x 8 halves in fp32: by row scans (E_SCAN, the default: each earlier row's decay carried down the
+// rows by one factor 2^(Lam_r - Lam_(r-1)) a row), or per element with exp2(Lam_r - Lam_s) (E_SCAN = 0).
 // QUAD_SPLIT (H200, 2026-12-02, `PYTHONPATH=. python tests/gpu/bench_kda_phases.py --shapes 32x2048,1x32768 --ab
 // QUAD_SPLIT`, 5 interleaved rounds, random gates as the random-weight model's): 32 x 2048 6.573 -> 6.470 ms, 1 x 32768
 // 3.238 -> 3.188; phases (d, e) 7708 -> 6460 cycles a CTA, (c) 5816 -> 6697 (it builds the quadrant's factors).
@@ -117,7 +118,8 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 // QUAD_SPLIT = 1: an unsafe diagonal sub-block (below) takes its lower-left 8 x 8 quadrant (rows 8-15, columns 0-7)
 // on tensor cores, split around its row 8: E[r,s] = e^(Lam_r - Lam_8) * e^(Lam_8 - Lam_s), both exponents <= 0
 // (Lam never increases), so neither factor overflows, whatever the gates; only its two 8 x 8 diagonal halves (56 of
-// the 120 pairs) stay per element, two threads a pair.  0: all 120 per element, one thread a pair (as before).
+// the 120 pairs) stay in fp32 (E_SCAN = 0: per element, two threads a pair; 1: row scans).  0: all 120 per element,
+// one thread a pair (as before).
 #ifndef QUAD_SPLIT
 #define QUAD_SPLIT 1
 #endif
@@ -267,7 +269,8 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #endif
 // E_SCAN = 1 (applies with QUAD_SPLIT): phase (e)'s 8 x 8 halves of unsafe diagonal sub-blocks by a warp a half and product
 // (A_qk or A_kk), the decay from each earlier row carried down the rows by one exponential a row and channel (7 a channel
-// and half instead of 28: 7,168 exponentials a tile of four unsafe sub-blocks instead of 28,672), q, k and Lam read
+// and warp, 14 a channel and half with its two products' warps, instead of 28: 14,336 exponentials a tile of four
+// unsafe sub-blocks instead of 28,672), q, k and Lam read
 // once a row (a few KB a warp instead of ~400 KB of shared-memory loads a tile), the channel sums by a reduce-scatter.
 // ncu (2026-12-03): the per-element path runs in nearly every tile of random gates, (d, e) 20.7% of a CTA.  Products of
 // up to 7 rounded factors instead of one exponential of the difference, sums in another order: not the same bits
@@ -982,11 +985,12 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // ---- (d) A_qk and beta A_kk, 16 x 16 sub-block pairs (I, J <= I) on tensor cores: 2 products x
     // NUM_PAIRS tasks over the warps; a diagonal pair of an unsafe sub-block is left to (e) (QUAD_SPLIT: but for its
     // lower-left quadrant, both products in one task here)
-    // ---- (e) unsafe diagonal sub-blocks per element, fp32 from the raw tiles: pair (r > s) per thread (480
-    // pairs: one round of the 512 threads); the diagonal (E = 1) from the row's q.k of (b).  QUAD_SPLIT: only the
-    // pairs inside the two 8 x 8 halves (4 x 56 pairs), each over two threads (half the channels each, adjacent
-    // lanes summed by a shuffle): 448 threads (14 warps' parts), one round of half the length.  (d) and (e) write
-    // disjoint elements and read only what (c) left: one phase.
+    // ---- (e) unsafe diagonal sub-blocks in fp32 from the raw tiles; the diagonal (E = 1) from the row's q.k of (b).
+    // QUAD_SPLIT = 0: per element, pair (r > s) per thread (480 pairs: one round of the 512 threads).  QUAD_SPLIT:
+    // only the pairs inside the two 8 x 8 halves (4 x 56 pairs): by row scans, a warp a half and product (E_SCAN,
+    // below), or (E_SCAN = 0) per element, each pair over two threads (half the channels each, adjacent lanes summed
+    // by a shuffle): 448 threads (14 warps' parts), one round of half the length.  (d) and (e) write disjoint
+    // elements and read only what (c) left: one phase.
     {
         const int g = lane >> 2, t = lane & 3;
         auto d_task = [&](const int task) {
@@ -1049,7 +1053,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         // (e) by scans: warp w takes the 8 x 8 half (w >> 1) & 1 of sub-block w >> 2, its A_qk (w even) or its A_kk (w
         // odd), each lane four channels.  Row r = 1 .. 7 of the half in turn: each earlier row s's k carried as
         // k_s 2^(Lam_r - Lam_s), one factor 2^(Lam_r - Lam_(r-1)) <= 1 a channel and row multiplying them all (7
-        // exponentials a channel and half instead of 28; the products underflow to 0 where the exponent sums do), then
+        // exponentials a channel and warp; the products underflow to 0 where the exponent sums do), then
         // the pairs (r, s < r) as the lane's 4-channel dot products; the 28 pairs' sums over the lanes by a
         // reduce-scatter (28 shuffles), lane j (j mod 8 < 7) ending with pair 14 (j >> 4 & 1) + 7 (j >> 3 & 1) + j mod 8.
         static_assert(INTRA_WARPS == 4 * NUM_SUB && K == 4 * 32, "kda_prefill_intra: E_SCAN's warp and lane maps");

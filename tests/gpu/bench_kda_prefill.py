@@ -59,7 +59,7 @@ def ours(d, out, vb=None):
 
 def intra_only(d, **defines):
     """kda_prefill_intra alone, launched as kda_prefill launches it (`defines`: extra -D values of kda_prefill.cu, e.g.
-    GATE_POLY=1): returns a no-argument runner."""
+    E_SCAN=0): returns a no-argument runner."""
     from kda_rt.cuda.ops import kda_prefill as kp
 
     T, B, L = d["qkv"].shape[0], d["cu_seqlens"].shape[0] - 1, 64

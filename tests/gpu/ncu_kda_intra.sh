@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where kda_prefill_intra's warps wait (issue 11): Nsight Compute on one launch of the KDA intra-chunk kernel
 # at 32 x 2048 (bench_kda_prefill.py's random inputs), warp states, occupancy and per-SASS-line stall samples.
-#   [DEFINES="GATE_POLY=1,PAD_FIXUP=1"] bash tests/gpu/ncu_kda_intra.sh [NUM_SEQS] [SEQLEN]
+#   [DEFINES="E_SCAN=0,GATE_POLY=0"] bash tests/gpu/ncu_kda_intra.sh [NUM_SEQS] [SEQLEN]
 #   (default 32 2048, the kernel file's defaults; writes $OUT/ncu_kda_intra.ncu-rep)
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}

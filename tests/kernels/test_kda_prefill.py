@@ -5,7 +5,7 @@ Every case draws fresh random inputs and poisons `out` with NaN before the call 
 Gates: "normal" (|g| ~ 1), "near_zero" (g ~ -1e-9: no decay at all), "extreme" (g in -160 .. -4800
 per token), "mixed" (channels of -20, 0, 300 dt_bias with exp(A_log) up to 16), "bursty" (normal,
 plus random tokens whose gate is -100 .. -800: chunks where some 16-row sub-blocks take the
-tensor-core path and others the per-element path, and long prefix sums next to small differences).
+tensor-core path and others the fp32 path (row scans, or per element), and long prefix sums next to small differences).
 
 Tolerances (the kernel's tensor-core operands are bf16, as fla's chunk_kda; accumulation and the
 carried state are fp32):
