@@ -85,6 +85,8 @@
 // Thirty-seventh session (2026-12-03): ncu by phase (tests/gpu/ncu_kda_intra.sh --regions: phase (a) issues 2048 warp
 // MUFU a CTA, 4096 cycles of the 16-a-clock pipe; the exit's drain 5.8% of the stall samples; the barriers after (b)
 // and (d, e) 2.6% and 4.7%), then G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER on: 32 x 2048 4.844 -> 4.516 ms.
+// Thirty-eighth session (2026-12-03): E_SCAN, T_ROWS = 2, GATE_POLY, PAD_FIXUP and LOOKUP_BOUNDS on: 32 x 2048 4.536 ->
+// 3.992 ms (8 x 2048 1.154 -> 1.016, 1 x 32768 2.219 -> 1.969); phases (d, e) 6.4 K -> 4.2 K cycles, (a) 6.1 K -> 5.4 K.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).
