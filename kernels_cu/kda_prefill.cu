@@ -86,7 +86,8 @@
 // MUFU a CTA, 4096 cycles of the 16-a-clock pipe; the exit's drain 5.8% of the stall samples; the barriers after (b)
 // and (d, e) 2.6% and 4.7%), then G_BALANCE, SILU_FAST, G_STAGED and ROW_SCATTER on: 32 x 2048 4.844 -> 4.516 ms.
 // Thirty-eighth session (2026-12-03): E_SCAN, T_ROWS = 2, GATE_POLY, PAD_FIXUP and LOOKUP_BOUNDS on: 32 x 2048 4.536 ->
-// 3.992 ms (8 x 2048 1.154 -> 1.016, 1 x 32768 2.219 -> 1.969); phases (d, e) 6.4 K -> 4.2 K cycles, (a) 6.1 K -> 5.4 K.
+// 3.992 ms (8 x 2048 1.154 -> 1.016, 1 x 32768 2.219 -> 1.969); phases (d, e) 6.4 K -> 4.2 K cycles, (a) 6.1 K ->
+// 5.4 K.
 // Whole launcher against fla's chunk_kda in the same run (bench_kda_prefill.py, fla 0.6.0): 1 x 2048 0.543 /
 // 0.954 ms, 8 x 2048 2.552 / 2.490, 32 x 2048 8.486 / 8.621, 1 x 32768 5.356 / 4.790 (before the state-width
 // rule of ops/kda_prefill.py moved to 32 / 64 columns).
@@ -228,23 +229,25 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef ROW_SCATTER
 #define ROW_SCATTER 1
 #endif
-// T_ROWS (1, 2 or 4, with T_HALVES): each thread of T's off-diagonal products computes T_ROWS rows of its
-// column (rows rr, rr + 16 / T_ROWS, ..), the column's 16 shared-memory loads shared by them (dot16_rows): 12 (2 rows)
-// or 8 (4) loads an output instead of 20, on 256 or 128 threads.  ncu (2026-12-03): those products (13.5% of a CTA)
-// wait on the shared-memory instruction queue (MIO throttle 21-49% of their samples).  Each row's FMAs in dot16's
-// order: bit-identical.  Applies with T_HALVES (the block-row form has no such map).  2 since 2026-12-03
-// (KDA_RT_KDA_T_ROWS=1 or 4: the others).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab T_ROWS=1:2:4, ms at
-// 1 / 2 / 4): 32 x 2048 4.525 / 4.387 / 4.442, 8 x 2048 1.160 / 1.128 / 1.141, 1 x 32768 2.224 / 2.157 / 2.184.
+// T_ROWS (1, 2 or 4, with T_HALVES): each thread of T's off-diagonal products computes T_ROWS rows of its column (rows
+// rr, rr + 16 / T_ROWS, ..), the column's 16 shared-memory loads shared by them (dot16_rows): 12 (2 rows) or 8 (4)
+// loads an output instead of 20, on 256 or 128 threads.  ncu (2026-12-03): those products (13.5% of a CTA) wait on the
+// shared-memory instruction queue (MIO throttle 21-49% of their samples).  Each row's FMAs in dot16's order:
+// bit-identical.  Applies with T_HALVES (the block-row form has no such map).  2 since 2026-12-03 (KDA_RT_KDA_T_ROWS=1
+// or 4: the others).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab
+// T_ROWS=1:2:4, ms at 1 / 2 / 4): 32 x 2048 4.525 / 4.387 / 4.442, 8 x 2048 1.160 / 1.128 / 1.141, 1 x 32768 2.224 /
+// 2.157 / 2.184.
 #ifndef T_ROWS
 #define T_ROWS 2
 #endif
 // LOOKUP_BOUNDS = 1 (with EARLY_LOOKUP and COPY_ROWS): the sequence search returns the sequence's start and end with it
 // (each probe loads its successor too; sequence_bounds_of_chunk_pair) instead of loading them after it, and the rows
-// that cannot read the conv-state slot (all but each thread's first) are issued before the one that can, so most
-// copies wait on no load after the search (the tile's fresh / slot loads only gate its first row).  ~0.9 K cycles from
-// the entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies:
-// bit-identical.  Applies with EARLY_LOOKUP and COPY_ROWS (without either it builds as 0).  1 since 2026-12-03
-// (KDA_RT_KDA_LOOKUP_BOUNDS=0: without).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab LOOKUP_BOUNDS): 4.535 -> 4.511, 1.153 -> 1.151, 2.220 -> 2.215 ms.
+// that cannot read the conv-state slot (all but each thread's first) are issued before the one that can, so most copies
+// wait on no load after the search (the tile's fresh / slot loads only gate its first row).  ~0.9 K cycles from the
+// entry to the first copy now (3% of a CTA: bench_kda_phases.py's "sequence lookup").  The same copies: bit-identical.
+// Applies with EARLY_LOOKUP and COPY_ROWS (without either it builds as 0).  1 since 2026-12-03
+// (KDA_RT_KDA_LOOKUP_BOUNDS=0: without).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes
+// 32x2048,8x2048,1x32768 --ldb 288 --ab LOOKUP_BOUNDS): 4.535 -> 4.511, 1.153 -> 1.151, 2.220 -> 2.215 ms.
 #ifndef LOOKUP_BOUNDS
 #define LOOKUP_BOUNDS 1
 #endif
@@ -254,31 +257,33 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #endif
 // GATE_POLY = 1: the gate's softplus by kda_softplus_poly (one exponential and a degree-7 polynomial, no logarithm:
 // kda_common.cuh) and log2(e) -exp(A_log) as one factor, instead of kda_softplus_fast and two multiplies: 16 MUFU and
-// ~100 instructions a thread fewer in phase (a), whose 128 MUFU (ex2 and rcp of the SiLU, ex2 and lg2 of the gate)
-// take 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).  Within the same bound as
-// kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  1 since 2026-12-03 (KDA_RT_KDA_GATE_POLY=0:
-// kda_softplus_fast).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab GATE_POLY): 4.540 -> 4.455, 1.154 -> 1.134, 2.222 -> 2.183 ms.
+// ~100 instructions a thread fewer in phase (a), whose 128 MUFU (ex2 and rcp of the SiLU, ex2 and lg2 of the gate) take
+// 4096 cycles of the 16-a-clock pipe, about its issue time (ncu, 2026-12-03).  Within the same bound as
+// kda_softplus_fast (test_kda_softplus_fast checks both); not the same bits.  1 since 2026-12-03
+// (KDA_RT_KDA_GATE_POLY=0: kda_softplus_fast).  Measured (H200, 2026-12-03, bench_kda_phases.py --shapes
+// 32x2048,8x2048,1x32768 --ldb 288 --ab GATE_POLY): 4.540 -> 4.455, 1.154 -> 1.134, 2.222 -> 2.183 ms.
 #ifndef GATE_POLY
 #define GATE_POLY 1
 #endif
 // PAD_FIXUP = 1: phase (a) stores every row's conv + SiLU output and gate, and a tile with rows past its sequence's end
 // (a sequence's last chunk) then overwrites those rows with 0 (the same thread, the same addresses), instead of a
 // select a value (64 a thread) in every tile.  The same bits.  1 since 2026-12-03 (KDA_RT_KDA_PAD_FIXUP=0: without).
-// Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab PAD_FIXUP): 4.534 -> 4.489, 1.155 -> 1.142, 2.223 -> 2.201 ms; with GATE_POLY (--ab
-// GATE_POLY,PAD_FIXUP): 4.539 -> 4.423, 1.153 -> 1.125, 2.219 -> 2.163.
+// Measured (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab PAD_FIXUP): 4.534 ->
+// 4.489, 1.155 -> 1.142, 2.223 -> 2.201 ms; with GATE_POLY (--ab GATE_POLY,PAD_FIXUP): 4.539 -> 4.423, 1.153 -> 1.125,
+// 2.219 -> 2.163.
 #ifndef PAD_FIXUP
 #define PAD_FIXUP 1
 #endif
-// E_SCAN = 1 (applies with QUAD_SPLIT): phase (e)'s 8 x 8 halves of unsafe diagonal sub-blocks by a warp a half and product
-// (A_qk or A_kk), the decay from each earlier row carried down the rows by one exponential a row and channel (7 a channel
-// and warp, 14 a channel and half with its two products' warps, instead of 28: 14,336 exponentials a tile of four
-// unsafe sub-blocks instead of 28,672), q, k and Lam read
-// once a row (a few KB a warp instead of ~400 KB of shared-memory loads a tile), the channel sums by a reduce-scatter.
-// ncu (2026-12-03): the per-element path runs in nearly every tile of random gates, (d, e) 20.7% of a CTA.  Products of
-// up to 7 rounded factors instead of one exponential of the difference, sums in another order: not the same bits
-// (within the prefill bounds: the variants test).  1 since 2026-12-03 (KDA_RT_KDA_E_SCAN=0: per element).  Measured
-// (H200, 2026-12-03, bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab E_SCAN): 4.536 -> 4.235, 1.154 -> 1.070, 2.219 -> 2.081 ms (-6.6%, -7.3%,
-// -6.2%).
+// E_SCAN = 1 (applies with QUAD_SPLIT): phase (e)'s 8 x 8 halves of unsafe diagonal sub-blocks by a warp a half and
+// product (A_qk or A_kk), the decay from each earlier row carried down the rows by one exponential a row and channel (7
+// a channel and warp, 14 a channel and half with its two products' warps, instead of 28: 14,336 exponentials a tile of
+// four unsafe sub-blocks instead of 28,672), q, k and Lam read once a row (a few KB a warp instead of ~400 KB of
+// shared-memory loads a tile), the channel sums by a reduce-scatter.  ncu (2026-12-03): the per-element path runs in
+// nearly every tile of random gates, (d, e) 20.7% of a CTA.  Products of up to 7 rounded factors instead of one
+// exponential of the difference, sums in another order: not the same bits (within the prefill bounds: the variants
+// test).  1 since 2026-12-03 (KDA_RT_KDA_E_SCAN=0: per element).  Measured (H200, 2026-12-03, bench_kda_phases.py
+// --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab E_SCAN): 4.536 -> 4.235, 1.154 -> 1.070, 2.219 -> 2.081 ms (-6.6%,
+// -7.3%, -6.2%).
 #ifndef E_SCAN
 #define E_SCAN 1
 #endif
