@@ -11,7 +11,10 @@ lock.  Leaving the `async for` early (break, cancellation) aborts the request.
 
 An `AsyncLLM` belongs to the event loop of its first `generate`: a call from another loop while
 that one is still open raises RuntimeError (its stepping task and queues live on the first loop);
-once the first loop is closed (e.g. after `asyncio.run`), the next loop takes it over.
+once the first loop is closed (e.g. after `asyncio.run`), the next loop takes it over.  A step the closed loop had
+already handed to a worker thread then does nothing (each loop's steps carry its binding's number, checked under the
+lock): run late, it would step the new loop's requests and hand their outputs to the dead loop, and a lost final
+output leaves its stream waiting forever.
 
 The `LLM` brings its engine settings: serving streams, pass `max_num_batched_tokens=8192` as the server
 does (`SERVER_BATCHED_TOKENS`); left unset it takes the offline default, which may be 16384 (longer steps,
@@ -47,6 +50,7 @@ class AsyncLLM:
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
@@ -122,6 +126,8 @@ class AsyncLLM:
         if self._loop is not None and not self._loop.is_closed():
             raise RuntimeError("this AsyncLLM is bound to another event loop that is still open; create one "
                                "AsyncLLM per event loop (or close the first loop before using another)")
+        with self._lock:  # a step of the old loop's still in a thread finishes first, or sees the new number
+            self._binding += 1
         self._loop, self._task = loop, None
         self._to_abort.extend(self._queues)  # streams left open on the closed loop: nobody reads them
         self._queues.clear()
@@ -132,18 +138,20 @@ class AsyncLLM:
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run(self._binding))
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, binding: int) -> list[RequestOutput]:
         with self._lock:
+            if binding != self._binding:  # left by a closed loop: its outputs would go nowhere
+                return []
             while self._to_abort:
                 self.engine.abort(self._to_abort.pop())
             return self.engine.step() if self.engine.has_unfinished_requests() else []
 
-    async def _run(self) -> None:
+    async def _run(self, binding: int) -> None:
         while True:
             try:
-                outputs = await asyncio.to_thread(self._step)
+                outputs = await asyncio.to_thread(self._step, binding)
             except Exception as exc:  # a model error: every open request sees it
                 for queue in self._queues.values():
                     queue.put_nowait(exc)

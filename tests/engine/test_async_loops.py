@@ -40,3 +40,34 @@ def test_second_event_loop_is_refused_then_allowed_after_close(tiny_dir):
     assert asyncio.run(asyncio.wait_for(_collect(engine, prompt, greedy(4)), timeout=10)) == ref
     assert asyncio.run(asyncio.wait_for(_collect(engine, prompt, greedy(4)), timeout=10)) == ref
     assert_no_leaks(llm)
+
+
+def test_a_step_left_by_a_closed_loop_does_nothing(tiny_dir):
+    """A step the first loop handed to a worker thread, run only after a new loop took over (a loaded machine), must
+    not step the engine: it would take the new loop's requests a step on and give their outputs to the dead loop (the
+    final one lost: the stream waits forever; seen once in CI).  Here the late step is called by hand between the new
+    loop's add and its own steps: the request still takes as many steps of its own as without it."""
+    llm = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64)
+    engine = AsyncLLM(llm)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    ref = llm.generate(prompt, greedy(4))[0].outputs[0].token_ids
+
+    first = asyncio.new_event_loop()
+    assert first.run_until_complete(_collect(engine, prompt, greedy(4))) == ref
+    stale = engine._binding
+    first.close()
+
+    async def steps_to_finish(late_step: bool) -> tuple[int, list[int]]:
+        engine._bind_loop()
+        rid = f"late-{late_step}"
+        await asyncio.to_thread(engine._locked, llm.llm_engine.add_request, rid, prompt, greedy(4))
+        if late_step:
+            assert await asyncio.to_thread(engine._step, stale) == []
+        steps, ids = 0, []
+        while llm.llm_engine.has_unfinished_requests():
+            steps += 1
+            ids = [o for o in await asyncio.to_thread(engine._step, engine._binding) if o.request_id == rid][-1:] or ids
+        return steps, ids[0].outputs[0].token_ids
+
+    assert asyncio.run(steps_to_finish(False)) == asyncio.run(steps_to_finish(True)) == (4, ref)
+    assert_no_leaks(llm)
