@@ -422,6 +422,14 @@ def w8a8_tile() -> tuple[int, int] | None:
     return bn, stages
 
 
+def moe_b_tma() -> bool:
+    """KDA_RT_MOE_B_TMA: 1 copies the weight rows of the prefill MoE GEMMs on wgmma by tensor-map copies (TMA, one
+    thread a stage) instead of cp.async pieces over the block (kernels_cu/moe_gemm_wg.cu B_TMA: the same bits; bf16
+    weights, and e4m3 weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0 until
+    measured.  Read when the kernel variant is chosen."""
+    return _on_off("KDA_RT_MOE_B_TMA", "0")
+
+
 def moe_half_skip() -> bool:
     """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
     tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.

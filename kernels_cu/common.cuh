@@ -207,6 +207,12 @@ __device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, uns
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// a box of a 2D tensor map (cp.async.bulk.tensor, TMA; map: the generic address of a CUtensorMap in global memory,
+// ops/tma.py) at coordinates (c0 inner, c1 outer) into shared memory at dst, completing by its bytes on bar
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int c0, int c1, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+                 "[%4];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
 // the generic proxy's earlier shared-memory accesses ordered before the async proxy's (bulk copies) that follow
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {

@@ -115,6 +115,20 @@
 #ifndef E4M3_CVT
 #define E4M3_CVT 1  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT)
 #endif
+// B_TMA = 1 (WFMT 0 or 2): each stage's weight rows by two 2D tensor copies (cp.async.bulk.tensor, TMA) of BN / 2 rows x
+// one 128-byte k step, issued by thread 0 and completing on the stage's mbarrier, in the same 128-byte swizzle
+// (the tensor map's CU_TENSOR_MAP_SWIZZLE_128B writes 16-byte chunk c of row r at c ^ (r mod 8) in a 1024-byte aligned
+// tile, as the copies below do), instead of BN x 8 16-byte cp.async pieces over the block.  b_map: the tensor map
+// (ops/tma.py, over the weights as [E NOUT] rows of K elements, box BN / 2 rows x 128 bytes) in global memory.  ncu
+// (2026-12-01): L2 74-78% busy and the cp.async waits 15-17% of the stall samples; with no copies and no epilogue
+// gate/up at T = 16384 ran 1.561 ms against 1.872 with them (bench_moe_gemm.py --limits): the weights are two thirds of
+// a stage's bytes.  The same values in the same places: bit-identical.  0 until measured (not yet run on a GPU).
+#ifndef B_TMA
+#define B_TMA 0
+#endif
+#if B_TMA && WFMT == 1
+#error "moe_gemm_wg.cu: B_TMA copies the weights into the swizzled tile wgmma reads; WFMT 1 widens them first"
+#endif
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -361,11 +375,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
-                    const float* __restrict__ scale, const float* __restrict__ src_scale) {
+                    const float* __restrict__ scale, const float* __restrict__ src_scale,
+                    const void* __restrict__ b_map) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
+#if B_TMA
+    __shared__ alignas(8) unsigned long long b_full[STAGES];  // stage s's weight rows landed (phase: its use count)
+    const unsigned bar0 = smem_addr(b_full);
+#else
+    (void)b_map;
+#endif
 
     const int tile = blockIdx.y;
     if (tile >= num_tiles[0]) return;
@@ -393,6 +414,16 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #endif
     // (lrow + i·RPP) mod 8 == lrow mod 8: one swizzled offset per thread, plus i·RPP rows
     const unsigned dst_off = swz(lrow, lch);
+#if B_TMA
+    // the tile's weight rows in the map: gate/up's two halves are gate features f0 .. and up features HALF + f0 ..
+    const int b_row0 = e * NOUT + f0, b_row1 = b_row0 + (FUSE_SILU ? HALF : BN / 2);
+    if (tid == 0) {
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(b_map) : "memory");
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
+    }
+    __syncthreads();  // the barriers initialised before any thread waits on one
+#endif
 
     auto load_stage = [&](int stage, int kt) {
         const int k0 = kt * BK;
@@ -415,6 +446,16 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
             const int off = FUSE_SILU && r >= BN / 2 ? HALF - BN / 2 + r : r;
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 16;\n" ::"r"(base + stage * STAGE_BYTES + A_BYTES +
                          (wrow + r) * BK + wch * 16), "l"(b_src + (size_t)off * K + k0));
+        }
+        (void)b_dst;
+#elif B_TMA
+        if (tid == 0) {  // one arrival with the stage's bytes; skipped copies (bench only) complete the phase at once
+            const unsigned bar = bar0 + 8 * stage, b_tile = base + stage * STAGE_BYTES + A_BYTES;
+            mbar_arrive_expect_tx(bar, skip_b ? 0u : (unsigned)B_BYTES);
+            if (!skip_b) {
+                tma_load_2d(b_tile, b_map, k0, b_row0, bar);
+                tma_load_2d(b_tile + (BN / 2) * 128, b_map, k0, b_row1, bar);
+            }
         }
         (void)b_dst;
 #else
@@ -464,6 +505,11 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
                 const unsigned b_tile = bc_base + (kt % BC_TILES) * BC_BYTES;
 #else
                 const unsigned b_tile = base + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+#endif
+#if B_TMA
+                // the stage's weight rows (its (kt / STAGES)-th fill; it is refilled only after every warpgroup is
+                // past the barrier of step kt + 2, so no phase passes unseen)
+                mbar_wait(bar0 + 8 * (kt % STAGES), (kt / STAGES) & 1);
 #endif
                 fence_regs(acc);
                 wgmma_fence();

@@ -149,7 +149,7 @@ def _wg_cases(T, wts):
 
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import max_tiles
-    from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
+    from kda_rt.cuda.ops.moe_gemm_wg import weight_map, wg_tile
 
     N = T * A
     hrng = np.random.default_rng(T)
@@ -160,8 +160,9 @@ def _wg_cases(T, wts):
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
+        # (no scales: bf16 weights and sources; the weights' tensor map, read by B_TMA builds: --define B_TMA=0,1)
         args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
-                np.uint64(0), np.uint64(0))  # (no scales: bf16 weights and sources)
+                np.uint64(0), np.uint64(0), weight_map(w, t, name))
         cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
     return plan, cases
 

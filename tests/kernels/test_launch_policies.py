@@ -681,3 +681,47 @@ def test_one_token_moe_gemv_shapes_by_format(monkeypatch):
         with pytest.raises(ValueError, match=f"{name} must be <= {high}"):
             mg.down_shape(), mg.gate_up_config()
         monkeypatch.setenv(name, str(low + 2))
+
+
+def test_moe_b_tma_switch_reaches_the_define(monkeypatch):
+    """KDA_RT_MOE_B_TMA=1 builds the wgmma grouped GEMM with B_TMA=1 for bf16 weights and for e4m3 weights with e4m3
+    sources, never for e4m3 weights with bf16 sources (widened in shared memory: the kernel refuses B_TMA there);
+    unset or 0, no B_TMA define at all (the default module's key unchanged); anything else is refused, named."""
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
+
+    seen = []
+    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: seen.append(kw) or "kernel")
+    tile = wg_ops.WgTile(256, 4)
+    cases = {"bf16": dict(), "e4m3": dict(e4m3=True), "w8a8": dict(e4m3=True, e4m3_src=True)}
+    for value, expect_on in ((None, set()), ("0", set()), ("1", {"bf16", "w8a8"})):
+        if value is None:
+            monkeypatch.delenv("KDA_RT_MOE_B_TMA", raising=False)
+        else:
+            monkeypatch.setenv("KDA_RT_MOE_B_TMA", value)
+        for name, kw in cases.items():
+            seen.clear()
+            wg_ops.wg_kernel(tile, 2304, 2048, True, 8, **kw)
+            assert seen[0].get("B_TMA") == (1 if name in expect_on else None), (value, name, seen[0])
+            assert wg_ops.b_tma(kw.get("e4m3", False), kw.get("e4m3_src", False)) == (name in expect_on)
+    monkeypatch.setenv("KDA_RT_MOE_B_TMA", "yes")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_B_TMA must be 0 or 1"):
+        wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
+
+
+def test_tensor_map_arguments():
+    """ops/tma.encode_args_2d: the driver's arguments for a [rows, cols] array and boxes of 128-byte rows (dims inner
+    first, the row stride in bytes, the box 128 bytes wide), and the limits it refuses before the driver is asked."""
+    from kda_rt.cuda.ops.tma import encode_args_2d
+
+    assert encode_args_2d(0x1000, 256 * 2048, 2304, 2, 128) == (1, (2304, 256 * 2048), (4608,), (64, 128))
+    assert encode_args_2d(0x1000, 256 * 2304, 1024, 1, 64) == (0, (1024, 256 * 2304), (1024,), (128, 64))
+    for args, match in (((0x1000, 64, 64, 4, 32), "elements of 1 or 2 bytes"),
+                        ((0x1008, 64, 64, 2, 32), "multiples of 16"),
+                        ((0x1000, 64, 36, 2, 32), "multiples of 16"),
+                        ((0x1000, 64, 32, 2, 32), "at least 128 bytes"),
+                        ((0x1000, 64, 64, 2, 0), "box rows must be 1-256"),
+                        ((0x1000, 64, 64, 2, 257), "box rows must be 1-256"),
+                        ((0x1000, 16, 64, 2, 32), "at most the array's 16 rows"),
+                        ((0x1000, 1 << 32, 64, 2, 32), "past the driver's limits")):
+        with pytest.raises(ValueError, match=match):
+            encode_args_2d(*args)

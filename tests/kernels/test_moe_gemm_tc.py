@@ -334,6 +334,64 @@ def test_moe_gemm_wg_half_skip(name, big_weights, monkeypatch):
         assert np.array_equal(a, b), f"{name}: {what} with the skip differs from the kernel without it"
 
 
+@pytest.mark.parametrize("name", ["T1", "T300", "T2048-skewed", "T8192", "T2048-bn128-s3-direct", "w8a8-T300",
+                                  "w8a8-T2048-skewed", "w8a8-T2048-bn128-s3-direct", "w8a8-T40-D512-I384-E16"])
+def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
+    """KDA_RT_MOE_B_TMA=1 (the weight rows of each stage by two tensor-map copies, moe_gemm_wg.cu B_TMA) against =0 on
+    one plan: h and y bit for bit (the same values land in the same swizzled places), with bf16 weights and with e4m3
+    weights and sources (w8a8-*), both tile widths, both epilogues, a 1-token plan, a skewed one and 3-step K (E16);
+    the switch is checked to reach the kernel build, outputs poisoned first.  The NumPy checks of the default kernel
+    are test_moe_gemm_wg's and test_moe_gemm_wg_w8a8's."""
+    import cupy
+
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
+    from helpers.gpu import to_gpu_bf16
+    from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    w8a8 = name.startswith("w8a8-")
+    if w8a8:
+        T, D, inter, E, A, skewed, tile = W8A8[name[5:]]
+    else:
+        (T, skewed, tile), D, inter, E, A = WG[name], 2304, 1024, 256, 8
+    rng = np.random.default_rng(zlib.crc32(f"b_tma/{name}".encode()))
+    if w8a8 and E == 256:
+        q13, s13, q2, s2 = big_e4m3
+    elif w8a8:
+        crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
+        q13, s13 = e4m3_stack(crng, rng, E, 2 * inter, D)
+        q2, s2 = e4m3_stack(crng, rng, E, D, inter)
+    x = to_gpu_bf16(bf16_round(rng.normal(size=(T, D))))
+    plan = make_plan(make_ids(T, E, A, skewed, rng), E, 128)
+    built = []
+    real_get = wg_ops.get_kernel
+    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: built.append(kw.get("B_TMA", 0)) or real_get(*a, **kw))
+
+    def gemm(src, fuse_silu, out):
+        if not w8a8:
+            return moe_gemm_wg(src, big_weights[0] if fuse_silu else big_weights[1], plan, top_k=A,
+                               fuse_silu=fuse_silu, out=out, tile=WgTile(*tile))
+        q = cupy.empty(src.shape, dtype=np.uint8)
+        sc = cupy.empty(src.shape[0], dtype=np.float32)
+        quantize_activations_e4m3(src, out=q, scale_out=sc)
+        return moe_gemm_wg(q, q13 if fuse_silu else q2, plan, top_k=A, fuse_silu=fuse_silu, out=out,
+                           tile=WgTile(*tile), scale=s13 if fuse_silu else s2, src_scale=sc)
+
+    outs = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("KDA_RT_MOE_B_TMA", v)
+        built.clear()
+        h, y = (cupy.empty((T * A, n), dtype=x.dtype) for n in (inter, D))
+        poison(h)
+        poison(y)
+        gemm(x, True, h)
+        gemm(h, False, y)
+        assert built and set(built) == {int(v)}, (v, built)
+        outs[v] = (cupy.asnumpy(h.view(np.uint16)), cupy.asnumpy(y.view(np.uint16)))
+    for a, b, what in zip(outs["1"], outs["0"], ("h", "y"), strict=True):
+        assert np.array_equal(a, b), f"{name}: {what} with the tensor-map copies differs from the cp.async kernel's"
+
+
 # moe_decode_fused (both decode GEMMs in one launch, items claimed from a counter, each down item waiting for
 # its tile's gate/up items): bit for bit the two launches of moe_gemm_tc on the same plan (same tiles, same
 # accumulation order), and a sample of experts against NumPy.  ctas = 1 runs every item on one CTA (all

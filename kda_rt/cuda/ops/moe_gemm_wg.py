@@ -88,14 +88,29 @@ def available(tile_rows: int, hidden: int, inter: int) -> bool:
             and wg_tile(2 * inter, hidden, True) is not None and wg_tile(hidden, inter, False) is not None)
 
 
+def b_tma(e4m3: bool, e4m3_src: bool = False) -> bool:
+    """Whether the weights' copies go by tensor maps (KDA_RT_MOE_B_TMA, moe_gemm_wg.cu B_TMA): bf16 weights, or e4m3
+    weights with e4m3 sources (e4m3 weights with bf16 sources are widened in shared memory first: cp.async)."""
+    return env.moe_b_tma() and (e4m3_src or not e4m3)
+
+
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
               e4m3_src: bool = False):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
     operands e4m3 (WFMT = 2)."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
+    tma = {"B_TMA": 1} if b_tma(e4m3, e4m3_src) else {}  # (absent when off: the default module's key unchanged)
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3, e4m3_src), K=K,
                       NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
-                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt)
+                      STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt, **tma)
+
+
+def weight_map(weight, tile: WgTile, what: str = "weight"):
+    """The tensor map of B_TMA's weight copies: `weight` [E, NOUT, K] as [E NOUT] rows, boxes of BN / 2 rows x one
+    128-byte k step (ops/tma.py)."""
+    from kda_rt.cuda.ops.tma import map_2d_swizzled
+
+    return map_2d_swizzled(weight, tile.bn // 2, what)
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
@@ -124,7 +139,8 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
     if N:
+        b_map = weight_map(weight, tile, "w13" if fuse_silu else "w2") if b_tma(e4m3, e4m3_src) else null
         kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
-                              plan.num_tiles, out, scale if e4m3 else null, src_scale if e4m3_src else null),
+                              plan.num_tiles, out, scale if e4m3 else null, src_scale if e4m3_src else null, b_map),
                shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out

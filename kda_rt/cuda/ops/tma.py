@@ -1,0 +1,100 @@
+"""Tensor maps for the tensor-memory-accelerator copies (cp.async.bulk.tensor, sm_90+): a CUtensorMap, encoded by the
+driver's cuTensorMapEncodeTiled (libcuda through ctypes: CuPy does not wrap it) and kept in a 128-byte device buffer
+whose address a kernel takes (the map may sit in global memory).  One map per (array address, shape, box), cached for
+the life of the process (weights: encoded once).
+
+Only the 2D, 128-byte-swizzled tile a kernel row of 128 bytes wants is offered: `map_2d_swizzled`."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+__all__ = ["encode_args_2d", "map_2d_swizzled"]
+
+_MAPS: dict[tuple, object] = {}  # (address, rows, cols, itemsize, box) -> the device buffer holding the map
+_LOCK = threading.Lock()
+_DRIVER = None
+
+_DATA_TYPE = {1: 0, 2: 1}  # itemsize -> CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16 (the copy moves bytes)
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3  # CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+
+
+def encode_args_2d(address: int, rows: int, cols: int, itemsize: int, box_rows: int) -> tuple:
+    """cuTensorMapEncodeTiled's arguments for a row-major [rows, cols] array of `itemsize`-byte elements at `address`
+    and boxes of `box_rows` rows x 128 bytes in the 128-byte swizzle: (data type, global dims, global strides, box
+    dims).  Refuses what the driver would (with the limit named) before it is asked."""
+    if itemsize not in _DATA_TYPE:
+        raise ValueError(f"tensor map: elements of 1 or 2 bytes, got {itemsize}")
+    row_bytes = cols * itemsize
+    if address % 16 or row_bytes % 16:
+        raise ValueError(f"tensor map: the array's address ({address:#x}) and row bytes ({row_bytes}) must be "
+                         "multiples of 16")
+    if row_bytes < 128:
+        raise ValueError(f"tensor map: rows of at least 128 bytes (one swizzled box), got {row_bytes}")
+    if not 1 <= box_rows <= 256 or rows < box_rows:
+        raise ValueError(f"tensor map: box rows must be 1-256 and at most the array's {rows} rows, got {box_rows}")
+    if rows >= 1 << 32 or row_bytes >= 1 << 40:
+        raise ValueError(f"tensor map: [{rows}, {cols}] is past the driver's limits (2^32 rows, 2^40-byte strides)")
+    return _DATA_TYPE[itemsize], (cols, rows), (row_bytes,), (128 // itemsize, box_rows)
+
+
+def _driver():
+    global _DRIVER
+    if _DRIVER is None:
+        for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise RuntimeError("tensor map: the CUDA driver library (libcuda) could not be loaded")
+        fn = lib.cuTensorMapEncodeTiled
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _DRIVER = fn
+    return _DRIVER
+
+
+def map_2d_swizzled(arr, box_rows: int, what: str = "array"):
+    """The device buffer (cupy uint8 [128]) holding a tensor map over `arr` seen as [rows, last dim] (C-contiguous,
+    1- or 2-byte elements) with boxes of `box_rows` rows x 128 bytes, written into shared memory in the 128-byte
+    swizzle (16-byte chunk c of box row r at chunk c ^ (r mod 8): wgmma's K-major SWIZZLE_128B layout).  Pass
+    `buffer.data.ptr` to the kernel.  `what` names the array in errors."""
+    import cupy
+
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"tensor map over {what}: the array must be C-contiguous")
+    cols = arr.shape[-1]
+    rows = arr.size // cols
+    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows)
+    with _LOCK:
+        buf = _MAPS.get(key)
+        if buf is not None:
+            return buf
+        try:
+            dtype, dims, strides, box = encode_args_2d(arr.data.ptr, rows, cols, arr.itemsize, box_rows)
+        except ValueError as exc:
+            raise ValueError(f"tensor map over {what} {tuple(arr.shape)}: {exc}") from None
+        raw = (ctypes.c_uint8 * 128)()  # CUtensorMap: 128 bytes, 64-byte aligned (ctypes arrays: checked below)
+        host = np.frombuffer(raw, dtype=np.uint8)
+        if ctypes.addressof(raw) % 64:
+            raw = (ctypes.c_uint8 * 192)()
+            off = -ctypes.addressof(raw) % 64
+            host = np.frombuffer(raw, dtype=np.uint8)[off:off + 128]
+        status = _driver()(host.ctypes.data, dtype, 2, arr.data.ptr, (ctypes.c_uint64 * 2)(*dims),
+                           (ctypes.c_uint64 * 1)(*strides), (ctypes.c_uint32 * 2)(*box), (ctypes.c_uint32 * 2)(1, 1),
+                           0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+        if status:
+            raise RuntimeError(f"tensor map over {what} {tuple(arr.shape)}: cuTensorMapEncodeTiled returned CUresult "
+                               f"{status} (dims {dims}, strides {strides}, box {box})")
+        buf = cupy.asarray(host.copy())
+        cupy.cuda.get_current_stream().synchronize()  # in place before a kernel on any stream reads it
+        _MAPS[key] = buf
+        return buf
