@@ -323,6 +323,13 @@ def kda_e_scan() -> bool:
     return _on_off("KDA_RT_KDA_E_SCAN")
 
 
+def kda_scale_scan() -> bool:
+    """KDA_RT_KDA_SCALE_SCAN: 1 builds the KDA prefill intra kernel's scaled tiles (phase (c)) a half sub-block a
+    thread, the decay factors as running products of the rows' one-step decays (kernels_cu/kda_prefill.cu SCALE_SCAN:
+    not the same bits); default 0 until measured.  Read at each prefill."""
+    return _on_off("KDA_RT_KDA_SCALE_SCAN", "0")
+
+
 def kda_lookup_bounds() -> bool:
     """KDA_RT_KDA_LOOKUP_BOUNDS: 1 builds the KDA prefill intra kernel with the sequence search returning the
     sequence's bounds and the copies that cannot read the conv-state slot issued first (kernels_cu/kda_prefill.cu

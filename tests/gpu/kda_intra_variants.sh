@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The KDA prefill intra kernel's variants of kernels_cu/kda_prefill.cu (issue 11) in one device call: each define of
-# $AB (default "E_SCAN,GATE_POLY,PAD_FIXUP,LOOKUP_BOUNDS T_ROWS=1:2:4", the thirty-eighth session's cuts together and
-# T_ROWS's widths; space-separated; a comma-joined entry flips several together, NAME=a:b:c builds one define at
-# several values) built 0 and 1.  The thirty-fourth to thirty-eighth sessions measured and turned on CONV_ONE_ROUND,
+# $AB (default "SCALE_SCAN", prepared in the thirty-eighth session; space-separated; a comma-joined entry flips several
+# together, NAME=a:b:c builds one define at several values) built 0 and 1.  The thirty-fourth to thirty-eighth sessions measured and turned on CONV_ONE_ROUND,
 # GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD, EXP2_FTZ, CONV_PAIRS, T_HALVES, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP,
 # G_BALANCE, SILU_FAST, G_STAGED, ROW_SCATTER, T_ROWS = 2, LOOKUP_BOUNDS, GATE_POLY, PAD_FIXUP and E_SCAN.
 #   1. each entry's kernel A/B (bench_kda_phases.py --ab, beta as the model passes it with --ldb 288: 5 interleaved
@@ -22,7 +21,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 log="$OUT/kda_intra_variants.txt"
 rm -f "$log"
-for ab in ${AB:-E_SCAN,GATE_POLY,PAD_FIXUP,LOOKUP_BOUNDS T_ROWS=1:2:4}; do
+for ab in ${AB:-SCALE_SCAN}; do
   echo "== --ab $ab --ldb 288" | tee -a "$log"
   timeout 100 python tests/gpu/bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab "$ab" >> "$log" 2>&1
   grep -E "kernel [0-9.]+ ms|bit-identical" "$log" | tail -15
