@@ -417,8 +417,8 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #if B_TMA
     // the tile's weight rows in the map: gate/up's two halves are gate features f0 .. and up features HALF + f0 ..
     const int b_row0 = e * NOUT + f0, b_row1 = b_row0 + (FUSE_SILU ? HALF : BN / 2);
-    if (tid == 0) {
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(b_map) : "memory");
+    if (tid == 0) {  // (the map was written by the host: the fence's scope is the system's)
+        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
     }
@@ -457,7 +457,7 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
                 tma_load_2d(b_tile + (BN / 2) * 128, b_map, k0, b_row1, bar);
             }
         }
-        (void)b_dst;
+        (void)b_dst, (void)b_src;
 #else
         if (!skip_b)
 #pragma unroll

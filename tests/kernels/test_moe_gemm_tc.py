@@ -340,12 +340,12 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     """KDA_RT_MOE_B_TMA=1 (the weight rows of each stage by two tensor-map copies, moe_gemm_wg.cu B_TMA) against =0 on
     one plan: h and y bit for bit (the same values land in the same swizzled places), with bf16 weights and with e4m3
     weights and sources (w8a8-*), both tile widths, both epilogues, a 1-token plan, a skewed one and 3-step K (E16);
-    the switch is checked to reach the kernel build, outputs poisoned first.  The NumPy checks of the default kernel
+    the switch is checked to reach the kernel build, outputs and every SM's shared memory poisoned first.  The NumPy checks of the default kernel
     are test_moe_gemm_wg's and test_moe_gemm_wg_w8a8's."""
     import cupy
 
     import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
-    from helpers.gpu import to_gpu_bf16
+    from helpers.gpu import poison_shared_memory, to_gpu_bf16
     from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg
     from kda_rt.cuda.ops.quant import quantize_activations_e4m3
 
@@ -384,6 +384,7 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
         h, y = (cupy.empty((T * A, n), dtype=x.dtype) for n in (inter, D))
         poison(h)
         poison(y)
+        poison_shared_memory()  # no run may pass on the stages the one before left
         gemm(x, True, h)
         gemm(h, False, y)
         assert built and set(built) == {int(v)}, (v, built)

@@ -36,7 +36,7 @@ def encode_args_2d(address: int, rows: int, cols: int, itemsize: int, box_rows: 
         raise ValueError(f"tensor map: rows of at least 128 bytes (one swizzled box), got {row_bytes}")
     if not 1 <= box_rows <= 256 or rows < box_rows:
         raise ValueError(f"tensor map: box rows must be 1-256 and at most the array's {rows} rows, got {box_rows}")
-    if rows >= 1 << 32 or row_bytes >= 1 << 40:
+    if rows > 1 << 32 or row_bytes >= 1 << 40:
         raise ValueError(f"tensor map: [{rows}, {cols}] is past the driver's limits (2^32 rows, 2^40-byte strides)")
     return _DATA_TYPE[itemsize], (cols, rows), (row_bytes,), (128 // itemsize, box_rows)
 
