@@ -118,8 +118,9 @@
 // B_TMA = 1 (WFMT 0 or 2): each stage's weight rows by two 2D tensor copies (cp.async.bulk.tensor, TMA) of BN / 2 rows x
 // one 128-byte k step, issued by thread 0 and completing on the stage's mbarrier, in the same 128-byte swizzle
 // (the tensor map's CU_TENSOR_MAP_SWIZZLE_128B writes 16-byte chunk c of row r at c ^ (r mod 8) in a 1024-byte aligned
-// tile, as the copies below do), instead of BN x 8 16-byte cp.async pieces over the block.  b_map: the tensor map
-// (ops/tma.py, over the weights as [E NOUT] rows of K elements, box BN / 2 rows x 128 bytes) in global memory.  ncu
+// tile, as the copies below do), instead of BN x 8 16-byte cp.async pieces over the block.  b_map (an 11th argument,
+// B_TMA builds only): the tensor map (ops/tma.py, over the weights as [E NOUT] rows of K elements, box BN / 2 rows x
+// 128 bytes) in global memory.  ncu
 // (2026-12-01): L2 74-78% busy and the cp.async waits 15-17% of the stall samples; with no copies and no epilogue
 // gate/up at T = 16384 ran 1.561 ms against 1.872 with them (bench_moe_gemm.py --limits): the weights are two thirds of
 // a stage's bytes.  The same values in the same places: bit-identical.  0 until measured (not yet run on a GPU).
@@ -375,8 +376,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
-                    const float* __restrict__ scale, const float* __restrict__ src_scale,
-                    const void* __restrict__ b_map) {
+                    const float* __restrict__ scale, const float* __restrict__ src_scale
+#if B_TMA
+                    , const void* __restrict__ b_map  // (B_TMA builds only: the default's arguments unchanged)
+#endif
+                    ) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
@@ -384,8 +388,6 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #if B_TMA
     __shared__ alignas(8) unsigned long long b_full[STAGES];  // stage s's weight rows landed (phase: its use count)
     const unsigned bar0 = smem_addr(b_full);
-#else
-    (void)b_map;
 #endif
 
     const int tile = blockIdx.y;

@@ -149,7 +149,7 @@ def _wg_cases(T, wts):
 
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import max_tiles
-    from kda_rt.cuda.ops.moe_gemm_wg import weight_map, wg_tile
+    from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
 
     N = T * A
     hrng = np.random.default_rng(T)
@@ -160,9 +160,8 @@ def _wg_cases(T, wts):
     for name, src, w, out, k, nout, silu in (("gate/up", x, wts.w13, h, D, 2 * INTER, 1), ("down", h, wts.w2, y, INTER, D, 0)):
         t = wg_tile(nout, k, bool(silu))
         fb = (nout // 2 if silu else nout) // (t.bn // 2 if silu else t.bn)
-        # (no scales: bf16 weights and sources; the weights' tensor map, read by B_TMA builds: --define B_TMA=0,1)
         args = (src, plan.sorted_pair, w, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
-                np.uint64(0), np.uint64(0), weight_map(w, t, name))
+                np.uint64(0), np.uint64(0))  # (no scales: bf16 weights and sources)
         cases.append((name, args, k, nout, silu, t, (fb, max_tiles(N, E, 128))))
     return plan, cases
 
@@ -273,6 +272,7 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
 
     from helpers.gpu import median_ms
     from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.moe_gemm_wg import weight_map
 
     name_def, values = spec.split("=")
     values = [int(v) for v in values.split(",")]
@@ -282,10 +282,12 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
         defs = dict(K=k, NOUT=nout, FUSE_SILU=silu, TOPK=A, BN=t.bn, STAGES=t.stages, STAGED_OUT=int(t.staged_out))
         kerns = {v: get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=t.smem_bytes,
                                **{**defs, name_def: v}) for v in values}
+        # B_TMA builds take the weights' tensor map as an 11th argument
+        vargs = {v: args + (weight_map(args[2], t, name),) if name_def == "B_TMA" and v else args for v in values}
         same, ref = True, None
-        for kern in kerns.values():
+        for v, kern in kerns.items():
             out.fill(0)
-            kern(grid, (256,), args, shared_mem=t.smem_bytes)
+            kern(grid, (256,), vargs[v], shared_mem=t.smem_bytes)
             if ref is None:
                 ref = out.copy()
             else:
@@ -293,7 +295,7 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
         times = {v: [] for v in values}
         for _ in range(rounds):
             for v, kern in kerns.items():
-                times[v].append(median_ms(partial(kern, grid, (256,), args, shared_mem=t.smem_bytes)))
+                times[v].append(median_ms(partial(kern, grid, (256,), vargs[v], shared_mem=t.smem_bytes)))
         base = float(np.median(times[values[0]]))
         print(f"T={T} {name}: " + "  ".join(f"{name_def}={v} {np.median(ts):.3f} ms ({np.median(ts) / base - 1:+.1%})"
                                             for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)

@@ -139,8 +139,9 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
     if N:
-        b_map = weight_map(weight, tile, "w13" if fuse_silu else "w2") if b_tma(e4m3, e4m3_src) else null
-        kernel(grid, (256,), (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off,
-                              plan.num_tiles, out, scale if e4m3 else null, src_scale if e4m3_src else null, b_map),
-               shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
+        args = (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
+                scale if e4m3 else null, src_scale if e4m3_src else null)
+        if b_tma(e4m3, e4m3_src):  # B_TMA builds take the weights' tensor map as an 11th argument
+            args += (weight_map(weight, tile, "w13" if fuse_silu else "w2"),)
+        kernel(grid, (256,), args, shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out
