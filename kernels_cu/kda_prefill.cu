@@ -942,6 +942,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // factor is 2^Lam_r or 2^(Lam_last(I) - Lam_r) (<= 15 gates) times a table entry (whole blocks): three
     // exp2f per element (each <= 1, so their products underflow to 0 exactly where the exponent sums do).
     // pair (r, d..d+1) of row r (sub-block I, row rr of it)
+#if !(QUAD_SPLIT && SCALE_SCAN)
     auto scale_pair = [&](const int r, const int rr, const int d, const int I) {
         const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
         const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
@@ -984,13 +985,14 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
 #endif
     };
+#endif
 #if QUAD_SPLIT && SCALE_SCAN
-    {  // column pair d of rows rb .. rb + 7, the half h of sub-block I (a warp's 32 pairs share I and h)
+    {  // column pair d of rows rb .. rb + 7, the half hf of sub-block I (a warp's 32 pairs share I and hf)
         static_assert(INTRA_THREADS == (K / 2) * 2 * NUM_SUB, "kda_prefill_intra: SCALE_SCAN's map");
-        const int d = 2 * (tid % (K / 2)), grp = tid / (K / 2), I = grp >> 1, h = grp & 1, rb = I * SUB + 8 * h;
+        const int d = 2 * (tid % (K / 2)), grp = tid / (K / 2), I = grp >> 1, hf = grp & 1, rb = I * SUB + 8 * hf;
         const bool unsafe_i = unsafe[I];  // uniform over the warp
-        // a[i] = 2^(Lam_(rb+i) - Lam_(rb+i-1)) (i >= 1); h 0: anchor = 2^(Lam_last - Lam_7) (row 7's tail) and a8 =
-        // 2^(Lam_8 - Lam_7) (the quadrant's); h 1: anchor = 2^Lam_8 (the half's first row; row 0's Lam is 0)
+        // a[i] = 2^(Lam_(rb+i) - Lam_(rb+i-1)) (i >= 1); hf 0: anchor = 2^(Lam_last - Lam_7) (row 7's tail) and a8 =
+        // 2^(Lam_8 - Lam_7) (the quadrant's); hf 1: anchor = 2^Lam_8 (the half's first row; row 0's Lam is 0)
         float a[8][2], sfx[8][2], anchor[2], a8[2];
         {
             const float2 l0 = *reinterpret_cast<const float2*>(Gf + rb * LDF + d);
@@ -1006,8 +1008,8 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             const float first[2] = {l0.x, l0.y}, last[2] = {l15.x, l15.y}, eighth[2] = {l8.x, l8.y};
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                anchor[c] = EXP2_ELEM(h ? fminf(first[c], 0.f) : fminf(last[c] - prev[c], 0.f));
-                a8[c] = h ? 1.f : EXP2_ELEM(fminf(eighth[c] - prev[c], 0.f));
+                anchor[c] = EXP2_ELEM(hf ? fminf(first[c], 0.f) : fminf(last[c] - prev[c], 0.f));
+                a8[c] = hf ? 1.f : EXP2_ELEM(fminf(eighth[c] - prev[c], 0.f));
                 sfx[7][c] = 1.f;  // sfx[i] = 2^(Lam_(rb+7) - Lam_(rb+i)), backwards
             }
 #pragma unroll
@@ -1023,21 +1025,21 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         float pre[2] = {1.f, 1.f};  // 2^(Lam_(rb+i) - Lam_rb), forwards
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const int r = rb + i, rr = 8 * h + i;
+            const int r = rb + i, rr = 8 * hf + i;
             if (i) pre[0] *= a[i][0], pre[1] *= a[i][1];
             const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
             const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
             float qa[2], ka[2], qg[2], kd[2], kb[NUM_SUB][2], eq[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float el = h ? anchor[c] * pre[c] : pre[c];        // 2^Lam_r
-                const float et = h ? sfx[i][c] : anchor[c] * sfx[i][c];  // 2^(Lam_last - Lam_r)
+                const float el = hf ? anchor[c] * pre[c] : pre[c];        // 2^Lam_r
+                const float et = hf ? sfx[i][c] : anchor[c] * sfx[i][c];  // 2^(Lam_last - Lam_r)
                 qa[c] = q[c] * el, ka[c] = k[c] * el;
                 qg[c] = q[c] * (pt[c] * el);
                 kd[c] = k[c] * (et * rt[c]);
 #pragma unroll
                 for (int I2 = 1; I2 < NUM_SUB; ++I2) kb[I2][c] = k[c] * (et * ct[I2][c]);
-                eq[c] = h ? pre[c] : a8[c] * sfx[i][c];  // 2^(Lam_r - Lam_8) (h 1), 2^(Lam_8 - Lam_r) (h 0)
+                eq[c] = hf ? pre[c] : a8[c] * sfx[i][c];  // 2^(Lam_r - Lam_8) (hf 1), 2^(Lam_8 - Lam_r) (hf 0)
             }
             st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
             st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
@@ -1048,7 +1050,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
             st_bf16x2(ws_k + (tile * L + r) * K + d, kd[0], kd[1]);
             if (unsafe_i) {  // the quadrant's factors, as scale_pair's
                 bf16* Qd = Quad + I * QUAD_ROWS * LDB;
-                if (h) {
+                if (hf) {
                     st_bf16x2(Qd + (rr - 8) * LDB + d, k[0] * eq[0], k[1] * eq[1]);
                     st_bf16x2(Qd + rr * LDB + d, q[0] * eq[0], q[1] * eq[1]);
                 } else {
