@@ -44,8 +44,9 @@ def test_second_event_loop_is_refused_then_allowed_after_close(tiny_dir):
 
 def test_a_step_left_by_a_closed_loop_does_nothing(tiny_dir):
     """A step the first loop handed to a worker thread, run only after a new loop took over (a loaded machine), must
-    not step the engine: it would take the new loop's requests a step on and give their outputs to the dead loop (the
-    final one lost: the stream waits forever; seen once in CI).  Here the late step is called by hand between the new
+    not step the engine: it would take the new loop's requests a step on and give their outputs to the dead loop (a
+    final one lost leaves its stream waiting forever: the likely cause of one CI run's timeout in the test above, not
+    reproduced there, as it needs the worker thread held back).  Here the late step is called by hand between the new
     loop's add and its own steps: the request still takes as many steps of its own as without it."""
     llm = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64)
     engine = AsyncLLM(llm)
