@@ -438,6 +438,14 @@ def moe_b_tma() -> bool:
     return _on_off("KDA_RT_MOE_B_TMA", "0")
 
 
+def moe_a_tma() -> bool:
+    """KDA_RT_MOE_A_TMA: 1 (with KDA_RT_MOE_B_TMA=1) copies the source rows of the prefill down GEMM on wgmma (h, contiguous
+    in expert order) by a tensor-map copy too, so a stage has no cp.async (kernels_cu/moe_gemm_wg.cu A_TMA: the same
+    bits; gate/up's rows are a gather and keep cp.async); default 0 until measured.  Read when the kernel variant is
+    chosen."""
+    return _on_off("KDA_RT_MOE_A_TMA", "0")
+
+
 def moe_half_skip() -> bool:
     """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
     tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.

@@ -130,6 +130,19 @@
 #if B_TMA && WFMT == 1
 #error "moe_gemm_wg.cu: B_TMA copies the weights into the swizzled tile wgmma reads; WFMT 1 widens them first"
 #endif
+// A_TMA = 1 (with B_TMA, the down GEMM only: its source rows, h, lie contiguous in expert order): each stage's 128
+// source rows by one more tensor-map copy (box 128 rows x 128 bytes at the tile's first row) on the same mbarrier,
+// so a stage is three copies of one thread and no cp.async at all.  a_map (a 12th argument, A_TMA builds only): the
+// map over the source's allocation (ops/tma.py: rows past the step's N hold whatever the buffer held, rows past the
+// allocation read as 0; neither is ever stored: only rows < nrows are).  gate/up's rows are a gather (x[tok(r)]), a
+// box a row, which Hopper's TMA has no gather for.  The same values in the same places: bit-identical.  0 until
+// measured (not yet run on a GPU).
+#ifndef A_TMA
+#define A_TMA 0
+#endif
+#if A_TMA && !(B_TMA && !FUSE_SILU)
+#error "moe_gemm_wg.cu: A_TMA is built on B_TMA, for the down GEMM (contiguous source rows)"
+#endif
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -380,6 +393,9 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #if B_TMA
                     , const void* __restrict__ b_map  // (B_TMA builds only: the default's arguments unchanged)
 #endif
+#if A_TMA
+                    , const void* __restrict__ a_map
+#endif
                     ) {
     KDA_PDL_ENTRY();
     extern __shared__ unsigned char smem_raw[];
@@ -421,6 +437,9 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
     const int b_row0 = e * NOUT + f0, b_row1 = b_row0 + (FUSE_SILU ? HALF : BN / 2);
     if (tid == 0) {  // (the map was written by the host: the fence's scope is the system's)
         asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
+#if A_TMA
+        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(a_map) : "memory");
+#endif
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
     }
@@ -435,11 +454,13 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #else
         const bool skip_a = false, skip_b = false;
 #endif
+#if !A_TMA
         if (!skip_a)
 #pragma unroll
         for (int i = 0; i < A_PASSES; ++i)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a_dst + i * RPP * 128), "l"(a_src[i] + k0),
                          "r"(a_bytes[i]));
+#endif
 #if WFMT == 1
         if (!skip_b)
 #pragma unroll
@@ -453,11 +474,14 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #elif B_TMA
         if (tid == 0) {  // one arrival with the stage's bytes; skipped copies (bench only) complete the phase at once
             const unsigned bar = bar0 + 8 * stage, b_tile = base + stage * STAGE_BYTES + A_BYTES;
-            mbar_arrive_expect_tx(bar, skip_b ? 0u : (unsigned)B_BYTES);
+            mbar_arrive_expect_tx(bar, (skip_b ? 0u : (unsigned)B_BYTES) + (A_TMA && !skip_a ? (unsigned)A_BYTES : 0u));
             if (!skip_b) {
                 tma_load_2d(b_tile, b_map, k0, b_row0, bar);
                 tma_load_2d(b_tile + (BN / 2) * 128, b_map, k0, b_row1, bar);
             }
+#if A_TMA
+            if (!skip_a) tma_load_2d(base + stage * STAGE_BYTES, a_map, k0, row0, bar);
+#endif
         }
         (void)b_dst, (void)b_src;
 #else

@@ -732,3 +732,27 @@ def test_tensor_map_arguments():
                         ((0x1000, (1 << 32) + 1, 64, 2, 32), "past the driver's limits")):
         with pytest.raises(ValueError, match=match):
             encode_args_2d(*args)
+
+
+def test_moe_a_tma_switch_reaches_the_define(monkeypatch):
+    """KDA_RT_MOE_A_TMA=1 with KDA_RT_MOE_B_TMA=1 builds the down GEMM (contiguous source rows) with A_TMA=1, never
+    gate/up (a gather) and never without B_TMA; src_map= overrides the switches (the launcher's choice where a
+    128-row box does not fit the source's allocation)."""
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
+
+    seen = []
+    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: seen.append(kw) or "kernel")
+    tile = wg_ops.WgTile(256, 4)
+    for b, a in (("0", "1"), ("1", "0"), ("1", "1")):
+        monkeypatch.setenv("KDA_RT_MOE_B_TMA", b)
+        monkeypatch.setenv("KDA_RT_MOE_A_TMA", a)
+        for fuse in (True, False):
+            for kw in (dict(), dict(e4m3=True, e4m3_src=True)):
+                seen.clear()
+                wg_ops.wg_kernel(tile, 1024, 2304, fuse, 8, **kw)
+                want = b == a == "1" and not fuse
+                assert seen[0].get("A_TMA") == (1 if want else None), (b, a, fuse, kw, seen[0])
+                assert wg_ops.a_tma(fuse, kw.get("e4m3", False), kw.get("e4m3_src", False)) == want
+    seen.clear()
+    wg_ops.wg_kernel(tile, 1024, 2304, False, 8, src_map=False)
+    assert "A_TMA" not in seen[0] and seen[0]["B_TMA"] == 1

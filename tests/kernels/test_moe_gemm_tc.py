@@ -337,10 +337,12 @@ def test_moe_gemm_wg_half_skip(name, big_weights, monkeypatch):
 @pytest.mark.parametrize("name", ["T1", "T300", "T2048-skewed", "T8192", "T2048-bn128-s3-direct", "w8a8-T300",
                                   "w8a8-T2048-skewed", "w8a8-T2048-bn128-s3-direct", "w8a8-T40-D512-I384-E16"])
 def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
-    """KDA_RT_MOE_B_TMA=1 (the weight rows of each stage by two tensor-map copies, moe_gemm_wg.cu B_TMA) against =0 on
-    one plan: h and y bit for bit (the same values land in the same swizzled places), with bf16 weights and with e4m3
-    weights and sources (w8a8-*), both tile widths, both epilogues, a 1-token plan, a skewed one and 3-step K (E16);
-    the switch is checked to reach the kernel build, outputs and every SM's shared memory poisoned first.  The NumPy checks of the default kernel
+    """KDA_RT_MOE_B_TMA=1 (the weight rows of each stage by two tensor-map copies, moe_gemm_wg.cu B_TMA), and with it
+    KDA_RT_MOE_A_TMA=1 (the down GEMM's source rows by one more), against the cp.async kernel on one plan: h and y bit
+    for bit (the same values land in the same swizzled places), with bf16 weights and with e4m3 weights and sources
+    (w8a8-*), both tile widths, both epilogues, a 1-token plan (its 8 source rows take no A_TMA: a 128-row box does
+    not fit them), a skewed one and 3-step K (E16); the switches are checked to reach the kernel builds (A_TMA on the
+    down GEMM only), outputs and every SM's shared memory poisoned first.  The NumPy checks of the default kernel
     are test_moe_gemm_wg's and test_moe_gemm_wg_w8a8's."""
     import cupy
 
@@ -365,7 +367,8 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     plan = make_plan(make_ids(T, E, A, skewed, rng), E, 128)
     built = []
     real_get = wg_ops.get_kernel
-    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: built.append(kw.get("B_TMA", 0)) or real_get(*a, **kw))
+    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: built.append(
+        (kw.get("FUSE_SILU"), kw.get("B_TMA", 0), kw.get("A_TMA", 0))) or real_get(*a, **kw))
 
     def gemm(src, fuse_silu, out):
         if not w8a8:
@@ -378,8 +381,9 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
                            tile=WgTile(*tile), scale=s13 if fuse_silu else s2, src_scale=sc)
 
     outs = {}
-    for v in ("0", "1"):
-        monkeypatch.setenv("KDA_RT_MOE_B_TMA", v)
+    for v in ("0", "1", "a"):  # cp.async, B_TMA, B_TMA + A_TMA
+        monkeypatch.setenv("KDA_RT_MOE_B_TMA", "0" if v == "0" else "1")
+        monkeypatch.setenv("KDA_RT_MOE_A_TMA", "1" if v == "a" else "0")
         built.clear()
         h, y = (cupy.empty((T * A, n), dtype=x.dtype) for n in (inter, D))
         poison(h)
@@ -387,10 +391,12 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
         poison_shared_memory()  # no run may pass on the stages the one before left
         gemm(x, True, h)
         gemm(h, False, y)
-        assert built and set(built) == {int(v)}, (v, built)
+        a_down = int(v == "a" and T * A >= 128)  # (the source's allocation must hold a 128-row box)
+        assert sorted(set(built)) == [(0, int(v != "0"), a_down), (1, int(v != "0"), 0)], (v, built)
         outs[v] = (cupy.asnumpy(h.view(np.uint16)), cupy.asnumpy(y.view(np.uint16)))
-    for a, b, what in zip(outs["1"], outs["0"], ("h", "y"), strict=True):
-        assert np.array_equal(a, b), f"{name}: {what} with the tensor-map copies differs from the cp.async kernel's"
+    for v in ("1", "a"):
+        for a, b, what in zip(outs[v], outs["0"], ("h", "y"), strict=True):
+            assert np.array_equal(a, b), f"{name} ({v}): {what} with the tensor-map copies differs from cp.async's"
 
 
 # moe_decode_fused (both decode GEMMs in one launch, items claimed from a counter, each down item waiting for

@@ -94,12 +94,20 @@ def b_tma(e4m3: bool, e4m3_src: bool = False) -> bool:
     return env.moe_b_tma() and (e4m3_src or not e4m3)
 
 
+def a_tma(fuse_silu: bool, e4m3: bool, e4m3_src: bool = False) -> bool:
+    """Whether the down GEMM's source rows go by a tensor map too (KDA_RT_MOE_A_TMA with B_TMA, moe_gemm_wg.cu
+    A_TMA): contiguous rows only, so never gate/up's gathered x rows."""
+    return env.moe_a_tma() and not fuse_silu and b_tma(e4m3, e4m3_src)
+
+
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
-              e4m3_src: bool = False):
+              e4m3_src: bool = False, src_map: bool | None = None):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
-    operands e4m3 (WFMT = 2)."""
+    operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say)."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
     tma = {"B_TMA": 1} if b_tma(e4m3, e4m3_src) else {}  # (absent when off: the default module's key unchanged)
+    if a_tma(fuse_silu, e4m3, e4m3_src) if src_map is None else src_map:
+        tma["A_TMA"] = 1
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3, e4m3_src), K=K,
                       NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
                       STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt, **tma)
@@ -111,6 +119,20 @@ def weight_map(weight, tile: WgTile, what: str = "weight"):
     from kda_rt.cuda.ops.tma import map_2d_swizzled
 
     return map_2d_swizzled(weight, tile.bn // 2, what)
+
+
+def _allocation_rows(src) -> int:
+    from kda_rt.cuda.ops.tma import allocation_rows
+
+    return allocation_rows(src)
+
+
+def source_map(src):
+    """The tensor map of A_TMA's source copies: `src` [N, K] (h, or its e4m3 codes) over all the rows its allocation
+    holds (encoded once for a reused buffer), boxes of 128 rows x one 128-byte k step (ops/tma.py)."""
+    from kda_rt.cuda.ops.tma import allocation_rows, map_2d_swizzled
+
+    return map_2d_swizzled(src, BM, "the down GEMM's source rows", rows=allocation_rows(src))
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
@@ -135,7 +157,9 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     tile = tile or wg_tile(nout, K, fuse_silu, e4m3_src)
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu, e4m3_src):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
-    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src)
+    # A_TMA where its map fits: a box of 128 rows within what the source's allocation holds
+    src_map = a_tma(fuse_silu, e4m3, e4m3_src) and N > 0 and _allocation_rows(src) >= BM
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src, src_map)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
     if N:
@@ -143,5 +167,7 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
                 scale if e4m3 else null, src_scale if e4m3_src else null)
         if b_tma(e4m3, e4m3_src):  # B_TMA builds take the weights' tensor map as an 11th argument
             args += (weight_map(weight, tile, "w13" if fuse_silu else "w2"),)
+        if src_map:  # and A_TMA builds the source's as a 12th
+            args += (source_map(src),)
         kernel(grid, (256,), args, shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["encode_args_2d", "map_2d_swizzled"]
+__all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
 _MAPS: dict[tuple, object] = {}  # (address, rows, cols, itemsize, box) -> the device buffer holding the map
 _LOCK = threading.Lock()
@@ -62,17 +62,30 @@ def _driver():
     return _DRIVER
 
 
-def map_2d_swizzled(arr, box_rows: int, what: str = "array"):
+def allocation_rows(arr) -> int:
+    """How many rows of `arr`'s width its allocation holds from `arr`'s first byte on (at least `arr`'s own): a map
+    over that many stays the same for every view of a reused buffer (a workspace) that starts there, whatever its row
+    count, so it is encoded once, not once a step (each new map costs a host wait for its copy)."""
+    mem = arr.data.mem
+    return (mem.ptr + mem.size - arr.data.ptr) // (arr.shape[-1] * arr.itemsize)
+
+
+def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = None):
     """The device buffer (cupy uint8 [128]) holding a tensor map over `arr` seen as [rows, last dim] (C-contiguous,
     1- or 2-byte elements) with boxes of `box_rows` rows x 128 bytes, written into shared memory in the 128-byte
     swizzle (16-byte chunk c of box row r at chunk c ^ (r mod 8): wgmma's K-major SWIZZLE_128B layout).  Pass
-    `buffer.data.ptr` to the kernel.  `what` names the array in errors."""
+    `buffer.data.ptr` to the kernel.  `rows`: more rows than `arr` has, up to `allocation_rows(arr)` (the buffer's
+    bytes past `arr`).  `what` names the array in errors."""
     import cupy
 
     if not arr.flags.c_contiguous:
         raise ValueError(f"tensor map over {what}: the array must be C-contiguous")
     cols = arr.shape[-1]
-    rows = arr.size // cols
+    if rows is None:
+        rows = arr.size // cols
+    elif not arr.size // cols <= rows <= allocation_rows(arr):
+        raise ValueError(f"tensor map over {what}: {rows} rows, not between its {arr.size // cols} and the "
+                         f"{allocation_rows(arr)} its allocation holds")
     key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows)
     with _LOCK:
         buf = _MAPS.get(key)
