@@ -439,10 +439,10 @@ def moe_b_tma() -> bool:
 
 
 def moe_a_tma() -> bool:
-    """KDA_RT_MOE_A_TMA: 1 (with KDA_RT_MOE_B_TMA=1) copies the source rows of the prefill down GEMM on wgmma (h, contiguous
-    in expert order) by a tensor-map copy too, so a stage has no cp.async (kernels_cu/moe_gemm_wg.cu A_TMA: the same
-    bits; gate/up's rows are a gather and keep cp.async); default 0 until measured.  Read when the kernel variant is
-    chosen."""
+    """KDA_RT_MOE_A_TMA: 1 (with KDA_RT_MOE_B_TMA=1) copies the source rows of the prefill down GEMM on wgmma (h,
+    contiguous in expert order; also fp8 models' dense prefill projections, one expert over an identity plan) by a
+    tensor-map copy too, so a stage has no cp.async (kernels_cu/moe_gemm_wg.cu A_TMA: the same bits; gate/up's rows
+    are a gather and keep cp.async); default 0 until measured.  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_A_TMA", "0")
 
 

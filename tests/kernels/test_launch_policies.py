@@ -756,3 +756,10 @@ def test_moe_a_tma_switch_reaches_the_define(monkeypatch):
     seen.clear()
     wg_ops.wg_kernel(tile, 1024, 2304, False, 8, src_map=False)
     assert "A_TMA" not in seen[0] and seen[0]["B_TMA"] == 1
+    seen.clear()
+    wg_ops.wg_kernel(tile, 1024, 2304, False, 8, e4m3=True)  # e4m3 weights, bf16 sources: neither (widened first)
+    assert "A_TMA" not in seen[0] and "B_TMA" not in seen[0]
+    monkeypatch.setenv("KDA_RT_MOE_B_TMA", "0")
+    seen.clear()
+    wg_ops.wg_kernel(tile, 1024, 2304, False, 8, src_map=True)  # src_map never builds A_TMA without B_TMA
+    assert "A_TMA" not in seen[0] and "B_TMA" not in seen[0]

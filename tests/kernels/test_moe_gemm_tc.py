@@ -340,9 +340,10 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     """KDA_RT_MOE_B_TMA=1 (the weight rows of each stage by two tensor-map copies, moe_gemm_wg.cu B_TMA), and with it
     KDA_RT_MOE_A_TMA=1 (the down GEMM's source rows by one more), against the cp.async kernel on one plan: h and y bit
     for bit (the same values land in the same swizzled places), with bf16 weights and with e4m3 weights and sources
-    (w8a8-*), both tile widths, both epilogues, a 1-token plan (its 8 source rows take no A_TMA: a 128-row box does
-    not fit them), a skewed one and 3-step K (E16); the switches are checked to reach the kernel builds (A_TMA on the
-    down GEMM only), outputs and every SM's shared memory poisoned first.  The NumPy checks of the default kernel
+    (w8a8-*), both tile widths, both epilogues, a 1-token plan, a skewed one and 3-step K (E16); the down GEMM's source
+    (h, or its codes) is the first rows of a larger buffer whose other rows are NaN, as a workspace's are (A_TMA's map
+    covers the whole allocation: rows past N must never reach an output); the switches are checked to reach the kernel
+    builds (A_TMA on the down GEMM only), outputs and every SM's shared memory poisoned first.  The NumPy checks of the default kernel
     are test_moe_gemm_wg's and test_moe_gemm_wg_w8a8's."""
     import cupy
 
@@ -374,7 +375,7 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
         if not w8a8:
             return moe_gemm_wg(src, big_weights[0] if fuse_silu else big_weights[1], plan, top_k=A,
                                fuse_silu=fuse_silu, out=out, tile=WgTile(*tile))
-        q = cupy.empty(src.shape, dtype=np.uint8)
+        q = cupy.full((src.shape[0] + 256, src.shape[1]), 0x7F, dtype=np.uint8)[:src.shape[0]]  # NaN codes past N
         sc = cupy.empty(src.shape[0], dtype=np.float32)
         quantize_activations_e4m3(src, out=q, scale_out=sc)
         return moe_gemm_wg(q, q13 if fuse_silu else q2, plan, top_k=A, fuse_silu=fuse_silu, out=out,
@@ -385,13 +386,14 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
         monkeypatch.setenv("KDA_RT_MOE_B_TMA", "0" if v == "0" else "1")
         monkeypatch.setenv("KDA_RT_MOE_A_TMA", "1" if v == "a" else "0")
         built.clear()
-        h, y = (cupy.empty((T * A, n), dtype=x.dtype) for n in (inter, D))
-        poison(h)
+        h_buf, y = cupy.empty((T * A + 256, inter), dtype=x.dtype), cupy.empty((T * A, D), dtype=x.dtype)
+        poison(h_buf)  # (rows past N stay NaN)
         poison(y)
+        h = h_buf[:T * A]
         poison_shared_memory()  # no run may pass on the stages the one before left
         gemm(x, True, h)
         gemm(h, False, y)
-        a_down = int(v == "a" and T * A >= 128)  # (the source's allocation must hold a 128-row box)
+        a_down = int(v == "a")  # (the source's allocation holds a 128-row box: >= 256 rows)
         assert sorted(set(built)) == [(0, int(v != "0"), a_down), (1, int(v != "0"), 0)], (v, built)
         outs[v] = (cupy.asnumpy(h.view(np.uint16)), cupy.asnumpy(y.view(np.uint16)))
     for v in ("1", "a"):

@@ -106,19 +106,19 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3
     operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say)."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
     tma = {"B_TMA": 1} if b_tma(e4m3, e4m3_src) else {}  # (absent when off: the default module's key unchanged)
-    if a_tma(fuse_silu, e4m3, e4m3_src) if src_map is None else src_map:
+    if a_tma(fuse_silu, e4m3, e4m3_src) if src_map is None else src_map and a_tma(fuse_silu, e4m3, e4m3_src):
         tma["A_TMA"] = 1
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3, e4m3_src), K=K,
                       NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
                       STAGED_OUT=int(tile.staged_out), HALF_SKIP=int(env.moe_half_skip()), **fmt, **tma)
 
 
-def weight_map(weight, tile: WgTile, what: str = "weight"):
+def weight_map(weight, tile: WgTile, what: str = "weight", stream=None):
     """The tensor map of B_TMA's weight copies: `weight` [E, NOUT, K] as [E NOUT] rows, boxes of BN / 2 rows x one
     128-byte k step (ops/tma.py)."""
     from kda_rt.cuda.ops.tma import map_2d_swizzled
 
-    return map_2d_swizzled(weight, tile.bn // 2, what)
+    return map_2d_swizzled(weight, tile.bn // 2, what, stream=stream)
 
 
 def _allocation_rows(src) -> int:
@@ -127,12 +127,13 @@ def _allocation_rows(src) -> int:
     return allocation_rows(src)
 
 
-def source_map(src):
+def source_map(src, stream=None):
     """The tensor map of A_TMA's source copies: `src` [N, K] (h, or its e4m3 codes) over all the rows its allocation
-    holds (encoded once for a reused buffer), boxes of 128 rows x one 128-byte k step (ops/tma.py)."""
+    holds from its first byte (one map for the steps whose h starts at the same place), boxes of 128 rows x one
+    128-byte k step (ops/tma.py)."""
     from kda_rt.cuda.ops.tma import allocation_rows, map_2d_swizzled
 
-    return map_2d_swizzled(src, BM, "the down GEMM's source rows", rows=allocation_rows(src))
+    return map_2d_swizzled(src, BM, "the down GEMM's source rows", rows=allocation_rows(src), stream=stream)
 
 
 def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out, tile: WgTile | None = None,
@@ -166,8 +167,8 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
         args = (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
                 scale if e4m3 else null, src_scale if e4m3_src else null)
         if b_tma(e4m3, e4m3_src):  # B_TMA builds take the weights' tensor map as an 11th argument
-            args += (weight_map(weight, tile, "w13" if fuse_silu else "w2"),)
+            args += (weight_map(weight, tile, "w13" if fuse_silu else "w2", stream),)
         if src_map:  # and A_TMA builds the source's as a 12th
-            args += (source_map(src),)
+            args += (source_map(src, stream),)
         kernel(grid, (256,), args, shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out

@@ -1,7 +1,8 @@
 """Tensor maps for the tensor-memory-accelerator copies (cp.async.bulk.tensor, sm_90+): a CUtensorMap, encoded by the
 driver's cuTensorMapEncodeTiled (libcuda through ctypes: CuPy does not wrap it) and kept in a 128-byte device buffer
-whose address a kernel takes (the map may sit in global memory).  One map per (array address, shape, box), cached for
-the life of the process (weights: encoded once).
+whose address a kernel takes (the map may sit in global memory).  One map per (array address, shape, box, stream),
+the last _MAX_MAPS kept (weights: encoded once); a new one is copied to the device in the order of the stream that
+launches its kernel (no host wait), so it may be made in the middle of a step.
 
 Only the 2D, 128-byte-swizzled tile a kernel row of 128 bytes wants is offered: `map_2d_swizzled`."""
 
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
 __all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
-_MAPS: dict[tuple, object] = {}  # (address, rows, cols, itemsize, box) -> the device buffer holding the map
+_MAPS: OrderedDict[tuple, tuple] = OrderedDict()  # (address, rows, cols, itemsize, box, stream) -> (device, host)
+_MAX_MAPS = 512  # (an evicted buffer goes back to CuPy's pool, reused in its stream's order: a kernel queued on it
+#                  before still reads the map)
 _LOCK = threading.Lock()
 _DRIVER = None
 
@@ -65,17 +69,19 @@ def _driver():
 def allocation_rows(arr) -> int:
     """How many rows of `arr`'s width its allocation holds from `arr`'s first byte on (at least `arr`'s own): a map
     over that many stays the same for every view of a reused buffer (a workspace) that starts there, whatever its row
-    count, so it is encoded once, not once a step (each new map costs a host wait for its copy)."""
+    count, so it is encoded once, not once a step."""
     mem = arr.data.mem
-    return (mem.ptr + mem.size - arr.data.ptr) // (arr.shape[-1] * arr.itemsize)
+    own = arr.size // arr.shape[-1]
+    return max(own, (mem.ptr + mem.size - arr.data.ptr) // (arr.shape[-1] * arr.itemsize))
 
 
-def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = None):
+def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = None, stream=None):
     """The device buffer (cupy uint8 [128]) holding a tensor map over `arr` seen as [rows, last dim] (C-contiguous,
     1- or 2-byte elements) with boxes of `box_rows` rows x 128 bytes, written into shared memory in the 128-byte
     swizzle (16-byte chunk c of box row r at chunk c ^ (r mod 8): wgmma's K-major SWIZZLE_128B layout).  Pass
     `buffer.data.ptr` to the kernel.  `rows`: more rows than `arr` has, up to `allocation_rows(arr)` (the buffer's
-    bytes past `arr`).  `what` names the array in errors."""
+    bytes past `arr`).  `stream`: the stream of the kernels that read it (default: the current one).  `what` names the
+    array in errors."""
     import cupy
 
     if not arr.flags.c_contiguous:
@@ -86,11 +92,13 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
     elif not arr.size // cols <= rows <= allocation_rows(arr):
         raise ValueError(f"tensor map over {what}: {rows} rows, not between its {arr.size // cols} and the "
                          f"{allocation_rows(arr)} its allocation holds")
-    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows)
+    stream = stream if stream is not None else cupy.cuda.get_current_stream()
+    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows, stream.ptr)
     with _LOCK:
-        buf = _MAPS.get(key)
-        if buf is not None:
-            return buf
+        hit = _MAPS.get(key)
+        if hit is not None:
+            _MAPS.move_to_end(key)
+            return hit[0]
         try:
             dtype, dims, strides, box = encode_args_2d(arr.data.ptr, rows, cols, arr.itemsize, box_rows)
         except ValueError as exc:
@@ -107,7 +115,9 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
         if status:
             raise RuntimeError(f"tensor map over {what} {tuple(arr.shape)}: cuTensorMapEncodeTiled returned CUresult "
                                f"{status} (dims {dims}, strides {strides}, box {box})")
-        buf = cupy.asarray(host.copy())
-        cupy.cuda.get_current_stream().synchronize()  # in place before a kernel on any stream reads it
-        _MAPS[key] = buf
+        buf = cupy.empty(128, dtype=np.uint8)
+        buf.set(host, stream=stream)  # in place before the stream's next kernel, no host wait
+        _MAPS[key] = (buf, host)  # (the host bytes kept alive with it)
+        if len(_MAPS) > _MAX_MAPS:
+            _MAPS.popitem(last=False)
         return buf
