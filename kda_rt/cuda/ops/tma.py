@@ -56,7 +56,10 @@ def _driver():
                 continue
         else:
             raise RuntimeError("tensor map: the CUDA driver library (libcuda) could not be loaded")
-        fn = lib.cuTensorMapEncodeTiled
+        fn = getattr(lib, "cuTensorMapEncodeTiled", None)
+        if fn is None:
+            raise RuntimeError("tensor map: the CUDA driver has no cuTensorMapEncodeTiled (a CUDA 12.0+ driver is "
+                               "needed; KDA_RT_MOE_B_TMA=0 copies without tensor maps)")
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
