@@ -97,12 +97,6 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 // ---------------------------------------------------------------------------------------------
 // reductions (all lanes / threads get the result)
 
-// a compile-time count passed to a generic lambda (its decltype(n)::value)
-template <int N>
-struct Count {
-    static constexpr int value = N;
-};
-
 // Sum / max over aligned groups of Lanes lanes (a power of two <= 32; the whole warp by default).
 // Template parameters are mixed case: kernels pass their upper-case constants as -D macros.
 template <int Lanes = 32>
@@ -119,24 +113,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Block-wide sums of N values per thread, added in warp order.  `scratch` is shared memory with
+// Block-wide sums of Count values per thread, added in warp order.  `scratch` is shared memory with
 // one row per warp of the block.  Ends with a barrier so scratch can be reused right after.
-template <int Warps, int N>
-__device__ __forceinline__ void block_sum(float (&v)[N], float (&scratch)[Warps][N]) {
+template <int Warps, int Count>
+__device__ __forceinline__ void block_sum(float (&v)[Count], float (&scratch)[Warps][Count]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+    for (int i = 0; i < Count; ++i) v[i] = warp_sum(v[i]);
     if (lane == 0) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) scratch[warp][i] = v[i];
+        for (int i = 0; i < Count; ++i) scratch[warp][i] = v[i];
     }
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = 0.f;
+    for (int i = 0; i < Count; ++i) v[i] = 0.f;
 #pragma unroll
     for (int w = 0; w < Warps; ++w) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) v[i] += scratch[w][i];
+        for (int i = 0; i < Count; ++i) v[i] += scratch[w][i];
     }
     __syncthreads();
 }

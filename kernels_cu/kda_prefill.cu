@@ -437,6 +437,20 @@ __device__ __forceinline__ void dot16_rows(const float* a, int astride, const fl
     }
 }
 
+// one step of a reduce-scatter over a warp's lanes (ROW_SCATTER's row sums, E_SCAN's pair sums): lanes paired over
+// `off` add their halves of v[0, 2 HALF), the lane with `off` set keeping the upper half, each in v[0, HALF) after
+// (a + b in the butterfly's order: both lanes of a pair get the same bits)
+template <int HALF, int N>
+__device__ __forceinline__ void halve_sums(float (&v)[N], const int off, const int lane) {
+    static_assert(2 * HALF <= N, "halve_sums: 2 HALF values");
+    const bool hi = lane & off;
+#pragma unroll
+    for (int j = 0; j < HALF; ++j) {
+        const float a = v[j], b = v[HALF + j];
+        v[j] = (hi ? b : a) + __shfl_xor_sync(0xffffffffu, hi ? a : b, off);
+    }
+}
+
 // index of sub-block pair (I, J <= I) in the scaled-key tile
 __device__ __forceinline__ constexpr int pair_index(int I, int J) { return I * (I + 1) / 2 + J; }
 // index of the (row block I, column block J < I) pair in the gate table C
@@ -857,16 +871,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         float v[3 * RPW];
 #pragma unroll
         for (int i = 0; i < RPW; ++i) v[3 * i] = sq[i], v[3 * i + 1] = sk[i], v[3 * i + 2] = sqk[i];
-        auto halve = [&](auto n) {  // n: values kept, the rows of the lane's half (lanes paired over 16 n / 12)
-            constexpr int half = decltype(n)::value, off = 16 * half / 12;
-            const bool hi = lane & off;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float a = v[j], b = v[half + j];
-                v[j] = (hi ? b : a) + __shfl_xor_sync(0xffffffffu, hi ? a : b, off);
-            }
-        };
-        halve(Count<12>{}), halve(Count<6>{}), halve(Count<3>{});
+        halve_sums<12>(v, 16, lane), halve_sums<6>(v, 8, lane), halve_sums<3>(v, 4, lane);
 #pragma unroll
         for (int j = 0; j < 3; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], 2), v[j] += __shfl_xor_sync(0xffffffffu, v[j], 1);
         if ((lane & 3) == 0) {
@@ -1184,18 +1189,9 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
                     y[r][0] = k4.x, y[r][1] = k4.y, y[r][2] = k4.z, y[r][3] = k4.w;
                 }
             }
-            auto halve = [&](auto n, const int off) {  // n: sums kept, the lane's half of them (as ROW_SCATTER's)
-                constexpr int half = decltype(n)::value;
-                const bool hi = lane & off;
-#pragma unroll
-                for (int j = 0; j < half; ++j) {
-                    const float a = acc[j], b = acc[half + j];
-                    acc[j] = (hi ? b : a) + __shfl_xor_sync(0xffffffffu, hi ? a : b, off);
-                }
-            };
-            halve(Count<14>{}, 16), halve(Count<7>{}, 8);
+            halve_sums<14>(acc, 16, lane), halve_sums<7>(acc, 8, lane);
             acc[7] = 0.f;  // 7 sums over 8 slots
-            halve(Count<4>{}, 4), halve(Count<2>{}, 2), halve(Count<1>{}, 1);
+            halve_sums<4>(acc, 4, lane), halve_sums<2>(acc, 2, lane), halve_sums<1>(acc, 1, lane);
             if ((lane & 7) == 7) return;
             const int p = 14 * ((lane >> 4) & 1) + 7 * ((lane >> 3) & 1) + (lane & 7);
             int rl = 1;

@@ -58,6 +58,11 @@
 #endif
 #define FT 16  // output features per CTA (one mma m-tile)
 
+template <int N>
+struct Count {
+    static constexpr int value = N;
+};
+
 // 16 bytes of weights that are read once: no L1 allocation
 __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
     uint4 v;  // (not volatile: ptxas may issue it ahead of earlier mma)

@@ -21,6 +21,7 @@ from kda_rt.cuda.ops.check import expect
 from kda_rt.cuda.ops.compile import device_arch, get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
+from kda_rt.cuda.ops.tma import allocation_rows, map_2d_swizzled
 
 __all__ = ["E4M3_BK", "WgTile", "available", "moe_gemm_wg", "w8a8_fits", "wg_tile"]
 
@@ -116,23 +117,13 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3
 def weight_map(weight, tile: WgTile, what: str = "weight", stream=None):
     """The tensor map of B_TMA's weight copies: `weight` [E, NOUT, K] as [E NOUT] rows, boxes of BN / 2 rows x one
     128-byte k step (ops/tma.py)."""
-    from kda_rt.cuda.ops.tma import map_2d_swizzled
-
     return map_2d_swizzled(weight, tile.bn // 2, what, stream=stream)
-
-
-def _allocation_rows(src) -> int:
-    from kda_rt.cuda.ops.tma import allocation_rows
-
-    return allocation_rows(src)
 
 
 def source_map(src, stream=None):
     """The tensor map of A_TMA's source copies: `src` [N, K] (h, or its e4m3 codes) over all the rows its allocation
     holds from its first byte (one map for the steps whose h starts at the same place), boxes of 128 rows x one
     128-byte k step (ops/tma.py)."""
-    from kda_rt.cuda.ops.tma import allocation_rows, map_2d_swizzled
-
     return map_2d_swizzled(src, BM, "the down GEMM's source rows", rows=allocation_rows(src), stream=stream)
 
 
@@ -159,7 +150,7 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu, e4m3_src):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
     # A_TMA where its map fits: a box of 128 rows within what the source's allocation holds
-    src_map = a_tma(fuse_silu, e4m3, e4m3_src) and N > 0 and _allocation_rows(src) >= BM
+    src_map = a_tma(fuse_silu, e4m3, e4m3_src) and N > 0 and allocation_rows(src) >= BM
     kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src, src_map)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
