@@ -4,7 +4,8 @@
 # on a Kimi-Linear-48B-shaped 4-layer random checkpoint.  Logs land in $OUT.
 # The whole gpu-marked set (842 tests, 2026-12-03) takes more than one device call (~40% ran in 480 s): split it with
 # PART=1 (tests/engine, tests/gpu and tests/kernels up to test_mla_store.py), PART=2 (the other kernel tests) or
-# PART=3 (the slow 48B-shaped test alone); unset: all of it.
+# PART=3 (the slow 48B-shaped test alone); unset: all of it.  pytest's 40 slowest tests (--durations) are in
+# $OUT/pytest_gpu.txt: where the GPU suite's time goes (NVRTC builds, host references, the GPU), to make it fit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i "running pip as" | tail -5
@@ -29,7 +30,7 @@ if [ "${PART:-all}" = all ] || [ "$PART" = 3 ]; then
 fi
 if [ -n "$targets" ]; then
   # shellcheck disable=SC2086
-  python -m pytest -q -m "gpu and not slow" $targets -p no:cacheprovider -rs ${PYTEST_ARGS:-} 2>&1 | tee $OUT/pytest_gpu.txt | tail -40
+  python -m pytest -q -m "gpu and not slow" $targets -p no:cacheprovider -rs --durations=40 ${PYTEST_ARGS:-} 2>&1 | tee $OUT/pytest_gpu.txt | tail -40
 fi
 if [ -n "${CK:-}" ]; then
   wait $CK
