@@ -118,6 +118,7 @@ def test_waiting_queue_full_is_429(tmp_path):
         deadline = time.monotonic() + 30
         while srv.metrics().get("kda_rt:num_requests_waiting", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert time.monotonic() < deadline, "the second request never showed as waiting"
         full = httpx.post(srv.url + "/v1/completions", json=long, headers=srv.headers, timeout=60)
         assert "max_waiting 1" in _envelope(full, 429) and full.headers["retry-after"] == "1"
         running.join(120)

@@ -21,6 +21,27 @@ MAX_TOKENS = 12
 TIME_LIMIT_S = 180
 
 
+# float64 on both sides: each stream's seeded samples are compared with a batch of 64 computed at once, and float32
+# logprobs move by ~3e-6 with the batch's mix (enough to flip a temperature-1 draw near a boundary, rarely)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from helpers.server import ServerProc, pid_gone
+
+    srv = ServerProc(tmp_path_factory.mktemp("load") / "server.log", "--dtype", "float64")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert pid_gone(srv.engine_pid), "engine process outlived the server"
+
+
+@pytest.fixture(scope="module")
+def reference_llm():
+    from helpers.server import MAX_MODEL_LEN
+    from kda_rt import LLM
+    from kda_rt.demo import demo_path
+
+    return LLM(str(demo_path()), backend="numpy", dtype="float64", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
+
+
 def _prompt(i: int) -> str:
     return f"client {i} asks about the weather"
 

@@ -17,7 +17,10 @@ from helpers.server import ServerProc
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = ServerProc(tmp_path_factory.mktemp("robust") / "server.log", "--engine-timeout", "2", "--body-timeout", "2",
+    # the engine timeout is 30 s here: a request computing prompt logprobs sends no heartbeat, and on a loaded
+    # 2-core CI machine it outlasted a 2 s limit (test_same_request_id_concurrently got a 503); the stopped-engine
+    # test starts its own server with 2 s
+    s = ServerProc(tmp_path_factory.mktemp("robust") / "server.log", "--engine-timeout", "30", "--body-timeout", "2",
                   "--header-timeout", "2")
     yield s
     try:
@@ -135,9 +138,10 @@ def test_disconnect_mid_body_is_not_an_error(srv):
 
 
 @pytest.mark.slow
-def test_stopped_engine_is_reported_and_times_out(srv):
-    """Last in this module: SIGSTOP the engine, then a request must fail within the timeout and
-    /health must say 503 while it is pending."""
+def test_stopped_engine_is_reported_and_times_out(tmp_path):
+    """SIGSTOP the engine (of a server of its own, engine timeout 2 s), then a request must fail within the timeout
+    and /health must say 503 while it is pending; after SIGCONT the server is healthy again."""
+    srv = ServerProc(tmp_path / "server.log", "--engine-timeout", "2")
     os.kill(srv.engine_pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
@@ -160,8 +164,11 @@ def test_stopped_engine_is_reported_and_times_out(srv):
         assert health == [503]
     finally:
         os.kill(srv.engine_pid, signal.SIGCONT)
-    time.sleep(0.5)
-    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    try:
+        time.sleep(0.5)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_stream_protocol_details(srv):
