@@ -32,3 +32,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """GPU runs: what this process spent building kernels (NVRTC, or loading from the disk cache), beside pytest's
+    --durations, to see how much of a device call's test time is compilation."""
+    import sys
+
+    compile_mod = sys.modules.get("kda_rt.cuda.ops.compile")
+    if compile_mod is not None and compile_mod.BUILD_STATS["loaded"]:
+        s = compile_mod.BUILD_STATS
+        terminalreporter.write_line(f"kernel builds: {s['loaded']} variants loaded, {s['compiled']} compiled by NVRTC "
+                                    f"(not in the disk cache), {s['seconds']:.1f} s in all")
