@@ -5,7 +5,8 @@
 differently (the dense layer-0 MLP under `block_sparse_moe.` instead of `mlp.`) back to hub names,
 and checks every tensor against `expected_tensors(config)` (the weight schema, `loader/schema.py`,
 the one place checkpoint names are spelled), rejecting missing, unexpected, mis-shaped or
-mis-typed tensors with a `CheckpointError` naming the file and the tensor.
+mis-typed tensors, and non-finite small tensors or routers (or an A_log past A_LOG_MAX), with a `CheckpointError`
+naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 _MATMUL_DTYPES = tuple(DTYPES[c] for c in ("BF16", "F16", "F32"))
 _FLOAT_DTYPES = tuple(DTYPES[c] for c in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"))
+# exp(A_log) is a KDA head's decay rate (1 .. 16 at fla's initialisation); past e^30 every token's gate already
+# clears the state, and far past it (e^88.7) float32 overflows: the gates become -inf or NaN
+A_LOG_MAX = 30.0
+_ROUTER_SUFFIX = ".block_sparse_moe.gate.weight"  # a matmul weight, but NaN there hides an expert (argsort, top-k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +109,22 @@ def _to_hub_names(config: ModelConfig, tensors: dict[str, np.ndarray], source: d
         source[hub] = source.pop(name)
 
 
+def _check_values(where: str, values: np.ndarray, kind: str) -> np.ndarray:
+    """The small tensors and the routers (a few MB in all, read whole): finite, and A_log within A_LOG_MAX.  Matmul
+    weights are not read here (a NaN there makes the logits non-finite, which the engine reports per request)."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckpointError(f"{where}: {int(bad.sum())} non-finite value(s) (NaN, inf, or past float32's range), the "
+                              f"first {values[at]} at index {list(at)}")
+    if kind == A_LOG and values.max() > A_LOG_MAX:
+        at = tuple(int(i) for i in np.argwhere(values > A_LOG_MAX)[0])
+        raise CheckpointError(f"{where}: A_log {values[at]:.4g} at index {list(at)} is over {A_LOG_MAX:g} (exp(A_log) "
+                              f"is a head's decay rate, 1 to 16 at initialisation; e^{A_LOG_MAX:g} already clears the "
+                              "state every token)")
+    return values
+
+
 def _listing(names: list[str], source: dict[str, str] | None = None) -> str:
     shown = [f"'{n}'" + (f" ({source[n]})" if source else "") for n in names[:5]]
     return ", ".join(shown) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -154,10 +175,12 @@ def load_checkpoint(
                 if arr.dtype not in _MATMUL_DTYPES:
                     raise CheckpointError(f"{where}: dtype {arr.dtype} for a {kind} weight (want bf16, f16 or f32)")
                 out[name] = arr
+                if name.endswith(_ROUTER_SUFFIX):
+                    _check_values(where, arr.astype(np.float32), kind)
             else:
                 if arr.dtype not in _FLOAT_DTYPES:
                     raise CheckpointError(f"{where}: dtype {arr.dtype} for a {kind} tensor (want a float type)")
-                out[name] = arr.astype(np.float32)
+                out[name] = _check_values(where, arr.astype(np.float32), kind)
             if bar is not None:
                 bar.update(arr.nbytes)
     finally:

@@ -100,6 +100,37 @@ def test_wrong_dtype_small(tmp_path):
     _check_error(d, cfg, str(d / SINGLE_FILE), name, "int32")
 
 
+def _set(name, index, value):
+    def edit(t):
+        a = t[name].copy()
+        a[index] = value
+        t[name] = a
+    return edit
+
+
+@pytest.mark.parametrize(("name", "index", "value", "needle"), [
+    ("model.layers.0.self_attn.A_log", (0, 0, 1, 0), np.nan, "non-finite"),
+    ("model.layers.0.self_attn.A_log", (0, 0, 1, 0), 100.0, "over 30"),  # exp overflows float32: NaN gates, then
+    ("model.layers.0.self_attn.A_log", (0, 0, 1, 0), 31.0, "over 30"),   # LinAlgError in every request
+    ("model.layers.0.self_attn.dt_bias", (5,), np.inf, "non-finite"),
+    ("model.layers.1.block_sparse_moe.gate.e_score_correction_bias", (0,), np.nan, "non-finite"),
+    ("model.layers.1.block_sparse_moe.gate.weight", (0, 0), np.nan, "non-finite"),  # argsort hid the expert
+    ("model.norm.weight", (3,), -np.inf, "non-finite"),
+])
+def test_bad_values_in_small_tensors_and_routers(tmp_path, name, index, value, needle):
+    """A NaN or inf in a small tensor or a router, or an A_log whose exp() is no decay rate, is a load error naming
+    the tensor and the index (these gave a LinAlgError in every request, which killed a server's engine, or
+    silently never routed to an expert)."""
+    d, cfg = _single(tmp_path, _set(name, index, value))
+    _check_error(d, cfg, name, needle, str(list(index)))
+
+
+def test_a_log_at_the_bound_loads(tmp_path):
+    name = "model.layers.0.self_attn.A_log"
+    d, cfg = _single(tmp_path, _set(name, (0, 0, 1, 0), 30.0))
+    assert load_checkpoint(d, cfg, progress=False)[name][0, 0, 1, 0] == 30.0
+
+
 def test_small_tensors_any_float_dtype(tmp_path):
     name = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
     d, cfg = _single(tmp_path, lambda t: t.update({name: t[name].astype(ml_dtypes.bfloat16)}))
