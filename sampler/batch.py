@@ -22,6 +22,8 @@ from .params import GREEDY_EPS, SamplingParams
 
 __all__ = ["SamplingBatch", "StepOutput", "needs_host_sampling"]
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
 
 def needs_host_sampling(params: SamplingParams, num_output: int) -> bool:
     """Penalties or a min_tokens ban: the GPU sampler does neither, the host sampler does both."""
@@ -99,7 +101,9 @@ class SamplingBatch:
             params=params,
             seeds=np.array([s & 0xFFFFFFFFFFFFFFFF for _, s, _, _ in rows], dtype=np.uint64),
             steps=np.array([len(out) for *_, out in rows], dtype=np.int32),
-            temperature=np.array([0.0 if p.temperature < GREEDY_EPS else p.temperature for p in params], np.float32),
+            # (a temperature past float32's range samples uniformly either way: clipped, it casts without a warning)
+            temperature=np.array([0.0 if p.temperature < GREEDY_EPS else min(p.temperature, _F32_MAX) for p in params],
+                                 np.float32),
             top_k=np.array([max(p.top_k, 0) for p in params], dtype=np.int32),
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             min_p=np.array([p.min_p for p in params], dtype=np.float32),

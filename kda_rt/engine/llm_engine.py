@@ -221,8 +221,10 @@ class LLMEngine:
                 arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
                 if arr.min() >= 0 and arr.max() < vocab:
                     return text, ids
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab:
+        for n, i in enumerate(ids):
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise ValueError(f"prompt token ids must be ints; item {n} is {i!r} ({type(i).__name__})")
+            if not 0 <= i < vocab:
                 raise ValueError(f"prompt token id {i!r} is outside the vocabulary [0, {vocab})")
         return text, [int(i) for i in ids]
 

@@ -205,7 +205,9 @@ def _structured_outputs(req: _Sampling) -> dict[str, Any] | None:
     sources: list[tuple[str, Any]] = []
     fmt = req.response_format
     if fmt is not None:
-        kind = fmt.get("type", "text")
+        if "type" not in fmt:  # (OpenAI's and vLLM's schemas require it; a default of "text" dropped a schema)
+            raise InvalidRequest("response_format.type is required: 'text', 'json_object' or 'json_schema'")
+        kind = fmt["type"]
         if kind == "json_object":
             sources.append(("response_format", {"json_object": True}))
         elif kind == "json_schema":

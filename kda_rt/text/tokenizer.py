@@ -164,6 +164,11 @@ class Tokenizer:
         """Token ids of text; special-token strings are ordinary text unless allow_special."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:  # (tiktoken would encode a lone surrogate as U+FFFD; the server's JSON decoder refuses it)
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text holds a lone surrogate {text[exc.start]!r} at index {exc.start}: not valid "
+                             "Unicode") from None
         ids: list[int] = []
         for piece in _split_for_bpe(text):
             if allow_special:

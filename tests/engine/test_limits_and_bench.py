@@ -38,10 +38,11 @@ def test_bad_requests_leave_others_running(llm):
         ({"prompt_token_ids": []}, greedy(1), "empty"),
         ({"prompt_token_ids": [5, 512]}, greedy(1), r"512 is outside the vocabulary \[0, 512\)"),
         ({"prompt_token_ids": [-1]}, greedy(1), "outside the vocabulary"),
-        ({"prompt_token_ids": [True]}, greedy(1), "outside the vocabulary"),
-        ({"prompt_token_ids": [5, True, 6]}, greedy(1), r"id True is outside"),  # (numpy would make it 1)
+        ({"prompt_token_ids": [True]}, greedy(1), r"must be ints; item 0 is True \(bool\)"),
+        ({"prompt_token_ids": [5, True, 6]}, greedy(1), r"item 1 is True \(bool\)"),  # (numpy would make it 1)
         ({"prompt_token_ids": [5, 2**70]}, greedy(1), r"id 1180591620717411303424 is outside"),  # past int64
-        ({"prompt_token_ids": [5, 6.0]}, greedy(1), r"id 6.0 is outside"),
+        ({"prompt_token_ids": [5, 6.0]}, greedy(1), r"item 1 is 6.0 \(float\)"),
+        ({"prompt_token_ids": [[5, 6]]}, greedy(1), r"item 0 is \[5, 6\] \(list\)"),  # (was: "id [5, 6] is outside")
         ({"prompt_token_ids": [5, -3, 7]}, greedy(1), r"id -3 is outside"),
         ("text prompt", greedy(1), "no tokenizer"),
         ({"prompt_token_ids": [5]}, greedy(1), "already in use"),

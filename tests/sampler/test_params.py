@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from kda_rt import SamplingParams
@@ -47,3 +48,17 @@ def test_int32_edges_accepted():
     read as its id, as JSON sends them."""
     p = SamplingParams(top_k=2**31 - 1, stop_token_ids=[2**31 - 1], logit_bias={"2147483647": 1.0, "7": -1.0})
     assert p.logit_bias == {2**31 - 1: 1.0, 7: -1.0}
+
+
+def test_huge_temperature_casts_without_overflow():
+    """A temperature past float32's range (vLLM takes any non-negative value) is clipped to float32's largest as the
+    batch's device array is built: sampling is uniform either way, and no 'overflow in cast' warning is raised."""
+    import warnings
+
+    from kda_rt.sampler.batch import SamplingBatch
+
+    params = [SamplingParams(temperature=1e308), SamplingParams(temperature=0.7)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = SamplingBatch.build(((p, 1, [1, 2], []) for p in params), [0])
+    assert batch.temperature[0] == np.finfo(np.float32).max and batch.temperature[1] == np.float32(0.7)

@@ -50,6 +50,7 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "logit_bias": {"99999": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"json_schema": {"schema": {}}}}, "response_format.type is required"),
     ({"prompt": "x", "response_format": {"type": "json_schema",
                                          "json_schema": {"name": "s", "schema": {"type": "foo"}}}},
      "response_format.json_schema.schema"),
@@ -63,8 +64,9 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format, guided_regex"),
 ], ids=["type", "range", "n", "max_tokens", "seed", "known-field-bad-value", "nested-bad-value", "mixed-prompt",
         "token-id", "empty", "empty-in-batch", "logit-bias-range", "logit-bias-key", "logit-bias-vocab",
-        "logit-bias-count", "response-format-type", "json-schema-invalid", "json-schema-missing", "guided-regex",
-        "guided-choice-empty", "grammar-invalid", "two-kinds", "unknown-kind", "two-sources"])
+        "logit-bias-count", "response-format-type", "response-format-no-type", "json-schema-invalid",
+        "json-schema-missing", "guided-regex", "guided-choice-empty", "grammar-invalid", "two-kinds", "unknown-kind",
+        "two-sources"])
 def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 

@@ -58,6 +58,14 @@ def test_special_strings_are_text_by_default(demo_tok, special):
     assert demo_tok.decode(control) == text
 
 
+@pytest.mark.parametrize(("text", "index"), [("a\ud800b", 1), ("\udfff", 0), ("ok " * 3 + "\udc80", 9)])
+def test_lone_surrogates_are_refused(demo_tok, text, index):
+    """A str holding a lone surrogate is no Unicode text: a ValueError naming it and its index (tiktoken encoded it
+    as U+FFFD, silently; the server's JSON decoder refuses it with a 400)."""
+    with pytest.raises(ValueError, match=f"lone surrogate .* at index {index}"):
+        demo_tok.encode(text)
+
+
 def test_decode_skip_special_and_errors(demo_tok):
     ids = [778, *demo_tok.encode("hi"), 770]
     assert demo_tok.decode(ids) == "<|im_system|>hi<|im_end|>"
