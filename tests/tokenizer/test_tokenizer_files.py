@@ -26,8 +26,10 @@ def _set_rank_lines(model_dir, edit):
     (lambda lines: lines.pop(5), r"rank 5 is missing"),
     (lambda lines: lines.clear(), "no tokens"),
     (lambda lines: lines.__setitem__(2, "Ag== " + "9" * 5000), r"tiktoken\.model:3: expected"),  # issue 10 #11
+    # a truncated file: its ranks are whole, so the specials' ids are what no longer fits (named with the cause)
+    (lambda lines: lines.__delitem__(slice(100, None)), r"follows tiktoken\.model's 100 ranks \(is that file complete"),
 ], ids=["one-field", "rank-not-int", "bad-char", "bad-padding", "dup-rank", "dup-token",
-        "gap", "empty", "5000-digit-rank"])
+        "gap", "empty", "5000-digit-rank", "truncated"])
 def test_bad_rank_file(model_dir, edit, match):
     _set_rank_lines(model_dir, edit)
     with pytest.raises(TokenizerError, match=match):
