@@ -215,6 +215,8 @@ class LLM:
         """
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
+        if stream and use_tqdm:  # (was: the bar silently left out)
+            raise ValueError("use_tqdm shows finished requests of a non-streaming call; it does not go with stream")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):

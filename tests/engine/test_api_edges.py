@@ -110,8 +110,8 @@ def test_vllm_constructor_words():
 
 
 def test_vllm_generate_and_chat_words(capsys):
-    """A flat list of token ids is one prompt (vLLM); use_tqdm draws a bar on stderr and changes nothing else;
-    lora_request other than None is refused; chat(continue_final_message=True) continues the last message."""
+    """A flat list of token ids is one prompt (vLLM); use_tqdm draws a bar on stderr and changes nothing else (and is
+    refused with stream); lora_request other than None is refused; chat(continue_final_message=True) continues the last message."""
     llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     ids = [5, 6, 7]
@@ -124,6 +124,9 @@ def test_vllm_generate_and_chat_words(capsys):
     assert [o.outputs[0].token_ids for o in barred] == [o.outputs[0].token_ids for o in llm.generate(["a", "b"], greedy)]
     with pytest.raises(ValueError, match="LoRA"):
         llm.generate("a", greedy, lora_request=object())
+    with pytest.raises(ValueError, match="use_tqdm .* does not go with stream"):  # (was: no bar, silently)
+        llm.generate("a", greedy, stream=True, use_tqdm=True)
+    assert llm.llm_engine.has_unfinished_requests() is False  # the refusal added nothing
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well"}]
     cont = llm.chat(msgs, greedy, add_generation_prompt=False, continue_final_message=True)[0]
     tok = llm.get_tokenizer()
