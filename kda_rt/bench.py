@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
+from kda_rt.cli import model_dir_problem
 from kda_rt.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -283,6 +284,21 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
     return out
 
 
+def _read_config(path: str) -> dict:
+    """`--config FILE`'s JSON; each failure names the flag and the file."""
+    from kda_rt.demo.presets import PRESETS
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path!r}: no such file, nor a preset ({', '.join(PRESETS)})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too-long ints; deep nesting
+        raise ValueError(f"--config {path!r}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"--config {path!r}: cannot read ({exc.strerror or exc})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -305,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--num-layers must be >= 1 and works with a preset --config only")
     if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
         ap.error(f"--router-bias-std must be a finite number >= 0, got {args.router_bias_std}")
+    if (problem := model_dir_problem(args.model)) is not None:
+        ap.error(problem)
     from kda_rt.demo.presets import PRESETS
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
@@ -317,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.config:
             if args.num_layers is not None:
                 raise ValueError("--num-layers works with a preset --config only")
-            with open(args.config, encoding="utf-8") as fh:
-                model_config = parse_config(json.load(fh), source=args.config)
+            model_config = parse_config(_read_config(args.config), source=args.config)
         else:
             model_config = load_config(args.model)
         t0 = time.perf_counter()

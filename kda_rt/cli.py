@@ -10,9 +10,10 @@ bundled demo checkpoint is used (serve, generate).
 
 from __future__ import annotations
 
+import os
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "model_dir_problem"]
 
 _COMMANDS = {
     "serve": ("kda_rt.server.__main__", "the OpenAI-compatible HTTP server"),
@@ -26,6 +27,15 @@ def _usage() -> str:
     lines += [f"  {name:<9} {doc}" for name, (_, doc) in _COMMANDS.items()]
     lines += ["", "`kda-rt COMMAND --help` lists a command's flags."]
     return "\n".join(lines)
+
+
+def model_dir_problem(path: str | None) -> str | None:
+    """What is wrong with `--model PATH`, checked before anything loads; None when nothing is (or no --model)."""
+    if path is None or os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return f"--model {path!r} is a file, not a checkpoint directory"
+    return f"--model {path!r}: no such directory"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,16 +11,31 @@ import logging
 import sys
 import time
 
+from kda_rt.cli import model_dir_problem
 from kda_rt.engine.config import EngineConfig
 
 __all__ = ["main", "build_parser"]
+
+DEFAULT_PROMPT = "The quick brown fox"
+
+
+def _token_ids(text: str) -> list[int]:
+    """`--prompt-token-ids 1,2,3` -> [1, 2, 3]; an empty list or item is an error, not a dropped id."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("no token ids given (comma-separated integers >= 0, e.g. 1,2,3)")
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        if not (item.isascii() and item.isdigit()):  # no sign, no empty item
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not a token id "
+                                             "(comma-separated integers >= 0, e.g. 1,2,3)")
+    return [int(item) for item in items]
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kda_rt.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the bundled tiny demo checkpoint)")
-    ap.add_argument("--prompt", default="The quick brown fox", help="prompt text")
-    ap.add_argument("--prompt-token-ids", default=None,
+    ap.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    ap.add_argument("--prompt-token-ids", type=_token_ids, default=None,
                     help="comma-separated prompt token ids instead of --prompt (checkpoints without tokenizer files)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     ap.add_argument("--system", default=None, help="system message for --chat")
@@ -38,11 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.prompt_token_ids is not None and (args.chat or args.prompt is not None):
+        ap.error(f"--prompt-token-ids does not go with {'--chat' if args.chat else '--prompt'} "
+                 "(the ids are the whole prompt)")
+    if args.system is not None and not args.chat:
+        ap.error("--system needs --chat")
+    if (problem := model_dir_problem(args.model)) is not None:
+        ap.error(problem)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from kda_rt import LLM, SamplingParams
     from kda_rt.demo import demo_path
 
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     model = args.model
     if model is None:
         model = str(demo_path())
@@ -57,16 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            messages.append({"role": "user", "content": args.prompt})
+            messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+            messages.append({"role": "user", "content": prompt})
             out = llm.chat(messages, params)[0]
-        elif args.prompt_token_ids:
-            ids = [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
-            out = llm.generate({"prompt_token_ids": ids}, params)[0]
+        elif args.prompt_token_ids is not None:
+            out = llm.generate({"prompt_token_ids": args.prompt_token_ids}, params)[0]
         elif llm.get_tokenizer() is None:
             raise ValueError(f"{model} has no tokenizer files: pass --prompt-token-ids 1,2,3")
         else:
-            out = llm.generate(args.prompt, params)[0]
+            out = llm.generate(prompt, params)[0]
         dt = time.perf_counter() - t0
     except (ValueError, FileNotFoundError, RuntimeError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -138,7 +138,12 @@ class LLM:
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size!r}: only 1 GPU is supported")
 
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a checkpoint directory's path (str or os.PathLike), got "
+                            f"{type(model).__name__}")
         model_dir = os.fspath(model)
+        if os.path.isfile(model_dir):
+            raise FileNotFoundError(f"model {model_dir!r} is a file, not a checkpoint directory")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         engine_config = EngineConfig.from_kwargs(backend=backend, **settings)

@@ -103,5 +103,57 @@ def test_serve_flag_bounds(capsys, argv, needle):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--chat", "--prompt-token-ids", "1,2"], "--prompt-token-ids does not go with --chat"),
+    (["--prompt", "hi", "--prompt-token-ids", "1,2"], "--prompt-token-ids does not go with --prompt"),
+    (["--system", "hi"], "--system needs --chat"),
+    (["--prompt-token-ids", ""], "argument --prompt-token-ids: no token ids given"),
+    (["--prompt-token-ids", "1,x"], "argument --prompt-token-ids: 'x' in '1,x' is not a token id"),
+    (["--prompt-token-ids", "1,,2"], "argument --prompt-token-ids: '' in '1,,2' is not a token id"),
+    (["--model", "{file}"], "--model '{file}' is a file, not a checkpoint directory"),
+    (["--model", "{file}/nope"], "--model '{file}/nope': no such directory"),
+], ids=["chat-and-ids", "prompt-and-ids", "system-without-chat", "ids-empty", "ids-not-int", "ids-empty-item",
+        "model-file", "model-missing"])
+def test_generate_bad_flags_named(capsys, tmp_path, argv, needle):
+    """Refused by name before the model loads (was: --chat chatted the default prompt and ignored the ids, --system
+    without --chat was ignored, --prompt-token-ids '' ran the default text prompt, 1,x gave "invalid literal for
+    int() with base 10: 'x'", 1,,2 dropped an id)."""
+    from kda_rt.generate import main
+
+    file = tmp_path / "config.json"
+    file.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(file=file) for a in argv])
+    assert exc.value.code == 2 and needle.format(file=file) in capsys.readouterr().err
+
+
+def test_bench_model_file_named(capsys, tmp_path):
+    """Was: '.../config.json: cannot read (Not a directory)' for --model naming a file."""
+    from kda_rt.bench import main
+
+    file = tmp_path / "passwd"
+    file.write_text("root:x:0:0\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(file)])
+    assert exc.value.code == 2 and f"--model '{file}' is a file, not a checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("{bad", "not valid JSON (Expecting property name"), ("[" * 100_000, "not valid JSON (maximum recursion"),
+    (b"\xff\xfe", "not valid JSON ('utf-8' codec"), (None, "no such file, nor a preset (kimi-linear-48b-a3b)"),
+], ids=["malformed", "deep", "not-utf8", "missing"])
+def test_bench_config_file_named(capsys, tmp_path, text, needle):
+    """Was: "error: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)", no file named."""
+    from kda_rt.bench import main
+
+    path = tmp_path / "bad.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    assert main(["--config", str(path), "--random-weights"]) == 2
+    assert f"error: --config '{path}': {needle}" in capsys.readouterr().err
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))

@@ -16,12 +16,15 @@ import logging
 import math
 import os
 import signal
+import socket
+import ssl
 import sys
 import time
 
 import uvicorn
 
 from kda_rt import env
+from kda_rt.cli import model_dir_problem
 from kda_rt.engine.config import SERVER_BATCHED_TOKENS, EngineConfig
 from kda_rt.log import configure as configure_logging
 
@@ -61,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
     ap.add_argument("--api-key", default=env.api_key(),
                     help="require 'Authorization: Bearer KEY' on /v1 routes "
-                         "(default: $KDA_RT_API_KEY, else $VLLM_API_KEY)")
+                         "(default: $KDA_RT_API_KEY, else $VLLM_API_KEY; an empty variable counts as unset, as in "
+                         "vLLM, while an empty --api-key is refused)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run after SIGTERM before they are aborted")
     ap.add_argument("--engine-timeout", type=float, default=60.0,
@@ -179,6 +183,41 @@ class _Server(uvicorn.Server):
         pass
 
 
+def _host_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on `--host` (an empty host would mean every interface to asyncio), or None."""
+    if not host.strip():
+        return "--host is empty (0.0.0.0 listens on every interface)"
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"--host {host!r}: cannot resolve it ({getattr(exc, 'strerror', None) or exc})"
+    return None
+
+
+def _ssl_problem(certfile: str, keyfile: str) -> str | None:
+    """Why uvicorn could not load the HTTPS certificate and key, or None.  An encrypted key is left to uvicorn
+    (OpenSSL asks for its pass phrase)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cafile=certfile)  # the certificate alone first, to name the file at fault
+    except ssl.SSLError:
+        return f"--ssl-certfile {certfile!r}: not a PEM certificate"
+    except OSError as exc:
+        return f"--ssl-certfile {certfile!r}: cannot read ({exc.strerror or exc})"
+    encrypted: list[bool] = []
+    try:
+        context.load_cert_chain(certfile, keyfile, password=lambda: encrypted.append(True) or b"")
+    except ssl.SSLError as exc:
+        if encrypted:
+            return None
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            return f"--ssl-keyfile {keyfile!r} is not the key of --ssl-certfile {certfile!r}"
+        return f"--ssl-keyfile {keyfile!r}: not a PEM private key"
+    except OSError as exc:
+        return f"--ssl-keyfile {keyfile!r}: cannot read ({exc.strerror or exc})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -208,6 +247,17 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not os.path.isfile(path):
             print(f"error: {flag} {path!r}: no such file", file=sys.stderr)
             return 2
+    if args.api_key == "":  # (an empty $KDA_RT_API_KEY is None already: env.api_key)
+        print("error: --api-key is empty (leave it out to serve without a key)", file=sys.stderr)
+        return 2
+    if args.served_model_name and not all(name.strip() for name in args.served_model_name):
+        print(f"error: --served-model-name: an empty name in {args.served_model_name}", file=sys.stderr)
+        return 2
+    problem = (model_dir_problem(args.model) or _host_problem(args.host, args.port)
+               or (_ssl_problem(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile is not None else None))
+    if problem is not None:  # checked before the model loads, which can take minutes
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.allow_credentials and "*" in (args.allowed_origins or []):
         print("error: --allow-credentials needs the origins named in --allowed-origins (with '*' any web page could "
               "make credentialed calls)", file=sys.stderr)

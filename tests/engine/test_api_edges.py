@@ -274,3 +274,15 @@ def test_generation_config_max_tokens_fits_the_context(tmp_path):
     assert len(llm.chat([{"role": "user", "content": "hi"}])[0].outputs[0].token_ids) <= 64
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1000))
+
+
+def test_model_argument_names_what_is_wrong(tmp_path):
+    """LLM(model): a non-path is a TypeError naming the parameter (was: os.fspath's message), a file is not a
+    directory (was: 'does not exist'), a missing path does not exist."""
+    with pytest.raises(TypeError, match=r"model must be a checkpoint directory's path .* got int"):
+        LLM(5)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a checkpoint directory"):
+        LLM(str(tmp_path / "f"))
+    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+        LLM(str(tmp_path / "missing"))
