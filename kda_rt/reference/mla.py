@@ -88,10 +88,11 @@ def _attend_expanded(q: np.ndarray, cached: np.ndarray, w_uk: np.ndarray, w_uv: 
     out = np.empty((n, cfg.num_heads, cfg.v_head_dim), dtype=q.dtype)
     for lo in range(0, n, _QUERY_BLOCK):
         hi = min(n, lo + _QUERY_BLOCK)
-        scores = (q_nope[:, lo:hi] @ k_nope.transpose(0, 2, 1) + q_pe[:, lo:hi] @ k_pe.T) * scale  # [H, Q, L]
+        keys = min(L, start + hi)  # the block's last query sees rows 0 .. start + hi - 1: later rows weigh 0
+        scores = (q_nope[:, lo:hi] @ k_nope[:, :keys].transpose(0, 2, 1) + q_pe[:, lo:hi] @ k_pe[:keys].T) * scale
         qpos = start + np.arange(lo, hi)[:, None]  # [Q, 1]
-        scores = np.where(np.arange(L)[None, :] <= qpos, scores, -np.inf)
-        out[lo:hi] = (_softmax(scores) @ v).transpose(1, 0, 2)  # [Q, H, Dv]
+        scores = np.where(np.arange(keys)[None, :] <= qpos, scores, -np.inf)  # [H, Q, keys]
+        out[lo:hi] = (_softmax(scores) @ v[:, :keys]).transpose(1, 0, 2)  # [Q, H, Dv]
     return out
 
 
