@@ -52,7 +52,7 @@ def random_weights(config: ModelConfig, seed: int = 0, *, router_bias_std: float
     seconds; the device still gets a separate copy of each, so the bytes every step moves are
     unchanged.  Router weights and correction biases are always drawn per layer, so routing
     follows the data (biases of std `router_bias_std`, small as in a trained model)."""
-    from kda_rt.loader.weights import MATMUL_KINDS, ROUTER_BIAS, expected_tensors
+    from kda_rt.loader.weights import MATMUL_KINDS, ROUTER, ROUTER_BIAS, expected_tensors
     from kda_rt.random_checkpoint import random_tensor
 
     stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(config.dtype, np.float32)
@@ -66,7 +66,7 @@ def random_weights(config: ModelConfig, seed: int = 0, *, router_bias_std: float
     out = {}
     for name, (shape, kind) in tensors.items():
         key = (tuple(shape), kind, np.dtype(dtype_of[name]).str)
-        per_layer = kind == ROUTER_BIAS or name.endswith(".gate.weight")  # the router
+        per_layer = kind in (ROUTER, ROUTER_BIAS)
         if share and not per_layer and key in cache:
             out[name] = cache[key]
             continue

@@ -29,13 +29,14 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def model_dir_problem(path: str | None) -> str | None:
-    """What is wrong with `--model PATH`, checked before anything loads; None when nothing is (or no --model)."""
+def model_dir_problem(path: str | None, name: str = "--model") -> str | None:
+    """What is wrong with a checkpoint directory's path (`name`: the flag or parameter that gave it), checked before
+    anything loads; None when nothing is (or no path).  `LLM(model)` and the CLIs' --model share it."""
     if path is None or os.path.isdir(path):
         return None
     if os.path.exists(path):
-        return f"--model {path!r} is a file, not a checkpoint directory"
-    return f"--model {path!r}: no such directory"
+        return f"{name} {path!r} is a file, not a checkpoint directory"
+    return f"{name} {path!r}: no such directory"
 
 
 def main(argv: list[str] | None = None) -> int:

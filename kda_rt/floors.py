@@ -51,7 +51,7 @@ def _weight_split(config: ModelConfig, quantization: str | None = None) -> dict[
     the routed experts and the embedding table are left out (`weight_bytes` has them).  Matmuls are
     stored in the config's dtype, routers and small tensors in fp32 (as cuda/weights.py uploads them); with
     quantization "fp8" a shared expert of the experts' width in e4m3 (a byte a weight, an fp32 scale a row)."""
-    from kda_rt.loader.weights import MATMUL_KINDS, expected_tensors
+    from kda_rt.loader.weights import MATMUL_KINDS, ROUTER, expected_tensors
 
     stored = 4 if config.dtype == "float32" else 2
     out = {k: [0, 0] for k in ("kda", "mla", "dense", "router", "shared", "lm_head", "norm", "other")}
@@ -59,7 +59,7 @@ def _weight_split(config: ModelConfig, quantization: str | None = None) -> dict[
         if _EXPERT in name or (name == "model.embed_tokens.weight" and not config.tie_word_embeddings):
             continue
         n = int(np.prod(shape))
-        size = 4 if name.endswith(".gate.weight") or kind not in MATMUL_KINDS else stored
+        size = 4 if kind == ROUTER or kind not in MATMUL_KINDS else stored
         if name in ("lm_head.weight", "model.embed_tokens.weight"):  # the embedding only when tied
             key = "lm_head"
         elif "layernorm" in name or name == "model.norm.weight":

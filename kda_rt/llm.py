@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kda_rt.cli import model_dir_problem
 from kda_rt.engine import EngineConfig, LLMEngine
 from kda_rt.engine.config import offline_batched_tokens
 from kda_rt.engine.postprocess import DeltaTracker
@@ -142,10 +143,8 @@ class LLM:
             raise TypeError(f"model must be a checkpoint directory's path (str or os.PathLike), got "
                             f"{type(model).__name__}")
         model_dir = os.fspath(model)
-        if os.path.isfile(model_dir):
-            raise FileNotFoundError(f"model {model_dir!r} is a file, not a checkpoint directory")
-        if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        if (problem := model_dir_problem(model_dir, "model")) is not None:
+            raise FileNotFoundError(problem)
         engine_config = EngineConfig.from_kwargs(backend=backend, **settings)
         self.model_config = load_config(model_dir)
         gen, gen_path = _generation_config(model_dir)

@@ -216,9 +216,6 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     bad = next((i for i in eos_ids if not 0 <= i < vocab_size), None)
     if bad is not None:  # generation could never stop on it
         raise ConfigError(f"{source}: field 'eos_token_id' holds {bad}, outside the vocabulary [0, {vocab_size})")
-    bos = f.get("bos_token_id", int, None)
-    if bos is not None and not 0 <= bos < vocab_size:
-        raise ConfigError(f"{source}: field 'bos_token_id' is {bos}, outside the vocabulary [0, {vocab_size})")
     eps = f.get("rms_norm_eps", float, positive=True)
     if eps > 1.0:  # (1e300 loaded and zeroed every norm's output: greedy decoding gave token 0 forever)
         raise ConfigError(f"{source}: field 'rms_norm_eps' is {eps!r}: a variance epsilon (1e-5 or 1e-6 in Kimi Linear) "
@@ -235,7 +232,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         mla=mla,
         moe=moe,
         tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
-        bos_token_id=bos,
+        bos_token_id=f.get("bos_token_id", int, None),
         eos_token_ids=eos_ids,
         pad_token_id=f.get("pad_token_id", int, None),
         max_model_len=f.get("model_max_length", int, 1048576, positive=True),

@@ -37,16 +37,17 @@ if TYPE_CHECKING:
     from .config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
 
 __all__ = [
-    "A_LOG", "CONV", "DT_BIAS", "EMBEDDING", "MATMUL", "MATMUL_KINDS", "NORM", "ROUTER_BIAS", "KDAWeights",
+    "A_LOG", "CONV", "DT_BIAS", "EMBEDDING", "MATMUL", "MATMUL_KINDS", "NORM", "ROUTER", "ROUTER_BIAS", "KDAWeights",
     "LayerWeights", "MLAWeights", "MLPWeights", "ModelWeights", "MoEWeights", "Reader", "Stack", "expected_tensors",
     "read_weights", "transformers_to_hub",
 ]
 
-# tensor kinds: the first two are large and stay memory-mapped in their stored dtype; the rest are
-# small and come back as float32
-EMBEDDING, MATMUL = "embedding", "matmul"
+# tensor kinds: the first three are matmul weights that stay memory-mapped in their stored dtype (ROUTER, the MoE
+# router's [E, D], apart because the loader reads its values: a NaN there hides an expert); the rest are small and
+# come back as float32
+EMBEDDING, MATMUL, ROUTER = "embedding", "matmul", "router"
 NORM, CONV, A_LOG, DT_BIAS, ROUTER_BIAS = "norm", "conv", "a_log", "dt_bias", "router_bias"
-MATMUL_KINDS = (EMBEDDING, MATMUL)
+MATMUL_KINDS = (EMBEDDING, MATMUL, ROUTER)
 
 Shape = tuple[int, ...]
 Array = Any  # a host np.ndarray (a placeholder None while `expected_tensors` walks the schema)
@@ -209,7 +210,7 @@ class MoEWeights:
     def read(cls, get: Reader, cfg: MoEConfig, D: int) -> MoEWeights:
         E, M = cfg.num_experts, cfg.intermediate_size
         return cls(
-            gate=get("gate.weight", (E, D)),
+            gate=get("gate.weight", (E, D), ROUTER),
             e_score_correction_bias=get("gate.e_score_correction_bias", (E,), ROUTER_BIAS),
             experts=[MLPWeights.read(get.sub(f"experts.{e}."), D, M, _EXPERT_STEMS) for e in range(E)],
             shared=(MLPWeights.read(get.sub("shared_experts."), D, M * cfg.num_shared_experts)

@@ -27,6 +27,7 @@ from .schema import (  # re-exported
     MATMUL,
     MATMUL_KINDS,
     NORM,
+    ROUTER,
     ROUTER_BIAS,
     expected_tensors,
     transformers_to_hub,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from .config import ModelConfig
 
 __all__ = [
-    "A_LOG", "CONV", "DT_BIAS", "EMBEDDING", "INDEX_FILE", "MATMUL", "MATMUL_KINDS", "NORM", "ROUTER_BIAS",
+    "A_LOG", "CONV", "DT_BIAS", "EMBEDDING", "INDEX_FILE", "MATMUL", "MATMUL_KINDS", "NORM", "ROUTER", "ROUTER_BIAS",
     "SINGLE_FILE", "expected_tensors", "load_checkpoint",
 ]
 
@@ -50,7 +51,6 @@ _FLOAT_DTYPES = tuple(DTYPES[c] for c in ("BF16", "F16", "F32", "F64", "F8_E4M3"
 # exp(A_log) is a KDA head's decay rate (1 .. 16 at fla's initialisation); past e^30 every token's gate already
 # clears the state, and far past it (e^88.7) float32 overflows: the gates become -inf or NaN
 A_LOG_MAX = 30.0
-_ROUTER_SUFFIX = ".block_sparse_moe.gate.weight"  # a matmul weight, but NaN there hides an expert (argsort, top-k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def load_checkpoint(
                 if arr.dtype not in _MATMUL_DTYPES:
                     raise CheckpointError(f"{where}: dtype {arr.dtype} for a {kind} weight (want bf16, f16 or f32)")
                 out[name] = arr
-                if name.endswith(_ROUTER_SUFFIX):
+                if kind == ROUTER:  # (NaN there hides an expert from the top-k: read it, a few MB)
                     _check_values(where, arr.astype(np.float32), kind)
             else:
                 if arr.dtype not in _FLOAT_DTYPES:

@@ -81,8 +81,10 @@ def special_tokens(config: Mapping[str, Any], where: str, num_base: int) -> dict
             raise TokenizerError(f"{field}: key must be a token id")
         token_id = int(key)
         if not num_base <= token_id < num_base + NUM_SPECIAL_TOKENS:
-            raise TokenizerError(f"{field}: id outside the special range [{num_base}, {num_base + NUM_SPECIAL_TOKENS}), "
-                                 f"which follows tiktoken.model's {num_base} ranks (is that file complete?)")
+            hint = (f", which follows tiktoken.model's {num_base} ranks (is that file complete?)"
+                    if token_id >= num_base + NUM_SPECIAL_TOKENS else "")
+            raise TokenizerError(f"{field}: id outside the special range [{num_base}, "
+                                 f"{num_base + NUM_SPECIAL_TOKENS}){hint}")
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, str) or not content:
             raise TokenizerError(f"{field}: needs a non-empty string 'content'")

@@ -278,11 +278,11 @@ def test_generation_config_max_tokens_fits_the_context(tmp_path):
 
 def test_model_argument_names_what_is_wrong(tmp_path):
     """LLM(model): a non-path is a TypeError naming the parameter (was: os.fspath's message), a file is not a
-    directory (was: 'does not exist'), a missing path does not exist."""
+    directory (was: 'does not exist'), a missing path is no such directory (the CLIs' --model words)."""
     with pytest.raises(TypeError, match=r"model must be a checkpoint directory's path .* got int"):
         LLM(5)
     (tmp_path / "f").write_text("x")
     with pytest.raises(FileNotFoundError, match=r"is a file, not a checkpoint directory"):
         LLM(str(tmp_path / "f"))
-    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"model '.*missing': no such directory"):
         LLM(str(tmp_path / "missing"))

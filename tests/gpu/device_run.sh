@@ -7,12 +7,14 @@
 # PART=3 (the slow 48B-shaped test alone); unset: all of it.  pytest's 40 slowest tests (--durations) are in
 # $OUT/pytest_gpu.txt: where the GPU suite's time goes (NVRTC builds, host references, the GPU), to make it fit.
 # Two ways to make it shorter, both optional:
-# - the kernel cache: the run leaves $OUT/kcache.tar.xz (the cubins it built or found, when under 15 MiB); copy it
-#   to .kcache/ (git-ignored) and carry ".kcache": a later call (or session) loads every kernel whose source,
-#   headers, options, arch and NVRTC version are unchanged instead of compiling it (the cache is keyed by all of them).
-# - XDIST=N runs the non-slow tests in N pytest-xdist processes (--dist loadfile: a file's tests in one process);
-#   needs pytest-xdist and execnet wheels in .whl/extra/ (`pip download --no-deps -d .whl/extra pytest-xdist execnet`).
-#   Not yet tried on the device (2026-12-03): a test that sizes its pools from the whole GPU's memory may then not fit.
+# - the kernel cache: the run leaves $OUT/kcache.tar.xz (the cubins it built or loaded, when under 15 MiB;
+#   tests/gpu/kcache.py); copy it to .kcache/ (git-ignored) and carry ".kcache": a later call (or session) loads every
+#   kernel whose source, headers, options, arch and NVRTC version are unchanged instead of compiling it (the cache is
+#   keyed by all of them).
+# - XDIST=N runs the non-slow tests in N pytest-xdist processes (--dist loadfile: a file's tests in one process;
+#   pytest-xdist is on the device image).  Not yet tried on the device (2026-12-03); the kernel-builds summary line
+#   then counts only the main process (the workers build).
+# The exit status is the tests' (the first failing pytest's), not the cache's.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i "running pip as" | tail -5
@@ -24,14 +26,15 @@ if ls .whl/extra/*.whl > /dev/null 2>&1; then
 fi
 export KDA_RT_CACHE_DIR=${KDA_RT_CACHE_DIR:-$HOME/.cache/kda_rt}
 if [ -f .kcache/kcache.tar.xz ]; then
-  mkdir -p "$KDA_RT_CACHE_DIR" && tar -xJf .kcache/kcache.tar.xz -C "$KDA_RT_CACHE_DIR" \
-    && echo "kernel cache: $(ls "$KDA_RT_CACHE_DIR" | grep -c '\.cubin$') cubins from .kcache/kcache.tar.xz"
+  python tests/gpu/kcache.py unpack .kcache/kcache.tar.xz "$KDA_RT_CACHE_DIR"
 fi
+touch /tmp/kcache.stamp  # cubins touched after this were used by this run (compile_cubin touches a cache hit)
 xdist=""
 if [ -n "${XDIST:-}" ]; then
   if python -c "import xdist" 2> /dev/null; then xdist="-n $XDIST --dist loadfile"
-  else echo "device_run.sh: XDIST=$XDIST but pytest-xdist is not importable (put its wheels in .whl/extra/): serial run"; fi
+  else echo "device_run.sh: XDIST=$XDIST but pytest-xdist is not importable: a serial run"; fi
 fi
+rc=0
 kernels=$(ls tests/kernels/test_*.py | sort)
 case "${PART:-all}" in
   1) targets="tests/engine tests/gpu $(echo "$kernels" | awk '$0 <= "tests/kernels/test_mla_store.py"')" ;;
@@ -48,13 +51,14 @@ fi
 if [ -n "$targets" ]; then
   # shellcheck disable=SC2086
   python -m pytest -q -m "gpu and not slow" $targets -p no:cacheprovider -rs --durations=40 $xdist ${PYTEST_ARGS:-} 2>&1 | tee $OUT/pytest_gpu.txt | tail -40
+  rc=$?
 fi
 if [ -n "${CK:-}" ]; then
   wait $CK
   KDA_RT_TEST_48B_DIR=/tmp/k48 python -m pytest -q -m "gpu and slow" tests -s -p no:cacheprovider 2>&1 | tee $OUT/pytest_48b.txt | tail -12
+  status=$?
+  [ "$rc" -ne 0 ] || rc=$status
 fi
 # the cubins for the next call (carry ".kcache" with this file in .kcache/)
-(cd "$KDA_RT_CACHE_DIR" 2> /dev/null && tar -cf - . | xz -T0 > /tmp/kcache.tar.xz \
-  && size=$(stat -c %s /tmp/kcache.tar.xz) \
-  && if [ "$size" -lt $((15 * 1024 * 1024)) ]; then cp /tmp/kcache.tar.xz "$OUT/"; echo "kernel cache: $(ls | grep -c '\.cubin$') cubins, $size bytes -> \$OUT/kcache.tar.xz"
-     else echo "kernel cache: $size bytes compressed, over the 15 MiB a returned file may have: not returned"; fi)
+python tests/gpu/kcache.py pack "$KDA_RT_CACHE_DIR" "$OUT/kcache.tar.xz" /tmp/kcache.stamp $((15 * 1024 * 1024))
+exit $rc

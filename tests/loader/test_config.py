@@ -78,12 +78,10 @@ def test_transformers_layout_equals_hub_layout():
         (lambda r: r.update(num_expert_group=3), "num_expert_group"),
         (lambda r: r.update(rms_norm_eps=1e300), "rms_norm_eps"),
         (lambda r: r.update(rms_norm_eps=0.0), "rms_norm_eps"),
-        (lambda r: r.update(bos_token_id=163840), "bos_token_id"),
-        (lambda r: r.update(bos_token_id=-1), "bos_token_id"),
     ],
     ids=["no-hidden", "no-vocab", "no-kda-list", "no-experts", "no-kv-rank", "alias-conflict", "layer-types-conflict",
          "layer-out-of-range", "layer-twice", "wrong-type", "topk-gt-experts", "q-lora", "rope", "softmax-router",
-         "mlp-types-conflict", "groups-not-dividing", "eps-huge", "eps-zero", "bos-past-vocab", "bos-negative"],
+         "mlp-types-conflict", "groups-not-dividing", "eps-huge", "eps-zero"],
 )
 def test_bad_config_names_the_field(mutate, field):
     raw = copy.deepcopy(HUB)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helpers.server import ServerProc
+from helpers.server import ServerProc, pid_gone
 
 
 @pytest.fixture(scope="module")
@@ -142,33 +142,34 @@ def test_stopped_engine_is_reported_and_times_out(tmp_path):
     """SIGSTOP the engine (of a server of its own, engine timeout 2 s), then a request must fail within the timeout
     and /health must say 503 while it is pending; after SIGCONT the server is healthy again."""
     srv = ServerProc(tmp_path / "server.log", "--engine-timeout", "2")
-    os.kill(srv.engine_pid, signal.SIGSTOP)
     try:
-        start = time.monotonic()
-        with httpx.Client(timeout=30) as c:
-            import threading
+        os.kill(srv.engine_pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with httpx.Client(timeout=30) as c:
+                import threading
 
-            health: list[int] = []
+                health: list[int] = []
 
-            def probe() -> None:
-                time.sleep(3.5)
-                health.append(c.get(srv.url + "/health").status_code)
+                def probe() -> None:
+                    time.sleep(3.5)
+                    health.append(c.get(srv.url + "/health").status_code)
 
-            t = threading.Thread(target=probe)
-            t.start()
-            r = c.post(srv.url + "/v1/completions", headers=srv.headers,
-                       json={"prompt": "hello", "max_tokens": 4})
-            t.join()
-        assert r.status_code == 503 and "has not answered" in r.json()["error"]["message"], r.text
-        assert time.monotonic() - start < 20
-        assert health == [503]
-    finally:
-        os.kill(srv.engine_pid, signal.SIGCONT)
-    try:
+                t = threading.Thread(target=probe)
+                t.start()
+                r = c.post(srv.url + "/v1/completions", headers=srv.headers,
+                           json={"prompt": "hello", "max_tokens": 4})
+                t.join()
+            assert r.status_code == 503 and "has not answered" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - start < 20
+            assert health == [503]
+        finally:
+            os.kill(srv.engine_pid, signal.SIGCONT)
         time.sleep(0.5)
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
     finally:
         srv.stop()
+    assert pid_gone(srv.engine_pid), "engine process outlived the server"
 
 
 def test_stream_protocol_details(srv):
