@@ -11,7 +11,8 @@
   `get_kernel(..., max_dynamic_smem=bytes)` does it once per kernel.
 - Disk cache under KDA_RT_CACHE_DIR keyed by sha256 of (this source, every header in
   kernels_cu/, options, arch, NVRTC version), so a stale binary is never used; a msgpack
-  manifest lists what each entry was built from.
+  manifest lists what each entry was built from; a hit refreshes its file's time (what a run used:
+  tests/gpu/device_run.sh returns those for the next device call).
 """
 
 from __future__ import annotations
