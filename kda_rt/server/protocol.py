@@ -35,7 +35,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool = True  # (vLLM: present stream_options send usage unless told not to)
     continuous_usage_stats: bool = False  # usage in every chunk (vLLM)
 
 
@@ -124,10 +124,13 @@ class DetokenizeRequest(msgspec.Struct):
 
 def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[str]]:
     """(request, names of the fields it ignores): unknown top-level fields and unknown
-    `stream_options` fields (as `stream_options.NAME`)."""
+    `stream_options` fields (as `stream_options.NAME`).  A top-level null is the field's default, as vLLM's Optional
+    fields take it (clients send `"n": null`, `"stream": null`)."""
     try:
-        req = msgspec.json.decode(body, type=schema)
         raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        if any(bytes(v) == b"null" for v in raw.values()):
+            body = msgspec.json.encode({k: v for k, v in raw.items() if bytes(v) != b"null"})
+        req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:

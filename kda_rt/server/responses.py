@@ -120,10 +120,15 @@ class Choices(_Shape):
         reason, stop_reason = self.finish[i]
         message: dict[str, Any] = {"role": "assistant", "content": self.text[i]}
         if self.tool_mode is not None:
-            content, calls = parse_tool_calls(self.prefix + self.text[i])
-            calls = calls[:self.tool_mode.get("max_calls") or len(calls)]
+            max_calls = self.tool_mode.get("max_calls")
+            if reason == "length":  # cut, maybe mid-call: the calls as far as they got, as a stream shows them
+                parser = ToolCallStream(max_calls)
+                content, calls = parser.feed(self.prefix + self.text[i], final=True)[0] or None, parser.calls
+            else:
+                content, calls = parse_tool_calls(self.prefix + self.text[i])
+                calls = calls[:max_calls or len(calls)]
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-            if calls and reason in ("stop", "length"):
+            if calls and reason == "stop":  # ("length" stays: the last call may be cut, its arguments not JSON)
                 reason = "tool_calls"
         return {"index": i, "message": message, "logprobs": chat_logprobs(entries) if entries is not None else None,
                 "finish_reason": reason, "stop_reason": stop_reason}
@@ -188,7 +193,7 @@ class StreamChoices(_Shape):
                     calls, self.pending[i] = self.pending[i] + calls, []
                     if calls:
                         delta["tool_calls"] = calls
-                    if parser.calls and reason in ("stop", "length"):
+                    if parser.calls and reason == "stop":  # ("length" stays, as above)
                         reason = "tool_calls"
                 if content or (reason is None and "tool_calls" not in delta):
                     delta = {"content": content, **delta}

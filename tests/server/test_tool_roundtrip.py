@@ -132,6 +132,26 @@ def test_round_trip(stream):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_cut_call_is_length_and_kept(stream):
+    """max_tokens cutting the second call: both modes give the first call whole and the second as far as it got,
+    with finish_reason "length" (was: not streamed, the cut call dropped; streamed, reported as "tool_calls")."""
+    cut = CALL.replace("<|tool_calls_section_end|>", "") + ("<|tool_call_begin|>functions.get_weather:1"
+                                                            '<|tool_call_argument_begin|>{"city":')
+
+    async def run():
+        engine = FakeEngine()
+        engine.script, engine.finish = [cut], "length"
+        client = _client(engine)
+        content, calls, reason = await _turn(client, [dict(m) for m in OPENING], stream)
+        assert (content, reason) == ("I'll check.", "length")
+        assert calls == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                         ("functions.get_weather:1", "get_weather", '{"city":')]
+        await client.close()
+
+    asyncio.run(run())
+
+
 def test_named_function_and_none():
     async def run():
         engine = FakeEngine()
@@ -221,9 +241,9 @@ def test_responses_api_round_trip(stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_responses_api_cut_call_is_incomplete(stream):
-    """max_output_tokens cutting a call: the response is incomplete (chat reports such a choice as "tool_calls"; the
-    Responses layer reads the engine's "length"), and its last item is incomplete while the ones before it are
-    completed; streamed, each item's done events come before the next item opens."""
+    """max_output_tokens cutting a call: the response is incomplete, and its last item (the cut call) is incomplete
+    while the ones before it are completed, streamed or not (was: the cut call dropped when not streamed); streamed,
+    each item's done events come before the next item opens."""
     flat = [{"type": "function", **TOOLS[0]["function"]}]
     cut = ("I'll check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1'
@@ -246,7 +266,8 @@ def test_responses_api_cut_call_is_incomplete(stream):
                              ("response.output_item.added", 2), ("response.output_item.done", 2)]
         assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
         statuses = [o.status for o in resp.output]
-        assert statuses[-1] == "incomplete" and set(statuses[:-1]) == {"completed"}
+        assert statuses == ["completed", "completed", "incomplete"]
+        assert [o.arguments for o in resp.output[1:]] == ['{"city": "Paris"}', '{"city":']
         await client.close()
 
     asyncio.run(run())
