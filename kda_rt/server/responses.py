@@ -37,13 +37,14 @@ def _echo_entries(prompt_entries: list) -> list:
 
 def completion_logprobs(entries: list, offset: int) -> dict[str, list]:
     """The legacy completions `logprobs` object; `offset` = characters of this choice before these tokens.
-    An echoed first prompt token has logprob None and top_logprobs None (no context)."""
+    An echoed first prompt token has logprob None and top_logprobs None (no context).  Each top_logprobs holds the
+    chosen token too, as OpenAI's and vLLM's do (up to logprobs + 1 entries)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, lp, top in entries:
         text = _text(token)
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if top is None else {_text(t): v for t, v in top})
+        out["top_logprobs"].append(None if top is None else {**{_text(t): v for t, v in top}, text: lp})
         out["text_offset"].append(offset)
         offset += len(text)
     return out

@@ -129,7 +129,11 @@ def test_logprobs(client, reference_llm):
     lp = res.choices[0].logprobs
     assert len(lp.tokens) == len(ref.token_ids) == len(lp.token_logprobs)
     assert sum(lp.token_logprobs) == pytest.approx(ref.cumulative_logprob, abs=1e-6)
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert all(len(top) <= 3 for top in lp.top_logprobs)  # the top 2 and the chosen token
+    # the chosen token is in its top_logprobs, as OpenAI's and vLLM's (was: left out when not in the top N)
+    drawn = client.completions.create(model="demo", prompt="Log", max_tokens=6, temperature=1.0, seed=4, logprobs=0)
+    lp0 = drawn.choices[0].logprobs
+    assert lp0.top_logprobs == [{t: v} for t, v in zip(lp0.tokens, lp0.token_logprobs, strict=True)]
     chat = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, temperature=0.0,
                                           logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
