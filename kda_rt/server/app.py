@@ -304,7 +304,9 @@ def build_app(state: ServerState) -> Starlette:
             metrics.rejected()
             if state.log_requests:
                 logger.info("request %s rejected (%d): %s", rid, exc.status, exc.message)
-            return _error(exc.message, exc.status)
+            # (the engine names chat's fields; a Responses client sent its own: max_output_tokens, text.format)
+            message = responses_api.field_names(exc.message) if api == "responses" else exc.message
+            return _error(message, exc.status)
         except (EngineDeadError, EngineTimeoutError) as exc:
             return _error(f"the engine is unavailable: {exc}", 503)
         if state.log_requests:

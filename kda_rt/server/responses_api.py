@@ -177,15 +177,20 @@ _FIELD_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "m
                 ("max_tokens", "max_output_tokens"), (".function.", "."))
 
 
+def field_names(message: str) -> str:
+    """An error message about the chat request, in the Responses request's field names."""
+    for chat, ours in _FIELD_NAMES:
+        message = message.replace(chat, ours)
+    return message
+
+
 def chat_payload(req: ChatCompletionRequest, auto_tools: bool) -> dict[str, Any]:
     """protocol.chat_payload for the chat request of a Responses request; its errors name Responses fields."""
     try:
         return _chat_payload(req, auto_tools)
     except InvalidRequest as exc:
         message = str(exc)
-        for chat, ours in _FIELD_NAMES:
-            message = message.replace(chat, ours)
-        raise InvalidRequest(message) from None
+        raise InvalidRequest(field_names(message)) from None
 
 
 def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:

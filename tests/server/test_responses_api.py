@@ -90,3 +90,14 @@ def test_failed_response_names_the_cause():
     body = response_body("resp-1", 0, "demo", req, text="par", reason="length", usage=None)
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["error"] is None and body["output"][0]["status"] == "incomplete"
+
+
+def test_engine_refusal_names_responses_fields(server):
+    """The engine's refusal of a prompt + max_output_tokens past max_model_len names max_output_tokens, the field the
+    client sent (was: chat's max_tokens)."""
+    from helpers.server import MAX_MODEL_LEN
+
+    r = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=60,
+                   json={"model": "demo", "input": "hi", "max_output_tokens": MAX_MODEL_LEN + 10})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_output_tokens" in message and "max_tokens" not in message, r.text
