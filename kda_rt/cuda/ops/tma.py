@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
-_MAPS: OrderedDict[tuple, tuple] = OrderedDict()  # (address, rows, cols, itemsize, box, stream) -> (device, host)
+_MAPS: OrderedDict[tuple, tuple] = OrderedDict()  # (address, rows, cols, itemsize, box, stream) -> (device, pinned)
 _MAX_MAPS = 512  # (an evicted buffer goes back to CuPy's pool, reused in its stream's order: a kernel queued on it
 #                  before still reads the map)
 _LOCK = threading.Lock()
@@ -118,9 +118,14 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
         if status:
             raise RuntimeError(f"tensor map over {what} {tuple(arr.shape)}: cuTensorMapEncodeTiled returned CUresult "
                                f"{status} (dims {dims}, strides {strides}, box {box})")
-        buf = cupy.empty(128, dtype=np.uint8)
-        buf.set(host, stream=stream)  # in place before the stream's next kernel, no host wait
-        _MAPS[key] = (buf, host)  # (the host bytes kept alive with it)
+        # staged in pinned memory: a copy from pageable memory may wait for the stream (and cannot be captured)
+        pinned = cupy.cuda.alloc_pinned_memory(128)
+        staged = np.frombuffer(pinned, dtype=np.uint8, count=128)
+        staged[:] = host
+        with stream:  # (allocated in the order of the stream that copies it and launches its kernel)
+            buf = cupy.empty(128, dtype=np.uint8)
+        buf.set(staged, stream=stream)  # in place before the stream's next kernel, no host wait
+        _MAPS[key] = (buf, pinned)  # (the pinned bytes kept alive with it: the copy is asynchronous)
         if len(_MAPS) > _MAX_MAPS:
             _MAPS.popitem(last=False)
         return buf
