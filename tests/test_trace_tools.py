@@ -1,4 +1,5 @@
-"""tests/gpu/trace_decode.py's per-kernel "advance" (CPU only: it reads CUPTI kernel records, here made up)."""
+"""Tools of tests/gpu on the CPU: trace_decode.py's per-kernel "advance" (it reads CUPTI kernel records, here made
+up) and kcache.py's kernel-cache round trip."""
 
 from __future__ import annotations
 
@@ -25,3 +26,41 @@ def test_critical_advance_adds_up_to_the_span(trace_decode):
     adv = trace_decode.critical_advance(list(reversed(rep)))  # any order in: sorted by start
     assert adv == {"a": 18.0, "b": 15.0, "c": 0.0, "d": 7.0}
     assert sum(adv.values()) == 40.0  # the span, first start to last end
+
+
+def test_kernel_cache_round_trip(tmp_path, capsys):
+    """tests/gpu/kcache.py (device_run.sh's kernel cache between device calls): pack keeps only the cubins touched
+    after the stamp (built or loaded by this run), and nothing when the archive would pass the limit; unpack takes
+    plain cubins only (no paths, no other files)."""
+    import io
+    import os
+    import tarfile
+
+    path = Path(__file__).resolve().parent / "gpu" / "kcache.py"
+    spec = importlib.util.spec_from_file_location("kcache", path)
+    kcache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kcache)
+    cache, stamp, archive = tmp_path / "cache", tmp_path / "stamp", str(tmp_path / "k.tar.xz")
+    cache.mkdir()
+    (cache / "old.cubin").write_bytes(b"o" * 1000)
+    os.utime(cache / "old.cubin", (1e9, 1e9))
+    stamp.touch()
+    (cache / "used.cubin").write_bytes(os.urandom(4000))
+    (cache / "manifest.msgpack").write_bytes(b"m")
+    kcache.pack(str(cache), archive, str(stamp), 1 << 20)
+    with tarfile.open(archive, "r:xz") as tar:
+        assert tar.getnames() == ["used.cubin"]
+    out = tmp_path / "out"
+    kcache.unpack(archive, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["used.cubin"]
+    assert (out / "used.cubin").read_bytes() == (cache / "used.cubin").read_bytes()
+    os.remove(archive)
+    kcache.pack(str(cache), archive, str(stamp), 100)  # over the limit: no archive at all
+    assert not os.path.exists(archive) and "over 100" in capsys.readouterr().out
+    with tarfile.open(archive, "w:xz") as tar:  # a path outside the cache and a non-cubin are not unpacked
+        for name in ("../evil.cubin", "x.txt", "ok.cubin"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"z"))
+    kcache.unpack(archive, str(tmp_path / "out2"))
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["ok.cubin"] and not (tmp_path / "evil.cubin").exists()
