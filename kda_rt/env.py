@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "pdl", "skinny", "wgmma"]
+__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "pdl", "skinny", "wgmma",
+           "unknown_variables"]
+
+
+@functools.cache
+def _known() -> frozenset[str]:
+    """Every variable this module reads: the KDA_RT_* names its source spells (each is read by name, here only)."""
+    return frozenset(re.findall(r"KDA_RT_[A-Z0-9_]*[A-Z0-9]", Path(__file__).read_text(encoding="utf-8")))
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """KDA_RT_* variables set but read nowhere (a misspelt switch changes nothing, silently: vLLM warns about its
+    own the same way).  KDA_RT_TEST_* belong to the tests."""
+    environ = os.environ if environ is None else environ
+    return sorted(k for k in environ if k.startswith("KDA_RT_") and k not in _known() and not k.startswith("KDA_RT_TEST_"))
 
 
 def cache_dir() -> Path:

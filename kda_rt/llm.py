@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cli import model_dir_problem
 from kda_rt.engine import EngineConfig, LLMEngine
 from kda_rt.engine.config import offline_batched_tokens
@@ -42,6 +43,9 @@ def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], s
     the engine gets the plan's slots and pages, the resolved max_model_len and max_num_seqs."""
     if settings.max_num_batched_tokens is None:
         settings = dataclasses.replace(settings, max_num_batched_tokens=_offline_batched_tokens(settings.backend))
+    if unknown := env.unknown_variables():
+        logger.warning("unknown KDA_RT_* environment variable(s), ignored: %s (kda_rt/env.py lists the known ones)",
+                       ", ".join(unknown))
     runner = make_runner(model_config, weights, settings)
     plan = runner.plan
     settings = dataclasses.replace(settings, max_model_len=plan.max_model_len, max_num_seqs=plan.engine_slots)

@@ -69,3 +69,34 @@ def test_dense_gemv_pre_rejects_bad_values(monkeypatch, value):
     monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", value)
     with pytest.raises(ValueError, match="KDA_RT_DENSE_GEMV_PRE must be"):
         env.dense_gemv_pre(1)
+
+
+def test_unknown_variables_are_named(monkeypatch, caplog):
+    """A KDA_RT_* variable that nothing reads (a misspelt switch) is named in a warning when an engine is built, as
+    vLLM warns about unknown VLLM_* ones; KDA_RT_TEST_* belong to the tests; the known ones pass."""
+    import logging
+
+    from kda_rt import LLM
+    from kda_rt.demo import demo_path
+
+    assert env.unknown_variables({"KDA_RT_MOE_BTMA": "1", "KDA_RT_MOE_B_TMA": "1", "KDA_RT_TEST_48B_DIR": "x",
+                                  "KDA_RT_PDL": "0", "PATH": "/"}) == ["KDA_RT_MOE_BTMA"]
+    monkeypatch.setenv("KDA_RT_SKINY", "0")
+    with caplog.at_level(logging.WARNING, logger="kda_rt.llm"):
+        LLM(str(demo_path()), backend="numpy", max_model_len=32)
+    assert "unknown KDA_RT_* environment variable(s), ignored: KDA_RT_SKINY" in caplog.text
+
+
+def test_scripts_and_readme_name_known_switches():
+    """Every KDA_RT_* name in the GPU scripts (bench_ab.py's --env, the A/B shell scripts) and the README is one the
+    runtime reads: a misspelt switch there would time one build twice.  (Kernel defines and placeholders apart.)"""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    apart = {"KDA_RT_HOPPER", "KDA_RT_KDA", "KDA_RT_X"}  # a kernel define; the KDA_RT_KDA_<NAME> prefix; a placeholder
+    files = [*sorted((root / "tests" / "gpu").glob("*")), root / "README.md", root / "ARCHITECTURE.md"]
+    unknown = {(p.name, n) for p in files if p.is_file()
+               for n in re.findall(r"KDA_RT_[A-Z0-9_]*[A-Z0-9]", p.read_text(errors="replace"))
+               if n not in apart and not n.startswith("KDA_RT_TEST_") and env.unknown_variables({n: ""})}
+    assert not unknown, sorted(unknown)

@@ -4,7 +4,7 @@ switch's values so that drift in the GPU's state hits both alike.  The switch mu
 reads at each call (e.g. KDA_RT_SKINNY), not one read once at start; the decode graphs are captured
 again after each flip (they keep the kernels they captured).
 
-    PYTHONPATH=. python tests/gpu/bench_ab.py --env KDA_RT_HALF_TAILS --values 1,0 [--rounds 3]
+    PYTHONPATH=. python tests/gpu/bench_ab.py --env KDA_RT_MOE_B_TMA --values 1,0 [--rounds 3]
         [--decode 1:2048:64,8:2048:64] [--replays 1,32] [--prompts 0]
 Several switches flip together with --env A,B --values 1:1,0:0,1:0 (one value per switch, ':'-joined).
 A switch named engine.FIELD sets an EngineConfig field instead (a boolean one by 1 / 0, an int one to the value,
@@ -43,6 +43,10 @@ def main() -> int:
     envs = args.env.split(",")
     if not all(e.startswith(("KDA_RT_", "engine.")) for e in envs):
         ap.error(f"--env must name KDA_RT_ switches or engine.FIELD, got {args.env!r}")
+    from kda_rt.env import unknown_variables
+
+    if unknown := unknown_variables(dict.fromkeys(e for e in envs if e.startswith("KDA_RT_"))):
+        ap.error(f"--env: {', '.join(unknown)} is read nowhere (kda_rt/env.py): the A/B would time one build twice")
     values = args.values.split(",")
     if any(len(v.split(":")) != len(envs) for v in values):
         ap.error(f"each of --values {args.values!r} needs one ':'-joined part per switch in {envs}")
