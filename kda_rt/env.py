@@ -12,16 +12,23 @@ __all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_th
 
 
 @functools.cache
-def _known() -> frozenset[str]:
-    """Every variable this module reads: the KDA_RT_* names its source spells (each is read by name, here only)."""
-    return frozenset(re.findall(r"KDA_RT_[A-Z0-9_]*[A-Z0-9]", Path(__file__).read_text(encoding="utf-8")))
+def _known() -> frozenset[str] | None:
+    """Every variable this module reads: the KDA_RT_* names its source spells (each is read by name, here only);
+    None where the source is not shipped (a frozen or bytecode-only install: then nothing is called unknown)."""
+    try:
+        source = Path(__file__).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return frozenset(re.findall(r"KDA_RT_[A-Z0-9_]*[A-Z0-9]", source))
 
 
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     """KDA_RT_* variables set but read nowhere (a misspelt switch changes nothing, silently: vLLM warns about its
     own the same way).  KDA_RT_TEST_* belong to the tests."""
-    environ = os.environ if environ is None else environ
-    return sorted(k for k in environ if k.startswith("KDA_RT_") and k not in _known() and not k.startswith("KDA_RT_TEST_"))
+    environ, known = os.environ if environ is None else environ, _known()
+    if known is None:
+        return []
+    return sorted(k for k in environ if k.startswith("KDA_RT_") and k not in known and not k.startswith("KDA_RT_TEST_"))
 
 
 def cache_dir() -> Path:
