@@ -33,7 +33,7 @@ def main() -> int:
     import cupy
     from gpu.bench_kda_prefill import H, K, W, make
 
-    from helpers.gpu import median_ms
+    from helpers.gpu import median_ms, unused_defines
     from kda_rt.cuda.ops import kda_prefill as kp
     from kda_rt.cuda.ops.check import i32, leading_dim
     from kda_rt.cuda.ops.compile import _module, device_arch, get_kernel, sm_count
@@ -51,6 +51,8 @@ def main() -> int:
     cap = 40000
     smem = kp._intra_smem_bytes(K, 64, W)
     names = [n for n in args.ab.split(",") if n]  # several: all off against all on
+    if unused := unused_defines("kda_prefill.cu", [n.split("=")[0] for n in names]):
+        ap.error(f"--ab: kda_prefill.cu does not read {', '.join(unused)}")
     if len(names) == 1 and "=" in names[0]:  # one define at several values
         name, values = names[0].split("=")
         variants = [{name: int(v)} for v in values.split(":")]

@@ -367,7 +367,7 @@ def run_once(T, wts):
 def main():
     import cupy
 
-    from helpers.gpu import rand_bf16
+    from helpers.gpu import rand_bf16, unused_defines
     from helpers.moe_router import make_cfg
     from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
 
@@ -382,6 +382,8 @@ def main():
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
     args = ap.parse_args()
+    if args.define and (unused := unused_defines("moe_gemm_wg.cu", [args.define.split("=")[0]])):
+        ap.error(f"--define: moe_gemm_wg.cu does not read {unused[0]}")
 
     rng = cupy.random.default_rng(1)
     w13, w2 = rand_bf16(rng, (E, 2 * INTER, D), D**-0.5), rand_bf16(rng, (E, D, INTER), INTER**-0.5)

@@ -10,10 +10,19 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["BF16", "to_gpu_bf16", "to_np", "poison", "bf16_round", "rms_rel", "assert_close", "rand_bf16",
-           "median_ms", "graph_us", "KERNELS", "inline_module"]
+           "median_ms", "graph_us", "KERNELS", "inline_module", "unused_defines"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNELS = Path(__file__).resolve().parents[2] / "kernels_cu"  # the CUDA sources (their headers for inline modules)
+
+
+def unused_defines(filename: str, names) -> list[str]:
+    """The names among `names` that neither kernels_cu/<filename> nor a kernels_cu header spells: a misspelt define
+    in an A/B (bench_kda_phases.py --ab, bench_moe_gemm.py --define) would build one kernel twice and time it."""
+    import re
+
+    text = "\n".join(p.read_text() for p in [KERNELS / filename, *sorted(KERNELS.glob("*.cuh"))])
+    return [n for n in names if not re.search(rf"\b{re.escape(n)}\b", text)]
 
 
 def inline_module(code: str):
