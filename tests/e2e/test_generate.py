@@ -117,11 +117,21 @@ def test_cli_runs_demo():
 
 
 def test_bfloat16_emulation_is_close_to_float32():
-    """dtype="bfloat16" rounds activations where the bf16 references do: logits stay within bf16
-    noise of the float32 run on most positions (a router near-tie can flip an expert, which is why
-    this is a median, not a max), and float32 is untouched by the option."""
+    """dtype="bfloat16" rounds activations where the bf16 references do: `Compute.act` is bf16's round-to-nearest
+    bit for bit (and the identity without the option), and the logits sit at bf16's noise from the float32 run on
+    most positions (a router near-tie can flip an expert, which is why this is a median, not a max): bf16's 2^-9
+    relative rounding at ~10 points a layer over 4 layers gives ~1e-2 (measured 0.0113), float16's 2^-11 would give
+    ~0.0015 (measured by rounding to float16 instead), so the window [5e-3, 3e-2] tells the two apart."""
+    import ml_dtypes
+
+    from kda_rt.reference.params import Compute
+
+    x = np.random.default_rng(6).normal(size=(7, 33)).astype(np.float32) * 10
+    rounded = Compute(np.float32, bf16_activations=True).act(x)
+    assert np.array_equal(rounded, x.astype(ml_dtypes.bfloat16).astype(np.float32)) and not np.array_equal(rounded, x)
+    assert Compute(np.float32).act(x) is x
     ids = list(np.random.default_rng(5).integers(0, 768, size=40))
     f32 = LLM(str(demo_path()), backend="numpy", max_model_len=128).score(ids)
     b16 = LLM(str(demo_path()), backend="numpy", dtype="bfloat16", max_model_len=128).score(ids)
     err = np.linalg.norm(b16 - f32, axis=-1) / np.linalg.norm(f32, axis=-1)
-    assert 1e-4 < np.median(err) < 3e-2, err
+    assert 5e-3 < np.median(err) < 3e-2, err

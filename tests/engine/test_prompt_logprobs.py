@@ -45,6 +45,28 @@ def test_chat_with_tool_history_and_none_content(llm):
     assert llm.tokenizer.token_to_id("<|tool_call_begin|>") in out.prompt_token_ids
 
 
+def test_generated_logprobs_match_score(llm):
+    """The top-N of each generated token are the N most likely under score()'s logits of the position before it,
+    ranked 1..N in order of likelihood, at their log-softmax within 2e-5 (the decode steps' float32 logits against
+    one prefill's: other summation orders, 1.9e-6 apart at most here); the sampled token, drawn at temperature 1, is listed too, ranked when it is among the N (None outside
+    them: test_vllm_logprobs_rank_rules).  (Before, only the entries' count was checked.)"""
+    ids = [5, 6, 7, 8, 9]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=6, logprobs=3, seed=2,
+                                                                   ignore_eos=True))[0].outputs[0]
+    logits = llm.score(ids + out.token_ids[:-1]).astype(np.float64)
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    for k, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = lp[len(ids) - 1 + k]
+        order = np.argsort(-row).tolist()
+        assert set(entry) == set(order[:3]) | {token}
+        for t, v in entry.items():
+            rank = order.index(t) + 1
+            assert v.logprob == pytest.approx(row[t], abs=2e-5) and v.rank == (rank if rank <= 3 else None)
+    assert any(t not in order_top for t, order_top in ((t, set(np.argsort(-lp[len(ids) - 1 + k])[:3].tolist()))
+                                                        for k, t in enumerate(out.token_ids)))  # one drawn outside
+
+
 def test_logprobs_are_vllm_logprob_objects():
     """Offline logprobs are vLLM's Logprob (`.logprob`, `.rank`, `.decoded_token`) and still the floats they were:
     the top-N ranks are 1..N in order, the sampled token's rank is exact when it is among them (greedy: 1), the

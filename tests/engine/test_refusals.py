@@ -57,9 +57,9 @@ def test_stop_list_capped():
 
 def test_refused_prompts_leave_no_ids(llm):
     for _ in range(20):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="empty"):
             llm.generate({"prompt_token_ids": []}, greedy(2))
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="1000000000 is outside the vocabulary"):
             llm.generate([PROMPT, {"prompt_token_ids": [10**9]}], greedy(2))
     assert not llm._open and not llm._parked
     stream = llm.generate(PROMPT, greedy(3), stream=True)  # takes id "0": must not be parked forever

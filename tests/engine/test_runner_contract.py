@@ -69,12 +69,17 @@ def test_engine_sends_flat_arrays_only(tiny_dir):
         for o in engine.step():
             outs[o.request_id] = o
     assert len(outs["a"].outputs[0].token_ids) == 3 and len(outs["b"].outputs[0].token_ids) == 3
-    for _batch, sampling in runner.calls:
+    def walk(value, where):  # arrays, SamplingParams, ids and their containers, at any depth: never a Sequence
+        assert type(value).__name__ != "Sequence", where
+        if isinstance(value, (tuple, list)):
+            for k, item in enumerate(value):
+                walk(item, f"{where}[{k}]")
+
+    for batch, sampling in runner.calls:
+        for f in dataclasses.fields(batch):  # the model's input: flat NumPy arrays only
+            assert isinstance(getattr(batch, f.name), np.ndarray), f.name
         for f in dataclasses.fields(sampling):
-            value = getattr(sampling, f.name)
-            items = value if isinstance(value, tuple) else [value]
-            for item in items:  # arrays, SamplingParams, id sequences: never a Sequence object
-                assert type(item).__name__ not in ("Sequence",), f.name
+            walk(getattr(sampling, f.name), f.name)
     # first step: a's first chunk (16 tokens, no row) + nothing else fits; b joins later
     first_rows = [s for _, s in runner.calls if s.num_rows]
     s = first_rows[0]

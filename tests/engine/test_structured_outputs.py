@@ -132,12 +132,14 @@ def test_vllm_options(llm):
             json=open_schema, disable_additional_properties=True, disable_fallback=True, disable_any_whitespace=True))
         text, reason = _texts(llm, p, ["x"])[0]
         assert reason == "stop" and set(json.loads(text)) == {"a"}, text
-    spec = StructuredOutputsParams(json_object=True, whitespace_pattern=r"[\n ]{0,3}")
+    # whitespace_pattern: newlines only between the tokens (llguidance's default would put a space after the colon,
+    # as disable_any_whitespace still does); was checked only for parsing, which the default passed too
+    closed = {**open_schema, "additionalProperties": False}
+    spec = StructuredOutputsParams(json=closed, whitespace_pattern=r"[\n]{1,2}")
     assert StructuredOutputsParams.from_dict(spec.to_dict()) == spec
-    outs = _texts(llm, SamplingParams(temperature=1.0, seed=4, n=4, max_tokens=30, structured_outputs=spec), ["x"])
-    for text, reason in outs:
-        if reason == "stop":
-            assert isinstance(json.loads(text), dict)
+    outs = _texts(llm, SamplingParams(temperature=1.0, seed=4, n=8, max_tokens=30, structured_outputs=spec), ["x"])
+    assert all(reason == "stop" and set(json.loads(text)) == {"a"} and " " not in text for text, reason in outs), outs
+    assert any("\n" in text for text, _ in outs), outs
     for bad in ({"disable_fallback": 1}, {"whitespace_pattern": ""}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             StructuredOutputsParams(json_object=True, **bad)
