@@ -24,10 +24,11 @@ which every running stream waits out).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
 from kda_rt.engine.postprocess import OUTPUT_KINDS, DeltaTracker
@@ -68,6 +69,10 @@ class AsyncLLM:
         # the defaults: a max_tokens of theirs fits the prompt's room (add_request)
         fit = sampling_params is None and "max_tokens" in self.llm.default_sampling
         sampling_params = sampling_params or self.llm.get_default_sampling_params()
+        prompt_lps = None  # vLLM's prompt_logprobs: one score() pass before the request is added (LLM.generate's)
+        if sampling_params.prompt_logprobs is not None:
+            prompt_lps = await asyncio.to_thread(self._locked, lambda: self.llm._vllm_prompt_logprobs(
+                self.engine.request_prompt(prompt, sampling_params)[1], sampling_params.prompt_logprobs))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before adding: the stepping task may produce output at once
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
@@ -88,31 +93,37 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                if output_kind == "delta":
-                    yield self._vllm(tracker.delta(item), sampling_params)
+                if output_kind == "delta":  # (prompt logprobs with the first delta only, as vLLM's)
+                    yield self._vllm(tracker.delta(item), sampling_params, None, prompt_lps)
+                    prompt_lps = None
                 elif finished or output_kind == "cumulative":
-                    yield self._vllm(item, sampling_params, converted)
+                    yield self._vllm(item, sampling_params, converted, prompt_lps)
         finally:
             self._queues.pop(rid, None)
             if not finished:
                 self._abort_later(rid)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a final output whose finish_reason is "abort"."""
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of several (vLLM's signature); each stream ends with a final output whose
+        finish_reason is "abort".  Unknown ids are passed over."""
         self._bind_loop()
-        rid = str(request_id)
-        final = await asyncio.to_thread(self._locked, self.engine.abort, rid)
-        queue = self._queues.get(rid)
-        if final is not None and queue is not None:
-            queue.put_nowait(final)
+        for rid in [request_id] if isinstance(request_id, str) else [str(r) for r in request_id]:
+            final = await asyncio.to_thread(self._locked, self.engine.abort, rid)
+            queue = self._queues.get(rid)
+            if final is not None and queue is not None:
+                queue.put_nowait(final)
 
     def _abort_later(self, rid: str) -> None:
         self._to_abort.append(rid)  # applied under the lock before the next step
         self._ensure_task()
 
-    def _vllm(self, out: RequestOutput, params: SamplingParams | None, done: dict | None = None) -> RequestOutput:
-        """Logprobs as vLLM's {token: Logprob} (LLM._vllm_output; `done` keeps a cumulative request's conversions)."""
-        return out if params is None or params.logprobs is None else self.llm._vllm_output(out, params, None, done)
+    def _vllm(self, out: RequestOutput, params: SamplingParams | None, done: dict | None = None,
+              prompt_lps: list | None = None) -> RequestOutput:
+        """Logprobs as vLLM's {token: Logprob} (LLM._vllm_output; `done` keeps a cumulative request's conversions),
+        and the prompt logprobs attached."""
+        if params is None or params.logprobs is None:
+            return out if prompt_lps is None else dataclasses.replace(out, prompt_logprobs=prompt_lps)
+        return self.llm._vllm_output(out, params, prompt_lps, done)
 
     def stats(self) -> dict[str, int]:
         return self._locked(self.engine.stats)

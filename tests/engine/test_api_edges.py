@@ -37,6 +37,35 @@ def test_async_abort_ends_the_stream(llm):
     assert llm.stats()["slots_used"] == 0 and llm.stats()["pages_used"] == 0
 
 
+def test_async_abort_takes_several_ids_and_prompt_logprobs_come(llm):
+    """AsyncLLM.abort takes a list of ids, as vLLM's (was: str(list) matched nothing and the requests ran on), and
+    AsyncLLM.generate gives prompt_logprobs as LLM.generate does: with the first delta only, with every cumulative
+    output (was: never)."""
+    allm = AsyncLLM(llm)
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2, seed=1)
+    ids = [5, 6, 7, 8]
+    want = llm.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs
+
+    async def main():
+        async def consume(rid):
+            return [d async for d in allm.generate("hello", SamplingParams(max_tokens=4000, ignore_eos=True),
+                                                   request_id=rid)]
+
+        tasks = [asyncio.create_task(consume(rid)) for rid in ("a1", "a2")]
+        await asyncio.sleep(0.2)
+        await allm.abort(["a1", "a2", "unknown"])
+        cut = [await asyncio.wait_for(t, 10) for t in tasks]
+        deltas = [d async for d in allm.generate({"prompt_token_ids": ids}, params)]
+        cumulative = [d async for d in allm.generate({"prompt_token_ids": ids}, params, output_kind="cumulative")]
+        return cut, deltas, cumulative
+
+    cut, deltas, cumulative = asyncio.run(main())
+    assert all(c[-1].finished and c[-1].outputs[0].finish_reason == "abort" for c in cut)
+    assert want is not None and deltas[0].prompt_logprobs == want and all(d.prompt_logprobs is None for d in deltas[1:])
+    assert all(c.prompt_logprobs == want for c in cumulative)
+    assert llm.stats()["slots_used"] == 0 and llm.stats()["pages_used"] == 0
+
+
 def test_unstarted_stream_does_not_leak(llm):
     stream = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=50), stream=True)
     del stream
