@@ -107,7 +107,7 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3
     operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say)."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
     tma = {"B_TMA": 1} if b_tma(e4m3, e4m3_src) else {}  # (absent when off: the default module's key unchanged)
-    if a_tma(fuse_silu, e4m3, e4m3_src) if src_map is None else src_map and a_tma(fuse_silu, e4m3, e4m3_src):
+    if a_tma(fuse_silu, e4m3, e4m3_src) and src_map is not False:
         tma["A_TMA"] = 1
     return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_wg", max_dynamic_smem=tile.smem(e4m3, e4m3_src), K=K,
                       NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn, STAGES=tile.stages,
