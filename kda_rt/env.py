@@ -346,13 +346,6 @@ def kda_e_scan() -> bool:
     return _on_off("KDA_RT_KDA_E_SCAN")
 
 
-def kda_scale_scan() -> bool:
-    """KDA_RT_KDA_SCALE_SCAN: 1 builds the KDA prefill intra kernel's scaled tiles (phase (c)) a half sub-block a
-    thread, the decay factors as running products of the rows' one-step decays (kernels_cu/kda_prefill.cu SCALE_SCAN:
-    not the same bits); default 0 until measured.  Read at each prefill."""
-    return _on_off("KDA_RT_KDA_SCALE_SCAN", "0")
-
-
 def kda_lookup_bounds() -> bool:
     """KDA_RT_KDA_LOOKUP_BOUNDS: 1 builds the KDA prefill intra kernel with the sequence search returning the
     sequence's bounds and the copies that cannot read the conv-state slot issued first (kernels_cu/kda_prefill.cu
@@ -456,8 +449,8 @@ def moe_b_tma() -> bool:
     """KDA_RT_MOE_B_TMA: 1 copies the weight rows of the prefill MoE GEMMs on wgmma (and of fp8 models' dense prefill
     projections, ops/dense_w8a8.py, which run on the same kernel) by tensor-map copies (TMA, one thread a stage)
     instead of cp.async pieces over the block (kernels_cu/moe_gemm_wg.cu B_TMA: the same bits; bf16 weights, and e4m3
-    weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0 until measured.  Read when the
-    kernel variant is chosen."""
+    weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0: measured no faster (H200, 2026-12-03).  Read
+    when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_B_TMA", "0")
 
 
@@ -465,7 +458,8 @@ def moe_a_tma() -> bool:
     """KDA_RT_MOE_A_TMA: 1 (with KDA_RT_MOE_B_TMA=1) copies the source rows of the prefill down GEMM on wgmma (h,
     contiguous in expert order; also fp8 models' dense prefill projections, one expert over an identity plan) by a
     tensor-map copy too, so a stage has no cp.async (kernels_cu/moe_gemm_wg.cu A_TMA: the same bits; gate/up's rows
-    are a gather and keep cp.async); default 0 until measured.  Read when the kernel variant is chosen."""
+    are a gather and keep cp.async); default 0: measured no faster (H200, 2026-12-03).  Read when the kernel
+    variant is chosen."""
     return _on_off("KDA_RT_MOE_A_TMA", "0")
 
 

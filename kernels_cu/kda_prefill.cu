@@ -287,18 +287,10 @@ __device__ long long kda_phase_clk[PHASE_CLOCK][PHASES];
 #ifndef E_SCAN
 #define E_SCAN 1
 #endif
-// SCALE_SCAN = 1 (applies with QUAD_SPLIT): phase (c) with each thread on one column pair and the 8 rows of one half of
-// a sub-block (a warp on one (sub-block, half): its safe / unsafe branch uniform) instead of rows 8 apart, so its
-// factors come as running products of the rows' one-step decays 2^(Lam_r - Lam_(r-1)) <= 1: 2^Lam_r forwards, the tail
-// 2^(Lam_last - Lam_r) backwards, the quadrant's 2^(Lam_r - Lam_8) or 2^(Lam_8 - Lam_s) from the same ones: 8 or 9
-// exponentials a channel and half, instead of 3 or 4 an element (~18 a thread instead of 64 where the sub-block is
-// unsafe: phase (c) issued ~32 K MUFU a tile, ~2 K cycles of the 16-a-clock pipe in a phase of 3.9 K); an unsafe
-// sub-block's unread scaled diagonal tile (k^ e^-Lam) is neither computed nor stored; the tables' entries loaded once
-// a thread.  Products of up to 8 rounded factors instead of one exponential: not the same bits.  0 until measured (not
-// yet run on a GPU).
-#ifndef SCALE_SCAN
-#define SCALE_SCAN 0
-#endif
+// Tried and dropped (2026-12-03): SCALE_SCAN, phase (c) a half sub-block a thread with its decay factors as running
+// products of the rows' one-step decays (8-9 exponentials a channel and half instead of 3-4 an element): slower, +1.0%
+// at 32 x 2048 (4.017 -> 4.057 ms) and +1.4% at 1 x 32768 (1.977 -> 2.004 ms) in bench_kda_phases.py --ab SCALE_SCAN
+// --ldb 288 (5 interleaved rounds), though its CTAs' mean cycles fell 1% (why the kernel lost is not measured).
 // SILU_FAST = 1: conv + SiLU's quotient u / (1 + e^-u) as u times the hardware reciprocal (rcp.approx.ftz: within an
 // ulp), without common.cuh's Newton step and the infinity test it needs (e^-u = inf: the reciprocal 0, u * 0 = -0 as
 // the division gives), 4 instructions an element fewer in phase (a), which is issue-bound (ncu, 2026-12-03: 20% of the
@@ -947,7 +939,6 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
     // factor is 2^Lam_r or 2^(Lam_last(I) - Lam_r) (<= 15 gates) times a table entry (whole blocks): three
     // exp2f per element (each <= 1, so their products underflow to 0 exactly where the exponent sums do).
     // pair (r, d..d+1) of row r (sub-block I, row rr of it)
-#if !(QUAD_SPLIT && SCALE_SCAN)
     auto scale_pair = [&](const int r, const int rr, const int d, const int I) {
         const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
         const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
@@ -990,85 +981,7 @@ extern "C" __global__ void __launch_bounds__(INTRA_THREADS, 1) kda_prefill_intra
         }
 #endif
     };
-#endif
-#if QUAD_SPLIT && SCALE_SCAN
-    {  // column pair d of rows rb .. rb + 7, the half hf of sub-block I (a warp's 32 pairs share I and hf)
-        static_assert(INTRA_THREADS == (K / 2) * 2 * NUM_SUB, "kda_prefill_intra: SCALE_SCAN's map");
-        const int d = 2 * (tid % (K / 2)), grp = tid / (K / 2), I = grp >> 1, hf = grp & 1, rb = I * SUB + 8 * hf;
-        const bool unsafe_i = unsafe[I];  // uniform over the warp
-        // a[i] = 2^(Lam_(rb+i) - Lam_(rb+i-1)) (i >= 1); hf 0: anchor = 2^(Lam_last - Lam_7) (row 7's tail) and a8 =
-        // 2^(Lam_8 - Lam_7) (the quadrant's); hf 1: anchor = 2^Lam_8 (the half's first row; row 0's Lam is 0)
-        float a[8][2], sfx[8][2], anchor[2], a8[2];
-        {
-            const float2 l0 = *reinterpret_cast<const float2*>(Gf + rb * LDF + d);
-            float prev[2] = {l0.x, l0.y};
-#pragma unroll
-            for (int i = 1; i < 8; ++i) {
-                const float2 li = *reinterpret_cast<const float2*>(Gf + (rb + i) * LDF + d);
-                a[i][0] = EXP2_ELEM(fminf(li.x - prev[0], 0.f)), a[i][1] = EXP2_ELEM(fminf(li.y - prev[1], 0.f));
-                prev[0] = li.x, prev[1] = li.y;
-            }
-            const float2 l15 = *reinterpret_cast<const float2*>(Gf + (I * SUB + SUB - 1) * LDF + d);
-            const float2 l8 = *reinterpret_cast<const float2*>(Gf + (I * SUB + 8) * LDF + d);
-            const float first[2] = {l0.x, l0.y}, last[2] = {l15.x, l15.y}, eighth[2] = {l8.x, l8.y};
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                anchor[c] = EXP2_ELEM(hf ? fminf(first[c], 0.f) : fminf(last[c] - prev[c], 0.f));
-                a8[c] = hf ? 1.f : EXP2_ELEM(fminf(eighth[c] - prev[c], 0.f));
-                sfx[7][c] = 1.f;  // sfx[i] = 2^(Lam_(rb+7) - Lam_(rb+i)), backwards
-            }
-#pragma unroll
-            for (int i = 7; i > 0; --i) sfx[i - 1][0] = sfx[i][0] * a[i][0], sfx[i - 1][1] = sfx[i][1] * a[i][1];
-        }
-        float pt[2], rt[2], ct[NUM_SUB][2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            pt[c] = Pt[I * K + d + c], rt[c] = Rt[I * K + d + c];
-#pragma unroll
-            for (int I2 = 1; I2 < NUM_SUB; ++I2) ct[I2][c] = I2 > I ? Ct[cross_index(I2, I) * K + d + c] : 0.f;
-        }
-        float pre[2] = {1.f, 1.f};  // 2^(Lam_(rb+i) - Lam_rb), forwards
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int r = rb + i, rr = 8 * hf + i;
-            if (i) pre[0] *= a[i][0], pre[1] *= a[i][1];
-            const float2 q2 = ld_bf16x2(Qr + r * LDB + d), k2 = ld_bf16x2(Kr + r * LDB + d);
-            const float q[2] = {q2.x * rq[r], q2.y * rq[r]}, k[2] = {k2.x * rk[r], k2.y * rk[r]};
-            float qa[2], ka[2], qg[2], kd[2], kb[NUM_SUB][2], eq[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float el = hf ? anchor[c] * pre[c] : pre[c];        // 2^Lam_r
-                const float et = hf ? sfx[i][c] : anchor[c] * sfx[i][c];  // 2^(Lam_last - Lam_r)
-                qa[c] = q[c] * el, ka[c] = k[c] * el;
-                qg[c] = q[c] * (pt[c] * el);
-                kd[c] = k[c] * (et * rt[c]);
-#pragma unroll
-                for (int I2 = 1; I2 < NUM_SUB; ++I2) kb[I2][c] = k[c] * (et * ct[I2][c]);
-                eq[c] = hf ? pre[c] : a8[c] * sfx[i][c];  // 2^(Lam_r - Lam_8) (hf 1), 2^(Lam_8 - Lam_r) (hf 0)
-            }
-            st_bf16x2(QA + r * LDB + d, qa[0], qa[1]);
-            st_bf16x2(KA + r * LDB + d, ka[0], ka[1]);
-#pragma unroll
-            for (int I2 = 1; I2 < NUM_SUB; ++I2)
-                if (I2 > I) st_bf16x2(KX + (pair_index(I2, I) * SUB + rr) * LDB + d, kb[I2][0], kb[I2][1]);
-            st_bf16x2(ws_q + (tile * L + r) * K + d, qg[0], qg[1]);
-            st_bf16x2(ws_k + (tile * L + r) * K + d, kd[0], kd[1]);
-            if (unsafe_i) {  // the quadrant's factors, as scale_pair's
-                bf16* Qd = Quad + I * QUAD_ROWS * LDB;
-                if (hf) {
-                    st_bf16x2(Qd + (rr - 8) * LDB + d, k[0] * eq[0], k[1] * eq[1]);
-                    st_bf16x2(Qd + rr * LDB + d, q[0] * eq[0], q[1] * eq[1]);
-                } else {
-                    st_bf16x2(Qd + (16 + rr) * LDB + d, k[0] * eq[0], k[1] * eq[1]);
-                }
-            } else {  // the diagonal tile k^ e^-Lam, read by (d) only where the sub-block is safe
-                const float2 li = *reinterpret_cast<const float2*>(Gf + r * LDF + d);
-                st_bf16x2(KX + (pair_index(I, I) * SUB + rr) * LDB + d, k[0] * EXP2_ELEM(fminf(-li.x, DIAG_SPAN + 4.f)),
-                          k[1] * EXP2_ELEM(fminf(-li.y, DIAG_SPAN + 4.f)));
-            }
-        }
-    }
-#elif SCALE_UNROLL
+#if SCALE_UNROLL
     {  // the thread's column pair fixed, rows r8 + RPP j: the sub-block, its table rows and stores known at compile time
         constexpr int RPP = INTRA_THREADS / (K / 2);  // rows a pass
         static_assert(INTRA_THREADS % (K / 2) == 0 && SUB % RPP == 0 && L % RPP == 0, "kda_prefill_intra: (c)'s row passes");

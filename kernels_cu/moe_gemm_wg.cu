@@ -123,7 +123,12 @@
 // 128 bytes) in global memory.  ncu
 // (2026-12-01): L2 74-78% busy and the cp.async waits 15-17% of the stall samples; with no copies and no epilogue
 // gate/up at T = 16384 ran 1.561 ms against 1.872 with them (bench_moe_gemm.py --limits): the weights are two thirds of
-// a stage's bytes.  The same values in the same places: bit-identical.  0 until measured (not yet run on a GPU).
+// a stage's bytes.  The same values in the same places: bit-identical.  Measured (H200, 2026-12-03): no faster, so 0.
+// bench_moe_gemm.py --define B_TMA=0,1 --tokens 8192,16384 (bf16, interleaved rounds): gate/up 1.328 -> 1.326 ms and
+// 2.391 -> 2.387, down 0.674 -> 0.683 and 1.225 -> 1.228; the full 27-layer fp8 seed prefill (bench_ab.py, 3 rounds,
+// TTFT max medians) 0.6286 s without, 0.6255 with B_TMA, 0.6233 with B_TMA + A_TMA (within the rounds' spread).  The
+// copies' issue is not what bounds this kernel (the per-step barrier and wgmma wait are the suspects: ncu above);
+// kept, opt-in and tested, as the copy path a warp-specialized producer would use.
 #ifndef B_TMA
 #define B_TMA 0
 #endif
@@ -135,8 +140,8 @@
 // so a stage is three copies of one thread and no cp.async at all.  a_map (a 12th argument, A_TMA builds only): the
 // map over the source's allocation (ops/tma.py: rows past the step's N hold whatever the buffer held, rows past the
 // allocation read as 0; neither is ever stored: only rows < nrows are).  gate/up's rows are a gather (x[tok(r)]), a
-// box a row, which Hopper's TMA has no gather for.  The same values in the same places: bit-identical.  0 until
-// measured (not yet run on a GPU).
+// box a row, which Hopper's TMA has no gather for.  The same values in the same places: bit-identical.  Measured with
+// B_TMA above (2026-12-03): no faster, so 0.
 #ifndef A_TMA
 #define A_TMA 0
 #endif

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KDA prefill intra kernel's variants of kernels_cu/kda_prefill.cu (issue 11) in one device call: each define of
-# $AB (default "SCALE_SCAN", prepared in the thirty-eighth session; space-separated; a comma-joined entry flips several
+# $AB (required: none is waiting to be measured since SCALE_SCAN was dropped, 2026-12-03; space-separated; a comma-joined entry flips several
 # together, NAME=a:b:c builds one define at several values) built 0 and 1.  The thirty-fourth to thirty-eighth sessions measured and turned on CONV_ONE_ROUND,
 # GATE_FAST, SCALE_UNROLL, ROW_NORM_SPREAD, EXP2_FTZ, CONV_PAIRS, T_HALVES, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP,
 # G_BALANCE, SILU_FAST, G_STAGED, ROW_SCATTER, T_ROWS = 2, LOOKUP_BOUNDS, GATE_POLY, PAD_FIXUP and E_SCAN.
@@ -15,13 +15,13 @@
 #      27-layer model's seed prefill with them all 0 / all 1 (bench_ab.py, fp8 weights, 3 rounds).
 # Times (thirty-eighth session, call 38.1, 243 s in all with the install): each A/B ~15-20 s, the tests 133 s, the
 # model A/B ~60 s (builds included).
-#   [AB="..."] bash tests/gpu/kda_intra_variants.sh [model]   (from the repository root; writes $OUT/kda_intra_variants.txt)
+#   AB="..." bash tests/gpu/kda_intra_variants.sh [model]   (from the repository root; writes $OUT/kda_intra_variants.txt)
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 log="$OUT/kda_intra_variants.txt"
 rm -f "$log"
-for ab in ${AB:-SCALE_SCAN}; do
+for ab in ${AB:?"AB=\"DEFINE ...\" names the kda_prefill.cu defines to A/B"}; do
   echo "== --ab $ab --ldb 288" | tee -a "$log"
   timeout 100 python tests/gpu/bench_kda_phases.py --shapes 32x2048,8x2048,1x32768 --ldb 288 --ab "$ab" >> "$log" 2>&1
   grep -E "kernel [0-9.]+ ms|bit-identical" "$log" | tail -15

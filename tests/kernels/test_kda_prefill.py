@@ -174,8 +174,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     KDA_RT_KDA_EXP2_FTZ (per-element exponentials without subnormal results), KDA_RT_KDA_T_HALVES (T's off-diagonal
     blocks by halves, fp32 sums in another order), KDA_RT_KDA_SILU_FAST (conv + SiLU by the hardware reciprocal
     alone), KDA_RT_KDA_GATE_POLY (the gate's softplus by one exponential and a polynomial), KDA_RT_KDA_E_SCAN
-    (unsafe diagonal halves by row scans) and KDA_RT_KDA_SCALE_SCAN (phase (c)'s factors as running products; off by
-    default, also on the default build, "default+SCALE_SCAN"): against the reference at the prefill bounds.  Also "default" (no switch
+    (unsafe diagonal halves by row scans): against the reference at the prefill bounds.  Also "default" (no switch
     set), "default-bit" (CONV_PAIRS, BETA_EARLY, COPY_ROWS, EARLY_LOOKUP, G_BALANCE, G_STAGED, ROW_SCATTER, PAD_FIXUP,
     LOOKUP_BOUNDS off and T_ROWS 1 in it: bit for bit the default) and "default-PAD_FIXUP" (PAD_FIXUP on the default
     build, two channels a thread: bit for bit without it).  Every gate kind, fresh and continuing sequences (the
@@ -192,7 +191,7 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
                "KDA_RT_KDA_CONV_PAIRS", "KDA_RT_KDA_BETA_EARLY", "KDA_RT_KDA_COPY_ROWS", "KDA_RT_KDA_EARLY_LOOKUP",
                "KDA_RT_KDA_G_BALANCE", "KDA_RT_KDA_G_STAGED", "KDA_RT_KDA_PAD_FIXUP")
     bounded = ("KDA_RT_KDA_GATE_FAST", "KDA_RT_KDA_EXP2_FTZ", "KDA_RT_KDA_T_HALVES", "KDA_RT_KDA_SILU_FAST",
-               "KDA_RT_KDA_GATE_POLY", "KDA_RT_KDA_E_SCAN", "KDA_RT_KDA_SCALE_SCAN")
+               "KDA_RT_KDA_GATE_POLY", "KDA_RT_KDA_E_SCAN")
     stacked = ("KDA_RT_KDA_ROW_SCATTER", "KDA_RT_KDA_LOOKUP_BOUNDS")
     switches = (*bitwise, *bounded, *stacked, "KDA_RT_KDA_T_ROWS")
     off = dict.fromkeys((*bitwise, *bounded, *stacked), "0")  # T_ROWS unset: 2, applies with T_HALVES only
@@ -207,7 +206,6 @@ def test_kda_prefill_intra_variants(monkeypatch, lengths, num_heads, gates):
     runs = {"none": off, **{name: {**off, name: "1"} for name in (*bitwise, *bounded)},
             "lookup-base": {**off, **lookup_base}, **{run: {**off, **env} for run, (env, _) in on_top.items()},
             "default": {}, "default-PAD_FIXUP": {"KDA_RT_KDA_PAD_FIXUP": "0"},
-            "default+SCALE_SCAN": {"KDA_RT_KDA_SCALE_SCAN": "1"},
             "default-bit": {"KDA_RT_KDA_CONV_PAIRS": "0", "KDA_RT_KDA_BETA_EARLY": "0", "KDA_RT_KDA_COPY_ROWS": "0",
                             "KDA_RT_KDA_EARLY_LOOKUP": "0", "KDA_RT_KDA_G_BALANCE": "0", "KDA_RT_KDA_G_STAGED": "0",
                             "KDA_RT_KDA_ROW_SCATTER": "0", "KDA_RT_KDA_PAD_FIXUP": "0",

@@ -261,8 +261,7 @@ def test_runner_precompiles_every_kda_state_width(monkeypatch):
 
 def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     """Each KDA_RT_KDA_* intra-kernel switch set to 0 puts its define (= 0) into kda_prefill.cu's module, and none is
-    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it), and the
-    other way round for SCALE_SCAN (off by default); T_ROWS (2 by default) passes 1 or 4 and refuses anything else; a
+    there when on or unset (the kernel's default 1: the default module's cache key has no variant in it); T_ROWS (2 by default) passes 1 or 4 and refuses anything else; a
     switch that is not 0 or 1 is refused, named."""
     import kda_rt.cuda.ops.kda_prefill as kp
 
@@ -275,7 +274,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
                 "KDA_RT_KDA_ROW_SCATTER": "ROW_SCATTER", "KDA_RT_KDA_GATE_POLY": "GATE_POLY",
                 "KDA_RT_KDA_LOOKUP_BOUNDS": "LOOKUP_BOUNDS", "KDA_RT_KDA_PAD_FIXUP": "PAD_FIXUP",
                 "KDA_RT_KDA_E_SCAN": "E_SCAN"}
-    for name in (*switches, "KDA_RT_KDA_SCALE_SCAN", "KDA_RT_KDA_T_ROWS"):  # whatever the shell has set
+    for name in (*switches, "KDA_RT_KDA_T_ROWS"):  # whatever the shell has set
         monkeypatch.delenv(name, raising=False)
     assert not (set(switches.values()) | {"T_ROWS"}) & set(kp._consts(128, 4, 32, 0))
     for name in switches:
@@ -291,12 +290,6 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
     assert all(kp._consts(128, 4, 32, 0)[d] == 0 for d in switches.values())
     for name in switches:
         monkeypatch.delenv(name)
-    assert "SCALE_SCAN" not in kp._consts(128, 4, 32, 0)
-    monkeypatch.setenv("KDA_RT_KDA_SCALE_SCAN", "1")
-    assert kp._consts(128, 4, 32, 0)["SCALE_SCAN"] == 1
-    monkeypatch.setenv("KDA_RT_KDA_SCALE_SCAN", "0")
-    assert "SCALE_SCAN" not in kp._consts(128, 4, 32, 0)
-    monkeypatch.delenv("KDA_RT_KDA_SCALE_SCAN")
     for rows in ("1", "2", "4"):
         monkeypatch.setenv("KDA_RT_KDA_T_ROWS", rows)
         assert kp._consts(128, 4, 32, 0).get("T_ROWS") == (None if rows == "2" else int(rows)), rows
@@ -305,7 +298,7 @@ def test_kda_intra_variant_switches_reach_the_defines(monkeypatch):
         with pytest.raises(ValueError, match="KDA_RT_KDA_T_ROWS must be"):
             kp._consts(128, 4, 32, 0)
     monkeypatch.delenv("KDA_RT_KDA_T_ROWS")
-    for name in (*switches, "KDA_RT_KDA_SCALE_SCAN"):
+    for name in switches:
         monkeypatch.setenv(name, "2")
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             kp._consts(128, 4, 32, 0)

@@ -95,7 +95,7 @@ def _consts(K: int, W: int, vb: int, pf: int = 0) -> dict:
 def _intra_variants() -> list[tuple[str, bool, bool]]:
     """(define, its switch now, the kernel's default) of each intra-kernel variant: on by default once measured
     (each one's 0 builds without it), off until then.  LOOKUP_BOUNDS applies with EARLY_LOOKUP and COPY_ROWS,
-    ROW_SCATTER with ROW_NORM_SPREAD, T_ROWS with T_HALVES, E_SCAN and SCALE_SCAN with QUAD_SPLIT: without them they
+    ROW_SCATTER with ROW_NORM_SPREAD, T_ROWS with T_HALVES, E_SCAN with QUAD_SPLIT: without them they
     build as off."""
     return [("CONV_ONE_ROUND", env.kda_conv_one_round(), True), ("GATE_FAST", env.kda_gate_fast(), True),
             ("SCALE_UNROLL", env.kda_scale_unroll(), True), ("ROW_NORM_SPREAD", env.kda_row_norm_spread(), True),
@@ -105,8 +105,7 @@ def _intra_variants() -> list[tuple[str, bool, bool]]:
             ("G_BALANCE", env.kda_g_balance(), True), ("SILU_FAST", env.kda_silu_fast(), True),
             ("G_STAGED", env.kda_g_staged(), True), ("ROW_SCATTER", env.kda_row_scatter(), True),
             ("GATE_POLY", env.kda_gate_poly(), True), ("LOOKUP_BOUNDS", env.kda_lookup_bounds(), True),
-            ("PAD_FIXUP", env.kda_pad_fixup(), True), ("E_SCAN", env.kda_e_scan(), True),
-            ("SCALE_SCAN", env.kda_scale_scan(), False)]
+            ("PAD_FIXUP", env.kda_pad_fixup(), True), ("E_SCAN", env.kda_e_scan(), True)]
 
 
 def _kernels(K: int, W: int, vb: int, pf: int = 0):
