@@ -5,11 +5,12 @@
 //          (x > 0 ? x / r : x * r), then x -= frequency[b] * count_i + presence[b] * (count_i > 0)
 //   logZ = log sum_i exp(x_i)                          (log-softmax of the untempered x, for logprobs)
 //   greedy (temperature < 1e-5):  id = argmax x (lowest index on ties)
-//   else   z_i = x_i / T,  kept = top-k ∩ top-p ∩ min-p, all thresholds on x:
+//   else   z_i = x_i / T,  kept = top-k ∩ min-p ∩ top-p, all thresholds on x:
 //          top-k: x_i >= k-th largest x                           (ties at the threshold kept)
-//          top-p: smallest prefix of the descending order whose mass (over the top-k set) reaches
-//                 top_p; every token tied with the last one of that prefix is kept too
 //          min-p: exp(z_i - z_max) >= min_p
+//          top-p: smallest prefix of the descending order whose mass (over the top-k ∩ min-p set, as
+//                 vLLM's v1 sampler, which applies min-p before top-k / top-p) reaches top_p; every
+//                 token tied with the last one of that prefix is kept too
 //          id = argmax_{kept} (z_i - log E_i),  E_i = -log U_i ~ Exp(1)   (lowest index on ties)
 //             = argmax p_i / E_i, which is a draw from p restricted to the kept set (renormalised).
 //   U_i: Philox-4x32-10 (Salmon et al., SC'11) with key (seed lo32, seed hi32) and counter
@@ -38,7 +39,8 @@
 // exact (no sorting, no approximation) and does not depend on CLUSTER or THREADS:
 //   top-k threshold: the largest key t with #{key_i >= t} >= k
 //   top-p threshold: the largest key t with sum_{key_i >= t, key_i >= top-k threshold} m_i >= ceil(p M),
-//                    m_i = round(e_i 2^40), e_i = exp(z_i - z_max), M = sum of the m_i; masses are
+//                    m_i = round(e_i 2^40), e_i = exp(z_i - z_max) (m_i = 0 where e_i < min_p: min-p's
+//                    drops weigh nothing), M = sum of the m_i; masses are
 //                    integers, so the sums are associative and independent of the split and of timing
 //   top-N logprobs: the same search on the 64-bit key (value bits, then inverted index): every key is
 //                   distinct, so exactly N tokens are selected, ranked by value and then by lower index
@@ -156,7 +158,7 @@ struct Row {
 #endif
     const float* xs;              // [SLICE] shared: this CTA's penalised x (CACHE_X)
     int start, n;                 // first token of this CTA's slice, tokens in it
-    float temperature, z_max;
+    float temperature, z_max, min_p;
 };
 
 // Penalised (and masked) logit of token i from its raw logit, rounded as the float32 NumPy reference
@@ -217,9 +219,11 @@ __device__ __forceinline__ float log_exp_noise(unsigned w) {
     return logf(-logf(u));
 }
 
-// top-p mass of a token as an integer: round(exp(x / T - z_max) 2^40)
+// top-p mass of a token as an integer: round(e 2^40), e = exp(x / T - z_max); 0 where min-p drops the token
+// (e < min_p, the draw's test to the bit: top-p's masses are over what min-p keeps)
 __device__ __forceinline__ u64 token_mass(const Row& row, float x) {
-    return (u64)__float2ull_rn(expf(__fdiv_rn(x, row.temperature) - row.z_max) * MASS_SCALE);
+    const float e = expf(__fdiv_rn(x, row.temperature) - row.z_max);
+    return e < row.min_p ? 0ull : (u64)__float2ull_rn(e * MASS_SCALE);
 }
 
 // Coarse search digit: 255 - min(255, floor((zc - x w) COARSE_SCALE)), non-decreasing in the key of x
@@ -570,6 +574,7 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
     row.n = min(max(V - row.start, 0), SLICE);
     row.temperature = temperature[b];
     row.z_max = 0.f;
+    row.min_p = min_p[b];
     const int num_groups = (row.n + 3) >> 2;
 
     // pass 1: read the slice (into shared memory), max / argmax and max-relative sum exp of the penalised
@@ -659,7 +664,7 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
         row.z_max = __fdiv_rn(x_max, row.temperature);  // division by T > 0 is monotone: max(x / T)
         const float inv_t = __frcp_rn(row.temperature), zc = __fmul_rn(x_max, inv_t);
         const int k = top_k[b];
-        const float p = top_p[b], mp = min_p[b];
+        const float p = top_p[b], mp = row.min_p;
         unsigned thr = 0;
         if (k > 0 && k < V) thr = (unsigned)(radix_search<false>(row, sh, hp, 0u, (u64)k, -1.f, false, x_max, 1.f) >> 32);
         if (p < 1.f) thr = (unsigned)(radix_search<true>(row, sh, hp, thr, 0, p, false, zc, inv_t) >> 32);

@@ -82,6 +82,10 @@ def _probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         x = np.where(x >= kth, x, -np.inf)
     p = np.exp(x - x.max())
     p /= p.sum()
+    # min_p before top_p, as vLLM's v1 sampler: top_p's cumulative mass is over what top_k and min_p keep
+    if params.min_p > 0.0:
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
+        p /= p.sum()
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])
@@ -90,9 +94,6 @@ def _probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         keep = np.zeros_like(p, dtype=bool)
         keep[order[:cut]] = True
         p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    if params.min_p > 0.0:
-        p = np.where(p >= params.min_p * p.max(), p, 0.0)
         p /= p.sum()
     return p
 

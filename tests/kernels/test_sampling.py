@@ -44,7 +44,7 @@ def expected_token(x: np.ndarray, params: SamplingParams, seed: int, step: int) 
 
 def snap_top_p(x, params: SamplingParams, target: float) -> float:
     """A top_p near `target` halfway between two consecutive reference cumulative masses."""
-    q = np.sort(_probs(x, replace(params, top_p=1.0, min_p=0.0)))[::-1]
+    q = np.sort(_probs(x, replace(params, top_p=1.0)))[::-1]  # after top_k and min_p, as top_p sees them
     cum = np.cumsum(q)
     j = int(np.searchsorted(cum, target))
     while j > 0 and (j >= len(q) or q[j] < 1e-4):
@@ -54,7 +54,7 @@ def snap_top_p(x, params: SamplingParams, target: float) -> float:
 
 def snap_min_p(x, params: SamplingParams, target: float) -> float:
     """A min_p near `target` halfway between two consecutive reference ratios p / max p."""
-    p = _probs(x, replace(params, min_p=0.0))
+    p = _probs(x, replace(params, min_p=0.0, top_p=1.0))  # min_p's ratios p / max p, before top_p
     r = np.sort(p[p > 0] / p.max())[::-1]
     i = int(np.searchsorted(-r, -target))  # first ratio below target
     while i > 1 and (i >= len(r) or (r[i - 1] - r[i]) / r[i - 1] < 1e-3):
@@ -73,10 +73,12 @@ def make_params(kind: str, x: np.ndarray, rng) -> SamplingParams:
     if kind in ("top_k", "top_k_ties"):
         return SamplingParams(temperature=t, top_k=int(rng.integers(1, 60)))
     params = SamplingParams(temperature=t, top_k=int(rng.integers(20, 200)) if kind == "combined" else 0)
-    if kind in ("top_p", "combined"):
-        params = replace(params, top_p=snap_top_p(x, params, rng.uniform(0.3, 0.95)))
+    # min_p first: top_p's cumulative masses are over what top_k and min_p keep (vLLM's order), so its snap
+    # needs min_p set
     if kind in ("min_p", "combined"):
         params = replace(params, min_p=snap_min_p(x, params, rng.uniform(0.02, 0.4)))
+    if kind in ("top_p", "combined"):
+        params = replace(params, top_p=snap_top_p(x, params, rng.uniform(0.3, 0.95)))
     return params
 
 

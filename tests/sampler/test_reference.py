@@ -34,6 +34,18 @@ def test_top_k_top_p_min_p_supports():
     assert abs(p.sum() - 1) < 1e-12
 
 
+def test_min_p_applies_before_top_p():
+    """vLLM's v1 sampler order: min_p drops tokens below min_p x the top probability first, and top_p's cumulative
+    mass is then over the renormalised rest.  p = (0.4, 0.3, 0.2, 0.1), min_p 0.3 (drops 0.1 < 0.12), top_p 0.75:
+    the rest renormalised is (4, 3, 2) / 9, whose prefix reaches 0.75 at two tokens (7 / 9); top_p first would keep
+    three (0.4 + 0.3 < 0.75 <= 0.9) and min_p would then drop none of them."""
+    x = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    p = _probs(x, SamplingParams(top_p=0.75, min_p=0.3))
+    assert set(np.flatnonzero(p)) == {0, 1}
+    assert np.allclose(p[:2], [4 / 7, 3 / 7], rtol=1e-12)
+    assert set(np.flatnonzero(_probs(x, SamplingParams(top_p=0.75)))) == {0, 1, 2}  # top_p alone: three
+
+
 def test_draws_follow_distribution():
     x = np.log(np.array([0.5, 0.3, 0.2], dtype=np.float32))
     params = SamplingParams(temperature=1.0)
