@@ -287,16 +287,10 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
 def _read_config(path: str) -> dict:
     """`--config FILE`'s JSON; each failure names the flag and the file."""
     from kda_rt.demo.presets import PRESETS
+    from kda_rt.loader.jsonfile import read_json
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"--config {path!r}: no such file, nor a preset ({', '.join(PRESETS)})") from None
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too-long ints; deep nesting
-        raise ValueError(f"--config {path!r}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise ValueError(f"--config {path!r}: cannot read ({exc.strerror or exc})") from None
+    return read_json(path, label=f"--config {path!r}", missing=f"no such file, nor a preset ({', '.join(PRESETS)})",
+                     want_object=False)  # parse_config names a top level that is not an object
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import weakref
@@ -24,6 +23,7 @@ from kda_rt.engine.config import offline_batched_tokens
 from kda_rt.engine.postprocess import DeltaTracker
 from kda_rt.engine.runner import make_runner, select_backend
 from kda_rt.loader.config import load_config
+from kda_rt.loader.jsonfile import read_json
 from kda_rt.outputs import Logprob, RequestOutput, vllm_logprobs
 from kda_rt.sampler.params import SamplingParams
 
@@ -74,16 +74,7 @@ def _generation_config(model_dir: str) -> tuple[dict[str, Any], str]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.exists(path):
         return {}, path
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply") from None
-    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
-    return data, path
+    return read_json(path), path
 
 
 def _generation_eos(data: dict[str, Any], path: str, vocab_size: int) -> list[int]:

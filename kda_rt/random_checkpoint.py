@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from kda_rt.loader.config import parse_config
+from kda_rt.loader.jsonfile import read_json
 from kda_rt.loader.safetensors_mmap import save_safetensors
 from kda_rt.loader.weights import (
     A_LOG,
@@ -159,8 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="correction biases 2 apart, so expert selection never depends on the input (no router "
                          "near-ties: for tight backend-vs-backend comparisons)")
     args = ap.parse_args(argv)
-    with open(args.config, encoding="utf-8") as fh:
-        config = json.load(fh)
+    config = read_json(args.config, label=f"--config {args.config!r}")
     out = write_random_checkpoint(
         config, args.out, seed=args.seed, num_shards=args.shards, dtype=args.dtype, tokenizer_dir=args.tokenizer_from,
         router_bias_std=args.router_bias_std, fixed_routing=args.fixed_routing,

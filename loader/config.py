@@ -9,7 +9,6 @@ type, or two spellings of one field that disagree raise `ConfigError` naming the
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from .fields import (
     mlp_schedule,
     short,
 )
+from .jsonfile import read_json
 
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "ModelConfig", "load_config", "parse_config"]
 
@@ -243,17 +243,6 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
 def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     """Read and parse `<model_dir>/config.json`."""
     path = os.path.join(os.fspath(model_dir), "config.json")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (is '{model_dir}' a Kimi Linear checkpoint directory?)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: JSON nested too deeply") from None
-    except ValueError as exc:  # e.g. an integer literal past Python's digit limit
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    raw = read_json(path, ConfigError, missing=f"not found (is '{model_dir}' a Kimi Linear checkpoint directory?)",
+                    want_object=False)  # parse_config names a top level that is not an object
     return parse_config(raw, source=path)

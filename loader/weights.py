@@ -11,13 +11,13 @@ naming the file and the tensor.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .jsonfile import read_json
 from .safetensors_mmap import DTYPES, CheckpointError, read_safetensors
 from .schema import (  # re-exported
     A_LOG,
@@ -68,11 +68,7 @@ def _read_files(model_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
         tensors = read_safetensors(single_path)
         return tensors, dict.fromkeys(tensors, single_path)
-    try:
-        with open(index_path, encoding="utf-8") as fh:
-            index = json.load(fh)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{index_path}: cannot read as JSON ({exc})") from None
+    index = read_json(index_path, CheckpointError, want_object=False)  # a non-object: no 'weight_map', named below
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: 'weight_map' must be an object mapping tensor names to file names")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from kda_rt.loader.jsonfile import read_json
 
 __all__ = ["NUM_SPECIAL_TOKENS", "TokenizerError", "load_json", "load_rank_file", "special_tokens", "token_field"]
 
@@ -56,17 +57,7 @@ def load_rank_file(path: str | Path) -> dict[bytes, int]:
 
 def load_json(path: Path) -> dict[str, Any]:
     """A JSON object file; TokenizerError naming the file (and line) otherwise."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: top level must be a JSON object")
-    return data
+    return read_json(path, TokenizerError, missing="cannot read (No such file or directory)")
 
 
 def special_tokens(config: Mapping[str, Any], where: str, num_base: int) -> dict[str, int]:

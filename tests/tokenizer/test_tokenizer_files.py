@@ -73,7 +73,7 @@ def test_bad_config(model_dir, edit, match):
 
 def test_bad_json(model_dir):
     (model_dir / "tokenizer_config.json").write_text('{\n  "bos_token": "[BOS]",\n  oops\n}')
-    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json:3:3: invalid JSON"):
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json:3:3: not valid JSON"):
         Tokenizer.from_dir(model_dir)
     (model_dir / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(TokenizerError, match="must be a JSON object"):
