@@ -409,12 +409,11 @@ class LLM:
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv:
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
-        prompts = [
-            {"prompt_token_ids": self.tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                                                            chat_template_kwargs=chat_template_kwargs,
-                                                            continue_final_message=continue_final_message)}
-            for conv in conversations
-        ]
+        options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
+                   "chat_template_kwargs": chat_template_kwargs, "continue_final_message": continue_final_message}
+        # the ids from encode_chat (client text never a control token); the rendered text as each output's prompt
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(conv, **options),
+                    "prompt": self.tokenizer.apply_chat_template(conv, **options)} for conv in conversations]
         return self.generate(prompts, sampling_params, stream=stream, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def score(self, token_ids: list[int]) -> np.ndarray:

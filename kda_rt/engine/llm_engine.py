@@ -192,9 +192,15 @@ class LLMEngine:
         """(text or None, checked token ids) of a prompt.  A text prompt is the model's whole input, so its
         special-token strings (`<|im_user|>`, `<|im_end|>`, ...) are the control tokens, as the checkpoint's own
         tokenizer and vLLM read them: a chat template applied by the caller works.  (Chat messages go through
-        `Tokenizer.encode_chat` instead, where client text never becomes a control token.)"""
+        `Tokenizer.encode_chat` instead, where client text never becomes a control token.)  A dict with both
+        'prompt_token_ids' and 'prompt' runs the ids and reports the text as the prompt (`LLM.chat`'s rendered
+        template)."""
+        given_text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                given_text = prompt.get("prompt")
+                if given_text is not None and not isinstance(given_text, str):
+                    raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(given_text).__name__}")
                 prompt = prompt["prompt_token_ids"]
                 if not isinstance(prompt, (list, tuple, np.ndarray)):
                     raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}")
@@ -212,7 +218,7 @@ class LLMEngine:
                 raise ValueError("this checkpoint has no tokenizer files; pass {'prompt_token_ids': [...]} instead of text")
             text, ids = prompt, self.tokenizer.encode(prompt, allow_special=True)
         else:
-            text, ids = None, list(prompt)
+            text, ids = given_text, list(prompt)
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
         vocab = self.model_config.vocab_size

@@ -103,6 +103,13 @@ def test_text_prompt_reads_special_tokens(llm):
     chat = llm.chat(msgs, greedy(5))[0]
     plain = llm.generate(text, greedy(5))[0]
     assert plain.prompt_token_ids == chat.prompt_token_ids == tok.encode_chat(msgs)
+    assert chat.prompt == plain.prompt == text  # the rendered template is the chat output's prompt, as in vLLM
+    two = llm.chat([msgs, [{"role": "user", "content": "x"}]], greedy(1), add_generation_prompt=False)
+    assert [o.prompt for o in two] == [tok.apply_chat_template(m, add_generation_prompt=False)
+                                       for m in (msgs, [{"role": "user", "content": "x"}])]
+    with pytest.raises(TypeError, match="'prompt' must be a str, got int"):
+        llm.generate({"prompt_token_ids": [5, 6], "prompt": 7}, greedy(1))
+    assert llm.generate({"prompt_token_ids": [5, 6], "prompt": "ab"}, greedy(1))[0].prompt == "ab"
     assert tok.encode("<|im_end|>", allow_special=True)[0] in plain.prompt_token_ids
     assert plain.outputs[0].token_ids == chat.outputs[0].token_ids
     assert llm.generate("a <|im_end|> b", greedy(1))[0].prompt_token_ids == tok.encode("a <|im_end|> b",
