@@ -1,4 +1,4 @@
-"""Launcher for kernels_cu/sampling.cu: penalties -> greedy or temperature/top-k/top-p/min-p -> draw,
+"""Launcher for kernels_cu/sampling.cu: penalties -> greedy or temperature/top-k/min-p/top-p -> draw,
 all on the device (no host sync, no allocation once the outputs are given, graph-capturable).  A row
 is split over a thread-block cluster of CLUSTER CTAs on sm_90+ (one CTA per row elsewhere and for
 small vocabularies); tokens, thresholds and draws do not depend on the split.

@@ -87,6 +87,7 @@ def inputs(B, kind):
         s["top_k"][1::5] = 50
         s["top_p"][2::5] = 1.0
         s["min_p"][3::5] = 0.05
+        s["top_p"][3::5] = 1.0  # min_p alone: an A/B against a kernel from before 2026-12-03 (min_p after top_p) agrees
     return x, s
 
 
