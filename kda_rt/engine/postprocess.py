@@ -2,9 +2,15 @@
 `RequestOutput`s.  (Sampling itself happens in the runner; the draw for output token `k` of a
 sequence is keyed by (seed, k), so a sequence preempted and recomputed samples the same tokens.)
 
-Streaming: `RequestOutput` text is cumulative.  While a sequence with stop strings is running, its
-last (longest stop string - 1) characters are held back, because a stop string completed by a
-later token would cut them off again; so visible text only ever grows.  `DeltaTracker` turns the
+Stop conditions as vLLM's v1 engine: a stop token id or an EOS id leaves its text out unless
+`include_stop_str_in_output` (then it is decoded, a special token as `skip_special_tokens` says); a stop string
+counts where it ends inside the text of the tokens after the first `min_tokens`, and where several end in one
+token's text the one that ends first wins (ties: list order).
+
+Streaming: `RequestOutput` text is cumulative.  While a sequence with stop strings that are cut from the output
+is running, its last (longest stop string - 1) characters are held back, because a stop string completed by a
+later token would cut them off again; so visible text only ever grows.  With `include_stop_str_in_output` nothing
+is held back: the cut falls after the new text's stop string, never inside text already shown.  `DeltaTracker` turns the
 cumulative outputs of one request into deltas (new text, new token ids).
 """
 
@@ -38,9 +44,9 @@ class Postprocessor:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         if token in p.stop_token_ids:
-            return self.finish(seq, "stop", token)
+            return self.finish(seq, "stop", token, p.include_stop_str_in_output)
         if not p.ignore_eos and token in self.eos_token_ids:
-            return self.finish(seq, "stop", None)
+            return self.finish(seq, "stop", None, p.include_stop_str_in_output)
         if seq.detokenizer is not None:
             before = len(seq.text)
             seq.text += seq.detokenizer.add([token])
@@ -51,14 +57,18 @@ class Postprocessor:
             return self.finish(seq, "length")
         return False
 
-    def _check_stop_strings(self, seq: Sequence, before: int) -> bool:
-        longest = max(len(s) for s in seq.params.stop_strings)
-        start = max(0, before - longest + 1)
-        hits = [(seq.text.find(s, start), s) for s in seq.params.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, before: int) -> bool:
+        """A stop string that ends in the text after `before` (the new token's): the one ending first, ties by
+        list order; the text cut at its start (or its end with include_stop_str_in_output)."""
+        best = None  # (end, start, stop string)
+        for s in seq.params.stop_strings:
+            i = seq.text.find(s, max(0, before - len(s) + 1))
+            if i >= 0 and (best is None or i + len(s) < best[0]):
+                best = (i + len(s), i, s)
+        if best is None:
             return False
-        i, s = min(hits)
+        _, i, s = best
         seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
         seq.finish_reason, seq.stop_reason = "stop", s
         return True
@@ -71,9 +81,12 @@ class Postprocessor:
         return True
 
     @staticmethod
-    def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
-        """End `seq` now (its last token already accepted): flush the text, set the reasons."""
+    def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None, decode_last: bool = False) -> bool:
+        """End `seq` now (its last token already accepted): flush the text, set the reasons.  decode_last: the
+        last token's text joins the output first (a stop token or EOS with include_stop_str_in_output)."""
         if seq.detokenizer is not None:
+            if decode_last:
+                seq.text += seq.detokenizer.add([seq.output_token_ids[-1]])
             seq.text += seq.detokenizer.flush()
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         return True
@@ -81,7 +94,7 @@ class Postprocessor:
 
 def _visible_text(seq: Sequence) -> str:
     stops = seq.params.stop_strings
-    if seq.finish_reason is not None or not stops:
+    if seq.finish_reason is not None or not stops or seq.params.include_stop_str_in_output:
         return seq.text
     hold = max(len(s) for s in stops) - 1
     return seq.text[: max(0, len(seq.text) - hold)]

@@ -77,6 +77,72 @@ def test_n_samples_and_stop_conditions(llm):
         assert out.text == ref.text[: ref.text.find(stop)]
 
 
+def _plain_tokens(llm, ids):
+    """Positions j >= 1 of ids whose token decodes alone to ordinary text of 2+ characters (no special, no
+    partial UTF-8) and does not occur before j."""
+    tok = llm.get_tokenizer()
+    return [j for j in range(1, len(ids)) if ids[j] not in ids[:j] and ids[j] not in tok.special_ids
+            and len(tok.decode([ids[j]])) >= 2 and "\ufffd" not in tok.decode([ids[j]])]
+
+
+def test_stop_token_text_with_include_stop_str_in_output(llm):
+    """As vLLM's v1 detokenizer: a stop token id (or EOS) ends the text before it, and with
+    include_stop_str_in_output its text is in the output.  Was: never in the text."""
+    tok = llm.get_tokenizer()
+    ref = llm.generate("Hello", greedy(12))[0].outputs[0]
+    ids = list(ref.token_ids)
+    j = _plain_tokens(llm, ids)[0]
+    for include, upto in ((False, j), (True, j + 1)):
+        out = llm.generate("Hello", greedy(12, stop_token_ids=[ids[j]], include_stop_str_in_output=include))[0]
+        o = out.outputs[0]
+        assert (o.finish_reason, o.stop_reason, list(o.token_ids)) == ("stop", ids[j], ids[: j + 1]), include
+        assert o.text == tok.decode(ids[:upto], skip_special_tokens=True), (include, o.text)
+
+
+def test_stop_string_ending_first_wins(llm):
+    """Two stop strings completed by one token: the one that ends first in the text wins (vLLM's
+    check_stop_strings), whatever starts first.  Was: the earliest start."""
+    tok = llm.get_tokenizer()
+    ids = list(llm.generate("Hello", greedy(12))[0].outputs[0].token_ids)
+    for k in _plain_tokens(llm, ids):
+        before, new = tok.decode(ids[:k], skip_special_tokens=True), tok.decode([ids[k]])
+        if "\ufffd" in before or not before or tok.decode(ids[: k + 1], skip_special_tokens=True) != before + new:
+            continue
+        early_end, early_start = new[:2], before[-1] + new  # ends at before + 2 / starts at before - 1
+        if early_end not in before + new[:1] and early_start not in before:
+            break
+    else:
+        raise AssertionError("no token of the greedy output fits the test")
+    for stops in ([early_start, early_end], [early_end, early_start]):
+        o = llm.generate("Hello", greedy(12, stop=stops))[0].outputs[0]
+        assert (o.stop_reason, o.text) == (early_end, before), stops
+        o = llm.generate("Hello", greedy(12, stop=stops, include_stop_str_in_output=True))[0].outputs[0]
+        assert (o.stop_reason, o.text) == (early_end, before + early_end), stops
+
+
+def test_stop_string_inside_min_tokens_is_not_matched(llm):
+    """A stop string whose text lies wholly inside the first min_tokens tokens' text never stops the request,
+    even beside a longer stop string (vLLM checks only text after token min_tokens).  Was: the longest string's
+    window reached back into it."""
+    tok = llm.get_tokenizer()
+    ref = llm.generate("Hello", greedy(12))[0].outputs[0]
+    ids, full = list(ref.token_ids), ref.text
+    j = next(j for j in _plain_tokens(llm, ids) if j <= 3 and full.count(tok.decode([ids[j]])) == 1)
+    stop = tok.decode([ids[j]])
+    o = llm.generate("Hello", greedy(12, stop=[stop, "Z" * 40], min_tokens=4))[0].outputs[0]
+    assert (o.finish_reason, o.stop_reason, o.text) == ("length", None, full)
+
+
+def test_include_stop_str_streams_without_holding_back(llm):
+    """With include_stop_str_in_output nothing is held back while streaming (vLLM's stop_buffer_length 0): the
+    deltas are those of a request without stop strings; without it, longest - 1 characters are held back."""
+    plain = [d.outputs[0].text for d in llm.generate("Hello", greedy(12), stream=True)]
+    kept = [d.outputs[0].text for d in llm.generate("Hello", greedy(12, stop=["Z" * 6],
+                                                                   include_stop_str_in_output=True), stream=True)]
+    held = [d.outputs[0].text for d in llm.generate("Hello", greedy(12, stop=["Z" * 6]), stream=True)]
+    assert kept == plain and "".join(held) == "".join(plain) and held != plain
+
+
 def test_chat_and_errors(llm):
     out = llm.chat([{"role": "user", "content": "hi <|im_end|>"}], greedy(4))[0]
     tok = llm.get_tokenizer()
