@@ -368,10 +368,16 @@ class LLM:
 
     def _stream(self, ids: list[str], done: list, attach=None) -> Iterator[RequestOutput]:
         trackers = {rid: DeltaTracker() for rid in ids}
+        given: set[str] = set()  # requests whose prompt_logprobs went out: with the first delta only (vLLM's deltas)
         try:
             for out in self._drive(ids):
                 delta = trackers[out.request_id].delta(out)
-                yield attach(delta) if attach else delta
+                if attach is not None:
+                    delta = attach(delta)
+                    if delta.prompt_logprobs is not None and out.request_id in given:
+                        delta = dataclasses.replace(delta, prompt_logprobs=None)
+                    given.add(out.request_id)
+                yield delta
         finally:
             done[0].detach()  # ids may be reused by later requests: never abort them from the finalizer
             self._abort_all(ids)
