@@ -160,11 +160,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="correction biases 2 apart, so expert selection never depends on the input (no router "
                          "near-ties: for tight backend-vs-backend comparisons)")
     args = ap.parse_args(argv)
-    config = read_json(args.config, label=f"--config {args.config!r}")
-    out = write_random_checkpoint(
-        config, args.out, seed=args.seed, num_shards=args.shards, dtype=args.dtype, tokenizer_dir=args.tokenizer_from,
-        router_bias_std=args.router_bias_std, fixed_routing=args.fixed_routing,
-    )
+    try:  # a bad --config or tokenizer directory: one line naming it, exit status 2 (not a traceback)
+        config = read_json(args.config, label=f"--config {args.config!r}")
+        out = write_random_checkpoint(
+            config, args.out, seed=args.seed, num_shards=args.shards, dtype=args.dtype,
+            tokenizer_dir=args.tokenizer_from, router_bias_std=args.router_bias_std, fixed_routing=args.fixed_routing,
+        )
+    except (ValueError, FileNotFoundError) as exc:  # ConfigError is a ValueError
+        ap.error(str(exc))
     print(out)
 
 

@@ -179,13 +179,13 @@ class LLMEngine:
 
     def request_prompt(self, prompt: str | list[int] | dict, params: SamplingParams) -> tuple[str | None, list[int]]:
         """`prompt_ids`, then `params.truncate_prompt_tokens`: the last N ids (vLLM's left truncation; -1 is
-        max_model_len of them), and no text once cut (it no longer matches the ids)."""
+        max_model_len of them); the text stays the one given, as vLLM's outputs report it."""
         text, ids = self.prompt_ids(prompt)
         keep = params.truncate_prompt_tokens
         if keep is not None:
             keep = self.config.max_model_len if keep == -1 else keep
             if len(ids) > keep:
-                text, ids = None, ids[len(ids) - keep:]
+                ids = ids[len(ids) - keep:]
         return text, ids
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

@@ -43,16 +43,19 @@ class Postprocessor:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
-        if token in p.stop_token_ids:
-            return self.finish(seq, "stop", token, p.include_stop_str_in_output)
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self.finish(seq, "stop", None, p.include_stop_str_in_output)
-        if seq.detokenizer is not None:
+        # EOS before the stop ids, as vLLM's check_stop (an id in both reports None)
+        ended = not p.ignore_eos and token in self.eos_token_ids
+        stop_id = token if not ended and token in p.stop_token_ids else None
+        ended |= stop_id is not None
+        if seq.detokenizer is not None and (not ended or p.include_stop_str_in_output):
             before = len(seq.text)
-            seq.text += seq.detokenizer.add([token])
-            # like EOS and stop ids, stop strings only count once min_tokens tokens exist (vLLM)
+            seq.text += seq.detokenizer.add([token])  # a stop token's text only with include_stop_str_in_output
+            # like EOS and stop ids, stop strings only count once min_tokens tokens exist (vLLM); one found in a
+            # stop token's text is the stop reason (vLLM's detokenizer result replaces the id)
             if p.stop_strings and len(seq.output_token_ids) > p.min_tokens and self._check_stop_strings(seq, before):
                 return True
+        if ended:
+            return self.finish(seq, "stop", stop_id)
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return self.finish(seq, "length")
         return False
@@ -81,12 +84,9 @@ class Postprocessor:
         return True
 
     @staticmethod
-    def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None, decode_last: bool = False) -> bool:
-        """End `seq` now (its last token already accepted): flush the text, set the reasons.  decode_last: the
-        last token's text joins the output first (a stop token or EOS with include_stop_str_in_output)."""
+    def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
+        """End `seq` now (its last token already accepted): flush the text, set the reasons."""
         if seq.detokenizer is not None:
-            if decode_last:
-                seq.text += seq.detokenizer.add([seq.output_token_ids[-1]])
             seq.text += seq.detokenizer.flush()
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         return True

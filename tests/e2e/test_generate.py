@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -97,6 +98,28 @@ def test_stop_token_text_with_include_stop_str_in_output(llm):
         o = out.outputs[0]
         assert (o.finish_reason, o.stop_reason, list(o.token_ids)) == ("stop", ids[j], ids[: j + 1]), include
         assert o.text == tok.decode(ids[:upto], skip_special_tokens=True), (include, o.text)
+
+
+def test_stop_string_in_a_stop_tokens_text_and_eos_first(llm):
+    """A stop token's text (with include_stop_str_in_output) is searched for stop strings too, and a hit is the stop
+    reason (vLLM's detokenizer result replaces the id); without the flag its text is not decoded, so the id stays.
+    An id that is EOS and a stop id reports None: EOS is checked first, as vLLM's check_stop."""
+    tok = llm.get_tokenizer()
+    ref = llm.generate("Hello", greedy(12))[0].outputs[0]
+    ids = list(ref.token_ids)
+    j = next(j for j in _plain_tokens(llm, ids) if tok.decode([ids[j]])[-2:] not in
+             tok.decode(ids[:j], skip_special_tokens=True) + tok.decode([ids[j]])[:-1])
+    tail, upto = tok.decode([ids[j]])[-2:], tok.decode(ids[: j + 1], skip_special_tokens=True)
+    o = llm.generate("Hello", greedy(12, stop_token_ids=[ids[j]], stop=[tail], include_stop_str_in_output=True))[0]
+    assert (o.outputs[0].stop_reason, o.outputs[0].text) == (tail, upto)
+    o = llm.generate("Hello", greedy(12, stop_token_ids=[ids[j]], stop=[tail]))[0]
+    assert (o.outputs[0].stop_reason, o.outputs[0].text) == (ids[j], tok.decode(ids[:j], skip_special_tokens=True))
+    eos = min(llm.llm_engine.eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[eos], logit_bias={eos: 100.0})
+    o = llm.generate("Hello", params)[0].outputs[0]
+    assert (list(o.token_ids), o.finish_reason, o.stop_reason) == ([eos], "stop", None)
+    o = llm.generate("Hello", replace(params, ignore_eos=True))[0].outputs[0]
+    assert (list(o.token_ids), o.finish_reason, o.stop_reason) == ([eos], "stop", eos)  # ignore_eos: a stop id still
 
 
 def test_stop_string_ending_first_wins(llm):

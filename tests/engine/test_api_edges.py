@@ -216,6 +216,9 @@ def test_truncate_prompt_tokens():
     assert cut.prompt_token_ids == ids[-10:] and cut.outputs[0].token_ids == ref.outputs[0].token_ids
     same = llm.generate({"prompt_token_ids": ids[:5]}, SamplingParams(truncate_prompt_tokens=10, **greedy))[0]
     assert same.prompt_token_ids == ids[:5]
+    text = "one two three four five six seven eight"  # the output's prompt stays the text given (vLLM's; was None)
+    cut = llm.generate(text, SamplingParams(truncate_prompt_tokens=3, **greedy))[0]
+    assert cut.prompt == text and cut.prompt_token_ids == llm.get_tokenizer().encode(text)[-3:]
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate({"prompt_token_ids": ids * 2}, SamplingParams(truncate_prompt_tokens=-1, **greedy))
     for bad in (0, -2, 1.5):

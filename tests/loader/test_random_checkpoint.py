@@ -119,3 +119,21 @@ def test_cli(tmp_path, capsys):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (None, "--config '{path}': not found"), ("{oops", "--config '{path}':1:2: not valid JSON"),
+    ('{"model_type": "llama"}', "write_random_checkpoint(config): unsupported model_type 'llama'"),
+], ids=["missing", "malformed", "bad-field"])
+def test_cli_names_a_bad_config(tmp_path, capsys, content, needle):
+    """python -m kda_rt.random_checkpoint with a bad --config: one `error:` line naming it, exit status 2 (was a
+    traceback)."""
+    from kda_rt.random_checkpoint import main
+
+    path = tmp_path / "c.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "error: " + needle.format(path=path) in err, err
