@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import weakref
@@ -185,6 +186,7 @@ class LLM:
         if self.report:
             logger.info("%s", self.report)
         self._open: set[str] = set()  # request ids issued by generate() and not yet returned
+        self._request_counter = itertools.count()  # request ids "0", "1", ... across calls, as vLLM's LLM
         self._parked: dict[str, tuple[int, RequestOutput]] = {}  # newest (step stamp, output) of an open request
         self._step_stamp = 0  # engine steps taken by the drivers; orders cumulative outputs
         self.model_dir = model_dir
@@ -305,8 +307,8 @@ class LLM:
         `fit_max_tokens`: the params are the defaults (LLMEngine.add_request)."""
         ids: list[str] = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                rid = self._request_id(i)
+            for prompt, params in zip(prompts, params_list, strict=True):
+                rid = self._request_id()
                 try:
                     ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind,
                                                            fit_max_tokens=fit_max_tokens))
@@ -318,11 +320,10 @@ class LLM:
             raise
         return ids
 
-    def _request_id(self, i: int) -> str:
-        rid, k = str(i), 0
-        while rid in self._open or rid in self.llm_engine.requests:  # taken by a still-open stream
-            k += 1
-            rid = f"{i}.{k}"
+    def _request_id(self) -> str:
+        rid = str(next(self._request_counter))
+        while rid in self._open or rid in self.llm_engine.requests:  # taken (an id given to the engine directly)
+            rid = str(next(self._request_counter))
         self._open.add(rid)
         return rid
 

@@ -166,6 +166,15 @@ def test_include_stop_str_streams_without_holding_back(llm):
     assert kept == plain and "".join(held) == "".join(plain) and held != plain
 
 
+def test_request_ids_count_on_across_calls(llm):
+    """vLLM's LLM numbers requests with one counter for its lifetime: a second generate call's ids follow the
+    first's (were "0", "1", ... again each call)."""
+    first = [o.request_id for o in llm.generate(["a", "b"], greedy(1))]
+    second = [o.request_id for o in llm.generate(["c", "d", "e"], greedy(1))]
+    start = int(first[0])
+    assert first + second == [str(start + i) for i in range(5)]
+
+
 def test_chat_and_errors(llm):
     out = llm.chat([{"role": "user", "content": "hi <|im_end|>"}], greedy(4))[0]
     tok = llm.get_tokenizer()
