@@ -85,9 +85,9 @@ class Postprocessor:
 
     @staticmethod
     def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> bool:
-        """End `seq` now (its last token already accepted): flush the text, set the reasons."""
-        if seq.detokenizer is not None:
-            seq.text += seq.detokenizer.flush()
+        """End `seq` now (its last token already accepted): set the reasons.  The bytes of an unfinished UTF-8
+        character at the end stay out of the text, as vLLM's detokenizers hold them back and never flush them
+        (was: one U+FFFD)."""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         return True
 

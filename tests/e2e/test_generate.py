@@ -175,6 +175,27 @@ def test_request_ids_count_on_across_calls(llm):
     assert first + second == [str(start + i) for i in range(5)]
 
 
+def test_unfinished_character_at_the_end_is_left_out(llm):
+    """A request that ends inside a multi-byte character (here: max_tokens) leaves those bytes out of its text, as
+    vLLM's detokenizers do (was: a trailing U+FFFD); token_ids keep every token."""
+    import codecs
+
+    tok = llm.get_tokenizer()
+    ids = list(llm.generate("Hello", greedy(24))[0].outputs[0].token_ids)
+
+    def pending(k):  # the bytes of an unfinished character at the end of the first k tokens' bytes
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        dec.decode(tok.decode_bytes(ids[:k], skip_special_tokens=True))
+        return dec.getstate()[0]
+
+    k = next(k for k in range(1, len(ids)) if pending(k))
+    data = tok.decode_bytes(ids[:k], skip_special_tokens=True)
+    o = llm.generate("Hello", greedy(k))[0].outputs[0]
+    assert list(o.token_ids) == ids[:k] and o.finish_reason == "length"
+    assert o.text == data[: len(data) - len(pending(k))].decode("utf-8", errors="replace")
+    assert tok.decode(ids[:k], skip_special_tokens=True) == o.text + "\ufffd"  # what a flush gave
+
+
 def test_chat_and_errors(llm):
     out = llm.chat([{"role": "user", "content": "hi <|im_end|>"}], greedy(4))[0]
     tok = llm.get_tokenizer()
