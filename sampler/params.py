@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_LOGIT_BIAS", "MAX_REPETITION_PENALTY",
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGIT_BIAS",
+           "MAX_REPETITION_PENALTY",
            "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
@@ -27,6 +28,7 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 16384
 # logit_bias: OpenAI's value range and entry limit; every entry is added on the host each step
 MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # a request's allowed_token_ids (the vocabulary is 163,840: any real list fits)
 MAX_LOGIT_BIAS_VALUE = 100.0
 
 
@@ -148,6 +150,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI / vLLM)
     logit_bias: dict[int, float] | None = None
+    # only these token ids can be sampled (vLLM's field: every other logit is -inf); None: all
+    allowed_token_ids: list[int] | None = None
     # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
     structured_outputs: StructuredOutputsParams | dict | None = None
 
@@ -204,6 +208,17 @@ class SamplingParams:
         if t is not None and (not _is_int(t) or not (t == -1 or 1 <= t <= _MAX_INT32)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an int >= 1, got {t!r}")
         self._validate_logit_bias()
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= _MAX_INT32 for i in ids):
+                raise ValueError(f"allowed_token_ids must be a list of token ids (ints in [0, 2**31 - 1]), got "
+                                 f"{ids!r:.200}")
+            if not ids:
+                raise ValueError("allowed_token_ids is empty: no token could be sampled (None allows every token)")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids has {len(ids)} ids; at most MAX_ALLOWED_TOKEN_IDS = "
+                                 f"{MAX_ALLOWED_TOKEN_IDS}")
+            self.allowed_token_ids = list(ids)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
             self.structured_outputs.validate()

@@ -128,7 +128,7 @@ def nonfinite_error(step: int) -> str:
 def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
     """Sample `rows` on the host into `out` (the same row indices); `logits[i]` is row i's [V]
     logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  Penalties,
-    logit_bias, min_tokens bans, the grammar mask, then `sample_row`; a row with NaN or inf logits,
+    logit_bias, min_tokens bans, allowed_token_ids, the grammar mask, then `sample_row`; a row with NaN or inf logits,
     or with every token masked, gets an error instead."""
     for i in rows:
         x, p = logits[i], batch.params[i]
@@ -151,12 +151,16 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
         if banned:
             x = x.copy()
             x[banned] = -np.inf
+        if p.allowed_token_ids is not None:  # only these (vLLM's allowed_token_ids)
+            keep = np.zeros(vocab, dtype=bool)
+            keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+            x = np.where(keep, x, -np.inf).astype(np.float32)
         mask = batch.allowed[i]
         if mask is not None:
             x = np.where(allowed_tokens(mask, vocab), x, -np.inf).astype(np.float32)
-        if (mask is not None or banned or bias is not None) and not np.isfinite(x).any():
+        if (mask is not None or banned or bias is not None or p.allowed_token_ids is not None) and not np.isfinite(x).any():
             out.errors[i] = (f"no token is allowed at output token {step} (the grammar, the bans of stop_token_ids "
-                             "and EOS under min_tokens, and logit_bias exclude all)")
+                             "and EOS under min_tokens, allowed_token_ids and logit_bias exclude all)")
             continue
         token = sample_row(x, p, int(batch.seeds[i]), step)
         out.token_ids[i] = token

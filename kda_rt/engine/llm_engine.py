@@ -148,6 +148,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids holds {max(params.allowed_token_ids)}, outside the vocabulary "
+                             f"[0, {vocab})")
         grammars = (self.structured().states(params.structured_outputs, params.n)
                     if params.structured_outputs is not None else [None] * params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -341,7 +344,7 @@ class LLMEngine:
         need = 0
         for (seq, n), s in zip(cur.sched.scheduled, seqs, strict=True):
             if (n != 1 or seq is not s or s.finished or s.num_computed != s.num_tokens - 1 or s.grammar is not None
-                    or s.params.logit_bias or len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit
+                    or len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit
                     or needs_host_sampling(s.params, len(s.output_token_ids) + 1)):
                 return None
             need += max(0, sched.pages_for(s.num_computed + 2) - len(s.blocks))

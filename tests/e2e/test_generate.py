@@ -196,6 +196,28 @@ def test_unfinished_character_at_the_end_is_left_out(llm):
     assert tok.decode(ids[:k], skip_special_tokens=True) == o.text + "\ufffd"  # what a flush gave
 
 
+def test_allowed_token_ids(llm):
+    """vLLM's allowed_token_ids: every sampled token is one of them, with their probabilities renormalised among
+    themselves (greedy: the one of them with the largest logit); an empty list or an id past the vocabulary is
+    refused, named."""
+    allowed = [40, 41, 97, 300]
+    out = llm.generate(["Hello", "naïve"], SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True,
+                                                          allowed_token_ids=allowed, logprobs=2))
+    for o in out:
+        ids = list(o.outputs[0].token_ids)
+        assert len(ids) == 24 and set(ids) <= set(allowed), ids
+        assert all(set(lp) <= set(allowed) for lp in o.outputs[0].logprobs)  # the rest are -inf: never listed
+    logits = llm.score(llm.get_tokenizer().encode("Hello"))[-1]
+    first = llm.generate("Hello", greedy(1, allowed_token_ids=allowed))[0].outputs[0].token_ids[0]
+    assert first == allowed[int(np.argmax(logits[allowed]))]
+    for bad, match in (([], "allowed_token_ids is empty"), ([5, -1], "allowed_token_ids must be a list of token ids"),
+                       ("40", "allowed_token_ids must be a list")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match=r"allowed_token_ids holds 99999999, outside the vocabulary"):
+        llm.generate("Hello", greedy(1, allowed_token_ids=[3, 99999999]))
+
+
 def test_chat_and_errors(llm):
     out = llm.chat([{"role": "user", "content": "hi <|im_end|>"}], greedy(4))[0]
     tok = llm.get_tokenizer()

@@ -230,8 +230,29 @@ def test_request_id_header(server):
         s.read()
 
 
-@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("allowed_token_ids", [1, 2]),
-                                              ("bad_words", ["x"]), ("priority", 3), ("chat_template", "{{ x }}"),
+def test_allowed_token_ids_server(server):
+    """vLLM's allowed_token_ids: every sampled token is one of them (completions and chat); an id outside the
+    vocabulary or an empty list is a 400 naming the field."""
+    allowed = [40, 41, 42]
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 3,
+                                          "allowed_token_ids": allowed, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    from kda_rt.demo import demo_path
+    from kda_rt.text.tokenizer import Tokenizer
+
+    words = {Tokenizer.from_dir(demo_path()).decode([t]) for t in allowed}
+    choice = r.json()["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    assert len(tokens) == 8 and set(tokens) <= words and "".join(tokens) == choice["text"], (tokens, words)
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                               "allowed_token_ids": [7], "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    for bad in ([], [10**8]):
+        r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "allowed_token_ids": bad})
+        assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("bad_words", ["x"]), ("priority", 3), ("chat_template", "{{ x }}"),
                                               ("echo", True)])
 def test_unsupported_fields_that_change_output_are_400(server, field, value):
     """vLLM fields kda_rt does not implement are refused by name when their value would change the answer (was:
@@ -239,7 +260,7 @@ def test_unsupported_fields_that_change_output_are_400(server, field, value):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     r = _post(server, "/v1/chat/completions", {**body, field: value})
     assert r.status_code == 400 and f"{field} is not supported" in r.json()["error"]["message"], r.text
-    noop = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": [], "priority": 0,
+    noop = {"use_beam_search": False, "bad_words": [], "priority": 0,
             "chat_template": None, "echo": False}[field]
     assert _post(server, "/v1/chat/completions", {**body, field: noop}).status_code == 200
 
