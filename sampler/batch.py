@@ -20,7 +20,7 @@ import numpy as np
 
 from .params import GREEDY_EPS, SamplingParams
 
-__all__ = ["SamplingBatch", "StepOutput", "needs_host_sampling"]
+__all__ = ["SamplingBatch", "StepOutput", "bad_word_bans", "needs_host_sampling"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -29,7 +29,19 @@ def needs_host_sampling(params: SamplingParams, num_output: int) -> bool:
     """Penalties, a min_tokens ban, a logit_bias or allowed_token_ids: the GPU sampler does none of them, the host
     sampler all."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or num_output < params.min_tokens or bool(params.logit_bias) or params.allowed_token_ids is not None)
+            or num_output < params.min_tokens or bool(params.logit_bias) or params.allowed_token_ids is not None
+            or bool(params.bad_words_token_ids))
+
+
+def bad_word_bans(params: SamplingParams, output_ids) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (vLLM's bad-words rule: a
+    one-token word is always banned)."""
+    bans = []
+    for word in params.bad_words_token_ids:
+        k = len(word) - 1
+        if k <= len(output_ids) and all(output_ids[len(output_ids) - k + j] == word[j] for j in range(k)):
+            bans.append(word[-1])
+    return bans
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,8 @@ class SamplingBatch:
             for p in params)
         host = [needs_host_sampling(p, len(out)) for p, _, _, out in rows]
         banned = tuple(
-            (*p.stop_token_ids, *(() if p.ignore_eos else eos)) if len(out) < p.min_tokens else ()
+            ((*p.stop_token_ids, *(() if p.ignore_eos else eos)) if len(out) < p.min_tokens else ())
+            + tuple(bad_word_bans(p, out))
             for p, _, _, out in rows)
         return cls(
             params=params,

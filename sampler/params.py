@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_ALLOWED_TOKEN_IDS", "MAX_LOGIT_BIAS",
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_ALLOWED_TOKEN_IDS", "MAX_BAD_WORDS",
+           "MAX_LOGIT_BIAS",
            "MAX_REPETITION_PENALTY",
            "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
 
@@ -28,6 +29,7 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 16384
 # logit_bias: OpenAI's value range and entry limit; every entry is added on the host each step
 MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 64  # a request's bad_words (each is up to two token sequences: vLLM allows 128 sequences)
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # a request's allowed_token_ids (the vocabulary is 163,840: any real list fits)
 MAX_LOGIT_BIAS_VALUE = 100.0
 
@@ -152,6 +154,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # only these token ids can be sampled (vLLM's field: every other logit is -inf); None: all
     allowed_token_ids: list[int] | None = None
+    # words never generated (vLLM's field): each word's tokens, as written and after a space, are never completed
+    bad_words: list[str] | None = None
+    # bad_words as token ids: set by the engine with its tokenizer at add_request (vLLM's _bad_words_token_ids)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
     # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
     structured_outputs: StructuredOutputsParams | dict | None = None
 
@@ -219,6 +225,15 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids has {len(ids)} ids; at most MAX_ALLOWED_TOKEN_IDS = "
                                  f"{MAX_ALLOWED_TOKEN_IDS}")
             self.allowed_token_ids = list(ids)
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str) or not isinstance(words, (list, tuple)) or \
+                    not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r:.200}")
+            words = list(dict.fromkeys(words))  # duplicates once, as vLLM
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words has {len(words)} words; at most MAX_BAD_WORDS = {MAX_BAD_WORDS}")
+            self.bad_words = words or None
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
             self.structured_outputs.validate()

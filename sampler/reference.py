@@ -160,7 +160,7 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
             x = np.where(allowed_tokens(mask, vocab), x, -np.inf).astype(np.float32)
         if (mask is not None or banned or bias is not None or p.allowed_token_ids is not None) and not np.isfinite(x).any():
             out.errors[i] = (f"no token is allowed at output token {step} (the grammar, the bans of stop_token_ids "
-                             "and EOS under min_tokens, allowed_token_ids and logit_bias exclude all)")
+                             "and EOS under min_tokens, bad_words, allowed_token_ids and logit_bias exclude all)")
             continue
         token = sample_row(x, p, int(batch.seeds[i]), step)
         out.token_ids[i] = token

@@ -60,6 +60,19 @@ def _raise_gc_threshold() -> None:
         gc.set_threshold(threshold, *rest)
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token ids, as vLLM reads `bad_words`: the word without its leading white space, and again
+    after one space (the word in mid-text) where that gives another first token in as many tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
 @dataclass(eq=False)
 class _Launched:
     """A step handed to the runner: what was scheduled and the handle its results come from."""
@@ -148,6 +161,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs the checkpoint's tokenizer files (this checkpoint has none)")
+        params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids holds {max(params.allowed_token_ids)}, outside the vocabulary "
                              f"[0, {vocab})")

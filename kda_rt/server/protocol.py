@@ -65,6 +65,7 @@ class _Sampling(msgspec.Struct):
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=_INT32)] | None = None  # vLLM: keep the last N
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None  # vLLM: only these
+    bad_words: list[str] | None = None  # vLLM: words never generated
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -167,7 +168,6 @@ def invocation_kind(body: bytes) -> bool:
 # field instead of an answer made without it (other unknown fields are accepted and listed, issue 13)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False, None), "no beam search"),
-    "bad_words": ((None, []), "use logit_bias to ban tokens"),
     "priority": ((0, None), "requests are served first come, first served"),
     "chat_template": ((None,), "the checkpoint's template renders every chat"),
     "echo": ((False, None), "echo is a completions field"),
@@ -246,7 +246,7 @@ def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | Non
                               "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
                               "include_stop_str_in_output": req.include_stop_str_in_output,
                               "truncate_prompt_tokens": req.truncate_prompt_tokens,
-                              "allowed_token_ids": req.allowed_token_ids}
+                              "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words or None}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)

@@ -218,6 +218,44 @@ def test_allowed_token_ids(llm):
         llm.generate("Hello", greedy(1, allowed_token_ids=[3, 99999999]))
 
 
+def test_bad_words(llm):
+    """vLLM's bad_words: a word's last token is banned wherever its other tokens end the output, so the word is
+    never completed; a one-token word is never generated.  Greedy: the output follows the reference up to the word
+    and then departs from it at the banned token."""
+    from kda_rt.engine.llm_engine import bad_words_token_ids
+
+    tok = llm.get_tokenizer()
+    ids = list(llm.generate("Hello", greedy(16))[0].outputs[0].token_ids)
+    plain = [j for j in _plain_tokens(llm, ids) if j + 1 < len(ids)]
+    one = next(j for j in plain if tuple(tok.encode(tok.decode([ids[j]]).lstrip())) == (ids[j],))
+    word = tok.decode([ids[one]])
+    o = llm.generate("Hello", greedy(16, bad_words=[word]))[0].outputs[0]
+    assert list(o.token_ids[:one]) == ids[:one] and o.token_ids[one] != ids[one]
+    assert not set(o.token_ids) & {w[-1] for w in bad_words_token_ids(tok, [word])}
+    two = next(j for j in range(1, len(ids) - 1) if j in plain and j + 1 in plain
+               and tuple(tok.encode(tok.decode(ids[j:j + 2]).lstrip())) == tuple(ids[j:j + 2]))
+    # a two-token word: its second token is banned only right after its first
+    o = llm.generate("Hello", greedy(16, bad_words=[tok.decode(ids[two:two + 2])]))[0].outputs[0]
+    assert list(o.token_ids[:two + 1]) == ids[:two + 1] and o.token_ids[two + 1] != ids[two + 1]
+    for bad, match in (([""], "bad_words must be a list of non-blank strings"), ("word", "bad_words must be a list"),
+                       ([" "], "non-blank"), (["w"] * 1 + [str(i) for i in range(70)], "at most MAX_BAD_WORDS")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(bad_words=bad)
+    assert SamplingParams(bad_words=["a", "a", "b"]).bad_words == ["a", "b"]
+
+
+def test_bad_word_bans_rule():
+    """sampler/batch.bad_word_bans: the last token of every word whose other tokens end the output."""
+    from kda_rt.sampler.batch import bad_word_bans
+
+    p = SamplingParams(bad_words=["x"])
+    p.bad_words_token_ids = ((7,), (1, 2, 3), (4, 5))
+    assert bad_word_bans(p, []) == [7]
+    assert bad_word_bans(p, [9, 1, 2]) == [7, 3]
+    assert bad_word_bans(p, [1, 2, 4]) == [7, 5]
+    assert bad_word_bans(p, [2]) == [7]
+
+
 def test_chat_and_errors(llm):
     out = llm.chat([{"role": "user", "content": "hi <|im_end|>"}], greedy(4))[0]
     tok = llm.get_tokenizer()

@@ -252,7 +252,18 @@ def test_allowed_token_ids_server(server):
         assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("bad_words", ["x"]), ("priority", 3), ("chat_template", "{{ x }}"),
+def test_bad_words_server(server):
+    """vLLM's bad_words reach the engine: a greedy completion's first generated word, banned, is not generated
+    again at that place; a blank word is a 400 naming the field."""
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    first = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"][0]
+    r = _post(server, "/v1/completions", {**body, "bad_words": [first]})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["tokens"][0] != first, r.text
+    r = _post(server, "/v1/completions", {**body, "bad_words": ["  "]})
+    assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("priority", 3), ("chat_template", "{{ x }}"),
                                               ("echo", True)])
 def test_unsupported_fields_that_change_output_are_400(server, field, value):
     """vLLM fields kda_rt does not implement are refused by name when their value would change the answer (was:
@@ -260,7 +271,7 @@ def test_unsupported_fields_that_change_output_are_400(server, field, value):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     r = _post(server, "/v1/chat/completions", {**body, field: value})
     assert r.status_code == 400 and f"{field} is not supported" in r.json()["error"]["message"], r.text
-    noop = {"use_beam_search": False, "bad_words": [], "priority": 0,
+    noop = {"use_beam_search": False, "priority": 0,
             "chat_template": None, "echo": False}[field]
     assert _post(server, "/v1/chat/completions", {**body, field: noop}).status_code == 200
 
