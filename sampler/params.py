@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 __all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_ALLOWED_TOKEN_IDS", "MAX_BAD_WORDS",
            "MAX_LOGIT_BIAS",
            "MAX_REPETITION_PENALTY",
@@ -30,7 +32,7 @@ MAX_STOP_CHARS = 16384
 # logit_bias: OpenAI's value range and entry limit; every entry is added on the host each step
 MAX_LOGIT_BIAS = 300
 MAX_BAD_WORDS = 64  # a request's bad_words (each is up to two token sequences: vLLM allows 128 sequences)
-MAX_ALLOWED_TOKEN_IDS = 1 << 20  # a request's allowed_token_ids (the vocabulary is 163,840: any real list fits)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # a request's allowed_token_ids (the vocabulary is 163,840: any real list fits)
 MAX_LOGIT_BIAS_VALUE = 100.0
 
 
@@ -158,6 +160,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # bad_words as token ids: set by the engine with its tokenizer at add_request (vLLM's _bad_words_token_ids)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
+    # allowed_token_ids once each, sorted, as an int64 array (set at validate: the host sampler's index each step)
+    allowed_ids_array: Any = field(default=None, init=False, repr=False, compare=False)
     # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
     structured_outputs: StructuredOutputsParams | dict | None = None
 
@@ -225,6 +229,7 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids has {len(ids)} ids; at most MAX_ALLOWED_TOKEN_IDS = "
                                  f"{MAX_ALLOWED_TOKEN_IDS}")
             self.allowed_token_ids = list(ids)
+        self.allowed_ids_array = None if ids is None else np.unique(np.asarray(self.allowed_token_ids, np.int64))
         words = self.bad_words
         if words is not None:
             if isinstance(words, str) or not isinstance(words, (list, tuple)) or \

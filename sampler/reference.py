@@ -152,8 +152,9 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
             x = x.copy()
             x[banned] = -np.inf
         if p.allowed_token_ids is not None:  # only these (vLLM's allowed_token_ids)
+            ids = p.allowed_ids_array
             keep = np.zeros(vocab, dtype=bool)
-            keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+            keep[ids[ids < vocab]] = True
             x = np.where(keep, x, -np.inf).astype(np.float32)
         mask = batch.allowed[i]
         if mask is not None:

@@ -364,7 +364,8 @@ class CudaRunner:
 
     def collect(self, pending: _Pending) -> StepOutput:
         """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
-        rows (penalties, a min_tokens ban, a logit_bias) by the NumPy reference sampler from their logits,
+        rows (sampler/batch.needs_host_sampling: penalties, a min_tokens ban, a logit_bias, allowed_token_ids,
+        bad_words) by the NumPy reference sampler from their logits,
         rows with non-finite logits (flag 1) get that error, as the reference would report it."""
         from kda_rt.sampler.reference import nonfinite_error, sample_rows
 

@@ -62,11 +62,12 @@ def _raise_gc_threshold() -> None:
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
     """Each bad word as token ids, as vLLM reads `bad_words`: the word without its leading white space, and again
-    after one space (the word in mid-text) where that gives another first token in as many tokens."""
+    after one space (the word in mid-text) where that gives another first token in as many tokens.  Special-token
+    strings are their ids (`<|im_end|>` bans the end marker), as the checkpoint's tokenizer reads them in vLLM."""
     out: list[tuple[int, ...]] = []
     for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip()))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        plain = tuple(tokenizer.encode(word.lstrip(), allow_special=True))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), allow_special=True))
         out.append(plain)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)

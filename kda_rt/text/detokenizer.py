@@ -16,9 +16,10 @@ __all__ = ["IncrementalDetokenizer"]
 class IncrementalDetokenizer:
     """Streams text from token ids, holding back an unfinished UTF-8 character between add() calls.
 
-    The concatenation of every add() and the final flush() equals
+    The concatenation of every add() and a final flush() equals
     `tokenizer.decode(all_ids, skip_special_tokens=...)`, because Python's incremental UTF-8
-    decoder replaces invalid bytes exactly as the one-shot decoder does.
+    decoder replaces invalid bytes exactly as the one-shot decoder does.  (The engine does not flush: a request
+    that ends inside a character leaves those bytes out, as vLLM does.)
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:

@@ -242,6 +242,8 @@ def test_bad_words(llm):
         with pytest.raises(ValueError, match=match):
             SamplingParams(bad_words=bad)
     assert SamplingParams(bad_words=["a", "a", "b"]).bad_words == ["a", "b"]
+    end = tok.encode("<|im_end|>", allow_special=True)
+    assert len(end) == 1 and bad_words_token_ids(tok, ["<|im_end|>"])[0] == tuple(end)  # the marker, not its text
 
 
 def test_bad_word_bans_rule():
