@@ -279,7 +279,8 @@ class LLM:
         """`out` with its logprobs as vLLM's {token: Logprob} and its prompt logprobs attached.  `done` (for a
         request's cumulative outputs): each sample's entries converted so far, so each step converts only its own."""
         def convert(entries):
-            return [vllm_logprobs(e, params.logprobs, self._decode_token, greedy=params.greedy) for e in entries]
+            decode = self._decode_token if params.detokenize else (lambda _token: None)  # vLLM: no decoded_token
+            return [vllm_logprobs(e, params.logprobs, decode, greedy=params.greedy) for e in entries]
 
         outputs = []
         for c in out.outputs:

@@ -149,6 +149,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token is always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: no output text (token ids only; vLLM's field, stop strings then refused)
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (LLM.generate; vLLM's name)
     # keep only the prompt's last N tokens (-1: max_model_len of them), as vLLM's left truncation
     truncate_prompt_tokens: int | None = None
@@ -207,9 +208,11 @@ class SamplingParams:
                                 not all(_is_int(i) and 0 <= i <= _MAX_INT32 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints in [0, 2**31 - 1]), got {ids!r:.200}")
         self.stop_token_ids = list(ids or [])
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the output text)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an int in [0, 20] or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):

@@ -174,7 +174,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:  # detokenize=False: token ids only, text ""
                 from kda_rt.text.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)

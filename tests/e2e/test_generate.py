@@ -258,6 +258,20 @@ def test_bad_word_bans_rule():
     assert bad_word_bans(p, [2]) == [7]
 
 
+def test_detokenize_false(llm):
+    """vLLM's detokenize=False: the same token ids, no text, logprobs without decoded tokens; stop strings refused
+    (they are matched in the text)."""
+    ref = llm.generate("Hello", greedy(8, logprobs=1))[0].outputs[0]
+    o = llm.generate("Hello", greedy(8, logprobs=1, detokenize=False))[0].outputs[0]
+    assert o.token_ids == ref.token_ids and o.text == "" and ref.text
+    assert all(lp.decoded_token is None for step in o.logprobs for lp in step.values())
+    assert any(lp.decoded_token for step in ref.logprobs for lp in step.values())
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a bool"):
+        SamplingParams(detokenize=0)
+
+
 def test_chat_and_errors(llm):
     out = llm.chat([{"role": "user", "content": "hi <|im_end|>"}], greedy(4))[0]
     tok = llm.get_tokenizer()
