@@ -4,8 +4,8 @@ The engine builds one `SamplingBatch` per step from the sequences that sample (t
 `ForwardBatch.logits_indices`, same order); no backend sees a `Sequence`.  The flat arrays are
 what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `allowed` serve the
 host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
-`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias or
-allowed_token_ids is a host row; a structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
+`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias,
+allowed_token_ids or bad_words is a host row; a structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
 
 The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
 the forward pass, so the grammar work on the host overlaps the GPU's.
@@ -26,8 +26,8 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def needs_host_sampling(params: SamplingParams, num_output: int) -> bool:
-    """Penalties, a min_tokens ban, a logit_bias or allowed_token_ids: the GPU sampler does none of them, the host
-    sampler all."""
+    """Penalties, a min_tokens ban, a logit_bias, allowed_token_ids or bad_words: the GPU sampler does none of them,
+    the host sampler all."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or num_output < params.min_tokens or bool(params.logit_bias) or params.allowed_token_ids is not None
             or bool(params.bad_words_token_ids))

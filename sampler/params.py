@@ -13,9 +13,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_ALLOWED_TOKEN_IDS", "MAX_BAD_WORDS",
-           "MAX_LOGIT_BIAS",
-           "MAX_REPETITION_PENALTY",
-           "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
+           "MAX_LOGIT_BIAS", "MAX_REPETITION_PENALTY", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
@@ -149,22 +147,23 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token is always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    detokenize: bool = True  # False: no output text (token ids only; vLLM's field, stop strings then refused)
     prompt_logprobs: int | None = None  # top-N logprobs of every prompt token (LLM.generate; vLLM's name)
     # keep only the prompt's last N tokens (-1: max_model_len of them), as vLLM's left truncation
     truncate_prompt_tokens: int | None = None
     # {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI / vLLM)
     logit_bias: dict[int, float] | None = None
+    # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    # (the fields below came later: after the others, so positional arguments keep their meaning)
     # only these token ids can be sampled (vLLM's field: every other logit is -inf); None: all
     allowed_token_ids: list[int] | None = None
     # words never generated (vLLM's field): each word's tokens, as written and after a space, are never completed
     bad_words: list[str] | None = None
+    detokenize: bool = True  # False: no output text (token ids only; vLLM's field, stop strings then refused)
     # bad_words as token ids: set by the engine with its tokenizer at add_request (vLLM's _bad_words_token_ids)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
     # allowed_token_ids once each, sorted, as an int64 array (set at validate: the host sampler's index each step)
     allowed_ids_array: Any = field(default=None, init=False, repr=False, compare=False)
-    # a grammar the output must match (llguidance; the `structured` extra); a dict is converted
-    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
