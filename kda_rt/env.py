@@ -449,8 +449,8 @@ def moe_b_tma() -> bool:
     """KDA_RT_MOE_B_TMA: 1 copies the weight rows of the prefill MoE GEMMs on wgmma (and of fp8 models' dense prefill
     projections, ops/dense_w8a8.py, which run on the same kernel) by tensor-map copies (TMA, one thread a stage)
     instead of cp.async pieces over the block (kernels_cu/moe_gemm_wg.cu B_TMA: the same bits; bf16 weights, and e4m3
-    weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0: measured no faster (H200, 2026-12-03).  Read
-    when the kernel variant is chosen."""
+    weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0: measured no faster (H200,
+    2026-12-03).  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_B_TMA", "0")
 
 

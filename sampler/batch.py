@@ -5,7 +5,8 @@ The engine builds one `SamplingBatch` per step from the sequences that sample (t
 what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `allowed` serve the
 host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
 `host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias,
-allowed_token_ids or bad_words is a host row; a structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
+allowed_token_ids or bad_words is a host row; a structured-output mask is applied by the GPU sampler
+itself (its bitmask is uploaded).
 
 The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
 the forward pass, so the grammar work on the host overlaps the GPU's.

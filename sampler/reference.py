@@ -1,10 +1,10 @@
 """NumPy sampling: the reference (and CPU) implementation of `kernels_cu/sampling.cu`.
 
 Order per row, as in vLLM: repetition / frequency / presence penalties on the logits, logit_bias,
-min_tokens bans and the structured-output mask (disallowed tokens -> -inf), then greedy argmax, or
-temperature -> top-k and min-p -> top-p over the renormalised rest -> draw.  Logprobs are those of these processed logits
-(before temperature): a constrained row reports a distribution over the tokens its grammar allows.  The draw is
-argmax(probs / e) with e ~ Exp(1) from a counter-based Philox-4x32-10 stream keyed by (seed, step),
+min_tokens and bad_words bans, allowed_token_ids and the structured-output mask (disallowed tokens -> -inf),
+then greedy argmax, or temperature -> top-k and min-p -> top-p over the renormalised rest -> draw.  Logprobs
+are those of these processed logits (before temperature): a constrained row reports a distribution over the
+tokens its grammar allows.  The draw is argmax(probs / e) with e ~ Exp(1) from a counter-based Philox-4x32-10 stream keyed by (seed, step),
 so a request with a seed gets the same tokens whatever else is in the batch, on either backend.
 """
 
@@ -128,7 +128,7 @@ def nonfinite_error(step: int) -> str:
 def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
     """Sample `rows` on the host into `out` (the same row indices); `logits[i]` is row i's [V]
     logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  Penalties,
-    logit_bias, min_tokens bans, allowed_token_ids, the grammar mask, then `sample_row`; a row with NaN or inf logits,
+    logit_bias, min_tokens and bad_words bans, allowed_token_ids, the grammar mask, then `sample_row`; a row with NaN or inf logits,
     or with every token masked, gets an error instead."""
     for i in rows:
         x, p = logits[i], batch.params[i]
@@ -159,7 +159,8 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
         mask = batch.allowed[i]
         if mask is not None:
             x = np.where(allowed_tokens(mask, vocab), x, -np.inf).astype(np.float32)
-        if (mask is not None or banned or bias is not None or p.allowed_token_ids is not None) and not np.isfinite(x).any():
+        restricted = mask is not None or banned or bias is not None or p.allowed_token_ids is not None
+        if restricted and not np.isfinite(x).any():
             out.errors[i] = (f"no token is allowed at output token {step} (the grammar, the bans of stop_token_ids "
                              "and EOS under min_tokens, bad_words, allowed_token_ids and logit_bias exclude all)")
             continue
