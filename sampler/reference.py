@@ -5,7 +5,8 @@ min_tokens and bad_words bans, allowed_token_ids and the structured-output mask 
 then greedy argmax, or temperature -> top-k and min-p -> top-p over the renormalised rest -> draw.  Logprobs
 are those of these processed logits (before temperature): a constrained row reports a distribution over the
 tokens its grammar allows.  The draw is argmax(probs / e) with e ~ Exp(1) from a counter-based Philox-4x32-10
-stream keyed by (seed, step), so a request with a seed gets the same tokens whatever else is in the batch, on either backend.
+stream keyed by (seed, step), so a request with a seed gets the same tokens whatever else is in the batch, on
+either backend.
 """
 
 from __future__ import annotations
