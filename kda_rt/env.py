@@ -463,6 +463,18 @@ def moe_a_tma() -> bool:
     return _on_off("KDA_RT_MOE_A_TMA", "0")
 
 
+def moe_ws() -> bool | None:
+    """KDA_RT_MOE_WS: the prefill MoE GEMMs on wgmma (and fp8 models' dense prefill projections, which run on the same
+    kernel) in their persistent, warp-specialized form: one CTA an SM claiming (tile, feature block) items, a producer
+    warpgroup filling the stages by tensor-map copies (and the gathered rows by cp.async) on mbarriers, the consumers
+    freeing each stage as its products finish (kernels_cu/moe_gemm_wg.cu WS: the same bits).  1: wherever it can be
+    built (bf16 weights, and e4m3 weights with e4m3 sources); 0: never; unset: for e4m3 sources only (fp8 models'
+    prefill), where it measured faster (H200, 2026-12-03: -3.5 to -6%; bf16 +2 to +3.5%).  Read when the kernel variant
+    is chosen."""
+    value = os.environ.get("KDA_RT_MOE_WS")
+    return None if not value else _on_off("KDA_RT_MOE_WS")
+
+
 def moe_half_skip() -> bool:
     """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
     tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.

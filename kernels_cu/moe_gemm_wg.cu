@@ -148,6 +148,32 @@
 #if A_TMA && !(B_TMA && !FUSE_SILU)
 #error "moe_gemm_wg.cu: A_TMA is built on B_TMA, for the down GEMM (contiguous source rows)"
 #endif
+// WS = 1 (with B_TMA; bf16, or e4m3 weights with e4m3 sources): the persistent, warp-specialized form,
+// moe_grouped_gemm_ws, instead of moe_grouped_gemm_wg.  One CTA an SM (the launcher's grid) with WS_THREADS = 384
+// threads claims (tile, feature block) items from a counter in global memory (`claim`, two ints that the last CTA
+// done claiming sets back to 0: one pair a stream, ops/moe_gemm_wg.py), item w = tile · NFB + feature block, so
+// CTAs that drew cheap items (an expert's last tile) draw more, as the plain kernel's grid does.  Warps 0-7 are the two
+// consumer warpgroups (the plain kernel's wgmma and epilogue, rows [64w, 64w + 64) each), warps 8-11 the producer
+// warpgroup (40 registers a thread, the consumers 232: setmaxnreg), which fills the STAGES stages as a ring for
+// every item in turn, running ahead across items:
+//   full[s]: stage s landed.  Its weight rows (and with A_TMA its source rows) by tensor-map copies that thread 0
+//     issues after one arrival with their bytes; without A_TMA the gathered source rows by the warpgroup's cp.async
+//     pieces, each thread's arriving when its pieces land (cp.async.mbarrier.arrive.noinc), and the consumers fence
+//     the generic proxy's writes for the tensor cores after their wait.  The first k step of an item also names the
+//     item (stage_item, -1: no more).
+//   empty[s]: each consumer warp arrives once its wgmma on stage s are done (after the next stage's wgmma wait,
+//     or at the item's end); the producer waits for it before the stage's next fill.
+// So a stage is refilled as soon as the products that read it are done (no block barrier a k step), and the next
+// item's stages fill while the consumers run the epilogue.  Staged epilogues (STAGED_OUT) get a tile of their own
+// after the stages (the ring is busy with the next item), so the down GEMM fits 3 stages (the launcher's choice:
+// ops/moe_gemm_wg.py ws_stages).  The same values in the same places and the same accumulation order as the plain
+// kernel: bit-identical.
+#ifndef WS
+#define WS 0
+#endif
+#if WS && (!B_TMA || WFMT == 1)
+#error "moe_gemm_wg.cu: WS is built on B_TMA (bf16 weights, or e4m3 weights with e4m3 sources)"
+#endif
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -337,13 +363,15 @@ __device__ __forceinline__ void store_rows(const float (&acc)[ACC], const Scales
 }
 
 // the staged tile's rows < nrows to dst rows row0 + r, columns f0 .. f0 + OUT_COLS, in 16-byte pieces
-__device__ __forceinline__ void copy_out(const unsigned char* staged, void* __restrict__ dst, int row0, int nrows, int f0) {
+// (t: the thread's index among the THREADS that copy: threadIdx.x, or the WS kernel's consumer index)
+__device__ __forceinline__ void copy_out(const unsigned char* staged, void* __restrict__ dst, int row0, int nrows, int f0,
+                                         int t) {
     constexpr int PPR = OUT_COLS / 8;  // 16-byte pieces per row
     bf16* out = static_cast<bf16*>(dst) + (size_t)row0 * OUT_LD + f0;
     static_assert(BM * PPR % THREADS == 0, "copy_out: whole passes of the block");
 #pragma unroll
     for (int i = 0; i < BM * PPR / THREADS; ++i) {
-        const int p = threadIdx.x + i * THREADS, r = p / PPR, ch = p % PPR;
+        const int p = t + i * THREADS, r = p / PPR, ch = p % PPR;
         if (r < nrows)
             *reinterpret_cast<uint4*>(out + (size_t)r * OUT_LD + ch * 8) =
                 *reinterpret_cast<const uint4*>(staged + r * OUT_PITCH + ch * 16);
@@ -390,6 +418,7 @@ __device__ __forceinline__ void k_barrier() {
 #endif
 }
 
+#if !WS
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -576,11 +605,205 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
     __syncthreads();  // both warpgroups' products are done: the stage buffers are free
     stage_rows(acc, sc, base, nrows, wg * 64, tid & 127);
     __syncthreads();
-    copy_out(smem_raw + (base - raw), dst, row0, nrows, f0);
+    copy_out(smem_raw + (base - raw), dst, row0, nrows, f0, tid);
 #else
     store_rows(acc, sc, dst, row0, nrows, f0, wg * 64, tid & 127);
 #endif
 #endif
 }
+#endif  // !WS
 
+#if WS
+#define WS_THREADS (THREADS + 128)  // two consumer warpgroups (warps 0-7) and the producer warpgroup (warps 8-11)
+#define WS_PASSES (BM / 16)         // a producer pass copies 16 rows (8 pieces of 16 bytes each)
+#define NFB (FUSE_SILU ? HALF / (BN / 2) : NOUT / BN)  // feature blocks of an expert tile
+#define FULL_COUNT (A_TMA ? 1 : 129)  // thread 0's arrival with the copies' bytes (+ the 128 threads' cp.async)
+static_assert(WS_PASSES <= 32, "WS: one valid-row bit a producer pass");
 
+// one arrival of `count` on bar
+__device__ __forceinline__ void mbar_arrive(unsigned bar, unsigned count = 1) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// an arrival on bar once this thread's earlier cp.async copies have landed (counted in the barrier's expected count)
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// barriers of the 256 consumer threads (id 1) and the 128 producer threads (id 2) only (barrier.sync: the two
+// consumer warpgroups may come from different copies of the k loop, see k_barrier)
+__device__ __forceinline__ void consumer_barrier() { asm volatile("barrier.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void producer_barrier() { asm volatile("barrier.sync 2, 128;" ::: "memory"); }
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
+                    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                    const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
+                    const float* __restrict__ scale, const float* __restrict__ src_scale, const void* __restrict__ b_map,
+                    int* __restrict__ claim
+#if A_TMA
+                    , const void* __restrict__ a_map
+#endif
+                    ) {
+    KDA_PDL_ENTRY();
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned raw = smem_addr(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;  // the launcher adds 1 KB for this alignment
+    __shared__ alignas(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ int stage_item[STAGES];  // the item whose first k step fill s of stage s holds (-1: no more items)
+    const unsigned full0 = smem_addr(full), empty0 = smem_addr(empty);
+    const int tid = threadIdx.x;
+    const int items = num_tiles[0] * NFB;
+    if (tid == 0) {  // (the maps were written by the host: the fence's scope is the system's)
+        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
+#if A_TMA
+        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(a_map) : "memory");
+#endif
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, FULL_COUNT);
+            mbar_init(empty0 + 8 * s, 8);  // the 8 consumer warps
+        }
+    }
+    __syncthreads();  // the barriers initialised before any thread waits on one
+
+    if (tid >= THREADS) {  // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        const int p = tid - THREADS;
+#if A_TMA
+        if (p != 0) return;
+#else
+        __shared__ int claimed[2];  // thread 0's claims for the other producer threads (by parity)
+        const int prow = p >> 3, pch = p & 7;  // the warpgroup copies piece pch of rows prow + 16i, i < WS_PASSES
+#endif
+        int it = 0;  // k steps over the CTA's items: stage it mod STAGES, its fill it / STAGES
+        for (int n = 0;; ++n) {
+#if A_TMA
+            const int w = atomicAdd(claim, 1);
+#else
+            if (p == 0) claimed[n & 1] = atomicAdd(claim, 1);
+            producer_barrier();  // (the slot of parity n is rewritten after the next barrier: read by then)
+            const int w = claimed[n & 1];
+#endif
+            if (w >= items) break;
+            const int tile = w / NFB, fb = w - tile * NFB;
+            const int e = tile_expert[tile], row0 = tile_row[tile];
+            const int f0 = fb * (FUSE_SILU ? BN / 2 : BN);
+            const int b_row0 = e * NOUT + f0, b_row1 = b_row0 + (FUSE_SILU ? HALF : BN / 2);
+#if !A_TMA
+            const int nrows = min(BM, expert_off[e + 1] - row0);
+            int srow[WS_PASSES];  // source row of each pass's row (gate/up: the token's x row); the tile's first past the end
+            unsigned valid = 0;
+#pragma unroll
+            for (int i = 0; i < WS_PASSES; ++i) {
+                const int r = prow + 16 * i;
+                valid |= (r < nrows ? 1u : 0u) << i;
+                const int rr = row0 + (r < nrows ? r : 0);
+                srow[i] = FUSE_SILU ? sorted_pair[rr] / TOPK : rr;
+            }
+#endif
+            for (int kt = 0; kt < KT; ++kt, ++it) {
+                const int stage = it % STAGES;
+                if (it >= STAGES) mbar_wait(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);  // its last fill consumed
+                const unsigned st = base + stage * STAGE_BYTES, bar = full0 + 8 * stage;
+                if (p == 0) {
+                    if (kt == 0) stage_item[stage] = w;  // (published by the arrival below)
+                    mbar_arrive_expect_tx(bar, (unsigned)B_BYTES + (A_TMA ? (unsigned)A_BYTES : 0u));
+                    tma_load_2d(st + A_BYTES, b_map, kt * BK, b_row0, bar);
+                    tma_load_2d(st + A_BYTES + (BN / 2) * 128, b_map, kt * BK, b_row1, bar);
+#if A_TMA
+                    tma_load_2d(st, a_map, kt * BK, row0, bar);
+#endif
+                }
+#if !A_TMA
+#pragma unroll
+                for (int i = 0; i < WS_PASSES; ++i)  // rows past the tile's end: zero-filled, nothing read
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + swz(prow + 16 * i, pch)),
+                                 "l"(src + (size_t)srow[i] * K + kt * BK + pch * (16 / (int)sizeof(atype))),
+                                 "r"((valid >> i & 1u) * 16u));
+                mbar_arrive_cp_async(bar);
+#endif
+            }
+        }
+        if (p == 0) {  // no more items: the consumers' stop, then the claim counter back to 0 for the next launch
+            const int stage = it % STAGES;
+            if (it >= STAGES) mbar_wait(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);
+            stage_item[stage] = -1;
+            mbar_arrive(full0 + 8 * stage, FULL_COUNT);
+            __threadfence();  // this CTA's claims before its count of CTAs done claiming
+            if (atomicAdd(claim + 1, 1) == (int)gridDim.x - 1) {  // every CTA is done claiming
+                claim[0] = 0;
+                claim[1] = 0;
+            }
+        }
+        return;
+    }
+
+    // the consumers: warpgroup wg computes rows [64 wg, 64 wg + 64) of each item's tile
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int wg = tid >> 7, t = tid & 127, lane = tid & 31;
+#if STAGED_OUT
+    const unsigned staged = base + STAGES * STAGE_BYTES;  // the output tile of the staged epilogue (its own room)
+#endif
+    for (int it = 0;;) {
+        // k step it: stage it mod STAGES, its fill it / STAGES; the first step of each item names the item
+        auto wait_full = [&]() {
+            mbar_wait(full0 + 8 * (it % STAGES), (it / STAGES) & 1);
+#if !A_TMA
+            fence_proxy_async();  // the producers' cp.async pieces (generic proxy) before the tensor cores' reads
+#endif
+        };
+        wait_full();
+        const int w = stage_item[it % STAGES];
+        if (w < 0) break;
+        const int tile = w / NFB, fb = w - tile * NFB;
+        const int e = tile_expert[tile], row0 = tile_row[tile];
+        const int nrows = min(BM, expert_off[e + 1] - row0);
+        const int f0 = fb * (FUSE_SILU ? BN / 2 : BN);
+        float acc[ACC];
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+        // MMA = false: this warpgroup's rows all lie past the tile's end (HALF_SKIP): it only waits and releases
+        auto k_loop = [&](auto mma) {
+            constexpr bool MMA = decltype(mma)::value;
+            for (int kt = 0; kt < KT; ++kt, ++it) {
+                if (kt > 0) wait_full();
+                if constexpr (MMA) {
+                    const unsigned a_tile = base + (it % STAGES) * STAGE_BYTES + wg * 64 * 128;
+                    const unsigned b_tile = base + (it % STAGES) * STAGE_BYTES + A_BYTES;
+                    fence_regs(acc);
+                    wgmma_fence();
+#pragma unroll
+                    for (int s = 0; s < SLICES; ++s)
+                        wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
+                    wgmma_commit();
+                    wgmma_wait<1>();  // step it - 1's products are done: its stage is free
+                    fence_regs(acc);
+                }
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            }
+            if constexpr (MMA) {
+                wgmma_wait<0>();
+                fence_regs(acc);
+            }
+            if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        };
+#if HALF_SKIP
+        if (wg * 64 < nrows)
+            k_loop(BoolC<true>{});
+        else
+            k_loop(BoolC<false>{});
+#else
+        k_loop(BoolC<true>{});
+#endif
+        Scales sc;
+        load_scales(sc, scale, e, f0, t, src_scale, sorted_pair, row0, nrows, wg * 64);
+#if STAGED_OUT
+        consumer_barrier();  // every consumer is past the last item's copy_out: the output tile is free
+        stage_rows(acc, sc, staged, nrows, wg * 64, t);
+        consumer_barrier();
+        copy_out(smem_raw + (staged - raw), dst, row0, nrows, f0, tid);
+#else
+        store_rows(acc, sc, dst, row0, nrows, f0, wg * 64, t);
+#endif
+    }
+}
+#endif  // WS

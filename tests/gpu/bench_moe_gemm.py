@@ -301,6 +301,65 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
                                             for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
 
 
+def bench_ws(T, wts, rounds: int = 5, q=None):
+    """The launcher's GEMMs in their plain form (KDA_RT_MOE_WS=0) against the persistent, warp-specialized one (=1,
+    moe_gemm_wg.cu WS), interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows), and whether the
+    outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
+    quantized once, untimed)."""
+    import os
+
+    import cupy
+    from kernels.test_moe_gemm_tc import make_ids, make_plan
+
+    from helpers.gpu import median_ms
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
+    from kda_rt.cuda.ops.quant import quantize_activations_e4m3
+
+    N = T * A
+    hrng = np.random.default_rng(T)
+    x = cupy.asarray(hrng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
+    plan = make_plan(make_ids(T, E, A, False, hrng), E, 128)
+    h, y = cupy.empty((N, INTER), dtype=BF16), cupy.empty((N, D), dtype=BF16)
+    moe_gemm_wg(x, wts.w13, plan, top_k=A, fuse_silu=True, out=h)  # h defined before down reads (or quantizes) it
+    gemms = [("gate/up", x, wts.w13, None, h, True, 2 * N * D * 2 * INTER),
+             ("down", h, wts.w2, None, y, False, 2 * N * INTER * D)]
+    if q is not None:
+        q13, s13, q2, s2 = q
+        gemms = [(name, src, wq, sc, out, silu, flop) for (name, src, _, _, out, silu, flop), wq, sc
+                 in zip(gemms, (q13, q2), (s13, s2), strict=True)]
+    old = os.environ.get("KDA_RT_MOE_WS")
+    try:
+        for name, src, w, sc, out, silu, flop in gemms:
+            kw = {}
+            if sc is not None:
+                srcq = cupy.empty(src.shape, dtype=np.uint8)
+                srcs = cupy.empty(src.shape[0], dtype=np.float32)
+                quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
+                src, kw = srcq, dict(scale=sc, src_scale=srcs)
+            run = partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, **kw)
+            outs, times = {}, {v: [] for v in ("0", "1")}
+            for v in times:
+                os.environ["KDA_RT_MOE_WS"] = v
+                out.fill(0)
+                run()
+                outs[v] = out.copy()
+            same = bool(cupy.array_equal(outs["0"], outs["1"]))
+            for _ in range(rounds):
+                for v in times:
+                    os.environ["KDA_RT_MOE_WS"] = v
+                    times[v].append(median_ms(run))
+            base = float(np.median(times["0"]))
+            print(f"T={T} {name}{' w8a8' if q is not None else ''}: " + "  ".join(
+                f"WS={v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
+                for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
+    finally:
+        if old is None:
+            os.environ.pop("KDA_RT_MOE_WS", None)
+        else:
+            os.environ["KDA_RT_MOE_WS"] = old
+
+
 def bench_tiles(T, wts, rounds: int = 5, q=None):
     """The launcher's tile against the other tiles that fit (BN = 128 with 3 stages runs two CTAs per SM, so
     one CTA's epilogue overlaps the other's products), each GEMM with its launcher's epilogue and the other
@@ -381,6 +440,8 @@ def main():
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
+    ap.add_argument("--ws", action="store_true", help="the launcher's GEMMs plain against warp-specialized (KDA_RT_MOE_WS), "
+                    "interleaved (with --e4m3 --w8a8: on e4m3 sources and weights)")
     args = ap.parse_args()
     if args.define and (unused := unused_defines("moe_gemm_wg.cu", [args.define.split("=")[0]])):
         ap.error(f"--define: moe_gemm_wg.cu does not read {unused[0]}")
@@ -399,7 +460,9 @@ def main():
         hrng = np.random.default_rng(3)
         q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))
     for T in map(int, args.tokens.split(",")):
-        if args.tiles:
+        if args.ws:
+            bench_ws(T, wts, q=q if args.w8a8 else None)
+        elif args.tiles:
             bench_tiles(T, wts, q=q if args.w8a8 else None)
         elif args.e4m3:
             bench_e4m3(T, wts, q, w8a8=args.w8a8)

@@ -689,6 +689,7 @@ def test_moe_b_tma_switch_reaches_the_define(monkeypatch):
     unset or 0, no B_TMA define at all (the default module's key unchanged); anything else is refused, named."""
     import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
 
+    monkeypatch.setenv("KDA_RT_MOE_WS", "0")  # (the plain kernel's switches)
     seen = []
     monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: seen.append(kw) or "kernel")
     tile = wg_ops.WgTile(256, 4)
@@ -705,6 +706,47 @@ def test_moe_b_tma_switch_reaches_the_define(monkeypatch):
             assert wg_ops.b_tma(kw.get("e4m3", False), kw.get("e4m3_src", False)) == (name in expect_on)
     monkeypatch.setenv("KDA_RT_MOE_B_TMA", "yes")
     with pytest.raises(ValueError, match="KDA_RT_MOE_B_TMA must be 0 or 1"):
+        wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
+
+
+def test_moe_ws_switch_reaches_the_define(monkeypatch):
+    """KDA_RT_MOE_WS=1 builds the persistent, warp-specialized kernel (moe_grouped_gemm_ws, WS=1 with B_TMA=1, and
+    A_TMA=1 for the down GEMM unless src_map is False) for bf16 weights and for e4m3 weights with e4m3 sources, never
+    for e4m3 weights with bf16 sources; its stages are the tile's or as many as fit beside the staged epilogue's own
+    tile (down, BN = 256: 3), within the block's 227 KB; unset, for e4m3 sources only (w8a8); 0, the plain kernel with
+    no WS define; anything else is refused, named."""
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
+
+    seen = []
+    monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: seen.append((a[1], kw)) or "kernel")
+    tile = wg_ops.WgTile(256, 4)
+    cases = {"bf16": dict(), "e4m3": dict(e4m3=True), "w8a8": dict(e4m3=True, e4m3_src=True)}
+    for value in (None, "0", "1"):
+        if value is None:
+            monkeypatch.delenv("KDA_RT_MOE_WS", raising=False)
+        else:
+            monkeypatch.setenv("KDA_RT_MOE_WS", value)
+        for name, kw in cases.items():
+            for fuse, staged, stages in ((True, False, 4), (False, True, 3)):
+                seen.clear()
+                t = tile._replace(staged_out=staged)
+                wg_ops.wg_kernel(t, 2304 if fuse else 1024, 2048 if fuse else 2304, fuse, 8, **kw)
+                kname, defs = seen[0]
+                on = (value == "1" and name != "e4m3") or (value is None and name == "w8a8")
+                assert kname == ("moe_grouped_gemm_ws" if on else "moe_grouped_gemm_wg"), (value, name, kname)
+                assert defs.get("WS") == (1 if on else None) and defs.get("B_TMA") == (1 if on else None), defs
+                assert defs.get("A_TMA") == (1 if on and not fuse else None), (value, name, fuse, defs)
+                assert defs["STAGES"] == (stages if on else 4), (value, name, fuse, defs)
+                if on:
+                    assert defs["max_dynamic_smem"] <= wg_ops.SMEM_LIMIT == 232448
+                assert wg_ops.ws(kw.get("e4m3", False), kw.get("e4m3_src", False)) == on
+    monkeypatch.setenv("KDA_RT_MOE_WS", "1")
+    seen.clear()
+    wg_ops.wg_kernel(tile, 1024, 2304, False, 8, src_map=False)  # a source too small for a 128-row box: cp.async
+    assert seen[0][0] == "moe_grouped_gemm_ws" and "A_TMA" not in seen[0][1] and seen[0][1]["B_TMA"] == 1
+    assert wg_ops.ws_stages(wg_ops.WgTile(128, 4), False) == 4 and wg_ops.ws_stages(wg_ops.WgTile(128, 3, False), True) == 3
+    monkeypatch.setenv("KDA_RT_MOE_WS", "on")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_WS must be 0 or 1"):
         wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
 
 
@@ -733,6 +775,7 @@ def test_moe_a_tma_switch_reaches_the_define(monkeypatch):
     128-row box does not fit the source's allocation)."""
     import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
 
+    monkeypatch.setenv("KDA_RT_MOE_WS", "0")  # (the plain kernel's switches)
     seen = []
     monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: seen.append(kw) or "kernel")
     tile = wg_ops.WgTile(256, 4)

@@ -18,12 +18,12 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops import moe_gemm_tc
 from kda_rt.cuda.ops.check import expect
-from kda_rt.cuda.ops.compile import device_arch, get_kernel
+from kda_rt.cuda.ops.compile import device_arch, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 from kda_rt.cuda.ops.moe_gemm_tc import check_grouped_gemm
 from kda_rt.cuda.ops.tma import allocation_rows, map_2d_swizzled
 
-__all__ = ["E4M3_BK", "WgTile", "available", "moe_gemm_wg", "w8a8_fits", "wg_tile"]
+__all__ = ["E4M3_BK", "WgTile", "available", "moe_gemm_wg", "w8a8_fits", "wg_tile", "ws"]
 
 BM, BK = 128, 64
 E4M3_BK = 128  # the k step of e4m3 sources and weights (WFMT = 2): 128 codes, one 128-byte row as bf16's 64
@@ -101,11 +101,63 @@ def a_tma(fuse_silu: bool, e4m3: bool, e4m3_src: bool = False) -> bool:
     return env.moe_a_tma() and not fuse_silu and b_tma(e4m3, e4m3_src)
 
 
+def ws(e4m3: bool, e4m3_src: bool = False) -> bool:
+    """Whether the GEMM runs in its persistent, warp-specialized form (KDA_RT_MOE_WS, moe_gemm_wg.cu WS; unset: for
+    e4m3 sources only): where B_TMA can be built (bf16 weights, or e4m3 weights with e4m3 sources)."""
+    on = env.moe_ws()
+    return (e4m3_src if on is None else on) and (e4m3_src or not e4m3)
+
+
+SMEM_LIMIT = 227 * 1024  # the most shared memory a block can opt in to on sm_90 (232,448 bytes)
+_WS_STATIC = 256  # the WS kernel's static shared memory (its mbarriers, item slots; 96 bytes), within SMEM_LIMIT
+WS_THREADS = 384  # moe_gemm_wg.cu WS: two consumer warpgroups and the producer warpgroup
+_claims: dict[tuple[int, int], object] = {}  # (device, stream) -> the WS kernel's item counters (int32 [2])
+
+
+def _claim_counter(stream):
+    """The WS kernel's item counters for launches on `stream` (zeroed once; every launch leaves them at 0): one pair
+    a stream, so launches on different streams never share them, while launches on one stream run one at a time."""
+    import cupy
+
+    s = stream if stream is not None else cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, int(s.ptr))
+    if key not in _claims:
+        with s:
+            _claims[key] = cupy.zeros(2, dtype=np.int32)
+    return _claims[key]
+
+
+def ws_stages(tile: WgTile, fuse_silu: bool) -> int:
+    """The WS form's pipeline depth: the tile's stages, or as many as fit beside the staged epilogue's own output
+    tile (the down GEMM's BN = 256 tile: 3); a stage is BM + BN rows of 128 bytes (bf16's 64 or e4m3's 128 of K)."""
+    fit = (SMEM_LIMIT - _WS_STATIC - 1024 - _ws_out_bytes(tile, fuse_silu)) // ((BM + tile.bn) * 128)
+    if fit < 3:
+        raise ValueError(f"moe_gemm_wg: the WS form of tile {tile} needs 3 stages, {fit} fit")
+    return min(tile.stages, fit)
+
+
+def _ws_out_bytes(tile: WgTile, fuse_silu: bool) -> int:  # the staged epilogue's [BM][OUT_COLS] tile, padded rows
+    return BM * ((tile.bn // 2 if fuse_silu else tile.bn) * 2 + 16) if tile.staged_out else 0
+
+
+def ws_smem(tile: WgTile, fuse_silu: bool) -> int:
+    """Dynamic shared memory of the WS form: its stages, the staged epilogue's tile, 1 KB to align to 1024."""
+    return ws_stages(tile, fuse_silu) * (BM + tile.bn) * 128 + _ws_out_bytes(tile, fuse_silu) + 1024
+
+
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
               e4m3_src: bool = False, src_map: bool | None = None):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
-    operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say)."""
+    operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say).  Under KDA_RT_MOE_WS=1
+    (where it can be built) the persistent, warp-specialized form: B_TMA always, A_TMA for the down GEMM unless
+    src_map is False."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
+    if ws(e4m3, e4m3_src):
+        tma = {"WS": 1, "B_TMA": 1, **({"A_TMA": 1} if not fuse_silu and src_map is not False else {})}
+        return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_ws", max_dynamic_smem=ws_smem(tile, fuse_silu), K=K,
+                          NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn,
+                          STAGES=ws_stages(tile, fuse_silu), STAGED_OUT=int(tile.staged_out),
+                          HALF_SKIP=int(env.moe_half_skip()), **fmt, **tma)
     tma = {"B_TMA": 1} if b_tma(e4m3, e4m3_src) else {}  # (absent when off: the default module's key unchanged)
     if a_tma(fuse_silu, e4m3, e4m3_src) and src_map is not False:
         tma["A_TMA"] = 1
@@ -150,16 +202,24 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     if tile is None or plan.tile_rows != BM or not _fits(tile, nout, K, fuse_silu, e4m3_src):
         raise ValueError(f"moe_gemm_wg: no tile {tile} for BM={plan.tile_rows} (needs {BM}), K={K}, NOUT={nout}")
     # A_TMA where its map fits: a box of 128 rows within what the source's allocation holds
-    src_map = a_tma(fuse_silu, e4m3, e4m3_src) and N > 0 and allocation_rows(src) >= BM
+    persistent = ws(e4m3, e4m3_src)
+    src_map = ((persistent and not fuse_silu) or a_tma(fuse_silu, e4m3, e4m3_src)) and N > 0 and allocation_rows(src) >= BM
     kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src, src_map)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
     if N:
         args = (src, plan.sorted_pair, weight, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, out,
                 scale if e4m3 else null, src_scale if e4m3_src else null)
-        if b_tma(e4m3, e4m3_src):  # B_TMA builds take the weights' tensor map as an 11th argument
+        if persistent or b_tma(e4m3, e4m3_src):  # B_TMA builds take the weights' tensor map as an 11th argument
             args += (weight_map(weight, tile, "w13" if fuse_silu else "w2", stream),)
-        if src_map:  # and A_TMA builds the source's as a 12th
+        if persistent:  # the WS kernel its item counters as a 12th
+            args += (_claim_counter(stream),)
+        if src_map:  # and A_TMA builds the source's as the last
             args += (source_map(src, stream),)
-        kernel(grid, (256,), args, shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
+        if persistent:  # one CTA an SM (at most one a (tile, feature block) item) claims the items
+            dev = int(src.device.id)
+            items = (min(sm_count(dev), grid[0] * grid[1]),)
+            kernel(items, (WS_THREADS,), args, shared_mem=ws_smem(tile, fuse_silu), stream=stream)
+        else:
+            kernel(grid, (256,), args, shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out
