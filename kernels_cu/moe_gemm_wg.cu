@@ -168,6 +168,17 @@
 // after the stages (the ring is busy with the next item), so the down GEMM fits 3 stages (the launcher's choice:
 // ops/moe_gemm_wg.py ws_stages).  The same values in the same places and the same accumulation order as the plain
 // kernel: bit-identical.
+// Measured (H200, 2026-12-03, tests/gpu/bench_moe_gemm.py --ws [--e4m3 --w8a8], 5 interleaved rounds, uniform routing),
+// plain -> WS, gate/up | down: bf16 T = 2048 0.648 -> 0.615 | 0.339 -> 0.330 ms, 8192 1.322 -> 1.355 | 0.691 -> 0.711,
+// 16384 2.365 -> 2.412 | 1.207 -> 1.249 (+2.0 | +3.5%); e4m3 sources and weights (WFMT 2) 8192 0.852 -> 0.817 | 0.461
+// -> 0.433, 16384 1.506 -> 1.453 | 0.819 -> 0.787 (-3.5 | -3.9%).  The full 27-layer seed prefill (bench_ab.py, TTFT
+// max medians of 3 rounds): fp8 0.6152 -> 0.6078 s (-1.2%), bf16 0.8302 -> 0.8363 s (within the rounds' spread).  So
+// the launcher takes it for e4m3 sources only (KDA_RT_MOE_WS unset).  A first form, each producer thread arriving
+// STAGES - 2 steps after its copies (cp.async.wait_group, then a fence) and items dealt statically (blockIdx.x +
+// i·gridDim.x), was 5-12% slower than the plain kernel at 8192-16384 tokens: the arrival tied to the issue of later
+// steps left the consumers waiting, and the expert's short last tiles left CTAs unevenly loaded.  ncu (T = 16384,
+// bf16, tests/gpu/ncu_moe_gemm.sh with KERNEL=moe_grouped_gemm_ws): gate/up 2.034 ms against the plain 2.023, tensor
+// pipe ~75% either way; the consumers' stall samples sit in the wgmma wait (11%) and the full-barrier wait (4%).
 #ifndef WS
 #define WS 0
 #endif
