@@ -475,6 +475,14 @@ def moe_ws() -> bool | None:
     return None if not value else _on_off("KDA_RT_MOE_WS")
 
 
+def moe_multicast() -> bool:
+    """KDA_RT_MOE_MC: 1 runs the warp-specialized MoE prefill GEMMs (KDA_RT_MOE_WS) in clusters of two CTAs that take
+    an expert's two consecutive tiles and copy half of the weight rows each into both CTAs' stages (tensor-map
+    multicast: a third fewer bytes from L2 a stage; kernels_cu/moe_gemm_wg.cu MC: the same bits); default 0 (not yet
+    measured).  Read when the kernel variant is chosen."""
+    return _on_off("KDA_RT_MOE_MC", "0")
+
+
 def moe_half_skip() -> bool:
     """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
     tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.

@@ -182,6 +182,24 @@
 #ifndef WS
 #define WS 0
 #endif
+// MC = 1 (with WS; prepared 2026-12-03, not yet run on a GPU): clusters of two CTAs (__cluster_dims__(2, 1, 1)) claim
+// pair items, tiles 2q and 2q + 1 of one feature block, rank r taking tile 2q + r.  When both tiles are one expert's,
+// each CTA's producer copies one of the stage's two weight boxes (rank 0 the gate / first half, rank 1 the other) into
+// both CTAs' stages by a multicast tensor copy, so a stage takes 32 KB from L2 instead of 48 (the A rows stay the
+// CTA's own): L2 was 77-83% busy under ncu (fortieth and forty-first sessions), the suspected bound.  Each CTA's full
+// barrier still expects the whole stage's bytes (its own box and the peer's); its empty barrier counts both CTAs'
+// consumer warps (16), each of which frees a stage in both CTAs, since the peer's copies land there too.  A pair
+// across two experts copies its own two boxes in each CTA; a last tile alone in its pair leaves the other CTA a ghost
+// (no bytes expected, no products, no output) that still waits and frees stages.  Rank 0 claims for the cluster and
+// hands each claim to rank 1 through a slot of rank 1's shared memory (two slots, an mbarrier each way); both CTAs
+// meet at a cluster barrier before leaving (the peer may still copy or arrive into them).  Bit for bit WS's products.
+// The MC = 0 builds are byte-identical to the WS kernel before MC was added (NVRTC 13.5, sm_90a).
+#ifndef MC
+#define MC 0
+#endif
+#if MC && !WS
+#error "moe_gemm_wg.cu: MC is built on WS"
+#endif
 #if WS && (!B_TMA || WFMT == 1)
 #error "moe_gemm_wg.cu: WS is built on B_TMA (bf16 weights, or e4m3 weights with e4m3 sources)"
 #endif
@@ -630,6 +648,13 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 #define NFB (FUSE_SILU ? HALF / (BN / 2) : NOUT / BN)  // feature blocks of an expert tile
 #define FULL_COUNT (A_TMA ? 1 : 129)  // thread 0's arrival with the copies' bytes (+ the 128 threads' cp.async)
 static_assert(WS_PASSES <= 32, "WS: one valid-row bit a producer pass");
+#if MC
+#define CL 2  // CTAs a cluster
+#define WS_CLUSTER __cluster_dims__(2, 1, 1)
+#else
+#define CL 1
+#define WS_CLUSTER
+#endif
 
 // one arrival of `count` on bar
 __device__ __forceinline__ void mbar_arrive(unsigned bar, unsigned count = 1) {
@@ -643,8 +668,55 @@ __device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
 // consumer warpgroups may come from different copies of the k loop, see k_barrier)
 __device__ __forceinline__ void consumer_barrier() { asm volatile("barrier.sync 1, 256;" ::: "memory"); }
 __device__ __forceinline__ void producer_barrier() { asm volatile("barrier.sync 2, 128;" ::: "memory"); }
+#if MC
+// an arrival on the mbarrier at shared::cluster address `bar` (another CTA's), releasing this thread's earlier writes
+// to the cluster
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// mbar_wait, acquiring what the cluster's other CTAs released on bar
+__device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {
+    for (unsigned done = 0; !done;)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+// the shared::cluster address of shared address `a` (of this CTA) in the CTA of cluster rank `rank`
+__device__ __forceinline__ unsigned peer_shared(unsigned a, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+// tma_load_2d into the same place of both CTAs of the cluster, completing by its bytes on each one's barrier at the
+// same place
+__device__ __forceinline__ void tma_load_2d_mc(unsigned dst, const void* map, int c0, int c1, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar),
+                 "h"((unsigned short)3) : "memory");
+}
+// a pair item w names tiles 2·(w / NFB) + {0, 1} (feature block w mod NFB); the CTA of cluster rank r takes tile
+// 2·(w / NFB) + r.  ghost: no such tile (the last pair of an odd count): the CTA only waits and frees stages.  mc:
+// both tiles are one expert's, so each CTA copies half of the weight rows into both CTAs' stages.
+struct PairItem {
+    int tile, fb, e, row0, nrows;
+    bool ghost, mc;
+};
+__device__ __forceinline__ PairItem pair_item(int w, unsigned rank, const int* __restrict__ tile_expert,
+                                              const int* __restrict__ tile_row, const int* __restrict__ expert_off,
+                                              int ntiles) {
+    PairItem im;
+    const int q = w / NFB;
+    im.fb = w - q * NFB;
+    im.tile = 2 * q + (int)rank;
+    im.ghost = im.tile >= ntiles;
+    im.mc = 2 * q + 1 < ntiles && tile_expert[2 * q] == tile_expert[2 * q + 1];
+    im.e = im.ghost ? 0 : tile_expert[im.tile];
+    im.row0 = im.ghost ? 0 : tile_row[im.tile];
+    im.nrows = im.ghost ? 0 : min(BM, expert_off[im.e + 1] - im.row0);
+    return im;
+}
+#endif
 
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+extern "C" __global__ void WS_CLUSTER __launch_bounds__(WS_THREADS, 1)
 moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
@@ -662,7 +734,17 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
     __shared__ int stage_item[STAGES];  // the item whose first k step fill s of stage s holds (-1: no more items)
     const unsigned full0 = smem_addr(full), empty0 = smem_addr(empty);
     const int tid = threadIdx.x;
+#if MC
+    const int ntiles = num_tiles[0];
+    const int items = (ntiles + 1) / 2 * NFB;  // pair items
+    const unsigned rank = cluster_rank(), peer = rank ^ 1u;
+    // rank 0's producer hands each claim to rank 1's: pair_slot[n mod 2] of rank 1, `ready` there, `taken` on rank 0
+    __shared__ int pair_slot[2];
+    __shared__ alignas(8) unsigned long long ready[2], taken[2];
+    const unsigned ready0 = smem_addr(ready), taken0 = smem_addr(taken);
+#else
     const int items = num_tiles[0] * NFB;
+#endif
     if (tid == 0) {  // (the maps were written by the host: the fence's scope is the system's)
         asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
 #if A_TMA
@@ -671,22 +753,68 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, FULL_COUNT);
-            mbar_init(empty0 + 8 * s, 8);  // the 8 consumer warps
+            mbar_init(empty0 + 8 * s, 8 * CL);  // the cluster's consumer warps (MC: the peer copies into it too)
         }
+#if MC
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(ready0 + 8 * s, 1);
+            mbar_init(taken0 + 8 * s, 1);
+        }
+#endif
     }
     __syncthreads();  // the barriers initialised before any thread waits on one
+#if MC
+    cluster_arrive();  // ... and the peer's before any copy or arrival reaches them
+    cluster_wait();
+#endif
 
     if (tid >= THREADS) {  // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         const int p = tid - THREADS;
 #if A_TMA
+#if MC
+        if (p != 0) {  // (alive until the cluster's last barrier)
+            cluster_arrive();
+            cluster_wait();
+            return;
+        }
+#else
         if (p != 0) return;
+#endif
 #else
         __shared__ int claimed[2];  // thread 0's claims for the other producer threads (by parity)
         const int prow = p >> 3, pch = p & 7;  // the warpgroup copies piece pch of rows prow + 16i, i < WS_PASSES
 #endif
         int it = 0;  // k steps over the CTA's items: stage it mod STAGES, its fill it / STAGES
         for (int n = 0;; ++n) {
+#if MC
+            int w_claim = 0;
+            if (p == 0) {
+                const int slot = n & 1;
+                if (rank == 0) {
+                    if (n >= 2) mbar_wait(taken0 + 8 * slot, ((n >> 1) - 1) & 1);  // rank 1 read the slot's last claim
+                    w_claim = atomicAdd(claim, 1);
+                    asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(peer_shared(smem_addr(&pair_slot[slot]), 1)),
+                                 "r"(w_claim) : "memory");
+                    mbar_arrive_cluster(peer_shared(ready0 + 8 * slot, 1));
+                } else {
+                    mbar_wait_cluster(ready0 + 8 * slot, (n >> 1) & 1);
+                    w_claim = pair_slot[slot];
+                    mbar_arrive_cluster(peer_shared(taken0 + 8 * slot, 0));
+                }
+            }
+#if A_TMA
+            const int w = w_claim;
+#else
+            if (p == 0) claimed[n & 1] = w_claim;
+            producer_barrier();  // (the slot of parity n is rewritten after the next barrier: read by then)
+            const int w = claimed[n & 1];
+#endif
+            if (w >= items) break;
+            const PairItem im = pair_item(w, rank, tile_expert, tile_row, expert_off, ntiles);
+            const int e = im.e, row0 = im.row0;
+            const int f0 = im.fb * (FUSE_SILU ? BN / 2 : BN);
+#else
 #if A_TMA
             const int w = atomicAdd(claim, 1);
 #else
@@ -698,9 +826,14 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             const int tile = w / NFB, fb = w - tile * NFB;
             const int e = tile_expert[tile], row0 = tile_row[tile];
             const int f0 = fb * (FUSE_SILU ? BN / 2 : BN);
+#endif
             const int b_row0 = e * NOUT + f0, b_row1 = b_row0 + (FUSE_SILU ? HALF : BN / 2);
 #if !A_TMA
+#if MC
+            const int nrows = im.nrows;
+#else
             const int nrows = min(BM, expert_off[e + 1] - row0);
+#endif
             int srow[WS_PASSES];  // source row of each pass's row (gate/up: the token's x row); the tile's first past the end
             unsigned valid = 0;
 #pragma unroll
@@ -717,11 +850,24 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 const unsigned st = base + stage * STAGE_BYTES, bar = full0 + 8 * stage;
                 if (p == 0) {
                     if (kt == 0) stage_item[stage] = w;  // (published by the arrival below)
+#if MC
+                    mbar_arrive_expect_tx(bar, im.ghost ? 0u : (unsigned)B_BYTES + (A_TMA ? (unsigned)A_BYTES : 0u));
+                    if (im.mc)  // this rank's half of the weight rows into both CTAs (the peer sends the other half)
+                        tma_load_2d_mc(st + A_BYTES + rank * (BN / 2) * 128, b_map, kt * BK, rank ? b_row1 : b_row0, bar);
+                    else if (!im.ghost) {
+                        tma_load_2d(st + A_BYTES, b_map, kt * BK, b_row0, bar);
+                        tma_load_2d(st + A_BYTES + (BN / 2) * 128, b_map, kt * BK, b_row1, bar);
+                    }
+#if A_TMA
+                    if (!im.ghost) tma_load_2d(st, a_map, kt * BK, row0, bar);
+#endif
+#else
                     mbar_arrive_expect_tx(bar, (unsigned)B_BYTES + (A_TMA ? (unsigned)A_BYTES : 0u));
                     tma_load_2d(st + A_BYTES, b_map, kt * BK, b_row0, bar);
                     tma_load_2d(st + A_BYTES + (BN / 2) * 128, b_map, kt * BK, b_row1, bar);
 #if A_TMA
                     tma_load_2d(st, a_map, kt * BK, row0, bar);
+#endif
 #endif
                 }
 #if !A_TMA
@@ -739,12 +885,26 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             if (it >= STAGES) mbar_wait(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);
             stage_item[stage] = -1;
             mbar_arrive(full0 + 8 * stage, FULL_COUNT);
+#if MC
+            if (rank == 0) {  // (rank 0 claims for its cluster)
+                __threadfence();  // this cluster's claims before its count of clusters done claiming
+                if (atomicAdd(claim + 1, 1) == (int)gridDim.x / 2 - 1) {  // every cluster is done claiming
+                    claim[0] = 0;
+                    claim[1] = 0;
+                }
+            }
+#else
             __threadfence();  // this CTA's claims before its count of CTAs done claiming
             if (atomicAdd(claim + 1, 1) == (int)gridDim.x - 1) {  // every CTA is done claiming
                 claim[0] = 0;
                 claim[1] = 0;
             }
+#endif
         }
+#if MC
+        cluster_arrive();  // no CTA of the cluster leaves while the other may still copy or arrive into it
+        cluster_wait();
+#endif
         return;
     }
 
@@ -765,10 +925,16 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
         wait_full();
         const int w = stage_item[it % STAGES];
         if (w < 0) break;
+#if MC
+        const PairItem im = pair_item(w, rank, tile_expert, tile_row, expert_off, ntiles);
+        const int e = im.e, row0 = im.row0, nrows = im.nrows;
+        const int f0 = im.fb * (FUSE_SILU ? BN / 2 : BN);
+#else
         const int tile = w / NFB, fb = w - tile * NFB;
         const int e = tile_expert[tile], row0 = tile_row[tile];
         const int nrows = min(BM, expert_off[e + 1] - row0);
         const int f0 = fb * (FUSE_SILU ? BN / 2 : BN);
+#endif
         float acc[ACC];
 #pragma unroll
         for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
@@ -789,21 +955,39 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     wgmma_wait<1>();  // step it - 1's products are done: its stage is free
                     fence_regs(acc);
                 }
-                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+                if (kt > 0 && lane == 0) {
+                    mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+#if MC
+                    mbar_arrive_cluster(peer_shared(empty0 + 8 * ((it - 1) % STAGES), peer));  // (its copies land here too)
+#endif
+                }
             }
             if constexpr (MMA) {
                 wgmma_wait<0>();
                 fence_regs(acc);
             }
-            if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            if (lane == 0) {
+                mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+#if MC
+                mbar_arrive_cluster(peer_shared(empty0 + 8 * ((it - 1) % STAGES), peer));
+#endif
+            }
         };
 #if HALF_SKIP
         if (wg * 64 < nrows)
             k_loop(BoolC<true>{});
         else
             k_loop(BoolC<false>{});
+#elif MC
+        if (nrows > 0)
+            k_loop(BoolC<true>{});
+        else
+            k_loop(BoolC<false>{});
 #else
         k_loop(BoolC<true>{});
+#endif
+#if MC
+        if (im.ghost) continue;  // (uniform over the CTA)
 #endif
         Scales sc;
         load_scales(sc, scale, e, f0, t, src_scale, sorted_pair, row0, nrows, wg * 64);
@@ -816,5 +1000,9 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
         store_rows(acc, sc, dst, row0, nrows, f0, wg * 64, t);
 #endif
     }
+#if MC
+    cluster_arrive();
+    cluster_wait();
+#endif
 }
 #endif  // WS

@@ -303,8 +303,8 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
 
 def bench_ws(T, wts, rounds: int = 5, q=None):
     """The launcher's GEMMs in their plain form (KDA_RT_MOE_WS=0) against the persistent, warp-specialized one (=1,
-    moe_gemm_wg.cu WS), interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows), and whether the
-    outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
+    moe_gemm_wg.cu WS) and that one in clusters with the weight rows multicast (mc: KDA_RT_MOE_MC=1), interleaved over
+    `rounds` rounds: medians, useful TFLOP/s (the routed rows), and whether the outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
     quantized once, untimed)."""
     import os
 
@@ -328,7 +328,12 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
         q13, s13, q2, s2 = q
         gemms = [(name, src, wq, sc, out, silu, flop) for (name, src, _, _, out, silu, flop), wq, sc
                  in zip(gemms, (q13, q2), (s13, s2), strict=True)]
-    old = os.environ.get("KDA_RT_MOE_WS")
+    old = {k: os.environ.get(k) for k in ("KDA_RT_MOE_WS", "KDA_RT_MOE_MC")}
+
+    def switch(v):
+        os.environ["KDA_RT_MOE_WS"] = "0" if v == "0" else "1"
+        os.environ["KDA_RT_MOE_MC"] = "1" if v == "mc" else "0"
+
     try:
         for name, src, w, sc, out, silu, flop in gemms:
             kw = {}
@@ -338,26 +343,27 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
                 quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
                 src, kw = srcq, dict(scale=sc, src_scale=srcs)
             run = partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, **kw)
-            outs, times = {}, {v: [] for v in ("0", "1")}
+            outs, times = {}, {v: [] for v in ("0", "1", "mc")}
             for v in times:
-                os.environ["KDA_RT_MOE_WS"] = v
+                switch(v)
                 out.fill(0)
                 run()
                 outs[v] = out.copy()
-            same = bool(cupy.array_equal(outs["0"], outs["1"]))
+            same = all(bool(cupy.array_equal(outs["0"], o)) for o in outs.values())
             for _ in range(rounds):
                 for v in times:
-                    os.environ["KDA_RT_MOE_WS"] = v
+                    switch(v)
                     times[v].append(median_ms(run))
             base = float(np.median(times["0"]))
             print(f"T={T} {name}{' w8a8' if q is not None else ''}: " + "  ".join(
-                f"WS={v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
+                f"{'WS+MC' if v == 'mc' else 'WS=' + v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
                 for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
     finally:
-        if old is None:
-            os.environ.pop("KDA_RT_MOE_WS", None)
-        else:
-            os.environ["KDA_RT_MOE_WS"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def bench_tiles(T, wts, rounds: int = 5, q=None):
@@ -440,8 +446,8 @@ def main():
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
-    ap.add_argument("--ws", action="store_true", help="the launcher's GEMMs plain against warp-specialized (KDA_RT_MOE_WS), "
-                    "interleaved (with --e4m3 --w8a8: on e4m3 sources and weights)")
+    ap.add_argument("--ws", action="store_true", help="the launcher's GEMMs plain, warp-specialized (KDA_RT_MOE_WS) "
+                    "and multicast (KDA_RT_MOE_MC), interleaved (with --e4m3 --w8a8: on e4m3 sources and weights)")
     args = ap.parse_args()
     if args.define and (unused := unused_defines("moe_gemm_wg.cu", [args.define.split("=")[0]])):
         ap.error(f"--define: moe_gemm_wg.cu does not read {unused[0]}")

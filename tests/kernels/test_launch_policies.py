@@ -745,6 +745,17 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
     wg_ops.wg_kernel(tile, 1024, 2304, False, 8, src_map=False)  # a source too small for a 128-row box: cp.async
     assert seen[0][0] == "moe_grouped_gemm_ws" and "A_TMA" not in seen[0][1] and seen[0][1]["B_TMA"] == 1
     assert wg_ops.ws_stages(wg_ops.WgTile(128, 4), False) == 4 and wg_ops.ws_stages(wg_ops.WgTile(128, 3, False), True) == 3
+    for ws, mc, want in (("1", "1", 1), ("1", "0", None), ("0", "1", None)):  # KDA_RT_MOE_MC: only with WS
+        monkeypatch.setenv("KDA_RT_MOE_WS", ws)
+        monkeypatch.setenv("KDA_RT_MOE_MC", mc)
+        seen.clear()
+        wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
+        assert seen[0][1].get("MC") == want, (ws, mc, seen[0])
+    monkeypatch.setenv("KDA_RT_MOE_WS", "1")
+    monkeypatch.setenv("KDA_RT_MOE_MC", "2")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_MC must be 0 or 1"):
+        wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
+    monkeypatch.delenv("KDA_RT_MOE_MC")
     monkeypatch.setenv("KDA_RT_MOE_WS", "on")
     with pytest.raises(ValueError, match="KDA_RT_MOE_WS must be 0 or 1"):
         wg_ops.wg_kernel(tile, 2304, 2048, True, 8)

@@ -340,7 +340,9 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     """KDA_RT_MOE_B_TMA=1 (the weight rows of each stage by two tensor-map copies, moe_gemm_wg.cu B_TMA), and with it
     KDA_RT_MOE_A_TMA=1 (the down GEMM's source rows by one more), and KDA_RT_MOE_WS=1 (the persistent,
     warp-specialized form: a producer warpgroup, mbarrier-released stages, one CTA an SM walking many items at T8192,
-    most CTAs with none at T1, K of fewer steps than stages at E16) against the cp.async kernel on one plan: h and y bit
+    most CTAs with none at T1, K of fewer steps than stages at E16), and with it KDA_RT_MOE_MC=1 (clusters of two CTAs
+    on an expert's two tiles, the weight rows multicast; pairs across two experts and a last tile alone in its pair
+    on the odd plans) against the cp.async kernel on one plan: h and y bit
     for bit (the same values land in the same swizzled places, summed in the same order), with bf16 weights and with e4m3 weights and sources
     (w8a8-*), both tile widths, both epilogues, a 1-token plan, a skewed one and 3-step K (E16); the down GEMM's source
     (h, or its codes) is the first rows of a larger buffer whose other rows are NaN, as a workspace's are (A_TMA's map
@@ -371,7 +373,8 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     built = []
     real_get = wg_ops.get_kernel
     monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: built.append(
-        (kw.get("FUSE_SILU"), kw.get("B_TMA", 0), kw.get("A_TMA", 0), kw.get("WS", 0))) or real_get(*a, **kw))
+        (kw.get("FUSE_SILU"), kw.get("B_TMA", 0), kw.get("A_TMA", 0), kw.get("WS", 0), kw.get("MC", 0)))
+        or real_get(*a, **kw))
 
     def gemm(src, fuse_silu, out):
         if not w8a8:
@@ -384,10 +387,11 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
                            tile=WgTile(*tile), scale=s13 if fuse_silu else s2, src_scale=sc)
 
     outs = {}
-    for v in ("0", "1", "a", "ws"):  # cp.async, B_TMA, B_TMA + A_TMA, WS (its own B_TMA and A_TMA)
+    for v in ("0", "1", "a", "ws", "mc"):  # cp.async, B_TMA, B_TMA + A_TMA, WS (its own B_TMA and A_TMA), WS + MC
         monkeypatch.setenv("KDA_RT_MOE_B_TMA", "1" if v in ("1", "a") else "0")
         monkeypatch.setenv("KDA_RT_MOE_A_TMA", "1" if v == "a" else "0")
-        monkeypatch.setenv("KDA_RT_MOE_WS", "1" if v == "ws" else "0")
+        monkeypatch.setenv("KDA_RT_MOE_WS", "1" if v in ("ws", "mc") else "0")
+        monkeypatch.setenv("KDA_RT_MOE_MC", "1" if v == "mc" else "0")
         built.clear()
         h_buf, y = cupy.empty((T * A + 256, inter), dtype=x.dtype), cupy.empty((T * A, D), dtype=x.dtype)
         poison(h_buf)  # (rows past N stay NaN)
@@ -396,10 +400,11 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
         poison_shared_memory()  # no run may pass on the stages the one before left
         gemm(x, True, h)
         gemm(h, False, y)
-        a_down, ws = int(v in ("a", "ws")), int(v == "ws")  # (the source's allocation holds a 128-row box: >= 256 rows)
-        assert sorted(set(built)) == [(0, int(v != "0"), a_down, ws), (1, int(v != "0"), 0, ws)], (v, built)
+        a_down, ws, mc = int(v in ("a", "ws", "mc")), int(v in ("ws", "mc")), int(v == "mc")  # (h's allocation
+        # holds a 128-row box: >= 256 rows)
+        assert sorted(set(built)) == [(0, int(v != "0"), a_down, ws, mc), (1, int(v != "0"), 0, ws, mc)], (v, built)
         outs[v] = (cupy.asnumpy(h.view(np.uint16)), cupy.asnumpy(y.view(np.uint16)))
-    for v in ("1", "a", "ws"):
+    for v in ("1", "a", "ws", "mc"):
         for a, b, what in zip(outs[v], outs["0"], ("h", "y"), strict=True):
             assert np.array_equal(a, b), f"{name} ({v}): {what} differs from the cp.async kernel's"
 

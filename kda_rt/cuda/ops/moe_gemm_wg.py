@@ -154,6 +154,8 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
     if ws(e4m3, e4m3_src):
         tma = {"WS": 1, "B_TMA": 1, **({"A_TMA": 1} if not fuse_silu and src_map is not False else {})}
+        if env.moe_multicast():  # (absent when off: the WS module's key unchanged)
+            tma["MC"] = 1
         return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_ws", max_dynamic_smem=ws_smem(tile, fuse_silu), K=K,
                           NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn,
                           STAGES=ws_stages(tile, fuse_silu), STAGED_OUT=int(tile.staged_out),
@@ -218,8 +220,11 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
             args += (source_map(src, stream),)
         if persistent:  # one CTA an SM (at most one a (tile, feature block) item) claims the items
             dev = int(src.device.id)
-            items = (min(sm_count(dev), grid[0] * grid[1]),)
-            kernel(items, (WS_THREADS,), args, shared_mem=ws_smem(tile, fuse_silu), stream=stream)
+            if env.moe_multicast():  # clusters of two CTAs claim pair items (two tiles, one feature block)
+                ctas = (2 * min(sm_count(dev) // 2, grid[0] * ((grid[1] + 1) // 2)),)
+            else:
+                ctas = (min(sm_count(dev), grid[0] * grid[1]),)
+            kernel(ctas, (WS_THREADS,), args, shared_mem=ws_smem(tile, fuse_silu), stream=stream)
         else:
             kernel(grid, (256,), args, shared_mem=tile.smem(e4m3, e4m3_src), stream=stream)
     return out
