@@ -280,6 +280,19 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[ACC], unsigned long long d
 #endif
 }
 
+// one k step of the warpgroup tile: its wgmma over the A and B tiles at shared addresses a_tile, b_tile, committed,
+// then the wait until at most this group is pending (the step before's products are done)
+__device__ __forceinline__ void k_step(float (&acc)[ACC], unsigned a_tile, unsigned b_tile) {
+    fence_regs(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s)
+        wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(acc);
+}
+
 // Epilogue (STAGED_OUT picks one; ops/moe_gemm_wg.py: staged for down, direct for gate/up).  The tensor
 // cores idle while it runs (one CTA per SM), so its cost is the kernel's: with no epilogue at all the down
 // GEMM at T = 16384 ran 0.975 ms against 1.377 (bench_moe_gemm.py --limits, EXP_SKIP=4).
@@ -600,14 +613,7 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
                 // past the barrier of step kt + 2, so no phase passes unseen)
                 mbar_wait(bar0 + 8 * (kt % STAGES), (kt / STAGES) & 1);
 #endif
-                fence_regs(acc);
-                wgmma_fence();
-#pragma unroll
-                for (int s = 0; s < SLICES; ++s)
-                    wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
-                wgmma_commit();
-                wgmma_wait<1>();
-                fence_regs(acc);
+                k_step(acc, a_tile, b_tile);
             }
         }
         if constexpr (MMA) {
@@ -946,14 +952,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 if constexpr (MMA) {
                     const unsigned a_tile = base + (it % STAGES) * STAGE_BYTES + wg * 64 * 128;
                     const unsigned b_tile = base + (it % STAGES) * STAGE_BYTES + A_BYTES;
-                    fence_regs(acc);
-                    wgmma_fence();
-#pragma unroll
-                    for (int s = 0; s < SLICES; ++s)
-                        wgmma_tile(acc, smem_desc(a_tile + 32 * s), smem_desc(b_tile + 32 * s));
-                    wgmma_commit();
-                    wgmma_wait<1>();  // step it - 1's products are done: its stage is free
-                    fence_regs(acc);
+                    k_step(acc, a_tile, b_tile);  // (step it - 1's products are then done: its stage is free)
                 }
                 if (kt > 0 && lane == 0) {
                     mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
