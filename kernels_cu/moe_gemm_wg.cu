@@ -656,10 +656,8 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 static_assert(WS_PASSES <= 32, "WS: one valid-row bit a producer pass");
 #if MC
 #define CL 2  // CTAs a cluster
-#define WS_CLUSTER __cluster_dims__(2, 1, 1)
 #else
 #define CL 1
-#define WS_CLUSTER
 #endif
 
 // one arrival of `count` on bar
@@ -722,7 +720,11 @@ __device__ __forceinline__ PairItem pair_item(int w, unsigned rank, const int* _
 }
 #endif
 
-extern "C" __global__ void WS_CLUSTER __launch_bounds__(WS_THREADS, 1)
+extern "C" __global__ void
+#if MC
+__cluster_dims__(2, 1, 1)
+#endif
+__launch_bounds__(WS_THREADS, 1)
 moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorted_pair, const wtype* __restrict__ weight,
                     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
@@ -751,11 +753,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
 #else
     const int items = num_tiles[0] * NFB;
 #endif
-    if (tid == 0) {  // (the maps were written by the host: the fence's scope is the system's)
-        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
-#if A_TMA
-        asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(a_map) : "memory");
-#endif
+    if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, FULL_COUNT);
@@ -775,8 +773,16 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
 #endif
 
     if (tid >= THREADS) {  // the producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         const int p = tid - THREADS;
+        if (p == 0) {  // the thread that issues the tensor copies acquires their maps (written by the host: the
+                       // fence's scope is the system's; a proxy fence orders this thread's accesses only)
+            asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(b_map) : "memory");
+#if A_TMA
+            asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;\n" ::"l"(a_map) : "memory");
+#endif
+        }
+        __syncwarp();
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
 #if A_TMA
 #if MC
         if (p != 0) {  // (alive until the cluster's last barrier)
@@ -895,6 +901,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             if (rank == 0) {  // (rank 0 claims for its cluster)
                 __threadfence();  // this cluster's claims before its count of clusters done claiming
                 if (atomicAdd(claim + 1, 1) == (int)gridDim.x / 2 - 1) {  // every cluster is done claiming
+                    __threadfence();  // (the others' claims, ordered before their counts, before the reset)
                     claim[0] = 0;
                     claim[1] = 0;
                 }
@@ -902,6 +909,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
 #else
             __threadfence();  // this CTA's claims before its count of CTAs done claiming
             if (atomicAdd(claim + 1, 1) == (int)gridDim.x - 1) {  // every CTA is done claiming
+                __threadfence();  // (the others' claims, ordered before their counts, before the reset)
                 claim[0] = 0;
                 claim[1] = 0;
             }
@@ -954,6 +962,8 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     const unsigned b_tile = base + (it % STAGES) * STAGE_BYTES + A_BYTES;
                     k_step(acc, a_tile, b_tile);  // (step it - 1's products are then done: its stage is free)
                 }
+                if constexpr (!MMA) __syncwarp();  // the warp's reads (stage_item) before lane 0 frees the stage
+                                                    // (with MMA the warp-wide wgmma wait orders them)
                 if (kt > 0 && lane == 0) {
                     mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
 #if MC
@@ -965,6 +975,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 wgmma_wait<0>();
                 fence_regs(acc);
             }
+            if constexpr (!MMA) __syncwarp();
             if (lane == 0) {
                 mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
 #if MC

@@ -761,6 +761,44 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
         wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
 
 
+def test_ws_claim_counters_one_pair_a_stream(monkeypatch):
+    """The WS kernel's claim counters (moe_gemm_wg._claim_counter): one zeroed pair for each (device, stream), the same
+    pair again for the same stream, and for CUDA's per-thread default stream (one handle, a different stream in each
+    host thread) one pair for each host thread."""
+    import sys
+    import threading
+    import types
+
+    import numpy as np
+
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0), get_current_stream=lambda: Stream(7)),
+        zeros=lambda n, dtype: np.zeros(n, dtype=dtype))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(wg_ops, "_claims", {})
+    a, b = wg_ops._claim_counter(Stream(7)), wg_ops._claim_counter(None)
+    assert a is b and a.dtype == np.int32 and a.shape == (2,) and not a.any()
+    assert wg_ops._claim_counter(Stream(8)) is not a
+    here = wg_ops._claim_counter(Stream(2))
+    other = []
+    t = threading.Thread(target=lambda: other.append(wg_ops._claim_counter(Stream(2))))
+    t.start()
+    t.join()
+    assert other[0] is not here and wg_ops._claim_counter(Stream(2)) is here
+
+
 def test_tensor_map_arguments():
     """ops/tma.encode_args_2d: the driver's arguments for a [rows, cols] array and boxes of 128-byte rows (dims inner
     first, the row stride in bytes, the box 128 bytes wide), and the limits it refuses before the driver is asked."""

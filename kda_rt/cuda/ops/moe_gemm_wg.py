@@ -11,6 +11,7 @@ Letters: T tokens, A active experts, E experts, N = T·A pairs, K reduction widt
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -111,16 +112,19 @@ def ws(e4m3: bool, e4m3_src: bool = False) -> bool:
 SMEM_LIMIT = 227 * 1024  # the most shared memory a block can opt in to on sm_90 (232,448 bytes)
 _WS_STATIC = 256  # the WS kernel's static shared memory (its mbarriers, item slots; 96 bytes), within SMEM_LIMIT
 WS_THREADS = 384  # moe_gemm_wg.cu WS: two consumer warpgroups and the producer warpgroup
-_claims: dict[tuple[int, int], object] = {}  # (device, stream) -> the WS kernel's item counters (int32 [2])
+_claims: dict[tuple[int, int, int], object] = {}  # (device, stream, thread) -> the WS kernel's item counters
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread's handle
 
 
 def _claim_counter(stream):
     """The WS kernel's item counters for launches on `stream` (zeroed once; every launch leaves them at 0): one pair
-    a stream, so launches on different streams never share them, while launches on one stream run one at a time."""
+    a stream, so launches on different streams never share them, while launches on one stream run one at a time.
+    CUDA's per-thread default stream has one handle for a different stream in each host thread: keyed by thread."""
     import cupy
 
     s = stream if stream is not None else cupy.cuda.get_current_stream()
-    key = (cupy.cuda.Device().id, int(s.ptr))
+    ptr = int(s.ptr)
+    key = (cupy.cuda.Device().id, ptr, threading.get_ident() if ptr == _PER_THREAD_STREAM else 0)
     if key not in _claims:
         with s:
             _claims[key] = cupy.zeros(2, dtype=np.int32)
