@@ -179,6 +179,8 @@
 // steps left the consumers waiting, and the expert's short last tiles left CTAs unevenly loaded.  ncu (T = 16384,
 // bf16, tests/gpu/ncu_moe_gemm.sh with KERNEL=moe_grouped_gemm_ws): gate/up 2.034 ms against the plain 2.023, tensor
 // pipe ~75% either way; the consumers' stall samples sit in the wgmma wait (11%) and the full-barrier wait (4%).
+// (Measured before three review fixes that change its machine code: the maps' fence moved into the producer thread
+// that issues the copies, a skipping warp's sync before freeing a stage, the fenced counter reset.)
 #ifndef WS
 #define WS 0
 #endif
