@@ -31,9 +31,9 @@ SHAPES = {  # name: (K, NOUT, padded NOUT for the e4m3 tile, SiLU fused)
 
 def main() -> int:
     import cupy
-    from kernels.test_moe_gemm_tc import e4m3_stack
 
     from helpers.gpu import median_ms
+    from helpers.moe_gemm import e4m3_stack
     from kda_rt.cuda.gemm import linear
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.dense_w8a8 import E4m3Dense, dense_w8a8

@@ -45,9 +45,9 @@ TILES = [(16, 128, 64, 4, 1, 4, 2), (16, 64, 64, 4, 1, 2, 4), (16, 128, 64, 6, 1
 
 def main():
     import cupy
-    from kernels.test_moe_gemm_tc import make_plan
 
     from helpers.gpu import median_ms, rand_bf16, rms_rel, to_np
+    from helpers.moe_gemm import make_plan
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
     from kda_rt.cuda.ops.moe_gemm_tc import TileConfig, moe_gemm_tc
@@ -189,9 +189,9 @@ def bench_fused(tokens, rounds: int = 8):
 
 def bench_e4m3(tokens, tiles=(), rounds: int = 8):
     import cupy
-    from kernels.test_moe_gemm_tc import e4m3_stack
 
     from helpers.gpu import graph_us, rand_bf16
+    from helpers.moe_gemm import e4m3_stack
     from kda_rt.cuda.ops import moe_gemm_tc as mod
     from kda_rt.cuda.ops import pdl
     from kda_rt.cuda.ops.moe_align import moe_bucket

@@ -8,7 +8,7 @@ dense GEMM of the same size as the ceiling.
     % of peak against 790 TFLOP/s (bf16 dense, H200: cuBLAS 8192³ on random data, KINDS.md)
 
 Times: CUDA events around each call, 3 warm-ups, median of 20.  `--sweep` also times every tile of
-TILES (tests/kernels/test_moe_gemm_tc.py) on each T (and checks it against the decode kernel) to choose the launcher's tiles.
+TILES (tests/helpers/moe_gemm.py) on each T (and checks it against the decode kernel) to choose the launcher's tiles.
 Run: python tests/gpu/bench_moe_gemm.py [--sweep] [--tokens 2048,8192]
 Letters: T tokens, A active experts, E experts, N = T·A rows, D hidden, I expert width."""
 
@@ -54,9 +54,9 @@ def line(name, ms, flops, extra=""):
 def bench_step(T, wts, cfg, sweep):
     """Every timing of one step of T tokens (uniform random routing)."""
     import cupy
-    from kernels.test_moe_gemm_tc import TILES, make_ids, make_plan
 
     from helpers.gpu import median_ms, rand_bf16, rms_rel, to_np
+    from helpers.moe_gemm import TILES, make_ids, make_plan
     from kda_rt.cuda import moe as moe_mod
     from kda_rt.cuda.gemm import linear
     from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
@@ -145,8 +145,8 @@ def _wg_cases(T, wts):
     """The plan of T tokens (uniform random routing, 128-row tiles) and both wgmma GEMMs of it as (name, kernel
     arguments, K, NOUT, FUSE_SILU, launcher tile, grid) cases; gate/up writes the h that down reads."""
     import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
 
+    from helpers.moe_gemm import make_ids, make_plan
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import max_tiles
     from kda_rt.cuda.ops.moe_gemm_wg import wg_tile
@@ -172,9 +172,9 @@ def bench_e4m3(T, wts, q, rounds: int = 5, w8a8: bool = False):
     interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows).  w8a8: also e4m3 sources
     (WFMT = 2), the GEMM alone and after its source's quantization (ops/quant.quantize_activations_e4m3)."""
     import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
 
     from helpers.gpu import median_ms
+    from helpers.moe_gemm import make_ids, make_plan
     from kda_rt.cuda.ops import moe_gemm_tc
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
@@ -309,9 +309,9 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
     import os
 
     import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
 
     from helpers.gpu import median_ms
+    from helpers.moe_gemm import make_ids, make_plan
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
     from kda_rt.cuda.ops.quant import quantize_activations_e4m3
@@ -372,9 +372,9 @@ def bench_tiles(T, wts, rounds: int = 5, q=None):
     epilogue, interleaved over `rounds` rounds: medians.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): the GEMMs
     on e4m3 sources and weights (moe_gemm_wg.cu WFMT = 2; the sources quantized once, untimed)."""
     import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
 
     from helpers.gpu import median_ms
+    from helpers.moe_gemm import make_ids, make_plan
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_wg import WgTile, moe_gemm_wg, wg_tile
     from kda_rt.cuda.ops.quant import quantize_activations_e4m3
@@ -412,8 +412,8 @@ def run_once(T, wts):
     """Both GEMMs once with the launcher's tiles after one warm-up pair (for a profiler: launches 3 and 4 of
     moe_grouped_gemm_wg are the gate/up and down GEMMs to look at; tests/gpu/ncu_moe_gemm.sh)."""
     import cupy
-    from kernels.test_moe_gemm_tc import make_ids, make_plan
 
+    from helpers.moe_gemm import make_ids, make_plan
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_wg import moe_gemm_wg
 
@@ -461,7 +461,7 @@ def main():
     print(f"E={E} A={A} D={D} I={INTER}; peak {PEAK / 1e12:.0f} TFLOP/s", flush=True)
     q = None
     if args.e4m3:
-        from kernels.test_moe_gemm_tc import e4m3_stack
+        from helpers.moe_gemm import e4m3_stack
 
         hrng = np.random.default_rng(3)
         q = (*e4m3_stack(rng, hrng, E, 2 * INTER, D), *e4m3_stack(rng, hrng, E, D, INTER))

@@ -74,12 +74,12 @@ def test_quantize_dense_matches_host_rows(fuse_silu):
 def test_dense_w8a8_against_numpy(name):
     """dense_w8a8 with x quantized inside (quantized=False) and with codes made before (quantized=True, as the norm
     hands them over): the same output bit for bit, within the drift bound of float64 products of the dequantized
-    sources and weights (SiLU · up: tests/kernels/test_moe_gemm_tc.h_bound).  Outputs poisoned first; the identity
+    sources and weights (SiLU · up: tests/helpers/moe_gemm.h_bound).  Outputs poisoned first; the identity
     plans of other sizes run in between (their cache)."""
     import cupy
-    from kernels.test_moe_gemm_tc import check_drift, drift, h_bound
 
     from helpers.gpu import to_gpu_bf16
+    from helpers.moe_gemm import check_drift, drift, h_bound
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.dense_w8a8 import dense_w8a8, quantize_dense
     from kda_rt.cuda.ops.quant import quantize_activations_e4m3

@@ -139,7 +139,7 @@ class _E4m3Experts(Sequence):
     """Routed experts of e4m3 GPU stacks as `MLPWeights` of their dequantized values (float64), per expert."""
 
     def __init__(self, q13, s13, q2, s2, count):
-        from kernels.test_moe_gemm_tc import Dequantized
+        from helpers.moe_gemm import Dequantized
 
         self.w13, self.w2, self.count = Dequantized(q13, s13), Dequantized(q2, s2), count
 
@@ -183,9 +183,9 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     kernel and on its two launches; 64-row tiles on moe_gemm_tc; 128-row tiles on the wgmma kernel (sm_90a) and on
     moe_gemm_tc."""
     import cupy
-    from kernels.test_moe_gemm_tc import e4m3_stack
 
     import kda_rt.cuda.moe as moe
+    from helpers.moe_gemm import e4m3_stack
     from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.compile import arch_number, device_arch

@@ -15,9 +15,9 @@ import zlib
 
 import numpy as np
 import pytest
-from kernels.test_moe_gemm_tc import check, make_ids, make_plan, reference_rows
 
 from helpers.gpu import bf16_round, poison, rand_bf16, to_np
+from helpers.moe_gemm import check, make_ids, make_plan, reference_rows
 
 pytestmark = pytest.mark.gpu
 
