@@ -450,7 +450,8 @@ def moe_b_tma() -> bool:
     projections, ops/dense_w8a8.py, which run on the same kernel) by tensor-map copies (TMA, one thread a stage)
     instead of cp.async pieces over the block (kernels_cu/moe_gemm_wg.cu B_TMA: the same bits; bf16 weights, and e4m3
     weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0: measured no faster (H200,
-    2026-12-03).  Read when the kernel variant is chosen."""
+    2026-12-03).  The plain kernel's switch only: the warp-specialized form (KDA_RT_MOE_WS, by default for e4m3
+    sources) always copies the weights so.  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_B_TMA", "0")
 
 
@@ -458,8 +459,9 @@ def moe_a_tma() -> bool:
     """KDA_RT_MOE_A_TMA: 1 (with KDA_RT_MOE_B_TMA=1) copies the source rows of the prefill down GEMM on wgmma (h,
     contiguous in expert order; also fp8 models' dense prefill projections, one expert over an identity plan) by a
     tensor-map copy too, so a stage has no cp.async (kernels_cu/moe_gemm_wg.cu A_TMA: the same bits; gate/up's rows
-    are a gather and keep cp.async); default 0: measured no faster (H200, 2026-12-03).  Read when the kernel
-    variant is chosen."""
+    are a gather and keep cp.async); default 0: measured no faster (H200, 2026-12-03).  The plain kernel's switch
+    only: the warp-specialized form (KDA_RT_MOE_WS) copies the down GEMM's rows so wherever a 128-row box fits the
+    source's allocation.  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_A_TMA", "0")
 
 
@@ -469,8 +471,8 @@ def moe_ws() -> bool | None:
     warpgroup filling the stages by tensor-map copies (and the gathered rows by cp.async) on mbarriers, the consumers
     freeing each stage as its products finish (kernels_cu/moe_gemm_wg.cu WS: the same bits).  1: wherever it can be
     built (bf16 weights, and e4m3 weights with e4m3 sources); 0: never; unset: for e4m3 sources only (fp8 models'
-    prefill), where it measured faster (H200, 2026-12-03: -3.5 to -6%; bf16 +2 to +3.5%).  Read when the kernel variant
-    is chosen."""
+    prefill), where it measured faster (H200, 2026-12-03: -3.5 to -6%; bf16 +2 to +3.5%; measured before three review
+    fixes to its synchronisation, to be measured again).  Read when the kernel variant is chosen."""
     value = os.environ.get("KDA_RT_MOE_WS")
     return None if not value else _on_off("KDA_RT_MOE_WS")
 

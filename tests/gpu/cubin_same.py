@@ -24,10 +24,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _libnvrtc(path: str | None) -> ctypes.CDLL:
     if path is None:
-        found = sorted(glob.glob(str(Path(sys.prefix) / "lib/python*/site-packages/nvidia/cu1*/lib/libnvrtc.so.*")))
+        site = Path(sys.prefix) / "lib/python*/site-packages/nvidia"  # the CUDA 13 wheel's path, then CUDA 12's
+        found = sorted(glob.glob(str(site / "cu1*/lib/libnvrtc.so.*")))
+        found += sorted(glob.glob(str(site / "cuda_nvrtc/lib/libnvrtc.so.*")))
         found = [f for f in found if "builtins" not in f] or ["libnvrtc.so"]
         path = found[-1]
     return ctypes.CDLL(path)
+
+
+def _cuda_include() -> str | None:
+    """cuda_bf16.h's folder as ops/compile.py finds it (CuPy's headers, the CUDA wheel's, a toolkit's)."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from kda_rt.cuda.ops.compile import _cuda_include_dir
+    except ImportError:
+        return None
+    return _cuda_include_dir()
 
 
 def compile_cubin(lib: ctypes.CDLL, kdir: Path, name: str, opts: list[str]) -> bytes:
@@ -60,8 +72,12 @@ def main() -> int:
     ap.add_argument("--include", action="append", default=[], help="CUDA headers (cuda_bf16.h), as many as needed")
     args = ap.parse_intermixed_args()
     lib = _libnvrtc(args.nvrtc)
-    opts = [f"--gpu-architecture={args.arch}", "--std=c++17", "-default-device", "--fmad=true",
-            *(f"--include-path={d}" for d in args.include), *(f"-D{d}" for d in args.defines)]
+    fast = "FAST_MATH=1" in args.defines  # (as ops/compile.py: a flag, not a define)
+    defines = [d for d in args.defines if not d.startswith("FAST_MATH=")]
+    include = args.include or [d for d in [_cuda_include()] if d]
+    opts = [f"--gpu-architecture={args.arch}", "--std=c++17", "-default-device",
+            "--use_fast_math" if fast else "--fmad=true", *(f"--include-path={d}" for d in include),
+            *(f"-D{d}" for d in defines)]
     if args.arch == "sm_90a":
         opts.append("-DKDA_RT_HOPPER=1")
     with tempfile.TemporaryDirectory() as old:  # kernels_cu/ at the revision

@@ -4,8 +4,8 @@ the kernel's barriers and copies (keep it in step with the kernel when the proto
 
     python tests/gpu/sim_ws_protocol.py [--runs 1000] [--seed 1] [--mutate NAME] [--stop]
 
-Exit status 1 when a run violates a check (tests/kernels/test_launch_policies.py runs a few schedules and one
-mutation on CI).  Written 2026-12-03 (forty-first session) to check the MC form before its first GPU run: 6,000
+Exit status 1 when a run violates a check (tests/kernels/test_ws_protocol.py runs 25 schedules and two mutations on
+CI).  Written 2026-12-03 (forty-first session) to check the MC form before its first GPU run: 6,000
 schedules clean, eight of ten injected protocol bugs caught in most runs.
 
 Actors (each a generator that yields a readiness predicate before every atomic step):

@@ -717,6 +717,8 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
     no WS define; anything else is refused, named."""
     import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
 
+    for name in ("KDA_RT_MOE_B_TMA", "KDA_RT_MOE_A_TMA", "KDA_RT_MOE_MC"):  # (the other switches at their defaults)
+        monkeypatch.delenv(name, raising=False)
     seen = []
     monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: seen.append((a[1], kw)) or "kernel")
     tile = wg_ops.WgTile(256, 4)
@@ -738,7 +740,8 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
                 assert defs.get("A_TMA") == (1 if on and not fuse else None), (value, name, fuse, defs)
                 assert defs["STAGES"] == (stages if on else 4), (value, name, fuse, defs)
                 if on:
-                    assert defs["max_dynamic_smem"] <= wg_ops.SMEM_LIMIT == 232448
+                    assert defs["max_dynamic_smem"] <= wg_ops.SMEM_LIMIT - wg_ops._WS_STATIC
+                    assert wg_ops.SMEM_LIMIT == 232448
                 assert wg_ops.ws(kw.get("e4m3", False), kw.get("e4m3_src", False)) == on
     monkeypatch.setenv("KDA_RT_MOE_WS", "1")
     seen.clear()

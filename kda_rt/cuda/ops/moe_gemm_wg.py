@@ -110,7 +110,7 @@ def ws(e4m3: bool, e4m3_src: bool = False) -> bool:
 
 
 SMEM_LIMIT = 227 * 1024  # the most shared memory a block can opt in to on sm_90 (232,448 bytes)
-_WS_STATIC = 256  # the WS kernel's static shared memory (its mbarriers, item slots; 96 bytes), within SMEM_LIMIT
+_WS_STATIC = 256  # the WS kernel's static shared memory (mbarriers, item slots: 96 bytes, MC ~140), within SMEM_LIMIT
 WS_THREADS = 384  # moe_gemm_wg.cu WS: two consumer warpgroups and the producer warpgroup
 _claims: dict[tuple[int, int, int], object] = {}  # (device, stream, thread) -> the WS kernel's item counters
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread's handle
@@ -152,13 +152,14 @@ def ws_smem(tile: WgTile, fuse_silu: bool) -> int:
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
               e4m3_src: bool = False, src_map: bool | None = None):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
-    operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say).  Under KDA_RT_MOE_WS=1
-    (where it can be built) the persistent, warp-specialized form: B_TMA always, A_TMA for the down GEMM unless
-    src_map is False."""
+    operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say).  Where `ws` says so
+    (KDA_RT_MOE_WS; unset: e4m3 sources) the persistent, warp-specialized form: B_TMA always, A_TMA for the down GEMM
+    unless src_map is False, MC with KDA_RT_MOE_MC=1."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
+    multicast = env.moe_multicast()  # (read, and a bad value refused, whichever form runs)
     if ws(e4m3, e4m3_src):
         tma = {"WS": 1, "B_TMA": 1, **({"A_TMA": 1} if not fuse_silu and src_map is not False else {})}
-        if env.moe_multicast():  # (absent when off: the WS module's key unchanged)
+        if multicast:  # (absent when off: the WS module's key unchanged)
             tma["MC"] = 1
         return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_ws", max_dynamic_smem=ws_smem(tile, fuse_silu), K=K,
                           NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn,
