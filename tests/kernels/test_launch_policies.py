@@ -764,6 +764,83 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
         wg_ops.wg_kernel(tile, 2304, 2048, True, 8)
 
 
+def test_ws_launch_arguments_and_grid(monkeypatch):
+    """moe_gemm_wg's launches of the WS kernel (no GPU: the checks, maps, counters and the kernel replaced by recorders):
+    the arguments in the kernel's order (moe_grouped_gemm_ws: the plain kernel's ten, the weights' map, the claim
+    counters, the source's map for the down GEMM only), 384 threads, one CTA an SM at most (never more than the
+    items), with MC an even grid of pair items; without WS the plain kernel's 256-thread grid and arguments."""
+    import types
+
+    import numpy as np
+
+    import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
+
+    for name in ("KDA_RT_MOE_B_TMA", "KDA_RT_MOE_A_TMA", "KDA_RT_MOE_MC", "KDA_RT_MOE_WS"):
+        monkeypatch.delenv(name, raising=False)
+    launches = []
+
+    def fake_get_kernel(file, name, **kw):
+        return lambda grid, block, args, shared_mem, stream=None: launches.append((name, kw, grid, block, args,
+                                                                                   shared_mem))
+
+    monkeypatch.setattr(wg_ops, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(wg_ops, "check_grouped_gemm", lambda src, w, plan, fuse, out, **kw: (
+        src.shape[1], w.shape[0], w.shape[1], plan.sorted_pair.shape[0]))
+    monkeypatch.setattr(wg_ops, "weight_map", lambda *a, **k: "b_map")
+    monkeypatch.setattr(wg_ops, "source_map", lambda *a, **k: "a_map")
+    monkeypatch.setattr(wg_ops, "allocation_rows", lambda src: src.shape[0])
+    monkeypatch.setattr(wg_ops, "_claim_counter", lambda stream: "claim")
+    monkeypatch.setattr(wg_ops, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(wg_ops, "device_arch", lambda: "sm_90a")
+
+    class Arr:  # the shape and device of an array, nothing else
+        def __init__(self, *shape):
+            self.shape, self.device = shape, types.SimpleNamespace(id=0)
+
+    T, A, E, D, inter = 512, 8, 256, 2304, 1024
+    N = T * A
+    plan = types.SimpleNamespace(sorted_pair=Arr(N), tile_expert="te", tile_row="tr", expert_off="eo",
+                                 num_tiles="nt", tile_rows=128)
+    x, h, y = Arr(T, D), Arr(N, inter), Arr(N, D)
+    w13, w2 = Arr(E, 2 * inter, D), Arr(E, D, inter)
+    tiles = wg_ops.max_tiles(N, E, 128)
+
+    def run(fuse):
+        launches.clear()
+        if fuse:
+            wg_ops.moe_gemm_wg(x, w13, plan, top_k=A, fuse_silu=True, out=h)
+        else:
+            wg_ops.moe_gemm_wg(h, w2, plan, top_k=A, fuse_silu=False, out=y)
+        (launch,) = launches
+        return launch
+
+    plain_args = lambda src, w, out: (src, plan.sorted_pair, w, "te", "tr", "eo", "nt", out, np.uint64(0),  # noqa: E731
+                                      np.uint64(0))
+    name, kw, grid, block, args, smem = run(True)  # bf16, WS unset: the plain kernel
+    assert name == "moe_grouped_gemm_wg" and block == (256,) and grid == (8, tiles) and len(args) == 10
+    assert all(a is b or a == b for a, b in zip(args, plain_args(x, w13, h), strict=True))
+    monkeypatch.setenv("KDA_RT_MOE_WS", "1")
+    for fuse, fb in ((True, 8), (False, 9)):
+        name, kw, grid, block, args, smem = run(fuse)
+        src, w, out = (x, w13, h) if fuse else (h, w2, y)
+        assert name == "moe_grouped_gemm_ws" and block == (384,) and grid == (min(132, fb * tiles),)
+        assert args[:10] == plain_args(src, w, out) and args[10:] == (("b_map", "claim") if fuse else
+                                                                       ("b_map", "claim", "a_map")), args[10:]
+        assert kw.get("A_TMA") == (None if fuse else 1) and smem == wg_ops.ws_smem(wg_ops.wg_tile(
+            w.shape[1], src.shape[1], fuse), fuse)
+    monkeypatch.setenv("KDA_RT_MOE_MC", "1")
+    for fuse, fb in ((True, 8), (False, 9)):
+        name, kw, grid, block, args, smem = run(fuse)
+        assert kw["MC"] == 1 and grid == (2 * min(66, fb * ((tiles + 1) // 2)),) and grid[0] % 2 == 0
+    plan.sorted_pair = Arr(8)  # one token: fewer items than SMs, the grid is the items (pairs with MC)
+    x1, h1, y1 = Arr(1, D), Arr(8, inter), Arr(8, D)
+    wg_ops.moe_gemm_wg(h1, w2, plan, top_k=A, fuse_silu=False, out=y1)
+    assert launches[-1][2] == (2 * 9 * ((wg_ops.max_tiles(8, E, 128) + 1) // 2),)
+    monkeypatch.setenv("KDA_RT_MOE_MC", "0")
+    wg_ops.moe_gemm_wg(x1, w13, plan, top_k=A, fuse_silu=True, out=h1)
+    assert launches[-1][2] == (min(132, 8 * wg_ops.max_tiles(8, E, 128)),)
+
+
 def test_ws_claim_counters_one_pair_a_stream(monkeypatch):
     """The WS kernel's claim counters (moe_gemm_wg._claim_counter): one zeroed pair for each (device, stream), the same
     pair again for the same stream, and for CUDA's per-thread default stream (one handle, a different stream in each
