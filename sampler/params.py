@@ -160,7 +160,8 @@ class SamplingParams:
     # words never generated (vLLM's field): each word's tokens, as written and after a space, are never completed
     bad_words: list[str] | None = None
     detokenize: bool = True  # False: no output text (token ids only; vLLM's field, stop strings then refused)
-    # bad_words as token ids: set by the engine with its tokenizer at add_request (vLLM's _bad_words_token_ids)
+    # bad_words as token ids: set by the engine with its tokenizer at add_request on the request's own copy of the params
+    # (vLLM's _bad_words_token_ids on its clone); () on the caller's object
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
     # allowed_token_ids once each, sorted, as an int64 array (set at validate: the host sampler's index each step)
     allowed_ids_array: Any = field(default=None, init=False, repr=False, compare=False)

@@ -20,6 +20,7 @@ overlaps the GPU's next forward.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import itertools
 import logging
@@ -164,7 +165,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the checkpoint's tokenizer files (this checkpoint has none)")
-        params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        if params.bad_words:  # the ids on the request's own copy (vLLM clones them too): the caller's object may go to
+            params = copy.copy(params)  # another engine, whose tokenizer reads the words otherwise
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids holds {max(params.allowed_token_ids)}, outside the vocabulary "
                              f"[0, {vocab})")

@@ -244,6 +244,18 @@ def test_bad_words(llm):
     assert SamplingParams(bad_words=["a", "a", "b"]).bad_words == ["a", "b"]
     end = tok.encode("<|im_end|>", allow_special=True)
     assert len(end) == 1 and bad_words_token_ids(tok, ["<|im_end|>"])[0] == tuple(end)  # the marker, not its text
+    # the token ids go on the request's own copy of the params, never on the caller's object (which another engine,
+    # with another tokenizer, may take next), and a params object without bad_words is the request's own
+    mine = greedy(4, bad_words=[word])
+    llm.llm_engine.add_request("bw-copy", "Hello", mine)
+    (seq,) = llm.llm_engine.requests["bw-copy"][1]
+    assert mine.bad_words_token_ids == () and seq.params.bad_words_token_ids == bad_words_token_ids(tok, [word])
+    assert seq.params is not mine and seq.params.bad_words == [word]
+    llm.llm_engine.abort("bw-copy")
+    plain_params = greedy(4)
+    llm.llm_engine.add_request("bw-none", "Hello", plain_params)
+    assert llm.llm_engine.requests["bw-none"][1][0].params is plain_params
+    llm.llm_engine.abort("bw-none")
 
 
 def test_bad_word_bans_rule():
