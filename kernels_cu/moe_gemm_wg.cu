@@ -173,7 +173,8 @@
 // 16384 2.365 -> 2.412 | 1.207 -> 1.249 (+2.0 | +3.5%); e4m3 sources and weights (WFMT 2) 8192 0.852 -> 0.817 | 0.461
 // -> 0.433, 16384 1.506 -> 1.453 | 0.819 -> 0.787 (-3.5 | -3.9%).  The full 27-layer seed prefill (bench_ab.py, TTFT
 // max medians of 3 rounds): fp8 0.6152 -> 0.6078 s (-1.2%), bf16 0.8302 -> 0.8363 s (within the rounds' spread).  So
-// the launcher takes it for e4m3 sources only (KDA_RT_MOE_WS unset).  A first form, each producer thread arriving
+// it is to be the default for e4m3 sources once the build with the review fixes below has run on a GPU (until then
+// KDA_RT_MOE_WS=1 only).  A first form, each producer thread arriving
 // STAGES - 2 steps after its copies (cp.async.wait_group, then a fence) and items dealt statically (blockIdx.x +
 // i·gridDim.x), was 5-12% slower than the plain kernel at 8192-16384 tokens: the arrival tied to the issue of later
 // steps left the consumers waiting, and the expert's short last tiles left CTAs unevenly loaded.  ncu (T = 16384,
