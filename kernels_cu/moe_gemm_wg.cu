@@ -768,6 +768,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
     const unsigned ready0 = smem_addr(ready), taken0 = smem_addr(taken);
 #else
     const int items = num_tiles[0] * NFB;
+    constexpr unsigned rank = 0;  // (a cluster of one)
 #endif
     if (tid == 0) {
 #pragma unroll
@@ -912,23 +913,14 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             if (it >= STAGES) WAIT_EMPTY(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);
             stage_item[stage] = -1;
             mbar_arrive(full0 + 8 * stage, FULL_COUNT);
-#if MC
-            if (rank == 0) {  // (rank 0 claims for its cluster)
+            if (rank == 0) {  // (MC: rank 0 claims for its cluster)
                 __threadfence();  // this cluster's claims before its count of clusters done claiming
-                if (atomicAdd(claim + 1, 1) == (int)gridDim.x / 2 - 1) {  // every cluster is done claiming
+                if (atomicAdd(claim + 1, 1) == (int)gridDim.x / CL - 1) {  // every cluster is done claiming
                     __threadfence();  // (the others' claims, ordered before their counts, before the reset)
                     claim[0] = 0;
                     claim[1] = 0;
                 }
             }
-#else
-            __threadfence();  // this CTA's claims before its count of CTAs done claiming
-            if (atomicAdd(claim + 1, 1) == (int)gridDim.x - 1) {  // every CTA is done claiming
-                __threadfence();  // (the others' claims, ordered before their counts, before the reset)
-                claim[0] = 0;
-                claim[1] = 0;
-            }
-#endif
         }
 #if MC
         cluster_sync_any();  // no CTA of the cluster leaves while the other may still copy or arrive into it
