@@ -450,7 +450,8 @@ def moe_b_tma() -> bool:
     projections, ops/dense_w8a8.py, which run on the same kernel) by tensor-map copies (TMA, one thread a stage)
     instead of cp.async pieces over the block (kernels_cu/moe_gemm_wg.cu B_TMA: the same bits; bf16 weights, and e4m3
     weights with e4m3 sources; e4m3 weights with bf16 sources keep cp.async); default 0: measured no faster (H200,
-    2026-12-03).  The plain kernel's switch only: the warp-specialized form (KDA_RT_MOE_WS) always copies the weights so.  Read when the kernel variant is chosen."""
+    2026-12-03).  The plain kernel's switch only: the warp-specialized form (KDA_RT_MOE_WS, by default for e4m3
+    sources) always copies the weights so.  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_B_TMA", "0")
 
 
@@ -464,23 +465,24 @@ def moe_a_tma() -> bool:
     return _on_off("KDA_RT_MOE_A_TMA", "0")
 
 
-def moe_ws() -> bool:
-    """KDA_RT_MOE_WS: 1 runs the prefill MoE GEMMs on wgmma (and fp8 models' dense prefill projections, which run on
-    the same kernel) in their persistent, warp-specialized form: one CTA an SM claiming (tile, feature block) items, a
-    producer warpgroup filling the stages by tensor-map copies (and the gathered rows by cp.async) on mbarriers, the
-    consumers freeing each stage as its products finish (kernels_cu/moe_gemm_wg.cu WS: the same bits; bf16 weights, and
-    e4m3 weights with e4m3 sources).  Measured (H200, 2026-12-03): e4m3 sources -3.5 to -6% a GEMM, the fp8 seed
-    prefill -1.2%; bf16 +2 to +3.5% a GEMM, the model within noise.  Default 0 until the build with three later review
-    fixes to its synchronisation has run on a GPU (docs/PERFORMANCE.md, forty-first session; tests/gpu/moe_ws_check.sh
-    tests and measures it); then the default for e4m3 sources.  Read when the kernel variant is chosen."""
-    return _on_off("KDA_RT_MOE_WS", "0")
+def moe_ws() -> bool | None:
+    """KDA_RT_MOE_WS: the prefill MoE GEMMs on wgmma (and fp8 models' dense prefill projections, which run on the same
+    kernel) in their persistent, warp-specialized form: one CTA an SM claiming (tile, feature block) items, a producer
+    warpgroup filling the stages by tensor-map copies (and the gathered rows by cp.async) on mbarriers, the consumers
+    freeing each stage as its products finish (kernels_cu/moe_gemm_wg.cu WS: the same bits).  1: wherever it can be
+    built (bf16 weights, and e4m3 weights with e4m3 sources); 0: never; unset: for e4m3 sources only (fp8 models'
+    prefill), where it measured faster (H200, 2026-12-03, forty-second session: w8a8 GEMMs -3.5 to -7% but one +5.5%,
+    the fp8 seed prefill -1.1%; bf16 +3 to +12% a GEMM, the model within noise).  Read when the kernel variant is
+    chosen."""
+    value = os.environ.get("KDA_RT_MOE_WS")
+    return None if not value else _on_off("KDA_RT_MOE_WS")
 
 
 def moe_multicast() -> bool:
     """KDA_RT_MOE_MC: 1 runs the warp-specialized MoE prefill GEMMs (KDA_RT_MOE_WS) in clusters of two CTAs that take
     an expert's two consecutive tiles and copy half of the weight rows each into both CTAs' stages (tensor-map
-    multicast: a third fewer bytes from L2 a stage; kernels_cu/moe_gemm_wg.cu MC: the same bits); default 0 (not yet
-    measured).  Read when the kernel variant is chosen."""
+    multicast: a third fewer bytes from L2 a stage; kernels_cu/moe_gemm_wg.cu MC: the same bits); default 0: measured
+    36-75% slower a GEMM and the seed prefill +12-14% (H200, 2026-12-03).  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_MC", "0")
 
 

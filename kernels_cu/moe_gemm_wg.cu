@@ -173,19 +173,21 @@
 // 16384 2.365 -> 2.412 | 1.207 -> 1.249 (+2.0 | +3.5%); e4m3 sources and weights (WFMT 2) 8192 0.852 -> 0.817 | 0.461
 // -> 0.433, 16384 1.506 -> 1.453 | 0.819 -> 0.787 (-3.5 | -3.9%).  The full 27-layer seed prefill (bench_ab.py, TTFT
 // max medians of 3 rounds): fp8 0.6152 -> 0.6078 s (-1.2%), bf16 0.8302 -> 0.8363 s (within the rounds' spread).  So
-// it is to be the default for e4m3 sources once the build with the review fixes below has run on a GPU (until then
-// KDA_RT_MOE_WS=1 only).  A first form, each producer thread arriving
+// the launcher takes it for e4m3 sources only (KDA_RT_MOE_WS unset).  A first form, each producer thread arriving
 // STAGES - 2 steps after its copies (cp.async.wait_group, then a fence) and items dealt statically (blockIdx.x +
 // i·gridDim.x), was 5-12% slower than the plain kernel at 8192-16384 tokens: the arrival tied to the issue of later
 // steps left the consumers waiting, and the expert's short last tiles left CTAs unevenly loaded.  ncu (T = 16384,
 // bf16, tests/gpu/ncu_moe_gemm.sh with KERNEL=moe_grouped_gemm_ws): gate/up 2.034 ms against the plain 2.023, tensor
 // pipe ~75% either way; the consumers' stall samples sit in the wgmma wait (11%) and the full-barrier wait (4%).
-// (Measured before three review fixes that change its machine code: the maps' fence moved into the producer thread
-// that issues the copies, a skipping warp's sync before freeing a stage, the fenced counter reset.)
+// Three review fixes then changed its machine code (the maps' fence moved into the producer thread that issues the
+// copies, a skipping warp's sync before freeing a stage, the fenced counter reset); measured again (forty-second
+// session, tests/gpu/moe_ws_check.sh): bit-identical on every test tile, w8a8 8192 0.769 -> 0.727 | 0.438 -> 0.408 ms,
+// 16384 1.357 -> 1.432 | 0.765 -> 0.737; bf16 +3 to +12%; fp8 seed prefill 0.6254 -> 0.6185 s (-1.1%), bf16 0.8364
+// -> 0.8309 s (noise).
 #ifndef WS
 #define WS 0
 #endif
-// MC = 1 (with WS; prepared 2026-12-03, not yet run on a GPU): clusters of two CTAs (__cluster_dims__(2, 1, 1)) claim
+// MC = 1 (with WS; opt-in: measured slower, below): clusters of two CTAs (__cluster_dims__(2, 1, 1)) claim
 // pair items, tiles 2q and 2q + 1 of one feature block, rank r taking tile 2q + r.  When both tiles are one expert's,
 // each CTA's producer copies one of the stage's two weight boxes (rank 0 the gate / first half, rank 1 the other) into
 // both CTAs' stages by a multicast tensor copy, so a stage takes 32 KB from L2 instead of 48 (the A rows stay the
@@ -202,6 +204,10 @@
 // consumer warps as independent actors, mbarriers with signed tx-counts, random plans with odd tile counts and pairs
 // across experts: no deadlock, no stage overwritten while read, every tile once, in 6,000 schedules; ten injected
 // protocol bugs, eight caught in most runs).
+// Measured on the H200 (2026-12-03, tests/gpu/moe_ws_check.sh): bit for bit WS's output on every test tile, but
+// 36-75% slower a GEMM (bf16 16384 gate/up 2.405 -> 3.325 ms, w8a8 1.432 -> 1.983) and the seed prefill +12-14% (fp8
+// 0.6185 -> 0.6986 s, bf16 0.8309 -> 0.9472).  The likely cost, not profiled: the pair's lockstep (a stage is
+// refilled only when both CTAs' consumers have freed it, and rank 1 waits for rank 0's claim) outweighs the L2 bytes.
 #ifndef MC
 #define MC 0
 #endif

@@ -713,7 +713,7 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
     """KDA_RT_MOE_WS=1 builds the persistent, warp-specialized kernel (moe_grouped_gemm_ws, WS=1 with B_TMA=1, and
     A_TMA=1 for the down GEMM unless src_map is False) for bf16 weights and for e4m3 weights with e4m3 sources, never
     for e4m3 weights with bf16 sources; its stages are the tile's or as many as fit beside the staged epilogue's own
-    tile (down, BN = 256: 3), within the block's 227 KB; unset or 0, the plain kernel with
+    tile (down, BN = 256: 3), within the block's 227 KB; unset, for e4m3 sources only (w8a8); 0, the plain kernel with
     no WS define; anything else is refused, named."""
     import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
 
@@ -734,7 +734,7 @@ def test_moe_ws_switch_reaches_the_define(monkeypatch):
                 t = tile._replace(staged_out=staged)
                 wg_ops.wg_kernel(t, 2304 if fuse else 1024, 2048 if fuse else 2304, fuse, 8, **kw)
                 kname, defs = seen[0]
-                on = value == "1" and name != "e4m3"
+                on = (value == "1" and name != "e4m3") or (value is None and name == "w8a8")
                 assert kname == ("moe_grouped_gemm_ws" if on else "moe_grouped_gemm_wg"), (value, name, kname)
                 assert defs.get("WS") == (1 if on else None) and defs.get("B_TMA") == (1 if on else None), defs
                 assert defs.get("A_TMA") == (1 if on and not fuse else None), (value, name, fuse, defs)

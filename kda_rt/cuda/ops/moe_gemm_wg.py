@@ -103,9 +103,10 @@ def a_tma(fuse_silu: bool, e4m3: bool, e4m3_src: bool = False) -> bool:
 
 
 def ws(e4m3: bool, e4m3_src: bool = False) -> bool:
-    """Whether the GEMM runs in its persistent, warp-specialized form (KDA_RT_MOE_WS=1, moe_gemm_wg.cu WS): where B_TMA
-    can be built (bf16 weights, or e4m3 weights with e4m3 sources)."""
-    return env.moe_ws() and (e4m3_src or not e4m3)
+    """Whether the GEMM runs in its persistent, warp-specialized form (KDA_RT_MOE_WS, moe_gemm_wg.cu WS; unset: for
+    e4m3 sources only): where B_TMA can be built (bf16 weights, or e4m3 weights with e4m3 sources)."""
+    on = env.moe_ws()
+    return (e4m3_src if on is None else on) and (e4m3_src or not e4m3)
 
 
 SMEM_LIMIT = 227 * 1024  # the most shared memory a block can opt in to on sm_90 (232,448 bytes)
@@ -152,7 +153,7 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3
               e4m3_src: bool = False, src_map: bool | None = None):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
     operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say).  Where `ws` says so
-    (KDA_RT_MOE_WS=1) the persistent, warp-specialized form: B_TMA always, A_TMA for the down GEMM
+    (KDA_RT_MOE_WS; unset: e4m3 sources) the persistent, warp-specialized form: B_TMA always, A_TMA for the down GEMM
     unless src_map is False, MC with KDA_RT_MOE_MC=1."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
     multicast = env.moe_multicast()  # (read, and a bad value refused, whichever form runs)
