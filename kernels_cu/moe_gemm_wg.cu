@@ -670,10 +670,8 @@ moe_grouped_gemm_wg(const atype* __restrict__ src, const int* __restrict__ sorte
 static_assert(WS_PASSES <= 32, "WS: one valid-row bit a producer pass");
 #if MC
 #define CL 2  // CTAs a cluster
-#define WAIT_EMPTY mbar_wait_cluster  // (the peer's consumers arrive too: their reads released to the cluster)
 #else
 #define CL 1
-#define WAIT_EMPTY mbar_wait
 #endif
 
 // one arrival of `count` on bar
@@ -693,6 +691,14 @@ __device__ __forceinline__ void producer_barrier() { asm volatile("barrier.sync 
 // to the cluster
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// an arrival on the mbarrier at shared::cluster address `bar` (another CTA's) in the default .release.cta form: a stage's
+// release (its reads were wgmma reads, done by the wgmma wait before it).  The .release.cluster form costs a
+// MEMBAR.ALL.GPU before the arrival (nvdisasm of the MC build), which waits for the warp's global stores of the last
+// epilogue too; with it on every k step of every consumer warp MC measured 36-75% slower than WS.  (The producer's wait
+// on the empty barriers is the CTA-scope mbar_wait for the same reason: the cluster-scope acquire adds CCTL.IVALL.)
+__device__ __forceinline__ void mbar_arrive_remote(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // mbar_wait, acquiring what the cluster's other CTAs released on bar
 __device__ __forceinline__ void mbar_wait_cluster(unsigned bar, unsigned parity) {
@@ -880,7 +886,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
 #endif
             for (int kt = 0; kt < KT; ++kt, ++it) {
                 const int stage = it % STAGES;
-                if (it >= STAGES) WAIT_EMPTY(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);  // its last fill consumed
+                if (it >= STAGES) mbar_wait(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);  // its last fill consumed
                 const unsigned st = base + stage * STAGE_BYTES, bar = full0 + 8 * stage;
                 if (p == 0) {
                     if (kt == 0) stage_item[stage] = w;  // (published by the arrival below)
@@ -916,7 +922,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
         }
         if (p == 0) {  // no more items: the consumers' stop, then the claim counter back to 0 for the next launch
             const int stage = it % STAGES;
-            if (it >= STAGES) WAIT_EMPTY(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);
+            if (it >= STAGES) mbar_wait(empty0 + 8 * stage, ((it / STAGES) - 1) & 1);
             stage_item[stage] = -1;
             mbar_arrive(full0 + 8 * stage, FULL_COUNT);
             if (rank == 0) {  // (MC: rank 0 claims for its cluster)
@@ -979,7 +985,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 if (kt > 0 && lane == 0) {
                     mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
 #if MC
-                    mbar_arrive_cluster(peer_shared(empty0 + 8 * ((it - 1) % STAGES), peer));  // (its copies land here too)
+                    mbar_arrive_remote(peer_shared(empty0 + 8 * ((it - 1) % STAGES), peer));  // (its copies land here too)
 #endif
                 }
             }
@@ -991,7 +997,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             if (lane == 0) {
                 mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
 #if MC
-                mbar_arrive_cluster(peer_shared(empty0 + 8 * ((it - 1) % STAGES), peer));
+                mbar_arrive_remote(peer_shared(empty0 + 8 * ((it - 1) % STAGES), peer));
 #endif
             }
         };
