@@ -482,7 +482,8 @@ def moe_multicast() -> bool:
     """KDA_RT_MOE_MC: 1 runs the warp-specialized MoE prefill GEMMs (KDA_RT_MOE_WS) in clusters of two CTAs that take
     an expert's two consecutive tiles and copy half of the weight rows each into both CTAs' stages (tensor-map
     multicast: a third fewer bytes from L2 a stage; kernels_cu/moe_gemm_wg.cu MC: the same bits); default 0: measured
-    36-75% slower a GEMM and the seed prefill +12-14% (H200, 2026-12-03).  Read when the kernel variant is chosen."""
+    slower than WS alone (H200, 2026-12-03: +1 to +15% a GEMM against the plain kernel, WS -7 to +4%; the seed
+    prefill within noise of the plain kernel).  Read when the kernel variant is chosen."""
     return _on_off("KDA_RT_MOE_MC", "0")
 
 

@@ -204,10 +204,12 @@
 // consumer warps as independent actors, mbarriers with signed tx-counts, random plans with odd tile counts and pairs
 // across experts: no deadlock, no stage overwritten while read, every tile once, in 6,000 schedules; ten injected
 // protocol bugs, eight caught in most runs).
-// Measured on the H200 (2026-12-03, tests/gpu/moe_ws_check.sh): bit for bit WS's output on every test tile, but
-// 36-75% slower a GEMM (bf16 16384 gate/up 2.405 -> 3.325 ms, w8a8 1.432 -> 1.983) and the seed prefill +12-14% (fp8
-// 0.6185 -> 0.6986 s, bf16 0.8309 -> 0.9472).  The likely cost, not profiled: the pair's lockstep (a stage is
-// refilled only when both CTAs' consumers have freed it, and rank 1 waits for rank 0's claim) outweighs the L2 bytes.
+// Measured on the H200 (2026-12-03, tests/gpu/moe_ws_check.sh): bit for bit WS's output on every test tile.  As first
+// written, 36-75% slower a GEMM: its stage release to the peer was the .release.cluster arrive, which put a
+// MEMBAR.ALL.GPU before every consumer warp's arrival each k step (mbar_arrive_remote says why the .cta form is
+// enough).  Since then +1 to +15% against the plain kernel (bf16 16384 gate/up 2.317 -> 2.486 ms, WS 2.420; w8a8
+// 1.507 -> 1.517, WS 1.455), the seed prefill within noise of the plain kernel: slower than WS, so opt-in.  Under
+// ncu (T = 16384, bf16) L2 throughput fell only 79 -> 75% and the tensor pipe did not gain.
 #ifndef MC
 #define MC 0
 #endif
@@ -695,8 +697,9 @@ __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar) {
 // an arrival on the mbarrier at shared::cluster address `bar` (another CTA's) in the default .release.cta form: a stage's
 // release (its reads were wgmma reads, done by the wgmma wait before it).  The .release.cluster form costs a
 // MEMBAR.ALL.GPU before the arrival (nvdisasm of the MC build), which waits for the warp's global stores of the last
-// epilogue too; with it on every k step of every consumer warp MC measured 36-75% slower than WS.  (The producer's wait
-// on the empty barriers is the CTA-scope mbar_wait for the same reason: the cluster-scope acquire adds CCTL.IVALL.)
+// epilogue too; with it on every k step of every consumer warp MC measured 36-75% slower than the plain kernel.  (The
+// producer's wait on the empty barriers is the CTA-scope mbar_wait for the same reason: the cluster-scope acquire adds
+// CCTL.IVALL.)
 __device__ __forceinline__ void mbar_arrive_remote(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
