@@ -219,6 +219,21 @@
 #if WS && (!B_TMA || WFMT == 1)
 #error "moe_gemm_wg.cu: WS is built on B_TMA (bf16 weights, or e4m3 weights with e4m3 sources)"
 #endif
+// L2_SPLIT = 1 (with WS, not MC; prepared 2026-12-03, not yet run on a GPU): the items are claimed by L2 partition.
+// Under ncu (T = 16384, bf16 gate/up) the busiest L2 unit is the fabric between the two L2 partitions (75-80% of its
+// cycles, above the crossbar to the SMs, 68-71%): every partition keeps copies of the far partition's lines that its
+// SMs read, and a weight block that SMs of both partitions read crosses it either way.  So the tiles are cut in two
+// halves at an expert boundary near the middle, each half claimed from its own counter by the CTAs on one
+// partition's SMs (sm_part[%smid]: 0 or 1, measured at start by kernels_cu/l2_probe.cu, ops/l2_partition.py) and
+// then, once it is done, by the other partition's CTAs too: an expert's weights and its tiles' rows are read by one
+// partition's SMs while both halves last.  Only the order in which items are taken changes: bit-identical.
+#ifndef L2_SPLIT
+#define L2_SPLIT 0
+#endif
+#if L2_SPLIT && (!WS || MC)
+#error "moe_gemm_wg.cu: L2_SPLIT is built on WS without MC"
+#endif
+#define L2_PART_SMS 1024  // sm_part's length (a power of two above every %smid)
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -761,6 +776,9 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
                     const float* __restrict__ scale, const float* __restrict__ src_scale, const void* __restrict__ b_map,
                     int* __restrict__ claim
+#if L2_SPLIT
+                    , const int* __restrict__ sm_part
+#endif
 #if A_TMA
                     , const void* __restrict__ a_map
 #endif
@@ -829,6 +847,37 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
         const int prow = p >> 3, pch = p & 7;  // the warpgroup copies piece pch of rows prow + 16i, i < WS_PASSES
 #endif
         int it = 0;  // k steps over the CTA's items: stage it mod STAGES, its fill it / STAGES
+#if L2_SPLIT
+        // this SM's partition's items [own_lo, own_hi), counted in own_ctr; the other's [oth_lo, oth_hi) in oth_ctr
+        // (partition q's items are claim[2q]'s; thread 0's values only)
+        int own_lo = 0, own_hi = 0, oth_lo = 0, oth_hi = 0;
+        int *own_ctr = claim, *oth_ctr = claim + 2;
+        bool stolen = false;  // own half done: claiming the other's
+        if (p == 0) {
+            unsigned smid;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+            const int ntiles = num_tiles[0];
+            int split = ntiles / 2;  // (moved past the middle expert's tiles)
+            while (split > 0 && split < ntiles && tile_expert[split] == tile_expert[split - 1]) ++split;
+            const bool second = sm_part[smid & (L2_PART_SMS - 1)] & 1;
+            own_lo = second ? split * NFB : 0;
+            own_hi = second ? items : split * NFB;
+            oth_lo = second ? 0 : split * NFB;
+            oth_hi = second ? split * NFB : items;
+            if (second) own_ctr = claim + 2, oth_ctr = claim;
+        }
+        auto claim_item = [&]() {
+            if (!stolen) {
+                const int w = own_lo + atomicAdd(own_ctr, 1);
+                if (w < own_hi) return w;
+                stolen = true;
+            }
+            const int w = oth_lo + atomicAdd(oth_ctr, 1);
+            return w < oth_hi ? w : items;
+        };
+#elif !MC
+        auto claim_item = [&]() { return atomicAdd(claim, 1); };
+#endif
         for (int n = 0;; ++n) {
 #if MC
             int w_claim = 0;
@@ -859,9 +908,9 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             const int f0 = im.fb * (FUSE_SILU ? BN / 2 : BN);
 #else
 #if A_TMA
-            const int w = atomicAdd(claim, 1);
+            const int w = claim_item();
 #else
-            if (p == 0) claimed[n & 1] = atomicAdd(claim, 1);
+            if (p == 0) claimed[n & 1] = claim_item();
             producer_barrier();  // (the slot of parity n is rewritten after the next barrier: read by then)
             const int w = claimed[n & 1];
 #endif
@@ -934,6 +983,9 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     __threadfence();  // (the others' claims, ordered before their counts, before the reset)
                     claim[0] = 0;
                     claim[1] = 0;
+#if L2_SPLIT
+                    claim[2] = 0;
+#endif
                 }
             }
         }

@@ -1,0 +1,117 @@
+"""Which SMs share an L2 partition, measured (kernels_cu/l2_probe.cu), for the MoE prefill GEMMs that claim their
+work by partition (KDA_RT_MOE_L2_SPLIT, ops/moe_gemm_wg.py).
+
+The L2 of an H100/H200 is two partitions, each holding the lines of about half the addresses and keeping copies of
+the other half's lines that its own SMs read; reading a line that neither the SM's partition holds nor has a copy
+of crosses the fabric between them and takes longer.  CUDA does not say which SMs sit by which partition, so each SM
+in turn reads the same lines (freshly stored by one CTA first, which drops any copies) and their latencies are kept:
+SMs of one partition find the same lines slow.  `group_sms` turns the latencies into two groups, or None where they
+do not split cleanly (one partition, another chip, noise): then the GEMMs claim as without the switch."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from kda_rt.cuda.ops.compile import get_kernel, sm_count
+
+__all__ = ["PART_SMS", "group_sms", "probe_latencies", "sm_partition"]
+
+log = logging.getLogger("kda_rt")
+
+PART_SMS = 1024  # the partition table's length (moe_gemm_wg.cu L2_PART_SMS: above every %smid)
+N_LINES = 512  # lines each SM reads
+STRIDE_WORDS = 1031 * 128 // 4  # lines 1031 lines of 128 bytes apart (prime: spread over the address hash)
+MIN_GAP = 1.15  # the slow reads' mean at least this times the fast ones' (else no partitions seen)
+MIN_AGREE, MAX_CROSS = 0.85, 0.65  # an SM's slow-line pattern against its group's / the other group's
+_CACHE: dict[int, object] = {}
+_LOCK = threading.Lock()
+
+
+def probe_latencies(device_id: int, n_lines: int = N_LINES) -> np.ndarray:
+    """[SMs, n_lines] int64: the clock cycles of one L2 read of each line from SM s (row s, %smid s); rows of SMs no
+    probe CTA landed on stay -1.  Takes ~0.1 s (two launches an SM)."""
+    import cupy
+
+    n_sm = sm_count(device_id)
+    touch = get_kernel("l2_probe.cu", "l2_touch")
+    probe = get_kernel("l2_probe.cu", "l2_probe")
+    with cupy.cuda.Device(device_id):
+        lines = cupy.zeros(n_lines * STRIDE_WORDS, dtype=np.uint32)
+        out = cupy.full((n_sm, n_lines), -1, dtype=np.int64)
+        seen = cupy.zeros(n_sm, dtype=np.int32)
+        args = (lines, np.int32(n_lines), np.int32(STRIDE_WORDS))
+        for s in range(n_sm):
+            touch((1,), (256,), args)
+            # 8 one-warp CTAs an SM: every SM gets some; the first on SM s measures, the rest return at once
+            probe((8 * n_sm,), (32,), (*args, np.int32(s), out[s], seen[s:], np.uint32(0)))
+        result = out.get()
+    return result
+
+
+def _two_means(values: np.ndarray) -> tuple[float, float]:
+    """The two centres of a 1D two-means clustering (started at the 10th and 90th percentiles)."""
+    lo, hi = np.percentile(values, [10, 90])
+    for _ in range(50):
+        cut = (lo + hi) / 2
+        a, b = values[values <= cut], values[values > cut]
+        if not len(a) or not len(b):
+            break
+        new = float(a.mean()), float(b.mean())
+        if new == (lo, hi):
+            break
+        lo, hi = new
+    return float(lo), float(hi)
+
+
+def group_sms(lat: np.ndarray) -> np.ndarray | None:
+    """From probe_latencies' [SMs, lines] cycles: int32 [SMs], each SM's group (0 or 1; -1 where it was not probed),
+    or None when the SMs do not fall in two clean groups: the reads must be bimodal (slow mean >= MIN_GAP x fast),
+    every SM's pattern of slow lines must agree with its group's on >= MIN_AGREE of the lines and with the other
+    group's on <= MAX_CROSS, and each group must hold at least a quarter of the SMs probed."""
+    lat = np.asarray(lat)
+    probed = (lat > 0).all(axis=1)
+    if probed.sum() < 4:
+        return None
+    L = lat[probed].astype(np.float64)
+    fast, slow = _two_means(L.ravel())
+    if slow < MIN_GAP * fast:
+        return None
+    slow_bits = L > (fast + slow) / 2  # [SMs probed, lines]
+    agree = (slow_bits[:, None, :] == slow_bits[None, :, :]).mean(axis=2)
+    b = int(np.argmin(agree[0]))  # the SM least like the first: the other group's seed
+    member = agree[:, b] > agree[:, 0]  # in b's group
+    if b == 0 or not (len(L) // 4 <= member.sum() <= len(L) - len(L) // 4):
+        return None
+    pattern = [slow_bits[member == g].mean(axis=0) > 0.5 for g in (False, True)]  # each group's slow lines
+    own = np.where(member, (slow_bits == pattern[1]).mean(axis=1), (slow_bits == pattern[0]).mean(axis=1))
+    other = np.where(member, (slow_bits == pattern[0]).mean(axis=1), (slow_bits == pattern[1]).mean(axis=1))
+    if own.min() < MIN_AGREE or other.max() > MAX_CROSS:
+        return None
+    groups = np.full(len(lat), -1, dtype=np.int32)
+    groups[probed] = member.astype(np.int32)
+    return groups
+
+
+def sm_partition(device_id: int):
+    """The device's partition table for moe_gemm_wg.cu L2_SPLIT: a CuPy int32 [PART_SMS] array (entry %smid: 0 or 1;
+    SMs not probed 0), measured on first use and kept; None when the SMs do not split in two groups (logged once)."""
+    with _LOCK:
+        if device_id not in _CACHE:
+            import cupy
+
+            groups = group_sms(probe_latencies(device_id))
+            if groups is None:
+                log.info("L2 partitions: the SMs of device %d do not split in two groups; KDA_RT_MOE_L2_SPLIT has no "
+                         "effect there", device_id)
+                _CACHE[device_id] = None
+            else:
+                table = np.zeros(PART_SMS, dtype=np.int32)
+                table[: len(groups)] = np.maximum(groups, 0)
+                log.info("L2 partitions of device %d: %d and %d SMs", device_id, int((groups == 0).sum()),
+                         int((groups == 1).sum()))
+                with cupy.cuda.Device(device_id):
+                    _CACHE[device_id] = cupy.asarray(table)
+        return _CACHE[device_id]

@@ -1,0 +1,104 @@
+"""ops/l2_partition.py: the grouping of SMs by L2 partition from their read latencies (synthetic latencies on the
+CPU: the two ways a chip may show its partitions, and the measurements that must give no grouping), and the probe
+itself on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kda_rt.cuda.ops.l2_partition import PART_SMS, group_sms
+
+N_SM, N_LINES = 132, 512
+
+
+def synthetic(rng, part, far_of, near=260.0, far=470.0, spread=25.0):
+    """[SMs, lines] latencies: SM s reads line i slowly where far_of(part[s], i)."""
+    slow = np.array([[far_of(p, i) for i in range(N_LINES)] for p in part])
+    lat = np.where(slow, far, near) + rng.normal(0, spread, size=slow.shape)
+    return np.maximum(lat, 1).astype(np.int64)
+
+
+def same_groups(got, part):
+    """got equals part up to the groups' names (0 / 1 are arbitrary)."""
+    return got is not None and (np.array_equal(got, part) or np.array_equal(got, 1 - part))
+
+
+@pytest.mark.parametrize("copies_kept", [False, True])
+def test_two_partitions_are_found(copies_kept):
+    """Half the lines are held by each partition: an SM reads the other half slowly (copies_kept False), or, where the
+    storing CTA's partition kept copies of every line, that partition's SMs read every line fast (True)."""
+    rng = np.random.default_rng(1)
+    part = rng.permutation(np.arange(N_SM) % 2)
+    home = rng.integers(0, 2, N_LINES)
+    if copies_kept:
+        far_of = lambda p, i: p == 1 and home[i] == 0  # noqa: E731
+    else:
+        far_of = lambda p, i: home[i] != p  # noqa: E731
+    got = group_sms(synthetic(rng, part, far_of))
+    assert same_groups(got, part), got
+    assert got.dtype == np.int32 and got.shape == (N_SM,)
+
+
+def test_unprobed_sms_are_named_minus_one():
+    """Rows of SMs no probe CTA landed on (-1) stay out of the grouping and come back as -1."""
+    rng = np.random.default_rng(2)
+    part = np.arange(N_SM) % 2
+    home = rng.integers(0, 2, N_LINES)
+    lat = synthetic(rng, part, lambda p, i: home[i] != p)
+    lat[[5, 77]] = -1
+    got = group_sms(lat)
+    keep = np.ones(N_SM, bool)
+    keep[[5, 77]] = False
+    assert got is not None and (got[[5, 77]] == -1).all() and same_groups(got[keep], part[keep])
+
+
+@pytest.mark.parametrize("case", ["one-partition", "random-patterns", "one-sm-astray", "lopsided", "too-few"])
+def test_no_clean_split_gives_none(case):
+    """No grouping (None: the GEMMs claim as without the switch) where the latencies are one mode, where every SM sees
+    its own random slow lines, where one SM agrees with neither group, where one group is under a quarter of the SMs,
+    and with fewer than 4 SMs probed."""
+    rng = np.random.default_rng(3)
+    home = rng.integers(0, 2, N_LINES)
+    part = np.arange(N_SM) % 2
+    if case == "one-partition":
+        lat = synthetic(rng, part, lambda p, i: False)
+    elif case == "random-patterns":
+        noise = rng.integers(0, 2, (N_SM, N_LINES)).astype(bool)
+        lat = synthetic(rng, np.arange(N_SM), lambda s, i: noise[s, i])
+    elif case == "one-sm-astray":
+        lat = synthetic(rng, part, lambda p, i: home[i] != p)
+        lat[7] = synthetic(rng, [0], lambda p, i: rng.random() < 0.5)[0]
+    elif case == "lopsided":
+        part = (np.arange(N_SM) < 20).astype(int)
+        lat = synthetic(rng, part, lambda p, i: home[i] != p)
+    else:
+        lat = synthetic(rng, part, lambda p, i: home[i] != p)
+        lat[3:] = -1
+    assert group_sms(lat) is None
+
+
+@pytest.mark.gpu
+def test_probe_on_the_gpu():
+    """The probe on this GPU: every SM probed once (a row of positive cycle counts each, none left at -1), reads
+    that took between 10 and 100,000 cycles, and a grouping that is either none or two groups of SMs with a table the
+    WS kernel can index by %smid (int32, PART_SMS entries of 0 or 1).  Which it is depends on the chip: the result is
+    printed for the record (docs/PERFORMANCE.md)."""
+    import cupy
+
+    from kda_rt.cuda.ops.compile import sm_count
+    from kda_rt.cuda.ops.l2_partition import probe_latencies, sm_partition
+
+    dev = cupy.cuda.Device().id
+    lat = probe_latencies(dev)
+    assert lat.shape == (sm_count(dev), 512) and (lat > 10).all() and (lat < 100_000).all(), lat.min()
+    groups = group_sms(lat)
+    print("latency percentiles (cycles) 5/25/50/75/95:", np.percentile(lat, [5, 25, 50, 75, 95]).round(),
+          "groups:", None if groups is None else np.bincount(groups[groups >= 0]).tolist())
+    table = sm_partition(dev)
+    if groups is None:
+        assert table is None
+    else:
+        t = cupy.asnumpy(table)
+        assert t.dtype == np.int32 and t.shape == (PART_SMS,) and set(np.unique(t)) <= {0, 1}
+        assert 0 < t[: len(groups)].sum() < len(groups)
