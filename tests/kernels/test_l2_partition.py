@@ -102,3 +102,58 @@ def test_probe_on_the_gpu():
         t = cupy.asnumpy(table)
         assert t.dtype == np.int32 and t.shape == (PART_SMS,) and set(np.unique(t)) <= {0, 1}
         assert 0 < t[: len(groups)].sum() < len(groups)
+
+
+def l2_split_claims(tile_expert, nfb, parts, rng):
+    """moe_gemm_wg.cu L2_SPLIT's claims, step for step (thread 0 of each CTA's producer; `parts`: each CTA's
+    partition), the CTAs' atomics interleaved at random: [(cta, item)] in claim order, and the counters at the end."""
+    ntiles, items = len(tile_expert), len(tile_expert) * nfb
+    split = ntiles // 2
+    while 0 < split < ntiles and tile_expert[split] == tile_expert[split - 1]:
+        split += 1
+    claim = [0, 0, 0, 0]
+    state = []
+    for part in parts:
+        own = (split * nfb, items, 0, split * nfb, 2, 0) if part else (0, split * nfb, split * nfb, items, 0, 2)
+        state.append({"own_lo": own[0], "own_hi": own[1], "oth_lo": own[2], "oth_hi": own[3], "own": own[4],
+                      "oth": own[5], "stolen": False, "done": False})
+    got = []
+    while not all(s["done"] for s in state):
+        c = int(rng.choice([i for i, s in enumerate(state) if not s["done"]]))
+        s = state[c]
+        if not s["stolen"]:
+            w = s["own_lo"] + claim[s["own"]]
+            claim[s["own"]] += 1
+            if w < s["own_hi"]:
+                got.append((c, w))
+                continue
+            s["stolen"] = True
+            continue  # (the kernel claims from the other half at once: one atomic an interleaving step here)
+        w = s["oth_lo"] + claim[s["oth"]]
+        claim[s["oth"]] += 1
+        if w < s["oth_hi"]:
+            got.append((c, w))
+        else:
+            s["done"] = True
+            claim[1] += 1
+            if claim[1] == len(parts):
+                claim[0] = claim[1] = claim[2] = 0
+    return got, claim, split
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_l2_split_claims_every_item_once(seed):
+    """The split claims (as moe_gemm_wg.cu L2_SPLIT takes them): every item exactly once across the CTAs, each CTA's
+    own half first, the halves cut at an expert boundary, the counters back at 0 when the last CTA is done; plans
+    with 0, 1 and many tiles, one expert, and more CTAs of one partition than the other."""
+    rng = np.random.default_rng(seed)
+    ntiles = [0, 1, 2, 37, 150, 64][seed]
+    tile_expert = np.sort(rng.integers(0, 1 if seed == 5 else 40, ntiles))
+    parts = (rng.random(int(rng.integers(1, 40))) < (0.8 if seed == 4 else 0.5)).astype(int)
+    got, claim, split = l2_split_claims(tile_expert, 8, parts, rng)
+    assert sorted(w for _, w in got) == list(range(ntiles * 8)) and claim == [0, 0, 0, 0]
+    assert split in (0, ntiles) or tile_expert[split] != tile_expert[split - 1]
+    for c in range(len(parts)):  # a CTA takes its own half's items before any of the other's
+        halves = [int(w >= split * 8) for cc, w in got if cc == c]
+        first_other = next((i for i, h in enumerate(halves) if h != parts[c]), len(halves))
+        assert all(h != parts[c] for h in halves[first_other:]), (c, halves)
