@@ -9,8 +9,8 @@
 //             depending on the one before (no overlap), and stores each read's latency in clock cycles; every other CTA
 //             returns at once.  The launcher starts many small CTAs so that one lands on every SM, runs l2_touch before
 //             each probe, and groups the SMs by the pattern of slow lines they see.
-// lines: n lines of 128 bytes, `stride` 4-byte words apart.  out: [n] latencies (int64), written by one CTA; seen: a
-// flag the launcher zeroes before the launch.  zero: 0 at run time (the dependency the compiler cannot drop).
+// lines: n (<= PROBE_MAX_LINES) lines of 128 bytes, `stride` 4-byte words apart.  out: [n] latencies (int64),
+// written by one CTA after its last read; seen: a flag the launcher zeroes before the launch.  zero: 0 at run time (the dependency the compiler cannot drop).
 #include "common.cuh"
 
 extern "C" __global__ void l2_touch(unsigned* __restrict__ lines, int n, int stride) {
@@ -19,6 +19,8 @@ extern "C" __global__ void l2_touch(unsigned* __restrict__ lines, int n, int str
         asm volatile("st.global.cg.u32 [%0], %1;" ::"l"(lines + (size_t)i * stride), "r"((unsigned)i) : "memory");
 }
 
+#define PROBE_MAX_LINES 512
+
 extern "C" __global__ void l2_probe(const unsigned* __restrict__ lines, int n, int stride, int target,
                                     long long* __restrict__ out, int* __restrict__ seen, unsigned zero) {
     KDA_PDL_ENTRY();
@@ -26,7 +28,9 @@ extern "C" __global__ void l2_probe(const unsigned* __restrict__ lines, int n, i
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     if ((int)smid != target || threadIdx.x != 0 || atomicExch(seen, 1) != 0) return;
     __shared__ unsigned sink;
+    __shared__ int lat[PROBE_MAX_LINES];  // (kept here until the last read: no global store between the reads)
     unsigned dep = 0;
+    n = min(n, PROBE_MAX_LINES);
 #pragma unroll 1
     for (int i = 0; i < n; ++i) {
         const long long t0 = clock64();
@@ -35,7 +39,8 @@ extern "C" __global__ void l2_probe(const unsigned* __restrict__ lines, int n, i
         // (the store waits for the value: the clock is read after it arrived)
         asm volatile("st.volatile.shared.u32 [%0], %1;" ::"r"(smem_addr(&sink)), "r"(v) : "memory");
         const long long t1 = clock64();
-        out[i] = t1 - t0;
+        lat[i] = (int)min(t1 - t0, 0x7fffffffll);
         dep = v * zero;
     }
+    for (int i = 0; i < n; ++i) out[i] = lat[i];
 }

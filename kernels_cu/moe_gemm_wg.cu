@@ -223,7 +223,7 @@
 // Under ncu (T = 16384, bf16 gate/up) the busiest L2 unit is the fabric between the two L2 partitions (75-80% of its
 // cycles, above the crossbar to the SMs, 68-71%): every partition keeps copies of the far partition's lines that its
 // SMs read, and a weight block that SMs of both partitions read crosses it either way.  So the tiles are cut in two
-// halves at an expert boundary near the middle, each half claimed from its own counter by the CTAs on one
+// halves at the expert boundary nearest the middle, each half claimed from its own counter by the CTAs on one
 // partition's SMs (sm_part[%smid]: 0 or 1, measured at start by kernels_cu/l2_probe.cu, ops/l2_partition.py) and
 // then, once it is done, by the other partition's CTAs too: an expert's weights and its tiles' rows are read by one
 // partition's SMs while both halves last.  Only the order in which items are taken changes: bit-identical.
@@ -234,6 +234,7 @@
 #error "moe_gemm_wg.cu: L2_SPLIT is built on WS without MC"
 #endif
 #define L2_PART_SMS 1024  // sm_part's length (a power of two above every %smid)
+#define L2_SCAN 16  // tiles looked at either way of the middle for an expert boundary
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -857,8 +858,20 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             unsigned smid;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
             const int ntiles = num_tiles[0];
-            int split = ntiles / 2;  // (moved past the middle expert's tiles)
-            while (split > 0 && split < ntiles && tile_expert[split] == tile_expert[split - 1]) ++split;
+            // the halves meet at the expert boundary nearest the middle tile, looked for up to L2_SCAN tiles either
+            // way (past that, or with one expert, the middle: that expert's weights are read from both halves)
+            const int mid = ntiles / 2;
+            int split = mid;
+            for (int d = 0; d <= L2_SCAN && mid > 0 && mid < ntiles; ++d) {
+                if (mid - d > 0 && tile_expert[mid - d] != tile_expert[mid - d - 1]) {
+                    split = mid - d;
+                    break;
+                }
+                if (mid + d < ntiles && tile_expert[mid + d] != tile_expert[mid + d - 1]) {
+                    split = mid + d;
+                    break;
+                }
+            }
             const bool second = sm_part[smid & (L2_PART_SMS - 1)] & 1;
             own_lo = second ? split * NFB : 0;
             own_hi = second ? items : split * NFB;

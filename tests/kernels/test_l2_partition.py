@@ -40,6 +40,33 @@ def test_two_partitions_are_found(copies_kept):
     assert got.dtype == np.int32 and got.shape == (N_SM,)
 
 
+@pytest.mark.parametrize("case", ["sm-offsets", "far-cost-varies", "page-spikes"])
+def test_two_partitions_through_uneven_sms(case):
+    """The grouping holds where SMs sit at different distances from L2 (each SM's reads shifted by its own offset,
+    std 40 cycles), where the far trip costs each SM differently (its slow reads 150-270 cycles above its fast ones),
+    and where every 16th read takes 1500 cycles more (a page's first touch)."""
+    rng = np.random.default_rng(4)
+    part = rng.permutation(np.arange(N_SM) % 2)
+    home = rng.integers(0, 2, N_LINES)
+    lat = synthetic(rng, part, lambda p, i: home[i] != p).astype(np.float64)
+    slow = home[None, :] != part[:, None]
+    if case == "sm-offsets":
+        lat += rng.normal(0, 40, size=(N_SM, 1))
+    elif case == "far-cost-varies":
+        lat += slow * rng.uniform(-60, 60, size=(N_SM, 1))
+    else:
+        lat[:, ::16] += 1500
+    assert same_groups(group_sms(lat.astype(np.int64)), part)
+
+
+def test_partition_table():
+    """The kernel's table: PART_SMS int32 entries, each probed SM's group at its %smid, unprobed SMs and the rest 0."""
+    from kda_rt.cuda.ops.l2_partition import partition_table
+
+    t = partition_table(np.array([0, 1, -1, 1], dtype=np.int32))
+    assert t.dtype == np.int32 and t.shape == (PART_SMS,) and t[:4].tolist() == [0, 1, 0, 1] and not t[4:].any()
+
+
 def test_unprobed_sms_are_named_minus_one():
     """Rows of SMs no probe CTA landed on (-1) stay out of the grouping and come back as -1."""
     rng = np.random.default_rng(2)
@@ -80,13 +107,13 @@ def test_no_clean_split_gives_none(case):
 
 @pytest.mark.gpu
 def test_probe_on_the_gpu():
-    """The probe on this GPU: every SM probed once (a row of positive cycle counts each, none left at -1), reads
-    that took between 10 and 100,000 cycles, and a grouping that is either none or two groups of SMs with a table the
-    WS kernel can index by %smid (int32, PART_SMS entries of 0 or 1).  Which it is depends on the chip: the result is
-    printed for the record (docs/PERFORMANCE.md)."""
+    """The probe on this GPU: every SM probed once (a row of cycle counts each, none left at -1), reads that took
+    between 10 and 100,000 cycles, and on Hopper (sm_90a, whose L2 is two partitions) two groups of SMs, with a
+    table the WS kernel can index by %smid (int32, PART_SMS entries of 0 or 1, both present); elsewhere a grouping or
+    none.  The latencies and groups are printed for the record (docs/PERFORMANCE.md)."""
     import cupy
 
-    from kda_rt.cuda.ops.compile import sm_count
+    from kda_rt.cuda.ops.compile import device_arch, sm_count
     from kda_rt.cuda.ops.l2_partition import probe_latencies, sm_partition
 
     dev = cupy.cuda.Device().id
@@ -95,6 +122,8 @@ def test_probe_on_the_gpu():
     groups = group_sms(lat)
     print("latency percentiles (cycles) 5/25/50/75/95:", np.percentile(lat, [5, 25, 50, 75, 95]).round(),
           "groups:", None if groups is None else np.bincount(groups[groups >= 0]).tolist())
+    if device_arch() == "sm_90a":
+        assert groups is not None, "no two L2 partitions found on Hopper"
     table = sm_partition(dev)
     if groups is None:
         assert table is None
@@ -108,9 +137,14 @@ def l2_split_claims(tile_expert, nfb, parts, rng):
     """moe_gemm_wg.cu L2_SPLIT's claims, step for step (thread 0 of each CTA's producer; `parts`: each CTA's
     partition), the CTAs' atomics interleaved at random: [(cta, item)] in claim order, and the counters at the end."""
     ntiles, items = len(tile_expert), len(tile_expert) * nfb
-    split = ntiles // 2
-    while 0 < split < ntiles and tile_expert[split] == tile_expert[split - 1]:
-        split += 1
+    mid = split = ntiles // 2
+    for d in range(17) if 0 < mid < ntiles else ():  # (L2_SCAN = 16)
+        if mid - d > 0 and tile_expert[mid - d] != tile_expert[mid - d - 1]:
+            split = mid - d
+            break
+        if mid + d < ntiles and tile_expert[mid + d] != tile_expert[mid + d - 1]:
+            split = mid + d
+            break
     claim = [0, 0, 0, 0]
     state = []
     for part in parts:
@@ -144,15 +178,20 @@ def l2_split_claims(tile_expert, nfb, parts, rng):
 @pytest.mark.parametrize("seed", range(6))
 def test_l2_split_claims_every_item_once(seed):
     """The split claims (as moe_gemm_wg.cu L2_SPLIT takes them): every item exactly once across the CTAs, each CTA's
-    own half first, the halves cut at an expert boundary, the counters back at 0 when the last CTA is done; plans
-    with 0, 1 and many tiles, one expert, and more CTAs of one partition than the other."""
+    own half first, the halves cut at the expert boundary nearest the middle tile (the middle itself with one
+    expert), the counters back at 0 when the last CTA is done; plans with 0, 1 and many tiles, one expert, and more
+    CTAs of one partition than the other."""
     rng = np.random.default_rng(seed)
     ntiles = [0, 1, 2, 37, 150, 64][seed]
     tile_expert = np.sort(rng.integers(0, 1 if seed == 5 else 40, ntiles))
     parts = (rng.random(int(rng.integers(1, 40))) < (0.8 if seed == 4 else 0.5)).astype(int)
     got, claim, split = l2_split_claims(tile_expert, 8, parts, rng)
     assert sorted(w for _, w in got) == list(range(ntiles * 8)) and claim == [0, 0, 0, 0]
-    assert split in (0, ntiles) or tile_expert[split] != tile_expert[split - 1]
+    bounds = [t for t in range(1, ntiles) if tile_expert[t] != tile_expert[t - 1]]  # every expert boundary
+    if bounds and min(abs(t - ntiles // 2) for t in bounds) <= 16:  # the nearest one within the scan
+        assert abs(split - ntiles // 2) == min(abs(t - ntiles // 2) for t in bounds) and split in bounds, split
+    else:
+        assert split == ntiles // 2
     for c in range(len(parts)):  # a CTA takes its own half's items before any of the other's
         halves = [int(w >= split * 8) for cc, w in got if cc == c]
         first_other = next((i for i, h in enumerate(halves) if h != parts[c]), len(halves))

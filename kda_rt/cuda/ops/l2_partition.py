@@ -17,13 +17,13 @@ import numpy as np
 
 from kda_rt.cuda.ops.compile import get_kernel, sm_count
 
-__all__ = ["PART_SMS", "group_sms", "probe_latencies", "sm_partition"]
+__all__ = ["PART_SMS", "group_sms", "partition_table", "probe_latencies", "sm_partition"]
 
 log = logging.getLogger("kda_rt")
 
 PART_SMS = 1024  # the partition table's length (moe_gemm_wg.cu L2_PART_SMS: above every %smid)
-N_LINES = 512  # lines each SM reads
-STRIDE_WORDS = 1031 * 128 // 4  # lines 1031 lines of 128 bytes apart (prime: spread over the address hash)
+N_LINES = 512  # lines each SM reads (l2_probe.cu PROBE_MAX_LINES at most)
+STRIDE_WORDS = 33 * 128 // 4  # 33 lines (4224 bytes) from one line to the next: a new 4 KB page each, 2.1 MB in all
 MIN_GAP = 1.15  # the slow reads' mean at least this times the fast ones' (else no partitions seen)
 MIN_AGREE, MAX_CROSS = 0.85, 0.65  # an SM's slow-line pattern against its group's / the other group's
 _CACHE: dict[int, object] = {}
@@ -36,9 +36,9 @@ def probe_latencies(device_id: int, n_lines: int = N_LINES) -> np.ndarray:
     import cupy
 
     n_sm = sm_count(device_id)
-    touch = get_kernel("l2_probe.cu", "l2_touch")
-    probe = get_kernel("l2_probe.cu", "l2_probe")
     with cupy.cuda.Device(device_id):
+        touch = get_kernel("l2_probe.cu", "l2_touch")
+        probe = get_kernel("l2_probe.cu", "l2_probe")
         lines = cupy.zeros(n_lines * STRIDE_WORDS, dtype=np.uint32)
         out = cupy.full((n_sm, n_lines), -1, dtype=np.int64)
         seen = cupy.zeros(n_sm, dtype=np.int32)
@@ -52,23 +52,26 @@ def probe_latencies(device_id: int, n_lines: int = N_LINES) -> np.ndarray:
 
 
 def _two_means(values: np.ndarray) -> tuple[float, float]:
-    """The two centres of a 1D two-means clustering (started at the 10th and 90th percentiles)."""
-    lo, hi = np.percentile(values, [10, 90])
+    """The two centres of a 1D two-cluster split (medians, so that a few very slow reads, a page's first touch, do not
+    drag a centre; started at the 10th and 90th percentiles)."""
+    lo, hi = (float(v) for v in np.percentile(values, [10, 90]))
     for _ in range(50):
         cut = (lo + hi) / 2
         a, b = values[values <= cut], values[values > cut]
         if not len(a) or not len(b):
             break
-        new = float(a.mean()), float(b.mean())
+        new = float(np.median(a)), float(np.median(b))
         if new == (lo, hi):
             break
         lo, hi = new
-    return float(lo), float(hi)
+    return lo, hi
 
 
 def group_sms(lat: np.ndarray) -> np.ndarray | None:
     """From probe_latencies' [SMs, lines] cycles: int32 [SMs], each SM's group (0 or 1; -1 where it was not probed),
-    or None when the SMs do not fall in two clean groups: the reads must be bimodal (slow mean >= MIN_GAP x fast),
+    or None when the SMs do not fall in two clean groups: each SM's reads are taken relative to its own fast ones
+    (its 10th percentile), and they must be bimodal (the slow mode at least (MIN_GAP - 1) x a fast read above it;
+    each SM's slow lines are those above the cut between its own two modes),
     every SM's pattern of slow lines must agree with its group's on >= MIN_AGREE of the lines and with the other
     group's on <= MAX_CROSS, and each group must hold at least a quarter of the SMs probed."""
     lat = np.asarray(lat)
@@ -76,10 +79,19 @@ def group_sms(lat: np.ndarray) -> np.ndarray | None:
     if probed.sum() < 4:
         return None
     L = lat[probed].astype(np.float64)
+    base = float(np.median(np.percentile(L, 10, axis=1)))  # a fast read's cycles
+    L -= np.percentile(L, 10, axis=1, keepdims=True)  # each SM's fast reads at 0 (SMs sit at different distances)
     fast, slow = _two_means(L.ravel())
-    if slow < MIN_GAP * fast:
+    if slow - fast < (MIN_GAP - 1) * base:
         return None
-    slow_bits = L > (fast + slow) / 2  # [SMs probed, lines]
+    # each SM's own cut between its modes (the far trip's cost varies by SM), or the common one where the SM has no
+    # second mode (every line fast: a partition that kept copies of the lines)
+    cut = np.full(len(L), (fast + slow) / 2)
+    for r, row in enumerate(L):
+        f, sl = _two_means(row)
+        if sl - f >= (slow - fast) / 2:
+            cut[r] = (f + sl) / 2
+    slow_bits = L > cut[:, None]  # [SMs probed, lines]
     agree = (slow_bits[:, None, :] == slow_bits[None, :, :]).mean(axis=2)
     b = int(np.argmin(agree[0]))  # the SM least like the first: the other group's seed
     member = agree[:, b] > agree[:, 0]  # in b's group
@@ -95,23 +107,36 @@ def group_sms(lat: np.ndarray) -> np.ndarray | None:
     return groups
 
 
+def partition_table(groups: np.ndarray) -> np.ndarray:
+    """group_sms' groups as the table moe_gemm_wg.cu L2_SPLIT indexes by %smid: int32 [PART_SMS], SMs not probed 0."""
+    table = np.zeros(PART_SMS, dtype=np.int32)
+    table[: len(groups)] = np.maximum(groups, 0)
+    return table
+
+
 def sm_partition(device_id: int):
-    """The device's partition table for moe_gemm_wg.cu L2_SPLIT: a CuPy int32 [PART_SMS] array (entry %smid: 0 or 1;
-    SMs not probed 0), measured on first use and kept; None when the SMs do not split in two groups (logged once)."""
+    """The device's partition table for moe_gemm_wg.cu L2_SPLIT (partition_table's, as a CuPy array), measured on
+    first use and kept; None when the SMs do not split in two groups, when the probe failed (both logged once), and
+    while the current stream is capturing a CUDA graph before the first measurement (the probe cannot run there)."""
+    import cupy
+
     with _LOCK:
         if device_id not in _CACHE:
-            import cupy
-
-            groups = group_sms(probe_latencies(device_id))
+            if cupy.cuda.get_current_stream().is_capturing():
+                return None
+            try:
+                groups = group_sms(probe_latencies(device_id))
+            except Exception as exc:  # (a launch or build error: the GEMMs claim as without the switch)
+                log.warning("L2 partitions of device %d: the probe failed (%s); KDA_RT_MOE_L2_SPLIT has no effect",
+                            device_id, exc)
+                groups = None
             if groups is None:
                 log.info("L2 partitions: the SMs of device %d do not split in two groups; KDA_RT_MOE_L2_SPLIT has no "
                          "effect there", device_id)
                 _CACHE[device_id] = None
             else:
-                table = np.zeros(PART_SMS, dtype=np.int32)
-                table[: len(groups)] = np.maximum(groups, 0)
                 log.info("L2 partitions of device %d: %d and %d SMs", device_id, int((groups == 0).sum()),
                          int((groups == 1).sum()))
                 with cupy.cuda.Device(device_id):
-                    _CACHE[device_id] = cupy.asarray(table)
+                    _CACHE[device_id] = cupy.asarray(partition_table(groups))
         return _CACHE[device_id]
