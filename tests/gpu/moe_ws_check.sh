@@ -3,8 +3,8 @@
 # device call:
 #   1. tests/kernels/test_moe_gemm_tc.py -k b_tma: the plain kernel's cp.async, B_TMA, B_TMA + A_TMA, WS, WS + MC and
 #      WS + L2_SPLIT builds bit for bit on every tile, width and format of the test (a protocol deadlock would hang:
-#      the step runs under a timeout, and nothing after it runs unless it passed); tests/kernels/test_l2_partition.py
-#      (the L2 partition probe on this GPU: its grouping printed);
+#      the step runs under a timeout, and nothing after it runs unless it passed); then
+#      tests/kernels/test_l2_partition.py (the L2 partition probe on this GPU: its grouping printed; not a gate);
 #   2. tests/gpu/bench_moe_gemm.py --ws: plain, WS, WS + MC and WS + L2_SPLIT interleaved, bf16 and w8a8, 8192 and
 #      16384 tokens;
 #   3. the full 27-layer seed prefill (bench_ab.py, TTFT max, 3 rounds) with KDA_RT_MOE_WS:KDA_RT_MOE_L2_SPLIT at 0:0,
@@ -16,11 +16,11 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== WS / MC / L2_SPLIT tests"
-timeout 240 python -m pytest -q -s tests/kernels/test_moe_gemm_tc.py tests/kernels/test_l2_partition.py \
-  -k "b_tma or l2" -p no:cacheprovider 2>&1 | grep -E "latency|passed|failed|Error|assert" | tail -15 \
-  | tee "$OUT/moe_ws_tests.txt"
-grep -q " passed" "$OUT/moe_ws_tests.txt" && ! grep -q "failed\|rror" "$OUT/moe_ws_tests.txt" \
-  || { echo "moe_ws_check.sh: the tests failed or hung: nothing timed"; exit 1; }
+timeout 240 python -m pytest -q tests/kernels/test_moe_gemm_tc.py -k b_tma -p no:cacheprovider 2>&1 | tail -15 \
+  | tee "$OUT/moe_ws_tests.txt" || { echo "moe_ws_check.sh: the tests failed or hung: nothing timed"; exit 1; }
+echo "== the L2 partition probe ($SECONDS s; not a gate: without two groups the split form runs as WS)"
+timeout 120 python -m pytest -q -s tests/kernels/test_l2_partition.py -p no:cacheprovider 2>&1 \
+  | grep -E "latency|passed|failed|Error" | tail -6 | tee -a "$OUT/moe_ws_tests.txt"
 echo "== GEMM alone ($SECONDS s)"
 timeout 150 python tests/gpu/bench_moe_gemm.py --ws --tokens 8192,16384 2>&1 | tail -6 | tee "$OUT/moe_ws_gemm.txt"
 timeout 120 python tests/gpu/bench_moe_gemm.py --ws --e4m3 --w8a8 --tokens 8192,16384 2>&1 | tail -6 \
