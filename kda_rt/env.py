@@ -487,6 +487,18 @@ def moe_multicast() -> bool:
     return _on_off("KDA_RT_MOE_MC", "0")
 
 
+def tma_l2_promotion() -> str:
+    """KDA_RT_TMA_L2_PROMOTION: how far L2 widens each tensor-map copy's fetches (ops/tma.py: cuTensorMapEncodeTiled's
+    L2 promotion): none, 64, 128 or 256 (bytes; default 256).  A bench switch: the MoE prefill GEMMs' weight rows are
+    128 bytes a k step, and a 256-byte promotion fetches the next step's too (the WS form moved 37% more over the
+    fabric between L2's partitions than the plain kernel's cp.async copies, H200 2026-12-03; not yet measured with
+    this switch).  Read when a tensor map is made (maps are kept by value)."""
+    value = os.environ.get("KDA_RT_TMA_L2_PROMOTION", "256")
+    if value not in ("none", "64", "128", "256"):
+        raise ValueError(f"KDA_RT_TMA_L2_PROMOTION must be none, 64, 128 or 256, got {value!r}")
+    return value
+
+
 def moe_l2_split() -> bool:
     """KDA_RT_MOE_L2_SPLIT: 1 makes the warp-specialized MoE prefill GEMMs (KDA_RT_MOE_WS, not with KDA_RT_MOE_MC)
     claim their items by L2 partition: the tiles cut in two halves at an expert boundary, each half claimed first by

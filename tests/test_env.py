@@ -100,3 +100,18 @@ def test_scripts_and_readme_name_known_switches():
                for n in re.findall(r"KDA_RT_[A-Z0-9_]*[A-Z0-9]", p.read_text(errors="replace"))
                if n not in apart and not n.startswith("KDA_RT_TEST_") and env.unknown_variables({n: ""})}
     assert not unknown, sorted(unknown)
+
+
+def test_tma_l2_promotion_switch(monkeypatch):
+    """KDA_RT_TMA_L2_PROMOTION: 256 unset (the maps' promotion before the switch), none / 64 / 128 / 256 as given,
+    anything else refused by name; ops/tma.py maps each to the driver's enum value in order."""
+    from kda_rt.cuda.ops.tma import _L2_PROMOTION
+
+    monkeypatch.delenv("KDA_RT_TMA_L2_PROMOTION", raising=False)
+    assert env.tma_l2_promotion() == "256" and _L2_PROMOTION["256"] == 3
+    for value, enum in (("none", 0), ("64", 1), ("128", 2)):
+        monkeypatch.setenv("KDA_RT_TMA_L2_PROMOTION", value)
+        assert env.tma_l2_promotion() == value and _L2_PROMOTION[value] == enum
+    monkeypatch.setenv("KDA_RT_TMA_L2_PROMOTION", "512")
+    with pytest.raises(ValueError, match="KDA_RT_TMA_L2_PROMOTION must be none, 64, 128 or 256"):
+        env.tma_l2_promotion()

@@ -14,6 +14,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from kda_rt import env
+
 __all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
 _MAPS: OrderedDict[tuple, tuple] = OrderedDict()  # (address, rows, cols, itemsize, box, stream) -> (device, pinned)
@@ -23,7 +25,8 @@ _LOCK = threading.Lock()
 _DRIVER = None
 
 _DATA_TYPE = {1: 0, 2: 1}  # itemsize -> CU_TENSOR_MAP_DATA_TYPE_UINT8 / _UINT16 (the copy moves bytes)
-_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3  # CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
+_L2_PROMOTION = {"none": 0, "64": 1, "128": 2, "256": 3}  # KDA_RT_TMA_L2_PROMOTION -> CU_TENSOR_MAP_L2_PROMOTION_*
 
 
 def encode_args_2d(address: int, rows: int, cols: int, itemsize: int, box_rows: int) -> tuple:
@@ -96,7 +99,8 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
         raise ValueError(f"tensor map over {what}: {rows} rows, not between its {arr.size // cols} and the "
                          f"{allocation_rows(arr)} its allocation holds")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
-    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows, stream.ptr)
+    promotion = _L2_PROMOTION[env.tma_l2_promotion()]
+    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows, stream.ptr, promotion)
     with _LOCK:
         hit = _MAPS.get(key)
         if hit is not None:
@@ -114,7 +118,7 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
             host = np.frombuffer(raw, dtype=np.uint8)[off:off + 128]
         status = _driver()(host.ctypes.data, dtype, 2, arr.data.ptr, (ctypes.c_uint64 * 2)(*dims),
                            (ctypes.c_uint64 * 1)(*strides), (ctypes.c_uint32 * 2)(*box), (ctypes.c_uint32 * 2)(1, 1),
-                           0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+                           0, _SWIZZLE_128B, promotion, 0)
         if status:
             raise RuntimeError(f"tensor map over {what} {tuple(arr.shape)}: cuTensorMapEncodeTiled returned CUresult "
                                f"{status} (dims {dims}, strides {strides}, box {box})")
