@@ -21,6 +21,7 @@ timeout 240 python -m pytest -q tests/kernels/test_moe_gemm_tc.py -k b_tma -p no
 echo "== the L2 partition probe ($SECONDS s; not a gate: without two groups the split form runs as WS)"
 timeout 120 python -m pytest -q -s tests/kernels/test_l2_partition.py -p no:cacheprovider 2>&1 \
   | grep -E "latency|passed|failed|Error" | tail -6 | tee -a "$OUT/moe_ws_tests.txt"
+timeout 60 python tests/gpu/probe_l2.py --out "$OUT/l2_latency.npy" 2>&1 | tail -40 | tee "$OUT/l2_probe.txt"
 echo "== GEMM alone ($SECONDS s)"
 timeout 150 python tests/gpu/bench_moe_gemm.py --ws --tokens 8192,16384 2>&1 | tail -6 | tee "$OUT/moe_ws_gemm.txt"
 timeout 120 python tests/gpu/bench_moe_gemm.py --ws --e4m3 --w8a8 --tokens 8192,16384 2>&1 | tail -6 \
