@@ -118,7 +118,8 @@ _PER_THREAD_STREAM = 2  # cudaStreamPerThread's handle
 
 def _claim_counter(stream):
     """The WS kernel's item counters for launches on `stream` (zeroed once; every launch leaves them at 0): four ints
-    (items claimed, CTAs done claiming, L2_SPLIT's second partition's items claimed, unused) a stream, so launches on different streams never share them, while launches on one stream run one at a time.
+    (items claimed, CTAs done claiming, L2_SPLIT's second partition's items claimed, unused) a stream, so launches
+    on different streams never share them, while launches on one stream run one at a time.
     CUDA's per-thread default stream has one handle for a different stream in each host thread: keyed by thread."""
     import cupy
 

@@ -18,7 +18,8 @@ from kda_rt import env
 
 __all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
-_MAPS: OrderedDict[tuple, tuple] = OrderedDict()  # (address, rows, cols, itemsize, box, stream) -> (device, pinned)
+# (address, rows, cols, itemsize, box, stream, L2 promotion) -> (device, pinned)
+_MAPS: OrderedDict[tuple, tuple] = OrderedDict()
 _MAX_MAPS = 512  # (an evicted buffer goes back to CuPy's pool, reused in its stream's order: a kernel queued on it
 #                  before still reads the map)
 _LOCK = threading.Lock()
