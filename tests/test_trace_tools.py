@@ -79,3 +79,25 @@ def test_ab_defines_must_be_read_by_the_kernel():
     assert unused_defines("moe_gemm_wg.cu", ["B_TMA", "A_TMA", "BTMA"]) == ["BTMA"]
     script = (Path(__file__).resolve().parent / "gpu" / "kda_intra_variants.sh").read_text()
     assert re.search(r"for ab in \$\{AB:\?", script) and not re.search(r"\$\{AB:-", script)
+
+
+def test_device_scripts_parse_and_name_existing_files():
+    """Every tests/gpu/*.sh (the one-call device scripts) parses (bash -n), and every repository path it names
+    (tests/..., kernels_cu/..., kda_rt/...) exists: a typo there costs a device call."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = sorted((root / "tests" / "gpu").glob("*.sh"))
+    assert scripts
+    missing = []
+    for script in scripts:
+        if shutil.which("bash"):
+            run = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+            assert run.returncode == 0, f"{script.name}: {run.stderr}"
+        for path in re.findall(r"\b((?:tests|kernels_cu|kda_rt)/[\w./-]+\.(?:py|sh|cu|cuh))\b", script.read_text()):
+            if not (root / path).exists():
+                missing.append((script.name, path))
+    assert not missing, missing
