@@ -19,6 +19,14 @@ extern "C" __global__ void l2_touch(unsigned* __restrict__ lines, int n, int str
         asm volatile("st.global.cg.u32 [%0], %1;" ::"l"(lines + (size_t)i * stride), "r"((unsigned)i) : "memory");
 }
 
+// l2_nsmid: %nsmid, the bound of the %smid values (not always the SM count: PTX does not promise contiguous ids)
+extern "C" __global__ void l2_nsmid(int* __restrict__ out) {
+    KDA_PDL_ENTRY();
+    unsigned n;
+    asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n));
+    if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = (int)n;
+}
+
 #define PROBE_MAX_LINES 512
 
 extern "C" __global__ void l2_probe(const unsigned* __restrict__ lines, int n, int stride, int target,

@@ -107,8 +107,8 @@ def test_no_clean_split_gives_none(case):
 
 @pytest.mark.gpu
 def test_probe_on_the_gpu():
-    """The probe on this GPU: every SM probed once (a row of cycle counts each, none left at -1), reads that took
-    between 10 and 100,000 cycles, and on Hopper (sm_90a, whose L2 is two partitions) two groups of SMs, with a
+    """The probe on this GPU: every SM probed once (a row of cycle counts for as many %smid values as there are
+    SMs, the other ids' rows left at -1), reads that took between 10 and 100,000 cycles, and on Hopper (sm_90a, whose L2 is two partitions) two groups of SMs, with a
     table the WS kernel can index by %smid (int32, PART_SMS entries of 0 or 1, both present); elsewhere a grouping or
     none.  The latencies and groups are printed for the record (docs/PERFORMANCE.md)."""
     import cupy
@@ -118,7 +118,9 @@ def test_probe_on_the_gpu():
 
     dev = cupy.cuda.Device().id
     lat = probe_latencies(dev)
-    assert lat.shape == (sm_count(dev), 512) and (lat > 10).all() and (lat < 100_000).all(), lat.min()
+    rows = (lat != -1).all(axis=1)  # (ids no SM has stay -1: %smid need not be contiguous)
+    assert lat.shape[0] >= sm_count(dev) and lat.shape[1] == 512 and rows.sum() == sm_count(dev), rows.sum()
+    assert (lat[rows] > 10).all() and (lat[rows] < 100_000).all() and (lat[~rows] == -1).all(), lat[rows].min()
     groups = group_sms(lat)
     print("latency percentiles (cycles) 5/25/50/75/95:", np.percentile(lat, [5, 25, 50, 75, 95]).round(),
           "groups:", None if groups is None else np.bincount(groups[groups >= 0]).tolist())

@@ -31,19 +31,25 @@ _LOCK = threading.Lock()
 
 
 def probe_latencies(device_id: int, n_lines: int = N_LINES) -> np.ndarray:
-    """[SMs, n_lines] int64: the clock cycles of one L2 read of each line from SM s (row s, %smid s); rows of SMs no
-    probe CTA landed on stay -1.  Takes ~0.1 s (two launches an SM)."""
+    """[%nsmid, n_lines] int64: the clock cycles of one L2 read of each line from the SM whose %smid is the row
+    (%smid values need not be contiguous: rows of ids no SM has, and of SMs no probe CTA landed on, stay -1).  Takes
+    ~0.1 s (two launches an id)."""
     import cupy
 
     n_sm = sm_count(device_id)
     with cupy.cuda.Device(device_id):
         touch = get_kernel("l2_probe.cu", "l2_touch")
         probe = get_kernel("l2_probe.cu", "l2_probe")
+        nsmid = cupy.zeros(1, dtype=np.int32)
+        get_kernel("l2_probe.cu", "l2_nsmid")((1,), (32,), (nsmid,))
+        n_ids = max(n_sm, int(nsmid.get()[0]))
+        if n_ids > PART_SMS:
+            raise ValueError(f"L2 partitions: %nsmid {n_ids} is past the partition table's {PART_SMS} entries")
         lines = cupy.zeros(n_lines * STRIDE_WORDS, dtype=np.uint32)
-        out = cupy.full((n_sm, n_lines), -1, dtype=np.int64)
-        seen = cupy.zeros(n_sm, dtype=np.int32)
+        out = cupy.full((n_ids, n_lines), -1, dtype=np.int64)
+        seen = cupy.zeros(n_ids, dtype=np.int32)
         args = (lines, np.int32(n_lines), np.int32(STRIDE_WORDS))
-        for s in range(n_sm):
+        for s in range(n_ids):
             touch((1,), (256,), args)
             # 8 one-warp CTAs an SM: every SM gets some; the first on SM s measures, the rest return at once
             probe((8 * n_sm,), (32,), (*args, np.int32(s), out[s], seen[s:], np.uint32(0)))
