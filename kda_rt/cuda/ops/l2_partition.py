@@ -4,7 +4,8 @@ work by partition (KDA_RT_MOE_L2_SPLIT, ops/moe_gemm_wg.py).
 The L2 of an H100/H200 is two partitions, each holding the lines of about half the addresses and keeping copies of
 the other half's lines that its own SMs read; reading a line that neither the SM's partition holds nor has a copy
 of crosses the fabric between them and takes longer.  CUDA does not say which SMs sit by which partition, so each SM
-in turn reads the same lines (freshly stored by one CTA first, which drops any copies) and their latencies are kept:
+in turn reads the same lines (freshly stored by one CTA first, which should drop any copies) and their latencies are
+kept:
 SMs of one partition find the same lines slow.  `group_sms` turns the latencies into two groups, or None where they
 do not split cleanly (one partition, another chip, noise): then the GEMMs claim as without the switch."""
 
@@ -24,7 +25,7 @@ log = logging.getLogger("kda_rt")
 PART_SMS = 1024  # the partition table's length (moe_gemm_wg.cu L2_PART_SMS: above every %smid)
 N_LINES = 512  # lines each SM reads (l2_probe.cu PROBE_MAX_LINES at most)
 STRIDE_WORDS = 33 * 128 // 4  # 33 lines (4224 bytes) from one line to the next: a new 4 KB page each, 2.1 MB in all
-MIN_GAP = 1.15  # the slow reads' mean at least this times the fast ones' (else no partitions seen)
+MIN_GAP = 1.15  # the slow mode at least (MIN_GAP - 1) x a fast read above the fast one (else no partitions seen)
 MIN_AGREE, MAX_CROSS = 0.85, 0.65  # an SM's slow-line pattern against its group's / the other group's
 _CACHE: dict[int, object] = {}
 _LOCK = threading.Lock()
@@ -36,6 +37,8 @@ def probe_latencies(device_id: int, n_lines: int = N_LINES) -> np.ndarray:
     ~0.1 s (two launches an id)."""
     import cupy
 
+    if not 1 <= n_lines <= N_LINES:
+        raise ValueError(f"L2 partitions: 1 to {N_LINES} lines a probe (l2_probe.cu PROBE_MAX_LINES), got {n_lines}")
     n_sm = sm_count(device_id)
     with cupy.cuda.Device(device_id):
         touch = get_kernel("l2_probe.cu", "l2_touch")
