@@ -4,9 +4,8 @@ work by partition (KDA_RT_MOE_L2_SPLIT, ops/moe_gemm_wg.py).
 The L2 of an H100/H200 is two partitions, each holding the lines of about half the addresses and keeping copies of
 the other half's lines that its own SMs read; reading a line that neither the SM's partition holds nor has a copy
 of crosses the fabric between them and takes longer.  CUDA does not say which SMs sit by which partition, so each SM
-in turn reads the same lines (freshly stored by one CTA first, which should drop any copies) and their latencies are
-kept:
-SMs of one partition find the same lines slow.  `group_sms` turns the latencies into two groups, or None where they
+in turn reads the same lines (freshly stored by one CTA first, which should drop any copies) and their latencies
+are kept: SMs of one partition find the same lines slow.  `group_sms` turns the latencies into two groups, or None where they
 do not split cleanly (one partition, another chip, noise): then the GEMMs claim as without the switch."""
 
 from __future__ import annotations
