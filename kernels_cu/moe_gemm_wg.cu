@@ -219,19 +219,22 @@
 #if WS && (!B_TMA || WFMT == 1)
 #error "moe_gemm_wg.cu: WS is built on B_TMA (bf16 weights, or e4m3 weights with e4m3 sources)"
 #endif
-// L2_SPLIT = 1 (with WS, not MC; prepared 2026-12-03, not yet run on a GPU): the items are claimed by L2 partition.
+// L2_SPLIT = 1 (with WS, and MC too; prepared 2026-12-03, not yet run on a GPU): the items are claimed by L2 partition.
 // Under ncu (T = 16384, bf16 gate/up) the busiest L2 unit is the fabric between the two L2 partitions (75-80% of its
 // cycles, above the crossbar to the SMs, 68-71%): every partition keeps copies of the far partition's lines that its
 // SMs read, and a weight block that SMs of both partitions read crosses it either way.  So the tiles are cut in two
 // halves at the expert boundary nearest the middle, each half claimed from its own counter by the CTAs on one
 // partition's SMs (sm_part[%smid]: 0 or 1, measured at start by kernels_cu/l2_probe.cu, ops/l2_partition.py) and
 // then, once it is done, by the other partition's CTAs too: an expert's weights and its tiles' rows are read by one
-// partition's SMs while both halves last.  Only the order in which items are taken changes: bit-identical.
+// partition's SMs while both halves last.  With MC the items are pair items (tiles 2q, 2q + 1), the halves cut at an
+// even tile, and rank 0 claims for its cluster as before (a cluster's two SMs sit in one GPC, so by one partition:
+// MC relieves the crossbar to the SMs, the split the fabric).  Only the order in which items are taken changes:
+// bit-identical.
 #ifndef L2_SPLIT
 #define L2_SPLIT 0
 #endif
-#if L2_SPLIT && (!WS || MC)
-#error "moe_gemm_wg.cu: L2_SPLIT is built on WS without MC"
+#if L2_SPLIT && !WS
+#error "moe_gemm_wg.cu: L2_SPLIT is built on WS"
 #endif
 #define L2_PART_SMS 1024  // sm_part's length (a power of two above every %smid)
 #define L2_SCAN 16  // tiles looked at either way of the middle for an expert boundary
@@ -872,11 +875,12 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     break;
                 }
             }
+            const int cut = (MC ? split / 2 : split) * NFB;  // (MC: items are pairs of tiles)
             const bool second = sm_part[smid & (L2_PART_SMS - 1)] & 1;
-            own_lo = second ? split * NFB : 0;
-            own_hi = second ? items : split * NFB;
-            oth_lo = second ? 0 : split * NFB;
-            oth_hi = second ? split * NFB : items;
+            own_lo = second ? cut : 0;
+            own_hi = second ? items : cut;
+            oth_lo = second ? 0 : cut;
+            oth_hi = second ? cut : items;
             if (second) own_ctr = claim + 2, oth_ctr = claim;
         }
         auto claim_item = [&]() {
@@ -898,7 +902,11 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 const int slot = n & 1;
                 if (rank == 0) {
                     if (n >= 2) mbar_wait_cluster(taken0 + 8 * slot, ((n >> 1) - 1) & 1);  // rank 1 read its last claim
+#if L2_SPLIT
+                    w_claim = claim_item();
+#else
                     w_claim = atomicAdd(claim, 1);
+#endif
                     asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(peer_shared(smem_addr(&pair_slot[slot]), 1)),
                                  "r"(w_claim) : "memory");
                     mbar_arrive_cluster(peer_shared(ready0 + 8 * slot, 1));

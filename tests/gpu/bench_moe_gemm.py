@@ -305,7 +305,8 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
     """The launcher's GEMMs in their plain form (KDA_RT_MOE_WS=0) against the persistent, warp-specialized one (=1,
     moe_gemm_wg.cu WS), that one in clusters with the weight rows multicast (mc: KDA_RT_MOE_MC=1) and that one
     claiming its items by L2 partition (split: KDA_RT_MOE_L2_SPLIT=1, the SMs' partitions measured first; where they
-    do not split in two groups it runs as WS and the line says so), interleaved over `rounds` rounds: medians, useful TFLOP/s (the routed rows), and whether the outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
+    do not split in two groups it runs as WS and the line says so), and both (mc-split), interleaved over `rounds`
+    rounds: medians, useful TFLOP/s (the routed rows), and whether the outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
     quantized once, untimed)."""
     import os
 
@@ -336,8 +337,8 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
 
     def switch(v):
         os.environ["KDA_RT_MOE_WS"] = "0" if v == "0" else "1"
-        os.environ["KDA_RT_MOE_MC"] = "1" if v == "mc" else "0"
-        os.environ["KDA_RT_MOE_L2_SPLIT"] = "1" if v == "split" else "0"
+        os.environ["KDA_RT_MOE_MC"] = "1" if v in ("mc", "mc-split") else "0"
+        os.environ["KDA_RT_MOE_L2_SPLIT"] = "1" if v in ("split", "mc-split") else "0"
 
     try:
         for name, src, w, sc, out, silu, flop in gemms:
@@ -348,7 +349,7 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
                 quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
                 src, kw = srcq, dict(scale=sc, src_scale=srcs)
             run = partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, **kw)
-            outs, times = {}, {v: [] for v in ("0", "1", "mc", "split")}
+            outs, times = {}, {v: [] for v in ("0", "1", "mc", "split", "mc-split")}
             for v in times:
                 switch(v)
                 out.fill(0)
@@ -361,7 +362,7 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
                     times[v].append(median_ms(run))
             base = float(np.median(times["0"]))
             print(f"T={T} {name}{' w8a8' if q is not None else ''}: " + "  ".join(
-                f"{({'mc': 'WS+MC', 'split': 'WS+SPLIT'}).get(v, 'WS=' + v)} {np.median(ts):.3f} ms "
+                f"{({'mc': 'WS+MC', 'split': 'WS+SPLIT', 'mc-split': 'WS+MC+SPLIT'}).get(v, 'WS=' + v)} {np.median(ts):.3f} ms "
                 f"{flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
                 for v, ts in times.items()) + f"  bit-identical: {same}{split_note}", flush=True)
     finally:

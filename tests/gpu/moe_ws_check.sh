@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The prefill MoE GEMM's warp-specialized forms (kernels_cu/moe_gemm_wg.cu WS, MC and L2_SPLIT, issue 11) in one
 # device call:
-#   1. tests/kernels/test_moe_gemm_tc.py -k b_tma: the plain kernel's cp.async, B_TMA, B_TMA + A_TMA, WS, WS + MC and
-#      WS + L2_SPLIT builds bit for bit on every tile, width and format of the test (a protocol deadlock would hang:
-#      the step runs under a timeout, and nothing after it runs unless it passed); then
+#   1. tests/kernels/test_moe_gemm_tc.py -k b_tma: the plain kernel's cp.async, B_TMA, B_TMA + A_TMA, WS, WS + MC,
+#      WS + L2_SPLIT and WS + MC + L2_SPLIT builds bit for bit on every tile, width and format of the test (a
+#      protocol deadlock would hang: the step runs under a timeout, and nothing after it runs unless it passed); then
 #      tests/kernels/test_l2_partition.py (the L2 partition probe on this GPU: its grouping printed; not a gate);
-#   2. tests/gpu/bench_moe_gemm.py --ws: plain, WS, WS + MC and WS + L2_SPLIT interleaved, bf16 and w8a8, 8192 and
-#      16384 tokens;
+#   2. tests/gpu/bench_moe_gemm.py --ws: plain, WS, WS + MC, WS + L2_SPLIT and WS + MC + L2_SPLIT interleaved, bf16
+#      and w8a8, 8192 and 16384 tokens;
 #   3. the full 27-layer seed prefill (bench_ab.py, TTFT max, 3 rounds) with KDA_RT_MOE_WS:KDA_RT_MOE_L2_SPLIT at 0:0,
 #      1:0 and 1:1, fp8 then bf16 weights, while the call's time lasts;
 #   4. tests/gpu/ncu_l2_fabric.sh: the L2 units' load of each form, if time is left.

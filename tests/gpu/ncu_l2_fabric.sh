@@ -23,6 +23,7 @@ for v in "plain|KDA_RT_MOE_WS=0 KDA_RT_MOE_B_TMA=0|moe_grouped_gemm_wg" \
          "WS|KDA_RT_MOE_WS=1 KDA_RT_MOE_MC=0 KDA_RT_MOE_L2_SPLIT=0|moe_grouped_gemm_ws" \
          "WS + MC|KDA_RT_MOE_WS=1 KDA_RT_MOE_MC=1 KDA_RT_MOE_L2_SPLIT=0|moe_grouped_gemm_ws" \
          "WS + L2_SPLIT|KDA_RT_MOE_WS=1 KDA_RT_MOE_MC=0 KDA_RT_MOE_L2_SPLIT=1|moe_grouped_gemm_ws" \
+         "WS + MC + L2_SPLIT|KDA_RT_MOE_WS=1 KDA_RT_MOE_MC=1 KDA_RT_MOE_L2_SPLIT=1|moe_grouped_gemm_ws" \
          "WS, L2 promotion 128|KDA_RT_MOE_WS=1 KDA_RT_MOE_MC=0 KDA_RT_TMA_L2_PROMOTION=128|moe_grouped_gemm_ws" \
          "WS, no L2 promotion|KDA_RT_MOE_WS=1 KDA_RT_MOE_MC=0 KDA_RT_TMA_L2_PROMOTION=none|moe_grouped_gemm_ws"; do
   IFS='|' read -r name switches k <<< "$v"

@@ -135,10 +135,12 @@ def test_probe_on_the_gpu():
         assert 0 < t[: len(groups)].sum() < len(groups)
 
 
-def l2_split_claims(tile_expert, nfb, parts, rng):
-    """moe_gemm_wg.cu L2_SPLIT's claims, step for step (thread 0 of each CTA's producer; `parts`: each CTA's
-    partition), the CTAs' atomics interleaved at random: [(cta, item)] in claim order, and the counters at the end."""
-    ntiles, items = len(tile_expert), len(tile_expert) * nfb
+def l2_split_claims(tile_expert, nfb, parts, rng, pairs=False):
+    """moe_gemm_wg.cu L2_SPLIT's claims, step for step (thread 0 of each CTA's producer, or with `pairs` (MC) of each
+    cluster's rank 0, whose items are pairs of tiles; `parts`: each claimer's partition), the atomics interleaved at
+    random: [(claimer, item)] in claim order, the counters at the end, and the tile where the halves meet."""
+    ntiles = len(tile_expert)
+    items = (ntiles + 1) // 2 * nfb if pairs else ntiles * nfb
     mid = split = ntiles // 2
     for d in range(17) if 0 < mid < ntiles else ():  # (L2_SCAN = 16)
         if mid - d > 0 and tile_expert[mid - d] != tile_expert[mid - d - 1]:
@@ -147,10 +149,11 @@ def l2_split_claims(tile_expert, nfb, parts, rng):
         if mid + d < ntiles and tile_expert[mid + d] != tile_expert[mid + d - 1]:
             split = mid + d
             break
+    cut = (split // 2 if pairs else split) * nfb
     claim = [0, 0, 0, 0]
     state = []
     for part in parts:
-        own = (split * nfb, items, 0, split * nfb, 2, 0) if part else (0, split * nfb, split * nfb, items, 0, 2)
+        own = (cut, items, 0, cut, 2, 0) if part else (0, cut, cut, items, 0, 2)
         state.append({"own_lo": own[0], "own_hi": own[1], "oth_lo": own[2], "oth_hi": own[3], "own": own[4],
                       "oth": own[5], "stolen": False, "done": False})
     got = []
@@ -177,8 +180,9 @@ def l2_split_claims(tile_expert, nfb, parts, rng):
     return got, claim, split
 
 
+@pytest.mark.parametrize("pairs", [False, True], ids=["tiles", "mc-pairs"])
 @pytest.mark.parametrize("seed", range(6))
-def test_l2_split_claims_every_item_once(seed):
+def test_l2_split_claims_every_item_once(seed, pairs):
     """The split claims (as moe_gemm_wg.cu L2_SPLIT takes them): every item exactly once across the CTAs, each CTA's
     own half first, the halves cut at the expert boundary nearest the middle tile (the middle itself with one
     expert), the counters back at 0 when the last CTA is done; plans with 0, 1 and many tiles, one expert, and more
@@ -187,14 +191,16 @@ def test_l2_split_claims_every_item_once(seed):
     ntiles = [0, 1, 2, 37, 150, 64][seed]
     tile_expert = np.sort(rng.integers(0, 1 if seed == 5 else 40, ntiles))
     parts = (rng.random(int(rng.integers(1, 40))) < (0.8 if seed == 4 else 0.5)).astype(int)
-    got, claim, split = l2_split_claims(tile_expert, 8, parts, rng)
-    assert sorted(w for _, w in got) == list(range(ntiles * 8)) and claim == [0, 0, 0, 0]
+    got, claim, split = l2_split_claims(tile_expert, 8, parts, rng, pairs)
+    n_items = (ntiles + 1) // 2 * 8 if pairs else ntiles * 8
+    assert sorted(w for _, w in got) == list(range(n_items)) and claim == [0, 0, 0, 0]
     bounds = [t for t in range(1, ntiles) if tile_expert[t] != tile_expert[t - 1]]  # every expert boundary
     if bounds and min(abs(t - ntiles // 2) for t in bounds) <= 16:  # the nearest one within the scan
         assert abs(split - ntiles // 2) == min(abs(t - ntiles // 2) for t in bounds) and split in bounds, split
     else:
         assert split == ntiles // 2
+    cut = (split // 2 if pairs else split) * 8
     for c in range(len(parts)):  # a CTA takes its own half's items before any of the other's
-        halves = [int(w >= split * 8) for cc, w in got if cc == c]
+        halves = [int(w >= cut) for cc, w in got if cc == c]
         first_other = next((i for i, h in enumerate(halves) if h != parts[c]), len(halves))
         assert all(h != parts[c] for h in halves[first_other:]), (c, halves)

@@ -847,9 +847,9 @@ def test_ws_launch_arguments_and_grid(monkeypatch):
         name, kw, grid, block, args, smem = run(fuse)
         assert name == "moe_grouped_gemm_ws" and kw.get("L2_SPLIT") == 1 and "MC" not in kw
         assert args[10:] == (("b_map", "claim", "table") if fuse else ("b_map", "claim", "table", "a_map")), args
-    monkeypatch.setenv("KDA_RT_MOE_MC", "1")  # MC's pairs claim their own way: no split
+    monkeypatch.setenv("KDA_RT_MOE_MC", "1")  # MC's pair items split the same way
     name, kw, grid, block, args, smem = run(True)
-    assert kw.get("MC") == 1 and "L2_SPLIT" not in kw and args[10:] == ("b_map", "claim")
+    assert kw.get("MC") == 1 and kw.get("L2_SPLIT") == 1 and args[10:] == ("b_map", "claim", "table")
     monkeypatch.setenv("KDA_RT_MOE_MC", "0")
     monkeypatch.setattr(l2, "sm_partition", lambda dev: None)  # SMs not in two groups: the WS build without it
     name, kw, grid, block, args, smem = run(False)

@@ -134,9 +134,9 @@ def _claim_counter(stream):
 
 def l2_table(device_id: int | None = None):
     """The SM partition table the WS kernel's L2_SPLIT build reads (KDA_RT_MOE_L2_SPLIT=1: items claimed by L2
-    partition), measured once a device (ops/l2_partition.py); None where the switch does not apply: off, with
-    KDA_RT_MOE_MC (the pairs claim their own way), or SMs that did not split in two groups."""
-    if not env.moe_l2_split() or env.moe_multicast():
+    partition, MC's pair items too), measured once a device (ops/l2_partition.py); None where the switch does not
+    apply: off, or SMs that did not split in two groups."""
+    if not env.moe_l2_split():
         return None
     from kda_rt.cuda.ops.l2_partition import sm_partition
 
@@ -178,7 +178,7 @@ def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3
         tma = {"WS": 1, "B_TMA": 1, **({"A_TMA": 1} if not fuse_silu and src_map is not False else {})}
         if multicast:  # (absent when off: the WS module's key unchanged)
             tma["MC"] = 1
-        elif l2_split or (l2_split is None and l2_table() is not None):
+        if l2_split or (l2_split is None and l2_table() is not None):
             tma["L2_SPLIT"] = 1
         return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_ws", max_dynamic_smem=ws_smem(tile, fuse_silu), K=K,
                           NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn,
