@@ -852,11 +852,10 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
 #endif
         int it = 0;  // k steps over the CTA's items: stage it mod STAGES, its fill it / STAGES
 #if L2_SPLIT
-        // this SM's partition's items [own_lo, own_hi), counted in own_ctr; the other's [oth_lo, oth_hi) in oth_ctr
-        // (partition q's items are claim[2q]'s; thread 0's values only)
-        int own_lo = 0, own_hi = 0, oth_lo = 0, oth_hi = 0;
-        int *own_ctr = claim, *oth_ctr = claim + 2;
-        bool stolen = false;  // own half done: claiming the other's
+        // partition 0's items [0, cut), partition 1's [cut, items), counted in claim[0] / claim[2]; `second`: this
+        // SM's partition is 1 (thread 0's values only)
+        int cut = 0;
+        bool second = false, stolen = false;  // stolen: own half done, claiming the other's
         if (p == 0) {
             unsigned smid;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -875,24 +874,23 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     break;
                 }
             }
-            const int cut = (MC ? split / 2 : split) * NFB;  // (MC: items are pairs of tiles)
-            const bool second = sm_part[smid & (L2_PART_SMS - 1)] & 1;
-            own_lo = second ? cut : 0;
-            own_hi = second ? items : cut;
-            oth_lo = second ? 0 : cut;
-            oth_hi = second ? cut : items;
-            if (second) own_ctr = claim + 2, oth_ctr = claim;
+            cut = (MC ? split / 2 : split) * NFB;  // (MC: items are pairs of tiles)
+            second = sm_part[smid & (L2_PART_SMS - 1)] & 1;
         }
+        auto claim_half = [&](bool q) {  // the next item of partition q's half, or -1 once it is done
+            const int w = (q ? cut : 0) + atomicAdd(claim + 2 * q, 1);
+            return w < (q ? items : cut) ? w : -1;
+        };
         auto claim_item = [&]() {
             if (!stolen) {
-                const int w = own_lo + atomicAdd(own_ctr, 1);
-                if (w < own_hi) return w;
+                const int w = claim_half(second);
+                if (w >= 0) return w;
                 stolen = true;
             }
-            const int w = oth_lo + atomicAdd(oth_ctr, 1);
-            return w < oth_hi ? w : items;
+            const int w = claim_half(!second);
+            return w >= 0 ? w : items;
         };
-#elif !MC
+#else
         auto claim_item = [&]() { return atomicAdd(claim, 1); };
 #endif
         for (int n = 0;; ++n) {
@@ -902,11 +900,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 const int slot = n & 1;
                 if (rank == 0) {
                     if (n >= 2) mbar_wait_cluster(taken0 + 8 * slot, ((n >> 1) - 1) & 1);  // rank 1 read its last claim
-#if L2_SPLIT
                     w_claim = claim_item();
-#else
-                    w_claim = atomicAdd(claim, 1);
-#endif
                     asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(peer_shared(smem_addr(&pair_slot[slot]), 1)),
                                  "r"(w_claim) : "memory");
                     mbar_arrive_cluster(peer_shared(ready0 + 8 * slot, 1));
