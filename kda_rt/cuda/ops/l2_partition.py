@@ -26,6 +26,7 @@ N_LINES = 512  # lines each SM reads (l2_probe.cu PROBE_MAX_LINES at most)
 STRIDE_WORDS = 33 * 128 // 4  # 33 lines (4224 bytes) from one line to the next: a new 4 KB page each, 2.1 MB in all
 MIN_GAP = 1.15  # the slow mode at least (MIN_GAP - 1) x a fast read above the fast one (else no partitions seen)
 MIN_AGREE, MAX_CROSS = 0.85, 0.65  # an SM's slow-line pattern against its group's / the other group's
+MAX_ASTRAY = 1 / 16  # the share of SMs that may agree with neither group (the first probed, polluted)
 _CACHE: dict[int, object] = {}
 _LOCK = threading.Lock()
 
@@ -51,6 +52,12 @@ def probe_latencies(device_id: int, n_lines: int = N_LINES) -> np.ndarray:
         out = cupy.full((n_ids, n_lines), -1, dtype=np.int64)
         seen = cupy.zeros(n_ids, dtype=np.int32)
         args = (lines, np.int32(n_lines), np.int32(STRIDE_WORDS))
+        # one probe thrown away first: the first probed SM found a quarter of the lines slow that its group found fast
+        # (H200, 2026-12-03: the lines' zero fill left copies the first touch did not drop)
+        touch((1,), (256,), args)
+        probe((8 * n_sm,), (32,), (*args, np.int32(0), out[0], seen[0:], np.uint32(0)))
+        out.fill(-1)
+        seen.fill(0)
         for s in range(n_ids):
             touch((1,), (256,), args)
             # 8 one-warp CTAs an SM: every SM gets some; the first on SM s measures, the rest return at once
@@ -80,8 +87,8 @@ def group_sms(lat: np.ndarray) -> np.ndarray | None:
     or None when the SMs do not fall in two clean groups: each SM's reads are taken relative to its own fast ones
     (its 10th percentile), and they must be bimodal (the slow mode at least (MIN_GAP - 1) x a fast read above it;
     each SM's slow lines are those above the cut between its own two modes),
-    every SM's pattern of slow lines must agree with its group's on >= MIN_AGREE of the lines and with the other
-    group's on <= MAX_CROSS, and each group must hold at least a quarter of the SMs probed."""
+    every SM's pattern of slow lines but at most MAX_ASTRAY of them must agree with its group's on >= MIN_AGREE of the
+    lines and with the other group's on <= MAX_CROSS, and each group must hold at least a quarter of the SMs probed."""
     lat = np.asarray(lat)
     probed = (lat > 0).all(axis=1)
     if probed.sum() < 4:
@@ -101,15 +108,17 @@ def group_sms(lat: np.ndarray) -> np.ndarray | None:
             cut[r] = (f + sl) / 2
     slow_bits = L > cut[:, None]  # [SMs probed, lines]
     agree = (slow_bits[:, None, :] == slow_bits[None, :, :]).mean(axis=2)
-    b = int(np.argmin(agree[0]))  # the SM least like the first: the other group's seed
-    member = agree[:, b] > agree[:, 0]  # in b's group
-    if b == 0 or not (len(L) // 4 <= member.sum() <= len(L) - len(L) // 4):
+    a = int(np.argmax(np.median(agree, axis=1)))  # a typical SM (not one astray): one group's seed
+    b = int(np.argmin(agree[a]))  # the SM least like it: the other group's seed
+    member = agree[:, b] > agree[:, a]  # in b's group
+    if not (len(L) // 4 <= member.sum() <= len(L) - len(L) // 4):
         return None
     pattern = [slow_bits[member == g].mean(axis=0) > 0.5 for g in (False, True)]  # each group's slow lines
     own = np.where(member, (slow_bits == pattern[1]).mean(axis=1), (slow_bits == pattern[0]).mean(axis=1))
     other = np.where(member, (slow_bits == pattern[0]).mean(axis=1), (slow_bits == pattern[1]).mean(axis=1))
-    if own.min() < MIN_AGREE or other.max() > MAX_CROSS:
-        return None
+    astray = (own < MIN_AGREE) | (other > MAX_CROSS)
+    if astray.sum() > len(L) * MAX_ASTRAY:  # (a few astray SMs join the group they are closer to: a table entry
+        return None                        # only steers which work an SM claims first, never the result)
     groups = np.full(len(lat), -1, dtype=np.int32)
     groups[probed] = member.astype(np.int32)
     return groups
