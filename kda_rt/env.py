@@ -157,15 +157,6 @@ def down_gemv() -> bool:
     return _on_off("KDA_RT_DOWN_GEMV")
 
 
-def e4m3_convert(default: int) -> int:
-    """KDA_RT_E4M3_CONVERT: how moe_gemm_tc.cu turns e4m3 expert weights into bf16 fragments (the fused batch 2-64
-    decode kernel and the tiled GEMMs; ops/moe_gemm_tc.py E4M3_CONVERT is the default): 0 bit moves, 1 the conversion
-    unit, 2 / 3 half / a quarter of the pairs by bit moves and the rest by the conversion unit (kernels_cu/e4m3.cuh);
-    every way exact, the same bits.  A bench switch (2026-12-03: the mixes prepared against the F2FP pipe's rate).
-    Read when a kernel is chosen."""
-    return _non_negative_int("KDA_RT_E4M3_CONVERT", default, high=3)
-
-
 def down_warps(default: int) -> int:
     """KDA_RT_DOWN_WARPS: warps per CTA of moe_gemv_down (one CTA an SM); default by weight format
     (ops/moe_gemv.down_shape).  Read at each MoE call (a CUDA graph keeps what it captured)."""

@@ -32,8 +32,7 @@ __device__ __forceinline__ unsigned short e4m3x2_codes(float a, float b) {
     return pair;
 }
 
-// the codes in bits 0-7 (the first, to the low half) and 8-15 of `pair` (CVT 0: bit moves; any other: the conversion
-// unit)
+// the codes in bits 0-7 (the first, to the low half) and 8-15 of `pair`
 template <int CVT>
 __device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned pair) {
     if constexpr (CVT) {
@@ -51,20 +50,4 @@ __device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned pair) {
         asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(b) : "r"(two120), "r"(neg_zero));
         return b;
     }
-}
-
-// CVT = 2 and 3 (moe_gemm_tc.cu's fragments): both ways in one k step, so that neither pipe binds alone.  The conversion
-// unit's path costs two F2FP a pair (cvt e4m3x2 -> f16x2, cvt f32 x 2 -> bf16x2) and F2FP issues at 16 lanes a clock
-// an SM: at 8 pairs a k16 step and warp that caps the fused decode kernel at ~3.6 TB/s of e4m3 bytes (the batch 32-64
-// rate measured, H200 2026-12-02); the bit moves cost ~5 ALU / FMA instructions a pair and no F2FP.  Pair `hi` (0:
-// bits 0-15, 1: bits 16-31) of the q-th 32-bit piece of a step: CVT 2 moves the bits of every high pair (half the
-// pairs), CVT 3 of the high pairs of odd pieces (a quarter); the rest go through the conversion unit.  Every way is
-// exact, so the products are the same bits whatever the mix.
-__device__ __forceinline__ constexpr int e4m3_pair_way(int cvt, int q, int hi) {
-    return cvt <= 1 ? cvt : cvt == 2 ? !hi : !(hi && (q & 1));
-}
-template <int CVT>
-__device__ __forceinline__ unsigned e4m3x2_to_bf16x2_mixed(unsigned pair, int q, int hi) {
-    // (q and hi are constants after unrolling: one way is compiled)
-    return e4m3_pair_way(CVT, q, hi) ? e4m3x2_to_bf16x2<1>(pair) : e4m3x2_to_bf16x2<0>(pair);
 }

@@ -96,7 +96,7 @@
 #define WFMT 0
 #endif
 #ifndef E4M3_CVT
-#define E4M3_CVT 0  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT; 2 and 3 mix the ways: e4m3.cuh)
+#define E4M3_CVT 0  // (the launcher passes ops/moe_gemm_tc.py E4M3_CONVERT, 1)
 #endif
 #if WFMT == 1
 typedef unsigned char wtype;  // e4m3 bits
@@ -174,8 +174,8 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
         ldmatrix_x4(r, tb + (b_tile_row<SILU>(wn, t + (lane >> 3)) + (lane & 7)) * LDW + kk * 16);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            bfr[t + q][0] = e4m3x2_to_bf16x2_mixed<E4M3_CVT>(r[q] & 0xFFFFu, q, 0);
-            bfr[t + q][1] = e4m3x2_to_bf16x2_mixed<E4M3_CVT>(r[q] >> 16, q, 1);
+            bfr[t + q][0] = e4m3x2_to_bf16x2<E4M3_CVT>(r[q] & 0xFFFFu);
+            bfr[t + q][1] = e4m3x2_to_bf16x2<E4M3_CVT>(r[q] >> 16);
         }
     }
 }

@@ -458,12 +458,12 @@ FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
 }
 
 
-@pytest.mark.parametrize("convert", [0, 1, 2, 3], ids=["bits", "cvt", "half-bits", "quarter-bits"])
+@pytest.mark.parametrize("convert", [0, 1], ids=["bits", "cvt"])
 @pytest.mark.parametrize("name", list(FUSED_E4M3))
 def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     """moe_decode_fused with e4m3 w13 and w2: bit for bit the two e4m3 moe_gemm_tc launches on the same plan and tile,
-    and every touched expert (E = 16) or a sample (E = 256) against NumPy on the dequantized weights; every way of
-    converting the codes (E4M3_CONVERT: bit moves, the conversion unit, and the two mixes of both)."""
+    and every touched expert (E = 16) or a sample (E = 256) against NumPy on the dequantized weights; both
+    conversions of the codes (E4M3_CONVERT)."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16

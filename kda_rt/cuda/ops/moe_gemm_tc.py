@@ -146,7 +146,7 @@ def fused_e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> Ti
 
 def weight_format(e4m3: bool) -> dict[str, int]:
     """The build defines of a weight format (both grouped-GEMM kernels): e4m3 with the launcher's conversion."""
-    return {"WFMT": 1, "E4M3_CVT": env.e4m3_convert(E4M3_CONVERT)} if e4m3 else {}
+    return {"WFMT": 1, "E4M3_CVT": E4M3_CONVERT} if e4m3 else {}
 
 
 def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False):
