@@ -499,16 +499,6 @@ def tma_l2_promotion() -> str:
     return value
 
 
-def moe_l2_split() -> bool:
-    """KDA_RT_MOE_L2_SPLIT: 1 makes the warp-specialized MoE prefill GEMMs (KDA_RT_MOE_WS, with or without
-    KDA_RT_MOE_MC) claim their items by L2 partition: the tiles cut in two halves at an expert boundary, each half claimed first by
-    the CTAs on one partition's SMs (measured once a device by ops/l2_partition.py; where the measurement does not
-    split the SMs in two clean groups the GEMMs claim as without the switch), so that an expert's weights cross the
-    fabric between the partitions once (kernels_cu/moe_gemm_wg.cu L2_SPLIT: the same bits); default 0 (prepared
-    2026-12-03, not yet run on a GPU).  Read when the kernel variant is chosen."""
-    return _on_off("KDA_RT_MOE_L2_SPLIT", "0")
-
-
 def moe_half_skip() -> bool:
     """KDA_RT_MOE_HALF_SKIP: 0 makes a warpgroup of the prefill MoE GEMMs on wgmma whose 64 rows all lie past its
     tile's end multiply zeros instead of skipping its products (kernels_cu/moe_gemm_wg.cu HALF_SKIP); default 1.

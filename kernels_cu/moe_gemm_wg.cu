@@ -219,25 +219,6 @@
 #if WS && (!B_TMA || WFMT == 1)
 #error "moe_gemm_wg.cu: WS is built on B_TMA (bf16 weights, or e4m3 weights with e4m3 sources)"
 #endif
-// L2_SPLIT = 1 (with WS, and MC too; prepared 2026-12-03, not yet run on a GPU): the items are claimed by L2 partition.
-// Under ncu (T = 16384, bf16 gate/up) the busiest L2 unit is the fabric between the two L2 partitions (75-80% of its
-// cycles, above the crossbar to the SMs, 68-71%): every partition keeps copies of the far partition's lines that its
-// SMs read, and a weight block that SMs of both partitions read crosses it either way.  So the tiles are cut in two
-// halves at the expert boundary nearest the middle, each half claimed from its own counter by the CTAs on one
-// partition's SMs (sm_part[%smid]: 0 or 1, measured at start by kernels_cu/l2_probe.cu, ops/l2_partition.py) and
-// then, once it is done, by the other partition's CTAs too: an expert's weights and its tiles' rows are read by one
-// partition's SMs while both halves last.  With MC the items are pair items (tiles 2q, 2q + 1), the halves cut at an
-// even tile, and rank 0 claims for its cluster as before (a cluster's two SMs sit in one GPC, so by one partition:
-// MC relieves the crossbar to the SMs, the split the fabric).  Only the order in which items are taken changes:
-// bit-identical.
-#ifndef L2_SPLIT
-#define L2_SPLIT 0
-#endif
-#if L2_SPLIT && !WS
-#error "moe_gemm_wg.cu: L2_SPLIT is built on WS"
-#endif
-#define L2_PART_SMS 1024  // sm_part's length (a power of two above every %smid)
-#define L2_SCAN 16  // tiles looked at either way of the middle for an expert boundary
 
 #if !defined(K) || !defined(NOUT) || !defined(BN) || !defined(STAGES) || !defined(FUSE_SILU) || !defined(TOPK) || \
     !defined(STAGED_OUT)
@@ -780,9 +761,6 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     const int* __restrict__ expert_off, const int* __restrict__ num_tiles, void* __restrict__ dst,
                     const float* __restrict__ scale, const float* __restrict__ src_scale, const void* __restrict__ b_map,
                     int* __restrict__ claim
-#if L2_SPLIT
-                    , const int* __restrict__ sm_part
-#endif
 #if A_TMA
                     , const void* __restrict__ a_map
 #endif
@@ -851,48 +829,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
         const int prow = p >> 3, pch = p & 7;  // the warpgroup copies piece pch of rows prow + 16i, i < WS_PASSES
 #endif
         int it = 0;  // k steps over the CTA's items: stage it mod STAGES, its fill it / STAGES
-#if L2_SPLIT
-        // partition 0's items [0, cut), partition 1's [cut, items), counted in claim[0] / claim[2]; `second`: this
-        // SM's partition is 1 (thread 0's values only)
-        int cut = 0;
-        bool second = false, stolen = false;  // stolen: own half done, claiming the other's
-        if (p == 0) {
-            unsigned smid;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-            const int ntiles = num_tiles[0];
-            // the halves meet at the expert boundary nearest the middle tile, looked for up to L2_SCAN tiles either
-            // way (past that, or with one expert, the middle: that expert's weights are read from both halves)
-            const int mid = ntiles / 2;
-            int split = mid;
-            for (int d = 0; d <= L2_SCAN && mid > 0 && mid < ntiles; ++d) {
-                if (mid - d > 0 && tile_expert[mid - d] != tile_expert[mid - d - 1]) {
-                    split = mid - d;
-                    break;
-                }
-                if (mid + d < ntiles && tile_expert[mid + d] != tile_expert[mid + d - 1]) {
-                    split = mid + d;
-                    break;
-                }
-            }
-            cut = (MC ? split / 2 : split) * NFB;  // (MC: items are pairs of tiles)
-            second = sm_part[smid & (L2_PART_SMS - 1)] & 1;
-        }
-        auto claim_half = [&](bool q) {  // the next item of partition q's half, or -1 once it is done
-            const int w = (q ? cut : 0) + atomicAdd(claim + 2 * q, 1);
-            return w < (q ? items : cut) ? w : -1;
-        };
-        auto claim_item = [&]() {
-            if (!stolen) {
-                const int w = claim_half(second);
-                if (w >= 0) return w;
-                stolen = true;
-            }
-            const int w = claim_half(!second);
-            return w >= 0 ? w : items;
-        };
-#else
         auto claim_item = [&]() { return atomicAdd(claim, 1); };
-#endif
         for (int n = 0;; ++n) {
 #if MC
             int w_claim = 0;
@@ -998,9 +935,6 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                     __threadfence();  // (the others' claims, ordered before their counts, before the reset)
                     claim[0] = 0;
                     claim[1] = 0;
-#if L2_SPLIT
-                    claim[2] = 0;
-#endif
                 }
             }
         }

@@ -303,10 +303,8 @@ def bench_define(T, wts, spec: str, rounds: int = 5):
 
 def bench_ws(T, wts, rounds: int = 5, q=None):
     """The launcher's GEMMs in their plain form (KDA_RT_MOE_WS=0) against the persistent, warp-specialized one (=1,
-    moe_gemm_wg.cu WS), that one in clusters with the weight rows multicast (mc: KDA_RT_MOE_MC=1) and that one
-    claiming its items by L2 partition (split: KDA_RT_MOE_L2_SPLIT=1, the SMs' partitions measured first; where they
-    do not split in two groups it runs as WS and the line says so), and both (mc-split), interleaved over `rounds`
-    rounds: medians, useful TFLOP/s (the routed rows), and whether the outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
+    moe_gemm_wg.cu WS) and that one in clusters with the weight rows multicast (mc: KDA_RT_MOE_MC=1), interleaved over
+    `rounds` rounds: medians, useful TFLOP/s (the routed rows), and whether the outputs are bit-identical.  q = (q13, s13, q2, s2) (`--e4m3 --w8a8`): on e4m3 sources and weights (the sources
     quantized once, untimed)."""
     import os
 
@@ -330,15 +328,11 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
         q13, s13, q2, s2 = q
         gemms = [(name, src, wq, sc, out, silu, flop) for (name, src, _, _, out, silu, flop), wq, sc
                  in zip(gemms, (q13, q2), (s13, s2), strict=True)]
-    old = {k: os.environ.get(k) for k in ("KDA_RT_MOE_WS", "KDA_RT_MOE_MC", "KDA_RT_MOE_L2_SPLIT")}
-    from kda_rt.cuda.ops.l2_partition import sm_partition
-
-    split_note = "" if sm_partition(cupy.cuda.Device().id) is not None else " (no L2 partitions found: WS+SPLIT is WS)"
+    old = {k: os.environ.get(k) for k in ("KDA_RT_MOE_WS", "KDA_RT_MOE_MC")}
 
     def switch(v):
         os.environ["KDA_RT_MOE_WS"] = "0" if v == "0" else "1"
-        os.environ["KDA_RT_MOE_MC"] = "1" if v in ("mc", "mc-split") else "0"
-        os.environ["KDA_RT_MOE_L2_SPLIT"] = "1" if v in ("split", "mc-split") else "0"
+        os.environ["KDA_RT_MOE_MC"] = "1" if v == "mc" else "0"
 
     try:
         for name, src, w, sc, out, silu, flop in gemms:
@@ -349,7 +343,7 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
                 quantize_activations_e4m3(src, out=srcq, scale_out=srcs)
                 src, kw = srcq, dict(scale=sc, src_scale=srcs)
             run = partial(moe_gemm_wg, src, w, plan, top_k=A, fuse_silu=silu, out=out, **kw)
-            outs, times = {}, {v: [] for v in ("0", "1", "mc", "split", "mc-split")}
+            outs, times = {}, {v: [] for v in ("0", "1", "mc")}
             for v in times:
                 switch(v)
                 out.fill(0)
@@ -362,9 +356,8 @@ def bench_ws(T, wts, rounds: int = 5, q=None):
                     times[v].append(median_ms(run))
             base = float(np.median(times["0"]))
             print(f"T={T} {name}{' w8a8' if q is not None else ''}: " + "  ".join(
-                f"{({'mc': 'WS+MC', 'split': 'WS+SPLIT', 'mc-split': 'WS+MC+SPLIT'}).get(v, 'WS=' + v)} {np.median(ts):.3f} ms "
-                f"{flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
-                for v, ts in times.items()) + f"  bit-identical: {same}{split_note}", flush=True)
+                f"{'WS+MC' if v == 'mc' else 'WS=' + v} {np.median(ts):.3f} ms {flop / np.median(ts) / 1e9:.0f} TFLOP/s ({np.median(ts) / base - 1:+.1%})"
+                for v, ts in times.items()) + f"  bit-identical: {same}", flush=True)
     finally:
         for k, v in old.items():
             if v is None:
@@ -453,8 +446,8 @@ def main():
     ap.add_argument("--define", default="", help="NAME=v1,v2,...: the wgmma kernel built with each value, interleaved")
     ap.add_argument("--e4m3", action="store_true", help="the wgmma kernel with bf16 against e4m3 weights, interleaved")
     ap.add_argument("--w8a8", action="store_true", help="with --e4m3: e4m3 sources too (moe_gemm_wg.cu WFMT = 2)")
-    ap.add_argument("--ws", action="store_true", help="the launcher's GEMMs plain, warp-specialized (KDA_RT_MOE_WS), "
-                    "multicast (KDA_RT_MOE_MC) and split by L2 partition (KDA_RT_MOE_L2_SPLIT), interleaved (with --e4m3 --w8a8: on e4m3 sources and weights)")
+    ap.add_argument("--ws", action="store_true", help="the launcher's GEMMs plain, warp-specialized (KDA_RT_MOE_WS) "
+                    "and multicast (KDA_RT_MOE_MC), interleaved (with --e4m3 --w8a8: on e4m3 sources and weights)")
     args = ap.parse_args()
     if args.define and (unused := unused_defines("moe_gemm_wg.cu", [args.define.split("=")[0]])):
         ap.error(f"--define: moe_gemm_wg.cu does not read {unused[0]}")

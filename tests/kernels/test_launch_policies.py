@@ -775,7 +775,7 @@ def test_ws_launch_arguments_and_grid(monkeypatch):
 
     import kda_rt.cuda.ops.moe_gemm_wg as wg_ops
 
-    for name in ("KDA_RT_MOE_B_TMA", "KDA_RT_MOE_A_TMA", "KDA_RT_MOE_MC", "KDA_RT_MOE_WS", "KDA_RT_MOE_L2_SPLIT"):
+    for name in ("KDA_RT_MOE_B_TMA", "KDA_RT_MOE_A_TMA", "KDA_RT_MOE_MC", "KDA_RT_MOE_WS"):
         monkeypatch.delenv(name, raising=False)
     launches = []
 
@@ -839,31 +839,12 @@ def test_ws_launch_arguments_and_grid(monkeypatch):
     monkeypatch.setenv("KDA_RT_MOE_MC", "0")
     wg_ops.moe_gemm_wg(x1, w13, plan, top_k=A, fuse_silu=True, out=h1)
     assert launches[-1][2] == (min(132, 8 * wg_ops.max_tiles(8, E, 128)),)
-    import kda_rt.cuda.ops.l2_partition as l2
-
-    monkeypatch.setenv("KDA_RT_MOE_L2_SPLIT", "1")  # a measured table: L2_SPLIT, the table after the counters
-    monkeypatch.setattr(l2, "sm_partition", lambda dev: "table")
-    for fuse in (True, False):
-        name, kw, grid, block, args, smem = run(fuse)
-        assert name == "moe_grouped_gemm_ws" and kw.get("L2_SPLIT") == 1 and "MC" not in kw
-        assert args[10:] == (("b_map", "claim", "table") if fuse else ("b_map", "claim", "table", "a_map")), args
-    monkeypatch.setenv("KDA_RT_MOE_MC", "1")  # MC's pair items split the same way
-    name, kw, grid, block, args, smem = run(True)
-    assert kw.get("MC") == 1 and kw.get("L2_SPLIT") == 1 and args[10:] == ("b_map", "claim", "table")
-    monkeypatch.setenv("KDA_RT_MOE_MC", "0")
-    monkeypatch.setattr(l2, "sm_partition", lambda dev: None)  # SMs not in two groups: the WS build without it
-    name, kw, grid, block, args, smem = run(False)
-    assert "L2_SPLIT" not in kw and args[10:] == ("b_map", "claim", "a_map")
-    monkeypatch.setenv("KDA_RT_MOE_WS", "0")  # the plain kernel never measures
-    monkeypatch.setattr(l2, "sm_partition", lambda dev: pytest.fail("measured for the plain kernel"))
-    name, kw, grid, block, args, smem = run(True)
-    assert name == "moe_grouped_gemm_wg" and len(args) == 10
 
 
-def test_ws_claim_counters_one_set_a_stream(monkeypatch):
-    """The WS kernel's claim counters (moe_gemm_wg._claim_counter): one zeroed set of four for each (device, stream),
-    the same set again for the same stream, and for CUDA's per-thread default stream (one handle, a different stream
-    in each host thread) one set for each host thread."""
+def test_ws_claim_counters_one_pair_a_stream(monkeypatch):
+    """The WS kernel's claim counters (moe_gemm_wg._claim_counter): one zeroed pair for each (device, stream), the same
+    pair again for the same stream, and for CUDA's per-thread default stream (one handle, a different stream in each
+    host thread) one pair for each host thread."""
     import sys
     import threading
     import types
@@ -888,7 +869,7 @@ def test_ws_claim_counters_one_set_a_stream(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(wg_ops, "_claims", {})
     a, b = wg_ops._claim_counter(Stream(7)), wg_ops._claim_counter(None)
-    assert a is b and a.dtype == np.int32 and a.shape == (4,) and not a.any()
+    assert a is b and a.dtype == np.int32 and a.shape == (2,) and not a.any()
     assert wg_ops._claim_counter(Stream(8)) is not a
     here = wg_ops._claim_counter(Stream(2))
     other = []

@@ -17,7 +17,6 @@ Letters: T tokens, A active experts per token, E experts, N = T·A rows, D hidde
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
@@ -285,9 +284,7 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     warp-specialized form: a producer warpgroup, mbarrier-released stages, one CTA an SM walking many items at T8192,
     most CTAs with none at T1, K of fewer steps than stages at E16), and with it KDA_RT_MOE_MC=1 (clusters of two CTAs
     on an expert's two tiles, the weight rows multicast; pairs across two experts and a last tile alone in its pair
-    on the odd plans), or with KDA_RT_MOE_L2_SPLIT=1 (items claimed by L2 partition from two counters, here with SMs
-    parted by %smid parity; a partition whose half is done takes the other's), also with MC (pair items split)
-    against the cp.async kernel on one plan: h and y bit
+    on the odd plans) against the cp.async kernel on one plan: h and y bit
     for bit (the same values land in the same swizzled places, summed in the same order), with bf16 weights and with e4m3 weights and sources
     (w8a8-*), both tile widths, both epilogues, a 1-token plan, a skewed one and 3-step K (E16); the down GEMM's source
     (h, or its codes) is the first rows of a larger buffer whose other rows are NaN, as a workspace's are (A_TMA's map
@@ -318,13 +315,8 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
     built = []
     real_get = wg_ops.get_kernel
     monkeypatch.setattr(wg_ops, "get_kernel", lambda *a, **kw: built.append(
-        (kw.get("FUSE_SILU"), kw.get("B_TMA", 0), kw.get("A_TMA", 0), kw.get("WS", 0), kw.get("MC", 0),
-         kw.get("L2_SPLIT", 0))) or real_get(*a, **kw))
-    # L2_SPLIT's partition table: SMs by %smid parity, whatever the chip's partitions are (ops/l2_partition.py
-    # measures those; the split's bits must not depend on the table)
-    table = cupy.asarray(np.arange(1024, dtype=np.int32) & 1)
-    monkeypatch.setattr(wg_ops, "l2_table", lambda device_id=None: table if os.environ.get(
-        "KDA_RT_MOE_L2_SPLIT") == "1" else None)
+        (kw.get("FUSE_SILU"), kw.get("B_TMA", 0), kw.get("A_TMA", 0), kw.get("WS", 0), kw.get("MC", 0)))
+        or real_get(*a, **kw))
 
     def gemm(src, fuse_silu, out):
         if not w8a8:
@@ -337,13 +329,11 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
                            tile=WgTile(*tile), scale=s13 if fuse_silu else s2, src_scale=sc)
 
     outs = {}
-    # cp.async, B_TMA, B_TMA + A_TMA, WS (its own B_TMA and A_TMA), WS + MC, WS claiming by L2 partition, both
-    for v in ("0", "1", "a", "ws", "mc", "split", "mc-split"):
+    for v in ("0", "1", "a", "ws", "mc"):  # cp.async, B_TMA, B_TMA + A_TMA, WS (its own B_TMA and A_TMA), WS + MC
         monkeypatch.setenv("KDA_RT_MOE_B_TMA", "1" if v in ("1", "a") else "0")
         monkeypatch.setenv("KDA_RT_MOE_A_TMA", "1" if v == "a" else "0")
-        monkeypatch.setenv("KDA_RT_MOE_WS", "1" if v in ("ws", "mc", "split", "mc-split") else "0")
-        monkeypatch.setenv("KDA_RT_MOE_MC", "1" if v in ("mc", "mc-split") else "0")
-        monkeypatch.setenv("KDA_RT_MOE_L2_SPLIT", "1" if v in ("split", "mc-split") else "0")
+        monkeypatch.setenv("KDA_RT_MOE_WS", "1" if v in ("ws", "mc") else "0")
+        monkeypatch.setenv("KDA_RT_MOE_MC", "1" if v == "mc" else "0")
         built.clear()
         h_buf, y = cupy.empty((T * A + 256, inter), dtype=x.dtype), cupy.empty((T * A, D), dtype=x.dtype)
         poison(h_buf)  # (rows past N stay NaN)
@@ -352,12 +342,11 @@ def test_moe_gemm_wg_b_tma(name, big_weights, big_e4m3, monkeypatch):
         poison_shared_memory()  # no run may pass on the stages the one before left
         gemm(x, True, h)
         gemm(h, False, y)
-        ws, mc, sp = int(v in ("ws", "mc", "split", "mc-split")), int("mc" in v), int("split" in v)
-        a_down = int(v == "a" or ws)  # (h's allocation holds a 128-row box: >= 256 rows)
-        assert sorted(set(built)) == [(0, int(v != "0"), a_down, ws, mc, sp), (1, int(v != "0"), 0, ws, mc, sp)], (
-            v, built)
+        a_down, ws, mc = int(v in ("a", "ws", "mc")), int(v in ("ws", "mc")), int(v == "mc")  # (h's allocation
+        # holds a 128-row box: >= 256 rows)
+        assert sorted(set(built)) == [(0, int(v != "0"), a_down, ws, mc), (1, int(v != "0"), 0, ws, mc)], (v, built)
         outs[v] = (cupy.asnumpy(h.view(np.uint16)), cupy.asnumpy(y.view(np.uint16)))
-    for v in ("1", "a", "ws", "mc", "split", "mc-split"):
+    for v in ("1", "a", "ws", "mc"):
         for a, b, what in zip(outs[v], outs["0"], ("h", "y"), strict=True):
             assert np.array_equal(a, b), f"{name} ({v}): {what} differs from the cp.async kernel's"
 

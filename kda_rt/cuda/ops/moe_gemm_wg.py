@@ -117,9 +117,8 @@ _PER_THREAD_STREAM = 2  # cudaStreamPerThread's handle
 
 
 def _claim_counter(stream):
-    """The WS kernel's item counters for launches on `stream` (zeroed once; every launch leaves them at 0): four ints
-    (items claimed, CTAs done claiming, L2_SPLIT's second partition's items claimed, unused) a stream, so launches
-    on different streams never share them, while launches on one stream run one at a time.
+    """The WS kernel's item counters for launches on `stream` (zeroed once; every launch leaves them at 0): one pair
+    a stream, so launches on different streams never share them, while launches on one stream run one at a time.
     CUDA's per-thread default stream has one handle for a different stream in each host thread: keyed by thread."""
     import cupy
 
@@ -128,23 +127,8 @@ def _claim_counter(stream):
     key = (cupy.cuda.Device().id, ptr, threading.get_ident() if ptr == _PER_THREAD_STREAM else 0)
     if key not in _claims:
         with s:
-            _claims[key] = cupy.zeros(4, dtype=np.int32)
+            _claims[key] = cupy.zeros(2, dtype=np.int32)
     return _claims[key]
-
-
-def l2_table(device_id: int | None = None):
-    """The SM partition table the WS kernel's L2_SPLIT build reads (KDA_RT_MOE_L2_SPLIT=1: items claimed by L2
-    partition, MC's pair items too), measured once a device (ops/l2_partition.py); None where the switch does not
-    apply: off, or SMs that did not split in two groups."""
-    if not env.moe_l2_split():
-        return None
-    from kda_rt.cuda.ops.l2_partition import sm_partition
-
-    if device_id is None:
-        import cupy
-
-        device_id = cupy.cuda.Device().id
-    return sm_partition(device_id)
 
 
 def ws_stages(tile: WgTile, fuse_silu: bool) -> int:
@@ -166,20 +150,17 @@ def ws_smem(tile: WgTile, fuse_silu: bool) -> int:
 
 
 def wg_kernel(tile: WgTile, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False,
-              e4m3_src: bool = False, src_map: bool | None = None, l2_split: bool | None = None):
+              e4m3_src: bool = False, src_map: bool | None = None):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start); e4m3_src: both
     operands e4m3 (WFMT = 2); src_map: the A_TMA build or not (None: as the switches say).  Where `ws` says so
     (KDA_RT_MOE_WS; unset: e4m3 sources) the persistent, warp-specialized form: B_TMA always, A_TMA for the down GEMM
-    unless src_map is False, MC with KDA_RT_MOE_MC=1, L2_SPLIT where l2_split says (None: where `l2_table` has a
-    table for the current device)."""
+    unless src_map is False, MC with KDA_RT_MOE_MC=1."""
     fmt = {"WFMT": 2} if e4m3_src else moe_gemm_tc.weight_format(e4m3)
     multicast = env.moe_multicast()  # (read, and a bad value refused, whichever form runs)
     if ws(e4m3, e4m3_src):
         tma = {"WS": 1, "B_TMA": 1, **({"A_TMA": 1} if not fuse_silu and src_map is not False else {})}
         if multicast:  # (absent when off: the WS module's key unchanged)
             tma["MC"] = 1
-        if l2_split or (l2_split is None and l2_table() is not None):
-            tma["L2_SPLIT"] = 1
         return get_kernel("moe_gemm_wg.cu", "moe_grouped_gemm_ws", max_dynamic_smem=ws_smem(tile, fuse_silu), K=K,
                           NOUT=nout, FUSE_SILU=int(fuse_silu), TOPK=top_k, BN=tile.bn,
                           STAGES=ws_stages(tile, fuse_silu), STAGED_OUT=int(tile.staged_out),
@@ -230,9 +211,7 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
     # A_TMA where its map fits: a box of 128 rows within what the source's allocation holds
     persistent = ws(e4m3, e4m3_src)
     src_map = ((persistent and not fuse_silu) or a_tma(fuse_silu, e4m3, e4m3_src)) and N > 0 and allocation_rows(src) >= BM
-    dev = int(src.device.id)
-    table = l2_table(dev) if persistent and N else None  # (L2_SPLIT: the SMs' partitions as a 13th argument)
-    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src, src_map, l2_split=table is not None)
+    kernel = wg_kernel(tile, K, nout, fuse_silu, top_k, e4m3, e4m3_src, src_map)
     grid = ((nout // 2 if fuse_silu else nout) // (tile.bn // 2 if fuse_silu else tile.bn), max_tiles(N, E, BM))
     null = np.uint64(0)
     if N:
@@ -242,11 +221,10 @@ def moe_gemm_wg(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
             args += (weight_map(weight, tile, "w13" if fuse_silu else "w2", stream),)
         if persistent:  # the WS kernel its item counters as a 12th
             args += (_claim_counter(stream),)
-        if table is not None:
-            args += (table,)
         if src_map:  # and A_TMA builds the source's as the last
             args += (source_map(src, stream),)
         if persistent:  # one CTA an SM (at most one a (tile, feature block) item) claims the items
+            dev = int(src.device.id)
             if env.moe_multicast():  # clusters of two CTAs claim pair items (two tiles, one feature block)
                 ctas = (2 * min(sm_count(dev) // 2, grid[0] * ((grid[1] + 1) // 2)),)
             else:
