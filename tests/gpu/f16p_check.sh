@@ -19,12 +19,12 @@ rc=$?
 tail -8 "$OUT/f16p_tests.txt"
 [ "$rc" -eq 0 ] || { grep -E "Error|assert" "$OUT/f16p_tests.txt" | head -20; echo "f16p_check.sh: tests failed"; exit 1; }
 echo "== the fp8 model against the oracle, f16 products ($SECONDS s)"
-KDA_RT_MOE_F16P=1 timeout 100 python -m pytest -q tests/gpu/test_cuda_model.py -k fp8 -p no:cacheprovider 2>&1 \
+KDA_RT_MOE_F16P=1 timeout 200 python -m pytest -q tests/gpu/test_cuda_model.py -k fp8 -p no:cacheprovider 2>&1 \
   | tail -4 | tee "$OUT/f16p_model_tests.txt"
 echo "== moe_decode_fused ($SECONDS s)"
-timeout 90 python tests/gpu/bench_moe_decode.py --e4m3 --tokens 8,32,64 2>&1 | tail -8 | tee "$OUT/f16p_bench.txt"
+timeout 150 python tests/gpu/bench_moe_decode.py --e4m3 --tokens 2,8,32,64 2>&1 | tail -8 | tee "$OUT/f16p_bench.txt"
 echo "== fp8 model decode ($SECONDS s)"
-timeout $((360 - SECONDS)) python tests/gpu/bench_ab.py --quantization fp8 --env KDA_RT_MOE_F16P --values 0,1 \
-  --rounds 2 --prompts 0 --replays 8,32 --decode 32:2048:64 2>/dev/null | grep -v upload | tail -3 \
+timeout $((580 - SECONDS)) python tests/gpu/bench_ab.py --quantization fp8 --env KDA_RT_MOE_F16P --values 0,1 \
+  --rounds 3 --prompts 0 --replays 8,32 --decode 32:2048:64 2>/dev/null | grep -v upload | tail -3 \
   | tee "$OUT/f16p_ab.txt"
 echo "done $SECONDS s"
