@@ -403,7 +403,12 @@ def test_moe_decode_fused(name, big_weights):
         w2 = rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
     tile = fused_decode_tile(T, D, inter)
     assert tile is not None and tile.bm == 16, f"{name}: no fused decode tile"
-    x_np = bf16_round(rng.normal(size=(T, D)))
+    x_np = rng.normal(size=(T, D))
+    if name.endswith("ranges"):
+        x_np[0] *= 2.0**40
+        x_np[1] *= 2.0**-40
+        x_np[2, ::7] *= 2.0**-20
+    x_np = bf16_round(x_np)
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
     N = T * A
@@ -444,15 +449,19 @@ FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
     "T40-D512-I384-E16-skewed-ctas2": (40, 512, 384, 16, 4, True, 2, False),
     "T5-D512-I384-E16-subnormal": (5, 512, 384, 16, 4, False, None, True),
     "T8-D512-I320-E16": (8, 512, 320, 16, 4, False, None, False),  # I % 128 != 0: fused_e4m3_tile falls back
+    # rows of x times 2^40 and 2^-40, and every 7th value of a row times 2^-20: the f16 products' row exponents
+    "T12-D512-I384-E16-ranges": (12, 512, 384, 16, 4, False, None, False),
 }
 
 
+@pytest.mark.parametrize("products", ["bf16", "f16"])
 @pytest.mark.parametrize("convert", [0, 1], ids=["bits", "cvt"])
 @pytest.mark.parametrize("name", list(FUSED_E4M3))
-def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
+def test_moe_decode_fused_e4m3(name, convert, products, monkeypatch):
     """moe_decode_fused with e4m3 w13 and w2: bit for bit the two e4m3 moe_gemm_tc launches on the same plan and tile,
     and every touched expert (E = 16) or a sample (E = 256) against NumPy on the dequantized weights; both
-    conversions of the codes (E4M3_CONVERT)."""
+    conversions of the codes (E4M3_CONVERT); with f16 products (KDA_RT_MOE_F16P, conversion unit only) also bit for
+    bit the bf16 products' outputs (every product exact either way, the row exponents exact)."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16
@@ -460,7 +469,10 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     from kda_rt.cuda.ops.check import BF16
 
     skip_without_e4m3()
+    if products == "f16" and convert == 0:
+        pytest.skip("f16 products take the conversion unit's codes (F16P needs E4M3_CVT = 1)")
     monkeypatch.setattr(mod, "E4M3_CONVERT", convert)
+    monkeypatch.setenv("KDA_RT_MOE_F16P", "1" if products == "f16" else "0")
     T, D, inter, E, A, skewed, ctas, subnormal = FUSED_E4M3[name]
     rng = np.random.default_rng(zlib.crc32(f"e4m3/{name}".encode()))
     crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
@@ -468,7 +480,12 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     q2, s2 = e4m3_stack(crng, rng, E, D, inter, subnormal)
     tile = mod.fused_e4m3_tile(mod.fused_decode_tile(T, D, inter), [(2 * inter, D, True), (D, inter, False)])
     assert tile is not None and tile.bm == 16, f"{name}: no e4m3 decode tile"
-    x_np = bf16_round(rng.normal(size=(T, D)))
+    x_np = rng.normal(size=(T, D))
+    if name.endswith("ranges"):
+        x_np[0] *= 2.0**40
+        x_np[1] *= 2.0**-40
+        x_np[2, ::7] *= 2.0**-20
+    x_np = bf16_round(x_np)
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
     N = T * A
@@ -484,8 +501,17 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     assert np.array_equal(bits(y), bits(y2)), f"{name}: y differs from the two-launch path"
     if subnormal:  # the outputs are not all zero (a conversion that flushed the subnormal codes would give zeros)
         assert float(cupy.abs(h.astype(np.float32)).max()) > 0, f"{name}: h is all zero"
-    check_experts(sample_experts(ids, E, rng), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A,
-                  f"{name}/{convert}")
+    if products == "f16":  # the same bits as the bf16 products (a fresh sync array: the kernel's counters)
+        monkeypatch.setenv("KDA_RT_MOE_F16P", "0")
+        plan3, sync3 = fused_plan(ids, E)
+        h3, y3 = cupy.empty_like(h), cupy.empty_like(y)
+        poison(h3), poison(y3)
+        mod.moe_decode_fused(x, q13, q2, plan3, top_k=A, h=h3, out=y3, sync=sync3, ctas=ctas, scale13=s13, scale2=s2)
+        assert np.array_equal(bits(h), bits(h3)), f"{name}: f16 products' h differs from the bf16 products'"
+        assert np.array_equal(bits(y), bits(y3)), f"{name}: f16 products' y differs from the bf16 products'"
+    if not name.endswith("ranges"):  # (the oracle's tolerance is relative to each expert's whole output)
+        check_experts(sample_experts(ids, E, rng), plan, x_np, Dequantized(q13, s13), Dequantized(q2, s2), h, y, A,
+                      f"{name}/{convert}/{products}")
 
 
 @pytest.fixture(scope="module")
