@@ -40,7 +40,7 @@
 // WFMT = 1: the weights in e4m3 (uint8 bits, [E, NOUT, K]) with one fp32 scale a weight row (scale [E, NOUT],
 // loader/quant.py), as moe_gemv.cu's WFMT = 1.  The B stages hold the e4m3 bytes (half the bf16 bytes: BK bytes a row,
 // rows LDW = BK + 16 bytes apart, so the 8 row addresses of one ldmatrix fall on distinct bank groups); the products
-// stay bf16 x bf16 on the tensor cores.  One ldmatrix.x4 gives a thread 4 consecutive e4m3 bytes of one weight row
+// stay bf16 x bf16 on the tensor cores (unless F16P, above).  One ldmatrix.x4 gives a thread 4 consecutive e4m3 bytes of one weight row
 // (k = 4c .. 4c + 3 of a k16 slice, c = lane mod 4) for each of 4 n-tiles; they become the bf16 pairs b0 = (4c, 4c + 1)
 // and b1 = (4c + 2, 4c + 3), which the mma reads as k slots (2c, 2c + 1) and (2c + 8, 2c + 9).  The A fragments are
 // loaded in the same k order (8-byte shared loads of k = 4c .. 4c + 3 instead of ldmatrix), so every product pairs the
@@ -109,15 +109,17 @@ typedef bf16 wtype;
 #error "moe_gemm_tc.cu: E4M3_CVT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
 #endif
 // F16P = 1 (with WFMT = 1 and E4M3_CVT = 1): products in f16 instead of bf16.  Each tile row of A (x or h) is
-// divided by a power of two 2^e chosen from the row's largest magnitude (|a| / 2^e < 2^15, so every bf16 value of
-// the row is an exact f16 value down to ~2^-30 of the row's largest), each thread converting the A pieces it
+// divided by a power of two 2^e chosen from the row's largest finite magnitude (|a| / 2^e < 2^16: every bf16 value
+// of the row is then at most 65280, finite in f16, and exact down to ~2^-32 of the row's largest), each thread
+// converting the A pieces it
 // copied once they have landed (before the step's barrier: no extra one); the weight codes become f16 pairs with
 // one cvt.rn.f16x2.e4m3x2 (the bf16 way takes that, two cvt.f32.f16 and a cvt.rn.bf16x2.f32); the mma is the f16
 // m16n8k16 and the epilogue multiplies each fp32 sum by 2^e before the row scale.  Every product is exact either
 // way and 2^e scales the fp32 sums exactly, so the outputs are those of the bf16 products (the tests compare bits),
-// unless a row holds values under ~2^-32 of its largest (they become f16 subnormals, rounded: a change below
-// 2^-32 of the row's largest term) or its largest is under 2^-111 (e stops at -126).  The row maxima: one pass over
-// the tile's valid A rows (from L2) after the prologue's copies are issued (NaN ignored, an infinite row: e = 0).
+// unless a row holds values under ~2^-32 of its largest (they become f16 subnormals, rounded, or zero: a change
+// below 2^-32 of the row's largest term, which the tensor cores' alignment mostly drops anyway) or its largest is
+// under 2^-110 (e stops at -126).  Infinities and NaN stay what they are (the maxima skip them).  The row maxima:
+// one pass over the tile's valid A rows (from L2) after the prologue's copies are issued.
 #ifndef F16P
 #define F16P 0
 #endif
@@ -318,8 +320,8 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
         cp_async_commit();
     }
 #if F16P
-    // each valid A row's exponent e (|a| / 2^e < 2^15), while the prologue's copies fly: warp w takes rows w,
-    // w + WARPS, ..., its lanes 16-byte pieces of the row from L2 (h rows are other CTAs' stores)
+    // each valid A row's exponent e (|a| / 2^e < 2^16 for its finite values), while the prologue's copies fly: warp
+    // w takes rows w, w + WARPS, ..., its lanes 16-byte pieces of the row from L2 (h rows are other CTAs' stores)
     __shared__ int row_exp[BM];
     for (int rl = warp; rl < BM; rl += THREADS / 32) {
         float m = 0.f;
@@ -330,31 +332,41 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
                 const uint4 v = __ldcg(row + c);
                 const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-                for (int i = 0; i < 4; ++i)  // (fmaxf drops a NaN: such a row keeps its other values' exponent)
-                    m = fmaxf(m, fmaxf(__uint_as_float((w[i] << 16) & 0x7FFF0000u),
-                                       __uint_as_float(w[i] & 0x7FFF0000u)));
+                for (int i = 0; i < 4; ++i) {  // |a| of both halves; infinities and NaN (exponent 0xFF) count as 0
+                    const unsigned lo = (w[i] << 16) & 0x7FFF0000u, hi = w[i] & 0x7FFF0000u;
+                    m = fmaxf(m, fmaxf(__uint_as_float(lo < 0x7F800000u ? lo : 0u),
+                                       __uint_as_float(hi < 0x7F800000u ? hi : 0u)));
+                }
             }
         }
         m = warp_max(m);
         if (lane == 0) {
-            int e = 0;  // (0 for an all-zero or infinite row: the conversion keeps zeros and infinities)
-            if (m > 0.f && m <= 3.402823466e38f) {
+            int e = 0;  // (0 for a row of zeros, infinities and NaN only)
+            if (m > 0.f) {
                 int E;
                 frexpf(m, &E);  // m < 2^E
-                e = max(E - 15, -126);
+                e = max(E - 16, -126);
             }
             row_exp[rl] = e;
         }
     }
     __syncthreads();
-    // this thread's A pieces of stage `stage` in f16, once its own copies of the stage have landed
+    float a_inv[A_PASSES];  // 2^-e of the rows this thread copies
+#pragma unroll
+    for (int i = 0; i < A_PASSES; ++i) a_inv[i] = lrow + i * RPP < nrows ? pow2f(-row_exp[lrow + i * RPP]) : 0.f;
+    // this thread's A pieces of stage `stage` in f16, once its own copies of the stage have landed (the shared
+    // load and store are volatile asm with a memory clobber: they stay after the cp.async wait before them)
     auto convert_a = [&](int stage) {
 #pragma unroll
         for (int i = 0; i < A_PASSES; ++i) {
-            const int rl = lrow + i * RPP;
-            if (rl < nrows) {
-                uint4* p = reinterpret_cast<uint4*>(a_dst + stage * BM * LDS + i * RPP * LDS);
-                *p = bf16x8_to_f16x8(*p, pow2f(-row_exp[rl]));
+            if (lrow + i * RPP < nrows) {
+                const unsigned p = smem_addr(a_dst + stage * BM * LDS + i * RPP * LDS);
+                uint4 v;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                             : "r"(p) : "memory");
+                v = bf16x8_to_f16x8(v, a_inv[i]);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                             : "memory");
             }
         }
     };

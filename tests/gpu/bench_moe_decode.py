@@ -227,7 +227,7 @@ def bench_e4m3(tokens, tiles=(), rounds: int = 8):
         n = np.mean(touched) * per_expert
         line = [f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts"]
         base = None
-        default = mod.E4M3_CONVERT
+        default, f16p = mod.E4M3_CONVERT, os.environ.get("KDA_RT_MOE_F16P")
         try:
             with pdl.capturing(True):
                 for label, tile, e4m3, convert in variants:
@@ -239,7 +239,10 @@ def bench_e4m3(tokens, tiles=(), rounds: int = 8):
                     line.append(f"{label} {us:7.1f} us {mb / us:5.2f} TB/s ({us / base:.3f}x)")
         finally:
             mod.E4M3_CONVERT = default
-            os.environ.pop("KDA_RT_MOE_F16P", None)
+            if f16p is None:
+                os.environ.pop("KDA_RT_MOE_F16P", None)
+            else:
+                os.environ["KDA_RT_MOE_F16P"] = f16p
         print(" | ".join(line), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
 

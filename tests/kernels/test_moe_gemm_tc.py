@@ -102,18 +102,21 @@ SMALL = {  # name: (T, D, I, E, A, bm) -- odd T, tiny E; D384-I192 takes the BN 
 }
 
 
-@pytest.mark.parametrize("weights", ["bf16", "e4m3"])
+@pytest.mark.parametrize("weights", ["bf16", "e4m3", "e4m3-f16"])
 @pytest.mark.parametrize("name", list(SMALL))
-def test_moe_gemm_tc_small(name, weights):
+def test_moe_gemm_tc_small(name, weights, monkeypatch):
     """Every expert against NumPy; e4m3: the weights as e4m3 codes with a scale a row (moe_gemm_tc.cu WFMT = 1, the
-    launcher's e4m3 tile), the reference on the dequantized weights."""
+    launcher's e4m3 tile), the reference on the dequantized weights; e4m3-f16: the same with f16 products
+    (KDA_RT_MOE_F16P: the 16-, 64- and 128-row tiles, several warps down the rows), also bit for bit the bf16
+    products' outputs on the same plan."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops.moe_gemm_tc import moe_gemm_tc
 
-    if weights == "e4m3":
+    if weights != "bf16":
         skip_without_e4m3()
+    monkeypatch.setenv("KDA_RT_MOE_F16P", "1" if weights == "e4m3-f16" else "0")
     T, D, inter, E, A, bm = SMALL[name]
     rng = np.random.default_rng(zlib.crc32(name.encode() if weights == "bf16" else f"e4m3-tc/{name}".encode()))
     crng = cupy.random.default_rng(int(rng.integers(1 << 30)))
@@ -133,6 +136,15 @@ def test_moe_gemm_tc_small(name, weights):
     ids = make_ids(T, E, A, "skewed" in name, rng)
     plan, h, y = run_tc(x, w13, w2, ids, E, bm, gemm=gemm)
     check_experts(range(E), plan, x_np, ref13, ref2, h, y, A, f"{name}/{weights}")
+    if weights == "e4m3-f16":  # the bf16 products on the same plan: the same bits
+        monkeypatch.setenv("KDA_RT_MOE_F16P", "0")
+        h2, y2 = cupy.empty_like(h), cupy.empty_like(y)
+        poison(h2), poison(y2)
+        gemm(x, w13, plan, top_k=A, fuse_silu=True, out=h2)
+        gemm(h2, w2, plan, top_k=A, fuse_silu=False, out=y2)
+        for a, b, what in ((h, h2, "h"), (y, y2, "y")):
+            assert np.array_equal(cupy.asnumpy(a).view(np.uint16), cupy.asnumpy(b).view(np.uint16)), \
+                f"{name}: f16 products' {what} differs from the bf16 products'"
 
 
 @pytest.fixture(scope="module")
@@ -444,7 +456,8 @@ FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
     "T40-D512-I384-E16-skewed-ctas2": (40, 512, 384, 16, 4, True, 2, False),
     "T5-D512-I384-E16-subnormal": (5, 512, 384, 16, 4, False, None, True),
     "T8-D512-I320-E16": (8, 512, 320, 16, 4, False, None, False),  # I % 128 != 0: fused_e4m3_tile falls back
-    # rows of x times 2^40 and 2^-40, and every 7th value of a row times 2^-20: the f16 products' row exponents
+    # rows of x times 2^40, 2^-40 and 2^50, every 7th value of a row times 2^-20, a row of zeros: the f16 products'
+    # row exponents
     "T12-D512-I384-E16-ranges": (12, 512, 384, 16, 4, False, None, False),
 }
 
@@ -480,6 +493,8 @@ def test_moe_decode_fused_e4m3(name, convert, products, monkeypatch):
         x_np[0] *= 2.0**40
         x_np[1] *= 2.0**-40
         x_np[2, ::7] *= 2.0**-20
+        x_np[3] = 0.0
+        x_np[4] *= 2.0**50
     x_np = bf16_round(x_np)
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
