@@ -160,7 +160,8 @@ def down_gemv() -> bool:
 def moe_f16p() -> bool:
     """KDA_RT_MOE_F16P: 1 makes moe_gemm_tc.cu's e4m3-weight GEMMs (the fused batch 2-64 decode kernel, the tiled
     ones) multiply in f16 (kernels_cu/moe_gemm_tc.cu F16P: each A row scaled by a power of two into f16, the codes
-    converted with one instruction a pair instead of four; the same output bits); default 0 (prepared 2026-12-03).
+    converted with one instruction a pair instead of four; the same output bits but for values under ~2^-32 of
+    their row's largest); default 0 (prepared 2026-12-03, not yet timed).
     Read when a kernel variant is chosen (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_MOE_F16P", "0")
 

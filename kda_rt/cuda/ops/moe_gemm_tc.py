@@ -151,7 +151,8 @@ def weight_format(e4m3: bool) -> dict[str, int]:
 
 def products(e4m3: bool) -> dict[str, int]:
     """moe_gemm_tc.cu's product format for e4m3 weights: F16P = 1 (KDA_RT_MOE_F16P) multiplies f16 codes by the
-    A rows scaled into f16 (one conversion a pair of codes instead of four; the same output bits), else bf16."""
+    A rows scaled into f16 (one conversion a pair of codes instead of four; the same output bits but for values
+    under ~2^-32 of their row's largest), else bf16."""
     return {"F16P": 1} if e4m3 and E4M3_CONVERT == 1 and env.moe_f16p() else {}
 
 
