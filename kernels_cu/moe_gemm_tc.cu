@@ -40,8 +40,8 @@
 // WFMT = 1: the weights in e4m3 (uint8 bits, [E, NOUT, K]) with one fp32 scale a weight row (scale [E, NOUT],
 // loader/quant.py), as moe_gemv.cu's WFMT = 1.  The B stages hold the e4m3 bytes (half the bf16 bytes: BK bytes a row,
 // rows LDW = BK + 16 bytes apart, so the 8 row addresses of one ldmatrix fall on distinct bank groups); the products
-// stay bf16 x bf16 on the tensor cores (unless F16P, above).  One ldmatrix.x4 gives a thread 4 consecutive e4m3 bytes of one weight row
-// (k = 4c .. 4c + 3 of a k16 slice, c = lane mod 4) for each of 4 n-tiles; they become the bf16 pairs b0 = (4c, 4c + 1)
+// stay bf16 x bf16 on the tensor cores (unless F16P, below).  One ldmatrix.x4 gives a thread 4 consecutive e4m3
+// bytes of one weight row (k = 4c .. 4c + 3 of a k16 slice, c = lane mod 4) for each of 4 n-tiles; they become the bf16 pairs b0 = (4c, 4c + 1)
 // and b1 = (4c + 2, 4c + 3), which the mma reads as k slots (2c, 2c + 1) and (2c + 8, 2c + 9).  The A fragments are
 // loaded in the same k order (8-byte shared loads of k = 4c .. 4c + 3 instead of ldmatrix), so every product pairs the
 // same k: the sum is over the same terms, in the tensor core's order.  The codes become bf16 exactly (e4m3.cuh, the
@@ -111,10 +111,10 @@ typedef bf16 wtype;
 // F16P = 1 (with WFMT = 1 and E4M3_CVT = 1): products in f16 instead of bf16.  Each tile row of A (x or h) is
 // divided by a power of two 2^e chosen from the row's largest finite magnitude (|a| / 2^e < 2^16: every bf16 value
 // of the row is then at most 65280, finite in f16, and exact down to ~2^-32 of the row's largest), each thread
-// converting the A pieces it
-// copied once they have landed (before the step's barrier: no extra one); the weight codes become f16 pairs with
-// one cvt.rn.f16x2.e4m3x2 (the bf16 way takes that, two cvt.f32.f16 and a cvt.rn.bf16x2.f32); the mma is the f16
-// m16n8k16 and the epilogue multiplies each fp32 sum by 2^e before the row scale.  Every product is exact either
+// converting the A pieces it copied once they have landed (before the step's barrier: no extra one); the weight
+// codes become f16 pairs with one cvt.rn.f16x2.e4m3x2 (the bf16 way takes that, two cvt.f32.f16 and a
+// cvt.rn.bf16x2.f32); the mma is the f16 m16n8k16 and the epilogue multiplies each fp32 sum by 2^e before the row
+// scale.  Every product is exact either
 // way and 2^e scales the fp32 sums exactly, so the outputs are those of the bf16 products (the tests compare bits),
 // unless a row holds values under ~2^-32 of its largest (they become f16 subnormals, rounded, or zero: a change
 // below 2^-32 of the row's largest term, which the tensor cores' alignment mostly drops anyway) or its largest is
