@@ -829,7 +829,6 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
         const int prow = p >> 3, pch = p & 7;  // the warpgroup copies piece pch of rows prow + 16i, i < WS_PASSES
 #endif
         int it = 0;  // k steps over the CTA's items: stage it mod STAGES, its fill it / STAGES
-        auto claim_item = [&]() { return atomicAdd(claim, 1); };
         for (int n = 0;; ++n) {
 #if MC
             int w_claim = 0;
@@ -837,7 +836,7 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
                 const int slot = n & 1;
                 if (rank == 0) {
                     if (n >= 2) mbar_wait_cluster(taken0 + 8 * slot, ((n >> 1) - 1) & 1);  // rank 1 read its last claim
-                    w_claim = claim_item();
+                    w_claim = atomicAdd(claim, 1);
                     asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(peer_shared(smem_addr(&pair_slot[slot]), 1)),
                                  "r"(w_claim) : "memory");
                     mbar_arrive_cluster(peer_shared(ready0 + 8 * slot, 1));
@@ -860,9 +859,9 @@ moe_grouped_gemm_ws(const atype* __restrict__ src, const int* __restrict__ sorte
             const int f0 = im.fb * (FUSE_SILU ? BN / 2 : BN);
 #else
 #if A_TMA
-            const int w = claim_item();
+            const int w = atomicAdd(claim, 1);
 #else
-            if (p == 0) claimed[n & 1] = claim_item();
+            if (p == 0) claimed[n & 1] = atomicAdd(claim, 1);
             producer_barrier();  // (the slot of parity n is rewritten after the next barrier: read by then)
             const int w = claimed[n & 1];
 #endif
