@@ -157,15 +157,6 @@ def down_gemv() -> bool:
     return _on_off("KDA_RT_DOWN_GEMV")
 
 
-def moe_f16p() -> bool:
-    """KDA_RT_MOE_F16P: 1 makes moe_gemm_tc.cu's e4m3-weight GEMMs (the fused batch 2-64 decode kernel, the tiled
-    ones) multiply in f16 (kernels_cu/moe_gemm_tc.cu F16P: each A row scaled by a power of two into f16, the codes
-    converted with one instruction a pair instead of four; the same output bits but for values under ~2^-32 of
-    their row's largest); default 0 (prepared 2026-12-03, not yet timed).
-    Read when a kernel variant is chosen (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MOE_F16P", "0")
-
-
 def down_warps(default: int) -> int:
     """KDA_RT_DOWN_WARPS: warps per CTA of moe_gemv_down (one CTA an SM); default by weight format
     (ops/moe_gemv.down_shape).  Read at each MoE call (a CUDA graph keeps what it captured)."""

@@ -40,8 +40,8 @@
 // WFMT = 1: the weights in e4m3 (uint8 bits, [E, NOUT, K]) with one fp32 scale a weight row (scale [E, NOUT],
 // loader/quant.py), as moe_gemv.cu's WFMT = 1.  The B stages hold the e4m3 bytes (half the bf16 bytes: BK bytes a row,
 // rows LDW = BK + 16 bytes apart, so the 8 row addresses of one ldmatrix fall on distinct bank groups); the products
-// stay bf16 x bf16 on the tensor cores (unless F16P, below).  One ldmatrix.x4 gives a thread 4 consecutive e4m3
-// bytes of one weight row (k = 4c .. 4c + 3 of a k16 slice, c = lane mod 4) for each of 4 n-tiles; they become the bf16 pairs b0 = (4c, 4c + 1)
+// stay bf16 x bf16 on the tensor cores.  One ldmatrix.x4 gives a thread 4 consecutive e4m3 bytes of one weight row
+// (k = 4c .. 4c + 3 of a k16 slice, c = lane mod 4) for each of 4 n-tiles; they become the bf16 pairs b0 = (4c, 4c + 1)
 // and b1 = (4c + 2, 4c + 3), which the mma reads as k slots (2c, 2c + 1) and (2c + 8, 2c + 9).  The A fragments are
 // loaded in the same k order (8-byte shared loads of k = 4c .. 4c + 3 instead of ldmatrix), so every product pairs the
 // same k: the sum is over the same terms, in the tensor core's order.  The codes become bf16 exactly (e4m3.cuh, the
@@ -108,24 +108,6 @@ typedef bf16 wtype;
 #if WFMT == 1 && E4M3_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 #error "moe_gemm_tc.cu: E4M3_CVT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
 #endif
-// F16P = 1 (with WFMT = 1 and E4M3_CVT = 1): products in f16 instead of bf16.  Each tile row of A (x or h) is
-// divided by a power of two 2^e chosen from the row's largest finite magnitude (|a| / 2^e < 2^16: every bf16 value
-// of the row is then at most 65280, finite in f16, and exact down to ~2^-32 of the row's largest), each thread
-// converting the A pieces it copied once they have landed (before the step's barrier: no extra one); the weight
-// codes become f16 pairs with one cvt.rn.f16x2.e4m3x2 (the bf16 way takes that, two cvt.f32.f16 and a
-// cvt.rn.bf16x2.f32); the mma is the f16 m16n8k16 and the epilogue multiplies each fp32 sum by 2^e before the row
-// scale.  Every product is exact either
-// way and 2^e scales the fp32 sums exactly, so the outputs are those of the bf16 products (the tests compare bits),
-// unless a row holds values under ~2^-32 of its largest (they become f16 subnormals, rounded, or zero: a change
-// below 2^-32 of the row's largest term, which the tensor cores' alignment mostly drops anyway) or its largest is
-// under 2^-110 (e stops at -126).  Infinities and NaN stay what they are (the maxima skip them).  The row maxima:
-// one pass over the tile's valid A rows (from L2) after the prologue's copies are issued.
-#ifndef F16P
-#define F16P 0
-#endif
-#if F16P && (WFMT != 1 || !E4M3_CVT)
-#error "moe_gemm_tc.cu: F16P = 1 needs WFMT = 1 and E4M3_CVT = 1"
-#endif
 
 #define THREADS (WARPS_M * WARPS_N * 32)
 #define WM (BM / WARPS_M)              // rows per warp
@@ -166,32 +148,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-#if F16P
-__device__ __forceinline__ void mma_16816_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// two e4m3 codes (bits 0-7 first) as an f16 pair, exactly
-__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
-    unsigned h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)pair));
-    return h;
-}
-// 2^e as a float (-126 <= e <= 127)
-__device__ __forceinline__ float pow2f(int e) { return __int_as_float((e + 127) << 23); }
-// the 8 bf16 values of v times 2^-e, as 8 f16 values (in place)
-__device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 v, float inv) {
-    unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float lo = __uint_as_float(w[i] << 16) * inv, hi = __uint_as_float(w[i] & 0xFFFF0000u) * inv;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(hi), "f"(lo));  // (lo to the low half)
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-#endif
-
 // Shared-memory B row of this warp's n-tile t (first of the pair t, t + 1 for ldmatrix x4)
 template <bool SILU>
 __device__ __forceinline__ int b_tile_row(int wn, int t) {
@@ -218,13 +174,8 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
         ldmatrix_x4(r, tb + (b_tile_row<SILU>(wn, t + (lane >> 3)) + (lane & 7)) * LDW + kk * 16);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-#if F16P
-            bfr[t + q][0] = e4m3x2_to_f16x2(r[q] & 0xFFFFu);
-            bfr[t + q][1] = e4m3x2_to_f16x2(r[q] >> 16);
-#else
             bfr[t + q][0] = e4m3x2_to_bf16x2<E4M3_CVT>(r[q] & 0xFFFFu);
             bfr[t + q][1] = e4m3x2_to_bf16x2<E4M3_CVT>(r[q] >> 16);
-#endif
         }
     }
 }
@@ -319,58 +270,6 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
             load_stage(s, s);
         cp_async_commit();
     }
-#if F16P
-    // each valid A row's exponent e (|a| / 2^e < 2^16 for its finite values), while the prologue's copies fly: warp
-    // w takes rows w, w + WARPS, ..., its lanes 16-byte pieces of the row from L2 (h rows are other CTAs' stores)
-    __shared__ int row_exp[BM];
-    for (int rl = warp; rl < BM; rl += THREADS / 32) {
-        float m = 0.f;
-        if (rl < nrows) {
-            const int sr = SILU ? __ldcg(sorted_pair + row0 + rl) / TOPK : row0 + rl;
-            const uint4* row = reinterpret_cast<const uint4*>(src + (size_t)sr * K_);
-            for (int c = lane; c < K_ / 8; c += 32) {
-                const uint4 v = __ldcg(row + c);
-                const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {  // |a| of both halves; infinities and NaN (exponent 0xFF) count as 0
-                    const unsigned lo = (w[i] << 16) & 0x7FFF0000u, hi = w[i] & 0x7FFF0000u;
-                    m = fmaxf(m, fmaxf(__uint_as_float(lo < 0x7F800000u ? lo : 0u),
-                                       __uint_as_float(hi < 0x7F800000u ? hi : 0u)));
-                }
-            }
-        }
-        m = warp_max(m);
-        if (lane == 0) {
-            int e = 0;  // (0 for a row of zeros, infinities and NaN only)
-            if (m > 0.f) {
-                int E;
-                frexpf(m, &E);  // m < 2^E
-                e = max(E - 16, -126);
-            }
-            row_exp[rl] = e;
-        }
-    }
-    __syncthreads();
-    float a_inv[A_PASSES];  // 2^-e of the rows this thread copies
-#pragma unroll
-    for (int i = 0; i < A_PASSES; ++i) a_inv[i] = lrow + i * RPP < nrows ? pow2f(-row_exp[lrow + i * RPP]) : 0.f;
-    // this thread's A pieces of stage `stage` in f16, once its own copies of the stage have landed (the shared
-    // load and store are volatile asm with a memory clobber: they stay after the cp.async wait before them)
-    auto convert_a = [&](int stage) {
-#pragma unroll
-        for (int i = 0; i < A_PASSES; ++i) {
-            if (lrow + i * RPP < nrows) {
-                const unsigned p = smem_addr(a_dst + stage * BM * LDS + i * RPP * LDS);
-                uint4 v;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                             : "r"(p) : "memory");
-                v = bf16x8_to_f16x8(v, a_inv[i]);
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                             : "memory");
-            }
-        }
-    };
-#endif
 
     float acc[MI][NI][4];
 #pragma unroll
@@ -381,9 +280,6 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies) ...
-#if F16P
-        convert_a(kt % STAGES);       // (its own pieces: visible to the others after the barrier)
-#endif
         __syncthreads();              // ... everyone's; and step kt - 1's stage is free to refill
         if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
@@ -398,12 +294,7 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                    for (int t = 0; t < NI; ++t)
-#if F16P
-                        mma_16816_f16(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
-#else
-                        mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
-#endif
+                    for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
             }
         }
     }
@@ -420,13 +311,6 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
             const int rl = wm * WM + mi * 16 + g + 8 * hrow;
             if (rl >= nrows) continue;
             const size_t r = (size_t)(row0 + rl);
-#if F16P
-            {  // the row's 2^e back into its sums (exact), before any rounding
-                const float p = pow2f(row_exp[rl]);
-#pragma unroll
-                for (int t = 0; t < NI; ++t) acc[mi][t][2 * hrow] *= p, acc[mi][t][2 * hrow + 1] *= p;
-            }
-#endif
             if (SILU) {
 #pragma unroll
                 for (int t = 0; t < NI / 2; ++t) {

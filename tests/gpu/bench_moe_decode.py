@@ -23,12 +23,11 @@ the gate/up launch alone each way.  h compared against the tiled kernel's (RMS r
 --e4m3: moe_decode_fused with bf16 weights against e4m3 weights (uint8 codes with a scale a row, moe_gemm_tc.cu
 WFMT = 1) in the same graph replays as --fused: e4m3 converted by bit moves (E4M3_CONVERT = 0) with the launcher's
 tile (twice the k step) and with the bf16 tile's k step, and by the conversion unit (1, the launcher's default) with
-the launcher's tile, and that tile with f16 products (KDA_RT_MOE_F16P); TB/s counted in each format's own bytes."""
+the launcher's tile; TB/s counted in each format's own bytes."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -216,10 +215,9 @@ def bench_e4m3(tokens, tiles=(), rounds: int = 8):
 
     for T, routing, cases, touched, x, h, y in _decode_cases(tokens, rounds, seed=2):
         tf = mod.fused_decode_tile(T, D, INTER)
-        launcher = mod.fused_e4m3_tile(tf, shapes)
         variants = [("bf16", tf, False, 0), ("e4m3 bits", mod.e4m3_tile(tf, shapes), True, 0),
                     (f"e4m3 bits bk{tf.bk}", tf, True, 0), ("e4m3 cvt", mod.e4m3_tile(tf, shapes), True, 1),
-                    ("e4m3 cvt launcher", launcher, True, 1), ("e4m3 f16 products", launcher, True, 2)]
+                    ("e4m3 cvt launcher", mod.fused_e4m3_tile(tf, shapes), True, 1)]
         if tiles:  # --tiles: the launcher's e4m3 tile against these (conversion unit), those both GEMMs take
             fit = [mod.TileConfig(*t) for t in tiles]
             fit = [t for t in fit if all(mod._fits(t, nout, k, silu, e4m3=True) for nout, k, silu in shapes)]
@@ -227,22 +225,17 @@ def bench_e4m3(tokens, tiles=(), rounds: int = 8):
         n = np.mean(touched) * per_expert
         line = [f"T={T:4d} {routing:12s} {np.mean(touched):6.1f} experts"]
         base = None
-        default, f16p = mod.E4M3_CONVERT, os.environ.get("KDA_RT_MOE_F16P")
+        default = mod.E4M3_CONVERT
         try:
             with pdl.capturing(True):
                 for label, tile, e4m3, convert in variants:
-                    mod.E4M3_CONVERT = min(convert, 1)  # (2: the conversion unit's codes in f16 products)
-                    os.environ["KDA_RT_MOE_F16P"] = "1" if convert == 2 else "0"
+                    mod.E4M3_CONVERT = convert
                     us = graph_us(partial(run, cases, x, h, y, tile, e4m3), calls=2) / rounds
                     base = base or us
                     mb = n * (1 if e4m3 else 2) / 1e6
                     line.append(f"{label} {us:7.1f} us {mb / us:5.2f} TB/s ({us / base:.3f}x)")
         finally:
             mod.E4M3_CONVERT = default
-            if f16p is None:
-                os.environ.pop("KDA_RT_MOE_F16P", None)
-            else:
-                os.environ["KDA_RT_MOE_F16P"] = f16p
         print(" | ".join(line), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
 

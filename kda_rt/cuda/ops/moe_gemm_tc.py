@@ -149,20 +149,12 @@ def weight_format(e4m3: bool) -> dict[str, int]:
     return {"WFMT": 1, "E4M3_CVT": E4M3_CONVERT} if e4m3 else {}
 
 
-def products(e4m3: bool) -> dict[str, int]:
-    """moe_gemm_tc.cu's product format for e4m3 weights: F16P = 1 (KDA_RT_MOE_F16P) multiplies f16 codes by the
-    A rows scaled into f16 (one conversion a pair of codes instead of four; the same output bits but for values
-    under ~2^-32 of their row's largest), else bf16."""
-    return {"F16P": 1} if e4m3 and E4M3_CONVERT == 1 and env.moe_f16p() else {}
-
-
 def tc_kernel(tile: TileConfig, K: int, nout: int, fuse_silu: bool, top_k: int, e4m3: bool = False):
     """The kernel variant of one grouped GEMM (built on first use; the runner builds them at start)."""
     early = {"EARLY_B": 1} if copies_weights_early(tile, fuse_silu) else {}
     return get_kernel("moe_gemm_tc.cu", "moe_grouped_gemm_tc", max_dynamic_smem=tile.smem(e4m3), K=K, NOUT=nout,
                       FUSE_SILU=fuse_silu, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early, **weight_format(e4m3),
-                      **products(e4m3))
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **early, **weight_format(e4m3))
 
 
 def check_scale(what: str, name: str, scale, weight) -> None:
@@ -247,8 +239,7 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
-                      **products(e4m3))
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
