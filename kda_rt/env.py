@@ -157,14 +157,6 @@ def down_gemv() -> bool:
     return _on_off("KDA_RT_DOWN_GEMV")
 
 
-def moe_chain() -> bool:
-    """KDA_RT_MOE_CHAIN: 0 builds moe_decode_fused without chaining its items (kernels_cu/moe_gemm_tc.cu CHAIN: each
-    CTA claims its next item two k steps before the current one ends and copies that item's first weight steps
-    during the current one's last step and epilogue); default 1.  An A/B switch: the outputs are the same bits
-    either way.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MOE_CHAIN")
-
-
 def down_warps(default: int) -> int:
     """KDA_RT_DOWN_WARPS: warps per CTA of moe_gemv_down (one CTA an SM); default by weight format
     (ops/moe_gemv.down_shape).  Read at each MoE call (a CUDA graph keeps what it captured)."""

@@ -199,67 +199,16 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 }
 #endif
 
-// The weight copies of one (expert e, feature block fb) item of a [E, NOUT_, K_] weight: step(stage, kt) copies k
-// step kt's BN rows into stage `stage` of sb (gate/up, SILU: the block's BN/2 gate rows, then the matching up rows
-// HALF_ rows further on).  Each thread its own 16-byte pieces; the caller commits.
-template <int K_, int NOUT_, bool SILU>
-struct WeightCopy {
-    static constexpr int HALF_ = NOUT_ / 2;
-    const wtype* b_src;
-    wtype* b_dst;
-    __device__ __forceinline__ WeightCopy(const wtype* __restrict__ weight, int e, int fb, wtype* sb) {
-        const int tid = threadIdx.x, f0 = SILU ? fb * (BN / 2) : fb * BN;
-#if WFMT == 1
-        // e4m3 rows: thread copies chunk (16 weights) tid mod CHW of rows tid / CHW + i·RPPW
-        const int wrow = tid / CHW, wch = tid % CHW;
-        b_src = weight + ((size_t)e * NOUT_ + f0 + wrow) * K_ + wch * 16;
-        b_dst = sb + wrow * LDW + wch * 16;
-#else
-        const int lrow = tid / CH, lch = tid % CH;
-        b_src = weight + ((size_t)e * NOUT_ + f0 + lrow) * K_ + lch * 8;
-        b_dst = sb + lrow * LDS + lch * 8;
-#endif
-    }
-    __device__ __forceinline__ void step(int stage, int kt) const {
-#if WFMT == 1
-#pragma unroll
-        for (int i = 0; i < B_PASSES_W; ++i) {
-            const int r = i * RPPW;  // a pass lies in one half of a gate/up stage ((BN / 2) % RPPW == 0)
-            const int off = SILU && r >= BN / 2 ? HALF_ - BN / 2 + r : r;
-            cp_async16(b_dst + stage * BN * LDW + r * LDW, b_src + (size_t)off * K_ + kt * BK, 16);
-        }
-#else
-#pragma unroll
-        for (int i = 0; i < B_PASSES; ++i)
-            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS,
-                       b_src + (size_t)b_pass_offset<SILU, HALF_>(i) * K_ + kt * BK, 16);
-#endif
-    }
-};
-
 // One CTA tile of one grouped GEMM (the body of both kernels below): bucketed rows [row0, row0 + nrows) of
 // expert e (nrows <= BM) times feature block fb of the expert's weight [NOUT_, K_] (gate/up: SILU, NOUT_ =
 // 2·HALF), into dst (WFMT = 1: each sum times its weight row's scale, scale [E, NOUT_]).  EARLY: the first STAGES - 1 weight steps are copied before before_a() returns (the
 // A rows, src, may be written by someone else until then); otherwise before_a is not called.  after_loop()
 // runs once every product is issued, before the epilogue.
-// Chaining (the fused decode kernel; the plain kernel passes NoChain, base 0 and pre false): k step kt lives in
-// stage (base + kt) mod STAGES; pre: steps 0 .. STAGES - 2's weights were copied (and committed) by the previous
-// item's look-ahead.  At step KT - 2 chain.claim() starts (its value, as late as the step's products allow, goes
-// to chain.publish); at step KT - 1, after its barrier, every stage but that step's is free:
-// chain.look_ahead(stage) may copy the next item's first STAGES - 1 weight steps into stages stage, stage + 1,
-// ... (mod STAGES), commit them and return true (the epilogue then waits for this item's copies, not those).
-struct NoChain {
-    __device__ __forceinline__ int claim() const { return 0; }
-    __device__ __forceinline__ void publish(int) const {}
-    __device__ __forceinline__ bool look_ahead(int) const { return false; }
-};
-
-template <int K_, int NOUT_, bool SILU, bool EARLY, typename BeforeA, typename AfterLoop, typename Chain = NoChain>
+template <int K_, int NOUT_, bool SILU, bool EARLY, typename BeforeA, typename AfterLoop>
 __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const int* __restrict__ sorted_pair,
                                           const wtype* __restrict__ weight, const float* __restrict__ scale, int e,
                                           int row0, int nrows, int fb, bf16* __restrict__ dst, bf16* sa, wtype* sb,
-                                          BeforeA before_a, AfterLoop after_loop, int base = 0, bool pre = false,
-                                          const Chain& chain = Chain()) {
+                                          BeforeA before_a, AfterLoop after_loop) {
     constexpr int KT = K_ / BK, HALF_ = NOUT_ / 2;
     static_assert(K_ % BK == 0 && KT >= STAGES - 1, "K must be a multiple of BK, with at least STAGES - 1 steps");
     static_assert(!SILU || (NI % 4 == 0 && (BN / 2) % RPP == 0 && HALF_ % (BN / 2) == 0),
@@ -272,14 +221,32 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
     // copy geometry: thread copies chunk lch of rows lrow + i·RPP
     const int lrow = tid / CH, lch = tid % CH;
     bf16* a_dst = sa + lrow * LDS + lch * 8;
-    const WeightCopy<K_, NOUT_, SILU> wcopy(weight, e, fb, sb);
-    auto load_b = [&](int stage, int kt) { wcopy.step(stage, kt); };
-    auto slot = [base](int kt) { return (base + kt) % STAGES; };
-    if (EARLY) {
-        if (!pre) {
+#if WFMT == 1
+    // e4m3 rows: thread copies chunk (16 weights) tid mod CHW of rows tid / CHW + i·RPPW
+    const int wrow = tid / CHW, wch = tid % CHW;
+    const wtype* b_src = weight + ((size_t)e * NOUT_ + f0 + wrow) * K_ + wch * 16;
+    wtype* b_dst = sb + wrow * LDW + wch * 16;
+    auto load_b = [&](int stage, int kt) {
 #pragma unroll
-            for (int s = 0; s < STAGES - 1; ++s) load_b(slot(s), s);  // (committed with stage 0's A rows below)
+        for (int i = 0; i < B_PASSES_W; ++i) {
+            const int r = i * RPPW;  // a pass lies in one half of a gate/up stage ((BN / 2) % RPPW == 0)
+            const int off = SILU && r >= BN / 2 ? HALF_ - BN / 2 + r : r;
+            cp_async16(b_dst + stage * BN * LDW + r * LDW, b_src + (size_t)off * K_ + kt * BK, 16);
         }
+    };
+#else
+    const bf16* b_src = weight + ((size_t)e * NOUT_ + f0 + lrow) * K_ + lch * 8;
+    bf16* b_dst = sb + lrow * LDS + lch * 8;
+    auto load_b = [&](int stage, int kt) {
+#pragma unroll
+        for (int i = 0; i < B_PASSES; ++i)
+            cp_async16(b_dst + stage * BN * LDS + i * RPP * LDS,
+                       b_src + (size_t)b_pass_offset<SILU, HALF_>(i) * K_ + kt * BK, 16);
+    };
+#endif
+    if (EARLY) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) load_b(s, s);  // (committed with stage 0's A rows below)
         before_a();
     }
     const bf16* a_src[A_PASSES];
@@ -297,10 +264,10 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (EARLY || pre)
-            load_a(slot(s), s);
+        if (EARLY)
+            load_a(s, s);
         else
-            load_stage(slot(s), s);
+            load_stage(s, s);
         cp_async_commit();
     }
 
@@ -311,17 +278,14 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
         for (int t = 0; t < NI; ++t) acc[mi][t][0] = acc[mi][t][1] = acc[mi][t][2] = acc[mi][t][3] = 0.f;
     const bool active = wm * WM < nrows;  // warp-uniform: rows of this warp exist
 
-    bool ahead = false;  // the next item's first weight steps copied (the newest group)
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies) ...
         __syncthreads();              // ... everyone's; and step kt - 1's stage is free to refill
-        if (kt + STAGES - 1 < KT) load_stage(slot(kt + STAGES - 1), kt + STAGES - 1);
+        if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-        const int claimed = kt == KT - 2 ? chain.claim() : 0;
-        if (kt == KT - 1) ahead = chain.look_ahead(slot(KT));  // (commits its own group, after this step's)
         if (active) {
-            const bf16* ta = sa + slot(kt) * BM * LDS;
-            const wtype* tb = sb + slot(kt) * BN * LDW;
+            const bf16* ta = sa + (kt % STAGES) * BM * LDS;
+            const wtype* tb = sb + (kt % STAGES) * BN * LDW;
             unsigned af[2][MI][4], bfr[2][NI][2];
             load_fragments<SILU>(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
 #pragma unroll
@@ -333,12 +297,8 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
                     for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
             }
         }
-        if (kt == KT - 2) chain.publish(claimed);
     }
-    if (ahead)
-        cp_async_wait<1>();  // every copy of this item has landed (the look-ahead's may still fly)
-    else
-        cp_async_wait<0>();
+    cp_async_wait<0>();
     after_loop();
 
     // epilogue: acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
@@ -432,12 +392,9 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 // that waits on nothing, so every wait ends whatever the grid and however many of its CTAs are resident (other
 // streams' or processes' kernels may hold SMs).  This replaces the two launches' tail and ramp (the gate/up
 // grid's last partial wave, the down grid's start) with one stream of items.
-// A CTA claims its next item two k steps before its current one ends (ItemChain): during the last step it copies
-// the next item's first weight steps into the stages already free, so its copies do not pause for the epilogue,
-// the claim and the next prologue.  Not earlier: a claim made at an item's start fixes who does what at time zero
-// (at batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left).  The
-// waits still end: a claimed item not yet started belongs to a CTA whose current item is earlier in the order, so
-// a gate/up item held so belongs to a CTA on a gate/up item, which waits on nothing.
+// A CTA claims its next item when its current one has issued its last products (its epilogue hides the
+// atomic's latency), not earlier: a claim made at an item's start fixes who does what at time zero (at
+// batch 1, CTAs holding a waiting down item took a second one while gate/up CTAs found nothing left).
 // Tried and not kept: CTA b starting with gate/up item b (consecutive blocks land on different SMs, so the
 // first wave spreads over the SMs like a plain grid's; claimed from the counter, some SMs draw three gate/up
 // streams and others one): batch 1 39.1 -> 36.7 us, but a down item could then wait on a gate/up item whose
@@ -450,11 +407,6 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 // 5.425 ms, 32 8.416 -> 8.160.
 // sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch; WFMT = 1: w13, w2
 // in e4m3 with scale13 [E, 2·INTER], scale2 [E, HIDDEN] (null for bf16).
-// CHAIN = 0: the form before ItemChain (each item's claim after its last products, no look-ahead): an A/B switch
-// (KDA_RT_MOE_CHAIN).
-#ifndef CHAIN
-#define CHAIN 1
-#endif
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
 
@@ -463,41 +415,6 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-
-// The fused kernel's chaining of items (gemm_tile): thread 0 claims the next item two k steps before the end of
-// the current one, and the next item's first weight steps are copied during the current one's last step and
-// epilogue (the weights are read-only: nothing to wait for), so an SM's copies do not pause between items.
-struct ItemChain {
-    int* next;  // the CTA's __shared__ next item
-    int* sync;
-    const int* __restrict__ tile_expert;
-    const wtype* __restrict__ w13;
-    const wtype* __restrict__ w2;
-    wtype* sb;
-    int n_gu, n_all;
-    __device__ __forceinline__ int claim() const { return threadIdx.x == 0 ? atomicAdd(sync, 1) : 0; }
-    __device__ __forceinline__ void publish(int item) const {
-        if (threadIdx.x == 0) *next = item;  // (read after the next barrier)
-    }
-    __device__ __forceinline__ bool look_ahead(int stage) const {
-        const int item = *next;
-        if (item >= n_all) return false;
-        const bool gate_up = item < n_gu;
-        const int j = gate_up ? item : item - n_gu, blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
-        const int tile = j / blocks, fb = j - tile * blocks, e = __ldcg(tile_expert + tile);
-        if (gate_up) {
-            const WeightCopy<HIDDEN, 2 * INTER, true> copy(w13, e, fb, sb);
-#pragma unroll
-            for (int s = 0; s < STAGES - 1; ++s) copy.step((stage + s) % STAGES, s);
-        } else {
-            const WeightCopy<INTER, HIDDEN, false> copy(w2, e, fb, sb);
-#pragma unroll
-            for (int s = 0; s < STAGES - 1; ++s) copy.step((stage + s) % STAGES, s);
-        }
-        cp_async_commit();
-        return true;
-    }
-};
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair, const wtype* __restrict__ w13,
@@ -515,19 +432,12 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
     const int n_gu = ntiles * GU_BLOCKS, n_all = n_gu + ntiles * DN_BLOCKS;
     if (threadIdx.x == 0) next_item = atomicAdd(sync, 1);
     __syncthreads();
-#if CHAIN
-    const ItemChain chain{&next_item, sync, tile_expert, w13, w2, sb, n_gu, n_all};
-#else
-    int* next = &next_item;  // (a __shared__ variable is not captured by reference)
-    const auto claim = [sync, next] {  // once every product of the item is issued (its epilogue hides the atomic)
-        if (threadIdx.x == 0) *next = atomicAdd(sync, 1);
-    };
-#endif
-    static_assert(INTER / BK >= 2 && HIDDEN / BK >= 2, "moe_decode_fused: each GEMM needs at least two k steps");
-    int base = 0;       // the stage of the item's first k step
-    bool first = true;  // (every later item's first weight steps were copied by its predecessor's look-ahead)
     for (int item = next_item; item < n_all; item = next_item) {
         __syncthreads();  // everyone has read next_item
+        int* next = &next_item;  // (a __shared__ variable is not captured by reference)
+        const auto claim = [sync, next] {
+            if (threadIdx.x == 0) *next = atomicAdd(sync, 1);
+        };
         const bool gate_up = item < n_gu;
         const int j = gate_up ? item : item - n_gu;
         const int blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
@@ -535,13 +445,8 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
         const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
         if (gate_up) {
-#if CHAIN
-            gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, scale13, e, row0, nrows, fb, h, sa, sb, [] {},
-                                                      [] {}, base, !first, chain);
-#else
             gemm_tile<HIDDEN, 2 * INTER, true, false>(x, sorted_pair, w13, scale13, e, row0, nrows, fb, h, sa, sb, [] {},
                                                       claim);
-#endif
             __syncthreads();  // every h store of the tile is issued ...
             if (threadIdx.x == 0) {
                 __threadfence();  // ... and visible GPU-wide before the count says so
@@ -549,20 +454,12 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             }
         } else {
             int* done = sync + 1 + tile;
-            const auto wait_h = [done] {
+            gemm_tile<INTER, HIDDEN, false, true>(h, sorted_pair, w2, scale2, e, row0, nrows, fb, y, sa, sb, [done] {
                 if (threadIdx.x == 0)
                     while (ld_acquire(done) < GU_BLOCKS) __nanosleep(100);
                 __syncthreads();  // the h rows are read with cp.async.cg (L2), after this
-            };
-#if CHAIN
-            gemm_tile<INTER, HIDDEN, false, true>(h, sorted_pair, w2, scale2, e, row0, nrows, fb, y, sa, sb, wait_h, [] {},
-                                                  base, !first, chain);
-#else
-            gemm_tile<INTER, HIDDEN, false, true>(h, sorted_pair, w2, scale2, e, row0, nrows, fb, y, sa, sb, wait_h, claim);
-#endif
+            }, claim);
         }
-        base = (base + (gate_up ? HIDDEN : INTER) / BK) % STAGES;
-        first = false;
         __syncthreads();  // next_item is written; the stages are free for the next item
     }
 }

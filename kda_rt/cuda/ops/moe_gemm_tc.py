@@ -239,8 +239,7 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
-                      **({} if env.moe_chain() else {"CHAIN": 0}))
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
@@ -272,8 +271,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
         tile = fused_decode_tile(N // top_k, K, inter)
         tile = fused_e4m3_tile(tile, [(two_i, K, True), (K, inter, False)]) if e4m3 and tile else tile
     if tile is None or plan.tile_rows != 16 or tile.bm != 16 or not (_fits(tile, two_i, K, True, e4m3) and
-                                                                     _fits(tile, K, inter, False, e4m3)) \
-            or min(K, inter) < 2 * tile.bk:  # (each item chains into the next from its last two k steps)
+                                                                     _fits(tile, K, inter, False, e4m3)):
         raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})"
                          f"{' with e4m3 weights' if e4m3 else ''}")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
