@@ -3,7 +3,8 @@
 # moe_decode_fused with bf16 weights and one with e4m3 weights (the launcher's tiles and conversion), batch T tokens
 # routed over ~T*8/3.7 experts (tests/gpu/bench_moe_decode.py's "concentrated" routing: 68 experts at T = 32).
 #   bash tests/gpu/ncu_moe_decode.sh [T]      (default 32; writes $OUT/ncu_moe_decode.ncu-rep and its details page)
-# Prints each launch's speed of light, warp states, scheduler, pipe utilization and memory headline rows.
+# Prints each launch's speed of light, warp states, scheduler, pipe utilization and memory headline rows; leaves every
+# metric ($OUT/ncu_moe_decode_raw.csv) and the SASS with its sampled stall reasons ($OUT/ncu_moe_decode_sass.csv).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
@@ -43,7 +44,11 @@ PY
 "$NCU" --clock-control none -k "regex:moe_decode_fused" --launch-skip 2 --launch-count 2 \
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
   --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section InstructionStats \
+  --section SourceCounters --section WarpStateStats \
   -f -o "$R" python /tmp/ncu_moe_decode_run.py "$T" 2>&1 | grep -v "^==PROF==" | tail -3
 "$NCU" --import "$R.ncu-rep" --page details --print-units base > "${R}_details.txt"
+# every metric (the sampled stall reasons: smsp__pcsamp_warps_issue_stalled_*) and the SASS with its samples
+"$NCU" --import "$R.ncu-rep" --page raw --csv --print-units base > "${R}_raw.csv"
+"$NCU" --import "$R.ncu-rep" --page source --csv --print-source sass > "${R}_sass.csv" 2>&1 || true
 grep -E "^  [a-z_]+|Duration|Throughput|Busy|Issue Slots|Eligible Warps|Active Warps Per|No Eligible|Stall|highest|Registers Per|Achieved Occupancy|Executed Ipc|Pipe" \
   "${R}_details.txt" | head -120
