@@ -157,6 +157,15 @@ def down_gemv() -> bool:
     return _on_off("KDA_RT_DOWN_GEMV")
 
 
+def moe_decode_ws() -> bool:
+    """KDA_RT_MOE_DECODE_WS: 1 builds moe_decode_fused (the batch 2-64 decode MoE kernel) with a producer warp that
+    copies the weight and activation rows of every k step by bulk copies into mbarrier-guarded stages, so that the
+    computing warps issue no copies and share no CTA-wide barrier a step (kernels_cu/moe_gemm_tc.cu DEC_WS; sm_90+,
+    elsewhere the plain form); default 0 (prepared 2026-12-03, not yet run).  The outputs are the same bits either
+    way.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_DECODE_WS", "0")
+
+
 def down_warps(default: int) -> int:
     """KDA_RT_DOWN_WARPS: warps per CTA of moe_gemv_down (one CTA an SM); default by weight format
     (ops/moe_gemv.down_shape).  Read at each MoE call (a CUDA graph keeps what it captured)."""

@@ -209,6 +209,10 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int c
 }
 // the generic proxy's earlier shared-memory accesses ordered before the async proxy's (bulk copies) that follow
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// one arrival of `count` on bar
+__device__ __forceinline__ void mbar_arrive(unsigned bar, unsigned count = 1) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     for (unsigned done = 0; !done;)
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"

@@ -199,6 +199,78 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 }
 #endif
 
+// The products of one stage into acc (this warp's rows wm, its features wn): ta, tb the stage's A and B tiles
+template <bool SILU>
+__device__ __forceinline__ void multiply_stage(float (&acc)[MI][NI][4], const bf16* ta, const wtype* tb, int wm, int wn,
+                                               int lane) {
+    unsigned af[2][MI][4], bfr[2][NI][2];
+    load_fragments<SILU>(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        if (kk + 1 < BK / 16) load_fragments<SILU>(af[(kk + 1) & 1], bfr[(kk + 1) & 1], ta, tb, wm, wn, lane, kk + 1);
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
+    }
+}
+
+// The epilogue of one tile (this warp's part): acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c),
+// (g + 8, 2c + 1)}; rows at or past nrows are not stored.  gate/up (SILU): h = SiLU(gate)·up into dst [., HALF_] from
+// feature f0 of the block; down: the sums into dst [., NOUT_] (WFMT = 1: each times its weight row's scale).
+template <int NOUT_, bool SILU>
+__device__ __forceinline__ void store_tile(float (&acc)[MI][NI][4], const float* __restrict__ scale, int e,
+                                           int row0, int nrows, int f0, bf16* __restrict__ dst, int wm, int wn,
+                                           int lane) {
+    constexpr int HALF_ = NOUT_ / 2;
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            const int rl = wm * WM + mi * 16 + g + 8 * hrow;
+            if (rl >= nrows) continue;
+            const size_t r = (size_t)(row0 + rl);
+            if (SILU) {
+#pragma unroll
+                for (int t = 0; t < NI / 2; ++t) {
+                    const int f = f0 + wn * (WN / 2) + 8 * t + 2 * c;
+#if WFMT == 1
+                    const float2 sg = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + f));
+                    const float2 su = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + HALF_ + f));
+                    const float sgv[2] = {sg.x, sg.y}, suv[2] = {su.x, su.y};
+#endif
+                    float hv[2];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+#if WFMT == 1
+                        const float gate = round_bf16(acc[mi][t][2 * hrow + j] * sgv[j]);
+                        const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j] * suv[j]);
+#else
+                        const float gate = round_bf16(acc[mi][t][2 * hrow + j]);
+                        const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j]);
+#endif
+                        hv[j] = round_bf16(silu(gate)) * up;
+                    }
+                    *reinterpret_cast<__nv_bfloat162*>(dst + r * HALF_ + f) = __floats2bfloat162_rn(hv[0], hv[1]);
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < NI; ++t) {
+                    const int f = f0 + wn * WN + 8 * t + 2 * c;
+#if WFMT == 1
+                    const float2 s2 = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + f));
+                    *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
+                        __floats2bfloat162_rn(acc[mi][t][2 * hrow] * s2.x, acc[mi][t][2 * hrow + 1] * s2.y);
+#else
+                    *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
+                        __floats2bfloat162_rn(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
+#endif
+                }
+            }
+        }
+}
+
 // One CTA tile of one grouped GEMM (the body of both kernels below): bucketed rows [row0, row0 + nrows) of
 // expert e (nrows <= BM) times feature block fb of the expert's weight [NOUT_, K_] (gate/up: SILU, NOUT_ =
 // 2·HALF), into dst (WFMT = 1: each sum times its weight row's scale, scale [E, NOUT_]).  EARLY: the first STAGES - 1 weight steps are copied before before_a() returns (the
@@ -301,54 +373,8 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
     cp_async_wait<0>();
     after_loop();
 
-    // epilogue: acc[mi][t] = {(row g, col 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)}
     if (!active) return;
-    const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            const int rl = wm * WM + mi * 16 + g + 8 * hrow;
-            if (rl >= nrows) continue;
-            const size_t r = (size_t)(row0 + rl);
-            if (SILU) {
-#pragma unroll
-                for (int t = 0; t < NI / 2; ++t) {
-                    const int f = f0 + wn * (WN / 2) + 8 * t + 2 * c;
-#if WFMT == 1
-                    const float2 sg = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + f));
-                    const float2 su = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + HALF_ + f));
-                    const float sgv[2] = {sg.x, sg.y}, suv[2] = {su.x, su.y};
-#endif
-                    float hv[2];
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-#if WFMT == 1
-                        const float gate = round_bf16(acc[mi][t][2 * hrow + j] * sgv[j]);
-                        const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j] * suv[j]);
-#else
-                        const float gate = round_bf16(acc[mi][t][2 * hrow + j]);
-                        const float up = round_bf16(acc[mi][t + NI / 2][2 * hrow + j]);
-#endif
-                        hv[j] = round_bf16(silu(gate)) * up;
-                    }
-                    *reinterpret_cast<__nv_bfloat162*>(dst + r * HALF_ + f) = __floats2bfloat162_rn(hv[0], hv[1]);
-                }
-            } else {
-#pragma unroll
-                for (int t = 0; t < NI; ++t) {
-                    const int f = f0 + wn * WN + 8 * t + 2 * c;
-#if WFMT == 1
-                    const float2 s2 = __ldg(reinterpret_cast<const float2*>(scale + (size_t)e * NOUT_ + f));
-                    *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
-                        __floats2bfloat162_rn(acc[mi][t][2 * hrow] * s2.x, acc[mi][t][2 * hrow + 1] * s2.y);
-#else
-                    *reinterpret_cast<__nv_bfloat162*>(dst + r * NOUT_ + f) =
-                        __floats2bfloat162_rn(acc[mi][t][2 * hrow], acc[mi][t][2 * hrow + 1]);
-#endif
-                }
-            }
-        }
+    store_tile<NOUT_, SILU>(acc, scale, e, row0, nrows, f0, dst, wm, wn, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -407,6 +433,12 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 // 5.425 ms, 32 8.416 -> 8.160.
 // sync: [1 + max_tiles] int32, zero at the start (moe_bucket zeroes it); h [N, INTER] bf16 scratch; WFMT = 1: w13, w2
 // in e4m3 with scale13 [E, 2·INTER], scale2 [E, HIDDEN] (null for bf16).
+#ifndef DEC_WS
+#define DEC_WS 0
+#endif
+#if DEC_WS && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "moe_gemm_tc.cu: DEC_WS = 1 needs sm_90 or newer (bulk copies, mbarriers)"
+#endif
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
 
@@ -416,6 +448,7 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
+#if !DEC_WS
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair, const wtype* __restrict__ w13,
                  const wtype* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -463,4 +496,142 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         __syncthreads();  // next_item is written; the stages are free for the next item
     }
 }
-#endif
+#else
+// DEC_WS = 1 (sm_90+; KDA_RT_MOE_DECODE_WS, opt-in until measured): the same items, products and stores, with the
+// copies taken off the computing warps.  A fifth warp (the producer) claims the items, and for each k step of an
+// item waits until its stage is free (empty[stage]: each of the WARPS consumer warps arrives once it has read the
+// stage), then copies the step's weight rows and the item's valid A rows into it with one bulk copy a row
+// (cp.async.bulk, completing on full[stage]; the stage's item id written before the arrival that sets its bytes).
+// The consumer warps wait on full[stage] alone, with no CTA-wide barrier a step, so a warp that is done with a stage
+// goes on to the next while the others finish.  A rows past the tile end are not copied: whatever the stage held
+// there only reaches accumulator rows that are never stored (an mma row of C reads only its row of A).  Down items:
+// the producer waits for the tile's gate/up items (sync[1 + tile], acquire) and orders the generic stores it then
+// sees before its bulk reads of h (fence.proxy.async); a gate/up item's consumers count it done after their stores
+// (barrier of the consumer warps, fence, atomicAdd).  The waits end as in the plain form: the producer issues
+// every step of an item before it claims the next, so a claimed gate/up item finishes without help.
+// After the last item the producer passes the CTA an item id past the end through the next stage.
+#define CONSUMERS (WARPS_M * WARPS_N)
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("barrier.sync 1, %0;" ::"n"(THREADS) : "memory"); }
+
+extern "C" __global__ void __launch_bounds__(THREADS + 32, MIN_BLOCKS)
+moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair, const wtype* __restrict__ w13,
+                 const wtype* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                 const int* __restrict__ expert_off, const int* __restrict__ num_tiles, bf16* __restrict__ h,
+                 bf16* __restrict__ y, int* __restrict__ sync, const float* __restrict__ scale13,
+                 const float* __restrict__ scale2) {
+    KDA_PDL_ENTRY();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* sa = reinterpret_cast<bf16*>(smem_raw);                 // [STAGES][BM][LDS]
+    wtype* sb = reinterpret_cast<wtype*>(sa + STAGES * BM * LDS);  // [STAGES][BN][LDW]
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    __shared__ int stage_item[STAGES];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(full + s), 1), mbar_init(smem_addr(empty + s), CONSUMERS);
+    }
+    __syncthreads();
+    const int ntiles = __ldcg(num_tiles);
+    const int n_gu = ntiles * GU_BLOCKS, n_all = n_gu + ntiles * DN_BLOCKS;
+
+    if (warp == CONSUMERS) {  // the producer warp
+        int it = 0;  // k steps issued (stage it mod STAGES, its use it / STAGES)
+        int item = 0;
+        if (lane == 0) item = atomicAdd(sync, 1);
+        item = __shfl_sync(0xffffffffu, item, 0);
+        for (;; item = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(sync, 1) : 0, 0)) {
+            if (item >= n_all) {  // the end, through the next stage (no bytes)
+                const int stage = it % STAGES;
+                mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
+                if (lane == 0) stage_item[stage] = n_all, mbar_arrive_expect_tx(smem_addr(full + stage), 0);
+                break;
+            }
+            const bool gate_up = item < n_gu;
+            const int j = gate_up ? item : item - n_gu, blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
+            const int tile = j / blocks, fb = j - tile * blocks;
+            const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
+            const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
+            const int K_ = gate_up ? HIDDEN : INTER, KT = K_ / BK;
+            // this lane's A row (lane < nrows <= BM <= 32): x's token row for gate/up, h's row for down
+            const bf16* arow = nullptr;
+            if (lane < nrows)
+                arow = gate_up ? x + (size_t)(__ldcg(sorted_pair + row0 + lane) / TOPK) * HIDDEN
+                               : h + (size_t)(row0 + lane) * INTER;
+            if (!gate_up) {  // h of the tile stored by its gate/up items
+                if (lane == 0)
+                    while (ld_acquire(sync + 1 + tile) < GU_BLOCKS) __nanosleep(100);
+                __syncwarp();
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+            }
+            const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
+            const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
+            const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
+            const unsigned bytes = BN * BK * sizeof(wtype) + nrows * BK * 2;
+            for (int kt = 0; kt < KT; ++kt, ++it) {
+                const int stage = it % STAGES;
+                mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
+                const unsigned bar = smem_addr(full + stage);
+                if (lane == 0) {
+                    stage_item[stage] = item;
+                    mbar_arrive_expect_tx(bar, bytes);
+                }
+                __syncwarp();
+#pragma unroll
+                for (int r = lane; r < BN; r += 32) {  // gate/up: rows [0, BN/2) gate, the rest their up rows
+                    const int off = gate_up && r >= BN / 2 ? half - BN / 2 + r : r;
+                    bulk_copy_g2s(smem_addr(sb + (stage * BN + r) * LDW), wbase + (size_t)off * K_ + kt * BK,
+                                  BK * sizeof(wtype), bar);
+                }
+                if (arow) bulk_copy_g2s(smem_addr(sa + (stage * BM + lane) * LDS), arow + kt * BK, BK * 2, bar);
+            }
+        }
+        return;
+    }
+
+    // the consumer warps
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    int it = 0;
+    for (;;) {
+        int stage = it % STAGES;
+        mbar_wait(smem_addr(full + stage), (it / STAGES) & 1);
+        const int item = stage_item[stage];
+        if (item >= n_all) break;
+        const bool gate_up = item < n_gu;
+        const int j = gate_up ? item : item - n_gu, blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
+        const int tile = j / blocks, fb = j - tile * blocks;
+        const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
+        const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
+        const int KT = (gate_up ? HIDDEN : INTER) / BK;
+        const bool active = wm * WM < nrows;  // warp-uniform: rows of this warp exist
+        float acc[MI][NI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int t = 0; t < NI; ++t) acc[mi][t][0] = acc[mi][t][1] = acc[mi][t][2] = acc[mi][t][3] = 0.f;
+        for (int kt = 0; kt < KT; ++kt, ++it) {
+            stage = it % STAGES;
+            if (kt) mbar_wait(smem_addr(full + stage), (it / STAGES) & 1);
+            if (active) {
+                if (gate_up)
+                    multiply_stage<true>(acc, sa + stage * BM * LDS, sb + stage * BN * LDW, wm, wn, lane);
+                else
+                    multiply_stage<false>(acc, sa + stage * BM * LDS, sb + stage * BN * LDW, wm, wn, lane);
+            }
+            fence_proxy_async_smem();  // this warp's reads of the stage before the producer's next copies into it
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_addr(empty + stage));
+        }
+        if (gate_up) {
+            if (active) store_tile<2 * INTER, true>(acc, scale13, e, row0, nrows, fb * (BN / 2), h, wm, wn, lane);
+            consumer_sync();  // every h store of the tile is issued ...
+            if (tid == 0) {
+                __threadfence();  // ... and visible GPU-wide before the count says so
+                atomicAdd(sync + 1 + tile, 1);
+            }
+        } else if (active) {
+            store_tile<HIDDEN, false>(acc, scale2, e, row0, nrows, fb * BN, y, wm, wn, lane);
+        }
+    }
+}
+#endif  // DEC_WS
+#endif  // FUSED_DECODE

@@ -385,13 +385,26 @@ def fused_plan(ids, E):
     return plan, sync
 
 
+def use_decode_ws(form, monkeypatch):
+    """moe_decode_fused's form for a test: "plain", or "ws" (the producer warp, KDA_RT_MOE_DECODE_WS; sm_90+)."""
+    from kda_rt.cuda.ops.moe_gemm_tc import decode_ws
+
+    monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", "1" if form == "ws" else "0")
+    if form == "ws" and not decode_ws():
+        pytest.skip("the producer-warp form needs sm_90+")
+
+
+@pytest.mark.parametrize("form", ["plain", "ws"])
 @pytest.mark.parametrize("name", list(FUSED))
-def test_moe_decode_fused(name, big_weights):
+def test_moe_decode_fused(name, form, big_weights, monkeypatch):
+    """ws: the producer-warp form (bulk copies into mbarrier-guarded stages), the same bits."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, moe_decode_fused, moe_gemm_tc
+
+    use_decode_ws(form, monkeypatch)
 
     T, D, inter, E, A, skewed, ctas = FUSED[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -447,9 +460,10 @@ FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
 }
 
 
+@pytest.mark.parametrize("form", ["plain", "ws"])
 @pytest.mark.parametrize("convert", [0, 1], ids=["bits", "cvt"])
 @pytest.mark.parametrize("name", list(FUSED_E4M3))
-def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
+def test_moe_decode_fused_e4m3(name, convert, form, monkeypatch):
     """moe_decode_fused with e4m3 w13 and w2: bit for bit the two e4m3 moe_gemm_tc launches on the same plan and tile,
     and every touched expert (E = 16) or a sample (E = 256) against NumPy on the dequantized weights; both
     conversions of the codes (E4M3_CONVERT)."""
@@ -460,6 +474,7 @@ def test_moe_decode_fused_e4m3(name, convert, monkeypatch):
     from kda_rt.cuda.ops.check import BF16
 
     skip_without_e4m3()
+    use_decode_ws(form, monkeypatch)
     monkeypatch.setattr(mod, "E4M3_CONVERT", convert)
     T, D, inter, E, A, skewed, ctas, subnormal = FUSED_E4M3[name]
     rng = np.random.default_rng(zlib.crc32(f"e4m3/{name}".encode()))

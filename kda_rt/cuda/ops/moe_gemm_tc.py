@@ -15,7 +15,7 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.compile import compute_capability, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
@@ -235,11 +235,22 @@ def sync_words(num_pairs: int, num_bins: int) -> int:
     return 1 + max_tiles(num_pairs, num_bins, 16)
 
 
+def decode_ws() -> bool:
+    """moe_decode_fused with a producer warp (moe_gemm_tc.cu DEC_WS: bulk copies, mbarrier-released stages): the
+    KDA_RT_MOE_DECODE_WS switch, on sm_90+ only."""
+    if not env.moe_decode_ws():
+        return False
+    import cupy
+
+    return compute_capability(cupy.cuda.Device().id) >= 90
+
+
 def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bool = False):
     """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
-                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3))
+                      WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
+                      **({"DEC_WS": 1} if decode_ws() else {}))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
@@ -275,7 +286,8 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
         raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})"
                          f"{' with e4m3 weights' if e4m3 else ''}")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
-    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3), 32 * tile.warps_m * tile.warps_n
+    # (DEC_WS: the consumer warps and one producer warp)
+    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3), 32 * (tile.warps_m * tile.warps_n + decode_ws())
     if ctas is not None and ctas < 1:
         raise ValueError(f"moe_decode_fused: ctas must be >= 1, got {ctas}")
     if not ctas:
