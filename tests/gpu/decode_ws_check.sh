@@ -7,7 +7,8 @@
 #      passed (exit status 1);
 #   2. with KDA_RT_MOE_DECODE_WS=1: tests/kernels/test_moe_block.py -k fused and tests/gpu/test_cuda_model.py -k fp8
 #      (the model against the NumPy oracle);
-#   3. tests/gpu/bench_moe_decode.py --e4m3 with KDA_RT_MOE_DECODE_WS=0 and 1 (batch 2-64, bf16 and e4m3 columns);
+#   3. tests/gpu/bench_moe_decode.py --e4m3 with KDA_RT_MOE_DECODE_WS=0 and 1 (batch 2-64, bf16 and e4m3 columns),
+#      and with 1 three more e4m3 tiles (more stages or CTAs an SM, the copies no longer the computing warps' work);
 #   4. the full 27-layer model's decode graphs (tests/gpu/bench_ab.py --env KDA_RT_MOE_DECODE_WS 0,1): fp8 at batch
 #      8 and 32, bf16 at batch 32.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
@@ -29,6 +30,9 @@ for v in 0 1; do
   KDA_RT_MOE_DECODE_WS=$v timeout 120 python tests/gpu/bench_moe_decode.py --e4m3 --tokens 2,8,32,64 2>&1 | tail -8 \
     | tee "$OUT/ws_bench_$v.txt"
 done
+echo "== the producer-warp form's tiles ($SECONDS s)"
+KDA_RT_MOE_DECODE_WS=1 timeout 120 python tests/gpu/bench_moe_decode.py --e4m3 --tokens 8,32 \
+  --tiles "16,128,128,4,1,4,2;16,64,128,4,1,2,4;16,64,128,5,1,2,3" 2>&1 | tail -4 | tee "$OUT/ws_tiles.txt"
 echo "== fp8 model decode ($SECONDS s)"
 timeout 200 python tests/gpu/bench_ab.py --quantization fp8 --env KDA_RT_MOE_DECODE_WS --values 0,1 --rounds 3 \
   --prompts 0 --replays 8,32 2>/dev/null | grep -v upload | tail -2 | tee "$OUT/ws_ab_fp8.txt"
