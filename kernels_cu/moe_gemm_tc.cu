@@ -355,7 +355,7 @@ __device__ __forceinline__ void gemm_tile(const bf16* __restrict__ src, const in
         __syncthreads();              // ... everyone's; and step kt - 1's stage is free to refill
         if (kt + STAGES - 1 < KT) load_stage((kt + STAGES - 1) % STAGES, kt + STAGES - 1);
         cp_async_commit();            // (an empty group near the end keeps the wait count uniform)
-        if (active) {
+        if (active) {  // (multiply_stage's body, written out: called here, ptxas orders two tiled builds otherwise)
             const bf16* ta = sa + (kt % STAGES) * BM * LDS;
             const wtype* tb = sb + (kt % STAGES) * BN * LDW;
             unsigned af[2][MI][4], bfr[2][NI][2];
