@@ -512,6 +512,9 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 // After the last item the producer passes the CTA an item id past the end through the next stage.
 #define CONSUMERS (WARPS_M * WARPS_N)
 
+static_assert(BM <= 32 && HIDDEN % BK == 0 && INTER % BK == 0 && INTER % (BN / 2) == 0 && HIDDEN % BN == 0,
+              "DEC_WS: one producer lane an A row (BM <= 32), whole k steps and feature blocks");
+
 __device__ __forceinline__ void consumer_sync() { asm volatile("barrier.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(THREADS + 32, MIN_BLOCKS)
