@@ -108,7 +108,13 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
             prefill_tail_tokens=config.tail_tokens(),
         ))
-        self.postprocessor = Postprocessor(self.eos_token_ids, config.max_model_len)
+        # the tokenizer's EOS (else config.json's first) stops with stop_reason None, every other EOS id (config.json's,
+        # generation_config.json's, the tokenizer's other stop token) reports its id, as vLLM's stop token ids do
+        quiet = tokenizer.eos_token_id if tokenizer is not None else None
+        if quiet is None and model_config.eos_token_ids:
+            quiet = model_config.eos_token_ids[0]
+        self.postprocessor = Postprocessor(self.eos_token_ids, config.max_model_len,
+                                           quiet_eos_ids=() if quiet is None else (quiet,))
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self._output_kind: dict[str, tuple[str, list[int]]] = {}  # request id -> (output kind, prompt ids
         # returned in its outputs: one copy per request, not one per step)

@@ -31,8 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 class Postprocessor:
-    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int) -> None:
+    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int, quiet_eos_ids: Iterable[int] | None = None) -> None:
+        """quiet_eos_ids: the EOS ids whose stop reports no stop_reason (default: all of them).  The engine passes the
+        tokenizer's own EOS: vLLM stops on that one as EOS (stop_reason None) and on generation_config.json's other
+        EOS ids as stop token ids, reporting the id."""
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.quiet_eos_ids = self.eos_token_ids if quiet_eos_ids is None else frozenset(quiet_eos_ids)
         self.max_model_len = max_model_len
 
     def accept_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None = None) -> bool:
@@ -43,10 +47,13 @@ class Postprocessor:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
-        # EOS before the stop ids, as vLLM's check_stop (an id in both reports None)
-        ended = not p.ignore_eos and token in self.eos_token_ids
-        stop_id = token if not ended and token in p.stop_token_ids else None
-        ended |= stop_id is not None
+        # EOS before the stop ids, as vLLM's check_stop (a quiet EOS id that is also a stop id reports None)
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        if eos:
+            stop_id = None if token in self.quiet_eos_ids else token
+        else:
+            stop_id = token if token in p.stop_token_ids else None
+        ended = eos or stop_id is not None
         if seq.detokenizer is not None and (not ended or p.include_stop_str_in_output):
             before = len(seq.text)
             seq.text += seq.detokenizer.add([token])  # a stop token's text only with include_stop_str_in_output

@@ -114,12 +114,27 @@ def test_stop_string_in_a_stop_tokens_text_and_eos_first(llm):
     assert (o.outputs[0].stop_reason, o.outputs[0].text) == (tail, upto)
     o = llm.generate("Hello", greedy(12, stop_token_ids=[ids[j]], stop=[tail]))[0]
     assert (o.outputs[0].stop_reason, o.outputs[0].text) == (ids[j], tok.decode(ids[:j], skip_special_tokens=True))
-    eos = min(llm.llm_engine.eos_token_ids)
+    eos = tok.eos_token_id
     params = SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[eos], logit_bias={eos: 100.0})
     o = llm.generate("Hello", params)[0].outputs[0]
     assert (list(o.token_ids), o.finish_reason, o.stop_reason) == ([eos], "stop", None)
     o = llm.generate("Hello", replace(params, ignore_eos=True))[0].outputs[0]
     assert (list(o.token_ids), o.finish_reason, o.stop_reason) == ([eos], "stop", eos)  # ignore_eos: a stop id still
+
+
+def test_other_eos_ids_report_their_id(llm):
+    """An EOS id other than the tokenizer's own (here the tokenizer's second stop token, `[EOS]`; likewise
+    generation_config.json's extra ids) ends the sequence with its id as stop_reason, as vLLM's stop token ids do;
+    ignore_eos ignores it too (vLLM adds those ids to the stop ids only without ignore_eos)."""
+    tok = llm.get_tokenizer()
+    others = sorted(llm.llm_engine.eos_token_ids - {tok.eos_token_id})
+    assert others, "the demo checkpoint has a second EOS id"
+    other = others[0]
+    params = SamplingParams(temperature=0, max_tokens=4, logit_bias={other: 100.0})
+    o = llm.generate("Hello", params)[0].outputs[0]
+    assert (list(o.token_ids), o.finish_reason, o.stop_reason) == ([other], "stop", other)
+    o = llm.generate("Hello", replace(params, ignore_eos=True))[0].outputs[0]
+    assert (list(o.token_ids), o.finish_reason, o.stop_reason) == ([other] * 4, "length", None)
 
 
 def test_stop_string_ending_first_wins(llm):
