@@ -505,8 +505,9 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 // The consumer warps wait on full[stage] alone, with no CTA-wide barrier a step, so a warp that is done with a stage
 // goes on to the next while the others finish.  A rows past the tile end are not copied: whatever the stage held
 // there only reaches accumulator rows that are never stored (an mma row of C reads only its row of A).  Down items:
-// the producer waits for the tile's gate/up items (sync[1 + tile], acquire) and orders the generic stores it then
-// sees before its bulk reads of h (fence.proxy.async); a gate/up item's consumers count it done after their stores
+// the producer copies the first STAGES steps' weights (their stages' bytes expected, no arrival yet), waits for the
+// tile's gate/up items (sync[1 + tile], acquire), orders the generic stores it then sees before its bulk reads of h
+// (fence.proxy.async), then arrives with h's bytes; a gate/up item's consumers count it done after their stores
 // (barrier of the consumer warps, fence, atomicAdd).  The waits end as in the plain form: the producer issues
 // every step of an item before it claims the next, so a claimed gate/up item finishes without help.
 // After the last item the producer passes the CTA an item id past the end through the next stage.
@@ -560,30 +561,45 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             if (lane < nrows)
                 arow = gate_up ? x + (size_t)(__ldcg(sorted_pair + row0 + lane) / TOPK) * HIDDEN
                                : h + (size_t)(row0 + lane) * INTER;
+            const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
+            const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
+            const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
+            const unsigned wbytes = BN * BK * sizeof(wtype), abytes = nrows * BK * 2;
+            const auto copy_weights = [&](int stage, int kt, unsigned bar) {
+#pragma unroll
+                for (int r = lane; r < BN; r += 32) {  // gate/up: rows [0, BN/2) gate, the rest their up rows
+                    const int off = gate_up && r >= BN / 2 ? half - BN / 2 + r : r;
+                    bulk_copy_g2s(smem_addr(sb + (stage * BN + r) * LDW), wbase + (size_t)off * K_ + kt * BK,
+                                  BK * sizeof(wtype), bar);
+                }
+            };
+            // down items: the first steps' weights before the wait for h (no kernel's output), each stage held open
+            // by its missing arrival until its h rows are copied too (the plain form's EARLY)
+            const int early = gate_up ? 0 : min(STAGES, KT);
+            for (int kt = 0; kt < early; ++kt) {
+                const int i = it + kt, stage = i % STAGES;
+                mbar_wait(smem_addr(empty + stage), ((i / STAGES) & 1) ^ 1);
+                if (lane == 0) stage_item[stage] = item, mbar_expect_tx(smem_addr(full + stage), wbytes);
+                __syncwarp();
+                copy_weights(stage, kt, smem_addr(full + stage));
+            }
             if (!gate_up) {  // h of the tile stored by its gate/up items
                 if (lane == 0)
                     while (ld_acquire(sync + 1 + tile) < GU_BLOCKS) __nanosleep(100);
                 __syncwarp();
                 asm volatile("fence.proxy.async.global;" ::: "memory");
             }
-            const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
-            const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
-            const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
-            const unsigned bytes = BN * BK * sizeof(wtype) + nrows * BK * 2;
             for (int kt = 0; kt < KT; ++kt, ++it) {
                 const int stage = it % STAGES;
-                mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
                 const unsigned bar = smem_addr(full + stage);
-                if (lane == 0) {
-                    stage_item[stage] = item;
-                    mbar_arrive_expect_tx(bar, bytes);
-                }
-                __syncwarp();
-#pragma unroll
-                for (int r = lane; r < BN; r += 32) {  // gate/up: rows [0, BN/2) gate, the rest their up rows
-                    const int off = gate_up && r >= BN / 2 ? half - BN / 2 + r : r;
-                    bulk_copy_g2s(smem_addr(sb + (stage * BN + r) * LDW), wbase + (size_t)off * K_ + kt * BK,
-                                  BK * sizeof(wtype), bar);
+                if (kt >= early) {
+                    mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
+                    if (lane == 0) stage_item[stage] = item, mbar_arrive_expect_tx(bar, wbytes + abytes);
+                    __syncwarp();
+                    copy_weights(stage, kt, bar);
+                } else {  // (its weights on the way since before the wait)
+                    if (lane == 0) mbar_arrive_expect_tx(bar, abytes);
+                    __syncwarp();
                 }
                 if (arow) bulk_copy_g2s(smem_addr(sa + (stage * BM + lane) * LDS), arow + kt * BK, BK * 2, bar);
             }
