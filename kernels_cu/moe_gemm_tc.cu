@@ -219,7 +219,7 @@ __device__ __forceinline__ void multiply_stage(float (&acc)[MI][NI][4], const bf
 // (g + 8, 2c + 1)}; rows at or past nrows are not stored.  gate/up (SILU): h = SiLU(gate)·up into dst [., HALF_] from
 // feature f0 of the block; down: the sums into dst [., NOUT_] (WFMT = 1: each times its weight row's scale).
 template <int NOUT_, bool SILU>
-__device__ __forceinline__ void store_tile(float (&acc)[MI][NI][4], const float* __restrict__ scale, int e,
+__device__ __forceinline__ void store_tile(const float (&acc)[MI][NI][4], const float* __restrict__ scale, int e,
                                            int row0, int nrows, int f0, bf16* __restrict__ dst, int wm, int wn,
                                            int lane) {
     constexpr int HALF_ = NOUT_ / 2;
