@@ -109,6 +109,14 @@ typedef bf16 wtype;
 #error "moe_gemm_tc.cu: E4M3_CVT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
 #endif
 
+// B_SWZ (set by DEC_WS = 2): the B stages hold 128-byte rows in the tensor maps' 128-byte swizzle (16-byte chunk c of
+// stage row r at chunk c ^ (r mod 8), the stage 1024-byte aligned) instead of padded rows LDW apart
+#if defined(DEC_WS) && DEC_WS == 2
+#define B_SWZ 1
+#else
+#define B_SWZ 0
+#endif
+
 #define THREADS (WARPS_M * WARPS_N * 32)
 #define WM (BM / WARPS_M)              // rows per warp
 #define WN (BN / WARPS_N)              // features per warp
@@ -171,7 +179,8 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 #pragma unroll
     for (int t = 0; t < NI; t += 4) {
         unsigned r[4];  // r[q]: bytes 4c .. 4c + 3 of weight row g of n-tile t + q (lanes 8q .. 8q + 7 name its rows)
-        ldmatrix_x4(r, tb + (b_tile_row<SILU>(wn, t + (lane >> 3)) + (lane & 7)) * LDW + kk * 16);
+        const int row = b_tile_row<SILU>(wn, t + (lane >> 3)) + (lane & 7);
+        ldmatrix_x4(r, B_SWZ ? tb + row * 128 + ((kk ^ (row & 7)) << 4) : tb + row * LDW + kk * 16);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             bfr[t + q][0] = e4m3x2_to_bf16x2<E4M3_CVT>(r[q] & 0xFFFFu);
@@ -190,7 +199,8 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 #pragma unroll
     for (int t = 0; t < NI; t += 2) {
         unsigned r[4];
-        ldmatrix_x4(r, tb + (b_tile_row<SILU>(wn, t) + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+        const int row = b_tile_row<SILU>(wn, t) + (lane & 7) + ((lane >> 4) << 3), chunk = 2 * kk + ((lane >> 3) & 1);
+        ldmatrix_x4(r, B_SWZ ? tb + row * 64 + ((chunk ^ (row & 7)) << 3) : tb + row * LDS + 8 * chunk);
         bfr[t][0] = r[0];
         bfr[t][1] = r[1];
         bfr[t + 1][0] = r[2];
@@ -454,7 +464,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                  const wtype* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                  const int* __restrict__ expert_off, const int* __restrict__ num_tiles, bf16* __restrict__ h,
                  bf16* __restrict__ y, int* __restrict__ sync, const float* __restrict__ scale13,
-                 const float* __restrict__ scale2) {
+                 const float* __restrict__ scale2, const void* map13, const void* map2) {
     KDA_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* sa = reinterpret_cast<bf16*>(smem_raw);                 // [STAGES][BM][LDS]
@@ -511,7 +521,16 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 // (barrier of the consumer warps, fence, atomicAdd).  The waits end as in the plain form: the producer issues
 // every step of an item before it claims the next, so a claimed gate/up item finishes without help.
 // After the last item the producer passes the CTA an item id past the end through the next stage.
+// DEC_WS = 2: the weight rows by two tensor-map copies a step instead of BN bulk copies (map13 / map2: tensor maps
+// over w13 / w2 as [E·NOUT, K] rows, boxes of BN/2 rows x 128 bytes, ops/tma.py), the B stages in their 128-byte
+// swizzle (B_SWZ); a warp issues each bulk copy as a loop over its lanes (ELECT, R2UR, UBLKCP), ~144 a step.
 #define CONSUMERS (WARPS_M * WARPS_N)
+#if B_SWZ
+#define SB_STAGE (BN * 128 / (int)sizeof(wtype))  // elements of a B stage
+static_assert(BK * sizeof(wtype) == 128 && BN / 2 <= 256, "DEC_WS = 2: one 128-byte k step a row, boxes of <= 256 rows");
+#else
+#define SB_STAGE (BN * LDW)
+#endif
 
 static_assert(BM <= 32 && HIDDEN % BK == 0 && INTER % BK == 0 && INTER % (BN / 2) == 0 && HIDDEN % BN == 0,
               "DEC_WS: one producer lane an A row (BM <= 32), whole k steps and feature blocks");
@@ -523,11 +542,16 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                  const wtype* __restrict__ w2, const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
                  const int* __restrict__ expert_off, const int* __restrict__ num_tiles, bf16* __restrict__ h,
                  bf16* __restrict__ y, int* __restrict__ sync, const float* __restrict__ scale13,
-                 const float* __restrict__ scale2) {
+                 const float* __restrict__ scale2, const void* map13, const void* map2) {
     KDA_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    bf16* sa = reinterpret_cast<bf16*>(smem_raw);                 // [STAGES][BM][LDS]
+    bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
+#if B_SWZ  // [STAGES][BN][128 bytes], 1024-byte aligned (the launcher's allocation leaves the room)
+    unsigned char* sb_raw = smem_raw + STAGES * BM * LDS * 2;
+    wtype* sb = reinterpret_cast<wtype*>(sb_raw + ((1024u - (smem_addr(sb_raw) & 1023u)) & 1023u));
+#else
     wtype* sb = reinterpret_cast<wtype*>(sa + STAGES * BM * LDS);  // [STAGES][BN][LDW]
+#endif
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int stage_item[STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -565,6 +589,19 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
             const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
             const unsigned wbytes = BN * BK * sizeof(wtype), abytes = nrows * BK * 2;
+#if B_SWZ
+            // two boxes of BN/2 rows x one k step (gate/up: the gate rows, then their up rows HALF rows on)
+            const void* map = gate_up ? map13 : map2;
+            const int row_a = e * nout + f0, row_b = row_a + (gate_up ? half : BN / 2);
+            (void)wbase;
+            const auto copy_weights = [&](int stage, int kt, unsigned bar) {
+                if (lane == 0) {
+                    const unsigned dst = smem_addr(sb + stage * SB_STAGE);
+                    tma_load_2d(dst, map, kt * BK, row_a, bar);
+                    tma_load_2d(dst + BN / 2 * 128, map, kt * BK, row_b, bar);
+                }
+            };
+#else
             const auto copy_weights = [&](int stage, int kt, unsigned bar) {
 #pragma unroll
                 for (int r = lane; r < BN; r += 32) {  // gate/up: rows [0, BN/2) gate, the rest their up rows
@@ -573,6 +610,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                                   BK * sizeof(wtype), bar);
                 }
             };
+#endif
             // down items: the first steps' weights before the wait for h (no kernel's output), each stage held open
             // by its missing arrival until its h rows are copied too (the plain form's EARLY)
             const int early = gate_up ? 0 : min(STAGES, KT);
@@ -632,9 +670,9 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             if (kt) mbar_wait(smem_addr(full + stage), (it / STAGES) & 1);
             if (active) {
                 if (gate_up)
-                    multiply_stage<true>(acc, sa + stage * BM * LDS, sb + stage * BN * LDW, wm, wn, lane);
+                    multiply_stage<true>(acc, sa + stage * BM * LDS, sb + stage * SB_STAGE, wm, wn, lane);
                 else
-                    multiply_stage<false>(acc, sa + stage * BM * LDS, sb + stage * BN * LDW, wm, wn, lane);
+                    multiply_stage<false>(acc, sa + stage * BM * LDS, sb + stage * SB_STAGE, wm, wn, lane);
             }
             fence_proxy_async_smem();  // this warp's reads of the stage before the producer's next copies into it
             __syncwarp();

@@ -115,3 +115,19 @@ def test_tma_l2_promotion_switch(monkeypatch):
     monkeypatch.setenv("KDA_RT_TMA_L2_PROMOTION", "512")
     with pytest.raises(ValueError, match="KDA_RT_TMA_L2_PROMOTION must be none, 64, 128 or 256"):
         env.tma_l2_promotion()
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 0), ("", 0), ("0", 0), ("1", 1), ("2", 2)])
+def test_decode_ws_switch(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
+    else:
+        monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", value)
+    assert env.moe_decode_ws() == expected
+
+
+@pytest.mark.parametrize("value", ["3", "yes", "-1"])
+def test_decode_ws_switch_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", value)
+    with pytest.raises(ValueError, match="KDA_RT_MOE_DECODE_WS must be 0, 1 or 2"):
+        env.moe_decode_ws()

@@ -385,19 +385,23 @@ def fused_plan(ids, E):
     return plan, sync
 
 
+DECODE_FORMS = {"plain": "0", "ws": "1", "ws-tma": "2"}
+
+
 def use_decode_ws(form, monkeypatch):
-    """moe_decode_fused's form for a test: "plain", or "ws" (the producer warp, KDA_RT_MOE_DECODE_WS; sm_90+)."""
+    """moe_decode_fused's form for a test: "plain", "ws" (the producer warp, KDA_RT_MOE_DECODE_WS = 1; sm_90+) or
+    "ws-tma" (its weight rows by tensor-map copies, = 2; a tile without 128-byte k steps runs "ws")."""
     from kda_rt.cuda.ops.moe_gemm_tc import decode_ws
 
-    monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", "1" if form == "ws" else "0")
-    if form == "ws" and not decode_ws():
+    monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", DECODE_FORMS[form])
+    if form != "plain" and not decode_ws():
         pytest.skip("the producer-warp form needs sm_90+")
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", list(DECODE_FORMS))
 @pytest.mark.parametrize("name", list(FUSED))
 def test_moe_decode_fused(name, form, big_weights, monkeypatch):
-    """ws: the producer-warp form (bulk copies into mbarrier-guarded stages), the same bits."""
+    """ws / ws-tma: the producer-warp forms (bulk or tensor-map copies into mbarrier-guarded stages), the same bits."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16
@@ -460,7 +464,7 @@ FUSED_E4M3 = {  # name: (T, D, I, E, A, skewed, ctas, subnormal)
 }
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", list(DECODE_FORMS))
 @pytest.mark.parametrize("convert", [0, 1], ids=["bits", "cvt"])
 @pytest.mark.parametrize("name", list(FUSED_E4M3))
 def test_moe_decode_fused_e4m3(name, convert, form, monkeypatch):

@@ -235,14 +235,23 @@ def sync_words(num_pairs: int, num_bins: int) -> int:
     return 1 + max_tiles(num_pairs, num_bins, 16)
 
 
-def decode_ws() -> bool:
-    """moe_decode_fused with a producer warp (moe_gemm_tc.cu DEC_WS: bulk copies, mbarrier-released stages): the
-    KDA_RT_MOE_DECODE_WS switch, on sm_90+ only."""
-    if not env.moe_decode_ws():
-        return False
+def decode_ws(tile: TileConfig | None = None, e4m3: bool = False) -> int:
+    """moe_decode_fused's producer-warp form (moe_gemm_tc.cu DEC_WS): the KDA_RT_MOE_DECODE_WS switch on sm_90+, else 0;
+    2 (tensor-map weight copies) only where `tile` takes it (128-byte k steps, the swizzled stages' 1024-byte
+    alignment within the tile's shared memory), else 1."""
+    form = env.moe_decode_ws()
+    if not form:
+        return 0
     import cupy
 
-    return compute_capability(cupy.cuda.Device().id) >= 90
+    if compute_capability(cupy.cuda.Device().id) < 90:
+        return 0
+    if form == 2 and tile is not None:
+        a_bytes = tile.stages * tile.bm * (tile.bk + 8) * 2
+        swizzled = a_bytes + 1023 + tile.stages * tile.bn * 128
+        if tile.bk * (1 if e4m3 else 2) != 128 or tile.bn // 2 > 256 or swizzled > tile.smem(e4m3):
+            return 1
+    return form
 
 
 def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bool = False):
@@ -250,7 +259,7 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
-                      **({"DEC_WS": 1} if decode_ws() else {}))
+                      **({"DEC_WS": form} if (form := decode_ws(tile, e4m3)) else {}))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
@@ -286,8 +295,8 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
         raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})"
                          f"{' with e4m3 weights' if e4m3 else ''}")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
-    # (DEC_WS: the consumer warps and one producer warp)
-    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3), 32 * (tile.warps_m * tile.warps_n + decode_ws())
+    form = decode_ws(tile, e4m3)  # (DEC_WS: the consumer warps and one producer warp)
+    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3), 32 * (tile.warps_m * tile.warps_n + (form > 0))
     if ctas is not None and ctas < 1:
         raise ValueError(f"moe_decode_fused: ctas must be >= 1, got {ctas}")
     if not ctas:
@@ -298,8 +307,15 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
         ctas = sm_count(cupy.cuda.Device().id) * resident_per_sm(kernel, threads, tile.smem(e4m3))
     grid = min(items, ctas)
     null = np.uint64(0)
+    maps = (null, null)
+    if form == 2:  # (encoded once per weight and stream: ops/tma.py keeps them)
+        from kda_rt.cuda.ops.tma import map_2d_swizzled
+
+        maps = tuple(np.uint64(map_2d_swizzled(w, tile.bn // 2, name, stream=stream).data.ptr)
+                     for w, name in ((w13, "w13"), (w2, "w2")))
     if N:
         kernel((grid,), (threads,), (
             x, plan.sorted_pair, w13, w2, plan.tile_expert, plan.tile_row, plan.expert_off, plan.num_tiles, h, out,
-            sync, scale13 if e4m3 else null, scale2 if e4m3 else null), shared_mem=tile.smem(e4m3), stream=stream)
+            sync, scale13 if e4m3 else null, scale2 if e4m3 else null, *maps), shared_mem=tile.smem(e4m3),
+            stream=stream)
     return out
