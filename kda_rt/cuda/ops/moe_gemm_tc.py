@@ -308,10 +308,10 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     grid = min(items, ctas)
     null = np.uint64(0)
     maps = (null, null)
-    if form == 2:  # (encoded once per weight and stream: ops/tma.py keeps them)
+    if form == 2:  # (encoded once per weight and stream and never evicted: a decode graph keeps their addresses)
         from kda_rt.cuda.ops.tma import map_2d_swizzled
 
-        maps = tuple(np.uint64(map_2d_swizzled(w, tile.bn // 2, name, stream=stream).data.ptr)
+        maps = tuple(np.uint64(map_2d_swizzled(w, tile.bn // 2, name, stream=stream, keep=True).data.ptr)
                      for w, name in ((w13, "w13"), (w2, "w2")))
     if N:
         kernel((grid,), (threads,), (

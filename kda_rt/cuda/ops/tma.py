@@ -20,6 +20,7 @@ __all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
 # (address, rows, cols, itemsize, box, stream, L2 promotion) -> (device, pinned)
 _MAPS: OrderedDict[tuple, tuple] = OrderedDict()
+_KEPT: dict[tuple, tuple] = {}  # the maps made with keep=True: never evicted
 _MAX_MAPS = 512  # (an evicted buffer goes back to CuPy's pool, reused in its stream's order: a kernel queued on it
 #                  before still reads the map)
 _LOCK = threading.Lock()
@@ -82,13 +83,15 @@ def allocation_rows(arr) -> int:
     return max(own, (mem.ptr + mem.size - arr.data.ptr) // (arr.shape[-1] * arr.itemsize))
 
 
-def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = None, stream=None):
+def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = None, stream=None,
+                    keep: bool = False):
     """The device buffer (cupy uint8 [128]) holding a tensor map over `arr` seen as [rows, last dim] (C-contiguous,
     1- or 2-byte elements) with boxes of `box_rows` rows x 128 bytes, written into shared memory in the 128-byte
     swizzle (16-byte chunk c of box row r at chunk c ^ (r mod 8): wgmma's K-major SWIZZLE_128B layout).  Pass
     `buffer.data.ptr` to the kernel.  `rows`: more rows than `arr` has, up to `allocation_rows(arr)` (the buffer's
     bytes past `arr`).  `stream`: the stream of the kernels that read it (default: the current one).  `what` names the
-    array in errors."""
+    array in errors.  `keep`: never evicted (a map that a captured CUDA graph reads: the graph holds its address, not the
+    buffer; for long-lived arrays such as weights, a few per layer and stream)."""
     import cupy
 
     if not arr.flags.c_contiguous:
@@ -103,9 +106,14 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
     promotion = _L2_PROMOTION[env.tma_l2_promotion()]
     key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows, stream.ptr, promotion)
     with _LOCK:
+        hit = _KEPT.get(key)
+        if hit is not None:
+            return hit[0]
         hit = _MAPS.get(key)
         if hit is not None:
             _MAPS.move_to_end(key)
+            if keep:  # (from now on never evicted)
+                _KEPT[key] = _MAPS.pop(key)
             return hit[0]
         try:
             dtype, dims, strides, box = encode_args_2d(arr.data.ptr, rows, cols, arr.itemsize, box_rows)
@@ -130,7 +138,7 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
         with stream:  # (allocated in the order of the stream that copies it and launches its kernel)
             buf = cupy.empty(128, dtype=np.uint8)
         buf.set(staged, stream=stream)  # in place before the stream's next kernel, no host wait
-        _MAPS[key] = (buf, pinned)  # (the pinned bytes kept alive with it: the copy is asynchronous)
+        (_KEPT if keep else _MAPS)[key] = (buf, pinned)  # (the pinned bytes kept alive with it: the copy is asynchronous)
         if len(_MAPS) > _MAX_MAPS:
             _MAPS.popitem(last=False)
         return buf
