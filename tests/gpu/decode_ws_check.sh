@@ -18,7 +18,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== producer-warp decode MoE: kernel tests"
-timeout 200 python -m pytest -q tests/kernels/test_moe_gemm_tc.py -k decode_fused -p no:cacheprovider \
+timeout 200 python -m pytest -q tests/kernels/test_moe_gemm_tc.py tests/kernels/test_tma_maps.py -k "decode_fused or maps" -p no:cacheprovider \
   > "$OUT/ws_tests.txt" 2>&1
 rc=$?
 tail -6 "$OUT/ws_tests.txt"
