@@ -9,8 +9,8 @@
 #      and with 2 three more e4m3 tiles (more stages or CTAs an SM, the copies no longer the computing warps' work);
 #   3. the full 27-layer model's decode graphs (tests/gpu/bench_ab.py --env KDA_RT_MOE_DECODE_WS 0,1,2): fp8 at batch
 #      8 and 32;
-#   4. with KDA_RT_MOE_DECODE_WS = 2 and 1: tests/kernels/test_moe_block.py -k fused and tests/gpu/test_cuda_model.py
-#      -k fp8 (the model against the NumPy oracle);
+#   4. with KDA_RT_MOE_DECODE_WS = 2: tests/kernels/test_moe_block.py's MoE block in decode graphs (the fused GEMMs)
+#      and tests/gpu/test_cuda_model.py's fp8 experts against the NumPy oracle and graph replay against eager;
 #   5. bf16 at batch 32 (bench_ab).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/decode_ws_check.sh
@@ -34,11 +34,9 @@ KDA_RT_MOE_DECODE_WS=2 timeout 90 python tests/gpu/bench_moe_decode.py --e4m3 --
 echo "== fp8 model decode ($SECONDS s)"
 timeout 200 python tests/gpu/bench_ab.py --quantization fp8 --env KDA_RT_MOE_DECODE_WS --values 0,1,2 --rounds 3 \
   --prompts 0 --replays 8,32 2>/dev/null | grep -v upload | tail -3 | tee "$OUT/ws_ab_fp8.txt"
-for v in 2 1; do
-  echo "== the MoE block and the fp8 model, KDA_RT_MOE_DECODE_WS=$v ($SECONDS s)"
-  KDA_RT_MOE_DECODE_WS=$v timeout 150 python -m pytest -q tests/kernels/test_moe_block.py tests/gpu/test_cuda_model.py \
-    -k "fused or fp8" -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/ws_model_tests_$v.txt"
-done
+echo "== the MoE block in decode graphs and the fp8 model, KDA_RT_MOE_DECODE_WS=2 ($SECONDS s)"
+KDA_RT_MOE_DECODE_WS=2 timeout 150 python -m pytest -q tests/kernels/test_moe_block.py tests/gpu/test_cuda_model.py \
+  -k "fused-gemms or fp8_experts or graph_replay" -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/ws_model_tests.txt"
 echo "== bf16 model decode ($SECONDS s)"
 timeout 150 python tests/gpu/bench_ab.py --env KDA_RT_MOE_DECODE_WS --values 0,1,2 --rounds 3 --prompts 0 \
   --replays 32 2>/dev/null | grep -v upload | tail -3 | tee "$OUT/ws_ab_bf16.txt"
