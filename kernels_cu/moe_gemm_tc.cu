@@ -535,6 +535,16 @@ static_assert(BK * sizeof(wtype) == 128 && BN / 2 <= 256, "DEC_WS = 2: one 128-b
 static_assert(BM <= 32 && HIDDEN % BK == 0 && INTER % BK == 0 && INTER % (BN / 2) == 0 && HIDDEN % BN == 0,
               "DEC_WS: one producer lane an A row (BM <= 32), whole k steps and feature blocks");
 
+// one arrival on bar (moe_gemm_wg.cu has the same helper; kept here so that common.cuh, which every kernel includes,
+// and with it every other kernel's cache key stay as they were)
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// bytes that copies completing on bar will bring, without an arrival (the phase stays open until one)
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void consumer_sync() { asm volatile("barrier.sync 1, %0;" ::"n"(THREADS) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(THREADS + 32, MIN_BLOCKS)

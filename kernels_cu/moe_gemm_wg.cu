@@ -676,6 +676,10 @@ static_assert(WS_PASSES <= 32, "WS: one valid-row bit a producer pass");
 #define CL 1
 #endif
 
+// one arrival of `count` on bar
+__device__ __forceinline__ void mbar_arrive(unsigned bar, unsigned count = 1) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
 // an arrival on bar once this thread's earlier cp.async copies have landed (counted in the barrier's expected count)
 __device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
