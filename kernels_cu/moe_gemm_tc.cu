@@ -597,13 +597,11 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                                : h + (size_t)(row0 + lane) * INTER;
             const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
             const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
-            const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
             const unsigned wbytes = BN * BK * sizeof(wtype), abytes = nrows * BK * 2;
 #if B_SWZ
             // two boxes of BN/2 rows x one k step (gate/up: the gate rows, then their up rows HALF rows on)
             const void* map = gate_up ? map13 : map2;
             const int row_a = e * nout + f0, row_b = row_a + (gate_up ? half : BN / 2);
-            (void)wbase;
             const auto copy_weights = [&](int stage, int kt, unsigned bar) {
                 if (lane == 0) {
                     const unsigned dst = smem_addr(sb + stage * SB_STAGE);
@@ -612,6 +610,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                 }
             };
 #else
+            const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
             const auto copy_weights = [&](int stage, int kt, unsigned bar) {
 #pragma unroll
                 for (int r = lane; r < BN; r += 32) {  // gate/up: rows [0, BN/2) gate, the rest their up rows

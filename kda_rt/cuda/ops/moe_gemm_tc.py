@@ -254,12 +254,14 @@ def decode_ws(tile: TileConfig | None = None, e4m3: bool = False) -> int:
     return form
 
 
-def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bool = False):
-    """The moe_decode_fused variant (built on first use; the runner builds them at start)."""
+def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bool = False, form: int | None = None):
+    """The moe_decode_fused variant (built on first use; the runner builds them at start); form: decode_ws's (None: asked
+    here)."""
+    form = decode_ws(tile, e4m3) if form is None else form
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
-                      **({"DEC_WS": form} if (form := decode_ws(tile, e4m3)) else {}))
+                      **({"DEC_WS": form} if form else {}))
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
@@ -296,7 +298,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
                          f"{' with e4m3 weights' if e4m3 else ''}")
     items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
     form = decode_ws(tile, e4m3)  # (DEC_WS: the consumer warps and one producer warp)
-    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3), 32 * (tile.warps_m * tile.warps_n + (form > 0))
+    kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3, form), 32 * (tile.warps_m * tile.warps_n + (form > 0))
     if ctas is not None and ctas < 1:
         raise ValueError(f"moe_decode_fused: ctas must be >= 1, got {ctas}")
     if not ctas:
