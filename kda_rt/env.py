@@ -157,17 +157,13 @@ def down_gemv() -> bool:
     return _on_off("KDA_RT_DOWN_GEMV")
 
 
-def moe_decode_ws() -> int:
-    """KDA_RT_MOE_DECODE_WS: moe_decode_fused (the batch 2-64 decode MoE kernel) with a producer warp that copies every
-    k step's rows into mbarrier-guarded stages, so that the computing warps issue no copies and share no CTA-wide
-    barrier a step (kernels_cu/moe_gemm_tc.cu DEC_WS; sm_90+, elsewhere the plain form): 1 copies each weight row by a
-    bulk copy, 2 the weight rows by two tensor-map copies a step (stages in the 128-byte swizzle; where a k step is
-    not 128 bytes a row, 1); default 0, the plain form (prepared 2026-12-03, not yet run).  The outputs are the same
-    bits every way.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
-    value = os.environ.get("KDA_RT_MOE_DECODE_WS") or "0"
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"KDA_RT_MOE_DECODE_WS must be 0, 1 or 2, got {value!r}")
-    return int(value)
+def moe_decode_ws() -> bool:
+    """KDA_RT_MOE_DECODE_WS: 0 runs moe_decode_fused (the batch 2-64 decode MoE kernel) in its plain form, every warp
+    copying and computing with a CTA-wide barrier a k step, instead of the producer-warp form (kernels_cu/moe_gemm_tc.cu
+    DEC_WS: one warp fills mbarrier-guarded stages by tensor-map copies; sm_90+ with 128-byte k steps, elsewhere the
+    plain form); default 1 (H200: 2-4% faster, tests/gpu/decode_ws_check.sh).  The outputs are the same bits either
+    way.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_DECODE_WS")
 
 
 def down_warps(default: int) -> int:

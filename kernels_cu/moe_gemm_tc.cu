@@ -109,9 +109,9 @@ typedef bf16 wtype;
 #error "moe_gemm_tc.cu: E4M3_CVT = 1 needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
 #endif
 
-// B_SWZ (set by DEC_WS = 2): the B stages hold 128-byte rows in the tensor maps' 128-byte swizzle (16-byte chunk c of
+// B_SWZ (set by DEC_WS): the B stages hold 128-byte rows in the tensor maps' 128-byte swizzle (16-byte chunk c of
 // stage row r at chunk c ^ (r mod 8), the stage 1024-byte aligned) instead of padded rows LDW apart
-#if defined(DEC_WS) && DEC_WS == 2
+#if defined(DEC_WS) && DEC_WS
 #define B_SWZ 1
 #else
 #define B_SWZ 0
@@ -447,7 +447,10 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 #define DEC_WS 0
 #endif
 #if DEC_WS && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#error "moe_gemm_tc.cu: DEC_WS = 1 needs sm_90 or newer (bulk copies, mbarriers)"
+#error "moe_gemm_tc.cu: DEC_WS = 1 needs sm_90 or newer (tensor-map and bulk copies, mbarriers)"
+#endif
+#if DEC_WS != 0 && DEC_WS != 1
+#error "moe_gemm_tc.cu: DEC_WS must be 0 (every warp copies) or 1 (a producer warp, tensor-map copies)"
 #endif
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
@@ -507,30 +510,28 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
     }
 }
 #else
-// DEC_WS = 1 (sm_90+; KDA_RT_MOE_DECODE_WS, opt-in until measured): the same items, products and stores, with the
-// copies taken off the computing warps.  A fifth warp (the producer) claims the items, and for each k step of an
-// item waits until its stage is free (empty[stage]: each of the WARPS consumer warps arrives once it has read the
-// stage), then copies the step's weight rows and the item's valid A rows into it with one bulk copy a row
-// (cp.async.bulk, completing on full[stage]; the stage's item id written before the arrival that sets its bytes).
-// The consumer warps wait on full[stage] alone, with no CTA-wide barrier a step, so a warp that is done with a stage
-// goes on to the next while the others finish.  A rows past the tile end are not copied: whatever the stage held
-// there only reaches accumulator rows that are never stored (an mma row of C reads only its row of A).  Down items:
-// the producer copies the first STAGES steps' weights (their stages' bytes expected, no arrival yet), waits for the
-// tile's gate/up items (sync[1 + tile], acquire), orders the generic stores it then sees before its bulk reads of h
+// DEC_WS = 1 (sm_90+, the default where the tile takes it: moe_gemm_tc.py decode_ws, KDA_RT_MOE_DECODE_WS): the
+// same items, products and stores, with the copies taken off the computing warps.  A fifth warp (the producer)
+// claims the items, and for each k step of an item waits until its stage is free (empty[stage]: each of the WARPS
+// consumer warps arrives once it has read the stage), then copies the step's weight rows by two tensor-map copies
+// (map13 / map2: tensor maps over w13 / w2 as [E·NOUT, K] rows, boxes of BN/2 rows x 128 bytes, ops/tma.py; the B
+// stages in their 128-byte swizzle, B_SWZ) and the item's valid A rows by one bulk copy a row, all completing on
+// full[stage] (the stage's item id written before the arrival that sets its bytes).  The consumer warps wait on
+// full[stage] alone, with no CTA-wide barrier a step, so a warp that is done with a stage goes on to the next while
+// the others finish.  A rows past the tile end are not copied: whatever the stage held there only reaches
+// accumulator rows that are never stored (an mma row of C reads only its row of A).  Down items: the producer
+// copies the first STAGES steps' weights (their stages' bytes expected, no arrival yet), waits for the tile's
+// gate/up items (sync[1 + tile], acquire), orders the generic stores it then sees before its bulk reads of h
 // (fence.proxy.async), then arrives with h's bytes; a gate/up item's consumers count it done after their stores
 // (barrier of the consumer warps, fence, atomicAdd).  The waits end as in the plain form: the producer issues
 // every step of an item before it claims the next, so a claimed gate/up item finishes without help.
 // After the last item the producer passes the CTA an item id past the end through the next stage.
-// DEC_WS = 2: the weight rows by two tensor-map copies a step instead of BN bulk copies (map13 / map2: tensor maps
-// over w13 / w2 as [E·NOUT, K] rows, boxes of BN/2 rows x 128 bytes, ops/tma.py), the B stages in their 128-byte
-// swizzle (B_SWZ); a warp issues each bulk copy as a loop over its lanes (ELECT, R2UR, UBLKCP), ~144 a step.
+// H200, 2026-12-03 (tests/gpu/decode_ws_check.sh): e4m3 T = 32 292.4 -> 284.8 us (68 experts: 131.5 -> 126.9),
+// bf16 556.3 -> 533.4; the full model's decode replays fp8 batch 32 5.920 -> 5.785 ms, bf16 8.220 -> 8.037.  A
+// bulk copy a weight row instead (~144 a step, each a loop over the lanes in SASS) ran 3-4x slower.
 #define CONSUMERS (WARPS_M * WARPS_N)
-#if B_SWZ
 #define SB_STAGE (BN * 128 / (int)sizeof(wtype))  // elements of a B stage
-static_assert(BK * sizeof(wtype) == 128 && BN / 2 <= 256, "DEC_WS = 2: one 128-byte k step a row, boxes of <= 256 rows");
-#else
-#define SB_STAGE (BN * LDW)
-#endif
+static_assert(BK * sizeof(wtype) == 128 && BN / 2 <= 256, "DEC_WS: one 128-byte k step a row, boxes of <= 256 rows");
 
 static_assert(BM <= 32 && HIDDEN % BK == 0 && INTER % BK == 0 && INTER % (BN / 2) == 0 && HIDDEN % BN == 0,
               "DEC_WS: one producer lane an A row (BM <= 32), whole k steps and feature blocks");
@@ -556,12 +557,9 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
     KDA_PDL_ENTRY();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [STAGES][BM][LDS]
-#if B_SWZ  // [STAGES][BN][128 bytes], 1024-byte aligned (the launcher's allocation leaves the room)
+    // [STAGES][BN][128 bytes], 1024-byte aligned (the launcher's allocation leaves the room)
     unsigned char* sb_raw = smem_raw + STAGES * BM * LDS * 2;
     wtype* sb = reinterpret_cast<wtype*>(sb_raw + ((1024u - (smem_addr(sb_raw) & 1023u)) & 1023u));
-#else
-    wtype* sb = reinterpret_cast<wtype*>(sa + STAGES * BM * LDS);  // [STAGES][BN][LDW]
-#endif
     __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
     __shared__ int stage_item[STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -598,7 +596,6 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
             const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
             const unsigned wbytes = BN * BK * sizeof(wtype), abytes = nrows * BK * 2;
-#if B_SWZ
             // two boxes of BN/2 rows x one k step (gate/up: the gate rows, then their up rows HALF rows on)
             const void* map = gate_up ? map13 : map2;
             const int row_a = e * nout + f0, row_b = row_a + (gate_up ? half : BN / 2);
@@ -609,17 +606,6 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                     tma_load_2d(dst + BN / 2 * 128, map, kt * BK, row_b, bar);
                 }
             };
-#else
-            const wtype* wbase = (gate_up ? w13 : w2) + ((size_t)e * nout + f0) * K_;
-            const auto copy_weights = [&](int stage, int kt, unsigned bar) {
-#pragma unroll
-                for (int r = lane; r < BN; r += 32) {  // gate/up: rows [0, BN/2) gate, the rest their up rows
-                    const int off = gate_up && r >= BN / 2 ? half - BN / 2 + r : r;
-                    bulk_copy_g2s(smem_addr(sb + (stage * BN + r) * LDW), wbase + (size_t)off * K_ + kt * BK,
-                                  BK * sizeof(wtype), bar);
-                }
-            };
-#endif
             // down items: the first steps' weights before the wait for h (no kernel's output), each stage held open
             // by its missing arrival until its h rows are copied too (the plain form's EARLY)
             const int early = gate_up ? 0 : min(STAGES, KT);

@@ -385,12 +385,12 @@ def fused_plan(ids, E):
     return plan, sync
 
 
-DECODE_FORMS = {"plain": "0", "ws": "1", "ws-tma": "2"}
+DECODE_FORMS = {"plain": "0", "ws": "1"}
 
 
 def use_decode_ws(form, monkeypatch):
-    """moe_decode_fused's form for a test: "plain", "ws" (the producer warp, KDA_RT_MOE_DECODE_WS = 1; sm_90+) or
-    "ws-tma" (its weight rows by tensor-map copies, = 2; a tile without 128-byte k steps runs "ws")."""
+    """moe_decode_fused's form for a test: "plain" (KDA_RT_MOE_DECODE_WS = 0) or "ws" (the producer warp's tensor-map
+    copies, = 1, the default on sm_90+; a tile without 128-byte k steps runs "plain")."""
     from kda_rt.cuda.ops.moe_gemm_tc import decode_ws
 
     monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", DECODE_FORMS[form])
@@ -401,7 +401,7 @@ def use_decode_ws(form, monkeypatch):
 @pytest.mark.parametrize("form", list(DECODE_FORMS))
 @pytest.mark.parametrize("name", list(FUSED))
 def test_moe_decode_fused(name, form, big_weights, monkeypatch):
-    """ws / ws-tma: the producer-warp forms (bulk or tensor-map copies into mbarrier-guarded stages), the same bits."""
+    """ws: the producer-warp form (tensor-map copies into mbarrier-guarded stages), the same bits as plain."""
     import cupy
 
     from helpers.gpu import to_gpu_bf16

@@ -236,22 +236,21 @@ def sync_words(num_pairs: int, num_bins: int) -> int:
 
 
 def decode_ws(tile: TileConfig | None = None, e4m3: bool = False) -> int:
-    """moe_decode_fused's producer-warp form (moe_gemm_tc.cu DEC_WS): the KDA_RT_MOE_DECODE_WS switch on sm_90+, else 0;
-    2 (tensor-map weight copies) only where `tile` takes it (128-byte k steps, the swizzled stages' 1024-byte
-    alignment within the tile's shared memory), else 1."""
-    form = env.moe_decode_ws()
-    if not form:
+    """1 where moe_decode_fused runs its producer-warp form (moe_gemm_tc.cu DEC_WS: tensor-map weight copies into
+    128-byte-swizzled stages): sm_90+, KDA_RT_MOE_DECODE_WS on (the default), and `tile` (when given) with 128-byte
+    k steps and the swizzled stages' 1024-byte alignment within its shared memory; else 0 (the plain form)."""
+    if not env.moe_decode_ws():
         return 0
     import cupy
 
     if compute_capability(cupy.cuda.Device().id) < 90:
         return 0
-    if form == 2 and tile is not None:
+    if tile is not None:
         a_bytes = tile.stages * tile.bm * (tile.bk + 8) * 2
         swizzled = a_bytes + 1023 + tile.stages * tile.bn * 128
         if tile.bk * (1 if e4m3 else 2) != 128 or tile.bn // 2 > 256 or swizzled > tile.smem(e4m3):
-            return 1
-    return form
+            return 0
+    return 1
 
 
 def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bool = False, form: int | None = None):
@@ -310,7 +309,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     grid = min(items, ctas)
     null = np.uint64(0)
     maps = (null, null)
-    if form == 2:  # (encoded once per weight and stream and never evicted: a decode graph keeps their addresses)
+    if form:  # (encoded once per weight and stream and never evicted: a decode graph keeps their addresses)
         from kda_rt.cuda.ops.tma import map_2d_swizzled
 
         maps = tuple(np.uint64(map_2d_swizzled(w, tile.bn // 2, name, stream=stream, keep=True).data.ptr)
