@@ -35,7 +35,8 @@
 // Shapes / dtypes: src bf16 ([T, K] x when FUSE_SILU, else [N, K] h); weight bf16 [E, NOUT, K];
 //   dst bf16 [N, HALF] (FUSE_SILU) or bf16 [N, NOUT] (y, one bf16 rounding per expert row as HF's expert output); plan arrays int32 (moe_align.cu).
 // Compile-time constants: K, NOUT, FUSE_SILU, TOPK, BM, BN, BK, STAGES, WARPS_M, WARPS_N, MIN_BLOCKS, EARLY_B (0/1),
-// WFMT and E4M3_CVT (below); moe_decode_fused: FUSED_DECODE = 1, HIDDEN (D), INTER (I) instead of K, NOUT, FUSE_SILU.
+// WFMT and E4M3_CVT (below); moe_decode_fused: FUSED_DECODE = 1, HIDDEN (D), INTER (I) instead of K, NOUT, FUSE_SILU,
+// and DEC_WS (0/1: its producer-warp form, below).
 //
 // WFMT = 1: the weights in e4m3 (uint8 bits, [E, NOUT, K]) with one fp32 scale a weight row (scale [E, NOUT],
 // loader/quant.py), as moe_gemv.cu's WFMT = 1.  The B stages hold the e4m3 bytes (half the bf16 bytes: BK bytes a row,
@@ -511,7 +512,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 }
 #else
 // DEC_WS = 1 (sm_90+, the default where the tile takes it: moe_gemm_tc.py decode_ws, KDA_RT_MOE_DECODE_WS): the
-// same items, products and stores, with the copies taken off the computing warps.  A fifth warp (the producer)
+// same items, products and stores, with the copies taken off the computing warps.  One more warp (the producer)
 // claims the items, and for each k step of an item waits until its stage is free (empty[stage]: each of the WARPS
 // consumer warps arrives once it has read the stage), then copies the step's weight rows by two tensor-map copies
 // (map13 / map2: tensor maps over w13 / w2 as [E·NOUT, K] rows, boxes of BN/2 rows x 128 bytes, ops/tma.py; the B

@@ -9,7 +9,7 @@
 #      the columns whose tile has no 128-byte k steps run the plain form either way);
 #   3. the full 27-layer model's decode graphs (tests/gpu/bench_ab.py --env KDA_RT_MOE_DECODE_WS 0,1): fp8 at batch
 #      8 and 32, bf16 at batch 32.
-# H200, 2026-12-03: 64 kernel tests passed; e4m3 T = 32 292.4 -> 284.8 us, bf16 556.3 -> 533.4; replays fp8 batch 32
+# H200, 2026-12-03 (then with forms 0 / 1 / 2: 64 kernel tests passed): e4m3 T = 32 292.4 -> 284.8 us, bf16 556.3 -> 533.4; replays fp8 batch 32
 # 5.920 -> 5.785 ms, bf16 8.220 -> 8.037 (a bulk copy a weight row instead of the tensor maps: 3-4x slower, dropped).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/decode_ws_check.sh

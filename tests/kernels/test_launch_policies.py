@@ -124,6 +124,8 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     for mod in (align, tc, wg, route, gemv):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: arch)
+    monkeypatch.setattr(tc, "device_arch", lambda: arch)
+    monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     assert moe.precompile(cfg, 2304, 1024, fused=True) == 20 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
@@ -152,9 +154,10 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     buckets = sorted(kw["BT"] for f, kw in built if f == "moe_align.cu")
     assert buckets == [16, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
                                             for f, kw in built if f == "moe_align.cu")
-    fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"]) for f, kw in built
+    fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"], kw.get("DEC_WS")) for f, kw in built
                    if kw.get("FUSED_DECODE"))
-    assert fused == [(64, 6, 2304, 1024, 9), (128, 4, 2304, 1024, 9)]
+    # both 16-row tiles take 128-byte k steps: the producer-warp form (DEC_WS, sm_90+) for each
+    assert fused == [(64, 6, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1)]
     gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
                    if "gemm" in f and not kw.get("FUSED_DECODE"))
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
@@ -182,8 +185,12 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     for mod in (align, tc, wg, route, gemv, quant, rms):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
     monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(tc, "device_arch", lambda: "sm_90a")
+    monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=True)
+    # the e4m3 fused decode kernel (128-code k steps: 128 bytes) in its producer-warp form
+    assert [(kw["BK"], kw["WFMT"], kw.get("DEC_WS")) for f, n, kw in built if kw.get("FUSED_DECODE")] == [(128, 1, 1)]
     wgs = sorted((kw["K"], kw["FUSE_SILU"], kw["WFMT"]) for f, n, kw in built if f == "moe_gemm_wg.cu")
     want = [(2304, 1, 1), (1024, 0, 1)] + ([(2304, 1, 2), (1024, 0, 2)] if fp8_prefill == "1" else [])
     assert wgs == sorted(want)
@@ -928,3 +935,24 @@ def test_moe_a_tma_switch_reaches_the_define(monkeypatch):
     seen.clear()
     wg_ops.wg_kernel(tile, 1024, 2304, False, 8, src_map=True)  # src_map never builds A_TMA without B_TMA
     assert "A_TMA" not in seen[0] and "B_TMA" not in seen[0]
+
+
+def test_decode_ws_form_by_arch_tile_and_switch(monkeypatch):
+    """moe_decode_fused's producer-warp form (moe_gemm_tc.cu DEC_WS): on sm_90+ with KDA_RT_MOE_DECODE_WS on (the
+    default) for tiles with 128-byte k steps (bf16 BK 64, e4m3 BK 128), at most 256-row boxes and room for the
+    swizzled stages' 1024-byte alignment; else the plain form (0)."""
+    import kda_rt.cuda.ops.moe_gemm_tc as tc
+
+    monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
+    bf16_tile, e4m3_tile = tc.TileConfig(16, 128, 64, 4, 1, 4, 2), tc.TileConfig(16, 128, 128, 3, 1, 4, 3)
+    for arch, on in (("sm_80", 0), ("sm_89", 0), ("sm_90a", 1), ("sm_100a", 1)):
+        monkeypatch.setattr(tc, "device_arch", lambda a=arch: a)
+        assert tc.decode_ws() == on and tc.decode_ws(bf16_tile) == on and tc.decode_ws(e4m3_tile, True) == on
+    assert tc.decode_ws(tc.TileConfig(16, 64, 64, 6, 1, 2, 3)) == 1  # the small-batch tile
+    assert tc.decode_ws(bf16_tile, True) == 0  # e4m3 codes with a 64-wide k step: 64-byte rows
+    assert tc.decode_ws(e4m3_tile) == 0  # bf16 with a 128-wide k step: 256-byte rows
+    assert tc.decode_ws(tc.TileConfig(16, 1024, 64, 2, 1, 4, 1)) == 0  # boxes of 512 rows
+    # the padded rows' slack (16 bytes a B row a stage) must hold the 1023 bytes of alignment: 1 stage x 32 rows not
+    assert tc.decode_ws(tc.TileConfig(16, 32, 64, 1, 1, 2, 1)) == 0 and tc.decode_ws(tc.TileConfig(16, 64, 64, 1, 1, 2, 1)) == 1
+    monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", "0")
+    assert tc.decode_ws(bf16_tile) == 0

@@ -406,7 +406,7 @@ def test_moe_decode_fused(name, form, big_weights, monkeypatch):
 
     from helpers.gpu import to_gpu_bf16
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.moe_gemm_tc import fused_decode_tile, moe_decode_fused, moe_gemm_tc
+    from kda_rt.cuda.ops.moe_gemm_tc import decode_ws, fused_decode_tile, moe_decode_fused, moe_gemm_tc
 
     use_decode_ws(form, monkeypatch)
 
@@ -420,6 +420,7 @@ def test_moe_decode_fused(name, form, big_weights, monkeypatch):
         w2 = rand_bf16(crng, (E, D, inter), 1 / np.sqrt(inter))
     tile = fused_decode_tile(T, D, inter)
     assert tile is not None and tile.bm == 16, f"{name}: no fused decode tile"
+    assert decode_ws(tile) == (form == "ws"), f"{name}: the {form} form does not run on {tile}"
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)
@@ -487,6 +488,8 @@ def test_moe_decode_fused_e4m3(name, convert, form, monkeypatch):
     q2, s2 = e4m3_stack(crng, rng, E, D, inter, subnormal)
     tile = mod.fused_e4m3_tile(mod.fused_decode_tile(T, D, inter), [(2 * inter, D, True), (D, inter, False)])
     assert tile is not None and tile.bm == 16, f"{name}: no e4m3 decode tile"
+    # (the I % 128 != 0 case's fallback tile has 64-byte k steps: the plain form either way)
+    assert mod.decode_ws(tile, True) == (form == "ws" and name != "T8-D512-I320-E16"), f"{name}: {form} on {tile}"
     x_np = bf16_round(rng.normal(size=(T, D)))
     x = to_gpu_bf16(x_np)
     ids = make_ids(T, E, A, skewed, rng)

@@ -15,7 +15,7 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect
-from kda_rt.cuda.ops.compile import compute_capability, get_kernel, sm_count
+from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
@@ -239,11 +239,7 @@ def decode_ws(tile: TileConfig | None = None, e4m3: bool = False) -> int:
     """1 where moe_decode_fused runs its producer-warp form (moe_gemm_tc.cu DEC_WS: tensor-map weight copies into
     128-byte-swizzled stages): sm_90+, KDA_RT_MOE_DECODE_WS on (the default), and `tile` (when given) with 128-byte
     k steps and the swizzled stages' 1024-byte alignment within its shared memory; else 0 (the plain form)."""
-    if not env.moe_decode_ws():
-        return 0
-    import cupy
-
-    if compute_capability(cupy.cuda.Device().id) < 90:
+    if not env.moe_decode_ws() or arch_number(device_arch()) < 90:  # (the arch the kernels are built for)
         return 0
     if tile is not None:
         a_bytes = tile.stages * tile.bm * (tile.bk + 8) * 2
