@@ -6,21 +6,25 @@ import pytest
 
 from kda_rt import env
 
+_ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.moe_decode_ws)]  # (default on)
 
+
+@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES)
 @pytest.mark.parametrize(("value", "expected"), [(None, True), ("", True), ("1", True), ("0", False)])
-def test_wgmma_switch(monkeypatch, value, expected):
+def test_on_off_switches(monkeypatch, name, read, value, expected):
     if value is None:
-        monkeypatch.delenv("KDA_RT_WGMMA", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("KDA_RT_WGMMA", value)
-    assert env.wgmma() is expected
+        monkeypatch.setenv(name, value)
+    assert read() is expected
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "off"])
-def test_wgmma_switch_rejects_other_values(monkeypatch, value):
-    monkeypatch.setenv("KDA_RT_WGMMA", value)
-    with pytest.raises(ValueError, match="KDA_RT_WGMMA must be 0 or 1"):
-        env.wgmma()
+@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES)
+@pytest.mark.parametrize("value", ["yes", "2", "off", "-1"])
+def test_on_off_switches_reject_other_values(monkeypatch, name, read, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+        read()
 
 
 _MAX_T_SWITCHES = [("KDA_RT_FUSED_NORM_MAX_T", env.fused_norm_max_t), ("KDA_RT_ROUTE_NORM_MAX_T", env.route_norm_max_t)]
@@ -115,19 +119,3 @@ def test_tma_l2_promotion_switch(monkeypatch):
     monkeypatch.setenv("KDA_RT_TMA_L2_PROMOTION", "512")
     with pytest.raises(ValueError, match="KDA_RT_TMA_L2_PROMOTION must be none, 64, 128 or 256"):
         env.tma_l2_promotion()
-
-
-@pytest.mark.parametrize(("value", "expected"), [(None, True), ("", True), ("0", False), ("1", True)])
-def test_decode_ws_switch(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
-    else:
-        monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", value)
-    assert env.moe_decode_ws() == expected
-
-
-@pytest.mark.parametrize("value", ["2", "yes", "-1"])
-def test_decode_ws_switch_rejects_other_values(monkeypatch, value):
-    monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", value)
-    with pytest.raises(ValueError, match="KDA_RT_MOE_DECODE_WS must be 0 or 1"):
-        env.moe_decode_ws()
