@@ -593,6 +593,20 @@ def skinny_wide() -> bool:
     return _on_off("KDA_RT_SKINNY_WIDE")
 
 
+def skinny_ws() -> bool:
+    """KDA_RT_SKINNY_WS: 0 runs the 9-32-row projections on skinny_gemm_cl (every warp loads its weight rows into
+    registers) instead of skinny_gemm_ws, where one producer warp streams the weights by tensor-map copies and x by bulk
+    copies through a ring in shared memory (kernels_cu/skinny_gemm.cu; sm_90+, k slices of 128); default 1.  Read at
+    each call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_SKINNY_WS")
+
+
+def skinny_ws_min_k() -> int:
+    """KDA_RT_SKINNY_WS_MIN_K (a bench switch): skinny_gemm_ws only for projections of at least this K (the rest on
+    skinny_gemm_cl); default 0 (every K).  Read at each call."""
+    return _non_negative_int("KDA_RT_SKINNY_WS_MIN_K", 0)
+
+
 def mla_early_weights() -> bool:
     """KDA_RT_MLA_EARLY_WEIGHTS (a bench switch): 1 builds the small-step MLA up-projections (mla_absorb_q,
     mla_expand_out) so that they load their kv_b rows before the programmatic-launch wait (kernels_cu/mla_attn.cu

@@ -53,8 +53,8 @@
 //   here (in the graph cuBLAS ran it as split-K + reduce: 246 + 54 us per batch-32 step in the traces).
 #include "common.cuh"
 
-#if !defined(OUT_F32) || !defined(WARPS) || (!defined(UNROLL) && !defined(SROWS))
-#error "skinny_gemm.cu needs -DOUT_F32 -DWARPS and -DUNROLL (skinny_gemm, skinny_gemm_cl) or -DSROWS -DSK"
+#if !defined(OUT_F32) || !defined(WARPS) || (!defined(UNROLL) && !defined(SROWS) && !defined(SKWS))
+#error "skinny_gemm.cu needs -DOUT_F32 -DWARPS and -DUNROLL (skinny_gemm, skinny_gemm_cl), -DSROWS -DSK or -DSKWS"
 #endif
 #define FT 16  // output features per CTA (one mma m-tile)
 
@@ -128,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf
 }
 #endif
 
-#ifdef SPLITS
+#if defined(SPLITS) && !defined(SKWS)
 #define MT (FPC / 16)           // m-tiles of 16 features per CTA
 #define WPM (WARPS / MT)        // warps per m-tile: each a k part of the CTA's slice
 #define KW (KS / WPM)           // k per warp
@@ -350,6 +350,171 @@ skinny_gemm_staged(const bf16* __restrict__ x, int ldx, const bf16* __restrict__
         static_cast<float*>(out)[(size_t)tok * ldo + n0 + f] = s;
 #else
         static_cast<bf16*>(out)[(size_t)tok * ldo + n0 + f] = to_bf16(s);
+#endif
+    }
+}
+#endif
+
+#ifdef SKWS
+// skinny_gemm_ws (SKWS defined) — skinny_gemm_cl's product (9 ≤ M ≤ 8·NT rows, K split over a cluster of SPLITS CTAs,
+// the same grid and cluster reduction) with its inputs streamed through shared memory by a producer warp (sm_90+).
+// Why: skinny_gemm_cl at 32 rows streams o_proj (4096 -> 2304, 18.9 MB) at ~1.9 TB/s, and at ~2.2 TB/s when the weight
+// sits in L2 (tests/gpu/bench_skinny.py --l2): its time is its chain of round trips, not the bytes.  Under ncu
+// (tests/gpu/ncu_skinny.sh, H200, 2026-12-04) 45% of its warps' stall samples are long-scoreboard waits and 18% sit on
+// the OR that feeds the programmatic-launch wait (KDA_PDL_WAIT_AFTER): every thread waits for its first weight group
+// to land before it stages x, then streams the rest two register groups deep; 15% of the SM's warps are active.
+//   Here one more warp (the producer) runs the pipeline: before the programmatic-launch wait it issues the tensor-map
+// copies (TMA, 128-byte swizzle) of the weights of the first RING ring entries, then waits, then issues every entry's
+// x copies and, once an entry is free again, the next entry's weights and x.  An entry is one k step of 128: FPC
+// weight rows and 8·NT x rows, each as two 64-column boxes (x's map has M rows: the copy zero-fills the rest; one
+// bulk copy per x row instead, 32 an entry, ran o_proj at 32 rows in 15.3 us against skinny_gemm_cl's 9.9: a warp
+// issues bulk copies one lane at a time).  Consumer
+// warp w (of WARPS = 8) takes the k16 slice w of every entry for all FPC / 16 m-tiles and NT n-tiles (ldmatrix
+// fragments, mma.sync), so each weight and x byte is read from shared memory once; the warps' partial tiles are
+// summed in warp order (over the ring's bytes, once every entry is consumed), then the cluster reduction of
+// skinny_gemm_cl (fixed order: deterministic; the k grouping differs from skinny_gemm_cl's, so the bits may too).
+// Compile-time constants: OUT_F32, WARPS (8), SPLITS, FPC (32 or 64), KS (k per CTA, a multiple of 128), NT (2 or 4),
+// RING (entries).  The launcher passes tensor maps over w [N, K] (boxes of FPC rows x 64 columns) and x [M, K] (rows
+// ldx apart, boxes of 8·NT rows x 64 columns) and _ws_smem bytes of dynamic shared memory (1024-byte alignment slack
+// + the ring + the reduction slots).
+#define WS_STEP 128                           // k per ring entry: one k16 slice per consumer warp
+#define WS_NSTEP (KS / WS_STEP)               // entries per CTA
+#define WS_MT (FPC / 16)                      // m-tiles
+#define WS_MP (8 * NT)                        // staged x rows
+#define WS_WBYTES (FPC * WS_STEP * 2)         // an entry's weights: two boxes of FPC rows x 128 bytes
+#define WS_XBYTES (WS_MP * WS_STEP * 2)       // an entry's x rows: two boxes of 8·NT rows x 128 bytes
+#define WS_ELEMS (WS_MP * FPC)                // partial sums of a CTA
+#define WS_PP (FPC + 4)                       // floats per token row of a warp's partial tile (4 mod 16: the 32 lanes'
+                                              // stores, tokens 2c apart, fall on distinct banks)
+#define WS_PER_RANK ((WS_ELEMS + SPLITS - 1) / SPLITS)
+#define WS_RING_BYTES (RING * (WS_WBYTES + WS_XBYTES))
+static_assert(WARPS == 8 && KS % WS_STEP == 0 && (FPC == 32 || FPC == 64) && (NT == 2 || NT == 4) && RING >= 1,
+              "skinny_gemm_ws: 8 consumer warps, KS a multiple of 128, FPC 32 or 64, NT 2 or 4");
+static_assert(WARPS * WS_MP * WS_PP * 4 <= WS_RING_BYTES, "skinny_gemm_ws: the warps' partials fit over the ring");
+
+__device__ __forceinline__ void ws_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// bytes that copies completing on bar will bring, without an arrival (the phase stays open until one)
+__device__ __forceinline__ void ws_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+extern "C" __global__ void __cluster_dims__(1, SPLITS, 1) __launch_bounds__((WARPS + 1) * 32, 2)
+skinny_gemm_ws(const void* xmap, const void* wmap, void* __restrict__ out, int ldo, int M) {
+    KDA_PDL_ENTRY_DEFERRED();  // the weights are no kernel's output: their first copies go out before the wait
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* ring = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // (the swizzle's alignment)
+    unsigned char* wst = ring;                                // [RING][2 boxes][FPC][128 bytes]
+    unsigned char* xst = ring + RING * WS_WBYTES;             // [RING][2 boxes][WS_MP][128 bytes]
+    float* part = reinterpret_cast<float*>(ring);             // [WARPS][WS_MP][WS_PP], over the ring after the loop
+    float* red = reinterpret_cast<float*>(ring + WS_RING_BYTES);  // [SPLITS][WS_PER_RANK]
+    __shared__ __align__(8) unsigned long long full[RING], empty[RING];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int split = blockIdx.y, kcta = split * KS, n0 = blockIdx.x * FPC;
+    if (tid == 0) {
+        for (int s = 0; s < RING; ++s) mbar_init(smem_addr(full + s), 1), mbar_init(smem_addr(empty + s), WARPS);
+    }
+    __syncthreads();
+    cluster_arrive_relaxed();  // "started": waited for before the first remote store
+
+    if (warp == WARPS) {  // the producer warp
+        const int pre = WS_NSTEP < RING ? WS_NSTEP : RING;
+        const auto copy_weights = [&](int s, unsigned bar) {
+            const unsigned dst = smem_addr(wst + (s % RING) * WS_WBYTES);
+            tma_load_2d(dst, wmap, kcta + s * WS_STEP, n0, bar);
+            tma_load_2d(dst + FPC * 128, wmap, kcta + s * WS_STEP + 64, n0, bar);
+        };
+        const auto copy_x = [&](int s, unsigned bar) {
+            const unsigned dst = smem_addr(xst + (s % RING) * WS_XBYTES);
+            tma_load_2d(dst, xmap, kcta + s * WS_STEP, 0, bar);
+            tma_load_2d(dst + WS_MP * 128, xmap, kcta + s * WS_STEP + 64, 0, bar);
+        };
+        if (lane == 0) {
+            for (int s = 0; s < pre; ++s) ws_expect_tx(smem_addr(full + s), WS_WBYTES), copy_weights(s, smem_addr(full + s));
+            KDA_PDL_WAIT();  // x only after the kernel before has finished
+            for (int s = 0; s < WS_NSTEP; ++s) {
+                const int slot = s % RING;
+                const unsigned bar = smem_addr(full + slot);
+                if (s >= pre) {
+                    mbar_wait(smem_addr(empty + slot), ((s / RING) & 1) ^ 1);
+                    mbar_arrive_expect_tx(bar, WS_WBYTES + WS_XBYTES), copy_weights(s, bar);
+                } else {
+                    mbar_arrive_expect_tx(bar, WS_XBYTES);
+                }
+                copy_x(s, bar);
+            }
+        }
+        __syncwarp();
+        cluster_wait();  // (the producer takes part in the cluster barriers below; it stores nothing)
+        cluster_arrive();
+        cluster_wait();
+        return;
+    }
+
+    KDA_PDL_WAIT();  // (nothing here reads an earlier kernel's output but through the producer; the stores come last)
+    const int g = lane >> 2, c = lane & 3;
+    float acc[WS_MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < WS_MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+    // ldmatrix lanes: A (weights) row (lane mod 16) of the m-tile at k half lane / 16; B (x) token (lane mod 8) +
+    // 8·(lane / 16) of the n-tile pair at k half (lane / 8) mod 2
+    const int arow = lane & 15, ahalf = lane >> 4;
+    const int aunit = ((2 * warp + ahalf) & 7) ^ (arow & 7), abox = (2 * warp + ahalf) >> 3;
+    const int brow = (lane & 7) + 8 * (lane >> 4), bhalf = (lane >> 3) & 1;
+    const int bunit = ((2 * warp + bhalf) & 7) ^ (brow & 7), bbox = (2 * warp + bhalf) >> 3;
+    for (int s = 0; s < WS_NSTEP; ++s) {
+        const int slot = s % RING;
+        mbar_wait(smem_addr(full + slot), (s / RING) & 1);
+        const unsigned char* we = wst + slot * WS_WBYTES + abox * (FPC * 128) + arow * 128 + aunit * 16;
+        const unsigned char* xe = xst + slot * WS_XBYTES + bbox * (WS_MP * 128) + brow * 128 + bunit * 16;
+        unsigned b[NT / 2][4];
+#pragma unroll
+        for (int p = 0; p < NT / 2; ++p) ldmatrix_x4(b[p], xe + p * 16 * 128);
+#pragma unroll
+        for (int mt = 0; mt < WS_MT; ++mt) {
+            unsigned a[4];
+            ldmatrix_x4(a, we + mt * 16 * 128);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) mma_bf16(acc[mt][j], a, b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
+        }
+        __syncwarp();
+        if (lane == 0) ws_arrive(smem_addr(empty + slot));
+    }
+    asm volatile("barrier.sync 1, %0;" ::"n"(WARPS * 32) : "memory");  // every entry consumed: the ring is free
+    // acc[mt][j] = {(feature 16mt + g, token 8j + 2c), (.., 8j + 2c + 1), (16mt + g + 8, 8j + 2c), (.., 8j + 2c + 1)}
+    float* pw = part + warp * (WS_MP * WS_PP);  // [WS_MP][WS_PP]
+#pragma unroll
+    for (int mt = 0; mt < WS_MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pw[(8 * j + 2 * c + (e & 1)) * WS_PP + 16 * mt + g + 8 * (e >> 1)] = acc[mt][j][e];
+    asm volatile("barrier.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
+    cluster_wait();  // every CTA of the cluster has started: its shared memory takes remote stores
+    for (int i = tid; i < WS_ELEMS; i += WARPS * 32) {
+        const int pi = i / FPC * WS_PP + i % FPC;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v += part[w * (WS_MP * WS_PP) + pi];  // warp order
+        st_cluster(red + split * WS_PER_RANK + i / SPLITS, (unsigned)(i % SPLITS), v);
+    }
+    cluster_arrive();  // every partial is at its owner after the wait
+    cluster_wait();
+    for (int jj = tid; jj < WS_PER_RANK; jj += WARPS * 32) {
+        const int i = jj * SPLITS + split;
+        const int tok = i / FPC, f = i - tok * FPC;
+        if (i >= WS_ELEMS || tok >= M) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp) v += red[sp * WS_PER_RANK + jj];  // split order
+        const size_t o = (size_t)tok * ldo + n0 + f;
+#if OUT_F32
+        static_cast<float*>(out)[o] = v;
+#else
+        static_cast<bf16*>(out)[o] = to_bf16(v);
 #endif
     }
 }

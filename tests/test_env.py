@@ -6,7 +6,8 @@ import pytest
 
 from kda_rt import env
 
-_ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.moe_decode_ws)]  # (default on)
+_ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.moe_decode_ws),
+                    ("KDA_RT_SKINNY_WS", env.skinny_ws)]  # (default on)
 
 
 @pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES)

@@ -15,6 +15,9 @@ predecessor such as kda_decode_step), both launched with programmatic dependent 
 skinny_gemm_staged with cp.async pieces (1) or bulk copies (2), and cuBLAS: what of the weight stream the
 predecessor hides.  SPIN_SHAPE=C:B (environment) gives the spin kernel clusters of C CTAs and B bytes of dynamic
 shared memory a CTA (kda_decode_step at batch 1: 4:21504).
+--l2: one copy of each weight (it stays in the 50 MB L2 between calls where it fits): what the kernels take when
+the bytes are not what they wait for.  --pdl: the calls of each graph launched with programmatic dependent
+launch, as in a decode graph (the next call's CTAs start its weight loads while the one before drains).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ SHAPES = {  # name: (K, N)
     "kda o_proj / mla o_proj": (4096, 2304),
     "kda q|k|v": (2304, 12288),
     "kda f_a|g_a|b": (2304, 288),
+    "router logits, split": (2304, 768),
     "mla q|kv_a": (2304, 6720),
     "dense gate|up": (2304, 18432),
     "dense down": (9216, 2304),
@@ -48,26 +52,41 @@ def main() -> int:
                     help="rows <= 8: also skinny_gemm_cl with one n-tile at every (FPC, SPLITS) that fits")
     ap.add_argument("--spin-us", type=float, default=0.0)
     ap.add_argument("--only", default="", help="shapes whose name contains this text")
+    ap.add_argument("--l2", action="store_true", help="one copy of each weight (L2-resident where it fits)")
+    ap.add_argument("--pdl", action="store_true", help="capture the calls with programmatic dependent launch")
     args = ap.parse_args()
 
     import cupy
 
     from helpers.gpu import graph_us
     from kda_rt.cuda.gemm import linear
+    from kda_rt.cuda.ops import pdl
     from kda_rt.cuda.ops import skinny_gemm as sk
     from kda_rt.cuda.ops.check import BF16
+
+    if args.pdl:  # every graph below captured with the programmatic-serialization attribute
+        base_graph_us = graph_us
+
+        def graph_us(fn, calls: int = 20) -> float:  # noqa: F811 (the --pdl form of the helper)
+            def body(stream):
+                with pdl.capturing(True):
+                    fn(stream)
+
+            return base_graph_us(body, calls=calls)
 
     rng = cupy.random.default_rng(0)
     for name, (K, N) in SHAPES.items():
         if args.only not in name:
             continue
         nbytes = N * K * 2
-        copies = int(min(64, max(1, -(-(160 << 20) // nbytes))))
+        copies = 1 if args.l2 else int(min(64, max(1, -(-(160 << 20) // nbytes))))
+        reps = 64 if args.l2 else 4  # graph calls of `copies` projections each
         ws = [(rng.standard_normal((N, K), dtype=np.float32) * K**-0.5).astype(BF16) for _ in range(copies)]
         for M in (int(m) for m in args.rows.split(",")):
             x = rng.standard_normal((M, K), dtype=np.float32).astype(BF16)
             out = cupy.empty((M, N), dtype=BF16)
-            row = {"shape": name, "M": M, "K": K, "N": N, "MB": round(nbytes / 1e6, 2), "copies": copies}
+            row = {"shape": name, "M": M, "K": K, "N": N, "MB": round(nbytes / 1e6, 2), "copies": copies,
+                   "pdl": args.pdl}
             for flag in ("1", "0"):
                 os.environ["KDA_RT_SKINNY"] = flag
                 os.environ["KDA_RT_SKINNY_STAGED"] = "0"  # the streaming kernel (--spin-us times the staged ones)
@@ -77,7 +96,7 @@ def main() -> int:
                         for w in ws:
                             linear(x, w, out=out)
 
-                us = graph_us(body, calls=4) / copies
+                us = graph_us(body, calls=reps) / copies
                 key = "skinny" if flag == "1" else "cublas"
                 row[f"{key}_us"] = round(us, 2)
                 row[f"{key}_tb_s"] = round(nbytes / us / 1e6, 2)
@@ -95,7 +114,7 @@ def main() -> int:
                         for w in ws:
                             sk.skinny_gemm(x, w, out, stream=stream, plan=p)
 
-                    row[f"split_{splits}_us"] = round(graph_us(forced, calls=4) / copies, 2)
+                    row[f"split_{splits}_us"] = round(graph_us(forced, calls=reps) / copies, 2)
             if args.small_splits and M <= sk.MAX_ROWS and N <= sk.MAX_N:
                 for fpc in (32, 64):
                     for splits in (1, 2, 3, 4, 6, 8):
@@ -106,7 +125,7 @@ def main() -> int:
                             for w in ws:
                                 sk.skinny_gemm(x, w, out, stream=stream, plan=p)
 
-                        row[f"cl_{fpc}x{splits}_us"] = round(graph_us(small, calls=4) / copies, 2)
+                        row[f"cl_{fpc}x{splits}_us"] = round(graph_us(small, calls=reps) / copies, 2)
                         os.environ["KDA_RT_SKINNY"] = "0"
                         ref = linear(x, ws[0], out=cupy.empty_like(out)).astype(np.float32)
                         got = sk.skinny_gemm(x, ws[0], cupy.empty_like(out), plan=(fpc, splits, 1)).astype(np.float32)

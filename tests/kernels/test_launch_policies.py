@@ -435,15 +435,42 @@ def test_runner_precompiles_the_wide_skinny_variants_of_the_model(monkeypatch):
     built = []
     monkeypatch.setattr(sk, "get_kernel", lambda f, n, _built=built, **kw: _built.append((n, kw)))
     monkeypatch.setattr(sk, "_sms", lambda: 132)
-    for clusters, want in ((False, 2), (True, 11)):
-        built.clear()
-        monkeypatch.setattr(sk, "clusters_supported", lambda c=clusters: c)
-        assert sk.precompile(_decode_projection_shapes(weights)) == want
-    wide = sorted((kw["OUT_F32"], kw["FPC"], kw["SPLITS"], kw["KS"], kw["NT"]) for n, kw in built if n == "skinny_gemm_cl")
-    assert wide == sorted([(0, 64, 4, 1024, 2), (0, 64, 4, 1024, 4), (0, 32, 6, 384, 2), (0, 32, 6, 384, 4),
-                           (1, 64, 6, 384, 2), (1, 64, 6, 384, 4)])
+    monkeypatch.setenv("KDA_RT_ARCH", "sm_90a")
+    plans = sorted([(0, 64, 4, 1024, 2), (0, 64, 4, 1024, 4), (0, 32, 6, 384, 2), (0, 32, 6, 384, 4),
+                    (1, 64, 6, 384, 2), (1, 64, 6, 384, 4)])
+    for ws, form in (("0", "skinny_gemm_cl"), ("1", "skinny_gemm_ws")):  # (every plan's k slice: whole 128-wide steps)
+        monkeypatch.setenv("KDA_RT_SKINNY_WS", ws)
+        for clusters, want in ((False, 2), (True, 11)):
+            built.clear()
+            monkeypatch.setattr(sk, "clusters_supported", lambda c=clusters: c)
+            assert sk.precompile(_decode_projection_shapes(weights)) == want
+        wide = sorted((kw["OUT_F32"], kw["FPC"], kw["SPLITS"], kw["KS"], kw["NT"]) for n, kw in built if n == form)
+        assert wide == plans, form
+        assert not [n for n, _ in built if n in ("skinny_gemm_cl", "skinny_gemm_ws") and n != form]
     staged = sorted((kw["OUT_F32"], kw["SROWS"], kw["SK"]) for n, kw in built if n == "skinny_gemm_staged")
     assert staged == [(0, 3, 2304), (0, 18, 4096), (1, 6, 2304)]  # f_a|g_a|b, o_proj, the router split
+
+
+def test_skinny_ws_form_rules(monkeypatch):
+    """skinny_gemm_ws takes skinny_gemm_cl's plan where the k slice is whole 128-wide ring steps, with 2 or 4 n-tiles,
+    on sm_90+ (tensor maps), unless KDA_RT_SKINNY_WS=0; the model's plans all qualify (o_proj, f_a|g_a|b, the router
+    split at 16 and 32 rows), and its shared memory stays under half an H200 SM's (two CTAs an SM)."""
+    import kda_rt.cuda.ops.skinny_gemm as sk
+
+    monkeypatch.setenv("KDA_RT_ARCH", "sm_90a")
+    for M, N, K in ((16, 2304, 4096), (32, 2304, 4096), (32, 288, 2304), (16, 768, 2304), (32, 768, 2304)):
+        plan = sk.wide_plan(M, N, K)
+        assert sk.ws_applies(plan, K), (M, N, K, plan)
+        assert sk._ws_smem(*plan) <= 113 * 1024
+    assert sk.wide_plan(31, 64, 512) == (64, 8, 4) and not sk.ws_applies((64, 8, 4), 512)  # 64-wide k slices
+    assert not sk.ws_applies((64, 4, 1), 4096) and not sk.ws_applies((64, 3, 4), 4096)  # one n-tile; K % splits
+    monkeypatch.setenv("KDA_RT_ARCH", "sm_100a")
+    assert sk.ws_applies((64, 4, 4), 4096)
+    monkeypatch.setenv("KDA_RT_ARCH", "sm_89")
+    assert not sk.ws_applies((64, 4, 4), 4096)
+    monkeypatch.setenv("KDA_RT_ARCH", "sm_90a")
+    monkeypatch.setenv("KDA_RT_SKINNY_WS", "0")
+    assert not sk.ws_applies((64, 4, 4), 4096)
 
 
 def test_staged_skinny_plan_keeps_a_ctas_weight_rows_in_shared_memory():

@@ -50,7 +50,8 @@ def _kernel_bodies(src: str):
 # kernels that may defer their wait (KDA_PDL_ENTRY_DEFERRED, common.cuh), directly or through a macro of their
 # file: the entry line they start with; their body must also execute KDA_PDL_WAIT() or KDA_PDL_WAIT_AFTER(dep)
 DEFERRED = {"moe_grouped_gemm_tc": "TC_PDL_ENTRY();", "moe_route_fused": "KDA_PDL_ENTRY_DEFERRED();",
-            "skinny_gemm_cl": "KDA_PDL_ENTRY_DEFERRED();", "skinny_gemm_staged": "KDA_PDL_ENTRY_DEFERRED();",
+            "skinny_gemm_cl": "KDA_PDL_ENTRY_DEFERRED();", "skinny_gemm_ws": "KDA_PDL_ENTRY_DEFERRED();",
+            "skinny_gemm_staged": "KDA_PDL_ENTRY_DEFERRED();",
             "gemv_dense": "KDA_PDL_ENTRY_DEFERRED();", "kda_decode_step": "KD_PDL_ENTRY();",
             "moe_gemv_down": "KDA_PDL_ENTRY_DEFERRED();", "mla_absorb_q": "MLA_UP_PDL_ENTRY();",
             "mla_expand_out": "MLA_UP_PDL_ENTRY();"}

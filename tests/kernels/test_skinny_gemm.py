@@ -1,6 +1,7 @@
 """kernels_cu/skinny_gemm.cu (ops/skinny_gemm.py): y = x · Wᵀ for up to 8 rows (skinny_gemm, and on sm_90+
 skinny_gemm_staged where a CTA's weight rows fit in shared memory) and for 9 to 32 rows on sm_90+
-(skinny_gemm_cl: x in shared memory, K split over a thread-block cluster), on fresh random inputs against
+(skinny_gemm_ws: a producer warp streams the weights and x through a ring in shared memory, and skinny_gemm_cl:
+x in shared memory, both with K split over a thread-block cluster), on fresh random inputs against
 float64 NumPy, every output element checked, outputs poisoned first.
 
 Tolerances.  The inputs are bf16 (exact in fp32); the kernel accumulates in fp32 on the tensor cores in
@@ -70,16 +71,28 @@ def test_skinny_gemm_matches_numpy(M, K, N, out_dtype, staged, monkeypatch):
 
 @pytest.mark.parametrize("M, K, N", WIDE_SHAPES, ids=str)
 @pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
-def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype):
+@pytest.mark.parametrize("form", ["ws", "cl"])
+def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype, form, monkeypatch):
+    """Both forms of the 9-32-row kernel: skinny_gemm_ws (the producer warp's ring; KDA_RT_SKINNY_WS=1, where its k
+    slices are whole 128-wide steps) and skinny_gemm_cl (KDA_RT_SKINNY_WS=0, or a slice that is not: (31, 512, 64)),
+    the form that ran checked."""
     import cupy
 
+    import kda_rt.cuda.ops.skinny_gemm as sk
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.compile import clusters_supported
     from kda_rt.cuda.ops.skinny_gemm import fits, skinny_gemm, wide_plan
 
     if not clusters_supported():
         pytest.skip("skinny_gemm_cl needs thread-block clusters (sm_90+)")
-    assert wide_plan(M, N, K) is not None
+    monkeypatch.setenv("KDA_RT_SKINNY_WS", "1" if form == "ws" else "0")
+    plan = wide_plan(M, N, K)
+    assert plan is not None
+    want = "skinny_gemm_ws" if form == "ws" and (K // plan[1]) % 128 == 0 else "skinny_gemm_cl"
+    ran = []
+    for name in ("_ws_kernel", "_wide_kernel"):
+        real = getattr(sk, name)
+        monkeypatch.setattr(sk, name, lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
     rng = np.random.default_rng(M * 7919 + K + N + 1)
     x, w = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
     xg, wg = to_gpu_bf16(x), to_gpu_bf16(w)
@@ -96,6 +109,7 @@ def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype):
         assert not bad.any(), f"{int(bad.sum())} of {got.size} elements off, max err {np.nanmax(np.abs(got - ref)):.3e}"
         runs.append(got)
     assert np.array_equal(runs[0], runs[1]), "not deterministic"
+    assert ran == [{"skinny_gemm_ws": "_ws_kernel", "skinny_gemm_cl": "_wide_kernel"}[want]] * 2, (want, ran)
 
 
 STAGED_SHAPES = [  # (M, K, N) that skinny_gemm_staged takes on an H200 (132 SMs)
@@ -137,16 +151,18 @@ def test_skinny_gemm_staged_equals_the_streaming_kernel(M, K, N, monkeypatch):
     assert np.array_equal(got["2"], got["0"]), "staged (bulk copies) and streaming kernels differ"
 
 
-def test_skinny_gemm_strided_rows_and_the_linear_switch(monkeypatch):
+@pytest.mark.parametrize("M", [6, 24])
+def test_skinny_gemm_strided_rows_and_the_linear_switch(M, monkeypatch):
     """x and out as column slices of wider buffers (as the fused projections pass them), through
-    gemm.linear, against the cuBLAS path of the same call (KDA_RT_SKINNY=0) and NumPy."""
+    gemm.linear, against the cuBLAS path of the same call (KDA_RT_SKINNY=0) and NumPy; 24 rows run
+    skinny_gemm_ws on sm_90+ (x's tensor map with rows K + 64 elements apart)."""
     import cupy
 
     from kda_rt.cuda.gemm import linear
     from kda_rt.cuda.ops.check import BF16
 
-    rng = np.random.default_rng(11)
-    M, K, N = 6, 2304, 576
+    rng = np.random.default_rng(11 + M)
+    K, N = 2304, 576
     xw, w = bf16_round(rng.normal(size=(M, K + 64))), bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
     xg, wg = to_gpu_bf16(xw), to_gpu_bf16(w)
     outs = {}

@@ -18,9 +18,10 @@ import numpy as np
 
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, i32, leading_dim
-from kda_rt.cuda.ops.compile import clusters_supported, get_kernel, sm_count
+from kda_rt.cuda.ops.compile import arch_number, clusters_supported, device_arch, get_kernel, sm_count
 
-__all__ = ["MAX_N", "MAX_ROWS", "WIDE_MAX_ROWS", "fits", "precompile", "skinny_gemm", "staged_plan", "wide_plan"]
+__all__ = ["MAX_N", "MAX_ROWS", "WIDE_MAX_ROWS", "fits", "precompile", "skinny_gemm", "staged_plan", "wide_plan",
+           "ws_applies"]
 
 MAX_ROWS = 8  # rows of one call (one n-tile of 8 tokens)
 MAX_N = 4096  # output features
@@ -42,6 +43,26 @@ def _wide_smem(fpc: int, ks: int, nt: int, splits: int) -> int:
     the owners' slots [SPLITS][ceil(8·NT·FPC / SPLITS)] fp32."""
     rows = 8 * nt
     return rows * (ks + 32) * 2 + _WARPS * rows * 16 * 4 + splits * -(-rows * fpc // splits) * 4
+
+
+# skinny_gemm_ws: ring entries (k steps of 128: FPC weight rows and 8·NT x rows of 256 bytes each)
+_WS_RING = 4
+_WS_STEP = 128
+
+
+def _ws_smem(fpc: int, splits: int, nt: int) -> int:
+    """skinny_gemm_ws's dynamic shared memory: 1024 bytes of alignment slack, the ring, the owners' slots."""
+    rows = 8 * nt
+    return 1024 + _WS_RING * (fpc + rows) * _WS_STEP * 2 + splits * -(-rows * fpc // splits) * 4
+
+
+def ws_applies(plan: tuple[int, int, int], K: int) -> bool:
+    """skinny_gemm_ws takes skinny_gemm_cl's plan (FPC, SPLITS, NT) for this K: k slices of whole 128-wide steps,
+    2 or 4 n-tiles, the warps' partials within the ring, sm_90+ (tensor maps) and KDA_RT_SKINNY_WS not 0."""
+    fpc, splits, nt = plan
+    ring = _WS_RING * (fpc + 8 * nt) * _WS_STEP * 2
+    return ((K // splits) % _WS_STEP == 0 and K % splits == 0 and nt in (2, 4) and _WARPS * 8 * nt * (fpc + 4) * 4 <= ring
+            and env.skinny_ws() and K >= env.skinny_ws_min_k() and arch_number(device_arch()) >= 90)
 
 
 def _plan_fits(M: int, N: int, K: int, fpc: int, splits: int, nt: int) -> bool:
@@ -121,7 +142,10 @@ def precompile(shapes=()) -> int:
         for n, k, out_f32 in sorted(set(shapes)):
             for rows in (2 * MAX_ROWS, WIDE_MAX_ROWS):
                 if plan := wide_plan(rows, n, k):
-                    _wide_kernel(out_f32, *plan, k)
+                    if ws_applies(plan, k):
+                        _ws_kernel(out_f32, *plan, k)
+                    else:
+                        _wide_kernel(out_f32, *plan, k)
                     count += 1
     return count
 
@@ -145,6 +169,12 @@ def _wide_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
                       **plain)
 
 
+def _ws_kernel(out_f32: bool, fpc: int, splits: int, nt: int, K: int):
+    return get_kernel("skinny_gemm.cu", "skinny_gemm_ws", max_dynamic_smem=_ws_smem(fpc, splits, nt),
+                      OUT_F32=int(out_f32), WARPS=_WARPS, SKWS=1, SPLITS=splits, FPC=fpc, KS=K // splits, NT=nt,
+                      RING=_WS_RING)
+
+
 def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | None = None):
     """out [M, N] (bf16 or fp32, rows may be strided) = x [M, K] bf16 (rows may be strided) · weight [N, K]ᵀ;
     the caller checked shapes and `fits`.  `plan` overrides wide_plan's (FPC, SPLITS, NT) (benchmarks; with a
@@ -155,6 +185,21 @@ def skinny_gemm(x, weight, out, *, stream=None, plan: tuple[int, int, int] | Non
         fpc, splits, nt = plan or wide_plan(M, N, K)
         if plan and not _plan_fits(M, N, K, fpc, splits, nt):
             raise ValueError(f"skinny_gemm: plan {plan} does not fit M={M}, N={N}, K={K}")
+        if ws_applies((fpc, splits, nt), K):
+            import cupy
+
+            from kda_rt.cuda.ops.tma import map_2d_swizzled
+
+            stream = stream if stream is not None else cupy.cuda.get_current_stream()
+            # the weight's map encoded once per weight and stream and never evicted, x's kept where a CUDA graph
+            # captures this call (the graph keeps the maps' addresses); x's boxes of 8·NT rows, the rows past M zeros
+            wmap = map_2d_swizzled(weight, fpc, "weight", stream=stream, keep=True)
+            xmap = map_2d_swizzled(x, 8 * nt, "x", stream=stream, keep=stream.is_capturing(), box_past_rows=True)
+            kernel = _ws_kernel(out.dtype == np.float32, fpc, splits, nt, K)
+            kernel((N // fpc, splits), (32 * (_WARPS + 1),), (np.uint64(xmap.data.ptr), np.uint64(wmap.data.ptr), out,
+                                                               i32(leading_dim(out)), i32(M)),
+                   shared_mem=_ws_smem(fpc, splits, nt), stream=stream)
+            return out
         kernel = _wide_kernel(out.dtype == np.float32, fpc, splits, nt, K)
         kernel((N // fpc, splits), (32 * _WARPS,), (x, i32(leading_dim(x)), weight, out, i32(leading_dim(out)), i32(M),
                                                    i32(K)), shared_mem=_wide_smem(fpc, K // splits, nt, splits),

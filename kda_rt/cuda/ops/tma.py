@@ -31,23 +31,28 @@ _SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
 _L2_PROMOTION = {"none": 0, "64": 1, "128": 2, "256": 3}  # KDA_RT_TMA_L2_PROMOTION -> CU_TENSOR_MAP_L2_PROMOTION_*
 
 
-def encode_args_2d(address: int, rows: int, cols: int, itemsize: int, box_rows: int) -> tuple:
+def encode_args_2d(address: int, rows: int, cols: int, itemsize: int, box_rows: int, row_stride: int | None = None,
+                   box_past_rows: bool = False) -> tuple:
     """cuTensorMapEncodeTiled's arguments for a row-major [rows, cols] array of `itemsize`-byte elements at `address`
-    and boxes of `box_rows` rows x 128 bytes in the 128-byte swizzle: (data type, global dims, global strides, box
-    dims).  Refuses what the driver would (with the limit named) before it is asked."""
+    (rows `row_stride` bytes apart, default cols · itemsize) and boxes of `box_rows` rows x 128 bytes in the 128-byte
+    swizzle: (data type, global dims, global strides, box dims).  `box_past_rows`: a box may have more rows than the
+    array (the copy fills the rows past its end with zeros).  Refuses what the driver would (with the limit named)
+    before it is asked."""
     if itemsize not in _DATA_TYPE:
         raise ValueError(f"tensor map: elements of 1 or 2 bytes, got {itemsize}")
     row_bytes = cols * itemsize
-    if address % 16 or row_bytes % 16:
-        raise ValueError(f"tensor map: the array's address ({address:#x}) and row bytes ({row_bytes}) must be "
+    stride = row_bytes if row_stride is None else row_stride
+    if address % 16 or stride % 16:
+        raise ValueError(f"tensor map: the array's address ({address:#x}) and row stride ({stride} bytes) must be "
                          "multiples of 16")
-    if row_bytes < 128:
-        raise ValueError(f"tensor map: rows of at least 128 bytes (one swizzled box), got {row_bytes}")
-    if not 1 <= box_rows <= 256 or rows < box_rows:
+    if row_bytes < 128 or stride < row_bytes:
+        raise ValueError(f"tensor map: rows of at least 128 bytes (one swizzled box), at most their stride apart, "
+                         f"got {row_bytes} bytes {stride} apart")
+    if not 1 <= box_rows <= 256 or (rows < box_rows and not box_past_rows):
         raise ValueError(f"tensor map: box rows must be 1-256 and at most the array's {rows} rows, got {box_rows}")
-    if rows > 1 << 32 or row_bytes >= 1 << 40:
+    if rows > 1 << 32 or stride >= 1 << 40:
         raise ValueError(f"tensor map: [{rows}, {cols}] is past the driver's limits (2^32 rows, 2^40-byte strides)")
-    return _DATA_TYPE[itemsize], (cols, rows), (row_bytes,), (128 // itemsize, box_rows)
+    return _DATA_TYPE[itemsize], (cols, rows), (stride,), (128 // itemsize, box_rows)
 
 
 def _driver():
@@ -84,17 +89,22 @@ def allocation_rows(arr) -> int:
 
 
 def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = None, stream=None,
-                    keep: bool = False):
+                    keep: bool = False, box_past_rows: bool = False):
     """The device buffer (cupy uint8 [128]) holding a tensor map over `arr` seen as [rows, last dim] (C-contiguous,
     1- or 2-byte elements) with boxes of `box_rows` rows x 128 bytes, written into shared memory in the 128-byte
     swizzle (16-byte chunk c of box row r at chunk c ^ (r mod 8): wgmma's K-major SWIZZLE_128B layout).  Pass
     `buffer.data.ptr` to the kernel.  `rows`: more rows than `arr` has, up to `allocation_rows(arr)` (the buffer's
     bytes past `arr`).  `stream`: the stream of the kernels that read it (default: the current one).  `what` names the
     array in errors.  `keep`: never evicted (a map that a captured CUDA graph reads: the graph holds its address, not the
-    buffer; for long-lived arrays such as weights, a few per layer and stream)."""
+    buffer; for long-lived arrays such as weights, a few per layer and stream).  `box_past_rows`: `arr` may be a 2D
+    array whose rows are further apart than their width (a column slice; `rows` not given), and a box may reach past
+    its last row (those rows arrive as zeros)."""
     import cupy
 
-    if not arr.flags.c_contiguous:
+    stride = None
+    if box_past_rows and arr.ndim == 2 and arr.strides[1] == arr.itemsize and rows is None:
+        stride = arr.strides[0]
+    elif not arr.flags.c_contiguous:
         raise ValueError(f"tensor map over {what}: the array must be C-contiguous")
     cols = arr.shape[-1]
     if rows is None:
@@ -104,7 +114,7 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
                          f"{allocation_rows(arr)} its allocation holds")
     stream = stream if stream is not None else cupy.cuda.get_current_stream()
     promotion = _L2_PROMOTION[env.tma_l2_promotion()]
-    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows, stream.ptr, promotion)
+    key = (arr.data.ptr, rows, cols, arr.itemsize, box_rows, stream.ptr, promotion, stride)
     with _LOCK:
         hit = _KEPT.get(key)
         if hit is not None:
@@ -116,7 +126,8 @@ def map_2d_swizzled(arr, box_rows: int, what: str = "array", rows: int | None = 
                 _KEPT[key] = _MAPS.pop(key)
             return hit[0]
         try:
-            dtype, dims, strides, box = encode_args_2d(arr.data.ptr, rows, cols, arr.itemsize, box_rows)
+            dtype, dims, strides, box = encode_args_2d(arr.data.ptr, rows, cols, arr.itemsize, box_rows, stride,
+                                                       box_past_rows)
         except ValueError as exc:
             raise ValueError(f"tensor map over {what} {tuple(arr.shape)}: {exc}") from None
         raw = (ctypes.c_uint8 * 128)()  # CUtensorMap: 128 bytes, 64-byte aligned (ctypes arrays: checked below)
