@@ -27,7 +27,7 @@
 // 1 ≤ M ≤ 8 (ops/skinny_gemm.py checks all of it).
 // Compile-time constants: OUT_F32, UNROLL, WARPS (8: the launcher's block is WARPS·32 threads).
 //
-// skinny_gemm_cl (SPLITS defined) — the same weight stream for 9 ≤ M ≤ 8·NT rows (decode batches of up to
+// skinny_gemm_cl (SPLITS defined, SKWS not) — the same weight stream for 9 ≤ M ≤ 8·NT rows (decode batches of up to
 // 32), where x no longer fits the registers: x is staged in shared memory, and the reduction is split over
 // a thread-block cluster (sm_90+) so that a CTA stages only its K / SPLITS slice of x.
 //   Grid (N / FPC, SPLITS), cluster (1, SPLITS, 1), block WARPS·32.  CTA (b, s) computes features

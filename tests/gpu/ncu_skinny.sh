@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What bounds skinny_gemm_cl at a decode batch (issue 12: o_proj 4096 -> 2304 at 32 rows streams ~1.8 TB/s):
+# What bounds skinny_gemm_cl / _ws (KDA_RT_SKINNY_WS picks) at a decode batch (issue 12: o_proj 4096 -> 2304 at 32 rows streams ~1.8 TB/s):
 # Nsight Compute on one launch, its weight in HBM (ncu flushes the caches before each pass; bench_skinny.py --l2
 # times the L2-resident case).
 #   bash tests/gpu/ncu_skinny.sh [M] [K] [N]      (defaults 32 4096 2304; writes $OUT/ncu_skinny_M_K_N.ncu-rep)
@@ -29,7 +29,7 @@ for w in ws[1:]:  # warm-up launches (the build)
 sk.skinny_gemm(x, ws[0], out)  # profiled
 cupy.cuda.Device().synchronize()
 PY
-"$NCU" --clock-control none -k "regex:skinny_gemm_cl" --launch-skip 7 --launch-count 1 \
+"$NCU" --clock-control none -k "regex:skinny_gemm_(cl|ws)" --launch-skip 7 --launch-count 1 \
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
   --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section InstructionStats \
   --section SourceCounters \

@@ -463,12 +463,17 @@ def test_skinny_ws_form_rules(monkeypatch):
         assert sk.ws_applies(plan, K), (M, N, K, plan)
         assert sk._ws_smem(*plan) <= 113 * 1024
     assert sk.wide_plan(31, 64, 512) == (64, 8, 4) and not sk.ws_applies((64, 8, 4), 512)  # 64-wide k slices
-    assert not sk.ws_applies((64, 4, 1), 4096) and not sk.ws_applies((64, 3, 4), 4096)  # one n-tile; K % splits
+    assert not sk.ws_applies((64, 4, 1), 4096)  # one n-tile
+    assert not sk.ws_applies((64, 3, 4), 4096)  # a k slice that is not whole 128-wide steps
     monkeypatch.setenv("KDA_RT_ARCH", "sm_100a")
     assert sk.ws_applies((64, 4, 4), 4096)
-    monkeypatch.setenv("KDA_RT_ARCH", "sm_89")
-    assert not sk.ws_applies((64, 4, 4), 4096)
+    for arch in ("sm_89", "sm_120"):  # no tensor maps; 99 KB of shared memory a CTA
+        monkeypatch.setenv("KDA_RT_ARCH", arch)
+        assert not sk.ws_applies((64, 4, 4), 4096), arch
     monkeypatch.setenv("KDA_RT_ARCH", "sm_90a")
+    monkeypatch.setenv("KDA_RT_SKINNY_WS_MIN_K", "4097")
+    assert not sk.ws_applies((64, 4, 4), 4096)
+    monkeypatch.delenv("KDA_RT_SKINNY_WS_MIN_K")
     monkeypatch.setenv("KDA_RT_SKINNY_WS", "0")
     assert not sk.ws_applies((64, 4, 4), 4096)
 

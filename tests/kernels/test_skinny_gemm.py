@@ -38,6 +38,7 @@ WIDE_SHAPES = [  # (M, K, N): batch-9 to batch-32 decode projections (skinny_gem
     (17, 4096, 1024),  # a ragged row count
     (31, 512, 64),     # one feature block: one cluster
     (20, 1024, 4096),  # the widest output it takes
+    (20, 4096, 4096),  # 16 ring steps a CTA in skinny_gemm_ws (the ring wraps past its second round)
 ]
 
 
@@ -86,6 +87,7 @@ def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype, form, monkeypatch):
     if not clusters_supported():
         pytest.skip("skinny_gemm_cl needs thread-block clusters (sm_90+)")
     monkeypatch.setenv("KDA_RT_SKINNY_WS", "1" if form == "ws" else "0")
+    monkeypatch.delenv("KDA_RT_SKINNY_WS_MIN_K", raising=False)
     plan = wide_plan(M, N, K)
     assert plan is not None
     want = "skinny_gemm_ws" if form == "ws" and (K // plan[1]) % 128 == 0 else "skinny_gemm_cl"

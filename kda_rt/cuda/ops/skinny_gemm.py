@@ -2,7 +2,9 @@
 narrow decode projections: o_proj, f_a|g_a|b, the dense MLP's down), bf16 in, fp32 accumulate, bf16 or
 fp32 out, one CTA per 16 output features with the reduction split over its 8 warps; and on sm_90+ for
 MAX_ROWS < M <= WIDE_MAX_ROWS rows (decode batches up to 32) skinny_gemm_cl, x staged in shared memory and
-the reduction split over a thread-block cluster (`wide_plan` picks the features per CTA and the split).
+the reduction split over a thread-block cluster (`wide_plan` picks the features per CTA and the split), by default
+in its producer-warp form skinny_gemm_ws (tensor-map copies of the weights and x through a shared-memory ring;
+`ws_applies`, KDA_RT_SKINNY_WS=0: skinny_gemm_cl).
 Where the weight rows of one CTA per SM fit in shared memory (o_proj at up to 8 rows),
 skinny_gemm_staged copies them there before the programmatic-launch wait, so the weight stream can run
 under the kernel before it (KDA_RT_SKINNY_STAGED=0: the streaming kernel; 2: bulk copies, a bench variant).
@@ -58,11 +60,12 @@ def _ws_smem(fpc: int, splits: int, nt: int) -> int:
 
 def ws_applies(plan: tuple[int, int, int], K: int) -> bool:
     """skinny_gemm_ws takes skinny_gemm_cl's plan (FPC, SPLITS, NT) for this K: k slices of whole 128-wide steps,
-    2 or 4 n-tiles, the warps' partials within the ring, sm_90+ (tensor maps) and KDA_RT_SKINNY_WS not 0."""
+    2 or 4 n-tiles, the warps' partials within the ring, sm_90 to sm_11x (tensor maps, and the ~107 KB of shared
+    memory a CTA that sm_12x's 99 KB would refuse) and KDA_RT_SKINNY_WS not 0."""
     fpc, splits, nt = plan
     ring = _WS_RING * (fpc + 8 * nt) * _WS_STEP * 2
     return ((K // splits) % _WS_STEP == 0 and K % splits == 0 and nt in (2, 4) and _WARPS * 8 * nt * (fpc + 4) * 4 <= ring
-            and env.skinny_ws() and K >= env.skinny_ws_min_k() and arch_number(device_arch()) >= 90)
+            and env.skinny_ws() and K >= env.skinny_ws_min_k() and 90 <= arch_number(device_arch()) < 120)
 
 
 def _plan_fits(M: int, N: int, K: int, fpc: int, splits: int, nt: int) -> bool:
@@ -128,7 +131,8 @@ def _kernel(out_f32: bool):
 def precompile(shapes=()) -> int:
     """Build every variant a decode step can pick (so no step waits for NVRTC): the kernel of up to 8 rows
     by output dtype, and on sm_90+ skinny_gemm_cl for each (N, K, out_f32) in `shapes` (the model's dense
-    decode projections) and both of its row classes (9-16 and 17-32 rows) where wide_plan takes it, and
+    decode projections) and both of its row classes (9-16 and 17-32 rows) where wide_plan takes it (skinny_gemm_ws
+    where ws_applies), and
     skinny_gemm_staged where staged_plan takes the shape.  Returns the number of variants."""
     for out_f32 in (False, True):
         _kernel(out_f32)

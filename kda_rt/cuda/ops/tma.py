@@ -18,7 +18,7 @@ from kda_rt import env
 
 __all__ = ["allocation_rows", "encode_args_2d", "map_2d_swizzled"]
 
-# (address, rows, cols, itemsize, box, stream, L2 promotion) -> (device, pinned)
+# (address, rows, cols, itemsize, box, stream, L2 promotion, row stride or None) -> (device, pinned)
 _MAPS: OrderedDict[tuple, tuple] = OrderedDict()
 _KEPT: dict[tuple, tuple] = {}  # the maps made with keep=True: never evicted
 _MAX_MAPS = 512  # (an evicted buffer goes back to CuPy's pool, reused in its stream's order: a kernel queued on it
