@@ -16,9 +16,10 @@ of the same shape; steps of max_num_batched_tokens = --step-tokens, default 8192
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --run 32:2048:64
 The decode steps of a whole engine run (B prompts of I tokens, O output tokens, after a warm-up run of the
-same shape): GPU time per step (kernels, idle between them and between steps) beside the host's time per
-engine.step() split into launching, waiting for results and the rest (postprocess, scheduling), so a step
-slower than its graph replay shows whether the GPU or the host sets the pace.
+same shape): GPU time per step (kernels, idle between them and between steps, each kernel's "advance") beside the
+host's time per engine.step() split into launching, waiting for results and the rest (postprocess, scheduling), so
+a step slower than its graph replay shows whether the GPU or the host sets the pace (with --env / --values: once
+per value).
 """
 
 from __future__ import annotations
@@ -131,10 +132,14 @@ def main() -> int:
                     for k, v in per_kernel.most_common(45)],
         }), flush=True)
 
-    for run in runs:
-        print(json.dumps(_trace_run(engine, *run, args.trace_dir, profile, ProfilerActivity)), flush=True)
-
     settings = [(args.env, v) for v in args.values.split(",")] if args.env else [("", "")]
+    for (name, value), run in [(sv, r) for sv in settings for r in runs]:
+        if name:
+            os.environ[name] = value
+            runner.graphs.clear()  # decode graphs keep the kernels they captured
+        rep = _trace_run(engine, *run, args.trace_dir, profile, ProfilerActivity)
+        print(json.dumps({name: value, **rep} if name else rep), flush=True)
+
     for (name, value), batch in [(sv, b) for sv in settings for b in batches]:
         if name:
             os.environ[name] = value
@@ -268,14 +273,20 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
     names = [_short(e["name"]) for e in kernels]
     last = names[-1]
     ends = [i for i, n in enumerate(names) if n == last]
-    steps = []
+    steps, advances = [], []
     for a, b in zip(ends, ends[1:], strict=False):
         seg = kernels[a + 1:b + 1]
         busy = sum(e["dur"] for e in seg)
         span = seg[-1]["ts"] + seg[-1]["dur"] - seg[0]["ts"]
         lead = seg[0]["ts"] - (kernels[a]["ts"] + kernels[a]["dur"])  # idle between the steps
         steps.append((len(seg), busy, span, lead))
-    tail = steps[-min(len(steps), output_len - 8):] if len(steps) > 8 else steps  # steady decode steps
+        advances.append(critical_advance(seg))
+    keep = min(len(steps), output_len - 8) if len(steps) > 8 else len(steps)
+    tail = steps[-keep:]  # steady decode steps
+    advance: collections.Counter[str] = collections.Counter()
+    for adv in advances[-keep:]:
+        for k, v in adv.items():
+            advance[k] += v / keep
     gap_before: collections.Counter[str] = collections.Counter()
     for x, y in zip(kernels, kernels[1:], strict=False):
         gap_before[_short(y["name"])] += max(0.0, y["ts"] - (x["ts"] + x["dur"]))
@@ -292,6 +303,8 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
         "host_ms_per_call_median": {k: round(statistics.median(v) * 1e3, 3) for k, v in host.items() if v},
         "host_calls": {k: len(v) for k, v in host.items()},
         "idle_before": [{"name": k, "ms": round(v / 1e3, 2)} for k, v in gap_before.most_common(10)],
+        # what each kernel adds to a steady step's span (us a step, summed over its launches in the step)
+        "advance_us": [{"name": k, "us": round(v, 1)} for k, v in advance.most_common(20)],
         "report": {k: report[k] for k in ("elapsed_s", "ttft_s_max", "num_decode_steps")},
     }
 
