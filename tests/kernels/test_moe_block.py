@@ -261,7 +261,7 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
                                               scale13=s13), cfg)
 
 
-@pytest.mark.parametrize("route", ["one", "three"], ids=["fused-route", "three-route"])
+@pytest.mark.parametrize("route", ["one", "three", "two"], ids=["fused-route", "three-route", "select-bucket"])
 @pytest.mark.parametrize("launches", ["one", "two"], ids=["fused-gemms", "two-gemms"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
@@ -274,7 +274,8 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
     GEMMs in one launch (moe_decode_fused, whose counters the replay's bucketing zeroes again) or two (the
     down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'
     logits, select and bucketing in one launch (moe_route_fused, its counter left 0 by the eager calls and
-    by every launch) or three.  T1: the gate/up GEMV, which with the fused route selects the token's experts
+    by every launch), three, or two (KDA_RT_SELECT_BUCKET=1: the logits, then select and bucketing in one launch,
+    moe_route_select_bucket).  T1: the gate/up GEMV, which with the fused route selects the token's experts
     itself from the routing kernel's logits (moe_gemv.cu ROUTED: its counters left 0 by every launch), then the
     down GEMV (moe_gemv_down), which reads the plan before its programmatic-launch wait: T1 with pdl is its graph
     test; the two-launch MoE is the same there.  The workspace is poisoned before the eager calls."""
@@ -282,9 +283,10 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
 
     if launches == "two":
         monkeypatch.setenv("KDA_RT_FUSED_MOE", "0")
-    if route == "three":
+    if route in ("three", "two"):
         monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "0")
-    if T >= 512 and (launches == "one" or route == "one"):
+    monkeypatch.setenv("KDA_RT_SELECT_BUCKET", "1" if route == "two" else "0")
+    if T >= 512 and (launches == "one" or route != "three"):
         pytest.skip("prefill sizes take the two-launch, three-kernel route path either way")
     if T == 1 and launches == "two":
         pytest.skip("one token takes the gate/up and down GEMVs either way")

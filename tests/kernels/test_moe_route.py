@@ -214,6 +214,85 @@ def test_moe_route_fused(name):
         assert stats.get().tolist() == [touched, call + 1]
 
 
+SELECT_BUCKET_CASES = {  # (T, E, shared, split router, make_cfg kwargs)
+    "T17-E256-shared": (17, 256, True, False, dict()),
+    "T32-E256-shared-split": (32, 256, True, True, dict()),  # the split router's [T, 3E] logits (PARTS = 3)
+    "T64-E256-split-biased": (64, 256, False, True, dict(biased=True)),
+    "T1-E64": (1, 64, False, False, dict()),
+    "T40-E96-A1-norenorm": (40, 96, False, False, dict(A=1, renormalize=False)),
+    "T9-E504-A16-shared": (9, 504, True, False, dict(A=16)),  # 505 bins
+}
+
+
+@pytest.mark.parametrize("name", list(SELECT_BUCKET_CASES))
+def test_moe_route_bucket_equals_three_launches(name):
+    """moe_route_bucket (the logits, then select and bucketing in one launch) against moe_route(select="warp") and
+    moe_bucket on the same inputs: ids and weights bit for bit, the plan exactly as tests/helpers/moe_plan.py checks
+    it (the row order within an expert is free in both), stats (+touched routed experts, +1) and the zeroed sync
+    words; and the ids as sets and weights to 1e-5 of float64 NumPy (inputs without near-ties).  Two calls on new
+    inputs, every output poisoned first."""
+    import cupy
+
+    from helpers.moe_plan import assert_plan
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+    from kda_rt.cuda.ops.moe_route import moe_route, moe_route_bucket, split_router
+    from kda_rt.reference.moe import route
+
+    T, E, shared, split, kw = SELECT_BUCKET_CASES[name]
+    D, BT = 2304, 16
+    cfg = make_cfg(E, **kw)
+    A = cfg.top_k
+    pairs, bins = A + int(shared), E + int(shared)
+    N, tiles = T * pairs, max_tiles(T * pairs, bins, BT)
+    stats = {k: cupy.zeros(2, np.int32) for k in ("one", "three")}
+    touched = 0
+    for call in range(2):
+        x, w_router, bias = make_router(T, D, cfg, seed=zlib.crc32(name.encode()) + call)
+        xg, wg, bg = to_gpu_bf16(x), cupy.asarray(w_router.astype(np.float32)), cupy.asarray(bias.astype(np.float32))
+        rs = split_router(wg) if split else None
+        got = {}
+        for how in ("one", "three"):
+            plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (bins + 1, N, N, tiles, tiles, 1)), BT)
+            ids, w = cupy.full((T, A), -7, np.int32), cupy.full((T, A), np.nan, np.float32)
+            logits, sync = cupy.full((T, 3 * E), np.nan, np.float32), cupy.full(1 + tiles, -7, np.int32)
+            common = dict(top_k=A, renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
+                          biased_weights=cfg.biased_weights, out_ids=ids, out_w=w, logits=logits, router_split=rs)
+            if how == "one":
+                moe_route_bucket(xg, wg, bg, plan, stats=stats[how], shared_slot=shared, sync=sync, **common)
+            else:
+                moe_route(xg, wg, bg, num_groups=1, topk_group=1, select="warp", **common)
+                moe_bucket(ids, E, plan, stats=stats[how], shared_slot=shared, sync=sync)
+            got[how] = (cupy.asnumpy(ids), cupy.asnumpy(w), plan, sync)
+        (ids1, w1, plan1, sync1), (ids3, w3, _, _) = got["one"], got["three"]
+        np.testing.assert_array_equal(ids1, ids3)
+        np.testing.assert_array_equal(w1.view(np.uint32), w3.view(np.uint32))
+        assert_plan(plan1, ids1, E, shared)
+        assert not cupy.any(sync1), "sync words not zeroed"
+        ids_ref, w_ref = route(x, w_router, bias, cfg)
+        order, order_ref = np.argsort(ids1, -1), np.argsort(ids_ref, -1)
+        np.testing.assert_array_equal(np.take_along_axis(ids1, order, -1), np.take_along_axis(ids_ref, order_ref, -1))
+        w_s, w_ref_s = np.take_along_axis(w1, order, -1), np.take_along_axis(w_ref, order_ref, -1)
+        assert np.all(np.abs(w_s - w_ref_s) <= 1e-5 * np.abs(w_ref_s)), f"call {call}: weights off"
+        touched += len(np.unique(ids1))
+        assert stats["one"].get().tolist() == stats["three"].get().tolist() == [touched, call + 1]
+
+
+def test_moe_route_bucket_refuses_what_it_cannot_take():
+    """More than 64 tokens, top_k above 16 or above E, more than 1024 bins: refused before any launch, named."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.moe_align import MoEPlan
+    from kda_rt.cuda.ops.moe_route import moe_route_bucket
+
+    plan = MoEPlan(*(cupy.zeros(8, np.int32) for _ in range(6)), 16)
+    for T, E, A, shared in ((65, 256, 8, True), (4, 256, 17, False), (4, 8, 9, False), (4, 1024, 8, True)):
+        with pytest.raises(ValueError, match="moe_route_bucket: needs"):
+            moe_route_bucket(cupy.zeros((T, 256), dtype=BF16), cupy.zeros((E, 256), np.float32),
+                             cupy.zeros(E, np.float32), plan, top_k=A, renormalize=True, scaling=1.0,
+                             shared_slot=shared)
+
+
 @pytest.mark.parametrize(("T", "E", "A", "shared", "biased"), [
     (1, 256, 8, True, False), (5, 64, 8, False, True), (17, 256, 8, True, False), (64, 256, 16, True, False),
     (40, 96, 1, False, False)])

@@ -21,9 +21,10 @@ from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
-__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
-           "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block",
-           "moe_route", "moe_route_fused", "split_router"]
+__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SEL_BUCKET_MAX_T", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore",
+           "default_select", "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows",
+           "logits_tokens_per_block", "moe_route", "moe_route_bucket", "moe_route_fused", "select_bucket_fits",
+           "select_bucket_kernel", "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
@@ -48,6 +49,10 @@ FUSED_MAX_T = 16
 _FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
 _FR_MAX_T = 64  # what the kernel can take (its shared bins), above the policy's FUSED_MAX_T
 _FR_X_BYTES = 37 * 1024  # staged x rows (2·8·D bytes): its 48 KB of static shared memory less the bins and scratch
+# moe_route_select_bucket (moe_route_bucket): the steps whose logits come from their own launch select and bucket in
+# one block of _SB_THREADS threads (a warp a token, two rounds at 64 tokens) instead of two launches (KDA_RT_SELECT_BUCKET)
+SEL_BUCKET_MAX_T = 64
+_SB_THREADS = 1024
 
 
 class NormBefore(NamedTuple):
@@ -219,6 +224,47 @@ def _array_module(a):
     return cupy
 
 
+def _route_logits(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int, out_ids, out_w, logits,
+                  router_split, stream, who: str):
+    """moe_route's checks and its logits: (ids, weights, logits [T, E] or [T, 3E], parts 1 or 3), the output
+    arrays allocated where not given; the logits computed unless T == 0."""
+    import cupy
+
+    T, D = expect(x, "x", ndim=2, dtype=BF16)
+    E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
+    expect(bias, "bias", shape=(E,), dtype=np.float32)
+    if not (1 <= top_k <= min(MAX_TOP_K, E)) or E > 1024 or D % 4:
+        raise ValueError(f"{who}: need 1 <= top_k <= min(16, E), E <= 1024, D % 4 == 0 (top_k={top_k}, E={E}, D={D})")
+    if num_groups < 1 or E % num_groups or not (1 <= topk_group <= num_groups):
+        raise ValueError(f"{who}: bad grouping num_groups={num_groups}, topk_group={topk_group} for E={E}")
+    tpb = logits_tokens_per_block(T, D)
+    if tpb is None:
+        raise ValueError(f"{who}: hidden size {D} too large for the staged-x kernel")
+    out_ids = cupy.empty((T, top_k), dtype=np.int32) if out_ids is None else out_ids
+    out_w = cupy.empty((T, top_k), dtype=np.float32) if out_w is None else out_w
+    split = router_split is not None and T >= SPLIT_MIN_T
+    logits = cupy.empty((T, 3 * E if split else E), dtype=np.float32) if logits is None else logits
+    expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
+    expect(out_w, "out_w", shape=(T, top_k), dtype=np.float32)
+    expect(logits, "logits", shape=(T, None), dtype=np.float32)
+    if logits.shape[1] not in (E, 3 * E):
+        raise ValueError(f"{who}: logits scratch must be [T, {E}] or [T, {3 * E}], got {logits.shape}")
+    split = split and logits.shape[1] == 3 * E
+    if split:
+        expect(router_split, "router_split", shape=(3 * E, D), dtype=BF16)
+    if T == 0:
+        return out_ids, out_w, logits, 3 if split else 1
+    if split:
+        with stream if stream is not None else cupy.cuda.get_current_stream():
+            linear(x, router_split, out=logits)
+    else:
+        logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
+        _check_x_aligned(x, D, who)
+        k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
+        k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
+    return out_ids, out_w, logits, 3 if split else 1
+
+
 def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int, renormalize: bool,
               scaling: float, biased_weights: bool = False, out_ids=None, out_w=None, logits=None,
               router_split=None, stream=None, select: str | None = None):
@@ -230,53 +276,66 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
     `logits` is an optional [T, E] fp32 scratch, or [T, 3E] (preallocate it for CUDA graphs);
     `router_split` ([3E, D] bf16 on the device, `split_router`) with T >= SPLIT_MIN_T and a [T, 3E]
     scratch computes the logits on the tensor cores."""
-    import cupy
-
-    T, D = expect(x, "x", ndim=2, dtype=BF16)
-    E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
-    expect(bias, "bias", shape=(E,), dtype=np.float32)
-    if not (1 <= top_k <= min(MAX_TOP_K, E)) or E > 1024 or D % 4:
-        raise ValueError(f"moe_route: need 1 <= top_k <= min(16, E), E <= 1024, D % 4 == 0 (top_k={top_k}, E={E}, D={D})")
-    if num_groups < 1 or E % num_groups or not (1 <= topk_group <= num_groups):
-        raise ValueError(f"moe_route: bad grouping num_groups={num_groups}, topk_group={topk_group} for E={E}")
-    tpb = logits_tokens_per_block(T, D)
-    if tpb is None:
-        raise ValueError(f"moe_route: hidden size {D} too large for the staged-x kernel")
-    out_ids = cupy.empty((T, top_k), dtype=np.int32) if out_ids is None else out_ids
-    out_w = cupy.empty((T, top_k), dtype=np.float32) if out_w is None else out_w
-    split = router_split is not None and T >= SPLIT_MIN_T
-    logits = cupy.empty((T, 3 * E if split else E), dtype=np.float32) if logits is None else logits
-    expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
-    expect(out_w, "out_w", shape=(T, top_k), dtype=np.float32)
-    expect(logits, "logits", shape=(T, None), dtype=np.float32)
-    if logits.shape[1] not in (E, 3 * E):
-        raise ValueError(f"moe_route: logits scratch must be [T, {E}] or [T, {3 * E}], got {logits.shape}")
-    split = split and logits.shape[1] == 3 * E
-    if split:
-        expect(router_split, "router_split", shape=(3 * E, D), dtype=BF16)
-    if T == 0:
-        return out_ids, out_w
-    if split:
-        with stream if stream is not None else cupy.cuda.get_current_stream():
-            linear(x, router_split, out=logits)
-    else:
-        logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
-        _check_x_aligned(x, D, "moe_route")
-        k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
-        k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
+    T = x.shape[0] if getattr(x, "ndim", 0) == 2 else 0
     select = select or default_select(T, num_groups)
     if select not in ("warp", "rank") or (select == "warp" and num_groups != 1):
         raise ValueError(f"moe_route: select must be 'warp' (num_groups == 1) or 'rank', got {select!r} "
                          f"with num_groups={num_groups}")
+    out_ids, out_w, logits, parts = _route_logits(x, w_router, bias, top_k=top_k, num_groups=num_groups,
+                                                  topk_group=topk_group, out_ids=out_ids, out_w=out_w, logits=logits,
+                                                  router_split=router_split, stream=stream, who="moe_route")
+    T, E = x.shape[0], w_router.shape[0]
+    if T == 0:
+        return out_ids, out_w
     if select == "warp":
         k_select = get_kernel("moe_route.cu", "moe_route_select_warp", E=E, SEL_WARPS=_SEL_WARPS,
-                              MAX_TOP_K=MAX_TOP_K, PARTS=3 if split else 1)
+                              MAX_TOP_K=MAX_TOP_K, PARTS=parts)
         k_select((-(-T // _SEL_WARPS),), (32 * _SEL_WARPS,), (logits, bias, out_ids, out_w, i32(T), i32(top_k),
                  i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
         return out_ids, out_w
     threads = max(128, -(-E // 32) * 32)
     k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=threads, MAX_TOP_K=MAX_TOP_K,
-                          PARTS=3 if split else 1)
+                          PARTS=parts)
     k_select((T,), (threads,), (logits, bias, out_ids, out_w, i32(T), i32(top_k), i32(num_groups), i32(topk_group),
                                 i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
+    return out_ids, out_w
+
+
+def select_bucket_fits(T: int, E: int, top_k: int, num_groups: int, shared_slot: bool) -> bool:
+    """moe_route_bucket takes this step's select and bucketing in one launch: ungrouped routing, 1 <= T <=
+    SEL_BUCKET_MAX_T, E + shared slot <= 1024 bins, 1 <= top_k <= min(16, E), and KDA_RT_SELECT_BUCKET is 1."""
+    return (num_groups == 1 and 1 <= T <= SEL_BUCKET_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E)
+            and E + int(shared_slot) <= _SB_THREADS and env.select_bucket())
+
+
+def select_bucket_kernel(E: int, parts: int, tile_rows: int, shared_slot: bool):
+    """The moe_route_select_bucket variant for E experts, logits of `parts` partial sums (1, or 3: the split
+    router's), tiles of `tile_rows` rows, with or without the shared expert's slot."""
+    return get_kernel("moe_route.cu", "moe_route_select_bucket", E=E, SEL_BUCKET=1, PARTS=parts, MAX_TOP_K=MAX_TOP_K,
+                      SHARED=int(shared_slot), BT=tile_rows)
+
+
+def moe_route_bucket(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
+                     biased_weights: bool = False, out_ids=None, out_w=None, logits=None, router_split=None,
+                     stats=None, shared_slot: bool = False, sync=None, stream=None):
+    """moe_route's logits (ungrouped routing), then its select and moe_bucket's bucketing in one launch
+    (kernels_cu/moe_route.cu moe_route_select_bucket): the ids and weights of moe_route(select="warp") and the plan,
+    stats and zeroed `sync` of ops/moe_align.moe_bucket, in two launches instead of three.  Shapes as
+    select_bucket_fits (refused otherwise, before any launch).  Returns (ids, weights)."""
+    T = expect(x, "x", ndim=2, dtype=BF16)[0]
+    E = expect(w_router, "w_router", ndim=2, dtype=np.float32)[0]
+    if not (1 <= T <= SEL_BUCKET_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E + int(shared_slot) <= _SB_THREADS):
+        raise ValueError(f"moe_route_bucket: needs 1 <= T <= {SEL_BUCKET_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
+                         f"E + shared <= {_SB_THREADS} (T={T}, top_k={top_k}, E={E}, shared_slot={shared_slot})")
+    check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_bucket")
+    out_ids, out_w, logits, parts = _route_logits(x, w_router, bias, top_k=top_k, num_groups=1, topk_group=1,
+                                                  out_ids=out_ids, out_w=out_w, logits=logits,
+                                                  router_split=router_split, stream=stream, who="moe_route_bucket")
+    null = np.uint64(0)
+    select_bucket_kernel(E, parts, plan.tile_rows, shared_slot)(
+        (1,), (_SB_THREADS,),
+        (logits, bias, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)), i32(bool(biased_weights)),
+         f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos, plan.tile_expert, plan.tile_row,
+         plan.num_tiles, stats if stats is not None else null, sync if sync is not None else null,
+         i32(0 if sync is None else sync.size)), stream=stream)
     return out_ids, out_w
