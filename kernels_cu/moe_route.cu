@@ -297,6 +297,23 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
 }
 #endif
 
+#if defined(SEL_WARPS) || defined(SEL_BUCKET)
+// token t's routing by the calling warp from the logits of its own launch: [T, E], or with PARTS = 3 the split router's
+// three fp32 partial sums [T, 3E], added as (p1 + p2) + p3 (moe_route_select_warp and moe_route_select_bucket)
+__device__ __forceinline__ void route_token_logits(const float* __restrict__ logits, int t, const float* __restrict__ bias,
+                                                   int top_k, int renormalize, int biased, float scaling, int* id,
+                                                   float* w) {
+#if PARTS == 3
+    const float* l = logits + (size_t)t * 3 * E;
+    warp_route_token<E, MAX_TOP_K>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
+                                   scaling, id, w);
+#else
+    const float* l = logits + (size_t)t * E;
+    warp_route_token<E, MAX_TOP_K>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, id, w);
+#endif
+}
+#endif
+
 #ifdef SEL_WARPS
 extern "C" __global__ void __launch_bounds__(SEL_WARPS * 32)
 moe_route_select_warp(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
@@ -308,14 +325,7 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
     if (t >= num_tokens) return;  // whole warps only: no shuffle in warp_route_token loses a lane
     int id;
     float w;
-#if PARTS == 3
-    const float* l = logits + (size_t)t * 3 * E;
-    warp_route_token<E, MAX_TOP_K>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
-                        scaling, &id, &w);
-#else
-    const float* l = logits + (size_t)t * E;
-    warp_route_token<E, MAX_TOP_K>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
-#endif
+    route_token_logits(logits, t, bias, top_k, renormalize, biased, scaling, &id, &w);
     if (lane < top_k) {
         out_ids[(size_t)t * top_k + lane] = id;
         out_w[(size_t)t * top_k + lane] = w;
@@ -511,14 +521,7 @@ moe_route_select_bucket(const float* __restrict__ logits, const float* __restric
     for (int t = warp; t < num_tokens; t += SB_THREADS / 32) {  // whole warps (warp_route_token shuffles)
         int id;
         float w;
-#if PARTS == 3
-        const float* l = logits + (size_t)t * 3 * E;
-        warp_route_token<E, MAX_TOP_K>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k,
-                                       renormalize, biased, scaling, &id, &w);
-#else
-        const float* l = logits + (size_t)t * E;
-        warp_route_token<E, MAX_TOP_K>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
-#endif
+        route_token_logits(logits, t, bias, top_k, renormalize, biased, scaling, &id, &w);
         if (lane < top_k) {
             out_ids[(size_t)t * top_k + lane] = id;
             out_w[(size_t)t * top_k + lane] = w;

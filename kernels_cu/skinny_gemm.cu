@@ -128,6 +128,42 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) skinny_gemm(const bf
 }
 #endif
 
+#ifdef SPLITS
+// The cluster reduction of skinny_gemm_cl and skinny_gemm_ws, in a fixed order (deterministic): each of the CTA's
+// ELEMS_ partial sums (element i = token · FPC + feature; partial(i) sums the CTA's warps in warp order) goes to the
+// shared memory of the cluster CTA that owns it (rank i mod SPLITS, slot i / SPLITS of red [SPLITS][PER_RANK_]), remote
+// stores after the "started" cluster barrier (every CTA arrived on it at its start); after a second cluster barrier
+// every owner adds its elements' SPLITS partials in split order and stores the rows < M (feature f of the CTA at
+// column n0 + f of out).  (skinny_gemm_ws's SASS is the same as with this code written out in it; skinny_gemm_cl's
+// differs in instruction order only, nvdisasm of NVRTC 13 sm_90a builds, 2026-12-04.)
+template <int ELEMS_, int PER_RANK_, int NTHREADS, typename Partial>
+__device__ __forceinline__ void cluster_reduce_store(Partial partial, float* red, int split, int M, void* __restrict__ out,
+                                                     int ldo, int n0) {
+    const int tid = threadIdx.x;
+    cluster_wait();  // every CTA of the cluster has started: its shared memory takes remote stores
+    for (int i = tid; i < ELEMS_; i += NTHREADS) {
+        const float v = partial(i);
+        st_cluster(red + split * PER_RANK_ + i / SPLITS, (unsigned)(i % SPLITS), v);
+    }
+    cluster_arrive();  // every partial is at its owner after the wait
+    cluster_wait();
+    for (int jj = tid; jj < PER_RANK_; jj += NTHREADS) {
+        const int i = jj * SPLITS + split;
+        const int tok = i / FPC, f = i - tok * FPC;
+        if (i >= ELEMS_ || tok >= M) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp) v += red[sp * PER_RANK_ + jj];  // split order
+        const size_t o = (size_t)tok * ldo + n0 + f;
+#if OUT_F32
+        static_cast<float*>(out)[o] = v;
+#else
+        static_cast<bf16*>(out)[o] = to_bf16(v);
+#endif
+    }
+}
+#endif
+
 #if defined(SPLITS) && !defined(SKWS)
 #define MT (FPC / 16)           // m-tiles of 16 features per CTA
 #define WPM (WARPS / MT)        // warps per m-tile: each a k part of the CTA's slice
@@ -215,30 +251,13 @@ skinny_gemm_cl(const bf16* __restrict__ x, int ldx, const bf16* __restrict__ w, 
         for (int e = 0; e < 4; ++e) pw[(8 * j + 2 * c + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[j][e];
     }
     __syncthreads();
-    cluster_wait();  // every CTA of the cluster has started: its shared memory takes remote stores
-    for (int i = tid; i < ELEMS; i += WARPS * 32) {
+    cluster_reduce_store<ELEMS, PER_RANK, WARPS * 32>([&](int i) {
         const int tok = i / FPC, f = i - tok * FPC, m = f >> 4;
         float v = 0.f;
 #pragma unroll
         for (int k = 0; k < WPM; ++k) v += part[((m * WPM + k) * MP + tok) * 16 + (f & 15)];  // warp order
-        st_cluster(red + split * PER_RANK + i / SPLITS, (unsigned)(i % SPLITS), v);
-    }
-    cluster_arrive();  // every partial is at its owner after the wait
-    cluster_wait();
-    for (int jj = tid; jj < PER_RANK; jj += WARPS * 32) {
-        const int i = jj * SPLITS + split;
-        const int tok = i / FPC, f = i - tok * FPC;
-        if (i >= ELEMS || tok >= M) continue;
-        float v = 0.f;
-#pragma unroll
-        for (int sp = 0; sp < SPLITS; ++sp) v += red[sp * PER_RANK + jj];  // split order
-        const size_t o = (size_t)tok * ldo + blockIdx.x * FPC + f;
-#if OUT_F32
-        static_cast<float*>(out)[o] = v;
-#else
-        static_cast<bf16*>(out)[o] = to_bf16(v);
-#endif
-    }
+        return v;
+    }, red, split, M, out, ldo, blockIdx.x * FPC);
 }
 #endif
 
@@ -493,29 +512,12 @@ skinny_gemm_ws(const void* xmap, const void* wmap, void* __restrict__ out, int l
 #pragma unroll
             for (int e = 0; e < 4; ++e) pw[(8 * j + 2 * c + (e & 1)) * WS_PP + 16 * mt + g + 8 * (e >> 1)] = acc[mt][j][e];
     asm volatile("barrier.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
-    cluster_wait();  // every CTA of the cluster has started: its shared memory takes remote stores
-    for (int i = tid; i < WS_ELEMS; i += WARPS * 32) {
+    cluster_reduce_store<WS_ELEMS, WS_PER_RANK, WARPS * 32>([&](int i) {
         const int pi = i / FPC * WS_PP + i % FPC;
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) v += part[w * (WS_MP * WS_PP) + pi];  // warp order
-        st_cluster(red + split * WS_PER_RANK + i / SPLITS, (unsigned)(i % SPLITS), v);
-    }
-    cluster_arrive();  // every partial is at its owner after the wait
-    cluster_wait();
-    for (int jj = tid; jj < WS_PER_RANK; jj += WARPS * 32) {
-        const int i = jj * SPLITS + split;
-        const int tok = i / FPC, f = i - tok * FPC;
-        if (i >= WS_ELEMS || tok >= M) continue;
-        float v = 0.f;
-#pragma unroll
-        for (int sp = 0; sp < SPLITS; ++sp) v += red[sp * WS_PER_RANK + jj];  // split order
-        const size_t o = (size_t)tok * ldo + n0 + f;
-#if OUT_F32
-        static_cast<float*>(out)[o] = v;
-#else
-        static_cast<bf16*>(out)[o] = to_bf16(v);
-#endif
-    }
+        return v;
+    }, red, split, M, out, ldo, n0);
 }
 #endif
