@@ -301,11 +301,15 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
     return out_ids, out_w
 
 
+def _select_bucket_shape_ok(T: int, E: int, top_k: int, shared_slot: bool) -> bool:
+    """The shapes moe_route_select_bucket's kernel can take."""
+    return 1 <= T <= SEL_BUCKET_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E + int(shared_slot) <= _SB_THREADS
+
+
 def select_bucket_fits(T: int, E: int, top_k: int, num_groups: int, shared_slot: bool) -> bool:
     """moe_route_bucket takes this step's select and bucketing in one launch: ungrouped routing, 1 <= T <=
     SEL_BUCKET_MAX_T, E + shared slot <= 1024 bins, 1 <= top_k <= min(16, E), and KDA_RT_SELECT_BUCKET is 1."""
-    return (num_groups == 1 and 1 <= T <= SEL_BUCKET_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E)
-            and E + int(shared_slot) <= _SB_THREADS and env.select_bucket())
+    return num_groups == 1 and _select_bucket_shape_ok(T, E, top_k, shared_slot) and env.select_bucket()
 
 
 def select_bucket_kernel(E: int, parts: int, tile_rows: int, shared_slot: bool):
@@ -324,7 +328,7 @@ def moe_route_bucket(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormaliz
     select_bucket_fits (refused otherwise, before any launch).  Returns (ids, weights)."""
     T = expect(x, "x", ndim=2, dtype=BF16)[0]
     E = expect(w_router, "w_router", ndim=2, dtype=np.float32)[0]
-    if not (1 <= T <= SEL_BUCKET_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E + int(shared_slot) <= _SB_THREADS):
+    if not _select_bucket_shape_ok(T, E, top_k, shared_slot):
         raise ValueError(f"moe_route_bucket: needs 1 <= T <= {SEL_BUCKET_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
                          f"E + shared <= {_SB_THREADS} (T={T}, top_k={top_k}, E={E}, shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_bucket")
