@@ -602,15 +602,6 @@ def skinny_ws() -> bool:
     return _on_off("KDA_RT_SKINNY_WS")
 
 
-def select_bucket() -> bool:
-    """KDA_RT_SELECT_BUCKET: 1 runs a decode step's router select and its bucketing by expert in one launch
-    (kernels_cu/moe_route.cu moe_route_select_bucket) where the step's logits come from their own launch (more tokens
-    than moe_route_fused takes, up to 64, ungrouped routing), instead of moe_route_select_warp and moe_bucket; default
-    0 (not yet measured on a GPU).  The ids, weights and plan are the same either way.  Read at each MoE call (a CUDA
-    graph keeps what it captured)."""
-    return _on_off("KDA_RT_SELECT_BUCKET", default="0")
-
-
 def skinny_ws_min_k() -> int:
     """KDA_RT_SKINNY_WS_MIN_K (a bench switch): skinny_gemm_ws only for projections of at least this K (the rest on
     skinny_gemm_cl); default 0 (every K).  Read at each call."""

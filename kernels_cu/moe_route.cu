@@ -297,23 +297,6 @@ moe_route_select(const float* __restrict__ logits, const float* __restrict__ bia
 }
 #endif
 
-#if defined(SEL_WARPS) || defined(SEL_BUCKET)
-// token t's routing by the calling warp from the logits of its own launch: [T, E], or with PARTS = 3 the split router's
-// three fp32 partial sums [T, 3E], added as (p1 + p2) + p3 (moe_route_select_warp and moe_route_select_bucket)
-__device__ __forceinline__ void route_token_logits(const float* __restrict__ logits, int t, const float* __restrict__ bias,
-                                                   int top_k, int renormalize, int biased, float scaling, int* id,
-                                                   float* w) {
-#if PARTS == 3
-    const float* l = logits + (size_t)t * 3 * E;
-    warp_route_token<E, MAX_TOP_K>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
-                                   scaling, id, w);
-#else
-    const float* l = logits + (size_t)t * E;
-    warp_route_token<E, MAX_TOP_K>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, id, w);
-#endif
-}
-#endif
-
 #ifdef SEL_WARPS
 extern "C" __global__ void __launch_bounds__(SEL_WARPS * 32)
 moe_route_select_warp(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
@@ -325,7 +308,14 @@ moe_route_select_warp(const float* __restrict__ logits, const float* __restrict_
     if (t >= num_tokens) return;  // whole warps only: no shuffle in warp_route_token loses a lane
     int id;
     float w;
-    route_token_logits(logits, t, bias, top_k, renormalize, biased, scaling, &id, &w);
+#if PARTS == 3
+    const float* l = logits + (size_t)t * 3 * E;
+    warp_route_token<E, MAX_TOP_K>([&](int e) { return (l[e] + l[E + e]) + l[2 * E + e]; }, bias, top_k, renormalize, biased,
+                        scaling, &id, &w);
+#else
+    const float* l = logits + (size_t)t * E;
+    warp_route_token<E, MAX_TOP_K>([&](int e) { return l[e]; }, bias, top_k, renormalize, biased, scaling, &id, &w);
+#endif
     if (lane < top_k) {
         out_ids[(size_t)t * top_k + lane] = id;
         out_w[(size_t)t * top_k + lane] = w;
@@ -486,53 +476,5 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
     if (tid == 0) probe_post(pt, 0x3fu, PROBE_EARLIEST, gridDim.x * gridDim.y);
 #endif
     if (tid == 0) *done = 0;  // every block has counted: ready for the next launch
-}
-#endif
-
-#ifdef SEL_BUCKET
-#include "moe_bucket.cuh"
-// moe_route_select_bucket — a decode step's select and bucketing in one launch, for the steps whose logits come from
-// their own launch (more tokens than moe_route_fused takes, ops/moe_route.py SEL_BUCKET_MAX_T at most): the select of
-// moe_route_select_warp (warp_route_token on the same logits: the same ids and weights) and the bucketing of
-// moe_bucket (bucket_block: the same plan, stats and zeroed sync words), instead of those two launches.
-//   One block of SB_THREADS (1024) threads: warp w selects tokens w, w + 32, ... (one round up to 32 tokens, two up
-//   to 64), writing ids, weights and each pair's bin (the shared expert's pair, with SHARED, bin E) to shared memory;
-//   then the block buckets the pairs.  PARTS = 3: logits [T, 3E] (the split router's three fp32 partial sums, added
-//   as (p1 + p2) + p3), else [T, E].  Compile-time constants: E, PARTS, MAX_TOP_K (<= 32), SHARED, BT (tile rows).
-#ifndef SHARED
-#error "moe_route_select_bucket needs -DSHARED (0 or 1) -DBT"
-#endif
-#define SB_THREADS 1024
-#define SB_MAX_T 64
-#define SB_BINS (E + SHARED)
-static_assert(SB_BINS <= SB_THREADS && MAX_TOP_K <= 32 && (PARTS == 1 || PARTS == 3),
-              "moe_route_select_bucket: E + SHARED <= 1024, top_k <= 32, PARTS 1 or 3");
-
-extern "C" __global__ void __launch_bounds__(SB_THREADS, 1)
-moe_route_select_bucket(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ out_ids,
-                        float* __restrict__ out_w, int num_tokens, int top_k, int renormalize, int biased,
-                        float scaling, int* __restrict__ expert_off, int* __restrict__ sorted_pair,
-                        int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
-                        int* __restrict__ num_tiles, int* __restrict__ stats, int* __restrict__ sync, int sync_words) {
-    KDA_PDL_ENTRY();
-    __shared__ int bin_sh[SB_MAX_T * (MAX_TOP_K + SHARED)];  // pair p's bin
-    __shared__ int count_sh[SB_BINS], off_sh[SB_BINS], fill_sh[SB_BINS], warp_tot[32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int t = warp; t < num_tokens; t += SB_THREADS / 32) {  // whole warps (warp_route_token shuffles)
-        int id;
-        float w;
-        route_token_logits(logits, t, bias, top_k, renormalize, biased, scaling, &id, &w);
-        if (lane < top_k) {
-            out_ids[(size_t)t * top_k + lane] = id;
-            out_w[(size_t)t * top_k + lane] = w;
-            bin_sh[t * (top_k + SHARED) + lane] = min(max(id, 0), E - 1);  // (moe_bucket's clamp)
-        }
-        if (SHARED && lane == 0) bin_sh[t * (top_k + SHARED) + top_k] = E;  // the shared expert's bin
-    }
-    for (int i = tid; i < sync_words; i += SB_THREADS) sync[i] = 0;  // moe_decode_fused's counters
-    __syncthreads();
-    bucket_block<SB_THREADS>([&](int p) { return bin_sh[p]; }, num_tokens * (top_k + SHARED), SB_BINS, BT, E,
-                             expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles, stats, count_sh,
-                             off_sh, fill_sh, warp_tot);
 }
 #endif

@@ -120,16 +120,3 @@ def test_tma_l2_promotion_switch(monkeypatch):
     monkeypatch.setenv("KDA_RT_TMA_L2_PROMOTION", "512")
     with pytest.raises(ValueError, match="KDA_RT_TMA_L2_PROMOTION must be none, 64, 128 or 256"):
         env.tma_l2_promotion()
-
-
-@pytest.mark.parametrize(("value", "expected"), [(None, False), ("", False), ("0", False), ("1", True)])
-def test_select_bucket_switch_is_off_by_default(monkeypatch, value, expected):
-    """KDA_RT_SELECT_BUCKET (moe_route_select_bucket) stays off until it is measured on a GPU."""
-    if value is None:
-        monkeypatch.delenv("KDA_RT_SELECT_BUCKET", raising=False)
-    else:
-        monkeypatch.setenv("KDA_RT_SELECT_BUCKET", value)
-    assert env.select_bucket() is expected
-    monkeypatch.setenv("KDA_RT_SELECT_BUCKET", "yes")
-    with pytest.raises(ValueError, match="KDA_RT_SELECT_BUCKET must be 0 or 1"):
-        env.select_bucket()

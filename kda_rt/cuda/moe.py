@@ -75,9 +75,7 @@ from kda_rt.cuda.ops.moe_route import (
     fused_route_fits,
     fused_route_rows,
     moe_route,
-    moe_route_bucket,
     moe_route_fused,
-    select_bucket_fits,
     split_router,
 )
 from kda_rt.cuda.ops.moe_route import fused_kernel as fused_route_kernel
@@ -345,11 +343,6 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
                             out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=fused,
                             sync=sync, stream=stream, norm_before=norm_before, signal_ready=routed is not None)
-        elif select_bucket_fits(T, E, A, cfg.num_expert_group, fused):  # select and bucketing in one launch
-            moe_route_bucket(x, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
-                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
-                             out_w=ws["w"], logits=ws["logits"], router_split=w.router_split, stats=stats,
-                             shared_slot=fused, sync=sync, stream=stream)
         else:
             moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,

@@ -478,27 +478,6 @@ def test_skinny_ws_form_rules(monkeypatch):
     assert not sk.ws_applies((64, 4, 4), 4096)
 
 
-def test_select_bucket_takes_ungrouped_decode_steps_of_up_to_64_tokens(monkeypatch):
-    """moe_route_bucket (select and bucketing in one block of 1024 threads) only with KDA_RT_SELECT_BUCKET=1, for
-    ungrouped routing of 1-64 tokens whose bins (E + the shared slot) fit one thread each; and the kernel variant
-    carries the logits' parts, tile rows and shared slot."""
-    import kda_rt.cuda.ops.moe_route as mr
-
-    monkeypatch.delenv("KDA_RT_SELECT_BUCKET", raising=False)
-    assert not mr.select_bucket_fits(32, 256, 8, 1, True)  # off by default
-    monkeypatch.setenv("KDA_RT_SELECT_BUCKET", "1")
-    assert mr.select_bucket_fits(32, 256, 8, 1, True) and mr.select_bucket_fits(1, 256, 8, 1, False)
-    assert mr.select_bucket_fits(64, 1023, 16, 1, True)
-    assert not mr.select_bucket_fits(65, 256, 8, 1, True) and not mr.select_bucket_fits(0, 256, 8, 1, True)
-    assert not mr.select_bucket_fits(32, 256, 8, 8, True)  # grouped routing: the rank select
-    assert not mr.select_bucket_fits(32, 1024, 8, 1, True) and not mr.select_bucket_fits(32, 256, 17, 1, True)
-    built = []
-    monkeypatch.setattr(mr, "get_kernel", lambda f, n, **kw: built.append((f, n, kw)))
-    mr.select_bucket_kernel(256, 3, 16, True)
-    assert built == [("moe_route.cu", "moe_route_select_bucket",
-                      {"E": 256, "SEL_BUCKET": 1, "PARTS": 3, "MAX_TOP_K": 16, "SHARED": 1, "BT": 16})]
-
-
 def test_staged_skinny_plan_keeps_a_ctas_weight_rows_in_shared_memory():
     """skinny_gemm_staged: one CTA per SM (fewer for narrow outputs), and only where that CTA's weight rows fit
     the shared-memory budget beside the kernel before it: o_proj (18 rows of 4096), not the dense down (K = 9216)."""

@@ -21,10 +21,9 @@ from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
 
-__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SEL_BUCKET_MAX_T", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore",
-           "default_select", "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows",
-           "logits_tokens_per_block", "moe_route", "moe_route_bucket", "moe_route_fused", "select_bucket_fits",
-           "select_bucket_kernel", "split_router"]
+__all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
+           "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block",
+           "moe_route", "moe_route_fused", "split_router"]
 
 # tokens from which the logits run as one bf16 GEMM on the split router (when the caller has it)
 SPLIT_MIN_T = 32
@@ -49,10 +48,6 @@ FUSED_MAX_T = 16
 _FR_THREADS, _FR_EPB, _FR_MAX_TPB, _FR_MAX_BINS = 512, 8, 8, 512
 _FR_MAX_T = 64  # what the kernel can take (its shared bins), above the policy's FUSED_MAX_T
 _FR_X_BYTES = 37 * 1024  # staged x rows (2·8·D bytes): its 48 KB of static shared memory less the bins and scratch
-# moe_route_select_bucket (moe_route_bucket): the steps whose logits come from their own launch select and bucket in
-# one block of _SB_THREADS threads (a warp a token, two rounds at 64 tokens) instead of two launches (KDA_RT_SELECT_BUCKET)
-SEL_BUCKET_MAX_T = 64
-_SB_THREADS = 1024
 
 
 class NormBefore(NamedTuple):
@@ -298,48 +293,4 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
                           PARTS=parts)
     k_select((T,), (threads,), (logits, bias, out_ids, out_w, i32(T), i32(top_k), i32(num_groups), i32(topk_group),
                                 i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
-    return out_ids, out_w
-
-
-def _select_bucket_shape_ok(T: int, E: int, top_k: int, shared_slot: bool) -> bool:
-    """The shapes moe_route_select_bucket's kernel can take."""
-    return 1 <= T <= SEL_BUCKET_MAX_T and 1 <= top_k <= min(MAX_TOP_K, E) and E + int(shared_slot) <= _SB_THREADS
-
-
-def select_bucket_fits(T: int, E: int, top_k: int, num_groups: int, shared_slot: bool) -> bool:
-    """moe_route_bucket takes this step's select and bucketing in one launch: ungrouped routing, 1 <= T <=
-    SEL_BUCKET_MAX_T, E + shared slot <= 1024 bins, 1 <= top_k <= min(16, E), and KDA_RT_SELECT_BUCKET is 1."""
-    return num_groups == 1 and _select_bucket_shape_ok(T, E, top_k, shared_slot) and env.select_bucket()
-
-
-def select_bucket_kernel(E: int, parts: int, tile_rows: int, shared_slot: bool):
-    """The moe_route_select_bucket variant for E experts, logits of `parts` partial sums (1, or 3: the split
-    router's), tiles of `tile_rows` rows, with or without the shared expert's slot."""
-    return get_kernel("moe_route.cu", "moe_route_select_bucket", E=E, SEL_BUCKET=1, PARTS=parts, MAX_TOP_K=MAX_TOP_K,
-                      SHARED=int(shared_slot), BT=tile_rows)
-
-
-def moe_route_bucket(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
-                     biased_weights: bool = False, out_ids=None, out_w=None, logits=None, router_split=None,
-                     stats=None, shared_slot: bool = False, sync=None, stream=None):
-    """moe_route's logits (ungrouped routing), then its select and moe_bucket's bucketing in one launch
-    (kernels_cu/moe_route.cu moe_route_select_bucket): the ids and weights of moe_route(select="warp") and the plan,
-    stats and zeroed `sync` of ops/moe_align.moe_bucket, in two launches instead of three.  Shapes as
-    select_bucket_fits (refused otherwise, before any launch).  Returns (ids, weights)."""
-    T = expect(x, "x", ndim=2, dtype=BF16)[0]
-    E = expect(w_router, "w_router", ndim=2, dtype=np.float32)[0]
-    if not _select_bucket_shape_ok(T, E, top_k, shared_slot):
-        raise ValueError(f"moe_route_bucket: needs 1 <= T <= {SEL_BUCKET_MAX_T}, 1 <= top_k <= min({MAX_TOP_K}, E), "
-                         f"E + shared <= {_SB_THREADS} (T={T}, top_k={top_k}, E={E}, shared_slot={shared_slot})")
-    check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_bucket")
-    out_ids, out_w, logits, parts = _route_logits(x, w_router, bias, top_k=top_k, num_groups=1, topk_group=1,
-                                                  out_ids=out_ids, out_w=out_w, logits=logits,
-                                                  router_split=router_split, stream=stream, who="moe_route_bucket")
-    null = np.uint64(0)
-    select_bucket_kernel(E, parts, plan.tile_rows, shared_slot)(
-        (1,), (_SB_THREADS,),
-        (logits, bias, out_ids, out_w, i32(T), i32(top_k), i32(bool(renormalize)), i32(bool(biased_weights)),
-         f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos, plan.tile_expert, plan.tile_row,
-         plan.num_tiles, stats if stats is not None else null, sync if sync is not None else null,
-         i32(0 if sync is None else sync.size)), stream=stream)
     return out_ids, out_w
