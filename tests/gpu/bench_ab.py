@@ -9,8 +9,10 @@ again after each flip (they keep the kernels they captured).
 Several switches flip together with --env A,B --values 1:1,0:0,1:0 (one value per switch, ':'-joined).
 A switch named engine.FIELD sets an EngineConfig field instead (a boolean one by 1 / 0, an int one to the value,
 the scheduler's copy too), e.g. --env engine.async_scheduling or engine.prefill_tail_tokens --values 0,256.
---replays times the captured decode graph of each batch (graph replays of one step at ~2K context, CUDA
-events, median of 5 x 20): the same routing for every value, so the difference is the kernels'.
+--replays times the captured decode graph of each batch (graph replays of one full decode step at ~2K context,
+helpers/full_model.decode_full_batch; CUDA events, median of 5 x 20).  Each replay updates the recurrent state and
+cache it reads, so the replays' routing drifts, alike for every value only when the kernels compared are
+bit-identical: the experts touched are printed beside each time.
 --prompts 0 skips the prefill runs.  The values run in turn, in reverse order every other round.  One JSON line
 per run on stdout (prefill runs: TTFT max and mean), then one summary line per value (medians).
 """
@@ -119,15 +121,12 @@ def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, flo
     and the experts its routing touches per MoE layer (the replays' own count: their bytes floor)."""
     import cupy
 
-    from kda_rt.bench import run_bench
+    from helpers.full_model import decode_full_batch
 
     runner = engine.runner
-    # enough output tokens that every sequence still decodes once the last prompt is in (the prompts take about
-    # batch * input_len / max_num_batched_tokens steps, the first ones decoding meanwhile): the graph of `batch`
-    # rows is then captured and its last replay holds all of them (with 8 tokens a batch of 128 2K prompts never
-    # decoded all at once, and its graph did not exist: KeyError 128)
-    steps = -(-batch * input_len // engine.scheduler.config.max_num_batched_tokens)
-    run_bench(engine, batch, input_len, 8 + steps + 1, seed=7)
+    # the graph's last launch a decode step of all `batch` sequences (a run to completion ends on partial steps:
+    # until the forty-seventh session these replays repeated 24 live rows and 8 padding rows at batch 32)
+    decode_full_batch(engine, batch, input_len, seed=7)
     rows = next(b for b in runner.buckets if b >= batch)
     g = runner.graphs[rows]
     times = []

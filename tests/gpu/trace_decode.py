@@ -18,8 +18,12 @@ of the same shape; steps of max_num_batched_tokens = --step-tokens, default 8192
 The decode steps of a whole engine run (B prompts of I tokens, O output tokens, after a warm-up run of the
 same shape): GPU time per step (kernels, idle between them and between steps, each kernel's "advance") beside the
 host's time per engine.step() split into launching, waiting for results and the rest (postprocess, scheduling), so
-a step slower than its graph replay shows whether the GPU or the host sets the pace (with --env / --values: once
-per value).
+a step slower than its graph replay shows whether the GPU or the host sets the pace, and the copies between two
+steps (each one's start after the step's last kernel, and its duration) (with --env / --values: once per value).
+
+The decode replays (--batches) repeat a graph's last launch, made a decode step of every sequence by
+helpers/full_model.decode_full_batch (until the forty-seventh session it was a run's end: at batch 32 24 live
+sequences and 8 padding rows); --run traces the engine's own steps.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def main() -> int:
     ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
 
-    from helpers.full_model import full_engine
+    from helpers.full_model import decode_full_batch, full_engine
     from kda_rt.bench import run_bench
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -145,7 +149,7 @@ def main() -> int:
             os.environ[name] = value
             runner.graphs.clear()  # decode graphs keep the kernels they captured
         rows = next(b for b in runner.buckets if b >= batch)
-        run_bench(engine, batch, args.input_len, 8, seed=3)
+        decode_full_batch(engine, batch, args.input_len, seed=3)  # the graph's last launch: a full decode step
         g = runner.graphs[rows]
         with runner.stream:
             for _ in range(3):
@@ -212,6 +216,17 @@ def main() -> int:
     return 0
 
 
+def _between(gaps: list[list[tuple]]) -> list[dict]:
+    """Median start and duration of the i-th copy in the gaps that have the most common number of copies."""
+    if not gaps:
+        return []
+    n = collections.Counter(len(g) for g in gaps).most_common(1)[0][0]
+    same = [g for g in gaps if len(g) == n]
+    return [{"name": same[0][i][2][:40], "start_us": round(statistics.median(g[i][0] for g in same), 1),
+             "dur_us": round(statistics.median(g[i][1] for g in same), 1)} for i in range(n)] + [
+        {"gaps_with_this_many_copies": len(same), "of": len(gaps)}]
+
+
 def critical_advance(rep: list[dict]) -> collections.Counter[str]:
     """Per kernel name (summed over its launches), how far each launch moves the frontier of finished work: the
     kernels in start order, launch i adds max(0, end_i - max(end_j, j < i)), and the first its whole duration, so
@@ -267,14 +282,20 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
     path = os.path.join(trace_dir, f"trace_run_{batch}x{input_len}x{output_len}.json")
     prof.export_chrome_trace(path)
     with open(path) as fh:
-        kernels = sorted((e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        events = json.load(fh)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    copies = sorted((e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset") and "dur" in e),
+                    key=lambda e: e["ts"])
     # the decode steps: from the first kernel after the last prefill-sized gap; steps end at the sampler's last
     # kernel (the results copy follows it), found as the kernel name that occurs once per step at the end
     names = [_short(e["name"]) for e in kernels]
     last = names[-1]
     ends = [i for i, n in enumerate(names) if n == last]
-    steps, advances = [], []
+    steps, advances, between = [], [], []
     for a, b in zip(ends, ends[1:], strict=False):
+        # the copies from step a's last kernel to step b's first: (start after a's end, duration, name), us
+        t_end, t_next = kernels[a]["ts"] + kernels[a]["dur"], kernels[a + 1]["ts"]
+        between.append([(e["ts"] - t_end, e["dur"], e["name"]) for e in copies if t_end - 1 <= e["ts"] <= t_next])
         seg = kernels[a + 1:b + 1]
         busy = sum(e["dur"] for e in seg)
         span = seg[-1]["ts"] + seg[-1]["dur"] - seg[0]["ts"]
@@ -305,6 +326,9 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
         "idle_before": [{"name": k, "ms": round(v / 1e3, 2)} for k, v in gap_before.most_common(10)],
         # what each kernel adds to a steady step's span (us a step, summed over its launches in the step)
         "advance_us": [{"name": k, "us": round(v, 1)} for k, v in advance.most_common(20)],
+        # what the GPU does between two steady steps (the sampler's results copy, the next step's metadata copies,
+        # the graph's start): each copy's median start after the step's last kernel and median duration, us
+        "between_steps": _between(between[-keep:]),
         "report": {k: report[k] for k in ("elapsed_s", "ttft_s_max", "num_decode_steps")},
     }
 

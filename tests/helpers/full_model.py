@@ -1,5 +1,6 @@
 """The full Kimi-Linear-48B-A3B shape with random weights (router bias std 0.05) on the CUDA backend,
-for the device scripts in tests/gpu/ (one model load each, its time on stderr)."""
+for the device scripts in tests/gpu/ (one model load each, its time on stderr); and a run that leaves a full
+decode batch as the last launch (the inputs a captured decode graph's replays then repeat)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,39 @@ def full_engine(layers: int = 27, **engine_config):
                           EngineConfig(**{"gpu_memory_utilization": 0.85, **engine_config}))
     print(f"load {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return cfg, engine
+
+
+def decode_full_batch(engine, batch: int, input_len: int, seed: int = 7) -> int:
+    """Run `batch` random prompts of `input_len` tokens until one step decodes all of them, then abort them: the
+    engine's last launch (and so the inputs that the `batch`-row decode graph's replays repeat) is a decode step
+    of `batch` live sequences.  A run to completion ends on partial steps instead: prompts that entered a step later
+    finish a step later (32 x 2048 prompts at 16384-token steps: the 32-row graph last ran 24 sequences and 8
+    padding rows).  Returns the steps taken."""
+    import numpy as np
+
+    from kda_rt.sampler.params import SamplingParams
+
+    cfg = engine.config
+    prefill_steps = -(-batch * input_len // cfg.max_num_batched_tokens)
+    max_tokens = prefill_steps + 8  # still decoding when the last prompt is in
+    if batch > cfg.max_num_seqs or input_len + max_tokens > cfg.max_model_len:
+        raise ValueError(f"decode_full_batch: {batch} x ({input_len} + {max_tokens}) tokens do not fit "
+                         f"max_num_seqs {cfg.max_num_seqs} / max_model_len {cfg.max_model_len}")
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"full-batch-{seed}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, {"prompt_token_ids": rng.integers(0, engine.model_config.vocab_size,
+                                                                  input_len).tolist()}, params)
+    sched = engine.scheduler
+    try:
+        for step in range(1, max_tokens + prefill_steps + 1):
+            before = engine.counters["prefill_tokens"]
+            engine.step()
+            if engine.counters["prefill_tokens"] == before and len(sched.running) == batch and not sched.waiting:
+                return step
+        raise RuntimeError(f"decode_full_batch: no step decoded all {batch} sequences")
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():  # collects a step launched ahead
+            engine.step()
