@@ -31,6 +31,7 @@ def test_last_launch_is_a_full_decode_batch(tiny_dir, async_scheduling):
     assert steps >= 4, steps  # three prompt steps at least, then the full decode step
     assert launches[-1] == (6, True), launches
     assert launches[0][1] is False and any(n < 6 for n, _ in launches), launches  # chunked entry happened
+    assert not engine.has_pending_step() and not engine.has_unfinished_requests()
     assert_no_leaks(llm)
 
 

@@ -3,7 +3,8 @@
 replay, copies like the engine's (a pinned-memory round trip of the graph's block table, the way the next step's
 metadata goes up and the sampled tokens come down, a strided device copy like the table's columns, and the
 sampled ids copied into the graph's input ids), and with those copies and the runner's greedy sampler
-(sampler/sampling.sample on the graph's logits, its ids copied down).  The differences between the rows are what
+(sampler/sampling.sample on the graph's logits, its ids copied down; the runner also uploads the sampling settings
+and copies down flags and logprobs in one packed buffer, left out here).  The differences between the rows are what
 those pieces add to a step (CUDA events; no profiler attached).  With --trace, one more pass of each variant under
 torch.profiler (CUPTI; torch is on the device image, never a kda_rt dependency): the median idle from one replay's
 last kernel to the next replay's first kernel and from the last copy before a replay to its first kernel, to
@@ -113,9 +114,9 @@ def main() -> int:
 
 
 def _traced_gaps(stream, body) -> dict:
-    """One traced pass of `body`: the median idle (us) between a replay's last kernel and the next replay's first
-    kernel, and between the last copy before a replay and its first kernel (replays found as the gaps after the
-    graph's last kernel, the lm_head's GEMM: the kernels named like the pass's last graph kernel)."""
+    """One traced pass of `body`: the median idle (us) before each replay's first kernel (after the kernel before
+    it) and after the last copy before it; replays are found by the pass's first kernel's name (the graph's first
+    kernel, the embedding gather, once a replay)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -128,7 +129,8 @@ def _traced_gaps(stream, body) -> dict:
         with open(fh.name) as f:
             events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    copies = sorted((e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    copies = sorted((e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset") and "dur" in e),
+                    key=lambda e: e["ts"])
     # a replay starts with the graph's first kernel: the first kernel's name, recurring once a replay
     first = kernels[0]["name"]
     starts = [i for i, e in enumerate(kernels) if e["name"] == first]

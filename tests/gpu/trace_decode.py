@@ -21,9 +21,12 @@ host's time per engine.step() split into launching, waiting for results and the 
 a step slower than its graph replay shows whether the GPU or the host sets the pace, and the copies between two
 steps (each one's start after the step's last kernel, and its duration) (with --env / --values: once per value).
 
+--run's steady steps are those where every sequence decodes: the steps before the last prompt's entry and the
+run's last ceil(B I / step tokens) - 1 steps (the sequences finish over as many steps as they entered) are left out.
+
 The decode replays (--batches) repeat a graph's last launch, made a decode step of every sequence by
-helpers/full_model.decode_full_batch (until the forty-seventh session it was a run's end: at batch 32 24 live
-sequences and 8 padding rows); --run traces the engine's own steps.
+helpers/full_model.decode_full_batch (until the forty-seventh session it was a run's end: at batch 32 in 8192-token
+steps 20 live sequences and 12 padding rows, in 16384-token steps 24 and 8).
 """
 
 from __future__ import annotations
@@ -302,10 +305,18 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
         lead = seg[0]["ts"] - (kernels[a]["ts"] + kernels[a]["dur"])  # idle between the steps
         steps.append((len(seg), busy, span, lead))
         advances.append(critical_advance(seg))
-    keep = min(len(steps), output_len - 8) if len(steps) > 8 else len(steps)
-    tail = steps[-keep:]  # steady decode steps
+    # steady decode steps: every sequence decoding.  The prompts enter over `chunks` steps and so finish over as
+    # many: the run's last chunks - 1 steps decode fewer rows (28, 24, ... 4 at 32 x 2048 in 8192-token steps) and
+    # are left out, as are the steps up to the last prompt's entry
+    chunks = -(-batch * input_len // engine.scheduler.config.max_num_batched_tokens)
+    ramp = chunks - 1
+    full = len(steps) - ramp
+    keep = max(1, min(full, output_len - chunks - 2))
+    window = slice(max(0, full - keep), full)
+    tail = steps[window]
+    keep = len(tail)
     advance: collections.Counter[str] = collections.Counter()
-    for adv in advances[-keep:]:
+    for adv in advances[window]:
         for k, v in adv.items():
             advance[k] += v / keep
     gap_before: collections.Counter[str] = collections.Counter()
@@ -314,7 +325,7 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
     mean = lambda v: round(statistics.fmean(v), 3) if v else None  # noqa: E731
     return {
         "run": f"{batch}:{input_len}:{output_len}", "decode_step_ms": round(report["decode_step_s_mean"] * 1e3, 3),
-        "steps_seen": len(steps), "steady_steps": len(tail),
+        "steps_seen": len(steps), "steady_steps": len(tail), "ramp_down_steps_left_out": ramp,
         "gpu_kernels_per_step": mean([s[0] for s in tail]),
         "gpu_busy_ms": mean([s[1] / 1e3 for s in tail]), "gpu_span_ms": mean([s[2] / 1e3 for s in tail]),
         "gpu_idle_in_step_ms": mean([(s[2] - s[1]) / 1e3 for s in tail]),
@@ -328,7 +339,7 @@ def _trace_run(engine, batch: int, input_len: int, output_len: int, trace_dir: s
         "advance_us": [{"name": k, "us": round(v, 1)} for k, v in advance.most_common(20)],
         # what the GPU does between two steady steps (the sampler's results copy, the next step's metadata copies,
         # the graph's start): each copy's median start after the step's last kernel and median duration, us
-        "between_steps": _between(between[-keep:]),
+        "between_steps": _between(between[window]),
         "report": {k: report[k] for k in ("elapsed_s", "ttft_s_max", "num_decode_steps")},
     }
 

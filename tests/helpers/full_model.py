@@ -44,11 +44,11 @@ def decode_full_batch(engine, batch: int, input_len: int, seed: int = 7) -> int:
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [f"full-batch-{seed}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, {"prompt_token_ids": rng.integers(0, engine.model_config.vocab_size,
-                                                                  input_len).tolist()}, params)
     sched = engine.scheduler
     try:
+        for rid in ids:
+            engine.add_request(rid, {"prompt_token_ids": rng.integers(0, engine.model_config.vocab_size,
+                                                                      input_len).tolist()}, params)
         for step in range(1, max_tokens + prefill_steps + 1):
             before = engine.counters["prefill_tokens"]
             engine.step()
@@ -57,5 +57,5 @@ def decode_full_batch(engine, batch: int, input_len: int, seed: int = 7) -> int:
         raise RuntimeError(f"decode_full_batch: no step decoded all {batch} sequences")
     finally:
         engine.abort_request(ids)
-        while engine.has_unfinished_requests():  # collects a step launched ahead
+        while engine.has_unfinished_requests() or engine.has_pending_step():  # (a step launched ahead: collected)
             engine.step()
