@@ -261,6 +261,15 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
+def kda_pipe() -> bool:
+    """KDA_RT_KDA_PIPE: 1 runs the KDA decode kernel's one-CTA-per-head form with fewer CTAs than (sequence, head)
+    items, each CTA loading its next item's state into shared memory while it works on the current one
+    (kernels_cu/kda_decode.cu PIPE: the same results bit for bit), where the items outnumber the CTAs that fit at
+    once; default 0 (not yet measured on a GPU).  Read when the kernel is picked (a CUDA graph keeps what it
+    captured)."""
+    return _on_off("KDA_RT_KDA_PIPE", default="0")
+
+
 def kda_conv_one_round() -> bool:
     """KDA_RT_KDA_CONV_ONE_ROUND: 1 rounds the KDA prefill's conv + SiLU outputs to bf16 once, by their store
     (kernels_cu/kda_prefill.cu CONV_ONE_ROUND: the same bits, one conversion an element fewer); default 1 (0: the

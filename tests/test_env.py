@@ -20,7 +20,20 @@ def test_on_off_switches(monkeypatch, name, read, value, expected):
     assert read() is expected
 
 
-@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES)
+_OFF_BY_DEFAULT_SWITCHES = [("KDA_RT_KDA_PIPE", env.kda_pipe)]  # (opt-in until measured)
+
+
+@pytest.mark.parametrize(("name", "read"), _OFF_BY_DEFAULT_SWITCHES)
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("", False), ("1", True), ("0", False)])
+def test_off_by_default_switches(monkeypatch, name, read, value, expected):
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    assert read() is expected
+
+
+@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES + _OFF_BY_DEFAULT_SWITCHES)
 @pytest.mark.parametrize("value", ["yes", "2", "off", "-1"])
 def test_on_off_switches_reject_other_values(monkeypatch, name, read, value):
     monkeypatch.setenv(name, value)

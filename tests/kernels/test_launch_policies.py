@@ -682,6 +682,19 @@ def test_kda_state_hints_rule(monkeypatch):
         kd.state_hints(8)
 
 
+def test_kda_pipe_rule(monkeypatch):
+    """kda_decode.cu's PIPE form (persistent CTAs prefetching their next item's state) only with KDA_RT_KDA_PIPE=1,
+    for the one-CTA-per-head form without fused gates, where the items outnumber the CTAs that fit at once: then
+    exactly that many CTAs."""
+    monkeypatch.delenv("KDA_RT_KDA_PIPE", raising=False)
+    assert not kd.pipe_applies(1, False)  # off by default
+    monkeypatch.setenv("KDA_RT_KDA_PIPE", "1")
+    assert kd.pipe_applies(1, False) and not kd.pipe_applies(4, False) and not kd.pipe_applies(1, True)
+    assert kd.pipe_ctas(32 * 32, 132, 2) == 264
+    assert kd.pipe_ctas(265, 132, 2) == 264 and kd.pipe_ctas(264, 132, 2) == 0  # one item a CTA: the plain grid
+    assert kd.pipe_ctas(64, 16, 1) == 16 and kd.pipe_ctas(16, 16, 1) == 0
+
+
 def test_one_token_moe_gemv_shapes_by_format(monkeypatch):
     """moe_gemv_down's (warps, stages) and the gate/up GEMV's warps by weight format (e4m3: more warps, the measured
     choice), the switches' overrides, the e4m3 ring's shared memory, and refusals of values below 1."""
