@@ -611,6 +611,13 @@ def skinny_ws() -> bool:
     return _on_off("KDA_RT_SKINNY_WS")
 
 
+def skinny_wide_max_n() -> int:
+    """KDA_RT_SKINNY_WIDE_MAX_N (a bench switch): the most outputs a 9-32-row projection may have to run on
+    skinny_gemm_cl / _ws (kernels_cu/skinny_gemm.cu) instead of cuBLAS; default 4096 (o_proj, the router, f_a|g_a|b;
+    q|k|v|f_a|g_a|b, MLA's q|kv_a and the dense gate|up stay on cuBLAS).  Read at each call."""
+    return _non_negative_int("KDA_RT_SKINNY_WIDE_MAX_N", 4096)
+
+
 def skinny_ws_min_k() -> int:
     """KDA_RT_SKINNY_WS_MIN_K (a bench switch): skinny_gemm_ws only for projections of at least this K (the rest on
     skinny_gemm_cl); default 0 (every K).  Read at each call."""

@@ -451,6 +451,22 @@ def test_runner_precompiles_the_wide_skinny_variants_of_the_model(monkeypatch):
     assert staged == [(0, 3, 2304), (0, 18, 4096), (1, 6, 2304)]  # f_a|g_a|b, o_proj, the router split
 
 
+def test_skinny_wide_max_n_switch(monkeypatch):
+    """KDA_RT_SKINNY_WIDE_MAX_N (a bench switch): 9-32-row projections of more than 4096 outputs stay on cuBLAS unless
+    it is raised; then q|k|v|f_a|g_a|b and MLA's q|kv_a get plans that skinny_gemm_ws takes."""
+    import kda_rt.cuda.ops.skinny_gemm as sk
+
+    monkeypatch.setenv("KDA_RT_ARCH", "sm_90a")
+    monkeypatch.delenv("KDA_RT_SKINNY_WIDE_MAX_N", raising=False)
+    assert sk.wide_plan(32, 12576, 2304) is None and sk.wide_plan(20, 4096, 1024) is not None
+    monkeypatch.setenv("KDA_RT_SKINNY_WIDE_MAX_N", "16384")
+    for M, N in ((32, 12576), (16, 12576), (16, 6720), (32, 6720)):
+        plan = sk.wide_plan(M, N, 2304)
+        assert plan is not None and sk.ws_applies(plan, 2304) and sk._ws_smem(*plan) <= 113 * 1024, (M, N, plan)
+    assert sk.wide_plan(32, 12576, 2304) == (32, 1, 4)  # 393 CTAs of 32 features
+    assert sk.wide_plan(32, 18432, 2304) is None  # the dense gate|up: past the switch
+
+
 def test_skinny_ws_form_rules(monkeypatch):
     """skinny_gemm_ws takes skinny_gemm_cl's plan where the k slice is whole 128-wide ring steps, with 2 or 4 n-tiles,
     on sm_90+ (tensor maps), unless KDA_RT_SKINNY_WS=0; the model's plans all qualify (o_proj, f_a|g_a|b, the router
