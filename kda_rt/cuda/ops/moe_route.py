@@ -219,47 +219,6 @@ def _array_module(a):
     return cupy
 
 
-def _route_logits(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int, out_ids, out_w, logits,
-                  router_split, stream, who: str):
-    """moe_route's checks and its logits: (ids, weights, logits [T, E] or [T, 3E], parts 1 or 3), the output
-    arrays allocated where not given; the logits computed unless T == 0."""
-    import cupy
-
-    T, D = expect(x, "x", ndim=2, dtype=BF16)
-    E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
-    expect(bias, "bias", shape=(E,), dtype=np.float32)
-    if not (1 <= top_k <= min(MAX_TOP_K, E)) or E > 1024 or D % 4:
-        raise ValueError(f"{who}: need 1 <= top_k <= min(16, E), E <= 1024, D % 4 == 0 (top_k={top_k}, E={E}, D={D})")
-    if num_groups < 1 or E % num_groups or not (1 <= topk_group <= num_groups):
-        raise ValueError(f"{who}: bad grouping num_groups={num_groups}, topk_group={topk_group} for E={E}")
-    tpb = logits_tokens_per_block(T, D)
-    if tpb is None:
-        raise ValueError(f"{who}: hidden size {D} too large for the staged-x kernel")
-    out_ids = cupy.empty((T, top_k), dtype=np.int32) if out_ids is None else out_ids
-    out_w = cupy.empty((T, top_k), dtype=np.float32) if out_w is None else out_w
-    split = router_split is not None and T >= SPLIT_MIN_T
-    logits = cupy.empty((T, 3 * E if split else E), dtype=np.float32) if logits is None else logits
-    expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
-    expect(out_w, "out_w", shape=(T, top_k), dtype=np.float32)
-    expect(logits, "logits", shape=(T, None), dtype=np.float32)
-    if logits.shape[1] not in (E, 3 * E):
-        raise ValueError(f"{who}: logits scratch must be [T, {E}] or [T, {3 * E}], got {logits.shape}")
-    split = split and logits.shape[1] == 3 * E
-    if split:
-        expect(router_split, "router_split", shape=(3 * E, D), dtype=BF16)
-    if T == 0:
-        return out_ids, out_w, logits, 3 if split else 1
-    if split:
-        with stream if stream is not None else cupy.cuda.get_current_stream():
-            linear(x, router_split, out=logits)
-    else:
-        logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
-        _check_x_aligned(x, D, who)
-        k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
-        k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
-    return out_ids, out_w, logits, 3 if split else 1
-
-
 def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int, renormalize: bool,
               scaling: float, biased_weights: bool = False, out_ids=None, out_w=None, logits=None,
               router_split=None, stream=None, select: str | None = None):
@@ -271,26 +230,53 @@ def moe_route(x, w_router, bias, *, top_k: int, num_groups: int, topk_group: int
     `logits` is an optional [T, E] fp32 scratch, or [T, 3E] (preallocate it for CUDA graphs);
     `router_split` ([3E, D] bf16 on the device, `split_router`) with T >= SPLIT_MIN_T and a [T, 3E]
     scratch computes the logits on the tensor cores."""
-    T = x.shape[0] if getattr(x, "ndim", 0) == 2 else 0
+    import cupy
+
+    T, D = expect(x, "x", ndim=2, dtype=BF16)
+    E, _ = expect(w_router, "w_router", shape=(None, D), dtype=np.float32)
+    expect(bias, "bias", shape=(E,), dtype=np.float32)
+    if not (1 <= top_k <= min(MAX_TOP_K, E)) or E > 1024 or D % 4:
+        raise ValueError(f"moe_route: need 1 <= top_k <= min(16, E), E <= 1024, D % 4 == 0 (top_k={top_k}, E={E}, D={D})")
+    if num_groups < 1 or E % num_groups or not (1 <= topk_group <= num_groups):
+        raise ValueError(f"moe_route: bad grouping num_groups={num_groups}, topk_group={topk_group} for E={E}")
     select = select or default_select(T, num_groups)
     if select not in ("warp", "rank") or (select == "warp" and num_groups != 1):
         raise ValueError(f"moe_route: select must be 'warp' (num_groups == 1) or 'rank', got {select!r} "
                          f"with num_groups={num_groups}")
-    out_ids, out_w, logits, parts = _route_logits(x, w_router, bias, top_k=top_k, num_groups=num_groups,
-                                                  topk_group=topk_group, out_ids=out_ids, out_w=out_w, logits=logits,
-                                                  router_split=router_split, stream=stream, who="moe_route")
-    T, E = x.shape[0], w_router.shape[0]
+    tpb = logits_tokens_per_block(T, D)
+    if tpb is None:
+        raise ValueError(f"moe_route: hidden size {D} too large for the staged-x kernel")
+    out_ids = cupy.empty((T, top_k), dtype=np.int32) if out_ids is None else out_ids
+    out_w = cupy.empty((T, top_k), dtype=np.float32) if out_w is None else out_w
+    split = router_split is not None and T >= SPLIT_MIN_T
+    logits = cupy.empty((T, 3 * E if split else E), dtype=np.float32) if logits is None else logits
+    expect(out_ids, "out_ids", shape=(T, top_k), dtype=np.int32)
+    expect(out_w, "out_w", shape=(T, top_k), dtype=np.float32)
+    expect(logits, "logits", shape=(T, None), dtype=np.float32)
+    if logits.shape[1] not in (E, 3 * E):
+        raise ValueError(f"moe_route: logits scratch must be [T, {E}] or [T, {3 * E}], got {logits.shape}")
+    split = split and logits.shape[1] == 3 * E
+    if split:
+        expect(router_split, "router_split", shape=(3 * E, D), dtype=BF16)
     if T == 0:
         return out_ids, out_w
+    if split:
+        with stream if stream is not None else cupy.cuda.get_current_stream():
+            linear(x, router_split, out=logits)
+    else:
+        logits = logits.reshape(-1)[:T * E].reshape(T, E)  # a [T, 3E] scratch: its first T·E floats
+        _check_x_aligned(x, D, "moe_route")
+        k_logits = get_kernel("moe_route.cu", "moe_route_logits", D=D, E=E, TPB=tpb, WARPS=_WARPS)
+        k_logits((-(-T // tpb), -(-E // _WARPS)), (_WARPS * 32,), (x, w_router, logits, i32(T)), stream=stream)
     if select == "warp":
         k_select = get_kernel("moe_route.cu", "moe_route_select_warp", E=E, SEL_WARPS=_SEL_WARPS,
-                              MAX_TOP_K=MAX_TOP_K, PARTS=parts)
+                              MAX_TOP_K=MAX_TOP_K, PARTS=3 if split else 1)
         k_select((-(-T // _SEL_WARPS),), (32 * _SEL_WARPS,), (logits, bias, out_ids, out_w, i32(T), i32(top_k),
                  i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
         return out_ids, out_w
     threads = max(128, -(-E // 32) * 32)
     k_select = get_kernel("moe_route.cu", "moe_route_select", E=E, THREADS=threads, MAX_TOP_K=MAX_TOP_K,
-                          PARTS=parts)
+                          PARTS=3 if split else 1)
     k_select((T,), (threads,), (logits, bias, out_ids, out_w, i32(T), i32(top_k), i32(num_groups), i32(topk_group),
                                 i32(bool(renormalize)), i32(bool(biased_weights)), f32(scaling)), stream=stream)
     return out_ids, out_w
