@@ -261,15 +261,6 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
-def kda_pipe() -> bool:
-    """KDA_RT_KDA_PIPE: 1 runs the KDA decode kernel's one-CTA-per-head form with fewer CTAs than (sequence, head)
-    items, each CTA loading its next item's state into shared memory while it works on the current one
-    (kernels_cu/kda_decode.cu PIPE: the same results bit for bit), where the items outnumber the CTAs that fit at
-    once; default 0 (not yet measured on a GPU).  Read when the kernel is picked (a CUDA graph keeps what it
-    captured)."""
-    return _on_off("KDA_RT_KDA_PIPE", default="0")
-
-
 def kda_conv_one_round() -> bool:
     """KDA_RT_KDA_CONV_ONE_ROUND: 1 rounds the KDA prefill's conv + SiLU outputs to bf16 once, by their store
     (kernels_cu/kda_prefill.cu CONV_ONE_ROUND: the same bits, one conversion an element fewer); default 1 (0: the
@@ -609,13 +600,6 @@ def skinny_ws() -> bool:
     (H200, traced at batch 32: 31-32 us a decode step less, 0.35%).  Read at each call (a CUDA graph keeps what it
     captured)."""
     return _on_off("KDA_RT_SKINNY_WS")
-
-
-def skinny_wide_max_n() -> int:
-    """KDA_RT_SKINNY_WIDE_MAX_N (a bench switch): the most outputs a 9-32-row projection may have to run on
-    skinny_gemm_cl / _ws (kernels_cu/skinny_gemm.cu) instead of cuBLAS; default 4096 (o_proj, the router, f_a|g_a|b;
-    q|k|v|f_a|g_a|b, MLA's q|kv_a and the dense gate|up stay on cuBLAS).  Read at each call."""
-    return _non_negative_int("KDA_RT_SKINNY_WIDE_MAX_N", 4096)
 
 
 def skinny_ws_min_k() -> int:

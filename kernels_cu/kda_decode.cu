@@ -27,9 +27,7 @@
 // CTA copies its VC rows of f_b and g_b (2 VC R bf16, R <= 256) and the token's two low-rank rows into
 // shared memory with cp.async while the state loads are in flight; 2 threads per row, fp32 sums.
 //
-// Grid: (H * SPLIT, B), x = h * SPLIT + c; cluster (SPLIT, 1, 1); token b belongs to sequence b (T == B).  PIPE
-// builds (below): (G, 1) with G < B * H, CTA x taking items x, x + G, ... (item = b * H + h), K * K * 4 bytes of
-// dynamic shared memory.
+// Grid: (H * SPLIT, B), x = h * SPLIT + c; cluster (SPLIT, 1, 1); token b belongs to sequence b (T == B).
 // Block: THREADS threads.  State map: CT = VC / 4 lanes cover one row block (a float4 each), so
 // RG = THREADS / CT row groups of RPT = K / RG consecutive rows; every state element is read and
 // written once, as 16-byte vectors (a warp touches 32 / CT rows of VC * 4 contiguous bytes).  The
@@ -43,8 +41,7 @@
 // Compile-time constants (chosen in kda_rt/cuda/ops/kda_decode.py): HEAD_DIM (K = V, must be 128),
 // CONV_W (W), THREADS, SPLIT (1, 2, 4 or 8; > 1 needs sm_90+), MIN_BLOCKS (launch-bounds occupancy),
 // FUSE_FG (0 / 1), RANK_F, RANK_G (multiples of 8, <= 256; 0 when FUSE_FG is 0), EARLY_STATE (0 / 1).
-// Registers (sm_90a ptxas, no spills; NVRTC 13.5 with EARLY_STATE 1 and STATE_HINTS 1 gives 128 for 1 x 256, PIPE
-// builds too): SPLIT 1 x 256 threads 122, 2 x 128 116, 2 x 256 92, 4 x 128 71,
+// Registers (sm_90a ptxas, no spills): SPLIT 1 x 256 threads 122, 2 x 128 116, 2 x 256 92, 4 x 128 71,
 // 8 x 128 63; fused 4 x 128 85 (21 KB smem), 8 x 128 69.
 // Measured (H200, graph replay, H = 32), the unsplit kernel before this split (same math, 126 registers):
 // B=1 5.4 us, B=8 9.6 us (3.5 TB/s), B=32 50.2 us (2.67 TB/s).  This version (tests/gpu/check_kda_decode.sh,
@@ -101,16 +98,6 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
     *p = v;
 #endif
 }
-// PIPE = 1 (SPLIT 1, FUSE_FG 0; ops/kda_decode.py KDA_RT_KDA_PIPE): a grid of fewer CTAs than (sequence, head) items,
-// each CTA taking items blockIdx.x, blockIdx.x + gridDim.x, ...; while it works on one item, the next item's state
-// rows are already on their way into shared memory (cp.async into K * K * 4 bytes of dynamic shared memory), so the
-// SM's loads of the next state overlap the current item's prologue, sweep and stores instead of waiting for a new
-// CTA.  Each thread copies exactly the float4s it later reads (the same map as the registers), so the buffer needs
-// no barrier: the thread's own cp.async wait covers it.  The same math in the same order: bit-identical results.
-#ifndef PIPE
-#define PIPE 0
-#endif
-static_assert(!PIPE || (SPLIT == 1 && !FUSE_FG), "kda_decode.cu: PIPE needs SPLIT == 1 and FUSE_FG == 0");
 #if EARLY_STATE
 #define KD_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
 #else
@@ -177,20 +164,6 @@ __device__ __forceinline__ void low_rank_rows(const bf16 (&w_s)[2 * VC][WROW], c
 }
 #endif
 
-#if PIPE
-// item's state rows (this thread's float4s: rows row0 .. row0 + RPT - 1, column block ct) into pipe_s by cp.async,
-// where a later item of this CTA reads them; nothing for a fresh sequence (its state is zeros)
-__device__ __forceinline__ void pipe_prefetch(float4* pipe_s, const float* __restrict__ rec_pool,
-                                              const int* __restrict__ context_lens, const int* __restrict__ state_slots,
-                                              int item, int num_heads, int row0, int ct) {
-    const int seq = item / num_heads, h = item - seq * num_heads;
-    if (context_lens[seq] == 0) return;
-    const float4* src = reinterpret_cast<const float4*>(rec_pool + ((size_t)state_slots[seq] * num_heads + h) * K * K) + ct;
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) cp_async16(pipe_s + (row0 + i) * (K / 4) + ct, src + (row0 + i) * (K / 4), 16);
-}
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // kernel
 
@@ -204,7 +177,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const float* __restrict__ dt_bias, const float* __restrict__ o_norm_w, bf16* __restrict__ conv_pool,
     float* __restrict__ rec_pool, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
     bf16* __restrict__ out, int num_heads, float eps, const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
-    int ldr, int num_items) {  // num_items: B * num_heads (read by PIPE builds only)
+    int ldr) {
     KD_PDL_ENTRY();
     __shared__ float q_s[K], k_s[K], decay_s[K], v_s[VC], ss_s[SPLIT];
     __shared__ __align__(16) float red_r[NUM_WARPS][VC], red_o[NUM_WARPS][VC];
@@ -223,19 +196,9 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #else
     const int rank = 0;
 #endif
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.x / SPLIT, seq = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c0 = rank * VC;  // first value column / channel of this CTA within the head
     const int P = num_heads * K;
-#if PIPE
-    const int ct = tid % CT, row0 = (tid / CT) * RPT;  // this thread's state float4s: rows row0 .., column block ct
-    extern __shared__ float4 pipe_s[];  // the state rows of the CTA's next item, K * K * 4 bytes
-    if ((int)blockIdx.x < num_items) pipe_prefetch(pipe_s, rec_pool, context_lens, state_slots, blockIdx.x, num_heads, row0, ct);
-    cp_async_commit();
-    for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
-    const int seq = item / num_heads, h = item - seq * num_heads;
-#else
-    const int h = blockIdx.x / SPLIT, seq = blockIdx.y;
-#endif
     const bool fresh = context_lens[seq] == 0;
     const size_t slot = (size_t)state_slots[seq];
     // first what no earlier kernel of the graph writes (EARLY_STATE: before the programmatic-launch wait): the
@@ -255,20 +218,11 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     if (tid >= THREADS - VC / 4) cp_async16(norm_s + 4 * (tid - (THREADS - VC / 4)), o_norm_w + c0 + 4 * (tid - (THREADS - VC / 4)), 16);
 
     // ---- the state rows: this CTA's K x VC block is in flight while the prologue runs
-#if !PIPE
     const int ct = tid % CT, row0 = (tid / CT) * RPT;
-#endif
     float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
     float4 s[RPT];
-#if PIPE
-    cp_async_wait<0>();  // this item's rows, copied by this thread (the norm weights' copy just issued is not committed)
-    asm volatile("" ::: "memory");  // (the helpers carry no memory clobber: no read of pipe_s moves above the wait)
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : pipe_s[(row0 + i) * (K / 4) + ct];
-#else
 #pragma unroll
     for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : ld_state(state + (row0 + i) * (K / 4));
-#endif
 #if EARLY_STATE
     KDA_PDL_WAIT();  // the token's q|k|v|f_a|g_a|b: the kernel before's output
 #endif
@@ -285,13 +239,6 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     if (tid < VC / 8) cp_async16(gate_s + 8 * tid, gate + (size_t)seq * P + h * K + c0 + 8 * tid, 16);
 #endif
     cp_async_commit();  // no registers held meanwhile
-#if PIPE
-    // the next item's rows, into the float4s this thread has just read (its own): in flight until the next round
-    asm volatile("" ::: "memory");  // (no read of this item's rows from pipe_s moves below the next copies)
-    if (item + (int)gridDim.x < num_items)
-        pipe_prefetch(pipe_s, rec_pool, context_lens, state_slots, item + gridDim.x, num_heads, row0, ct);
-    cp_async_commit();  // (an empty group for the last item)
-#endif
 #if SPLIT > 1
     cluster_wait();
 #endif
@@ -393,11 +340,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         ss = warp_sum(lane < CT ? ss : 0.f);
         if (lane == 0) st_all(ss_s + rank, ss);
     }
-#if PIPE
-    cp_async_wait<1>();  // gate_s, norm_s (the group before the next item's rows): visible after the barrier below
-#else
     cp_async_wait<0>();  // gate_s, norm_s: visible to warp 0 after the barrier below
-#endif
 #if SPLIT > 1
     cluster_arrive();
     cluster_wait();
@@ -420,8 +363,4 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #endif
         *reinterpret_cast<uint2*>(out + base) = *reinterpret_cast<const uint2*>(res);
     }
-#if PIPE
-    __syncthreads();  // warp 0's reads of gate_s, norm_s and ss_s are done before the next item writes them
-    }
-#endif
 }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.gpu import BF16, bf16_round, poison, poison_shared_memory, rms_rel, to_np
+from helpers.gpu import BF16, bf16_round, poison, rms_rel, to_np
 from helpers.kda_kernel import K, check, make_inputs, reference, run_op, upload
 
 pytestmark = pytest.mark.gpu
@@ -116,80 +116,6 @@ def test_kda_decode_state_hints(num_seqs, gates, monkeypatch):
         results[hints] = got
     for hints in ("1", "2", "3"):
         assert results[hints] == results["0"], f"STATE_HINTS={hints}: outputs or pools differ from the plain variant"
-
-
-PIPE_CASES = [(5, 4, "mixed", 7), (40, 8, "extreme", 13), (160, 4, "normal", None)]
-
-
-def force_ctas(monkeypatch, ctas):
-    """The PIPE form's CTA count forced to `ctas` (at most the items); None: the launcher's own."""
-    import kda_rt.cuda.ops.kda_decode as kd
-
-    if ctas is not None:
-        monkeypatch.setattr(kd, "pipe_ctas", lambda items, sms, per_sm: min(ctas, items))
-
-
-def spy_pipe_builds(monkeypatch) -> list[bool]:
-    """Records, for each kernel kda_decode launches, whether it is a PIPE build (its defines)."""
-    import kda_rt.cuda.ops.kda_decode as kd
-
-    real, ran = kd.get_kernel, []
-
-    class Spy:  # the kernel, launches recorded (attributes such as its handle pass through: occupancy queries)
-        def __init__(self, kernel, pipe):
-            self.kernel, self.pipe = kernel, pipe
-
-        def __getattr__(self, attr):
-            return getattr(self.kernel, attr)
-
-        def __call__(self, *a, **k):
-            ran.append(self.pipe)
-            return self.kernel(*a, **k)
-
-    monkeypatch.setattr(kd, "get_kernel", lambda filename, name, **kw: Spy(real(filename, name, **kw),
-                                                                            kw.get("PIPE", 0) == 1))
-    return ran
-
-
-@pytest.mark.parametrize("early", ["1", "0"], ids=["early-state", "wait-first"])
-@pytest.mark.parametrize("num_seqs, num_heads, gates, ctas", PIPE_CASES,
-                         ids=[f"B{c[0]}-H{c[1]}-{c[2]}-{c[3] or 'sms'}ctas" for c in PIPE_CASES])
-def test_kda_decode_pipe_equals_plain(num_seqs, num_heads, gates, ctas, early, monkeypatch):
-    """kda_decode.cu PIPE (KDA_RT_KDA_PIPE=1: fewer CTAs than (sequence, head) items, each loading its next item's
-    state into shared memory while it works on the current one) against the plain one-CTA-per-head kernel on the
-    same inputs, three steps (step 0: fresh sequences with garbage in their slots beside continuing ones): outputs
-    and both pools bit for bit, the plain kernel's checked against the float64 reference; shared memory poisoned
-    before each launch, outputs by run_op; each pass checks which build it launched.  `ctas` forces the CTA
-    count (several items a CTA, a count that divides neither the items nor the heads); None: the launcher's own
-    (2 an SM, fewer than B = 160 x 4 items on any GPU of up to 319 SMs)."""
-    import cupy
-
-    import kda_rt.cuda.ops.kda_decode as kd
-
-    monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", early)
-    force_ctas(monkeypatch, ctas)
-    ran = spy_pipe_builds(monkeypatch)
-    results = {}
-    for pipe in ("0", "1"):
-        monkeypatch.setenv("KDA_RT_KDA_PIPE", pipe)
-        ran.clear()
-        rng = np.random.default_rng(num_seqs * 7 + num_heads)
-        inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 3)
-        dev = upload(inp)
-        got = []
-        for step in range(3):
-            if step:
-                inp = _next_step(rng, inp, dev, num_heads, ("qkv", "f", "b", "gate", "context_lens"))
-            poison_shared_memory()  # (PIPE reads its state rows from shared memory: none left by an earlier launch)
-            out = run_op(kd.kda_decode, dev, num_heads, split=1, threads=256)
-            if pipe == "0":
-                check(out, dev, reference(inp, num_heads), inp, f"decode step {step} B{num_seqs} H{num_heads} {gates}")
-            got.append([cupy.asnumpy(a).tobytes() for a in (out, dev["rec_pool"], dev["conv_pool"])])
-        results[pipe] = got
-        assert ran and all(ran) == (pipe == "1") and any(ran) == (pipe == "1"), (pipe, ran)  # the form named ran
-    for step, (a, b) in enumerate(zip(results["1"], results["0"], strict=True)):
-        for name, x, y in zip(("out", "rec_pool", "conv_pool"), a, b, strict=True):
-            assert x == y, f"PIPE step {step}: {name} differs from the plain kernel's"
 
 
 def low_rank_inputs(rng, inp, num_heads, rank):
@@ -368,14 +294,13 @@ def test_kda_decode_graph_capture(variant):
     assert np.array_equal(to_np(graphed["conv_pool"]), to_np(eager["conv_pool"]))
 
 
-@pytest.mark.parametrize("num_seqs, pipe", [(1, False), (6, False), (6, True)], ids=["B1", "B6", "B6-pipe"])
-def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, pipe, monkeypatch):
+@pytest.mark.parametrize("num_seqs", [1, 6])
+def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, monkeypatch):
     """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
     own wait) writes q|k|v, then kda_decode with its state loaded before its wait (KDA_RT_KDA_EARLY_STATE=1);
     replayed four times on new inputs, the state carried in the pools from replay to replay.  Bit for bit the
     eager steps of the kernel that waits first (=0) on a copy of the same pools: a q|k|v read before the wait would
-    see the previous replay's rows.  pipe: the graph's kernel is the PIPE form (KDA_RT_KDA_PIPE=1, 5 CTAs for the 48
-    items: each prefetches its next item's state while the current one runs), the oracle the plain one."""
+    see the previous replay's rows."""
     import cupy
 
     from kda_rt.cuda.ops import pdl
@@ -393,9 +318,6 @@ def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, pipe, monkeypatch):
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "1")
-    monkeypatch.setenv("KDA_RT_KDA_PIPE", "1" if pipe else "0")
-    force_ctas(monkeypatch, 5)
-    ran = spy_pipe_builds(monkeypatch)
     with stream, pdl.capturing() as on:  # the launches carry the programmatic attribute only inside this block
         if not on:
             pytest.skip("no programmatic dependent launch here (compute capability < 9.0 or KDA_RT_PDL=0)")
@@ -403,13 +325,11 @@ def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, pipe, monkeypatch):
         rmsnorm(src, ones, 1e-6, out=graphed["qkv"])
         run_op(kda_decode, graphed, num_heads, out=out, stream=stream)
         graph = stream.end_capture()
-    assert ran == [pipe], ran  # the captured kernel is the form named
     for replay in range(4):
         src[...] = cupy.asarray(rng.normal(size=(num_seqs, P3)).astype(np.float32).astype(BF16))
         poison(out)
         cupy.cuda.Device().synchronize()
         monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "0")
-        monkeypatch.setenv("KDA_RT_KDA_PIPE", "0")
         rmsnorm(src, ones, 1e-6, out=oracle["qkv"])
         run_op(kda_decode, oracle, num_heads, out=out_o)
         cupy.cuda.Device().synchronize()

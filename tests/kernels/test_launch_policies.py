@@ -451,22 +451,6 @@ def test_runner_precompiles_the_wide_skinny_variants_of_the_model(monkeypatch):
     assert staged == [(0, 3, 2304), (0, 18, 4096), (1, 6, 2304)]  # f_a|g_a|b, o_proj, the router split
 
 
-def test_skinny_wide_max_n_switch(monkeypatch):
-    """KDA_RT_SKINNY_WIDE_MAX_N (a bench switch): 9-32-row projections of more than 4096 outputs stay on cuBLAS unless
-    it is raised; then q|k|v|f_a|g_a|b and MLA's q|kv_a get plans that skinny_gemm_ws takes."""
-    import kda_rt.cuda.ops.skinny_gemm as sk
-
-    monkeypatch.setenv("KDA_RT_ARCH", "sm_90a")
-    monkeypatch.delenv("KDA_RT_SKINNY_WIDE_MAX_N", raising=False)
-    assert sk.wide_plan(32, 12576, 2304) is None and sk.wide_plan(20, 4096, 1024) is not None
-    monkeypatch.setenv("KDA_RT_SKINNY_WIDE_MAX_N", "16384")
-    for M, N in ((32, 12576), (16, 12576), (16, 6720), (32, 6720)):
-        plan = sk.wide_plan(M, N, 2304)
-        assert plan is not None and sk.ws_applies(plan, 2304) and sk._ws_smem(*plan) <= 113 * 1024, (M, N, plan)
-    assert sk.wide_plan(32, 12576, 2304) == (32, 1, 4)  # 393 CTAs of 32 features
-    assert sk.wide_plan(32, 18432, 2304) is None  # the dense gate|up: past the switch
-
-
 def test_skinny_ws_form_rules(monkeypatch):
     """skinny_gemm_ws takes skinny_gemm_cl's plan where the k slice is whole 128-wide ring steps, with 2 or 4 n-tiles,
     on sm_90+ (tensor maps), unless KDA_RT_SKINNY_WS=0; the model's plans all qualify (o_proj, f_a|g_a|b, the router
@@ -696,19 +680,6 @@ def test_kda_state_hints_rule(monkeypatch):
     monkeypatch.setenv("KDA_RT_KDA_STATE_HINTS", "x")
     with pytest.raises(ValueError, match="KDA_RT_KDA_STATE_HINTS must be an integer"):
         kd.state_hints(8)
-
-
-def test_kda_pipe_rule(monkeypatch):
-    """kda_decode.cu's PIPE form (persistent CTAs prefetching their next item's state) only with KDA_RT_KDA_PIPE=1,
-    for the one-CTA-per-head form without fused gates, where the items outnumber the CTAs that fit at once: then
-    exactly that many CTAs."""
-    monkeypatch.delenv("KDA_RT_KDA_PIPE", raising=False)
-    assert not kd.pipe_applies(1, False)  # off by default
-    monkeypatch.setenv("KDA_RT_KDA_PIPE", "1")
-    assert kd.pipe_applies(1, False) and not kd.pipe_applies(4, False) and not kd.pipe_applies(1, True)
-    assert kd.pipe_ctas(32 * 32, 132, 2) == 264
-    assert kd.pipe_ctas(265, 132, 2) == 264 and kd.pipe_ctas(264, 132, 2) == 0  # one item a CTA: the plain grid
-    assert kd.pipe_ctas(64, 16, 1) == 16 and kd.pipe_ctas(16, 16, 1) == 0
 
 
 def test_one_token_moe_gemv_shapes_by_format(monkeypatch):

@@ -39,8 +39,6 @@ WIDE_SHAPES = [  # (M, K, N): batch-9 to batch-32 decode projections (skinny_gem
     (31, 512, 64),     # one feature block: one cluster
     (20, 1024, 4096),  # the widest output it takes
     (20, 4096, 4096),  # 16 ring steps a CTA in skinny_gemm_ws (the ring wraps past its second round)
-    (32, 2304, 12576),  # q|k|v|f_a|g_a|b, only with KDA_RT_SKINNY_WIDE_MAX_N raised (a bench switch): 393 CTAs
-    (16, 2304, 6720),  # MLA's q|kv_a, the same
 ]
 
 
@@ -90,7 +88,6 @@ def test_skinny_gemm_wide_matches_numpy(M, K, N, out_dtype, form, monkeypatch):
         pytest.skip("skinny_gemm_cl needs thread-block clusters (sm_90+)")
     monkeypatch.setenv("KDA_RT_SKINNY_WS", "1" if form == "ws" else "0")
     monkeypatch.delenv("KDA_RT_SKINNY_WS_MIN_K", raising=False)
-    monkeypatch.setenv("KDA_RT_SKINNY_WIDE_MAX_N", str(max(4096, N)))
     plan = wide_plan(M, N, K)
     assert plan is not None
     want = "skinny_gemm_ws" if form == "ws" and (K // plan[1]) % 128 == 0 else "skinny_gemm_cl"
@@ -191,7 +188,7 @@ def test_skinny_gemm_strided_rows_and_the_linear_switch(M, monkeypatch):
                                                  (4, 2304, 8, False), (4, 2304, 288, True), (16, 2304, 12288, False),
                                                  (16, 2304, 48, False), (16, 96, 64, False), (16, 9216, 2304, False)],
                          ids=str)
-def test_skinny_gemm_refuses_what_it_cannot_run(M, K, N, accumulate, monkeypatch):
+def test_skinny_gemm_refuses_what_it_cannot_run(M, K, N, accumulate):
     """More than 32 rows, more than 4096 outputs (q|k|v, lm_head: cuBLAS streams those as fast), K not a
     multiple of 256 with up to 8 rows (the f_b / g_b rank-128 projections) or not a multiple of a warp's
     32-wide chunks with more, K above 4096 with more than 8 rows (the dense down: cuBLAS was faster), N not a
@@ -201,6 +198,5 @@ def test_skinny_gemm_refuses_what_it_cannot_run(M, K, N, accumulate, monkeypatch
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.skinny_gemm import fits
 
-    monkeypatch.delenv("KDA_RT_SKINNY_WIDE_MAX_N", raising=False)  # (the bench switch at its default, 4096)
     x, w = cupy.zeros((M, K), dtype=BF16), cupy.zeros((N, K), dtype=BF16)
     assert not fits(x, w, cupy.zeros((M, N), dtype=BF16), accumulate)

@@ -12,10 +12,10 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests monkeypatch this name)
-from kda_rt.cuda.ops.compile import get_kernel, sm_count
+from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
-           "fuses_low_rank", "kda_decode", "pipe_applies", "pipe_ctas", "state_hints"]
+           "fuses_low_rank", "kda_decode", "state_hints"]
 
 CONV_STATE_DTYPE = BF16
 # (SPLIT, THREADS) -> MIN_BLOCKS.  SPLIT: a head's value columns over that many CTAs of one cluster
@@ -35,10 +35,6 @@ SPLIT_MAX_SEQS = 4
 # 82.4-83.1 / 91.1-91.7, B = 128 159.1-159.6 / 154.3-154.4 / 156.2-156.8 / 177.5-178.1, B = 256 307.7-308.0 /
 # 311.5-311.7 / 304.5-305.0 / 345.9-346.2 (the stores' hint alone is slower everywhere)
 HINTS_BOTH_MAX_SEQS = 128
-# kda_decode.cu PIPE (KDA_RT_KDA_PIPE=1): persistent CTAs, as many as fit at once (on an H200 2 an SM: the 256-thread
-# form keeps registers for 2, and its K x K fp32 prefetch buffer, 64 KB of dynamic shared memory, fits twice beside
-# the static ~11 KB), with this much dynamic shared memory each
-_PIPE_SMEM = 128 * 128 * 4
 
 
 def state_hints(num_seqs: int) -> int:
@@ -62,20 +58,6 @@ def decode_config(split: int | None = None, threads: int | None = None, fused: b
     if fused and split < 4:
         raise ValueError(f"fused low-rank gates need split >= 4, got {split}")
     return split, threads, min(_VARIANTS[(split, threads)], 4) if fused else _VARIANTS[(split, threads)]
-
-
-def pipe_applies(split: int, fused: bool) -> bool:
-    """kda_decode.cu's PIPE form is a candidate: KDA_RT_KDA_PIPE=1 and the one-CTA-per-head form (split 1, gates
-    not fused)."""
-    return env.kda_pipe() and split == 1 and not fused
-
-
-def pipe_ctas(num_items: int, sms: int, per_sm: int) -> int:
-    """The CTAs of the PIPE form for `num_items` (sequence, head) items, `per_sm` of its CTAs fitting on each of
-    `sms` SMs at once; 0 (the plain grid) where the items do not outnumber them (no CTA would have a second item
-    to prefetch)."""
-    ctas = sms * per_sm
-    return ctas if num_items > ctas else 0
 
 
 def fuses_low_rank(num_seqs: int, f_a_out, g_a_out) -> bool:
@@ -157,21 +139,12 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
             raise ValueError("fused low-rank gates need sm_90+, ranks that are multiples of 8 up to 256, one row "
                              "stride for f and gate, and 16-byte aligned rows")
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
-    defines = dict(HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads, SPLIT=n_split, MIN_BLOCKS=min_blocks,
-                   FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g, EARLY_STATE=int(env.kda_early_state()),
-                   STATE_HINTS=state_hints(B))
-    ctas = 0
-    if B and pipe_applies(n_split, fused):
-        from kda_rt.cuda.ops.pdl import resident_per_sm
-
-        kernel = get_kernel("kda_decode.cu", "kda_decode_step", max_dynamic_smem=_PIPE_SMEM, PIPE=1, **defines)
-        ctas = pipe_ctas(B * num_heads, sm_count(cupy.cuda.Device().id), resident_per_sm(kernel, n_threads, _PIPE_SMEM))
-    if not ctas:
-        kernel = get_kernel("kda_decode.cu", "kda_decode_step", **defines)
+    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads,
+                        SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g,
+                        EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B))
     if B:
-        kernel((ctas,) if ctas else (num_heads * n_split, B), (n_threads,),
+        kernel((num_heads * n_split, B), (n_threads,),
                (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
                 conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
-                g_b if fused else np.uint64(0), i32(ldr), i32(B * num_heads)), shared_mem=_PIPE_SMEM if ctas else 0,
-               stream=stream)
+                g_b if fused else np.uint64(0), i32(ldr)), stream=stream)
     return out
