@@ -132,15 +132,42 @@ __device__ __forceinline__ SplitPlan split_plan(const int* __restrict__ cu_seqle
     return p;
 }
 
-// Issue the cp.async copies of positions [start, start + NT) into one KV stage.
+// The page of a tile that lies in one page (BLOCK_SIZE % NT == 0: tiles start at multiples of NT), -1 if missing;
+// other page sizes look each row's page up in load_kv_tile, and this returns 0 (unused).
+__device__ __forceinline__ int tile_page(const int* __restrict__ table, int start) {
+    if constexpr (BLOCK_SIZE % NT == 0) return __ldg(table + start / BLOCK_SIZE);
+    return 0;
+}
+
+// Issue the cp.async copies of positions [start, start + NT) into one KV stage: a fixed NT·CHUNKS / THREADS 16-byte
+// chunks a thread, unrolled.  A tile inside one page (`page` = tile_page(table, start), read by the caller ahead of its
+// barrier) is one contiguous run of rows in the pool (KD = 8·CHUNKS), so chunk i of the tile is element 8i from the
+// tile's first row: a division by CHUNKS (the row, for the padded shared-memory row and the kv_end mask) and two adds
+// a chunk.  Smaller pages look each row's page up (independent loads, in flight together).  Positions at or past
+// kv_end and rows of a missing page (-1) are zero-filled.
 __device__ __forceinline__ void load_kv_tile(bf16* stage, const bf16* __restrict__ kv_pool,
-                                             const int* __restrict__ table, int start, int kv_end) {
-    for (int i = threadIdx.x; i < NT * CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS, chunk = i % CHUNKS, pos = start + row;
-        const int page = pos < kv_end ? __ldg(table + pos / BLOCK_SIZE) : -1;
-        const bf16* src = page >= 0 ? kv_pool + ((size_t)page * BLOCK_SIZE + pos % BLOCK_SIZE) * KD + chunk * 8
-                                    : kv_pool;
-        cp_async16(stage + row * LDK + chunk * 8, src, page >= 0 ? 16 : 0);
+                                             const int* __restrict__ table, int start, int kv_end, int page) {
+    static_assert(NT * CHUNKS % THREADS == 0 && KD == 8 * CHUNKS, "whole rounds of 16-byte chunks over the block");
+    if constexpr (BLOCK_SIZE % NT == 0) {
+        const bf16* tile_src = kv_pool + ((size_t)max(page, 0) * BLOCK_SIZE + (unsigned)start % BLOCK_SIZE) * KD;
+        const int rows = page >= 0 ? kv_end - start : 0;  // rows that hold data (may pass NT)
+#pragma unroll
+        for (int k = 0; k < NT * CHUNKS / THREADS; ++k) {
+            const unsigned i = threadIdx.x + k * THREADS, row = i / CHUNKS;
+            const bool ok = (int)row < rows;
+            cp_async16(stage + i * 8 + row * (LDK - KD), tile_src + (ok ? i * 8 : 0), ok ? 16 : 0);  // (a valid address)
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < NT * CHUNKS / THREADS; ++k) {
+            const unsigned i = threadIdx.x + k * THREADS, row = i / CHUNKS, chunk = i - row * CHUNKS;
+            const int pos = start + (int)row;
+            const int pg = pos < kv_end ? __ldg(table + pos / BLOCK_SIZE) : -1;
+            const bool ok = pg >= 0;
+            const bf16* src = ok ? kv_pool + ((size_t)pg * BLOCK_SIZE + (unsigned)pos % BLOCK_SIZE) * KD + chunk * 8
+                                 : kv_pool;
+            cp_async16(stage + row * LDK + chunk * 8, src, ok ? 16 : 0);
+        }
     }
 }
 
@@ -185,8 +212,9 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
         cp_async16(dst, src, 16);
     }
     cp_async_commit();
-    load_kv_tile(kv_s, kv_pool, table, first, kv_end);
+    load_kv_tile(kv_s, kv_pool, table, first, kv_end, tile_page(table, first));
     cp_async_commit();
+    int next_page = num_tiles > 1 ? tile_page(table, first + NT) : 0;  // tile_page of the next tile to load
 
     // score-GEMM role of this warp and its Q fragments (HP rows x KW depth), kept in registers
     const int kg = warp % KG, ng = warp / KG;
@@ -214,8 +242,9 @@ mla_attn_split(const bf16* q_lat, const bf16* __restrict__ q, int ld_q,
         cp_async_wait<0>();  // tile it (the only group in flight)
         __syncthreads();     // ... visible to all; every warp is done with tile it-1's stage, p_s and alpha_s
         if (it + 1 < num_tiles) {
-            load_kv_tile(kv_s + ((it + 1) & 1) * NT * LDK, kv_pool, table, start + NT, kv_end);
+            load_kv_tile(kv_s + ((it + 1) & 1) * NT * LDK, kv_pool, table, start + NT, kv_end, next_page);
             cp_async_commit();
+            next_page = it + 2 < num_tiles ? tile_page(table, start + 2 * NT) : 0;  // (a whole tile's time to arrive)
         }
         const bf16* kv = kv_s + (it & 1) * NT * LDK;
 

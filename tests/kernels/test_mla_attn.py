@@ -81,7 +81,7 @@ DECODE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),              # B=8: GEMV up
 
 
 @pytest.mark.parametrize("H", [2, 32], ids=lambda h: f"H{h}")
-@pytest.mark.parametrize("block_size", [16, 64], ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("block_size", [16, 32, 64], ids=lambda s: f"S{s}")  # 64: a KV tile inside one page
 @pytest.mark.parametrize("case", list(DECODE))
 def test_mla_decode(H, block_size, case):
     import cupy
