@@ -31,8 +31,11 @@
 //   3. O[HP, R] += P·C: warp w owns output columns [w·R/8, (w+1)·R/8) in registers.
 // KV tiles stream through two shared-memory stages with cp.async: tile i+1 is issued as soon as
 // every warp is done with tile i-1 (top of iteration i), so one 72 KB tile is always in flight per SM.
-// (Tried 2026-12-01: 32-position tiles through 5 stages, four in flight: B=32 L=32K 484 -> 517 us, B=1
-// L=128K 78 -> 81 us; the loop is bound by its own instructions and barriers, not by waiting on memory.)
+// Issuing a tile is 18 unrolled 16-byte copies a thread with a few integer ops each; the tile's page (64-row
+// pages: one page a tile) is read a tile ahead.  (Until 2026-12-04 every copy looked its row's page up and spent
+// ~40 integer ops: B=32 L=32K 479 -> 368 us, L=2K 51.6 -> 45.3 us, B=1 L=128K 78.9 -> 66.0 us.)
+// (Tried 2026-12-01, with those copies: 32-position tiles through 5 stages, four in flight: B=32 L=32K 484 ->
+// 517 us, B=1 L=128K 78 -> 81 us; the loop was bound by its own instructions and barriers.)
 // Positions past the context or on a missing page are zero-filled, so NaN garbage in unowned rows
 // never reaches the math.  Rows are padded (LDK, LDS_S, LDP) so ldmatrix / float2 phases hit distinct banks.
 // Shared memory: max(HP·LDK·2, KG·HP·LDS_S·4) (Q staging, then the partial scores) + 2·NT·LDK·2 (KV
@@ -64,6 +67,8 @@
 // (1.56), B=128 L=32K 2297 us (2.11).  This layout (tests/gpu/check_mla_decode.sh, 2026-11-30, same
 // accounting, us (TB/s)): B=1 L=1K 20.3 (0.47), L=32K 35.5 (1.30), L=128K 81.0 (1.97); B=32 L=1K 47.0
 // (0.98), L=4K 91.9 (1.73), L=32K 490 (2.48), L=128K 1839 (2.63); B=128 L=1K 79.5 (2.01), L=4K 252 (2.43).
+// With the cheaper tile copies (bench_decode_sweep.py --parts=mla, 2026-12-04): B=1 L=2K 17.9 (0.60), L=32K 31.2
+// (1.48), L=128K 66.0 (2.41); B=32 L=2K 45.3 (1.85), L=8K 110.2 (2.82), L=32K 368.0 (3.31), L=128K 1408 (3.44).
 // About 14 us of every call is fixed (the L=1 time: up-projections, launches).
 #include "common.cuh"
 

@@ -1,0 +1,125 @@
+"""Where the engine's decode step goes beyond its graph (issue 12), by CUDA events on the runner's stream and no
+profiler: the seed run's batch-32 step (9.18 ms, 2026-12-04) is ~0.5 ms longer than a replay of the same graph with
+the engine's copies and sampler (bench_graph_gap.py: 8.70 ms), while under the profiler (trace_decode.py) the two
+differ by ~0.1 ms.  For every launch of the `--batch`-row decode graph in a run, events are recorded at the launch's
+start (before the metadata copy), right before and right after the graph launch, and at its end (after the results'
+copy is queued).  Over the steady window (every row live, the next launch also a full decode step) it prints the
+medians of:
+
+- period: one launch's start to the next's (the GPU's step, idle included),
+- pre: start to the graph (the metadata copies), graph: the graph itself, post: the sampler and the results' copy,
+- idle: period - (pre + graph + post): the GPU waiting for the host to queue the next launch,
+- host: the host's time inside runner.launch and between two launches' starts,
+
+then the same graph replayed back to back on a full decode step (decode_full_batch), as bench_graph_gap.py does.
+
+    PYTHONPATH=. python tests/gpu/step_events.py [--batch 32] [--input-len 2048] [--output-len 160] [--layers 27]
+One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
+
+
+class _TimedGraph:
+    """A captured graph whose launches record an event on each side into `slot` (the current launch's record)."""
+
+    def __init__(self, graph, cupy, slot: dict) -> None:
+        self.graph, self.cupy, self.slot = graph, cupy, slot
+
+    def launch(self, stream) -> None:
+        before, after = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        before.record(stream)
+        self.graph.launch(stream)
+        after.record(stream)
+        self.slot["before"], self.slot["after"] = before, after
+
+    def __getattr__(self, name):
+        return getattr(self.graph, name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--output-len", type=int, default=160)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+
+    import cupy
+
+    from helpers.full_model import decode_full_batch, full_engine
+    from kda_rt.bench import run_bench
+
+    _, engine = full_engine(args.layers, max_num_seqs=args.batch)
+    runner = engine.runner
+    run_bench(engine, args.batch, args.input_len, 16, seed=3)  # builds and captures every graph of the run
+    rows = next(b for b in runner.buckets if b >= args.batch)
+    g = runner.graphs[rows]
+    records: list[dict] = []
+    real_launch = runner.launch
+
+    def launch(batch, sampling, **kw):
+        rec = {"rows": batch.num_seqs, "start": cupy.cuda.Event(), "host_t0": time.perf_counter()}
+        rec["start"].record(runner.stream)
+        records.append(rec)
+        g.graph.slot = rec  # the graph's events land in this launch's record
+        pending = real_launch(batch, sampling, **kw)
+        rec["end"] = cupy.cuda.Event()
+        rec["end"].record(runner.stream)
+        rec["host_t1"] = time.perf_counter()
+        return pending
+
+    g.graph = _TimedGraph(g.graph, cupy, {})
+    runner.launch = launch
+    try:
+        report = run_bench(engine, args.batch, args.input_len, args.output_len, seed=5)
+    finally:
+        runner.launch = real_launch
+        g.graph = g.graph.graph
+    runner.stream.synchronize()
+
+    ms = cupy.cuda.get_elapsed_time
+    steady = [i for i in range(len(records) - 1)
+              if records[i]["rows"] == args.batch and "before" in records[i] and records[i + 1]["rows"] == args.batch]
+    parts: dict[str, list[float]] = {k: [] for k in ("period", "pre", "graph", "post", "idle", "host_launch",
+                                                     "host_between")}
+    for i in steady:
+        r, nxt = records[i], records[i + 1]
+        period, pre = ms(r["start"], nxt["start"]), ms(r["start"], r["before"])
+        graph, post = ms(r["before"], r["after"]), ms(r["after"], r["end"])
+        for k, v in (("period", period), ("pre", pre), ("graph", graph), ("post", post),
+                     ("idle", period - pre - graph - post), ("host_launch", 1e3 * (r["host_t1"] - r["host_t0"])),
+                     ("host_between", 1e3 * (nxt["host_t0"] - r["host_t0"]))):
+            parts[k].append(v)
+
+    decode_full_batch(engine, args.batch, args.input_len, seed=3)  # the graph's inputs: a full decode step
+    stream = runner.stream
+    with stream:
+        for _ in range(3):
+            g.graph.launch(stream)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(args.reps):
+            g.graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    med = {k: round(statistics.median(v), 4) if v else None for k, v in parts.items()}
+    print(json.dumps({"batch": args.batch, "steady_launches": len(steady), "median_ms": med,
+                      "replay_ms": round(ms(start, end) / args.reps, 4),
+                      "run_decode_step_ms": round(report["decode_step_s_mean"] * 1e3, 3),
+                      "launches": len(records)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
