@@ -137,7 +137,7 @@ def sweep_mla(batches, contexts) -> None:
     import cupy
 
     from helpers.gpu import BF16, graph_us
-    from helpers.mla_kernel import DN, DR, DV, SCALE, R
+    from helpers.mla_kernel import DR, DV, SCALE, R, bench_decode_inputs
     from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention, num_splits
 
     H, S = 32, 64
@@ -147,13 +147,8 @@ def sweep_mla(batches, contexts) -> None:
             if B * M * S * (R + DR) * 2 > 8e9:
                 print(f"mla decode B={B} L={L}: skipped (latent pool > 8 GB)", flush=True)
                 continue
-            rng = cupy.random.default_rng(B * 100003 + L)
-            pool = rng.standard_normal((B * M, S, R + DR), dtype=np.float32).astype(BF16)
-            tables = cupy.arange(B * M, dtype=np.int32).reshape(B, M)
-            ctx = cupy.full((B,), L - 1, dtype=np.int32)
-            cu = cupy.arange(B + 1, dtype=np.int32)
-            q = rng.standard_normal((B, H, DN + DR), dtype=np.float32).astype(BF16)
-            w_kvb = (rng.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+            case = bench_decode_inputs(B, L, H, S, seed=B * 100003 + L)
+            q, pool, w_kvb, cu, ctx, tables = (case[k] for k in ("q", "pool", "w_kvb", "cu", "ctx", "tables"))
             out = cupy.empty((B, H * DV), dtype=BF16)
             ws = cupy.empty(decode_workspace_bytes(B, H, M, S), dtype=np.uint8)
 

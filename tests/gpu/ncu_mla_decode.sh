@@ -18,19 +18,13 @@ import numpy as np
 
 sys.path.insert(0, "tests")
 from helpers.gpu import BF16  # noqa: E402
-from helpers.mla_kernel import DN, DR, DV, SCALE, R  # noqa: E402
+from helpers.mla_kernel import DV, SCALE, bench_decode_inputs  # noqa: E402
 from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, launch_splits, mla_attention, num_splits  # noqa: E402
 
 B, L = (int(v) for v in sys.argv[1:3])
 H, S = 32, 64
-M = -(-L // S) + 1
-rng = cupy.random.default_rng(1)
-pool = rng.standard_normal((B * M, S, R + DR), dtype=np.float32).astype(BF16)
-tables = cupy.asarray(np.random.default_rng(2).permutation(B * M).astype(np.int32).reshape(B, M))  # scattered pages
-ctx = cupy.full((B,), L - 1, dtype=np.int32)
-cu = cupy.arange(B + 1, dtype=np.int32)
-q = rng.standard_normal((B, H, DN + DR), dtype=np.float32).astype(BF16)
-w_kvb = (rng.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16)
+case = bench_decode_inputs(B, L, H, S, seed=1, scattered=True)
+q, pool, w_kvb, cu, ctx, tables, M = (case[k] for k in ("q", "pool", "w_kvb", "cu", "ctx", "tables", "M"))
 out = cupy.empty((B, H * DV), dtype=BF16)
 ws = cupy.empty(decode_workspace_bytes(B, H, M, S), dtype=np.uint8)
 print("splits", num_splits(B, M, S), "launched", launch_splits(B, num_splits(B, M, S)))

@@ -10,7 +10,7 @@ import numpy as np
 
 from helpers.gpu import BF16, bf16_round, poison, to_gpu_bf16
 
-__all__ = ["DR", "EPS", "R", "nan_pool", "run_store", "shuffled_tables", "store_reference"]
+__all__ = ["DR", "EPS", "R", "bench_decode_inputs", "nan_pool", "run_store", "shuffled_tables", "store_reference"]
 
 R, DR = 512, 64
 EPS = 1e-6
@@ -120,3 +120,20 @@ def upload_q(q, strided):
     return fused[:, :H * D]
 
 
+
+
+def bench_decode_inputs(B, L, H=32, page=64, seed=0, scattered=False):
+    """Device inputs of an absorbed MLA decode call for the device tools (bench_decode_sweep.py, ncu_mla_decode.sh):
+    B sequences whose context is L positions (ctx = L - 1 earlier rows plus this step's token) in pages of `page`
+    rows of a random bf16 pool (drawn on the GPU, never zeros), tables in order or (`scattered`) a permutation of
+    the pages.  Returns dict(q, pool, w_kvb, cu, ctx, tables, M)."""
+    import cupy
+
+    M = -(-L // page) + 1
+    rng = cupy.random.default_rng(seed)
+    pool = rng.standard_normal((B * M, page, R + DR), dtype=np.float32).astype(BF16)
+    order = np.random.default_rng(seed).permutation(B * M) if scattered else np.arange(B * M)
+    return dict(q=rng.standard_normal((B, H, DN + DR), dtype=np.float32).astype(BF16), pool=pool,
+                w_kvb=(rng.standard_normal((H * (DN + DV), R), dtype=np.float32) / 23).astype(BF16),
+                cu=cupy.arange(B + 1, dtype=np.int32), ctx=cupy.full((B,), L - 1, dtype=np.int32),
+                tables=cupy.asarray(order.astype(np.int32).reshape(B, M)), M=M)
