@@ -11,9 +11,13 @@ medians of:
 - idle: period - (pre + graph + post): the GPU waiting for the host to queue the next launch,
 - host: the host's time inside runner.launch and between two launches' starts,
 
-then the same graph replayed back to back on a full decode step (decode_full_batch), as bench_graph_gap.py does.
+then the same graph replayed back to back on a full decode step (decode_full_batch), as bench_graph_gap.py does:
+`--reps` replays (the short form bench_graph_gap.py times), then `--sustain` more in chunks of 50, each chunk's time:
+whether a replay slows down when the GPU is kept busy for seconds, as the engine's run keeps it.  Beside each phase,
+the medians of nvidia-smi's SM clock, memory clock and power draw sampled every 100 ms (the GPU's clocks dropping
+under a sustained load would slow the engine's steps and not the short replays).
 
-    PYTHONPATH=. python tests/gpu/step_events.py [--batch 32] [--input-len 2048] [--output-len 160] [--layers 27]
+    PYTHONPATH=. python tests/gpu/step_events.py [--batch 32] [--input-len 2048] [--output-len 512] [--layers 27]
 One JSON line.
 """
 
@@ -27,6 +31,43 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
+
+
+class _Clocks:
+    """nvidia-smi sampling SM clock, memory clock (MHz) and power draw (W) every 100 ms in the background; `phase`
+    names the samples read meanwhile."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[str, list[float]]] = []
+        self.phase = "load"
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw",
+                                          "--format=csv,noheader,nounits", "-lms", "100"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((self.phase, [float(v) for v in line.split(",")]))
+            except ValueError:
+                continue
+
+    def medians(self) -> dict:
+        if self.proc is not None:
+            self.proc.terminate()
+        out = {}
+        for phase in dict.fromkeys(p for p, _ in self.samples):
+            rows = [v for p, v in self.samples if p == phase]
+            out[phase] = {k: statistics.median(r[i] for r in rows) for i, k in enumerate(("sm_mhz", "mem_mhz", "watts"))}
+            out[phase]["samples"] = len(rows)
+        return out
 
 
 class _TimedGraph:
@@ -51,9 +92,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--input-len", type=int, default=2048)
-    ap.add_argument("--output-len", type=int, default=160)
+    ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sustain", type=int, default=600, help="replays after the short ones, timed in chunks of 50")
     args = ap.parse_args()
+    clocks = _Clocks()
 
     import cupy
 
@@ -81,6 +124,7 @@ def main() -> int:
 
     g.graph = _TimedGraph(g.graph, cupy, {})
     runner.launch = launch
+    clocks.phase = "engine run"
     try:
         report = run_bench(engine, args.batch, args.input_len, args.output_len, seed=5)
     finally:
@@ -102,22 +146,33 @@ def main() -> int:
                      ("host_between", 1e3 * (nxt["host_t0"] - r["host_t0"]))):
             parts[k].append(v)
 
+    clocks.phase = "setup"
     decode_full_batch(engine, args.batch, args.input_len, seed=3)  # the graph's inputs: a full decode step
     stream = runner.stream
-    with stream:
-        for _ in range(3):
-            g.graph.launch(stream)
+
+    def replays(n: int) -> float:
+        """ms a replay over n back-to-back replays."""
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(stream)
-        for _ in range(args.reps):
+        for _ in range(n):
             g.graph.launch(stream)
         end.record(stream)
         end.synchronize()
+        return ms(start, end) / n
+
+    with stream:
+        for _ in range(3):
+            g.graph.launch(stream)
+        stream.synchronize()
+        clocks.phase = "short replay"
+        short = replays(args.reps)
+        clocks.phase = "sustained replay"
+        chunks = [round(replays(50), 4) for _ in range(args.sustain // 50)]
     med = {k: round(statistics.median(v), 4) if v else None for k, v in parts.items()}
     print(json.dumps({"batch": args.batch, "steady_launches": len(steady), "median_ms": med,
-                      "replay_ms": round(ms(start, end) / args.reps, 4),
+                      "replay_ms": round(short, 4), "sustained_replay_ms_by_50": chunks,
                       "run_decode_step_ms": round(report["decode_step_s_mean"] * 1e3, 3),
-                      "launches": len(records)}), flush=True)
+                      "launches": len(records), "clocks": clocks.medians()}), flush=True)
     return 0
 
 
