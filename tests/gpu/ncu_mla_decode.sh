@@ -5,9 +5,13 @@
 # Prints the launch's speed of light, warp states and memory headline rows; leaves every metric (..._raw.csv) and the
 # SASS with its sampled stall reasons (..._sass.csv; tests/gpu/ncu_source_top.py lists the top lines).
 set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 mkdir -p "$OUT"
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | sort -V | tail -1)
+if [ -z "$NCU" ] || [ ! -x "$NCU" ]; then
+  echo "ncu_mla_decode.sh: Nsight Compute (ncu) not found on PATH or under /opt/nvidia/nsight-compute" >&2
+  exit 2
+fi
 B=${1:-32} L=${2:-2048}
 R="$OUT/ncu_mla_${B}_${L}"
 cat > /tmp/ncu_mla_run.py <<'PY'
@@ -40,6 +44,6 @@ PY
   -f -o "$R" python /tmp/ncu_mla_run.py "$B" "$L" 2>&1 | grep -v "^==PROF==" | tail -3
 "$NCU" --import "$R.ncu-rep" --page details --print-units base > "${R}_details.txt"
 "$NCU" --import "$R.ncu-rep" --page raw --csv --print-units base > "${R}_raw.csv"
-"$NCU" --import "$R.ncu-rep" --page source --csv --print-source sass > "${R}_sass.csv" 2>&1 || true
+"$NCU" --import "$R.ncu-rep" --page source --csv --print-source sass > "${R}_sass.csv" || true
 grep -E "^  [a-z_]+|Duration|Throughput|Busy|Issue Slots|Eligible Warps|Active Warps Per|No Eligible|Stall|highest|Registers Per|Achieved Occupancy|Executed Ipc|Pipe" \
   "${R}_details.txt" | head -120

@@ -34,17 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
 
 
 class _Clocks:
-    """nvidia-smi sampling SM clock, memory clock (MHz) and power draw (W) every 100 ms in the background; `phase`
-    names the samples read meanwhile."""
+    """nvidia-smi sampling SM clock, memory clock (MHz) and power draw (W) every 100 ms in the background.  Each sample
+    carries nvidia-smi's own timestamp, and `mark(name)` stamps the start of a phase, so a sample lands in the phase
+    it was taken in even when nvidia-smi's output reaches the pipe in blocks."""
 
     def __init__(self) -> None:
         import subprocess
         import threading
 
-        self.samples: list[tuple[str, list[float]]] = []
-        self.phase = "load"
+        self.samples: list[tuple[float, list[float]]] = []
+        self.phases: list[tuple[float, str]] = []
+        self.mark("load")
         try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw",
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw",
                                           "--format=csv,noheader,nounits", "-lms", "100"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
@@ -52,19 +54,34 @@ class _Clocks:
             return
         threading.Thread(target=self._read, daemon=True).start()
 
+    def mark(self, name: str) -> None:
+        self.phases.append((time.time(), name))
+
     def _read(self) -> None:
+        from datetime import datetime
+
         for line in self.proc.stdout:
+            stamp, *values = (v.strip() for v in line.split(","))
             try:
-                self.samples.append((self.phase, [float(v) for v in line.split(",")]))
+                t = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
+                self.samples.append((t, [float(v) for v in values]))
             except ValueError:
                 continue
 
-    def medians(self) -> dict:
-        if self.proc is not None:
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.wait(timeout=5)
+
+    def medians(self) -> dict:
+        self.stop()
+        by_phase: dict[str, list[list[float]]] = {}
+        for t, values in self.samples:
+            started = [name for t0, name in self.phases if t0 <= t]
+            if started:
+                by_phase.setdefault(started[-1], []).append(values)
         out = {}
-        for phase in dict.fromkeys(p for p, _ in self.samples):
-            rows = [v for p, v in self.samples if p == phase]
+        for phase, rows in by_phase.items():
             out[phase] = {k: statistics.median(r[i] for r in rows) for i, k in enumerate(("sm_mhz", "mem_mhz", "watts"))}
             out[phase]["samples"] = len(rows)
         return out
@@ -97,7 +114,13 @@ def main() -> int:
     ap.add_argument("--sustain", type=int, default=600, help="replays after the short ones, timed in chunks of 50")
     args = ap.parse_args()
     clocks = _Clocks()
+    try:
+        return _run(args, clocks)
+    finally:
+        clocks.stop()
 
+
+def _run(args, clocks: _Clocks) -> int:
     import cupy
 
     from helpers.full_model import decode_full_batch, full_engine
@@ -109,7 +132,7 @@ def main() -> int:
     rows = next(b for b in runner.buckets if b >= args.batch)
     g = runner.graphs[rows]
     records: list[dict] = []
-    real_launch = runner.launch
+    real_launch = runner.launch  # the bound method; the wrapper below shadows it on the instance
 
     def launch(batch, sampling, **kw):
         rec = {"rows": batch.num_seqs, "start": cupy.cuda.Event(), "host_t0": time.perf_counter()}
@@ -124,17 +147,18 @@ def main() -> int:
 
     g.graph = _TimedGraph(g.graph, cupy, {})
     runner.launch = launch
-    clocks.phase = "engine run"
+    clocks.mark("engine run")
     try:
         report = run_bench(engine, args.batch, args.input_len, args.output_len, seed=5)
     finally:
-        runner.launch = real_launch
+        del runner.launch  # the bound method again (the instance attribute shadowed it)
         g.graph = g.graph.graph
     runner.stream.synchronize()
 
     ms = cupy.cuda.get_elapsed_time
     steady = [i for i in range(len(records) - 1)
-              if records[i]["rows"] == args.batch and "before" in records[i] and records[i + 1]["rows"] == args.batch]
+              if records[i]["rows"] == args.batch and "before" in records[i]
+              and records[i + 1]["rows"] == args.batch and "before" in records[i + 1]]
     parts: dict[str, list[float]] = {k: [] for k in ("period", "pre", "graph", "post", "idle", "host_launch",
                                                      "host_between")}
     for i in steady:
@@ -146,7 +170,7 @@ def main() -> int:
                      ("host_between", 1e3 * (nxt["host_t0"] - r["host_t0"]))):
             parts[k].append(v)
 
-    clocks.phase = "setup"
+    clocks.mark("setup")
     decode_full_batch(engine, args.batch, args.input_len, seed=3)  # the graph's inputs: a full decode step
     stream = runner.stream
 
@@ -164,14 +188,15 @@ def main() -> int:
         for _ in range(3):
             g.graph.launch(stream)
         stream.synchronize()
-        clocks.phase = "short replay"
+        clocks.mark("short replay")
         short = replays(args.reps)
-        clocks.phase = "sustained replay"
+        clocks.mark("sustained replay")
         chunks = [round(replays(50), 4) for _ in range(args.sustain // 50)]
     med = {k: round(statistics.median(v), 4) if v else None for k, v in parts.items()}
     print(json.dumps({"batch": args.batch, "steady_launches": len(steady), "median_ms": med,
                       "replay_ms": round(short, 4), "sustained_replay_ms_by_50": chunks,
-                      "run_decode_step_ms": round(report["decode_step_s_mean"] * 1e3, 3),
+                      "run_decode_step_ms": (round(report["decode_step_s_mean"] * 1e3, 3)
+                                             if report.get("decode_step_s_mean") is not None else None),
                       "launches": len(records), "clocks": clocks.medians()}), flush=True)
     return 0
 

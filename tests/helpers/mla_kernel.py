@@ -120,8 +120,6 @@ def upload_q(q, strided):
     return fused[:, :H * D]
 
 
-
-
 def bench_decode_inputs(B, L, H=32, page=64, seed=0, scattered=False):
     """Device inputs of an absorbed MLA decode call for the device tools (bench_decode_sweep.py, ncu_mla_decode.sh):
     B sequences whose context is L positions (ctx = L - 1 earlier rows plus this step's token) in pages of `page`
