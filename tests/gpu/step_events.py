@@ -132,6 +132,9 @@ def _run(args, clocks: _Clocks) -> int:
     rows = next(b for b in runner.buckets if b >= args.batch)
     g = runner.graphs[rows]
     records: list[dict] = []
+    stats = runner.model.expert_stats  # [layer, (experts touched summed over decode calls, calls)] on the device
+    moe_layers = engine.model_config.mlp_types.count("moe")
+    snaps = cupy.zeros(4 * (args.output_len + 64), dtype=cupy.int64)  # experts touched so far, after each launch
     real_launch = runner.launch  # the bound method; the wrapper below shadows it on the instance
 
     def launch(batch, sampling, **kw):
@@ -142,6 +145,9 @@ def _run(args, clocks: _Clocks) -> int:
         pending = real_launch(batch, sampling, **kw)
         rec["end"] = cupy.cuda.Event()
         rec["end"].record(runner.stream)
+        if len(records) <= len(snaps):
+            with runner.stream:
+                snaps[len(records) - 1] = stats[:, 0].sum()
         rec["host_t1"] = time.perf_counter()
         return pending
 
@@ -169,6 +175,18 @@ def _run(args, clocks: _Clocks) -> int:
                      ("idle", period - pre - graph - post), ("host_launch", 1e3 * (r["host_t1"] - r["host_t0"])),
                      ("host_between", 1e3 * (nxt["host_t0"] - r["host_t0"]))):
             parts[k].append(v)
+    touched = snaps.get()
+    experts = [float(touched[i] - touched[i - 1]) / moe_layers for i in steady if 0 < i < len(touched)]
+    graphs = [ms(records[i]["before"], records[i]["after"]) for i in steady if 0 < i < len(touched)]
+    fit = None
+    if len(experts) > 2:
+        # graph ms = a + b * experts a MoE layer + c * position in the run (the context grows one token a step)
+        import numpy as np
+
+        X = np.column_stack([np.ones(len(experts)), experts, np.arange(len(experts), dtype=float)])
+        coef = np.linalg.lstsq(X, np.asarray(graphs), rcond=None)[0]
+        fit = {"intercept_ms": round(float(coef[0]), 4), "ms_per_expert": round(float(coef[1]), 5),
+               "ms_per_step": round(float(coef[2]), 6)}
 
     clocks.mark("setup")
     decode_full_batch(engine, args.batch, args.input_len, seed=3)  # the graph's inputs: a full decode step
@@ -191,10 +209,17 @@ def _run(args, clocks: _Clocks) -> int:
         clocks.mark("short replay")
         short = replays(args.reps)
         clocks.mark("sustained replay")
+        stats.fill(0)
         chunks = [round(replays(50), 4) for _ in range(args.sustain // 50)]
+        n_experts, calls = (int(v) for v in stats.get().sum(axis=0))
+        replay_experts = n_experts / calls if calls else None
     med = {k: round(statistics.median(v), 4) if v else None for k, v in parts.items()}
     print(json.dumps({"batch": args.batch, "steady_launches": len(steady), "median_ms": med,
-                      "replay_ms": round(short, 4), "sustained_replay_ms_by_50": chunks,
+                      "replay_ms": round(short, 4),
+                      "run_experts_per_moe_layer": {"median": statistics.median(experts) if experts else None,
+                                                    "min": min(experts, default=None),
+                                                    "max": max(experts, default=None)},
+                      "run_graph_fit": fit, "replay_experts_per_moe_layer": replay_experts, "sustained_replay_ms_by_50": chunks,
                       "run_decode_step_ms": (round(report["decode_step_s_mean"] * 1e3, 3)
                                              if report.get("decode_step_s_mean") is not None else None),
                       "launches": len(records), "clocks": clocks.medians()}), flush=True)
