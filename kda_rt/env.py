@@ -529,6 +529,13 @@ def route_norm_max_t(default: int) -> int:
     return _non_negative_int("KDA_RT_ROUTE_NORM_MAX_T", default)
 
 
+def moe_min_avg_rows(default: int) -> int:
+    """KDA_RT_MOE_MIN_AVG_ROWS (bench switch): the average rows a touched expert from which a step's MoE GEMMs take
+    64-row tiles instead of the 16-row decode tiles (and moe_decode_fused), instead of the measured default
+    (ops/moe_gemm_tc.MIN_AVG_ROWS); at least 1.  Read at each forward (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_MOE_MIN_AVG_ROWS", default, low=1)
+
+
 def mla_store_fold() -> bool:
     """KDA_RT_MLA_STORE_FOLD: 0 writes a decode step's MLA latent rows with their own kernel (mla_store.cu) instead
     of inside the mla_absorb_q launch of steps of up to 8 tokens (kernels_cu/mla_attn.cu); default 1.  Read at each

@@ -101,7 +101,7 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None 
 def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int) -> int:
     """BM for a step of num_pairs (token, expert) rows (16 at decode sizes), or 0 when no tile fits (D, I)."""
     avg = num_pairs / max(1, min(num_experts, num_pairs))
-    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= MIN_AVG_ROWS else 16
+    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= env.moe_min_avg_rows(MIN_AVG_ROWS) else 16
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
     return bm if ok else 0
 
