@@ -223,7 +223,8 @@ def takes_x_codes(T: int, w: DeviceMoE, cfg: MoEConfig, D: int) -> bool:
         return False
     fused = 1 if w.shared_in_stack else 0
     inter = w.w2.shape[2]
-    return _e4m3_sources(prefill_tile_rows(T * (cfg.top_k + fused), cfg.num_experts + fused, D, inter), D, inter, True)
+    return _e4m3_sources(prefill_tile_rows(T * (cfg.top_k + fused), cfg.num_experts + fused, D, inter, e4m3=True), D,
+                         inter, True)
 
 
 def _e4m3_sources(bm: int, D: int, inter: int, e4m3: bool) -> bool:
@@ -308,7 +309,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     # tiles on wgmma where the arch is sm_90a); the weight-stationary kernel only where no tile fits
     # (D, I) (small test shapes)
     pairs = A + 1 if fused else A
-    bm = prefill_tile_rows(T * pairs, stacked, D, inter)
+    bm = prefill_tile_rows(T * pairs, stacked, D, inter, e4m3=w.e4m3)
     gemm = (moe_gemm_wg if moe_gemm_wg_available(bm, D, inter) else moe_gemm_tc) if bm else moe_gemm
     if w.e4m3 and not bm:
         raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")

@@ -988,3 +988,24 @@ def test_decode_ws_form_by_arch_tile_and_switch(monkeypatch):
     assert tc.decode_ws(tc.TileConfig(16, 32, 64, 1, 1, 2, 1)) == 0 and tc.decode_ws(tc.TileConfig(16, 64, 64, 1, 1, 2, 1)) == 1
     monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", "0")
     assert tc.decode_ws(bf16_tile) == 0
+
+
+@pytest.mark.parametrize(("tokens", "bf16_rows", "e4m3_rows"),
+                         [(8, 16, 16), (114, 16, 16), (115, 64, 16), (256, 64, 16), (513, 64, 16), (514, 64, 64),
+                          (1370, 64, 64), (1371, 128, 128)])
+def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatch):
+    """The MoE GEMMs' tile rows of a step of the 48B shape (8 experts + the shared slot a token, 257 bins), by the
+    average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS), e4m3 stacks at 18
+    (MIN_AVG_ROWS_E4M3: moe_decode_fused streams codes faster than the 64-row tiles widen them, measured to batch
+    512), both take 128-row tiles from 48; KDA_RT_MOE_MIN_AVG_ROWS overrides the first threshold for both."""
+    from kda_rt.cuda.ops.moe_gemm_tc import prefill_tile_rows
+
+    monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
+    pairs, bins = 9 * tokens, 257
+    assert prefill_tile_rows(pairs, bins, 2304, 1024) == bf16_rows
+    assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
+    monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "1000")
+    assert prefill_tile_rows(pairs, bins, 2304, 1024) == (128 if tokens >= 1371 else 16)
+    monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "0")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_MIN_AVG_ROWS must be >= 1"):
+        prefill_tile_rows(pairs, bins, 2304, 1024)

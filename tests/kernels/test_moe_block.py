@@ -103,6 +103,7 @@ CASES = {  # name: (T, D, I, Is, E, cfg kwargs)
     "T64-E16": (64, 2304, 1024, 1024, 16, dict()),
     "T300-E64-G8k4": (300, 2304, 1024, 1024, 64, dict(G=8, topk_group=4)),
     "T1024-E64-prefill": (1024, 2304, 1024, 1024, 64, dict()),
+    "T256-E256": (256, 2304, 1024, 1024, 256, dict()),  # a serving batch's decode step: 64-row tiles (bf16)
 }
 
 
@@ -169,6 +170,8 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T300-small-tc128": ("T300-small", {"KDA_RT_WGMMA": "0"}),
     "T1024-E64-prefill-w8a8": ("T1024-E64-prefill", {"KDA_RT_FP8_PREFILL": "1"}),  # e4m3 sources (WFMT = 2)
     "T300-small-w8a8": ("T300-small", {"KDA_RT_FP8_PREFILL": "1"}),  # I = 128: the down GEMM's one k step, BN 128
+    "T256-E256": ("T256-E256", {}),  # ~9 rows an expert: moe_decode_fused's 16-row tiles (MIN_AVG_ROWS_E4M3)
+    "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4"}),  # the same step on moe_gemm_tc's 64-row tiles
 }
 
 
@@ -180,7 +183,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     dequantized weights, with the bf16 test's tolerance.  Every expert's scales sit at one level (each adds about as
     much to the output, so a wrong one shows).  The cases take each path: one token on the routed gate/up GEMV and
     the down GEMV (checked: routed), on the plan-reading GEMV, on the tiled GEMMs; 7 tokens on the fused decode
-    kernel and on its two launches; 64-row tiles on moe_gemm_tc; 128-row tiles on the wgmma kernel (sm_90a) and on
+    kernel and on its two launches; 256 tokens (~9 rows an expert) on the fused decode kernel and on 64-row tiles;
+    64-row tiles on moe_gemm_tc; 128-row tiles on the wgmma kernel (sm_90a) and on
     moe_gemm_tc."""
     import cupy
 
@@ -225,9 +229,11 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     params = MoEWeights(router, bias, experts, shared_np)
     w = DeviceMoE(cupy.asarray(router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)), q13, q2, shared_dev,
                   shared_in_stack=fused, scale13=s13, scale2=s2)
-    seen = []
+    seen, fused_runs = [], []
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
+    real_fused = moe.moe_decode_fused
+    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: fused_runs.append(1) or real_fused(*a, **k))
     from kda_rt.cuda.ops.moe_gemm_wg import w8a8_fits
 
     w8a8 = switches["KDA_RT_FP8_PREFILL"] == "1" and w8a8_fits(D, inter)
@@ -256,6 +262,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
         assert len(quantized) == 2, f"{name}: the e4m3-source GEMMs did not run ({len(quantized)} quantizations)"
     if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
+    if name == "T256-E256":  # the path the case names ran
+        assert bool(fused_runs) == (case == "T256-E256"), f"{case}: moe_decode_fused ran {len(fused_runs)} times"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
                                               scale13=s13), cfg)

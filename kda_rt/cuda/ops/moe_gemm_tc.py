@@ -18,7 +18,7 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
+__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
            "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
            "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
@@ -26,6 +26,14 @@ __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "SMALL_DECODE_TOKENS", "TileConfi
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
 # tests/gpu/bench_moe_decode.py) ...
 MIN_AVG_ROWS = 4
+# ... for e4m3 stacks: there the 64-row tiles widen e4m3 to bf16 in moe_gemm_tc (1.6 TB/s of codes at batch 256),
+# while moe_decode_fused on 16-row tiles streams them at 3.6-3.9 (an expert's few tiles re-read its rows, mostly
+# from L2).  H200, 2026-12-04, full model fp8, decode graph replays at 2K context (tests/gpu/bench_ab.py --env
+# KDA_RT_MOE_MIN_AVG_ROWS --values 4,1000 --replays ... --quantization fp8, medians of 2 rounds, ms): batch 128 (4.5
+# rows an expert on average) 16.53 -> 11.94, 256 (9.0) 22.88 -> 19.26, 384 (13.4) 33.58 -> 31.88, 512 (17.9) 35.76
+# -> 33.95; larger steps not measured, so 64-row tiles from 18 rows on.  bf16 stacks keep 4: batch 128 16.16 ->
+# 16.03, 256 22.64 -> 24.20 (worse).
+MIN_AVG_ROWS_E4M3 = 18
 # ... and from which the CTA tile is 128 rows instead of 64 (H200: 128 wins from 64 rows on).
 BIG_TILE_AVG_ROWS = 48
 
@@ -98,10 +106,12 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None 
     return None
 
 
-def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int) -> int:
-    """BM for a step of num_pairs (token, expert) rows (16 at decode sizes), or 0 when no tile fits (D, I)."""
+def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int, e4m3: bool = False) -> int:
+    """BM for a step of num_pairs (token, expert) rows (16 at decode sizes), or 0 when no tile fits (D, I);
+    `e4m3`: the stacks hold e4m3 codes (16-row tiles up to more rows an expert)."""
     avg = num_pairs / max(1, min(num_experts, num_pairs))
-    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= env.moe_min_avg_rows(MIN_AVG_ROWS) else 16
+    small_below = env.moe_min_avg_rows(MIN_AVG_ROWS_E4M3 if e4m3 else MIN_AVG_ROWS)
+    bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= small_below else 16
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
     return bm if ok else 0
 
