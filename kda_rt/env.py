@@ -536,6 +536,14 @@ def moe_min_avg_rows(default: int) -> int:
     return _non_negative_int("KDA_RT_MOE_MIN_AVG_ROWS", default, low=1)
 
 
+def moe_fused32() -> bool:
+    """KDA_RT_MOE_FUSED32 (bench switch, default 0): steps of 4 to 48 rows an expert on average (decode batches of
+    ~115-1370 tokens of the 48B shape) take 32-row tiles, on moe_decode_fused where it runs, instead of the 64-row
+    tiles (bf16 stacks; e4m3 from MIN_AVG_ROWS_E4M3) or the 16-row ones (e4m3 below it).  Read at each forward and
+    by the precompile (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_FUSED32", "0")
+
+
 def mla_store_fold() -> bool:
     """KDA_RT_MLA_STORE_FOLD: 0 writes a decode step's MLA latent rows with their own kernel (mla_store.cu) instead
     of inside the mla_absorb_q launch of steps of up to 8 tokens (kernels_cu/mla_attn.cu); default 1.  Read at each

@@ -42,6 +42,7 @@ from kda_rt.cuda.ops.moe_align import (
 from kda_rt.cuda.ops.moe_gemm import moe_gemm, tile_rows_for
 from kda_rt.cuda.ops.moe_gemm_tc import (
     FUSED_MIN_TOKENS,
+    FUSED_TILE_ROWS,
     SMALL_DECODE_TOKENS,
     check_scale,
     e4m3_tile,
@@ -133,7 +134,8 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
 
 def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = False) -> int:
     """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
-    this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), 64 and 128 rows
+    this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), (32 under
+    KDA_RT_MOE_FUSED32), 64 and 128 rows
     (128 on wgmma where it runs), so no step, e.g. a
     mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
     (~0.2-0.4 s a variant); `e4m3`: the variants for e4m3 expert stacks (their tiles as moe_forward picks them).
@@ -142,7 +144,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
     E, A = cfg.num_experts, cfg.top_k
     pairs, bins = (A + 1, E + 1) if fused else (A, E)
     count = 0
-    for bm in (16, 64, 128):
+    for bm in (16, 32, 64, 128) if env.moe_fused32() else (16, 64, 128):  # (32: KDA_RT_MOE_FUSED32)
         gemms = [(nout, k, fuse, tile_config(bm, nout, k, fuse)) for nout, k, fuse in ((2 * inter, D, True),
                                                                                       (D, inter, False))]
         if not all(t for *_, t in gemms):  # as prefill_tile_rows: no tile of bm rows fits (D, I)
@@ -165,6 +167,11 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
                     tc_kernel(e4m3_tile(small, [(nout, k, fuse)]) if e4m3 else small, k, nout, fuse, pairs, e4m3)
                     count += 1
         count += 3
+        if bm == 32:  # both GEMMs in one launch on 32-row tiles
+            t32 = fused_decode_tile(SMALL_DECODE_TOKENS + 1, D, inter, 32)
+            if t32 is not None and (t32 := fused_e4m3_tile(t32, shapes) if e4m3 else t32) is not None:
+                fused_kernel(t32, D, inter, pairs, e4m3)
+                count += 1
         if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
             fused_tiles = {fused_e4m3_tile(t, shapes) if e4m3 else t  # (e4m3: one tile for both sizes)
                            for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1)
@@ -319,7 +326,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         expect(x_codes[0], "x_codes[0]", shape=(T, D), dtype=np.uint8)
         expect(x_codes[1], "x_codes[1]", shape=(T,), dtype=np.float32)
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
-    fused_tile = fused_decode_tile(T, D, inter) if bm == 16 and T >= FUSED_MIN_TOKENS and env.fused_moe() else None
+    fused_tile = (fused_decode_tile(T, D, inter, bm) if bm in FUSED_TILE_ROWS and T >= FUSED_MIN_TOKENS
+                  and env.fused_moe() else None)
     if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)
         fused_tile = fused_e4m3_tile(fused_tile, [(two_i, D, True), (D, inter, False)])
     scale_kw = {"scale": s13}, {"scale": s2}  # the gate/up and down GEMMs' (None for bf16)

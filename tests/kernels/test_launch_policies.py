@@ -112,7 +112,8 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV",
-                 "KDA_RT_FUSED_ROUTE", "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP", "KDA_RT_DOWN_GEMV"):
+                 "KDA_RT_FUSED_ROUTE", "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP", "KDA_RT_DOWN_GEMV",
+                 "KDA_RT_MOE_FUSED32"):
         monkeypatch.delenv(name, raising=False)  # the policies' defaults, not a bench switch of the caller's shell
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
@@ -1001,6 +1002,7 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
     from kda_rt.cuda.ops.moe_gemm_tc import prefill_tile_rows
 
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
+    monkeypatch.delenv("KDA_RT_MOE_FUSED32", raising=False)
     pairs, bins = 9 * tokens, 257
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == bf16_rows
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
@@ -1009,3 +1011,52 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
     monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "0")
     with pytest.raises(ValueError, match="KDA_RT_MOE_MIN_AVG_ROWS must be >= 1"):
         prefill_tile_rows(pairs, bins, 2304, 1024)
+
+
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+def test_moe_fused32_switch(monkeypatch, e4m3):
+    """KDA_RT_MOE_FUSED32=1 (bench switch): steps of 4-48 rows an expert take 32-row tiles in both formats, both
+    GEMMs on moe_decode_fused's producer-warp form (bf16: the _DECODE k step; e4m3: 128 codes, 3 stages, 2 CTAs an
+    SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel (and nothing of them without it)."""
+    import kda_rt.cuda.moe as moe
+    import kda_rt.cuda.ops.moe_align as align
+    import kda_rt.cuda.ops.moe_gemm_tc as tc
+    import kda_rt.cuda.ops.moe_gemv as gemv
+    import kda_rt.cuda.ops.moe_route as route
+    import kda_rt.cuda.ops.quant as quant
+    import kda_rt.cuda.ops.rmsnorm as rms
+
+    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tc, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
+    built = []
+    for mod in (align, tc, wg, route, gemv, quant, rms):
+        monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
+    cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
+    shapes = [(2048, 2304, True), (2304, 1024, False)]
+
+    def rows(tokens):
+        return tc.prefill_tile_rows(9 * tokens, 257, 2304, 1024, e4m3=e4m3)
+
+    off = [rows(t) for t in (8, 115, 256, 600, 1371)]
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    assert not [kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]
+    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1")
+    assert [rows(t) for t in (8, 114, 115, 256, 600, 1370, 1371)] == [16, 16, 32, 32, 32, 32, 128]
+    assert off == ([16, 16, 16, 64, 128] if e4m3 else [16, 64, 64, 64, 128])
+    tile = tc.fused_decode_tile(256, 2304, 1024, 32)
+    assert tile == tc.TileConfig(32, 128, 64, 4, 1, 4, 2)
+    if e4m3:
+        tile = tc.fused_e4m3_tile(tile, shapes)
+        assert tile == tc.TileConfig(32, 128, 128, 3, 1, 4, 2)
+    assert tc.decode_ws(tile, e4m3) == 1 and 2 * tile.smem(e4m3) <= 227 * 1024
+    assert tc.fused_decode_tile(256, 2304, 1024, 64) is None  # (moe_decode_fused takes 16 or 32 rows)
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    assert [kw["BT"] for f, kw in built if f == "moe_align.cu" and kw["BT"] == 32] == [32]
+    assert sorted(kw["FUSE_SILU"] for f, kw in built if f == "moe_gemm_tc.cu" and kw.get("BM") == 32
+                  and not kw.get("FUSED_DECODE")) == [False, True]
+    fused32 = [(kw["BK"], kw["STAGES"], kw["MIN_BLOCKS"], kw.get("DEC_WS"), kw.get("WFMT")) for f, kw in built
+               if kw.get("FUSED_DECODE") and kw["BM"] == 32]
+    assert fused32 == [(128, 3, 2, 1, 1)] if e4m3 else [(64, 4, 2, 1, None)]

@@ -172,7 +172,46 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T300-small-w8a8": ("T300-small", {"KDA_RT_FP8_PREFILL": "1"}),  # I = 128: the down GEMM's one k step, BN 128
     "T256-E256": ("T256-E256", {}),  # ~9 rows an expert: moe_decode_fused's 16-row tiles (MIN_AVG_ROWS_E4M3)
     "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4"}),  # the same step on moe_gemm_tc's 64-row tiles
+    "T256-E256-fused32": ("T256-E256", {"KDA_RT_MOE_FUSED32": "1"}),  # moe_decode_fused on 32-row tiles
 }
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
+def test_moe_forward_fused32(fused, monkeypatch):
+    """KDA_RT_MOE_FUSED32=1 (bench switch): a 256-token step of the 48B shape (~9 rows an expert on average) on
+    32-row tiles, both GEMMs in moe_decode_fused (checked: it ran, on a 32-row plan), against the NumPy block with
+    test_moe_forward's tolerance, and bit for bit the same tiles' two launches (KDA_RT_FUSED_MOE=0: moe_gemm_tc on
+    32-row tiles; the fused kernel computes each tile as they do)."""
+    import cupy
+
+    import kda_rt.cuda.moe as moe
+    from kda_rt.cuda.moe import moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.reference.moe import moe_forward as moe_ref
+
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1")
+    monkeypatch.delenv("KDA_RT_FUSED_MOE", raising=False)
+    name = "T256-E256"
+    T, D, inter, inter_s, E, kw = CASES[name]
+    cfg = dataclasses.replace(make_cfg(E, **kw), num_shared_experts=1, intermediate_size=inter)
+    x, gpu, params = make_block(T, D, inter, inter_s, cfg, zlib.crc32(f"fused32/{name}".encode()))
+    ref = moe_ref(params, x, cfg)
+    plans = []
+    real = moe.moe_decode_fused
+    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: plans.append(a[3].tile_rows) or real(*a, **k))
+    outs = []
+    for fused_moe in ("1", "0"):
+        monkeypatch.setenv("KDA_RT_FUSED_MOE", fused_moe)
+        out = cupy.empty((T, D), dtype=BF16)
+        ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, fused), 0xFF, dtype=np.uint8)
+        poison(out)
+        run(gpu, cfg, fused, out=out, workspace=ws)
+        outs.append(to_np(out))
+    assert plans == [32], f"moe_decode_fused ran on plans of {plans} rows (want one 32-row call)"
+    err = rms_rel(outs[0], ref)
+    print(f"\n{name} 32-row tiles: rms rel err {err:.2e}", end="")
+    assert err <= 1e-2, f"{name}: rms rel err {err:.3e}, max abs {np.max(np.abs(outs[0] - ref)):.3e}"
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), "fused != two launches on 32-row tiles"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
@@ -183,7 +222,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     dequantized weights, with the bf16 test's tolerance.  Every expert's scales sit at one level (each adds about as
     much to the output, so a wrong one shows).  The cases take each path: one token on the routed gate/up GEMV and
     the down GEMV (checked: routed), on the plan-reading GEMV, on the tiled GEMMs; 7 tokens on the fused decode
-    kernel and on its two launches; 256 tokens (~9 rows an expert) on the fused decode kernel and on 64-row tiles;
+    kernel and on its two launches; 256 tokens (~9 rows an expert) on the fused decode kernel (16- and, with
+    KDA_RT_MOE_FUSED32, 32-row tiles) and on 64-row tiles;
     64-row tiles on moe_gemm_tc; 128-row tiles on the wgmma kernel (sm_90a) and on
     moe_gemm_tc."""
     import cupy
@@ -263,7 +303,7 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
     if name == "T256-E256":  # the path the case names ran
-        assert bool(fused_runs) == (case == "T256-E256"), f"{case}: moe_decode_fused ran {len(fused_runs)} times"
+        assert bool(fused_runs) == (case != "T256-E256-tc64"), f"{case}: moe_decode_fused ran {len(fused_runs)} times"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
                                               scale13=s13), cfg)

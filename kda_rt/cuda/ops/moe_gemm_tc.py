@@ -18,7 +18,7 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
+__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
            "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
            "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
@@ -81,6 +81,12 @@ _DECODE = TileConfig(16, 128, 64, 4, 1, 4, 2)
 # per SM, two waves on 132 SMs: 36 + 18.5 us (ncu, cold weights) for 127 MB, 2.3 TB/s.
 _DECODE_SMALL = TileConfig(16, 64, 64, 6, 1, 2, 3)
 SMALL_DECODE_TOKENS = 8
+# 32-row tiles (KDA_RT_MOE_FUSED32, not yet measured): decode batches of ~115-1370 tokens, where an expert's rows take
+# two or more 16-row tiles (each re-reading its weights) and the 64-row tiles of moe_gemm_tc stream them at ~3.5 TB/s
+# (bf16, batch 256) or widen e4m3 at ~1.6.  One warp row of 32 (two m16 fragments a warp), the _DECODE k steps:
+# 92 KB of shared memory, 2 CTAs an SM; moe_decode_fused's producer-warp build 110 registers, no spills (NVRTC 13.5,
+# sm_90a).  e4m3: the _FUSED_E4M3 k step (128 codes), 3 stages, 81 KB, 2 CTAs an SM (96 registers).
+_DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 
 
 def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool, e4m3: bool = False) -> bool:
@@ -98,7 +104,7 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None 
     """The tile for BM-row tiles of one GEMM (nout x k weights) in a step of `tokens` tokens (None: a
     larger batch), or None when no tile fits the shape."""
     small = bm == 16 and tokens is not None and tokens <= SMALL_DECODE_TOKENS
-    base = _DECODE_SMALL if small else {128: _BIG, 16: _DECODE}.get(bm, _SMALL)
+    base = _DECODE_SMALL if small else {128: _BIG, 32: _DECODE32, 16: _DECODE}.get(bm, _SMALL)
     short_k = base._replace(bk=32, stages=4)  # K of a few BK (small test shapes)
     for t in (base, short_k, base._replace(bn=128, warps_n=2), short_k._replace(bn=128, warps_n=2)):
         if _fits(t, nout, k, fuse_silu):
@@ -112,6 +118,8 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int,
     avg = num_pairs / max(1, min(num_experts, num_pairs))
     small_below = env.moe_min_avg_rows(MIN_AVG_ROWS_E4M3 if e4m3 else MIN_AVG_ROWS)
     bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= small_below else 16
+    if bm != 128 and avg >= MIN_AVG_ROWS and env.moe_fused32():
+        bm = 32
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
     return bm if ok else 0
 
@@ -144,13 +152,15 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
 # experts 272.3 -> 253.8 (3.57-3.88 TB/s of codes).  Slower: 64-wide k steps at 6-8 stages (2.5-2.8 TB/s), 256
 # features (8 warps) at 3 stages one CTA an SM (2.9) or 2 stages two (3.5-3.7), 64 features (2.7-2.9).
 _FUSED_E4M3 = TileConfig(16, 128, 128, 3, 1, 4, 3)
+_FUSED_E4M3_32 = TileConfig(32, 128, 128, 3, 1, 4, 2)  # (KDA_RT_MOE_FUSED32: _DECODE32's note)
 
 
 def fused_e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConfig | None:
     """moe_decode_fused's tile for e4m3 weights, given its bf16 tile: _FUSED_E4M3 where both GEMMs of `shapes` take
     it, else e4m3_tile's."""
-    if tile is not None and tile.bm == 16 and all(_fits(_FUSED_E4M3, n, k, silu, e4m3=True) for n, k, silu in shapes):
-        return _FUSED_E4M3
+    fused = {16: _FUSED_E4M3, 32: _FUSED_E4M3_32}.get(tile.bm) if tile is not None else None
+    if fused is not None and all(_fits(fused, n, k, silu, e4m3=True) for n, k, silu in shapes):
+        return fused
     return e4m3_tile(tile, shapes) if tile is not None else None
 
 
@@ -229,13 +239,17 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
 # replays: bench_moe_decode.py --fused T = 1 34.5 -> 39.1 us; the full model's batch-1 step 2.538 -> 2.565 ms),
 # from T = 4 it wins (113.3 -> 107.4 us; batch 8 5.559 -> 5.425 ms, batch 32 8.416 -> 8.160 ms).
 FUSED_MIN_TOKENS = 2
+# the tile rows moe_decode_fused takes (its producer-warp form copies one A row a lane: at most 32)
+FUSED_TILE_ROWS = (16, 32)
 
 
-def fused_decode_tile(tokens: int, hidden: int, inter: int) -> TileConfig | None:
-    """The 16-row decode tile that both GEMMs of a `tokens`-token step take as they are (gate/up: w13
-    [2I, D], down: w2 [D, I]), or None: then the two-launch path runs."""
-    t = tile_config(16, 2 * inter, hidden, True, tokens)
-    if t is None or t != tile_config(16, hidden, inter, False, tokens):
+def fused_decode_tile(tokens: int, hidden: int, inter: int, bm: int = 16) -> TileConfig | None:
+    """The `bm`-row decode tile (16, or 32 under KDA_RT_MOE_FUSED32) that both GEMMs of a `tokens`-token step take
+    as they are (gate/up: w13 [2I, D], down: w2 [D, I]), or None: then the two-launch path runs."""
+    if bm not in FUSED_TILE_ROWS:
+        return None
+    t = tile_config(bm, 2 * inter, hidden, True, tokens)
+    if t is None or t != tile_config(bm, hidden, inter, False, tokens):
         return None
     return t if _fits(t, 2 * inter, hidden, True) and _fits(t, hidden, inter, False) else None
 
@@ -274,7 +288,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
     out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them on the same tile (same order; with e4m3
     weights the default tiles differ, fused_e4m3_tile against e4m3_tile).
-    x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 (moe_bucket with
+    x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 or 32 (moe_bucket with
     sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
     ctas: the grid (default: as many CTAs as the GPU holds at once; any number >= 1 is correct, since every
     item is claimed from a counter by a running CTA).
@@ -295,13 +309,13 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     if sync.size < sync_words(N, E):
         raise ValueError(f"moe_decode_fused: sync has {sync.size} counters, needs {sync_words(N, E)}")
     if tile is None:
-        tile = fused_decode_tile(N // top_k, K, inter)
+        tile = fused_decode_tile(N // top_k, K, inter, plan.tile_rows)
         tile = fused_e4m3_tile(tile, [(two_i, K, True), (K, inter, False)]) if e4m3 and tile else tile
-    if tile is None or plan.tile_rows != 16 or tile.bm != 16 or not (_fits(tile, two_i, K, True, e4m3) and
-                                                                     _fits(tile, K, inter, False, e4m3)):
-        raise ValueError(f"moe_decode_fused: no 16-row tile {tile} for D={K}, I={inter} (plan BM={plan.tile_rows})"
-                         f"{' with e4m3 weights' if e4m3 else ''}")
-    items = max_tiles(N, E, 16) * (inter // (tile.bn // 2) + K // tile.bn)
+    if (tile is None or plan.tile_rows not in FUSED_TILE_ROWS or tile.bm != plan.tile_rows
+            or not (_fits(tile, two_i, K, True, e4m3) and _fits(tile, K, inter, False, e4m3))):
+        raise ValueError(f"moe_decode_fused: no {plan.tile_rows}-row tile {tile} for D={K}, I={inter} (plan "
+                         f"BM={plan.tile_rows}; tiles of {FUSED_TILE_ROWS} rows){' with e4m3 weights' if e4m3 else ''}")
+    items = max_tiles(N, E, tile.bm) * (inter // (tile.bn // 2) + K // tile.bn)
     form = decode_ws(tile, e4m3)  # (DEC_WS: the consumer warps and one producer warp)
     kernel, threads = fused_kernel(tile, K, inter, top_k, e4m3, form), 32 * (tile.warps_m * tile.warps_n + (form > 0))
     if ctas is not None and ctas < 1:
