@@ -182,6 +182,7 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
 
     monkeypatch.setenv("KDA_RT_FP8_PREFILL", fp8_prefill)
     monkeypatch.delenv("KDA_RT_NORM_E4M3", raising=False)
+    monkeypatch.delenv("KDA_RT_MOE_FUSED32", raising=False)
     built = []
     for mod in (align, tc, wg, route, gemv, quant, rms):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
@@ -1053,10 +1054,13 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
         assert tile == tc.TileConfig(32, 128, 128, 3, 1, 4, 2)
     assert tc.decode_ws(tile, e4m3) == 1 and 2 * tile.smem(e4m3) <= 227 * 1024
     assert tc.fused_decode_tile(256, 2304, 1024, 64) is None  # (moe_decode_fused takes 16 or 32 rows)
+    monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "2")  # the override lowers the switch's start too
+    assert [rows(t) for t in (57, 58, 115)] == [16, 32, 32]
+    monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS")
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
     assert [kw["BT"] for f, kw in built if f == "moe_align.cu" and kw["BT"] == 32] == [32]
     assert sorted(kw["FUSE_SILU"] for f, kw in built if f == "moe_gemm_tc.cu" and kw.get("BM") == 32
                   and not kw.get("FUSED_DECODE")) == [False, True]
     fused32 = [(kw["BK"], kw["STAGES"], kw["MIN_BLOCKS"], kw.get("DEC_WS"), kw.get("WFMT")) for f, kw in built
                if kw.get("FUSED_DECODE") and kw["BM"] == 32]
-    assert fused32 == [(128, 3, 2, 1, 1)] if e4m3 else [(64, 4, 2, 1, None)]
+    assert fused32 == ([(128, 3, 2, 1, 1)] if e4m3 else [(64, 4, 2, 1, None)])

@@ -240,7 +240,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     if arch_number(device_arch()) < 89:
         pytest.skip("e4m3 weights need sm_89 or newer")
     name, switches = E4M3_CASES[case]
-    switches = {"KDA_RT_FP8_PREFILL": "0", **switches}  # widened weights unless the case names the e4m3 sources
+    # widened weights unless the case names the e4m3 sources; the policy's tiles unless it names a switch
+    switches = {"KDA_RT_FP8_PREFILL": "0", "KDA_RT_MOE_FUSED32": "0", "KDA_RT_MOE_MIN_AVG_ROWS": "", **switches}
     for key, value in switches.items():
         monkeypatch.setenv(key, value)
     T, D, inter, inter_s, E, kw = CASES[name]
@@ -269,11 +270,11 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     params = MoEWeights(router, bias, experts, shared_np)
     w = DeviceMoE(cupy.asarray(router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)), q13, q2, shared_dev,
                   shared_in_stack=fused, scale13=s13, scale2=s2)
-    seen, fused_runs = [], []
+    seen, fused_runs = [], []  # fused_runs: the plan's tile rows of each moe_decode_fused call
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
     real_fused = moe.moe_decode_fused
-    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: fused_runs.append(1) or real_fused(*a, **k))
+    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: fused_runs.append(a[3].tile_rows) or real_fused(*a, **k))
     from kda_rt.cuda.ops.moe_gemm_wg import w8a8_fits
 
     w8a8 = switches["KDA_RT_FP8_PREFILL"] == "1" and w8a8_fits(D, inter)
@@ -302,8 +303,9 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
         assert len(quantized) == 2, f"{name}: the e4m3-source GEMMs did not run ({len(quantized)} quantizations)"
     if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
-    if name == "T256-E256":  # the path the case names ran
-        assert bool(fused_runs) == (case != "T256-E256-tc64"), f"{case}: moe_decode_fused ran {len(fused_runs)} times"
+    if name == "T256-E256":  # the path the case names ran: moe_decode_fused on 16- or 32-row tiles, or neither
+        want = {"T256-E256": [16], "T256-E256-fused32": [32], "T256-E256-tc64": []}[case]
+        assert fused_runs == want, f"{case}: moe_decode_fused ran on plans of {fused_runs} rows, want {want}"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
                                               scale13=s13), cfg)

@@ -118,8 +118,8 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int,
     avg = num_pairs / max(1, min(num_experts, num_pairs))
     small_below = env.moe_min_avg_rows(MIN_AVG_ROWS_E4M3 if e4m3 else MIN_AVG_ROWS)
     bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= small_below else 16
-    if bm != 128 and avg >= MIN_AVG_ROWS and env.moe_fused32():
-        bm = 32
+    if bm != 128 and avg >= min(small_below, MIN_AVG_ROWS) and env.moe_fused32():
+        bm = 32  # (from MIN_AVG_ROWS in both formats, or from KDA_RT_MOE_MIN_AVG_ROWS where it is lower)
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
     return bm if ok else 0
 
