@@ -169,10 +169,11 @@ __device__ __forceinline__ int b_tile_row(int wn, int t) {
 // holds k = 4c .. 4c + 3 in registers a0 (4c, 4c + 1) and a2 (4c + 2, 4c + 3), row g + 8 in a1 and a3
 template <bool SILU>
 __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (&bfr)[NI][2], const bf16* ta,
-                                               const wtype* tb, int wm, int wn, int lane, int kk) {
+                                               const wtype* tb, int wm, int wn, int lane, int kk, int mi_live = MI) {
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
+        if (MI > 1 && mi >= mi_live) break;  // (warp-uniform: m16 tiles with no row of the tile)
         const bf16* p = ta + (wm * WM + mi * 16 + g) * LDS + kk * 16 + 4 * c;
         const uint2 lo = *reinterpret_cast<const uint2*>(p), hi = *reinterpret_cast<const uint2*>(p + 8 * LDS);
         af[mi][0] = lo.x, af[mi][1] = hi.x, af[mi][2] = lo.y, af[mi][3] = hi.y;
@@ -193,10 +194,12 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 // A fragments (MI m16 tiles) and B fragments (NI n8 tiles) of k16 step kk of one stage
 template <bool SILU>
 __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (&bfr)[NI][2], const bf16* ta,
-                                               const wtype* tb, int wm, int wn, int lane, int kk) {
+                                               const wtype* tb, int wm, int wn, int lane, int kk, int mi_live = MI) {
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
+    for (int mi = 0; mi < MI; ++mi) {
+        if (MI > 1 && mi >= mi_live) break;  // (warp-uniform: m16 tiles with no row of the tile)
         ldmatrix_x4(af[mi], ta + (wm * WM + mi * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
+    }
 #pragma unroll
     for (int t = 0; t < NI; t += 2) {
         unsigned r[4];
@@ -210,19 +213,24 @@ __device__ __forceinline__ void load_fragments(unsigned (&af)[MI][4], unsigned (
 }
 #endif
 
-// The products of one stage into acc (this warp's rows wm, its features wn): ta, tb the stage's A and B tiles
+// The products of one stage into acc (this warp's rows wm, its features wn): ta, tb the stage's A and B tiles.
+// mi_live: the warp's m16 tiles that hold a row of the tile (a warp of MI > 1 tiles, e.g. the 32-row decode tile,
+// skips the loads and products of the others: their accumulator rows are never stored)
 template <bool SILU>
 __device__ __forceinline__ void multiply_stage(float (&acc)[MI][NI][4], const bf16* ta, const wtype* tb, int wm, int wn,
-                                               int lane) {
+                                               int lane, int mi_live = MI) {
     unsigned af[2][MI][4], bfr[2][NI][2];
-    load_fragments<SILU>(af[0], bfr[0], ta, tb, wm, wn, lane, 0);
+    load_fragments<SILU>(af[0], bfr[0], ta, tb, wm, wn, lane, 0, mi_live);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-        if (kk + 1 < BK / 16) load_fragments<SILU>(af[(kk + 1) & 1], bfr[(kk + 1) & 1], ta, tb, wm, wn, lane, kk + 1);
+        if (kk + 1 < BK / 16)
+            load_fragments<SILU>(af[(kk + 1) & 1], bfr[(kk + 1) & 1], ta, tb, wm, wn, lane, kk + 1, mi_live);
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi) {
+            if (MI > 1 && mi >= mi_live) break;
 #pragma unroll
             for (int t = 0; t < NI; ++t) mma_16816(acc[mi][t], af[kk & 1][mi], bfr[kk & 1][t][0], bfr[kk & 1][t][1]);
+        }
     }
 }
 
@@ -656,6 +664,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
         const int KT = (gate_up ? HIDDEN : INTER) / BK;
         const bool active = wm * WM < nrows;  // warp-uniform: rows of this warp exist
+        const int mi_live = (nrows - wm * WM + 15) / 16;  // (of MI: this warp's m16 tiles that hold rows)
         float acc[MI][NI][4];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
@@ -666,9 +675,9 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             if (kt) mbar_wait(smem_addr(full + stage), (it / STAGES) & 1);
             if (active) {
                 if (gate_up)
-                    multiply_stage<true>(acc, sa + stage * BM * LDS, sb + stage * SB_STAGE, wm, wn, lane);
+                    multiply_stage<true>(acc, sa + stage * BM * LDS, sb + stage * SB_STAGE, wm, wn, lane, mi_live);
                 else
-                    multiply_stage<false>(acc, sa + stage * BM * LDS, sb + stage * SB_STAGE, wm, wn, lane);
+                    multiply_stage<false>(acc, sa + stage * BM * LDS, sb + stage * SB_STAGE, wm, wn, lane, mi_live);
             }
             fence_proxy_async_smem();  // this warp's reads of the stage before the producer's next copies into it
             __syncwarp();

@@ -84,8 +84,9 @@ SMALL_DECODE_TOKENS = 8
 # 32-row tiles (KDA_RT_MOE_FUSED32, not yet measured): decode batches of ~115-1370 tokens, where an expert's rows take
 # two or more 16-row tiles (each re-reading its weights) and the 64-row tiles of moe_gemm_tc stream them at ~3.5 TB/s
 # (bf16, batch 256) or widen e4m3 at ~1.6.  One warp row of 32 (two m16 fragments a warp), the _DECODE k steps:
-# 92 KB of shared memory, 2 CTAs an SM; moe_decode_fused's producer-warp build 110 registers, no spills (NVRTC 13.5,
-# sm_90a).  e4m3: the _FUSED_E4M3 k step (128 codes), 3 stages, 81 KB, 2 CTAs an SM (96 registers).
+# 92 KB of shared memory, 2 CTAs an SM; moe_decode_fused's producer-warp build 107 registers, no spills (NVRTC 13.5,
+# sm_90a; its warps skip the m16 tile of a tile of at most 16 rows).  e4m3: the _FUSED_E4M3 k step (128 codes),
+# 3 stages, 81 KB, 2 CTAs an SM (122 registers).
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 
 
