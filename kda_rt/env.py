@@ -532,7 +532,8 @@ def route_norm_max_t(default: int) -> int:
 def moe_min_avg_rows(default: int) -> int:
     """KDA_RT_MOE_MIN_AVG_ROWS (bench switch): the average rows a touched expert from which a step's MoE GEMMs take
     64-row tiles instead of the 16-row decode tiles (and moe_decode_fused), instead of the measured default
-    (ops/moe_gemm_tc.MIN_AVG_ROWS, MIN_AVG_ROWS_E4M3 for e4m3 stacks); at least 1.  Read at each forward (a CUDA graph keeps what it captured)."""
+    (ops/moe_gemm_tc.MIN_AVG_ROWS, MIN_AVG_ROWS_E4M3 for e4m3 stacks); at least 1.  Read at each forward (a CUDA
+    graph keeps what it captured)."""
     return _non_negative_int("KDA_RT_MOE_MIN_AVG_ROWS", default, low=1)
 
 

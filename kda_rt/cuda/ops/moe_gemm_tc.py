@@ -18,8 +18,8 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3", "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm",
-           "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
+__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3",
+           "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
            "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
