@@ -82,7 +82,8 @@ class _Clocks:
                 by_phase.setdefault(started[-1], []).append(values)
         out = {}
         for phase, rows in by_phase.items():
-            out[phase] = {k: statistics.median(r[i] for r in rows) for i, k in enumerate(("sm_mhz", "mem_mhz", "watts"))}
+            out[phase] = {k: statistics.median(r[i] for r in rows)
+                          for i, k in enumerate(("sm_mhz", "mem_mhz", "watts"))}
             out[phase]["samples"] = len(rows)
         return out
 
@@ -219,7 +220,8 @@ def _run(args, clocks: _Clocks) -> int:
                       "run_experts_per_moe_layer": {"median": statistics.median(experts) if experts else None,
                                                     "min": min(experts, default=None),
                                                     "max": max(experts, default=None)},
-                      "run_graph_fit": fit, "replay_experts_per_moe_layer": replay_experts, "sustained_replay_ms_by_50": chunks,
+                      "run_graph_fit": fit, "replay_experts_per_moe_layer": replay_experts,
+                      "sustained_replay_ms_by_50": chunks,
                       "run_decode_step_ms": (round(report["decode_step_s_mean"] * 1e3, 3)
                                              if report.get("decode_step_s_mean") is not None else None),
                       "launches": len(records), "clocks": clocks.medians()}), flush=True)

@@ -274,7 +274,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     real = moe.moe_gemv_gate_up
     monkeypatch.setattr(moe, "moe_gemv_gate_up", lambda *a, **k: seen.append(k.get("routed")) or real(*a, **k))
     real_fused = moe.moe_decode_fused
-    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: fused_runs.append(a[3].tile_rows) or real_fused(*a, **k))
+    monkeypatch.setattr(moe, "moe_decode_fused",
+                        lambda *a, **k: fused_runs.append(a[3].tile_rows) or real_fused(*a, **k))
     from kda_rt.cuda.ops.moe_gemm_wg import w8a8_fits
 
     w8a8 = switches["KDA_RT_FP8_PREFILL"] == "1" and w8a8_fits(D, inter)
