@@ -5,8 +5,7 @@
 #      32-row two-launch path (bf16), the e4m3 case on it, and the 256-token cases of the default paths (a wrong
 #      result stops the script: nothing is timed);
 #   2. the full 27-layer model's decode graph replays at batch 128, 256 and 512 (fp8 also 768; bench_ab.py --replays,
-#      2K context),
-#      KDA_RT_MOE_FUSED32 0 against 1, 2 rounds, bf16 then fp8 weights, while the call's time lasts.
+#      2K context), KDA_RT_MOE_FUSED32 0 against 1, 2 rounds, bf16 then fp8 weights, while the call's time lasts.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/moe_fused32_check.sh
 set -o pipefail
