@@ -167,18 +167,14 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
                     tc_kernel(e4m3_tile(small, [(nout, k, fuse)]) if e4m3 else small, k, nout, fuse, pairs, e4m3)
                     count += 1
         count += 3
-        if bm == 32:  # both GEMMs in one launch on 32-row tiles
-            t32 = fused_decode_tile(SMALL_DECODE_TOKENS + 1, D, inter, 32)
-            if t32 is not None and (t32 := fused_e4m3_tile(t32, shapes) if e4m3 else t32) is not None:
-                fused_kernel(t32, D, inter, pairs, e4m3)
-                count += 1
-        if bm == 16:  # both decode GEMMs in one launch, for small and larger batches
+        if bm in FUSED_TILE_ROWS:  # both decode GEMMs in one launch, for small and larger batches
             fused_tiles = {fused_e4m3_tile(t, shapes) if e4m3 else t  # (e4m3: one tile for both sizes)
                            for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1)
-                           if (t := fused_decode_tile(tokens, D, inter))}
+                           if (t := fused_decode_tile(tokens, D, inter, bm))}
             for tile in fused_tiles - {None}:
                 fused_kernel(tile, D, inter, pairs, e4m3)
                 count += 1
+        if bm == 16:
             if gemv_fits(1, D, e4m3):
                 # a one-token step's gate/up (and the variant that selects its own experts), down
                 gemv_kernel(D, inter, e4m3=e4m3)

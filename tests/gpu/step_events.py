@@ -210,10 +210,10 @@ def _run(args, clocks: _Clocks) -> int:
         clocks.mark("short replay")
         short = replays(args.reps)
         clocks.mark("sustained replay")
-        stats.fill(0)
+        runner.experts_touched(reset=True)
         chunks = [round(replays(50), 4) for _ in range(args.sustain // 50)]
-        n_experts, calls = (int(v) for v in stats.get().sum(axis=0))
-        replay_experts = n_experts / calls if calls else None
+        per_layer = runner.experts_touched(reset=True)  # MoE layer -> mean experts a replay
+        replay_experts = statistics.fmean(per_layer.values()) if per_layer else None
     med = {k: round(statistics.median(v), 4) if v else None for k, v in parts.items()}
     print(json.dumps({"batch": args.batch, "steady_launches": len(steady), "median_ms": med,
                       "replay_ms": round(short, 4),
