@@ -537,12 +537,16 @@ def moe_min_avg_rows(default: int) -> int:
     return _non_negative_int("KDA_RT_MOE_MIN_AVG_ROWS", default, low=1)
 
 
-def moe_fused32() -> bool:
-    """KDA_RT_MOE_FUSED32 (bench switch, default 0): steps of 4 to 48 rows an expert on average (decode batches of
-    ~115-1370 tokens of the 48B shape) take 32-row tiles, on moe_decode_fused where it runs, instead of the 64-row
-    tiles (bf16 stacks; e4m3 from MIN_AVG_ROWS_E4M3) or the 16-row ones (e4m3 below it).  Read at each forward and
-    by the precompile (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MOE_FUSED32", "0")
+def moe_fused32() -> str:
+    """KDA_RT_MOE_FUSED32 (bench switch): which steps take 32-row tiles (on moe_decode_fused where it runs).  "e4m3"
+    (the default): e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert on average (decode batches of ~514-1370
+    tokens of the 48B shape), instead of the 64-row tiles that widen e4m3 to bf16; "1": every step of 4 to 48 rows
+    an expert in both formats (the 16-row tiles of e4m3 stacks below MIN_AVG_ROWS_E4M3 too); "0": none (the 64-row
+    tiles).  Read at each forward and by the precompile (a CUDA graph keeps what it captured)."""
+    value = os.environ.get("KDA_RT_MOE_FUSED32") or "e4m3"
+    if value not in ("0", "1", "e4m3"):
+        raise ValueError(f"KDA_RT_MOE_FUSED32 must be 0, 1 or e4m3, got {value!r}")
+    return value
 
 
 def mla_store_fold() -> bool:

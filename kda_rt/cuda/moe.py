@@ -44,6 +44,7 @@ from kda_rt.cuda.ops.moe_gemm_tc import (
     FUSED_MIN_TOKENS,
     FUSED_TILE_ROWS,
     SMALL_DECODE_TOKENS,
+    built_tile_rows,
     check_scale,
     e4m3_tile,
     fused_decode_tile,
@@ -134,17 +135,16 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
 
 def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = False) -> int:
     """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
-    this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), (32 under
-    KDA_RT_MOE_FUSED32), 64 and 128 rows
-    (128 on wgmma where it runs), so no step, e.g. a
-    mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
+    this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), 32 and 64 rows (as
+    built_tile_rows says: e4m3 stacks 32, bf16 64; KDA_RT_MOE_FUSED32) and 128 (on wgmma where it runs), so no
+    step, e.g. a mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
     (~0.2-0.4 s a variant); `e4m3`: the variants for e4m3 expert stacks (their tiles as moe_forward picks them).
     Returns the number of variants."""
     shapes = [(2 * inter, D, True), (D, inter, False)]
     E, A = cfg.num_experts, cfg.top_k
     pairs, bins = (A + 1, E + 1) if fused else (A, E)
     count = 0
-    for bm in (16, 32, 64, 128) if env.moe_fused32() else (16, 64, 128):  # (32: KDA_RT_MOE_FUSED32)
+    for bm in built_tile_rows(e4m3):
         gemms = [(nout, k, fuse, tile_config(bm, nout, k, fuse)) for nout, k, fuse in ((2 * inter, D, True),
                                                                                       (D, inter, False))]
         if not all(t for *_, t in gemms):  # as prefill_tile_rows: no tile of bm rows fits (D, I)

@@ -4,8 +4,10 @@
 #   1. tests/kernels/test_moe_block.py -k "fused32 or T256": the 32-row fused kernel against NumPy and bit for bit the
 #      32-row two-launch path (bf16), the e4m3 case on it, and the 256-token cases of the default paths (a wrong
 #      result stops the script: nothing is timed);
-#   2. the full 27-layer model's decode graph replays at batch 128, 256 and 512 (fp8 also 768; bench_ab.py --replays,
-#      2K context), KDA_RT_MOE_FUSED32 0 against 1, 2 rounds, bf16 then fp8 weights, while the call's time lasts.
+#   2. the full 27-layer model's decode graph replays (bench_ab.py --replays, 2K context), KDA_RT_MOE_FUSED32 0
+#      against 1, 2 rounds, bf16 weights at batch 128 and 256 (a batch-512 graph does not fit beside the bf16
+#      weights: the fiftieth session's run stopped there), then fp8 at 128, 256, 512 and 768, while the call's time
+#      lasts.  Fiftieth session (H200): fp8 11.59 -> 13.05, 18.48 -> 19.80, 33.58 -> 33.51, 48.28 -> 47.22 ms.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/moe_fused32_check.sh
 set -o pipefail
@@ -20,8 +22,8 @@ for q in bf16 fp8; do
   [ "$SECONDS" -lt 380 ] || break
   echo "== decode replays, $q weights ($SECONDS s)"
   # fp8 also at 768 (27 rows an expert: the e4m3 stacks' 64-row widening tiles today)
-  quant=""; replays=128,256,512; [ "$q" = fp8 ] && quant="--quantization fp8" && replays=128,256,512,768
+  quant=""; replays=128,256; [ "$q" = fp8 ] && quant="--quantization fp8" && replays=128,256,512,768
   # shellcheck disable=SC2086
   timeout $((580 - SECONDS)) python tests/gpu/bench_ab.py $quant --env KDA_RT_MOE_FUSED32 --values 0,1 --prompts 0 \
-    --replays $replays --rounds 2 2>/dev/null | tee "$OUT/fused32_ab_$q.jsonl" | grep summary
+    --replays $replays --rounds 2 2> "$OUT/fused32_ab_$q.err" | tee "$OUT/fused32_ab_$q.jsonl" | grep summary
 done

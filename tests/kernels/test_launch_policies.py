@@ -191,8 +191,10 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=True)
-    # the e4m3 fused decode kernel (128-code k steps: 128 bytes) in its producer-warp form
-    assert [(kw["BK"], kw["WFMT"], kw.get("DEC_WS")) for f, n, kw in built if kw.get("FUSED_DECODE")] == [(128, 1, 1)]
+    # the e4m3 fused decode kernels (128-code k steps: 128 bytes) in their producer-warp form, on 16- and (from 18
+    # rows an expert, moe_gemm_tc.py FUSED32_E4M3) 32-row tiles
+    fused = sorted((kw["BM"], kw["BK"], kw["WFMT"], kw.get("DEC_WS")) for f, n, kw in built if kw.get("FUSED_DECODE"))
+    assert fused == [(16, 128, 1, 1), (32, 128, 1, 1)]
     wgs = sorted((kw["K"], kw["FUSE_SILU"], kw["WFMT"]) for f, n, kw in built if f == "moe_gemm_wg.cu")
     want = [(2304, 1, 1), (1024, 0, 1)] + ([(2304, 1, 2), (1024, 0, 2)] if fp8_prefill == "1" else [])
     assert wgs == sorted(want)
@@ -993,20 +995,29 @@ def test_decode_ws_form_by_arch_tile_and_switch(monkeypatch):
 
 
 @pytest.mark.parametrize(("tokens", "bf16_rows", "e4m3_rows"),
-                         [(8, 16, 16), (114, 16, 16), (115, 64, 16), (256, 64, 16), (513, 64, 16), (514, 64, 64),
-                          (1370, 64, 64), (1371, 128, 128)])
+                         [(8, 16, 16), (114, 16, 16), (115, 64, 16), (256, 64, 16), (513, 64, 16), (514, 64, 32),
+                          (1370, 64, 32), (1371, 128, 128)])
 def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatch):
     """The MoE GEMMs' tile rows of a step of the 48B shape (8 experts + the shared slot a token, 257 bins), by the
-    average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS), e4m3 stacks at 18
-    (MIN_AVG_ROWS_E4M3: moe_decode_fused streams codes faster than the 64-row tiles widen them, measured to batch
-    512), both take 128-row tiles from 48; KDA_RT_MOE_MIN_AVG_ROWS overrides the first threshold for both."""
-    from kda_rt.cuda.ops.moe_gemm_tc import prefill_tile_rows
+    average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS) for 64-row ones, e4m3
+    stacks at 18 (MIN_AVG_ROWS_E4M3: moe_decode_fused streams codes faster than the 64-row tiles widen them,
+    measured to batch 512) for 32-row ones (moe_gemm_tc.py FUSED32_E4M3; KDA_RT_MOE_FUSED32=0: 64-row), both take
+    128-row tiles from 48; KDA_RT_MOE_MIN_AVG_ROWS overrides the first threshold for both."""
+    from kda_rt.cuda.ops.moe_gemm_tc import built_tile_rows, prefill_tile_rows
 
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
     monkeypatch.delenv("KDA_RT_MOE_FUSED32", raising=False)
     pairs, bins = 9 * tokens, 257
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == bf16_rows
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
+    assert bf16_rows in built_tile_rows(False) and e4m3_rows in built_tile_rows(True)
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")
+    assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == (64 if e4m3_rows == 32 else e4m3_rows)
+    assert prefill_tile_rows(pairs, bins, 2304, 1024) == bf16_rows
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "2")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED32 must be 0, 1 or e4m3, got '2'"):
+        prefill_tile_rows(pairs, bins, 2304, 1024)
+    monkeypatch.delenv("KDA_RT_MOE_FUSED32")
     monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "1000")
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == (128 if tokens >= 1371 else 16)
     monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "0")
@@ -1018,7 +1029,8 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
 def test_moe_fused32_switch(monkeypatch, e4m3):
     """KDA_RT_MOE_FUSED32=1 (bench switch): steps of 4-48 rows an expert take 32-row tiles in both formats, both
     GEMMs on moe_decode_fused's producer-warp form (bf16: the _DECODE k step; e4m3: 128 codes, 3 stages, 2 CTAs an
-    SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel (and nothing of them without it)."""
+    SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel; with 0 nothing of them, and by
+    default (e4m3) only for e4m3 stacks, which take them from 18 rows an expert."""
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
     import kda_rt.cuda.ops.moe_gemm_tc as tc
@@ -1040,6 +1052,11 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     def rows(tokens):
         return tc.prefill_tile_rows(9 * tokens, 257, 2304, 1024, e4m3=e4m3)
 
+    default = [rows(t) for t in (8, 115, 256, 600, 1371)]
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    assert bool([kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]) == e4m3
+    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")
     off = [rows(t) for t in (8, 115, 256, 600, 1371)]
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
     assert not [kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]
@@ -1047,6 +1064,7 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1")
     assert [rows(t) for t in (8, 114, 115, 256, 600, 1370, 1371)] == [16, 16, 32, 32, 32, 32, 128]
     assert off == ([16, 16, 16, 64, 128] if e4m3 else [16, 64, 64, 64, 128])
+    assert default == ([16, 16, 16, 32, 128] if e4m3 else off)
     tile = tc.fused_decode_tile(256, 2304, 1024, 32)
     assert tile == tc.TileConfig(32, 128, 64, 4, 1, 4, 2)
     if e4m3:

@@ -173,6 +173,8 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T256-E256": ("T256-E256", {}),  # ~9 rows an expert: moe_decode_fused's 16-row tiles (MIN_AVG_ROWS_E4M3)
     "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4"}),  # the same step on moe_gemm_tc's 64-row tiles
     "T256-E256-fused32": ("T256-E256", {"KDA_RT_MOE_FUSED32": "1"}),  # moe_decode_fused on 32-row tiles
+    # the default for e4m3 steps of 18-48 rows an expert (moe_gemm_tc.py FUSED32_E4M3), brought down to this step
+    "T256-E256-rows32": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED32": "e4m3"}),
 }
 
 
@@ -305,7 +307,7 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
     if name == "T256-E256":  # the path the case names ran: moe_decode_fused on 16- or 32-row tiles, or neither
-        want = {"T256-E256": [16], "T256-E256-fused32": [32], "T256-E256-tc64": []}[case]
+        want = {"T256-E256": [16], "T256-E256-fused32": [32], "T256-E256-rows32": [32], "T256-E256-tc64": []}[case]
         assert fused_runs == want, f"{case}: moe_decode_fused ran on plans of {fused_runs} rows, want {want}"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,

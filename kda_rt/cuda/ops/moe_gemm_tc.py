@@ -19,7 +19,8 @@ from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_cou
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3",
-           "SMALL_DECODE_TOKENS", "TileConfig", "check_grouped_gemm", "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
+           "SMALL_DECODE_TOKENS", "TileConfig", "built_tile_rows", "check_grouped_gemm", "check_scale",
+           "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
            "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
@@ -81,12 +82,19 @@ _DECODE = TileConfig(16, 128, 64, 4, 1, 4, 2)
 # per SM, two waves on 132 SMs: 36 + 18.5 us (ncu, cold weights) for 127 MB, 2.3 TB/s.
 _DECODE_SMALL = TileConfig(16, 64, 64, 6, 1, 2, 3)
 SMALL_DECODE_TOKENS = 8
-# 32-row tiles (KDA_RT_MOE_FUSED32, not yet measured): decode batches of ~115-1370 tokens, where an expert's rows take
-# two or more 16-row tiles (each re-reading its weights) and the 64-row tiles of moe_gemm_tc stream them at ~3.5 TB/s
-# (bf16, batch 256) or widen e4m3 at ~1.6.  One warp row of 32 (two m16 fragments a warp), the _DECODE k steps:
-# 92 KB of shared memory, 2 CTAs an SM; moe_decode_fused's producer-warp build 107 registers, no spills (NVRTC 13.5,
-# sm_90a; its warps skip the m16 tile of a tile of at most 16 rows).  e4m3: the _FUSED_E4M3 k step (128 codes),
-# 3 stages, 81 KB, 2 CTAs an SM (122 registers).
+# 32-row tiles (KDA_RT_MOE_FUSED32): decode batches of ~115-1370 tokens, where an expert's rows take two or more
+# 16-row tiles (each re-reading its weights) and the 64-row tiles of moe_gemm_tc stream them at ~3.5 TB/s (bf16,
+# batch 256) or widen e4m3 at ~1.6.  One warp row of 32 (two m16 fragments a warp), the _DECODE k steps: 92 KB of
+# shared memory, 2 CTAs an SM; moe_decode_fused's producer-warp build 107 registers, no spills (NVRTC 13.5, sm_90a;
+# its warps skip the m16 tile of a tile of at most 16 rows).  e4m3: the _FUSED_E4M3 k step (128 codes), 3 stages,
+# 81 KB, 2 CTAs an SM (122 registers).
+# FUSED32_E4M3: measured (H200, 2026-12-04, fiftieth session, full model fp8, decode graph replays at 2K context:
+# tests/gpu/moe_fused32_check.sh, i.e. bench_ab.py --env KDA_RT_MOE_FUSED32 --values 0,1 --replays 128,256,512,768
+# --rounds 2 --quantization fp8; same experts both ways, the two rounds within 0.3%), ms, 0 -> 1: batch 128 (4.5 rows
+# an expert) 11.59 -> 13.05, 256 (9.0) 18.48 -> 19.80 (the 16-row tiles win there), 512 (17.9) 33.58 -> 33.51, 768
+# (26.9, where 0 runs the 64-row tiles) 48.28 -> 47.22 (-2.2%).  So by default e4m3 stacks take 32-row tiles where
+# they took 64-row ones (18 to 48 rows an expert).  bf16 not measured (its batch-512 replay did not fit beside the
+# bf16 weights; the switch's "1").
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 
 
@@ -113,13 +121,23 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None 
     return None
 
 
+def built_tile_rows(e4m3: bool) -> tuple[int, ...]:
+    """The tile rows prefill_tile_rows can pick for stacks of this format under KDA_RT_MOE_FUSED32 (the precompile
+    builds their kernels)."""
+    rows32 = env.moe_fused32()
+    return (16, 32, 64, 128) if rows32 == "1" else (16, 32, 128) if rows32 == "e4m3" and e4m3 else (16, 64, 128)
+
+
 def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int, e4m3: bool = False) -> int:
     """BM for a step of num_pairs (token, expert) rows (16 at decode sizes), or 0 when no tile fits (D, I);
     `e4m3`: the stacks hold e4m3 codes (16-row tiles up to more rows an expert)."""
     avg = num_pairs / max(1, min(num_experts, num_pairs))
     small_below = env.moe_min_avg_rows(MIN_AVG_ROWS_E4M3 if e4m3 else MIN_AVG_ROWS)
     bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= small_below else 16
-    if bm != 128 and avg >= min(small_below, MIN_AVG_ROWS) and env.moe_fused32():
+    rows32 = env.moe_fused32()
+    if bm == 64 and e4m3 and rows32 == "e4m3":
+        bm = 32  # (FUSED32_E4M3's note)
+    elif bm != 128 and avg >= min(small_below, MIN_AVG_ROWS) and rows32 == "1":
         bm = 32  # (from MIN_AVG_ROWS in both formats, or from KDA_RT_MOE_MIN_AVG_ROWS where it is lower)
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
     return bm if ok else 0
@@ -153,7 +171,7 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
 # experts 272.3 -> 253.8 (3.57-3.88 TB/s of codes).  Slower: 64-wide k steps at 6-8 stages (2.5-2.8 TB/s), 256
 # features (8 warps) at 3 stages one CTA an SM (2.9) or 2 stages two (3.5-3.7), 64 features (2.7-2.9).
 _FUSED_E4M3 = TileConfig(16, 128, 128, 3, 1, 4, 3)
-_FUSED_E4M3_32 = TileConfig(32, 128, 128, 3, 1, 4, 2)  # (KDA_RT_MOE_FUSED32: _DECODE32's note)
+_FUSED_E4M3_32 = TileConfig(32, 128, 128, 3, 1, 4, 2)  # (_DECODE32's note)
 
 
 def fused_e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConfig | None:
@@ -245,7 +263,7 @@ FUSED_TILE_ROWS = (16, 32)
 
 
 def fused_decode_tile(tokens: int, hidden: int, inter: int, bm: int = 16) -> TileConfig | None:
-    """The `bm`-row decode tile (16, or 32 under KDA_RT_MOE_FUSED32) that both GEMMs of a `tokens`-token step take
+    """The `bm`-row decode tile (16, or 32: KDA_RT_MOE_FUSED32) that both GEMMs of a `tokens`-token step take
     as they are (gate/up: w13 [2I, D], down: w2 [D, I]), or None: then the two-launch path runs."""
     if bm not in FUSED_TILE_ROWS:
         return None
