@@ -5,9 +5,9 @@
 #      32-row two-launch path (bf16), the e4m3 case on it, and the 256-token cases of the default paths (a wrong
 #      result stops the script: nothing is timed);
 #   2. the full 27-layer model's decode graph replays (bench_ab.py --replays, 2K context), KDA_RT_MOE_FUSED32 0
-#      against 1, 2 rounds, bf16 weights at batch 128 and 256 (a batch-512 graph does not fit beside the bf16
-#      weights: the fiftieth session's run stopped there), then fp8 at 128, 256, 512 and 768, while the call's time
-#      lasts.  Fiftieth session (H200): fp8 11.59 -> 13.05, 18.48 -> 19.80, 33.58 -> 33.51, 48.28 -> 47.22 ms.
+#      against 1, 2 rounds, bf16 weights at batch 128 and 256 (the fiftieth session's bf16 run stopped at its first
+#      batch-512 replay, its stderr not kept: likely memory, ~98 GB of weights and ~28 GB of KDA state and latent
+#      cache for 512 sequences; stderr now in $OUT), then fp8 at 128, 256, 512 and 768, while the call's time lasts.  Fiftieth session (H200): fp8 11.59 -> 13.05, 18.48 -> 19.80, 33.58 -> 33.51, 48.28 -> 47.22 ms.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/moe_fused32_check.sh
 set -o pipefail

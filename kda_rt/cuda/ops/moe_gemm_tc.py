@@ -93,8 +93,8 @@ SMALL_DECODE_TOKENS = 8
 # --rounds 2 --quantization fp8; same experts both ways, the two rounds within 0.3%), ms, 0 -> 1: batch 128 (4.5 rows
 # an expert) 11.59 -> 13.05, 256 (9.0) 18.48 -> 19.80 (the 16-row tiles win there), 512 (17.9) 33.58 -> 33.51, 768
 # (26.9, where 0 runs the 64-row tiles) 48.28 -> 47.22 (-2.2%).  So by default e4m3 stacks take 32-row tiles where
-# they took 64-row ones (18 to 48 rows an expert).  bf16 not measured (its batch-512 replay did not fit beside the
-# bf16 weights; the switch's "1").
+# they took 64-row ones (18 to 48 rows an expert).  bf16 not measured yet (the run stopped at its first batch-512
+# replay, before any 32-row one; the switch's "1").
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 
 
