@@ -200,10 +200,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         moe = MoEConfig(
             num_experts=num_experts,
             top_k=top_k,
-            num_shared_experts=f.get("num_shared_experts", int, 0),
+            num_shared_experts=f.get("num_shared_experts", int, 0, nonnegative=True),
             intermediate_size=f.get("moe_intermediate_size", int, positive=True),
             renormalize=f.get("moe_renormalize", bool, True),
-            routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
+            routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0, positive=True),
             num_expert_group=groups,
             topk_group=topk_group,
         )
