@@ -67,15 +67,16 @@ def _offline_batched_tokens(backend: str) -> int:
 
 
 def _has_tokenizer(model_dir: str) -> bool:
-    return os.path.exists(os.path.join(model_dir, "tiktoken.model"))
+    # lexists: a link to a missing file (a hub cache's pruned blob) is named when read, not taken for no tokenizer
+    return os.path.lexists(os.path.join(model_dir, "tiktoken.model"))
 
 
 def _generation_config(model_dir: str) -> tuple[dict[str, Any], str]:
     """(generation_config.json as a dict ({} when absent), its path)."""
     path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # (a link to a missing file is an error, not "no generation_config.json")
         return {}, path
-    return read_json(path), path
+    return read_json(path, missing="a link to a missing file"), path
 
 
 def _generation_eos(data: dict[str, Any], path: str, vocab_size: int) -> list[int]:

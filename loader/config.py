@@ -31,6 +31,9 @@ from .jsonfile import read_json
 __all__ = ["ConfigError", "KDAConfig", "MLAConfig", "MoEConfig", "ModelConfig", "load_config", "parse_config"]
 
 SUPPORTED_MODEL_TYPES = ("kimi_linear",)
+# routed expert MLPs over all MoE layers (3 tensors each): Kimi Linear has 256 x 26, Kimi K2 384 x 60; past this the
+# schema alone (expected_tensors) takes seconds and GBs (4096 x 1024 layers: 45 s, 4.4 GB) before any tensor is checked
+MAX_ROUTED_EXPERTS = 1 << 16
 
 @dataclass(frozen=True)
 class KDAConfig:
@@ -189,6 +192,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         top_k = f.get("num_experts_per_token", int, positive=True)
         groups = f.get("num_expert_group", int, 1, positive=True)
         topk_group = f.get("topk_group", int, 1, positive=True)
+        moe_layers = mlp_types.count(MOE)
+        if num_experts * moe_layers > MAX_ROUTED_EXPERTS:
+            raise ConfigError(f"{source}: field 'num_experts'={num_experts} over {moe_layers} MoE layers is "
+                              f"{num_experts * moe_layers} expert MLPs, over the {MAX_ROUTED_EXPERTS} kda_rt loads")
         if top_k > num_experts:
             raise ConfigError(f"{source}: field 'num_experts_per_token'={top_k} exceeds 'num_experts'={num_experts}")
         if num_experts % groups:
@@ -200,10 +207,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         moe = MoEConfig(
             num_experts=num_experts,
             top_k=top_k,
-            num_shared_experts=f.get("num_shared_experts", int, 0),
+            num_shared_experts=f.get("num_shared_experts", int, 0, nonnegative=True),
             intermediate_size=f.get("moe_intermediate_size", int, positive=True),
             renormalize=f.get("moe_renormalize", bool, True),
-            routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
+            routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0, positive=True),
             num_expert_group=groups,
             topk_group=topk_group,
         )

@@ -48,7 +48,8 @@ class Fields:
     def has(self, name: str) -> bool:
         return any(self.raw.get(n) is not None for n in (name, *_ALIASES.get(name, ())))
 
-    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ..., *, positive: bool = False) -> Any:
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ..., *, positive: bool = False,
+            nonnegative: bool = False) -> Any:
         found = [(n, self.raw[n]) for n in (name, *_ALIASES.get(name, ())) if self.raw.get(n) is not None]
         if not found:
             if default is ...:
@@ -71,6 +72,8 @@ class Fields:
             check_int_bound(self.source, key, value, _INT_LIMITS.get(name, MAX_INT_FIELD))
         if positive and not value > 0:
             raise ConfigError(f"{self.source}: field '{key}' must be positive, got {short(value)}")
+        if nonnegative and not value >= 0:
+            raise ConfigError(f"{self.source}: field '{key}' must be non-negative, got {short(value)}")
         return value
 
 
@@ -154,7 +157,7 @@ def mlp_schedule(f: Fields, num_layers: int) -> tuple[str, ...]:
     """Per layer DENSE or MOE, from `first_k_dense_replace` / `moe_layer_freq` and / or `mlp_layer_types`."""
     from_rule = None
     if f.raw.get("first_k_dense_replace") is not None or f.raw.get("moe_layer_freq") is not None:
-        k = f.get("first_k_dense_replace", int, 0)
+        k = f.get("first_k_dense_replace", int, 0, nonnegative=True)
         freq = f.get("moe_layer_freq", int, 1, positive=True)
         # layers >= first_k_dense_replace are MoE; a config without 'num_experts' is then refused below
         from_rule = tuple(MOE if i >= k and i % freq == 0 else DENSE for i in range(num_layers))

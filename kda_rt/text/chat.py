@@ -4,6 +4,7 @@ that renders it, and validation of chat messages (spec §7.5)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,6 +49,8 @@ def template_source(model_dir: Path, config: Mapping[str, Any], where: str,
             return override, "the given chat_template"
     else:
         jinja_path = model_dir / "chat_template.jinja"
+        if os.path.lexists(jinja_path) and not jinja_path.is_file():  # (was: the config's template, silently)
+            raise TokenizerError(f"{jinja_path}: not a readable file (a directory, or a link to a missing file)")
     if jinja_path.is_file():
         try:
             return jinja_path.read_text(encoding="utf-8"), str(jinja_path)

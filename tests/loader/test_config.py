@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -87,6 +88,25 @@ def test_bad_config_names_the_field(mutate, field):
     raw = copy.deepcopy(HUB)
     mutate(raw)
     with pytest.raises(ConfigError, match=field):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("num_shared_experts", -1, "field 'num_shared_experts' must be non-negative, got -1"),
+    ("n_shared_experts", -2, "field 'n_shared_experts' must be non-negative, got -2"),
+    ("first_k_dense_replace", -1, "field 'first_k_dense_replace' must be non-negative, got -1"),
+    ("routed_scaling_factor", 0, "field 'routed_scaling_factor' must be positive, got 0.0"),
+    ("routed_scaling_factor", -2.446, "field 'routed_scaling_factor' must be positive, got -2.446"),
+])
+def test_negative_counts_and_scales_name_the_field(field, value, needle):
+    """Was: accepted.  num_shared_experts -1 reached the weight schema (the shared expert's tensors then refused as
+    'the config implies [-1024, 2304]'), first_k_dense_replace -1 meant 0, and a routed_scaling_factor of 0 or below
+    loaded and ran, silently zeroing or negating every routed expert's output."""
+    raw = copy.deepcopy(HUB)
+    if field == "n_shared_experts":
+        raw.pop("num_shared_experts")
+    raw[field] = value
+    with pytest.raises(ConfigError, match=re.escape(needle)):
         parse_config(raw)
 
 

@@ -4,6 +4,7 @@ config sizes that would take long or exhaust memory are refused before anything 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 
@@ -65,3 +66,40 @@ def test_huge_sizes_refused_at_once(demo_copy, field, value):
     with pytest.raises(ConfigError, match=f"config.json: field '{field}'"):
         LLM(str(demo_copy), backend="numpy")
     assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize(("name", "needle"), [
+    ("tiktoken.model", "tiktoken.model: cannot read rank file (No such file or directory)"),
+    ("generation_config.json", "generation_config.json: a link to a missing file"),
+    ("chat_template.jinja", "chat_template.jinja: not a readable file (a directory, or a link to a missing file)"),
+])
+def test_dangling_links_are_named(demo_copy, name, needle):
+    """A file of the directory that is a link to a missing file (a hub cache snapshot whose blob is gone) is an error
+    naming it (was: taken for absent, silently: no tokenizer, no generation_config.json's EOS ids and sampling
+    defaults, the config's or the built-in chat template)."""
+    path = demo_copy / name
+    path.unlink(missing_ok=True)
+    path.symlink_to(demo_copy / "blobs" / name)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        LLM(str(demo_copy), backend="numpy")
+
+
+def test_chat_template_directory_is_named(demo_copy):
+    (demo_copy / "chat_template.jinja").mkdir()
+    with pytest.raises(ValueError, match=r"chat_template.jinja: not a readable file \(a directory"):
+        LLM(str(demo_copy), backend="numpy")
+
+
+def test_many_experts_over_many_layers_refused_at_once(demo_copy):
+    """Each size within its own bound, together 4096 experts x 1023 MoE layers (4.2M expert MLPs) (was: 45 s and
+    4.4 GB building the weight schema before the checkpoint's first tensor was compared)."""
+    cfg = json.loads((demo_copy / "config.json").read_text())
+    cfg.update(num_hidden_layers=1024, num_experts=4096)
+    cfg["linear_attn_config"].update(kda_layers=list(range(1, 1025)), full_attn_layers=[])
+    (demo_copy / "config.json").write_text(json.dumps(cfg))
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="config.json: field 'num_experts'=4096 over 1023 MoE layers is 4190208 "
+                                          "expert MLPs, over the 65536"):
+        LLM(str(demo_copy), backend="numpy")
+    assert time.monotonic() - start < 2.0
+
