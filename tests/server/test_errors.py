@@ -71,6 +71,17 @@ def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 
 
+def test_null_max_tokens_fills_the_context(server):
+    """A completion's `"max_tokens": null` generates up to the context, as vLLM's (was: the default 16, and a prompt of
+    max_model_len - 4 tokens a 400 naming a max_tokens (16) the client never sent)."""
+    prompt = list(range(40, 40 + MAX_MODEL_LEN - 4))
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = _post(server, "/v1/completions", {"prompt": "ab", "ignore_eos": True})  # left out: still OpenAI's 16
+    assert r.json()["usage"]["completion_tokens"] == 16, r.text
+
+
 def test_invalid_chat_is_400(server):
     _envelope(_post(server, "/v1/chat/completions", {"messages": []}), 400)
     _envelope(_post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}), 400)
