@@ -82,6 +82,18 @@ def test_null_max_tokens_fills_the_context(server):
     assert r.json()["usage"]["completion_tokens"] == 16, r.text
 
 
+def test_min_tokens_past_the_room_is_400(server):
+    """min_tokens over the room the prompt leaves, with max_tokens left out, is a 400 naming both, as vLLM's (was: a
+    200 that stopped at the context with fewer tokens than min_tokens asked for)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 900}
+    msg = _envelope(_post(server, "/v1/chat/completions", chat), 400)
+    assert "min_tokens (900)" in msg and str(MAX_MODEL_LEN) in msg
+    msg = _envelope(_post(server, "/v1/completions", {"prompt": [7] * 200, "max_tokens": None, "min_tokens": 57}), 400)
+    assert "min_tokens (57)" in msg and "max_tokens (56" in msg
+    r = _post(server, "/v1/completions", {"prompt": [7] * 200, "max_tokens": None, "min_tokens": 56})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 56, r.text
+
+
 def test_invalid_chat_is_400(server):
     _envelope(_post(server, "/v1/chat/completions", {"messages": []}), 400)
     _envelope(_post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}), 400)
