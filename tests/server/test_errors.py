@@ -205,12 +205,14 @@ def test_vllm_command_line_and_model_names(tmp_path):
     ({"name": "f", "parameters": 5}, "parameters must be a JSON schema object"),
     ({"name": "f", "parameters": [["type", "string"]]}, "parameters must be a JSON schema object"),
     ({"name": ""}, "non-empty name"),
+    ({"name": "List<int>"}, "must not contain '<'"),
 ])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}, "none"])
 def test_bad_tool_definitions_are_400(server, fn, needle, choice):
     """A tool whose parameters are not a schema object, or whose name is empty, is a 400 naming the field with any
     tool_choice (was: a 500 from the grammar builder under required / a named function, and a list of pairs
-    silently read as a schema); a duplicate name too."""
+    silently read as a schema); a duplicate name too.  A name with '<' cannot end a call header (was: every call to
+    it, forced ones included, dropped: content null and tool_calls [])."""
     body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "tools": [{"type": "function",
                                                                                            "function": fn}]}
     assert needle in _envelope(_post(server, "/v1/chat/completions", {**body, "tool_choice": choice}), 400)
