@@ -165,6 +165,9 @@ class LLMEngine:
                 f"This model's maximum context length is {limit} tokens: prompt ({len(ids)} tokens) + max_tokens "
                 f"({max_tokens}) = {len(ids) + max_tokens} exceeds max_model_len {limit}"
             )
+        if params.min_tokens > max_tokens:  # (max_tokens left out or a capped default: the room, as vLLM checks it)
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({max_tokens}: the room the "
+                             f"prompt's {len(ids)} tokens leave in max_model_len {limit})")
         self.scheduler.check_fits(len(ids) + max_tokens - 1)
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:

@@ -127,11 +127,12 @@ class DetokenizeRequest(msgspec.Struct):
 def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[str]]:
     """(request, names of the fields it ignores): unknown top-level fields and unknown
     `stream_options` fields (as `stream_options.NAME`).  A top-level null is the field's default, as vLLM's Optional
-    fields take it (clients send `"n": null`, `"stream": null`)."""
+    fields take it (clients send `"n": null`, `"stream": null`), except where None means something else: a
+    completion's `"max_tokens": null` is as many tokens as fit in the context (vLLM's), not the default 16."""
     try:
         raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
         if any(bytes(v) == b"null" for v in raw.values()):
-            body = msgspec.json.encode({k: v for k, v in raw.items() if bytes(v) != b"null"})
+            body = msgspec.json.encode({k: v for k, v in raw.items() if bytes(v) != b"null" or k in _NULL_KEPT})
         req = msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
@@ -145,6 +146,9 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
         inner = msgspec.json.decode(raw["stream_options"], type=dict[str, msgspec.Raw])
         ignored += sorted(f"stream_options.{k}" for k in set(inner) - set(StreamOptions.__struct_fields__))
     return req, ignored
+
+
+_NULL_KEPT = frozenset({"max_tokens"})  # fields whose null is None, not the default (decode_body)
 
 
 def invocation_kind(body: bytes) -> bool:

@@ -50,6 +50,9 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] |
             raise InvalidRequest(f"tools[{k}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
         if not fn["name"] or fn["name"] in names:
             raise InvalidRequest(f"tools[{k}].function.name must be a non-empty name of its own, got {fn['name']!r}")
+        if "<" in fn["name"]:  # a call header `functions.NAME:IDX` ends at '<': no call to it could be parsed back
+            raise InvalidRequest(f"tools[{k}].function.name must not contain '<' (the kimi_k2 tool-call format "
+                                 f"cannot carry it), got {fn['name']!r:.100}")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise InvalidRequest(f"tools[{k}].function.parameters must be a JSON schema object, got "
                                  f"{type(fn['parameters']).__name__}")

@@ -71,6 +71,29 @@ def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 
 
+def test_null_max_tokens_fills_the_context(server):
+    """A completion's `"max_tokens": null` generates up to the context, as vLLM's (was: the default 16, and a prompt of
+    max_model_len - 4 tokens a 400 naming a max_tokens (16) the client never sent)."""
+    prompt = list(range(40, 40 + MAX_MODEL_LEN - 4))
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = _post(server, "/v1/completions", {"prompt": "ab", "ignore_eos": True})  # left out: still OpenAI's 16
+    assert r.json()["usage"]["completion_tokens"] == 16, r.text
+
+
+def test_min_tokens_past_the_room_is_400(server):
+    """min_tokens over the room the prompt leaves, with max_tokens left out, is a 400 naming both, as vLLM's (was: a
+    200 that stopped at the context with fewer tokens than min_tokens asked for)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 900}
+    msg = _envelope(_post(server, "/v1/chat/completions", chat), 400)
+    assert "min_tokens (900)" in msg and str(MAX_MODEL_LEN) in msg
+    msg = _envelope(_post(server, "/v1/completions", {"prompt": [7] * 200, "max_tokens": None, "min_tokens": 57}), 400)
+    assert "min_tokens (57)" in msg and "max_tokens (56" in msg
+    r = _post(server, "/v1/completions", {"prompt": [7] * 200, "max_tokens": None, "min_tokens": 56})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 56, r.text
+
+
 def test_invalid_chat_is_400(server):
     _envelope(_post(server, "/v1/chat/completions", {"messages": []}), 400)
     _envelope(_post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}), 400)
@@ -182,12 +205,14 @@ def test_vllm_command_line_and_model_names(tmp_path):
     ({"name": "f", "parameters": 5}, "parameters must be a JSON schema object"),
     ({"name": "f", "parameters": [["type", "string"]]}, "parameters must be a JSON schema object"),
     ({"name": ""}, "non-empty name"),
+    ({"name": "List<int>"}, "must not contain '<'"),
 ])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}, "none"])
 def test_bad_tool_definitions_are_400(server, fn, needle, choice):
     """A tool whose parameters are not a schema object, or whose name is empty, is a 400 naming the field with any
     tool_choice (was: a 500 from the grammar builder under required / a named function, and a list of pairs
-    silently read as a schema); a duplicate name too."""
+    silently read as a schema); a duplicate name too.  A name with '<' cannot end a call header (was: every call to
+    it, forced ones included, dropped: content null and tool_calls [])."""
     body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "tools": [{"type": "function",
                                                                                            "function": fn}]}
     assert needle in _envelope(_post(server, "/v1/chat/completions", {**body, "tool_choice": choice}), 400)
