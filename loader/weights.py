@@ -57,12 +57,27 @@ A_LOG_MAX = 30.0
 # reading files
 
 
+def _not_a_file(path: str) -> str | None:
+    """What keeps `path` from being read as a regular file (a link to one is fine), or None."""
+    if os.path.isfile(path):
+        return None
+    if os.path.islink(path) and not os.path.exists(path):
+        return "a broken link (to a missing file)"
+    if os.path.isdir(path):
+        return "a directory, not a file"
+    return "not a regular file" if os.path.lexists(path) else "missing"
+
+
 def _read_files(model_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors of the directory under their stored names, and name -> file it came from."""
     index_path = os.path.join(model_dir, INDEX_FILE)
     single_path = os.path.join(model_dir, SINGLE_FILE)
     tensors: dict[str, np.ndarray] = {}
     source: dict[str, str] = {}
+    for path in (index_path, single_path):
+        problem = _not_a_file(path)
+        if problem not in (None, "missing"):
+            raise CheckpointError(f"{path}: {problem}")
     if not os.path.exists(index_path):
         if not os.path.isfile(single_path):
             raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
@@ -79,8 +94,9 @@ def _read_files(model_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         by_file.setdefault(fname, []).append(name)
     for fname, names in by_file.items():
         path = os.path.join(model_dir, fname)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} (e.g. for tensor '{names[0]}') is missing")
+        problem = _not_a_file(path)
+        if problem is not None:
+            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} (e.g. for tensor '{names[0]}') is {problem}")
         shard = read_safetensors(path)
         for name in names:
             if name not in shard:

@@ -4,6 +4,7 @@ index errors, missing/unexpected/mis-shaped/mis-typed tensors, and the transform
 from __future__ import annotations
 
 import json
+import os
 
 import ml_dtypes
 import numpy as np
@@ -142,6 +143,26 @@ def test_empty_directory(tmp_path):
     _check_error(tmp_path, parse_config(tiny_config()), str(tmp_path), SINGLE_FILE)
 
 
+def _spoil(path, how):
+    """Replace `path` with a broken link, a directory or a FIFO."""
+    path.unlink(missing_ok=True)
+    {"link": lambda: path.symlink_to(path.parent / "blobs" / path.name), "dir": path.mkdir,
+     "fifo": lambda: os.mkfifo(path)}[how]()
+
+
+_SPOILED = {"link": "a broken link (to a missing file)", "dir": "a directory, not a file", "fifo": "not a regular file"}
+
+
+@pytest.mark.parametrize("how", list(_SPOILED))
+@pytest.mark.parametrize("name", [SINGLE_FILE, INDEX_FILE])
+def test_checkpoint_file_not_a_file_is_named(tmp_path, name, how):
+    """model.safetensors or the index that is a broken link, a directory or not a regular file is named, with what is
+    wrong with it (was: "neither model.safetensors nor model.safetensors.index.json found")."""
+    d, cfg = _single(tmp_path) if name == SINGLE_FILE else _sharded(tmp_path)[:2]
+    _spoil(d / name, how)
+    _check_error(d, cfg, f"{d / name}: {_SPOILED[how]}")
+
+
 # ---------------------------------------------------------------------------------------------
 # sharded directories
 
@@ -169,6 +190,14 @@ def test_index_shard_missing(tmp_path):
     d, cfg, _ = _sharded(tmp_path)
     (d / "model-00002-of-00003.safetensors").unlink()
     _check_error(d, cfg, "model-00002-of-00003.safetensors", "missing")
+
+
+@pytest.mark.parametrize("how", list(_SPOILED))
+def test_index_shard_not_a_file_is_named(tmp_path, how):
+    """(was: a shard that is a directory or a FIFO reported as "missing")"""
+    d, cfg, _ = _sharded(tmp_path)
+    _spoil(d / "model-00002-of-00003.safetensors", how)
+    _check_error(d, cfg, "model-00002-of-00003.safetensors", f"is {_SPOILED[how]}")
 
 
 def test_index_names_wrong_file(tmp_path):
