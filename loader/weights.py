@@ -1,7 +1,7 @@
 """The checked loader of a Kimi Linear safetensors directory.
 
 `load_checkpoint` reads a single `model.safetensors` or the shards named by
-`model.safetensors.index.json`, maps the one spelling transformers' `save_pretrained` writes
+`model.safetensors.index.json` (with both there, `model.safetensors`, as transformers does, and a warning), maps the one spelling transformers' `save_pretrained` writes
 differently (the dense layer-0 MLP under `block_sparse_moe.` instead of `mlp.`) back to hub names,
 and checks every tensor against `expected_tensors(config)` (the weight schema, `loader/schema.py`,
 the one place checkpoint names are spelled), rejecting missing, unexpected, mis-shaped or
@@ -74,15 +74,18 @@ def _read_files(model_dir: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     single_path = os.path.join(model_dir, SINGLE_FILE)
     tensors: dict[str, np.ndarray] = {}
     source: dict[str, str] = {}
-    for path in (index_path, single_path):
+    for path in (single_path, index_path):
         problem = _not_a_file(path)
         if problem not in (None, "missing"):
             raise CheckpointError(f"{path}: {problem}")
-    if not os.path.exists(index_path):
-        if not os.path.isfile(single_path):
-            raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    if os.path.isfile(single_path):  # read first when both are there, as transformers' from_pretrained does
+        if os.path.exists(index_path):
+            logger.warning("%s: ignored, and the shards it names: %s is read instead (as transformers does)",
+                           index_path, single_path)
         tensors = read_safetensors(single_path)
         return tensors, dict.fromkeys(tensors, single_path)
+    if not os.path.exists(index_path):
+        raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     index = read_json(index_path, CheckpointError, want_object=False)  # a non-object: no 'weight_map', named below
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -192,6 +192,18 @@ def test_index_shard_missing(tmp_path):
     _check_error(d, cfg, "model-00002-of-00003.safetensors", "missing")
 
 
+def test_single_file_wins_over_the_index_with_a_warning(tmp_path, caplog):
+    """With both model.safetensors and the index, model.safetensors is read, as transformers' from_pretrained does,
+    and the index is named in a warning (was: the index, silently)."""
+    d, cfg, _ = _sharded(tmp_path / "sharded")
+    single, _ = _single(tmp_path / "single", lambda t: t.update({"model.norm.weight": np.full_like(t["model.norm.weight"], 3)}))
+    (d / SINGLE_FILE).write_bytes((single / SINGLE_FILE).read_bytes())
+    with caplog.at_level("WARNING"):
+        got = load_checkpoint(d, cfg, progress=False)
+    assert np.all(got["model.norm.weight"] == 3)
+    assert f"{d / INDEX_FILE}: ignored" in caplog.text and str(d / SINGLE_FILE) in caplog.text
+
+
 @pytest.mark.parametrize("how", list(_SPOILED))
 def test_index_shard_not_a_file_is_named(tmp_path, how):
     """(was: a shard that is a directory or a FIFO reported as "missing")"""
