@@ -34,6 +34,8 @@ SUPPORTED_MODEL_TYPES = ("kimi_linear",)
 # routed expert MLPs over all MoE layers (3 tensors each): Kimi Linear has 256 x 26, Kimi K2 384 x 60; past this the
 # schema alone (expected_tensors) takes seconds and GBs (4096 x 1024 layers: 45 s, 4.4 GB) before any tensor is checked
 MAX_ROUTED_EXPERTS = 1 << 16
+# config.json 'dtype' ('torch_dtype' in older configs): the storage types of the weights kda_rt loads
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class KDAConfig:
@@ -223,6 +225,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     bad = next((i for i in eos_ids if not 0 <= i < vocab_size), None)
     if bad is not None:  # generation could never stop on it
         raise ConfigError(f"{source}: field 'eos_token_id' holds {bad}, outside the vocabulary [0, {vocab_size})")
+    dtype_key = "dtype" if f.has("dtype") else "torch_dtype"
+    dtype = f.get(dtype_key, str, "bfloat16")
+    if dtype not in CONFIG_DTYPES:
+        raise ConfigError(f"{source}: field '{dtype_key}' must be one of {', '.join(CONFIG_DTYPES)}, got {short(dtype)}")
     eps = f.get("rms_norm_eps", float, positive=True)
     if eps > 1.0:  # (1e300 loaded and zeroed every norm's output: greedy decoding gave token 0 forever)
         raise ConfigError(f"{source}: field 'rms_norm_eps' is {eps!r}: a variance epsilon (1e-5 or 1e-6 in Kimi Linear) "
@@ -243,7 +249,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         pad_token_id=f.get("pad_token_id", int, None),
         max_model_len=f.get("model_max_length", int, 1048576, positive=True),
-        dtype=f.get("dtype", str, None) or f.get("torch_dtype", str, "bfloat16"),
+        dtype=dtype,
     )
 
 

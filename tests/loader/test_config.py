@@ -110,6 +110,16 @@ def test_negative_counts_and_scales_name_the_field(field, value, needle):
         parse_config(raw)
 
 
+@pytest.mark.parametrize("field", ["dtype", "torch_dtype"])
+def test_dtype_must_be_a_known_one(field):
+    """Was: any string accepted ("float8" was then taken for float32 by the memory estimates)."""
+    for value in ("bfloat16", "float16", "float32"):
+        assert parse_config({**HUB, field: value}).dtype == value
+    with pytest.raises(ConfigError, match=re.escape(f"field '{field}' must be one of bfloat16, float16, float32, "
+                                                    "got 'float8'")):
+        parse_config({**HUB, field: "float8"})
+
+
 def test_unknown_model_type_refused():
     with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
         parse_config({**HUB, "model_type": "llama"})
