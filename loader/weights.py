@@ -1,12 +1,12 @@
 """The checked loader of a Kimi Linear safetensors directory.
 
-`load_checkpoint` reads a single `model.safetensors` or the shards named by
-`model.safetensors.index.json` (with both there, `model.safetensors`, as transformers does, and a
-warning), maps the one spelling transformers' `save_pretrained` writes differently (the dense
-layer-0 MLP under `block_sparse_moe.` instead of `mlp.`) back to hub names, and checks every tensor against `expected_tensors(config)` (the weight schema, `loader/schema.py`,
-the one place checkpoint names are spelled), rejecting missing, unexpected, mis-shaped or
-mis-typed tensors, and non-finite small tensors or routers (or an A_log past A_LOG_MAX), with a `CheckpointError`
-naming the file and the tensor.
+`load_checkpoint` reads a single `model.safetensors` or the shards named by `model.safetensors.index.json`
+(with both there, `model.safetensors`, as transformers does, and a warning), maps the one spelling
+transformers' `save_pretrained` writes differently (the dense layer-0 MLP under `block_sparse_moe.` instead of
+`mlp.`) back to hub names, and checks every tensor against `expected_tensors(config)` (the weight schema,
+`loader/schema.py`, the one place checkpoint names are spelled), rejecting missing, unexpected, mis-shaped or
+mis-typed tensors, and non-finite small tensors or routers (or an A_log past A_LOG_MAX), with a
+`CheckpointError` naming the file and the tensor.
 """
 
 from __future__ import annotations
