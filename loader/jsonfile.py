@@ -15,6 +15,8 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError,
     """The parsed JSON of `path`; `error` otherwise, its message starting with `label` (default: the path).
     `missing` ends the message of a file that does not exist; want_object: the top level must be an object."""
     where = label if label is not None else os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):  # (a FIFO would block the open)
+        raise error(f"{where}: not a regular file")
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()

@@ -3,6 +3,8 @@ the file (or the caller's label) and the cause."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kda_rt.loader.jsonfile import read_json
@@ -41,3 +43,13 @@ def test_label_directory_and_non_objects(tmp_path):
         read_json(path, label="--config 'c.json'")
     with pytest.raises(ValueError, match=r": cannot read \(Is a directory\)$"):
         read_json(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this OS")
+def test_fifo_is_refused_not_read(tmp_path):
+    """A named pipe in place of config.json (or any JSON file) is refused at once: opening it for reading would block
+    until a writer came."""
+    path = tmp_path / "config.json"
+    os.mkfifo(path)
+    with pytest.raises(NamedError, match=r"config\.json: not a regular file$"):
+        read_json(path, NamedError)
