@@ -35,8 +35,10 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = True  # (vLLM: present stream_options send usage unless told not to)
-    continuous_usage_stats: bool = False  # usage in every chunk (vLLM)
+    """null is accepted and reads as false, as vLLM's Optional[bool] fields (`include_usage: null`: no usage)."""
+
+    include_usage: bool | None = True  # (vLLM: present stream_options send usage unless told not to)
+    continuous_usage_stats: bool | None = False  # usage in every chunk (vLLM)
 
 
 class _Sampling(msgspec.Struct):
