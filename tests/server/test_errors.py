@@ -221,6 +221,18 @@ def test_bad_tool_definitions_are_400(server, fn, needle, choice):
     assert _post(server, "/v1/chat/completions", {"messages": body["messages"], "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_bad_tool_schema_names_the_tool(server, choice):
+    """A tool's `parameters` schema that does not compile is a 400 naming its index and function (was:
+    `tools[].function.parameters`, which of them not said)."""
+    pytest.importorskip("llguidance")
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("ok", {"type": "object"}), ("bad", {"type": "foo"}))]
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "tools": tools, "tool_choice": choice}
+    msg = _envelope(_post(server, "/v1/chat/completions", body), 400)
+    assert msg.startswith("tools[1].function.parameters (function 'bad') is invalid"), msg
+
+
 def test_operational_flags(tmp_path, monkeypatch):
     """--disable-log-stats silences the periodic throughput line (here due every 0.05 s; test_scoring's log test sees
     it without the flag), --uvicorn-log-level warning drops uvicorn's INFO start line (which that test sees at
