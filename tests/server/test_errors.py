@@ -71,6 +71,18 @@ def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 
 
+def test_lone_surrogate_escape_is_named(server):
+    """A high-surrogate escape with no low one after it is a 400 saying so (was: msgspec's "Input data was
+    truncated" or "unexpected end of hex escape"); an escaped backslash before `ud800` is text, and a truncated body
+    still says truncated."""
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/invocations"):
+        for body in (rb'{"prompt": "a\ud800b", "messages": []}', rb'{"messages": [], "prompt": "a\uD83D"}'):
+            msg = _envelope(_post(server, path, content=body), 400)
+            assert "invalid unicode escape \\u" in msg and "(a lone surrogate" in msg, (path, body, msg)
+    assert _post(server, "/v1/completions", {"prompt": "a\\ud800", "max_tokens": 1}).status_code == 200
+    assert "truncated" in _envelope(_post(server, "/v1/completions", content=rb'{"prompt": "a\\ud800'), 400)
+
+
 def test_null_max_tokens_fills_the_context(server):
     """A completion's `"max_tokens": null` generates up to the context, as vLLM's (was: the default 16, and a prompt of
     max_model_len - 4 tokens a 400 naming a max_tokens (16) the client never sent)."""
