@@ -61,11 +61,14 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar"),
     ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"xml": "a"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json_object": 1}}, "structured_outputs.json_object must be a bool"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "json_object": 0}}, "structured_outputs.json_object"),
     ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format, guided_regex"),
 ], ids=["type", "range", "n", "max_tokens", "seed", "known-field-bad-value", "nested-bad-value", "mixed-prompt",
         "token-id", "empty", "empty-in-batch", "logit-bias-range", "logit-bias-key", "logit-bias-vocab",
         "logit-bias-count", "response-format-type", "response-format-no-type", "json-schema-invalid",
         "json-schema-missing", "guided-regex", "guided-choice-empty", "grammar-invalid", "two-kinds", "unknown-kind",
+        "json-object-int", "json-object-zero",
         "two-sources"])
 def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
