@@ -49,6 +49,7 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [5, 99999]}, "stop_token_ids holds 99999, outside the vocabulary [0, "),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
     ({"prompt": "x", "response_format": {"json_schema": {"schema": {}}}}, "response_format.type is required"),
     ({"prompt": "x", "response_format": {"type": "json_schema",
@@ -66,10 +67,9 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format, guided_regex"),
 ], ids=["type", "range", "n", "max_tokens", "seed", "known-field-bad-value", "nested-bad-value", "mixed-prompt",
         "token-id", "empty", "empty-in-batch", "logit-bias-range", "logit-bias-key", "logit-bias-vocab",
-        "logit-bias-count", "response-format-type", "response-format-no-type", "json-schema-invalid",
-        "json-schema-missing", "guided-regex", "guided-choice-empty", "grammar-invalid", "two-kinds", "unknown-kind",
-        "json-object-int", "json-object-zero",
-        "two-sources"])
+        "logit-bias-count", "stop-token-id-vocab", "response-format-type", "response-format-no-type",
+        "json-schema-invalid", "json-schema-missing", "guided-regex", "guided-choice-empty", "grammar-invalid",
+        "two-kinds", "unknown-kind", "json-object-int", "json-object-zero", "two-sources"])
 def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
 
