@@ -76,6 +76,8 @@ class StructuredOutputsParams:
         self.validate()
 
     def validate(self) -> None:
+        if self.json_object is not None and not isinstance(self.json_object, bool):  # (1 == True: was accepted)
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
@@ -94,8 +96,6 @@ class StructuredOutputsParams:
         if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
                                             and all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
-        if self.json_object not in (None, True, False):
-            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")

@@ -180,6 +180,8 @@ class LLMEngine:
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids holds {max(params.allowed_token_ids)}, outside the vocabulary "
                              f"[0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:  # (never sampled: vLLM refuses them too)
+            raise ValueError(f"stop_token_ids holds {max(params.stop_token_ids)}, outside the vocabulary [0, {vocab})")
         grammars = (self.structured().states(params.structured_outputs, params.n)
                     if params.structured_outputs is not None else [None] * params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)

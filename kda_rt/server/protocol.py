@@ -15,6 +15,7 @@ Output constraints (those and response_format json_object / json_schema) become 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -35,8 +36,10 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = True  # (vLLM: present stream_options send usage unless told not to)
-    continuous_usage_stats: bool = False  # usage in every chunk (vLLM)
+    """null is accepted and reads as false, as vLLM's Optional[bool] fields (`include_usage: null`: no usage)."""
+
+    include_usage: bool | None = True  # (vLLM: present stream_options send usage unless told not to)
+    continuous_usage_stats: bool | None = False  # usage in every chunk (vLLM)
 
 
 class _Sampling(msgspec.Struct):
@@ -137,7 +140,7 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        raise _not_json(body, exc) from None
     ignored = sorted(set(raw) - set(schema.__struct_fields__))
     for name in ignored:  # fields that would change the output: refused rather than passed over
         if name in _UNSUPPORTED and msgspec.json.decode(raw[name]) not in _UNSUPPORTED[name][0]:
@@ -149,6 +152,24 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
 
 
 _NULL_KEPT = frozenset({"max_tokens"})  # fields whose null is None, not the default (decode_body)
+# a high-surrogate escape (after an even run of backslashes) with no `\u` escape after it
+_LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u)")
+
+
+def _not_json(body: bytes, exc: msgspec.DecodeError) -> InvalidRequest:
+    """The 400 of a body msgspec cannot decode.  msgspec reports a lone high surrogate (`"\\ud800"`) as whatever it
+    finds where the low one should be ("Input data was truncated", "unexpected end of hex escape"): when the body
+    decodes with each one replaced by `\\ufffd` (as long), the 400 names the first one instead."""
+    found = _LONE_SURROGATE.search(body)
+    if found:
+        try:
+            msgspec.json.decode(_LONE_SURROGATE.sub(lambda m: m[0][:-6] + rb"\ufffd", body))
+        except msgspec.DecodeError:
+            pass
+        else:
+            return InvalidRequest(f"request body is not valid JSON: invalid unicode escape {found[1].decode()} (a lone "
+                                  "surrogate: a high surrogate must be followed by a low one, \\udc00-\\udfff)")
+    return InvalidRequest(f"request body is not valid JSON: {exc}")
 
 
 def invocation_kind(body: bytes) -> bool:
@@ -159,7 +180,7 @@ def invocation_kind(body: bytes) -> bool:
     except msgspec.ValidationError:
         raise InvalidRequest("invalid request body: expected a JSON object") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        raise _not_json(body, exc) from None
     if "messages" in raw:
         return True
     if "prompt" in raw:

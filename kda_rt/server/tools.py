@@ -99,5 +99,22 @@ def forced_calls_spec(tools: list[dict[str, Any]], mode: dict[str, Any]) -> dict
                 logger.warning("tool_choice required / named: llguidance is not installed, so the call's "
                                "arguments are not constrained to the schema (%s)", exc)
             return None
-        raise InvalidRequest(str(exc)) from None
+        raise InvalidRequest(_bad_parameters(tools, mode) or str(exc)) from None
     return spec.to_dict()
+
+
+def _bad_parameters(tools: list[dict[str, Any]], mode: dict[str, Any]) -> str | None:
+    """The error of the first forced tool whose `parameters` schema does not compile alone, naming its index and
+    function (the grammar of all the tools names neither)."""
+    from kda_rt.engine.structured import grammar_of
+
+    for k, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if mode.get("forced_name") not in (None, name):
+            continue
+        try:
+            grammar_of(StructuredOutputsParams(grammar=tool_call_grammar([tool], {"forced_name": name})),
+                       f"tools[{k}].function.parameters (function {name!r:.100})")
+        except ValueError as exc:
+            return str(exc)
+    return None

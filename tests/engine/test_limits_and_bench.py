@@ -44,6 +44,8 @@ def test_bad_requests_leave_others_running(llm):
         ({"prompt_token_ids": [5, 6.0]}, greedy(1), r"item 1 is 6.0 \(float\)"),
         ({"prompt_token_ids": [[5, 6]]}, greedy(1), r"item 0 is \[5, 6\] \(list\)"),  # (was: "id [5, 6] is outside")
         ({"prompt_token_ids": [5, -3, 7]}, greedy(1), r"id -3 is outside"),
+        ({"prompt_token_ids": [5]}, greedy(1, stop_token_ids=[7, 512]), r"stop_token_ids holds 512, outside the "
+         r"vocabulary \[0, 512\)"),
         ("text prompt", greedy(1), "no tokenizer"),
         ({"prompt_token_ids": [5]}, greedy(1), "already in use"),
     ]

@@ -49,6 +49,7 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [5, 99999]}, "stop_token_ids holds 99999, outside the vocabulary [0, "),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
     ({"prompt": "x", "response_format": {"json_schema": {"schema": {}}}}, "response_format.type is required"),
     ({"prompt": "x", "response_format": {"type": "json_schema",
@@ -61,14 +62,28 @@ def test_prompt_over_max_model_len_names_both_numbers(server):
     ({"prompt": "x", "structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar"),
     ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"xml": "a"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json_object": 1}}, "structured_outputs.json_object must be a bool"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "json_object": 0}}, "structured_outputs.json_object"),
     ({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format, guided_regex"),
 ], ids=["type", "range", "n", "max_tokens", "seed", "known-field-bad-value", "nested-bad-value", "mixed-prompt",
         "token-id", "empty", "empty-in-batch", "logit-bias-range", "logit-bias-key", "logit-bias-vocab",
-        "logit-bias-count", "response-format-type", "response-format-no-type", "json-schema-invalid",
-        "json-schema-missing", "guided-regex", "guided-choice-empty", "grammar-invalid", "two-kinds", "unknown-kind",
-        "two-sources"])
+        "logit-bias-count", "stop-token-id-vocab", "response-format-type", "response-format-no-type",
+        "json-schema-invalid", "json-schema-missing", "guided-regex", "guided-choice-empty", "grammar-invalid",
+        "two-kinds", "unknown-kind", "json-object-int", "json-object-zero", "two-sources"])
 def test_invalid_completion_is_400(server, body, word):
     assert word in _envelope(_post(server, "/v1/completions", body), 400)
+
+
+def test_lone_surrogate_escape_is_named(server):
+    """A high-surrogate escape with no low one after it is a 400 saying so (was: msgspec's "Input data was
+    truncated" or "unexpected end of hex escape"); an escaped backslash before `ud800` is text, and a truncated body
+    still says truncated."""
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/invocations"):
+        for body in (rb'{"prompt": "a\ud800b", "messages": []}', rb'{"messages": [], "prompt": "a\uD83D"}'):
+            msg = _envelope(_post(server, path, content=body), 400)
+            assert "invalid unicode escape \\u" in msg and "(a lone surrogate" in msg, (path, body, msg)
+    assert _post(server, "/v1/completions", {"prompt": "a\\ud800", "max_tokens": 1}).status_code == 200
+    assert "truncated" in _envelope(_post(server, "/v1/completions", content=rb'{"prompt": "a\\ud800'), 400)
 
 
 def test_null_max_tokens_fills_the_context(server):
@@ -219,6 +234,18 @@ def test_bad_tool_definitions_are_400(server, fn, needle, choice):
     twice = {**body, "tools": [{"type": "function", "function": {"name": "g"}}] * 2}
     assert "name of its own" in _envelope(_post(server, "/v1/chat/completions", twice), 400)
     assert _post(server, "/v1/chat/completions", {"messages": body["messages"], "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_bad_tool_schema_names_the_tool(server, choice):
+    """A tool's `parameters` schema that does not compile is a 400 naming its index and function (was:
+    `tools[].function.parameters`, which of them not said)."""
+    pytest.importorskip("llguidance")
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("ok", {"type": "object"}), ("bad", {"type": "foo"}))]
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "tools": tools, "tool_choice": choice}
+    msg = _envelope(_post(server, "/v1/chat/completions", body), 400)
+    assert msg.startswith("tools[1].function.parameters (function 'bad') is invalid"), msg
 
 
 def test_operational_flags(tmp_path, monkeypatch):
