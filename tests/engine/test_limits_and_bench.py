@@ -347,10 +347,14 @@ def test_bench_cli_num_iters_reports_medians():
     (["--model", "/nonexistent", "--num-layers", "2"], "works with a preset --config only"),
     (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "nan"], "--router-bias-std"),
     (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "-1"], "--router-bias-std"),
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--seed", "-1"], "--seed must be >= 0"),
+    (["--model", str(demo_path()), "--seed", "-1"], "--seed must be >= 0"),
+    (["--model", str(demo_path()), "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
 ])
 def test_bench_cli_bad_flags_named(capsys, argv, needle):
     """Refused before anything is built (was: --num-layers 0 became 27 layers and failed on host memory, --num-layers
-    with --model was ignored, a NaN bias std printed NaN into the JSON line)."""
+    with --model was ignored, a NaN bias std printed NaN into the JSON line, --seed -1 "expected non-negative
+    integer" with no flag named, --max-num-seqs 0 silently the largest batch)."""
     from kda_rt.bench import main
 
     with pytest.raises(SystemExit) as exc:
