@@ -315,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--num-layers must be >= 1 and works with a preset --config only")
     if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
         ap.error(f"--router-bias-std must be a finite number >= 0, got {args.router_bias_std}")
+    if args.seed < 0:  # it seeds NumPy's generators (was: "error: expected non-negative integer", no flag named)
+        ap.error(f"--seed must be >= 0 (it seeds the prompts and random weights), got {args.seed}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:  # (was: 0 silently became the largest batch)
+        ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if (problem := model_dir_problem(args.model)) is not None:
         ap.error(problem)
     from kda_rt.demo.presets import PRESETS

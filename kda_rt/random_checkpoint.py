@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -160,13 +161,28 @@ def main(argv: list[str] | None = None) -> None:
                     help="correction biases 2 apart, so expert selection never depends on the input (no router "
                          "near-ties: for tight backend-vs-backend comparisons)")
     args = ap.parse_args(argv)
+    # each refused by name before anything is written (was: --seed -1 "expected non-negative integer", NaN or inf
+    # router biases written with exit status 0, a file as --out or --tokenizer-from a traceback)
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0 (NumPy's generator takes no negative seed), got {args.seed}")
+    if args.shards < 1:
+        ap.error(f"--shards must be >= 1, got {args.shards}")
+    if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
+        ap.error(f"--router-bias-std must be a finite number >= 0, got {args.router_bias_std}")
+    if args.tokenizer_from is not None and not os.path.isdir(args.tokenizer_from):
+        ap.error(f"--tokenizer-from {args.tokenizer_from!r}: "
+                 f"{'not a directory' if os.path.exists(args.tokenizer_from) else 'no such directory'}")
     try:  # a bad --config or tokenizer directory: one line naming it, exit status 2 (not a traceback)
         config = read_json(args.config, label=f"--config {args.config!r}")
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--out {args.out!r}: cannot create the directory ({exc.strerror})")
         out = write_random_checkpoint(
             config, args.out, seed=args.seed, num_shards=args.shards, dtype=args.dtype,
             tokenizer_dir=args.tokenizer_from, router_bias_std=args.router_bias_std, fixed_routing=args.fixed_routing,
         )
-    except (ValueError, FileNotFoundError) as exc:  # ConfigError is a ValueError
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError
         ap.error(str(exc))
     print(out)
 

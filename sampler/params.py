@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_ALLOWED_TOKEN_IDS", "MAX_BAD_WORDS",
-           "MAX_LOGIT_BIAS", "MAX_REPETITION_PENALTY", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
+           "MAX_LOGIT_BIAS", "MAX_N", "MAX_REPETITION_PENALTY", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MIN_REPETITION_PENALTY"]
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
@@ -32,6 +32,9 @@ MAX_LOGIT_BIAS = 300
 MAX_BAD_WORDS = 64  # a request's bad_words (each is up to two token sequences: vLLM allows 128 sequences)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # a request's allowed_token_ids (the vocabulary is 163,840: any real list fits)
 MAX_LOGIT_BIAS_VALUE = 100.0
+# samples of one request: each is a sequence made at add_request (n = 10**9 held it for minutes, building a billion);
+# far past the server's 128 and any sampling use, and still a bounded amount of work
+MAX_N = 1 << 16
 
 
 def _is_int(value: object) -> bool:
@@ -172,8 +175,8 @@ class SamplingParams:
     def validate(self) -> None:
         """Check (and normalise) every field; the engine calls it again at add_request, so fields
         changed after construction are checked too."""
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, MAX_N = {MAX_N}], got {self.n!r}")
         self.temperature = _number("temperature", self.temperature, 0.0)
         self.top_p = _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or not -1 <= self.top_k <= _MAX_INT32:

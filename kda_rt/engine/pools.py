@@ -110,6 +110,12 @@ def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, stat
     budget = room - seqs * slot
     if engine.num_blocks is not None:
         fit_pages = engine.num_blocks
+        if page and fit_pages > max(0, budget // page):  # (was: NumPy's "Unable to allocate 144. PiB" at the pool)
+            raise ValueError(
+                f"num_blocks {fit_pages} does not fit: {fit_pages} pages of {page / 2**20:.2f} MiB need "
+                f"{fit_pages * page / 2**30:.2f} GiB, the {where} memory budget ({engine.gpu_memory_utilization} x "
+                f"{memory_bytes / 2**30:.1f} GiB) after the weights and {seqs + pad} state slots holds at most "
+                f"{max(0, budget // page)} pages")
     elif page == 0:  # no MLA layer: positions cost no pages' memory
         fit_pages = seqs * math.ceil(limit / bs)
     else:

@@ -165,6 +165,24 @@ def test_pool_plan_numpy():
     assert (plan.engine_slots, plan.engine_blocks) == (16, 7)
 
 
+def test_num_blocks_over_the_memory_budget_named(tiny_dir):
+    """An explicit num_blocks beyond what the memory budget holds is refused naming it, its bytes and the most pages
+    that fit (was: NumPy's "Unable to allocate 144. PiB for an array", or "Maximum allowed dimension exceeded",
+    with no setting named); up to that count it is taken as given."""
+    cfg = parse_config(tiny_config())
+    page = kv_bytes_per_block(cfg, 16, 4)
+    memory = 2**30
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, block_size=16, gpu_memory_utilization=1.0)
+    most = (memory - 4 * state_bytes_per_slot(cfg, 4)) // page
+    fits = plan_pools(cfg, dataclasses.replace(engine, num_blocks=most), itemsize=4, memory_bytes=memory)
+    assert fits.engine_blocks == most
+    with pytest.raises(ValueError, match=rf"num_blocks {most + 1} does not fit: .* holds at most {most} pages"):
+        plan_pools(cfg, dataclasses.replace(engine, num_blocks=most + 1), itemsize=4, memory_bytes=memory)
+    for huge in (2**40, 10**30):
+        with pytest.raises(ValueError, match=rf"num_blocks {huge} does not fit"):
+            make_llm(tiny_dir, max_model_len=64, block_size=16, num_blocks=huge)
+
+
 def test_pool_plan_device_budget():
     """CUDA backend: pages fill what gpu_memory_utilization leaves after weights, state and padding."""
     cfg = parse_config(tiny_config())
@@ -329,10 +347,14 @@ def test_bench_cli_num_iters_reports_medians():
     (["--model", "/nonexistent", "--num-layers", "2"], "works with a preset --config only"),
     (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "nan"], "--router-bias-std"),
     (["--config", "kimi-linear-48b-a3b", "--random-weights", "--router-bias-std", "-1"], "--router-bias-std"),
+    (["--config", "kimi-linear-48b-a3b", "--random-weights", "--seed", "-1"], "--seed must be >= 0"),
+    (["--model", str(demo_path()), "--seed", "-1"], "--seed must be >= 0"),
+    (["--model", str(demo_path()), "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
 ])
 def test_bench_cli_bad_flags_named(capsys, argv, needle):
     """Refused before anything is built (was: --num-layers 0 became 27 layers and failed on host memory, --num-layers
-    with --model was ignored, a NaN bias std printed NaN into the JSON line)."""
+    with --model was ignored, a NaN bias std printed NaN into the JSON line, --seed -1 "expected non-negative
+    integer" with no flag named, --max-num-seqs 0 silently the largest batch)."""
     from kda_rt.bench import main
 
     with pytest.raises(SystemExit) as exc:

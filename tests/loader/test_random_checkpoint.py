@@ -137,3 +137,31 @@ def test_cli_names_a_bad_config(tmp_path, capsys, content, needle):
         main(["--config", str(path), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "error: " + needle.format(path=path) in err, err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--seed", "-1"], "--seed must be >= 0"), (["--shards", "0"], "--shards must be >= 1, got 0"),
+    (["--router-bias-std", "nan"], "--router-bias-std must be a finite number >= 0, got nan"),
+    (["--router-bias-std", "inf"], "--router-bias-std must be a finite number >= 0, got inf"),
+    (["--router-bias-std", "-1"], "--router-bias-std must be a finite number >= 0, got -1.0"),
+    (["--tokenizer-from", "{file}"], "--tokenizer-from '{file}': not a directory"),
+    (["--tokenizer-from", "{tmp}/nope"], "--tokenizer-from '{tmp}/nope': no such directory"),
+    (["--out", "{file}"], "--out '{file}': cannot create the directory (File exists)"),
+    (["--out", "{file}/sub"], "--out '{file}/sub': cannot create the directory (Not a directory)"),
+], ids=["seed-negative", "shards-zero", "bias-nan", "bias-inf", "bias-negative", "tokenizer-file", "tokenizer-missing",
+        "out-file", "out-under-file"])
+def test_cli_bad_flags_named(tmp_path, capsys, argv, needle):
+    """Refused by flag, one `error:` line and exit status 2, nothing written (was: --seed -1 "expected non-negative
+    integer"; --router-bias-std nan or inf wrote NaN or inf biases and exited 0; a file as --tokenizer-from or --out a
+    NotADirectoryError / FileExistsError traceback, after the weights were written)."""
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(tiny_config()))
+    file = tmp_path / "afile"
+    file.write_text("x")
+    argv = [a.format(file=file, tmp=tmp_path) for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(cfg_path), *out, *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "error: " + needle.format(file=file, tmp=tmp_path) in err, err
+    assert not (tmp_path / "out").exists()

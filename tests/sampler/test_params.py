@@ -31,11 +31,20 @@ def test_vllm_defaults():
         ({"ignore_eos": 1}, "ignore_eos"), ({"top_k": 2**31}, "top_k"), ({"top_k": 2**70}, "top_k"),
         ({"stop_token_ids": [2**31]}, "stop_token_ids"), ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),
         ({"logit_bias": {"9" * 40: 1.0}}, "logit_bias"), ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
+        ({"n": 2**16 + 1}, r"n must be an int in \[1, MAX_N = 65536\]"), ({"n": 10**9}, "n must be"),
     ],
 )
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_n_bounded():
+    """n up to MAX_N is taken; past it refused at construction (was: n = 10**9 accepted, and LLM.generate then spent
+    minutes building a billion sequences)."""
+    from kda_rt.sampler.params import MAX_N
+
+    assert SamplingParams(n=MAX_N).n == MAX_N
 
 
 def test_stop_string_normalised():
