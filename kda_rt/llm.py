@@ -133,6 +133,9 @@ class LLM:
         from kda_rt.loader.weights import load_checkpoint
 
         del trust_remote_code  # nothing to trust: the model code is kda_rt's own
+        for name, value in (("skip_tokenizer_init", skip_tokenizer_init), ("report", report), ("progress", progress)):
+            if not isinstance(value, bool) and not (name == "progress" and value is None):  # ("no" is truthy)
+                raise TypeError(f"{name} must be a bool{' or None' if name == 'progress' else ''}, got {value!r}")
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size!r}: only 1 GPU is supported")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 
 import pytest
 
@@ -318,3 +319,14 @@ def test_model_argument_names_what_is_wrong(tmp_path):
         LLM(str(tmp_path / "f"))
     with pytest.raises(FileNotFoundError, match=r"model '.*missing': no such directory"):
         LLM(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"report": "no"}, "report must be a bool, got 'no'"),
+    ({"skip_tokenizer_init": 1}, "skip_tokenizer_init must be a bool, got 1"),
+    ({"progress": "x"}, "progress must be a bool or None, got 'x'"),
+], ids=["report-str", "skip-int", "progress-str"])
+def test_llm_flags_must_be_bools(kwargs, needle):
+    """LLM's on/off arguments are bools (was: any truthy value: report="no" turned the report on)."""
+    with pytest.raises(TypeError, match=re.escape(needle)):
+        LLM(str(demo_path()), backend="numpy", **kwargs)
