@@ -243,7 +243,8 @@ class LLMEngine:
                 if not isinstance(prompt, str):
                     raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(prompt).__name__}")
             else:
-                raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+                keys = ", ".join(repr(k) for k in list(prompt)[:8]) or "none"
+                raise ValueError(f"prompt dict needs 'prompt_token_ids' or 'prompt', got keys {keys}")
         elif not isinstance(prompt, (str, list, tuple, np.ndarray)):  # bytes would read as ids, an int not at all
             raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt_token_ids' or "
                             f"'prompt', got {type(prompt).__name__}")

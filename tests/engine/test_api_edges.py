@@ -330,3 +330,14 @@ def test_llm_flags_must_be_bools(kwargs, needle):
     """LLM's on/off arguments are bools (was: any truthy value: report="no" turned the report on)."""
     with pytest.raises(TypeError, match=re.escape(needle)):
         LLM(str(demo_path()), backend="numpy", **kwargs)
+
+
+def test_prompt_dict_without_a_prompt_names_its_keys(llm):
+    """A prompt dict with neither 'prompt' nor 'prompt_token_ids' (a misspelt key) is refused naming the keys it has,
+    and leaves no request behind."""
+    with pytest.raises(ValueError, match=r"needs 'prompt_token_ids' or 'prompt', got keys 'promt'$"):
+        llm.generate([{"promt": "hi"}], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"got keys none$"):
+        llm.generate([{}], SamplingParams(max_tokens=2))
+    out = llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 2
