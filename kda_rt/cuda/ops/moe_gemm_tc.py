@@ -123,9 +123,9 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None 
 
 def built_tile_rows(e4m3: bool) -> tuple[int, ...]:
     """The tile rows prefill_tile_rows can pick for stacks of this format under KDA_RT_MOE_FUSED32 (the precompile
-    builds their kernels)."""
+    builds their kernels): where 32-row tiles apply they take every step that would have taken 64 rows."""
     rows32 = env.moe_fused32()
-    return (16, 32, 64, 128) if rows32 == "1" else (16, 32, 128) if rows32 == "e4m3" and e4m3 else (16, 64, 128)
+    return (16, 32, 128) if rows32 == "1" or (rows32 == "e4m3" and e4m3) else (16, 64, 128)
 
 
 def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int, e4m3: bool = False) -> int:
