@@ -261,6 +261,15 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
+def kda_smem_state(default: bool) -> bool:
+    """KDA_RT_KDA_SMEM_STATE: 1 / 0 forces whether the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+)
+    brings each head's recurrent state into shared memory by bulk copies, three CTAs an SM, or into registers, two
+    an SM (kernels_cu/kda_decode.cu SMEM_STATE; the same outputs and pools bit for bit); unset: `default`, the
+    launcher's measured choice by batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a
+    CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_KDA_SMEM_STATE", "1" if default else "0")
+
+
 def kda_conv_one_round() -> bool:
     """KDA_RT_KDA_CONV_ONE_ROUND: 1 rounds the KDA prefill's conv + SiLU outputs to bf16 once, by their store
     (kernels_cu/kda_prefill.cu CONV_ONE_ROUND: the same bits, one conversion an element fewer); default 1 (0: the
@@ -538,14 +547,16 @@ def moe_min_avg_rows(default: int) -> int:
 
 
 def moe_fused32() -> str:
-    """KDA_RT_MOE_FUSED32 (bench switch): which steps take 32-row tiles (on moe_decode_fused where it runs).  "e4m3"
+    """KDA_RT_MOE_FUSED32 (bench switch): which steps take 32-row tiles (on moe_decode_fused where it runs).  "auto"
     (the default): e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert on average (decode batches of ~514-1370
-    tokens of the 48B shape), instead of the 64-row tiles that widen e4m3 to bf16; "1": every step of 4 to 48 rows
-    an expert in both formats (the 16-row tiles of e4m3 stacks below MIN_AVG_ROWS_E4M3 too); "0": none (the 64-row
-    tiles).  Read at each forward and by the precompile (a CUDA graph keeps what it captured)."""
-    value = os.environ.get("KDA_RT_MOE_FUSED32") or "e4m3"
-    if value not in ("0", "1", "e4m3"):
-        raise ValueError(f"KDA_RT_MOE_FUSED32 must be 0, 1 or e4m3, got {value!r}")
+    tokens of the 48B shape), instead of the 64-row tiles that widen e4m3 to bf16, and bf16 stacks from MIN_AVG_ROWS
+    to FUSED32_BF16_MAX_AVG (batches of ~115-157 tokens), instead of 64-row tiles; "e4m3": the e4m3 part alone; "1":
+    every step of 4 to 48 rows an expert in both formats (the 16-row tiles of e4m3 stacks below MIN_AVG_ROWS_E4M3
+    too); "0": none (the 64-row tiles).  Read at each forward and by the precompile (a CUDA graph keeps what it
+    captured)."""
+    value = os.environ.get("KDA_RT_MOE_FUSED32") or "auto"
+    if value not in ("auto", "e4m3", "1", "0"):
+        raise ValueError(f"KDA_RT_MOE_FUSED32 must be auto, e4m3, 1 or 0, got {value!r}")
     return value
 
 

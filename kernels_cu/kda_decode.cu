@@ -80,6 +80,16 @@
 #ifndef STATE_HINTS
 #define STATE_HINTS 0
 #endif
+// SMEM_STATE = 1 (SPLIT == 1, sm_90+): the head's 64 KB of state arrives in shared memory by bulk copies (one
+// cp.async.bulk of its RPT rows a warp, issued by the warp's lane 0 and completing on the warp's own mbarrier) instead
+// of as 16 float4 register loads a thread.  The copies go through the copy engine, not the load path; the registers
+// they freed let three CTAs share an SM (launch bounds 256 x 3; 3 x ~74 KB of shared memory), so up to 192 KB of state
+// is in flight an SM against 128 KB.  Each thread then reads exactly the float4s the register form holds, twice (the
+// sweep, then the delta write, which decays them again: the same products), so outputs and pools are bit for bit the
+// register form's (tests/kernels/test_kda_decode.py::test_kda_decode_smem_state).  The stores are unchanged.
+#ifndef SMEM_STATE
+#define SMEM_STATE 0
+#endif
 __device__ __forceinline__ float4 ld_state(const float4* p) {
 #if STATE_HINTS == 1 || STATE_HINTS == 2
     float4 v;
@@ -110,6 +120,12 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
 #define RPT (K / RG)             // consecutive state rows per thread
 #define NUM_WARPS (THREADS / 32)
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "kda_decode.cu: SPLIT must be 1, 2, 4 or 8");
+#if SMEM_STATE
+static_assert(SPLIT == 1 && CT == 32 && !FUSE_FG, "kda_decode.cu: SMEM_STATE needs SPLIT 1 (one row group a warp)");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "kda_decode.cu: SMEM_STATE uses bulk copies and mbarriers (sm_90+)"
+#endif
+#endif
 static_assert(THREADS % 32 == 0 && THREADS >= K && CT <= 32 && K % RG == 0 && RPT >= 1,
               "kda_decode.cu: whole warps, one thread per channel for the norms, whole row blocks per warp");
 #if FUSE_FG
@@ -220,9 +236,24 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     // ---- the state rows: this CTA's K x VC block is in flight while the prologue runs
     const int ct = tid % CT, row0 = (tid / CT) * RPT;
     float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
+#if SMEM_STATE
+    // warp w's rows [w RPT, (w + 1) RPT) of the head's state, one bulk copy into shared memory (CT == 32: the warp
+    // is one row group); the warp's lanes wait on its barrier before their first read (the sweep)
+    extern __shared__ __align__(128) float4 state_s[];  // [K][K / 4]
+    __shared__ __align__(8) unsigned long long state_bar[NUM_WARPS];
+    const unsigned bar = smem_addr(&state_bar[warp]);
+    const float4* my_rows = state_s + row0 * (K / 4) + ct;
+    if (!fresh && lane == 0) {
+        mbar_init(bar, 1);
+        mbar_arrive_expect_tx(bar, RPT * K * 4);
+        bulk_copy_g2s(smem_addr(state_s + row0 * (K / 4)), rec_pool + ((slot * num_heads + h) * K + row0) * K, RPT * K * 4,
+                      bar);
+    }
+#else
     float4 s[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : ld_state(state + (row0 + i) * (K / 4));
+#endif
 #if EARLY_STATE
     KDA_PDL_WAIT();  // the token's q|k|v|f_a|g_a|b: the kernel before's output
 #endif
@@ -286,12 +317,20 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 
     // ---- state sweep: decay, partial S^T k and S^T q (raw q, k: scaled once after the sums)
     float4 pr = make_float4(0.f, 0.f, 0.f, 0.f), po = pr;
+#if SMEM_STATE
+    if (!fresh) mbar_wait(bar, 0);
+#endif
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
         const float dk = decay_s[row0 + i], kd = k_s[row0 + i], qd = q_s[row0 + i];
-        s[i].x *= dk, s[i].y *= dk, s[i].z *= dk, s[i].w *= dk;
-        pr.x = fmaf(kd, s[i].x, pr.x), pr.y = fmaf(kd, s[i].y, pr.y), pr.z = fmaf(kd, s[i].z, pr.z), pr.w = fmaf(kd, s[i].w, pr.w);
-        po.x = fmaf(qd, s[i].x, po.x), po.y = fmaf(qd, s[i].y, po.y), po.z = fmaf(qd, s[i].z, po.z), po.w = fmaf(qd, s[i].w, po.w);
+#if SMEM_STATE
+        float4 si = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : my_rows[i * (K / 4)];
+#else
+        float4& si = s[i];
+#endif
+        si.x *= dk, si.y *= dk, si.z *= dk, si.w *= dk;
+        pr.x = fmaf(kd, si.x, pr.x), pr.y = fmaf(kd, si.y, pr.y), pr.z = fmaf(kd, si.z, pr.z), pr.w = fmaf(kd, si.w, pr.w);
+        po.x = fmaf(qd, si.x, po.x), po.y = fmaf(qd, si.y, po.y), po.z = fmaf(qd, si.z, po.z), po.w = fmaf(qd, si.w, po.w);
     }
     // row groups of one warp first (lanes ct, ct + CT, ...), then the warps through shared memory
 #pragma unroll
@@ -324,9 +363,16 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
         const float kd = k_s[row0 + i];
-        s[i].x = fmaf(kd, kdelta[0], s[i].x), s[i].y = fmaf(kd, kdelta[1], s[i].y);
-        s[i].z = fmaf(kd, kdelta[2], s[i].z), s[i].w = fmaf(kd, kdelta[3], s[i].w);
-        st_state(state + (row0 + i) * (K / 4), s[i]);
+#if SMEM_STATE
+        const float dk = decay_s[row0 + i];  // the sweep's decayed values again, the same products
+        float4 si = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : my_rows[i * (K / 4)];
+        si.x *= dk, si.y *= dk, si.z *= dk, si.w *= dk;
+#else
+        float4& si = s[i];
+#endif
+        si.x = fmaf(kd, kdelta[0], si.x), si.y = fmaf(kd, kdelta[1], si.y);
+        si.z = fmaf(kd, kdelta[2], si.z), si.w = fmaf(kd, kdelta[3], si.w);
+        st_state(state + (row0 + i) * (K / 4), si);
     }
 
     // ---- read-out and gated RMSNorm: lanes 0..CT-1 of warp 0 hold this CTA's VC outputs (4 each)

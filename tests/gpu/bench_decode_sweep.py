@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python tests/gpu/bench_decode_sweep.py [--quick] [--parts=kda,mla,moe]
         [--kda-batches=1,8,32] [--kda-variants] [--kda-define=STATE_HINTS=0,1,2,3]
+        [--kda-define=KDA_RT_KDA_SMEM_STATE=0,1]
 
 - kda_decode (H = 32, K = V = 128): batch 1 ... 256; bytes = the fp32 state read and written
   (2 * B * H * K * K * 4; q/k/v/gate rows are < 1%); --kda-variants adds every column-split variant;
-  --kda-define builds the kernel with each value of a bench-only define, three interleaved rounds.
+  --kda-define builds the kernel with each value of a bench-only define (or runs it under each value of a KDA_RT_
+  switch), three interleaved rounds.
 - mla_attention, absorbed decode (H = 32, latent 512 + rope 64, pages of 64): batch 1 ... 256 x
   context 1K ... 128K (a shape whose latent pool would pass 8 GB is skipped); bytes = the latent rows
   read once + the kv_b weights.  Each line also names S (the split count of the grid) and, in
@@ -20,6 +22,7 @@ call; TB/s against the ~4.3 TB/s copy ceiling of the H200.  Random inputs, never
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +64,9 @@ def kda_bench_inputs(B: int, H: int):
 
 def sweep_kda(batches, variants=(None,), define: str = "", rounds: int = 1) -> None:
     """`variants`: (split, threads) pairs of kda_decode, None = the launcher's choice.  `define` "NAME=v1,v2":
-    the kernel built with each value of a bench-only define (kda_decode.cu's STATE_HINTS), `rounds` interleaved
-    rounds of all of them."""
+    the kernel built with each value of a bench-only define (kda_decode.cu's STATE_HINTS), or, for a NAME that
+    starts with KDA_RT_, run under each value of that environment switch (KDA_RT_KDA_SMEM_STATE); `rounds`
+    interleaved rounds of all of them."""
     import cupy
 
     import kda_rt.cuda.ops.kda_decode as kd
@@ -79,8 +83,11 @@ def sweep_kda(batches, variants=(None,), define: str = "", rounds: int = 1) -> N
         for _ in range(rounds):
             for variant in variants:
                 for value in values:
-                    kd.get_kernel = real_get if value is None else (
-                        lambda *a, _v=value, **k: real_get(*a, **{**k, name: _v}))
+                    if name.startswith("KDA_RT_"):  # a launcher switch (ops/kda_decode.py reads it at each call)
+                        os.environ[name] = str(value)
+                    else:
+                        kd.get_kernel = real_get if value is None else (
+                            lambda *a, _v=value, **k: real_get(*a, **{**k, name: _v}))
                     kw = {} if variant is None else {"split": variant[0], "threads": variant[1]}
                     out = run_op(kda_decode, dev, H, **kw)
                     # the uploads (async, from pinned staging) and this warm-up ran on the legacy default stream,

@@ -118,6 +118,50 @@ def test_kda_decode_state_hints(num_seqs, gates, monkeypatch):
         assert results[hints] == results["0"], f"STATE_HINTS={hints}: outputs or pools differ from the plain variant"
 
 
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early-state", "wait-first"])
+@pytest.mark.parametrize("num_seqs, num_heads, gates", [(5, 4, "mixed"), (32, 8, "extreme"), (160, 4, "normal")])
+def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
+    """The state by bulk copies into shared memory, three CTAs an SM (kda_decode.cu SMEM_STATE, forced through
+    KDA_RT_KDA_SMEM_STATE=1) on the same inputs as the register form, three steps (fresh and continuing sequences in
+    permuted slots): outputs and pools bit for bit the register form's (asserted first), which is checked against
+    the reference with the state bound at 5e-4: on these draws one conv output of the fp32 kernel rounds to the
+    other bf16 neighbour of the float64 reference's, which moves that head's state by ~2e-4 RMS (measured 1.66e-4 at
+    B32-H8 step 2 and 1.96e-4 at B160-H4 step 0, H200; test_kda_decode_steps holds the kernel to 1e-4 on its own
+    draws)."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_decode import SMEM_STATE_MIN_BLOCKS, decode_config, kda_decode
+
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("SMEM_STATE needs bulk copies and mbarriers (sm_90+)")
+    monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", early)
+    results, ref_failure = {}, None
+    for smem in ("0", "1"):
+        monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
+        assert (decode_config(num_seqs=num_seqs)[2] == SMEM_STATE_MIN_BLOCKS) == (smem == "1")
+        rng = np.random.default_rng(7 * num_seqs + num_heads)
+        inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 3)
+        dev = upload(inp)
+        got = []
+        for step in range(3):
+            if step:
+                inp = _next_step(rng, inp, dev, num_heads, ("qkv", "f", "b", "gate", "context_lens"))
+            out = run_op(kda_decode, dev, num_heads)
+            if smem == "0":  # (a failure here is raised after the bit-for-bit comparison below)
+                try:
+                    check(out, dev, reference(inp, num_heads), inp, f"decode step {step} B{num_seqs} H{num_heads} {gates}",
+                          state_tol=5e-4)
+                except AssertionError as e:
+                    ref_failure = ref_failure or e
+            got.append([cupy.asnumpy(a).tobytes() for a in (out, dev["rec_pool"], dev["conv_pool"])])
+        results[smem] = got
+    for step, (a, b) in enumerate(zip(results["1"], results["0"], strict=True)):
+        for name, x, y in zip(("out", "rec_pool", "conv_pool"), a, b, strict=True):
+            assert x == y, f"SMEM_STATE=1 step {step}: {name} differs from the register form's"
+    if ref_failure is not None:
+        raise ref_failure
+
+
 def low_rank_inputs(rng, inp, num_heads, rank):
     """f_a / g_a outputs [B, rank] and f_b / g_b [P, rank] (bf16 values); inp's f and gate <- their products
     rounded to bf16 (what the unfused path gets from cuBLAS)."""
@@ -294,13 +338,14 @@ def test_kda_decode_graph_capture(variant):
     assert np.array_equal(to_np(graphed["conv_pool"]), to_np(eager["conv_pool"]))
 
 
-@pytest.mark.parametrize("num_seqs", [1, 6])
-def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, monkeypatch):
+@pytest.mark.parametrize("num_seqs, smem", [(1, "0"), (6, "0"), (6, "1")], ids=["B1", "B6", "B6-smem-state"])
+def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, smem, monkeypatch):
     """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
     own wait) writes q|k|v, then kda_decode with its state loaded before its wait (KDA_RT_KDA_EARLY_STATE=1);
     replayed four times on new inputs, the state carried in the pools from replay to replay.  Bit for bit the
     eager steps of the kernel that waits first (=0) on a copy of the same pools: a q|k|v read before the wait would
-    see the previous replay's rows."""
+    see the previous replay's rows.  smem "1": the graph's kernel takes its state by bulk copies (SMEM_STATE) issued
+    before its wait, the eager one the register form."""
     import cupy
 
     from kda_rt.cuda.ops import pdl
@@ -318,6 +363,7 @@ def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, monkeypatch):
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "1")
+    monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
     with stream, pdl.capturing() as on:  # the launches carry the programmatic attribute only inside this block
         if not on:
             pytest.skip("no programmatic dependent launch here (compute capability < 9.0 or KDA_RT_PDL=0)")
@@ -330,6 +376,7 @@ def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, monkeypatch):
         poison(out)
         cupy.cuda.Device().synchronize()
         monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "0")
+        monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "0")
         rmsnorm(src, ones, 1e-6, out=oracle["qkv"])
         run_op(kda_decode, oracle, num_heads, out=out_o)
         cupy.cuda.Device().synchronize()

@@ -15,7 +15,7 @@ from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests mo
 from kda_rt.cuda.ops.compile import get_kernel
 
 __all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
-           "fuses_low_rank", "kda_decode", "state_hints"]
+           "fuses_low_rank", "kda_decode", "smem_state", "state_hints"]
 
 CONV_STATE_DTYPE = BF16
 # (SPLIT, THREADS) -> MIN_BLOCKS.  SPLIT: a head's value columns over that many CTAs of one cluster
@@ -35,6 +35,26 @@ SPLIT_MAX_SEQS = 4
 # 82.4-83.1 / 91.1-91.7, B = 128 159.1-159.6 / 154.3-154.4 / 156.2-156.8 / 177.5-178.1, B = 256 307.7-308.0 /
 # 311.5-311.7 / 304.5-305.0 / 345.9-346.2 (the stores' hint alone is slower everywhere)
 HINTS_BOTH_MAX_SEQS = 128
+
+
+# kda_decode.cu SMEM_STATE (KDA_RT_KDA_SMEM_STATE): the state by bulk copies into 64 KB of dynamic shared memory,
+# launch bounds for three CTAs an SM (80 registers, sm_90a ptxas; 11.3 KB of static shared memory each: 3 x (64 +
+# 11.3 + 1 reserved) KB is the H200's 228 KB).  H200, 2026-12-04 (fifty-first session), register form -> SMEM_STATE:
+# the kernel alone (tests/gpu/bench_decode_sweep.py --parts=kda --kda-define=KDA_RT_KDA_SMEM_STATE=0,1, graph of 20
+# calls, three rounds, us) B = 8 9.3 -> 10.0, 32 42.0 -> 45.7, 64 78.0 -> 80.2, 128 154.5 -> 150.6, 256 304.7 ->
+# 290.1 (3.52 -> 3.70 TB/s); in the full 27-layer model's decode graph (tests/gpu/bench_ab.py --env
+# KDA_RT_KDA_SMEM_STATE --replays 32,128,192,256, 2 rounds, ms) batch 32 8.690 -> 8.666, 128 15.880 -> 15.721, 192
+# 21.128 -> 20.871, 256 22.254 -> 21.873 (-0.3 / -1.0 / -1.2 / -1.7%: there its copies run beside the kernel before
+# it, whose last CTAs leave SMs it can fill).  So from 32 sequences; 5-31 not measured in the model.
+SMEM_STATE_MIN_SEQS = 32
+SMEM_STATE_MIN_BLOCKS = 3
+_STATE_BYTES = 128 * 128 * 4
+
+
+def smem_state(split: int, fused: bool, num_seqs: int) -> bool:
+    """kda_decode.cu SMEM_STATE for a variant: the one-CTA-per-head kernel (split 1, the gates not fused) on sm_90+,
+    from SMEM_STATE_MIN_SEQS sequences (KDA_RT_KDA_SMEM_STATE forces it on or off)."""
+    return split == 1 and not fused and _clusters() and env.kda_smem_state(num_seqs >= SMEM_STATE_MIN_SEQS)
 
 
 def state_hints(num_seqs: int) -> int:
@@ -57,6 +77,8 @@ def decode_config(split: int | None = None, threads: int | None = None, fused: b
         raise ValueError(f"no kda_decode variant with split {split} and {threads} threads: {sorted(_VARIANTS)}")
     if fused and split < 4:
         raise ValueError(f"fused low-rank gates need split >= 4, got {split}")
+    if threads == 256 and smem_state(split, fused, num_seqs):
+        return split, threads, SMEM_STATE_MIN_BLOCKS
     return split, threads, min(_VARIANTS[(split, threads)], 4) if fused else _VARIANTS[(split, threads)]
 
 
@@ -139,12 +161,14 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
             raise ValueError("fused low-rank gates need sm_90+, ranks that are multiples of 8 up to 256, one row "
                              "stride for f and gate, and 16-byte aligned rows")
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
-    kernel = get_kernel("kda_decode.cu", "kda_decode_step", HEAD_DIM=head_dim, CONV_W=W, THREADS=n_threads,
-                        SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f, RANK_G=rank_g,
-                        EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B))
+    smem = _STATE_BYTES if min_blocks == SMEM_STATE_MIN_BLOCKS and smem_state(n_split, fused, B) else 0
+    extra = {"SMEM_STATE": 1} if smem else {}  # (the register form's builds keep their cache keys)
+    kernel = get_kernel("kda_decode.cu", "kda_decode_step", max_dynamic_smem=smem, HEAD_DIM=head_dim, CONV_W=W,
+                        THREADS=n_threads, SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f,
+                        RANK_G=rank_g, EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B), **extra)
     if B:
         kernel((num_heads * n_split, B), (n_threads,),
                (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
                 conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
-                g_b if fused else np.uint64(0), i32(ldr)), stream=stream)
+                g_b if fused else np.uint64(0), i32(ldr)), shared_mem=smem, stream=stream)
     return out

@@ -18,7 +18,8 @@ from kda_rt.cuda.ops.check import BF16, expect
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
-__all__ = ["E4M3_CONVERT", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS", "MIN_AVG_ROWS_E4M3",
+__all__ = ["E4M3_CONVERT", "FUSED32_BF16_MAX_AVG", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS",
+           "MIN_AVG_ROWS_E4M3",
            "SMALL_DECODE_TOKENS", "TileConfig", "built_tile_rows", "check_grouped_gemm", "check_scale",
            "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
            "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
@@ -93,8 +94,13 @@ SMALL_DECODE_TOKENS = 8
 # --rounds 2 --quantization fp8; same experts both ways, the two rounds within 0.3%), ms, 0 -> 1: batch 128 (4.5 rows
 # an expert) 11.59 -> 13.05, 256 (9.0) 18.48 -> 19.80 (the 16-row tiles win there), 512 (17.9) 33.58 -> 33.51, 768
 # (26.9, where 0 runs the 64-row tiles) 48.28 -> 47.22 (-2.2%).  So by default e4m3 stacks take 32-row tiles where
-# they took 64-row ones (18 to 48 rows an expert).  bf16 not measured yet (the run stopped at its first batch-512
-# replay, before any 32-row one; the switch's "1").
+# they took 64-row ones (18 to 48 rows an expert).
+# FUSED32_BF16_MAX_AVG: bf16, the same replays (fifty-first session; --replays 128,256 in call 1, 128,192,256 in call 2
+# against "0", 2 rounds each, same experts both ways), ms 64-row -> 32-row: batch 128 (4.48 rows an expert) 16.15 ->
+# 15.52 and 15.88 -> 15.45 (-3.9% / -2.7%), 192 (6.72) 21.13 -> 21.77 (+3.0%), 256 (8.96) 22.65 -> 22.93 and 22.25 ->
+# 22.63 (+1.2% / +1.7%).  So bf16 stacks take 32-row tiles from MIN_AVG_ROWS up to 5.5 rows an expert (batches of
+# 115-157 tokens), where the measured crossover lies (between 4.48 and 6.72; 5.5 itself not measured).
+FUSED32_BF16_MAX_AVG = 5.5
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 
 
@@ -125,7 +131,9 @@ def built_tile_rows(e4m3: bool) -> tuple[int, ...]:
     """The tile rows prefill_tile_rows can pick for stacks of this format under KDA_RT_MOE_FUSED32 (the precompile
     builds their kernels): where 32-row tiles apply they take every step that would have taken 64 rows."""
     rows32 = env.moe_fused32()
-    return (16, 32, 128) if rows32 == "1" or (rows32 == "e4m3" and e4m3) else (16, 64, 128)
+    if rows32 == "1" or (rows32 in ("e4m3", "auto") and e4m3):
+        return (16, 32, 128)
+    return (16, 32, 64, 128) if rows32 == "auto" else (16, 64, 128)
 
 
 def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int, e4m3: bool = False) -> int:
@@ -135,8 +143,10 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int,
     small_below = env.moe_min_avg_rows(MIN_AVG_ROWS_E4M3 if e4m3 else MIN_AVG_ROWS)
     bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= small_below else 16
     rows32 = env.moe_fused32()
-    if bm == 64 and e4m3 and rows32 == "e4m3":
+    if bm == 64 and e4m3 and rows32 in ("e4m3", "auto"):
         bm = 32  # (FUSED32_E4M3's note)
+    elif bm == 64 and not e4m3 and rows32 == "auto" and avg < FUSED32_BF16_MAX_AVG:
+        bm = 32  # (FUSED32_BF16_MAX_AVG's note)
     elif bm != 128 and avg >= min(small_below, MIN_AVG_ROWS) and rows32 == "1":
         bm = 32  # (from MIN_AVG_ROWS in both formats, or from KDA_RT_MOE_MIN_AVG_ROWS where it is lower)
     ok = tile_config(bm, 2 * inter, hidden, True) and tile_config(bm, hidden, inter, False)
