@@ -12,7 +12,10 @@ the scheduler's copy too), e.g. --env engine.async_scheduling or engine.prefill_
 --replays times the captured decode graph of each batch (graph replays of one full decode step at ~2K context,
 helpers/full_model.decode_full_batch; CUDA events, median of 5 x 20).  Each replay updates the recurrent state and
 cache it reads, so the replays' routing drifts, alike for every value only when the kernels compared are
-bit-identical: the experts touched are printed beside each time.
+bit-identical: the experts touched over the timed replays are printed beside each time.  The replays repeat one
+step's tokens, whose routing settles on fewer experts than the engine's changing tokens touch (batch 32: ~66 against
+~71 a MoE layer, ~0.083 ms a step an expert: tests/gpu/replay_routing.py), so a replay is faster than the engine's
+step; compare values with each other, and headline steps with `python -m kda_rt.bench`.
 --prompts 0 skips the prefill runs.  The values run in turn, in reverse order every other round.  One JSON line
 per run on stdout (prefill runs: TTFT max and mean), then one summary line per value (medians).
 """
@@ -130,11 +133,14 @@ def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, flo
     rows = next(b for b in runner.buckets if b >= batch)
     g = runner.graphs[rows]
     times = []
-    runner.experts_touched(reset=True)
     with runner.stream:
         for _ in range(3):
             g.graph.launch(runner.stream)
-        touched = runner.experts_touched(reset=True)
+        # counted over the timed replays themselves: repeating one step's tokens at one position drifts its routing
+        # to fewer experts than its first replays touch (fifty-first session, batch 32: 70.8 experts a MoE layer in
+        # the first three replays, 66.3 over the timed ones, tests/gpu/replay_routing.py), and the floor printed
+        # beside each time is that of the experts counted
+        runner.experts_touched(reset=True)
         for _ in range(5):
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(runner.stream)
@@ -143,6 +149,7 @@ def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, flo
             end.record(runner.stream)
             end.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
+        touched = runner.experts_touched(reset=True)
     return statistics.median(times), touched
 
 
