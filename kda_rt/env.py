@@ -261,13 +261,17 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
-def kda_smem_state(default: bool) -> bool:
-    """KDA_RT_KDA_SMEM_STATE: 1 / 0 forces whether the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+)
-    brings each head's recurrent state into shared memory by bulk copies, three CTAs an SM, or into registers, two
-    an SM (kernels_cu/kda_decode.cu SMEM_STATE; the same outputs and pools bit for bit); unset: `default`, the
-    launcher's measured choice by batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a
-    CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_KDA_SMEM_STATE", "1" if default else "0")
+def kda_smem_state(default: int) -> int:
+    """KDA_RT_KDA_SMEM_STATE: how the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+) moves each head's
+    recurrent state (kernels_cu/kda_decode.cu SMEM_STATE; every form gives the same outputs and pools bit for bit):
+    0 into registers and out by stores, two CTAs an SM; 1 into shared memory by bulk copies, three CTAs an SM; 2 (a
+    bench form, not yet timed) back out by bulk copies too.  Unset: `default`, the launcher's measured choice by
+    batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a CUDA graph keeps what it
+    captured)."""
+    value = os.environ.get("KDA_RT_KDA_SMEM_STATE") or str(default)
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"KDA_RT_KDA_SMEM_STATE must be 0, 1 or 2, got {value!r}")
+    return int(value)
 
 
 def kda_conv_one_round() -> bool:

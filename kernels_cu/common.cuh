@@ -201,6 +201,17 @@ __device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, uns
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// `bytes` of shared memory at src into global memory at dst by the copy engine (bulk group of the issuing thread).
+// Every thread that wrote those bytes must have run fence_proxy_async_smem() and met the issuing thread at a barrier
+// first; the issuing thread commits and, before the CTA may leave (the shared memory must outlive the copy's reads),
+// waits with bulk_wait_read<0>().
+__device__ __forceinline__ void bulk_copy_s2g(void* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 // a box of a 2D tensor map (cp.async.bulk.tensor, TMA; map: the generic address of a CUtensorMap in global memory,
 // ops/tma.py) at coordinates (c0 inner, c1 outer) into shared memory at dst, completing by its bytes on bar
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const void* map, int c0, int c1, unsigned bar) {

@@ -87,6 +87,10 @@
 // is in flight an SM against 128 KB.  Each thread then reads exactly the float4s the register form holds, twice (the
 // sweep, then the delta write, which decays them again: the same products), so outputs and pools are bit for bit the
 // register form's (tests/kernels/test_kda_decode.py::test_kda_decode_smem_state).  The stores are unchanged.
+// SMEM_STATE = 2: the stores too: each thread writes its new float4s over the ones it read, and the warp's lane 0
+// copies the warp's rows back to global memory with one bulk copy (waiting for its reads of shared memory only at the
+// kernel's end), so the state's 128 KB a head never pass through the load / store units.  Prepared 2026-12-04, not
+// yet timed; bit for bit the other forms (the same values stored).
 #ifndef SMEM_STATE
 #define SMEM_STATE 0
 #endif
@@ -120,6 +124,7 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
 #define RPT (K / RG)             // consecutive state rows per thread
 #define NUM_WARPS (THREADS / 32)
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "kda_decode.cu: SPLIT must be 1, 2, 4 or 8");
+static_assert(SMEM_STATE >= 0 && SMEM_STATE <= 2, "kda_decode.cu: SMEM_STATE must be 0, 1 or 2");
 #if SMEM_STATE
 static_assert(SPLIT == 1 && CT == 32 && !FUSE_FG, "kda_decode.cu: SMEM_STATE needs SPLIT 1 (one row group a warp)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -242,7 +247,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     extern __shared__ __align__(128) float4 state_s[];  // [K][K / 4]
     __shared__ __align__(8) unsigned long long state_bar[NUM_WARPS];
     const unsigned bar = smem_addr(&state_bar[warp]);
-    const float4* my_rows = state_s + row0 * (K / 4) + ct;
+    float4* my_rows = state_s + row0 * (K / 4) + ct;
     if (!fresh && lane == 0) {
         mbar_init(bar, 1);
         mbar_arrive_expect_tx(bar, RPT * K * 4);
@@ -372,8 +377,20 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #endif
         si.x = fmaf(kd, kdelta[0], si.x), si.y = fmaf(kd, kdelta[1], si.y);
         si.z = fmaf(kd, kdelta[2], si.z), si.w = fmaf(kd, kdelta[3], si.w);
+#if SMEM_STATE == 2
+        my_rows[i * (K / 4)] = si;  // over the float4 this thread read (no other thread touches it)
+#else
         st_state(state + (row0 + i) * (K / 4), si);
+#endif
     }
+#if SMEM_STATE == 2
+    fence_proxy_async_smem();  // this thread's new rows, then the warp's, to the copy engine
+    __syncwarp();
+    if (lane == 0) {
+        bulk_copy_s2g(rec_pool + ((slot * num_heads + h) * K + row0) * K, smem_addr(state_s + row0 * (K / 4)), RPT * K * 4);
+        bulk_commit();
+    }
+#endif
 
     // ---- read-out and gated RMSNorm: lanes 0..CT-1 of warp 0 hold this CTA's VC outputs (4 each)
     float ss = 0.f;
@@ -409,4 +426,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #endif
         *reinterpret_cast<uint2*>(out + base) = *reinterpret_cast<const uint2*>(res);
     }
+#if SMEM_STATE == 2
+    if (lane == 0) bulk_wait_read<0>();  // the warp's rows read out of shared memory before the CTA leaves
+#endif
 }

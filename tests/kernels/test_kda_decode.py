@@ -122,8 +122,9 @@ def test_kda_decode_state_hints(num_seqs, gates, monkeypatch):
 @pytest.mark.parametrize("num_seqs, num_heads, gates", [(5, 4, "mixed"), (32, 8, "extreme"), (160, 4, "normal")])
 def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
     """The state by bulk copies into shared memory, three CTAs an SM (kda_decode.cu SMEM_STATE, forced through
-    KDA_RT_KDA_SMEM_STATE=1) on the same inputs as the register form, three steps (fresh and continuing sequences in
-    permuted slots): outputs and pools bit for bit the register form's (asserted first), which is checked against
+    KDA_RT_KDA_SMEM_STATE=1; =2 writes it back by bulk copies too) on the same inputs as the register form, three steps
+    (fresh and continuing sequences in permuted slots): outputs and pools bit for bit the register form's (asserted
+    first), which is checked against
     the reference with the state bound at 5e-4: on these draws one conv output of the fp32 kernel rounds to the
     other bf16 neighbour of the float64 reference's, which moves that head's state by ~2e-4 RMS (measured 1.66e-4 at
     B32-H8 step 2 and 1.96e-4 at B160-H4 step 0, H200; test_kda_decode_steps holds the kernel to 1e-4 on its own
@@ -136,9 +137,9 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
         pytest.skip("SMEM_STATE needs bulk copies and mbarriers (sm_90+)")
     monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", early)
     results, ref_failure = {}, None
-    for smem in ("0", "1"):
+    for smem in ("0", "1", "2"):
         monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
-        assert (decode_config(num_seqs=num_seqs)[2] == SMEM_STATE_MIN_BLOCKS) == (smem == "1")
+        assert (decode_config(num_seqs=num_seqs)[2] == SMEM_STATE_MIN_BLOCKS) == (smem != "0")
         rng = np.random.default_rng(7 * num_seqs + num_heads)
         inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 3)
         dev = upload(inp)
@@ -155,9 +156,10 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
                     ref_failure = ref_failure or e
             got.append([cupy.asnumpy(a).tobytes() for a in (out, dev["rec_pool"], dev["conv_pool"])])
         results[smem] = got
-    for step, (a, b) in enumerate(zip(results["1"], results["0"], strict=True)):
-        for name, x, y in zip(("out", "rec_pool", "conv_pool"), a, b, strict=True):
-            assert x == y, f"SMEM_STATE=1 step {step}: {name} differs from the register form's"
+    for smem in ("1", "2"):
+        for step, (a, b) in enumerate(zip(results[smem], results["0"], strict=True)):
+            for name, x, y in zip(("out", "rec_pool", "conv_pool"), a, b, strict=True):
+                assert x == y, f"SMEM_STATE={smem} step {step}: {name} differs from the register form's"
     if ref_failure is not None:
         raise ref_failure
 
@@ -338,14 +340,15 @@ def test_kda_decode_graph_capture(variant):
     assert np.array_equal(to_np(graphed["conv_pool"]), to_np(eager["conv_pool"]))
 
 
-@pytest.mark.parametrize("num_seqs, smem", [(1, "0"), (6, "0"), (6, "1")], ids=["B1", "B6", "B6-smem-state"])
+@pytest.mark.parametrize("num_seqs, smem", [(1, "0"), (6, "0"), (6, "1"), (6, "2")],
+                         ids=["B1", "B6", "B6-smem-state", "B6-smem-state-stores"])
 def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, smem, monkeypatch):
     """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
     own wait) writes q|k|v, then kda_decode with its state loaded before its wait (KDA_RT_KDA_EARLY_STATE=1);
     replayed four times on new inputs, the state carried in the pools from replay to replay.  Bit for bit the
     eager steps of the kernel that waits first (=0) on a copy of the same pools: a q|k|v read before the wait would
     see the previous replay's rows.  smem "1": the graph's kernel takes its state by bulk copies (SMEM_STATE) issued
-    before its wait, the eager one the register form."""
+    before its wait ("2": and writes it back by bulk copies), the eager one the register form."""
     import cupy
 
     from kda_rt.cuda.ops import pdl

@@ -83,9 +83,11 @@ def test_kda_decode_smem_state_switch(device, monkeypatch):
     monkeypatch.delenv("KDA_RT_KDA_SMEM_STATE")
     device((80, 108, 166912))
     assert kd.decode_config(num_seqs=256) == (1, 256, 2)
-    monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "yes")
+    monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "2")  # (the bulk stores' bench form: the same launch bounds)
     device(H200)
-    with pytest.raises(ValueError, match="KDA_RT_KDA_SMEM_STATE"):
+    assert kd.smem_state(1, False, 5) == 2 and kd.decode_config(num_seqs=5) == (1, 256, 3)
+    monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "yes")
+    with pytest.raises(ValueError, match="KDA_RT_KDA_SMEM_STATE must be 0, 1 or 2"):
         kd.decode_config(num_seqs=32)
 
 

@@ -51,10 +51,12 @@ SMEM_STATE_MIN_BLOCKS = 3
 _STATE_BYTES = 128 * 128 * 4
 
 
-def smem_state(split: int, fused: bool, num_seqs: int) -> bool:
-    """kda_decode.cu SMEM_STATE for a variant: the one-CTA-per-head kernel (split 1, the gates not fused) on sm_90+,
-    from SMEM_STATE_MIN_SEQS sequences (KDA_RT_KDA_SMEM_STATE forces it on or off)."""
-    return split == 1 and not fused and _clusters() and env.kda_smem_state(num_seqs >= SMEM_STATE_MIN_SEQS)
+def smem_state(split: int, fused: bool, num_seqs: int) -> int:
+    """kda_decode.cu SMEM_STATE for a variant (0: the register form): 1 for the one-CTA-per-head kernel (split 1, the
+    gates not fused) on sm_90+ from SMEM_STATE_MIN_SEQS sequences; KDA_RT_KDA_SMEM_STATE forces 0, 1 or 2 there."""
+    if split != 1 or fused or not _clusters():
+        return 0
+    return env.kda_smem_state(int(num_seqs >= SMEM_STATE_MIN_SEQS))
 
 
 def state_hints(num_seqs: int) -> int:
@@ -161,8 +163,9 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
             raise ValueError("fused low-rank gates need sm_90+, ranks that are multiples of 8 up to 256, one row "
                              "stride for f and gate, and 16-byte aligned rows")
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
-    smem = _STATE_BYTES if min_blocks == SMEM_STATE_MIN_BLOCKS and smem_state(n_split, fused, B) else 0
-    extra = {"SMEM_STATE": 1} if smem else {}  # (the register form's builds keep their cache keys)
+    mode = smem_state(n_split, fused, B) if n_threads == 256 else 0
+    smem = _STATE_BYTES if mode else 0
+    extra = {"SMEM_STATE": mode} if mode else {}  # (the register form's builds keep their cache keys)
     kernel = get_kernel("kda_decode.cu", "kda_decode_step", max_dynamic_smem=smem, HEAD_DIM=head_dim, CONV_W=W,
                         THREADS=n_threads, SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f,
                         RANK_G=rank_g, EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B), **extra)
