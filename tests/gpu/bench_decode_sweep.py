@@ -101,6 +101,8 @@ def sweep_kda(batches, variants=(None,), define: str = "", rounds: int = 1) -> N
                         "" if value is None else f" {name}={value}")
                     line(f"kda_decode B={B}{tag}", us, 2 * B * H * K * K * 4)
         kd.get_kernel = real_get
+        if name.startswith("KDA_RT_"):
+            os.environ.pop(name, None)  # (the launcher's own choice again for what follows)
         del dev
         cupy.get_default_memory_pool().free_all_blocks()
 
