@@ -227,6 +227,9 @@ class LLM:
         if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
             raise TypeError(f"prompts must be a str, a dict, a list of token ids or a list of those, got "
                             f"{type(prompts).__name__}")
+        if isinstance(prompts, (set, frozenset)):  # (was: taken in the set's arbitrary order)
+            raise TypeError("prompts must be a list (or another ordered iterable), got a set: outputs come back in "
+                            "prompt order, which a set does not have")
         prompts = list(prompts)
         if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
             prompts = [prompts]  # one prompt of token ids

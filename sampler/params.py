@@ -38,11 +38,13 @@ MAX_N = 1 << 16
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A Python or NumPy integer (not a bool: True is not a count); the fields keep them as Python ints."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _number(name: str, value: object, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
@@ -177,6 +179,7 @@ class SamplingParams:
         changed after construction are checked too."""
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, MAX_N = {MAX_N}], got {self.n!r}")
+        self._python_ints()
         self.temperature = _number("temperature", self.temperature, 0.0)
         self.top_p = _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or not -1 <= self.top_k <= _MAX_INT32:
@@ -210,7 +213,7 @@ class SamplingParams:
         if ids is not None and (not isinstance(ids, (list, tuple)) or
                                 not all(_is_int(i) and 0 <= i <= _MAX_INT32 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints in [0, 2**31 - 1]), got {ids!r:.200}")
-        self.stop_token_ids = list(ids or [])
+        self.stop_token_ids = [int(i) for i in ids or []]
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -234,7 +237,7 @@ class SamplingParams:
             if len(ids) > MAX_ALLOWED_TOKEN_IDS:
                 raise ValueError(f"allowed_token_ids has {len(ids)} ids; at most MAX_ALLOWED_TOKEN_IDS = "
                                  f"{MAX_ALLOWED_TOKEN_IDS}")
-            self.allowed_token_ids = list(ids)
+            self.allowed_token_ids = [int(i) for i in ids]
         self.allowed_ids_array = None if ids is None else np.unique(np.asarray(self.allowed_token_ids, np.int64))
         words = self.bad_words
         if words is not None:
@@ -248,6 +251,15 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
             self.structured_outputs.validate()
+
+    def _python_ints(self) -> None:
+        """NumPy integers given for the integer fields become Python ints (vLLM takes them too); each field is checked
+        after this, so anything that is not an integer is still refused by name."""
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer) and not isinstance(value, np.bool_):
+                setattr(self, name, int(value))
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -263,7 +275,7 @@ class SamplingParams:
             token = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 else k
             if not _is_int(token) or not 0 <= token <= _MAX_INT32:
                 raise ValueError(f"logit_bias keys must be token ids (ints in [0, 2**31 - 1]), got {k!r:.40}")
-            out[token] = _number(f"logit_bias[{token}]", v, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+            out[int(token)] = _number(f"logit_bias[{token}]", v, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
         self.logit_bias = out or None
 
     @property

@@ -181,7 +181,8 @@ def test_every_token_banned_is_an_error():
 @pytest.mark.parametrize(("prompt", "needle"), [(5, "prompts must be"), (b"abc", "prompts must be"),
                                                 ([None], "a prompt must be"), ([b"abc"], "a prompt must be"),
                                                 ([{"prompt_token_ids": None}], "prompt_token_ids must be"),
-                                                ([{"prompt": 5}], "'prompt' must be a str")])
+                                                ([{"prompt": 5}], "'prompt' must be a str"),
+                                                ({"a", "b"}, "got a set: outputs come back in prompt order")])
 def test_prompt_types_are_named(prompt, needle):
     """A prompt of a wrong type is a TypeError naming what a prompt may be (was: "'int' object is not iterable",
     or bytes read as token ids)."""

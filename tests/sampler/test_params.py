@@ -71,3 +71,21 @@ def test_huge_temperature_casts_without_overflow():
         warnings.simplefilter("error")
         batch = SamplingBatch.build(((p, 1, [1, 2], []) for p in params), [0])
     assert batch.temperature[0] == np.finfo(np.float32).max and batch.temperature[1] == np.float32(0.7)
+
+
+def test_numpy_numbers_accepted_as_python_ones():
+    """NumPy integers and floats are taken where ints and numbers are (vLLM takes them: a caller's max_tokens from an
+    array), and the integer fields keep them as Python ints (JSON, the engine's arithmetic); NumPy bools and
+    non-finite floats are still refused by name."""
+    p = SamplingParams(n=np.int64(2), max_tokens=np.int32(7), min_tokens=np.uint8(1), temperature=np.float32(0.5),
+                       top_k=np.int64(5), seed=np.uint64(3), logprobs=np.int8(2), stop_token_ids=[np.int64(5)],
+                       logit_bias={np.int64(9): np.float16(1.5)}, allowed_token_ids=[np.int16(3), 4])
+    ints = (p.n, p.max_tokens, p.min_tokens, p.top_k, p.seed, p.logprobs, *p.stop_token_ids, *p.logit_bias,
+            *p.allowed_token_ids)
+    assert ints == (2, 7, 1, 5, 3, 2, 5, 9, 3, 4) and all(type(i) is int for i in ints)
+    assert p.temperature == 0.5 and type(p.temperature) is float and p.logit_bias == {9: 1.5}
+    for bad, name in ((dict(n=np.bool_(True)), "n"), (dict(max_tokens=np.float64(3.0)), "max_tokens"),
+                      (dict(temperature=np.bool_(True)), "temperature"), (dict(top_p=np.float32("nan")), "top_p"),
+                      (dict(stop_token_ids=[np.bool_(False)]), "stop_token_ids")):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**bad)
