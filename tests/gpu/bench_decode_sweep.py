@@ -76,6 +76,9 @@ def sweep_kda(batches, variants=(None,), define: str = "", rounds: int = 1) -> N
 
     H, K = 32, 128
     name, values = define.split("=") if define else ("", "")
+    if name == "SMEM_STATE":  # (a build of it launched with no dynamic shared memory would copy past its end)
+        raise SystemExit("--kda-define: SMEM_STATE needs the launcher's shared memory and launch bounds: use "
+                         "--kda-define=KDA_RT_KDA_SMEM_STATE=0,1,2")
     values = [int(v) for v in values.split(",")] if define else [None]
     real_get = kd.get_kernel
     for B in batches:

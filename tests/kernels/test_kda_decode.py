@@ -164,6 +164,25 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
         raise ref_failure
 
 
+@pytest.mark.parametrize("smem", [1, 2])
+def test_kda_decode_smem_state_occupancy(smem):
+    """The shared-memory state forms hold three CTAs an SM (their point: 192 KB of state in flight an SM), which
+    their static shared memory leaves no byte to spare for on a 228 KB SM (ops/kda_decode.py SMEM_STATE_MIN_BLOCKS):
+    a byte more would silently drop them to two."""
+    import cupy
+
+    from kda_rt.cuda.ops import pdl
+    from kda_rt.cuda.ops.compile import get_kernel
+    from kda_rt.cuda.ops.kda_decode import _STATE_BYTES, SMEM_STATE_MIN_BLOCKS, _smem_optin, state_hints
+
+    if int(cupy.cuda.Device().compute_capability) < 90 or _smem_optin() < 232448:
+        pytest.skip("needs sm_90+ with 227 KB of shared memory a block (H100, H200, B200)")
+    kernel = get_kernel("kda_decode.cu", "kda_decode_step", max_dynamic_smem=_STATE_BYTES, HEAD_DIM=K, CONV_W=4,
+                        THREADS=256, SPLIT=1, MIN_BLOCKS=SMEM_STATE_MIN_BLOCKS, FUSE_FG=0, RANK_F=0, RANK_G=0,
+                        EARLY_STATE=1, STATE_HINTS=state_hints(32), SMEM_STATE=smem)
+    assert pdl.max_active_blocks(kernel, 256, _STATE_BYTES) == SMEM_STATE_MIN_BLOCKS
+
+
 def low_rank_inputs(rng, inp, num_heads, rank):
     """f_a / g_a outputs [B, rank] and f_b / g_b [P, rank] (bf16 values); inp's f and gate <- their products
     rounded to bf16 (what the unfused path gets from cuBLAS)."""

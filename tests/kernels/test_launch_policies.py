@@ -26,6 +26,7 @@ def device(monkeypatch):
     def use(spec):
         monkeypatch.setattr(smp, "_device", lambda _id: spec)
         monkeypatch.setattr(kd, "_clusters", lambda: spec[0] >= 90)
+        monkeypatch.setattr(kd, "_smem_optin", lambda: spec[2])
     return use
 
 
@@ -83,6 +84,10 @@ def test_kda_decode_smem_state_switch(device, monkeypatch):
     monkeypatch.delenv("KDA_RT_KDA_SMEM_STATE")
     device((80, 108, 166912))
     assert kd.decode_config(num_seqs=256) == (1, 256, 2)
+    device((120, 170, 101376))  # sm_120: 99 KB a block holds one such CTA an SM: the register form, even when forced
+    monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "1")
+    assert kd.decode_config(num_seqs=256) == (1, 256, 2) and kd.smem_state(1, False, 256) == 0
+    monkeypatch.delenv("KDA_RT_KDA_SMEM_STATE")
     monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "2")  # (the bulk stores' bench form: the same launch bounds)
     device(H200)
     assert kd.smem_state(1, False, 5) == 2 and kd.decode_config(num_seqs=5) == (1, 256, 3)

@@ -12,7 +12,7 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests monkeypatch this name)
-from kda_rt.cuda.ops.compile import get_kernel
+from kda_rt.cuda.ops.compile import get_kernel, smem_optin
 
 __all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
            "fuses_low_rank", "kda_decode", "smem_state", "state_hints"]
@@ -38,8 +38,9 @@ HINTS_BOTH_MAX_SEQS = 128
 
 
 # kda_decode.cu SMEM_STATE (KDA_RT_KDA_SMEM_STATE): the state by bulk copies into 64 KB of dynamic shared memory,
-# launch bounds for three CTAs an SM (80 registers, sm_90a ptxas; 11.3 KB of static shared memory each: 3 x (64 +
-# 11.3 + 1 reserved) KB is the H200's 228 KB).  H200, 2026-12-04 (fifty-first session), register form -> SMEM_STATE:
+# launch bounds for three CTAs an SM (80 registers, sm_90a ptxas; 11,264 bytes of static shared memory each: 3 x
+# (65,536 + 11,264 + 1,024 reserved) bytes is exactly the H200's 228 KB an SM, so a byte more of static shared memory
+# would leave two CTAs an SM: tests/kernels/test_kda_decode.py::test_kda_decode_smem_state_occupancy).  H200, 2026-12-04 (fifty-first session), register form -> SMEM_STATE:
 # the kernel alone (tests/gpu/bench_decode_sweep.py --parts=kda --kda-define=KDA_RT_KDA_SMEM_STATE=0,1, graph of 20
 # calls, three rounds, us) B = 8 9.3 -> 10.0, 32 42.0 -> 45.7, 64 78.0 -> 80.2, 128 154.5 -> 150.6, 256 304.7 ->
 # 290.1 (3.52 -> 3.70 TB/s); in the full 27-layer model's decode graph (tests/gpu/bench_ab.py --env
@@ -49,12 +50,22 @@ HINTS_BOTH_MAX_SEQS = 128
 SMEM_STATE_MIN_SEQS = 32
 SMEM_STATE_MIN_BLOCKS = 3
 _STATE_BYTES = 128 * 128 * 4
+# the opt-in shared memory a block that a GPU holding three of these CTAs an SM has (H100, H200, B200: 227 KB); on
+# others (sm_120: 99 KB, one such CTA an SM) the register form runs whatever KDA_RT_KDA_SMEM_STATE says
+_SMEM_STATE_OPTIN = 232448
+
+
+def _smem_optin() -> int:  # (tests monkeypatch this name)
+    import cupy
+
+    return smem_optin(cupy.cuda.Device().id)
 
 
 def smem_state(split: int, fused: bool, num_seqs: int) -> int:
     """kda_decode.cu SMEM_STATE for a variant (0: the register form): 1 for the one-CTA-per-head kernel (split 1, the
-    gates not fused) on sm_90+ from SMEM_STATE_MIN_SEQS sequences; KDA_RT_KDA_SMEM_STATE forces 0, 1 or 2 there."""
-    if split != 1 or fused or not _clusters():
+    gates not fused) on sm_90+ GPUs that hold three of its CTAs an SM, from SMEM_STATE_MIN_SEQS sequences;
+    KDA_RT_KDA_SMEM_STATE forces 0, 1 or 2 there."""
+    if split != 1 or fused or not _clusters() or _smem_optin() < _SMEM_STATE_OPTIN:
         return 0
     return env.kda_smem_state(int(num_seqs >= SMEM_STATE_MIN_SEQS))
 
