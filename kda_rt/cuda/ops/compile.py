@@ -104,6 +104,7 @@ def sm_count(device_id: int) -> int:
     return int(_cupy().cuda.runtime.deviceGetAttribute(16, device_id))  # cudaDevAttrMultiProcessorCount
 
 
+@functools.cache
 def smem_optin(device_id: int) -> int:
     """The most shared memory (static + dynamic, bytes) one block of CUDA device `device_id` may opt in to."""
     return int(_cupy().cuda.runtime.deviceGetAttribute(97, device_id))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
