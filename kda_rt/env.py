@@ -564,6 +564,14 @@ def moe_fused32() -> str:
     return value
 
 
+def moe_fused64() -> bool:
+    """KDA_RT_MOE_FUSED64 (bench switch): 0 runs the steps that take 64-row MoE tiles (bf16 decode batches of ~158-1370
+    tokens of the 48B shape) as two moe_grouped_gemm_tc launches instead of moe_decode_fused on 64-row tiles
+    (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64); default 1.  Read at each forward and by the precompile (a CUDA
+    graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_FUSED64")
+
+
 def mla_store_fold() -> bool:
     """KDA_RT_MLA_STORE_FOLD: 0 writes a decode step's MLA latent rows with their own kernel (mla_store.cu) instead
     of inside the mla_absorb_q launch of steps of up to 8 tokens (kernels_cu/mla_attn.cu); default 1.  Read at each

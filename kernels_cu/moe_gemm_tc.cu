@@ -542,8 +542,8 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 #define SB_STAGE (BN * 128 / (int)sizeof(wtype))  // elements of a B stage
 static_assert(BK * sizeof(wtype) == 128 && BN / 2 <= 256, "DEC_WS: one 128-byte k step a row, boxes of <= 256 rows");
 
-static_assert(BM <= 32 && HIDDEN % BK == 0 && INTER % BK == 0 && INTER % (BN / 2) == 0 && HIDDEN % BN == 0,
-              "DEC_WS: one producer lane an A row (BM <= 32), whole k steps and feature blocks");
+static_assert((BM <= 32 || BM == 64) && HIDDEN % BK == 0 && INTER % BK == 0 && INTER % (BN / 2) == 0 &&
+              HIDDEN % BN == 0, "DEC_WS: one producer lane an A row (two at BM = 64), whole k steps and feature blocks");
 
 // one arrival on bar (moe_gemm_wg.cu has the same helper; kept here so that common.cuh, which every kernel includes,
 // and with it every other kernel's cache key stay as they were)
@@ -597,11 +597,16 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
             const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
             const int K_ = gate_up ? HIDDEN : INTER, KT = K_ / BK;
-            // this lane's A row (lane < nrows <= BM <= 32): x's token row for gate/up, h's row for down
+            // this lane's A rows (lane and, at BM = 64, lane + 32, where < nrows): x's token row for gate/up, h's row
+            // for down
             const bf16* arow = nullptr;
+            const bf16* arow2 = nullptr;
             if (lane < nrows)
                 arow = gate_up ? x + (size_t)(__ldcg(sorted_pair + row0 + lane) / TOPK) * HIDDEN
                                : h + (size_t)(row0 + lane) * INTER;
+            if (BM > 32 && lane + 32 < nrows)
+                arow2 = gate_up ? x + (size_t)(__ldcg(sorted_pair + row0 + lane + 32) / TOPK) * HIDDEN
+                                : h + (size_t)(row0 + lane + 32) * INTER;
             const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
             const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
             const unsigned wbytes = BN * BK * sizeof(wtype), abytes = nrows * BK * 2;
@@ -644,6 +649,8 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                     __syncwarp();
                 }
                 if (arow) bulk_copy_g2s(smem_addr(sa + (stage * BM + lane) * LDS), arow + kt * BK, BK * 2, bar);
+                if (BM > 32 && arow2)
+                    bulk_copy_g2s(smem_addr(sa + (stage * BM + lane + 32) * LDS), arow2 + kt * BK, BK * 2, bar);
             }
         }
         return;

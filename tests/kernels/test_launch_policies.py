@@ -139,12 +139,12 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and
     both GEMMs for 16-, 32- (bf16 steps of 4-5.5 rows an expert, moe_gemm_tc.py FUSED32_BF16_MAX_AVG), 64- and
     128-row tiles, the 128-row GEMMs on wgmma where it runs, the fused decode kernel (both GEMMs in one launch) for
-    the two 16-row tiles and the 32-row one, the one-token GEMV gate/up and down, and the one-launch
+    the two 16-row tiles, the 32-row one and the 64-row one, the one-token GEMV gate/up and down, and the one-launch
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV",
                  "KDA_RT_FUSED_ROUTE", "KDA_RT_GEMV_SHARED_FIRST", "KDA_RT_GEMV_SIGNAL_OVERLAP", "KDA_RT_DOWN_GEMV",
-                 "KDA_RT_MOE_FUSED32"):
+                 "KDA_RT_MOE_FUSED32", "KDA_RT_MOE_FUSED64"):
         monkeypatch.delenv(name, raising=False)  # the policies' defaults, not a bench switch of the caller's shell
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
@@ -159,7 +159,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     monkeypatch.setattr(tc, "device_arch", lambda: arch)
     monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 25 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
     assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"),
@@ -170,7 +170,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         (1024, 2304, 1)]
     built.clear()
     monkeypatch.setenv("KDA_RT_DOWN_GEMV", "0")
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 23 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
                                                                     for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
     monkeypatch.delenv("KDA_RT_DOWN_GEMV")
@@ -188,9 +188,10 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
                                             for f, kw in built if f == "moe_align.cu")
     fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"], kw.get("DEC_WS")) for f, kw in built
                    if kw.get("FUSED_DECODE"))
-    # both 16-row tiles and the 32-row one take 128-byte k steps: the producer-warp form (DEC_WS, sm_90+) for each
-    assert fused == [(64, 6, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1)]
-    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32]
+    # both 16-row tiles, the 32-row one and the 64-row one (KDA_RT_MOE_FUSED64) take 128-byte k steps: the
+    # producer-warp form (DEC_WS, sm_90+) for each
+    assert fused == [(64, 6, 2304, 1024, 9, 1)] + [(128, 4, 2304, 1024, 9, 1)] * 3
+    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32, 64]
     gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
                    if "gemm" in f and not kw.get("FUSED_DECODE"))
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
@@ -1110,7 +1111,7 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
         tile = tc.fused_e4m3_tile(tile, shapes)
         assert tile == tc.TileConfig(32, 128, 128, 3, 1, 4, 2)
     assert tc.decode_ws(tile, e4m3) == 1 and 2 * tile.smem(e4m3) <= 227 * 1024
-    assert tc.fused_decode_tile(256, 2304, 1024, 64) is None  # (moe_decode_fused takes 16 or 32 rows)
+    assert tc.fused_decode_tile(256, 2304, 1024, 128) is None  # (moe_decode_fused takes 16, 32 or 64 rows)
     monkeypatch.setenv("KDA_RT_MOE_MIN_AVG_ROWS", "2")  # the override lowers the switch's start too
     assert [rows(t) for t in (57, 58, 115)] == [16, 32, 32]
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS")
@@ -1121,3 +1122,51 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     fused32 = [(kw["BK"], kw["STAGES"], kw["MIN_BLOCKS"], kw.get("DEC_WS"), kw.get("WFMT")) for f, kw in built
                if kw.get("FUSED_DECODE") and kw["BM"] == 32]
     assert fused32 == ([(128, 3, 2, 1, 1)] if e4m3 else [(64, 4, 2, 1, None)])
+
+
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+def test_moe_fused64_switch(monkeypatch, e4m3):
+    """KDA_RT_MOE_FUSED64 (bench switch, default 1): the steps that take 64-row tiles run moe_decode_fused on them,
+    the producer-warp form with two warp rows of 32 (bf16: the _DECODE k step, 4 stages; e4m3: 128 codes, 3 stages;
+    2 CTAs an SM either way), and the precompile builds it for every format whose steps take 64 rows; with 0 those
+    steps take moe_grouped_gemm_tc's two launches and nothing of it is built; any other value is refused by name."""
+    import kda_rt.cuda.moe as moe
+    import kda_rt.cuda.ops.moe_align as align
+    import kda_rt.cuda.ops.moe_gemm_tc as tc
+    import kda_rt.cuda.ops.moe_gemv as gemv
+    import kda_rt.cuda.ops.moe_route as route
+    import kda_rt.cuda.ops.quant as quant
+    import kda_rt.cuda.ops.rmsnorm as rms
+
+    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL", "KDA_RT_MOE_FUSED64"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")  # (e4m3 stacks: 64-row tiles from 18 rows an expert)
+    monkeypatch.setattr(tc, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
+    built = []
+    for mod in (align, tc, wg, route, gemv, quant, rms):
+        monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
+    cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
+    shapes = [(2048, 2304, True), (2304, 1024, False)]
+    assert tc.fused_rows() == (16, 32, 64)
+    assert tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == 64
+    tile = tc.fused_decode_tile(600, 2304, 1024, 64)
+    assert tile == tc.TileConfig(64, 128, 64, 4, 2, 4, 2)
+    if e4m3:
+        tile = tc.fused_e4m3_tile(tile, shapes)
+        assert tile == tc.TileConfig(64, 128, 128, 3, 2, 4, 2)
+    assert tc.decode_ws(tile, e4m3) == 1 and 2 * (tile.smem(e4m3) + 1024) <= 228 * 1024
+    assert tc.fused_decode_tile(600, 64, 64, 64) is None  # (K = 64: fewer k steps than the stages; two launches)
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    fused64 = [(kw["BK"], kw["STAGES"], kw["WARPS_M"], kw["WARPS_N"], kw["MIN_BLOCKS"], kw.get("DEC_WS"), kw.get("WFMT"))
+               for f, kw in built if kw.get("FUSED_DECODE") and kw["BM"] == 64]
+    assert fused64 == ([(128, 3, 2, 4, 2, 1, 1)] if e4m3 else [(64, 4, 2, 4, 2, 1, None)])
+    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
+    assert tc.fused_rows() == (16, 32)
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    assert not [kw for f, kw in built if kw.get("FUSED_DECODE") and kw["BM"] == 64]
+    assert [kw for f, kw in built if f == "moe_gemm_tc.cu" and kw.get("BM") == 64]  # (the two launches' tiles)
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "2")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED64 must be 0 or 1, got '2'"):
+        tc.fused_rows()

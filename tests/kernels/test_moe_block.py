@@ -171,19 +171,24 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T1024-E64-prefill-w8a8": ("T1024-E64-prefill", {"KDA_RT_FP8_PREFILL": "1"}),  # e4m3 sources (WFMT = 2)
     "T300-small-w8a8": ("T300-small", {"KDA_RT_FP8_PREFILL": "1"}),  # I = 128: the down GEMM's one k step, BN 128
     "T256-E256": ("T256-E256", {}),  # ~9 rows an expert: moe_decode_fused's 16-row tiles (MIN_AVG_ROWS_E4M3)
-    "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4"}),  # the same step on moe_gemm_tc's 64-row tiles
+    # the same step on moe_gemm_tc's 64-row tiles, and on moe_decode_fused's (KDA_RT_MOE_FUSED64)
+    "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "0"}),
+    "T256-E256-fused64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "1"}),
     "T256-E256-fused32": ("T256-E256", {"KDA_RT_MOE_FUSED32": "1"}),  # moe_decode_fused on 32-row tiles
     # the default for e4m3 steps of 18-48 rows an expert (moe_gemm_tc.py FUSED32_E4M3), brought down to this step
     "T256-E256-rows32": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED32": "e4m3"}),
 }
 
 
+@pytest.mark.parametrize("rows", [32, 64])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-def test_moe_forward_fused32(fused, monkeypatch):
-    """KDA_RT_MOE_FUSED32=1 (bench switch): a 256-token step of the 48B shape (~9 rows an expert on average) on
-    32-row tiles, both GEMMs in moe_decode_fused (checked: it ran, on a 32-row plan), against the NumPy block with
-    test_moe_forward's tolerance, and bit for bit the same tiles' two launches (KDA_RT_FUSED_MOE=0: moe_gemm_tc on
-    32-row tiles; the fused kernel computes each tile as they do)."""
+def test_moe_forward_fused_rows(fused, rows, monkeypatch):
+    """A 256-token step of the 48B shape (~9 rows an expert on average) on 32-row tiles (KDA_RT_MOE_FUSED32=1, bench
+    switch) or on 64-row tiles (KDA_RT_MOE_FUSED32=0; KDA_RT_MOE_FUSED64, the default: the producer lane copies A rows
+    lane and lane + 32, and with the shared expert in the stack its 256 rows fill four whole tiles), both GEMMs in
+    moe_decode_fused (checked: it ran, on a plan of those rows), against the NumPy block with test_moe_forward's
+    tolerance, and bit for bit the same step's two launches (KDA_RT_FUSED_MOE=0: moe_gemm_tc on tiles of as many
+    rows; each output sums the same k16 products in the same order, whatever the warp layout)."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -191,12 +196,14 @@ def test_moe_forward_fused32(fused, monkeypatch):
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.reference.moe import moe_forward as moe_ref
 
-    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1")
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1" if rows == 32 else "0")
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "1")
+    monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
     monkeypatch.delenv("KDA_RT_FUSED_MOE", raising=False)
     name = "T256-E256"
     T, D, inter, inter_s, E, kw = CASES[name]
     cfg = dataclasses.replace(make_cfg(E, **kw), num_shared_experts=1, intermediate_size=inter)
-    x, gpu, params = make_block(T, D, inter, inter_s, cfg, zlib.crc32(f"fused32/{name}".encode()))
+    x, gpu, params = make_block(T, D, inter, inter_s, cfg, zlib.crc32(f"fused{rows}/{name}".encode()))
     ref = moe_ref(params, x, cfg)
     plans = []
     real = moe.moe_decode_fused
@@ -209,11 +216,11 @@ def test_moe_forward_fused32(fused, monkeypatch):
         poison(out)
         run(gpu, cfg, fused, out=out, workspace=ws)
         outs.append(to_np(out))
-    assert plans == [32], f"moe_decode_fused ran on plans of {plans} rows (want one 32-row call)"
+    assert plans == [rows], f"moe_decode_fused ran on plans of {plans} rows (want one {rows}-row call)"
     err = rms_rel(outs[0], ref)
-    print(f"\n{name} 32-row tiles: rms rel err {err:.2e}", end="")
+    print(f"\n{name} {rows}-row tiles: rms rel err {err:.2e}", end="")
     assert err <= 1e-2, f"{name}: rms rel err {err:.3e}, max abs {np.max(np.abs(outs[0] - ref)):.3e}"
-    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), "fused != two launches on 32-row tiles"
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), f"fused != two launches, {rows} rows"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
@@ -307,7 +314,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
     if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
     if name == "T256-E256":  # the path the case names ran: moe_decode_fused on 16- or 32-row tiles, or neither
-        want = {"T256-E256": [16], "T256-E256-fused32": [32], "T256-E256-rows32": [32], "T256-E256-tc64": []}[case]
+        want = {"T256-E256": [16], "T256-E256-fused32": [32], "T256-E256-rows32": [32], "T256-E256-tc64": [],
+                "T256-E256-fused64": [64]}[case]
         assert fused_runs == want, f"{case}: moe_decode_fused ran on plans of {fused_runs} rows, want {want}"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
@@ -318,11 +326,13 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
 @pytest.mark.parametrize("launches", ["one", "two"], ids=["fused-gemms", "two-gemms"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-@pytest.mark.parametrize("T,E", [(1, 256), (4, 256), (16, 64), (512, 16)],
-                         ids=["T1-E256-gemv", "T4-E256-decode", "T16-E64-decode", "T512-E16-prefill"])
+@pytest.mark.parametrize("T,E", [(1, 256), (4, 256), (16, 64), (128, 64), (512, 16)],
+                         ids=["T1-E256-gemv", "T4-E256-decode", "T16-E64-decode", "T128-E64-decode64",
+                              "T512-E16-prefill"])
 def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatch):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
-    new per-expert counts, same grids.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
+    new per-expert counts, same grids.  T128-E64 (~16 rows an expert) takes 64-row tiles: moe_decode_fused's
+    (KDA_RT_MOE_FUSED64) or, with two launches, moe_gemm_tc's.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
     with programmatic dependent launches, as the decode graphs are.  launches: the decode steps' two expert
     GEMMs in one launch (moe_decode_fused, whose counters the replay's bucketing zeroes again) or two (the
     down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'
@@ -339,6 +349,10 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         monkeypatch.setenv("KDA_RT_FUSED_ROUTE", "0")
     if T >= 512 and (launches == "one" or route == "one"):
         pytest.skip("prefill sizes take the two-launch, three-kernel route path either way")
+    if T == 128 and route == "one":
+        pytest.skip("128 tokens take the three-kernel route path either way")
+    monkeypatch.delenv("KDA_RT_MOE_FUSED64", raising=False)  # T128: ~16 rows an expert, moe_decode_fused's 64-row tiles
+    monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
     if T == 1 and launches == "two":
         pytest.skip("one token takes the gate/up and down GEMVs either way")
 

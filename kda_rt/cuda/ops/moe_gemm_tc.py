@@ -21,7 +21,7 @@ from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 __all__ = ["E4M3_CONVERT", "FUSED32_BF16_MAX_AVG", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS",
            "MIN_AVG_ROWS_E4M3",
            "SMALL_DECODE_TOKENS", "TileConfig", "built_tile_rows", "check_grouped_gemm", "check_scale",
-           "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "moe_decode_fused",
+           "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "fused_rows", "moe_decode_fused",
            "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
@@ -102,6 +102,15 @@ SMALL_DECODE_TOKENS = 8
 # 115-157 tokens), where the measured crossover lies (between 4.48 and 6.72; 5.5 itself not measured).
 FUSED32_BF16_MAX_AVG = 5.5
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
+# 64-row tiles on moe_decode_fused (KDA_RT_MOE_FUSED64): the steps that take 64-row tiles (bf16 stacks from 5.5 rows
+# an expert to 48, decode batches of ~158-1370 tokens of the 48B shape; e4m3 stacks only with KDA_RT_MOE_FUSED32=0 or
+# a lowered KDA_RT_MOE_MIN_AVG_ROWS) ran both GEMMs as two moe_grouped_gemm_tc launches, whose cp.async stages stream
+# the weights at ~3.5 TB/s (bf16, batch 256: 13.0 ms of a 26.5 ms step at 8K context, forty-ninth session), while the
+# producer-warp form streams them at ~4.4 TB/s at batch 32.  Two warp rows of 32 (2 x 4 consumer warps, each the
+# 32-row tile's 32 x 32 warp tile: the same registers), the producer lane copying A rows lane and lane + 32; bf16
+# the _DECODE k step, 4 stages, 108 KB; e4m3 128 codes, 3 stages, 105 KB: 2 CTAs an SM.  A warp row with no rows of
+# the tile skips its products (most experts of a decode step hold fewer than 33 rows).
+_DECODE64 = TileConfig(64, 128, 64, 4, 2, 4, 2)
 
 
 def _fits(t: TileConfig, nout: int, k: int, fuse_silu: bool, e4m3: bool = False) -> bool:
@@ -182,12 +191,13 @@ def e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConf
 # features (8 warps) at 3 stages one CTA an SM (2.9) or 2 stages two (3.5-3.7), 64 features (2.7-2.9).
 _FUSED_E4M3 = TileConfig(16, 128, 128, 3, 1, 4, 3)
 _FUSED_E4M3_32 = TileConfig(32, 128, 128, 3, 1, 4, 2)  # (_DECODE32's note)
+_FUSED_E4M3_64 = TileConfig(64, 128, 128, 3, 2, 4, 2)  # (_DECODE64's note)
 
 
 def fused_e4m3_tile(tile: TileConfig, shapes: list[tuple[int, int, bool]]) -> TileConfig | None:
     """moe_decode_fused's tile for e4m3 weights, given its bf16 tile: _FUSED_E4M3 where both GEMMs of `shapes` take
     it, else e4m3_tile's."""
-    fused = {16: _FUSED_E4M3, 32: _FUSED_E4M3_32}.get(tile.bm) if tile is not None else None
+    fused = {16: _FUSED_E4M3, 32: _FUSED_E4M3_32, 64: _FUSED_E4M3_64}.get(tile.bm) if tile is not None else None
     if fused is not None and all(_fits(fused, n, k, silu, e4m3=True) for n, k, silu in shapes):
         return fused
     return e4m3_tile(tile, shapes) if tile is not None else None
@@ -268,15 +278,24 @@ def moe_gemm_tc(src, weight, plan: MoEPlan, *, top_k: int, fuse_silu: bool, out,
 # replays: bench_moe_decode.py --fused T = 1 34.5 -> 39.1 us; the full model's batch-1 step 2.538 -> 2.565 ms),
 # from T = 4 it wins (113.3 -> 107.4 us; batch 8 5.559 -> 5.425 ms, batch 32 8.416 -> 8.160 ms).
 FUSED_MIN_TOKENS = 2
-# the tile rows moe_decode_fused takes (its producer-warp form copies one A row a lane: at most 32)
-FUSED_TILE_ROWS = (16, 32)
+# the tile rows moe_decode_fused takes (its producer-warp form copies one A row a lane, two at 64 rows)
+FUSED_TILE_ROWS = (16, 32, 64)
+
+
+def fused_rows() -> tuple[int, ...]:
+    """The tile rows of the steps that run moe_decode_fused (from FUSED_MIN_TOKENS tokens): 16 and 32, and 64 unless
+    KDA_RT_MOE_FUSED64=0 (then those steps take moe_grouped_gemm_tc's two launches)."""
+    return FUSED_TILE_ROWS if env.moe_fused64() else FUSED_TILE_ROWS[:2]
 
 
 def fused_decode_tile(tokens: int, hidden: int, inter: int, bm: int = 16) -> TileConfig | None:
-    """The `bm`-row decode tile (16, or 32: KDA_RT_MOE_FUSED32) that both GEMMs of a `tokens`-token step take
+    """The `bm`-row decode tile (16, 32 or 64: FUSED_TILE_ROWS) that both GEMMs of a `tokens`-token step take
     as they are (gate/up: w13 [2I, D], down: w2 [D, I]), or None: then the two-launch path runs."""
     if bm not in FUSED_TILE_ROWS:
         return None
+    if bm == 64:  # (not moe_grouped_gemm_tc's 64-row tile: _DECODE64's note)
+        ok = _fits(_DECODE64, 2 * inter, hidden, True) and _fits(_DECODE64, hidden, inter, False)
+        return _DECODE64 if ok else None
     t = tile_config(bm, 2 * inter, hidden, True, tokens)
     if t is None or t != tile_config(bm, hidden, inter, False, tokens):
         return None
