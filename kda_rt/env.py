@@ -553,7 +553,8 @@ def moe_min_avg_rows(default: int) -> int:
 def moe_fused32() -> str:
     """KDA_RT_MOE_FUSED32 (bench switch): which steps take 32-row tiles (on moe_decode_fused where it runs).  "auto"
     (the default): e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert on average (decode batches of ~514-1370
-    tokens of the 48B shape), instead of the 64-row tiles that widen e4m3 to bf16, and bf16 stacks from MIN_AVG_ROWS
+    tokens of the 48B shape) where KDA_RT_MOE_FUSED64 leaves them on the 64-row tiles that widen e4m3 to bf16 (by
+    default it takes them to moe_decode_fused's 64-row tiles instead), and bf16 stacks from MIN_AVG_ROWS
     to FUSED32_BF16_MAX_AVG (batches of ~115-157 tokens), instead of 64-row tiles; "e4m3": the e4m3 part alone; "1":
     every step of 4 to 48 rows an expert in both formats (the 16-row tiles of e4m3 stacks below MIN_AVG_ROWS_E4M3
     too); "0": none (the 64-row tiles).  Read at each forward and by the precompile (a CUDA graph keeps what it
@@ -564,12 +565,16 @@ def moe_fused32() -> str:
     return value
 
 
-def moe_fused64() -> bool:
-    """KDA_RT_MOE_FUSED64 (bench switch): 0 runs the steps that take 64-row MoE tiles (bf16 decode batches of ~158-1370
-    tokens of the 48B shape) as two moe_grouped_gemm_tc launches instead of moe_decode_fused on 64-row tiles
-    (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64); default 1.  Read at each forward and by the precompile (a CUDA
-    graph keeps what it captured)."""
-    return _on_off("KDA_RT_MOE_FUSED64")
+def moe_fused64() -> str:
+    """KDA_RT_MOE_FUSED64 (bench switch): which steps that take 64-row MoE tiles run moe_decode_fused on them
+    (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64) instead of two moe_grouped_gemm_tc launches.  "auto" (the default):
+    e4m3 stacks (from MIN_AVG_ROWS_E4M3 to 48 rows an expert, in place of the 32-row fused tiles: moe_gemm_tc.py
+    FUSED64_E4M3); "1": bf16 stacks too (bf16 decode batches of ~158-1370 tokens of the 48B shape: slower there,
+    FUSED64_BF16); "0": none.  Read at each forward and by the precompile (a CUDA graph keeps what it captured)."""
+    value = os.environ.get("KDA_RT_MOE_FUSED64") or "auto"
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"KDA_RT_MOE_FUSED64 must be auto, 1 or 0, got {value!r}")
+    return value
 
 
 def mla_store_fold() -> bool:

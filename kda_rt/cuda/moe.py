@@ -167,7 +167,7 @@ def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = Fal
                     tc_kernel(e4m3_tile(small, [(nout, k, fuse)]) if e4m3 else small, k, nout, fuse, pairs, e4m3)
                     count += 1
         count += 3
-        if bm in fused_rows():  # both decode GEMMs in one launch, for small and larger batches
+        if bm in fused_rows(e4m3):  # both decode GEMMs in one launch, for small and larger batches
             fused_tiles = {fused_e4m3_tile(t, shapes) if e4m3 else t  # (e4m3: one tile for both sizes)
                            for tokens in (FUSED_MIN_TOKENS, SMALL_DECODE_TOKENS + 1)
                            if (t := fused_decode_tile(tokens, D, inter, bm))}
@@ -322,7 +322,7 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         expect(x_codes[0], "x_codes[0]", shape=(T, D), dtype=np.uint8)
         expect(x_codes[1], "x_codes[1]", shape=(T,), dtype=np.float32)
     # decode sizes from FUSED_MIN_TOKENS: both GEMMs in one launch (moe_decode_fused), where one tile fits both
-    fused_tile = (fused_decode_tile(T, D, inter, bm) if bm in fused_rows() and T >= FUSED_MIN_TOKENS
+    fused_tile = (fused_decode_tile(T, D, inter, bm) if bm in fused_rows(w.e4m3) and T >= FUSED_MIN_TOKENS
                   and env.fused_moe() else None)
     if fused_tile is not None and w.e4m3:  # (its e4m3 k step: the same weight bytes a stage)
         fused_tile = fused_e4m3_tile(fused_tile, [(two_i, D, True), (D, inter, False)])

@@ -139,7 +139,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and
     both GEMMs for 16-, 32- (bf16 steps of 4-5.5 rows an expert, moe_gemm_tc.py FUSED32_BF16_MAX_AVG), 64- and
     128-row tiles, the 128-row GEMMs on wgmma where it runs, the fused decode kernel (both GEMMs in one launch) for
-    the two 16-row tiles, the 32-row one and the 64-row one, the one-token GEMV gate/up and down, and the one-launch
+    the two 16-row tiles and the 32-row one, the one-token GEMV gate/up and down, and the one-launch
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV",
@@ -159,7 +159,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     monkeypatch.setattr(tc, "device_arch", lambda: arch)
     monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 25 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
     assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"),
@@ -170,7 +170,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         (1024, 2304, 1)]
     built.clear()
     monkeypatch.setenv("KDA_RT_DOWN_GEMV", "0")
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 23 + len({route.fused_route_rows(t)
                                                                     for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
     monkeypatch.delenv("KDA_RT_DOWN_GEMV")
@@ -188,10 +188,10 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
                                             for f, kw in built if f == "moe_align.cu")
     fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"], kw.get("DEC_WS")) for f, kw in built
                    if kw.get("FUSED_DECODE"))
-    # both 16-row tiles, the 32-row one and the 64-row one (KDA_RT_MOE_FUSED64) take 128-byte k steps: the
-    # producer-warp form (DEC_WS, sm_90+) for each
-    assert fused == [(64, 6, 2304, 1024, 9, 1)] + [(128, 4, 2304, 1024, 9, 1)] * 3
-    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32, 64]
+    # both 16-row tiles and the 32-row one take 128-byte k steps: the producer-warp form (DEC_WS, sm_90+) for each;
+    # bf16 steps of 64-row tiles take two launches (moe_gemm_tc.py FUSED64_BF16)
+    assert fused == [(64, 6, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1)]
+    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32]
     gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
                    if "gemm" in f and not kw.get("FUSED_DECODE"))
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
@@ -217,6 +217,7 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     monkeypatch.setenv("KDA_RT_FP8_PREFILL", fp8_prefill)
     monkeypatch.delenv("KDA_RT_NORM_E4M3", raising=False)
     monkeypatch.delenv("KDA_RT_MOE_FUSED32", raising=False)
+    monkeypatch.delenv("KDA_RT_MOE_FUSED64", raising=False)
     built = []
     for mod in (align, tc, wg, route, gemv, quant, rms):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, n, kw)))
@@ -226,9 +227,9 @@ def test_runner_precompiles_the_e4m3_prefill_variants(monkeypatch, fp8_prefill):
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=True)
     # the e4m3 fused decode kernels (128-code k steps: 128 bytes) in their producer-warp form, on 16- and (from 18
-    # rows an expert, moe_gemm_tc.py FUSED32_E4M3) 32-row tiles
+    # rows an expert, moe_gemm_tc.py FUSED64_E4M3) 64-row tiles
     fused = sorted((kw["BM"], kw["BK"], kw["WFMT"], kw.get("DEC_WS")) for f, n, kw in built if kw.get("FUSED_DECODE"))
-    assert fused == [(16, 128, 1, 1), (32, 128, 1, 1)]
+    assert fused == [(16, 128, 1, 1), (64, 128, 1, 1)]
     wgs = sorted((kw["K"], kw["FUSE_SILU"], kw["WFMT"]) for f, n, kw in built if f == "moe_gemm_wg.cu")
     want = [(2304, 1, 1), (1024, 0, 1)] + ([(2304, 1, 2), (1024, 0, 2)] if fp8_prefill == "1" else [])
     assert wgs == sorted(want)
@@ -1030,25 +1031,32 @@ def test_decode_ws_form_by_arch_tile_and_switch(monkeypatch):
 
 @pytest.mark.parametrize(("tokens", "bf16_rows", "e4m3_rows"),
                          [(8, 16, 16), (114, 16, 16), (115, 32, 16), (157, 32, 16), (158, 64, 16), (256, 64, 16),
-                          (513, 64, 16), (514, 64, 32),
-                          (1370, 64, 32), (1371, 128, 128)])
+                          (513, 64, 16), (514, 64, 64),
+                          (1370, 64, 64), (1371, 128, 128)])
 def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatch):
     """The MoE GEMMs' tile rows of a step of the 48B shape (8 experts + the shared slot a token, 257 bins), by the
     average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS) for 32-row ones up to
     5.5 (moe_gemm_tc.py FUSED32_BF16_MAX_AVG), then 64-row ones, e4m3 stacks at 18 (MIN_AVG_ROWS_E4M3:
-    moe_decode_fused streams codes faster than the 64-row tiles widen them, measured to batch 512) for 32-row ones
-    (FUSED32_E4M3; KDA_RT_MOE_FUSED32=0: 64-row in both formats, e4m3: the bf16 stacks' 64-row), both take 128-row
-    tiles from 48; KDA_RT_MOE_MIN_AVG_ROWS overrides the first threshold for both."""
-    from kda_rt.cuda.ops.moe_gemm_tc import built_tile_rows, prefill_tile_rows
+    moe_decode_fused streams codes faster than the 64-row tiles widen them, measured to batch 512) for 64-row ones,
+    on moe_decode_fused (FUSED64_E4M3; with KDA_RT_MOE_FUSED64=0 32-row ones, FUSED32_E4M3; KDA_RT_MOE_FUSED32=0:
+    64-row in both formats, e4m3: the bf16 stacks' 64-row), both take 128-row tiles from 48;
+    KDA_RT_MOE_MIN_AVG_ROWS overrides the first threshold for both."""
+    from kda_rt.cuda.ops.moe_gemm_tc import built_tile_rows, fused_rows, prefill_tile_rows
 
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
     monkeypatch.delenv("KDA_RT_MOE_FUSED32", raising=False)
+    monkeypatch.delenv("KDA_RT_MOE_FUSED64", raising=False)
     pairs, bins = 9 * tokens, 257
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == bf16_rows
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
     assert bf16_rows in built_tile_rows(False) and e4m3_rows in built_tile_rows(True)
+    assert (e4m3_rows in fused_rows(True)) == (e4m3_rows < 128) and (bf16_rows in fused_rows(False)) == (bf16_rows < 64)
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
+    assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == (32 if e4m3_rows == 64 else e4m3_rows)
+    assert 32 in built_tile_rows(True) and 64 not in built_tile_rows(True)
+    monkeypatch.delenv("KDA_RT_MOE_FUSED64")
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")
-    assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == (64 if e4m3_rows == 32 else e4m3_rows)
+    assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == (64 if bf16_rows == 32 else bf16_rows)
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "e4m3")
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
@@ -1070,7 +1078,8 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     """KDA_RT_MOE_FUSED32=1 (bench switch): steps of 4-48 rows an expert take 32-row tiles in both formats, both
     GEMMs on moe_decode_fused's producer-warp form (bf16: the _DECODE k step; e4m3: 128 codes, 3 stages, 2 CTAs an
     SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel; with 0 nothing of them; by
-    default (auto) e4m3 stacks take them from 18 rows an expert and bf16 stacks from 4 to 5.5."""
+    default (auto) bf16 stacks take them from 4 to 5.5 rows an expert, and e4m3 stacks from 18 where
+    KDA_RT_MOE_FUSED64=0 leaves them (by default the 64-row fused tiles take those)."""
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
     import kda_rt.cuda.ops.moe_gemm_tc as tc
@@ -1092,9 +1101,17 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     def rows(tokens):
         return tc.prefill_tile_rows(9 * tokens, 257, 2304, 1024, e4m3=e4m3)
 
+    monkeypatch.delenv("KDA_RT_MOE_FUSED64", raising=False)
     default = [rows(t) for t in (8, 115, 256, 600, 1371)]
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    # (e4m3 stacks: the 64-row fused tiles by default, moe_gemm_tc.py FUSED64_E4M3; the 32-row ones without them)
+    assert bool([kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]) != e4m3
+    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
+    assert rows(600) == (32 if e4m3 else 64)
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
     assert [kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]
+    monkeypatch.delenv("KDA_RT_MOE_FUSED64")
     built.clear()
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")
     off = [rows(t) for t in (8, 115, 256, 600, 1371)]
@@ -1104,7 +1121,7 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1")
     assert [rows(t) for t in (8, 114, 115, 256, 600, 1370, 1371)] == [16, 16, 32, 32, 32, 32, 128]
     assert off == ([16, 16, 16, 64, 128] if e4m3 else [16, 64, 64, 64, 128])
-    assert default == ([16, 16, 16, 32, 128] if e4m3 else [16, 32, 64, 64, 128])
+    assert default == ([16, 16, 16, 64, 128] if e4m3 else [16, 32, 64, 64, 128])
     tile = tc.fused_decode_tile(256, 2304, 1024, 32)
     assert tile == tc.TileConfig(32, 128, 64, 4, 1, 4, 2)
     if e4m3:
@@ -1126,10 +1143,11 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
 
 @pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
 def test_moe_fused64_switch(monkeypatch, e4m3):
-    """KDA_RT_MOE_FUSED64 (bench switch, default 1): the steps that take 64-row tiles run moe_decode_fused on them,
-    the producer-warp form with two warp rows of 32 (bf16: the _DECODE k step, 4 stages; e4m3: 128 codes, 3 stages;
-    2 CTAs an SM either way), and the precompile builds it for every format whose steps take 64 rows; with 0 those
-    steps take moe_grouped_gemm_tc's two launches and nothing of it is built; any other value is refused by name."""
+    """KDA_RT_MOE_FUSED64 (bench switch): which steps that take 64-row tiles run moe_decode_fused on them, in its
+    producer-warp form with two warp rows of 32 (bf16: the _DECODE k step, 4 stages; e4m3: 128 codes, 3 stages; 2 CTAs
+    an SM either way): by default (auto) e4m3 stacks only (moe_gemm_tc.py FUSED64_E4M3, FUSED64_BF16), with 1 both
+    formats, with 0 neither (moe_grouped_gemm_tc's two launches, and e4m3 stacks back on the 32-row fused tiles); the
+    precompile builds the 64-row fused kernel exactly where a step takes it; any other value is refused by name."""
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
     import kda_rt.cuda.ops.moe_gemm_tc as tc
@@ -1138,9 +1156,9 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
     import kda_rt.cuda.ops.quant as quant
     import kda_rt.cuda.ops.rmsnorm as rms
 
-    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL", "KDA_RT_MOE_FUSED64"):
+    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL", "KDA_RT_MOE_FUSED32",
+                 "KDA_RT_MOE_FUSED64"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")  # (e4m3 stacks: 64-row tiles from 18 rows an expert)
     monkeypatch.setattr(tc, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
     built = []
@@ -1148,8 +1166,17 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
     shapes = [(2048, 2304, True), (2304, 1024, False)]
-    assert tc.fused_rows() == (16, 32, 64)
-    assert tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == 64
+
+    def fused64_built():
+        built.clear()
+        moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+        return [(kw["BK"], kw["STAGES"], kw["WARPS_M"], kw["WARPS_N"], kw["MIN_BLOCKS"], kw.get("DEC_WS"),
+                 kw.get("WFMT")) for f, kw in built if kw.get("FUSED_DECODE") and kw["BM"] == 64]
+
+    want = [(128, 3, 2, 4, 2, 1, 1)] if e4m3 else [(64, 4, 2, 4, 2, 1, None)]
+    rows = tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3)
+    assert rows == 64 and (64 in tc.fused_rows(e4m3)) == e4m3  # (auto)
+    assert fused64_built() == (want if e4m3 else [])
     tile = tc.fused_decode_tile(600, 2304, 1024, 64)
     assert tile == tc.TileConfig(64, 128, 64, 4, 2, 4, 2)
     if e4m3:
@@ -1157,16 +1184,13 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
         assert tile == tc.TileConfig(64, 128, 128, 3, 2, 4, 2)
     assert tc.decode_ws(tile, e4m3) == 1 and 2 * (tile.smem(e4m3) + 1024) <= 228 * 1024
     assert tc.fused_decode_tile(600, 64, 64, 64) is None  # (K = 64: fewer k steps than the stages; two launches)
-    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
-    fused64 = [(kw["BK"], kw["STAGES"], kw["WARPS_M"], kw["WARPS_N"], kw["MIN_BLOCKS"], kw.get("DEC_WS"), kw.get("WFMT"))
-               for f, kw in built if kw.get("FUSED_DECODE") and kw["BM"] == 64]
-    assert fused64 == ([(128, 3, 2, 4, 2, 1, 1)] if e4m3 else [(64, 4, 2, 4, 2, 1, None)])
-    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "1")
+    assert tc.fused_rows(e4m3) == (16, 32, 64) and tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == 64
+    assert fused64_built() == want
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
-    assert tc.fused_rows() == (16, 32)
-    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
-    assert not [kw for f, kw in built if kw.get("FUSED_DECODE") and kw["BM"] == 64]
-    assert [kw for f, kw in built if f == "moe_gemm_tc.cu" and kw.get("BM") == 64]  # (the two launches' tiles)
+    assert tc.fused_rows(e4m3) == (16, 32)
+    assert tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == (32 if e4m3 else 64)
+    assert fused64_built() == []
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "2")
-    with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED64 must be 0 or 1, got '2'"):
-        tc.fused_rows()
+    with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED64 must be auto, 1 or 0, got '2'"):
+        tc.fused_rows(e4m3)

@@ -173,9 +173,10 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T256-E256": ("T256-E256", {}),  # ~9 rows an expert: moe_decode_fused's 16-row tiles (MIN_AVG_ROWS_E4M3)
     # the same step on moe_gemm_tc's 64-row tiles, and on moe_decode_fused's (KDA_RT_MOE_FUSED64)
     "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "0"}),
-    "T256-E256-fused64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "1"}),
+    # (the default for e4m3 steps of 18-48 rows an expert, moe_gemm_tc.py FUSED64_E4M3, brought down to this step)
+    "T256-E256-fused64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "auto"}),
     "T256-E256-fused32": ("T256-E256", {"KDA_RT_MOE_FUSED32": "1"}),  # moe_decode_fused on 32-row tiles
-    # the default for e4m3 steps of 18-48 rows an expert (moe_gemm_tc.py FUSED32_E4M3), brought down to this step
+    # the 32-row tiles e4m3 steps of 18-48 rows an expert took before FUSED64_E4M3, brought down to this step
     "T256-E256-rows32": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED32": "e4m3"}),
 }
 
@@ -184,11 +185,12 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 def test_moe_forward_fused_rows(fused, rows, monkeypatch):
     """A 256-token step of the 48B shape (~9 rows an expert on average) on 32-row tiles (KDA_RT_MOE_FUSED32=1, bench
-    switch) or on 64-row tiles (KDA_RT_MOE_FUSED32=0; KDA_RT_MOE_FUSED64, the default: the producer lane copies A rows
-    lane and lane + 32, and with the shared expert in the stack its 256 rows fill four whole tiles), both GEMMs in
-    moe_decode_fused (checked: it ran, on a plan of those rows), against the NumPy block with test_moe_forward's
-    tolerance, and bit for bit the same step's two launches (KDA_RT_FUSED_MOE=0: moe_gemm_tc on tiles of as many
-    rows; each output sums the same k16 products in the same order, whatever the warp layout)."""
+    switch) or on 64-row tiles (KDA_RT_MOE_FUSED32=0, KDA_RT_MOE_FUSED64=1: the producer lane copies A rows
+    lane and lane + 32, and with the shared expert in the stack its 256 rows fill four whole tiles; a bench switch
+    for bf16 stacks), both GEMMs in moe_decode_fused (checked: it ran, on a plan of those rows), against the NumPy
+    block with test_moe_forward's tolerance, and bit for bit the same step's two launches (KDA_RT_FUSED_MOE=0:
+    moe_gemm_tc on tiles of as many rows; each output sums the same k16 products in the same order, whatever the warp
+    layout)."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -250,7 +252,8 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
         pytest.skip("e4m3 weights need sm_89 or newer")
     name, switches = E4M3_CASES[case]
     # widened weights unless the case names the e4m3 sources; the policy's tiles unless it names a switch
-    switches = {"KDA_RT_FP8_PREFILL": "0", "KDA_RT_MOE_FUSED32": "0", "KDA_RT_MOE_MIN_AVG_ROWS": "", **switches}
+    switches = {"KDA_RT_FP8_PREFILL": "0", "KDA_RT_MOE_FUSED32": "0", "KDA_RT_MOE_FUSED64": "0",
+                "KDA_RT_MOE_MIN_AVG_ROWS": "", **switches}
     for key, value in switches.items():
         monkeypatch.setenv(key, value)
     T, D, inter, inter_s, E, kw = CASES[name]
@@ -332,7 +335,7 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
 def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatch):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
     new per-expert counts, same grids.  T128-E64 (~16 rows an expert) takes 64-row tiles: moe_decode_fused's
-    (KDA_RT_MOE_FUSED64) or, with two launches, moe_gemm_tc's.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
+    (KDA_RT_MOE_FUSED64=1; bf16 stacks take two launches by default) or, with two launches, moe_gemm_tc's.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
     with programmatic dependent launches, as the decode graphs are.  launches: the decode steps' two expert
     GEMMs in one launch (moe_decode_fused, whose counters the replay's bucketing zeroes again) or two (the
     down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'
@@ -351,7 +354,7 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         pytest.skip("prefill sizes take the two-launch, three-kernel route path either way")
     if T == 128 and route == "one":
         pytest.skip("128 tokens take the three-kernel route path either way")
-    monkeypatch.delenv("KDA_RT_MOE_FUSED64", raising=False)  # T128: ~16 rows an expert, moe_decode_fused's 64-row tiles
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "1")  # T128: ~16 rows an expert on moe_decode_fused's 64-row tiles
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
     if T == 1 and launches == "two":
         pytest.skip("one token takes the gate/up and down GEMVs either way")

@@ -94,7 +94,8 @@ SMALL_DECODE_TOKENS = 8
 # --rounds 2 --quantization fp8; same experts both ways, the two rounds within 0.3%), ms, 0 -> 1: batch 128 (4.5 rows
 # an expert) 11.59 -> 13.05, 256 (9.0) 18.48 -> 19.80 (the 16-row tiles win there), 512 (17.9) 33.58 -> 33.51, 768
 # (26.9, where 0 runs the 64-row tiles) 48.28 -> 47.22 (-2.2%).  So by default e4m3 stacks take 32-row tiles where
-# they took 64-row ones (18 to 48 rows an expert).
+# they took 64-row ones (18 to 48 rows an expert); since the fifty-second session moe_decode_fused's own 64-row tiles
+# take those steps instead (FUSED64_E4M3), the 32-row ones only with KDA_RT_MOE_FUSED64=0.
 # FUSED32_BF16_MAX_AVG: bf16, the same replays (fifty-first session; --replays 128,256 in call 1, 128,192,256 in call 2
 # against "0", 2 rounds each, same experts both ways), ms 64-row -> 32-row: batch 128 (4.48 rows an expert) 16.15 ->
 # 15.52 and 15.88 -> 15.45 (-3.9% / -2.7%), 192 (6.72) 21.13 -> 21.77 (+3.0%), 256 (8.96) 22.65 -> 22.93 and 22.25 ->
@@ -102,14 +103,18 @@ SMALL_DECODE_TOKENS = 8
 # 115-157 tokens), where the measured crossover lies (between 4.48 and 6.72; 5.5 itself not measured).
 FUSED32_BF16_MAX_AVG = 5.5
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
-# 64-row tiles on moe_decode_fused (KDA_RT_MOE_FUSED64): the steps that take 64-row tiles (bf16 stacks from 5.5 rows
-# an expert to 48, decode batches of ~158-1370 tokens of the 48B shape; e4m3 stacks only with KDA_RT_MOE_FUSED32=0 or
-# a lowered KDA_RT_MOE_MIN_AVG_ROWS) ran both GEMMs as two moe_grouped_gemm_tc launches, whose cp.async stages stream
-# the weights at ~3.5 TB/s (bf16, batch 256: 13.0 ms of a 26.5 ms step at 8K context, forty-ninth session), while the
-# producer-warp form streams them at ~4.4 TB/s at batch 32.  Two warp rows of 32 (2 x 4 consumer warps, each the
-# 32-row tile's 32 x 32 warp tile: the same registers), the producer lane copying A rows lane and lane + 32; bf16
-# the _DECODE k step, 4 stages, 108 KB; e4m3 128 codes, 3 stages, 105 KB: 2 CTAs an SM.  A warp row with no rows of
-# the tile skips its products (most experts of a decode step hold fewer than 33 rows).
+# 64-row tiles on moe_decode_fused (KDA_RT_MOE_FUSED64): two warp rows of 32 (2 x 4 consumer warps, each the 32-row
+# tile's 32 x 32 warp tile: the same registers), the producer lane copying A rows lane and lane + 32; bf16 the _DECODE
+# k step, 4 stages, 108 KB; e4m3 128 codes, 3 stages, 105 KB: 2 CTAs an SM.  A warp row with no rows of the tile skips
+# its products.  H200, 2026-12-04, fifty-second session, full model, decode graph replays at 2K context
+# (tests/gpu/moe_fused64_check.sh, 2 rounds within 0.5%, the same experts both ways):
+# FUSED64_BF16: bf16 (bench_ab.py --env KDA_RT_MOE_FUSED64 --values 0,1 --replays 160,192,256,384), ms, two
+# moe_grouped_gemm_tc launches -> fused: batch 160 20.79 -> 21.44, 192 21.56 -> 22.20, 256 22.87 -> 23.31, 384 29.33
+# -> 31.40 (+2-7%): bf16 stacks keep the two launches.
+# FUSED64_E4M3: fp8 (--env KDA_RT_MOE_FUSED32,KDA_RT_MOE_FUSED64 --values auto:1,0:1 --replays 512,768 --quantization
+# fp8), 32-row fused -> 64-row fused: batch 768 (26.9 rows an expert) 47.83 -> 46.64 (-2.5%; batch 512, 17.9 rows,
+# takes the 16-row tiles either way: 34.35 / 34.31).  So e4m3 stacks take the 64-row fused tiles from 18 rows an
+# expert on.
 _DECODE64 = TileConfig(64, 128, 64, 4, 2, 4, 2)
 
 
@@ -137,12 +142,13 @@ def tile_config(bm: int, nout: int, k: int, fuse_silu: bool, tokens: int | None 
 
 
 def built_tile_rows(e4m3: bool) -> tuple[int, ...]:
-    """The tile rows prefill_tile_rows can pick for stacks of this format under KDA_RT_MOE_FUSED32 (the precompile
-    builds their kernels): where 32-row tiles apply they take every step that would have taken 64 rows."""
+    """The tile rows prefill_tile_rows can pick for stacks of this format under KDA_RT_MOE_FUSED32 and
+    KDA_RT_MOE_FUSED64 (the precompile builds their kernels): where 32-row tiles apply to e4m3 stacks they take every
+    step that would have taken 64 rows."""
     rows32 = env.moe_fused32()
-    if rows32 == "1" or (rows32 in ("e4m3", "auto") and e4m3):
+    if rows32 == "1" or (rows32 in ("e4m3", "auto") and e4m3 and 64 not in fused_rows(True)):
         return (16, 32, 128)
-    return (16, 32, 64, 128) if rows32 == "auto" else (16, 64, 128)
+    return (16, 32, 64, 128) if rows32 == "auto" and not e4m3 else (16, 64, 128)
 
 
 def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int, e4m3: bool = False) -> int:
@@ -152,8 +158,8 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, hidden: int, inter: int,
     small_below = env.moe_min_avg_rows(MIN_AVG_ROWS_E4M3 if e4m3 else MIN_AVG_ROWS)
     bm = 128 if avg >= BIG_TILE_AVG_ROWS else 64 if avg >= small_below else 16
     rows32 = env.moe_fused32()
-    if bm == 64 and e4m3 and rows32 in ("e4m3", "auto"):
-        bm = 32  # (FUSED32_E4M3's note)
+    if bm == 64 and e4m3 and rows32 in ("e4m3", "auto") and 64 not in fused_rows(True):
+        bm = 32  # (FUSED32_E4M3's note; by default the 64-row fused tiles take these steps: FUSED64_E4M3)
     elif bm == 64 and not e4m3 and rows32 == "auto" and avg < FUSED32_BF16_MAX_AVG:
         bm = 32  # (FUSED32_BF16_MAX_AVG's note)
     elif bm != 128 and avg >= min(small_below, MIN_AVG_ROWS) and rows32 == "1":
@@ -282,10 +288,12 @@ FUSED_MIN_TOKENS = 2
 FUSED_TILE_ROWS = (16, 32, 64)
 
 
-def fused_rows() -> tuple[int, ...]:
-    """The tile rows of the steps that run moe_decode_fused (from FUSED_MIN_TOKENS tokens): 16 and 32, and 64 unless
-    KDA_RT_MOE_FUSED64=0 (then those steps take moe_grouped_gemm_tc's two launches)."""
-    return FUSED_TILE_ROWS if env.moe_fused64() else FUSED_TILE_ROWS[:2]
+def fused_rows(e4m3: bool) -> tuple[int, ...]:
+    """The tile rows of the steps that run moe_decode_fused (from FUSED_MIN_TOKENS tokens) for stacks of this format:
+    16 and 32, and 64 where KDA_RT_MOE_FUSED64 says (by default e4m3 stacks: FUSED64_E4M3; bf16 stacks take
+    moe_grouped_gemm_tc's two launches there: FUSED64_BF16)."""
+    rows64 = env.moe_fused64()
+    return FUSED_TILE_ROWS if rows64 == "1" or (rows64 == "auto" and e4m3) else FUSED_TILE_ROWS[:2]
 
 
 def fused_decode_tile(tokens: int, hidden: int, inter: int, bm: int = 16) -> TileConfig | None:
