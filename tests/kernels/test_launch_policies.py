@@ -599,26 +599,15 @@ def test_mla_combine_groups():
 
 def test_mla_launch_splits(monkeypatch):
     """A decode launch uses at most one wave of split blocks (SMs // T splits per token), however wide the
-    table: batch 32 with the 1M-token table of the 48B shape has S = 33 but launches 4.  With more tokens than SMs
-    the count of at most min(S, 8) that minimises waves x (2K context's tiles / splits + the split cost): batch 160
-    on 132 SMs 4 (5 waves of a quarter context against 2 of whole ones), 192 2, 256 1 (two nearly full waves);
-    KDA_RT_MLA_WAVE_SPLITS=0 one split a token there (any other value refused by name)."""
+    table: batch 32 with the 1M-token table of the 48B shape has S = 33 but launches 4."""
     import kda_rt.cuda.ops.mla_attn as mla
 
     monkeypatch.setattr(mla, "sm_count", lambda device_id: 132)
     monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(
         cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))))
     assert mla._best_splits(32, 16384 * 64, 132) == 33
-    monkeypatch.delenv("KDA_RT_MLA_WAVE_SPLITS", raising=False)
-    assert [mla.launch_splits(T, 33) for T in (1, 8, 16, 32, 64, 132, 200)] == [33, 16, 8, 4, 2, 1, 3]
+    assert [mla.launch_splits(T, 33) for T in (1, 8, 16, 32, 64, 132, 200)] == [33, 16, 8, 4, 2, 1, 1]
     assert mla.launch_splits(32, 3) == 3 and mla.launch_splits(0, 5) == 5
-    assert [mla.launch_splits(T, 33) for T in (133, 160, 192, 256, 300, 384)] == [4, 4, 2, 1, 3, 1]
-    assert mla.launch_splits(160, 2) == 2 and mla.launch_splits(160, 1) == 1  # (never more than S: the workspace's)
-    monkeypatch.setenv("KDA_RT_MLA_WAVE_SPLITS", "0")
-    assert [mla.launch_splits(T, 33) for T in (64, 132, 160, 300)] == [2, 1, 1, 1]
-    monkeypatch.setenv("KDA_RT_MLA_WAVE_SPLITS", "x")
-    with pytest.raises(ValueError, match="KDA_RT_MLA_WAVE_SPLITS must be 0 or 1, got 'x'"):
-        mla.launch_splits(160, 33)
 
 
 def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):

@@ -128,33 +128,29 @@ def test_mla_decode_wide_table(B):
     check(f"decode-wide-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
-@pytest.mark.parametrize("wave_splits", ["1", "0"])
-def test_mla_decode_more_tokens_than_sms(wave_splits, monkeypatch):
-    """A decode batch of more sequences than the GPU has SMs (the serving batches): with KDA_RT_MLA_WAVE_SPLITS on
-    (the default) each token's context is cut into the launch_splits count that fills the waves (> 1 split, so the
-    partials and the combine run), with 0 one split a token (ctx written directly); both against the NumPy
-    reference, contexts from 1 to ~2.3K positions."""
+def test_mla_decode_more_tokens_than_sms():
+    """A decode batch of more sequences than the GPU has SMs (the serving batches): one split a token
+    (launch_splits), its blocks in two waves, each writing ctx directly; against the NumPy reference, contexts from 1
+    to ~2.3K positions."""
     import cupy
 
     from kda_rt.cuda.ops.compile import sm_count
     from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, launch_splits, mla_attention, num_splits
 
-    monkeypatch.setenv("KDA_RT_MLA_WAVE_SPLITS", wave_splits)
     H, block_size = 32, 64
     B = sm_count(cupy.cuda.Device().id) + 28
     ctx = tuple(1 + (977 * i) % 2300 for i in range(B))
     lens = (1,) * B
     q, pool, w_kvb, tables = make_case(4000 + B, H, block_size, lens, ctx)
     S = num_splits(B, tables.shape[1], block_size)
-    G = launch_splits(B, S)
-    assert (G > 1) == (wave_splits == "1"), f"B = {B}, S = {S}: launch_splits gave {G}"
+    assert launch_splits(B, S) == 1, f"B = {B}, S = {S}: launch_splits gave {launch_splits(B, S)}"
     cu, ctx_d, tables_d = device_meta(lens, ctx, tables)
     out = cupy.empty((B, H * DV), dtype=BF16)
     poison(out)
     ws = cupy.full(decode_workspace_bytes(B, H, tables.shape[1], block_size), 255, dtype=np.uint8)
     mla_attention(upload_q(q, strided=False), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
                   scale=SCALE, max_seqlen=1, decode=True, out=out, workspace=ws)
-    check(f"decode-B{B}-G{G}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
+    check(f"decode-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
 @pytest.mark.parametrize("B", [1, 5, 8, 12])
