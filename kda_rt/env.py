@@ -265,7 +265,7 @@ def kda_smem_state(default: int) -> int:
     """KDA_RT_KDA_SMEM_STATE: how the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+) moves each head's
     recurrent state (kernels_cu/kda_decode.cu SMEM_STATE; every form gives the same outputs and pools bit for bit):
     0 into registers and out by stores, two CTAs an SM; 1 into shared memory by bulk copies, three CTAs an SM; 2 (a
-    bench form, not yet timed) back out by bulk copies too.  Unset: `default`, the launcher's measured choice by
+    bench form, measured slower than 1 at every batch) back out by bulk copies too.  Unset: `default`, the launcher's measured choice by
     batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a CUDA graph keeps what it
     captured)."""
     value = os.environ.get("KDA_RT_KDA_SMEM_STATE") or str(default)

@@ -89,8 +89,10 @@
 // register form's (tests/kernels/test_kda_decode.py::test_kda_decode_smem_state).  The stores are unchanged.
 // SMEM_STATE = 2: the stores too: each thread writes its new float4s over the ones it read, and the warp's lane 0
 // copies the warp's rows back to global memory with one bulk copy (waiting for its reads of shared memory only at the
-// kernel's end), so the state's 128 KB a head never pass through the load / store units.  Prepared 2026-12-04, not
-// yet timed; bit for bit the other forms (the same values stored).
+// kernel's end), so the state's 128 KB a head never pass through the load / store units.  Bit for bit the other forms
+// (the same values stored), but slower (H200, 2026-12-04, tests/gpu/kda_smem_check.sh: the kernel alone, us, forms
+// 0 / 1 / 2: B = 16 16.7 / 20.1 / 21.4, 64 77.5 / 80.1 / 81.8, 256 301.4 / 288.5 / 292.5; the model's decode replays
+// at batch 32 / 256 8.731 / 8.708 / 8.741 and 22.703 / 22.414 / 22.497 ms): a bench form (KDA_RT_KDA_SMEM_STATE=2).
 #ifndef SMEM_STATE
 #define SMEM_STATE 0
 #endif
