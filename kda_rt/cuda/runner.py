@@ -31,11 +31,11 @@ from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.staging import Staging, pack_layout
 from kda_rt.cuda.weights import upload_weights
 from kda_rt.cuda.workspace import Workspace
+from kda_rt.engine.config import EngineConfig
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
 
 if TYPE_CHECKING:
     from kda_rt.engine.batch import ForwardBatch
-    from kda_rt.engine.config import EngineConfig
     from kda_rt.loader.config import ModelConfig
 
 __all__ = ["CudaRunner", "graph_buckets"]
@@ -43,12 +43,10 @@ __all__ = ["CudaRunner", "graph_buckets"]
 logger = logging.getLogger(__name__)
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    return out + [max_num_seqs]
+def graph_buckets(max_num_seqs: int, engine: EngineConfig | None = None) -> list[int]:
+    """The decode batch sizes captured as graphs (EngineConfig.graph_sizes; default: the powers of two below
+    max_num_seqs, then max_num_seqs)."""
+    return (engine or EngineConfig()).graph_sizes(max_num_seqs)
 
 
 def _e4m3_dense(weights) -> list:
@@ -146,7 +144,7 @@ class CudaRunner:
         self.sample_ws = Workspace()
         self.staging = Staging()
         self.enforce_eager = engine.enforce_eager
-        self.buckets = graph_buckets(plan.engine_slots)
+        self.buckets = graph_buckets(plan.engine_slots, engine)
         self.graphs: dict[int, _Graph] = {}
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._launches = 0  # parity of the staging set the next launch uses
@@ -263,7 +261,7 @@ class CudaRunner:
             raise ValueError(f"ids_from: a decode batch takes {B} device ids, got shape {ids_from.shape} "
                              f"({'decode' if decode else 'not a decode batch'})")
         with self.stream:
-            if decode and not self.enforce_eager and B <= self.buckets[-1]:
+            if decode and not self.enforce_eager and self.buckets and B <= self.buckets[-1]:
                 rows = next(b for b in self.buckets if b >= B)
                 g = self._graph(rows)
                 dev = self._upload(batch, g.ws, True, rows, stage)

@@ -86,6 +86,13 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.90, "CUDA backend: share of device memory for weights + caches")
     seed: int = _opt(0, "seeds requests that bring no seed of their own")
     enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
+    # None: one decode graph for every power of two below max_num_seqs and one for max_num_seqs; a decode batch runs
+    # the smallest graph of at least its rows (the rest padding rows), a larger one eagerly
+    cuda_graph_sizes: tuple[int, ...] | None = _opt(
+        None, "CUDA backend: the decode batch sizes captured as graphs (vLLM's flag): one value N captures 1, 2, 4 "
+              "and every multiple of 8 up to N, several values exactly those; sizes above max_num_seqs are left out; "
+              "a batch runs the smallest graph that holds it, one larger than every graph eagerly (default: the "
+              "powers of two below max_num_seqs and max_num_seqs)", nargs="+")
     # on the full 48B shape (H200, batch 32) the engine's host work between steps is ~0.7 ms of an
     # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
     async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
@@ -118,8 +125,31 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple)) or not sizes:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of ints >= 1, got {sizes!r}")
+            for size in sizes:
+                if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                    raise ValueError(f"cuda_graph_sizes entries must be ints >= 1, got {size!r} in {list(sizes)!r}")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sizes))  # (a list from msgpack / JSON: a tuple)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+
+    def graph_sizes(self, max_num_seqs: int) -> list[int]:
+        """The decode batch sizes captured as graphs for `max_num_seqs` sequences, ascending (cuda_graph_sizes: one
+        value N gives 1, 2, 4 and the multiples of 8 up to N, as vLLM's flag; sizes above max_num_seqs left out;
+        None: the powers of two below max_num_seqs, then max_num_seqs).  Empty when every given size is above it."""
+        if self.cuda_graph_sizes is None:
+            out, b = [], 1
+            while b < max_num_seqs:
+                out.append(b)
+                b *= 2
+            return out + [max_num_seqs]
+        sizes = self.cuda_graph_sizes
+        if len(sizes) == 1:
+            sizes = [1, 2, 4, *range(8, sizes[0] + 1, 8)] if sizes[0] >= 8 else [b for b in (1, 2, 4) if b <= sizes[0]]
+        return sorted({b for b in sizes if b <= max_num_seqs})
 
     def tail_tokens(self) -> int:
         """prefill_tail_tokens as the scheduler takes it: the given value, else max_num_batched_tokens // 64 (which
@@ -155,9 +185,11 @@ class EngineConfig:
             if f.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
                 continue
-            kind = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}[f.type]
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
+            kind = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str,
+                    "tuple[int, ...] | None": int}[f.type]
+            for key in ("choices", "nargs"):
+                if key in f.metadata:
+                    kw[key] = f.metadata[key]
             group.add_argument(flag, type=kind, **kw)
 
     @classmethod

@@ -85,10 +85,41 @@ def test_generate_all_or_nothing_and_max_tokens_none(llm):
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"), ({"max_model_len": 0}, "max_model_len"),
     ({"prefill_tail_tokens": -1}, "prefill_tail_tokens must be an int >= 0"),
     ({"prefill_tail_tokens": 1.5}, "prefill_tail_tokens must be an int >= 0"),
+    ({"cuda_graph_sizes": []}, "cuda_graph_sizes must be a non-empty list of ints >= 1, got \\[\\]"),
+    ({"cuda_graph_sizes": "8"}, "cuda_graph_sizes must be a non-empty list"),
+    ({"cuda_graph_sizes": 8}, "cuda_graph_sizes must be a non-empty list"),
+    ({"cuda_graph_sizes": [8, 0]}, "cuda_graph_sizes entries must be ints >= 1, got 0 in \\[8, 0\\]"),
+    ({"cuda_graph_sizes": [True]}, "cuda_graph_sizes entries must be ints >= 1, got True"),
+    ({"cuda_graph_sizes": [2.0]}, "cuda_graph_sizes entries must be ints >= 1, got 2.0"),
 ])
 def test_engine_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kw)
+
+
+def test_cuda_graph_sizes():
+    """EngineConfig.cuda_graph_sizes, as vLLM's --cuda-graph-sizes: unset, the powers of two below max_num_seqs and
+    max_num_seqs; one value N, 1, 2, 4 and the multiples of 8 up to N; several, those (sorted, once each); sizes
+    above max_num_seqs left out.  A list (from the server's msgpack settings) becomes a tuple; the flag takes one
+    or more values on every entry point's command line."""
+    import argparse
+
+    assert EngineConfig().graph_sizes(1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert EngineConfig().graph_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    one = EngineConfig(cuda_graph_sizes=[256])
+    assert one.cuda_graph_sizes == (256,) and one.graph_sizes(1024) == [1, 2, 4, *range(8, 257, 8)]
+    assert one.graph_sizes(100) == [1, 2, 4, *range(8, 97, 8)]
+    assert EngineConfig(cuda_graph_sizes=(3,)).graph_sizes(64) == [1, 2]
+    assert EngineConfig(cuda_graph_sizes=[160, 1, 32, 160, 2000]).graph_sizes(1024) == [1, 32, 160]
+    assert EngineConfig(cuda_graph_sizes=[2000]).graph_sizes(16) == [1, 2, 4, 8, 16]
+    assert EngineConfig(cuda_graph_sizes=[2000, 3000]).graph_sizes(16) == []  # (every batch eager)
+    settings = EngineConfig(cuda_graph_sizes=[1, 96]).to_dict()
+    assert EngineConfig(**settings).cuda_graph_sizes == (1, 96)
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args(["--cuda-graph-sizes", "1", "2", "160"])).cuda_graph_sizes == (
+        1, 2, 160)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).cuda_graph_sizes is None
 
 
 @pytest.mark.parametrize("memory_gib,name,expected", [

@@ -58,11 +58,15 @@ def main() -> int:
 
     from helpers.full_model import full_engine
     from kda_rt.bench import floors, run_bench
+    from kda_rt.engine.config import EngineConfig
     from kda_rt.floors import decode_floor
 
     replays = [int(b) for b in args.replays.split(",") if b]
-    cfg, engine = full_engine(args.layers, max_num_seqs=max(32, args.prompts, *replays),
-                              quantization=args.quantization)
+    seqs = max(32, args.prompts, *replays)
+    # a graph of exactly each replay batch's rows (until the fifty-second session a batch that was neither a power of
+    # two nor the largest ran the next graph up, padding rows and all: "160" and "192" replayed the 256-row graph)
+    sizes = sorted(set(EngineConfig().graph_sizes(seqs)) | set(replays))
+    cfg, engine = full_engine(args.layers, max_num_seqs=seqs, quantization=args.quantization, cuda_graph_sizes=sizes)
     decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
     if args.prompts:
         run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
@@ -131,6 +135,9 @@ def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, flo
     # until the forty-seventh session these replays repeated 24 live rows and 8 padding rows at batch 32)
     decode_full_batch(engine, batch, input_len, seed=7)
     rows = next(b for b in runner.buckets if b >= batch)
+    if rows != batch:
+        raise ValueError(f"bench_ab: no {batch}-row decode graph (buckets {runner.buckets}): the replays would time "
+                         f"the {rows}-row graph")
     g = runner.graphs[rows]
     times = []
     with runner.stream:
