@@ -591,6 +591,13 @@ def mla_min_tiles(default: int) -> int:
     return _non_negative_int("KDA_RT_MLA_MIN_TILES", default, low=1)
 
 
+def mla_wave_splits() -> bool:
+    """KDA_RT_MLA_WAVE_SPLITS (bench switch, prepared): 1 launches the MLA decode attention of more tokens than SMs with
+    the split count that fills the waves best (ops/mla_attn.launch_splits) instead of one split a token (ceil(T / SMs)
+    waves of whole contexts); default 0.  Read when a launch is made (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MLA_WAVE_SPLITS", default="0")
+
+
 def fused_kda_projection() -> bool:
     """KDA_RT_FUSED_KDA_PROJ: 0 runs a KDA layer's decode projections of x as two GEMMs (q|k|v, f_a|g_a|b)
     instead of one over their stacked weights (kda_rt/cuda/model.py); default 1.  Read at each call (a CUDA

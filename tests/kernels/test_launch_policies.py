@@ -608,6 +608,17 @@ def test_mla_launch_splits(monkeypatch):
     assert mla._best_splits(32, 16384 * 64, 132) == 33
     assert [mla.launch_splits(T, 33) for T in (1, 8, 16, 32, 64, 132, 200)] == [33, 16, 8, 4, 2, 1, 1]
     assert mla.launch_splits(32, 3) == 3 and mla.launch_splits(0, 5) == 5
+    # more tokens than SMs: one split a token, or (KDA_RT_MLA_WAVE_SPLITS=1, bench switch) the count of at most
+    # min(S, 8) minimising waves x (2K context's tiles / splits + the split cost): batch 160 4 (5 waves of a quarter
+    # context against 2 of whole ones), 192 2, 256 1 (two nearly full waves); any other value refused by name
+    monkeypatch.delenv("KDA_RT_MLA_WAVE_SPLITS", raising=False)
+    assert [mla.launch_splits(T, 33) for T in (133, 160, 192, 256, 300)] == [1] * 5
+    monkeypatch.setenv("KDA_RT_MLA_WAVE_SPLITS", "1")
+    assert [mla.launch_splits(T, 33) for T in (64, 132, 133, 160, 192, 200, 256, 300, 384)] == [2, 1, 4, 4, 2, 3, 1, 3, 1]
+    assert mla.launch_splits(160, 2) == 2 and mla.launch_splits(160, 1) == 1  # (never more than S: the workspace's)
+    monkeypatch.setenv("KDA_RT_MLA_WAVE_SPLITS", "x")
+    with pytest.raises(ValueError, match="KDA_RT_MLA_WAVE_SPLITS must be 0 or 1, got 'x'"):
+        mla.launch_splits(160, 33)
 
 
 def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):

@@ -128,22 +128,25 @@ def test_mla_decode_wide_table(B):
     check(f"decode-wide-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
-def test_mla_decode_more_tokens_than_sms():
+@pytest.mark.parametrize("wave_splits", ["0", "1"])
+def test_mla_decode_more_tokens_than_sms(wave_splits, monkeypatch):
     """A decode batch of more sequences than the GPU has SMs (the serving batches): one split a token
-    (launch_splits), its blocks in two waves, each writing ctx directly; against the NumPy reference, contexts from 1
-    to ~2.3K positions."""
+    (launch_splits), its blocks in two waves, each writing ctx directly, or with KDA_RT_MLA_WAVE_SPLITS=1 (bench
+    switch) the count that fills the waves (> 1: the partials and the combine run); against the NumPy reference,
+    contexts from 1 to ~2.3K positions."""
     import cupy
 
     from kda_rt.cuda.ops.compile import sm_count
     from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, launch_splits, mla_attention, num_splits
 
+    monkeypatch.setenv("KDA_RT_MLA_WAVE_SPLITS", wave_splits)
     H, block_size = 32, 64
     B = sm_count(cupy.cuda.Device().id) + 28
     ctx = tuple(1 + (977 * i) % 2300 for i in range(B))
     lens = (1,) * B
     q, pool, w_kvb, tables = make_case(4000 + B, H, block_size, lens, ctx)
     S = num_splits(B, tables.shape[1], block_size)
-    assert launch_splits(B, S) == 1, f"B = {B}, S = {S}: launch_splits gave {launch_splits(B, S)}"
+    assert (launch_splits(B, S) > 1) == (wave_splits == "1"), f"B = {B}, S = {S}: launch_splits gave {launch_splits(B, S)}"
     cu, ctx_d, tables_d = device_meta(lens, ctx, tables)
     out = cupy.empty((B, H * DV), dtype=BF16)
     poison(out)

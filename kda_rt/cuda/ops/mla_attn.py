@@ -85,21 +85,37 @@ def _best_splits(T: int, width: int, sms: int, min_tiles: int = _MIN_TILES) -> i
     return best
 
 
+# More tokens than SMs, KDA_RT_MLA_WAVE_SPLITS=1 (bench switch, prepared): the splits a token that minimise waves x
+# (_WAVE_TILES / splits + _SPLIT_COST), _WAVE_TILES the tiles of a 2K context (the shortest the rule is for; a longer
+# one gains more from the same splits).  One split a token puts T blocks of a whole context each on the SMs: ceil(T /
+# SMs) waves, the last one ragged (batch 160 at 2K context: 160 blocks on 132 SMs, 198 us a layer against 99 us at
+# batch 128, fifty-second session's trace).  Measured once (fifty-second session, full model, decode graph replays at
+# 2K context): batch 300 (3 splits) 24.13 against 24.24 ms (-0.45%); its batch 160 / 192 rows replayed the 256-row
+# graph (bench_ab.py then picked the next bucket up), one split either way, so the rule is not measured there yet.
+_WAVE_TILES = 32
+_WAVE_MAX_SPLITS = 8
+
+
 def launch_splits(T: int, S: int) -> int:
     """Splits per token of a launch: S (from the table width), but at most as many as put one wave of split
     blocks on the GPU (SMs // T).  Each token cuts its own context into at most this many (mla_attn.cu's
     split_plan, splits of at least _MIN_TILES tiles), so a decode graph captured for a long max_model_len no
     longer splits a short context ever finer: batch 32 at 2K context with the 48B shape's 1M-token table
     has S = 33 and used 17 splits of 2 tiles each (544 blocks, 4+ waves); now 4 of 8 tiles (128 blocks),
-    as when the table is as wide as the context (tests/gpu/bench_decode_sweep.py --parts=mla).
-    More tokens than SMs take one split each (ceil(T / SMs) waves of whole contexts).  Tried (fifty-second session,
-    H200, full model, decode graph replays at 2K context, bench_ab.py --replays 160,192,300): the split count of at
-    most min(S, 8) minimising waves x (32 tiles / splits + _SPLIT_COST), 4 at batch 160, 2 at 192, 3 at 300 (a trace
-    had the attention at 198 us a layer at batch 160 against 99 at 128): 19.96 / 20.58 / 24.13 ms against 19.88 /
-    20.51 / 24.24 with one split, no gain; removed."""
+    as when the table is as wide as the context (tests/gpu/bench_decode_sweep.py --parts=mla).  More tokens than
+    SMs take one split each, or with KDA_RT_MLA_WAVE_SPLITS=1 the count of at most min(S, 8) that fills the waves
+    best (_WAVE_TILES' note): batch 160 on 132 SMs 4 (640 blocks, 5 waves of a quarter context)."""
     import cupy
 
-    return max(1, min(S, sm_count(cupy.cuda.Device().id) // max(T, 1)))
+    return _launch_splits(T, S, sm_count(cupy.cuda.Device().id), env.mla_wave_splits())
+
+
+@functools.cache
+def _launch_splits(T: int, S: int, sms: int, wave_splits: bool = False) -> int:
+    if T <= sms or not wave_splits:
+        return max(1, min(S, sms // max(T, 1)))
+    costs = [(math.ceil(T * g / sms) * (_WAVE_TILES / g + _SPLIT_COST), g) for g in range(1, min(S, _WAVE_MAX_SPLITS) + 1)]
+    return min(costs)[1]  # (ties: fewer splits)
 
 
 def combine_groups(S: int, R: int) -> int:
