@@ -1,0 +1,86 @@
+"""What a decode graph's padding rows cost (EngineConfig.cuda_graph_sizes, fifty-second session).  With the default
+graph sizes (powers of two and max_num_seqs) a decode step of B live sequences replays the smallest graph of at least
+B rows, the rest padding rows (they run every kernel on the pad slot and page: the KDA state pass, the MoE routing,
+the GEMMs' rows, the sampler).  On the full 27-layer shape (random weights, router bias std 0.05), for each batch B
+a decode step of B live sequences at ~2K context (helpers.full_model.decode_full_batch) is replayed on the B-row
+graph ("exact") and on the next power of two's ("padded"), alternating, 5 chunks of 20 replays each; prints ms a
+replay (median of the chunks) and the experts touched a MoE layer, one JSON line each.
+
+    PYTHONPATH=. python tests/gpu/graph_pad_check.py [--batches 96,160,192] [--rounds 2] [--quantization fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
+
+
+def _next_pow2(b: int) -> int:
+    return 1 << (b - 1).bit_length()
+
+
+def _time(engine, rows: int, batch: int) -> tuple[float, float]:
+    """ms a replay of the `rows`-row graph after a decode step of `batch` live sequences ran on it, and the experts
+    its replays touch a MoE layer."""
+    import cupy
+
+    from helpers.full_model import decode_full_batch
+
+    runner = engine.runner
+    buckets = runner.buckets
+    runner.buckets = [rows]  # (every pure decode step of up to `rows` sequences on this graph)
+    try:
+        decode_full_batch(engine, batch, 2048, seed=7)
+    finally:
+        runner.buckets = buckets
+    g = runner.graphs[rows]
+    times = []
+    with runner.stream:
+        for _ in range(3):
+            g.graph.launch(runner.stream)
+        runner.experts_touched(reset=True)
+        for _ in range(5):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(runner.stream)
+            for _ in range(20):
+                g.graph.launch(runner.stream)
+            end.record(runner.stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
+        touched = runner.experts_touched(reset=True)
+    return statistics.median(times), sum(touched.values()) / max(1, len(touched))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="96,160,192")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches: positive batch sizes, got {args.batches!r}")
+
+    from helpers.full_model import full_engine
+    from kda_rt.engine.config import EngineConfig
+
+    seqs = max(_next_pow2(b) for b in batches)
+    sizes = sorted(set(EngineConfig().graph_sizes(seqs)) | set(batches))
+    _, engine = full_engine(max_num_seqs=seqs, quantization=args.quantization, cuda_graph_sizes=sizes)
+    for r in range(args.rounds):
+        for b in batches:
+            kinds = (("exact", b), ("padded", _next_pow2(b)))
+            for kind, rows in kinds if r % 2 == 0 else kinds[::-1]:
+                ms, experts = _time(engine, rows, b)
+                print(json.dumps({"round": r, "batch": b, "graph_rows": rows, "kind": kind, "step_ms": round(ms, 4),
+                                  "experts": round(experts, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
