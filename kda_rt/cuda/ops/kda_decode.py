@@ -44,8 +44,8 @@ HINTS_BOTH_MAX_SEQS = 128
 # the kernel alone (tests/gpu/bench_decode_sweep.py --parts=kda --kda-define=KDA_RT_KDA_SMEM_STATE=0,1, graph of 20
 # calls, three rounds, us) B = 8 9.3 -> 10.0, 32 42.0 -> 45.7, 64 78.0 -> 80.2, 128 154.5 -> 150.6, 256 304.7 ->
 # 290.1 (3.52 -> 3.70 TB/s); in the full 27-layer model's decode graph (tests/gpu/bench_ab.py --env
-# KDA_RT_KDA_SMEM_STATE --replays 32,128,192,256, 2 rounds, ms) batch 32 8.690 -> 8.666, 128 15.880 -> 15.721, 192
-# 21.128 -> 20.871, 256 22.254 -> 21.873 (-0.3 / -1.0 / -1.2 / -1.7%: there its copies run beside the kernel before
+# KDA_RT_KDA_SMEM_STATE --replays 32,128,192,256, 2 rounds, ms) batch 32 8.690 -> 8.666, 128 15.880 -> 15.721, "192"
+# (the 256-row graph, 64 padding rows: bench_ab.py then took the next bucket up) 21.128 -> 20.871, 256 22.254 -> 21.873 (-0.3 / -1.0 / -1.2 / -1.7%: there its copies run beside the kernel before
 # it, whose last CTAs leave SMs it can fill).  So from 32 sequences.  Fifty-second session (tests/gpu/kda_smem_check.sh,
 # the same replays, 2 rounds, forms 1 / 0): batch 16 6.324 / 6.272 ms (the register form wins below 32), 32 8.708 /
 # 8.731, 64 11.722 / 11.770, 256 22.414 / 22.703; form 2 (bulk stores too) slower than 1 at every batch (kda_decode.cu).

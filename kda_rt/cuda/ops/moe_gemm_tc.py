@@ -100,7 +100,10 @@ SMALL_DECODE_TOKENS = 8
 # against "0", 2 rounds each, same experts both ways), ms 64-row -> 32-row: batch 128 (4.48 rows an expert) 16.15 ->
 # 15.52 and 15.88 -> 15.45 (-3.9% / -2.7%), 192 (6.72) 21.13 -> 21.77 (+3.0%), 256 (8.96) 22.65 -> 22.93 and 22.25 ->
 # 22.63 (+1.2% / +1.7%).  So bf16 stacks take 32-row tiles from MIN_AVG_ROWS up to 5.5 rows an expert (batches of
-# 115-157 tokens), where the measured crossover lies (between 4.48 and 6.72; 5.5 itself not measured).
+# 115-157 tokens), where the measured crossover lies (between 4.48 and 6.72; 5.5 itself not measured).  (Found in the
+# fifty-second session: bench_ab.py then replayed the smallest graph of at least the batch, so its "192" replays ran
+# the 256-row graph, 64 of its rows padding, whose tile choice is that of 256 rows: the crossover lies between 4.48
+# and 9.0 rows an expert; 5.5 stays until a 160 / 192-row graph is measured.)
 FUSED32_BF16_MAX_AVG = 5.5
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 # 64-row tiles on moe_decode_fused (KDA_RT_MOE_FUSED64): two warp rows of 32 (2 x 4 consumer warps, each the 32-row
@@ -109,12 +112,14 @@ _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 # its products.  H200, 2026-12-04, fifty-second session, full model, decode graph replays at 2K context
 # (tests/gpu/moe_fused64_check.sh, 2 rounds within 0.5%, the same experts both ways):
 # FUSED64_BF16: bf16 (bench_ab.py --env KDA_RT_MOE_FUSED64 --values 0,1 --replays 160,192,256,384), ms, two
-# moe_grouped_gemm_tc launches -> fused: batch 160 20.79 -> 21.44, 192 21.56 -> 22.20, 256 22.87 -> 23.31, 384 29.33
-# -> 31.40 (+2-7%): bf16 stacks keep the two launches.
+# moe_grouped_gemm_tc launches -> fused: batch "160" 20.79 -> 21.44, "192" 21.56 -> 22.20 (both on the 256-row graph,
+# bench_ab.py then taking the next bucket up), 256 22.87 -> 23.31, 384 29.33 -> 31.40 (+2-7%): bf16 stacks keep the
+# two launches.
 # FUSED64_E4M3: fp8 (--env KDA_RT_MOE_FUSED32,KDA_RT_MOE_FUSED64 --values auto:1,0:1 --replays 512,768 --quantization
 # fp8), 32-row fused -> 64-row fused: batch 768 (26.9 rows an expert) 47.83 -> 46.64 (-2.5%; batch 512, 17.9 rows,
-# takes the 16-row tiles either way: 34.35 / 34.31).  So e4m3 stacks take the 64-row fused tiles from 18 rows an
-# expert on.
+# takes the 16-row tiles either way: 34.35 / 34.31); --values auto,0 --replays 640,960 (both on the 960-row graph,
+# 33.6 rows an expert): 51.83 -> 50.54 and 57.99 -> 56.60.  So e4m3 stacks take the 64-row fused tiles from 18 rows
+# an expert on.
 _DECODE64 = TileConfig(64, 128, 64, 4, 2, 4, 2)
 
 
