@@ -151,7 +151,16 @@ class CudaRunner:
         self._last_ids = None  # device ids sampled by the last launch (ids_from_last)
         if not self.enforce_eager:  # as vLLM: every bucket's graph now, so no request waits for a capture
             for rows in self.buckets:
-                self._graph(rows)
+                try:
+                    self._graph(rows)
+                except cupy.cuda.memory.OutOfMemoryError as exc:  # (each graph keeps its own workspace)
+                    held = sum(g.ws.nbytes() for g in self.graphs.values())
+                    raise MemoryError(
+                        f"the decode graph for {rows} sequences does not fit on the GPU after the weights, the cache "
+                        f"pools and the graphs captured before it ({len(self.graphs)} of {self.buckets}, "
+                        f"{held / 2**30:.2f} GiB of workspace): lower --gpu-memory-utilization, capture fewer or "
+                        "smaller graphs (--cuda-graph-sizes, --max-num-seqs) or run without them (--enforce-eager)"
+                    ) from exc
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
         from kda_rt.cuda.ops.dense_w8a8 import precompile as precompile_dense

@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== tests"
 timeout 300 python -m pytest -q tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
-  -k "graph_sizes or more_tokens or (e4m3 and (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
+  -k "graph_sizes or graph_capture or more_tokens or (e4m3 and (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
   | tee "$OUT/graph_sizes_tests.txt" | tail -5
 grep -q " passed" "$OUT/graph_sizes_tests.txt" && ! grep -q "failed\|rror" "$OUT/graph_sizes_tests.txt" \
   || { echo "graph_sizes_check.sh: the tests failed: nothing timed"; exit 1; }

@@ -421,6 +421,25 @@ def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
         assert set(replays) == want, f"{len(prompts)} prompts (they finish together) replayed the graphs {replays}"
 
 
+def test_graph_capture_out_of_memory_named(monkeypatch):
+    """A decode graph that does not fit at start (its warm-up's workspace allocation fails) is a MemoryError naming
+    the graph's size, the sizes asked for and the settings that change it, not CuPy's bare OutOfMemoryError."""
+    import cupy
+
+    import kda_rt.cuda.runner as runner_mod
+
+    real = runner_mod.CudaRunner._graph
+
+    def graph(self, rows):
+        if rows == 5:
+            raise cupy.cuda.memory.OutOfMemoryError(2**40, 2**30)
+        return real(self, rows)
+
+    monkeypatch.setattr(runner_mod.CudaRunner, "_graph", graph)
+    with pytest.raises(MemoryError, match=r"decode graph for 5 sequences .*\[1, 5\].*--cuda-graph-sizes"):
+        LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[1, 5], **KW)
+
+
 def test_seeded_sampling_reproducible(demo_pair):
     """The seed decides the draw.  Same seed, same batch -> same tokens, run after run; two copies of
     one request with the same seed in one batch -> the same tokens (identical inputs give identical
