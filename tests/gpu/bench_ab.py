@@ -126,9 +126,7 @@ def main() -> int:
 def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, float]]:
     """ms per replay of the decode graph of `batch` rows (captured now by a short run at input_len context),
     and the experts its routing touches per MoE layer (the replays' own count: their bytes floor)."""
-    import cupy
-
-    from helpers.full_model import decode_full_batch
+    from helpers.full_model import decode_full_batch, time_replays
 
     runner = engine.runner
     # the graph's last launch a decode step of all `batch` sequences (a run to completion ends on partial steps:
@@ -138,26 +136,7 @@ def _replay_ms(engine, batch: int, input_len: int) -> tuple[float, dict[int, flo
     if rows != batch:
         raise ValueError(f"bench_ab: no {batch}-row decode graph (buckets {runner.buckets}): the replays would time "
                          f"the {rows}-row graph")
-    g = runner.graphs[rows]
-    times = []
-    with runner.stream:
-        for _ in range(3):
-            g.graph.launch(runner.stream)
-        # counted over the timed replays themselves: repeating one step's tokens at one position drifts its routing
-        # to fewer experts than its first replays touch (fifty-first session, batch 32: 70.8 experts a MoE layer in
-        # the first three replays, 66.3 over the timed ones, tests/gpu/replay_routing.py), and the floor printed
-        # beside each time is that of the experts counted
-        runner.experts_touched(reset=True)
-        for _ in range(5):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(runner.stream)
-            for _ in range(20):
-                g.graph.launch(runner.stream)
-            end.record(runner.stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
-        touched = runner.experts_touched(reset=True)
-    return statistics.median(times), touched
+    return time_replays(runner, runner.graphs[rows])
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,9 +26,7 @@ def _next_pow2(b: int) -> int:
 def _time(engine, rows: int, batch: int) -> tuple[float, float]:
     """ms a replay of the `rows`-row graph after a decode step of `batch` live sequences ran on it, and the experts
     its replays touch a MoE layer."""
-    import cupy
-
-    from helpers.full_model import decode_full_batch
+    from helpers.full_model import decode_full_batch, time_replays
 
     runner = engine.runner
     buckets = runner.buckets
@@ -38,22 +35,8 @@ def _time(engine, rows: int, batch: int) -> tuple[float, float]:
         decode_full_batch(engine, batch, 2048, seed=7)
     finally:
         runner.buckets = buckets
-    g = runner.graphs[rows]
-    times = []
-    with runner.stream:
-        for _ in range(3):
-            g.graph.launch(runner.stream)
-        runner.experts_touched(reset=True)
-        for _ in range(5):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(runner.stream)
-            for _ in range(20):
-                g.graph.launch(runner.stream)
-            end.record(runner.stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
-        touched = runner.experts_touched(reset=True)
-    return statistics.median(times), sum(touched.values()) / max(1, len(touched))
+    ms, touched = time_replays(runner, runner.graphs[rows])
+    return ms, sum(touched.values()) / max(1, len(touched))
 
 
 def main() -> int:

@@ -1084,13 +1084,9 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
         prefill_tile_rows(pairs, bins, 2304, 1024)
 
 
-@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
-def test_moe_fused32_switch(monkeypatch, e4m3):
-    """KDA_RT_MOE_FUSED32=1 (bench switch): steps of 4-48 rows an expert take 32-row tiles in both formats, both
-    GEMMs on moe_decode_fused's producer-warp form (bf16: the _DECODE k step; e4m3: 128 codes, 3 stages, 2 CTAs an
-    SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel; with 0 nothing of them; by
-    default (auto) bf16 stacks take them from 4 to 5.5 rows an expert, and e4m3 stacks from 18 where
-    KDA_RT_MOE_FUSED64=0 leaves them (by default the 64-row fused tiles take those)."""
+def _record_moe_builds(monkeypatch, *unset: str):
+    """The 48B MoE shape's precompile on a pretend sm_90a with every kernel build recorded instead of made: (moe, tc,
+    built, cfg, shapes); `unset` switches (and the ones every such test clears) at their defaults."""
     import kda_rt.cuda.moe as moe
     import kda_rt.cuda.ops.moe_align as align
     import kda_rt.cuda.ops.moe_gemm_tc as tc
@@ -1099,7 +1095,7 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     import kda_rt.cuda.ops.quant as quant
     import kda_rt.cuda.ops.rmsnorm as rms
 
-    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL"):
+    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL", *unset):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tc, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
@@ -1107,7 +1103,17 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     for mod in (align, tc, wg, route, gemv, quant, rms):
         monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    shapes = [(2048, 2304, True), (2304, 1024, False)]
+    return moe, tc, built, cfg, [(2048, 2304, True), (2304, 1024, False)]
+
+
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+def test_moe_fused32_switch(monkeypatch, e4m3):
+    """KDA_RT_MOE_FUSED32=1 (bench switch): steps of 4-48 rows an expert take 32-row tiles in both formats, both
+    GEMMs on moe_decode_fused's producer-warp form (bf16: the _DECODE k step; e4m3: 128 codes, 3 stages, 2 CTAs an
+    SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel; with 0 nothing of them; by
+    default (auto) bf16 stacks take them from 4 to 5.5 rows an expert, and e4m3 stacks from 18 where
+    KDA_RT_MOE_FUSED64=0 leaves them (by default the 64-row fused tiles take those)."""
+    moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch)
 
     def rows(tokens):
         return tc.prefill_tile_rows(9 * tokens, 257, 2304, 1024, e4m3=e4m3)
@@ -1159,24 +1165,7 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
     an SM either way): by default (auto) e4m3 stacks only (moe_gemm_tc.py FUSED64_E4M3, FUSED64_BF16), with 1 both
     formats, with 0 neither (moe_grouped_gemm_tc's two launches, and e4m3 stacks back on the 32-row fused tiles); the
     precompile builds the 64-row fused kernel exactly where a step takes it; any other value is refused by name."""
-    import kda_rt.cuda.moe as moe
-    import kda_rt.cuda.ops.moe_align as align
-    import kda_rt.cuda.ops.moe_gemm_tc as tc
-    import kda_rt.cuda.ops.moe_gemv as gemv
-    import kda_rt.cuda.ops.moe_route as route
-    import kda_rt.cuda.ops.quant as quant
-    import kda_rt.cuda.ops.rmsnorm as rms
-
-    for name in ("KDA_RT_MOE_MIN_AVG_ROWS", "KDA_RT_MOE_DECODE_WS", "KDA_RT_FP8_PREFILL", "KDA_RT_MOE_FUSED32",
-                 "KDA_RT_MOE_FUSED64"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(tc, "device_arch", lambda: "sm_90a")
-    monkeypatch.setattr(wg, "device_arch", lambda: "sm_90a")
-    built = []
-    for mod in (align, tc, wg, route, gemv, quant, rms):
-        monkeypatch.setattr(mod, "get_kernel", lambda f, n, _built=built, **kw: _built.append((f, kw)))
-    cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    shapes = [(2048, 2304, True), (2304, 1024, False)]
+    moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch, "KDA_RT_MOE_FUSED32", "KDA_RT_MOE_FUSED64")
 
     def fused64_built():
         built.clear()
