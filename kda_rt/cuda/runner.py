@@ -153,8 +153,12 @@ class CudaRunner:
             for rows in self.buckets:
                 try:
                     self._graph(rows)
-                except cupy.cuda.memory.OutOfMemoryError as exc:  # (each graph keeps its own workspace)
+                except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError,
+                        cupy.cuda.driver.CUDADriverError) as exc:  # (each graph keeps its own workspace)
+                    if not isinstance(exc, cupy.cuda.memory.OutOfMemoryError) and getattr(exc, "status", None) != 2:
+                        raise  # (2: cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY; anything else as it is)
                     held = sum(g.ws.nbytes() for g in self.graphs.values())
+                    self.graphs.clear()  # (their memory back before the error travels up)
                     raise MemoryError(
                         f"the decode graph for {rows} sequences does not fit on the GPU after the weights, the cache "
                         f"pools and the graphs captured before it ({len(self.graphs)} of {self.buckets}, "
@@ -419,7 +423,8 @@ class CudaRunner:
             with Trace() as tr:
                 self.model.forward(dev, ws)
             self.stream.synchronize()
-        graphs = "off (--enforce-eager)" if self.enforce_eager else f"one per bucket {self.buckets}"
+        graphs = ("off (--enforce-eager)" if self.enforce_eager else f"one per bucket {self.buckets}" if self.buckets
+                  else "none (every --cuda-graph-sizes value is above max_num_seqs: decode steps run eagerly)")
         return (f"fast-path report (cuda backend, {self.config.num_hidden_layers} layers; decode CUDA graphs: {graphs})\n"
                 f"{tr.table(self._layers_per_op())}\n"
                 f"{'sampling':<22} {'sampling.cu:sample_rows':<44} 1 (after the graph)")

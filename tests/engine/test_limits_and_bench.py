@@ -113,13 +113,29 @@ def test_cuda_graph_sizes():
     assert EngineConfig(cuda_graph_sizes=[160, 1, 32, 160, 2000]).graph_sizes(1024) == [1, 32, 160]
     assert EngineConfig(cuda_graph_sizes=[2000]).graph_sizes(16) == [1, 2, 4, 8, 16]
     assert EngineConfig(cuda_graph_sizes=[2000, 3000]).graph_sizes(16) == []  # (every batch eager)
-    settings = EngineConfig(cuda_graph_sizes=[1, 96]).to_dict()
-    assert EngineConfig(**settings).cuda_graph_sizes == (1, 96)
+    import msgpack
+
+    sent = msgpack.unpackb(msgpack.packb(EngineConfig(cuda_graph_sizes=[1, 96]).to_dict()))  # (the server's settings)
+    assert sent["cuda_graph_sizes"] == [1, 96] and EngineConfig(**sent).cuda_graph_sizes == (1, 96)
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     assert EngineConfig.from_cli_args(parser.parse_args(["--cuda-graph-sizes", "1", "2", "160"])).cuda_graph_sizes == (
         1, 2, 160)
     assert EngineConfig.from_cli_args(parser.parse_args([])).cuda_graph_sizes is None
+
+
+@pytest.mark.parametrize("entry", ["kda_rt.generate", "kda_rt.bench", "kda_rt.server.__main__"])
+def test_cuda_graph_sizes_flag_on_every_entry_point(entry):
+    """--cuda-graph-sizes takes one or more sizes on generate, bench and the server (nargs="+"); a bad size is an
+    argparse error naming the flag."""
+    import importlib
+
+    parser = importlib.import_module(entry).build_parser()
+    base = ["--config", "kimi-linear-48b-a3b"] if entry == "kda_rt.bench" else []  # (bench: a model is required)
+    assert parser.parse_args([*base, "--cuda-graph-sizes", "1", "5"]).cuda_graph_sizes == [1, 5]
+    assert parser.parse_args(base).cuda_graph_sizes is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--cuda-graph-sizes", "x"])
 
 
 @pytest.mark.parametrize("memory_gib,name,expected", [

@@ -2,8 +2,9 @@
 # The fifty-second session's prepared work in one device call (~8 minutes):
 #   1. GPU tests of what it changed and could not run: EngineConfig.cuda_graph_sizes in the engine
 #      (tests/gpu/test_cuda_model.py -k graph_sizes), the MLA decode of more sequences than SMs with and without
-#      KDA_RT_MLA_WAVE_SPLITS, and the e4m3 MoE block cases on the new default path (moe_decode_fused's 64-row tiles
-#      for e4m3 steps of 18-48 rows an expert) (a failure stops the script: nothing is timed);
+#      KDA_RT_MLA_WAVE_SPLITS, the e4m3 MoE block cases (among them T300-E64-G8k4-fused64, the new default path:
+#      moe_decode_fused's 64-row tiles of 33-63 rows) and the bf16 64-row fused tiles of 33-63 rows
+#      (test_moe_forward_fused_rows) (a failure stops the script: nothing is timed);
 #   2. what the decode graphs' padding rows cost (tests/gpu/graph_pad_check.py: batches 96, 160, 192 on their own
 #      graphs against the next power of two's, the default buckets' way), for a finer default of cuda_graph_sizes;
 #   3. KDA_RT_MLA_WAVE_SPLITS 0 against 1 on graphs of exactly 160 and 192 rows (bench_ab.py now captures them; its
@@ -17,13 +18,14 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== tests"
 timeout 300 python -m pytest -q tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
-  -k "graph_sizes or graph_capture or more_tokens or (e4m3 and (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
+  -k "graph_sizes or graph_capture or more_tokens or fused_rows or (e4m3 and (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
   | tee "$OUT/graph_sizes_tests.txt" | tail -5
 grep -q " passed" "$OUT/graph_sizes_tests.txt" && ! grep -q "failed\|rror" "$OUT/graph_sizes_tests.txt" \
   || { echo "graph_sizes_check.sh: the tests failed: nothing timed"; exit 1; }
 echo "== padding rows ($SECONDS s)"
 timeout 200 python tests/gpu/graph_pad_check.py --batches 96,160,192 --rounds 2 2> "$OUT/graph_pad.err" \
   | tee "$OUT/graph_pad.jsonl"
+[ "$SECONDS" -lt 470 ] || exit 0
 echo "== MLA wave splits ($SECONDS s)"
 timeout $((580 - SECONDS)) python tests/gpu/bench_ab.py --env KDA_RT_MLA_WAVE_SPLITS --values 0,1 --prompts 0 \
   --replays 160,192 --rounds 2 2> "$OUT/wave_ab.err" | tee "$OUT/wave_ab.jsonl" | grep summary

@@ -6,7 +6,7 @@
 #      it, and the 128-token graph replays (a wrong result stops the script: nothing is timed);
 #   2. the full 27-layer model's decode graph replays (bench_ab.py --replays, 2K context), KDA_RT_MOE_FUSED64 0
 #      against 1, 2 rounds, bf16 weights at batch 160, 192, 256 and 384;
-#   3. fp8 at 512 and 768 (18-48 rows an expert: e4m3 stacks take 32-row fused tiles there by default),
+#   3. fp8 at 512 and 768 (18-48 rows an expert: e4m3 stacks took 32-row fused tiles there; 64-row since this call),
 #      KDA_RT_MOE_FUSED32:KDA_RT_MOE_FUSED64 auto:1 against 0:1 (the 64-row fused tiles), while the call's time lasts.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/moe_fused64_check.sh

@@ -401,24 +401,26 @@ def test_graph_replay_equals_eager():
 
 def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
     """EngineConfig.cuda_graph_sizes (vLLM's --cuda-graph-sizes): only the given sizes are captured (those above
-    max_num_seqs left out); a decode batch replays the smallest graph that holds it (3 sequences: the 5-row graph,
-    two padding rows) and one larger than every graph runs eagerly (6 sequences); the tokens are the eager engine's
-    either way."""
+    max_num_seqs left out); a decode batch replays the smallest graph that holds it (5 sequences: the 7-row graph,
+    two padding rows) and one larger than every graph runs eagerly (8 sequences); the tokens are the eager engine's
+    either way.  (5 and 7 rows take the same kernel variants: every batch-size threshold of the decode kernels lies
+    at 4 or 8 rows or past them.)"""
     import kda_rt.cuda.runner as runner_mod
 
     eager = LLM(str(demo_path()), backend="cuda", enforce_eager=True, **KW)
-    sized = LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[5, 1, 999], **KW)
-    assert sized.runner.buckets == [1, 5] and sorted(sized.runner.graphs) == [1, 5]
+    sized = LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[7, 1, 999], **KW)
+    assert sized.runner.buckets == [1, 7] and sorted(sized.runner.graphs) == [1, 7]
     replays = []
     real = runner_mod.CudaRunner._graph
     monkeypatch.setattr(runner_mod.CudaRunner, "_graph", lambda self, rows: replays.append(rows) or real(self, rows))
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for prompts, want in ((["one", "two three", "four five six"], {5}), ([f"p{i} q" for i in range(6)], set())):
+    for n, want in ((5, {7}), (8, set())):
+        prompts = [f"p{i} q r{'s' * i}" for i in range(n)]
         replays.clear()
         a = [o.outputs[0].token_ids for o in eager.generate(prompts, p)]
         b = [o.outputs[0].token_ids for o in sized.generate(prompts, p)]
-        assert a == b, f"{len(prompts)} prompts: graph replays {sorted(set(replays))} changed the tokens"
-        assert set(replays) == want, f"{len(prompts)} prompts (they finish together) replayed the graphs {replays}"
+        assert a == b, f"{n} prompts: graph replays {sorted(set(replays))} changed the tokens"
+        assert set(replays) == want, f"{n} prompts (they finish together) replayed the graphs {replays}"
 
 
 def test_graph_capture_out_of_memory_named(monkeypatch):

@@ -175,19 +175,22 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
     "T256-E256-tc64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "0"}),
     # (the default for e4m3 steps of 18-48 rows an expert, moe_gemm_tc.py FUSED64_E4M3, brought down to this step)
     "T256-E256-fused64": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED64": "auto"}),
+    # the default path of a step of ~38 rows an expert: 64-row fused tiles of 33-63 rows (A rows lane + 32 copied)
+    "T300-E64-G8k4-fused64": ("T300-E64-G8k4", {"KDA_RT_MOE_FUSED64": "auto"}),
     "T256-E256-fused32": ("T256-E256", {"KDA_RT_MOE_FUSED32": "1"}),  # moe_decode_fused on 32-row tiles
     # the 32-row tiles e4m3 steps of 18-48 rows an expert took before FUSED64_E4M3, brought down to this step
     "T256-E256-rows32": ("T256-E256", {"KDA_RT_MOE_MIN_AVG_ROWS": "4", "KDA_RT_MOE_FUSED32": "e4m3"}),
 }
 
 
-@pytest.mark.parametrize("rows", [32, 64])
+@pytest.mark.parametrize(("rows", "name"), [(32, "T256-E256"), (64, "T256-E256"), (64, "T300-E64-G8k4")])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
-def test_moe_forward_fused_rows(fused, rows, monkeypatch):
+def test_moe_forward_fused_rows(fused, rows, name, monkeypatch):
     """A 256-token step of the 48B shape (~9 rows an expert on average) on 32-row tiles (KDA_RT_MOE_FUSED32=1, bench
     switch) or on 64-row tiles (KDA_RT_MOE_FUSED32=0, KDA_RT_MOE_FUSED64=1: the producer lane copies A rows
     lane and lane + 32, and with the shared expert in the stack its 256 rows fill four whole tiles; a bench switch
-    for bf16 stacks), both GEMMs in moe_decode_fused (checked: it ran, on a plan of those rows), against the NumPy
+    for bf16 stacks), and a 300-token step of 64 experts (~38 rows an expert: tiles of 33-63 rows) on 64-row tiles,
+    both GEMMs in moe_decode_fused (checked: it ran, on a plan of those rows), against the NumPy
     block with test_moe_forward's tolerance, and bit for bit the same step's two launches (KDA_RT_FUSED_MOE=0:
     moe_gemm_tc on tiles of as many rows; each output sums the same k16 products in the same order, whatever the warp
     layout)."""
@@ -202,7 +205,6 @@ def test_moe_forward_fused_rows(fused, rows, monkeypatch):
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "1")
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
     monkeypatch.delenv("KDA_RT_FUSED_MOE", raising=False)
-    name = "T256-E256"
     T, D, inter, inter_s, E, kw = CASES[name]
     cfg = dataclasses.replace(make_cfg(E, **kw), num_shared_experts=1, intermediate_size=inter)
     x, gpu, params = make_block(T, D, inter, inter_s, cfg, zlib.crc32(f"fused{rows}/{name}".encode()))
@@ -316,9 +318,9 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
         assert len(quantized) == 2, f"{name}: the e4m3-source GEMMs did not run ({len(quantized)} quantizations)"
     if case == "T1-E256":  # the one-token step's gate/up GEMV selected its experts itself (the routed, e4m3 build)
         assert seen and seen[0] is not None, "the one-token step did not take the routed GEMV"
-    if name == "T256-E256":  # the path the case names ran: moe_decode_fused on 16- or 32-row tiles, or neither
+    if name in ("T256-E256", "T300-E64-G8k4"):  # the path the case names ran: moe_decode_fused's tiles, or none
         want = {"T256-E256": [16], "T256-E256-fused32": [32], "T256-E256-rows32": [32], "T256-E256-tc64": [],
-                "T256-E256-fused64": [64]}[case]
+                "T256-E256-fused64": [64], "T300-E64-G8k4": [], "T300-E64-G8k4-fused64": [64]}[case]
         assert fused_runs == want, f"{case}: moe_decode_fused ran on plans of {fused_runs} rows, want {want}"
     with pytest.raises(ValueError, match="need both scale13 and scale2"):
         moe_forward(to_gpu_bf16(x), DeviceMoE(w.router, w.bias, q13, q2, shared_dev, shared_in_stack=fused,
@@ -355,7 +357,13 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
     if T == 128 and route == "one":
         pytest.skip("128 tokens take the three-kernel route path either way")
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "1")  # T128: ~16 rows an expert on moe_decode_fused's 64-row tiles
+    monkeypatch.delenv("KDA_RT_MOE_FUSED32", raising=False)
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
+    import kda_rt.cuda.moe as moe
+
+    plans = []
+    real_fused = moe.moe_decode_fused
+    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: plans.append(a[3].tile_rows) or real_fused(*a, **k))
     if T == 1 and launches == "two":
         pytest.skip("one token takes the gate/up and down GEMVs either way")
 
@@ -391,6 +399,8 @@ def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatc
         stream.synchronize()
         err = rms_rel(to_np(out), moe_ref(params, x2, cfg))
         assert err <= 1e-2, f"graph replay {replay}: rms rel err {err:.3e}"
+    if T == 128:  # (the eager calls and the capture each went through moe_forward: 64-row fused tiles, or none)
+        assert set(plans) == ({64} if launches == "one" else set()) and (plans or launches == "two"), plans
 
 
 @pytest.mark.parametrize("inputs", ["random", "tied", "nan"])

@@ -1,7 +1,7 @@
 """Launcher for kernels_cu/moe_gemm_tc.cu: the grouped GEMM (shared-memory tiles, cp.async pipeline, bf16
 tensor cores) over expert-sorted rows; gate/up with SiLU·up fused (bf16 out) or down (bf16 out).  Same
 contract as moe_gemm.py; the plan must be built with tile_rows = the tile's BM.  moe_decode_fused: both
-GEMMs of a decode step (16-row tiles) in one launch.  Both take e4m3 weights too (uint8 bits with one fp32 scale a
+GEMMs of a decode step (16-, 32- or 64-row tiles) in one launch.  Both take e4m3 weights too (uint8 bits with one fp32 scale a
 row, loader/quant.py; moe_gemm_tc.cu WFMT = 1): pass `scale` (moe_gemm_tc) or `scale13` and `scale2`
 (moe_decode_fused).
 
@@ -349,7 +349,7 @@ def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, til
     """Both expert GEMMs of a decode step in one launch: h = SiLU(x·w13_gateᵀ)·(x·w13_upᵀ) per bucketed row,
     out = h·w2ᵀ, each exactly as moe_gemm_tc's two launches compute them on the same tile (same order; with e4m3
     weights the default tiles differ, fused_e4m3_tile against e4m3_tile).
-    x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16 or 32 (moe_bucket with
+    x [T, D] bf16, w13 [E, 2I, D], w2 [E, D, I] bf16, plan built with tile_rows = 16, 32 or 64 (moe_bucket with
     sync=sync: the counters must be zero), h [N, I] and out [N, D] bf16, sync int32 [>= sync_words(N, E)].
     ctas: the grid (default: as many CTAs as the GPU holds at once; any number >= 1 is correct, since every
     item is claimed from a counter by a running CTA).
