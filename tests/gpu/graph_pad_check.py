@@ -4,7 +4,8 @@ B rows, the rest padding rows (they run every kernel on the pad slot and page: t
 the GEMMs' rows, the sampler).  On the full 27-layer shape (random weights, router bias std 0.05), for each batch B
 a decode step of B live sequences at ~2K context (helpers.full_model.decode_full_batch) is replayed on the B-row
 graph ("exact") and on the next power of two's ("padded"), alternating, 5 chunks of 20 replays each; prints ms a
-replay (median of the chunks) and the experts touched a MoE layer, one JSON line each.
+replay (median of the chunks), the experts touched a MoE layer and the graph's workspace (MiB: what a finer default of
+cuda_graph_sizes would cost a size), one JSON line each.
 
     PYTHONPATH=. python tests/gpu/graph_pad_check.py [--batches 96,160,192] [--rounds 2] [--quantization fp8]
 """
@@ -23,9 +24,9 @@ def _next_pow2(b: int) -> int:
     return 1 << (b - 1).bit_length()
 
 
-def _time(engine, rows: int, batch: int) -> tuple[float, float]:
-    """ms a replay of the `rows`-row graph after a decode step of `batch` live sequences ran on it, and the experts
-    its replays touch a MoE layer."""
+def _time(engine, rows: int, batch: int) -> tuple[float, float, int]:
+    """ms a replay of the `rows`-row graph after a decode step of `batch` live sequences ran on it, the experts its
+    replays touch a MoE layer, and the bytes of the graph's own workspace (what each captured size costs)."""
     from helpers.full_model import decode_full_batch, time_replays
 
     runner = engine.runner
@@ -36,7 +37,7 @@ def _time(engine, rows: int, batch: int) -> tuple[float, float]:
     finally:
         runner.buckets = buckets
     ms, touched = time_replays(runner, runner.graphs[rows])
-    return ms, sum(touched.values()) / max(1, len(touched))
+    return ms, sum(touched.values()) / max(1, len(touched)), runner.graphs[rows].ws.nbytes()
 
 
 def main() -> int:
@@ -59,9 +60,10 @@ def main() -> int:
         for b in batches:
             kinds = (("exact", b), ("padded", _next_pow2(b)))
             for kind, rows in kinds if r % 2 == 0 else kinds[::-1]:
-                ms, experts = _time(engine, rows, b)
+                ms, experts, ws_bytes = _time(engine, rows, b)
                 print(json.dumps({"round": r, "batch": b, "graph_rows": rows, "kind": kind, "step_ms": round(ms, 4),
-                                  "experts": round(experts, 1)}), flush=True)
+                                  "experts": round(experts, 1), "workspace_mib": round(ws_bytes / 2**20, 1)}),
+                      flush=True)
     return 0
 
 
