@@ -30,7 +30,7 @@ def main() -> int:
 
     from helpers.full_model import decode_full_batch, full_engine
 
-    cfg, engine = full_engine()
+    cfg, engine = full_engine(max_num_seqs=args.batch)  # (the batch the largest graph: exactly its rows)
     runner = engine.runner
     decode_full_batch(engine, args.batch, 2048, seed=7)
     rows = next(b for b in runner.buckets if b >= args.batch)
