@@ -591,6 +591,14 @@ def mla_min_tiles(default: int) -> int:
     return _non_negative_int("KDA_RT_MLA_MIN_TILES", default, low=1)
 
 
+def shared_graph_ws() -> bool:
+    """KDA_RT_SHARED_GRAPH_WS (bench switch, prepared): 1 gives every decode graph views of one shared workspace,
+    sized by the largest graph (captured first), instead of a workspace each (kda_rt/cuda/workspace.py): the graphs
+    then cost the memory of the largest alone, whatever cuda_graph_sizes captures; default 0.  Read when the runner
+    starts."""
+    return _on_off("KDA_RT_SHARED_GRAPH_WS", default="0")
+
+
 def mla_wave_splits() -> bool:
     """KDA_RT_MLA_WAVE_SPLITS (bench switch, prepared): 1 launches the MLA decode attention of more tokens than SMs with
     the split count that fills the waves best (ops/mla_attn.launch_splits) instead of one split a token (ceil(T / SMs)

@@ -30,7 +30,7 @@ from kda_rt.cuda.ops import pdl
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.staging import Staging, pack_layout
 from kda_rt.cuda.weights import upload_weights
-from kda_rt.cuda.workspace import Workspace
+from kda_rt.cuda.workspace import Workspace, WorkspaceFull
 from kda_rt.engine.config import EngineConfig
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
 
@@ -146,22 +146,29 @@ class CudaRunner:
         self.enforce_eager = engine.enforce_eager
         self.buckets = graph_buckets(plan.engine_slots, engine)
         self.graphs: dict[int, _Graph] = {}
+        from kda_rt import env
+
+        # KDA_RT_SHARED_GRAPH_WS: one workspace for every decode graph (views of one allocation a name)
+        self.graph_ws = Workspace(shared=True) if env.shared_graph_ws() else None
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._launches = 0  # parity of the staging set the next launch uses
         self._last_ids = None  # device ids sampled by the last launch (ids_from_last)
         if not self.enforce_eager:  # as vLLM: every bucket's graph now, so no request waits for a capture
-            for rows in self.buckets:
+            # (a shared workspace: the largest first, so no later capture moves a buffer of an earlier graph; a second
+            # pass recaptures any that a larger buffer of a later one made the runner drop: none in the usual case)
+            for rows in [*sorted(self.buckets, reverse=self.graph_ws is not None), *self.buckets]:
                 try:
                     self._graph(rows)
                 except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError,
-                        cupy.cuda.driver.CUDADriverError) as exc:  # (each graph keeps its own workspace)
+                        cupy.cuda.driver.CUDADriverError) as exc:  # (a workspace a graph, unless shared)
                     if not isinstance(exc, cupy.cuda.memory.OutOfMemoryError) and getattr(exc, "status", None) != 2:
                         raise  # (2: cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY; anything else as it is)
-                    held = sum(g.ws.nbytes() for g in self.graphs.values())
+                    held = sum(ws.nbytes() for ws in {id(g.ws): g.ws for g in self.graphs.values()}.values())
+                    captured = len(self.graphs)
                     self.graphs.clear()  # (their memory back before the error travels up)
                     raise MemoryError(
                         f"the decode graph for {rows} sequences does not fit on the GPU after the weights, the cache "
-                        f"pools and the graphs captured before it ({len(self.graphs)} of {self.buckets}, "
+                        f"pools and the graphs captured before it ({captured} of {self.buckets}, "
                         f"{held / 2**30:.2f} GiB of workspace): lower --gpu-memory-utilization, capture fewer or "
                         "smaller graphs (--cuda-graph-sizes, --max-num-seqs) or run without them (--enforce-eager)"
                     ) from exc
@@ -248,10 +255,18 @@ class CudaRunner:
         g = self.graphs.get(rows)
         if g is not None:
             return g
-        ws = Workspace()
+        ws = self.graph_ws if self.graph_ws is not None else Workspace()
         with self.stream:
-            dev = self._upload(self._padding_batch(rows), ws, True, rows)
-            self.model.forward(dev, ws)  # creates every buffer, compiles every kernel
+            ws.frozen, ws.locked = False, ws.shared and bool(self.graphs)  # (shared: the graphs' buffers stay put)
+            try:
+                dev = self._upload(self._padding_batch(rows), ws, True, rows)
+                self.model.forward(dev, ws)  # creates every buffer, compiles every kernel
+            except WorkspaceFull:  # (shared) larger than the graphs captured on it: they go, the buffers grow
+                self.stream.synchronize()  # (nothing in flight still uses them)
+                self.graphs.clear()  # (recaptured when a batch needs them)
+                ws.locked = False
+                dev = self._upload(self._padding_batch(rows), ws, True, rows)
+                self.model.forward(dev, ws)
             self.stream.synchronize()
             ws.frozen = True
             self.stream.begin_capture()

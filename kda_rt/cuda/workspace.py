@@ -8,23 +8,35 @@ buffer into an error instead of an allocation.
 Each name keeps one device allocation (its capacity, HEADROOM more than the bytes that made it grow), and a
 request of another shape that fits is a view of it: eager prefill steps of slightly different sizes (the prompt
 tails of the scheduler run steps of 16384, 16392, 16400, 16408 tokens) reuse their buffers instead of leaving the
-previous ones in CuPy's pool (+3.5 GB of cached blocks at the end of the seed benchmark with exact shapes)."""
+previous ones in CuPy's pool (+3.5 GB of cached blocks at the end of the seed benchmark with exact shapes).
+
+A `shared` workspace serves several decode graphs (KDA_RT_SHARED_GRAPH_WS): they run one at a time on one stream, so
+their buffers can be views of one allocation a name, sized by the largest graph (captured first).  Frozen, it still
+hands out views of other shapes that fit (each graph's own, at every replay's metadata upload), and `locked` (set
+once a graph is captured on it) turns an allocation that would move a buffer those graphs use into WorkspaceFull."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Workspace"]
+__all__ = ["Workspace", "WorkspaceFull"]
 
 
 HEADROOM = 1 / 32  # a buffer that grows gets this much more than asked
 
 
+class WorkspaceFull(RuntimeError):
+    """A locked shared workspace was asked for a buffer larger than its allocation (the graphs captured on it use
+    that allocation: the caller drops them before the buffer may grow)."""
+
+
 class Workspace:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.buffers: dict[str, object] = {}  # name -> the array last handed out
         self._capacity: dict[str, object] = {}  # name -> its allocation (flat uint8)
         self.frozen = False
+        self.shared = shared  # several graphs' buffers (the module's docstring)
+        self.locked = False  # (shared) no allocation may move a buffer: WorkspaceFull instead
 
     def get(self, name: str, shape: tuple[int, ...], dtype) -> object:
         """A C-contiguous [shape] `dtype` device array, 256-byte aligned: the one handed out last under `name` when
@@ -35,12 +47,15 @@ class Workspace:
         buf = self.buffers.get(name)
         if buf is not None and buf.shape == shape and buf.dtype == dtype:
             return buf
-        if self.frozen:
-            raise RuntimeError(f"workspace buffer {name!r} {shape} {dtype.name} would be allocated "
-                               "inside a CUDA-graph capture")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         flat = self._capacity.get(name)
-        if flat is None or flat.nbytes < nbytes:
+        fits = flat is not None and flat.nbytes >= nbytes
+        if self.frozen and not (self.shared and fits):
+            raise RuntimeError(f"workspace buffer {name!r} {shape} {dtype.name} would be allocated "
+                               "inside a CUDA-graph capture")
+        if not fits and self.locked:
+            raise WorkspaceFull(f"shared workspace buffer {name!r} {shape} {dtype.name} is larger than its allocation")
+        if not fits:
             self.buffers.pop(name, None)
             self._capacity.pop(name, None)  # (released before the larger one is allocated)
             flat = self._capacity[name] = cupy.empty(nbytes + int(nbytes * HEADROOM), dtype=np.uint8)

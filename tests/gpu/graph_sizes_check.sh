@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The fifty-second session's prepared work in one device call (~8 minutes):
+# The fifty-second session's prepared work in one device call (up to its 10 minutes; steps 2-4 while time lasts):
 #   1. GPU tests of what it changed and could not run: EngineConfig.cuda_graph_sizes in the engine
-#      (tests/gpu/test_cuda_model.py -k graph_sizes), the MLA decode of more sequences than SMs with and without
+#      (tests/gpu/test_cuda_model.py -k graph_sizes), the graphs' shared workspace (KDA_RT_SHARED_GRAPH_WS:
+#      test_shared_graph_workspace, test_shared_workspace_views_and_lock), the MLA decode of more sequences than SMs with and without
 #      KDA_RT_MLA_WAVE_SPLITS, the e4m3 MoE block cases (among them T300-E64-G8k4-fused64, the new default path:
 #      moe_decode_fused's 64-row tiles of 33-63 rows) and the bf16 64-row fused tiles of 33-63 rows
 #      (test_moe_forward_fused_rows) (a failure stops the script: nothing is timed);
@@ -17,13 +18,14 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== tests"
-timeout 300 python -m pytest -q tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
-  -k "graph_sizes or graph_capture or more_tokens or fused_rows or (e4m3 and (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
+timeout 360 python -m pytest -q tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
+  tests/kernels/test_workspace.py -k "graph_sizes or graph_capture or shared_graph or shared_workspace or more_tokens or fused_rows or (e4m3 and \
+  (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
   | tee "$OUT/graph_sizes_tests.txt" | tail -5
 grep -q " passed" "$OUT/graph_sizes_tests.txt" && ! grep -q "failed\|rror" "$OUT/graph_sizes_tests.txt" \
   || { echo "graph_sizes_check.sh: the tests failed: nothing timed"; exit 1; }
 echo "== padding rows ($SECONDS s)"
-timeout 200 python tests/gpu/graph_pad_check.py --batches 96,160,192 --rounds 2 2> "$OUT/graph_pad.err" \
+timeout $((570 - SECONDS)) python tests/gpu/graph_pad_check.py --batches 96,160,192 --rounds 2 2> "$OUT/graph_pad.err" \
   | tee "$OUT/graph_pad.jsonl"
 [ "$SECONDS" -lt 470 ] || exit 0
 echo "== MLA wave splits ($SECONDS s)"

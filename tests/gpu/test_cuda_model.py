@@ -423,6 +423,39 @@ def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
         assert set(replays) == want, f"{n} prompts (they finish together) replayed the graphs {replays}"
 
 
+def test_shared_graph_workspace(monkeypatch):
+    """KDA_RT_SHARED_GRAPH_WS=1 (bench switch): every decode graph's buffers are views of one workspace, sized by the
+    largest graph (captured first), so the graphs hold the memory of the largest alone; the tokens are the eager
+    engine's at every batch size.  Then a fresh shared workspace with the graphs dropped: the 2-row graph is captured
+    on it, the 7-row one needs larger buffers (WorkspaceFull: the 2-row graph is dropped, the buffers grow, the
+    7-row graph is captured), and the 2-row graph comes back on use, the tokens still the eager engine's."""
+    from kda_rt.cuda.workspace import Workspace
+
+    monkeypatch.setenv("KDA_RT_SHARED_GRAPH_WS", "1")
+    eager = LLM(str(demo_path()), backend="cuda", enforce_eager=True, **KW)
+    shared = LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[1, 2, 4, 7], **KW)
+    runner = shared.runner
+    assert sorted(runner.graphs) == [1, 2, 4, 7] and len({id(g.ws) for g in runner.graphs.values()}) == 1
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def same(n):
+        prompts = [f"w{i} x y{'z' * i}" for i in range(n)]
+        a = [o.outputs[0].token_ids for o in eager.generate(prompts, p)]
+        b = [o.outputs[0].token_ids for o in shared.generate(prompts, p)]
+        assert a == b, f"{n} prompts: the shared-workspace graphs changed the tokens"
+
+    for n in (1, 3, 5, 7):
+        same(n)
+    runner.graphs.clear()
+    runner.graph_ws = Workspace(shared=True)
+    same(2)
+    assert sorted(runner.graphs) == [2]
+    same(6)
+    assert sorted(runner.graphs) == [7], sorted(runner.graphs)  # (the 2-row graph dropped when the buffers grew)
+    same(2)
+    assert sorted(runner.graphs) == [2, 7] and runner.graphs[2].ws is runner.graphs[7].ws is runner.graph_ws
+
+
 def test_graph_capture_out_of_memory_named(monkeypatch):
     """A decode graph that does not fit at start (its warm-up's workspace allocation fails) is a MemoryError naming
     the graph's size, the sizes asked for and the settings that change it, not CuPy's bare OutOfMemoryError."""

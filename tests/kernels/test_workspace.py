@@ -37,3 +37,37 @@ def test_workspace_reuses_its_allocation_across_shapes():
     assert ws.get("x", (cap // 4 + 1,), np.float32) is c
     with pytest.raises(RuntimeError, match="would be allocated inside a CUDA-graph capture"):
         ws.get("x", (10,), np.float32)
+
+
+def test_shared_workspace_views_and_lock():
+    """A shared workspace (KDA_RT_SHARED_GRAPH_WS: every decode graph's buffers views of one allocation a name):
+    frozen, it still hands out views of other shapes that fit (each graph's own shapes at its replays' metadata
+    upload), at the same address; a shape that does not fit is the capture error as before; locked (graphs captured
+    on it), an allocation that would move a buffer is WorkspaceFull instead, and unlocked it grows."""
+    import cupy
+
+    from kda_rt.cuda.workspace import Workspace, WorkspaceFull
+
+    ws = Workspace(shared=True)
+    big = ws.get("logits", (7, 1024), np.float32)
+    ws.frozen = True
+    small = ws.get("logits", (5, 1024), np.float32)
+    assert small.data.ptr == big.data.ptr and small.shape == (5, 1024)
+    small[...] = 2
+    assert float(cupy.asarray(big[:5]).sum()) == 2 * 5 * 1024
+    with pytest.raises(RuntimeError, match="would be allocated inside a CUDA-graph capture"):
+        ws.get("logits", (70, 1024), np.float32)
+    ws.frozen, ws.locked = False, True
+    assert ws.get("logits", (3, 1024), np.float32).data.ptr == big.data.ptr
+    with pytest.raises(WorkspaceFull, match="'logits' \\(70, 1024\\) float32 is larger than its allocation"):
+        ws.get("logits", (70, 1024), np.float32)
+    with pytest.raises(WorkspaceFull):
+        ws.get("new_name", (1,), np.float32)
+    ws.locked = False
+    grown = ws.get("logits", (70, 1024), np.float32)
+    assert grown.shape == (70, 1024) and ws.get("new_name", (1,), np.float32).shape == (1,)
+    plain = Workspace()  # (not shared: frozen refuses every other shape, as test_workspace_reuses... says)
+    plain.get("x", (8,), np.float32)
+    plain.frozen = True
+    with pytest.raises(RuntimeError, match="would be allocated"):
+        plain.get("x", (4,), np.float32)
