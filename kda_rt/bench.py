@@ -118,6 +118,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     built0 = _build_stats(engine)
+    rows0 = list(getattr(engine.runner, "graph_rows", ()))  # (CUDA: decode rows replayed on graphs, live / padding)
     prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(batch)]  # (made before the clock starts)
     gc_time = _GcTimer()
     gc.callbacks.append(gc_time)
@@ -158,7 +159,19 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         # kernel variants first built inside the timed run (their build time is in the numbers above)
         **({"kernels_built": built[0] - built0[0], "kernel_build_s": built[1] - built0[1]}
            if (built := _build_stats(engine)) is not None and built0 is not None else {}),
+        # the share of the decode graphs' rows that were padding (a batch replays the smallest captured graph that
+        # holds it: --cuda-graph-sizes)
+        **_padding_share(rows0, list(getattr(engine.runner, "graph_rows", ()))),
     }
+
+
+def _padding_share(before: list[int], after: list[int]) -> dict:
+    """{"decode_graph_padding": padding rows / all rows replayed on decode graphs between two `graph_rows` readings},
+    or {} (no graphs: the NumPy runner, --enforce-eager, or no graph replay in between)."""
+    if len(before) != 2 or len(after) != 2:
+        return {}
+    live, pad = after[0] - before[0], after[1] - before[1]
+    return {"decode_graph_padding": round(pad / (live + pad), 4)} if live + pad else {}
 
 
 class _GcTimer:

@@ -146,6 +146,7 @@ class CudaRunner:
         self.enforce_eager = engine.enforce_eager
         self.buckets = graph_buckets(plan.engine_slots, engine)
         self.graphs: dict[int, _Graph] = {}
+        self.graph_rows = [0, 0]  # decode rows replayed on graphs since start: live, padding (bench's padding share)
         from kda_rt import env
 
         # KDA_RT_SHARED_GRAPH_WS: one workspace for every decode graph (views of one allocation a name)
@@ -292,6 +293,8 @@ class CudaRunner:
             if decode and not self.enforce_eager and self.buckets and B <= self.buckets[-1]:
                 rows = next(b for b in self.buckets if b >= B)
                 g = self._graph(rows)
+                self.graph_rows[0] += B
+                self.graph_rows[1] += rows - B
                 dev = self._upload(batch, g.ws, True, rows, stage)
                 self._ids_from(dev, ids_from)
                 g.graph.launch(self.stream)

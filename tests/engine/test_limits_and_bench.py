@@ -124,6 +124,16 @@ def test_cuda_graph_sizes():
     assert EngineConfig.from_cli_args(parser.parse_args([])).cuda_graph_sizes is None
 
 
+def test_bench_reports_the_decode_graphs_padding_share():
+    """bench's "decode_graph_padding": padding rows over all rows its run replayed on decode graphs (the CUDA runner's
+    graph_rows, live and padding, read before and after the run); absent without graphs (the NumPy runner,
+    --enforce-eager) or without a graph replay in the run."""
+    from kda_rt.bench import _padding_share
+
+    assert _padding_share([10, 2], [40, 12]) == {"decode_graph_padding": 0.25}
+    assert _padding_share([10, 2], [10, 2]) == {} and _padding_share([], []) == {}
+
+
 @pytest.mark.parametrize("entry", ["kda_rt.generate", "kda_rt.bench", "kda_rt.server.__main__"])
 def test_cuda_graph_sizes_flag_on_every_entry_point(entry):
     """--cuda-graph-sizes takes one or more sizes on generate, bench and the server (nargs="+"); a bad size is an

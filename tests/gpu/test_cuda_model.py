@@ -417,10 +417,13 @@ def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
     for n, want in ((5, {7}), (8, set())):
         prompts = [f"p{i} q r{'s' * i}" for i in range(n)]
         replays.clear()
+        rows0 = list(sized.runner.graph_rows)
         a = [o.outputs[0].token_ids for o in eager.generate(prompts, p)]
         b = [o.outputs[0].token_ids for o in sized.generate(prompts, p)]
         assert a == b, f"{n} prompts: graph replays {sorted(set(replays))} changed the tokens"
         assert set(replays) == want, f"{n} prompts (they finish together) replayed the graphs {replays}"
+        live, pad = (x - y for x, y in zip(sized.runner.graph_rows, rows0, strict=True))
+        assert (live, pad) == (n * len(replays), (7 - n) * len(replays)), (live, pad, len(replays))
 
 
 def test_shared_graph_workspace(monkeypatch):
