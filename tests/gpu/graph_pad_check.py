@@ -1,7 +1,7 @@
 """What a decode graph's padding rows cost (EngineConfig.cuda_graph_sizes, fifty-second session).  With the default
 graph sizes (powers of two and max_num_seqs) a decode step of B live sequences replays the smallest graph of at least
-B rows, the rest padding rows (they run every kernel on the pad slot and page: the KDA state pass, the MoE routing,
-the GEMMs' rows, the sampler).  On the full 27-layer shape (random weights, router bias std 0.05), for each batch B
+B rows, the rest padding rows (they run the kernels on the pad slot and page: the KDA state pass, the MoE routing,
+the GEMMs' rows; the sampler samples the live rows only).  On the full 27-layer shape (random weights, router bias std 0.05), for each batch B
 a decode step of B live sequences at ~2K context (helpers.full_model.decode_full_batch) is replayed on the B-row
 graph ("exact") and on the next power of two's ("padded"), alternating, 5 chunks of 20 replays each; prints ms a
 replay (median of the chunks), the experts touched a MoE layer and the graph's workspace (MiB: what a finer default of
