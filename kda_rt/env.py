@@ -591,6 +591,14 @@ def mla_min_tiles(default: int) -> int:
     return _non_negative_int("KDA_RT_MLA_MIN_TILES", default, low=1)
 
 
+def moe_dec_a_async() -> bool:
+    """KDA_RT_MOE_DEC_A_ASYNC (bench switch, prepared): 1 has moe_decode_fused's producer warp copy the A rows by cp.async
+    from all its lanes, completing on the stage's mbarrier (kernels_cu/moe_gemm_tc.cu DEC_A_ASYNC), instead of one bulk
+    copy a row; the same outputs bit for bit; default 0.  Read when the kernel variant is chosen (a CUDA graph keeps what
+    it captured)."""
+    return _on_off("KDA_RT_MOE_DEC_A_ASYNC", default="0")
+
+
 def shared_graph_ws() -> bool:
     """KDA_RT_SHARED_GRAPH_WS (bench switch, prepared): 1 gives every decode graph views of one shared workspace,
     sized by the largest graph (captured first), instead of a workspace each (kda_rt/cuda/workspace.py): the graphs

@@ -539,6 +539,30 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 // bf16 556.3 -> 533.4; the full model's decode replays fp8 batch 32 5.920 -> 5.785 ms, bf16 8.220 -> 8.037.  A
 // bulk copy a weight row instead (~144 a step, each a loop over the lanes in SASS) ran 3-4x slower.
 #define CONSUMERS (WARPS_M * WARPS_N)
+// DEC_A_ASYNC = 1 (bench switch KDA_RT_MOE_DEC_A_ASYNC; prepared 2026-12-04, not yet GPU-run): the item's A rows (x's
+// gathered token rows, or h's rows) by cp.async from all 32 producer lanes, CPR lanes a row of BK bf16 (16 bytes each),
+// each lane's row pointer shuffled from the lane that looked it up, instead of one bulk copy a row, which compiles to a
+// loop that issues the rows one lane at a time (ELECT) into the one TMA unit the weight boxes also use: its cost grows
+// with the tile's live rows (at 64 live rows over the ~1.9 K cycles of DRAM time a stage, a code reading's estimate),
+// while the cp.async form's stays a few instructions a row.  The copies complete on full[stage] through
+// cp.async.mbarrier.arrive.noinc, one arrival a lane (full's count 1 + 32: the producer's own arrival and its lanes'),
+// so a stage's A bytes are no longer counted as transaction bytes.  Same stage layout, same products: bit for bit the
+// bulk-copy form.
+#ifndef DEC_A_ASYNC
+#define DEC_A_ASYNC 0
+#endif
+#if DEC_A_ASYNC
+#define A_ARRIVALS 32
+#define CPR (BK * 2 / 16)  // 16-byte chunks of an A row (bf16: BK of them)
+static_assert(CPR <= 32 && 32 % CPR == 0 && BM % (32 / CPR) == 0, "DEC_A_ASYNC: whole A rows a pass of the warp");
+// the executing thread's earlier cp.async copies complete on bar as one arrival of its pending count (.noinc: counted
+// in the barrier's init count)
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+#else
+#define A_ARRIVALS 0
+#endif
 #define SB_STAGE (BN * 128 / (int)sizeof(wtype))  // elements of a B stage
 static_assert(BK * sizeof(wtype) == 128 && BN / 2 <= 256, "DEC_WS: one 128-byte k step a row, boxes of <= 256 rows");
 
@@ -573,7 +597,8 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
     __shared__ int stage_item[STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(full + s), 1), mbar_init(smem_addr(empty + s), CONSUMERS);
+        for (int s = 0; s < STAGES; ++s)
+            mbar_init(smem_addr(full + s), 1 + A_ARRIVALS), mbar_init(smem_addr(empty + s), CONSUMERS);
     }
     __syncthreads();
     const int ntiles = __ldcg(num_tiles);
@@ -589,6 +614,9 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                 const int stage = it % STAGES;
                 mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
                 if (lane == 0) stage_item[stage] = n_all, mbar_arrive_expect_tx(smem_addr(full + stage), 0);
+#if DEC_A_ASYNC
+                cp_async_mbar_arrive_noinc(smem_addr(full + stage));  // (the phase's lane arrivals, no copies)
+#endif
                 break;
             }
             const bool gate_up = item < n_gu;
@@ -609,7 +637,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                                 : h + (size_t)(row0 + lane + 32) * INTER;
             const int nout = gate_up ? 2 * INTER : HIDDEN, half = nout / 2;
             const int f0 = gate_up ? fb * (BN / 2) : fb * BN;
-            const unsigned wbytes = BN * BK * sizeof(wtype), abytes = nrows * BK * 2;
+            const unsigned wbytes = BN * BK * sizeof(wtype), abytes = DEC_A_ASYNC ? 0 : nrows * BK * 2;
             // two boxes of BN/2 rows x one k step (gate/up: the gate rows, then their up rows HALF rows on)
             const void* map = gate_up ? map13 : map2;
             const int row_a = e * nout + f0, row_b = row_a + (gate_up ? half : BN / 2);
@@ -639,8 +667,26 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             for (int kt = 0; kt < KT; ++kt, ++it) {
                 const int stage = it % STAGES;
                 const unsigned bar = smem_addr(full + stage);
+#if DEC_A_ASYNC
+                if (kt >= early) mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
+                {  // the A rows: CPR lanes a row, 32 / CPR rows a pass (a pass's rows all below 32 or all from 32)
+                    const int sub = lane / CPR, chunk = lane % CPR;
+#pragma unroll
+                    for (int p = 0; p < BM / (32 / CPR); ++p) {
+                        const int r0 = p * (32 / CPR), r = r0 + sub;
+                        if (r0 >= nrows) break;  // (warp-uniform)
+                        const bf16* base = BM > 32 && r0 >= 32 ? arow2 : arow;
+                        const bf16* src = reinterpret_cast<const bf16*>(
+                            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(base), r & 31));
+                        if (r < nrows) cp_async16(sa + (stage * BM + r) * LDS + chunk * 8, src + kt * BK + chunk * 8, 16);
+                    }
+                    cp_async_mbar_arrive_noinc(bar);
+                }
+#endif
                 if (kt >= early) {
+#if !DEC_A_ASYNC
                     mbar_wait(smem_addr(empty + stage), ((it / STAGES) & 1) ^ 1);
+#endif
                     if (lane == 0) stage_item[stage] = item, mbar_arrive_expect_tx(bar, wbytes + abytes);
                     __syncwarp();
                     copy_weights(stage, kt, bar);
@@ -648,9 +694,11 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
                     if (lane == 0) mbar_arrive_expect_tx(bar, abytes);
                     __syncwarp();
                 }
+#if !DEC_A_ASYNC
                 if (arow) bulk_copy_g2s(smem_addr(sa + (stage * BM + lane) * LDS), arow + kt * BK, BK * 2, bar);
                 if (BM > 32 && arow2)
                     bulk_copy_g2s(smem_addr(sa + (stage * BM + lane + 32) * LDS), arow2 + kt * BK, BK * 2, bar);
+#endif
             }
         }
         return;

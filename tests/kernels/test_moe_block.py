@@ -227,6 +227,60 @@ def test_moe_forward_fused_rows(fused, rows, name, monkeypatch):
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), f"fused != two launches, {rows} rows"
 
 
+@pytest.mark.parametrize(("rows", "name", "e4m3"), [(16, "T7-E256", False), (32, "T256-E256", False),
+                                                   (64, "T64-E16", False), (64, "T300-E64-G8k4", False),
+                                                   (16, "T7-E256", True), (64, "T300-E64-G8k4", True)])
+def test_moe_decode_fused_a_rows_async(rows, name, e4m3, monkeypatch):
+    """KDA_RT_MOE_DEC_A_ASYNC=1 (bench switch, prepared: moe_gemm_tc.cu DEC_A_ASYNC): the producer warp copies the A
+    rows by cp.async from all its lanes instead of one bulk copy a row, completing on the same stage mbarrier; the same
+    stage layout and products, so moe_forward's output is bit for bit the bulk-copy form's, on 16-, 32- and 64-row
+    tiles (tiles of 1 to 63 live rows: the 64-row case holds ~38 rows an expert, its shared bin whole tiles), bf16 and
+    e4m3 (2 rows a pass of the warp instead of 4), the shared expert in the stack; the plan's rows checked."""
+    import cupy
+
+    import kda_rt.cuda.moe as moe
+    from helpers.moe_gemm import e4m3_stack
+    from kda_rt.cuda.moe import moe_forward, moe_workspace_bytes
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.compile import arch_number, device_arch
+    from kda_rt.cuda.weights import DeviceMLP, DeviceMoE
+
+    if arch_number(device_arch()) < 90:
+        pytest.skip("the producer-warp form (DEC_WS) needs sm_90+")
+    for key, value in {"KDA_RT_MOE_FUSED32": "1" if rows == 32 else "0", "KDA_RT_MOE_FUSED64": "1",
+                       "KDA_RT_MOE_MIN_AVG_ROWS": "", "KDA_RT_FUSED_MOE": "", "KDA_RT_MOE_DECODE_WS": "",
+                       "KDA_RT_FP8_PREFILL": "0"}.items():
+        monkeypatch.setenv(key, value)
+    T, D, inter, inter_s, E, kw = CASES[name]
+    cfg = dataclasses.replace(make_cfg(E, **kw), num_shared_experts=1, intermediate_size=inter)
+    seed = zlib.crc32(f"a-async/{name}/{e4m3}".encode())
+    if e4m3:
+        x, router, bias = make_router(T, D, cfg, seed)
+        crng, rng = cupy.random.default_rng(seed), np.random.default_rng(seed)
+        q13, s13 = e4m3_stack(crng, rng, E + 1, 2 * inter, D, expert_spread=False)
+        q2, s2 = e4m3_stack(crng, rng, E + 1, D, inter, expert_spread=False)
+        w = DeviceMoE(cupy.asarray(router.astype(np.float32)), cupy.asarray(bias.astype(np.float32)), q13, q2,
+                      DeviceMLP(q13[E], q2[E]), shared_in_stack=True, scale13=s13, scale2=s2)
+    else:
+        x, gpu, _ = make_block(T, D, inter, inter_s, cfg, seed)
+    plans, outs = [], []
+    real = moe.moe_decode_fused
+    monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: plans.append(a[3].tile_rows) or real(*a, **k))
+    for a_async in ("0", "1"):
+        monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", a_async)
+        out = cupy.empty((T, D), dtype=BF16)
+        ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, True, e4m3=e4m3), 0xFF, dtype=np.uint8)
+        poison(out)
+        if e4m3:
+            moe_forward(to_gpu_bf16(x), w, cfg, out=out, workspace=ws)
+        else:
+            run(gpu, cfg, True, out=out, workspace=ws)
+        outs.append(to_np(out))
+    assert plans == [rows, rows], f"{name}: moe_decode_fused ran on plans of {plans} rows (want {rows}, twice)"
+    assert np.all(np.isfinite(outs[0])), f"{name}: non-finite outputs"
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), f"{name}: A rows by cp.async differ"
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])
 @pytest.mark.parametrize("case", list(E4M3_CASES))
 def test_moe_forward_e4m3(case, fused, monkeypatch):
