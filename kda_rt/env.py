@@ -599,6 +599,13 @@ def moe_dec_a_async() -> bool:
     return _on_off("KDA_RT_MOE_DEC_A_ASYNC", default="0")
 
 
+def moe_dec_reverse() -> bool:
+    """KDA_RT_MOE_DEC_REVERSE (bench switch, prepared): 1 has moe_decode_fused take each GEMM's items in reverse tile
+    order, the shared expert's full tiles first (kernels_cu/moe_gemm_tc.cu DEC_REVERSE); the same outputs bit for bit;
+    default 0.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_DEC_REVERSE", default="0")
+
+
 def shared_graph_ws() -> bool:
     """KDA_RT_SHARED_GRAPH_WS (bench switch, prepared): 1 gives every decode graph views of one shared workspace,
     sized by the largest graph (captured first), instead of a workspace each (kda_rt/cuda/workspace.py): the graphs

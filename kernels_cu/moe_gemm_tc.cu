@@ -463,6 +463,15 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 #endif
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
+// DEC_REVERSE = 1 (bench switch KDA_RT_MOE_DEC_REVERSE; prepared 2026-12-04, not yet GPU-run): the items of each GEMM
+// in reverse tile order, so the shared expert's bin (the plan's last tiles, each full) comes first instead of last: its
+// full tiles are the slowest items (their stages hold the most A rows), and as the launch's last items they drain
+// alone.  Every gate/up item is still claimed before every down item, so no wait can block on an unclaimed item; the
+// same items compute the same values: bit for bit.
+#ifndef DEC_REVERSE
+#define DEC_REVERSE 0
+#endif
+#define ITEM_TILE(tq, ntiles) (DEC_REVERSE ? (ntiles) - 1 - (tq) : (tq))
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
@@ -496,7 +505,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         const bool gate_up = item < n_gu;
         const int j = gate_up ? item : item - n_gu;
         const int blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
-        const int tile = j / blocks, fb = j - tile * blocks;
+        const int tq = j / blocks, fb = j - tq * blocks, tile = ITEM_TILE(tq, ntiles);
         const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
         const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
         if (gate_up) {
@@ -621,7 +630,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
             }
             const bool gate_up = item < n_gu;
             const int j = gate_up ? item : item - n_gu, blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
-            const int tile = j / blocks, fb = j - tile * blocks;
+            const int tq = j / blocks, fb = j - tq * blocks, tile = ITEM_TILE(tq, ntiles);
             const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
             const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
             const int K_ = gate_up ? HIDDEN : INTER, KT = K_ / BK;
@@ -714,7 +723,7 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
         if (item >= n_all) break;
         const bool gate_up = item < n_gu;
         const int j = gate_up ? item : item - n_gu, blocks = gate_up ? GU_BLOCKS : DN_BLOCKS;
-        const int tile = j / blocks, fb = j - tile * blocks;
+        const int tq = j / blocks, fb = j - tq * blocks, tile = ITEM_TILE(tq, ntiles);
         const int e = __ldcg(tile_expert + tile), row0 = __ldcg(tile_row + tile);
         const int nrows = min(BM, __ldcg(expert_off + e + 1) - row0);
         const int KT = (gate_up ? HIDDEN : INTER) / BK;

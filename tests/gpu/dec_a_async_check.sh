@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # moe_decode_fused's A rows by cp.async from the whole producer warp (KDA_RT_MOE_DEC_A_ASYNC, kernels_cu/moe_gemm_tc.cu
-# DEC_A_ASYNC; prepared in the fifty-second session, never GPU-run) in one device call:
+# DEC_A_ASYNC) and its items in reverse tile order (KDA_RT_MOE_DEC_REVERSE: the shared bin's full tiles first), both
+# prepared in the fifty-second session and never GPU-run, in one device call:
 #   1. tests/kernels/test_moe_block.py -k a_rows_async: bit for bit the bulk-copy form on 16-, 32- and 64-row tiles,
-#      bf16 and e4m3 (a wrong result stops the script: nothing is timed);
+#      bf16 and e4m3, the reversed order too (both forms) (a wrong result stops the script: nothing is timed);
 #   2. the full 27-layer model's decode graph replays (bench_ab.py, exact graphs, 2K context), bf16,
-#      KDA_RT_MOE_DEC_A_ASYNC:KDA_RT_MOE_FUSED64 0:auto (the default), 1:auto (16 / 32-row fused tiles at 32 and 128)
-#      and 1:1 (the 64-row fused tiles at 256 and 384 too: does the cp.async form turn their +2-7% around?  A code
-#      reading put the bulk-copy form's per-row copies at ~50-65% of the producer's time there);
+#      KDA_RT_MOE_DEC_A_ASYNC:KDA_RT_MOE_DEC_REVERSE:KDA_RT_MOE_FUSED64 0:0:auto (the default), 1:0:auto (16 / 32-row
+#      fused tiles at 32 and 128), 0:1:auto and 1:1:1 (the 64-row fused tiles at 256 and 384 too: do the cp.async rows
+#      turn their +2-7% around?  A code reading put the bulk-copy form's per-row copies at ~50-65% of the producer's
+#      time there);
 #   3. fp8 at 32 and 768 (the e4m3 16- and 64-row fused tiles), 0 against 1, while the call's time lasts.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/dec_a_async_check.sh
@@ -19,8 +21,8 @@ timeout 200 python -m pytest -q tests/kernels/test_moe_block.py -k a_rows_async 
 grep -q " passed" "$OUT/a_async_tests.txt" && ! grep -q "failed\| error" "$OUT/a_async_tests.txt" \
   || { echo "dec_a_async_check.sh: the tests failed: nothing timed"; exit 1; }
 echo "== bf16 replays ($SECONDS s)"
-timeout $((560 - SECONDS)) python tests/gpu/bench_ab.py --env KDA_RT_MOE_DEC_A_ASYNC,KDA_RT_MOE_FUSED64 \
-  --values 0:auto,1:auto,1:1 --prompts 0 --replays 32,128,256,384 --rounds 2 2> "$OUT/a_async_bf16.err" \
+timeout $((560 - SECONDS)) python tests/gpu/bench_ab.py --env KDA_RT_MOE_DEC_A_ASYNC,KDA_RT_MOE_DEC_REVERSE,KDA_RT_MOE_FUSED64 \
+  --values 0:0:auto,1:0:auto,0:1:auto,1:1:1 --prompts 0 --replays 32,128,256,384 --rounds 2 2> "$OUT/a_async_bf16.err" \
   | tee "$OUT/a_async_bf16.jsonl" | grep summary
 [ "$SECONDS" -lt 420 ] || exit 0
 echo "== fp8 replays ($SECONDS s)"

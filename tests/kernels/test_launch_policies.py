@@ -1198,15 +1198,24 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
 
 def test_moe_dec_a_async_switch(monkeypatch):
     """KDA_RT_MOE_DEC_A_ASYNC (bench switch, default 0): 1 builds moe_decode_fused's producer-warp form with DEC_A_ASYNC
-    (its A rows by cp.async), and only that form (the plain form has no producer warp); 0 or unset leaves the define
-    out, so the default variants keep their cache keys; any other value is refused by name."""
-    moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch, "KDA_RT_MOE_DEC_A_ASYNC")
+    (its A rows by cp.async), and only that form (the plain form has no producer warp); KDA_RT_MOE_DEC_REVERSE
+    (default 0): 1 builds either form with DEC_REVERSE; 0 or unset leaves the defines out, so the default variants
+    keep their cache keys; any other value is refused by name."""
+    moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch, "KDA_RT_MOE_DEC_A_ASYNC", "KDA_RT_MOE_DEC_REVERSE")
     tile = tc.fused_decode_tile(32, 2304, 1024, 16)
     tc.fused_kernel(tile, 2304, 1024, 9)
     monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", "1")
     tc.fused_kernel(tile, 2304, 1024, 9)
     tc.fused_kernel(tile, 2304, 1024, 9, form=0)
-    assert [(kw.get("DEC_WS"), kw.get("DEC_A_ASYNC")) for f, kw in built] == [(1, None), (1, 1), (None, None)]
+    monkeypatch.setenv("KDA_RT_MOE_DEC_REVERSE", "1")  # (KDA_RT_MOE_DEC_REVERSE: both forms)
+    tc.fused_kernel(tile, 2304, 1024, 9)
+    tc.fused_kernel(tile, 2304, 1024, 9, form=0)
+    assert [(kw.get("DEC_WS"), kw.get("DEC_A_ASYNC"), kw.get("DEC_REVERSE")) for f, kw in built] == [
+        (1, None, None), (1, 1, None), (None, None, None), (1, 1, 1), (None, None, 1)]
     monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", "2")
     with pytest.raises(ValueError, match="KDA_RT_MOE_DEC_A_ASYNC must be 0 or 1, got '2'"):
+        tc.fused_kernel(tile, 2304, 1024, 9)
+    monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", "0")
+    monkeypatch.setenv("KDA_RT_MOE_DEC_REVERSE", "x")
+    with pytest.raises(ValueError, match="KDA_RT_MOE_DEC_REVERSE must be 0 or 1, got 'x'"):
         tc.fused_kernel(tile, 2304, 1024, 9)

@@ -235,7 +235,9 @@ def test_moe_decode_fused_a_rows_async(rows, name, e4m3, monkeypatch):
     rows by cp.async from all its lanes instead of one bulk copy a row, completing on the same stage mbarrier; the same
     stage layout and products, so moe_forward's output is bit for bit the bulk-copy form's, on 16-, 32- and 64-row
     tiles (tiles of 1 to 63 live rows: the 64-row case holds ~38 rows an expert, its shared bin whole tiles), bf16 and
-    e4m3 (2 rows a pass of the warp instead of 4), the shared expert in the stack; the plan's rows checked."""
+    e4m3 (2 rows a pass of the warp instead of 4), the shared expert in the stack; the plan's rows checked.  So is
+    KDA_RT_MOE_DEC_REVERSE=1 (the items in reverse tile order: the shared bin's first), alone and with the cp.async
+    rows, and in the plain form (KDA_RT_MOE_DECODE_WS=0)."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -266,8 +268,11 @@ def test_moe_decode_fused_a_rows_async(rows, name, e4m3, monkeypatch):
     plans, outs = [], []
     real = moe.moe_decode_fused
     monkeypatch.setattr(moe, "moe_decode_fused", lambda *a, **k: plans.append(a[3].tile_rows) or real(*a, **k))
-    for a_async in ("0", "1"):
+    variants = (("0", "0", ""), ("1", "0", ""), ("0", "1", ""), ("1", "1", ""), ("0", "1", "0"))
+    for a_async, reverse, dec_ws in variants:  # (bulk copies; cp.async; reversed; both; reversed, plain form)
         monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", a_async)
+        monkeypatch.setenv("KDA_RT_MOE_DEC_REVERSE", reverse)
+        monkeypatch.setenv("KDA_RT_MOE_DECODE_WS", dec_ws)
         out = cupy.empty((T, D), dtype=BF16)
         ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, True, e4m3=e4m3), 0xFF, dtype=np.uint8)
         poison(out)
@@ -276,9 +281,10 @@ def test_moe_decode_fused_a_rows_async(rows, name, e4m3, monkeypatch):
         else:
             run(gpu, cfg, True, out=out, workspace=ws)
         outs.append(to_np(out))
-    assert plans == [rows, rows], f"{name}: moe_decode_fused ran on plans of {plans} rows (want {rows}, twice)"
+    assert plans == [rows] * len(variants), f"{name}: moe_decode_fused ran on plans of {plans} rows (want {rows})"
     assert np.all(np.isfinite(outs[0])), f"{name}: non-finite outputs"
-    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), f"{name}: A rows by cp.async differ"
+    for v, out in zip(variants[1:], outs[1:], strict=True):
+        assert np.array_equal(outs[0].view(np.uint16), out.view(np.uint16)), f"{name}: variant {v} differs"
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shared-apart", "shared-in-stack"])

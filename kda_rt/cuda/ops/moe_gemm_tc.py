@@ -340,6 +340,8 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     form = decode_ws(tile, e4m3) if form is None else form
     # (DEC_A_ASYNC, KDA_RT_MOE_DEC_A_ASYNC: the producer warp's A rows by cp.async; absent when off, the key unchanged)
     a_async = {"DEC_A_ASYNC": 1} if form and env.moe_dec_a_async() else {}
+    if env.moe_dec_reverse():  # (DEC_REVERSE, KDA_RT_MOE_DEC_REVERSE: the items in reverse tile order; absent when off)
+        a_async["DEC_REVERSE"] = 1
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
