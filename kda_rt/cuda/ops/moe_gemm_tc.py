@@ -338,14 +338,15 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     """The moe_decode_fused variant (built on first use; the runner builds them at start); form: decode_ws's (None: asked
     here)."""
     form = decode_ws(tile, e4m3) if form is None else form
-    # (DEC_A_ASYNC, KDA_RT_MOE_DEC_A_ASYNC: the producer warp's A rows by cp.async; absent when off, the key unchanged)
-    a_async = {"DEC_A_ASYNC": 1} if form and env.moe_dec_a_async() else {}
-    if env.moe_dec_reverse():  # (DEC_REVERSE, KDA_RT_MOE_DEC_REVERSE: the items in reverse tile order; absent when off)
-        a_async["DEC_REVERSE"] = 1
+    # bench switches, absent when off (the default variants' cache keys unchanged): DEC_A_ASYNC (KDA_RT_MOE_DEC_A_ASYNC,
+    # the producer warp's A rows by cp.async) and DEC_REVERSE (KDA_RT_MOE_DEC_REVERSE, the items in reverse tile order)
+    switches = {"DEC_A_ASYNC": 1} if form and env.moe_dec_a_async() else {}
+    if env.moe_dec_reverse():
+        switches["DEC_REVERSE"] = 1
     return get_kernel("moe_gemm_tc.cu", "moe_decode_fused", max_dynamic_smem=tile.smem(e4m3), FUSED_DECODE=1,
                       HIDDEN=hidden, INTER=inter, TOPK=top_k, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages,
                       WARPS_M=tile.warps_m, WARPS_N=tile.warps_n, MIN_BLOCKS=tile.min_blocks, **weight_format(e4m3),
-                      **({"DEC_WS": form} if form else {}), **a_async)
+                      **({"DEC_WS": form} if form else {}), **switches)
 
 
 def moe_decode_fused(x, w13, w2, plan: MoEPlan, *, top_k: int, h, out, sync, tile: TileConfig | None = None,
