@@ -31,22 +31,16 @@ from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.staging import Staging, pack_layout
 from kda_rt.cuda.weights import upload_weights
 from kda_rt.cuda.workspace import Workspace, WorkspaceFull
-from kda_rt.engine.config import EngineConfig
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
 
 if TYPE_CHECKING:
     from kda_rt.engine.batch import ForwardBatch
+    from kda_rt.engine.config import EngineConfig
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["CudaRunner", "graph_buckets"]
+__all__ = ["CudaRunner"]
 
 logger = logging.getLogger(__name__)
-
-
-def graph_buckets(max_num_seqs: int, engine: EngineConfig | None = None) -> list[int]:
-    """The decode batch sizes captured as graphs (EngineConfig.graph_sizes; default: the powers of two below
-    max_num_seqs, then max_num_seqs)."""
-    return (engine or EngineConfig()).graph_sizes(max_num_seqs)
 
 
 def _e4m3_dense(weights) -> list:
@@ -144,7 +138,7 @@ class CudaRunner:
         self.sample_ws = Workspace()
         self.staging = Staging()
         self.enforce_eager = engine.enforce_eager
-        self.buckets = graph_buckets(plan.engine_slots, engine)
+        self.buckets = engine.graph_sizes(plan.engine_slots)  # (the decode batch sizes captured as graphs)
         self.graphs: dict[int, _Graph] = {}
         self.graph_rows = [0, 0]  # decode rows replayed on graphs since start: live, padding (bench's padding share)
         from kda_rt import env
