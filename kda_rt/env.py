@@ -567,13 +567,14 @@ def moe_fused32() -> str:
 
 def moe_fused64() -> str:
     """KDA_RT_MOE_FUSED64 (bench switch): which steps that take 64-row MoE tiles run moe_decode_fused on them
-    (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64) instead of two moe_grouped_gemm_tc launches.  "auto" (the default):
-    e4m3 stacks (from MIN_AVG_ROWS_E4M3 to 48 rows an expert, in place of the 32-row fused tiles: moe_gemm_tc.py
-    FUSED64_E4M3); "1": bf16 stacks too (bf16 decode batches of ~158-1370 tokens of the 48B shape: slower there,
-    FUSED64_BF16); "0": none.  Read at each forward and by the precompile (a CUDA graph keeps what it captured)."""
+    (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64) instead of two moe_grouped_gemm_tc launches.  "auto" (the default)
+    or "1": both formats (e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert, in place of the 32-row fused tiles:
+    moe_gemm_tc.py FUSED64_E4M3; bf16 decode batches of ~158-1370 tokens of the 48B shape: FUSED64_BF16); "e4m3": e4m3
+    stacks alone (the fifty-second session's default); "0": none.  Read at each forward and by the precompile (a CUDA
+    graph keeps what it captured)."""
     value = os.environ.get("KDA_RT_MOE_FUSED64") or "auto"
-    if value not in ("auto", "1", "0"):
-        raise ValueError(f"KDA_RT_MOE_FUSED64 must be auto, 1 or 0, got {value!r}")
+    if value not in ("auto", "e4m3", "1", "0"):
+        raise ValueError(f"KDA_RT_MOE_FUSED64 must be auto, e4m3, 1 or 0, got {value!r}")
     return value
 
 
@@ -592,26 +593,25 @@ def mla_min_tiles(default: int) -> int:
 
 
 def moe_dec_a_async() -> bool:
-    """KDA_RT_MOE_DEC_A_ASYNC (bench switch, prepared): 1 has moe_decode_fused's producer warp copy the A rows by cp.async
-    from all its lanes, completing on the stage's mbarrier (kernels_cu/moe_gemm_tc.cu DEC_A_ASYNC), instead of one bulk
-    copy a row; the same outputs bit for bit; default 0.  Read when the kernel variant is chosen (a CUDA graph keeps what
-    it captured)."""
-    return _on_off("KDA_RT_MOE_DEC_A_ASYNC", default="0")
+    """KDA_RT_MOE_DEC_A_ASYNC (bench switch): 1 (the default) has moe_decode_fused's producer warp copy the A rows by
+    cp.async from all its lanes, completing on the stage's mbarrier (kernels_cu/moe_gemm_tc.cu DEC_A_ASYNC); 0: one
+    bulk copy a row; the same outputs bit for bit (moe_gemm_tc.py FUSED64_BF16 has the measurements).  Read when the
+    kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_DEC_A_ASYNC")
 
 
 def moe_dec_reverse() -> bool:
-    """KDA_RT_MOE_DEC_REVERSE (bench switch, prepared): 1 has moe_decode_fused take each GEMM's items in reverse tile
-    order, the shared expert's full tiles first (kernels_cu/moe_gemm_tc.cu DEC_REVERSE); the same outputs bit for bit;
-    default 0.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MOE_DEC_REVERSE", default="0")
+    """KDA_RT_MOE_DEC_REVERSE (bench switch): 1 (the default) has moe_decode_fused take each GEMM's items in reverse
+    tile order, the shared expert's full tiles first (kernels_cu/moe_gemm_tc.cu DEC_REVERSE); 0: in plan order; the
+    same outputs bit for bit.  Read when the kernel variant is chosen (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MOE_DEC_REVERSE")
 
 
 def shared_graph_ws() -> bool:
-    """KDA_RT_SHARED_GRAPH_WS (bench switch, prepared): 1 gives every decode graph views of one shared workspace,
-    sized by the largest graph (captured first), instead of a workspace each (kda_rt/cuda/workspace.py): the graphs
-    then cost the memory of the largest alone, whatever cuda_graph_sizes captures; default 0.  Read when the runner
-    starts."""
-    return _on_off("KDA_RT_SHARED_GRAPH_WS", default="0")
+    """KDA_RT_SHARED_GRAPH_WS: 1 (the default) gives every decode graph views of one shared workspace, sized by the
+    largest graph (captured first), so the graphs cost the memory of the largest alone, whatever cuda_graph_sizes
+    captures (kda_rt/cuda/workspace.py); 0: a workspace each.  Read when the runner starts."""
+    return _on_off("KDA_RT_SHARED_GRAPH_WS")
 
 
 def mla_wave_splits() -> bool:

@@ -98,14 +98,17 @@ def test_engine_config_errors(kw, match):
 
 
 def test_cuda_graph_sizes():
-    """EngineConfig.cuda_graph_sizes, as vLLM's --cuda-graph-sizes: unset, the powers of two below max_num_seqs and
-    max_num_seqs; one value N, 1, 2, 4 and the multiples of 8 up to N; several, those (sorted, once each); sizes
+    """EngineConfig.cuda_graph_sizes, as vLLM's --cuda-graph-sizes: unset, the powers of two and 1.5 x the powers of
+    two from 12 below max_num_seqs, and max_num_seqs; one value N, 1, 2, 4 and the multiples of 8 up to N; several, those (sorted, once each); sizes
     above max_num_seqs left out.  A list (from the server's msgpack settings) becomes a tuple; the flag takes one
     or more values on every entry point's command line."""
     import argparse
 
-    assert EngineConfig().graph_sizes(1024) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    assert EngineConfig().graph_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert EngineConfig().graph_sizes(1024) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
+                                                1024]
+    assert EngineConfig().graph_sizes(48) == [1, 2, 4, 8, 12, 16, 24, 32, 48]
+    assert EngineConfig().graph_sizes(100) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert EngineConfig().graph_sizes(5) == [1, 2, 4, 5] and EngineConfig().graph_sizes(1) == [1]
     one = EngineConfig(cuda_graph_sizes=[256])
     assert one.cuda_graph_sizes == (256,) and one.graph_sizes(1024) == [1, 2, 4, *range(8, 257, 8)]
     assert one.graph_sizes(100) == [1, 2, 4, *range(8, 97, 8)]

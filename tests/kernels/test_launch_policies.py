@@ -159,7 +159,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     monkeypatch.setattr(tc, "device_arch", lambda: arch)
     monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 25 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
     assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"),
@@ -170,7 +170,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         (1024, 2304, 1)]
     built.clear()
     monkeypatch.setenv("KDA_RT_DOWN_GEMV", "0")
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 23 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
                                                                     for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
     monkeypatch.delenv("KDA_RT_DOWN_GEMV")
@@ -188,10 +188,10 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
                                             for f, kw in built if f == "moe_align.cu")
     fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"], kw.get("DEC_WS")) for f, kw in built
                    if kw.get("FUSED_DECODE"))
-    # both 16-row tiles and the 32-row one take 128-byte k steps: the producer-warp form (DEC_WS, sm_90+) for each;
-    # bf16 steps of 64-row tiles take two launches (moe_gemm_tc.py FUSED64_BF16)
-    assert fused == [(64, 6, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1), (128, 4, 2304, 1024, 9, 1)]
-    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32]
+    # both 16-row tiles, the 32-row one and the 64-row one (moe_gemm_tc.py FUSED64_BF16) take 128-byte k steps: the
+    # producer-warp form (DEC_WS, sm_90+) for each
+    assert fused == [(64, 6, 2304, 1024, 9, 1)] + [(128, 4, 2304, 1024, 9, 1)] * 3
+    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32, 64]
     gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
                    if "gemm" in f and not kw.get("FUSED_DECODE"))
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
@@ -1049,7 +1049,8 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
     average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS) for 32-row ones up to
     5.5 (moe_gemm_tc.py FUSED32_BF16_MAX_AVG), then 64-row ones, e4m3 stacks at 18 (MIN_AVG_ROWS_E4M3:
     moe_decode_fused streams codes faster than the 64-row tiles widen them, measured to batch 512) for 64-row ones,
-    on moe_decode_fused (FUSED64_E4M3; with KDA_RT_MOE_FUSED64=0 32-row ones, FUSED32_E4M3; KDA_RT_MOE_FUSED32=0:
+    on moe_decode_fused (FUSED64_E4M3; with KDA_RT_MOE_FUSED64=0 32-row ones, FUSED32_E4M3; the bf16 stacks' 64-row
+    tiles on moe_decode_fused too, FUSED64_BF16, two launches with KDA_RT_MOE_FUSED64=e4m3; KDA_RT_MOE_FUSED32=0:
     64-row in both formats, e4m3: the bf16 stacks' 64-row), both take 128-row tiles from 48;
     KDA_RT_MOE_MIN_AVG_ROWS overrides the first threshold for both."""
     from kda_rt.cuda.ops.moe_gemm_tc import built_tile_rows, fused_rows, prefill_tile_rows
@@ -1061,6 +1062,8 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == bf16_rows
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
     assert bf16_rows in built_tile_rows(False) and e4m3_rows in built_tile_rows(True)
+    assert (e4m3_rows in fused_rows(True)) == (e4m3_rows < 128) and (bf16_rows in fused_rows(False)) == (bf16_rows < 128)
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "e4m3")  # (the fifty-second session's default: bf16 64 on two launches)
     assert (e4m3_rows in fused_rows(True)) == (e4m3_rows < 128) and (bf16_rows in fused_rows(False)) == (bf16_rows < 64)
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == (32 if e4m3_rows == 64 else e4m3_rows)
@@ -1162,9 +1165,10 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
 def test_moe_fused64_switch(monkeypatch, e4m3):
     """KDA_RT_MOE_FUSED64 (bench switch): which steps that take 64-row tiles run moe_decode_fused on them, in its
     producer-warp form with two warp rows of 32 (bf16: the _DECODE k step, 4 stages; e4m3: 128 codes, 3 stages; 2 CTAs
-    an SM either way): by default (auto) e4m3 stacks only (moe_gemm_tc.py FUSED64_E4M3, FUSED64_BF16), with 1 both
-    formats, with 0 neither (moe_grouped_gemm_tc's two launches, and e4m3 stacks back on the 32-row fused tiles); the
-    precompile builds the 64-row fused kernel exactly where a step takes it; any other value is refused by name."""
+    an SM either way): by default (auto) and with 1 both formats (moe_gemm_tc.py FUSED64_E4M3, FUSED64_BF16), with e4m3
+    e4m3 stacks alone, with 0 neither (moe_grouped_gemm_tc's two launches, and e4m3 stacks back on the 32-row fused
+    tiles); the precompile builds the 64-row fused kernel exactly where a step takes it; any other value is refused by
+    name."""
     moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch, "KDA_RT_MOE_FUSED32", "KDA_RT_MOE_FUSED64")
 
     def fused64_built():
@@ -1175,8 +1179,8 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
 
     want = [(128, 3, 2, 4, 2, 1, 1)] if e4m3 else [(64, 4, 2, 4, 2, 1, None)]
     rows = tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3)
-    assert rows == 64 and (64 in tc.fused_rows(e4m3)) == e4m3  # (auto)
-    assert fused64_built() == (want if e4m3 else [])
+    assert rows == 64 and 64 in tc.fused_rows(e4m3)  # (auto)
+    assert fused64_built() == want
     tile = tc.fused_decode_tile(600, 2304, 1024, 64)
     assert tile == tc.TileConfig(64, 128, 64, 4, 2, 4, 2)
     if e4m3:
@@ -1187,31 +1191,35 @@ def test_moe_fused64_switch(monkeypatch, e4m3):
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "1")
     assert tc.fused_rows(e4m3) == (16, 32, 64) and tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == 64
     assert fused64_built() == want
+    monkeypatch.setenv("KDA_RT_MOE_FUSED64", "e4m3")
+    assert (64 in tc.fused_rows(e4m3)) == e4m3 and tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == 64
+    assert fused64_built() == (want if e4m3 else [])
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
     assert tc.fused_rows(e4m3) == (16, 32)
     assert tc.prefill_tile_rows(9 * 600, 257, 2304, 1024, e4m3=e4m3) == (32 if e4m3 else 64)
     assert fused64_built() == []
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "2")
-    with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED64 must be auto, 1 or 0, got '2'"):
+    with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED64 must be auto, e4m3, 1 or 0, got '2'"):
         tc.fused_rows(e4m3)
 
 
 def test_moe_dec_a_async_switch(monkeypatch):
-    """KDA_RT_MOE_DEC_A_ASYNC (bench switch, default 0): 1 builds moe_decode_fused's producer-warp form with DEC_A_ASYNC
+    """KDA_RT_MOE_DEC_A_ASYNC (bench switch, default 1): builds moe_decode_fused's producer-warp form with DEC_A_ASYNC
     (its A rows by cp.async), and only that form (the plain form has no producer warp); KDA_RT_MOE_DEC_REVERSE
-    (default 0): 1 builds either form with DEC_REVERSE; 0 or unset leaves the defines out, so the default variants
-    keep their cache keys; any other value is refused by name."""
+    (default 1): builds either form with DEC_REVERSE; 0 leaves the define out; any other value is refused by name."""
     moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch, "KDA_RT_MOE_DEC_A_ASYNC", "KDA_RT_MOE_DEC_REVERSE")
     tile = tc.fused_decode_tile(32, 2304, 1024, 16)
+    tc.fused_kernel(tile, 2304, 1024, 9)  # (the defaults)
+    tc.fused_kernel(tile, 2304, 1024, 9, form=0)
+    monkeypatch.setenv("KDA_RT_MOE_DEC_REVERSE", "0")
     tc.fused_kernel(tile, 2304, 1024, 9)
-    monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", "1")
+    monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", "0")
     tc.fused_kernel(tile, 2304, 1024, 9)
     tc.fused_kernel(tile, 2304, 1024, 9, form=0)
     monkeypatch.setenv("KDA_RT_MOE_DEC_REVERSE", "1")  # (KDA_RT_MOE_DEC_REVERSE: both forms)
     tc.fused_kernel(tile, 2304, 1024, 9)
-    tc.fused_kernel(tile, 2304, 1024, 9, form=0)
     assert [(kw.get("DEC_WS"), kw.get("DEC_A_ASYNC"), kw.get("DEC_REVERSE")) for f, kw in built] == [
-        (1, None, None), (1, 1, None), (None, None, None), (1, 1, 1), (None, None, 1)]
+        (1, 1, 1), (None, None, 1), (1, 1, None), (1, None, None), (None, None, None), (1, None, 1)]
     monkeypatch.setenv("KDA_RT_MOE_DEC_A_ASYNC", "2")
     with pytest.raises(ValueError, match="KDA_RT_MOE_DEC_A_ASYNC must be 0 or 1, got '2'"):
         tc.fused_kernel(tile, 2304, 1024, 9)

@@ -188,8 +188,8 @@ E4M3_CASES = {  # id: (CASES name, switches): the launcher's paths, then the one
 def test_moe_forward_fused_rows(fused, rows, name, monkeypatch):
     """A 256-token step of the 48B shape (~9 rows an expert on average) on 32-row tiles (KDA_RT_MOE_FUSED32=1, bench
     switch) or on 64-row tiles (KDA_RT_MOE_FUSED32=0, KDA_RT_MOE_FUSED64=1: the producer lane copies A rows
-    lane and lane + 32, and with the shared expert in the stack its 256 rows fill four whole tiles; a bench switch
-    for bf16 stacks), and a 300-token step of 64 experts (~38 rows an expert: tiles of 33-63 rows) on 64-row tiles,
+    lane and lane + 32, and with the shared expert in the stack its 256 rows fill four whole tiles; the default
+    for bf16 stacks of that many rows an expert), and a 300-token step of 64 experts (~38 rows an expert: tiles of 33-63 rows) on 64-row tiles,
     both GEMMs in moe_decode_fused (checked: it ran, on a plan of those rows), against the NumPy
     block with test_moe_forward's tolerance, and bit for bit the same step's two launches (KDA_RT_FUSED_MOE=0:
     moe_gemm_tc on tiles of as many rows; each output sums the same k16 products in the same order, whatever the warp
@@ -231,13 +231,13 @@ def test_moe_forward_fused_rows(fused, rows, name, monkeypatch):
                                                    (64, "T64-E16", False), (64, "T300-E64-G8k4", False),
                                                    (16, "T7-E256", True), (64, "T300-E64-G8k4", True)])
 def test_moe_decode_fused_a_rows_async(rows, name, e4m3, monkeypatch):
-    """KDA_RT_MOE_DEC_A_ASYNC=1 (bench switch, prepared: moe_gemm_tc.cu DEC_A_ASYNC): the producer warp copies the A
-    rows by cp.async from all its lanes instead of one bulk copy a row, completing on the same stage mbarrier; the same
+    """KDA_RT_MOE_DEC_A_ASYNC=1 (the default since the fifty-third session: moe_gemm_tc.cu DEC_A_ASYNC): the producer
+    warp copies the A rows by cp.async from all its lanes instead of one bulk copy a row (=0), completing on the same stage mbarrier; the same
     stage layout and products, so moe_forward's output is bit for bit the bulk-copy form's, on 16-, 32- and 64-row
     tiles (tiles of 1 to 63 live rows: the 64-row case holds ~38 rows an expert, its shared bin whole tiles), bf16 and
     e4m3 (2 rows a pass of the warp instead of 4), the shared expert in the stack; the plan's rows checked.  So is
-    KDA_RT_MOE_DEC_REVERSE=1 (the items in reverse tile order: the shared bin's first), alone and with the cp.async
-    rows, and in the plain form (KDA_RT_MOE_DECODE_WS=0)."""
+    KDA_RT_MOE_DEC_REVERSE=1 (also the default: the items in reverse tile order, the shared bin's first), alone and
+    with the cp.async rows, and in the plain form (KDA_RT_MOE_DECODE_WS=0)."""
     import cupy
 
     import kda_rt.cuda.moe as moe
@@ -397,7 +397,7 @@ def test_moe_forward_e4m3(case, fused, monkeypatch):
 def test_moe_forward_in_cuda_graph(T, E, fused, pdl, launches, route, monkeypatch):
     """Capture once (out + workspace given: nothing allocated), replay on a new x: new routing,
     new per-expert counts, same grids.  T128-E64 (~16 rows an expert) takes 64-row tiles: moe_decode_fused's
-    (KDA_RT_MOE_FUSED64=1; bf16 stacks take two launches by default) or, with two launches, moe_gemm_tc's.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
+    (KDA_RT_MOE_FUSED64=1, as by default) or, with two launches, moe_gemm_tc's.  T512-E16 (256 rows per expert) takes moe_gemm_tc.cu.  pdl: captured
     with programmatic dependent launches, as the decode graphs are.  launches: the decode steps' two expert
     GEMMs in one launch (moe_decode_fused, whose counters the replay's bucketing zeroes again) or two (the
     down GEMM then copies its first weight steps while gate/up runs, EARLY_B).  route: the decode steps'

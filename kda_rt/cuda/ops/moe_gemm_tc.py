@@ -113,8 +113,16 @@ _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 # (tests/gpu/moe_fused64_check.sh, 2 rounds within 0.5%, the same experts both ways):
 # FUSED64_BF16: bf16 (bench_ab.py --env KDA_RT_MOE_FUSED64 --values 0,1 --replays 160,192,256,384), ms, two
 # moe_grouped_gemm_tc launches -> fused: batch "160" 20.79 -> 21.44, "192" 21.56 -> 22.20 (both on the 256-row graph,
-# bench_ab.py then taking the next bucket up), 256 22.87 -> 23.31, 384 29.33 -> 31.40 (+2-7%): bf16 stacks keep the
-# two launches.
+# bench_ab.py then taking the next bucket up), 256 22.87 -> 23.31, 384 29.33 -> 31.40 (+2-7%), with the A rows by one
+# bulk copy each.  Fifty-third session (tests/gpu/dec_a_async_check.sh: bench_ab.py --env
+# KDA_RT_MOE_DEC_A_ASYNC,KDA_RT_MOE_DEC_REVERSE,KDA_RT_MOE_FUSED64 --values 0:0:auto,1:0:auto,0:1:auto,1:1:1 --replays
+# 32,128,256,384 --rounds 2, exact graphs), ms: 0:0:auto (then: bulk copies, plan order, two launches at 64 rows)
+# 8.707 / 15.352 / 22.626 / 28.989; A rows by cp.async 8.646 / 15.077 / 22.462 / 29.063; reverse order 8.587 /
+# 15.224 / 22.479 / 28.955; both and the 64-row fused tiles 8.601 / 14.984 / 21.501 / 28.520 (-1.2 / -2.4 / -5.0 /
+# -1.6%; at 256 the first three all run the two launches: ~0.7% is the replays' spread).  So by default the 64-row
+# fused tiles take bf16 steps too, with the A rows by cp.async and the items in reverse order (env.moe_dec_a_async,
+# env.moe_dec_reverse).  fp8 (--quantization fp8 --env KDA_RT_MOE_DEC_A_ASYNC --values 0,1 --replays 32,768):
+# 6.113 / 46.272 -> 6.126 / 46.217, even; the reverse order there not timed.
 # FUSED64_E4M3: fp8 (--env KDA_RT_MOE_FUSED32,KDA_RT_MOE_FUSED64 --values auto:1,0:1 --replays 512,768 --quantization
 # fp8), 32-row fused -> 64-row fused: batch 768 (26.9 rows an expert) 47.83 -> 46.64 (-2.5%; batch 512, 17.9 rows,
 # takes the 16-row tiles either way: 34.35 / 34.31); --values auto,0 --replays 640,960 (both on the 960-row graph,
@@ -295,10 +303,9 @@ FUSED_TILE_ROWS = (16, 32, 64)
 
 def fused_rows(e4m3: bool) -> tuple[int, ...]:
     """The tile rows of the steps that run moe_decode_fused (from FUSED_MIN_TOKENS tokens) for stacks of this format:
-    16 and 32, and 64 where KDA_RT_MOE_FUSED64 says (by default e4m3 stacks: FUSED64_E4M3; bf16 stacks take
-    moe_grouped_gemm_tc's two launches there: FUSED64_BF16)."""
+    16 and 32, and 64 where KDA_RT_MOE_FUSED64 says (by default both formats: FUSED64_E4M3, FUSED64_BF16)."""
     rows64 = env.moe_fused64()
-    return FUSED_TILE_ROWS if rows64 == "1" or (rows64 == "auto" and e4m3) else FUSED_TILE_ROWS[:2]
+    return FUSED_TILE_ROWS if rows64 in ("auto", "1") or (rows64 == "e4m3" and e4m3) else FUSED_TILE_ROWS[:2]
 
 
 def fused_decode_tile(tokens: int, hidden: int, inter: int, bm: int = 16) -> TileConfig | None:
@@ -338,8 +345,8 @@ def fused_kernel(tile: TileConfig, hidden: int, inter: int, top_k: int, e4m3: bo
     """The moe_decode_fused variant (built on first use; the runner builds them at start); form: decode_ws's (None: asked
     here)."""
     form = decode_ws(tile, e4m3) if form is None else form
-    # bench switches, absent when off (the default variants' cache keys unchanged): DEC_A_ASYNC (KDA_RT_MOE_DEC_A_ASYNC,
-    # the producer warp's A rows by cp.async) and DEC_REVERSE (KDA_RT_MOE_DEC_REVERSE, the items in reverse tile order)
+    # DEC_A_ASYNC (KDA_RT_MOE_DEC_A_ASYNC, the producer warp's A rows by cp.async) and DEC_REVERSE (KDA_RT_MOE_DEC_REVERSE,
+    # the items in reverse tile order), both on by default (FUSED64_BF16's note), absent when off
     switches = {"DEC_A_ASYNC": 1} if form and env.moe_dec_a_async() else {}
     if env.moe_dec_reverse():
         switches["DEC_REVERSE"] = 1
