@@ -3,7 +3,8 @@
 # them: PART=1 / 2 / 3 bash tests/gpu/device_run.sh):
 #   1. the seed run (batch 32, 2048 in, 512 out) of the full 27-layer shape in bf16 and fp8, with a ramp-down workload
 #      (100 x 2048 / 128: the batch shrinks through the new 1.5x graph sizes as requests finish), each printing its
-#      floor and decode_graph_padding (bench_full.sh ours);
+#      floor and decode_graph_padding (bench_full.sh ours); bf16 also the serving workload (256 x 8192 / 1024: its
+#      decode steps at batch 256 take the bf16 64-row fused tiles, -5.0% in the replays);
 #   2. the bf16 32-row fused tiles against the 64-row ones now that those run on moe_decode_fused with the A rows by
 #      cp.async (KDA_RT_MOE_FUSED32=auto against 0 at batch 128 and 160: moe_gemm_tc.py FUSED32_BF16_MAX_AVG's
 #      crossover was measured against the two 64-row launches), while the call's time lasts.
@@ -13,7 +14,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== bf16 seed run"
-ALSO=100:2048:128 BENCH_TIMEOUT=$((560 - SECONDS)) bash tests/gpu/bench_full.sh ours
+ALSO=100:2048:128,256:8192:1024 BENCH_TIMEOUT=$((560 - SECONDS)) bash tests/gpu/bench_full.sh ours
 [ "$SECONDS" -lt 330 ] || exit 0
 echo "== fp8 seed run ($SECONDS s)"
 ALSO=100:2048:128 BENCH_ARGS="--quantization fp8" BENCH_TIMEOUT=$((570 - SECONDS)) bash tests/gpu/bench_full.sh ours
