@@ -610,7 +610,9 @@ def moe_dec_reverse() -> bool:
 def shared_graph_ws() -> bool:
     """KDA_RT_SHARED_GRAPH_WS: 1 (the default) gives every decode graph views of one shared workspace, sized by the
     largest graph (captured first), so the graphs cost the memory of the largest alone, whatever cuda_graph_sizes
-    captures (kda_rt/cuda/workspace.py); 0: a workspace each.  Read when the runner starts."""
+    captures (kda_rt/cuda/workspace.py); 0: a workspace each (with the default graph sizes ~3.5x the largest graph's
+    bytes in all: the page pool does not reserve them, so a large max_num_seqs may then not fit, a MemoryError at
+    start naming the graph).  Read when the runner starts."""
     return _on_off("KDA_RT_SHARED_GRAPH_WS")
 
 

@@ -463,11 +463,11 @@ moe_grouped_gemm_tc(const bf16* __restrict__ src, const int* __restrict__ sorted
 #endif
 #define GU_BLOCKS (INTER / (BN / 2))
 #define DN_BLOCKS (HIDDEN / BN)
-// DEC_REVERSE = 1 (bench switch KDA_RT_MOE_DEC_REVERSE; prepared 2026-12-04, not yet GPU-run): the items of each GEMM
-// in reverse tile order, so the shared expert's bin (the plan's last tiles, each full) comes first instead of last: its
-// full tiles are the slowest items (their stages hold the most A rows), and as the launch's last items they drain
-// alone.  Every gate/up item is still claimed before every down item, so no wait can block on an unclaimed item; the
-// same items compute the same values: bit for bit.
+// DEC_REVERSE = 1 (KDA_RT_MOE_DEC_REVERSE, the default since 2026-12-04: ops/moe_gemm_tc.py FUSED64_BF16): the items of
+// each GEMM in reverse tile order, so the shared expert's bin (the plan's last tiles, each full) comes first instead of
+// last: its full tiles are the slowest items (their stages hold the most A rows), and as the launch's last items they
+// drain alone.  Every gate/up item is still claimed before every down item, so no wait can block on an unclaimed item;
+// the same items compute the same values: bit for bit.
 #ifndef DEC_REVERSE
 #define DEC_REVERSE 0
 #endif
@@ -548,15 +548,15 @@ moe_decode_fused(const bf16* __restrict__ x, const int* __restrict__ sorted_pair
 // bf16 556.3 -> 533.4; the full model's decode replays fp8 batch 32 5.920 -> 5.785 ms, bf16 8.220 -> 8.037.  A
 // bulk copy a weight row instead (~144 a step, each a loop over the lanes in SASS) ran 3-4x slower.
 #define CONSUMERS (WARPS_M * WARPS_N)
-// DEC_A_ASYNC = 1 (bench switch KDA_RT_MOE_DEC_A_ASYNC; prepared 2026-12-04, not yet GPU-run): the item's A rows (x's
-// gathered token rows, or h's rows) by cp.async from all 32 producer lanes, CPR lanes a row of BK bf16 (16 bytes each),
-// each lane's row pointer shuffled from the lane that looked it up, instead of one bulk copy a row, which compiles to a
-// loop that issues the rows one lane at a time (ELECT) into the one TMA unit the weight boxes also use: its cost grows
-// with the tile's live rows (at 64 live rows over the ~1.9 K cycles of DRAM time a stage, a code reading's estimate),
-// while the cp.async form's stays a few instructions a row.  The copies complete on full[stage] through
-// cp.async.mbarrier.arrive.noinc, one arrival a lane (full's count 1 + 32: the producer's own arrival and its lanes'),
-// so a stage's A bytes are no longer counted as transaction bytes.  Same stage layout, same products: bit for bit the
-// bulk-copy form.
+// DEC_A_ASYNC = 1 (KDA_RT_MOE_DEC_A_ASYNC, the default since 2026-12-04: ops/moe_gemm_tc.py FUSED64_BF16): the item's A
+// rows (x's gathered token rows, or h's rows) by cp.async from all 32 producer lanes, CPR lanes a row of BK bf16 (16
+// bytes each), each lane's row pointer shuffled from the lane that looked it up, instead of one bulk copy a row, which
+// compiles to a loop that issues the rows one lane at a time (ELECT) into the one TMA unit the weight boxes also use:
+// its cost grows with the tile's live rows (at 64 live rows over the ~1.9 K cycles of DRAM time a stage, a code
+// reading's estimate), while the cp.async form's stays a few instructions a row.  The copies complete on full[stage]
+// through cp.async.mbarrier.arrive.noinc, one arrival a lane (full's count 1 + 32: the producer's own arrival and its
+// lanes'), so a stage's A bytes are no longer counted as transaction bytes.  Same stage layout, same products: bit for
+// bit the bulk-copy form.
 #ifndef DEC_A_ASYNC
 #define DEC_A_ASYNC 0
 #endif

@@ -6,7 +6,8 @@ graph per decode batch-size bucket.
   bf16 page pool [num_blocks, block_size, 576] plus one padding page.  The page count comes from
   `gpu_memory_utilization` after the weights are on the device (or `num_blocks`).
 - Decode steps (every sequence has one new token) replay the graph of the smallest bucket
-  (1, 2, 4, 8, ... up to max_num_seqs, all captured when the runner starts) that holds the batch;
+  (EngineConfig.graph_sizes: 1, 2, 4, 6, 8, 12, 16, 24, ... up to max_num_seqs by default, all captured when the
+  runner starts, their buffers views of one shared workspace) that holds the batch;
   missing rows are padding that read a zero state (context 0) and write only the padding slot and page.  Metadata is copied into the
   graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
 - A graph's block table is max_model_len / block_size pages wide; each step copies only the

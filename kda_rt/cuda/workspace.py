@@ -13,7 +13,9 @@ previous ones in CuPy's pool (+3.5 GB of cached blocks at the end of the seed be
 A `shared` workspace serves several decode graphs (KDA_RT_SHARED_GRAPH_WS): they run one at a time on one stream, so
 their buffers can be views of one allocation a name, sized by the largest graph (captured first).  Frozen, it still
 hands out views of other shapes that fit (each graph's own, at every replay's metadata upload), and `locked` (set
-once a graph is captured on it) turns an allocation that would move a buffer those graphs use into WorkspaceFull."""
+once a graph is captured on it) turns an allocation that would move a buffer those graphs use into WorkspaceFull; a
+name new to it is allocated as usual (no captured graph uses it: the 4-row graph's pre-norm rows, which only steps of
+up to 4 tokens ask for, do not drop the larger graphs captured before it)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ HEADROOM = 1 / 32  # a buffer that grows gets this much more than asked
 
 
 class WorkspaceFull(RuntimeError):
-    """A locked shared workspace was asked for a buffer larger than its allocation (the graphs captured on it use
-    that allocation: the caller drops them before the buffer may grow)."""
+    """A locked shared workspace was asked for a buffer larger than the allocation of its name (the graphs captured on
+    it use that allocation: the caller drops them before the buffer may grow)."""
 
 
 class Workspace:
@@ -53,7 +55,7 @@ class Workspace:
         if self.frozen and not (self.shared and fits):
             raise RuntimeError(f"workspace buffer {name!r} {shape} {dtype.name} would be allocated "
                                "inside a CUDA-graph capture")
-        if not fits and self.locked:
+        if not fits and self.locked and flat is not None:
             raise WorkspaceFull(f"shared workspace buffer {name!r} {shape} {dtype.name} is larger than its allocation")
         if not fits:
             self.buffers.pop(name, None)

@@ -86,15 +86,15 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.90, "CUDA backend: share of device memory for weights + caches")
     seed: int = _opt(0, "seeds requests that bring no seed of their own")
     enforce_eager: bool = _opt(False, "CUDA backend: no CUDA graphs")
-    # None: one decode graph for every power of two and every 1.5 x a power of two from 12 below max_num_seqs, and one
-    # for max_num_seqs (a batch pays at most a third of its rows in padding; the graphs share one workspace, so the
+    # None: one decode graph for every power of two and every 1.5 x a power of two from 6 below max_num_seqs, and one
+    # for max_num_seqs (a batch pays less than a third of its rows in padding; the graphs share one workspace, so the
     # extra sizes cost capture time, not memory); a decode batch runs the smallest graph of at least its rows (the rest
     # padding rows), a larger one eagerly
     cuda_graph_sizes: tuple[int, ...] | None = _opt(
         None, "CUDA backend: the decode batch sizes captured as graphs (vLLM's flag): one value N captures 1, 2, 4 "
               "and every multiple of 8 up to N, several values exactly those; sizes above max_num_seqs are left out; "
               "a batch runs the smallest graph that holds it, one larger than every graph eagerly (default: the "
-              "powers of two and 1.5 x the powers of two from 12 below max_num_seqs, and max_num_seqs)", nargs="+")
+              "powers of two and 1.5 x the powers of two from 6 below max_num_seqs, and max_num_seqs)", nargs="+")
     # on the full 48B shape (H200, batch 32) the engine's host work between steps is ~0.7 ms of an
     # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
     async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
@@ -141,12 +141,12 @@ class EngineConfig:
     def graph_sizes(self, max_num_seqs: int) -> list[int]:
         """The decode batch sizes captured as graphs for `max_num_seqs` sequences, ascending (cuda_graph_sizes: one
         value N gives 1, 2, 4 and the multiples of 8 up to N, as vLLM's flag; sizes above max_num_seqs left out;
-        None: the powers of two and 1.5 x the powers of two from 12 below max_num_seqs, then max_num_seqs).  Empty
+        None: the powers of two and 1.5 x the powers of two from 6 below max_num_seqs, then max_num_seqs).  Empty
         when every given size is above it."""
         if self.cuda_graph_sizes is None:
             out, b = [], 1
             while b < max_num_seqs:
-                out += [b, 3 * b // 2] if b >= 8 else [b]
+                out += [b, 3 * b // 2] if b >= 4 else [b]
                 b *= 2
             return sorted({x for x in out if x < max_num_seqs} | {max_num_seqs})
         sizes = self.cuda_graph_sizes

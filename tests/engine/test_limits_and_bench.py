@@ -99,16 +99,18 @@ def test_engine_config_errors(kw, match):
 
 def test_cuda_graph_sizes():
     """EngineConfig.cuda_graph_sizes, as vLLM's --cuda-graph-sizes: unset, the powers of two and 1.5 x the powers of
-    two from 12 below max_num_seqs, and max_num_seqs; one value N, 1, 2, 4 and the multiples of 8 up to N; several, those (sorted, once each); sizes
+    two from 6 below max_num_seqs, and max_num_seqs (less than a third of any batch's rows padding); one value N, 1, 2, 4 and the multiples of 8 up to N; several, those (sorted, once each); sizes
     above max_num_seqs left out.  A list (from the server's msgpack settings) becomes a tuple; the flag takes one
     or more values on every entry point's command line."""
     import argparse
 
-    assert EngineConfig().graph_sizes(1024) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
-                                                1024]
-    assert EngineConfig().graph_sizes(48) == [1, 2, 4, 8, 12, 16, 24, 32, 48]
-    assert EngineConfig().graph_sizes(100) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert EngineConfig().graph_sizes(1024) == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
+                                                768, 1024]
+    assert EngineConfig().graph_sizes(48) == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48]
+    assert EngineConfig().graph_sizes(100) == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
     assert EngineConfig().graph_sizes(5) == [1, 2, 4, 5] and EngineConfig().graph_sizes(1) == [1]
+    sizes = EngineConfig().graph_sizes(1024)
+    assert all(3 * (g - b) < g for b in range(1, 1025) for g in [next(s for s in sizes if s >= b)])  # (padding share)
     one = EngineConfig(cuda_graph_sizes=[256])
     assert one.cuda_graph_sizes == (256,) and one.graph_sizes(1024) == [1, 2, 4, *range(8, 257, 8)]
     assert one.graph_sizes(100) == [1, 2, 4, *range(8, 97, 8)]

@@ -4,8 +4,8 @@
    scheduler's budget is swapped on the same engine; the eager workspace grows as needed);
 2. decode, per batch: the engine's mean decode step with async scheduling off and on (bytes floor
    from the experts routed in that run beside it), and the decode graph's replay alone (launch + sync,
-   10 times; it repeats the run's last step, whose routing may differ from the run's mean: the experts it
-   touches are printed beside it).
+   10 times; it repeats a decode step of all `batch` sequences (helpers.full_model.decode_full_batch), whose routing
+   may differ from the run's mean: the experts it touches are printed beside it).
 
     PYTHONPATH=. python tests/gpu/bench_split.py [--budgets 8192,16384,32768] [--batches 1,32]
 One JSON line per measurement on stdout.
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     args = ap.parse_args()
 
-    from helpers.full_model import full_engine
+    from helpers.full_model import decode_full_batch, full_engine
     from kda_rt.bench import floors, run_bench
 
     budgets = [int(b) for b in args.budgets.split(",") if b]
@@ -70,6 +70,9 @@ def main() -> int:
                               "experts": fl["experts_per_moe_layer"], "elapsed_s": round(rep["elapsed_s"], 3),
                               "ttft_max_s": round(rep["ttft_s_max"], 4),
                               "launched_ahead": engine.counters["steps_launched_ahead"]}), flush=True)
+        # (a run to completion ends on partial steps of smaller graphs, whose metadata the shared graph workspace
+        # holds now: the batch's own graph must be the last one launched before it is replayed)
+        decode_full_batch(engine, batch, args.input_len)
         g = runner.graphs[rows]
         runner.experts_touched(reset=True)
         with runner.stream:

@@ -1,11 +1,12 @@
-"""What a decode graph's padding rows cost (EngineConfig.cuda_graph_sizes, fifty-second session).  With the default
-graph sizes (powers of two and max_num_seqs) a decode step of B live sequences replays the smallest graph of at least
-B rows, the rest padding rows (they run the kernels on the pad slot and page: the KDA state pass, the MoE routing,
-the GEMMs' rows; the sampler samples the live rows only).  On the full 27-layer shape (random weights, router bias std 0.05), for each batch B
+"""What a decode graph's padding rows cost (EngineConfig.cuda_graph_sizes, fifty-second session; measured in the
+fifty-third, whose default sizes step by 1.5x and 2x).  With graph sizes of powers of two a decode step of B live
+sequences replays the smallest graph of at least B rows, the rest padding rows (they run the kernels on the pad slot
+and page: the KDA state pass, the MoE routing, the GEMMs' rows; the sampler samples the live rows only).  On the
+full 27-layer shape (random weights, router bias std 0.05), for each batch B
 a decode step of B live sequences at ~2K context (helpers.full_model.decode_full_batch) is replayed on the B-row
 graph ("exact") and on the next power of two's ("padded"), alternating, 5 chunks of 20 replays each; prints ms a
-replay (median of the chunks), the experts touched a MoE layer and the graph's workspace (MiB: what a finer default of
-cuda_graph_sizes would cost a size), one JSON line each.
+replay (median of the chunks), the experts touched a MoE layer and the graph's own workspace (MiB: what a size costs
+without the shared graph workspace, so this tool sets KDA_RT_SHARED_GRAPH_WS=0 unless it is given), one JSON line each.
 
     PYTHONPATH=. python tests/gpu/graph_pad_check.py [--batches 96,160,192] [--rounds 2] [--quantization fp8]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +52,7 @@ def main() -> int:
     if not batches or min(batches) < 1:
         ap.error(f"--batches: positive batch sizes, got {args.batches!r}")
 
+    os.environ.setdefault("KDA_RT_SHARED_GRAPH_WS", "0")  # (each graph's own workspace: its bytes printed)
     from helpers.full_model import full_engine
     from kda_rt.engine.config import EngineConfig
 

@@ -427,7 +427,7 @@ def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
 
 
 def test_shared_graph_workspace(monkeypatch):
-    """KDA_RT_SHARED_GRAPH_WS=1 (bench switch): every decode graph's buffers are views of one workspace, sized by the
+    """KDA_RT_SHARED_GRAPH_WS=1 (the default, set here all the same): every decode graph's buffers are views of one workspace, sized by the
     largest graph (captured first), so the graphs hold the memory of the largest alone; the tokens are the eager
     engine's at every batch size.  Then a fresh shared workspace with the graphs dropped: the 2-row graph is captured
     on it, the 7-row one needs larger buffers (WorkspaceFull: the 2-row graph is dropped, the buffers grow, the

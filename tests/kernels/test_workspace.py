@@ -43,7 +43,8 @@ def test_shared_workspace_views_and_lock():
     """A shared workspace (KDA_RT_SHARED_GRAPH_WS: every decode graph's buffers views of one allocation a name):
     frozen, it still hands out views of other shapes that fit (each graph's own shapes at its replays' metadata
     upload), at the same address; a shape that does not fit is the capture error as before; locked (graphs captured
-    on it), an allocation that would move a buffer is WorkspaceFull instead, and unlocked it grows."""
+    on it), an allocation that would move a buffer is WorkspaceFull instead, while a new name is allocated (it moves
+    nothing a captured graph uses), and unlocked it grows."""
     import cupy
 
     from kda_rt.cuda.workspace import Workspace, WorkspaceFull
@@ -61,11 +62,13 @@ def test_shared_workspace_views_and_lock():
     assert ws.get("logits", (3, 1024), np.float32).data.ptr == big.data.ptr
     with pytest.raises(WorkspaceFull, match="'logits' \\(70, 1024\\) float32 is larger than its allocation"):
         ws.get("logits", (70, 1024), np.float32)
-    with pytest.raises(WorkspaceFull):
-        ws.get("new_name", (1,), np.float32)
+    new = ws.get("new_name", (4,), np.float32)
+    assert new.shape == (4,) and ws.get("logits", (7, 1024), np.float32).data.ptr == big.data.ptr
+    with pytest.raises(WorkspaceFull, match="'new_name' \\(8,\\) float32"):
+        ws.get("new_name", (8,), np.float32)
     ws.locked = False
     grown = ws.get("logits", (70, 1024), np.float32)
-    assert grown.shape == (70, 1024) and ws.get("new_name", (1,), np.float32).shape == (1,)
+    assert grown.shape == (70, 1024) and ws.get("new_name", (8,), np.float32).shape == (8,)
     plain = Workspace()  # (not shared: frozen refuses every other shape, as test_workspace_reuses... says)
     plain.get("x", (8,), np.float32)
     plain.frozen = True

@@ -116,8 +116,8 @@ _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 # bench_ab.py then taking the next bucket up), 256 22.87 -> 23.31, 384 29.33 -> 31.40 (+2-7%), with the A rows by one
 # bulk copy each.  Fifty-third session (tests/gpu/dec_a_async_check.sh: bench_ab.py --env
 # KDA_RT_MOE_DEC_A_ASYNC,KDA_RT_MOE_DEC_REVERSE,KDA_RT_MOE_FUSED64 --values 0:0:auto,1:0:auto,0:1:auto,1:1:1 --replays
-# 32,128,256,384 --rounds 2, exact graphs), ms: 0:0:auto (then: bulk copies, plan order, two launches at 64 rows)
-# 8.707 / 15.352 / 22.626 / 28.989; A rows by cp.async 8.646 / 15.077 / 22.462 / 29.063; reverse order 8.587 /
+# 32,128,256,384 --rounds 2, exact graphs; "auto" then meant today's "e4m3"), ms: 0:0:auto (bulk copies, plan order,
+# bf16 64-row tiles on two launches) 8.707 / 15.352 / 22.626 / 28.989; A rows by cp.async 8.646 / 15.077 / 22.462 / 29.063; reverse order 8.587 /
 # 15.224 / 22.479 / 28.955; both and the 64-row fused tiles 8.601 / 14.984 / 21.501 / 28.520 (-1.2 / -2.4 / -5.0 /
 # -1.6%; at 256 the first three all run the two launches: ~0.7% is the replays' spread).  So by default the 64-row
 # fused tiles take bf16 steps too, with the A rows by cp.async and the items in reverse order (env.moe_dec_a_async,
