@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -150,6 +151,7 @@ class CudaRunner:
         self._launches = 0  # parity of the staging set the next launch uses
         self._last_ids = None  # device ids sampled by the last launch (ids_from_last)
         if not self.enforce_eager:  # as vLLM: every bucket's graph now, so no request waits for a capture
+            started = time.perf_counter()
             # (a shared workspace: the largest first, so no later capture moves a buffer of an earlier graph; a second
             # pass recaptures any that a larger buffer of a later one made the runner drop: none in the usual case)
             for rows in [*sorted(self.buckets, reverse=self.graph_ws is not None), *self.buckets]:
@@ -159,7 +161,7 @@ class CudaRunner:
                         cupy.cuda.driver.CUDADriverError) as exc:  # (a workspace a graph, unless shared)
                     if not isinstance(exc, cupy.cuda.memory.OutOfMemoryError) and getattr(exc, "status", None) != 2:
                         raise  # (2: cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY; anything else as it is)
-                    held = sum(ws.nbytes() for ws in {id(g.ws): g.ws for g in self.graphs.values()}.values())
+                    held = self.graph_ws_bytes()
                     captured = len(self.graphs)
                     self.graphs.clear()  # (their memory back before the error travels up)
                     raise MemoryError(
@@ -168,6 +170,10 @@ class CudaRunner:
                         f"{held / 2**30:.2f} GiB of workspace): lower --gpu-memory-utilization, capture fewer or "
                         "smaller graphs (--cuda-graph-sizes, --max-num-seqs) or run without them (--enforce-eager)"
                     ) from exc
+            held = self.graph_ws_bytes()
+            logger.info("captured %d decode graphs (%s sequences) in %.1f s, %.2f GiB of workspace%s", len(self.graphs),
+                        ", ".join(map(str, sorted(self.graphs))), time.perf_counter() - started, held / 2**30,
+                        " shared" if self.graph_ws is not None else "")
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
         from kda_rt.cuda.ops.dense_w8a8 import precompile as precompile_dense
@@ -243,6 +249,10 @@ class CudaRunner:
         from kda_rt.engine.batch import ForwardBatch
 
         return ForwardBatch.build([[0]] * rows, [0] * rows, [self.pad_slot] * rows, [[self.pad_page]] * rows)
+
+    def graph_ws_bytes(self) -> int:
+        """Bytes of the captured decode graphs' workspaces (one shared workspace counted once)."""
+        return sum(ws.nbytes() for ws in {id(g.ws): g.ws for g in self.graphs.values()}.values())
 
     def _graph(self, rows: int) -> _Graph:
         """The decode graph for `rows` sequences, captured on first use.  Warm-up and capture run on

@@ -439,6 +439,7 @@ def test_shared_graph_workspace(monkeypatch):
     shared = LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[1, 2, 4, 7], **KW)
     runner = shared.runner
     assert sorted(runner.graphs) == [1, 2, 4, 7] and len({id(g.ws) for g in runner.graphs.values()}) == 1
+    assert runner.graph_ws_bytes() == runner.graph_ws.nbytes() > 0  # (bench's decode_graph_ws_bytes: counted once)
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     def same(n):
