@@ -261,6 +261,14 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
+def kda_skip_pad() -> bool:
+    """KDA_RT_KDA_SKIP_PAD (bench switch, prepared): 1 has the CUDA runner give a decode graph's padding rows the slot
+    -1 and the KDA decode kernel skip their state (kernels_cu/kda_decode.cu SKIP_PAD): no conv-history or state
+    stores for them (2 MiB a padding row a KDA layer at 32 heads); the live rows' outputs and states bit for bit the
+    same; default 0.  Read once when the runner starts (its uploads and its kernels agree on it)."""
+    return _on_off("KDA_RT_KDA_SKIP_PAD", default="0")
+
+
 def kda_smem_state(default: int) -> int:
     """KDA_RT_KDA_SMEM_STATE: how the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+) moves each head's
     recurrent state (kernels_cu/kda_decode.cu SMEM_STATE; every form gives the same outputs and pools bit for bit):

@@ -35,7 +35,8 @@
 // reductions overlap them.
 // Shapes: qkv [B, 3P] bf16 rows ldq apart (a column block of the decode step's q|k|v|f_a|g_a|b GEMM); f, gate [B, P] bf16; b [B, ldb] bf16 (column h); conv_w [3P, W] fp32;
 // A_log [H], dt_bias [P], o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16 (oldest first);
-// rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32; out [B, P] bf16.  With FUSE_FG:
+// rec_pool [S, H, K, V] fp32; context_lens, state_slots [B] int32 (with SKIP_PAD a negative slot is a padding
+// row); out [B, P] bf16.  With FUSE_FG:
 // f [B, ldr] (first RANK_F columns: the f_a output), gate [B, ldr] (first RANK_G: the g_a output),
 // f_b [P, RANK_F], g_b [P, RANK_G] bf16 (16-byte aligned rows).
 // Compile-time constants (chosen in kda_rt/cuda/ops/kda_decode.py): HEAD_DIM (K = V, must be 128),
@@ -114,6 +115,14 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
     *p = v;
 #endif
 }
+// SKIP_PAD = 1 (KDA_RT_KDA_SKIP_PAD, prepared 2026-12-04, not yet GPU-run): a negative slot is a decode graph's
+// padding row (the runner writes -1 for them instead of its padding slot): a fresh state and nothing stored, neither
+// conv history nor state rows (nothing reads the padding slot: padding rows have context 0), so a padding row costs
+// no state traffic (2 MiB of state stores a row a layer at 32 heads otherwise).  Its output row is computed as before.
+// Off, the build is the one before it (the compiler drops the test).
+#ifndef SKIP_PAD
+#define SKIP_PAD 0
+#endif
 #if EARLY_STATE
 #define KD_PDL_ENTRY() KDA_PDL_ENTRY_DEFERRED()
 #else
@@ -222,8 +231,10 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const int h = blockIdx.x / SPLIT, seq = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c0 = rank * VC;  // first value column / channel of this CTA within the head
     const int P = num_heads * K;
-    const bool fresh = context_lens[seq] == 0;
-    const size_t slot = (size_t)state_slots[seq];
+    const bool no_context = context_lens[seq] == 0;
+    const int slot_id = state_slots[seq];
+    const bool pad = SKIP_PAD && slot_id < 0, fresh = pad || no_context;  // (SKIP_PAD's note)
+    const size_t slot = pad ? 0 : (size_t)slot_id;
     // first what no earlier kernel of the graph writes (EARLY_STATE: before the programmatic-launch wait): the
     // metadata, the decay weights of this CTA's channels, (async, into shared memory) its f_b / g_b rows and norm
     // weights, the state rows; then the token's inputs: beta's b, the low-rank rows or f, and the output gate
@@ -290,9 +301,11 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         for (int t = 0; t < CONV_W - 1; ++t) hist[t] = fresh ? 0.f : to_f32(hist_p[(size_t)t * P]);
         const bf16 x = qkv[(size_t)seq * ldq + i * P + ch];
         const float y = kda_conv_silu<CONV_W>(conv_w + (size_t)(i * P + ch) * CONV_W, hist, to_f32(x));
+        if (!pad) {
 #pragma unroll
-        for (int t = 0; t < CONV_W - 2; ++t) hist_p[(size_t)t * P] = to_bf16(hist[t + 1]);
-        hist_p[(size_t)(CONV_W - 2) * P] = x;
+            for (int t = 0; t < CONV_W - 2; ++t) hist_p[(size_t)t * P] = to_bf16(hist[t + 1]);
+            hist_p[(size_t)(CONV_W - 2) * P] = x;
+        }
         if (i == 2) v_s[j] = y;
         else st_all((i == 0 ? q_s : k_s) + c0 + j, y);
     }
@@ -382,13 +395,13 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #if SMEM_STATE == 2
         my_rows[i * (K / 4)] = si;  // over the float4 this thread read (no other thread touches it)
 #else
-        st_state(state + (row0 + i) * (K / 4), si);
+        if (!pad) st_state(state + (row0 + i) * (K / 4), si);
 #endif
     }
 #if SMEM_STATE == 2
     fence_proxy_async_smem();  // this thread's new rows, then the warp's, to the copy engine
     __syncwarp();
-    if (lane == 0) {
+    if (lane == 0 && !pad) {
         bulk_copy_s2g(rec_pool + ((slot * num_heads + h) * K + row0) * K, smem_addr(state_s + row0 * (K / 4)), RPT * K * 4);
         bulk_commit();
     }

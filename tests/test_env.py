@@ -7,20 +7,25 @@ import pytest
 from kda_rt import env
 
 _ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.moe_decode_ws),
-                    ("KDA_RT_SKINNY_WS", env.skinny_ws)]  # (default on)
+                    ("KDA_RT_SKINNY_WS", env.skinny_ws), ("KDA_RT_SHARED_GRAPH_WS", env.shared_graph_ws),
+                    ("KDA_RT_MOE_DEC_A_ASYNC", env.moe_dec_a_async),
+                    ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse)]  # (default on)
+_OFF_BY_DEFAULT = [("KDA_RT_KDA_SKIP_PAD", env.kda_skip_pad), ("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits)]
 
 
-@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES)
+@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES + _OFF_BY_DEFAULT)
 @pytest.mark.parametrize(("value", "expected"), [(None, True), ("", True), ("1", True), ("0", False)])
 def test_on_off_switches(monkeypatch, name, read, value, expected):
     if value is None:
         monkeypatch.delenv(name, raising=False)
     else:
         monkeypatch.setenv(name, value)
+    if (name, read) in _OFF_BY_DEFAULT and value in (None, ""):
+        expected = False  # (prepared or measured no faster: off unless asked for)
     assert read() is expected
 
 
-@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES)
+@pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES + _OFF_BY_DEFAULT)
 @pytest.mark.parametrize("value", ["yes", "2", "off", "-1"])
 def test_on_off_switches_reject_other_values(monkeypatch, name, read, value):
     monkeypatch.setenv(name, value)

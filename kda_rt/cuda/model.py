@@ -85,6 +85,7 @@ class CudaModel:
         self.w = weights
         self.kda_pools = kda_pools  # layer id -> (conv_pool, rec_pool)
         self.mla_pools = mla_pools  # layer id -> kv_pool [num_blocks, block_size, 576]
+        self.skip_pad = False  # decode steps' negative slots are padding rows (the runner's KDA_RT_KDA_SKIP_PAD)
         self.launches = 0
         import cupy
 
@@ -228,7 +229,8 @@ class CudaModel:
                 b.cu_seqlens, b.context_lens, b.state_slots)
         y_codes = None  # o_proj on e4m3 products: the gated norm writes y's codes too
         if b.decode:
-            kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y, **low_rank)
+            kda_decode(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
+                       skip_pad=self.skip_pad, **low_rank)
         else:
             if fp8 and w.o_proj_e4m3 is not None and H <= 64 and env.kda_norm_e4m3():
                 y_codes = self._codes(ws, "o", T, P)

@@ -136,6 +136,10 @@ class CudaRunner:
             raise MemoryError(f"cache pools ({need / 2**30:.1f} GiB) do not fit on the GPU after the weights: "
                               "lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or pass --num-blocks") from exc
         self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
+        from kda_rt import env
+
+        # padding rows of decode graphs: slot -1, no state stored (read once: the uploads and the kernels agree)
+        self.model.skip_pad = env.kda_skip_pad()
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
         self.staging = Staging()
@@ -143,8 +147,6 @@ class CudaRunner:
         self.buckets = engine.graph_sizes(plan.engine_slots)  # (the decode batch sizes captured as graphs)
         self.graphs: dict[int, _Graph] = {}
         self.graph_rows = [0, 0]  # decode rows replayed on graphs since start: live, padding (bench's padding share)
-        from kda_rt import env
-
         # KDA_RT_SHARED_GRAPH_WS: one workspace for every decode graph (views of one allocation a name)
         self.graph_ws = Workspace(shared=True) if env.shared_graph_ws() else None
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -223,7 +225,7 @@ class CudaRunner:
         ctx[:B] = batch.context_lens
         ctx[B:] = 0
         slots[:B] = batch.state_slots
-        slots[B:] = self.pad_slot
+        slots[B:] = -1 if self.model.skip_pad else self.pad_slot
         lidx[:] = np.arange(R) if decode else batch.logits_indices
         tables = tables.reshape(R, width)
         tables[:] = -1

@@ -426,6 +426,35 @@ def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
         assert (live, pad) == (n * len(replays), (7 - n) * len(replays)), (live, pad, len(replays))
 
 
+def test_graph_padding_rows_skip_their_state(monkeypatch):
+    """KDA_RT_KDA_SKIP_PAD=1 (prepared): a decode graph's padding rows get the slot -1 and the KDA decode kernel stores
+    nothing for them (kda_decode.cu SKIP_PAD); 5 sequences on the 8-row graph (three padding rows) and then 3 (five),
+    several steps each: the tokens are the eager engine's, and the padding slot's recurrent and conv state stay as
+    they were (the padding rows no longer write it)."""
+    import cupy
+
+    monkeypatch.setenv("KDA_RT_KDA_SKIP_PAD", "1")
+    eager = LLM(str(demo_path()), backend="cuda", enforce_eager=True, **KW)
+    skip = LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[1, 8], **KW)
+    runner = skip.runner
+    assert runner.model.skip_pad and sorted(runner.graphs) == [1, 8]
+    pools = [(conv, rec) for conv, rec in runner.model.kda_pools.values()]
+    assert pools, "the demo checkpoint has KDA layers"
+    pad = runner.pad_slot
+    before = [(cupy.asnumpy(c[pad]), cupy.asnumpy(r[pad])) for c, r in pools]
+    p = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    for n in (5, 3):
+        prompts = [f"s{i} t u{'v' * i}" for i in range(n)]
+        rows0 = list(runner.graph_rows)
+        a = [o.outputs[0].token_ids for o in eager.generate(prompts, p)]
+        b = [o.outputs[0].token_ids for o in skip.generate(prompts, p)]
+        assert a == b, f"{n} prompts: the padding rows' skipped state changed the tokens"
+        assert runner.graph_rows[1] > rows0[1], "no padding rows were replayed"
+    for (c, r), (c0, r0) in zip(pools, before, strict=True):
+        assert np.array_equal(cupy.asnumpy(r[pad]), r0) and np.array_equal(cupy.asnumpy(c[pad]), c0), \
+            "a padding row wrote the padding slot"
+
+
 def test_shared_graph_workspace(monkeypatch):
     """KDA_RT_SHARED_GRAPH_WS=1 (the default, set here all the same): every decode graph's buffers are views of one workspace, sized by the
     largest graph (captured first), so the graphs hold the memory of the largest alone; the tokens are the eager

@@ -164,6 +164,57 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
         raise ref_failure
 
 
+@pytest.mark.parametrize(("num_seqs", "smem"), [(3, "auto"), (6, "0"), (6, "1"), (6, "2"), (40, "auto")],
+                         ids=["B3-split4", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1"])
+def test_kda_decode_skip_pad(num_seqs, smem, monkeypatch):
+    """kda_decode(skip_pad=True) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_KDA_SKIP_PAD): rows whose slot is -1
+    are padding rows, a fresh state stored nowhere.  Against the same step with those rows on a real spare slot
+    (context 0, skip_pad off): every output row bit for bit the same (the padding rows' too), the live slots' conv
+    and recurrent state bit for bit the same, and the pools everywhere else untouched (the spare slot keeps its
+    garbage, which the run without the switch overwrote).  The live rows are fresh and continuing sequences in
+    permuted slots, two steps; every state form: the split kernel (3 rows), the register form and both shared-memory
+    forms (6 rows, forced) and the launcher's choice at 40 rows."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_decode import kda_decode
+
+    if int(cupy.cuda.Device().compute_capability) < 90 and (num_seqs <= 4 or smem in ("1", "2")):
+        pytest.skip("the split kernel and SMEM_STATE need sm_90+")
+    if smem == "auto":
+        monkeypatch.delenv("KDA_RT_KDA_SMEM_STATE", raising=False)
+    else:
+        monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
+    H, pads = 4, max(1, num_seqs // 3)
+    rng = np.random.default_rng(31 * num_seqs + len(smem))
+    inp = make_inputs(rng, [1] * num_seqs, H, "mixed", num_slots=num_seqs + 2)
+    live = num_seqs - pads
+    spare = np.setdiff1d(np.arange(num_seqs + 2), inp["state_slots"][:live])[0]
+    inp["context_lens"][live:] = 0
+    step2 = step_inputs(rng, inp, H, [False] * live + [True] * pads)  # the live rows continue, the padding rows fresh
+    runs = {}
+    for skip in (False, True):
+        step_inp = dict(inp, state_slots=inp["state_slots"].copy())
+        step_inp["state_slots"][live:] = -1 if skip else spare
+        dev = upload(step_inp)
+        before = [to_np(dev["conv_pool"]), to_np(dev["rec_pool"])]
+        outs = []
+        for step in range(2):
+            if step:
+                for name in ("qkv", "f", "b", "gate", "context_lens"):
+                    dev[name] = upload({name: step2[name]})[name]
+            outs.append(to_np(run_op(kda_decode, dev, H, skip_pad=skip)))
+        runs[skip] = (outs, before, [to_np(dev["conv_pool"]), to_np(dev["rec_pool"])])
+    (plain_out, _, plain_pools), (skip_out, before, skip_pools) = runs[False], runs[True]
+    for step, (a, b) in enumerate(zip(plain_out, skip_out, strict=True)):
+        assert np.all(np.isfinite(a)) and np.array_equal(a, b), f"step {step}: skip_pad changed the outputs"
+    used = inp["state_slots"][:live]
+    for name, p, q, b0 in zip(("conv_pool", "rec_pool"), plain_pools, skip_pools, before, strict=True):
+        assert np.array_equal(p[used], q[used]), f"{name}: the live slots' state differs with skip_pad"
+        rest = np.setdiff1d(np.arange(p.shape[0]), used)
+        assert np.array_equal(q[rest], b0[rest]), f"{name}: skip_pad wrote a slot no live row owns"
+        assert not np.array_equal(p[spare], b0[spare]), f"{name}: the run without skip_pad left the spare slot as is"
+
+
 @pytest.mark.parametrize("smem", [1, 2])
 def test_kda_decode_smem_state_occupancy(smem):
     """The shared-memory state forms hold three CTAs an SM (their point: 192 KB of state in flight an SM), which
