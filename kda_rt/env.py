@@ -7,8 +7,12 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "pdl", "skinny", "wgmma",
-           "unknown_variables"]
+__all__ = ["READ_AT_START", "cache_dir", "arch_override", "api_key", "log_stats_interval", "gc_threshold", "pdl",
+           "skinny", "wgmma", "unknown_variables"]
+
+# switches the CUDA runner reads once, when it starts (an A/B that flips them on a running engine times one setting
+# twice: tests/gpu/bench_ab.py and trace_decode.py refuse them)
+READ_AT_START = ("KDA_RT_SHARED_GRAPH_WS", "KDA_RT_SKIP_PAD")
 
 
 @functools.cache
@@ -261,12 +265,15 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
-def kda_skip_pad() -> bool:
-    """KDA_RT_KDA_SKIP_PAD (bench switch, prepared): 1 has the CUDA runner give a decode graph's padding rows the slot
-    -1 and the KDA decode kernel skip their state (kernels_cu/kda_decode.cu SKIP_PAD): no conv-history or state
-    stores for them (2 MiB a padding row a KDA layer at 32 heads); the live rows' outputs and states bit for bit the
-    same; default 0.  Read once when the runner starts (its uploads and its kernels agree on it)."""
-    return _on_off("KDA_RT_KDA_SKIP_PAD", default="0")
+def skip_pad() -> bool:
+    """KDA_RT_SKIP_PAD (bench switch, prepared): 1 has a decode graph's padding rows skip the work nobody reads: the
+    CUDA runner gives them the slot -1, which the KDA decode kernel treats as a fresh state stored nowhere
+    (kernels_cu/kda_decode.cu SKIP_PAD: no conv-history or state stores, 2 MiB a padding row a KDA layer at 32
+    heads), and uploads the live row count, with which the MoE bucketing plans the live tokens' pairs alone and the
+    combine writes zeros for the others (kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS: identical padding rows
+    all route to the same 8 experts, tiles of them more); the live rows' outputs and states bit for bit the same;
+    default 0.  Read once when the runner starts (its uploads and its kernels agree on it)."""
+    return _on_off("KDA_RT_SKIP_PAD", default="0")
 
 
 def kda_smem_state(default: int) -> int:

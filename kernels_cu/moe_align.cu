@@ -93,8 +93,11 @@ __device__ __forceinline__ int expert_of(const int* __restrict__ ids, int p) {
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_off, int* __restrict__ sorted_pair,
            int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
-           int* __restrict__ num_tiles, int* __restrict__ stats, int* __restrict__ sync, int sync_words) {
+           int* __restrict__ num_tiles, int* __restrict__ stats, int* __restrict__ sync, int sync_words LIVE_PARAM) {
     KDA_PDL_ENTRY();
+#ifdef LIVE_PAIRS
+    num_pairs = min(num_pairs, LIVE_COUNT() * LIVE_PAIRS);
+#endif
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
     for (int i = threadIdx.x; i < sync_words; i += BUCKET_THREADS) sync[i] = 0;  // moe_decode_fused's counters
     bucket_block<BUCKET_THREADS>([&](int p) { return expert_of(ids, p); }, num_pairs, E, BT, ROUTED, expert_off, sorted_pair,
@@ -104,10 +107,16 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
 
 #ifdef BT
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
-moe_bucket_count(const int* __restrict__ ids, int num_pairs, int chunk, int* __restrict__ counts, int* __restrict__ base) {
+moe_bucket_count(const int* __restrict__ ids, int num_pairs, int chunk, int* __restrict__ counts,
+                 int* __restrict__ base LIVE_PARAM) {
     KDA_PDL_ENTRY();
     __shared__ int count_sh[E];
+#ifdef LIVE_PAIRS
+    num_pairs = min(num_pairs, LIVE_COUNT() * LIVE_PAIRS);
+    const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = max(p0, min(num_pairs, p0 + chunk));  // (none: 0 rows)
+#else
     const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = min(num_pairs, p0 + chunk);
+#endif
     for (int e = tid; e < E; e += BUCKET_THREADS) count_sh[e] = 0;
     __syncthreads();
     for (int p = p0 + tid; p < p1; p += BUCKET_THREADS)
@@ -132,8 +141,11 @@ moe_bucket_plan(const int* __restrict__ counts, int* __restrict__ expert_off, in
 
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 moe_bucket_scatter(const int* __restrict__ ids, int num_pairs, int chunk, const int* __restrict__ expert_off,
-                   const int* __restrict__ base, int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+                   const int* __restrict__ base, int* __restrict__ sorted_pair, int* __restrict__ pair_pos LIVE_PARAM) {
     KDA_PDL_ENTRY();
+#ifdef LIVE_PAIRS
+    num_pairs = min(num_pairs, LIVE_COUNT() * LIVE_PAIRS);
+#endif
     __shared__ int start_sh[E], fill_sh[E];
     const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = min(num_pairs, p0 + chunk);
     for (int e = tid; e < E; e += BUCKET_THREADS) {
@@ -191,12 +203,19 @@ __device__ __forceinline__ float4 combine_cols(const bf16* __restrict__ y, const
 #if !NORM
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
-            const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens) {
+            const float* __restrict__ shared, bf16* __restrict__ out, int num_tokens LIVE_PARAM) {
     KDA_PDL_ENTRY();
     __shared__ int pos_sh[A + 1];
     __shared__ float w_sh[A];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
+#ifdef LIVE_TOKENS
+    if (t >= LIVE_COUNT()) {  // a padding token: no plan rows; zeros (LIVE_PARAM's note)
+        const int c = (blockIdx.y * THREADS + threadIdx.x) * 4;
+        if (c < D) st_bf16x4(out + (size_t)t * D + c, 0.f, 0.f, 0.f, 0.f);
+        return;
+    }
+#endif
     load_token_pairs(pair_pos, w, t, pos_sh, w_sh);
     __syncthreads();
     const int c = (blockIdx.y * THREADS + threadIdx.x) * 4;
@@ -218,13 +237,20 @@ static_assert(THREADS * 4 >= D && THREADS % 32 == 0, "moe_combine_norm: one bloc
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine_norm(const bf16* __restrict__ y, const int* __restrict__ pair_pos, const float* __restrict__ w,
                  const float* __restrict__ shared, bf16* residual, const bf16* __restrict__ norm_w,
-                 bf16* __restrict__ out, int num_tokens, float eps, const bf16* residual_in) {
+                 bf16* __restrict__ out, int num_tokens, float eps, const bf16* residual_in LIVE_PARAM) {
     KDA_PDL_ENTRY();
     __shared__ int pos_sh[A + 1];
     __shared__ float w_sh[A];
     __shared__ float scratch[THREADS / 32];
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
+#ifdef LIVE_TOKENS
+    if (t >= LIVE_COUNT()) {  // a padding token: its normed row zeros, its residual row as it was (LIVE_PARAM's note)
+        const int c = threadIdx.x * 4;
+        if (c < D) st_bf16x4(out + (size_t)t * D + c, 0.f, 0.f, 0.f, 0.f);
+        return;
+    }
+#endif
     load_token_pairs(pair_pos, w, t, pos_sh, w_sh);
     __syncthreads();
     const int c = threadIdx.x * 4;

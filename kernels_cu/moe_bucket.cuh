@@ -3,6 +3,19 @@
 // threads) run it.  Contract (outputs, tiles, stats) in moe_align.cu's header.
 #pragma once
 
+// LIVE_PAIRS (moe_align.cu's bucketing kernels; its value: the pairs a token) and LIVE_TOKENS (moe_route_fused, the
+// combines), KDA_RT_SKIP_PAD, prepared 2026-12-04, not yet GPU-run: the kernel takes one more, last argument `live`
+// (int32 [1] on the device: the live rows of a decode graph's step, the others padding rows).  The bucketing then
+// plans the live tokens' pairs alone (pairs are token-major: the first live x pairs-a-token of them), so the
+// GEMMs never run a padding row, and the combines write zeros for the padding tokens instead of reading rows no
+// plan has.  Absent, the builds are the ones before them.
+#if defined(LIVE_PAIRS) || defined(LIVE_TOKENS)
+#define LIVE_PARAM , const int* __restrict__ live
+#define LIVE_COUNT() max(0, __ldg(live))
+#else
+#define LIVE_PARAM
+#endif
+
 // Exclusive prefix sum over a block of NT threads (NT / 32 full warps, one value each); `warp_tot` holds 32
 // ints of shared memory.  *total gets the block sum.  Ends with a barrier.
 template <int NT>

@@ -349,7 +349,7 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
                 int* __restrict__ tile_row, int* __restrict__ num_tiles, int* __restrict__ stats,
                 int* __restrict__ sync, int sync_words, int* __restrict__ done, const bf16* __restrict__ residual,
                 const bf16* __restrict__ norm_w, bf16* __restrict__ h_out, bf16* __restrict__ a_out, float eps,
-                int signal_ready) {
+                int signal_ready LIVE_PARAM) {
     KDA_PDL_ENTRY_DEFERRED();  // the router is a weight: its first loads go out before the wait below
 #ifdef CHAIN_PROBE
     // thread 0's stamps: 0 resident, 1 the wait returned (earliest of the blocks), 2 x staged, 3 logits signalled,
@@ -468,7 +468,12 @@ moe_route_fused(const bf16* __restrict__ x, const float* __restrict__ w_router, 
         if (tid == 0) *done = 0;
         return;
     }
-    bucket_block<FR_THREADS>([&](int p) { return bin_sh[p]; }, num_tokens * (top_k + SHARED), FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
+#ifdef LIVE_TOKENS
+    const int bucketed = min(num_tokens, LIVE_COUNT());  // the live tokens' pairs alone (LIVE_PARAM's note)
+#else
+    const int bucketed = num_tokens;
+#endif
+    bucket_block<FR_THREADS>([&](int p) { return bin_sh[p]; }, bucketed * (top_k + SHARED), FR_BINS, BT, E, expert_off, sorted_pair, pair_pos, tile_expert, tile_row, num_tiles,
         stats, count_sh, off_sh, fill_sh, warp_tot);
 #ifdef CHAIN_PROBE
     __syncthreads();  // (probe builds only) every thread's share of the bucketing done

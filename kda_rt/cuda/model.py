@@ -76,6 +76,7 @@ class DeviceBatch:
     decode: bool  # every sequence has exactly one new token
     host_cu_seqlens: Any = None  # [B+1] NumPy copies (eager steps): launchers that plan on the host
     host_context_lens: Any = None  # [B] read these instead of syncing on the device arrays
+    num_live: Any = None  # [1] a decode graph's live rows, the rest padding (KDA_RT_SKIP_PAD; else None)
 
 
 class CudaModel:
@@ -85,7 +86,7 @@ class CudaModel:
         self.w = weights
         self.kda_pools = kda_pools  # layer id -> (conv_pool, rec_pool)
         self.mla_pools = mla_pools  # layer id -> kv_pool [num_blocks, block_size, 576]
-        self.skip_pad = False  # decode steps' negative slots are padding rows (the runner's KDA_RT_KDA_SKIP_PAD)
+        self.skip_pad = False  # decode steps' negative slots are padding rows (the runner's KDA_RT_SKIP_PAD)
         self.launches = 0
         import cupy
 
@@ -144,7 +145,7 @@ class CudaModel:
                     before = NormBefore(res, L.post_norm, eps, ws.get("h_pre", (T, D), BF16), a) if pre else None
                     self._moe(L.mlp, delta if pre else a, ws, out=(final if last else a) if normed else delta,
                               stats=self.expert_stats[i] if b.decode else None, norm=norm, norm_before=before,
-                              x_codes=codes)
+                              x_codes=codes, live=b.num_live)
                 else:
                     self._mlp(L.mlp, a, ws, out=delta, codes=codes)
         with trace_scope("final norm+lm_head"):
@@ -239,12 +240,12 @@ class CudaModel:
         self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, codes=y_codes, out=out)
 
     def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None,
-             x_codes=None) -> None:
+             x_codes=None, live=None) -> None:
         mc, T, D = self.config.moe, a.shape[0], self.config.hidden_size
         inter_s = w.shared.down.shape[1] if w.shared is not None else 0
         nbytes = moe_workspace_bytes(T, mc, D, mc.intermediate_size, inter_s, w.shared_in_stack, w.e4m3)
         moe_forward(a, w, mc, out=out, workspace=ws.get("moe_ws", (nbytes,), np.uint8), stats=stats, norm=norm,
-                    norm_before=norm_before, x_codes=x_codes)
+                    norm_before=norm_before, x_codes=x_codes, live=live)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out, fp8: bool = False,
              codes=None) -> None:

@@ -238,7 +238,7 @@ def _e4m3_sources(bm: int, D: int, inter: int, e4m3: bool) -> bool:
 
 
 def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, stats=None, norm: NormAfter | None = None,
-                stream=None, norm_before: NormBefore | None = None, x_codes=None):
+                stream=None, norm_before: NormBefore | None = None, x_codes=None, live=None):
     """x: [T, D] bf16 -> [T, D] bf16.  Weights (cuda/weights.py): w.router [E, D] fp32, w.bias [E] fp32,
     w.w13 [E, 2I, D] bf16 ([w1 gate; w3 up] rows), w.w2 [E, D, I] bf16, w.shared (gate_up [2Is, D],
     down [D, Is], bf16) or None; with w.scale13 / w.scale2 the stacks hold e4m3 codes (uint8) and those their fp32
@@ -254,7 +254,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     is norm.residual; norm_before.h_out holds the stream in between).
     x_codes: optional (q [T, D] uint8, scale [T] fp32), x's rows as e4m3 codes (rmsnorm e4m3_out=, the same codes as
     quantize_activations_e4m3 makes); where the step's gate/up GEMM takes e4m3 sources (takes_x_codes) it reads
-    them instead of quantizing x again, elsewhere they are not read."""
+    them instead of quantizing x again, elsewhere they are not read.
+    live: optional int32 [1] device count of live tokens (a decode graph's step; KDA_RT_SKIP_PAD): tokens from it on
+    are padding, whose pairs the bucketing leaves out and whose rows the combine writes as zeros (with `norm`, their
+    residual rows stay as they were); the live rows' outputs are those of the call without it, bit for bit."""
     import cupy
 
     w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2
@@ -319,6 +322,10 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")
     # e4m3 stacks on the wgmma GEMMs (prefill): sources quantized a row at a time and e4m3 products (KDA_RT_FP8_PREFILL)
     w8a8 = _e4m3_sources(bm, D, inter, w.e4m3)  # (gemm is then moe_gemm_wg)
+    if live is not None:
+        expect(live, "live", shape=(1,), dtype=np.int32)
+        if T == 1:
+            live = None  # (one token is never padded: its GEMV path takes no count)
     if x_codes is not None:
         expect(x_codes[0], "x_codes[0]", shape=(T, D), dtype=np.uint8)
         expect(x_codes[1], "x_codes[1]", shape=(T,), dtype=np.float32)
@@ -348,14 +355,15 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             moe_route_fused(delta, w_router, bias, plan, top_k=A, renormalize=cfg.renormalize,
                             scaling=cfg.routed_scaling_factor, biased_weights=cfg.biased_weights, out_ids=ws["ids"],
                             out_w=ws["w"], logits=ws["logits"], done=ws["route_done"], stats=stats, shared_slot=fused,
-                            sync=sync, stream=stream, norm_before=norm_before, signal_ready=routed is not None)
+                            sync=sync, stream=stream, norm_before=norm_before, signal_ready=routed is not None,
+                            live=live)
         else:
             moe_route(x, w_router, bias, top_k=A, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, scaling=cfg.routed_scaling_factor,
                       biased_weights=cfg.biased_weights, out_ids=ws["ids"], out_w=ws["w"], logits=ws["logits"],
                       router_split=w.router_split, stream=stream)
             moe_bucket(ws["ids"], E, plan, stats=stats, shared_slot=fused, sync=sync, scratch=ws["bucket_scratch"],
-                       stream=stream)
+                       stream=stream, live=live)
         if fused_tile:
             moe_decode_fused(x, w13, w2, plan, top_k=pairs, h=ws["h"], out=ws["y"], sync=ws["sync"], tile=fused_tile,
                              scale13=s13, scale2=s2, stream=stream)
@@ -383,5 +391,6 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
             linear(x, shared_w13, out=ws["gu_s"])
             silu_mul(ws["gu_s"], out=ws["h_s"], stream=stream)
             shared = linear(ws["h_s"], shared_w2, out=ws["y_s"])
-        moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, shared_in_y=fused, out=out, norm=norm, stream=stream)
+        moe_combine(ws["y"], plan.pair_pos, ws["w"], shared, shared_in_y=fused, out=out, norm=norm, stream=stream,
+                    live=live)
     return out

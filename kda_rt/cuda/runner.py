@@ -138,8 +138,9 @@ class CudaRunner:
         self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
         from kda_rt import env
 
-        # padding rows of decode graphs: slot -1, no state stored (read once: the uploads and the kernels agree)
-        self.model.skip_pad = env.kda_skip_pad()
+        # padding rows of decode graphs: slot -1 (no KDA state stored), the live count uploaded (the MoE plans the
+        # live rows alone); read once, so the uploads and the captured kernels agree
+        self.model.skip_pad = env.skip_pad()
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
         self.staging = Staging()
@@ -214,11 +215,13 @@ class CudaRunner:
             raise ValueError(f"block table has {width} pages; max_model_len allows {self.max_pages}")
         nt = R if decode else T
         nl = R if decode else int(batch.logits_indices.shape[0])
-        sizes = (nt, R + 1, R, R, nl, R * width)  # ids, cu_seqlens, context, slots, logits rows, tables
+        live = int(bool(rows and self.model.skip_pad))  # (KDA_RT_SKIP_PAD: the live row count, for the MoE)
+        # ids, cu_seqlens, context, slots, logits rows, the live count (or nothing), tables
+        sizes = (nt, R + 1, R, R, nl, live, R * width)
         total = sum(sizes)
         offs = np.cumsum((0,) + sizes)  # the same layout on the host and in the device buffer
         host = self.staging.host(stage, 4 * total).view(np.int32)[:total]
-        ids, cu, ctx, slots, lidx, tables = (host[offs[i]:offs[i + 1]] for i in range(6))
+        ids, cu, ctx, slots, lidx, num_live, tables = (host[offs[i]:offs[i + 1]] for i in range(7))
         ids[:T] = batch.input_ids
         ids[T:] = 0
         cu[:] = np.arange(R + 1) if decode else batch.cu_seqlens
@@ -227,6 +230,7 @@ class CudaRunner:
         slots[:B] = batch.state_slots
         slots[B:] = -1 if self.model.skip_pad else self.pad_slot
         lidx[:] = np.arange(R) if decode else batch.logits_indices
+        num_live[:] = B
         tables = tables.reshape(R, width)
         tables[:] = -1
         tables[:B, : batch.block_tables.shape[1]] = batch.block_tables
@@ -234,23 +238,24 @@ class CudaRunner:
         # a graph's buffer has room for the widest table, so its views never move
         meta = ws.get("meta", (total - R * width + R * self.max_pages if rows else total,), np.int32)
         self.staging.to_device(stage, meta, 4 * total, self.stream)
-        dev = [meta[offs[i]:offs[i + 1]] for i in range(5)]
+        dev = [meta[offs[i]:offs[i + 1]] for i in range(6)]
         if rows:  # the graph's table is max_pages wide: scatter the used columns into it on the device
             tab = ws.get("meta_tables", (R, self.max_pages), np.int32)
-            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[offs[5]:].data.ptr,
+            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[offs[6]:].data.ptr,
                                                  width * 4, width * 4, R,
                                                  self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
-            tab = meta[offs[5]:].reshape(R, width)
+            tab = meta[offs[6]:].reshape(R, width)
         max_len = 1 if decode else int(batch.seq_lens.max())
         return DeviceBatch(*dev[:4], tab, dev[4], num_tokens=nt, num_seqs=R, max_seqlen=max_len, decode=decode,
-                           host_cu_seqlens=cu.copy(), host_context_lens=ctx.copy())
+                           host_cu_seqlens=cu.copy(), host_context_lens=ctx.copy(), num_live=dev[5] if live else None)
 
     def _padding_batch(self, rows: int) -> ForwardBatch:
         """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""
         from kda_rt.engine.batch import ForwardBatch
 
-        return ForwardBatch.build([[0]] * rows, [0] * rows, [self.pad_slot] * rows, [[self.pad_page]] * rows)
+        slot = -1 if self.model.skip_pad else self.pad_slot  # (KDA_RT_SKIP_PAD: a slot nothing stores to)
+        return ForwardBatch.build([[0]] * rows, [0] * rows, [slot] * rows, [[self.pad_page]] * rows)
 
     def graph_ws_bytes(self) -> int:
         """Bytes of the captured decode graphs' workspaces (one shared workspace counted once)."""

@@ -52,6 +52,11 @@ def main() -> int:
 
     if unknown := unknown_variables(dict.fromkeys(e for e in envs if e.startswith("KDA_RT_"))):
         ap.error(f"--env: {', '.join(unknown)} is read nowhere (kda_rt/env.py): the A/B would time one build twice")
+    from kda_rt.env import READ_AT_START
+
+    if at_start := [e for e in envs if e in READ_AT_START]:
+        ap.error(f"--env: {', '.join(at_start)} is read once when the runner starts: flipping it on this engine "
+                 "would time one setting twice (run one process a value)")
     values = args.values.split(",")
     if any(len(v.split(":")) != len(envs) for v in values):
         ap.error(f"each of --values {args.values!r} needs one ':'-joined part per switch in {envs}")

@@ -67,6 +67,10 @@ def main() -> int:
                     "expert stacks)")
     ap.add_argument("--run", default="", help="B:I:O workloads whose decode steps are traced, e.g. 32:2048:64")
     args = ap.parse_args()
+    from kda_rt.env import READ_AT_START
+
+    if args.env in READ_AT_START:
+        ap.error(f"--env {args.env} is read once when the runner starts: run one process a value")
 
     from helpers.full_model import decode_full_batch, full_engine
     from kda_rt.bench import run_bench

@@ -164,16 +164,19 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
         raise ref_failure
 
 
-@pytest.mark.parametrize(("num_seqs", "smem"), [(3, "auto"), (6, "0"), (6, "1"), (6, "2"), (40, "auto")],
-                         ids=["B3-split4", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1"])
-def test_kda_decode_skip_pad(num_seqs, smem, monkeypatch):
-    """kda_decode(skip_pad=True) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_KDA_SKIP_PAD): rows whose slot is -1
+@pytest.mark.parametrize(("num_seqs", "smem", "fused"), [(3, "auto", False), (3, "auto", True), (6, "0", False),
+                                                  (6, "1", False), (6, "2", False), (40, "auto", False)],
+                         ids=["B3-split4", "B3-split4-fused", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1"])
+def test_kda_decode_skip_pad(num_seqs, smem, fused, monkeypatch):
+    """kda_decode(skip_pad=True) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_SKIP_PAD): rows whose slot is -1
     are padding rows, a fresh state stored nowhere.  Against the same step with those rows on a real spare slot
     (context 0, skip_pad off): every output row bit for bit the same (the padding rows' too), the live slots' conv
     and recurrent state bit for bit the same, and the pools everywhere else untouched (the spare slot keeps its
-    garbage, which the run without the switch overwrote).  The live rows are fresh and continuing sequences in
-    permuted slots, two steps; every state form: the split kernel (3 rows), the register form and both shared-memory
-    forms (6 rows, forced) and the launcher's choice at 40 rows."""
+    garbage, which the run without the switch overwrote).  Slot 0 is never a live slot, and the pools are views
+    from the second slot of larger arrays whose first slot is a guard: a store to the slot a padding row's -1 maps
+    to (0) or to slot -1 itself (the define missing) shows.  The live rows are fresh and continuing sequences in
+    permuted slots, two steps; every state form: the split kernel (3 rows, also with the low-rank gates fused in),
+    the register form and both shared-memory forms (6 rows, forced) and the launcher's choice at 40 rows."""
     import cupy
 
     from kda_rt.cuda.ops.kda_decode import kda_decode
@@ -184,35 +187,49 @@ def test_kda_decode_skip_pad(num_seqs, smem, monkeypatch):
         monkeypatch.delenv("KDA_RT_KDA_SMEM_STATE", raising=False)
     else:
         monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
-    H, pads = 4, max(1, num_seqs // 3)
-    rng = np.random.default_rng(31 * num_seqs + len(smem))
-    inp = make_inputs(rng, [1] * num_seqs, H, "mixed", num_slots=num_seqs + 2)
+    H, pads, S = 4, max(1, num_seqs // 3), num_seqs + 3
+    rng = np.random.default_rng(31 * num_seqs + len(smem) + fused)
+    inp = make_inputs(rng, [1] * num_seqs, H, "mixed", num_slots=S)
     live = num_seqs - pads
-    spare = np.setdiff1d(np.arange(num_seqs + 2), inp["state_slots"][:live])[0]
+    inp["state_slots"][:live] = rng.permutation(np.arange(1, S))[:live]  # (slot 0: never live)
+    spare = int(np.setdiff1d(np.arange(1, S), inp["state_slots"][:live])[0])
     inp["context_lens"][live:] = 0
     step2 = step_inputs(rng, inp, H, [False] * live + [True] * pads)  # the live rows continue, the padding rows fresh
+    low_rank = [low_rank_inputs(rng, x, H, K) for x in (inp, step2)] if fused else None
     runs = {}
     for skip in (False, True):
         step_inp = dict(inp, state_slots=inp["state_slots"].copy())
         step_inp["state_slots"][live:] = -1 if skip else spare
         dev = upload(step_inp)
-        before = [to_np(dev["conv_pool"]), to_np(dev["rec_pool"])]
+        guarded = {}
+        for name in ("conv_pool", "rec_pool"):  # [guard, slot 0, ..., slot S-1]: the pool is big[1:]
+            big = cupy.empty((S + 1, *dev[name].shape[1:]), dtype=dev[name].dtype)
+            big[0] = 7.0
+            big[1:] = dev[name]
+            dev[name], guarded[name] = big[1:], big
+        before = {n: to_np(b) for n, b in guarded.items()}
         outs = []
         for step in range(2):
             if step:
                 for name in ("qkv", "f", "b", "gate", "context_lens"):
                     dev[name] = upload({name: step2[name]})[name]
-            outs.append(to_np(run_op(kda_decode, dev, H, skip_pad=skip)))
-        runs[skip] = (outs, before, [to_np(dev["conv_pool"]), to_np(dev["rec_pool"])])
+            kw = {}
+            if fused:
+                upload_low_rank(dev, low_rank[step], K)
+                kw = {"f_b": dev["f_b"], "g_b": dev["g_b"]}
+            outs.append(to_np(run_op(kda_decode, dev, H, skip_pad=skip, **kw)))
+        runs[skip] = (outs, before, {n: to_np(b) for n, b in guarded.items()})
     (plain_out, _, plain_pools), (skip_out, before, skip_pools) = runs[False], runs[True]
     for step, (a, b) in enumerate(zip(plain_out, skip_out, strict=True)):
         assert np.all(np.isfinite(a)) and np.array_equal(a, b), f"step {step}: skip_pad changed the outputs"
-    used = inp["state_slots"][:live]
-    for name, p, q, b0 in zip(("conv_pool", "rec_pool"), plain_pools, skip_pools, before, strict=True):
+    used = inp["state_slots"][:live] + 1  # (rows of the guarded arrays)
+    for name in ("conv_pool", "rec_pool"):
+        p, q, b0 = plain_pools[name], skip_pools[name], before[name]
         assert np.array_equal(p[used], q[used]), f"{name}: the live slots' state differs with skip_pad"
-        rest = np.setdiff1d(np.arange(p.shape[0]), used)
+        rest = np.setdiff1d(np.arange(S + 1), used)  # (the guard, slot 0, the spare slot, the other idle ones)
         assert np.array_equal(q[rest], b0[rest]), f"{name}: skip_pad wrote a slot no live row owns"
-        assert not np.array_equal(p[spare], b0[spare]), f"{name}: the run without skip_pad left the spare slot as is"
+        assert not np.array_equal(p[spare + 1], b0[spare + 1]), \
+            f"{name}: the run without skip_pad left the spare slot as is (the comparison proves nothing)"
 
 
 @pytest.mark.parametrize("smem", [1, 2])

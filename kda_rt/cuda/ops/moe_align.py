@@ -67,33 +67,45 @@ def _wide_scratch_words(num_bins: int) -> int:  # counts [bins], then base [_WID
 
 
 def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot: bool = False, sync=None,
-               scratch=None, wide: bool | None = None, stream=None) -> MoEPlan:
+               scratch=None, wide: bool | None = None, stream=None, live=None) -> MoEPlan:
     """ids: [T, A] int32 expert ids (each token's ids distinct) -> fills `plan` in place.
     stats: optional int32 [2] device counter: [0] += routed experts touched by this call, [1] += 1.
     shared_slot: the shared expert is expert `num_experts` of the stacks: every token gets an
     (A+1)-th pair for it (pairs t·(A+1) + k, the plan has T·(A+1) rows and num_experts + 1 bins).
     sync: optional int32 [n] device array, zeroed in the same launch (the counters of moe_decode_fused).
     scratch: int32 device array of >= bucket_scratch_words(N, bins) words for the three-launch path of large N
-    (allocated here when None); wide: force that path (True) or the one-block kernel (False), None: by N."""
+    (allocated here when None); wide: force that path (True) or the one-block kernel (False), None: by N.
+    live: optional int32 [1] device count of live tokens: only the pairs of tokens below it are planned (the plan's
+    rows then stop at live x pairs-a-token; moe_bucket.cuh LIVE_PAIRS)."""
     T, A = expect(ids, "ids", ndim=2, dtype=np.int32)
     pairs = A + 1 if shared_slot else A
     N, E = T * pairs, num_experts + (1 if shared_slot else 0)
     if not 1 <= E <= _BUCKET_THREADS:
         raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS - int(shared_slot)}], got {num_experts}")
     check_plan(plan, N, E, stats, sync, "moe_bucket")
+    live_pairs = 0
+    if live is not None:
+        expect(live, "live", shape=(1,), dtype=np.int32)
+        live_pairs = pairs
     if N and (N >= WIDE_MIN_PAIRS if wide is None else wide):
-        _bucket_wide(ids, N, E, A if shared_slot else 0, plan, stats, sync, scratch, stream)
+        _bucket_wide(ids, N, E, A if shared_slot else 0, plan, stats, sync, scratch, stream, live, live_pairs)
         return plan
-    kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0)
+    kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0, live_pairs=live_pairs)
     null = np.uint64(0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
                                       stats if stats is not None else null, sync if sync is not None else null,
-                                      i32(0 if sync is None else sync.size)), stream=stream)
+                                      i32(0 if sync is None else sync.size), *_live_arg(live)), stream=stream)
     return plan
 
 
-def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync, scratch, stream) -> None:
+def _live_arg(live) -> tuple:
+    """The kernels' last argument where a live count is given (moe_bucket.cuh LIVE_PARAM), else none."""
+    return () if live is None else (live,)
+
+
+def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync, scratch, stream, live=None,
+                 live_pairs: int = 0) -> None:
     """moe_bucket_count / _plan / _scatter (moe_align.cu) over G blocks of whole tokens."""
     import cupy
 
@@ -109,18 +121,19 @@ def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync,
     if scratch.size < words:
         raise ValueError(f"moe_bucket: scratch has {scratch.size} int32 words, needs {words} (bucket_scratch_words)")
     counts, base = scratch[:E], scratch[E:words]
-    kernel = functools.partial(bucket_kernel, E, plan.tile_rows, shared_a)
+    kernel = functools.partial(bucket_kernel, E, plan.tile_rows, shared_a, live_pairs=live_pairs)
     null = np.uint64(0)
     on = stream if stream is not None else cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(counts.data.ptr, 0, 4 * E, on.ptr)
-    kernel("moe_bucket_count")((blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), counts, base), stream=stream)
+    kernel("moe_bucket_count")((blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), counts, base, *_live_arg(live)),
+                               stream=stream)
     kernel("moe_bucket_plan")(
         (1,), (_BUCKET_THREADS,), (counts, plan.expert_off, plan.tile_expert, plan.tile_row, plan.num_tiles,
                                    stats if stats is not None else null, sync if sync is not None else null,
                                    i32(0 if sync is None else sync.size)), stream=stream)
     kernel("moe_bucket_scatter")(
         (blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), plan.expert_off, base, plan.sorted_pair,
-                                        plan.pair_pos), stream=stream)
+                                        plan.pair_pos, *_live_arg(live)), stream=stream)
 
 
 def check_plan(plan: MoEPlan, num_pairs: int, num_bins: int, stats, sync, who: str) -> None:
@@ -138,15 +151,16 @@ def check_plan(plan: MoEPlan, num_pairs: int, num_bins: int, stats, sync, who: s
         expect(sync, "sync", ndim=1, dtype=np.int32)
 
 
-def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int, name: str = "moe_bucket"):
+def bucket_kernel(num_bins: int, tile_rows: int, shared_a: int, name: str = "moe_bucket", live_pairs: int = 0):
     """The moe_bucket variant (or `name`: moe_bucket_count / _plan / _scatter, the same module) for `num_bins`
     experts (with the shared slot: E + 1), tiles of `tile_rows`, `shared_a` = top_k when the shared expert is a
-    slot, else 0."""
+    slot, else 0; live_pairs: the pairs a token, for the build that takes a live token count (LIVE_PAIRS)."""
     return get_kernel("moe_align.cu", name, E=num_bins, BT=tile_rows, BUCKET_THREADS=_BUCKET_THREADS,
-                      SHARED_A=shared_a)
+                      SHARED_A=shared_a, **({"LIVE_PAIRS": live_pairs} if live_pairs else {}))
 
 
-def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, norm=None, stream=None):
+def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=None, norm=None, stream=None,
+                live=None):
     """out[t] = bf16(shared[t] + Σ_k w[t, k] · y[pair_pos[t·A + k]]).
     y: [N, D] bf16, pair_pos: [N] int32, w: [T, A] fp32, shared: optional [T, D] fp32 -> out [T, D] bf16.
     shared_in_y: the plan was bucketed with shared_slot (N = T·(A+1)): the shared expert's row of token t
@@ -154,7 +168,9 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     norm: a NormAfter (residual [T, D] bf16, weight [D] bf16, eps): also the block's residual add and the
     next RMSNorm: residual = bf16(residual_in + bf16(combine)) (residual_in: norm.residual unless given),
     out = RMSNorm(residual), as rmsnorm(combine, weight, eps, residual=residual, out=out); in the same launch
-    (moe_combine_norm) where `fits_norm(D)`, else the combine then rmsnorm."""
+    (moe_combine_norm) where `fits_norm(D)`, else the combine then rmsnorm.
+    live: optional int32 [1] device count of live tokens (moe_bucket's `live`): tokens from it on get zeros (with
+    `norm`: zeros out, their residual rows untouched; moe_bucket.cuh LIVE_TOKENS) and read no plan row."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
@@ -173,6 +189,10 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     expect(out, "out", shape=(T, D), dtype=BF16)
     has_shared = 2 if shared_in_y else int(shared is not None)
     args = (y, pair_pos, w, shared if shared is not None else y)
+    live_kw = {}
+    if live is not None:
+        expect(live, "live", shape=(1,), dtype=np.int32)
+        live_kw = {"LIVE_TOKENS": 1}
     if norm is not None:
         expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
         expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
@@ -183,7 +203,7 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
             if arr is not None and arr.data.ptr % 8:
                 raise ValueError(f"moe_combine: norm.{name} must start on an 8-byte boundary (8-byte accesses)")
     if norm is not None and not fits_norm(D):  # the combine, then the add and norm as their own kernel
-        delta = moe_combine(y, pair_pos, w, shared, shared_in_y=shared_in_y, stream=stream)
+        delta = moe_combine(y, pair_pos, w, shared, shared_in_y=shared_in_y, stream=stream, live=live)
         if norm.residual_in is not None:
             with stream if stream is not None else contextlib.nullcontext():
                 norm.residual[...] = norm.residual_in
@@ -191,16 +211,16 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     if norm is not None:
         threads = max(-(-D // 128) * 32, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread, whole warps
         kernel = get_kernel("moe_align.cu", "moe_combine_norm", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared,
-                            NORM=1)
+                            NORM=1, **live_kw)
         res_in = norm.residual if norm.residual_in is None else norm.residual_in
         if T:
-            kernel((T,), (threads,), (*args, norm.residual, norm.weight, out, i32(T), f32(norm.eps), res_in),
-                   stream=stream)
+            kernel((T,), (threads,), (*args, norm.residual, norm.weight, out, i32(T), f32(norm.eps), res_in,
+                                      *_live_arg(live)), stream=stream)
         return out
     threads = max(_COMBINE_THREADS, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread; >= one thread per pair
-    kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared)
+    kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared, **live_kw)
     if T:
-        kernel((T, -(-D // (4 * threads))), (threads,), (*args, out, i32(T)), stream=stream)
+        kernel((T, -(-D // (4 * threads))), (threads,), (*args, out, i32(T), *_live_arg(live)), stream=stream)
     return out
 
 

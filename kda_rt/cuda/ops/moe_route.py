@@ -129,12 +129,16 @@ def fused_route_blocks(T: int, E: int) -> int:
     return gx * gy
 
 
-def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3, norm: bool = False):
+def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phases: int = 3, norm: bool = False,
+                 live: bool = False):
     """The moe_route_fused variant for T tokens (rows of x per block: the fewest of 1, 2, 4, 8 covering T);
     `phases` < 3 cuts the kernel short (tests/gpu/bench_moe_route.py times the parts); `norm`: the variant
     that also does the residual add and RMSNorm before the block (NormBefore).  KDA_RT_CHAIN_PROBE (bench only)
-    builds it with the routing chain's timer stamps (kernels_cu/common.cuh CHAIN_PROBE)."""
+    builds it with the routing chain's timer stamps (kernels_cu/common.cuh CHAIN_PROBE).  `live`: the variant that
+    takes a live token count (moe_bucket.cuh LIVE_TOKENS)."""
     cut = {} if phases == 3 else {"FR_PHASES": phases}
+    if live:
+        cut["LIVE_TOKENS"] = 1
     if not env.pdl_dep():  # bench switch: the plain programmatic-launch wait (common.cuh KDA_PDL_WAIT_AFTER)
         cut["PDL_DEP"] = 0
     probe = env.chain_probe()  # bench only (tests/gpu/probe_route_chain.py)
@@ -146,7 +150,7 @@ def fused_kernel(T: int, E: int, D: int, tile_rows: int, shared_slot: bool, phas
 def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize: bool, scaling: float,
                     biased_weights: bool = False, out_ids, out_w, logits, done, stats=None, shared_slot: bool = False,
                     sync=None, stream=None, phases: int = 3, norm_before: NormBefore | None = None,
-                    signal_ready: bool = False):
+                    signal_ready: bool = False, live=None):
     """A decode step's routing and bucketing in one launch (kernels_cu/moe_route.cu moe_route_fused):
     moe_route's ids and weights (num_groups == 1) and moe_bucket's plan, stats and zeroed `sync`, from
     x [T, D] bf16, w_router [E, D] fp32, bias [E] fp32.  logits: [T, E] or [T, 3E] fp32 scratch (its first
@@ -156,7 +160,9 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
     norm_before (NormBefore): x is the mixer's output delta; the routing is then of RMSNorm(delta + residual),
     which the kernel also writes to norm_before.a_out, and the new residual stream to norm_before.h_out.
     signal_ready: every block also counts done[1] up once its logits are stored, the start signal of the routed
-    GEMV (ops/moe_gemv.moe_gemv_gate_up with `routed`), which must follow this launch and resets done[1:3]."""
+    GEMV (ops/moe_gemv.moe_gemv_gate_up with `routed`), which must follow this launch and resets done[1:3].
+    live: optional int32 [1] device count of live tokens: the plan holds the pairs of tokens below it alone
+    (moe_bucket.cuh LIVE_TOKENS; every token is still routed: ids and weights for all)."""
     import cupy
 
     T, D = expect(x, "x", ndim=2, dtype=BF16)
@@ -198,7 +204,9 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"{done.size}) and the kernel's count phase (phases >= 1; got {phases})")
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4 * min(int(done.size), 3), stream.ptr)
-    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None)
+    if live is not None:
+        expect(live, "live", shape=(1,), dtype=np.int32)
+    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None, live=live is not None)
     null = np.uint64(0)
     norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
     kernel(_fused_route_grid(T, E), (_FR_THREADS,),
@@ -206,7 +214,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
             i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
             plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
             sync if sync is not None else null, i32(0 if sync is None else sync.size), done, *norm_args,
-            i32(bool(signal_ready))),
+            i32(bool(signal_ready)), *(() if live is None else (live,))),
            stream=stream)
     return out_ids, out_w
 
