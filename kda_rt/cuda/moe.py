@@ -257,7 +257,9 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
     them instead of quantizing x again, elsewhere they are not read.
     live: optional int32 [1] device count of live tokens (a decode graph's step; KDA_RT_SKIP_PAD): tokens from it on
     are padding, whose pairs the bucketing leaves out and whose rows the combine writes as zeros (with `norm`, their
-    residual rows stay as they were); the live rows' outputs are those of the call without it, bit for bit."""
+    residual rows are not advanced: left as they were, or residual + 0 where the norm runs as its own kernel, and
+    with `norm_before` the stream the routing kernel wrote aside is not copied back for them); the live rows'
+    outputs are those of the call without it, bit for bit."""
     import cupy
 
     w_router, bias, w13, w2 = w.router, w.bias, w.w13, w.w2

@@ -11,7 +11,8 @@
 #      own graph and on the next power of two's), KDA_RT_SKIP_PAD=0 then 1.  The fifty-third session measured the
 #      padding at ~23 us a padding row a step (96 on 128 +5.6%, 160 on 256 +12.1%); the state stores alone are 2 MiB a
 #      row a KDA layer, ~9.8 us a padding row a step at 4.3 TB/s, most of the rest the MoE's extra tiles (identical
-#      padding rows all route to the same 8 experts).
+#      padding rows all route to the same 8 experts).  With the switch on, the "experts" column counts the live
+#      rows' experts alone (the padding rows' pairs are no longer planned).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/skip_pad_check.sh
 set -o pipefail

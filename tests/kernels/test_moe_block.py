@@ -227,52 +227,72 @@ def test_moe_forward_fused_rows(fused, rows, name, monkeypatch):
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)), f"fused != two launches, {rows} rows"
 
 
-@pytest.mark.parametrize(("name", "live", "norm"), [("T7-E256", 5, False), ("T7-E256", 5, True), ("T256-E256", 160, False),
-                                                 ("T256-E256", 1, True), ("T300-E64-G8k4", 200, True),
-                                                 ("T1024-E64-prefill", 600, False)],
-                         ids=["T7-live5", "T7-live5-norm", "T256-live160", "T256-live1-norm", "T300-live200-norm",
-                              "T1024-live600-wide"])
-def test_moe_forward_live_count(name, live, norm, monkeypatch):
+@pytest.mark.parametrize(("name", "T", "live", "norm"), [
+    ("T7-E256", 7, 5, ""), ("T7-E256", 7, 5, "after"), ("T7-E256", 4, 3, "before"), ("T256-E256", 256, 160, ""),
+    ("T256-E256", 256, 1, "after"), ("T300-E64-G8k4", 300, 200, "after"), ("T1024-E64-prefill", 1024, 600, "")],
+    ids=["T7-live5", "T7-live5-norm", "T4-live3-norm-before", "T256-live160", "T256-live1-norm", "T300-live200-norm",
+         "T1024-live600-wide"])
+def test_moe_forward_live_count(name, T, live, norm, monkeypatch):
     """moe_forward(live=) (KDA_RT_SKIP_PAD's MoE half, prepared: kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS):
     tokens from `live` on are a decode graph's padding rows.  With the shared expert in the stack: the live rows'
     outputs bit for bit those of the call without the count (each row's products and k-order sum are the same
-    whatever else is planned), the padding rows' outputs zeros, and with `norm` (the combine's residual add and
-    RMSNorm) their residual rows untouched; the plan holds the live pairs alone (expert_off[E + 1] = live x 9) and
-    the experts-touched counter counts the live tokens' experts (as a call on those tokens alone).  The paths: 7
-    tokens (moe_route_fused's bucketing, the fused decode kernel), 256 (the select and the one-block bucketing; 1
-    live token), 300 tokens of 64 experts (64-row tiles) and 1024 (9216 pairs: the three-launch bucketing, blocks
-    past the live pairs with none).  Outputs poisoned before each call."""
+    whatever else is planned), the padding rows' outputs zeros, and with the combine's residual add and RMSNorm
+    ("after") their residual rows untouched; the plan holds the live pairs alone (expert_off[E + 1] = live x 9, read
+    from a workspace filled with 0xFF first) and the experts-touched counter counts the live tokens' experts (as a
+    call on those tokens alone).  The paths: 7 tokens (moe_route_fused's bucketing, the fused decode kernel), 4 with
+    the norm before the block in the routing kernel too ("before": its ROUTE_NORM build), 256 (the select and the
+    one-block bucketing; 1 live token), 300 tokens of 64 experts (64-row tiles) and 1024 (9216 pairs: the
+    three-launch bucketing, blocks past the live pairs with none).  Outputs poisoned before each call."""
     import cupy
 
+    import kda_rt.cuda.moe as moe
+    from kda_rt.cuda.moe import moe_workspace_bytes
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.moe_align import NormAfter
+    from kda_rt.cuda.ops.moe_route import NormBefore
 
     monkeypatch.delenv("KDA_RT_MOE_MIN_AVG_ROWS", raising=False)
-    T, D, inter, inter_s, E, kw = CASES[name]
+    _, D, inter, inter_s, E, kw = CASES[name]
     cfg = dataclasses.replace(make_cfg(E, **kw), num_shared_experts=1, intermediate_size=inter)
-    _, gpu, _ = make_block(T, D, inter, inter_s, cfg, zlib.crc32(f"live/{name}".encode()))
+    _, gpu, _ = make_block(T, D, inter, inter_s, cfg, zlib.crc32(f"live/{name}/{T}".encode()))
     crng = cupy.random.default_rng(live)
     res0 = (crng.standard_normal((T, D), dtype=np.float32)).astype(BF16)
-    w_next = (1 + 0.1 * crng.standard_normal(D, dtype=np.float32)).astype(BF16)
+    w_next, w_post = ((1 + 0.1 * crng.standard_normal(D, dtype=np.float32)).astype(BF16) for _ in range(2))
+    parts = moe._layout(T, cfg, D, inter, inter_s, True)
+    off = moe._offsets(parts)[0][[n for n, _, _ in parts].index("expert_off")]
     results = []
     for count in (None, cupy.asarray([live], dtype=np.int32)):
         out = cupy.empty((T, D), dtype=BF16)
         poison(out)
         stats = cupy.zeros(2, dtype=np.int32)
+        ws = cupy.full(moe_workspace_bytes(T, cfg, D, inter, inter_s, True), 0xFF, dtype=np.uint8)
         res = res0.copy()
         extra = {"norm": NormAfter(res, w_next, 1e-6)} if norm else {}
-        run(gpu, cfg, True, out=out, stats=stats, live=count, **extra)
-        results.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16)), cupy.asnumpy(stats)))
-    (out_all, res_all, _), (out_live, res_live, stats_live) = results
+        if norm == "before":
+            h, a = cupy.empty((T, D), BF16), cupy.empty((T, D), BF16)
+            poison(h)
+            poison(a)
+            extra["norm_before"] = NormBefore(res, w_post, 1e-6, h, a)
+        run(gpu, cfg, True, out=out, stats=stats, workspace=ws, live=count, **extra)
+        rows = int(ws[off + 4 * (E + 1):off + 4 * (E + 2)].view(np.int32)[0])  # expert_off[bins]: the planned rows
+        results.append((cupy.asnumpy(out.view(np.uint16)), cupy.asnumpy(res.view(np.uint16)), cupy.asnumpy(stats),
+                        rows))
+    (out_all, res_all, _, rows_all), (out_live, res_live, stats_live, rows_live) = results
+    assert (rows_all, rows_live) == (T * 9, live * 9), f"{name}: planned rows {rows_all} / {rows_live}"
     assert np.array_equal(out_all[:live], out_live[:live]), f"{name}: the live rows differ with the live count"
     assert not np.any(out_live[live:]), f"{name}: padding rows not zeroed"
     if norm:
         assert np.array_equal(res_all[:live], res_live[:live]), f"{name}: the live residual rows differ"
+    if norm == "after":  # (with the norm before the block too, the padding rows' stream is left where it was)
         assert np.array_equal(res_live[live:], cupy.asnumpy(res0.view(np.uint16))[live:]), \
             f"{name}: a padding row's residual was written"
     stats_alone = cupy.zeros(2, dtype=np.int32)
-    alone = dict(gpu, x=gpu["x"][:live])
-    run(alone, cfg, True, stats=stats_alone)
+    alone, extra = dict(gpu, x=gpu["x"][:live]), {}
+    if norm == "before":  # (the routing is of RMSNorm(x + residual) then: the same for the live tokens alone)
+        res = res0[:live].copy()
+        extra = {"norm": NormAfter(res, w_next, 1e-6), "norm_before": NormBefore(
+            res, w_post, 1e-6, cupy.empty((live, D), BF16), cupy.empty((live, D), BF16))}
+    run(alone, cfg, True, stats=stats_alone, **extra)
     assert stats_live[0] == int(stats_alone[0]) and stats_live[1] == 1, \
         f"{name}: experts touched {stats_live} against {cupy.asnumpy(stats_alone)} for the live tokens alone"
 

@@ -195,6 +195,8 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"D <= {_FR_X_BYTES // (2 * _FR_MAX_TPB)} (T={T}, top_k={top_k}, E={E}, D={D}, "
                          f"shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
+    if live is not None:
+        expect(live, "live", shape=(1,), dtype=np.int32)
     _check_x_aligned(x, D, "moe_route_fused")
     if nb is not None:
         _check_x_aligned(nb.residual, D, "moe_route_fused (norm_before.residual)")
@@ -204,8 +206,6 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"{done.size}) and the kernel's count phase (phases >= 1; got {phases})")
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4 * min(int(done.size), 3), stream.ptr)
-    if live is not None:
-        expect(live, "live", shape=(1,), dtype=np.int32)
     kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None, live=live is not None)
     null = np.uint64(0)
     norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
