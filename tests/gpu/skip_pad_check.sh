@@ -4,8 +4,8 @@
 # rows' pairs alone (the live count in the metadata; kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS), in one
 # device call:
 #   1. the tests: tests/kernels/test_kda_decode.py -k skip_pad (every state form: outputs and live slots bit for bit,
-#      nothing else written), tests/kernels/test_moe_block.py -k live_count (the live rows bit for bit, padding rows
-#      zeros, every bucketing path) and tests/gpu/test_cuda_model.py -k skip_their_state (the engine's tokens with
+#      nothing else written), tests/kernels/test_moe_block.py and test_moe_bucket.py -k live_count (the live rows
+#      bit for bit, padding rows zeros, exact plans of the live tokens, every bucketing path) and tests/gpu/test_cuda_model.py -k skip_their_state (the engine's tokens with
 #      the switch on, the padding slot untouched) (a failure stops the script: nothing is timed);
 #   2. what the padding rows cost with and without it: tests/gpu/graph_pad_check.py --batches 96,160 (each batch on its
 #      own graph and on the next power of two's), KDA_RT_SKIP_PAD=0 then 1.  The fifty-third session measured the
@@ -19,7 +19,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
 echo "== tests"
-timeout 330 python -m pytest -q tests/kernels/test_kda_decode.py tests/kernels/test_moe_block.py \
+timeout 330 python -m pytest -q tests/kernels/test_kda_decode.py tests/kernels/test_moe_block.py tests/kernels/test_moe_bucket.py \
   tests/gpu/test_cuda_model.py -k "skip_pad or skip_their_state or live_count" -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/skip_pad_tests.txt" | tail -4
 grep -q " passed" "$OUT/skip_pad_tests.txt" && ! grep -q "failed\| error" "$OUT/skip_pad_tests.txt" \
   || { echo "skip_pad_check.sh: the tests failed: nothing timed"; exit 1; }

@@ -55,3 +55,34 @@ def test_moe_bucket_scratch_refused():
     ids = cupy.zeros((T, A), np.int32)
     with pytest.raises(ValueError, match=r"moe_bucket: scratch has 10 int32 words, needs \d+ \(bucket_scratch_words\)"):
         moe_bucket(ids, E, plan, scratch=cupy.zeros(10, np.int32))
+
+
+# (T, E, A, BT, shared_slot, live): none live, a few, all but the last token, more than T (clamped: every token)
+LIVE_CASES = [(300, 64, 6, 64, True, 0), (300, 64, 6, 64, True, 123), (1000, 256, 8, 64, True, 1),
+              (1000, 256, 8, 64, True, 999), (4099, 256, 8, 128, True, 2000), (2048, 256, 8, 128, False, 2053)]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("T,E,A,BT,shared_slot,live", LIVE_CASES)
+def test_moe_bucket_live_count(T, E, A, BT, shared_slot, live, wide):
+    """moe_bucket(live=) (KDA_RT_SKIP_PAD, prepared: moe_align.cu LIVE_PAIRS): only the first min(live, T) tokens'
+    pairs are planned, by either path (the three launches with blocks cut by the live pairs and blocks past them
+    empty): the plan is exactly the one of those tokens alone (assert_plan on the live slice), and the rows past
+    them are never written (still -7)."""
+    import cupy
+
+    from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles, moe_bucket
+
+    rng = np.random.default_rng(T * 17 + live + int(wide))
+    ids = np.stack([rng.choice(E, size=A, replace=False) for _ in range(T)]).astype(np.int32)
+    pairs = A + 1 if shared_slot else A
+    bins, N = E + int(shared_slot), T * pairs
+    tiles = max_tiles(N, bins, BT)
+    plan = MoEPlan(*(cupy.full(n, -7, np.int32) for n in (bins + 1, N, N, tiles, tiles, 1)), BT)
+    moe_bucket(cupy.asarray(ids), E, plan, shared_slot=shared_slot, wide=wide,
+               live=cupy.asarray([live], dtype=np.int32))
+    L = min(live, T) * pairs
+    assert_plan(plan._replace(sorted_pair=plan.sorted_pair[:L], pair_pos=plan.pair_pos[:L]), ids[:min(live, T)], E,
+                shared_slot)
+    assert bool(cupy.all(plan.sorted_pair[L:] == -7)) and bool(cupy.all(plan.pair_pos[L:] == -7)), \
+        "rows past the live pairs written"
