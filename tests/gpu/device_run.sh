@@ -15,6 +15,8 @@
 #   pytest-xdist is on the device image); the kernel-builds summary line then counts only the main process (the
 #   workers build).  H200, 2026-12-03, XDIST=4 with a carried cache: PART=2 502 passed in 354 s, PART=1 317 passed in
 #   211 s, PART=3 16 s: the whole set in two calls (serially ~40% of it took 480 s).
+# PYTEST_TIMEOUT=S stops the non-slow tests after S seconds and still packs the kernel cache (wrapping this script in
+# `timeout` loses the cache of a run cut short: the fifty-third session's PART=2 call).
 # The exit status is the tests' (the first failing pytest's), not the cache's.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
@@ -51,7 +53,8 @@ if [ "${PART:-all}" = all ] || [ "$PART" = 3 ]; then
 fi
 if [ -n "$targets" ]; then
   # shellcheck disable=SC2086
-  python -m pytest -q -m "gpu and not slow" $targets -p no:cacheprovider -rs --durations=40 $xdist ${PYTEST_ARGS:-} 2>&1 | tee $OUT/pytest_gpu.txt | tail -40
+  timeout "${PYTEST_TIMEOUT:-0}" python -m pytest -q -m "gpu and not slow" $targets -p no:cacheprovider -rs --durations=40 \
+    $xdist ${PYTEST_ARGS:-} 2>&1 | tee $OUT/pytest_gpu.txt | tail -40
   rc=$?
 fi
 if [ -n "${CK:-}" ]; then
