@@ -65,8 +65,8 @@ def main() -> int:
             for kind, rows in kinds if r % 2 == 0 else kinds[::-1]:
                 ms, experts, ws_bytes = _time(engine, rows, b)
                 print(json.dumps({"round": r, "batch": b, "graph_rows": rows, "kind": kind, "step_ms": round(ms, 4),
-                                  "experts": round(experts, 1), "workspace_mib": round(ws_bytes / 2**20, 1)}),
-                      flush=True)
+                                  "experts": round(experts, 1), "workspace_mib": round(ws_bytes / 2**20, 1),
+                                  "skip_pad": engine.runner.model.skip_pad}), flush=True)
     return 0
 
 
