@@ -142,6 +142,7 @@ class CudaRunner:
         # padding rows of decode graphs: slot -1 (no KDA state stored), the live count uploaded (the MoE plans the
         # live rows alone); read once, so the uploads and the captured kernels agree
         self.model.skip_pad = env.skip_pad()
+        self.pad_row_slot = -1 if self.model.skip_pad else self.pad_slot  # (the slot padding rows carry)
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
         self.staging = Staging()
@@ -229,7 +230,7 @@ class CudaRunner:
         ctx[:B] = batch.context_lens
         ctx[B:] = 0
         slots[:B] = batch.state_slots
-        slots[B:] = -1 if self.model.skip_pad else self.pad_slot
+        slots[B:] = self.pad_row_slot
         lidx[:] = np.arange(R) if decode else batch.logits_indices
         num_live[:] = B
         tables = tables.reshape(R, width)
@@ -255,8 +256,7 @@ class CudaRunner:
         """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""
         from kda_rt.engine.batch import ForwardBatch
 
-        slot = -1 if self.model.skip_pad else self.pad_slot  # (KDA_RT_SKIP_PAD: a slot nothing stores to)
-        return ForwardBatch.build([[0]] * rows, [0] * rows, [slot] * rows, [[self.pad_page]] * rows)
+        return ForwardBatch.build([[0]] * rows, [0] * rows, [self.pad_row_slot] * rows, [[self.pad_page]] * rows)
 
     def graph_ws_bytes(self) -> int:
         """Bytes of the captured decode graphs' workspaces (one shared workspace counted once)."""

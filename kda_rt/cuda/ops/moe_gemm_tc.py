@@ -19,10 +19,9 @@ from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_cou
 from kda_rt.cuda.ops.moe_align import MoEPlan, max_tiles
 
 __all__ = ["E4M3_CONVERT", "FUSED32_BF16_MAX_AVG", "FUSED_MIN_TOKENS", "FUSED_TILE_ROWS", "MIN_AVG_ROWS",
-           "MIN_AVG_ROWS_E4M3",
-           "SMALL_DECODE_TOKENS", "TileConfig", "built_tile_rows", "check_grouped_gemm", "check_scale",
-           "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "fused_rows", "moe_decode_fused",
-           "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
+           "MIN_AVG_ROWS_E4M3", "SMALL_DECODE_TOKENS", "TileConfig", "built_tile_rows", "check_grouped_gemm",
+           "check_scale", "copies_weights_early", "e4m3_tile", "fused_decode_tile", "fused_e4m3_tile", "fused_rows",
+           "moe_decode_fused", "moe_gemm_tc", "prefill_tile_rows", "sync_words", "tile_config", "weight_format"]
 
 # Average rows per touched expert from which the CTA tile is 64 rows (below: the 16-row decode tile,
 # which at decode sizes streams the expert weights at 3.6-4.0 TB/s on the H200, 1.3-1.5x moe_gemm.py:
@@ -117,8 +116,8 @@ _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 # bulk copy each.  Fifty-third session (tests/gpu/dec_a_async_check.sh: bench_ab.py --env
 # KDA_RT_MOE_DEC_A_ASYNC,KDA_RT_MOE_DEC_REVERSE,KDA_RT_MOE_FUSED64 --values 0:0:auto,1:0:auto,0:1:auto,1:1:1 --replays
 # 32,128,256,384 --rounds 2, exact graphs; "auto" then meant today's "e4m3"), ms: 0:0:auto (bulk copies, plan order,
-# bf16 64-row tiles on two launches) 8.707 / 15.352 / 22.626 / 28.989; A rows by cp.async 8.646 / 15.077 / 22.462 / 29.063; reverse order 8.587 /
-# 15.224 / 22.479 / 28.955; both and the 64-row fused tiles 8.601 / 14.984 / 21.501 / 28.520 (-1.2 / -2.4 / -5.0 /
+# bf16 64-row tiles on two launches) 8.707 / 15.352 / 22.626 / 28.989; A rows by cp.async 8.646 / 15.077 / 22.462 /
+# 29.063; reverse order 8.587 / 15.224 / 22.479 / 28.955; both and the 64-row fused tiles 8.601 / 14.984 / 21.501 / 28.520 (-1.2 / -2.4 / -5.0 /
 # -1.6%; at 256 the first three all run the two launches: ~0.7% is the replays' spread).  So by default the 64-row
 # fused tiles take bf16 steps too, with the A rows by cp.async and the items in reverse order (env.moe_dec_a_async,
 # env.moe_dec_reverse).  fp8 (--quantization fp8 --env KDA_RT_MOE_DEC_A_ASYNC --values 0,1 --replays 32,768):
