@@ -39,11 +39,8 @@ def main() -> int:
 
     budgets = [int(b) for b in args.budgets.split(",") if b]
     batches = [int(b) for b in args.batches.split(",") if b]
-    from kda_rt.engine.config import EngineConfig
-
-    seqs = max(batches + [args.prompts])  # (a graph of exactly each batch: else the next bucket up, padded)
-    cfg, engine = full_engine(args.layers, max_num_seqs=seqs, max_num_batched_tokens=max(budgets),
-                              cuda_graph_sizes=sorted(set(EngineConfig().graph_sizes(seqs)) | set(batches)))
+    cfg, engine = full_engine(args.layers, max_num_seqs=max(batches + [args.prompts]),
+                              max_num_batched_tokens=max(budgets), exact_graphs=batches)
     sched = engine.scheduler
     for budget in budgets:
         sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=budget)

@@ -54,11 +54,9 @@ def main() -> int:
 
     os.environ.setdefault("KDA_RT_SHARED_GRAPH_WS", "0")  # (each graph's own workspace: its bytes printed)
     from helpers.full_model import full_engine
-    from kda_rt.engine.config import EngineConfig
 
     seqs = max(_next_pow2(b) for b in batches)
-    sizes = sorted(set(EngineConfig().graph_sizes(seqs)) | set(batches))
-    _, engine = full_engine(max_num_seqs=seqs, quantization=args.quantization, cuda_graph_sizes=sizes)
+    _, engine = full_engine(max_num_seqs=seqs, quantization=args.quantization, exact_graphs=batches)
     for r in range(args.rounds):
         for b in batches:
             kinds = (("exact", b), ("padded", _next_pow2(b)))

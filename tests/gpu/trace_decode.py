@@ -78,13 +78,9 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefill.split(",") if s]
     runs = [tuple(int(v) for v in s.split(":")) for s in args.run.split(",") if s]
-    from kda_rt.engine.config import EngineConfig
-
     seqs = max(batches + [b for b, _ in shapes] + [b for b, _, _ in runs])
-    # (a graph of exactly each --batches size: else a batch between two buckets traces the next one up, padded)
-    sizes = sorted(set(EngineConfig().graph_sizes(seqs)) | set(batches))
     _, engine = full_engine(args.layers, max_num_seqs=seqs, max_num_batched_tokens=args.step_tokens,
-                            quantization=args.quantization, cuda_graph_sizes=sizes)
+                            quantization=args.quantization, exact_graphs=batches)
     runner = engine.runner
 
     from torch.profiler import ProfilerActivity, profile

@@ -8,15 +8,20 @@ import sys
 import time
 
 
-def full_engine(layers: int = 27, **engine_config):
+def full_engine(layers: int = 27, exact_graphs=(), **engine_config):
     """(ModelConfig, LLMEngine) of the 48B preset cut to `layers` layers; `engine_config` are EngineConfig
-    fields (gpu_memory_utilization defaults to 0.85)."""
+    fields (gpu_memory_utilization defaults to 0.85).  exact_graphs: decode batch sizes that get a graph of exactly
+    their rows besides the default sizes up to max_num_seqs (else a batch between two sizes replays the next one up,
+    padding rows and all)."""
     from kda_rt.bench import random_weights
     from kda_rt.demo.presets import PRESETS
     from kda_rt.engine.config import EngineConfig
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import parse_config
 
+    if exact_graphs:
+        seqs = engine_config["max_num_seqs"]
+        engine_config["cuda_graph_sizes"] = sorted(set(EngineConfig().graph_sizes(seqs)) | set(exact_graphs))
     cfg = parse_config(PRESETS["kimi-linear-48b-a3b"](layers), source="preset")
     t0 = time.perf_counter()
     engine = build_engine(cfg, random_weights(cfg, 0, router_bias_std=0.05),
