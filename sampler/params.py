@@ -258,7 +258,7 @@ class SamplingParams:
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                      "truncate_prompt_tokens"):
             value = getattr(self, name)
-            if isinstance(value, np.integer) and not isinstance(value, np.bool_):
+            if isinstance(value, np.integer):  # (np.bool_ is not one)
                 setattr(self, name, int(value))
 
     def _validate_logit_bias(self) -> None:
