@@ -217,7 +217,9 @@ def test_kda_decode_skip_pad(num_seqs, smem, fused, monkeypatch):
             if fused:
                 upload_low_rank(dev, low_rank[step], K)
                 kw = {"f_b": dev["f_b"], "g_b": dev["g_b"]}
-            outs.append(to_np(run_op(kda_decode, dev, H, skip_pad=skip, **kw)))
+            out = cupy.empty((num_seqs, H * K), dtype=BF16)  # (dev["f"] is f_a's [B, rank] view when fused)
+            poison(out)
+            outs.append(to_np(run_op(kda_decode, dev, H, out=out, skip_pad=skip, **kw)))
         runs[skip] = (outs, before, {n: to_np(b) for n, b in guarded.items()})
     (plain_out, _, plain_pools), (skip_out, before, skip_pools) = runs[False], runs[True]
     for step, (a, b) in enumerate(zip(plain_out, skip_out, strict=True)):
