@@ -115,7 +115,7 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
     *p = v;
 #endif
 }
-// SKIP_PAD = 1 (KDA_RT_SKIP_PAD, prepared 2026-12-04, not yet GPU-run): a negative slot is a decode graph's
+// SKIP_PAD = 1 (KDA_RT_SKIP_PAD, default on since 2026-12-04): a negative slot is a decode graph's
 // padding row (the runner writes -1 for them instead of its padding slot): a fresh state and nothing stored, neither
 // conv history nor state rows (nothing reads the padding slot: padding rows have context 0), so a padding row costs
 // no state traffic (2 MiB of state stores a row a layer at 32 heads otherwise).  Its output row is computed as before.

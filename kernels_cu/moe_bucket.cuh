@@ -4,7 +4,7 @@
 #pragma once
 
 // LIVE_PAIRS (moe_align.cu's bucketing kernels; its value: the pairs a token) and LIVE_TOKENS (moe_route_fused, the
-// combines), KDA_RT_SKIP_PAD, prepared 2026-12-04, not yet GPU-run: the kernel takes one more, last argument `live`
+// combines), KDA_RT_SKIP_PAD (default on since 2026-12-04): the kernel takes one more, last argument `live`
 // (int32 [1] on the device: the live rows of a decode graph's step, the others padding rows).  The bucketing then
 // plans the live tokens' pairs alone (pairs are token-major: the first live x pairs-a-token of them), so the
 // GEMMs never run a padding row, and the combines write zeros for the padding tokens instead of reading rows no

@@ -8,8 +8,8 @@ graph per decode batch-size bucket.
 - Decode steps (every sequence has one new token) replay the graph of the smallest bucket
   (EngineConfig.graph_sizes: 1, 2, 4, 6, 8, 12, 16, 24, ... up to max_num_seqs by default, all captured when the
   runner starts, their buffers views of one shared workspace) that holds the batch;
-  missing rows are padding that read a zero state (context 0) and write only the padding slot and page (with the
-  prepared KDA_RT_SKIP_PAD no KDA state at all, and no MoE pairs).  Metadata is copied into the
+  missing rows are padding that read a zero state (context 0) and write no KDA state and plan no MoE pairs (KDA_RT_SKIP_PAD,
+  default on; with 0 they run on and write the padding slot and page).  Metadata is copied into the
   graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
 - A graph's block table is max_model_len / block_size pages wide; each step copies only the
   columns the batch uses (a 2D copy), the rest is never read (kernels stop at the context).

@@ -11,10 +11,12 @@
 #   tests/gpu/kcache.py); copy it to .kcache/ (git-ignored) and carry ".kcache": a later call (or session) loads every
 #   kernel whose source, headers, options, arch and NVRTC version are unchanged instead of compiling it (the cache is
 #   keyed by all of them).
-# - XDIST=N runs the non-slow tests in N pytest-xdist processes (--dist loadfile: a file's tests in one process;
+# - XDIST=N runs the non-slow tests in N pytest-xdist processes (--dist loadfile: a file's tests in one process,
+#   PART=2 --dist load: any test in any process;
 #   pytest-xdist is on the device image); the kernel-builds summary line then counts only the main process (the
 #   workers build).  H200, 2026-12-03, XDIST=4 with a carried cache: PART=2 502 passed in 354 s, PART=1 317 passed in
 #   211 s, PART=3 16 s: the whole set in two calls (serially ~40% of it took 480 s).
+#   2026-12-04: PART=1 353 tests in 241 s; PART=2 (628 tests) cut at ~524 by PYTEST_TIMEOUT=360 with XDIST=6 and loadfile.
 # PYTEST_TIMEOUT=S stops the non-slow tests after S seconds and still packs the kernel cache (wrapping this script in
 # `timeout` loses the cache of a run cut short: the fifty-third session's PART=2 call).
 # The exit status is the tests' (the first failing pytest's), not the cache's.
@@ -34,7 +36,10 @@ fi
 touch /tmp/kcache.stamp  # cubins touched after this were used by this run (compile_cubin touches a cache hit)
 xdist=""
 if [ -n "${XDIST:-}" ]; then
-  if python -c "import xdist" 2> /dev/null; then xdist="-n $XDIST --dist loadfile"
+  # PART=2: test by test (its two largest files, test_moe_block.py and test_moe_gemm_tc.py, ~300 tests, each ran
+  # alone in one worker past the call's end in the fifty-fourth session; their module fixtures then repeat a worker)
+  dist=loadfile; [ "${PART:-all}" != 2 ] || dist=load
+  if python -c "import xdist" 2> /dev/null; then xdist="-n $XDIST --dist $dist"
   else echo "device_run.sh: XDIST=$XDIST but pytest-xdist is not importable: a serial run"; fi
 fi
 rc=0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# KDA_RT_SKIP_PAD (prepared in the fifty-third session, never GPU-run): decode graphs' padding rows get the slot -1
+# KDA_RT_SKIP_PAD (prepared in the fifty-third session, GPU-run and the default since the fifty-fourth): decode graphs' padding rows get the slot -1
 # and the KDA decode kernel stores no state for them (kernels_cu/kda_decode.cu SKIP_PAD), and the MoE plans the live
 # rows' pairs alone (the live count in the metadata; kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS), in one
 # device call:

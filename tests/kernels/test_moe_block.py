@@ -233,7 +233,7 @@ def test_moe_forward_fused_rows(fused, rows, name, monkeypatch):
     ids=["T7-live5", "T7-live5-norm", "T4-live3-norm-before", "T256-live160", "T256-live1-norm", "T300-live200-norm",
          "T1024-live600-wide"])
 def test_moe_forward_live_count(name, T, live, norm, monkeypatch):
-    """moe_forward(live=) (KDA_RT_SKIP_PAD's MoE half, prepared: kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS):
+    """moe_forward(live=) (KDA_RT_SKIP_PAD's MoE half, default on: kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS):
     tokens from `live` on are a decode graph's padding rows.  With the shared expert in the stack: the live rows'
     outputs bit for bit those of the call without the count (each row's products and k-order sum are the same
     whatever else is planned), the padding rows' outputs zeros, and with the combine's residual add and RMSNorm

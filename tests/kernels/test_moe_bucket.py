@@ -65,7 +65,7 @@ LIVE_CASES = [(300, 64, 6, 64, True, 0), (300, 64, 6, 64, True, 123), (1000, 256
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("T,E,A,BT,shared_slot,live", LIVE_CASES)
 def test_moe_bucket_live_count(T, E, A, BT, shared_slot, live, wide):
-    """moe_bucket(live=) (KDA_RT_SKIP_PAD, prepared: moe_align.cu LIVE_PAIRS): only the first min(live, T) tokens'
+    """moe_bucket(live=) (KDA_RT_SKIP_PAD, default on: moe_align.cu LIVE_PAIRS): only the first min(live, T) tokens'
     pairs are planned, by either path (the three launches with blocks cut by the live pairs and blocks past them
     empty): the plan is exactly the one of those tokens alone (assert_plan on the live slice), and the rows past
     them are never written (still -7)."""
