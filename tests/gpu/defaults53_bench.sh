@@ -2,7 +2,8 @@
 # The fifty-third session's new decode defaults in the engine, in one device call (after the GPU suite has passed on
 # them: PART=1 / 2 / 3 bash tests/gpu/device_run.sh):
 #   1. the seed run (batch 32, 2048 in, 512 out) of the full 27-layer shape in bf16 and fp8, with a ramp-down workload
-#      (100 x 2048 / 128: the batch shrinks through the new 1.5x graph sizes as requests finish), each printing its
+#      (100 x 2048 / 128: the batch shrinks through the new 1.5x graph sizes as requests finish, its padding rows
+#      skipping their KDA state and MoE pairs since the fifty-fourth session: KDA_RT_SKIP_PAD), each printing its
 #      floor and decode_graph_padding (bench_full.sh ours); bf16 also the serving workload (256 x 8192 / 1024: its
 #      decode steps at batch 256 take the bf16 64-row fused tiles, -5.0% in the replays);
 #   2. the bf16 32-row fused tiles against the 64-row ones now that those run on moe_decode_fused with the A rows by
