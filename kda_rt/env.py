@@ -223,6 +223,20 @@ def fp8_dense() -> bool:
     return _on_off("KDA_RT_FP8_DENSE", "1")
 
 
+def fp8_decode_gemv() -> bool:
+    """KDA_RT_FP8_DECODE_GEMV (bench switch, prepared 2026-12-04, not yet GPU-run): 1 has a quantization="fp8" model
+    with the e4m3 dense copies (KDA_RT_FP8_DENSE) run its one-sequence decode steps' dense projections (KDA
+    q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layer's gate|up) as e4m3 GEMVs (gemv_dense, moe_gemv.cu
+    WFMT = 1: bf16 x, e4m3 weight rows times their fp32 scale, fp32 sums), half the bytes of the bf16 weights they read
+    otherwise (on the 48B shape ~2.0 GB of bf16 rows a step, so ~1.0 GB less: ~0.23 ms at 4.3 TB/s against the
+    fp8 batch-1 step's 1.86 ms; lm_head stays bf16).  At upload it quantizes KDA's whole
+    q|k|v|f_a|g_a|b (the prefill copy of q|k|v then a view of its rows: the same codes) and the projections without a
+    prefill copy; read at upload and at each decode forward (a CUDA graph keeps what it captured), so an A/B in one
+    process (tests/gpu/bench_ab.py) starts with it 1 and flips what the forward reads.  Default 0.  The floors
+    (kda_rt/floors.py) still count these projections in bf16."""
+    return _on_off("KDA_RT_FP8_DECODE_GEMV", "0")
+
+
 def kda_norm_e4m3() -> bool:
     """KDA_RT_KDA_NORM_E4M3: 1 has the KDA prefill's gated norm write its output's e4m3 codes too where o_proj runs
     on e4m3 products (kda_prefill.cu kda_prefill_norm_e4m3, with KDA_RT_FP8_DENSE), so o_proj's source is not read

@@ -27,6 +27,7 @@ from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.ops.dense_w8a8 import MIN_TOKENS as FP8_DENSE_MIN_TOKENS
 from kda_rt.cuda.ops.dense_w8a8 import E4m3Dense, dense_w8a8
 from kda_rt.cuda.ops.embed import embed
+from kda_rt.cuda.ops.gemv import gemv_dense
 from kda_rt.cuda.ops.kda_decode import fuses_low_rank, kda_decode
 from kda_rt.cuda.ops.kda_prefill import kda_prefill
 from kda_rt.cuda.ops.mla_attn import LatentStore, decode_workspace_bytes, mla_attention
@@ -36,7 +37,7 @@ from kda_rt.cuda.ops.moe_align import FUSED_NORM_MAX_T, NormAfter, fits_norm
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 from kda_rt.cuda.ops.silu_mul import silu_mul
 from kda_rt.cuda.ops.trace import trace_scope
-from kda_rt.cuda.weights import DeviceKDA, DeviceMLA, DeviceMLP, DeviceMoE, ModelWeights
+from kda_rt.cuda.weights import DeviceKDA, DeviceMLA, DeviceMLP, DeviceMoE, E4m3Rows, ModelWeights
 from kda_rt.cuda.workspace import Workspace
 from kda_rt.loader.config import ModelConfig
 
@@ -109,6 +110,9 @@ class CudaModel:
         normed = False  # the previous MoE block already added its output to res and normalised it into a
         # the dense projections on their e4m3 copies (KDA_RT_WGMMA=0 turns them off too: they run on wgmma)
         fp8 = not b.decode and T >= FP8_DENSE_MIN_TOKENS and env.fp8_dense() and env.wgmma()
+        # one-sequence decode steps of fp8 models: the dense projections as e4m3 GEMVs where the weights hold e4m3
+        # rows for them (KDA_RT_FP8_DECODE_GEMV, at upload and here)
+        gemv8 = b.decode and T == 1 and env.fp8_decode_gemv()
         for i, L in enumerate(layers):
             first = L.mixer.qkv_e4m3 if isinstance(L.mixer, DeviceKDA) else L.mixer.q_kva_e4m3
             # the mixer's first projection on e4m3 products: the norm writes a's codes too (and the mixer takes
@@ -122,9 +126,9 @@ class CudaModel:
                         rmsnorm(delta, L.in_norm, eps, residual=res, out=a, e4m3_out=mix_codes)
             with trace_scope(f"{L.kind}.{'decode' if b.decode else 'prefill'}"):
                 if isinstance(L.mixer, DeviceKDA):
-                    self._kda(i, L.mixer, a, b, ws, out=delta, fp8=fp8, codes=mix_codes)
+                    self._kda(i, L.mixer, a, b, ws, out=delta, fp8=fp8, codes=mix_codes, gemv8=gemv8)
                 else:
-                    self._mla(i, L.mixer, a, b, ws, out=delta, fp8=fp8, codes=mix_codes)
+                    self._mla(i, L.mixer, a, b, ws, out=delta, fp8=fp8, codes=mix_codes, gemv8=gemv8)
             last = i + 1 == len(layers)
             normed = fuse_norm and isinstance(L.mlp, DeviceMoE)
             # small steps: the add and norm before the MoE ride in its routing kernel too (moe_route_fused)
@@ -147,7 +151,7 @@ class CudaModel:
                               stats=self.expert_stats[i] if b.decode else None, norm=norm, norm_before=before,
                               x_codes=codes, live=b.num_live)
                 else:
-                    self._mlp(L.mlp, a, ws, out=delta, codes=codes)
+                    self._mlp(L.mlp, a, ws, out=delta, codes=codes, gemv8=gemv8)
         with trace_scope("final norm+lm_head"):
             if not normed:
                 rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
@@ -165,10 +169,15 @@ class CudaModel:
         """Workspace room for T rows of K e4m3 codes and their scales."""
         return ws.get(f"{name}_codes", (T, K), np.uint8), ws.get(f"{name}_code_scales", (T,), np.float32)
 
-    def _proj(self, x, w, w8: E4m3Dense | None, ws: Workspace, name: str, *, fp8: bool, codes=None, out=None):
+    def _proj(self, x, w, w8: E4m3Dense | None, ws: Workspace, name: str, *, fp8: bool, codes=None, out=None,
+              rows: E4m3Rows | None = None):
         """x · wᵀ: on e4m3 products when `fp8` and the weight has its e4m3 copy `w8` (x's codes from the norm
-        before when `codes` is given, else made here), else cuBLAS bf16; into `out` or the workspace's `name`."""
+        before when `codes` is given, else made here), as an e4m3 GEMV when `rows` are given (one row of x: bf16 x,
+        w's e4m3 rows times their scales), else cuBLAS bf16; into `out` or the workspace's `name`."""
         T = x.shape[0]
+        if rows is not None:
+            return gemv_dense(x, rows.codes, out if out is not None else ws.get(name, (T, w.shape[0]), BF16),
+                              scale=rows.scale)
         if not (fp8 and w8 is not None):
             return linear(x, w, out=out if out is not None else ws.get(name, (T, w.shape[0]), BF16))
         padded = int(w8.codes.shape[1]) // (2 if w8.fuse_silu else 1)
@@ -184,18 +193,18 @@ class CudaModel:
             return out
         return dst[:, :width] if padded != width else dst
 
-    def _mlp(self, w: DeviceMLP, a, ws: Workspace, *, out, codes=None) -> None:
+    def _mlp(self, w: DeviceMLP, a, ws: Workspace, *, out, codes=None, gemv8: bool = False) -> None:
         T, two_f = a.shape[0], w.gate_up.shape[0]
         if codes is not None and w.gate_up_e4m3 is not None:  # fp8 prefill: SiLU · up in the GEMM's epilogue
             act = self._proj(a, w.gate_up, w.gate_up_e4m3, ws, "act", fp8=True, codes=codes)
             self._proj(act, w.down, w.down_e4m3, ws, "down", fp8=True, out=out)
             return
-        gu = linear(a, w.gate_up, out=ws.get("gu", (T, two_f), BF16))
+        gu = self._proj(a, w.gate_up, None, ws, "gu", fp8=False, rows=w.gate_up_rows if gemv8 else None)
         act = silu_mul(gu, out=ws.get("act", (T, two_f // 2), BF16))
         linear(act, w.down, out=out)
 
     def _kda(self, layer: int, w: DeviceKDA, a, b: DeviceBatch, ws: Workspace, *, out, fp8: bool = False,
-             codes=None) -> None:
+             codes=None, gemv8: bool = False) -> None:
         kc = self.config.kda
         T, P, H = b.num_tokens, kc.num_heads * kc.head_dim, kc.num_heads
         rf, rg = w.rank_f, w.rank_g
@@ -203,7 +212,8 @@ class CudaModel:
             # decode: the six projections of x in one GEMM (a latency-bound f_a|g_a|b launch less a layer);
             # kda_decode reads q|k|v as a row-strided view.  Prefill keeps them apart: kda_prefill's copies
             # take contiguous q|k|v rows.
-            both = linear(a, w.qkv_fgb, out=ws.get("kda_qkv_fgb", (T, w.qkv_fgb.shape[0]), BF16))
+            both = self._proj(a, w.qkv_fgb, None, ws, "kda_qkv_fgb", fp8=False,
+                              rows=w.qkv_fgb_rows if gemv8 else None)
             qkv, small = both[:, :3 * P], both[:, 3 * P:3 * P + rf + rg + H]
         else:
             qkv = self._proj(a, w.qkv, w.qkv_e4m3, ws, "kda_qkv", fp8=fp8, codes=codes)
@@ -237,7 +247,8 @@ class CudaModel:
                 y_codes = self._codes(ws, "o", T, P)
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
                         max_seqlen=b.max_seqlen, e4m3_out=y_codes)
-        self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, codes=y_codes, out=out)
+        self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, codes=y_codes, out=out,
+                   rows=w.o_proj_rows if gemv8 else None)
 
     def _moe(self, w: DeviceMoE, a, ws: Workspace, *, out, stats=None, norm=None, norm_before=None,
              x_codes=None, live=None) -> None:
@@ -248,11 +259,12 @@ class CudaModel:
                     norm_before=norm_before, x_codes=x_codes, live=live)
 
     def _mla(self, layer: int, w: DeviceMLA, a, b: DeviceBatch, ws: Workspace, *, out, fp8: bool = False,
-             codes=None) -> None:
+             codes=None, gemv8: bool = False) -> None:
         mc = self.config.mla
         T, H = b.num_tokens, mc.num_heads
         qdim = H * mc.qk_head_dim
-        qkva = self._proj(a, w.q_kva, w.q_kva_e4m3, ws, "mla_qkva", fp8=fp8, codes=codes)
+        qkva = self._proj(a, w.q_kva, w.q_kva_e4m3, ws, "mla_qkva", fp8=fp8, codes=codes,
+                          rows=w.q_kva_rows if gemv8 else None)
         pool = self.mla_pools[layer]
         store = LatentStore(qkva[:, qdim:], w.kv_norm, mc.kv_a_layernorm_eps)
         fold = b.decode and env.mla_store_fold()  # mla_attention writes the rows (in mla_absorb_q's launch)
@@ -271,4 +283,4 @@ class CudaModel:
             mla_prefill(qkva[:, :qdim], pool, w.kv_b, b.cu_seqlens, b.context_lens, b.block_tables,
                         num_heads=H, scale=scale, out=o, host_lens=(b.host_cu_seqlens, b.host_context_lens),
                         fp8=_mla_fp8(mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim))
-        self._proj(o, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out)
+        self._proj(o, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, out=out, rows=w.o_proj_rows if gemv8 else None)

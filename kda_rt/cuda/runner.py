@@ -53,6 +53,13 @@ def _e4m3_dense(weights) -> list:
             if (w := getattr(part, n, None)) is not None]
 
 
+def _e4m3_row_widths(weights) -> list[int]:
+    """The reduction widths of the e4m3 rows the fp8 one-sequence decode GEMVs read (KDA_RT_FP8_DECODE_GEMV)."""
+    names = ("qkv_fgb_rows", "o_proj_rows", "q_kva_rows", "gate_up_rows")
+    return sorted({int(r.codes.shape[1]) for L in weights.layers for part in (L.mixer, L.mlp) for n in names
+                   if (r := getattr(part, n, None)) is not None})
+
+
 def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
     """(N, K, fp32 out) of every dense projection a decode step sends through gemm.linear: the mixers'
     q|k|v|f_a|g_a|b (or q|k|v and f_a|g_a|b apart) and o_proj (KDA), q|kv_a and o_proj (MLA), the dense
@@ -193,7 +200,7 @@ class CudaRunner:
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             shapes = _decode_projection_shapes(self.weights)
             precompile_skinny(shapes)  # nor for the decode projections' kernels
-            precompile_gemv(shapes)
+            precompile_gemv(shapes, _e4m3_row_widths(self.weights) if env.fp8_decode_gemv() else ())
             if moe is not None:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack, moe.e4m3)
             if config.kda is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -27,11 +27,20 @@ from kda_rt.cuda.upload import Uploader
 from kda_rt.loader.config import DENSE, KDA, MLA, MOE, ModelConfig
 from kda_rt.loader.schema import KDAWeights, MLAWeights, MLPWeights, MoEWeights, Stack, read_weights
 
-__all__ = ["DeviceKDA", "DeviceLayer", "DeviceMLA", "DeviceMLP", "DeviceMoE", "ModelWeights", "upload_weights"]
+__all__ = ["DeviceKDA", "DeviceLayer", "DeviceMLA", "DeviceMLP", "DeviceMoE", "E4m3Rows", "ModelWeights", "upload_weights"]
 
 logger = logging.getLogger(__name__)
 
 F32 = np.float32
+
+
+class E4m3Rows(NamedTuple):
+    """A dense projection's rows as e4m3 codes with an fp32 scale a row, for the one-sequence decode GEMVs of fp8
+    models (KDA_RT_FP8_DECODE_GEMV; ops/gemv.gemv_dense with scale=): codes uint8 [N, K], scale fp32 [N] (views of
+    the prefill's E4m3Dense rows where those hold them without gaps)."""
+
+    codes: Any
+    scale: Any
 
 
 @dataclass
@@ -53,6 +62,9 @@ class DeviceKDA:
     # quantization="fp8" (KDA_RT_FP8_DENSE): e4m3 copies of qkv and o_proj for large prefill steps (ops/dense_w8a8)
     qkv_e4m3: Any = None
     o_proj_e4m3: Any = None
+    # KDA_RT_FP8_DECODE_GEMV: e4m3 rows of qkv_fgb (all of its rows; qkv_e4m3 then a view of its first 3P) and o_proj
+    qkv_fgb_rows: E4m3Rows | None = None
+    o_proj_rows: E4m3Rows | None = None
 
 
 @dataclass
@@ -63,6 +75,8 @@ class DeviceMLA:
     o_proj: Any  # [D, Hm*Dv]
     q_kva_e4m3: Any = None  # quantization="fp8": e4m3 copies for large prefill steps (ops/dense_w8a8)
     o_proj_e4m3: Any = None
+    q_kva_rows: E4m3Rows | None = None  # KDA_RT_FP8_DECODE_GEMV: e4m3 rows for one-sequence decode steps
+    o_proj_rows: E4m3Rows | None = None
 
 
 @dataclass
@@ -71,6 +85,7 @@ class DeviceMLP:
     down: Any  # [D, F]
     gate_up_e4m3: Any = None  # the dense layer's, quantization="fp8": e4m3 copies for large prefill steps
     down_e4m3: Any = None
+    gate_up_rows: E4m3Rows | None = None  # KDA_RT_FP8_DECODE_GEMV: e4m3 rows for one-sequence decode steps
 
 
 @dataclass
@@ -225,10 +240,15 @@ def _e4m3_products() -> bool:
     return env.wgmma() and device_arch() == "sm_90a"
 
 
-def _quantize_dense(up: Uploader, mixer: DeviceKDA | DeviceMLA, mlp: DeviceMLP | DeviceMoE) -> None:
+def _quantize_dense(up: Uploader, mixer: DeviceKDA | DeviceMLA, mlp: DeviceMLP | DeviceMoE, decode: bool) -> None:
     """e4m3 copies (ops/dense_w8a8.quantize_dense) of the layer's large dense projections, set on `mixer` and a dense
-    `mlp`; a projection whose shape the e4m3 GEMM does not take keeps cuBLAS bf16 alone."""
-    from kda_rt.cuda.ops.dense_w8a8 import fits, quantize_dense
+    `mlp`; a projection whose shape the e4m3 GEMM does not take keeps cuBLAS bf16 alone.  `decode`
+    (KDA_RT_FP8_DECODE_GEMV): also the rows the one-sequence decode GEMVs read (E4m3Rows), views of those copies where
+    they hold the rows without gaps, else quantized here (KDA's q|k|v|f_a|g_a|b, whose prefill copy of q|k|v is then a
+    view of its first rows: quantize_rows_e4m3 treats each row alone, so the same codes)."""
+    from kda_rt.cuda.ops.dense_w8a8 import E4m3Dense, fits, quantize_dense
+    from kda_rt.cuda.ops.gemv import fits_e4m3
+    from kda_rt.cuda.ops.quant import quantize_rows_e4m3
 
     def copy(w, name, fuse_silu=False, pad=True):
         if not fits(*w.shape, fuse_silu, pad=pad):
@@ -237,15 +257,37 @@ def _quantize_dense(up: Uploader, mixer: DeviceKDA | DeviceMLA, mlp: DeviceMLP |
         up.bytes_uploaded += q.nbytes
         return q
 
+    def rows(w, name, prefill: E4m3Dense | None):
+        if not (decode and fits_e4m3(*w.shape)):
+            return None
+        if prefill is not None and not prefill.fuse_silu:  # (its padding rows, if any, after the nout rows)
+            return E4m3Rows(prefill.codes[0, :prefill.nout], prefill.scale[0, :prefill.nout])
+        if prefill is not None and prefill.codes.shape[1] == prefill.nout:  # gate|up without padding: in order
+            return E4m3Rows(prefill.codes[0], prefill.scale[0])
+        q, scale = quantize_rows_e4m3(w, name, stream=up.stream)
+        up.bytes_uploaded += int(q.nbytes + scale.nbytes)
+        return E4m3Rows(q, scale)
+
     # (q|k|v and the MLP's h feed consumers of contiguous rows only: no padded copies of those; MLA's q|kv_a feeds
     # row-strided views, o_proj and down write through the caller's `out`)
     if isinstance(mixer, DeviceKDA):
-        mixer.qkv_e4m3, mixer.o_proj_e4m3 = copy(mixer.qkv, "q|k|v", pad=False), copy(mixer.o_proj, "o_proj")
+        mixer.qkv_fgb_rows = rows(mixer.qkv_fgb, "q|k|v|f_a|g_a|b", None) if mixer.qkv_fgb is not None else None
+        P3 = mixer.qkv.shape[0]
+        if mixer.qkv_fgb_rows is not None and fits(*mixer.qkv.shape, pad=False):
+            q, scale = mixer.qkv_fgb_rows
+            mixer.qkv_e4m3 = E4m3Dense(q[:P3].reshape(1, *mixer.qkv.shape), scale[:P3].reshape(1, P3), P3)
+        else:
+            mixer.qkv_e4m3 = copy(mixer.qkv, "q|k|v", pad=False)
+        mixer.o_proj_e4m3 = copy(mixer.o_proj, "o_proj")
+        mixer.o_proj_rows = rows(mixer.o_proj, "o_proj", mixer.o_proj_e4m3)
     else:
         mixer.q_kva_e4m3, mixer.o_proj_e4m3 = copy(mixer.q_kva, "q|kv_a"), copy(mixer.o_proj, "o_proj")
+        mixer.q_kva_rows = rows(mixer.q_kva, "q|kv_a", mixer.q_kva_e4m3)
+        mixer.o_proj_rows = rows(mixer.o_proj, "o_proj", mixer.o_proj_e4m3)
     if isinstance(mlp, DeviceMLP):
         mlp.gate_up_e4m3 = copy(mlp.gate_up, "gate|up", True, pad=False)
         mlp.down_e4m3 = copy(mlp.down, "down") if mlp.gate_up_e4m3 is not None else None
+        mlp.gate_up_rows = rows(mlp.gate_up, "gate|up", mlp.gate_up_e4m3)
 
 
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
@@ -270,7 +312,7 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
         if quantization == "fp8" and isinstance(mlp, DeviceMoE):
             mlp = _quantize_moe(up, mlp)
         if dense_e4m3:
-            _quantize_dense(up, mixer, mlp)
+            _quantize_dense(up, mixer, mlp, decode=env.fp8_decode_gemv())
         layers.append(DeviceLayer(_put(up, L.input_layernorm), mixer, _put(up, L.post_attention_layernorm), mlp))
         bar.update(1)
     up.finish()

@@ -326,6 +326,116 @@ def test_stable_fp8_dense_prefill_products(tmp_path_factory, monkeypatch):
     assert np.median(moved) > TOL, "the oracle did not quantize (e4m3_dense not applied?)"
 
 
+def _dequantized_rows_into_bf16(llm: LLM) -> int:
+    """Overwrite the bf16 weights of every projection that has e4m3 decode rows (KDA_RT_FP8_DECODE_GEMV) with those
+    rows' values, bf16(code x scale), on the device; returns the number of projections."""
+    import cupy
+
+    count = 0
+    for layer in llm.runner.weights.layers:
+        for part, pairs in ((layer.mixer, (("qkv_fgb_rows", "qkv_fgb"), ("o_proj_rows", "o_proj"),
+                                           ("q_kva_rows", "q_kva"))), (layer.mlp, (("gate_up_rows", "gate_up"),))):
+            for rows_name, weight_name in pairs:
+                rows = getattr(part, rows_name, None)
+                if rows is None:
+                    continue
+                codes = cupy.asnumpy(rows.codes).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                values = (codes * cupy.asnumpy(rows.scale)[:, None]).astype(BF16_NP)
+                weight = getattr(part, weight_name)
+                assert weight.shape == values.shape, (weight_name, weight.shape, values.shape)
+                weight[...] = cupy.asarray(values)
+                count += 1
+    cupy.cuda.Device().synchronize()
+    return count
+
+
+def test_fp8_decode_gemv_against_the_dequantized_weights(tmp_path_factory, monkeypatch):
+    """KDA_RT_FP8_DECODE_GEMV=1 (prepared): an fp8 model's one-sequence decode steps run the dense projections (KDA
+    q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layer's gate|up) as e4m3 GEMVs (bf16 x, e4m3 rows
+    times their fp32 scales).  Three engines of one fp8 checkpoint, each with those projections' bf16 weights
+    overwritten by the e4m3 rows' values, bf16(code x scale) (so every prefill is the same bf16 computation): A the
+    switch on, eager; B the switch on, decode graphs; C the switch off, eager (the bf16 path on those values).  Greedy
+    tokens and logprobs of 12 decode steps after a 20-token prompt:
+    - A takes the GEMV for every such projection of every decode step (counted: 2 a KDA or MLA layer, 1 the dense
+      layer) and none in the prefill; B's tokens are A's and its logprobs within 0.02 (the decode graphs may pick
+      other variants of the other kernels: a capture that dropped the GEMV or its scales moves them far more);
+    - A against C: the same tokens until a step where C's two best logprobs lie within 0.05 (a near tie, after which
+      the sequences may part), at least 4 steps, and the chosen tokens' logprobs within 0.05: the two multiply the
+      same x by weights apart by bf16's rounding of code x scale (<= 2^-9 relative) and sum in other orders, so the
+      logits move by ~1e-3 relative (bf16 noise through 4 layers); a scale on the wrong row or a missing one moves
+      them by far more (rows' scales span orders of magnitude);
+    - upload: with the switch the prefill's e4m3 copy of q|k|v (KDA_RT_FP8_DENSE) is a view of the decode rows'
+      first 3P rows and holds the codes and scales of the copy made without it."""
+    import cupy
+
+    import kda_rt.cuda.model as cuda_model
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    if device_arch() != "sm_90a":
+        pytest.skip("the fp8 dense copies are made on sm_90a (the e4m3 prefill GEMMs' arch)")
+    monkeypatch.setenv("KDA_RT_FP8_DENSE", "1")
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("fp8-decode-gemv"), seed=5,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)
+    engines = {}
+    for name, value, eager in (("A", "1", True), ("B", "1", False), ("C", "0", True)):
+        monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV", value)
+        engines[name] = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=eager, **KW)
+    cfg = DEMO_CONFIG["linear_attn_config"]
+    kda, mla, dense = len(cfg["kda_layers"]), len(cfg["full_attn_layers"]), DEMO_CONFIG["first_k_dense_replace"]
+    per_step = 2 * kda + 2 * mla + dense
+    with_rows = engines["A"].runner.weights.layers[1].mixer  # (layer 1: KDA, demo config)
+    plain = engines["C"].runner.weights.layers[1].mixer
+    assert with_rows.qkv_fgb_rows is not None and plain.qkv_fgb_rows is None
+    P3 = with_rows.qkv.shape[0]
+    assert with_rows.qkv_e4m3 is not None and plain.qkv_e4m3 is not None, "no prefill copy of q|k|v to compare"
+    assert with_rows.qkv_e4m3.codes.data.ptr == with_rows.qkv_fgb_rows.codes.data.ptr, "q|k|v copy not a view"
+    assert cupy.array_equal(with_rows.qkv_e4m3.codes, plain.qkv_e4m3.codes)
+    assert cupy.array_equal(with_rows.qkv_e4m3.scale, plain.qkv_e4m3.scale)
+    assert with_rows.qkv_e4m3.codes.shape == (1, P3, with_rows.qkv.shape[1])
+    rows_a = _dequantized_rows_into_bf16(engines["A"])
+    assert rows_a == per_step, (rows_a, per_step)
+    # (the same rows: B quantized the same weights; C has no rows, so it takes A's values)
+    assert _dequantized_rows_into_bf16(engines["B"]) == per_step
+    for la, lc in zip(engines["A"].runner.weights.layers, engines["C"].runner.weights.layers, strict=True):
+        for part_a, part_c in ((la.mixer, lc.mixer), (la.mlp, lc.mlp)):
+            for name in ("qkv_fgb", "o_proj", "q_kva", "gate_up"):
+                if getattr(part_a, f"{name}_rows", None) is not None:
+                    getattr(part_c, name)[...] = getattr(part_a, name)
+    calls = []
+    real = cuda_model.gemv_dense
+    monkeypatch.setattr(cuda_model, "gemv_dense",
+                        lambda *a, **k: calls.append(k.get("scale") is not None) or real(*a, **k))
+    ids = list(np.random.default_rng(2).integers(0, 768, size=20))
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    outs = {}
+    for name in ("A", "B", "C"):
+        calls.clear()
+        outs[name] = engines[name].generate({"prompt_token_ids": ids}, p)[0].outputs[0]
+        if name == "A":  # (the first token is the prefill's: 11 decode steps)
+            assert calls.count(True) == 11 * per_step and all(calls), (calls.count(True), len(calls), per_step)
+        if name == "C":
+            assert not any(calls), "the switch off still ran the e4m3 GEMV"
+    a, b, c = outs["A"], outs["B"], outs["C"]
+    assert a.token_ids == b.token_ids, "graph replay changed the tokens"
+    for i, tok in enumerate(a.token_ids):
+        assert abs(a.logprobs[i][tok] - b.logprobs[i][tok]) <= 0.02, f"step {i}: graph replay moved the logprob"
+    steps = 0
+    for i, (ta, tc) in enumerate(zip(a.token_ids, c.token_ids, strict=True)):
+        best = sorted(c.logprobs[i].values(), reverse=True)
+        if ta != tc:
+            assert best[0] - best[1] <= 0.05, f"step {i}: tokens {ta} / {tc} part without a near tie ({best[:2]})"
+            break
+        diff = abs(a.logprobs[i][ta] - c.logprobs[i][tc])
+        print(f"step {i}: token {ta}, logprob {a.logprobs[i][ta]:.4f} vs {c.logprobs[i][tc]:.4f}")
+        assert diff <= 0.05, f"step {i}: logprob {a.logprobs[i][ta]:.4f} against {c.logprobs[i][tc]:.4f}"
+        steps += 1
+        if len(best) > 1 and best[0] - best[1] <= 0.05:  # a near tie here: the next steps may part
+            break
+    assert steps >= 4, f"only {steps} steps compared before a near tie: pick another prompt"
+
+
 def test_kda_norm_codes_same_logits(tmp_path_factory, monkeypatch):
     """KDA_RT_KDA_NORM_E4M3 (the KDA prefill's gated norm writes o_proj's e4m3 codes, so o_proj does not quantize y
     again): the same codes, so the fp8 model's logits bit for bit the same with it on and off, on a prefill step whose

@@ -166,6 +166,8 @@ E4M3_SHAPES = {  # name: (N, K), K % 16 == 0 (16 e4m3 weights a 16-byte piece)
     "odd-N-K528": (1001, 528),  # 33 pieces a row (lane 0 holds two), the last unit one row
     "N3-K80": (3, 80),  # fewer units than warps, 5 pieces a row
     "K2560": (4096, 2560),  # MAX_K
+    "o_proj-K4096": (2304, 4096),  # the 48B shape's o_proj (KDA_RT_FP8_DECODE_GEMV): 256 pieces, 8 a lane
+    "K5120": (1024, 5120),  # MAX_K_E4M3: 320 pieces, 10 a lane (as bf16's MAX_K)
 }
 
 
@@ -206,11 +208,11 @@ def test_gemv_dense_e4m3_matches_numpy(name, pre, monkeypatch):
 
 def test_gemv_dense_e4m3_refusals():
     """Bad e4m3 calls are refused by name: bf16 weights with a scale, K not a multiple of 16, a scale of the wrong
-    length or dtype."""
+    length or dtype, K past MAX_K_E4M3."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
-    from kda_rt.cuda.ops.gemv import gemv_dense
+    from kda_rt.cuda.ops.gemv import MAX_K_E4M3, gemv_dense
 
     x, out = cupy.ones((1, 64), BF16), cupy.empty((1, 4), BF16)
     with pytest.raises(TypeError, match="weight must have dtype uint8"):
@@ -221,3 +223,6 @@ def test_gemv_dense_e4m3_refusals():
         gemv_dense(x, cupy.ones((4, 64), np.uint8), out, scale=cupy.ones(5, np.float32))
     with pytest.raises(TypeError, match="scale must have dtype float32"):
         gemv_dense(x, cupy.ones((4, 64), np.uint8), out, scale=cupy.ones(4, np.float16))
+    big = MAX_K_E4M3 + 16  # (a multiple of 16: refused for its width alone)
+    with pytest.raises(ValueError, match=f"K <= {MAX_K_E4M3}"):
+        gemv_dense(cupy.ones((1, big), BF16), cupy.ones((4, big), np.uint8), out, scale=cupy.ones(4, np.float32))

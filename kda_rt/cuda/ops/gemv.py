@@ -18,10 +18,11 @@ from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, i32
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 
-__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MIN_BYTES", "GemvConfig", "check_e4m3_arch", "check_weight_dtype", "fits", "gemv_dense", "grid",
-           "precompile"]
+__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MAX_K_E4M3", "MIN_BYTES", "GemvConfig", "check_e4m3_arch",
+           "check_weight_dtype", "fits", "fits_e4m3", "gemv_dense", "grid", "precompile"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
+MAX_K_E4M3 = 2 * MAX_K  # e4m3 rows: 16 weights a piece, so as many pieces a lane (o_proj's K = 4096 at the 48B shape)
 
 
 class GemvConfig(NamedTuple):
@@ -68,6 +69,12 @@ def fits(x, weight, out, accumulate: bool) -> bool:
             and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0)
 
 
+def fits_e4m3(N: int, K: int) -> bool:
+    """gemv_dense takes an [N, K] weight as e4m3 rows (WFMT = 1; the fp8 decode GEMVs, KDA_RT_FP8_DECODE_GEMV): K a
+    multiple of 16 within MAX_K_E4M3, on sm_89 or newer."""
+    return N > 0 and 0 < K <= MAX_K_E4M3 and K % 16 == 0 and arch_number(device_arch()) >= 89
+
+
 # row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE).  H200, 2026-12-01, batch-1
 # full-model replays (tests/gpu/bench_ab.py --env KDA_RT_DENSE_GEMV,KDA_RT_DENSE_GEMV_PRE --values 1:1,1:2,1:0,0:1
 # --rounds 3 --prompts 0 --replays 1): 1 unit 2.2197 ms, 2 units 2.2400, 0 2.2324, cuBLAS 2.2694
@@ -94,14 +101,19 @@ def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False):
                       DENSE_PRE=env.dense_gemv_pre(PRE_UNITS), **fmt)
 
 
-def precompile(shapes=()) -> int:
-    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take."""
+def precompile(shapes=(), e4m3_widths=()) -> int:
+    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take, and
+    the e4m3 one for each K of `e4m3_widths` (the fp8 decode GEMVs' weights)."""
+    count = 0
+    for k in sorted(set(e4m3_widths)):
+        _kernel(k, e4m3=True)
+        count += 1
     if not env.dense_gemv():
-        return 0
+        return count
     widths = sorted({k for n, k, f32 in shapes if not f32 and _takes(n, k)})
     for k in widths:
         _kernel(k)
-    return len(widths)
+    return count + len(widths)
 
 
 def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=None):
@@ -114,9 +126,9 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
     N, _ = expect(weight, "weight", shape=(None, K))
     check_weight_dtype("gemv_dense", "weight", weight, e4m3)
     expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
-    piece = 16 if e4m3 else 8  # weights a 16-byte piece
-    if K <= 0 or K % piece or K > MAX_K or weight.data.ptr % 16 or x.data.ptr % 16:
-        raise ValueError(f"gemv_dense: needs 0 < K <= {MAX_K}, K % {piece} == 0 (got {K}; {piece} "
+    piece, max_k = (16, MAX_K_E4M3) if e4m3 else (8, MAX_K)  # weights a 16-byte piece; a lane's pieces
+    if K <= 0 or K % piece or K > max_k or weight.data.ptr % 16 or x.data.ptr % 16:
+        raise ValueError(f"gemv_dense: needs 0 < K <= {max_k}, K % {piece} == 0 (got {K}; {piece} "
                          f"{'e4m3' if e4m3 else 'bf16'} weights a 16-byte piece) and x and weight 16-byte aligned")
     if e4m3:
         expect(scale, "scale", shape=(N,), dtype=np.float32)
