@@ -372,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             line = {"backend": engine.runner.name, "model": os.fspath(args.model) if args.model else None,
                     "config": args.config, "args": vars(args), "workload": [batch, input_len, output_len],
                     "load_s": load_s, **report, "peak_memory_bytes": engine.runner.peak_memory_bytes(),
-                    **({"decode_graphs": sorted(engine.runner.graphs),  # (the sizes captured, their workspace)
-                        "decode_graph_ws_bytes": engine.runner.graph_ws_bytes()}
+                    **({"decode_graphs": sorted(engine.runner.graphs),  # (the sizes captured, their workspace and
+                        "decode_graph_ws_bytes": engine.runner.graph_ws_bytes(),  # the seconds their capture took)
+                        "decode_graph_capture_s": round(engine.runner.graph_capture_s, 2)}
                        if hasattr(engine.runner, "graph_ws_bytes") else {}),
                     "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KDA_RT_")}}  # switches set
             print(json.dumps(line), flush=True)

@@ -162,6 +162,7 @@ class CudaRunner:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._launches = 0  # parity of the staging set the next launch uses
         self._last_ids = None  # device ids sampled by the last launch (ids_from_last)
+        self.graph_capture_s = 0.0  # seconds the start spent capturing the decode graphs (bench reports it)
         if not self.enforce_eager:  # as vLLM: every bucket's graph now, so no request waits for a capture
             started = time.perf_counter()
             # (a shared workspace: the largest first, so no later capture moves a buffer of an earlier graph; a second
@@ -183,8 +184,9 @@ class CudaRunner:
                         "smaller graphs (--cuda-graph-sizes, --max-num-seqs) or run without them (--enforce-eager)"
                     ) from exc
             held = self.graph_ws_bytes()
+            self.graph_capture_s = time.perf_counter() - started
             logger.info("captured %d decode graphs (%s sequences) in %.1f s, %.2f GiB of workspace%s", len(self.graphs),
-                        ", ".join(map(str, sorted(self.graphs))), time.perf_counter() - started, held / 2**30,
+                        ", ".join(map(str, sorted(self.graphs))), self.graph_capture_s, held / 2**30,
                         " shared" if self.graph_ws is not None else "")
         from kda_rt.cuda.moe import precompile as precompile_moe
         from kda_rt.cuda.ops.compile import CompileError
