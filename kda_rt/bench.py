@@ -271,14 +271,16 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
 
 
 def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None,
-           quantization: str | None = None) -> dict:
+           quantization: str | None = None, e4m3_gemv: bool = False) -> dict:
     """The decode bytes floor (from the experts routed in the run; `quantization` as EngineConfig's: the experts'
-    bytes in that format) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
+    bytes in that format; `e4m3_gemv`: one-sequence steps read the dense projections' e4m3 rows,
+    KDA_RT_FP8_DECODE_GEMV) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
     ratios; one summary line on stderr."""
     from kda_rt.floors import decode_floor, prefill_floor
 
     batch, input_len, output_len = shape
-    dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization)
+    dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization,
+                       e4m3_gemv=e4m3_gemv and batch == 1)
     pre = prefill_floor(config, [input_len] * batch, quantization=quantization)
     step = report["decode_step_s_mean"]
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
@@ -295,6 +297,16 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
           f"TTFT max {report['ttft_s_max']:.3f} s, prefill floor {pre['seconds']:.3f} s -> "
           f"{out['ttft_max_ratio']:.2f}x{fp8}", file=sys.stderr)
     return out
+
+
+def _reads_e4m3_rows(engine) -> bool:
+    """The engine's one-sequence decode steps read e4m3 rows of dense projections (KDA_RT_FP8_DECODE_GEMV on, and the
+    weights made them at upload)."""
+    from kda_rt import env
+
+    weights = getattr(engine.runner, "weights", None)
+    return bool(env.fp8_decode_gemv() and weights is not None and any(
+        getattr(L.mixer, n, None) is not None for L in weights.layers for n in ("qkv_fgb_rows", "q_kva_rows")))
 
 
 def _read_config(path: str) -> dict:
@@ -364,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed)
                                      for _ in range(args.num_iters)])
             report.update(floors(model_config, (batch, input_len, output_len), report,
-                                 count(reset=True) if count is not None else None, engine_config.quantization))
+                                 count(reset=True) if count is not None else None, engine_config.quantization,
+                                 e4m3_gemv=_reads_e4m3_rows(engine)))
             if args.profile and k == 0:
                 if engine.runner.name != "cuda":
                     raise ValueError("--profile needs the cuda backend (CUDA events)")

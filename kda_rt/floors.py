@@ -25,7 +25,8 @@ import numpy as np
 if TYPE_CHECKING:
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["COPY_BYTES_PER_S", "BF16_FLOPS", "WeightBytes", "weight_bytes", "decode_floor", "prefill_floor", "op_work"]
+__all__ = ["COPY_BYTES_PER_S", "BF16_FLOPS", "WeightBytes", "weight_bytes", "decode_floor", "e4m3_gemv_savings", "prefill_floor",
+           "op_work"]
 
 COPY_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (../shared/docs/gpu_facts.md)
 BF16_FLOPS = 790e12  # H200 dense bf16 tensor-core peak, measured with cuBLAS (gpu_facts.md)
@@ -101,6 +102,38 @@ def weight_bytes(config: ModelConfig, quantization: str | None = None) -> Weight
     return WeightBytes(dense, expert_params * stored, embed_row, dense_params, split["lm_head"][0], expert_params)
 
 
+# the dense projections an fp8 model's one-sequence decode steps read as e4m3 rows with KDA_RT_FP8_DECODE_GEMV
+# (cuda/model.py: KDA q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layers' gate|up)
+_GEMV_E4M3 = {"kda": ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj", "o_proj"),
+              "mla": ("q_proj", "kv_a_proj_with_mqa", "o_proj"), "dense": ("gate_proj", "up_proj")}
+
+
+def e4m3_gemv_savings(config: ModelConfig) -> int:
+    """Bytes a one-sequence decode step of an fp8 model with KDA_RT_FP8_DECODE_GEMV does not read: the e4m3 rows of
+    those projections (a byte a weight, an fp32 scale a row) in place of their stored weights, for each whose width
+    the e4m3 GEMV takes (ops/gemv.py fits_e4m3: a multiple of 16, at most MAX_K_E4M3; the KDA q|k|v|f_a|g_a|b
+    matrix's zero padding rows, under 8 a layer, left out)."""
+    from kda_rt.loader.weights import expected_tensors
+
+    stored = 4 if config.dtype == "float32" else 2
+    saved = 0
+    for name, (shape, _) in expected_tensors(config).items():
+        parts = name.split(".")
+        if len(parts) != 6 or parts[0] != "model" or parts[1] != "layers" or parts[5] != "weight":
+            continue
+        i, block, proj = int(parts[2]), parts[3], parts[4]
+        kind = config.layer_types[i] if block == "self_attn" else config.mlp_types[i] if block == "mlp" else None
+        if kind not in _GEMV_E4M3 or proj not in _GEMV_E4M3[kind]:
+            continue
+        rows, k = shape
+        if k % 16 == 0 and k <= _GEMV_E4M3_MAX_K:
+            saved += rows * k * (stored - 1) - 4 * rows
+    return saved
+
+
+_GEMV_E4M3_MAX_K = 5120  # ops/gemv.py MAX_K_E4M3 (not imported: this module runs without CuPy)
+
+
 def _moe_layers(config: ModelConfig) -> list[int]:
     return [i for i, kind in enumerate(config.mlp_types) if kind == "moe"]
 
@@ -128,17 +161,20 @@ def _state_bytes(config: ModelConfig, batch: int, context: float) -> tuple[int, 
 
 
 def decode_floor(config: ModelConfig, batch: int, context: float, touched: dict[int, float] | None = None,
-                 *, bandwidth: float = COPY_BYTES_PER_S, quantization: str | None = None) -> dict:
+                 *, bandwidth: float = COPY_BYTES_PER_S, quantization: str | None = None,
+                 e4m3_gemv: bool = False) -> dict:
     """Bytes and seconds one decode step of `batch` sequences at mean `context` tokens must move.
     `touched`: MoE layer id -> mean experts routed per step (as counted in the run); default: the
     expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch).  quantization: as
-    weight_bytes."""
+    weight_bytes.  e4m3_gemv: the step reads the dense projections of `e4m3_gemv_savings` as e4m3 rows
+    (KDA_RT_FP8_DECODE_GEMV, one-sequence steps of fp8 models)."""
     w = weight_bytes(config, quantization)
     moe = _moe_layers(config)
     experts = sum(_touched(config, batch, touched).get(i, 0.0) for i in moe)
     state, cache = _state_bytes(config, batch, context)
     logits = 2 * batch * config.vocab_size * 4
-    parts = {"dense_weights": w.dense, "experts": experts * w.per_expert, "kda_state": state, "mla_cache": cache,
+    dense = w.dense - (e4m3_gemv_savings(config) if e4m3_gemv else 0)
+    parts = {"dense_weights": dense, "experts": experts * w.per_expert, "kda_state": state, "mla_cache": cache,
              "logits": logits, "embed": batch * w.embed_row}
     total = sum(parts.values())
     return {"bytes": total, "seconds": total / bandwidth, "experts_per_moe_layer": experts / max(1, len(moe)),

@@ -99,3 +99,17 @@ def test_launch_table_counts_launches_per_layer():
     assert table.splitlines()[-2].split() == ["total", "212"]
     assert table.splitlines()[-1] == "launches per layer: kda.decode 4, moe 3, norm+residual 2"
     assert "per layer" not in tr.table()
+
+
+def test_e4m3_gemv_savings_match_hand_numbers(full):
+    """KDA_RT_FP8_DECODE_GEMV's floor: a byte a weight and an fp32 scale a row instead of bf16's two bytes a weight,
+    by hand for the 48B shape.  KDA layer (20): q, k, v 3 x 4096 x 2304, f_a and g_a 128 x 2304 each, b 32 x 2304,
+    o_proj 2304 x 4096 = 38,412,288 weights in 14,880 rows; MLA layer (7): q 6144 x 2304, kv_a 576 x 2304, o_proj
+    2304 x 4096 = 24,920,064 in 9,024 rows; the dense layer's gate and up 2 x 9216 x 2304 = 42,467,328 in 18,432 rows:
+    985,153,536 weights (a byte each saved) in 379,200 rows (4 bytes each added)."""
+    from kda_rt.floors import e4m3_gemv_savings
+
+    assert e4m3_gemv_savings(full) == 985_153_536 - 4 * 379_200
+    plain = decode_floor(full, 1, 2112, quantization="fp8")
+    gemv = decode_floor(full, 1, 2112, quantization="fp8", e4m3_gemv=True)
+    assert plain["bytes"] - gemv["bytes"] == 985_153_536 - 4 * 379_200
