@@ -232,7 +232,9 @@ def fp8_decode_gemv() -> bool:
     fp8 batch-1 step's 1.86 ms; lm_head stays bf16).  At upload it quantizes KDA's whole
     q|k|v|f_a|g_a|b (the prefill copy of q|k|v then a view of its rows: the same codes) and the projections without a
     prefill copy; read at upload and at each decode forward (a CUDA graph keeps what it captured), so an A/B in one
-    process (tests/gpu/bench_ab.py) starts with it 1 and flips what the forward reads.  Default 0.  `bench`'s batch-1
+    process (tests/gpu/bench_ab.py) starts with it 1 and flips what the forward reads.  Needs the dense e4m3
+    copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else a warning at upload and bf16); KDA's q|k|v|f_a|g_a|b
+    only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the dense layer's down (K 9216 > 5120) stays bf16.  Default 0.  `bench`'s batch-1
     floor then counts those rows (kda_rt/floors.py e4m3_gemv_savings: 0.98 GB less on the 48B shape)."""
     return _on_off("KDA_RT_FP8_DECODE_GEMV", "0")
 
@@ -258,7 +260,7 @@ def dense_gemv() -> bool:
     """KDA_RT_DENSE_GEMV: 0 sends one-row projections of 4-256 MB of bf16 weights (batch-1 q|k|v|f_a|g_a|b, MLA
     q|kv_a, a dense MLP's gate|up) to cuBLAS instead of gemv_dense (kernels_cu/moe_gemv.cu DENSE, its first weight
     rows loaded before the programmatic-launch wait); default 1.  Read at each gemm.linear call (a CUDA graph keeps
-    what it captured)."""
+    what it captured).  The e4m3 GEMVs of KDA_RT_FP8_DECODE_GEMV do not read it."""
     return _on_off("KDA_RT_DENSE_GEMV")
 
 

@@ -298,6 +298,9 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
     host = read_weights(config, raw)
     up = Uploader()
     dense_e4m3 = quantization == "fp8" and env.fp8_dense() and _e4m3_products()
+    if quantization == "fp8" and env.fp8_decode_gemv() and not dense_e4m3:
+        logger.warning("KDA_RT_FP8_DECODE_GEMV=1 ignored: the decode GEMVs' e4m3 rows are made with the dense e4m3 "
+                       "copies, which need sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on")
     total = sum(np.asarray(v).nbytes for v in raw.values())
     show = progress if progress is not None else total > (1 << 30)
     bar = tqdm(total=config.num_hidden_layers + 1, desc="upload weights", unit="layer", disable=not show)

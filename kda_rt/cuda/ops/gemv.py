@@ -71,7 +71,8 @@ def fits(x, weight, out, accumulate: bool) -> bool:
 
 def fits_e4m3(N: int, K: int) -> bool:
     """gemv_dense takes an [N, K] weight as e4m3 rows (WFMT = 1; the fp8 decode GEMVs, KDA_RT_FP8_DECODE_GEMV): K a
-    multiple of 16 within MAX_K_E4M3, on sm_89 or newer."""
+    multiple of 16 within MAX_K_E4M3, on sm_89 or newer (the model makes such rows only beside its dense e4m3
+    copies, on sm_90a: cuda/weights.py)."""
     return N > 0 and 0 < K <= MAX_K_E4M3 and K % 16 == 0 and arch_number(device_arch()) >= 89
 
 
