@@ -281,7 +281,7 @@ def kda_early_state() -> bool:
     return _on_off("KDA_RT_KDA_EARLY_STATE")
 
 
-def skip_pad() -> bool:
+def skip_pad() -> int:
     """KDA_RT_SKIP_PAD: 1 (the default) has a decode graph's padding rows skip the work nobody reads: the
     CUDA runner gives them the slot -1, which the KDA decode kernel treats as a fresh state stored nowhere
     (kernels_cu/kda_decode.cu SKIP_PAD: no conv-history or state stores, 2 MiB a padding row a KDA layer at 32
@@ -290,9 +290,14 @@ def skip_pad() -> bool:
     all route to the same 8 experts, tiles of them more); the live rows' outputs and states bit for bit the same.
     Measured (H200, 27-layer 48B shape, 2026-12-04, tests/gpu/graph_pad_check.py): 96 rows on the 128-row graph
     +4.0% over the 96-row graph with 0, -0.3% with 1; 160 on 256 +14.7% with 0, +4.2% with 1.  0: padding rows run
-    on the padding slot like live rows (the form before).  Read once when the runner starts (its uploads and its
+    on the padding slot like live rows (the form before).  2 (prepared, not yet GPU-run): also the KDA decode
+    kernel's padding CTAs write zeros and leave (kda_decode.cu SKIP_PAD = 2; what is left of the padding's cost, ~7 us
+    a padding row a step at 160 on 256, partly their compute).  Read once when the runner starts (its uploads and its
     kernels agree on it)."""
-    return _on_off("KDA_RT_SKIP_PAD")
+    value = os.environ.get("KDA_RT_SKIP_PAD") or "1"
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"KDA_RT_SKIP_PAD must be 0, 1 or 2, got {value!r}")
+    return int(value)
 
 
 def kda_smem_state(default: int) -> int:

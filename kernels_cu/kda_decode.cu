@@ -119,6 +119,11 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
 // padding row (the runner writes -1 for them instead of its padding slot): a fresh state and nothing stored, neither
 // conv history nor state rows (nothing reads the padding slot: padding rows have context 0), so a padding row costs
 // no state traffic (2 MiB of state stores a row a layer at 32 heads otherwise).  Its output row is computed as before.
+// SKIP_PAD = 2 (KDA_RT_SKIP_PAD=2, prepared 2026-12-04, not yet GPU-run): a padding row's CTAs do no work at all: they
+// write zeros for their channels of its output row (after the programmatic-launch wait: an earlier kernel may still
+// read `out`) and leave, before any copy is issued or any cluster barrier waited on (every CTA of a cluster is of
+// the same row).  Nothing reads a padding row's output but the rest of its own padding row, whose MoE output the
+// combine zeroes; the live rows bit for bit as with 1.
 // Off, the build is the one before it (the compiler drops the test).
 #ifndef SKIP_PAD
 #define SKIP_PAD 0
@@ -235,6 +240,15 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const int slot_id = state_slots[seq];
     const bool pad = SKIP_PAD && slot_id < 0, fresh = pad || no_context;  // (SKIP_PAD's note)
     const size_t slot = pad ? 0 : (size_t)slot_id;
+#if SKIP_PAD == 2
+    if (pad) {  // (SKIP_PAD = 2's note)
+#if EARLY_STATE
+        KDA_PDL_WAIT();
+#endif
+        for (int j = tid; j < VC; j += THREADS) out[(size_t)seq * P + h * K + c0 + j] = to_bf16(0.f);
+        return;
+    }
+#endif
     // first what no earlier kernel of the graph writes (EARLY_STATE: before the programmatic-launch wait): the
     // metadata, the decay weights of this CTA's channels, (async, into shared memory) its f_b / g_b rows and norm
     // weights, the state rows; then the token's inputs: beta's b, the low-rank rows or f, and the output gate

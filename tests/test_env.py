@@ -9,7 +9,7 @@ from kda_rt import env
 _ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.moe_decode_ws),
                     ("KDA_RT_SKINNY_WS", env.skinny_ws), ("KDA_RT_SHARED_GRAPH_WS", env.shared_graph_ws),
                     ("KDA_RT_MOE_DEC_A_ASYNC", env.moe_dec_a_async),
-                    ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse), ("KDA_RT_SKIP_PAD", env.skip_pad)]  # (default on)
+                    ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse)]  # (default on)
 _OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits), ("KDA_RT_FP8_DECODE_GEMV", env.fp8_decode_gemv)]
 
 
@@ -125,3 +125,21 @@ def test_tma_l2_promotion_switch(monkeypatch):
     monkeypatch.setenv("KDA_RT_TMA_L2_PROMOTION", "512")
     with pytest.raises(ValueError, match="KDA_RT_TMA_L2_PROMOTION must be none, 64, 128 or 256"):
         env.tma_l2_promotion()
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 1), ("", 1), ("0", 0), ("1", 1), ("2", 2)])
+def test_skip_pad_levels(monkeypatch, value, expected):
+    """KDA_RT_SKIP_PAD: 1 by default, 0 the padding rows run like live rows, 2 the KDA decode kernel's padding CTAs
+    also leave at once; any other value refused by name."""
+    if value is None:
+        monkeypatch.delenv("KDA_RT_SKIP_PAD", raising=False)
+    else:
+        monkeypatch.setenv("KDA_RT_SKIP_PAD", value)
+    assert env.skip_pad() == expected
+
+
+@pytest.mark.parametrize("value", ["yes", "3", "off", "-1"])
+def test_skip_pad_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("KDA_RT_SKIP_PAD", value)
+    with pytest.raises(ValueError, match="KDA_RT_SKIP_PAD must be 0, 1 or 2"):
+        env.skip_pad()

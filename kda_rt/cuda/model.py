@@ -87,7 +87,7 @@ class CudaModel:
         self.w = weights
         self.kda_pools = kda_pools  # layer id -> (conv_pool, rec_pool)
         self.mla_pools = mla_pools  # layer id -> kv_pool [num_blocks, block_size, 576]
-        self.skip_pad = False  # decode steps' negative slots are padding rows (the runner's KDA_RT_SKIP_PAD)
+        self.skip_pad = 0  # decode steps' negative slots are padding rows (the runner's KDA_RT_SKIP_PAD: 0, 1, 2)
         self.launches = 0
         import cupy
 

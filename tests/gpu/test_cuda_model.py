@@ -554,35 +554,38 @@ def test_graph_padding_rows_skip_their_state(monkeypatch):
     and zeroes the others: moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS).  5 sequences on the 8-row graph (three padding
     rows), then 3 on the 4-row one (one), several steps each: the tokens are those of an engine with the same graphs
     and the switch off (the same kernel variants for the live rows), and the padding slot, filled with a sentinel
-    after start, is never written."""
+    after start, is never written.  The same for KDA_RT_SKIP_PAD=2 (prepared: the KDA decode kernel's padding CTAs
+    write zeros and leave)."""
     import cupy
 
     p = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     engines = {}
-    for value in ("0", "1"):
+    for value in ("0", "1", "2"):
         monkeypatch.setenv("KDA_RT_SKIP_PAD", value)
         engines[value] = LLM(str(demo_path()), backend="cuda", cuda_graph_sizes=[1, 4, 8], **KW)
-    runner = engines["1"].runner
-    assert runner.model.skip_pad and not engines["0"].runner.model.skip_pad and sorted(runner.graphs) == [1, 4, 8]
-    pools = list(runner.model.kda_pools.values())
-    assert pools, "the demo checkpoint has KDA layers"
-    pad = runner.pad_slot
-    with runner.stream:
-        for conv, rec in pools:
-            conv[pad] = cupy.asarray(np.full(conv.shape[1:], 3.0, np.float32).astype(conv.dtype))
-            rec[pad] = -5.0
-    runner.stream.synchronize()
-    for n in (5, 3):
-        prompts = [f"s{i} t u{'v' * i}" for i in range(n)]
-        rows0 = list(runner.graph_rows)
-        a = [o.outputs[0].token_ids for o in engines["0"].generate(prompts, p)]
-        b = [o.outputs[0].token_ids for o in engines["1"].generate(prompts, p)]
-        assert a == b, f"{n} prompts: skipping the padding rows' work changed the tokens"
-        assert runner.graph_rows[1] > rows0[1], "no padding rows were replayed"
-    runner.stream.synchronize()
-    for conv, rec in pools:  # (compared on the host: bf16 3.0 is exact)
-        assert np.all(cupy.asnumpy(conv[pad]).astype(np.float32) == 3.0) and np.all(cupy.asnumpy(rec[pad]) == -5.0), \
-            "a padding row wrote the padding slot"
+    assert [engines[v].runner.model.skip_pad for v in ("0", "1", "2")] == [0, 1, 2]
+    for value in ("1", "2"):
+        runner = engines[value].runner
+        assert sorted(runner.graphs) == [1, 4, 8]
+        pools = list(runner.model.kda_pools.values())
+        assert pools, "the demo checkpoint has KDA layers"
+        pad = runner.pad_slot
+        with runner.stream:
+            for conv, rec in pools:
+                conv[pad] = cupy.asarray(np.full(conv.shape[1:], 3.0, np.float32).astype(conv.dtype))
+                rec[pad] = -5.0
+        runner.stream.synchronize()
+        for n in (5, 3):
+            prompts = [f"s{i} t u{'v' * i}" for i in range(n)]
+            rows0 = list(runner.graph_rows)
+            a = [o.outputs[0].token_ids for o in engines["0"].generate(prompts, p)]
+            b = [o.outputs[0].token_ids for o in engines[value].generate(prompts, p)]
+            assert a == b, f"KDA_RT_SKIP_PAD={value}, {n} prompts: skipping the padding rows' work changed the tokens"
+            assert runner.graph_rows[1] > rows0[1], "no padding rows were replayed"
+        runner.stream.synchronize()
+        for conv, rec in pools:  # (compared on the host: bf16 3.0 is exact)
+            assert np.all(cupy.asnumpy(conv[pad]).astype(np.float32) == 3.0) and \
+                np.all(cupy.asnumpy(rec[pad]) == -5.0), f"KDA_RT_SKIP_PAD={value}: a padding row wrote the padding slot"
 
 
 def test_shared_graph_workspace(monkeypatch):

@@ -164,13 +164,15 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
         raise ref_failure
 
 
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize(("num_seqs", "smem", "fused"), [(3, "auto", False), (3, "auto", True), (6, "0", False),
                                                   (6, "1", False), (6, "2", False), (40, "auto", False)],
                          ids=["B3-split4", "B3-split4-fused", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1"])
-def test_kda_decode_skip_pad(num_seqs, smem, fused, monkeypatch):
-    """kda_decode(skip_pad=True) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_SKIP_PAD): rows whose slot is -1
-    are padding rows, a fresh state stored nowhere.  Against the same step with those rows on a real spare slot
-    (context 0, skip_pad off): every output row bit for bit the same (the padding rows' too), the live slots' conv
+def test_kda_decode_skip_pad(num_seqs, smem, fused, level, monkeypatch):
+    """kda_decode(skip_pad=1 or 2) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_SKIP_PAD): rows whose slot is -1
+    are padding rows, a fresh state stored nowhere (2: their CTAs write zeros and leave).  Against the same step with
+    those rows on a real spare slot (context 0, skip_pad off): every live output row bit for bit the same, the padding
+    rows' too with 1 and zeros with 2 (poisoned before), the live slots' conv
     and recurrent state bit for bit the same, and the pools everywhere else untouched (the spare slot keeps its
     garbage, which the run without the switch overwrote).  Slot 0 is never a live slot, and the pools are views
     from the second slot of larger arrays whose first slot is a guard: a store to the slot a padding row's -1 maps
@@ -219,11 +221,15 @@ def test_kda_decode_skip_pad(num_seqs, smem, fused, monkeypatch):
                 kw = {"f_b": dev["f_b"], "g_b": dev["g_b"]}
             out = cupy.empty((num_seqs, H * K), dtype=BF16)  # (dev["f"] is f_a's [B, rank] view when fused)
             poison(out)
-            outs.append(to_np(run_op(kda_decode, dev, H, out=out, skip_pad=skip, **kw)))
+            outs.append(to_np(run_op(kda_decode, dev, H, out=out, skip_pad=level if skip else 0, **kw)))
         runs[skip] = (outs, before, {n: to_np(b) for n, b in guarded.items()})
     (plain_out, _, plain_pools), (skip_out, before, skip_pools) = runs[False], runs[True]
     for step, (a, b) in enumerate(zip(plain_out, skip_out, strict=True)):
-        assert np.all(np.isfinite(a)) and np.array_equal(a, b), f"step {step}: skip_pad changed the outputs"
+        assert np.all(np.isfinite(a)) and np.array_equal(a[:live], b[:live]), f"step {step}: skip_pad changed live rows"
+        if level == 1:
+            assert np.array_equal(a[live:], b[live:]), f"step {step}: skip_pad 1 changed the padding rows' outputs"
+        else:
+            assert np.all(b[live:] == 0.0), f"step {step}: skip_pad 2 left padding rows' outputs nonzero / unwritten"
     used = inp["state_slots"][:live] + 1  # (rows of the guarded arrays)
     for name in ("conv_pool", "rec_pool"):
         p, q, b0 = plain_pools[name], skip_pools[name], before[name]

@@ -147,16 +147,16 @@ def check_kda_args(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool,
 
 def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
                state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
-               f_b=None, g_b=None, split: int | None = None, threads: int | None = None, skip_pad: bool = False):
+               f_b=None, g_b=None, split: int | None = None, threads: int | None = None, skip_pad: int = 0):
     """One token per sequence (T == B; token b is sequence b, cu_seqlens is not read); qkv [B, 3P] may be a
     row-strided view (the q|k|v columns of the model's fused decode projection).  Updates the
     slots' conv and recurrent state in place; returns out [B, P] bf16 (gated-RMSNorm output).
     Allocates nothing when `out` is given and never reads device data on the host (graph-capturable).
     With f_b [P, Rf] and g_b [P, Rg] (see fuses_low_rank), f and gate are the f_a / g_a outputs
     [B, Rf], [B, Rg] and the kernel applies f_b / g_b itself.  `split` / `threads` force a kernel
-    variant (see decode_config); every variant computes the same math.  `skip_pad`: a negative slot is a padding
-    row (kda_decode.cu SKIP_PAD): a fresh state whose conv history and state are stored nowhere; without it every
-    slot must lie in the pools."""
+    variant (see decode_config); every variant computes the same math.  `skip_pad` 1: a negative slot is a padding
+    row (kda_decode.cu SKIP_PAD): a fresh state whose conv history and state are stored nowhere; 2: its output row
+    zeros and no work at all; 0 (False): every slot must lie in the pools."""
     import cupy
 
     fused = f_b is not None or g_b is not None
@@ -181,8 +181,10 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
     mode = smem_state(n_split, fused, B) if n_threads == 256 else 0
     smem = _STATE_BYTES if mode else 0
     extra = {"SMEM_STATE": mode} if mode else {}  # (the register form's builds keep their cache keys)
+    if skip_pad not in (0, 1, 2):
+        raise ValueError(f"kda_decode: skip_pad must be 0, 1 or 2, got {skip_pad!r}")
     if skip_pad:
-        extra["SKIP_PAD"] = 1
+        extra["SKIP_PAD"] = int(skip_pad)
     kernel = get_kernel("kda_decode.cu", "kda_decode_step", max_dynamic_smem=smem, HEAD_DIM=head_dim, CONV_W=W,
                         THREADS=n_threads, SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f,
                         RANK_G=rank_g, EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B), **extra)
