@@ -165,10 +165,12 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
 
 
 @pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize(("num_seqs", "smem", "fused"), [(3, "auto", False), (3, "auto", True), (6, "0", False),
-                                                  (6, "1", False), (6, "2", False), (40, "auto", False)],
-                         ids=["B3-split4", "B3-split4-fused", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1"])
-def test_kda_decode_skip_pad(num_seqs, smem, fused, level, monkeypatch):
+@pytest.mark.parametrize(("num_seqs", "smem", "fused", "early"), [
+    (3, "auto", False, True), (3, "auto", True, True), (6, "0", False, True), (6, "1", False, True),
+    (6, "2", False, True), (40, "auto", False, True), (3, "auto", False, False), (6, "0", False, False)],
+    ids=["B3-split4", "B3-split4-fused", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1", "B3-split4-late",
+         "B6-registers-late"])
+def test_kda_decode_skip_pad(num_seqs, smem, fused, early, level, monkeypatch):
     """kda_decode(skip_pad=1 or 2) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_SKIP_PAD): rows whose slot is -1
     are padding rows, a fresh state stored nowhere (2: their CTAs write zeros and leave).  Against the same step with
     those rows on a real spare slot (context 0, skip_pad off): every live output row bit for bit the same, the padding
@@ -178,10 +180,13 @@ def test_kda_decode_skip_pad(num_seqs, smem, fused, level, monkeypatch):
     from the second slot of larger arrays whose first slot is a guard: a store to the slot a padding row's -1 maps
     to (0) or to slot -1 itself (the define missing) shows.  The live rows are fresh and continuing sequences in
     permuted slots, two steps; every state form: the split kernel (3 rows, also with the low-rank gates fused in),
-    the register form and both shared-memory forms (6 rows, forced) and the launcher's choice at 40 rows."""
+    the register form and both shared-memory forms (6 rows, forced) and the launcher's choice at 40 rows, and the
+    split and register forms with EARLY_STATE 0 ("late": the programmatic-launch wait at entry, KDA_RT_KDA_EARLY_STATE=0)."""
     import cupy
 
     from kda_rt.cuda.ops.kda_decode import kda_decode
+
+    monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "1" if early else "0")
 
     if int(cupy.cuda.Device().compute_capability) < 90 and (num_seqs <= 4 or smem in ("1", "2")):
         pytest.skip("the split kernel and SMEM_STATE need sm_90+")
