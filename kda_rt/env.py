@@ -712,6 +712,15 @@ def skinny_wide() -> bool:
     return _on_off("KDA_RT_SKINNY_WIDE")
 
 
+def skinny_wide_max_n(default: int) -> int:
+    """KDA_RT_SKINNY_WIDE_MAX_N (bench switch, prepared 2026-12-04, not yet GPU-run): the widest output (features)
+    skinny_gemm_cl / _ws take for 9 to 32 rows; unset: `default` (ops/skinny_gemm.py MAX_N, 4096: measured at 1 and 8
+    rows, where cuBLAS streamed the wide q|k|v as fast).  Larger, e.g. 13000, sends the batch-9-32 decode steps' KDA
+    q|k|v|f_a|g_a|b (12576 outputs at the 48B shape) and MLA q|kv_a (6720) there instead of cuBLAS (in the batch-32
+    trace at 74% of copy bandwidth).  Read at each call (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_SKINNY_WIDE_MAX_N", default, low=16)
+
+
 def skinny_ws() -> bool:
     """KDA_RT_SKINNY_WS: 0 runs the 9-32-row projections on skinny_gemm_cl (every warp loads its weight rows into
     registers) instead of skinny_gemm_ws, where one producer warp streams the weights and x by tensor-map copies through
