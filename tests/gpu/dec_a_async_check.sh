@@ -16,11 +16,9 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
+. tests/gpu/gate_tests.sh
 echo "== tests"
-timeout 200 python -m pytest -q tests/kernels/test_moe_block.py -k a_rows_async -p no:cacheprovider 2>&1 | tail -12 \
-  | tee "$OUT/a_async_tests.txt" | tail -4
-grep -q " passed" "$OUT/a_async_tests.txt" && ! grep -q "failed\| error" "$OUT/a_async_tests.txt" \
-  || { echo "dec_a_async_check.sh: the tests failed: nothing timed"; exit 1; }
+gate_tests a_async_tests 200 tests/kernels/test_moe_block.py -k a_rows_async
 echo "== bf16 replays ($SECONDS s)"
 timeout $((560 - SECONDS)) python tests/gpu/bench_ab.py --env KDA_RT_MOE_DEC_A_ASYNC,KDA_RT_MOE_DEC_REVERSE,KDA_RT_MOE_FUSED64 \
   --values 0:0:e4m3,1:0:e4m3,0:1:e4m3,1:1:1 --prompts 0 --replays 32,128,256,384 --rounds 2 2> "$OUT/a_async_bf16.err" \

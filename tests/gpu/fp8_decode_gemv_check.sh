@@ -14,11 +14,9 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
+. tests/gpu/gate_tests.sh
 echo "== tests"
-timeout 300 python -m pytest -q tests/kernels/test_gemv_dense.py tests/gpu/test_cuda_model.py \
-  -k "e4m3 or fp8_decode_gemv" -s -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/fp8_gemv_tests.txt" | tail -16
-grep -q " passed" "$OUT/fp8_gemv_tests.txt" && ! grep -q "failed\| error" "$OUT/fp8_gemv_tests.txt" \
-  || { echo "fp8_decode_gemv_check.sh: the tests failed: nothing timed"; exit 1; }
+gate_tests fp8_gemv_tests 300 tests/kernels/test_gemv_dense.py tests/gpu/test_cuda_model.py -k "e4m3 or fp8_decode_gemv" -s
 echo "== batch-1 replays, fp8, KDA_RT_FP8_DECODE_GEMV 1 / 0 ($SECONDS s)"
 KDA_RT_FP8_DECODE_GEMV=1 timeout $((560 - SECONDS)) python tests/gpu/bench_ab.py --quantization fp8 \
   --env KDA_RT_FP8_DECODE_GEMV --values 1,0 --prompts 0 --replays 1 --rounds 3 2> "$OUT/fp8_gemv_ab.err" \

@@ -17,13 +17,11 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
+. tests/gpu/gate_tests.sh
 echo "== tests"
-timeout 360 python -m pytest -q tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
-  tests/kernels/test_workspace.py -k "graph_sizes or graph_capture or shared_graph or shared_workspace or more_tokens or fused_rows or (e4m3 and \
-  (T256 or T300-E64))" -p no:cacheprovider 2>&1 | tail -15 \
-  | tee "$OUT/graph_sizes_tests.txt" | tail -5
-grep -q " passed" "$OUT/graph_sizes_tests.txt" && ! grep -q "failed\|rror" "$OUT/graph_sizes_tests.txt" \
-  || { echo "graph_sizes_check.sh: the tests failed: nothing timed"; exit 1; }
+gate_tests graph_sizes_tests 360 tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
+  tests/kernels/test_workspace.py -k "graph_sizes or graph_capture or shared_graph or shared_workspace or more_tokens or \
+  fused_rows or (e4m3 and (T256 or T300-E64))"
 echo "== padding rows ($SECONDS s)"
 timeout $((570 - SECONDS)) python tests/gpu/graph_pad_check.py --batches 96,160,192 --rounds 2 2> "$OUT/graph_pad.err" \
   | tee "$OUT/graph_pad.jsonl"

@@ -13,11 +13,9 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
+. tests/gpu/gate_tests.sh
 echo "== tests"
-timeout 200 python -m pytest -q tests/kernels/test_kda_decode.py -k "smem_state or pdl_writer" -p no:cacheprovider \
-  --tb=short 2>&1 | tail -40 | tee "$OUT/kda_smem_tests.txt" | tail -12
-grep -q " passed" "$OUT/kda_smem_tests.txt" && ! grep -q "failed\|rror" "$OUT/kda_smem_tests.txt" \
-  || { echo "kda_smem_check.sh: the tests failed: nothing timed"; exit 1; }
+gate_tests kda_smem_tests 200 tests/kernels/test_kda_decode.py -k "smem_state or pdl_writer" --tb=short
 echo "== the kernel alone ($SECONDS s)"
 timeout 150 python tests/gpu/bench_decode_sweep.py --parts=kda --kda-batches=16,32,64,128,256 \
   --kda-define=KDA_RT_KDA_SMEM_STATE=0,1,2 2>&1 | grep -E "kda_decode|rror" | tee "$OUT/kda_smem_sweep.txt"

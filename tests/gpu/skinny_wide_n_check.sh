@@ -10,11 +10,9 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
+. tests/gpu/gate_tests.sh
 echo "== tests"
-timeout 200 python -m pytest -q tests/kernels/test_skinny_gemm.py -k past_max_n -p no:cacheprovider 2>&1 | tail -12 \
-  | tee "$OUT/skinny_wide_n_tests.txt" | tail -4
-grep -q " passed" "$OUT/skinny_wide_n_tests.txt" && ! grep -q "failed\| error" "$OUT/skinny_wide_n_tests.txt" \
-  || { echo "skinny_wide_n_check.sh: the tests failed: nothing timed"; exit 1; }
+gate_tests skinny_wide_n_tests 200 tests/kernels/test_skinny_gemm.py -k past_max_n
 echo "== replays, bf16, KDA_RT_SKINNY_WIDE_MAX_N 4096 / 13000 ($SECONDS s)"
 timeout $((590 - SECONDS)) python tests/gpu/bench_ab.py --env KDA_RT_SKINNY_WIDE_MAX_N --values 4096,13000 \
   --prompts 0 --replays 16,32 --rounds 2 2> "$OUT/skinny_wide_n_ab.err" | tee "$OUT/skinny_wide_n_ab.jsonl" | grep summary

@@ -20,11 +20,10 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"
+. tests/gpu/gate_tests.sh
 echo "== tests"
-timeout 330 python -m pytest -q tests/kernels/test_kda_decode.py tests/kernels/test_moe_block.py tests/kernels/test_moe_bucket.py \
-  tests/gpu/test_cuda_model.py -k "skip_pad or skip_their_state or live_count" -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/skip_pad_tests.txt" | tail -4
-grep -q " passed" "$OUT/skip_pad_tests.txt" && ! grep -q "failed\| error" "$OUT/skip_pad_tests.txt" \
-  || { echo "skip_pad_check.sh: the tests failed: nothing timed"; exit 1; }
+gate_tests skip_pad_tests 330 tests/kernels/test_kda_decode.py tests/kernels/test_moe_block.py \
+  tests/kernels/test_moe_bucket.py tests/gpu/test_cuda_model.py -k "skip_pad or skip_their_state or live_count"
 for v in ${SKIP_PAD_VALUES:-2 1}; do
   [ "$SECONDS" -lt 420 ] || { echo "skip_pad_check.sh: no time left for KDA_RT_SKIP_PAD=$v"; exit 0; }
   echo "== KDA_RT_SKIP_PAD=$v ($SECONDS s)"

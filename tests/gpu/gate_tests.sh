@@ -1,0 +1,15 @@
+# Sourced by the device check scripts (after `set -o pipefail` and $OUT): `gate_tests NAME SECONDS PYTEST_ARGS...` runs
+# `python -m pytest -q -p no:cacheprovider PYTEST_ARGS` under a timeout of SECONDS, keeps the last 40 lines of its
+# output in $OUT/NAME.txt, prints the last 12, and ends the calling script (status 1, "nothing timed") unless pytest
+# passed (its exit status: failures, errors, a timeout and no test collected all stop the script) and at least one
+# test passed (every one skipped, e.g. on another GPU, stops it too).
+gate_tests() {
+  local name=$1 limit=$2
+  shift 2
+  if ! timeout "$limit" python -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -40 | tee "$OUT/$name.txt" | tail -12 \
+    || ! grep -q " passed" "$OUT/$name.txt"
+  then
+    echo "$(basename "$0"): the tests failed: nothing timed"
+    exit 1
+  fi
+}
