@@ -13,10 +13,7 @@
 #   3. fp8 at 32 and 768 (the e4m3 16- and 64-row fused tiles), 0 against 1, while the call's time lasts.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/dec_a_async_check.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
-mkdir -p "$OUT"
-. tests/gpu/gate_tests.sh
+. tests/gpu/check_common.sh
 echo "== tests"
 gate_tests a_async_tests 200 tests/kernels/test_moe_block.py -k a_rows_async
 echo "== bf16 replays ($SECONDS s)"

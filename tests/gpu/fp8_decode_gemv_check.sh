@@ -11,10 +11,7 @@
 #   3. the engine's batch-1 run (`python -m kda_rt.bench`, one process a value) while the call's time lasts.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/fp8_decode_gemv_check.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
-mkdir -p "$OUT"
-. tests/gpu/gate_tests.sh
+. tests/gpu/check_common.sh
 echo "== tests"
 gate_tests fp8_gemv_tests 300 tests/kernels/test_gemv_dense.py tests/gpu/test_cuda_model.py -k "e4m3 or fp8_decode_gemv" -s
 echo "== batch-1 replays, fp8, KDA_RT_FP8_DECODE_GEMV 1 / 0 ($SECONDS s)"

@@ -14,10 +14,7 @@
 #      launches at batch 160 and 192 on their own graphs (moe_gemm_tc.py FUSED32_BF16_MAX_AVG's open crossover).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/graph_sizes_check.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
-mkdir -p "$OUT"
-. tests/gpu/gate_tests.sh
+. tests/gpu/check_common.sh
 echo "== tests"
 gate_tests graph_sizes_tests 360 tests/gpu/test_cuda_model.py tests/kernels/test_mla_attn.py tests/kernels/test_moe_block.py \
   tests/kernels/test_workspace.py -k "graph_sizes or graph_capture or shared_graph or shared_workspace or more_tokens or \

@@ -10,10 +10,7 @@
 # replays 0 -> 1 at batch 32 8.690 -> 8.666 ms, 256 22.254 -> 21.873 ms.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/kda_smem_check.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
-mkdir -p "$OUT"
-. tests/gpu/gate_tests.sh
+. tests/gpu/check_common.sh
 echo "== tests"
 gate_tests kda_smem_tests 200 tests/kernels/test_kda_decode.py -k "smem_state or pdl_writer" --tb=short
 echo "== the kernel alone ($SECONDS s)"

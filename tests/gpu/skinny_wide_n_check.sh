@@ -7,10 +7,7 @@
 #   2. decode graph replays of the full 27-layer shape at batch 16 and 32, the limit 4096 (default) against 13000.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/skinny_wide_n_check.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
-mkdir -p "$OUT"
-. tests/gpu/gate_tests.sh
+. tests/gpu/check_common.sh
 echo "== tests"
 gate_tests skinny_wide_n_tests 200 tests/kernels/test_skinny_gemm.py -k past_max_n
 echo "== replays, bf16, KDA_RT_SKINNY_WIDE_MAX_N 4096 / 13000 ($SECONDS s)"

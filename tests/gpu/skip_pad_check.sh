@@ -17,10 +17,7 @@
 #      rows' experts alone (the padding rows' pairs are no longer planned).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/skip_pad_check.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
-mkdir -p "$OUT"
-. tests/gpu/gate_tests.sh
+. tests/gpu/check_common.sh
 echo "== tests"
 gate_tests skip_pad_tests 330 tests/kernels/test_kda_decode.py tests/kernels/test_moe_block.py \
   tests/kernels/test_moe_bucket.py tests/gpu/test_cuda_model.py -k "skip_pad or skip_their_state or live_count"

@@ -1,4 +1,5 @@
-# Sourced by the device check scripts (after `set -o pipefail` and $OUT): `gate_tests NAME SECONDS PYTEST_ARGS...` runs
+# Sourced first by the device check scripts (run from the repository root): pipefail, unbuffered Python, $OUT (made;
+# default /tmp/out) and PYTHONPATH (default the root), and `gate_tests NAME SECONDS PYTEST_ARGS...`, which runs
 # `python -m pytest -q -p no:cacheprovider PYTEST_ARGS` under a timeout of SECONDS, keeps the last 40 lines of its
 # output in $OUT/NAME.txt, prints the last 12, and ends the calling script (status 1, "nothing timed") unless pytest
 # passed (its exit status: failures, errors, a timeout and no test collected all stop the script) and at least one
@@ -13,3 +14,7 @@ gate_tests() {
     exit 1
   fi
 }
+
+set -o pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
+mkdir -p "$OUT"
