@@ -64,6 +64,17 @@ def test_kernel_cache_round_trip(tmp_path, capsys):
             tar.addfile(info, io.BytesIO(b"z"))
     kcache.unpack(archive, str(tmp_path / "out2"))
     assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["ok.cubin"] and not (tmp_path / "evil.cubin").exists()
+    # merge: the union of the archives' cubins, one of each name, into an archive that may be one of the inputs
+    other = str(tmp_path / "o.tar.xz")
+    with tarfile.open(other, "w:xz") as tar:
+        for name, data in (("ok.cubin", b"z"), ("new.cubin", b"n" * 10)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    kcache.merge(archive, [archive, other])
+    with tarfile.open(archive, "r:xz") as tar:
+        assert tar.getnames() == ["new.cubin", "ok.cubin"]
+        assert tar.extractfile("new.cubin").read() == b"n" * 10
 
 
 def test_ab_defines_must_be_read_by_the_kernel():

@@ -10,7 +10,8 @@
 # - the kernel cache: the run leaves $OUT/kcache.tar.xz (the cubins it built or loaded, when under 15 MiB;
 #   tests/gpu/kcache.py); copy it to .kcache/ (git-ignored) and carry ".kcache": a later call (or session) loads every
 #   kernel whose source, headers, options, arch and NVRTC version are unchanged instead of compiling it (the cache is
-#   keyed by all of them).
+#   keyed by all of them).  Several calls' archives: `python tests/gpu/kcache.py merge .kcache/kcache.tar.xz
+#   .kcache/kcache.tar.xz RETURNED...` keeps every cubin of them in the carried one.
 # - XDIST=N runs the non-slow tests in N pytest-xdist processes (--dist loadfile: a file's tests in one process,
 #   PART=2 --dist load: any test in any process;
 #   pytest-xdist is on the device image); the kernel-builds summary line then counts only the main process (the
