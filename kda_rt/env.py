@@ -744,6 +744,15 @@ def mla_early_weights() -> bool:
     return _on_off("KDA_RT_MLA_EARLY_WEIGHTS", default="1")
 
 
+def mla_fused_combine() -> bool:
+    """KDA_RT_MLA_FUSED_COMBINE (bench switch, prepared 2026-12-04, not yet GPU-run): 1 has the small-step MLA output
+    up-projection (mla_expand_out, steps of up to 8 tokens) merge the attention's splits itself instead of a separate
+    mla_attn_combine launch (kernels_cu/mla_attn.cu COMBINE_CG: the same ctx bit for bit; each of a head's 8 blocks
+    reads its partials): a batch-1 MLA layer's combine advanced the step ~3 us (twenty-third session's trace).
+    Default 0.  Read at each call (a CUDA graph keeps what it captured)."""
+    return _on_off("KDA_RT_MLA_FUSED_COMBINE", default="0")
+
+
 def chain_probe() -> int:
     """KDA_RT_CHAIN_PROBE (a bench switch, tests/gpu/probe_route_chain.py): N > 0 builds the fused routing kernel
     and the routed gate/up GEMV with CHAIN_PROBE=N, which stamp %globaltimer at the links of a one-token MoE step

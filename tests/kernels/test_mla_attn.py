@@ -128,6 +128,53 @@ def test_mla_decode_wide_table(B):
     check(f"decode-wide-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
+FUSED_COMBINE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),  # B=8: one split and a few (combine groups of 4)
+                 "many": (9000,),                            # one token, ~70 splits: 16 groups, several splits each
+                 "b3": (5000, 3, 700)}                        # used 1 and > 1 in one step
+
+
+@pytest.mark.parametrize("width", [0, 16384], ids=["table", "wide-table"])
+@pytest.mark.parametrize("case", list(FUSED_COMBINE))
+def test_mla_decode_fused_combine(case, width, monkeypatch):
+    """KDA_RT_MLA_FUSED_COMBINE=1 (prepared: mla_expand_out merges the splits itself, kernels_cu/mla_attn.cu
+    COMBINE_CG, and mla_attn_combine is not launched): the output bit for bit the two-launch form's, and within TOL of
+    the reference; every token's context from one split (ctx written by mla_attn_split) to ~70; with the table as wide
+    as the contexts and as a decode graph's (16384 pages: the split count from the table width).  The output and the
+    workspace are poisoned before each call; the combine launch is counted (none with the switch)."""
+    import cupy
+
+    import kda_rt.cuda.ops.mla_attn as mla
+    from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
+
+    H, block_size = 32, 64
+    ctx = FUSED_COMBINE[case]
+    lens = (1,) * len(ctx)
+    q, pool, w_kvb, tables = make_case(4242 + len(ctx) + width, H, block_size, lens, ctx)
+    if width:
+        wide = np.full((len(ctx), width), -1, np.int32)
+        wide[:, :tables.shape[1]] = tables
+    cu, ctx_d, tables_d = device_meta(lens, ctx, wide if width else tables)
+    B, M = len(ctx), (width or tables.shape[1])
+    names = []
+    real = mla.get_kernel
+    monkeypatch.setattr(mla, "get_kernel", lambda src, name, **kw: names.append(name) or real(src, name, **kw))
+    outs = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("KDA_RT_MLA_FUSED_COMBINE", value)
+        names.clear()
+        out = cupy.empty((B, H * DV), dtype=BF16)
+        poison(out)
+        ws = cupy.full(decode_workspace_bytes(B, H, M, block_size), 255, dtype=np.uint8)
+        mla_attention(upload_q(q, strided=False), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
+                      scale=SCALE, max_seqlen=1, decode=True, out=out, workspace=ws)
+        combines = [n for n in names if n.startswith("mla_attn_combine")]
+        assert (len(combines) == 0) == (value == "1"), (value, names)
+        outs[value] = to_np(out)
+    check(f"decode-fused-combine-{case}-{width}", cupy.asarray(outs["1"]),
+          reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
+    assert np.array_equal(outs["0"], outs["1"]), "the fused combine changed the output bits"
+
+
 @pytest.mark.parametrize("wave_splits", ["0", "1"])
 def test_mla_decode_more_tokens_than_sms(wave_splits, monkeypatch):
     """A decode batch of more sequences than the GPU has SMs (the serving batches): one split a token
