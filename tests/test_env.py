@@ -10,7 +10,8 @@ _ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.mo
                     ("KDA_RT_SKINNY_WS", env.skinny_ws), ("KDA_RT_SHARED_GRAPH_WS", env.shared_graph_ws),
                     ("KDA_RT_MOE_DEC_A_ASYNC", env.moe_dec_a_async),
                     ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse)]  # (default on)
-_OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits), ("KDA_RT_FP8_DECODE_GEMV", env.fp8_decode_gemv)]
+_OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits), ("KDA_RT_FP8_DECODE_GEMV", env.fp8_decode_gemv),
+                   ("KDA_RT_MLA_FUSED_COMBINE", env.mla_fused_combine)]
 
 
 @pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES + _OFF_BY_DEFAULT)
