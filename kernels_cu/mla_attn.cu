@@ -642,8 +642,10 @@ mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int
     }
 #endif
 #ifdef COMBINE_CG
+    const int tokens = one_token ? num_seqs : __ldg(cu_seqlens + num_seqs);  // (the combine skips tokens past them)
     for (int t = 0; t < num_tokens; ++t) {  // (`used` is the same for every thread: no barrier inside)
-        const int used = split_plan(cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits, t).used;
+        const int used = t < tokens ? split_plan(cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits,
+                                                 t).used : 1;
         if (used > 1) {
             combine_head(c_s[t], partial, stats, t, h, used, num_splits);
             continue;

@@ -130,22 +130,26 @@ def test_mla_decode_wide_table(B):
 
 FUSED_COMBINE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),  # B=8: one split and a few (combine groups of 4)
                  "many": (9000,),                            # one token, ~70 splits: 16 groups, several splits each
-                 "b3": (5000, 3, 700)}                        # used 1 and > 1 in one step
+                 "b3": (5000, 3, 700),                        # used 1 and > 1 in one step
+                 "short": (100, 5)}                           # a 4-page table: 4 splits, combine groups of 4
 
 
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early-w", "late-w"])
 @pytest.mark.parametrize("width", [0, 16384], ids=["table", "wide-table"])
 @pytest.mark.parametrize("case", list(FUSED_COMBINE))
-def test_mla_decode_fused_combine(case, width, monkeypatch):
+def test_mla_decode_fused_combine(case, width, early, monkeypatch):
     """KDA_RT_MLA_FUSED_COMBINE=1 (prepared: mla_expand_out merges the splits itself, kernels_cu/mla_attn.cu
     COMBINE_CG, and mla_attn_combine is not launched): the output bit for bit the two-launch form's, and within TOL of
     the reference; every token's context from one split (ctx written by mla_attn_split) to ~70; with the table as wide
-    as the contexts and as a decode graph's (16384 pages: the split count from the table width).  The output and the
-    workspace are poisoned before each call; the combine launch is counted (none with the switch)."""
+    as the contexts and as a decode graph's (16384 pages: the split count from the table width); the up-projections
+    with their weights loaded before the programmatic-launch wait and after (KDA_RT_MLA_EARLY_WEIGHTS).  The output and
+    the workspace are poisoned before each call; the combine launch is counted (none with the switch)."""
     import cupy
 
     import kda_rt.cuda.ops.mla_attn as mla
     from kda_rt.cuda.ops.mla_attn import decode_workspace_bytes, mla_attention
 
+    monkeypatch.setenv("KDA_RT_MLA_EARLY_WEIGHTS", early)
     H, block_size = 32, 64
     ctx = FUSED_COMBINE[case]
     lens = (1,) * len(ctx)
