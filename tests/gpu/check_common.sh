@@ -15,6 +15,19 @@ gate_tests() {
   fi
 }
 
+# `run_values LOG VAR STOP "V1 V2 .." CMD..`: CMD once for each value with VAR=value in its environment (for switches
+# read once at start: one process a value), its stdout added to $OUT/LOG.jsonl and shown, its stderr to $OUT/LOG.err;
+# none starts after STOP seconds of the call, each is bounded by its 590th second.
+run_values() {
+  local log=$1 var=$2 stop=$3 values=$4 v
+  shift 4
+  for v in $values; do
+    [ "$SECONDS" -lt "$stop" ] || { echo "$(basename "$0"): no time left for $var=$v"; return 0; }
+    echo "== $var=$v ($SECONDS s)"
+    env "$var=$v" timeout $((590 - SECONDS)) "$@" 2>> "$OUT/$log.err" | tee -a "$OUT/$log.jsonl"
+  done
+}
+
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=${PYTHONPATH:-$PWD}
 mkdir -p "$OUT"

@@ -18,10 +18,6 @@ echo "== batch-1 replays, fp8, KDA_RT_FP8_DECODE_GEMV 1 / 0 ($SECONDS s)"
 KDA_RT_FP8_DECODE_GEMV=1 timeout $((560 - SECONDS)) python tests/gpu/bench_ab.py --quantization fp8 \
   --env KDA_RT_FP8_DECODE_GEMV --values 1,0 --prompts 0 --replays 1 --rounds 3 2> "$OUT/fp8_gemv_ab.err" \
   | tee "$OUT/fp8_gemv_ab.jsonl" | grep summary
-for v in 1 0; do
-  [ "$SECONDS" -lt 470 ] || { echo "fp8_decode_gemv_check.sh: no time left for the engine's run with $v"; exit 0; }
-  echo "== bench, fp8, 1 x 2048 / 128, KDA_RT_FP8_DECODE_GEMV=$v ($SECONDS s)"
-  KDA_RT_FP8_DECODE_GEMV=$v timeout $((585 - SECONDS)) python -m kda_rt.bench --config kimi-linear-48b-a3b \
-    --random-weights --router-bias-std 0.05 --quantization fp8 --batch 1 --input-len 2048 --output-len 128 \
-    2>> "$OUT/fp8_gemv_bench.err" | tee -a "$OUT/fp8_gemv_bench.jsonl" | tail -1
-done
+echo "== bench, fp8, 1 x 2048 / 128"
+run_values fp8_gemv_bench KDA_RT_FP8_DECODE_GEMV 470 "1 0" python -m kda_rt.bench --config kimi-linear-48b-a3b \
+  --random-weights --router-bias-std 0.05 --quantization fp8 --batch 1 --input-len 2048 --output-len 128

@@ -23,9 +23,4 @@ echo "== fp8 batch-1 replays: the e4m3 decode GEMVs ($SECONDS s)"
 KDA_RT_FP8_DECODE_GEMV=1 timeout $((520 - SECONDS)) python tests/gpu/bench_ab.py --quantization fp8 \
   --env KDA_RT_FP8_DECODE_GEMV --values 1,0 --prompts 0 --replays 1 --rounds 3 2> "$OUT/prepared54_fp8.err" \
   | tee "$OUT/prepared54_fp8.jsonl" | grep summary
-for v in 2 1; do
-  [ "$SECONDS" -lt 500 ] || { echo "prepared54_check.sh: no time left for KDA_RT_SKIP_PAD=$v"; exit 0; }
-  echo "== KDA_RT_SKIP_PAD=$v ($SECONDS s)"
-  KDA_RT_SKIP_PAD=$v timeout $((590 - SECONDS)) python tests/gpu/graph_pad_check.py --batches 160 --rounds 1 \
-    2>> "$OUT/prepared54_pad.err" | tee -a "$OUT/prepared54_pad.jsonl"
-done
+run_values prepared54_pad KDA_RT_SKIP_PAD 500 "2 1" python tests/gpu/graph_pad_check.py --batches 160 --rounds 1

@@ -21,10 +21,5 @@
 echo "== tests"
 gate_tests skip_pad_tests 330 tests/kernels/test_kda_decode.py tests/kernels/test_moe_block.py \
   tests/kernels/test_moe_bucket.py tests/gpu/test_cuda_model.py -k "skip_pad or skip_their_state or live_count"
-for v in ${SKIP_PAD_VALUES:-2 1}; do
-  [ "$SECONDS" -lt 420 ] || { echo "skip_pad_check.sh: no time left for KDA_RT_SKIP_PAD=$v"; exit 0; }
-  echo "== KDA_RT_SKIP_PAD=$v ($SECONDS s)"
-  echo "{\"KDA_RT_SKIP_PAD\": $v}" >> "$OUT/skip_pad.jsonl"
-  KDA_RT_SKIP_PAD=$v timeout $((590 - SECONDS)) python tests/gpu/graph_pad_check.py --batches 96,160 --rounds 1 \
-    2>> "$OUT/skip_pad.err" | tee -a "$OUT/skip_pad.jsonl"
-done
+run_values skip_pad KDA_RT_SKIP_PAD 420 "${SKIP_PAD_VALUES:-2 1}" \
+  python tests/gpu/graph_pad_check.py --batches 96,160 --rounds 1  # (each line names its skip_pad)
