@@ -304,9 +304,11 @@ def _reads_e4m3_rows(engine) -> bool:
     weights made them at upload)."""
     from kda_rt import env
 
-    weights = getattr(engine.runner, "weights", None)
-    return bool(env.fp8_decode_gemv() and weights is not None and any(
-        getattr(L.mixer, n, None) is not None for L in weights.layers for n in ("qkv_fgb_rows", "q_kva_rows")))
+    if not (env.fp8_decode_gemv() and engine.runner.name == "cuda"):
+        return False
+    from kda_rt.cuda.weights import decode_rows
+
+    return bool(decode_rows(engine.runner.weights))
 
 
 def _read_config(path: str) -> dict:

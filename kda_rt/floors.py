@@ -113,6 +113,7 @@ def e4m3_gemv_savings(config: ModelConfig) -> int:
     those projections (a byte a weight, an fp32 scale a row) in place of their stored weights, for each whose width
     the e4m3 GEMV takes (ops/gemv.py fits_e4m3: a multiple of 16, at most MAX_K_E4M3; the KDA q|k|v|f_a|g_a|b
     matrix's zero padding rows, under 8 a layer, left out)."""
+    from kda_rt.cuda.ops.gemv import MAX_K_E4M3  # (imports no CuPy)
     from kda_rt.loader.weights import expected_tensors
 
     stored = 4 if config.dtype == "float32" else 2
@@ -126,12 +127,9 @@ def e4m3_gemv_savings(config: ModelConfig) -> int:
         if kind not in _GEMV_E4M3 or proj not in _GEMV_E4M3[kind]:
             continue
         rows, k = shape
-        if k % 16 == 0 and k <= _GEMV_E4M3_MAX_K:
+        if k % 16 == 0 and k <= MAX_K_E4M3:
             saved += rows * k * (stored - 1) - 4 * rows
     return saved
-
-
-_GEMV_E4M3_MAX_K = 5120  # ops/gemv.py MAX_K_E4M3 (not imported: this module runs without CuPy)
 
 
 def _moe_layers(config: ModelConfig) -> list[int]:

@@ -35,6 +35,7 @@ from kda_rt.cuda.ops.moe_align import (
     bucket_kernel,
     bucket_scratch_words,
     fits_norm,
+    live_arg,
     max_tiles,
     moe_bucket,
     moe_combine,
@@ -324,10 +325,8 @@ def moe_forward(x, w: DeviceMoE, cfg: MoEConfig, *, out=None, workspace=None, st
         raise ValueError(f"moe_forward: e4m3 expert stacks need a tiled GEMM, and no tile fits D={D}, I={inter}")
     # e4m3 stacks on the wgmma GEMMs (prefill): sources quantized a row at a time and e4m3 products (KDA_RT_FP8_PREFILL)
     w8a8 = _e4m3_sources(bm, D, inter, w.e4m3)  # (gemm is then moe_gemm_wg)
-    if live is not None:
-        expect(live, "live", shape=(1,), dtype=np.int32)
-        if T == 1:
-            live = None  # (one token is never padded: its GEMV path takes no count)
+    if live_arg(live) and T == 1:  # (checked before any launch)
+        live = None  # (one token is never padded: its GEMV path takes no count)
     if x_codes is not None:
         expect(x_codes[0], "x_codes[0]", shape=(T, D), dtype=np.uint8)
         expect(x_codes[1], "x_codes[1]", shape=(T,), dtype=np.float32)

@@ -32,7 +32,7 @@ from kda_rt.cuda.model import CudaModel, DeviceBatch
 from kda_rt.cuda.ops import pdl
 from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.staging import Staging, pack_layout
-from kda_rt.cuda.weights import upload_weights
+from kda_rt.cuda.weights import decode_rows, upload_weights
 from kda_rt.cuda.workspace import Workspace, WorkspaceFull
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
 
@@ -51,13 +51,6 @@ def _e4m3_dense(weights) -> list:
     names = ("qkv_e4m3", "o_proj_e4m3", "q_kva_e4m3", "gate_up_e4m3", "down_e4m3")
     return [w for L in weights.layers for part in (L.mixer, L.mlp) for n in names
             if (w := getattr(part, n, None)) is not None]
-
-
-def _e4m3_row_widths(weights) -> list[int]:
-    """The reduction widths of the e4m3 rows the fp8 one-sequence decode GEMVs read (KDA_RT_FP8_DECODE_GEMV)."""
-    names = ("qkv_fgb_rows", "o_proj_rows", "q_kva_rows", "gate_up_rows")
-    return sorted({int(r.codes.shape[1]) for L in weights.layers for part in (L.mixer, L.mlp) for n in names
-                   if (r := getattr(part, n, None)) is not None})
 
 
 def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
@@ -202,7 +195,7 @@ class CudaRunner:
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             shapes = _decode_projection_shapes(self.weights)
             precompile_skinny(shapes)  # nor for the decode projections' kernels
-            precompile_gemv(shapes, _e4m3_row_widths(self.weights) if env.fp8_decode_gemv() else ())
+            precompile_gemv(shapes, {int(r.codes.shape[1]) for r in decode_rows(self.weights)})  # (fp8 decode GEMVs)
             if moe is not None:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack, moe.e4m3)
             if config.kda is not None:

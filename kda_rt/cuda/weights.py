@@ -27,7 +27,8 @@ from kda_rt.cuda.upload import Uploader
 from kda_rt.loader.config import DENSE, KDA, MLA, MOE, ModelConfig
 from kda_rt.loader.schema import KDAWeights, MLAWeights, MLPWeights, MoEWeights, Stack, read_weights
 
-__all__ = ["DeviceKDA", "DeviceLayer", "DeviceMLA", "DeviceMLP", "DeviceMoE", "E4m3Rows", "ModelWeights", "upload_weights"]
+__all__ = ["DeviceKDA", "DeviceLayer", "DeviceMLA", "DeviceMLP", "DeviceMoE", "E4m3Rows", "ModelWeights", "decode_rows",
+           "upload_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +289,14 @@ def _quantize_dense(up: Uploader, mixer: DeviceKDA | DeviceMLA, mlp: DeviceMLP |
         mlp.gate_up_e4m3 = copy(mlp.gate_up, "gate|up", True, pad=False)
         mlp.down_e4m3 = copy(mlp.down, "down") if mlp.gate_up_e4m3 is not None else None
         mlp.gate_up_rows = rows(mlp.gate_up, "gate|up", mlp.gate_up_e4m3)
+
+
+def decode_rows(weights: ModelWeights) -> list[E4m3Rows]:
+    """Every E4m3Rows of `weights` (the fp8 one-sequence decode GEMVs' rows, KDA_RT_FP8_DECODE_GEMV; none unless the
+    switch was on at upload)."""
+    names = ("qkv_fgb_rows", "o_proj_rows", "q_kva_rows", "gate_up_rows")
+    return [r for L in weights.layers for part in (L.mixer, L.mlp) for n in names
+            if (r := getattr(part, n, None)) is not None]
 
 
 def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,

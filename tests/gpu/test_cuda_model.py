@@ -326,6 +326,9 @@ def test_stable_fp8_dense_prefill_products(tmp_path_factory, monkeypatch):
     assert np.median(moved) > TOL, "the oracle did not quantize (e4m3_dense not applied?)"
 
 
+_GEMV_WEIGHTS = ("qkv_fgb", "o_proj", "q_kva", "gate_up")  # the weights whose e4m3 rows are NAME_rows beside them
+
+
 def _dequantized_rows_into_bf16(llm: LLM) -> int:
     """Overwrite the bf16 weights of every projection that has e4m3 decode rows (KDA_RT_FP8_DECODE_GEMV) with those
     rows' values, bf16(code x scale), on the device; returns the number of projections.  First each row's values are
@@ -336,10 +339,9 @@ def _dequantized_rows_into_bf16(llm: LLM) -> int:
 
     count = 0
     for layer in llm.runner.weights.layers:
-        for part, pairs in ((layer.mixer, (("qkv_fgb_rows", "qkv_fgb"), ("o_proj_rows", "o_proj"),
-                                           ("q_kva_rows", "q_kva"))), (layer.mlp, (("gate_up_rows", "gate_up"),))):
-            for rows_name, weight_name in pairs:
-                rows = getattr(part, rows_name, None)
+        for part in (layer.mixer, layer.mlp):
+            for weight_name in _GEMV_WEIGHTS:
+                rows = getattr(part, f"{weight_name}_rows", None)
                 if rows is None:
                     continue
                 codes = cupy.asnumpy(rows.codes).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -412,7 +414,7 @@ def test_fp8_decode_gemv_against_the_dequantized_weights(tmp_path_factory, monke
     assert _dequantized_rows_into_bf16(engines["B"]) == per_step
     for la, lc in zip(engines["A"].runner.weights.layers, engines["C"].runner.weights.layers, strict=True):
         for part_a, part_c in ((la.mixer, lc.mixer), (la.mlp, lc.mlp)):
-            for name in ("qkv_fgb", "o_proj", "q_kva", "gate_up"):
+            for name in _GEMV_WEIGHTS:
                 if getattr(part_a, f"{name}_rows", None) is not None:
                     getattr(part_c, name)[...] = getattr(part_a, name)
     calls = []

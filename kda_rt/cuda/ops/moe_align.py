@@ -16,7 +16,7 @@ from kda_rt.cuda.ops.compile import get_kernel
 from kda_rt.cuda.ops.rmsnorm import rmsnorm
 
 __all__ = ["FUSED_NORM_MAX_T", "WIDE_MIN_PAIRS", "MoEPlan", "NormAfter", "bucket_kernel", "bucket_scratch_words",
-           "check_plan", "fits_norm", "max_tiles", "moe_bucket", "moe_combine"]
+           "check_plan", "fits_norm", "live_arg", "max_tiles", "moe_bucket", "moe_combine"]
 
 _BUCKET_THREADS = 1024  # one block of 32 warps: its scan adds up one total per warp in a single warp
 # From this many pairs the bucketing runs as count / plan / scatter over up to _WIDE_BLOCKS blocks instead of in
@@ -83,28 +83,30 @@ def moe_bucket(ids, num_experts: int, plan: MoEPlan, *, stats=None, shared_slot:
     if not 1 <= E <= _BUCKET_THREADS:
         raise ValueError(f"moe_bucket: num_experts must be in [1, {_BUCKET_THREADS - int(shared_slot)}], got {num_experts}")
     check_plan(plan, N, E, stats, sync, "moe_bucket")
-    live_pairs = 0
-    if live is not None:
-        expect(live, "live", shape=(1,), dtype=np.int32)
-        live_pairs = pairs
+    largs = live_arg(live)
+    live_pairs = pairs if largs else 0
     if N and (N >= WIDE_MIN_PAIRS if wide is None else wide):
-        _bucket_wide(ids, N, E, A if shared_slot else 0, plan, stats, sync, scratch, stream, live, live_pairs)
+        _bucket_wide(ids, N, E, A if shared_slot else 0, plan, stats, sync, scratch, stream, largs, live_pairs)
         return plan
     kernel = bucket_kernel(E, plan.tile_rows, A if shared_slot else 0, live_pairs=live_pairs)
     null = np.uint64(0)
     kernel((1,), (_BUCKET_THREADS,), (ids, i32(N), plan.expert_off, plan.sorted_pair, plan.pair_pos,
                                       plan.tile_expert, plan.tile_row, plan.num_tiles,
                                       stats if stats is not None else null, sync if sync is not None else null,
-                                      i32(0 if sync is None else sync.size), *_live_arg(live)), stream=stream)
+                                      i32(0 if sync is None else sync.size), *largs), stream=stream)
     return plan
 
 
-def _live_arg(live) -> tuple:
-    """The kernels' last argument where a live count is given (moe_bucket.cuh LIVE_PARAM), else none."""
-    return () if live is None else (live,)
+def live_arg(live) -> tuple:
+    """The kernels' last argument where a live token count is given (moe_bucket.cuh LIVE_PARAM: int32 [1] on the
+    device, checked here), else none."""
+    if live is None:
+        return ()
+    expect(live, "live", shape=(1,), dtype=np.int32)
+    return (live,)
 
 
-def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync, scratch, stream, live=None,
+def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync, scratch, stream, largs=(),
                  live_pairs: int = 0) -> None:
     """moe_bucket_count / _plan / _scatter (moe_align.cu) over G blocks of whole tokens."""
     import cupy
@@ -125,7 +127,7 @@ def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync,
     null = np.uint64(0)
     on = stream if stream is not None else cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(counts.data.ptr, 0, 4 * E, on.ptr)
-    kernel("moe_bucket_count")((blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), counts, base, *_live_arg(live)),
+    kernel("moe_bucket_count")((blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), counts, base, *largs),
                                stream=stream)
     kernel("moe_bucket_plan")(
         (1,), (_BUCKET_THREADS,), (counts, plan.expert_off, plan.tile_expert, plan.tile_row, plan.num_tiles,
@@ -133,7 +135,7 @@ def _bucket_wide(ids, N: int, E: int, shared_a: int, plan: MoEPlan, stats, sync,
                                    i32(0 if sync is None else sync.size)), stream=stream)
     kernel("moe_bucket_scatter")(
         (blocks,), (_BUCKET_THREADS,), (ids, i32(N), i32(chunk), plan.expert_off, base, plan.sorted_pair,
-                                        plan.pair_pos, *_live_arg(live)), stream=stream)
+                                        plan.pair_pos, *largs), stream=stream)
 
 
 def check_plan(plan: MoEPlan, num_pairs: int, num_bins: int, stats, sync, who: str) -> None:
@@ -189,10 +191,8 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
     expect(out, "out", shape=(T, D), dtype=BF16)
     has_shared = 2 if shared_in_y else int(shared is not None)
     args = (y, pair_pos, w, shared if shared is not None else y)
-    live_kw = {}
-    if live is not None:
-        expect(live, "live", shape=(1,), dtype=np.int32)
-        live_kw = {"LIVE_TOKENS": 1}
+    largs = live_arg(live)
+    live_kw = {"LIVE_TOKENS": 1} if largs else {}
     if norm is not None:
         expect(norm.residual, "norm.residual", shape=(T, D), dtype=BF16)
         expect(norm.weight, "norm.weight", shape=(D,), dtype=BF16)
@@ -215,12 +215,12 @@ def moe_combine(y, pair_pos, w, shared=None, *, shared_in_y: bool = False, out=N
         res_in = norm.residual if norm.residual_in is None else norm.residual_in
         if T:
             kernel((T,), (threads,), (*args, norm.residual, norm.weight, out, i32(T), f32(norm.eps), res_in,
-                                      *_live_arg(live)), stream=stream)
+                                      *largs), stream=stream)
         return out
     threads = max(_COMBINE_THREADS, -(-(pairs + 1) // 32) * 32)  # 4 columns a thread; >= one thread per pair
     kernel = get_kernel("moe_align.cu", "moe_combine", D=D, A=A, THREADS=threads, HAS_SHARED=has_shared, **live_kw)
     if T:
-        kernel((T, -(-D // (4 * threads))), (threads,), (*args, out, i32(T), *_live_arg(live)), stream=stream)
+        kernel((T, -(-D // (4 * threads))), (threads,), (*args, out, i32(T), *largs), stream=stream)
     return out
 
 

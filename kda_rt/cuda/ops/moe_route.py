@@ -19,7 +19,7 @@ from kda_rt import env
 from kda_rt.cuda.gemm import linear
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32
 from kda_rt.cuda.ops.compile import get_kernel
-from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan
+from kda_rt.cuda.ops.moe_align import MoEPlan, check_plan, live_arg
 
 __all__ = ["FUSED_MAX_T", "MAX_TOP_K", "SPLIT_MIN_T", "WARP_SELECT_MIN_T", "NormBefore", "default_select",
            "fused_kernel", "fused_route_blocks", "fused_route_fits", "fused_route_rows", "logits_tokens_per_block",
@@ -195,8 +195,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"D <= {_FR_X_BYTES // (2 * _FR_MAX_TPB)} (T={T}, top_k={top_k}, E={E}, D={D}, "
                          f"shared_slot={shared_slot})")
     check_plan(plan, T * (top_k + int(shared_slot)), E + int(shared_slot), stats, sync, "moe_route_fused")
-    if live is not None:
-        expect(live, "live", shape=(1,), dtype=np.int32)
+    largs = live_arg(live)
     _check_x_aligned(x, D, "moe_route_fused")
     if nb is not None:
         _check_x_aligned(nb.residual, D, "moe_route_fused (norm_before.residual)")
@@ -206,7 +205,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
                          f"{done.size}) and the kernel's count phase (phases >= 1; got {phases})")
     if not stream.is_capturing():
         cupy.cuda.runtime.memsetAsync(done.data.ptr, 0, 4 * min(int(done.size), 3), stream.ptr)
-    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None, live=live is not None)
+    kernel = fused_kernel(T, E, D, plan.tile_rows, shared_slot, phases, norm=nb is not None, live=bool(largs))
     null = np.uint64(0)
     norm_args = (nb.residual, nb.weight, nb.h_out, nb.a_out, f32(nb.eps)) if nb is not None else (null,) * 4 + (f32(0),)
     kernel(_fused_route_grid(T, E), (_FR_THREADS,),
@@ -214,7 +213,7 @@ def moe_route_fused(x, w_router, bias, plan: MoEPlan, *, top_k: int, renormalize
             i32(bool(biased_weights)), f32(scaling), plan.expert_off, plan.sorted_pair, plan.pair_pos,
             plan.tile_expert, plan.tile_row, plan.num_tiles, stats if stats is not None else null,
             sync if sync is not None else null, i32(0 if sync is None else sync.size), done, *norm_args,
-            i32(bool(signal_ready)), *(() if live is None else (live,))),
+            i32(bool(signal_ready)), *largs),
            stream=stream)
     return out_ids, out_w
 
