@@ -224,7 +224,7 @@ def fp8_dense() -> bool:
 
 
 def fp8_decode_gemv() -> bool:
-    """KDA_RT_FP8_DECODE_GEMV (bench switch, prepared 2026-12-04, not yet GPU-run): 1 has a quantization="fp8" model
+    """KDA_RT_FP8_DECODE_GEMV: 1 (the default) has a quantization="fp8" model
     with the e4m3 dense copies (KDA_RT_FP8_DENSE) run its one-sequence decode steps' dense projections (KDA
     q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layer's gate|up) as e4m3 GEMVs (gemv_dense, moe_gemv.cu
     WFMT = 1: bf16 x, e4m3 weight rows times their fp32 scale, fp32 sums), half the bytes of the bf16 weights they read
@@ -234,9 +234,11 @@ def fp8_decode_gemv() -> bool:
     prefill copy; read at upload and at each decode forward (a CUDA graph keeps what it captured), so an A/B in one
     process (tests/gpu/bench_ab.py) starts with it 1 and flips what the forward reads.  Needs the dense e4m3
     copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else a warning at upload and bf16); KDA's q|k|v|f_a|g_a|b
-    only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the dense layer's down (K 9216 > 5120) stays bf16.  Default 0.  `bench`'s batch-1
-    floor then counts those rows (kda_rt/floors.py e4m3_gemv_savings: 0.98 GB less on the 48B shape)."""
-    return _on_off("KDA_RT_FP8_DECODE_GEMV", "0")
+    only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the dense layer's down (K 9216 > 5120) stays bf16.
+    `bench`'s batch-1 floor then counts those rows (kda_rt/floors.py e4m3_gemv_savings: 0.98 GB less on the 48B
+    shape).  Measured (H200, 27-layer 48B shape, 2026-12-04, tests/gpu/prepared54_check.sh): the fp8 batch-1 replay
+    1.827 -> 1.638 ms (-10.4%).  0: those projections read their bf16 weights."""
+    return _on_off("KDA_RT_FP8_DECODE_GEMV", "1")
 
 
 def kda_norm_e4m3() -> bool:
@@ -282,19 +284,19 @@ def kda_early_state() -> bool:
 
 
 def skip_pad() -> int:
-    """KDA_RT_SKIP_PAD: 1 (the default) has a decode graph's padding rows skip the work nobody reads: the
+    """KDA_RT_SKIP_PAD: 2 (the default) and 1 have a decode graph's padding rows skip the work nobody reads: the
     CUDA runner gives them the slot -1, which the KDA decode kernel treats as a fresh state stored nowhere
     (kernels_cu/kda_decode.cu SKIP_PAD: no conv-history or state stores, 2 MiB a padding row a KDA layer at 32
     heads), and uploads the live row count, with which the MoE bucketing plans the live tokens' pairs alone and the
     combine writes zeros for the others (kernels_cu/moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS: identical padding rows
     all route to the same 8 experts, tiles of them more); the live rows' outputs and states bit for bit the same.
     Measured (H200, 27-layer 48B shape, 2026-12-04, tests/gpu/graph_pad_check.py): 96 rows on the 128-row graph
-    +4.0% over the 96-row graph with 0, -0.3% with 1; 160 on 256 +14.7% with 0, +4.2% with 1.  0: padding rows run
-    on the padding slot like live rows (the form before).  2 (prepared, not yet GPU-run): also the KDA decode
-    kernel's padding CTAs write zeros and leave (kda_decode.cu SKIP_PAD = 2; what is left of the padding's cost, ~7 us
-    a padding row a step at 160 on 256, partly their compute).  Read once when the runner starts (its uploads and its
+    +4.0% over the 96-row graph with 0, -0.3% with 1; 160 on 256 +14.7% with 0, +4.2% with 1.  2: also the KDA decode
+    kernel's padding CTAs write zeros and leave (kda_decode.cu SKIP_PAD = 2): 160 on 256 17.505 ms with 1, 16.959 with
+    2 (the exact 160-row graph 16.80 / 16.79; tests/gpu/prepared54_check.sh, 2026-12-04), so padding costs ~1% there.
+    0: padding rows run on the padding slot like live rows (the form before).  Read once when the runner starts (its uploads and its
     kernels agree on it)."""
-    value = os.environ.get("KDA_RT_SKIP_PAD") or "1"
+    value = os.environ.get("KDA_RT_SKIP_PAD") or "2"
     if value not in ("0", "1", "2"):
         raise ValueError(f"KDA_RT_SKIP_PAD must be 0, 1 or 2, got {value!r}")
     return int(value)

@@ -9,8 +9,9 @@ from kda_rt import env
 _ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.moe_decode_ws),
                     ("KDA_RT_SKINNY_WS", env.skinny_ws), ("KDA_RT_SHARED_GRAPH_WS", env.shared_graph_ws),
                     ("KDA_RT_MOE_DEC_A_ASYNC", env.moe_dec_a_async),
-                    ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse)]  # (default on)
-_OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits), ("KDA_RT_FP8_DECODE_GEMV", env.fp8_decode_gemv),
+                    ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse),
+                    ("KDA_RT_FP8_DECODE_GEMV", env.fp8_decode_gemv)]  # (default on)
+_OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits),
                    ("KDA_RT_MLA_FUSED_COMBINE", env.mla_fused_combine)]
 
 
@@ -128,10 +129,10 @@ def test_tma_l2_promotion_switch(monkeypatch):
         env.tma_l2_promotion()
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, 1), ("", 1), ("0", 0), ("1", 1), ("2", 2)])
+@pytest.mark.parametrize(("value", "expected"), [(None, 2), ("", 2), ("0", 0), ("1", 1), ("2", 2)])
 def test_skip_pad_levels(monkeypatch, value, expected):
-    """KDA_RT_SKIP_PAD: 1 by default, 0 the padding rows run like live rows, 2 the KDA decode kernel's padding CTAs
-    also leave at once; any other value refused by name."""
+    """KDA_RT_SKIP_PAD: 2 by default (the KDA decode kernel's padding CTAs also leave at once), 0 the padding rows
+    run like live rows, 1 they skip their KDA state and MoE pairs; any other value refused by name."""
     if value is None:
         monkeypatch.delenv("KDA_RT_SKIP_PAD", raising=False)
     else:

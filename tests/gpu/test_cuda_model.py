@@ -361,7 +361,7 @@ def _dequantized_rows_into_bf16(llm: LLM) -> int:
 
 
 def test_fp8_decode_gemv_against_the_dequantized_weights(tmp_path_factory, monkeypatch):
-    """KDA_RT_FP8_DECODE_GEMV=1 (prepared): an fp8 model's one-sequence decode steps run the dense projections (KDA
+    """KDA_RT_FP8_DECODE_GEMV=1 (the default): an fp8 model's one-sequence decode steps run the dense projections (KDA
     q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layer's gate|up) as e4m3 GEMVs (bf16 x, e4m3 rows
     times their fp32 scales).  Three engines of one fp8 checkpoint, each with those projections' bf16 weights
     overwritten by the e4m3 rows' values, bf16(code x scale) (so every prefill is the same bf16 computation): A the
