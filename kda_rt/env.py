@@ -592,15 +592,16 @@ def moe_min_avg_rows(default: int) -> int:
 
 
 def moe_fused32() -> str:
-    """KDA_RT_MOE_FUSED32 (bench switch): which steps take 32-row tiles (on moe_decode_fused where it runs).  "auto"
+    """KDA_RT_MOE_FUSED32 (bench switch): which steps take 32-row tiles (on moe_decode_fused where it runs).  "e4m3"
     (the default): e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert on average (decode batches of ~514-1370
     tokens of the 48B shape) where KDA_RT_MOE_FUSED64 leaves them on the 64-row tiles that widen e4m3 to bf16 (by
-    default it takes them to moe_decode_fused's 64-row tiles instead), and bf16 stacks from MIN_AVG_ROWS
-    to FUSED32_BF16_MAX_AVG (batches of ~115-157 tokens), instead of 64-row tiles; "e4m3": the e4m3 part alone; "1":
+    default it takes them to moe_decode_fused's 64-row tiles instead); "auto": also bf16 stacks from MIN_AVG_ROWS to
+    FUSED32_BF16_MAX_AVG (batches of ~115-157 tokens), instead of the 64-row fused tiles (the default until the
+    fifty-fifth session measured those faster: moe_gemm_tc.py FUSED32_BF16_MAX_AVG's note); "1":
     every step of 4 to 48 rows an expert in both formats (the 16-row tiles of e4m3 stacks below MIN_AVG_ROWS_E4M3
     too); "0": none (the 64-row tiles).  Read at each forward and by the precompile (a CUDA graph keeps what it
     captured)."""
-    value = os.environ.get("KDA_RT_MOE_FUSED32") or "auto"
+    value = os.environ.get("KDA_RT_MOE_FUSED32") or "e4m3"
     if value not in ("auto", "e4m3", "1", "0"):
         raise ValueError(f"KDA_RT_MOE_FUSED32 must be auto, e4m3, 1 or 0, got {value!r}")
     return value

@@ -309,8 +309,8 @@ def upload_weights(config: ModelConfig, raw: Mapping[str, np.ndarray], *,
     up = Uploader()
     dense_e4m3 = quantization == "fp8" and env.fp8_dense() and _e4m3_products()
     if quantization == "fp8" and os.environ.get("KDA_RT_FP8_DECODE_GEMV") == "1" and not dense_e4m3:
-        logger.warning(  # (the default 1 applies quietly where it can)
-"KDA_RT_FP8_DECODE_GEMV=1 ignored: the decode GEMVs' e4m3 rows are made with the dense e4m3 "
+        # (asked for by name: the default applies quietly where it can)
+        logger.warning("KDA_RT_FP8_DECODE_GEMV=1 ignored: the decode GEMVs' e4m3 rows are made with the dense e4m3 "
                        "copies, which need sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on")
     total = sum(np.asarray(v).nbytes for v in raw.values())
     show = progress if progress is not None else total > (1 << 30)

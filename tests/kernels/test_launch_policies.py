@@ -137,9 +137,9 @@ def test_mla_prefill_wgmma_only_where_its_tile_fits(monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     """The 48B MoE shape (E = 256, top-8, shared expert in the stacks, D = 2304, I = 1024): the bucket and
-    both GEMMs for 16-, 32- (bf16 steps of 4-5.5 rows an expert, moe_gemm_tc.py FUSED32_BF16_MAX_AVG), 64- and
-    128-row tiles, the 128-row GEMMs on wgmma where it runs, the fused decode kernel (both GEMMs in one launch) for
-    the two 16-row tiles and the 32-row one, the one-token GEMV gate/up and down, and the one-launch
+    both GEMMs for 16-, 64- and 128-row tiles (32-row ones for bf16 steps of 4-5.5 rows an expert only with
+    KDA_RT_MOE_FUSED32=auto: moe_gemm_tc.py FUSED32_BF16_MAX_AVG), the 128-row GEMMs on wgmma where it runs, the fused
+    decode kernel (both GEMMs in one launch) for the two 16-row tiles and the 64-row one, the one-token GEMV gate/up and down, and the one-launch
     routing for each of its rows-per-block choices; exactly the variants moe_forward asks for (the same kernel
     helpers), so a mixed step never waits for NVRTC."""
     for name in ("KDA_RT_ROUTE_NORM_MAX_T", "KDA_RT_ROUTE_NORM", "KDA_RT_GEMV_ROUTED", "KDA_RT_MOE_GEMV",
@@ -159,7 +159,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     monkeypatch.setattr(tc, "device_arch", lambda: arch)
     monkeypatch.delenv("KDA_RT_MOE_DECODE_WS", raising=False)
     cfg = types.SimpleNamespace(num_experts=256, top_k=8, num_expert_group=1)
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 25 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 21 + len({route.fused_route_rows(t)
                                                                      for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     # the GEMV, and its variant that selects the token's experts itself (KDA_RT_GEMV_ROUTED)
     assert [(kw["KW"], kw.get("INTER"), kw.get("ROUTED", 0), kw.get("NE"), kw.get("SHARED"), kw.get("SHARED_FIRST"),
@@ -170,7 +170,7 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
         (1024, 2304, 1)]
     built.clear()
     monkeypatch.setenv("KDA_RT_DOWN_GEMV", "0")
-    assert moe.precompile(cfg, 2304, 1024, fused=True) == 24 + len({route.fused_route_rows(t)
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 20 + len({route.fused_route_rows(t)
                                                                     for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
     assert not [kw for f, kw in built if f == "moe_gemv.cu" and kw.get("DOWN")]
     monkeypatch.delenv("KDA_RT_DOWN_GEMV")
@@ -184,21 +184,27 @@ def test_runner_precompiles_every_moe_tile_a_step_can_pick(monkeypatch, arch):
     assert not route.fused_route_fits(route.FUSED_MAX_T + 1, 256, 2304, 8, 1, True)
     assert not route.fused_route_fits(1, 256, 2304, 8, 8, True)  # grouped routing: three launches
     buckets = sorted(kw["BT"] for f, kw in built if f == "moe_align.cu")
-    assert buckets == [16, 32, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
+    assert buckets == [16, 64, 128] and all(kw["E"] == 257 and kw["SHARED_A"] == 8
                                             for f, kw in built if f == "moe_align.cu")
     fused = sorted((kw["BN"], kw["STAGES"], kw["HIDDEN"], kw["INTER"], kw["TOPK"], kw.get("DEC_WS")) for f, kw in built
                    if kw.get("FUSED_DECODE"))
-    # both 16-row tiles, the 32-row one and the 64-row one (moe_gemm_tc.py FUSED64_BF16) take 128-byte k steps: the
-    # producer-warp form (DEC_WS, sm_90+) for each
-    assert fused == [(64, 6, 2304, 1024, 9, 1)] + [(128, 4, 2304, 1024, 9, 1)] * 3
-    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32, 64]
+    # both 16-row tiles and the 64-row one (moe_gemm_tc.py FUSED64_BF16) take 128-byte k steps: the producer-warp
+    # form (DEC_WS, sm_90+) for each
+    assert fused == [(64, 6, 2304, 1024, 9, 1)] + [(128, 4, 2304, 1024, 9, 1)] * 2
+    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 64]
     gemms = sorted((f, kw.get("BM", 128), kw.get("BN"), kw["FUSE_SILU"] == 1, kw["TOPK"]) for f, kw in built
                    if "gemm" in f and not kw.get("FUSED_DECODE"))
     big = "moe_gemm_wg.cu" if arch == "sm_90a" else "moe_gemm_tc.cu"
-    want = [("moe_gemm_tc.cu", bm, bn, fuse, 9) for bm, bn in ((16, 64), (16, 128), (32, 128), (64, 128))
+    want = [("moe_gemm_tc.cu", bm, bn, fuse, 9) for bm, bn in ((16, 64), (16, 128), (64, 128))
             for fuse in (False, True)]
     want += [(big, 128, 256 if big == "moe_gemm_wg.cu" else 128, fuse, 9) for fuse in (False, True)]
     assert gemms == sorted(want)
+    # KDA_RT_MOE_FUSED32=auto (the bf16 32-row band): its bucket, fused decode kernel and two GEMMs as well
+    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "auto")
+    assert moe.precompile(cfg, 2304, 1024, fused=True) == 25 + len({route.fused_route_rows(t)
+                                                                     for t in range(1, moe.ROUTE_NORM_MAX_T + 1)})
+    assert sorted(kw["BM"] for f, kw in built if kw.get("FUSED_DECODE")) == [16, 16, 32, 64]
 
 
 @pytest.mark.parametrize("fp8_prefill", ["1", "0"])
@@ -1041,13 +1047,13 @@ def test_decode_ws_form_by_arch_tile_and_switch(monkeypatch):
 
 
 @pytest.mark.parametrize(("tokens", "bf16_rows", "e4m3_rows"),
-                         [(8, 16, 16), (114, 16, 16), (115, 32, 16), (157, 32, 16), (158, 64, 16), (256, 64, 16),
+                         [(8, 16, 16), (114, 16, 16), (115, 64, 16), (157, 64, 16), (158, 64, 16), (256, 64, 16),
                           (513, 64, 16), (514, 64, 64),
                           (1370, 64, 64), (1371, 128, 128)])
 def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatch):
     """The MoE GEMMs' tile rows of a step of the 48B shape (8 experts + the shared slot a token, 257 bins), by the
-    average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS) for 32-row ones up to
-    5.5 (moe_gemm_tc.py FUSED32_BF16_MAX_AVG), then 64-row ones, e4m3 stacks at 18 (MIN_AVG_ROWS_E4M3:
+    average rows an expert: bf16 stacks leave the 16-row decode tiles at 4 rows (MIN_AVG_ROWS) for 64-row ones (with
+    KDA_RT_MOE_FUSED32=auto 32-row ones up to 5.5: moe_gemm_tc.py FUSED32_BF16_MAX_AVG), e4m3 stacks at 18 (MIN_AVG_ROWS_E4M3:
     moe_decode_fused streams codes faster than the 64-row tiles widen them, measured to batch 512) for 64-row ones,
     on moe_decode_fused (FUSED64_E4M3; with KDA_RT_MOE_FUSED64=0 32-row ones, FUSED32_E4M3; the bf16 stacks' 64-row
     tiles on moe_decode_fused too, FUSED64_BF16, two launches with KDA_RT_MOE_FUSED64=e4m3; KDA_RT_MOE_FUSED32=0:
@@ -1076,6 +1082,10 @@ def test_moe_tile_rows_by_weight_format(tokens, bf16_rows, e4m3_rows, monkeypatc
     assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
     assert prefill_tile_rows(pairs, bins, 2304, 1024) == (64 if bf16_rows == 32 else bf16_rows)
     assert 64 in built_tile_rows(False) and 32 not in built_tile_rows(False)
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "auto")  # (the bf16 32-row band: 4 to 5.5 rows an expert)
+    assert prefill_tile_rows(pairs, bins, 2304, 1024) == (32 if 115 <= tokens <= 157 else bf16_rows)
+    assert prefill_tile_rows(pairs, bins, 2304, 1024, e4m3=True) == e4m3_rows
+    assert 32 in built_tile_rows(False) and 64 in built_tile_rows(False)
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "2")
     with pytest.raises(ValueError, match="KDA_RT_MOE_FUSED32 must be auto, e4m3, 1 or 0, got '2'"):
         prefill_tile_rows(pairs, bins, 2304, 1024)
@@ -1114,8 +1124,8 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     """KDA_RT_MOE_FUSED32=1 (bench switch): steps of 4-48 rows an expert take 32-row tiles in both formats, both
     GEMMs on moe_decode_fused's producer-warp form (bf16: the _DECODE k step; e4m3: 128 codes, 3 stages, 2 CTAs an
     SM), and the precompile builds the 32-row bucket, tiled GEMMs and fused kernel; with 0 nothing of them; by
-    default (auto) bf16 stacks take them from 4 to 5.5 rows an expert, and e4m3 stacks from 18 where
-    KDA_RT_MOE_FUSED64=0 leaves them (by default the 64-row fused tiles take those)."""
+    default (e4m3) e4m3 stacks take them from 18 rows an expert where KDA_RT_MOE_FUSED64=0 leaves them (by default
+    the 64-row fused tiles take those) and bf16 stacks never; with auto bf16 stacks from 4 to 5.5 rows an expert."""
     moe, tc, built, cfg, shapes = _record_moe_builds(monkeypatch)
 
     def rows(tokens):
@@ -1125,13 +1135,18 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     default = [rows(t) for t in (8, 115, 256, 600, 1371)]
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
     # (e4m3 stacks: the 64-row fused tiles by default, moe_gemm_tc.py FUSED64_E4M3; the 32-row ones without them)
-    assert bool([kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]) != e4m3
+    assert not [kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]
     built.clear()
     monkeypatch.setenv("KDA_RT_MOE_FUSED64", "0")
     assert rows(600) == (32 if e4m3 else 64)
     moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
-    assert [kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]
+    assert bool([kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]) == e4m3
     monkeypatch.delenv("KDA_RT_MOE_FUSED64")
+    built.clear()
+    monkeypatch.setenv("KDA_RT_MOE_FUSED32", "auto")  # (bf16: 4 to 5.5 rows an expert, FUSED32_BF16_MAX_AVG)
+    auto = [rows(t) for t in (8, 115, 256, 600, 1371)]
+    moe.precompile(cfg, 2304, 1024, fused=True, e4m3=e4m3)
+    assert bool([kw for f, kw in built if kw.get("BM") == 32 or kw.get("BT") == 32]) != e4m3
     built.clear()
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "0")
     off = [rows(t) for t in (8, 115, 256, 600, 1371)]
@@ -1141,7 +1156,8 @@ def test_moe_fused32_switch(monkeypatch, e4m3):
     monkeypatch.setenv("KDA_RT_MOE_FUSED32", "1")
     assert [rows(t) for t in (8, 114, 115, 256, 600, 1370, 1371)] == [16, 16, 32, 32, 32, 32, 128]
     assert off == ([16, 16, 16, 64, 128] if e4m3 else [16, 64, 64, 64, 128])
-    assert default == ([16, 16, 16, 64, 128] if e4m3 else [16, 32, 64, 64, 128])
+    assert default == off
+    assert auto == ([16, 16, 16, 64, 128] if e4m3 else [16, 32, 64, 64, 128])
     tile = tc.fused_decode_tile(256, 2304, 1024, 32)
     assert tile == tc.TileConfig(32, 128, 64, 4, 1, 4, 2)
     if e4m3:

@@ -102,7 +102,12 @@ SMALL_DECODE_TOKENS = 8
 # 115-157 tokens), where the measured crossover lies (between 4.48 and 6.72; 5.5 itself not measured).  (Found in the
 # fifty-second session: bench_ab.py then replayed the smallest graph of at least the batch, so its "192" replays ran
 # the 256-row graph, 64 of its rows padding, whose tile choice is that of 256 rows: the crossover lies between 4.48
-# and 9.0 rows an expert; 5.5 stays until a 160 / 192-row graph is measured.)
+# and 9.0 rows an expert; 5.5 stays until a 160 / 192-row graph is measured.)  Fifty-fifth session, against the
+# 64-row tiles on moe_decode_fused with the A rows by cp.async and reversed items (the fifty-third's defaults; the
+# fifty-first measured the 64-row tiles on two launches), exact graphs (tests/gpu/defaults53_bench.sh: bench_ab.py
+# --env KDA_RT_MOE_FUSED32 --values auto,0 --replays 128,160 --rounds 1), ms 32-row -> 64-row: batch 128 14.942 ->
+# 14.731 (-1.4%), 160 (5.0 rows an expert) 16.743 -> 16.747 (even).  So bf16 stacks no longer take 32-row tiles by
+# default (KDA_RT_MOE_FUSED32=e4m3); "auto" keeps this band for A/Bs.
 FUSED32_BF16_MAX_AVG = 5.5
 _DECODE32 = TileConfig(32, 128, 64, 4, 1, 4, 2)
 # 64-row tiles on moe_decode_fused (KDA_RT_MOE_FUSED64): two warp rows of 32 (2 x 4 consumer warps, each the 32-row
