@@ -716,11 +716,13 @@ def skinny_wide() -> bool:
 
 
 def skinny_wide_max_n(default: int) -> int:
-    """KDA_RT_SKINNY_WIDE_MAX_N (bench switch, prepared 2026-12-04, not yet GPU-run): the widest output (features)
+    """KDA_RT_SKINNY_WIDE_MAX_N (bench switch): the widest output (features)
     skinny_gemm_cl / _ws take for 9 to 32 rows; unset: `default` (ops/skinny_gemm.py MAX_N, 4096: measured at 1 and 8
     rows, where cuBLAS streamed the wide q|k|v as fast).  Larger, e.g. 13000, sends the batch-9-32 decode steps' KDA
     q|k|v|f_a|g_a|b (12576 outputs at the 48B shape) and MLA q|kv_a (6720) there instead of cuBLAS (in the batch-32
-    trace at 74% of copy bandwidth).  Read at each call (a CUDA graph keeps what it captured)."""
+    trace at 74% of copy bandwidth).  Measured no faster (H200, 48B shape, bf16 graph replays at 2K context, ms,
+    4096 -> 13000, tests/gpu/prepared54_check.sh, 2026-12-04): batch 16 6.214 -> 6.206, 32 8.615 -> 8.622; so the
+    default stays.  Read at each call (a CUDA graph keeps what it captured)."""
     return _non_negative_int("KDA_RT_SKINNY_WIDE_MAX_N", default, low=16)
 
 
@@ -748,11 +750,14 @@ def mla_early_weights() -> bool:
 
 
 def mla_fused_combine() -> bool:
-    """KDA_RT_MLA_FUSED_COMBINE (bench switch, prepared 2026-12-04, not yet GPU-run): 1 has the small-step MLA output
+    """KDA_RT_MLA_FUSED_COMBINE (bench switch): 1 has the small-step MLA output
     up-projection (mla_expand_out, steps of up to 8 tokens) merge the attention's splits itself instead of a separate
     mla_attn_combine launch (kernels_cu/mla_attn.cu COMBINE_CG: the same ctx bit for bit; each of a head's 8 blocks
     reads its partials): a batch-1 MLA layer's combine advanced the step ~3 us (twenty-third session's trace).
-    Default 0.  Read at each call (a CUDA graph keeps what it captured)."""
+    Measured slower (H200, 48B shape, bf16 graph replays at 2K context, ms, 0 -> 1, tests/gpu/prepared54_check.sh,
+    2026-12-04): batch 1 2.125 -> 2.179 (+2.5%), 8 5.345 -> 5.615 (+5.0%), 16 and 32 even (they take the combine
+    launch either way); each of a head's blocks re-reading every split's partials costs more than the launch it
+    saves.  Default 0.  Read at each call (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_MLA_FUSED_COMBINE", default="0")
 
 
