@@ -55,11 +55,18 @@ class Compute:
         return e4m3_rows(x) @ hit[1].T
 
     def w(self, weight: np.ndarray) -> np.ndarray:
-        """`weight` in the compute dtype (read-only; cached while the budget lasts)."""
+        """`weight` in the compute dtype (read-only; cached while the budget lasts; a read-only view where it already
+        is in that dtype: the float64 oracle's tests hand over float64 weights, whose copies took most of a large
+        reference's time)."""
+        source = np.asarray(weight)
+        if source.dtype == self.dtype:
+            view = source.view()
+            view.flags.writeable = False
+            return view
         hit = self._cache.get(id(weight))
         if hit is not None and hit[0] is weight:
             return hit[1]
-        value = np.asarray(weight).astype(self.dtype)
+        value = source.astype(self.dtype)
         if value.nbytes <= self._budget:
             self._budget -= value.nbytes
             value.flags.writeable = False

@@ -40,6 +40,9 @@ if [ -n "${XDIST:-}" ]; then
   # PART=2: test by test (its two largest files, test_moe_block.py and test_moe_gemm_tc.py, ~300 tests, each ran
   # alone in one worker past the call's end in the fifty-fourth session; their module fixtures then repeat a worker)
   dist=loadfile; [ "${PART:-all}" != 2 ] || dist=load
+  # each worker's NumPy references get their share of the cores (BLAS threads in every worker oversubscribe them)
+  threads=$(( $(nproc) / XDIST )); [ "$threads" -ge 1 ] || threads=1
+  export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$threads} OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads}
   if python -c "import xdist" 2> /dev/null; then xdist="-n $XDIST --dist $dist"
   else echo "device_run.sh: XDIST=$XDIST but pytest-xdist is not importable: a serial run"; fi
 fi

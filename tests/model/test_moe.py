@@ -128,3 +128,25 @@ def test_ties_pick_lower_index() -> None:
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_compute_weights_in_the_compute_dtype_are_read_only_views():
+    """Compute.w: a weight already in the compute dtype comes back as a read-only view of it (no copy: the float64
+    oracle's large MoE references spent most of their time copying float64 weights), the source left writeable; a
+    weight in another dtype is converted (the bf16 checkpoint's rows into float32), read-only, and cached."""
+    import ml_dtypes
+
+    from kda_rt.reference.params import Compute
+
+    num = Compute(np.float64)
+    w = np.random.default_rng(3).normal(size=(5, 7))
+    got = num.w(w)
+    assert np.shares_memory(got, w) and not got.flags.writeable and w.flags.writeable
+    assert np.array_equal(got, w)
+    with pytest.raises(ValueError):
+        got[0, 0] = 1.0
+    num32 = Compute(np.float32)
+    b = w.astype(np.float32).astype(ml_dtypes.bfloat16)
+    conv = num32.w(b)
+    assert conv.dtype == np.float32 and not np.shares_memory(conv, b) and not conv.flags.writeable
+    assert np.array_equal(conv, b.astype(np.float32)) and num32.w(b) is conv
