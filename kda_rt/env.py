@@ -233,7 +233,7 @@ def fp8_decode_gemv() -> bool:
     q|k|v|f_a|g_a|b (the prefill copy of q|k|v then a view of its rows: the same codes) and the projections without a
     prefill copy; read at upload and at each decode forward (a CUDA graph keeps what it captured), so an A/B in one
     process (tests/gpu/bench_ab.py) starts with it 1 and flips what the forward reads.  Needs the dense e4m3
-    copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else a warning at upload and bf16); KDA's q|k|v|f_a|g_a|b
+    copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else bf16, with a warning at upload if set to 1); KDA's q|k|v|f_a|g_a|b
     only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the dense layer's down (K 9216 > 5120) stays bf16.
     `bench`'s batch-1 floor then counts those rows (kda_rt/floors.py e4m3_gemv_savings: 0.98 GB less on the 48B
     shape).  Measured (H200, 27-layer 48B shape, 2026-12-04, tests/gpu/prepared54_check.sh): the fp8 batch-1 replay
@@ -294,8 +294,8 @@ def skip_pad() -> int:
     +4.0% over the 96-row graph with 0, -0.3% with 1; 160 on 256 +14.7% with 0, +4.2% with 1.  2: also the KDA decode
     kernel's padding CTAs write zeros and leave (kda_decode.cu SKIP_PAD = 2): 160 on 256 17.505 ms with 1, 16.959 with
     2 (the exact 160-row graph 16.80 / 16.79; tests/gpu/prepared54_check.sh, 2026-12-04), so padding costs ~1% there.
-    0: padding rows run on the padding slot like live rows (the form before).  Read once when the runner starts (its uploads and its
-    kernels agree on it)."""
+    0: padding rows run on the padding slot like live rows (the form before).  Read once when the runner starts (its
+    uploads and its kernels agree on it)."""
     value = os.environ.get("KDA_RT_SKIP_PAD") or "2"
     if value not in ("0", "1", "2"):
         raise ValueError(f"KDA_RT_SKIP_PAD must be 0, 1 or 2, got {value!r}")
