@@ -271,16 +271,16 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
 
 
 def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None,
-           quantization: str | None = None, e4m3_gemv: bool = False) -> dict:
+           quantization: str | None = None, e4m3_gemv: int = 0) -> dict:
     """The decode bytes floor (from the experts routed in the run; `quantization` as EngineConfig's: the experts'
-    bytes in that format; `e4m3_gemv`: one-sequence steps read the dense projections' e4m3 rows,
-    KDA_RT_FP8_DECODE_GEMV) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
+    bytes in that format; `e4m3_gemv`: steps of up to this many sequences read the dense projections' e4m3 rows,
+    KDA_RT_FP8_DECODE_GEMV and _MAX_T; 0: none) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
     ratios; one summary line on stderr."""
     from kda_rt.floors import decode_floor, prefill_floor
 
     batch, input_len, output_len = shape
     dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization,
-                       e4m3_gemv=e4m3_gemv and batch == 1)
+                       e4m3_gemv=batch <= e4m3_gemv)
     pre = prefill_floor(config, [input_len] * batch, quantization=quantization)
     step = report["decode_step_s_mean"]
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
@@ -299,16 +299,16 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
     return out
 
 
-def _reads_e4m3_rows(engine) -> bool:
-    """The engine's one-sequence decode steps read e4m3 rows of dense projections (KDA_RT_FP8_DECODE_GEMV on, and the
-    weights made them at upload)."""
+def _reads_e4m3_rows(engine) -> int:
+    """Up to how many sequences the engine's decode steps read e4m3 rows of dense projections
+    (KDA_RT_FP8_DECODE_GEMV on, and the weights made them at upload; KDA_RT_FP8_DECODE_GEMV_MAX_T), 0: none."""
     from kda_rt import env
 
     if not (env.fp8_decode_gemv() and engine.runner.name == "cuda"):
-        return False
+        return 0
     from kda_rt.cuda.weights import decode_rows
 
-    return bool(decode_rows(engine.runner.weights))
+    return env.fp8_decode_gemv_max_t() if decode_rows(engine.runner.weights) else 0
 
 
 def _read_config(path: str) -> dict:

@@ -241,6 +241,17 @@ def fp8_decode_gemv() -> bool:
     return _on_off("KDA_RT_FP8_DECODE_GEMV", "1")
 
 
+def fp8_decode_gemv_max_t() -> int:
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T (bench switch, prepared 2026-12-04, not yet GPU-run): decode steps of up to this
+    many sequences (1 to 4, ops/gemv.MAX_ROWS) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for
+    all of their rows (moe_gemv.cu MROWS: each weight pair widened once for every row, each row's sums bit for bit a
+    one-row launch's, so a sequence's tokens do not depend on how many share its step up to this count); default 1
+    (the measured form).  At 2-4 rows the step reads the same ~1 GB less of the 48B shape's dense rows as at one, at
+    ~2x (2 rows) to ~4x (4 rows) the GEMV's FMAs (an estimate: near its issue limit at 4).  Read at each decode
+    forward and by the precompile (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_FP8_DECODE_GEMV_MAX_T", 1, low=1, high=4)
+
+
 def kda_norm_e4m3() -> bool:
     """KDA_RT_KDA_NORM_E4M3: 1 has the KDA prefill's gated norm write its output's e4m3 codes too where o_proj runs
     on e4m3 products (kda_prefill.cu kda_prefill_norm_e4m3, with KDA_RT_FP8_DENSE), so o_proj's source is not read

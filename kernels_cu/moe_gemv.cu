@@ -57,7 +57,7 @@
 // Compile-time constants: KW (the reduction width, a multiple of 8), INTER, WARPS (warps per CTA), PIPE (0 / 1);
 // ROUTED, and then NE (routed experts), MAX_TOP_K, SHARED (0 / 1), SHARED_FIRST (0 / 1), SIGNAL_OVERLAP (0 / 1).
 // WFMT (every kernel here): 0 bf16 weights, 1 e4m3 with an fp32 scale a row (KW % 16 == 0, sm_89+).
-// DENSE = 1: KW, WARPS, DENSE_PRE (0, 1 or 2) and WFMT only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
+// DENSE = 1: KW, WARPS, DENSE_PRE (0, 1 or 2), WFMT and MROWS (1-4 x rows) only.  DOWN = 1 (moe_gemv_down): KW, WARPS, NOUT, MAX_TILES, STAGES.
 #include "common.cuh"
 
 #ifndef DENSE
@@ -409,6 +409,69 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, cons
 #ifndef DENSE_PRE
 #define DENSE_PRE 1
 #endif
+#ifndef MROWS
+#define MROWS 1
+#endif
+#if MROWS < 1 || MROWS > 4
+#error "moe_gemv.cu: gemv_dense takes 1 to 4 rows of x (MROWS)"
+#endif
+#if MROWS > 1
+// MROWS rows of x (the fp8 decode GEMVs of 2-4 sequences, KDA_RT_FP8_DECODE_GEMV_MAX_T): both weight rows' products
+// with each x row (row m's pieces at xs[m * PIECES]), each weight pair widened once for all MROWS rows; per x row the
+// FMAs run in reduce_rows's order (pieces in j order, elements in order), so row m's sums are bit for bit those of a
+// one-row launch on x row m
+__device__ __forceinline__ void reduce_rows_m(const Rows& r, const uint4* xs, int lane, float (&sa)[MROWS],
+                                              float (&sb)[MROWS]) {
+#pragma unroll
+    for (int m = 0; m < MROWS; ++m) sa[m] = sb[m] = 0.f;
+#pragma unroll
+    for (int j = 0; j < W_PER_LANE; ++j) {
+        const int p = lane + 32 * j;
+        if (p >= W_PIECES) continue;  // (its rows are zeros)
+        const unsigned wa[4] = {r.a[j].x, r.a[j].y, r.a[j].z, r.a[j].w}, wb[4] = {r.b[j].x, r.b[j].y, r.b[j].z, r.b[j].w};
+#if WFMT == 1
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // the 16 weights' pairs against x pieces 2p (pairs 0-3) and 2p + 1 (4-7)
+            const float2 a = e4m3x2_to_float2(wa[i / 2] >> (16 * (i & 1))), b = e4m3x2_to_float2(wb[i / 2] >> (16 * (i & 1)));
+#pragma unroll
+            for (int m = 0; m < MROWS; ++m) {
+                const uint4 xq = xs[m * PIECES + 2 * p + i / 4];
+                const unsigned xw = (i & 3) == 0 ? xq.x : (i & 3) == 1 ? xq.y : (i & 3) == 2 ? xq.z : xq.w;
+                const float2 x = bf16x2_to_float2(xw);
+                sa[m] = fmaf(a.x, x.x, sa[m]);
+                sa[m] = fmaf(a.y, x.y, sa[m]);
+                sb[m] = fmaf(b.x, x.x, sb[m]);
+                sb[m] = fmaf(b.y, x.y, sb[m]);
+            }
+        }
+#else
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // the 8 weights' pairs against x piece p
+            const float2 a = bf16x2_to_float2(wa[i]), b = bf16x2_to_float2(wb[i]);
+#pragma unroll
+            for (int m = 0; m < MROWS; ++m) {
+                const uint4 xq = xs[m * PIECES + p];
+                const float2 x = bf16x2_to_float2(i == 0 ? xq.x : i == 1 ? xq.y : i == 2 ? xq.z : xq.w);
+                sa[m] = fmaf(a.x, x.x, sa[m]);
+                sa[m] = fmaf(a.y, x.y, sa[m]);
+                sb[m] = fmaf(b.x, x.x, sb[m]);
+                sb[m] = fmaf(b.y, x.y, sb[m]);
+            }
+        }
+#endif
+    }
+#pragma unroll
+    for (int m = 0; m < MROWS; ++m) {
+#if WFMT == 1
+        sa[m] = warp_sum(sa[m]) * r.sa;
+        sb[m] = warp_sum(sb[m]) * r.sb;
+#else
+        sa[m] = warp_sum(sa[m]);
+        sb[m] = warp_sum(sb[m]);
+#endif
+    }
+}
+#endif
 // gemv_dense (DENSE = 1): y[n] = bf16(x · W[n]ᵀ) for n < N (fp32 sums in the lanes' piece order, then the warp's
 // shuffles), x [1, KW], W [N, KW], y [N] bf16; a unit is two rows (2v, 2v + 1; the last one alone when N is odd),
 // cut over the grid's warps as above, the next unit's rows loaded before the current one is reduced.  The weights
@@ -424,11 +487,13 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, cons
 // after cuBLAS) until it loaded its state before its own wait too (kda_decode.cu EARLY_STATE).
 // WFMT = 1: w holds e4m3 weights (KW bytes a row) and scale[n] each row's fp32 scale (loader/quant.py), loaded with
 // the row: y[n] = bf16(scale[n] · Σ_k x[k] · float(w[n, k])) (the scale applied once, to the fp32 sum).
+// MROWS > 1: x [MROWS, KW] with rows x_stride elements apart (16-byte aligned), y [MROWS, n] with rows y_stride
+// apart (unused for one row).
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16* __restrict__ y,
-           const float* __restrict__ scale) {
+           const float* __restrict__ scale, int x_stride, int y_stride) {
     KDA_PDL_ENTRY_DEFERRED();
-    __shared__ uint4 xs[PIECES];
+    __shared__ uint4 xs[MROWS * PIECES];
     const int lane = threadIdx.x & 31;
     const int2 range = warp_units((n + 1) / 2);
     auto rows = [&](Rows& r, int u) {  // rows 2u and 2u + 1 (2u again past the end)
@@ -439,17 +504,37 @@ gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16*
         r.sb = __ldg(scale + (2 * u + 1 < n ? 2 * u + 1 : 2 * u));
 #endif
     };
+#if MROWS == 1
     auto finish = [&](const Rows& r, int u) {  // unit u's two outputs
         const float2 s = reduce_rows(r, xs, lane);
         if (lane == 0) y[2 * u] = to_bf16(s.x);
         if (lane == 1 && 2 * u + 1 < n) y[2 * u + 1] = to_bf16(s.y);
     };
+    auto stage = [&]() { stage_x(xs, x); };
+#else
+    auto finish = [&](const Rows& r, int u) {  // unit u's two outputs of each x row (lanes 2m and 2m + 1 store row m's)
+        float sa[MROWS], sb[MROWS];
+        reduce_rows_m(r, xs, lane, sa, sb);
+#pragma unroll
+        for (int m = 0; m < MROWS; ++m) {
+            if (lane == 2 * m) y[(size_t)m * y_stride + 2 * u] = to_bf16(sa[m]);
+            if (lane == 2 * m + 1 && 2 * u + 1 < n) y[(size_t)m * y_stride + 2 * u + 1] = to_bf16(sb[m]);
+        }
+    };
+    auto stage = [&]() {  // the MROWS x rows into shared memory
+        for (int p = threadIdx.x; p < MROWS * PIECES; p += 32 * WARPS) {
+            const int m = p / PIECES;
+            xs[p] = __ldcg(reinterpret_cast<const uint4*>(x + (size_t)m * x_stride) + (p - m * PIECES));
+        }
+        compute_sync();
+    };
+#endif
 #if DENSE_PRE == 2
     Rows ra, rb;
     if (range.x < range.y) rows(ra, range.x);
     if (range.x + 1 < range.y) rows(rb, range.x + 1);
     KDA_PDL_WAIT();  // x is the kernel before's output; y may still be read by an earlier kernel
-    stage_x(xs, x);
+    stage();
     for (int u = range.x; u < range.y; u += 2) {
         finish(ra, u);
         if (u + 2 < range.y) rows(ra, u + 2);
@@ -466,7 +551,7 @@ gemv_dense(const bf16* __restrict__ x, const wtype* __restrict__ w, int n, bf16*
     KDA_PDL_WAIT();
     if (range.x < range.y) rows(cur, range.x);
 #endif
-    stage_x(xs, x);
+    stage();
     for (int u = range.x; u < range.y; ++u) {
         Rows next;
         if (u + 1 < range.y) rows(next, u + 1);

@@ -145,3 +145,21 @@ def test_skip_pad_rejects_other_values(monkeypatch, value):
     monkeypatch.setenv("KDA_RT_SKIP_PAD", value)
     with pytest.raises(ValueError, match="KDA_RT_SKIP_PAD must be 0, 1 or 2"):
         env.skip_pad()
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 1), ("", 1), ("1", 1), ("2", 2), ("4", 4)])
+def test_fp8_decode_gemv_max_t(monkeypatch, value, expected):
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T: 1 by default (one-sequence steps), up to 4 (gemv_dense's rows); 0, 5 and words
+    refused by name."""
+    if value is None:
+        monkeypatch.delenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", raising=False)
+    else:
+        monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", value)
+    assert env.fp8_decode_gemv_max_t() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "5", "two", "-1"])
+def test_fp8_decode_gemv_max_t_refused(monkeypatch, value):
+    monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", value)
+    with pytest.raises(ValueError, match="KDA_RT_FP8_DECODE_GEMV_MAX_T"):
+        env.fp8_decode_gemv_max_t()

@@ -110,9 +110,9 @@ class CudaModel:
         normed = False  # the previous MoE block already added its output to res and normalised it into a
         # the dense projections on their e4m3 copies (KDA_RT_WGMMA=0 turns them off too: they run on wgmma)
         fp8 = not b.decode and T >= FP8_DENSE_MIN_TOKENS and env.fp8_dense() and env.wgmma()
-        # one-sequence decode steps of fp8 models: the dense projections as e4m3 GEMVs where the weights hold e4m3
-        # rows for them (KDA_RT_FP8_DECODE_GEMV, at upload and here)
-        gemv8 = b.decode and T == 1 and env.fp8_decode_gemv()
+        # one-sequence decode steps of fp8 models (up to KDA_RT_FP8_DECODE_GEMV_MAX_T): the dense projections as
+        # e4m3 GEMVs where the weights hold e4m3 rows for them (KDA_RT_FP8_DECODE_GEMV, at upload and here)
+        gemv8 = b.decode and T <= env.fp8_decode_gemv_max_t() and env.fp8_decode_gemv()
         for i, L in enumerate(layers):
             first = L.mixer.qkv_e4m3 if isinstance(L.mixer, DeviceKDA) else L.mixer.q_kva_e4m3
             # the mixer's first projection on e4m3 products: the norm writes a's codes too (and the mixer takes
@@ -172,8 +172,8 @@ class CudaModel:
     def _proj(self, x, w, w8: E4m3Dense | None, ws: Workspace, name: str, *, fp8: bool, codes=None, out=None,
               rows: E4m3Rows | None = None):
         """x · wᵀ: on e4m3 products when `fp8` and the weight has its e4m3 copy `w8` (x's codes from the norm
-        before when `codes` is given, else made here), as an e4m3 GEMV when `rows` are given (one row of x: bf16 x,
-        w's e4m3 rows times their scales), else cuBLAS bf16; into `out` or the workspace's `name`."""
+        before when `codes` is given, else made here), as an e4m3 GEMV when `rows` are given (1 to 4 rows of x: bf16
+        x, w's e4m3 rows times their scales), else cuBLAS bf16; into `out` or the workspace's `name`."""
         T = x.shape[0]
         if rows is not None:
             return gemv_dense(x, rows.codes, out if out is not None else ws.get(name, (T, w.shape[0]), BF16),

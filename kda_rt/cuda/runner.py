@@ -195,7 +195,8 @@ class CudaRunner:
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             shapes = _decode_projection_shapes(self.weights)
             precompile_skinny(shapes)  # nor for the decode projections' kernels
-            precompile_gemv(shapes, {int(r.codes.shape[1]) for r in decode_rows(self.weights)})  # (fp8 decode GEMVs)
+            precompile_gemv(shapes, {int(r.codes.shape[1]) for r in decode_rows(self.weights)},  # (fp8 decode GEMVs)
+                            env.fp8_decode_gemv_max_t())
             if moe is not None:
                 precompile_moe(config.moe, config.hidden_size, moe.w2.shape[2], moe.shared_in_stack, moe.e4m3)
             if config.kda is not None:

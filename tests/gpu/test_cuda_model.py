@@ -435,19 +435,76 @@ def test_fp8_decode_gemv_against_the_dequantized_weights(tmp_path_factory, monke
     assert a.token_ids == b.token_ids, "graph replay changed the tokens"
     for i, tok in enumerate(a.token_ids):
         assert abs(a.logprobs[i][tok] - b.logprobs[i][tok]) <= 0.02, f"step {i}: graph replay moved the logprob"
-    steps = 0  # decode steps compared (step 0's token and logprob are the prefill's, the same computation in both)
+    assert _steps_until_near_tie(a, c) >= 4, "too few steps compared before a near tie: pick another prompt"
+
+
+def _steps_until_near_tie(a, c, tol: float = 0.05) -> int:
+    """Greedy outputs a (e4m3 GEMVs) and c (the bf16 path on the same values): the same tokens and the chosen tokens'
+    logprobs within `tol` until a step where c's two best logprobs lie within `tol` (a near tie, after which the
+    sequences may part); returns the decode steps compared (step 0 is the prefill's, the same computation in both)."""
+    steps = 0
     for i, (ta, tc) in enumerate(zip(a.token_ids, c.token_ids, strict=True)):
         best = sorted(c.logprobs[i].values(), reverse=True)
         if ta != tc:
-            assert best[0] - best[1] <= 0.05, f"step {i}: tokens {ta} / {tc} part without a near tie ({best[:2]})"
+            assert best[0] - best[1] <= tol, f"step {i}: tokens {ta} / {tc} part without a near tie ({best[:2]})"
             break
         diff = abs(a.logprobs[i][ta] - c.logprobs[i][tc])
         print(f"step {i}: token {ta}, logprob {a.logprobs[i][ta]:.4f} vs {c.logprobs[i][tc]:.4f}")
-        assert diff <= 0.05, f"step {i}: logprob {a.logprobs[i][ta]:.4f} against {c.logprobs[i][tc]:.4f}"
+        assert diff <= tol, f"step {i}: logprob {a.logprobs[i][ta]:.4f} against {c.logprobs[i][tc]:.4f}"
         steps += i > 0
-        if len(best) > 1 and best[0] - best[1] <= 0.05:  # a near tie here: the next steps may part
+        if len(best) > 1 and best[0] - best[1] <= tol:  # a near tie here: the next steps may part
             break
-    assert steps >= 4, f"only {steps} steps compared before a near tie: pick another prompt"
+    return steps
+
+
+def test_fp8_decode_gemv_several_sequences(tmp_path_factory, monkeypatch):
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T=4 (prepared): decode steps of up to 4 sequences run the fp8 model's dense
+    projections as e4m3 GEMVs of that many rows (moe_gemv.cu MROWS).  One fp8 engine, eager, its projections' bf16
+    weights overwritten by the e4m3 rows' values (as the one-sequence test), three prompts of different lengths:
+    - with MAX_T=4 every decode step (3 sequences, then fewer as none finish early: 3 rows each) takes the GEMV for
+      every such projection (counted, with x of 3 rows) and the prefill none; with MAX_T=2 none of them;
+    - each sequence's tokens and logprobs against the MAX_T=2 run (the bf16 path on the same values) by the
+      one-sequence test's rule (_steps_until_near_tie), at least 4 steps each;
+    - an engine with decode graphs captured under MAX_T=4: its tokens those of the eager run, logprobs within 0.02."""
+    import kda_rt.cuda.model as cuda_model
+    from kda_rt.cuda.ops.compile import device_arch
+    from kda_rt.demo.make_demo import DEMO_CONFIG
+    from kda_rt.random_checkpoint import write_random_checkpoint
+
+    if device_arch() != "sm_90a":
+        pytest.skip("the fp8 dense copies are made on sm_90a (the e4m3 prefill GEMMs' arch)")
+    monkeypatch.setenv("KDA_RT_FP8_DENSE", "1")
+    monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV", "1")
+    monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", "4")
+    path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("fp8-decode-gemv-rows"), seed=5,
+                                   tokenizer_dir=demo_path(), fixed_routing=True)
+    eager = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=True, **KW)
+    graphs = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=False, **KW)
+    cfg = DEMO_CONFIG["linear_attn_config"]
+    per_step = 2 * len(cfg["kda_layers"]) + 2 * len(cfg["full_attn_layers"]) + DEMO_CONFIG["first_k_dense_replace"]
+    assert _dequantized_rows_into_bf16(eager) == per_step and _dequantized_rows_into_bf16(graphs) == per_step
+    rows = []
+    real = cuda_model.gemv_dense
+    monkeypatch.setattr(cuda_model, "gemv_dense",
+                        lambda x, *a, **k: rows.append(int(x.shape[0])) or real(x, *a, **k))
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": list(rng.integers(0, 768, size=n))} for n in (20, 7, 33)]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    gemv = [o.outputs[0] for o in eager.generate(prompts, p)]
+    assert rows and set(rows) == {3}, f"GEMV rows per call {sorted(set(rows))}"
+    assert len(rows) == 11 * per_step, (len(rows), per_step)
+    rows.clear()
+    monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", "2")  # (read at each forward: 3 sequences take bf16 now)
+    plain = [o.outputs[0] for o in eager.generate(prompts, p)]
+    assert not rows, "3 sequences took the GEMV with MAX_T=2"
+    for k, (a, c) in enumerate(zip(gemv, plain, strict=True)):
+        assert _steps_until_near_tie(a, c) >= 4, f"prompt {k}: too few steps compared before a near tie"
+    monkeypatch.setattr(cuda_model, "gemv_dense", real)
+    for k, (a, o) in enumerate(zip(gemv, graphs.generate(prompts, p), strict=True)):
+        b = o.outputs[0]
+        assert a.token_ids == b.token_ids, f"prompt {k}: graph replay changed the tokens"
+        for i, tok in enumerate(a.token_ids):
+            assert abs(a.logprobs[i][tok] - b.logprobs[i][tok]) <= 0.02, f"prompt {k} step {i}: graph replay moved it"
 
 
 def test_kda_norm_codes_same_logits(tmp_path_factory, monkeypatch):

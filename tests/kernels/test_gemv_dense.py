@@ -146,8 +146,14 @@ def test_gemv_dense_refuses_what_it_cannot_run():
     from kda_rt.cuda.ops.gemv import MAX_K, gemv_dense
 
     x, w = cupy.zeros((1, 64), dtype=BF16), cupy.zeros((16, 64), dtype=BF16)
-    with pytest.raises(ValueError, match="x"):
-        gemv_dense(cupy.zeros((2, 64), dtype=BF16), w, cupy.empty((2, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="x must have 1 to 4 rows"):
+        gemv_dense(cupy.zeros((5, 64), dtype=BF16), w, cupy.empty((5, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="x must have 1 to 4 rows"):
+        gemv_dense(cupy.zeros((0, 64), dtype=BF16), w, cupy.empty((0, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="out must have shape"):
+        gemv_dense(cupy.zeros((2, 64), dtype=BF16), w, cupy.empty((1, 16), dtype=BF16))
+    with pytest.raises(ValueError, match="16-byte aligned"):  # rows 68 elements apart
+        gemv_dense(cupy.zeros((2, 68), dtype=BF16)[:, :64], w, cupy.empty((2, 16), dtype=BF16))
     with pytest.raises(ValueError, match="K % 8"):
         gemv_dense(cupy.zeros((1, 60), dtype=BF16), cupy.zeros((16, 60), dtype=BF16), cupy.empty((1, 16), dtype=BF16))
     with pytest.raises(ValueError, match="K % 8"):
@@ -226,3 +232,57 @@ def test_gemv_dense_e4m3_refusals():
     big = MAX_K_E4M3 + 16  # (a multiple of 16: refused for its width alone)
     with pytest.raises(ValueError, match=f"K <= {MAX_K_E4M3}"):
         gemv_dense(cupy.ones((1, big), BF16), cupy.ones((4, big), np.uint8), out, scale=cupy.ones(4, np.float32))
+
+
+MULTI_SHAPES = {  # name: (N, K, e4m3)
+    "qkv-fgb-e4m3": (12576, 2304, True),
+    "o_proj-K4096-e4m3": (2304, 4096, True),
+    "K5120-e4m3": (1024, 5120, True),  # MAX_K_E4M3: the 4-row build's 242 registers
+    "odd-N-K528-e4m3": (1001, 528, True),
+    "mla-q-kva-bf16": (6720, 2304, False),
+    "K2560-bf16": (4096, 2560, False),
+    "N3-K72-bf16": (3, 72, False),
+}
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("name", list(MULTI_SHAPES))
+def test_gemv_dense_several_rows(name, rows):
+    """x of 2-4 rows in one launch (moe_gemv.cu MROWS; the fp8 decode GEMVs of up to 4 sequences,
+    KDA_RT_FP8_DECODE_GEMV_MAX_T): every row within the one-row bound of float64 NumPy and bit for bit what a one-row
+    launch gives for that row (the same FMA order, so a sequence's outputs do not depend on the rows beside it).
+    x's rows are a column slice of a wider buffer (rows 64 elements further apart) and out's rows too; rows of very
+    different magnitudes (x rows scaled by 2^-6 .. 2^6, so a row's sums landing in another row's output are off by
+    orders of magnitude); outputs poisoned first, every element outside the views must stay NaN."""
+    import cupy
+
+    from kda_rt.cuda.ops.check import BF16
+    from kda_rt.cuda.ops.gemv import gemv_dense
+    from kda_rt.loader.quant import dequantize_rows, quantize_rows
+
+    N, K, e4m3 = MULTI_SHAPES[name]
+    rng = np.random.default_rng(zlib.crc32(f"rows/{name}/{rows}".encode()))
+    x = bf16_round(rng.normal(size=(rows, K)) * 2.0 ** rng.integers(-6, 7, size=(rows, 1)))
+    if e4m3:
+        w = rng.normal(size=(N, K)) / np.sqrt(K) * 2.0 ** rng.integers(-12, 7, size=(N, 1))
+        q, scale = quantize_rows(w, "w")
+        wv, wg, kw = dequantize_rows(q, scale).astype(np.float64), cupy.asarray(q.view(np.uint8)), {
+            "scale": cupy.asarray(scale)}
+    else:
+        wv = bf16_round(rng.normal(size=(N, K)) / np.sqrt(K))
+        wg, kw = to_gpu_bf16(wv), {}
+    xs = cupy.zeros((rows, K + 64), dtype=BF16)
+    xs[:, 32:32 + K] = to_gpu_bf16(x)
+    wide = cupy.empty((rows, N + 24), dtype=BF16)
+    poison(wide)
+    gemv_dense(xs[:, 32:32 + K], wg, wide[:, 8:8 + N], **kw)
+    got = to_np(wide)
+    assert np.isnan(got[:, :8]).all() and np.isnan(got[:, 8 + N:]).all(), "wrote outside the view"
+    assert np.isfinite(got[:, 8:8 + N]).all(), "outputs left unwritten"
+    for m in range(rows):
+        _check(got[m:m + 1, 8:8 + N], x[m:m + 1], wv, f"{name} row {m}")
+        one = cupy.empty((1, N), dtype=BF16)
+        poison(one)
+        gemv_dense(xs[m:m + 1, 32:32 + K], wg, one, **kw)
+        assert cupy.array_equal(one.view(np.uint16), wide[m:m + 1, 8:8 + N].view(np.uint16)), (
+            f"{name}: row {m} of the {rows}-row launch differs from its one-row launch")

@@ -644,6 +644,12 @@ def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):
                                                         DENSE_PRE=gemv.PRE_UNITS))]
     monkeypatch.setenv("KDA_RT_DENSE_GEMV", "0")
     assert gemv.precompile(shapes) == 0
+    # the fp8 decode GEMVs: each e4m3 width for 1 to e4m3_rows rows of x (KDA_RT_FP8_DECODE_GEMV_MAX_T), MROWS only
+    # past one row (the one-row build's defines as before)
+    built.clear()
+    assert gemv.precompile(shapes, {2304, 4096}, 3) == 6
+    assert [(kw["KW"], kw["WFMT"], kw.get("MROWS")) for f, n, kw in built] == [
+        (2304, 1, None), (2304, 1, 2), (2304, 1, 3), (4096, 1, None), (4096, 1, 2), (4096, 1, 3)]
 
 
 def test_chain_probe_switch_reaches_only_the_routing_chain_builds(monkeypatch):

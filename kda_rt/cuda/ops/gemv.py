@@ -15,14 +15,17 @@ from typing import NamedTuple
 import numpy as np
 
 from kda_rt import env
-from kda_rt.cuda.ops.check import BF16, expect, i32
+from kda_rt.cuda.ops.check import BF16, expect, i32, leading_dim
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 
-__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MAX_K_E4M3", "MIN_BYTES", "GemvConfig", "check_e4m3_arch",
+__all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MAX_K_E4M3", "MAX_ROWS", "MIN_BYTES", "GemvConfig", "check_e4m3_arch",
            "check_weight_dtype", "fits", "fits_e4m3", "gemv_dense", "grid", "precompile"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
 MAX_K_E4M3 = 2 * MAX_K  # e4m3 rows: 16 weights a piece, so as many pieces a lane (o_proj's K = 4096 at the 48B shape)
+# rows of x one launch takes (moe_gemv.cu MROWS: each weight pair widened once for all of them; at K = 5120 and 4 rows
+# 242 registers, no spills, NVRTC 13.5 sm_90a): the fp8 decode GEMVs of up to 4 sequences (KDA_RT_FP8_DECODE_GEMV_MAX_T)
+MAX_ROWS = 4
 
 
 class GemvConfig(NamedTuple):
@@ -96,19 +99,22 @@ def check_weight_dtype(what: str, name: str, weight, e4m3: bool) -> None:
         raise TypeError(f"{what}: {name} must have dtype {want}, got {weight.dtype.name}")
 
 
-def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False):
+def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False, rows: int = 1):
     fmt = {"WFMT": 1} if e4m3 else {}  # e4m3 weights with a scale a row (moe_gemv.cu WFMT)
+    if rows > 1:
+        fmt["MROWS"] = rows
     return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps,
                       DENSE_PRE=env.dense_gemv_pre(PRE_UNITS), **fmt)
 
 
-def precompile(shapes=(), e4m3_widths=()) -> int:
+def precompile(shapes=(), e4m3_widths=(), e4m3_rows: int = 1) -> int:
     """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take, and
-    the e4m3 one for each K of `e4m3_widths` (the fp8 decode GEMVs' weights)."""
+    the e4m3 ones for each K of `e4m3_widths` (the fp8 decode GEMVs' weights) and 1 to `e4m3_rows` rows of x."""
     count = 0
     for k in sorted(set(e4m3_widths)):
-        _kernel(k, e4m3=True)
-        count += 1
+        for m in range(1, e4m3_rows + 1):
+            _kernel(k, e4m3=True, rows=m)
+            count += 1
     if not env.dense_gemv():
         return count
     widths = sorted({k for n, k, f32 in shapes if not f32 and _takes(n, k)})
@@ -118,15 +124,20 @@ def precompile(shapes=(), e4m3_widths=()) -> int:
 
 
 def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=None):
-    """x [1, K] bf16 (16-byte aligned), weight [N, K] bf16 C-contiguous -> out [1, N] bf16 (a row of a wider
-    buffer is fine): out = bf16(x · weightᵀ) with fp32 sums.
+    """x [M, K] bf16 (M 1 to MAX_ROWS, rows 16-byte aligned), weight [N, K] bf16 C-contiguous -> out [M, N] bf16
+    (rows of a wider buffer are fine): out = bf16(x · weightᵀ) with fp32 sums, each row of out bit for bit what a
+    launch on that row of x alone gives.
     With scale [N] fp32, weight holds e4m3 values as uint8 bits [N, K] (loader/quant.quantize_rows; K % 16 == 0,
     sm_89+): out = bf16(scale · (x · float(weight)ᵀ)), the scale applied to each row's fp32 sum."""
-    _, K = expect(x, "x", shape=(1, None), dtype=BF16, row_stride=True)
+    M, K = expect(x, "x", shape=(None, None), dtype=BF16, row_stride=True)
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"gemv_dense: x must have 1 to {MAX_ROWS} rows, got shape {x.shape}")
     e4m3 = scale is not None
     N, _ = expect(weight, "weight", shape=(None, K))
     check_weight_dtype("gemv_dense", "weight", weight, e4m3)
-    expect(out, "out", shape=(1, N), dtype=BF16, row_stride=True)
+    expect(out, "out", shape=(M, N), dtype=BF16, row_stride=True)
+    if M > 1 and leading_dim(x) % 8:
+        raise ValueError(f"gemv_dense: x's rows must be 16-byte aligned (row stride {leading_dim(x)} elements)")
     piece, max_k = (16, MAX_K_E4M3) if e4m3 else (8, MAX_K)  # weights a 16-byte piece; a lane's pieces
     if K <= 0 or K % piece or K > max_k or weight.data.ptr % 16 or x.data.ptr % 16:
         raise ValueError(f"gemv_dense: needs 0 < K <= {max_k}, K % {piece} == 0 (got {K}; {piece} "
@@ -136,7 +147,8 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
         check_e4m3_arch("gemv_dense")
     if N == 0:
         return out
-    kernel = _kernel(K, cfg, e4m3)
+    kernel = _kernel(K, cfg, e4m3, M)
     kernel((grid(kernel, cfg, cfg.warps),), (32 * cfg.warps,),
-           (x, weight, i32(N), out, scale if e4m3 else np.uint64(0)), stream=stream)
+           (x, weight, i32(N), out, scale if e4m3 else np.uint64(0), i32(leading_dim(x)), i32(leading_dim(out))),
+           stream=stream)
     return out
