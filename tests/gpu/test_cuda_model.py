@@ -461,7 +461,7 @@ def test_fp8_decode_gemv_several_sequences(tmp_path_factory, monkeypatch):
     """KDA_RT_FP8_DECODE_GEMV_MAX_T=4 (prepared): decode steps of up to 4 sequences run the fp8 model's dense
     projections as e4m3 GEMVs of that many rows (moe_gemv.cu MROWS).  One fp8 engine, eager, its projections' bf16
     weights overwritten by the e4m3 rows' values (as the one-sequence test), three prompts of different lengths:
-    - with MAX_T=4 every decode step (3 sequences, then fewer as none finish early: 3 rows each) takes the GEMV for
+    - with MAX_T=4 every decode step (the 3 sequences, all 12 tokens long: 11 steps of 3 rows) takes the GEMV for
       every such projection (counted, with x of 3 rows) and the prefill none; with MAX_T=2 none of them;
     - each sequence's tokens and logprobs against the MAX_T=2 run (the bf16 path on the same values) by the
       one-sequence test's rule (_steps_until_near_tie), at least 4 steps each;
