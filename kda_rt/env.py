@@ -277,6 +277,16 @@ def dense_gemv() -> bool:
     return _on_off("KDA_RT_DENSE_GEMV")
 
 
+def dense_gemv_max_t() -> int:
+    """KDA_RT_DENSE_GEMV_MAX_T (bench switch, prepared 2026-12-04, not yet GPU-run): gemm.linear sends projections of
+    2 to this many rows (up to 4, ops/gemv.MAX_ROWS) that gemv_dense serves at one row (KDA q|k|v|f_a|g_a|b, MLA
+    q|kv_a, the dense layer's gate|up: 4-256 MB of bf16 weights, K <= 2560) to it too, one launch for all rows (each
+    weight pair widened once; each row's sums bit for bit a one-row launch's), instead of cuBLAS (the wide q|k|v at
+    ~74% of copy bandwidth in the batch-32 trace); default 1 (one row only, the measured form).  Read at each
+    gemm.linear call and by the precompile (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_DENSE_GEMV_MAX_T", 1, low=1, high=4)
+
+
 def dense_gemv_pre(default: int) -> int:
     """KDA_RT_DENSE_GEMV_PRE (bench switch): how many units (row pairs) each warp of gemv_dense loads before its
     programmatic-launch wait, 0, 1 or 2 (kernels_cu/moe_gemv.cu DENSE_PRE), instead of the measured default

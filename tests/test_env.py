@@ -147,19 +147,25 @@ def test_skip_pad_rejects_other_values(monkeypatch, value):
         env.skip_pad()
 
 
+_GEMV_ROWS = [("KDA_RT_FP8_DECODE_GEMV_MAX_T", env.fp8_decode_gemv_max_t),
+              ("KDA_RT_DENSE_GEMV_MAX_T", env.dense_gemv_max_t)]
+
+
+@pytest.mark.parametrize(("name", "read"), _GEMV_ROWS)
 @pytest.mark.parametrize(("value", "expected"), [(None, 1), ("", 1), ("1", 1), ("2", 2), ("4", 4)])
-def test_fp8_decode_gemv_max_t(monkeypatch, value, expected):
-    """KDA_RT_FP8_DECODE_GEMV_MAX_T: 1 by default (one-sequence steps), up to 4 (gemv_dense's rows); 0, 5 and words
-    refused by name."""
+def test_gemv_max_rows(monkeypatch, name, read, value, expected):
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T and KDA_RT_DENSE_GEMV_MAX_T: 1 by default (one-row GEMVs), up to 4 (gemv_dense's
+    rows); 0, 5 and words refused by name."""
     if value is None:
-        monkeypatch.delenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", value)
-    assert env.fp8_decode_gemv_max_t() == expected
+        monkeypatch.setenv(name, value)
+    assert read() == expected
 
 
+@pytest.mark.parametrize(("name", "read"), _GEMV_ROWS)
 @pytest.mark.parametrize("value", ["0", "5", "two", "-1"])
-def test_fp8_decode_gemv_max_t_refused(monkeypatch, value):
-    monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", value)
-    with pytest.raises(ValueError, match="KDA_RT_FP8_DECODE_GEMV_MAX_T"):
-        env.fp8_decode_gemv_max_t()
+def test_gemv_max_rows_refused(monkeypatch, name, read, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        read()

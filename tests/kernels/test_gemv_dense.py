@@ -64,7 +64,7 @@ def test_gemv_dense_matches_numpy(name, config, pre, monkeypatch):
 def test_linear_takes_the_gemv_where_it_fits(monkeypatch):
     """gemm.linear sends one row of 4-256 MB of weights with bf16 out to gemv_dense (KDA_RT_DENSE_GEMV=1, the
     default) and to cuBLAS with =0, both within the bound above; two rows, fp32 out or accumulate stay on cuBLAS
-    / skinny_gemm (the GEMV is not called)."""
+    / skinny_gemm (the GEMV is not called); with KDA_RT_DENSE_GEMV_MAX_T=4 2-4 rows take it too."""
     import cupy
 
     import kda_rt.cuda.ops.gemv as gemv
@@ -94,6 +94,20 @@ def test_linear_takes_the_gemv_where_it_fits(monkeypatch):
     linear(xg[:1], wg, out=out, accumulate=True)
     linear(xg[:1, :K // 4], wg[:8, :K // 4].copy())  # 36 KB of weights
     assert len(calls) == 1, calls  # only the plain one-row call
+    # KDA_RT_DENSE_GEMV_MAX_T=4 (prepared): 2-4 rows take the GEMV too (within the bound, each row as its one-row
+    # launch), 5 rows cuBLAS
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_MAX_T", "4")
+    x5 = bf16_round(rng.normal(size=(5, K)))
+    x5g = to_gpu_bf16(x5)
+    for rows in (2, 4, 5):
+        calls.clear()
+        out = cupy.empty((rows, N), dtype=BF16)
+        poison(out)
+        linear(x5g[:rows], wg, out=out)
+        assert len(calls) == (rows <= 4), (rows, calls)
+        got = to_np(out)
+        for m in range(rows):
+            _check(got[m:m + 1], x5[m:m + 1], w, f"linear, {rows} rows, row {m}")
 
 
 @pytest.mark.parametrize("pre", ["1", "2"])

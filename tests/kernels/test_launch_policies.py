@@ -636,12 +636,18 @@ def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):
     built = []
     monkeypatch.setattr(gemv, "get_kernel", lambda f, n, **kw: built.append((f, n, kw)))
     monkeypatch.delenv("KDA_RT_DENSE_GEMV_PRE", raising=False)
+    monkeypatch.delenv("KDA_RT_DENSE_GEMV_MAX_T", raising=False)
     shapes = [(12576, 2304, False), (6720, 2304, False), (18432, 2304, False), (163840, 2304, True),
               (2304, 4096, False), (8, 64, False)]
     monkeypatch.setenv("KDA_RT_DENSE_GEMV", "1")
     assert gemv.precompile(shapes) == 1
     assert built == [("moe_gemv.cu", "gemv_dense", dict(DENSE=1, KW=2304, WARPS=gemv.DEFAULT.warps,
                                                         DENSE_PRE=gemv.PRE_UNITS))]
+    built.clear()
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_MAX_T", "3")  # (2-3 rows of the bf16 projections too)
+    assert gemv.precompile(shapes) == 3
+    assert [(kw["KW"], kw.get("MROWS")) for f, n, kw in built] == [(2304, None), (2304, 2), (2304, 3)]
+    monkeypatch.delenv("KDA_RT_DENSE_GEMV_MAX_T")
     monkeypatch.setenv("KDA_RT_DENSE_GEMV", "0")
     assert gemv.precompile(shapes) == 0
     # the fp8 decode GEMVs: each e4m3 width for 1 to e4m3_rows rows of x (KDA_RT_FP8_DECODE_GEMV_MAX_T), MROWS only

@@ -66,9 +66,10 @@ def _takes(N: int, K: int) -> bool:
 
 def fits(x, weight, out, accumulate: bool) -> bool:
     """gemv_dense can compute out = x · weightᵀ (shapes already checked by the caller: x [M, K], weight [N, K],
-    out [M, N])."""
+    out [M, N]): one row, or up to KDA_RT_DENSE_GEMV_MAX_T rows with 16-byte aligned row starts."""
     M, K = x.shape
-    return (M == 1 and not accumulate and out.dtype == BF16 and env.dense_gemv() and _takes(weight.shape[0], K)
+    rows_ok = M == 1 or (M <= env.dense_gemv_max_t() and leading_dim(x) % 8 == 0)
+    return (rows_ok and not accumulate and out.dtype == BF16 and env.dense_gemv() and _takes(weight.shape[0], K)
             and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0)
 
 
@@ -108,8 +109,9 @@ def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False, rows: int = 1
 
 
 def precompile(shapes=(), e4m3_widths=(), e4m3_rows: int = 1) -> int:
-    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take, and
-    the e4m3 ones for each K of `e4m3_widths` (the fp8 decode GEMVs' weights) and 1 to `e4m3_rows` rows of x."""
+    """Build the kernel for the reduction width K of every (N, K, fp32 out) in `shapes` that `fits` could take (1 to
+    KDA_RT_DENSE_GEMV_MAX_T rows of x), and the e4m3 ones for each K of `e4m3_widths` (the fp8 decode GEMVs' weights)
+    and 1 to `e4m3_rows` rows of x."""
     count = 0
     for k in sorted(set(e4m3_widths)):
         for m in range(1, e4m3_rows + 1):
@@ -118,9 +120,11 @@ def precompile(shapes=(), e4m3_widths=(), e4m3_rows: int = 1) -> int:
     if not env.dense_gemv():
         return count
     widths = sorted({k for n, k, f32 in shapes if not f32 and _takes(n, k)})
+    rows = env.dense_gemv_max_t()
     for k in widths:
-        _kernel(k)
-    return count + len(widths)
+        for m in range(1, rows + 1):
+            _kernel(k, rows=m)
+    return count + len(widths) * rows
 
 
 def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=None):
