@@ -416,10 +416,25 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, cons
 #error "moe_gemv.cu: gemv_dense takes 1 to 4 rows of x (MROWS)"
 #endif
 #if MROWS > 1
-// MROWS rows of x (the fp8 decode GEMVs of 2-4 sequences, KDA_RT_FP8_DECODE_GEMV_MAX_T): both weight rows' products
-// with each x row (row m's pieces at xs[m * PIECES]), each weight pair widened once for all MROWS rows; per x row the
-// FMAs run in reduce_rows's order (pieces in j order, elements in order), so row m's sums are bit for bit those of a
-// one-row launch on x row m
+// MROWS rows of x (the fp8 decode GEMVs of 2-4 sequences, KDA_RT_FP8_DECODE_GEMV_MAX_T; bf16 projections of 2-4 rows,
+// KDA_RT_DENSE_GEMV_MAX_T): both weight rows' products with each x row (row m's pieces at xs[m * PIECES]), each
+// weight pair widened once for all MROWS rows; per x row the FMAs run in reduce_rows's order (pieces in j order,
+// elements in order), so row m's sums are bit for bit those of a one-row launch on x row m
+#if WFMT == 1
+#define DENSE_PAIRS 8  // a piece's 16 e4m3 weights: pair i against word i % 4 of x piece 2p + i / 4
+#define X_PIECE(p, i) (2 * (p) + (i) / 4)
+__device__ __forceinline__ float2 weight_pair(const uint4& w, int i) {
+    const unsigned v[4] = {w.x, w.y, w.z, w.w};
+    return e4m3x2_to_float2(v[i / 2] >> (16 * (i & 1)));
+}
+#else
+#define DENSE_PAIRS 4  // a piece's 8 bf16 weights: pair i against word i of x piece p
+#define X_PIECE(p, i) (p)
+__device__ __forceinline__ float2 weight_pair(const uint4& w, int i) {
+    const unsigned v[4] = {w.x, w.y, w.z, w.w};
+    return bf16x2_to_float2(v[i]);
+}
+#endif
 __device__ __forceinline__ void reduce_rows_m(const Rows& r, const uint4* xs, int lane, float (&sa)[MROWS],
                                               float (&sb)[MROWS]) {
 #pragma unroll
@@ -428,37 +443,20 @@ __device__ __forceinline__ void reduce_rows_m(const Rows& r, const uint4* xs, in
     for (int j = 0; j < W_PER_LANE; ++j) {
         const int p = lane + 32 * j;
         if (p >= W_PIECES) continue;  // (its rows are zeros)
-        const unsigned wa[4] = {r.a[j].x, r.a[j].y, r.a[j].z, r.a[j].w}, wb[4] = {r.b[j].x, r.b[j].y, r.b[j].z, r.b[j].w};
-#if WFMT == 1
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {  // the 16 weights' pairs against x pieces 2p (pairs 0-3) and 2p + 1 (4-7)
-            const float2 a = e4m3x2_to_float2(wa[i / 2] >> (16 * (i & 1))), b = e4m3x2_to_float2(wb[i / 2] >> (16 * (i & 1)));
+        for (int i = 0; i < DENSE_PAIRS; ++i) {
+            const float2 a = weight_pair(r.a[j], i), b = weight_pair(r.b[j], i);
 #pragma unroll
             for (int m = 0; m < MROWS; ++m) {
-                const uint4 xq = xs[m * PIECES + 2 * p + i / 4];
-                const unsigned xw = (i & 3) == 0 ? xq.x : (i & 3) == 1 ? xq.y : (i & 3) == 2 ? xq.z : xq.w;
-                const float2 x = bf16x2_to_float2(xw);
+                const uint4 xq = xs[m * PIECES + X_PIECE(p, i)];
+                const unsigned xw[4] = {xq.x, xq.y, xq.z, xq.w};
+                const float2 x = bf16x2_to_float2(xw[i & 3]);
                 sa[m] = fmaf(a.x, x.x, sa[m]);
                 sa[m] = fmaf(a.y, x.y, sa[m]);
                 sb[m] = fmaf(b.x, x.x, sb[m]);
                 sb[m] = fmaf(b.y, x.y, sb[m]);
             }
         }
-#else
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // the 8 weights' pairs against x piece p
-            const float2 a = bf16x2_to_float2(wa[i]), b = bf16x2_to_float2(wb[i]);
-#pragma unroll
-            for (int m = 0; m < MROWS; ++m) {
-                const uint4 xq = xs[m * PIECES + p];
-                const float2 x = bf16x2_to_float2(i == 0 ? xq.x : i == 1 ? xq.y : i == 2 ? xq.z : xq.w);
-                sa[m] = fmaf(a.x, x.x, sa[m]);
-                sa[m] = fmaf(a.y, x.y, sa[m]);
-                sb[m] = fmaf(b.x, x.x, sb[m]);
-                sb[m] = fmaf(b.y, x.y, sb[m]);
-            }
-        }
-#endif
     }
 #pragma unroll
     for (int m = 0; m < MROWS; ++m) {
