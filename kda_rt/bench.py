@@ -271,16 +271,16 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
 
 
 def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None,
-           quantization: str | None = None, e4m3_gemv: int = 0) -> dict:
+           quantization: str | None = None, e4m3_gemv: bool = False) -> dict:
     """The decode bytes floor (from the experts routed in the run; `quantization` as EngineConfig's: the experts'
-    bytes in that format; `e4m3_gemv`: steps of up to this many sequences read the dense projections' e4m3 rows,
-    KDA_RT_FP8_DECODE_GEMV and _MAX_T; 0: none) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
+    bytes in that format; `e4m3_gemv`: the run's decode steps read the dense projections' e4m3 rows,
+    KDA_RT_FP8_DECODE_GEMV and _MAX_T) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
     ratios; one summary line on stderr."""
     from kda_rt.floors import decode_floor, prefill_floor
 
     batch, input_len, output_len = shape
     dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization,
-                       e4m3_gemv=batch <= e4m3_gemv)
+                       e4m3_gemv=e4m3_gemv)
     pre = prefill_floor(config, [input_len] * batch, quantization=quantization)
     step = report["decode_step_s_mean"]
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
@@ -299,16 +299,21 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
     return out
 
 
-def _reads_e4m3_rows(engine) -> int:
-    """Up to how many sequences the engine's decode steps read e4m3 rows of dense projections
-    (KDA_RT_FP8_DECODE_GEMV on, and the weights made them at upload; KDA_RT_FP8_DECODE_GEMV_MAX_T), 0: none."""
+def _reads_e4m3_rows(engine, batch: int) -> bool:
+    """The engine's decode steps of `batch` sequences read e4m3 rows of dense projections (KDA_RT_FP8_DECODE_GEMV on,
+    the weights made them at upload, and the step's rows, its decode graph's where one holds it, padding included,
+    within KDA_RT_FP8_DECODE_GEMV_MAX_T)."""
     from kda_rt import env
 
-    if not (env.fp8_decode_gemv() and engine.runner.name == "cuda"):
-        return 0
+    runner = engine.runner
+    if not (env.fp8_decode_gemv() and runner.name == "cuda"):
+        return False
     from kda_rt.cuda.weights import decode_rows
 
-    return env.fp8_decode_gemv_max_t() if decode_rows(engine.runner.weights) else 0
+    if not decode_rows(runner.weights):
+        return False
+    rows = batch if runner.enforce_eager else min((g for g in runner.buckets if g >= batch), default=batch)
+    return rows <= env.fp8_decode_gemv_max_t()
 
 
 def _read_config(path: str) -> dict:
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for _ in range(args.num_iters)])
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization,
-                                 e4m3_gemv=_reads_e4m3_rows(engine)))
+                                 e4m3_gemv=_reads_e4m3_rows(engine, batch)))
             if args.profile and k == 0:
                 if engine.runner.name != "cuda":
                     raise ValueError("--profile needs the cuda backend (CUDA events)")

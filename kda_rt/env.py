@@ -243,10 +243,10 @@ def fp8_decode_gemv() -> bool:
 
 def fp8_decode_gemv_max_t() -> int:
     """KDA_RT_FP8_DECODE_GEMV_MAX_T (bench switch, prepared 2026-12-04, not yet GPU-run): decode steps of up to this
-    many sequences (1 to 4, ops/gemv.MAX_ROWS) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for
-    all of their rows (moe_gemv.cu MROWS: each weight pair widened once for every row, each row's sums bit for bit a
-    one-row launch's, so a sequence's tokens do not depend on how many share its step up to this count); default 1
-    (the measured form).  At 2-4 rows the step reads the same ~1 GB less of the 48B shape's dense rows as at one, at
+    many rows (1 to 4, ops/gemv.MAX_ROWS; a decode graph's rows, padding included: 3 sequences replay the 4-row graph
+    of the default sizes) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for all of their rows
+    (moe_gemv.cu MROWS: each weight pair widened once for every row, each row's sums bit for bit a one-row launch's);
+    default 1 (the measured form).  At 2-4 rows the step reads the same ~1 GB less of the 48B shape's dense rows as at one, at
     ~2x (2 rows) to ~4x (4 rows) the GEMV's FMAs (an estimate: near its issue limit at 4).  Read at each decode
     forward and by the precompile (a CUDA graph keeps what it captured)."""
     return _non_negative_int("KDA_RT_FP8_DECODE_GEMV_MAX_T", 1, low=1, high=4)

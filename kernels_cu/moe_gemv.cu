@@ -415,6 +415,9 @@ moe_gemv_gate_up(const bf16* __restrict__ x, const wtype* __restrict__ w13, cons
 #if MROWS < 1 || MROWS > 4
 #error "moe_gemv.cu: gemv_dense takes 1 to 4 rows of x (MROWS)"
 #endif
+#if MROWS > 1 && DENSE_PRE == 2
+#error "moe_gemv.cu: DENSE_PRE = 2 holds two row buffers, past the registers with 2-4 x rows (ptxas spills)"
+#endif
 #if MROWS > 1
 // MROWS rows of x (the fp8 decode GEMVs of 2-4 sequences, KDA_RT_FP8_DECODE_GEMV_MAX_T; bf16 projections of 2-4 rows,
 // KDA_RT_DENSE_GEMV_MAX_T): both weight rows' products with each x row (row m's pieces at xs[m * PIECES]), each

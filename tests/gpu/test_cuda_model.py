@@ -465,7 +465,9 @@ def test_fp8_decode_gemv_several_sequences(tmp_path_factory, monkeypatch):
       every such projection (counted, with x of 3 rows) and the prefill none; with MAX_T=2 none of them;
     - each sequence's tokens and logprobs against the MAX_T=2 run (the bf16 path on the same values) by the
       one-sequence test's rule (_steps_until_near_tie), at least 4 steps each;
-    - an engine with decode graphs captured under MAX_T=4: its tokens those of the eager run, logprobs within 0.02."""
+    - an engine with decode graphs captured under MAX_T=4: its captures of 1, 2 and 4 rows take the GEMV (counted:
+      the replays run what was captured, and with the bf16 weights overwritten by the same values a capture on the
+      bf16 path would give the same tokens), none larger; its tokens those of the eager run, logprobs within 0.02."""
     import kda_rt.cuda.model as cuda_model
     from kda_rt.cuda.ops.compile import device_arch
     from kda_rt.demo.make_demo import DEMO_CONFIG
@@ -478,15 +480,21 @@ def test_fp8_decode_gemv_several_sequences(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KDA_RT_FP8_DECODE_GEMV_MAX_T", "4")
     path = write_random_checkpoint(DEMO_CONFIG, tmp_path_factory.mktemp("fp8-decode-gemv-rows"), seed=5,
                                    tokenizer_dir=demo_path(), fixed_routing=True)
-    eager = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=True, **KW)
-    graphs = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=False, **KW)
-    cfg = DEMO_CONFIG["linear_attn_config"]
-    per_step = 2 * len(cfg["kda_layers"]) + 2 * len(cfg["full_attn_layers"]) + DEMO_CONFIG["first_k_dense_replace"]
-    assert _dequantized_rows_into_bf16(eager) == per_step and _dequantized_rows_into_bf16(graphs) == per_step
     rows = []
     real = cuda_model.gemv_dense
     monkeypatch.setattr(cuda_model, "gemv_dense",
                         lambda x, *a, **k: rows.append(int(x.shape[0])) or real(x, *a, **k))
+    eager = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=True, **KW)
+    assert not rows, "an eager engine's start ran the GEMV"
+    graphs = LLM(str(path), backend="cuda", quantization="fp8", enforce_eager=False, **KW)
+    cfg = DEMO_CONFIG["linear_attn_config"]
+    per_step = 2 * len(cfg["kda_layers"]) + 2 * len(cfg["full_attn_layers"]) + DEMO_CONFIG["first_k_dense_replace"]
+    # the start's warm-up and capture forwards (graphs of 1, 2 and 4 rows take it, each a whole number of steps'
+    # worth of calls; from 6 rows none): a capture that dropped the switch fails here
+    counts = {m: rows.count(m) for m in set(rows)}
+    assert set(counts) == {1, 2, 4} and all(c % per_step == 0 for c in counts.values()), (counts, per_step)
+    rows.clear()
+    assert _dequantized_rows_into_bf16(eager) == per_step and _dequantized_rows_into_bf16(graphs) == per_step
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": list(rng.integers(0, 768, size=n))} for n in (20, 7, 33)]
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

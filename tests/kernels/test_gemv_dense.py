@@ -71,6 +71,7 @@ def test_linear_takes_the_gemv_where_it_fits(monkeypatch):
     from kda_rt.cuda.gemm import linear
     from kda_rt.cuda.ops.check import BF16
 
+    monkeypatch.delenv("KDA_RT_DENSE_GEMV_MAX_T", raising=False)  # (one row by default)
     calls = []
     real = gemv.gemv_dense
     monkeypatch.setattr(gemv, "gemv_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -259,21 +260,24 @@ MULTI_SHAPES = {  # name: (N, K, e4m3)
 }
 
 
+@pytest.mark.parametrize("pre", ["0", "1", "2"])
 @pytest.mark.parametrize("rows", [2, 3, 4])
 @pytest.mark.parametrize("name", list(MULTI_SHAPES))
-def test_gemv_dense_several_rows(name, rows):
+def test_gemv_dense_several_rows(name, rows, pre, monkeypatch):
     """x of 2-4 rows in one launch (moe_gemv.cu MROWS; the fp8 decode GEMVs of up to 4 sequences,
     KDA_RT_FP8_DECODE_GEMV_MAX_T): every row within the one-row bound of float64 NumPy and bit for bit what a one-row
     launch gives for that row (the same FMA order, so a sequence's outputs do not depend on the rows beside it).
     x's rows are a column slice of a wider buffer (rows 64 elements further apart) and out's rows too; rows of very
     different magnitudes (x rows scaled by 2^-6 .. 2^6, so a row's sums landing in another row's output are off by
-    orders of magnitude); outputs poisoned first, every element outside the views must stay NaN."""
+    orders of magnitude); outputs poisoned first, every element outside the views must stay NaN.  Every
+    KDA_RT_DENSE_GEMV_PRE (2, two row buffers, spills with several rows: those builds take 1)."""
     import cupy
 
     from kda_rt.cuda.ops.check import BF16
     from kda_rt.cuda.ops.gemv import gemv_dense
     from kda_rt.loader.quant import dequantize_rows, quantize_rows
 
+    monkeypatch.setenv("KDA_RT_DENSE_GEMV_PRE", pre)
     N, K, e4m3 = MULTI_SHAPES[name]
     rng = np.random.default_rng(zlib.crc32(f"rows/{name}/{rows}".encode()))
     x = bf16_round(rng.normal(size=(rows, K)) * 2.0 ** rng.integers(-6, 7, size=(rows, 1)))

@@ -102,10 +102,10 @@ def check_weight_dtype(what: str, name: str, weight, e4m3: bool) -> None:
 
 def _kernel(K: int, cfg: GemvConfig = DEFAULT, e4m3: bool = False, rows: int = 1):
     fmt = {"WFMT": 1} if e4m3 else {}  # e4m3 weights with a scale a row (moe_gemv.cu WFMT)
-    if rows > 1:
-        fmt["MROWS"] = rows
-    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps,
-                      DENSE_PRE=env.dense_gemv_pre(PRE_UNITS), **fmt)
+    pre = env.dense_gemv_pre(PRE_UNITS)
+    if rows > 1:  # (two row buffers, DENSE_PRE = 2, spill with 2-4 x rows: one there)
+        fmt["MROWS"], pre = rows, min(pre, 1)
+    return get_kernel("moe_gemv.cu", "gemv_dense", DENSE=1, KW=K, WARPS=cfg.warps, DENSE_PRE=pre, **fmt)
 
 
 def precompile(shapes=(), e4m3_widths=(), e4m3_rows: int = 1) -> int:
@@ -152,7 +152,7 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
     if N == 0:
         return out
     kernel = _kernel(K, cfg, e4m3, M)
+    strides = (i32(leading_dim(x)), i32(leading_dim(out))) if M > 1 else (i32(0), i32(0))  # (one row: unused)
     kernel((grid(kernel, cfg, cfg.warps),), (32 * cfg.warps,),
-           (x, weight, i32(N), out, scale if e4m3 else np.uint64(0), i32(leading_dim(x)), i32(leading_dim(out))),
-           stream=stream)
+           (x, weight, i32(N), out, scale if e4m3 else np.uint64(0), *strides), stream=stream)
     return out
