@@ -236,7 +236,8 @@ def fp8_decode_gemv() -> bool:
     copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else bf16, with a warning at upload if set to 1); KDA's q|k|v|f_a|g_a|b
     only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the dense layer's down (K 9216 > 5120) stays bf16.
     `bench`'s batch-1 floor then counts those rows (kda_rt/floors.py e4m3_gemv_savings: 0.98 GB less on the 48B
-    shape).  Measured (H200, 27-layer 48B shape, 2026-12-04, tests/gpu/prepared54_check.sh): the fp8 batch-1 replay
+    shape).  Measured (H200, 27-layer 48B shape, 2026-12-04, bench_ab.py as tests/gpu/fp8_decode_gemv_check.sh runs it,
+    --rounds 3): the fp8 batch-1 replay
     1.827 -> 1.638 ms (-10.4%).  0: those projections read their bf16 weights."""
     return _on_off("KDA_RT_FP8_DECODE_GEMV", "1")
 
@@ -314,7 +315,8 @@ def skip_pad() -> int:
     Measured (H200, 27-layer 48B shape, 2026-12-04, tests/gpu/graph_pad_check.py): 96 rows on the 128-row graph
     +4.0% over the 96-row graph with 0, -0.3% with 1; 160 on 256 +14.7% with 0, +4.2% with 1.  2: also the KDA decode
     kernel's padding CTAs write zeros and leave (kda_decode.cu SKIP_PAD = 2): 160 on 256 17.505 ms with 1, 16.959 with
-    2 (the exact 160-row graph 16.80 / 16.79; tests/gpu/prepared54_check.sh, 2026-12-04), so padding costs ~1% there.
+    2 (the exact 160-row graph 16.80 / 16.79; graph_pad_check.py --batches 160, one process a value, 2026-12-04), so
+    padding costs ~1% there.
     0: padding rows run on the padding slot like live rows (the form before).  Read once when the runner starts (its
     uploads and its kernels agree on it)."""
     value = os.environ.get("KDA_RT_SKIP_PAD") or "2"
@@ -736,17 +738,6 @@ def skinny_wide() -> bool:
     return _on_off("KDA_RT_SKINNY_WIDE")
 
 
-def skinny_wide_max_n(default: int) -> int:
-    """KDA_RT_SKINNY_WIDE_MAX_N (bench switch): the widest output (features)
-    skinny_gemm_cl / _ws take for 9 to 32 rows; unset: `default` (ops/skinny_gemm.py MAX_N, 4096: measured at 1 and 8
-    rows, where cuBLAS streamed the wide q|k|v as fast).  Larger, e.g. 13000, sends the batch-9-32 decode steps' KDA
-    q|k|v|f_a|g_a|b (12576 outputs at the 48B shape) and MLA q|kv_a (6720) there instead of cuBLAS (in the batch-32
-    trace at 74% of copy bandwidth).  Measured no faster (H200, 48B shape, bf16 graph replays at 2K context, ms,
-    4096 -> 13000, tests/gpu/prepared54_check.sh, 2026-12-04): batch 16 6.214 -> 6.206, 32 8.615 -> 8.622; so the
-    default stays.  Read at each call (a CUDA graph keeps what it captured)."""
-    return _non_negative_int("KDA_RT_SKINNY_WIDE_MAX_N", default, low=16)
-
-
 def skinny_ws() -> bool:
     """KDA_RT_SKINNY_WS: 0 runs the 9-32-row projections on skinny_gemm_cl (every warp loads its weight rows into
     registers) instead of skinny_gemm_ws, where one producer warp streams the weights and x by tensor-map copies through
@@ -768,18 +759,6 @@ def mla_early_weights() -> bool:
     EARLY_W); default 1 (measured -0.6% at batch 1: docs/PERFORMANCE.md, twenty-third session).  Read at each
     call (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_MLA_EARLY_WEIGHTS", default="1")
-
-
-def mla_fused_combine() -> bool:
-    """KDA_RT_MLA_FUSED_COMBINE (bench switch): 1 has the small-step MLA output
-    up-projection (mla_expand_out, steps of up to 8 tokens) merge the attention's splits itself instead of a separate
-    mla_attn_combine launch (kernels_cu/mla_attn.cu COMBINE_CG: the same ctx bit for bit; each of a head's 8 blocks
-    reads its partials): a batch-1 MLA layer's combine advanced the step ~3 us (twenty-third session's trace).
-    Measured slower (H200, 48B shape, bf16 graph replays at 2K context, ms, 0 -> 1, tests/gpu/prepared54_check.sh,
-    2026-12-04): batch 1 2.125 -> 2.179 (+2.5%), 8 5.345 -> 5.615 (+5.0%), 16 and 32 even (they take the combine
-    launch either way); each of a head's blocks re-reading every split's partials costs more than the launch it
-    saves.  Default 0.  Read at each call (a CUDA graph keeps what it captured)."""
-    return _on_off("KDA_RT_MLA_FUSED_COMBINE", default="0")
 
 
 def chain_probe() -> int:

@@ -576,49 +576,9 @@ mla_absorb_q(const bf16* __restrict__ q, int ld_q, const bf16* __restrict__ w_kv
 // out[t, h·DV + v] = Σ_{r < R} ctx[t, h, r] · w_kvb[h·(DN+DV) + DN + v, r]           (W_UV_h ctx_h)
 // Grid (H, DV / 16), 256 threads: warp w owns rows v = 16·blockIdx.y + 2w, +1; lane covers columns
 // 8·lane + 256·i (16-byte loads), then a warp sum per (row, token).
-// COMBINE_CG (KDA_RT_MLA_FUSED_COMBINE, prepared 2026-12-04, not yet GPU-run; the launcher's combine_groups): the
-// kernel merges the used splits of each of its tokens' head h itself (partial / stats) instead of reading ctx that
-// mla_attn_combine{CG} wrote, which then is not launched (a small decode step's MLA layer is one launch shorter; the
-// DV / 16 blocks of a head each merge it: 8x the combine's reads of the partials, from L2).  Tokens whose context used
-// one split read ctx as before (mla_attn_split wrote it).  The same arithmetic in the same order as combine_splits<CG>
-// (per column: the CG groups' sums of w_s·o_s over s = g, g + CG, ..., each an FMA chain from 0, then the groups
-// added in order from 0, times 1 / l, l summed the same way), so the same bf16 ctx bit for bit.
-#ifdef COMBINE_CG
-#define EXPAND_COMBINE_PARAMS , const bf16* __restrict__ partial, const float* __restrict__ stats, \
-    const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens, int num_seqs, int one_token, \
-    int max_pages, int num_splits
-// token t's ctx[h] columns (two a thread) into c, merged from its `used` splits as combine_splits<COMBINE_CG> does
-__device__ __forceinline__ void combine_head(bf16* c, const bf16* __restrict__ partial, const float* __restrict__ stats,
-                                             int t, int h, int used, int num_splits) {
-    const float* st = stats + ((size_t)t * num_splits * H + h) * 2;
-    const bf16* pp = partial + ((size_t)t * num_splits * H + h) * R;
-    float m = neg_inf();
-    for (int s = 0; s < used; ++s) m = fmaxf(m, __ldg(st + (size_t)s * H * 2));
-    for (int col = threadIdx.x * 2; col < R; col += 512) {
-        float sum0 = 0.f, sum1 = 0.f, l = 0.f;
-        for (int g = 0; g < COMBINE_CG; ++g) {
-            float a0 = 0.f, a1 = 0.f, lg = 0.f;
-            for (int s = g; s < used; s += COMBINE_CG) {
-                const float2 ml = __ldg(reinterpret_cast<const float2*>(st + (size_t)s * H * 2));
-                const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(pp + (size_t)s * H * R + col));
-                const float w = exp2f(ml.x - m) * ml.y;
-                a0 = fmaf(w, f.x, a0);
-                a1 = fmaf(w, f.y, a1);
-                lg += w;
-            }
-            sum0 += a0, sum1 += a1, l += lg;
-        }
-        const float inv = 1.f / l;
-        c[col] = to_bf16(sum0 * inv);
-        c[col + 1] = to_bf16(sum1 * inv);
-    }
-}
-#else
-#define EXPAND_COMBINE_PARAMS
-#endif
 extern "C" __global__ void __launch_bounds__(256)
 mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int num_tokens,
-               bf16* __restrict__ out, int ld_out EXPAND_COMBINE_PARAMS) {
+               bf16* __restrict__ out, int ld_out) {
     MLA_UP_PDL_ENTRY();
     constexpr int RPL = R / 256;  // 16-byte chunks per lane and row
     __shared__ __align__(16) bf16 c_s[TMAX][R];
@@ -641,24 +601,10 @@ mla_expand_out(const bf16* __restrict__ ctx, const bf16* __restrict__ w_kvb, int
         KDA_PDL_WAIT_AFTER(dep);  // ctx: the attention's output
     }
 #endif
-#ifdef COMBINE_CG
-    const int tokens = one_token ? num_seqs : __ldg(cu_seqlens + num_seqs);  // (the combine skips tokens past them)
-    for (int t = 0; t < num_tokens; ++t) {  // (`used` is the same for every thread: no barrier inside)
-        const int used = t < tokens ? split_plan(cu_seqlens, context_lens, num_seqs, one_token, max_pages, num_splits,
-                                                 t).used : 1;
-        if (used > 1) {
-            combine_head(c_s[t], partial, stats, t, h, used, num_splits);
-            continue;
-        }
-        for (int c = threadIdx.x * 8; c < R; c += 256 * 8)
-            *reinterpret_cast<uint4*>(&c_s[t][c]) = *reinterpret_cast<const uint4*>(ctx + ((size_t)t * H + h) * R + c);
-    }
-#else
     for (int i = threadIdx.x; i < num_tokens * (R / 8); i += 256) {
         const int t = i / (R / 8), c = (i % (R / 8)) * 8;
         *reinterpret_cast<uint4*>(&c_s[t][c]) = *reinterpret_cast<const uint4*>(ctx + ((size_t)t * H + h) * R + c);
     }
-#endif
     __syncthreads();
 #pragma unroll
     for (int row = 0; row < 2; ++row) {

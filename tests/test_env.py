@@ -11,8 +11,7 @@ _ON_OFF_SWITCHES = [("KDA_RT_WGMMA", env.wgmma), ("KDA_RT_MOE_DECODE_WS", env.mo
                     ("KDA_RT_MOE_DEC_A_ASYNC", env.moe_dec_a_async),
                     ("KDA_RT_MOE_DEC_REVERSE", env.moe_dec_reverse),
                     ("KDA_RT_FP8_DECODE_GEMV", env.fp8_decode_gemv)]  # (default on)
-_OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits),
-                   ("KDA_RT_MLA_FUSED_COMBINE", env.mla_fused_combine)]
+_OFF_BY_DEFAULT = [("KDA_RT_MLA_WAVE_SPLITS", env.mla_wave_splits)]
 
 
 @pytest.mark.parametrize(("name", "read"), _ON_OFF_SWITCHES + _OFF_BY_DEFAULT)

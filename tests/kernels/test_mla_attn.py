@@ -128,7 +128,7 @@ def test_mla_decode_wide_table(B):
     check(f"decode-wide-B{B}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
-FUSED_COMBINE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),  # B=8: one split and a few (combine groups of 4)
+SPLIT_COMBINE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),  # B=8: one split and a few (combine groups of 4)
                  "many": (9000,),                            # one token, ~70 splits: 16 groups, several splits each
                  "b3": (5000, 3, 700),                        # used 1 and > 1 in one step
                  "short": (100, 5)}                           # a 4-page table: 4 splits, combine groups of 4
@@ -136,14 +136,15 @@ FUSED_COMBINE = {"mixed": (0, 1, 15, 16, 63, 64, 150, 299),  # B=8: one split an
 
 @pytest.mark.parametrize("early", ["1", "0"], ids=["early-w", "late-w"])
 @pytest.mark.parametrize("width", [0, 16384], ids=["table", "wide-table"])
-@pytest.mark.parametrize("case", list(FUSED_COMBINE))
-def test_mla_decode_fused_combine(case, width, early, monkeypatch):
-    """KDA_RT_MLA_FUSED_COMBINE=1 (prepared: mla_expand_out merges the splits itself, kernels_cu/mla_attn.cu
-    COMBINE_CG, and mla_attn_combine is not launched): the output bit for bit the two-launch form's, and within TOL of
-    the reference; every token's context from one split (ctx written by mla_attn_split) to ~70; with the table as wide
-    as the contexts and as a decode graph's (16384 pages: the split count from the table width); the up-projections
-    with their weights loaded before the programmatic-launch wait and after (KDA_RT_MLA_EARLY_WEIGHTS).  The output and
-    the workspace are poisoned before each call; the combine launch is counted (none with the switch)."""
+@pytest.mark.parametrize("case", list(SPLIT_COMBINE))
+def test_mla_decode_split_combine(case, width, early, monkeypatch):
+    """Small decode steps (the up-projections as mla_absorb_q / mla_expand_out) whose tokens use one split (ctx
+    written by mla_attn_split, which the combine skips) to ~70 (merged by mla_attn_combine: every case's grid has
+    more than one split, so it is launched), within TOL of the reference; with the table as wide as the contexts and as a decode graph's
+    (16384 pages: the split count from the table width); the up-projections with their weights loaded before the
+    programmatic-launch wait and after (KDA_RT_MLA_EARLY_WEIGHTS).  The output and the workspace are poisoned.
+    (Until the fifty-fifth session also the bench switch KDA_RT_MLA_FUSED_COMBINE, the merge inside mla_expand_out:
+    measured slower, removed.)"""
     import cupy
 
     import kda_rt.cuda.ops.mla_attn as mla
@@ -151,7 +152,7 @@ def test_mla_decode_fused_combine(case, width, early, monkeypatch):
 
     monkeypatch.setenv("KDA_RT_MLA_EARLY_WEIGHTS", early)
     H, block_size = 32, 64
-    ctx = FUSED_COMBINE[case]
+    ctx = SPLIT_COMBINE[case]
     lens = (1,) * len(ctx)
     q, pool, w_kvb, tables = make_case(4242 + len(ctx) + width, H, block_size, lens, ctx)
     if width:
@@ -162,21 +163,14 @@ def test_mla_decode_fused_combine(case, width, early, monkeypatch):
     names = []
     real = mla.get_kernel
     monkeypatch.setattr(mla, "get_kernel", lambda src, name, **kw: names.append(name) or real(src, name, **kw))
-    outs = {}
-    for value in ("0", "1"):
-        monkeypatch.setenv("KDA_RT_MLA_FUSED_COMBINE", value)
-        names.clear()
-        out = cupy.empty((B, H * DV), dtype=BF16)
-        poison(out)
-        ws = cupy.full(decode_workspace_bytes(B, H, M, block_size), 255, dtype=np.uint8)
-        mla_attention(upload_q(q, strided=False), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
-                      scale=SCALE, max_seqlen=1, decode=True, out=out, workspace=ws)
-        combines = [n for n in names if n.startswith("mla_attn_combine")]
-        assert (len(combines) == 0) == (value == "1"), (value, names)
-        outs[value] = to_np(out)
-    check(f"decode-fused-combine-{case}-{width}", cupy.asarray(outs["1"]),
-          reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
-    assert np.array_equal(outs["0"], outs["1"]), "the fused combine changed the output bits"
+    out = cupy.empty((B, H * DV), dtype=BF16)
+    poison(out)
+    ws = cupy.full(decode_workspace_bytes(B, H, M, block_size), 255, dtype=np.uint8)
+    mla_attention(upload_q(q, strided=False), pool, to_gpu_bf16(w_kvb), cu, ctx_d, tables_d, num_heads=H,
+                  scale=SCALE, max_seqlen=1, decode=True, out=out, workspace=ws)
+    assert "mla_expand_out" in names, names
+    assert any(n.startswith("mla_attn_combine") for n in names), f"no combine launched for contexts {ctx}: {names}"
+    check(f"decode-split-combine-{case}-{width}", out, reference(q, to_np(pool), w_kvb, tables, lens, ctx, block_size, H))
 
 
 @pytest.mark.parametrize("wave_splits", ["0", "1"])

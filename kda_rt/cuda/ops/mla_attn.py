@@ -249,17 +249,13 @@ def mla_attention(q, kv_pool, w_kvb, cu_seqlens, context_lens, block_tables, *, 
                                      i32(B1 - 1), one_token, i32(M), f32(scale * math.log2(math.e)), workspace,
                                      partial, stats), shared_mem=smem, stream=stream)
         groups = combine_groups(G, R) if G > 1 else 0
-        # KDA_RT_MLA_FUSED_COMBINE: mla_expand_out merges the splits itself (kernels_cu/mla_attn.cu COMBINE_CG)
-        fused = gemv and groups and env.mla_fused_combine()
-        if groups and not fused:  # tokens whose context used one split were written by mla_attn_split (skipped here)
+        if groups:  # tokens whose context used one split were written by mla_attn_split (skipped here)
             combine = get_kernel("mla_attn.cu", f"mla_attn_combine{groups}", **consts)
             combine((T, H, R * groups // 2048), (256,), (partial, stats, cu_seqlens, context_lens, i32(B1 - 1),
                                                          one_token, i32(M), i32(G), workspace), stream=stream)
         if gemv:
-            merge = {"COMBINE_CG": groups} if fused else {}
-            expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts, **early, **merge)
-            extra = (partial, stats, cu_seqlens, context_lens, i32(B1 - 1), one_token, i32(M), i32(G)) if fused else ()
-            expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo), *extra), stream=stream)
+            expand = get_kernel("mla_attn.cu", "mla_expand_out", **consts, **early)
+            expand((H, Dv // 16), (256,), (workspace, w_kvb, i32(T), out, i32(ldo)), stream=stream)
         else:
             bmm(q_lat, _view(w_kvb, Dn * R * isz, (H, Dv, R), BF16, (Dkv * R * isz, R * isz, isz)),
                 out=_view(out, 0, (H, T, Dv), BF16, (Dv * isz, ldo * isz, isz)), transpose_b=True)

@@ -80,7 +80,7 @@ def wide_plan(M: int, N: int, K: int) -> tuple[int, int, int] | None:
     """(features per CTA, cluster split of K, n-tiles) of skinny_gemm_cl for M rows, or None: FPC 64 where
     it divides N, else 32; the smallest split whose grid reaches _TARGET_CTAS, else the largest that divides
     K into whole 32-wide chunks per warp."""
-    if not (MAX_ROWS < M <= WIDE_MAX_ROWS) or N > env.skinny_wide_max_n(MAX_N) or K > _WIDE_MAX_K:
+    if not (MAX_ROWS < M <= WIDE_MAX_ROWS) or N > MAX_N or K > _WIDE_MAX_K:
         return None
     nt = 2 if M <= 16 else 4
     for fpc in (64, 32):
