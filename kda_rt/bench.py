@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from kda_rt.engine import LLMEngine
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["build_parser", "main", "random_weights", "run_bench"]
+__all__ = ["build_parser", "floors", "main", "random_weights", "reads_e4m3_rows", "run_bench"]
 
 
 def random_weights(config: ModelConfig, seed: int = 0, *, router_bias_std: float = 0.05,
@@ -299,7 +299,7 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
     return out
 
 
-def _reads_e4m3_rows(engine, batch: int) -> bool:
+def reads_e4m3_rows(engine, batch: int) -> bool:
     """The engine's decode steps of `batch` sequences read e4m3 rows of dense projections (KDA_RT_FP8_DECODE_GEMV on,
     the weights made them at upload, and the step's rows, its decode graph's where one holds it, padding included,
     within KDA_RT_FP8_DECODE_GEMV_MAX_T)."""
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                                      for _ in range(args.num_iters)])
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization,
-                                 e4m3_gemv=_reads_e4m3_rows(engine, batch)))
+                                 e4m3_gemv=reads_e4m3_rows(engine, batch)))
             if args.profile and k == 0:
                 if engine.runner.name != "cuda":
                     raise ValueError("--profile needs the cuda backend (CUDA events)")

@@ -62,7 +62,7 @@ def main() -> int:
         ap.error(f"each of --values {args.values!r} needs one ':'-joined part per switch in {envs}")
 
     from helpers.full_model import full_engine
-    from kda_rt.bench import floors, run_bench
+    from kda_rt.bench import floors, reads_e4m3_rows, run_bench
     from kda_rt.floors import decode_floor
 
     replays = [int(b) for b in args.replays.split(",") if b]
@@ -96,7 +96,10 @@ def main() -> int:
             for b in replays:
                 ms, touched = _replay_ms(engine, b, args.input_len)
                 steps[v, ("replay", b)].append(ms / 1e3)
-                fl = decode_floor(cfg, b, args.input_len + 8, touched, quantization=args.quantization)
+                # (the replays capture exact graphs: b rows; fp8 steps of up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows read
+                # the dense projections' e4m3 rows where the value being timed lets them)
+                gemv8 = args.quantization == "fp8" and reads_e4m3_rows(engine, b)
+                fl = decode_floor(cfg, b, args.input_len + 8, touched, quantization=args.quantization, e4m3_gemv=gemv8)
                 print(json.dumps({"what": "replay", args.env: v, "round": r, "batch": b, "step_ms": round(ms, 4),
                                   "floor_ms": round(fl["seconds"] * 1e3, 4), "ratio": round(ms / (fl["seconds"] * 1e3), 3),
                                   "experts": round(sum(touched.values()) / max(1, len(touched)), 1)}), flush=True)
@@ -110,7 +113,8 @@ def main() -> int:
             for b, i, o in decodes:
                 engine.runner.experts_touched(reset=True)
                 dec = run_bench(engine, b, i, o, seed=50 + r)
-                fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True), args.quantization)
+                fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True), args.quantization,
+                            e4m3_gemv=reads_e4m3_rows(engine, b))
                 steps[v, (b, i, o)].append(dec["decode_step_s_mean"])
                 row = {"what": "decode", args.env: v, "round": r, "workload": f"{b}:{i}:{o}",
                        "step_ms": round(dec["decode_step_s_mean"] * 1e3, 3), "floor_ms": round(fl["decode_floor_ms"], 3),
