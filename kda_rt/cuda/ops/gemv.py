@@ -1,8 +1,9 @@
 """Launcher for gemv_dense (kernels_cu/moe_gemv.cu, DENSE = 1): a one-row projection y = x · Wᵀ as a GEMV whose
 row pairs are spread evenly over every warp of a one-wave grid, its first weight rows loaded before the
-programmatic-launch wait.  gemm.linear takes it where `fits` (one row, bf16 out, KDA_RT_DENSE_GEMV not 0): at batch
-1 the KDA q|k|v|f_a|g_a|b and MLA q|kv_a projections, and a dense MLP's gate|up.  Also the GEMVs' shared launch
-configuration (GemvConfig, grid), which ops/moe_gemv.py uses too.
+programmatic-launch wait (2-4 rows of x in one launch too: MAX_ROWS).  gemm.linear takes it where `fits` (one row,
+or up to KDA_RT_DENSE_GEMV_MAX_T; bf16 out, KDA_RT_DENSE_GEMV not 0): at batch 1 the KDA q|k|v|f_a|g_a|b and MLA
+q|kv_a projections, and a dense MLP's gate|up; fp8 models' decode steps call it with e4m3 rows (cuda/model.py).
+Also the GEMVs' shared launch configuration (GemvConfig, grid), which ops/moe_gemv.py uses too.
 
 The kernel sits in moe_gemv.cu beside the MoE GEMVs, whose helpers it shares; its launcher is apart from
 ops/moe_gemv.py because gemm.linear imports it and ops/moe_gemv.py imports the routing launcher, which imports
@@ -24,7 +25,8 @@ __all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MAX_K_E4M3", "MAX_ROWS", "MIN_BYTES
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
 MAX_K_E4M3 = 2 * MAX_K  # e4m3 rows: 16 weights a piece, so as many pieces a lane (o_proj's K = 4096 at the 48B shape)
 # rows of x one launch takes (moe_gemv.cu MROWS: each weight pair widened once for all of them; at K = 5120 and 4 rows
-# 242 registers, no spills, NVRTC 13.5 sm_90a): the fp8 decode GEMVs of up to 4 sequences (KDA_RT_FP8_DECODE_GEMV_MAX_T)
+# 242 registers, no spills, NVRTC 13.5 sm_90a): decode steps of up to 4 rows (KDA_RT_FP8_DECODE_GEMV_MAX_T for the fp8
+# decode GEMVs, KDA_RT_DENSE_GEMV_MAX_T for gemm.linear's bf16 ones; both 1 by default)
 MAX_ROWS = 4
 
 
