@@ -634,7 +634,7 @@ def moe_fused64() -> str:
     """KDA_RT_MOE_FUSED64 (bench switch): which steps that take 64-row MoE tiles run moe_decode_fused on them
     (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64) instead of two moe_grouped_gemm_tc launches.  "auto" (the default)
     or "1": both formats (e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert, in place of the 32-row fused tiles:
-    moe_gemm_tc.py FUSED64_E4M3; bf16 decode batches of ~158-1370 tokens of the 48B shape: FUSED64_BF16); "e4m3": e4m3
+    moe_gemm_tc.py FUSED64_E4M3; bf16 decode batches of ~115-1370 tokens of the 48B shape, 4-48 rows an expert: FUSED64_BF16); "e4m3": e4m3
     stacks alone (the fifty-second session's default); "0": none.  Read at each forward and by the precompile (a CUDA
     graph keeps what it captured)."""
     value = os.environ.get("KDA_RT_MOE_FUSED64") or "auto"
@@ -682,7 +682,7 @@ def shared_graph_ws() -> bool:
 
 
 def mla_wave_splits() -> bool:
-    """KDA_RT_MLA_WAVE_SPLITS (bench switch, prepared): 1 launches the MLA decode attention of more tokens than SMs with
+    """KDA_RT_MLA_WAVE_SPLITS (bench switch; measured mixed in the fifty-third session, +0.7 / -1.1%, left off): 1 launches the MLA decode attention of more tokens than SMs with
     the split count that fills the waves best (ops/mla_attn.launch_splits) instead of one split a token (ceil(T / SMs)
     waves of whole contexts); default 0.  Read when a launch is made (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_MLA_WAVE_SPLITS", default="0")

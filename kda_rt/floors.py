@@ -102,14 +102,16 @@ def weight_bytes(config: ModelConfig, quantization: str | None = None) -> Weight
     return WeightBytes(dense, expert_params * stored, embed_row, dense_params, split["lm_head"][0], expert_params)
 
 
-# the dense projections an fp8 model's one-sequence decode steps read as e4m3 rows with KDA_RT_FP8_DECODE_GEMV
+# the dense projections an fp8 model's one-sequence decode steps (up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows) read as e4m3
+# rows with KDA_RT_FP8_DECODE_GEMV
 # (cuda/model.py: KDA q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layers' gate|up)
 _GEMV_E4M3 = {"kda": ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj", "o_proj"),
               "mla": ("q_proj", "kv_a_proj_with_mqa", "o_proj"), "dense": ("gate_proj", "up_proj")}
 
 
 def e4m3_gemv_savings(config: ModelConfig) -> int:
-    """Bytes a one-sequence decode step of an fp8 model with KDA_RT_FP8_DECODE_GEMV does not read: the e4m3 rows of
+    """Bytes a decode step of an fp8 model with KDA_RT_FP8_DECODE_GEMV does not read (one sequence, or up to
+    KDA_RT_FP8_DECODE_GEMV_MAX_T rows): the e4m3 rows of
     those projections (a byte a weight, an fp32 scale a row) in place of their stored weights, for each whose width
     the e4m3 GEMV takes (ops/gemv.py fits_e4m3: a multiple of 16, at most MAX_K_E4M3; the KDA q|k|v|f_a|g_a|b
     matrix's zero padding rows, under 8 a layer, left out)."""

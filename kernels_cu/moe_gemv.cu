@@ -1,7 +1,7 @@
 // moe_gemv.cu — one-row products (batch-1 decode) as GEMVs whose work is cut evenly over every warp of a grid of
 // one wave, bf16 in, fp32 accumulate: the gate/up projection of a one-token MoE step, (DOWN = 1,
 // moe_gemv_down) its down projection, and (DENSE = 1, gemv_dense at the end of the file, launched by
-// kda_rt/cuda/ops/gemv.py) a dense one-row projection:
+// kda_rt/cuda/ops/gemv.py) a dense one-row projection (or 2-4 rows in one launch, MROWS):
 //
 //   moe_gemv_gate_up: same math and rounding as moe_gemm_tc.cu's FUSE_SILU = 1 (spec §5.1) (WFMT = 1: w13 in e4m3
 //   with scale13 [E, 2·INTER] fp32, g and u each their row's scale times the fp32 sum, then the same roundings):

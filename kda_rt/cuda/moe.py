@@ -137,8 +137,8 @@ def moe_workspace_bytes(T: int, cfg: MoEConfig, D: int, inter: int, inter_s: int
 def precompile(cfg: MoEConfig, D: int, inter: int, fused: bool, e4m3: bool = False) -> int:
     """Build (or load from the disk cache) every bucket and grouped-GEMM variant a step can pick for
     this MoE shape: tiles of 16 (two: batches of up to SMALL_DECODE_TOKENS and larger), 32 and 64 rows (as
-    built_tile_rows says: bf16 stacks both, e4m3 stacks 64, on moe_decode_fused, or 32 with KDA_RT_MOE_FUSED64=0;
-    KDA_RT_MOE_FUSED32) and 128 (on wgmma where it runs), so no
+    built_tile_rows says: bf16 stacks 64, and 32 too with KDA_RT_MOE_FUSED32=auto or 1; e4m3 stacks 64, on
+    moe_decode_fused, or 32 with KDA_RT_MOE_FUSED64=0) and 128 (on wgmma where it runs), so no
     step, e.g. a mixed prefill / decode step whose rows per expert differ from the warm-up's, waits for NVRTC
     (~0.2-0.4 s a variant); `e4m3`: the variants for e4m3 expert stacks (their tiles as moe_forward picks them).
     Returns the number of variants."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# KDA_RT_FP8_DECODE_GEMV (prepared in the fifty-fourth session, never GPU-run): an fp8 model's one-sequence decode
+# KDA_RT_FP8_DECODE_GEMV (prepared in the fifty-fourth session; the default 1 since the fifty-fifth, batch-1 replay
+# 1.827 -> 1.638 ms): an fp8 model's one-sequence decode
 # steps run the dense projections as e4m3 GEMVs (gemv_dense with scale=: KDA q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a
 # and o_proj, the dense layer's gate|up), half the bytes of the bf16 weights they read otherwise (on the 48B shape
 # ~2.0 GB of bf16 rows a step, so ~1.0 GB less, ~0.23 ms at 4.3 TB/s: the fp8 batch-1 step is 1.86 ms), in one call:

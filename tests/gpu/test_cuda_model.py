@@ -616,12 +616,12 @@ def test_cuda_graph_sizes_pick_the_graph(monkeypatch):
 
 
 def test_graph_padding_rows_skip_their_state(monkeypatch):
-    """KDA_RT_SKIP_PAD=1 (the default): a decode graph's padding rows get the slot -1 (the KDA decode kernel stores
+    """KDA_RT_SKIP_PAD=1: a decode graph's padding rows get the slot -1 (the KDA decode kernel stores
     nothing for them: kda_decode.cu SKIP_PAD) and the step's live row count (the MoE plans the live rows' pairs alone
     and zeroes the others: moe_bucket.cuh LIVE_PAIRS / LIVE_TOKENS).  5 sequences on the 8-row graph (three padding
     rows), then 3 on the 4-row one (one), several steps each: the tokens are those of an engine with the same graphs
     and the switch off (the same kernel variants for the live rows), and the padding slot, filled with a sentinel
-    after start, is never written.  The same for KDA_RT_SKIP_PAD=2 (prepared: the KDA decode kernel's padding CTAs
+    after start, is never written.  The same for KDA_RT_SKIP_PAD=2 (the default: the KDA decode kernel's padding CTAs
     write zeros and leave)."""
     import cupy
 

@@ -629,7 +629,7 @@ def test_mla_launch_splits(monkeypatch):
 
 def test_gemv_dense_precompile_builds_what_linear_takes(monkeypatch):
     """ops/gemv.precompile (the runner calls it with the decode projections' shapes) builds gemv_dense once per
-    reduction width that `fits` can take: bf16 out, K <= MAX_K, 4-256 MB of weights (not the fp32 lm_head, not
+    reduction width (and row count up to KDA_RT_DENSE_GEMV_MAX_T) that `fits` can take: bf16 out, K <= MAX_K, 4-256 MB of weights (not the fp32 lm_head, not
     o_proj's K = 4096, not a small matrix), and nothing with KDA_RT_DENSE_GEMV=0."""
     import kda_rt.cuda.ops.gemv as gemv
 

@@ -85,7 +85,7 @@ def _best_splits(T: int, width: int, sms: int, min_tiles: int = _MIN_TILES) -> i
     return best
 
 
-# More tokens than SMs, KDA_RT_MLA_WAVE_SPLITS=1 (bench switch, prepared): the splits a token that minimise waves x
+# More tokens than SMs, KDA_RT_MLA_WAVE_SPLITS=1 (bench switch, left off): the splits a token that minimise waves x
 # (_WAVE_TILES / splits + _SPLIT_COST), _WAVE_TILES the tiles of a 2K context (the shortest the rule is for; a longer
 # one gains more from the same splits).  One split a token puts T blocks of a whole context each on the SMs: ceil(T /
 # SMs) waves, the last one ragged (batch 160 at 2K context: 160 blocks on 132 SMs, 198 us a layer against 99 us at
