@@ -25,8 +25,8 @@ import numpy as np
 if TYPE_CHECKING:
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["COPY_BYTES_PER_S", "BF16_FLOPS", "WeightBytes", "weight_bytes", "decode_floor", "e4m3_gemv_savings", "prefill_floor",
-           "op_work"]
+__all__ = ["COPY_BYTES_PER_S", "BF16_FLOPS", "WeightBytes", "weight_bytes", "decode_floor", "e4m3_gemv_savings",
+           "prefill_floor", "op_work"]
 
 COPY_BYTES_PER_S = 4.3e12  # H200 device-to-device copy, measured (../shared/docs/gpu_facts.md)
 BF16_FLOPS = 790e12  # H200 dense bf16 tensor-core peak, measured with cuBLAS (gpu_facts.md)
@@ -102,20 +102,19 @@ def weight_bytes(config: ModelConfig, quantization: str | None = None) -> Weight
     return WeightBytes(dense, expert_params * stored, embed_row, dense_params, split["lm_head"][0], expert_params)
 
 
-# the dense projections an fp8 model's one-sequence decode steps (up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows) read as e4m3
-# rows with KDA_RT_FP8_DECODE_GEMV
-# (cuda/model.py: KDA q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layers' gate|up)
+# the dense projections an fp8 model's decode steps of one sequence (up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows) read as
+# e4m3 rows with KDA_RT_FP8_DECODE_GEMV (cuda/model.py: KDA q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the
+# dense layers' gate|up)
 _GEMV_E4M3 = {"kda": ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj", "o_proj"),
               "mla": ("q_proj", "kv_a_proj_with_mqa", "o_proj"), "dense": ("gate_proj", "up_proj")}
 
 
 def e4m3_gemv_savings(config: ModelConfig) -> int:
     """Bytes a decode step of an fp8 model with KDA_RT_FP8_DECODE_GEMV does not read (one sequence, or up to
-    KDA_RT_FP8_DECODE_GEMV_MAX_T rows): the e4m3 rows of
-    those projections (a byte a weight, an fp32 scale a row) in place of their stored weights, for each whose width
-    the e4m3 GEMV takes (ops/gemv.py fits_e4m3: a multiple of 16, at most MAX_K_E4M3; the KDA q|k|v|f_a|g_a|b
-    matrix's zero padding rows, under 8 a layer, left out)."""
-    from kda_rt.cuda.ops.gemv import MAX_K_E4M3  # (imports no CuPy)
+    KDA_RT_FP8_DECODE_GEMV_MAX_T rows): the e4m3 rows of those projections (a byte a weight, an fp32 scale a row) in
+    place of their stored weights, for each whose width the e4m3 GEMV takes (ops/gemv.py takes_e4m3_width; the KDA
+    q|k|v|f_a|g_a|b matrix's zero padding rows, under 8 a layer, left out)."""
+    from kda_rt.cuda.ops.gemv import takes_e4m3_width  # (imports no CuPy)
     from kda_rt.loader.weights import expected_tensors
 
     stored = 4 if config.dtype == "float32" else 2
@@ -129,7 +128,7 @@ def e4m3_gemv_savings(config: ModelConfig) -> int:
         if kind not in _GEMV_E4M3 or proj not in _GEMV_E4M3[kind]:
             continue
         rows, k = shape
-        if k % 16 == 0 and k <= MAX_K_E4M3:
+        if takes_e4m3_width(k):
             saved += rows * k * (stored - 1) - 4 * rows
     return saved
 
@@ -167,7 +166,7 @@ def decode_floor(config: ModelConfig, batch: int, context: float, touched: dict[
     `touched`: MoE layer id -> mean experts routed per step (as counted in the run); default: the
     expected number of distinct experts under uniform routing, E(1 - (1 - A/E)^batch).  quantization: as
     weight_bytes.  e4m3_gemv: the step reads the dense projections of `e4m3_gemv_savings` as e4m3 rows
-    (KDA_RT_FP8_DECODE_GEMV, one-sequence steps of fp8 models)."""
+    (KDA_RT_FP8_DECODE_GEMV: fp8 models' steps of up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows)."""
     w = weight_bytes(config, quantization)
     moe = _moe_layers(config)
     experts = sum(_touched(config, batch, touched).get(i, 0.0) for i in moe)

@@ -96,7 +96,7 @@ moe_bucket(const int* __restrict__ ids, int num_pairs, int* __restrict__ expert_
            int* __restrict__ num_tiles, int* __restrict__ stats, int* __restrict__ sync, int sync_words LIVE_PARAM) {
     KDA_PDL_ENTRY();
 #ifdef LIVE_PAIRS
-    num_pairs = min(LIVE_COUNT(), num_pairs / LIVE_PAIRS) * LIVE_PAIRS;  // (no overflow, whatever `live` holds)
+    num_pairs = LIVE_NUM_PAIRS(num_pairs);
 #endif
     __shared__ int count_sh[E], off_sh[E], fill_sh[E], warp_tot[32];
     for (int i = threadIdx.x; i < sync_words; i += BUCKET_THREADS) sync[i] = 0;  // moe_decode_fused's counters
@@ -112,7 +112,7 @@ moe_bucket_count(const int* __restrict__ ids, int num_pairs, int chunk, int* __r
     KDA_PDL_ENTRY();
     __shared__ int count_sh[E];
 #ifdef LIVE_PAIRS
-    num_pairs = min(LIVE_COUNT(), num_pairs / LIVE_PAIRS) * LIVE_PAIRS;  // (no overflow, whatever `live` holds)
+    num_pairs = LIVE_NUM_PAIRS(num_pairs);
     const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = max(p0, min(num_pairs, p0 + chunk));  // (none: 0 rows)
 #else
     const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = min(num_pairs, p0 + chunk);
@@ -144,7 +144,7 @@ moe_bucket_scatter(const int* __restrict__ ids, int num_pairs, int chunk, const 
                    const int* __restrict__ base, int* __restrict__ sorted_pair, int* __restrict__ pair_pos LIVE_PARAM) {
     KDA_PDL_ENTRY();
 #ifdef LIVE_PAIRS
-    num_pairs = min(LIVE_COUNT(), num_pairs / LIVE_PAIRS) * LIVE_PAIRS;  // (no overflow, whatever `live` holds)
+    num_pairs = LIVE_NUM_PAIRS(num_pairs);
 #endif
     __shared__ int start_sh[E], fill_sh[E];
     const int tid = threadIdx.x, p0 = blockIdx.x * chunk, p1 = min(num_pairs, p0 + chunk);

@@ -12,6 +12,10 @@
 #if defined(LIVE_PAIRS) || defined(LIVE_TOKENS)
 #define LIVE_PARAM , const int* __restrict__ live
 #define LIVE_COUNT() max(0, __ldg(live))
+#ifdef LIVE_PAIRS
+// the pairs of the live tokens among num_pairs (token-major, LIVE_PAIRS a token; no overflow, whatever `live` holds)
+#define LIVE_NUM_PAIRS(num_pairs) (min(LIVE_COUNT(), (num_pairs) / LIVE_PAIRS) * LIVE_PAIRS)
+#endif
 #else
 #define LIVE_PARAM
 #endif

@@ -9,7 +9,8 @@ graph per decode batch-size bucket.
   (EngineConfig.graph_sizes: 1, 2, 4, 6, 8, 12, 16, 24, ... up to max_num_seqs by default, all captured when the
   runner starts, their buffers views of one shared workspace) that holds the batch;
   missing rows are padding that read a zero state (context 0) and write no KDA state and plan no MoE pairs (KDA_RT_SKIP_PAD,
-  default on; with 0 they run on and write the padding slot and page).  Metadata is copied into the
+  default 2: the KDA decode kernel's padding CTAs also skip their compute; with 0 they run on and write the padding
+  slot and page).  Metadata is copied into the
   graph's static buffers before each replay.  Prefill and mixed steps run eagerly.
 - A graph's block table is max_model_len / block_size pages wide; each step copies only the
   columns the batch uses (a 2D copy), the rest is never read (kernels stop at the context).
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kda_rt import env
 from kda_rt.cuda.model import CudaModel, DeviceBatch
 from kda_rt.cuda.ops import pdl
 from kda_rt.cuda.ops.check import BF16
@@ -137,8 +139,6 @@ class CudaRunner:
             raise MemoryError(f"cache pools ({need / 2**30:.1f} GiB) do not fit on the GPU after the weights: "
                               "lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or pass --num-blocks") from exc
         self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
-        from kda_rt import env
-
         # padding rows of decode graphs: slot -1 (no KDA state stored), the live count uploaded (the MoE plans the
         # live rows alone); read once, so the uploads and the captured kernels agree
         self.model.skip_pad = env.skip_pad()

@@ -20,7 +20,7 @@ from kda_rt.cuda.ops.check import BF16, expect, i32, leading_dim
 from kda_rt.cuda.ops.compile import arch_number, device_arch, get_kernel, sm_count
 
 __all__ = ["DEFAULT", "MAX_BYTES", "MAX_K", "MAX_K_E4M3", "MAX_ROWS", "MIN_BYTES", "GemvConfig", "check_e4m3_arch",
-           "check_weight_dtype", "fits", "fits_e4m3", "gemv_dense", "grid", "precompile"]
+           "check_weight_dtype", "fits", "fits_e4m3", "gemv_dense", "grid", "precompile", "takes_e4m3_width"]
 
 MAX_K = 2560  # a lane holds D / 256 pieces of each of two rows (twice with PIPE): D = 2304 at the 48B shape
 MAX_K_E4M3 = 2 * MAX_K  # e4m3 rows: 16 weights a piece, so as many pieces a lane (o_proj's K = 4096 at the 48B shape)
@@ -75,11 +75,17 @@ def fits(x, weight, out, accumulate: bool) -> bool:
             and weight.data.ptr % 16 == 0 and x.data.ptr % 16 == 0)
 
 
+def takes_e4m3_width(K: int) -> bool:
+    """gemv_dense's e4m3 form holds rows of K weights: a multiple of 16 (a 16-byte piece) within MAX_K_E4M3
+    (floors.e4m3_gemv_savings asks too, without a GPU)."""
+    return 0 < K <= MAX_K_E4M3 and K % 16 == 0
+
+
 def fits_e4m3(N: int, K: int) -> bool:
-    """gemv_dense takes an [N, K] weight as e4m3 rows (WFMT = 1; the fp8 decode GEMVs, KDA_RT_FP8_DECODE_GEMV): K a
-    multiple of 16 within MAX_K_E4M3, on sm_89 or newer (the model makes such rows only beside its dense e4m3
-    copies, on sm_90a: cuda/weights.py)."""
-    return N > 0 and 0 < K <= MAX_K_E4M3 and K % 16 == 0 and arch_number(device_arch()) >= 89
+    """gemv_dense takes an [N, K] weight as e4m3 rows (WFMT = 1; the fp8 decode GEMVs, KDA_RT_FP8_DECODE_GEMV): K as
+    takes_e4m3_width says, on sm_89 or newer (the model makes such rows only beside its dense e4m3 copies, on sm_90a:
+    cuda/weights.py)."""
+    return N > 0 and takes_e4m3_width(K) and arch_number(device_arch()) >= 89
 
 
 # row pairs a warp loads before the programmatic-launch wait (KDA_RT_DENSE_GEMV_PRE).  H200, 2026-12-01, batch-1
