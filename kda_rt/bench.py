@@ -274,8 +274,8 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
            quantization: str | None = None, e4m3_gemv: bool = False) -> dict:
     """The decode bytes floor (from the experts routed in the run; `quantization` as EngineConfig's: the experts'
     bytes in that format; `e4m3_gemv`: the run's decode steps read the dense projections' e4m3 rows,
-    KDA_RT_FP8_DECODE_GEMV and _MAX_T) and the prefill FLOPs floor of a (batch, input, output) run, with the measured / floor
-    ratios; one summary line on stderr."""
+    KDA_RT_FP8_DECODE_GEMV and _MAX_T) and the prefill FLOPs floor of a (batch, input, output) run, with the
+    measured / floor ratios; one summary line on stderr."""
     from kda_rt.floors import decode_floor, prefill_floor
 
     batch, input_len, output_len = shape

@@ -224,31 +224,30 @@ def fp8_dense() -> bool:
 
 
 def fp8_decode_gemv() -> bool:
-    """KDA_RT_FP8_DECODE_GEMV: 1 (the default) has a quantization="fp8" model
-    with the e4m3 dense copies (KDA_RT_FP8_DENSE) run its one-sequence decode steps' dense projections (KDA
-    q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a and o_proj, the dense layer's gate|up) as e4m3 GEMVs (gemv_dense, moe_gemv.cu
-    WFMT = 1: bf16 x, e4m3 weight rows times their fp32 scale, fp32 sums), half the bytes of the bf16 weights they read
-    otherwise (on the 48B shape ~2.0 GB of bf16 rows a step, so ~1.0 GB less: ~0.23 ms at 4.3 TB/s against the
-    fp8 batch-1 step's 1.86 ms; lm_head stays bf16).  At upload it quantizes KDA's whole
-    q|k|v|f_a|g_a|b (the prefill copy of q|k|v then a view of its rows: the same codes) and the projections without a
-    prefill copy; read at upload and at each decode forward (a CUDA graph keeps what it captured), so an A/B in one
-    process (tests/gpu/bench_ab.py) starts with it 1 and flips what the forward reads.  Needs the dense e4m3
-    copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else bf16, with a warning at upload if set to 1); KDA's q|k|v|f_a|g_a|b
-    only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the dense layer's down (K 9216 > 5120) stays bf16.
-    `bench`'s batch-1 floor then counts those rows (kda_rt/floors.py e4m3_gemv_savings: 0.98 GB less on the 48B
-    shape).  Measured (H200, 27-layer 48B shape, 2026-12-04, bench_ab.py as tests/gpu/fp8_decode_gemv_check.sh runs it,
-    --rounds 3): the fp8 batch-1 replay
-    1.827 -> 1.638 ms (-10.4%).  0: those projections read their bf16 weights."""
+    """KDA_RT_FP8_DECODE_GEMV: 1 (the default) has a quantization="fp8" model with the e4m3 dense copies
+    (KDA_RT_FP8_DENSE) run its one-sequence decode steps' dense projections (KDA q|k|v|f_a|g_a|b and o_proj, MLA q|kv_a
+    and o_proj, the dense layer's gate|up) as e4m3 GEMVs (gemv_dense, moe_gemv.cu WFMT = 1: bf16 x, e4m3 weight rows
+    times their fp32 scale, fp32 sums), half the bytes of the bf16 weights they read otherwise (on the 48B shape ~2.0 GB
+    of bf16 rows a step, so ~1.0 GB less: ~0.23 ms at 4.3 TB/s against the fp8 batch-1 step's 1.86 ms; lm_head stays
+    bf16).  At upload it quantizes KDA's whole q|k|v|f_a|g_a|b (the prefill copy of q|k|v then a view of its rows: the
+    same codes) and the projections without a prefill copy; read at upload and at each decode forward (a CUDA graph
+    keeps what it captured), so an A/B in one process (tests/gpu/bench_ab.py) starts with it 1 and flips what the
+    forward reads.  Needs the dense e4m3 copies (sm_90a with KDA_RT_WGMMA and KDA_RT_FP8_DENSE on; else bf16, with a
+    warning at upload if set to 1); KDA's q|k|v|f_a|g_a|b only in its one-GEMM form (KDA_RT_FUSED_KDA_PROJ on); the
+    dense layer's down (K 9216 > 5120) stays bf16.  `bench`'s batch-1 floor then counts those rows (kda_rt/floors.py
+    e4m3_gemv_savings: 0.98 GB less on the 48B shape).  Measured (H200, 27-layer 48B shape, 2026-12-04, bench_ab.py as
+    tests/gpu/fp8_decode_gemv_check.sh runs it, --rounds 3): the fp8 batch-1 replay 1.827 -> 1.638 ms (-10.4%).  0:
+    those projections read their bf16 weights."""
     return _on_off("KDA_RT_FP8_DECODE_GEMV", "1")
 
 
 def fp8_decode_gemv_max_t() -> int:
     """KDA_RT_FP8_DECODE_GEMV_MAX_T (bench switch, prepared 2026-12-04, not yet GPU-run): decode steps of up to this
-    many rows (1 to 4, ops/gemv.MAX_ROWS; a decode graph's rows, padding included: 3 sequences replay the 4-row graph
-    of the default sizes) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for all of their rows
+    many rows (1 to 4, ops/gemv.MAX_ROWS; a decode graph's rows, padding included: 3 sequences replay the 4-row graph of
+    the default sizes) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for all of their rows
     (moe_gemv.cu MROWS: each weight pair widened once for every row, each row's sums bit for bit a one-row launch's);
-    default 1 (the measured form).  At 2-4 rows the step reads the same ~1 GB less of the 48B shape's dense rows as at one, at
-    ~2x (2 rows) to ~4x (4 rows) the GEMV's FMAs (an estimate: near its issue limit at 4).  Read at each decode
+    default 1 (the measured form).  At 2-4 rows the step reads the same ~1 GB less of the 48B shape's dense rows as at
+    one, at ~2x (2 rows) to ~4x (4 rows) the GEMV's FMAs (an estimate: near its issue limit at 4).  Read at each decode
     forward and by the precompile (a CUDA graph keeps what it captured)."""
     return _non_negative_int("KDA_RT_FP8_DECODE_GEMV_MAX_T", 1, low=1, high=4)
 
@@ -634,9 +633,9 @@ def moe_fused64() -> str:
     """KDA_RT_MOE_FUSED64 (bench switch): which steps that take 64-row MoE tiles run moe_decode_fused on them
     (kernels_cu/moe_gemm_tc.cu DEC_WS with BM = 64) instead of two moe_grouped_gemm_tc launches.  "auto" (the default)
     or "1": both formats (e4m3 stacks from MIN_AVG_ROWS_E4M3 to 48 rows an expert, in place of the 32-row fused tiles:
-    moe_gemm_tc.py FUSED64_E4M3; bf16 decode batches of ~115-1370 tokens of the 48B shape, 4-48 rows an expert: FUSED64_BF16); "e4m3": e4m3
-    stacks alone (the fifty-second session's default); "0": none.  Read at each forward and by the precompile (a CUDA
-    graph keeps what it captured)."""
+    moe_gemm_tc.py FUSED64_E4M3; bf16 decode batches of ~115-1370 tokens of the 48B shape, 4-48 rows an expert:
+    FUSED64_BF16); "e4m3": e4m3 stacks alone (the fifty-second session's default); "0": none.  Read at each forward and
+    by the precompile (a CUDA graph keeps what it captured)."""
     value = os.environ.get("KDA_RT_MOE_FUSED64") or "auto"
     if value not in ("auto", "e4m3", "1", "0"):
         raise ValueError(f"KDA_RT_MOE_FUSED64 must be auto, e4m3, 1 or 0, got {value!r}")
@@ -682,9 +681,10 @@ def shared_graph_ws() -> bool:
 
 
 def mla_wave_splits() -> bool:
-    """KDA_RT_MLA_WAVE_SPLITS (bench switch; measured mixed in the fifty-third session, +0.7 / -1.1%, left off): 1 launches the MLA decode attention of more tokens than SMs with
-    the split count that fills the waves best (ops/mla_attn.launch_splits) instead of one split a token (ceil(T / SMs)
-    waves of whole contexts); default 0.  Read when a launch is made (a CUDA graph keeps what it captured)."""
+    """KDA_RT_MLA_WAVE_SPLITS (bench switch; measured mixed in the fifty-third session, +0.7 / -1.1%, left off): 1
+    launches the MLA decode attention of more tokens than SMs with the split count that fills the waves best
+    (ops/mla_attn.launch_splits) instead of one split a token (ceil(T / SMs) waves of whole contexts); default 0.  Read
+    when a launch is made (a CUDA graph keeps what it captured)."""
     return _on_off("KDA_RT_MLA_WAVE_SPLITS", default="0")
 
 
