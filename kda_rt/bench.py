@@ -227,6 +227,10 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     ids = [engine.add_request(f"profile-{i}", {"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()}, params)
            for i in range(batch)]
     out: dict = {}
+    # each profiled step alone: nothing launched ahead into its window (async scheduling off meanwhile)
+    if engine.has_pending_step():
+        raise RuntimeError("profile_steps: a step launched ahead is still pending; run the engine dry first")
+    settings, engine.config = engine.config, dataclasses.replace(engine.config, async_scheduling=False)
     try:
         tokens = engine.counters["tokens_processed"]
         with Profile() as prof:
@@ -242,14 +246,11 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
             engine.step()
         runner = engine.runner
         count = getattr(runner, "experts_touched", None)
-        # one eager decode step of the sequences still running, nothing launched ahead into the window
+        # one eager decode step of the sequences still running
         eager = getattr(runner, "enforce_eager", None)  # the cuda runner's switch; None elsewhere
         if eager is not None:
             runner.enforce_eager = True
-        settings, engine.config = engine.config, dataclasses.replace(engine.config, async_scheduling=False)
         try:
-            if engine.has_pending_step():  # a step launched ahead before the switch: run it first
-                engine.step()
             running = len(engine.scheduler.running)
             if count is not None:
                 count(reset=True)
@@ -258,13 +259,13 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
         finally:
             if eager is not None:
                 runner.enforce_eager = eager
-            engine.config = settings
         work = op_work(engine.model_config, decode=True, batch=running, tokens=running, context=input_len + 1,
                        touched=(count(reset=True) or None) if count is not None else None,
                        quantization=engine.config.quantization)
         out["decode"] = {"batch": running, "ops": prof.summary(), "work": work}
         print(f"decode step (eager, batch {running}):\n{prof.table(work)}", file=sys.stderr)
     finally:
+        engine.config = settings
         for rid in ids:
             engine.abort(rid)
     return out

@@ -36,6 +36,7 @@ from kda_rt.cuda.ops.check import BF16
 from kda_rt.cuda.staging import Staging, pack_layout
 from kda_rt.cuda.weights import decode_rows, upload_weights
 from kda_rt.cuda.workspace import Workspace, WorkspaceFull
+from kda_rt.engine.runner import lead_ids_rows
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
 
 if TYPE_CHECKING:
@@ -298,13 +299,11 @@ class CudaRunner:
 
     def _forward(self, batch: ForwardBatch, stage: str = "meta", ids_from=None):
         """Device logits [R, vocab] float32 whose first N rows are batch.logits_indices' rows.  `ids_from`:
-        a device int32 array of batch.num_seqs token ids (a decode batch) that replaces batch.input_ids
-        on the device (the previous step's sampled ids, which the host has not seen yet)."""
+        (device int32 ids, rows) from `lead_ids_rows`: the batch's first len(rows) sequences, one token each,
+        take ids[rows] on the device in place of their input_ids (the previous step's samples, which the host
+        has not seen yet)."""
         decode = bool(np.all(batch.seq_lens == 1)) and batch.logits_indices.shape[0] == batch.num_seqs
         B = batch.num_seqs
-        if ids_from is not None and (not decode or ids_from.shape != (B,)):
-            raise ValueError(f"ids_from: a decode batch takes {B} device ids, got shape {ids_from.shape} "
-                             f"({'decode' if decode else 'not a decode batch'})")
         with self.stream:
             if decode and not self.enforce_eager and self.buckets and B <= self.buckets[-1]:
                 rows = next(b for b in self.buckets if b >= B)
@@ -320,10 +319,20 @@ class CudaRunner:
             return self.model.forward(dev, self.eager_ws)
 
     def _ids_from(self, dev: DeviceBatch, ids_from) -> None:
-        if ids_from is not None:  # queued after the metadata copy, before the forward: the later write wins
-            n = int(ids_from.shape[0])
-            self.cupy.cuda.runtime.memcpyAsync(dev.input_ids.data.ptr, ids_from.data.ptr, 4 * n,
-                                               self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        """Queued after the metadata copy, before the forward (the later write wins): one device copy a run of
+        consecutive rows (one in the usual case: every row of the previous launch, in order)."""
+        if ids_from is None:
+            return
+        src, rows = ids_from
+        rt = self.cupy.cuda.runtime
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                end += 1
+            rt.memcpyAsync(dev.input_ids.data.ptr + 4 * start, src.data.ptr + 4 * rows[start], 4 * (end - start),
+                           rt.memcpyDeviceToDevice, self.stream.ptr)
+            start = end
 
     def score(self, batch: ForwardBatch) -> np.ndarray:
         """[N, vocab] float32 logits at batch.logits_indices (host array)."""
@@ -339,12 +348,13 @@ class CudaRunner:
         """Forward, then sample every row on the GPU: `collect(launch(batch, sampling))`."""
         return self.collect(self.launch(batch, sampling))
 
-    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last: bool = False) -> _Pending:
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last=()) -> _Pending:
         """Queue the forward and the GPU sampler (sampler/sampling.py) without waiting: the sampling
         settings go up in one pinned copy, grammar masks (asked for only after the forward is queued, so
         the host's grammar work overlaps it) in another, and the token ids, flags and logprobs come back
-        in one, read by `collect`.  `ids_from_last`: a decode batch whose rows are the previous launch's
-        rows in the same order, fed with the ids that launch sampled (still on the device).
+        in one, read by `collect`.  `ids_from_last` (the engine's async scheduling; `lead_ids_rows`): the
+        batch's first sequences, one token each, are fed the ids the previous launch sampled in those rows
+        (still on the device).
 
         Staging buffers alternate between two sets, so a launch can be queued while the previous one's
         results are still being read; the logits of a step with host rows are read in `collect`, so no
@@ -356,12 +366,9 @@ class CudaRunner:
         parity = self._launches % 2
         self._launches += 1
         ids_from = None
-        if ids_from_last:
-            ids_from = self._last_ids
-            if ids_from is None or ids_from.shape[0] != batch.num_seqs:
-                raise ValueError(f"ids_from_last: the previous launch sampled "
-                                 f"{None if ids_from is None else ids_from.shape[0]} rows, this batch has "
-                                 f"{batch.num_seqs} sequences")
+        if ids_from_last is True or len(ids_from_last):
+            last = self._last_ids
+            ids_from = (last, lead_ids_rows(batch, ids_from_last, None if last is None else int(last.shape[0])))
         self._last_ids = None
         if n == 0:  # prefill chunks that finish no prompt: the caches fill, nothing is sampled
             self._forward(batch, f"meta{parity}", ids_from)

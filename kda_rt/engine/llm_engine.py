@@ -12,9 +12,9 @@
 
 The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
 (or its two halves `launch` / `collect`) and `runner.score(ForwardBatch)` (the `Runner` contract,
-kda_rt/engine/runner.py), nothing else.  With `async_scheduling` a steady decode step is launched
-before the previous step's tokens reach the host (`step()` says when), so the host's postprocess
-overlaps the GPU's next forward.
+kda_rt/engine/runner.py), nothing else.  With `async_scheduling` the next step (decodes, prefill
+chunks, admissions) is scheduled and launched before the previous step's tokens reach the host
+(`step()` says when), so the host's postprocess and scheduling overlap the GPU's next forward.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class _Launched:
     num_decodes: int
     handle: object
     result: object = None  # the runner's StepOutput once collected
+    committed: bool = False  # its tokens counted as computed (scheduler.commit), at the latest by its postprocess
 
 
 class LLMEngine:
@@ -122,7 +123,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
-        self._inflight: _Launched | None = None  # a decode step queued ahead (async_scheduling)
+        self._inflight: _Launched | None = None  # a step queued ahead (async_scheduling)
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
         _raise_gc_threshold()
@@ -293,7 +294,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def has_pending_step(self) -> bool:
-        """A decode step was launched ahead (async scheduling) and the next step() collects it."""
+        """A step was launched ahead (async scheduling) and the next step() collects it."""
         return self._inflight is not None
 
     def num_waiting(self) -> int:
@@ -305,14 +306,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns the cumulative output of every request that got a token.
 
-        With `async_scheduling` (and a runner that can `launch` without waiting), a decode step whose
-        successor is already known (every running sequence decodes again, nothing waits, no host-side
-        sampling) queues that successor before collecting its own tokens: the GPU runs step k+1 while
-        the host postprocesses step k.  Step k+1 takes its input ids from step k's samples on the
-        device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step k+1
-        dropped.  Outputs are the same as without it, one step of tokens per call."""
+        With `async_scheduling` (and a runner that can `launch` without waiting) the step after this one
+        is scheduled and queued before this step's tokens are collected, whenever none of them has to be
+        known on the host first (`_launch_next`): the GPU runs step k+1 while the host postprocesses step
+        k.  Step k+1's rows of the sequences that step k samples take their input ids from step k's samples
+        on the device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step
+        k+1 dropped.  Tokens are those of the synchronous engine, one step of them per call; the batches
+        can differ where a finish would have freed room a step earlier (the pages and slot of a sequence
+        that step k finishes serve step k+2, not k+1)."""
         cur, self._inflight = self._inflight, None
-        if cur is not None and all(s.finished for s in cur.sampled):  # aborted or finished meanwhile
+        if cur is not None and all(s.finished for s, _ in cur.sched.scheduled):  # aborted meanwhile: nothing to keep
             self._collect(cur)
             cur = None
         if cur is None:
@@ -329,29 +332,31 @@ class LLMEngine:
             raise
         outputs = self._postprocess(cur, self._collect(cur))
         if nxt is not None:
-            if all(s.finished for s in nxt.sampled):  # every row was finished by this step: drop it
+            if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
                 self._collect(nxt)
             else:
                 self._inflight = nxt
         return outputs
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched:
+    def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = ()) -> _Launched:
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
-        rows = ((s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in sampled)
+        # (a pending token's id is not on the host: only its count matters to a row sampled on the device)
+        rows = ((s.params, s.seed, s.prompt_token_ids,
+                 range(len(s.output_token_ids) + 1) if s.pending else s.output_token_ids) for s in sampled)
         constrained = [s.grammar is not None for s in sampled]
         if any(constrained):  # masks computed when the runner asks: after it has launched the forward
             sampling = SamplingBatch.build(rows, self.eos_token_ids, constrained=constrained,
                                            masks=lambda: self._structured.masks(sampled))
         else:
             sampling = SamplingBatch.build(rows, self.eos_token_ids)
-        return self._submit(sched, batch, sampled, sampling, num_decodes)
+        return self._submit(sched, batch, sampled, sampling, num_decodes, ids_from_last)
 
-    def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: bool = False) -> _Launched:
+    def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: tuple[int, ...] = ()) -> _Launched:
         launch = getattr(self.runner, "launch", None)
         if launch is None:  # a runner that only executes: run now
             return _Launched(sched, batch, sampled, sampling, num_decodes, None, self.runner.execute(batch, sampling))
-        handle = launch(batch, sampling, ids_from_last=ids_from_last)
+        handle = launch(batch, sampling, ids_from_last=ids_from_last) if ids_from_last else launch(batch, sampling)
         return _Launched(sched, batch, sampled, sampling, num_decodes, handle)
 
     def _collect(self, launched: _Launched):
@@ -359,47 +364,56 @@ class LLMEngine:
             launched.result = self.runner.collect(launched.handle)
         return launched.result
 
+    def _commit(self, launched: _Launched) -> None:
+        """Count `launched`'s tokens as computed (once: ahead of its results when the next step is scheduled early)."""
+        if not launched.committed:
+            launched.committed = True
+            self.scheduler.commit(SchedulerOutput(scheduled=[(s, n) for s, n in launched.sched.scheduled
+                                                             if not s.finished]))
+
     def _launch_next(self, cur: _Launched) -> _Launched | None:
-        """Queue the decode step after `cur` before `cur`'s tokens are known, when it is determined
-        without them: `cur` decoded every running sequence, nothing waits, no row samples on the host
-        or under a grammar, no sequence ends by length with `cur`'s token, and the pages for one more
-        token are free (otherwise the next call schedules normally, preempting if it must)."""
+        """Schedule and queue the step after `cur` before `cur`'s tokens are known (async_scheduling): `cur`'s
+        tokens count as computed, each sequence that `cur` samples holds its token as `pending`, and its row of the
+        next step (placed first, in `cur`'s row order) is fed `cur`'s sampled id on the device.  A sequence that
+        `cur`'s token ends by length (max_tokens, max_model_len) gets no row.  Not done (None) when a token of `cur`
+        has to be on the host first: a row of `cur` sampled on the host or under a grammar, or a sequence whose next
+        row would be (a grammar, penalties, a min_tokens ban...)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
-            return None
-        sched = self.scheduler
-        seqs = cur.sampled
-        if sched.waiting or not seqs or len(seqs) != len(cur.sched.scheduled) or len(seqs) != len(sched.running):
             return None
         if cur.sampling.host_rows.any() or cur.sampling.constrained.any():
             return None
         limit = self.config.max_model_len
-        need = 0
-        for (seq, n), s in zip(cur.sched.scheduled, seqs, strict=True):
-            if (n != 1 or seq is not s or s.finished or s.num_computed != s.num_tokens - 1 or s.grammar is not None
-                    or len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit
-                    or needs_host_sampling(s.params, len(s.output_token_ids) + 1)):
+        pending, ending = [], set()
+        for s in cur.sampled:
+            if s.finished:
+                continue
+            if len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit:
+                ending.add(s)  # (its token ends it: postprocess finishes it whatever the id)
+            elif s.grammar is not None or needs_host_sampling(s.params, len(s.output_token_ids) + 1):
                 return None
-            need += max(0, sched.pages_for(s.num_computed + 2) - len(s.blocks))
-        if need > sched.pages.num_free:
+            else:
+                pending.append(s)
+        self._commit(cur)
+        for s in pending:
+            s.pending = 1
+        sched = self.scheduler.schedule(skip=ending)
+        if not sched.scheduled:
             return None
-        for s in seqs:  # position num_computed + 1 (the token `cur` samples) needs its page
-            extra = sched.pages_for(s.num_computed + 2) - len(s.blocks)
-            if extra > 0:
-                s.blocks.extend(sched.pages.allocate(extra))
-        batch = ForwardBatch.build([[0]] * len(seqs), [s.num_computed + 1 for s in seqs], [s.slot for s in seqs],
-                                   [s.blocks for s in seqs])
-        # one output token more than the host holds: `cur`'s, still on the device
-        sampling = SamplingBatch.build(((s.params, s.seed, s.prompt_token_ids, range(len(s.output_token_ids) + 1))
-                                        for s in seqs), self.eos_token_ids)
-        nsched = SchedulerOutput(scheduled=[(s, 1) for s in seqs])
+        chosen = dict(sched.scheduled)
+        lead = [s for s in pending if s in chosen]  # (a pending sequence the schedule preempted has no row)
+        row_of = {s: i for i, s in enumerate(cur.sampled)}
+        first = set(lead)
+        sched.scheduled = [(s, 1) for s in lead] + [(s, n) for s, n in sched.scheduled if s not in first]
         self.counters["steps_launched_ahead"] += 1
-        return self._submit(nsched, batch, list(seqs), sampling, len(seqs), ids_from_last=True)
+        return self._launch(sched, tuple(row_of[s] for s in lead))
 
     def _postprocess(self, cur: _Launched, result) -> list[RequestOutput]:
         """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped."""
-        sched, batch, sampled = cur.sched, cur.batch, cur.sampled
+        batch, sampled = cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
-        self.scheduler.commit(SchedulerOutput(scheduled=[(s, n) for s, n in sched.scheduled if not s.finished]))
+        self._commit(cur)
+        for seq in sampled:  # (its id is known now: accepted below, or dropped with its finished sequence)
+            seq.pending = 0
         self.counters["steps"] += 1
         self.counters["tokens_processed"] += batch.num_tokens
         self.counters["prefill_tokens"] += batch.num_tokens - cur.num_decodes
@@ -456,7 +470,7 @@ class LLMEngine:
         """[len(token_ids), vocab] float32 logits of every position of one sequence: one prefill in a
         slot and pages borrowed from the free pools and returned at once, so running requests are
         untouched.  RuntimeError when too few are free (other requests hold them)."""
-        if self._inflight is not None:  # a decode step queued ahead: its results are kept for step()
+        if self._inflight is not None:  # a step queued ahead: its results are kept for step()
             self._collect(self._inflight)
         if not isinstance(token_ids, (list, tuple, np.ndarray)):
             raise TypeError(f"token_ids must be a list of token ids, got {type(token_ids).__name__}")

@@ -28,6 +28,7 @@ import bisect
 import itertools
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kda_rt.engine.allocator import IdPool
@@ -116,7 +117,9 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, skip: Collection[Sequence] = ()) -> SchedulerOutput:
+        """The next step.  `skip`: running sequences that get no tokens this step (the engine's async scheduling
+        passes those that the step before ends by length; they keep their slot and pages until it finishes them)."""
         out = SchedulerOutput()
         # boxed: preemption refunds it.  Tokens left of the budget plus the tail: a chunk may use the tail only
         # to finish its prompt (_chunk), and no chunk starts once the budget proper is spent
@@ -127,7 +130,7 @@ class Scheduler:
         for seq in decodes + prefills:
             if self._proper(budget) <= 0:  # the tail alone starts no chunk
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
+            if seq.status is not SequenceStatus.RUNNING or seq in skip:  # (preempted earlier this step)
                 continue
             n = self._grow(seq, self._chunk(seq, budget), chosen, budget, out.preempted)
             if n:

@@ -8,6 +8,10 @@ into its KDA state slot and written to its MLA pages.  While `num_computed < num
 sequence is in prefill (the prompt, or prompt + outputs again after a preemption); once only the
 last sampled token is left it decodes one token per step.  Logits are sampled exactly when a step
 brings `num_computed` up to `num_tokens`.
+
+With async scheduling the engine schedules the next step before the host has the token this step
+samples: `pending` counts that token (0 or 1) in `num_tokens`; its id is still on the device, the
+runner feeds it from there, and `tokens()` gives 0 in its place until the engine accepts it.
 """
 
 from __future__ import annotations
@@ -53,10 +57,11 @@ class Sequence:
     stop_reason: int | str | None = None
     grammar: GrammarState | None = None  # structured outputs: the matcher of this sample's output
     sent: tuple[int, int] = (0, 0)  # (visible chars, tokens) already returned, for "delta" outputs
+    pending: int = 0  # a sampled token whose id the host has not read yet (async scheduling; module docstring)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending
 
     @property
     def num_uncomputed(self) -> int:
@@ -73,10 +78,6 @@ class Sequence:
         """Most tokens this sequence ever holds in the cache: the last output token is never computed."""
         return len(self.prompt_token_ids) + self.max_tokens - 1
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens(self, start: int, stop: int) -> list[int]:
         """Token ids at positions start..stop-1 (IndexError outside 0 <= start <= stop <= num_tokens)."""
         if not 0 <= start <= stop <= self.num_tokens:
@@ -84,9 +85,10 @@ class Sequence:
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
-        if start >= n:
-            return self.output_token_ids[start - n:stop - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+        out = self.output_token_ids[max(start - n, 0):stop - n]
+        if self.pending and start < stop == self.num_tokens:  # the pending token: its id comes from the device
+            out = out + [0]
+        return out if start >= n else self.prompt_token_ids[start:] + out
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ import numpy as np
 
 from kda_rt.engine.config import NUMPY_MAX_NUM_SEQS
 from kda_rt.engine.pools import host_memory_bytes, plan_pools
+from kda_rt.engine.runner import lead_ids_rows
 from kda_rt.reference.cache import KDAStatePool, MLAKVPool
 from kda_rt.sampler.batch import SamplingBatch, StepOutput
 from kda_rt.sampler.reference import sample_rows
@@ -61,17 +62,16 @@ class NumpyRunner:
         self._last = out
         return out
 
-    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last: bool = False) -> StepOutput:
-        """`execute` now (the CPU has nothing to overlap), kept for `collect`; `ids_from_last`: the batch's
-        input ids are the tokens the previous launch sampled, row for row (the engine's pipelined decode,
-        the same contract as the CUDA runner's; an errored row feeds id 0, its sequence is finished)."""
-        if ids_from_last:
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last=()) -> StepOutput:
+        """`execute` now (the CPU has nothing to overlap), kept for `collect`; `ids_from_last`: the batch's first
+        sequences take the tokens that the previous launch sampled in those rows (the engine's async scheduling,
+        the same contract as the CUDA runner's, `lead_ids_rows`; an errored row feeds id 0, its sequence is
+        finished)."""
+        if ids_from_last is True or len(ids_from_last):
             last = self._last
-            if last is None or len(last.token_ids) != batch.num_seqs or batch.num_tokens != batch.num_seqs:
-                raise ValueError(f"ids_from_last: the previous launch sampled "
-                                 f"{None if last is None else len(last.token_ids)} rows, this batch has "
-                                 f"{batch.num_seqs} sequences and {batch.num_tokens} tokens")
-            ids = np.array([0 if t is None else t for t in last.token_ids], dtype=np.int32)
+            rows = lead_ids_rows(batch, ids_from_last, None if last is None else len(last.token_ids))
+            ids = batch.input_ids.copy()
+            ids[: len(rows)] = [last.token_ids[r] or 0 for r in rows]
             batch = dataclasses.replace(batch, input_ids=ids)
         self._last = None
         return self.execute(batch, sampling)

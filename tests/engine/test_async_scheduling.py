@@ -1,16 +1,20 @@
-"""Async scheduling (the next decode step launched before this step's tokens reach the host) changes
-nothing a user sees: tokens, logprobs, finish reasons and texts equal those of the synchronous engine,
-through EOS / stop-token finishes in the middle of a batch, different max_tokens, seeded sampling,
-arrivals and aborts between steps, host-sampled rows and preemption.  Tiny checkpoint, NumPy
-backend (its runner implements the same launch / collect contract as the CUDA runner, with the
-previous step's ids fed from its own samples), float64 so batching cannot flip an argmax."""
+"""Async scheduling (the next step, decodes and prefill chunks alike, scheduled and launched before this
+step's tokens reach the host) changes nothing a user sees: tokens, logprobs, finish reasons and texts equal
+those of the synchronous engine, through EOS / stop-token finishes in the middle of a batch, different
+max_tokens, seeded sampling, prompts entering over chunked steps, arrivals and aborts between steps,
+host-sampled rows and preemption.  Tiny checkpoint, NumPy backend (its runner implements the same launch /
+collect contract as the CUDA runner, with the previous step's ids fed from its own samples), float64 so
+batching cannot flip an argmax."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from helpers.engine import assert_no_leaks, greedy, make_llm, mixed_prompts
 from kda_rt import SamplingParams
+from kda_rt.engine.batch import ForwardBatch
+from kda_rt.engine.runner import lead_ids_rows
 
 
 def _llms(tiny_dir, **kw):
@@ -140,3 +144,88 @@ def test_failed_launch_ahead_keeps_the_step_it_followed(tiny_dir):
     assert failed == 1
     assert [finals[f"r{i}"] for i in range(3)] == want
     assert_no_leaks(ahead)
+
+
+class _LaunchSpy:
+    """Every launch's batch shape and ids_from_last, recorded on the runner instance."""
+
+    def __init__(self, runner) -> None:
+        self.calls: list[tuple[list[int], tuple[int, ...]]] = []
+        inner = runner.launch
+
+        def launch(batch, sampling, **kw):
+            self.calls.append((batch.seq_lens.tolist(), tuple(kw.get("ids_from_last", ()))))
+            return inner(batch, sampling, **kw)
+
+        runner.launch = launch
+
+
+def test_mixed_steps_are_launched_ahead(tiny_dir):
+    """Prompts that enter over chunked steps beside running decodes, finishing by length at different steps: every
+    launch after the first is queued ahead (a prefill chunk beside decodes fed on the device included, and a
+    sequence that the step in flight ends by length gets no row), and the outputs equal the synchronous engine's."""
+    kw = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=40)
+    sync, ahead = _llms(tiny_dir, **kw)
+    prompts = mixed_prompts(8, seed=21, lo=18, hi=60)
+    params = [greedy(4 + 2 * i) if i % 3 else SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True,
+                                                              logprobs=2) for i in range(8)]
+    want = _run(sync, prompts, params)
+    spy = _LaunchSpy(ahead.llm_engine.runner)
+    before = ahead.stats()["steps_launched_ahead"]
+    got = _run(ahead, prompts, params)
+    assert got == want
+    launched_ahead = ahead.stats()["steps_launched_ahead"] - before
+    assert len(spy.calls) - launched_ahead == 1, "a launch after the first waited for the host"
+    mixed = [(lens, rows) for lens, rows in spy.calls if rows and max(lens) > 1]
+    assert mixed, "no prefill chunk ran beside decodes fed from the device: the test lost its point"
+    for lens, rows in mixed:
+        assert lens[: len(rows)] == [1] * len(rows)
+    assert_no_leaks(ahead)
+
+
+def test_preemption_in_a_step_scheduled_ahead(tiny_dir):
+    """A page pool too small for every sequence, greedy rows only: steps scheduled ahead preempt, some of them a
+    sequence whose token is still on the device (it goes back to the queue and gets that token when the step in
+    flight is collected), and the outputs equal the synchronous engine's."""
+    prompts = mixed_prompts(14, seed=1, lo=2, hi=40)
+    params = [greedy(12 + (i % 5) * 4) for i in range(14)]
+    kw = dict(max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=5, max_num_batched_tokens=64)
+    sync, ahead = _llms(tiny_dir, **kw)
+    want = _run(sync, prompts, params)
+    eng, seen = ahead.llm_engine, []
+    launch_next, preempt = eng._launch_next, eng.scheduler._preempt
+    ahead_now = [False]
+
+    def spy_launch_next(cur):
+        ahead_now[0] = True
+        try:
+            return launch_next(cur)
+        finally:
+            ahead_now[0] = False
+
+    def spy_preempt(seq):
+        seen.append((ahead_now[0], seq.pending))
+        return preempt(seq)
+
+    eng._launch_next, eng.scheduler._preempt = spy_launch_next, spy_preempt
+    got = _run(ahead, prompts, params)
+    assert got == want
+    assert (True, 1) in seen, f"no step scheduled ahead preempted a sequence with a pending token: {seen}"
+    assert_no_leaks(ahead)
+
+
+def test_lead_ids_rows_refuses_what_the_previous_launch_cannot_feed():
+    """The runners' check of ids_from_last: previous sample rows for the batch's first sequences, one token each."""
+    batch = ForwardBatch.build([[0], [0], [5, 6, 7]], [4, 9, 0], [0, 1, 2], [[0], [1], [2]])
+    assert lead_ids_rows(batch, (2, 0), 3) == (2, 0)
+    assert lead_ids_rows(batch, np.array([1]), 2) == (1,)
+    with pytest.raises(ValueError, match="sampled None rows"):
+        lead_ids_rows(batch, (0,), None)
+    with pytest.raises(ValueError, match="rows \\[0, 3\\]"):
+        lead_ids_rows(batch, (0, 3), 3)
+    with pytest.raises(ValueError, match="one token each"):
+        lead_ids_rows(batch, (0, 1, 2), 3)
+    with pytest.raises(ValueError, match="sampled 2 rows, this batch has 3"):
+        lead_ids_rows(batch, True, 2)
+    decode = ForwardBatch.build([[0], [0]], [4, 9], [0, 1], [[0], [1]])
+    assert lead_ids_rows(decode, True, 2) == (0, 1)

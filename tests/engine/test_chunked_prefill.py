@@ -61,8 +61,10 @@ def test_chunk_budgets_match_full_prefill(tiny_dir, dtype, tol):
 
 
 def test_flat_batch_metadata(tiny_dir):
-    """A mixed step: one decode, one prefill chunk that ends its prompt, one mid-prompt chunk."""
-    llm = make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_seqs=3, max_num_batched_tokens=40)
+    """A mixed step: one decode, one prefill chunk that ends its prompt, one mid-prompt chunk (synchronous steps: with
+    async scheduling the step after the first is launched before b and c arrive, and they join the one after)."""
+    llm = make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_seqs=3, max_num_batched_tokens=40,
+                   async_scheduling=False)
     engine = llm.llm_engine
     rec = RecordingRunner(engine.runner)
     engine.add_request("a", {"prompt_token_ids": list(range(10, 30))}, greedy(4))  # 20 tokens

@@ -73,6 +73,21 @@ def test_chunked_prefill_mixed_with_decodes_and_incremental_pages():
     assert fake_step(sched) == [(a, 1), (b, 12)] and len(b.output_token_ids) == 1
 
 
+def test_skipped_sequences_get_no_tokens_and_keep_their_room():
+    """schedule(skip=...) (async scheduling's sequences that the step in flight ends by length): no tokens for them,
+    their slot and pages kept, the others scheduled as without them; each skipped one still counts as running."""
+    sched = Scheduler(config(max_num_seqs=3, num_slots=3, max_num_batched_tokens=40))
+    a, b, c, d = make_seq(3, 8), make_seq(5, 8), make_seq(30, 8), make_seq(4, 8)
+    for seq in (a, b, c):
+        sched.add(seq)
+    assert fake_step(sched) == [(a, 3), (b, 5), (c, 30)]
+    sched.add(d)
+    blocks, slot = list(b.blocks), b.slot
+    out = sched.schedule(skip={b})
+    assert out.scheduled == [(a, 1), (c, 1)]  # d waits: b still holds the third seat
+    assert b.blocks == blocks and b.slot == slot and b in sched.running and d in sched.waiting
+
+
 def test_preempts_newest_and_requeues_at_front():
     sched = Scheduler(config(num_blocks=3, block_size=16, max_num_batched_tokens=100))
     old, new = make_seq(16, 30), make_seq(15, 30)
@@ -218,16 +233,19 @@ def test_deterministic():
 
 @settings(deadline=None)  # (a GC pause past hypothesis's 200 ms default is no failure)
 @given(prompt=st.lists(st.integers(0, 999), min_size=1, max_size=12), out=st.lists(st.integers(0, 999), max_size=8),
-       data=st.data())
-def test_sequence_tokens_slices_prompt_then_outputs(prompt, out, data):
+       pending=st.integers(0, 1), data=st.data())
+def test_sequence_tokens_slices_prompt_then_outputs(prompt, out, pending, data):
     """Sequence.tokens(start, stop) (what build_batch feeds the model) equals the positions one by one,
-    across the prompt / output boundary, and refuses a range outside the sequence."""
+    across the prompt / output boundary, a pending token (async scheduling: its id still on the device) as 0
+    at the end, and refuses a range outside the sequence."""
     seq = Sequence("s", 0, list(prompt), SamplingParams(), 0, 16)
     seq.output_token_ids = list(out)
+    seq.pending = pending
     n = seq.num_tokens
+    assert n == len(prompt) + len(out) + pending
     start = data.draw(st.integers(0, n))
     stop = data.draw(st.integers(start, n))
-    assert seq.tokens(start, stop) == (prompt + out)[start:stop]
+    assert seq.tokens(start, stop) == (prompt + out + [0] * pending)[start:stop]
     with pytest.raises(IndexError):
         seq.tokens(start, n + 1)
 
