@@ -91,6 +91,13 @@ def _on_off(name: str, default: str = "1") -> bool:
     return value == "1"
 
 
+def async_prefill() -> bool:
+    """KDA_RT_ASYNC_PREFILL: with async scheduling, 1 (the default) launches the step after a prefill or mixed step
+    ahead too (prompt chunks, admissions); 0 only a steady decode step (every running sequence decoding, nothing
+    waiting), the engine's form before the fifty-sixth session, kept for A/Bs.  Read every step."""
+    return _on_off("KDA_RT_ASYNC_PREFILL")
+
+
 def pdl() -> bool:
     """KDA_RT_PDL: 0 captures the decode graphs with plain kernel launches instead of programmatic
     dependent launches (kda_rt/cuda/ops/pdl.py, sm_90+); default 1.  Read when a graph is captured."""

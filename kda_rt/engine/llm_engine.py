@@ -382,6 +382,10 @@ class LLMEngine:
             return None
         if cur.sampling.host_rows.any() or cur.sampling.constrained.any():
             return None
+        if not env.async_prefill() and (self.scheduler.waiting or len(cur.sampled) != len(cur.sched.scheduled)
+                                        or len(cur.sampled) != len(self.scheduler.running)
+                                        or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
+            return None  # (KDA_RT_ASYNC_PREFILL=0: steady decode steps only)
         limit = self.config.max_model_len
         pending, ending = [], set()
         for s in cur.sampled:

@@ -183,6 +183,23 @@ def test_mixed_steps_are_launched_ahead(tiny_dir):
     assert_no_leaks(ahead)
 
 
+def test_steady_decode_steps_only_with_the_switch_off(tiny_dir, monkeypatch):
+    """KDA_RT_ASYNC_PREFILL=0 (the A/B's other arm): no step after a prefill or mixed step is launched ahead, steady
+    decode steps still are, and the outputs are the synchronous engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    kw = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=40)
+    sync, ahead = _llms(tiny_dir, **kw)
+    prompts = mixed_prompts(8, seed=21, lo=18, hi=60)
+    params = [greedy(4 + 2 * i) for i in range(8)]
+    want = _run(sync, prompts, params)
+    spy = _LaunchSpy(ahead.llm_engine.runner)
+    got = _run(ahead, prompts, params)
+    assert got == want
+    fed = [lens for lens, rows in spy.calls if rows]
+    assert fed and all(max(lens) == 1 for lens in fed), spy.calls
+    assert_no_leaks(ahead)
+
+
 def test_preemption_in_a_step_scheduled_ahead(tiny_dir):
     """A page pool too small for every sequence, greedy rows only: steps scheduled ahead preempt, some of them a
     sequence whose token is still on the device (it goes back to the queue and gets that token when the step in

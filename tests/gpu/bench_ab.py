@@ -77,6 +77,7 @@ def main() -> int:
     ttft_mean: dict[str, list[float]] = {v: [] for v in values}
     steps: dict[tuple, list[float]] = {(v, d): [] for v in values for d in decodes}
     steps.update({(v, ("replay", b)): [] for v in values for b in replays})
+    elapsed: dict[tuple, list[float]] = {(v, d): [] for v in values for d in decodes}
     for r in range(args.rounds):
         for v in values if r % 2 == 0 else values[::-1]:  # the order alternates, so neither value always runs first
             for name, value in zip(envs, v.split(":"), strict=True):
@@ -116,9 +117,11 @@ def main() -> int:
                 fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True), args.quantization,
                             e4m3_gemv=reads_e4m3_rows(engine, b))
                 steps[v, (b, i, o)].append(dec["decode_step_s_mean"])
+                elapsed[v, (b, i, o)].append(dec["elapsed_s"])
                 row = {"what": "decode", args.env: v, "round": r, "workload": f"{b}:{i}:{o}",
                        "step_ms": round(dec["decode_step_s_mean"] * 1e3, 3), "floor_ms": round(fl["decode_floor_ms"], 3),
                        "ratio": round(fl["decode_ratio"], 3), "experts": fl["experts_per_moe_layer"],
+                       "elapsed_s": round(dec["elapsed_s"], 4), "ttft_max_s": round(dec["ttft_s_max"], 4),
                        "kernels_built": dec.get("kernels_built")}
                 print(json.dumps(row), flush=True)
     for v in values:
@@ -126,7 +129,9 @@ def main() -> int:
                           "ttft_median_s": round(statistics.median(ttft[v]), 4) if ttft[v] else None,
                           "ttft_mean_median_s": round(statistics.median(ttft_mean[v]), 4) if ttft_mean[v] else None,
                           **{f"step_ms_median {':'.join(map(str, d))}": round(statistics.median(steps[v, d]) * 1e3, 4)
-                             for d in [*decodes, *(("replay", b) for b in replays)]}}), flush=True)
+                             for d in [*decodes, *(("replay", b) for b in replays)]},
+                          **{f"elapsed_s_median {':'.join(map(str, d))}": round(statistics.median(elapsed[v, d]), 4)
+                             for d in decodes}}), flush=True)
     return 0
 
 

@@ -203,9 +203,10 @@ def test_default_max_model_len_is_the_models(ckpt):
 
 
 def test_async_scheduling_same_outputs(ckpt, oracle):
-    """Decode steps launched ahead (the default) on the GPU.  (1) Requests that all start together and
-    run to the same length see the same batches either way: tokens and logprobs equal the synchronous
-    engine's bit for bit.  (2) Stop-token finishes in the middle of a batch, seeded sampling, a late
+    """Steps launched ahead (the default: decode steps, and the prompts' chunked prefill steps beside decodes whose
+    ids are fed on the device) on the GPU.  (1) Requests that all start together and run to the same length see
+    batches of the same sequences either way (in the ahead engine the rows that take the previous step's ids
+    lead): tokens and logprobs equal the synchronous engine's bit for bit.  (2) Stop-token finishes in the middle of a batch, seeded sampling, a late
     arrival and an abort between steps: a launched-ahead step fixes its batch before an arrival, so the
     batches differ from the synchronous engine's; every greedy row is checked against the oracle instead
     (a stale or misplaced input id would show as tokens the oracle does not predict)."""
@@ -215,8 +216,19 @@ def test_async_scheduling_same_outputs(ckpt, oracle):
     params = [greedy(20) if i % 2 else SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=20,
                                                       ignore_eos=True, logprobs=3) for i in range(len(prompts))]
     launched = ahead.llm_engine.counters["steps_launched_ahead"]
-    want, got = run_all(sync, prompts, params), run_all(ahead, prompts, params)
-    assert ahead.llm_engine.counters["steps_launched_ahead"] - launched >= 10  # 14 of ~20 decode steps
+    calls, inner = [], ahead.llm_engine.runner.launch
+
+    def spy(batch, sampling, **kw):
+        calls.append((int(batch.seq_lens.max()), len(kw.get("ids_from_last", ()))))
+        return inner(batch, sampling, **kw)
+
+    ahead.llm_engine.runner.launch = spy
+    try:
+        want, got = run_all(sync, prompts, params), run_all(ahead, prompts, params)
+    finally:
+        del ahead.llm_engine.runner.launch
+    assert ahead.llm_engine.counters["steps_launched_ahead"] - launched == len(calls) - 1  # all but the first
+    assert any(longest > 1 and fed for longest, fed in calls), calls  # a prefill chunk beside device-fed decodes
     for w, g in zip(want, got, strict=True):
         assert (g.token_ids, g.logprobs) == (w.token_ids, w.logprobs)
 
