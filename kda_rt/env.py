@@ -12,7 +12,7 @@ __all__ = ["READ_AT_START", "cache_dir", "arch_override", "api_key", "log_stats_
 
 # switches the CUDA runner reads once, when it starts (an A/B that flips them on a running engine times one setting
 # twice: tests/gpu/bench_ab.py and trace_decode.py refuse them)
-READ_AT_START = ("KDA_RT_SHARED_GRAPH_WS", "KDA_RT_SKIP_PAD")
+READ_AT_START = ("KDA_RT_SHARED_GRAPH_WS", "KDA_RT_SKIP_PAD", "KDA_RT_GPU_PENALTIES")
 
 
 @functools.cache
@@ -96,6 +96,15 @@ def async_prefill() -> bool:
     ahead too (prompt chunks, admissions); 0 only a steady decode step (every running sequence decoding, nothing
     waiting), the engine's form before the fifty-sixth session, kept for A/Bs.  Read every step."""
     return _on_off("KDA_RT_ASYNC_PREFILL")
+
+
+def gpu_penalties() -> bool:
+    """KDA_RT_GPU_PENALTIES: 1 has the CUDA runner sample rows with repetition / presence / frequency penalties on the
+    GPU, from per-sequence token counts kept on the device (sampler/penalties.py; the sampling kernel's HAS_PENALTIES
+    form), instead of copying their logits to the host sampler (~26 ms a sampled row of V = 163840 on the NumPy
+    reference, 0.7 ms greedy); such rows then also allow async scheduling.  Default 0: prepared in the fifty-sixth
+    session, not yet GPU-run.  Read when the runner starts."""
+    return _on_off("KDA_RT_GPU_PENALTIES", "0")
 
 
 def pdl() -> bool:

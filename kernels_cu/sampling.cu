@@ -61,8 +61,9 @@
 // Block: THREADS.  Passes over the slice: 1 load + stats, then for a sampled row 1 coarse + <= 4 fine
 // (top-k), 1 coarse + <= 4 fine (top-p), 1 draw; 1 coarse + 4..8 fine for top-N logprobs.
 // Shapes / dtypes: logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (<= 0 or
-// >= V: off); seeds [B] u64; steps [B] i32; counts [B, V] i32 (output tokens); prompt_mask [B, V] u8;
-// repetition, presence, frequency [B] f32; out_ids [B] i32; out_logprobs [B] f32;
+// >= V: off); seeds [B] u64; steps [B] i32; counts [R, V] i32 (output tokens); prompt_mask [R, V] u8;
+// repetition, presence, frequency [B] f32; pen_rows [B] i32 or null: row b's counts / prompt_mask row (null: row b,
+// R = B; the CUDA runner keeps one row a penalised sequence, sampler/penalties.py); out_ids [B] i32; out_logprobs [B] f32;
 // out_top_ids [B, N] i32; out_top_logprobs [B, N] f32.
 // out_flags [B] int32; allowed [B, ceil(V / 32)] uint32.
 // Compile-time constants (chosen in sampler/sampling.py): V, THREADS, MIN_BLOCKS, CLUSTER (1..8;
@@ -544,7 +545,8 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
             const unsigned long long* __restrict__ seeds, const int* __restrict__ steps,
             const int* __restrict__ counts, const unsigned char* __restrict__ prompt_mask,
             const float* __restrict__ repetition, const float* __restrict__ presence,
-            const float* __restrict__ frequency, int* __restrict__ out_ids, float* __restrict__ out_logprobs,
+            const float* __restrict__ frequency, const int* __restrict__ pen_rows, int* __restrict__ out_ids,
+            float* __restrict__ out_logprobs,
             int* __restrict__ out_top_ids, float* __restrict__ out_top_logprobs, const unsigned* __restrict__ allowed,
             int* __restrict__ out_flags, int num_rows) {
     KDA_PDL_ENTRY();
@@ -560,8 +562,9 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
     Row row;
     row.logits = logits + base;
 #if HAS_PENALTIES
-    row.counts = counts + base;
-    row.prompt = prompt_mask + base;
+    const size_t pbase = pen_rows != nullptr ? (size_t)pen_rows[b] * V : base;
+    row.counts = counts + pbase;
+    row.prompt = prompt_mask + pbase;
     row.repetition = repetition[b];
     row.presence = presence[b];
     row.frequency = frequency[b];
@@ -753,13 +756,15 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
 #endif
 }
 
-// counts[b, ids[b]] += 1 after each step (rows with an id outside [0, V) are left alone).
-extern "C" __global__ void update_counts(int* __restrict__ counts, const int* __restrict__ ids, int num_rows) {
+// counts[r, ids[b]] += 1 after each step, r = rows[b] (rows null: r = b); rows with r < 0 or an id outside [0, V) are
+// left alone.
+extern "C" __global__ void update_counts(int* __restrict__ counts, const int* __restrict__ ids,
+                                         const int* __restrict__ rows, int num_rows) {
     KDA_PDL_ENTRY();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_rows) return;
-    const int id = ids[b];
-    if (id >= 0 && id < V) counts[(size_t)b * V + id] += 1;
+    const int id = ids[b], r = rows != nullptr ? rows[b] : b;
+    if (r >= 0 && id >= 0 && id < V) counts[(size_t)r * V + id] += 1;
 }
 
 // prompt_mask[row, ids[j]] = 1 for j < num_ids (ids outside [0, V) are skipped).

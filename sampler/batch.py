@@ -6,7 +6,9 @@ what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `all
 host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
 `host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias,
 allowed_token_ids or bad_words is a host row; a structured-output mask is applied by the GPU sampler
-itself (its bitmask is uploaded).
+itself (its bitmask is uploaded); so are repetition / presence / frequency penalties when the runner keeps
+each sequence's token counts on the device (`device_penalties`: the CUDA runner with KDA_RT_GPU_PENALTIES=1,
+which finds a sequence's counts by its row's `keys` entry).
 
 The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
 the forward pass, so the grammar work on the host overlaps the GPU's.
@@ -21,17 +23,21 @@ import numpy as np
 
 from .params import GREEDY_EPS, SamplingParams
 
-__all__ = ["SamplingBatch", "StepOutput", "bad_word_bans", "needs_host_sampling"]
+__all__ = ["SamplingBatch", "StepOutput", "bad_word_bans", "has_penalties", "needs_host_sampling"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def needs_host_sampling(params: SamplingParams, num_output: int) -> bool:
-    """Penalties, a min_tokens ban, a logit_bias, allowed_token_ids or bad_words: the GPU sampler does none of them,
-    the host sampler all."""
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or num_output < params.min_tokens or bool(params.logit_bias) or params.allowed_token_ids is not None
-            or bool(params.bad_words_token_ids))
+def has_penalties(params: SamplingParams) -> bool:
+    """A repetition, presence or frequency penalty (they read the sequence's prompt and output tokens)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def needs_host_sampling(params: SamplingParams, num_output: int, device_penalties: bool = False) -> bool:
+    """A min_tokens ban, a logit_bias, allowed_token_ids or bad_words, and penalties unless the runner applies them
+    on the device (`device_penalties`): the GPU sampler does none of those, the host sampler all."""
+    return ((has_penalties(params) and not device_penalties) or num_output < params.min_tokens
+            or bool(params.logit_bias) or params.allowed_token_ids is not None or bool(params.bad_words_token_ids))
 
 
 def bad_word_bans(params: SamplingParams, output_ids) -> list[int]:
@@ -55,8 +61,9 @@ class SamplingBatch:
     top_p: np.ndarray  # [N] float32
     min_p: np.ndarray  # [N] float32
     num_logprobs: np.ndarray  # [N] int32: -1 no logprobs, else how many top tokens besides the sampled one
-    host_rows: np.ndarray  # [N] bool: penalties or bans (the host sampler's rows)
-    # (prompt, output ids) of host rows: the sequence's own lists, read during this step's execute only
+    host_rows: np.ndarray  # [N] bool: bans, a bias, penalties unless on the device (the host sampler's rows)
+    # (prompt, output ids) of host rows and penalty rows: the sequence's own lists, read during this step's launch
+    # only (without a pending token: `steps` counts it)
     history: tuple[tuple[Sequence[int], Sequence[int]] | None, ...]
     banned: tuple[tuple[int, ...], ...]  # token ids banned this step (min_tokens not reached)
     # (token ids int64 [B], biases float32 [B]) added to the row's logits, or None
@@ -65,6 +72,11 @@ class SamplingBatch:
     # each row's [ceil(V / 32)] int32 bitmask of allowed tokens (bit t % 32 of word t // 32) or None; or a
     # callable returning that sequence, called once when `allowed` is first read
     masks: Sequence[np.ndarray | None] | Callable[[], Sequence[np.ndarray | None]] | None = None
+    # [N] bool: the row has a repetition / presence / frequency penalty (on the device unless a host row)
+    penalty_rows: np.ndarray | None = None
+    # [N] int64: an id of the row's sequence, unique while it lives (-1: none given); the CUDA runner keys each
+    # sequence's device token counts by it
+    keys: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -83,14 +95,19 @@ class SamplingBatch:
         return masks
 
     @classmethod
-    def build(cls, rows: Iterable[tuple[SamplingParams, int, Sequence[int], Sequence[int]]],
-              eos_token_ids: Iterable[int], allowed: Sequence[np.ndarray | None] | None = None, *,
-              constrained: Sequence[bool] | None = None,
-              masks: Callable[[], Sequence[np.ndarray | None]] | None = None) -> SamplingBatch:
-        """rows: (params, seed, prompt ids, output ids so far) per sampling row; `allowed`: each row's
-        grammar bitmask for this step, or None (no structured outputs in the batch); or, lazily, `masks`
-        (a callable returning them) with `constrained` saying which rows will have one."""
-        rows = list(rows)
+    def build(cls, rows: Iterable[tuple], eos_token_ids: Iterable[int],
+              allowed: Sequence[np.ndarray | None] | None = None, *, constrained: Sequence[bool] | None = None,
+              masks: Callable[[], Sequence[np.ndarray | None]] | None = None, device_penalties: bool = False,
+              keys: Sequence[int] | None = None) -> SamplingBatch:
+        """rows: (params, seed, prompt ids, output ids so far[, pending]) per sampling row, `pending` (default 0)
+        output tokens sampled but not yet on the host (async scheduling: counted in `steps`, not in the ids);
+        `allowed`: each row's grammar bitmask for this step, or None (no structured outputs in the batch); or,
+        lazily, `masks` (a callable returning them) with `constrained` saying which rows will have one;
+        `device_penalties`: the runner applies penalties on the device (they make no host row); `keys`: each
+        row's sequence id (SamplingBatch.keys)."""
+        rows = [(*r, 0) if len(r) == 4 else tuple(r) for r in rows]
+        if any(len(r) != 5 for r in rows):
+            raise ValueError("SamplingBatch.build: each row is (params, seed, prompt ids, output ids[, pending])")
         eos = tuple(sorted(eos_token_ids))
         params = tuple(r[0] for r in rows)
         if masks is not None:
@@ -107,15 +124,19 @@ class SamplingBatch:
             (np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias)),
              np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))) if p.logit_bias else None
             for p in params)
-        host = [needs_host_sampling(p, len(out)) for p, _, _, out in rows]
+        steps = [len(out) + pend for *_, out, pend in rows]
+        host = [needs_host_sampling(p, n, device_penalties) for (p, *_), n in zip(rows, steps, strict=True)]
+        penalty = [has_penalties(p) for p in params]
         banned = tuple(
-            ((*p.stop_token_ids, *(() if p.ignore_eos else eos)) if len(out) < p.min_tokens else ())
+            ((*p.stop_token_ids, *(() if p.ignore_eos else eos)) if n < p.min_tokens else ())
             + tuple(bad_word_bans(p, out))
-            for p, _, _, out in rows)
+            for (p, _, _, out, _), n in zip(rows, steps, strict=True))
+        if keys is not None and len(keys) != len(rows):
+            raise ValueError(f"SamplingBatch.build: {len(keys)} keys for {len(rows)} rows")
         return cls(
             params=params,
-            seeds=np.array([s & 0xFFFFFFFFFFFFFFFF for _, s, _, _ in rows], dtype=np.uint64),
-            steps=np.array([len(out) for *_, out in rows], dtype=np.int32),
+            seeds=np.array([s & 0xFFFFFFFFFFFFFFFF for _, s, *_ in rows], dtype=np.uint64),
+            steps=np.array(steps, dtype=np.int32),
             # (a temperature past float32's range samples uniformly either way: clipped, it casts without a warning)
             temperature=np.array([0.0 if p.temperature < GREEDY_EPS else min(p.temperature, _F32_MAX) for p in params],
                                  np.float32),
@@ -124,11 +145,14 @@ class SamplingBatch:
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
             num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int32),
             host_rows=np.array(host, dtype=bool),
-            history=tuple((prompt, out) if h else None for h, (_, _, prompt, out) in zip(host, rows, strict=True)),
+            history=tuple((prompt, out) if h or pen else None
+                          for h, pen, (_, _, prompt, out, _) in zip(host, penalty, rows, strict=True)),
             banned=banned,
             logit_bias=bias,
             constrained=constrained,
             masks=masks,
+            penalty_rows=np.array(penalty, dtype=bool),
+            keys=np.full(len(rows), -1, np.int64) if keys is None else np.array(keys, dtype=np.int64),
         )
 
 

@@ -97,7 +97,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
            stream=None, cluster: int | None = None, threads: int | None = None):
     """logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (0: off); seeds [B] u64;
     steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
-    repetition, presence, frequency [B] f32).  Writes out_logprobs [B] f32 (log-softmax of the penalised,
+    repetition, presence, frequency [B] f32[, rows]): with `rows` ([B] i32) row b reads counts / prompt_mask row
+    rows[b] of [R, V] ones (the runner's per-sequence rows, sampler/penalties.py).  Writes out_logprobs [B] f32 (log-softmax of the penalised,
     untempered logits at the sampled token) when given, and with num_logprobs = N > 0 the N most likely
     tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed: None or
     [B, ceil(V / 32)] int32 grammar bitmask (a row with every bit set is unconstrained).  out_flags [B] i32
@@ -111,10 +112,18 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
                              ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
                              ("seeds", seeds, np.uint64), ("steps", steps, np.int32)):
         expect(arr, name, shape=(B,), dtype=dtype)
+    pen_rows = np.uint64(0)  # (null: row b reads counts row b)
     if penalties is not None:
-        counts, prompt_mask, repetition, presence, frequency = penalties
-        expect(counts, "penalties.counts", shape=(B, V), dtype=np.int32)
-        expect(prompt_mask, "penalties.prompt_mask", shape=(B, V), dtype=np.uint8)
+        if len(penalties) not in (5, 6):
+            raise ValueError("penalties: (counts, prompt_mask, repetition, presence, frequency[, rows])")
+        counts, prompt_mask, repetition, presence, frequency = penalties[:5]
+        R = B
+        if len(penalties) == 6:
+            pen_rows = penalties[5]
+            expect(pen_rows, "penalties.rows", shape=(B,), dtype=np.int32)
+            R = counts.shape[0]
+        expect(counts, "penalties.counts", shape=(R, V), dtype=np.int32)
+        expect(prompt_mask, "penalties.prompt_mask", shape=(R, V), dtype=np.uint8)
         for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
             expect(arr, f"penalties.{name}", shape=(B,), dtype=np.float32)
     else:
@@ -141,7 +150,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
     if B:
         unused = out_ids  # placeholder pointer for outputs the specialisation never writes
         kernel((B * cluster,), (threads,), (logits, temperature, top_k, top_p, min_p, seeds, steps, counts,
-                                            prompt_mask, repetition, presence, frequency, out_ids,
+                                            prompt_mask, repetition, presence, frequency, pen_rows, out_ids,
                                             unused if out_logprobs is None else out_logprobs,
                                             out_top_ids if num_logprobs else unused,
                                             out_top_logprobs if num_logprobs else unused,
@@ -151,12 +160,19 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
     return out_ids
 
 
-def update_counts(counts, ids, *, stream=None) -> None:
-    """counts[b, ids[b]] += 1 for each row (ids outside [0, V) are skipped).  counts [B, V] i32, ids [B] i32."""
-    B, V = expect(counts, "counts", ndim=2, dtype=np.int32)
-    expect(ids, "ids", shape=(B,), dtype=np.int32)
+def update_counts(counts, ids, *, rows=None, stream=None) -> None:
+    """counts[r, ids[b]] += 1 for each row b, r = rows[b] (default b; r < 0 and ids outside [0, V) are skipped).
+    counts [R, V] i32, ids [B] i32, rows [B] i32 (without rows R = B)."""
+    R, V = expect(counts, "counts", ndim=2, dtype=np.int32)
+    (B,) = expect(ids, "ids", ndim=1, dtype=np.int32)
+    if rows is None:
+        if B != R:
+            raise ValueError(f"update_counts: {B} ids for {R} count rows (give rows to map them)")
+    else:
+        expect(rows, "rows", shape=(B,), dtype=np.int32)
     if B:
-        get_kernel("sampling.cu", "update_counts", V=V)(((B + 255) // 256,), (256,), (counts, ids, i32(B)),
+        get_kernel("sampling.cu", "update_counts", V=V)(((B + 255) // 256,), (256,),
+                                                        (counts, ids, np.uint64(0) if rows is None else rows, i32(B)),
                                                         stream=stream)
 
 

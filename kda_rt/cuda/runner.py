@@ -146,6 +146,10 @@ class CudaRunner:
         self.pad_row_slot = -1 if self.model.skip_pad else self.pad_slot  # (the slot padding rows carry)
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
+        # KDA_RT_GPU_PENALTIES: penalised rows sampled on the GPU from per-sequence token counts (sampler/penalties.py,
+        # made on the first such row); the engine reads `device_penalties` when it builds a step's SamplingBatch
+        self.device_penalties = env.gpu_penalties()
+        self.penalty_rows = None
         self.staging = Staging()
         self.enforce_eager = engine.enforce_eager
         self.buckets = engine.graph_sizes(plan.engine_slots)  # (the decode batch sizes captured as graphs)
@@ -378,21 +382,37 @@ class CudaRunner:
         want_lp = sampling.num_logprobs >= 0
         num_top = int(sampling.num_logprobs.max(initial=0))
         i32, f32, u64 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint64)
-        # settings: seeds, temperature, top_k, top_p, min_p, steps; outputs: ids, flags, logprob, top ids / logprobs
+        # settings: seeds, temperature, top_k, top_p, min_p, steps (and with device penalties repetition, presence,
+        # frequency, the rows' counts rows and their update map); outputs: ids, flags, logprob, top ids / logprobs
         ins = [(n, u64), (n, f32), (n, i32), (n, f32), (n, f32), (n, i32)]
+        values = [sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps]
+        pen = None
+        if self.device_penalties and sampling.penalty_rows is not None and sampling.penalty_rows.any():
+            from kda_rt.sampler.penalties import PenaltyRows
+            from kda_rt.sampler.sampling import update_counts
+
+            if self.penalty_rows is None:
+                self.penalty_rows = PenaltyRows(V, cp, lambda c, ids_, rows: update_counts(c, ids_, rows=rows,
+                                                                                            stream=self.stream))
+            with self.stream:  # (a new row's fill, a growth: stream-ordered after the steps that read the rows)
+                pen = self.penalty_rows.prepare(sampling)
+        if pen is not None:
+            ins += [(n, f32)] * 3 + [(n, i32)] * 2
+            values += [np.array([getattr(p, f) for p in sampling.params], np.float32)
+                       for f in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
+            values += list(pen)
         outs = [(n, i32), (n, i32), (n, f32), (n * num_top, i32), (n * num_top, f32)]
         in_offs, in_bytes = pack_layout(ins)
         out_offs, out_bytes = pack_layout(outs)
         host = self.staging.host(f"sampling{parity}", in_bytes)
-        values = (sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps)
         for off, (count, dtype), value in zip(in_offs, ins, values, strict=True):
             host[off:off + count * dtype.itemsize].view(dtype)[:] = value
         view = lambda buf, off, count, dtype: cp.ndarray((count,), dtype, memptr=buf.data + off)  # noqa: E731
         with self.stream:  # buffers from the pool of the stream that uses them
             dev_in = self.sample_ws.get(f"in{parity}", (in_bytes,), np.uint8)
             dev_out = self.sample_ws.get(f"out{parity}", (out_bytes,), np.uint8)
-            seeds, temp, top_k, top_p, min_p, steps = (view(dev_in, o, c, d)
-                                                       for o, (c, d) in zip(in_offs, ins, strict=True))
+            seeds, temp, top_k, top_p, min_p, steps, *pen_in = (view(dev_in, o, c, d)
+                                                                 for o, (c, d) in zip(in_offs, ins, strict=True))
             ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
             self.staging.to_device(f"sampling{parity}", dev_in, in_bytes, self.stream)
             allowed = None
@@ -404,11 +424,17 @@ class CudaRunner:
                     masks[i] = -1 if m is None else m[:words]
                 allowed = self.sample_ws.get(f"masks{parity}", (n, words), np.int32)
                 self.staging.to_device(f"masks{parity}", allowed, masks.nbytes, self.stream)
-            sample(logits, temp, top_k, top_p, min_p, seeds, steps, allowed=allowed,
+            penalties = None
+            if pen is not None:
+                rep, pres, freq, rows, _ = pen_in
+                penalties = (self.penalty_rows.counts, self.penalty_rows.prompt, rep, pres, freq, rows)
+            sample(logits, temp, top_k, top_p, min_p, seeds, steps, penalties=penalties, allowed=allowed,
                    out_ids=ids, out_logprobs=lp if want_lp.any() else None, num_logprobs=num_top,
                    out_top_ids=top_ids.reshape(n, num_top) if num_top else None,
                    out_top_logprobs=top_lp.reshape(n, num_top) if num_top else None, out_flags=flags,
                    stream=self.stream)
+            if pen is not None:  # this step's tokens into the counts, before any later step reads them
+                self.penalty_rows.after_sample(sampling, ids, pen_in[4])
             got = self.staging.from_device_async(f"results{parity}", dev_out, out_bytes, self.stream)
         self._last_ids = ids
         parts = tuple(got[o:o + c * d.itemsize].view(d) for o, (c, d) in zip(out_offs, outs, strict=True))
@@ -416,8 +442,8 @@ class CudaRunner:
 
     def collect(self, pending: _Pending) -> StepOutput:
         """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
-        rows (sampler/batch.needs_host_sampling: penalties, a min_tokens ban, a logit_bias, allowed_token_ids,
-        bad_words) by the NumPy reference sampler from their logits,
+        rows (sampler/batch.needs_host_sampling: a min_tokens ban, a logit_bias, allowed_token_ids, bad_words, and
+        penalties unless KDA_RT_GPU_PENALTIES) by the NumPy reference sampler from their logits,
         rows with non-finite logits (flag 1) get that error, as the reference would report it."""
         from kda_rt.sampler.reference import nonfinite_error, sample_rows
 

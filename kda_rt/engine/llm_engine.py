@@ -124,6 +124,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._inflight: _Launched | None = None  # a step queued ahead (async_scheduling)
+        # the runner samples penalised rows on the device (the CUDA runner with KDA_RT_GPU_PENALTIES): they are no
+        # host rows, and SamplingBatch.keys (each sequence's arrival number) finds their token counts there
+        self._device_penalties = bool(getattr(runner, "device_penalties", False))
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
         _raise_gc_threshold()
@@ -341,15 +344,15 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = ()) -> _Launched:
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
-        # (a pending token's id is not on the host: only its count matters to a row sampled on the device)
-        rows = ((s.params, s.seed, s.prompt_token_ids,
-                 range(len(s.output_token_ids) + 1) if s.pending else s.output_token_ids) for s in sampled)
+        # (a pending token's id is not on the host: its count is the row's step, the device has the rest)
+        rows = ((s.params, s.seed, s.prompt_token_ids, s.output_token_ids, s.pending) for s in sampled)
         constrained = [s.grammar is not None for s in sampled]
+        kw = dict(device_penalties=self._device_penalties, keys=[s.arrival for s in sampled])
         if any(constrained):  # masks computed when the runner asks: after it has launched the forward
             sampling = SamplingBatch.build(rows, self.eos_token_ids, constrained=constrained,
-                                           masks=lambda: self._structured.masks(sampled))
+                                           masks=lambda: self._structured.masks(sampled), **kw)
         else:
-            sampling = SamplingBatch.build(rows, self.eos_token_ids)
+            sampling = SamplingBatch.build(rows, self.eos_token_ids, **kw)
         return self._submit(sched, batch, sampled, sampling, num_decodes, ids_from_last)
 
     def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: tuple[int, ...] = ()) -> _Launched:
@@ -393,7 +396,8 @@ class LLMEngine:
                 continue
             if len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit:
                 ending.add(s)  # (its token ends it: postprocess finishes it whatever the id)
-            elif s.grammar is not None or needs_host_sampling(s.params, len(s.output_token_ids) + 1):
+            elif s.grammar is not None or needs_host_sampling(s.params, len(s.output_token_ids) + 1,
+                                                              self._device_penalties):
                 return None
             else:
                 pending.append(s)

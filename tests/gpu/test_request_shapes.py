@@ -256,3 +256,34 @@ def test_async_scheduling_same_outputs(ckpt, oracle):
             assert out.token_ids[-1] in stops[int(rid[1:])].stop_token_ids
             out = type("Done", (), {"token_ids": out.token_ids, "logprobs": out.logprobs, "finish_reason": "length"})
         assert_matches_oracle(oracle, prompt, out, f"async, {rid}")
+
+
+def test_gpu_penalties_equal_the_host_sampler(ckpt, monkeypatch):
+    """KDA_RT_GPU_PENALTIES=1: rows with repetition / presence / frequency penalties sampled on the GPU from the
+    runner's per-sequence token counts (sampler/penalties.py) give the host sampler's greedy tokens bit for bit and
+    its logprobs within float32 rounding (synchronous steps: the same batches, so the same logits); the penalties
+    change the tokens; with async scheduling the penalised steps are launched ahead (the device counts the token the
+    host has not seen yet) and the tokens are again the same."""
+    kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
+    prompts = [prompt_of(n, seed=700 + n) for n in (5, 17, 40, 63, 90, 130)]
+    params = [greedy(24, repetition_penalty=1.3), greedy(24, frequency_penalty=0.8), greedy(24, presence_penalty=1.5),
+              greedy(24, repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), greedy(24),
+              greedy(24, frequency_penalty=2.0)]
+    monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "0")
+    host = LLM(ckpt, async_scheduling=False, **kw)
+    want = run_all(host, prompts, params)
+    plain = run_all(host, prompts, [greedy(24)] * len(prompts))
+    assert sum(w.token_ids != p.token_ids for w, p in zip(want, plain, strict=True)) >= 3, "penalties changed nothing"
+    monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "1")
+    for ahead in (False, True):
+        dev = LLM(ckpt, async_scheduling=ahead, **kw)
+        assert dev.llm_engine.runner.device_penalties
+        launched = dev.llm_engine.counters["steps_launched_ahead"]
+        got = run_all(dev, prompts, params)
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert g.token_ids == w.token_ids, f"row {i} (async {ahead})"
+            for lw, lg in zip(w.logprobs, g.logprobs, strict=True):
+                assert lg.keys() == lw.keys() and all(abs(lg[t] - lw[t]) <= 1e-4 for t in lw), f"row {i} logprobs"
+        assert (dev.llm_engine.counters["steps_launched_ahead"] - launched > 10) == ahead
+        no_leaks(dev)
+        del dev

@@ -245,6 +245,23 @@ def test_penalties_flip_the_greedy_pick():
     ids, lp, *_ = run_sample(x, sampled, [7, 8, 9, 10], [3, 3, 3, 3], penalties=pen)
     check_tokens(xp, sampled, [7, 8, 9, 10], [3] * 4, ids, min_exact=0.75)
     check_logprobs(xp, ids, lp)
+    # the runner's form (sampler/penalties.py): rows of a larger pool, found through a row map; update_counts by
+    # the same map skips rows mapped to -1
+    perm = np.array([5, 2, 6, 1], np.int32)
+    pool_counts, pool_prompt = cupy.zeros((B + 3, V), dtype=np.int32), cupy.zeros((B + 3, V), dtype=np.uint8)
+    pool_counts[cupy.asarray(perm)], pool_prompt[cupy.asarray(perm)] = counts, prompt_mask
+    mapped = (pool_counts, pool_prompt, *pen[2:], cupy.asarray(perm))
+    ids2, lp2, top_ids2, top_lp2 = run_sample(x, params, [1] * B, [0] * B, penalties=mapped, num_logprobs=4)
+    assert np.array_equal(ids2, np.argmax(xp, axis=1)) and np.array_equal(lp2, run_sample(
+        x, params, [1] * B, [0] * B, penalties=pen, num_logprobs=4)[1])
+    update_counts(pool_counts, cupy.asarray(np.array([3, 4, 5, 6], np.int32)),
+                  rows=cupy.asarray(np.array([5, -1, 6, 1], np.int32)))
+    after = cupy.asnumpy(pool_counts)
+    for b, (r, t) in enumerate(zip(perm.tolist(), [3, 4, 5, 6], strict=True)):
+        want = np.bincount(outputs[b], minlength=V)
+        want[t] += b != 1
+        assert np.array_equal(after[r], want), f"row {b}"
+    assert not after[[0, 3, 4]].any()
 
 
 @gpu

@@ -1,0 +1,120 @@
+"""`PenaltyRows`: each penalised sequence's token counts on the device, so the GPU sampler applies repetition,
+presence and frequency penalties (kernels_cu/sampling.cu HAS_PENALTIES) and no such row goes to the host sampler.
+
+Two arrays of R rows: `counts` [R, V] int32 (how often each token is in the sequence's output) and `prompt`
+[R, V] uint8 (1 where a token is in its prompt), the shapes the sampling kernel reads through its row map.
+Row 0 stays zero: the batch rows without a device penalty read it (repetition 1, presence and frequency 0 leave
+their logits bit for bit as they are).  A sequence gets a row the first launch it samples in (found by its key,
+`SamplingBatch.keys`), filled from its prompt and outputs; after each launch the sampled ids are added on the
+device (`update_counts`, queued right after the sampler), so the next step's counts hold the token even before
+the host has it (async scheduling's pending token).  `counted` follows what the device holds; a row whose
+`steps` disagrees (a token sampled on the host, a row the engine dropped) is filled again from its history.
+
+Rows of keys not seen in this launch or the one before are reused first (least recently seen), else the arrays
+grow by doubling (the old rows copied on the device, in stream order).  Memory: 5 bytes x V a row (0.8 MB at V =
+163840), allocated on the first penalised row, so only servers that get penalties pay it.
+
+`xp` is the array module (CuPy on the GPU; NumPy in the CPU tests, with `add_sampled` as `np.add.at`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["PenaltyRows"]
+
+
+class PenaltyRows:
+    def __init__(self, vocab: int, xp, add_sampled: Callable, *, first_capacity: int = 8) -> None:
+        """`add_sampled(counts, ids, rows)`: counts[rows[b], ids[b]] += 1 where rows[b] >= 0 (ids: the sampler's
+        device output; sampler/sampling.update_counts on the GPU)."""
+        self.vocab = vocab
+        self.xp = xp
+        self.add_sampled = add_sampled
+        self.first_capacity = first_capacity
+        self.counts = None  # [R, V] int32, R = 1 + capacity (row 0: zeros)
+        self.prompt = None  # [R, V] uint8
+        self.entries: dict[int, list[int]] = {}  # key -> [row, tokens counted on the device, last launch seen]
+        self.free: list[int] = []
+        self.launch = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.counts is None else self.counts.shape[0] - 1
+
+    def prepare(self, sampling) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a launch about to sample `sampling`: (row of each batch row, 0 for rows without a device penalty;
+        the same with -1 there, for `after_sample`), both [N] int32 host arrays, once every penalised row's counts
+        equal its `steps`; None when no row has a device penalty.  RuntimeError when a row's counts would need a
+        token only the device has (a pending token it did not count: not produced by the engine)."""
+        self.launch += 1
+        device = np.flatnonzero(sampling.penalty_rows & ~sampling.host_rows)
+        if device.size == 0:
+            return None
+        keys = [int(sampling.keys[i]) for i in device]
+        if min(keys) < 0:
+            raise ValueError("PenaltyRows: a row with a device penalty needs its sequence key (SamplingBatch.keys)")
+        for key in keys:  # (stamped first, so no row of this batch is taken for another of its keys)
+            if key in self.entries:
+                self.entries[key][2] = self.launch
+        rows = np.zeros(sampling.num_rows, np.int32)
+        for i, key in zip(device, keys, strict=True):
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = [self._take_row(), -1, self.launch]
+            steps = int(sampling.steps[i])
+            if entry[1] != steps:
+                prompt, outputs = sampling.history[i]
+                if len(outputs) != steps:
+                    raise RuntimeError(f"PenaltyRows: sequence {key} samples output token {steps} but the host holds "
+                                       f"{len(outputs)} of its outputs and the device counted {entry[1]}")
+                self._fill(entry[0], prompt, outputs)
+                entry[1] = steps
+            rows[i] = entry[0]
+        update = np.where(rows > 0, rows, -1).astype(np.int32)
+        return rows, update
+
+    def after_sample(self, sampling, ids, update_dev) -> None:
+        """Queue the sampled `ids` (device [N] int32) into the counts of the rows `prepare` mapped (`update_dev`,
+        its second array on the device); each such sequence then counts one token more."""
+        self.add_sampled(self.counts, ids, update_dev)
+        for i in np.flatnonzero(sampling.penalty_rows & ~sampling.host_rows):
+            self.entries[int(sampling.keys[i])][1] += 1
+
+    def _take_row(self) -> int:
+        if not self.free:
+            idle = [(e[2], k) for k, e in self.entries.items() if e[2] < self.launch - 1]
+            if idle:
+                _, key = min(idle)
+                self.free.append(self.entries.pop(key)[0])
+            else:
+                self._grow()
+        return self.free.pop()
+
+    def _grow(self) -> None:
+        xp, old = self.xp, self.capacity
+        cap = max(self.first_capacity, 2 * old)
+        counts = xp.zeros((cap + 1, self.vocab), dtype=np.int32)
+        prompt = xp.zeros((cap + 1, self.vocab), dtype=np.uint8)
+        if old:
+            counts[: old + 1] = self.counts
+            prompt[: old + 1] = self.prompt
+        self.counts, self.prompt = counts, prompt
+        self.free.extend(range(cap, old, -1))  # (popped from the end: the lowest new row first)
+
+    def _fill(self, row: int, prompt, outputs) -> None:
+        """The row's counts of `outputs` and marks of `prompt` (token ids outside [0, V) are left out, as the
+        kernels leave them)."""
+        xp, V = self.xp, self.vocab
+        self.counts[row] = 0
+        self.prompt[row] = 0
+        out = np.asarray(outputs, dtype=np.int64)
+        ids, num = np.unique(out[(out >= 0) & (out < V)], return_counts=True)
+        if ids.size:
+            self.counts[row, xp.asarray(ids)] = xp.asarray(num.astype(np.int32))
+        seen = np.unique(np.asarray(prompt, dtype=np.int64))
+        seen = seen[(seen >= 0) & (seen < V)]
+        if seen.size:
+            self.prompt[row, xp.asarray(seen)] = 1

@@ -1,0 +1,82 @@
+"""Penalised rows sampled from per-sequence device counts (the CUDA runner's KDA_RT_GPU_PENALTIES bookkeeping,
+sampler/penalties.PenaltyRows, run on a NumPy runner: tests/helpers/penalties.use_device_penalties) give the tokens and
+logprobs of the host sampler's rows, which penalise from each row's history: through chunked prompts, n > 1 samples,
+stop-token finishes mid-batch, preemption and async scheduling, where a penalised row's next step is launched before
+the host has its token (the device counts it).  Tiny checkpoint, NumPy backend, float64."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from helpers.engine import assert_no_leaks, make_llm, mixed_prompts
+from helpers.penalties import use_device_penalties
+from kda_rt import SamplingParams
+
+
+def _key(out):
+    return [(o.token_ids, o.finish_reason, o.logprobs, o.cumulative_logprob) for o in out.outputs]
+
+
+def _params(n: int) -> list[SamplingParams]:
+    kinds = [dict(repetition_penalty=1.4), dict(frequency_penalty=0.6, presence_penalty=0.4),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=1.1), {}]
+    out = []
+    for i in range(n):
+        kw = dict(max_tokens=6 + 3 * (i % 4), ignore_eos=True, **kinds[i % 4])
+        if i % 3 == 1:
+            kw.update(temperature=0.9, top_p=0.9, seed=40 + i, n=2, logprobs=2)
+        else:
+            kw.update(temperature=0.0)
+        out.append(SamplingParams(**kw))
+    return out
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [_key(o) for o in outs]
+
+
+def test_device_counts_give_the_host_samplers_tokens(tiny_dir):
+    kw = dict(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=48)
+    host = make_llm(tiny_dir, async_scheduling=False, **kw)
+    prompts = mixed_prompts(8, seed=13, lo=5, hi=50)
+    params = _params(8)
+    want = _run(host, prompts, params)
+    dev = make_llm(tiny_dir, **kw)
+    pool = use_device_penalties(dev)
+    launches, inner = [], dev.llm_engine.runner.launch
+
+    def spy(batch, sampling, **k):
+        launches.append((bool(k.get("ids_from_last")), bool(sampling.penalty_rows.any()), bool(sampling.host_rows.any())))
+        return inner(batch, sampling, **k)
+
+    dev.llm_engine.runner.launch = spy
+    got = _run(dev, prompts, params)
+    assert got == want
+    assert not any(h for *_, h in launches), "a penalised row was sampled on the host"
+    assert any(fed and pen for fed, pen, _ in launches), "no penalised step was launched ahead of its tokens"
+    assert pool.capacity >= 4  # (rows grew from 2)
+    assert_no_leaks(dev)
+
+
+def test_device_counts_through_preemption_and_stops(tiny_dir):
+    """A pool that forces preemption (a recomputed sequence keeps its counts: its outputs are kept) and stop tokens
+    each request produces mid-run."""
+    kw = dict(max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=5, max_num_batched_tokens=64)
+    host = make_llm(tiny_dir, async_scheduling=False, **kw)
+    prompts = mixed_prompts(12, seed=2, lo=2, hi=40)
+    base = [SamplingParams(temperature=0.0, max_tokens=14 + (i % 3) * 4, ignore_eos=True,
+                           **(dict(frequency_penalty=0.7) if i % 2 else dict(repetition_penalty=1.3)))
+            for i in range(12)]
+    first = _run(host, prompts, base)
+    params = [dataclasses.replace(p, stop_token_ids=[first[i][0][0][4]]) if i % 4 == 0 else p
+              for i, p in enumerate(base)]
+    want = _run(host, prompts, params)
+    dev = make_llm(tiny_dir, **kw)
+    use_device_penalties(dev)
+    got = _run(dev, prompts, params)
+    assert got == want
+    assert any(r[0][1] == "stop" and len(r[0][0]) < 14 for r in want), "no request stopped early"
+    assert dev.stats()["preemptions"] > 0, "the pool was meant to force preemption"
+    assert dev.stats()["steps_launched_ahead"] > 0
+    assert_no_leaks(dev)

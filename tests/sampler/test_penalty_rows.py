@@ -1,0 +1,128 @@
+"""sampler/penalties.PenaltyRows (the CUDA runner's per-sequence token counts, KDA_RT_GPU_PENALTIES) on NumPy arrays:
+its rows hold exactly each sequence's output counts and prompt marks through new sequences, sampled tokens added
+after each launch, rows sampled on the host in between, eviction and growth; and the penalty the sampling kernel
+computes from such rows (sampling.cu `penalise`, emulated here in float32 as written there) is bit for bit the
+reference's `apply_penalties` with all three penalties on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.penalties import add_sampled as _add
+from helpers.penalties import penalise
+from kda_rt.sampler.batch import SamplingBatch
+from kda_rt.sampler.params import SamplingParams
+from kda_rt.sampler.penalties import PenaltyRows
+from kda_rt.sampler.reference import apply_penalties
+
+V = 97
+
+
+def test_kernel_penalty_is_the_reference_bit_for_bit():
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        p = SamplingParams(repetition_penalty=float(rng.uniform(0.5, 2.0)), presence_penalty=float(rng.uniform(-1, 1)),
+                           frequency_penalty=float(rng.uniform(-1, 1)))
+        x = (rng.standard_normal(V) * rng.uniform(0.1, 30)).astype(np.float32)
+        prompt = rng.integers(0, V, rng.integers(1, 40)).tolist()
+        out = rng.integers(0, V, rng.integers(0, 40)).tolist()
+        counts = np.bincount(np.asarray(out, dtype=np.int64), minlength=V)
+        mark = np.zeros(V, np.uint8)
+        mark[prompt] = 1
+        want = apply_penalties(x, p, prompt, out)
+        got = penalise(x, p, counts, mark)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), trial
+
+
+class _Seq:
+    def __init__(self, key, prompt, params):
+        self.key, self.prompt, self.params, self.out = key, prompt, params, []
+
+
+def _batch(seqs, host=()):
+    rows = [(s.params, 0, s.prompt, s.out) for s in seqs]
+    b = SamplingBatch.build(rows, [0], device_penalties=True, keys=[s.key for s in seqs])
+    if host:  # rows the host samples this step (a ban, a bias: needs_host_sampling), whatever their penalties
+        b.host_rows[list(host)] = True
+    return b
+
+
+def _check(pool, seqs):
+    for s in seqs:
+        row = pool.entries[s.key][0]
+        assert row > 0
+        assert np.array_equal(pool.counts[row], np.bincount(np.asarray(s.out, dtype=np.int64), minlength=V)), s.key
+        assert np.array_equal(np.flatnonzero(pool.prompt[row]), np.unique(s.prompt)), s.key
+    assert not pool.counts[0].any() and not pool.prompt[0].any()
+
+
+def test_rows_follow_the_sequences():
+    """Sequences come and go over 40 launches (some steps sample a row on the host): after every launch each
+    sequence's row holds its outputs' counts (the device added the sampled token) and its prompt's marks."""
+    rng = np.random.default_rng(5)
+    pen = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)
+    pool = PenaltyRows(V, np, _add, first_capacity=2)
+    live, plain, next_key = [], _Seq(999, [1], SamplingParams()), 0
+    for _ in range(40):
+        while len(live) < 5 and rng.random() < 0.6:
+            live.append(_Seq(next_key, rng.integers(0, V, rng.integers(1, 30)).tolist(), pen))
+            next_key += 1
+        if not live:
+            continue
+        seqs = [s for s in live if rng.random() < 0.8] or live[:1]
+        host = [i for i in range(len(seqs)) if rng.random() < 0.1]
+        batch = _batch([*seqs, plain], host)
+        ids = rng.integers(0, V, len(seqs) + 1).astype(np.int32)
+        prepared = pool.prepare(batch)
+        if prepared is None:  # every penalised row on the host this step
+            assert len(host) == len(seqs)
+        else:
+            rows, update = prepared
+            assert rows[-1] == 0 and update[-1] == -1  # the unpenalised row reads the zero row, is never counted
+            for i in host:
+                assert rows[i] == 0 and update[i] == -1
+            pool.after_sample(batch, ids, update)
+        for s, t in zip(seqs, ids, strict=False):
+            s.out.append(int(t))
+        _check(pool, [s for i, s in enumerate(seqs) if i not in host])
+        live = [s for s in live if rng.random() > 0.15]  # finished: never seen again
+    assert pool.capacity >= 4  # grew from 2
+
+
+def test_a_row_is_reused_only_after_two_launches_away():
+    """A key seen in the launch before may still have a token of that launch to count (its pending token): its row
+    is kept and the arrays grow; keys unseen for longer give their rows, least recently seen first."""
+    pen = SamplingParams(presence_penalty=0.5)
+    pool = PenaltyRows(V, np, _add, first_capacity=2)
+    a, b, c, d, e = (_Seq(k, [k + 2], pen) for k in (1, 2, 3, 4, 5))
+    for seqs in ([a, b], [c], [d, e, c]):
+        batch = _batch(seqs)
+        rows, update = pool.prepare(batch)
+        if seqs[0] is c:  # a and b seen one launch ago: growth, c in the first new row
+            assert pool.capacity == 4 and rows.tolist() == [3]
+        if seqs[0] is d:  # d the last free row; a and b unseen for two launches: the lower key, a, gives e its row
+            assert rows.tolist() == [4, 1, 3] and 1 not in pool.entries and 2 in pool.entries
+        pool.after_sample(batch, np.full(len(seqs), 5, np.int32), update)
+        for s in seqs:
+            s.out.append(5)
+    _check(pool, [b, c, d, e])
+
+
+def test_pending_token_the_device_did_not_count_is_refused():
+    """A row whose step counts a token neither the device counted nor the host holds (not something the engine
+    makes) is an error, not silently wrong counts."""
+    pen = SamplingParams(frequency_penalty=0.5)
+    pool = PenaltyRows(V, np, _add)
+    rows = [(pen, 0, [1, 2], [7], 1)]
+    with pytest.raises(RuntimeError, match="samples output token 2 but the host holds 1"):
+        pool.prepare(SamplingBatch.build(rows, [0], device_penalties=True, keys=[5]))
+    with pytest.raises(ValueError, match="needs its sequence key"):
+        pool.prepare(SamplingBatch.build([(pen, 0, [1], [])], [0], device_penalties=True))
+
+
+def test_no_pool_without_device_penalty_rows():
+    pool = PenaltyRows(V, np, _add)
+    assert pool.prepare(_batch([_Seq(1, [2], SamplingParams())])) is None
+    host = SamplingBatch.build([(SamplingParams(repetition_penalty=1.5), 0, [1], [])], [0], keys=[3])
+    assert host.host_rows[0] and pool.prepare(host) is None and pool.counts is None
