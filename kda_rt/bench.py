@@ -217,6 +217,8 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
     from kda_rt.floors import op_work
     from kda_rt.sampler.params import SamplingParams
 
+    if engine.has_pending_step():
+        raise RuntimeError("profile_steps: a step launched ahead is still pending; run the engine dry first")
     rng = np.random.default_rng(seed)
     # enough tokens that every prompt is still running when the last one finishes its prefill (the
     # first ones decode while later ones prefill); the requests are aborted afterwards
@@ -228,8 +230,6 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
            for i in range(batch)]
     out: dict = {}
     # each profiled step alone: nothing launched ahead into its window (async scheduling off meanwhile)
-    if engine.has_pending_step():
-        raise RuntimeError("profile_steps: a step launched ahead is still pending; run the engine dry first")
     settings, engine.config = engine.config, dataclasses.replace(engine.config, async_scheduling=False)
     try:
         tokens = engine.counters["tokens_processed"]

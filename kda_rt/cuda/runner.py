@@ -324,7 +324,8 @@ class CudaRunner:
 
     def _ids_from(self, dev: DeviceBatch, ids_from) -> None:
         """Queued after the metadata copy, before the forward (the later write wins): one device copy a run of
-        consecutive rows (one in the usual case: every row of the previous launch, in order)."""
+        consecutive rows (one in the usual case: every row of the previous launch, in order); rows of -1 keep the
+        id uploaded with the metadata."""
         if ids_from is None:
             return
         src, rows = ids_from
@@ -332,10 +333,11 @@ class CudaRunner:
         start = 0
         while start < len(rows):
             end = start + 1
-            while end < len(rows) and rows[end] == rows[end - 1] + 1:
-                end += 1
-            rt.memcpyAsync(dev.input_ids.data.ptr + 4 * start, src.data.ptr + 4 * rows[start], 4 * (end - start),
-                           rt.memcpyDeviceToDevice, self.stream.ptr)
+            if rows[start] >= 0:
+                while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                    end += 1
+                rt.memcpyAsync(dev.input_ids.data.ptr + 4 * start, src.data.ptr + 4 * rows[start], 4 * (end - start),
+                               rt.memcpyDeviceToDevice, self.stream.ptr)
             start = end
 
     def score(self, batch: ForwardBatch) -> np.ndarray:

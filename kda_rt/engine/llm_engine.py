@@ -37,7 +37,7 @@ from kda_rt.engine.batch import ForwardBatch
 from kda_rt.engine.config import EngineConfig
 from kda_rt.engine.postprocess import OUTPUT_KINDS, Postprocessor, request_output
 from kda_rt.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kda_rt.engine.sequence import Sequence
+from kda_rt.engine.sequence import Sequence, SequenceStatus
 from kda_rt.sampler.batch import SamplingBatch, needs_host_sampling
 from kda_rt.sampler.params import SamplingParams
 
@@ -124,6 +124,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._inflight: _Launched | None = None  # a step queued ahead (async_scheduling)
+        self._held_outputs: list[RequestOutput] = []  # outputs of a step collected by a call that raised
         # the runner samples penalised rows on the device (the CUDA runner with KDA_RT_GPU_PENALTIES): they are no
         # host rows, and SamplingBatch.keys (each sequence's arrival number) finds their token counts there
         self._device_penalties = bool(getattr(runner, "device_penalties", False))
@@ -316,7 +317,12 @@ class LLMEngine:
         on the device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step
         k+1 dropped.  Tokens are those of the synchronous engine, one step of them per call; the batches
         can differ where a finish would have freed room a step earlier (the pages and slot of a sequence
-        that step k finishes serve step k+2, not k+1)."""
+        that step k finishes serve step k+2, not k+1).
+
+        A launch that raises leaves no half-computed state behind: every sequence of its schedule goes back
+        to the queue to be recomputed (its KDA state may already hold some of the step's tokens), and a step
+        k collected on the way out returns its outputs with the next call."""
+        held, self._held_outputs = self._held_outputs, []
         cur, self._inflight = self._inflight, None
         if cur is not None and all(s.finished for s, _ in cur.sched.scheduled):  # aborted meanwhile: nothing to keep
             self._collect(cur)
@@ -326,20 +332,32 @@ class LLMEngine:
             if not sched.scheduled:
                 if self.scheduler.has_unfinished():  # cannot happen: the oldest sequence always fits
                     raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
-                return []
-            cur = self._launch(sched)
+                return held
+            cur = self._launch_or_requeue(sched)
         try:
             nxt = self._launch_next(cur)
         except BaseException:  # the launch ahead failed: step k still counts, its tokens are kept
-            self._postprocess(cur, self._collect(cur))
+            self._held_outputs = held + self._postprocess(cur, self._collect(cur))
             raise
-        outputs = self._postprocess(cur, self._collect(cur))
+        outputs = held + self._postprocess(cur, self._collect(cur))
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
                 self._collect(nxt)
             else:
                 self._inflight = nxt
         return outputs
+
+    def _launch_or_requeue(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = ()) -> _Launched:
+        """`_launch`; if it raises, the schedule's sequences are queued again for recompute (the runner may have run
+        part of the forward, folding some of their tokens into the KDA state) before the error goes on."""
+        try:
+            return self._launch(sched, ids_from_last)
+        except BaseException:
+            # (newest first, each to the queue's front: the oldest ends up first)
+            for seq, _ in sorted(sched.scheduled, key=lambda sn: sn[0].arrival, reverse=True):
+                if seq.status is SequenceStatus.RUNNING:
+                    self.scheduler.requeue(seq)
+            raise
 
     def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = ()) -> _Launched:
         batch, sampled = self.build_batch(sched)
@@ -377,43 +395,53 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched) -> _Launched | None:
         """Schedule and queue the step after `cur` before `cur`'s tokens are known (async_scheduling): `cur`'s
         tokens count as computed, each sequence that `cur` samples holds its token as `pending`, and its row of the
-        next step (placed first, in `cur`'s row order) is fed `cur`'s sampled id on the device.  A sequence that
-        `cur`'s token ends by length (max_tokens, max_model_len) gets no row.  Not done (None) when a token of `cur`
-        has to be on the host first: a row of `cur` sampled on the host or under a grammar, or a sequence whose next
-        row would be (a grammar, penalties, a min_tokens ban...)."""
+        next step is fed `cur`'s sampled id on the device.  The rows keep the scheduler's order (decodes first, so
+        the fed rows are among the leading one-token rows; the batches are the synchronous engine's when they hold
+        the same sequences).  A sequence that `cur`'s token ends by length (max_tokens, max_model_len) gets no row.
+        Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host or
+        under a grammar, or a sequence whose next row would be (a grammar, penalties on the host, a min_tokens
+        ban...)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
         if cur.sampling.host_rows.any() or cur.sampling.constrained.any():
             return None
-        if not env.async_prefill() and (self.scheduler.waiting or len(cur.sampled) != len(cur.sched.scheduled)
-                                        or len(cur.sampled) != len(self.scheduler.running)
-                                        or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
-            return None  # (KDA_RT_ASYNC_PREFILL=0: steady decode steps only)
+        steady_only = not env.async_prefill()  # (KDA_RT_ASYNC_PREFILL=0: the form before, steady decode steps only)
+        sched = self.scheduler
+        if steady_only and (sched.waiting or len(cur.sampled) != len(cur.sched.scheduled)
+                            or len(cur.sampled) != len(sched.running)
+                            or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
+            return None
         limit = self.config.max_model_len
         pending, ending = [], set()
         for s in cur.sampled:
             if s.finished:
                 continue
             if len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit:
+                if steady_only:
+                    return None
                 ending.add(s)  # (its token ends it: postprocess finishes it whatever the id)
             elif s.grammar is not None or needs_host_sampling(s.params, len(s.output_token_ids) + 1,
                                                               self._device_penalties):
                 return None
             else:
                 pending.append(s)
+        if steady_only and sum(max(0, sched.pages_for(s.num_tokens + 1) - len(s.blocks))
+                               for s in pending) > sched.pages.num_free:
+            return None  # (it would preempt)
         self._commit(cur)
         for s in pending:
             s.pending = 1
-        sched = self.scheduler.schedule(skip=ending)
-        if not sched.scheduled:
+        nsched = sched.schedule(skip=ending)
+        if not nsched.scheduled:
             return None
-        chosen = dict(sched.scheduled)
-        lead = [s for s in pending if s in chosen]  # (a pending sequence the schedule preempted has no row)
         row_of = {s: i for i, s in enumerate(cur.sampled)}
-        first = set(lead)
-        sched.scheduled = [(s, 1) for s in lead] + [(s, n) for s, n in sched.scheduled if s not in first]
+        fed = [i for i, (s, _) in enumerate(nsched.scheduled) if s.pending]
+        # (a pending sequence is a decode: every row up to the last fed one is a one-token decode row; a pending
+        # sequence the schedule preempted has no row)
+        rows = tuple(row_of[s] if s.pending else -1 for s, _ in nsched.scheduled[: fed[-1] + 1]) if fed else ()
+        launched = self._launch_or_requeue(nsched, rows)
         self.counters["steps_launched_ahead"] += 1
-        return self._launch(sched, tuple(row_of[s] for s in lead))
+        return launched
 
     def _postprocess(self, cur: _Launched, result) -> list[RequestOutput]:
         """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped."""

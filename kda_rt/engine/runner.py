@@ -7,10 +7,10 @@ A runner owns one backend's weights, cache pools and model.  It plans its pools 
     execute(ForwardBatch, SamplingBatch) -> StepOutput   forward + sample the rows that sample
     launch(ForwardBatch, SamplingBatch, *, ids_from_last=()) -> handle    optional: execute's
     collect(handle) -> StepOutput                            two halves (queue; wait); with
-                                 ids_from_last (rows of the previous launch's samples, or True: all
-                                 of them, a decode batch of as many sequences) the batch's first
-                                 sequences, one token each, take those sampled ids in place of their
-                                 input_ids (async_scheduling; `lead_ids_rows` checks the request)
+                                 ids_from_last (rows of the previous launch's samples, -1 for none,
+                                 or True: all of them, a decode batch of as many sequences) the
+                                 batch's first sequences, one token each, take those sampled ids in
+                                 place of their input_ids (async_scheduling; `lead_ids_rows` checks)
     score(ForwardBatch) -> [N, vocab] float32            forward only (LLM.score, all positions)
     report() -> str                                      what a decode step runs
     peak_memory_bytes() -> int
@@ -56,14 +56,15 @@ class Runner(Protocol):
 
 
 def lead_ids_rows(batch: ForwardBatch, ids_from_last, num_sampled: int | None) -> tuple[int, ...]:
-    """`launch`'s `ids_from_last` as the previous launch's sample rows that feed `batch`'s first sequences, one row
-    each (True: every row in order, for a batch of as many sequences); ValueError when the previous launch
-    sampled nothing (`num_sampled` None), a row is not one of its `num_sampled`, or a sequence fed is not one token."""
+    """`launch`'s `ids_from_last` as the previous launch's sample rows that feed `batch`'s first sequences, one each
+    (-1: that sequence keeps its own input id; True: every row in order, for a batch of as many sequences);
+    ValueError when the previous launch sampled nothing (`num_sampled` None), a row is not one of its
+    `num_sampled`, or a sequence up to the last one fed is not one token."""
     rows = tuple(range(batch.num_seqs)) if ids_from_last is True else tuple(int(r) for r in ids_from_last)
     if num_sampled is None or (ids_from_last is True and num_sampled != batch.num_seqs):
         raise ValueError(f"ids_from_last: the previous launch sampled {num_sampled} rows, this batch has "
                          f"{batch.num_seqs} sequences")
-    if len(rows) > batch.num_seqs or any(not 0 <= r < num_sampled for r in rows):
+    if len(rows) > batch.num_seqs or any(not -1 <= r < num_sampled for r in rows):
         raise ValueError(f"ids_from_last: rows {list(rows)} for a batch of {batch.num_seqs} sequences after a launch "
                          f"that sampled {num_sampled} rows")
     k = len(rows)

@@ -206,6 +206,18 @@ class Scheduler:
             budget[0] -= n
             promised += whole - need
 
+    def requeue(self, seq: Sequence) -> None:
+        """Send a running sequence back to the front of the queue, to be computed again from its first token (its
+        slot and pages freed, its outputs kept): the engine's answer to a step whose launch raised, whose forward
+        may have folded some of the step's tokens into the sequence's state already."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        logger.warning("request %s (sample %d) queued again for recompute after a failed step", seq.request_id,
+                       seq.index)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)

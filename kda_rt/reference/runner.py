@@ -71,7 +71,9 @@ class NumpyRunner:
             last = self._last
             rows = lead_ids_rows(batch, ids_from_last, None if last is None else len(last.token_ids))
             ids = batch.input_ids.copy()
-            ids[: len(rows)] = [last.token_ids[r] or 0 for r in rows]
+            for j, r in enumerate(rows):
+                if r >= 0:
+                    ids[j] = last.token_ids[r] or 0
             batch = dataclasses.replace(batch, input_ids=ids)
         self._last = None
         return self.execute(batch, sampling)

@@ -236,13 +236,84 @@ def test_lead_ids_rows_refuses_what_the_previous_launch_cannot_feed():
     batch = ForwardBatch.build([[0], [0], [5, 6, 7]], [4, 9, 0], [0, 1, 2], [[0], [1], [2]])
     assert lead_ids_rows(batch, (2, 0), 3) == (2, 0)
     assert lead_ids_rows(batch, np.array([1]), 2) == (1,)
+    assert lead_ids_rows(batch, (-1, 0), 1) == (-1, 0)  # -1: the sequence keeps its own input id
     with pytest.raises(ValueError, match="sampled None rows"):
         lead_ids_rows(batch, (0,), None)
     with pytest.raises(ValueError, match="rows \\[0, 3\\]"):
         lead_ids_rows(batch, (0, 3), 3)
+    with pytest.raises(ValueError, match="rows \\[-2\\]"):
+        lead_ids_rows(batch, (-2,), 3)
     with pytest.raises(ValueError, match="one token each"):
         lead_ids_rows(batch, (0, 1, 2), 3)
     with pytest.raises(ValueError, match="sampled 2 rows, this batch has 3"):
         lead_ids_rows(batch, True, 2)
     decode = ForwardBatch.build([[0], [0]], [4, 9], [0, 1], [[0], [1]])
     assert lead_ids_rows(decode, True, 2) == (0, 1)
+
+
+def _batches(llm, prompts, params):
+    """(cu_seqlens, context_lens, slots) of every forward the runner runs for `prompts`, and the outputs."""
+    runner, shapes = llm.llm_engine.runner, []
+    inner = runner.forward
+
+    def forward(batch):
+        shapes.append((batch.cu_seqlens.tolist(), batch.context_lens.tolist(), batch.state_slots.tolist()))
+        return inner(batch)
+
+    runner.forward = forward
+    try:
+        return shapes, _run(llm, prompts, params)
+    finally:
+        del runner.forward
+
+
+def test_batches_are_the_synchronous_engines(tiny_dir):
+    """Without finishes the ahead engine cannot foresee (no EOS or stop: lengths only), its steps are the synchronous
+    engine's step for step, rows in the same order, also where a prompt that arrived first completes after later,
+    shorter ones (the rows fed on the device then are not the batch's first in the previous step's order)."""
+    prompts = [mixed_prompts(1, seed=40 + n, lo=n, hi=n)[0] for n in (5, 40, 6, 33, 2, 17)]
+    params = [greedy(6 + 3 * (i % 3)) for i in range(6)]
+    kw = dict(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=24)
+    (want_b, want), (got_b, got) = (_batches(llm, prompts, params) for llm in _llms(tiny_dir, **kw))
+    assert got == want
+    assert got_b == want_b
+    assert any(lens[-1] > 1 and ctx[0] > 0 for lens, ctx, _ in want_b)  # mixed steps happened
+
+
+def test_a_launch_that_fails_after_running_loses_nothing(tiny_dir):
+    """Every fourth launch raises after the runner ran its forward (its KDA state already holds the step's
+    tokens): the call raises once, the step's sequences are computed again from the start, a step collected on the
+    way out returns its outputs with the next call, and the finals equal the synchronous engine's."""
+    prompts = mixed_prompts(6, seed=17, lo=3, hi=40)
+    params = [greedy(5 + 2 * i) for i in range(6)]
+    kw = dict(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=32)
+    sync, ahead = _llms(tiny_dir, **kw)
+    want = _run(sync, prompts, params)
+    for llm in (ahead, make_llm(tiny_dir, async_scheduling=False, **kw)):
+        eng = llm.llm_engine
+        runner = eng.runner
+        inner, calls = runner.launch, [0]
+
+        def flaky(batch, sampling, _inner=inner, _calls=calls, **k):
+            handle = _inner(batch, sampling, **k)
+            _calls[0] += 1
+            if _calls[0] % 4 == 0:
+                raise RuntimeError("injected failure after the forward")
+            return handle
+
+        runner.launch = flaky
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
+        finals, failed = {}, 0
+        while eng.has_unfinished_requests() or eng.has_pending_step():
+            try:
+                outs = eng.step()
+            except RuntimeError as exc:
+                assert "injected" in str(exc)
+                failed += 1
+                continue
+            finals.update({o.request_id: _key(o) for o in outs if o.finished})
+        del runner.launch
+        assert failed >= 3
+        assert [finals[f"r{i}"] for i in range(6)] == want
+        assert_no_leaks(llm)
