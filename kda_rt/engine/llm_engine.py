@@ -333,7 +333,11 @@ class LLMEngine:
                 if self.scheduler.has_unfinished():  # cannot happen: the oldest sequence always fits
                     raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
                 return held
-            cur = self._launch_or_requeue(sched)
+            try:
+                cur = self._launch_or_requeue(sched)
+            except BaseException:
+                self._held_outputs = held  # (still owed to the caller)
+                raise
         try:
             nxt = self._launch_next(cur)
         except BaseException:  # the launch ahead failed: step k still counts, its tokens are kept
