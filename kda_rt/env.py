@@ -92,10 +92,11 @@ def _on_off(name: str, default: str = "1") -> bool:
 
 
 def async_prefill() -> bool:
-    """KDA_RT_ASYNC_PREFILL: with async scheduling, 1 (the default) launches the step after a prefill or mixed step
-    ahead too (prompt chunks, admissions); 0 only a steady decode step (every running sequence decoding, nothing
-    waiting), the engine's form before the fifty-sixth session, kept for A/Bs.  Read every step."""
-    return _on_off("KDA_RT_ASYNC_PREFILL")
+    """KDA_RT_ASYNC_PREFILL: with async scheduling, 1 launches the step after a prefill or mixed step ahead too
+    (prompt chunks, admissions: docs/engine_notes.md); 0 (the default until it is GPU-run and measured: prepared in
+    the fifty-sixth session) only a steady decode step (every running sequence decoding, nothing waiting), the
+    engine's form before.  Read every step."""
+    return _on_off("KDA_RT_ASYNC_PREFILL", "0")
 
 
 def gpu_penalties() -> bool:

@@ -195,7 +195,7 @@ class CudaRunner:
         from kda_rt.cuda.weights import DeviceMoE
         from kda_rt.sampler.sampling import precompile
 
-        precompile(config.vocab_size, plan.engine_slots)  # nor for the sampler's variants (by batch size)
+        precompile(config.vocab_size, plan.engine_slots, self.device_penalties)  # nor for the sampler's variants
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             shapes = _decode_projection_shapes(self.weights)

@@ -97,8 +97,8 @@ class EngineConfig:
               "powers of two and 1.5 x the powers of two from 6 below max_num_seqs, and max_num_seqs)", nargs="+")
     # on the full 48B shape (H200, batch 32) the engine's host work between steps is ~0.7 ms of an
     # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
-    async_scheduling: bool = _opt(True, "schedule and launch the next step before this step's tokens reach the "
-                                        "host (same outputs; off: every step waits for the previous one)")
+    async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
+                                        "(same outputs; off: every step waits for the previous one)")
     quantization: str | None = _opt(None, "fp8: the routed experts (and a shared expert of their width) as e4m3 "
                                           "weights with one fp32 scale a row, quantized at load on either backend",
                                     choices=QUANTIZATIONS)

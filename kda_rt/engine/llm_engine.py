@@ -12,9 +12,10 @@
 
 The engine is backend-agnostic: it calls `runner.execute(ForwardBatch, SamplingBatch) -> StepOutput`
 (or its two halves `launch` / `collect`) and `runner.score(ForwardBatch)` (the `Runner` contract,
-kda_rt/engine/runner.py), nothing else.  With `async_scheduling` the next step (decodes, prefill
-chunks, admissions) is scheduled and launched before the previous step's tokens reach the host
-(`step()` says when), so the host's postprocess and scheduling overlap the GPU's next forward.
+kda_rt/engine/runner.py), nothing else.  With `async_scheduling` the next step (a steady decode
+step; with KDA_RT_ASYNC_PREFILL=1 also prefill chunks and admissions) is scheduled and launched before
+the previous step's tokens reach the host (`step()` says when), so the host's postprocess and
+scheduling overlap the GPU's next forward.
 """
 
 from __future__ import annotations
@@ -312,8 +313,8 @@ class LLMEngine:
 
         With `async_scheduling` (and a runner that can `launch` without waiting) the step after this one
         is scheduled and queued before this step's tokens are collected, whenever none of them has to be
-        known on the host first (`_launch_next`): the GPU runs step k+1 while the host postprocesses step
-        k.  Step k+1's rows of the sequences that step k samples take their input ids from step k's samples
+        known on the host first (`_launch_next`; by default only after a steady decode step,
+        KDA_RT_ASYNC_PREFILL): the GPU runs step k+1 while the host postprocesses step k.  Step k+1's rows of the sequences that step k samples take their input ids from step k's samples
         on the device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step
         k+1 dropped.  Tokens are those of the synchronous engine, one step of them per call; the batches
         can differ where a finish would have freed room a step earlier (the pages and slot of a sequence

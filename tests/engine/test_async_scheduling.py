@@ -17,6 +17,12 @@ from kda_rt.engine.batch import ForwardBatch
 from kda_rt.engine.runner import lead_ids_rows
 
 
+@pytest.fixture(autouse=True)
+def _async_prefill(monkeypatch):
+    """Prefill and mixed steps launched ahead too (KDA_RT_ASYNC_PREFILL, default 0 until GPU-run)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
+
+
 def _llms(tiny_dir, **kw):
     return make_llm(tiny_dir, async_scheduling=False, **kw), make_llm(tiny_dir, async_scheduling=True, **kw)
 

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from helpers.engine import assert_no_leaks, make_llm, mixed_prompts
 from helpers.penalties import use_device_penalties
 from kda_rt import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _async_prefill(monkeypatch):
+    """Prefill and mixed steps launched ahead too (KDA_RT_ASYNC_PREFILL, default 0 until GPU-run)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
 
 
 def _key(out):

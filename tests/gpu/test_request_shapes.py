@@ -202,7 +202,7 @@ def test_default_max_model_len_is_the_models(ckpt):
         LLM(ckpt, backend="cuda", max_model_len=70000)
 
 
-def test_async_scheduling_same_outputs(ckpt, oracle):
+def test_async_scheduling_same_outputs(ckpt, oracle, monkeypatch):
     """Steps launched ahead (the default: decode steps, and the prompts' chunked prefill steps beside decodes whose
     ids are fed on the device) on the GPU.  (1) Requests that all start together and run to the same length see
     batches of the same sequences either way (in the ahead engine the rows that take the previous step's ids
@@ -210,6 +210,7 @@ def test_async_scheduling_same_outputs(ckpt, oracle):
     arrival and an abort between steps: a launched-ahead step fixes its batch before an arrival, so the
     batches differ from the synchronous engine's; every greedy row is checked against the oracle instead
     (a stale or misplaced input id would show as tokens the oracle does not predict)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")  # (default 0 until this test has run on a GPU)
     kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
     sync, ahead = LLM(ckpt, async_scheduling=False, **kw), LLM(ckpt, **kw)
     prompts = [prompt_of(n, seed=300 + n) for n in (5, 17, 40, 63, 64, 90, 130)]
@@ -275,6 +276,7 @@ def test_gpu_penalties_equal_the_host_sampler(ckpt, monkeypatch):
     plain = run_all(host, prompts, [greedy(24)] * len(prompts))
     assert sum(w.token_ids != p.token_ids for w, p in zip(want, plain, strict=True)) >= 3, "penalties changed nothing"
     monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "1")
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
     for ahead in (False, True):
         dev = LLM(ckpt, async_scheduling=ahead, **kw)
         assert dev.llm_engine.runner.device_penalties
