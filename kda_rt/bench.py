@@ -104,17 +104,46 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", action="store_true",
                     help="cuda backend: after the run, time each model op of one prefill step and one (eager) "
                          "decode step with CUDA events; tables on stderr, numbers in the JSON line")
+    ap.add_argument("--sampling", default="", metavar="KEY=VALUE,...",
+                    help="sampling settings of every request instead of greedy, e.g. temperature=0.8,top_p=0.95,"
+                         f"frequency_penalty=0.5 (keys: {', '.join(_SAMPLING_KEYS)}); EOS is always ignored")
     ap.add_argument("-v", "--verbose", action="store_true")
     EngineConfig.add_cli_args(ap, max_num_seqs=None)  # --max-num-seqs default: --batch; --seed seeds weights too
     return ap
 
 
-def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int = 0) -> dict:
-    """Run the workload on `engine`; returns the timing part of the report."""
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed")
+
+
+def parse_sampling(text: str) -> dict:
+    """`--sampling`'s KEY=VALUE,... as SamplingParams keyword arguments (ValueError naming what is wrong)."""
+    from kda_rt.sampler.params import SamplingParams
+
+    out: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in _SAMPLING_KEYS:
+            raise ValueError(f"--sampling: {item!r} is not KEY=VALUE with KEY one of {', '.join(_SAMPLING_KEYS)}")
+        try:
+            out[key] = int(value) if key in ("top_k", "seed") else float(value)
+        except ValueError:
+            raise ValueError(f"--sampling: {key} takes a number, got {value!r}") from None
+    try:
+        SamplingParams(max_tokens=1, **out)  # (each value checked as a request's would be)
+    except ValueError as exc:
+        raise ValueError(f"--sampling: {exc}") from None
+    return out
+
+
+def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int = 0,
+              sampling: dict | None = None) -> dict:
+    """Run the workload on `engine` (greedy, or `sampling`'s settings, EOS ignored); returns the timing part of the
+    report."""
     from kda_rt.sampler.params import SamplingParams
 
     rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=output_len, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     built0 = _build_stats(engine)
@@ -354,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if (problem := model_dir_problem(args.model)) is not None:
         ap.error(problem)
+    try:
+        sampling = parse_sampling(args.sampling)
+    except ValueError as exc:
+        ap.error(str(exc))
     from kda_rt.demo.presets import PRESETS
     from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
@@ -378,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         count = getattr(engine.runner, "experts_touched", None)
         for k, (batch, input_len, output_len) in enumerate(shapes):
             for i in range(args.num_iters_warmup):  # same shapes: every kernel variant the runs need is built now
-                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i)
+                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i, sampling)
             if count is not None:
                 count(reset=True)
-            report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed)
+            report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed, sampling)
                                      for _ in range(args.num_iters)])
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization,

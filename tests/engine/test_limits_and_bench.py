@@ -139,6 +139,27 @@ def test_bench_reports_the_decode_graphs_padding_share():
     assert _padding_share([10, 2], [10, 2]) == {} and _padding_share([], []) == {}
 
 
+def test_bench_sampling_flag(tiny_dir):
+    """bench --sampling: every request samples with those settings (penalised rows included, the CUDA runner's
+    KDA_RT_GPU_PENALTIES path on the GPU); a bad key or value is an error naming the flag."""
+    from kda_rt.bench import parse_sampling, run_bench
+
+    assert parse_sampling("") == {}
+    assert parse_sampling("temperature=0.8, top_k=40,frequency_penalty=0.5,seed=3") == {
+        "temperature": 0.8, "top_k": 40, "frequency_penalty": 0.5, "seed": 3}
+    for bad, match in (("foo=1", "'foo=1' is not KEY=VALUE"), ("top_p", "'top_p' is not KEY=VALUE"),
+                       ("top_k=x", "top_k takes a number"), ("top_p=2", "--sampling: top_p must be <= 1.0")):
+        with pytest.raises(ValueError, match=match):
+            parse_sampling(bad)
+    engine = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64).llm_engine
+    seen = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch, sampling: seen.append(sampling.params) or execute(batch, sampling)
+    report = run_bench(engine, 2, 8, 3, sampling=parse_sampling("temperature=0.7,presence_penalty=0.5"))
+    assert report["num_steps"] >= 3 and seen
+    assert all(p.temperature == 0.7 and p.presence_penalty == 0.5 and p.ignore_eos for ps in seen for p in ps)
+
+
 @pytest.mark.parametrize("entry", ["kda_rt.generate", "kda_rt.bench", "kda_rt.server.__main__"])
 def test_cuda_graph_sizes_flag_on_every_entry_point(entry):
     """--cuda-graph-sizes takes one or more sizes on generate, bench and the server (nargs="+"); a bad size is an
