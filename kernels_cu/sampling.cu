@@ -20,7 +20,7 @@
 // Grammar mask (HAS_MASK): allowed [B, ceil(V / 32)] uint32, bit i % 32 of word i / 32 set when token
 // i is allowed; a disallowed token's x is -inf before everything above (as the reference applies it
 // after the penalties).  Flags (out_flags [B] int32, optional): 1 when a raw logit of the row is NaN
-// or +-inf, 2 when no token is allowed (the masked maximum is -inf); the caller re-samples flagged
+// or +-inf (or a penalised one: a penalty that overflows), 2 when no token is allowed (the masked maximum is -inf); the caller re-samples flagged
 // rows on the host, which ends them with an error naming the cause.
 //
 // Split rows.  One SM streams a 655 KB row (V = 163840) at a small fraction of HBM bandwidth, so a row
@@ -162,19 +162,28 @@ struct Row {
     float temperature, z_max, min_p;
 };
 
-// Penalised (and masked) logit of token i from its raw logit, rounded as the float32 NumPy reference
-// rounds (no FMA contraction).
-__device__ __forceinline__ float penalise(const Row& row, int i, float x) {
+// Penalised logit of token i from its raw logit, rounded as the float32 NumPy reference rounds (no FMA
+// contraction).
+__device__ __forceinline__ float penalties_only(const Row& row, int i, float x) {
 #if HAS_PENALTIES
     const int c = row.counts[i];
     if (c > 0 || row.prompt[i]) x = x > 0.f ? __fdiv_rn(x, row.repetition) : __fmul_rn(x, row.repetition);
     const float sub = __fadd_rn(__fmul_rn(row.frequency, (float)c), c > 0 ? row.presence : 0.f);
     x = __fsub_rn(x, sub);
 #endif
+    return x;
+}
+
+__device__ __forceinline__ float mask_only(const Row& row, int i, float x) {
 #if HAS_MASK
     if (!((row.allowed[i >> 5] >> (i & 31)) & 1u)) x = neg_inf();
 #endif
     return x;
+}
+
+// Penalised and masked logit of token i from its raw logit.
+__device__ __forceinline__ float penalise(const Row& row, int i, float x) {
+    return mask_only(row, i, penalties_only(row, i, x));
 }
 
 __device__ __forceinline__ float load_logit(const Row& row, int i) { return penalise(row, i, row.logits[i]); }
@@ -613,7 +622,14 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
                 if (4 * q + c >= row.n) continue;
                 const int i = row.start + 4 * q + c;
                 bad |= !isfinite(r4[c]);
+#if HAS_PENALTIES
+                // (a penalty that overflows is flagged too: the reference reports it as an error)
+                const float xp = penalties_only(row, i, r4[c]);
+                bad |= !isfinite(xp);
+                const float x = mask_only(row, i, xp);
+#else
                 const float x = penalise(row, i, r4[c]);
+#endif
                 x4[c] = x;
                 if (x > best || best_i == 0x7fffffff) { best = x; best_i = i; }  // i grows: the first max wins
                 if (x == neg_inf()) continue;

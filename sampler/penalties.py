@@ -7,23 +7,29 @@ Row 0 stays zero: the batch rows without a device penalty read it (repetition 1,
 their logits bit for bit as they are).  A sequence gets a row the first launch it samples in (found by its key,
 `SamplingBatch.keys`), filled from its prompt and outputs; after each launch the sampled ids are added on the
 device (`update_counts`, queued right after the sampler), so the next step's counts hold the token even before
-the host has it (async scheduling's pending token).  `counted` follows what the device holds; a row whose
-`steps` disagrees (a token sampled on the host, a row the engine dropped) is filled again from its history.
+the host has it (async scheduling's pending token).  Each key's entry records how many of its outputs the device
+has counted; a row whose `steps` disagrees (a token sampled on the host, a step that failed) is filled again from
+its history.
 
 Rows of keys not seen in this launch or the one before are reused first (least recently seen), else the arrays
 grow by doubling (the old rows copied on the device, in stream order).  Memory: 5 bytes x V a row (0.8 MB at V =
-163840), allocated on the first penalised row, so only servers that get penalties pay it.
+163840), allocated on the first penalised row, so only servers that get penalties pay it; at most about twice
+max_num_seqs rows.  When the GPU has no memory to grow, a new sequence's row is sampled on the host instead
+(`prepare` marks it in `sampling.host_rows`, which the engine reads after the launch: no step goes ahead of it).
 
 `xp` is the array module (CuPy on the GPU; NumPy in the CPU tests, with `add_sampled` as `np.add.at`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 
 __all__ = ["PenaltyRows"]
+
+logger = logging.getLogger(__name__)
 
 
 class PenaltyRows:
@@ -39,6 +45,7 @@ class PenaltyRows:
         self.entries: dict[int, list[int]] = {}  # key -> [row, tokens counted on the device, last launch seen]
         self.free: list[int] = []
         self.launch = 0
+        self.warned = False
 
     @property
     def capacity(self) -> int:
@@ -63,7 +70,16 @@ class PenaltyRows:
         for i, key in zip(device, keys, strict=True):
             entry = self.entries.get(key)
             if entry is None:
-                entry = self.entries[key] = [self._take_row(), -1, self.launch]
+                try:
+                    row = self._take_row()
+                except MemoryError:  # (CuPy's OutOfMemoryError is one) no room to grow: the host samples the row
+                    sampling.host_rows[i] = True  # (its history has every output: a new key has no pending token)
+                    if not self.warned:
+                        self.warned = True
+                        logger.warning("no GPU memory for another sequence's penalty counts (%d rows of %d tokens); "
+                                       "such rows are sampled on the host meanwhile", self.capacity, self.vocab)
+                    continue
+                entry = self.entries[key] = [row, -1, self.launch]
             steps = int(sampling.steps[i])
             if entry[1] != steps:
                 prompt, outputs = sampling.history[i]

@@ -16,7 +16,7 @@ import numpy as np
 from .batch import SamplingBatch, StepOutput
 from .params import SamplingParams
 
-__all__ = ["apply_penalties", "nonfinite_error", "allowed_tokens", "sample_row", "sample_rows", "draw_noise", "philox4x32_10",
+__all__ = ["apply_penalties", "nonfinite_error", "penalty_error", "allowed_tokens", "sample_row", "sample_rows", "draw_noise", "philox4x32_10",
            "top_logprobs"]
 
 
@@ -128,6 +128,11 @@ def nonfinite_error(step: int) -> str:
     return f"non-finite logits (NaN or inf) from the model at output token {step}"
 
 
+def penalty_error(step: int) -> str:
+    """The error of a row whose logits are finite but not after its penalties (an overflow)."""
+    return f"non-finite logits after penalties at output token {step}"
+
+
 def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
     """Sample `rows` on the host into `out` (the same row indices); `logits[i]` is row i's [V]
     logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  Penalties,
@@ -142,7 +147,7 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
         if batch.history[i] is not None:
             x = apply_penalties(x, p, *batch.history[i])
             if not np.isfinite(x).all():
-                out.errors[i] = f"non-finite logits after penalties at output token {step}"
+                out.errors[i] = penalty_error(step)
                 continue
         vocab = x.shape[0]
         bias = batch.logit_bias[i]

@@ -447,7 +447,7 @@ class CudaRunner:
         rows (sampler/batch.needs_host_sampling: a min_tokens ban, a logit_bias, allowed_token_ids, bad_words, and
         penalties unless KDA_RT_GPU_PENALTIES) by the NumPy reference sampler from their logits,
         rows with non-finite logits (flag 1) get that error, as the reference would report it."""
-        from kda_rt.sampler.reference import nonfinite_error, sample_rows
+        from kda_rt.sampler.reference import nonfinite_error, penalty_error, sample_rows
 
         sampling = pending.sampling
         n = sampling.num_rows
@@ -465,8 +465,13 @@ class CudaRunner:
         for i in range(n):
             if i in host_logits:
                 continue
-            if flags_h[i] == 1:  # the model's logits are not finite: an error, whatever the settings
-                out.errors[i] = nonfinite_error(int(sampling.steps[i]))
+            if flags_h[i] == 1:  # the model's logits are not finite (or a device penalty overflowed): an error
+                step = int(sampling.steps[i])
+                out.errors[i] = nonfinite_error(step)
+                if sampling.penalty_rows is not None and sampling.penalty_rows[i] and self.device_penalties:
+                    with self.stream:  # (which of the two: the raw row, read back in this rare case)
+                        if np.isfinite(pending.logits[i].get(stream=self.stream)).all():
+                            out.errors[i] = penalty_error(step)
                 continue
             tok = int(ids_h[i])
             out.token_ids[i] = tok

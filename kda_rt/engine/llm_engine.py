@@ -402,7 +402,8 @@ class LLMEngine:
         tokens count as computed, each sequence that `cur` samples holds its token as `pending`, and its row of the
         next step is fed `cur`'s sampled id on the device.  The rows keep the scheduler's order (decodes first, so
         the fed rows are among the leading one-token rows; the batches are the synchronous engine's when they hold
-        the same sequences).  A sequence that `cur`'s token ends by length (max_tokens, max_model_len) gets no row.
+        the same sequences).  A sequence that `cur`'s token ends by length (max_tokens, max_model_len) is retired
+        (`Scheduler.retire`: no row, its seat, slot and pages free for the next step, as in the synchronous engine).
         Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host or
         under a grammar, or a sequence whose next row would be (a grammar, penalties on the host, a min_tokens
         ban...)."""
@@ -417,14 +418,14 @@ class LLMEngine:
                             or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
             return None
         limit = self.config.max_model_len
-        pending, ending = [], set()
+        pending, ending = [], []
         for s in cur.sampled:
             if s.finished:
                 continue
             if len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit:
                 if steady_only:
                     return None
-                ending.add(s)  # (its token ends it: postprocess finishes it whatever the id)
+                ending.append(s)  # (its token ends it: postprocess finishes it whatever the id)
             elif s.grammar is not None or needs_host_sampling(s.params, len(s.output_token_ids) + 1,
                                                               self._device_penalties):
                 return None
@@ -436,7 +437,9 @@ class LLMEngine:
         self._commit(cur)
         for s in pending:
             s.pending = 1
-        nsched = sched.schedule(skip=ending)
+        for s in ending:  # (no row; their room is the next step's, as after the synchronous engine's postprocess)
+            sched.retire(s)
+        nsched = sched.schedule()
         if not nsched.scheduled:
             return None
         row_of = {s: i for i, s in enumerate(cur.sampled)}

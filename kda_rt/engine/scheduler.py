@@ -28,7 +28,6 @@ import bisect
 import itertools
 import logging
 from collections import deque
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kda_rt.engine.allocator import IdPool
@@ -104,10 +103,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues for good and return its slot and pages now."""
+        """Take a sequence out of the queues for good and return its slot and pages now (a retired one has)."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self._release(seq)
+            if seq.slot >= 0:  # (not retired)
+                self.running.remove(seq)
+                self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -117,9 +117,7 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self, skip: Collection[Sequence] = ()) -> SchedulerOutput:
-        """The next step.  `skip`: running sequences that get no tokens this step (the engine's async scheduling
-        passes those that the step before ends by length; they keep their slot and pages until it finishes them)."""
+    def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         # boxed: preemption refunds it.  Tokens left of the budget plus the tail: a chunk may use the tail only
         # to finish its prompt (_chunk), and no chunk starts once the budget proper is spent
@@ -130,7 +128,7 @@ class Scheduler:
         for seq in decodes + prefills:
             if self._proper(budget) <= 0:  # the tail alone starts no chunk
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq in skip:  # (preempted earlier this step)
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
                 continue
             n = self._grow(seq, self._chunk(seq, budget), chosen, budget, out.preempted)
             if n:
@@ -205,6 +203,14 @@ class Scheduler:
             chosen[seq] = n
             budget[0] -= n
             promised += whole - need
+
+    def retire(self, seq: Sequence) -> None:
+        """A running sequence that the step in flight ends (by length): its seat, slot and pages go back now, so a
+        step scheduled before that step's tokens are known (the engine's async scheduling) has the room the
+        synchronous engine's next step would have; `finish` completes it once its last token is accepted.  (The
+        step in flight still writes the slot and pages; a later owner's writes queue behind it on the stream.)"""
+        self.running.remove(seq)
+        self._release(seq)
 
     def requeue(self, seq: Sequence) -> None:
         """Send a running sequence back to the front of the queue, to be computed again from its first token (its

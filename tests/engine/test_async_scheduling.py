@@ -275,11 +275,12 @@ def _batches(llm, prompts, params):
 
 def test_batches_are_the_synchronous_engines(tiny_dir):
     """Without finishes the ahead engine cannot foresee (no EOS or stop: lengths only), its steps are the synchronous
-    engine's step for step, rows in the same order, also where a prompt that arrived first completes after later,
-    shorter ones (the rows fed on the device then are not the batch's first in the previous step's order)."""
-    prompts = [mixed_prompts(1, seed=40 + n, lo=n, hi=n)[0] for n in (5, 40, 6, 33, 2, 17)]
-    params = [greedy(6 + 3 * (i % 3)) for i in range(6)]
-    kw = dict(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=24)
+    engine's step for step, rows in the same order and slots: also where a prompt that arrived first completes after
+    later, shorter ones (the rows fed on the device then are not the batch's first in the previous step's order), and
+    where waiting prompts take the seats of sequences that the step in flight ends by length (retired early)."""
+    prompts = [mixed_prompts(1, seed=40 + n, lo=n, hi=n)[0] for n in (5, 40, 6, 33, 2, 17, 9, 28)]
+    params = [greedy(6 + 3 * (i % 3)) for i in range(8)]
+    kw = dict(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=24)
     (want_b, want), (got_b, got) = (_batches(llm, prompts, params) for llm in _llms(tiny_dir, **kw))
     assert got == want
     assert got_b == want_b

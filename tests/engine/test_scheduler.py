@@ -73,19 +73,23 @@ def test_chunked_prefill_mixed_with_decodes_and_incremental_pages():
     assert fake_step(sched) == [(a, 1), (b, 12)] and len(b.output_token_ids) == 1
 
 
-def test_skipped_sequences_get_no_tokens_and_keep_their_room():
-    """schedule(skip=...) (async scheduling's sequences that the step in flight ends by length): no tokens for them,
-    their slot and pages kept, the others scheduled as without them; each skipped one still counts as running."""
+def test_retired_sequences_give_their_room_now():
+    """retire(seq) (async scheduling: a sequence the step in flight ends by length): its seat, slot and pages go back
+    at once, so the next schedule admits into them as after a finish; `finish` later completes it and frees nothing
+    twice."""
     sched = Scheduler(config(max_num_seqs=3, num_slots=3, max_num_batched_tokens=40))
     a, b, c, d = make_seq(3, 8), make_seq(5, 8), make_seq(30, 8), make_seq(4, 8)
     for seq in (a, b, c):
         sched.add(seq)
     assert fake_step(sched) == [(a, 3), (b, 5), (c, 30)]
     sched.add(d)
-    blocks, slot = list(b.blocks), b.slot
-    out = sched.schedule(skip={b})
-    assert out.scheduled == [(a, 1), (c, 1)]  # d waits: b still holds the third seat
-    assert b.blocks == blocks and b.slot == slot and b in sched.running and d in sched.waiting
+    free = sched.pages.num_free
+    sched.retire(b)
+    assert b.slot == -1 and b.blocks == [] and b not in sched.running and sched.pages.num_free == free + 1
+    out = sched.schedule()
+    assert out.scheduled == [(a, 1), (c, 1), (d, 4)]  # d takes b's seat
+    sched.finish(b)
+    assert b.finished and sched.stats()["slots_used"] == 3
 
 
 def test_preempts_newest_and_requeues_at_front():

@@ -264,24 +264,35 @@ def test_gpu_penalties_equal_the_host_sampler(ckpt, monkeypatch):
     runner's per-sequence token counts (sampler/penalties.py) give the host sampler's greedy tokens bit for bit and
     its logprobs within float32 rounding (synchronous steps: the same batches, so the same logits); the penalties
     change the tokens; with async scheduling the penalised steps are launched ahead (the device counts the token the
-    host has not seen yet) and the tokens are again the same."""
+    host has not seen yet; finishes by length only, so the batches are the synchronous engine's) and the tokens are
+    again the same.  12 sequences, 8 at a time, rows for 2 at first: the counts' arrays grow and rows are reused."""
+    import cupy
+
+    from kda_rt.sampler.penalties import PenaltyRows
+    from kda_rt.sampler.sampling import update_counts
+
     kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
-    prompts = [prompt_of(n, seed=700 + n) for n in (5, 17, 40, 63, 90, 130)]
-    params = [greedy(24, repetition_penalty=1.3), greedy(24, frequency_penalty=0.8), greedy(24, presence_penalty=1.5),
-              greedy(24, repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), greedy(24),
-              greedy(24, frequency_penalty=2.0)]
+    prompts = [prompt_of(n, seed=700 + n) for n in (5, 17, 40, 63, 90, 130, 7, 25, 50, 70, 33, 12)]
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8), dict(presence_penalty=1.5),
+             dict(repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), {}, dict(frequency_penalty=2.0)]
+    params = [greedy(16 + 4 * (i % 3), **kinds[i % len(kinds)]) for i in range(len(prompts))]
     monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "0")
     host = LLM(ckpt, async_scheduling=False, **kw)
     want = run_all(host, prompts, params)
-    plain = run_all(host, prompts, [greedy(24)] * len(prompts))
-    assert sum(w.token_ids != p.token_ids for w, p in zip(want, plain, strict=True)) >= 3, "penalties changed nothing"
+    plain = run_all(host, prompts, [greedy(p.max_tokens) for p in params])
+    assert sum(w.token_ids != p.token_ids for w, p in zip(want, plain, strict=True)) >= 6, "penalties changed nothing"
     monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "1")
     monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
     for ahead in (False, True):
         dev = LLM(ckpt, async_scheduling=ahead, **kw)
-        assert dev.llm_engine.runner.device_penalties
+        runner = dev.llm_engine.runner
+        assert runner.device_penalties
+        # rows for 2 sequences at first, so the 12 sequences grow the arrays on the device (and reuse rows)
+        runner.penalty_rows = PenaltyRows(runner.config.vocab_size, cupy, lambda c, ids, rows, r=runner: update_counts(
+            c, ids, rows=rows, stream=r.stream), first_capacity=2)
         launched = dev.llm_engine.counters["steps_launched_ahead"]
         got = run_all(dev, prompts, params)
+        assert runner.penalty_rows.capacity >= 4
         for i, (w, g) in enumerate(zip(want, got, strict=True)):
             assert g.token_ids == w.token_ids, f"row {i} (async {ahead})"
             for lw, lg in zip(w.logprobs, g.logprobs, strict=True):

@@ -14,8 +14,8 @@ from kda_rt.sampler.reference import sample_rows
 
 
 def add_sampled(counts, ids, rows) -> None:
-    """update_counts in NumPy: counts[rows[b], ids[b]] += 1 where rows[b] >= 0."""
-    keep = rows >= 0
+    """update_counts in NumPy: counts[rows[b], ids[b]] += 1 where rows[b] >= 0 and 0 <= ids[b] < V."""
+    keep = (rows >= 0) & (ids >= 0) & (ids < counts.shape[1])
     np.add.at(counts, (rows[keep], ids[keep]), 1)
 
 

@@ -126,3 +126,34 @@ def test_no_pool_without_device_penalty_rows():
     assert pool.prepare(_batch([_Seq(1, [2], SamplingParams())])) is None
     host = SamplingBatch.build([(SamplingParams(repetition_penalty=1.5), 0, [1], [])], [0], keys=[3])
     assert host.host_rows[0] and pool.prepare(host) is None and pool.counts is None
+
+
+def test_no_memory_to_grow_samples_the_new_row_on_the_host():
+    """When the arrays cannot grow (the GPU's memory is spent), a new sequence's row becomes a host row for that launch
+    (its history holds every output), the rows that have counts stay on the device, and later launches try again."""
+
+    class TightNumpy:  # np whose zeros fail past the first growth
+        def __init__(self):
+            self.allocs = 0
+
+        def zeros(self, shape, dtype):
+            self.allocs += 1
+            if shape[0] > 3:
+                raise MemoryError("out of memory")
+            return np.zeros(shape, dtype)
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    pen = SamplingParams(frequency_penalty=0.5)
+    pool = PenaltyRows(V, TightNumpy(), _add, first_capacity=2)
+    a, b, c = _Seq(1, [3], pen), _Seq(2, [4], pen), _Seq(3, [5], pen)
+    batch = _batch([a, b, c])
+    rows, update = pool.prepare(batch)
+    assert rows.tolist() == [1, 2, 0] and update.tolist() == [1, 2, -1]
+    assert batch.host_rows.tolist() == [False, False, True] and 3 not in pool.entries
+    pool.after_sample(batch, np.array([7, 8, 9], np.int32), update)
+    a.out.append(7)
+    b.out.append(8)
+    _check(pool, [a, b])
+    assert pool.counts[:, 9].sum() == 0  # the host row's token is not counted on the device
