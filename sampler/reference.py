@@ -16,8 +16,8 @@ import numpy as np
 from .batch import SamplingBatch, StepOutput
 from .params import SamplingParams
 
-__all__ = ["apply_penalties", "nonfinite_error", "penalty_error", "allowed_tokens", "sample_row", "sample_rows", "draw_noise", "philox4x32_10",
-           "top_logprobs"]
+__all__ = ["apply_penalties", "nonfinite_error", "penalty_error", "allowed_tokens", "sample_row", "sample_rows",
+           "draw_noise", "draw_noise_at", "philox4x32_10", "top_logprobs"]
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
@@ -65,6 +65,19 @@ def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
     return c0, c1, c2, c3
 
 
+def draw_noise_at(seed: int, step: int, tokens: np.ndarray, vocab: int) -> np.ndarray:
+    """draw_noise(seed, step, vocab)[tokens] (tokens ascending), generating only the Philox blocks they need when
+    they are few."""
+    if 4 * len(tokens) > vocab:
+        return draw_noise(seed, step, vocab)[tokens]
+    seed &= 0xFFFFFFFFFFFFFFFF
+    tokens = np.asarray(tokens, dtype=np.int64)
+    words = np.stack(philox4x32_10((tokens // 4).astype(np.uint64), step, 0, 0, seed & 0xFFFFFFFF, seed >> 32), axis=1)
+    w = words[np.arange(len(tokens)), tokens % 4]
+    u = ((w >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    return -np.log(u.astype(np.float64))
+
+
 def draw_noise(seed: int, step: int, vocab: int) -> np.ndarray:
     """[V] float64 Exp(1) noise for generated-token index `step` of a request seeded `seed`:
     key = seed's two 32-bit halves, counter = (token // 4, step, 0, 0), word token % 4;
@@ -90,15 +103,34 @@ def _probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(p >= params.min_p * p.max(), p, 0.0)
         p /= p.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cut = int(np.searchsorted(cum, params.top_p, side="left")) + 1
-        keep = np.zeros_like(p, dtype=bool)
-        keep[order[:cut]] = True
-        p = np.where(keep, p, 0.0)
+        p = np.where(_top_p_keep(p, params.top_p), p, 0.0)
         p /= p.sum()
     return p
+
+
+def _top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
+    """[V] bool: the smallest prefix of p's stable descending order (larger first, lower index on ties) whose
+    cumulative mass (summed in that order) reaches top_p; always at least one token.  Looked for among the k
+    largest first (1024, then 8192: a peaked distribution's prefix is short), which gives the full sort's prefix and
+    sums term for term whenever the prefix ends above the k-th largest value (every larger token is among the k,
+    in the same order); otherwise, and for wide prefixes, the whole row is sorted."""
+    vocab = p.shape[0]
+    keep = np.zeros(vocab, dtype=bool)
+    for k in (1024, 8192):
+        if 4 * k > vocab:
+            break
+        cand = np.argpartition(-p, k - 1)[:k]
+        order = cand[np.lexsort((cand, -p[cand]))]
+        cum = np.cumsum(p[order])
+        cut = int(np.searchsorted(cum, top_p, side="left")) + 1
+        if cut <= k and p[order[cut - 1]] > p[order[-1]]:
+            keep[order[:cut]] = True
+            return keep
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    cut = int(np.searchsorted(cum, top_p, side="left")) + 1
+    keep[order[:cut]] = True
+    return keep
 
 
 def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, step: int) -> int:
@@ -106,8 +138,8 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, step: int)
     if params.greedy:
         return int(np.argmax(logits))
     p = _probs(logits, params)
-    noise = draw_noise(seed, step, p.shape[0])
-    return int(np.argmax(p / noise))
+    kept = np.flatnonzero(p > 0)  # (a dropped token's p / E is 0: it never wins; ascending, so ties go lower)
+    return int(kept[np.argmax(p[kept] / draw_noise_at(seed, step, kept, p.shape[0]))])
 
 
 def top_logprobs(logits: np.ndarray, token_id: int, num: int) -> dict[int, float]:
@@ -117,10 +149,22 @@ def top_logprobs(logits: np.ndarray, token_id: int, num: int) -> dict[int, float
     logz = m + np.log(np.exp(x - m).sum())
     out = {int(token_id): float(x[token_id] - logz)}
     if num > 0:
-        for t in np.argsort(-x, kind="stable")[:num]:
+        for t in _top_indices(x, num):
             if np.isfinite(x[t]):  # masked or banned tokens are not listed (-inf is not JSON)
                 out.setdefault(int(t), float(x[t] - logz))
     return out
+
+
+def _top_indices(x: np.ndarray, num: int) -> np.ndarray:
+    """np.argsort(-x, kind="stable")[:num] without sorting the row: the values above the num-th largest, sorted (lower
+    index first on ties), then the lowest indices of those equal to it."""
+    vocab = x.shape[0]
+    if num >= vocab:
+        return np.argsort(-x, kind="stable")
+    t = np.partition(x, vocab - num)[vocab - num]
+    above = np.flatnonzero(x > t)
+    above = above[np.lexsort((above, -x[above]))]
+    return np.concatenate([above, np.flatnonzero(x == t)[: num - len(above)]])
 
 
 def nonfinite_error(step: int) -> str:
