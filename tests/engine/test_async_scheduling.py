@@ -31,6 +31,20 @@ def _key(out):
     return [(o.token_ids, o.finish_reason, o.stop_reason, o.logprobs, o.cumulative_logprob) for o in out.outputs]
 
 
+def _drive(eng) -> tuple[dict, int]:
+    """Step `eng` until it is idle: each finished request's key, and how many steps raised the injected error."""
+    finals, failed = {}, 0
+    while eng.has_unfinished_requests() or eng.has_pending_step():
+        try:
+            outs = eng.step()
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            failed += 1
+            continue
+        finals.update({o.request_id: _key(o) for o in outs if o.finished})
+    return finals, failed
+
+
 def _run(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [_key(o) for o in outs]
@@ -135,16 +149,8 @@ def test_failed_launch_ahead_keeps_the_step_it_followed(tiny_dir):
         return launch(batch, sampling, **kw)
 
     eng.runner.launch = flaky
-    finals, failed = {}, 0
     try:
-        while eng.has_unfinished_requests():
-            try:
-                outs = eng.step()
-            except RuntimeError as exc:
-                assert "injected" in str(exc)
-                failed += 1
-                continue
-            finals.update({o.request_id: _key(o) for o in outs if o.finished})
+        finals, failed = _drive(eng)
     finally:
         eng.runner.launch = launch
     assert failed == 1
@@ -311,15 +317,7 @@ def test_a_launch_that_fails_after_running_loses_nothing(tiny_dir):
         runner.launch = flaky
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
-        finals, failed = {}, 0
-        while eng.has_unfinished_requests() or eng.has_pending_step():
-            try:
-                outs = eng.step()
-            except RuntimeError as exc:
-                assert "injected" in str(exc)
-                failed += 1
-                continue
-            finals.update({o.request_id: _key(o) for o in outs if o.finished})
+        finals, failed = _drive(eng)
         del runner.launch
         assert failed >= 3
         assert [finals[f"r{i}"] for i in range(6)] == want
