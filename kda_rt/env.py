@@ -12,7 +12,7 @@ __all__ = ["READ_AT_START", "cache_dir", "arch_override", "api_key", "log_stats_
 
 # switches the CUDA runner reads once, when it starts (an A/B that flips them on a running engine times one setting
 # twice: tests/gpu/bench_ab.py and trace_decode.py refuse them)
-READ_AT_START = ("KDA_RT_SHARED_GRAPH_WS", "KDA_RT_SKIP_PAD", "KDA_RT_GPU_PENALTIES")
+READ_AT_START = ("KDA_RT_SHARED_GRAPH_WS", "KDA_RT_SKIP_PAD", "KDA_RT_GPU_SAMPLING_EXTRAS")
 
 
 @functools.cache
@@ -99,14 +99,16 @@ def async_prefill() -> bool:
     return _on_off("KDA_RT_ASYNC_PREFILL", "0")
 
 
-def gpu_penalties() -> bool:
-    """KDA_RT_GPU_PENALTIES: 1 has the CUDA runner sample rows with repetition / presence / frequency penalties on the
-    GPU, from per-sequence token counts kept on the device (sampler/penalties.py; the sampling kernel's HAS_PENALTIES
-    form), instead of copying their logits to the host sampler (the NumPy reference: a sampled top-p row of V =
-    163840 ~3 ms peaked, ~26 ms flat, on one core of the development machine); such rows then also allow async
-    scheduling.
-    Default 0: prepared in the fifty-sixth session, not yet GPU-run.  Read when the runner starts."""
-    return _on_off("KDA_RT_GPU_PENALTIES", "0")
+def gpu_sampling_extras() -> bool:
+    """KDA_RT_GPU_SAMPLING_EXTRAS: 1 has the CUDA runner sample on the GPU the rows it used to copy back to the host
+    sampler, all but those with a logit_bias: repetition / presence / frequency penalties from per-sequence token
+    counts kept on the device (sampler/penalties.py; the sampling kernel's HAS_PENALTIES form), min_tokens and
+    bad_words bans and allowed_token_ids as bitmasks beside the grammar's (SamplingBatch.device_masks; HAS_MASK).
+    The host sampler (the NumPy reference) takes ~3 ms a sampled top-p row of V = 163840 when its mass is peaked,
+    ~26 ms when flat, on one core of the development machine, and no step goes ahead of a host row; with this on,
+    such rows also allow async scheduling (bad_words' rows only when their outputs are on the host).  Default 0:
+    prepared in the fifty-sixth session, not yet GPU-run.  Read when the runner starts."""
+    return _on_off("KDA_RT_GPU_SAMPLING_EXTRAS", "0")
 
 
 def pdl() -> bool:

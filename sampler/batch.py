@@ -7,7 +7,7 @@ host sampler (`reference.sample_rows`), which takes every row on the NumPy backe
 `host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias,
 allowed_token_ids or bad_words is a host row; a structured-output mask is applied by the GPU sampler
 itself (its bitmask is uploaded); so are repetition / presence / frequency penalties when the runner keeps
-each sequence's token counts on the device (`device_penalties`: the CUDA runner with KDA_RT_GPU_PENALTIES=1,
+each sequence's token counts on the device (`device_extras`: the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS=1,
 which finds a sequence's counts by its row's `keys` entry).
 
 The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
@@ -33,11 +33,14 @@ def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def needs_host_sampling(params: SamplingParams, num_output: int, device_penalties: bool = False) -> bool:
-    """A min_tokens ban, a logit_bias, allowed_token_ids or bad_words, and penalties unless the runner applies them
-    on the device (`device_penalties`): the GPU sampler does none of those, the host sampler all."""
-    return ((has_penalties(params) and not device_penalties) or num_output < params.min_tokens
-            or bool(params.logit_bias) or params.allowed_token_ids is not None or bool(params.bad_words_token_ids))
+def needs_host_sampling(params: SamplingParams, num_output: int, device_extras: bool = False) -> bool:
+    """A logit_bias, and unless the runner does them on the device (`device_extras`: penalties from device token
+    counts, bans and allowed_token_ids as bitmasks, `SamplingBatch.device_masks`) penalties, a min_tokens ban,
+    allowed_token_ids or bad_words: the host sampler does all of them."""
+    if device_extras:
+        return bool(params.logit_bias)
+    return (has_penalties(params) or num_output < params.min_tokens or bool(params.logit_bias)
+            or params.allowed_token_ids is not None or bool(params.bad_words_token_ids))
 
 
 def bad_word_bans(params: SamplingParams, output_ids) -> list[int]:
@@ -94,16 +97,41 @@ class SamplingBatch:
         object.__setattr__(self, "masks", masks)
         return masks
 
+    def device_masks(self, vocab: int) -> list[np.ndarray | None]:
+        """Each row's [ceil(vocab / 32)] int32 bitmask for the GPU sampler (bit t % 32 of word t // 32: token t
+        allowed), or None for a row with nothing to mask: its grammar mask, less this step's bans (min_tokens,
+        bad_words), and with allowed_token_ids only those; ids past the vocabulary are left out, as the host
+        sampler leaves them.  The same tokens are -inf as in `reference.sample_rows`, which applies the three in
+        turn after the penalties and the bias."""
+        words = (vocab + 31) // 32
+        out: list[np.ndarray | None] = []
+        for p, grammar, bans in zip(self.params, self.allowed, self.banned, strict=True):
+            if grammar is None and not bans and p.allowed_token_ids is None:
+                out.append(None)
+                continue
+            mask = np.full(words, -1, np.int32) if grammar is None else np.array(grammar[:words], np.int32)
+            bits = mask.view(np.uint32)
+            if p.allowed_token_ids is not None:
+                ids = p.allowed_ids_array[p.allowed_ids_array < vocab]
+                keep = np.zeros(words, np.uint32)
+                np.bitwise_or.at(keep, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+                bits &= keep
+            banned = np.array([t for t in bans if 0 <= t < vocab], np.int64)
+            if banned.size:
+                np.bitwise_and.at(bits, banned >> 5, ~np.left_shift(np.uint32(1), (banned & 31).astype(np.uint32)))
+            out.append(mask)
+        return out
+
     @classmethod
     def build(cls, rows: Iterable[tuple], eos_token_ids: Iterable[int],
               allowed: Sequence[np.ndarray | None] | None = None, *, constrained: Sequence[bool] | None = None,
-              masks: Callable[[], Sequence[np.ndarray | None]] | None = None, device_penalties: bool = False,
+              masks: Callable[[], Sequence[np.ndarray | None]] | None = None, device_extras: bool = False,
               keys: Sequence[int] | None = None) -> SamplingBatch:
         """rows: (params, seed, prompt ids, output ids so far[, pending]) per sampling row, `pending` (default 0)
         output tokens sampled but not yet on the host (async scheduling: counted in `steps`, not in the ids);
         `allowed`: each row's grammar bitmask for this step, or None (no structured outputs in the batch); or,
         lazily, `masks` (a callable returning them) with `constrained` saying which rows will have one;
-        `device_penalties`: the runner applies penalties on the device (they make no host row); `keys`: each
+        `device_extras`: the runner applies penalties on the device (they make no host row); `keys`: each
         row's sequence id (SamplingBatch.keys)."""
         rows = [(*r, 0) if len(r) == 4 else tuple(r) for r in rows]
         if any(len(r) != 5 for r in rows):
@@ -125,7 +153,7 @@ class SamplingBatch:
              np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))) if p.logit_bias else None
             for p in params)
         steps = [len(out) + pend for *_, out, pend in rows]
-        host = [needs_host_sampling(p, n, device_penalties) for (p, *_), n in zip(rows, steps, strict=True)]
+        host = [needs_host_sampling(p, n, device_extras) for (p, *_), n in zip(rows, steps, strict=True)]
         penalty = [has_penalties(p) for p in params]
         banned = tuple(
             ((*p.stop_token_ids, *(() if p.ignore_eos else eos)) if n < p.min_tokens else ())

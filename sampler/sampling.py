@@ -74,19 +74,20 @@ def sample_defines(B: int, V: int, *, vec: bool, penalties: bool, mask: bool, lo
     return defines, cluster, threads, smem
 
 
-def precompile(V: int, max_rows: int, penalties: bool = False) -> int:
+def precompile(V: int, max_rows: int, extras: bool = False) -> int:
     """Compile (or load from the disk cache) the sample_rows variants that plain requests use, for any
     batch of 1..max_rows rows of V logits: each thread count sample_config picks in that range, with
-    and without the sampled token's logprob (and with `penalties`, the runner's KDA_RT_GPU_PENALTIES, those
-    with penalties too, and update_counts).  The runner calls it at start, so no request waits for
-    NVRTC (a variant takes ~1.5 s to compile); grammar masks and top logprobs compile on
+    and without the sampled token's logprob (and with `extras`, the runner's KDA_RT_GPU_SAMPLING_EXTRAS, those
+    with penalties and with masks too, and update_counts).  The runner calls it at start, so no request waits for
+    NVRTC (a variant takes ~1.5 s to compile); grammar masks (without `extras`) and top logprobs compile on
     first use.  Returns the number of variants."""
     seen = set()
-    if penalties:
+    if extras:
         get_kernel("sampling.cu", "update_counts", V=V)
+    flags = (False, True) if extras else (False,)
     for B in sorted({1, max(1, max_rows)}):
-        for logprob, pen in [(lp, pen) for lp in (False, True) for pen in (False, True) if penalties or not pen]:
-            defines, _, _, smem = sample_defines(B, V, vec=V % 4 == 0, penalties=pen, mask=False, logprob=logprob,
+        for logprob, pen, mask in [(lp, pen, mask) for lp in (False, True) for pen in flags for mask in flags]:
+            defines, _, _, smem = sample_defines(B, V, vec=V % 4 == 0, penalties=pen, mask=mask, logprob=logprob,
                                                  num_logprobs=0)
             key = tuple(sorted(defines.items()))
             if key not in seen:

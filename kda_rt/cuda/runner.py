@@ -146,9 +146,9 @@ class CudaRunner:
         self.pad_row_slot = -1 if self.model.skip_pad else self.pad_slot  # (the slot padding rows carry)
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
-        # KDA_RT_GPU_PENALTIES: penalised rows sampled on the GPU from per-sequence token counts (sampler/penalties.py,
-        # made on the first such row); the engine reads `device_penalties` when it builds a step's SamplingBatch
-        self.device_penalties = env.gpu_penalties()
+        # KDA_RT_GPU_SAMPLING_EXTRAS: penalised rows sampled on the GPU from per-sequence token counts (sampler/penalties.py,
+        # made on the first such row); the engine reads `device_extras` when it builds a step's SamplingBatch
+        self.device_extras = env.gpu_sampling_extras()
         self.penalty_rows = None
         self.staging = Staging()
         self.enforce_eager = engine.enforce_eager
@@ -195,7 +195,7 @@ class CudaRunner:
         from kda_rt.cuda.weights import DeviceMoE
         from kda_rt.sampler.sampling import precompile
 
-        precompile(config.vocab_size, plan.engine_slots, self.device_penalties)  # nor for the sampler's variants
+        precompile(config.vocab_size, plan.engine_slots, self.device_extras)  # nor for the sampler's variants
         moe = next((L.mlp for L in self.weights.layers if isinstance(L.mlp, DeviceMoE)), None)
         try:  # nor for a MoE tile size or a KDA state width the first steps did not use (mixed steps)
             shapes = _decode_projection_shapes(self.weights)
@@ -389,7 +389,7 @@ class CudaRunner:
         ins = [(n, u64), (n, f32), (n, i32), (n, f32), (n, f32), (n, i32)]
         values = [sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps]
         pen = None
-        if self.device_penalties and sampling.penalty_rows is not None and sampling.penalty_rows.any():
+        if self.device_extras and sampling.penalty_rows is not None and sampling.penalty_rows.any():
             from kda_rt.sampler.penalties import PenaltyRows
             from kda_rt.sampler.sampling import update_counts
 
@@ -418,11 +418,16 @@ class CudaRunner:
             ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
             self.staging.to_device(f"sampling{parity}", dev_in, in_bytes, self.stream)
             allowed = None
-            if sampling.constrained.any():
+            # (KDA_RT_GPU_SAMPLING_EXTRAS: bans and allowed_token_ids go into the rows' masks too)
+            extras = self.device_extras and (any(sampling.banned) or any(
+                p.allowed_token_ids is not None for p in sampling.params))
+            if sampling.constrained.any() or extras:
                 words = (V + 31) // 32
                 masks = self.staging.host(f"masks{parity}", n * words * 4).view(np.int32)[: n * words].reshape(n, words)
-                for i, m in enumerate(sampling.allowed):  # computed now, while the forward runs
-                    # a mask sized for a larger tokenizer vocabulary: its tokens past the logits do not exist
+                # computed now, while the forward runs (a grammar mask sized for a larger tokenizer vocabulary: its
+                # tokens past the logits do not exist)
+                rows = sampling.device_masks(V) if self.device_extras else sampling.allowed
+                for i, m in enumerate(rows):
                     masks[i] = -1 if m is None else m[:words]
                 allowed = self.sample_ws.get(f"masks{parity}", (n, words), np.int32)
                 self.staging.to_device(f"masks{parity}", allowed, masks.nbytes, self.stream)
@@ -445,7 +450,7 @@ class CudaRunner:
     def collect(self, pending: _Pending) -> StepOutput:
         """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
         rows (sampler/batch.needs_host_sampling: a min_tokens ban, a logit_bias, allowed_token_ids, bad_words, and
-        penalties unless KDA_RT_GPU_PENALTIES) by the NumPy reference sampler from their logits,
+        penalties unless KDA_RT_GPU_SAMPLING_EXTRAS) by the NumPy reference sampler from their logits,
         rows with non-finite logits (flag 1) get that error, as the reference would report it."""
         from kda_rt.sampler.reference import nonfinite_error, penalty_error, sample_rows
 
@@ -468,7 +473,7 @@ class CudaRunner:
             if flags_h[i] == 1:  # the model's logits are not finite (or a device penalty overflowed): an error
                 step = int(sampling.steps[i])
                 out.errors[i] = nonfinite_error(step)
-                if sampling.penalty_rows is not None and sampling.penalty_rows[i] and self.device_penalties:
+                if sampling.penalty_rows is not None and sampling.penalty_rows[i] and self.device_extras:
                     with self.stream:  # (which of the two: the raw row, read back in this rare case)
                         if np.isfinite(pending.logits[i].get(stream=self.stream)).all():
                             out.errors[i] = penalty_error(step)

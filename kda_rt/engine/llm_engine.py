@@ -126,9 +126,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._inflight: _Launched | None = None  # a step queued ahead (async_scheduling)
         self._held_outputs: list[RequestOutput] = []  # outputs of a step collected by a call that raised
-        # the runner samples penalised rows on the device (the CUDA runner with KDA_RT_GPU_PENALTIES): they are no
+        # the runner samples penalised rows on the device (the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS): they are no
         # host rows, and SamplingBatch.keys (each sequence's arrival number) finds their token counts there
-        self._device_penalties = bool(getattr(runner, "device_penalties", False))
+        self._device_extras = bool(getattr(runner, "device_extras", False))
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
         _raise_gc_threshold()
@@ -370,7 +370,7 @@ class LLMEngine:
         # (a pending token's id is not on the host: its count is the row's step, the device has the rest)
         rows = ((s.params, s.seed, s.prompt_token_ids, s.output_token_ids, s.pending) for s in sampled)
         constrained = [s.grammar is not None for s in sampled]
-        kw = dict(device_penalties=self._device_penalties, keys=[s.arrival for s in sampled])
+        kw = dict(device_extras=self._device_extras, keys=[s.arrival for s in sampled])
         if any(constrained):  # masks computed when the runner asks: after it has launched the forward
             sampling = SamplingBatch.build(rows, self.eos_token_ids, constrained=constrained,
                                            masks=lambda: self._structured.masks(sampled), **kw)
@@ -426,8 +426,8 @@ class LLMEngine:
                 if steady_only:
                     return None
                 ending.append(s)  # (its token ends it: postprocess finishes it whatever the id)
-            elif s.grammar is not None or needs_host_sampling(s.params, len(s.output_token_ids) + 1,
-                                                              self._device_penalties):
+            elif (s.grammar is not None or s.params.bad_words_token_ids  # (bad_words' bans read the outputs' ids)
+                  or needs_host_sampling(s.params, len(s.output_token_ids) + 1, self._device_extras)):
                 return None
             else:
                 pending.append(s)

@@ -141,7 +141,7 @@ def test_bench_reports_the_decode_graphs_padding_share():
 
 def test_bench_sampling_flag(tiny_dir):
     """bench --sampling: every request samples with those settings (penalised rows included, the CUDA runner's
-    KDA_RT_GPU_PENALTIES path on the GPU); a bad key or value is an error naming the flag."""
+    KDA_RT_GPU_SAMPLING_EXTRAS path on the GPU); a bad key or value is an error naming the flag."""
     from kda_rt.bench import parse_sampling, run_bench
 
     assert parse_sampling("") == {}

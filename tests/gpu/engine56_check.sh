@@ -3,7 +3,7 @@
 #   1. the tests (a failure stops the script): tests/kernels/test_sampling.py (the sampling kernel's penalty row map
 #      and update_counts' rows, new), tests/gpu/test_request_shapes.py but its 32K prompt (async scheduling of
 #      prefill and mixed steps bit for bit against the synchronous engine, every launch after the first queued
-#      ahead; KDA_RT_GPU_PENALTIES=1 against the host sampler's penalised tokens, also launched ahead; chunked
+#      ahead; KDA_RT_GPU_SAMPLING_EXTRAS=1 against the host sampler's penalised and banned tokens, also ahead; chunked
 #      prompts, mixed steps, preemption against the oracle);
 #   2. KDA_RT_ASYNC_PREFILL 1 / 0 (0: only steady decode steps launched ahead, the form before) in bf16: the seed
 #      prefill's TTFT max (32 x 2048) and a 100 x 2048 / 128 run (admissions beside decodes: its elapsed and TTFT

@@ -259,12 +259,14 @@ def test_async_scheduling_same_outputs(ckpt, oracle, monkeypatch):
         assert_matches_oracle(oracle, prompt, out, f"async, {rid}")
 
 
-def test_gpu_penalties_equal_the_host_sampler(ckpt, monkeypatch):
-    """KDA_RT_GPU_PENALTIES=1: rows with repetition / presence / frequency penalties sampled on the GPU from the
-    runner's per-sequence token counts (sampler/penalties.py) give the host sampler's greedy tokens bit for bit and
+def test_gpu_sampling_extras_equal_the_host_sampler(ckpt, monkeypatch):
+    """KDA_RT_GPU_SAMPLING_EXTRAS=1: rows with repetition / presence / frequency penalties sampled on the GPU from the
+    runner's per-sequence token counts (sampler/penalties.py), and rows with min_tokens bans or allowed_token_ids
+    through the kernel's masks (SamplingBatch.device_masks), give the host sampler's greedy tokens bit for bit and
     its logprobs within float32 rounding (synchronous steps: the same batches, so the same logits); the penalties
     change the tokens; with async scheduling the penalised steps are launched ahead (the device counts the token the
-    host has not seen yet; finishes by length only, so the batches are the synchronous engine's) and the tokens are
+    host has not seen yet; finishes by length only (min_tokens covers every token, so no stop id ends a request), so
+    the batches are the synchronous engine's) and the tokens are
     again the same.  12 sequences, 8 at a time, rows for 2 at first: the counts' arrays grow and rows are reused."""
     import cupy
 
@@ -274,19 +276,23 @@ def test_gpu_penalties_equal_the_host_sampler(ckpt, monkeypatch):
     kw = dict(backend="cuda", max_num_seqs=8, max_model_len=1024, num_blocks=160, max_num_batched_tokens=B)
     prompts = [prompt_of(n, seed=700 + n) for n in (5, 17, 40, 63, 90, 130, 7, 25, 50, 70, 33, 12)]
     kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8), dict(presence_penalty=1.5),
-             dict(repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), {}, dict(frequency_penalty=2.0)]
-    params = [greedy(16 + 4 * (i % 3), **kinds[i % len(kinds)]) for i in range(len(prompts))]
-    monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "0")
+             dict(repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), {}, dict(frequency_penalty=2.0),
+             dict(min_tokens=0, stop_token_ids=list(range(3, 40))), dict(allowed_token_ids=list(range(100, 400))),
+             dict(allowed_token_ids=list(range(3, 300)), min_tokens=0, stop_token_ids=[7, 8], presence_penalty=1.0)]
+    params = [greedy(n, **{**kind, "min_tokens": n} if "min_tokens" in kind else kind)  # (bans on every token)
+              for n, kind in ((16 + 4 * (i % 3), kinds[i % len(kinds)]) for i in range(len(prompts)))]
+    monkeypatch.setenv("KDA_RT_GPU_SAMPLING_EXTRAS", "0")
     host = LLM(ckpt, async_scheduling=False, **kw)
     want = run_all(host, prompts, params)
     plain = run_all(host, prompts, [greedy(p.max_tokens) for p in params])
-    assert sum(w.token_ids != p.token_ids for w, p in zip(want, plain, strict=True)) >= 6, "penalties changed nothing"
-    monkeypatch.setenv("KDA_RT_GPU_PENALTIES", "1")
+    assert sum(w.token_ids != p.token_ids for w, p in zip(want, plain, strict=True)) >= 6, "the settings changed nothing"
+    assert all(100 <= t < 400 for t in want[7].token_ids) and not set(want[6].token_ids) & set(range(3, 40))
+    monkeypatch.setenv("KDA_RT_GPU_SAMPLING_EXTRAS", "1")
     monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
     for ahead in (False, True):
         dev = LLM(ckpt, async_scheduling=ahead, **kw)
         runner = dev.llm_engine.runner
-        assert runner.device_penalties
+        assert runner.device_extras
         # rows for 2 sequences at first, so the 12 sequences grow the arrays on the device (and reuse rows)
         runner.penalty_rows = PenaltyRows(runner.config.vocab_size, cupy, lambda c, ids, rows, r=runner: update_counts(
             c, ids, rows=rows, stream=r.stream), first_capacity=2)

@@ -1,16 +1,15 @@
 """The GPU sampler's penalty (kernels_cu/sampling.cu `penalise`) in NumPy, float32 step by step, and the CUDA runner's
-device penalties (KDA_RT_GPU_PENALTIES: sampler/penalties.PenaltyRows) on a NumPy runner, for the CPU tests."""
+device sampling of penalised, banned and restricted rows (KDA_RT_GPU_SAMPLING_EXTRAS: sampler/penalties.PenaltyRows,
+SamplingBatch.device_masks) on a NumPy runner, for the CPU tests."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
 from kda_rt.sampler.batch import StepOutput
 from kda_rt.sampler.params import SamplingParams
 from kda_rt.sampler.penalties import PenaltyRows
-from kda_rt.sampler.reference import sample_rows
+from kda_rt.sampler.reference import allowed_tokens, sample_row, sample_rows, top_logprobs
 
 
 def add_sampled(counts, ids, rows) -> None:
@@ -32,30 +31,47 @@ def penalise(x: np.ndarray, p: SamplingParams, counts: np.ndarray, prompt: np.nd
     return out
 
 
-def use_device_penalties(llm) -> PenaltyRows:
-    """Make `llm`'s NumPy runner sample penalised rows as the CUDA runner does with KDA_RT_GPU_PENALTIES: their
-    penalties from a PenaltyRows' counts (NumPy arrays, the sampled ids added after each launch), not from the rows'
-    histories; the engine then treats them as device rows (no host rows, async scheduling allowed)."""
+def use_device_extras(llm) -> PenaltyRows:
+    """Make `llm`'s NumPy runner sample as the CUDA runner does with KDA_RT_GPU_SAMPLING_EXTRAS: every row but those
+    with a logit_bias (the host rows) like the GPU sampler, penalties from a PenaltyRows' counts (NumPy arrays, the
+    sampled ids added after each launch) rather than the row's history, then `SamplingBatch.device_masks` (grammar,
+    bans, allowed_token_ids) as -inf; a row that masks every token goes to the host sampler, which names the error
+    (the kernel's flag 2).  The engine then treats such rows as device rows (async scheduling allowed)."""
     engine = llm.llm_engine
     runner = engine.runner
-    pool = PenaltyRows(llm.model_config.vocab_size, np, add_sampled, first_capacity=2)
+    vocab = llm.model_config.vocab_size
+    pool = PenaltyRows(vocab, np, add_sampled, first_capacity=2)
 
     def execute(batch, sampling):
         logits = np.array(runner.forward(batch), dtype=np.float32)
         prepared = pool.prepare(sampling)
-        history = list(sampling.history)
-        if prepared is not None:
-            rows, update = prepared
-            for i in np.flatnonzero(rows):
-                logits[i] = penalise(logits[i], sampling.params[i], pool.counts[rows[i]], pool.prompt[rows[i]])
-                history[i] = None  # (the host sampler must not penalise them again)
+        rows = prepared[0] if prepared is not None else np.zeros(sampling.num_rows, np.int32)
+        masks = sampling.device_masks(vocab)
         out = StepOutput.empty(sampling.num_rows)
-        sample_rows(logits, dataclasses.replace(sampling, history=tuple(history)), range(sampling.num_rows), out)
+        host = []
+        for i in range(sampling.num_rows):
+            x, p = logits[i], sampling.params[i]
+            if sampling.host_rows[i] or not np.isfinite(x).all():
+                host.append(i)
+                continue
+            if rows[i]:
+                x = penalise(x, p, pool.counts[rows[i]], pool.prompt[rows[i]])
+            if masks[i] is not None:
+                x = np.where(allowed_tokens(masks[i], vocab), x, -np.inf).astype(np.float32)
+            if not np.isfinite(x).any():  # (flag 2)
+                host.append(i)
+                continue
+            token = sample_row(x, p, int(sampling.seeds[i]), int(sampling.steps[i]))
+            out.token_ids[i] = token
+            if sampling.num_logprobs[i] >= 0:
+                out.logprobs[i] = top_logprobs(x, token, int(sampling.num_logprobs[i]))
+        sample_rows(logits, sampling, host, out)
         if prepared is not None:
-            pool.after_sample(sampling, np.array([-1 if t is None else t for t in out.token_ids], np.int32), update)
+            pool.after_sample(sampling, np.array([-1 if t is None else t for t in out.token_ids], np.int32),
+                              prepared[1])
         runner._last = out
         return out
 
     runner.execute = execute
-    engine._device_penalties = True
+    engine._device_extras = True
     return pool

@@ -1,4 +1,4 @@
-"""sampler/penalties.PenaltyRows (the CUDA runner's per-sequence token counts, KDA_RT_GPU_PENALTIES) on NumPy arrays:
+"""sampler/penalties.PenaltyRows (the CUDA runner's per-sequence token counts, KDA_RT_GPU_SAMPLING_EXTRAS) on NumPy arrays:
 its rows hold exactly each sequence's output counts and prompt marks through new sequences, sampled tokens added
 after each launch, rows sampled on the host in between, eviction and growth; and the penalty the sampling kernel
 computes from such rows (sampling.cu `penalise`, emulated here in float32 as written there) is bit for bit the
@@ -42,7 +42,7 @@ class _Seq:
 
 def _batch(seqs, host=()):
     rows = [(s.params, 0, s.prompt, s.out) for s in seqs]
-    b = SamplingBatch.build(rows, [0], device_penalties=True, keys=[s.key for s in seqs])
+    b = SamplingBatch.build(rows, [0], device_extras=True, keys=[s.key for s in seqs])
     if host:  # rows the host samples this step (a ban, a bias: needs_host_sampling), whatever their penalties
         b.host_rows[list(host)] = True
     return b
@@ -116,9 +116,9 @@ def test_pending_token_the_device_did_not_count_is_refused():
     pool = PenaltyRows(V, np, _add)
     rows = [(pen, 0, [1, 2], [7], 1)]
     with pytest.raises(RuntimeError, match="samples output token 2 but the host holds 1"):
-        pool.prepare(SamplingBatch.build(rows, [0], device_penalties=True, keys=[5]))
+        pool.prepare(SamplingBatch.build(rows, [0], device_extras=True, keys=[5]))
     with pytest.raises(ValueError, match="needs its sequence key"):
-        pool.prepare(SamplingBatch.build([(pen, 0, [1], [])], [0], device_penalties=True))
+        pool.prepare(SamplingBatch.build([(pen, 0, [1], [])], [0], device_extras=True))
 
 
 def test_no_pool_without_device_penalty_rows():
@@ -157,3 +157,33 @@ def test_no_memory_to_grow_samples_the_new_row_on_the_host():
     b.out.append(8)
     _check(pool, [a, b])
     assert pool.counts[:, 9].sum() == 0  # the host row's token is not counted on the device
+
+
+def test_device_masks_are_the_host_samplers_bans():
+    """SamplingBatch.device_masks: grammar mask, this step's bans (min_tokens' stop ids and EOS, bad_words' last
+    tokens) and allowed_token_ids as one bitmask; applied as -inf it gives the host sampler's token and logprobs."""
+    from kda_rt.sampler.batch import StepOutput
+    from kda_rt.sampler.reference import allowed_tokens, sample_row, sample_rows, top_logprobs
+
+    rng = np.random.default_rng(12)
+    grammar = rng.integers(-2**31, 2**31, (V + 31) // 32, dtype=np.int64).astype(np.int32)
+    plain = SamplingParams(temperature=0.0, logprobs=3)
+    p_min = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[3, 150], logprobs=3)  # (150: past V)
+    p_allowed = SamplingParams(temperature=0.8, allowed_token_ids=[1, 5, 7, 60, 96, 500], logprobs=2)
+    p_bad = SamplingParams(temperature=0.0, min_tokens=2, logprobs=1)
+    p_bad.bad_words_token_ids = ((4, 9), (11,))
+    rows = [(plain, 1, [1], [2]), (p_min, 2, [1], [2, 3]), (p_allowed, 3, [1], []), (p_bad, 4, [1], [7, 4]),
+            (p_allowed, 5, [2], [])]
+    batch = SamplingBatch.build(rows, [0, 96], [None, None, None, None, grammar], device_extras=True)
+    masks = batch.device_masks(V)
+    assert masks[0] is None and not batch.host_rows.any()
+    x = rng.standard_normal((len(rows), V)).astype(np.float32)
+    x[:, [0, 3, 9, 11, 96]] += 6.0  # the banned tokens would win otherwise
+    want = StepOutput.empty(len(rows))
+    sample_rows(x, batch, range(len(rows)), want)
+    for i, (p, seed, _, out) in enumerate(rows):
+        xi = x[i] if masks[i] is None else np.where(allowed_tokens(masks[i], V), x[i], -np.inf).astype(np.float32)
+        token = sample_row(xi, p, seed, len(out))
+        assert token == want.token_ids[i], i
+        assert top_logprobs(xi, token, p.logprobs) == want.logprobs[i], i
+    assert want.token_ids[1] not in (0, 3, 96) and want.token_ids[3] not in (0, 9, 11, 96)  # bans held

@@ -1,8 +1,9 @@
-"""Penalised rows sampled from per-sequence device counts (the CUDA runner's KDA_RT_GPU_PENALTIES bookkeeping,
-sampler/penalties.PenaltyRows, run on a NumPy runner: tests/helpers/penalties.use_device_penalties) give the tokens and
-logprobs of the host sampler's rows, which penalise from each row's history: through chunked prompts, n > 1 samples,
-stop-token finishes mid-batch, preemption and async scheduling, where a penalised row's next step is launched before
-the host has its token (the device counts it).  Tiny checkpoint, NumPy backend, float64."""
+"""Rows sampled as the CUDA runner samples them with KDA_RT_GPU_SAMPLING_EXTRAS (run on a NumPy runner:
+tests/helpers/penalties.use_device_extras): penalties from per-sequence device counts (sampler/penalties.PenaltyRows),
+min_tokens bans and allowed_token_ids as bitmasks (SamplingBatch.device_masks) give the tokens and logprobs of the
+host sampler's rows, which penalise from each row's history and apply the bans in turn: through chunked prompts,
+n > 1 samples, stop-token finishes mid-batch, preemption and async scheduling, where such a row's next step is
+launched before the host has its token (the device counts it).  Tiny checkpoint, NumPy backend, float64."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import pytest
 
 from helpers.engine import assert_no_leaks, make_llm, mixed_prompts
-from helpers.penalties import use_device_penalties
+from helpers.penalties import use_device_extras
 from kda_rt import SamplingParams
 
 
@@ -51,7 +52,7 @@ def test_device_counts_give_the_host_samplers_tokens(tiny_dir):
     params = _params(8)
     want = _run(host, prompts, params)
     dev = make_llm(tiny_dir, **kw)
-    pool = use_device_penalties(dev)
+    pool = use_device_extras(dev)
     launches, inner = [], dev.llm_engine.runner.launch
 
     def spy(batch, sampling, **k):
@@ -81,10 +82,47 @@ def test_device_counts_through_preemption_and_stops(tiny_dir):
               for i, p in enumerate(base)]
     want = _run(host, prompts, params)
     dev = make_llm(tiny_dir, **kw)
-    use_device_penalties(dev)
+    use_device_extras(dev)
     got = _run(dev, prompts, params)
     assert got == want
     assert any(r[0][1] == "stop" and len(r[0][0]) < 14 for r in want), "no request stopped early"
     assert dev.stats()["preemptions"] > 0, "the pool was meant to force preemption"
     assert dev.stats()["steps_launched_ahead"] > 0
+    assert_no_leaks(dev)
+
+
+def test_bans_and_allowed_ids_as_device_masks(tiny_dir):
+    """min_tokens (its stop id and EOS banned for the first tokens), allowed_token_ids, both with penalties, beside a
+    logit_bias row (still a host row): the tokens and logprobs of the host sampler, every such row but the biased one
+    sampled as the GPU would, and their steps launched ahead."""
+    kw = dict(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=48)
+    host = make_llm(tiny_dir, async_scheduling=False, **kw)
+    prompts = mixed_prompts(6, seed=31, lo=4, hi=30)
+    plain = _run(host, prompts, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 6)
+    allowed = sorted({t for r in plain for t in r[0][0]} | set(range(40, 60)))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6, stop_token_ids=[plain[0][0][0][2]], logprobs=3),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=9, allowed_token_ids=allowed[:25], logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=9, allowed_token_ids=allowed[5:40], frequency_penalty=0.7),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[plain[3][0][0][1]],
+                       repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=3, logit_bias={int(plain[4][0][0][1]): -50.0}),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=9, max_tokens=11, ignore_eos=True),
+    ]
+    want = _run(host, prompts, params)
+    assert want[0][0][0] != plain[0][0][0][:10]  # the ban moved the first request off its plain tokens
+    dev = make_llm(tiny_dir, **kw)
+    use_device_extras(dev)
+    launches, inner = [], dev.llm_engine.runner.launch
+
+    def spy(batch, sampling, **k):
+        launches.append((bool(k.get("ids_from_last")), sampling.host_rows.tolist(),
+                         [p.logit_bias is not None and bool(p.logit_bias) for p in sampling.params]))
+        return inner(batch, sampling, **k)
+
+    dev.llm_engine.runner.launch = spy
+    got = _run(dev, prompts, params)
+    assert got == want
+    assert all(h == b for _, hosts, biased in launches for h, b in zip(hosts, biased, strict=True))
+    assert sum(fed for fed, *_ in launches) >= 5
     assert_no_leaks(dev)
