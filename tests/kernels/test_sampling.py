@@ -437,5 +437,32 @@ def test_grammar_mask_and_flags(V):
     check_logprobs(xm[allowed_rows], ids[allowed_rows], lp[allowed_rows], top_ids[allowed_rows], top_lp[allowed_rows])
 
 
+
+@gpu
+def test_penalty_overflow_is_flagged():
+    """A finite logit that a penalty takes past float32 (x / 0.01 at 1e37, as the reference's "non-finite logits after
+    penalties" error) flags the row 1, as a non-finite raw logit does; the other rows sample as before."""
+    import cupy
+
+    from kda_rt.sampler.sampling import sample
+
+    B, V = 3, 1003
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(B, V)).astype(np.float32)
+    x[1, 17] = 1e37  # in the prompt of row 1: divided by its repetition penalty 0.01
+    x[2, 17] = 1e37  # row 2 has no penalty: a large but finite logit
+    counts, prompt = cupy.zeros((B, V), np.int32), cupy.zeros((B, V), np.uint8)
+    prompt[:, 17] = 1
+    pen = (counts, prompt, cupy.asarray(np.array([1.0, 0.01, 1.0], np.float32)),
+           cupy.zeros((B,), np.float32), cupy.zeros((B,), np.float32))
+    dev = dict(temperature=cupy.zeros((B,), np.float32), top_k=cupy.zeros((B,), np.int32),
+               top_p=cupy.ones((B,), np.float32), min_p=cupy.zeros((B,), np.float32),
+               seeds=cupy.zeros((B,), np.uint64), steps=cupy.zeros((B,), np.int32))
+    flags = cupy.full((B,), -7, np.int32)
+    ids = sample(cupy.asarray(x), **dev, penalties=pen, out_flags=flags)
+    assert cupy.asnumpy(flags).tolist() == [0, 1, 0]
+    assert cupy.asnumpy(ids)[[0, 2]].tolist() == [int(np.argmax(x[0])), 17]
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v"]))
