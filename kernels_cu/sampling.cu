@@ -17,11 +17,13 @@
 //        (i / 4, step, 0, 0); word i % 4 of the output, top 23 bits: U = ((w >> 9) + 0.5) * 2^-23.
 //        So a row's draw depends only on its seed, its step and its logits.
 //
-// Grammar mask (HAS_MASK): allowed [B, ceil(V / 32)] uint32, bit i % 32 of word i / 32 set when token
+// Mask (HAS_MASK; a grammar's, and with the runner's GPU sampling extras also min_tokens / bad_words bans and
+// allowed_token_ids): allowed [B, ceil(V / 32)] uint32, bit i % 32 of word i / 32 set when token
 // i is allowed; a disallowed token's x is -inf before everything above (as the reference applies it
 // after the penalties).  Flags (out_flags [B] int32, optional): 1 when a raw logit of the row is NaN
-// or +-inf (or a penalised one: a penalty that overflows), 2 when no token is allowed (the masked maximum is -inf); the caller re-samples flagged
-// rows on the host, which ends them with an error naming the cause.
+// or +-inf (or a penalised one: a penalty that overflows), 2 when no token is allowed (the masked
+// maximum is -inf); the CUDA runner gives flag-1 rows the reference's error and re-samples flag-2 rows
+// on the host, which ends them with an error naming the cause.
 //
 // Split rows.  One SM streams a 655 KB row (V = 163840) at a small fraction of HBM bandwidth, so a row
 // is cut into CLUSTER slices of SLICE tokens, one CTA each, and the CLUSTER CTAs of a row form a
@@ -62,9 +64,9 @@
 // (top-k), 1 coarse + <= 4 fine (top-p), 1 draw; 1 coarse + 4..8 fine for top-N logprobs.
 // Shapes / dtypes: logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (<= 0 or
 // >= V: off); seeds [B] u64; steps [B] i32; counts [R, V] i32 (output tokens); prompt_mask [R, V] u8;
-// repetition, presence, frequency [B] f32; pen_rows [B] i32 or null: row b's counts / prompt_mask row (null: row b,
-// R = B; the CUDA runner keeps one row a penalised sequence, sampler/penalties.py); out_ids [B] i32; out_logprobs [B] f32;
-// out_top_ids [B, N] i32; out_top_logprobs [B, N] f32.
+// repetition, presence, frequency [B] f32; pen_rows [B] i32 or null: row b's counts / prompt_mask row (null:
+// row b, R = B; the CUDA runner keeps one row a penalised sequence, sampler/penalties.py); out_ids [B] i32;
+// out_logprobs [B] f32; out_top_ids [B, N] i32; out_top_logprobs [B, N] f32.
 // out_flags [B] int32; allowed [B, ceil(V / 32)] uint32.
 // Compile-time constants (chosen in sampler/sampling.py): V, THREADS, MIN_BLOCKS, CLUSTER (1..8;
 // > 1 needs sm_90+), CACHE_X (0/1: dynamic shared memory of SLICE floats), VEC (0/1: 16-byte row

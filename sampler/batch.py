@@ -4,11 +4,11 @@ The engine builds one `SamplingBatch` per step from the sequences that sample (t
 `ForwardBatch.logits_indices`, same order); no backend sees a `Sequence`.  The flat arrays are
 what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `allowed` serve the
 host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
-`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias,
-allowed_token_ids or bad_words is a host row; a structured-output mask is applied by the GPU sampler
-itself (its bitmask is uploaded); so are repetition / presence / frequency penalties when the runner keeps
-each sequence's token counts on the device (`device_extras`: the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS=1,
-which finds a sequence's counts by its row's `keys` entry).
+`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias is a host row;
+so is one with penalties, a min_tokens ban, allowed_token_ids or bad_words unless the runner does them on the
+device (`device_extras`: the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS=1, which keeps each penalised sequence's
+token counts there, found by its row's `keys` entry, and uploads the bans and allowed ids as bitmasks,
+`device_masks`).  A structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
 
 The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
 the forward pass, so the grammar work on the host overlaps the GPU's.
@@ -64,7 +64,7 @@ class SamplingBatch:
     top_p: np.ndarray  # [N] float32
     min_p: np.ndarray  # [N] float32
     num_logprobs: np.ndarray  # [N] int32: -1 no logprobs, else how many top tokens besides the sampled one
-    host_rows: np.ndarray  # [N] bool: bans, a bias, penalties unless on the device (the host sampler's rows)
+    host_rows: np.ndarray  # [N] bool: a bias; bans, allowed ids, penalties unless on the device (the host sampler's)
     # (prompt, output ids) of host rows and penalty rows: the sequence's own lists, read during this step's launch
     # only (without a pending token: `steps` counts it)
     history: tuple[tuple[Sequence[int], Sequence[int]] | None, ...]
@@ -131,8 +131,8 @@ class SamplingBatch:
         output tokens sampled but not yet on the host (async scheduling: counted in `steps`, not in the ids);
         `allowed`: each row's grammar bitmask for this step, or None (no structured outputs in the batch); or,
         lazily, `masks` (a callable returning them) with `constrained` saying which rows will have one;
-        `device_extras`: the runner applies penalties on the device (they make no host row); `keys`: each
-        row's sequence id (SamplingBatch.keys)."""
+        `device_extras`: the runner applies penalties, bans and allowed_token_ids on the device (they make no host
+        row); `keys`: each row's sequence id (SamplingBatch.keys)."""
         rows = [(*r, 0) if len(r) == 4 else tuple(r) for r in rows]
         if any(len(r) != 5 for r in rows):
             raise ValueError("SamplingBatch.build: each row is (params, seed, prompt ids, output ids[, pending])")

@@ -34,7 +34,8 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list
         out[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
         counts = np.bincount(np.asarray(output_ids, dtype=np.int64), minlength=vocab)[:vocab].astype(np.float32)
-        # float32 throughout, rounded as the GPU sampler rounds (sampling.cu penalise): x - (f c + (c > 0 ? p : 0))
+        # float32 throughout, rounded as the GPU sampler rounds (sampling.cu penalties_only):
+        # x - (f c + (c > 0 ? p : 0))
         f32 = np.float32
         out -= f32(params.frequency_penalty) * counts + np.where(counts > 0, f32(params.presence_penalty), f32(0))
     return out

@@ -102,12 +102,14 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
     """logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (0: off); seeds [B] u64;
     steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
     repetition, presence, frequency [B] f32[, rows]): with `rows` ([B] i32) row b reads counts / prompt_mask row
-    rows[b] of [R, V] ones (the runner's per-sequence rows, sampler/penalties.py).  Writes out_logprobs [B] f32 (log-softmax of the penalised,
-    untempered logits at the sampled token) when given, and with num_logprobs = N > 0 the N most likely
-    tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed: None or
-    [B, ceil(V / 32)] int32 grammar bitmask (a row with every bit set is unconstrained).  out_flags [B] i32
-    (optional): 0, or 1 when a raw logit is not finite, 2 when the mask allows no token: sample those rows
-    on the host (sampler/reference.py), which reports the error.  `cluster` / `threads` force a kernel
+    rows[b] of [R, V] ones (the runner's per-sequence rows, sampler/penalties.py).  Writes out_logprobs [B] f32
+    (log-softmax of the penalised, untempered logits at the sampled token) when given, and with num_logprobs = N > 0
+    the N most likely tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed:
+    None or [B, ceil(V / 32)] int32 bitmask of allowed tokens (a grammar's; with the runner's
+    KDA_RT_GPU_SAMPLING_EXTRAS also bans and allowed_token_ids; a row with every bit set is unconstrained).
+    out_flags [B] i32 (optional): 0, or 1 when a raw logit is not finite (or a penalised one: an overflow), 2 when
+    the mask allows no token: the CUDA runner reports flag 1 as the reference's error and samples flag 2 rows on the
+    host (sampler/reference.py), which reports the error.  `cluster` / `threads` force a kernel
     variant (see sample_config).  Returns ids [B] i32."""
     import cupy
 

@@ -147,7 +147,8 @@ class CudaRunner:
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
         # KDA_RT_GPU_SAMPLING_EXTRAS: penalised rows sampled on the GPU from per-sequence token counts (sampler/penalties.py,
-        # made on the first such row); the engine reads `device_extras` when it builds a step's SamplingBatch
+        # made on the first such row), bans and allowed_token_ids as bitmasks (SamplingBatch.device_masks); the engine
+        # reads `device_extras` when it builds a step's SamplingBatch
         self.device_extras = env.gpu_sampling_extras()
         self.penalty_rows = None
         self.staging = Staging()
@@ -449,9 +450,11 @@ class CudaRunner:
 
     def collect(self, pending: _Pending) -> StepOutput:
         """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
-        rows (sampler/batch.needs_host_sampling: a min_tokens ban, a logit_bias, allowed_token_ids, bad_words, and
-        penalties unless KDA_RT_GPU_SAMPLING_EXTRAS) by the NumPy reference sampler from their logits,
-        rows with non-finite logits (flag 1) get that error, as the reference would report it."""
+        rows (sampler/batch.needs_host_sampling: a logit_bias, and unless KDA_RT_GPU_SAMPLING_EXTRAS a min_tokens
+        ban, allowed_token_ids, bad_words or penalties; with it, a penalised row PenaltyRows found no GPU memory for)
+        and rows where nothing is allowed (flag 2) by the NumPy reference sampler from their logits; rows with
+        non-finite logits (flag 1: raw, or a device penalty's overflow) get that error, as the reference would
+        report it."""
         from kda_rt.sampler.reference import nonfinite_error, penalty_error, sample_rows
 
         sampling = pending.sampling

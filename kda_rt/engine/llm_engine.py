@@ -126,8 +126,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._inflight: _Launched | None = None  # a step queued ahead (async_scheduling)
         self._held_outputs: list[RequestOutput] = []  # outputs of a step collected by a call that raised
-        # the runner samples penalised rows on the device (the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS): they are no
-        # host rows, and SamplingBatch.keys (each sequence's arrival number) finds their token counts there
+        # the runner samples penalised, banned and allowed_token_ids rows on the device (the CUDA runner with
+        # KDA_RT_GPU_SAMPLING_EXTRAS): they are no host rows, and SamplingBatch.keys (each sequence's arrival number)
+        # finds the penalised ones' token counts there
         self._device_extras = bool(getattr(runner, "device_extras", False))
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
@@ -314,11 +315,12 @@ class LLMEngine:
         With `async_scheduling` (and a runner that can `launch` without waiting) the step after this one
         is scheduled and queued before this step's tokens are collected, whenever none of them has to be
         known on the host first (`_launch_next`; by default only after a steady decode step,
-        KDA_RT_ASYNC_PREFILL): the GPU runs step k+1 while the host postprocesses step k.  Step k+1's rows of the sequences that step k samples take their input ids from step k's samples
-        on the device; a sequence that step k finishes (EOS, a stop string, an abort) has its row of step
-        k+1 dropped.  Tokens are those of the synchronous engine, one step of them per call; the batches
-        can differ where a finish would have freed room a step earlier (the pages and slot of a sequence
-        that step k finishes serve step k+2, not k+1).
+        KDA_RT_ASYNC_PREFILL): the GPU runs step k+1 while the host postprocesses step k.  Step k+1's rows of
+        the sequences that step k samples take their input ids from step k's samples on the device; a
+        sequence that step k finishes (EOS, a stop string, an abort) has its row of step k+1 dropped.
+        Tokens are those of the synchronous engine, one step of them per call; the batches can differ where
+        such a finish would have freed room a step earlier (its pages and slot serve step k+2, not k+1; a
+        sequence that step k ends by length is retired before k+1 is scheduled, as in the synchronous engine).
 
         A launch that raises leaves no half-computed state behind: every sequence of its schedule goes back
         to the queue to be recomputed (its KDA state may already hold some of the step's tokens), and a step
@@ -405,8 +407,10 @@ class LLMEngine:
         the same sequences).  A sequence that `cur`'s token ends by length (max_tokens, max_model_len) is retired
         (`Scheduler.retire`: no row, its seat, slot and pages free for the next step, as in the synchronous engine).
         Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host or
-        under a grammar, or a sequence whose next row would be (a grammar, penalties on the host, a min_tokens
-        ban...)."""
+        under a grammar, or a sequence whose next row would be (a grammar, a logit_bias; without device extras
+        penalties, a min_tokens ban, allowed_token_ids) or that has bad_words (their bans read the outputs' ids);
+        with KDA_RT_ASYNC_PREFILL=0 also unless `cur` is a steady decode step (every running sequence decoding,
+        nothing waiting, none ending by length, the pages for one more token free)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
         if cur.sampling.host_rows.any() or cur.sampling.constrained.any():

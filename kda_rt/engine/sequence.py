@@ -30,7 +30,7 @@ __all__ = ["SequenceStatus", "Sequence"]
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted and queued again); holds no slot and no page
-    RUNNING = "running"  # holds a KDA state slot and the MLA pages of its computed tokens
+    RUNNING = "running"  # holds a KDA state slot and the MLA pages of its computed tokens (none once retired)
     FINISHED = "finished"  # done or aborted; holds nothing
 
 

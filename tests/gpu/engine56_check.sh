@@ -8,7 +8,7 @@
 #   2. KDA_RT_ASYNC_PREFILL 1 / 0 (0: only steady decode steps launched ahead, the form before) in bf16: the seed
 #      prefill's TTFT max (32 x 2048) and a 100 x 2048 / 128 run (admissions beside decodes: its elapsed and TTFT
 #      max), 3 rounds, one model load;
-#   3. the same in fp8 if time remains.
+#   3. in fp8 if time remains: the seed prefill's TTFT max only (no decode run), 2 rounds.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/engine56_check.sh
 . tests/gpu/check_common.sh
