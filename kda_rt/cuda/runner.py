@@ -146,9 +146,9 @@ class CudaRunner:
         self.pad_row_slot = -1 if self.model.skip_pad else self.pad_slot  # (the slot padding rows carry)
         self.eager_ws = Workspace()
         self.sample_ws = Workspace()
-        # KDA_RT_GPU_SAMPLING_EXTRAS: penalised rows sampled on the GPU from per-sequence token counts (sampler/penalties.py,
-        # made on the first such row), bans and allowed_token_ids as bitmasks (SamplingBatch.device_masks); the engine
-        # reads `device_extras` when it builds a step's SamplingBatch
+        # KDA_RT_GPU_SAMPLING_EXTRAS: penalised rows sampled on the GPU from per-sequence token counts
+        # (sampler/penalties.py, made on the first such row), bans and allowed_token_ids as bitmasks
+        # (SamplingBatch.device_masks); the engine reads `device_extras` when it builds a step's SamplingBatch
         self.device_extras = env.gpu_sampling_extras()
         self.penalty_rows = None
         self.staging = Staging()
