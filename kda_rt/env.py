@@ -101,8 +101,8 @@ def async_prefill() -> bool:
 
 def gpu_sampling_extras() -> bool:
     """KDA_RT_GPU_SAMPLING_EXTRAS: 1 has the CUDA runner sample on the GPU the rows it used to copy back to the host
-    sampler, all but those with a logit_bias: repetition / presence / frequency penalties from per-sequence token
-    counts kept on the device (sampler/penalties.py; the sampling kernel's HAS_PENALTIES form), min_tokens and
+    sampler: repetition / presence / frequency penalties and logit_bias from per-sequence token counts and biases
+    kept on the device (sampler/penalties.py; the sampling kernel's HAS_PENALTIES / HAS_BIAS forms), min_tokens and
     bad_words bans and allowed_token_ids as bitmasks beside the grammar's (SamplingBatch.device_masks; HAS_MASK).
     The host sampler (the NumPy reference) takes ~3 ms a sampled top-p row of V = 163840 when its mass is peaked,
     ~26 ms when flat, on one core of the development machine, and no step goes ahead of a host row; with this on,

@@ -2,7 +2,8 @@
 //
 // Per row b (letters: B rows, V vocabulary, N top logprobs):
 //   x_i  = penalised logit:  r = repetition[b] on tokens seen in the prompt or the output
-//          (x > 0 ? x / r : x * r), then x -= frequency[b] * count_i + presence[b] * (count_i > 0)
+//          (x > 0 ? x / r : x * r), then x -= frequency[b] * count_i + presence[b] * (count_i > 0),
+//          then + the logit_bias of token i (HAS_BIAS)
 //   logZ = log sum_i exp(x_i)                          (log-softmax of the untempered x, for logprobs)
 //   greedy (temperature < 1e-5):  id = argmax x (lowest index on ties)
 //   else   z_i = x_i / T,  kept = top-k ∩ min-p ∩ top-p, all thresholds on x:
@@ -65,12 +66,14 @@
 // Shapes / dtypes: logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (<= 0 or
 // >= V: off); seeds [B] u64; steps [B] i32; counts [R, V] i32 (output tokens); prompt_mask [R, V] u8;
 // repetition, presence, frequency [B] f32; pen_rows [B] i32 or null: row b's counts / prompt_mask row (null:
-// row b, R = B; the CUDA runner keeps one row a penalised sequence, sampler/penalties.py); out_ids [B] i32;
+// row b, R = B; the CUDA runner keeps one row a penalised sequence, sampler/penalties.py); bias [R, V] f32 (HAS_BIAS:
+// the request's logit_bias, 0 elsewhere, added after the penalties, through the same rows); out_ids [B] i32;
 // out_logprobs [B] f32; out_top_ids [B, N] i32; out_top_logprobs [B, N] f32.
 // out_flags [B] int32; allowed [B, ceil(V / 32)] uint32.
 // Compile-time constants (chosen in sampler/sampling.py): V, THREADS, MIN_BLOCKS, CLUSTER (1..8;
 // > 1 needs sm_90+), CACHE_X (0/1: dynamic shared memory of SLICE floats), VEC (0/1: 16-byte row
-// loads; V % 4 == 0 and an aligned logits pointer), HAS_PENALTIES, HAS_MASK, WRITE_LOGPROB (0/1),
+// loads; V % 4 == 0 and an aligned logits pointer), HAS_PENALTIES, HAS_BIAS (needs HAS_PENALTIES), HAS_MASK,
+// WRITE_LOGPROB (0/1),
 // NUM_TOP (N, 0..32).
 // Measured (H200, ncu) before the split, one 1024-thread CTA per row: 74-76 us for one greedy row of
 // V = 163840 (41.5 us in graph replay).  Split kernel (tests/gpu/check_sampling.sh, graph replay,
@@ -95,6 +98,12 @@
 #endif
 #ifndef VEC
 #define VEC 0
+#endif
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#if HAS_BIAS && !HAS_PENALTIES
+#error "sampling.cu: HAS_BIAS reads its rows through the penalties' row map (HAS_PENALTIES = 1)"
 #endif
 #ifndef HAS_PENALTIES
 #define HAS_PENALTIES 0
@@ -156,6 +165,9 @@ struct Row {
     const unsigned char* prompt;  // [V]
     float repetition, presence, frequency;
 #endif
+#if HAS_BIAS
+    const float* bias;            // [V]
+#endif
 #if HAS_MASK
     const unsigned* allowed;      // [ceil(V / 32)]
 #endif
@@ -172,6 +184,10 @@ __device__ __forceinline__ float penalties_only(const Row& row, int i, float x) 
     if (c > 0 || row.prompt[i]) x = x > 0.f ? __fdiv_rn(x, row.repetition) : __fmul_rn(x, row.repetition);
     const float sub = __fadd_rn(__fmul_rn(row.frequency, (float)c), c > 0 ? row.presence : 0.f);
     x = __fsub_rn(x, sub);
+#endif
+#if HAS_BIAS
+    const float bias = row.bias[i];  // (0 off the request's logit_bias ids: left as it is, as the reference leaves it)
+    if (bias != 0.f) x = __fadd_rn(x, bias);
 #endif
     return x;
 }
@@ -556,7 +572,8 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
             const unsigned long long* __restrict__ seeds, const int* __restrict__ steps,
             const int* __restrict__ counts, const unsigned char* __restrict__ prompt_mask,
             const float* __restrict__ repetition, const float* __restrict__ presence,
-            const float* __restrict__ frequency, const int* __restrict__ pen_rows, int* __restrict__ out_ids,
+            const float* __restrict__ frequency, const int* __restrict__ pen_rows, const float* __restrict__ bias,
+            int* __restrict__ out_ids,
             float* __restrict__ out_logprobs,
             int* __restrict__ out_top_ids, float* __restrict__ out_top_logprobs, const unsigned* __restrict__ allowed,
             int* __restrict__ out_flags, int num_rows) {
@@ -579,6 +596,9 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
     row.repetition = repetition[b];
     row.presence = presence[b];
     row.frequency = frequency[b];
+#endif
+#if HAS_BIAS
+    row.bias = bias + pbase;
 #endif
 #if HAS_MASK
     row.allowed = allowed + (size_t)b * ((V + 31) / 32);

@@ -4,11 +4,11 @@ The engine builds one `SamplingBatch` per step from the sequences that sample (t
 `ForwardBatch.logits_indices`, same order); no backend sees a `Sequence`.  The flat arrays are
 what the GPU sampler reads; `params`, `history`, `banned`, `logit_bias` and `allowed` serve the
 host sampler (`reference.sample_rows`), which takes every row on the NumPy backend and the
-`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with a logit_bias is a host row;
-so is one with penalties, a min_tokens ban, allowed_token_ids or bad_words unless the runner does them on the
-device (`device_extras`: the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS=1, which keeps each penalised sequence's
-token counts there, found by its row's `keys` entry, and uploads the bans and allowed ids as bitmasks,
-`device_masks`).  A structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
+`host_rows` (and rows with non-finite logits) on the CUDA backend.  A row with penalties, a logit_bias, a
+min_tokens ban, allowed_token_ids or bad_words is a host row unless the runner does them on the device
+(`device_extras`: the CUDA runner with KDA_RT_GPU_SAMPLING_EXTRAS=1, which keeps each penalised or biased
+sequence's token counts and biases there, found by its row's `keys` entry, and uploads the bans and allowed ids
+as bitmasks, `device_masks`).  A structured-output mask is applied by the GPU sampler itself (its bitmask is uploaded).
 
 The masks may be given lazily (a callable): the CUDA runner asks for them only after it has launched
 the forward pass, so the grammar work on the host overlaps the GPU's.
@@ -34,11 +34,11 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def needs_host_sampling(params: SamplingParams, num_output: int, device_extras: bool = False) -> bool:
-    """A logit_bias, and unless the runner does them on the device (`device_extras`: penalties from device token
-    counts, bans and allowed_token_ids as bitmasks, `SamplingBatch.device_masks`) penalties, a min_tokens ban,
-    allowed_token_ids or bad_words: the host sampler does all of them."""
+    """Penalties, a logit_bias, a min_tokens ban, allowed_token_ids or bad_words, unless the runner does them on the
+    device (`device_extras`: penalties and biases from per-sequence device rows, sampler/penalties.py; bans and
+    allowed_token_ids as bitmasks, `SamplingBatch.device_masks`): the host sampler does all of them."""
     if device_extras:
-        return bool(params.logit_bias)
+        return False
     return (has_penalties(params) or num_output < params.min_tokens or bool(params.logit_bias)
             or params.allowed_token_ids is not None or bool(params.bad_words_token_ids))
 
@@ -65,8 +65,8 @@ class SamplingBatch:
     min_p: np.ndarray  # [N] float32
     num_logprobs: np.ndarray  # [N] int32: -1 no logprobs, else how many top tokens besides the sampled one
     host_rows: np.ndarray  # [N] bool: a bias; bans, allowed ids, penalties unless on the device (the host sampler's)
-    # (prompt, output ids) of host rows and penalty rows: the sequence's own lists, read during this step's launch
-    # only (without a pending token: `steps` counts it)
+    # (prompt, output ids) of host rows and penalised or biased rows: the sequence's own lists, read during this
+    # step's launch only (without a pending token: `steps` counts it)
     history: tuple[tuple[Sequence[int], Sequence[int]] | None, ...]
     banned: tuple[tuple[int, ...], ...]  # token ids banned this step (min_tokens not reached)
     # (token ids int64 [B], biases float32 [B]) added to the row's logits, or None
@@ -173,8 +173,8 @@ class SamplingBatch:
             min_p=np.array([p.min_p for p in params], dtype=np.float32),
             num_logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int32),
             host_rows=np.array(host, dtype=bool),
-            history=tuple((prompt, out) if h or pen else None
-                          for h, pen, (_, _, prompt, out, _) in zip(host, penalty, rows, strict=True)),
+            history=tuple((prompt, out) if h or pen or b is not None else None
+                          for h, pen, b, (_, _, prompt, out, _) in zip(host, penalty, bias, rows, strict=True)),
             banned=banned,
             logit_bias=bias,
             constrained=constrained,

@@ -2,7 +2,9 @@
 presence and frequency penalties (kernels_cu/sampling.cu HAS_PENALTIES) and no such row goes to the host sampler.
 
 Two arrays of R rows: `counts` [R, V] int32 (how often each token is in the sequence's output) and `prompt`
-[R, V] uint8 (1 where a token is in its prompt), the shapes the sampling kernel reads through its row map.
+[R, V] uint8 (1 where a token is in its prompt), the shapes the sampling kernel reads through its row map; from the
+first row with a logit_bias on, a third, `bias` [R, V] float32 (the request's biases, 0 elsewhere: HAS_BIAS), so a
+biased row is sampled on the GPU too.
 Row 0 stays zero: the batch rows without a device penalty read it (repetition 1, presence and frequency 0 leave
 their logits bit for bit as they are).  A sequence gets a row the first launch it samples in (found by its key,
 `SamplingBatch.keys`), filled from its prompt and outputs; after each launch the sampled ids are added on the
@@ -13,7 +15,7 @@ its history.
 
 Rows of keys not seen in this launch or the one before are reused first (least recently seen), else the arrays
 grow by doubling (the old rows copied on the device, in stream order).  Memory: 5 bytes x V a row (0.8 MB at V =
-163840), allocated on the first penalised row, so only servers that get penalties pay it; at most about twice
+163840; 9 bytes, 1.5 MB, once a biased row came), allocated on the first penalised row, so only servers that get penalties pay it; at most about twice
 max_num_seqs rows.  When the GPU has no memory to grow, a new sequence's row is sampled on the host instead
 (`prepare` marks it in `sampling.host_rows`, which the engine reads after the launch: no step goes ahead of it).
 
@@ -42,6 +44,8 @@ class PenaltyRows:
         self.first_capacity = first_capacity
         self.counts = None  # [R, V] int32, R = 1 + capacity (row 0: zeros)
         self.prompt = None  # [R, V] uint8
+        self.bias = None  # [R, V] float32: each row's logit_bias (0 elsewhere), from the first biased row on
+        self.want_bias = False
         self.entries: dict[int, list[int]] = {}  # key -> [row, tokens counted on the device, last launch seen]
         self.free: list[int] = []
         self.launch = 0
@@ -51,13 +55,14 @@ class PenaltyRows:
     def capacity(self) -> int:
         return 0 if self.counts is None else self.counts.shape[0] - 1
 
-    def prepare(self, sampling) -> tuple[np.ndarray, np.ndarray] | None:
-        """For a launch about to sample `sampling`: (row of each batch row, 0 for rows without a device penalty;
-        the same with -1 there, for `after_sample`), both [N] int32 host arrays, once every penalised row's counts
-        equal its `steps`; None when no row has a device penalty.  RuntimeError when a row's counts would need a
-        token only the device has (a pending token it did not count: not produced by the engine)."""
+    def prepare(self, sampling) -> tuple[np.ndarray, np.ndarray, bool] | None:
+        """For a launch about to sample `sampling`: (row of each batch row, 0 for rows without a device penalty or
+        bias; the same with -1 there, for `after_sample`), both [N] int32 host arrays, and whether the kernel must
+        add `bias`, once every such row's counts equal its `steps`; None when no row has a device penalty or
+        bias.  RuntimeError when a row's counts would need a token only the device has (a pending token it did not
+        count: not produced by the engine)."""
         self.launch += 1
-        device = np.flatnonzero(sampling.penalty_rows & ~sampling.host_rows)
+        device = np.flatnonzero(self._device_rows(sampling))
         if device.size == 0:
             return None
         keys = [int(sampling.keys[i]) for i in device]
@@ -67,6 +72,11 @@ class PenaltyRows:
             if key in self.entries:
                 self.entries[key][2] = self.launch
         rows = np.zeros(sampling.num_rows, np.int32)
+        biased = any(sampling.logit_bias[i] is not None for i in device)
+        if biased and self.bias is None:
+            self.want_bias = True
+            if self.counts is not None:  # (else the first growth makes it)
+                self.bias = self.xp.zeros(self.counts.shape, dtype=np.float32)
         for i, key in zip(device, keys, strict=True):
             entry = self.entries.get(key)
             if entry is None:
@@ -86,18 +96,24 @@ class PenaltyRows:
                 if len(outputs) != steps:
                     raise RuntimeError(f"PenaltyRows: sequence {key} samples output token {steps} but the host holds "
                                        f"{len(outputs)} of its outputs and the device counted {entry[1]}")
-                self._fill(entry[0], prompt, outputs)
+                self._fill(entry[0], prompt, outputs, sampling.logit_bias[i])
                 entry[1] = steps
             rows[i] = entry[0]
         update = np.where(rows > 0, rows, -1).astype(np.int32)
-        return rows, update
+        return rows, update, biased and self.bias is not None
 
     def after_sample(self, sampling, ids, update_dev) -> None:
         """Queue the sampled `ids` (device [N] int32) into the counts of the rows `prepare` mapped (`update_dev`,
         its second array on the device); each such sequence then counts one token more."""
         self.add_sampled(self.counts, ids, update_dev)
-        for i in np.flatnonzero(sampling.penalty_rows & ~sampling.host_rows):
+        for i in np.flatnonzero(self._device_rows(sampling)):
             self.entries[int(sampling.keys[i])][1] += 1
+
+    @staticmethod
+    def _device_rows(sampling) -> np.ndarray:
+        """[N] bool: rows with a penalty or a logit_bias that the device samples."""
+        biased = np.array([b is not None for b in sampling.logit_bias], dtype=bool)
+        return (sampling.penalty_rows | biased) & ~sampling.host_rows
 
     def _take_row(self) -> int:
         if not self.free:
@@ -114,18 +130,28 @@ class PenaltyRows:
         cap = max(self.first_capacity, 2 * old)
         counts = xp.zeros((cap + 1, self.vocab), dtype=np.int32)
         prompt = xp.zeros((cap + 1, self.vocab), dtype=np.uint8)
+        bias = xp.zeros((cap + 1, self.vocab), dtype=np.float32) if self.want_bias else None
         if old:
             counts[: old + 1] = self.counts
             prompt[: old + 1] = self.prompt
-        self.counts, self.prompt = counts, prompt
+            if self.bias is not None:
+                bias[: old + 1] = self.bias
+        self.counts, self.prompt, self.bias = counts, prompt, bias
         self.free.extend(range(cap, old, -1))  # (popped from the end: the lowest new row first)
 
-    def _fill(self, row: int, prompt, outputs) -> None:
-        """The row's counts of `outputs` and marks of `prompt` (token ids outside [0, V) are left out, as the
-        kernels leave them)."""
+    def _fill(self, row: int, prompt, outputs, logit_bias=None) -> None:
+        """The row's counts of `outputs`, marks of `prompt` and (with the bias array) its `logit_bias` ((ids, values)
+        or None); token ids outside [0, V) are left out, as the kernels and the host sampler leave them."""
         xp, V = self.xp, self.vocab
         self.counts[row] = 0
         self.prompt[row] = 0
+        if self.bias is not None:
+            self.bias[row] = 0
+            if logit_bias is not None:
+                ids, values = logit_bias
+                keep = (ids >= 0) & (ids < V)
+                if keep.any():
+                    self.bias[row, xp.asarray(ids[keep])] = xp.asarray(values[keep].astype(np.float32))
         out = np.asarray(outputs, dtype=np.int64)
         ids, num = np.unique(out[(out >= 0) & (out < V)], return_counts=True)
         if ids.size:

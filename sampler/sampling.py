@@ -64,12 +64,12 @@ def sample_config(B: int, V: int, cluster: int | None = None, threads: int | Non
 
 
 def sample_defines(B: int, V: int, *, vec: bool, penalties: bool, mask: bool, logprob: bool, num_logprobs: int,
-                   cluster: int | None = None, threads: int | None = None) -> tuple[dict, int, int, int]:
+                   cluster: int | None = None, threads: int | None = None, bias: bool = False) -> tuple[dict, int, int, int]:
     """(compile-time constants of sample_rows, CLUSTER, THREADS, dynamic shared memory bytes)."""
     cluster, threads, min_blocks, cache = sample_config(B, V, cluster, threads)
     smem = (-(-V // cluster) + 3) // 4 * 16 if cache else 0  # the CTA's slice of x, fp32
     defines = dict(V=V, THREADS=threads, MIN_BLOCKS=min_blocks, CLUSTER=cluster, CACHE_X=cache,
-                   VEC=vec and V % 4 == 0, HAS_PENALTIES=penalties, HAS_MASK=mask, WRITE_LOGPROB=logprob,
+                   VEC=vec and V % 4 == 0, HAS_PENALTIES=penalties, HAS_BIAS=bias, HAS_MASK=mask, WRITE_LOGPROB=logprob,
                    NUM_TOP=num_logprobs)
     return defines, cluster, threads, smem
 
@@ -101,8 +101,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
            stream=None, cluster: int | None = None, threads: int | None = None):
     """logits [B, V] f32; temperature, top_p, min_p [B] f32; top_k [B] i32 (0: off); seeds [B] u64;
     steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
-    repetition, presence, frequency [B] f32[, rows]): with `rows` ([B] i32) row b reads counts / prompt_mask row
-    rows[b] of [R, V] ones (the runner's per-sequence rows, sampler/penalties.py).  Writes out_logprobs [B] f32
+    repetition, presence, frequency [B] f32[, rows[, bias]]): with `rows` ([B] i32) row b reads counts / prompt_mask
+    row rows[b] of [R, V] ones (the runner's per-sequence rows, sampler/penalties.py), and with `bias` ([R, V] f32:
+    a request's logit_bias, 0 elsewhere) adds that row of it after the penalties.  Writes out_logprobs [B] f32
     (log-softmax of the penalised, untempered logits at the sampled token) when given, and with num_logprobs = N > 0
     the N most likely tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed:
     None or [B, ceil(V / 32)] int32 bitmask of allowed tokens (a grammar's; with the runner's
@@ -118,16 +119,19 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
                              ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
                              ("seeds", seeds, np.uint64), ("steps", steps, np.int32)):
         expect(arr, name, shape=(B,), dtype=dtype)
-    pen_rows = np.uint64(0)  # (null: row b reads counts row b)
+    pen_rows = bias = np.uint64(0)  # (null: row b reads counts row b; no bias)
     if penalties is not None:
-        if len(penalties) not in (5, 6):
-            raise ValueError("penalties: (counts, prompt_mask, repetition, presence, frequency[, rows])")
+        if len(penalties) not in (5, 6, 7):
+            raise ValueError("penalties: (counts, prompt_mask, repetition, presence, frequency[, rows[, bias]])")
         counts, prompt_mask, repetition, presence, frequency = penalties[:5]
         R = B
-        if len(penalties) == 6:
+        if len(penalties) >= 6:
             pen_rows = penalties[5]
             expect(pen_rows, "penalties.rows", shape=(B,), dtype=np.int32)
             R = counts.shape[0]
+        if len(penalties) == 7:
+            bias = penalties[6]
+            expect(bias, "penalties.bias", shape=(R, V), dtype=np.float32)
         expect(counts, "penalties.counts", shape=(R, V), dtype=np.int32)
         expect(prompt_mask, "penalties.prompt_mask", shape=(R, V), dtype=np.uint8)
         for name, arr in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
@@ -151,12 +155,13 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
         expect(out_top_logprobs, "out_top_logprobs", shape=(B, num_logprobs), dtype=np.float32)
     defines, cluster, threads, smem = sample_defines(
         B, V, vec=logits.data.ptr % 16 == 0, penalties=penalties is not None, mask=allowed is not None,
-        logprob=out_logprobs is not None, num_logprobs=num_logprobs, cluster=cluster, threads=threads)
+        logprob=out_logprobs is not None, num_logprobs=num_logprobs, cluster=cluster, threads=threads,
+        bias=penalties is not None and len(penalties) == 7)
     kernel = get_kernel("sampling.cu", "sample_rows", max_dynamic_smem=smem, **defines)
     if B:
         unused = out_ids  # placeholder pointer for outputs the specialisation never writes
         kernel((B * cluster,), (threads,), (logits, temperature, top_k, top_p, min_p, seeds, steps, counts,
-                                            prompt_mask, repetition, presence, frequency, pen_rows, out_ids,
+                                            prompt_mask, repetition, presence, frequency, pen_rows, bias, out_ids,
                                             unused if out_logprobs is None else out_logprobs,
                                             out_top_ids if num_logprobs else unused,
                                             out_top_logprobs if num_logprobs else unused,

@@ -390,7 +390,8 @@ class CudaRunner:
         ins = [(n, u64), (n, f32), (n, i32), (n, f32), (n, f32), (n, i32)]
         values = [sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps]
         pen = None
-        if self.device_extras and sampling.penalty_rows is not None and sampling.penalty_rows.any():
+        if self.device_extras and sampling.penalty_rows is not None and (
+                sampling.penalty_rows.any() or any(b is not None for b in sampling.logit_bias)):
             from kda_rt.sampler.penalties import PenaltyRows
             from kda_rt.sampler.sampling import update_counts
 
@@ -403,7 +404,7 @@ class CudaRunner:
             ins += [(n, f32)] * 3 + [(n, i32)] * 2
             values += [np.array([getattr(p, f) for p in sampling.params], np.float32)
                        for f in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
-            values += list(pen)
+            values += list(pen[:2])
         outs = [(n, i32), (n, i32), (n, f32), (n * num_top, i32), (n * num_top, f32)]
         in_offs, in_bytes = pack_layout(ins)
         out_offs, out_bytes = pack_layout(outs)
@@ -435,7 +436,8 @@ class CudaRunner:
             penalties = None
             if pen is not None:
                 rep, pres, freq, rows, _ = pen_in
-                penalties = (self.penalty_rows.counts, self.penalty_rows.prompt, rep, pres, freq, rows)
+                penalties = (self.penalty_rows.counts, self.penalty_rows.prompt, rep, pres, freq, rows,
+                             *((self.penalty_rows.bias,) if pen[2] else ()))
             sample(logits, temp, top_k, top_p, min_p, seeds, steps, penalties=penalties, allowed=allowed,
                    out_ids=ids, out_logprobs=lp if want_lp.any() else None, num_logprobs=num_top,
                    out_top_ids=top_ids.reshape(n, num_top) if num_top else None,
@@ -450,8 +452,8 @@ class CudaRunner:
 
     def collect(self, pending: _Pending) -> StepOutput:
         """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
-        rows (sampler/batch.needs_host_sampling: a logit_bias, and unless KDA_RT_GPU_SAMPLING_EXTRAS a min_tokens
-        ban, allowed_token_ids, bad_words or penalties; with it, a penalised row PenaltyRows found no GPU memory for)
+        rows (sampler/batch.needs_host_sampling, unless KDA_RT_GPU_SAMPLING_EXTRAS: a logit_bias, a min_tokens ban,
+        allowed_token_ids, bad_words or penalties; with it, a penalised or biased row PenaltyRows found no memory for)
         and rows where nothing is allowed (flag 2) by the NumPy reference sampler from their logits; rows with
         non-finite logits (flag 1: raw, or a device penalty's overflow) get that error, as the reference would
         report it."""

@@ -407,7 +407,7 @@ class LLMEngine:
         the same sequences).  A sequence that `cur`'s token ends by length (max_tokens, max_model_len) is retired
         (`Scheduler.retire`: no row, its seat, slot and pages free for the next step, as in the synchronous engine).
         Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host or
-        under a grammar, or a sequence whose next row would be (a grammar, a logit_bias; without device extras
+        under a grammar, or a sequence whose next row would be (a grammar; without device extras a logit_bias,
         penalties, a min_tokens ban, allowed_token_ids) or that has bad_words (their bans read the outputs' ids);
         with KDA_RT_ASYNC_PREFILL=0 also unless `cur` is a steady decode step (every running sequence decoding,
         nothing waiting, none ending by length, the pages for one more token free)."""

@@ -92,9 +92,9 @@ def test_device_counts_through_preemption_and_stops(tiny_dir):
 
 
 def test_bans_and_allowed_ids_as_device_masks(tiny_dir):
-    """min_tokens (its stop id and EOS banned for the first tokens), allowed_token_ids, both with penalties, beside a
-    logit_bias row (still a host row): the tokens and logprobs of the host sampler, every such row but the biased one
-    sampled as the GPU would, and their steps launched ahead."""
+    """min_tokens (its stop id and EOS banned for the first tokens), allowed_token_ids, both with penalties, and a
+    logit_bias row: the tokens and logprobs of the host sampler, every row sampled as the GPU would (the bias from the
+    device rows' third array), and their steps launched ahead."""
     kw = dict(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=48)
     host = make_llm(tiny_dir, async_scheduling=False, **kw)
     prompts = mixed_prompts(6, seed=31, lo=4, hi=30)
@@ -106,7 +106,7 @@ def test_bans_and_allowed_ids_as_device_masks(tiny_dir):
         SamplingParams(temperature=0.0, max_tokens=9, allowed_token_ids=allowed[5:40], frequency_penalty=0.7),
         SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[plain[3][0][0][1]],
                        repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=3, logit_bias={int(plain[4][0][0][1]): -50.0}),
+        SamplingParams(temperature=0.0, max_tokens=7, logit_bias={int(plain[4][0][0][1]): -50.0, 3: 2.5}),
         SamplingParams(temperature=0.7, top_p=0.8, seed=9, max_tokens=11, ignore_eos=True),
     ]
     want = _run(host, prompts, params)
@@ -123,6 +123,7 @@ def test_bans_and_allowed_ids_as_device_masks(tiny_dir):
     dev.llm_engine.runner.launch = spy
     got = _run(dev, prompts, params)
     assert got == want
-    assert all(h == b for _, hosts, biased in launches for h, b in zip(hosts, biased, strict=True))
+    assert not any(any(hosts) for _, hosts, _ in launches), "a row was sampled on the host"
+    assert any(any(biased) and fed for fed, _, biased in launches)  # a biased row's step went ahead
     assert sum(fed for fed, *_ in launches) >= 5
     assert_no_leaks(dev)

@@ -261,8 +261,9 @@ def test_async_scheduling_same_outputs(ckpt, oracle, monkeypatch):
 
 def test_gpu_sampling_extras_equal_the_host_sampler(ckpt, monkeypatch):
     """KDA_RT_GPU_SAMPLING_EXTRAS=1: rows with repetition / presence / frequency penalties sampled on the GPU from the
-    runner's per-sequence token counts (sampler/penalties.py), and rows with min_tokens bans or allowed_token_ids
-    through the kernel's masks (SamplingBatch.device_masks), give the host sampler's greedy tokens bit for bit and
+    runner's per-sequence token counts (sampler/penalties.py), logit_bias rows from its bias rows, and rows with
+    min_tokens bans or allowed_token_ids through the kernel's masks (SamplingBatch.device_masks), give the host
+    sampler's greedy tokens bit for bit and
     its logprobs within float32 rounding (synchronous steps: the same batches, so the same logits); the penalties
     change the tokens; with async scheduling the penalised steps are launched ahead (the device counts the token the
     host has not seen yet; finishes by length only (min_tokens covers every token, so no stop id ends a request), so
@@ -278,7 +279,8 @@ def test_gpu_sampling_extras_equal_the_host_sampler(ckpt, monkeypatch):
     kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8), dict(presence_penalty=1.5),
              dict(repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), {}, dict(frequency_penalty=2.0),
              dict(min_tokens=0, stop_token_ids=list(range(3, 40))), dict(allowed_token_ids=list(range(100, 400))),
-             dict(allowed_token_ids=list(range(3, 300)), min_tokens=0, stop_token_ids=[7, 8], presence_penalty=1.0)]
+             dict(allowed_token_ids=list(range(3, 300)), min_tokens=0, stop_token_ids=[7, 8], presence_penalty=1.0),
+             dict(logit_bias={t: -5.0 for t in range(3, 60)}, frequency_penalty=0.5)]
     params = [greedy(n, **{**kind, "min_tokens": n} if "min_tokens" in kind else kind)  # (bans on every token)
               for n, kind in ((16 + 4 * (i % 3), kinds[i % len(kinds)]) for i in range(len(prompts)))]
     monkeypatch.setenv("KDA_RT_GPU_SAMPLING_EXTRAS", "0")

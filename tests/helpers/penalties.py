@@ -32,10 +32,10 @@ def penalise(x: np.ndarray, p: SamplingParams, counts: np.ndarray, prompt: np.nd
 
 
 def use_device_extras(llm) -> PenaltyRows:
-    """Make `llm`'s NumPy runner sample as the CUDA runner does with KDA_RT_GPU_SAMPLING_EXTRAS: every row but those
-    with a logit_bias (the host rows) like the GPU sampler, penalties from a PenaltyRows' counts (NumPy arrays, the
-    sampled ids added after each launch) rather than the row's history, then `SamplingBatch.device_masks` (grammar,
-    bans, allowed_token_ids) as -inf; a row that masks every token goes to the host sampler, which names the error
+    """Make `llm`'s NumPy runner sample as the CUDA runner does with KDA_RT_GPU_SAMPLING_EXTRAS: every row like the GPU
+    sampler, penalties and logit_bias from a PenaltyRows' rows (NumPy arrays, the sampled ids added after each
+    launch) rather than the row's history, then `SamplingBatch.device_masks` (grammar, bans, allowed_token_ids) as
+    -inf; a row that masks every token goes to the host sampler, which names the error
     (the kernel's flag 2).  The engine then treats such rows as device rows (async scheduling allowed)."""
     engine = llm.llm_engine
     runner = engine.runner
@@ -56,6 +56,9 @@ def use_device_extras(llm) -> PenaltyRows:
                 continue
             if rows[i]:
                 x = penalise(x, p, pool.counts[rows[i]], pool.prompt[rows[i]])
+                if prepared[2]:  # (HAS_BIAS: the row's biases, added where not 0)
+                    b = pool.bias[rows[i]]
+                    x = np.where(b != 0, (x + b).astype(np.float32), x)
             if masks[i] is not None:
                 x = np.where(allowed_tokens(masks[i], vocab), x, -np.inf).astype(np.float32)
             if not np.isfinite(x).any():  # (flag 2)

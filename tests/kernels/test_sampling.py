@@ -251,6 +251,7 @@ def test_penalties_flip_the_greedy_pick():
     pool_counts, pool_prompt = cupy.zeros((B + 3, V), dtype=np.int32), cupy.zeros((B + 3, V), dtype=np.uint8)
     pool_counts[cupy.asarray(perm)], pool_prompt[cupy.asarray(perm)] = counts, prompt_mask
     mapped = (pool_counts, pool_prompt, *pen[2:], cupy.asarray(perm))
+    counts_before = pool_counts.copy()  # (for the bias case below: update_counts changes pool_counts)
     ids2, lp2, top_ids2, top_lp2 = run_sample(x, params, [1] * B, [0] * B, penalties=mapped, num_logprobs=4)
     assert np.array_equal(ids2, np.argmax(xp, axis=1)) and np.array_equal(lp2, run_sample(
         x, params, [1] * B, [0] * B, penalties=pen, num_logprobs=4)[1])
@@ -262,6 +263,17 @@ def test_penalties_flip_the_greedy_pick():
         want[t] += b != 1
         assert np.array_equal(after[r], want), f"row {b}"
     assert not after[[0, 3, 4]].any()
+    # HAS_BIAS: each row's logit_bias from a [R, V] array through the same map, added after the penalties
+    bias = np.zeros((B + 3, V), np.float32)
+    for b, r in enumerate(perm.tolist()):
+        bias[r, [second, 30 + b]] = [3.0, -0.25]
+    xb = xp.copy()
+    for b, r in enumerate(perm.tolist()):
+        np.add.at(xb[b], [second, 30 + b], bias[r, [second, 30 + b]])  # (the reference's order: bias after penalties)
+    biased = (counts_before, *mapped[1:], cupy.asarray(bias))
+    ids3, lp3, top_ids3, top_lp3 = run_sample(x, params, [1] * B, [0] * B, penalties=biased, num_logprobs=4)
+    assert np.array_equal(ids3, np.argmax(xb, axis=1)) and (ids3 == second).all()
+    check_logprobs(xb, ids3, lp3, top_ids3, top_lp3)
 
 
 @gpu

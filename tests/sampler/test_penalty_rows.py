@@ -78,7 +78,7 @@ def test_rows_follow_the_sequences():
         if prepared is None:  # every penalised row on the host this step
             assert len(host) == len(seqs)
         else:
-            rows, update = prepared
+            rows, update, _ = prepared
             assert rows[-1] == 0 and update[-1] == -1  # the unpenalised row reads the zero row, is never counted
             for i in host:
                 assert rows[i] == 0 and update[i] == -1
@@ -98,7 +98,7 @@ def test_a_row_is_reused_only_after_two_launches_away():
     a, b, c, d, e = (_Seq(k, [k + 2], pen) for k in (1, 2, 3, 4, 5))
     for seqs in ([a, b], [c], [d, e, c]):
         batch = _batch(seqs)
-        rows, update = pool.prepare(batch)
+        rows, update, _ = pool.prepare(batch)
         if seqs[0] is c:  # a and b seen one launch ago: growth, c in the first new row
             assert pool.capacity == 4 and rows.tolist() == [3]
         if seqs[0] is d:  # d the last free row; a and b unseen for two launches: the lower key, a, gives e its row
@@ -149,7 +149,7 @@ def test_no_memory_to_grow_samples_the_new_row_on_the_host():
     pool = PenaltyRows(V, TightNumpy(), _add, first_capacity=2)
     a, b, c = _Seq(1, [3], pen), _Seq(2, [4], pen), _Seq(3, [5], pen)
     batch = _batch([a, b, c])
-    rows, update = pool.prepare(batch)
+    rows, update, _ = pool.prepare(batch)
     assert rows.tolist() == [1, 2, 0] and update.tolist() == [1, 2, -1]
     assert batch.host_rows.tolist() == [False, False, True] and 3 not in pool.entries
     pool.after_sample(batch, np.array([7, 8, 9], np.int32), update)
@@ -187,3 +187,30 @@ def test_device_masks_are_the_host_samplers_bans():
         assert token == want.token_ids[i], i
         assert top_logprobs(xi, token, p.logprobs) == want.logprobs[i], i
     assert want.token_ids[1] not in (0, 3, 96) and want.token_ids[3] not in (0, 9, 11, 96)  # bans held
+
+
+def test_bias_rows():
+    """A logit_bias makes a device row too (no penalty needed): the bias array comes with the first biased row and
+    holds each row's biases (ids past V left out), 0 elsewhere; a reused row is cleared; growth keeps the biases."""
+    pool = PenaltyRows(V, np, _add, first_capacity=2)
+    plain_pen = _Seq(1, [3], SamplingParams(frequency_penalty=0.5))
+    batch = _batch([plain_pen])
+    assert pool.prepare(batch)[2] is False and pool.bias is None
+    pool.after_sample(batch, np.array([5], np.int32), np.array([1], np.int32))
+    plain_pen.out.append(5)
+    biased = _Seq(2, [4], SamplingParams(logit_bias={7: 2.5, 9: -1.0, 500: 3.0}))
+    batch = _batch([plain_pen, biased])
+    rows, update, use_bias = pool.prepare(batch)
+    assert use_bias and rows[1] > 0 and update.tolist() == rows.tolist()
+    want = np.zeros(V, np.float32)
+    want[[7, 9]] = [2.5, -1.0]
+    assert np.array_equal(pool.bias[rows[1]], want) and not pool.bias[rows[0]].any()
+    pool.after_sample(batch, np.array([6, 8], np.int32), update)
+    for s, t in ((plain_pen, 6), (biased, 8)):
+        s.out.append(t)
+    more = [_Seq(k, [k], SamplingParams(presence_penalty=0.3)) for k in (10, 11, 12)]
+    batch = _batch([plain_pen, biased, *more])  # growth: 2 -> 4 -> 8 rows
+    rows, update, use_bias = pool.prepare(batch)
+    assert pool.capacity == 8 and use_bias and np.array_equal(pool.bias[rows[1]], want)
+    assert not pool.bias[rows[2:]].any()
+    _check(pool, [plain_pen, biased])
