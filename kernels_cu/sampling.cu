@@ -186,7 +186,9 @@ __device__ __forceinline__ float penalties_only(const Row& row, int i, float x) 
     x = __fsub_rn(x, sub);
 #endif
 #if HAS_BIAS
-    const float bias = row.bias[i];  // (0 off the request's logit_bias ids: left as it is, as the reference leaves it)
+    // (0 off the request's logit_bias ids: left as it is, as the reference leaves it; a listed bias of 0 leaves a
+    // -0.0 logit -0.0 here where the reference's add makes it +0.0: the same value for every pick and logprob)
+    const float bias = row.bias[i];
     if (bias != 0.f) x = __fadd_rn(x, bias);
 #endif
     return x;

@@ -64,7 +64,7 @@ class SamplingBatch:
     top_p: np.ndarray  # [N] float32
     min_p: np.ndarray  # [N] float32
     num_logprobs: np.ndarray  # [N] int32: -1 no logprobs, else how many top tokens besides the sampled one
-    host_rows: np.ndarray  # [N] bool: a bias; bans, allowed ids, penalties unless on the device (the host sampler's)
+    host_rows: np.ndarray  # [N] bool: the host sampler's rows (penalties, bias, bans, allowed ids; not device_extras)
     # (prompt, output ids) of host rows and penalised or biased rows: the sequence's own lists, read during this
     # step's launch only (without a pending token: `steps` counts it)
     history: tuple[tuple[Sequence[int], Sequence[int]] | None, ...]

@@ -15,9 +15,11 @@ its history.
 
 Rows of keys not seen in this launch or the one before are reused first (least recently seen), else the arrays
 grow by doubling (the old rows copied on the device, in stream order).  Memory: 5 bytes x V a row (0.8 MB at V =
-163840; 9 bytes, 1.5 MB, once a biased row came), allocated on the first penalised row, so only servers that get penalties pay it; at most about twice
-max_num_seqs rows.  When the GPU has no memory to grow, a new sequence's row is sampled on the host instead
-(`prepare` marks it in `sampling.host_rows`, which the engine reads after the launch: no step goes ahead of it).
+163840; 9 bytes, 1.5 MB, once a biased row came), allocated on the first penalised or biased row, so only servers
+that get such requests pay it; at most about twice max_num_seqs rows.  When the GPU has no memory to grow (or for
+the bias array), the rows that needed it are sampled on the host instead (`prepare` marks them in
+`sampling.host_rows`, which the engine reads after the launch: no step goes ahead of them; none of them has a
+pending token, since it has no device row yet), and a later launch tries again.
 
 `xp` is the array module (CuPy on the GPU; NumPy in the CPU tests, with `add_sampled` as `np.add.at`).
 """
@@ -76,18 +78,23 @@ class PenaltyRows:
         if biased and self.bias is None:
             self.want_bias = True
             if self.counts is not None:  # (else the first growth makes it)
-                self.bias = self.xp.zeros(self.counts.shape, dtype=np.float32)
+                try:
+                    self.bias = self.xp.zeros(self.counts.shape, dtype=np.float32)
+                except MemoryError:  # the biased rows to the host this time (none is pending: no bias row ran yet)
+                    for i in device:
+                        if sampling.logit_bias[i] is not None:
+                            sampling.host_rows[i] = True
+                    self._warn_memory()
         for i, key in zip(device, keys, strict=True):
+            if sampling.host_rows[i]:
+                continue
             entry = self.entries.get(key)
             if entry is None:
                 try:
                     row = self._take_row()
                 except MemoryError:  # (CuPy's OutOfMemoryError is one) no room to grow: the host samples the row
                     sampling.host_rows[i] = True  # (its history has every output: a new key has no pending token)
-                    if not self.warned:
-                        self.warned = True
-                        logger.warning("no GPU memory for another sequence's penalty counts (%d rows of %d tokens); "
-                                       "such rows are sampled on the host meanwhile", self.capacity, self.vocab)
+                    self._warn_memory()
                     continue
                 entry = self.entries[key] = [row, -1, self.launch]
             steps = int(sampling.steps[i])
@@ -99,8 +106,16 @@ class PenaltyRows:
                 self._fill(entry[0], prompt, outputs, sampling.logit_bias[i])
                 entry[1] = steps
             rows[i] = entry[0]
+        if not rows.any():  # (every such row went to the host)
+            return None
         update = np.where(rows > 0, rows, -1).astype(np.int32)
         return rows, update, biased and self.bias is not None
+
+    def _warn_memory(self) -> None:
+        if not self.warned:
+            self.warned = True
+            logger.warning("no GPU memory for more per-sequence sampling rows (%d rows of %d tokens); penalised or "
+                           "biased rows without one are sampled on the host meanwhile", self.capacity, self.vocab)
 
     def after_sample(self, sampling, ids, update_dev) -> None:
         """Queue the sampled `ids` (device [N] int32) into the counts of the rows `prepare` mapped (`update_dev`,

@@ -79,8 +79,8 @@ def precompile(V: int, max_rows: int, extras: bool = False) -> int:
     batch of 1..max_rows rows of V logits: each thread count sample_config picks in that range, with
     and without the sampled token's logprob (and with `extras`, the runner's KDA_RT_GPU_SAMPLING_EXTRAS, those
     with penalties and with masks too, and update_counts).  The runner calls it at start, so no request waits for
-    NVRTC (a variant takes ~1.5 s to compile); grammar masks (without `extras`) and top logprobs compile on
-    first use.  Returns the number of variants."""
+    NVRTC (a variant takes ~1.5 s to compile); grammar masks (without `extras`), logit_bias (HAS_BIAS) and top
+    logprobs compile on first use.  Returns the number of variants."""
     seen = set()
     if extras:
         get_kernel("sampling.cu", "update_counts", V=V)

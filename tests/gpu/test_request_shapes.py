@@ -280,7 +280,8 @@ def test_gpu_sampling_extras_equal_the_host_sampler(ckpt, monkeypatch):
              dict(repetition_penalty=0.9, frequency_penalty=0.4, presence_penalty=0.3), {}, dict(frequency_penalty=2.0),
              dict(min_tokens=0, stop_token_ids=list(range(3, 40))), dict(allowed_token_ids=list(range(100, 400))),
              dict(allowed_token_ids=list(range(3, 300)), min_tokens=0, stop_token_ids=[7, 8], presence_penalty=1.0),
-             dict(logit_bias={t: -5.0 for t in range(3, 60)}, frequency_penalty=0.5)]
+             dict(logit_bias={t: -5.0 for t in range(3, 60)}, frequency_penalty=0.5),
+             dict(logit_bias={t: 4.0 for t in range(200, 230)})]  # (a bias without a penalty)
     params = [greedy(n, **{**kind, "min_tokens": n} if "min_tokens" in kind else kind)  # (bans on every token)
               for n, kind in ((16 + 4 * (i % 3), kinds[i % len(kinds)]) for i in range(len(prompts)))]
     monkeypatch.setenv("KDA_RT_GPU_SAMPLING_EXTRAS", "0")

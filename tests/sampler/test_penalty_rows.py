@@ -214,3 +214,42 @@ def test_bias_rows():
     assert pool.capacity == 8 and use_bias and np.array_equal(pool.bias[rows[1]], want)
     assert not pool.bias[rows[2:]].any()
     _check(pool, [plain_pen, biased])
+
+
+def test_no_memory_for_the_bias_array_or_any_row():
+    """Out of memory for the bias array (its first allocation) or for the arrays themselves: the rows that needed them
+    are host rows for that launch, `prepare` gives None when no device row is left, and a later launch tries again."""
+
+    class Tight:  # np whose zeros fail while `full` is set
+        full = False
+
+        def zeros(self, shape, dtype):
+            if self.full:
+                raise MemoryError("out of memory")
+            return np.zeros(shape, dtype)
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    xp = Tight()
+    pool = PenaltyRows(V, xp, _add, first_capacity=2)
+    xp.full = True
+    batch = _batch([_Seq(1, [3], SamplingParams(frequency_penalty=0.5))])
+    assert pool.prepare(batch) is None and batch.host_rows.tolist() == [True] and pool.counts is None
+    xp.full = False
+    pen, biased = _Seq(2, [3], SamplingParams(frequency_penalty=0.5)), _Seq(3, [4], SamplingParams(logit_bias={5: 1.0}))
+    batch = _batch([pen])
+    rows, update, _ = pool.prepare(batch)
+    pool.after_sample(batch, np.array([6], np.int32), update)
+    pen.out.append(6)
+    xp.full = True
+    batch = _batch([pen, biased])
+    rows, update, use_bias = pool.prepare(batch)
+    assert batch.host_rows.tolist() == [False, True] and rows[1] == 0 and not use_bias and pool.bias is None
+    pool.after_sample(batch, np.array([7, 8], np.int32), update)
+    pen.out.append(7)
+    xp.full = False
+    batch = _batch([pen, biased])
+    rows, update, use_bias = pool.prepare(batch)
+    assert not batch.host_rows.any() and use_bias and pool.bias[rows[1], 5] == 1.0
+    _check(pool, [pen])
