@@ -93,8 +93,9 @@ def _on_off(name: str, default: str = "1") -> bool:
 
 def async_prefill() -> bool:
     """KDA_RT_ASYNC_PREFILL: with async scheduling, 1 launches the step after a prefill or mixed step ahead too
-    (prompt chunks, admissions: docs/engine_notes.md); 0 (the default until it is GPU-run and measured: prepared in
-    the fifty-sixth session) only a steady decode step (every running sequence decoding, nothing waiting), the
+    (prompt chunks, admissions: docs/engine_notes.md), and the step after grammar rows with its sampler held back
+    until their tokens are accepted; 0 (the default until it is GPU-run and measured: prepared in the fifty-sixth
+    session) only a steady decode step (every running sequence decoding, nothing waiting, no grammar row), the
     engine's form before.  Read every step."""
     return _on_off("KDA_RT_ASYNC_PREFILL", "0")
 

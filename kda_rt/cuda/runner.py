@@ -83,10 +83,13 @@ def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
 
 
 class _Pending:
-    """A launched step: its sampling batch, logits and the pinned views its results land in."""
+    """A launched step: its sampling batch, logits and the pinned views its results land in (`parts` None: its
+    sampler not queued yet, `launch(..., defer_sampling=True)`)."""
 
-    def __init__(self, sampling: SamplingBatch, logits, parts: tuple, num_top: int | None, stage: str) -> None:
+    def __init__(self, sampling: SamplingBatch, logits, parts: tuple | None, num_top: int | None, stage: str,
+                 parity: int = 0) -> None:
         self.sampling, self.logits, self.parts, self.num_top, self.stage = sampling, logits, parts, num_top, stage
+        self.parity = parity
 
 
 class _Graph:
@@ -355,20 +358,19 @@ class CudaRunner:
         """Forward, then sample every row on the GPU: `collect(launch(batch, sampling))`."""
         return self.collect(self.launch(batch, sampling))
 
-    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last=()) -> _Pending:
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last=(),
+               defer_sampling: bool = False) -> _Pending:
         """Queue the forward and the GPU sampler (sampler/sampling.py) without waiting: the sampling
         settings go up in one pinned copy, grammar masks (asked for only after the forward is queued, so
         the host's grammar work overlaps it) in another, and the token ids, flags and logprobs come back
         in one, read by `collect`.  `ids_from_last` (the engine's async scheduling; `lead_ids_rows`): the
         batch's first sequences, one token each, are fed the ids the previous launch sampled in those rows
-        (still on the device).
+        (still on the device).  `defer_sampling`: the forward only; `sample(handle)` queues the sampler
+        later (the engine's async steps whose grammar masks wait for the previous step's tokens).
 
         Staging buffers alternate between two sets, so a launch can be queued while the previous one's
         results are still being read; the logits of a step with host rows are read in `collect`, so no
         launch may follow such a step before it is collected (the engine never does)."""
-        from kda_rt.sampler.sampling import sample
-
-        cp = self.cupy
         n = sampling.num_rows
         parity = self._launches % 2
         self._launches += 1
@@ -380,7 +382,22 @@ class CudaRunner:
         if n == 0:  # prefill chunks that finish no prompt: the caches fill, nothing is sampled
             self._forward(batch, f"meta{parity}", ids_from)
             return _Pending(sampling, None, (), None, f"results{parity}")
-        logits = self._forward(batch, f"meta{parity}", ids_from)[:n]
+        pending = _Pending(sampling, self._forward(batch, f"meta{parity}", ids_from)[:n], None, None,
+                           f"results{parity}", parity)
+        if not defer_sampling:
+            self.sample(pending)
+        return pending
+
+    def sample(self, pending: _Pending) -> None:
+        """Queue the sampler of a launch (`launch` does, unless `defer_sampling`), asking for its grammar masks
+        now; its ids then feed the next launch's `ids_from_last`."""
+        from kda_rt.sampler.sampling import sample
+
+        if pending.parts is not None:
+            raise RuntimeError("sample: this launch's sampler is already queued")
+        cp = self.cupy
+        sampling, logits, parity = pending.sampling, pending.logits, pending.parity
+        n = sampling.num_rows
         V = logits.shape[1]
         want_lp = sampling.num_logprobs >= 0
         num_top = int(sampling.num_logprobs.max(initial=0))
@@ -447,8 +464,8 @@ class CudaRunner:
                 self.penalty_rows.after_sample(sampling, ids, pen_in[4])
             got = self.staging.from_device_async(f"results{parity}", dev_out, out_bytes, self.stream)
         self._last_ids = ids
-        parts = tuple(got[o:o + c * d.itemsize].view(d) for o, (c, d) in zip(out_offs, outs, strict=True))
-        return _Pending(sampling, logits, parts, num_top, f"results{parity}")
+        pending.parts = tuple(got[o:o + c * d.itemsize].view(d) for o, (c, d) in zip(out_offs, outs, strict=True))
+        pending.num_top = num_top
 
     def collect(self, pending: _Pending) -> StepOutput:
         """Wait for a launch's results; rows the GPU sampler could not take are sampled on the host: host
@@ -463,6 +480,8 @@ class CudaRunner:
         n = sampling.num_rows
         out = StepOutput.empty(n)
         if n == 0:  # nothing to wait for: the next step's work queues behind this one on the stream
+            return out
+        if pending.parts is None:  # (deferred and never sampled: a launch the engine drops, all its rows finished)
             return out
         self.staging.wait(pending.stage)
         ids_h, flags_h, lp_h, top_ids_h, top_lp_h = pending.parts

@@ -87,6 +87,7 @@ class _Launched:
     handle: object
     result: object = None  # the runner's StepOutput once collected
     committed: bool = False  # its tokens counted as computed (scheduler.commit), at the latest by its postprocess
+    deferred: bool = False  # launched without its sampler (runner.sample queues it once the masks can be made)
 
 
 class LLMEngine:
@@ -351,22 +352,35 @@ class LLMEngine:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
                 self._collect(nxt)
             else:
+                if nxt.deferred:  # its grammar masks follow this step's tokens, accepted just now
+                    try:
+                        self.runner.sample(nxt.handle)
+                    except BaseException:  # (its forward ran uncommitted: its sequences are computed again)
+                        self._requeue(nxt.sched)
+                        self._held_outputs = outputs
+                        raise
                 self._inflight = nxt
         return outputs
 
-    def _launch_or_requeue(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = ()) -> _Launched:
+    def _launch_or_requeue(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = (),
+                           defer_sampling: bool = False) -> _Launched:
         """`_launch`; if it raises, the schedule's sequences are queued again for recompute (the runner may have run
         part of the forward, folding some of their tokens into the KDA state) before the error goes on."""
         try:
-            return self._launch(sched, ids_from_last)
+            return self._launch(sched, ids_from_last, defer_sampling)
         except BaseException:
-            # (newest first, each to the queue's front: the oldest ends up first)
-            for seq, _ in sorted(sched.scheduled, key=lambda sn: sn[0].arrival, reverse=True):
-                if seq.status is SequenceStatus.RUNNING:
-                    self.scheduler.requeue(seq)
+            self._requeue(sched)
             raise
 
-    def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = ()) -> _Launched:
+    def _requeue(self, sched: SchedulerOutput) -> None:
+        """The running sequences of a schedule that did not complete back to the queue, to be computed again."""
+        # (newest first, each to the queue's front: the oldest ends up first)
+        for seq, _ in sorted(sched.scheduled, key=lambda sn: sn[0].arrival, reverse=True):
+            if seq.status is SequenceStatus.RUNNING and seq.slot >= 0:
+                self.scheduler.requeue(seq)
+
+    def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = (),
+                defer_sampling: bool = False) -> _Launched:
         batch, sampled = self.build_batch(sched)
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
         # (a pending token's id is not on the host: its count is the row's step, the device has the rest)
@@ -378,14 +392,17 @@ class LLMEngine:
                                            masks=lambda: self._structured.masks(sampled), **kw)
         else:
             sampling = SamplingBatch.build(rows, self.eos_token_ids, **kw)
-        return self._submit(sched, batch, sampled, sampling, num_decodes, ids_from_last)
+        return self._submit(sched, batch, sampled, sampling, num_decodes, ids_from_last, defer_sampling)
 
-    def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: tuple[int, ...] = ()) -> _Launched:
+    def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: tuple[int, ...] = (),
+                defer_sampling: bool = False) -> _Launched:
         launch = getattr(self.runner, "launch", None)
         if launch is None:  # a runner that only executes: run now
             return _Launched(sched, batch, sampled, sampling, num_decodes, None, self.runner.execute(batch, sampling))
-        handle = launch(batch, sampling, ids_from_last=ids_from_last) if ids_from_last else launch(batch, sampling)
-        return _Launched(sched, batch, sampled, sampling, num_decodes, handle)
+        kw = {**({"ids_from_last": ids_from_last} if ids_from_last else {}),
+              **({"defer_sampling": True} if defer_sampling else {})}
+        handle = launch(batch, sampling, **kw)
+        return _Launched(sched, batch, sampled, sampling, num_decodes, handle, deferred=defer_sampling)
 
     def _collect(self, launched: _Launched):
         if launched.result is None:
@@ -406,23 +423,27 @@ class LLMEngine:
         the fed rows are among the leading one-token rows; the batches are the synchronous engine's when they hold
         the same sequences).  A sequence that `cur`'s token ends by length (max_tokens, max_model_len) is retired
         (`Scheduler.retire`: no row, its seat, slot and pages free for the next step, as in the synchronous engine).
-        Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host or
-        under a grammar, or a sequence whose next row would be (a grammar; without device extras a logit_bias,
-        penalties, a min_tokens ban, allowed_token_ids) or that has bad_words (their bans read the outputs' ids);
-        with KDA_RT_ASYNC_PREFILL=0 also unless `cur` is a steady decode step (every running sequence decoding,
-        nothing waiting, none ending by length, the pages for one more token free)."""
+        Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host, or a
+        sequence whose next row would be (without device extras a logit_bias, penalties, a min_tokens ban,
+        allowed_token_ids) or that has bad_words (their bans read the outputs' ids).  A grammar row's next mask
+        needs `cur`'s token too: with KDA_RT_ASYNC_PREFILL=1 and a runner that can `sample` later, the step goes
+        ahead with its sampler held back (`step()` has the runner queue it once `cur`'s tokens are accepted); else
+        not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode step (every running
+        sequence decoding, nothing waiting, none ending by length, the pages for one more token free)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
-        if cur.sampling.host_rows.any() or cur.sampling.constrained.any():
-            return None
         steady_only = not env.async_prefill()  # (KDA_RT_ASYNC_PREFILL=0: the form before, steady decode steps only)
+        # a grammar row's next mask needs its token: its step can go ahead with the sampler held back (runner.sample)
+        can_defer = not steady_only and callable(getattr(self.runner, "sample", None))
+        if cur.sampling.host_rows.any() or (cur.sampling.constrained.any() and not can_defer):
+            return None
         sched = self.scheduler
         if steady_only and (sched.waiting or len(cur.sampled) != len(cur.sched.scheduled)
                             or len(cur.sampled) != len(sched.running)
                             or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
             return None
         limit = self.config.max_model_len
-        pending, ending = [], []
+        pending, ending, defer = [], [], False
         for s in cur.sampled:
             if s.finished:
                 continue
@@ -430,10 +451,12 @@ class LLMEngine:
                 if steady_only:
                     return None
                 ending.append(s)  # (its token ends it: postprocess finishes it whatever the id)
-            elif (s.grammar is not None or s.params.bad_words_token_ids  # (bad_words' bans read the outputs' ids)
-                  or needs_host_sampling(s.params, len(s.output_token_ids) + 1, self._device_extras)):
+            elif (s.params.bad_words_token_ids  # (bad_words' bans read the outputs' ids)
+                  or needs_host_sampling(s.params, len(s.output_token_ids) + 1, self._device_extras)
+                  or (s.grammar is not None and not can_defer)):
                 return None
             else:
+                defer = defer or s.grammar is not None
                 pending.append(s)
         if steady_only and sum(max(0, sched.pages_for(s.num_tokens + 1) - len(s.blocks))
                                for s in pending) > sched.pages.num_free:
@@ -451,7 +474,7 @@ class LLMEngine:
         # (a pending sequence is a decode: every row up to the last fed one is a one-token decode row; a pending
         # sequence the schedule preempted has no row)
         rows = tuple(row_of[s] if s.pending else -1 for s, _ in nsched.scheduled[: fed[-1] + 1]) if fed else ()
-        launched = self._launch_or_requeue(nsched, rows)
+        launched = self._launch_or_requeue(nsched, rows, defer)
         self.counters["steps_launched_ahead"] += 1
         return launched
 

@@ -11,6 +11,9 @@ A runner owns one backend's weights, cache pools and model.  It plans its pools 
                                  or True: all of them, a decode batch of as many sequences) the
                                  batch's first sequences, one token each, take those sampled ids in
                                  place of their input_ids (async_scheduling; `lead_ids_rows` checks)
+    launch(..., defer_sampling=True); sample(handle)         optional: the forward now, the sampler
+                                 (and the grammar masks it asks for) when `sample` is called, before
+                                 the next launch (async steps after grammar rows)
     score(ForwardBatch) -> [N, vocab] float32            forward only (LLM.score, all positions)
     report() -> str                                      what a decode step runs
     peak_memory_bytes() -> int

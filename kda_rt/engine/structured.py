@@ -160,10 +160,12 @@ class StructuredOutputs:
         if all(s.grammar is None for s in seqs):
             return None
         for s in seqs:
-            if s.grammar is not None:
+            if s.grammar is not None and not s.finished:
                 self._sync(s)
         self.prefetch(seqs)
-        return [s.grammar.mask if s.grammar is not None else None for s in seqs]
+        # (a sequence finished meanwhile, its row of a step launched ahead to be dropped: any mask will do)
+        return [None if s.grammar is None else np.full(self.mask_words, -1, np.int32) if s.finished
+                else s.grammar.mask for s in seqs]
 
     def prefetch(self, seqs: Iterable[Seq]) -> None:
         """Compute the missing next-token masks of `seqs` in one parallel llguidance call."""

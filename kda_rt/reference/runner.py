@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 __all__ = ["NumpyRunner"]
 
 
+@dataclasses.dataclass(eq=False)
+class _Deferred:
+    """A launch whose forward and sampling wait for `NumpyRunner.sample`."""
+
+    batch: ForwardBatch
+    sampling: SamplingBatch
+    result: StepOutput | None = None
+
+
 class NumpyRunner:
     """The reference backend: float32 (or float64) NumPy on the CPU."""
 
@@ -62,11 +71,13 @@ class NumpyRunner:
         self._last = out
         return out
 
-    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last=()) -> StepOutput:
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, *, ids_from_last=(),
+               defer_sampling: bool = False) -> StepOutput | _Deferred:
         """`execute` now (the CPU has nothing to overlap), kept for `collect`; `ids_from_last`: the batch's first
         sequences take the tokens that the previous launch sampled in those rows (the engine's async scheduling,
         the same contract as the CUDA runner's, `lead_ids_rows`; an errored row feeds id 0, its sequence is
-        finished)."""
+        finished).  `defer_sampling`: run it at `sample(handle)` instead (the CUDA runner queues the forward now
+        and the sampler then; here both wait, which the engine cannot tell apart)."""
         if ids_from_last is True or len(ids_from_last):
             last = self._last
             rows = lead_ids_rows(batch, ids_from_last, None if last is None else len(last.token_ids))
@@ -76,10 +87,20 @@ class NumpyRunner:
                     ids[j] = last.token_ids[r] or 0
             batch = dataclasses.replace(batch, input_ids=ids)
         self._last = None
+        if defer_sampling:
+            return _Deferred(batch, sampling)
         return self.execute(batch, sampling)
 
+    def sample(self, pending: _Deferred) -> None:
+        """Run a launch made with `defer_sampling`."""
+        if pending.result is not None:
+            raise RuntimeError("sample: this launch already ran")
+        pending.result = self.execute(pending.batch, pending.sampling)
+
     @staticmethod
-    def collect(pending: StepOutput) -> StepOutput:
+    def collect(pending: StepOutput | _Deferred) -> StepOutput:
+        if isinstance(pending, _Deferred):  # (never sampled: a launch the engine drops, every row finished)
+            return pending.result if pending.result is not None else StepOutput.empty(pending.sampling.num_rows)
         return pending
 
     def score(self, batch: ForwardBatch) -> np.ndarray:

@@ -4,7 +4,8 @@
 #      and update_counts' rows, new), tests/gpu/test_request_shapes.py but its 32K prompt (async scheduling of
 #      prefill and mixed steps bit for bit against the synchronous engine, every launch after the first queued
 #      ahead; KDA_RT_GPU_SAMPLING_EXTRAS=1 against the host sampler's penalised and banned tokens, also ahead; chunked
-#      prompts, mixed steps, preemption against the oracle);
+#      prompts, mixed steps, preemption against the oracle), tests/engine/test_structured_outputs.py (grammar rows'
+#      steps launched ahead with their sampler held back, on the CUDA runner too);
 #   2. KDA_RT_ASYNC_PREFILL 1 / 0 (0: only steady decode steps launched ahead, the form before) in bf16: the seed
 #      prefill's TTFT max (32 x 2048) and a 100 x 2048 / 128 run (admissions beside decodes: its elapsed and TTFT
 #      max), 3 rounds, one model load;
@@ -13,7 +14,8 @@
 #   bash tests/gpu/engine56_check.sh
 . tests/gpu/check_common.sh
 echo "== tests"
-gate_tests engine56_tests 300 tests/kernels/test_sampling.py tests/gpu/test_request_shapes.py -k "not 32k"
+gate_tests engine56_tests 330 tests/kernels/test_sampling.py tests/gpu/test_request_shapes.py \
+  tests/engine/test_structured_outputs.py -k "not 32k"
 echo "== bf16 A/B, KDA_RT_ASYNC_PREFILL 1 / 0 ($SECONDS s)"
 timeout $((460 - SECONDS)) python tests/gpu/bench_ab.py --env KDA_RT_ASYNC_PREFILL --values 1,0 --rounds 3 \
   --decode 100:2048:128 2> "$OUT/async_prefill_ab.err" | tee "$OUT/async_prefill_ab.jsonl" | grep summary
