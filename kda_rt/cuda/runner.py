@@ -393,6 +393,8 @@ class CudaRunner:
         now; its ids then feed the next launch's `ids_from_last`."""
         from kda_rt.sampler.sampling import sample
 
+        if pending.logits is None:  # (a launch that samples no row)
+            return
         if pending.parts is not None:
             raise RuntimeError("sample: this launch's sampler is already queued")
         cp = self.cupy

@@ -347,7 +347,12 @@ class LLMEngine:
         except BaseException:  # the launch ahead failed: step k still counts, its tokens are kept
             self._held_outputs = held + self._postprocess(cur, self._collect(cur))
             raise
-        outputs = held + self._postprocess(cur, self._collect(cur))
+        try:
+            outputs = held + self._postprocess(cur, self._collect(cur))
+        except BaseException:
+            if nxt is not None:  # (launched but never to be collected: its forward may have run, uncommitted)
+                self._requeue(nxt.sched)
+            raise
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
                 self._collect(nxt)
@@ -443,7 +448,7 @@ class LLMEngine:
                             or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
             return None
         limit = self.config.max_model_len
-        pending, ending, defer = [], [], False
+        pending, ending = [], []
         for s in cur.sampled:
             if s.finished:
                 continue
@@ -456,7 +461,6 @@ class LLMEngine:
                   or (s.grammar is not None and not can_defer)):
                 return None
             else:
-                defer = defer or s.grammar is not None
                 pending.append(s)
         if steady_only and sum(max(0, sched.pages_for(s.num_tokens + 1) - len(s.blocks))
                                for s in pending) > sched.pages.num_free:
@@ -474,6 +478,8 @@ class LLMEngine:
         # (a pending sequence is a decode: every row up to the last fed one is a one-token decode row; a pending
         # sequence the schedule preempted has no row)
         rows = tuple(row_of[s] if s.pending else -1 for s, _ in nsched.scheduled[: fed[-1] + 1]) if fed else ()
+        # (the sampler waits for `cur`'s tokens where a row of the new step is a grammar's with its token pending)
+        defer = any(s.pending and s.grammar is not None for s, _ in nsched.scheduled)
         launched = self._launch_or_requeue(nsched, rows, defer)
         self.counters["steps_launched_ahead"] += 1
         return launched

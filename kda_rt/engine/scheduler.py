@@ -219,6 +219,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
+        seq.pending = 0  # (recomputed from the tokens the host holds; a pending one still to be accepted is appended)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         logger.warning("request %s (sample %d) queued again for recompute after a failed step", seq.request_id,

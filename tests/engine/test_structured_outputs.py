@@ -194,9 +194,6 @@ def test_sample_rows_applies_mask_and_bias():
     sample_rows({1: logits[1], 0: logits[0]}, batch, [0, 1], out)
     assert out.token_ids == [7, 34, None] and out.errors == [None, None, None]
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 @pytest.mark.parametrize("backend", ["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_grammar_steps_go_ahead_with_the_sampler_held_back(backend, monkeypatch):
@@ -236,3 +233,43 @@ def test_grammar_steps_go_ahead_with_the_sampler_held_back(backend, monkeypatch)
         assert reason == "stop", (text, reason)
         jsonschema.validate(json.loads(text), SCHEMA)
     assert got[3][0][1] in ("red", "green", "dark purple") and re.fullmatch(r"[a-z]{3}-[0-9]{2}", got[4][0][1])
+
+
+
+def test_held_back_sampler_only_where_a_grammar_row_waits(monkeypatch):
+    """A step scheduled ahead that preempted its pending grammar sequence and samples no row is launched whole (no
+    `sample` call a CUDA runner would refuse: its launch sampled nothing); the outputs are the synchronous engine's.
+    (21 pages of 16 tokens, an 8-token budget: the grammar request is preempted while a long prompt fills.)"""
+    from helpers.engine import make_llm
+    from kda_rt.demo import demo_path
+
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
+    kw = dict(max_model_len=336, block_size=16, num_blocks=21, max_num_batched_tokens=8, max_num_seqs=8)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [(i * 7) % 400 + 3 for i in range(300)]},
+               {"prompt_token_ids": [9, 10, 11, 12]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=120, structured_outputs={"regex": "[a-z]{300}"})]
+    sync, ahead = make_llm(demo_path(), async_scheduling=False, **kw), make_llm(demo_path(), **kw)
+    runner, deferred = ahead.llm_engine.runner, []
+    launch, sample = runner.launch, runner.sample
+
+    def spy_launch(batch, sampling, **k):
+        if k.get("defer_sampling"):
+            deferred.append(sampling.num_rows)
+        return launch(batch, sampling, **k)
+
+    runner.launch = spy_launch
+    runner.sample = lambda handle: sample(handle)
+    try:
+        want = [[c.token_ids for c in o.outputs] for o in sync.generate(prompts, params)]
+        got = [[c.token_ids for c in o.outputs] for o in ahead.generate(prompts, params)]
+    finally:
+        del runner.launch, runner.sample
+    assert got == want
+    assert ahead.stats()["preemptions"] > 0 and deferred and min(deferred) > 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
