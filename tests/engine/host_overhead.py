@@ -1,7 +1,8 @@
 """Host work of one engine decode step, without a model: `python tests/engine/host_overhead.py
-[BATCH] [OUTPUT_KIND] [-p]`.  A runner that returns fixed tokens stands in for the model, so what
+[BATCH] [OUTPUT_KIND] [-p] [--async]`.  A runner that returns fixed tokens stands in for the model, so what
 is timed is the scheduler, the flat batches, postprocess and the RequestOutputs: the part of a GPU
-decode step that the GPU waits for.  Prompts of 2048 tokens on the 48B-shaped 4-layer config,
+decode step that the GPU waits for (`--async`: the runner also launches and collects, so the engine's async
+scheduling runs each step's early schedule too, work the GPU does not wait for then).  Prompts of 2048 tokens on the 48B-shaped 4-layer config,
 prefill done first, then $STEPS (default 100) decode steps (`-p`: cProfile, sorted by own time).
 `--prefill`: instead, the host work before and between the steps of the seed benchmark's prefill (32 x 2048
 prompts, 16384-token steps): add_request for every prompt (in the bench's TTFT), then each engine.step()."""
@@ -41,6 +42,12 @@ class FixedTokens:
     def report(self) -> str:
         return "fixed tokens"
 
+    def launch(self, batch, sampling, **kw):  # (--async only: see main)
+        return self.execute(batch, sampling)
+
+    def collect(self, handle):
+        return handle
+
     def peak_memory_bytes(self) -> int:
         return 0
 
@@ -76,6 +83,8 @@ def main() -> None:
     config = parse_config(kimi_linear_48b_a3b(4))
     settings = EngineConfig(max_num_seqs=batch, max_model_len=4096, max_num_batched_tokens=8192)
     runner = FixedTokens(config, settings)
+    if "--async" not in sys.argv:  # (a runner without launch / collect: every step synchronous)
+        runner.launch = runner.collect = None
     engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=runner.plan.max_model_len),
                        num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks)
     rng = np.random.default_rng(0)
@@ -91,8 +100,9 @@ def main() -> None:
     for _ in range(steps):
         engine.step()
     prof.disable()
-    print(f"batch {batch}, {kind} outputs: {(time.perf_counter() - t0) / steps * 1e3:.3f} ms of engine host work "
-          f"per decode step")
+    print(f"batch {batch}, {kind} outputs{' (async)' if '--async' in sys.argv else ''}: "
+          f"{(time.perf_counter() - t0) / steps * 1e3:.3f} ms of engine host work per decode step "
+          f"({engine.counters['steps_launched_ahead']} steps launched ahead)")
     if "-p" in sys.argv:
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
