@@ -350,12 +350,14 @@ class LLMEngine:
         try:
             outputs = held + self._postprocess(cur, self._collect(cur))
         except BaseException:
-            if nxt is not None:  # (launched but never to be collected: its forward may have run, uncommitted)
-                self._requeue(nxt.sched)
+            # step k's tokens were not all accepted (its retired and pending sequences among them), and a step k+1
+            # launched ahead will never be collected (its forward may have run, uncommitted): both computed again
+            self._held_outputs = held
+            self._requeue(SchedulerOutput(scheduled=[*cur.sched.scheduled, *(nxt.sched.scheduled if nxt else ())]))
             raise
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
-                self._collect(nxt)
+                pass  # (uncollected: neither runner needs it, and nothing of it is read)
             else:
                 if nxt.deferred:  # its grammar masks follow this step's tokens, accepted just now
                     try:
@@ -378,11 +380,15 @@ class LLMEngine:
             raise
 
     def _requeue(self, sched: SchedulerOutput) -> None:
-        """The running sequences of a schedule that did not complete back to the queue, to be computed again."""
+        """The running sequences of a schedule that did not complete (retired ones too) back to the queue, to be
+        computed again from the tokens the host holds; a waiting one (preempted by an early schedule) drops the
+        pending token it will never be given."""
         # (newest first, each to the queue's front: the oldest ends up first)
         for seq, _ in sorted(sched.scheduled, key=lambda sn: sn[0].arrival, reverse=True):
-            if seq.status is SequenceStatus.RUNNING and seq.slot >= 0:
+            if seq.status is SequenceStatus.RUNNING:
                 self.scheduler.requeue(seq)
+            elif seq.status is SequenceStatus.WAITING:
+                seq.pending = 0
 
     def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = (),
                 defer_sampling: bool = False) -> _Launched:

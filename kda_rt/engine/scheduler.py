@@ -216,8 +216,9 @@ class Scheduler:
         """Send a running sequence back to the front of the queue, to be computed again from its first token (its
         slot and pages freed, its outputs kept): the engine's answer to a step whose launch raised, whose forward
         may have folded some of the step's tokens into the sequence's state already."""
-        self.running.remove(seq)
-        self._release(seq)
+        if seq.slot >= 0:  # (a retired one holds nothing)
+            self.running.remove(seq)
+            self._release(seq)
         seq.num_computed = 0
         seq.pending = 0  # (recomputed from the tokens the host holds; a pending one still to be accepted is appended)
         seq.status = SequenceStatus.WAITING

@@ -322,3 +322,36 @@ def test_a_launch_that_fails_after_running_loses_nothing(tiny_dir):
         assert failed >= 3
         assert [finals[f"r{i}"] for i in range(6)] == want
         assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_collect_that_fails_loses_nothing(tiny_dir, ahead):
+    """Every fifth collect raises (the forward ran, its tokens never reach the host): the step's sequences (those
+    retired for ending by length and those whose token was pending in a step scheduled early, preempted or not)
+    are computed again, a step launched ahead is dropped and recomputed too, outputs owed come with the next call,
+    and the finals equal the synchronous engine's: with async scheduling and without (where the uncommitted step
+    used to be folded into the KDA state twice)."""
+    prompts = mixed_prompts(8, seed=23, lo=2, hi=40)
+    params = [greedy(6 + 3 * (i % 4)) for i in range(8)]
+    kw = dict(max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=7, max_num_batched_tokens=32)
+    want = _run(make_llm(tiny_dir, async_scheduling=False, **kw), prompts, params)
+    llm = make_llm(tiny_dir, async_scheduling=ahead, **kw)
+    eng = llm.llm_engine
+    runner = eng.runner
+    inner, calls = runner.collect, [0]
+
+    def flaky(handle):
+        out = inner(handle)
+        calls[0] += 1
+        if calls[0] % 5 == 0:
+            raise RuntimeError("injected failure in collect")
+        return out
+
+    runner.collect = flaky
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
+    finals, failed = _drive(eng)
+    del runner.collect
+    assert failed >= 3
+    assert [finals[f"r{i}"] for i in range(8)] == want
+    assert_no_leaks(llm)
