@@ -22,9 +22,9 @@
 // allowed_token_ids): allowed [B, ceil(V / 32)] uint32, bit i % 32 of word i / 32 set when token
 // i is allowed; a disallowed token's x is -inf before everything above (as the reference applies it
 // after the penalties).  Flags (out_flags [B] int32, optional): 1 when a raw logit of the row is NaN
-// or +-inf (or a penalised one: a penalty that overflows), 2 when no token is allowed (the masked
-// maximum is -inf); the CUDA runner gives flag-1 rows the reference's error and re-samples flag-2 rows
-// on the host, which ends them with an error naming the cause.
+// or +-inf, 3 when only a penalised one is (a penalty that overflows), 2 when no token is allowed (the
+// masked maximum is -inf); the CUDA runner gives flag-1 and flag-3 rows the reference's errors and
+// re-samples flag-2 rows on the host, which ends them with an error naming the cause.
 //
 // Split rows.  One SM streams a 655 KB row (V = 163840) at a small fraction of HBM bandwidth, so a row
 // is cut into CLUSTER slices of SLICE tokens, one CTA each, and the CLUSTER CTAs of a row form a
@@ -617,6 +617,9 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
     // logits, and whether a raw logit is not finite.  Each thread walks its tokens in increasing order.
     float best = neg_inf(), m = neg_inf(), s = 0.f;
     int best_i = 0x7fffffff, bad = 0;
+#if HAS_PENALTIES
+    int bad_pen = 0;
+#endif
     for (int q0 = 0; q0 < num_groups; q0 += LOAD_UNROLL * THREADS) {
         float4 raw[LOAD_UNROLL];
 #pragma unroll
@@ -647,9 +650,9 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
                 const int i = row.start + 4 * q + c;
                 bad |= !isfinite(r4[c]);
 #if HAS_PENALTIES
-                // (a penalty that overflows is flagged too: the reference reports it as an error)
+                // (a penalty that overflows is flagged too, apart: the reference reports it as its own error)
                 const float xp = penalties_only(row, i, r4[c]);
-                bad |= !isfinite(xp);
+                bad_pen |= !isfinite(xp);
                 const float x = mask_only(row, i, xp);
 #else
                 const float x = penalise(row, i, r4[c]);
@@ -664,7 +667,11 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
 #endif
         }
     }
+#if HAS_PENALTIES
+    bad = __syncthreads_or(bad) ? 1 : __syncthreads_or(bad_pen) ? 2 : 0;  // (1 raw, 2 penalised only; uniform)
+#else
     bad = __syncthreads_or(bad);
+#endif
     warp_argmax(best, best_i);
     warp_lse(m, s);
     if (lane == 0) { red_v[warp] = best; red_i[warp] = best_i; }
@@ -694,7 +701,8 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
         }
         warp_argmax(v, vi);
         warp_lse(cm, cs);
-        cb = __any_sync(FULL_MASK, cb != 0);
+        cb = __reduce_or_sync(FULL_MASK, (unsigned)cb);
+        cb = (cb & 1) ? 1 : cb;  // (a raw non-finite logit anywhere in the row comes first)
         if (lane == 0) { sh.x_max = v; sh.arg_max = vi; sh.log_z = cm + logf(cs); sh.bad = cb; }
     }
     __syncthreads();
@@ -786,7 +794,7 @@ sample_rows(const float* __restrict__ logits, const float* __restrict__ temperat
 
     if (rank == 0 && tid == 0) {
         out_ids[b] = id;
-        if (out_flags != nullptr) out_flags[b] = sh.bad ? 1 : x_max == neg_inf() ? 2 : 0;
+        if (out_flags != nullptr) out_flags[b] = sh.bad == 1 ? 1 : sh.bad ? 3 : x_max == neg_inf() ? 2 : 0;
 #if WRITE_LOGPROB
         out_logprobs[b] = load_logit(row, id) - log_z;
 #endif

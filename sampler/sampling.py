@@ -108,9 +108,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
     the N most likely tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed:
     None or [B, ceil(V / 32)] int32 bitmask of allowed tokens (a grammar's; with the runner's
     KDA_RT_GPU_SAMPLING_EXTRAS also bans and allowed_token_ids; a row with every bit set is unconstrained).
-    out_flags [B] i32 (optional): 0, or 1 when a raw logit is not finite (or a penalised one: an overflow), 2 when
-    the mask allows no token: the CUDA runner reports flag 1 as the reference's error and samples flag 2 rows on the
-    host (sampler/reference.py), which reports the error.  `cluster` / `threads` force a kernel
+    out_flags [B] i32 (optional): 0, or 1 when a raw logit is not finite, 3 when only a penalised one is (an
+    overflow), 2 when the mask allows no token: the CUDA runner reports flags 1 and 3 as the reference's errors and
+    samples flag 2 rows on the host (sampler/reference.py), which reports the error.  `cluster` / `threads` force a kernel
     variant (see sample_config).  Returns ids [B] i32."""
     import cupy
 

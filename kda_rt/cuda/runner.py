@@ -474,7 +474,7 @@ class CudaRunner:
         rows (sampler/batch.needs_host_sampling, unless KDA_RT_GPU_SAMPLING_EXTRAS: a logit_bias, a min_tokens ban,
         allowed_token_ids, bad_words or penalties; with it, a penalised or biased row PenaltyRows found no memory for)
         and rows where nothing is allowed (flag 2) by the NumPy reference sampler from their logits; rows with
-        non-finite logits (flag 1: raw, or a device penalty's overflow) get that error, as the reference would
+        non-finite logits (flag 1; flag 3: a device penalty's overflow) get that error, as the reference would
         report it."""
         from kda_rt.sampler.reference import nonfinite_error, penalty_error, sample_rows
 
@@ -496,13 +496,9 @@ class CudaRunner:
         for i in range(n):
             if i in host_logits:
                 continue
-            if flags_h[i] == 1:  # the model's logits are not finite (or a device penalty overflowed): an error
+            if flags_h[i] in (1, 3):  # the model's logits are not finite (3: a device penalty overflowed): an error
                 step = int(sampling.steps[i])
-                out.errors[i] = nonfinite_error(step)
-                if sampling.penalty_rows is not None and sampling.penalty_rows[i] and self.device_extras:
-                    with self.stream:  # (which of the two: the raw row, read back in this rare case)
-                        if np.isfinite(pending.logits[i].get(stream=self.stream)).all():
-                            out.errors[i] = penalty_error(step)
+                out.errors[i] = nonfinite_error(step) if flags_h[i] == 1 else penalty_error(step)
                 continue
             tok = int(ids_h[i])
             out.token_ids[i] = tok

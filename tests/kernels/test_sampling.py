@@ -452,8 +452,8 @@ def test_grammar_mask_and_flags(V):
 
 @gpu
 def test_penalty_overflow_is_flagged():
-    """A finite logit that a penalty takes past float32 (x / 0.01 at 1e37, as the reference's "non-finite logits after
-    penalties" error) flags the row 1, as a non-finite raw logit does; the other rows sample as before."""
+    """A finite logit that a penalty takes past float32 (x / 0.01 at 1e37, the reference's "non-finite logits after
+    penalties" error) flags the row 3 (a non-finite raw logit: 1); the other rows sample as before."""
     import cupy
 
     from kda_rt.sampler.sampling import sample
@@ -472,7 +472,11 @@ def test_penalty_overflow_is_flagged():
                seeds=cupy.zeros((B,), np.uint64), steps=cupy.zeros((B,), np.int32))
     flags = cupy.full((B,), -7, np.int32)
     ids = sample(cupy.asarray(x), **dev, penalties=pen, out_flags=flags)
-    assert cupy.asnumpy(flags).tolist() == [0, 1, 0]
+    assert cupy.asnumpy(flags).tolist() == [0, 3, 0]
+    x[0, 3] = np.inf  # a raw inf in a penalised batch: 1, whatever the penalties
+    flags[:] = -7
+    sample(cupy.asarray(x), **dev, penalties=pen, out_flags=flags)
+    assert cupy.asnumpy(flags).tolist() == [1, 3, 0]
     assert cupy.asnumpy(ids)[[0, 2]].tolist() == [int(np.argmax(x[0])), 17]
 
 
