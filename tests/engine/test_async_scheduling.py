@@ -45,6 +45,28 @@ def _drive(eng) -> tuple[dict, int]:
     return finals, failed
 
 
+def _run_failing(llm, method: str, every: int, prompts, params) -> tuple[dict, int]:
+    """Run `prompts` on `llm` (final outputs, requests r0, r1, ...) with every `every`-th call of the runner's `method`
+    raising after it did its work; returns `_drive`'s finals and failure count."""
+    runner = llm.llm_engine.runner
+    inner, calls = getattr(runner, method), [0]
+
+    def flaky(*a, **k):
+        out = inner(*a, **k)
+        calls[0] += 1
+        if calls[0] % every == 0:
+            raise RuntimeError(f"injected failure after {method}")
+        return out
+
+    setattr(runner, method, flaky)
+    try:
+        for i, p in enumerate(prompts):
+            llm.llm_engine.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
+        return _drive(llm.llm_engine)
+    finally:
+        delattr(runner, method)
+
+
 def _run(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [_key(o) for o in outs]
@@ -303,22 +325,7 @@ def test_a_launch_that_fails_after_running_loses_nothing(tiny_dir):
     sync, ahead = _llms(tiny_dir, **kw)
     want = _run(sync, prompts, params)
     for llm in (ahead, make_llm(tiny_dir, async_scheduling=False, **kw)):
-        eng = llm.llm_engine
-        runner = eng.runner
-        inner, calls = runner.launch, [0]
-
-        def flaky(batch, sampling, _inner=inner, _calls=calls, **k):
-            handle = _inner(batch, sampling, **k)
-            _calls[0] += 1
-            if _calls[0] % 4 == 0:
-                raise RuntimeError("injected failure after the forward")
-            return handle
-
-        runner.launch = flaky
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
-        finals, failed = _drive(eng)
-        del runner.launch
+        finals, failed = _run_failing(llm, "launch", 4, prompts, params)
         assert failed >= 3
         assert [finals[f"r{i}"] for i in range(6)] == want
         assert_no_leaks(llm)
@@ -336,22 +343,7 @@ def test_a_collect_that_fails_loses_nothing(tiny_dir, ahead):
     kw = dict(max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=7, max_num_batched_tokens=32)
     want = _run(make_llm(tiny_dir, async_scheduling=False, **kw), prompts, params)
     llm = make_llm(tiny_dir, async_scheduling=ahead, **kw)
-    eng = llm.llm_engine
-    runner = eng.runner
-    inner, calls = runner.collect, [0]
-
-    def flaky(handle):
-        out = inner(handle)
-        calls[0] += 1
-        if calls[0] % 5 == 0:
-            raise RuntimeError("injected failure in collect")
-        return out
-
-    runner.collect = flaky
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
-    finals, failed = _drive(eng)
-    del runner.collect
+    finals, failed = _run_failing(llm, "collect", 5, prompts, params)
     assert failed >= 3
     assert [finals[f"r{i}"] for i in range(8)] == want
     assert_no_leaks(llm)
