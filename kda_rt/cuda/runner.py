@@ -409,8 +409,7 @@ class CudaRunner:
         ins = [(n, u64), (n, f32), (n, i32), (n, f32), (n, f32), (n, i32)]
         values = [sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.steps]
         pen = None
-        if self.device_extras and sampling.penalty_rows is not None and (
-                sampling.penalty_rows.any() or any(b is not None for b in sampling.logit_bias)):
+        if self.device_extras:  # (prepare: None without a penalised or biased device row)
             from kda_rt.sampler.penalties import PenaltyRows
             from kda_rt.sampler.sampling import update_counts
 
@@ -439,15 +438,13 @@ class CudaRunner:
             ids, flags, lp, top_ids, top_lp = (view(dev_out, o, c, d) for o, (c, d) in zip(out_offs, outs, strict=True))
             self.staging.to_device(f"sampling{parity}", dev_in, in_bytes, self.stream)
             allowed = None
-            # (KDA_RT_GPU_SAMPLING_EXTRAS: bans and allowed_token_ids go into the rows' masks too)
-            extras = self.device_extras and (any(sampling.banned) or any(
-                p.allowed_token_ids is not None for p in sampling.params))
-            if sampling.constrained.any() or extras:
+            # computed now, while the forward runs (KDA_RT_GPU_SAMPLING_EXTRAS: bans and allowed_token_ids in the
+            # rows' masks too)
+            rows = sampling.device_masks(V) if self.device_extras else sampling.allowed
+            if any(m is not None for m in rows):
                 words = (V + 31) // 32
                 masks = self.staging.host(f"masks{parity}", n * words * 4).view(np.int32)[: n * words].reshape(n, words)
-                # computed now, while the forward runs (a grammar mask sized for a larger tokenizer vocabulary: its
-                # tokens past the logits do not exist)
-                rows = sampling.device_masks(V) if self.device_extras else sampling.allowed
+                # (a grammar mask sized for a larger tokenizer vocabulary: its tokens past the logits do not exist)
                 for i, m in enumerate(rows):
                     masks[i] = -1 if m is None else m[:words]
                 allowed = self.sample_ws.get(f"masks{parity}", (n, words), np.int32)

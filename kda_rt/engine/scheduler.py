@@ -216,23 +216,24 @@ class Scheduler:
         """Send a running sequence back to the front of the queue, to be computed again from its first token (its
         slot and pages freed, its outputs kept): the engine's answer to a step whose launch raised, whose forward
         may have folded some of the step's tokens into the sequence's state already."""
-        if seq.slot >= 0:  # (a retired one holds nothing)
-            self.running.remove(seq)
-            self._release(seq)
-        seq.num_computed = 0
+        self._to_front(seq)
         seq.pending = 0  # (recomputed from the tokens the host holds; a pending one still to be accepted is appended)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
         logger.warning("request %s (sample %d) queued again for recompute after a failed step", seq.request_id,
                        seq.index)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._release(seq)
+    def _to_front(self, seq: Sequence) -> None:
+        """A running sequence (a retired one holds nothing) back to the queue's front, to be computed from its first
+        token: preemption, and `requeue`."""
+        if seq.slot >= 0:
+            self.running.remove(seq)
+            self._release(seq)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._to_front(seq)
+        seq.num_preemptions += 1
         self.num_preemptions += 1
         logger.warning(
             "preempted request %s (sample %d) by recompute: out of KV pages (%d in the pool); "
