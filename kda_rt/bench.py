@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--also", default="",
                     help="more workloads on the same engine after the first, as BATCH:INPUT:OUTPUT[,...] "
                          "(one JSON line each; saves loading the model again)")
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="the first N tokens of every prompt of a run are the same (a shared system prompt; with "
+                         "--enable-prefix-caching later requests resume after it); each run draws its own")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first run too (the same as --num-iters-warmup 0)")
     ap.add_argument("--num-iters-warmup", type=int, default=1,
@@ -137,9 +140,9 @@ def parse_sampling(text: str) -> dict:
 
 
 def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int = 0,
-              sampling: dict | None = None) -> dict:
-    """Run the workload on `engine` (greedy, or `sampling`'s settings, EOS ignored); returns the timing part of the
-    report."""
+              sampling: dict | None = None, prefix_len: int = 0) -> dict:
+    """Run the workload on `engine` (greedy, or `sampling`'s settings, EOS ignored; every prompt's first `prefix_len`
+    tokens the same); returns the timing part of the report."""
     from kda_rt.sampler.params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -148,7 +151,11 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     built0 = _build_stats(engine)
     rows0 = list(getattr(engine.runner, "graph_rows", ()))  # (CUDA: decode rows replayed on graphs, live / padding)
-    prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(batch)]  # (made before the clock starts)
+    prefix = rng.integers(0, vocab, prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, vocab, input_len - prefix_len).tolist()  # (made before the clock starts)
+               for _ in range(batch)]
+    cache = engine.scheduler.cache
+    hits0 = cache.hits if cache is not None else 0
     gc_time = _GcTimer()
     gc.callbacks.append(gc_time)
     t0 = time.perf_counter()
@@ -183,6 +190,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         "num_steps": engine.counters["steps"] - steps0,
         "num_decode_steps": len(decode_steps),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
+        **({"prefix_cache_hit_tokens": cache.hits - hits0} if cache is not None else {}),
         # the interpreter's garbage collections inside the timed run (all generations) and their time
         "gc_collections": gc_time.count, "gc_s": gc_time.seconds,
         # kernel variants first built inside the timed run (their build time is in the numbers above)
@@ -373,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.num_iters_warmup}")
     if args.no_warmup:
         args.num_iters_warmup = 0
+    if not 0 <= args.prefix_len < min(sh[1] for sh in shapes):
+        ap.error(f"--prefix-len must be >= 0 and below every workload's input length, got {args.prefix_len}")
     if args.num_layers is not None and (args.num_layers < 1 or not args.config):
         ap.error("--num-layers must be >= 1 and works with a preset --config only")
     if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
@@ -411,11 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         count = getattr(engine.runner, "experts_touched", None)
         for k, (batch, input_len, output_len) in enumerate(shapes):
             for i in range(args.num_iters_warmup):  # same shapes: every kernel variant the runs need is built now
-                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i, sampling)
+                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i, sampling, args.prefix_len)
             if count is not None:
                 count(reset=True)
-            report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed, sampling)
-                                     for _ in range(args.num_iters)])
+            report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed, sampling,
+                                               args.prefix_len) for _ in range(args.num_iters)])
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization,
                                  e4m3_gemv=reads_e4m3_rows(engine, batch)))

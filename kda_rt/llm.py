@@ -51,7 +51,7 @@ def build_engine(model_config: ModelConfig, weights: Mapping[str, np.ndarray], s
     plan = runner.plan
     settings = dataclasses.replace(settings, max_model_len=plan.max_model_len, max_num_seqs=plan.engine_slots)
     return LLMEngine(model_config, runner, tokenizer, settings, num_slots=plan.engine_slots,
-                     num_blocks=plan.engine_blocks, extra_eos_ids=extra_eos_ids)
+                     num_blocks=plan.engine_blocks, extra_eos_ids=extra_eos_ids, snapshot_slots=plan.snapshot_slots)
 
 
 def _offline_batched_tokens(backend: str) -> int:

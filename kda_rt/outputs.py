@@ -76,5 +76,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} of that token and the
     # top N (None for the first token, which has no context)
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    num_cached_tokens: int = 0  # vLLM's field: prompt tokens served from a prefix cache (kda_rt keeps none)
+    num_cached_tokens: int = 0  # vLLM's field: prompt tokens served from the prefix cache (enable_prefix_caching)
     metrics: None = None  # vLLM's field (its V1 engine leaves it None too)

@@ -143,6 +143,7 @@ class CudaRunner:
             raise MemoryError(f"cache pools ({need / 2**30:.1f} GiB) do not fit on the GPU after the weights: "
                               "lower --gpu-memory-utilization, --max-num-seqs or --max-model-len, or pass --num-blocks") from exc
         self.model = CudaModel(config, self.weights, kda_pools, mla_pools)
+        self.kda_pools, self.mla_pools = kda_pools, mla_pools  # (the prefix cache's copies: copy_slots, copy_pages)
         # padding rows of decode graphs: slot -1 (no KDA state stored), the live count uploaded (the MoE plans the
         # live rows alone); read once, so the uploads and the captured kernels agree
         self.model.skip_pad = env.skip_pad()
@@ -507,6 +508,24 @@ class CudaRunner:
                 out.logprobs[i] = lps
         sample_rows(host_logits, sampling, sorted(host_logits), out)  # the host rows, in place
         return out
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """KDA states (conv and recurrent, every KDA layer) of slots `src` into slots `dst`, queued on the runner's
+        stream behind the steps launched so far (the prefix cache's snapshots; `dst` distinct, none of them a
+        source)."""
+        self._copy_rows([a for pair in self.kda_pools.values() for a in pair], src, dst)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """MLA pages `src` (every MLA layer) into pages `dst`, queued as `copy_slots`."""
+        self._copy_rows(list(self.mla_pools.values()), src, dst)
+
+    def _copy_rows(self, pools: list, src: list[int], dst: list[int]) -> None:
+        cp = self.cupy
+        with self.stream:
+            s = cp.asarray(np.asarray(src, dtype=np.int64))
+            d = cp.asarray(np.asarray(dst, dtype=np.int64))
+            for pool in pools:
+                pool[d] = pool[s]
 
     def report(self) -> str:
         """Each op of one decode step with the kernels it launched (traced on an eager step of one

@@ -99,6 +99,13 @@ class EngineConfig:
     # ~11 ms step; overlapped, the GPU runs the next decode while the host postprocesses this one
     async_scheduling: bool = _opt(True, "launch the next decode step before this step's tokens reach the host "
                                         "(same outputs; off: every step waits for the previous one)")
+    # a hybrid model's prefix is its MLA pages and the KDA state after it: states are kept where a chunk ends, at a
+    # request's end and at the page boundary where a prompt parts from one seen before (kda_rt/engine/prefix_cache.py)
+    enable_prefix_caching: bool = _opt(False, "keep computed prefixes for later requests: the MLA pages and the KDA "
+                                              "state at a request's end and where its prompt parts from an earlier "
+                                              "one (a shared system prompt, the turns of a chat)")
+    prefix_cache_states: int = _opt(32, "prefix caching: KDA states kept (each the memory of one sequence's state "
+                                        "slot, 42 MB on the 48B shape, taken from the KV pages' share)")
     quantization: str | None = _opt(None, "fp8: the routed experts (and a shared expert of their width) as e4m3 "
                                           "weights with one fp32 scale a row, quantized at load on either backend",
                                     choices=QUANTIZATIONS)
@@ -122,7 +129,8 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
-        for name in ("enforce_eager", "async_scheduling"):
+        _check_int("prefix_cache_states", self.prefix_cache_states)
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

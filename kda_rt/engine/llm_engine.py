@@ -92,9 +92,12 @@ class _Launched:
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, runner, tokenizer: Tokenizer | None, config: EngineConfig,
-                 *, num_slots: int, num_blocks: int, extra_eos_ids: Seq[int] = ()) -> None:
-        """The engine hands out slots 0..num_slots-1 and pages 0..num_blocks-1 of the runner's pools.
-        `config.max_model_len` must be resolved (not None): `build_engine` does that."""
+                 *, num_slots: int, num_blocks: int, extra_eos_ids: Seq[int] = (),
+                 snapshot_slots: Seq[int] = ()) -> None:
+        """The engine hands out slots 0..num_slots-1 and pages 0..num_blocks-1 of the runner's pools; with
+        `config.enable_prefix_caching` the prefix cache keeps its KDA states in `snapshot_slots` (the runner's
+        `copy_slots` / `copy_pages` move them).  `config.max_model_len` must be resolved (not None): `build_engine`
+        does that."""
         if config.max_model_len is None or config.max_num_batched_tokens is None or config.max_num_seqs is None:
             raise ValueError("LLMEngine needs a resolved max_model_len, max_num_batched_tokens and max_num_seqs "
                              "(build_engine plans the first and the last from the pools and defaults the second)")
@@ -110,7 +113,16 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
             prefill_tail_tokens=config.tail_tokens(),
+            snapshot_slots=tuple(snapshot_slots) if config.enable_prefix_caching else (),
         ))
+        if config.enable_prefix_caching:
+            if not snapshot_slots:
+                raise ValueError("enable_prefix_caching needs state slots for its snapshots (prefix_cache_states >= 1 "
+                                 "in the runner's pool plan)")
+            missing = [m for m in ("copy_slots", "copy_pages") if not callable(getattr(runner, m, None))]
+            if missing:
+                raise ValueError(f"enable_prefix_caching: the {getattr(runner, 'name', type(runner).__name__)} runner "
+                                 f"has no {' / '.join(missing)}")
         # the tokenizer's EOS (else config.json's first) stops with stop_reason None, every other EOS id (config.json's,
         # generation_config.json's, the tokenizer's other stop token) reports its id, as vLLM's stop token ids do
         quiet = tokenizer.eos_token_id if tokenizer is not None else None
@@ -348,7 +360,7 @@ class LLMEngine:
             self._held_outputs = held + self._postprocess(cur, self._collect(cur))
             raise
         try:
-            outputs = held + self._postprocess(cur, self._collect(cur))
+            outputs = held + self._postprocess(cur, self._collect(cur), nxt)
         except BaseException:
             # step k's tokens were not all accepted (its retired and pending sequences among them), and a step k+1
             # launched ahead will never be collected (its forward may have run, uncommitted): both computed again
@@ -389,6 +401,8 @@ class LLMEngine:
                 self.scheduler.requeue(seq)
             elif seq.status is SequenceStatus.WAITING:
                 seq.pending = 0
+        if self.scheduler.cache is not None:  # (what a failed step left in a slot is not kept: entries made since
+            self.scheduler.cache.clear()  # its launch may copy such a slot)
 
     def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = (),
                 defer_sampling: bool = False) -> _Launched:
@@ -407,6 +421,7 @@ class LLMEngine:
 
     def _submit(self, sched, batch, sampled, sampling, num_decodes, ids_from_last: tuple[int, ...] = (),
                 defer_sampling: bool = False) -> _Launched:
+        self._flush_copies()
         launch = getattr(self.runner, "launch", None)
         if launch is None:  # a runner that only executes: run now
             return _Launched(sched, batch, sampled, sampling, num_decodes, None, self.runner.execute(batch, sampling))
@@ -414,6 +429,14 @@ class LLMEngine:
               **({"defer_sampling": True} if defer_sampling else {})}
         handle = launch(batch, sampling, **kw)
         return _Launched(sched, batch, sampled, sampling, num_decodes, handle, deferred=defer_sampling)
+
+    def _flush_copies(self) -> None:
+        """Hand the prefix cache's queued copies to the runner (before a launch: after every step queued so far)."""
+        cache = self.scheduler.cache
+        if cache is None or not cache.ops:
+            return
+        for kind, src, dst in cache.take_ops():
+            (self.runner.copy_slots if kind == "slot" else self.runner.copy_pages)(src, dst)
 
     def _collect(self, launched: _Launched):
         if launched.result is None:
@@ -475,7 +498,7 @@ class LLMEngine:
         for s in pending:
             s.pending = 1
         for s in ending:  # (no row; their room is the next step's, as after the synchronous engine's postprocess)
-            sched.retire(s)
+            sched.retire(s, keep=s.num_computed)  # (its state: every token but the one `cur` samples)
         nsched = sched.schedule()
         if not nsched.scheduled:
             return None
@@ -490,8 +513,9 @@ class LLMEngine:
         self.counters["steps_launched_ahead"] += 1
         return launched
 
-    def _postprocess(self, cur: _Launched, result) -> list[RequestOutput]:
-        """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped."""
+    def _postprocess(self, cur: _Launched, result, ahead: _Launched | None = None) -> list[RequestOutput]:
+        """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped.
+        `ahead`: the step launched after `cur`, whose tokens a finished sequence's state also holds."""
         batch, sampled = cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
         self._commit(cur)
@@ -501,6 +525,7 @@ class LLMEngine:
         self.counters["tokens_processed"] += batch.num_tokens
         self.counters["prefill_tokens"] += batch.num_tokens - cur.num_decodes
         touched: dict[str, None] = {}
+        ahead_n = dict(ahead.sched.scheduled) if ahead is not None else {}
         for i, seq in live:
             self.counters["generated_tokens"] += 1
             if result.errors[i] is not None:
@@ -514,7 +539,10 @@ class LLMEngine:
                     elif verdict is not None:
                         done = self.postprocessor.fail(seq, verdict)
             if done:
-                self.scheduler.finish(seq)
+                keep = 0
+                if seq.finish_reason in ("stop", "length"):  # (its state: the tokens computed, `ahead`'s too)
+                    keep = seq.num_computed + ahead_n.get(seq, 0)
+                self.scheduler.finish(seq, keep)
             touched[seq.request_id] = None
         outputs = []
         for rid in touched:
@@ -564,12 +592,13 @@ class LLMEngine:
                              f"max_model_len is {limit}")
         sched = self.scheduler
         need = sched.pages_for(len(ids))
-        if sched.slots.num_free < 1 or sched.pages.num_free < need:
+        if sched.slots.num_free < 1 or sched.num_free_pages < need:
             raise RuntimeError(f"score() needs 1 state slot and {need} KV pages; {sched.slots.num_free} slots and "
-                               f"{sched.pages.num_free} pages are free while other requests run")
+                               f"{sched.num_free_pages} pages are free while other requests run")
         slot = sched.slots.allocate()[0]
-        blocks = sched.pages.allocate(need)
+        blocks = sched.allocate_pages(need)
         try:
+            self._flush_copies()  # (a copy out of a slot or page lent here goes first)
             return self.runner.score(ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True))
         finally:
             sched.pages.release(blocks)

@@ -8,6 +8,8 @@
   holds (the CUDA backend: `gpu_memory_utilization` of the device minus weights and state; the NumPy backend: the same
   share of host memory, and never more than `max_num_seqs` full-length sequences need), plus one
   padding page on CUDA.  `num_blocks` overrides the page count.
+- Snapshot slots (`enable_prefix_caching`): `prefix_cache_states` more KDA state slots after the padding slot, where
+  the prefix cache keeps the states of cached prefixes; their memory comes out of the pages' budget.
 - `max_model_len` as vLLM resolves it: None means the model's limit when the pool can hold one
   sequence of that length, otherwise the largest length that fits (one log line says so); an
   explicit value over the model's limit or over what the pool holds is a ValueError naming both.
@@ -73,6 +75,7 @@ class PoolPlan:
     pad_slot: int | None  # CUDA graph padding rows write here (None: no padding)
     pad_page: int | None
     bytes: int  # slots + pages
+    snapshot_slots: tuple[int, ...] = ()  # the prefix cache's state slots (after the padding slot)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -100,9 +103,10 @@ def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, stat
     """
     bs, seqs, limit = engine.block_size, engine.max_num_seqs, config.max_model_len
     pad = 1 if padding else 0
+    snaps = engine.prefix_cache_states if engine.enable_prefix_caching else 0
     page = kv_bytes_per_block(config, bs, itemsize)
     slot = state_bytes_per_slot(config, itemsize, state_itemsize)
-    room = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - pad * (slot + page)
+    room = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - pad * (slot + page) - snaps * slot
     if seqs is None:
         seqs = fit_max_num_seqs(default_seqs, slot, room)
         logger.info("max_num_seqs %d (default %d; %d state slots of %.1f MiB, %.2f GiB of the %.2f GiB after the "
@@ -114,7 +118,7 @@ def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, stat
             raise ValueError(
                 f"num_blocks {fit_pages} does not fit: {fit_pages} pages of {page / 2**20:.2f} MiB need "
                 f"{fit_pages * page / 2**30:.2f} GiB, the {where} memory budget ({engine.gpu_memory_utilization} x "
-                f"{memory_bytes / 2**30:.1f} GiB) after the weights and {seqs + pad} state slots holds at most "
+                f"{memory_bytes / 2**30:.1f} GiB) after the weights and {seqs + pad + snaps} state slots holds at most "
                 f"{max(0, budget // page)} pages")
     elif page == 0:  # no MLA layer: positions cost no pages' memory
         fit_pages = seqs * math.ceil(limit / bs)
@@ -123,8 +127,9 @@ def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, stat
         if fit_pages == 0:
             raise ValueError(
                 f"the {where} memory budget ({engine.gpu_memory_utilization} x {memory_bytes / 2**30:.1f} GiB) leaves "
-                f"no room for KV pages after the weights ({weight_bytes / 2**30:.1f} GiB) and {seqs + pad} state slots "
-                f"({(seqs + pad) * slot / 2**30:.2f} GiB): raise gpu_memory_utilization or lower max_num_seqs")
+                f"no room for KV pages after the weights ({weight_bytes / 2**30:.1f} GiB) and {seqs + pad + snaps} "
+                f"state slots ({(seqs + pad + snaps) * slot / 2**30:.2f} GiB): raise gpu_memory_utilization or lower "
+                f"max_num_seqs" + (" or prefix_cache_states" if snaps else ""))
     fit_len = fit_pages * bs
     requested = engine.max_model_len
     if requested is None:
@@ -144,7 +149,8 @@ def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, stat
     engine_blocks = fit_pages
     if cap_to_sequences and engine.num_blocks is None:
         engine_blocks = min(fit_pages, seqs * math.ceil(max_model_len / bs))
-    num_slots, num_blocks = seqs + pad, engine_blocks + pad
+    num_slots, num_blocks = seqs + pad + snaps, engine_blocks + pad
     return PoolPlan(max_model_len=max_model_len, block_size=bs, engine_slots=seqs, engine_blocks=engine_blocks,
                     num_slots=num_slots, num_blocks=num_blocks, pad_slot=seqs if pad else None,
-                    pad_page=engine_blocks if pad else None, bytes=num_slots * slot + num_blocks * page)
+                    pad_page=engine_blocks if pad else None, bytes=num_slots * slot + num_blocks * page,
+                    snapshot_slots=tuple(range(seqs + pad, seqs + pad + snaps)))

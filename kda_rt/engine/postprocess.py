@@ -127,7 +127,7 @@ def request_output(request_id: str, prompt: str | None, seqs: list[Sequence], ki
             s.logprobs[toks:] if s.logprobs is not None else None, s.finish_reason, s.stop_reason))
     prompt_ids = list(seqs[0].prompt_token_ids) if prompt_token_ids is None else prompt_token_ids
     return RequestOutput(request_id, prompt, prompt_ids, outs,
-                         all(s.finish_reason is not None for s in seqs))
+                         all(s.finish_reason is not None for s in seqs), num_cached_tokens=seqs[0].num_cached)
 
 
 class DeltaTracker:

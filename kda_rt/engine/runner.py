@@ -15,6 +15,9 @@ A runner owns one backend's weights, cache pools and model.  It plans its pools 
                                  (and the grammar masks it asks for) when `sample` is called, before
                                  the next launch (async steps after grammar rows)
     score(ForwardBatch) -> [N, vocab] float32            forward only (LLM.score, all positions)
+    copy_slots(src, dst); copy_pages(src, dst)           optional (prefix caching): KDA states of slots
+                                 src into slots dst, MLA pages src into pages dst, every layer, ordered
+                                 after the launches made so far and before the next
     report() -> str                                      what a decode step runs
     peak_memory_bytes() -> int
 

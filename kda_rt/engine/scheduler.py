@@ -18,6 +18,11 @@ One step, under a budget of `max_num_batched_tokens` new tokens:
    not immediately evict old work).  Only the pages of the first chunk are allocated.  The
    queue head goes first; then waiting prompts of similar length (same power-of-two bucket first)
    join it, so a step's prefills are alike.
+3. With a prefix cache (`snapshot_slots`, kda_rt/engine/prefix_cache.py) an admitted sequence resumes after the
+   longest cached prefix of its tokens (its slot and first pages restored from the entry, its pages past them its
+   own), a sequence whose tokens meet a prompt seen before stops its chunk at the page boundary where they part
+   (`Sequence.snapshot_at`; `commit` keeps the state there), and pages only entries hold count as free: entries are
+   evicted for them before anything is preempted.
 
 No array library is imported here; the engine turns `SchedulerOutput` into a `ForwardBatch`.
 """
@@ -31,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kda_rt.engine.allocator import IdPool
+from kda_rt.engine.prefix_cache import PrefixCache
 from kda_rt.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
@@ -49,6 +55,7 @@ class SchedulerConfig:
     num_blocks: int  # MLA pages the scheduler may hand out (ids 0..num_blocks-1)
     num_slots: int  # KDA state slots the scheduler may hand out (ids 0..num_slots-1)
     prefill_tail_tokens: int = 0  # tokens a step may run over its budget to finish a prompt (module docstring)
+    snapshot_slots: tuple[int, ...] = ()  # the runner's state slots for prefix-cache snapshots (empty: no cache)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "num_slots"):
@@ -80,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival: running[-1] is the newest
         self.slots = IdPool(config.num_slots, "KDA state slot")
         self.pages = IdPool(config.num_blocks, "MLA page")
+        self.cache = PrefixCache(config.block_size, config.snapshot_slots, self.pages) if config.snapshot_slots else None
         self.num_preemptions = 0
 
     # -- queues -------------------------------------------------------------------------------
@@ -102,11 +110,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues for good and return its slot and pages now (a retired one has)."""
+    def finish(self, seq: Sequence, keep: int = 0) -> None:
+        """Take a sequence out of the queues for good and return its slot and pages now (a retired one has).  `keep`:
+        its KDA state holds its first `keep` tokens (with a prefix cache: kept as an entry; 0: not kept)."""
         if seq.status is SequenceStatus.RUNNING:
             if seq.slot >= 0:  # (not retired)
                 self.running.remove(seq)
+                self._keep(seq, keep)
                 self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -147,12 +157,19 @@ class Scheduler:
         """Tokens `seq` asks for: all its uncomputed tokens when they fit the budget and tail left, else as many
         as the budget proper has left."""
         n = seq.num_uncomputed
-        return n if n <= budget[0] else min(n, self._proper(budget))
+        n = n if n <= budget[0] else min(n, self._proper(budget))
+        if seq.snapshot_at > seq.num_computed:  # (a junction: the chunk ends there, `commit` keeps the state)
+            n = min(n, seq.snapshot_at - seq.num_computed)
+        return n
 
     def commit(self, out: SchedulerOutput) -> None:
         """The model ran `out`: the scheduled tokens are now in the cache."""
         for seq, n in out.scheduled:
             seq.num_computed += n
+            if seq.snapshot_at and seq.num_computed >= seq.snapshot_at:
+                if seq.num_computed == seq.snapshot_at and seq.slot >= 0:
+                    self._keep(seq, seq.num_computed)
+                seq.snapshot_at = 0
 
     def _grow(self, seq: Sequence, n: int, chosen: dict[Sequence, int], budget: list[int],
               preempted: list[Sequence]) -> int:
@@ -161,13 +178,13 @@ class Scheduler:
         that ends its prompt)."""
         bs = self.config.block_size
         while True:
-            fit = min(n, (len(seq.blocks) + self.pages.num_free) * bs - seq.num_computed)
+            fit = min(n, (len(seq.blocks) + self.num_free_pages) * bs - seq.num_computed)
             if fit < seq.num_uncomputed:  # (the step is not spent: budget[0] > tail, so this stays >= 1)
                 fit = min(fit, self._proper(budget))
             if fit > 0:
                 extra = self.pages_for(seq.num_computed + fit) - len(seq.blocks)
                 if extra > 0:
-                    seq.blocks.extend(self.pages.allocate(extra))
+                    seq.blocks.extend(self.allocate_pages(extra))
                 return fit
             victim = self.running[-1]
             budget[0] += chosen.pop(victim, 0)
@@ -185,31 +202,45 @@ class Scheduler:
         order = sorted(range(len(window)), key=lambda i: (abs(window[i].num_uncomputed.bit_length() - bucket), i))
         # pages the running prefills will still take, plus one page of growth per running sequence
         promised = sum(max(0, self.pages_for(s.num_tokens) - len(s.blocks)) for s in self.running if s.in_prefill)
+        bs = self.config.block_size
         for seq in [head] + [window[i] for i in order]:
             if self._proper(budget) <= 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            n = self._chunk(seq, budget)
-            need = self.pages_for(n)
-            whole = self.pages_for(seq.num_uncomputed)
-            if whole > self.pages.num_free - promised - len(self.running):
+            hit = self.cache.lookup(seq.prompt_token_ids + seq.output_token_ids, seq.num_tokens - 1) if self.cache \
+                else None
+            start = len(hit.tokens) if hit is not None else 0
+            whole = self.pages_for(seq.num_tokens) - start // bs  # (the entry's full pages are shared, not taken)
+            held = self.cache.held_on_restore(hit) if hit is not None else 0  # (reclaimable until it holds them)
+            if whole > self.num_free_pages - held - promised - len(self.running):
                 if seq is head:
                     return  # the head waits for room; nothing jumps ahead of it
                 continue
             self.waiting.remove(seq)
             seq.slot = self.slots.allocate()[0]
-            seq.blocks = self.pages.allocate(need)
+            seq.num_computed = seq.num_cached = start
+            if self.cache is not None:
+                self.cache.queries += seq.num_tokens
+                if hit is not None:
+                    seq.blocks = self.cache.restore(hit, seq.slot, lambda: self.allocate_pages(1)[0])
+                seq.snapshot_at = self.cache.junction(seq.prompt_token_ids + seq.output_token_ids, start,
+                                                      seq.num_tokens - 1, len(seq.prompt_token_ids), seq.request_id)
+            n = self._chunk(seq, budget)
+            shared = start // bs
+            seq.blocks = seq.blocks + self.allocate_pages(self.pages_for(start + n) - len(seq.blocks))
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             chosen[seq] = n
             budget[0] -= n
-            promised += whole - need
+            promised += whole - (len(seq.blocks) - shared)
 
-    def retire(self, seq: Sequence) -> None:
+    def retire(self, seq: Sequence, keep: int = 0) -> None:
         """A running sequence that the step in flight ends (by length): its seat, slot and pages go back now, so a
         step scheduled before that step's tokens are known (the engine's async scheduling) has the room the
         synchronous engine's next step would have; `finish` completes it once its last token is accepted.  (The
-        step in flight still writes the slot and pages; a later owner's writes queue behind it on the stream.)"""
+        step in flight still writes the slot and pages; a later owner's writes queue behind it on the stream.)
+        `keep`: as `finish`'s."""
         self.running.remove(seq)
+        self._keep(seq, keep)
         self._release(seq)
 
     def requeue(self, seq: Sequence) -> None:
@@ -242,9 +273,31 @@ class Scheduler:
         )
 
     def _release(self, seq: Sequence) -> None:
-        self.pages.release(seq.blocks)
+        if self.cache is not None:
+            self.cache.release(seq.blocks)
+        else:
+            self.pages.release(seq.blocks)
         self.slots.release([seq.slot])
         seq.blocks, seq.slot = [], -1
+
+    def _keep(self, seq: Sequence, num_tokens: int) -> None:
+        """With a prefix cache, keep the first `num_tokens` tokens of a running `seq` (its state holds exactly those
+        once the steps queued so far have run) as an entry."""
+        if self.cache is not None and num_tokens > 0:
+            self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages, counting those that evicting prefix-cache entries would free."""
+        return self.pages.num_free + (self.cache.reclaimable if self.cache is not None else 0)
+
+    def allocate_pages(self, count: int) -> list[int]:
+        """`count` free pages, evicting prefix-cache entries for them as needed."""
+        if count <= 0:
+            return []
+        if self.cache is not None:
+            self.cache.reclaim(count)
+        return self.pages.allocate(count)
 
     # -- accounting ----------------------------------------------------------------------------
 
@@ -257,4 +310,6 @@ class Scheduler:
             "pages_free": self.pages.num_free,
             "slots_used": self.slots.num_used,
             "slots_free": self.slots.num_free,
+            **({"prefix_cache_entries": self.cache.num_entries, "prefix_cache_queries": self.cache.queries,
+                "prefix_cache_hits": self.cache.hits} if self.cache is not None else {}),
         }

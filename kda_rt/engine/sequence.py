@@ -58,6 +58,8 @@ class Sequence:
     grammar: GrammarState | None = None  # structured outputs: the matcher of this sample's output
     sent: tuple[int, int] = (0, 0)  # (visible chars, tokens) already returned, for "delta" outputs
     pending: int = 0  # a sampled token whose id the host has not read yet (async scheduling; module docstring)
+    snapshot_at: int = 0  # prefix cache: the position whose KDA state is kept once computed (a junction; 0: none)
+    num_cached: int = 0  # prefix cache: tokens restored from it when last admitted (RequestOutput.num_cached_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -29,9 +29,9 @@ __all__ = ["NumpyRunner"]
 
 @dataclasses.dataclass(eq=False)
 class _Deferred:
-    """A launch whose forward and sampling wait for `NumpyRunner.sample`."""
+    """A launch whose forward ran and whose sampling waits for `NumpyRunner.sample`."""
 
-    batch: ForwardBatch
+    logits: np.ndarray
     sampling: SamplingBatch
     result: StepOutput | None = None
 
@@ -65,7 +65,9 @@ class NumpyRunner:
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
         """Forward, then sample every row with the NumPy reference sampler."""
-        logits = self.forward(batch)
+        return self._sample(self.forward(batch), sampling)
+
+    def _sample(self, logits: np.ndarray, sampling: SamplingBatch) -> StepOutput:
         out = StepOutput.empty(sampling.num_rows)
         sample_rows(logits, sampling, range(sampling.num_rows), out)
         self._last = out
@@ -76,8 +78,8 @@ class NumpyRunner:
         """`execute` now (the CPU has nothing to overlap), kept for `collect`; `ids_from_last`: the batch's first
         sequences take the tokens that the previous launch sampled in those rows (the engine's async scheduling,
         the same contract as the CUDA runner's, `lead_ids_rows`; an errored row feeds id 0, its sequence is
-        finished).  `defer_sampling`: run it at `sample(handle)` instead (the CUDA runner queues the forward now
-        and the sampler then; here both wait, which the engine cannot tell apart)."""
+        finished).  `defer_sampling`: the forward now, the sampler at `sample(handle)` (as the CUDA runner queues
+        them)."""
         if ids_from_last is True or len(ids_from_last):
             last = self._last
             rows = lead_ids_rows(batch, ids_from_last, None if last is None else len(last.token_ids))
@@ -88,14 +90,25 @@ class NumpyRunner:
             batch = dataclasses.replace(batch, input_ids=ids)
         self._last = None
         if defer_sampling:
-            return _Deferred(batch, sampling)
+            return _Deferred(self.forward(batch), sampling)
         return self.execute(batch, sampling)
 
     def sample(self, pending: _Deferred) -> None:
-        """Run a launch made with `defer_sampling`."""
+        """Sample a launch made with `defer_sampling`."""
         if pending.result is not None:
             raise RuntimeError("sample: this launch already ran")
-        pending.result = self.execute(pending.batch, pending.sampling)
+        pending.result = self._sample(pending.logits, pending.sampling)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """KDA states (conv and recurrent, every KDA layer) of slots `src` into slots `dst` (the prefix cache's
+        snapshots; the engine orders the calls with the steps)."""
+        pool = self.kda_pool
+        pool.conv[:, dst] = pool.conv[:, src]
+        pool.recurrent[:, dst] = pool.recurrent[:, src]
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """MLA pages `src` (every MLA layer) into pages `dst`."""
+        self.mla_pool.kv[:, dst] = self.mla_pool.kv[:, src]
 
     @staticmethod
     def collect(pending: StepOutput | _Deferred) -> StepOutput:

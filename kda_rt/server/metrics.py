@@ -52,6 +52,10 @@ _ENGINE = {
     "prefill_tokens": ("prompt_tokens_computed", "counter", "Prefill tokens run through the model (with recomputes)."),
     "requests_finished": ("engine_requests_finished", "counter", "Requests finished in the engine."),
     "requests_aborted": ("engine_requests_aborted", "counter", "Requests aborted in the engine."),
+    "prefix_cache_queries": ("prefix_cache_queries", "counter",
+                             "Tokens of sequences looked up in the prefix cache when admitted (vLLM's name)."),
+    "prefix_cache_hits": ("prefix_cache_hits", "counter", "Of those, tokens resumed from the prefix cache."),
+    "prefix_cache_entries": ("prefix_cache_entries", "gauge", "Prefixes kept in the prefix cache."),
     "steps_launched_ahead": ("engine_steps_launched_ahead", "counter",
                              "Decode steps launched before the previous step's tokens reached the host."),
 }

@@ -309,3 +309,92 @@ def test_gpu_sampling_extras_equal_the_host_sampler(ckpt, monkeypatch):
         assert (dev.llm_engine.counters["steps_launched_ahead"] - launched > 10) == ahead
         no_leaks(dev)
         del dev
+
+
+def test_prefix_cache_copies_move_whole_slots_and_pages(ckpt):
+    """copy_slots / copy_pages: the destination rows of every KDA and MLA pool equal the (random) source rows, queued
+    in order behind one another (a snapshot read back after it is overwritten), and no other row moves."""
+    import cupy
+
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=512, enable_prefix_caching=True,
+              prefix_cache_states=3, enforce_eager=True)
+    runner = gpu.llm_engine.runner
+    assert runner.plan.snapshot_slots == (5, 6, 7)
+    pools = [a.view(cupy.uint8) for pair in runner.kda_pools.values() for a in pair]  # (bytes: no NaN compares)
+    pools += [a.view(cupy.uint8) for a in runner.mla_pools.values()]
+    cupy.random.seed(3)
+    for a in pools:  # (random bytes in every row)
+        a[...] = cupy.random.randint(0, 256, size=a.shape).astype(cupy.uint8)
+    before = [a.copy() for a in pools]
+    runner.copy_slots([0, 2], [5, 6])
+    runner.copy_slots([5], [1])  # (reads the snapshot written just before)
+    runner.copy_pages([3], [9])
+    runner.stream.synchronize()
+    num_kda = 2 * len(runner.kda_pools)
+    for i, (a, b) in enumerate(zip(pools, before, strict=True)):
+        want = b.copy()
+        if i < num_kda:
+            want[5], want[6], want[1] = b[0], b[2], b[0]
+        else:
+            want[9] = b[3]
+        assert bool((a == want).all())
+
+
+def test_prefix_cache_resumes_match_the_oracle(ckpt, oracle):
+    """A shared system prompt and a chat's second turn on the CUDA backend with prefix caching: the requests that
+    resume from a restored state and shared or copied pages (num_cached_tokens says where) give the oracle's tokens,
+    alone and while others run."""
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=8, max_model_len=2048, num_blocks=120, max_num_batched_tokens=B,
+              enable_prefix_caching=True, prefix_cache_states=4)
+    system = prompt_of(150, seed=90)  # two full pages of 64 and 22 tokens
+    for i in range(4):
+        prompt = system + prompt_of(5 + 3 * i, seed=91 + i)
+        out = gpu.generate({"prompt_token_ids": prompt}, greedy(10))[0]
+        assert out.num_cached_tokens == (128 if i >= 2 else 0)
+        assert_matches_oracle(oracle, prompt, out.outputs[0], f"system prompt, request {i}")
+    first = prompt_of(70, seed=95)
+    said = gpu.generate({"prompt_token_ids": first}, greedy(12))[0].outputs[0].token_ids
+    second = first + said + prompt_of(9, seed=96)
+    out = gpu.generate({"prompt_token_ids": second}, greedy(10))[0]
+    assert out.num_cached_tokens >= len(first) + len(said) - 1
+    assert_matches_oracle(oracle, second, out.outputs[0], "second turn")
+    prompts = [system + prompt_of(4 + i, seed=100 + i) for i in range(12)] + [second + [5]]
+    outs = run_all(gpu, prompts, greedy(12))
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        assert_matches_oracle(oracle, p, o, f"together, request {i}")
+    gpu.llm_engine.scheduler.cache.clear()
+    no_leaks(gpu)
+
+
+def test_prefix_cache_under_a_tiny_pool(ckpt, oracle):
+    """Entries evicted for pages, sequences preempted, async steps ahead: every token still the oracle's."""
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=6, max_model_len=512, num_blocks=9, max_num_batched_tokens=B,
+              enable_prefix_caching=True, prefix_cache_states=2)
+    starts = [prompt_of(n, seed=110 + n) for n in (70, 130, 200)]
+    prompts = [starts[i % 3] + prompt_of(3 + i, seed=120 + i) for i in range(12)]
+    for _ in range(2):
+        outs = run_all(gpu, prompts, greedy(24))
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            assert_matches_oracle(oracle, p, o, f"tiny pool, request {i}")
+    s = gpu.stats()
+    print(f"tiny pool: {s['prefix_cache_hits']} tokens resumed, {s['preemptions']} preemptions")
+    assert s["prefix_cache_hits"] > 0, s
+    gpu.llm_engine.scheduler.cache.clear()
+    no_leaks(gpu)
+
+
+def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt):
+    """A request resumed at a junction runs the chunks the uncached engine runs when its budget ends the first chunk
+    there: the tokens and logprobs are equal bit for bit (the restored state and pages are the computed ones)."""
+    kw = dict(backend="cuda", max_num_seqs=2, max_model_len=1024, max_num_batched_tokens=128, prefill_tail_tokens=0)
+    system = prompt_of(140, seed=130)  # the junction at 128
+    prompts = [system + prompt_of(20 + i, seed=131 + i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    plain = LLM(ckpt, **kw)
+    want = [plain.generate({"prompt_token_ids": p}, params)[0].outputs[0] for p in prompts]
+    del plain
+    cached = LLM(ckpt, enable_prefix_caching=True, **kw)
+    got = [cached.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
+    assert got[2].num_cached_tokens == 128
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.token_ids and g.outputs[0].logprobs == w.logprobs

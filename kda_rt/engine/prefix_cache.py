@@ -1,0 +1,229 @@
+"""`PrefixCache`: computed prefixes kept for later requests (`enable_prefix_caching`; pure Python, owned by the
+scheduler).
+
+A prefix of a hybrid model is two things: the MLA latent rows of its positions (pages) and the KDA state after its
+last token (the conv and recurrent state of every KDA layer: one *snapshot* slot of the runner's state pool, apart
+from the running sequences' slots).  A KDA state exists only where a step's chunk ends, so entries are made at:
+
+- a sequence's end (stopped or at its length; not aborted, not failed): its key is every token folded into its
+  state, so the next turn of a chat, which repeats the conversation and adds to it, resumes there;
+- a *junction*: a sequence about to be computed whose first j pages of tokens equal a prompt seen before (the page
+  hashes of recent prompts are remembered) runs its chunk only to that page boundary and leaves a snapshot there, so
+  the next prompt with the same start (a shared system prompt, a document asked about again) resumes from it.
+
+A hit restores the snapshot into the new sequence's slot, shares the entry's full pages (a sequence only writes the
+positions past its context, so they stay read-only) and copies a partial last page into a fresh one.  Pages are
+counted by their holders (running sequences and entries); a page goes back to the free pool when nothing holds it.
+Entries go least recently used first, when a snapshot slot or pages are wanted.
+
+The copies (snapshot <- slot, slot <- snapshot, page <- page) are queued in `ops`; the engine hands them to the
+runner before its next launch, so they run in stream order with the forwards around them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kda_rt.engine.allocator import IdPool
+
+__all__ = ["CacheEntry", "PrefixCache"]
+
+# How many page hashes of recent prompts the junction test remembers (oldest forgotten first).
+_MAX_SEEN = 1 << 16
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    tokens: tuple[int, ...]  # the prefix: every token folded into the snapshot
+    snapshot: int  # the runner's state slot holding the KDA state after the prefix
+    pages: list[int]  # the MLA pages of its positions, in order (the last one partial when len % block_size)
+    bucket: int  # chain hash of its full pages: its key in the index
+
+
+class PrefixCache:
+    def __init__(self, block_size: int, snapshot_slots: Iterable[int], pages: IdPool) -> None:
+        self.block_size = block_size
+        self.pages = pages  # the scheduler's page pool: pages no one holds go back here
+        self.snapshots = list(snapshot_slots)
+        self._free_snapshots = list(reversed(self.snapshots))  # (popped from the end: lowest id first)
+        self._lru: OrderedDict[CacheEntry, None] = OrderedDict()  # least recently used first
+        self._by_block: dict[int, list[CacheEntry]] = {}  # chain hash of the entry's full pages -> entries
+        self._holders: dict[int, int] = {}  # page -> holders (sequences and entries); absent: one sequence alone
+        self._entry_holders: dict[int, int] = {}  # page -> entries holding it
+        self._reclaimable = 0  # pages held by entries alone: free once those entries go
+        self._seen: OrderedDict[int, int] = OrderedDict()  # page chain hash of recent prompts -> who saw it first
+        self.ops: list[tuple[str, int, int]] = []  # ("slot" | "page", src, dst) copies for the runner, in order
+        self.queries = 0  # tokens of the sequences looked up
+        self.hits = 0  # of them, tokens found in the cache
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _chain(self, tokens: list[int] | tuple[int, ...], num_pages: int) -> list[int]:
+        """Hash of the first j pages of tokens, j = 0..num_pages (each page's hash folds in the one before)."""
+        bs, h, out = self.block_size, 0, [0]
+        for j in range(num_pages):
+            h = hash((h, tuple(tokens[j * bs:(j + 1) * bs])))
+            out.append(h)
+        return out
+
+    def lookup(self, tokens: list[int], limit: int) -> CacheEntry | None:
+        """The entry of the longest cached prefix of `tokens` that is at most `limit` tokens long, or None."""
+        bs = self.block_size
+        chain = self._chain(tokens, limit // bs)
+        for j in range(len(chain) - 1, -1, -1):  # (an entry keyed at page j is longer than every one below j)
+            best = None
+            for e in self._by_block.get(chain[j], ()):
+                n = len(e.tokens)
+                if n <= limit and (best is None or n > len(best.tokens)) and tuple(tokens[:n]) == e.tokens:
+                    best = e
+            if best is not None:
+                self._lru.move_to_end(best)
+                return best
+        return None
+
+    def junction(self, tokens: list[int], start: int, limit: int, prompt_len: int, who: int) -> int:
+        """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another sequence
+        brought (0: none); then this sequence's prompt pages are remembered under `who`."""
+        bs = self.block_size
+        chain = self._chain(tokens, max(limit, prompt_len) // bs)
+        found = 0
+        for j in range(limit // bs, start // bs, -1):
+            first = self._seen.get(chain[j])
+            if first is not None and first != who:
+                found = j * bs
+                break
+        for j in range(1, prompt_len // bs + 1):
+            if chain[j] in self._seen:
+                self._seen.move_to_end(chain[j])
+            else:
+                self._seen[chain[j]] = who
+        while len(self._seen) > _MAX_SEEN:
+            self._seen.popitem(last=False)
+        return found
+
+    # -- entries ------------------------------------------------------------------------------
+
+    def insert(self, tokens: list[int], slot: int, pages: list[int]) -> CacheEntry | None:
+        """Keep the state in `slot` (after `tokens`) and the pages of those positions as an entry: the slot is copied
+        to a snapshot (evicting the least recently used entry when none is free); the pages are held, not copied.
+        None when the prefix is already cached (that entry counts as used) or no snapshot slot exists."""
+        key = tuple(tokens)
+        need = -(-len(key) // self.block_size)
+        if not key or len(pages) < need:
+            raise ValueError(f"prefix cache: {len(key)} tokens need {need} pages, got {len(pages)}")
+        bucket = self._chain(key, len(key) // self.block_size)[-1]
+        for e in self._by_block.get(bucket, ()):
+            if e.tokens == key:
+                self._lru.move_to_end(e)
+                return None
+        if not self._free_snapshots:
+            if not self._lru:
+                return None
+            self.evict(next(iter(self._lru)))
+        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket)
+        self.ops.append(("slot", slot, entry.snapshot))
+        for p in entry.pages:
+            self._change(p, 1, 1)
+        self._lru[entry] = None
+        self._by_block.setdefault(bucket, []).append(entry)
+        return entry
+
+    def restore(self, entry: CacheEntry, slot: int, new_page: Callable[[], int]) -> list[int]:
+        """A sequence in `slot` resumes after `entry`'s prefix: the snapshot is copied into its slot, it holds the
+        entry's full pages, and the partial last page (if any) is copied into a page of its own, `new_page()` (asked
+        for once the full pages are held, so making room cannot free them).  Returns its pages.  (The pages free
+        after it: `reclaimable` less `held_on_restore(entry)`.)"""
+        n = len(entry.tokens)
+        full = n // self.block_size
+        self.ops.append(("slot", entry.snapshot, slot))
+        blocks = entry.pages[:full]
+        for p in blocks:
+            self._change(p, 1, 0)
+        if n % self.block_size:
+            # (making room may evict `entry` itself, the last one, freeing the source: the copy is queued before
+            # whatever writes it next, and a source handed back as the new page is copied onto itself)
+            page = new_page()
+            self.ops.append(("page", entry.pages[full], page))
+            blocks = blocks + [page]
+        self.hits += n
+        return blocks
+
+    def held_on_restore(self, entry: CacheEntry) -> int:
+        """How many pages that count as reclaimable now a restore of `entry` holds (its full pages only entries
+        hold)."""
+        full = entry.pages[: len(entry.tokens) // self.block_size]
+        return sum(1 for p in full if self._holders.get(p, 1) == self._entry_holders.get(p, 0))
+
+    def release(self, pages: Iterable[int]) -> None:
+        """A sequence lets go of its pages: each one no one else holds goes back to the pool."""
+        own = []
+        for p in pages:
+            if p in self._holders:
+                self._change(p, -1, 0)
+            else:
+                own.append(p)
+        self.pages.release(own)
+
+    def evict(self, entry: CacheEntry) -> None:
+        del self._lru[entry]
+        bucket = self._by_block[entry.bucket]
+        bucket.remove(entry)
+        if not bucket:
+            del self._by_block[entry.bucket]
+        self._free_snapshots.append(entry.snapshot)
+        for p in entry.pages:
+            self._change(p, -1, -1)
+
+    def reclaim(self, num_pages: int) -> None:
+        """Evict entries, least recently used first, until `num_pages` pages are free or no entry is left."""
+        while self.pages.num_free < num_pages and self._lru:
+            self.evict(next(iter(self._lru)))
+
+    def clear(self) -> None:
+        """Every entry out, and the copies not yet issued dropped (a failed step: what it left is not trusted)."""
+        while self._lru:
+            self.evict(next(iter(self._lru)))
+        self.ops.clear()
+
+    @property
+    def reclaimable(self) -> int:
+        """Pages only entries hold: free once `reclaim` evicts them."""
+        return self._reclaimable
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._lru)
+
+    def take_ops(self) -> list[tuple[str, list[int], list[int]]]:
+        """The queued copies as runner calls, in order: (kind, sources, destinations), each a run of one kind in which
+        no copy reads or writes what an earlier copy of the run writes (a call gathers every source, then writes)."""
+        ops, self.ops = self.ops, []
+        out: list[tuple[str, list[int], list[int]]] = []
+        written: set[int] = set()
+        for kind, src, dst in ops:
+            if not out or out[-1][0] != kind or src in written or dst in written:
+                out.append((kind, [], []))
+                written = set()
+            out[-1][1].append(src)
+            out[-1][2].append(dst)
+            written.add(dst)
+        return out
+
+    def _change(self, page: int, holders: int, entries: int) -> None:
+        total = self._holders.get(page, 1) + holders
+        by_entries = self._entry_holders.get(page, 0) + entries
+        before = self._entry_holders.get(page, 0) > 0 and self._holders.get(page, 1) == self._entry_holders[page]
+        after = by_entries > 0 and total == by_entries
+        self._reclaimable += int(after) - int(before)
+        if total == 0:
+            self._holders.pop(page, None)
+            self._entry_holders.pop(page, None)
+            self.pages.release([page])
+        elif total == 1 and by_entries == 0:  # one sequence alone again
+            self._holders.pop(page, None)
+            self._entry_holders.pop(page, None)
+        else:
+            self._holders[page] = total
+            self._entry_holders[page] = by_entries

@@ -1,0 +1,372 @@
+"""Prefix caching (`enable_prefix_caching`): a request that resumes after a cached prefix (the KDA state copied from
+a snapshot slot, the MLA pages shared or copied) gets the tokens it gets without the cache, through shared system
+prompts, chat turns, preemption, eviction, aborts, failed steps and async scheduling; pages and slots are never
+lost.  Tiny checkpoint, NumPy backend, float64 so that where a prompt's chunks end cannot flip an argmax."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers.engine import assert_no_leaks, greedy, make_llm, mixed_prompts
+from kda_rt import SamplingParams
+from kda_rt.engine import EngineConfig
+from kda_rt.engine.allocator import IdPool
+from kda_rt.engine.pools import plan_pools
+from kda_rt.engine.prefix_cache import PrefixCache
+
+KW = dict(max_num_seqs=4, max_model_len=256, block_size=16)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def _key(out):
+    """What must be equal: every sample's tokens, finish and its logprobs (rounded: a prefix computed in other chunks
+    rounds differently in the last float64 bits)."""
+    return [(o.token_ids, o.finish_reason, o.stop_reason,
+             [{t: round(float(v), 9) for t, v in lp.items()} for lp in o.logprobs or ()]) for o in out.outputs]
+
+
+def _no_leaks(llm) -> None:
+    """Every page and slot back once the cache lets go of its entries."""
+    llm.llm_engine.scheduler.cache.clear()
+    assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return make_llm(tiny_dir, **KW)
+
+
+# -- the cache alone ---------------------------------------------------------------------------
+
+
+def test_longest_prefix_shared_pages_and_their_holders():
+    pages = IdPool(12, "page")
+    cache = PrefixCache(4, [100, 101], pages)
+    seq_pages = pages.allocate(3)  # a sequence of 10 tokens: pages 0, 1, 2 (the last one half full)
+    toks = list(range(10, 20))
+    a = cache.insert(toks[:6], slot=7, pages=seq_pages)  # a junction after 6 tokens: pages 0 and 1
+    assert a is not None and a.pages == seq_pages[:2] and cache.take_ops() == [("slot", [7], [100])]
+    assert cache.insert(toks[:6], slot=7, pages=seq_pages) is None  # already cached
+    cache.release(seq_pages)  # the sequence ends without an entry of its own: page 2 free, 0 and 1 the entry's
+    assert pages.num_free == 10 and cache.reclaimable == 2
+    assert cache.lookup(toks, limit=9) is a and cache.lookup(toks[:5], limit=4) is None
+    assert cache.lookup(toks[:3] + [99] + toks[4:], limit=9) is None  # (a token differs inside the prefix)
+    new = []
+    got = cache.restore(a, slot=3, new_page=lambda: new.append(pages.allocate(1)[0]) or new[-1])
+    assert got == [seq_pages[0], new[0]]
+    assert cache.take_ops() == [("slot", [100], [3]), ("page", [seq_pages[1]], [new[0]])]
+    assert cache.reclaimable == 1  # (page 0 is the new sequence's too now)
+    b = cache.insert(toks[:9], slot=3, pages=got + pages.allocate(1))  # longer, shares page 0 with `a`
+    assert cache.lookup(toks, limit=9) is b and cache.lookup(toks, limit=8) is a
+    cache.release(got + [b.pages[-1]])
+    assert pages.num_free == 8 and cache.reclaimable == 4  # a's pages 0, 1 and b's 0, 3 (the copy), 4
+    cache.reclaim(9)  # b goes first (a was looked up last): its pages 3 and 4 free; page 0 stays a's
+    assert cache.num_entries == 1 and pages.num_free == 10 and cache.reclaimable == 2
+    cache.reclaim(12)
+    assert cache.num_entries == 0 and pages.num_free == 12 and cache.reclaimable == 0
+
+
+def test_snapshots_are_reused_least_recently_used_first():
+    pages = IdPool(8, "page")
+    cache = PrefixCache(4, [50], pages)
+    first = cache.insert([1, 2, 3, 4], slot=0, pages=pages.allocate(1))
+    second = cache.insert([5, 6, 7, 8], slot=1, pages=pages.allocate(1))  # one snapshot slot: `first` goes
+    assert second.snapshot == first.snapshot == 50 and cache.num_entries == 1
+    assert cache.lookup([1, 2, 3, 4, 9], limit=4) is None and cache.lookup([5, 6, 7, 8, 9], limit=4) is second
+    assert cache.take_ops() == [("slot", [0], [50]), ("slot", [1], [50])]  # (two calls: the second overwrites)
+
+
+def test_copy_runs_never_read_what_they_write():
+    cache = PrefixCache(4, [], IdPool(1, "page"))
+    cache.ops = [("slot", 1, 10), ("slot", 2, 11), ("slot", 10, 3), ("page", 5, 6), ("page", 7, 8), ("slot", 4, 12)]
+    assert cache.take_ops() == [("slot", [1, 2], [10, 11]), ("slot", [10], [3]), ("page", [5, 7], [6, 8]),
+                                ("slot", [4], [12])]
+
+
+def test_a_junction_is_where_another_requests_prompt_parted():
+    cache = PrefixCache(4, [0], IdPool(1, "page"))
+    shared = list(range(100, 110))
+    assert cache.junction(shared + [1, 2, 3], 0, 12, 13, "a") == 0  # nothing seen yet
+    assert cache.junction(shared + [1, 2, 3], 0, 12, 13, "a") == 0  # its own prompt again (a recompute)
+    assert cache.junction(shared + [7, 7, 7], 0, 12, 13, "b") == 8  # parts inside page 2: its start
+    assert cache.junction(shared + [7, 7, 7], 8, 12, 13, "c") == 12  # b's whole prompt past where it resumes
+    assert cache.junction(shared + [8, 8, 8], 8, 12, 13, "d") == 0  # (parts where it resumes)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+def test_a_shared_system_prompt_is_computed_twice_then_resumed(tiny_dir, plain):
+    """The first request leaves nothing for the second (its state exists only at its end); the second stops its
+    chunk where the two prompts part and keeps the state there; every later one resumes from it."""
+    rng = random.Random(3)
+    system = _tokens(rng, 50)  # 3 full pages of 16 and 2 tokens
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=4, **KW)
+    for i in range(5):
+        prompt = {"prompt_token_ids": system + _tokens(rng, 3 + 4 * i)}
+        params = greedy(6) if i % 2 else SamplingParams(temperature=0.9, seed=i, max_tokens=6, logprobs=2)
+        want, got = plain.generate(prompt, params)[0], cached.generate(prompt, params)[0]
+        assert _key(got) == _key(want)
+        assert got.num_cached_tokens == (48 if i >= 2 else 0)
+    stats = cached.stats()
+    # the junction's entry and five ends in four snapshot slots: the least recently used ends went
+    assert stats["prefix_cache_hits"] == 3 * 48 and stats["prefix_cache_entries"] == 4
+    _no_leaks(cached)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_prefill"])
+def test_a_chats_next_turn_resumes_where_the_last_one_ended(tiny_dir, plain, mode, monkeypatch):
+    """Turn 2 repeats turn 1's prompt and answer: it resumes after every token turn 1's state holds (its answer's
+    last token too when a step launched ahead computed it before the stop was seen)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1" if mode == "async_prefill" else "0")
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, async_scheduling=mode != "sync", **KW)
+    rng = random.Random(5)
+    first = _tokens(rng, 37)
+    answer = plain.generate({"prompt_token_ids": first}, greedy(12))[0].outputs[0].token_ids
+    for stop in (None, answer[7]):  # at max_tokens, then at a stop token in the middle
+        params = greedy(12, stop_token_ids=[stop] if stop is not None else None)
+        one = cached.generate({"prompt_token_ids": first}, params)[0]
+        assert _key(one) == _key(plain.generate({"prompt_token_ids": first}, params)[0])
+        said = one.outputs[0].token_ids
+        second = {"prompt_token_ids": first + said + _tokens(rng, 9)}
+        got, want = cached.generate(second, greedy(8))[0], plain.generate(second, greedy(8))[0]
+        assert _key(got) == _key(want)
+        assert len(first) + len(said) - 1 <= got.num_cached_tokens <= len(first) + len(said)
+    _no_leaks(cached)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_prefill"])
+def test_many_requests_under_pressure_get_their_tokens(tiny_dir, mode, monkeypatch):
+    """Requests sharing starts, arriving together, with a pool so small that entries are evicted and sequences
+    preempted, two snapshot slots and a small token budget: every output equals the uncached engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1" if mode == "async_prefill" else "0")
+    rng = random.Random(11)
+    starts = [_tokens(rng, n) for n in (20, 35, 50)]
+    prompts = [starts[i % 3] + _tokens(rng, rng.randint(1, 8)) for i in range(14)]
+    prompts += [p + [5] for p in prompts[:3]]  # (a prompt that is another's plus one token)
+    params = [greedy(10 + i % 7) if i % 3 else
+              SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    kw = dict(max_num_seqs=5, max_model_len=80, block_size=16, num_blocks=7, max_num_batched_tokens=40,
+              async_scheduling=mode != "sync")
+    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate([{"prompt_token_ids": p} for p in prompts], params)]
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=2, **kw)
+    for _ in range(2):  # (the second round meets the first round's entries)
+        outs = cached.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [_key(o) for o in outs] == want
+    stats = cached.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["preemptions"] > 0, stats
+    _no_leaks(cached)
+
+
+def test_aborted_and_failed_requests_leave_no_entry(tiny_dir):
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
+    eng = cached.llm_engine
+    eng.add_request("a", {"prompt_token_ids": list(range(3, 40))}, greedy(20))
+    for _ in range(3):
+        eng.step()
+    eng.abort("a")
+    while eng.has_unfinished_requests() or eng.has_pending_step():
+        eng.step()
+    assert eng.scheduler.cache.num_entries == 0
+    _no_leaks(cached)
+
+
+def test_a_failed_launch_drops_the_cache_and_loses_nothing(tiny_dir, plain):
+    """A launch that raises after its forward ran: the step's sequences are recomputed and every entry goes (a slot
+    the failed step wrote may have been copied); the finals equal the uncached engine's."""
+    rng = random.Random(2)
+    system = _tokens(rng, 40)
+    prompts = [system + _tokens(rng, 5 + i) for i in range(6)]
+    params = [greedy(5 + i) for i in range(6)]
+    want = [_key(o) for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, max_num_batched_tokens=32, **KW)
+    runner, calls = cached.llm_engine.runner, [0]
+    inner = runner.launch
+
+    def flaky(*a, **k):
+        out = inner(*a, **k)
+        calls[0] += 1
+        if calls[0] % 7 == 0:
+            raise RuntimeError("injected failure after launch")
+        return out
+
+    runner.launch = flaky
+    eng, finals, failed = cached.llm_engine, {}, 0
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
+        for _ in range(3):  # (they arrive while others run: later ones meet the earlier ones' entries)
+            try:
+                finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
+            except RuntimeError as exc:
+                assert "injected" in str(exc)
+                failed += 1
+    while eng.has_unfinished_requests() or eng.has_pending_step():
+        try:
+            finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            failed += 1
+    del runner.launch
+    assert failed >= 2 and [finals[f"r{i}"] for i in range(6)] == want
+    _no_leaks(cached)
+
+
+def test_score_takes_pages_the_cache_holds(tiny_dir):
+    """Pages held only by entries are free to lend: score() evicts entries for them."""
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, max_num_seqs=2, max_model_len=64, block_size=16,
+                      num_blocks=4)
+    cached.generate({"prompt_token_ids": list(range(3, 50))}, greedy(10))
+    assert cached.stats()["pages_free"] < 4
+    want = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64, block_size=16, num_blocks=4).llm_engine.score(
+        list(range(3, 60)))
+    np.testing.assert_array_equal(cached.llm_engine.score(list(range(3, 60))), want)
+    _no_leaks(cached)
+
+
+def test_settings_and_the_pool_plan():
+    with pytest.raises(ValueError, match="prefix_cache_states must be an int >= 1"):
+        EngineConfig(enable_prefix_caching=True, prefix_cache_states=0)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
+        EngineConfig(enable_prefix_caching="yes")
+    from helpers.configs import tiny_config
+    from kda_rt.loader.config import parse_config
+
+    cfg = parse_config(tiny_config())
+    off = plan_pools(cfg, EngineConfig(max_num_seqs=4, block_size=16, max_model_len=256), itemsize=4,
+                     memory_bytes=2**30, padding=True)
+    on = plan_pools(cfg, EngineConfig(max_num_seqs=4, block_size=16, max_model_len=256, enable_prefix_caching=True,
+                                      prefix_cache_states=3), itemsize=4, memory_bytes=2**30, padding=True)
+    assert off.snapshot_slots == () and on.snapshot_slots == (5, 6, 7)  # after 4 engine slots and the padding one
+    assert on.num_slots == off.num_slots + 3 and on.engine_blocks < off.engine_blocks  # (their memory: the pages')
+
+
+def test_mixed_mini_mixes(tiny_dir):
+    """Random prompts with random shared starts in random order on the default settings: the outputs are the
+    uncached engine's (a broad net behind the targeted tests above)."""
+    rng = random.Random(29)
+    bases = mixed_prompts(4, seed=29, lo=10, hi=60)
+    prompts = [rng.choice(bases)[: rng.randint(5, 60)] + _tokens(rng, rng.randint(1, 8)) for _ in range(20)]
+    params = [greedy(rng.randint(1, 6)) for _ in prompts]
+    kw = dict(max_num_seqs=3, max_model_len=128, block_size=16, max_num_batched_tokens=48)
+    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate([{"prompt_token_ids": p} for p in prompts], params)]
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=3, **kw)
+    got = [_key(cached.generate({"prompt_token_ids": p}, q)[0]) for p, q in zip(prompts, params, strict=True)]
+    assert got == want
+    assert cached.stats()["prefix_cache_hits"] > 0
+    _no_leaks(cached)
+
+
+# -- the scheduler with a cache, against a model that remembers tokens -------------------------------
+
+
+class _TokenModel:
+    """A model whose KDA state is the tuple of tokens folded into it and whose pages hold token ids: every step checks
+    that each sequence's state and pages hold exactly its computed tokens (restored ones included), then computes."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs, self.state, self.pages = block_size, {}, {}
+
+    def copy(self, runs) -> None:
+        for kind, src, dst in runs:
+            store = self.state if kind == "slot" else self.pages
+            got = [store.get(s) for s in src]
+            for d, v in zip(dst, got, strict=True):
+                store[d] = dict(v) if isinstance(v, dict) else v
+
+    def run(self, seq, n: int) -> None:
+        c, bs = seq.num_computed, self.bs
+        toks = seq.tokens(0, c + n)
+        if c:
+            assert self.state[seq.slot] == tuple(toks[:c]), (seq.request_id, c)
+            assert [self.pages[seq.blocks[p // bs]][p % bs] for p in range(c)] == toks[:c], (seq.request_id, c)
+        self.state[seq.slot] = tuple(toks)
+        for p in range(c, c + n):
+            self.pages.setdefault(seq.blocks[p // bs], {})[p % bs] = toks[p]
+
+
+@st.composite
+def _cached_workloads(draw):
+    from kda_rt.engine.scheduler import SchedulerConfig
+
+    m = draw(st.integers(1, 48))
+    cfg = SchedulerConfig(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=m,
+                          block_size=draw(st.sampled_from([4, 8, 16])), num_blocks=draw(st.integers(6, 24)),
+                          num_slots=5, prefill_tail_tokens=draw(st.sampled_from([0, min(4, m), m])),
+                          snapshot_slots=tuple(range(5, 5 + draw(st.integers(1, 4)))))
+    stem = draw(st.lists(st.integers(1, 3), min_size=40, max_size=40))  # (prompts share starts of it)
+    events = draw(st.lists(st.tuples(
+        st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 3), max_size=6), st.integers(1, 12)),
+                 max_size=3),  # arrivals: (shared start, own tokens, max_tokens)
+        st.lists(st.integers(0, 50), max_size=1),  # aborts
+    ), min_size=1, max_size=20))
+    return cfg, stem, events
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cached_workloads())
+def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
+    """Random arrivals sharing starts, aborts, preemption and eviction: each step's sequences find exactly their
+    computed tokens in their (restored) state and pages; pages are held by exactly their holders; nothing leaks."""
+    from kda_rt.engine.scheduler import Scheduler
+    from kda_rt.engine.sequence import Sequence, SequenceStatus
+
+    cfg, stem, events = workload
+    sched, model = Scheduler(cfg), _TokenModel(cfg.block_size)
+    cache, live, ids = sched.cache, [], iter(range(10_000))
+
+    def step():
+        out = sched.schedule()
+        model.copy(cache.take_ops())
+        for seq, n in out.scheduled:
+            model.run(seq, n)
+        sched.commit(out)
+        for seq, _ in out.scheduled:
+            if seq.num_computed == seq.num_tokens:
+                seq.output_token_ids.append(1 + seq.num_tokens % 3)
+                if len(seq.output_token_ids) >= seq.max_tokens:
+                    sched.finish(seq, keep=seq.num_computed)
+        holders: dict[int, int] = {}
+        for s in sched.running:
+            assert len(s.blocks) == sched.pages_for(s.num_computed)
+            for p in s.blocks:
+                holders[p] = holders.get(p, 0) + 1
+        for e in cache._lru:
+            assert len(e.pages) == sched.pages_for(len(e.tokens))
+            for p in e.pages:
+                holders[p] = holders.get(p, 0) + 1
+        assert set(holders) == sched.pages.used_ids()
+        assert all(cache._holders.get(p, 1) == h for p, h in holders.items())
+        only = {p for e in cache._lru for p in e.pages} - {p for s in sched.running for p in s.blocks}
+        assert cache.reclaimable == len(only)
+        return out.scheduled
+
+    for arrivals, aborts in events:
+        for shared, own, max_tokens in arrivals:
+            rid = f"q{next(ids)}"
+            seq = Sequence(rid, 0, stem[:shared] + own or [1], SamplingParams(max_tokens=max_tokens), seed=0,
+                           max_tokens=max_tokens, arrival=int(rid[1:]))
+            if sched.pages_for(seq.max_positions) > cfg.num_blocks:
+                continue
+            sched.add(seq)
+            live.append(seq)
+        for k in aborts:
+            live = [s for s in live if not s.finished]
+            if live:
+                sched.finish(live[k % len(live)])
+        assert step() or not sched.has_unfinished()
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        assert step()
+    assert all(s.status is SequenceStatus.FINISHED for s in live)
+    cache.clear()
+    assert sched.pages.num_used == 0 and sched.slots.num_used == 0
