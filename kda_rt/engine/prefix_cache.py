@@ -7,9 +7,10 @@ from the running sequences' slots).  A KDA state exists only where a step's chun
 
 - a sequence's end (stopped or at its length; not aborted, not failed): its key is every token folded into its
   state, so the next turn of a chat, which repeats the conversation and adds to it, resumes there;
-- a *junction*: a sequence about to be computed whose first j pages of tokens equal a prompt seen before (the page
-  hashes of recent prompts are remembered) runs its chunk only to that page boundary and leaves a snapshot there, so
-  the next prompt with the same start (a shared system prompt, a document asked about again) resumes from it.
+- a *junction*: a sequence about to be computed whose first j pages of tokens equal another request's prompt (the
+  page hashes of prompts are noted when they are queued) runs its chunk only to that page boundary and leaves a
+  snapshot there, so the next prompt with the same start (a shared system prompt, a document asked about again)
+  resumes from it.
 
 A hit restores the snapshot into the new sequence's slot, shares the entry's full pages (a sequence only writes the
 positions past its context, so they stay read-only) and copies a partial last page into a fresh one.  Pages are
@@ -32,6 +33,7 @@ __all__ = ["CacheEntry", "PrefixCache"]
 
 # How many page hashes of recent prompts the junction test remembers (oldest forgotten first).
 _MAX_SEEN = 1 << 16
+_SHARED = "\0shared"  # (a page two requests brought: a junction for either)
 
 
 @dataclass(eq=False)
@@ -53,7 +55,8 @@ class PrefixCache:
         self._holders: dict[int, int] = {}  # page -> holders (sequences and entries); absent: one sequence alone
         self._entry_holders: dict[int, int] = {}  # page -> entries holding it
         self._reclaimable = 0  # pages held by entries alone: free once those entries go
-        self._seen: OrderedDict[int, int] = OrderedDict()  # page chain hash of recent prompts -> who saw it first
+        self._seen: OrderedDict[int, str] = OrderedDict()  # page chain hash of recent prompts -> the request that
+        # brought it (_SHARED: more than one)
         self.ops: list[tuple[str, int, int]] = []  # ("slot" | "page", src, dst) copies for the runner, in order
         self.queries = 0  # tokens of the sequences looked up
         self.hits = 0  # of them, tokens found in the cache
@@ -83,25 +86,29 @@ class PrefixCache:
                 return best
         return None
 
-    def junction(self, tokens: list[int], start: int, limit: int, prompt_len: int, who: int) -> int:
-        """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another sequence
-        brought (0: none); then this sequence's prompt pages are remembered under `who`."""
-        bs = self.block_size
-        chain = self._chain(tokens, max(limit, prompt_len) // bs)
-        found = 0
-        for j in range(limit // bs, start // bs, -1):
-            first = self._seen.get(chain[j])
-            if first is not None and first != who:
-                found = j * bs
-                break
-        for j in range(1, prompt_len // bs + 1):
-            if chain[j] in self._seen:
-                self._seen.move_to_end(chain[j])
+    def remember(self, tokens: list[int], who: str) -> None:
+        """Note the pages of a prompt `who` brought (when it is queued), for `junction`."""
+        chain = self._chain(tokens, len(tokens) // self.block_size)
+        for h in chain[1:]:
+            first = self._seen.get(h)
+            if first is None:
+                self._seen[h] = who
             else:
-                self._seen[chain[j]] = who
+                if first != who:
+                    self._seen[h] = _SHARED
+                self._seen.move_to_end(h)
         while len(self._seen) > _MAX_SEEN:
             self._seen.popitem(last=False)
-        return found
+
+    def junction(self, tokens: list[int], start: int, limit: int, who: str) -> int:
+        """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another request
+        brought (0: none)."""
+        chain = self._chain(tokens, limit // self.block_size)
+        for j in range(limit // self.block_size, start // self.block_size, -1):
+            first = self._seen.get(chain[j])
+            if first is not None and first != who:
+                return j * self.block_size
+        return 0
 
     # -- entries ------------------------------------------------------------------------------
 

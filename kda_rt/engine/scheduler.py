@@ -108,6 +108,8 @@ class Scheduler:
         """Queue a new sequence (raises ValueError if it could never fit in the page pool alone)."""
         self.check_fits(seq.max_positions)
         seq.status = SequenceStatus.WAITING
+        if self.cache is not None:  # (its prompt's pages: where a later or earlier one parts from it is a junction)
+            self.cache.remember(seq.prompt_token_ids, seq.request_id)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, keep: int = 0) -> None:
@@ -223,7 +225,7 @@ class Scheduler:
                 if hit is not None:
                     seq.blocks = self.cache.restore(hit, seq.slot, lambda: self.allocate_pages(1)[0])
                 seq.snapshot_at = self.cache.junction(seq.prompt_token_ids + seq.output_token_ids, start,
-                                                      seq.num_tokens - 1, len(seq.prompt_token_ids), seq.request_id)
+                                                      seq.num_tokens - 1, seq.request_id)
             n = self._chunk(seq, budget)
             shared = start // bs
             seq.blocks = seq.blocks + self.allocate_pages(self.pages_for(start + n) - len(seq.blocks))
