@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (and --ssl-keyfile)")
     ap.add_argument("--enable-log-requests", action="store_true",
                     help="log each request (id, prompt tokens, sampling parameters) and its end at INFO")
+    ap.add_argument("--enable-prompt-tokens-details", action="store_true",
+                    help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens resumed from the "
+                         "prefix cache (--enable-prefix-caching)")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='allow tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     ap.add_argument("--tool-call-parser", default=None, choices=("kimi_k2",),
@@ -120,6 +123,7 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
     state = ServerState(client, name, aliases=aliases, listed_aliases=aliases if args.served_model_name else (),
                         api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                         body_timeout=args.body_timeout, log_requests=args.enable_log_requests,
+                        prompt_tokens_details=args.enable_prompt_tokens_details,
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,
                         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}

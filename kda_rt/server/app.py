@@ -98,6 +98,7 @@ class ServerState:
     body_timeout: float = 30.0  # seconds to receive a whole request body
     draining: bool = False
     log_requests: bool = False  # --enable-log-requests
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     auto_tools: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     metrics: Metrics | None = None
     cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS headers

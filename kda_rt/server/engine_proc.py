@@ -231,6 +231,8 @@ class EngineWorker:
                                         "logprobs": self._logprobs(c, state.logprobs),
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if out.finished:
+                if out.num_cached_tokens:  # (prefix caching: the prompt tokens it resumed after, for usage)
+                    item["cached_tokens"] = item.get("cached_tokens", 0) + out.num_cached_tokens
                 self.open.pop(out.request_id, None)
                 siblings = self.children.get(state.parent, [])
                 if not any(sub in self.open for sub in siblings):

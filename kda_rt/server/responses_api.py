@@ -224,8 +224,9 @@ def output_items(rid: str, text: str, calls: list[dict[str, Any]], state: str) -
 
 def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, reason: str | None,
                   usage: dict[str, int] | None, text: str | None = None, calls: list[dict[str, Any]] | None = None,
-                  error: str | None = None, status: str | None = None) -> dict[str, Any]:
-    """A `response` object; `text` None: no output yet (the stream's first events)."""
+                  error: str | None = None, status: str | None = None, cached: int = 0) -> dict[str, Any]:
+    """A `response` object; `text` None: no output yet (the stream's first events); `cached`: the prompt tokens the
+    prefix cache served."""
     state, incomplete = _status(reason)
     state = status or state
     if state == "failed" and not error:
@@ -242,7 +243,7 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
             "incomplete_details": incomplete,
             "error": {"code": "server_error", "message": error} if state == "failed" else None, "usage": None}
     if usage is not None:
-        body["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        body["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
                          "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": usage["total_tokens"]}
     return body
@@ -257,7 +258,8 @@ def shape(run: RequestRun, req: ResponsesRequest):
         error = choice.get("stop_reason") if reason == "error" else None
         message = choice["message"]
         return response_body(run.rid, chat["created"], chat["model"], req, text=message["content"] or "",
-                             calls=message.get("tool_calls") or [], reason=reason, usage=chat["usage"], error=error)
+                             calls=message.get("tool_calls") or [], reason=reason, usage=chat["usage"], error=error,
+                             cached=run.cached_tokens)
 
     return to_response
 
@@ -280,7 +282,7 @@ async def events(run: RequestRun, req: ResponsesRequest) -> AsyncIterator[bytes]
 
     def body(status: str | None = None, final: bool = False) -> dict[str, Any]:
         return response_body(rid, run.created, model, req, text=text if final else None, calls=calls, reason=reason,
-                             usage=run._usage() if final else None, status=status,
+                             usage=run._usage() if final else None, status=status, cached=run.cached_tokens,
                              error=stop_reason if reason == "error" else None)
 
     def close(status: str) -> list[bytes]:

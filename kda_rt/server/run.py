@@ -57,6 +57,7 @@ class RequestRun:
                                 if v is not None), None)
         self.num_choices = req.n * len(self.prompts)
         self.first: float | None = None
+        self.cached_tokens = 0  # prompt tokens the engine's prefix cache served (usage's prompt_tokens_details)
         self.last = 0.0  # when the latest delta with tokens came (inter-token latency)
         self.created = int(time.time())  # the response's and every chunk's "created"
         self.server_aborted = False
@@ -87,6 +88,7 @@ class RequestRun:
                 else:
                     self.state.metrics.token_gap(now - self.last)
                 self.last = now
+            self.cached_tokens += item.get("cached_tokens", 0)
             self.choices.add(item)
             yield item
             if item["finished"]:
@@ -106,8 +108,11 @@ class RequestRun:
             logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
                         self.choices.completion_tokens, [f for f, _ in self.choices.finish])
 
-    def _usage(self) -> dict[str, int]:
-        return responses.usage(self.prompt_tokens, self.choices.completion_tokens)
+    def _usage(self) -> dict[str, Any]:
+        out = responses.usage(self.prompt_tokens, self.choices.completion_tokens)
+        if self.state.prompt_tokens_details:  # (vLLM's --enable-prompt-tokens-details)
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
     async def collect(self, request: Request, shape=None) -> Response:
         """The whole answer once the request ends (a client disconnect aborts it); `shape(body)` turns the chat

@@ -1,0 +1,46 @@
+"""The server with `--enable-prefix-caching --enable-prompt-tokens-details`: usage says how many prompt tokens each
+request resumed after (vLLM's prompt_tokens_details.cached_tokens, the Responses API's input_tokens_details), the
+completions equal the uncached model's, and /metrics counts the cache's queries and hits."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from helpers.server import ServerProc
+
+
+@pytest.fixture(scope="module")
+def cached_server(tmp_path_factory):
+    srv = ServerProc(tmp_path_factory.mktemp("prefix") / "server.log", "--enable-prefix-caching",
+                     "--enable-prompt-tokens-details", "--block-size", "16")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_usage_reports_the_cached_prompt_tokens(cached_server, reference_llm):
+    from kda_rt import SamplingParams
+
+    system = list(range(40, 90))  # 50 tokens: 3 pages of 16 shared
+    got = []
+    for i in range(3):
+        prompt = system + [200 + i, 300 + i, 7]
+        r = httpx.post(cached_server.url + "/v1/completions", headers=cached_server.headers, timeout=60.0,
+                       json={"model": "demo", "prompt": prompt, "max_tokens": 5, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = reference_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=5))
+        assert body["choices"][0]["text"] == want[0].outputs[0].text
+        got.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert got == [0, 0, 48]  # (the second stops its chunk where the two part, the third resumes there)
+    hits = cached_server.metrics()["kda_rt:prefix_cache_hits_total"]
+    assert hits == 48 and cached_server.metrics()["kda_rt:prefix_cache_queries_total"] > 150
+    text = "Tell me a long story about a lighthouse keeper and the storm that came in the winter of the comet."
+    cached = []
+    for _ in range(3):  # the same input thrice: the third resumes where the second kept its state
+        r = httpx.post(cached_server.url + "/v1/responses", headers=cached_server.headers, timeout=60.0,
+                       json={"model": "demo", "input": text, "max_output_tokens": 4, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["input_tokens_details"]["cached_tokens"])
+    assert cached[:2] == [0, 0] and cached[2] > 0 and cached[2] % 16 == 0, cached
+    assert cached_server.metrics()["kda_rt:prefix_cache_hits_total"] == hits + cached[2]
