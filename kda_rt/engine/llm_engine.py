@@ -310,7 +310,8 @@ class LLMEngine:
         return request_output(rid, *entry)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running, or outputs a step that raised still owes (the next `step()` returns them)."""
+        return self.scheduler.has_unfinished() or bool(self._held_outputs)
 
     def has_pending_step(self) -> bool:
         """A step was launched ahead (async scheduling) and the next step() collects it."""
@@ -357,7 +358,8 @@ class LLMEngine:
         try:
             nxt = self._launch_next(cur)
         except BaseException:  # the launch ahead failed: step k still counts, its tokens are kept
-            self._held_outputs = held + self._postprocess(cur, self._collect(cur))
+            # (its sequences' states are not kept: the failed launch may have advanced some of them)
+            self._held_outputs = held + self._postprocess(cur, self._collect(cur), keep_states=False)
             raise
         try:
             outputs = held + self._postprocess(cur, self._collect(cur), nxt)
@@ -513,9 +515,11 @@ class LLMEngine:
         self.counters["steps_launched_ahead"] += 1
         return launched
 
-    def _postprocess(self, cur: _Launched, result, ahead: _Launched | None = None) -> list[RequestOutput]:
+    def _postprocess(self, cur: _Launched, result, ahead: _Launched | None = None,
+                     keep_states: bool = True) -> list[RequestOutput]:
         """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped.
-        `ahead`: the step launched after `cur`, whose tokens a finished sequence's state also holds."""
+        `ahead`: the step launched after `cur`, whose tokens a finished sequence's state also holds; `keep_states`
+        False: no finished sequence's state goes to the prefix cache."""
         batch, sampled = cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
         self._commit(cur)
@@ -539,8 +543,8 @@ class LLMEngine:
                     elif verdict is not None:
                         done = self.postprocessor.fail(seq, verdict)
             if done:
-                keep = 0
-                if seq.finish_reason in ("stop", "length"):  # (its state: the tokens computed, `ahead`'s too)
+                keep = 0  # (a finished sequence's state holds the tokens computed, `ahead`'s too)
+                if keep_states and seq.finish_reason in ("stop", "length"):
                     keep = seq.num_computed + ahead_n.get(seq, 0)
                 self.scheduler.finish(seq, keep)
             touched[seq.request_id] = None

@@ -372,3 +372,43 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
     assert all(s.status is SequenceStatus.FINISHED for s in live)
     cache.clear()
     assert sched.pages.num_used == 0 and sched.slots.num_used == 0
+
+
+@pytest.mark.parametrize("ahead_prefill", ["0", "1"])
+def test_a_failed_launch_after_a_stop_keeps_no_state(tiny_dir, plain, ahead_prefill, monkeypatch):
+    """A step launched ahead whose launch raises after its forward ran may have folded one more token into a sequence
+    that the step before it stopped: that sequence's state is not kept (its key would miss the token).  Next turns of
+    every request, on the same engine, equal the uncached engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", ahead_prefill)
+    rng = random.Random(41)
+    prompts = [_tokens(rng, 30 + 3 * i) for i in range(8)]
+    answers = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(12))]
+    params = [greedy(12, stop_token_ids=[a[3 + i % 5]]) for i, a in enumerate(answers)]
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
+    runner, eng, calls = cached.llm_engine.runner, cached.llm_engine, [0]
+    inner = runner.launch
+
+    def flaky(*a, **k):
+        out = inner(*a, **k)
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise RuntimeError("injected failure after launch")
+        return out
+
+    runner.launch = flaky
+    finals = {}
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
+    while eng.has_unfinished_requests() or eng.has_pending_step():
+        try:
+            finals.update({o.request_id: o for o in eng.step() if o.finished})
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+    del runner.launch
+    said = [finals[f"r{i}"].outputs[0].token_ids for i in range(8)]
+    assert said == [plain.generate({"prompt_token_ids": p}, q)[0].outputs[0].token_ids
+                    for p, q in zip(prompts, params, strict=True)]
+    second = [{"prompt_token_ids": p + s + _tokens(rng, 5)} for p, s in zip(prompts, said, strict=True)]
+    got = cached.generate(second, greedy(6))
+    assert [_key(o) for o in got] == [_key(o) for o in plain.generate(second, greedy(6))]
+    _no_leaks(cached)
