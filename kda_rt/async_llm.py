@@ -128,6 +128,10 @@ class AsyncLLM:
     def stats(self) -> dict[str, int]:
         return self._locked(self.engine.stats)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True."""
+        return self._locked(self.engine.reset_prefix_cache)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _bind_loop(self) -> None:

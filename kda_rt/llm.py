@@ -463,6 +463,10 @@ class LLM:
             ranks.append(int((lp > lp[token]).sum()) + 1)
         return dicts, ranks
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True."""
+        return self.llm_engine.reset_prefix_cache()
+
     def stats(self) -> dict[str, int]:
         """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""
         return self.llm_engine.stats()

@@ -313,6 +313,13 @@ class LLMEngine:
         """Requests queued or running, or outputs a step that raised still owes (the next `step()` returns them)."""
         return self.scheduler.has_unfinished() or bool(self._held_outputs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry (vLLM's name; True: done, also with no cache).  Running requests keep what
+        they resumed from; only later ones compute it again."""
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.clear()
+        return True
+
     def has_pending_step(self) -> bool:
         """A step was launched ahead (async scheduling) and the next step() collects it."""
         return self._inflight is not None

@@ -412,3 +412,22 @@ def test_a_failed_launch_after_a_stop_keeps_no_state(tiny_dir, plain, ahead_pref
     got = cached.generate(second, greedy(6))
     assert [_key(o) for o in got] == [_key(o) for o in plain.generate(second, greedy(6))]
     _no_leaks(cached)
+
+
+def test_reset_prefix_cache(tiny_dir, plain):
+    """LLM / AsyncLLM.reset_prefix_cache (vLLM's names) drop every entry; later requests compute everything again."""
+    import asyncio
+
+    from kda_rt.async_llm import AsyncLLM
+
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
+    prompt = list(range(3, 60))
+    first = cached.generate({"prompt_token_ids": prompt}, greedy(4))[0].outputs[0].token_ids
+    turn = {"prompt_token_ids": prompt + first + [9, 9]}
+    assert cached.stats()["prefix_cache_entries"] == 1
+    assert cached.reset_prefix_cache() is True and cached.stats()["prefix_cache_entries"] == 0
+    out = cached.generate(turn, greedy(4))[0]
+    assert out.num_cached_tokens == 0 and _key(out) == _key(plain.generate(turn, greedy(4))[0])
+    assert asyncio.run(AsyncLLM(cached).reset_prefix_cache()) is True
+    assert cached.stats()["prefix_cache_entries"] == 0 and plain.reset_prefix_cache() is True
+    _no_leaks(cached)
