@@ -524,8 +524,9 @@ class CudaRunner:
         with self.stream:
             s = cp.asarray(np.asarray(src, dtype=np.int64))
             d = cp.asarray(np.asarray(dst, dtype=np.int64))
-            for pool in pools:
-                pool[d] = pool[s]
+            for pool in pools:  # (as unsigned ints of the same width: bf16 pools take no arithmetic here)
+                rows = pool.view({2: cp.uint16, 4: cp.uint32}.get(pool.dtype.itemsize, pool.dtype))
+                rows[d] = rows[s]
 
     def report(self) -> str:
         """Each op of one decode step with the kernels it launched (traced on an eager step of one
