@@ -39,6 +39,31 @@ def _no_leaks(llm) -> None:
     assert_no_leaks(llm)
 
 
+def _fail_launches(runner, every: int) -> None:
+    """Every `every`-th launch of `runner` raises after the runner ran it (its forward done); `del runner.launch`
+    undoes it."""
+    inner, calls = runner.launch, [0]
+
+    def flaky(*a, **k):
+        out = inner(*a, **k)
+        calls[0] += 1
+        if calls[0] % every == 0:
+            raise RuntimeError("injected failure after launch")
+        return out
+
+    runner.launch = flaky
+
+
+def _step(eng, finals: dict) -> int:
+    """One step of `eng`, its finished outputs into `finals`; 1 if it raised the injected failure, else 0."""
+    try:
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    except RuntimeError as exc:
+        assert "injected" in str(exc)
+        return 1
+    return 0
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_dir):
     return make_llm(tiny_dir, **KW)
@@ -191,34 +216,16 @@ def test_a_failed_launch_drops_the_cache_and_loses_nothing(tiny_dir, plain):
     params = [greedy(5 + i) for i in range(6)]
     want = [_key(o) for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
     cached = make_llm(tiny_dir, enable_prefix_caching=True, max_num_batched_tokens=32, **KW)
-    runner, calls = cached.llm_engine.runner, [0]
-    inner = runner.launch
-
-    def flaky(*a, **k):
-        out = inner(*a, **k)
-        calls[0] += 1
-        if calls[0] % 7 == 0:
-            raise RuntimeError("injected failure after launch")
-        return out
-
-    runner.launch = flaky
-    eng, finals, failed = cached.llm_engine, {}, 0
+    runner, eng, finals, failed = cached.llm_engine.runner, cached.llm_engine, {}, 0
+    _fail_launches(runner, 7)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
         for _ in range(3):  # (they arrive while others run: later ones meet the earlier ones' entries)
-            try:
-                finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
-            except RuntimeError as exc:
-                assert "injected" in str(exc)
-                failed += 1
-    while eng.has_unfinished_requests() or eng.has_pending_step():
-        try:
-            finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
-        except RuntimeError as exc:
-            assert "injected" in str(exc)
-            failed += 1
+            failed += _step(eng, finals)
+    while eng.has_unfinished_requests():
+        failed += _step(eng, finals)
     del runner.launch
-    assert failed >= 2 and [finals[f"r{i}"] for i in range(6)] == want
+    assert failed >= 2 and [_key(finals[f"r{i}"]) for i in range(6)] == want
     _no_leaks(cached)
 
 
@@ -385,25 +392,12 @@ def test_a_failed_launch_after_a_stop_keeps_no_state(tiny_dir, plain, ahead_pref
     answers = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(12))]
     params = [greedy(12, stop_token_ids=[a[3 + i % 5]]) for i, a in enumerate(answers)]
     cached = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
-    runner, eng, calls = cached.llm_engine.runner, cached.llm_engine, [0]
-    inner = runner.launch
-
-    def flaky(*a, **k):
-        out = inner(*a, **k)
-        calls[0] += 1
-        if calls[0] % 3 == 0:
-            raise RuntimeError("injected failure after launch")
-        return out
-
-    runner.launch = flaky
-    finals = {}
+    runner, eng, finals = cached.llm_engine.runner, cached.llm_engine, {}
+    _fail_launches(runner, 3)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, params[i], output_kind="final")
-    while eng.has_unfinished_requests() or eng.has_pending_step():
-        try:
-            finals.update({o.request_id: o for o in eng.step() if o.finished})
-        except RuntimeError as exc:
-            assert "injected" in str(exc)
+    while eng.has_unfinished_requests():
+        _step(eng, finals)
     del runner.launch
     said = [finals[f"r{i}"].outputs[0].token_ids for i in range(8)]
     assert said == [plain.generate({"prompt_token_ids": p}, q)[0].outputs[0].token_ids
