@@ -365,8 +365,12 @@ class LLMEngine:
         try:
             nxt = self._launch_next(cur)
         except BaseException:  # the launch ahead failed: step k still counts, its tokens are kept
-            # (its sequences' states are not kept: the failed launch may have advanced some of them)
-            self._held_outputs = held + self._postprocess(cur, self._collect(cur), keep_states=False)
+            try:  # (its sequences' states are not kept: the failed launch may have advanced some of them)
+                self._held_outputs = held + self._postprocess(cur, self._collect(cur), keep_states=False)
+            except BaseException:  # (k's collect failed too, a sticky device error: k is computed again)
+                self._held_outputs = held
+                self._requeue(cur.sched)
+                raise
             raise
         try:
             outputs = held + self._postprocess(cur, self._collect(cur), nxt)
@@ -501,7 +505,7 @@ class LLMEngine:
             else:
                 pending.append(s)
         if steady_only and sum(max(0, sched.pages_for(s.num_tokens + 1) - len(s.blocks))
-                               for s in pending) > sched.pages.num_free:
+                               for s in pending) > sched.num_free_pages:
             return None  # (it would preempt)
         self._commit(cur)
         for s in pending:
@@ -529,6 +533,10 @@ class LLMEngine:
         False: no finished sequence's state goes to the prefix cache."""
         batch, sampled = cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
+        if self.scheduler.cache is not None:  # (an errored row's state may be non-finite: none of its states is kept;
+            for i, seq in enumerate(sampled):  # a finished sequence's row of a step launched ahead counts too)
+                if result.errors[i] is not None:
+                    self.scheduler.cache.discard(seq.kept)
         self._commit(cur)
         for seq in sampled:  # (its id is known now: accepted below, or dropped with its finished sequence)
             seq.pending = 0

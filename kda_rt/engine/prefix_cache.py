@@ -71,10 +71,28 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def lookup(self, tokens: list[int], limit: int) -> CacheEntry | None:
-        """The entry of the longest cached prefix of `tokens` that is at most `limit` tokens long, or None."""
+    def page_chain(self, seq) -> tuple[list[int], list[int]]:
+        """A sequence's tokens (prompt and outputs) and the chain hashes of their full pages, the hashes kept on the
+        sequence (`Sequence.page_chain`) and extended as outputs are added: a queue head that waits for room is
+        looked up every step."""
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        bs, got = self.block_size, seq.page_chain
+        if got and got[0] == bs and got[1] <= len(tokens):
+            chain = got[2]
+            h = chain[-1]
+            for j in range(len(chain) - 1, len(tokens) // bs):
+                h = hash((h, tuple(tokens[j * bs:(j + 1) * bs])))
+                chain.append(h)
+        else:
+            chain = self._chain(tokens, len(tokens) // bs)
+        seq.page_chain = (bs, len(tokens), chain)
+        return tokens, chain
+
+    def lookup(self, tokens: list[int], limit: int, chain: list[int] | None = None) -> CacheEntry | None:
+        """The entry of the longest cached prefix of `tokens` that is at most `limit` tokens long, or None.  `chain`:
+        `tokens`' page hashes when known (page_chain)."""
         bs = self.block_size
-        chain = self._chain(tokens, limit // bs)
+        chain = self._chain(tokens, limit // bs) if chain is None else chain[: limit // bs + 1]
         for j in range(len(chain) - 1, -1, -1):  # (an entry keyed at page j is longer than every one below j)
             best = None
             for e in self._by_block.get(chain[j], ()):
@@ -100,10 +118,10 @@ class PrefixCache:
         while len(self._seen) > _MAX_SEEN:
             self._seen.popitem(last=False)
 
-    def junction(self, tokens: list[int], start: int, limit: int, who: str) -> int:
+    def junction(self, tokens: list[int], start: int, limit: int, who: str, chain: list[int] | None = None) -> int:
         """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another request
-        brought (0: none)."""
-        chain = self._chain(tokens, limit // self.block_size)
+        brought (0: none).  `chain` as `lookup`'s."""
+        chain = self._chain(tokens, limit // self.block_size) if chain is None else chain
         for j in range(limit // self.block_size, start // self.block_size, -1):
             first = self._seen.get(chain[j])
             if first is not None and first != who:
@@ -182,6 +200,13 @@ class PrefixCache:
         self._free_snapshots.append(entry.snapshot)
         for p in entry.pages:
             self._change(p, -1, -1)
+
+    def discard(self, entries: list[CacheEntry]) -> None:
+        """Evict those of `entries` still cached (a sequence's, whose state went bad), and empty the list."""
+        for e in entries:
+            if e in self._lru:
+                self.evict(e)
+        entries.clear()
 
     def reclaim(self, num_pages: int) -> None:
         """Evict entries, least recently used first, until `num_pages` pages are free or no entry is left."""

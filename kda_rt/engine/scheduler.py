@@ -208,8 +208,10 @@ class Scheduler:
         for seq in [head] + [window[i] for i in order]:
             if self._proper(budget) <= 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            hit = self.cache.lookup(seq.prompt_token_ids + seq.output_token_ids, seq.num_tokens - 1) if self.cache \
-                else None
+            hit = None
+            if self.cache is not None:
+                tokens, chain = self.cache.page_chain(seq)
+                hit = self.cache.lookup(tokens, seq.num_tokens - 1, chain)
             start = len(hit.tokens) if hit is not None else 0
             whole = self.pages_for(seq.num_tokens) - start // bs  # (the entry's full pages are shared, not taken)
             held = self.cache.held_on_restore(hit) if hit is not None else 0  # (reclaimable until it holds them)
@@ -219,13 +221,14 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             seq.slot = self.slots.allocate()[0]
-            seq.num_computed = seq.num_cached = start
+            seq.num_computed = start
+            if not seq.output_token_ids:  # (vLLM's num_cached_tokens: the prompt's, as first admitted or recomputed)
+                seq.num_cached = min(start, len(seq.prompt_token_ids))
             if self.cache is not None:
                 self.cache.queries += seq.num_tokens
                 if hit is not None:
                     seq.blocks = self.cache.restore(hit, seq.slot, lambda: self.allocate_pages(1)[0])
-                seq.snapshot_at = self.cache.junction(seq.prompt_token_ids + seq.output_token_ids, start,
-                                                      seq.num_tokens - 1, seq.request_id)
+                seq.snapshot_at = self.cache.junction(tokens, start, seq.num_tokens - 1, seq.request_id, chain)
             n = self._chunk(seq, budget)
             shared = start // bs
             seq.blocks = seq.blocks + self.allocate_pages(self.pages_for(start + n) - len(seq.blocks))
@@ -286,7 +289,9 @@ class Scheduler:
         """With a prefix cache, keep the first `num_tokens` tokens of a running `seq` (its state holds exactly those
         once the steps queued so far have run) as an entry."""
         if self.cache is not None and num_tokens > 0:
-            self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks)
+            entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks)
+            if entry is not None:
+                seq.kept.append(entry)
 
     @property
     def num_free_pages(self) -> int:

@@ -59,7 +59,9 @@ class Sequence:
     sent: tuple[int, int] = (0, 0)  # (visible chars, tokens) already returned, for "delta" outputs
     pending: int = 0  # a sampled token whose id the host has not read yet (async scheduling; module docstring)
     snapshot_at: int = 0  # prefix cache: the position whose KDA state is kept once computed (a junction; 0: none)
-    num_cached: int = 0  # prefix cache: tokens restored from it when last admitted (RequestOutput.num_cached_tokens)
+    num_cached: int = 0  # prefix cache: prompt tokens restored from it (RequestOutput.num_cached_tokens)
+    kept: list = field(default_factory=list)  # prefix cache: the entries made from its state (dropped on an error)
+    page_chain: tuple = ()  # prefix cache: (block size, tokens hashed, chain hashes of its full pages), reused
 
     @property
     def num_tokens(self) -> int:

@@ -364,3 +364,45 @@ def test_outputs_owed_after_a_failed_step_are_not_lost(tiny_dir):
     assert failed >= 2
     assert [finals[f"r{i}"] for i in range(8)] == want
     assert_no_leaks(ahead)
+
+
+def test_a_failed_launch_ahead_then_a_failed_collect_loses_no_request(tiny_dir):
+    """A sticky device error: the launch ahead raises, and so does collecting the step before it in the handler; that
+    step's sequences (one retired for its length among them) are computed again and every request finishes."""
+    llm = make_llm(tiny_dir, async_scheduling=True, max_num_seqs=2, max_model_len=128, block_size=16)
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    prompts = {"a": (list(range(3, 20)), greedy(2)), "b": (list(range(30, 40)), greedy(6))}
+    want = {r: o.outputs[0].token_ids for r, o in zip(prompts, make_llm(tiny_dir, async_scheduling=False, **dict(
+        max_num_seqs=2, max_model_len=128, block_size=16)).generate([{"prompt_token_ids": p} for p, _ in
+                                                                     prompts.values()],
+                                                                    [q for _, q in prompts.values()]), strict=True)}
+    for rid, (p, q) in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, q, output_kind="final")
+    launch, collect, n = runner.launch, runner.collect, [0]
+
+    def bad_launch(*a, **k):
+        n[0] += 1
+        out = launch(*a, **k)
+        if n[0] == 3:  # the step launched ahead after a's first decode
+            raise RuntimeError("injected device error")
+        return out
+
+    def bad_collect(h):
+        if n[0] == 3:
+            raise RuntimeError("injected device error")
+        return collect(h)
+
+    runner.launch, runner.collect = bad_launch, bad_collect
+    done, failed = {}, 0
+    for _ in range(40):
+        if not eng.has_unfinished_requests():
+            break
+        try:
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            failed += 1
+            n[0] += 1  # (the error passes)
+    del runner.launch, runner.collect
+    assert failed == 1 and done == want
+    assert_no_leaks(llm)

@@ -425,3 +425,49 @@ def test_reset_prefix_cache(tiny_dir, plain):
     assert asyncio.run(AsyncLLM(cached).reset_prefix_cache()) is True
     assert cached.stats()["prefix_cache_entries"] == 0 and plain.reset_prefix_cache() is True
     _no_leaks(cached)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_row_that_errors_keeps_no_state(tiny_dir, ahead, monkeypatch):
+    """A row whose forward went non-finite finishes with an error, and no state of its sequence stays cached, also one
+    kept before its result was known (retired for its length by a step launched ahead): the next request with the
+    same start computes it again and gets the tokens the uncached engine gives."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
+    kw = dict(max_num_seqs=2, max_model_len=128, block_size=16, async_scheduling=ahead)
+    llm = make_llm(tiny_dir, enable_prefix_caching=True, **kw)
+    runner, first = llm.llm_engine.runner, [True]
+    inner = runner.launch
+
+    def launch(batch, sampling, **k):  # the first forward overflows: its state and its logits are non-finite
+        out = inner(batch, sampling, **k)
+        if first[0]:
+            first[0] = False
+            runner.kda_pool.recurrent[:, int(batch.state_slots[0])] = np.nan
+            out.errors[0], out.token_ids[0] = "non-finite logits", None
+        return out
+
+    runner.launch = launch
+    prompt = list(range(3, 43))
+    a = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert a.outputs[0].finish_reason == "error" and llm.stats()["prefix_cache_entries"] == 0
+    again = {"prompt_token_ids": prompt + [7]}
+    b = llm.generate(again, greedy(3))[0]
+    assert b.num_cached_tokens == 0 and _key(b) == _key(make_llm(tiny_dir, **kw).generate(again, greedy(3))[0])
+    del runner.launch
+    _no_leaks(llm)
+
+
+def test_steady_decode_steps_go_ahead_when_entries_hold_the_free_pages(tiny_dir, monkeypatch):
+    """A steady decode step that needs a new page is launched ahead as without the cache when only entries hold the
+    pages it needs (eviction gives them)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    ahead = []
+    for cache in (False, True):
+        llm = make_llm(tiny_dir, max_num_seqs=2, max_model_len=128, block_size=16, num_blocks=8,
+                       enable_prefix_caching=cache, prefix_cache_states=8)
+        for i in range(6):  # each leaves an entry of 2 pages
+            llm.generate({"prompt_token_ids": [100 + i] * 20}, greedy(4))
+        before = llm.stats()["steps_launched_ahead"]
+        llm.generate({"prompt_token_ids": list(range(3, 12))}, greedy(100))
+        ahead.append(llm.stats()["steps_launched_ahead"] - before)
+    assert ahead[1] == ahead[0] > 90, ahead
