@@ -361,7 +361,9 @@ class LLM:
                 return
             self._step_stamp += 1
             stamp = self._step_stamp
-            outputs = engine.step()
+            # (cumulative: the newest of a request's outputs suffices; a step that returns the outputs a failed step
+            # owed and its own can hold two of one request, the second maybe its finish)
+            outputs = list({o.request_id: o for o in engine.step()}.values())
             # park every other request's output before yielding anything: its driver may run while
             # this one is suspended, and must find the output (the engine may already be idle)
             for out in outputs:

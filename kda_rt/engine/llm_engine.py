@@ -349,7 +349,7 @@ class LLMEngine:
         held, self._held_outputs = self._held_outputs, []
         cur, self._inflight = self._inflight, None
         if cur is not None and all(s.finished for s, _ in cur.sched.scheduled):  # aborted meanwhile: nothing to keep
-            self._collect(cur)
+            self._discard_errored(cur, self._collect(cur))
             cur = None
         if cur is None:
             sched = self.scheduler.schedule()
@@ -382,7 +382,8 @@ class LLMEngine:
             raise
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
-                pass  # (uncollected: neither runner needs it, and nothing of it is read)
+                if self.scheduler.cache is not None:  # (uncollected, but the states kept include its rows: their
+                    self._discard_errored(nxt, self._collect(nxt))  # errors are read)
             else:
                 if nxt.deferred:  # its grammar masks follow this step's tokens, accepted just now
                     try:
@@ -526,6 +527,13 @@ class LLMEngine:
         self.counters["steps_launched_ahead"] += 1
         return launched
 
+    def _discard_errored(self, launched: _Launched, result) -> None:
+        """An errored row's state may be non-finite: no prefix-cache entry made from its sequence stays."""
+        if self.scheduler.cache is not None:
+            for i, seq in enumerate(launched.sampled):
+                if result.errors[i] is not None:
+                    self.scheduler.cache.discard(seq.kept)
+
     def _postprocess(self, cur: _Launched, result, ahead: _Launched | None = None,
                      keep_states: bool = True) -> list[RequestOutput]:
         """Accept `cur`'s tokens; rows of sequences finished or aborted since `cur` was launched are dropped.
@@ -533,10 +541,7 @@ class LLMEngine:
         False: no finished sequence's state goes to the prefix cache."""
         batch, sampled = cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
-        if self.scheduler.cache is not None:  # (an errored row's state may be non-finite: none of its states is kept;
-            for i, seq in enumerate(sampled):  # a finished sequence's row of a step launched ahead counts too)
-                if result.errors[i] is not None:
-                    self.scheduler.cache.discard(seq.kept)
+        self._discard_errored(cur, result)  # (a finished sequence's row of a step launched ahead counts too)
         self._commit(cur)
         for seq in sampled:  # (its id is known now: accepted below, or dropped with its finished sequence)
             seq.pending = 0
@@ -617,7 +622,11 @@ class LLMEngine:
         slot = sched.slots.allocate()[0]
         blocks = sched.allocate_pages(need)
         try:
-            self._flush_copies()  # (a copy out of a slot or page lent here goes first)
+            try:
+                self._flush_copies()  # (a copy out of a slot or page lent here goes first)
+            except BaseException:  # (entries whose copies did not run are not kept)
+                self.scheduler.cache.clear()
+                raise
             return self.runner.score(ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True))
         finally:
             sched.pages.release(blocks)

@@ -40,13 +40,14 @@ class _Open:
     """Per engine request in the engine process: one prompt of an HTTP request, whose choices are
     `offset` .. `offset + n - 1` of the HTTP request `parent`."""
 
-    __slots__ = ("reported", "logprobs", "parent", "offset")
+    __slots__ = ("reported", "logprobs", "parent", "offset", "cached_sent")
 
     def __init__(self, logprobs: int | None, parent: str, offset: int) -> None:
         self.reported: set[int] = set()  # sample indices whose finish was already sent
         self.logprobs = logprobs
         self.parent = parent
         self.offset = offset
+        self.cached_sent = False  # its prompt tokens resumed from the prefix cache were sent (with its first output)
 
 
 class EngineWorker:
@@ -221,6 +222,10 @@ class EngineWorker:
                 continue
             delta = out  # the engine sends only what is new ("delta" requests)
             item = items.setdefault(state.parent, {"id": state.parent, "outputs": [], "finished": False})
+            if not state.cached_sent:  # (prefix caching: the prompt tokens it resumed after, fixed by its first output;
+                state.cached_sent = True  # usage's prompt_tokens_details)
+                if out.num_cached_tokens:
+                    item["cached_tokens"] = item.get("cached_tokens", 0) + out.num_cached_tokens
             for c in delta.outputs:
                 new_finish = c.finish_reason is not None and c.index not in state.reported
                 if not (c.token_ids or c.text or new_finish):
@@ -231,8 +236,6 @@ class EngineWorker:
                                         "logprobs": self._logprobs(c, state.logprobs),
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if out.finished:
-                if out.num_cached_tokens:  # (prefix caching: the prompt tokens it resumed after, for usage)
-                    item["cached_tokens"] = item.get("cached_tokens", 0) + out.num_cached_tokens
                 self.open.pop(out.request_id, None)
                 siblings = self.children.get(state.parent, [])
                 if not any(sub in self.open for sub in siblings):

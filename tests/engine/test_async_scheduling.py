@@ -406,3 +406,35 @@ def test_a_failed_launch_ahead_then_a_failed_collect_loses_no_request(tiny_dir):
     del runner.launch, runner.collect
     assert failed == 1 and done == want
     assert_no_leaks(llm)
+
+
+def test_a_stream_sees_its_finish_after_another_streams_failed_step(tiny_dir, monkeypatch):
+    """Two streams; a step of one fails at its launch ahead, so the next step returns the outputs that step owed and
+    its own, two of the other stream's request among them (the second its finish): the stream gets every token and
+    its finish."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    llm = make_llm(tiny_dir, max_num_seqs=4, max_model_len=128, block_size=16, async_scheduling=True)
+    runner, fail = llm.llm_engine.runner, [False]
+    inner = runner.launch
+
+    def launch(*a, **k):
+        out = inner(*a, **k)
+        if fail[0] and k.get("ids_from_last"):
+            fail[0] = False
+            raise RuntimeError("injected failure of a launch ahead")
+        return out
+
+    runner.launch = launch
+    short = llm.generate({"prompt_token_ids": list(range(3, 30))}, greedy(8), stream=True)
+    long = llm.generate({"prompt_token_ids": list(range(40, 70))}, greedy(40), stream=True)
+    seen = []
+    for out in short:
+        seen.append((len(out.outputs[0].token_ids), out.finished))
+        if sum(n for n, _ in seen) == 6:
+            break
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        next(long), next(long)
+    seen += [(len(out.outputs[0].token_ids), out.finished) for out in short]
+    del runner.launch
+    assert sum(n for n, _ in seen) == 8 and seen[-1][1], seen

@@ -471,3 +471,35 @@ def test_steady_decode_steps_go_ahead_when_entries_hold_the_free_pages(tiny_dir,
         llm.generate({"prompt_token_ids": list(range(3, 12))}, greedy(100))
         ahead.append(llm.stats()["steps_launched_ahead"] - before)
     assert ahead[1] == ahead[0] > 90, ahead
+
+
+@pytest.mark.parametrize("ahead_prefill", ["0", "1"])
+def test_an_error_in_a_dropped_step_ahead_keeps_no_state(tiny_dir, plain, ahead_prefill, monkeypatch):
+    """The last request stops; the step launched ahead, which computed its stop token, goes non-finite and is dropped
+    (every row finished): its errors are still read, and the state kept with its row is dropped, so the next turn
+    is computed afresh and equals the uncached engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", ahead_prefill)
+    prompt = list(range(3, 43))
+    answer = plain.generate({"prompt_token_ids": prompt}, greedy(8))[0].outputs[0].token_ids
+    k = next(i for i in range(2, 8) if answer[i] not in answer[:i])
+    llm = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
+    runner, poisoned = llm.llm_engine.runner, []
+    inner = runner.launch
+
+    def launch(batch, sampling, **kw):  # the forward of the stop token overflows
+        out = inner(batch, sampling, **kw)
+        if not poisoned and int(batch.context_lens[0]) == len(prompt) + k:
+            poisoned.append(kw)
+            runner.kda_pool.recurrent[:, int(batch.state_slots[0])] = np.nan
+            if sampling.num_rows:
+                out.errors[0], out.token_ids[0] = "non-finite logits", None
+        return out
+
+    runner.launch = launch
+    said = llm.generate({"prompt_token_ids": prompt}, greedy(8, stop_token_ids=[answer[k]]))[0].outputs[0]
+    del runner.launch
+    assert said.finish_reason == "stop" and poisoned and poisoned[0].get("ids_from_last")  # (the step ahead)
+    turn = {"prompt_token_ids": prompt + list(said.token_ids) + [7, 8]}
+    got = llm.generate(turn, greedy(3))[0]
+    assert got.num_cached_tokens == 0 and _key(got) == _key(plain.generate(turn, greedy(3))[0])
+    _no_leaks(llm)

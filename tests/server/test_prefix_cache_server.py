@@ -4,6 +4,8 @@ completions equal the uncached model's, and /metrics counts the cache's queries 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -33,8 +35,15 @@ def test_usage_reports_the_cached_prompt_tokens(cached_server, reference_llm):
         assert body["choices"][0]["text"] == want[0].outputs[0].text
         got.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert got == [0, 0, 48]  # (the second stops its chunk where the two part, the third resumes there)
+    prompt = system + [205, 305, 7]  # a fourth, streamed with usage in every chunk: the same count from the first
+    with httpx.stream("POST", cached_server.url + "/v1/completions", headers=cached_server.headers, timeout=60.0,
+                      json={"model": "demo", "prompt": prompt, "max_tokens": 5, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["prompt_tokens_details"]["cached_tokens"] for c in chunks if c.get("usage")]
+    assert len(counts) >= 5 and set(counts) == {48}, counts
     hits = cached_server.metrics()["kda_rt:prefix_cache_hits_total"]
-    assert hits == 48 and cached_server.metrics()["kda_rt:prefix_cache_queries_total"] > 150
+    assert hits == 2 * 48 and cached_server.metrics()["kda_rt:prefix_cache_queries_total"] > 150
     text = "Tell me a long story about a lighthouse keeper and the storm that came in the winter of the comet."
     cached = []
     for _ in range(3):  # the same input thrice: the third resumes where the second kept its state
