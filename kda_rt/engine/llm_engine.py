@@ -383,7 +383,12 @@ class LLMEngine:
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
                 if self.scheduler.cache is not None:  # (uncollected, but the states kept include its rows: their
-                    self._discard_errored(nxt, self._collect(nxt))  # errors are read)
+                    try:  # errors are read)
+                        self._discard_errored(nxt, self._collect(nxt))
+                    except BaseException:  # (its errors unknown: no state is kept; this step's outputs are owed)
+                        self.scheduler.cache.clear()
+                        self._held_outputs = outputs
+                        raise
             else:
                 if nxt.deferred:  # its grammar masks follow this step's tokens, accepted just now
                     try:

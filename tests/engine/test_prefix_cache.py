@@ -503,3 +503,36 @@ def test_an_error_in_a_dropped_step_ahead_keeps_no_state(tiny_dir, plain, ahead_
     got = llm.generate(turn, greedy(3))[0]
     assert got.num_cached_tokens == 0 and _key(got) == _key(plain.generate(turn, greedy(3))[0])
     _no_leaks(llm)
+
+
+@pytest.mark.parametrize("every", [2, 3, 5])
+def test_failed_collects_with_stops_lose_no_output(tiny_dir, plain, every, monkeypatch):
+    """Requests that stop in the middle, one at a time (each one's last step launched ahead is dropped, and with the
+    cache collected for its errors), with every `every`-th collect raising: every request's final comes, equal to the
+    uncached engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
+    rng = random.Random(every)
+    prompts = [_tokens(rng, 20 + 2 * i) for i in range(6)]
+    answers = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy(10))]
+    params = [greedy(10, stop_token_ids=[a[2 + i % 4]]) for i, a in enumerate(answers)]
+    want = [_key(plain.generate({"prompt_token_ids": p}, q)[0]) for p, q in zip(prompts, params, strict=True)]
+    llm = make_llm(tiny_dir, enable_prefix_caching=True, max_num_seqs=1, max_model_len=96, block_size=16)
+    eng, runner, calls = llm.llm_engine, llm.llm_engine.runner, [0]
+    inner = runner.collect
+
+    def collect(h):
+        out = inner(h)
+        calls[0] += 1
+        if calls[0] % every == 0:
+            raise RuntimeError("injected failure after collect")
+        return out
+
+    runner.collect = collect
+    finals, failed = {}, 0
+    for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, q, output_kind="final")
+    while eng.has_unfinished_requests():
+        failed += _step(eng, finals)
+    del runner.collect
+    assert failed >= 2 and [_key(finals[f"r{i}"]) for i in range(6)] == want
+    _no_leaks(llm)
