@@ -382,7 +382,10 @@ class LLMEngine:
             raise
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
-                if self.scheduler.cache is not None:  # (uncollected, but the states kept include its rows: their
+                if self.scheduler.cache is not None and nxt.deferred:  # (never sampled: its rows' errors are not
+                    for s in nxt.sampled:  # known, so no state kept with them stays)
+                        self.scheduler.cache.discard(s.kept)
+                elif self.scheduler.cache is not None:  # (uncollected, but the states kept include its rows: their
                     try:  # errors are read)
                         self._discard_errored(nxt, self._collect(nxt))
                     except BaseException:  # (its errors unknown: no state is kept; this step's outputs are owed)
