@@ -10,7 +10,7 @@ from the running sequences' slots).  A KDA state exists only where a step's chun
 - a *junction*: a sequence about to be computed whose first j pages of tokens equal another request's prompt (the
   page hashes of prompts are noted when they are queued) runs its chunk only to that page boundary and leaves a
   snapshot there, so the next prompt with the same start (a shared system prompt, a document asked about again)
-  resumes from it.
+  resumes from it (the scheduler holds back a sequence whose junction a running one is about to keep).
 
 A hit restores the snapshot into the new sequence's slot, shares the entry's full pages (a sequence only writes the
 positions past its context, so they stay read-only) and copies a partial last page into a fresh one.  Pages are

@@ -205,13 +205,21 @@ class Scheduler:
         # pages the running prefills will still take, plus one page of growth per running sequence
         promised = sum(max(0, self.pages_for(s.num_tokens) - len(s.blocks)) for s in self.running if s.in_prefill)
         bs = self.config.block_size
+        # (junction, its page hash) of the states running sequences are about to keep: a sequence with the same one
+        # waits a step for it instead of computing the shared start again (a burst with one system prompt)
+        producing = {(s.snapshot_at, s.page_chain[2][s.snapshot_at // bs]) for s in self.running
+                     if s.snapshot_at > s.num_computed and s.page_chain} if self.cache is not None else set()
         for seq in [head] + [window[i] for i in order]:
             if self._proper(budget) <= 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            hit = None
+            hit, junction = None, 0
             if self.cache is not None:
                 tokens, chain = self.cache.page_chain(seq)
                 hit = self.cache.lookup(tokens, seq.num_tokens - 1, chain)
+                junction = self.cache.junction(tokens, len(hit.tokens) if hit is not None else 0, seq.num_tokens - 1,
+                                               seq.request_id, chain)
+                if junction and (junction, chain[junction // bs]) in producing:
+                    continue  # (its state is kept at the end of this step: admitted next step, it resumes there)
             start = len(hit.tokens) if hit is not None else 0
             whole = self.pages_for(seq.num_tokens) - start // bs  # (the entry's full pages are shared, not taken)
             held = self.cache.held_on_restore(hit) if hit is not None else 0  # (reclaimable until it holds them)
@@ -228,7 +236,9 @@ class Scheduler:
                 self.cache.queries += seq.num_tokens
                 if hit is not None:
                     seq.blocks = self.cache.restore(hit, seq.slot, lambda: self.allocate_pages(1)[0])
-                seq.snapshot_at = self.cache.junction(tokens, start, seq.num_tokens - 1, seq.request_id, chain)
+                seq.snapshot_at = junction
+                if junction:
+                    producing.add((junction, chain[junction // bs]))
             n = self._chunk(seq, budget)
             shared = start // bs
             seq.blocks = seq.blocks + self.allocate_pages(self.pages_for(start + n) - len(seq.blocks))

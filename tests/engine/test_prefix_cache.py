@@ -536,3 +536,23 @@ def test_failed_collects_with_stops_lose_no_output(tiny_dir, plain, every, monke
     del runner.collect
     assert failed >= 2 and [_key(finals[f"r{i}"]) for i in range(6)] == want
     _no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async_prefill"])
+def test_a_burst_with_one_system_prompt_computes_it_once(tiny_dir, plain, mode, monkeypatch):
+    """Eight requests with one 48-token start arrive together: the first stops its chunk at 48 and keeps the state,
+    the others wait that step and resume there (the start is computed once, as SGLang's in-batch prefix sharing
+    does); outputs equal the uncached engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1" if mode == "async_prefill" else "0")
+    rng = random.Random(17)
+    system = _tokens(rng, 48)
+    prompts = [system + _tokens(rng, 5 + i) for i in range(8)]
+    kw = dict(max_num_seqs=8, max_model_len=128, block_size=16, max_num_batched_tokens=256,
+              async_scheduling=mode != "sync")
+    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate([{"prompt_token_ids": p} for p in prompts], greedy(4))]
+    llm = make_llm(tiny_dir, enable_prefix_caching=True, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4))
+    assert [_key(o) for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0] + [48] * 7
+    assert llm.stats()["prefill_tokens"] == sum(len(p) for p in prompts) - 7 * 48
+    _no_leaks(llm)
