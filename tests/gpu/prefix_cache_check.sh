@@ -5,8 +5,9 @@
 #      cache against the NumPy oracle, alone and with others running; a tiny pool (eviction, preemption); a resumed
 #      request bit for bit against the uncached engine running the same chunks);
 #   2. the full 27-layer shape in bf16, 32 prompts of 2048 tokens sharing their first 1536 (`bench --prefix-len`),
-#      64 output tokens, cache on / off, two timed runs each (the second run's prompts are the first's: with the cache
-#      every request resumes after the shared 1536 tokens, from the junction the first run kept).
+#      64 output tokens, cache on / off, two timed runs each (a burst: with the cache the first request stops at the
+#      1536-token junction and the others wait that step and resume there; the second run's prompts are the first's,
+#      so every request resumes at once).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/prefix_cache_check.sh
 . tests/gpu/check_common.sh
