@@ -382,16 +382,7 @@ class LLMEngine:
             raise
         if nxt is not None:
             if all(s.finished for s, _ in nxt.sched.scheduled):  # every row was finished by this step: drop it
-                if self.scheduler.cache is not None and nxt.deferred:  # (never sampled: its rows' errors are not
-                    for s in nxt.sampled:  # known, so no state kept with them stays)
-                        self.scheduler.cache.discard(s.kept)
-                elif self.scheduler.cache is not None:  # (uncollected, but the states kept include its rows: their
-                    try:  # errors are read)
-                        self._discard_errored(nxt, self._collect(nxt))
-                    except BaseException:  # (its errors unknown: no state is kept; this step's outputs are owed)
-                        self.scheduler.cache.clear()
-                        self._held_outputs = outputs
-                        raise
+                self._drop_ahead(nxt, outputs)
             else:
                 if nxt.deferred:  # its grammar masks follow this step's tokens, accepted just now
                     try:
@@ -534,6 +525,24 @@ class LLMEngine:
         launched = self._launch_or_requeue(nsched, rows, defer)
         self.counters["steps_launched_ahead"] += 1
         return launched
+
+    def _drop_ahead(self, nxt: _Launched, outputs: list[RequestOutput]) -> None:
+        """A step launched ahead whose every row the step before finished: uncollected, unless the prefix cache kept
+        states that hold its rows (then its errors are read; never sampled, grammar rows held back: they are unknown
+        and those states go).  If reading them raises, the cache goes and `outputs` stay owed."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return
+        if nxt.deferred:
+            for s in nxt.sampled:
+                cache.discard(s.kept)
+            return
+        try:
+            self._discard_errored(nxt, self._collect(nxt))
+        except BaseException:
+            cache.clear()
+            self._held_outputs = outputs
+            raise
 
     def _discard_errored(self, launched: _Launched, result) -> None:
         """An errored row's state may be non-finite: no prefix-cache entry made from its sequence stays."""

@@ -48,8 +48,7 @@ class PrefixCache:
     def __init__(self, block_size: int, snapshot_slots: Iterable[int], pages: IdPool) -> None:
         self.block_size = block_size
         self.pages = pages  # the scheduler's page pool: pages no one holds go back here
-        self.snapshots = list(snapshot_slots)
-        self._free_snapshots = list(reversed(self.snapshots))  # (popped from the end: lowest id first)
+        self._free_snapshots = sorted(snapshot_slots, reverse=True)  # (popped from the end: lowest id first)
         self._lru: OrderedDict[CacheEntry, None] = OrderedDict()  # least recently used first
         self._by_block: dict[int, list[CacheEntry]] = {}  # chain hash of the entry's full pages -> entries
         self._holders: dict[int, int] = {}  # page -> holders (sequences and entries); absent: one sequence alone
@@ -63,12 +62,12 @@ class PrefixCache:
 
     # -- keys ---------------------------------------------------------------------------------
 
-    def _chain(self, tokens: list[int] | tuple[int, ...], num_pages: int) -> list[int]:
-        """Hash of the first j pages of tokens, j = 0..num_pages (each page's hash folds in the one before)."""
-        bs, h, out = self.block_size, 0, [0]
-        for j in range(num_pages):
-            h = hash((h, tuple(tokens[j * bs:(j + 1) * bs])))
-            out.append(h)
+    def _chain(self, tokens: list[int] | tuple[int, ...], num_pages: int, chain: list[int] | None = None) -> list[int]:
+        """Hash of the first j pages of tokens, j = 0..num_pages (each page's hash folds in the one before); `chain`:
+        the hashes of fewer pages of the same tokens, extended in place."""
+        bs, out = self.block_size, [0] if chain is None else chain
+        for j in range(len(out) - 1, num_pages):
+            out.append(hash((out[-1], tuple(tokens[j * bs:(j + 1) * bs]))))
         return out
 
     def page_chain(self, seq) -> tuple[list[int], list[int]]:
@@ -77,14 +76,7 @@ class PrefixCache:
         looked up every step."""
         tokens = seq.prompt_token_ids + seq.output_token_ids
         bs, got = self.block_size, seq.page_chain
-        if got and got[0] == bs and got[1] <= len(tokens):
-            chain = got[2]
-            h = chain[-1]
-            for j in range(len(chain) - 1, len(tokens) // bs):
-                h = hash((h, tuple(tokens[j * bs:(j + 1) * bs])))
-                chain.append(h)
-        else:
-            chain = self._chain(tokens, len(tokens) // bs)
+        chain = self._chain(tokens, len(tokens) // bs, got[2] if got and got[0] == bs and got[1] <= len(tokens) else None)
         seq.page_chain = (bs, len(tokens), chain)
         return tokens, chain
 
@@ -104,9 +96,9 @@ class PrefixCache:
                 return best
         return None
 
-    def remember(self, tokens: list[int], who: str) -> None:
-        """Note the pages of a prompt `who` brought (when it is queued), for `junction`."""
-        chain = self._chain(tokens, len(tokens) // self.block_size)
+    def remember(self, chain: list[int], who: str) -> None:
+        """Note the pages of a prompt `who` brought (when it is queued; `chain`: their hashes, `page_chain`'s first
+        ones), for `junction`."""
         for h in chain[1:]:
             first = self._seen.get(h)
             if first is None:
@@ -130,15 +122,17 @@ class PrefixCache:
 
     # -- entries ------------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], slot: int, pages: list[int]) -> CacheEntry | None:
+    def insert(self, tokens: list[int], slot: int, pages: list[int], chain: list[int] | None = None) -> CacheEntry | None:
         """Keep the state in `slot` (after `tokens`) and the pages of those positions as an entry: the slot is copied
         to a snapshot (evicting the least recently used entry when none is free); the pages are held, not copied.
-        None when the prefix is already cached (that entry counts as used) or no snapshot slot exists."""
+        None when the prefix is already cached (that entry counts as used) or no snapshot slot exists.  `chain`: page
+        hashes of tokens that start with `tokens`, when known (page_chain)."""
         key = tuple(tokens)
         need = -(-len(key) // self.block_size)
         if not key or len(pages) < need:
             raise ValueError(f"prefix cache: {len(key)} tokens need {need} pages, got {len(pages)}")
-        bucket = self._chain(key, len(key) // self.block_size)[-1]
+        full = len(key) // self.block_size
+        bucket = (self._chain(key, full) if chain is None else chain)[full]
         for e in self._by_block.get(bucket, ()):
             if e.tokens == key:
                 self._lru.move_to_end(e)

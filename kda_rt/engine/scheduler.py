@@ -109,7 +109,8 @@ class Scheduler:
         self.check_fits(seq.max_positions)
         seq.status = SequenceStatus.WAITING
         if self.cache is not None:  # (its prompt's pages: where a later or earlier one parts from it is a junction)
-            self.cache.remember(seq.prompt_token_ids, seq.request_id)
+            _, chain = self.cache.page_chain(seq)
+            self.cache.remember(chain[: len(seq.prompt_token_ids) // self.config.block_size + 1], seq.request_id)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, keep: int = 0) -> None:
@@ -212,15 +213,14 @@ class Scheduler:
         for seq in [head] + [window[i] for i in order]:
             if self._proper(budget) <= 0 or self.slots.num_free == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            hit, junction = None, 0
+            hit, start, junction = None, 0, 0
             if self.cache is not None:
                 tokens, chain = self.cache.page_chain(seq)
                 hit = self.cache.lookup(tokens, seq.num_tokens - 1, chain)
-                junction = self.cache.junction(tokens, len(hit.tokens) if hit is not None else 0, seq.num_tokens - 1,
-                                               seq.request_id, chain)
+                start = len(hit.tokens) if hit is not None else 0
+                junction = self.cache.junction(tokens, start, seq.num_tokens - 1, seq.request_id, chain)
                 if junction and (junction, chain[junction // bs]) in producing:
                     continue  # (its state is kept at the end of this step: admitted next step, it resumes there)
-            start = len(hit.tokens) if hit is not None else 0
             whole = self.pages_for(seq.num_tokens) - start // bs  # (the entry's full pages are shared, not taken)
             held = self.cache.held_on_restore(hit) if hit is not None else 0  # (reclaimable until it holds them)
             if whole > self.num_free_pages - held - promised - len(self.running):
@@ -299,7 +299,7 @@ class Scheduler:
         """With a prefix cache, keep the first `num_tokens` tokens of a running `seq` (its state holds exactly those
         once the steps queued so far have run) as an entry."""
         if self.cache is not None and num_tokens > 0:
-            entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks)
+            entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks, self.cache.page_chain(seq)[1])
             if entry is not None:
                 seq.kept.append(entry)
 

@@ -119,10 +119,10 @@ def test_copy_runs_never_read_what_they_write():
 def test_a_junction_is_where_another_requests_prompt_parted():
     cache = PrefixCache(4, [0], IdPool(1, "page"))
     shared = list(range(100, 110))
-    cache.remember(shared + [1, 2, 3], "a")
+    cache.remember(cache._chain(shared + [1, 2, 3], 3), "a")
     assert cache.junction(shared + [1, 2, 3], 0, 12, "a") == 0  # its own prompt (a recompute) is no junction
     assert cache.junction(shared + [7, 7, 7], 0, 12, "b") == 8  # parts from a's inside page 2: its start
-    cache.remember(shared + [7, 7, 7], "b")
+    cache.remember(cache._chain(shared + [7, 7, 7], 3), "b")
     assert cache.junction(shared + [1, 2, 3], 0, 12, "a") == 8  # (b brought pages 0 and 1 too: a junction for a)
     assert cache.junction(shared + [7, 7, 7], 8, 12, "c") == 12  # b's whole prompt past where it resumes
     assert cache.junction(shared + [8, 8, 8], 8, 12, "d") == 0  # (parts where it resumes)
