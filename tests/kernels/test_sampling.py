@@ -475,7 +475,7 @@ def test_penalty_overflow_is_flagged():
     assert cupy.asnumpy(flags).tolist() == [0, 3, 0]
     x[0, 3] = np.inf  # a raw inf in a penalised batch: 1, whatever the penalties
     flags[:] = -7
-    sample(cupy.asarray(x), **dev, penalties=pen, out_flags=flags)
+    ids = sample(cupy.asarray(x), **dev, penalties=pen, out_flags=flags)
     assert cupy.asnumpy(flags).tolist() == [1, 3, 0]
     assert cupy.asnumpy(ids)[[0, 2]].tolist() == [int(np.argmax(x[0])), 17]
 
