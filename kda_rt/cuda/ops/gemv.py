@@ -141,9 +141,10 @@ def gemv_dense(x, weight, out, *, scale=None, cfg: GemvConfig = DEFAULT, stream=
     launch on that row of x alone gives.
     With scale [N] fp32, weight holds e4m3 values as uint8 bits [N, K] (loader/quant.quantize_rows; K % 16 == 0,
     sm_89+): out = bf16(scale · (x · float(weight)ᵀ)), the scale applied to each row's fp32 sum."""
+    shape = getattr(x, "shape", ())
+    if len(shape) == 2 and not 1 <= shape[0] <= MAX_ROWS:  # (first: CuPy gives an empty x strides (0, 0))
+        raise ValueError(f"gemv_dense: x must have 1 to {MAX_ROWS} rows, got shape {shape}")
     M, K = expect(x, "x", shape=(None, None), dtype=BF16, row_stride=True)
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"gemv_dense: x must have 1 to {MAX_ROWS} rows, got shape {x.shape}")
     e4m3 = scale is not None
     N, _ = expect(weight, "weight", shape=(None, K))
     check_weight_dtype("gemv_dense", "weight", weight, e4m3)
