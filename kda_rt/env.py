@@ -94,9 +94,11 @@ def _on_off(name: str, default: str = "1") -> bool:
 def async_prefill() -> bool:
     """KDA_RT_ASYNC_PREFILL: with async scheduling, 1 launches the step after a prefill or mixed step ahead too
     (prompt chunks, admissions: docs/engine_notes.md), and the step after grammar rows with its sampler held back
-    until their tokens are accepted; 0 (the default until it is GPU-run and measured: prepared in the fifty-sixth
-    session) only a steady decode step (every running sequence decoding, nothing waiting, no grammar row), the
-    engine's form before.  Read every step."""
+    until their tokens are accepted; 0 (the default) only a steady decode step (every running sequence decoding,
+    nothing waiting, no grammar row).  Measured in the fifty-eighth session (H200, 27 layers,
+    tests/gpu/engine56_check.sh): 1 made the seed prefill's TTFT max slower (bf16 0.850 s against 0.812, fp8 0.670
+    against 0.609) and a 100 x 2048 / 128 run faster (6.59 s against 6.95): kept off while prefill is the target
+    it misses.  Read every step."""
     return _on_off("KDA_RT_ASYNC_PREFILL", "0")
 
 
@@ -107,9 +109,11 @@ def gpu_sampling_extras() -> bool:
     bad_words bans and allowed_token_ids as bitmasks beside the grammar's (SamplingBatch.device_masks; HAS_MASK).
     The host sampler (the NumPy reference) takes ~3 ms a sampled top-p row of V = 163840 when its mass is peaked,
     ~26 ms when flat, on one core of the development machine, and no step goes ahead of a host row; with this on,
-    such rows also allow async scheduling (bad_words' rows only when their outputs are on the host).  Default 0:
-    prepared in the fifty-sixth session, not yet GPU-run.  Read when the runner starts."""
-    return _on_off("KDA_RT_GPU_SAMPLING_EXTRAS", "0")
+    such rows also allow async scheduling (bad_words' rows only when their outputs are on the host).  Default 1
+    since the fifty-eighth session (H200, 27-layer bf16, 32 x 512 / 16 with temperature 0.8, top_p 0.95 and
+    frequency_penalty 0.5: decode step 9.32 ms against 921 ms with 0; tests/gpu/gpu_penalties_bench.sh); 0 sends
+    those rows to the host sampler again.  Read when the runner starts."""
+    return _on_off("KDA_RT_GPU_SAMPLING_EXTRAS", "1")
 
 
 def pdl() -> bool:
