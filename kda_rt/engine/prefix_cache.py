@@ -15,7 +15,14 @@ from the running sequences' slots).  A KDA state exists only where a step's chun
 A hit restores the snapshot into the new sequence's slot, shares the entry's full pages (a sequence only writes the
 positions past its context, so they stay read-only) and copies a partial last page into a fresh one.  Pages are
 counted by their holders (running sequences and entries); a page goes back to the free pool when nothing holds it.
-Entries go least recently used first, when a snapshot slot or pages are wanted.
+
+Eviction (a snapshot slot or pages wanted): the least recently used entry that no request has resumed from goes
+first, then the least recently used of the rest.  So a shared start that requests resume from outlives a burst of
+their end states (32 requests sharing a system prompt end in 32 entries, as many as the default slots: under plain
+LRU the last of them evicted the shared one, and the next burst computed it again).  Two limits keep resumed entries
+from filling the cache for good: at most half the slots count as resumed (beyond that the least recently used of
+them counts as never resumed again), and an end entry stops counting once the request that resumed from it ends
+(`demote`: a chat's earlier turn, which the new end holds in full).
 
 The copies (snapshot <- slot, slot <- snapshot, page <- page) are queued in `ops`; the engine hands them to the
 runner before its next launch, so they run in stream order with the forwards around them.
@@ -42,6 +49,8 @@ class CacheEntry:
     snapshot: int  # the runner's state slot holding the KDA state after the prefix
     pages: list[int]  # the MLA pages of its positions, in order (the last one partial when len % block_size)
     bucket: int  # chain hash of its full pages: its key in the index
+    junction: bool = False  # kept where prompts part (else at a request's end)
+    resumed: bool = False  # a request resumed from it (since it was made or demoted): evicted after those not
 
 
 class PrefixCache:
@@ -50,6 +59,8 @@ class PrefixCache:
         self.pages = pages  # the scheduler's page pool: pages no one holds go back here
         self._free_snapshots = sorted(snapshot_slots, reverse=True)  # (popped from the end: lowest id first)
         self._lru: OrderedDict[CacheEntry, None] = OrderedDict()  # least recently used first
+        self._max_resumed = max(1, len(self._free_snapshots) // 2)  # entries counted as resumed at most
+        self._num_resumed = 0
         self._by_block: dict[int, list[CacheEntry]] = {}  # chain hash of the entry's full pages -> entries
         self._holders: dict[int, int] = {}  # page -> holders (sequences and entries); absent: one sequence alone
         self._entry_holders: dict[int, int] = {}  # page -> entries holding it
@@ -122,11 +133,13 @@ class PrefixCache:
 
     # -- entries ------------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], slot: int, pages: list[int], chain: list[int] | None = None) -> CacheEntry | None:
+    def insert(self, tokens: list[int], slot: int, pages: list[int], chain: list[int] | None = None, *,
+               junction: bool = False) -> CacheEntry | None:
         """Keep the state in `slot` (after `tokens`) and the pages of those positions as an entry: the slot is copied
-        to a snapshot (evicting the least recently used entry when none is free); the pages are held, not copied.
-        None when the prefix is already cached (that entry counts as used) or no snapshot slot exists.  `chain`: page
-        hashes of tokens that start with `tokens`, when known (page_chain)."""
+        to a snapshot (evicting an entry when none is free: the module docstring's order); the pages are held, not
+        copied.  None when the prefix is already cached (that entry counts as used) or no snapshot slot exists.
+        `chain`: page hashes of tokens that start with `tokens`, when known (page_chain).  `junction`: kept where
+        prompts part (not at a request's end)."""
         key = tuple(tokens)
         need = -(-len(key) // self.block_size)
         if not key or len(pages) < need:
@@ -136,12 +149,13 @@ class PrefixCache:
         for e in self._by_block.get(bucket, ()):
             if e.tokens == key:
                 self._lru.move_to_end(e)
+                e.junction |= junction
                 return None
         if not self._free_snapshots:
             if not self._lru:
                 return None
-            self.evict(next(iter(self._lru)))
-        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket)
+            self.evict(self._victim())
+        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket, junction)
         self.ops.append(("slot", slot, entry.snapshot))
         for p in entry.pages:
             self._change(p, 1, 1)
@@ -167,7 +181,23 @@ class PrefixCache:
             self.ops.append(("page", entry.pages[full], page))
             blocks = blocks + [page]
         self.hits += n
+        if not entry.resumed and entry in self._lru:  # (making room for the page above may have evicted it)
+            entry.resumed = True
+            self._num_resumed += 1
+            if self._num_resumed > self._max_resumed:  # the least recently used other one counts as never resumed
+                self.demote(next(e for e in self._lru if e.resumed and e is not entry))
         return blocks
+
+    def demote(self, entry: CacheEntry) -> None:
+        """`entry` counts as never resumed from again (the module docstring's eviction order)."""
+        if entry.resumed and entry in self._lru:
+            entry.resumed = False
+            self._num_resumed -= 1
+
+    def _victim(self) -> CacheEntry:
+        """The entry to evict first: the least recently used one no request resumed from, else the least recently
+        used."""
+        return next((e for e in self._lru if not e.resumed), None) or next(iter(self._lru))
 
     def held_on_restore(self, entry: CacheEntry) -> int:
         """How many pages that count as reclaimable now a restore of `entry` holds (its full pages only entries
@@ -186,6 +216,7 @@ class PrefixCache:
         self.pages.release(own)
 
     def evict(self, entry: CacheEntry) -> None:
+        self.demote(entry)
         del self._lru[entry]
         bucket = self._by_block[entry.bucket]
         bucket.remove(entry)
@@ -203,9 +234,9 @@ class PrefixCache:
         entries.clear()
 
     def reclaim(self, num_pages: int) -> None:
-        """Evict entries, least recently used first, until `num_pages` pages are free or no entry is left."""
+        """Evict entries (the module docstring's order) until `num_pages` pages are free or no entry is left."""
         while self.pages.num_free < num_pages and self._lru:
-            self.evict(next(iter(self._lru)))
+            self.evict(self._victim())
 
     def clear(self) -> None:
         """Every entry out, and the copies not yet issued dropped (a failed step: what it left is not trusted)."""

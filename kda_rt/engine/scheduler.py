@@ -171,7 +171,7 @@ class Scheduler:
             seq.num_computed += n
             if seq.snapshot_at and seq.num_computed >= seq.snapshot_at:
                 if seq.num_computed == seq.snapshot_at and seq.slot >= 0:
-                    self._keep(seq, seq.num_computed)
+                    self._keep(seq, seq.num_computed, junction=True)
                 seq.snapshot_at = 0
 
     def _grow(self, seq: Sequence, n: int, chosen: dict[Sequence, int], budget: list[int],
@@ -236,6 +236,7 @@ class Scheduler:
                 self.cache.queries += seq.num_tokens
                 if hit is not None:
                     seq.blocks = self.cache.restore(hit, seq.slot, lambda: self.allocate_pages(1)[0])
+                    seq.resumed_from = hit
                 seq.snapshot_at = junction
                 if junction:
                     producing.add((junction, chain[junction // bs]))
@@ -295,13 +296,17 @@ class Scheduler:
         self.slots.release([seq.slot])
         seq.blocks, seq.slot = [], -1
 
-    def _keep(self, seq: Sequence, num_tokens: int) -> None:
+    def _keep(self, seq: Sequence, num_tokens: int, junction: bool = False) -> None:
         """With a prefix cache, keep the first `num_tokens` tokens of a running `seq` (its state holds exactly those
-        once the steps queued so far have run) as an entry."""
+        once the steps queued so far have run) as an entry: at a junction, or at its end (then the end entry it
+        resumed from, a chat's earlier turn, is demoted: the new one holds it)."""
         if self.cache is not None and num_tokens > 0:
-            entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks, self.cache.page_chain(seq)[1])
+            entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks, self.cache.page_chain(seq)[1],
+                                      junction=junction)
             if entry is not None:
                 seq.kept.append(entry)
+            if not junction and seq.resumed_from is not None and not seq.resumed_from.junction:
+                self.cache.demote(seq.resumed_from)
 
     @property
     def num_free_pages(self) -> int:

@@ -34,8 +34,10 @@ def _key(out):
 
 
 def _no_leaks(llm) -> None:
-    """Every page and slot back once the cache lets go of its entries."""
-    llm.llm_engine.scheduler.cache.clear()
+    """Every page and slot back once the cache lets go of its entries (and the resumed count true before)."""
+    cache = llm.llm_engine.scheduler.cache
+    assert cache._num_resumed == sum(e.resumed for e in cache._lru) <= cache._max_resumed
+    cache.clear()
     assert_no_leaks(llm)
 
 
@@ -109,6 +111,44 @@ def test_snapshots_are_reused_least_recently_used_first():
     assert cache.take_ops() == [("slot", [0], [50]), ("slot", [1], [50])]  # (two calls: the second overwrites)
 
 
+def test_entries_resumed_from_outlive_the_ends_that_follow():
+    """A burst sharing a start ends in as many entries as there are slots: the ends evict one another, not the
+    shared start they resumed from (plain LRU evicted it with the last end); page reclaims keep the same order."""
+    pages = IdPool(16, "page")
+    cache = PrefixCache(4, [50, 51, 52], pages)
+    first = pages.allocate(1)
+    shared = cache.insert([1, 2, 3, 4], slot=0, pages=first, junction=True)
+    cache.release(first)
+    cache.release(cache.restore(shared, slot=1, new_page=lambda: pages.allocate(1)[0]))
+    ends = []
+    for i in range(4):  # (each a sequence of 5 tokens that ends: its 2 pages then held by its entry alone)
+        own = pages.allocate(2)
+        ends.append(cache.insert([1, 2, 3, 4, 10 + i], slot=1, pages=own))
+        cache.release(own)
+    assert cache.lookup([1, 2, 3, 4, 9], limit=4) is shared and cache.num_entries == 3
+    assert [e in cache._lru for e in ends] == [False, False, True, True]  # (the two oldest ends went)
+    cache.reclaim(pages.num_free + 2)  # (the older end goes, before the shared start)
+    assert shared in cache._lru and cache.num_entries == 2 and ends[3] in cache._lru
+    cache.reclaim(16)
+    assert cache.num_entries == 0 and pages.num_free == 16
+
+
+def test_at_most_half_the_entries_count_as_resumed_and_a_chats_turn_stops_counting():
+    pages = IdPool(16, "page")
+    cache = PrefixCache(4, [50, 51, 52, 53], pages)  # (two may count as resumed)
+    entries = [cache.insert([i, i, i, i], slot=0, pages=pages.allocate(1)) for i in range(4)]
+    for e in entries[:3]:
+        cache.release(cache.restore(e, slot=1, new_page=lambda: pages.allocate(1)[0]))
+    assert [e.resumed for e in entries] == [False, True, True, False]  # (the first one restored no longer counts)
+    assert cache._num_resumed == 2
+    cache.demote(entries[1])
+    cache.demote(entries[1])  # (twice: once counted)
+    assert [e.resumed for e in entries] == [False, False, True, False] and cache._num_resumed == 1
+    assert cache._victim() is entries[0]
+    cache.evict(entries[2])
+    assert cache._num_resumed == 0
+
+
 def test_copy_runs_never_read_what_they_write():
     cache = PrefixCache(4, [], IdPool(1, "page"))
     cache.ops = [("slot", 1, 10), ("slot", 2, 11), ("slot", 10, 3), ("page", 5, 6), ("page", 7, 8), ("slot", 4, 12)]
@@ -146,6 +186,39 @@ def test_a_shared_system_prompt_is_computed_twice_then_resumed(tiny_dir, plain):
     stats = cached.stats()
     # the junction's entry and five ends in four snapshot slots: the least recently used ends went
     assert stats["prefix_cache_hits"] == 3 * 48 and stats["prefix_cache_entries"] == 4
+    _no_leaks(cached)
+
+
+def test_a_burst_sharing_a_start_resumes_from_it_again_after_its_ends(tiny_dir, plain):
+    """32 requests sharing a start end in 32 entries (the default slots): the start they resumed from stays, so the
+    same burst again resumes every request there (under plain LRU the last end evicted it: none resumed)."""
+    rng = random.Random(21)
+    system = _tokens(rng, 40)
+    prompts = [{"prompt_token_ids": system + _tokens(rng, 6 + i % 5)} for i in range(32)]
+    kw = dict(KW, max_num_seqs=32, max_num_batched_tokens=512)
+    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate(prompts, greedy(4))]
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **kw)
+    for burst in range(2):
+        outs = cached.generate(prompts, greedy(4))
+        assert [_key(o) for o in outs] == want
+        assert sorted(o.num_cached_tokens for o in outs) == [0] * (1 - burst) + [32] * (31 + burst)
+    assert cached.stats()["prefix_cache_entries"] == 32
+    _no_leaks(cached)
+
+
+def test_a_chats_earlier_turn_is_evicted_before_its_latest(tiny_dir):
+    """Turn 2 resumes from turn 1's end and ends itself: turn 1's entry no longer counts as resumed, so a new entry
+    evicts it, not the latest turn."""
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=2, **KW)
+    rng = random.Random(8)
+    first = _tokens(rng, 30)
+    said = cached.generate({"prompt_token_ids": first}, greedy(5))[0].outputs[0].token_ids
+    second = first + said + _tokens(rng, 7)
+    out = cached.generate({"prompt_token_ids": second}, greedy(5))[0]
+    assert out.num_cached_tokens >= len(first) + len(said) - 1
+    cached.generate({"prompt_token_ids": _tokens(rng, 20)}, greedy(3))  # (its end takes a slot: one entry goes)
+    third = second + out.outputs[0].token_ids + _tokens(rng, 4)
+    assert cached.generate({"prompt_token_ids": third}, greedy(3))[0].num_cached_tokens >= len(third) - 4 - 1
     _no_leaks(cached)
 
 
@@ -356,6 +429,7 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
         assert all(cache._holders.get(p, 1) == h for p, h in holders.items())
         only = {p for e in cache._lru for p in e.pages} - {p for s in sched.running for p in s.blocks}
         assert cache.reclaimable == len(only)
+        assert cache._num_resumed == sum(e.resumed for e in cache._lru) <= cache._max_resumed
         return out.scheduled
 
     for arrivals, aborts in events:
