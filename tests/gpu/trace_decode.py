@@ -12,7 +12,8 @@ with --timeline the start and end of kernels FROM .. FROM+COUNT-1 of the last re
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --prefill 4x2048,1x32768
 Per-kernel totals of whole prefills instead (B prompts of L tokens, 2 output tokens, after one warm-up run
-of the same shape; steps of max_num_batched_tokens = --step-tokens, default 8192): one JSON line per shape.
+of the same shape; steps of max_num_batched_tokens = --step-tokens, default 8192): one JSON line per shape (with
+--env / --values: per shape and value).
 
     PYTHONPATH=. python tests/gpu/trace_decode.py --batches '' --run 32:2048:64
 The decode steps of a whole engine run (B prompts of I tokens, O output tokens, after a warm-up run of the
@@ -59,7 +60,7 @@ def main() -> int:
     ap.add_argument("--prefill", default="", help="BxL shapes whose whole prefill is traced, e.g. 4x2048")
     ap.add_argument("--timeline", default="", help="FROM:COUNT: kernels FROM .. FROM+COUNT-1 of the last replay "
                     "with start and end (us from the replay's first kernel), e.g. 40:40")
-    ap.add_argument("--env", default="", help="a KDA_RT_* switch: the decode traces run once per --values entry")
+    ap.add_argument("--env", default="", help="a KDA_RT_* switch: the traces run once per --values entry")
     ap.add_argument("--values", default="", help="values of --env, e.g. 1,0 (graphs captured again for each)")
     ap.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens of the engine (the offline "
                     "default on an H200 is 16384; 8192 keeps the earlier traces comparable)")
@@ -85,7 +86,10 @@ def main() -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    for num, length in shapes:
+    settings = [(args.env, v) for v in args.values.split(",")] if args.env else [("", "")]
+    for (name, value), (num, length) in [(sv, s) for sv in settings for s in shapes]:
+        if name:
+            os.environ[name] = value
         run_bench(engine, num, length, 2, seed=3)
         host: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
         saved = [_timed(host, obj, name, key) for obj, name, key in (
@@ -127,7 +131,8 @@ def main() -> int:
             big.append((gap, _short(a["name"]), _short(b["name"])))
         big.sort(reverse=True)
         print(json.dumps({
-            "prefill": f"{num}x{length}", "wall_s": round(wall, 3), "ttft_s_max": round(report["ttft_s_max"], 4),
+            **({name: value} if name else {}), "prefill": f"{num}x{length}", "wall_s": round(wall, 3),
+            "ttft_s_max": round(report["ttft_s_max"], 4),
             "kernels": len(kernels),
             # host time of each call in the run, in order (ms): a step's launch returns once its kernels are
             # queued; collect waits for its results; the GPU idles from a step's end to the next step's first kernel
@@ -144,7 +149,6 @@ def main() -> int:
                     for k, v in per_kernel.most_common(45)],
         }), flush=True)
 
-    settings = [(args.env, v) for v in args.values.split(",")] if args.env else [("", "")]
     for (name, value), run in [(sv, r) for sv in settings for r in runs]:
         if name:
             os.environ[name] = value
