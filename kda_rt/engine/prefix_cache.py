@@ -7,10 +7,11 @@ from the running sequences' slots).  A KDA state exists only where a step's chun
 
 - a sequence's end (stopped or at its length; not aborted, not failed): its key is every token folded into its
   state, so the next turn of a chat, which repeats the conversation and adds to it, resumes there;
-- a *junction*: a sequence about to be computed whose first j pages of tokens equal another request's prompt (the
+- a *junction*: a sequence about to be computed whose first j pages of tokens equal another sequence's prompt (the
   page hashes of prompts are noted when they are queued) runs its chunk only to that page boundary and leaves a
-  snapshot there, so the next prompt with the same start (a shared system prompt, a document asked about again)
-  resumes from it (the scheduler holds back a sequence whose junction a running one is about to keep).
+  snapshot there, so the next prompt with the same start (a shared system prompt, a document asked about again, the
+  other samples of a request with n > 1) resumes from it (the scheduler holds back a sequence whose junction a
+  running one is about to keep).
 
 A hit restores the snapshot into the new sequence's slot, shares the entry's full pages (a sequence only writes the
 positions past its context, so they stay read-only) and copies a partial last page into a fresh one.  Pages are
@@ -31,7 +32,7 @@ runner before its next launch, so they run in stream order with the forwards aro
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from kda_rt.engine.allocator import IdPool
@@ -40,7 +41,7 @@ __all__ = ["CacheEntry", "PrefixCache"]
 
 # How many page hashes of recent prompts the junction test remembers (oldest forgotten first).
 _MAX_SEEN = 1 << 16
-_SHARED = "\0shared"  # (a page two requests brought: a junction for either)
+_SHARED = object()  # (a page two sequences brought: a junction for either)
 
 
 @dataclass(eq=False)
@@ -65,8 +66,8 @@ class PrefixCache:
         self._holders: dict[int, int] = {}  # page -> holders (sequences and entries); absent: one sequence alone
         self._entry_holders: dict[int, int] = {}  # page -> entries holding it
         self._reclaimable = 0  # pages held by entries alone: free once those entries go
-        self._seen: OrderedDict[int, str] = OrderedDict()  # page chain hash of recent prompts -> the request that
-        # brought it (_SHARED: more than one)
+        # page chain hash of recent prompts -> the sequence that brought it (_SHARED: more than one)
+        self._seen: OrderedDict[int, Hashable] = OrderedDict()
         self.ops: list[tuple[str, int, int]] = []  # ("slot" | "page", src, dst) copies for the runner, in order
         self.queries = 0  # tokens of the sequences looked up
         self.hits = 0  # of them, tokens found in the cache
@@ -107,7 +108,7 @@ class PrefixCache:
                 return best
         return None
 
-    def remember(self, chain: list[int], who: str) -> None:
+    def remember(self, chain: list[int], who: Hashable) -> None:
         """Note the pages of a prompt `who` brought (when it is queued; `chain`: their hashes, `page_chain`'s first
         ones), for `junction`."""
         for h in chain[1:]:
@@ -121,9 +122,10 @@ class PrefixCache:
         while len(self._seen) > _MAX_SEEN:
             self._seen.popitem(last=False)
 
-    def junction(self, tokens: list[int], start: int, limit: int, who: str, chain: list[int] | None = None) -> int:
-        """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another request
-        brought (0: none).  `chain` as `lookup`'s."""
+    def junction(self, tokens: list[int], start: int, limit: int, who: Hashable,
+                 chain: list[int] | None = None) -> int:
+        """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another sequence
+        brought (0: none; `who`: the asking sequence, as it was `remember`ed).  `chain` as `lookup`'s."""
         chain = self._chain(tokens, limit // self.block_size) if chain is None else chain
         for j in range(limit // self.block_size, start // self.block_size, -1):
             first = self._seen.get(chain[j])

@@ -206,6 +206,24 @@ def test_a_burst_sharing_a_start_resumes_from_it_again_after_its_ends(tiny_dir, 
     _no_leaks(cached)
 
 
+def test_a_requests_samples_compute_their_prompt_once(tiny_dir, plain):
+    """n = 4 samples of one prompt: the first stops its chunk at the prompt's last page boundary, the other three
+    wait that step and resume there (each sample its own sequence: before, samples of one request formed no
+    junction and each computed the whole prompt)."""
+    rng = random.Random(13)
+    prompt = {"prompt_token_ids": _tokens(rng, 53)}  # (3 full pages of 16, 5 tokens more)
+    params = SamplingParams(n=4, temperature=0.9, seed=3, max_tokens=6, logprobs=1)
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
+    want = plain.generate(prompt, params)[0]
+    eng = cached.llm_engine
+    steps0 = eng.counters["prefill_tokens"]
+    got = cached.generate(prompt, params)[0]
+    assert _key(got) == _key(want)
+    assert cached.stats()["prefix_cache_hits"] == 3 * 48
+    assert eng.counters["prefill_tokens"] - steps0 == 53 + 3 * 5  # (the prompt once, the three samples' last 5)
+    _no_leaks(cached)
+
+
 def test_a_chats_earlier_turn_is_evicted_before_its_latest(tiny_dir):
     """Turn 2 resumes from turn 1's end and ends itself: turn 1's entry no longer counts as resumed, so a new entry
     evicts it, not the latest turn."""
