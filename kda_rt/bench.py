@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(one JSON line each; saves loading the model again)")
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="the first N tokens of every prompt of a run are the same (a shared system prompt; with "
-                         "--enable-prefix-caching later requests resume after it); each run draws its own")
+                         "--enable-prefix-caching later requests resume after it); each run starts from an empty "
+                         "prefix cache")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first run too (the same as --num-iters-warmup 0)")
     ap.add_argument("--num-iters-warmup", type=int, default=1,
@@ -155,6 +156,9 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     prompts = [prefix + rng.integers(0, vocab, input_len - prefix_len).tolist()  # (made before the clock starts)
                for _ in range(batch)]
     cache = engine.scheduler.cache
+    # (each run from an empty cache: a run repeats the last one's prompts, which would resume or form junctions;
+    # --prefix-len measures the sharing inside one run)
+    engine.reset_prefix_cache()
     hits0 = cache.hits if cache is not None else 0
     gc_time = _GcTimer()
     gc.callbacks.append(gc_time)

@@ -314,10 +314,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._held_outputs)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every prefix-cache entry (vLLM's name; True: done, also with no cache).  Running requests keep what
-        they resumed from; only later ones compute it again."""
+        """Drop every prefix-cache entry and the prompts remembered for junctions (vLLM's name; True: done, also
+        with no cache).  Running requests keep what they resumed from; only later ones compute it again."""
         if self.scheduler.cache is not None:
-            self.scheduler.cache.clear()
+            self.scheduler.cache.clear(forget_prompts=True)
         return True
 
     def has_pending_step(self) -> bool:

@@ -240,11 +240,15 @@ class PrefixCache:
         while self.pages.num_free < num_pages and self._lru:
             self.evict(self._victim())
 
-    def clear(self) -> None:
-        """Every entry out, and the copies not yet issued dropped (a failed step: what it left is not trusted)."""
+    def clear(self, forget_prompts: bool = False) -> None:
+        """Every entry out, and the copies not yet issued dropped (a failed step: what it left is not trusted);
+        `forget_prompts`: the prompts' page hashes that junctions are found by too (a reset: prompts already queued
+        then form no junction with each other)."""
         while self._lru:
             self.evict(next(iter(self._lru)))
         self.ops.clear()
+        if forget_prompts:
+            self._seen.clear()
 
     @property
     def reclaimable(self) -> int:

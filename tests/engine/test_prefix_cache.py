@@ -516,6 +516,8 @@ def test_reset_prefix_cache(tiny_dir, plain):
     assert out.num_cached_tokens == 0 and _key(out) == _key(plain.generate(turn, greedy(4))[0])
     assert asyncio.run(AsyncLLM(cached).reset_prefix_cache()) is True
     assert cached.stats()["prefix_cache_entries"] == 0 and plain.reset_prefix_cache() is True
+    cached.generate({"prompt_token_ids": prompt}, greedy(4))  # (seen before the reset: forgotten, so no junction)
+    assert cached.stats()["prefix_cache_entries"] == 1 and cached.stats()["prefix_cache_hits"] == 0
     _no_leaks(cached)
 
 

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The fifty-seventh session's prefix caching (enable_prefix_caching), never GPU-run, in one call:
+# Prefix caching (enable_prefix_caching; fifty-seventh session, first GPU-run in the fifty-eighth), in one call:
 #   1. the tests (a failure stops the script): tests/gpu/test_request_shapes.py -k prefix_cache (the runner's
 #      copy_slots / copy_pages on random bytes; a shared system prompt and a chat's second turn resumed from the
 #      cache against the NumPy oracle, alone and with others running; a tiny pool (eviction, preemption); a resumed
 #      request bit for bit against the uncached engine running the same chunks);
 #   2. the full 27-layer shape in bf16, 32 prompts of 2048 tokens sharing their first 1536 (`bench --prefix-len`),
 #      64 output tokens, cache on / off, two timed runs each (a burst: with the cache the first request stops at the
-#      1536-token junction and the others wait that step and resume there; the second run's prompts are the first's,
-#      so every request resumes at once).
+#      1536-token junction and the others wait that step and resume there; bench empties the cache before each run,
+#      so both runs are such a burst);
+#   3. the seed run (32 x 2048 / 512) and the serving workload (256 x 8192 / 1024) with the cache on, against the
+#      headline rows without it (docs/PERFORMANCE.md, fifty-eighth session: 5.470 s, 40.4K tok/s): what the cache
+#      costs a workload that shares nothing (each finished request's state copied into a snapshot), for its
+#      default.
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/prefix_cache_check.sh
 . tests/gpu/check_common.sh
@@ -26,3 +30,6 @@ for line in sys.stdin:
         print('run %d: elapsed %.3f s, TTFT max %.3f mean %.3f s, steps %d, resumed tokens %d' % (i, r['elapsed_s'],
               r['ttft_s_max'], r['ttft_s_mean'], r['num_steps'], r.get('prefix_cache_hit_tokens', 0)))"
 done
+[ "$SECONDS" -lt 330 ] || { echo "no time left for the headline workloads with the cache on"; exit 0; }
+echo "== seed and serving workloads with --enable-prefix-caching ($SECONDS s)"
+ALSO=256:8192:1024 BENCH_ARGS="--enable-prefix-caching" BENCH_TIMEOUT=$((590 - SECONDS)) bash tests/gpu/bench_full.sh ours
