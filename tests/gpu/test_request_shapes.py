@@ -366,6 +366,21 @@ def test_prefix_cache_resumes_match_the_oracle(ckpt, oracle):
     no_leaks(gpu)
 
 
+def test_prefix_cache_samples_share_their_prompt(ckpt, oracle):
+    """n = 3 samples of one prompt with prefix caching: the first computes the prompt up to its last page boundary
+    and keeps the state there, the other two resume from it (one snapshot into two slots in one gather): every
+    sample's tokens are the oracle's."""
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=1024, num_blocks=40, max_num_batched_tokens=B,
+              enable_prefix_caching=True, prefix_cache_states=2)
+    prompt = prompt_of(150, seed=140)  # (the junction at 128)
+    out = gpu.generate({"prompt_token_ids": prompt}, greedy(8, n=3))[0]
+    assert gpu.stats()["prefix_cache_hits"] == 2 * 128
+    for i, o in enumerate(out.outputs):
+        assert_matches_oracle(oracle, prompt, o, f"sample {i}")
+    gpu.llm_engine.scheduler.cache.clear()
+    no_leaks(gpu)
+
+
 def test_prefix_cache_under_a_tiny_pool(ckpt, oracle):
     """Entries evicted for pages, sequences preempted, async steps ahead: every token still the oracle's.  (Pages of
     16 and three snapshot slots: with pages of 64, 9 of them and two slots the requests' ends evict each junction
