@@ -267,7 +267,8 @@ def fp8_decode_gemv() -> bool:
 
 
 def fp8_decode_gemv_max_t() -> int:
-    """KDA_RT_FP8_DECODE_GEMV_MAX_T (bench switch, prepared 2026-12-04, not yet GPU-run): decode steps of up to this
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T (bench switch, prepared 2026-12-04; its kernel and engine tests passed on the
+    GPU in the fifty-eighth session, not yet timed): decode steps of up to this
     many rows (1 to 4, ops/gemv.MAX_ROWS; a decode graph's rows, padding included: 3 sequences replay the 4-row graph of
     the default sizes) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for all of their rows
     (moe_gemv.cu MROWS: each weight pair widened once for every row, each row's sums bit for bit a one-row launch's);
@@ -303,7 +304,8 @@ def dense_gemv() -> bool:
 
 
 def dense_gemv_max_t() -> int:
-    """KDA_RT_DENSE_GEMV_MAX_T (bench switch, prepared 2026-12-04, not yet GPU-run): gemm.linear sends projections of
+    """KDA_RT_DENSE_GEMV_MAX_T (bench switch, prepared 2026-12-04; its tests passed on the GPU in the
+    fifty-eighth session, not yet timed): gemm.linear sends projections of
     2 to this many rows (up to 4, ops/gemv.MAX_ROWS) that gemv_dense serves at one row (KDA q|k|v|f_a|g_a|b, MLA
     q|kv_a, the dense layer's gate|up: 4-256 MB of bf16 weights, K <= 2560) to it too, one launch for all rows (each
     weight pair widened once; each row's sums bit for bit a one-row launch's), instead of cuBLAS (the wide q|k|v at
