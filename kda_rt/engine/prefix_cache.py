@@ -196,10 +196,13 @@ class PrefixCache:
             entry.resumed = False
             self._num_resumed -= 1
 
+    def _eviction_order(self) -> list[CacheEntry]:
+        """The entries in the order they go: those no request resumed from, then the others, least recently used
+        first in each."""
+        return [e for e in self._lru if not e.resumed] + [e for e in self._lru if e.resumed]
+
     def _victim(self) -> CacheEntry:
-        """The entry to evict first: the least recently used one no request resumed from, else the least recently
-        used."""
-        return next((e for e in self._lru if not e.resumed), None) or next(iter(self._lru))
+        return self._eviction_order()[0]
 
     def held_on_restore(self, entry: CacheEntry) -> int:
         """How many pages that count as reclaimable now a restore of `entry` holds (its full pages only entries
@@ -239,8 +242,7 @@ class PrefixCache:
         """Evict entries (the module docstring's order) until `num_pages` pages are free or no entry is left."""
         if self.pages.num_free >= num_pages:
             return
-        # (the order `_victim` gives one at a time, made once: a reclaim of many entries stays linear in them)
-        for e in [e for e in self._lru if not e.resumed] + [e for e in self._lru if e.resumed]:
+        for e in self._eviction_order():  # (made once: a reclaim of many entries stays linear in them)
             if self.pages.num_free >= num_pages:
                 break
             self.evict(e)

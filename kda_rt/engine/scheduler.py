@@ -110,9 +110,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         if self.cache is not None:  # (its prompt's pages: where a later or earlier one parts from it is a junction)
             _, chain = self.cache.page_chain(seq)
-            # (each sample its own: a request's n > 1 samples share their prompt through a junction too)
-            self.cache.remember(chain[: len(seq.prompt_token_ids) // self.config.block_size + 1],
-                                (seq.request_id, seq.index))
+            # (by sequence: a request's n > 1 samples share their prompt through a junction too)
+            self.cache.remember(chain[: len(seq.prompt_token_ids) // self.config.block_size + 1], seq.arrival)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, keep: int = 0) -> None:
@@ -220,7 +219,7 @@ class Scheduler:
                 tokens, chain = self.cache.page_chain(seq)
                 hit = self.cache.lookup(tokens, seq.num_tokens - 1, chain)
                 start = len(hit.tokens) if hit is not None else 0
-                junction = self.cache.junction(tokens, start, seq.num_tokens - 1, (seq.request_id, seq.index), chain)
+                junction = self.cache.junction(tokens, start, seq.num_tokens - 1, seq.arrival, chain)
                 if junction and (junction, chain[junction // bs]) in producing:
                     continue  # (its state is kept at the end of this step: admitted next step, it resumes there)
             whole = self.pages_for(seq.num_tokens) - start // bs  # (the entry's full pages are shared, not taken)
