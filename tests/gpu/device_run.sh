@@ -23,6 +23,7 @@
 # The exit status is the tests' (the first failing pytest's), not the cache's.
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} PYTHONPATH=$PWD
+mkdir -p "$OUT"
 pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v -i "running pip as" | tail -5
 # llguidance + jsonschema for the structured-output tests on the CUDA backend (not on the device image):
 # carry .whl with .whl/extra/ filled by `pip download` (see the device README)

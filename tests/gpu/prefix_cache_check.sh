@@ -12,16 +12,19 @@
 #      headline rows without it (docs/PERFORMANCE.md, fifty-eighth session: 5.470 s, 40.4K tok/s): what the cache
 #      costs a workload that shares nothing (each finished request's state copied into a snapshot), for its
 #      default.
+# TESTS=0 skips stage 1.  BENCH_ARGS adds bench flags to every bench run (e.g. "--quantization fp8": the full shape fits an 80 GB H100 in
+# fp8 alone); BASELINE=1 runs stage 3 without the cache too, in the same call (on a GPU without headline rows).
 # Run from the repository root on the GPU machine (the project installed as the device README says); logs in $OUT.
 #   bash tests/gpu/prefix_cache_check.sh
 . tests/gpu/check_common.sh
 echo "== tests"
-gate_tests prefix_tests 300 tests/gpu/test_request_shapes.py -k prefix_cache
+[ "${TESTS:-1}" = 0 ] || gate_tests prefix_tests 300 tests/gpu/test_request_shapes.py -k prefix_cache
 for flag in --enable-prefix-caching --no-enable-prefix-caching; do
   [ "$SECONDS" -lt 420 ] || { echo "no time left for $flag"; exit 0; }
   echo "== bench $flag ($SECONDS s)"
   timeout $((590 - SECONDS)) python -m kda_rt.bench --config kimi-linear-48b-a3b --random-weights \
     --router-bias-std 0.05 --batch 32 --input-len 2048 --output-len 64 --prefix-len 1536 --num-iters 2 $flag \
+    ${BENCH_ARGS:-} \
     2>> "$OUT/prefix_bench.err" | tee -a "$OUT/prefix_bench.jsonl" | python -c "
 import json, sys
 for line in sys.stdin:
@@ -31,5 +34,9 @@ for line in sys.stdin:
               r['ttft_s_max'], r['ttft_s_mean'], r['num_steps'], r.get('prefix_cache_hit_tokens', 0)))"
 done
 [ "$SECONDS" -lt 330 ] || { echo "no time left for the headline workloads with the cache on"; exit 0; }
-echo "== seed and serving workloads with --enable-prefix-caching ($SECONDS s)"
-ALSO=256:8192:1024 BENCH_ARGS="--enable-prefix-caching" BENCH_TIMEOUT=$((590 - SECONDS)) bash tests/gpu/bench_full.sh ours
+flags=--enable-prefix-caching; [ "${BASELINE:-0}" = 0 ] || flags="$flags --no-enable-prefix-caching"
+for flag in $flags; do
+  [ "$SECONDS" -lt 330 ] || { echo "no time left for the headline workloads with $flag"; exit 0; }
+  echo "== seed and serving workloads with $flag ($SECONDS s)"
+  ALSO=256:8192:1024 BENCH_ARGS="$flag ${BENCH_ARGS:-}" BENCH_TIMEOUT=$((590 - SECONDS)) bash tests/gpu/bench_full.sh ours
+done

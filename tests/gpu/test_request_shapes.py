@@ -46,8 +46,8 @@ def oracle(ckpt):
                max_num_batched_tokens=40000)
 
 
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0, **kw)
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, **kw)
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
