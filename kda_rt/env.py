@@ -267,15 +267,16 @@ def fp8_decode_gemv() -> bool:
 
 
 def fp8_decode_gemv_max_t() -> int:
-    """KDA_RT_FP8_DECODE_GEMV_MAX_T (bench switch, prepared 2026-12-04; its kernel and engine tests passed on the
-    GPU in the fifty-eighth session, not yet timed): decode steps of up to this
-    many rows (1 to 4, ops/gemv.MAX_ROWS; a decode graph's rows, padding included: 3 sequences replay the 4-row graph of
-    the default sizes) take KDA_RT_FP8_DECODE_GEMV's e4m3 GEMVs, one launch a projection for all of their rows
-    (moe_gemv.cu MROWS: each weight pair widened once for every row, each row's sums bit for bit a one-row launch's);
-    default 1 (the measured form).  At 2-4 rows the step reads the same ~1 GB less of the 48B shape's dense rows as at
-    one, at ~2x (2 rows) to ~4x (4 rows) the GEMV's FMAs (an estimate: near its issue limit at 4).  Read at each decode
-    forward and by the precompile (a CUDA graph keeps what it captured)."""
-    return _non_negative_int("KDA_RT_FP8_DECODE_GEMV_MAX_T", 1, low=1, high=4)
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T: decode steps of up to this many rows (1 to 4, ops/gemv.MAX_ROWS; a decode graph's
+    rows, padding included: 3 sequences replay the 4-row graph of the default sizes) take KDA_RT_FP8_DECODE_GEMV's
+    e4m3 GEMVs, one launch a projection for all of their rows (moe_gemv.cu MROWS: each weight pair widened once for
+    every row, each row's sums bit for bit a one-row launch's); larger steps read the bf16 weights through cuBLAS.
+    Default 2, measured (H100 80GB, 27-layer 48B shape in fp8, 2026-12-05, tests/gpu/bench_ab.py --quantization fp8
+    --env KDA_RT_FP8_DECODE_GEMV_MAX_T --prompts 0 --rounds 2, replay step medians): 2 rows 2.999 ms (1) -> 2.844 ms
+    (2) / 2.835 ms (4); 3 rows 3.383 ms (2) against 3.416 ms (3); 4 rows 3.463 ms (1, 2) against 3.740 ms (4): at 2 rows
+    the ~1 GB of bf16 rows a step does not read outweighs the GEMV's doubled FMAs, at 3-4 rows no longer; 1 row 1.92
+    ms either way.  Read at each decode forward and by the precompile (a CUDA graph keeps what it captured)."""
+    return _non_negative_int("KDA_RT_FP8_DECODE_GEMV_MAX_T", 2, low=1, high=4)
 
 
 def kda_norm_e4m3() -> bool:

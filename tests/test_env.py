@@ -150,11 +150,12 @@ _GEMV_ROWS = [("KDA_RT_FP8_DECODE_GEMV_MAX_T", env.fp8_decode_gemv_max_t),
               ("KDA_RT_DENSE_GEMV_MAX_T", env.dense_gemv_max_t)]
 
 
-@pytest.mark.parametrize(("name", "read"), _GEMV_ROWS)
-@pytest.mark.parametrize(("value", "expected"), [(None, 1), ("", 1), ("1", 1), ("2", 2), ("4", 4)])
-def test_gemv_max_rows(monkeypatch, name, read, value, expected):
-    """KDA_RT_FP8_DECODE_GEMV_MAX_T and KDA_RT_DENSE_GEMV_MAX_T: 1 by default (one-row GEMVs), up to 4 (gemv_dense's
-    rows); 0, 5 and words refused by name."""
+@pytest.mark.parametrize(("name", "read", "default"), [(*_GEMV_ROWS[0], 2), (*_GEMV_ROWS[1], 1)])
+@pytest.mark.parametrize(("value", "expected"), [(None, None), ("", None), ("1", 1), ("2", 2), ("4", 4)])
+def test_gemv_max_rows(monkeypatch, name, read, default, value, expected):
+    """KDA_RT_FP8_DECODE_GEMV_MAX_T (default 2: measured) and KDA_RT_DENSE_GEMV_MAX_T (default 1: one-row GEMVs), up
+    to 4 (gemv_dense's rows); 0, 5 and words refused by name."""
+    expected = default if expected is None else expected
     if value is None:
         monkeypatch.delenv(name, raising=False)
     else:
