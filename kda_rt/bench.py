@@ -318,7 +318,7 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
     bytes in that format; `e4m3_gemv`: the run's decode steps read the dense projections' e4m3 rows,
     KDA_RT_FP8_DECODE_GEMV and _MAX_T) and the prefill FLOPs floor of a (batch, input, output) run, with the
     measured / floor ratios; one summary line on stderr."""
-    from kda_rt.floors import decode_floor, prefill_floor
+    from kda_rt.floors import COPY_BYTES_PER_S, decode_floor, prefill_floor
 
     batch, input_len, output_len = shape
     dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization,
@@ -328,14 +328,18 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
            "decode_floor_ms": dec["seconds"] * 1e3, "decode_floor_gb": dec["bytes"] / 1e9,
            "decode_ratio": step / dec["seconds"] if step else None,
+           # the floor's bytes over the measured step: the rate the step moved them at, whatever the GPU (the floor
+           # itself is at the H200's copy rate, floors.COPY_BYTES_PER_S)
+           "decode_tb_s": dec["bytes"] / step / 1e12 if step else None,
            "prefill_floor_s": pre["seconds"], "ttft_max_ratio": report["ttft_s_max"] / pre["seconds"]}
     fp8 = ""
     if "seconds_fp8" in pre:  # the e4m3 products at twice the bf16 rate
         out.update(prefill_floor_fp8_s=pre["seconds_fp8"], ttft_max_ratio_fp8=report["ttft_s_max"] / pre["seconds_fp8"])
         fp8 = f" (fp8 floor {pre['seconds_fp8']:.3f} s -> {out['ttft_max_ratio_fp8']:.2f}x)"
     print(f"{batch} x {input_len} / {output_len}: decode step {step * 1e3 if step else float('nan'):.2f} ms, floor {out['decode_floor_ms']:.2f} ms "
-          f"({out['decode_floor_gb']:.1f} GB, {out['experts_per_moe_layer']} experts per MoE layer "
-          f"{'counted' if touched else 'estimated'}) -> {out['decode_ratio'] or float('nan'):.2f}x; "
+          f"({out['decode_floor_gb']:.1f} GB at {COPY_BYTES_PER_S / 1e12:.1f} TB/s, {out['experts_per_moe_layer']} "
+          f"experts per MoE layer {'counted' if touched else 'estimated'}) -> {out['decode_ratio'] or float('nan'):.2f}x, "
+          f"{out['decode_tb_s'] or float('nan'):.2f} TB/s; "
           f"TTFT max {report['ttft_s_max']:.3f} s, prefill floor {pre['seconds']:.3f} s -> "
           f"{out['ttft_max_ratio']:.2f}x{fp8}", file=sys.stderr)
     return out

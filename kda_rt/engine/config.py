@@ -101,7 +101,7 @@ class EngineConfig:
                                         "(same outputs; off: every step waits for the previous one)")
     # a hybrid model's prefix is its MLA pages and the KDA state after it: states are kept where a chunk ends, at a
     # request's end and at the page boundary where a prompt parts from one seen before (kda_rt/engine/prefix_cache.py)
-    enable_prefix_caching: bool = _opt(False, "keep computed prefixes for later requests: the MLA pages and the KDA "
+    enable_prefix_caching: bool = _opt(True, "keep computed prefixes for later requests: the MLA pages and the KDA "
                                               "state at a request's end and where its prompt parts from an earlier "
                                               "one (a shared system prompt, the turns of a chat)")
     prefix_cache_states: int = _opt(32, "prefix caching: KDA states kept (each the memory of one sequence's state "

@@ -17,7 +17,8 @@ A runner owns one backend's weights, cache pools and model.  It plans its pools 
     score(ForwardBatch) -> [N, vocab] float32            forward only (LLM.score, all positions)
     copy_slots(src, dst); copy_pages(src, dst)           optional (prefix caching): KDA states of slots
                                  src into slots dst, MLA pages src into pages dst, every layer, ordered
-                                 after the launches made so far and before the next
+                                 after the launches made so far and before the next (prefix caching is
+                                 on by default: a runner without them needs enable_prefix_caching=False)
     report() -> str                                      what a decode step runs
     peak_memory_bytes() -> int
 

@@ -325,14 +325,18 @@ class Scheduler:
     # -- accounting ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
+        """Pages as vLLM counts its blocks: `pages_used` those sequences hold, `pages_free` the others, pages only
+        prefix-cache entries hold (`pages_cached`, lent once their entries are evicted) among them."""
+        cached = self.cache.reclaimable if self.cache is not None else 0
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
             "preemptions": self.num_preemptions,
-            "pages_used": self.pages.num_used,
-            "pages_free": self.pages.num_free,
+            "pages_used": self.pages.num_used - cached,
+            "pages_free": self.pages.num_free + cached,
             "slots_used": self.slots.num_used,
             "slots_free": self.slots.num_free,
-            **({"prefix_cache_entries": self.cache.num_entries, "prefix_cache_queries": self.cache.queries,
-                "prefix_cache_hits": self.cache.hits} if self.cache is not None else {}),
+            **({"pages_cached": cached, "prefix_cache_entries": self.cache.num_entries,
+                "prefix_cache_queries": self.cache.queries, "prefix_cache_hits": self.cache.hits}
+               if self.cache is not None else {}),
         }

@@ -6,7 +6,7 @@ num_preemptions_total, prompt_tokens_total, generation_tokens_total, request_suc
 {finished_reason}, time_to_first_token_seconds, time_per_output_token_seconds,
 e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens, request_decode_time_seconds,
 inter_token_latency_seconds, request_params_n, request_params_max_tokens.
-Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free,
+Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free / _cached,
 state_slots_used / _free, engine_steps_total, prompt_tokens_computed_total (prefill tokens run,
 recomputation included), engine_requests_finished_total / _aborted_total, http_requests_total
 {endpoint, code}, requests_total{outcome}, requests_in_flight, engine_alive, draining.
@@ -44,8 +44,9 @@ _ENGINE = {
     "running": ("num_requests_running", "gauge", "Sequences running in the engine."),
     "waiting": ("num_requests_waiting", "gauge", "Sequences waiting in the engine queue."),
     "preemptions": ("num_preemptions", "counter", "Sequences preempted (recomputed later)."),
-    "pages_used": ("kv_pages_used", "gauge", "MLA KV-cache pages in use."),
-    "pages_free": ("kv_pages_free", "gauge", "MLA KV-cache pages free."),
+    "pages_used": ("kv_pages_used", "gauge", "MLA KV-cache pages sequences hold."),
+    "pages_free": ("kv_pages_free", "gauge", "MLA KV-cache pages free (prefix-cache pages among them)."),
+    "pages_cached": ("kv_pages_cached", "gauge", "Of the free pages, those holding prefix-cache entries."),
     "slots_used": ("state_slots_used", "gauge", "KDA state slots in use."),
     "slots_free": ("state_slots_free", "gauge", "KDA state slots free."),
     "steps": ("engine_steps", "counter", "Engine steps run."),

@@ -239,13 +239,18 @@ def test_pool_plan_numpy():
     """NumPy backend: every engine slot can reach max_model_len; num_blocks overrides; no padding."""
     cfg = parse_config(tiny_config())
     big = 2**40
-    plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16), itemsize=4,
-                      memory_bytes=big, cap_to_sequences=True)
+    plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16, enable_prefix_caching=False),
+                      itemsize=4, memory_bytes=big, cap_to_sequences=True)
     assert (plan.engine_slots, plan.engine_blocks, plan.max_model_len) == (4, 4 * 16, 256)
     assert (plan.num_slots, plan.num_blocks, plan.pad_slot, plan.pad_page) == (4, 64, None, None)
     plan = plan_pools(cfg, EngineConfig(num_blocks=7, block_size=16, max_model_len=100), itemsize=4, memory_bytes=big,
                       cap_to_sequences=True)
     assert (plan.engine_slots, plan.engine_blocks) == (16, 7)
+    # prefix caching (the default) adds prefix_cache_states (32) snapshot slots after the engine's, no pages
+    plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16), itemsize=4,
+                      memory_bytes=big, cap_to_sequences=True)
+    assert (plan.engine_slots, plan.num_slots, plan.num_blocks) == (4, 36, 64)
+    assert plan.snapshot_slots == tuple(range(4, 36))
 
 
 def test_num_blocks_over_the_memory_budget_named(tiny_dir):
@@ -255,7 +260,8 @@ def test_num_blocks_over_the_memory_budget_named(tiny_dir):
     cfg = parse_config(tiny_config())
     page = kv_bytes_per_block(cfg, 16, 4)
     memory = 2**30
-    engine = EngineConfig(max_num_seqs=4, max_model_len=64, block_size=16, gpu_memory_utilization=1.0)
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, block_size=16, gpu_memory_utilization=1.0,
+                          enable_prefix_caching=False)
     most = (memory - 4 * state_bytes_per_slot(cfg, 4)) // page
     fits = plan_pools(cfg, dataclasses.replace(engine, num_blocks=most), itemsize=4, memory_bytes=memory)
     assert fits.engine_blocks == most
@@ -272,11 +278,14 @@ def test_pool_plan_device_budget():
     page, slot = kv_bytes_per_block(cfg, 16, 2), state_bytes_per_slot(cfg, 2, 4)
     assert page == 1 * 16 * (32 + 8) * 2  # one MLA layer, kv_lora_rank + rope dim per token
     device = 10 * 2**20
-    plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16), itemsize=2,
-                      state_itemsize=4, memory_bytes=device, weight_bytes=2**20, padding=True)
-    used = 2**20 + plan.num_slots * slot + plan.num_blocks * page
-    assert plan.num_slots == 5 and plan.pad_slot == 4 and plan.pad_page == plan.engine_blocks
-    assert used == 2**20 + plan.bytes and used <= 0.9 * device < used + page
+    for caching, snapshots in ((False, 0), (True, 32)):  # prefix caching's states: more slots, fewer pages
+        plan = plan_pools(cfg, EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16,
+                                            enable_prefix_caching=caching), itemsize=2,
+                          state_itemsize=4, memory_bytes=device, weight_bytes=2**20, padding=True)
+        used = 2**20 + plan.num_slots * slot + plan.num_blocks * page
+        assert plan.num_slots == 5 + snapshots and plan.pad_slot == 4 and plan.pad_page == plan.engine_blocks
+        assert plan.snapshot_slots == tuple(range(5, 5 + snapshots))
+        assert used == 2**20 + plan.bytes and used <= 0.9 * device < used + page
 
 
 def test_default_max_num_seqs():
@@ -294,16 +303,18 @@ def test_default_max_num_seqs():
     assert fit_max_num_seqs(256, 0, 0) == 256  # no KDA layer: slots cost nothing
     cfg = parse_config(tiny_config())
     slot, page = state_bytes_per_slot(cfg, 2, 4), kv_bytes_per_block(cfg, 16, 2)
-    roomy = plan_pools(cfg, EngineConfig(block_size=16), itemsize=2, state_itemsize=4, memory_bytes=2**30,
+    off = dict(enable_prefix_caching=False)  # (the engine's own slots alone)
+    roomy = plan_pools(cfg, EngineConfig(block_size=16, **off), itemsize=2, state_itemsize=4, memory_bytes=2**30,
                        padding=True, default_seqs=1024)
     assert roomy.engine_slots == 1024 and roomy.num_slots == 1025
     memory = 2**20 + 2 * 100 * slot  # ~100 slots fit in half of what the weights leave
-    tight = plan_pools(cfg, EngineConfig(block_size=16, gpu_memory_utilization=1.0), itemsize=2, state_itemsize=4,
-                       memory_bytes=memory, weight_bytes=2**20, padding=True, default_seqs=1024)
+    tight = plan_pools(cfg, EngineConfig(block_size=16, gpu_memory_utilization=1.0, **off), itemsize=2,
+                       state_itemsize=4, memory_bytes=memory, weight_bytes=2**20, padding=True, default_seqs=1024)
     room = memory - 2**20 - slot - page
     assert tight.engine_slots == (room // 2 // slot) // 16 * 16 and tight.engine_slots * slot <= room // 2
-    explicit = plan_pools(cfg, EngineConfig(block_size=16, max_num_seqs=40, gpu_memory_utilization=1.0), itemsize=2,
-                          state_itemsize=4, memory_bytes=memory, weight_bytes=2**20, padding=True, default_seqs=1024)
+    explicit = plan_pools(cfg, EngineConfig(block_size=16, max_num_seqs=40, gpu_memory_utilization=1.0, **off),
+                          itemsize=2, state_itemsize=4, memory_bytes=memory, weight_bytes=2**20, padding=True,
+                          default_seqs=1024)
     assert explicit.engine_slots == 40  # a given value is kept (its pages are what is left)
     with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1"):
         EngineConfig(max_num_seqs=0)
@@ -330,14 +341,13 @@ def test_max_model_len_resolution(caplog):
     roomy = dict(itemsize=2, memory_bytes=2**30, padding=True)
     assert plan_pools(cfg, EngineConfig(block_size=16), **roomy).max_model_len == 4096
     tight = dict(itemsize=2, memory_bytes=(100 + 1) * page, padding=True)  # ~100 pages after the padding page
-    eng = EngineConfig(block_size=16, max_num_seqs=1, gpu_memory_utilization=1.0)
+    eng = EngineConfig(block_size=16, max_num_seqs=1, gpu_memory_utilization=1.0, enable_prefix_caching=False)
     with caplog.at_level("WARNING", logger="kda_rt.engine.pools"):
         plan = plan_pools(cfg, eng, **tight)
     assert plan.max_model_len == plan.engine_blocks * 16 < 4096
     assert [r for r in caplog.records if "max_model_len" in r.getMessage()], "one log line says why"
     with pytest.raises(ValueError, match=r"max_model_len 4096 does not fit.*holds \d+ tokens"):
-        plan_pools(cfg, EngineConfig(block_size=16, max_num_seqs=1, gpu_memory_utilization=1.0, max_model_len=4096),
-                   **tight)
+        plan_pools(cfg, dataclasses.replace(eng, max_model_len=4096), **tight)
     with pytest.raises(ValueError, match="max_model_len 5000 exceeds the model's limit 4096"):
         plan_pools(cfg, EngineConfig(block_size=16, max_model_len=5000), **roomy)
     with pytest.raises(ValueError, match="no room for KV pages"):
@@ -398,6 +408,9 @@ def test_bench_cli(tmp_path, source):
     assert report["env"] == {"KDA_RT_MLA_FP8": "0"}, report["env"]  # the switches a row ran with
     for key in ("total_tok_s", "output_tok_s", "ttft_s_mean", "tpot_s_mean", "decode_step_s_mean", "peak_memory_bytes"):
         assert report[key] > 0, key
+    # the floor's bytes over the step: the rate the step moved them at (any GPU; the floor is at the H200's rate)
+    assert report["decode_tb_s"] == pytest.approx(report["decode_floor_gb"] / 1e3 / report["decode_step_s_mean"])
+    assert report["decode_ratio"] == pytest.approx(report["decode_step_s_mean"] * 1e3 / report["decode_floor_ms"])
 
 
 def test_bench_cli_num_layers_needs_a_preset(tmp_path):

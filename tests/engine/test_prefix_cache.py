@@ -68,7 +68,7 @@ def _step(eng, finals: dict) -> int:
 
 @pytest.fixture(scope="module")
 def plain(tiny_dir):
-    return make_llm(tiny_dir, **KW)
+    return make_llm(tiny_dir, enable_prefix_caching=False, **KW)
 
 
 # -- the cache alone ---------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_a_burst_sharing_a_start_resumes_from_it_again_after_its_ends(tiny_dir, 
     system = _tokens(rng, 40)
     prompts = [{"prompt_token_ids": system + _tokens(rng, 6 + i % 5)} for i in range(32)]
     kw = dict(KW, max_num_seqs=32, max_num_batched_tokens=512)
-    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate(prompts, greedy(4))]
+    want = [_key(o) for o in make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(prompts, greedy(4))]
     cached = make_llm(tiny_dir, enable_prefix_caching=True, **kw)
     for burst in range(2):
         outs = cached.generate(prompts, greedy(4))
@@ -275,7 +275,8 @@ def test_many_requests_under_pressure_get_their_tokens(tiny_dir, mode, monkeypat
               for i in range(len(prompts))]
     kw = dict(max_num_seqs=5, max_model_len=80, block_size=16, num_blocks=7, max_num_batched_tokens=40,
               async_scheduling=mode != "sync")
-    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate([{"prompt_token_ids": p} for p in prompts], params)]
+    want = [_key(o) for o in make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
     cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=2, **kw)
     for _ in range(2):  # (the second round meets the first round's entries)
         outs = cached.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -325,8 +326,10 @@ def test_score_takes_pages_the_cache_holds(tiny_dir):
     cached = make_llm(tiny_dir, enable_prefix_caching=True, max_num_seqs=2, max_model_len=64, block_size=16,
                       num_blocks=4)
     cached.generate({"prompt_token_ids": list(range(3, 50))}, greedy(10))
-    assert cached.stats()["pages_free"] < 4
-    want = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64, block_size=16, num_blocks=4).llm_engine.score(
+    stats = cached.stats()
+    assert stats["pages_used"] == 0 and stats["pages_free"] == 4 and stats["pages_cached"] >= 3, stats
+    want = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64, block_size=16, num_blocks=4,
+                    enable_prefix_caching=False).llm_engine.score(
         list(range(3, 60)))
     np.testing.assert_array_equal(cached.llm_engine.score(list(range(3, 60))), want)
     _no_leaks(cached)
@@ -341,7 +344,8 @@ def test_settings_and_the_pool_plan():
     from kda_rt.loader.config import parse_config
 
     cfg = parse_config(tiny_config())
-    off = plan_pools(cfg, EngineConfig(max_num_seqs=4, block_size=16, max_model_len=256), itemsize=4,
+    off = plan_pools(cfg, EngineConfig(max_num_seqs=4, block_size=16, max_model_len=256, enable_prefix_caching=False),
+                     itemsize=4,
                      memory_bytes=2**30, padding=True)
     on = plan_pools(cfg, EngineConfig(max_num_seqs=4, block_size=16, max_model_len=256, enable_prefix_caching=True,
                                       prefix_cache_states=3), itemsize=4, memory_bytes=2**30, padding=True)
@@ -357,7 +361,8 @@ def test_mixed_mini_mixes(tiny_dir):
     prompts = [rng.choice(bases)[: rng.randint(5, 60)] + _tokens(rng, rng.randint(1, 8)) for _ in range(20)]
     params = [greedy(rng.randint(1, 6)) for _ in prompts]
     kw = dict(max_num_seqs=3, max_model_len=128, block_size=16, max_num_batched_tokens=48)
-    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate([{"prompt_token_ids": p} for p in prompts], params)]
+    want = [_key(o) for o in make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
     cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=3, **kw)
     got = [_key(cached.generate({"prompt_token_ids": p}, q)[0]) for p, q in zip(prompts, params, strict=True)]
     assert got == want
@@ -546,7 +551,8 @@ def test_a_row_that_errors_keeps_no_state(tiny_dir, ahead, monkeypatch):
     assert a.outputs[0].finish_reason == "error" and llm.stats()["prefix_cache_entries"] == 0
     again = {"prompt_token_ids": prompt + [7]}
     b = llm.generate(again, greedy(3))[0]
-    assert b.num_cached_tokens == 0 and _key(b) == _key(make_llm(tiny_dir, **kw).generate(again, greedy(3))[0])
+    assert b.num_cached_tokens == 0 and _key(b) == _key(make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(again,
+                                                                                                    greedy(3))[0])
     del runner.launch
     _no_leaks(llm)
 
@@ -643,7 +649,8 @@ def test_a_burst_with_one_system_prompt_computes_it_once(tiny_dir, plain, mode, 
     prompts = [system + _tokens(rng, 5 + i) for i in range(8)]
     kw = dict(max_num_seqs=8, max_model_len=128, block_size=16, max_num_batched_tokens=256,
               async_scheduling=mode != "sync")
-    want = [_key(o) for o in make_llm(tiny_dir, **kw).generate([{"prompt_token_ids": p} for p in prompts], greedy(4))]
+    want = [_key(o) for o in make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(4))]
     llm = make_llm(tiny_dir, enable_prefix_caching=True, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4))
     assert [_key(o) for o in outs] == want

@@ -50,7 +50,9 @@ class FakeRunner:
 
 def engine_with(tiny_dir, **kw):
     config = load_config(tiny_dir)
-    settings = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16, max_num_batched_tokens=16)
+    # (no copy_slots / copy_pages: prefix caching, on by default, is turned off, as such a runner must)
+    settings = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16, max_num_batched_tokens=16,
+                            enable_prefix_caching=False)
     runner = FakeRunner(config, settings, **kw)
     assert isinstance(runner, Runner)
     plan = runner.plan
