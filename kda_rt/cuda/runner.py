@@ -107,11 +107,14 @@ class CudaRunner:
         from kda_rt.cuda.ops.compile import device_name, startup_log
         from kda_rt.cuda.ops.kda_decode import CONV_STATE_DTYPE, conv_state_shape
         from kda_rt.engine.config import default_max_num_seqs
-        from kda_rt.engine.pools import plan_pools
+        from kda_rt.engine.pools import check_weights_fit, plan_pools
 
         self.cupy = cupy
         self.config = config
         startup_log()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        check_weights_fit(config, engine.quantization, free_bytes=free, total_bytes=total,
+                          device=device_name(cupy.cuda.Device().id))
         self.weights = upload_weights(config, weights, progress=progress, quantization=engine.quantization)
         gc.collect()  # runners dropped earlier in this process: give their pools back to the device
         cupy.get_default_memory_pool().free_all_blocks()

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from kda_rt.engine import EngineConfig
     from kda_rt.loader.config import ModelConfig
 
-__all__ = ["PoolPlan", "fit_max_num_seqs", "host_memory_bytes", "kv_bytes_per_block", "plan_pools",
-           "state_bytes_per_slot"]
+__all__ = ["PoolPlan", "check_weights_fit", "fit_max_num_seqs", "host_memory_bytes", "kv_bytes_per_block",
+           "plan_pools", "state_bytes_per_slot"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,35 @@ class PoolPlan:
     @property
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.block_size)
+
+
+def check_weights_fit(config: ModelConfig, quantization: str | None, *, free_bytes: int, total_bytes: int,
+                      device: str) -> int:
+    """The device bytes the weights take at least (matmuls in bf16, routers and small tensors in fp32, the experts
+    in e4m3 with a scale a row under quantization "fp8"; the fp8 models' e4m3 copies of dense projections not
+    counted), returned; a ValueError naming the model's size, the device and its free memory (and fp8 where that
+    would fit) when they exceed `free_bytes`, before any upload starts (was: CuPy's OutOfMemoryError part way in)."""
+    import dataclasses
+
+    from kda_rt.floors import weight_bytes
+
+    bf16 = dataclasses.replace(config, dtype="bfloat16")
+    w = weight_bytes(bf16, quantization)
+    moe_layers = sum(kind == "moe" for kind in config.mlp_types)
+    experts = config.moe.num_experts * moe_layers if config.moe is not None else 0
+    embed = 0 if config.tie_word_embeddings else config.vocab_size * w.embed_row
+    need = w.dense + w.per_expert * experts + embed
+    if need <= free_bytes:
+        return need
+    gib = 2**30
+    hint = ""
+    if quantization is None and config.moe is not None:
+        w8 = weight_bytes(bf16, "fp8")
+        need8 = w8.dense + w8.per_expert * experts + embed
+        hint = (f"; with quantization=\"fp8\" (--quantization fp8: the experts in e4m3) they need {need8 / gib:.1f} GiB"
+                + ("" if need8 <= free_bytes else ", still too many"))
+    raise ValueError(f"the weights need {need / gib:.1f} GiB on the GPU ({'fp8 experts' if quantization else 'bf16'}) "
+                     f"but {device} has {free_bytes / gib:.1f} GiB free of {total_bytes / gib:.1f} GiB{hint}")
 
 
 def fit_max_num_seqs(default_seqs: int, slot_bytes: int, room: int) -> int:

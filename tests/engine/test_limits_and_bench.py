@@ -488,3 +488,29 @@ def test_prefill_tail_tokens_over_the_budget_refused_at_engine_build(tiny_dir):
         make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_batched_tokens=64, prefill_tail_tokens=65)
     llm = make_llm(tiny_dir, max_model_len=96, block_size=16, max_num_batched_tokens=640)
     assert llm.llm_engine.scheduler.config.prefill_tail_tokens == 10
+
+
+def test_weights_that_cannot_fit_the_gpu_are_refused_before_the_upload():
+    """The CUDA runner checks the weights' device bytes against the GPU's free memory before uploading anything: the
+    48B shape in bf16 (98.3 GB, as the H200 runs it) does not fit an 80 GB H100, the error names both, the free
+    memory and what fp8 needs; fp8 (51.1 GB) fits; on a 40 GB card neither does."""
+    from kda_rt.demo.presets import kimi_linear_48b_a3b
+    from kda_rt.engine.pools import check_weights_fit
+
+    cfg = parse_config(kimi_linear_48b_a3b())
+    h200, h100 = dict(free_bytes=140 * 10**9, total_bytes=141 * 10**9), dict(free_bytes=84 * 10**9,
+                                                                             total_bytes=85 * 10**9)
+    assert check_weights_fit(cfg, None, device="NVIDIA H200", **h200) == pytest.approx(98.28e9, rel=1e-3)
+    fp8 = check_weights_fit(cfg, "fp8", device="NVIDIA H100 80GB HBM3", **h100)
+    assert fp8 == pytest.approx(51.10e9, rel=1e-3)
+    with pytest.raises(ValueError, match=r"the weights need 91\.5 GiB on the GPU \(bf16\) but NVIDIA H100 80GB HBM3 has "
+                                         r"78\.2 GiB free of 79\.2 GiB; with quantization=\"fp8\" .* they need "
+                                         r"47\.6 GiB$"):
+        check_weights_fit(cfg, None, device="NVIDIA H100 80GB HBM3", **h100)
+    with pytest.raises(ValueError, match=r"\(fp8 experts\) but NVIDIA L40S has 37\.3 GiB free"):
+        check_weights_fit(cfg, "fp8", free_bytes=40 * 10**9, total_bytes=48 * 10**9, device="NVIDIA L40S")
+    with pytest.raises(ValueError, match="47.6 GiB, still too many"):
+        check_weights_fit(cfg, None, free_bytes=40 * 10**9, total_bytes=48 * 10**9, device="NVIDIA L40S")
+    # a tiny model: its bytes (bf16 matmuls, fp32 small tensors), far under any GPU
+    tiny = parse_config(tiny_config())
+    assert 0 < check_weights_fit(tiny, None, device="x", free_bytes=2**30, total_bytes=2**30) < 2**24

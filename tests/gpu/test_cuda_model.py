@@ -763,3 +763,18 @@ def test_48b_shaped_4_layer_logits(tmp_path):
         if margins[39 + i] >= NEAR_TIE:
             assert row[tok] >= row.max() - noise
             assert abs(out.logprobs[i][tok] - (row[tok] - lz)) <= noise + 0.02
+
+
+def test_weights_over_the_free_memory_are_refused_before_the_upload(monkeypatch):
+    """The runner compares the weights' device bytes with the GPU's free memory before uploading any (was: CuPy's
+    OutOfMemoryError part way through, e.g. the 48B shape in bf16 on an 80 GB H100): the error names the GiB each
+    side; nothing was allocated for them."""
+    import cupy
+
+    real = cupy.cuda.runtime.memGetInfo
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: (4096, real()[1]))
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    with pytest.raises(ValueError, match=r"the weights need \d+\.\d GiB on the GPU \(bf16\) but .* has 0\.0 GiB free"):
+        LLM(str(demo_path()), backend="cuda")
+    assert pool.used_bytes() == before
