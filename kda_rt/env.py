@@ -60,6 +60,13 @@ def log_stats_interval() -> float:
         raise ValueError(f"KDA_RT_LOG_STATS_INTERVAL must be a number of seconds, got {value!r}") from None
 
 
+def server_dev_mode() -> bool:
+    """KDA_RT_SERVER_DEV_MODE (else vLLM's VLLM_SERVER_DEV_MODE): 1 adds the server's development endpoints
+    (`POST /reset_prefix_cache`, as vLLM's dev mode has it); default 0.  Read when the app is built."""
+    name = "KDA_RT_SERVER_DEV_MODE" if os.environ.get("KDA_RT_SERVER_DEV_MODE") else "VLLM_SERVER_DEV_MODE"
+    return _on_off(name, "0")
+
+
 def gc_threshold() -> int:
     """KDA_RT_GC_THRESHOLD: the engine raises Python's generation-0 collection threshold to this many
     allocations (default 10000; Python's own is 700; 0 = leave the process's setting alone).  Each

@@ -169,3 +169,19 @@ def test_gemv_max_rows_refused(monkeypatch, name, read, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         read()
+
+
+@pytest.mark.parametrize(("ours", "vllm", "expected"), [(None, None, False), ("1", None, True), (None, "1", True),
+                                                        ("0", "1", False), ("", "1", True)])
+def test_server_dev_mode(monkeypatch, ours, vllm, expected):
+    """KDA_RT_SERVER_DEV_MODE, else vLLM's VLLM_SERVER_DEV_MODE (ours wins when set); off by default; other values
+    refused by name."""
+    for name, value in (("KDA_RT_SERVER_DEV_MODE", ours), ("VLLM_SERVER_DEV_MODE", vllm)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert env.server_dev_mode() is expected
+    monkeypatch.setenv("KDA_RT_SERVER_DEV_MODE", "yes")
+    with pytest.raises(ValueError, match="KDA_RT_SERVER_DEV_MODE must be 0 or 1"):
+        env.server_dev_mode()

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kda_rt import env
 from kda_rt.server import protocol, responses_api
 from kda_rt.server.engine_client import EngineClient, EngineDeadError, EngineTimeoutError, RequestRejected
 from kda_rt.server.metrics import CONTENT_TYPE, Metrics
@@ -234,6 +235,17 @@ def build_app(state: ServerState) -> Starlette:
             _note_ignored(response, ignored)
         return response
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """POST /reset_prefix_cache (KDA_RT_SERVER_DEV_MODE=1, as vLLM's dev mode): every kept prefix dropped;
+        200 with an empty body, as vLLM answers."""
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        try:
+            await state.client.call("reset_prefix_cache", {})
+        except (EngineDeadError, EngineTimeoutError) as exc:
+            return _error(f"the engine is unavailable: {exc}", 503)
+        return Response(status_code=200)
+
     async def tokenize(request: Request) -> Response:
         return await text_op(request, "tokenize")
 
@@ -348,6 +360,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/responses", responses_create, methods=["POST"]),
         Route("/invocations", invocations, methods=["POST"]),  # vLLM's SageMaker entry: chat or completion
     ]
+    if env.server_dev_mode():
+        routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return _error(f"internal server error ({type(exc).__name__})", 500)

@@ -1,5 +1,5 @@
-"""The engine process: loads the model, then serves `add` / `abort` / `stats` / `shutdown` frames
-from the HTTP process and streams back per-request deltas after every engine step.
+"""The engine process: loads the model, then serves `add` / `abort` / `stats` / `reset_prefix_cache` / `shutdown`
+frames from the HTTP process and streams back per-request deltas after every engine step.
 
     python -m kda_rt.server.engine_proc --fd N      (started by `EngineClient`, never by hand)
 
@@ -75,6 +75,8 @@ class EngineWorker:
             self.conn.send({"op": "stats", "id": msg["id"], "stats": self.engine.stats()})
         elif op in ("tokenize", "detokenize"):
             self._text_op(msg)
+        elif op == "reset_prefix_cache":  # (between steps: running requests keep what they resumed from)
+            self.conn.send({"op": "result", "id": msg["id"], "result": self.engine.reset_prefix_cache()})
         elif op == "shutdown":
             for rid in list(self.children):
                 self._abort(rid)

@@ -28,7 +28,8 @@ def free_port() -> int:
 class ServerProc:
     """One server subprocess; its stdout+stderr go to `log_path`."""
 
-    def __init__(self, log_path: Path, *extra: str, api_key: str | None = API_KEY) -> None:
+    def __init__(self, log_path: Path, *extra: str, api_key: str | None = API_KEY,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -38,7 +39,8 @@ class ServerProc:
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
         self.engine_pid = self._wait_healthy()
 
     def log(self) -> str:

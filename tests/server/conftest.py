@@ -33,4 +33,5 @@ def reference_llm():
     from kda_rt import LLM
     from kda_rt.demo import demo_path
 
-    return LLM(str(demo_path()), backend="numpy", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
+    return LLM(str(demo_path()), backend="numpy", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+               enable_prefix_caching=False)

@@ -15,7 +15,7 @@ from helpers.server import ServerProc
 @pytest.fixture(scope="module")
 def cached_server(tmp_path_factory):
     srv = ServerProc(tmp_path_factory.mktemp("prefix") / "server.log", "--enable-prefix-caching",
-                     "--enable-prompt-tokens-details", "--block-size", "16")
+                     "--enable-prompt-tokens-details", "--block-size", "16", env={"KDA_RT_SERVER_DEV_MODE": "1"})
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -53,3 +53,27 @@ def test_usage_reports_the_cached_prompt_tokens(cached_server, reference_llm):
         cached.append(r.json()["usage"]["input_tokens_details"]["cached_tokens"])
     assert cached[:2] == [0, 0] and cached[2] > 0 and cached[2] % 16 == 0, cached
     assert cached_server.metrics()["kda_rt:prefix_cache_hits_total"] == hits + cached[2]
+
+
+def test_reset_prefix_cache_in_dev_mode(cached_server, server):
+    """KDA_RT_SERVER_DEV_MODE=1: POST /reset_prefix_cache (vLLM's dev endpoint) drops every kept prefix: a prompt
+    resumed after its shared start before the reset computes it again after (cached_tokens 0, the entries gone from
+    /metrics), then resumes once more; it needs the API key; a server without dev mode has no such route (404)."""
+    system = list(range(500, 560))  # 60 tokens: 3 pages of 16 shared
+
+    def cached_tokens(tail: int) -> int:
+        r = httpx.post(cached_server.url + "/v1/completions", headers=cached_server.headers, timeout=60.0,
+                       json={"model": "demo", "prompt": system + [tail, 7], "max_tokens": 2, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached_tokens(t) for t in (600, 601, 602)] == [0, 0, 48]
+    assert cached_server.metrics()["kda_rt:prefix_cache_entries"] > 0
+    denied = httpx.post(cached_server.url + "/reset_prefix_cache", timeout=10.0)
+    assert denied.status_code == 401, denied.text
+    r = httpx.post(cached_server.url + "/reset_prefix_cache", headers=cached_server.headers, timeout=10.0)
+    assert r.status_code == 200 and r.content == b"", r.text
+    assert cached_server.metrics()["kda_rt:prefix_cache_entries"] == 0
+    assert [cached_tokens(t) for t in (603, 604, 605)] == [0, 0, 48]  # the prompts seen before forgotten too
+    missing = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers, timeout=10.0)
+    assert missing.status_code == 404 and "no route /reset_prefix_cache" in missing.text
