@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(one JSON line each; saves loading the model again)")
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="the first N tokens of every prompt of a run are the same (a shared system prompt; with "
-                         "--enable-prefix-caching later requests resume after it); each run starts from an empty "
-                         "prefix cache")
+                         "prefix caching, on by default, later requests resume after it); each run starts from an "
+                         "empty prefix cache")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time the first run too (the same as --num-iters-warmup 0)")
     ap.add_argument("--num-iters-warmup", type=int, default=1,

@@ -110,7 +110,7 @@ class CudaModel:
         normed = False  # the previous MoE block already added its output to res and normalised it into a
         # the dense projections on their e4m3 copies (KDA_RT_WGMMA=0 turns them off too: they run on wgmma)
         fp8 = not b.decode and T >= FP8_DENSE_MIN_TOKENS and env.fp8_dense() and env.wgmma()
-        # decode steps of fp8 models of up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows (default 1): the dense projections
+        # decode steps of fp8 models of up to KDA_RT_FP8_DECODE_GEMV_MAX_T rows (default 2): the dense projections
         # as e4m3 GEMVs where the weights hold e4m3 rows for them (KDA_RT_FP8_DECODE_GEMV, at upload and here)
         gemv8 = b.decode and T <= env.fp8_decode_gemv_max_t() and env.fp8_decode_gemv()
         for i, L in enumerate(layers):

@@ -112,6 +112,8 @@ class CudaRunner:
         self.cupy = cupy
         self.config = config
         startup_log()
+        gc.collect()  # runners dropped earlier in this process (a failed start kept alive by a traceback, say): give
+        cupy.get_default_memory_pool().free_all_blocks()  # their memory back before it is counted as taken
         free, total = cupy.cuda.runtime.memGetInfo()
         check_weights_fit(config, engine.quantization, free_bytes=free, total_bytes=total,
                           device=device_name(cupy.cuda.Device().id))

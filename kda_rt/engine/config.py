@@ -105,7 +105,8 @@ class EngineConfig:
                                               "state at a request's end and where its prompt parts from an earlier "
                                               "one (a shared system prompt, the turns of a chat)")
     prefix_cache_states: int = _opt(32, "prefix caching: KDA states kept (each the memory of one sequence's state "
-                                        "slot, 42 MB on the 48B shape, taken from the KV pages' share)")
+                                        "slot, 42 MB on the 48B shape, taken from the KV pages' share: at most 1/8 "
+                                        "of it, fewer states where these do not fit)")
     quantization: str | None = _opt(None, "fp8: the routed experts (and a shared expert of their width) as e4m3 "
                                           "weights with one fp32 scale a row, quantized at load on either backend",
                                     choices=QUANTIZATIONS)

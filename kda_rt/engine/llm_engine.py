@@ -28,7 +28,7 @@ import logging
 import random
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -109,20 +109,20 @@ class LLMEngine:
         if tokenizer is not None:
             eos |= set(tokenizer.stop_token_ids)
         self.eos_token_ids = frozenset(eos)
+        if config.enable_prefix_caching:  # (on by default: where it cannot run, the engine runs without it)
+            missing = [m for m in ("copy_slots", "copy_pages") if not callable(getattr(runner, m, None))]
+            why = (f"the {getattr(runner, 'name', type(runner).__name__)} runner has no {' / '.join(missing)}"
+                   if missing else None if snapshot_slots else
+                   "the pool plan has no state slots for its snapshots (too little memory after the KV pages)")
+            if why is not None:
+                logger.warning("prefix caching off: %s", why)
+                self.config = config = replace(config, enable_prefix_caching=False)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
             prefill_tail_tokens=config.tail_tokens(),
             snapshot_slots=tuple(snapshot_slots) if config.enable_prefix_caching else (),
         ))
-        if config.enable_prefix_caching:
-            if not snapshot_slots:
-                raise ValueError("enable_prefix_caching needs state slots for its snapshots (prefix_cache_states >= 1 "
-                                 "in the runner's pool plan)")
-            missing = [m for m in ("copy_slots", "copy_pages") if not callable(getattr(runner, m, None))]
-            if missing:
-                raise ValueError(f"enable_prefix_caching: the {getattr(runner, 'name', type(runner).__name__)} runner "
-                                 f"has no {' / '.join(missing)}")
         # the tokenizer's EOS (else config.json's first) stops with stop_reason None, every other EOS id (config.json's,
         # generation_config.json's, the tokenizer's other stop token) reports its id, as vLLM's stop token ids do
         quiet = tokenizer.eos_token_id if tokenizer is not None else None

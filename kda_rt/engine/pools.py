@@ -8,8 +8,10 @@
   holds (the CUDA backend: `gpu_memory_utilization` of the device minus weights and state; the NumPy backend: the same
   share of host memory, and never more than `max_num_seqs` full-length sequences need), plus one
   padding page on CUDA.  `num_blocks` overrides the page count.
-- Snapshot slots (`enable_prefix_caching`): `prefix_cache_states` more KDA state slots after the padding slot, where
-  the prefix cache keeps the states of cached prefixes; their memory comes out of the pages' budget.
+- Snapshot slots (`enable_prefix_caching`, on by default): `prefix_cache_states` more KDA state slots after the
+  padding slot, where the prefix cache keeps the states of cached prefixes; their memory comes out of the pages'
+  budget, at most 1/8 of it (`SNAPSHOT_SHARE`; with `num_blocks` given, what the pages leave), fewer states (one
+  log line) where 32 do not fit there, none where not one does (the engine then runs without the cache).
 - `max_model_len` as vLLM resolves it: None means the model's limit when the pool can hold one
   sequence of that length, otherwise the largest length that fits (one log line says so); an
   explicit value over the model's limit or over what the pool holds is a ValueError naming both.
@@ -32,6 +34,8 @@ __all__ = ["PoolPlan", "check_weights_fit", "fit_max_num_seqs", "host_memory_byt
            "plan_pools", "state_bytes_per_slot"]
 
 logger = logging.getLogger(__name__)
+
+SNAPSHOT_SHARE = 8  # the prefix cache's KDA states take at most 1/8 of the memory the KV pages would have
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, itemsize: int) -> int:
@@ -107,7 +111,8 @@ def check_weights_fit(config: ModelConfig, quantization: str | None, *, free_byt
         need8 = w8.dense + w8.per_expert * experts + embed
         hint = (f"; with quantization=\"fp8\" (--quantization fp8: the experts in e4m3) they need {need8 / gib:.1f} GiB"
                 + ("" if need8 <= free_bytes else ", still too many"))
-    raise ValueError(f"the weights need {need / gib:.1f} GiB on the GPU ({'fp8 experts' if quantization else 'bf16'}) "
+    kind = "fp8 experts" if quantization and config.moe is not None else "bf16"
+    raise ValueError(f"the weights need {need / gib:.1f} GiB on the GPU ({kind}) "
                      f"but {device} has {free_bytes / gib:.1f} GiB free of {total_bytes / gib:.1f} GiB{hint}")
 
 
@@ -132,15 +137,25 @@ def plan_pools(config: ModelConfig, engine: EngineConfig, *, itemsize: int, stat
     """
     bs, seqs, limit = engine.block_size, engine.max_num_seqs, config.max_model_len
     pad = 1 if padding else 0
-    snaps = engine.prefix_cache_states if engine.enable_prefix_caching else 0
+    asked = engine.prefix_cache_states if engine.enable_prefix_caching else 0
     page = kv_bytes_per_block(config, bs, itemsize)
     slot = state_bytes_per_slot(config, itemsize, state_itemsize)
-    room = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - pad * (slot + page) - snaps * slot
+    room = int(memory_bytes * engine.gpu_memory_utilization) - weight_bytes - pad * (slot + page)
     if seqs is None:
         seqs = fit_max_num_seqs(default_seqs, slot, room)
         logger.info("max_num_seqs %d (default %d; %d state slots of %.1f MiB, %.2f GiB of the %.2f GiB after the "
                     "weights)", seqs, default_seqs, seqs, slot / 2**20, seqs * slot / 2**30, room / 2**30)
     budget = room - seqs * slot
+    # the prefix cache's snapshots come out of the pages' share, at most SNAPSHOT_SHARE of it (or what an explicit
+    # num_blocks leaves): never fewer sequences or a shorter max_model_len than without the cache by more than that
+    spare = budget - engine.num_blocks * page if engine.num_blocks is not None else budget // SNAPSHOT_SHARE
+    snaps = asked if slot == 0 else min(asked, max(0, spare) // slot)
+    if snaps < asked:
+        logger.warning("prefix caching keeps %d KDA states, not prefix_cache_states %d: %s", snaps, asked,
+                       "the memory after the weights, the state slots and num_blocks holds no more"
+                       if engine.num_blocks is not None else
+                       f"they may take 1/{SNAPSHOT_SHARE} of the KV pages' {max(0, budget) / 2**30:.2f} GiB")
+    budget -= snaps * slot
     if engine.num_blocks is not None:
         fit_pages = engine.num_blocks
         if page and fit_pages > max(0, budget // page):  # (was: NumPy's "Unable to allocate 144. PiB" at the pool)

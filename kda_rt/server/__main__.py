@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="log each request (id, prompt tokens, sampling parameters) and its end at INFO")
     ap.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens resumed from the "
-                         "prefix cache (--enable-prefix-caching)")
+                         "prefix cache (on by default; --no-enable-prefix-caching turns it off)")
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='allow tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     ap.add_argument("--tool-call-parser", default=None, choices=("kimi_k2",),

@@ -514,3 +514,43 @@ def test_weights_that_cannot_fit_the_gpu_are_refused_before_the_upload():
     # a tiny model: its bytes (bf16 matmuls, fp32 small tensors), far under any GPU
     tiny = parse_config(tiny_config())
     assert 0 < check_weights_fit(tiny, None, device="x", free_bytes=2**30, total_bytes=2**30) < 2**24
+
+
+def test_prefix_cache_states_fit_a_share_of_the_pages(caplog):
+    """Prefix caching (on by default) never costs the engine its sequences: max_num_seqs's default is the same with
+    it and without; its states take at most 1/8 (SNAPSHOT_SHARE) of the pages' memory, fewer than
+    prefix_cache_states where 32 do not fit there (one warning), none where not one does; with num_blocks given,
+    what the pages leave."""
+    from kda_rt.engine.pools import SNAPSHOT_SHARE
+
+    cfg = parse_config(tiny_config())
+    slot, page = state_bytes_per_slot(cfg, 2, 4), kv_bytes_per_block(cfg, 16, 2)
+    kw = dict(itemsize=2, state_itemsize=4, weight_bytes=2**20, padding=True, default_seqs=16)
+
+    def plans(memory, **settings):
+        eng = EngineConfig(block_size=16, gpu_memory_utilization=1.0, **settings)
+        return (plan_pools(cfg, dataclasses.replace(eng, enable_prefix_caching=False), memory_bytes=memory, **kw),
+                plan_pools(cfg, eng, memory_bytes=memory, **kw))
+
+    roomy_off, roomy = plans(2**30)
+    assert len(roomy.snapshot_slots) == 32 and roomy.engine_slots == roomy_off.engine_slots == 16
+    roomy_budget = 2**30 - 2**20 - (slot + page) - 16 * slot
+    assert (roomy_off.engine_blocks, roomy.engine_blocks) == (roomy_budget // page, (roomy_budget - 32 * slot) // page)
+    # pages' memory for ~40 states: 1/8 of it holds 5 (the default max_num_seqs the same either way)
+    memory = 2**20 + (slot + page) + 60 * slot
+    with caplog.at_level("WARNING", logger="kda_rt.engine.pools"):
+        off, on = plans(memory)
+    seqs = off.engine_slots
+    budget = memory - 2**20 - (slot + page) - seqs * slot
+    assert on.engine_slots == seqs == 16 and 40 <= budget // slot < 48
+    assert len(on.snapshot_slots) == budget // SNAPSHOT_SHARE // slot == 5
+    assert on.engine_blocks == (budget - 5 * slot) // page >= off.engine_blocks * (SNAPSHOT_SHARE - 1) // SNAPSHOT_SHARE
+    assert [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()] == [
+        f"prefix caching keeps 5 KDA states, not prefix_cache_states 32: they may take 1/{SNAPSHOT_SHARE} of the KV "
+        f"pages' {budget / 2**30:.2f} GiB"]
+    # under one state's worth in the share: no snapshot slot (the engine then runs without the cache)
+    off, on = plans(2**20 + (slot + page) + 23 * slot, max_num_seqs=16)
+    assert on.snapshot_slots == () and on.engine_blocks == off.engine_blocks > 0 and on.engine_slots == 16
+    # num_blocks given: the states take what the pages leave
+    off, on = plans(memory, num_blocks=10)
+    assert len(on.snapshot_slots) == min(32, (budget - 10 * page) // slot) and on.engine_blocks == 10

@@ -122,3 +122,28 @@ def test_numpy_runner_is_a_runner(tiny_dir, dtype):
 def test_settings_reject_unknown_names(tiny_dir):
     with pytest.raises(TypeError, match=r"unknown engine setting\(s\) \['max_num_sequences'\]"):
         make_llm(tiny_dir, max_num_sequences=2)
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_prefix_caching_off_where_it_cannot_run(tiny_dir, caplog, copies):
+    """Prefix caching is on by default; where it cannot run (a runner without copy_slots / copy_pages, or a pool plan
+    with no snapshot slot: too little memory) the engine runs without it, says why in one warning, and its config
+    says it is off."""
+    config = load_config(tiny_dir)
+    settings = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=16, max_num_batched_tokens=16)
+    assert settings.enable_prefix_caching
+    runner = FakeRunner(config, settings)
+    if copies:  # copies, but the plan's snapshots not handed over: none fit
+        runner.copy_slots = runner.copy_pages = lambda src, dst: None
+    plan = runner.plan
+    with caplog.at_level("WARNING", logger="kda_rt.engine.llm_engine"):
+        engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=plan.max_model_len),
+                           num_slots=plan.engine_slots, num_blocks=plan.engine_blocks)
+    why = ("the pool plan has no state slots for its snapshots (too little memory after the KV pages)" if copies
+           else "the fake runner has no copy_slots / copy_pages")
+    assert [r.getMessage() for r in caplog.records] == [f"prefix caching off: {why}"]
+    assert not engine.config.enable_prefix_caching and engine.scheduler.cache is None
+    engine.add_request("a", [7] * 20, SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert "pages_cached" not in engine.stats() and engine.stats()["pages_used"] == 0
