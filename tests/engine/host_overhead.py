@@ -3,7 +3,8 @@
 is timed is the scheduler, the flat batches, postprocess and the RequestOutputs: the part of a GPU
 decode step that the GPU waits for (`--async`: the runner also launches and collects, so the engine's async
 scheduling runs each step's early schedule too, work the GPU does not wait for then).  Prompts of 2048 tokens on the 48B-shaped 4-layer config,
-prefill done first, then $STEPS (default 100) decode steps (`-p`: cProfile, sorted by own time).
+prefill done first, then $STEPS (default 100) decode steps (`-p`: cProfile, sorted by own time; `--no-cache`:
+prefix caching off, which is on by default).
 `--prefill`: instead, the host work before and between the steps of the seed benchmark's prefill (32 x 2048
 prompts, 16384-token steps): add_request for every prompt (in the bench's TTFT), then each engine.step()."""
 
@@ -48,16 +49,24 @@ class FixedTokens:
     def collect(self, handle):
         return handle
 
+    def copy_slots(self, src, dst):  # (the prefix cache's copies: nothing to move here)
+        pass
+
+    def copy_pages(self, src, dst):
+        pass
+
     def peak_memory_bytes(self) -> int:
         return 0
 
 
 def prefill() -> None:
     config = parse_config(kimi_linear_48b_a3b(4))
-    settings = EngineConfig(max_num_seqs=32, max_model_len=4096, max_num_batched_tokens=16384)
+    settings = EngineConfig(max_num_seqs=32, max_model_len=4096, max_num_batched_tokens=16384,
+                            enable_prefix_caching="--no-cache" not in sys.argv)
     runner = FixedTokens(config, settings)
     engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=runner.plan.max_model_len),
-                       num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks)
+                       num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks,
+                       snapshot_slots=runner.plan.snapshot_slots)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompts = [rng.integers(0, 1000, 2048).tolist() for _ in range(32)]
@@ -81,12 +90,14 @@ def main() -> None:
     batch = int(args[0]) if args else 32
     kind = args[1] if len(args) > 1 else "cumulative"
     config = parse_config(kimi_linear_48b_a3b(4))
-    settings = EngineConfig(max_num_seqs=batch, max_model_len=4096, max_num_batched_tokens=8192)
+    settings = EngineConfig(max_num_seqs=batch, max_model_len=4096, max_num_batched_tokens=8192,
+                            enable_prefix_caching="--no-cache" not in sys.argv)
     runner = FixedTokens(config, settings)
     if "--async" not in sys.argv:  # (a runner without launch / collect: every step synchronous)
         runner.launch = runner.collect = None
     engine = LLMEngine(config, runner, None, dataclasses.replace(settings, max_model_len=runner.plan.max_model_len),
-                       num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks)
+                       num_slots=runner.plan.engine_slots, num_blocks=runner.plan.engine_blocks,
+                       snapshot_slots=runner.plan.snapshot_slots)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=2048, ignore_eos=True)
     for i in range(batch):
@@ -100,7 +111,8 @@ def main() -> None:
     for _ in range(steps):
         engine.step()
     prof.disable()
-    print(f"batch {batch}, {kind} outputs{' (async)' if '--async' in sys.argv else ''}: "
+    print(f"batch {batch}, {kind} outputs{' (async)' if '--async' in sys.argv else ''}"
+          f"{' (no prefix cache)' if '--no-cache' in sys.argv else ''}: "
           f"{(time.perf_counter() - t0) / steps * 1e3:.3f} ms of engine host work per decode step "
           f"({engine.counters['steps_launched_ahead']} steps launched ahead)")
     if "-p" in sys.argv:
