@@ -130,8 +130,9 @@ class CudaRunner:
         self.max_pages = plan.max_pages_per_seq
         self.block_size = engine.block_size
         need = plan.bytes
-        logger.info("cuda pools: %d slots, %d pages of %d tokens (%.2f GiB); max_model_len %d", self.num_slots,
-                    self.num_blocks, engine.block_size, need / 2**30, plan.max_model_len)
+        logger.info("cuda pools: %d slots (%d prefix-cache states among them), %d pages of %d tokens (%.2f GiB); "
+                    "max_model_len %d", self.num_slots, len(plan.snapshot_slots), self.num_blocks, engine.block_size,
+                    need / 2**30, plan.max_model_len)
         try:
             kda_pools, mla_pools = {}, {}
             if config.kda is not None:
