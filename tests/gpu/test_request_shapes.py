@@ -398,10 +398,18 @@ def test_prefix_cache_under_a_tiny_pool(ckpt, oracle):
     assert s["prefix_cache_hits"] > 0 and s["preemptions"] > 0, s
 
 
-def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt, quantization):
     """A request resumed at a junction runs the chunks the uncached engine runs when its budget ends the first chunk
-    there: the tokens and logprobs are equal bit for bit (the restored state and pages are the computed ones)."""
-    kw = dict(backend="cuda", max_num_seqs=2, max_model_len=1024, max_num_batched_tokens=128, prefill_tail_tokens=0)
+    there: the tokens and logprobs are equal bit for bit (the restored state and pages are the computed ones), also
+    with fp8 experts (prefix caching is on by default for both)."""
+    if quantization == "fp8":
+        from kda_rt.cuda.ops.compile import arch_number, device_arch
+
+        if arch_number(device_arch()) < 89:
+            pytest.skip("e4m3 weights need sm_89 or newer")
+    kw = dict(backend="cuda", max_num_seqs=2, max_model_len=1024, max_num_batched_tokens=128, prefill_tail_tokens=0,
+              quantization=quantization)
     system = prompt_of(140, seed=130)  # the junction at 128
     prompts = [system + prompt_of(20 + i, seed=131 + i) for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
