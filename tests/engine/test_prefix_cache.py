@@ -353,14 +353,15 @@ def test_settings_and_the_pool_plan():
     assert on.num_slots == off.num_slots + 3 and on.engine_blocks < off.engine_blocks  # (their memory: the pages')
 
 
-def test_mixed_mini_mixes(tiny_dir):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mixed_mini_mixes(tiny_dir, quantization):
     """Random prompts with random shared starts in random order on the default settings: the outputs are the
-    uncached engine's (a broad net behind the targeted tests above)."""
+    uncached engine's (a broad net behind the targeted tests above), with fp8 experts too."""
     rng = random.Random(29)
     bases = mixed_prompts(4, seed=29, lo=10, hi=60)
     prompts = [rng.choice(bases)[: rng.randint(5, 60)] + _tokens(rng, rng.randint(1, 8)) for _ in range(20)]
     params = [greedy(rng.randint(1, 6)) for _ in prompts]
-    kw = dict(max_num_seqs=3, max_model_len=128, block_size=16, max_num_batched_tokens=48)
+    kw = dict(max_num_seqs=3, max_model_len=128, block_size=16, max_num_batched_tokens=48, quantization=quantization)
     want = [_key(o) for o in make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(
         [{"prompt_token_ids": p} for p in prompts], params)]
     cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=3, **kw)
