@@ -15,10 +15,12 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_checkout, "setup.cfg")) and _os.path.isdir(_os.path.join(_checkout, "loader")):
     __path__.append(_checkout)
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "BeamSearchParams"]
 _LAZY = {"LLM": "kda_rt.llm", "SamplingParams": "kda_rt.sampler.params",
          "StructuredOutputsParams": "kda_rt.sampler.params",
-         "RequestOutput": "kda_rt.outputs", "CompletionOutput": "kda_rt.outputs", "Logprob": "kda_rt.outputs"}
+         "RequestOutput": "kda_rt.outputs", "CompletionOutput": "kda_rt.outputs", "Logprob": "kda_rt.outputs",
+         "BeamSearchParams": "kda_rt.beam_search"}
 
 
 def __getattr__(name: str):

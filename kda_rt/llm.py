@@ -465,6 +465,17 @@ class LLM:
             ranks.append(int((lp > lp[token]).sum()) + 1)
         return dicts, ranks
 
+    def beam_search(self, prompts, params, *, use_tqdm: bool = False, concurrency_limit: int | None = None,
+                    lora_request: None = None) -> list:
+        """vLLM's beam search (`kda_rt.beam_search.BeamSearchParams`): for each prompt its best `beam_width`
+        `BeamSearchSequence`s (tokens = prompt + generated ids, cum_logprob, text), in a `BeamSearchOutput`; each step
+        one engine request a beam, resumed after its parent's tokens by the prefix cache (kda_rt/beam_search.py)."""
+        from kda_rt.beam_search import beam_search
+
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        return beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True."""
         return self.llm_engine.reset_prefix_cache()

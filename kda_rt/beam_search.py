@@ -1,0 +1,175 @@
+"""Beam search over the engine, with vLLM's offline API (`LLM.beam_search(prompts, BeamSearchParams(...))`).
+
+Each step asks the engine for one token of every live beam with the top `2 * beam_width` logprobs of the model's
+distribution (before temperature, as the engine reports them), extends every beam by every listed token, and
+keeps the `beam_width` best of each prompt's candidates; a candidate ending in an EOS id (unless `ignore_eos`) is set
+aside as finished.  The beams of one prompt share its start and every beam's next request repeats its parent's
+tokens, so prefix caching (on by default) resumes each request after them and computes one token: the engine's
+end-of-request entries hold exactly the states the next step needs.
+
+Ranking as vLLM's: `cum_logprob / len(tokens) ** length_penalty`, `tokens` the prompt and the generated ids (a
+final EOS not counted), over the finished candidates and the last step's beams together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from kda_rt.llm import LLM
+    from kda_rt.outputs import Logprob
+
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_score", "beam_search"]
+
+# logprobs per request are capped at 20 (SamplingParams), and a step lists 2 x beam_width candidates a beam
+MAX_BEAM_WIDTH = 10
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`: `beam_width` beams a prompt (1 to 10), up to `max_tokens` generated tokens each;
+    `temperature` applies to the one token each step's requests sample, which is a candidate beside the listed
+    ones (0: it is the most likely one); `length_penalty` the exponent of the ranking's length;
+    `include_stop_str_in_output` is accepted for vLLM's signature (beams stop on EOS ids only, never in text)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an int in [1, {MAX_BEAM_WIDTH}] (each step lists 2 x beam_width "
+                             f"logprobs, at most 20), got {self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: `tokens` the prompt's ids and the generated ones (vLLM's layout), `logprobs` one {token: Logprob}
+    a generated token (the step's listed candidates), `cum_logprob` the generated tokens' summed logprobs, `text`
+    the generated tokens' text (a final EOS left out; None without a tokenizer), `finish_reason` "stop" (an EOS id)
+    or "length"."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best `beam_width` sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(tokens: list[int], cum_logprob: float, eos_ids: Iterable[int], length_penalty: float = 1.0) -> float:
+    """vLLM's ranking: the summed logprob over the length (prompt and generated ids, a final EOS not counted) to the
+    power `length_penalty`."""
+    length = len(tokens) - (1 if tokens and tokens[-1] in eos_ids else 0)
+    return cum_logprob / max(length, 1) ** length_penalty
+
+
+@dataclass
+class _Prompt:
+    start: int  # prompt length
+    beams: list[BeamSearchSequence]
+    done: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """`LLM.beam_search`: prompts as `generate` takes them (texts, {"prompt_token_ids": ...} or {"prompt": ...}
+    dicts, token-id lists); `concurrency_limit`: how many prompts search together (None: all)."""
+    from kda_rt.sampler.params import SamplingParams
+
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if concurrency_limit is not None and (not _is_int(concurrency_limit) or concurrency_limit < 1):
+        raise ValueError(f"concurrency_limit must be an int >= 1 or None, got {concurrency_limit!r}")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    engine = llm.llm_engine
+    limit = engine.config.max_model_len
+    starts = []
+    for i, p in enumerate(prompts):
+        ids = list(engine.prompt_ids(p)[1])
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} exceed max_model_len "
+                             f"{limit}")
+        starts.append(ids)
+    eos = frozenset() if params.ignore_eos else engine.eos_token_ids
+    step_params = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
+                                 logprobs=2 * params.beam_width)
+    tokenizer = llm.get_tokenizer()
+    group = concurrency_limit or max(len(starts), 1)
+    outputs: list[BeamSearchOutput] = []
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=params.max_tokens * math.ceil(len(starts) / group), desc="beam search", unit="step")
+    try:
+        for lo in range(0, len(starts), group):
+            todo = [_Prompt(len(ids), [BeamSearchSequence(list(ids))]) for ids in starts[lo:lo + group]]
+            for _ in range(params.max_tokens):
+                live = [(s, b) for s in todo for b in s.beams]
+                if not live:
+                    break
+                results = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step_params)
+                grown: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in todo}
+                for (s, beam), result in zip(live, results, strict=True):
+                    listed = result.outputs[0].logprobs[0]
+                    for token, lp in listed.items():
+                        new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [listed],
+                                                 beam.cum_logprob + float(lp))
+                        if token in eos:
+                            new.finish_reason = "stop"
+                            s.done.append(new)
+                        else:
+                            grown[id(s)].append(new)
+                for s in todo:
+                    grown[id(s)].sort(key=lambda b: beam_score(b.tokens, b.cum_logprob, eos, params.length_penalty),
+                                      reverse=True)
+                    s.beams = grown[id(s)][:params.beam_width]
+                if bar is not None:
+                    bar.update(1)
+            for s in todo:
+                for b in s.beams:
+                    b.finish_reason = "length"
+                best = sorted(s.done + s.beams, key=lambda b: beam_score(b.tokens, b.cum_logprob, eos,
+                                                                          params.length_penalty), reverse=True)
+                best = best[:params.beam_width]
+                for b in best:
+                    gen = b.tokens[s.start:]
+                    if b.finish_reason == "stop":
+                        gen = gen[:-1]
+                    b.text = tokenizer.decode(gen) if tokenizer is not None else None
+                outputs.append(BeamSearchOutput(best))
+    finally:
+        if bar is not None:
+            bar.close()
+    return outputs
