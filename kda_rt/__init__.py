@@ -16,11 +16,11 @@ if _os.path.isfile(_os.path.join(_checkout, "setup.cfg")) and _os.path.isdir(_os
     __path__.append(_checkout)
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams"]
+           "BeamSearchParams", "BeamSearchOutput"]
 _LAZY = {"LLM": "kda_rt.llm", "SamplingParams": "kda_rt.sampler.params",
          "StructuredOutputsParams": "kda_rt.sampler.params",
          "RequestOutput": "kda_rt.outputs", "CompletionOutput": "kda_rt.outputs", "Logprob": "kda_rt.outputs",
-         "BeamSearchParams": "kda_rt.beam_search"}
+         "BeamSearchParams": "kda_rt.beam_search", "BeamSearchOutput": "kda_rt.beam_search"}
 
 
 def __getattr__(name: str):

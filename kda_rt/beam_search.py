@@ -8,7 +8,9 @@ tokens, so prefix caching (on by default) resumes each request after them and co
 end-of-request entries hold exactly the states the next step needs.
 
 Ranking as vLLM's: `cum_logprob / len(tokens) ** length_penalty`, `tokens` the prompt and the generated ids (a
-final EOS not counted), over the finished candidates and the last step's beams together.
+final EOS not counted, also under `ignore_eos`), over the finished candidates and the last step's beams together.
+A beam stops at any of the engine's EOS ids, as `generate` does (vLLM's beam search: the tokenizer's EOS alone);
+`text` is the decoded `tokens`, prompt and EOS included, as vLLM's offline beam search has it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from kda_rt.outputs import Logprob
 
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_score", "beam_search"]
+
 
 # logprobs per request are capped at 20 (SamplingParams), and a step lists 2 x beam_width candidates a beam
 MAX_BEAM_WIDTH = 10
@@ -68,8 +71,9 @@ class BeamSearchParams:
 class BeamSearchSequence:
     """One beam: `tokens` the prompt's ids and the generated ones (vLLM's layout), `logprobs` one {token: Logprob}
     a generated token (the step's listed candidates), `cum_logprob` the generated tokens' summed logprobs, `text`
-    the generated tokens' text (a final EOS left out; None without a tokenizer), `finish_reason` "stop" (an EOS id)
-    or "length"."""
+    the decoded `tokens` (prompt and generated, as vLLM's offline search; None without a tokenizer),
+    `finish_reason` "stop" (an EOS id; `stop_reason` as `generate` reports it: None for the tokenizer's EOS, else
+    the id) or "length"."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -95,7 +99,6 @@ def beam_score(tokens: list[int], cum_logprob: float, eos_ids: Iterable[int], le
 
 @dataclass
 class _Prompt:
-    start: int  # prompt length
     beams: list[BeamSearchSequence]
     done: list[BeamSearchSequence] = field(default_factory=list)
 
@@ -112,6 +115,11 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
         raise ValueError(f"concurrency_limit must be an int >= 1 or None, got {concurrency_limit!r}")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
+    if isinstance(prompts, (set, frozenset)) or not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (texts, dicts or token-id lists), got "
+                        f"{type(prompts).__name__}")
+    if prompts and all(_is_int(t) for t in prompts):
+        prompts = [list(prompts)]  # one prompt of token ids, as generate reads a flat list
     engine = llm.llm_engine
     limit = engine.config.max_model_len
     starts = []
@@ -121,7 +129,9 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
             raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} exceed max_model_len "
                              f"{limit}")
         starts.append(ids)
-    eos = frozenset() if params.ignore_eos else engine.eos_token_ids
+    eos = engine.eos_token_ids  # (the ranking's length leaves a final EOS out even under ignore_eos, as vLLM's)
+    stops = frozenset() if params.ignore_eos else eos
+    quiet = engine.postprocessor.quiet_eos_ids
     step_params = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
                                  logprobs=2 * params.beam_width)
     tokenizer = llm.get_tokenizer()
@@ -134,7 +144,7 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
         bar = tqdm(total=params.max_tokens * math.ceil(len(starts) / group), desc="beam search", unit="step")
     try:
         for lo in range(0, len(starts), group):
-            todo = [_Prompt(len(ids), [BeamSearchSequence(list(ids))]) for ids in starts[lo:lo + group]]
+            todo = [_Prompt([BeamSearchSequence(list(ids))]) for ids in starts[lo:lo + group]]
             for _ in range(params.max_tokens):
                 live = [(s, b) for s in todo for b in s.beams]
                 if not live:
@@ -146,8 +156,9 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
                     for token, lp in listed.items():
                         new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [listed],
                                                  beam.cum_logprob + float(lp))
-                        if token in eos:
+                        if token in stops:
                             new.finish_reason = "stop"
+                            new.stop_reason = None if token in quiet else token
                             s.done.append(new)
                         else:
                             grown[id(s)].append(new)
@@ -164,10 +175,7 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
                                                                           params.length_penalty), reverse=True)
                 best = best[:params.beam_width]
                 for b in best:
-                    gen = b.tokens[s.start:]
-                    if b.finish_reason == "stop":
-                        gen = gen[:-1]
-                    b.text = tokenizer.decode(gen) if tokenizer is not None else None
+                    b.text = tokenizer.decode(b.tokens) if tokenizer is not None else None
                 outputs.append(BeamSearchOutput(best))
     finally:
         if bar is not None:

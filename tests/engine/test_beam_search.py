@@ -1,6 +1,7 @@
 """`LLM.beam_search` (vLLM's offline beam search) on the NumPy backend: the beams equal a reference search that
 scores whole sequences with `LLM.score` (no engine requests, no prefix cache), each step's requests resume from the
-prefix cache, EOS ends a beam (unless ignore_eos), the ranking's length penalty, and bad parameters named."""
+prefix cache, EOS ends a beam (unless ignore_eos), the ranking's length penalty, temperature's extra candidate, and
+bad parameters named."""
 
 from __future__ import annotations
 
@@ -27,18 +28,27 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum())
 
 
-def reference(llm, prompt: list[int], width: int, steps: int, eos: frozenset, penalty: float = 1.0):
+def reference(llm, prompt: list[int], width: int, steps: int, stops: frozenset, penalty: float = 1.0,
+              eos: frozenset | None = None):
     """Beam search written the plain way: every candidate's next-token distribution from scoring its whole sequence
-    (`LLM.score`: one forward over all its positions), the top 2 x width tokens of each beam a step."""
+    (`LLM.score`: one forward over all its positions), the top 2 x width tokens of each beam a step, ranked by the
+    summed logprob over the length (a final EOS id not counted) to the power `penalty`."""
+    eos = stops if eos is None else eos
+
+    def key(b):
+        tokens, cum = b
+        return cum / (len(tokens) - (tokens[-1] in eos)) ** penalty
+
     beams, done = [(list(prompt), 0.0)], []
-    key = lambda b: beam_score(b[0], b[1], eos, penalty)  # noqa: E731
     for _ in range(steps):
         grown = []
         for tokens, cum in beams:
             lp = log_softmax(llm.score(tokens)[-1])
             for t in np.argsort(-lp, kind="stable")[: 2 * width]:
-                (done if int(t) in eos else grown).append((tokens + [int(t)], cum + float(lp[t])))
+                (done if int(t) in stops else grown).append((tokens + [int(t)], cum + float(lp[t])))
         beams = sorted(grown, key=key, reverse=True)[:width]
+        if not beams:
+            break
     return sorted(done + beams, key=key, reverse=True)[:width]
 
 
@@ -58,9 +68,10 @@ def test_beams_equal_a_reference_search(llm, width, steps):
         for b in o.sequences:
             assert b.tokens[: len(prompt)] == prompt and len(b.tokens) == len(prompt) + steps
             assert b.finish_reason == "length" and len(b.logprobs) == steps
+            assert all(len(lp) == 2 * width for lp in b.logprobs)  # the top 2 x width, the greedy sample among them
             assert b.cum_logprob == pytest.approx(sum(float(lp[t]) for lp, t in zip(b.logprobs, b.tokens[len(prompt):],
                                                                                  strict=True)))
-            assert b.text == llm.get_tokenizer().decode(b.tokens[len(prompt):])
+            assert b.text == llm.get_tokenizer().decode(b.tokens)  # (vLLM's offline search: prompt and all)
     if width == 1:  # greedy: the engine's own greedy decoding
         from kda_rt import SamplingParams
 
@@ -75,21 +86,49 @@ def test_beams_equal_a_reference_search(llm, width, steps):
 
 
 def test_eos_ends_a_beam(llm, monkeypatch):
-    """A candidate ending in an EOS id is finished ("stop", its text without the EOS) and ranked with the beams;
-    ignore_eos makes it an ordinary token."""
+    """A candidate ending in an EOS id is finished ("stop", stop_reason as generate reports it: None for the
+    tokenizer's EOS, else the id) and ranked with the beams, its length without the EOS, under a length penalty too;
+    ignore_eos makes it an ordinary token (its length still counted as vLLM's); where every candidate ends, the
+    search stops early."""
     prompt = [9, 8, 7, 6, 5, 4, 3]
     lp = log_softmax(llm.score(prompt)[-1])
-    first, second = (int(t) for t in np.argsort(-lp)[:2])
-    monkeypatch.setattr(llm.llm_engine, "eos_token_ids", frozenset({first}))
-    out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences
-    ended = [b for b in out if b.finish_reason == "stop"]
-    want = reference(llm, prompt, 2, 3, frozenset({first}))
-    assert [b.tokens for b in out] == [w[0] for w in want]
-    assert ended and all(b.tokens[-1] == first and len(b.tokens) == len(prompt) + 1 for b in ended)
-    assert all(b.text == "" for b in ended)  # (its one generated token is the EOS)
+    first, second, third = (int(t) for t in np.argsort(-lp)[:3])
+    eng = llm.llm_engine
+    monkeypatch.setattr(eng, "eos_token_ids", frozenset({first, third}))
+    monkeypatch.setattr(eng.postprocessor, "quiet_eos_ids", frozenset({first}))
+    for penalty in (1.0, 0.5, 2.0):
+        out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=penalty))
+        want = reference(llm, prompt, 2, 3, frozenset({first, third}), penalty)
+        seqs = out[0].sequences
+        assert [b.tokens for b in seqs] == [w[0] for w in want], penalty
+        np.testing.assert_allclose([b.cum_logprob for b in seqs], [w[1] for w in want], rtol=1e-5)
+        for b in seqs:
+            if b.tokens[-1] in (first, third) and len(b.tokens) == len(prompt) + 1:
+                assert b.finish_reason == "stop" and b.stop_reason == (None if b.tokens[-1] == first else third)
+    assert any(b.finish_reason == "stop" for b in llm.beam_search([prompt], BeamSearchParams(2, 3))[0].sequences)
     free = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0].sequences
+    want = reference(llm, prompt, 2, 3, frozenset(), eos=frozenset({first, third}))
+    assert [b.tokens for b in free] == [w[0] for w in want]
     assert all(b.finish_reason == "length" and len(b.tokens) == len(prompt) + 3 for b in free)
-    assert free[0].tokens[len(prompt)] in (first, second)
+    # width 1: its two candidates both EOS ids -> the search ends after one step, with the better of them
+    monkeypatch.setattr(eng, "eos_token_ids", frozenset({first, second}))
+    (only,) = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=5))[0].sequences
+    assert only.tokens == prompt + [first] and only.finish_reason == "stop" and len(only.logprobs) == 1
+
+
+def test_temperature_samples_a_candidate_more(llm):
+    """temperature > 0: each step's sampled token is a candidate beside the top 2 x width (vLLM's behaviour), with
+    its logprob of the model's distribution (before temperature): on the demo's flat distributions some step lists
+    2 x width + 1 tokens."""
+    prompt = [21, 22, 23, 24, 25]
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, temperature=1.5))[0].sequences
+    sizes = {len(lp) for b in out for lp in b.logprobs}
+    assert sizes <= {4, 5} and 5 in sizes, sizes
+    lp0 = log_softmax(llm.score(prompt)[-1])
+    for b in out:
+        first = b.logprobs[0]
+        for t, v in first.items():
+            assert float(v) == pytest.approx(lp0[t], rel=1e-5)
 
 
 def test_length_penalty_ranks_by_length():
@@ -120,6 +159,8 @@ def test_bad_params_named(kw, needle):
 
 
 def test_bad_calls_named(llm):
+    with pytest.raises(TypeError, match="prompts must be a list of prompts .* got set"):
+        llm.beam_search({"a", "b"}, BeamSearchParams(2, 3))
     with pytest.raises(TypeError, match="params must be a BeamSearchParams"):
         llm.beam_search([[5, 6]], {"beam_width": 2, "max_tokens": 3})
     with pytest.raises(ValueError, match=r"prompt 1: 126 tokens \+ max_tokens 4 exceed max_model_len 128"):
@@ -137,6 +178,8 @@ def test_concurrency_limit_and_text_prompts(llm):
     prompts = ["hello there", {"prompt_token_ids": [11, 12, 13, 14]}, [70, 71, 72]]
     params = BeamSearchParams(beam_width=2, max_tokens=3)
     together = llm.beam_search(prompts, params)
+    flat = llm.beam_search([70, 71, 72], params)  # a flat list of ids is one prompt, as generate reads it
+    assert len(flat) == 1 and [b.tokens for b in flat[0].sequences] == [b.tokens for b in together[2].sequences]
     apart = llm.beam_search(prompts, params, concurrency_limit=1)
     assert [[b.tokens for b in o.sequences] for o in together] == [[b.tokens for b in o.sequences] for o in apart]
     ids = llm.get_tokenizer().encode("hello there", allow_special=True)
