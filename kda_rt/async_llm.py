@@ -103,6 +103,41 @@ class AsyncLLM:
             if not finished:
                 self._abort_later(rid)
 
+    async def beam_search(self, prompt: str | dict | list[int], request_id: str | None = None,
+                          params=None) -> AsyncIterator[RequestOutput]:
+        """vLLM's `EngineClient.beam_search`: one `RequestOutput` (finished) whose outputs are the prompt's best
+        `params.beam_width` beams, best first: `token_ids` the generated ids, `text` theirs (a final EOS left out,
+        kept with `include_stop_str_in_output`), `cumulative_logprob`, `logprobs`, `finish_reason`.  Each step runs
+        one request a beam (`request_id` and the step and beam numbers name them) through `generate`, concurrently
+        with other requests (kda_rt/beam_search.py)."""
+        from kda_rt.beam_search import BeamStepper, _check, prompt_token_ids
+        from kda_rt.outputs import CompletionOutput, RequestOutput
+
+        _check(params, None)
+        self._bind_loop()
+        (ids,) = await asyncio.to_thread(self._locked, lambda: prompt_token_ids(self.engine, [prompt], params))
+        rid = f"beam-{next(self._ids)}" if request_id is None else str(request_id)
+        search = BeamStepper([ids], params, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids)
+
+        async def one(k: int, tokens: list[int]):
+            last = None
+            async for out in self.generate({"prompt_token_ids": tokens}, search.step_params,
+                                           f"{rid}-{search.steps}-{k}", output_kind="final"):
+                last = out
+            return last.outputs[0].logprobs[0]
+
+        while not search.done:
+            search.advance(list(await asyncio.gather(*(one(k, t) for k, t in enumerate(search.requests())))))
+        tokenizer = self.llm.get_tokenizer()
+        outputs = []
+        for i, b in enumerate(search.outputs(tokenizer)[0]):
+            gen = b.tokens[len(ids):]
+            shown = gen[:-1] if b.finish_reason == "stop" and not params.include_stop_str_in_output else gen
+            outputs.append(CompletionOutput(i, tokenizer.decode(shown) if tokenizer is not None else "", gen,
+                                            b.cum_logprob, b.logprobs, b.finish_reason, b.stop_reason))
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        yield RequestOutput(rid, text, ids, outputs, finished=True)
+
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort a request, or each of several (vLLM's signature); each stream ends with a final output whose
         finish_reason is "abort".  Unknown ids are passed over."""

@@ -97,45 +97,103 @@ def beam_score(tokens: list[int], cum_logprob: float, eos_ids: Iterable[int], le
     return cum_logprob / max(length, 1) ** length_penalty
 
 
-@dataclass
-class _Prompt:
-    beams: list[BeamSearchSequence]
-    done: list[BeamSearchSequence] = field(default_factory=list)
+class BeamStepper:
+    """The search's state, apart from how its requests run (`beam_search` runs them through `LLM.generate`,
+    `AsyncLLM.beam_search` through its async generate): `requests()` the token lists of the live beams (one
+    one-token request each, with `step_params`), `advance(listed)` the {token: Logprob} each request listed, in that
+    order; `done` once no beam is live or `max_tokens` steps ran; `outputs(tokenizer)` each prompt's best beams."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos: frozenset, quiet: frozenset) -> None:
+        from kda_rt.sampler.params import SamplingParams
+
+        self.params, self.eos, self.quiet = params, eos, quiet
+        self.stops = frozenset() if params.ignore_eos else eos  # (a final EOS leaves the ranking's length anyway)
+        self.step_params = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
+                                          logprobs=2 * params.beam_width)
+        self.starts = [len(p) for p in prompts]
+        self.beams = [[BeamSearchSequence(list(p))] for p in prompts]
+        self.finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_tokens or not any(self.beams)
+
+    def _key(self, b: BeamSearchSequence) -> float:
+        return beam_score(b.tokens, b.cum_logprob, self.eos, self.params.length_penalty)
+
+    def requests(self) -> list[list[int]]:
+        return [b.tokens for beams in self.beams for b in beams]
+
+    def advance(self, listed: list[dict[int, Logprob]]) -> None:
+        if len(listed) != sum(len(beams) for beams in self.beams):
+            raise ValueError(f"beam search: {len(listed)} results for {sum(map(len, self.beams))} beams")
+        it = iter(listed)
+        for i, beams in enumerate(self.beams):
+            grown = []
+            for beam in beams:
+                entry = next(it)
+                for token, lp in entry.items():
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + float(lp))
+                    if token in self.stops:
+                        new.finish_reason, new.stop_reason = "stop", None if token in self.quiet else token
+                        self.finished[i].append(new)
+                    else:
+                        grown.append(new)
+            grown.sort(key=self._key, reverse=True)
+            self.beams[i] = grown[:self.params.beam_width]
+        self.steps += 1
+
+    def outputs(self, tokenizer) -> list[list[BeamSearchSequence]]:
+        """Each prompt's best `beam_width` of its finished and live beams, best first, `text` the decoded tokens."""
+        out = []
+        for beams, finished in zip(self.beams, self.finished, strict=True):
+            for b in beams:
+                b.finish_reason = "length"
+            best = sorted(finished + beams, key=self._key, reverse=True)[:self.params.beam_width]
+            for b in best:
+                b.text = tokenizer.decode(b.tokens) if tokenizer is not None else None
+            out.append(best)
+        return out
 
 
-def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: bool = False,
-                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-    """`LLM.beam_search`: prompts as `generate` takes them (texts, {"prompt_token_ids": ...} or {"prompt": ...}
-    dicts, token-id lists); `concurrency_limit`: how many prompts search together (None: all)."""
-    from kda_rt.sampler.params import SamplingParams
-
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    if concurrency_limit is not None and (not _is_int(concurrency_limit) or concurrency_limit < 1):
-        raise ValueError(f"concurrency_limit must be an int >= 1 or None, got {concurrency_limit!r}")
+def prompt_token_ids(engine, prompts, params: BeamSearchParams) -> list[list[int]]:
+    """The prompts' checked ids (a flat id list is one prompt, as `generate` reads it); each must leave room for
+    `max_tokens` within max_model_len."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if isinstance(prompts, (set, frozenset)) or not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of prompts (texts, dicts or token-id lists), got "
                         f"{type(prompts).__name__}")
     if prompts and all(_is_int(t) for t in prompts):
-        prompts = [list(prompts)]  # one prompt of token ids, as generate reads a flat list
-    engine = llm.llm_engine
+        prompts = [list(prompts)]
     limit = engine.config.max_model_len
-    starts = []
+    out = []
     for i, p in enumerate(prompts):
         ids = list(engine.prompt_ids(p)[1])
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} exceed max_model_len "
                              f"{limit}")
-        starts.append(ids)
-    eos = engine.eos_token_ids  # (the ranking's length leaves a final EOS out even under ignore_eos, as vLLM's)
-    stops = frozenset() if params.ignore_eos else eos
-    quiet = engine.postprocessor.quiet_eos_ids
-    step_params = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
-                                 logprobs=2 * params.beam_width)
-    tokenizer = llm.get_tokenizer()
+        out.append(ids)
+    return out
+
+
+def _check(params, concurrency_limit) -> None:
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if concurrency_limit is not None and (not _is_int(concurrency_limit) or concurrency_limit < 1):
+        raise ValueError(f"concurrency_limit must be an int >= 1 or None, got {concurrency_limit!r}")
+
+
+def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """`LLM.beam_search`: prompts as `generate` takes them (texts, {"prompt_token_ids": ...} or {"prompt": ...}
+    dicts, token-id lists); `concurrency_limit`: how many prompts search together (None: all)."""
+    _check(params, concurrency_limit)
+    engine = llm.llm_engine
+    starts = prompt_token_ids(engine, prompts, params)
     group = concurrency_limit or max(len(starts), 1)
+    tokenizer = llm.get_tokenizer()
     outputs: list[BeamSearchOutput] = []
     bar = None
     if use_tqdm:
@@ -144,39 +202,14 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
         bar = tqdm(total=params.max_tokens * math.ceil(len(starts) / group), desc="beam search", unit="step")
     try:
         for lo in range(0, len(starts), group):
-            todo = [_Prompt([BeamSearchSequence(list(ids))]) for ids in starts[lo:lo + group]]
-            for _ in range(params.max_tokens):
-                live = [(s, b) for s in todo for b in s.beams]
-                if not live:
-                    break
-                results = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step_params)
-                grown: dict[int, list[BeamSearchSequence]] = {id(s): [] for s in todo}
-                for (s, beam), result in zip(live, results, strict=True):
-                    listed = result.outputs[0].logprobs[0]
-                    for token, lp in listed.items():
-                        new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [listed],
-                                                 beam.cum_logprob + float(lp))
-                        if token in stops:
-                            new.finish_reason = "stop"
-                            new.stop_reason = None if token in quiet else token
-                            s.done.append(new)
-                        else:
-                            grown[id(s)].append(new)
-                for s in todo:
-                    grown[id(s)].sort(key=lambda b: beam_score(b.tokens, b.cum_logprob, eos, params.length_penalty),
-                                      reverse=True)
-                    s.beams = grown[id(s)][:params.beam_width]
+            search = BeamStepper(starts[lo:lo + group], params, engine.eos_token_ids,
+                                 engine.postprocessor.quiet_eos_ids)
+            while not search.done:
+                results = llm.generate([{"prompt_token_ids": t} for t in search.requests()], search.step_params)
+                search.advance([r.outputs[0].logprobs[0] for r in results])
                 if bar is not None:
                     bar.update(1)
-            for s in todo:
-                for b in s.beams:
-                    b.finish_reason = "length"
-                best = sorted(s.done + s.beams, key=lambda b: beam_score(b.tokens, b.cum_logprob, eos,
-                                                                          params.length_penalty), reverse=True)
-                best = best[:params.beam_width]
-                for b in best:
-                    b.text = tokenizer.decode(b.tokens) if tokenizer is not None else None
-                outputs.append(BeamSearchOutput(best))
+            outputs += [BeamSearchOutput(best) for best in search.outputs(tokenizer)]
     finally:
         if bar is not None:
             bar.close()

@@ -184,3 +184,46 @@ def test_concurrency_limit_and_text_prompts(llm):
     assert [[b.tokens for b in o.sequences] for o in together] == [[b.tokens for b in o.sequences] for o in apart]
     ids = llm.get_tokenizer().encode("hello there", allow_special=True)
     assert together[0].sequences[0].tokens[: len(ids)] == ids
+
+
+def test_async_beam_search_is_the_offline_one(llm, monkeypatch):
+    """AsyncLLM.beam_search (vLLM's EngineClient form): one finished RequestOutput whose outputs are the offline
+    search's beams, best first, with the generated ids, their text (a final EOS left out unless
+    include_stop_str_in_output), cumulative_logprob and logprobs; while another request runs beside it."""
+    import asyncio
+
+    from kda_rt import SamplingParams
+    from kda_rt.async_llm import AsyncLLM
+
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    lp = log_softmax(llm.score(prompt)[-1])
+    first = int(np.argmax(lp))
+    monkeypatch.setattr(llm.llm_engine, "eos_token_ids", frozenset({first}))  # (one beam ends at once)
+    params = BeamSearchParams(beam_width=3, max_tokens=4)
+    want = llm.beam_search([prompt], params)[0].sequences
+    engine = AsyncLLM(llm)
+
+    async def main(params):
+        async def other():
+            return [o async for o in engine.generate([50, 51, 52], SamplingParams(temperature=0, max_tokens=6,
+                                                                                  ignore_eos=True))]
+        beams, side = await asyncio.gather(_collect(engine.beam_search(prompt, "b1", params)), other())
+        return beams, side
+
+    async def _collect(gen):
+        return [o async for o in gen]
+
+    (out,), side = asyncio.run(main(params))
+    assert out.finished and out.request_id == "b1" and out.prompt_token_ids == prompt and side[-1].finished
+    tok = llm.get_tokenizer()
+    assert [prompt + list(c.token_ids) for c in out.outputs] == [b.tokens for b in want]
+    for i, (c, b) in enumerate(zip(out.outputs, want, strict=True)):
+        assert c.index == i and c.cumulative_logprob == pytest.approx(b.cum_logprob) and c.logprobs == b.logprobs
+        assert c.finish_reason == b.finish_reason
+        shown = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
+        assert c.text == tok.decode(shown)
+    assert any(c.finish_reason == "stop" for c in out.outputs)
+    (kept,), _ = asyncio.run(main(BeamSearchParams(beam_width=3, max_tokens=4, include_stop_str_in_output=True)))
+    stopped = [c for c in kept.outputs if c.finish_reason == "stop"]
+    assert stopped and all(c.text == tok.decode(c.token_ids) for c in stopped)
+    assert_no_leaks(llm)
