@@ -37,6 +37,14 @@ if [ -f .kcache/kcache.tar.xz ]; then
 fi
 touch /tmp/kcache.stamp  # cubins touched after this were used by this run (compile_cubin touches a cache hit)
 xdist=""
+if [ -n "${XDIST:-}" ] && [ "$XDIST" -gt 4 ]; then
+  # an 80 GB card (H100): six workers' memory starved one test's engine there (fifty-ninth session): four at most
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -1)
+  if [ -n "$mib" ] && [ "$mib" -lt 100000 ]; then
+    echo "device_run.sh: ${mib} MiB of GPU memory: XDIST $XDIST -> 4"
+    XDIST=4
+  fi
+fi
 if [ -n "${XDIST:-}" ]; then
   # PART=2: test by test (its two largest files, test_moe_block.py and test_moe_gemm_tc.py, ~300 tests, each ran
   # alone in one worker past the call's end in the fifty-fourth session; their module fixtures then repeat a worker)
