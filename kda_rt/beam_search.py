@@ -110,7 +110,6 @@ class BeamStepper:
         self.stops = frozenset() if params.ignore_eos else eos  # (a final EOS leaves the ranking's length anyway)
         self.step_params = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
                                           logprobs=2 * params.beam_width)
-        self.starts = [len(p) for p in prompts]
         self.beams = [[BeamSearchSequence(list(p))] for p in prompts]
         self.finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         self.steps = 0

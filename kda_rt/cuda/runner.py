@@ -118,8 +118,7 @@ class CudaRunner:
         check_weights_fit(config, engine.quantization, free_bytes=free, total_bytes=total,
                           device=device_name(cupy.cuda.Device().id))
         self.weights = upload_weights(config, weights, progress=progress, quantization=engine.quantization)
-        gc.collect()  # runners dropped earlier in this process: give their pools back to the device
-        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_memory_pool().free_all_blocks()  # (the upload's transient buffers; gc ran above)
         free, total = cupy.cuda.runtime.memGetInfo()
         used_by_others = total - free - self.weights.nbytes
         self.plan = plan = plan_pools(config, engine, itemsize=2, state_itemsize=4, memory_bytes=total,

@@ -97,18 +97,20 @@ def check_weights_fit(config: ModelConfig, quantization: str | None, *, free_byt
     from kda_rt.floors import weight_bytes
 
     bf16 = dataclasses.replace(config, dtype="bfloat16")
-    w = weight_bytes(bf16, quantization)
     moe_layers = sum(kind == "moe" for kind in config.mlp_types)
     experts = config.moe.num_experts * moe_layers if config.moe is not None else 0
-    embed = 0 if config.tie_word_embeddings else config.vocab_size * w.embed_row
-    need = w.dense + w.per_expert * experts + embed
+
+    def total(quant: str | None) -> int:
+        w = weight_bytes(bf16, quant)
+        return w.dense + w.per_expert * experts + (0 if config.tie_word_embeddings else config.vocab_size * w.embed_row)
+
+    need = total(quantization)
     if need <= free_bytes:
         return need
     gib = 2**30
     hint = ""
     if quantization is None and config.moe is not None:
-        w8 = weight_bytes(bf16, "fp8")
-        need8 = w8.dense + w8.per_expert * experts + embed
+        need8 = total("fp8")
         hint = (f"; with quantization=\"fp8\" (--quantization fp8: the experts in e4m3) they need {need8 / gib:.1f} GiB"
                 + ("" if need8 <= free_bytes else ", still too many"))
     kind = "fp8 experts" if quantization and config.moe is not None else "bf16"
