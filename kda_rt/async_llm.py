@@ -54,11 +54,13 @@ class AsyncLLM:
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, output_kind: str = "delta",
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the new text / token ids of one request as they come; the last output has
         `finished=True`.  Invalid prompts raise ValueError before anything is yielded.  `output_kind` (vLLM's
         RequestOutputKind, whose AsyncLLM default is "cumulative"): "delta" (what is new), "cumulative" (each
-        output holds everything so far) or "final" ("final_only": only the last output)."""
+        output holds everything so far) or "final" ("final_only": only the last output).  `priority`: as
+        `LLMEngine.add_request`'s (an engine with `scheduling_policy="priority"`)."""
         output_kind = {"final_only": "final"}.get(output_kind, output_kind)  # vLLM's FINAL_ONLY
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
@@ -76,7 +78,7 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before adding: the stepping task may produce output at once
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
-            self.engine.add_request, rid, prompt, sampling_params, fit_max_tokens=fit)))
+            self.engine.add_request, rid, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
         try:
             await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
         except BaseException as exc:

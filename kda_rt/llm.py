@@ -208,10 +208,12 @@ class LLM:
         stream: bool = False,
         use_tqdm: bool = False,
         lora_request: None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.  A prompt is a text, a dict with
         `prompt_token_ids` (or `prompt`), or a list of token ids; a flat list of ints is one prompt, as in vLLM.
-        `use_tqdm`: a progress bar of finished requests on stderr (not with `stream`); `lora_request`: only None.
+        `use_tqdm`: a progress bar of finished requests on stderr (not with `stream`); `lora_request`: only None;
+        `priority` (vLLM's): one int a prompt, for an engine with `scheduling_policy="priority"` (lower runs first).
 
         With `stream=True`, returns an iterator instead, yielding a `RequestOutput` each time a
         request gets new tokens; its `CompletionOutput`s then hold only what is new (text delta,
@@ -243,11 +245,13 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be a list of one int a prompt ({len(prompts)}), got {priority!r}")
         fit = sampling_params is None and "max_tokens" in self.default_sampling  # fits each prompt's room
         prompt_lps = [self._vllm_prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
-        ids = self._add_all(prompts, params_list, "cumulative" if stream else "final", fit)
+        ids = self._add_all(prompts, params_list, "cumulative" if stream else "final", fit, priority)
         if any(lp is not None for lp in prompt_lps) or any(sp.logprobs is not None for sp in params_list):
             by_id = {rid: (sp, lps) for rid, sp, lps in zip(ids, params_list, prompt_lps, strict=True)}
             attach = lambda out: self._vllm_output(out, *by_id[out.request_id])  # noqa: E731
@@ -309,17 +313,18 @@ class LLM:
                          for d, r in zip(dicts[1:], ranks[1:], strict=True)]
 
     def _add_all(self, prompts: list, params_list: list[SamplingParams], output_kind: str,
-                 fit_max_tokens: bool = False) -> list[str]:
+                 fit_max_tokens: bool = False, priority: list[int] | None = None) -> list[str]:
         """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted.
         Non-streaming requests ask the engine for their final output only (no per-step copies).
         `fit_max_tokens`: the params are the defaults (LLMEngine.add_request)."""
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = self._request_id()
                 try:
                     ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind,
-                                                           fit_max_tokens=fit_max_tokens))
+                                                           fit_max_tokens=fit_max_tokens,
+                                                           priority=0 if priority is None else priority[i]))
                 except BaseException:
                     self._open.discard(rid)  # refused: the id was never the engine's
                     raise
@@ -411,6 +416,7 @@ class LLM:
         continue_final_message: bool = False,
         use_tqdm: bool = False,
         lora_request: None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Apply the chat template to one conversation (a list of messages) or several.  Messages may
         carry assistant `tool_calls` (content None) and `tool` results with `tool_call_id`; the

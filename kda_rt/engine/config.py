@@ -16,6 +16,7 @@ __all__ = ["SERVER_BATCHED_TOKENS", "EngineConfig", "offline_batched_tokens"]
 SERVER_BATCHED_TOKENS = 8192  # the server's --max-num-batched-tokens default (vLLM's for its API server)
 
 BACKENDS = ("auto", "numpy", "cuda")
+POLICIES = ("fcfs", "priority")  # scheduling_policy (the scheduler's, kda_rt/engine/scheduler.py)
 NUMPY_DTYPES = ("float32", "float64", "bfloat16")
 
 
@@ -107,6 +108,10 @@ class EngineConfig:
     prefix_cache_states: int = _opt(32, "prefix caching: KDA states kept (each the memory of one sequence's state "
                                         "slot, 42 MB on the 48B shape, taken from the KV pages' share: at most 1/8 "
                                         "of it, fewer states where these do not fit)")
+    scheduling_policy: str = _opt("fcfs", "fcfs: requests run in order of arrival; priority: in order of each "
+                                          "request's priority (lower first), then arrival, and the least urgent "
+                                          "running request is the one preempted (vLLM's --scheduling-policy)",
+                                  choices=POLICIES)
     quantization: str | None = _opt(None, "fp8: the routed experts (and a shared expert of their width) as e4m3 "
                                           "weights with one fp32 scale a row, quantized at load on either backend",
                                     choices=QUANTIZATIONS)
@@ -144,6 +149,8 @@ class EngineConfig:
                 if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                     raise ValueError(f"cuda_graph_sizes entries must be ints >= 1, got {size!r} in {list(sizes)!r}")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sizes))  # (a list from msgpack / JSON: a tuple)
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
 

@@ -122,6 +122,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
             prefill_tail_tokens=config.tail_tokens(),
             snapshot_slots=tuple(snapshot_slots) if config.enable_prefix_caching else (),
+            policy=config.scheduling_policy,
         ))
         # the tokenizer's EOS (else config.json's first) stops with stop_reason None, every other EOS id (config.json's,
         # generation_config.json's, the tokenizer's other stop token) reports its id, as vLLM's stop token ids do
@@ -151,12 +152,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     sampling_params: SamplingParams | None = None, *, output_kind: str = "cumulative",
-                    fit_max_tokens: bool = False) -> str:
+                    fit_max_tokens: bool = False, priority: int = 0) -> str:
         """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id.
 
         `output_kind` (vLLM's RequestOutputKind): "cumulative" (every output holds everything so
         far), "delta" (only what is new since the request's previous output) or "final" (one
         output, when the request finishes): the last two cost O(new tokens) per step, not O(all).
+
+        `priority` (vLLM's): with `scheduling_policy="priority"`, where the request stands in the queues (lower runs
+        first, and is preempted last); any other value than 0 is refused under "fcfs".
 
         `fit_max_tokens`: `max_tokens` is a default (generation_config.json's max_new_tokens), capped to the
         prompt's room in the context as vLLM caps it, instead of refused when it does not fit.
@@ -168,6 +172,7 @@ class LLMEngine:
         params.validate()  # fields may have been changed after construction
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        self.check_priority(priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -213,13 +218,22 @@ class LLMEngine:
 
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),
-                                 max_tokens=max_tokens, arrival=next(self._arrivals), detokenizer=detok,
+                                 max_tokens=max_tokens, arrival=next(self._arrivals), priority=priority,
+                                 detokenizer=detok,
                                  logprobs=[] if params.logprobs is not None else None, grammar=grammars[i]))
         self.requests[request_id] = (text, seqs)
         self._output_kind[request_id] = (output_kind, list(ids))
         for seq in seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def check_priority(self, priority: object) -> None:
+        """Raise TypeError for a priority that is no int, ValueError for one other than 0 under "fcfs"."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority}: priority scheduling is not enabled (start the engine with "
+                             f"scheduling_policy=\"priority\", --scheduling-policy priority)")
 
     def structured(self):
         """The structured-output state of this engine (llguidance tokenizer, grammar cache)."""

@@ -18,7 +18,12 @@ One step, under a budget of `max_num_batched_tokens` new tokens:
    not immediately evict old work).  Only the pages of the first chunk are allocated.  The
    queue head goes first; then waiting prompts of similar length (same power-of-two bucket first)
    join it, so a step's prefills are alike.
-3. With a prefix cache (`snapshot_slots`, kda_rt/engine/prefix_cache.py) an admitted sequence resumes after the
+3. `policy` "priority" (vLLM's `--scheduling-policy priority`): every "oldest" and "newest" above reads as the order
+   (priority, arrival), a lower priority value first: the waiting queue is kept in that order (a preempted sequence
+   goes back to its place in it, not to the front), running sequences are scheduled in it, the last in it is the
+   one preempted, and admission groups prompts of a like length only among the waiting ones of the head's priority
+   first.  "fcfs" (the default) orders by arrival alone.
+4. With a prefix cache (`snapshot_slots`, kda_rt/engine/prefix_cache.py) an admitted sequence resumes after the
    longest cached prefix of its tokens (its slot and first pages restored from the entry, its pages past them its
    own), a sequence whose tokens meet a prompt seen before stops its chunk at the page boundary where they part
    (`Sequence.snapshot_at`; `commit` keeps the state there), and pages only entries hold count as free: entries are
@@ -36,10 +41,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kda_rt.engine.allocator import IdPool
+from kda_rt.engine.config import POLICIES
 from kda_rt.engine.prefix_cache import PrefixCache
 from kda_rt.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler"]
+__all__ = ["POLICIES", "SchedulerConfig", "SchedulerOutput", "Scheduler"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +63,11 @@ class SchedulerConfig:
     num_slots: int  # KDA state slots the scheduler may hand out (ids 0..num_slots-1)
     prefill_tail_tokens: int = 0  # tokens a step may run over its budget to finish a prompt (module docstring)
     snapshot_slots: tuple[int, ...] = ()  # the runner's state slots for prefix-cache snapshots (empty: no cache)
+    policy: str = "fcfs"  # POLICIES (module docstring, 3.)
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "num_slots"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -84,7 +94,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # sorted by arrival: running[-1] is the newest
+        self.running: list[Sequence] = []  # sorted by `order`: running[-1] is the newest (the least urgent)
+        # (the key of a sequence's place in the queues: arrival, or (priority, arrival) under "priority")
+        self.order = (lambda s: (s.priority, s.arrival)) if config.policy == "priority" else (lambda s: s.arrival)
         self.slots = IdPool(config.num_slots, "KDA state slot")
         self.pages = IdPool(config.num_blocks, "MLA page")
         self.cache = PrefixCache(config.block_size, config.snapshot_slots, self.pages) if config.snapshot_slots else None
@@ -112,7 +124,18 @@ class Scheduler:
             _, chain = self.cache.page_chain(seq)
             # (by sequence: a request's n > 1 samples share their prompt through a junction too)
             self.cache.remember(chain[: len(seq.prompt_token_ids) // self.config.block_size + 1], seq.arrival)
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: at its end (new) or front (computed again) under "fcfs", at its place in
+        (priority, arrival) under "priority"."""
+        if self.config.policy == "fcfs":
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+        else:
+            self.waiting.insert(bisect.bisect(self.waiting, self.order(seq), key=self.order), seq)
 
     def finish(self, seq: Sequence, keep: int = 0) -> None:
         """Take a sequence out of the queues for good and return its slot and pages now (a retired one has).  `keep`:
@@ -203,7 +226,10 @@ class Scheduler:
         head = self.waiting[0]
         window = list(itertools.islice(self.waiting, 1, _LOOKAHEAD))
         bucket = head.num_uncomputed.bit_length()
-        order = sorted(range(len(window)), key=lambda i: (abs(window[i].num_uncomputed.bit_length() - bucket), i))
+        # (under "priority" the window's own order first: a prompt of like length never passes a more urgent one)
+        urgency = (lambda s: s.priority) if self.config.policy == "priority" else (lambda s: 0)
+        order = sorted(range(len(window)),
+                       key=lambda i: (urgency(window[i]), abs(window[i].num_uncomputed.bit_length() - bucket), i))
         # pages the running prefills will still take, plus one page of growth per running sequence
         promised = sum(max(0, self.pages_for(s.num_tokens) - len(s.blocks)) for s in self.running if s.in_prefill)
         bs = self.config.block_size
@@ -245,7 +271,7 @@ class Scheduler:
             shared = start // bs
             seq.blocks = seq.blocks + self.allocate_pages(self.pages_for(start + n) - len(seq.blocks))
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            bisect.insort(self.running, seq, key=self.order)
             chosen[seq] = n
             budget[0] -= n
             promised += whole - (len(seq.blocks) - shared)
@@ -277,7 +303,7 @@ class Scheduler:
             self._release(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def _preempt(self, seq: Sequence) -> None:
         self._to_front(seq)

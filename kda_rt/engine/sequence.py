@@ -43,6 +43,7 @@ class Sequence:
     seed: int  # Philox key for this sample
     max_tokens: int  # resolved: params.max_tokens or what max_model_len leaves
     arrival: int = 0  # engine-wide order of arrival; the largest running one is preempted first
+    priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's); the order is (priority, arrival)
     detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

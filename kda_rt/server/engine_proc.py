@@ -150,6 +150,8 @@ class EngineWorker:
             cap = self.llm.max_tokens_override  # vLLM's serving cap (a --generation-config directory's max_new_tokens)
             if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
                 params = SamplingParams(**{**self.llm.default_sampling, **given, "max_tokens": cap})  # (min_tokens)
+            priority = msg.get("priority", 0)
+            self.engine.check_priority(priority)  # (also for a scored prompt, which adds no request)
             prompts = self._prompts(msg)
             infos, num_tokens = [], 0
             for prompt in prompts:
@@ -167,7 +169,8 @@ class EngineWorker:
             if not msg.get("score_only"):
                 for k, prompt in enumerate(prompts):
                     sub = rid if len(prompts) == 1 else f"{rid}/{k}"
-                    self.engine.add_request(sub, prompt, params, output_kind="delta", fit_max_tokens=default_max)
+                    self.engine.add_request(sub, prompt, params, output_kind="delta", fit_max_tokens=default_max,
+                                            priority=priority)
                     added.append(sub)
                     self.open[sub] = _Open(params.logprobs, rid, k * n)
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now

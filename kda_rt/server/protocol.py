@@ -7,7 +7,7 @@ numbers out of range, wrong types); `SamplingParams` then checks values.  Every 
 accepted, as vLLM does: `decode_body` returns their names, which the app logs (once per name, at
 WARNING) and lists in the `x-kda-rt-ignored-fields` response header.  Fields beyond OpenAI's are
 vLLM's names: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-skip_special_tokens, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs,
+skip_special_tokens, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs, priority,
 structured_outputs and the legacy guided_json / guided_regex / guided_choice / guided_grammar.
 Output constraints (those and response_format json_object / json_schema) become one
 `StructuredOutputsParams`, compiled here by llguidance so an invalid one is a 400 naming its field.
@@ -66,6 +66,7 @@ class _Sampling(msgspec.Struct):
     store: bool | None = None  # accepted, nothing is stored
     prompt_logprobs: Logprobs | None = None  # vLLM: top-N logprobs of every prompt token
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=_INT32)] | None = None  # vLLM: keep the last N
+    priority: Int32 = 0  # vLLM: a server started with --scheduling-policy priority runs lower values first
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None  # vLLM: only these
     bad_words: list[str] | None = None  # vLLM: words never generated
@@ -193,7 +194,6 @@ def invocation_kind(body: bytes) -> bool:
 # field instead of an answer made without it (other unknown fields are accepted and listed, issue 13)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False, None), "no beam search"),
-    "priority": ((0, None), "requests are served first come, first served"),
     "chat_template": ((None,), "the checkpoint's template renders every chat"),
     "echo": ((False, None), "echo is a completions field"),
 }
@@ -324,7 +324,7 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     # prompt logprobs: for echo (the legacy logprobs object then covers the prompt too) and/or vLLM's field
     wanted = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
     return {"prompts": prompts, "params": params, "echo": req.echo, "score_only": score_only,
-            "prompt_logprobs": max(wanted) if wanted else None}
+            "prompt_logprobs": max(wanted) if wanted else None, "priority": req.priority}
 
 
 def _content(i: int, content: Any) -> str:
@@ -382,4 +382,4 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[s
     return {"messages": messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
             "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "params": params, "tool_mode": tool_mode,
-            "prompt_logprobs": req.prompt_logprobs}
+            "prompt_logprobs": req.prompt_logprobs, "priority": req.priority}

@@ -58,6 +58,7 @@ class ResponsesRequest(msgspec.Struct):
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0  # (vLLM's, as in chat)
 
 
 def _content(where: str, content: Any) -> str:
@@ -169,7 +170,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
                                  ignore_eos=req.ignore_eos, response_format=_response_format(req.text), tools=tools,
-                                 tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False)
+                                 tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False,
+                                 priority=req.priority)
 
 
 # chat's field names in its errors -> the Responses API's (the request was written with these)

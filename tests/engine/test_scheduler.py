@@ -23,10 +23,10 @@ from kda_rt.sampler.params import SamplingParams
 _arrivals = itertools.count()
 
 
-def make_seq(prompt_len: int, max_tokens: int, rid: str | None = None) -> Sequence:
+def make_seq(prompt_len: int, max_tokens: int, rid: str | None = None, priority: int = 0) -> Sequence:
     arrival = next(_arrivals)
     return Sequence(rid or f"r{arrival}", 0, [5] * prompt_len, SamplingParams(max_tokens=max_tokens), seed=0,
-                    max_tokens=max_tokens, arrival=arrival)
+                    max_tokens=max_tokens, arrival=arrival, priority=priority)
 
 
 def fake_step(sched: Scheduler, check: bool = False) -> list[tuple[Sequence, int]]:
@@ -50,7 +50,7 @@ def config(**kw) -> SchedulerConfig:
 def test_pure_python_modules():
     """scheduler.py and what it imports from kda_rt name no array library."""
     root = Path(kda_rt.__file__).parent / "engine"
-    for name in ("scheduler.py", "allocator.py", "sequence.py", "prefix_cache.py"):
+    for name in ("scheduler.py", "allocator.py", "sequence.py", "prefix_cache.py", "config.py"):
         tree = ast.parse((root / name).read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -58,7 +58,8 @@ def test_pure_python_modules():
                                                          "kda_rt.engine.structured"))}  # typing only
         assert not {m.split(".")[0] for m in runtime} & {"numpy", "cupy", "torch"}, (name, mods)
         assert {m for m in runtime if m.startswith("kda_rt")} <= {"kda_rt.engine.allocator", "kda_rt.engine.sequence",
-                                                                 "kda_rt.engine.prefix_cache"}, (name, mods)
+                                                                 "kda_rt.engine.prefix_cache",
+                                                                 "kda_rt.engine.config"}, (name, mods)
 
 
 def test_chunked_prefill_mixed_with_decodes_and_incremental_pages():
@@ -121,6 +122,53 @@ def test_admission_needs_slot_and_groups_similar_lengths():
     assert list(sched.waiting) == [long1, long2]
 
 
+def test_priority_policy_admits_the_most_urgent_first():
+    """Under "priority" the queue is in (priority, arrival) order: one seat goes to the lowest value, ties to the
+    earlier arrival; like-length prompts join the head only in urgency order.  Under "fcfs" arrival alone counts."""
+    def admitted(policy: str) -> list[str]:
+        sched = Scheduler(config(max_num_seqs=1, num_slots=1, num_blocks=64, policy=policy))
+        for rid, prio in (("a", 2), ("b", 0), ("c", 1), ("d", 0)):
+            sched.add(make_seq(10, 2, rid=rid, priority=prio if policy == "priority" else 0))
+        order = []
+        while sched.has_unfinished():
+            order += [s.request_id for s, _ in fake_step(sched) if s.request_id not in order]
+        return order
+
+    assert admitted("priority") == ["b", "d", "c", "a"]
+    assert admitted("fcfs") == ["a", "b", "c", "d"]
+    sched = Scheduler(config(max_num_seqs=2, num_slots=2, max_num_batched_tokens=1000, num_blocks=64,
+                             policy="priority"))
+    head, long_urgent, short_late = make_seq(10, 2, priority=0), make_seq(300, 2, priority=1), make_seq(9, 2, priority=5)
+    for s in (head, long_urgent, short_late):
+        sched.add(s)
+    assert [s for s, _ in fake_step(sched)] == [head, long_urgent]  # (fcfs's grouping would take the short one)
+
+
+def test_priority_policy_preempts_the_least_urgent_and_requeues_it_in_place():
+    """Out of pages, the running sequence last in (priority, arrival) is preempted, even when it is not the newest;
+    it goes back to its place in the queue (after a more urgent waiting one), not to the front."""
+    sched = Scheduler(config(num_blocks=4, block_size=16, max_num_batched_tokens=100, policy="priority"))
+    lazy, urgent = make_seq(16, 30, priority=3), make_seq(15, 30, priority=-1)
+    sched.add(lazy)
+    fake_step(sched)
+    sched.add(urgent)
+    fake_step(sched)
+    assert urgent.status is SequenceStatus.RUNNING and sched.running == [urgent, lazy]
+    waiting = make_seq(5, 2, priority=1)
+    sched.add(waiting)
+    while sched.num_preemptions == 0:
+        fake_step(sched)
+    assert lazy.status is SequenceStatus.WAITING and urgent.status is SequenceStatus.RUNNING
+    assert list(sched.waiting) == [waiting, lazy]
+    run_checked(sched)
+    assert len(lazy.output_token_ids) == len(urgent.output_token_ids) == 30 and urgent.num_preemptions == 0
+
+
+def test_policy_must_be_known():
+    with pytest.raises(ValueError, match=r"scheduling policy must be one of \('fcfs', 'priority'\), got 'lifo'"):
+        config(policy="lifo")
+
+
 def test_rejects_request_that_never_fits():
     sched = Scheduler(config(num_blocks=2, block_size=16))
     with pytest.raises(ValueError, match=r"needs 3 KV pages of 16 tokens for 40 positions .* only 2 pages"):
@@ -133,12 +181,13 @@ def workloads(draw):
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=draw(st.integers(1, 48)),
         block_size=draw(st.sampled_from([16, 16, 32, 64])), num_blocks=draw(st.integers(2, 12)),
-        num_slots=5,
+        num_slots=5, policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
     m = cfg.max_num_batched_tokens  # (the tail is at most the budget)
     cfg = dataclasses.replace(cfg, prefill_tail_tokens=draw(st.sampled_from([0, 0, min(1, m), min(8, m), m])))
     events = draw(st.lists(st.tuples(
-        st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60)), max_size=4),  # arrivals (prompt, max_tokens)
+        # arrivals (prompt, max_tokens, priority; the priority read under "priority" only)
+        st.lists(st.tuples(st.integers(1, 40), st.integers(1, 60), st.integers(-2, 2)), max_size=4),
         st.lists(st.integers(0, 50), max_size=2),  # aborts: index into live sequences
     ), min_size=1, max_size=25))
     return cfg, events
@@ -175,7 +224,9 @@ def check_invariants(sched: Scheduler) -> None:
     cfg = sched.config
     running = sched.running
     assert len(running) <= cfg.max_num_seqs
-    assert [s.arrival for s in running] == sorted(s.arrival for s in running)
+    assert [sched.order(s) for s in running] == sorted(sched.order(s) for s in running)
+    if cfg.policy == "priority":  # (under "fcfs" a preempted sequence goes to the front, ahead of older ones)
+        assert [sched.order(s) for s in sched.waiting] == sorted(sched.order(s) for s in sched.waiting)
     slots = [s.slot for s in running]
     pages = [p for s in running for p in s.blocks]
     assert len(set(slots)) == len(slots) and set(slots) == sched.slots.used_ids()
@@ -198,8 +249,8 @@ def test_invariants_random_arrivals_and_aborts(workload):
     every: list[Sequence] = []
     aborted: set[int] = set()
     for arrivals, aborts in events:
-        for prompt_len, max_tokens in arrivals:
-            seq = make_seq(prompt_len, max_tokens)
+        for prompt_len, max_tokens, priority in arrivals:
+            seq = make_seq(prompt_len, max_tokens, priority=priority if cfg.policy == "priority" else 0)
             if sched.pages_for(seq.max_positions) > cfg.num_blocks:
                 with pytest.raises(ValueError, match="KV pages"):
                     sched.add(seq)
