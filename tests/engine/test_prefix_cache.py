@@ -407,11 +407,13 @@ def _cached_workloads(draw):
     cfg = SchedulerConfig(max_num_seqs=draw(st.integers(1, 5)), max_num_batched_tokens=m,
                           block_size=draw(st.sampled_from([4, 8, 16])), num_blocks=draw(st.integers(6, 24)),
                           num_slots=5, prefill_tail_tokens=draw(st.sampled_from([0, min(4, m), m])),
-                          snapshot_slots=tuple(range(5, 5 + draw(st.integers(1, 4)))))
+                          snapshot_slots=tuple(range(5, 5 + draw(st.integers(1, 4)))),
+                          policy=draw(st.sampled_from(["fcfs", "priority"])))
     stem = draw(st.lists(st.integers(1, 3), min_size=40, max_size=40))  # (prompts share starts of it)
     events = draw(st.lists(st.tuples(
-        st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 3), max_size=6), st.integers(1, 12)),
-                 max_size=3),  # arrivals: (shared start, own tokens, max_tokens)
+        st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 3), max_size=6), st.integers(1, 12),
+                           st.integers(-1, 1)),
+                 max_size=3),  # arrivals: (shared start, own tokens, max_tokens, priority under "priority")
         st.lists(st.integers(0, 50), max_size=1),  # aborts
     ), min_size=1, max_size=20))
     return cfg, stem, events
@@ -457,10 +459,11 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
         return out.scheduled
 
     for arrivals, aborts in events:
-        for shared, own, max_tokens in arrivals:
+        for shared, own, max_tokens, priority in arrivals:
             rid = f"q{next(ids)}"
             seq = Sequence(rid, 0, stem[:shared] + own or [1], SamplingParams(max_tokens=max_tokens), seed=0,
-                           max_tokens=max_tokens, arrival=int(rid[1:]))
+                           max_tokens=max_tokens, arrival=int(rid[1:]),
+                           priority=priority if cfg.policy == "priority" else 0)
             if sched.pages_for(seq.max_positions) > cfg.num_blocks:
                 continue
             sched.add(seq)
