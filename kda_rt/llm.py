@@ -423,7 +423,7 @@ class LLM:
         `developer` role reads as `system`.  Generated tool calls stay in the text (pass
         `skip_special_tokens=False` to keep the markers) and `kda_rt.text.tool_parser.parse_tool_calls`
         reads them.  `continue_final_message` (with `add_generation_prompt=False`): the model continues the last
-        message instead of starting a new one, as in vLLM."""
+        message instead of starting a new one, as in vLLM.  `priority`: one int a conversation (`generate`'s)."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files, so chat() is unavailable")
         if not isinstance(messages, list) or not messages:
@@ -437,7 +437,8 @@ class LLM:
         # the ids from encode_chat (client text never a control token); the rendered text as each output's prompt
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(conv, **options),
                     "prompt": self.tokenizer.apply_chat_template(conv, **options)} for conv in conversations]
-        return self.generate(prompts, sampling_params, stream=stream, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, stream=stream, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority)
 
     def score(self, token_ids: list[int]) -> np.ndarray:
         """[len(token_ids), vocab] float32 logits of every position of one sequence (`LLMEngine.score`:

@@ -113,3 +113,21 @@ def test_async_generate_takes_a_priority(tiny_dir):
     asyncio.run(main())
     assert order == ["holder", "urgent", "late"]
     assert_no_leaks(llm)
+
+
+def test_chat_passes_the_priorities_on():
+    """LLM.chat(priority=[...]): one a conversation, to generate (the demo checkpoint: it has a tokenizer)."""
+    from pathlib import Path
+
+    import kda_rt.demo
+
+    llm = make_llm(Path(kda_rt.demo.__file__).parent, max_num_seqs=1, max_model_len=128, scheduling_policy="priority")
+    seen = []
+    add = llm.llm_engine.add_request
+    llm.llm_engine.add_request = lambda *a, **kw: seen.append(kw["priority"]) or add(*a, **kw)
+    convs = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
+    outs = llm.chat(convs, greedy(2), priority=[4, -2])
+    assert seen == [4, -2] and [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    with pytest.raises(ValueError, match=r"priority must be a list of one int a prompt \(2\)"):
+        llm.chat(convs, greedy(2), priority=[1])
+    assert_no_leaks(llm)
