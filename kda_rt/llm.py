@@ -414,6 +414,7 @@ class LLM:
         stream: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         use_tqdm: bool = False,
         lora_request: None = None,
         priority: list[int] | None = None,
@@ -423,7 +424,8 @@ class LLM:
         `developer` role reads as `system`.  Generated tool calls stay in the text (pass
         `skip_special_tokens=False` to keep the markers) and `kda_rt.text.tool_parser.parse_tool_calls`
         reads them.  `continue_final_message` (with `add_generation_prompt=False`): the model continues the last
-        message instead of starting a new one, as in vLLM.  `priority`: one int a conversation (`generate`'s)."""
+        message instead of starting a new one, as in vLLM.  `chat_template` (vLLM's): a Jinja template string for
+        this call instead of the checkpoint's.  `priority`: one int a conversation (`generate`'s)."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files, so chat() is unavailable")
         if not isinstance(messages, list) or not messages:
@@ -433,7 +435,8 @@ class LLM:
             if not isinstance(conv, list) or not conv:
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
         options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
-                   "chat_template_kwargs": chat_template_kwargs, "continue_final_message": continue_final_message}
+                   "chat_template_kwargs": chat_template_kwargs, "continue_final_message": continue_final_message,
+                   "chat_template": chat_template}
         # the ids from encode_chat (client text never a control token); the rendered text as each output's prompt
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(conv, **options),
                     "prompt": self.tokenizer.apply_chat_template(conv, **options)} for conv in conversations]

@@ -101,6 +101,7 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     auto_tools: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a chat request may bring its template
     metrics: Metrics | None = None
     cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS headers
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when the server started
@@ -208,7 +209,10 @@ def build_app(state: ServerState) -> Starlette:
                 payload = {"prompt": req.prompt, "add_generation_prompt": req.add_generation_prompt,
                            "continue_final_message": req.continue_final_message,
                            "return_token_strs": bool(req.return_token_strs),
-                           "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs}
+                           "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
+                           "chat_template": req.chat_template}
+                if req.chat_template is not None and not state.trust_request_chat_template:
+                    raise protocol.InvalidRequest(protocol.UNTRUSTED_TEMPLATE)
                 if req.messages is not None:
                     payload["messages"] = protocol.chat_payload(protocol.ChatCompletionRequest(
                         messages=req.messages, tools=req.tools, tool_choice="none"))["messages"]
@@ -289,7 +293,7 @@ def build_app(state: ServerState) -> Starlette:
             elif chat:
                 req, names = protocol.decode_body(body, protocol.ChatCompletionRequest)
                 ignored += names
-                payload = protocol.chat_payload(req, state.auto_tools)
+                payload = protocol.chat_payload(req, state.auto_tools, state.trust_request_chat_template)
             else:
                 req, names = protocol.decode_body(body, protocol.CompletionRequest)
                 ignored += names

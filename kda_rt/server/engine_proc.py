@@ -100,7 +100,8 @@ class EngineWorker:
                     ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
                                                      add_generation_prompt=msg.get("add_generation_prompt", True),
                                                      continue_final_message=msg.get("continue_final_message", False),
-                                                     chat_template_kwargs=msg.get("chat_template_kwargs"))
+                                                     chat_template_kwargs=msg.get("chat_template_kwargs"),
+                                                     chat_template=msg.get("chat_template"))
                 else:
                     ids = self.tokenizer.encode(msg.get("prompt") or "", allow_special=True)  # as a completion
                 strs = [self._bytes(t).decode("utf-8", errors="replace") for t in ids] \
@@ -122,7 +123,8 @@ class EngineWorker:
         ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
                                          add_generation_prompt=msg.get("add_generation_prompt", True),
                                          continue_final_message=msg.get("continue_final_message", False),
-                                         chat_template_kwargs=msg.get("chat_template_kwargs"))
+                                         chat_template_kwargs=msg.get("chat_template_kwargs"),
+                                         chat_template=msg.get("chat_template"))
         return [{"prompt_token_ids": ids + tool_prefix_ids(self.tokenizer, msg.get("tool_mode"))}]
 
     def _add(self, msg: dict[str, Any]) -> None:

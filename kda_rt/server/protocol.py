@@ -103,6 +103,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None  # accepted, not used (the model has no reasoning mode)
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: this request's Jinja template (--trust-request-chat-template)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the model continues the last message (Tokenizer.encode_chat)
 
@@ -119,6 +120,7 @@ class TokenizeRequest(msgspec.Struct):
     return_token_strs: bool | None = False  # vLLM's: each token's text beside its id
     add_special_tokens: bool = True  # accepted: the Kimi tokenizer adds none
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (vLLM's; only with --trust-request-chat-template)
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -194,9 +196,12 @@ def invocation_kind(body: bytes) -> bool:
 # field instead of an answer made without it (other unknown fields are accepted and listed, issue 13)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False, None), "no beam search"),
-    "chat_template": ((None,), "the checkpoint's template renders every chat"),
     "echo": ((False, None), "echo is a completions field"),
 }
+
+# vLLM's answer to a request's own chat template on a server that does not take them
+UNTRUSTED_TEMPLATE = ("chat_template is passed with the request, but --trust-request-chat-template is not set: "
+                      "refused (the server renders with its own template)")
 
 MAX_JSON_DEPTH = 64  # nesting of `messages` / `tools`: deeper is a 400, before any recursive code sees it
 
@@ -342,8 +347,8 @@ def _content(i: int, content: Any) -> str:
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[str, Any]:
-    """Engine payload {"messages", "tools", "chat_template_kwargs", "params", "tool_mode", ...} of a
+def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_template: bool = False) -> dict[str, Any]:
+    """Engine payload {"messages", "tools", "chat_template_kwargs", "chat_template", "params", "tool_mode", ...} of a
     chat request (content flattened to text; `developer` is read as `system` by the template layer).
     With tool parsing on, special tokens are kept in the text (as vLLM does), else the markers are lost."""
     if not req.messages:
@@ -379,7 +384,10 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False) -> dict[s
                 raise InvalidRequest("tool_choice 'required' or a named function constrains the output itself; "
                                      "it cannot be combined with response_format or structured_outputs")
             params["structured_outputs"] = forced
+    if req.chat_template is not None and not trust_template:  # (vLLM's refusal)
+        raise InvalidRequest(UNTRUSTED_TEMPLATE)
     return {"messages": messages, "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs,
+            "chat_template": req.chat_template,
             "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "params": params, "tool_mode": tool_mode,
             "prompt_logprobs": req.prompt_logprobs, "priority": req.priority}

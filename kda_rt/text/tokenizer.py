@@ -15,6 +15,7 @@ text prompt (the caller's whole input, as in vLLM's completions).
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -200,24 +201,35 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             chat_template_kwargs: Mapping[str, Any] | None = None, tokenize: bool = False,
-                            continue_final_message: bool = False) -> str | list[int]:
+                            continue_final_message: bool = False, chat_template: str | None = None) -> str | list[int]:
         """Render the chat template to a prompt string; `chat_template_kwargs` are extra template
         variables (e.g. `thinking`).  `tokenize=True`: the prompt ids instead (`encode_chat`).
         `continue_final_message`: the text stops right after the last message's content, so the model
-        continues that message (its end marker and whatever the template puts after it are left out)."""
+        continues that message (its end marker and whatever the template puts after it are left out).
+        `chat_template` (vLLM's): a Jinja template string used for this call instead of the tokenizer's."""
         if tokenize:
             return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     chat_template_kwargs=chat_template_kwargs,
-                                    continue_final_message=continue_final_message)
+                                    continue_final_message=continue_final_message, chat_template=chat_template)
         validate_messages(messages, tools, chat_template_kwargs)
         _check_continue(messages, add_generation_prompt, continue_final_message)
         messages = normalize_messages(messages)
-        text = self._render(messages, add_generation_prompt, tools, chat_template_kwargs)
+        template = self._template_for(chat_template)
+        text = self._render(messages, add_generation_prompt, tools, chat_template_kwargs, template)
         if continue_final_message:
-            text = text[:len(text) - len(self._final_tail(text, messages, tools, chat_template_kwargs))]
+            text = text[:len(text) - len(self._final_tail(text, messages, tools, chat_template_kwargs, template))]
         return text
 
-    def _final_tail(self, rendered: str, messages: list[dict[str, Any]], tools: Any, extra: Any) -> str:
+    def _template_for(self, source: str | None) -> tuple[Any, str]:
+        """(compiled template, its name in errors): the tokenizer's own, or `source` compiled (a few kept)."""
+        if source is None:
+            return self._template, self._template_name
+        if not isinstance(source, str):
+            raise ValueError(f"chat_template must be a string (a Jinja template), got {type(source).__name__}")
+        return _compiled(source), "chat_template (the request's)"
+
+    def _final_tail(self, rendered: str, messages: list[dict[str, Any]], tools: Any, extra: Any,
+                    template: tuple[Any, str]) -> str:
         """What the template put after the last message's content (continue_final_message): found by rendering
         again with a mark after that content (a search for the content itself can land inside the end marker,
         e.g. for the content "e"), and checked to follow the content in `rendered`."""
@@ -225,7 +237,8 @@ class Tokenizer:
         mark = "\ue001"
         while mark in rendered:
             mark += "\ue001"
-        marked = self._render([*messages[:-1], {**messages[-1], "content": content + mark}], False, tools, extra)
+        marked = self._render([*messages[:-1], {**messages[-1], "content": content + mark}], False, tools, extra,
+                              template)
         at = marked.rfind(mark)
         tail = marked[at + len(mark):] if at >= 0 else None
         if tail is None or not rendered.endswith(content + tail):
@@ -236,7 +249,7 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
         """Prompt ids: the template's markers are control tokens; every client string (contents,
         names, tool names, descriptions, schemas, tool-call arguments, tool results) stays text.
 
@@ -248,12 +261,13 @@ class Tokenizer:
         ids equal `encode(rendered, allow_special=True)` whenever no client string holds a
         special-token string.  Dict keys and the steering values `role` / `type` are not stood in
         for: one holding a special-token string is refused.  `continue_final_message`: the ids stop
-        right after the last message's content (`apply_chat_template`).
+        right after the last message's content (`apply_chat_template`); `chat_template` as there.
         """
         validate_messages(messages, tools, chat_template_kwargs)
         _check_continue(messages, add_generation_prompt, continue_final_message)
         messages = normalize_messages(messages)
-        real = self._render(messages, add_generation_prompt, tools, chat_template_kwargs)
+        template = self._template_for(chat_template)
+        real = self._render(messages, add_generation_prompt, tools, chat_template_kwargs, template)
         tag = "\ue000"
         while tag in real:
             tag += "\ue000"
@@ -267,7 +281,7 @@ class Tokenizer:
         stand_tools = stand_in_strings(tools, tag, found, check, "tools") if tools is not None else None
         stand_kwargs = (stand_in_strings(chat_template_kwargs, tag, found, check, "chat_template_kwargs")
                         if chat_template_kwargs is not None else None)
-        skeleton = self._render(stand_msgs, add_generation_prompt, stand_tools, stand_kwargs)
+        skeleton = self._render(stand_msgs, add_generation_prompt, stand_tools, stand_kwargs, template)
         parts = align_stand_ins(real, re.split(f"{re.escape(tag)}(\\d+){re.escape(tag)}", skeleton), found)
         ids: list[int] = []
         span: list[str] = []
@@ -284,7 +298,8 @@ class Tokenizer:
             span.append(part[pos:])
         ids += self.encode("".join(span))
         if continue_final_message:
-            tail = self.encode(self._final_tail(real, messages, tools, chat_template_kwargs), allow_special=True)
+            tail = self.encode(self._final_tail(real, messages, tools, chat_template_kwargs, template),
+                               allow_special=True)
             if tail and ids[len(ids) - len(tail):] != tail:
                 raise ValueError("continue_final_message: the template's text after the last message's content "
                                  "does not tokenize apart from it")
@@ -292,10 +307,19 @@ class Tokenizer:
         return ids
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
-                extra: Mapping[str, Any] | None = None) -> str:
-        return render_template(self._template, self._template_name, **(extra or {}), messages=messages, tools=tools,
+                extra: Mapping[str, Any] | None, template: tuple[Any, str]) -> str:
+        return render_template(*template, **(extra or {}), messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
                                eos_token=self._eos_token or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str):
+    """A request's template, compiled in the same sandbox as the checkpoint's (requests repeat theirs: kept)."""
+    try:
+        return compile_template(source)
+    except TemplateError as e:
+        raise ValueError(f"chat_template (the request's) does not compile: {e}") from None
 
 
 def _check_continue(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, cont: bool) -> None:

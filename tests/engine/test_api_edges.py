@@ -239,6 +239,20 @@ def test_llm_chat_template_argument():
         LLM(str(demo_path()), backend="numpy", chat_template=source, skip_tokenizer_init=True)
 
 
+def test_llm_chat_template_per_call(llm):
+    """llm.chat(..., chat_template=...) (vLLM's argument): that call's conversations render with it, prompt text and
+    ids alike; the next call uses the checkpoint's template again."""
+    source = "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}<|im_assistant|>"
+    tok = llm.get_tokenizer()
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]]
+    outs = llm.chat(convs, SamplingParams(max_tokens=1), chat_template=source)
+    for conv, out in zip(convs, outs, strict=True):
+        text = f"<|im_user|>{conv[0]['content']}<|im_end|><|im_assistant|>"
+        assert out.prompt == text and out.prompt_token_ids == tok.encode(text, allow_special=True)
+    again = llm.chat(convs[0], SamplingParams(max_tokens=1))[0]
+    assert again.prompt_token_ids == tok.encode_chat(convs[0]) != outs[0].prompt_token_ids
+
+
 def test_abort_request_alias():
     """LLMEngine.abort_request (vLLM's name) takes one id or several; the slots come back."""
     llm = LLM(str(demo_path()), backend="numpy", max_model_len=64)
