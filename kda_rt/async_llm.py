@@ -112,7 +112,7 @@ class AsyncLLM:
         kept with `include_stop_str_in_output`), `cumulative_logprob`, `logprobs`, `finish_reason`.  Each step runs
         one request a beam (`request_id` and the step and beam numbers name them) through `generate`, concurrently
         with other requests (kda_rt/beam_search.py)."""
-        from kda_rt.beam_search import BeamStepper, _check, prompt_token_ids
+        from kda_rt.beam_search import BeamStepper, _check, generated, prompt_token_ids
         from kda_rt.outputs import CompletionOutput, RequestOutput
 
         _check(params, None)
@@ -133,10 +133,8 @@ class AsyncLLM:
         tokenizer = self.llm.get_tokenizer()
         outputs = []
         for i, b in enumerate(search.outputs(tokenizer)[0]):
-            gen = b.tokens[len(ids):]
-            shown = gen[:-1] if b.finish_reason == "stop" and not params.include_stop_str_in_output else gen
-            outputs.append(CompletionOutput(i, tokenizer.decode(shown) if tokenizer is not None else "", gen,
-                                            b.cum_logprob, b.logprobs, b.finish_reason, b.stop_reason))
+            gen, text = generated(b, len(ids), tokenizer, params)
+            outputs.append(CompletionOutput(i, text, gen, b.cum_logprob, b.logprobs, b.finish_reason, b.stop_reason))
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         yield RequestOutput(rid, text, ids, outputs, finished=True)
 

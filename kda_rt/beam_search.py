@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kda_rt.llm import LLM
     from kda_rt.outputs import Logprob
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_score", "beam_search"]
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_score", "beam_search", "generated"]
 
 
 # logprobs per request are capped at 20 (SamplingParams), and a step lists 2 x beam_width candidates a beam
@@ -154,6 +154,14 @@ class BeamStepper:
                 b.text = tokenizer.decode(b.tokens) if tokenizer is not None else None
             out.append(best)
         return out
+
+
+def generated(beam: BeamSearchSequence, prompt_len: int, tokenizer, params: BeamSearchParams) -> tuple[list[int], str]:
+    """A finished search's beam as a completion (vLLM's `EngineClient.beam_search` outputs): its generated ids, and
+    their text, a final EOS left out unless `include_stop_str_in_output` ("" without a tokenizer)."""
+    gen = beam.tokens[prompt_len:]
+    shown = gen[:-1] if beam.finish_reason == "stop" and not params.include_stop_str_in_output else gen
+    return gen, tokenizer.decode(shown) if tokenizer is not None else ""
 
 
 def prompt_token_ids(engine, prompts, params: BeamSearchParams) -> list[list[int]]:

@@ -50,6 +50,19 @@ class _Open:
         self.cached_sent = False  # its prompt tokens resumed from the prefix cache were sent (with its first output)
 
 
+class _Beams:
+    """A `use_beam_search` HTTP request in the engine process: its search over all its prompts (one
+    `BeamStepper`), the prompts' ids, and the step under way: engine request id -> the beam's place in
+    `search.requests()`, and what each finished one listed."""
+
+    __slots__ = ("search", "starts", "params", "priority", "pending", "listed")
+
+    def __init__(self, search, starts: list[list[int]], params, priority: int) -> None:
+        self.search, self.starts, self.params, self.priority = search, starts, params, priority
+        self.pending: dict[str, int] = {}
+        self.listed: dict[int, dict] = {}
+
+
 class EngineWorker:
     def __init__(self, llm, conn: FrameSocket, max_waiting: int, log_stats_interval: float | None = None) -> None:
         self.llm = llm
@@ -59,6 +72,8 @@ class EngineWorker:
         self.max_waiting = max_waiting
         self.open: dict[str, _Open] = {}  # engine request id -> its state
         self.children: dict[str, list[str]] = {}  # HTTP request id -> its engine request ids
+        self.beams: dict[str, _Beams] = {}  # HTTP request id -> its beam search (use_beam_search)
+        self.beam_of: dict[str, str] = {}  # engine request id of a beam's step -> its HTTP request id
         self.running = True
         self.log_stats = StatsLogger(self.engine, env.log_stats_interval() if log_stats_interval is None
                                      else log_stats_interval)
@@ -87,7 +102,9 @@ class EngineWorker:
     def _abort(self, parent: str) -> None:
         for rid in self.children.pop(parent, []):
             self.open.pop(rid, None)
+            self.beam_of.pop(rid, None)
             self.engine.abort(rid)
+        self.beams.pop(parent, None)
 
     def _text_op(self, msg: dict[str, Any]) -> None:
         try:
@@ -168,7 +185,10 @@ class EngineWorker:
             # a max_tokens from generation_config.json is capped to each prompt's room in the context, as vLLM caps
             # it (a client's own value is checked against the context instead)
             default_max = msg["params"].get("max_tokens") is None and "max_tokens" in self.llm.default_sampling
-            if not msg.get("score_only"):
+            if msg.get("beam") is not None:
+                self._start_beams(rid, msg, params, infos, prompts, priority, default_max)
+                added = self.children[rid]
+            elif not msg.get("score_only"):
                 for k, prompt in enumerate(prompts):
                     sub = rid if len(prompts) == 1 else f"{rid}/{k}"
                     self.engine.add_request(sub, prompt, params, output_kind="delta", fit_max_tokens=default_max,
@@ -176,15 +196,15 @@ class EngineWorker:
                     added.append(sub)
                     self.open[sub] = _Open(params.logprobs, rid, k * n)
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now
-            self._undo(added)
+            self._undo(added, rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 429, "error": f"{exc}; retry later"})
             return
         except (ValueError, TypeError, KeyError) as exc:
-            self._undo(added)
+            self._undo(added, rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 400, "error": str(exc)})
             return
         except Exception as exc:  # a bug while preparing one request must not take the engine down
-            self._undo(added)
+            self._undo(added, rid)
             logger.exception("engine process: request %s could not be prepared", rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 500, "error": f"{type(exc).__name__}: {exc}"})
             return
@@ -196,10 +216,89 @@ class EngineWorker:
                      "stop_reason": None} for i in range(n * len(prompts))]
             self.conn.send({"op": "outs", "items": [{"id": rid, "outputs": outs, "finished": True}]})
 
-    def _undo(self, added: list[str]) -> None:
+    def _undo(self, added: list[str], rid: str) -> None:
         for sub in added:
             self.open.pop(sub, None)
             self.engine.abort(sub)
+        if rid in self.beams:
+            self._abort(rid)
+
+    # -- beam search (use_beam_search) ----------------------------------------------------------
+
+    def _start_beams(self, rid: str, msg: dict[str, Any], params, infos: list, prompts: list, priority: int,
+                     default_max: bool) -> None:
+        """A request's beam search (vLLM's `use_beam_search`, kda_rt/beam_search.py): `n` beams a prompt, each step
+        one engine request a live beam with the top 2 x n logprobs (prefix caching resumes it after its parent's
+        tokens); the beams are answered at the end, as vLLM's server does."""
+        from kda_rt.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, BeamStepper
+
+        if msg.get("score_only"):
+            raise ValueError("use_beam_search needs max_tokens >= 1")
+        for name, given in (("logprobs", params.logprobs is not None), ("stop", bool(params.stop)),
+                            ("echo", bool(msg.get("echo"))),
+                            ("response_format / structured_outputs", params.structured_outputs is not None)):
+            if given:
+                raise ValueError(f"use_beam_search does not take {name} (the beams are ranked by the model's own "
+                                 "logprobs and stop at EOS or max_tokens alone)")
+        if params.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"use_beam_search: n is the beam width, at most {MAX_BEAM_WIDTH} (each step lists the "
+                             f"top 2 x n logprobs, at most 20), got {params.n}")
+        starts = [self.engine.request_prompt(p, params)[1] for p in prompts]
+        room = self.engine.config.max_model_len - max(len(s) for s in starts)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if default_max:  # (generation_config.json's max_new_tokens: capped to the room, as for sampled requests)
+            max_tokens = min(max_tokens, room)
+        if max_tokens > room:
+            raise ValueError(f"This model's maximum context length is {self.engine.config.max_model_len} tokens: "
+                             f"prompt ({max(len(s) for s in starts)} tokens) + max_tokens ({max_tokens}) exceeds it")
+        beam = BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature, length_penalty=msg["beam"]["length_penalty"],
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+        job = _Beams(BeamStepper(starts, beam, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids),
+                     starts, beam, priority)
+        self.beams[rid] = job
+        self.children[rid] = []
+        self._beam_step(rid, job)
+
+    def _beam_step(self, rid: str, job: _Beams) -> None:
+        """Add the engine requests of the search's next step (one a live beam)."""
+        job.pending, job.listed = {}, {}
+        subs = self.children[rid] = []  # (filled as they are added: an abort or a refusal part way takes them all)
+        for k, tokens in enumerate(job.search.requests()):
+            sub = f"{rid}#beam{job.search.steps}.{k}"
+            self.engine.add_request(sub, {"prompt_token_ids": tokens}, job.search.step_params, output_kind="final",
+                                    priority=job.priority)
+            job.pending[sub], self.beam_of[sub] = k, rid
+            subs.append(sub)
+
+    def _beam_output(self, out, items: dict[str, dict[str, Any]]) -> None:
+        """A finished engine request of a beam step; once the step's last is in, the search advances: the next
+        step's requests, or the answer (each prompt's `n` best beams, choices `k * n ...`)."""
+        rid = self.beam_of.pop(out.request_id)
+        job = self.beams.get(rid)
+        if job is None or out.request_id not in job.pending:
+            return
+        job.listed[job.pending[out.request_id]] = out.outputs[0].logprobs[0]
+        if len(job.listed) < len(job.pending):
+            return
+        job.search.advance([job.listed[k] for k in range(len(job.pending))])
+        if not job.search.done:
+            try:
+                self._beam_step(rid, job)
+                return
+            except (ValueError, RuntimeError):  # (not expected: every beam fits max_model_len, checked at the start)
+                logger.exception("beam search %s: its next step could not be added; answering with its beams", rid)
+        self._abort(rid)  # (the search is over: nothing of it is left in the engine)
+        from kda_rt.beam_search import generated
+
+        width = job.params.beam_width
+        outputs = []
+        for k, best in enumerate(job.search.outputs(None)):
+            for i, b in enumerate(best):
+                ids, text = generated(b, len(job.starts[k]), self.tokenizer, job.params)
+                outputs.append({"index": k * width + i, "text": text, "token_ids": ids, "logprobs": None,
+                                "finish_reason": b.finish_reason, "stop_reason": b.stop_reason})
+        items[rid] = {"id": rid, "outputs": outputs, "finished": True}
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -226,6 +325,8 @@ class EngineWorker:
         for out in self.engine.step():
             state = self.open.get(out.request_id)
             if state is None:
+                if out.finished and out.request_id in self.beam_of:
+                    self._beam_output(out, items)
                 continue
             delta = out  # the engine sends only what is new ("delta" requests)
             item = items.setdefault(state.parent, {"id": state.parent, "outputs": [], "finished": False})

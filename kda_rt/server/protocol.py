@@ -67,6 +67,8 @@ class _Sampling(msgspec.Struct):
     prompt_logprobs: Logprobs | None = None  # vLLM: top-N logprobs of every prompt token
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=_INT32)] | None = None  # vLLM: keep the last N
     priority: Int32 = 0  # vLLM: a server started with --scheduling-policy priority runs lower values first
+    use_beam_search: bool = False  # vLLM: n beams a prompt (kda_rt/beam_search.py), answered at the end
+    length_penalty: float = 1.0  # vLLM: the beams' ranking, cum_logprob / length ** length_penalty
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None  # vLLM: only these
     bad_words: list[str] | None = None  # vLLM: words never generated
@@ -195,7 +197,6 @@ def invocation_kind(body: bytes) -> bool:
 # vLLM request fields kda_rt does not implement, whose values other than these change the output: a 400 naming the
 # field instead of an answer made without it (other unknown fields are accepted and listed, issue 13)
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False, None), "no beam search"),
     "echo": ((False, None), "echo is a completions field"),
 }
 
@@ -292,6 +293,11 @@ def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | Non
     return kwargs
 
 
+def _beam(req: _Sampling) -> dict[str, Any] | None:
+    """The beam search of a `use_beam_search` request ({"length_penalty"}; the width is `n`), else None."""
+    return {"length_penalty": req.length_penalty} if req.use_beam_search else None
+
+
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -329,7 +335,7 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     # prompt logprobs: for echo (the legacy logprobs object then covers the prompt too) and/or vLLM's field
     wanted = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
     return {"prompts": prompts, "params": params, "echo": req.echo, "score_only": score_only,
-            "prompt_logprobs": max(wanted) if wanted else None, "priority": req.priority}
+            "prompt_logprobs": max(wanted) if wanted else None, "priority": req.priority, "beam": _beam(req)}
 
 
 def _content(i: int, content: Any) -> str:
@@ -390,4 +396,4 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
             "chat_template": req.chat_template,
             "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "params": params, "tool_mode": tool_mode,
-            "prompt_logprobs": req.prompt_logprobs, "priority": req.priority}
+            "prompt_logprobs": req.prompt_logprobs, "priority": req.priority, "beam": _beam(req)}
