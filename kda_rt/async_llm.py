@@ -112,24 +112,24 @@ class AsyncLLM:
         kept with `include_stop_str_in_output`), `cumulative_logprob`, `logprobs`, `finish_reason`.  Each step runs
         one request a beam (`request_id` and the step and beam numbers name them) through `generate`, concurrently
         with other requests (kda_rt/beam_search.py)."""
-        from kda_rt.beam_search import BeamStepper, _check, generated, prompt_token_ids
+        from kda_rt.beam_search import BeamStepper, _check, generated, prompt_token_ids, step_prompts
         from kda_rt.outputs import CompletionOutput, RequestOutput
 
         _check(params, None)
         self._bind_loop()
-        (ids,) = await asyncio.to_thread(self._locked, lambda: prompt_token_ids(self.engine, [prompt], params))
+        (ids,), salts = await asyncio.to_thread(self._locked, lambda: prompt_token_ids(self.engine, [prompt], params))
         rid = f"beam-{next(self._ids)}" if request_id is None else str(request_id)
         search = BeamStepper([ids], params, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids)
 
-        async def one(k: int, tokens: list[int]):
+        async def one(k: int, step_prompt: dict):
             last = None
-            async for out in self.generate({"prompt_token_ids": tokens}, search.step_params,
+            async for out in self.generate(step_prompt, search.step_params,
                                            f"{rid}-{search.steps}-{k}", output_kind="final"):
                 last = out
             return last.outputs[0].logprobs[0]
 
         while not search.done:
-            search.advance(list(await asyncio.gather(*(one(k, t) for k, t in enumerate(search.requests())))))
+            search.advance(list(await asyncio.gather(*(one(k, p) for k, p in enumerate(step_prompts(search, salts))))))
         tokenizer = self.llm.get_tokenizer()
         outputs = []
         for i, b in enumerate(search.outputs(tokenizer)[0]):

@@ -124,6 +124,10 @@ class BeamStepper:
     def requests(self) -> list[list[int]]:
         return [b.tokens for beams in self.beams for b in beams]
 
+    def owners(self) -> list[int]:
+        """The prompt each of `requests()` belongs to."""
+        return [i for i, beams in enumerate(self.beams) for _ in beams]
+
     def advance(self, listed: list[dict[int, Logprob]]) -> None:
         if len(listed) != sum(len(beams) for beams in self.beams):
             raise ValueError(f"beam search: {len(listed)} results for {sum(map(len, self.beams))} beams")
@@ -164,9 +168,11 @@ def generated(beam: BeamSearchSequence, prompt_len: int, tokenizer, params: Beam
     return gen, tokenizer.decode(shown) if tokenizer is not None else ""
 
 
-def prompt_token_ids(engine, prompts, params: BeamSearchParams) -> list[list[int]]:
-    """The prompts' checked ids (a flat id list is one prompt, as `generate` reads it); each must leave room for
-    `max_tokens` within max_model_len."""
+def prompt_token_ids(engine, prompts, params: BeamSearchParams) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts' checked ids (a flat id list is one prompt, as `generate` reads it; each must leave room for
+    `max_tokens` within max_model_len) and their cache salts (a prompt dict's "cache_salt", else None)."""
+    from kda_rt.engine.llm_engine import cache_salt_of
+
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     if isinstance(prompts, (set, frozenset)) or not isinstance(prompts, (list, tuple)):
@@ -176,13 +182,20 @@ def prompt_token_ids(engine, prompts, params: BeamSearchParams) -> list[list[int
         prompts = [list(prompts)]
     limit = engine.config.max_model_len
     out = []
+    salts = [cache_salt_of(p) for p in prompts]
     for i, p in enumerate(prompts):
         ids = list(engine.prompt_ids(p)[1])
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt {i}: {len(ids)} tokens + max_tokens {params.max_tokens} exceed max_model_len "
                              f"{limit}")
         out.append(ids)
-    return out
+    return out, salts
+
+
+def step_prompts(search: BeamStepper, salts: list[str | None]) -> list[dict]:
+    """The prompts of a search step's requests, each with its prompt's cache salt."""
+    return [{"prompt_token_ids": t} if salts[o] is None else {"prompt_token_ids": t, "cache_salt": salts[o]}
+            for t, o in zip(search.requests(), search.owners(), strict=True)]
 
 
 def _check(params, concurrency_limit) -> None:
@@ -198,7 +211,7 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
     dicts, token-id lists); `concurrency_limit`: how many prompts search together (None: all)."""
     _check(params, concurrency_limit)
     engine = llm.llm_engine
-    starts = prompt_token_ids(engine, prompts, params)
+    starts, salts = prompt_token_ids(engine, prompts, params)
     group = concurrency_limit or max(len(starts), 1)
     tokenizer = llm.get_tokenizer()
     outputs: list[BeamSearchOutput] = []
@@ -212,7 +225,7 @@ def beam_search(llm: LLM, prompts: list, params: BeamSearchParams, *, use_tqdm: 
             search = BeamStepper(starts[lo:lo + group], params, engine.eos_token_ids,
                                  engine.postprocessor.quiet_eos_ids)
             while not search.done:
-                results = llm.generate([{"prompt_token_ids": t} for t in search.requests()], search.step_params)
+                results = llm.generate(step_prompts(search, salts[lo:lo + group]), search.step_params)
                 search.advance([r.outputs[0].logprobs[0] for r in results])
                 if bar is not None:
                     bar.update(1)

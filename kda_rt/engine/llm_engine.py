@@ -90,6 +90,15 @@ class _Launched:
     deferred: bool = False  # launched without its sampler (runner.sample queues it once the masks can be made)
 
 
+
+def cache_salt_of(prompt) -> str | None:
+    """A prompt dict's "cache_salt" (vLLM's: its prefix-cache entries are shared only with prompts of the same salt),
+    checked; None for other prompts."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string if given, got {salt!r:.40}")
+    return salt
+
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, runner, tokenizer: Tokenizer | None, config: EngineConfig,
                  *, num_slots: int, num_blocks: int, extra_eos_ids: Seq[int] = (),
@@ -153,7 +162,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     sampling_params: SamplingParams | None = None, *, output_kind: str = "cumulative",
                     fit_max_tokens: bool = False, priority: int = 0) -> str:
-        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id.
+        """Queue a prompt (text, token ids or {"prompt_token_ids": [...]}); returns its request id.  A prompt dict's
+        "cache_salt" (vLLM's) keeps its prefix-cache entries to requests of the same salt.
 
         `output_kind` (vLLM's RequestOutputKind): "cumulative" (every output holds everything so
         far), "delta" (only what is new since the request's previous output) or "final" (one
@@ -177,6 +187,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.request_prompt(prompt, params)
+        salt = cache_salt_of(prompt)
         limit = self.config.max_model_len
         # "maximum context length" as OpenAI and vLLM word it: clients (LiteLLM, LangChain) match that phrase
         if len(ids) >= limit:
@@ -219,7 +230,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),
                                  max_tokens=max_tokens, arrival=next(self._arrivals), priority=priority,
-                                 detokenizer=detok,
+                                 cache_salt=salt, detokenizer=detok,
                                  logprobs=[] if params.logprobs is not None else None, grammar=grammars[i]))
         self.requests[request_id] = (text, seqs)
         self._output_kind[request_id] = (output_kind, list(ids))

@@ -25,6 +25,10 @@ from filling the cache for good: at most half the slots count as resumed (beyond
 them counts as never resumed again), and an end entry stops counting once the request that resumed from it ends
 (`demote`: a chat's earlier turn, which the new end holds in full).
 
+A sequence's `cache_salt` (vLLM's request field) seeds its page hashes and is part of every entry it makes: it
+resumes only from entries of the same salt and forms junctions only with prompts of the same salt, so requests of
+different salts (tenants) share nothing and cannot learn from a prefix's speed what another one sent.
+
 The copies (snapshot <- slot, slot <- snapshot, page <- page) are queued in `ops`; the engine hands them to the
 runner before its next launch, so they run in stream order with the forwards around them.
 """
@@ -52,6 +56,7 @@ class CacheEntry:
     bucket: int  # chain hash of its full pages: its key in the index
     junction: bool = False  # kept where prompts part (else at a request's end)
     resumed: bool = False  # a request resumed from it (since it was made or demoted): evicted after those not
+    salt: str | None = None  # the cache_salt of the sequence that made it: only sequences of the same salt resume
 
 
 class PrefixCache:
@@ -74,10 +79,11 @@ class PrefixCache:
 
     # -- keys ---------------------------------------------------------------------------------
 
-    def _chain(self, tokens: list[int] | tuple[int, ...], num_pages: int, chain: list[int] | None = None) -> list[int]:
-        """Hash of the first j pages of tokens, j = 0..num_pages (each page's hash folds in the one before); `chain`:
-        the hashes of fewer pages of the same tokens, extended in place."""
-        bs, out = self.block_size, [0] if chain is None else chain
+    def _chain(self, tokens: list[int] | tuple[int, ...], num_pages: int, chain: list[int] | None = None,
+               salt: str | None = None) -> list[int]:
+        """Hash of the first j pages of tokens, j = 0..num_pages (each page's hash folds in the one before, the first
+        the salt's); `chain`: the hashes of fewer pages of the same tokens (and salt), extended in place."""
+        bs, out = self.block_size, [0 if salt is None else hash(("cache_salt", salt))] if chain is None else chain
         for j in range(len(out) - 1, num_pages):
             out.append(hash((out[-1], tuple(tokens[j * bs:(j + 1) * bs]))))
         return out
@@ -88,20 +94,23 @@ class PrefixCache:
         looked up every step."""
         tokens = seq.prompt_token_ids + seq.output_token_ids
         bs, got = self.block_size, seq.page_chain
-        chain = self._chain(tokens, len(tokens) // bs, got[2] if got and got[0] == bs and got[1] <= len(tokens) else None)
+        chain = self._chain(tokens, len(tokens) // bs, got[2] if got and got[0] == bs and got[1] <= len(tokens) else None,
+                            seq.cache_salt)
         seq.page_chain = (bs, len(tokens), chain)
         return tokens, chain
 
-    def lookup(self, tokens: list[int], limit: int, chain: list[int] | None = None) -> CacheEntry | None:
-        """The entry of the longest cached prefix of `tokens` that is at most `limit` tokens long, or None.  `chain`:
-        `tokens`' page hashes when known (page_chain)."""
+    def lookup(self, tokens: list[int], limit: int, chain: list[int] | None = None,
+               salt: str | None = None) -> CacheEntry | None:
+        """The entry of the longest cached prefix of `tokens` that is at most `limit` tokens long and was made under
+        the same `salt`, or None.  `chain`: `tokens`' page hashes (under that salt) when known (page_chain)."""
         bs = self.block_size
-        chain = self._chain(tokens, limit // bs) if chain is None else chain[: limit // bs + 1]
+        chain = self._chain(tokens, limit // bs, salt=salt) if chain is None else chain[: limit // bs + 1]
         for j in range(len(chain) - 1, -1, -1):  # (an entry keyed at page j is longer than every one below j)
             best = None
             for e in self._by_block.get(chain[j], ()):
                 n = len(e.tokens)
-                if n <= limit and (best is None or n > len(best.tokens)) and tuple(tokens[:n]) == e.tokens:
+                if n <= limit and (best is None or n > len(best.tokens)) and e.salt == salt and \
+                        tuple(tokens[:n]) == e.tokens:
                     best = e
             if best is not None:
                 self._lru.move_to_end(best)
@@ -136,20 +145,20 @@ class PrefixCache:
     # -- entries ------------------------------------------------------------------------------
 
     def insert(self, tokens: list[int], slot: int, pages: list[int], chain: list[int] | None = None, *,
-               junction: bool = False) -> CacheEntry | None:
+               junction: bool = False, salt: str | None = None) -> CacheEntry | None:
         """Keep the state in `slot` (after `tokens`) and the pages of those positions as an entry: the slot is copied
         to a snapshot (evicting an entry when none is free: the module docstring's order); the pages are held, not
         copied.  None when the prefix is already cached (that entry counts as used) or no snapshot slot exists.
         `chain`: page hashes of tokens that start with `tokens`, when known (page_chain).  `junction`: kept where
-        prompts part (not at a request's end)."""
+        prompts part (not at a request's end).  `salt`: the sequence's cache_salt (`chain` made under it)."""
         key = tuple(tokens)
         need = -(-len(key) // self.block_size)
         if not key or len(pages) < need:
             raise ValueError(f"prefix cache: {len(key)} tokens need {need} pages, got {len(pages)}")
         full = len(key) // self.block_size
-        bucket = (self._chain(key, full) if chain is None else chain)[full]
+        bucket = (self._chain(key, full, salt=salt) if chain is None else chain)[full]
         for e in self._by_block.get(bucket, ()):
-            if e.tokens == key:
+            if e.tokens == key and e.salt == salt:
                 self._lru.move_to_end(e)
                 e.junction |= junction
                 return None
@@ -157,7 +166,7 @@ class PrefixCache:
             if not self._lru:
                 return None
             self.evict(self._victim())
-        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket, junction)
+        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket, junction, salt=salt)
         self.ops.append(("slot", slot, entry.snapshot))
         for p in entry.pages:
             self._change(p, 1, 1)

@@ -243,7 +243,7 @@ class Scheduler:
             hit, start, junction = None, 0, 0
             if self.cache is not None:
                 tokens, chain = self.cache.page_chain(seq)
-                hit = self.cache.lookup(tokens, seq.num_tokens - 1, chain)
+                hit = self.cache.lookup(tokens, seq.num_tokens - 1, chain, seq.cache_salt)
                 start = len(hit.tokens) if hit is not None else 0
                 junction = self.cache.junction(tokens, start, seq.num_tokens - 1, seq.arrival, chain)
                 if junction and (junction, chain[junction // bs]) in producing:
@@ -329,7 +329,7 @@ class Scheduler:
         resumed from, a chat's earlier turn, is demoted: the new one holds it)."""
         if self.cache is not None and num_tokens > 0:
             entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks, self.cache.page_chain(seq)[1],
-                                      junction=junction)
+                                      junction=junction, salt=seq.cache_salt)
             if entry is not None:
                 seq.kept.append(entry)
             if not junction and seq.resumed_from is not None and not seq.resumed_from.junction:

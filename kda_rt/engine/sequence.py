@@ -63,6 +63,7 @@ class Sequence:
     num_cached: int = 0  # prefix cache: prompt tokens restored from it (RequestOutput.num_cached_tokens)
     kept: list = field(default_factory=list)  # prefix cache: the entries made from its state (dropped on an error)
     resumed_from: object = None  # prefix cache: the entry it last resumed from (demoted at its end: a chat's turn)
+    cache_salt: str | None = None  # prefix cache: shares only with sequences of the same salt (vLLM's cache_salt)
     page_chain: tuple = ()  # prefix cache: (block size, tokens hashed, chain hashes of its full pages), reused
 
     @property

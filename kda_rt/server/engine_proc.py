@@ -55,10 +55,10 @@ class _Beams:
     `BeamStepper`), the prompts' ids, and the step under way: engine request id -> the beam's place in
     `search.requests()`, and what each finished one listed."""
 
-    __slots__ = ("search", "starts", "params", "priority", "pending", "listed")
+    __slots__ = ("search", "starts", "salts", "params", "priority", "pending", "listed")
 
-    def __init__(self, search, starts: list[list[int]], params, priority: int) -> None:
-        self.search, self.starts, self.params, self.priority = search, starts, params, priority
+    def __init__(self, search, starts: list[list[int]], salts: list, params, priority: int) -> None:
+        self.search, self.starts, self.salts, self.params, self.priority = search, starts, salts, params, priority
         self.pending: dict[str, int] = {}
         self.listed: dict[int, dict] = {}
 
@@ -130,11 +130,13 @@ class EngineWorker:
             return
         self.conn.send({"op": "result", "id": msg["id"], "result": result})
 
-    def _prompts(self, msg: dict[str, Any]) -> list[Any]:
-        """Engine prompts of one `add`: chat messages through the template (plus the forced tool-call
-        prefix of tool_choice required / named), or the completion prompts."""
+    def _prompts(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
+        """Engine prompts of one `add` (each with the request's cache_salt, if any): chat messages through the
+        template (plus the forced tool-call prefix of tool_choice required / named), or the completion prompts."""
+        salt = {} if msg.get("cache_salt") is None else {"cache_salt": msg["cache_salt"]}
         if msg.get("messages") is None:
-            return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in msg["prompts"]]
+            return [{"prompt_token_ids": p, **salt} if isinstance(p, list) else {"prompt": p, **salt}
+                    for p in msg["prompts"]]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer files, so chat requests are unavailable")
         ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
@@ -142,7 +144,7 @@ class EngineWorker:
                                          continue_final_message=msg.get("continue_final_message", False),
                                          chat_template_kwargs=msg.get("chat_template_kwargs"),
                                          chat_template=msg.get("chat_template"))
-        return [{"prompt_token_ids": ids + tool_prefix_ids(self.tokenizer, msg.get("tool_mode"))}]
+        return [{"prompt_token_ids": ids + tool_prefix_ids(self.tokenizer, msg.get("tool_mode")), **salt}]
 
     def _add(self, msg: dict[str, Any]) -> None:
         from kda_rt.sampler.params import SamplingParams
@@ -231,6 +233,7 @@ class EngineWorker:
         one engine request a live beam with the top 2 x n logprobs (prefix caching resumes it after its parent's
         tokens); the beams are answered at the end, as vLLM's server does."""
         from kda_rt.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, BeamStepper
+        from kda_rt.engine.llm_engine import cache_salt_of
 
         if msg.get("score_only"):
             raise ValueError("use_beam_search needs max_tokens >= 1")
@@ -255,7 +258,7 @@ class EngineWorker:
                                 temperature=params.temperature, length_penalty=msg["beam"]["length_penalty"],
                                 include_stop_str_in_output=params.include_stop_str_in_output)
         job = _Beams(BeamStepper(starts, beam, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids),
-                     starts, beam, priority)
+                     starts, [cache_salt_of(p) for p in prompts], beam, priority)
         self.beams[rid] = job
         self.children[rid] = []
         self._beam_step(rid, job)
@@ -264,10 +267,11 @@ class EngineWorker:
         """Add the engine requests of the search's next step (one a live beam)."""
         job.pending, job.listed = {}, {}
         subs = self.children[rid] = []  # (filled as they are added: an abort or a refusal part way takes them all)
-        for k, tokens in enumerate(job.search.requests()):
+        from kda_rt.beam_search import step_prompts
+
+        for k, prompt in enumerate(step_prompts(job.search, job.salts)):
             sub = f"{rid}#beam{job.search.steps}.{k}"
-            self.engine.add_request(sub, {"prompt_token_ids": tokens}, job.search.step_params, output_kind="final",
-                                    priority=job.priority)
+            self.engine.add_request(sub, prompt, job.search.step_params, output_kind="final", priority=job.priority)
             job.pending[sub], self.beam_of[sub] = k, rid
             subs.append(sub)
 

@@ -68,6 +68,7 @@ class _Sampling(msgspec.Struct):
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=_INT32)] | None = None  # vLLM: keep the last N
     priority: Int32 = 0  # vLLM: a server started with --scheduling-policy priority runs lower values first
     use_beam_search: bool = False  # vLLM: n beams a prompt (kda_rt/beam_search.py), answered at the end
+    cache_salt: str | None = None  # vLLM: prefix-cache entries shared only with requests of the same salt
     length_penalty: float = 1.0  # vLLM: the beams' ranking, cum_logprob / length ** length_penalty
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None  # vLLM: only these
@@ -298,6 +299,12 @@ def _beam(req: _Sampling) -> dict[str, Any] | None:
     return {"length_penalty": req.length_penalty} if req.use_beam_search else None
 
 
+def _salt(req: _Sampling) -> str | None:
+    if req.cache_salt is not None and not req.cache_salt:  # (vLLM's check)
+        raise InvalidRequest("cache_salt must be a non-empty string if given")
+    return req.cache_salt
+
+
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -335,7 +342,8 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     # prompt logprobs: for echo (the legacy logprobs object then covers the prompt too) and/or vLLM's field
     wanted = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
     return {"prompts": prompts, "params": params, "echo": req.echo, "score_only": score_only,
-            "prompt_logprobs": max(wanted) if wanted else None, "priority": req.priority, "beam": _beam(req)}
+            "prompt_logprobs": max(wanted) if wanted else None, "priority": req.priority, "beam": _beam(req),
+            "cache_salt": _salt(req)}
 
 
 def _content(i: int, content: Any) -> str:
@@ -396,4 +404,5 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
             "chat_template": req.chat_template,
             "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "params": params, "tool_mode": tool_mode,
-            "prompt_logprobs": req.prompt_logprobs, "priority": req.priority, "beam": _beam(req)}
+            "prompt_logprobs": req.prompt_logprobs, "priority": req.priority, "beam": _beam(req),
+            "cache_salt": _salt(req)}

@@ -59,6 +59,7 @@ class ResponsesRequest(msgspec.Struct):
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0  # (vLLM's, as in chat)
+    cache_salt: str | None = None  # (vLLM's, as in chat)
 
 
 def _content(where: str, content: Any) -> str:
@@ -171,7 +172,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
                                  ignore_eos=req.ignore_eos, response_format=_response_format(req.text), tools=tools,
                                  tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False,
-                                 priority=req.priority)
+                                 priority=req.priority, cache_salt=req.cache_salt)
 
 
 # chat's field names in its errors -> the Responses API's (the request was written with these)

@@ -168,6 +168,48 @@ def test_a_junction_is_where_another_requests_prompt_parted():
     assert cache.junction(shared + [8, 8, 8], 8, 12, "d") == 0  # (parts where it resumes)
 
 
+def test_entries_and_junctions_stay_within_their_salt():
+    """An entry made under a cache salt is found only under that salt (same tokens, same page hashes otherwise), and
+    prompts of different salts form no junction with each other."""
+    pages = IdPool(12, "page")
+    cache = PrefixCache(4, [100, 101, 102], pages)
+    toks = list(range(10, 20))
+    a = cache.insert(toks[:8], slot=7, pages=pages.allocate(2), salt="tenant-a")
+    assert cache.lookup(toks, limit=9, salt="tenant-a") is a
+    assert cache.lookup(toks, limit=9) is None and cache.lookup(toks, limit=9, salt="tenant-b") is None
+    plain_entry = cache.insert(toks[:8], slot=8, pages=pages.allocate(2))  # the same tokens unsalted: its own entry
+    assert plain_entry is not None and plain_entry is not a and cache.lookup(toks, limit=9) is plain_entry
+    assert cache.insert(toks[:8], slot=9, pages=pages.allocate(2), salt="tenant-a") is None  # (already cached)
+    shared = list(range(100, 110))
+    cache.remember(cache._chain(shared + [1, 2, 3], 3, salt="tenant-a"), "a")
+    assert cache.junction(shared + [7, 7, 7], 0, 12, "b", cache._chain(shared + [7, 7, 7], 3, salt="tenant-b")) == 0
+    assert cache.junction(shared + [7, 7, 7], 0, 12, "c", cache._chain(shared + [7, 7, 7], 3)) == 0
+    assert cache.junction(shared + [7, 7, 7], 0, 12, "d", cache._chain(shared + [7, 7, 7], 3, salt="tenant-a")) == 8
+
+
+def test_a_salted_request_shares_only_with_its_salt(tiny_dir, plain):
+    """vLLM's cache_salt in a prompt dict: a shared system prompt resumes only among requests of the same salt (an
+    unsalted or otherwise salted request computes it again); every output equals the uncached engine's; a bad salt
+    is refused by name and queues nothing."""
+    rng = random.Random(5)
+    system = _tokens(rng, 50)
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, prefix_cache_states=8, **KW)
+    got = []
+    for i, salt in enumerate(["a", "a", "a", "b", None, "b", "a"]):
+        ids = system + _tokens(rng, 3 + i)
+        prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+        out = cached.generate(prompt, greedy(4))[0]
+        assert _key(out) == _key(plain.generate({"prompt_token_ids": ids}, greedy(4))[0])
+        got.append(out.num_cached_tokens)
+    # a: computed, parted (junction kept), resumed; b: computed (a's entry not its), None: computed; b parts from its
+    # first at the junction only now (its second), a resumes again
+    assert got == [0, 0, 48, 0, 0, 0, 48], got
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            cached.generate({"prompt_token_ids": system, "cache_salt": bad}, greedy(2))
+    _no_leaks(cached)
+
+
 # -- the engine ----------------------------------------------------------------------------------
 
 
@@ -412,8 +454,8 @@ def _cached_workloads(draw):
     stem = draw(st.lists(st.integers(1, 3), min_size=40, max_size=40))  # (prompts share starts of it)
     events = draw(st.lists(st.tuples(
         st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 3), max_size=6), st.integers(1, 12),
-                           st.integers(-1, 1)),
-                 max_size=3),  # arrivals: (shared start, own tokens, max_tokens, priority under "priority")
+                           st.integers(-1, 1), st.sampled_from([None, None, "x", "y"])),
+                 max_size=3),  # arrivals: (shared start, own tokens, max_tokens, priority under "priority", salt)
         st.lists(st.integers(0, 50), max_size=1),  # aborts
     ), min_size=1, max_size=20))
     return cfg, stem, events
@@ -444,6 +486,7 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
                     sched.finish(seq, keep=seq.num_computed)
         holders: dict[int, int] = {}
         for s in sched.running:
+            assert s.resumed_from is None or s.resumed_from.salt == s.cache_salt  # (a salt shares with itself only)
             assert len(s.blocks) == sched.pages_for(s.num_computed)
             for p in s.blocks:
                 holders[p] = holders.get(p, 0) + 1
@@ -459,11 +502,11 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
         return out.scheduled
 
     for arrivals, aborts in events:
-        for shared, own, max_tokens, priority in arrivals:
+        for shared, own, max_tokens, priority, salt in arrivals:
             rid = f"q{next(ids)}"
             seq = Sequence(rid, 0, stem[:shared] + own or [1], SamplingParams(max_tokens=max_tokens), seed=0,
                            max_tokens=max_tokens, arrival=int(rid[1:]),
-                           priority=priority if cfg.policy == "priority" else 0)
+                           priority=priority if cfg.policy == "priority" else 0, cache_salt=salt)
             if sched.pages_for(seq.max_positions) > cfg.num_blocks:
                 continue
             sched.add(seq)

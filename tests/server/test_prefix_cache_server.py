@@ -77,3 +77,32 @@ def test_reset_prefix_cache_in_dev_mode(cached_server, server):
     assert [cached_tokens(t) for t in (603, 604, 605)] == [0, 0, 48]  # the prompts seen before forgotten too
     missing = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers, timeout=10.0)
     assert missing.status_code == 404 and "no route /reset_prefix_cache" in missing.text
+
+
+def test_cache_salt_keeps_tenants_apart(cached_server, reference_llm):
+    """`cache_salt` (vLLM's field, completions and chat): requests resume only from entries of their own salt, and
+    their answers are the uncached model's; an empty salt is a 400 naming it."""
+    from kda_rt import SamplingParams
+
+    system = list(range(120, 170))  # 50 tokens: 3 pages of 16 shared
+    cached = []
+    for i, salt in enumerate(["tenant-a", "tenant-a", "tenant-a", "tenant-b", None, "tenant-a"]):
+        prompt = system + [300 + i, 400 + i, 9]
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(cached_server.url + "/v1/completions", headers=cached_server.headers, timeout=60.0, json=body)
+        assert r.status_code == 200, r.text
+        want = reference_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=4))
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 0, 48, 0, 0, 48], cached
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})):
+        r = httpx.post(cached_server.url + path, headers=cached_server.headers, timeout=60.0,
+                       json={"model": "demo", **body, "cache_salt": ""})
+        assert r.status_code == 400 and "cache_salt must be a non-empty string" in r.text, r.text
+    r = httpx.post(cached_server.url + "/v1/chat/completions", headers=cached_server.headers, timeout=60.0,
+                   json={"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                         "cache_salt": "tenant-c"})
+    assert r.status_code == 200, r.text
