@@ -40,14 +40,15 @@ class _Open:
     """Per engine request in the engine process: one prompt of an HTTP request, whose choices are
     `offset` .. `offset + n - 1` of the HTTP request `parent`."""
 
-    __slots__ = ("reported", "logprobs", "parent", "offset", "cached_sent")
+    __slots__ = ("reported", "logprobs", "parent", "offset", "cached_sent", "as_ids")
 
-    def __init__(self, logprobs: int | None, parent: str, offset: int) -> None:
+    def __init__(self, logprobs: int | None, parent: str, offset: int, as_ids: bool = False) -> None:
         self.reported: set[int] = set()  # sample indices whose finish was already sent
         self.logprobs = logprobs
         self.parent = parent
         self.offset = offset
         self.cached_sent = False  # its prompt tokens resumed from the prefix cache were sent (with its first output)
+        self.as_ids = as_ids  # its logprobs' tokens as "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 class _Beams:
@@ -171,7 +172,7 @@ class EngineWorker:
             cap = self.llm.max_tokens_override  # vLLM's serving cap (a --generation-config directory's max_new_tokens)
             if cap is not None and params.max_tokens is not None and params.max_tokens > cap:
                 params = SamplingParams(**{**self.llm.default_sampling, **given, "max_tokens": cap})  # (min_tokens)
-            priority = msg.get("priority", 0)
+            priority, as_ids = msg.get("priority", 0), bool(msg.get("tokens_as_ids"))
             self.engine.check_priority(priority)  # (also for a scored prompt, which adds no request)
             prompts = self._prompts(msg)
             infos, num_tokens = [], 0
@@ -182,7 +183,9 @@ class EngineWorker:
                 if msg.get("echo"):
                     info["text"] = text if text is not None else self._decode(ids)
                 if msg.get("prompt_logprobs") is not None:
-                    info["logprobs"] = self._prompt_logprobs(ids, msg["prompt_logprobs"])
+                    info["logprobs"] = self._prompt_logprobs(ids, msg["prompt_logprobs"], as_ids)
+                if msg.get("return_token_ids"):
+                    info["ids"] = ids
                 infos.append(info)
             # a max_tokens from generation_config.json is capped to each prompt's room in the context, as vLLM caps
             # it (a client's own value is checked against the context instead)
@@ -196,7 +199,7 @@ class EngineWorker:
                     self.engine.add_request(sub, prompt, params, output_kind="delta", fit_max_tokens=default_max,
                                             priority=priority)
                     added.append(sub)
-                    self.open[sub] = _Open(params.logprobs, rid, k * n)
+                    self.open[sub] = _Open(params.logprobs, rid, k * n, as_ids)
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now
             self._undo(added, rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 429, "error": f"{exc}; retry later"})
@@ -310,16 +313,17 @@ class EngineWorker:
         known = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < known])
 
-    def _prompt_logprobs(self, ids: list[int], num: int) -> list:
+    def _prompt_logprobs(self, ids: list[int], num: int, as_ids: bool = False) -> list:
         """Per prompt token: [token id, bytes, logprob or None, rank or None, [[id, bytes, logprob] x top num]]."""
         dicts, ranks = self.llm.prompt_logprobs({"prompt_token_ids": ids}, num)
         out = []
         for tok, lps, rank in zip(ids, dicts, ranks, strict=True):
             if lps is None:
-                out.append([tok, self._bytes(tok), None, None, []])
+                out.append([tok, self._bytes(tok, as_ids), None, None, []])
                 continue
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:num]
-            out.append([tok, self._bytes(tok), lps[tok], rank, [[t, self._bytes(t), lp] for t, lp in top]])
+            out.append([tok, self._bytes(tok, as_ids), lps[tok], rank,
+                        [[t, self._bytes(t, as_ids), lp] for t, lp in top]])
         return out
 
     # -- one step -------------------------------------------------------------------------------
@@ -345,7 +349,7 @@ class EngineWorker:
                 if new_finish:
                     state.reported.add(c.index)
                 item["outputs"].append({"index": state.offset + c.index, "text": c.text, "token_ids": c.token_ids,
-                                        "logprobs": self._logprobs(c, state.logprobs),
+                                        "logprobs": self._logprobs(c, state.logprobs, state.as_ids),
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if out.finished:
                 self.open.pop(out.request_id, None)
@@ -357,17 +361,20 @@ class EngineWorker:
         if sent:
             self.conn.send({"op": "outs", "items": sent})
 
-    def _logprobs(self, comp, num: int | None) -> list | None:
+    def _logprobs(self, comp, num: int | None, as_ids: bool = False) -> list | None:
         """Per new token: [token bytes, logprob, [[bytes, logprob] x top `num`, most likely first]]."""
         if comp.logprobs is None or num is None:
             return None
         out = []
         for tok, lps in zip(comp.token_ids, comp.logprobs, strict=True):
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:num]
-            out.append([self._bytes(tok), lps[tok], [[self._bytes(t), lp] for t, lp in top]])
+            out.append([self._bytes(tok, as_ids), lps[tok], [[self._bytes(t, as_ids), lp] for t, lp in top]])
         return out
 
-    def _bytes(self, token_id: int) -> bytes:
+    def _bytes(self, token_id: int, as_id: bool = False) -> bytes:
+        """A token as the logprobs show it: its bytes, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+        if as_id:
+            return b"token_id:%d" % token_id
         if self.tokenizer is None:
             return f"<{token_id}>".encode()
         return self.tokenizer.token_bytes(token_id)

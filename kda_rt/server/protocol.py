@@ -69,6 +69,8 @@ class _Sampling(msgspec.Struct):
     priority: Int32 = 0  # vLLM: a server started with --scheduling-policy priority runs lower values first
     use_beam_search: bool = False  # vLLM: n beams a prompt (kda_rt/beam_search.py), answered at the end
     cache_salt: str | None = None  # vLLM: prefix-cache entries shared only with requests of the same salt
+    return_token_ids: bool | None = False  # vLLM: prompt_token_ids and each choice's token_ids in the response
+    return_tokens_as_token_ids: bool | None = False  # vLLM: logprobs name tokens "token_id:N"
     length_penalty: float = 1.0  # vLLM: the beams' ranking, cum_logprob / length ** length_penalty
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None  # vLLM: only these
@@ -305,6 +307,11 @@ def _salt(req: _Sampling) -> str | None:
     return req.cache_salt
 
 
+def _ids(req: _Sampling) -> dict[str, bool]:
+    """vLLM's return_token_ids / return_tokens_as_token_ids as payload flags."""
+    return {"return_token_ids": bool(req.return_token_ids), "tokens_as_ids": bool(req.return_tokens_as_token_ids)}
+
+
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -343,7 +350,7 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
     wanted = [v for v in (req.logprobs if req.echo else None, req.prompt_logprobs) if v is not None]
     return {"prompts": prompts, "params": params, "echo": req.echo, "score_only": score_only,
             "prompt_logprobs": max(wanted) if wanted else None, "priority": req.priority, "beam": _beam(req),
-            "cache_salt": _salt(req)}
+            "cache_salt": _salt(req), **_ids(req)}
 
 
 def _content(i: int, content: Any) -> str:
@@ -405,4 +412,4 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
             "add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
             "params": params, "tool_mode": tool_mode,
             "prompt_logprobs": req.prompt_logprobs, "priority": req.priority, "beam": _beam(req),
-            "cache_salt": _salt(req)}
+            "cache_salt": _salt(req), **_ids(req)}

@@ -78,9 +78,10 @@ class _Shape:
     prompt logprobs), and the tool-call mode."""
 
     def __init__(self, n: int, num_choices: int, chat: bool, prompts: list[dict[str, Any]], echo: bool,
-                 tool_mode: dict[str, Any] | None) -> None:
+                 tool_mode: dict[str, Any] | None, token_ids: bool = False) -> None:
         self.n, self.num_choices, self.chat, self.prompts, self.echo = n, num_choices, chat, prompts, echo
         self.tool_mode = tool_mode
+        self.token_ids = token_ids  # vLLM's return_token_ids: the prompt's and each choice's ids in the response
         self.prefix = forced_prefix(tool_mode)
 
     def prompt_of(self, i: int) -> dict[str, Any]:
@@ -91,10 +92,12 @@ class Choices(_Shape):
     """Accumulates the deltas of one request into the `choices` of a non-streaming response."""
 
     def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
-                 echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False) -> None:
-        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode)
+                 echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False,
+                 token_ids: bool = False) -> None:
+        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids)
         self.with_logprobs = logprobs
         self.text = [""] * self.num_choices
+        self.ids: list[list[int]] = [[] for _ in range(self.num_choices)] if token_ids else []
         self.num_tokens = [0] * self.num_choices
         self.logprobs: list[list | None] = [None] * self.num_choices
         self.finish: list[tuple[str | None, Any]] = [(None, None)] * self.num_choices
@@ -104,6 +107,8 @@ class Choices(_Shape):
             i = c["index"]
             self.text[i] += c["text"]
             self.num_tokens[i] += len(c["token_ids"])
+            if self.token_ids:
+                self.ids[i] += c["token_ids"]
             if c["logprobs"] is not None:
                 self.logprobs[i] = (self.logprobs[i] or []) + c["logprobs"]
             if c["finish_reason"] is not None:
@@ -131,8 +136,11 @@ class Choices(_Shape):
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
             if calls and reason == "stop":  # ("length" stays: the last call may be cut, its arguments not JSON)
                 reason = "tool_calls"
-        return {"index": i, "message": message, "logprobs": chat_logprobs(entries) if entries is not None else None,
-                "finish_reason": reason, "stop_reason": stop_reason}
+        choice = {"index": i, "message": message, "logprobs": chat_logprobs(entries) if entries is not None else None,
+                  "finish_reason": reason, "stop_reason": stop_reason}
+        if self.token_ids:
+            choice["token_ids"] = self.ids[i]
+        return choice
 
     def _completion_choice(self, i: int) -> dict[str, Any]:
         entries, prompt = self.logprobs[i], self.prompt_of(i)
@@ -147,6 +155,8 @@ class Choices(_Shape):
                   "finish_reason": reason, "stop_reason": stop_reason}
         if "logprobs" in prompt:
             choice["prompt_logprobs"] = prompt_logprobs_field(prompt["logprobs"])
+        if self.token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = prompt.get("ids"), self.ids[i]
         return choice
 
 
@@ -154,9 +164,11 @@ class StreamChoices(_Shape):
     """Turns delta items into stream-chunk choices, keeping per-choice offsets and tool-call parsers."""
 
     def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
-                 echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False) -> None:
-        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode)
+                 echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False,
+                 token_ids: bool = False) -> None:
+        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids)
         self.offsets = [0] * self.num_choices
+        self.ids_sent = [False] * self.num_choices  # (completions: a choice's first chunk carries its prompt's ids)
         self.with_logprobs = logprobs
         self.parsers = None
         self.pending: list[list[dict[str, Any]]] = [[] for _ in range(self.num_choices)]  # from the forced prefix
@@ -177,9 +189,18 @@ class StreamChoices(_Shape):
             choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": None, "stop_reason": None}
             if "logprobs" in prompt:
                 choice["prompt_logprobs"] = prompt_logprobs_field(prompt["logprobs"])
+            self._ids(choice, i, [])
             self.offsets[i] = len(text)
             out.append(choice)
         return out
+
+    def _ids(self, choice: dict[str, Any], i: int, ids: list[int]) -> None:
+        """return_token_ids: the chunk's ids, and a completion choice's prompt ids in its first chunk (vLLM's)."""
+        if not self.token_ids:
+            return
+        if not self.chat and not self.ids_sent[i]:
+            choice["prompt_token_ids"], self.ids_sent[i] = self.prompt_of(i).get("ids"), True
+        choice["token_ids"] = ids
 
     def choices(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
@@ -205,6 +226,7 @@ class StreamChoices(_Shape):
             self.offsets[i] += len(c["text"])
             choice["finish_reason"] = reason
             choice["stop_reason"] = c["stop_reason"]
+            self._ids(choice, i, c["token_ids"])
             out.append(choice)
         return out
 

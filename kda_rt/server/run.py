@@ -62,7 +62,8 @@ class RequestRun:
         self.created = int(time.time())  # the response's and every chunk's "created"
         self.server_aborted = False
         self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
-                      "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None}
+                      "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None,
+                      "token_ids": bool(payload.get("return_token_ids"))}
         self.choices = responses.Choices(req.n, chat, **self.shape)
         state.open[rid] = queue
         state.metrics.started()
@@ -147,6 +148,8 @@ class RequestRun:
                 "usage": self._usage()}
         if self.chat and self.prompts and "logprobs" in self.prompts[0]:
             body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
+        if self.chat and self.shape["token_ids"] and self.prompts:  # (vLLM's return_token_ids)
+            body["prompt_token_ids"] = self.prompts[0].get("ids")
         return json_response(body if shape is None else shape(body))
 
     async def sse(self) -> AsyncIterator[bytes]:
@@ -162,6 +165,8 @@ class RequestRun:
                 body = chunk(first, self._usage() if continuous else None)
                 if self.prompts and "logprobs" in self.prompts[0]:
                     body["prompt_logprobs"] = responses.prompt_logprobs_field(self.prompts[0]["logprobs"])
+                if self.shape["token_ids"] and self.prompts:
+                    body["prompt_token_ids"] = self.prompts[0].get("ids")
                 yield _event(body)
             elif self.shape["echo"] or any("logprobs" in p for p in self.prompts):
                 yield _event(chunk(stream.echo_choices(), self._usage() if continuous else None))
