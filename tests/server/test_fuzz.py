@@ -17,7 +17,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "echo",
           "best_of", "logit_bias", "suffix", "user", "tools", "skip_special_tokens", "include_stop_str_in_output",
           "input", "instructions", "max_output_tokens", "text", "tool_choice", "parallel_tool_calls",
-          "previous_response_id", "truncation", "store"]
+          "previous_response_id", "truncation", "store", "priority", "use_beam_search", "length_penalty",
+          "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "chat_template"]
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.integers(-3, 40)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12) | st.sampled_from(["demo", "user"]))
@@ -43,9 +44,21 @@ responses_ish = st.fixed_dictionaries({"input": st.text(max_size=20) | items},
                                                 "instructions": json_values, "stream": st.booleans(),
                                                 "text": json_values, "tools": json_values,
                                                 "tool_choice": json_values, "parallel_tool_calls": json_values})
+beam_ish = st.fixed_dictionaries(  # beam searches with what they take and what they refuse
+    {"prompt": st.text(min_size=1, max_size=20) | st.lists(st.integers(-5, 1100), max_size=6),
+     "use_beam_search": st.just(True) | json_values},
+    optional={"n": st.integers(-1, 12) | json_values, "max_tokens": st.integers(-1, 300), "stream": st.booleans(),
+              "temperature": st.floats(-1, 3) | json_values, "length_penalty": st.floats(allow_nan=True) | json_values,
+              "logprobs": st.integers(-1, 3), "stop": st.text(max_size=3), "echo": st.booleans(),
+              "ignore_eos": st.booleans(), "priority": st.integers(-3, 3) | json_values,
+              "cache_salt": st.text(max_size=4) | json_values, "return_token_ids": json_values,
+              "return_tokens_as_token_ids": json_values, "prompt_logprobs": st.integers(-1, 3)})
 chat_ish = st.fixed_dictionaries({"messages": messages},
                                  optional={"max_tokens": st.integers(-1, 8), "logprobs": json_values,
-                                           "top_logprobs": json_values, "stream": st.booleans(), "tools": json_values})
+                                           "top_logprobs": json_values, "stream": st.booleans(), "tools": json_values,
+                                           "use_beam_search": st.booleans(), "n": st.integers(1, 3),
+                                           "chat_template": st.text(max_size=30) | st.just("{{ messages }}"),
+                                           "return_token_ids": st.booleans(), "cache_salt": json_values})
 
 
 def _encode(body: object, how: str, data: st.DataObject) -> bytes:
@@ -75,7 +88,7 @@ def http():
 
 @pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(ENDPOINTS), body=bodies | valid_ish | chat_ish | responses_ish | json_values,
+@given(path=st.sampled_from(ENDPOINTS), body=bodies | valid_ish | beam_ish | chat_ish | responses_ish | json_values,
        how=st.sampled_from(["json", "json", "truncate", "bad-utf8"]), data=st.data())
 def test_fuzzed_bodies_never_5xx(server, http, path, body, how, data):
     _check(server, http, path, _encode(body, how, data))
