@@ -38,7 +38,7 @@ def test_completion_token_ids(server, reference_llm):
     for prompt, c in zip(prompts, choices, strict=True):
         assert (c["prompt_token_ids"], c["token_ids"]) == _greedy_ids(reference_llm, prompt)
     chunks = _stream(server, "/v1/completions", body)
-    for k, prompt in enumerate(prompts):
+    for k in range(len(prompts)):
         mine = [c for ch in chunks for c in ch["choices"] if c["index"] == k]
         assert mine[0]["prompt_token_ids"] == choices[k]["prompt_token_ids"]
         assert all("prompt_token_ids" not in c for c in mine[1:])
