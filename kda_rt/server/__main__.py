@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trust-request-chat-template", action="store_true",
                     help="let a chat request bring its own chat_template (vLLM's flag; rendered in the same "
                          "sandbox, within the same time and size bounds); without it such a request is a 400")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help='logprobs name every token "token_id:N" (vLLM\'s flag; a request\'s '
+                         "return_tokens_as_token_ids does it for that request)")
     ap.add_argument("--generation-config", default="auto",
                     help="auto: default sampling settings from the checkpoint's generation_config.json (as vLLM); "
                          "vllm: none; or a directory holding a generation_config.json")
@@ -129,6 +132,7 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
                         prompt_tokens_details=args.enable_prompt_tokens_details,
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,
                         trust_request_chat_template=args.trust_request_chat_template,
+                        tokens_as_ids=args.return_tokens_as_token_ids,
                         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
                         if args.allowed_origins else None)

@@ -102,6 +102,7 @@ class ServerState:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     auto_tools: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a chat request may bring its template
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" in every response
     metrics: Metrics | None = None
     cors: dict[str, Any] | None = None  # CORSMiddleware's arguments (--allowed-origins ...); None: no CORS headers
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when the server started
@@ -312,6 +313,8 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
             return _error("the server is shutting down", 503)
+        if state.tokens_as_ids:  # (--return-tokens-as-token-ids: every request's logprobs so)
+            payload["tokens_as_ids"] = True
         prefix = "resp" if api == "responses" else "chatcmpl" if chat else "cmpl"
         rid = _request_id(request, prefix, state.open, state.client.queues)
         start = time.perf_counter()

@@ -79,3 +79,17 @@ def test_tokens_as_token_ids_in_logprobs(server):
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
     text_form = _post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
     assert not any(t.startswith("token_id:") for t in text_form["logprobs"]["tokens"])
+
+
+def test_server_flag_names_every_requests_tokens_by_id(tmp_path_factory):
+    """--return-tokens-as-token-ids (vLLM's flag): logprobs of every request name tokens "token_id:N"."""
+    from helpers.server import ServerProc
+
+    srv = ServerProc(tmp_path_factory.mktemp("ids") / "server.log", "--return-tokens-as-token-ids")
+    try:
+        c = _post(srv, "/v1/completions", {"prompt": "The lighthouse", "max_tokens": 3, "temperature": 0.0,
+                                           "ignore_eos": True, "logprobs": 1, "return_token_ids": True}).json()
+        c = c["choices"][0]
+        assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    finally:
+        assert srv.stop() == 0, srv.log()
