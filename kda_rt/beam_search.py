@@ -90,11 +90,29 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def _length(tokens: list[int], eos_ids: Iterable[int]) -> int:
+    return max(len(tokens) - (1 if tokens and tokens[-1] in eos_ids else 0), 1)
+
+
 def beam_score(tokens: list[int], cum_logprob: float, eos_ids: Iterable[int], length_penalty: float = 1.0) -> float:
     """vLLM's ranking: the summed logprob over the length (prompt and generated ids, a final EOS not counted) to the
-    power `length_penalty`."""
-    length = len(tokens) - (1 if tokens and tokens[-1] in eos_ids else 0)
-    return cum_logprob / max(length, 1) ** length_penalty
+    power `length_penalty` (a power past a float's range: the score's limit, 0 or an infinity, not an error)."""
+    length = _length(tokens, eos_ids)
+    try:
+        return cum_logprob / length ** length_penalty
+    except (OverflowError, ZeroDivisionError):
+        if cum_logprob == 0 or length_penalty > 0:
+            return 0.0 * cum_logprob
+        return math.copysign(math.inf, cum_logprob)
+
+
+def _rank_key(tokens: list[int], cum_logprob: float, eos_ids: Iterable[int], length_penalty: float) -> tuple:
+    """A sort key in `beam_score`'s order that stays exact where the score itself would leave a float's range:
+    (its sign, then the log of its size)."""
+    if cum_logprob == 0:
+        return (1, 0.0)
+    size = math.log(abs(cum_logprob)) - length_penalty * math.log(_length(tokens, eos_ids))
+    return (2, size) if cum_logprob > 0 else (0, -size)
 
 
 class BeamStepper:
@@ -118,8 +136,8 @@ class BeamStepper:
     def done(self) -> bool:
         return self.steps >= self.params.max_tokens or not any(self.beams)
 
-    def _key(self, b: BeamSearchSequence) -> float:
-        return beam_score(b.tokens, b.cum_logprob, self.eos, self.params.length_penalty)
+    def _key(self, b: BeamSearchSequence) -> tuple:
+        return _rank_key(b.tokens, b.cum_logprob, self.eos, self.params.length_penalty)
 
     def requests(self) -> list[list[int]]:
         return [b.tokens for beams in self.beams for b in beams]
@@ -155,7 +173,7 @@ class BeamStepper:
                 b.finish_reason = "length"
             best = sorted(finished + beams, key=self._key, reverse=True)[:self.params.beam_width]
             for b in best:
-                b.text = tokenizer.decode(b.tokens) if tokenizer is not None else None
+                b.text = _decode(tokenizer, b.tokens) if tokenizer is not None else None
             out.append(best)
         return out
 
@@ -165,7 +183,14 @@ def generated(beam: BeamSearchSequence, prompt_len: int, tokenizer, params: Beam
     their text, a final EOS left out unless `include_stop_str_in_output` ("" without a tokenizer)."""
     gen = beam.tokens[prompt_len:]
     shown = gen[:-1] if beam.finish_reason == "stop" and not params.include_stop_str_in_output else gen
-    return gen, tokenizer.decode(shown) if tokenizer is not None else ""
+    return gen, _decode(tokenizer, shown) if tokenizer is not None else ""
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    """The text of `ids`, those past the tokenizer's vocabulary left out (a checkpoint's embedding may have more
+    rows than its tokenizer has tokens; `generate`'s text leaves them out too)."""
+    known = tokenizer.vocab_size
+    return tokenizer.decode([t for t in ids if t < known])
 
 
 def prompt_token_ids(engine, prompts, params: BeamSearchParams) -> tuple[list[list[int]], list[str | None]]:

@@ -287,7 +287,7 @@ class Scheduler:
         self._release(seq)
 
     def requeue(self, seq: Sequence) -> None:
-        """Send a running sequence back to the front of the queue, to be computed again from its first token (its
+        """Send a running sequence back to the queue (its front; under "priority" its place), to be computed again from its first token (its
         slot and pages freed, its outputs kept): the engine's answer to a step whose launch raised, whose forward
         may have folded some of the step's tokens into the sequence's state already."""
         self._to_front(seq)
@@ -296,8 +296,8 @@ class Scheduler:
                        seq.index)
 
     def _to_front(self, seq: Sequence) -> None:
-        """A running sequence (a retired one holds nothing) back to the queue's front, to be computed from its first
-        token: preemption, and `requeue`."""
+        """A running sequence (a retired one holds nothing) back to the queue's front (under "priority" its place in
+        the order), to be computed from its first token: preemption, and `requeue`."""
         if seq.slot >= 0:
             self.running.remove(seq)
             self._release(seq)

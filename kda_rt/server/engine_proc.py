@@ -15,6 +15,7 @@ reaches the server too, which drains and then shuts this process down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import socket
@@ -129,6 +130,14 @@ class EngineWorker:
         except (ValueError, TypeError, KeyError) as exc:
             self.conn.send({"op": "rejected", "id": msg["id"], "status": 400, "error": str(exc)})
             return
+        except RecursionError:
+            self.conn.send({"op": "rejected", "id": msg["id"], "status": 400, "error": "the request is nested too "
+                            "deeply to render"})
+            return
+        except Exception as exc:  # (a bug here must not take the engine down)
+            logger.exception("engine process: %s request %s failed", msg["op"], msg["id"])
+            self.conn.send({"op": "rejected", "id": msg["id"], "status": 500, "error": f"{type(exc).__name__}: {exc}"})
+            return
         self.conn.send({"op": "result", "id": msg["id"], "result": result})
 
     def _prompts(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -200,6 +209,11 @@ class EngineWorker:
                                             priority=priority)
                     added.append(sub)
                     self.open[sub] = _Open(params.logprobs, rid, k * n, as_ids)
+        except RecursionError:  # (a RuntimeError, but no sign of a full engine: retrying would not help)
+            self._undo(added, rid)
+            self.conn.send({"op": "rejected", "id": rid, "status": 400, "error": "the request is nested too deeply "
+                            "to render"})
+            return
         except RuntimeError as exc:  # score() found no free slot / pages: the engine is full right now
             self._undo(added, rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 429, "error": f"{exc}; retry later"})
@@ -240,12 +254,24 @@ class EngineWorker:
 
         if msg.get("score_only"):
             raise ValueError("use_beam_search needs max_tokens >= 1")
-        for name, given in (("logprobs", params.logprobs is not None), ("stop", bool(params.stop)),
-                            ("echo", bool(msg.get("echo"))),
-                            ("response_format / structured_outputs", params.structured_outputs is not None)):
+        own = msg["params"]  # (the request's own values: a checkpoint's default top_p does not refuse a search)
+        mode = msg.get("tool_mode") or {}
+        constraint = ("tool_choice 'required' / a named function" if mode.get("required") or mode.get("forced_name")
+                      else "response_format / structured_outputs")
+        refused = (("logprobs", own.get("logprobs") is not None), ("stop", bool(own.get("stop"))),
+                   ("stop_token_ids", bool(own.get("stop_token_ids"))), ("bad_words", bool(own.get("bad_words"))),
+                   ("allowed_token_ids", own.get("allowed_token_ids") is not None),
+                   ("logit_bias", bool(own.get("logit_bias"))), ("min_tokens", bool(own.get("min_tokens"))),
+                   ("top_p", own.get("top_p") not in (None, 1, 1.0)), ("top_k", own.get("top_k") not in (None, 0, -1)),
+                   ("min_p", own.get("min_p") not in (None, 0, 0.0)),
+                   ("presence_penalty", own.get("presence_penalty") not in (None, 0, 0.0)),
+                   ("frequency_penalty", own.get("frequency_penalty") not in (None, 0, 0.0)),
+                   ("repetition_penalty", own.get("repetition_penalty") not in (None, 1, 1.0)),
+                   ("echo", bool(msg.get("echo"))), (constraint, params.structured_outputs is not None))
+        for name, given in refused:
             if given:
                 raise ValueError(f"use_beam_search does not take {name} (the beams are ranked by the model's own "
-                                 "logprobs and stop at EOS or max_tokens alone)")
+                                 "logprobs, before any filter or penalty, and stop at EOS or max_tokens alone)")
         if params.n > MAX_BEAM_WIDTH:
             raise ValueError(f"use_beam_search: n is the beam width, at most {MAX_BEAM_WIDTH} (each step lists the "
                              f"top 2 x n logprobs, at most 20), got {params.n}")
@@ -260,8 +286,10 @@ class EngineWorker:
         beam = BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=params.temperature, length_penalty=msg["beam"]["length_penalty"],
                                 include_stop_str_in_output=params.include_stop_str_in_output)
-        job = _Beams(BeamStepper(starts, beam, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids),
-                     starts, [cache_salt_of(p) for p in prompts], beam, priority)
+        search = BeamStepper(starts, beam, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids)
+        if own.get("seed") is not None:  # (each step's sampled candidate drawn from the request's seed: repeatable)
+            search.step_params = dataclasses.replace(search.step_params, seed=own["seed"])
+        job = _Beams(search, starts, [cache_salt_of(p) for p in prompts], beam, priority)
         self.beams[rid] = job
         self.children[rid] = []
         self._beam_step(rid, job)
@@ -285,27 +313,44 @@ class EngineWorker:
         job = self.beams.get(rid)
         if job is None or out.request_id not in job.pending:
             return
-        job.listed[job.pending[out.request_id]] = out.outputs[0].logprobs[0]
-        if len(job.listed) < len(job.pending):
-            return
-        job.search.advance([job.listed[k] for k in range(len(job.pending))])
-        if not job.search.done:
-            try:
+        failed = None
+        try:  # (nothing a search meets may take the engine process down: it ends that search alone)
+            comp = out.outputs[0]
+            if not comp.logprobs:  # (a step request that ended in error: NaN logits, say)
+                raise RuntimeError(f"its step request ended with finish_reason {comp.finish_reason!r}")
+            job.listed[job.pending[out.request_id]] = comp.logprobs[0]
+            if len(job.listed) < len(job.pending):
+                return
+            job.search.advance([job.listed[k] for k in range(len(job.pending))])
+            if not job.search.done:
                 self._beam_step(rid, job)
                 return
-            except (ValueError, RuntimeError):  # (not expected: every beam fits max_model_len, checked at the start)
-                logger.exception("beam search %s: its next step could not be added; answering with its beams", rid)
+        except Exception as exc:
+            logger.exception("beam search %s failed at step %d; its beams so far are answered with finish_reason "
+                             "'abort'", rid, job.search.steps)
+            failed = exc
         self._abort(rid)  # (the search is over: nothing of it is left in the engine)
+        items[rid] = {"id": rid, "outputs": self._beam_answer(job, failed), "finished": True}
+
+    def _beam_answer(self, job: _Beams, failed: Exception | None) -> list[dict[str, Any]]:
+        """The choices of a finished search: each prompt's `n` best beams (choices `k * n ...`), best first; after a
+        failure the beams so far, each with finish_reason "abort" (none at all if even those cannot be had)."""
         from kda_rt.beam_search import generated
 
         width = job.params.beam_width
-        outputs = []
-        for k, best in enumerate(job.search.outputs(None)):
-            for i, b in enumerate(best):
-                ids, text = generated(b, len(job.starts[k]), self.tokenizer, job.params)
-                outputs.append({"index": k * width + i, "text": text, "token_ids": ids, "logprobs": None,
-                                "finish_reason": b.finish_reason, "stop_reason": b.stop_reason})
-        items[rid] = {"id": rid, "outputs": outputs, "finished": True}
+        try:
+            outputs = []
+            for k, best in enumerate(job.search.outputs(None)):
+                for i, b in enumerate(best):
+                    ids, text = generated(b, len(job.starts[k]), self.tokenizer, job.params)
+                    outputs.append({"index": k * width + i, "text": text, "token_ids": ids, "logprobs": None,
+                                    "finish_reason": "abort" if failed else b.finish_reason,
+                                    "stop_reason": None if failed else b.stop_reason})
+            return outputs
+        except Exception:
+            logger.exception("beam search: its beams could not be read; answered with none")
+            return [{"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": "abort",
+                     "stop_reason": None} for i in range(width * len(job.starts))]
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

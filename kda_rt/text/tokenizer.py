@@ -313,13 +313,21 @@ class Tokenizer:
                                eos_token=self._eos_token or "")
 
 
+MAX_REQUEST_TEMPLATE_CHARS = 65536  # a request's own chat template (compiled on the engine's loop: ~0.2 s at this)
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled(source: str):
     """A request's template, compiled in the same sandbox as the checkpoint's (requests repeat theirs: kept)."""
+    if len(source) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise ValueError(f"chat_template (the request's) is {len(source)} characters; at most "
+                         f"{MAX_REQUEST_TEMPLATE_CHARS}")
     try:
         return compile_template(source)
     except TemplateError as e:
         raise ValueError(f"chat_template (the request's) does not compile: {e}") from None
+    except (RecursionError, MemoryError):
+        raise ValueError("chat_template (the request's) does not compile: nested too deeply") from None
 
 
 def _check_continue(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, cont: bool) -> None:

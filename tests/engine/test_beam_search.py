@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers.engine import assert_no_leaks, make_llm
 from kda_rt import BeamSearchParams
@@ -142,6 +144,48 @@ def test_length_penalty_ranks_by_length():
     short, long_ = ([1, 5], -1.0), ([1, 5, 6, 7, 8, 9], -2.0)
     assert beam_score(*short, eos, 0.0) > beam_score(*long_, eos, 0.0)
     assert beam_score(*short, eos, 1.0) < beam_score(*long_, eos, 1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.tuples(st.integers(1, 60), st.floats(-80, 0)), b=st.tuples(st.integers(1, 60), st.floats(-80, 0)),
+       penalty=st.floats(-8, 8))
+def test_the_ranking_key_orders_as_the_score(a, b, penalty):
+    """The search ranks by a log-space key (exact where the score leaves a float's range); where the score is a
+    plain float, the key orders two beams as the score does."""
+    from kda_rt.beam_search import _rank_key
+
+    (la, ca), (lb, cb) = a, b
+    ta, tb = list(range(la)), list(range(lb))
+    sa, sb = beam_score(ta, ca, frozenset(), penalty), beam_score(tb, cb, frozenset(), penalty)
+    if abs(sa - sb) > 1e-9 * max(abs(sa), abs(sb), 1e-300):
+        assert (sa > sb) == (_rank_key(ta, ca, frozenset(), penalty) > _rank_key(tb, cb, frozenset(), penalty))
+
+
+@pytest.mark.parametrize("penalty", [400.0, -400.0, 1e6, -1e6])
+def test_extreme_length_penalties_rank_without_error(llm, penalty):
+    """A length penalty whose power leaves a float's range (len ** 400 overflows, len ** -400 is 0) still ranks: the
+    score gives its limit, the search ranks in log space (a huge positive penalty puts the longest beams first)."""
+    assert beam_score(list(range(50)), -3.0, frozenset(), penalty) in (0.0, -0.0, float("-inf"))
+    (out,) = llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=penalty))
+    assert len(out.sequences) == 3 and all(len(b.tokens) >= 4 for b in out.sequences)
+    if penalty > 0:
+        assert all(len(b.tokens) == 7 for b in out.sequences if b.finish_reason == "length")
+
+
+def test_beam_text_leaves_out_ids_past_the_tokenizer():
+    """A checkpoint whose embedding has more rows than its tokenizer has tokens: a beam's text leaves the unknown ids
+    out (as generate's does) instead of failing."""
+    from kda_rt.beam_search import BeamSearchSequence, generated
+
+    class Tok:
+        vocab_size = 10
+
+        def decode(self, ids):
+            assert all(i < 10 for i in ids)
+            return ",".join(map(str, ids))
+
+    beam = BeamSearchSequence([1, 2, 3, 11, 4, 12], finish_reason="length")
+    assert generated(beam, 2, Tok(), BeamSearchParams(beam_width=1, max_tokens=4)) == ([3, 11, 4, 12], "3,4")
 
 
 @pytest.mark.parametrize(("kw", "needle"), [

@@ -111,3 +111,88 @@ def test_max_waiting_counts_every_sample(llm):
     assert len(llm.llm_engine.scheduler.waiting) <= 2
     worker.handle({"op": "shutdown"})
     assert_no_leaks(llm)
+
+
+def _beam_add(worker, rid, **params):
+    worker.handle({"op": "add", "id": rid, "prompts": [[5, 6, 7]], "beam": {"length_penalty": 1.0},
+                   "params": {"n": 2, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, **params}})
+
+
+def _run(worker, llm, limit=200):
+    for _ in range(limit):
+        if not llm.llm_engine.has_unfinished_requests():
+            return
+        worker.step()
+    raise AssertionError("the engine never went idle")
+
+
+@pytest.mark.parametrize("where", ["add", "nan"])
+def test_a_beam_search_that_fails_mid_way_ends_alone(llm, monkeypatch, where):
+    """A beam search whose third step cannot be added (`add`), or whose step request ends in error (`nan`: NaN
+    logits), ends that search alone: its beams so far are answered with finish_reason "abort", nothing of it stays in
+    the engine, and a plain request beside it and the next search finish as usual."""
+    conn = _Conn()
+    worker = EngineWorker(llm, conn, max_waiting=64)
+    engine = llm.llm_engine
+    if where == "add":
+        real_add, calls = engine.add_request, {"n": 0}
+
+        def add(rid, *a, **kw):
+            if "#beam2." in str(rid):
+                calls["n"] += 1
+                if calls["n"] == 2:  # (the second beam of the third step: the first was added already)
+                    raise ValueError("injected")
+            return real_add(rid, *a, **kw)
+
+        monkeypatch.setattr(engine, "add_request", add)
+    else:
+        runner, real_forward, calls = engine.runner, engine.runner.forward, {"n": 0}
+
+        def forward(batch):
+            logits = real_forward(batch)
+            calls["n"] += 1
+            if calls["n"] == 3:
+                logits = logits.copy()
+                logits[:] = np.nan
+            return logits
+
+        monkeypatch.setattr(runner, "forward", forward)
+    _beam_add(worker, "b")
+    worker.handle({"op": "add", "id": "p", "prompts": [[8, 9]], "params": {"max_tokens": 6, "ignore_eos": True}})
+    _run(worker, llm)
+    monkeypatch.undo()
+    outs = [item for m in conn.sent if m["op"] == "outs" for item in m["items"]]
+    final = [item for item in outs if item["id"] == "b" and item["finished"]]
+    assert len(final) == 1 and [o["finish_reason"] for o in final[0]["outputs"]] == ["abort", "abort"]
+    plain = [o for item in outs if item["id"] == "p" for o in item["outputs"]]
+    assert plain[-1]["finish_reason"] in ("length", "error") and worker.beams == {} and worker.beam_of == {}
+    assert_no_leaks(llm)
+    _beam_add(worker, "again")
+    _run(worker, llm)
+    again = [item for m in conn.sent if m["op"] == "outs" for item in m["items"] if item["id"] == "again"]
+    assert [o["finish_reason"] for o in again[-1]["outputs"]] == ["length", "length"]
+    assert all(len(o["token_ids"]) == 5 for o in again[-1]["outputs"])
+    assert_no_leaks(llm)
+
+
+def test_a_beam_search_refused_part_way_through_its_first_step_leaves_nothing(llm, monkeypatch):
+    """Two prompts: the first step adds one request a prompt; the second add is refused, so the request is a 400 and
+    the first step request, already added, is taken back."""
+    conn = _Conn()
+    worker = EngineWorker(llm, conn, max_waiting=64)
+    engine, real_add = llm.llm_engine, llm.llm_engine.add_request
+
+    def add(rid, *a, **kw):
+        if str(rid) == "b#beam0.1":
+            raise ValueError("injected")
+        return real_add(rid, *a, **kw)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    worker.handle({"op": "add", "id": "b", "prompts": [[5, 6, 7], [8, 9]], "beam": {"length_penalty": 1.0},
+                   "params": {"n": 2, "max_tokens": 5, "temperature": 0.0}})
+    monkeypatch.undo()
+    assert conn.sent[-1]["op"] == "rejected" and conn.sent[-1]["status"] == 400 and "injected" in conn.sent[-1]["error"]
+    assert worker.beams == {} and worker.beam_of == {} and worker.children == {}
+    _run(worker, llm)
+    assert_no_leaks(llm)
+    assert not [m for m in conn.sent if m["op"] == "outs"]

@@ -110,9 +110,35 @@ def test_a_client_gone_mid_search_leaves_nothing_in_the_engine(server):
     ({"response_format": {"type": "json_object"}}, "does not take response_format"),
     ({"length_penalty": "long"}, "length_penalty"),
     ({"max_tokens": 300}, "maximum context length"),
+    ({"stop_token_ids": [5]}, "does not take stop_token_ids"),
+    ({"top_p": 0.5}, "does not take top_p"),
+    ({"min_tokens": 2}, "does not take min_tokens"),
+    ({"logit_bias": {"5": 1.0}}, "does not take logit_bias"),
+    ({"repetition_penalty": 1.2}, "does not take repetition_penalty"),
 ])
 def test_what_a_beam_search_cannot_honour_is_refused(server, extra, match):
     body = {"prompt": "Hello", "n": 2, "max_tokens": 4, "use_beam_search": True, **extra}
     r = _post(server, "/v1/completions", body)
     assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
-    assert server.metrics()["kda_rt:num_requests_running"] == 0  # nothing of it left in the engine
+    m = server.metrics()  # nothing of it left in the engine
+    assert m["kda_rt:num_requests_running"] == 0 and m["kda_rt:num_requests_waiting"] == 0, m
+    assert m["kda_rt:kv_cache_usage_perc"] == 0, m
+
+
+@pytest.mark.parametrize("penalty", [400, -400, 1e300])
+def test_extreme_length_penalties_are_answered(server, penalty):
+    """A length_penalty whose power leaves a float's range ranks in log space (was: OverflowError /
+    ZeroDivisionError in the engine process, which took the server down)."""
+    body = {"prompt": "Hello", "n": 2, "max_tokens": 4, "use_beam_search": True, "temperature": 0.0,
+            "length_penalty": penalty}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_seed_makes_a_sampled_search_repeatable(server):
+    """temperature > 0 adds each step's sampled token as a candidate; with a seed, the same search twice."""
+    body = {"prompt": "The keeper", "n": 3, "max_tokens": 6, "use_beam_search": True, "temperature": 1.5,
+            "seed": 7, "ignore_eos": True}
+    first, second = (_post(server, "/v1/completions", body).json()["choices"] for _ in range(2))
+    assert [c["text"] for c in first] == [c["text"] for c in second]

@@ -58,3 +58,20 @@ def test_trusting_server_renders_the_requests_template(trusting_server):
     escape = _post(trusting_server, "/v1/chat/completions",
                    {**body, "chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
     assert escape.status_code == 400, escape.text
+
+
+@pytest.mark.parametrize(("template", "match"), [
+    ("{{ " + "(" * 400 + "1" + ")" * 400 + " }}", "nested too deeply"),
+    ("{{ (10 ** 4096) ** 4096 }}", "a power would be an integer over"),
+    ("{# " + "x" * 70000 + " #}", "at most 65536"),
+])
+def test_a_requests_template_past_the_bounds_is_a_400(trusting_server, template, match):
+    """A request's template that nests past Python's recursion limit at compile time, builds a huge integer, or is
+    over 64 KiB is a 400 naming the bound, on /tokenize and chat alike (was: the engine process died, or a 429
+    "retry later"); the server stays healthy."""
+    for path, body in (("/tokenize", {"messages": MESSAGES}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})):
+        r = _post(trusting_server, path, {**body, "chat_template": template})
+        assert r.status_code == 400 and match in r.json()["error"]["message"], (path, r.text)
+    assert httpx.get(trusting_server.url + "/health", timeout=10).status_code == 200
+    assert "Traceback" not in trusting_server.log()
