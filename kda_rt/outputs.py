@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CompletionOutput", "Logprob", "RequestOutput", "vllm_logprobs"]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "vllm_logprobs"]
 
 
 class Logprob(float):
@@ -66,6 +66,19 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class RequestMetrics:
+    """vLLM's `RequestMetrics` (its V0 engine's; wall-clock `time.time()` stamps): when the request arrived, was
+    first scheduled (its queue time ends), gave its first and latest tokens, and finished (None while running)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float
+    time_in_queue: float | None
+    finished_time: float | None = None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -77,4 +90,4 @@ class RequestOutput:
     # top N (None for the first token, which has no context)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # vLLM's field: prompt tokens served from the prefix cache (enable_prefix_caching)
-    metrics: None = None  # vLLM's field (its V1 engine leaves it None too)
+    metrics: RequestMetrics | None = None  # vLLM's field, as its V0 engine fills it (its V1 leaves it None)

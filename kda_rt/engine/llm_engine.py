@@ -26,6 +26,7 @@ import gc
 import itertools
 import logging
 import random
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -186,6 +187,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        arrived = time.time()
         text, ids = self.request_prompt(prompt, params)
         salt = cache_salt_of(prompt)
         limit = self.config.max_model_len
@@ -230,7 +232,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),
                                  max_tokens=max_tokens, arrival=next(self._arrivals), priority=priority,
-                                 cache_salt=salt, detokenizer=detok,
+                                 arrival_time=arrived, cache_salt=salt, detokenizer=detok,
                                  logprobs=[] if params.logprobs is not None else None, grammar=grammars[i]))
         self.requests[request_id] = (text, seqs)
         self._output_kind[request_id] = (output_kind, list(ids))
@@ -445,6 +447,10 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, ids_from_last: tuple[int, ...] = (),
                 defer_sampling: bool = False) -> _Launched:
         batch, sampled = self.build_batch(sched)
+        now = 0.0
+        for s, _ in sched.scheduled:  # (a request's time in the queue ends when it is first scheduled)
+            if not s.scheduled_time:
+                s.scheduled_time = now = now or time.time()
         num_decodes = sum(1 for s, _ in sched.scheduled if not s.in_prefill)
         # (a pending token's id is not on the host: its count is the row's step, the device has the rest)
         rows = ((s.params, s.seed, s.prompt_token_ids, s.output_token_ids, s.pending) for s in sampled)

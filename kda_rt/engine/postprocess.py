@@ -17,10 +17,11 @@ cumulative outputs of one request into deltas (new text, new token ids).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kda_rt.outputs import CompletionOutput, RequestOutput
+from kda_rt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
     from kda_rt.engine.sequence import Sequence
@@ -43,6 +44,8 @@ class Postprocessor:
         """Append a sampled token (and its logprobs when requested); returns True when `seq` is now
         finished (its `finish_reason` and `stop_reason` set, its text final)."""
         p = seq.params
+        if not seq.output_token_ids and not seq.first_token_time:
+            seq.first_token_time = time.time()
         seq.output_token_ids.append(token)
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
@@ -126,8 +129,18 @@ def request_output(request_id: str, prompt: str | None, seqs: list[Sequence], ki
             s.index, text[chars:], s.output_token_ids[toks:], s.cumulative_logprob if s.logprobs is not None else None,
             s.logprobs[toks:] if s.logprobs is not None else None, s.finish_reason, s.stop_reason))
     prompt_ids = list(seqs[0].prompt_token_ids) if prompt_token_ids is None else prompt_token_ids
-    return RequestOutput(request_id, prompt, prompt_ids, outs,
-                         all(s.finish_reason is not None for s in seqs), num_cached_tokens=seqs[0].num_cached)
+    finished = all(s.finish_reason is not None for s in seqs)
+    return RequestOutput(request_id, prompt, prompt_ids, outs, finished, num_cached_tokens=seqs[0].num_cached,
+                         metrics=_metrics(seqs, finished))
+
+
+def _metrics(seqs: list[Sequence], finished: bool) -> RequestMetrics:
+    now = time.time()
+    arrival = seqs[0].arrival_time
+    scheduled = min((s.scheduled_time for s in seqs if s.scheduled_time), default=None)
+    first = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
+    return RequestMetrics(arrival, scheduled, first, now, None if scheduled is None else scheduled - arrival,
+                          now if finished else None)
 
 
 class DeltaTracker:
@@ -148,4 +161,6 @@ class DeltaTracker:
                 c.index, c.text[chars:], c.token_ids[toks:], c.cumulative_logprob,
                 c.logprobs[toks:] if c.logprobs is not None else None, c.finish_reason, c.stop_reason,
             ))
-        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, comps, out.finished)
+        # (num_cached_tokens and metrics kept: AsyncLLM's delta outputs dropped them)
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, comps, out.finished,
+                             num_cached_tokens=out.num_cached_tokens, metrics=out.metrics)

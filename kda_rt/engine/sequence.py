@@ -44,6 +44,9 @@ class Sequence:
     max_tokens: int  # resolved: params.max_tokens or what max_model_len leaves
     arrival: int = 0  # engine-wide order of arrival; the largest running one is preempted first
     priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's); the order is (priority, arrival)
+    arrival_time: float = 0.0  # time.time() when added (RequestOutput.metrics)
+    scheduled_time: float = 0.0  # time.time() when first scheduled (0: not yet): its time in the queue ends
+    first_token_time: float = 0.0  # time.time() when its first output token was accepted (0: none yet)
     detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -126,6 +126,13 @@ class Metrics:
                                   buckets=_TOKEN_BUCKETS, registry=r)
         self._decode = Histogram(p + "request_decode_time_seconds", "Time from a request's first token to its end.",
                                  name, buckets=_E2E_BUCKETS, registry=r)
+        self._queue = Histogram(p + "request_queue_time_seconds", "Time a request waited in the engine's queue before "
+                                "it was first scheduled.", name, buckets=_E2E_BUCKETS, registry=r)
+        self._prefill = Histogram(p + "request_prefill_time_seconds", "Time from a request's first scheduling to its "
+                                  "first token (in the engine).", name, buckets=_E2E_BUCKETS, registry=r)
+        self._inference = Histogram(p + "request_inference_time_seconds", "Time from a request's first scheduling to "
+                                    "its end: e2e latency less its queue time.", name, buckets=_E2E_BUCKETS,
+                                    registry=r)
         self._itl = Histogram(p + "inter_token_latency_seconds", "Time between a request's successive token deliveries.",
                               name, buckets=_TPOT_BUCKETS, registry=r)
         self._params_n = Histogram(p + "request_params_n", "The n of each request.", name,
@@ -150,8 +157,10 @@ class Metrics:
         self._itl.labels(self.model_name).observe(seconds)
 
     def finish(self, outcome: str, prompt_tokens: int, completion_tokens: int, *, start: float, first: float | None,
-               end: float, finished_reason: str | None = None, n: int = 1, max_tokens: int | None = None) -> None:
-        """Record one admitted request: outcome, tokens, its latencies (perf_counter times) and parameters."""
+               end: float, finished_reason: str | None = None, n: int = 1, max_tokens: int | None = None,
+               queue: float | None = None, prefill: float | None = None) -> None:
+        """Record one admitted request: outcome, tokens, its latencies (perf_counter times; `queue` and `prefill`
+        durations the engine measured for its first prompt) and parameters."""
         m = self.model_name
         self._params_n.labels(m).observe(n)
         if max_tokens is not None:
@@ -170,6 +179,11 @@ class Metrics:
             if completion_tokens > 1:
                 self._tpot.labels(m).observe((end - first) / (completion_tokens - 1))
         self._e2e.labels(m).observe(end - start)
+        if queue is not None:
+            self._queue.labels(m).observe(queue)
+            self._inference.labels(m).observe(max(end - start - queue, 0.0))
+        if prefill is not None:
+            self._prefill.labels(m).observe(prefill)
 
     def render(self, engine_stats: dict[str, Any] | None, engine_alive: bool, draining: bool) -> bytes:
         self.snapshot, self.alive, self.draining = engine_stats, engine_alive, draining

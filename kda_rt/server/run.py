@@ -58,6 +58,7 @@ class RequestRun:
         self.num_choices = req.n * len(self.prompts)
         self.first: float | None = None
         self.cached_tokens = 0  # prompt tokens the engine's prefix cache served (usage's prompt_tokens_details)
+        self.timing: dict[str, float] = {}  # queue_s / prefill_s the engine measured (its first prompt's)
         self.last = 0.0  # when the latest delta with tokens came (inter-token latency)
         self.created = int(time.time())  # the response's and every chunk's "created"
         self.server_aborted = False
@@ -90,6 +91,9 @@ class RequestRun:
                     self.state.metrics.token_gap(now - self.last)
                 self.last = now
             self.cached_tokens += item.get("cached_tokens", 0)
+            for key in ("queue_s", "prefill_s"):
+                if key in item and key not in self.timing:
+                    self.timing[key] = item[key]
             self.choices.add(item)
             yield item
             if item["finished"]:
@@ -104,7 +108,8 @@ class RequestRun:
         reason = self.choices.finish[0][0] if self.choices.finish else None
         self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
                                   n=self.req.n, max_tokens=self.max_tokens,
-                                  first=self.first, end=end, finished_reason=reason)
+                                  first=self.first, end=end, finished_reason=reason,
+                                  queue=self.timing.get("queue_s"), prefill=self.timing.get("prefill_s"))
         if self.state.log_requests:
             logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
                         self.choices.completion_tokens, [f for f, _ in self.choices.finish])

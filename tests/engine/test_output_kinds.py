@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engine import greedy
+from helpers.engine import greedy, make_llm
 from kda_rt import LLM, SamplingParams
 from kda_rt.demo import demo_path
 
@@ -59,3 +59,28 @@ def test_prompt_ids_in_outputs_are_a_copy(llm):
 def test_unknown_output_kind(llm):
     with pytest.raises(ValueError, match="output_kind must be one of"):
         llm.llm_engine.add_request("x", [5, 6], greedy(2), output_kind="partial")
+
+
+def test_request_metrics_time_the_queue(tiny_dir):
+    """RequestOutput.metrics (vLLM's RequestMetrics, wall-clock stamps): with one seat, the second request waits
+    while the first runs: arrival <= first scheduled <= first token <= last token, the queue time their gap, the
+    second first scheduled after the first finished; the AsyncLLM's delta outputs keep metrics and num_cached_tokens."""
+    import asyncio
+
+    from kda_rt.async_llm import AsyncLLM
+
+    llm = make_llm(tiny_dir, max_num_seqs=1, max_model_len=64, block_size=16)
+    first, second = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], greedy(6))
+    for out in (first, second):
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+        assert m.finished_time == m.last_token_time and m.time_in_queue == m.first_scheduled_time - m.arrival_time
+    assert second.metrics.first_scheduled_time >= first.metrics.finished_time
+    assert second.metrics.time_in_queue > first.metrics.time_in_queue
+
+    async def deltas():
+        return [o async for o in AsyncLLM(llm).generate({"prompt_token_ids": [5, 6, 7]}, greedy(3))]
+
+    outs = asyncio.run(deltas())
+    assert all(o.metrics is not None for o in outs) and outs[-1].metrics.finished_time is not None
+    assert outs[0].metrics.finished_time is None

@@ -170,6 +170,12 @@ def test_latency_and_parameter_metrics(server):
 
     assert moved("request_params_n_sum") == 2 and moved("request_params_max_tokens_sum") == 5
     assert moved("request_decode_time_seconds_count") == 1 and moved("inter_token_latency_seconds_count") >= 1
+    # vLLM's queue / prefill / inference times: one each, the engine's own durations, within the e2e latency
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds"):
+        assert moved(f"{name}_count") == 1, name
+    e2e = moved("e2e_request_latency_seconds_sum")
+    assert 0 <= moved("request_queue_time_seconds_sum") <= e2e
+    assert 0 < moved("request_prefill_time_seconds_sum") <= moved("request_inference_time_seconds_sum") <= e2e
 
 
 def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
