@@ -90,4 +90,6 @@ class RequestOutput:
     # top N (None for the first token, which has no context)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # vLLM's field: prompt tokens served from the prefix cache (enable_prefix_caching)
-    metrics: RequestMetrics | None = None  # vLLM's field, as its V0 engine fills it (its V1 leaves it None)
+    # vLLM's field, as its V0 engine fills it, on a request's first output and its last (None between them; vLLM's V1
+    # engine leaves it None)
+    metrics: RequestMetrics | None = None

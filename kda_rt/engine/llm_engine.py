@@ -616,7 +616,7 @@ class LLMEngine:
                     keep = seq.num_computed + ahead_n.get(seq, 0)
                 self.scheduler.finish(seq, keep)
             touched[seq.request_id] = None
-        outputs = []
+        outputs, now = [], time.time()
         for rid in touched:
             text, seqs = self.requests[rid]
             finished = all(s.finish_reason is not None for s in seqs)
@@ -627,7 +627,8 @@ class LLMEngine:
                 self.counters["requests_finished"] += 1
             elif kind == "final":
                 continue
-            outputs.append(request_output(rid, text, seqs, "delta" if kind == "delta" else "cumulative", prompt_ids))
+            outputs.append(request_output(rid, text, seqs, "delta" if kind == "delta" else "cumulative", prompt_ids,
+                                          now))
         return outputs
 
     @staticmethod
