@@ -2,7 +2,8 @@
 
 Hypothesis draws a whole run: pool size (num_blocks down to one request's worth, so preemption by recompute
 happens), state slots (max_num_seqs 1-4), token budget down to 1 (chunked prefill), prompt tail, block size,
-async scheduling on or off, and requests (greedy or seeded, n of 1-2) that arrive at random steps and may be
+async scheduling on or off, fcfs or priority scheduling (random priorities), and requests (some with a cache
+salt) (greedy or seeded, n of 1-2) that arrive at random steps and may be
 aborted at random steps: before they are scheduled, mid-prefill, while decoding or while preempted.  Every
 request that is not aborted ends with the tokens, finish reasons and logprobs it gets alone, and afterwards every
 state slot and page is free.  Tiny checkpoint, NumPy backend, float64 (no argmax flips by rounding)."""
@@ -34,7 +35,8 @@ def runs(draw):
     budget = draw(st.sampled_from([1, 2, 5, 16, 64]))
     kw = dict(max_num_seqs=draw(st.integers(1, 4)), max_model_len=MAX_MODEL_LEN, block_size=block_size,
               num_blocks=-(-MAX_MODEL_LEN // block_size) + draw(st.sampled_from([0, 0, 1])), max_num_batched_tokens=budget,
-              prefill_tail_tokens=draw(st.sampled_from([0, budget])), async_scheduling=draw(st.booleans()))
+              prefill_tail_tokens=draw(st.sampled_from([0, budget])), async_scheduling=draw(st.booleans()),
+              scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])))
     requests = []
     for i in range(draw(st.integers(2, 5))):
         length = draw(st.integers(1, 20))
@@ -48,7 +50,9 @@ def runs(draw):
                                     ignore_eos=True, n=draw(st.integers(1, 2)), logprobs=draw(st.sampled_from([None, 2])))
         arrive = draw(st.integers(0, 6))
         abort = draw(st.sampled_from([None, None, draw(st.integers(arrive, arrive + 40))]))
-        requests.append((f"r{i}", prompt, params, arrive, abort))
+        priority = draw(st.integers(-2, 2)) if kw["scheduling_policy"] == "priority" else 0
+        salt = draw(st.sampled_from([None, None, "a", "b"]))  # (prefix caching is on: salts part what it shares)
+        requests.append((f"r{i}", prompt, params, arrive, abort, priority, salt))
     return kw, requests
 
 
@@ -60,15 +64,16 @@ def test_outputs_do_not_depend_on_the_schedule(tiny_dir, roomy, run):
     eng = llm.llm_engine
     finals, aborted, step = {}, set(), 0
     while step <= 6 or eng.has_unfinished_requests():
-        for rid, prompt, params, arrive, abort in requests:
+        for rid, prompt, params, arrive, abort, priority, salt in requests:
             if step == arrive:
-                eng.add_request(rid, {"prompt_token_ids": prompt}, params, output_kind="final")
+                given = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+                eng.add_request(rid, given, params, output_kind="final", priority=priority)
             if step == abort and eng.abort(rid) is not None:
                 aborted.add(rid)
         finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
         step += 1
         assert step < 3000, eng.stats()
     assert_no_leaks(llm)
-    for rid, prompt, params, _, _ in requests:
+    for rid, prompt, params, *_ in requests:
         if rid not in aborted:
             assert finals[rid] == _key(roomy.generate({"prompt_token_ids": prompt}, params)[0]), (rid, kw)
