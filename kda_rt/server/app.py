@@ -313,8 +313,8 @@ def build_app(state: ServerState) -> Starlette:
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
             return _error("the server is shutting down", 503)
-        if state.tokens_as_ids:  # (--return-tokens-as-token-ids: every request's logprobs so)
-            payload["tokens_as_ids"] = True
+        if state.tokens_as_ids and payload.get("tokens_as_ids") is None:  # (--return-tokens-as-token-ids: every
+            payload["tokens_as_ids"] = True  # request's logprobs so, but one that says false: vLLM's rule)
         prefix = "resp" if api == "responses" else "chatcmpl" if chat else "cmpl"
         rid = _request_id(request, prefix, state.open, state.client.queues)
         start = time.perf_counter()

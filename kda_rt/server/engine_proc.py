@@ -192,7 +192,7 @@ class EngineWorker:
                 if msg.get("echo"):
                     info["text"] = text if text is not None else self._decode(ids)
                 if msg.get("prompt_logprobs") is not None:
-                    info["logprobs"] = self._prompt_logprobs(ids, msg["prompt_logprobs"], as_ids)
+                    info["logprobs"] = self._prompt_logprobs(ids, msg["prompt_logprobs"])
                 if msg.get("return_token_ids"):
                     info["ids"] = ids
                 infos.append(info)
@@ -358,17 +358,17 @@ class EngineWorker:
         known = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if i < known])
 
-    def _prompt_logprobs(self, ids: list[int], num: int, as_ids: bool = False) -> list:
-        """Per prompt token: [token id, bytes, logprob or None, rank or None, [[id, bytes, logprob] x top num]]."""
+    def _prompt_logprobs(self, ids: list[int], num: int) -> list:
+        """Per prompt token: [token id, bytes, logprob or None, rank or None, [[id, bytes, logprob] x top num]] (the
+        ids let the HTTP side name echoed tokens "token_id:N" while prompt_logprobs keeps their text, as vLLM's)."""
         dicts, ranks = self.llm.prompt_logprobs({"prompt_token_ids": ids}, num)
         out = []
         for tok, lps, rank in zip(ids, dicts, ranks, strict=True):
             if lps is None:
-                out.append([tok, self._bytes(tok, as_ids), None, None, []])
+                out.append([tok, self._bytes(tok), None, None, []])
                 continue
             top = sorted(lps.items(), key=lambda kv: -kv[1])[:num]
-            out.append([tok, self._bytes(tok, as_ids), lps[tok], rank,
-                        [[t, self._bytes(t, as_ids), lp] for t, lp in top]])
+            out.append([tok, self._bytes(tok), lps[tok], rank, [[t, self._bytes(t), lp] for t, lp in top]])
         return out
 
     # -- one step -------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ class _Sampling(msgspec.Struct):
     use_beam_search: bool = False  # vLLM: n beams a prompt (kda_rt/beam_search.py), answered at the end
     cache_salt: str | None = None  # vLLM: prefix-cache entries shared only with requests of the same salt
     return_token_ids: bool | None = False  # vLLM: prompt_token_ids and each choice's token_ids in the response
-    return_tokens_as_token_ids: bool | None = False  # vLLM: logprobs name tokens "token_id:N"
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name tokens "token_id:N" (None: the server's)
     length_penalty: float = 1.0  # vLLM: the beams' ranking, cum_logprob / length ** length_penalty
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] | None = None  # vLLM: only these
@@ -309,7 +309,7 @@ def _salt(req: _Sampling) -> str | None:
 
 def _ids(req: _Sampling) -> dict[str, bool]:
     """vLLM's return_token_ids / return_tokens_as_token_ids as payload flags."""
-    return {"return_token_ids": bool(req.return_token_ids), "tokens_as_ids": bool(req.return_tokens_as_token_ids)}
+    return {"return_token_ids": bool(req.return_token_ids), "tokens_as_ids": req.return_tokens_as_token_ids}
 
 
 def _is_ids(value: Any) -> bool:

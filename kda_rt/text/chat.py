@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import string
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,15 +118,104 @@ def _size(value: Any) -> int:
     return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
 
 
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """Sandbox whose `+`, `*` and `**` refuse results past the size bounds before building them,
-    and whose calls check the time bound."""
+# a %-format's conversion spec: its width and precision (digits, or * taken from the arguments)
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
 
-    intercepted_binops = frozenset({"+", "*", "**"})
+
+def _check_widths(numbers: Iterable[str | int], what: str) -> None:
+    """A width or precision past MAX_RENDER_CHARS (or one taken from the arguments, `*`) would build a string past
+    the bound: refused before it is built."""
+    for n in numbers:
+        if n in ("*", "{") or (n not in ("", None) and int(n) > MAX_RENDER_CHARS):
+            raise TemplateLimitError(f"{what} asks for a width or precision over {MAX_RENDER_CHARS} characters "
+                                     f"(or one from its arguments)")
+
+
+def _check_percent(fmt: Any) -> None:
+    if isinstance(fmt, str) and "%" in fmt:
+        _check_widths((x for m in _PERCENT_SPEC.finditer(fmt) for x in m.groups()), "a %-format")
+
+
+def _check_format_spec(fmt: str) -> None:
+    """str.format / format_map: every number in a field's spec (nested fields included)."""
+    for _, field, spec, _ in string.Formatter().parse(fmt):
+        if field is not None and spec:
+            _check_widths(re.findall(r"\d+|\{", spec), "a format spec")  # (a nested {width}: refused, as *)
+
+
+def _check_growth(old: Any, new: Any, times: int, base: int, what: str) -> None:
+    if isinstance(old, str) and isinstance(new, str) and base + times * max(len(new) - len(old), 0) > MAX_RENDER_CHARS:
+        raise TemplateLimitError(f"{what} would build over {MAX_RENDER_CHARS} characters")
+
+
+def _check_method(obj: Any, args: tuple, kwargs: dict) -> None:
+    """The str methods that build a string larger than their inputs by a number they are given."""
+    obj = getattr(obj, "__wrapped__", obj)  # (the sandbox hands out str.format wrapped)
+    owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(owner, str):
+        return
+    if name in _WIDTH_METHODS and args and isinstance(args[0], int):
+        _check_widths([args[0]], f"str.{name}")
+    elif name in ("format", "format_map"):
+        _check_format_spec(owner)
+    elif name == "replace" and len(args) >= 2:
+        _check_growth(args[0], args[1], owner.count(args[0]) if isinstance(args[0], str) else 0, len(owner),
+                      "a replace")
+    elif name == "expandtabs":
+        size = args[0] if args and isinstance(args[0], int) else kwargs.get("tabsize", 8)
+        if isinstance(size, int) and len(owner) + owner.count("\t") * size > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"an expandtabs would build over {MAX_RENDER_CHARS} characters")
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        if len(owner) * len(args[0]) > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"a join would build over {MAX_RENDER_CHARS} characters")
+
+
+def _bounded_filters(filters: dict[str, Callable]) -> None:
+    """Jinja's filters that build a string larger than their input by a number they are given, checked first (they
+    run directly, also when a constant expression is folded at compile time, not through `call`)."""
+    center, indent, fmt, replace = filters["center"], filters["indent"], filters["format"], filters["replace"]
+
+    def bounded_center(value, width=80):
+        _check_widths([width] if isinstance(width, int) else [], "center")
+        return center(value, width)
+
+    def bounded_indent(s, width=4, first=False, blank=False):
+        per = width if isinstance(width, int) else len(width) if isinstance(width, str) else 0
+        if isinstance(s, str) and len(s) + (s.count("\n") + 1) * max(per, 0) > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"an indent would build over {MAX_RENDER_CHARS} characters")
+        return indent(s, width, first, blank)
+
+    def bounded_format(value, *args, **kwargs):
+        _check_percent(value)
+        return fmt(value, *args, **kwargs)
+
+    def bounded_replace(eval_ctx, s, old, new, count=None):
+        text = str(s)
+        times = text.count(str(old)) if count is None else min(count, text.count(str(old)))
+        _check_growth(str(old), str(new), times, len(text), "a replace")
+        return replace(eval_ctx, s, old, new, count)
+
+    bounded_replace.jinja_pass_arg = replace.jinja_pass_arg  # (jinja passes the eval context to its replace)
+    filters.update(center=bounded_center, indent=bounded_indent, format=bounded_format, replace=bounded_replace)
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """Sandbox whose `+`, `*`, `**` and `%`, the str methods and filters that take a width or a count, refuse
+    results past the size bounds before building them, and whose calls and operators check the time bound."""
+
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _bounded_filters(self.filters)  # (an environment's own copy of the filters)
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _check_time()
         both_ints = isinstance(left, int) and isinstance(right, int)
-        if operator == "*":
+        if operator == "%":
+            _check_percent(left)
+        elif operator == "*":
             count = right if isinstance(right, int) else left if isinstance(left, int) else 0
             if max(_size(left), _size(right)) * max(count, 0) > MAX_RENDER_CHARS:
                 raise TemplateLimitError(f"a repetition would build over {MAX_RENDER_CHARS} items")
@@ -139,6 +230,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805  (jinja's signature)
         _check_time()
+        _check_method(__obj, args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
 

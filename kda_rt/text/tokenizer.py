@@ -326,7 +326,7 @@ def _compiled(source: str):
         return compile_template(source)
     except TemplateError as e:
         raise ValueError(f"chat_template (the request's) does not compile: {e}") from None
-    except (RecursionError, MemoryError):
+    except (RecursionError, MemoryError, SyntaxError):  # (SyntaxError: Python's "too many statically nested blocks")
         raise ValueError("chat_template (the request's) does not compile: nested too deeply") from None
 
 

@@ -161,15 +161,25 @@ def test_the_ranking_key_orders_as_the_score(a, b, penalty):
         assert (sa > sb) == (_rank_key(ta, ca, frozenset(), penalty) > _rank_key(tb, cb, frozenset(), penalty))
 
 
-@pytest.mark.parametrize("penalty", [400.0, -400.0, 1e6, -1e6])
+@pytest.mark.parametrize("penalty", [400, -400, 1000])
 def test_extreme_length_penalties_rank_without_error(llm, penalty):
     """A length penalty whose power leaves a float's range (len ** 400 overflows, len ** -400 is 0) still ranks: the
-    score gives its limit, the search ranks in log space (a huge positive penalty puts the longest beams first)."""
-    assert beam_score(list(range(50)), -3.0, frozenset(), penalty) in (0.0, -0.0, float("-inf"))
-    (out,) = llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=penalty))
-    assert len(out.sequences) == 3 and all(len(b.tokens) >= 4 for b in out.sequences)
-    if penalty > 0:
-        assert all(len(b.tokens) == 7 for b in out.sequences if b.finish_reason == "length")
+    score gives its limit, and the search's beams are in the order of the exact score (rational arithmetic: the
+    summed logprob over len ** penalty as a fraction)."""
+    from fractions import Fraction
+
+    assert beam_score(list(range(50)), -3.0, frozenset(), float(penalty)) in (0.0, -0.0, float("-inf"))
+    eos = llm.llm_engine.eos_token_ids
+    params = BeamSearchParams(beam_width=4, max_tokens=6, length_penalty=float(penalty))
+    (out,) = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], params)
+
+    def exact(b):
+        length = len(b.tokens) - (1 if b.tokens[-1] in eos else 0)
+        return Fraction(b.cum_logprob) / Fraction(length) ** penalty
+
+    assert len(out.sequences) == 4
+    scores = [exact(b) for b in out.sequences]
+    assert scores == sorted(scores, reverse=True)
 
 
 def test_beam_text_leaves_out_ids_past_the_tokenizer():

@@ -196,3 +196,20 @@ def test_a_beam_search_refused_part_way_through_its_first_step_leaves_nothing(ll
     _run(worker, llm)
     assert_no_leaks(llm)
     assert not [m for m in conn.sent if m["op"] == "outs"]
+
+
+def test_a_beam_searchs_seed_seeds_its_step_requests(llm, monkeypatch):
+    """The request's seed is on every step request's SamplingParams (their sampled candidate is drawn from it)."""
+    conn, seeds = _Conn(), []
+    worker = EngineWorker(llm, conn, max_waiting=64)
+    real_add = llm.llm_engine.add_request
+    monkeypatch.setattr(llm.llm_engine, "add_request",
+                        lambda rid, prompt, params, **kw: seeds.append(params.seed) or real_add(rid, prompt, params, **kw))
+    _beam_add(worker, "s", seed=11, temperature=1.5)
+    _run(worker, llm)
+    assert len(seeds) > 2 and set(seeds) == {11}
+    seeds.clear()
+    _beam_add(worker, "u", temperature=1.5)
+    _run(worker, llm)
+    assert set(seeds) == {None}
+    assert_no_leaks(llm)

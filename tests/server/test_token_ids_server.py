@@ -68,8 +68,13 @@ def test_tokens_as_token_ids_in_logprobs(server):
     c = _post(server, "/v1/completions", body).json()["choices"][0]
     assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
     assert all(len(top) >= 2 and all(k.startswith("token_id:") for k in top) for top in c["logprobs"]["top_logprobs"])
-    echo = _post(server, "/v1/completions", {**body, "echo": True, "max_tokens": 1}).json()["choices"][0]
+    echo = _post(server, "/v1/completions", {**body, "echo": True, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    echo = echo["choices"][0]
     assert echo["logprobs"]["tokens"][:len(c["prompt_token_ids"])] == [f"token_id:{t}" for t in c["prompt_token_ids"]]
+    assert all(k.startswith("token_id:") for top in echo["logprobs"]["top_logprobs"][1:] for k in top)
+    # vLLM's prompt_logprobs field keeps each token's text (its decoded_token) either way
+    decoded = [e for entry in echo["prompt_logprobs"][1:] for e in entry.values()]
+    assert decoded and not any(e["decoded_token"].startswith("token_id:") for e in decoded)
     chat = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "temperature": 0.0,
                                                   "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True,
                                                   "return_token_ids": True, "ignore_eos": True}).json()["choices"][0]
@@ -82,7 +87,8 @@ def test_tokens_as_token_ids_in_logprobs(server):
 
 
 def test_server_flag_names_every_requests_tokens_by_id(tmp_path_factory):
-    """--return-tokens-as-token-ids (vLLM's flag): logprobs of every request name tokens "token_id:N"."""
+    """--return-tokens-as-token-ids (vLLM's flag): logprobs of every request name tokens "token_id:N", but of one that
+    says return_tokens_as_token_ids: false (vLLM's rule)."""
     from helpers.server import ServerProc
 
     srv = ServerProc(tmp_path_factory.mktemp("ids") / "server.log", "--return-tokens-as-token-ids")
@@ -91,5 +97,8 @@ def test_server_flag_names_every_requests_tokens_by_id(tmp_path_factory):
                                            "ignore_eos": True, "logprobs": 1, "return_token_ids": True}).json()
         c = c["choices"][0]
         assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+        own = _post(srv, "/v1/completions", {"prompt": "The lighthouse", "max_tokens": 3, "temperature": 0.0,
+                                             "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in own.json()["choices"][0]["logprobs"]["tokens"])
     finally:
         assert srv.stop() == 0, srv.log()
