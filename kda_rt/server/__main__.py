@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import ssl
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trust-request-chat-template", action="store_true",
                     help="let a chat request bring its own chat_template (vLLM's flag; rendered in the same "
                          "sandbox, within the same time and size bounds); without it such a request is a 400")
+    ap.add_argument("--metrics-prefix", default="kda_rt:",
+                    help='the prefix of every /metrics name (default kda_rt:; "vllm:" lets vLLM\'s dashboards, '
+                         "autoscalers and routers read them)")
+    ap.add_argument("--enable-server-load-tracking", action="store_true",
+                    help="accepted for vLLM's command lines: GET /load always reports the requests in flight")
     ap.add_argument("--return-tokens-as-token-ids", action="store_true",
                     help='logprobs name every token "token_id:N" (vLLM\'s flag; a request\'s '
                          "return_tokens_as_token_ids does it for that request)")
@@ -132,7 +138,7 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
                         prompt_tokens_details=args.enable_prompt_tokens_details,
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        tokens_as_ids=args.return_tokens_as_token_ids,
+                        tokens_as_ids=args.return_tokens_as_token_ids, metrics_prefix=args.metrics_prefix,
                         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
                         if args.allowed_origins else None)
@@ -241,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", args.metrics_prefix):
+        print(f"error: --metrics-prefix {args.metrics_prefix!r} is not a Prometheus name start "
+              "([a-zA-Z_:][a-zA-Z0-9_:]*, e.g. vllm:)", file=sys.stderr)
         return 2
     timeouts = {"--engine-timeout": args.engine_timeout, "--body-timeout": args.body_timeout,
                 "--header-timeout": args.header_timeout, "--engine-start-timeout": args.engine_start_timeout}

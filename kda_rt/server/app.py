@@ -108,9 +108,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when the server started
     open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
 
+    metrics_prefix: str = "kda_rt:"  # --metrics-prefix
+
     def __post_init__(self) -> None:
         if self.metrics is None:
-            self.metrics = Metrics(self.model_name)
+            self.metrics = Metrics(self.model_name, self.metrics_prefix)
 
     def serves(self, name: str | None) -> bool:
         """Whether a request's "model" names this server's model (None: the field left out)."""
@@ -187,6 +189,11 @@ def build_app(state: ServerState) -> Starlette:
             except (EngineDeadError, EngineTimeoutError):
                 stats = None
         return Response(metrics.render(stats, state.client.alive, state.draining), media_type=CONTENT_TYPE)
+
+    async def load(request: Request) -> Response:
+        """vLLM's GET /load: the generation requests in flight (always tracked; vLLM's
+        --enable-server-load-tracking is accepted)."""
+        return _json({"server_load": len(state.open)})
 
     async def version(request: Request) -> Response:
         from kda_rt import __version__
@@ -359,6 +366,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) name for the same check
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

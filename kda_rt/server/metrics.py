@@ -17,6 +17,7 @@ engine process at scrape time (`render(stats, ...)`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import prometheus_client
@@ -72,7 +73,7 @@ class _EngineCollector:
         m, labels = self.metrics, [self.metrics.model_name]
         for name, doc, value in (("engine_alive", "1 while the engine process is serving.", m.alive),
                                  ("draining", "1 after SIGTERM, while in-flight requests finish.", m.draining)):
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = GaugeMetricFamily(m.prefix + name, doc, labels=["model_name"])
             family.add_metric(labels, int(value))
             yield family
         stats = m.snapshot
@@ -82,14 +83,14 @@ class _EngineCollector:
             if key not in stats:
                 continue
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(PREFIX + name, doc, labels=["model_name"])
+            family = cls(m.prefix + name, doc, labels=["model_name"])
             family.add_metric(labels, stats[key])
             yield family
         if {"pages_used", "pages_free", "slots_used", "slots_free"} <= stats.keys():
             kv, slots = usage_fractions(stats)
             for name, doc, value in (("kv_cache_usage_perc", "KV-cache (MLA page) usage, 1 = full.", kv),
                                      ("state_slot_usage_perc", "KDA state-slot usage, 1 = full.", slots)):
-                family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                family = GaugeMetricFamily(m.prefix + name, doc, labels=["model_name"])
                 family.add_metric(labels, value)
                 yield family
 
@@ -97,12 +98,15 @@ class _EngineCollector:
 class Metrics:
     """Server-side metrics of one model; `render(engine_stats, ...)` produces the /metrics page."""
 
-    def __init__(self, model_name: str = "") -> None:
-        self.model_name = model_name
+    def __init__(self, model_name: str = "", prefix: str = PREFIX) -> None:
+        """`prefix`: of every metric's name (--metrics-prefix; "vllm:" lets vLLM's dashboards and routers read them)."""
+        if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
+            raise ValueError(f"metrics prefix {prefix!r} is not a Prometheus metric-name start ([a-zA-Z_:][a-zA-Z0-9_:]*)")
+        self.model_name, self.prefix = model_name, prefix
         self.registry = CollectorRegistry(auto_describe=True)
         self.snapshot: dict[str, Any] | None = None
         self.alive, self.draining = True, False
-        r, p, name = self.registry, PREFIX, ["model_name"]
+        r, p, name = self.registry, prefix, ["model_name"]
         self._http = Counter(p + "http_requests", "HTTP requests by endpoint and status code.",
                              ["model_name", "endpoint", "code"], registry=r)
         self._outcomes = Counter(p + "requests", "Admitted generation requests by outcome.", ["model_name", "outcome"],

@@ -81,7 +81,9 @@ def _refused(argv, started, capsys) -> str:
     (["--served-model-name", ""], "--served-model-name: an empty name"),
     (["--served-model-name", "kimi", " "], "--served-model-name: an empty name"),
     (["--host", ""], "--host is empty"),
-], ids=["api-key", "served-model-name", "served-model-alias", "host"])
+    (["--metrics-prefix", "vllm-x"], "--metrics-prefix 'vllm-x' is not a Prometheus name start"),
+    (["--metrics-prefix", ""], "--metrics-prefix '' is not a Prometheus name start"),
+], ids=["api-key", "served-model-name", "served-model-alias", "host", "metrics-prefix", "metrics-prefix-empty"])
 def test_empty_values_refused(started, capsys, argv, needle):
     """Was: --api-key "" turned auth off (compare_digest of two empty strings), --served-model-name "" served the
     model as id "", --host "" listened on every interface."""
