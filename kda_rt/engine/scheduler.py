@@ -160,8 +160,9 @@ class Scheduler:
         # to finish its prompt (_chunk), and no chunk starts once the budget proper is spent
         budget = [self.config.max_num_batched_tokens + self.config.prefill_tail_tokens]
         chosen: dict[Sequence, int] = {}
-        decodes = [s for s in self.running if not s.in_prefill]
-        prefills = [s for s in self.running if s.in_prefill]
+        decodes, prefills = [], []
+        for s in self.running:  # (one pass: `in_prefill` is a chain of properties, read once a sequence)
+            (prefills if s.in_prefill else decodes).append(s)
         for seq in decodes + prefills:
             if self._proper(budget) <= 0:  # the tail alone starts no chunk
                 break
