@@ -67,6 +67,14 @@ def server_dev_mode() -> bool:
     return _on_off(name, "0")
 
 
+def responses_store() -> bool:
+    """KDA_RT_ENABLE_RESPONSES_API_STORE (else vLLM's VLLM_ENABLE_RESPONSES_API_STORE): 1 keeps Responses API
+    responses for previous_response_id and GET /v1/responses/{id}, as the server's --enable-responses-store; default 0."""
+    name = ("KDA_RT_ENABLE_RESPONSES_API_STORE" if os.environ.get("KDA_RT_ENABLE_RESPONSES_API_STORE")
+            else "VLLM_ENABLE_RESPONSES_API_STORE")
+    return _on_off(name, "0")
+
+
 def gc_threshold() -> int:
     """KDA_RT_GC_THRESHOLD: the engine raises Python's generation-0 collection threshold to this many
     allocations (default 10000; Python's own is 700; 0 = leave the process's setting alone).  Each

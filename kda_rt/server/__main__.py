@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trust-request-chat-template", action="store_true",
                     help="let a chat request bring its own chat_template (vLLM's flag; rendered in the same "
                          "sandbox, within the same time and size bounds); without it such a request is a 400")
+    ap.add_argument("--enable-responses-store", action="store_true", default=env.responses_store(),
+                    help="keep Responses API responses (store: true, the default then) for previous_response_id and "
+                         "GET/DELETE /v1/responses/{id} (default: $KDA_RT_ENABLE_RESPONSES_API_STORE, else vLLM's "
+                         "$VLLM_ENABLE_RESPONSES_API_STORE)")
+    ap.add_argument("--responses-store-size", type=int, default=1024,
+                    help="responses the store keeps, least recently used out first (default 1024)")
     ap.add_argument("--metrics-prefix", default="kda_rt:",
                     help='the prefix of every /metrics name (default kda_rt:; "vllm:" lets vLLM\'s dashboards, '
                          "autoscalers and routers read them)")
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
     from kda_rt.server.app import ServerState, build_app
     from kda_rt.server.engine_client import EngineClient
+    from kda_rt.server.responses_api import ResponseStore
 
     model = args.model
     if model is None:
@@ -139,6 +146,8 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tokens_as_ids=args.return_tokens_as_token_ids, metrics_prefix=args.metrics_prefix,
+                        responses_store=ResponseStore(args.responses_store_size) if args.enable_responses_store
+                        else None,
                         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
                         if args.allowed_origins else None)
@@ -247,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    if args.responses_store_size < 1:
+        print(f"error: --responses-store-size must be >= 1, got {args.responses_store_size}", file=sys.stderr)
         return 2
     if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", args.metrics_prefix):
         print(f"error: --metrics-prefix {args.metrics_prefix!r} is not a Prometheus name start "

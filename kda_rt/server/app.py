@@ -109,6 +109,7 @@ class ServerState:
     open: dict[str, asyncio.Queue] = field(default_factory=dict)  # in-flight request id -> its queue
 
     metrics_prefix: str = "kda_rt:"  # --metrics-prefix
+    responses_store: responses_api.ResponseStore | None = None  # --enable-responses-store
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -189,6 +190,21 @@ def build_app(state: ServerState) -> Starlette:
             except (EngineDeadError, EngineTimeoutError):
                 stats = None
         return Response(metrics.render(stats, state.client.alive, state.draining), media_type=CONTENT_TYPE)
+
+    async def stored_response(request: Request) -> Response:
+        """GET / DELETE /v1/responses/{response_id}: a stored response (--enable-responses-store), or its removal."""
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        rid = request.path_params["response_id"]
+        store = state.responses_store
+        if store is None:
+            return _error("this server stores no responses (start it with --enable-responses-store)", 404)
+        if request.method == "DELETE":
+            if not store.delete(rid):
+                return _error(f"response {rid!r} is not stored", 404)
+            return _json({"id": rid, "object": "response", "deleted": True})
+        body = store.get(rid)
+        return _json(body) if body is not None else _error(f"response {rid!r} is not stored", 404)
 
     async def load(request: Request) -> Response:
         """vLLM's GET /load: the generation requests in flight (always tracked; vLLM's
@@ -291,13 +307,21 @@ def build_app(state: ServerState) -> Starlette:
         try:
             body = await asyncio.wait_for(_read_body(request, state.max_body_bytes), state.body_timeout)
             outer = None  # the Responses API's own request, around the chat request it runs as
+            on_done = None  # (the Responses API with the store: keeps the finished response)
             if api == "invocations":  # chat or completion, as the body says
                 chat, api = protocol.invocation_kind(body), None
             if api == "responses":
                 outer, names = protocol.decode_body(body, responses_api.ResponsesRequest)
                 ignored += names
-                req = responses_api.chat_request(outer)
+                store = state.responses_store
+                history = None
+                if outer.previous_response_id is not None and store is not None:
+                    history = store.history(outer.previous_response_id)
+                req = responses_api.chat_request(outer, history)
                 payload = responses_api.chat_payload(req, state.auto_tools)
+                if store is not None and outer.store is not False:  # (stored by default then, as OpenAI's)
+                    own, previous = responses_api.input_items(outer), outer.previous_response_id
+                    on_done = lambda body: store.put(body, own, previous)  # noqa: E731
             elif chat:
                 req, names = protocol.decode_body(body, protocol.ChatCompletionRequest)
                 ignored += names
@@ -316,6 +340,10 @@ def build_app(state: ServerState) -> Starlette:
             return response
         except protocol.InvalidRequest as exc:
             return _error(str(exc), 400)
+        except responses_api.ResponseNotFound as exc:
+            return _error(f"previous_response_id: response {exc.args[0]!r} is not stored (never, deleted, or evicted: "
+                          f"the store keeps the {state.responses_store.capacity} last used)", 404,
+                          param="previous_response_id")
         if not state.serves(req.model):
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         if state.draining:
@@ -342,10 +370,10 @@ def build_app(state: ServerState) -> Starlette:
                         f", tools {payload['tool_mode']}" if chat and payload.get("tool_mode") else "")
         run = RequestRun(state, rid, req, chat, queue, added, payload, start)
         if req.stream:
-            events = responses_api.events(run, outer) if api == "responses" else run.sse()
+            events = responses_api.events(run, outer, on_done) if api == "responses" else run.sse()
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        response = await run.collect(request, responses_api.shape(run, outer) if api == "responses" else None)
+        response = await run.collect(request, responses_api.shape(run, outer, on_done) if api == "responses" else None)
         response.headers["X-Request-Id"] = rid
         return response
 
@@ -373,6 +401,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/invocations", invocations, methods=["POST"]),  # vLLM's SageMaker entry: chat or completion
     ]
     if env.server_dev_mode():

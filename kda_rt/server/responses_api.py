@@ -11,9 +11,15 @@ called nothing) and one `function_call` item per call.  `stream: true` sends the
 `response.in_progress`, then per output item `response.output_item.added`, its content (`response.content_part.added`,
 `response.output_text.delta` ..., `.done`; or `response.function_call_arguments.delta` ..., `.done`) and
 `response.output_item.done`, and last `response.completed` (its status `incomplete` when max_output_tokens cut the
-answer, as vLLM's streams end and the openai client's helper waits for) or `response.failed`.  Nothing is stored:
-`previous_response_id` is a 400 and `store: true` is answered with `store: false`; other tool types, images and files
-are 400s naming the field.
+answer, as vLLM's streams end and the openai client's helper waits for) or `response.failed`.  Other tool types, images and files are 400s naming the field.
+
+Stored responses (`--enable-responses-store`, or vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`): a response with `store`
+true (the default then, as OpenAI's) is kept in the HTTP process (`ResponseStore`: its own input and output as chat
+messages and a link to the response it continued, at most `--responses-store-size` responses, least recently used
+out first), retrievable by `GET /v1/responses/{id}` and removable by `DELETE`; a request's `previous_response_id`
+continues that conversation: the chain's inputs and outputs come before its own input (the earlier `instructions`
+are not carried over, as OpenAI's).  Without the store, `previous_response_id` is a 400 and `store: true` is answered
+with `store: false`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from kda_rt.server.protocol import chat_payload as _chat_payload
 if TYPE_CHECKING:
     from kda_rt.server.run import RequestRun
 
-__all__ = ["ResponsesRequest", "chat_payload", "chat_request", "events", "response_body", "shape"]
+__all__ = ["ResponseNotFound", "ResponseStore", "ResponsesRequest", "chat_payload", "chat_request", "events", "input_items",
+           "response_body", "shape"]
 
 _INT32 = 2**31 - 1
 _ROLES = ("user", "system", "developer", "assistant")
@@ -151,22 +158,30 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that answers `req` (InvalidRequest naming the field for what is not supported)."""
-    if req.previous_response_id is not None:
-        raise InvalidRequest("previous_response_id is not supported: this server stores no responses; send the whole "
-                             "conversation in input")
+def input_items(req: ResponsesRequest) -> list[Any]:
+    """`req`'s own input as items (a string: one user message)."""
+    if not req.input:
+        raise InvalidRequest("input must be a non-empty string or a list of items")
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
+
+
+def chat_request(req: ResponsesRequest, history: list[Any] | None = None) -> ChatCompletionRequest:
+    """The chat request that answers `req` (InvalidRequest naming the field for what is not supported); `history`:
+    the items of the stored conversation it continues (previous_response_id: each response's input and output items),
+    None when it continues none.  The history's items and the input's read as one input list would."""
+    if req.previous_response_id is not None and history is None:
+        raise InvalidRequest("previous_response_id needs stored responses: this server stores none (start it with "
+                             "--enable-responses-store), so send the whole conversation in input")
     if req.truncation not in (None, "disabled"):
         raise InvalidRequest(f"truncation {req.truncation!r} is not supported (only 'disabled')")
     messages: list[dict[str, Any]] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
-    if not req.input:
-        raise InvalidRequest("input must be a non-empty string or a list of items")
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    else:
-        messages += _input_messages(req.input)
+    own = input_items(req)
+    own_messages = _input_messages(own)  # (checked alone first: its errors name its own input[i])
+    messages += _input_messages(history + own) if history else own_messages
     tools, choice = _tools(req)
     return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
@@ -242,6 +257,7 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
             "temperature": req.temperature, "top_p": req.top_p,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice, "tools": req.tools or [], "store": False,
+            "previous_response_id": req.previous_response_id,
             "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
             "incomplete_details": incomplete,
             "error": {"code": "server_error", "message": error} if state == "failed" else None, "usage": None}
@@ -252,19 +268,75 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
     return body
 
 
-def shape(run: RequestRun, req: ResponsesRequest):
+def shape(run: RequestRun, req: ResponsesRequest, on_done=None):
     """The body transform for `RequestRun.collect`: the chat completion's one choice as a response, its status from
-    the engine's finish reason (chat reports a call cut by max_tokens as "tool_calls")."""
+    the engine's finish reason (chat reports a call cut by max_tokens as "tool_calls"); `on_done(body)` may change
+    the finished body (the store keeps it and says so)."""
     def to_response(chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
         reason = run.choices.finish[0][0]
         error = choice.get("stop_reason") if reason == "error" else None
         message = choice["message"]
-        return response_body(run.rid, chat["created"], chat["model"], req, text=message["content"] or "",
+        body = response_body(run.rid, chat["created"], chat["model"], req, text=message["content"] or "",
                              calls=message.get("tool_calls") or [], reason=reason, usage=chat["usage"], error=error,
                              cached=run.cached_tokens)
+        if on_done is not None:
+            on_done(body)
+        return body
 
     return to_response
+
+
+class ResponseNotFound(KeyError):
+    """previous_response_id (or an earlier link of its chain) is not stored."""
+
+
+class ResponseStore:
+    """Responses kept for `GET /v1/responses/{id}` and `previous_response_id` (the module docstring): per id its
+    body, the items of its own input and output, and the id it continued; at most `capacity`, least recently used
+    out first (a conversation's chain is used whenever it is continued: its links stay)."""
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], str | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, rid: str) -> dict[str, Any] | None:
+        entry = self._items.get(rid)
+        if entry is None:
+            return None
+        self._items.move_to_end(rid)
+        return entry[0]
+
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
+    def history(self, rid: str) -> list[Any]:
+        """The conversation up to and including response `rid` as items, oldest first; ResponseNotFound naming the
+        missing link when `rid` or an earlier response of its chain is not stored (never stored, deleted or evicted)."""
+        chain, at = [], rid
+        while at is not None:
+            entry = self._items.get(at)
+            if entry is None:
+                raise ResponseNotFound(at)
+            self._items.move_to_end(at)
+            chain.append(entry[1])
+            at = entry[2]
+        return [m for part in reversed(chain) for m in part]
+
+    def put(self, body: dict[str, Any], own: list[Any], previous: str | None) -> None:
+        """Keep a finished response: `own` its input's items (its instructions not among them), its output's added."""
+        if body["status"] == "failed":
+            return
+        body["store"] = True
+        self._items[body["id"]] = (body, own + body["output"], previous)
+        self._items.move_to_end(body["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
 
 
 def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
@@ -273,7 +345,7 @@ def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(body) + b"\n\n"
 
 
-async def events(run: RequestRun, req: ResponsesRequest) -> AsyncIterator[bytes]:
+async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncIterator[bytes]:
     """The Responses API's stream for one running request: an output item opens when its first piece arrives (the
     message at its first text, a function_call at its call's header) and closes when the next one opens (finished)
     or the answer ends (with the answer's state)."""
@@ -354,6 +426,8 @@ async def events(run: RequestRun, req: ResponsesRequest) -> AsyncIterator[bytes]
         for event in close("completed" if final["status"] == "completed" else "incomplete"):
             yield event
         final["output"] = closed  # as the stream sent them
+        if on_done is not None:
+            on_done(final)
         kind = "response.failed" if final["status"] == "failed" else "response.completed"
         outcome = "finished"
         yield _event(seq, kind, response=final)

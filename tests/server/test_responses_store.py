@@ -1,0 +1,107 @@
+"""Stored responses (`--enable-responses-store`, vLLM's VLLM_ENABLE_RESPONSES_API_STORE): `previous_response_id`
+continues a conversation exactly as sending its whole history would (checked against the chat completion of the
+same messages, greedy), streamed or not, with function calls and their outputs; GET and DELETE
+/v1/responses/{id}; `store: false`; the store's bound; what is missing is a 404 naming it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from helpers.server import ServerProc
+
+openai = pytest.importorskip("openai", reason="needs the test extra (openai)")
+
+
+@pytest.fixture(scope="module")
+def store_server(tmp_path_factory):
+    srv = ServerProc(tmp_path_factory.mktemp("store") / "server.log", "--enable-responses-store",
+                     "--responses-store-size", "4")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(store_server):
+    from helpers.server import API_KEY
+
+    return openai.OpenAI(base_url=store_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _chat(client, messages, n=6):
+    return client.chat.completions.create(model="demo", max_tokens=n, temperature=0.0, messages=messages,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+
+
+def test_a_chain_of_responses_equals_the_whole_conversation(client, store_server):
+    kw = dict(model="demo", max_output_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    first = client.responses.create(instructions="Be brief.", input="Name a prime.", **kw)
+    assert first.store is True and first.previous_response_id is None
+    history = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": first.output_text}]
+    assert first.output_text == _chat(client, [{"role": "system", "content": "Be brief."}, history[0]])
+    second = client.responses.create(previous_response_id=first.id, instructions="Be kind.", input="Another.", **kw)
+    assert second.previous_response_id == first.id
+    # (the earlier instructions are not carried over, as OpenAI's: only this request's)
+    want = _chat(client, [{"role": "system", "content": "Be kind."}, *history, {"role": "user", "content": "Another."}])
+    assert second.output_text == want
+    history += [{"role": "user", "content": "Another."}, {"role": "assistant", "content": second.output_text}]
+    with client.responses.stream(previous_response_id=second.id, input="And a third.", **kw) as stream:
+        third = stream.get_final_response()
+    assert third.output_text == _chat(client, [*history, {"role": "user", "content": "And a third."}])
+    got = httpx.get(f"{store_server.url}/v1/responses/{second.id}", headers=store_server.headers, timeout=10)
+    assert got.status_code == 200 and got.json()["output"][0]["content"][0]["text"] == second.output_text
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+
+
+def test_function_calls_and_their_outputs_carry_over(client, store_server):
+    """An earlier turn's function_call item, then its function_call_output (by call_id alone) in a later request: the
+    answer is the one to the whole conversation sent as one input list (the stored items read as that list would)."""
+    kw = dict(model="demo", temperature=0.0, extra_body={"ignore_eos": True})
+    first = client.responses.create(input="What is the weather?", max_output_tokens=4, **kw)
+    call = {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": "{}"}
+    second = client.responses.create(previous_response_id=first.id, input=[call], max_output_tokens=2, **kw)
+    result = {"type": "function_call_output", "call_id": "call_7", "output": "sunny"}
+    third = client.responses.create(previous_response_id=second.id, input=[result], max_output_tokens=6, **kw)
+    items = [{"type": "message", "role": "user", "content": "What is the weather?"},
+             {"type": "message", "role": "assistant", "content": first.output_text}, call,
+             {"type": "message", "role": "assistant", "content": second.output_text}, result]
+    whole = httpx.post(store_server.url + "/v1/responses", headers=store_server.headers, timeout=60,
+                       json={"model": "demo", "input": items, "max_output_tokens": 6, "temperature": 0.0,
+                             "ignore_eos": True, "store": False})
+    assert third.output_text == whole.json()["output"][0]["content"][0]["text"]
+    bad = httpx.post(store_server.url + "/v1/responses", headers=store_server.headers, timeout=60,
+                     json={"model": "demo", "previous_response_id": third.id, "input": [{"type": "function_call"}]})
+    assert bad.status_code == 400 and "input[0] (function_call)" in bad.json()["error"]["message"]  # (its own index)
+
+
+def test_store_false_missing_ids_delete_and_the_bound(client, store_server):
+    url, headers = store_server.url, store_server.headers
+    unstored = client.responses.create(model="demo", input="Hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    assert httpx.get(f"{url}/v1/responses/{unstored.id}", headers=headers, timeout=10).status_code == 404
+    r = httpx.post(f"{url}/v1/responses", headers=headers, timeout=60,
+                   json={"model": "demo", "input": "x", "previous_response_id": unstored.id})
+    assert r.status_code == 404 and f"response {unstored.id!r} is not stored" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "previous_response_id"
+    kept = [client.responses.create(model="demo", input=f"Hi {i}", max_output_tokens=2) for i in range(5)]
+    assert httpx.get(f"{url}/v1/responses/{kept[0].id}", headers=headers, timeout=10).status_code == 404  # (4 kept)
+    assert client.responses.retrieve(kept[-1].id).id == kept[-1].id
+    gone = httpx.delete(f"{url}/v1/responses/{kept[-1].id}", headers=headers, timeout=10)
+    assert gone.status_code == 200 and gone.json() == {"id": kept[-1].id, "object": "response", "deleted": True}
+    assert httpx.delete(f"{url}/v1/responses/{kept[-1].id}", headers=headers, timeout=10).status_code == 404
+    assert httpx.get(f"{url}/v1/responses/{kept[1].id}", timeout=10).status_code == 401  # (the API key guards it)
+
+
+def test_without_the_store(server):
+    """The default server: previous_response_id is a 400 naming the flag, store: true is answered store: false, and
+    GET /v1/responses/{id} is a 404 saying why."""
+    r = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=60,
+                   json={"model": "demo", "input": "x", "max_output_tokens": 1, "previous_response_id": "resp-1"})
+    assert r.status_code == 400 and "--enable-responses-store" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=60,
+                   json={"model": "demo", "input": "x", "max_output_tokens": 1, "store": True})
+    assert r.status_code == 200 and r.json()["store"] is False
+    got = httpx.get(f"{server.url}/v1/responses/{r.json()['id']}", headers=server.headers, timeout=10)
+    assert got.status_code == 404 and "--enable-responses-store" in json.dumps(got.json())
