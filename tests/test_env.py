@@ -185,3 +185,19 @@ def test_server_dev_mode(monkeypatch, ours, vllm, expected):
     monkeypatch.setenv("KDA_RT_SERVER_DEV_MODE", "yes")
     with pytest.raises(ValueError, match="KDA_RT_SERVER_DEV_MODE must be 0 or 1"):
         env.server_dev_mode()
+
+
+@pytest.mark.parametrize(("ours", "vllm", "expected"), [(None, None, False), ("1", None, True), (None, "1", True),
+                                                        ("0", "1", False)])
+def test_responses_store(monkeypatch, ours, vllm, expected):
+    """KDA_RT_ENABLE_RESPONSES_API_STORE, else vLLM's VLLM_ENABLE_RESPONSES_API_STORE; off by default; other values
+    refused by name (the server says so and exits 2 before loading)."""
+    for name, value in (("KDA_RT_ENABLE_RESPONSES_API_STORE", ours), ("VLLM_ENABLE_RESPONSES_API_STORE", vllm)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert env.responses_store() is expected
+    monkeypatch.setenv("KDA_RT_ENABLE_RESPONSES_API_STORE", "yes")
+    with pytest.raises(ValueError, match="KDA_RT_ENABLE_RESPONSES_API_STORE must be 0 or 1"):
+        env.responses_store()

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trust-request-chat-template", action="store_true",
                     help="let a chat request bring its own chat_template (vLLM's flag; rendered in the same "
                          "sandbox, within the same time and size bounds); without it such a request is a 400")
-    ap.add_argument("--enable-responses-store", action="store_true", default=env.responses_store(),
+    ap.add_argument("--enable-responses-store", action="store_true",
                     help="keep Responses API responses (store: true, the default then) for previous_response_id and "
                          "GET/DELETE /v1/responses/{id} (default: $KDA_RT_ENABLE_RESPONSES_API_STORE, else vLLM's "
                          "$VLLM_ENABLE_RESPONSES_API_STORE)")
@@ -256,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.port <= 65535:
         print(f"error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        args.enable_responses_store = args.enable_responses_store or env.responses_store()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.responses_store_size < 1:
         print(f"error: --responses-store-size must be >= 1, got {args.responses_store_size}", file=sys.stderr)

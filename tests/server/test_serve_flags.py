@@ -139,3 +139,9 @@ def test_model_file_refused(started, capsys, tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_bad_store_settings_refused(started, capsys, monkeypatch):
+    assert "--responses-store-size must be >= 1" in _refused(["--responses-store-size", "0"], started, capsys)
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "maybe")
+    assert "VLLM_ENABLE_RESPONSES_API_STORE must be 0 or 1" in _refused([], started, capsys)
