@@ -381,6 +381,27 @@ def test_prefix_cache_samples_share_their_prompt(ckpt, oracle):
     no_leaks(gpu)
 
 
+def test_priority_and_cache_salts_under_a_tiny_pool(ckpt, oracle):
+    """The sixtieth session's engine changes on the CUDA backend: priority scheduling (preemption takes the least
+    urgent; a preempted request goes back to its place in the queue), requests in two cache salts sharing starts (they
+    resume only within their salt), metrics stamps: every token still the oracle's, no leaks."""
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=6, max_model_len=160, block_size=16, num_blocks=10,
+              max_num_batched_tokens=B, enable_prefix_caching=True, prefix_cache_states=3,
+              scheduling_policy="priority")
+    starts = [prompt_of(n, seed=210 + n) for n in (20, 35)]
+    prompts = [starts[i % 2] + prompt_of(3 + i, seed=220 + i) for i in range(10)]
+    given = [{"prompt_token_ids": p, "cache_salt": "ab"[i % 3 % 2]} for i, p in enumerate(prompts)]
+    outs = gpu.generate(given, greedy(12), priority=[(i * 7) % 5 - 2 for i in range(len(prompts))])
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        assert_matches_oracle(oracle, p, o.outputs[0], f"priority + salts, request {i}")
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    s = gpu.stats()
+    print(f"priority + salts: {s['prefix_cache_hits']} tokens resumed, {s['preemptions']} preemptions")
+    assert s["preemptions"] > 0, s
+    no_leaks(gpu)
+
+
 def test_prefix_cache_under_a_tiny_pool(ckpt, oracle):
     """Entries evicted for pages, sequences preempted, async steps ahead: every token still the oracle's.  (Pages of
     16 and three snapshot slots: with pages of 64, 9 of them and two slots the requests' ends evict each junction
