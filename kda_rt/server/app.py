@@ -351,7 +351,9 @@ def build_app(state: ServerState) -> Starlette:
         if state.tokens_as_ids and payload.get("tokens_as_ids") is None:  # (--return-tokens-as-token-ids: every
             payload["tokens_as_ids"] = True  # request's logprobs so, but one that says false: vLLM's rule)
         prefix = "resp" if api == "responses" else "chatcmpl" if chat else "cmpl"
-        rid = _request_id(request, prefix, state.open, state.client.queues)
+        # (a stored response's id is taken too: a client's repeated X-Request-Id must not replace it)
+        taken = (state.open, state.client.queues) + ((state.responses_store,) if state.responses_store is not None else ())
+        rid = _request_id(request, prefix, *taken)
         start = time.perf_counter()
         try:
             queue, added = await state.client.add(rid, payload)

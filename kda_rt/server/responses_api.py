@@ -305,6 +305,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._items
+
     def get(self, rid: str) -> dict[str, Any] | None:
         entry = self._items.get(rid)
         if entry is None:

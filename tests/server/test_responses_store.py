@@ -105,3 +105,19 @@ def test_without_the_store(server):
     assert r.status_code == 200 and r.json()["store"] is False
     got = httpx.get(f"{server.url}/v1/responses/{r.json()['id']}", headers=server.headers, timeout=10)
     assert got.status_code == 404 and "--enable-responses-store" in json.dumps(got.json())
+
+
+def test_a_repeated_request_id_header_never_replaces_a_stored_response(store_server):
+    """X-Request-Id names a response (vLLM's rule); a second request with the same header gets its own id, so the
+    first stored response stays."""
+    headers = {**store_server.headers, "X-Request-Id": "same-id"}
+    ids = []
+    for text in ("First.", "Second."):
+        r = httpx.post(store_server.url + "/v1/responses", headers=headers, timeout=60,
+                       json={"model": "demo", "input": text, "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    assert ids[0] == "resp-same-id" and ids[1].startswith("resp-same-id-") and ids[1] != ids[0]
+    for rid in ids:
+        assert httpx.get(f"{store_server.url}/v1/responses/{rid}", headers=store_server.headers,
+                         timeout=10).json()["id"] == rid
