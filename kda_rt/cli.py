@@ -3,6 +3,7 @@
     kda-rt serve [MODEL] [server flags]     = python -m kda_rt.serve --model MODEL ...
     kda-rt generate [MODEL] [flags]         = python -m kda_rt.generate --model MODEL ...
     kda-rt bench [MODEL] [flags]            = python -m kda_rt.bench --model MODEL ...
+    kda-rt run-batch -i IN -o OUT [flags]   = python -m kda_rt.run_batch -i IN -o OUT ... (vLLM's run-batch)
 
 MODEL is positional as in `vllm serve MODEL`; `--model MODEL` still works.  Without a model the
 bundled demo checkpoint is used (serve, generate).
@@ -19,11 +20,12 @@ _COMMANDS = {
     "serve": ("kda_rt.server.__main__", "the OpenAI-compatible HTTP server"),
     "generate": ("kda_rt.generate", "generate text from a prompt and report tokens/s"),
     "bench": ("kda_rt.bench", "throughput and latency benchmark"),
+    "run-batch": ("kda_rt.server.run_batch", "an OpenAI batch file (JSON lines) through the server's app, offline"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: kda-rt {serve,generate,bench} [MODEL] [flags]", ""]
+    lines = ["usage: kda-rt {serve,generate,bench,run-batch} [MODEL] [flags]", ""]
     lines += [f"  {name:<9} {doc}" for name, (_, doc) in _COMMANDS.items()]
     lines += ["", "`kda-rt COMMAND --help` lists a command's flags."]
     return "\n".join(lines)

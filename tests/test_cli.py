@@ -38,7 +38,7 @@ def test_subcommand_forwards_model(monkeypatch, argv, expect):
 
 def test_usage_and_unknown(capsys):
     assert cli.main([]) == 0
-    assert "kda-rt {serve,generate,bench}" in capsys.readouterr().out
+    assert "kda-rt {serve,generate,bench,run-batch}" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
 
@@ -157,3 +157,12 @@ def test_bench_config_file_named(capsys, tmp_path, text, needle):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_run_batch_command_is_vllms(tmp_path, capsys):
+    """`kda-rt run-batch -i IN -o OUT` is `python -m kda_rt.run_batch` (vLLM's `vllm run-batch`); its flags are
+    checked before anything loads."""
+    from kda_rt.cli import main
+
+    assert main(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "--input-file" in capsys.readouterr().err

@@ -114,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
-    from kda_rt.server.app import ServerState, build_app
+async def start_state(args: argparse.Namespace, settings: EngineConfig):
+    """Start the engine process and make the app's state from the flags; None when the engine failed to start (its
+    error logged).  `serve` and `run_batch` share it."""
+    from kda_rt.server.app import ServerState
     from kda_rt.server.engine_client import EngineClient
     from kda_rt.server.responses_api import ResponseStore
 
@@ -133,7 +135,7 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
         await client.start(args.engine_start_timeout)
     except RuntimeError as exc:
         logger.error("%s", exc)
-        return 1
+        return None
     if args.served_model_name:
         name, *others = args.served_model_name
     else:  # the directory's name, and the --model argument as given (vLLM's default name), not listed
@@ -151,7 +153,17 @@ async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
                         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
                         if args.allowed_origins else None)
+    return state
+
+
+async def serve(args: argparse.Namespace, settings: EngineConfig) -> int:
+    from kda_rt.server.app import build_app
     from kda_rt.server.http import header_timeout_protocol
+
+    state = await start_state(args, settings)
+    if state is None:
+        return 1
+    client = state.client
 
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level or args.log_level, root_path=args.root_path,
@@ -248,6 +260,13 @@ def _ssl_problem(certfile: str, keyfile: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    settings = checked_settings(args)
+    return settings if isinstance(settings, int) else asyncio.run(serve(args, settings))
+
+
+def checked_settings(args: argparse.Namespace) -> EngineConfig | int:
+    """The engine settings of parsed flags, or 2 after an error line naming the bad flag (checked before the model
+    loads, which can take minutes).  `run_batch` checks its flags with it too."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("error: --enable-auto-tool-choice needs --tool-call-parser kimi_k2", file=sys.stderr)
         return 2
@@ -305,11 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-waiting and --max-body-bytes must be >= 1", file=sys.stderr)
         return 2
     try:
-        settings = EngineConfig.from_cli_args(args)
+        return EngineConfig.from_cli_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args, settings))
 
 
 if __name__ == "__main__":

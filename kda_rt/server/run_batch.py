@@ -1,0 +1,154 @@
+"""`python -m kda_rt.run_batch -i requests.jsonl -o results.jsonl [server flags]`: OpenAI's batch file format run
+offline, as vLLM's `run_batch` runs it.
+
+Each input line is `{"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/responses", "body": {...}}`; each output line, in input order, `{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}`: the body the server would have answered (200), or `response.body` null and `error`
+the server's error object (its status code in `status_code`).  The requests go through the server's own app in this
+process (same validation, same answers) and its engine process, up to `--max-concurrency` at once, so continuous
+batching packs them; a line that is not such a request gets its own error line, and the others still run.  The
+engine and server flags are `serve`'s (`--model`, `--max-num-seqs`, `--chat-template`, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import uuid
+from typing import Any
+
+__all__ = ["main", "run_batch"]
+
+logger = logging.getLogger("kda_rt.run_batch")
+
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+def _parser():
+    from kda_rt.server.__main__ import build_parser
+
+    ap = build_parser()
+    ap.prog = "python -m kda_rt.run_batch"
+    ap.description = "Run an OpenAI batch file (JSON lines) through the server's app, offline."
+    ap.add_argument("-i", "--input-file", required=True, help="the batch file: one request a line (JSON)")
+    ap.add_argument("-o", "--output-file", required=True, help="where the results go, one a line in input order")
+    ap.add_argument("--max-concurrency", type=int, default=256,
+                    help="requests in flight at once (default 256; the engine's waiting queue holds --max-waiting)")
+    return ap
+
+
+def _line_error(custom_id: Any, message: str, status: int = 400) -> dict[str, Any]:
+    return {"id": f"kda-rt-{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": f"kda-rt-batch-{uuid.uuid4().hex}", "body": None},
+            "error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
+
+
+def _parse(k: int, line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(request, None) of input line k (1-based), or (None, its error line)."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, _line_error(None, f"line {k}: not JSON ({exc})")
+    if not isinstance(item, dict):
+        return None, _line_error(None, f"line {k}: not a JSON object")
+    cid = item.get("custom_id")
+    if not isinstance(cid, str):
+        return None, _line_error(cid, f"line {k}: custom_id must be a string")
+    if item.get("method", "POST") != "POST":
+        return None, _line_error(cid, f"line {k}: method must be POST, got {item.get('method')!r}")
+    if item.get("url") not in URLS:
+        return None, _line_error(cid, f"line {k}: url must be one of {', '.join(URLS)}, got {item.get('url')!r}")
+    if not isinstance(item.get("body"), dict):
+        return None, _line_error(cid, f"line {k}: body must be a JSON object")
+    if item["body"].get("stream"):
+        return None, _line_error(cid, f"line {k}: stream is not supported in a batch")
+    return item, None
+
+
+async def run_batch(args, settings) -> int:
+    """Run the batch file of `args`; 0 when every line was answered (errors included), 1 when the engine failed."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    from kda_rt.server.__main__ import start_state
+    from kda_rt.server.app import build_app
+
+    with open(args.input_file, encoding="utf-8") as f:
+        lines = [(k, line) for k, line in enumerate(f, 1) if line.strip()]
+    args.api_key = None  # (requests made here, to the app itself)
+    state = await start_state(args, settings)
+    if state is None:
+        return 1
+    results: list[dict[str, Any] | None] = [None] * len(lines)
+    retries = [0]
+    gate = asyncio.Semaphore(args.max_concurrency)
+    bar = tqdm(total=len(lines), desc="batch", unit="req", disable=None)
+    transport = httpx.ASGITransport(app=build_app(state))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://kda-rt", timeout=None) as http:
+            async def one(i: int, k: int, line: str) -> None:
+                item, error = _parse(k, line)
+                if error is None:
+                    async with gate:
+                        while True:
+                            r = await http.post(item["url"], json=item["body"])
+                            if r.status_code != 429:  # (the engine's queue is full: wait and send it again)
+                                break
+                            retries[0] += 1
+                            await asyncio.sleep(0.05)
+                    body = r.json()
+                    ok = r.status_code == 200
+                    result = {"id": f"kda-rt-{uuid.uuid4().hex}", "custom_id": item["custom_id"],
+                              "response": {"status_code": r.status_code,
+                                           "request_id": r.headers.get("x-request-id", f"kda-rt-batch-{uuid.uuid4().hex}"),
+                                           "body": body if ok else None},
+                              "error": None if ok else body.get("error", body)}
+                else:
+                    result = error
+                results[i] = result
+                bar.update(1)
+
+            await asyncio.gather(*(one(i, k, line) for i, (k, line) in enumerate(lines)))
+        if not state.client.alive:
+            logger.error("the engine process died: %s", state.client.dead_reason)
+            return 1
+    finally:
+        bar.close()
+        state.draining = True
+        state.abort_all()
+        await state.client.close()
+    with open(args.output_file, "w", encoding="utf-8") as f:
+        for result in results:
+            f.write(json.dumps(result, ensure_ascii=False) + "\n")
+    failed = sum(1 for r in results if r["error"] is not None)
+    logger.info("batch done: %d requests, %d answered with an error, %d sent again after a full queue (429) -> %s",
+                len(results), failed, retries[0], args.output_file)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kda_rt.log import configure as configure_logging
+    from kda_rt.server.__main__ import checked_settings
+
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line a request otherwise)
+    if args.max_concurrency < 1:
+        print(f"error: --max-concurrency must be >= 1, got {args.max_concurrency}", file=sys.stderr)
+        return 2
+    try:
+        with open(args.input_file, encoding="utf-8"):
+            pass
+    except OSError as exc:
+        print(f"error: --input-file {args.input_file!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    settings = checked_settings(args)
+    if isinstance(settings, int):
+        return settings
+    return asyncio.run(run_batch(args, settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
