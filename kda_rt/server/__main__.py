@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "$VLLM_ENABLE_RESPONSES_API_STORE)")
     ap.add_argument("--responses-store-size", type=int, default=1024,
                     help="responses the store keeps, least recently used out first (default 1024)")
+    ap.add_argument("--responses-store-max-mib", type=float, default=256.0,
+                    help="MiB of JSON the store keeps at most (default 256), least recently used out first")
     ap.add_argument("--metrics-prefix", default="kda_rt:",
                     help='the prefix of every /metrics name (default kda_rt:; "vllm:" lets vLLM\'s dashboards, '
                          "autoscalers and routers read them)")
@@ -148,8 +150,9 @@ async def start_state(args: argparse.Namespace, settings: EngineConfig):
                         auto_tools=args.enable_auto_tool_choice and args.tool_call_parser is not None,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tokens_as_ids=args.return_tokens_as_token_ids, metrics_prefix=args.metrics_prefix,
-                        responses_store=ResponseStore(args.responses_store_size) if args.enable_responses_store
-                        else None,
+                        responses_store=ResponseStore(args.responses_store_size,
+                                                      int(args.responses_store_max_mib * 2**20))
+                        if args.enable_responses_store else None,
                         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
                         if args.allowed_origins else None)
@@ -283,6 +286,10 @@ def checked_settings(args: argparse.Namespace) -> EngineConfig | int:
         return 2
     if args.responses_store_size < 1:
         print(f"error: --responses-store-size must be >= 1, got {args.responses_store_size}", file=sys.stderr)
+        return 2
+    if not 0 < args.responses_store_max_mib < math.inf:
+        print(f"error: --responses-store-max-mib must be a number > 0, got {args.responses_store_max_mib}",
+              file=sys.stderr)
         return 2
     if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", args.metrics_prefix):
         print(f"error: --metrics-prefix {args.metrics_prefix!r} is not a Prometheus name start "

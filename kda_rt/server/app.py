@@ -351,9 +351,10 @@ def build_app(state: ServerState) -> Starlette:
         if state.tokens_as_ids and payload.get("tokens_as_ids") is None:  # (--return-tokens-as-token-ids: every
             payload["tokens_as_ids"] = True  # request's logprobs so, but one that says false: vLLM's rule)
         prefix = "resp" if api == "responses" else "chatcmpl" if chat else "cmpl"
-        # (a stored response's id is taken too: a client's repeated X-Request-Id must not replace it)
-        taken = (state.open, state.client.queues) + ((state.responses_store,) if state.responses_store is not None else ())
-        rid = _request_id(request, prefix, *taken)
+        if on_done is not None:  # (a response to be kept gets a random id, as OpenAI's and vLLM's: a client's own
+            rid = f"resp-{uuid.uuid4().hex}"  # X-Request-Id could name one stored before, evicted or deleted since)
+        else:
+            rid = _request_id(request, prefix, state.open, state.client.queues)
         start = time.perf_counter()
         try:
             queue, added = await state.client.add(rid, payload)

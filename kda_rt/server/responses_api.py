@@ -1,5 +1,5 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless (as clients built on it, such as the OpenAI Agents SDK,
-call it first).
+"""POST /v1/responses: OpenAI's Responses API (clients built on it, such as the OpenAI Agents SDK, call it first),
+stateless unless the server keeps responses (below).
 
 A request becomes a chat request and runs as one: `instructions` the system message; `input` a string or items:
 messages (content a string or `input_text` / `output_text` parts), `function_call` items (the assistant's earlier
@@ -11,15 +11,16 @@ called nothing) and one `function_call` item per call.  `stream: true` sends the
 `response.in_progress`, then per output item `response.output_item.added`, its content (`response.content_part.added`,
 `response.output_text.delta` ..., `.done`; or `response.function_call_arguments.delta` ..., `.done`) and
 `response.output_item.done`, and last `response.completed` (its status `incomplete` when max_output_tokens cut the
-answer, as vLLM's streams end and the openai client's helper waits for) or `response.failed`.  Other tool types, images and files are 400s naming the field.
+answer, as vLLM's streams end and the openai client's helper waits for) or `response.failed`.  Other tool types,
+images and files are 400s naming the field.
 
 Stored responses (`--enable-responses-store`, or vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`): a response with `store`
-true (the default then, as OpenAI's) is kept in the HTTP process (`ResponseStore`: its own input and output as chat
-messages and a link to the response it continued, at most `--responses-store-size` responses, least recently used
-out first), retrievable by `GET /v1/responses/{id}` and removable by `DELETE`; a request's `previous_response_id`
-continues that conversation: the chain's inputs and outputs come before its own input (the earlier `instructions`
-are not carried over, as OpenAI's).  Without the store, `previous_response_id` is a 400 and `store: true` is answered
-with `store: false`.
+true (the default then, as OpenAI's) gets a random id and is kept in the HTTP process (`ResponseStore`: the items of
+its own input and output and a link to the response it continued, at most `--responses-store-size` responses and
+`--responses-store-max-mib` MiB of their JSON, least recently used out first), retrievable by `GET
+/v1/responses/{id}` and removable by `DELETE`; a request's `previous_response_id` continues that conversation: the
+chain's items come before its own input, read as one input list (the earlier `instructions` are not carried over, as
+OpenAI's).  Without the store, `previous_response_id` is a 400 and `store: true` is answered with `store: false`.
 """
 
 from __future__ import annotations
@@ -296,11 +297,12 @@ class ResponseStore:
     body, the items of its own input and output, and the id it continued; at most `capacity`, least recently used
     out first (a conversation's chain is used whenever it is continued: its links stay)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
         from collections import OrderedDict
 
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], str | None]] = OrderedDict()
+        self.capacity, self.max_bytes, self.bytes = capacity, max_bytes, 0
+        # id -> (body, its input and output items, the id it continued, its size as JSON)
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[Any], str | None, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -316,30 +318,40 @@ class ResponseStore:
         return entry[0]
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        entry = self._items.pop(rid, None)
+        if entry is not None:
+            self.bytes -= entry[3]
+        return entry is not None
 
     def history(self, rid: str) -> list[Any]:
         """The conversation up to and including response `rid` as items, oldest first; ResponseNotFound naming the
         missing link when `rid` or an earlier response of its chain is not stored (never stored, deleted or evicted)."""
-        chain, at = [], rid
+        chain, at, seen = [], rid, set()
         while at is not None:
             entry = self._items.get(at)
-            if entry is None:
+            if entry is None or at in seen:  # (a link back into the chain cannot be made; refused all the same)
                 raise ResponseNotFound(at)
+            seen.add(at)
             self._items.move_to_end(at)
             chain.append(entry[1])
             at = entry[2]
         return [m for part in reversed(chain) for m in part]
 
     def put(self, body: dict[str, Any], own: list[Any], previous: str | None) -> None:
-        """Keep a finished response: `own` its input's items (its instructions not among them), its output's added."""
-        if body["status"] == "failed":
+        """Keep a finished response: `own` its input's items (its instructions not among them), its output's added;
+        the least recently used go while more than `capacity` responses or `max_bytes` (their JSON) are kept.  A
+        failed response, or one larger than `max_bytes` alone, is not kept (its body says `store: false`)."""
+        items = own + body["output"]
+        size = len(msgspec.json.encode(items)) + len(msgspec.json.encode(body))
+        if body["status"] == "failed" or size > self.max_bytes:
+            body["store"] = False
             return
         body["store"] = True
-        self._items[body["id"]] = (body, own + body["output"], previous)
-        self._items.move_to_end(body["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.delete(body["id"])
+        self._items[body["id"]] = (body, items, previous, size)
+        self.bytes += size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            self.bytes -= self._items.popitem(last=False)[1][3]
 
 
 def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
@@ -359,9 +371,12 @@ async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncI
     closed: list[dict[str, Any]] = []  # the items closed so far, as sent
 
     def body(status: str | None = None, final: bool = False) -> dict[str, Any]:
-        return response_body(rid, run.created, model, req, text=text if final else None, calls=calls, reason=reason,
-                             usage=run._usage() if final else None, status=status, cached=run.cached_tokens,
-                             error=stop_reason if reason == "error" else None)
+        out = response_body(rid, run.created, model, req, text=text if final else None, calls=calls, reason=reason,
+                            usage=run._usage() if final else None, status=status, cached=run.cached_tokens,
+                            error=stop_reason if reason == "error" else None)
+        if on_done is not None and not final:  # (to be kept: the store says so of the final body once it is)
+            out["store"] = True
+        return out
 
     def close(status: str) -> list[bytes]:
         """The done events of the open item (the last opened)."""

@@ -3,9 +3,11 @@ that renders it, and validation of chat messages (spec §7.5)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import string
 import threading
 import time
@@ -13,9 +15,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template, TemplateError
+from jinja2 import Template, TemplateError, nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 
 __all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "RESERVED_TEMPLATE_VARS",
            "ROLES", "TemplateLimitError", "align_stand_ins", "compile_template", "normalize_messages",
@@ -76,6 +79,8 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
             sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
+        raise TemplateLimitError("tojson's indent is over 64 characters")
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
@@ -104,6 +109,28 @@ def _check_time() -> None:
         raise TemplateLimitError(f"rendering took over {MAX_RENDER_SECONDS:g} s")
 
 
+@contextlib.contextmanager
+def _time_bound():
+    """The time bound of a compile or a rendering: the deadline the checks above read, and, in the main thread (the
+    engine process's loop), an alarm that interrupts what they do not reach (a loop over a list, a filter folded at
+    compile time) between two bytecodes.  Elsewhere, or with an alarm already set, the checks alone."""
+    _budget.deadline, _budget.steps = time.monotonic() + MAX_RENDER_SECONDS, 0
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TemplateLimitError(f"rendering took over {MAX_RENDER_SECONDS:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _bounded_range(*args: int) -> Iterator[int]:
     for i in range(*args):
         _budget.steps += 1
@@ -115,7 +142,30 @@ def _bounded_range(*args: int) -> Iterator[int]:
 
 
 def _size(value: Any) -> int:
-    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
+    """Characters a value brings to what an operator builds: a string's, or a list's items' (strings counted by their
+    characters, so `[big] * n` and its join are bounded by what they hold, not by their item count)."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return len(value) + sum(len(x) for x in value if isinstance(x, (str, bytes)))
+    return 0
+
+
+def _bounded_concat(items: list) -> str:
+    """Jinja's `~` (a Concat node: no operator the sandbox intercepts), with the concatenation bound."""
+    _check_time()
+    parts = [str(x) for x in items]
+    if sum(map(len, parts)) > MAX_RENDER_CHARS:
+        raise TemplateLimitError(f"a concatenation (~) would build over {MAX_RENDER_CHARS} characters")
+    return "".join(parts)
+
+
+class _ConcatBound(NodeTransformer):
+    """Rewrites every `a ~ b ~ ...` into a call of the bounded concatenation."""
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        node = self.generic_visit(node)
+        return nodes.Call(nodes.Name("_kda_rt_concat", "load"), [nodes.List(node.nodes)], [], None, None)
 
 
 # a %-format's conversion spec: its width and precision (digits, or * taken from the arguments)
@@ -124,12 +174,15 @@ _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
 
 
 def _check_widths(numbers: Iterable[str | int], what: str) -> None:
-    """A width or precision past MAX_RENDER_CHARS (or one taken from the arguments, `*`) would build a string past
-    the bound: refused before it is built."""
+    """Widths and precisions that add up past MAX_RENDER_CHARS (or one taken from the arguments, `*`) would build a
+    string past the bound: refused before it is built."""
+    total = 0
     for n in numbers:
-        if n in ("*", "{") or (n not in ("", None) and int(n) > MAX_RENDER_CHARS):
-            raise TemplateLimitError(f"{what} asks for a width or precision over {MAX_RENDER_CHARS} characters "
-                                     f"(or one from its arguments)")
+        if n in ("*", "{"):
+            raise TemplateLimitError(f"{what} takes a width or precision from its arguments")
+        total += int(n) if n not in ("", None) else 0
+        if total > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"{what} asks for widths or precisions over {MAX_RENDER_CHARS} characters")
 
 
 def _check_percent(fmt: Any) -> None:
@@ -167,7 +220,7 @@ def _check_method(obj: Any, args: tuple, kwargs: dict) -> None:
         if isinstance(size, int) and len(owner) + owner.count("\t") * size > MAX_RENDER_CHARS:
             raise TemplateLimitError(f"an expandtabs would build over {MAX_RENDER_CHARS} characters")
     elif name == "join" and args and isinstance(args[0], (list, tuple)):
-        if len(owner) * len(args[0]) > MAX_RENDER_CHARS:
+        if len(owner) * len(args[0]) + _size(args[0]) > MAX_RENDER_CHARS:
             raise TemplateLimitError(f"a join would build over {MAX_RENDER_CHARS} characters")
 
 
@@ -175,6 +228,7 @@ def _bounded_filters(filters: dict[str, Callable]) -> None:
     """Jinja's filters that build a string larger than their input by a number they are given, checked first (they
     run directly, also when a constant expression is folded at compile time, not through `call`)."""
     center, indent, fmt, replace = filters["center"], filters["indent"], filters["format"], filters["replace"]
+    wordwrap, batch, join = filters["wordwrap"], filters["batch"], filters["join"]
 
     def bounded_center(value, width=80):
         _check_widths([width] if isinstance(width, int) else [], "center")
@@ -192,23 +246,51 @@ def _bounded_filters(filters: dict[str, Callable]) -> None:
 
     def bounded_replace(eval_ctx, s, old, new, count=None):
         text = str(s)
-        times = text.count(str(old)) if count is None else min(count, text.count(str(old)))
+        times = text.count(str(old)) if count is None or count < 0 else min(count, text.count(str(old)))
         _check_growth(str(old), str(new), times, len(text), "a replace")
         return replace(eval_ctx, s, old, new, count)
 
+    def bounded_wordwrap(environment, s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+        text, sep = str(s), "\n" if wrapstring is None else str(wrapstring)
+        if len(text) + (len(text) // max(int(width), 1) + 1) * len(sep) > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"a wordwrap would build over {MAX_RENDER_CHARS} characters")
+        return wordwrap(environment, s, width, break_long_words, wrapstring, break_on_hyphens)
+
+    def bounded_batch(value, linecount, fill_with=None):
+        if isinstance(linecount, int) and linecount > MAX_RANGE_STEPS:
+            raise TemplateLimitError(f"a batch of over {MAX_RANGE_STEPS} items")
+        return batch(value, linecount, fill_with)
+
+    def bounded_join(eval_ctx, value, d="", attribute=None):
+        items = list(value) if isinstance(value, (list, tuple)) else value
+        if isinstance(items, list) and len(str(d)) * len(items) + _size(items) > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"a join would build over {MAX_RENDER_CHARS} characters")
+        return join(eval_ctx, items, d, attribute)
+
     bounded_replace.jinja_pass_arg = replace.jinja_pass_arg  # (jinja passes the eval context to its replace)
-    filters.update(center=bounded_center, indent=bounded_indent, format=bounded_format, replace=bounded_replace)
+    bounded_wordwrap.jinja_pass_arg = wordwrap.jinja_pass_arg  # (and the environment to its wordwrap)
+    bounded_join.jinja_pass_arg = join.jinja_pass_arg
+    filters.update(center=bounded_center, indent=bounded_indent, format=bounded_format, replace=bounded_replace,
+                   wordwrap=bounded_wordwrap, batch=bounded_batch, join=bounded_join)
+    filters.pop("pprint", None)  # (its output has no bound; no chat template needs it)
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """Sandbox whose `+`, `*`, `**` and `%`, the str methods and filters that take a width or a count, refuse
-    results past the size bounds before building them, and whose calls and operators check the time bound."""
+    """Sandbox whose `+`, `*`, `**`, `%` and `~`, and the str methods and filters that take a width, a count or a
+    separator, refuse results past the size bounds before building them (a list by the characters its strings hold),
+    and whose calls and operators check the time bound (an alarm stops the rest in the main thread, `_time_bound`).
+    These are the known ways to build a large value, not a proof: a request's own template is for trusted clients
+    (`--trust-request-chat-template`, as vLLM's flag)."""
 
     intercepted_binops = frozenset({"+", "*", "**", "%"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _bounded_filters(self.filters)  # (an environment's own copy of the filters)
+        self.globals["_kda_rt_concat"] = _bounded_concat
+
+    def _parse(self, source, name, filename):  # (jinja's hook between parsing and compiling)
+        return _ConcatBound().visit(super()._parse(source, name, filename))
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         _check_time()
@@ -241,22 +323,23 @@ def compile_template(source: str | None) -> Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["range"] = _bounded_range
-    return env.from_string(source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8"))
+    with _time_bound():  # (constant expressions are folded, filters run, while it compiles)
+        return env.from_string(source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8"))
 
 
 def render_template(template: Template, name: str, **context: Any) -> str:
     """Render within MAX_RENDER_SECONDS and MAX_RENDER_CHARS; every failure is a ValueError that
     names the template (`name`: its file or config field)."""
-    _budget.deadline, _budget.steps = time.monotonic() + MAX_RENDER_SECONDS, 0
     pieces: list[str] = []
     size = 0
     try:
-        for piece in template.generate(**context):
-            size += len(piece)
-            if size > MAX_RENDER_CHARS:
-                raise TemplateLimitError(f"output is over {MAX_RENDER_CHARS} characters")
-            pieces.append(piece)
-            _check_time()
+        with _time_bound():
+            for piece in template.generate(**context):
+                size += len(piece)
+                if size > MAX_RENDER_CHARS:
+                    raise TemplateLimitError(f"output is over {MAX_RENDER_CHARS} characters")
+                pieces.append(piece)
+                _check_time()
     except TemplateLimitError as e:
         raise TemplateLimitError(f"chat template {name}: {e}") from None
     except TemplateError as e:

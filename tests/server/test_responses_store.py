@@ -108,8 +108,8 @@ def test_without_the_store(server):
 
 
 def test_a_repeated_request_id_header_never_replaces_a_stored_response(store_server):
-    """X-Request-Id names a response (vLLM's rule); a second request with the same header gets its own id, so the
-    first stored response stays."""
+    """A response to be stored gets a random id (as OpenAI's and vLLM's), whatever X-Request-Id says: a header used
+    twice, or naming a response stored before and deleted or evicted since, never replaces or continues another's."""
     headers = {**store_server.headers, "X-Request-Id": "same-id"}
     ids = []
     for text in ("First.", "Second."):
@@ -117,7 +117,50 @@ def test_a_repeated_request_id_header_never_replaces_a_stored_response(store_ser
                        json={"model": "demo", "input": text, "max_output_tokens": 2})
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"])
-    assert ids[0] == "resp-same-id" and ids[1].startswith("resp-same-id-") and ids[1] != ids[0]
+        assert r.headers["x-request-id"] == ids[-1]
+    assert ids[0] != ids[1] and not any("same-id" in i for i in ids)
     for rid in ids:
         assert httpx.get(f"{store_server.url}/v1/responses/{rid}", headers=store_server.headers,
                          timeout=10).json()["id"] == rid
+
+
+def test_streamed_responses_say_store_throughout(client):
+    with client.responses.stream(model="demo", input="Hi", max_output_tokens=2) as stream:
+        events = list(stream)
+    bodies = [e.response for e in events if hasattr(e, "response") and e.response is not None]
+    assert len(bodies) >= 3 and all(b.store is True for b in bodies)
+
+
+def test_the_store_alone():
+    """ResponseStore: at most `capacity` responses and `max_bytes` of JSON, least recently used out first (a chain
+    continued stays); a failed response or one over the byte bound alone is not kept and says store: false; a chain
+    with a missing link names it."""
+    from kda_rt.server.responses_api import ResponseNotFound, ResponseStore
+
+    def body(rid, text="x", status="completed"):
+        return {"id": rid, "status": status, "output": [{"type": "message", "role": "assistant",
+                                                         "content": [{"type": "output_text", "text": text}]}]}
+
+    store = ResponseStore(capacity=3, max_bytes=2000)
+    own = [{"type": "message", "role": "user", "content": "hi"}]
+    store.put(body("a"), own, None)
+    store.put(body("b"), own, "a")
+    store.put(body("c"), own, None)
+    assert len(store.history("b")) == 4  # (a's input and output, then b's: a is used, c is the oldest now)
+    store.put(body("d"), own, None)
+    assert "c" not in store and "a" in store and "b" in store
+    failed = body("e", status="failed")
+    store.put(failed, own, None)
+    assert failed["store"] is False and "e" not in store
+    big = body("f", text="y" * 5000)
+    store.put(big, own, None)
+    assert big["store"] is False and "f" not in store
+    for k in range(6):  # ~300 bytes each: the byte bound evicts before the count does
+        store.put(body(f"g{k}", text="z" * 200), own, None)
+    assert store.bytes <= 2000 and len(store) <= 3
+    with pytest.raises(ResponseNotFound) as missing:
+        store.history("b")  # (b's link a, or b itself, is gone)
+    assert missing.value.args[0] in ("a", "b")
+    store._items["g5"] = (*store._items["g5"][:2], "g5", store._items["g5"][3])  # a link back to itself
+    with pytest.raises(ResponseNotFound):
+        store.history("g5")

@@ -137,11 +137,13 @@ def test_model_file_refused(started, capsys, tmp_path):
                                                                                   capsys)
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q"]))
-
-
 def test_bad_store_settings_refused(started, capsys, monkeypatch):
     assert "--responses-store-size must be >= 1" in _refused(["--responses-store-size", "0"], started, capsys)
+    assert "--responses-store-max-mib must be a number > 0" in _refused(["--responses-store-max-mib", "nan"], started,
+                                                                         capsys)
     monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "maybe")
     assert "VLLM_ENABLE_RESPONSES_API_STORE must be 0 or 1" in _refused([], started, capsys)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

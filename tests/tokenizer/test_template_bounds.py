@@ -3,6 +3,7 @@ naming the template file, within the time bound (checked with 0.5 s bound, 10 s 
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -20,21 +21,6 @@ RUNAWAY = {
     "doubling": "{% set s = namespace(v='x') %}{% for i in range(60) %}{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
     "big-output": "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
     "huge-power": "{{ 7 ** 100000000 }}",
-    "power-of-a-power": "{{ (10 ** 4096) ** 4096 }}",
-    # widths and counts that build a string past the bound in one call (the review's 3.45 GB template)
-    "center-filter": "{{ 'x'|center(300000000) }}",
-    "center-method": "{{ 'x'.center(300000000) }}",
-    "percent-width": "{{ '%300000000s' % 'a' }}",
-    "percent-precision": "{{ '%.300000000f' % 1.0 }}",
-    "percent-star": "{{ '%*d' % (300000000, 1) }}",
-    "format-filter": "{{ '%300000000s'|format('a') }}",
-    "format-method": "{{ '{:>300000000}'.format('b') }}",
-    "format-nested-width": "{{ '{:{w}}'.format('a', w=300000000) }}",
-    "indent-filter": "{{ ('a\n' * 1000)|indent(1000000) }}",
-    "replace-filter": "{{ ('a' * 1000000)|replace('a', 'b' * 100) }}",
-    "replace-method": "{{ ('a' * 1000000).replace('a', 'b' * 100) }}",
-    "join-method": "{{ ('x' * 1000000).join(['a'] * 100) }}",
-    "expandtabs": "{{ ('\t' * 1000000).expandtabs(100) }}",
 }
 
 
@@ -46,6 +32,47 @@ def test_runaway_template_gets_named_error(model_dir, monkeypatch, source):
     start = time.monotonic()
     with pytest.raises(ValueError, match="chat_template.jinja"):
         tok.encode_chat(USER)
+    assert time.monotonic() - start < 10
+
+
+# each refused by its own bound, before the value is built (the message names which: a test of the message fails on a
+# sandbox that built the value and was stopped by the output bound, or not at all)
+SPECIFIC = {
+    "power-of-a-power": ("{{ (10 ** 4096) ** 4096 }}", "a power would be an integer over"),
+    "center-filter": ("{{ 'x'|center(300000000) }}", "center asks for widths"),
+    "center-method": ("{{ 'x'.center(300000000) }}", "str.center asks for widths"),
+    "percent-width": ("{{ '%300000000s' % 'a' }}", "a %-format asks for widths"),
+    "percent-precision": ("{{ '%.300000000f' % 1.0 }}", "a %-format asks for widths"),
+    "percent-star": ("{{ '%*d' % (300000000, 1) }}", "a %-format takes a width or precision from its arguments"),
+    "percent-many-fields": ("{{ '%(a)9000000s%(a)9000000s' % {'a': 1} }}", "a %-format asks for widths"),
+    "format-filter": ("{{ '%300000000s'|format('a') }}", "a %-format asks for widths"),
+    "format-method": ("{{ '{:>300000000}'.format('b') }}", "a format spec asks for widths"),
+    "format-nested-width": ("{{ '{:{w}}'.format('a', w=300000000) }}", "a format spec takes a width"),
+    "indent-filter": ("{{ ('a\n' * 1000)|indent(1000000) }}", "an indent would build"),
+    "replace-filter": ("{{ ('a' * 1000000)|replace('a', 'b' * 100) }}", "a replace would build"),
+    "replace-count-minus-one": ("{{ ('a' * 1000000)|replace('a', 'b' * 100, -1) }}", "a replace would build"),
+    "replace-method": ("{{ ('a' * 1000000).replace('a', 'b' * 100) }}", "a replace would build"),
+    "join-method": ("{{ ('x' * 1000000).join(['a'] * 100) }}", "a join would build"),
+    "join-of-big-items": ("{% set big = 'x' * 6000000 %}{{ ''.join([big, big, big]) }}", "a join would build"),
+    "join-filter": ("{% set big = 'x' * 6000000 %}{{ [big, big, big]|join }}", "a join would build"),
+    "repeated-big-list": ("{% set big = 'x' * 10000000 %}{{ ([big] * 3)|length }}", "a repetition would build"),
+    "tilde-concat": ("{% set s = 'x' * 7000000 %}{{ s ~ s ~ s }}", "a concatenation (~) would build"),
+    "expandtabs": ("{{ ('\t' * 1000000).expandtabs(100) }}", "an expandtabs would build"),
+    "wordwrap": ("{{ ('a' * 100000)|wordwrap(1, wrapstring='x' * 1000) }}", "a wordwrap would build"),
+    "tojson-indent": ("{{ [1, 2]|tojson(indent=100000000) }}", "tojson's indent is over"),
+    "batch": ("{{ [1]|batch(100000000, 0)|list|length }}", "a batch of over"),
+    "pprint": ("{{ [1]|pprint }}", "pprint"),
+    "loops-over-lists": ("{% for a in [1] * 3000 %}{% for b in [1] * 3000 %}{% for c in [1] * 3000 %}{% endfor %}"
+                         "{% endfor %}{% endfor %}", "rendering took over"),
+}
+
+
+@pytest.mark.parametrize(("source", "needle"), SPECIFIC.values(), ids=SPECIFIC.keys())
+def test_each_bound_refuses_before_building(demo_tok, monkeypatch, source, needle):
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.5)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        demo_tok.apply_chat_template(USER, chat_template=source)
     assert time.monotonic() - start < 10
 
 
