@@ -65,7 +65,7 @@ def test_trusting_server_renders_the_requests_template(trusting_server):
     ("{{ (10 ** 4096) ** 4096 }}", "a power would be an integer over"),
     ("{# " + "x" * 70000 + " #}", "at most 65536"),
     ("{% for a in [1] %}" * 25 + "{% endfor %}" * 25, "nested too deeply"),  # (Python: too many nested blocks)
-    ("{{ 'x'|center(300000000) }}", "width or precision over"),
+    ("{{ 'x'|center(300000000) }}", "widths or precisions over"),
 ])
 def test_a_requests_template_past_the_bounds_is_a_400(trusting_server, template, match):
     """A request's template that nests past Python's recursion limit at compile time, builds a huge integer, or is
