@@ -342,7 +342,8 @@ def build_app(state: ServerState) -> Starlette:
             return _error(str(exc), 400)
         except responses_api.ResponseNotFound as exc:
             return _error(f"previous_response_id: response {exc.args[0]!r} is not stored (never, deleted, or evicted: "
-                          f"the store keeps the {state.responses_store.capacity} last used)", 404,
+                          f"the store keeps at most {state.responses_store.capacity} responses and "
+                          f"{state.responses_store.max_bytes >> 20} MiB, the least recently used out first)", 404,
                           param="previous_response_id")
         if not state.serves(req.model):
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import uuid
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = ["main", "run_batch"]
 logger = logging.getLogger("kda_rt.run_batch")
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+MAX_QUEUE_RETRIES = 12_000  # a request the engine's full queue refuses (429) is sent again every 50 ms for 10 min
 
 
 def _parser():
@@ -77,51 +79,68 @@ async def run_batch(args, settings) -> int:
 
     with open(args.input_file, encoding="utf-8") as f:
         lines = [(k, line) for k, line in enumerate(f, 1) if line.strip()]
+    out = open(args.output_file, "w", encoding="utf-8")  # (now: a path that cannot be written loses no work)  # noqa: SIM115
     args.api_key = None  # (requests made here, to the app itself)
     state = await start_state(args, settings)
     if state is None:
+        out.close()
         return 1
     results: list[dict[str, Any] | None] = [None] * len(lines)
     retries = [0]
     gate = asyncio.Semaphore(args.max_concurrency)
     bar = tqdm(total=len(lines), desc="batch", unit="req", disable=None)
-    transport = httpx.ASGITransport(app=build_app(state))
+    # (the app's own errors become 500 answers, not exceptions here)
+    transport = httpx.ASGITransport(app=build_app(state), raise_app_exceptions=False)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://kda-rt", timeout=None) as http:
-            async def one(i: int, k: int, line: str) -> None:
-                item, error = _parse(k, line)
-                if error is None:
-                    async with gate:
-                        while True:
-                            r = await http.post(item["url"], json=item["body"])
-                            if r.status_code != 429:  # (the engine's queue is full: wait and send it again)
-                                break
-                            retries[0] += 1
-                            await asyncio.sleep(0.05)
+            async def send(item: dict[str, Any]) -> dict[str, Any]:
+                # the body as its line had it (NaN or a lone surrogate included: the server answers those with a 400)
+                content = json.dumps(item["body"], ensure_ascii=True, allow_nan=True).encode()
+                headers = {"Content-Type": "application/json"}
+                async with gate:
+                    for _ in range(MAX_QUEUE_RETRIES):
+                        r = await http.post(item["url"], content=content, headers=headers)
+                        if r.status_code != 429:  # (the engine's queue is full: wait and send it again)
+                            break
+                        retries[0] += 1
+                        await asyncio.sleep(0.05)
+                try:
                     body = r.json()
-                    ok = r.status_code == 200
-                    result = {"id": f"kda-rt-{uuid.uuid4().hex}", "custom_id": item["custom_id"],
-                              "response": {"status_code": r.status_code,
-                                           "request_id": r.headers.get("x-request-id", f"kda-rt-batch-{uuid.uuid4().hex}"),
-                                           "body": body if ok else None},
-                              "error": None if ok else body.get("error", body)}
-                else:
-                    result = error
+                except ValueError:
+                    body = {"error": {"message": r.text[:2000], "type": "InternalServerError", "code": r.status_code}}
+                ok = r.status_code == 200
+                return {"id": f"kda-rt-{uuid.uuid4().hex}", "custom_id": item["custom_id"],
+                        "response": {"status_code": r.status_code,
+                                     "request_id": r.headers.get("x-request-id", f"kda-rt-batch-{uuid.uuid4().hex}"),
+                                     "body": body if ok else None},
+                        "error": None if ok else body.get("error", body)}
+
+            async def one(i: int, k: int, line: str) -> None:
+                item, result = _parse(k, line)
+                if result is None:
+                    try:
+                        result = await send(item)
+                    except Exception as exc:  # (one line's failure is its own error line; the others still run)
+                        result = _line_error(item["custom_id"], f"line {k}: {type(exc).__name__}: {exc}", 500)
                 results[i] = result
                 bar.update(1)
 
             await asyncio.gather(*(one(i, k, line) for i, (k, line) in enumerate(lines)))
-        if not state.client.alive:
-            logger.error("the engine process died: %s", state.client.dead_reason)
-            return 1
+            died = None if state.client.alive else state.client.dead_reason or "unknown"
     finally:
         bar.close()
         state.draining = True
         state.abort_all()
         await state.client.close()
-    with open(args.output_file, "w", encoding="utf-8") as f:
-        for result in results:
-            f.write(json.dumps(result, ensure_ascii=False) + "\n")
+        with out:  # (what was answered is written whatever happened: a line not answered says so)
+            for i, result in enumerate(results):
+                if result is None:
+                    result = _line_error(None, f"line {lines[i][0]}: not answered (the batch was stopped)", 500)
+                    results[i] = result
+                out.write(json.dumps(result, ensure_ascii=False) + "\n")
+    if died is not None:
+        logger.error("the engine process died: %s (its requests' lines say so)", died)
+        return 1
     failed = sum(1 for r in results if r["error"] is not None)
     logger.info("batch done: %d requests, %d answered with an error, %d sent again after a full queue (429) -> %s",
                 len(results), failed, retries[0], args.output_file)
@@ -143,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except OSError as exc:
         print(f"error: --input-file {args.input_file!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    folder = os.path.dirname(os.path.abspath(args.output_file))
+    if os.path.isdir(args.output_file) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        print(f"error: --output-file {args.output_file!r}: cannot be written (a folder, or its folder is missing or "
+              "read-only)", file=sys.stderr)
         return 2
     settings = checked_settings(args)
     if isinstance(settings, int):

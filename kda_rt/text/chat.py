@@ -26,7 +26,8 @@ __all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RA
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, read as system
 # Names the renderer sets itself; `chat_template_kwargs` cannot override them.
-RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "_kda_rt_concat"})  # (the last: the sandbox's bounded `~`)
 BUILTIN_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
@@ -109,25 +110,36 @@ def _check_time() -> None:
         raise TemplateLimitError(f"rendering took over {MAX_RENDER_SECONDS:g} s")
 
 
+class _Deadline(BaseException):
+    """The alarm of `_time_bound` (no Exception: a template's own `except`, or a filter's, such as `int`'s, must not
+    swallow it); turned into TemplateLimitError where the bound was set."""
+
+
 @contextlib.contextmanager
-def _time_bound():
+def _time_bound(what: str = "rendering"):
     """The time bound of a compile or a rendering: the deadline the checks above read, and, in the main thread (the
     engine process's loop), an alarm that interrupts what they do not reach (a loop over a list, a filter folded at
-    compile time) between two bytecodes.  Elsewhere, or with an alarm already set, the checks alone."""
+    compile time) between two bytecodes, every 50 ms once the time is up.  Elsewhere, with an alarm already set, or
+    with a SIGALRM handler installed outside Python, the checks alone."""
     _budget.deadline, _budget.steps = time.monotonic() + MAX_RENDER_SECONDS, 0
-    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
+    if (threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]
+            or signal.getsignal(signal.SIGALRM) is None):
         yield
         return
 
     def on_alarm(signum, frame):
-        raise TemplateLimitError(f"rendering took over {MAX_RENDER_SECONDS:g} s")
+        raise _Deadline
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS)
     try:
-        yield
+        signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS, 0.05)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Deadline:
+        raise TemplateLimitError(f"{what} took over {MAX_RENDER_SECONDS:g} s") from None
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
 
@@ -149,6 +161,10 @@ def _size(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return len(value) + sum(len(x) for x in value if isinstance(x, (str, bytes)))
     return 0
+
+
+def _count(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else 0
 
 
 def _bounded_concat(items: list) -> str:
@@ -262,10 +278,14 @@ def _bounded_filters(filters: dict[str, Callable]) -> None:
         return batch(value, linecount, fill_with)
 
     def bounded_join(eval_ctx, value, d="", attribute=None):
-        items = list(value) if isinstance(value, (list, tuple)) else value
-        if isinstance(items, list) and len(str(d)) * len(items) + _size(items) > MAX_RENDER_CHARS:
+        items = list(value)  # (a generator too: `map(...)|join`)
+        if attribute is not None:
+            from jinja2.filters import make_attrgetter
+
+            items = list(map(make_attrgetter(eval_ctx.environment, attribute), items))
+        if len(str(d)) * len(items) + _size(items) > MAX_RENDER_CHARS:
             raise TemplateLimitError(f"a join would build over {MAX_RENDER_CHARS} characters")
-        return join(eval_ctx, items, d, attribute)
+        return join(eval_ctx, items, d)
 
     bounded_replace.jinja_pass_arg = replace.jinja_pass_arg  # (jinja passes the eval context to its replace)
     bounded_wordwrap.jinja_pass_arg = wordwrap.jinja_pass_arg  # (and the environment to its wordwrap)
@@ -303,7 +323,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 raise TemplateLimitError(f"a repetition would build over {MAX_RENDER_CHARS} items")
             if both_ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
                 raise TemplateLimitError(f"a product would be an integer over {MAX_INT_BITS} bits")
-        elif operator == "+" and _size(left) + _size(right) > MAX_RENDER_CHARS:
+        elif operator == "+" and _count(left) + _count(right) > MAX_RENDER_CHARS:  # (items: no scan of the strings,
+            # which a template's `ns.msgs = ns.msgs + [m]` loop would make quadratic; their characters exist already)
             raise TemplateLimitError(f"a concatenation would build over {MAX_RENDER_CHARS} items")
         elif operator == "**" and both_ints and abs(left) > 1 and right * left.bit_length() > MAX_INT_BITS:
             # (by the result's size, not the exponent's: (10 ** 4096) ** 4096 took 13 s)
@@ -323,7 +344,7 @@ def compile_template(source: str | None) -> Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["range"] = _bounded_range
-    with _time_bound():  # (constant expressions are folded, filters run, while it compiles)
+    with _time_bound("compiling"):  # (constant expressions are folded, filters run, while it compiles)
         return env.from_string(source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8"))
 
 

@@ -26,6 +26,7 @@ import tiktoken
 from jinja2 import TemplateError
 
 from kda_rt.text.chat import (
+    TemplateLimitError,
     align_stand_ins,
     compile_template,
     normalize_messages,
@@ -117,6 +118,8 @@ class Tokenizer:
         except TemplateError as e:
             line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise TokenizerError(f"{template_name}: chat template does not compile{line}: {e}") from None
+        except TemplateLimitError as e:  # (its compile went past a bound: the time, folding constants)
+            raise TokenizerError(f"{template_name}: chat template does not compile: {e}") from None
 
     # ---- vocabulary ---------------------------------------------------------------------------
 

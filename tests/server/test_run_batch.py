@@ -25,6 +25,11 @@ def test_a_batch_file_is_answered_in_order(tmp_path, reference_llm):
     lines.append(_line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                          "max_tokens": 3, "temperature": 0.0}))
     lines.append(_line("streamed", "/v1/completions", {"prompt": "x", "stream": True}))
+    # lines json.loads takes but no JSON encoder sends again: the server's own 400s, the rest still run
+    lines.append('{"custom_id": "inf", "method": "POST", "url": "/v1/completions", "body": {"model": "demo", '
+                 '"prompt": "x", "max_tokens": 2, "temperature": Infinity}}')
+    lines.append('{"custom_id": "surrogate", "method": "POST", "url": "/v1/completions", "body": {"model": "demo", '
+                 '"prompt": "\\ud800", "max_tokens": 2}}')
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n\n")
     # one waiting sequence at most: most requests are refused with 429 first and sent again
@@ -46,11 +51,14 @@ def test_a_batch_file_is_answered_in_order(tmp_path, reference_llm):
                                                                              ignore_eos=True))[0].outputs[0].text
         assert r["response"]["body"]["choices"][0]["text"] == want
     assert [r["custom_id"] for r in results] == [*(f"c{i}" for i in range(3)), None, "c3", "bad",
-                                                 *(f"c{i}" for i in range(4, 8)), "chat", "streamed"]
+                                                 *(f"c{i}" for i in range(4, 8)), "chat", "streamed", "inf",
+                                                 "surrogate"]
     assert results[3]["error"]["message"].startswith("line 4: not JSON")
     assert by_id["bad"]["response"]["status_code"] == 400 and "max_tokens" in by_id["bad"]["error"]["message"]
     assert by_id["chat"]["response"]["body"]["object"] == "chat.completion"
     assert "stream is not supported" in by_id["streamed"]["error"]["message"]
+    assert by_id["inf"]["response"]["status_code"] == 400 and "not valid JSON" in by_id["inf"]["error"]["message"]
+    assert by_id["surrogate"]["response"]["status_code"] == 400 and "surrogate" in by_id["surrogate"]["error"]["message"]
 
 
 def test_flags_checked_before_loading(tmp_path):
@@ -62,3 +70,6 @@ def test_flags_checked_before_loading(tmp_path):
                            str(tmp_path / "o.jsonl"), "--max-concurrency", "0"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "--max-concurrency must be >= 1" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "kda_rt.run_batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+                           str(tmp_path / "missing" / "o.jsonl")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--output-file" in done.stderr and "cannot be written" in done.stderr

@@ -66,6 +66,45 @@ SPECIFIC = {
                          "{% endfor %}{% endfor %}", "rendering took over"),
 }
 
+# loops that call nothing the sandbox sees and write nothing: only the alarm stops them (hours of work otherwise)
+ALARM = {
+    "loops-over-a-set-list": "{% set l = [1] * 3000 %}{% for a in l %}{% for b in l %}{% for c in l %}{% endfor %}"
+                             "{% endfor %}{% endfor %}",
+    "int-filter-in-a-loop": "{% set l = ['x'] * 3000 %}{% for a in l %}{% for b in l %}{% for c in l %}"
+                            "{% if c|int %}{% endif %}{% endfor %}{% endfor %}{% endfor %}",  # (int catches ValueError)
+}
+
+
+@pytest.mark.parametrize("source", ALARM.values(), ids=ALARM.keys())
+def test_the_alarm_stops_what_no_check_reaches(demo_tok, monkeypatch, source):
+    import signal
+
+    if signal.getitimer(signal.ITIMER_REAL)[0]:
+        pytest.skip("an alarm is set already (pytest-timeout's): the bound's own alarm stands aside")
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.5)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rendering took over 0.5 s"):
+        demo_tok.apply_chat_template(USER, chat_template=source)
+    assert time.monotonic() - start < 5
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_the_alarm_leaves_the_previous_handler(demo_tok, monkeypatch):
+    import signal
+
+    if signal.getitimer(signal.ITIMER_REAL)[0]:
+        pytest.skip("an alarm is set already (pytest-timeout's)")
+    mine = lambda signum, frame: None  # noqa: E731
+    old = signal.signal(signal.SIGALRM, mine)
+    try:
+        demo_tok.apply_chat_template(USER)
+        with pytest.raises(ValueError, match="rendering took over"):
+            monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.3)
+            demo_tok.apply_chat_template(USER, chat_template=ALARM["loops-over-a-set-list"])
+        assert signal.getsignal(signal.SIGALRM) is mine and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
 
 @pytest.mark.parametrize(("source", "needle"), SPECIFIC.values(), ids=SPECIFIC.keys())
 def test_each_bound_refuses_before_building(demo_tok, monkeypatch, source, needle):
