@@ -173,31 +173,18 @@ def test_gemv_max_rows_refused(monkeypatch, name, read, value):
 
 @pytest.mark.parametrize(("ours", "vllm", "expected"), [(None, None, False), ("1", None, True), (None, "1", True),
                                                         ("0", "1", False), ("", "1", True)])
-def test_server_dev_mode(monkeypatch, ours, vllm, expected):
-    """KDA_RT_SERVER_DEV_MODE, else vLLM's VLLM_SERVER_DEV_MODE (ours wins when set); off by default; other values
-    refused by name."""
-    for name, value in (("KDA_RT_SERVER_DEV_MODE", ours), ("VLLM_SERVER_DEV_MODE", vllm)):
+@pytest.mark.parametrize(("read", "name"), [(env.server_dev_mode, "SERVER_DEV_MODE"),
+                                            (env.responses_store, "ENABLE_RESPONSES_API_STORE")],
+                         ids=["server-dev-mode", "responses-store"])
+def test_switches_vllm_names_too(monkeypatch, read, name, ours, vllm, expected):
+    """KDA_RT_SERVER_DEV_MODE / KDA_RT_ENABLE_RESPONSES_API_STORE, else vLLM's VLLM_ names (ours wins when set); off
+    by default; other values refused by name (the server says so and exits 2 before loading)."""
+    for var, value in ((f"KDA_RT_{name}", ours), (f"VLLM_{name}", vllm)):
         if value is None:
-            monkeypatch.delenv(name, raising=False)
+            monkeypatch.delenv(var, raising=False)
         else:
-            monkeypatch.setenv(name, value)
-    assert env.server_dev_mode() is expected
-    monkeypatch.setenv("KDA_RT_SERVER_DEV_MODE", "yes")
-    with pytest.raises(ValueError, match="KDA_RT_SERVER_DEV_MODE must be 0 or 1"):
-        env.server_dev_mode()
-
-
-@pytest.mark.parametrize(("ours", "vllm", "expected"), [(None, None, False), ("1", None, True), (None, "1", True),
-                                                        ("0", "1", False)])
-def test_responses_store(monkeypatch, ours, vllm, expected):
-    """KDA_RT_ENABLE_RESPONSES_API_STORE, else vLLM's VLLM_ENABLE_RESPONSES_API_STORE; off by default; other values
-    refused by name (the server says so and exits 2 before loading)."""
-    for name, value in (("KDA_RT_ENABLE_RESPONSES_API_STORE", ours), ("VLLM_ENABLE_RESPONSES_API_STORE", vllm)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    assert env.responses_store() is expected
-    monkeypatch.setenv("KDA_RT_ENABLE_RESPONSES_API_STORE", "yes")
-    with pytest.raises(ValueError, match="KDA_RT_ENABLE_RESPONSES_API_STORE must be 0 or 1"):
-        env.responses_store()
+            monkeypatch.setenv(var, value)
+    assert read() is expected
+    monkeypatch.setenv(f"KDA_RT_{name}", "yes")
+    with pytest.raises(ValueError, match=f"KDA_RT_{name} must be 0 or 1"):
+        read()
