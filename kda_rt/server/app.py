@@ -110,6 +110,8 @@ class ServerState:
 
     metrics_prefix: str = "kda_rt:"  # --metrics-prefix
     responses_store: responses_api.ResponseStore | None = None  # --enable-responses-store
+    background: dict[str, asyncio.Future] = field(default_factory=dict)  # background responses running -> their task
+    cancelled: set[str] = field(default_factory=set)  # background responses a cancel stopped
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -319,6 +321,9 @@ def build_app(state: ServerState) -> Starlette:
                     history = store.history(outer.previous_response_id)
                 req = responses_api.chat_request(outer, history)
                 payload = responses_api.chat_payload(req, state.auto_tools)
+                if outer.background and (store is None or outer.store is False or outer.stream):
+                    raise protocol.InvalidRequest("background needs stored responses (--enable-responses-store, "
+                                                  "store not false) and no stream")
                 if store is not None and outer.store is not False:  # (stored by default then, as OpenAI's)
                     own, previous = responses_api.input_items(outer), outer.previous_response_id
                     on_done = lambda body: store.put(body, own, previous)  # noqa: E731
@@ -373,6 +378,8 @@ def build_app(state: ServerState) -> Starlette:
                         added["prompt_tokens"], len(added["prompts"]), payload["params"],
                         f", tools {payload['tool_mode']}" if chat and payload.get("tool_mode") else "")
         run = RequestRun(state, rid, req, chat, queue, added, payload, start)
+        if api == "responses" and outer.background:
+            return _background(run, outer, own, previous)
         if req.stream:
             events = responses_api.events(run, outer, on_done) if api == "responses" else run.sse()
             return StreamingResponse(events, media_type="text/event-stream",
@@ -380,6 +387,55 @@ def build_app(state: ServerState) -> Starlette:
         response = await run.collect(request, responses_api.shape(run, outer, on_done) if api == "responses" else None)
         response.headers["X-Request-Id"] = rid
         return response
+
+    def _background(run: RequestRun, outer, own: list, previous: str | None) -> Response:
+        """A background response (OpenAI's `background: true`): answered now with status "queued", kept in the store
+        while it runs (GET polls it; POST .../cancel stops it), replaced there by the finished response."""
+        store, rid = state.responses_store, run.rid
+        body = responses_api.response_body(rid, run.created, state.model_name, outer, reason=None, usage=None,
+                                           status="queued")
+        body["background"] = True
+        store.put_running({**body, "status": "in_progress"}, own, previous)
+
+        def finished(final: dict[str, Any]) -> None:
+            final["background"] = True
+            if rid in state.cancelled:
+                final.update(status="cancelled", error=None)
+            store.put(final, own, previous)
+
+        async def go() -> None:
+            try:
+                await run.collect(None, responses_api.shape(run, outer, finished))
+            finally:
+                state.background.pop(rid, None)
+                state.cancelled.discard(rid)
+                current = store.get(rid)
+                if current is not None and current["status"] == "in_progress":  # (the engine failed: no answer)
+                    store.put({**current, "status": "failed", "error": {"code": "server_error", "message":
+                               "the engine failed while serving this request"}}, own, previous)
+
+        state.background[rid] = asyncio.ensure_future(go())
+        response = _json(body)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    async def cancel_response(request: Request) -> Response:
+        """POST /v1/responses/{response_id}/cancel: stop a background response; answers it, status "cancelled"."""
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        rid = request.path_params["response_id"]
+        task = state.background.get(rid)
+        if task is None:
+            return _error(f"response {rid!r} is not running in the background", 400 if state.responses_store is not None
+                          and rid in state.responses_store else 404)
+        state.cancelled.add(rid)
+        state.client.abort(rid)
+        queue = state.open.get(rid)
+        if queue is not None:  # (its run ends now, finish_reason "abort", as a shutdown's abort_all ends it)
+            queue.put_nowait(_ABORTED)
+        await asyncio.wait([task], timeout=30)
+        body = state.responses_store.get(rid)
+        return _json(body) if body is not None else _error(f"response {rid!r} is not stored", 404)
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
@@ -406,6 +462,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_create, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/invocations", invocations, methods=["POST"]),  # vLLM's SageMaker entry: chat or completion
     ]
     if env.server_dev_mode():

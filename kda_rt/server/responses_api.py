@@ -20,7 +20,10 @@ its own input and output and a link to the response it continued, at most `--res
 `--responses-store-max-mib` MiB of their JSON, least recently used out first), retrievable by `GET
 /v1/responses/{id}` and removable by `DELETE`; a request's `previous_response_id` continues that conversation: the
 chain's items come before its own input, read as one input list (the earlier `instructions` are not carried over, as
-OpenAI's).  Without the store, `previous_response_id` is a 400 and `store: true` is answered with `store: false`.
+OpenAI's).  `background: true` (with the store) answers at once with status "queued" and runs the request; the
+store keeps it "in_progress" for GET to poll until the finished response replaces it, and `POST
+/v1/responses/{id}/cancel` stops it ("cancelled").  Without the store, `previous_response_id` is a 400 and `store:
+true` is answered with `store: false`.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class ResponsesRequest(msgspec.Struct):
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0  # (vLLM's, as in chat)
+    background: bool = False  # run after answering (needs the store): GET /v1/responses/{id} polls it
     cache_salt: str | None = None  # (vLLM's, as in chat)
 
 
@@ -331,11 +335,23 @@ class ResponseStore:
             entry = self._items.get(at)
             if entry is None or at in seen:  # (a link back into the chain cannot be made; refused all the same)
                 raise ResponseNotFound(at)
+            if entry[0]["status"] in ("queued", "in_progress", "failed", "cancelled"):
+                raise InvalidRequest(f"previous_response_id: response {at!r} is {entry[0]['status']} (a background "
+                                     "response is continued once it has completed)")
             seen.add(at)
             self._items.move_to_end(at)
             chain.append(entry[1])
             at = entry[2]
         return [m for part in reversed(chain) for m in part]
+
+    def put_running(self, body: dict[str, Any], own: list[Any], previous: str | None) -> None:
+        """Keep a background response while it runs (GET shows it, `put` replaces it); not counted in the byte bound
+        until it is finished."""
+        body["store"] = True
+        self.delete(body["id"])
+        self._items[body["id"]] = (body, own, previous, 0)
+        while len(self._items) > self.capacity:
+            self.bytes -= self._items.popitem(last=False)[1][3]
 
     def put(self, body: dict[str, Any], own: list[Any], previous: str | None) -> None:
         """Keep a finished response: `own` its input's items (its instructions not among them), its output's added;
@@ -343,7 +359,10 @@ class ResponseStore:
         failed response, or one larger than `max_bytes` alone, is not kept (its body says `store: false`)."""
         items = own + body["output"]
         size = len(msgspec.json.encode(items)) + len(msgspec.json.encode(body))
-        if body["status"] == "failed" or size > self.max_bytes:
+        if body.get("background") and (body["status"] == "failed" or size > self.max_bytes):
+            body["output"] = [] if size > self.max_bytes else body["output"]  # (a background one stays findable:
+            items, size = own, len(msgspec.json.encode(own)) + len(msgspec.json.encode(body))  # its status says why)
+        elif body["status"] == "failed" or size > self.max_bytes:
             body["store"] = False
             return
         body["store"] = True

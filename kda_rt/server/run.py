@@ -135,7 +135,7 @@ class RequestRun:
                     # made only when none came never ran while a request generated)
                     if not nxt.done() or time.monotonic() - checked >= DISCONNECT_POLL_S:
                         checked = time.monotonic()
-                        if await request.is_disconnected():
+                        if request is not None and await request.is_disconnected():  # (None: a background run)
                             nxt.cancel()
                             return Response(status_code=499)
                 try:

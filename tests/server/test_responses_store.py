@@ -164,3 +164,44 @@ def test_the_store_alone():
     store._items["g5"] = (*store._items["g5"][:2], "g5", store._items["g5"][3])  # a link back to itself
     with pytest.raises(ResponseNotFound):
         store.history("g5")
+
+
+def _wait_status(srv, rid, statuses, timeout=60):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        body = httpx.get(f"{srv.url}/v1/responses/{rid}", headers=srv.headers, timeout=10).json()
+        if body["status"] in statuses or time.monotonic() > deadline:
+            return body
+        time.sleep(0.02)
+
+
+def test_background_responses_poll_and_cancel(store_server):
+    """background: true (OpenAI's): answered at once with status "queued", polled by GET until it ends with the
+    answer a foreground request gets (here "incomplete": max_output_tokens cuts it); a running one cannot be continued yet, and POST .../cancel stops one (status
+    "cancelled", nothing left running)."""
+    url, headers = store_server.url, store_server.headers
+    body = {"model": "demo", "input": "Tell me about the lighthouse.", "max_output_tokens": 6, "temperature": 0.0,
+            "ignore_eos": True}
+    r = httpx.post(url + "/v1/responses", headers=headers, timeout=60, json={**body, "background": True})
+    assert r.status_code == 200 and r.json()["status"] == "queued" and r.json()["background"] is True, r.text
+    done = _wait_status(store_server, r.json()["id"], ("completed", "incomplete", "failed"))
+    fore = httpx.post(url + "/v1/responses", headers=headers, timeout=60, json={**body, "store": False}).json()
+    assert done["status"] == fore["status"] == "incomplete" and done["output"] == [
+        {**item, "id": item["id"].replace(fore["id"], done["id"])} for item in fore["output"]]
+    long = httpx.post(url + "/v1/responses", headers=headers, timeout=60,
+                      json={**body, "max_output_tokens": 200, "background": True}).json()
+    running = httpx.post(url + "/v1/responses", headers=headers, timeout=60,
+                         json={**body, "previous_response_id": long["id"]})
+    assert running.status_code == 400 and "is in_progress" in running.json()["error"]["message"], running.text
+    cancelled = httpx.post(f"{url}/v1/responses/{long['id']}/cancel", headers=headers, timeout=60)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    assert _wait_status(store_server, long["id"], ("cancelled",))["status"] == "cancelled"
+    again = httpx.post(f"{url}/v1/responses/{long['id']}/cancel", headers=headers, timeout=60)
+    assert again.status_code == 400 and "not running in the background" in again.json()["error"]["message"]
+    m = store_server.metrics()
+    assert m["kda_rt:num_requests_running"] == 0 and m["kda_rt:num_requests_waiting"] == 0, m
+    for bad in ({"background": True, "stream": True}, {"background": True, "store": False}):
+        r = httpx.post(url + "/v1/responses", headers=headers, timeout=60, json={**body, **bad})
+        assert r.status_code == 400 and "background needs stored responses" in r.json()["error"]["message"]
