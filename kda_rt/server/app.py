@@ -15,6 +15,7 @@ request aborted, which frees its KDA slot and MLA pages at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -202,6 +203,9 @@ def build_app(state: ServerState) -> Starlette:
         if store is None:
             return _error("this server stores no responses (start it with --enable-responses-store)", 404)
         if request.method == "DELETE":
+            if rid in state.background:
+                return _error(f"response {rid!r} is running in the background: cancel it first "
+                              f"(POST /v1/responses/{rid}/cancel)", 400)
             if not store.delete(rid):
                 return _error(f"response {rid!r} is not stored", 404)
             return _json({"id": rid, "object": "response", "deleted": True})
@@ -394,18 +398,21 @@ def build_app(state: ServerState) -> Starlette:
         store, rid = state.responses_store, run.rid
         body = responses_api.response_body(rid, run.created, state.model_name, outer, reason=None, usage=None,
                                            status="queued")
-        body["background"] = True
+        body.update(background=True, store=True)
         store.put_running({**body, "status": "in_progress"}, own, previous)
 
         def finished(final: dict[str, Any]) -> None:
             final["background"] = True
-            if rid in state.cancelled:
+            if rid in state.cancelled and final["status"] == "failed":  # (stopped by the cancel, not ended before it)
                 final.update(status="cancelled", error=None)
-            store.put(final, own, previous)
+            if rid in store:  # (a DELETE is refused while it runs; an eviction cannot take a running one)
+                store.put(final, own, previous)
 
         async def go() -> None:
             try:
                 await run.collect(None, responses_api.shape(run, outer, finished))
+            except Exception:  # (the store then says it failed, below)
+                logger.exception("background response %s failed", rid)
             finally:
                 state.background.pop(rid, None)
                 state.cancelled.discard(rid)
@@ -426,10 +433,13 @@ def build_app(state: ServerState) -> Starlette:
         rid = request.path_params["response_id"]
         task = state.background.get(rid)
         if task is None:
-            return _error(f"response {rid!r} is not running in the background", 400 if state.responses_store is not None
-                          and rid in state.responses_store else 404)
+            stored = state.responses_store.get(rid) if state.responses_store is not None else None
+            if stored is not None and stored.get("background"):  # (ended already: cancelling it again is harmless)
+                return _json(stored)
+            return _error(f"response {rid!r} is not running in the background", 400 if stored is not None else 404)
         state.cancelled.add(rid)
-        state.client.abort(rid)
+        with contextlib.suppress(EngineDeadError, OSError):  # (a dead engine ends the run anyway)
+            state.client.abort(rid)
         queue = state.open.get(rid)
         if queue is not None:  # (its run ends now, finish_reason "abort", as a shutdown's abort_all ends it)
             queue.put_nowait(_ABORTED)

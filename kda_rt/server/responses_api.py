@@ -350,8 +350,20 @@ class ResponseStore:
         body["store"] = True
         self.delete(body["id"])
         self._items[body["id"]] = (body, own, previous, 0)
-        while len(self._items) > self.capacity:
-            self.bytes -= self._items.popitem(last=False)[1][3]
+        self._evict()
+
+    def running(self, rid: str) -> bool:
+        entry = self._items.get(rid)
+        return entry is not None and entry[0]["status"] in ("queued", "in_progress")
+
+    def _evict(self) -> None:
+        """The least recently used finished responses out while the bounds are passed (a running one stays: it is
+        polled, and its end replaces it)."""
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            victim = next((rid for rid in self._items if not self.running(rid)), None)
+            if victim is None:
+                return
+            self.delete(victim)
 
     def put(self, body: dict[str, Any], own: list[Any], previous: str | None) -> None:
         """Keep a finished response: `own` its input's items (its instructions not among them), its output's added;
@@ -360,8 +372,11 @@ class ResponseStore:
         items = own + body["output"]
         size = len(msgspec.json.encode(items)) + len(msgspec.json.encode(body))
         if body.get("background") and (body["status"] == "failed" or size > self.max_bytes):
-            body["output"] = [] if size > self.max_bytes else body["output"]  # (a background one stays findable:
-            items, size = own, len(msgspec.json.encode(own)) + len(msgspec.json.encode(body))  # its status says why)
+            # (a background response stays findable, its status saying why; it cannot be continued)
+            if size > self.max_bytes:
+                body.update(status="failed", output=[], error={"code": "server_error", "message": (
+                    f"the response is over the store's {self.max_bytes >> 20} MiB bound (--responses-store-max-mib)")})
+            items, size = [], len(msgspec.json.encode(body))
         elif body["status"] == "failed" or size > self.max_bytes:
             body["store"] = False
             return
@@ -369,8 +384,7 @@ class ResponseStore:
         self.delete(body["id"])
         self._items[body["id"]] = (body, items, previous, size)
         self.bytes += size
-        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
-            self.bytes -= self._items.popitem(last=False)[1][3]
+        self._evict()
 
 
 def _event(seq: list[int], kind: str, **fields: Any) -> bytes:

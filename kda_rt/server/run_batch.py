@@ -66,6 +66,8 @@ def _parse(k: int, line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | N
         return None, _line_error(cid, f"line {k}: body must be a JSON object")
     if item["body"].get("stream"):
         return None, _line_error(cid, f"line {k}: stream is not supported in a batch")
+    if item["body"].get("background"):
+        return None, _line_error(cid, f"line {k}: background is not supported in a batch (every line runs anyway)")
     return item, None
 
 

@@ -164,6 +164,14 @@ def test_the_store_alone():
     store._items["g5"] = (*store._items["g5"][:2], "g5", store._items["g5"][3])  # a link back to itself
     with pytest.raises(ResponseNotFound):
         store.history("g5")
+    running = {**body("bg"), "status": "in_progress", "background": True}
+    store.put_running(running, own, None)
+    for k in range(5):  # (finished ones come and go; the running one, polled, stays)
+        store.put(body(f"h{k}"), own, None)
+    assert "bg" in store and store.running("bg") and len(store) <= 3
+    huge = {**body("bg", text="w" * 5000), "background": True}
+    store.put(huge, own, None)  # (its end over the byte bound: kept as failed, saying why, not continuable)
+    assert store.get("bg")["status"] == "failed" and "bound" in store.get("bg")["error"]["message"]
 
 
 def _wait_status(srv, rid, statuses, timeout=60):
@@ -186,6 +194,7 @@ def test_background_responses_poll_and_cancel(store_server):
             "ignore_eos": True}
     r = httpx.post(url + "/v1/responses", headers=headers, timeout=60, json={**body, "background": True})
     assert r.status_code == 200 and r.json()["status"] == "queued" and r.json()["background"] is True, r.text
+    assert r.json()["store"] is True
     done = _wait_status(store_server, r.json()["id"], ("completed", "incomplete", "failed"))
     fore = httpx.post(url + "/v1/responses", headers=headers, timeout=60, json={**body, "store": False}).json()
     assert done["status"] == fore["status"] == "incomplete" and done["output"] == [
@@ -195,11 +204,15 @@ def test_background_responses_poll_and_cancel(store_server):
     running = httpx.post(url + "/v1/responses", headers=headers, timeout=60,
                          json={**body, "previous_response_id": long["id"]})
     assert running.status_code == 400 and "is in_progress" in running.json()["error"]["message"], running.text
+    gone = httpx.delete(f"{url}/v1/responses/{long['id']}", headers=headers, timeout=60)
+    assert gone.status_code == 400 and "cancel it first" in gone.json()["error"]["message"]
     cancelled = httpx.post(f"{url}/v1/responses/{long['id']}/cancel", headers=headers, timeout=60)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    assert cancelled.json()["usage"]["output_tokens"] < 200  # (stopped, not labelled after it ended)
     assert _wait_status(store_server, long["id"], ("cancelled",))["status"] == "cancelled"
     again = httpx.post(f"{url}/v1/responses/{long['id']}/cancel", headers=headers, timeout=60)
-    assert again.status_code == 400 and "not running in the background" in again.json()["error"]["message"]
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"  # (harmless, as OpenAI's)
+    assert httpx.post(f"{url}/v1/responses/resp-none/cancel", headers=headers, timeout=60).status_code == 404
     m = store_server.metrics()
     assert m["kda_rt:num_requests_running"] == 0 and m["kda_rt:num_requests_waiting"] == 0, m
     for bad in ({"background": True, "stream": True}, {"background": True, "store": False}):
