@@ -184,9 +184,10 @@ class EngineWorker:
             priority, as_ids = msg.get("priority", 0), bool(msg.get("tokens_as_ids"))
             self.engine.check_priority(priority)  # (also for a scored prompt, which adds no request)
             prompts = self._prompts(msg)
-            infos, num_tokens = [], 0
+            infos, starts, num_tokens = [], [], 0
             for prompt in prompts:
                 text, ids = self.engine.request_prompt(prompt, params)
+                starts.append(ids)
                 num_tokens += len(ids)
                 info: dict[str, Any] = {"num_tokens": len(ids)}
                 if msg.get("echo"):
@@ -200,7 +201,7 @@ class EngineWorker:
             # it (a client's own value is checked against the context instead)
             default_max = msg["params"].get("max_tokens") is None and "max_tokens" in self.llm.default_sampling
             if msg.get("beam") is not None:
-                self._start_beams(rid, msg, params, infos, prompts, priority, default_max)
+                self._start_beams(rid, msg, params, prompts, starts, priority, default_max)
                 added = self.children[rid]
             elif not msg.get("score_only"):
                 for k, prompt in enumerate(prompts):
@@ -244,8 +245,8 @@ class EngineWorker:
 
     # -- beam search (use_beam_search) ----------------------------------------------------------
 
-    def _start_beams(self, rid: str, msg: dict[str, Any], params, infos: list, prompts: list, priority: int,
-                     default_max: bool) -> None:
+    def _start_beams(self, rid: str, msg: dict[str, Any], params, prompts: list, starts: list[list[int]],
+                     priority: int, default_max: bool) -> None:
         """A request's beam search (vLLM's `use_beam_search`, kda_rt/beam_search.py): `n` beams a prompt, each step
         one engine request a live beam with the top 2 x n logprobs (prefix caching resumes it after its parent's
         tokens); the beams are answered at the end, as vLLM's server does."""
@@ -275,7 +276,6 @@ class EngineWorker:
         if params.n > MAX_BEAM_WIDTH:
             raise ValueError(f"use_beam_search: n is the beam width, at most {MAX_BEAM_WIDTH} (each step lists the "
                              f"top 2 x n logprobs, at most 20), got {params.n}")
-        starts = [self.engine.request_prompt(p, params)[1] for p in prompts]
         room = self.engine.config.max_model_len - max(len(s) for s in starts)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if default_max:  # (generation_config.json's max_new_tokens: capped to the room, as for sampled requests)
@@ -291,7 +291,6 @@ class EngineWorker:
             search.step_params = dataclasses.replace(search.step_params, seed=own["seed"])
         job = _Beams(search, starts, [cache_salt_of(p) for p in prompts], beam, priority)
         self.beams[rid] = job
-        self.children[rid] = []
         self._beam_step(rid, job)
 
     def _beam_step(self, rid: str, job: _Beams) -> None:
