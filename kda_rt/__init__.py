@@ -16,11 +16,12 @@ if _os.path.isfile(_os.path.join(_checkout, "setup.cfg")) and _os.path.isdir(_os
     __path__.append(_checkout)
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput"]
+           "BeamSearchParams", "BeamSearchOutput", "AsyncLLM", "LLMEngine"]
 _LAZY = {"LLM": "kda_rt.llm", "SamplingParams": "kda_rt.sampler.params",
          "StructuredOutputsParams": "kda_rt.sampler.params",
          "RequestOutput": "kda_rt.outputs", "CompletionOutput": "kda_rt.outputs", "Logprob": "kda_rt.outputs",
-         "BeamSearchParams": "kda_rt.beam_search", "BeamSearchOutput": "kda_rt.beam_search"}
+         "BeamSearchParams": "kda_rt.beam_search", "BeamSearchOutput": "kda_rt.beam_search",
+         "AsyncLLM": "kda_rt.async_llm", "LLMEngine": "kda_rt.engine.llm_engine"}
 
 
 def __getattr__(name: str):

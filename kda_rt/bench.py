@@ -437,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization,
                                  e4m3_gemv=reads_e4m3_rows(engine, batch)))
+            if engine.runner.name != "cuda" and k == 0:
+                print("(the floors are an H200's copy rate and bf16 peak: the ratios mean something on the cuda "
+                      f"backend only, this run is on {engine.runner.name})", file=sys.stderr)
             if args.profile and k == 0:
                 if engine.runner.name != "cuda":
                     raise ValueError("--profile needs the cuda backend (CUDA events)")

@@ -5,7 +5,7 @@
     kda-rt bench [MODEL] [flags]            = python -m kda_rt.bench --model MODEL ...
     kda-rt run-batch -i IN -o OUT [flags]   = python -m kda_rt.run_batch -i IN -o OUT ... (vLLM's run-batch)
 
-MODEL is positional as in `vllm serve MODEL`; `--model MODEL` still works.  Without a model the
+MODEL is positional as in `vllm serve MODEL` (right after the command); `--model MODEL` still works.  Without a model the
 bundled demo checkpoint is used (serve, generate).
 """
 
@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kda-rt: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     if rest and not rest[0].startswith("-"):  # positional MODEL
+        given = [a for a in rest[1:] if a == "--model" or a.startswith("--model=")]
+        if given:  # argparse would keep the last one silently: the positional would be ignored
+            print(f"kda-rt {command}: the model is given twice (MODEL {rest[0]!r} and {given[0]}): give one",
+                  file=sys.stderr)
+            return 2
         rest = ["--model", rest[0], *rest[1:]]
     module = importlib.import_module(_COMMANDS[command][0])
     return module.main(rest)

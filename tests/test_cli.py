@@ -36,6 +36,14 @@ def test_subcommand_forwards_model(monkeypatch, argv, expect):
     assert seen == [expect]
 
 
+@pytest.mark.parametrize("extra", [["--model", "/b"], ["--model=/b"]])
+def test_model_given_twice_is_refused(monkeypatch, capsys, extra):
+    seen = []
+    monkeypatch.setitem(sys.modules, cli._COMMANDS["generate"][0], types.SimpleNamespace(main=seen.append))
+    assert cli.main(["generate", "/a", *extra]) == 2
+    assert "given twice" in capsys.readouterr().err and not seen
+
+
 def test_usage_and_unknown(capsys):
     assert cli.main([]) == 0
     assert "kda-rt {serve,generate,bench,run-batch}" in capsys.readouterr().out

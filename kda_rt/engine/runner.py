@@ -150,6 +150,11 @@ def select_backend(backend: str) -> str:
             raise RuntimeError(f"backend='cuda' is unavailable: {reason}")
         return "cuda"
     if reason:
-        logger.info("using the numpy backend: %s", reason)
+        if reason not in _logged_reasons:  # LLM checks before the weights load, make_runner again: one line
+            _logged_reasons.add(reason)
+            logger.info("using the numpy backend: %s", reason)
         return "numpy"
     return "cuda"
+
+
+_logged_reasons: set[str] = set()

@@ -82,8 +82,9 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] |
 
 def forced_calls_spec(tools: list[dict[str, Any]], mode: dict[str, Any]) -> dict[str, Any] | None:
     """The structured-output spec (dict) forcing the calls of `required` / a named function, checked
-    (a bad `parameters` schema is a 400); None for other modes, and without llguidance (then only the
-    prompt prefix forces the call; logged once)."""
+    (a bad `parameters` schema is a 400); None for other modes.  Without llguidance a named function is forced by
+    the prompt prefix alone (its arguments unconstrained; logged once) and `required` is a 400: the prefix cannot
+    make the model name a declared function."""
     from kda_rt.engine.structured import grammar_of
 
     grammar = tool_call_grammar(tools, mode)
@@ -94,6 +95,12 @@ def forced_calls_spec(tools: list[dict[str, Any]], mode: dict[str, Any]) -> dict
         grammar_of(spec, "tools[].function.parameters")
     except ValueError as exc:
         if "llguidance" in str(exc) and "not installed" in str(exc):
+            if mode.get("required") and not mode.get("forced_name"):
+                # the prefix opens the call section and stops at "functions.": without a grammar nothing makes the
+                # model name a declared function, so the answer could hold no call at all
+                raise InvalidRequest("tool_choice 'required' needs llguidance (pip install 'kda_rt[structured]') "
+                                     "to make the model name one of the declared tools; name a function in "
+                                     "tool_choice instead, or use 'auto'") from None
             if not _warned_no_llguidance:
                 _warned_no_llguidance.append(True)
                 logger.warning("tool_choice required / named: llguidance is not installed, so the call's "

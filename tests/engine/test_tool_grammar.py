@@ -89,3 +89,18 @@ def test_server_payload_carries_the_grammar():
         chat_payload(decode_body(json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                              "tools": bad, "tool_choice": "required"}).encode(),
                                  ChatCompletionRequest)[0], auto_tools=True)
+
+
+def test_without_llguidance_required_is_refused_and_named_is_prefix_forced(monkeypatch):
+    """Without llguidance only the prompt prefix forces a call: it writes a named function's whole header, but for
+    `required` it stops at "functions." and nothing makes the model name a declared tool (the answer could hold no
+    call), so `required` is a 400 naming the missing package (was: a warning and, on the demo, `tool_calls: []`)."""
+    pytest.importorskip("msgspec")  # the server extra
+    from kda_rt.server.protocol import InvalidRequest
+
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # `import llguidance` raises ImportError
+    with pytest.raises(InvalidRequest, match=r"tool_choice 'required' needs llguidance.*kda_rt\[structured\]"):
+        _payload(tool_choice="required")
+    named = _payload(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named["params"]["structured_outputs"] is None  # the prefix alone; the arguments unconstrained
+    assert _payload(tool_choice="auto")["params"]["structured_outputs"] is None
