@@ -29,52 +29,17 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
 
 from kda_rt.cli import model_dir_problem
 from kda_rt.engine.config import EngineConfig
+from kda_rt.random_checkpoint import random_weights
 
 if TYPE_CHECKING:
     from kda_rt.engine import LLMEngine
     from kda_rt.loader.config import ModelConfig
 
 __all__ = ["build_parser", "floors", "main", "random_weights", "reads_e4m3_rows", "run_bench"]
-
-
-def random_weights(config: ModelConfig, seed: int = 0, *, router_bias_std: float = 0.05,
-                   share: bool | None = None) -> dict[str, np.ndarray]:
-    """Hub name -> random tensor for every weight of `config`, as `load_checkpoint` would return
-    them: embeddings and matmuls in the config's dtype (bf16 by default), small tensors float32.
-
-    `share` (default: when the weights exceed 4 GiB): tensors of the same shape, kind and dtype are
-    one array on the host (views of it), so the full 48B shape costs ~2 GB of host memory and a few
-    seconds; the device still gets a separate copy of each, so the bytes every step moves are
-    unchanged.  Router weights and correction biases are always drawn per layer, so routing
-    follows the data (biases of std `router_bias_std`, small as in a trained model)."""
-    from kda_rt.loader.weights import MATMUL_KINDS, ROUTER, ROUTER_BIAS, expected_tensors
-    from kda_rt.random_checkpoint import random_tensor
-
-    stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(config.dtype, np.float32)
-    rng = np.random.default_rng(seed)
-    tensors = expected_tensors(config)
-    dtype_of = {name: stored if kind in MATMUL_KINDS else np.float32 for name, (_, kind) in tensors.items()}
-    if share is None:
-        nbytes = sum(int(np.prod(shape)) * np.dtype(dtype_of[n]).itemsize for n, (shape, _) in tensors.items())
-        share = nbytes > 4 * 2**30
-    cache: dict[tuple, np.ndarray] = {}
-    out = {}
-    for name, (shape, kind) in tensors.items():
-        key = (tuple(shape), kind, np.dtype(dtype_of[name]).str)
-        per_layer = kind in (ROUTER, ROUTER_BIAS)
-        if share and not per_layer and key in cache:
-            out[name] = cache[key]
-            continue
-        value = random_tensor(rng, shape, kind, router_bias_std=router_bias_std).astype(dtype_of[name])
-        if share and not per_layer:
-            cache[key] = value
-        out[name] = value
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-layers", type=int, default=None, help="with a preset: cut it to this many layers")
     ap.add_argument("--router-bias-std", type=float, default=0.05,
                     help="--random-weights: std of the router correction biases (small, so routing follows the data)")
-    ap.add_argument("--random-weights", action="store_true", help="random weights built in memory from the config")
+    ap.add_argument("--random-weights", action="store_true", help="random weights built in memory from the config (also --load-format dummy)")
     ap.add_argument("--batch", type=int, default=32, help="number of requests")
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=512)
@@ -375,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args.random_weights = args.random_weights or args.load_format == "dummy"  # vLLM's name for it
     if args.config and not args.random_weights:
         ap.error("--config needs --random-weights (there is no checkpoint to load)")
     try:

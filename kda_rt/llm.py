@@ -124,7 +124,7 @@ class LLM:
                  tensor_parallel_size: int = 1, chat_template: str | None = None, generation_config: str = "auto",
                  **settings: Any) -> None:
         """`settings`: any `EngineConfig` field (dtype, max_num_seqs, max_model_len, block_size,
-        num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager).  `trust_remote_code` is
+        num_blocks, max_num_batched_tokens, gpu_memory_utilization, seed, enforce_eager, load_format, ...).  `trust_remote_code` is
         accepted for vLLM's call lines (no code from the checkpoint is ever run); `tensor_parallel_size` must be 1.
         `chat_template`: a Jinja file's path or the template itself, in place of the checkpoint's (vLLM's
         --chat-template).  `generation_config` (vLLM's): "auto" takes the default sampling settings (temperature,
@@ -174,7 +174,14 @@ class LLM:
             if self.tokenizer.vocab_size != self.model_config.vocab_size:
                 logger.warning("tokenizer has %d tokens but the model has %d vocabulary rows; ids the tokenizer does "
                                "not know produce no text", self.tokenizer.vocab_size, self.model_config.vocab_size)
-        weights = load_checkpoint(model_dir, self.model_config, progress=progress)
+        if engine_config.load_format == "dummy":
+            from kda_rt.random_checkpoint import random_weights
+
+            logger.warning("load_format='dummy': random weights of %s's config.json shapes (seed %d), no weight file "
+                           "read: the text is meaningless", model_dir, engine_config.seed)
+            weights = random_weights(self.model_config, engine_config.seed)
+        else:
+            weights = load_checkpoint(model_dir, self.model_config, progress=progress)
         self.llm_engine = build_engine(self.model_config, weights, engine_config, tokenizer=self.tokenizer,
                                        extra_eos_ids=extra_eos)
         if not self.llm_engine.eos_token_ids:

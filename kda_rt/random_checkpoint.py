@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -40,7 +40,10 @@ from kda_rt.loader.weights import (
     expected_tensors,
 )
 
-__all__ = ["TOKENIZER_PATTERNS", "write_random_checkpoint", "random_tensor"]
+if TYPE_CHECKING:
+    from kda_rt.loader.config import ModelConfig
+
+__all__ = ["TOKENIZER_PATTERNS", "random_tensor", "random_weights", "write_random_checkpoint"]
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 _FP32_KINDS = (A_LOG, DT_BIAS, ROUTER_BIAS)
@@ -69,6 +72,40 @@ def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], kind: str, *
             return (2.0 * rng.permutation(shape[-1])).astype(np.float32).reshape(shape)
         return np.float32(router_bias_std) * rng.standard_normal(shape, dtype=np.float32)
     return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))  # matmul [out, in]
+
+
+def random_weights(config: ModelConfig, seed: int = 0, *, router_bias_std: float = 0.05,
+                   share: bool | None = None) -> dict[str, np.ndarray]:
+    """Hub name -> random tensor for every weight of `config`, as `load_checkpoint` would return
+    them: embeddings and matmuls in the config's dtype (bf16 by default), small tensors float32.
+
+    `share` (default: when the weights exceed 4 GiB): tensors of the same shape, kind and dtype are
+    one array on the host (views of it), so the full 48B shape costs ~2 GB of host memory and a few
+    seconds; the device still gets a separate copy of each, so the bytes every step moves are
+    unchanged.  Router weights and correction biases are always drawn per layer, so routing
+    follows the data (biases of std `router_bias_std`, small as in a trained model)."""
+    from kda_rt.loader.weights import MATMUL_KINDS, ROUTER
+
+    stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(config.dtype, np.float32)
+    rng = np.random.default_rng(seed)
+    tensors = expected_tensors(config)
+    dtype_of = {name: stored if kind in MATMUL_KINDS else np.float32 for name, (_, kind) in tensors.items()}
+    if share is None:
+        nbytes = sum(int(np.prod(shape)) * np.dtype(dtype_of[n]).itemsize for n, (shape, _) in tensors.items())
+        share = nbytes > 4 * 2**30
+    cache: dict[tuple, np.ndarray] = {}
+    out = {}
+    for name, (shape, kind) in tensors.items():
+        key = (tuple(shape), kind, np.dtype(dtype_of[name]).str)
+        per_layer = kind in (ROUTER, ROUTER_BIAS)
+        if share and not per_layer and key in cache:
+            out[name] = cache[key]
+            continue
+        value = random_tensor(rng, shape, kind, router_bias_std=router_bias_std).astype(dtype_of[name])
+        if share and not per_layer:
+            cache[key] = value
+        out[name] = value
+    return out
 
 
 def _shard_plan(sizes: list[int], num_shards: int) -> list[int]:

@@ -39,6 +39,7 @@ def default_max_num_seqs(device_memory: int | None, device_name: str = "") -> in
 NUMPY_MAX_NUM_SEQS = 16  # the NumPy backend's default max_num_seqs (the reference runs a sequence at a time per op)
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization (loader/quant.quantize_experts)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # EngineConfig.load_format (vLLM's names; kda_rt/llm.py)
 
 
 def _opt(default, help: str, **cli):  # noqa: A002  (argparse's name)
@@ -115,6 +116,10 @@ class EngineConfig:
     quantization: str | None = _opt(None, "fp8: the routed experts (and a shared expert of their width) as e4m3 "
                                           "weights with one fp32 scale a row, quantized at load on either backend",
                                     choices=QUANTIZATIONS)
+    load_format: str = _opt("auto", "auto / safetensors: the checkpoint's weights; dummy: random weights of the "
+                                    "config.json's shapes, no weight files read (vLLM's flag, to benchmark or try a "
+                                    "setup without the weights; the text is meaningless)",
+                            choices=LOAD_FORMATS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -151,6 +156,8 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_sizes", tuple(sizes))  # (a list from msgpack / JSON: a tuple)
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
 
