@@ -4,7 +4,8 @@
 # on a Kimi-Linear-48B-shaped 4-layer random checkpoint.  Logs land in $OUT.
 # The whole gpu-marked set (842 tests, 2026-12-03) takes more than one device call: split it with
 # PART=1 (tests/engine, tests/gpu and tests/kernels up to test_mla_store.py), PART=2 (the other kernel tests) or
-# PART=3 (the slow 48B-shaped test alone); unset: all of it.  pytest's 40 slowest tests (--durations) are in
+# PART=3 (the slow 48B-shaped test alone), PART=engine (tests/engine and tests/gpu: after an engine change that
+# touched no kernel); unset: all of it.  pytest's 40 slowest tests (--durations) are in
 # $OUT/pytest_gpu.txt: where the GPU suite's time goes (NVRTC builds, host references, the GPU), to make it fit.
 # Two ways to make it shorter, both optional:
 # - the kernel cache: the run leaves $OUT/kcache.tar.xz (the cubins it built or loaded, when under 15 MiB;
@@ -59,10 +60,11 @@ rc=0
 kernels=$(ls tests/kernels/test_*.py | sort)
 case "${PART:-all}" in
   1) targets="tests/engine tests/gpu $(echo "$kernels" | awk '$0 <= "tests/kernels/test_mla_store.py"')" ;;
+  engine) targets="tests/engine tests/gpu" ;;  # the engine's GPU tests alone (an engine change, no kernel change)
   2) targets=$(echo "$kernels" | awk '$0 > "tests/kernels/test_mla_store.py"') ;;
   3) targets="" ;;
   all) targets=tests ;;
-  *) echo "device_run.sh: PART must be 1, 2 or 3 (or unset), got '$PART'" >&2; exit 2 ;;
+  *) echo "device_run.sh: PART must be 1, 2, 3 or engine (or unset), got '$PART'" >&2; exit 2 ;;
 esac
 if [ "${PART:-all}" = all ] || [ "$PART" = 3 ]; then
   python tests/helpers/configs.py /tmp/k48.json 4
