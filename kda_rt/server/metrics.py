@@ -52,7 +52,7 @@ _ENGINE = {
     "slots_free": ("state_slots_free", "gauge", "KDA state slots free."),
     "steps": ("engine_steps", "counter", "Engine steps run."),
     "prefill_tokens": ("prompt_tokens_computed", "counter", "Prefill tokens run through the model (with recomputes)."),
-    "requests_finished": ("engine_requests_finished", "counter", "Requests finished in the engine."),
+    "requests_finished": ("engine_requests_finished", "counter", "Engine requests finished (a beam search runs one a live beam a step: each counts)."),
     "requests_aborted": ("engine_requests_aborted", "counter", "Requests aborted in the engine."),
     "prefix_cache_queries": ("prefix_cache_queries", "counter",
                              "Tokens of sequences looked up in the prefix cache when admitted (vLLM's name)."),
