@@ -3,7 +3,6 @@ that renders it, and validation of chat messages (spec §7.5)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -115,32 +114,50 @@ class _Deadline(BaseException):
     swallow it); turned into TemplateLimitError where the bound was set."""
 
 
-@contextlib.contextmanager
-def _time_bound(what: str = "rendering"):
-    """The time bound of a compile or a rendering: the deadline the checks above read, and, in the main thread (the
-    engine process's loop), an alarm that interrupts what they do not reach (a loop over a list, a filter folded at
-    compile time) between two bytecodes, every 50 ms once the time is up.  Elsewhere, with an alarm already set, or
-    with a SIGALRM handler installed outside Python, the checks alone."""
-    _budget.deadline, _budget.steps = time.monotonic() + MAX_RENDER_SECONDS, 0
-    if (threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]
-            or signal.getsignal(signal.SIGALRM) is None):
-        yield
-        return
+_ALARM_LAG = 0.25  # the alarm's first firing after the deadline: where a check runs, its error is raised and handled first
 
-    def on_alarm(signum, frame):
-        raise _Deadline
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS, 0.05)
-        try:
-            yield
-        finally:
+class _Alarm:
+    """The alarm half of the time bound: in the main thread (the engine process's loop), SIGALRM interrupts what the
+    checks do not reach (a loop over a list, a filter folded at compile time) between two bytecodes, _ALARM_LAG after
+    the deadline and every 50 ms after; elsewhere, with an alarm already set, or with a SIGALRM handler installed
+    outside Python, nothing (the checks alone).  The handler raises only while `live`: cleared first thing on the way
+    out (a plain attribute store runs no Python code and so no signal handler in between), the handler cannot raise
+    into the unwinding of an error a check raised, nor leave the timer set (was: a `_Deadline` landing in contextlib's
+    exit escaped as a BaseException with the 50 ms timer still running)."""
+
+    def __init__(self) -> None:
+        self.live, self.previous = False, None
+        if (threading.current_thread() is threading.main_thread() and not signal.getitimer(signal.ITIMER_REAL)[0]
+                and signal.getsignal(signal.SIGALRM) is not None):
+            self.previous = signal.signal(signal.SIGALRM, self._on_alarm)
+            self.live = True
+            signal.setitimer(signal.ITIMER_REAL, MAX_RENDER_SECONDS + _ALARM_LAG, 0.05)
+
+    def _on_alarm(self, signum, frame) -> None:
+        if self.live:
+            raise _Deadline
+
+    def close(self) -> None:
+        self.live = False
+        if self.previous is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            self.previous = None
+
+
+def _time_bound(what: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` within the time bound: the deadline the checks above read, and the alarm (`_Alarm`)."""
+    _budget.deadline, _budget.steps = time.monotonic() + MAX_RENDER_SECONDS, 0
+    alarm = _Alarm()
+    try:
+        try:
+            return fn()
+        finally:
+            alarm.live = False
+            alarm.close()
     except _Deadline:
         raise TemplateLimitError(f"{what} took over {MAX_RENDER_SECONDS:g} s") from None
-    finally:
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _bounded_range(*args: int) -> Iterator[int]:
@@ -298,7 +315,7 @@ def _bounded_filters(filters: dict[str, Callable]) -> None:
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     """Sandbox whose `+`, `*`, `**`, `%` and `~`, and the str methods and filters that take a width, a count or a
     separator, refuse results past the size bounds before building them (a list by the characters its strings hold),
-    and whose calls and operators check the time bound (an alarm stops the rest in the main thread, `_time_bound`).
+    and whose calls and operators check the time bound (an alarm stops the rest in the main thread, `_Alarm`).
     These are the known ways to build a large value, not a proof: a request's own template is for trusted clients
     (`--trust-request-chat-template`, as vLLM's flag)."""
 
@@ -344,23 +361,27 @@ def compile_template(source: str | None) -> Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["range"] = _bounded_range
-    with _time_bound("compiling"):  # (constant expressions are folded, filters run, while it compiles)
-        return env.from_string(source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8"))
+    text = source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8")
+    # (constant expressions are folded, filters run, while it compiles)
+    return _time_bound("compiling", lambda: env.from_string(text))
 
 
 def render_template(template: Template, name: str, **context: Any) -> str:
     """Render within MAX_RENDER_SECONDS and MAX_RENDER_CHARS; every failure is a ValueError that
     names the template (`name`: its file or config field)."""
     pieces: list[str] = []
-    size = 0
+
+    def render() -> None:
+        size = 0
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise TemplateLimitError(f"output is over {MAX_RENDER_CHARS} characters")
+            pieces.append(piece)
+            _check_time()
+
     try:
-        with _time_bound():
-            for piece in template.generate(**context):
-                size += len(piece)
-                if size > MAX_RENDER_CHARS:
-                    raise TemplateLimitError(f"output is over {MAX_RENDER_CHARS} characters")
-                pieces.append(piece)
-                _check_time()
+        _time_bound("rendering", render)
     except TemplateLimitError as e:
         raise TemplateLimitError(f"chat template {name}: {e}") from None
     except TemplateError as e:

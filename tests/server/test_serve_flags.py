@@ -58,6 +58,9 @@ def started(monkeypatch):
         return 0
 
     monkeypatch.setattr(serve_main, "serve", fake_serve)
+    # main() configures logging: a root handler on capsys's stream, closed after the test (later tests' logs then
+    # printed "--- Logging error --- I/O operation on closed file")
+    monkeypatch.setattr(serve_main, "configure_logging", lambda level: None)
     return calls
 
 

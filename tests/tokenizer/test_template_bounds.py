@@ -132,3 +132,20 @@ def test_non_utf8_template_file_is_named(model_dir):
     (model_dir / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
     with pytest.raises(TokenizerError, match=r"chat_template\.jinja: not UTF-8"):
         Tokenizer.from_dir(model_dir)
+
+
+def test_the_alarm_never_escapes_a_checked_limit(demo_tok, monkeypatch):
+    """A loop the checks reach raises TemplateLimitError at the deadline; the alarm must not land in that error's
+    unwinding (was: with the alarm due at the same moment, a `_Deadline` escaped `apply_chat_template` as a
+    BaseException in most of 40 tries at 0.5 s, leaving its 50 ms timer running into whatever ran next)."""
+    import signal
+
+    if signal.getitimer(signal.ITIMER_REAL)[0]:
+        pytest.skip("an alarm is set already (pytest-timeout's)")
+    monkeypatch.setattr(chat, "MAX_RENDER_SECONDS", 0.02)
+    monkeypatch.setattr(chat, "_ALARM_LAG", 0.0, raising=False)  # the alarm due with the checks' deadline: the race at its worst
+    before = signal.getsignal(signal.SIGALRM)
+    for _ in range(150):
+        with pytest.raises(ValueError, match="took over 0.02 s"):
+            demo_tok.apply_chat_template(USER, chat_template="{% for i in range(10**10) %}{{ i }}{% endfor %}")
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is before
