@@ -37,8 +37,16 @@ def run(cmd, **kw):
 def test_wheel_installs_whole(tmp_path):
     import json
 
+    import shutil
+
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(REPO)], env=env)
+    # built from a copy: an in-tree build leaves build/ (whose stale build/lib files a later wheel would ship) and
+    # *.egg-info in the checkout
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".whl", ".kcache", "build", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache",
+        ".ruff_cache"))
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)], env=env)
     (wheel,) = (tmp_path / "dist").glob("kda_rt-*.whl")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], env=env)
