@@ -9,8 +9,9 @@ A background task steps the engine in a worker thread while any request is open,
 loop stays responsive during a model step.  Engine calls (add, step, abort) are serialised by a
 lock.  Leaving the `async for` early (break, cancellation) aborts the request.
 
-An `AsyncLLM` belongs to the event loop of its first `generate`: a call from another loop while
-that one is still open raises RuntimeError (its stepping task and queues live on the first loop);
+An `AsyncLLM` shares its `LLM`'s engine lock; while it has requests in flight, `LLM.generate` and another `AsyncLLM`
+over the same `LLM` raise RuntimeError, and the other way round (each driver hands out only its own outputs).  An `AsyncLLM` belongs to the event
+loop of its first `generate`: a call from another loop while that one is still open raises RuntimeError (its stepping task and queues live on the first loop);
 once the first loop is closed (e.g. after `asyncio.run`), the next loop takes it over.  A step the closed loop had
 already handed to a worker thread then does nothing (each loop's steps carry its binding's number, checked under the
 lock): run late, it would step the new loop's requests and hand their outputs to the dead loop, and a lost final
@@ -26,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
-import threading
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
@@ -45,11 +44,11 @@ class AsyncLLM:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
-        self._lock = threading.Lock()
+        self._lock = llm._engine_lock  # (LLM.generate's own: its drivers and this one take turns on the engine)
+        llm._asyncs.add(self)
         self._queues: dict[str, asyncio.Queue] = {}
         self._to_abort: list[str] = []
         self._task: asyncio.Task | None = None
-        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
 
@@ -65,16 +64,21 @@ class AsyncLLM:
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         self._bind_loop()
-        rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+        rid = f"async-{next(self.llm._async_ids)}" if request_id is None else str(request_id)
         if rid in self._queues:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if self.llm._open or any(a is not self and a._queues for a in self.llm._asyncs):
+            raise RuntimeError("this LLM has requests open elsewhere (LLM.generate's, in another thread or a stream "
+                               "not finished or closed, or another AsyncLLM's): its engine runs one driver's "
+                               "requests at a time")
+        if rid in self._to_abort:  # an earlier stream of this id was left: its abort first (later, it would hit this)
+            await asyncio.to_thread(self._locked, self._apply_aborts)
         # the defaults: a max_tokens of theirs fits the prompt's room (add_request)
         fit = sampling_params is None and "max_tokens" in self.llm.default_sampling
         sampling_params = sampling_params or self.llm.get_default_sampling_params()
         prompt_lps = None  # vLLM's prompt_logprobs: one score() pass before the request is added (LLM.generate's)
         if sampling_params.prompt_logprobs is not None:
-            prompt_lps = await asyncio.to_thread(self._locked, lambda: self.llm._vllm_prompt_logprobs(
-                self.engine.request_prompt(prompt, sampling_params)[1], sampling_params.prompt_logprobs))
+            prompt_lps = await self._prompt_logprobs(prompt, sampling_params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue  # before adding: the stepping task may produce output at once
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
@@ -118,7 +122,7 @@ class AsyncLLM:
         _check(params, None)
         self._bind_loop()
         (ids,), salts = await asyncio.to_thread(self._locked, lambda: prompt_token_ids(self.engine, [prompt], params))
-        rid = f"beam-{next(self._ids)}" if request_id is None else str(request_id)
+        rid = f"beam-{next(self.llm._async_ids)}" if request_id is None else str(request_id)
         search = BeamStepper([ids], params, self.engine.eos_token_ids, self.engine.postprocessor.quiet_eos_ids)
 
         async def one(k: int, step_prompt: dict):
@@ -148,6 +152,21 @@ class AsyncLLM:
             if final is not None and queue is not None:
                 queue.put_nowait(final)
 
+    async def _prompt_logprobs(self, prompt, params: SamplingParams) -> list:
+        """vLLM's prompt logprobs from one score() pass, which borrows a free state slot and pages: while running
+        requests hold them all it waits for some to end, as a queued request would (was: RuntimeError under load)."""
+        from kda_rt.engine.llm_engine import NoRoomToScore
+
+        while True:
+            try:
+                return await asyncio.to_thread(self._locked, lambda: self.llm._vllm_prompt_logprobs(
+                    self.engine.request_prompt(prompt, params)[1], params.prompt_logprobs))
+            except NoRoomToScore:
+                if not self._queues and not self.engine.has_unfinished_requests():
+                    raise  # nothing running to free room: the pool itself is too small for this prompt
+                self._ensure_task()
+                await asyncio.sleep(0.01)
+
     def _abort_later(self, rid: str) -> None:
         self._to_abort.append(rid)  # applied under the lock before the next step
         self._ensure_task()
@@ -174,8 +193,9 @@ class AsyncLLM:
         if self._loop is loop:
             return
         if self._loop is not None and not self._loop.is_closed():
-            raise RuntimeError("this AsyncLLM is bound to another event loop that is still open; create one "
-                               "AsyncLLM per event loop (or close the first loop before using another)")
+            raise RuntimeError("this AsyncLLM is bound to another event loop that is still open: an LLM's engine "
+                               "serves one event loop at a time; close the first loop before using another, or "
+                               "create another LLM (and its AsyncLLM) for this loop")
         with self._lock:  # a step of the old loop's still in a thread finishes first, or sees the new number
             self._binding += 1
         self._loop, self._task = loop, None
@@ -194,9 +214,12 @@ class AsyncLLM:
         with self._lock:
             if binding != self._binding:  # left by a closed loop: its outputs would go nowhere
                 return []
-            while self._to_abort:
-                self.engine.abort(self._to_abort.pop())
+            self._apply_aborts()
             return self.engine.step() if self.engine.has_unfinished_requests() else []
+
+    def _apply_aborts(self) -> None:
+        while self._to_abort:
+            self.engine.abort(self._to_abort.pop())
 
     async def _run(self, binding: int) -> None:
         while True:

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -200,6 +201,11 @@ class LLM:
         self._request_counter = itertools.count()  # request ids "0", "1", ... across calls, as vLLM's LLM
         self._parked: dict[str, tuple[int, RequestOutput]] = {}  # newest (step stamp, output) of an open request
         self._step_stamp = 0  # engine steps taken by the drivers; orders cumulative outputs
+        # every engine call (add, step, abort, score) holds it: generate() from several threads takes turns, a step
+        # at a time (its outputs parked for their own thread's driver); an AsyncLLM over this LLM takes it too
+        self._engine_lock = threading.RLock()
+        self._asyncs: weakref.WeakSet = weakref.WeakSet()  # the AsyncLLMs over this LLM
+        self._async_ids = itertools.count()  # their request ids ("async-N", "beam-N"), unique across them
         self.model_dir = model_dir
 
     def get_tokenizer(self):
@@ -271,17 +277,20 @@ class LLM:
             done.append(weakref.finalize(gen, self._abort_all, list(ids)))
             return gen
         final: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(ids)) if use_tqdm else None
+        bar = None
         try:
+            bar = _progress_bar(len(ids)) if use_tqdm else None  # (one that fails leaves no request behind)
             for out in self._drive(ids):
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
         finally:
-            if bar is not None:
-                bar.close()
-            self._abort_all(ids)
+            try:
+                if bar is not None:
+                    bar.close()
+            finally:
+                self._abort_all(ids)
         return [attach(final[rid]) if attach else final[rid] for rid in ids]
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -324,6 +333,14 @@ class LLM:
         """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted.
         Non-streaming requests ask the engine for their final output only (no per-step copies).
         `fit_max_tokens`: the params are the defaults (LLMEngine.add_request)."""
+        with self._engine_lock:
+            return self._add_all_locked(prompts, params_list, output_kind, fit_max_tokens, priority)
+
+    def _add_all_locked(self, prompts: list, params_list: list[SamplingParams], output_kind: str,
+                        fit_max_tokens: bool, priority: list[int] | None) -> list[str]:
+        if any(a._queues for a in self._asyncs):
+            raise RuntimeError("an AsyncLLM over this LLM has requests in flight: its engine runs one driver's "
+                               "requests at a time; send these through the AsyncLLM too, or use another LLM")
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -355,39 +372,41 @@ class LLM:
         suspended while another one stepped may hold an older output than the parked one, so each
         driver yields an output only when it is newer than the last it yielded for that request,
         and parking keeps the newest."""
-        engine, mine = self.llm_engine, set(ids)
-        yielded: dict[str, int] = {}  # request id -> step stamp of the last output yielded
+        mine, yielded = set(ids), {}  # yielded: request id -> step stamp of the last output yielded
         while mine:
-            ready = [r for r in self._parked if r in mine]
-            for rid in ready:
-                stamp, out = self._parked.pop(rid)
-                if stamp <= yielded.get(rid, -1):
-                    continue
-                yielded[rid] = stamp
-                if out.finished:
-                    mine.discard(rid)
-                yield out
-            if ready:
-                continue  # another driver may have parked more while this one was suspended
-            if not engine.has_unfinished_requests():
+            with self._engine_lock:  # (released while the outputs are yielded: another thread's driver may step)
+                outputs = self._next_outputs(mine, yielded)
+            if outputs is None:
                 return
+            yield from outputs
+
+    def _next_outputs(self, mine: set[str], yielded: dict[str, int]) -> list[RequestOutput] | None:
+        """`_drive`'s next outputs to yield (`mine` and `yielded` updated for them): the newer parked ones, else one
+        engine step's (the other open requests' outputs parked); None when the engine has nothing left to run."""
+        ready = []
+        for rid in [r for r in self._parked if r in mine]:
+            stamp, out = self._parked.pop(rid)
+            if stamp > yielded.get(rid, -1):
+                ready.append((stamp, out))
+        if not ready:
+            if not self.llm_engine.has_unfinished_requests():
+                return None
             self._step_stamp += 1
             stamp = self._step_stamp
             # (cumulative: the newest of a request's outputs suffices; a step that returns the outputs a failed step
             # owed and its own can hold two of one request, the second maybe its finish)
-            outputs = list({o.request_id: o for o in engine.step()}.values())
-            # park every other request's output before yielding anything: its driver may run while
-            # this one is suspended, and must find the output (the engine may already be idle)
+            outputs = list({o.request_id: o for o in self.llm_engine.step()}.values())
+            # park every other request's output: its driver (another stream, another thread) must find it (the
+            # engine may already be idle)
             for out in outputs:
                 if out.request_id not in mine and out.request_id in self._open:
                     self._parked[out.request_id] = (stamp, out)  # cumulative: the newest one suffices
-            for out in outputs:
-                rid = out.request_id
-                if rid in mine and stamp > yielded.get(rid, -1):
-                    yielded[rid] = stamp
-                    if out.finished:
-                        mine.discard(rid)
-                    yield out
+            ready = [(stamp, out) for out in outputs if out.request_id in mine and stamp > yielded.get(out.request_id, -1)]
+        for stamp, out in ready:
+            yielded[out.request_id] = stamp
+            if out.finished:
+                mine.discard(out.request_id)
+        return [out for _, out in ready]
 
     def _stream(self, ids: list[str], done: list, attach=None) -> Iterator[RequestOutput]:
         trackers = {rid: DeltaTracker() for rid in ids}
@@ -406,10 +425,11 @@ class LLM:
             self._abort_all(ids)
 
     def _abort_all(self, ids: list[str]) -> None:
-        for rid in ids:
-            self.llm_engine.abort(rid)  # no-op for finished requests; frees resources after an error
-            self._open.discard(rid)
-            self._parked.pop(rid, None)
+        with self._engine_lock:
+            for rid in ids:
+                self.llm_engine.abort(rid)  # no-op for finished requests; frees resources after an error
+                self._open.discard(rid)
+                self._parked.pop(rid, None)
 
     def chat(
         self,
@@ -453,7 +473,8 @@ class LLM:
     def score(self, token_ids: list[int]) -> np.ndarray:
         """[len(token_ids), vocab] float32 logits of every position of one sequence (`LLMEngine.score`:
         a slot and pages borrowed from the free pools, so running requests are untouched)."""
-        return self.llm_engine.score(token_ids)
+        with self._engine_lock:
+            return self.llm_engine.score(token_ids)
 
     def prompt_logprobs(self, prompt: str | dict | list[int], num: int = 0
                         ) -> tuple[list[dict[int, float] | None], list[int | None]]:
@@ -495,8 +516,10 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True."""
-        return self.llm_engine.reset_prefix_cache()
+        with self._engine_lock:
+            return self.llm_engine.reset_prefix_cache()
 
     def stats(self) -> dict[str, int]:
         """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""
-        return self.llm_engine.stats()
+        with self._engine_lock:
+            return self.llm_engine.stats()

@@ -36,7 +36,6 @@ def run(cmd, **kw):
 
 def test_wheel_installs_whole(tmp_path):
     import json
-
     import shutil
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

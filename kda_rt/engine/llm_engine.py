@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from kda_rt.outputs import RequestOutput
     from kda_rt.text.tokenizer import Tokenizer
 
-__all__ = ["EngineConfig", "LLMEngine"]
+__all__ = ["EngineConfig", "LLMEngine", "NoRoomToScore"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: Seq[str]) -> tuple[tuple[in
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
     return tuple(out)
+
+
+class NoRoomToScore(RuntimeError):
+    """`LLMEngine.score` found too few free state slots or KV pages: other requests hold them (retry once some end)."""
 
 
 @dataclass(eq=False)
@@ -666,7 +670,7 @@ class LLMEngine:
         sched = self.scheduler
         need = sched.pages_for(len(ids))
         if sched.slots.num_free < 1 or sched.num_free_pages < need:
-            raise RuntimeError(f"score() needs 1 state slot and {need} KV pages; {sched.slots.num_free} slots and "
+            raise NoRoomToScore(f"score() needs 1 state slot and {need} KV pages; {sched.slots.num_free} slots and "
                                f"{sched.num_free_pages} pages are free while other requests run")
         slot = sched.slots.allocate()[0]
         blocks = sched.allocate_pages(need)
