@@ -51,6 +51,7 @@ class AsyncLLM:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
+        self._shut = False
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, output_kind: str = "delta",
@@ -63,6 +64,8 @@ class AsyncLLM:
         output_kind = {"final_only": "final"}.get(output_kind, output_kind)  # vLLM's FINAL_ONLY
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        if self._shut:
+            raise RuntimeError("this AsyncLLM is shut down (shutdown()): create another over the LLM")
         self._bind_loop()
         rid = f"async-{next(self.llm._async_ids)}" if request_id is None else str(request_id)
         if rid in self._queues:
@@ -166,6 +169,20 @@ class AsyncLLM:
                     raise  # nothing running to free room: the pool itself is too small for this prompt
                 self._ensure_task()
                 await asyncio.sleep(0.01)
+
+    def shutdown(self) -> None:
+        """vLLM's: every request in flight is aborted (its stream ends with finish_reason "abort") and later
+        `generate` calls raise RuntimeError; the LLM stays usable (its own generate, another AsyncLLM).  Callable
+        from any thread; it waits for a step in progress to end."""
+        self._shut = True
+        with self._lock:
+            self._apply_aborts()
+            finals = [(rid, self.engine.abort(rid)) for rid in list(self._queues)]
+        loop = self._loop
+        for rid, final in finals:
+            queue = self._queues.get(rid)
+            if final is not None and queue is not None and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, final)
 
     def _abort_later(self, rid: str) -> None:
         self._to_abort.append(rid)  # applied under the lock before the next step

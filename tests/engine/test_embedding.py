@@ -162,3 +162,26 @@ def test_a_failing_progress_bar_leaves_no_request(llm, monkeypatch):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], SamplingParams(max_tokens=4), use_tqdm=True)
     stats = llm.stats()
     assert stats["running"] == stats["waiting"] == 0 and not llm._open and not llm._parked
+
+
+def test_shutdown_ends_the_streams_and_refuses_new_requests(llm):
+    """vLLM's AsyncLLM.shutdown(): the streams in flight end with "abort", a later generate raises, and the LLM
+    serves its own generate again."""
+    allm = AsyncLLM(llm)
+
+    async def main():
+        streams = [asyncio.create_task(_drain(allm.generate({"prompt_token_ids": PROMPTS[i]},
+                                                            SamplingParams(max_tokens=900, ignore_eos=True))))
+                   for i in range(3)]
+        await asyncio.sleep(0.1)
+        allm.shutdown()
+        outs = await asyncio.wait_for(asyncio.gather(*streams), 20)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await allm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2)).__anext__()
+        return outs
+
+    for outs in asyncio.run(main()):
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    stats = llm.stats()
+    assert stats["running"] == stats["waiting"] == stats["slots_used"] == 0
+    assert _ids(llm.generate({"prompt_token_ids": PROMPTS[1]}, _params(1)))[0]
