@@ -30,6 +30,7 @@ import functools
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
+from kda_rt.engine.llm_engine import NoRoomToScore
 from kda_rt.engine.postprocess import OUTPUT_KINDS, DeltaTracker
 
 if TYPE_CHECKING:
@@ -158,8 +159,6 @@ class AsyncLLM:
     async def _prompt_logprobs(self, prompt, params: SamplingParams) -> list:
         """vLLM's prompt logprobs from one score() pass, which borrows a free state slot and pages: while running
         requests hold them all it waits for some to end, as a queued request would (was: RuntimeError under load)."""
-        from kda_rt.engine.llm_engine import NoRoomToScore
-
         while True:
             try:
                 return await asyncio.to_thread(self._locked, lambda: self.llm._vllm_prompt_logprobs(

@@ -334,28 +334,24 @@ class LLM:
         Non-streaming requests ask the engine for their final output only (no per-step copies).
         `fit_max_tokens`: the params are the defaults (LLMEngine.add_request)."""
         with self._engine_lock:
-            return self._add_all_locked(prompts, params_list, output_kind, fit_max_tokens, priority)
-
-    def _add_all_locked(self, prompts: list, params_list: list[SamplingParams], output_kind: str,
-                        fit_max_tokens: bool, priority: list[int] | None) -> list[str]:
-        if any(a._queues for a in self._asyncs):
-            raise RuntimeError("an AsyncLLM over this LLM has requests in flight: its engine runs one driver's "
-                               "requests at a time; send these through the AsyncLLM too, or use another LLM")
-        ids: list[str] = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                rid = self._request_id()
-                try:
-                    ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind,
-                                                           fit_max_tokens=fit_max_tokens,
-                                                           priority=0 if priority is None else priority[i]))
-                except BaseException:
-                    self._open.discard(rid)  # refused: the id was never the engine's
-                    raise
-        except BaseException:
-            self._abort_all(ids)
-            raise
-        return ids
+            if any(a._queues for a in self._asyncs):
+                raise RuntimeError("an AsyncLLM over this LLM has requests in flight: its engine runs one driver's "
+                                   "requests at a time; send these through the AsyncLLM too, or use another LLM")
+            ids: list[str] = []
+            try:
+                for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                    rid = self._request_id()
+                    try:
+                        ids.append(self.llm_engine.add_request(rid, prompt, params, output_kind=output_kind,
+                                                               fit_max_tokens=fit_max_tokens,
+                                                               priority=0 if priority is None else priority[i]))
+                    except BaseException:
+                        self._open.discard(rid)  # refused: the id was never the engine's
+                        raise
+            except BaseException:
+                self._abort_all(ids)
+                raise
+            return ids
 
     def _request_id(self) -> str:
         rid = str(next(self._request_counter))

@@ -154,7 +154,7 @@ def _time_bound(what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         finally:
-            alarm.live = False
+            alarm.live = False  # (a store, before the call: the handler may run when close() is called)
             alarm.close()
     except _Deadline:
         raise TemplateLimitError(f"{what} took over {MAX_RENDER_SECONDS:g} s") from None

@@ -51,8 +51,7 @@ def test_generate_from_two_threads_takes_turns(llm):
         th.join(120)
     assert not errors, errors
     assert got[0] == [want] * 4 and got[1] == [want] * 4
-    stats = llm.stats()
-    assert stats["running"] == stats["waiting"] == 0 and not llm._open and not llm._parked
+    _assert_idle(llm)
 
 
 def test_async_llm_and_generate_refuse_each_other_while_busy(llm):
@@ -130,6 +129,18 @@ async def _drain(stream) -> list:
     return [o async for o in stream]
 
 
+def _start(allm: AsyncLLM, count: int, max_tokens: int) -> list[asyncio.Task]:
+    """`count` streams of PROMPTS' first prompts, each drained by its own task."""
+    return [asyncio.create_task(_drain(allm.generate({"prompt_token_ids": PROMPTS[i]},
+                                                     SamplingParams(max_tokens=max_tokens, ignore_eos=True))))
+            for i in range(count)]
+
+
+def _assert_idle(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["running"] == stats["waiting"] == 0 and not llm._open and not llm._parked
+
+
 def test_prompt_logprobs_wait_for_a_free_slot():
     """With every state slot held by running requests, a request with prompt_logprobs waits for one (was:
     RuntimeError "score() needs 1 state slot")."""
@@ -137,9 +148,7 @@ def test_prompt_logprobs_wait_for_a_free_slot():
     allm = AsyncLLM(small)
 
     async def main():
-        running = [asyncio.create_task(_drain(allm.generate({"prompt_token_ids": PROMPTS[i]},
-                                                            SamplingParams(max_tokens=60, ignore_eos=True))))
-                   for i in range(2)]
+        running = _start(allm, 2, 60)
         await asyncio.sleep(0.05)
         assert small.stats()["slots_free"] == 0
         scored = await asyncio.wait_for(_drain(allm.generate({"prompt_token_ids": PROMPTS[5]},
@@ -160,8 +169,7 @@ def test_a_failing_progress_bar_leaves_no_request(llm, monkeypatch):
     monkeypatch.setattr(llm_module, "_progress_bar", broken)
     with pytest.raises(OSError, match="no terminal"):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], SamplingParams(max_tokens=4), use_tqdm=True)
-    stats = llm.stats()
-    assert stats["running"] == stats["waiting"] == 0 and not llm._open and not llm._parked
+    _assert_idle(llm)
 
 
 def test_shutdown_ends_the_streams_and_refuses_new_requests(llm):
@@ -170,9 +178,7 @@ def test_shutdown_ends_the_streams_and_refuses_new_requests(llm):
     allm = AsyncLLM(llm)
 
     async def main():
-        streams = [asyncio.create_task(_drain(allm.generate({"prompt_token_ids": PROMPTS[i]},
-                                                            SamplingParams(max_tokens=900, ignore_eos=True))))
-                   for i in range(3)]
+        streams = _start(allm, 3, 900)
         await asyncio.sleep(0.1)
         allm.shutdown()
         outs = await asyncio.wait_for(asyncio.gather(*streams), 20)
