@@ -199,8 +199,9 @@ class AsyncLLM:
         return self._locked(self.engine.stats)
 
     async def reset_prefix_cache(self) -> bool:
-        """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True."""
-        return self._locked(self.engine.reset_prefix_cache)
+        """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True.  Waits for a step in progress on a
+        worker thread, not on the event loop."""
+        return await asyncio.to_thread(self._locked, self.engine.reset_prefix_cache)
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from kda_rt import env
 from kda_rt.cli import model_dir_problem
 from kda_rt.engine import EngineConfig, LLMEngine
 from kda_rt.engine.config import offline_batched_tokens
+from kda_rt.engine.llm_engine import NoRoomToScore
 from kda_rt.engine.postprocess import DeltaTracker
 from kda_rt.engine.runner import make_runner, select_backend
 from kda_rt.loader.config import load_config
@@ -261,7 +262,7 @@ class LLM:
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one int a prompt ({len(prompts)}), got {priority!r}")
         fit = sampling_params is None and "max_tokens" in self.default_sampling  # fits each prompt's room
-        prompt_lps = [self._vllm_prompt_logprobs(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
+        prompt_lps = [self._prompt_logprobs_waiting(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
         ids = self._add_all(prompts, params_list, "cumulative" if stream else "final", fit, priority)
@@ -328,15 +329,32 @@ class LLM:
         return [None] + [vllm_logprobs(d, num, self._decode_token, rank=r)
                          for d, r in zip(dicts[1:], ranks[1:], strict=True)]
 
+    def _prompt_logprobs_waiting(self, ids: list[int], num: int) -> list[dict[int, Logprob] | None]:
+        """`_vllm_prompt_logprobs`; while other drivers' requests (another thread's generate, an unread stream) hold
+        every state slot or the pages, this thread steps the engine for them, their outputs parked for their drivers,
+        until room frees (was: NoRoomToScore under load; AsyncLLM waits the same way)."""
+        while True:
+            try:
+                return self._vllm_prompt_logprobs(ids, num)
+            except NoRoomToScore:
+                with self._engine_lock:
+                    self._refuse_beside_async()
+                    if not self.llm_engine.has_unfinished_requests():
+                        raise  # nothing running to free room: the pool itself is too small for this prompt
+                    self._next_outputs(set(), {})  # one step, every output parked for its own driver
+
+    def _refuse_beside_async(self) -> None:
+        if any(a._queues for a in self._asyncs):
+            raise RuntimeError("an AsyncLLM over this LLM has requests in flight: its engine runs one driver's "
+                               "requests at a time; send these through the AsyncLLM too, or use another LLM")
+
     def _add_all(self, prompts: list, params_list: list[SamplingParams], output_kind: str,
                  fit_max_tokens: bool = False, priority: list[int] | None = None) -> list[str]:
         """Add every prompt, or none: a bad prompt raises and the ones added before it are aborted.
         Non-streaming requests ask the engine for their final output only (no per-step copies).
         `fit_max_tokens`: the params are the defaults (LLMEngine.add_request)."""
         with self._engine_lock:
-            if any(a._queues for a in self._asyncs):
-                raise RuntimeError("an AsyncLLM over this LLM has requests in flight: its engine runs one driver's "
-                                   "requests at a time; send these through the AsyncLLM too, or use another LLM")
+            self._refuse_beside_async()
             ids: list[str] = []
             try:
                 for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):

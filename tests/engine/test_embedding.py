@@ -160,6 +160,25 @@ def test_prompt_logprobs_wait_for_a_free_slot():
     assert scored[0].prompt_logprobs is not None and len(scored[0].prompt_logprobs) == len(PROMPTS[5])
 
 
+def test_generate_prompt_logprobs_steps_for_an_unread_stream():
+    """LLM.generate with prompt_logprobs while an unread stream (another driver) holds every state slot: this call
+    steps the engine for it, its outputs parked, until a slot frees (was: NoRoomToScore); the stream then yields
+    the same tokens as the requests run alone."""
+    small = LLM(str(demo_path()), backend="numpy", max_num_seqs=2, max_model_len=1024)
+    prompts, params = [{"prompt_token_ids": p} for p in PROMPTS[:2]], [_params(i) for i in range(2)]
+    want = _ids(small.generate(prompts, params))
+    stream = small.generate(prompts, params, stream=True)
+    first = next(stream)  # both requests admitted: no slot free
+    assert small.stats()["slots_free"] == 0
+    scored = small.generate({"prompt_token_ids": PROMPTS[5]}, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert scored[0].prompt_logprobs is not None and len(scored[0].prompt_logprobs) == len(PROMPTS[5])
+    got: dict[str, list[int]] = {}
+    for out in [first, *stream]:
+        got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert [got[rid] for rid in sorted(got, key=int)] == want
+    _assert_idle(small)
+
+
 def test_a_failing_progress_bar_leaves_no_request(llm, monkeypatch):
     import kda_rt.llm as llm_module
 
