@@ -58,6 +58,10 @@ class EngineClient:
         self.info: dict[str, Any] = {}
         self.dead_reason: str | None = None
         self.queues: dict[str, asyncio.Queue] = {}
+        # the engine knows a request by an id of its own, new for every add ({request id}@{n}): the outputs of an
+        # aborted request that were already on their way never reach a later request reusing its id (an X-Request-Id)
+        self._engine_ids: dict[str, str] = {}  # request id -> engine id
+        self._request_ids: dict[str, str] = {}  # engine id -> request id
         self._pending: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._writer: asyncio.StreamWriter | None = None
@@ -134,31 +138,35 @@ class EngineClient:
         and per prompt `num_tokens`, echo `text`, `logprobs`).  Raises RequestRejected or EngineDeadError.  The queue yields `outs` items, then None at the end
         (or an EngineDeadError instance if the engine dies first)."""
         self._check_alive()
-        if request_id in self.queues or request_id in self._pending:  # its replies would reach the other one
+        if request_id in self.queues:  # (registered while it is added and while it runs)
             raise RequestRejected(400, f"request id {request_id!r} is already in use")
+        engine_id = f"{request_id}@{next(self._ids)}"
         try:
-            frame = pack({"op": "add", "id": request_id, **payload})
+            frame = pack({"op": "add", "id": engine_id, **payload})
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits in `tools`
             raise RequestRejected(400, f"request cannot be passed to the engine: {exc}") from None
         queue: asyncio.Queue = asyncio.Queue()
         fut = asyncio.get_running_loop().create_future()
         self.queues[request_id] = queue
-        self._pending[request_id] = fut
+        self._engine_ids[request_id], self._request_ids[engine_id] = engine_id, request_id
+        self._pending[engine_id] = fut
         self._write(frame)
         try:
             added = await self.wait(fut, "adding a request")
         except BaseException:
-            self._pending.pop(request_id, None)
-            if self.queues.pop(request_id, None) is not None and self.alive:
-                self._send({"op": "abort", "id": request_id})  # it may have been added already
+            self._pending.pop(engine_id, None)
+            if self.queues.get(request_id) is queue:
+                self.abort(request_id)  # it may have been added already
             raise
         return queue, added
 
     def abort(self, request_id: str) -> None:
         """Forget a request and tell the engine to free its slot and pages (no-op if finished)."""
         self.queues.pop(request_id, None)
-        if self.alive:
-            self._send({"op": "abort", "id": request_id})
+        engine_id = self._engine_ids.pop(request_id, None)
+        self._request_ids.pop(engine_id, None)
+        if engine_id is not None and self.alive:
+            self._send({"op": "abort", "id": engine_id})
 
     async def stats(self) -> dict[str, int]:
         return await self.call("stats", {})
@@ -223,11 +231,14 @@ class EngineClient:
         op = msg["op"]
         if op == "outs":
             for item in msg["items"]:
-                queue = self.queues.get(item["id"])
+                request_id = self._request_ids.get(item["id"])  # (None: aborted, or finished)
+                queue = self.queues.get(request_id) if request_id is not None else None
                 if queue is not None:
+                    item["id"] = request_id
                     queue.put_nowait(item)
                     if item["finished"]:
-                        self.queues.pop(item["id"], None)
+                        self.queues.pop(request_id, None)
+                        self._request_ids.pop(self._engine_ids.pop(request_id, None), None)
                         queue.put_nowait(None)
         elif op in ("added", "rejected", "stats", "result"):
             fut = self._pending.pop(msg["id"], None)
@@ -258,6 +269,8 @@ class EngineClient:
         for queue in self.queues.values():
             queue.put_nowait(err)
         self.queues.clear()
+        self._engine_ids.clear()
+        self._request_ids.clear()
 
     async def close(self, timeout: float = 10.0) -> None:
         """Ask the engine process to exit, then make sure it has (terminate, then kill)."""

@@ -1,0 +1,90 @@
+"""`EngineClient` against a scripted engine on a socketpair (no model, no server): which request a step's outputs
+reach."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+from kda_rt.server.engine_client import EngineClient
+from kda_rt.server.wire import FrameSocket
+
+
+class ScriptedEngine:
+    """The engine process's end of the socket, driven by the test (blocking; the client's frames are written to the
+    socket as soon as it sends them)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.conn = FrameSocket(sock)
+        self._got: list[dict] = []
+
+    def recv(self, timeout: float = 5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not self._got and time.monotonic() < deadline:
+            self._got += self.conn.poll(0.05)
+        assert self._got, "the client sent nothing"
+        return self._got.pop(0)
+
+    def send(self, message: dict) -> None:
+        self.conn.send(message)
+
+    def added(self, add: dict) -> None:
+        self.send({"op": "added", "id": add["id"], "prompt_tokens": 1, "prompts": [{"num_tokens": 1}]})
+
+    def outs(self, rid: str, text: str, finished: bool) -> None:
+        self.send({"op": "outs", "items": [{"id": rid, "finished": finished, "outputs": [
+            {"index": 0, "text": text, "token_ids": [1], "logprobs": None,
+             "finish_reason": "length" if finished else None, "stop_reason": None}]}]})
+
+
+async def _connected(engine_timeout: float = 60.0) -> tuple[EngineClient, ScriptedEngine]:
+    """A client wired as `start()` wires it, to a scripted engine; its `proc` a stand-in that never exits alone."""
+    client = EngineClient({}, engine_timeout=engine_timeout)
+    ours, theirs = socket.socketpair()
+    reader, client._writer = await asyncio.open_unix_connection(sock=ours)
+    client._reader_task = asyncio.get_running_loop().create_task(client._read(reader))
+    client.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return client, ScriptedEngine(theirs)
+
+
+async def _close(client: EngineClient, engine: ScriptedEngine) -> None:
+    client.proc.kill()
+    engine.conn.sock.close()
+    await asyncio.wait_for(client.close(timeout=2.0), 10)
+
+
+def test_outputs_sent_before_an_abort_never_reach_a_later_request_of_its_id():
+    """A client that disconnects and retries at once with the same X-Request-Id: the engine's outputs of the first
+    request that were on their way when the abort left (one step's) must not reach the retry, which reuses the id
+    (was: the retry's answer began with the aborted request's tokens, or was a 500 when their `n` differed)."""
+    async def main() -> list[str]:
+        client, engine = await _connected()
+        try:
+            first = asyncio.ensure_future(client.add("cmpl-same", {"params": {}}))
+            await asyncio.sleep(0.05)
+            old = engine.recv()
+            engine.added(old)
+            await first
+            client.abort("cmpl-same")  # (the client went away)
+            retry = asyncio.ensure_future(client.add("cmpl-same", {"params": {}}))
+            await asyncio.sleep(0.05)
+            # the engine, still in its step, sends that step's outputs of the first request; then it reads the abort
+            # and the retry's add
+            engine.outs(old["id"], "stale", finished=False)
+            assert engine.recv()["op"] == "abort"
+            new = engine.recv()
+            engine.added(new)
+            engine.outs(new["id"], "fresh", finished=True)
+            queue, _ = await asyncio.wait_for(retry, 5)
+            texts = []
+            while (item := await asyncio.wait_for(queue.get(), 5)) is not None:
+                texts += [c["text"] for c in item["outputs"]]
+                assert item["id"] == "cmpl-same"
+            return texts
+        finally:
+            await _close(client, engine)
+
+    assert asyncio.run(main()) == ["fresh"]
