@@ -147,6 +147,7 @@ class EngineClient:
             raise RequestRejected(400, f"request cannot be passed to the engine: {exc}") from None
         queue: asyncio.Queue = asyncio.Queue()
         fut = asyncio.get_running_loop().create_future()
+        self._work_starts()
         self.queues[request_id] = queue
         self._engine_ids[request_id], self._request_ids[engine_id] = engine_id, request_id
         self._pending[engine_id] = fut
@@ -177,6 +178,7 @@ class EngineClient:
         self._check_alive()
         key = f"{op}-{next(self._ids)}"
         fut = asyncio.get_running_loop().create_future()
+        self._work_starts()
         self._pending[key] = fut
         try:
             frame = pack({"op": op, "id": key, **payload})
@@ -195,12 +197,16 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
+    def _work_starts(self) -> None:
+        """Called before a request or question is registered: when none was pending, the engine's silence is
+        counted from now (it sends nothing while idle, so its last frame may be long ago)."""
+        if not (self.queues or self._pending):
+            self._last_heard = time.monotonic()
+
     def _send(self, message: dict[str, Any]) -> None:
         self._write(pack(message))
 
     def _write(self, frame: bytes) -> None:
-        if len(self.queues) + len(self._pending) <= 1:  # work starts now: the silence clock starts now
-            self._last_heard = time.monotonic()
         try:
             self._writer.write(frame)
         except (OSError, RuntimeError, AttributeError) as exc:

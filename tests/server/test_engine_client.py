@@ -1,5 +1,5 @@
 """`EngineClient` against a scripted engine on a socketpair (no model, no server): which request a step's outputs
-reach."""
+reach, and how long the engine's silence is counted."""
 
 from __future__ import annotations
 
@@ -88,3 +88,23 @@ def test_outputs_sent_before_an_abort_never_reach_a_later_request_of_its_id():
             await _close(client, engine)
 
     assert asyncio.run(main()) == ["fresh"]
+
+
+def test_silence_is_counted_from_the_first_request_after_idle():
+    """An engine that was idle (and so silent) for longer than --engine-timeout and then takes over a second to
+    answer a request (a long prompt to tokenize, prompt logprobs to compute) is not stuck: its silence counts from
+    that request (was: from its last frame before the idle time, so the request got a 503 "has not answered for N s"
+    after its first second, and /health said 503 meanwhile)."""
+    async def main() -> None:
+        client, engine = await _connected(engine_timeout=2.0)
+        try:
+            client._last_heard -= 100.0  # the engine's last frame: 100 s ago (idle since)
+            task = asyncio.ensure_future(client.add("cmpl-slow", {"params": {}}))
+            await asyncio.sleep(1.3)  # past the client's first check (after 1 s), within the timeout
+            assert not client.stalled and not task.done()
+            engine.added(engine.recv())
+            await asyncio.wait_for(task, 5)
+        finally:
+            await _close(client, engine)
+
+    asyncio.run(main())
