@@ -279,16 +279,18 @@ class EngineClient:
         self._request_ids.clear()
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Ask the engine process to exit, then make sure it has (terminate, then kill)."""
+        """Ask the engine process to exit, then make sure it has: killed if it has not within `timeout` seconds."""
         self._closing = True
+        deadline = time.monotonic() + timeout
         if self._writer is not None and self.dead_reason is None:
             try:
                 self._writer.write(pack({"op": "shutdown"}))
-                await self._writer.drain()
-            except (OSError, RuntimeError):
+                # (bounded: an engine that stopped reading, hung, never drains the frames before it; it is killed)
+                await asyncio.wait_for(self._writer.drain(), timeout)
+            except (OSError, RuntimeError, asyncio.TimeoutError):
                 pass
         if self.proc is not None:
-            await asyncio.to_thread(self._reap, timeout)
+            await asyncio.to_thread(self._reap, max(0.0, deadline - time.monotonic()), timeout)
         if self._reader_task is not None:
             try:
                 await asyncio.wait_for(self._reader_task, timeout)
@@ -298,9 +300,9 @@ class EngineClient:
         if self._writer is not None:
             self._writer.close()
 
-    def _reap(self, timeout: float) -> None:
+    def _reap(self, wait: float, timeout: float) -> None:
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(wait)
         except subprocess.TimeoutExpired:
             logger.warning("engine process %d did not exit in %.0fs; killing it", self.proc.pid, timeout)
             self.proc.kill()

@@ -1,5 +1,5 @@
 """`EngineClient` against a scripted engine on a socketpair (no model, no server): which request a step's outputs
-reach, and how long the engine's silence is counted."""
+reach, how long the engine's silence is counted, and `close()` with an engine that reads nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
-from kda_rt.server.engine_client import EngineClient
+import pytest
+
+from kda_rt.server.engine_client import EngineClient, EngineDeadError
 from kda_rt.server.wire import FrameSocket
 
 
@@ -106,5 +108,27 @@ def test_silence_is_counted_from_the_first_request_after_idle():
             await asyncio.wait_for(task, 5)
         finally:
             await _close(client, engine)
+
+    asyncio.run(main())
+
+
+def test_close_is_bounded_when_the_engine_reads_nothing():
+    """Shutting down with an engine that stopped reading (hung, or SIGSTOPped) while frames it never read fill the
+    socket: close() still ends within its timeout and kills the engine process (was: it waited forever for the
+    shutdown frame to drain, so SIGTERM never finished and the hung engine outlived the server)."""
+    async def main() -> None:
+        client, engine = await _connected()
+        big = asyncio.ensure_future(client.call("tokenize", {"prompt": "x" * (8 << 20)}))  # (never read)
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(client.close(timeout=0.5), 15)
+            assert time.monotonic() - start < 5
+            assert client.proc.poll() is not None, "the engine process was left running"
+            with pytest.raises(EngineDeadError):
+                await big
+        finally:
+            client.proc.kill()
+            engine.conn.sock.close()
 
     asyncio.run(main())
