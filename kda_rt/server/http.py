@@ -1,9 +1,11 @@
 """uvicorn's HTTP protocol with a header read timeout (issue 10 #8).
 
 uvicorn bounds idle keep-alive connections but not a client that opens a connection and never
-finishes its request headers.  `header_timeout_protocol(seconds)` returns the protocol class uvicorn
-would pick (httptools when installed, else h11) with one addition: if no request has started
-`seconds` after the connection opened, it answers 408 in OpenAI's error envelope and closes.
+finishes its request headers (its keep-alive timer stops at the first byte of a request).
+`header_timeout_protocol(seconds)` returns the protocol class uvicorn would pick (httptools when
+installed, else h11) with one addition: if no request has started `seconds` after the connection
+opened, or after a response on a kept-alive connection once bytes of the next request came, it
+answers 408 in OpenAI's error envelope and closes.
 """
 
 from __future__ import annotations
@@ -41,11 +43,26 @@ def header_timeout_protocol(seconds: float) -> type[asyncio.Protocol]:
             super().connection_made(transport)
             self._header_timer = self.loop.call_later(seconds, self._headers_overdue)
 
-        def _headers_overdue(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():  # no request has started
-                logger.info("closing a connection from %s: no request headers within %g s", self.client, seconds)
-                self.transport.write(_reply_408(seconds))
-                self.transport.close()
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # kept alive: the next request's headers get `seconds` as well
+                self._header_timer.cancel()
+                self._header_timer = self.loop.call_later(seconds, self._headers_overdue, self.cycle)
+
+        def _headers_overdue(self, last=None) -> None:
+            if self.transport.is_closing():
+                return
+            if last is not None:  # a kept-alive connection's next request, after `last`
+                if self.cycle is not last or not last.response_complete:
+                    return  # it has begun (pipelined, or its headers came whole)
+                if self.timeout_keep_alive_task is not None:  # not a byte of it yet: idle, which uvicorn's keep-alive
+                    self._header_timer = self.loop.call_later(seconds, self._headers_overdue, last)  # timer ends
+                    return
+            elif self.cycle is not None:
+                return  # the connection's first request has begun
+            logger.info("closing a connection from %s: no request headers within %g s", self.client, seconds)
+            self.transport.write(_reply_408(seconds))
+            self.transport.close()
 
         def connection_lost(self, exc) -> None:
             self._header_timer.cancel()

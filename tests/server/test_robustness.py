@@ -121,6 +121,29 @@ def test_incomplete_headers_get_408_and_close(srv):
     assert time.monotonic() - start < 10
 
 
+def test_next_request_headers_on_a_kept_alive_connection_get_408(srv):
+    """The header timeout also bounds the next request of a kept-alive connection (was: only the first; uvicorn's
+    keep-alive timer stops at the next request's first byte, so a client that sent part of its headers held the
+    connection for ever); a kept-alive connection that sends nothing is still closed quietly by uvicorn."""
+    def after_one_request() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=20)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while not reply.endswith(b"}"):  # (the whole response: its JSON body ends the bytes)
+            reply += s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        return s
+
+    with after_one_request() as slow, after_one_request() as idle:
+        start = time.monotonic()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        reply = slow.recv(4096)
+        assert slow.recv(4096) == b""  # closed
+        assert reply.startswith(b"HTTP/1.1 408") and b"--header-timeout" in reply, reply[:200]
+        assert time.monotonic() - start < 10
+        assert idle.recv(4096) == b""  # (closed by uvicorn's keep-alive timer, no 408)
+
+
 def test_slow_but_complete_request_still_served(srv):
     """The header timer only fires when no request has started: a normal request is unaffected."""
     r = httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=10)
