@@ -256,6 +256,9 @@ def build_app(state: ServerState) -> Starlette:
             return _error(str(exc), 400)
         except RecursionError:  # msgspec's decoder on a body nested past Python's limit (an ignored field's too)
             return _error("request body is nested too deeply", 400)
+        except ClientDisconnect:  # (as the generation routes: not a server error)
+            logger.info("client disconnected while sending its request body (%s %s)", request.method, request.url.path)
+            return Response(status_code=499)
         if not state.serves(req.model):
             return _error(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}", 404, "model")
         try:
