@@ -80,7 +80,8 @@ class EngineClient:
         """Spawn the engine process and wait until its model is loaded (raises RuntimeError if not)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with child:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kda_rt.server.engine_proc", "--fd", str(child.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-m", "kda_rt.server.engine_proc", "--fd", str(child.fileno()),
+                                          "--parent", str(os.getpid())],
                                          pass_fds=(child.fileno(),), env={**os.environ, "PYTHONUNBUFFERED": "1"})
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._writer.write(pack(self.init))

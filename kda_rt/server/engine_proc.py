@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
@@ -449,10 +450,29 @@ def _load(init: dict[str, Any]):
                generation_config=init.get("generation_config", "auto"), **init["settings"])
 
 
+def _exit_with(parent: int) -> None:
+    """Have the kernel kill this process when the HTTP process `parent` exits (Linux's PR_SET_PDEATHSIG): the end
+    of the socket tells it only when it next reads or writes, which it does not while loading the model (minutes) or
+    while hung, so an HTTP process killed then (SIGKILL; SIGTERM before its drain handler is set) left it running,
+    holding its memory."""
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # (not Linux)
+        return
+    if os.getppid() != parent:  # it exited before the call
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kda_rt.server.engine_proc")
     ap.add_argument("--fd", type=int, required=True, help="inherited Unix socket to the HTTP process")
+    ap.add_argument("--parent", type=int, default=None, help="the HTTP process's pid: this process exits with it")
     args = ap.parse_args(argv)
+    if args.parent is not None:
+        _exit_with(args.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = FrameSocket(socket.socket(fileno=args.fd))

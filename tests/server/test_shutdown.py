@@ -115,5 +115,25 @@ def test_engine_crash_becomes_503(tmp_path):
         assert srv.stop() == 0, srv.log()
 
 
+
+def test_engine_process_exits_with_the_server(tmp_path):
+    """A server killed outright takes its engine process with it even when the engine reads nothing (loading the
+    model, or hung: here stopped), as a SIGTERM before the drain handler is set (while the model loads) kills it too
+    (was: the engine learnt of it only when it next used the socket, so it loaded on for minutes holding its memory,
+    and a hung one stayed for ever)."""
+    srv = ServerProc(tmp_path / "server.log")
+    try:
+        os.kill(srv.engine_pid, signal.SIGSTOP)
+        srv.proc.kill()
+        srv.proc.wait(10)
+        assert pid_gone(srv.engine_pid), "the engine process outlived its server"
+    finally:
+        try:
+            os.kill(srv.engine_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        srv.stop()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
