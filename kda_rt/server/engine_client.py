@@ -79,7 +79,7 @@ class EngineClient:
     async def start(self, timeout: float | None = None) -> None:
         """Spawn the engine process and wait until its model is loaded (raises RuntimeError if not)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with child:
+        with child:  # (the engine process is killed when the thread that starts it exits: engine_proc._exit_with)
             self.proc = subprocess.Popen([sys.executable, "-m", "kda_rt.server.engine_proc", "--fd", str(child.fileno()),
                                           "--parent", str(os.getpid())],
                                          pass_fds=(child.fileno(),), env={**os.environ, "PYTHONUNBUFFERED": "1"})

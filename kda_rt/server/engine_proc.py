@@ -451,10 +451,10 @@ def _load(init: dict[str, Any]):
 
 
 def _exit_with(parent: int) -> None:
-    """Have the kernel kill this process when the HTTP process `parent` exits (Linux's PR_SET_PDEATHSIG): the end
-    of the socket tells it only when it next reads or writes, which it does not while loading the model (minutes) or
-    while hung, so an HTTP process killed then (SIGKILL; SIGTERM before its drain handler is set) left it running,
-    holding its memory."""
+    """Have the kernel kill this process when the HTTP process `parent` (the thread that started this one) exits
+    (Linux's PR_SET_PDEATHSIG): the end of the socket tells it only when it next reads or writes, which it does not
+    while loading the model (minutes) or while hung, so an HTTP process killed then (SIGKILL; SIGTERM before its
+    drain handler is set) left it running, holding its memory."""
     try:
         import ctypes
 

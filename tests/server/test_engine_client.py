@@ -98,11 +98,11 @@ def test_silence_is_counted_from_the_first_request_after_idle():
     that request (was: from its last frame before the idle time, so the request got a 503 "has not answered for N s"
     after its first second, and /health said 503 meanwhile)."""
     async def main() -> None:
-        client, engine = await _connected(engine_timeout=2.0)
+        client, engine = await _connected(engine_timeout=3.0)
         try:
             client._last_heard -= 100.0  # the engine's last frame: 100 s ago (idle since)
             task = asyncio.ensure_future(client.add("cmpl-slow", {"params": {}}))
-            await asyncio.sleep(1.3)  # past the client's first check (after 1 s), within the timeout
+            await asyncio.sleep(1.3)  # past the client's first check (after 1 s), well within the timeout
             assert not client.stalled and not task.done()
             engine.added(engine.recv())
             await asyncio.wait_for(task, 5)
