@@ -117,6 +117,17 @@ def async_prefill() -> bool:
     return _on_off("KDA_RT_ASYNC_PREFILL", "0")
 
 
+def async_waiting() -> bool:
+    """KDA_RT_ASYNC_WAITING: with async scheduling and KDA_RT_ASYNC_PREFILL=0, 1 launches the step after a decode step
+    ahead also while requests wait (preempted ones, or more than max_num_seqs): every scheduled row a sampled decode,
+    every running sequence among them, none ending by length, no grammar row, the pages for one more token free; the
+    step launched ahead may then admit a waiting request (a mixed step, as KDA_RT_ASYNC_PREFILL=1 launches them).  A
+    serving load past its memory runs many such steps (256 x 8192 / 1024 on an H100 in fp8: 945 of its 1,969 decode
+    steps, by the engine with a fixed-token runner), each paying the host's postprocess and schedule (~1-2.5 ms at
+    batch 128-256) before its launch when 0 (the default until measured on a GPU).  Read every step."""
+    return _on_off("KDA_RT_ASYNC_WAITING", "0")
+
+
 def gpu_sampling_extras() -> bool:
     """KDA_RT_GPU_SAMPLING_EXTRAS: 1 has the CUDA runner sample on the GPU the rows it used to copy back to the host
     sampler: repetition / presence / frequency penalties and logit_bias from per-sequence token counts and biases

@@ -234,6 +234,48 @@ def test_steady_decode_steps_only_with_the_switch_off(tiny_dir, monkeypatch):
     assert_no_leaks(ahead)
 
 
+@pytest.mark.parametrize("waiting", ["1", "0"])
+def test_decode_steps_with_requests_waiting(tiny_dir, monkeypatch, waiting):
+    """KDA_RT_ASYNC_PREFILL=0 with KDA_RT_ASYNC_WAITING: more prompts than seats and a page pool that preempts, so
+    requests wait through many decode steps.  With 1 the steps after those decode steps are launched ahead, with 0
+    none is while a request waits; the outputs equal the synchronous engine's either way: greedy rows that preempt
+    one another, then half of them stopping on a token (finishes the host learns a step late).  A step launched ahead
+    admits no waiting request in practice (a seat or pages free only at a finish, and the step after a finish is not
+    launched ahead in this mode): each one is all decode rows."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    monkeypatch.setenv("KDA_RT_ASYNC_WAITING", waiting)
+    kw = dict(max_num_seqs=6, max_model_len=80, block_size=16, num_blocks=5, max_num_batched_tokens=64)
+    sync, ahead = _llms(tiny_dir, **kw)
+    prompts = mixed_prompts(14, seed=1, lo=2, hi=40)
+    plain = [greedy(12 + (i % 5) * 4) for i in range(14)]
+    first = _run(sync, prompts, plain)
+    stops = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=[first[i][0][0][4]])
+             if i % 2 else p for i, p in enumerate(plain)]
+    eng = ahead.llm_engine
+    spy, launch_next, waited = _LaunchSpy(eng.runner), eng._launch_next, []
+
+    def spy_launch_next(cur):
+        waiting_now = bool(eng.scheduler.waiting)
+        out = launch_next(cur)
+        if out is not None and waiting_now:
+            waited.append(len(spy.calls) - 1)  # the launch made ahead while a request waited
+        return out
+
+    eng._launch_next = spy_launch_next
+    preempted = ahead.stats()["preemptions"]
+    assert _run(ahead, prompts, plain) == first
+    assert ahead.stats()["preemptions"] > preempted
+    want = _run(sync, prompts, stops)
+    assert any(r[0][1] == "stop" for r in want)
+    assert _run(ahead, prompts, stops) == want
+    if waiting == "1":
+        assert len(waited) >= 10, (waited, spy.calls)
+        assert all(max(spy.calls[i][0]) == 1 and spy.calls[i][1] for i in waited), spy.calls
+    else:
+        assert not waited
+    assert_no_leaks(ahead)
+
+
 def test_preemption_in_a_step_scheduled_ahead(tiny_dir):
     """A page pool too small for every sequence, greedy rows only: steps scheduled ahead preempt, some of them a
     sequence whose token is still on the device (it goes back to the queue and gets that token when the step in

@@ -66,11 +66,11 @@ def main() -> int:
     from kda_rt.floors import decode_floor
 
     replays = [int(b) for b in args.replays.split(",") if b]
-    seqs = max(32, args.prompts, *replays)
+    decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
+    seqs = max(32, args.prompts, *replays, *(b for b, *_ in decodes))  # (every run's batch admitted at once)
     # a graph of exactly each replay batch's rows (until the fifty-second session a batch that was neither a power of
     # two nor the largest ran the next graph up, padding rows and all: "160" and "192" replayed the 256-row graph)
     cfg, engine = full_engine(args.layers, max_num_seqs=seqs, quantization=args.quantization, exact_graphs=replays)
-    decodes = [tuple(int(p) for p in d.split(":")) for d in args.decode.split(",") if d]
     if args.prompts:
         run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
     ttft: dict[str, list[float]] = {v: [] for v in values}
