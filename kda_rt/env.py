@@ -131,6 +131,16 @@ def async_waiting() -> bool:
     return _on_off("KDA_RT_ASYNC_WAITING", "1")
 
 
+def async_grammar() -> bool:
+    """KDA_RT_ASYNC_GRAMMAR: with async scheduling and KDA_RT_ASYNC_PREFILL=0, 1 lets a decode step after one with
+    grammar (structured-output) rows go ahead with its sampler held back until their tokens are accepted and their
+    next masks made (runner.sample), as KDA_RT_ASYNC_PREFILL=1 does; 0 (the default until timed on a GPU): any
+    grammar row in a step makes the next one wait for the host, so one structured-output request among many costs
+    every decode step the host's postprocess and schedule.  The held-back sampler itself is GPU-tested
+    (tests/engine/test_structured_outputs.py, its cuda cases).  Read every step."""
+    return _on_off("KDA_RT_ASYNC_GRAMMAR", "0")
+
+
 def gpu_sampling_extras() -> bool:
     """KDA_RT_GPU_SAMPLING_EXTRAS: 1 has the CUDA runner sample on the GPU the rows it used to copy back to the host
     sampler: repetition / presence / frequency penalties and logit_bias from per-sequence token counts and biases

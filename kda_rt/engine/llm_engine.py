@@ -508,16 +508,16 @@ class LLMEngine:
         Not done (None) when a token of `cur` has to be on the host first: a row of `cur` sampled on the host, or a
         sequence whose next row would be (without device extras a logit_bias, penalties, a min_tokens ban,
         allowed_token_ids) or that has bad_words (their bans read the outputs' ids).  A grammar row's next mask
-        needs `cur`'s token too: with KDA_RT_ASYNC_PREFILL=1 and a runner that can `sample` later, the step goes
-        ahead with its sampler held back (`step()` has the runner queue it once `cur`'s tokens are accepted); else
-        not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode step (every running
+        needs `cur`'s token too: with KDA_RT_ASYNC_PREFILL=1 (or KDA_RT_ASYNC_GRAMMAR=1) and a runner that can
+        `sample` later, the step goes ahead with its sampler held back (`step()` has the runner queue it once `cur`'s
+        tokens are accepted); else not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode step (every running
         sequence decoding, nothing waiting unless KDA_RT_ASYNC_WAITING=1, the default, allows it, none ending by length,
         the pages for one more token free)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
         steady_only = not env.async_prefill()  # (KDA_RT_ASYNC_PREFILL=0: the form before, steady decode steps only)
         # a grammar row's next mask needs its token: its step can go ahead with the sampler held back (runner.sample)
-        can_defer = not steady_only and callable(getattr(self.runner, "sample", None))
+        can_defer = (not steady_only or env.async_grammar()) and callable(getattr(self.runner, "sample", None))
         if cur.sampling.host_rows.any() or (cur.sampling.constrained.any() and not can_defer):
             return None
         sched = self.scheduler

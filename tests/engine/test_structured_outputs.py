@@ -236,6 +236,46 @@ def test_grammar_steps_go_ahead_with_the_sampler_held_back(backend, monkeypatch)
 
 
 
+@pytest.mark.parametrize("grammar", ["1", "0"])
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_steps_after_grammar_rows_with_the_switch(backend, grammar, monkeypatch):
+    """KDA_RT_ASYNC_PREFILL=0 with KDA_RT_ASYNC_GRAMMAR: 1 lets the decode steps after steps with grammar rows go
+    ahead with their sampler held back (runner.sample called), 0 keeps each of them waiting for the host (never
+    called); the outputs are the synchronous engine's (NumPy: equal; bf16 on the GPU: the finish reasons, each output
+    valid) either way."""
+    from helpers.engine import make_llm
+    from kda_rt.demo import demo_path
+
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    monkeypatch.setenv("KDA_RT_ASYNC_GRAMMAR", grammar)
+    kw = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+    if backend == "cuda":
+        pytest.importorskip("cupy")
+        kw.update(backend="cuda", dtype="bfloat16", num_blocks=64)
+    sync, ahead = make_llm(demo_path(), async_scheduling=False, **kw), make_llm(demo_path(), **kw)
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": SCHEMA}),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"))]
+    calls, inner = [], ahead.llm_engine.runner.sample
+    ahead.llm_engine.runner.sample = lambda handle: calls.append(handle) or inner(handle)
+    try:
+        want = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in sync.generate(PROMPTS, params)]
+        got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in ahead.generate(PROMPTS, params)]
+    finally:
+        del ahead.llm_engine.runner.sample
+    if backend == "numpy":
+        assert got == want
+    else:
+        assert [[r for _, _, r in o] for o in got] == [[r for _, _, r in o] for o in want]
+    if grammar == "1":
+        assert len(calls) >= 5, "no decode step went ahead of grammar rows"
+    else:
+        assert not calls
+    jsonschema.validate(json.loads(got[0][0][1]), SCHEMA)
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", got[2][0][1])
+
+
 def test_held_back_sampler_only_where_a_grammar_row_waits(monkeypatch):
     """A step scheduled ahead that preempted its pending grammar sequence and samples no row is launched whole (no
     `sample` call a CUDA runner would refuse: its launch sampled nothing); the outputs are the synchronous engine's.
