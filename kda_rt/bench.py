@@ -7,7 +7,8 @@
 (greedy, EOS ignored), all added at once and run through `LLMEngine.step()`.  Reported:
 total tok/s ((input + output) tokens / wall time), output tok/s, time to first token (per request,
 from the start), time per output token (after the first), mean decode-only step time, steps,
-preemptions and peak memory (process RSS on the NumPy backend), and beside the times their floors
+preemptions, steps launched ahead (async scheduling) and peak memory (process RSS on the NumPy backend), and
+beside the times their floors
 (`kda_rt.floors`): the decode step's bytes at the copy bandwidth, from the experts the run actually
 routed (counted on the GPU per MoE layer; uniform-routing estimate on the NumPy backend), and the
 prefill's FLOPs at the bf16 peak, each with the ratio measured / floor.  `--random-weights` builds the
@@ -115,6 +116,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     params = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=output_len, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
+    ahead0 = engine.counters["steps_launched_ahead"]
     built0 = _build_stats(engine)
     rows0 = list(getattr(engine.runner, "graph_rows", ()))  # (CUDA: decode rows replayed on graphs, live / padding)
     prefix = rng.integers(0, vocab, prefix_len).tolist()
@@ -159,6 +161,8 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         "num_steps": engine.counters["steps"] - steps0,
         "num_decode_steps": len(decode_steps),
         "preemptions": engine.scheduler.num_preemptions - preempt0,
+        # steps queued before the previous one's tokens reached the host (async scheduling; the others waited for it)
+        "steps_launched_ahead": engine.counters["steps_launched_ahead"] - ahead0,
         **({"prefix_cache_hit_tokens": cache.hits - hits0} if cache is not None else {}),
         # the interpreter's garbage collections inside the timed run (all generations) and their time
         "gc_collections": gc_time.count, "gc_s": gc_time.seconds,

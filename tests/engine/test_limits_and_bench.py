@@ -160,6 +160,20 @@ def test_bench_sampling_flag(tiny_dir):
     assert all(p.temperature == 0.7 and p.presence_penalty == 0.5 and p.ignore_eos for ps in seen for p in ps)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bench_counts_steps_launched_ahead(tiny_dir, async_scheduling):
+    """bench's steps_launched_ahead: the run's steps queued before the previous one's tokens reached the host (all
+    the steady decode steps with async scheduling, none without)."""
+    from kda_rt.bench import run_bench
+
+    engine = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64, async_scheduling=async_scheduling).llm_engine
+    report = run_bench(engine, 2, 8, 6)
+    if async_scheduling:
+        assert 0 < report["steps_launched_ahead"] < report["num_steps"]
+    else:
+        assert report["steps_launched_ahead"] == 0
+
+
 @pytest.mark.parametrize("entry", ["kda_rt.generate", "kda_rt.bench", "kda_rt.server.__main__"])
 def test_cuda_graph_sizes_flag_on_every_entry_point(entry):
     """--cuda-graph-sizes takes one or more sizes on generate, bench and the server (nargs="+"); a bad size is an
