@@ -121,8 +121,10 @@ def async_waiting() -> bool:
     """KDA_RT_ASYNC_WAITING: with async scheduling and KDA_RT_ASYNC_PREFILL=0, 1 (the default) launches the step after
     a decode step ahead also while requests wait (preempted ones, or more than max_num_seqs): every scheduled row a
     sampled decode, every running sequence among them, none ending by length, no grammar row, the pages for one more
-    token free (so the step launched ahead preempts nobody, and in practice admits nobody: seats and pages free only at
-    a finish, after which the next step is not launched ahead).  A serving load past its memory runs many such steps
+    token free, so the step launched ahead preempts nobody; and none preempted by the decode step's schedule (which
+    skips admission) nor added to the queue or aborted from it since, so it admits nobody either (seats and pages
+    free only at a finish, after which the next step is not launched ahead; an arrival between steps used to be
+    admitted by a prompt chunk launched ahead).  A serving load past its memory runs many such steps
     (256 x 8192 / 1024 on an H100 in fp8: 945 of its 1,969 decode steps, by the engine with a fixed-token runner),
     each paying the host's postprocess and schedule before its launch when 0.  Measured (sixty-second session, H100
     80GB, fp8, 27 layers, `tests/gpu/bench_ab.py --env KDA_RT_ASYNC_WAITING --values 1,0 --rounds 1 --prompts 0

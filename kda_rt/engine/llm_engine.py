@@ -511,8 +511,8 @@ class LLMEngine:
         needs `cur`'s token too: with KDA_RT_ASYNC_PREFILL=1 (or KDA_RT_ASYNC_GRAMMAR=1) and a runner that can
         `sample` later, the step goes ahead with its sampler held back (`step()` has the runner queue it once `cur`'s
         tokens are accepted); else not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode step (every running
-        sequence decoding, nothing waiting unless KDA_RT_ASYNC_WAITING=1, the default, allows it, none ending by length,
-        the pages for one more token free)."""
+        sequence decoding, nothing waiting unless KDA_RT_ASYNC_WAITING=1, the default, allows it where the step launched
+        ahead admits nobody, none ending by length, the pages for one more token free)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
         steady_only = not env.async_prefill()  # (KDA_RT_ASYNC_PREFILL=0: the form before, steady decode steps only)
@@ -521,8 +521,11 @@ class LLMEngine:
         if cur.sampling.host_rows.any() or (cur.sampling.constrained.any() and not can_defer):
             return None
         sched = self.scheduler
-        # (KDA_RT_ASYNC_WAITING, default 1: a decode step goes ahead while requests wait too)
-        if steady_only and ((sched.waiting and not env.async_waiting())
+        # (KDA_RT_ASYNC_WAITING, default 1: a decode step goes ahead while requests wait too, where the step launched
+        # ahead admits nobody for sure: `cur`'s schedule admitted nobody, with no less room, and the queue is the same:
+        # none preempted by it, which skips admission, and none added or aborted since)
+        admits = bool(cur.sched.preempted) or cur.sched.queue_changes != sched.queue_changes
+        if steady_only and ((sched.waiting and (admits or not env.async_waiting()))
                             or len(cur.sampled) != len(cur.sched.scheduled) or len(cur.sampled) != len(sched.running)
                             or any(n != 1 or s.in_prefill for s, n in cur.sched.scheduled)):
             return None

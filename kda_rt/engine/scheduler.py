@@ -84,6 +84,7 @@ class SchedulerConfig:
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens), batch order
     preempted: list[Sequence] = field(default_factory=list)
+    queue_changes: int = 0  # the scheduler's `queue_changes` when this schedule was made
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,9 @@ class Scheduler:
         self.pages = IdPool(config.num_blocks, "MLA page")
         self.cache = PrefixCache(config.block_size, config.snapshot_slots, self.pages) if config.snapshot_slots else None
         self.num_preemptions = 0
+        # requests added to the waiting queue or aborted from it: one that came or went since a schedule can be
+        # admitted by the next one although that schedule admitted nobody (the engine's KDA_RT_ASYNC_WAITING)
+        self.queue_changes = 0
 
     # -- queues -------------------------------------------------------------------------------
 
@@ -120,6 +124,7 @@ class Scheduler:
         """Queue a new sequence (raises ValueError if it could never fit in the page pool alone)."""
         self.check_fits(seq.max_positions)
         seq.status = SequenceStatus.WAITING
+        self.queue_changes += 1
         if self.cache is not None:  # (its prompt's pages: where a later or earlier one parts from it is a junction)
             _, chain = self.cache.page_chain(seq)
             # (by sequence: a request's n > 1 samples share their prompt through a junction too)
@@ -147,6 +152,7 @@ class Scheduler:
                 self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.queue_changes += 1
         seq.status = SequenceStatus.FINISHED
 
     def has_unfinished(self) -> bool:
@@ -175,6 +181,7 @@ class Scheduler:
         if not out.preempted:
             self._admit(chosen, budget)
         out.scheduled = list(chosen.items())
+        out.queue_changes = self.queue_changes
         return out
 
     def _proper(self, budget: list[int]) -> int:

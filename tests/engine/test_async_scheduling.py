@@ -276,6 +276,44 @@ def test_decode_steps_with_requests_waiting(tiny_dir, monkeypatch, waiting):
     assert_no_leaks(ahead)
 
 
+@pytest.mark.parametrize("case", ["arrivals", "priority"])
+def test_no_prompt_launched_ahead_while_requests_wait(tiny_dir, monkeypatch, case):
+    """KDA_RT_ASYNC_PREFILL=0 with KDA_RT_ASYNC_WAITING=1: a decode step goes ahead while requests wait only where the
+    step launched ahead admits nobody, so no prompt chunk is ever launched ahead in this mode.  "arrivals": requests
+    added between steps while others decode (a serving load; each used to be admitted by a step launched ahead);
+    "priority": a page pool that preempts, under the priority policy, where the room a preemption frees lets a more
+    urgent waiting prompt in at the next step (its schedule skipped admission).  The outputs equal the synchronous
+    engine's."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    monkeypatch.setenv("KDA_RT_ASYNC_WAITING", "1")
+    if case == "arrivals":
+        kw = dict(max_num_seqs=8, max_model_len=80)
+        prompts = mixed_prompts(10, seed=1, lo=5, hi=30)
+        reqs = [(4 * i, p, greedy(20), 0) for i, p in enumerate(prompts)]  # (arrival step, prompt, params, priority)
+    else:
+        kw = dict(max_num_seqs=2, max_model_len=64, block_size=16, num_blocks=4, scheduling_policy="priority")
+        prompts = mixed_prompts(8, seed=18, lo=1, hi=20)
+        shape = [(32, -1), (19, -2), (35, 2), (35, -2), (34, -1), (33, -1), (16, -1), (48, -3)]
+        reqs = [(0, p, greedy(n), prio) for p, (n, prio) in zip(prompts, shape, strict=True)]
+    results = []
+    for llm in _llms(tiny_dir, **kw):
+        eng = llm.llm_engine
+        spy, finals, step = _LaunchSpy(eng.runner), {}, 0
+        while step <= reqs[-1][0] or eng.has_unfinished_requests():
+            for i, (at, prompt, params, prio) in enumerate(reqs):
+                if at == step:
+                    eng.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, output_kind="final", priority=prio)
+            finals.update({o.request_id: _key(o) for o in eng.step() if o.finished})
+            step += 1
+        assert_no_leaks(llm)
+        results.append((finals, spy.calls, eng.counters["steps_launched_ahead"]))
+    (want, _, _), (got, calls, ahead) = results
+    assert got == want and len(got) == len(reqs)
+    assert ahead > 0
+    fed = [lens for lens, rows in calls if rows]  # (a step launched ahead is fed the previous step's samples)
+    assert all(max(lens) == 1 for lens in fed), fed
+
+
 def test_preemption_in_a_step_scheduled_ahead(tiny_dir):
     """A page pool too small for every sequence, greedy rows only: steps scheduled ahead preempt, some of them a
     sequence whose token is still on the device (it goes back to the queue and gets that token when the step in
