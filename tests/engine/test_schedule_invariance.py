@@ -10,6 +10,8 @@ state slot and page is free.  Tiny checkpoint, NumPy backend, float64 (no argmax
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,6 +29,17 @@ def roomy(tiny_dir):
 
 def _key(out):
     return [(o.token_ids, o.finish_reason, o.logprobs) for o in out.outputs]
+
+
+def _same(got, want) -> bool:
+    """Tokens and finish reasons equal, each logprob within 1e-9 relative: float64 sums in another order where the
+    schedule chunks a prompt otherwise (token budget 1: ~1e-12 relative, hypothesis seed 7) are not a difference."""
+    if [(t, f, None if lp is None else [list(d) for d in lp]) for t, f, lp in got] != \
+            [(t, f, None if lp is None else [list(d) for d in lp]) for t, f, lp in want]:
+        return False
+    return all(math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12)
+               for (_, _, la), (_, _, lb) in zip(got, want, strict=True) if la is not None
+               for a, b in zip(la, lb, strict=True) for k in a)
 
 
 @st.composite
@@ -76,4 +89,5 @@ def test_outputs_do_not_depend_on_the_schedule(tiny_dir, roomy, run):
     assert_no_leaks(llm)
     for rid, prompt, params, *_ in requests:
         if rid not in aborted:
-            assert finals[rid] == _key(roomy.generate({"prompt_token_ids": prompt}, params)[0]), (rid, kw)
+            want = _key(roomy.generate({"prompt_token_ids": prompt}, params)[0])
+            assert _same(finals[rid], want), (rid, kw, finals[rid], want)
