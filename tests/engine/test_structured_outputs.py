@@ -195,28 +195,19 @@ def test_sample_rows_applies_mask_and_bias():
     assert out.token_ids == [7, 34, None] and out.errors == [None, None, None]
 
 
-@pytest.mark.parametrize("backend", ["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_grammar_steps_go_ahead_with_the_sampler_held_back(backend, monkeypatch):
-    """KDA_RT_ASYNC_PREFILL=1: a step after one with grammar rows is launched before their tokens are accepted, its
-    sampler queued (runner.sample) once the matchers have them, so its masks follow them; the outputs (JSON, choices,
-    regex, n = 2 seeded, beside unconstrained rows and prompts entering over chunked steps) are the synchronous
-    engine's and valid."""
+def _sync_against_ahead(backend: str, budget: int, prompts, params) -> tuple[list, list]:
+    """The demo model's outputs of `prompts` on a synchronous and an async engine (step budget `budget`): the async
+    ones as (token_ids, text, finish_reason) lists, after checking them against the synchronous engine's (NumPy:
+    equal; bf16 on the GPU, where a grammar's stop the host learns of afterwards changes a later batch: the finish
+    reasons), and the handles the async runner's `sample` got (steps that went ahead with the sampler held back)."""
     from helpers.engine import make_llm
     from kda_rt.demo import demo_path
 
-    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
-    kw = dict(max_model_len=256, max_num_batched_tokens=24, max_num_seqs=8)
+    kw = dict(max_model_len=256, max_num_batched_tokens=budget, max_num_seqs=8)
     if backend == "cuda":
         pytest.importorskip("cupy")
         kw.update(backend="cuda", dtype="bfloat16", num_blocks=64)
     sync, ahead = make_llm(demo_path(), async_scheduling=False, **kw), make_llm(demo_path(), **kw)
-    prompts = [*PROMPTS, "Pick one colour", "Name a code"]
-    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": SCHEMA}),
-              SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=60, structured_outputs={"json": SCHEMA}),
-              SamplingParams(temperature=0.0, max_tokens=12),
-              SamplingParams(temperature=0.0, structured_outputs={"choice": ["red", "green", "dark purple"]}),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=20,
-                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"))]
     calls, inner = [], ahead.llm_engine.runner.sample
     ahead.llm_engine.runner.sample = lambda handle: calls.append(handle) or inner(handle)
     try:
@@ -226,8 +217,26 @@ def test_grammar_steps_go_ahead_with_the_sampler_held_back(backend, monkeypatch)
         del ahead.llm_engine.runner.sample
     if backend == "numpy":
         assert got == want
-    else:  # (bf16: a grammar's stop the host learns of afterwards changes a later batch; each output checked instead)
+    else:
         assert [[r for _, _, r in o] for o in got] == [[r for _, _, r in o] for o in want]
+    return got, calls
+
+
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grammar_steps_go_ahead_with_the_sampler_held_back(backend, monkeypatch):
+    """KDA_RT_ASYNC_PREFILL=1: a step after one with grammar rows is launched before their tokens are accepted, its
+    sampler queued (runner.sample) once the matchers have them, so its masks follow them; the outputs (JSON, choices,
+    regex, n = 2 seeded, beside unconstrained rows and prompts entering over chunked steps) are the synchronous
+    engine's and valid."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
+    prompts = [*PROMPTS, "Pick one colour", "Name a code"]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": SCHEMA}),
+              SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=60, structured_outputs={"json": SCHEMA}),
+              SamplingParams(temperature=0.0, max_tokens=12),
+              SamplingParams(temperature=0.0, structured_outputs={"choice": ["red", "green", "dark purple"]}),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"))]
+    got, calls = _sync_against_ahead(backend, 24, prompts, params)
     assert len(calls) >= 5, "no step went ahead of grammar rows"
     for text, reason in [(t, r) for o in got[:2] for _, t, r in o]:
         assert reason == "stop", (text, reason)
@@ -243,31 +252,13 @@ def test_decode_steps_after_grammar_rows_with_the_switch(backend, grammar, monke
     ahead with their sampler held back (runner.sample called), 0 keeps each of them waiting for the host (never
     called); the outputs are the synchronous engine's (NumPy: equal; bf16 on the GPU: the finish reasons, each output
     valid) either way."""
-    from helpers.engine import make_llm
-    from kda_rt.demo import demo_path
-
     monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
     monkeypatch.setenv("KDA_RT_ASYNC_GRAMMAR", grammar)
-    kw = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
-    if backend == "cuda":
-        pytest.importorskip("cupy")
-        kw.update(backend="cuda", dtype="bfloat16", num_blocks=64)
-    sync, ahead = make_llm(demo_path(), async_scheduling=False, **kw), make_llm(demo_path(), **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": SCHEMA}),
               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=7, max_tokens=20,
                              structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"))]
-    calls, inner = [], ahead.llm_engine.runner.sample
-    ahead.llm_engine.runner.sample = lambda handle: calls.append(handle) or inner(handle)
-    try:
-        want = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in sync.generate(PROMPTS, params)]
-        got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in ahead.generate(PROMPTS, params)]
-    finally:
-        del ahead.llm_engine.runner.sample
-    if backend == "numpy":
-        assert got == want
-    else:
-        assert [[r for _, _, r in o] for o in got] == [[r for _, _, r in o] for o in want]
+    got, calls = _sync_against_ahead(backend, 64, PROMPTS, params)
     if grammar == "1":
         assert len(calls) >= 5, "no decode step went ahead of grammar rows"
     else:
