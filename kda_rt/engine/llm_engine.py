@@ -510,9 +510,9 @@ class LLMEngine:
         allowed_token_ids) or that has bad_words (their bans read the outputs' ids).  A grammar row's next mask
         needs `cur`'s token too: with KDA_RT_ASYNC_PREFILL=1 (or KDA_RT_ASYNC_GRAMMAR=1) and a runner that can
         `sample` later, the step goes ahead with its sampler held back (`step()` has the runner queue it once `cur`'s
-        tokens are accepted); else not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode step (every running
-        sequence decoding, nothing waiting unless KDA_RT_ASYNC_WAITING=1, the default, allows it where the step launched
-        ahead admits nobody, none ending by length, the pages for one more token free)."""
+        tokens are accepted); else not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode
+        step (every running sequence decoding, nothing waiting unless KDA_RT_ASYNC_WAITING=1, the default, allows it
+        where the step launched ahead admits nobody, none ending by length, the pages for one more token free)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
         steady_only = not env.async_prefill()  # (KDA_RT_ASYNC_PREFILL=0: the form before, steady decode steps only)
