@@ -199,7 +199,8 @@ def _sync_against_ahead(backend: str, budget: int, prompts, params) -> tuple[lis
     """The demo model's outputs of `prompts` on a synchronous and an async engine (step budget `budget`): the async
     ones as (token_ids, text, finish_reason) lists, after checking them against the synchronous engine's (NumPy:
     equal; bf16 on the GPU, where a grammar's stop the host learns of afterwards changes a later batch: the finish
-    reasons), and the handles the async runner's `sample` got (steps that went ahead with the sampler held back)."""
+    reasons), and the handles of the async runner's launches made with the sampler held back (defer_sampling: steps
+    that went ahead of grammar rows' tokens; not `sample` calls, which the CUDA runner's own launches make too)."""
     from helpers.engine import make_llm
     from kda_rt.demo import demo_path
 
@@ -208,13 +209,21 @@ def _sync_against_ahead(backend: str, budget: int, prompts, params) -> tuple[lis
         pytest.importorskip("cupy")
         kw.update(backend="cuda", dtype="bfloat16", num_blocks=64)
     sync, ahead = make_llm(demo_path(), async_scheduling=False, **kw), make_llm(demo_path(), **kw)
-    calls, inner = [], ahead.llm_engine.runner.sample
-    ahead.llm_engine.runner.sample = lambda handle: calls.append(handle) or inner(handle)
+    runner, calls = ahead.llm_engine.runner, []
+    launch = runner.launch
+
+    def spy_launch(*a, **k):
+        handle = launch(*a, **k)
+        if k.get("defer_sampling"):
+            calls.append(handle)
+        return handle
+
+    runner.launch = spy_launch
     try:
         want = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in sync.generate(prompts, params)]
         got = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in ahead.generate(prompts, params)]
     finally:
-        del ahead.llm_engine.runner.sample
+        del runner.launch
     if backend == "numpy":
         assert got == want
     else:
