@@ -133,6 +133,18 @@ def async_waiting() -> bool:
     return _on_off("KDA_RT_ASYNC_WAITING", "1")
 
 
+def async_ending() -> bool:
+    """KDA_RT_ASYNC_ENDING: with async scheduling and KDA_RT_ASYNC_PREFILL=0, 1 (the default) launches the step after a
+    steady decode step ahead also where that step's token ends a sequence by length (max_tokens, max_model_len) and
+    nothing waits: the sequence is retired (no row; its seat, slot and pages free, as after the synchronous engine's
+    postprocess), as KDA_RT_ASYNC_PREFILL=1 does; with requests waiting its room would admit one (a prompt chunk
+    launched ahead), so that step still waits for the host.  0: every such step waits for the host.  Requests that
+    end by length at different steps (prompts admitted over several prefill steps: 128 of the serving workload's
+    1,023 decode steps, 4 of the seed run's; any serving mix of max_tokens) each paid the host's postprocess and
+    schedule before the next launch.  Read every step."""
+    return _on_off("KDA_RT_ASYNC_ENDING", "1")
+
+
 def async_grammar() -> bool:
     """KDA_RT_ASYNC_GRAMMAR: with async scheduling and KDA_RT_ASYNC_PREFILL=0, 1 lets a decode step after one with
     grammar (structured-output) rows go ahead with its sampler held back until their tokens are accepted and their

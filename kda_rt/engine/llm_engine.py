@@ -512,7 +512,8 @@ class LLMEngine:
         `sample` later, the step goes ahead with its sampler held back (`step()` has the runner queue it once `cur`'s
         tokens are accepted); else not done.  With KDA_RT_ASYNC_PREFILL=0 also not unless `cur` is a steady decode
         step (every running sequence decoding, nothing waiting unless KDA_RT_ASYNC_WAITING=1, the default, allows it
-        where the step launched ahead admits nobody, none ending by length, the pages for one more token free)."""
+        where the step launched ahead admits nobody, none ending by length unless nothing waits and
+        KDA_RT_ASYNC_ENDING=1, the default, the pages for one more token free)."""
         if not self.config.async_scheduling or getattr(self.runner, "launch", None) is None:
             return None
         steady_only = not env.async_prefill()  # (KDA_RT_ASYNC_PREFILL=0: the form before, steady decode steps only)
@@ -535,8 +536,8 @@ class LLMEngine:
             if s.finished:
                 continue
             if len(s.output_token_ids) + 1 >= s.max_tokens or s.num_tokens + 1 >= limit:
-                if steady_only:
-                    return None
+                if steady_only and (sched.waiting or not env.async_ending()):
+                    return None  # (its room would admit a waiting request: a prompt chunk launched ahead)
                 ending.append(s)  # (its token ends it: postprocess finishes it whatever the id)
             elif (s.params.bad_words_token_ids  # (bad_words' bans read the outputs' ids)
                   or needs_host_sampling(s.params, len(s.output_token_ids) + 1, self._device_extras)

@@ -276,6 +276,52 @@ def test_decode_steps_with_requests_waiting(tiny_dir, monkeypatch, waiting):
     assert_no_leaks(ahead)
 
 
+@pytest.mark.parametrize("ending", ["1", "0"])
+def test_decode_steps_where_sequences_end_by_length(tiny_dir, monkeypatch, ending):
+    """KDA_RT_ASYNC_PREFILL=0 with KDA_RT_ASYNC_ENDING: requests ending by length at different steps (max_tokens 3 to
+    31, one without max_tokens, to max_model_len, n = 2 seeded samples, some stopping on a token the host learns a step late), nothing
+    waiting.  With 1 the step after one whose tokens end sequences is launched ahead (they are retired: no row), with
+    0 never; the outputs equal the synchronous engine's either way, and nothing leaks (the prefix cache on, so the
+    retired sequences' states are kept).  A prompt arriving later waits for a seat: with it waiting, no step where a
+    sequence ends goes ahead (its room would admit the prompt ahead)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "0")
+    monkeypatch.setenv("KDA_RT_ASYNC_ENDING", ending)
+    kw = dict(max_num_seqs=10, max_model_len=64, enable_prefix_caching=True)
+    sync, ahead = _llms(tiny_dir, **kw)
+    prompts = mixed_prompts(9, seed=5, lo=4, hi=30)
+    plain = [greedy(3 + 4 * i) for i in range(8)] + [SamplingParams(temperature=0.0, max_tokens=None)]
+    plain[3] = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=17)
+    first = _run(sync, prompts, plain)
+    assert first[8][0][1] == "length" and len(first[8][0][0]) == 64 - len(prompts[8])
+    stops = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=[first[i][0][0][2]])
+             if i in (2, 6) else p for i, p in enumerate(plain)]
+    eng = ahead.llm_engine
+    launch_next, seen = eng._launch_next, []
+
+    def spy_launch_next(cur):
+        ends = any(not s.finished and len(s.output_token_ids) + 1 >= s.max_tokens for s in cur.sampled)
+        waits = bool(eng.scheduler.waiting)
+        out = launch_next(cur)
+        seen.append((ends, waits, out is not None))
+        return out
+
+    eng._launch_next = spy_launch_next
+    for params in (plain, stops):
+        assert _run(ahead, prompts, params) == _run(sync, prompts, params)
+    ended_ahead = [s for s in seen if s[0] and s[2]]
+    if ending == "1":
+        assert len(ended_ahead) >= 6, seen
+    else:
+        assert not ended_ahead, seen
+    assert_no_leaks(ahead)
+    # a prompt waiting for a seat (max_num_seqs 10: the eleventh) keeps such steps waiting for the host
+    seen.clear()
+    late = mixed_prompts(11, seed=9, lo=4, hi=12)
+    assert _run(ahead, late, [greedy(4 + i) for i in range(11)]) == _run(sync, late, [greedy(4 + i) for i in range(11)])
+    assert not [s for s in seen if s[0] and s[1] and s[2]], seen
+    assert_no_leaks(ahead)
+
+
 @pytest.mark.parametrize("case", ["arrivals", "priority"])
 def test_no_prompt_launched_ahead_while_requests_wait(tiny_dir, monkeypatch, case):
     """KDA_RT_ASYNC_PREFILL=0 with KDA_RT_ASYNC_WAITING=1: a decode step goes ahead while requests wait only where the

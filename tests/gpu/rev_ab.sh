@@ -4,7 +4,8 @@
 #   mkdir -p .ab/old && git archive REV kda_rt kernels_cu loader sampler setup.cfg pyproject.toml | tar -x -C .ab/old
 #   (.ab git-ignored: echo .ab/ >> .git/info/exclude)
 # On the device (repository root):  bash tests/gpu/rev_ab.sh     (B, IN, OUTLEN, QUANT, T, ORDER override the defaults:
-# the fp8 serving workload 256 x 8192 / 1024, each run under T=200 s, old first)
+# the fp8 serving workload 256 x 8192 / 1024, each run under T=200 s, old first; ALSO=B:IN:OUT,... adds workloads to
+# each run, bench's --also)
 # Each run installs its tree (editable, the image's CuPy) and prints the bench's elapsed, TTFT max, decode step,
 # steps, preemptions, padding and experts; the logs land in $OUT/ab_{old,new}.err.
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -15,10 +16,11 @@ for which in ${ORDER:-old new}; do
   pip install -q --no-build-isolation --no-deps -e "$src" >/dev/null 2>&1
   timeout "${T:-200}" python -m kda_rt.bench --config kimi-linear-48b-a3b --random-weights --router-bias-std 0.05 \
     ${QUANT:---quantization fp8} --batch "${B:-256}" --input-len "${IN:-8192}" --output-len "${OUTLEN:-1024}" \
+    ${ALSO:+--also "$ALSO"} \
     2>"$OUT/ab_$which.err" | python -c "
 import json, sys
 keys = ('elapsed_s', 'ttft_s_max', 'decode_step_s_mean', 'num_steps', 'num_decode_steps', 'preemptions',
-        'decode_graph_padding', 'experts_per_moe_layer', 'output_tok_s')
+        'decode_graph_padding', 'experts_per_moe_layer', 'output_tok_s', 'steps_launched_ahead')
 for line in sys.stdin:
     d = json.loads(line)
     print('$which', {k: round(d[k], 5) if isinstance(d[k], float) else d[k] for k in keys if k in d})"
