@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--also", default="",
                     help="more workloads on the same engine after the first, as BATCH:INPUT:OUTPUT[,...] "
                          "(one JSON line each; saves loading the model again)")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="each request's input and output lengths drawn uniformly from [L * (1 - R), L * (1 + R)] "
+                         "(seeded; vLLM's bench flag): requests end at different steps, as in serving; 0 (the "
+                         "default): every request the workload's lengths")
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="the first N tokens of every prompt of a run are the same (a shared system prompt; with "
                          "prefix caching, on by default, later requests resume after it); each run starts from an "
@@ -106,22 +110,35 @@ def parse_sampling(text: str) -> dict:
     return out
 
 
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """The lengths `--random-range-ratio` draws from, both ends included: [L * (1 - R), L * (1 + R)], at least 1."""
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+
+
 def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int = 0,
-              sampling: dict | None = None, prefix_len: int = 0) -> dict:
+              sampling: dict | None = None, prefix_len: int = 0, range_ratio: float = 0.0) -> dict:
     """Run the workload on `engine` (greedy, or `sampling`'s settings, EOS ignored; every prompt's first `prefix_len`
-    tokens the same); returns the timing part of the report."""
+    tokens the same; `range_ratio` > 0: each request's input and output lengths drawn from `length_range`); returns
+    the timing part of the report (with "_prompt_lens", the prompts' lengths, for the floors)."""
     from kda_rt.sampler.params import SamplingParams
 
     rng = np.random.default_rng(seed)
-    params = SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=output_len, ignore_eos=True)
+    in_lens, out_lens = [input_len] * batch, [output_len] * batch
+    if range_ratio:  # (drawn only then: a run without it makes the same prompts as before)
+        lo, hi = length_range(input_len, range_ratio)
+        in_lens = rng.integers(max(lo, prefix_len + 1), hi + 1, batch).tolist()
+        lo, hi = length_range(output_len, range_ratio)
+        out_lens = rng.integers(lo, hi + 1, batch).tolist()
+    base = {"temperature": 0.0, **(sampling or {})}
+    params = [SamplingParams(**base, max_tokens=n, ignore_eos=True) for n in out_lens]
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     ahead0 = engine.counters["steps_launched_ahead"]
     built0 = _build_stats(engine)
     rows0 = list(getattr(engine.runner, "graph_rows", ()))  # (CUDA: decode rows replayed on graphs, live / padding)
     prefix = rng.integers(0, vocab, prefix_len).tolist()
-    prompts = [prefix + rng.integers(0, vocab, input_len - prefix_len).tolist()  # (made before the clock starts)
-               for _ in range(batch)]
+    prompts = [prefix + rng.integers(0, vocab, n - prefix_len).tolist()  # (made before the clock starts)
+               for n in in_lens]
     cache = engine.scheduler.cache
     # (each run from an empty cache: a run repeats the last one's prompts, which would resume or form junctions;
     # --prefix-len measures the sharing inside one run)
@@ -131,7 +148,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     gc.callbacks.append(gc_time)
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": ids}, params, output_kind="delta")
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": ids}, params[i], output_kind="delta")
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     decode_steps: list[float] = []
@@ -149,11 +166,13 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
     elapsed = time.perf_counter() - t0
     gc.callbacks.remove(gc_time)
     ttft = [first[r] for r in done]
-    tpot = [(done[r] - first[r]) / (output_len - 1) for r in done] if output_len > 1 else [0.0]
+    out_len_of = {f"bench-{i}": n for i, n in enumerate(out_lens)}
+    tpot = [(done[r] - first[r]) / (out_len_of[r] - 1) for r in done if out_len_of[r] > 1] or [0.0]
     return {
         "elapsed_s": elapsed,
-        "total_tok_s": batch * (input_len + output_len) / elapsed,
-        "output_tok_s": batch * output_len / elapsed,
+        "total_tok_s": (sum(in_lens) + sum(out_lens)) / elapsed,
+        "output_tok_s": sum(out_lens) / elapsed,
+        **({"input_tokens": sum(in_lens), "output_tokens": sum(out_lens)} if range_ratio else {}),
         "ttft_s_mean": statistics.fmean(ttft),
         "ttft_s_max": max(ttft),
         "tpot_s_mean": statistics.fmean(tpot),
@@ -172,6 +191,7 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         # the share of the decode graphs' rows that were padding (a batch replays the smallest captured graph that
         # holds it: --cuda-graph-sizes)
         **_padding_share(rows0, list(getattr(engine.runner, "graph_rows", ()))),
+        "_prompt_lens": in_lens,
     }
 
 
@@ -282,17 +302,19 @@ def profile_steps(engine: LLMEngine, batch: int, input_len: int, seed: int = 0) 
 
 
 def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touched: dict[int, float] | None,
-           quantization: str | None = None, e4m3_gemv: bool = False) -> dict:
+           quantization: str | None = None, e4m3_gemv: bool = False, prompt_lens: list[int] | None = None) -> dict:
     """The decode bytes floor (from the experts routed in the run; `quantization` as EngineConfig's: the experts'
     bytes in that format; `e4m3_gemv`: the run's decode steps read the dense projections' e4m3 rows,
     KDA_RT_FP8_DECODE_GEMV and _MAX_T) and the prefill FLOPs floor of a (batch, input, output) run, with the
-    measured / floor ratios; one summary line on stderr."""
+    measured / floor ratios; one summary line on stderr.  `prompt_lens` (a --random-range-ratio run): the prefill
+    floor of those prompts, and no decode floor (its batch shrinks as requests end at different steps: a mean step
+    has no one batch to compare with)."""
     from kda_rt.floors import COPY_BYTES_PER_S, decode_floor, prefill_floor
 
     batch, input_len, output_len = shape
     dec = decode_floor(config, batch, input_len + output_len / 2, touched or None, quantization=quantization,
                        e4m3_gemv=e4m3_gemv)
-    pre = prefill_floor(config, [input_len] * batch, quantization=quantization)
+    pre = prefill_floor(config, prompt_lens or [input_len] * batch, quantization=quantization)
     step = report["decode_step_s_mean"]
     out = {"experts_per_moe_layer": round(dec["experts_per_moe_layer"], 1), "experts_counted": bool(touched),
            "decode_floor_ms": dec["seconds"] * 1e3, "decode_floor_gb": dec["bytes"] / 1e9,
@@ -301,14 +323,19 @@ def floors(config: ModelConfig, shape: tuple[int, int, int], report: dict, touch
            # itself is at the H200's copy rate, floors.COPY_BYTES_PER_S)
            "decode_tb_s": dec["bytes"] / step / 1e12 if step else None,
            "prefill_floor_s": pre["seconds"], "ttft_max_ratio": report["ttft_s_max"] / pre["seconds"]}
+    if prompt_lens is not None:
+        out.update(decode_floor_ms=None, decode_floor_gb=None, decode_ratio=None, decode_tb_s=None)
     fp8 = ""
     if "seconds_fp8" in pre:  # the e4m3 products at twice the bf16 rate
         out.update(prefill_floor_fp8_s=pre["seconds_fp8"], ttft_max_ratio_fp8=report["ttft_s_max"] / pre["seconds_fp8"])
         fp8 = f" (fp8 floor {pre['seconds_fp8']:.3f} s -> {out['ttft_max_ratio_fp8']:.2f}x)"
-    print(f"{batch} x {input_len} / {output_len}: decode step {step * 1e3 if step else float('nan'):.2f} ms, floor {out['decode_floor_ms']:.2f} ms "
-          f"({out['decode_floor_gb']:.1f} GB at {COPY_BYTES_PER_S / 1e12:.1f} TB/s, {out['experts_per_moe_layer']} "
-          f"experts per MoE layer {'counted' if touched else 'estimated'}) -> {out['decode_ratio'] or float('nan'):.2f}x, "
-          f"{out['decode_tb_s'] or float('nan'):.2f} TB/s; "
+    floor = (f"floor {out['decode_floor_ms']:.2f} ms ({out['decode_floor_gb']:.1f} GB at {COPY_BYTES_PER_S / 1e12:.1f} "
+             f"TB/s, {out['experts_per_moe_layer']} experts per MoE layer {'counted' if touched else 'estimated'}) -> "
+             f"{out['decode_ratio'] or float('nan'):.2f}x, {out['decode_tb_s'] or float('nan'):.2f} TB/s"
+             if prompt_lens is None else f"no floor (mixed lengths), {out['experts_per_moe_layer']} experts per MoE "
+             f"layer {'counted' if touched else 'estimated'}")
+    print(f"{batch} x {input_len} / {output_len}{' (lengths mixed)' if prompt_lens is not None else ''}: decode step "
+          f"{step * 1e3 if step else float('nan'):.2f} ms, {floor}; "
           f"TTFT max {report['ttft_s_max']:.3f} s, prefill floor {pre['seconds']:.3f} s -> "
           f"{out['ttft_max_ratio']:.2f}x{fp8}", file=sys.stderr)
     return out
@@ -359,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.num_iters_warmup}")
     if args.no_warmup:
         args.num_iters_warmup = 0
-    if not 0 <= args.prefix_len < min(sh[1] for sh in shapes):
-        ap.error(f"--prefix-len must be >= 0 and below every workload's input length, got {args.prefix_len}")
+    if not 0.0 <= args.random_range_ratio < 1.0:  # (NaN fails too)
+        ap.error(f"--random-range-ratio must be >= 0 and below 1, got {args.random_range_ratio}")
+    if not 0 <= args.prefix_len < min(length_range(sh[1], args.random_range_ratio)[0] for sh in shapes):
+        ap.error(f"--prefix-len must be >= 0 and below every workload's input length (with --random-range-ratio its "
+                 f"shortest), got {args.prefix_len}")
     if args.num_layers is not None and (args.num_layers < 1 or not args.config):
         ap.error("--num-layers must be >= 1 and works with a preset --config only")
     if not 0.0 <= args.router_bias_std < math.inf:  # (NaN fails too)
@@ -398,15 +428,19 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
         count = getattr(engine.runner, "experts_touched", None)
         for k, (batch, input_len, output_len) in enumerate(shapes):
+            ratio = args.random_range_ratio
             for i in range(args.num_iters_warmup):  # same shapes: every kernel variant the runs need is built now
-                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i, sampling, args.prefix_len)
+                run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i, sampling, args.prefix_len,
+                          ratio)
             if count is not None:
                 count(reset=True)
-            report = _median_report([run_bench(engine, batch, input_len, output_len, args.seed, sampling,
-                                               args.prefix_len) for _ in range(args.num_iters)])
+            runs = [run_bench(engine, batch, input_len, output_len, args.seed, sampling, args.prefix_len, ratio)
+                    for _ in range(args.num_iters)]
+            prompt_lens = [r.pop("_prompt_lens") for r in runs][0]  # (the same seed: each run's the same)
+            report = _median_report(runs)
             report.update(floors(model_config, (batch, input_len, output_len), report,
                                  count(reset=True) if count is not None else None, engine_config.quantization,
-                                 e4m3_gemv=reads_e4m3_rows(engine, batch)))
+                                 e4m3_gemv=reads_e4m3_rows(engine, batch), prompt_lens=prompt_lens if ratio else None))
             if engine.runner.name != "cuda" and k == 0:
                 print("(the floors are an H200's copy rate and bf16 peak: the ratios mean something on the cuda "
                       f"backend only, this run is on {engine.runner.name})", file=sys.stderr)

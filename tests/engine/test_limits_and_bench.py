@@ -174,6 +174,43 @@ def test_bench_counts_steps_launched_ahead(tiny_dir, async_scheduling):
         assert report["steps_launched_ahead"] == 0
 
 
+def test_bench_random_range_ratio(tiny_dir, capsys):
+    """bench --random-range-ratio R: each request's input and output lengths drawn (seeded) from [L(1 - R), L(1 + R)],
+    the runs' token counts and rates from those lengths, every request ending at its own drawn max_tokens; the
+    prefill floor of the drawn prompts and no decode floor (the batch shrinks); R = 0 draws nothing (the prompts of
+    runs before the flag); R outside [0, 1) or a --prefix-len reaching the shortest prompt is refused by name."""
+    from kda_rt.bench import floors, length_range, main, run_bench
+
+    assert length_range(100, 0.5) == (50, 150) and length_range(1, 0.9) == (1, 1)
+    engine = make_llm(tiny_dir, max_num_seqs=8, max_model_len=128).llm_engine
+    prompts, ends = [], []
+    add, fin = engine.add_request, engine.scheduler.finish
+    engine.add_request = lambda rid, prompt, params, **k: (prompts.append(prompt["prompt_token_ids"]),
+                                                           add(rid, prompt, params, **k))[1]
+    engine.scheduler.finish = lambda seq, *a, **k: (ends.append(len(seq.output_token_ids)), fin(seq, *a, **k))[1]
+    report = run_bench(engine, 8, 40, 20, seed=3, prefix_len=10, range_ratio=0.5)
+    lens = report.pop("_prompt_lens")
+    assert lens == [len(p) for p in prompts] and all(20 <= n <= 60 for n in lens) and len(set(lens)) > 2
+    assert all(p[:10] == prompts[0][:10] for p in prompts)
+    assert report["input_tokens"] == sum(lens) and report["output_tokens"] == sum(ends)
+    assert all(10 <= n <= 30 for n in ends) and len(set(ends)) > 2
+    assert report["output_tok_s"] == pytest.approx(sum(ends) / report["elapsed_s"])
+    again = run_bench(engine, 8, 40, 20, seed=3, prefix_len=10, range_ratio=0.5)
+    assert again["_prompt_lens"] == lens  # (seeded)
+    fl = floors(engine.model_config, (8, 40, 20), report, None, prompt_lens=lens)
+    assert fl["decode_floor_ms"] is None and fl["decode_ratio"] is None and fl["prefill_floor_s"] > 0
+    assert fl["prefill_floor_s"] != floors(engine.model_config, (8, 40, 20), report, None)["prefill_floor_s"]
+    prompts.clear()
+    plain = run_bench(engine, 3, 12, 2, seed=3)
+    assert "input_tokens" not in plain and [len(p) for p in prompts] == [12] * 3
+    for argv, match in ((["--random-range-ratio", "1"], "--random-range-ratio must be >= 0 and below 1"),
+                        (["--random-range-ratio", "nan"], "--random-range-ratio must be"),
+                        (["--random-range-ratio", "0.5", "--prefix-len", "20"], "--prefix-len must be")):
+        with pytest.raises(SystemExit):
+            main(["--model", str(tiny_dir), "--input-len", "40", *argv])
+        assert match in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("entry", ["kda_rt.generate", "kda_rt.bench", "kda_rt.server.__main__"])
 def test_cuda_graph_sizes_flag_on_every_entry_point(entry):
     """--cuda-graph-sizes takes one or more sizes on generate, bench and the server (nargs="+"); a bad size is an

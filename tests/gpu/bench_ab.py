@@ -43,6 +43,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--replays", default="", help="decode batch sizes whose graph replays are timed, e.g. 1,32")
     ap.add_argument("--decode", default="", help="batch:input:output of decode runs per round, e.g. 1:2048:64,8:2048:64")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="--decode runs draw each request's lengths as bench's --random-range-ratio (no decode floor)")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="EngineConfig.quantization of the model")
     args = ap.parse_args()
     envs = args.env.split(",")
@@ -113,15 +115,17 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
             for b, i, o in decodes:
                 engine.runner.experts_touched(reset=True)
-                dec = run_bench(engine, b, i, o, seed=50 + r)
+                dec = run_bench(engine, b, i, o, seed=50 + r, range_ratio=args.range_ratio)
+                lens = dec.pop("_prompt_lens")
                 fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True), args.quantization,
-                            e4m3_gemv=reads_e4m3_rows(engine, b))
+                            e4m3_gemv=reads_e4m3_rows(engine, b), prompt_lens=lens if args.range_ratio else None)
                 steps[v, (b, i, o)].append(dec["decode_step_s_mean"])
                 elapsed[v, (b, i, o)].append(dec["elapsed_s"])
                 row = {"what": "decode", args.env: v, "round": r, "workload": f"{b}:{i}:{o}",
-                       "step_ms": round(dec["decode_step_s_mean"] * 1e3, 3), "floor_ms": round(fl["decode_floor_ms"], 3),
-                       "ratio": round(fl["decode_ratio"], 3), "experts": fl["experts_per_moe_layer"],
+                       "step_ms": round(dec["decode_step_s_mean"] * 1e3, 3), "floor_ms": fl["decode_floor_ms"] and round(fl["decode_floor_ms"], 3),
+                       "ratio": fl["decode_ratio"] and round(fl["decode_ratio"], 3), "experts": fl["experts_per_moe_layer"],
                        "elapsed_s": round(dec["elapsed_s"], 4), "ttft_max_s": round(dec["ttft_s_max"], 4),
+                       "steps_launched_ahead": dec["steps_launched_ahead"], "num_steps": dec["num_steps"],
                        "kernels_built": dec.get("kernels_built")}
                 print(json.dumps(row), flush=True)
     for v in values:
