@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each request's input and output lengths drawn uniformly from [L * (1 - R), L * (1 + R)] "
                          "(seeded; vLLM's bench flag): requests end at different steps, as in serving; 0 (the "
                          "default): every request the workload's lengths")
+    ap.add_argument("--structured-every", type=int, default=0, metavar="N",
+                    help="every N-th request (the first, the N+1-th, ...) is constrained by --structured-regex (a "
+                         "structured-output row among unconstrained ones, as in serving; needs a tokenizer: the "
+                         "--model's, or --tokenizer) ")
+    ap.add_argument("--structured-regex", default="[a-z]+( [a-z]+)*",
+                    help="the constrained requests' regex (default: words without end, so max_tokens ends them)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a directory with a tokenizer (tiktoken.model + tokenizer_config.json) for "
+                         "--structured-every when the model has none (--config; e.g. the bundled demo's)")
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="the first N tokens of every prompt of a run are the same (a shared system prompt; with "
                          "prefix caching, on by default, later requests resume after it); each run starts from an "
@@ -116,10 +125,12 @@ def length_range(length: int, ratio: float) -> tuple[int, int]:
 
 
 def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int = 0,
-              sampling: dict | None = None, prefix_len: int = 0, range_ratio: float = 0.0) -> dict:
+              sampling: dict | None = None, prefix_len: int = 0, range_ratio: float = 0.0,
+              structured: tuple[int, str] | None = None) -> dict:
     """Run the workload on `engine` (greedy, or `sampling`'s settings, EOS ignored; every prompt's first `prefix_len`
-    tokens the same; `range_ratio` > 0: each request's input and output lengths drawn from `length_range`); returns
-    the timing part of the report (with "_prompt_lens", the prompts' lengths, for the floors)."""
+    tokens the same; `range_ratio` > 0: each request's input and output lengths drawn from `length_range`;
+    `structured` (every, regex): requests 0, every, 2 * every, ... constrained by the regex); returns the timing
+    part of the report (with "_prompt_lens", the prompts' lengths, for the floors)."""
     from kda_rt.sampler.params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -130,7 +141,10 @@ def run_bench(engine: LLMEngine, batch: int, input_len: int, output_len: int, se
         lo, hi = length_range(output_len, range_ratio)
         out_lens = rng.integers(lo, hi + 1, batch).tolist()
     base = {"temperature": 0.0, **(sampling or {})}
-    params = [SamplingParams(**base, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [SamplingParams(**base, max_tokens=n, ignore_eos=True,
+                             **({"structured_outputs": {"regex": structured[1]}}
+                                if structured and i % structured[0] == 0 else {}))
+              for i, n in enumerate(out_lens)]
     vocab = engine.model_config.vocab_size
     steps0, preempt0 = engine.counters["steps"], engine.scheduler.num_preemptions
     ahead0 = engine.counters["steps_launched_ahead"]
@@ -401,14 +415,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if (problem := model_dir_problem(args.model)) is not None:
         ap.error(problem)
+    from kda_rt.demo import demo_path
+    from kda_rt.llm import _has_tokenizer, build_engine
+
+    if args.structured_every < 0:
+        ap.error(f"--structured-every must be >= 0 (0: no constrained request), got {args.structured_every}")
+    tokenizer_dir = args.tokenizer or (args.model if args.structured_every else None)
+    if args.structured_every and (tokenizer_dir is None or not _has_tokenizer(tokenizer_dir)):
+        ap.error(f"--structured-every needs a tokenizer (tiktoken.model + tokenizer_config.json): "
+                 f"{'--tokenizer ' + repr(tokenizer_dir) + ' has none' if args.tokenizer else 'the model has none'}; "
+                 f"give --tokenizer DIR (e.g. {demo_path()}, the bundled demo's)")
     try:
         sampling = parse_sampling(args.sampling)
     except ValueError as exc:
         ap.error(str(exc))
     from kda_rt.demo.presets import PRESETS
-    from kda_rt.llm import build_engine
     from kda_rt.loader.config import load_config, parse_config
     from kda_rt.loader.weights import load_checkpoint
+    from kda_rt.text.tokenizer import Tokenizer
 
     try:
         if args.config in PRESETS:
@@ -424,18 +448,23 @@ def main(argv: list[str] | None = None) -> int:
         weights = (random_weights(model_config, args.seed, router_bias_std=args.router_bias_std) if args.random_weights
                    else load_checkpoint(args.model, model_config))
         engine_config = EngineConfig.from_cli_args(args, max_num_seqs=args.max_num_seqs or max(b for b, _, _ in shapes))
-        engine = build_engine(model_config, weights, engine_config)
+        tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir and _has_tokenizer(tokenizer_dir) else None
+        if tokenizer is not None and tokenizer.vocab_size > model_config.vocab_size:
+            raise ValueError(f"--tokenizer {tokenizer_dir!r}: {tokenizer.vocab_size} tokens, more than the model's "
+                             f"{model_config.vocab_size}")
+        engine = build_engine(model_config, weights, engine_config, tokenizer=tokenizer)
         load_s = time.perf_counter() - t0
         count = getattr(engine.runner, "experts_touched", None)
+        structured = (args.structured_every, args.structured_regex) if args.structured_every else None
         for k, (batch, input_len, output_len) in enumerate(shapes):
             ratio = args.random_range_ratio
             for i in range(args.num_iters_warmup):  # same shapes: every kernel variant the runs need is built now
                 run_bench(engine, batch, input_len, min(output_len, 4), args.seed + 1 + i, sampling, args.prefix_len,
-                          ratio)
+                          ratio, structured)
             if count is not None:
                 count(reset=True)
-            runs = [run_bench(engine, batch, input_len, output_len, args.seed, sampling, args.prefix_len, ratio)
-                    for _ in range(args.num_iters)]
+            runs = [run_bench(engine, batch, input_len, output_len, args.seed, sampling, args.prefix_len, ratio,
+                              structured) for _ in range(args.num_iters)]
             prompt_lens = [r.pop("_prompt_lens") for r in runs][0]  # (the same seed: each run's the same)
             report = _median_report(runs)
             report.update(floors(model_config, (batch, input_len, output_len), report,

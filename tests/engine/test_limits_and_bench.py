@@ -211,6 +211,41 @@ def test_bench_random_range_ratio(tiny_dir, capsys):
         assert match in capsys.readouterr().err
 
 
+def test_bench_structured_every(capsys):
+    """bench --structured-every N: requests 0, N, 2N, ... carry --structured-regex (structured-output rows among
+    free ones) and their texts match it, the others are unconstrained; a model without a tokenizer needs --tokenizer
+    (refused by name otherwise), and N < 0 is refused."""
+    import re
+
+    pytest.importorskip("llguidance")
+    from kda_rt.bench import main, run_bench
+    from kda_rt.demo import demo_path
+
+    engine = make_llm(demo_path(), max_num_seqs=5, max_model_len=128).llm_engine
+    added, texts = {}, {}
+    add, step = engine.add_request, engine.step
+    engine.add_request = lambda rid, prompt, params, **k: (added.__setitem__(rid, params), add(rid, prompt, params, **k))[1]
+
+    def spy_step():
+        outs = step()
+        for o in outs:
+            texts[o.request_id] = texts.get(o.request_id, "") + o.outputs[0].text
+        return outs
+
+    engine.step = spy_step
+    run_bench(engine, 5, 12, 16, seed=2, structured=(2, "[a-z]+( [a-z]+)*"))
+    constrained = sorted(r for r, p in added.items() if p.structured_outputs is not None)
+    assert constrained == ["bench-0", "bench-2", "bench-4"]
+    assert all(re.fullmatch("[a-z]+( [a-z]+)*", texts[r]) for r in constrained), texts
+    assert not all(re.fullmatch("[a-z ]*", texts[r]) for r in ("bench-1", "bench-3")), texts  # (free rows are not)
+    for argv, match in ((["--config", "kimi-linear-48b-a3b", "--random-weights", "--structured-every", "2"],
+                         "--structured-every needs a tokenizer"),
+                        (["--model", str(demo_path()), "--structured-every", "-1"], "--structured-every must be >= 0")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert match in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("entry", ["kda_rt.generate", "kda_rt.bench", "kda_rt.server.__main__"])
 def test_cuda_graph_sizes_flag_on_every_entry_point(entry):
     """--cuda-graph-sizes takes one or more sizes on generate, bench and the server (nargs="+"); a bad size is an

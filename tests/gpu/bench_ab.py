@@ -45,6 +45,9 @@ def main() -> int:
     ap.add_argument("--decode", default="", help="batch:input:output of decode runs per round, e.g. 1:2048:64,8:2048:64")
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="--decode runs draw each request's lengths as bench's --random-range-ratio (no decode floor)")
+    ap.add_argument("--structured-every", type=int, default=0,
+                    help="--decode runs: every N-th request constrained by a regex, as bench's flag (the bundled "
+                         "demo's tokenizer; llguidance on the device: carry .whl/extra)")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="EngineConfig.quantization of the model")
     args = ap.parse_args()
     envs = args.env.split(",")
@@ -72,7 +75,15 @@ def main() -> int:
     seqs = max(32, args.prompts, *replays, *(b for b, *_ in decodes))  # (every run's batch admitted at once)
     # a graph of exactly each replay batch's rows (until the fifty-second session a batch that was neither a power of
     # two nor the largest ran the next graph up, padding rows and all: "160" and "192" replayed the 256-row graph)
-    cfg, engine = full_engine(args.layers, max_num_seqs=seqs, quantization=args.quantization, exact_graphs=replays)
+    tokenizer = None
+    if args.structured_every:
+        from kda_rt.demo import demo_path
+        from kda_rt.text.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(demo_path())
+    cfg, engine = full_engine(args.layers, max_num_seqs=seqs, quantization=args.quantization, exact_graphs=replays,
+                              tokenizer=tokenizer)
+    structured = (args.structured_every, "[a-z]+( [a-z]+)*") if args.structured_every else None
     if args.prompts:
         run_bench(engine, args.prompts, args.input_len, 2, seed=1)  # warm
     ttft: dict[str, list[float]] = {v: [] for v in values}
@@ -115,7 +126,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
             for b, i, o in decodes:
                 engine.runner.experts_touched(reset=True)
-                dec = run_bench(engine, b, i, o, seed=50 + r, range_ratio=args.range_ratio)
+                dec = run_bench(engine, b, i, o, seed=50 + r, range_ratio=args.range_ratio, structured=structured)
                 lens = dec.pop("_prompt_lens")
                 fl = floors(cfg, (b, i, o), dec, engine.runner.experts_touched(reset=True), args.quantization,
                             e4m3_gemv=reads_e4m3_rows(engine, b), prompt_lens=lens if args.range_ratio else None)

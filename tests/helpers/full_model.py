@@ -8,9 +8,9 @@ import sys
 import time
 
 
-def full_engine(layers: int = 27, exact_graphs=(), **engine_config):
+def full_engine(layers: int = 27, exact_graphs=(), tokenizer=None, **engine_config):
     """(ModelConfig, LLMEngine) of the 48B preset cut to `layers` layers; `engine_config` are EngineConfig
-    fields (gpu_memory_utilization defaults to 0.85).  exact_graphs: decode batch sizes that get a graph of exactly
+    fields (gpu_memory_utilization defaults to 0.85); `tokenizer`: the engine's (structured outputs need one).  exact_graphs: decode batch sizes that get a graph of exactly
     their rows besides the default sizes up to max_num_seqs (else a batch between two sizes replays the next one up,
     padding rows and all)."""
     from kda_rt.bench import random_weights
@@ -25,7 +25,7 @@ def full_engine(layers: int = 27, exact_graphs=(), **engine_config):
     cfg = parse_config(PRESETS["kimi-linear-48b-a3b"](layers), source="preset")
     t0 = time.perf_counter()
     engine = build_engine(cfg, random_weights(cfg, 0, router_bias_std=0.05),
-                          EngineConfig(**{"gpu_memory_utilization": 0.85, **engine_config}))
+                          EngineConfig(**{"gpu_memory_utilization": 0.85, **engine_config}), tokenizer=tokenizer)
     print(f"load {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return cfg, engine
 
