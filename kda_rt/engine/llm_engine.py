@@ -115,6 +115,8 @@ class LLMEngine:
         if config.max_model_len is None or config.max_num_batched_tokens is None or config.max_num_seqs is None:
             raise ValueError("LLMEngine needs a resolved max_model_len, max_num_batched_tokens and max_num_seqs "
                              "(build_engine plans the first and the last from the pools and defaults the second)")
+        for switch in (env.async_prefill, env.async_waiting, env.async_ending, env.async_grammar):
+            switch()  # (read at every step; a bad value is refused here, by name, not at the step that reads it first)
         self.model_config = model_config
         self.runner = runner
         self.tokenizer = tokenizer

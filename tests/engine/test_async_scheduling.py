@@ -322,6 +322,16 @@ def test_decode_steps_where_sequences_end_by_length(tiny_dir, monkeypatch, endin
     assert_no_leaks(ahead)
 
 
+@pytest.mark.parametrize("name", ["KDA_RT_ASYNC_PREFILL", "KDA_RT_ASYNC_WAITING", "KDA_RT_ASYNC_ENDING",
+                                  "KDA_RT_ASYNC_GRAMMAR"])
+def test_async_switch_values_refused_at_start(tiny_dir, monkeypatch, name):
+    """The async switches are read at every step; a value other than 0 / 1 is refused when the engine is built,
+    naming the variable (it used to raise at the first step that read it, mid-run: generate's requests aborted)."""
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got 'yes'"):
+        make_llm(tiny_dir)
+
+
 @pytest.mark.parametrize("case", ["arrivals", "priority"])
 def test_no_prompt_launched_ahead_while_requests_wait(tiny_dir, monkeypatch, case):
     """KDA_RT_ASYNC_PREFILL=0 with KDA_RT_ASYNC_WAITING=1: a decode step goes ahead while requests wait only where the
