@@ -53,6 +53,8 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
         self._shut = False
+        self._stats: dict[str, int] = {}
+        self._locked(lambda: None)  # (the counters as of this AsyncLLM's last engine call: `stats` while one runs)
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, output_kind: str = "delta",
@@ -196,7 +198,15 @@ class AsyncLLM:
         return self.llm._vllm_output(out, params, prompt_lps, done)
 
     def stats(self) -> dict[str, int]:
-        return self._locked(self.engine.stats)
+        """The engine's counters (`LLM.stats`).  It never waits for a step in progress, so it can be called on the
+        event loop (a metrics scrape would otherwise stall every stream for a step): while the engine is busy, the
+        counters as this AsyncLLM's last step, add or abort left them."""
+        if not self._lock.acquire(blocking=False):
+            return dict(self._stats)
+        try:
+            return self.engine.stats()
+        finally:
+            self._lock.release()
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every kept prefix (`enable_prefix_caching`; vLLM's name); True.  Waits for a step in progress on a
@@ -221,7 +231,9 @@ class AsyncLLM:
 
     def _locked(self, fn, *args):
         with self._lock:
-            return fn(*args)
+            out = fn(*args)
+            self._stats = self.engine.stats()  # (after adds and aborts too: what `stats` gives while a step runs)
+            return out
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
@@ -232,7 +244,9 @@ class AsyncLLM:
             if binding != self._binding:  # left by a closed loop: its outputs would go nowhere
                 return []
             self._apply_aborts()
-            return self.engine.step() if self.engine.has_unfinished_requests() else []
+            outs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            self._stats = self.engine.stats()
+            return outs
 
     def _apply_aborts(self) -> None:
         while self._to_abort:

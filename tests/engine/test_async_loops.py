@@ -72,3 +72,45 @@ def test_a_step_left_by_a_closed_loop_does_nothing(tiny_dir):
 
     assert asyncio.run(steps_to_finish(False)) == asyncio.run(steps_to_finish(True)) == (4, ref)
     assert_no_leaks(llm)
+
+
+def test_stats_does_not_wait_for_a_step(tiny_dir):
+    """AsyncLLM.stats() on the event loop while a step runs in its worker thread returns at once (the counters the
+    last step left) instead of blocking the loop, and every stream, until the step ends; once the engine is free it
+    reads the engine's own counters."""
+    import threading
+    import time
+
+    llm = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64)
+    engine = AsyncLLM(llm)
+    sched = llm.llm_engine.scheduler
+    inside, release, schedule = threading.Event(), threading.Event(), sched.schedule
+
+    def slow_schedule(*a, **k):
+        if not release.is_set():
+            inside.set()
+            release.wait(10)
+        return schedule(*a, **k)
+
+    async def main() -> tuple[float, dict, list[int]]:
+        task = asyncio.ensure_future(_collect(engine, {"prompt_token_ids": [5, 6, 7]}, greedy(4)))
+        await asyncio.to_thread(inside.wait, 10)
+        timer = threading.Timer(2.0, release.set)  # (the code before waited here for the step: ~2 s)
+        timer.start()
+        t0 = time.perf_counter()
+        stats = engine.stats()
+        took = time.perf_counter() - t0
+        release.set()
+        timer.cancel()
+        return took, stats, await asyncio.wait_for(task, 10)
+
+    sched.schedule = slow_schedule
+    try:
+        took, stats, ids = asyncio.run(main())
+    finally:
+        del sched.schedule
+    assert took < 0.5, f"stats() waited {took:.2f} s for the step in progress"
+    assert stats["running"] == 0 and stats["waiting"] == 1  # (as before that first step: the request queued)
+    assert len(ids) == 4
+    assert engine.stats() == llm.llm_engine.stats() and engine.stats()["running"] == 0
+    assert_no_leaks(llm)
