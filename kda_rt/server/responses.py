@@ -30,13 +30,16 @@ def _text(token: bytes) -> str:
     return token.decode("utf-8", errors="replace")
 
 
-def _echo_entries(prompt_entries: list, as_ids: bool = False) -> list:
-    """Prompt-logprob entries in the generation-entry form [bytes, logprob | None, top | None]; `as_ids`: tokens named
-    "token_id:N" (return_tokens_as_token_ids, as the generated tokens' entries already are)."""
+def _echo_entries(prompt_entries: list, as_ids: bool = False, num: int | None = None) -> list:
+    """Prompt-logprob entries in the generation-entry form [bytes, logprob | None, top | None], each top cut to the
+    request's `logprobs` (`num`; the entries may hold more for its `prompt_logprobs`), as vLLM cuts them; `as_ids`:
+    tokens named "token_id:N" (return_tokens_as_token_ids, as the generated tokens' entries already are)."""
     if as_ids:
-        return [[b"token_id:%d" % tok, lp, None if lp is None else [[b"token_id:%d" % t, tlp] for t, _, tlp in top]]
+        return [[b"token_id:%d" % tok, lp,
+                 None if lp is None else [[b"token_id:%d" % t, tlp] for t, _, tlp in top[:num]]]
                 for tok, _, lp, _, top in prompt_entries]
-    return [[b, lp, None if lp is None else [[tb, tlp] for _, tb, tlp in top]] for _, b, lp, _, top in prompt_entries]
+    return [[b, lp, None if lp is None else [[tb, tlp] for _, tb, tlp in top[:num]]]
+            for _, b, lp, _, top in prompt_entries]
 
 
 def completion_logprobs(entries: list, offset: int) -> dict[str, list]:
@@ -82,8 +85,10 @@ class _Shape:
     prompt logprobs), and the tool-call mode."""
 
     def __init__(self, n: int, num_choices: int, chat: bool, prompts: list[dict[str, Any]], echo: bool,
-                 tool_mode: dict[str, Any] | None, token_ids: bool = False, as_ids: bool = False) -> None:
+                 tool_mode: dict[str, Any] | None, token_ids: bool = False, as_ids: bool = False,
+                 num_logprobs: int | None = None) -> None:
         self.n, self.num_choices, self.chat, self.prompts, self.echo = n, num_choices, chat, prompts, echo
+        self.num_logprobs = num_logprobs  # the request's `logprobs`: echoed prompt tokens' top entries
         self.as_ids = as_ids  # return_tokens_as_token_ids: echoed prompt tokens named "token_id:N"
         self.tool_mode = tool_mode
         self.token_ids = token_ids  # vLLM's return_token_ids: the prompt's and each choice's ids in the response
@@ -98,8 +103,8 @@ class Choices(_Shape):
 
     def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
                  echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False,
-                 token_ids: bool = False, as_ids: bool = False) -> None:
-        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids, as_ids)
+                 token_ids: bool = False, as_ids: bool = False, num_logprobs: int | None = None) -> None:
+        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids, as_ids, num_logprobs)
         self.with_logprobs = logprobs
         self.text = [""] * self.num_choices
         self.ids: list[list[int]] = [[] for _ in range(self.num_choices)] if token_ids else []
@@ -154,7 +159,7 @@ class Choices(_Shape):
         if self.echo:
             text = prompt.get("text", "") + text
             if self.with_logprobs and "logprobs" in prompt:
-                entries = _echo_entries(prompt["logprobs"], self.as_ids) + (entries or [])
+                entries = _echo_entries(prompt["logprobs"], self.as_ids, self.num_logprobs) + (entries or [])
         choice = {"index": i, "text": text,
                   "logprobs": completion_logprobs(entries, 0) if entries is not None else None,
                   "finish_reason": reason, "stop_reason": stop_reason}
@@ -170,8 +175,8 @@ class StreamChoices(_Shape):
 
     def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
                  echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False,
-                 token_ids: bool = False, as_ids: bool = False) -> None:
-        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids, as_ids)
+                 token_ids: bool = False, as_ids: bool = False, num_logprobs: int | None = None) -> None:
+        super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids, as_ids, num_logprobs)
         self.offsets = [0] * self.num_choices
         self.ids_sent = [False] * self.num_choices  # (completions: a choice's first chunk carries its prompt's ids)
         self.with_logprobs = logprobs
@@ -190,7 +195,7 @@ class StreamChoices(_Shape):
             text = prompt.get("text", "") if self.echo else ""
             lps = None
             if self.echo and self.with_logprobs and "logprobs" in prompt:
-                lps = completion_logprobs(_echo_entries(prompt["logprobs"], self.as_ids), 0)
+                lps = completion_logprobs(_echo_entries(prompt["logprobs"], self.as_ids, self.num_logprobs), 0)
             choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": None, "stop_reason": None}
             if "logprobs" in prompt:
                 choice["prompt_logprobs"] = prompt_logprobs_field(prompt["logprobs"])

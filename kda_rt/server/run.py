@@ -64,6 +64,7 @@ class RequestRun:
         self.server_aborted = False
         self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
                       "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None,
+                      "num_logprobs": payload["params"]["logprobs"],
                       "token_ids": bool(payload.get("return_token_ids")), "as_ids": bool(payload.get("tokens_as_ids"))}
         self.choices = responses.Choices(req.n, chat, **self.shape)
         state.open[rid] = queue

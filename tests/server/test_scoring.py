@@ -71,6 +71,26 @@ def test_batched_prompts_order_and_echo(server):
     assert choices[2]["text"] == "Bye" + single["choices"][0]["text"]  # greedy: same continuation alone or batched
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_top_logprobs_follow_logprobs_not_prompt_logprobs(server, stream):
+    """With echo, the echoed prompt tokens' top_logprobs hold at most `logprobs` + 1 entries (the top `logprobs` and the
+    token itself), as the generated tokens' do and vLLM's do, even when `prompt_logprobs` asks for more (was: the
+    top `prompt_logprobs` + 1); the choice's own `prompt_logprobs` keeps its `prompt_logprobs` entries."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "echo": True, "logprobs": 1, "prompt_logprobs": 5,
+            "temperature": 0, "stream": stream}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        tops = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["top_logprobs"]]
+        prompt_lps = next(ch["prompt_logprobs"] for c in chunks for ch in c["choices"] if "prompt_logprobs" in ch)
+    else:
+        choice = r.json()["choices"][0]
+        tops, prompt_lps = choice["logprobs"]["top_logprobs"], choice["prompt_logprobs"]
+    assert len(tops) == 4 + 2 and tops[0] is None
+    assert all(1 <= len(top) <= 2 for top in tops[1:]), [len(t) for t in tops[1:]]
+    assert all(len(entry) >= 5 for entry in prompt_lps[1:])
+
 def test_prompt_logprobs_field(server, reference_llm):
     r = _post(server, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 1, "prompt_logprobs": 2})
     pl = r.json()["choices"][0]["prompt_logprobs"]
