@@ -224,7 +224,7 @@ def check_depth(value: Any, what: str) -> None:
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope."""
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-             413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+             408: "BadRequestError", 413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": err_type or kinds.get(status, "InternalServerError"),
                       "param": param, "code": status}}
 

@@ -107,6 +107,8 @@ def test_stalled_body_gets_408(srv):
     reply = _raw_post(srv, 100, b'{"prompt":', timeout=20)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert time.monotonic() - start < 15
+    # the client's fault, typed as the header timeout's 408 is (was: "InternalServerError", a server fault)
+    assert b'"type":"BadRequestError"' in reply and b'"code":408' in reply, reply[:400]
 
 
 def test_incomplete_headers_get_408_and_close(srv):
