@@ -7,7 +7,8 @@
 Unknown request fields are accepted, logged once per field name at WARNING and listed in the
 `x-kda-rt-ignored-fields` response header.
 Errors use OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 invalid body or
-parameters, 401 wrong API key (routes under /v1 only), 404 unknown model, 413 body over the cap,
+parameters, 401 wrong API key (the /v1 routes and /tokenize, /detokenize, /invocations, /reset_prefix_cache: more
+than vLLM, which guards /v1 only; /health, /load, /version and /metrics stay open), 404 unknown model, 413 body over the cap,
 429 engine waiting queue full, 503 draining or engine gone.  A client that disconnects has its
 request aborted, which frees its KDA slot and MLA pages at once.
 """
