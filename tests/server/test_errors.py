@@ -119,8 +119,11 @@ def test_invalid_chat_is_400(server):
 def test_auth(server):
     _envelope(_post(server, "/v1/completions", {"prompt": "x"}, headers={}), 401)
     _envelope(_post(server, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
-    assert httpx.get(server.url + "/health").status_code == 200  # health and metrics need no key
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [7]}), ("/invocations", {"prompt": "x"})):
+        _envelope(_post(server, path, body, headers={}), 401)  # (guarded too: more than vLLM's /v1 only, as documented)
+    assert httpx.get(server.url + "/health").status_code == 200  # health, load, version and metrics need no key
+    for path in ("/metrics", "/load", "/version"):
+        assert httpx.get(server.url + path).status_code == 200, path
 
 
 def test_unknown_model_is_404(server):
