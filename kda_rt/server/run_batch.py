@@ -47,10 +47,14 @@ def _line_error(custom_id: Any, message: str, status: int = 400) -> dict[str, An
             "error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
 
 
-def _parse(k: int, line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _parse(k: int, line: bytes) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(request, None) of input line k (1-based), or (None, its error line)."""
     try:
-        item = json.loads(line)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:  # (was: the whole batch a traceback, before any line ran)
+        return None, _line_error(None, f"line {k}: not UTF-8 text ({exc})")
+    try:
+        item = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, _line_error(None, f"line {k}: not JSON ({exc})")
     if not isinstance(item, dict):
@@ -79,7 +83,7 @@ async def run_batch(args, settings) -> int:
     from kda_rt.server.__main__ import start_state
     from kda_rt.server.app import build_app
 
-    with open(args.input_file, encoding="utf-8") as f:
+    with open(args.input_file, "rb") as f:  # (bytes: each line is decoded by itself, a bad one is its own error)
         lines = [(k, line) for k, line in enumerate(f, 1) if line.strip()]
     out = open(args.output_file, "w", encoding="utf-8")  # (now: a path that cannot be written loses no work)  # noqa: SIM115
     args.api_key = None  # (requests made here, to the app itself)
@@ -117,7 +121,7 @@ async def run_batch(args, settings) -> int:
                                      "body": body if ok else None},
                         "error": None if ok else body.get("error", body)}
 
-            async def one(i: int, k: int, line: str) -> None:
+            async def one(i: int, k: int, line: bytes) -> None:
                 item, result = _parse(k, line)
                 if result is None:
                     try:

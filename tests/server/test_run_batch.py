@@ -73,3 +73,21 @@ def test_flags_checked_before_loading(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kda_rt.run_batch", "-i", str(tmp_path / "in.jsonl"), "-o",
                            str(tmp_path / "missing" / "o.jsonl")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--output-file" in done.stderr and "cannot be written" in done.stderr
+
+
+def test_a_line_not_utf8_is_its_own_error(tmp_path):
+    # (was: a UnicodeDecodeError traceback, exit 1, before any line ran)
+    good = _line("good", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "temperature": 0.0})
+    bad = _line("latin1", "/v1/completions", {"prompt": "caf\u00e9", "max_tokens": 2})
+    bad = bad.replace("\\u00e9", "\u00e9").encode("latin-1")  # a file written in Latin-1: b"caf\xe9"
+    assert b"caf\xe9" in bad
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(good.encode() + b"\n" + bad + b"\n" + good.replace('"good"', '"good2"').encode() + b"\n")
+    done = subprocess.run([sys.executable, "-m", "kda_rt.run_batch", "-i", str(src), "-o", str(out), "--backend",
+                           "numpy", "--max-model-len", "256"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["good", None, "good2"]
+    assert results[0]["error"] is None and results[2]["error"] is None
+    assert results[1]["response"]["status_code"] == 400
+    assert results[1]["error"]["message"].startswith("line 2: not UTF-8 text")
