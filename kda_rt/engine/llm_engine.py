@@ -218,6 +218,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the checkpoint's tokenizer files (this checkpoint has none)")
+        if params.stop_strings and self.tokenizer is None:  # (was: accepted, and never matched: no text is made)
+            raise ValueError("stop strings need the checkpoint's tokenizer files (this checkpoint has none, or "
+                             "skip_tokenizer_init is set): they are matched in the output text; use stop_token_ids")
         if params.bad_words:  # the ids on the request's own copy (vLLM clones them too): the caller's object may go to
             params = copy.copy(params)  # another engine, whose tokenizer reads the words otherwise
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)

@@ -68,6 +68,17 @@ def test_refused_prompts_leave_no_ids(llm):
     assert_no_leaks(llm)
 
 
+def test_stop_strings_without_a_tokenizer_refused(llm):
+    # tiny_dir has no tokenizer files: no output text, so a stop string could never match (was: silently ignored)
+    with pytest.raises(ValueError, match="stop strings need the checkpoint's tokenizer"):
+        llm.generate(PROMPT, greedy(2, stop=["x"]))
+    with pytest.raises(ValueError, match="stop strings need the checkpoint's tokenizer"):
+        llm.generate([PROMPT, PROMPT], [greedy(2), SamplingParams(max_tokens=2, stop="x")])
+    assert not llm._open
+    out = llm.generate(PROMPT, greedy(2, stop_token_ids=[1]))[0].outputs[0]  # token ids still stop it
+    assert len(out.token_ids) <= 2 and out.text == ""
+
+
 def test_sampling_params_dict_is_a_type_error(llm):
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate(PROMPT, {"max_tokens": 2})
