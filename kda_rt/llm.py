@@ -112,6 +112,18 @@ def _generation_defaults(data: dict[str, Any], path: str) -> dict[str, Any]:
     return out
 
 
+def _text_content(i: int, message: Any) -> Any:
+    """`message` with a content of OpenAI text parts ([{"type": "text", "text": str}, ...], as vLLM's LLM.chat and the
+    server take it) as one string, joined as the server joins them; any other message as it is (the template layer
+    checks it).  Parts of another type are refused by name."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': str}}) are supported")
+    return {**message, "content": "".join(p["text"] for p in content)}
+
+
 def _progress_bar(total: int):
     from tqdm.auto import tqdm
 
@@ -475,6 +487,8 @@ class LLM:
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv:
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
+        # (was: a list of text parts refused, "content must be a str or None")
+        conversations = [[_text_content(i, m) for i, m in enumerate(conv)] for conv in conversations]
         options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
                    "chat_template_kwargs": chat_template_kwargs, "continue_final_message": continue_final_message,
                    "chat_template": chat_template}

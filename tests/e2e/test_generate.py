@@ -315,6 +315,17 @@ def test_chat_and_errors(llm):
     assert llm.stats()["slots_used"] == 0 and llm.stats()["pages_used"] == 0
 
 
+def test_chat_takes_text_content_parts(llm):
+    # OpenAI's content parts, as vLLM's LLM.chat and the server take them (was: "content must be a str or None")
+    plain = llm.chat([{"role": "user", "content": "hi there"}], greedy(3))[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+                     greedy(3))[0]
+    assert parts.prompt == plain.prompt and parts.prompt_token_ids == plain.prompt_token_ids
+    assert parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy(3))
+
+
 def test_text_prompt_reads_special_tokens(llm):
     """A text prompt is the whole model input: the chat template applied by the caller gives the chat's own ids
     (its markers are control tokens, as the checkpoint's tokenizer and vLLM read them), and the same greedy output;
