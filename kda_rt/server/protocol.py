@@ -364,7 +364,7 @@ def _content(i: int, content: Any) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise InvalidRequest(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': str}}) are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # (vLLM's separator of a message's text parts)
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 

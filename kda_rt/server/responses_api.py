@@ -86,7 +86,7 @@ def _content(where: str, content: Any) -> str:
             raise InvalidRequest(f"{where}.content[{k}] must be {{'type': 'input_text', 'text': str}} (only text is "
                                  f"supported), got {kind!r}")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # (a message's text parts joined as the chat route and vLLM join them)
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

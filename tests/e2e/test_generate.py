@@ -316,9 +316,10 @@ def test_chat_and_errors(llm):
 
 
 def test_chat_takes_text_content_parts(llm):
-    # OpenAI's content parts, as vLLM's LLM.chat and the server take them (was: "content must be a str or None")
-    plain = llm.chat([{"role": "user", "content": "hi there"}], greedy(3))[0]
-    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+    # OpenAI's content parts, as vLLM's LLM.chat and the server take them (was: "content must be a str or None"),
+    # joined by newlines as vLLM joins them
+    plain = llm.chat([{"role": "user", "content": "hi\nthere"}], greedy(3))[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
                      greedy(3))[0]
     assert parts.prompt == plain.prompt and parts.prompt_token_ids == plain.prompt_token_ids
     assert parts.outputs[0].token_ids == plain.outputs[0].token_ids

@@ -112,6 +112,9 @@ def test_tokenize_detokenize_version(server, reference_llm):
     msgs = [{"role": "user", "content": "hi"}]
     r = _post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": True}).json()
     assert r["tokens"] == tok.encode_chat(msgs)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    r = _post(server, "/tokenize", {"messages": parts}).json()  # (text parts joined by newlines, as vLLM joins them)
+    assert r["tokens"] == tok.encode_chat([{"role": "user", "content": "hi\nthere"}])
     assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
     assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
     r = _post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
