@@ -287,6 +287,9 @@ class LLMEngine:
         template)."""
         given_text = None
         if isinstance(prompt, dict):
+            for key in ("multi_modal_data", "mm_processor_kwargs"):  # (vLLM's prompt keys for images and audio)
+                if prompt.get(key):  # (was: ignored, the prompt run as text alone)
+                    raise ValueError(f"a prompt dict's {key!r} is not supported: Kimi Linear takes text only")
             if "prompt_token_ids" in prompt:
                 given_text = prompt.get("prompt")
                 if given_text is not None and not isinstance(given_text, str):

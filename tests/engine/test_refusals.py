@@ -79,6 +79,17 @@ def test_stop_strings_without_a_tokenizer_refused(llm):
     assert len(out.token_ids) <= 2 and out.text == ""
 
 
+def test_multimodal_prompt_keys_refused(llm):
+    """vLLM's multi_modal_data / mm_processor_kwargs on a text-only model: refused by name (was: ignored, the prompt
+    run as text alone); empty ones are nothing to refuse, and nothing is left queued."""
+    ids = {"prompt_token_ids": [5, 6, 7]}
+    for key, value in (("multi_modal_data", {"image": object()}), ("mm_processor_kwargs", {"num_crops": 4})):
+        with pytest.raises(ValueError, match=f"'{key}' is not supported: Kimi Linear takes text only"):
+            llm.generate([ids, {**ids, key: value}], greedy(2))
+    assert not llm._open
+    assert len(llm.generate({**ids, "multi_modal_data": None}, greedy(2))[0].outputs[0].token_ids) == 2
+
+
 def test_sampling_params_dict_is_a_type_error(llm):
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate(PROMPT, {"max_tokens": 2})
