@@ -135,6 +135,13 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     layer_types = layer_schedule(f, num_layers)
     mlp_types = mlp_schedule(f, num_layers)
 
+    quant = raw.get("quantization_config")
+    if quant is not None:  # (was: its weight_scale tensors refused one by one as "unexpected tensors for this config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"{source}: field 'quantization_config' (quant_method {short(method)}): pre-quantized "
+                          "checkpoints are not supported; load the bf16 checkpoint (quantization='fp8' / --quantization "
+                          "fp8 quantizes the experts at load)")
+
     act = f.get("hidden_act", str, "silu")
     if act != "silu":
         raise ConfigError(f"{source}: field 'hidden_act' must be 'silu' for Kimi Linear, got {short(act)}")

@@ -133,3 +133,14 @@ def test_load_config_file_errors(tmp_path):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(HUB))
     assert load_config(tmp_path).num_hidden_layers == 27
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+                                   {"quant_method": "compressed-tensors"}, "fp8"], ids=["fp8", "compressed", "str"])
+def test_pre_quantized_checkpoint_refused_by_name(quant):
+    """A config.json with a quantization_config (an fp8 / nvfp4 / compressed-tensors export) is refused naming the
+    field and method (was: accepted, then its weight_scale_inv tensors refused as 'unexpected tensors for this
+    config', or, without them, the first e4m3 weight's dtype)."""
+    with pytest.raises(ConfigError, match=re.escape("field 'quantization_config' (quant_method ")):
+        parse_config({**HUB, "quantization_config": quant})
+    assert parse_config({**HUB, "quantization_config": None}) == parse_config(HUB)
