@@ -209,6 +209,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
             raise ConfigError(f"{source}: field 'num_experts_per_token'={top_k} exceeds 'num_experts'={num_experts}")
         if num_experts % groups:
             raise ConfigError(f"{source}: field 'num_expert_group'={groups} does not divide 'num_experts'={num_experts}")
+        grouped_topk = f.get("use_grouped_topk", bool, True)
+        if groups > 1 and not grouped_topk:  # (was: routed within the groups anyway, silently)
+            raise ConfigError(f"{source}: field 'use_grouped_topk' is false but 'num_expert_group'={groups}: kda_rt "
+                              "routes within the expert groups only (use_grouped_topk true, or num_expert_group 1)")
         if topk_group > groups:
             raise ConfigError(f"{source}: field 'topk_group'={topk_group} exceeds 'num_expert_group'={groups}")
         if topk_group * (num_experts // groups) < top_k:

@@ -144,3 +144,16 @@ def test_pre_quantized_checkpoint_refused_by_name(quant):
     with pytest.raises(ConfigError, match=re.escape("field 'quantization_config' (quant_method ")):
         parse_config({**HUB, "quantization_config": quant})
     assert parse_config({**HUB, "quantization_config": None}) == parse_config(HUB)
+
+
+def test_ungrouped_topk_with_expert_groups_refused():
+    """use_grouped_topk false with num_expert_group > 1 asks for a plain top-k over all experts (vLLM ignores the
+    groups then); kda_rt's router always masks to the topk_group best groups (was: accepted and routed grouped,
+    silently picking other experts).  With one group the two are the same top-k, and the field must be a bool."""
+    grouped = {**HUB, "num_expert_group": 8, "topk_group": 4}
+    parse_config(grouped)
+    with pytest.raises(ConfigError, match=re.escape("field 'use_grouped_topk' is false but 'num_expert_group'=8")):
+        parse_config({**grouped, "use_grouped_topk": False})
+    assert parse_config({**HUB, "use_grouped_topk": False}) == parse_config(HUB)
+    with pytest.raises(ConfigError, match=re.escape("field 'use_grouped_topk' must be bool, got 'false'")):
+        parse_config({**HUB, "use_grouped_topk": "false"})
