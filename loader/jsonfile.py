@@ -20,8 +20,8 @@ def read_json(path: str | os.PathLike[str], error: type[Exception] = ValueError,
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-    except FileNotFoundError:
-        raise error(f"{where}: {missing}") from None
+    except FileNotFoundError:  # (a hub cache snapshot's link whose blob is gone is not an absent file)
+        raise error(f"{where}: {'a link to a missing file' if os.path.islink(path) else missing}") from None
     except UnicodeDecodeError as exc:
         raise error(f"{where}: not valid JSON ({exc})") from None
     except OSError as exc:

@@ -53,3 +53,12 @@ def test_fifo_is_refused_not_read(tmp_path):
     os.mkfifo(path)
     with pytest.raises(NamedError, match=r"config\.json: not a regular file$"):
         read_json(path, NamedError)
+
+
+def test_dangling_link_is_named_as_one(tmp_path):
+    """A link to a missing file (a hub cache snapshot whose blob was pruned) says so (was: the caller's `missing`
+    text: config.json 'not found (is DIR a Kimi Linear checkpoint directory?)', which points at the wrong cause)."""
+    path = tmp_path / "config.json"
+    path.symlink_to(tmp_path / "blobs" / "abc")
+    with pytest.raises(NamedError, match=r"config\.json: a link to a missing file$"):
+        read_json(path, NamedError, missing="not found (is it a checkpoint directory?)")
