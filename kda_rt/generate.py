@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     n = len(comp.token_ids)
     print(f"[kda_rt] backend={llm.backend} load {t_load:.2f}s | prompt {len(out.prompt_token_ids)} tokens, "
           f"generated {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s), finish_reason={comp.finish_reason}", file=sys.stderr)
+    if comp.finish_reason == "error":  # (was: exit 0, a script could not tell; e.g. non-finite weights' logits)
+        print(f"error: the request failed: {comp.stop_reason}", file=sys.stderr)
+        return 1
     return 0
 
 

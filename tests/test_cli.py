@@ -174,3 +174,22 @@ def test_run_batch_command_is_vllms(tmp_path, capsys):
 
     assert main(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
     assert "--input-file" in capsys.readouterr().err
+
+
+def test_generate_exits_1_when_the_request_fails(capsys, monkeypatch):
+    """A request that ends with finish_reason "error" (non-finite logits: NaN weights, an overflow) makes generate exit
+    1 naming the failure (was: 0, as if it had worked); a good run exits 0."""
+    from kda_rt import LLM, generate
+
+    assert generate.main(["--max-tokens", "2"]) == 0
+    real = LLM.generate
+
+    def failing(self, *a, **k):
+        outs = real(self, *a, **k)
+        outs[0].outputs[0].finish_reason, outs[0].outputs[0].stop_reason = "error", "non-finite logits"
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", failing)
+    capsys.readouterr()
+    assert generate.main(["--max-tokens", "2"]) == 1
+    assert "error: the request failed: non-finite logits" in capsys.readouterr().err
