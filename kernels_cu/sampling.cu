@@ -1,9 +1,8 @@
 // sampling.cu — next-token sampling on the GPU, CLUSTER CTAs per row (sampler/reference.py is the oracle).
 //
 // Per row b (letters: B rows, V vocabulary, N top logprobs):
-//   x_i  = penalised logit:  r = repetition[b] on tokens seen in the prompt or the output
-//          (x > 0 ? x / r : x * r), then x -= frequency[b] * count_i + presence[b] * (count_i > 0),
-//          then + the logit_bias of token i (HAS_BIAS)
+//   x_i  = penalised logit:  + the logit_bias of token i (HAS_BIAS), then r = repetition[b] on tokens seen in
+//          the prompt or the output (x > 0 ? x / r : x * r), then x -= frequency[b] * count_i + presence[b] * (count_i > 0)
 //   logZ = log sum_i exp(x_i)                          (log-softmax of the untempered x, for logprobs)
 //   greedy (temperature < 1e-5):  id = argmax x (lowest index on ties)
 //   else   z_i = x_i / T,  kept = top-k ∩ min-p ∩ top-p, all thresholds on x:
@@ -67,7 +66,7 @@
 // >= V: off); seeds [B] u64; steps [B] i32; counts [R, V] i32 (output tokens); prompt_mask [R, V] u8;
 // repetition, presence, frequency [B] f32; pen_rows [B] i32 or null: row b's counts / prompt_mask row (null:
 // row b, R = B; the CUDA runner keeps one row a penalised sequence, sampler/penalties.py); bias [R, V] f32 (HAS_BIAS:
-// the request's logit_bias, 0 elsewhere, added after the penalties, through the same rows); out_ids [B] i32;
+// the request's logit_bias, 0 elsewhere, added before the penalties, through the same rows); out_ids [B] i32;
 // out_logprobs [B] f32; out_top_ids [B, N] i32; out_top_logprobs [B, N] f32.
 // out_flags [B] int32; allowed [B, ceil(V / 32)] uint32.
 // Compile-time constants (chosen in sampler/sampling.py): V, THREADS, MIN_BLOCKS, CLUSTER (1..8;
@@ -179,17 +178,17 @@ struct Row {
 // Penalised logit of token i from its raw logit, rounded as the float32 NumPy reference rounds (no FMA
 // contraction).
 __device__ __forceinline__ float penalties_only(const Row& row, int i, float x) {
+#if HAS_BIAS  // before the penalties, as vLLM and the reference
+    // (0 off the request's logit_bias ids: left as it is, as the reference leaves it; a listed bias of 0 leaves a
+    // -0.0 logit -0.0 here where the reference's add makes it +0.0: the same value for every pick and logprob)
+    const float bias = row.bias[i];
+    if (bias != 0.f) x = __fadd_rn(x, bias);
+#endif
 #if HAS_PENALTIES
     const int c = row.counts[i];
     if (c > 0 || row.prompt[i]) x = x > 0.f ? __fdiv_rn(x, row.repetition) : __fmul_rn(x, row.repetition);
     const float sub = __fadd_rn(__fmul_rn(row.frequency, (float)c), c > 0 ? row.presence : 0.f);
     x = __fsub_rn(x, sub);
-#endif
-#if HAS_BIAS
-    // (0 off the request's logit_bias ids: left as it is, as the reference leaves it; a listed bias of 0 leaves a
-    // -0.0 logit -0.0 here where the reference's add makes it +0.0: the same value for every pick and logprob)
-    const float bias = row.bias[i];
-    if (bias != 0.f) x = __fadd_rn(x, bias);
 #endif
     return x;
 }

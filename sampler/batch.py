@@ -102,7 +102,7 @@ class SamplingBatch:
         allowed), or None for a row with nothing to mask: its grammar mask, less this step's bans (min_tokens,
         bad_words), and with allowed_token_ids only those; ids past the vocabulary are left out, as the host
         sampler leaves them.  The same tokens are -inf as in `reference.sample_rows`, which applies the three in
-        turn after the penalties and the bias."""
+        turn after the bias and the penalties."""
         words = (vocab + 31) // 32
         out: list[np.ndarray | None] = []
         for p, grammar, bans in zip(self.params, self.allowed, self.banned, strict=True):

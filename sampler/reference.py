@@ -1,7 +1,8 @@
 """NumPy sampling: the reference (and CPU) implementation of `kernels_cu/sampling.cu`.
 
-Order per row, as in vLLM: repetition / frequency / presence penalties on the logits, logit_bias,
-min_tokens and bad_words bans, allowed_token_ids and the structured-output mask (disallowed tokens -> -inf),
+Order per row, as in vLLM: logit_bias, then repetition / frequency / presence penalties on the biased logits,
+min_tokens and bad_words bans, allowed_token_ids and the structured-output mask (disallowed tokens -> -inf; these
+commute with the penalties),
 then greedy argmax, or temperature -> top-k and min-p -> top-p over the renormalised rest -> draw.  Logprobs
 are those of these processed logits (before temperature): a constrained row reports a distribution over the
 tokens its grammar allows.  The draw is argmax(probs / e) with e ~ Exp(1) from a counter-based Philox-4x32-10
@@ -180,8 +181,8 @@ def penalty_error(step: int) -> str:
 
 def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
     """Sample `rows` on the host into `out` (the same row indices); `logits[i]` is row i's [V]
-    logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  Penalties,
-    logit_bias, min_tokens and bad_words bans, allowed_token_ids, the grammar mask, then `sample_row`; a row with NaN or inf logits,
+    logits (an [N, V] array, or a {row: [V]} dict holding only `rows`).  logit_bias,
+    penalties, min_tokens and bad_words bans, allowed_token_ids, the grammar mask, then `sample_row`; a row with NaN or inf logits,
     or with every token masked, gets an error instead."""
     for i in rows:
         x, p = logits[i], batch.params[i]
@@ -189,17 +190,17 @@ def sample_rows(logits, batch: SamplingBatch, rows, out: StepOutput) -> None:
         if not np.isfinite(x).all():
             out.errors[i] = nonfinite_error(step)
             continue
+        vocab = x.shape[0]
+        bias = batch.logit_bias[i]
+        if bias is not None:  # before the penalties, as vLLM: a repetition penalty acts on the biased logit
+            keep = bias[0] < vocab
+            x = x.astype(np.float32, copy=True)
+            np.add.at(x, bias[0][keep], bias[1][keep])
         if batch.history[i] is not None:
             x = apply_penalties(x, p, *batch.history[i])
             if not np.isfinite(x).all():
                 out.errors[i] = penalty_error(step)
                 continue
-        vocab = x.shape[0]
-        bias = batch.logit_bias[i]
-        if bias is not None:
-            keep = bias[0] < vocab
-            x = x.astype(np.float32, copy=True)
-            np.add.at(x, bias[0][keep], bias[1][keep])
         banned = [t for t in batch.banned[i] if t < vocab]
         if banned:
             x = x.copy()

@@ -103,7 +103,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, penalties=
     steps [B] i32.  penalties: None or (counts [B, V] i32 of output tokens, prompt_mask [B, V] u8,
     repetition, presence, frequency [B] f32[, rows[, bias]]): with `rows` ([B] i32) row b reads counts / prompt_mask
     row rows[b] of [R, V] ones (the runner's per-sequence rows, sampler/penalties.py), and with `bias` ([R, V] f32:
-    a request's logit_bias, 0 elsewhere) adds that row of it after the penalties.  Writes out_logprobs [B] f32
+    a request's logit_bias, 0 elsewhere) adds that row of it before the penalties.  Writes out_logprobs [B] f32
     (log-softmax of the penalised, untempered logits at the sampled token) when given, and with num_logprobs = N > 0
     the N most likely tokens into out_top_ids [B, N] i32 / out_top_logprobs [B, N] f32 (both required).  allowed:
     None or [B, ceil(V / 32)] int32 bitmask of allowed tokens (a grammar's; with the runner's

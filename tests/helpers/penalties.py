@@ -55,10 +55,10 @@ def use_device_extras(llm) -> PenaltyRows:
                 host.append(i)
                 continue
             if rows[i]:
-                x = penalise(x, p, pool.counts[rows[i]], pool.prompt[rows[i]])
-                if prepared[2]:  # (HAS_BIAS: the row's biases, added where not 0)
+                if prepared[2]:  # (HAS_BIAS: the row's biases, added where not 0, before the penalties)
                     b = pool.bias[rows[i]]
                     x = np.where(b != 0, (x + b).astype(np.float32), x)
+                x = penalise(x, p, pool.counts[rows[i]], pool.prompt[rows[i]])
             if masks[i] is not None:
                 x = np.where(allowed_tokens(masks[i], vocab), x, -np.inf).astype(np.float32)
             if not np.isfinite(x).any():  # (flag 2)

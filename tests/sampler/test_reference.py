@@ -77,3 +77,21 @@ def test_top_logprobs(num):
     ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
     assert set(lp) == {7} | set(np.argsort(-ref)[:num].tolist())
     assert all(abs(v - ref[t]) < 1e-12 for t, v in lp.items())
+
+
+def test_logit_bias_applies_before_repetition_penalty():
+    """vLLM's v1 sampler adds logit_bias before the penalties (bias is one of its non-argmax-invariant logits
+    processors, run before apply_all_penalties), so a repetition penalty acts on the biased logit's sign.  Token 1
+    (logit 1.0, in the prompt) with bias -3 and repetition 2: vLLM (1 - 3) * 2 = -4 < token 0's -3.5, so token 0 is
+    the greedy pick; the bias after the penalty gives 1 / 2 - 3 = -2.5, and token 1."""
+    from kda_rt.sampler.batch import SamplingBatch, StepOutput
+    from kda_rt.sampler.reference import sample_rows
+
+    x = np.array([-3.5, 1.0, -10.0, -10.0], np.float32)
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={1: -3.0}, logprobs=0)
+    batch = SamplingBatch.build([(p, 0, [1], [])], eos_token_ids=[])
+    out = StepOutput.empty(1)
+    sample_rows(x[None], batch, [0], out)
+    assert out.token_ids[0] == 0
+    z = np.array([-3.5, -4.0, -10.0, -10.0])
+    assert out.logprobs[0][0] == pytest.approx(z[0] - np.log(np.exp(z).sum()))
