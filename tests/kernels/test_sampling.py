@@ -263,14 +263,13 @@ def test_penalties_flip_the_greedy_pick():
         want[t] += b != 1
         assert np.array_equal(after[r], want), f"row {b}"
     assert not after[[0, 3, 4]].any()
-    # HAS_BIAS: each row's logit_bias from a [R, V] array through the same map, added before the penalties (here on
-    # tokens no penalty touches, so adding it to the penalised logits gives the same values)
+    # HAS_BIAS: each row's logit_bias from a [R, V] array through the same map, added before the penalties, as vLLM
+    # adds it: also on `top`, which every row's penalties touch (its logprob among the top 4 tells the order apart)
     bias = np.zeros((B + 3, V), np.float32)
     for b, r in enumerate(perm.tolist()):
-        bias[r, [second, 30 + b]] = [3.0, -0.25]
-    xb = xp.copy()
-    for b, r in enumerate(perm.tolist()):
-        np.add.at(xb[b], [second, 30 + b], bias[r, [second, 30 + b]])
+        bias[r, [second, 30 + b, top]] = [3.0, -0.25, 2.0]
+    xb = np.stack([apply_penalties(x[b] + bias[r], params[b], prompts[b], outputs[b])
+                   for b, r in enumerate(perm.tolist())])
     biased = (counts_before, *mapped[1:], cupy.asarray(bias))
     ids3, lp3, top_ids3, top_lp3 = run_sample(x, params, [1] * B, [0] * B, penalties=biased, num_logprobs=4)
     assert np.array_equal(ids3, np.argmax(xb, axis=1)) and (ids3 == second).all()
