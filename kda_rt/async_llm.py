@@ -53,8 +53,8 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
         self._shut = False
-        self._stats: dict[str, int] = {}
-        self._locked(lambda: None)  # (the counters as of this AsyncLLM's last engine call: `stats` while one runs)
+        with self._lock:  # (the counters as of this AsyncLLM's last engine call: what `stats` gives while one runs)
+            self._stats: dict[str, int] = self.engine.stats()
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, output_kind: str = "delta",

@@ -113,15 +113,12 @@ def _generation_defaults(data: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def _text_content(i: int, message: Any) -> Any:
-    """`message` with a content of OpenAI text parts ([{"type": "text", "text": str}, ...], as vLLM's LLM.chat and the
-    server take it) as one string, the parts joined by newlines as vLLM and the server join them; any other message
-    as it is (the template layer checks it).  Parts of another type are refused by name."""
+    """`message` with a content of OpenAI text parts (as vLLM's LLM.chat and the server take it) as one string
+    (`join_text_parts`, the server's rule); any other message as it is (the template layer checks it)."""
+    from kda_rt.text.chat import join_text_parts
+
     content = message.get("content") if isinstance(message, Mapping) else None
-    if not isinstance(content, list):
-        return message
-    if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': str}}) are supported")
-    return {**message, "content": "\n".join(p["text"] for p in content)}  # (vLLM's separator, as the server's)
+    return {**message, "content": join_text_parts(i, content)} if isinstance(content, list) else message
 
 
 def _progress_bar(total: int):

@@ -23,6 +23,7 @@ import msgspec
 from kda_rt.sampler.params import SamplingParams, StructuredOutputsParams
 from kda_rt.server import tools
 from kda_rt.server.errors import InvalidRequest
+from kda_rt.text.chat import join_text_parts
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidRequest", "StreamOptions",
            "TokenizeRequest", "chat_payload", "completion_payload", "decode_body", "error_body"]
@@ -359,12 +360,10 @@ def _content(i: int, content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise InvalidRequest(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': str}}) are supported")
-            parts.append(part["text"])
-        return "\n".join(parts)  # (vLLM's separator of a message's text parts)
+        try:
+            return join_text_parts(i, content)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 

@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
 __all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "RESERVED_TEMPLATE_VARS",
-           "ROLES", "TemplateLimitError", "align_stand_ins", "compile_template", "normalize_messages",
+           "ROLES", "TemplateLimitError", "align_stand_ins", "compile_template", "join_text_parts", "normalize_messages",
            "render_template", "stand_in_strings", "template_source", "validate_messages"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, read as system
@@ -438,6 +438,14 @@ def validate_messages(messages: Any, tools: Any, chat_template_kwargs: Any = Non
         taken = sorted(RESERVED_TEMPLATE_VARS & set(chat_template_kwargs))
         if taken:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+
+
+def join_text_parts(i: int, parts: Sequence[Any]) -> str:
+    """Message i's content given as OpenAI text parts ([{"type": "text", "text": str}, ...]) as one string, the parts
+    joined by newlines as vLLM joins them; a part of another type is refused (ValueError naming the message)."""
+    if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': str}}) are supported")
+    return "\n".join(p["text"] for p in parts)
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
