@@ -117,11 +117,7 @@ class EngineWorker:
                 result = {"prompt": self.tokenizer.decode([t for t in msg["tokens"]])}
             else:
                 if msg.get("messages") is not None:
-                    ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
-                                                     add_generation_prompt=msg.get("add_generation_prompt", True),
-                                                     continue_final_message=msg.get("continue_final_message", False),
-                                                     chat_template_kwargs=msg.get("chat_template_kwargs"),
-                                                     chat_template=msg.get("chat_template"))
+                    ids = self._chat_ids(msg)
                 else:
                     ids = self.tokenizer.encode(msg.get("prompt") or "", allow_special=True)  # as a completion
                 strs = [self._bytes(t).decode("utf-8", errors="replace") for t in ids] \
@@ -150,12 +146,17 @@ class EngineWorker:
                     for p in msg["prompts"]]
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer files, so chat requests are unavailable")
-        ids = self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
-                                         add_generation_prompt=msg.get("add_generation_prompt", True),
-                                         continue_final_message=msg.get("continue_final_message", False),
-                                         chat_template_kwargs=msg.get("chat_template_kwargs"),
-                                         chat_template=msg.get("chat_template"))
+        ids = self._chat_ids(msg)
         return [{"prompt_token_ids": ids + tool_prefix_ids(self.tokenizer, msg.get("tool_mode")), **salt}]
+
+    def _chat_ids(self, msg: dict[str, Any]) -> list[int]:
+        """The prompt ids of a frame's chat `messages` through the template, with the frame's template options (a
+        chat request's `add` and a `/tokenize` of messages read them alike)."""
+        return self.tokenizer.encode_chat(msg["messages"], tools=msg.get("tools"),
+                                          add_generation_prompt=msg.get("add_generation_prompt", True),
+                                          continue_final_message=msg.get("continue_final_message", False),
+                                          chat_template_kwargs=msg.get("chat_template_kwargs"),
+                                          chat_template=msg.get("chat_template"))
 
     def _add(self, msg: dict[str, Any]) -> None:
         from kda_rt.sampler.params import SamplingParams
