@@ -214,14 +214,22 @@ class Tokenizer:
             return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     chat_template_kwargs=chat_template_kwargs,
                                     continue_final_message=continue_final_message, chat_template=chat_template)
-        validate_messages(messages, tools, chat_template_kwargs)
-        _check_continue(messages, add_generation_prompt, continue_final_message)
-        messages = normalize_messages(messages)
-        template = self._template_for(chat_template)
-        text = self._render(messages, add_generation_prompt, tools, chat_template_kwargs, template)
+        messages, template, text = self._checked_render(messages, add_generation_prompt, tools, chat_template_kwargs,
+                                                        continue_final_message, chat_template)
         if continue_final_message:
             text = text[:len(text) - len(self._final_tail(text, messages, tools, chat_template_kwargs, template))]
         return text
+
+    def _checked_render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, tools: Any,
+                        extra: Any, continue_final_message: bool, chat_template: str | None
+                        ) -> tuple[list[dict[str, Any]], tuple[Any, str], str]:
+        """(normalized messages, template, rendered text) after the checks that `apply_chat_template` and
+        `encode_chat` share: the messages, tools and extra variables validated, `continue_final_message` allowed."""
+        validate_messages(messages, tools, extra)
+        _check_continue(messages, add_generation_prompt, continue_final_message)
+        messages = normalize_messages(messages)
+        template = self._template_for(chat_template)
+        return messages, template, self._render(messages, add_generation_prompt, tools, extra, template)
 
     def _template_for(self, source: str | None) -> tuple[Any, str]:
         """(compiled template, its name in errors): the tokenizer's own, or `source` compiled (a few kept)."""
@@ -266,11 +274,8 @@ class Tokenizer:
         for: one holding a special-token string is refused.  `continue_final_message`: the ids stop
         right after the last message's content (`apply_chat_template`); `chat_template` as there.
         """
-        validate_messages(messages, tools, chat_template_kwargs)
-        _check_continue(messages, add_generation_prompt, continue_final_message)
-        messages = normalize_messages(messages)
-        template = self._template_for(chat_template)
-        real = self._render(messages, add_generation_prompt, tools, chat_template_kwargs, template)
+        messages, template, real = self._checked_render(messages, add_generation_prompt, tools, chat_template_kwargs,
+                                                        continue_final_message, chat_template)
         tag = "\ue000"
         while tag in real:
             tag += "\ue000"
