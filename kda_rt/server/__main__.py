@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request bodies over this get 413")
     ap.add_argument("--api-key", default=env.api_key(),
-                    help="require 'Authorization: Bearer KEY' on /v1 routes "
+                    help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize, /detokenize, /invocations and "
+                         "/reset_prefix_cache "
                          "(default: $KDA_RT_API_KEY, else $VLLM_API_KEY; an empty variable counts as unset, as in "
                          "vLLM, while an empty --api-key is refused)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
