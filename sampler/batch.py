@@ -155,8 +155,9 @@ class SamplingBatch:
         steps = [len(out) + pend for *_, out, pend in rows]
         host = [needs_host_sampling(p, n, device_extras) for (p, *_), n in zip(rows, steps, strict=True)]
         penalty = [has_penalties(p) for p in params]
+        # min_tokens bans the stop ids and every EOS id, also under ignore_eos (vLLM's _all_stop_token_ids)
         banned = tuple(
-            ((*p.stop_token_ids, *(() if p.ignore_eos else eos)) if n < p.min_tokens else ())
+            ((*p.stop_token_ids, *eos) if n < p.min_tokens else ())
             + tuple(bad_word_bans(p, out))
             for (p, _, _, out, _), n in zip(rows, steps, strict=True))
         if keys is not None and len(keys) != len(rows):

@@ -95,3 +95,17 @@ def test_logit_bias_applies_before_repetition_penalty():
     assert out.token_ids[0] == 0
     z = np.array([-3.5, -4.0, -10.0, -10.0])
     assert out.logprobs[0][0] == pytest.approx(z[0] - np.log(np.exp(z).sum()))
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos", "ignore_eos"])
+def test_min_tokens_bans_eos_even_under_ignore_eos(ignore_eos):
+    """vLLM's min_tokens processor bans `_all_stop_token_ids`: the stop ids and every EOS id, which the engine adds
+    whatever `ignore_eos` says (SamplingParams.update_from_generation_config); `ignore_eos` only keeps EOS from
+    ending the request.  (Was: under ignore_eos, EOS could be sampled before min_tokens.)"""
+    from kda_rt.sampler.batch import SamplingBatch
+
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], ignore_eos=ignore_eos)
+    rows = [(p, 0, [1], [7, 8]), (p, 0, [1], [7, 8, 9])]  # 2 outputs: still under min_tokens; 3: reached
+    batch = SamplingBatch.build(rows, eos_token_ids=[11, 2])
+    assert sorted(batch.banned[0]) == [2, 5, 11]
+    assert batch.banned[1] == ()
