@@ -164,7 +164,7 @@ class AsyncLLM:
         while True:
             try:
                 return await asyncio.to_thread(self._locked, lambda: self.llm._vllm_prompt_logprobs(
-                    self.engine.request_prompt(prompt, params)[1], params.prompt_logprobs))
+                    self.engine.request_prompt(prompt, params)[1], params.prompt_logprobs, params.detokenize))
             except NoRoomToScore:
                 if not self._queues and not self.engine.has_unfinished_requests():
                     raise  # nothing running to free room: the pool itself is too small for this prompt

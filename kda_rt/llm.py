@@ -271,7 +271,8 @@ class LLM:
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one int a prompt ({len(prompts)}), got {priority!r}")
         fit = sampling_params is None and "max_tokens" in self.default_sampling  # fits each prompt's room
-        prompt_lps = [self._prompt_logprobs_waiting(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs)
+        prompt_lps = [self._prompt_logprobs_waiting(self.llm_engine.request_prompt(p, sp)[1], sp.prompt_logprobs,
+                                                    sp.detokenize)
                       if sp.prompt_logprobs is not None else None
                       for p, sp in zip(prompts, params_list, strict=True)]
         ids = self._add_all(prompts, params_list, "cumulative" if stream else "final", fit, priority)
@@ -333,18 +334,20 @@ class LLM:
             outputs.append(dataclasses.replace(c, logprobs=logprobs))
         return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_lps)
 
-    def _vllm_prompt_logprobs(self, ids: list[int], num: int) -> list[dict[int, Logprob] | None]:
+    def _vllm_prompt_logprobs(self, ids: list[int], num: int, detokenize: bool = True) -> list[dict[int, Logprob] | None]:
+        """`detokenize=False`: no decoded_token (vLLM drops the request's tokenizer for both kinds of logprobs)."""
         dicts, ranks = self.prompt_logprobs(ids, num)
-        return [None] + [vllm_logprobs(d, num, self._decode_token, rank=r)
-                         for d, r in zip(dicts[1:], ranks[1:], strict=True)]
+        decode = self._decode_token if detokenize else (lambda _token: None)
+        return [None] + [vllm_logprobs(d, num, decode, rank=r) for d, r in zip(dicts[1:], ranks[1:], strict=True)]
 
-    def _prompt_logprobs_waiting(self, ids: list[int], num: int) -> list[dict[int, Logprob] | None]:
+    def _prompt_logprobs_waiting(self, ids: list[int], num: int,
+                                 detokenize: bool = True) -> list[dict[int, Logprob] | None]:
         """`_vllm_prompt_logprobs`; while other drivers' requests (another thread's generate, an unread stream) hold
         every state slot or the pages, this thread steps the engine for them, their outputs parked for their drivers,
         until room frees (was: NoRoomToScore under load; AsyncLLM waits the same way)."""
         while True:
             try:
-                return self._vllm_prompt_logprobs(ids, num)
+                return self._vllm_prompt_logprobs(ids, num, detokenize)
             except NoRoomToScore:
                 with self._engine_lock:
                     self._refuse_beside_async()

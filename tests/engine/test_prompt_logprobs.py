@@ -3,6 +3,8 @@ equals log_softmax of `LLM.score` logits; `LLM.chat` takes content None and tool
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -120,3 +122,29 @@ def test_prompt_logprobs_over_the_context_length_names_it():
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_decoded_tokens_follow_detokenize(llm):
+    """vLLM's output processor drops the request's tokenizer when detokenize=False, for the sample logprobs and the
+    prompt logprobs alike: every decoded_token is None.  With it, a token holding part of a UTF-8 character decodes
+    as tokenizer.decode([id]) does (U+FFFD), as vLLM's convert_ids_list_to_tokens.  (Was: prompt logprobs decoded
+    their tokens under detokenize=False.)"""
+    from kda_rt.async_llm import AsyncLLM
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode("東京 x")  # byte tokens of 東 and 京: partial characters
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    for detok in (True, False):
+        params = SamplingParams(max_tokens=2, prompt_logprobs=2, logprobs=2, seed=0, detokenize=detok)
+        outs = [llm.generate([{"prompt_token_ids": ids}], params)[0]]
+
+        async def run(p=params):
+            gen = AsyncLLM(llm).generate({"prompt_token_ids": ids}, p, output_kind="cumulative")
+            return [o async for o in gen][-1]
+
+        outs.append(asyncio.run(run()))
+        for out in outs:
+            entries = [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]
+            for entry in entries:
+                for token, lp in entry.items():
+                    assert lp.decoded_token == (tok.decode([token]) if detok else None), (detok, token)
