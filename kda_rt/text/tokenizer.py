@@ -35,6 +35,7 @@ from kda_rt.text.chat import (
     template_source,
     validate_messages,
 )
+from kda_rt.text.hf_surface import HFSurface
 from kda_rt.text.tokenizer_files import (
     NUM_SPECIAL_TOKENS,
     TokenizerError,
@@ -80,15 +81,18 @@ def _split_for_bpe(text: str) -> Iterator[str]:
         yield chunk[cut:]
 
 
-class Tokenizer:
-    """Byte-level BPE over `mergeable_ranks` plus special tokens, and the chat template."""
+class Tokenizer(HFSurface):
+    """Byte-level BPE over `mergeable_ranks` plus special tokens, and the chat template; Hugging Face's tokenizer
+    calls (`tok(text)`, `convert_ids_to_tokens`, `all_special_ids`, ...) from `HFSurface` (text/hf_surface.py)."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
                  bos_token: str | None = None, eos_token: str | None = None, chat_template: str | None = None,
-                 name: str = "kimi", chat_template_name: str | None = None) -> None:
+                 name: str = "kimi", chat_template_name: str | None = None, pad_token: str | None = None,
+                 unk_token: str | None = None) -> None:
         """chat_template None means the built-in kda_rt/chat_template.jinja; chat_template_name
         (its file or config field) is named in rendering errors."""
-        for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+        for field, token in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token),
+                             ("unk_token", unk_token)):
             if token is not None and token not in special_tokens:
                 raise TokenizerError(f"{field} {token!r} is not a special token")
         self._enc = tiktoken.Encoding(name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
@@ -98,6 +102,8 @@ class Tokenizer:
         self._special_ids = frozenset(special_tokens.values())
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
         self._bos_token, self._eos_token = bos_token, eos_token
+        self._pad_token, self._unk_token = pad_token, unk_token
+        self._vocab: dict[str, int] | None = None  # {token string: id}, built by the first get_vocab()
         self._template = compile_template(chat_template)
         self._template_name = chat_template_name or ("built-in template" if chat_template is None else "given template")
 
@@ -110,7 +116,8 @@ class Tokenizer:
         config_path = model_dir / "tokenizer_config.json"
         config = load_json(config_path)
         specials = special_tokens(config, str(config_path), len(ranks))
-        tokens = {f: token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
+        tokens = {f: token_field(config, f, str(config_path), specials)
+                  for f in ("bos_token", "eos_token", "pad_token", "unk_token")}
         template, template_name = template_source(model_dir, config, str(config_path), chat_template)
         try:
             return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",
@@ -164,8 +171,10 @@ class Tokenizer:
 
     # ---- encode / decode ----------------------------------------------------------------------
 
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids of text; special-token strings are ordinary text unless allow_special."""
+    def encode(self, text: str, *, allow_special: bool = False, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; special-token strings are ordinary text unless allow_special (Hugging Face's Kimi
+        tokenizer reads them as special ids: `tok(text)` does).  `add_special_tokens` (HF's) is accepted and adds
+        nothing, as the Kimi tokenizer adds no BOS or EOS."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         try:  # (tiktoken would encode a lone surrogate as U+FFFD; the server's JSON decoder refuses it)
@@ -188,8 +197,12 @@ class Tokenizer:
             ids = [i for i in ids if i not in self._special_ids]
         return self._enc.decode_bytes(ids)
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ids; invalid UTF-8 becomes U+FFFD."""
+    def decode(self, ids: int | Iterable[int], *, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        """Text of ids (or of one id, as HF's decode takes); invalid UTF-8 becomes U+FFFD.
+        `clean_up_tokenization_spaces` (HF's) is accepted: the Kimi tokenizer's cleanup changes nothing."""
+        if not isinstance(ids, Iterable):
+            ids = [ids]
         return self.decode_bytes(ids, skip_special_tokens=skip_special_tokens).decode("utf-8", errors="replace")
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
@@ -204,12 +217,20 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             chat_template_kwargs: Mapping[str, Any] | None = None, tokenize: bool = False,
-                            continue_final_message: bool = False, chat_template: str | None = None) -> str | list[int]:
-        """Render the chat template to a prompt string; `chat_template_kwargs` are extra template
-        variables (e.g. `thinking`).  `tokenize=True`: the prompt ids instead (`encode_chat`).
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **template_kwargs: Any) -> str | list[int]:
+        """Render the chat template to a prompt string; `chat_template_kwargs` and any other keyword arguments
+        (as Hugging Face's) are extra template variables (e.g. `thinking`).  `tokenize=True`: the prompt ids
+        instead (`encode_chat`).  The defaults, `add_generation_prompt=True` and `tokenize=False`, are the Kimi
+        tokenizer's (transformers' own are False and True); HF's tensor and padding arguments are refused.
         `continue_final_message`: the text stops right after the last message's content, so the model
         continues that message (its end marker and whatever the template puts after it are left out).
         `chat_template` (vLLM's): a Jinja template string used for this call instead of the tokenizer's."""
+        refused = sorted(set(template_kwargs) & _HF_TENSOR_ARGS)
+        if refused:
+            raise TypeError(f"apply_chat_template does not take {refused}: it returns a string or a list of ids")
+        if template_kwargs:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         if tokenize:
             return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     chat_template_kwargs=chat_template_kwargs,
@@ -320,6 +341,11 @@ class Tokenizer:
                                add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
                                eos_token=self._eos_token or "")
 
+
+# Hugging Face's apply_chat_template arguments for tensors, padding and dict outputs: refused, not read as template
+# variables
+_HF_TENSOR_ARGS = frozenset({"return_tensors", "return_dict", "padding", "truncation", "max_length",
+                             "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 MAX_REQUEST_TEMPLATE_CHARS = 65536  # a request's own chat template (compiled on the engine's loop: ~0.2 s at this)
 
