@@ -116,8 +116,12 @@ class Tokenizer(HFSurface):
         config_path = model_dir / "tokenizer_config.json"
         config = load_json(config_path)
         specials = special_tokens(config, str(config_path), len(ranks))
-        tokens = {f: token_field(config, f, str(config_path), specials)
-                  for f in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        tokens = {f: token_field(config, f, str(config_path), specials) for f in ("bos_token", "eos_token")}
+        for field in ("pad_token", "unk_token"):  # (read for HF's calls only: one that is not a special token is
+            try:                                   # dropped, not a reason to refuse the checkpoint)
+                tokens[field] = token_field(config, field, str(config_path), specials)
+            except TokenizerError:
+                tokens[field] = None
         template, template_name = template_source(model_dir, config, str(config_path), chat_template)
         try:
             return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",

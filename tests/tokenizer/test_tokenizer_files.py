@@ -94,5 +94,17 @@ def test_config_variants(model_dir):
     assert tok.apply_chat_template([]) == "D"
 
 
+
+def test_pad_and_unk_outside_the_specials_are_dropped(model_dir):
+    """pad_token / unk_token serve only the Hugging Face calls (text/hf_surface.py): a config naming one that is not
+    a special token (an SPM-style "<unk>") loads, with that token None, where bos / eos are refused (test_bad_config)."""
+    def edit(config):
+        config["unk_token"] = "<unk>"
+        config["pad_token"] = {"content": "<pad>"}
+    _write_config(model_dir, edit)
+    tok = Tokenizer.from_dir(model_dir)
+    assert (tok.unk_token, tok.unk_token_id, tok.pad_token, tok.pad_token_id) == (None, None, None, None)
+    assert tok.eos_token_id == 770
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
