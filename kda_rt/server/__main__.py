@@ -28,6 +28,7 @@ from kda_rt import env
 from kda_rt.cli import model_dir_problem
 from kda_rt.engine.config import SERVER_BATCHED_TOKENS, EngineConfig
 from kda_rt.log import configure as configure_logging
+from kda_rt.server.engine_client import MAX_STREAM_BACKLOG
 
 __all__ = ["build_parser", "main", "serve"]
 
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--header-timeout", type=float, default=30.0,
                     help="seconds a new connection may take to send its request headers (else 408 and close)")
     ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (else 408)")
+    ap.add_argument("--max-stream-backlog", type=int, default=MAX_STREAM_BACKLOG,
+                    help="token entries (a token and its top logprobs) of one request that may wait for a client "
+                         "reading its stream slowly; beyond it the request is aborted and the waiting output dropped "
+                         f"(default {MAX_STREAM_BACKLOG}, about 200 MB; 0: no bound, as vLLM)")
     ap.add_argument("--engine-start-timeout", type=float, default=None, help="seconds to wait for the model to load")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                     help="for the HTTP and the engine process alike")
@@ -133,7 +138,7 @@ async def start_state(args: argparse.Namespace, settings: EngineConfig):
     init = {"model": model, "settings": settings.to_dict(), "max_waiting": args.max_waiting,
             "log_level": args.log_level, "chat_template": args.chat_template,
             "disable_log_stats": args.disable_log_stats, "generation_config": args.generation_config}
-    client = EngineClient(init, engine_timeout=args.engine_timeout)
+    client = EngineClient(init, engine_timeout=args.engine_timeout, max_stream_backlog=args.max_stream_backlog)
     try:
         await client.start(args.engine_start_timeout)
     except RuntimeError as exc:
@@ -327,6 +332,9 @@ def checked_settings(args: argparse.Namespace) -> EngineConfig | int:
     if args.allow_credentials and "*" in (args.allowed_origins or []):
         print("error: --allow-credentials needs the origins named in --allowed-origins (with '*' any web page could "
               "make credentialed calls)", file=sys.stderr)
+        return 2
+    if args.max_stream_backlog < 0:
+        print(f"error: --max-stream-backlog must be >= 0 (0: no bound), got {args.max_stream_backlog}", file=sys.stderr)
         return 2
     if args.max_waiting < 1 or args.max_body_bytes < 1:
         print("error: --max-waiting and --max-body-bytes must be >= 1", file=sys.stderr)

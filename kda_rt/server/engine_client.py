@@ -8,6 +8,12 @@ model, so the event loop stays free while the engine computes.
 When the engine process dies (crash, OOM kill), the socket reaches end-of-stream: the client logs
 one error line with the exit status, marks itself dead, and every open and later request gets
 `EngineDeadError` (the app turns it into 503).
+
+A request's deltas wait in its queue until its response takes them; a streaming client that reads slower than the
+engine writes (or not at all) leaves them there.  Once more than `max_stream_backlog` token entries wait (a token
+counts 1 plus its top logprobs), the request is aborted in the engine, the waiting deltas are dropped and the queue
+ends with `StreamBacklogError` (logged at WARNING): the output held for one stalled reader is bounded.  vLLM keeps
+it all until the request ends (its collector merges the deltas) and the connection closes.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 
 from kda_rt.server.wire import FrameError, pack, read_frame
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineTimeoutError", "RequestRejected"]
+__all__ = ["DeltaQueue", "EngineClient", "EngineDeadError", "EngineTimeoutError", "RequestRejected",
+           "StreamBacklogError"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,35 @@ class EngineTimeoutError(RuntimeError):
     """The engine process has sent nothing for `engine_timeout` seconds while work was pending."""
 
 
+class StreamBacklogError(RuntimeError):
+    """A request's client read its output too slowly: more waited in the server than `max_stream_backlog` allows, so
+    the request was aborted and the waiting output dropped."""
+
+
+def _entries(item: Any) -> int:
+    """What a delta item holds, in token entries: each new token counts 1 plus its top logprobs."""
+    if not isinstance(item, dict):
+        return 0
+    return sum(len(c["token_ids"]) + sum(len(e[2]) for e in c["logprobs"] or ()) for c in item["outputs"])
+
+
+class DeltaQueue(asyncio.Queue):
+    """One request's delta items on their way to its response; `held`: the token entries queued and not yet taken."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self.held = 0
+
+    def _put(self, item: Any) -> None:
+        self.held += _entries(item)
+        super()._put(item)
+
+    def _get(self) -> Any:
+        item = super()._get()
+        self.held -= _entries(item)
+        return item
+
+
 class RequestRejected(Exception):
     """The engine refused a request: `status` 400 (invalid) or 429 (waiting queue full)."""
 
@@ -46,11 +82,17 @@ class RequestRejected(Exception):
         self.message = message
 
 
+MAX_STREAM_BACKLOG = 1 << 20  # token entries waiting for one request's client (--max-stream-backlog; ~200 MB)
+
+
 class EngineClient:
-    def __init__(self, init: dict[str, Any], engine_timeout: float = 60.0) -> None:
+    def __init__(self, init: dict[str, Any], engine_timeout: float = 60.0,
+                 max_stream_backlog: int = MAX_STREAM_BACKLOG) -> None:
         """engine_timeout: seconds without any frame from a busy engine (it sends a heartbeat at
-        least every second while working) before it counts as stuck."""
+        least every second while working) before it counts as stuck.  max_stream_backlog: token entries a request's
+        queue may hold before the request is aborted (0: no bound)."""
         self.engine_timeout = engine_timeout
+        self.max_stream_backlog = max_stream_backlog
         self._last_heard = time.monotonic()
         self._stuck = False
         self.init = {"op": "init", **init}
@@ -146,7 +188,7 @@ class EngineClient:
             frame = pack({"op": "add", "id": engine_id, **payload})
         except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond 64 bits in `tools`
             raise RequestRejected(400, f"request cannot be passed to the engine: {exc}") from None
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = DeltaQueue()
         fut = asyncio.get_running_loop().create_future()
         self._work_starts()
         self.queues[request_id] = queue
@@ -243,7 +285,9 @@ class EngineClient:
                 if queue is not None:
                     item["id"] = request_id
                     queue.put_nowait(item)
-                    if item["finished"]:
+                    if 0 < self.max_stream_backlog < queue.held:
+                        self._overflow(request_id, queue)
+                    elif item["finished"]:
                         self.queues.pop(request_id, None)
                         self._request_ids.pop(self._engine_ids.pop(request_id, None), None)
                         queue.put_nowait(None)
@@ -259,6 +303,18 @@ class EngineClient:
                 fut.set_result(msg["result"])
             else:
                 fut.set_exception(RequestRejected(msg["status"], msg["error"]))
+
+    def _overflow(self, request_id: str, queue: DeltaQueue) -> None:
+        """Abort a request whose client left more than max_stream_backlog token entries unread; its queue keeps only
+        the StreamBacklogError that ends its response (sent if the client ever reads again)."""
+        message = (f"the client read its stream too slowly: {queue.held} token entries (a token and its top "
+                   f"logprobs) waited unread, over --max-stream-backlog {self.max_stream_backlog}; the request was "
+                   "aborted")
+        logger.warning("request %s: %s", request_id, message)
+        self.abort(request_id)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(StreamBacklogError(message))
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

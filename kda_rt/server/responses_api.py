@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from kda_rt.server import responses
-from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError
+from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError, StreamBacklogError
 from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, error_body
 from kda_rt.server.protocol import chat_payload as _chat_payload
 
@@ -486,5 +486,7 @@ async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncI
         outcome = "error"
         err = error_body(f"the engine failed while serving this request: {exc}", 503)["error"]
         yield _event(seq, "error", code="server_error", message=err["message"], param=None)
+    except StreamBacklogError as exc:  # (aborted for a client that stopped reading: run.sse says the same)
+        yield _event(seq, "error", code="stream_backlog", message=str(exc), param=None)
     finally:
         run._end(outcome)

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kda_rt.server import protocol, responses
-from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError
+from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError, StreamBacklogError
 
 if TYPE_CHECKING:
     from kda_rt.server.app import ServerState
@@ -147,6 +147,8 @@ class RequestRun:
         except (EngineDeadError, EngineTimeoutError) as exc:
             outcome = "error"
             return error_response(f"the engine failed while serving this request: {exc}", 503)
+        except StreamBacklogError as exc:  # (the server fell behind its own queue: not the client's doing here)
+            return error_response(str(exc), 503)
         finally:
             self._end(outcome)
         body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
@@ -188,6 +190,9 @@ class RequestRun:
             outcome = "error"
             yield _event(protocol.error_body(f"the engine failed while serving this request: {exc}", 503))
             yield b"data: [DONE]\n\n"  # a stream always ends so, as vLLM's do after an error event
+        except StreamBacklogError as exc:  # (aborted: what was not read is gone; this ends the stream if it is read)
+            yield _event(protocol.error_body(str(exc), 408))
+            yield b"data: [DONE]\n\n"
         finally:
             self._end(outcome)
 

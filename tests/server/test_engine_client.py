@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kda_rt.server.engine_client import EngineClient, EngineDeadError
+from kda_rt.server.engine_client import EngineClient, EngineDeadError, StreamBacklogError
 from kda_rt.server.wire import FrameSocket
 
 
@@ -42,9 +42,9 @@ class ScriptedEngine:
              "finish_reason": "length" if finished else None, "stop_reason": None}]}]})
 
 
-async def _connected(engine_timeout: float = 60.0) -> tuple[EngineClient, ScriptedEngine]:
+async def _connected(engine_timeout: float = 60.0, **kwargs) -> tuple[EngineClient, ScriptedEngine]:
     """A client wired as `start()` wires it, to a scripted engine; its `proc` a stand-in that never exits alone."""
-    client = EngineClient({}, engine_timeout=engine_timeout)
+    client = EngineClient({}, engine_timeout=engine_timeout, **kwargs)
     ours, theirs = socket.socketpair()
     reader, client._writer = await asyncio.open_unix_connection(sock=ours)
     client._reader_task = asyncio.get_running_loop().create_task(client._read(reader))
@@ -90,6 +90,45 @@ def test_outputs_sent_before_an_abort_never_reach_a_later_request_of_its_id():
             await _close(client, engine)
 
     assert asyncio.run(main()) == ["fresh"]
+
+
+def test_unread_stream_output_is_bounded():
+    """A client that stops reading its stream while the engine keeps writing: once more than max_stream_backlog token
+    entries (a token and its top logprobs) wait in its queue, the request is aborted in the engine, the waiting output
+    dropped and the queue ends with StreamBacklogError (was: every delta was kept until the request ended and the
+    client went away: a stalled reader of a long request held its whole output in the HTTP process, and its seat in
+    the engine).  A reader that keeps up is never cut, however long its request."""
+    def outs(rid: str, num_tokens: int, top: int) -> dict:
+        lps = [[b"t", -1.0, [[b"t", -1.0]] * top]] * num_tokens
+        return {"op": "outs", "items": [{"id": rid, "finished": False, "outputs": [
+            {"index": 0, "text": "t" * num_tokens, "token_ids": [1] * num_tokens, "logprobs": lps,
+             "finish_reason": None, "stop_reason": None}]}]}
+
+    async def main() -> None:
+        client, engine = await _connected(max_stream_backlog=100)
+        try:
+            for rid in ("cmpl-reader", "cmpl-stalled"):
+                task = asyncio.ensure_future(client.add(rid, {"params": {}}))
+                await asyncio.sleep(0.05)
+                engine.added(engine.recv())
+                await task
+            reader, stalled = client.queues["cmpl-reader"], client.queues["cmpl-stalled"]
+            ids = {rid: client._engine_ids[rid] for rid in client.queues}
+            for _ in range(30):  # 30 x 4 tokens with 4 top logprobs = 600 entries for each
+                engine.send(outs(ids["cmpl-reader"], 4, 4))
+                item = await asyncio.wait_for(reader.get(), 5)
+                assert item["outputs"][0]["token_ids"] == [1] * 4
+                engine.send(outs(ids["cmpl-stalled"], 4, 4))
+            abort = engine.recv()
+            assert abort == {"op": "abort", "id": ids["cmpl-stalled"]}
+            assert stalled.qsize() == 1 and stalled.held == 0
+            with pytest.raises(StreamBacklogError, match="max-stream-backlog 100"):
+                raise stalled.get_nowait()
+            assert "cmpl-stalled" not in client.queues and "cmpl-reader" in client.queues
+        finally:
+            await _close(client, engine)
+
+    asyncio.run(main())
 
 
 def test_silence_is_counted_from_the_first_request_after_idle():
