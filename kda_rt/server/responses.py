@@ -103,10 +103,15 @@ class Choices(_Shape):
 
     def __init__(self, n: int, chat: bool, *, num_choices: int | None = None, prompts: list | None = None,
                  echo: bool = False, tool_mode: dict[str, Any] | None = None, logprobs: bool = False,
-                 token_ids: bool = False, as_ids: bool = False, num_logprobs: int | None = None) -> None:
+                 token_ids: bool = False, as_ids: bool = False, num_logprobs: int | None = None,
+                 keep_output: bool = True) -> None:
         super().__init__(n, num_choices or n, chat, prompts or [], echo, tool_mode, token_ids, as_ids, num_logprobs)
         self.with_logprobs = logprobs
-        self.text = [""] * self.num_choices
+        # False for a stream: its chunks carry the output, so only the counts and finishes are kept here (a long
+        # stream's text and logprobs would otherwise stay in the HTTP process until it ends)
+        self.keep_output = keep_output
+        self.pieces: list[list[str]] = [[] for _ in range(self.num_choices)]  # (joined once: += on each delta copied
+        # the whole text so far, quadratic in a choice's length)
         self.ids: list[list[int]] = [[] for _ in range(self.num_choices)] if token_ids else []
         self.num_tokens = [0] * self.num_choices
         self.logprobs: list[list | None] = [None] * self.num_choices
@@ -115,14 +120,21 @@ class Choices(_Shape):
     def add(self, item: dict[str, Any]) -> None:
         for c in item["outputs"]:
             i = c["index"]
-            self.text[i] += c["text"]
             self.num_tokens[i] += len(c["token_ids"])
+            if c["finish_reason"] is not None:
+                self.finish[i] = (c["finish_reason"], c["stop_reason"])
+            if not self.keep_output:
+                continue
+            self.pieces[i].append(c["text"])
             if self.token_ids:
                 self.ids[i] += c["token_ids"]
             if c["logprobs"] is not None:
-                self.logprobs[i] = (self.logprobs[i] or []) + c["logprobs"]
-            if c["finish_reason"] is not None:
-                self.finish[i] = (c["finish_reason"], c["stop_reason"])
+                if self.logprobs[i] is None:
+                    self.logprobs[i] = []
+                self.logprobs[i] += c["logprobs"]  # (in place: a new list a delta was quadratic too)
+
+    def text(self, i: int) -> str:
+        return "".join(self.pieces[i])
 
     @property
     def completion_tokens(self) -> int:
@@ -134,14 +146,15 @@ class Choices(_Shape):
     def _chat_choice(self, i: int) -> dict[str, Any]:
         entries = self.logprobs[i]
         reason, stop_reason = self.finish[i]
-        message: dict[str, Any] = {"role": "assistant", "content": self.text[i]}
+        text = self.text(i)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tool_mode is not None:
             max_calls = self.tool_mode.get("max_calls")
             if reason == "length":  # cut, maybe mid-call: the calls as far as they got, as a stream shows them
                 parser = ToolCallStream(max_calls)
-                content, calls = parser.feed(self.prefix + self.text[i], final=True)[0] or None, parser.calls
+                content, calls = parser.feed(self.prefix + text, final=True)[0] or None, parser.calls
             else:
-                content, calls = parse_tool_calls(self.prefix + self.text[i])
+                content, calls = parse_tool_calls(self.prefix + text)
                 calls = calls[:max_calls or len(calls)]
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
             if calls and reason == "stop":  # ("length" stays: the last call may be cut, its arguments not JSON)
@@ -155,7 +168,7 @@ class Choices(_Shape):
     def _completion_choice(self, i: int) -> dict[str, Any]:
         entries, prompt = self.logprobs[i], self.prompt_of(i)
         reason, stop_reason = self.finish[i]
-        text = self.text[i]
+        text = self.text(i)
         if self.echo:
             text = prompt.get("text", "") + text
             if self.with_logprobs and "logprobs" in prompt:

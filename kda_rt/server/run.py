@@ -66,7 +66,7 @@ class RequestRun:
                       "tool_mode": payload.get("tool_mode"), "logprobs": payload["params"]["logprobs"] is not None,
                       "num_logprobs": payload["params"]["logprobs"],
                       "token_ids": bool(payload.get("return_token_ids")), "as_ids": bool(payload.get("tokens_as_ids"))}
-        self.choices = responses.Choices(req.n, chat, **self.shape)
+        self.choices = responses.Choices(req.n, chat, keep_output=not req.stream, **self.shape)
         state.open[rid] = queue
         state.metrics.started()
 
