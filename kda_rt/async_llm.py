@@ -7,7 +7,8 @@
 Each `generate` call is one request; its outputs are deltas (see `postprocess.DeltaTracker`).
 A background task steps the engine in a worker thread while any request is open, so the event
 loop stays responsive during a model step.  Engine calls (add, step, abort) are serialised by a
-lock.  Leaving the `async for` early (break, cancellation) aborts the request.
+lock.  Leaving the `async for` early (break then `aclose()`, cancellation, a timeout) aborts the request, as vLLM's
+does: its slot and pages are free once the generator is closed or the task's cancellation is over.
 
 An `AsyncLLM` shares its `LLM`'s engine lock; while it has requests in flight, `LLM.generate` and another `AsyncLLM`
 over the same `LLM` raise RuntimeError, and the other way round (each driver hands out only its own outputs).  An `AsyncLLM` belongs to the event
@@ -113,7 +114,7 @@ class AsyncLLM:
         finally:
             self._queues.pop(rid, None)
             if not finished:
-                self._abort_later(rid)
+                await self._abort_left(rid)
 
     async def beam_search(self, prompt: str | dict | list[int], request_id: str | None = None,
                           params=None) -> AsyncIterator[RequestOutput]:
@@ -184,6 +185,18 @@ class AsyncLLM:
             queue = self._queues.get(rid)
             if final is not None and queue is not None and loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, final)
+
+    async def _abort_left(self, rid: str) -> None:
+        """Abort the request of a stream its consumer left (break then aclose, cancellation, an error), as vLLM's
+        generate does: its slot and pages are free when this returns (was: only at the stepping task's next step,
+        never where the loop ended first: `asyncio.run` returning right after a break left the request running).
+        The job is handed to a worker thread at once and shielded, so a second cancellation cannot drop it."""
+        try:
+            job = asyncio.get_running_loop().run_in_executor(None, self._locked, self.engine.abort, rid)
+        except RuntimeError:  # the loop's executor is shut down: the next step or loop binding applies it
+            self._to_abort.append(rid)
+            return
+        await asyncio.shield(job)
 
     def _abort_later(self, rid: str) -> None:
         self._to_abort.append(rid)  # applied under the lock before the next step

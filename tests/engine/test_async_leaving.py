@@ -1,0 +1,107 @@
+"""AsyncLLM as a service embeds it (a helper's hunt against vLLM's AsyncLLM): a stream its consumer leaves (break then
+aclose, a `wait_for` timeout, a TaskGroup's cancellation, `asyncio.run` returning right after a break) has its request
+aborted and its slot and pages free by the time the leaving is over."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from helpers.engine import assert_no_leaks
+from kda_rt import LLM, SamplingParams
+from kda_rt.async_llm import AsyncLLM
+from kda_rt.demo import demo_path
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(demo_path()), backend="numpy", max_num_seqs=6, max_model_len=512, scheduling_policy="priority")
+
+
+def _long() -> SamplingParams:
+    return SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def _busy(llm: LLM) -> dict[str, int]:
+    s = llm.stats()
+    return {k: s[k] for k in ("running", "waiting", "slots_used", "pages_used")}
+
+
+async def _tokens(allm: AsyncLLM, prompt, params, request_id=None) -> list[int]:
+    ids: list[int] = []
+    async for out in allm.generate(prompt, params, request_id):
+        ids += out.outputs[0].token_ids
+    return ids
+
+
+IDLE = {"running": 0, "waiting": 0, "slots_used": 0, "pages_used": 0}
+
+
+@pytest.mark.parametrize("how", ["aclose", "wait_for", "task_group", "cancel"])
+def test_a_left_stream_is_aborted_when_leaving_ends(llm, how):
+    """Before: the abort waited for the stepping task's next step, so right after `aclose()` / the timeout / the
+    cancellation the request still held its slot and pages (and kept running where the loop ended first)."""
+    if how == "task_group" and not hasattr(asyncio, "TaskGroup"):
+        pytest.skip("asyncio.TaskGroup: Python 3.11+")
+    allm = AsyncLLM(llm)
+
+    async def main() -> dict[str, int]:
+        other = asyncio.ensure_future(_tokens(allm, "beside", SamplingParams(max_tokens=12, ignore_eos=True)))
+        if how == "aclose":
+            agen = allm.generate("hello", _long())
+            await agen.__anext__()
+            await agen.aclose()
+        elif how in ("wait_for", "cancel"):
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in allm.generate("hello", _long()):
+                    started.set()
+
+            if how == "wait_for":
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(consume(), 0.3)
+            else:
+                task = asyncio.ensure_future(consume())
+                await started.wait()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+        else:  # (asyncio.TaskGroup: Python 3.11+)
+            async def fail_soon() -> None:
+                await asyncio.sleep(0.3)
+                raise KeyError("a sibling failed")
+
+            async def consume() -> None:
+                async for _ in allm.generate("hello", _long()):
+                    pass
+
+            with pytest.raises(BaseException, match="unhandled errors in a TaskGroup"):
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(consume())
+                    tg.create_task(fail_soon())
+        busy = _busy(llm)
+        assert len(await asyncio.wait_for(other, 30)) == 12  # (a stream beside it is unaffected)
+        return busy
+
+    busy = asyncio.run(main())
+    assert busy["running"] + busy["waiting"] <= 1 and busy["slots_used"] <= 1, busy  # only the stream beside it
+    assert_no_leaks(llm)
+
+
+def test_asyncio_run_returning_after_a_break_leaves_nothing_running(llm):
+    """Before: the left stream's abort was queued for a stepping task that `asyncio.run` cancelled, so the request
+    kept its slot and pages after the loop closed (until the AsyncLLM was used again on another loop)."""
+    allm = AsyncLLM(llm)
+
+    async def main() -> None:
+        async for _ in allm.generate("hello", _long()):
+            break
+
+    asyncio.run(main())
+    assert _busy(llm) == IDLE
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v"]))
