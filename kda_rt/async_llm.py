@@ -49,6 +49,7 @@ class AsyncLLM:
         self._lock = llm._engine_lock  # (LLM.generate's own: its drivers and this one take turns on the engine)
         llm._asyncs.add(self)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._preparing: set[str] = set()  # ids of generate calls not yet given a queue (their prompt logprobs)
         self._to_abort: list[str] = []
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,23 +72,29 @@ class AsyncLLM:
         if self._shut:
             raise RuntimeError("this AsyncLLM is shut down (shutdown()): create another over the LLM")
         self._bind_loop()
-        rid = f"async-{next(self.llm._async_ids)}" if request_id is None else str(request_id)
-        if rid in self._queues:
+        rid = self._new_id() if request_id is None else str(request_id)
+        if rid in self._queues or rid in self._preparing:
             raise ValueError(f"request_id {rid!r} is already in use")
         if self.llm._open or any(a is not self and a._queues for a in self.llm._asyncs):
             raise RuntimeError("this LLM has requests open elsewhere (LLM.generate's, in another thread or a stream "
                                "not finished or closed, or another AsyncLLM's): its engine runs one driver's "
                                "requests at a time")
-        if rid in self._to_abort:  # an earlier stream of this id was left: its abort first (later, it would hit this)
-            await asyncio.to_thread(self._locked, self._apply_aborts)
-        # the defaults: a max_tokens of theirs fits the prompt's room (add_request)
-        fit = sampling_params is None and "max_tokens" in self.llm.default_sampling
-        sampling_params = sampling_params or self.llm.get_default_sampling_params()
-        prompt_lps = None  # vLLM's prompt_logprobs: one score() pass before the request is added (LLM.generate's)
-        if sampling_params.prompt_logprobs is not None:
-            prompt_lps = await self._prompt_logprobs(prompt, sampling_params)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue  # before adding: the stepping task may produce output at once
+        # the id is taken from here on: a second call with it while this one awaits its prompt logprobs would
+        # otherwise pass the check, and its refused add drop this stream's queue (was: this stream waited forever)
+        self._preparing.add(rid)
+        try:
+            if rid in self._to_abort:  # an earlier stream of this id was left: its abort first (later, it would hit this)
+                await asyncio.to_thread(self._locked, self._apply_aborts)
+            # the defaults: a max_tokens of theirs fits the prompt's room (add_request)
+            fit = sampling_params is None and "max_tokens" in self.llm.default_sampling
+            sampling_params = sampling_params or self.llm.get_default_sampling_params()
+            prompt_lps = None  # vLLM's prompt_logprobs: one score() pass before the request is added (LLM.generate's)
+            if sampling_params.prompt_logprobs is not None:
+                prompt_lps = await self._prompt_logprobs(prompt, sampling_params)
+            queue: asyncio.Queue = asyncio.Queue()
+            self._queues[rid] = queue  # before adding: the stepping task may produce output at once
+        finally:
+            self._preparing.discard(rid)
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
             self.engine.add_request, rid, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
         try:
@@ -186,6 +193,14 @@ class AsyncLLM:
             if final is not None and queue is not None and loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, final)
 
+    def _new_id(self) -> str:
+        """The next "async-N" that no open request holds (was: one a caller had passed as its own request_id made
+        a call without an id fail with "already in use")."""
+        while True:
+            rid = f"async-{next(self.llm._async_ids)}"
+            if rid not in self._queues and rid not in self._preparing and rid not in self.engine.requests:
+                return rid
+
     async def _abort_left(self, rid: str) -> None:
         """Abort the request of a stream its consumer left (break then aclose, cancellation, an error), as vLLM's
         generate does: its slot and pages are free when this returns (was: only at the stepping task's next step,
@@ -241,6 +256,7 @@ class AsyncLLM:
         self._loop, self._task = loop, None
         self._to_abort.extend(self._queues)  # streams left open on the closed loop: nobody reads them
         self._queues.clear()
+        self._preparing.clear()  # (calls suspended on the closed loop before their add: they never resume)
 
     def _locked(self, fn, *args):
         with self._lock:

@@ -1,6 +1,7 @@
 """AsyncLLM as a service embeds it (a helper's hunt against vLLM's AsyncLLM): a stream its consumer leaves (break then
 aclose, a `wait_for` timeout, a TaskGroup's cancellation, `asyncio.run` returning right after a break) has its request
-aborted and its slot and pages free by the time the leaving is over."""
+aborted and its slot and pages free by the time the leaving is over; a request id is one stream's from the call on; a
+call without an id never takes one a caller chose."""
 
 from __future__ import annotations
 
@@ -101,6 +102,36 @@ def test_asyncio_run_returning_after_a_break_leaves_nothing_running(llm):
 
     asyncio.run(main())
     assert _busy(llm) == IDLE
+
+
+def test_one_request_id_twice_at_once(llm):
+    """vLLM refuses a request id in use.  Before: two calls with one id that both awaited their prompt logprobs both
+    passed the check, the second's refused add dropped the first's queue, and the first stream waited forever."""
+    allm = AsyncLLM(llm)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(_tokens(allm, "hello", params, "same"),
+                                                     _tokens(allm, "hello", params, "same"),
+                                                     return_exceptions=True), 30)
+
+    first, second = asyncio.run(main())
+    assert len(first) == 6
+    assert isinstance(second, ValueError) and "'same' is already in use" in str(second)
+    assert_no_leaks(llm)
+
+
+def test_a_call_without_an_id_skips_ids_callers_chose(llm):
+    """Before: a caller's own "async-N" made the call that drew N fail with "request_id 'async-N' is already in use"."""
+    allm = AsyncLLM(llm)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    n = next(llm._async_ids)
+
+    async def main():
+        return await asyncio.gather(_tokens(allm, "hello", params, f"async-{n + 1}"), _tokens(allm, "hi", params))
+
+    assert [len(ids) for ids in asyncio.run(main())] == [4, 4]
+    assert_no_leaks(llm)
 
 
 if __name__ == "__main__":
