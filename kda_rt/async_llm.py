@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 from kda_rt.engine.llm_engine import NoRoomToScore
 from kda_rt.engine.postprocess import OUTPUT_KINDS, DeltaTracker
+from kda_rt.sampler.params import SamplingParams
 
 if TYPE_CHECKING:
     from kda_rt.llm import LLM
     from kda_rt.outputs import RequestOutput
-    from kda_rt.sampler.params import SamplingParams
 
 __all__ = ["AsyncLLM"]
 
@@ -69,8 +69,11 @@ class AsyncLLM:
         output_kind = {"final_only": "final"}.get(output_kind, output_kind)  # vLLM's FINAL_ONLY
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):  # (was: AttributeError)
+            raise TypeError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}"
+                            f"{'; for a dict d use SamplingParams(**d)' if isinstance(sampling_params, dict) else ''}")
         if self._shut:
-            raise RuntimeError("this AsyncLLM is shut down (shutdown()): create another over the LLM")
+            raise self.dead_error
         self._bind_loop()
         rid = self._new_id() if request_id is None else str(request_id)
         if rid in self._queues or rid in self._preparing:
@@ -96,7 +99,7 @@ class AsyncLLM:
         finally:
             self._preparing.discard(rid)
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
-            self.engine.add_request, rid, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
+            self._add, rid, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
         try:
             await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
         except BaseException as exc:
@@ -192,6 +195,41 @@ class AsyncLLM:
             queue = self._queues.get(rid)
             if final is not None and queue is not None and loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, final)
+
+    # -- vLLM's EngineClient state (kda_rt's engine outlives a failed step: the error goes to the requests open then,
+    # later ones run; only shutdown() stops an AsyncLLM) ------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return not self._shut
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._shut
+
+    @property
+    def errored(self) -> bool:
+        return self._shut
+
+    @property
+    def dead_error(self) -> BaseException:
+        return RuntimeError("this AsyncLLM is shut down (shutdown()): create another over the LLM")
+
+    async def check_health(self) -> None:
+        """vLLM's: raises `dead_error` once shut down."""
+        if self.errored:
+            raise self.dead_error
+
+    def get_tokenizer(self):
+        """The LLM's tokenizer (None for a checkpoint without tokenizer files)."""
+        return self.llm.get_tokenizer()
+
+    def _add(self, rid: str, *args, **kwargs) -> str:
+        """`engine.add_request`, refused once `shutdown()` began: under the lock, so a request is either added before
+        shutdown's aborts (and aborted by them) or not at all (was: one added after them ran to its end)."""
+        if self._shut:
+            raise self.dead_error
+        return self.engine.add_request(rid, *args, **kwargs)
 
     def _new_id(self) -> str:
         """The next "async-N" that no open request holds (was: one a caller had passed as its own request_id made

@@ -1,11 +1,13 @@
 """AsyncLLM as a service embeds it (a helper's hunt against vLLM's AsyncLLM): a stream its consumer leaves (break then
 aclose, a `wait_for` timeout, a TaskGroup's cancellation, `asyncio.run` returning right after a break) has its request
 aborted and its slot and pages free by the time the leaving is over; a request id is one stream's from the call on; a
-call without an id never takes one a caller chose."""
+call without an id never takes one a caller chose; a shutdown racing an add leaves nothing running; vLLM's EngineClient
+state (`is_running`, `errored`, `check_health`, ...); sampling params of the wrong type named."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -131,6 +133,57 @@ def test_a_call_without_an_id_skips_ids_callers_chose(llm):
         return await asyncio.gather(_tokens(allm, "hello", params, f"async-{n + 1}"), _tokens(allm, "hi", params))
 
     assert [len(ids) for ids in asyncio.run(main())] == [4, 4]
+    assert_no_leaks(llm)
+
+
+def test_shutdown_while_a_request_waits_to_be_added(llm, monkeypatch):
+    """A shutdown between a call's checks and its add (here: while its prompt logprobs are computed) refuses the add.
+    Before: the request was added after shutdown's aborts and ran to its end on a shut-down AsyncLLM."""
+    allm = AsyncLLM(llm)
+    inside, release = threading.Event(), threading.Event()
+    real = llm._vllm_prompt_logprobs
+
+    def held(*args, **kwargs):
+        inside.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "_vllm_prompt_logprobs", held)
+
+    async def main():
+        task = asyncio.ensure_future(_tokens(allm, "hello", SamplingParams(max_tokens=300, ignore_eos=True,
+                                                                            prompt_logprobs=1)))
+        await asyncio.to_thread(inside.wait, 10)
+        allm.shutdown()
+        release.set()
+        with pytest.raises(RuntimeError, match="shut down"):
+            await asyncio.wait_for(task, 30)
+        return _busy(llm)
+
+    assert asyncio.run(main()) == IDLE
+    assert not allm.is_running and allm.errored and allm.is_stopped
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(allm.check_health())
+    allm.shutdown()  # (twice: nothing more to do)
+
+
+def test_engine_client_state_and_bad_params(llm):
+    """vLLM's EngineClient members a service checks (was: AttributeError), and sampling params of the wrong type named
+    (was: AttributeError "'dict' object has no attribute 'prompt_logprobs'")."""
+    allm = AsyncLLM(llm)
+    assert allm.is_running and not allm.errored and not allm.is_stopped
+    asyncio.run(allm.check_health())
+    assert allm.get_tokenizer() is llm.get_tokenizer()
+    assert isinstance(allm.dead_error, RuntimeError)
+
+    async def first(params):
+        async for out in allm.generate("hello", params):
+            return out
+
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams .*SamplingParams\(\*\*d\)"):
+        asyncio.run(first({"max_tokens": 3}))
+    with pytest.raises(TypeError, match="got list"):
+        asyncio.run(first([SamplingParams(max_tokens=3)]))
     assert_no_leaks(llm)
 
 
