@@ -2,12 +2,15 @@
 aclose, a `wait_for` timeout, a TaskGroup's cancellation, `asyncio.run` returning right after a break) has its request
 aborted and its slot and pages free by the time the leaving is over; a request id is one stream's from the call on; a
 call without an id never takes one a caller chose; a shutdown racing an add leaves nothing running; vLLM's EngineClient
-state (`is_running`, `errored`, `check_health`, ...); sampling params of the wrong type named."""
+state (`is_running`, `errored`, `check_health`, ...); sampling params of the wrong type named; a failed step fails the
+streams open then and frees them; 40 concurrent streams of mixed settings equal the same requests run alone."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
+import time
 
 import pytest
 
@@ -15,6 +18,7 @@ from helpers.engine import assert_no_leaks
 from kda_rt import LLM, SamplingParams
 from kda_rt.async_llm import AsyncLLM
 from kda_rt.demo import demo_path
+from kda_rt.sampler.params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +188,88 @@ def test_engine_client_state_and_bad_params(llm):
         asyncio.run(first({"max_tokens": 3}))
     with pytest.raises(TypeError, match="got list"):
         asyncio.run(first([SamplingParams(max_tokens=3)]))
+    assert_no_leaks(llm)
+
+
+def test_a_failed_step_fails_the_open_streams_and_frees_them(llm, monkeypatch):
+    """A step that raises once: every stream open then raises that error and its request is gone when the error
+    reaches the caller (before the abort-on-leaving fix they stayed queued until the next step); the AsyncLLM keeps
+    running (kda_rt's engine requeues a failed step's sequences) and a later request runs whole."""
+    allm, runner, calls = AsyncLLM(llm), llm.llm_engine.runner, [0]
+    real = runner.launch
+
+    def fails_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "launch", fails_once)
+
+    async def main():
+        got = await asyncio.wait_for(asyncio.gather(
+            *(_tokens(allm, f"hello {i}", SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(3)),
+            return_exceptions=True), 60)
+        return got, _busy(llm), await _tokens(allm, "later", SamplingParams(max_tokens=5, ignore_eos=True))
+
+    got, busy, later = asyncio.run(main())
+    assert all(isinstance(g, RuntimeError) and str(g) == "boom" for g in got), got
+    assert busy == IDLE and len(later) == 5
+    assert allm.is_running and not allm.errored
+    assert_no_leaks(llm)
+
+
+def _mixed(i: int) -> SamplingParams:
+    kind = i % 5
+    if kind == 0:
+        return SamplingParams(temperature=0, max_tokens=4 + i % 5, ignore_eos=True)
+    if kind == 1:
+        return SamplingParams(temperature=0.9, seed=i, n=2, max_tokens=5, ignore_eos=True)
+    if kind == 2:
+        return SamplingParams(temperature=0.7, seed=i, logprobs=2, max_tokens=5, ignore_eos=True)
+    if kind == 3:
+        return SamplingParams(temperature=0.8, seed=i, stop=["e", "a"], max_tokens=8)
+    return SamplingParams(temperature=0.8, seed=i, max_tokens=6,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]))
+
+
+def test_forty_concurrent_mixed_streams_equal_each_alone(llm):
+    """n > 1, logprobs, stop strings, a grammar, priorities and all three output kinds from 40 tasks reading at random
+    paces: each request's samples equal the same request run alone (already so; kept as a guard)."""
+    pytest.importorskip("llguidance")
+    prompts = [f"prompt number {i} " * (1 + i % 4) for i in range(40)]
+
+    def samples(out) -> list:
+        return sorted((c.index, list(c.token_ids), c.text, c.finish_reason) for c in out.outputs)
+
+    alone = [samples(llm.generate(p, _mixed(i))[0]) for i, p in enumerate(prompts)]
+    allm, kinds, rng = AsyncLLM(llm), ("delta", "cumulative", "final"), random.Random(0)
+    pauses = [[rng.random() * 0.002 for _ in range(20)] for _ in prompts]
+
+    async def one(i: int) -> list:
+        outs = []
+        async for out in allm.generate(prompts[i], _mixed(i), output_kind=kinds[i % 3], priority=i % 3):
+            await asyncio.sleep(pauses[i][len(outs) % 20])
+            outs.append(out)
+        if kinds[i % 3] == "final":
+            assert len(outs) == 1
+        if kinds[i % 3] != "delta":
+            return samples(outs[-1])
+        merged: dict[int, list] = {}
+        for out in outs:
+            for c in out.outputs:
+                m = merged.setdefault(c.index, [[], "", None])
+                m[0] += c.token_ids
+                m[1] += c.text
+                m[2] = c.finish_reason
+        return sorted((k, *m) for k, m in merged.items())
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(40))), 120)
+
+    t0 = time.perf_counter()
+    got = asyncio.run(main())
+    assert [i for i in range(40) if got[i] != alone[i]] == [], f"{time.perf_counter() - t0:.1f} s"
     assert_no_leaks(llm)
 
 
