@@ -1,18 +1,24 @@
 """Prometheus metrics through `prometheus_client`, with vLLM's names under the `kda_rt:` prefix and a
 `model_name` label, so dashboards built for vLLM work after a prefix rename.
 
-vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1]),
-num_preemptions_total, prompt_tokens_total, generation_tokens_total, request_success_total
-{finished_reason}, time_to_first_token_seconds, time_per_output_token_seconds,
-e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens, request_decode_time_seconds,
-inter_token_latency_seconds, request_params_n, request_params_max_tokens.
+vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1]; also under its
+older name gpu_cache_usage_perc, which vLLM's example Grafana dashboard reads), num_preemptions_total,
+prompt_tokens_total, generation_tokens_total (both counted as they happen: at a request's first token and at each
+delta), request_success_total{finished_reason} (each finished choice's reason; stop / length / abort shown from the
+start, at 0, as vLLM's), time_to_first_token_seconds (observed at the first token), inter_token_latency_seconds and
+time_per_output_token_seconds (vLLM's older name of the same thing: one observation a gap between deliveries),
+request_time_per_output_token_seconds (a request's mean), e2e_request_latency_seconds, request_queue_time_seconds,
+request_prefill_time_seconds, request_inference_time_seconds, request_decode_time_seconds, request_prompt_tokens,
+request_generation_tokens, request_max_num_generation_tokens, request_params_n, request_params_max_tokens (these
+per-request histograms only of requests that finished, as vLLM's only of finished requests, so their counts agree
+with requests_total{outcome="finished"}).
 Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free / _cached,
 state_slots_used / _free, engine_steps_total, prompt_tokens_computed_total (prefill tokens run,
 recomputation included), engine_requests_finished_total / _aborted_total, http_requests_total
 {endpoint, code}, requests_total{outcome}, requests_in_flight, engine_alive, draining.
 
-HTTP-side counters and histograms are updated as requests end; engine gauges are read from the
-engine process at scrape time (`render(stats, ...)`).
+HTTP-side counters and histograms are updated as a request runs (first token, deltas, gaps) and as it ends (the
+per-request ones); engine gauges and counters are read from the engine process at scrape time (`render(stats, ...)`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values: their series exist from the start
 
 # engine stats key -> (metric name, kind, help)
 _ENGINE = {
@@ -89,6 +96,8 @@ class _EngineCollector:
         if {"pages_used", "pages_free", "slots_used", "slots_free"} <= stats.keys():
             kv, slots = usage_fractions(stats)
             for name, doc, value in (("kv_cache_usage_perc", "KV-cache (MLA page) usage, 1 = full.", kv),
+                                     ("gpu_cache_usage_perc", "KV-cache (MLA page) usage, 1 = full (vLLM's older "
+                                      "name of kv_cache_usage_perc).", kv),
                                      ("state_slot_usage_perc", "KDA state-slot usage, 1 = full.", slots)):
                 family = GaugeMetricFamily(m.prefix + name, doc, labels=["model_name"])
                 family.add_metric(labels, value)
@@ -111,23 +120,30 @@ class Metrics:
                              ["model_name", "endpoint", "code"], registry=r)
         self._outcomes = Counter(p + "requests", "Admitted generation requests by outcome.", ["model_name", "outcome"],
                                  registry=r)
-        self._success = Counter(p + "request_success", "Finished requests by finish reason (of the first choice).",
+        self._success = Counter(p + "request_success", "Finished choices (sequences) by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._in_flight = Gauge(p + "requests_in_flight", "Generation requests open in the HTTP process.", name,
                                 registry=r)
-        self._prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests.", name, registry=r)
-        self._generation_tokens = Counter(p + "generation_tokens", "Tokens sent back to clients.", name, registry=r)
+        self._prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests, counted at their first token "
+                                      "(or end, when none came).", name, registry=r)
+        self._generation_tokens = Counter(p + "generation_tokens", "Tokens sent back to clients, counted as they come.",
+                                          name, registry=r)
         self._ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token.",
                                name, buckets=_TTFT_BUCKETS, registry=r)
-        self._tpot = Histogram(p + "time_per_output_token_seconds",
-                               "Mean time between output tokens after the first, per request.", name,
+        self._tpot = Histogram(p + "time_per_output_token_seconds", "Time between a request's successive token "
+                               "deliveries (vLLM's older name of inter_token_latency_seconds).", name,
                                buckets=_TPOT_BUCKETS, registry=r)
+        self._req_tpot = Histogram(p + "request_time_per_output_token_seconds",
+                                   "Mean time between output tokens after the first, per request.", name,
+                                   buckets=_TPOT_BUCKETS, registry=r)
         self._e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.", name,
                               buckets=_E2E_BUCKETS, registry=r)
         self._req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per request.", name,
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self._req_gen = Histogram(p + "request_generation_tokens", "Generated tokens per request.", name,
                                   buckets=_TOKEN_BUCKETS, registry=r)
+        self._req_max_gen = Histogram(p + "request_max_num_generation_tokens", "The most tokens a choice of the "
+                                      "request generated.", name, buckets=_TOKEN_BUCKETS, registry=r)
         self._decode = Histogram(p + "request_decode_time_seconds", "Time from a request's first token to its end.",
                                  name, buckets=_E2E_BUCKETS, registry=r)
         self._queue = Histogram(p + "request_queue_time_seconds", "Time a request waited in the engine's queue before "
@@ -145,6 +161,8 @@ class Metrics:
                                             buckets=_TOKEN_BUCKETS, registry=r)
         for outcome in ("finished", "aborted", "rejected", "error"):
             self._outcomes.labels(model_name, outcome)
+        for reason in _FINISH_REASONS:
+            self._success.labels(model_name, reason)
         self.registry.register(_EngineCollector(self))
 
     def http(self, endpoint: str, code: int) -> None:
@@ -156,32 +174,51 @@ class Metrics:
     def started(self) -> None:
         self._in_flight.labels(self.model_name).inc()
 
+    def first_token(self, seconds: float, prompt_tokens: int) -> None:
+        """A request's first token came `seconds` after its arrival: its prompt has been run (vLLM counts prompt
+        tokens then too)."""
+        m = self.model_name
+        self._ttft.labels(m).observe(seconds)
+        self._prompt_tokens.labels(m).inc(prompt_tokens)
+
+    def tokens(self, num_tokens: int) -> None:
+        """Tokens of a delta, as it comes (rates of generation_tokens_total follow a long request as it runs)."""
+        self._generation_tokens.labels(self.model_name).inc(num_tokens)
+
     def token_gap(self, seconds: float) -> None:
         """One gap between a request's successive deliveries of tokens (vLLM's inter-token latency)."""
-        self._itl.labels(self.model_name).observe(seconds)
-
-    def finish(self, outcome: str, prompt_tokens: int, completion_tokens: int, *, start: float, first: float | None,
-               end: float, finished_reason: str | None = None, n: int = 1, max_tokens: int | None = None,
-               queue: float | None = None, prefill: float | None = None) -> None:
-        """Record one admitted request: outcome, tokens, its latencies (perf_counter times; `queue` and `prefill`
-        durations the engine measured for its first prompt) and parameters."""
         m = self.model_name
+        self._itl.labels(m).observe(seconds)
+        self._tpot.labels(m).observe(seconds)
+
+    def finish(self, outcome: str, prompt_tokens: int, choice_tokens: list[int], finish_reasons: list[str | None], *,
+               start: float, first: float | None, end: float, n: int = 1, max_tokens: int | None = None,
+               queue: float | None = None, prefill: float | None = None) -> None:
+        """Record the end of one admitted request: its outcome and, when it finished, each choice's finish reason,
+        its latencies (perf_counter times; `queue` and `prefill` durations the engine measured for its first prompt),
+        token counts (`choice_tokens`: per choice) and parameters.  A request ended otherwise (aborted, failed) shows
+        only in requests_total and in what was counted as it ran (first token, tokens, gaps)."""
+        m = self.model_name
+        self._in_flight.labels(m).dec()
+        self._outcomes.labels(m, outcome).inc()
+        if outcome != "finished":
+            return
+        if first is None:  # (no token came: a score-only request; its prompt was run all the same)
+            self._prompt_tokens.labels(m).inc(prompt_tokens)
+        for reason in finish_reasons:
+            if reason is not None:
+                self._success.labels(m, reason).inc()
+        completion_tokens, longest = sum(choice_tokens), max(choice_tokens, default=0)
         self._params_n.labels(m).observe(n)
         if max_tokens is not None:
             self._params_max_tokens.labels(m).observe(max_tokens)
-        self._in_flight.labels(m).dec()
-        self._outcomes.labels(m, outcome).inc()
-        if outcome == "finished" and finished_reason is not None:
-            self._success.labels(m, finished_reason).inc()
-        self._prompt_tokens.labels(m).inc(prompt_tokens)
-        self._generation_tokens.labels(m).inc(completion_tokens)
         self._req_prompt.labels(m).observe(prompt_tokens)
         self._req_gen.labels(m).observe(completion_tokens)
+        self._req_max_gen.labels(m).observe(longest)
         if first is not None:
-            self._ttft.labels(m).observe(first - start)
             self._decode.labels(m).observe(end - first)
-            if completion_tokens > 1:
-                self._tpot.labels(m).observe((end - first) / (completion_tokens - 1))
+            if longest > 1:  # (the choices of n > 1 run side by side: the longest one's tokens came one a gap)
+                self._req_tpot.labels(m).observe((end - first) / (longest - 1))
         self._e2e.labels(m).observe(end - start)
         if queue is not None:
             self._queue.labels(m).observe(queue)

@@ -84,13 +84,16 @@ class RequestRun:
                      "stop_reason": None} for i in range(self.num_choices) if i not in done]}
             if isinstance(item, BaseException):
                 raise item
-            if any(c["token_ids"] for c in item["outputs"]):
+            num_tokens = sum(len(c["token_ids"]) for c in item["outputs"])
+            if num_tokens:
                 now = time.perf_counter()
                 if self.first is None:
                     self.first = now
+                    self.state.metrics.first_token(now - self.start, self.prompt_tokens)
                 else:
                     self.state.metrics.token_gap(now - self.last)
                 self.last = now
+                self.state.metrics.tokens(num_tokens)
             self.cached_tokens += item.get("cached_tokens", 0)
             for key in ("queue_s", "prefill_s"):
                 if key in item and key not in self.timing:
@@ -106,10 +109,9 @@ class RequestRun:
         if outcome != "finished":
             self.state.client.abort(self.rid)
         end = time.perf_counter()
-        reason = self.choices.finish[0][0] if self.choices.finish else None
-        self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.completion_tokens, start=self.start,
-                                  n=self.req.n, max_tokens=self.max_tokens,
-                                  first=self.first, end=end, finished_reason=reason,
+        self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.num_tokens,
+                                  [reason for reason, _ in self.choices.finish], start=self.start, n=self.req.n,
+                                  max_tokens=self.max_tokens, first=self.first, end=end,
                                   queue=self.timing.get("queue_s"), prefill=self.timing.get("prefill_s"))
         if self.state.log_requests:
             logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
