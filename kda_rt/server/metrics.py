@@ -5,13 +5,13 @@ vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (a f
 older name gpu_cache_usage_perc, which vLLM's example Grafana dashboard reads), num_preemptions_total,
 prompt_tokens_total, generation_tokens_total (both counted as they happen: at a request's first token and at each
 delta), request_success_total{finished_reason} (each finished choice's reason; stop / length / abort shown from the
-start, at 0, as vLLM's), time_to_first_token_seconds (observed at the first token), inter_token_latency_seconds and
+start), time_to_first_token_seconds (observed at the first token), inter_token_latency_seconds and
 time_per_output_token_seconds (vLLM's older name of the same thing: one observation a gap between deliveries),
 request_time_per_output_token_seconds (a request's mean), e2e_request_latency_seconds, request_queue_time_seconds,
 request_prefill_time_seconds, request_inference_time_seconds, request_decode_time_seconds, request_prompt_tokens,
 request_generation_tokens, request_max_num_generation_tokens, request_params_n, request_params_max_tokens (these
 per-request histograms only of requests that finished, as vLLM's only of finished requests, so their counts agree
-with requests_total{outcome="finished"}).
+with requests_total{outcome="finished"}).  Every series of the model exists from the start, at 0, as vLLM's.
 Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free / _cached,
 state_slots_used / _free, engine_steps_total, prompt_tokens_computed_total (prefill tokens run,
 recomputation included), engine_requests_finished_total / _aborted_total, http_requests_total
@@ -163,6 +163,10 @@ class Metrics:
             self._outcomes.labels(model_name, outcome)
         for reason in _FINISH_REASONS:
             self._success.labels(model_name, reason)
+        labelled = (self._http, self._outcomes, self._success)  # (their other labels' values: above, or as they come)
+        for metric in vars(self).values():  # every series of this model from the start, at 0, as vLLM's
+            if isinstance(metric, (Counter, Gauge, Histogram)) and metric not in labelled:
+                metric.labels(model_name)
         self.registry.register(_EngineCollector(self))
 
     def http(self, endpoint: str, code: int) -> None:

@@ -80,12 +80,16 @@ def _serve(state: _State, run: RequestRun, clock, deltas: list[tuple[float, dict
     asyncio.run(gather())
 
 
-def test_finish_reason_series_exist_from_start():
-    """stop / length / abort are shown at 0 before any request, as vLLM creates them (was: absent until a request
-    finished so, and a dashboard's increase() or an alert on one reason read "no data")."""
+def test_series_exist_from_start():
+    """stop / length / abort, the token counters and the histograms are shown at 0 before any request, as vLLM creates
+    them (was: absent until first moved, so a dashboard's increase() or an alert on one read "no data", and a request
+    aborted before its first token left generation_tokens_total absent)."""
     m = _scrape(_State())
     for reason in ("stop", "length", "abort"):
         assert m[f'vllm:request_success_total{{finished_reason="{reason}"}}'] == 0, reason
+    for name in ("prompt_tokens_total", "generation_tokens_total", "e2e_request_latency_seconds_count",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count"):
+        assert m[f"vllm:{name}"] == 0, name
 
 
 def test_request_success_counts_each_choice(clock):
