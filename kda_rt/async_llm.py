@@ -50,6 +50,7 @@ class AsyncLLM:
         llm._asyncs.add(self)
         self._queues: dict[str, asyncio.Queue] = {}
         self._preparing: set[str] = set()  # ids of generate calls not yet given a queue (their prompt logprobs)
+        self._abort_pending: set[str] = set()  # ids aborted before their add: aborted as the add lands (_add)
         self._to_abort: list[str] = []
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,9 +102,12 @@ class AsyncLLM:
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
             self._add, rid, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
         try:
-            await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
+            final = await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
+            if final is not None:  # abort() came before the add: the stream ends with its final output at once
+                queue.put_nowait(final)
         except BaseException as exc:
             self._queues.pop(rid, None)
+            self._abort_pending.discard(rid)  # (a refused add: no mark may outlive this call, to abort a later one)
             if isinstance(exc, asyncio.CancelledError):
                 add.add_done_callback(lambda f: self._abort_later(rid) if not f.cancelled() and f.exception() is None
                                       else None)
@@ -123,6 +127,7 @@ class AsyncLLM:
                     yield self._vllm(item, sampling_params, converted, prompt_lps)
         finally:
             self._queues.pop(rid, None)
+            self._abort_pending.discard(rid)
             if not finished:
                 await self._abort_left(rid)
 
@@ -164,7 +169,7 @@ class AsyncLLM:
         finish_reason is "abort".  Unknown ids are passed over."""
         self._bind_loop()
         for rid in [request_id] if isinstance(request_id, str) else [str(r) for r in request_id]:
-            final = await asyncio.to_thread(self._locked, self.engine.abort, rid)
+            final = await asyncio.to_thread(self._locked, self._abort_one, rid)
             queue = self._queues.get(rid)
             if final is not None and queue is not None:
                 queue.put_nowait(final)
@@ -224,12 +229,26 @@ class AsyncLLM:
         """The LLM's tokenizer (None for a checkpoint without tokenizer files)."""
         return self.llm.get_tokenizer()
 
-    def _add(self, rid: str, *args, **kwargs) -> str:
+    def _add(self, rid: str, *args, **kwargs) -> RequestOutput | None:
         """`engine.add_request`, refused once `shutdown()` began: under the lock, so a request is either added before
-        shutdown's aborts (and aborted by them) or not at all (was: one added after them ran to its end)."""
+        shutdown's aborts (and aborted by them) or not at all (was: one added after them ran to its end).  A request
+        `abort()` named before this (while its call computed prompt logprobs) is aborted as it lands: its final output
+        returned (was: the abort found nothing to abort and the request ran to its end)."""
         if self._shut:
             raise self.dead_error
-        return self.engine.add_request(rid, *args, **kwargs)
+        self.engine.add_request(rid, *args, **kwargs)
+        if rid in self._abort_pending:
+            self._abort_pending.discard(rid)
+            return self.engine.abort(rid)
+        return None
+
+    def _abort_one(self, rid: str) -> RequestOutput | None:
+        """`engine.abort` under the lock; an id whose generate call has not added its request yet is marked, so that
+        its add aborts it (`_add`)."""
+        final = self.engine.abort(rid)
+        if final is None and (rid in self._preparing or rid in self._queues):
+            self._abort_pending.add(rid)
+        return final
 
     def _new_id(self) -> str:
         """The next "async-N" that no open request holds (was: one a caller had passed as its own request_id made

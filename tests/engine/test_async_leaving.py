@@ -171,6 +171,47 @@ def test_shutdown_while_a_request_waits_to_be_added(llm, monkeypatch):
     allm.shutdown()  # (twice: nothing more to do)
 
 
+
+def test_abort_before_the_add_ends_the_stream(llm, monkeypatch):
+    """`abort(id)` while the call of that id computes its prompt logprobs (its request not yet added) aborts the
+    request as it lands: the stream ends with finish_reason "abort", nothing runs after.  Before: the abort found no
+    request, and the request then ran to its end (300 tokens).  A later call with the same id runs whole."""
+    allm = AsyncLLM(llm)
+    inside, release = threading.Event(), threading.Event()
+    real = llm._vllm_prompt_logprobs
+
+    def held(*args, **kwargs):
+        inside.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "_vllm_prompt_logprobs", held)
+
+    async def main():
+        outs = []
+
+        async def consume():
+            async for out in allm.generate("hello", SamplingParams(max_tokens=300, ignore_eos=True, prompt_logprobs=1),
+                                           "early"):
+                outs.append(out)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.to_thread(inside.wait, 10)
+        aborting = asyncio.ensure_future(allm.abort("early"))
+        await asyncio.sleep(0.05)  # (the abort waits for the lock the prompt-logprobs pass holds)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(task, aborting), 30)
+        busy = _busy(llm)
+        monkeypatch.setattr(llm, "_vllm_prompt_logprobs", real)
+        again = await _tokens(allm, "hello", SamplingParams(max_tokens=5, ignore_eos=True), "early")
+        return outs, busy, again
+
+    outs, busy, again = asyncio.run(main())
+    assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) < 300
+    assert busy == IDLE and _busy(llm) == IDLE
+    assert len(again) == 5
+
 def test_engine_client_state_and_bad_params(llm):
     """vLLM's EngineClient members a service checks (was: AttributeError), and sampling params of the wrong type named
     (was: AttributeError "'dict' object has no attribute 'prompt_logprobs'")."""
