@@ -267,7 +267,10 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
             "incomplete_details": incomplete,
             "error": {"code": "server_error", "message": error} if state == "failed" else None, "usage": None}
     if usage is not None:
-        body["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+        # (cache_write_tokens: the openai client's type requires it; the prefix cache keeps prompts unasked, so
+        # nothing is billed as written, as OpenAI's automatic caching reports 0)
+        details = {"cached_tokens": cached, "cache_write_tokens": 0}
+        body["usage"] = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": details,
                          "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                          "total_tokens": usage["total_tokens"]}
     return body

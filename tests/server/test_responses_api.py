@@ -101,3 +101,52 @@ def test_engine_refusal_names_responses_fields(server):
                    json={"model": "demo", "input": "hi", "max_output_tokens": MAX_MODEL_LEN + 10})
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and "max_output_tokens" in message and "max_tokens" not in message, r.text
+
+
+def _events(server, body):
+    """The SSE events of a streamed request, each its JSON with its `event:` name checked."""
+    with httpx.stream("POST", server.url + "/v1/responses", headers=server.headers, timeout=60,
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert name == "event: " + events[-1]["type"]
+    return events
+
+
+def _same_answer(body: dict) -> dict:
+    """A response body without what differs between two runs of one request: ids, time, prefix-cache hits."""
+    body = json.loads(json.dumps(body).replace(body["id"], "ID"))
+    body.pop("created_at")
+    if body["usage"] is not None:
+        body["usage"]["input_tokens_details"]["cached_tokens"] = 0
+    return body
+
+
+@pytest.mark.parametrize("extra", [{}, {"tools": [{"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}], "tool_choice": {"type": "function",
+                                                                                     "name": "get_weather"}}],
+                         ids=["message", "function_call"])
+def test_bodies_and_events_are_the_clients_types(server, extra):
+    """Every body and stream event validates as the openai client's own types (their required fields there: was
+    usage.input_tokens_details without cache_write_tokens, which the client requires); sequence numbers count from
+    0; the stream's final response equals the one answered without a stream."""
+    import pydantic
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    body = {"model": "demo", "input": "Weather in Paris?", "max_output_tokens": 12, "temperature": 0.0,
+            "ignore_eos": True, **extra}
+    r = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())
+    events = _events(server, body)
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    assert _same_answer(events[-1]["response"]) == _same_answer(r.json())
+
