@@ -125,6 +125,8 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': str}")
         choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice == "auto" and not tools:  # (the Responses API's default, sent as such by clients: no tools, no calls)
+        choice = None
     return tools, choice
 
 

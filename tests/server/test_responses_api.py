@@ -150,3 +150,10 @@ def test_bodies_and_events_are_the_clients_types(server, extra):
     assert events[-1]["type"] == "response.completed"
     assert _same_answer(events[-1]["response"]) == _same_answer(r.json())
 
+def test_tool_choice_auto_without_tools(client):
+    """tool_choice "auto" (the Responses API's default, which clients send as such) with no tools is an answer
+    without calls, not chat's 400 "tool_choice 'auto' needs tools"."""
+    resp = client.responses.create(model="demo", input="Hi", max_output_tokens=2, tool_choice="auto")
+    assert resp.tool_choice == "auto" and [item.type for item in resp.output] == ["message"]
+    resp = client.responses.create(model="demo", input="Hi", max_output_tokens=2, tool_choice="auto", tools=[])
+    assert resp.tools == [] and resp.output_text is not None
