@@ -74,16 +74,17 @@ class ResponsesRequest(msgspec.Struct):
     cache_salt: str | None = None  # (vLLM's, as in chat)
 
 
-def _content(where: str, content: Any) -> str:
+def _content(where: str, content: Any, field: str = "content") -> str:
+    """The text of a message's `content` (or a function_call_output's `output`): a string or text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list of input_text parts")
+        raise InvalidRequest(f"{where}.{field} must be a string or a list of input_text parts")
     texts = []
     for k, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"{where}.content[{k}] must be {{'type': 'input_text', 'text': str}} (only text is "
+            raise InvalidRequest(f"{where}.{field}[{k}] must be {{'type': 'input_text', 'text': str}} (only text is "
                                  f"supported), got {kind!r}")
         texts.append(part["text"])
     return "\n".join(texts)  # (a message's text parts joined as the chat route and vLLM join them)
@@ -158,7 +159,7 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"{where} (function_call_output) needs call_id as a string")
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else _content(where, output)})
+                             "content": output if isinstance(output, str) else _content(where, output, "output")})
         else:
             raise InvalidRequest(f"{where} must be a message, function_call or function_call_output item, "
                                  f"got {kind!r}")

@@ -71,6 +71,7 @@ def test_json_schema_format(client):
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0] (function_call) needs call_id"),
     ({"input": ""}, "input"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": {"a": 1}}]}, "input[0].output must be"),
 ])
 def test_unsupported_is_named(server, body, needle):
     r = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=60)
@@ -149,6 +150,7 @@ def test_bodies_and_events_are_the_clients_types(server, extra):
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["type"] == "response.completed"
     assert _same_answer(events[-1]["response"]) == _same_answer(r.json())
+
 
 def test_tool_choice_auto_without_tools(client):
     """tool_choice "auto" (the Responses API's default, which clients send as such) with no tools is an answer
