@@ -213,6 +213,33 @@ def build_app(state: ServerState) -> Starlette:
         body = store.get(rid)
         return _json(body) if body is not None else _error(f"response {rid!r} is not stored", 404)
 
+    async def stored_input_items(request: Request) -> Response:
+        """GET /v1/responses/{response_id}/input_items: the items a stored response was generated from, a page at a
+        time (`limit` 1-100, default 20; `order` desc (the default) or asc; `after` / `before` an item id)."""
+        if not authorized(request):
+            return _error("invalid or missing API key", 401)
+        rid, query = request.path_params["response_id"], request.query_params
+        store = state.responses_store
+        if store is None:
+            return _error("this server stores no responses (start it with --enable-responses-store)", 404)
+        limit, order = query.get("limit", "20"), query.get("order", "desc")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+            return _error(f"limit must be an integer from 1 to 100, got {limit!r:.40}", 400, "limit")
+        if order not in ("asc", "desc"):
+            return _error(f"order must be 'asc' or 'desc', got {order!r:.40}", 400, "order")
+        try:
+            items = store.input_items(rid)
+            page = responses_api.item_page(items, limit=int(limit), order=order, after=query.get("after"),
+                                           before=query.get("before"))
+        except responses_api.ResponseNotFound as exc:
+            missing = exc.args[0]
+            return _error(f"response {rid!r} is not stored" if missing == rid else
+                          f"response {rid!r} continues response {missing!r}, which is not stored (deleted or evicted)",
+                          404)
+        except protocol.InvalidRequest as exc:
+            return _error(str(exc), 400)
+        return _json(page)
+
     async def load(request: Request) -> Response:
         """vLLM's GET /load: the generation requests in flight (always tracked; vLLM's
         --enable-server-load-tracking is accepted)."""
@@ -477,6 +504,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/responses", responses_create, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", stored_input_items, methods=["GET"]),
         Route("/invocations", invocations, methods=["POST"]),  # vLLM's SageMaker entry: chat or completion
     ]
     if env.server_dev_mode():

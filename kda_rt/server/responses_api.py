@@ -18,8 +18,10 @@ Stored responses (`--enable-responses-store`, or vLLM's `VLLM_ENABLE_RESPONSES_A
 true (the default then, as OpenAI's) gets a random id and is kept in the HTTP process (`ResponseStore`: the items of
 its own input and output and a link to the response it continued, at most `--responses-store-size` responses and
 `--responses-store-max-mib` MiB of their JSON, least recently used out first), retrievable by `GET
-/v1/responses/{id}` and removable by `DELETE`; a request's `previous_response_id` continues that conversation: the
-chain's items come before its own input, read as one input list (the earlier `instructions` are not carried over, as
+/v1/responses/{id}` and removable by `DELETE`, its input items listed by `GET /v1/responses/{id}/input_items`
+(`item_page`: the conversation it continued and its own input, each item with an id); a request's
+`previous_response_id` continues that conversation: the chain's items come before its own input, read as one input
+list (the earlier `instructions` are not carried over, as
 OpenAI's).  `background: true` (with the store) answers at once with status "queued" and runs the request; the
 store keeps it "in_progress" for GET to poll until the finished response replaces it, and `POST
 /v1/responses/{id}/cancel` stops it ("cancelled").  Without the store, `previous_response_id` is a 400 and `store:
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from kda_rt.server.run import RequestRun
 
 __all__ = ["ResponseNotFound", "ResponseStore", "ResponsesRequest", "chat_payload", "chat_request", "events", "input_items",
-           "response_body", "shape"]
+           "item_page", "response_body", "shape"]
 
 _INT32 = 2**31 - 1
 _ROLES = ("user", "system", "developer", "assistant")
@@ -298,6 +300,47 @@ def shape(run: RequestRun, req: ResponsesRequest, on_done=None):
     return to_response
 
 
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def _with_ids(items: list[Any], rid: str) -> list[Any]:
+    """A response's own input items, each with an id (the client's, else one of this response's): the item list
+    (GET /v1/responses/{id}/input_items) names and pages them by it."""
+    return [item if item.get("id") else {**item, "id": f"{_ID_PREFIX[item.get('type', 'message')]}_{rid}_in{k}"}
+            for k, item in enumerate(items)]
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored input or output item in the item list's shape: a message's content as text parts (input_text, or
+    output_text with annotations for the assistant's), every item with a status."""
+    kind, status = item.get("type", "message"), item.get("status") or "completed"
+    if kind == "message":
+        content = item["content"]
+        texts = [content] if isinstance(content, str) else [part["text"] for part in content]
+        parts = ([{"type": "output_text", "text": t, "annotations": []} for t in texts] if item["role"] == "assistant"
+                 else [{"type": "input_text", "text": t} for t in texts])
+        return {"id": item["id"], "type": "message", "role": item["role"], "content": parts, "status": status}
+    keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    return {"id": item["id"], "type": kind, **{key: item[key] for key in keys}, "status": status}
+
+
+def item_page(items: list[dict[str, Any]], *, limit: int = 20, order: str = "desc", after: str | None = None,
+              before: str | None = None) -> dict[str, Any]:
+    """One page of the item list, as OpenAI's (`order` "desc": newest first, its default; `after` / `before`: the
+    items past / before the one of that id, in that order)."""
+    ordered = items[::-1] if order == "desc" else items
+    ids = [item["id"] for item in ordered]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise InvalidRequest(f"{name}: no item {cursor!r} in this response's input items")
+    start = ids.index(after) + 1 if after is not None else 0
+    stop = ids.index(before) if before is not None else len(ordered)
+    page = ordered[start:stop][:limit] if before is None else ordered[start:stop][-limit:]
+    more = start + len(page) < stop if before is None else stop - len(page) > start
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": more}
+
+
 class ResponseNotFound(KeyError):
     """previous_response_id (or an earlier link of its chain) is not stored."""
 
@@ -333,29 +376,45 @@ class ResponseStore:
             self.bytes -= entry[3]
         return entry is not None
 
-    def history(self, rid: str) -> list[Any]:
-        """The conversation up to and including response `rid` as items, oldest first; ResponseNotFound naming the
-        missing link when `rid` or an earlier response of its chain is not stored (never stored, deleted or evicted)."""
+    def _chain(self, rid: str) -> list[tuple[str, tuple[dict[str, Any], list[Any], str | None, int]]]:
+        """Response `rid` and the ones it continued, newest first, each used (least recently used order);
+        ResponseNotFound naming the first link not stored (never stored, deleted or evicted)."""
         chain, at, seen = [], rid, set()
         while at is not None:
             entry = self._items.get(at)
             if entry is None or at in seen:  # (a link back into the chain cannot be made; refused all the same)
                 raise ResponseNotFound(at)
+            seen.add(at)
+            self._items.move_to_end(at)
+            chain.append((at, entry))
+            at = entry[2]
+        return chain
+
+    def history(self, rid: str) -> list[Any]:
+        """The conversation up to and including response `rid` as items, oldest first; ResponseNotFound naming the
+        missing link when `rid` or an earlier response of its chain is not stored (never stored, deleted or evicted)."""
+        chain = self._chain(rid)
+        for at, entry in chain:
             if entry[0]["status"] in ("queued", "in_progress", "failed", "cancelled"):
                 raise InvalidRequest(f"previous_response_id: response {at!r} is {entry[0]['status']} (a background "
                                      "response is continued once it has completed)")
-            seen.add(at)
-            self._items.move_to_end(at)
-            chain.append(entry[1])
-            at = entry[2]
-        return [m for part in reversed(chain) for m in part]
+        return [m for _, entry in reversed(chain) for m in entry[1]]
+
+    def input_items(self, rid: str) -> list[dict[str, Any]]:
+        """The items response `rid` was generated from, oldest first, in the shapes of the Responses API's item list
+        (each with an id): the conversation it continued (each earlier response's input and output) and its own
+        input, its instructions not among them; ResponseNotFound naming a missing link."""
+        chain = self._chain(rid)
+        body, items = chain[0][1][0], chain[0][1][1]
+        own = items[:max(len(items) - len(body["output"]), 0)]  # (its output follows its input in the store)
+        return [_listed(item) for _, entry in reversed(chain[1:]) for item in entry[1]] + [_listed(i) for i in own]
 
     def put_running(self, body: dict[str, Any], own: list[Any], previous: str | None) -> None:
         """Keep a background response while it runs (GET shows it, `put` replaces it); not counted in the byte bound
         until it is finished."""
         body["store"] = True
         self.delete(body["id"])
-        self._items[body["id"]] = (body, own, previous, 0)
+        self._items[body["id"]] = (body, _with_ids(own, body["id"]), previous, 0)
         self._evict()
 
     def running(self, rid: str) -> bool:
@@ -375,7 +434,7 @@ class ResponseStore:
         """Keep a finished response: `own` its input's items (its instructions not among them), its output's added;
         the least recently used go while more than `capacity` responses or `max_bytes` (their JSON) are kept.  A
         failed response, or one larger than `max_bytes` alone, is not kept (its body says `store: false`)."""
-        items = own + body["output"]
+        items = _with_ids(own, body["id"]) + body["output"]
         size = len(msgspec.json.encode(items)) + len(msgspec.json.encode(body))
         if body.get("background") and (body["status"] == "failed" or size > self.max_bytes):
             # (a background response stays findable, its status saying why; it cannot be continued)

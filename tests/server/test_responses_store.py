@@ -218,3 +218,44 @@ def test_background_responses_poll_and_cancel(store_server):
     for bad in ({"background": True, "stream": True}, {"background": True, "store": False}):
         r = httpx.post(url + "/v1/responses", headers=headers, timeout=60, json={**body, **bad})
         assert r.status_code == 400 and "background needs stored responses" in r.json()["error"]["message"]
+
+
+def test_input_items_list(client, store_server):
+    """GET /v1/responses/{id}/input_items (`client.responses.input_items.list`): the items a response was generated
+    from, as the client's item types, each with an id, newest first by default: the conversation it continued (the
+    earlier input and output) and its own input (its instructions not among them); pages by `after` / `before`
+    (the client's auto-pagination walks them all); a response not stored, or one whose chain lost a link, is a 404
+    (was: no route, 404 for every response)."""
+    from openai.types.responses import ResponseInputMessageItem, ResponseOutputMessage
+
+    kw = dict(model="demo", max_output_tokens=2, temperature=0.0)
+    first = client.responses.create(instructions="Be brief.", input=[
+        {"role": "developer", "content": "Rule."},
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}], **kw)
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    second = client.responses.create(previous_response_id=first.id, input=[call, result], **kw)
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(item.type, getattr(item, "role", None)) for item in items] == [
+        ("message", "developer"), ("message", "user"), ("message", "assistant"), ("function_call", None),
+        ("function_call_output", None)]
+    assert isinstance(items[0], ResponseInputMessageItem) and isinstance(items[2], ResponseOutputMessage)
+    assert [part.text for part in items[1].content] == ["a", "b"] and items[2].id == first.output[0].id
+    assert items[3].call_id == "call_1" and items[4].output == "42" and len({item.id for item in items}) == 5
+    assert [item.id for item in client.responses.input_items.list(second.id).data] == [i.id for i in items[::-1]]
+    page = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in page.data] == [items[4].id, items[3].id] and page.has_more is True
+    assert [i.id for i in page] == [i.id for i in items[::-1]]  # (auto-pagination: `after` the last id)
+    url, headers = store_server.url, store_server.headers
+    before = httpx.get(f"{url}/v1/responses/{second.id}/input_items", headers=headers, timeout=10,
+                       params={"before": items[1].id, "limit": 2, "order": "asc"}).json()
+    assert [i["id"] for i in before["data"]] == [items[0].id] and before["has_more"] is False
+    assert [i.id for i in client.responses.input_items.list(first.id).data] == [items[1].id, items[0].id]
+    for params in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "nope"}):
+        r = httpx.get(f"{url}/v1/responses/{second.id}/input_items", headers=headers, timeout=10, params=params)
+        assert r.status_code == 400, (params, r.text)
+    assert httpx.get(f"{url}/v1/responses/resp-none/input_items", headers=headers, timeout=10).status_code == 404
+    assert httpx.get(f"{url}/v1/responses/{second.id}/input_items", timeout=10).status_code == 401
+    client.responses.delete(first.id)
+    r = httpx.get(f"{url}/v1/responses/{second.id}/input_items", headers=headers, timeout=10)
+    assert r.status_code == 404 and first.id in r.json()["error"]["message"], r.text
