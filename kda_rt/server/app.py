@@ -210,6 +210,10 @@ def build_app(state: ServerState) -> Starlette:
             if not store.delete(rid):
                 return _error(f"response {rid!r} is not stored", 404)
             return _json({"id": rid, "object": "response", "deleted": True})
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            # (a JSON body to a client reading events would be an empty stream, no error)
+            return _error("stream: a stored response is not streamed again; GET it without stream (poll a "
+                          "background one until its status is final)", 400, "stream")
         body = store.get(rid)
         return _json(body) if body is not None else _error(f"response {rid!r} is not stored", 404)
 

@@ -259,3 +259,13 @@ def test_input_items_list(client, store_server):
     client.responses.delete(first.id)
     r = httpx.get(f"{url}/v1/responses/{second.id}/input_items", headers=headers, timeout=10)
     assert r.status_code == 404 and first.id in r.json()["error"]["message"], r.text
+
+
+def test_retrieve_with_stream_is_refused(client):
+    """GET /v1/responses/{id}?stream=true (`client.responses.retrieve(id, stream=True)`) is a 400 naming stream: a
+    stored response is not streamed again (was: its JSON body, which the client read as a stream of no events)."""
+    resp = client.responses.create(model="demo", input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as refused:
+        list(client.responses.retrieve(resp.id, stream=True))
+    assert refused.value.body["param"] == "stream"
+    assert client.responses.retrieve(resp.id).id == resp.id
