@@ -149,13 +149,8 @@ class Choices(_Shape):
         text = self.text(i)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tool_mode is not None:
-            max_calls = self.tool_mode.get("max_calls")
-            if reason == "length":  # cut, maybe mid-call: the calls as far as they got, as a stream shows them
-                parser = ToolCallStream(max_calls)
-                content, calls = parser.feed(self.prefix + text, final=True)[0] or None, parser.calls
-            else:
-                content, calls = parse_tool_calls(self.prefix + text)
-                calls = calls[:max_calls or len(calls)]
+            # (a call cut short, by max_tokens or the model, is kept as far as it got, as a stream shows it)
+            content, calls = parse_tool_calls(self.prefix + text, self.tool_mode.get("max_calls"))
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
             if calls and reason == "stop":  # ("length" stays: the last call may be cut, its arguments not JSON)
                 reason = "tool_calls"

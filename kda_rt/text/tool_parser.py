@@ -30,16 +30,15 @@ ARG_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 _SECTION_BEGINS = (SECTION_BEGIN, "<|tool_call_section_begin|>")  # K2 checkpoints emit either spelling
 
-_CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(?P<id>[^<]+:\d+)\s*" + re.escape(ARG_BEGIN)
-                   + r"\s*(?P<args>(?:(?!" + re.escape(CALL_BEGIN) + r").)*?)\s*" + re.escape(CALL_END), re.DOTALL)
-_HEADER = re.compile(r"\s*(?P<id>[^<]+:\d+)\s*$", re.DOTALL)
+_MARKERS = (CALL_BEGIN, CALL_END, SECTION_END)  # what ends a call's arguments (CALL_END: the normal end)
+_HEADER = re.compile(r"\s*(?P<id>[^<]+:\d+)\s*$", re.DOTALL)  # `functions.NAME:IDX`; an id holds no '<'
 
 
 @dataclass
 class ToolCall:
     id: str  # functions.NAME:IDX, as the model wrote it
     name: str
-    arguments: str  # JSON text as generated (not validated: no grammar constrains it yet)
+    arguments: str  # JSON text as generated (not validated; a call cut short keeps what it got)
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -59,15 +58,13 @@ def _section_start(text: str) -> tuple[int, int]:
     return start, start + size
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of one whole output.  Without a section marker the text is all content;
-    with one, content is what precedes it (None when empty) and each complete call is parsed."""
-    start, end = _section_start(text)
-    if start < 0:
-        return text, []
-    calls = [ToolCall(m["id"].strip(), _name_of(m["id"]), m["args"]) for m in _CALL.finditer(text, end)]
-    content = text[:start]
-    return (content or None), calls
+    with one, content is what precedes it (None when empty) and each call is parsed, as `ToolCallStream`
+    reads it (one parser: a stream's deltas always add up to this)."""
+    parser = ToolCallStream(max_calls)
+    content = parser.feed(text, final=True)[0]
+    return (text if parser.state == "content" else content or None), parser.calls
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -78,15 +75,27 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
+def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
+    """(index, marker) of the earliest marker in text, or (-1, '')."""
+    hits = [(i, m) for m in markers if (i := text.find(m)) >= 0]
+    return min(hits) if hits else (-1, "")
+
+
 class ToolCallStream:
     """Incremental `parse_tool_calls`: `feed(delta)` -> (content delta, [delta.tool_calls entries]).
     Concatenating the content deltas and each call's argument deltas gives what `parse_tool_calls`
-    gives for the whole text.  `max_calls` 1 keeps only the first call (parallel_tool_calls false)."""
+    gives for the whole text.  `max_calls` 1 keeps only the first call (parallel_tool_calls false).
+
+    After the section opens, only calls are read (other text is dropped, past the section's end too).
+    A call's id and name are sent once its header `<|tool_call_begin|>ID<|tool_call_argument_begin|>`
+    is whole; its arguments end at `<|tool_call_end|>`, or, cut short, at the next call's begin, the
+    section's end or the end of the output (a sent call cannot be taken back, so the whole-text parse keeps
+    it too).  A header that is no `NAME:IDX` drops its call."""
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
         self.buf = ""
-        self.state = "content"  # content -> section -> args -> section ... -> done
+        self.state = "content"  # content -> section -> args | skip -> section ...
         self.num_calls = 0  # call headers seen, kept or not
         self.calls: list[ToolCall] = []
 
@@ -103,54 +112,57 @@ class ToolCallStream:
                 keep = 0 if final else _held(self.buf, _SECTION_BEGINS)
                 content += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
-                break
-            if self.state == "section":
-                begin, close = self.buf.find(CALL_BEGIN), self.buf.find(SECTION_END)
-                if close >= 0 and (begin < 0 or close < begin):
-                    self.buf, self.state = "", "done"
-                    break
-                arg = self.buf.find(ARG_BEGIN, begin) if begin >= 0 else -1
-                if begin < 0 or arg < 0:
-                    break
-                header = _HEADER.match(self.buf[begin + len(CALL_BEGIN):arg])
-                self.buf = self.buf[arg + len(ARG_BEGIN):]
-                if header is None:  # not a call header: skip to the next one
-                    self.state = "skip"
-                    continue
-                call = ToolCall(header["id"].strip(), _name_of(header["id"]), "")
-                self.state = "args"
-                if self.max_calls is None or self.num_calls < self.max_calls:
-                    self.calls.append(call)
-                    entries.append({"index": self.num_calls, "id": call.id, "type": "function",
-                                    "function": {"name": call.name, "arguments": ""}})
-                else:
-                    self.state = "skip"
-                self.num_calls += 1
-                continue
-            if self.state == "skip":  # a call past max_calls, or a malformed header: dropped
-                stop = self.buf.find(CALL_END)
-                if stop < 0:
-                    self.buf = self.buf[len(self.buf) - _held(self.buf, (CALL_END,)):]
-                    break
-                self.buf, self.state = self.buf[stop + len(CALL_END):], "section"
-                continue
-            if self.state == "args":
-                if not self.calls[-1].arguments:
-                    self.buf = self.buf.lstrip()
-                stop = self.buf.find(CALL_END)
-                if stop >= 0:
-                    send, self.buf, self.state = self.buf[:stop].rstrip(), self.buf[stop + len(CALL_END):], "section"
-                else:  # hold back a possible marker start, and trailing whitespace (stripped at the end)
-                    send = self.buf[:len(self.buf) - _held(self.buf, (CALL_END,))].rstrip()
-                    self.buf = self.buf[len(send):]
-                if send:
-                    self.calls[-1].arguments += send
-                    entries.append({"index": len(self.calls) - 1, "function": {"arguments": send}})
-                if self.state == "section":
-                    continue
-                break
-            break  # done: the rest after the section is dropped, as in the whole-text parse
-        return content, entries
+                return content, entries
+            if self.state == "section" and not self._header(entries, final):
+                return content, entries
+            if self.state in ("args", "skip") and not self._arguments(entries, final):
+                return content, entries
+
+    def _header(self, entries: list[dict[str, Any]], final: bool) -> bool:
+        """Section state: reads up to the next whole call header; False when more text is needed."""
+        begin = self.buf.find(CALL_BEGIN)
+        if begin < 0:  # nothing but text between calls: dropped
+            self.buf = "" if final else self.buf[len(self.buf) - _held(self.buf, (CALL_BEGIN,)):]
+            return False
+        rest = self.buf[begin + len(CALL_BEGIN):]
+        stop = rest.find("<")  # an id ends at the first '<': the argument marker, or something that drops the call
+        if stop < 0 or (not rest.startswith(ARG_BEGIN, stop) and ARG_BEGIN.startswith(rest[stop:])):
+            self.buf = "" if final else self.buf[begin:]  # wait for the rest of the header
+            return False
+        if not rest.startswith(ARG_BEGIN, stop):  # e.g. another call's begin: this one has no arguments
+            self.buf = rest[stop:]
+            return True
+        header = _HEADER.match(rest[:stop])
+        self.buf, self.state = rest[stop + len(ARG_BEGIN):], "skip"
+        if header is None:
+            return True
+        if self.max_calls is None or self.num_calls < self.max_calls:
+            call = ToolCall(header["id"].strip(), _name_of(header["id"]), "")
+            self.calls.append(call)
+            entries.append({"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}})
+            self.state = "args"
+        self.num_calls += 1
+        return True
+
+    def _arguments(self, entries: list[dict[str, Any]], final: bool) -> bool:
+        """Args / skip state: a call's arguments (sent, or dropped when skipping) up to the marker that ends them;
+        False when more text is needed."""
+        keep = self.state == "args"
+        if keep and not self.calls[-1].arguments:
+            self.buf = self.buf.lstrip()
+        stop, marker = _first(self.buf, _MARKERS)
+        if stop >= 0:
+            send = self.buf[:stop].rstrip()
+            self.buf = self.buf[stop + len(CALL_END):] if marker == CALL_END else self.buf[stop:]
+            self.state = "section"
+        else:  # hold back a possible marker start, and trailing whitespace (stripped at the end)
+            send = self.buf[:len(self.buf) - (0 if final else _held(self.buf, _MARKERS))].rstrip()
+            self.buf = "" if final else self.buf[len(send):]
+        if send and keep:
+            self.calls[-1].arguments += send
+            entries.append({"index": len(self.calls) - 1, "function": {"arguments": send}})
+        return self.state == "section"
 
 
 def forced_prefix(tool_mode: dict[str, Any] | None) -> str:

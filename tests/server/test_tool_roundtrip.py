@@ -152,6 +152,23 @@ def test_cut_call_is_length_and_kept(stream):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_call_without_end_markers_is_kept(stream):
+    """The model stopping right after a call's arguments, with no `<|tool_call_end|>` nor section end: streamed or
+    not, the call comes whole with finish_reason "tool_calls" (was: not streamed, no call and "stop", while the stream
+    sent the call)."""
+    async def run():
+        engine = FakeEngine()
+        engine.script = [CALL.replace("<|tool_call_end|><|tool_calls_section_end|>", "")]
+        client = _client(engine)
+        content, calls, reason = await _turn(client, [dict(m) for m in OPENING], stream)
+        assert (content, calls, reason) == ("I'll check.", [("functions.get_weather:0", "get_weather",
+                                                             '{"city": "Paris"}')], "tool_calls")
+        await client.close()
+
+    asyncio.run(run())
+
+
 def test_named_function_and_none():
     async def run():
         engine = FakeEngine()

@@ -49,7 +49,7 @@ def test_parse_token_sequence(demo_tok):
 @pytest.mark.parametrize("text, content, num", [
     ("just text", "just text", 0),
     (f"{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{}}{CALL_END}{SECTION_END}", None, 1),
-    (f"x{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{\"a\": ", "x", 0),  # cut off by max_tokens
+    (f"x{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{\"a\": ", "x", 1),  # cut off: kept as far as it got
     (f"<|tool_call_section_begin|>{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{}}{CALL_END}", None, 1),  # K2 spelling
 ], ids=["no-calls", "only-call", "unfinished", "singular-section"])
 def test_parse_edges(text, content, num):
@@ -92,6 +92,44 @@ def test_stream_random_cuts():
             c, e = parser.feed(piece, final=k == len(pieces) - 1)
             content, entries = content + c, entries + e
         assert content == "Let me check." and _merge(entries) == EXPECTED, pieces
+
+
+# Malformed sections: (output, content, calls).  A call cut short keeps its arguments as far as they got (the stream
+# has sent its name by then); a header that is no NAME:IDX drops its call; markers never reach the arguments.
+MALFORMED = [
+    (f"hi{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{\"a\": 1}}", "hi", [("functions.f:0", "f", '{"a": 1}')]),
+    (f"hi{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{\"a\": 1}}{SECTION_END}", "hi",
+     [("functions.f:0", "f", '{"a": 1}')]),
+    (f"{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{\"a\": {CALL_BEGIN}functions.g:1{ARG_BEGIN}{{}}{CALL_END}"
+     f"{SECTION_END}", None, [("functions.f:0", "f", '{"a":'), ("functions.g:1", "g", "{}")]),
+    (f"a{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{}}{CALL_END}{SECTION_END}b{SECTION_BEGIN}{CALL_BEGIN}"
+     f"functions.g:1{ARG_BEGIN}{{}}{CALL_END}{SECTION_END}", "a", [("functions.f:0", "f", "{}"), ("functions.g:1", "g", "{}")]),
+    (f"{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{CALL_END}{CALL_BEGIN}functions.g:1{ARG_BEGIN}{{}}{CALL_END}{SECTION_END}",
+     None, [("functions.g:1", "g", "{}")]),
+    (f"{SECTION_BEGIN}{CALL_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN}{{}}{CALL_END}", None, [("functions.f:0", "f", "{}")]),
+    (f"{SECTION_BEGIN}{CALL_BEGIN}get_weather{ARG_BEGIN}{{\"a\": {CALL_BEGIN}functions.g:1{ARG_BEGIN}{{}}{CALL_END}",
+     None, [("functions.g:1", "g", "{}")]),
+    (f"{SECTION_BEGIN}{CALL_BEGIN}functions.f:0{ARG_BEGIN} {{\"a\": \"<|tool\"}} \n", None,
+     [("functions.f:0", "f", '{"a": "<|tool"}')]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", MALFORMED,
+                         ids=["no-end-markers", "no-call-end", "cut-by-next-call", "two-sections", "header-no-arguments",
+                              "doubled-call-begin", "bad-header-then-call", "cut-in-marker-like-text"])
+def test_malformed_stream_equals_whole(demo_tok, text, content, calls):
+    """Whole, token by token and character by character, a malformed section reads the same (was: the stream sent
+    a call the whole-text parse dropped, with the next call's or the section's markers in its arguments; a header
+    without arguments or a doubled call begin made the stream drop the next, good call)."""
+    got, whole = parse_tool_calls(text)
+    assert (got, [(c.id, c.name, c.arguments) for c in whole]) == (content, calls)
+    by_token = _stream(demo_tok, _ids(demo_tok, text))
+    assert (by_token[0] or None, _merge(by_token[1])) == (content, calls)
+    parser, by_char, entries = ToolCallStream(), "", []
+    for k, ch in enumerate(text):
+        c, e = parser.feed(ch, final=k == len(text) - 1)
+        by_char, entries = by_char + c, entries + e
+    assert (by_char or None, _merge(entries)) == (content, calls)
 
 
 def test_parallel_false_keeps_first_call(demo_tok):
