@@ -395,7 +395,8 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_kwargs(req, max_tokens, logprobs)
-    tool_mode = tools.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, auto_tools)
+    tool_mode = tools.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, auto_tools,
+                                sum(len(m.get("tool_calls", ())) for m in messages))
     if tool_mode is not None:
         params["skip_special_tokens"] = False
         forced = tools.forced_calls_spec(req.tools, tool_mode)

@@ -39,10 +39,11 @@ def history_calls(i: int, calls: Any) -> list[dict[str, Any]]:
 
 
 def tool_mode(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool,
-              auto_tools: bool) -> dict[str, Any] | None:
+              auto_tools: bool, num_history_calls: int = 0) -> dict[str, Any] | None:
     """How the output is read for tool calls: None (plain text), or {"max_calls", "forced_name",
-    "required"}.  `required` and a named function are forced by the prompt prefix the engine adds, and
-    the arguments by `forced_calls_spec`."""
+    "required", "call_index"}.  `required` and a named function are forced by the prompt prefix the engine adds, and
+    the arguments by `forced_calls_spec`.  `call_index`, the number of calls in the history, is the IDX of a named
+    function's forced header `functions.NAME:IDX`: Kimi numbers the calls of a conversation (vLLM's kimi_k2 ids)."""
     names = []
     for k, tool in enumerate(tools or []):
         fn = tool.get("function")
@@ -77,7 +78,8 @@ def tool_mode(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] |
     if choice == "auto" and not auto_tools:
         raise InvalidRequest('"auto" tool choice needs the server flags --enable-auto-tool-choice and '
                              "--tool-call-parser kimi_k2")
-    return {"max_calls": None if parallel else 1, "forced_name": named, "required": choice == "required"}
+    return {"max_calls": None if parallel else 1, "forced_name": named, "required": choice == "required",
+            "call_index": num_history_calls}
 
 
 def forced_calls_spec(tools: list[dict[str, Any]], mode: dict[str, Any]) -> dict[str, Any] | None:

@@ -165,6 +165,12 @@ class ToolCallStream:
         return self.state == "section"
 
 
+def _forced_id(tool_mode: dict[str, Any]) -> str:
+    """A named function's call id: IDX counts the conversation's calls before it (`call_index`), as Kimi numbers
+    them, so it never repeats an id of the history (whose `## Return of` results the model tells apart by id)."""
+    return f"functions.{tool_mode['forced_name']}:{tool_mode.get('call_index', 0)}"
+
+
 def forced_prefix(tool_mode: dict[str, Any] | None) -> str:
     """Text the engine appends to the prompt for tool_choice `required` (a call section is opened)
     or a named function (its call header is written); '' otherwise.  The parser reads the output
@@ -172,7 +178,7 @@ def forced_prefix(tool_mode: dict[str, Any] | None) -> str:
     if not tool_mode:
         return ""
     if tool_mode.get("forced_name"):
-        return f"{SECTION_BEGIN}{CALL_BEGIN}functions.{tool_mode['forced_name']}:0{ARG_BEGIN}"
+        return f"{SECTION_BEGIN}{CALL_BEGIN}{_forced_id(tool_mode)}{ARG_BEGIN}"
     if tool_mode.get("required"):
         return f"{SECTION_BEGIN}{CALL_BEGIN}functions."
     return ""
@@ -188,7 +194,7 @@ def tool_prefix_ids(tokenizer, tool_mode: dict[str, Any] | None) -> list[int]:
     except KeyError as exc:
         raise ValueError(f"tool_choice needs the Kimi tool-call tokens: {exc}") from None
     if tool_mode.get("forced_name"):
-        return [section, call, *tokenizer.encode(f"functions.{tool_mode['forced_name']}:0"), arg]
+        return [section, call, *tokenizer.encode(_forced_id(tool_mode)), arg]
     return [section, call, *tokenizer.encode("functions.")]
 
 

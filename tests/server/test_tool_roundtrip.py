@@ -192,6 +192,33 @@ def test_named_function_and_none():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_named_function_id_counts_the_history(stream):
+    """A named function's forced header continues the conversation's call count, as Kimi numbers calls (vLLM's
+    kimi_k2 ids: functions.NAME:<calls in the history>): after one call in the history the forced call is
+    `functions.get_weather:1` (was: `:0` again, the same id as the earlier call whose result is in the prompt)."""
+    async def run():
+        engine = FakeEngine()
+        engine.script = ['{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>']
+        client = _client(engine, auto_tools=False)
+        history = [dict(m) for m in OPENING] + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "functions.get_weather:0", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "22 C, sunny"},
+            {"role": "user", "content": "And Rome?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        content, calls, reason = await _turn(client, history, stream, tool_choice=named)
+        assert (content, calls, reason) == (None, [("functions.get_weather:1", "get_weather", '{"city": "Rome"}')],
+                                            "tool_calls")
+        tok = engine.tok
+        header = tok.encode("functions.get_weather:1") + [tok.token_to_id("<|tool_call_argument_begin|>")]
+        assert engine.prompts[0][-len(header):] == header
+        await client.close()
+
+    asyncio.run(run())
+
+
 def test_parallel_tool_calls_false():
     async def run():
         engine = FakeEngine()
