@@ -11,6 +11,7 @@ import string
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,13 @@ def template_source(model_dir: Path, config: Mapping[str, Any], where: str,
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    """HF's `strftime_now` global (templates that print today's date, e.g. Llama 3's): the local time, formatted."""
+    if not isinstance(fmt, str) or len(fmt) > 256:
+        raise TemplateLimitError("strftime_now takes a format string of at most 256 characters")
+    return datetime.now().strftime(fmt)
 
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
@@ -356,10 +364,11 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 def compile_template(source: str | None) -> Template:
     """Compile a template (None: the built-in one) in an immutable sandbox, with HF's `tojson`
-    filter and `raise_exception` global, and the rendering bounds of `render_template`."""
+    filter and `raise_exception` and `strftime_now` globals, and the rendering bounds of `render_template`."""
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     env.globals["range"] = _bounded_range
     text = source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8")
     # (constant expressions are folded, filters run, while it compiles)

@@ -341,7 +341,11 @@ class Tokenizer(HFSurface):
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any,
                 extra: Mapping[str, Any] | None, template: tuple[Any, str]) -> str:
-        return render_template(*template, **(extra or {}), messages=messages, tools=tools,
+        # HF's variables: the special tokens (pad / unk a client's kwargs may replace, as there) and `documents`
+        # (None unless given: a template's `documents is none` holds, as in transformers' apply_chat_template)
+        defaults = {"documents": None, **{k: v for k, v in (("pad_token", self._pad_token),
+                                                              ("unk_token", self._unk_token)) if v is not None}}
+        return render_template(*template, **{**defaults, **(extra or {})}, messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
                                eos_token=self._eos_token or "")
 
