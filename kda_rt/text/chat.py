@@ -458,11 +458,12 @@ def join_text_parts(i: int, parts: Sequence[Any]) -> str:
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copies for the template: `developer` becomes `system`, and a tool call without an id gets
-    Kimi's own form `functions.{name}:{k}` (k counts the calls of the conversation)."""
+    """Copies for the template: a key whose value is None is left out (as transformers' apply_chat_template does:
+    `content: None` reads as no content, never the text "None"), `developer` becomes `system`, and a tool call
+    without an id gets Kimi's own form `functions.{name}:{k}` (k counts the calls of the conversation)."""
     out, k = [], 0
     for message in messages:
-        msg = dict(message)
+        msg = {key: value for key, value in message.items() if value is not None}
         if msg.get("role") == "developer":
             msg["role"] = "system"
         if msg.get("tool_calls"):
