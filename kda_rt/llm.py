@@ -112,15 +112,6 @@ def _generation_defaults(data: dict[str, Any], path: str) -> dict[str, Any]:
     return out
 
 
-def _text_content(i: int, message: Any) -> Any:
-    """`message` with a content of OpenAI text parts (as vLLM's LLM.chat and the server take it) as one string
-    (`join_text_parts`, the server's rule); any other message as it is (the template layer checks it)."""
-    from kda_rt.text.chat import join_text_parts
-
-    content = message.get("content") if isinstance(message, Mapping) else None
-    return {**message, "content": join_text_parts(i, content)} if isinstance(content, list) else message
-
-
 def _progress_bar(total: int):
     from tqdm.auto import tqdm
 
@@ -487,8 +478,7 @@ class LLM:
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv:
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts, got {conv!r:.80}")
-        # (was: a list of text parts refused, "content must be a str or None")
-        conversations = [[_text_content(i, m) for i, m in enumerate(conv)] for conv in conversations]
+        # (content as text parts: the template layer keeps or joins them, `normalize_messages`)
         options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
                    "chat_template_kwargs": chat_template_kwargs, "continue_final_message": continue_final_message,
                    "chat_template": chat_template}

@@ -354,22 +354,23 @@ def completion_payload(req: CompletionRequest) -> dict[str, Any]:
             "cache_salt": _salt(req), **_ids(req)}
 
 
-def _content(i: int, content: Any) -> str:
+def _content(i: int, content: Any) -> str | list:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
+    if isinstance(content, list):  # kept as parts: the template layer keeps or joins them (`normalize_messages`)
         try:
-            return join_text_parts(i, content)
+            join_text_parts(i, content)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        return content
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 
 def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_template: bool = False) -> dict[str, Any]:
     """Engine payload {"messages", "tools", "chat_template_kwargs", "chat_template", "params", "tool_mode", ...} of a
-    chat request (content flattened to text; `developer` is read as `system` by the template layer).
+    chat request (content a string or text parts; `developer` is read as `system` by the template layer).
     With tool parsing on, special tokens are kept in the text (as vLLM does), else the markers are lost."""
     if not req.messages:
         raise InvalidRequest("messages must be a non-empty list")

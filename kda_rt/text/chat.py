@@ -372,7 +372,32 @@ def compile_template(source: str | None) -> Template:
     env.globals["range"] = _bounded_range
     text = source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8")
     # (constant expressions are folded, filters run, while it compiles)
-    return _time_bound("compiling", lambda: env.from_string(text))
+    template, ast = _time_bound("compiling", lambda: (env.from_string(text), env.parse(text)))
+    template.reads_content_parts = _reads_content_parts(ast)
+    return template
+
+
+def _is_content(node: nodes.Node, names: set[str]) -> bool:
+    """`node` reads a message's content: `x.content`, `x['content']`, `x.get('content')`, a variable set from one of
+    those, or one of those through filters (`x.content | selectattr(...)`)."""
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get":
+        return bool(node.args) and isinstance(node.args[0], nodes.Const) and node.args[0].value == "content"
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def _reads_content_parts(ast: nodes.Template) -> bool:
+    """Whether a template loops over a message's content (OpenAI's parts, e.g. Kimi K2's `render_content`): such a
+    template is given content parts as they are, as transformers gives them; any other gets them joined to one string
+    (`join_text_parts`, vLLM's rule for templates that read content as a string)."""
+    names = {a.target.name for a in ast.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and _is_content(a.node, set())}
+    return any(_is_content(loop.iter, names) for loop in ast.find_all(nodes.For))
 
 
 def render_template(template: Template, name: str, **context: Any) -> str:
@@ -405,8 +430,8 @@ def render_template(template: Template, name: str, **context: Any) -> str:
 
 
 def validate_messages(messages: Any, tools: Any, chat_template_kwargs: Any = None) -> None:
-    """Refuse (ValueError naming the field) what the template cannot render: content must be a str
-    or None, `tool_calls` a list of {"id", "type", "function": {"name": str, "arguments": str | dict}}."""
+    """Refuse (ValueError naming the field) what the template cannot render: content must be a str, a list of
+    OpenAI text parts or None, `tool_calls` a list of {"id", "type", "function": {"name": str, "arguments": str | dict}}."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     for i, message in enumerate(messages):
@@ -416,8 +441,11 @@ def validate_messages(messages: Any, tools: Any, chat_template_kwargs: Any = Non
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a str or None, got {type(content).__name__}")
+        if isinstance(content, (list, tuple)):
+            join_text_parts(i, content)  # (refuses a part that is not text)
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a str, a list of text parts or None, "
+                             f"got {type(content).__name__}")
         for field in ("name", "tool_call_id"):
             if message.get(field) is not None and not isinstance(message[field], str):
                 raise ValueError(f"messages[{i}].{field} must be a str, got {type(message[field]).__name__}")
@@ -457,13 +485,18 @@ def join_text_parts(i: int, parts: Sequence[Any]) -> str:
     return "\n".join(p["text"] for p in parts)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[Mapping[str, Any]], content_parts: bool = False) -> list[dict[str, Any]]:
     """Copies for the template: a key whose value is None is left out (as transformers' apply_chat_template does:
-    `content: None` reads as no content, never the text "None"), `developer` becomes `system`, and a tool call
-    without an id gets Kimi's own form `functions.{name}:{k}` (k counts the calls of the conversation)."""
+    `content: None` reads as no content, never the text "None"), content given as text parts kept as parts (copies)
+    where `content_parts` (the template loops over them, `Template.reads_content_parts`), else joined to one string,
+    `developer` becomes `system`, and a tool call without an id gets Kimi's own form `functions.{name}:{k}` (k counts
+    the calls of the conversation)."""
     out, k = [], 0
-    for message in messages:
+    for i, message in enumerate(messages):
         msg = {key: value for key, value in message.items() if value is not None}
+        if isinstance(msg.get("content"), (list, tuple)):
+            parts = msg["content"]
+            msg["content"] = [dict(p) for p in parts] if content_parts else join_text_parts(i, parts)
         if msg.get("role") == "developer":
             msg["role"] = "system"
         if msg.get("tool_calls"):

@@ -252,8 +252,8 @@ class Tokenizer(HFSurface):
         `encode_chat` share: the messages, tools and extra variables validated, `continue_final_message` allowed."""
         validate_messages(messages, tools, extra)
         _check_continue(messages, add_generation_prompt, continue_final_message)
-        messages = normalize_messages(messages)
         template = self._template_for(chat_template)
+        messages = normalize_messages(messages, template[0].reads_content_parts)
         return messages, template, self._render(messages, add_generation_prompt, tools, extra, template)
 
     def _template_for(self, source: str | None) -> tuple[Any, str]:
@@ -273,7 +273,13 @@ class Tokenizer(HFSurface):
         mark = "\ue001"
         while mark in rendered:
             mark += "\ue001"
-        marked = self._render([*messages[:-1], {**messages[-1], "content": content + mark}], False, tools, extra,
+        if isinstance(content, list):  # text parts: the mark after the last one's text (as transformers continues)
+            *first, last = content
+            marked_content: Any = [*first, {**last, "text": last["text"] + mark}]
+            content = last["text"]
+        else:
+            marked_content = content + mark
+        marked = self._render([*messages[:-1], {**messages[-1], "content": marked_content}], False, tools, extra,
                               template)
         at = marked.rfind(mark)
         tail = marked[at + len(mark):] if at >= 0 else None
@@ -373,12 +379,16 @@ def _compiled(source: str):
 
 
 def _check_continue(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, cont: bool) -> None:
-    """continue_final_message's conditions (as vLLM's): no generation prompt, a last message with text content."""
+    """continue_final_message's conditions (as vLLM's): no generation prompt, a last message with text content (a
+    string, or text parts whose last one has text)."""
     if not cont:
         return
     if add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
                          "add_generation_prompt=False to continue the last message")
     content = messages[-1].get("content") if messages else None
+    if isinstance(content, (list, tuple)) and content and isinstance(content[-1], Mapping):
+        content = content[-1].get("text")
     if not isinstance(content, str) or not content:
-        raise ValueError("continue_final_message needs the last message's content as a non-empty string")
+        raise ValueError("continue_final_message needs the last message's content as a non-empty string "
+                         "(or text parts whose last one is)")

@@ -42,5 +42,44 @@ def test_none_valued_keys_are_left_out(demo_tok):
         [{k: v for k, v in m.items() if v is not None} for m in messages])
 
 
+PARTS = [{"type": "text", "text": "a"}, {"type": "text", "text": "b<|im_end|>"}]
+
+
+@pytest.mark.parametrize("loop", [
+    "{% for p in m.content %}{{ p.text }}{% endfor %}",
+    "{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p['text'] }}{% endfor %}",
+    "{% set c = m.get('content') %}{% for p in c %}{{ p.text }}{% endfor %}",
+], ids=["attr", "item-filter", "set-get"])
+def test_content_parts_reach_a_template_that_loops_over_them(demo_tok, loop):
+    """Content as OpenAI text parts: a template that loops over a message's content (Kimi K2's `render_content`) is
+    given the parts, as transformers gives them (was: refused, "content must be a str or None"; LLM.chat and the
+    server joined them with newlines first, so such a template printed "a\nb" where transformers prints "ab")."""
+    source = ("{% for m in messages %}<|im_user|>{% if m.content is string %}{{ m.content }}{% else %}" + loop
+              + "{% endif %}<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
+    messages = [{"role": "user", "content": PARTS}, {"role": "assistant", "content": "c"}]
+    expected = "<|im_user|>ab<|im_end|><|im_end|><|im_user|>c<|im_end|><|im_assistant|>"
+    assert demo_tok.apply_chat_template(messages, chat_template=source) == expected
+    ids = demo_tok.encode_chat(messages, chat_template=source)
+    assert demo_tok.decode(ids) == expected
+    assert ids.count(demo_tok.eos_token_id) == 2  # the part's "<|im_end|>" stays text
+    cont = [messages[0], {"role": "assistant", "content": [{"type": "text", "text": "Sure, "}]}]
+    assert demo_tok.apply_chat_template(cont, chat_template=source, add_generation_prompt=False,
+                                        continue_final_message=True).endswith("<|im_user|>Sure, ")
+
+
+def test_content_parts_joined_for_a_string_template(demo_tok):
+    """A template that reads content as a string (the built-in one) gets the parts joined by newlines (vLLM's rule;
+    transformers would give it the list, which the built-in template prints as nothing); a part that is not text
+    is refused by name."""
+    text = demo_tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": PARTS}],
+                                        add_generation_prompt=False)
+    assert text.endswith("<|im_user|>user<|im_middle|>a\nb<|im_end|><|im_end|>")
+    cont = [USER, {"role": "assistant", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "Sure"}]}]
+    assert demo_tok.apply_chat_template(cont, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<|im_assistant|>assistant<|im_middle|>x\nSure")
+    with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts"):
+        demo_tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
