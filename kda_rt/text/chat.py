@@ -485,15 +485,23 @@ def join_text_parts(i: int, parts: Sequence[Any]) -> str:
     return "\n".join(p["text"] for p in parts)
 
 
+# A message's reasoning under the names clients send it; the first is the one chat templates read.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]], content_parts: bool = False) -> list[dict[str, Any]]:
     """Copies for the template: a key whose value is None is left out (as transformers' apply_chat_template does:
     `content: None` reads as no content, never the text "None"), content given as text parts kept as parts (copies)
     where `content_parts` (the template loops over them, `Template.reads_content_parts`), else joined to one string,
-    `developer` becomes `system`, and a tool call without an id gets Kimi's own form `functions.{name}:{k}` (k counts
+    a reasoning given as `reasoning_content`, `thinking` or `reasoning` also under the other two of the first two
+    names (transformers' aliases), `developer` becomes `system`, and a tool call without an id gets Kimi's own form `functions.{name}:{k}` (k counts
     the calls of the conversation)."""
     out, k = [], 0
     for i, message in enumerate(messages):
         msg = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((msg[key] for key in _REASONING_FIELDS if key in msg), None)
+        if reasoning is not None:  # transformers' aliases: what templates read (reasoning_content; gpt-oss: thinking)
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
         if isinstance(msg.get("content"), (list, tuple)):
             parts = msg["content"]
             msg["content"] = [dict(p) for p in parts] if content_parts else join_text_parts(i, parts)

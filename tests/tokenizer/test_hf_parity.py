@@ -81,5 +81,17 @@ def test_content_parts_joined_for_a_string_template(demo_tok):
         demo_tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
 
 
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_aliases(demo_tok, field):
+    """A message's reasoning under any of transformers' names reaches a template as `reasoning_content` and
+    `thinking` too, as transformers aliases them (was: a template reading reasoning_content missed `reasoning`)."""
+    source = ("{% for m in messages %}[{{ m.reasoning_content }}|{{ m.thinking }}|{{ m.reasoning is defined }}|"
+              "{{ m.content }}]{% endfor %}")
+    messages = [USER, {"role": "assistant", "content": "a", field: "why"}]
+    expected = f"[||False|hi][why|why|{field == 'reasoning'}|a]"
+    assert demo_tok.apply_chat_template(messages, chat_template=source) == expected
+    assert demo_tok.decode(demo_tok.encode_chat(messages, chat_template=source)) == expected
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
