@@ -594,11 +594,14 @@ class LLMEngine:
             raise
 
     def _discard_errored(self, launched: _Launched, result) -> None:
-        """An errored row's state may be non-finite: no prefix-cache entry made from its sequence stays."""
+        """An errored row's state may be non-finite: no prefix-cache entry made from its sequence stays; the others'
+        entries kept before their rows were read (retired by a step launched ahead) are found by lookups from now."""
         if self.scheduler.cache is not None:
             for i, seq in enumerate(launched.sampled):
                 if result.errors[i] is not None:
                     self.scheduler.cache.discard(seq.kept)
+                else:
+                    self.scheduler.cache.confirm(seq.kept)
 
     def _postprocess(self, cur: _Launched, result, ahead: _Launched | None = None,
                      keep_states: bool = True) -> list[RequestOutput]:

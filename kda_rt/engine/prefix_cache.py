@@ -57,6 +57,7 @@ class CacheEntry:
     junction: bool = False  # kept where prompts part (else at a request's end)
     resumed: bool = False  # a request resumed from it (since it was made or demoted): evicted after those not
     salt: str | None = None  # the cache_salt of the sequence that made it: only sequences of the same salt resume
+    unconfirmed: bool = False  # kept before the row that computed its state was read: no lookup finds it until then
 
 
 class PrefixCache:
@@ -110,7 +111,7 @@ class PrefixCache:
             for e in self._by_block.get(chain[j], ()):
                 n = len(e.tokens)
                 if n <= limit and (best is None or n > len(best.tokens)) and e.salt == salt and \
-                        tuple(tokens[:n]) == e.tokens:
+                        not e.unconfirmed and tuple(tokens[:n]) == e.tokens:
                     best = e
             if best is not None:
                 self._lru.move_to_end(best)
@@ -145,12 +146,14 @@ class PrefixCache:
     # -- entries ------------------------------------------------------------------------------
 
     def insert(self, tokens: list[int], slot: int, pages: list[int], chain: list[int] | None = None, *,
-               junction: bool = False, salt: str | None = None) -> CacheEntry | None:
+               junction: bool = False, salt: str | None = None, unconfirmed: bool = False) -> CacheEntry | None:
         """Keep the state in `slot` (after `tokens`) and the pages of those positions as an entry: the slot is copied
         to a snapshot (evicting an entry when none is free: the module docstring's order); the pages are held, not
         copied.  None when the prefix is already cached (that entry counts as used) or no snapshot slot exists.
         `chain`: page hashes of tokens that start with `tokens`, when known (page_chain).  `junction`: kept where
-        prompts part (not at a request's end).  `salt`: the sequence's cache_salt (`chain` made under it)."""
+        prompts part (not at a request's end).  `salt`: the sequence's cache_salt (`chain` made under it).
+        `unconfirmed`: the row of the step that computed the state is not read yet (an error there may leave it
+        non-finite): no lookup finds the entry until `confirm`."""
         key = tuple(tokens)
         need = -(-len(key) // self.block_size)
         if not key or len(pages) < need:
@@ -166,7 +169,8 @@ class PrefixCache:
             if not self._lru:
                 return None
             self.evict(self._victim())
-        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket, junction, salt=salt)
+        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket, junction, salt=salt,
+                           unconfirmed=unconfirmed)
         self.ops.append(("slot", slot, entry.snapshot))
         for p in entry.pages:
             self._change(p, 1, 1)
@@ -239,6 +243,12 @@ class PrefixCache:
         self._free_snapshots.append(entry.snapshot)
         for p in entry.pages:
             self._change(p, -1, -1)
+
+    @staticmethod
+    def confirm(entries: list[CacheEntry]) -> None:
+        """The rows that computed `entries`' states were read without an error: lookups may find them now."""
+        for e in entries:
+            e.unconfirmed = False
 
     def discard(self, entries: list[CacheEntry]) -> None:
         """Evict those of `entries` still cached (a sequence's, whose state went bad), and empty the list."""

@@ -289,9 +289,11 @@ class Scheduler:
         step scheduled before that step's tokens are known (the engine's async scheduling) has the room the
         synchronous engine's next step would have; `finish` completes it once its last token is accepted.  (The
         step in flight still writes the slot and pages; a later owner's writes queue behind it on the stream.)
-        `keep`: as `finish`'s."""
+        `keep`: as `finish`'s; the entry is found by no lookup until the engine reads that step's row
+        (`PrefixCache.confirm`): a sequence admitted meanwhile would copy a state that an error there leaves
+        non-finite."""
         self.running.remove(seq)
-        self._keep(seq, keep)
+        self._keep(seq, keep, unconfirmed=True)
         self._release(seq)
 
     def requeue(self, seq: Sequence) -> None:
@@ -331,13 +333,13 @@ class Scheduler:
         self.slots.release([seq.slot])
         seq.blocks, seq.slot = [], -1
 
-    def _keep(self, seq: Sequence, num_tokens: int, junction: bool = False) -> None:
+    def _keep(self, seq: Sequence, num_tokens: int, junction: bool = False, unconfirmed: bool = False) -> None:
         """With a prefix cache, keep the first `num_tokens` tokens of a running `seq` (its state holds exactly those
         once the steps queued so far have run) as an entry: at a junction, or at its end (then the end entry it
         resumed from, a chat's earlier turn, is demoted: the new one holds it)."""
         if self.cache is not None and num_tokens > 0:
             entry = self.cache.insert(seq.tokens(0, num_tokens), seq.slot, seq.blocks, self.cache.page_chain(seq)[1],
-                                      junction=junction, salt=seq.cache_salt)
+                                      junction=junction, salt=seq.cache_salt, unconfirmed=unconfirmed)
             if entry is not None:
                 seq.kept.append(entry)
             if not junction and seq.resumed_from is not None and not seq.resumed_from.junction:

@@ -604,6 +604,38 @@ def test_a_row_that_errors_keeps_no_state(tiny_dir, ahead, monkeypatch):
     _no_leaks(llm)
 
 
+def test_a_state_retired_ahead_is_not_resumed_before_its_row_is_read(tiny_dir, plain, monkeypatch):
+    """A sequence retired for its length by a step launched ahead keeps its state before that step's row is read; a
+    request admitted into the seat it frees, in the same schedule, must not resume from it: the row goes non-finite
+    here, so that state is too (before: B resumed after 42 tokens and ended with an error instead of its tokens)."""
+    monkeypatch.setenv("KDA_RT_ASYNC_PREFILL", "1")
+    llm = make_llm(tiny_dir, enable_prefix_caching=True, max_num_seqs=1, max_model_len=128, block_size=16)
+    prompt = list(range(3, 43))
+    said = plain.generate({"prompt_token_ids": prompt}, greedy(3))[0].outputs[0].token_ids
+    turn = {"prompt_token_ids": prompt + list(said[:2]) + [7, 8]}  # (A's retired state holds prompt + said[:2])
+    runner, eng = llm.llm_engine.runner, llm.llm_engine
+    inner = runner.launch
+
+    def launch(batch, sampling, **k):  # A's last step (its third token) overflows
+        out = inner(batch, sampling, **k)
+        if int(batch.context_lens[0]) == len(prompt) + 1 and batch.num_tokens == 1 and sampling.num_rows:
+            runner.kda_pool.recurrent[:, int(batch.state_slots[0])] = np.nan
+            out.errors[0], out.token_ids[0] = "non-finite logits", None
+        return out
+
+    runner.launch = launch
+    eng.add_request("a", {"prompt_token_ids": prompt}, greedy(3), output_kind="final")
+    eng.add_request("b", turn, greedy(3), output_kind="final")
+    finals = {}
+    while eng.has_unfinished_requests() or eng.has_pending_step():
+        finals.update({o.request_id: o for o in eng.step()})
+    del runner.launch
+    assert finals["a"].outputs[0].finish_reason == "error"
+    assert finals["b"].num_cached_tokens < len(prompt) + 2
+    assert _key(finals["b"]) == _key(plain.generate(turn, greedy(3))[0])
+    _no_leaks(llm)
+
+
 def test_steady_decode_steps_go_ahead_when_entries_hold_the_free_pages(tiny_dir, monkeypatch):
     """A steady decode step that needs a new page is launched ahead as without the cache when only entries hold the
     pages it needs (eviction gives them)."""
