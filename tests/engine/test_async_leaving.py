@@ -140,10 +140,9 @@ def test_a_call_without_an_id_skips_ids_callers_chose(llm):
     assert_no_leaks(llm)
 
 
-def test_shutdown_while_a_request_waits_to_be_added(llm, monkeypatch):
-    """A shutdown between a call's checks and its add (here: while its prompt logprobs are computed) refuses the add.
-    Before: the request was added after shutdown's aborts and ran to its end on a shut-down AsyncLLM."""
-    allm = AsyncLLM(llm)
+def _hold_prompt_logprobs(llm: LLM, monkeypatch) -> tuple[threading.Event, threading.Event, object]:
+    """Hold a call's prompt-logprobs pass (the window before its request is added): `inside` set once it is in
+    there, it goes on at `release`; the real pass returned to put back."""
     inside, release = threading.Event(), threading.Event()
     real = llm._vllm_prompt_logprobs
 
@@ -153,6 +152,14 @@ def test_shutdown_while_a_request_waits_to_be_added(llm, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llm, "_vllm_prompt_logprobs", held)
+    return inside, release, real
+
+
+def test_shutdown_while_a_request_waits_to_be_added(llm, monkeypatch):
+    """A shutdown between a call's checks and its add (here: while its prompt logprobs are computed) refuses the add.
+    Before: the request was added after shutdown's aborts and ran to its end on a shut-down AsyncLLM."""
+    allm = AsyncLLM(llm)
+    inside, release, real = _hold_prompt_logprobs(llm, monkeypatch)
 
     async def main():
         task = asyncio.ensure_future(_tokens(allm, "hello", SamplingParams(max_tokens=300, ignore_eos=True,
@@ -177,15 +184,7 @@ def test_abort_before_the_add_ends_the_stream(llm, monkeypatch):
     request as it lands: the stream ends with finish_reason "abort", nothing runs after.  Before: the abort found no
     request, and the request then ran to its end (300 tokens).  A later call with the same id runs whole."""
     allm = AsyncLLM(llm)
-    inside, release = threading.Event(), threading.Event()
-    real = llm._vllm_prompt_logprobs
-
-    def held(*args, **kwargs):
-        inside.set()
-        release.wait(10)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(llm, "_vllm_prompt_logprobs", held)
+    inside, release, real = _hold_prompt_logprobs(llm, monkeypatch)
 
     async def main():
         outs = []
