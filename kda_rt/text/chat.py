@@ -463,8 +463,8 @@ def validate_messages(messages: Any, tools: Any, chat_template_kwargs: Any = Non
                 raise ValueError(f"{where} must be a dict with a 'function' dict")
             if not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise ValueError(f"{where}.function.name must be a non-empty str")
-            if not isinstance(fn.get("arguments"), (str, Mapping)):
-                raise ValueError(f"{where}.function.arguments must be a JSON string or a dict")
+            if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, Mapping)):
+                raise ValueError(f"{where}.function.arguments must be a JSON string, a dict or null")
             if call.get("id") is not None and not isinstance(call["id"], str):
                 raise ValueError(f"{where}.id must be a str")
     if tools is not None and (not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)):
@@ -494,8 +494,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_parts: boo
     `content: None` reads as no content, never the text "None"), content given as text parts kept as parts (copies)
     where `content_parts` (the template loops over them, `Template.reads_content_parts`), else joined to one string,
     a reasoning given as `reasoning_content`, `thinking` or `reasoning` also under the other two of the first two
-    names (transformers' aliases), `developer` becomes `system`, and a tool call without an id gets Kimi's own form `functions.{name}:{k}` (k counts
-    the calls of the conversation)."""
+    names (transformers' aliases), `developer` becomes `system`, a tool call's arguments given as null or "" become {} (vLLM's rule), and a tool call
+    without an id gets Kimi's own form `functions.{name}:{k}` (k counts the calls of the conversation)."""
     out, k = [], 0
     for i, message in enumerate(messages):
         msg = {key: value for key, value in message.items() if value is not None}
@@ -511,6 +511,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_parts: boo
             calls = []
             for call in msg["tool_calls"]:
                 call = dict(call)
+                if not call["function"].get("arguments"):  # null or "": no arguments, {} (vLLM's rule)
+                    call["function"] = {**call["function"], "arguments": {}}
                 if call.get("id") is None:
                     call["id"] = f"functions.{call['function']['name']}:{k}"
                 call.setdefault("type", "function")
