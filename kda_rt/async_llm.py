@@ -26,6 +26,7 @@ which every running stream waits out).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Iterable
@@ -97,6 +98,9 @@ class AsyncLLM:
                 prompt_lps = await self._prompt_logprobs(prompt, sampling_params)
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[rid] = queue  # before adding: the stepping task may produce output at once
+        except BaseException:  # (a call that fails or is cancelled before its add: no abort mark may outlive it)
+            self._abort_pending.discard(rid)
+            raise
         finally:
             self._preparing.discard(rid)
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
@@ -107,10 +111,19 @@ class AsyncLLM:
                 queue.put_nowait(final)
         except BaseException as exc:
             self._queues.pop(rid, None)
-            self._abort_pending.discard(rid)  # (a refused add: no mark may outlive this call, to abort a later one)
-            if isinstance(exc, asyncio.CancelledError):
-                add.add_done_callback(lambda f: self._abort_later(rid) if not f.cancelled() and f.exception() is None
-                                      else None)
+            if isinstance(exc, asyncio.CancelledError) and not add.done():
+                # the add still runs in its thread: the id stays taken (a later call with it would reach the engine
+                # while this request is there) and _add aborts the request as it lands; the cancellation is over
+                # once it has, as a left stream's (a second cancellation leaves it to the callback)
+                self._preparing.add(rid)
+                self._abort_pending.add(rid)
+                add.add_done_callback(lambda f: self._landed(rid, f))
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(add)
+            else:
+                self._abort_pending.discard(rid)  # (a refused add: no mark may outlive this call, to abort a later one)
+                if isinstance(exc, asyncio.CancelledError) and not add.cancelled() and add.exception() is None:
+                    self._abort_later(rid)
             raise
         self._ensure_task()
         tracker, finished, converted = DeltaTracker(), False, {}
@@ -241,6 +254,14 @@ class AsyncLLM:
             self._abort_pending.discard(rid)
             return self.engine.abort(rid)
         return None
+
+    def _landed(self, rid: str, add: asyncio.Future) -> None:
+        """The add of a call cancelled while it ran has ended: the id is free; a request added before the abort mark
+        came (`_add` returned no final output) is aborted before the next step."""
+        self._preparing.discard(rid)
+        self._abort_pending.discard(rid)
+        if not add.cancelled() and add.exception() is None and add.result() is None:
+            self._abort_later(rid)
 
     def _abort_one(self, rid: str) -> RequestOutput | None:
         """`engine.abort` under the lock; an id whose generate call has not added its request yet is marked, so that
