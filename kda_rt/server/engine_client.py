@@ -285,7 +285,9 @@ class EngineClient:
                 if queue is not None:
                     item["id"] = request_id
                     queue.put_nowait(item)
-                    if 0 < self.max_stream_backlog < queue.held:
+                    # (a finished item its reader had taken all before: nothing waited for it, whatever its size,
+                    # e.g. a beam search's one answer; nothing more comes, so it is no stalled reader's backlog)
+                    if 0 < self.max_stream_backlog < queue.held and not (item["finished"] and queue.qsize() == 1):
                         self._overflow(request_id, queue)
                     elif item["finished"]:
                         self.queues.pop(request_id, None)
