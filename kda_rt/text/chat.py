@@ -371,10 +371,15 @@ def compile_template(source: str | None) -> Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["range"] = _bounded_range
     text = source if source is not None else BUILTIN_TEMPLATE.read_text(encoding="utf-8")
-    # (constant expressions are folded, filters run, while it compiles)
-    template, ast = _time_bound("compiling", lambda: (env.from_string(text), env.parse(text)))
-    template.reads_content_parts = _reads_content_parts(ast)
-    return template
+
+    def build() -> Template:  # (constant expressions are folded, filters run, while it compiles)
+        ast = env.parse(text)  # parsed once: read for its content loops, then compiled
+        reads = _reads_content_parts(ast)  # (before compiling, which folds the tree in place)
+        template = env.from_string(ast)
+        template.reads_content_parts = reads
+        return template
+
+    return _time_bound("compiling", build)
 
 
 def _is_content(node: nodes.Node, names: set[str]) -> bool:
