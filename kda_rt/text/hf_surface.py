@@ -56,7 +56,7 @@ class BatchEncoding(dict):
 
 class HFSurface:
     """Mixin of `Tokenizer` (which provides `encode`, `decode`, `token_bytes`, `vocab_size`, `_specials`,
-    `_special_ids`, the token names and `_vocab`, None until `get_vocab` builds it)."""
+    `_special_ids`, `_special_id`, the token names and `_vocab`, None until `get_vocab` builds it)."""
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -165,8 +165,8 @@ class HFSurface:
 
     @property
     def pad_token_id(self) -> int | None:
-        return self._specials.get(self._pad_token) if self._pad_token else None
+        return self._special_id(self._pad_token)
 
     @property
     def unk_token_id(self) -> int | None:
-        return self._specials.get(self._unk_token) if self._unk_token else None
+        return self._special_id(self._unk_token)

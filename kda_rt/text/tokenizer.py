@@ -147,11 +147,15 @@ class Tokenizer(HFSurface):
 
     @property
     def bos_token_id(self) -> int | None:
-        return self._specials.get(self._bos_token) if self._bos_token else None
+        return self._special_id(self._bos_token)
 
     @property
     def eos_token_id(self) -> int | None:
-        return self._specials.get(self._eos_token) if self._eos_token else None
+        return self._special_id(self._eos_token)
+
+    def _special_id(self, token: str | None) -> int | None:
+        """The id of a configured special token (bos / eos / pad / unk), None where none is configured."""
+        return self._specials.get(token) if token else None
 
     @property
     def special_ids(self) -> frozenset[int]:
