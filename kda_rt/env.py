@@ -412,13 +412,20 @@ def kda_smem_state(default: int) -> int:
     """KDA_RT_KDA_SMEM_STATE: how the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+) moves each head's
     recurrent state (kernels_cu/kda_decode.cu SMEM_STATE; every form gives the same outputs and pools bit for bit):
     0 into registers and out by stores, two CTAs an SM; 1 into shared memory by bulk copies, three CTAs an SM; 2 (a
-    bench form, measured slower than 1 at every batch) back out by bulk copies too.  Unset: `default`, the launcher's measured choice by
-    batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a CUDA graph keeps what it
-    captured)."""
+    bench form, measured slower than 1 at every batch) back out by bulk copies too; 3 a persistent CTA an SM that
+    walks its heads with the next ones' copies in flight (three state buffers).  Unset: `default`, the launcher's
+    measured choice by batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a CUDA graph
+    keeps what it captured)."""
     value = os.environ.get("KDA_RT_KDA_SMEM_STATE") or str(default)
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"KDA_RT_KDA_SMEM_STATE must be 0, 1 or 2, got {value!r}")
+    if value not in ("0", "1", "2", "3"):
+        raise ValueError(f"KDA_RT_KDA_SMEM_STATE must be 0, 1, 2 or 3, got {value!r}")
     return int(value)
+
+
+def kda_persist_ctas() -> int:
+    """KDA_RT_KDA_PERSIST_CTAS (tests and benches): the persistent KDA decode form's grid (KDA_RT_KDA_SMEM_STATE=3),
+    at most the number of heads to run; 0 (the default) one CTA an SM.  Read at each launch."""
+    return _non_negative_int("KDA_RT_KDA_PERSIST_CTAS", 0)
 
 
 def kda_conv_one_round() -> bool:

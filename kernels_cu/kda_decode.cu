@@ -141,7 +141,17 @@ __device__ __forceinline__ void st_state(float4* p, float4 v) {
 #define RPT (K / RG)             // consecutive state rows per thread
 #define NUM_WARPS (THREADS / 32)
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "kda_decode.cu: SPLIT must be 1, 2, 4 or 8");
-static_assert(SMEM_STATE >= 0 && SMEM_STATE <= 2, "kda_decode.cu: SMEM_STATE must be 0, 1 or 2");
+static_assert(SMEM_STATE >= 0 && SMEM_STATE <= 3, "kda_decode.cu: SMEM_STATE must be 0, 1, 2 or 3");
+#define PERSIST (SMEM_STATE == 3)
+#if PERSIST
+#ifndef PERSIST_BUFS
+#define PERSIST_BUFS 3
+#endif
+static_assert(PERSIST_BUFS >= 2 && PERSIST_BUFS <= 3, "kda_decode.cu: PERSIST_BUFS must be 2 or 3");
+#define NBUF PERSIST_BUFS
+#else
+#define NBUF 1
+#endif
 #if SMEM_STATE
 static_assert(SPLIT == 1 && CT == 32 && !FUSE_FG, "kda_decode.cu: SMEM_STATE needs SPLIT 1 (one row group a warp)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -215,7 +225,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     const float* __restrict__ dt_bias, const float* __restrict__ o_norm_w, bf16* __restrict__ conv_pool,
     float* __restrict__ rec_pool, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
     bf16* __restrict__ out, int num_heads, float eps, const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
-    int ldr) {
+    int ldr, int num_seqs) {
     KD_PDL_ENTRY();
     __shared__ float q_s[K], k_s[K], decay_s[K], v_s[VC], ss_s[SPLIT];
     __shared__ __align__(16) float red_r[NUM_WARPS][VC], red_o[NUM_WARPS][VC];
@@ -234,20 +244,78 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #else
     const int rank = 0;
 #endif
-    const int h = blockIdx.x / SPLIT, seq = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c0 = rank * VC;  // first value column / channel of this CTA within the head
     const int P = num_heads * K;
+#if PERSIST
+    // (PERSIST's note) item i = (sequence i / H, head i % H); this CTA's items blockIdx.x + n gridDim.x, item n's
+    // state in buffer n % NBUF.  meta(i): {state slot, context == 0} of item i's sequence ({0, -1}: no such item)
+    extern __shared__ __align__(128) float4 state_s[];  // [NBUF][K][K / 4]
+    __shared__ __align__(8) unsigned long long state_bar[NBUF][NUM_WARPS];
+    const int num_items = num_seqs * num_heads;
+    auto meta = [&](int n) -> int2 {
+        const int i = blockIdx.x + n * gridDim.x;
+        if (i >= num_items) return make_int2(0, -1);
+        const int sq = i / num_heads;
+        return make_int2(state_slots[sq], context_lens[sq] == 0);
+    };
+    // warp `warp`'s rows of item n's state into buffer n % NBUF (lane 0; nothing for a fresh, padding or missing item)
+    auto issue = [&](int n, int2 m) {
+        const bool none = m.y < 0 || m.y == 1 || (SKIP_PAD && m.x < 0);
+        if (none || lane != 0) return;
+        const int row0w = warp * (K / NUM_WARPS), hh = (blockIdx.x + n * gridDim.x) % num_heads;
+        const unsigned bar = smem_addr(&state_bar[n % NBUF][warp]);
+        mbar_arrive_expect_tx(bar, (K / NUM_WARPS) * K * 4);
+        bulk_copy_g2s(smem_addr(state_s + (size_t)(n % NBUF) * K * (K / 4) + row0w * (K / 4)),
+                      rec_pool + (((size_t)m.x * num_heads + hh) * K + row0w) * K, (K / NUM_WARPS) * K * 4, bar);
+    };
+    int2 ring[NBUF];  // meta of items n .. n + NBUF - 1 (their copies issued)
+    if (lane == 0) {
+#pragma unroll
+        for (int b = 0; b < NBUF; ++b) mbar_init(smem_addr(&state_bar[b][warp]), 1);
+    }
+#pragma unroll
+    for (int j = 0; j < NBUF; ++j) ring[j] = meta(j);
+#pragma unroll
+    for (int j = 0; j < NBUF; ++j) issue(j, ring[j]);
+    if (tid >= THREADS - VC / 4) cp_async16(norm_s + 4 * (tid - (THREADS - VC / 4)), o_norm_w + 4 * (tid - (THREADS - VC / 4)), 16);
+#if EARLY_STATE
+    KDA_PDL_WAIT();  // (once: every item's inputs are the kernel before's output)
+#endif
+    unsigned phases = 0u;  // bit b: the parity of buffer b's next copy
+    int2 nxt = make_int2(0, -1);
+    for (int n = 0;; ++n) {
+    const int item = blockIdx.x + n * gridDim.x;
+    if (item >= num_items) break;
+    if (n > 0) {  // item n - 1's buffer is free (this warp's reads of it are behind it): item n - 1 + NBUF into it
+#pragma unroll
+        for (int j = 0; j + 1 < NBUF; ++j) ring[j] = ring[j + 1];
+        ring[NBUF - 1] = nxt;
+        __syncwarp();
+        issue(n - 1 + NBUF, ring[NBUF - 1]);
+    }
+    nxt = meta(n + NBUF);  // (its copy goes out at the next item's start)
+    const int h = item % num_heads, seq = item / num_heads;
+    const int slot_id = ring[0].x;
+    const bool no_context = ring[0].y == 1;
+#else
+    const int h = blockIdx.x / SPLIT, seq = blockIdx.y;
     const bool no_context = context_lens[seq] == 0;
     const int slot_id = state_slots[seq];
+#endif
     const bool pad = SKIP_PAD && slot_id < 0, fresh = pad || no_context;  // (SKIP_PAD's note)
     const size_t slot = pad ? 0 : (size_t)slot_id;
 #if SKIP_PAD == 2
     if (pad) {  // (SKIP_PAD = 2's note)
-#if EARLY_STATE
+#if EARLY_STATE && !PERSIST
         KDA_PDL_WAIT();
 #endif
         for (int j = tid; j < VC; j += THREADS) out[(size_t)seq * P + h * K + c0 + j] = to_bf16(0.f);
+#if PERSIST
+        continue;
+#else
         return;
+#endif
     }
 #endif
     // first what no earlier kernel of the graph writes (EARLY_STATE: before the programmatic-launch wait): the
@@ -264,12 +332,19 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         cp_async16(w_s[(is_f ? 0 : VC) + row] + 8 * c, (is_f ? f_b : g_b) + (size_t)(h * K + c0 + row) * chunks * 8 + 8 * c, 16);
     }
 #endif
+#if !PERSIST
     if (tid >= THREADS - VC / 4) cp_async16(norm_s + 4 * (tid - (THREADS - VC / 4)), o_norm_w + c0 + 4 * (tid - (THREADS - VC / 4)), 16);
+#endif
 
     // ---- the state rows: this CTA's K x VC block is in flight while the prologue runs
     const int ct = tid % CT, row0 = (tid / CT) * RPT;
     float4* state = reinterpret_cast<float4*>(rec_pool + (slot * num_heads + h) * K * K + c0) + ct;
-#if SMEM_STATE
+#if PERSIST
+    // (issued NBUF - 1 items ago, or before the loop)
+    const int buf = n % NBUF;
+    const unsigned bar = smem_addr(&state_bar[buf][warp]);
+    float4* my_rows = state_s + (size_t)buf * K * (K / 4) + row0 * (K / 4) + ct;
+#elif SMEM_STATE
     // warp w's rows [w RPT, (w + 1) RPT) of the head's state, one bulk copy into shared memory (CT == 32: the warp
     // is one row group); the warp's lanes wait on its barrier before their first read (the sweep)
     extern __shared__ __align__(128) float4 state_s[];  // [K][K / 4]
@@ -287,7 +362,7 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #pragma unroll
     for (int i = 0; i < RPT; ++i) s[i] = fresh ? make_float4(0.f, 0.f, 0.f, 0.f) : ld_state(state + (row0 + i) * (K / 4));
 #endif
-#if EARLY_STATE
+#if EARLY_STATE && !PERSIST
     KDA_PDL_WAIT();  // the token's q|k|v|f_a|g_a|b: the kernel before's output
 #endif
     const float b_raw = to_f32(b[(size_t)seq * ldb + h]);
@@ -352,7 +427,12 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 
     // ---- state sweep: decay, partial S^T k and S^T q (raw q, k: scaled once after the sums)
     float4 pr = make_float4(0.f, 0.f, 0.f, 0.f), po = pr;
-#if SMEM_STATE
+#if PERSIST
+    if (!fresh) {
+        mbar_wait(bar, (phases >> buf) & 1u);
+        phases ^= 1u << buf;
+    }
+#elif SMEM_STATE
     if (!fresh) mbar_wait(bar, 0);
 #endif
 #pragma unroll
@@ -458,5 +538,8 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
     }
 #if SMEM_STATE == 2
     if (lane == 0) bulk_wait_read<0>();  // the warp's rows read out of shared memory before the CTA leaves
+#endif
+#if PERSIST
+    }  // the next item
 #endif
 }

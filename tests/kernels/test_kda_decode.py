@@ -122,9 +122,11 @@ def test_kda_decode_state_hints(num_seqs, gates, monkeypatch):
 @pytest.mark.parametrize("num_seqs, num_heads, gates", [(5, 4, "mixed"), (32, 8, "extreme"), (160, 4, "normal")])
 def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
     """The state by bulk copies into shared memory, three CTAs an SM (kda_decode.cu SMEM_STATE, forced through
-    KDA_RT_KDA_SMEM_STATE=1; =2 writes it back by bulk copies too) on the same inputs as the register form, three steps
-    (fresh and continuing sequences in permuted slots): outputs and pools bit for bit the register form's (asserted
-    first), which is checked against
+    KDA_RT_KDA_SMEM_STATE=1; =2 writes it back by bulk copies too; =3 the persistent form, one CTA an SM walking its
+    heads with three state buffers, also on a grid of 3 CTAs (KDA_RT_KDA_PERSIST_CTAS=3: each CTA many heads, so
+    every buffer is reused and its copies' parities wrap, fresh heads, which copy nothing, among them)) on the same
+    inputs as the register form, three steps (fresh and continuing sequences in permuted slots): outputs and pools
+    bit for bit the register form's (asserted first), which is checked against
     the reference with the state bound at 5e-4: on these draws one conv output of the fp32 kernel rounds to the
     other bf16 neighbour of the float64 reference's, which moves that head's state by ~2e-4 RMS (measured 1.66e-4 at
     B32-H8 step 2 and 1.96e-4 at B160-H4 step 0, H200; test_kda_decode_steps holds the kernel to 1e-4 on its own
@@ -137,9 +139,12 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
         pytest.skip("SMEM_STATE needs bulk copies and mbarriers (sm_90+)")
     monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", early)
     results, ref_failure = {}, None
-    for smem in ("0", "1", "2"):
+    for form in ("0", "1", "2", "3", "3-grid3"):
+        smem = form[0]
         monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
-        assert (decode_config(num_seqs=num_seqs)[2] == SMEM_STATE_MIN_BLOCKS) == (smem != "0")
+        monkeypatch.setenv("KDA_RT_KDA_PERSIST_CTAS", "3" if form == "3-grid3" else "0")
+        assert decode_config(num_seqs=num_seqs)[2] == {"0": 2, "1": SMEM_STATE_MIN_BLOCKS, "2": SMEM_STATE_MIN_BLOCKS,
+                                                       "3": 1}[smem]
         rng = np.random.default_rng(7 * num_seqs + num_heads)
         inp = make_inputs(rng, [1] * num_seqs, num_heads, gates, num_slots=num_seqs + 3)
         dev = upload(inp)
@@ -148,18 +153,18 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
             if step:
                 inp = _next_step(rng, inp, dev, num_heads, ("qkv", "f", "b", "gate", "context_lens"))
             out = run_op(kda_decode, dev, num_heads)
-            if smem == "0":  # (a failure here is raised after the bit-for-bit comparison below)
+            if form == "0":  # (a failure here is raised after the bit-for-bit comparison below)
                 try:
                     check(out, dev, reference(inp, num_heads), inp, f"decode step {step} B{num_seqs} H{num_heads} {gates}",
                           state_tol=5e-4)
                 except AssertionError as e:
                     ref_failure = ref_failure or e
             got.append([cupy.asnumpy(a).tobytes() for a in (out, dev["rec_pool"], dev["conv_pool"])])
-        results[smem] = got
-    for smem in ("1", "2"):
-        for step, (a, b) in enumerate(zip(results[smem], results["0"], strict=True)):
+        results[form] = got
+    for form in ("1", "2", "3", "3-grid3"):
+        for step, (a, b) in enumerate(zip(results[form], results["0"], strict=True)):
             for name, x, y in zip(("out", "rec_pool", "conv_pool"), a, b, strict=True):
-                assert x == y, f"SMEM_STATE={smem} step {step}: {name} differs from the register form's"
+                assert x == y, f"SMEM_STATE={form} step {step}: {name} differs from the register form's"
     if ref_failure is not None:
         raise ref_failure
 
@@ -167,9 +172,10 @@ def test_kda_decode_smem_state(num_seqs, num_heads, gates, early, monkeypatch):
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize(("num_seqs", "smem", "fused", "early"), [
     (3, "auto", False, True), (3, "auto", True, True), (6, "0", False, True), (6, "1", False, True),
-    (6, "2", False, True), (40, "auto", False, True), (3, "auto", False, False), (6, "0", False, False)],
+    (6, "2", False, True), (40, "auto", False, True), (3, "auto", False, False), (6, "0", False, False),
+    (6, "3", False, True), (40, "3", False, True), (40, "3", False, False)],
     ids=["B3-split4", "B3-split4-fused", "B6-registers", "B6-smem1", "B6-smem2", "B40-smem1", "B3-split4-late",
-         "B6-registers-late"])
+         "B6-registers-late", "B6-persist", "B40-persist-grid5", "B40-persist-grid5-late"])
 def test_kda_decode_skip_pad(num_seqs, smem, fused, early, level, monkeypatch):
     """kda_decode(skip_pad=1 or 2) (kda_decode.cu SKIP_PAD, the runner's KDA_RT_SKIP_PAD): rows whose slot is -1
     are padding rows, a fresh state stored nowhere (2: their CTAs write zeros and leave).  Against the same step with
@@ -188,8 +194,10 @@ def test_kda_decode_skip_pad(num_seqs, smem, fused, early, level, monkeypatch):
 
     monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "1" if early else "0")
 
-    if int(cupy.cuda.Device().compute_capability) < 90 and (num_seqs <= 4 or smem in ("1", "2")):
+    if int(cupy.cuda.Device().compute_capability) < 90 and (num_seqs <= 4 or smem in ("1", "2", "3")):
         pytest.skip("the split kernel and SMEM_STATE need sm_90+")
+    # the persistent form (3) at 40 rows on 5 CTAs: 32 heads each, padding rows' heads (no copy) among them
+    monkeypatch.setenv("KDA_RT_KDA_PERSIST_CTAS", "5" if smem == "3" and num_seqs == 40 else "0")
     if smem == "auto":
         monkeypatch.delenv("KDA_RT_KDA_SMEM_STATE", raising=False)
     else:
@@ -440,15 +448,16 @@ def test_kda_decode_graph_capture(variant):
     assert np.array_equal(to_np(graphed["conv_pool"]), to_np(eager["conv_pool"]))
 
 
-@pytest.mark.parametrize("num_seqs, smem", [(1, "0"), (6, "0"), (6, "1"), (6, "2")],
-                         ids=["B1", "B6", "B6-smem-state", "B6-smem-state-stores"])
+@pytest.mark.parametrize("num_seqs, smem", [(1, "0"), (6, "0"), (6, "1"), (6, "2"), (6, "3")],
+                         ids=["B1", "B6", "B6-smem-state", "B6-smem-state-stores", "B6-persist"])
 def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, smem, monkeypatch):
     """A captured graph with programmatic dependent launch: rmsnorm (which lets the next launch go right after its
     own wait) writes q|k|v, then kda_decode with its state loaded before its wait (KDA_RT_KDA_EARLY_STATE=1);
     replayed four times on new inputs, the state carried in the pools from replay to replay.  Bit for bit the
     eager steps of the kernel that waits first (=0) on a copy of the same pools: a q|k|v read before the wait would
     see the previous replay's rows.  smem "1": the graph's kernel takes its state by bulk copies (SMEM_STATE) issued
-    before its wait ("2": and writes it back by bulk copies), the eager one the register form."""
+    before its wait ("2": and writes it back by bulk copies; "3": the persistent form, its first heads' copies
+    before its one wait, on 5 CTAs so that most heads' copies go out after it), the eager one the register form."""
     import cupy
 
     from kda_rt.cuda.ops import pdl
@@ -467,6 +476,7 @@ def test_kda_decode_early_state_after_a_pdl_writer(num_seqs, smem, monkeypatch):
     stream = cupy.cuda.Stream(non_blocking=True)
     monkeypatch.setenv("KDA_RT_KDA_EARLY_STATE", "1")
     monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", smem)
+    monkeypatch.setenv("KDA_RT_KDA_PERSIST_CTAS", "5")
     with stream, pdl.capturing() as on:  # the launches carry the programmatic attribute only inside this block
         if not on:
             pytest.skip("no programmatic dependent launch here (compute capability < 9.0 or KDA_RT_PDL=0)")

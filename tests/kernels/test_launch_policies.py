@@ -91,8 +91,11 @@ def test_kda_decode_smem_state_switch(device, monkeypatch):
     monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "2")  # (the bulk stores' bench form: the same launch bounds)
     device(H200)
     assert kd.smem_state(1, False, 5) == 2 and kd.decode_config(num_seqs=5) == (1, 256, 3)
+    monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "3")  # the persistent form: one CTA an SM
+    assert kd.smem_state(1, False, 64) == 3 and kd.decode_config(num_seqs=64) == (1, 256, 1)
+    assert kd.decode_config(num_seqs=1) == (4, 128, 7)  # (the split kernel keeps its own)
     monkeypatch.setenv("KDA_RT_KDA_SMEM_STATE", "yes")
-    with pytest.raises(ValueError, match="KDA_RT_KDA_SMEM_STATE must be 0, 1 or 2"):
+    with pytest.raises(ValueError, match="KDA_RT_KDA_SMEM_STATE must be 0, 1, 2 or 3"):
         kd.decode_config(num_seqs=32)
 
 

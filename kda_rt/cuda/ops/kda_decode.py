@@ -12,7 +12,7 @@ import numpy as np
 from kda_rt import env
 from kda_rt.cuda.ops.check import BF16, expect, f32, i32, leading_dim
 from kda_rt.cuda.ops.compile import clusters_supported as _clusters  # (tests monkeypatch this name)
-from kda_rt.cuda.ops.compile import get_kernel, smem_optin
+from kda_rt.cuda.ops.compile import get_kernel, sm_count, smem_optin
 
 __all__ = ["CONV_STATE_DTYPE", "FUSE_MAX_SEQS", "conv_state_shape", "check_kda_args", "decode_config",
            "fuses_low_rank", "kda_decode", "smem_state", "state_hints"]
@@ -51,6 +51,9 @@ HINTS_BOTH_MAX_SEQS = 128
 # 8.731, 64 11.722 / 11.770, 256 22.414 / 22.703; form 2 (bulk stores too) slower than 1 at every batch (kda_decode.cu).
 SMEM_STATE_MIN_SEQS = 32
 SMEM_STATE_MIN_BLOCKS = 3
+# kda_decode.cu SMEM_STATE = 3 (KDA_RT_KDA_SMEM_STATE=3): one persistent CTA an SM walks its heads with PERSIST_BUFS
+# state buffers (192 KB), the next heads' bulk copies in flight while it computes one
+PERSIST_BUFS = 3
 _STATE_BYTES = 128 * 128 * 4
 # the opt-in shared memory a block that a GPU holding three of these CTAs an SM has (H100, H200, B200: 227 KB); on
 # others (sm_120: 99 KB, one such CTA an SM) the register form runs whatever KDA_RT_KDA_SMEM_STATE says
@@ -92,8 +95,9 @@ def decode_config(split: int | None = None, threads: int | None = None, fused: b
         raise ValueError(f"no kda_decode variant with split {split} and {threads} threads: {sorted(_VARIANTS)}")
     if fused and split < 4:
         raise ValueError(f"fused low-rank gates need split >= 4, got {split}")
-    if threads == 256 and smem_state(split, fused, num_seqs):
-        return split, threads, SMEM_STATE_MIN_BLOCKS
+    mode = smem_state(split, fused, num_seqs) if threads == 256 else 0
+    if mode:
+        return split, threads, 1 if mode == 3 else SMEM_STATE_MIN_BLOCKS
     return split, threads, min(_VARIANTS[(split, threads)], 4) if fused else _VARIANTS[(split, threads)]
 
 
@@ -179,8 +183,12 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
                              "stride for f and gate, and 16-byte aligned rows")
     n_split, n_threads, min_blocks = decode_config(split, threads, fused, num_seqs=B)
     mode = smem_state(n_split, fused, B) if n_threads == 256 else 0
-    smem = _STATE_BYTES if mode else 0
+    smem = _STATE_BYTES * (PERSIST_BUFS if mode == 3 else 1) if mode else 0
     extra = {"SMEM_STATE": mode} if mode else {}  # (the register form's builds keep their cache keys)
+    grid = (num_heads * n_split, B)
+    if mode == 3:  # one CTA an SM walks heads blockIdx.x, + grid, ... (kda_decode.cu PERSIST)
+        extra["PERSIST_BUFS"] = PERSIST_BUFS
+        grid = (min(B * num_heads, env.kda_persist_ctas() or sm_count(cupy.cuda.Device().id)), 1)
     if skip_pad not in (0, 1, 2):
         raise ValueError(f"kda_decode: skip_pad must be 0, 1 or 2, got {skip_pad!r}")
     if skip_pad:
@@ -189,8 +197,8 @@ def kda_decode(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec
                         THREADS=n_threads, SPLIT=n_split, MIN_BLOCKS=min_blocks, FUSE_FG=int(fused), RANK_F=rank_f,
                         RANK_G=rank_g, EARLY_STATE=int(env.kda_early_state()), STATE_HINTS=state_hints(B), **extra)
     if B:
-        kernel((num_heads * n_split, B), (n_threads,),
+        kernel(grid, (n_threads,),
                (qkv, i32(leading_dim(qkv)), f, b, i32(leading_dim(b)), gate, conv_w, A_log, dt_bias, o_norm_w,
                 conv_pool, rec_pool, context_lens, state_slots, out, i32(num_heads), f32(eps), f_b if fused else np.uint64(0),
-                g_b if fused else np.uint64(0), i32(ldr)), shared_mem=smem, stream=stream)
+                g_b if fused else np.uint64(0), i32(ldr), i32(B)), shared_mem=smem, stream=stream)
     return out
