@@ -149,6 +149,9 @@ static_assert(SMEM_STATE >= 0 && SMEM_STATE <= 3, "kda_decode.cu: SMEM_STATE mus
 #endif
 static_assert(PERSIST_BUFS >= 2 && PERSIST_BUFS <= 3, "kda_decode.cu: PERSIST_BUFS must be 2 or 3");
 #define NBUF PERSIST_BUFS
+#ifndef PERSIST_PREFETCH
+#define PERSIST_PREFETCH 0  // 1: the next head's conv history lines prefetched into L2 at this head's start
+#endif
 #else
 #define NBUF 1
 #endif
@@ -295,6 +298,19 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
         issue(n - 1 + NBUF, ring[NBUF - 1]);
     }
     nxt = meta(n + NBUF);  // (its copy goes out at the next item's start)
+#if PERSIST_PREFETCH
+    {  // the next item's conv history (3 x (W - 1) rows of its 128 channels, 256 bytes each): L2 lines, one a thread
+        const int2 m1 = ring[1];
+        constexpr int LINES = 3 * (CONV_W - 1) * (K * 2 / 128);
+        if (m1.y == 0 && !(SKIP_PAD && m1.x < 0) && tid < LINES) {
+            const int i1 = blockIdx.x + (n + 1) * gridDim.x, hh = i1 % num_heads;
+            const int half = tid % (K * 2 / 128), t = (tid / (K * 2 / 128)) % (CONV_W - 1);
+            const int qi = tid / ((K * 2 / 128) * (CONV_W - 1));
+            const bf16* line = conv_pool + ((size_t)m1.x * 3 + qi) * (CONV_W - 1) * P + (size_t)t * P + hh * K + half * 64;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+        }
+    }
+#endif
     const int h = item % num_heads, seq = item / num_heads;
     const int slot_id = ring[0].x;
     const bool no_context = ring[0].y == 1;
