@@ -94,6 +94,19 @@
 // (the same values stored), but slower (H200, 2026-12-04, tests/gpu/kda_smem_check.sh: the kernel alone, us, forms
 // 0 / 1 / 2: B = 16 16.7 / 20.1 / 21.4, 64 77.5 / 80.1 / 81.8, 256 301.4 / 288.5 / 292.5; the model's decode replays
 // at batch 32 / 256 8.731 / 8.708 / 8.741 and 22.703 / 22.414 / 22.497 ms): a bench form (KDA_RT_KDA_SMEM_STATE=2).
+// SMEM_STATE = 3 (PERSIST; KDA_RT_KDA_SMEM_STATE=3, opt-in, prepared in the sixty-fifth session and not yet timed): a
+// persistent CTA an SM (grid min(B H, SMs), launch bounds 256 x 1) takes items (sequence i / H, head i % H) for
+// i = blockIdx.x, + gridDim.x, ... into NBUF = PERSIST_BUFS (3) state buffers of 64 KB: before the first item it issues
+// the bulk copies of its first NBUF items (before the programmatic-launch wait with EARLY_STATE, like form 1's one
+// copy), and as item n starts, item n - 1's buffer (every warp reads only its own rows, so the warp's own reads of it
+// are behind it) takes item n - 1 + NBUF's copy, so the load stream does not pause at a head's prologue, reductions
+// and stores as it does between form 1's CTAs.  Each buffer's copies complete on per-warp mbarriers whose parity
+// flips at each wait; a fresh or padding item copies nothing and waits on nothing.  Per item the arithmetic, the
+// reads of shared memory and the stores are form 1's, so outputs and pools are bit for bit the other forms'.  The
+// shared scratch of an item (q_s .. gate_s) is reused by the next: every write of item n + 1's comes after a barrier
+// that every thread passes only once done with item n's reads (the norm's barrier), except gate_s and ss_s, which
+// warp 0 alone writes and reads.  PERSIST_PREFETCH = 1 (bench define): the next item's conv history lines
+// prefetched into L2 at an item's start.
 #ifndef SMEM_STATE
 #define SMEM_STATE 0
 #endif
