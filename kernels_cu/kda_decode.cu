@@ -99,7 +99,9 @@
 // i = blockIdx.x, + gridDim.x, ... into NBUF = PERSIST_BUFS (3) state buffers of 64 KB: before the first item it issues
 // the bulk copies of its first NBUF items (before the programmatic-launch wait with EARLY_STATE, like form 1's one
 // copy), and as item n starts, item n - 1's buffer (every warp reads only its own rows, so the warp's own reads of it
-// are behind it) takes item n - 1 + NBUF's copy, so the load stream does not pause at a head's prologue, reductions
+// are behind it, ordered before the copy by fence.proxy.async and __syncwarp: the PTX memory model's rule for
+// generic-proxy reads of bytes an async-proxy copy then overwrites) takes item n - 1 + NBUF's copy, so the load
+// stream does not pause at a head's prologue, reductions
 // and stores as it does between form 1's CTAs.  Each buffer's copies complete on per-warp mbarriers whose parity
 // flips at each wait; a fresh or padding item copies nothing and waits on nothing.  Per item the arithmetic, the
 // reads of shared memory and the stores are form 1's, so outputs and pools are bit for bit the other forms'.  The
@@ -307,6 +309,10 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #pragma unroll
         for (int j = 0; j + 1 < NBUF; ++j) ring[j] = ring[j + 1];
         ring[NBUF - 1] = nxt;
+        // this lane's generic-proxy reads of item n - 1's rows, ordered before the async-proxy copy that overwrites
+        // them (the PTX memory model's cross-proxy rule: a barrier alone orders generic accesses only); the
+        // __syncwarp also orders warp 0's reads of gate_s (item n - 1's norm) before this item's cp.async into it
+        fence_proxy_async_smem();
         __syncwarp();
         issue(n - 1 + NBUF, ring[NBUF - 1]);
     }
@@ -570,5 +576,6 @@ __launch_bounds__(THREADS, MIN_BLOCKS) kda_decode_step(
 #endif
 #if PERSIST
     }  // the next item
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // (a CTA of padding items alone never waited for norm_s's copy)
 #endif
 }
