@@ -145,7 +145,7 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
         raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
         if any(bytes(v) == b"null" for v in raw.values()):
             body = msgspec.json.encode({k: v for k, v in raw.items() if bytes(v) != b"null" or k in _NULL_KEPT})
-        req = msgspec.json.decode(body, type=schema)
+        req = _decode_whole_floats(body, schema)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -161,6 +161,33 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> tuple[Any, list[st
 
 
 _NULL_KEPT = frozenset({"max_tokens"})  # fields whose null is None, not the default (decode_body)
+_FLOAT_FOR_INT = re.compile(r"Expected `(?:[^`]* \| )?int(?: \| [^`]*)?`, got `float` - at "
+                            r"`\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)`$")
+_PATH_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+
+
+def _decode_whole_floats(body: bytes, schema: type[msgspec.Struct]) -> Any:
+    """msgspec.json.decode(body, type=schema), except that a whole-number float where an integer goes (`"max_tokens":
+    16.0`, `"n": 2.0`, `"seed": 1e3`) is that integer: JSON has one number type (JSON Schema's "integer" takes 16.0),
+    and vLLM's pydantic models take such a float too.  A fraction (16.5) stays a 400 naming the field.  Each pass
+    fixes the one field msgspec names, so a body with several of them decodes after as many passes; strings stay
+    strings (vLLM's lax mode would take "16", which is no number at all)."""
+    while True:  # (each pass changes one float of the body into an integer for good: finitely many)
+        try:
+            return msgspec.json.decode(body, type=schema)
+        except msgspec.ValidationError as exc:
+            found = _FLOAT_FOR_INT.search(str(exc))
+            if found is None:
+                raise
+            obj = msgspec.json.decode(body)
+            *parents, leaf = [int(i) if i else name for name, i in _PATH_STEP.findall(found[1])] or [None]
+            holder = obj
+            for step in parents:
+                holder = holder[step]
+            if leaf is None or not isinstance(holder[leaf], float) or not holder[leaf].is_integer():
+                raise
+            holder[leaf] = int(holder[leaf])
+            body = msgspec.json.encode(obj)
 # a high-surrogate escape (after an even run of backslashes) with no `\u` escape after it
 _LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u)")
 

@@ -145,6 +145,25 @@ def test_null_is_the_default_and_stream_options_send_usage(server):
         assert sum(bool(c.get("usage")) for c in chunks) == usage, (options, chunks)  # one usage chunk, or none
 
 
+def test_whole_number_floats_are_integers(server):
+    """A whole-number float where an integer goes is that integer, as vLLM's pydantic models take it (JSON has one
+    number type; was: 400 "Expected `int | null`, got `float`"): the completion equals the one asked with integers.
+    A fraction, a string and an out-of-range whole float stay 400s naming the field."""
+    ints = {"prompt": "x", "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 1, "temperature": 1.0}
+    floats = dict(ints, max_tokens=3.0, n=2.0, seed=7e0, logprobs=1.0)
+    a, b = (_post(server, "/v1/completions", body) for body in (ints, floats))
+    assert a.status_code == b.status_code == 200, b.text
+    assert [c["text"] for c in a.json()["choices"]] == [c["text"] for c in b.json()["choices"]]
+    assert b.json()["usage"] == a.json()["usage"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2.0, "top_logprobs": 1.0,
+            "logprobs": True}
+    r = _post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+    for value in (2.5, "2", 1e30):
+        r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": value})
+        assert r.status_code == 400 and "max_tokens" in r.text, (value, r.text)
+
+
 def test_unknown_fields_are_accepted_and_listed(server):
     body = {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
             "max_tokens": 2, "metadata": {"k": "v"}, "store": False, "reasoning_effort": "low",
