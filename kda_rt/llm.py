@@ -503,22 +503,17 @@ class LLM:
         if isinstance(num, bool) or not isinstance(num, (int, np.integer)) or not 0 <= num <= 20:
             raise ValueError(f"prompt_logprobs must be an int in [0, 20], got {num!r}")
         _, ids = self.llm_engine.prompt_ids(prompt)
-        logits = self.score(ids)  # [T, V]
-        num = min(int(num), logits.shape[1])
+        num = min(int(num), self.llm_engine.model_config.vocab_size)
+        with self._engine_lock:  # (one prefill; on the CUDA runner the rows are reduced on the GPU)
+            rows = self.llm_engine.prompt_logprob_rows(ids, num)
         dicts: list[dict[int, float] | None] = [None]
         ranks: list[int | None] = [None]
         for i in range(1, len(ids)):
-            row = logits[i - 1].astype(np.float64)
-            lp = row - row.max()
-            lp -= np.log(np.exp(lp).sum())
-            token = ids[i]
-            entry = {token: float(lp[token])}
-            if num:
-                top = np.argpartition(-lp, num - 1)[:num]
-                for t in top[np.argsort(-lp[top], kind="stable")]:
-                    entry.setdefault(int(t), float(lp[t]))
+            entry = {ids[i]: float(rows.logprob[i - 1])}
+            for t, lp in zip(rows.top_ids[i - 1].tolist(), rows.top_logprobs[i - 1].tolist(), strict=True):
+                entry.setdefault(t, lp)
             dicts.append(entry)
-            ranks.append(int((lp > lp[token]).sum()) + 1)
+            ranks.append(int(rows.rank[i - 1]))
         return dicts, ranks
 
     def beam_search(self, prompts, params, *, use_tqdm: bool = False, concurrency_limit: int | None = None,

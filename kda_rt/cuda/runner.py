@@ -360,6 +360,17 @@ class CudaRunner:
         with self.stream:
             return logits[:n].get(stream=self.stream)
 
+    def score_logprobs(self, batch: ForwardBatch, targets: np.ndarray, num: int):
+        """Prompt logprobs of a one-sequence all-logits batch (`LLMEngine.prompt_logprob_rows`): its logits rows but the
+        last reduced on the GPU (sampler/prompt_logprobs.py with CuPy), so only the rows' logprob, rank and top
+        `num` come back, not the [T, vocab] float32 logits."""
+        from kda_rt.sampler.prompt_logprobs import prompt_logprob_rows
+
+        n = batch.logits_indices.shape[0]
+        logits = self._forward(batch)
+        with self.stream:
+            return prompt_logprob_rows(logits[: max(n - 1, 0)], targets, num, xp=self.cupy)
+
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
         """Forward, then sample every row on the GPU: `collect(launch(batch, sampling))`."""
         return self.collect(self.launch(batch, sampling))

@@ -442,3 +442,24 @@ def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt, quantization):
     assert got[2].num_cached_tokens == 128
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.token_ids and g.outputs[0].logprobs == w.logprobs
+
+
+def test_prompt_logprobs_reduced_on_the_gpu(ckpt):
+    """`SamplingParams(prompt_logprobs=N)` on the CUDA runner reduces the prompt's logits on the GPU
+    (`score_logprobs`, sampler/prompt_logprobs.py with CuPy: only logprob, rank and top N come back): equal to the
+    float64 log-softmax of the same runner's `LLM.score` logits on the host within 1e-9 (the GPU's float64 sums
+    run in another order), and the same ranks and top ids; a 300-token prompt (the chunked reduction's rows)."""
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=2, max_model_len=1024, num_blocks=40)
+    ids = prompt_of(300, 41)
+    dicts, ranks = gpu.prompt_logprobs({"prompt_token_ids": ids}, 4)
+    logits = gpu.score(ids).astype(np.float64)
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    assert dicts[0] is None and ranks[0] is None and len(dicts) == len(ids)
+    for i in range(1, len(ids)):
+        row, token = lp[i - 1], ids[i]
+        assert ranks[i] == int((row > row[token]).sum()) + 1, i
+        top = np.argsort(-row, kind="stable")[:4]
+        assert set(dicts[i]) == set(top.tolist()) | {token}, i
+        for t, value in dicts[i].items():
+            assert abs(value - row[t]) <= 1e-9, (i, t)
