@@ -446,20 +446,23 @@ def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt, quantization):
 
 def test_prompt_logprobs_reduced_on_the_gpu(ckpt):
     """`SamplingParams(prompt_logprobs=N)` on the CUDA runner reduces the prompt's logits on the GPU
-    (`score_logprobs`, sampler/prompt_logprobs.py with CuPy: only logprob, rank and top N come back): equal to the
-    float64 log-softmax of the same runner's `LLM.score` logits on the host within 1e-9 (the GPU's float64 sums
-    run in another order), and the same ranks and top ids; a 300-token prompt (the chunked reduction's rows)."""
+    (`score_logprobs`, sampler/prompt_logprobs.py with CuPy: only logprob, rank and top N come back): against the
+    float64 log-softmax of the same runner's `LLM.score` logits on the host, logprobs within 1e-9 (the GPU's float64
+    sums run in another order), the same ranks (tied logits give equal logprobs either way), the top N logprobs the
+    row's N largest and their ids tokens with those logprobs (which of tied tokens is listed may differ); a
+    300-token prompt, and `LLM.prompt_logprobs`'s dicts built from them."""
     gpu = LLM(ckpt, backend="cuda", max_num_seqs=2, max_model_len=1024, num_blocks=40)
-    ids = prompt_of(300, 41)
-    dicts, ranks = gpu.prompt_logprobs({"prompt_token_ids": ids}, 4)
-    logits = gpu.score(ids).astype(np.float64)
+    ids, num = prompt_of(300, 41), 4
+    rows = gpu.llm_engine.prompt_logprob_rows(ids, num)
+    logits = gpu.score(ids).astype(np.float64)[:-1]
     lp = logits - logits.max(-1, keepdims=True)
     lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    assert dicts[0] is None and ranks[0] is None and len(dicts) == len(ids)
-    for i in range(1, len(ids)):
-        row, token = lp[i - 1], ids[i]
-        assert ranks[i] == int((row > row[token]).sum()) + 1, i
-        top = np.argsort(-row, kind="stable")[:4]
-        assert set(dicts[i]) == set(top.tolist()) | {token}, i
-        for t, value in dicts[i].items():
-            assert abs(value - row[t]) <= 1e-9, (i, t)
+    targets = np.asarray(ids[1:])
+    mine = lp[np.arange(len(targets)), targets]
+    np.testing.assert_allclose(rows.logprob, mine, rtol=0, atol=1e-9)
+    np.testing.assert_array_equal(rows.rank, (lp > mine[:, None]).sum(-1) + 1)
+    np.testing.assert_allclose(rows.top_logprobs, -np.sort(-lp, axis=-1)[:, :num], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(np.take_along_axis(lp, rows.top_ids, -1), rows.top_logprobs, rtol=0, atol=1e-9)
+    dicts, ranks = gpu.prompt_logprobs({"prompt_token_ids": ids}, num)
+    assert dicts[0] is None and ranks[1:] == rows.rank.tolist() and len(dicts) == len(ids)
+    assert all(dicts[i][ids[i]] == rows.logprob[i - 1] and len(dicts[i]) <= num + 1 for i in range(1, len(ids)))
