@@ -464,5 +464,5 @@ def test_prompt_logprobs_reduced_on_the_gpu(ckpt):
     np.testing.assert_allclose(rows.top_logprobs, -np.sort(-lp, axis=-1)[:, :num], rtol=0, atol=1e-9)
     np.testing.assert_allclose(np.take_along_axis(lp, rows.top_ids, -1), rows.top_logprobs, rtol=0, atol=1e-9)
     dicts, ranks = gpu.prompt_logprobs({"prompt_token_ids": ids}, num)
-    assert dicts[0] is None and ranks[1:] == rows.rank.tolist() and len(dicts) == len(ids)
-    assert all(dicts[i][ids[i]] == rows.logprob[i - 1] and len(dicts[i]) <= num + 1 for i in range(1, len(ids)))
+    assert dicts[0] is None and ranks[0] is None and len(dicts) == len(ids) == len(ranks)
+    assert all(ids[i] in dicts[i] and num <= len(dicts[i]) <= num + 1 for i in range(1, len(ids)))
