@@ -58,7 +58,7 @@ class AsyncLLM:
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
         self._shut = False
         with self._lock:  # (the counters as of this AsyncLLM's last engine call: what `stats` gives while one runs)
-            self._stats: dict[str, int] = self.engine.stats()
+            self._stats: dict[str, int | list[int]] = self.engine.stats()
 
     async def generate(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, output_kind: str = "delta",
@@ -303,7 +303,7 @@ class AsyncLLM:
             return out if prompt_lps is None else dataclasses.replace(out, prompt_logprobs=prompt_lps)
         return self.llm._vllm_output(out, params, prompt_lps, done)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | list[int]]:
         """The engine's counters (`LLM.stats`).  It never waits for a step in progress, so it can be called on the
         event loop (a metrics scrape would otherwise stall every stream for a step): while the engine is busy, the
         counters as this AsyncLLM's last step, add or abort left them."""

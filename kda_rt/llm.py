@@ -532,7 +532,8 @@ class LLM:
         with self._engine_lock:
             return self.llm_engine.reset_prefix_cache()
 
-    def stats(self) -> dict[str, int]:
-        """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed."""
+    def stats(self) -> dict[str, int | list[int]]:
+        """Engine counters: running, waiting, preemptions, pages/slots used and free, tokens processed, and the steps
+        binned by their tokens (`step_token_bins`)."""
         with self._engine_lock:
             return self.llm_engine.stats()

@@ -20,6 +20,7 @@ scheduling overlap the GPU's next forward.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import gc
@@ -48,9 +49,14 @@ if TYPE_CHECKING:
     from kda_rt.outputs import RequestOutput
     from kda_rt.text.tokenizer import Tokenizer
 
-__all__ = ["EngineConfig", "LLMEngine", "NoRoomToScore"]
+__all__ = ["EngineConfig", "LLMEngine", "NoRoomToScore", "STEP_TOKEN_BOUNDS"]
 
 logger = logging.getLogger(__name__)
+
+# upper bounds of the bins of each step's tokens (its prefill tokens plus the tokens it sampled): vLLM's
+# vllm:iteration_tokens_total buckets.  The engine bins every step itself (one bisect), so /metrics reads the
+# cumulative bins with each scrape instead of one number a step crossing to the HTTP process
+STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def _raise_gc_threshold() -> None:
@@ -162,6 +168,9 @@ class LLMEngine:
         self._device_extras = bool(getattr(runner, "device_extras", False))
         self.counters = {"steps": 0, "tokens_processed": 0, "prefill_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0, "requests_aborted": 0, "steps_launched_ahead": 0}
+        # steps by their tokens, bin k: STEP_TOKEN_BOUNDS[k - 1] < tokens <= STEP_TOKEN_BOUNDS[k], the last one above
+        # them all (their sum is prefill_tokens + generated_tokens, their count `steps`)
+        self.step_token_bins = [0] * (len(STEP_TOKEN_BOUNDS) + 1)
         _raise_gc_threshold()
 
     # -- requests ---------------------------------------------------------------------------
@@ -617,6 +626,7 @@ class LLMEngine:
         self.counters["steps"] += 1
         self.counters["tokens_processed"] += batch.num_tokens
         self.counters["prefill_tokens"] += batch.num_tokens - cur.num_decodes
+        self.step_token_bins[bisect.bisect_left(STEP_TOKEN_BOUNDS, batch.num_tokens - cur.num_decodes + len(live))] += 1
         touched: dict[str, None] = {}
         ahead_n = dict(ahead.sched.scheduled) if ahead is not None else {}
         for i, seq in live:
@@ -721,6 +731,7 @@ class LLMEngine:
 
     # -- stats ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
-        """Queues, preemptions, page and slot use, and token counters since start."""
-        return {**self.scheduler.stats(), **self.counters}
+    def stats(self) -> dict[str, int | list[int]]:
+        """Queues, preemptions, page and slot use, token counters since start, and the steps binned by their tokens
+        (`step_token_bins`, a copy: callers keep snapshots)."""
+        return {**self.scheduler.stats(), **self.counters, "step_token_bins": list(self.step_token_bins)}

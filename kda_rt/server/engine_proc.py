@@ -388,11 +388,11 @@ class EngineWorker:
                 state.cached_sent = True  # usage's prompt_tokens_details)
                 if out.num_cached_tokens:
                     item["cached_tokens"] = item.get("cached_tokens", 0) + out.num_cached_tokens
-                m = out.metrics  # (its queue and prefill times, for /metrics: the first prompt's)
-                if m is not None and m.time_in_queue is not None and "queue_s" not in item:
-                    item["queue_s"] = m.time_in_queue
-                    if m.first_token_time is not None:
-                        item["prefill_s"] = m.first_token_time - m.first_scheduled_time
+                m = out.metrics  # (for /metrics: this prompt's queue and prefill times, its earliest sample's)
+                if m is not None and m.time_in_queue is not None:
+                    prefill = None if m.first_token_time is None else m.first_token_time - m.first_scheduled_time
+                    # [the prompt's first choice, queue s, prefill s or None]; each prompt's, not only the first's
+                    item.setdefault("timing", []).append([state.offset, m.time_in_queue, prefill])
             for c in delta.outputs:
                 new_finish = c.finish_reason is not None and c.index not in state.reported
                 if not (c.token_ids or c.text or new_finish):

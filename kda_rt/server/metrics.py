@@ -3,36 +3,49 @@
 
 vLLM names: num_requests_running, num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1]; also under its
 older name gpu_cache_usage_perc, which vLLM's example Grafana dashboard reads), num_preemptions_total,
-prompt_tokens_total, generation_tokens_total (both counted as they happen: at a request's first token and at each
+prompt_tokens_total, generation_tokens_total (both counted as they happen: at a choice's first token and at each
 delta), request_success_total{finished_reason} (each finished choice's reason; stop / length / abort shown from the
 start), time_to_first_token_seconds (observed at the first token), inter_token_latency_seconds and
 time_per_output_token_seconds (vLLM's older name of the same thing: one observation a gap between deliveries),
-request_time_per_output_token_seconds (a request's mean), e2e_request_latency_seconds, request_queue_time_seconds,
+request_time_per_output_token_seconds (a choice's mean), e2e_request_latency_seconds, request_queue_time_seconds,
 request_prefill_time_seconds, request_inference_time_seconds, request_decode_time_seconds, request_prompt_tokens,
 request_generation_tokens, request_max_num_generation_tokens, request_params_n, request_params_max_tokens (these
-per-request histograms only of requests that finished, as vLLM's only of finished requests, so their counts agree
-with requests_total{outcome="finished"}).  Every series of the model exists from the start, at 0, as vLLM's.
+per-request histograms only of requests that finished, as vLLM's only of finished requests), iteration_tokens_total
+(the engine's steps by their prefill tokens run plus tokens sampled, at vLLM's bounds, binned in the engine as it
+steps and read at scrape time; vLLM's own adds a prompt's whole length at the step of its first token, its earlier
+chunks and cached prefix included).  Every series of the model exists from the start, at 0, as vLLM's.
+
+Counted as vLLM v1 counts them, which runs each prompt of a request as a parent and each of its n choices as a child
+request: a choice (child) is one observation of TTFT, inter-token latency (a gap a choice), request_success, the
+e2e / queue / prefill / inference / decode times, request_prompt_tokens, request_generation_tokens,
+request_time_per_output_token and request_params_max_tokens, and adds its prompt to prompt_tokens_total; a prompt
+(parent) is one observation of request_params_n and request_max_num_generation_tokens (its longest choice).
+
 Ours: state_slot_usage_perc (KDA state slots, a fraction), kv_pages_used / _free / _cached,
 state_slots_used / _free, engine_steps_total, prompt_tokens_computed_total (prefill tokens run,
 recomputation included), engine_requests_finished_total / _aborted_total, http_requests_total
 {endpoint, code}, requests_total{outcome}, requests_in_flight, engine_alive, draining.
 
 HTTP-side counters and histograms are updated as a request runs (first token, deltas, gaps) and as it ends (the
-per-request ones); engine gauges and counters are read from the engine process at scrape time (`render(stats, ...)`).
+per-request ones); engine gauges, counters and iteration_tokens_total are read from the engine process at scrape time
+(`render(stats, ...)`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
+from kda_rt.engine.llm_engine import STEP_TOKEN_BOUNDS
 from kda_rt.server.stats_log import usage_fractions
 
-__all__ = ["CONTENT_TYPE", "Metrics", "PREFIX"]
+__all__ = ["CONTENT_TYPE", "ChoiceTimes", "Metrics", "PREFIX"]
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 PREFIX = "kda_rt:"
@@ -70,6 +83,15 @@ _ENGINE = {
 }
 
 
+@dataclass(slots=True)
+class ChoiceTimes:
+    """One choice of a request (vLLM's child request) as the HTTP process saw it: perf_counter times."""
+
+    first: float | None = None  # its first token came
+    last: float | None = None  # its latest token came
+    end: float | None = None  # its finish reason came
+
+
 class _EngineCollector:
     """Engine gauges and counters from the stats snapshot taken for this scrape."""
 
@@ -102,6 +124,20 @@ class _EngineCollector:
                 family = GaugeMetricFamily(m.prefix + name, doc, labels=["model_name"])
                 family.add_metric(labels, value)
                 yield family
+        if "step_token_bins" in stats:
+            yield _iteration_tokens(m.prefix, labels, stats)
+
+
+def _iteration_tokens(prefix: str, labels: list[str], stats: dict[str, Any]) -> HistogramMetricFamily:
+    """vLLM's iteration_tokens_total from the engine's per-step bins (its sum: the prefill and sampled tokens)."""
+    family = HistogramMetricFamily(prefix + "iteration_tokens_total", "Engine steps by their tokens (prefill tokens "
+                                   "run plus tokens sampled).", labels=["model_name"])
+    buckets, total = [], 0
+    for bound, count in zip((*STEP_TOKEN_BOUNDS, float("inf")), stats["step_token_bins"], strict=True):
+        total += count
+        buckets.append((floatToGoString(bound), total))
+    family.add_metric(labels, buckets, stats["prefill_tokens"] + stats["generated_tokens"])
+    return family
 
 
 class Metrics:
@@ -124,40 +160,40 @@ class Metrics:
                                 ["model_name", "finished_reason"], registry=r)
         self._in_flight = Gauge(p + "requests_in_flight", "Generation requests open in the HTTP process.", name,
                                 registry=r)
-        self._prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests, counted at their first token "
+        self._prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of each choice, counted at its first token "
                                       "(or end, when none came).", name, registry=r)
         self._generation_tokens = Counter(p + "generation_tokens", "Tokens sent back to clients, counted as they come.",
                                           name, registry=r)
-        self._ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token.",
-                               name, buckets=_TTFT_BUCKETS, registry=r)
-        self._tpot = Histogram(p + "time_per_output_token_seconds", "Time between a request's successive token "
+        self._ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to a choice's first "
+                               "token.", name, buckets=_TTFT_BUCKETS, registry=r)
+        self._tpot = Histogram(p + "time_per_output_token_seconds", "Time between a choice's successive token "
                                "deliveries (vLLM's older name of inter_token_latency_seconds).", name,
                                buckets=_TPOT_BUCKETS, registry=r)
         self._req_tpot = Histogram(p + "request_time_per_output_token_seconds",
-                                   "Mean time between output tokens after the first, per request.", name,
+                                   "Mean time between output tokens after the first, per choice.", name,
                                    buckets=_TPOT_BUCKETS, registry=r)
-        self._e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its end.", name,
+        self._e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to a choice's end.", name,
                               buckets=_E2E_BUCKETS, registry=r)
-        self._req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per request.", name,
+        self._req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per choice.", name,
                                      buckets=_TOKEN_BUCKETS, registry=r)
-        self._req_gen = Histogram(p + "request_generation_tokens", "Generated tokens per request.", name,
+        self._req_gen = Histogram(p + "request_generation_tokens", "Generated tokens per choice.", name,
                                   buckets=_TOKEN_BUCKETS, registry=r)
         self._req_max_gen = Histogram(p + "request_max_num_generation_tokens", "The most tokens a choice of the "
-                                      "request generated.", name, buckets=_TOKEN_BUCKETS, registry=r)
-        self._decode = Histogram(p + "request_decode_time_seconds", "Time from a request's first token to its end.",
+                                      "prompt generated.", name, buckets=_TOKEN_BUCKETS, registry=r)
+        self._decode = Histogram(p + "request_decode_time_seconds", "Time from a choice's first token to its last.",
                                  name, buckets=_E2E_BUCKETS, registry=r)
-        self._queue = Histogram(p + "request_queue_time_seconds", "Time a request waited in the engine's queue before "
-                                "it was first scheduled.", name, buckets=_E2E_BUCKETS, registry=r)
-        self._prefill = Histogram(p + "request_prefill_time_seconds", "Time from a request's first scheduling to its "
-                                  "first token (in the engine).", name, buckets=_E2E_BUCKETS, registry=r)
-        self._inference = Histogram(p + "request_inference_time_seconds", "Time from a request's first scheduling to "
+        self._queue = Histogram(p + "request_queue_time_seconds", "Time a choice's prompt waited in the engine's queue "
+                                "before it was first scheduled.", name, buckets=_E2E_BUCKETS, registry=r)
+        self._prefill = Histogram(p + "request_prefill_time_seconds", "Time from a choice's prompt's first scheduling "
+                                  "to its first token (in the engine).", name, buckets=_E2E_BUCKETS, registry=r)
+        self._inference = Histogram(p + "request_inference_time_seconds", "Time from a choice's first scheduling to "
                                     "its end: e2e latency less its queue time.", name, buckets=_E2E_BUCKETS,
                                     registry=r)
-        self._itl = Histogram(p + "inter_token_latency_seconds", "Time between a request's successive token deliveries.",
+        self._itl = Histogram(p + "inter_token_latency_seconds", "Time between a choice's successive token deliveries.",
                               name, buckets=_TPOT_BUCKETS, registry=r)
-        self._params_n = Histogram(p + "request_params_n", "The n of each request.", name,
+        self._params_n = Histogram(p + "request_params_n", "The n of each prompt.", name,
                                    buckets=(1, 2, 5, 10, 20), registry=r)
-        self._params_max_tokens = Histogram(p + "request_params_max_tokens", "The max_tokens of each request.", name,
+        self._params_max_tokens = Histogram(p + "request_params_max_tokens", "The max_tokens of each choice.", name,
                                             buckets=_TOKEN_BUCKETS, registry=r)
         for outcome in ("finished", "aborted", "rejected", "error"):
             self._outcomes.labels(model_name, outcome)
@@ -179,8 +215,8 @@ class Metrics:
         self._in_flight.labels(self.model_name).inc()
 
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
-        """A request's first token came `seconds` after its arrival: its prompt has been run (vLLM counts prompt
-        tokens then too)."""
+        """A choice's first token came `seconds` after its request's arrival: its prompt has been run (vLLM counts
+        prompt tokens then too, a child request's each)."""
         m = self.model_name
         self._ttft.labels(m).observe(seconds)
         self._prompt_tokens.labels(m).inc(prompt_tokens)
@@ -190,45 +226,51 @@ class Metrics:
         self._generation_tokens.labels(self.model_name).inc(num_tokens)
 
     def token_gap(self, seconds: float) -> None:
-        """One gap between a request's successive deliveries of tokens (vLLM's inter-token latency)."""
+        """One gap between a choice's successive deliveries of tokens (vLLM's inter-token latency)."""
         m = self.model_name
         self._itl.labels(m).observe(seconds)
         self._tpot.labels(m).observe(seconds)
 
-    def finish(self, outcome: str, prompt_tokens: int, choice_tokens: list[int], finish_reasons: list[str | None], *,
-               start: float, first: float | None, end: float, n: int = 1, max_tokens: int | None = None,
-               queue: float | None = None, prefill: float | None = None) -> None:
+    def finish(self, outcome: str, prompt_tokens: list[int], choice_tokens: list[int],
+               finish_reasons: list[str | None], times: list[ChoiceTimes], *, n: int, start: float, end: float,
+               max_tokens: int | None = None, timing: dict[int, tuple[float, float | None]] | None = None) -> None:
         """Record the end of one admitted request: its outcome and, when it finished, each choice's finish reason,
-        its latencies (perf_counter times; `queue` and `prefill` durations the engine measured for its first prompt),
-        token counts (`choice_tokens`: per choice) and parameters.  A request ended otherwise (aborted, failed) shows
-        only in requests_total and in what was counted as it ran (first token, tokens, gaps)."""
+        latencies and token counts, and each prompt's parameters.  `prompt_tokens`: a prompt's; `choice_tokens`,
+        `finish_reasons`, `times`: a choice's, choice i of prompt i // n; `start`, `end`: the request's arrival and
+        end (perf_counter); `timing`: prompt -> the queue and prefill durations the engine measured for it.  A
+        request ended otherwise (aborted, failed) shows only in requests_total and in what was counted as it ran
+        (first tokens, tokens, gaps)."""
         m = self.model_name
         self._in_flight.labels(m).dec()
         self._outcomes.labels(m, outcome).inc()
         if outcome != "finished":
             return
-        if first is None:  # (no token came: a score-only request; its prompt was run all the same)
-            self._prompt_tokens.labels(m).inc(prompt_tokens)
-        for reason in finish_reasons:
+        timing = timing or {}
+        for p in range(len(prompt_tokens)):  # (vLLM: one parent request a prompt)
+            self._params_n.labels(m).observe(n)
+            self._req_max_gen.labels(m).observe(max(choice_tokens[p * n:(p + 1) * n], default=0))
+        for i, (num_tokens, reason, t) in enumerate(zip(choice_tokens, finish_reasons, times, strict=True)):
+            num_prompt = prompt_tokens[i // n]
             if reason is not None:
                 self._success.labels(m, reason).inc()
-        completion_tokens, longest = sum(choice_tokens), max(choice_tokens, default=0)
-        self._params_n.labels(m).observe(n)
-        if max_tokens is not None:
-            self._params_max_tokens.labels(m).observe(max_tokens)
-        self._req_prompt.labels(m).observe(prompt_tokens)
-        self._req_gen.labels(m).observe(completion_tokens)
-        self._req_max_gen.labels(m).observe(longest)
-        if first is not None:
-            self._decode.labels(m).observe(end - first)
-            if longest > 1:  # (the choices of n > 1 run side by side: the longest one's tokens came one a gap)
-                self._req_tpot.labels(m).observe((end - first) / (longest - 1))
-        self._e2e.labels(m).observe(end - start)
-        if queue is not None:
-            self._queue.labels(m).observe(queue)
-            self._inference.labels(m).observe(max(end - start - queue, 0.0))
-        if prefill is not None:
-            self._prefill.labels(m).observe(prefill)
+            if t.first is None:  # (no token came: a score-only request; its prompt was run all the same)
+                self._prompt_tokens.labels(m).inc(num_prompt)
+            if max_tokens is not None:
+                self._params_max_tokens.labels(m).observe(max_tokens)
+            self._req_prompt.labels(m).observe(num_prompt)
+            self._req_gen.labels(m).observe(num_tokens)
+            if t.first is not None:
+                self._decode.labels(m).observe(t.last - t.first)
+                if num_tokens > 1:
+                    self._req_tpot.labels(m).observe((t.last - t.first) / (num_tokens - 1))
+            done = (t.end if t.end is not None else end) - start
+            self._e2e.labels(m).observe(done)
+            queue, prefill = timing.get(i // n, (None, None))
+            if queue is not None:
+                self._queue.labels(m).observe(queue)
+                self._inference.labels(m).observe(max(done - queue, 0.0))
+            if prefill is not None:
+                self._prefill.labels(m).observe(prefill)
 
     def render(self, engine_stats: dict[str, Any] | None, engine_alive: bool, draining: bool) -> bytes:
         self.snapshot, self.alive, self.draining = engine_stats, engine_alive, draining

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from kda_rt.server import protocol, responses
 from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError, StreamBacklogError
+from kda_rt.server.metrics import ChoiceTimes
 
 if TYPE_CHECKING:
     from kda_rt.server.app import ServerState
@@ -56,10 +57,10 @@ class RequestRun:
         self.max_tokens = next((v for v in (getattr(req, "max_completion_tokens", None), getattr(req, "max_tokens", None))
                                 if v is not None), None)
         self.num_choices = req.n * len(self.prompts)
-        self.first: float | None = None
+        # a choice's first / latest token and finish (vLLM counts a request's n choices as n child requests)
+        self.times = [ChoiceTimes() for _ in range(self.num_choices)]
         self.cached_tokens = 0  # prompt tokens the engine's prefix cache served (usage's prompt_tokens_details)
-        self.timing: dict[str, float] = {}  # queue_s / prefill_s the engine measured (its first prompt's)
-        self.last = 0.0  # when the latest delta with tokens came (inter-token latency)
+        self.timing: dict[int, tuple[float, float | None]] = {}  # prompt -> queue s, prefill s the engine measured
         self.created = int(time.time())  # the response's and every chunk's "created"
         self.server_aborted = False
         self.shape = {"num_choices": self.num_choices, "prompts": self.prompts, "echo": payload.get("echo", False),
@@ -84,24 +85,33 @@ class RequestRun:
                      "stop_reason": None} for i in range(self.num_choices) if i not in done]}
             if isinstance(item, BaseException):
                 raise item
-            num_tokens = sum(len(c["token_ids"]) for c in item["outputs"])
-            if num_tokens:
-                now = time.perf_counter()
-                if self.first is None:
-                    self.first = now
-                    self.state.metrics.first_token(now - self.start, self.prompt_tokens)
-                else:
-                    self.state.metrics.token_gap(now - self.last)
-                self.last = now
-                self.state.metrics.tokens(num_tokens)
-            self.cached_tokens += item.get("cached_tokens", 0)
-            for key in ("queue_s", "prefill_s"):
-                if key in item and key not in self.timing:
-                    self.timing[key] = item[key]
+            self._observe(item)
             self.choices.add(item)
             yield item
             if item["finished"]:
                 return
+
+    def _observe(self, item: dict[str, Any]) -> None:
+        """Per choice with new tokens: its first token (TTFT, its prompt's tokens) or its gap since its last, as
+        vLLM observes each child request; then the item's tokens, cached prompt tokens and engine timings."""
+        metrics, now, num_tokens, n = self.state.metrics, time.perf_counter(), 0, self.req.n
+        for c in item["outputs"]:
+            t = self.times[c["index"]]
+            if c["token_ids"]:
+                num_tokens += len(c["token_ids"])
+                if t.first is None:
+                    t.first = now
+                    metrics.first_token(now - self.start, self.prompts[c["index"] // n]["num_tokens"])
+                else:
+                    metrics.token_gap(now - t.last)
+                t.last = now
+            if c["finish_reason"] is not None and t.end is None:
+                t.end = now
+        if num_tokens:
+            metrics.tokens(num_tokens)
+        self.cached_tokens += item.get("cached_tokens", 0)
+        for offset, queue_s, prefill_s in item.get("timing", ()):
+            self.timing.setdefault(offset // n, (queue_s, prefill_s))
 
     def _end(self, outcome: str) -> None:
         outcome = "aborted" if self.server_aborted else outcome
@@ -109,10 +119,9 @@ class RequestRun:
         if outcome != "finished":
             self.state.client.abort(self.rid)
         end = time.perf_counter()
-        self.state.metrics.finish(outcome, self.prompt_tokens, self.choices.num_tokens,
-                                  [reason for reason, _ in self.choices.finish], start=self.start, n=self.req.n,
-                                  max_tokens=self.max_tokens, first=self.first, end=end,
-                                  queue=self.timing.get("queue_s"), prefill=self.timing.get("prefill_s"))
+        self.state.metrics.finish(outcome, [p["num_tokens"] for p in self.prompts], self.choices.num_tokens,
+                                  [reason for reason, _ in self.choices.finish], self.times, n=self.req.n,
+                                  start=self.start, end=end, max_tokens=self.max_tokens, timing=self.timing)
         if self.state.log_requests:
             logger.info("request %s %s in %.3f s: %d completion tokens, finish %s", self.rid, outcome, end - self.start,
                         self.choices.completion_tokens, [f for f, _ in self.choices.finish])

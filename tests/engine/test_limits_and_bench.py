@@ -321,6 +321,26 @@ def test_stats_counters(llm):
     assert after["pages_free"] == llm.llm_engine.scheduler.config.num_blocks and after["slots_free"] == 2
 
 
+def test_step_token_bins(llm):
+    """Each step's tokens (its prefill tokens plus the tokens it sampled) binned at vLLM's iteration_tokens_total
+    bounds, which /metrics shows (was: no per-step count at all, only totals)."""
+    from kda_rt.engine.llm_engine import STEP_TOKEN_BOUNDS
+
+    before = llm.stats()
+    llm.generate([{"prompt_token_ids": [9] * 7}, {"prompt_token_ids": [8] * 3}], greedy(4))
+    after = llm.stats()
+    bins = [a - b for a, b in zip(after["step_token_bins"], before["step_token_bins"], strict=True)]
+    assert len(bins) == len(STEP_TOKEN_BOUNDS) + 1 == 14
+    # step 1: both prompts (10 tokens) and their first tokens (2) = 12, in (8, 16]; then three decode steps of 2
+    # tokens, in (1, 8]
+    expected = [0] * 14
+    expected[STEP_TOKEN_BOUNDS.index(16)], expected[STEP_TOKEN_BOUNDS.index(8)] = 1, 3
+    assert bins == expected
+    assert sum(bins) == after["steps"] - before["steps"]
+    after["step_token_bins"][0] += 1  # a copy: a caller's snapshot never moves with the engine
+    assert llm.stats()["step_token_bins"] != after["step_token_bins"]
+
+
 def test_pool_plan_numpy():
     """NumPy backend: every engine slot can reach max_model_len; num_blocks overrides; no padding."""
     cfg = parse_config(tiny_config())

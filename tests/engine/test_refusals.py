@@ -135,6 +135,20 @@ def test_max_waiting_counts_every_sample(llm):
     assert_no_leaks(llm)
 
 
+def test_worker_sends_each_prompts_timing(llm):
+    """Each prompt's first output carries its queue and prefill times, keyed by its first choice, so /metrics
+    observes a choice with its own prompt's, as vLLM's child requests (was: only the first prompt's, sent once)."""
+    conn = _Conn()
+    worker = EngineWorker(llm, conn, max_waiting=64)
+    worker.handle({"op": "add", "id": "t", "prompts": [[5, 6], [7, 8, 9]],
+                   "params": {"max_tokens": 2, "n": 2, "temperature": 0.0, "ignore_eos": True}})
+    _run(worker, llm)
+    timing = [t for m in conn.sent if m["op"] == "outs" for item in m["items"] for t in item.get("timing", ())]
+    assert sorted(first for first, _, _ in timing) == [0, 2]  # (prompt k's choices: k * n ...)
+    assert all(queue >= 0 and prefill is not None and prefill >= 0 for _, queue, prefill in timing)
+    assert_no_leaks(llm)
+
+
 def _beam_add(worker, rid, **params):
     worker.handle({"op": "add", "id": rid, "prompts": [[5, 6, 7]], "beam": {"length_penalty": 1.0},
                    "params": {"n": 2, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, **params}})

@@ -48,17 +48,22 @@ def clock(monkeypatch):
     return fake
 
 
-def _run(state: _State, n: int = 1, max_tokens: int = 8) -> RequestRun:
-    req = protocol.CompletionRequest(prompt="x", n=n, max_tokens=max_tokens)
-    added = {"prompt_tokens": PROMPT_TOKENS, "prompts": [{"num_tokens": PROMPT_TOKENS}]}
+def _run(state: _State, n: int = 1, max_tokens: int = 8, prompts: tuple[int, ...] = (PROMPT_TOKENS,)) -> RequestRun:
+    """A completion request of n choices a prompt; `prompts`: each prompt's tokens."""
+    req = protocol.CompletionRequest(prompt=["x"] * len(prompts), n=n, max_tokens=max_tokens)
+    added = {"prompt_tokens": sum(prompts), "prompts": [{"num_tokens": k} for k in prompts]}
     return RequestRun(state, "cmpl-t", req, False, asyncio.Queue(), added, {"params": {"logprobs": None}}, 0.0)
 
 
-def _delta(*outputs: tuple[int, int, str | None], finished: bool = False) -> dict:
-    """outputs: (choice index, number of tokens, finish reason)."""
-    return {"id": "cmpl-t", "finished": finished, "outputs": [
+def _delta(*outputs: tuple[int, int, str | None], finished: bool = False, timing: list | None = None) -> dict:
+    """outputs: (choice index, number of tokens, finish reason); timing: the engine's [first choice of a prompt,
+    queue s, prefill s] of each prompt that gave its first output."""
+    out = {"id": "cmpl-t", "finished": finished, "outputs": [
         {"index": i, "text": "a" * k, "token_ids": [7] * k, "logprobs": None, "finish_reason": f, "stop_reason": None}
         for i, k, f in outputs]}
+    if timing is not None:
+        out["timing"] = timing
+    return out
 
 
 def _scrape(state: _State, stats: dict | None = None) -> dict[str, float]:
@@ -106,10 +111,11 @@ def test_request_success_counts_each_choice(clock):
 
 
 def test_per_token_and_per_request_time_per_output_token(clock):
-    """time_per_output_token_seconds is vLLM's older name of inter_token_latency_seconds (one observation a gap,
-    which its dashboard's "Time Per Output Token Latency" panel reads); the per-request mean is
-    request_time_per_output_token_seconds, over the longest choice's tokens when n > 1 (was: the per-request mean
-    under the old name, divided by every choice's tokens, so n = 2 read half the time a token took)."""
+    """time_per_output_token_seconds is vLLM's older name of inter_token_latency_seconds (one observation a gap of a
+    choice, which its dashboard's "Time Per Output Token Latency" panel reads); the mean per choice is
+    request_time_per_output_token_seconds, from its first token to its last, as vLLM's decode time of a child request
+    (was: the per-request mean under the old name, divided by every choice's tokens, so n = 2 read half the time a
+    token took; then one gap a delivery and one mean a request, where vLLM counts each of the n choices)."""
     state = _State()
     run = _run(state, n=2)
     deltas = [(1.0 + k, _delta((0, 1, None), (1, 1, None))) for k in range(4)]  # 4 tokens a choice, 1 s apart
@@ -117,9 +123,9 @@ def test_per_token_and_per_request_time_per_output_token(clock):
     _serve(state, run, clock, deltas)
     m = _scrape(state)
     for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
-        assert m[f"vllm:{name}_count"] == 3 and m[f"vllm:{name}_sum"] == pytest.approx(3.0), name
-    assert m["vllm:request_time_per_output_token_seconds_count"] == 1
-    assert m["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(4.0 / 3)  # (end 5 s - first 1 s) / 3
+        assert m[f"vllm:{name}_count"] == 6 and m[f"vllm:{name}_sum"] == pytest.approx(6.0), name
+    assert m["vllm:request_time_per_output_token_seconds_count"] == 2
+    assert m["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(2.0)  # (last 4 s - first 1 s) / 3, x2
 
 
 def test_max_num_generation_tokens(clock):
@@ -132,6 +138,81 @@ def test_max_num_generation_tokens(clock):
     assert m["vllm:request_max_num_generation_tokens_count"] == 1
     assert m["vllm:request_max_num_generation_tokens_sum"] == 5
     assert m["vllm:request_generation_tokens_sum"] == 7
+
+
+def test_n_choices_counted_as_vllm_child_requests(clock):
+    """vLLM v1 runs a request of n = 3 as three child requests: each is one observation of TTFT, inter-token latency,
+    request_success, the e2e / queue / prefill / inference / decode times, request_prompt_tokens,
+    request_generation_tokens, request_time_per_output_token and request_params_max_tokens, and adds its prompt to
+    prompt_tokens_total; the parent is one of request_params_n and request_max_num_generation_tokens (was: the HTTP
+    request counted once in each, its e2e up to its last choice's end)."""
+    state = _State()
+    run = _run(state, n=3)
+    _serve(state, run, clock, [
+        (1.0, _delta((0, 2, None), (1, 1, None), (2, 1, None), timing=[[0, 0.25, 0.5]])),
+        (2.0, _delta((0, 1, "stop"), (1, 1, None), (2, 1, None))),
+        (4.0, _delta((1, 1, "length"), (2, 2, "stop"), finished=True)),
+    ])  # choice tokens 3, 3, 4; choice 0 ends at 2 s, the others at 4 s
+    m = _scrape(state)
+
+    def observed(name):
+        return m[f"vllm:{name}_count"], pytest.approx(m[f"vllm:{name}_sum"])
+
+    assert m['vllm:requests_total{outcome="finished"}'] == 1
+    assert m['vllm:request_success_total{finished_reason="stop"}'] == 2
+    assert m['vllm:request_success_total{finished_reason="length"}'] == 1
+    assert m["vllm:prompt_tokens_total"] == 3 * PROMPT_TOKENS and m["vllm:generation_tokens_total"] == 10
+    assert observed("time_to_first_token_seconds") == (3, 3.0)
+    assert observed("inter_token_latency_seconds") == (5, 7.0)  # choice 0: 1 s; 1 and 2: 1 s, 2 s
+    assert observed("e2e_request_latency_seconds") == (3, 10.0)
+    assert observed("request_decode_time_seconds") == (3, 7.0)  # first token to last: 1 s, 3 s, 3 s
+    assert observed("request_time_per_output_token_seconds") == (3, 0.5 + 1.5 + 1.0)
+    assert observed("request_queue_time_seconds") == (3, 0.75)
+    assert observed("request_prefill_time_seconds") == (3, 1.5)
+    assert observed("request_inference_time_seconds") == (3, 10.0 - 0.75)
+    assert observed("request_prompt_tokens") == (3, 3 * PROMPT_TOKENS)
+    assert observed("request_generation_tokens") == (3, 10)
+    assert observed("request_params_max_tokens") == (3, 3 * 8)
+    assert observed("request_params_n") == (1, 3)
+    assert observed("request_max_num_generation_tokens") == (1, 4)
+
+
+def test_each_prompt_a_parent(clock):
+    """A completion of two prompts with n = 2 is, in vLLM, two parent requests of two children each: n and the longest
+    choice are observed a prompt, and each choice takes its own prompt's tokens and the queue / prefill times the
+    engine measured for its prompt (was: the first prompt's times for all)."""
+    state = _State()
+    run = _run(state, n=2, prompts=(3, 5))
+    _serve(state, run, clock, [
+        (1.0, _delta((0, 1, None), (1, 2, None), (2, 1, None), (3, 1, None),
+                     timing=[[0, 0.1, 0.2], [2, 0.3, 0.4]])),
+        (2.0, _delta((0, 0, "stop"), (1, 0, "stop"), (2, 3, "length"), (3, 0, "stop"), finished=True)),
+    ])  # choice tokens 1, 2 (prompt 0), 4, 1 (prompt 1)
+    m = _scrape(state)
+    assert m["vllm:request_params_n_count"] == 2 and m["vllm:request_params_n_sum"] == 4
+    assert m["vllm:request_max_num_generation_tokens_count"] == 2
+    assert m["vllm:request_max_num_generation_tokens_sum"] == 2 + 4
+    assert m["vllm:request_prompt_tokens_count"] == 4 and m["vllm:request_prompt_tokens_sum"] == 3 + 3 + 5 + 5
+    assert m["vllm:prompt_tokens_total"] == 3 + 3 + 5 + 5
+    assert m["vllm:request_queue_time_seconds_sum"] == pytest.approx(2 * 0.1 + 2 * 0.3)
+    assert m["vllm:request_prefill_time_seconds_sum"] == pytest.approx(2 * 0.2 + 2 * 0.4)
+
+
+def test_iteration_tokens_total():
+    """vLLM's iteration_tokens_total (its bounds, vllm/v1/metrics/loggers.py): the engine's steps binned by their
+    prefill plus sampled tokens, cumulative, the sum those tokens (was: absent)."""
+    bins = [0] * 14
+    bins[0], bins[1], bins[4], bins[13] = 2, 5, 1, 1  # 1 token; 2-8; 33-64; more than 16384
+    stats = {"step_token_bins": bins, "prefill_tokens": 20000, "generated_tokens": 40, "steps": 9}
+    text = _State().metrics.render(stats, True, False).decode()
+    assert "# TYPE vllm:iteration_tokens_total histogram" in text
+    m = parse_metrics(text)
+    bounds = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    seen = [m[f'vllm:iteration_tokens_total_bucket{{le="{float(b)}"}}'] for b in bounds]
+    assert seen == [2, 7, 7, 7, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+    assert m['vllm:iteration_tokens_total_bucket{le="+Inf"}'] == m["vllm:iteration_tokens_total_count"] == 9
+    assert m["vllm:iteration_tokens_total_sum"] == 20040
+    assert not any(k.startswith("vllm:iteration_tokens") for k in _scrape(_State()))  # (no engine stats: none)
 
 
 def test_gpu_cache_usage_perc():

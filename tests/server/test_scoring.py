@@ -204,7 +204,8 @@ def test_metrics_have_vllm_names_and_model_label(server):
 
 def test_latency_and_parameter_metrics(server):
     """vLLM's request_decode_time_seconds, inter_token_latency_seconds, request_params_n / _max_tokens: one request
-    of n = 2 and max_tokens = 5 moves each by what it should."""
+    of n = 2 and max_tokens = 5 moves each by what it should, its two choices counted as vLLM's two child requests;
+    iteration_tokens_total counts the steps that ran it."""
     before = parse_metrics(httpx.get(server.url + "/metrics").text)
     r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 5, "n": 2, "ignore_eos": True})
     assert r.status_code == 200
@@ -213,14 +214,18 @@ def test_latency_and_parameter_metrics(server):
     def moved(name):
         return after[f"kda_rt:{name}"] - before.get(f"kda_rt:{name}", 0)
 
-    assert moved("request_params_n_sum") == 2 and moved("request_params_max_tokens_sum") == 5
-    assert moved("request_decode_time_seconds_count") == 1 and moved("inter_token_latency_seconds_count") >= 1
-    # vLLM's queue / prefill / inference times: one each, the engine's own durations, within the e2e latency
-    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds"):
-        assert moved(f"{name}_count") == 1, name
+    assert moved("request_params_n_count") == 1 and moved("request_params_n_sum") == 2
+    assert moved("request_params_max_tokens_sum") == 2 * 5
+    assert moved("request_decode_time_seconds_count") == 2 and moved("inter_token_latency_seconds_count") == 2 * 4
+    # vLLM's queue / prefill / inference times: one each a choice, the engine's own durations, within the e2e latency
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds",
+                 "e2e_request_latency_seconds", "time_to_first_token_seconds"):
+        assert moved(f"{name}_count") == 2, name
     e2e = moved("e2e_request_latency_seconds_sum")
     assert 0 <= moved("request_queue_time_seconds_sum") <= e2e
     assert 0 < moved("request_prefill_time_seconds_sum") <= moved("request_inference_time_seconds_sum") <= e2e
+    assert moved("iteration_tokens_total_count") == moved("engine_steps_total") >= 5
+    assert moved("iteration_tokens_total_sum") == moved("prompt_tokens_computed_total") + 2 * 5
 
 
 def test_logs_format_levels_and_periodic_line(tmp_path, monkeypatch):
