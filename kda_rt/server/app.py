@@ -432,7 +432,7 @@ def build_app(state: ServerState) -> Starlette:
         while it runs (GET polls it; POST .../cancel stops it), replaced there by the finished response."""
         store, rid = state.responses_store, run.rid
         body = responses_api.response_body(rid, run.created, state.model_name, outer, reason=None, usage=None,
-                                           status="queued")
+                                           status="queued", sampling=run.sampling)
         body.update(background=True, store=True)
         store.put_running({**body, "status": "in_progress"}, own, previous)
 

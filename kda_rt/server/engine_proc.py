@@ -230,7 +230,9 @@ class EngineWorker:
             logger.exception("engine process: request %s could not be prepared", rid)
             self.conn.send({"op": "rejected", "id": rid, "status": 500, "error": f"{type(exc).__name__}: {exc}"})
             return
-        self.conn.send({"op": "added", "id": rid, "prompt_tokens": num_tokens, "prompts": infos})
+        # (the temperature and top_p used, the checkpoint's defaults filled in: the Responses API echoes them, as vLLM)
+        self.conn.send({"op": "added", "id": rid, "prompt_tokens": num_tokens, "prompts": infos,
+                        "sampling": {"temperature": params.temperature, "top_p": params.top_p}})
         if added:
             self.children[rid] = added
         else:  # max_tokens 0: scored, nothing to generate

@@ -23,7 +23,7 @@ import msgspec
 from kda_rt.sampler.params import SamplingParams, StructuredOutputsParams
 from kda_rt.server import tools
 from kda_rt.server.errors import InvalidRequest
-from kda_rt.text.chat import join_text_parts
+from kda_rt.text.chat import REASONING_FIELDS, join_text_parts
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "InvalidRequest", "StreamOptions",
            "TokenizeRequest", "chat_payload", "completion_payload", "decode_body", "error_body"]
@@ -410,7 +410,8 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
         if not isinstance(role, str):
             raise InvalidRequest(f"messages[{i}].role must be a string")
         msg: dict[str, Any] = {"role": role, "content": _content(i, m.get("content"))}
-        for name in ("name", "tool_call_id"):
+        # (an assistant turn's reasoning reaches the template, which may render it, as vLLM passes it on)
+        for name in ("name", "tool_call_id", *(REASONING_FIELDS if role == "assistant" else ())):
             if m.get(name) is not None:
                 if not isinstance(m[name], str):
                     raise InvalidRequest(f"messages[{i}].{name} must be a string")

@@ -2,9 +2,12 @@
 stateless unless the server keeps responses (below).
 
 A request becomes a chat request and runs as one: `instructions` the system message; `input` a string or items:
-messages (content a string or `input_text` / `output_text` parts), `function_call` items (the assistant's earlier
+messages (content a string or `input_text` / `output_text` parts), `reasoning` items (an earlier answer's, sent back:
+the `reasoning` of that turn's assistant message, as vLLM renders them), `function_call` items (the assistant's earlier
 calls) and `function_call_output` items (their results, as `tool` messages); `max_output_tokens`, `temperature`,
-`top_p`, `text.format` text / json_object / json_schema; function `tools` with `tool_choice` and
+`top_p` (the response echoes the values the engine used, as vLLM's), `include` "message.output_text.logprobs" with
+`top_logprobs` (chat's logprobs, on the output_text part and the stream's text deltas), `text.format` text /
+json_object / json_schema; function `tools` with `tool_choice` and
 `parallel_tool_calls`, as chat's tool calling (auto needs the server's --enable-auto-tool-choice and
 --tool-call-parser).  The answer is a `response` whose output holds the assistant's message (when it wrote text or
 called nothing) and one `function_call` item per call.  `stream: true` sends the Responses events: `response.created`,
@@ -37,7 +40,7 @@ import msgspec
 
 from kda_rt.server import responses
 from kda_rt.server.engine_client import EngineDeadError, EngineTimeoutError, StreamBacklogError
-from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, error_body
+from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, Logprobs, error_body
 from kda_rt.server.protocol import chat_payload as _chat_payload
 
 if TYPE_CHECKING:
@@ -49,6 +52,12 @@ __all__ = ["ResponseNotFound", "ResponseStore", "ResponsesRequest", "chat_payloa
 _INT32 = 2**31 - 1
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# the spec's `include` values (the openai client's ResponseIncludable): the others name what this server never
+# answers with (tool results, images, encrypted reasoning), so they are accepted and add nothing
+_INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+               "web_search_call.action.sources", "message.input_image.image_url",
+               "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 
 
 class ResponsesRequest(msgspec.Struct):
@@ -74,6 +83,8 @@ class ResponsesRequest(msgspec.Struct):
     priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0  # (vLLM's, as in chat)
     background: bool = False  # run after answering (needs the store): GET /v1/responses/{id} polls it
     cache_salt: str | None = None  # (vLLM's, as in chat)
+    include: list[str] | None = None  # OUTPUT_LOGPROBS: the output text's logprobs (its only one that adds anything)
+    top_logprobs: Logprobs | None = None  # with OUTPUT_LOGPROBS: the most likely tokens listed at each position
 
 
 def _content(where: str, content: Any, field: str = "content") -> str:
@@ -105,6 +116,25 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": fmt["type"]}
 
 
+def _reasoning(where: str, item: dict[str, Any]) -> str:
+    """The text of a reasoning item (an earlier response's output, sent back): its reasoning_text parts, else its
+    summary_text parts, as vLLM reads them (vLLM keeps the first part alone; joined here, none is dropped).  Encrypted
+    reasoning cannot be read (vLLM's 400 too)."""
+    if item.get("encrypted_content"):
+        raise InvalidRequest(f"{where}.encrypted_content is not supported (this server cannot read encrypted "
+                             "reasoning): send the item's content or summary instead")
+    texts: dict[str, list[str]] = {}
+    for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field) or []
+        if not isinstance(parts, list):
+            raise InvalidRequest(f"{where}.{field} must be a list of {{'type': '{kind}', 'text': str}} parts")
+        for k, part in enumerate(parts):
+            if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{where}.{field}[{k}] must be {{'type': '{kind}', 'text': str}}")
+        texts[field] = [part["text"] for part in parts]
+    return "\n".join(texts["content"] or texts["summary"])
+
+
 def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
     """Chat's tools and tool_choice of the Responses API's function tools (flat: name, description, parameters)."""
     tools = None
@@ -134,24 +164,36 @@ def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
 
 
 def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
-    """Chat messages of the input items: messages, function_call (an assistant turn's calls: they join the
-    assistant message right before them, as one chat turn holds its text and its calls) and function_call_output
-    (a tool message)."""
+    """Chat messages of the input items: messages, reasoning (an assistant turn's reasoning, as vLLM renders it: the
+    `reasoning` of the assistant message it joins, the one right before it or a new one the turn's text and calls
+    then join), function_call (an assistant turn's calls: they join the assistant message right before them, as one
+    chat turn holds its text and its calls) and function_call_output (a tool message)."""
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        last = messages[-1] if messages else None
         if kind == "message":
             if item.get("role") not in _ROLES:
                 raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {item.get('role')!r}")
-            messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
+            content = _content(where, item.get("content"))
+            if (item["role"] == "assistant" and last is not None and last["role"] == "assistant"
+                    and last["content"] is None and "tool_calls" not in last):  # the text after the turn's reasoning
+                last["content"] = content
+            else:
+                messages.append({"role": item["role"], "content": content})
+        elif kind == "reasoning":
+            reasoning = _reasoning(where, item)
+            if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+                last["reasoning"] = reasoning
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
         elif kind == "function_call":
             if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")) or not item["name"]:
                 raise InvalidRequest(f"{where} (function_call) needs call_id, name (non-empty) and arguments as "
                                      "strings")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # the same turn: its text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -163,8 +205,8 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else _content(where, output, "output")})
         else:
-            raise InvalidRequest(f"{where} must be a message, function_call or function_call_output item, "
-                                 f"got {kind!r}")
+            raise InvalidRequest(f"{where} must be a message, reasoning, function_call or function_call_output "
+                                 f"item, got {kind!r}")
     return messages
 
 
@@ -177,6 +219,11 @@ def input_items(req: ResponsesRequest) -> list[Any]:
     return list(req.input)
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether `include` asks for the output text's logprobs (vLLM's rule: `top_logprobs` alone asks for none)."""
+    return OUTPUT_LOGPROBS in (req.include or ())
+
+
 def chat_request(req: ResponsesRequest, history: list[Any] | None = None) -> ChatCompletionRequest:
     """The chat request that answers `req` (InvalidRequest naming the field for what is not supported); `history`:
     the items of the stored conversation it continues (previous_response_id: each response's input and output items),
@@ -186,6 +233,10 @@ def chat_request(req: ResponsesRequest, history: list[Any] | None = None) -> Cha
                              "--enable-responses-store), so send the whole conversation in input")
     if req.truncation not in (None, "disabled"):
         raise InvalidRequest(f"truncation {req.truncation!r} is not supported (only 'disabled')")
+    for k, value in enumerate(req.include or ()):
+        if value not in _INCLUDABLE:
+            raise InvalidRequest(f"include[{k}] must be one of {', '.join(_INCLUDABLE)}, got {value!r}")
+    logprobs = wants_logprobs(req)
     messages: list[dict[str, Any]] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
@@ -197,7 +248,8 @@ def chat_request(req: ResponsesRequest, history: list[Any] | None = None) -> Cha
                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
                                  ignore_eos=req.ignore_eos, response_format=_response_format(req.text), tools=tools,
                                  tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False,
-                                 priority=req.priority, cache_salt=req.cache_salt)
+                                 priority=req.priority, cache_salt=req.cache_salt, logprobs=logprobs,
+                                 top_logprobs=req.top_logprobs if logprobs else None)
 
 
 # chat's field names in its errors -> the Responses API's (the request was written with these)
@@ -229,9 +281,19 @@ def _status(reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    """The assistant's message; `logprobs` (include OUTPUT_LOGPROBS): chat's logprobs content, one entry a token."""
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def _event_logprobs(logprobs: list) -> list[dict[str, Any]]:
+    """Logprob entries in the text events' shape (vLLM's): no bytes, the top ones {token, logprob}."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in logprobs]
 
 
 def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -239,11 +301,12 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def output_items(rid: str, text: str, calls: list[dict[str, Any]], state: str) -> list[dict[str, Any]]:
-    """The response's output: the assistant's message (when it wrote text or called nothing), then one
-    function_call item per call (chat's tool_calls); when the answer did not complete, its last item is
-    `incomplete`."""
-    items = [_message_item(f"msg_{rid}", text, "completed")] if text or not calls else []
+def output_items(rid: str, text: str, calls: list[dict[str, Any]], state: str,
+                 logprobs: list | None = None) -> list[dict[str, Any]]:
+    """The response's output: the assistant's message (when it wrote text or called nothing; `logprobs` on its
+    text), then one function_call item per call (chat's tool_calls); when the answer did not complete, its last item
+    is `incomplete`."""
+    items = [_message_item(f"msg_{rid}", text, "completed", logprobs)] if text or not calls else []
     items += [_call_item(f"fc_{rid}_{k}", call, "completed") for k, call in enumerate(calls)]
     if state != "completed":  # the answer stopped in its last item; the ones before it were finished
         items[-1]["status"] = "incomplete"
@@ -252,19 +315,23 @@ def output_items(rid: str, text: str, calls: list[dict[str, Any]], state: str) -
 
 def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, reason: str | None,
                   usage: dict[str, int] | None, text: str | None = None, calls: list[dict[str, Any]] | None = None,
-                  error: str | None = None, status: str | None = None, cached: int = 0) -> dict[str, Any]:
+                  error: str | None = None, status: str | None = None, cached: int = 0,
+                  sampling: dict[str, float] | None = None, logprobs: list | None = None) -> dict[str, Any]:
     """A `response` object; `text` None: no output yet (the stream's first events); `cached`: the prompt tokens the
-    prefix cache served."""
+    prefix cache served; `sampling`: the temperature and top_p the engine used (`RequestRun.sampling`: the
+    checkpoint's defaults where the request gave none, as vLLM reports them), None: the request's own."""
     state, incomplete = _status(reason)
     state = status or state
     if state == "failed" and not error:
         error = ("the request was aborted (the client disconnected or the server is shutting down)"
                  if reason == "abort" else "the request failed")
-    output = [] if text is None else output_items(rid, text, calls or [], state)
+    output = [] if text is None else output_items(rid, text, calls or [], state, logprobs)
+    used = sampling or {"temperature": req.temperature, "top_p": req.top_p}
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     body = {"id": rid, "object": "response", "created_at": created, "status": state, "model": model,
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p,
+            "temperature": used["temperature"], "top_p": used["top_p"],
+            "top_logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "tool_choice": choice, "tools": req.tools or [], "store": False,
             "previous_response_id": req.previous_response_id,
@@ -290,9 +357,10 @@ def shape(run: RequestRun, req: ResponsesRequest, on_done=None):
         reason = run.choices.finish[0][0]
         error = choice.get("stop_reason") if reason == "error" else None
         message = choice["message"]
+        logprobs = (choice["logprobs"] or {"content": []})["content"] if wants_logprobs(req) else None
         body = response_body(run.rid, chat["created"], chat["model"], req, text=message["content"] or "",
                              calls=message.get("tool_calls") or [], reason=reason, usage=chat["usage"], error=error,
-                             cached=run.cached_tokens)
+                             cached=run.cached_tokens, sampling=run.sampling, logprobs=logprobs)
         if on_done is not None:
             on_done(body)
         return body
@@ -300,7 +368,7 @@ def shape(run: RequestRun, req: ResponsesRequest, on_done=None):
     return to_response
 
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
 
 
 def _with_ids(items: list[Any], rid: str) -> list[Any]:
@@ -320,6 +388,10 @@ def _listed(item: dict[str, Any]) -> dict[str, Any]:
         parts = ([{"type": "output_text", "text": t, "annotations": []} for t in texts] if item["role"] == "assistant"
                  else [{"type": "input_text", "text": t} for t in texts])
         return {"id": item["id"], "type": "message", "role": item["role"], "content": parts, "status": status}
+    if kind == "reasoning":  # (as sent: checked by _reasoning; the spec requires a summary, [] when left out)
+        return {"id": item["id"], "type": kind, "summary": item.get("summary") or [],
+                **({"content": item["content"]} if item.get("content") is not None else {}),
+                "status": status}
     keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
     return {"id": item["id"], "type": kind, **{key: item[key] for key in keys}, "status": status}
 
@@ -461,17 +533,22 @@ def _event(seq: list[int], kind: str, **fields: Any) -> bytes:
 async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncIterator[bytes]:
     """The Responses API's stream for one running request: an output item opens when its first piece arrives (the
     message at its first text, a function_call at its call's header) and closes when the next one opens (finished)
-    or the answer ends (with the answer's state)."""
+    or the answer ends (with the answer's state).  With OUTPUT_LOGPROBS each text delta carries the logprobs of the
+    tokens it holds (and of any before it that wrote no text), the done events all of them."""
     seq, model, rid = [0], run.state.model_name, run.rid
     stream = responses.StreamChoices(1, True, **run.shape)
     text, calls, reason, stop_reason, outcome = "", [], None, None, "aborted"
+    with_logprobs = wants_logprobs(req)
+    logprobs: list[dict[str, Any]] = []  # every token's so far
+    unsent = 0  # how many of them no text delta has carried yet
     opened: list[tuple[str, int]] = []  # ("message", 0) / ("call", k) in output order; the last may be open
     closed: list[dict[str, Any]] = []  # the items closed so far, as sent
 
     def body(status: str | None = None, final: bool = False) -> dict[str, Any]:
         out = response_body(rid, run.created, model, req, text=text if final else None, calls=calls, reason=reason,
                             usage=run._usage() if final else None, status=status, cached=run.cached_tokens,
-                            error=stop_reason if reason == "error" else None)
+                            error=stop_reason if reason == "error" else None, sampling=run.sampling,
+                            logprobs=logprobs if with_logprobs else None)
         if on_done is not None and not final:  # (to be kept: the store says so of the final body once it is)
             out["store"] = True
         return out
@@ -480,9 +557,9 @@ async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncI
         """The done events of the open item (the last opened)."""
         index, key = len(opened) - 1, opened[-1]
         if key[0] == "message":
-            item = _message_item(f"msg_{rid}", text, status)
+            item = _message_item(f"msg_{rid}", text, status, logprobs if with_logprobs else None)
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out = [_event(seq, "response.output_text.done", text=text, logprobs=[], **where),
+            out = [_event(seq, "response.output_text.done", text=text, logprobs=_event_logprobs(logprobs), **where),
                    _event(seq, "response.content_part.done", part=item["content"][0], **where)]
         else:
             item = _call_item(f"fc_{rid}_{key[1]}", calls[key[1]], status)
@@ -501,7 +578,7 @@ async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncI
                 _event(seq, "response.output_item.added", output_index=index,
                        item={**_message_item(item_id, "", "in_progress"), "content": []}),
                 _event(seq, "response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                       part={"type": "output_text", "text": "", "annotations": []})]
+                       part=_message_item(item_id, "", "in_progress", [] if with_logprobs else None)["content"][0])]
         return out + [_event(seq, "response.output_item.added", output_index=index,
                              item=_call_item(f"fc_{rid}_{key[1]}", calls[key[1]], "in_progress"))]
 
@@ -510,14 +587,18 @@ async def events(run: RequestRun, req: ResponsesRequest, on_done=None) -> AsyncI
         yield _event(seq, "response.in_progress", response=body("in_progress"))
         async for item in run.items():
             for choice in stream.choices(item):
+                if with_logprobs and choice["logprobs"] is not None:
+                    logprobs += choice["logprobs"]["content"]
                 delta = choice["delta"].get("content") or ""
                 if delta:
                     if ("message", 0) not in opened:
                         for event in open_item(("message", 0)):
                             yield event
                     text += delta
-                    yield _event(seq, "response.output_text.delta", delta=delta, logprobs=[], item_id=f"msg_{rid}",
+                    yield _event(seq, "response.output_text.delta", delta=delta,
+                                 logprobs=_event_logprobs(logprobs[unsent:]), item_id=f"msg_{rid}",
                                  output_index=opened.index(("message", 0)), content_index=0)
+                    unsent = len(logprobs)
                 for tc in choice["delta"].get("tool_calls") or []:
                     k = tc["index"]
                     if k >= len(calls):  # a call's header: id and name first

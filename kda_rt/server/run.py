@@ -53,6 +53,9 @@ class RequestRun:
         self.state, self.rid, self.req, self.chat, self.queue = state, rid, req, chat, queue
         self.prompt_tokens, self.start = added["prompt_tokens"], start
         self.prompts = added["prompts"]
+        # {"temperature", "top_p"} the engine samples with, its defaults filled in (the Responses API echoes them; an
+        # answer without them reads as the request's own)
+        self.sampling: dict[str, float] | None = added.get("sampling")
         # the max_tokens the client asked for (a score-only request's 0 too), None when it left it out
         self.max_tokens = next((v for v in (getattr(req, "max_completion_tokens", None), getattr(req, "max_tokens", None))
                                 if v is not None), None)

@@ -20,9 +20,10 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-__all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "RESERVED_TEMPLATE_VARS",
-           "ROLES", "TemplateLimitError", "align_stand_ins", "compile_template", "join_text_parts", "normalize_messages",
-           "render_template", "stand_in_strings", "template_source", "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATE", "MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "MAX_RANGE_STEPS", "REASONING_FIELDS",
+           "RESERVED_TEMPLATE_VARS", "ROLES", "TemplateLimitError", "align_stand_ins", "compile_template",
+           "join_text_parts", "normalize_messages", "render_template", "stand_in_strings", "template_source",
+           "validate_messages"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name, read as system
 # Names the renderer sets itself; `chat_template_kwargs` cannot override them.
@@ -491,7 +492,7 @@ def join_text_parts(i: int, parts: Sequence[Any]) -> str:
 
 
 # A message's reasoning under the names clients send it; the first is the one chat templates read.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]], content_parts: bool = False) -> list[dict[str, Any]]:
@@ -504,7 +505,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], content_parts: boo
     out, k = [], 0
     for i, message in enumerate(messages):
         msg = {key: value for key, value in message.items() if value is not None}
-        reasoning = next((msg[key] for key in _REASONING_FIELDS if key in msg), None)
+        reasoning = next((msg[key] for key in REASONING_FIELDS if key in msg), None)
         if reasoning is not None:  # transformers' aliases: what templates read (reasoning_content; gpt-oss: thinking)
             msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
         if isinstance(msg.get("content"), (list, tuple)):

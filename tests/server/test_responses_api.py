@@ -67,7 +67,11 @@ def test_json_schema_format(client):
     ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0] must be a function tool"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0] must be a message, function_call"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0] must be a message, reasoning, function_call"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "text", "text": "t"}]}]}, "input[0].summary[0] must be"),
+    ({"input": "x", "include": ["message.output_text.logprobs", "usage.everything"]}, "include[1] must be one of"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0] (function_call) needs call_id"),
     ({"input": ""}, "input"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
@@ -159,3 +163,134 @@ def test_tool_choice_auto_without_tools(client):
     assert resp.tool_choice == "auto" and [item.type for item in resp.output] == ["message"]
     resp = client.responses.create(model="demo", input="Hi", max_output_tokens=2, tool_choice="auto", tools=[])
     assert resp.tools == [] and resp.output_text is not None
+
+
+def test_sampling_values_are_echoed(server, tmp_path):
+    """temperature and top_p are the values the engine sampled with: the request's, else the checkpoint's
+    generation_config.json defaults, else 1.0 (as vLLM reports them; was: null), in every body of a stream too."""
+    import shutil
+
+    from openai.types.responses import Response
+
+    from helpers.server import ServerProc
+    from kda_rt.demo import demo_path
+
+    def echoed(srv, **given):
+        body = {"input": "Hi", "max_output_tokens": 2, **given}
+        r = httpx.post(srv.url + "/v1/responses", headers=srv.headers, timeout=60, json=body)
+        assert r.status_code == 200, r.text
+        Response.model_validate(r.json())
+        bodies = [e["response"] for e in _events(srv, body) if "response" in e]
+        assert len(bodies) == 3 and all((b["temperature"], b["top_p"]) == (r.json()["temperature"], r.json()["top_p"])
+                                        for b in bodies)
+        return r.json()["temperature"], r.json()["top_p"]
+
+    assert echoed(server, temperature=0.7, top_p=0.9) == (0.7, 0.9)
+    assert echoed(server) == (1.0, 1.0)  # (the demo checkpoint has no generation_config.json)
+    for f in demo_path().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.8}))
+    srv = ServerProc(tmp_path / "s.log", "--model", str(tmp_path))
+    try:
+        assert echoed(srv) == (0.6, 0.8)
+        assert echoed(srv, temperature=0.0) == (0.0, 0.8)
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_output_text_logprobs(server, client):
+    """include ["message.output_text.logprobs"] with top_logprobs: the output_text part's logprobs are chat's for the
+    same conversation (one entry a token, each with top_logprobs entries), top_logprobs is echoed; streamed, the text
+    deltas carry them in order (vLLM's event shape) and the final response equals the one answered without a stream.
+    Without include: none (was: include and top_logprobs ignored)."""
+    import pydantic
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    include = ["message.output_text.logprobs"]
+    body = {"model": "demo", "input": "Name a prime.", "max_output_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "include": include, "top_logprobs": 2}
+    r = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())
+    part = r.json()["output"][0]["content"][0]
+    chat = client.chat.completions.create(model="demo", max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "Name a prime."}],
+                                          extra_body={"ignore_eos": True})
+    assert part["text"] == chat.choices[0].message.content and r.json()["top_logprobs"] == 2
+    assert part["logprobs"] == [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert len(part["logprobs"]) == 6 and all(len(e["top_logprobs"]) == 2 for e in part["logprobs"])
+    short = [{"token": e["token"], "logprob": e["logprob"],
+              "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+             for e in part["logprobs"]]
+    events = _events(server, body)
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    sent = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert sent == short[:len(sent)] and len(sent) >= 1  # (a last token that writes no text is in the done event)
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == short
+    assert _same_answer(events[-1]["response"]) == _same_answer(r.json())
+    resp = client.responses.create(model="demo", input="Name a prime.", max_output_tokens=3, include=include,
+                                   top_logprobs=0, extra_body={"seed": 3})
+    assert len(resp.output[0].content[0].logprobs) == 3 and resp.top_logprobs == 0
+    assert all(e.top_logprobs == [] for e in resp.output[0].content[0].logprobs)
+    with client.responses.stream(model="demo", input="Name a prime.", max_output_tokens=3, include=include,
+                                 top_logprobs=1, extra_body={"seed": 3}) as stream:
+        final = stream.get_final_response()
+    assert len(final.output[0].content[0].logprobs) == 3 and final.top_logprobs == 1
+    plain = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=60,
+                       json={**body, "include": None}).json()
+    assert "logprobs" not in plain["output"][0]["content"][0] and plain["top_logprobs"] is None
+    events = _events(server, {**body, "include": []})
+    assert all(e["logprobs"] == [] for e in events if e["type"] == "response.output_text.delta")
+
+
+def test_reasoning_items_become_the_assistant_turns_reasoning():
+    """Reasoning items sent back (an earlier response's output) are the `reasoning` of their turn's assistant
+    message, as vLLM renders them: joining the message before them, or starting one its text and calls join
+    (was: a 400); the chat request keeps an assistant message's reasoning for the template (was: dropped)."""
+    from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, chat_payload
+    from kda_rt.server.responses_api import ResponsesRequest, chat_request
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "r1"}]},
+             call, {"type": "function_call_output", "call_id": "c1", "output": "out"},
+             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "s2"},
+                                                             {"type": "summary_text", "text": "s3"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+             {"type": "message", "role": "assistant", "content": "b"},
+             {"type": "reasoning", "id": "rs_3", "summary": []}]
+    messages = chat_request(ResponsesRequest(input=items)).messages
+    fn = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert messages == [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": None, "reasoning": "r1", "tool_calls": [fn]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "out"},
+                        {"role": "assistant", "content": "a", "reasoning": "s2\ns3"},
+                        {"role": "assistant", "content": "b", "reasoning": ""}]
+    payload = chat_payload(chat_request(ResponsesRequest(input=items)))
+    assert [m.get("reasoning") for m in payload["messages"]] == [None, "r1", None, "s2\ns3", ""]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "q", "reasoning": "not a turn's"},
+                                           {"role": "assistant", "content": "a", "reasoning_content": "r"}])
+    assert chat_payload(chat)["messages"] == [{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "a", "reasoning_content": "r"}]
+    with pytest.raises(InvalidRequest, match=r"messages\[0\]\.reasoning must be a string"):
+        chat_payload(ChatCompletionRequest(messages=[{"role": "assistant", "content": "a", "reasoning": ["r"]}]))
+
+
+def test_reasoning_items_answer_as_chat(server, client):
+    """A conversation with a reasoning item answers as chat answers the same messages, the reasoning on the
+    assistant's message."""
+    items = [{"role": "user", "content": "Name a prime."},
+             {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Two is prime."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "2",
+                                                                   "annotations": []}]},
+             {"role": "user", "content": "Another."}]
+    resp = client.responses.create(model="demo", input=items, max_output_tokens=6, temperature=0.0,
+                                   extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model="demo", max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True},
+                                          messages=[items[0], {"role": "assistant", "content": "2",
+                                                               "reasoning": "Two is prime."}, items[3]])
+    assert resp.output_text == chat.choices[0].message.content

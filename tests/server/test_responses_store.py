@@ -269,3 +269,27 @@ def test_retrieve_with_stream_is_refused(client):
         list(client.responses.retrieve(resp.id, stream=True))
     assert refused.value.body["param"] == "stream"
     assert client.responses.retrieve(resp.id).id == resp.id
+
+
+def test_reasoning_items_are_stored_and_listed(client, store_server):
+    """A reasoning item in a stored response's input is kept (an id of its own when it came without one), listed as
+    the client's ResponseItem type, and carried over by previous_response_id (was: a 400)."""
+    import pydantic
+    from openai.types.responses import ResponseItem
+
+    items = [{"role": "user", "content": "Name a prime."},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Two is prime."}]},
+             {"type": "message", "role": "assistant", "content": "2"}, {"role": "user", "content": "Another."}]
+    kw = dict(model="demo", max_output_tokens=4, temperature=0.0, extra_body={"ignore_eos": True})
+    first = client.responses.create(input=items, **kw)
+    listed = httpx.get(f"{store_server.url}/v1/responses/{first.id}/input_items", headers=store_server.headers,
+                       params={"order": "asc"}, timeout=10).json()["data"]
+    adapter = pydantic.TypeAdapter(ResponseItem)
+    for item in listed:
+        adapter.validate_python(item)
+    assert listed[1]["type"] == "reasoning" and listed[1]["id"].startswith("rs_")
+    assert listed[1]["summary"] == items[1]["summary"]
+    second = client.responses.create(previous_response_id=first.id, input="And one more.", **kw)
+    whole = client.responses.create(input=[*items, {"role": "assistant", "content": first.output_text},
+                                           {"role": "user", "content": "And one more."}], store=False, **kw)
+    assert second.output_text == whole.output_text
