@@ -165,6 +165,17 @@ class SamplingParams:
     # words never generated (vLLM's field): each word's tokens, as written and after a space, are never completed
     bad_words: list[str] | None = None
     detokenize: bool = True  # False: no output text (token ids only; vLLM's field, stop strings then refused)
+    # vLLM's field and default; it changes the text only with skip_special_tokens=False (True drops every special
+    # token, so nothing is left to space; in vLLM too, where Kimi's added vocabulary is the set it skips).  vLLM runs
+    # Kimi's tokenizer (TikTokenTokenizer: a slow PreTrainedTokenizer, not PreTrainedTokenizerFast, with a non-empty
+    # get_added_vocab()) through its slow incremental detokenizer, whose rule this is: each of the Kimi class's
+    # special tokens (bos, eos, unk, pad and additional_special_tokens, by default the chat markers <|im_end|>,
+    # <|im_user|>, <|im_assistant|>, <|im_system|>, <|im_middle|>, ...: Tokenizer.added_ids) is set apart by one space
+    # from the text or token on either side, the prompt's last token included (after a chat prompt's <|im_middle|>
+    # the text starts with a space).  The tool-call markers, [EOS] and the reserved ids are not in its added
+    # vocabulary, so they join the text unspaced either way.  The spaces are part of the text: streamed, cumulative
+    # and final outputs and stop strings all see them.  False: concatenated.
+    spaces_between_special_tokens: bool = True
     # bad_words as token ids: set by the engine with its tokenizer at add_request on the request's own copy of the params
     # (vLLM's _bad_words_token_ids on its clone); () on the caller's object
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
@@ -214,7 +225,8 @@ class SamplingParams:
                                 not all(_is_int(i) and 0 <= i <= _MAX_INT32 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints in [0, 2**31 - 1]), got {ids!r:.200}")
         self.stop_token_ids = [int(i) for i in ids or []]
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if stop and not self.detokenize:

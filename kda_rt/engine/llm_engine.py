@@ -247,7 +247,9 @@ class LLMEngine:
             if self.tokenizer is not None and params.detokenize:  # detokenize=False: token ids only, text ""
                 from kda_rt.text.detokenizer import IncrementalDetokenizer
 
-                detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+                detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                               spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                               prompt_token_ids=ids)
             seqs.append(Sequence(request_id, i, list(ids), params, seed=(base_seed + i) % (1 << 64),
                                  max_tokens=max_tokens, arrival=next(self._arrivals), priority=priority,
                                  arrival_time=arrived, cache_salt=salt, detokenizer=detok,

@@ -7,8 +7,9 @@ numbers out of range, wrong types); `SamplingParams` then checks values.  Every 
 accepted, as vLLM does: `decode_body` returns their names, which the app logs (once per name, at
 WARNING) and lists in the `x-kda-rt-ignored-fields` response header.  Fields beyond OpenAI's are
 vLLM's names: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-skip_special_tokens, include_stop_str_in_output, prompt_logprobs, chat_template_kwargs, priority,
-structured_outputs and the legacy guided_json / guided_regex / guided_choice / guided_grammar.
+skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output, prompt_logprobs,
+chat_template_kwargs, priority, structured_outputs and the legacy guided_json / guided_regex / guided_choice /
+guided_grammar.
 Output constraints (those and response_format json_object / json_schema) become one
 `StructuredOutputsParams`, compiled here by llguidance so an invalid one is a 400 naming its field.
 """
@@ -59,6 +60,7 @@ class _Sampling(msgspec.Struct):
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's (SamplingParams says what it changes)
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -306,6 +308,7 @@ def _sampling_kwargs(req: _Sampling, max_tokens: int | None, logprobs: int | Non
                               "n": req.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": req.seed,
                               "stop": req.stop, "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens,
                               "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
+                              "spaces_between_special_tokens": req.spaces_between_special_tokens,
                               "include_stop_str_in_output": req.include_stop_str_in_output,
                               "truncate_prompt_tokens": req.truncate_prompt_tokens,
                               "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words or None}
@@ -427,7 +430,10 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
     tool_mode = tools.tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, auto_tools,
                                 sum(len(m.get("tool_calls", ())) for m in messages))
     if tool_mode is not None:
-        params["skip_special_tokens"] = False
+        # the markers kept for the parser alone, unspaced: vLLM's Kimi output keeps the tool-call markers (no special
+        # tokens of the Kimi class) and skips the chat markers, so a space after the prompt's <|im_middle|> would be
+        # text vLLM never sends (vLLM's Kimi K3 parsers turn the spacing off the same way)
+        params["skip_special_tokens"] = params["spaces_between_special_tokens"] = False
         forced = tools.forced_calls_spec(req.tools, tool_mode)
         if forced is not None:  # required / a named function: the arguments follow each schema
             if params["structured_outputs"] is not None:

@@ -9,6 +9,8 @@ on the demo vocabulary:
   convert_ids_to_tokens      byte-level token strings (GPT-2's byte-to-character table: b" hi" -> "Ġhi"), a special
                              token's name; convert_tokens_to_ids / convert_tokens_to_string / get_vocab the inverse
   bos/eos/pad/unk_token(_id) from tokenizer_config.json
+  get_added_vocab            the Kimi class's special tokens (bos / eos / unk / pad and its chat markers, or the
+                             config's additional_special_tokens): what vLLM's detokenizer spaces (`added_ids`)
 Differences, by design: `len(tok)` is the mergeable tokens + 256 special ids (the model's rows), where the Kimi class
 counts 2 reserved ids more; `all_special_ids` / `all_special_tokens` are all 256 special ids, the ones
 `skip_special_tokens=True` drops (the Kimi class lists only bos / eos / unk / pad and its chat markers and skips only
@@ -56,7 +58,7 @@ class BatchEncoding(dict):
 
 class HFSurface:
     """Mixin of `Tokenizer` (which provides `encode`, `decode`, `token_bytes`, `vocab_size`, `_specials`,
-    `_special_ids`, `_special_id`, the token names and `_vocab`, None until `get_vocab` builds it)."""
+    `_special_ids`, `_special_id`, `added_ids`, the token names and `_vocab`, None until `get_vocab` builds it)."""
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -119,6 +121,10 @@ class HFSurface:
                     raise ValueError(f"{token!r} is not a token string (a character outside the byte-level "
                                      "alphabet)") from None
         return data.decode("utf-8", errors="replace")
+
+    def get_added_vocab(self) -> dict[str, int]:
+        """{token string: id} of `added_ids`, by id (the Kimi class's added vocabulary: its special tokens alone)."""
+        return {self._token_string(i): i for i in sorted(self.added_ids)}
 
     def get_vocab(self) -> dict[str, int]:
         """{token string: id} for every id: a new dict of ~164k entries on Kimi's vocabulary."""

@@ -37,8 +37,10 @@ from kda_rt.text.chat import (
 )
 from kda_rt.text.hf_surface import HFSurface
 from kda_rt.text.tokenizer_files import (
+    KIMI_ADDITIONAL_SPECIAL_TOKENS,
     NUM_SPECIAL_TOKENS,
     TokenizerError,
+    additional_special_tokens,
     load_json,
     load_rank_file,
     special_tokens,
@@ -88,9 +90,10 @@ class Tokenizer(HFSurface):
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], *,
                  bos_token: str | None = None, eos_token: str | None = None, chat_template: str | None = None,
                  name: str = "kimi", chat_template_name: str | None = None, pad_token: str | None = None,
-                 unk_token: str | None = None) -> None:
+                 unk_token: str | None = None, additional_special_tokens: Sequence[str] | None = None) -> None:
         """chat_template None means the built-in kda_rt/chat_template.jinja; chat_template_name
-        (its file or config field) is named in rendering errors."""
+        (its file or config field) is named in rendering errors.  additional_special_tokens (the config's; None: the
+        Kimi class's chat markers) with bos / eos / pad / unk are the Kimi class's special tokens (`added_ids`)."""
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token),
                              ("unk_token", unk_token)):
             if token is not None and token not in special_tokens:
@@ -103,6 +106,10 @@ class Tokenizer(HFSurface):
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
         self._bos_token, self._eos_token = bos_token, eos_token
         self._pad_token, self._unk_token = pad_token, unk_token
+        extra = KIMI_ADDITIONAL_SPECIAL_TOKENS if additional_special_tokens is None else additional_special_tokens
+        # (a name that is no special token gets a new id past the vocabulary in the Kimi class: never generated here)
+        self._added_ids = frozenset(special_tokens[t] for t in (bos_token, eos_token, unk_token, pad_token, *extra)
+                                    if t in special_tokens)
         self._vocab: dict[str, int] | None = None  # {token string: id}, built by the first get_vocab()
         self._template = compile_template(chat_template)
         self._template_name = chat_template_name or ("built-in template" if chat_template is None else "given template")
@@ -123,9 +130,10 @@ class Tokenizer(HFSurface):
             except TokenizerError:
                 tokens[field] = None
         template, template_name = template_source(model_dir, config, str(config_path), chat_template)
+        extra = additional_special_tokens(config, str(config_path))
         try:
             return cls(ranks, specials, **tokens, chat_template=template, name=model_dir.name or "kimi",
-                       chat_template_name=template_name)
+                       chat_template_name=template_name, additional_special_tokens=extra)
         except TemplateError as e:
             line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise TokenizerError(f"{template_name}: chat template does not compile{line}: {e}") from None
@@ -160,6 +168,13 @@ class Tokenizer(HFSurface):
     @property
     def special_ids(self) -> frozenset[int]:
         return self._special_ids
+
+    @property
+    def added_ids(self) -> frozenset[int]:
+        """The ids of the Kimi class's special tokens (bos, eos, unk, pad and `additional_special_tokens`): its whole
+        `get_added_vocab()`, the tokens vLLM's detokenizer keeps apart from the text (spaced, with
+        `spaces_between_special_tokens`).  The tool-call markers, `[EOS]` and the reserved ids are not among them."""
+        return self._added_ids
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

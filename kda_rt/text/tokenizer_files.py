@@ -12,9 +12,14 @@ from typing import Any
 
 from kda_rt.loader.jsonfile import read_json
 
-__all__ = ["NUM_SPECIAL_TOKENS", "TokenizerError", "load_json", "load_rank_file", "special_tokens", "token_field"]
+__all__ = ["KIMI_ADDITIONAL_SPECIAL_TOKENS", "NUM_SPECIAL_TOKENS", "TokenizerError", "additional_special_tokens",
+           "load_json", "load_rank_file", "special_tokens", "token_field"]
 
 NUM_SPECIAL_TOKENS = 256
+# The Kimi class's `additional_special_tokens` when tokenizer_config.json gives none (its chat markers): with bos /
+# eos / unk / pad, the tokens it calls special, and the only ones in its `get_added_vocab()`
+KIMI_ADDITIONAL_SPECIAL_TOKENS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                                  "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>")
 
 
 class TokenizerError(ValueError):
@@ -99,3 +104,17 @@ def token_field(config: Mapping[str, Any], field: str, where: str, specials: Map
     if value is not None and value not in specials:
         raise TokenizerError(f"{where}: field {field!r} names {value!r}, which is not a special token")
     return value
+
+
+def additional_special_tokens(config: Mapping[str, Any], where: str) -> tuple[str, ...] | None:
+    """The config's `additional_special_tokens` (strings, or HF's {"content": ...}), None when it gives none."""
+    value = config.get("additional_special_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise TokenizerError(f"{where}: field 'additional_special_tokens' must be a list of token strings")
+    names = [v.get("content") if isinstance(v, dict) else v for v in value]
+    for name in names:
+        if not isinstance(name, str):
+            raise TokenizerError(f"{where}: field 'additional_special_tokens' holds {name!r}, not a token string")
+    return tuple(names)

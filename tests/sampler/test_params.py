@@ -15,6 +15,7 @@ def test_vllm_defaults():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0, 16)
     assert (p.seed, p.stop_strings, p.stop_token_ids, p.ignore_eos) == (None, (), [], False)
     assert not p.greedy and SamplingParams(temperature=0).greedy
+    assert (p.skip_special_tokens, p.spaces_between_special_tokens) == (True, True)
 
 
 @pytest.mark.parametrize(
@@ -32,6 +33,7 @@ def test_vllm_defaults():
         ({"stop_token_ids": [2**31]}, "stop_token_ids"), ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),
         ({"logit_bias": {"9" * 40: 1.0}}, "logit_bias"), ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
         ({"n": 2**16 + 1}, r"n must be an int in \[1, MAX_N = 65536\]"), ({"n": 10**9}, "n must be"),
+        ({"spaces_between_special_tokens": 1}, "spaces_between_special_tokens must be a bool"),
     ],
 )
 def test_bad_values_name_the_parameter(kwargs, name):

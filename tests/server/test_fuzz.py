@@ -16,9 +16,9 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream", "stream_options",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "echo",
           "best_of", "logit_bias", "suffix", "user", "tools", "skip_special_tokens", "include_stop_str_in_output",
-          "input", "instructions", "max_output_tokens", "text", "tool_choice", "parallel_tool_calls",
-          "previous_response_id", "truncation", "store", "priority", "use_beam_search", "length_penalty",
-          "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "chat_template"]
+          "spaces_between_special_tokens", "input", "instructions", "max_output_tokens", "text", "tool_choice",
+          "parallel_tool_calls", "previous_response_id", "truncation", "store", "priority", "use_beam_search",
+          "length_penalty", "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "chat_template"]
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.integers(-3, 40)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12) | st.sampled_from(["demo", "user"]))

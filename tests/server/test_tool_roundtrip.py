@@ -51,7 +51,10 @@ class FakeEngine:
         ids += tool_prefix_ids(self.tok, payload["tool_mode"])
         self.prompts.append(ids)
         out = self.tok.encode(self.script.pop(0), allow_special=True)
-        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=payload["params"]["skip_special_tokens"])
+        params = payload["params"]
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=params["skip_special_tokens"],
+                                       spaces_between_special_tokens=params["spaces_between_special_tokens"],
+                                       prompt_token_ids=ids)
         queue: asyncio.Queue = asyncio.Queue()
         for k, token in enumerate(out):
             last = k == len(out) - 1
@@ -111,6 +114,8 @@ def test_round_trip(stream):
         assert reason == "tool_calls"
         assert json.loads(calls[0][2]) == {"city": "Paris"}
         assert engine.payloads[0]["params"]["skip_special_tokens"] is False  # markers reach the parser
+        # unspaced: no space after the prompt's <|im_middle|> in the content (vLLM skips that marker)
+        assert engine.payloads[0]["params"]["spaces_between_special_tokens"] is False
         # the tool result goes back in the history, the model answers
         messages += [{"role": "assistant", "content": content, "tool_calls": [
                           {"id": calls[0][0], "type": "function",
@@ -164,6 +169,29 @@ def test_call_without_end_markers_is_kept(stream):
         content, calls, reason = await _turn(client, [dict(m) for m in OPENING], stream)
         assert (content, calls, reason) == ("I'll check.", [("functions.get_weather:0", "get_weather",
                                                              '{"city": "Paris"}')], "tool_calls")
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_special_tokens_spaced_without_tools():
+    """A chat request with skip_special_tokens=False and no tool parsing gets vLLM's spaced text (its default
+    spaces_between_special_tokens=True: the prompt ends in <|im_middle|>, so the content starts with a space);
+    spaces_between_special_tokens=False joins them, and the default skip_special_tokens=True drops them."""
+    async def run():
+        engine = FakeEngine()
+        engine.script = ["Hi<|im_user|>there"] * 3
+        client = _client(engine, auto_tools=False)
+        msgs = [{"role": "user", "content": "Say hi"}]
+
+        async def text(**extra):
+            res = await client.chat.completions.create(model="demo", messages=msgs, extra_body=extra)
+            return res.choices[0].message.content
+
+        assert await text(skip_special_tokens=False) == " Hi <|im_user|> there"
+        assert await text(skip_special_tokens=False, spaces_between_special_tokens=False) == "Hi<|im_user|>there"
+        assert await text() == "Hithere"
+        assert [p["params"]["spaces_between_special_tokens"] for p in engine.payloads] == [True, False, True]
         await client.close()
 
     asyncio.run(run())
