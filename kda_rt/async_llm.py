@@ -18,6 +18,13 @@ already handed to a worker thread then does nothing (each loop's steps carry its
 lock): run late, it would step the new loop's requests and hand their outputs to the dead loop, and a lost final
 output leaves its stream waiting forever.
 
+A step that raises fails the calls whose requests were in the engine when it began (each stream raises the step's
+error and its request is aborted); a call whose add was still under way (waiting for the lock that step held, or its
+prompt logprobs not yet in) goes on, and so do later calls.  vLLM's AsyncLLM instead takes a failed engine core for
+dead (`errored`, every open and later call raising EngineDeadError), as kda_rt's server does with its engine process:
+there the failure ends a process.  Here the engine is in-process and outlives the step: a failed step's sequences are
+queued again, to be computed afresh (docs/engine_notes.md, Failures), so only `shutdown()` stops an AsyncLLM.
+
 The `LLM` brings its engine settings: serving streams, pass `max_num_batched_tokens=8192` as the server
 does (`SERVER_BATCHED_TOKENS`); left unset it takes the offline default, which may be 16384 (longer steps,
 which every running stream waits out).
@@ -43,16 +50,29 @@ if TYPE_CHECKING:
 __all__ = ["AsyncLLM"]
 
 
+class _Call:
+    """One `generate` call, from taking its request id to its end.  Abort marks and a failed step's error name the
+    call, not the id: a later call may take the id as soon as this one ends, and what was meant for this one (a mark
+    set just after it ended, on another thread) must not reach it."""
+
+    __slots__ = ("rid", "queue", "abort", "added_at")
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.queue: asyncio.Queue | None = None  # its outputs: None before its add, and once the add failed
+        self.abort = False  # abort() named it before its request was added: the add aborts it as it lands (_add)
+        self.added_at: int | None = None  # steps begun when its request was added (set under the lock)
+
+
 class AsyncLLM:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
         self._lock = llm._engine_lock  # (LLM.generate's own: its drivers and this one take turns on the engine)
         llm._asyncs.add(self)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._preparing: set[str] = set()  # ids of generate calls not yet given a queue (their prompt logprobs)
-        self._abort_pending: set[str] = set()  # ids aborted before their add: aborted as the add lands (_add)
+        self._calls: dict[str, _Call] = {}  # the open generate calls by request id (changed on the event loop only)
         self._to_abort: list[str] = []
+        self._num_steps = 0  # steps begun (under the lock): a failed one fails the calls added before it
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._binding = 0  # bumped (under the lock) each time a loop takes this AsyncLLM over
@@ -78,15 +98,15 @@ class AsyncLLM:
             raise self.dead_error
         self._bind_loop()
         rid = self._new_id() if request_id is None else str(request_id)
-        if rid in self._queues or rid in self._preparing:
+        if rid in self._calls:
             raise ValueError(f"request_id {rid!r} is already in use")
-        if self.llm._open or any(a is not self and a._queues for a in self.llm._asyncs):
+        if self.llm._open or any(a is not self and a._streaming() for a in self.llm._asyncs):
             raise RuntimeError("this LLM has requests open elsewhere (LLM.generate's, in another thread or a stream "
                                "not finished or closed, or another AsyncLLM's): its engine runs one driver's "
                                "requests at a time")
         # the id is taken from here on: a second call with it while this one awaits its prompt logprobs would
         # otherwise pass the check, and its refused add drop this stream's queue (was: this stream waited forever)
-        self._preparing.add(rid)
+        call = self._calls[rid] = _Call(rid)
         try:
             if rid in self._to_abort:  # an earlier stream of this id was left: its abort first (later, it would hit this)
                 await asyncio.to_thread(self._locked, self._apply_aborts)
@@ -97,31 +117,28 @@ class AsyncLLM:
             if sampling_params.prompt_logprobs is not None:
                 prompt_lps = await self._prompt_logprobs(prompt, sampling_params)
             queue: asyncio.Queue = asyncio.Queue()
-            self._queues[rid] = queue  # before adding: the stepping task may produce output at once
-        except BaseException:  # (a call that fails or is cancelled before its add: no abort mark may outlive it)
-            self._abort_pending.discard(rid)
+            call.queue = queue  # before adding: the stepping task may produce output at once
+        except BaseException:
+            self._release(call)
             raise
-        finally:
-            self._preparing.discard(rid)
         add = asyncio.ensure_future(asyncio.to_thread(self._locked, functools.partial(
-            self._add, rid, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
+            self._add, call, prompt, sampling_params, fit_max_tokens=fit, priority=priority)))
         try:
             final = await asyncio.shield(add)  # a cancellation must not orphan a request the thread still adds
             if final is not None:  # abort() came before the add: the stream ends with its final output at once
                 queue.put_nowait(final)
         except BaseException as exc:
-            self._queues.pop(rid, None)
+            call.queue = None
             if isinstance(exc, asyncio.CancelledError) and not add.done():
                 # the add still runs in its thread: the id stays taken (a later call with it would reach the engine
                 # while this request is there) and _add aborts the request as it lands; the cancellation is over
                 # once it has, as a left stream's (a second cancellation leaves it to the callback)
-                self._preparing.add(rid)
-                self._abort_pending.add(rid)
-                add.add_done_callback(lambda f: self._landed(rid, f))
+                call.abort = True
+                add.add_done_callback(lambda f: self._landed(call, f))
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(add)
             else:
-                self._abort_pending.discard(rid)  # (a refused add: no mark may outlive this call, to abort a later one)
+                self._release(call)
                 if isinstance(exc, asyncio.CancelledError) and not add.cancelled() and add.exception() is None:
                     self._abort_later(rid)
             raise
@@ -139,8 +156,7 @@ class AsyncLLM:
                 elif finished or output_kind == "cumulative":
                     yield self._vllm(item, sampling_params, converted, prompt_lps)
         finally:
-            self._queues.pop(rid, None)
-            self._abort_pending.discard(rid)
+            self._release(call)
             if not finished:
                 await self._abort_left(rid)
 
@@ -182,10 +198,9 @@ class AsyncLLM:
         finish_reason is "abort".  Unknown ids are passed over."""
         self._bind_loop()
         for rid in [request_id] if isinstance(request_id, str) else [str(r) for r in request_id]:
-            final = await asyncio.to_thread(self._locked, self._abort_one, rid)
-            queue = self._queues.get(rid)
-            if final is not None and queue is not None:
-                queue.put_nowait(final)
+            call, final = await asyncio.to_thread(self._locked, self._abort_one, rid)
+            if final is not None and call is not None and call.queue is not None:
+                call.queue.put_nowait(final)
 
     async def _prompt_logprobs(self, prompt, params: SamplingParams) -> list:
         """vLLM's prompt logprobs from one score() pass, which borrows a free state slot and pages: while running
@@ -195,7 +210,7 @@ class AsyncLLM:
                 return await asyncio.to_thread(self._locked, lambda: self.llm._vllm_prompt_logprobs(
                     self.engine.request_prompt(prompt, params)[1], params.prompt_logprobs, params.detokenize))
             except NoRoomToScore:
-                if not self._queues and not self.engine.has_unfinished_requests():
+                if not self._streaming() and not self.engine.has_unfinished_requests():
                     raise  # nothing running to free room: the pool itself is too small for this prompt
                 self._ensure_task()
                 await asyncio.sleep(0.01)
@@ -207,15 +222,14 @@ class AsyncLLM:
         self._shut = True
         with self._lock:
             self._apply_aborts()
-            finals = [(rid, self.engine.abort(rid)) for rid in list(self._queues)]
+            finals = [(call.queue, self.engine.abort(call.rid)) for call in list(self._calls.values())]
         loop = self._loop
-        for rid, final in finals:
-            queue = self._queues.get(rid)
+        for queue, final in finals:
             if final is not None and queue is not None and loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, final)
 
-    # -- vLLM's EngineClient state (kda_rt's engine outlives a failed step: the error goes to the requests open then,
-    # later ones run; only shutdown() stops an AsyncLLM) ------------------------------------------------------------
+    # -- vLLM's EngineClient state (kda_rt's engine outlives a failed step, unlike vLLM's engine core: the module
+    # docstring; only shutdown() stops an AsyncLLM) -----------------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
@@ -242,41 +256,51 @@ class AsyncLLM:
         """The LLM's tokenizer (None for a checkpoint without tokenizer files)."""
         return self.llm.get_tokenizer()
 
-    def _add(self, rid: str, *args, **kwargs) -> RequestOutput | None:
+    def _add(self, call: _Call, *args, **kwargs) -> RequestOutput | None:
         """`engine.add_request`, refused once `shutdown()` began: under the lock, so a request is either added before
         shutdown's aborts (and aborted by them) or not at all (was: one added after them ran to its end).  A request
         `abort()` named before this (while its call computed prompt logprobs) is aborted as it lands: its final output
         returned (was: the abort found nothing to abort and the request ran to its end)."""
         if self._shut:
             raise self.dead_error
-        self.engine.add_request(rid, *args, **kwargs)
-        if rid in self._abort_pending:
-            self._abort_pending.discard(rid)
-            return self.engine.abort(rid)
-        return None
+        self.engine.add_request(call.rid, *args, **kwargs)
+        call.added_at = self._num_steps
+        return self.engine.abort(call.rid) if call.abort else None
 
-    def _landed(self, rid: str, add: asyncio.Future) -> None:
+    def _landed(self, call: _Call, add: asyncio.Future) -> None:
         """The add of a call cancelled while it ran has ended: the id is free; a request added before the abort mark
         came (`_add` returned no final output) is aborted before the next step."""
-        self._preparing.discard(rid)
-        self._abort_pending.discard(rid)
+        self._release(call)
         if not add.cancelled() and add.exception() is None and add.result() is None:
-            self._abort_later(rid)
+            self._abort_later(call.rid)
 
-    def _abort_one(self, rid: str) -> RequestOutput | None:
-        """`engine.abort` under the lock; an id whose generate call has not added its request yet is marked, so that
-        its add aborts it (`_add`)."""
+    def _release(self, call: _Call) -> None:
+        """The call has ended: its id is free (unless a later call holds it already, after a loop takeover)."""
+        if self._calls.get(call.rid) is call:
+            del self._calls[call.rid]
+
+    def _streaming(self) -> bool:
+        """Whether a call of this AsyncLLM has a stream open (its request added, or on its way); any thread."""
+        return any(call.queue is not None for call in list(self._calls.values()))
+
+    def _abort_one(self, rid: str) -> tuple[_Call | None, RequestOutput | None]:
+        """`engine.abort` under the lock: the call holding the id and the request's final output.  A call whose
+        request is not added yet is marked instead, so that its add aborts it (`_add`).  The lookup runs on a worker
+        thread while the call may end on the event loop: a mark set on a call that ended meanwhile ends with it (was:
+        the mark was the id's, and one set just after the call's end aborted the next call of that id)."""
+        call = self._calls.get(rid)
         final = self.engine.abort(rid)
-        if final is None and (rid in self._preparing or rid in self._queues):
-            self._abort_pending.add(rid)
-        return final
+        if call is not None and call.added_at is None:
+            call.abort = True
+            return call, None  # (a final found is a left stream's request of this id, not this call's)
+        return call, final
 
     def _new_id(self) -> str:
         """The next "async-N" that no open request holds (was: one a caller had passed as its own request_id made
         a call without an id fail with "already in use")."""
         while True:
             rid = f"async-{next(self.llm._async_ids)}"
-            if rid not in self._queues and rid not in self._preparing and rid not in self.engine.requests:
+            if rid not in self._calls and rid not in self.engine.requests:
                 return rid
 
     async def _abort_left(self, rid: str) -> None:
@@ -332,9 +356,9 @@ class AsyncLLM:
         with self._lock:  # a step of the old loop's still in a thread finishes first, or sees the new number
             self._binding += 1
         self._loop, self._task = loop, None
-        self._to_abort.extend(self._queues)  # streams left open on the closed loop: nobody reads them
-        self._queues.clear()
-        self._preparing.clear()  # (calls suspended on the closed loop before their add: they never resume)
+        # streams left open on the closed loop: nobody reads them (calls suspended there before their add never resume)
+        self._to_abort.extend(call.rid for call in self._calls.values() if call.queue is not None)
+        self._calls.clear()
 
     def _locked(self, fn, *args):
         with self._lock:
@@ -350,6 +374,7 @@ class AsyncLLM:
         with self._lock:
             if binding != self._binding:  # left by a closed loop: its outputs would go nowhere
                 return []
+            self._num_steps += 1
             self._apply_aborts()
             outs = self.engine.step() if self.engine.has_unfinished_requests() else []
             self._stats = self.engine.stats()
@@ -363,14 +388,17 @@ class AsyncLLM:
         while True:
             try:
                 outputs = await asyncio.to_thread(self._step, binding)
-            except Exception as exc:  # a model error: every open request sees it
-                for queue in self._queues.values():
-                    queue.put_nowait(exc)
-                return
+            except Exception as exc:  # a model error: the calls added before the step see it (the module docstring)
+                failed = self._num_steps  # (this task is the only one stepping: no step began since)
+                for call in list(self._calls.values()):
+                    if call.queue is not None and call.added_at is not None and call.added_at < failed:
+                        call.queue.put_nowait(exc)
+                        self._to_abort.append(call.rid)  # (requeued by the engine: aborted before the next step)
+                outputs = []
             for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                call = self._calls.get(out.request_id)
+                if call is not None and call.queue is not None:
+                    call.queue.put_nowait(out)
             if not self._to_abort and not self.engine.has_unfinished_requests():
                 return
             await asyncio.sleep(0)

@@ -347,7 +347,7 @@ class LLM:
                     self._next_outputs(set(), {})  # one step, every output parked for its own driver
 
     def _refuse_beside_async(self) -> None:
-        if any(a._queues for a in self._asyncs):
+        if any(a._streaming() for a in self._asyncs):
             raise RuntimeError("an AsyncLLM over this LLM has requests in flight: its engine runs one driver's "
                                "requests at a time; send these through the AsyncLLM too, or use another LLM")
 

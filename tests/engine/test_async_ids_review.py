@@ -1,4 +1,5 @@
-"""AsyncLLM request ids (review): an abort mark of a call that failed before its add, and a call cancelled while its add runs, leave the id to a later call."""
+"""AsyncLLM request ids (review): an abort mark of a call that failed before its add, a call cancelled while its add
+runs, and a stream that ends inside an `abort()` of its id leave the id to a later call."""
 
 import asyncio
 import threading
@@ -38,10 +39,57 @@ def test_abort_mark_of_a_failed_call_does_not_abort_a_later_call(monkeypatch):
         outs = []
         async for o in allm.generate("hello", SamplingParams(max_tokens=5, ignore_eos=True), "x"):
             outs.append(o)
-        return outs[-1].outputs[0].finish_reason, allm._abort_pending
+        return outs[-1].outputs[0].finish_reason
 
-    reason, pending = asyncio.run(main())
-    assert reason == "length", (reason, pending)
+    assert asyncio.run(main()) == "length"
+
+
+class _HeldLookup(dict):
+    """An AsyncLLM's open-call registry whose lookups off the event loop (abort's worker thread, under the engine lock)
+    are held, their answer already taken, until the event loop has run `leave`: the stream found ends between the
+    abort's lookup and its mark."""
+
+    def __init__(self, calls: dict, loop: asyncio.AbstractEventLoop, looked_up: asyncio.Event) -> None:
+        super().__init__(calls)  # (made on the event loop's thread)
+        self.loop, self.loop_thread = loop, threading.get_ident()
+        self.looked_up, self.left = looked_up, threading.Event()
+
+    def _hold(self, found):
+        if threading.get_ident() != self.loop_thread:
+            self.loop.call_soon_threadsafe(self.looked_up.set)
+            assert self.left.wait(10)
+        return found
+
+    def get(self, key, default=None):
+        return self._hold(super().get(key, default))
+
+    def __contains__(self, key) -> bool:
+        return self._hold(super().__contains__(key))
+
+
+def test_a_stream_ending_inside_an_abort_leaves_no_mark_for_a_later_call():
+    """`abort("x")` finds the call of "x" open (its final output not yet read), and that stream ends before the abort
+    marks it.  Before: the mark was the id's, set after the stream's end had cleared the id's marks, and it aborted
+    the next call of "x" as its request landed ('abort' == 'length')."""
+    llm = LLM(str(demo_path()), backend="numpy", max_num_seqs=6, max_model_len=512)
+    allm = AsyncLLM(llm)
+
+    async def main():
+        first = allm.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True), "x", output_kind="final")
+        assert (await first.__anext__()).finished  # (its request has ended in the engine; its call is still open)
+        looked_up = asyncio.Event()
+        allm._calls = held = _HeldLookup(allm._calls, asyncio.get_running_loop(), looked_up)
+        aborting = asyncio.ensure_future(allm.abort("x"))
+        await looked_up.wait()
+        with pytest.raises(StopAsyncIteration):
+            await first.__anext__()  # the stream of "x" ends
+        held.left.set()
+        await aborting
+        outs = [o async for o in allm.generate("hello", SamplingParams(max_tokens=5, ignore_eos=True), "x")]
+        return outs[-1].outputs[0].finish_reason, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    assert asyncio.run(main()) == ("length", 5)
+    assert llm.stats()["running"] == 0 and llm.stats()["slots_used"] == 0
 
 
 def test_id_reused_after_a_cancel_during_add():
@@ -80,3 +128,15 @@ def test_id_reused_after_a_cancel_during_add():
     reason, n = asyncio.run(main())
     assert (reason, n) == ("length", 5)
     assert llm.stats()["running"] == 0 and llm.stats()["slots_used"] == 0
+
+
+def test_abort_of_a_request_no_call_holds():
+    """`abort(id)` of a request that no open call holds (a left stream's, its abort not yet applied) aborts it; its
+    final output goes to no stream."""
+    llm = LLM(str(demo_path()), backend="numpy", max_num_seqs=6, max_model_len=512)
+    allm = AsyncLLM(llm)
+    with llm._engine_lock:
+        allm.engine.add_request("left", "hello", SamplingParams(max_tokens=5))
+    asyncio.run(allm.abort("left"))
+    assert "left" not in allm.engine.requests
+    assert llm.stats()["waiting"] == 0 and llm.stats()["running"] == 0

@@ -3,7 +3,8 @@ aclose, a `wait_for` timeout, a TaskGroup's cancellation, `asyncio.run` returnin
 aborted and its slot and pages free by the time the leaving is over; a request id is one stream's from the call on; a
 call without an id never takes one a caller chose; a shutdown racing an add leaves nothing running; vLLM's EngineClient
 state (`is_running`, `errored`, `check_health`, ...); sampling params of the wrong type named; a failed step fails the
-streams open then and frees them; 40 concurrent streams of mixed settings equal the same requests run alone."""
+streams whose requests it could have run and frees them, and spares a call whose add waited on it; 40 concurrent
+streams of mixed settings equal the same requests run alone."""
 
 from __future__ import annotations
 
@@ -232,15 +233,16 @@ def test_engine_client_state_and_bad_params(llm):
 
 
 def test_a_failed_step_fails_the_open_streams_and_frees_them(llm, monkeypatch):
-    """A step that raises once: every stream open then raises that error and its request is gone when the error
-    reaches the caller (before the abort-on-leaving fix they stayed queued until the next step); the AsyncLLM keeps
-    running (kda_rt's engine requeues a failed step's sequences) and a later request runs whole."""
-    allm, runner, calls = AsyncLLM(llm), llm.llm_engine.runner, [0]
+    """A step that raises once, the three streams' requests all in the engine: each stream raises that error and its
+    request is gone when the error reaches the caller (before the abort-on-leaving fix they stayed queued until the next
+    step); the AsyncLLM keeps running (kda_rt's engine requeues a failed step's sequences) and a later request runs
+    whole."""
+    allm, runner, failed = AsyncLLM(llm), llm.llm_engine.runner, []
     real = runner.launch
 
     def fails_once(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
+        if not failed and len(llm.llm_engine.requests) == 3:  # (none of them can end first: 400 tokens each)
+            failed.append(True)
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
@@ -248,14 +250,70 @@ def test_a_failed_step_fails_the_open_streams_and_frees_them(llm, monkeypatch):
 
     async def main():
         got = await asyncio.wait_for(asyncio.gather(
-            *(_tokens(allm, f"hello {i}", SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(3)),
-            return_exceptions=True), 60)
+            *(_tokens(allm, f"hello {i}", _long()) for i in range(3)), return_exceptions=True), 60)
         return got, _busy(llm), await _tokens(allm, "later", SamplingParams(max_tokens=5, ignore_eos=True))
 
     got, busy, later = asyncio.run(main())
     assert all(isinstance(g, RuntimeError) and str(g) == "boom" for g in got), got
     assert busy == IDLE and len(later) == 5
     assert allm.is_running and not allm.errored
+    assert_no_leaks(llm)
+
+
+class _WatchedLock:
+    """The engine lock, telling `entered` once a thread asks for it after `watch` is set."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.watch, self.entered = lock, threading.Event(), threading.Event()
+
+    def acquire(self, *args, **kwargs) -> bool:
+        if self.watch.is_set():
+            self.entered.set()
+        return self.lock.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> _WatchedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_a_failed_step_spares_a_call_whose_add_waits_on_it(llm, monkeypatch):
+    """A step fails while another call's add waits for the engine lock that step holds: that request never was in the
+    engine while the step ran, and kda_rt's engine requeues a failed step (docs/engine_notes.md, Failures), so the
+    call runs whole; the stream open before the step gets the error.  Before: the error went to every call with a
+    stream, that one too ("boom" instead of 5 tokens)."""
+    allm, runner, calls = AsyncLLM(llm), llm.llm_engine.runner, [0]
+    real, lock = runner.launch, _WatchedLock(allm._lock)
+    allm._lock, in_step = lock, {}
+
+    def fails_third(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            lock.watch.set()
+            in_step["loop"].call_soon_threadsafe(in_step["event"].set)
+            assert lock.entered.wait(10)  # (the other call's add waits for this step's lock)
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "launch", fails_third)
+
+    async def main():
+        in_step.update(loop=asyncio.get_running_loop(), event=asyncio.Event())
+        open_before = asyncio.ensure_future(_tokens(allm, "hello", SamplingParams(max_tokens=30, ignore_eos=True)))
+        await in_step["event"].wait()
+        added_during = asyncio.ensure_future(_tokens(allm, "later", SamplingParams(max_tokens=5, ignore_eos=True)))
+        got = await asyncio.wait_for(asyncio.gather(open_before, added_during, return_exceptions=True), 60)
+        return got, _busy(llm)
+
+    (before, during), busy = asyncio.run(main())
+    assert isinstance(before, RuntimeError) and str(before) == "boom", before
+    assert not isinstance(during, BaseException) and len(during) == 5, during
+    assert busy == IDLE and allm.is_running and not allm.errored
     assert_no_leaks(llm)
 
 
