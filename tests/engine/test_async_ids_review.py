@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from kda_rt import LLM, SamplingParams
 from kda_rt.async_llm import AsyncLLM
 from kda_rt.demo import demo_path
@@ -102,7 +103,8 @@ def test_id_reused_after_a_cancel_during_add():
     def held(rid, *a, **k):
         calls.append(rid)
         if len(calls) == 1:
-            inside.set(); release.wait(10)
+            inside.set()
+            release.wait(10)
         return real(rid, *a, **k)
 
     allm.engine.add_request = held
