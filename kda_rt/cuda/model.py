@@ -96,8 +96,9 @@ class CudaModel:
 
     # ------------------------------------------------------------------------------------------
 
-    def forward(self, b: DeviceBatch, ws: Workspace):
-        """[N, vocab] float32 logits (a workspace buffer) for the rows in b.logits_indices."""
+    def forward(self, b: DeviceBatch, ws: Workspace, hidden_only: bool = False):
+        """[N, vocab] float32 logits (a workspace buffer) for the rows in b.logits_indices; `hidden_only`: the final
+        norm's output [T, D] bf16 of every token instead (the prompt-logprob pass projects it a chunk at a time)."""
         cfg, T, D = self.config, b.num_tokens, self.config.hidden_size
         eps = cfg.rms_norm_eps
         with trace_scope("embed"):
@@ -155,6 +156,8 @@ class CudaModel:
         with trace_scope("final norm+lm_head"):
             if not normed:
                 rmsnorm(delta, self.w.norm, eps, residual=res, out=final)
+            if hidden_only:
+                return final
             N = int(b.logits_indices.shape[0])
             logits = ws.get("logits", (N, self.w.lm_head.shape[0]), np.float32)
             if N == 0:  # prefill chunks that finish no prompt: nothing to project

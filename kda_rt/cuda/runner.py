@@ -82,6 +82,9 @@ def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
     return shapes
 
 
+SCORE_ROWS = 1024  # prompt positions projected by lm_head at once in score_logprobs (671 MB of float32 logits at 163,840)
+
+
 class _Pending:
     """A launched step: its sampling batch, logits and the pinned views its results land in (`parts` None: its
     sampler not queued yet, `launch(..., defer_sampling=True)`)."""
@@ -361,15 +364,28 @@ class CudaRunner:
             return logits[:n].get(stream=self.stream)
 
     def score_logprobs(self, batch: ForwardBatch, targets: np.ndarray, num: int):
-        """Prompt logprobs of a one-sequence all-logits batch (`LLMEngine.prompt_logprob_rows`): its logits rows but the
-        last reduced on the GPU (sampler/prompt_logprobs.py with CuPy), so only the rows' logprob, rank and top
-        `num` come back, not the [T, vocab] float32 logits."""
-        from kda_rt.sampler.prompt_logprobs import prompt_logprob_rows
+        """Prompt logprobs of a one-sequence all-logits batch (`LLMEngine.prompt_logprob_rows`): the forward's final
+        hidden rows but the last, projected by lm_head SCORE_ROWS at a time and each chunk's logits reduced on the
+        GPU (sampler/prompt_logprobs.py with CuPy), so only the rows' logprob, rank and top `num` come back; no
+        [T, vocab] float32 logits anywhere (21 GB at 32K tokens of the 48B shape's 163,840-token vocabulary)."""
+        from kda_rt.cuda.gemm import linear
+        from kda_rt.sampler.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
-        n = batch.logits_indices.shape[0]
-        logits = self._forward(batch)
+        cp = self.cupy
+        m = max(int(batch.logits_indices.shape[0]) - 1, 0)
+        if m == 0:  # a one-token prompt has no prompt logprobs: nothing to compute
+            return prompt_logprob_rows(np.zeros((0, self.config.vocab_size), np.float32), targets[:0], num)
         with self.stream:
-            return prompt_logprob_rows(logits[: max(n - 1, 0)], targets, num, xp=self.cupy)
+            dev = self._upload(batch, self.eager_ws, False)
+            final = self.model.forward(dev, self.eager_ws, hidden_only=True)
+            rows = final.take(cp.asarray(np.asarray(batch.logits_indices[:m], np.int64)), axis=0)
+            parts = []
+            for r0 in range(0, m, SCORE_ROWS):
+                r1 = min(m, r0 + SCORE_ROWS)
+                logits = linear(rows[r0:r1], self.model.w.lm_head, out_dtype=np.float32)
+                parts.append(prompt_logprob_rows(logits, targets[r0:r1], num, xp=cp))
+                del logits
+        return PromptLogprobRows(*(np.concatenate(field) for field in zip(*parts, strict=True)))
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> StepOutput:
         """Forward, then sample every row on the GPU: `collect(launch(batch, sampling))`."""

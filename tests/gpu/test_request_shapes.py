@@ -444,14 +444,19 @@ def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt, quantization):
         assert g.outputs[0].token_ids == w.token_ids and g.outputs[0].logprobs == w.logprobs
 
 
-def test_prompt_logprobs_reduced_on_the_gpu(ckpt):
+def test_prompt_logprobs_reduced_on_the_gpu(ckpt, monkeypatch):
     """`SamplingParams(prompt_logprobs=N)` on the CUDA runner reduces the prompt's logits on the GPU
     (`score_logprobs`, sampler/prompt_logprobs.py with CuPy: only logprob, rank and top N come back): against the
     float64 log-softmax of the same runner's `LLM.score` logits on the host, logprobs within 1e-9 (the GPU's float64
     sums run in another order), the same ranks (tied logits give equal logprobs either way), the top N logprobs the
     row's N largest and their ids tokens with those logprobs (which of tied tokens is listed may differ); a
-    300-token prompt, and `LLM.prompt_logprobs`'s dicts built from them."""
+    300-token prompt projected by lm_head 128 rows at a time (SCORE_ROWS, 1024 by default: three chunks, the last
+    one short), and `LLM.prompt_logprobs`'s dicts built from them; a one-token prompt has none."""
+    import kda_rt.cuda.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "SCORE_ROWS", 128)
     gpu = LLM(ckpt, backend="cuda", max_num_seqs=2, max_model_len=1024, num_blocks=40)
+    assert gpu.prompt_logprobs({"prompt_token_ids": [5]}, 3) == ([None], [None])
     ids, num = prompt_of(300, 41), 4
     rows = gpu.llm_engine.prompt_logprob_rows(ids, num)
     logits = gpu.score(ids).astype(np.float64)[:-1]
