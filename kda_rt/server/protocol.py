@@ -166,15 +166,16 @@ _NULL_KEPT = frozenset({"max_tokens"})  # fields whose null is None, not the def
 _FLOAT_FOR_INT = re.compile(r"Expected `(?:[^`]* \| )?int(?: \| [^`]*)?`, got `float` - at "
                             r"`\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)`$")
 _PATH_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_WHOLE_FLOAT_PASSES = 64  # more than the integer fields and lists of integers of any request schema
 
 
 def _decode_whole_floats(body: bytes, schema: type[msgspec.Struct]) -> Any:
     """msgspec.json.decode(body, type=schema), except that a whole-number float where an integer goes (`"max_tokens":
     16.0`, `"n": 2.0`, `"seed": 1e3`) is that integer: JSON has one number type (JSON Schema's "integer" takes 16.0),
     and vLLM's pydantic models take such a float too.  A fraction (16.5) stays a 400 naming the field.  Each pass
-    fixes the one field msgspec names, so a body with several of them decodes after as many passes; strings stay
-    strings (vLLM's lax mode would take "16", which is no number at all)."""
-    while True:  # (each pass changes one float of the body into an integer for good: finitely many)
+    fixes the field msgspec names (an element of a list: every whole-number float of that list), so a body with
+    several of them decodes after as many passes, at most _WHOLE_FLOAT_PASSES; strings stay strings (vLLM's lax mode would take "16", which is no number at all)."""
+    for _ in range(_WHOLE_FLOAT_PASSES):  # (each pass changes floats of the body into integers for good)
         try:
             return msgspec.json.decode(body, type=schema)
         except msgspec.ValidationError as exc:
@@ -188,8 +189,13 @@ def _decode_whole_floats(body: bytes, schema: type[msgspec.Struct]) -> Any:
                 holder = holder[step]
             if leaf is None or not isinstance(holder[leaf], float) or not holder[leaf].is_integer():
                 raise
-            holder[leaf] = int(holder[leaf])
+            # an element of a list of integers: its whole-number siblings too, in this one pass (one pass an element
+            # re-decoded the whole body each time: quadratic, 6 s of the event loop for 8,000 ids)
+            for k in range(len(holder)) if isinstance(holder, list) else (leaf,):
+                if isinstance(holder[k], float) and holder[k].is_integer():
+                    holder[k] = int(holder[k])
             body = msgspec.json.encode(obj)
+    return msgspec.json.decode(body, type=schema)  # (passes spent: the error that is left, naming its field)
 # a high-surrogate escape (after an even run of backslashes) with no `\u` escape after it
 _LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u)")
 
