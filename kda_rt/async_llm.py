@@ -386,9 +386,15 @@ class AsyncLLM:
 
     async def _run(self, binding: int) -> None:
         while True:
+            began = self._num_steps
             try:
                 outputs = await asyncio.to_thread(self._step, binding)
             except Exception as exc:  # a model error: the calls added before the step see it (the module docstring)
+                if self._num_steps == began:  # the step never ran (the loop's executor is shut down): nothing steps
+                    for call in list(self._calls.values()):  # these calls again, so each gets the error now
+                        if call.queue is not None:
+                            call.queue.put_nowait(exc)
+                    return
                 failed = self._num_steps  # (this task is the only one stepping: no step began since)
                 for call in list(self._calls.values()):
                     if call.queue is not None and call.added_at is not None and call.added_at < failed:

@@ -29,7 +29,8 @@ class PromptLogprobRows(NamedTuple):
 def prompt_logprob_rows(logits: Any, targets: Any, num: int, xp: Any = np) -> PromptLogprobRows:
     """logits [N, V] (NumPy or CuPy, any float dtype), targets [N] ints in [0, V), num in [0, V]: per row the
     log-softmax lp = (x - max x) - log(sum(exp(x - max x))) in float64, lp[target], its rank #{lp > lp[target]} + 1
-    and the `num` largest lp in descending order (ties in argpartition's order).  `xp`: the logits' module."""
+    and the `num` largest lp in descending order (ties: NumPy in argpartition's order, CuPy the lower id first).
+    `xp`: the logits' module."""
     n, vocab = logits.shape
     if not 0 <= num <= vocab:
         raise ValueError(f"num must be in [0, {vocab}], got {num}")
@@ -49,10 +50,26 @@ def prompt_logprob_rows(logits: Any, targets: Any, num: int, xp: Any = np) -> Pr
         mine = lp[rows, targets[r0:r1]]
         out.logprob[r0:r1] = host(mine)
         out.rank[r0:r1] = host((lp > mine[:, None]).sum(axis=1) + 1)
-        if num:
-            top = xp.argpartition(-lp, num - 1, axis=1)[:, :num]
-            top_lp = xp.take_along_axis(lp, top, axis=1)
-            order = xp.argsort(-top_lp, axis=1, kind="stable") if xp is np else xp.argsort(-top_lp, axis=1)
-            out.top_ids[r0:r1] = host(xp.take_along_axis(top, order, axis=1))
-            out.top_logprobs[r0:r1] = host(xp.take_along_axis(top_lp, order, axis=1))
+        if num and xp is np:
+            top = np.argpartition(-lp, num - 1, axis=1)[:, :num]
+            top_lp = np.take_along_axis(lp, top, axis=1)
+            order = np.argsort(-top_lp, axis=1, kind="stable")
+            out.top_ids[r0:r1] = np.take_along_axis(top, order, axis=1)
+            out.top_logprobs[r0:r1] = np.take_along_axis(top_lp, order, axis=1)
+        elif num:  # CuPy's argpartition sorts whole rows: num (<= 20 from the engine) argmax passes instead
+            top = _top_by_argmax(lp, num, xp)
+            out.top_ids[r0:r1] = host(top)
+            out.top_logprobs[r0:r1] = host(xp.take_along_axis(lp, top, axis=1))
     return out
+
+
+def _top_by_argmax(lp: Any, num: int, xp: Any) -> Any:
+    """[R, num] ids of each row's `num` largest entries, largest first (ties: the lower id first), by `num` argmax
+    passes over a copy with each winner set to -inf."""
+    work = lp.copy()
+    rows = xp.arange(lp.shape[0])
+    top = xp.empty((lp.shape[0], num), dtype=xp.int64)
+    for j in range(num):
+        top[:, j] = work.argmax(axis=1)
+        work[rows, top[:, j]] = -xp.inf
+    return top

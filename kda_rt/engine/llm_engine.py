@@ -687,7 +687,7 @@ class LLMEngine:
         """[len(token_ids), vocab] float32 logits of every position of one sequence: one prefill in a
         slot and pages borrowed from the free pools and returned at once, so running requests are
         untouched.  RuntimeError when too few are free (other requests hold them)."""
-        return self._score(token_ids, self.runner.score)
+        return self._score(token_ids, lambda batch, _ids: self.runner.score(batch))
 
     def prompt_logprob_rows(self, token_ids: list[int], num: int):
         """sampler.prompt_logprobs.PromptLogprobRows of positions 0 .. T - 2 of one sequence (row i: the logits at
@@ -695,15 +695,19 @@ class LLMEngine:
         logits where they are (the CUDA runner: on the GPU, only these rows come back), else from `score`'s."""
         from kda_rt.sampler.prompt_logprobs import prompt_logprob_rows
 
-        targets = np.asarray(list(token_ids)[1:], np.int64)
         reduce = getattr(self.runner, "score_logprobs", None)
-        if reduce is not None:
-            return self._score(token_ids, lambda batch: reduce(batch, targets, num))
-        return self._score(token_ids, lambda batch: prompt_logprob_rows(self.runner.score(batch)[:-1], targets, num))
+
+        def run(batch, ids):  # (ids: checked by _score)
+            targets = np.asarray(ids[1:], np.int64)
+            if reduce is not None:
+                return reduce(batch, targets, num)
+            return prompt_logprob_rows(self.runner.score(batch)[:-1], targets, num)
+
+        return self._score(token_ids, run)
 
     def _score(self, token_ids: list[int], run):
-        """run(batch) on a one-sequence prefill of token_ids with every position's logits, in a slot and pages
-        borrowed from the free pools (NoRoomToScore when too few are free)."""
+        """run(batch, ids) on a one-sequence prefill of token_ids (checked: ids) with every position's logits, in a
+        slot and pages borrowed from the free pools (NoRoomToScore when too few are free)."""
         if self._inflight is not None:  # a step queued ahead: its results are kept for step()
             self._collect(self._inflight)
         if not isinstance(token_ids, (list, tuple, np.ndarray)):
@@ -726,7 +730,7 @@ class LLMEngine:
             except BaseException:  # (entries whose copies did not run are not kept)
                 self.scheduler.cache.clear()
                 raise
-            return run(ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True))
+            return run(ForwardBatch.build([ids], [0], [slot], [blocks], all_logits=True), ids)
         finally:
             sched.pages.release(blocks)
             sched.slots.release([slot])

@@ -419,12 +419,14 @@ def chat_payload(req: ChatCompletionRequest, auto_tools: bool = False, trust_tem
         if not isinstance(role, str):
             raise InvalidRequest(f"messages[{i}].role must be a string")
         msg: dict[str, Any] = {"role": role, "content": _content(i, m.get("content"))}
-        # (an assistant turn's reasoning reaches the template, which may render it, as vLLM passes it on)
-        for name in ("name", "tool_call_id", *(REASONING_FIELDS if role == "assistant" else ())):
+        for name in ("name", "tool_call_id"):
             if m.get(name) is not None:
                 if not isinstance(m[name], str):
                     raise InvalidRequest(f"messages[{i}].{name} must be a string")
                 msg[name] = m[name]
+        if role == "assistant":  # its reasoning reaches the template, which may render it, as vLLM passes it on;
+            # a value that is no string is passed over as before (clients that echo a structured reasoning object)
+            msg.update((name, m[name]) for name in REASONING_FIELDS if isinstance(m.get(name), str))
         if m.get("tool_calls"):
             msg["tool_calls"] = tools.history_calls(i, m["tool_calls"])
         messages.append(msg)

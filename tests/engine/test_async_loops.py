@@ -114,3 +114,30 @@ def test_stats_does_not_wait_for_a_step(tiny_dir):
     assert len(ids) == 4
     assert engine.stats() == llm.llm_engine.stats() and engine.stats()["running"] == 0
     assert_no_leaks(llm)
+
+
+def test_a_step_that_never_runs_fails_the_calls_instead_of_spinning(tiny_dir, monkeypatch):
+    """When the loop's executor cannot run the step at all (asyncio.to_thread raising before `_step` began, as after
+    `loop.shutdown_default_executor()`), the stepping task gives every open call that error and ends (was: a call
+    added at step 0 was not "added before the failed step", so the task looped forever without stepping and the call
+    hung); the engine is usable afterwards."""
+    import kda_rt.async_llm as mod
+
+    llm = make_llm(tiny_dir, max_num_seqs=2, max_model_len=64)
+    engine = AsyncLLM(llm)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    real = mod.asyncio.to_thread
+    broken = [True]
+
+    async def to_thread(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") == "_step" and broken[0]:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(mod.asyncio, "to_thread", to_thread)
+    with pytest.raises(RuntimeError, match="cannot schedule new futures"):
+        asyncio.run(asyncio.wait_for(_collect(engine, prompt, greedy(4)), timeout=10))
+    broken[0] = False
+    ref = llm.generate(prompt, greedy(4))[0].outputs[0].token_ids
+    assert asyncio.run(asyncio.wait_for(_collect(engine, prompt, greedy(4)), timeout=10)) == ref
+    assert_no_leaks(llm)

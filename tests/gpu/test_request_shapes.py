@@ -446,28 +446,45 @@ def test_prefix_cache_equals_the_same_chunks_bit_for_bit(ckpt, quantization):
 
 def test_prompt_logprobs_reduced_on_the_gpu(ckpt, monkeypatch):
     """`SamplingParams(prompt_logprobs=N)` on the CUDA runner reduces the prompt's logits on the GPU
-    (`score_logprobs`, sampler/prompt_logprobs.py with CuPy: only logprob, rank and top N come back): against the
-    float64 log-softmax of the same runner's `LLM.score` logits on the host, logprobs within 1e-9 (the GPU's float64
-    sums run in another order), the same ranks (tied logits give equal logprobs either way), the top N logprobs the
-    row's N largest and their ids tokens with those logprobs (which of tied tokens is listed may differ); a
-    300-token prompt projected by lm_head 128 rows at a time (SCORE_ROWS, 1024 by default: three chunks, the last
-    one short), and `LLM.prompt_logprobs`'s dicts built from them; a one-token prompt has none."""
+    (`score_logprobs`: the final hidden rows projected by lm_head SCORE_ROWS at a time, each chunk reduced by
+    sampler/prompt_logprobs.py with CuPy; only logprob, rank and top N come back).  The chunks' logits are captured
+    in the same prefill (a second one need not repeat it bit for bit) and reduced again by the NumPy path: logprobs
+    and top logprobs within 1e-12 (the GPU's float64 sums in another order), the same ranks, top ids that hold
+    those logprobs.  A 300-token prompt at 128 rows a chunk (1024 by default: three chunks, the last one short), the
+    targets the prompt's next tokens; against a second prefill's `LLM.score` logits within bf16 noise (the same
+    model); `LLM.prompt_logprobs`'s dicts built from the rows; a one-token prompt has none."""
     import kda_rt.cuda.runner as runner_mod
+    import kda_rt.sampler.prompt_logprobs as pl
 
     monkeypatch.setattr(runner_mod, "SCORE_ROWS", 128)
+    chunks = []
+    real = pl.prompt_logprob_rows
+
+    def spy(logits, targets, num, xp=np):
+        got = real(logits, targets, num, xp=xp)
+        if xp is not np:
+            chunks.append((logits.get(), xp.asnumpy(xp.asarray(targets)), got))
+        return got
+
+    monkeypatch.setattr(pl, "prompt_logprob_rows", spy)
     gpu = LLM(ckpt, backend="cuda", max_num_seqs=2, max_model_len=1024, num_blocks=40)
     assert gpu.prompt_logprobs({"prompt_token_ids": [5]}, 3) == ([None], [None])
     ids, num = prompt_of(300, 41), 4
     rows = gpu.llm_engine.prompt_logprob_rows(ids, num)
-    logits = gpu.score(ids).astype(np.float64)[:-1]
-    lp = logits - logits.max(-1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    targets = np.asarray(ids[1:])
-    mine = lp[np.arange(len(targets)), targets]
-    np.testing.assert_allclose(rows.logprob, mine, rtol=0, atol=1e-9)
-    np.testing.assert_array_equal(rows.rank, (lp > mine[:, None]).sum(-1) + 1)
-    np.testing.assert_allclose(rows.top_logprobs, -np.sort(-lp, axis=-1)[:, :num], rtol=0, atol=1e-9)
-    np.testing.assert_allclose(np.take_along_axis(lp, rows.top_ids, -1), rows.top_logprobs, rtol=0, atol=1e-9)
+    assert [c[0].shape[0] for c in chunks] == [128, 128, 43]
+    np.testing.assert_array_equal(np.concatenate([c[1] for c in chunks]), ids[1:])
+    for logits, targets, got in chunks:
+        want = real(logits, targets, num)
+        np.testing.assert_allclose(got.logprob, want.logprob, rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(got.rank, want.rank)
+        np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=0, atol=1e-12)
+        lp = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        np.testing.assert_allclose(np.take_along_axis(lp, got.top_ids, -1), got.top_logprobs, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(rows.logprob, np.concatenate([c[2].logprob for c in chunks]))
+    again = gpu.score(ids).astype(np.float64)[:-1]  # (a second prefill: the same model, bf16 noise apart)
+    np.testing.assert_allclose(np.concatenate([c[0] for c in chunks]), again, rtol=0,
+                               atol=TOL * 3 * float(np.abs(again).max()))
     dicts, ranks = gpu.prompt_logprobs({"prompt_token_ids": ids}, num)
     assert dicts[0] is None and ranks[0] is None and len(dicts) == len(ids) == len(ranks)
     assert all(ids[i] in dicts[i] and num <= len(dicts[i]) <= num + 1 for i in range(1, len(ids)))

@@ -58,6 +58,21 @@ def test_rows_edges_and_refusals():
         pl.prompt_logprob_rows(logits, [1, 2], 1)
 
 
+def test_top_by_argmax_the_cupy_paths_selection():
+    """The CuPy path's top-N (`_top_by_argmax`: N argmax passes, CuPy's argpartition sorting whole rows), run here on
+    NumPy arrays (the same calls): the N largest values of each row, largest first, tied values by ascending id,
+    and the row left as it was."""
+    rng = np.random.default_rng(9)
+    lp = np.round(rng.standard_normal((6, 200)), 1)  # (rounded: many ties)
+    before = lp.copy()
+    top = pl._top_by_argmax(lp, 7, np)
+    np.testing.assert_array_equal(lp, before)
+    np.testing.assert_array_equal(np.take_along_axis(lp, top, 1), -np.sort(-lp, axis=1)[:, :7])
+    for row, ids in zip(lp, top, strict=True):
+        for a, b in zip(ids, ids[1:], strict=False):
+            assert row[a] > row[b] or (row[a] == row[b] and a < b)
+
+
 @pytest.mark.gpu
 def test_rows_on_cupy_equal_numpy():
     """The CUDA runner's path (xp = CuPy, the logits on the GPU): the same float64 log-softmax, so logprobs within
@@ -74,4 +89,4 @@ def test_rows_on_cupy_equal_numpy():
     np.testing.assert_allclose(got.logprob, want.logprob, rtol=0, atol=1e-12)
     np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(got.rank, want.rank)
-    np.testing.assert_array_equal(got.top_ids, want.top_ids)
+    np.testing.assert_array_equal(got.top_ids, want.top_ids)  # (standard normals: no ties among the top 5)
