@@ -55,13 +55,15 @@ class _Call:
     call, not the id: a later call may take the id as soon as this one ends, and what was meant for this one (a mark
     set just after it ended, on another thread) must not reach it."""
 
-    __slots__ = ("rid", "queue", "abort", "added_at")
+    __slots__ = ("rid", "queue", "abort", "added_at", "entry")
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
         self.queue: asyncio.Queue | None = None  # its outputs: None before its add, and once the add failed
         self.abort = False  # abort() named it before its request was added: the add aborts it as it lands (_add)
         self.added_at: int | None = None  # steps begun when its request was added (set under the lock)
+        self.entry: object = None  # its request's engine entry (engine.requests[rid]): a later abort of this call
+        # touches the request of that id only while it is still this one (_abort_mine)
 
 
 class AsyncLLM:
@@ -71,7 +73,7 @@ class AsyncLLM:
         self._lock = llm._engine_lock  # (LLM.generate's own: its drivers and this one take turns on the engine)
         llm._asyncs.add(self)
         self._calls: dict[str, _Call] = {}  # the open generate calls by request id (changed on the event loop only)
-        self._to_abort: list[str] = []
+        self._to_abort: list[tuple[str, object]] = []  # (request id, its call's entry or None: any request of it)
         self._num_steps = 0  # steps begun (under the lock): a failed one fails the calls added before it
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,7 +110,7 @@ class AsyncLLM:
         # otherwise pass the check, and its refused add drop this stream's queue (was: this stream waited forever)
         call = self._calls[rid] = _Call(rid)
         try:
-            if rid in self._to_abort:  # an earlier stream of this id was left: its abort first (later, it would hit this)
+            if any(r == rid for r, _ in self._to_abort):  # an earlier stream of this id was left: its abort first
                 await asyncio.to_thread(self._locked, self._apply_aborts)
             # the defaults: a max_tokens of theirs fits the prompt's room (add_request)
             fit = sampling_params is None and "max_tokens" in self.llm.default_sampling
@@ -140,7 +142,7 @@ class AsyncLLM:
             else:
                 self._release(call)
                 if isinstance(exc, asyncio.CancelledError) and not add.cancelled() and add.exception() is None:
-                    self._abort_later(rid)
+                    self._abort_later(rid, call.entry)
             raise
         self._ensure_task()
         tracker, finished, converted = DeltaTracker(), False, {}
@@ -158,7 +160,7 @@ class AsyncLLM:
         finally:
             self._release(call)
             if not finished:
-                await self._abort_left(rid)
+                await self._abort_left(call)
 
     async def beam_search(self, prompt: str | dict | list[int], request_id: str | None = None,
                           params=None) -> AsyncIterator[RequestOutput]:
@@ -265,6 +267,7 @@ class AsyncLLM:
             raise self.dead_error
         self.engine.add_request(call.rid, *args, **kwargs)
         call.added_at = self._num_steps
+        call.entry = self.engine.requests.get(call.rid)
         return self.engine.abort(call.rid) if call.abort else None
 
     def _landed(self, call: _Call, add: asyncio.Future) -> None:
@@ -272,7 +275,7 @@ class AsyncLLM:
         came (`_add` returned no final output) is aborted before the next step."""
         self._release(call)
         if not add.cancelled() and add.exception() is None and add.result() is None:
-            self._abort_later(call.rid)
+            self._abort_later(call.rid, call.entry)
 
     def _release(self, call: _Call) -> None:
         """The call has ended: its id is free (unless a later call holds it already, after a loop takeover)."""
@@ -303,21 +306,30 @@ class AsyncLLM:
             if rid not in self._calls and rid not in self.engine.requests:
                 return rid
 
-    async def _abort_left(self, rid: str) -> None:
+    async def _abort_left(self, call: _Call) -> None:
         """Abort the request of a stream its consumer left (break then aclose, cancellation, an error), as vLLM's
         generate does: its slot and pages are free when this returns (was: only at the stepping task's next step,
         never where the loop ended first: `asyncio.run` returning right after a break left the request running).
-        The job is handed to a worker thread at once and shielded, so a second cancellation cannot drop it."""
+        The job is handed to a worker thread at once and shielded, so a second cancellation cannot drop it.  The id
+        is free already: the job aborts the request of that id only while it is still this call's (`_abort_mine`;
+        was: a later call that took the id, its add ahead of this job on the lock, had its own request aborted)."""
         try:
-            job = asyncio.get_running_loop().run_in_executor(None, self._locked, self.engine.abort, rid)
+            job = asyncio.get_running_loop().run_in_executor(None, self._locked, self._abort_mine, call.rid,
+                                                              call.entry)
         except RuntimeError:  # the loop's executor is shut down: the next step or loop binding applies it
-            self._to_abort.append(rid)
+            self._to_abort.append((call.rid, call.entry))
             return
         await asyncio.shield(job)
 
-    def _abort_later(self, rid: str) -> None:
-        self._to_abort.append(rid)  # applied under the lock before the next step
+    def _abort_later(self, rid: str, entry: object = None) -> None:
+        self._to_abort.append((rid, entry))  # applied under the lock before the next step
         self._ensure_task()
+
+    def _abort_mine(self, rid: str, entry: object) -> None:
+        """`engine.abort(rid)` (under the lock) unless `entry` is given and the engine's request of that id is another
+        one: its call's request finished and a later call's request took the id."""
+        if entry is None or self.engine.requests.get(rid) is entry:
+            self.engine.abort(rid)
 
     def _vllm(self, out: RequestOutput, params: SamplingParams | None, done: dict | None = None,
               prompt_lps: list | None = None) -> RequestOutput:
@@ -357,7 +369,7 @@ class AsyncLLM:
             self._binding += 1
         self._loop, self._task = loop, None
         # streams left open on the closed loop: nobody reads them (calls suspended there before their add never resume)
-        self._to_abort.extend(call.rid for call in self._calls.values() if call.queue is not None)
+        self._to_abort.extend((call.rid, call.entry) for call in self._calls.values() if call.queue is not None)
         self._calls.clear()
 
     def _locked(self, fn, *args):
@@ -382,7 +394,7 @@ class AsyncLLM:
 
     def _apply_aborts(self) -> None:
         while self._to_abort:
-            self.engine.abort(self._to_abort.pop())
+            self._abort_mine(*self._to_abort.pop())
 
     async def _run(self, binding: int) -> None:
         while True:
@@ -399,7 +411,7 @@ class AsyncLLM:
                 for call in list(self._calls.values()):
                     if call.queue is not None and call.added_at is not None and call.added_at < failed:
                         call.queue.put_nowait(exc)
-                        self._to_abort.append(call.rid)  # (requeued by the engine: aborted before the next step)
+                        self._to_abort.append((call.rid, call.entry))  # (requeued: aborted before the next step)
                 outputs = []
             for out in outputs:
                 call = self._calls.get(out.request_id)

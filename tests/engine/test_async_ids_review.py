@@ -142,3 +142,51 @@ def test_abort_of_a_request_no_call_holds():
     asyncio.run(allm.abort("left"))
     assert "left" not in allm.engine.requests
     assert llm.stats()["waiting"] == 0 and llm.stats()["running"] == 0
+
+
+def test_a_left_streams_abort_spares_a_later_call_of_its_id(monkeypatch):
+    """A stream left after its request finished in the engine but before it read the final output: its abort job
+    (`_abort_left`, on a worker thread) and a later call with the same id race for the lock; here the later call's
+    add is made to win.  The job aborts the id's request only while it is still the left call's (`_abort_mine`), so
+    the later call runs to its length (was: its own request was aborted by the job, whose final output went to no
+    stream: the later call waited forever)."""
+    llm = LLM(str(demo_path()), backend="numpy", max_num_seqs=6, max_model_len=512)
+    allm = AsyncLLM(llm)
+    real_locked = allm._locked
+    b_added, adds = threading.Event(), []
+
+    def locked(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") in ("_abort_mine", "abort") and args[:1] == ("x",):
+            assert b_added.wait(10)  # (the left stream's abort job: after the later call's add)
+        out = real_locked(fn, *args, **kwargs)
+        if getattr(getattr(fn, "func", None), "__name__", "") == "_add":
+            adds.append(1)
+            if len(adds) == 2:  # the later call's
+                b_added.set()
+        return out
+
+    monkeypatch.setattr(allm, "_locked", locked)
+
+    async def main():
+        first = allm.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True), "x")
+        await first.__anext__()  # one output read; the request then finishes in the engine, unread
+        for _ in range(200):
+            if "x" not in llm.llm_engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert "x" not in llm.llm_engine.requests
+
+        async def later():
+            outs = [o async for o in allm.generate("hello", SamplingParams(max_tokens=5, ignore_eos=True), "x",
+                                                   output_kind="cumulative")]
+            return outs[-1].outputs[0]
+
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(first.aclose())  # releases the id, then queues its abort job
+        await asyncio.sleep(0.05)
+        out = await asyncio.wait_for(later(), timeout=20)
+        await closing
+        return out
+
+    out = asyncio.run(main())
+    assert (out.finish_reason, len(out.token_ids)) == ("length", 5)

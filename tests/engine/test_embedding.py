@@ -116,7 +116,7 @@ def test_a_pending_abort_does_not_hit_the_next_request_of_its_id(llm):
     allm = AsyncLLM(llm)
 
     async def main():
-        allm._to_abort.append("R2")  # what leaving a stream of id R2 leaves behind, its step not yet run
+        allm._to_abort.append(("R2", None))  # what leaving a stream of id R2 leaves behind, its step not yet run
         return await asyncio.wait_for(_drain(allm.generate({"prompt_token_ids": PROMPTS[4]}, _params(4),
                                                            request_id="R2")), 20)
 
