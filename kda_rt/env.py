@@ -412,8 +412,9 @@ def kda_smem_state(default: int) -> int:
     """KDA_RT_KDA_SMEM_STATE: how the one-CTA-per-head KDA decode kernel (batches above 4, sm_90+) moves each head's
     recurrent state (kernels_cu/kda_decode.cu SMEM_STATE; every form gives the same outputs and pools bit for bit):
     0 into registers and out by stores, two CTAs an SM; 1 into shared memory by bulk copies, three CTAs an SM; 2 (a
-    bench form, measured slower than 1 at every batch) back out by bulk copies too; 3 a persistent CTA an SM that
-    walks its heads with the next ones' copies in flight (three state buffers).  Unset: `default`, the launcher's
+    bench form, measured slower than 1 at every batch) back out by bulk copies too; 3 (a bench form, 25-38% slower)
+    a persistent CTA an SM that walks its heads with the next ones' copies in flight (three state buffers).  Unset:
+    `default`, the launcher's
     measured choice by batch (ops/kda_decode.py SMEM_STATE_MIN_SEQS).  Read when the kernel is picked (a CUDA graph
     keeps what it captured)."""
     value = os.environ.get("KDA_RT_KDA_SMEM_STATE") or str(default)

@@ -94,7 +94,7 @@
 // (the same values stored), but slower (H200, 2026-12-04, tests/gpu/kda_smem_check.sh: the kernel alone, us, forms
 // 0 / 1 / 2: B = 16 16.7 / 20.1 / 21.4, 64 77.5 / 80.1 / 81.8, 256 301.4 / 288.5 / 292.5; the model's decode replays
 // at batch 32 / 256 8.731 / 8.708 / 8.741 and 22.703 / 22.414 / 22.497 ms): a bench form (KDA_RT_KDA_SMEM_STATE=2).
-// SMEM_STATE = 3 (PERSIST; KDA_RT_KDA_SMEM_STATE=3, opt-in, prepared in the sixty-fifth session and not yet timed): a
+// SMEM_STATE = 3 (PERSIST; KDA_RT_KDA_SMEM_STATE=3, a bench form: measured 25-38% slower than forms 0 and 1, below): a
 // persistent CTA an SM (grid min(B H, SMs), launch bounds 256 x 1) takes items (sequence i / H, head i % H) for
 // i = blockIdx.x, + gridDim.x, ... into NBUF = PERSIST_BUFS (3) state buffers of 64 KB: before the first item it issues
 // the bulk copies of its first NBUF items (before the programmatic-launch wait with EARLY_STATE, like form 1's one
@@ -108,7 +108,11 @@
 // shared scratch of an item (q_s .. gate_s) is reused by the next: every write of item n + 1's comes after a barrier
 // that every thread passes only once done with item n's reads (the norm's barrier), except gate_s and ss_s, which
 // warp 0 alone writes and reads.  PERSIST_PREFETCH = 1 (bench define): the next item's conv history lines
-// prefetched into L2 at an item's start.
+// prefetched into L2 at an item's start.  Measured (H100 80GB, 2026-12-05, tests/gpu/kda_persist_check.sh, the kernel
+// alone, us, forms 0 / 1 / 3 / 3 + prefetch): B = 32 52.0 / 55.7 / 69.7 / 67.0, 64 100.8 / 103.0 / 137.4 / 132.2,
+// 128 204.3 / 199.2 / 272.4 / 256.8, 256 400.6 / 390.4 / 538.1: one CTA of 8 warps takes ~8.8 us a head (prologue
+// round trips, barriers, stores in one chain) against ~3.9 us of its bytes; forms 0 and 1 overlap 2-3 such chains an
+// SM.  A persistent form needs two or more heads computing at once an SM (docs/PERFORMANCE.md, sixty-fifth session).
 #ifndef SMEM_STATE
 #define SMEM_STATE 0
 #endif

@@ -51,8 +51,10 @@ HINTS_BOTH_MAX_SEQS = 128
 # 8.731, 64 11.722 / 11.770, 256 22.414 / 22.703; form 2 (bulk stores too) slower than 1 at every batch (kda_decode.cu).
 SMEM_STATE_MIN_SEQS = 32
 SMEM_STATE_MIN_BLOCKS = 3
-# kda_decode.cu SMEM_STATE = 3 (KDA_RT_KDA_SMEM_STATE=3): one persistent CTA an SM walks its heads with PERSIST_BUFS
-# state buffers (192 KB), the next heads' bulk copies in flight while it computes one
+# kda_decode.cu SMEM_STATE = 3 (KDA_RT_KDA_SMEM_STATE=3, a bench form): one persistent CTA an SM walks its heads with
+# PERSIST_BUFS state buffers (192 KB), the next heads' bulk copies in flight while it computes one; H100, 2026-12-05
+# (tests/gpu/kda_persist_check.sh, kernel alone): 25-38% slower than forms 0 / 1 at 32-256 sequences (a head's own
+# chain, ~8.8 us at 8 warps an SM, is not overlapped by another CTA's)
 PERSIST_BUFS = 3
 _STATE_BYTES = 128 * 128 * 4
 # the opt-in shared memory a block that a GPU holding three of these CTAs an SM has (H100, H200, B200: 227 KB); on
