@@ -117,7 +117,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if self.metrics is None:
-            self.metrics = Metrics(self.model_name, self.metrics_prefix)
+            info = getattr(self.client, "info", None) or {}
+            self.metrics = Metrics(self.model_name, self.metrics_prefix, info.get("max_model_len"))
 
     def serves(self, name: str | None) -> bool:
         """Whether a request's "model" names this server's model (None: the field left out)."""

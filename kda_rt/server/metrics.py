@@ -58,6 +58,15 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets for a model of that context; at least 1)."""
+    out, base = [], 1
+    while base <= limit:
+        out += [base * m for m in (1, 2, 5) if base * m <= limit]
+        base *= 10
+    return tuple(out) or (1,)
 _FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values: their series exist from the start
 
 # engine stats key -> (metric name, kind, help)
@@ -143,8 +152,10 @@ def _iteration_tokens(prefix: str, labels: list[str], stats: dict[str, Any]) -> 
 class Metrics:
     """Server-side metrics of one model; `render(engine_stats, ...)` produces the /metrics page."""
 
-    def __init__(self, model_name: str = "", prefix: str = PREFIX) -> None:
-        """`prefix`: of every metric's name (--metrics-prefix; "vllm:" lets vLLM's dashboards and routers read them)."""
+    def __init__(self, model_name: str = "", prefix: str = PREFIX, max_model_len: int | None = None) -> None:
+        """`prefix`: of every metric's name (--metrics-prefix; "vllm:" lets vLLM's dashboards and routers read them).
+        `max_model_len`: the per-request token histograms' buckets run 1, 2, 5, 10, ... up to it, as vLLM's (None: up
+        to 100,000; a 1M-token context's long prompts would all land in +Inf there)."""
         if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
             raise ValueError(f"metrics prefix {prefix!r} is not a Prometheus metric-name start ([a-zA-Z_:][a-zA-Z0-9_:]*)")
         self.model_name, self.prefix = model_name, prefix
@@ -152,6 +163,7 @@ class Metrics:
         self.snapshot: dict[str, Any] | None = None
         self.alive, self.draining = True, False
         r, p, name = self.registry, prefix, ["model_name"]
+        tokens = _TOKEN_BUCKETS if not max_model_len else one_two_five(int(max_model_len))
         self._http = Counter(p + "http_requests", "HTTP requests by endpoint and status code.",
                              ["model_name", "endpoint", "code"], registry=r)
         self._outcomes = Counter(p + "requests", "Admitted generation requests by outcome.", ["model_name", "outcome"],
@@ -175,11 +187,11 @@ class Metrics:
         self._e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to a choice's end.", name,
                               buckets=_E2E_BUCKETS, registry=r)
         self._req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per choice.", name,
-                                     buckets=_TOKEN_BUCKETS, registry=r)
+                                     buckets=tokens, registry=r)
         self._req_gen = Histogram(p + "request_generation_tokens", "Generated tokens per choice.", name,
-                                  buckets=_TOKEN_BUCKETS, registry=r)
+                                  buckets=tokens, registry=r)
         self._req_max_gen = Histogram(p + "request_max_num_generation_tokens", "The most tokens a choice of the "
-                                      "prompt generated.", name, buckets=_TOKEN_BUCKETS, registry=r)
+                                      "prompt generated.", name, buckets=tokens, registry=r)
         self._decode = Histogram(p + "request_decode_time_seconds", "Time from a choice's first token to its last.",
                                  name, buckets=_E2E_BUCKETS, registry=r)
         self._queue = Histogram(p + "request_queue_time_seconds", "Time a choice's prompt waited in the engine's queue "
@@ -194,7 +206,7 @@ class Metrics:
         self._params_n = Histogram(p + "request_params_n", "The n of each prompt.", name,
                                    buckets=(1, 2, 5, 10, 20), registry=r)
         self._params_max_tokens = Histogram(p + "request_params_max_tokens", "The max_tokens of each choice.", name,
-                                            buckets=_TOKEN_BUCKETS, registry=r)
+                                            buckets=tokens, registry=r)
         for outcome in ("finished", "aborted", "rejected", "error"):
             self._outcomes.labels(model_name, outcome)
         for reason in _FINISH_REASONS:

@@ -215,6 +215,30 @@ def test_iteration_tokens_total():
     assert not any(k.startswith("vllm:iteration_tokens") for k in _scrape(_State()))  # (no engine stats: none)
 
 
+def test_token_buckets_follow_max_model_len(clock):
+    """The per-request token histograms' buckets run 1, 2, 5, ... up to the model's max_model_len, as vLLM's
+    build_1_2_5_buckets (was: fixed up to 100,000, so every prompt of a 1M-token context's long requests fell in
+    +Inf); unknown (None): the fixed ones; ServerState passes the engine's max_model_len."""
+    from kda_rt.server.app import ServerState
+    from kda_rt.server.metrics import one_two_five
+
+    assert one_two_five(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    assert one_two_five(1_000_000)[-3:] == (200000, 500000, 1000000) and one_two_five(0) == (1,)
+    state = _State()
+    state.metrics = Metrics("demo", "vllm:", max_model_len=1_000_000)
+    _serve(state, _run(state, prompts=(300_000,)), clock, [(0.5, _delta((0, 3, "length"), finished=True))])
+    m = _scrape(state)
+    assert m['vllm:request_prompt_tokens_bucket{le="200000.0"}'] == 0
+    assert m['vllm:request_prompt_tokens_bucket{le="500000.0"}'] == 1
+    assert 'vllm:request_prompt_tokens_bucket{le="1e+06"}' in m
+    assert 'vllm:request_generation_tokens_bucket{le="2.0"}' in m
+    for info, top in (({"max_model_len": 4096}, "2000.0"), ({}, "100000.0")):
+        client = types.SimpleNamespace(info=info)
+        text = ServerState(client, "m", metrics_prefix="vllm:").metrics.render(None, True, False).decode()
+        tops = [line for line in text.splitlines() if line.startswith("vllm:request_prompt_tokens_bucket")]
+        assert f'le="{top}"' in tops[-2], tops  # (the last finite bound, then +Inf)
+
+
 def test_gpu_cache_usage_perc():
     """kv_cache_usage_perc also under vLLM's older name gpu_cache_usage_perc, which its example dashboard's "Cache
     Utilization" panel reads (was: absent)."""

@@ -251,7 +251,7 @@ def test_reasoning_items_become_the_assistant_turns_reasoning():
     """Reasoning items sent back (an earlier response's output) are the `reasoning` of their turn's assistant
     message, as vLLM renders them: joining the message before them, or starting one its text and calls join
     (was: a 400); the chat request keeps an assistant message's reasoning for the template (was: dropped)."""
-    from kda_rt.server.protocol import ChatCompletionRequest, InvalidRequest, chat_payload
+    from kda_rt.server.protocol import ChatCompletionRequest, chat_payload
     from kda_rt.server.responses_api import ResponsesRequest, chat_request
 
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
