@@ -142,7 +142,7 @@ class AsyncLLM:
             else:
                 self._release(call)
                 if isinstance(exc, asyncio.CancelledError) and not add.cancelled() and add.exception() is None:
-                    self._abort_later(rid, call.entry)
+                    self._abort_later(call)
             raise
         self._ensure_task()
         tracker, finished, converted = DeltaTracker(), False, {}
@@ -275,7 +275,7 @@ class AsyncLLM:
         came (`_add` returned no final output) is aborted before the next step."""
         self._release(call)
         if not add.cancelled() and add.exception() is None and add.result() is None:
-            self._abort_later(call.rid, call.entry)
+            self._abort_later(call)
 
     def _release(self, call: _Call) -> None:
         """The call has ended: its id is free (unless a later call holds it already, after a loop takeover)."""
@@ -321,8 +321,8 @@ class AsyncLLM:
             return
         await asyncio.shield(job)
 
-    def _abort_later(self, rid: str, entry: object = None) -> None:
-        self._to_abort.append((rid, entry))  # applied under the lock before the next step
+    def _abort_later(self, call: _Call) -> None:
+        self._to_abort.append((call.rid, call.entry))  # applied under the lock before the next step
         self._ensure_task()
 
     def _abort_mine(self, rid: str, entry: object) -> None:

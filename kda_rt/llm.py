@@ -467,8 +467,8 @@ class LLM:
         carry assistant `tool_calls` (content None) and `tool` results with `tool_call_id`; the
         `developer` role reads as `system`.  Generated tool calls stay in the text (pass
         `skip_special_tokens=False` to keep the markers, `spaces_between_special_tokens=False` for no space after the
-        prompt's `<|im_middle|>`) and `kda_rt.text.tool_parser.parse_tool_calls` reads them.  `continue_final_message` (with `add_generation_prompt=False`): the model continues the last
-        message instead of starting a new one, as in vLLM.  `chat_template` (vLLM's): a Jinja template string for
+        prompt's `<|im_middle|>`) and `kda_rt.text.tool_parser.parse_tool_calls` reads them.  `continue_final_message`
+        (with `add_generation_prompt=False`): the model continues the last message instead of starting a new one, as in vLLM.  `chat_template` (vLLM's): a Jinja template string for
         this call instead of the checkpoint's.  `priority`: one int a conversation (`generate`'s)."""
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files, so chat() is unavailable")

@@ -82,7 +82,8 @@ def _decode_projection_shapes(weights) -> list[tuple[int, int, bool]]:
     return shapes
 
 
-SCORE_ROWS = 1024  # prompt positions projected by lm_head at once in score_logprobs (671 MB of float32 logits at 163,840)
+# prompt positions projected by lm_head at once in score_logprobs (671 MB of float32 logits at a 163,840-token vocab)
+SCORE_ROWS = 1024
 
 
 class _Pending:

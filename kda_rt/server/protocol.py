@@ -174,7 +174,8 @@ def _decode_whole_floats(body: bytes, schema: type[msgspec.Struct]) -> Any:
     16.0`, `"n": 2.0`, `"seed": 1e3`) is that integer: JSON has one number type (JSON Schema's "integer" takes 16.0),
     and vLLM's pydantic models take such a float too.  A fraction (16.5) stays a 400 naming the field.  Each pass
     fixes the field msgspec names (an element of a list: every whole-number float of that list), so a body with
-    several of them decodes after as many passes, at most _WHOLE_FLOAT_PASSES; strings stay strings (vLLM's lax mode would take "16", which is no number at all)."""
+    several of them decodes after as many passes, at most _WHOLE_FLOAT_PASSES; strings stay strings (vLLM's lax mode
+    would take "16", which is no number at all)."""
     for _ in range(_WHOLE_FLOAT_PASSES):  # (each pass changes floats of the body into integers for good)
         try:
             return msgspec.json.decode(body, type=schema)
@@ -196,6 +197,8 @@ def _decode_whole_floats(body: bytes, schema: type[msgspec.Struct]) -> Any:
                     holder[k] = int(holder[k])
             body = msgspec.json.encode(obj)
     return msgspec.json.decode(body, type=schema)  # (passes spent: the error that is left, naming its field)
+
+
 # a high-surrogate escape (after an even run of backslashes) with no `\u` escape after it
 _LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u)")
 
