@@ -866,3 +866,12 @@ def pdl_dep() -> bool:
     (moe_route_fused, skinny_gemm_cl) with the plain wait, which ptxas issues before those loads
     (kernels_cu/common.cuh KDA_PDL_WAIT_AFTER); default 1.  Read when a kernel variant is built."""
     return _on_off("KDA_RT_PDL_DEP")
+
+
+def prompt_snapshots() -> bool:
+    """KDA_RT_PROMPT_SNAPSHOTS: with prefix caching, 1 (the default) keeps the KDA state at the last 64-token chunk
+    end of a prompt's final prefill chunk as an entry (the kernels write it during the step: no copy, no extra step),
+    so the same prompt sent again (a regenerate, a retry, another sample later) resumes there and computes at most 64
+    tokens; 0: only junctions and request ends are kept (the same prompt again computed in full, the third time
+    resumed).  Read every step."""
+    return _on_off("KDA_RT_PROMPT_SNAPSHOTS", "1")

@@ -56,7 +56,9 @@
 // Shapes: qkv [T, 3P], f, gate [T, P], b [T, ldb] bf16; conv_w [3P, W], A_log [H], dt_bias [P],
 // o_norm_w [K] fp32; conv_pool [S, 3, W-1, P] bf16; rec_pool [S, H, K, V] fp32; cu_seqlens [B+1],
 // context_lens, state_slots [B] int32; out [T, P] bf16; qkv, f, conv_w, dt_bias, conv_pool 16-byte
-// aligned.
+// aligned.  kda_prefill_state's snap (null or [B, 2] int32: tokens, slot): sequence b's state after its first
+// snap[b, 0] tokens of the step (0: none; else a multiple of CHUNK below its length) also goes to slot snap[b, 1]
+// (the prefix cache's snapshot: the recurrent state and the conv history, which those tokens alone make).
 // Compile-time constants (kda_rt/cuda/ops/kda_prefill.py): HEAD_DIM (K = V, must be 128), CONV_W
 // (W), CHUNK (L, must be 64), VB (state columns per CTA of kda_prefill_state: 16, 32, 64 or 128),
 // INTRA_THREADS (must be 512).
@@ -1421,7 +1423,7 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
     const bf16* __restrict__ ws_u, const bf16* __restrict__ ws_a, const float* __restrict__ ws_g,
     const bf16* __restrict__ qkv, bf16* __restrict__ conv_pool, float* __restrict__ rec_pool,
     const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens, const int* __restrict__ state_slots,
-    bf16* __restrict__ out, int num_heads) {
+    bf16* __restrict__ out, int num_heads, const int* __restrict__ snap) {
     KDA_PDL_ENTRY();
     constexpr int THREADS = 32 * STATE_WARPS, NT = WN / 8;
     extern __shared__ float4 smem4[];
@@ -1435,6 +1437,10 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
     const bool fresh = context_lens[seq] == 0;
     const size_t slot = (size_t)state_slots[seq];
     const int base = chunk_base(cu_seqlens, seq), num_chunks = (len + L - 1) / L;
+    // a snapshot (prefix cache; snap [B, 2] or null): the state after the first snap_len tokens of this step (a
+    // multiple of L in [L, len); -1 chunks: none) also goes to slot snap_slot, conv history included
+    const int snap_chunk = snap != nullptr && snap[2 * seq] > 0 ? snap[2 * seq] / L : -1;
+    const size_t snap_slot = snap_chunk > 0 ? (size_t)snap[2 * seq + 1] : 0;
 
     // ---- conv state <- the last W-1 raw inputs (old history for sequences shorter than W-1); the
     // intra kernel has read the old history already.  Entry j reads old entry len + j > j, so
@@ -1449,6 +1455,12 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
                 hist[(size_t)j * P] = p >= 0 ? qkv[(size_t)(start + p) * 3 * P + i * P + ch]
                                     : fresh  ? to_bf16(0.f)
                                              : hist[(size_t)(len + j) * P];
+            }
+            if (snap_chunk > 0) {  // (snap_len >= L > W-1: its history is this step's inputs alone)
+                bf16* shist = conv_pool + (snap_slot * 3 + i) * (CONV_W - 1) * P + ch;
+#pragma unroll
+                for (int j = 0; j < CONV_W - 1; ++j)
+                    shist[(size_t)j * P] = qkv[(size_t)(start + snap_chunk * L - (CONV_W - 1) + j) * 3 * P + i * P + ch];
             }
         }
     }
@@ -1490,6 +1502,17 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
                               st[mt][nt][2 * hh], st[mt][nt][2 * hh + 1]);
     };
     store_sb();
+    auto store_state = [&](float* dst) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int d = 32 * wr + 16 * mt + g + 8 * hh, v = col0 + WN * wc + 8 * nt + 2 * t;
+                    *reinterpret_cast<float2*>(dst + d * K + v) = make_float2(st[mt][nt][2 * hh], st[mt][nt][2 * hh + 1]);
+                }
+    };
 
 #pragma unroll 1
     for (int j = 0; j < num_chunks; ++j) {
@@ -1597,18 +1620,10 @@ extern "C" __global__ void __launch_bounds__(32 * STATE_WARPS) kda_prefill_state
             if (j + 1 < num_chunks) load_ak(c + 1, 0), cp_async_commit();
         }
         store_sb();  // S's readers (phase (1)) are past the V_new barrier
+        if (j + 1 == snap_chunk) store_state(rec_pool + ((size_t)__ldg(snap + 2 * seq + 1) * num_heads + h) * K * K);
     }
 
-    // ---- final state back to the slot
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int d = 32 * wr + 16 * mt + g + 8 * hh, v = col0 + WN * wc + 8 * nt + 2 * t;
-                *reinterpret_cast<float2*>(state + d * K + v) = make_float2(st[mt][nt][2 * hh], st[mt][nt][2 * hh + 1]);
-            }
+    store_state(state);  // ---- final state back to the slot
 }
 
 // the gated norm of a thread's 8 channels of a (token, head) row: y = bf16(O) / sqrt(mean(bf16(O)^2) + eps) * w *

@@ -78,6 +78,7 @@ class DeviceBatch:
     host_cu_seqlens: Any = None  # [B+1] NumPy copies (eager steps): launchers that plan on the host
     host_context_lens: Any = None  # [B] read these instead of syncing on the device arrays
     num_live: Any = None  # [1] a decode graph's live rows, the rest padding (KDA_RT_SKIP_PAD; else None)
+    snapshot: Any = None  # [B, 2] ForwardBatch.snapshot (prefill steps; else None)
 
 
 class CudaModel:
@@ -249,7 +250,7 @@ class CudaModel:
             if fp8 and w.o_proj_e4m3 is not None and H <= 64 and env.kda_norm_e4m3():
                 y_codes = self._codes(ws, "o", T, P)
             kda_prefill(*args, num_heads=H, head_dim=kc.head_dim, eps=self.config.rms_norm_eps, out=y,
-                        max_seqlen=b.max_seqlen, e4m3_out=y_codes)
+                        max_seqlen=b.max_seqlen, e4m3_out=y_codes, snapshot=b.snapshot)
         self._proj(y, w.o_proj, w.o_proj_e4m3, ws, "o", fp8=fp8, codes=y_codes, out=out,
                    rows=w.o_proj_rows if gemv8 else None)
 

@@ -103,6 +103,7 @@ class _Graph:
 
 class CudaRunner:
     name = "cuda"
+    writes_snapshots = True  # (the forward writes ForwardBatch.snapshot's states: prompt snapshots)
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig, *,
                  progress: bool | None = None) -> None:
@@ -240,12 +241,16 @@ class CudaRunner:
         nt = R if decode else T
         nl = R if decode else int(batch.logits_indices.shape[0])
         live = int(bool(rows and self.model.skip_pad))  # (KDA_RT_SKIP_PAD: the live row count, for the MoE)
-        # ids, cu_seqlens, context, slots, logits rows, the live count (or nothing), tables
-        sizes = (nt, R + 1, R, R, nl, live, R * width)
+        snap = batch.snapshot if not decode else None  # (a decode row has one token: never a snapshot)
+        if snap is not None and int(snap[:, 1].max()) >= self.num_slots:
+            raise ValueError(f"snapshot slot {int(snap[:, 1].max())} out of range: the state pool has "
+                             f"{self.num_slots} slots")
+        # ids, cu_seqlens, context, slots, logits rows, the live count (or nothing), snapshots (or nothing), tables
+        sizes = (nt, R + 1, R, R, nl, live, 0 if snap is None else 2 * B, R * width)
         total = sum(sizes)
         offs = np.cumsum((0,) + sizes)  # the same layout on the host and in the device buffer
         host = self.staging.host(stage, 4 * total).view(np.int32)[:total]
-        ids, cu, ctx, slots, lidx, num_live, tables = (host[offs[i]:offs[i + 1]] for i in range(7))
+        ids, cu, ctx, slots, lidx, num_live, snaps, tables = (host[offs[i]:offs[i + 1]] for i in range(8))
         ids[:T] = batch.input_ids
         ids[T:] = 0
         cu[:] = np.arange(R + 1) if decode else batch.cu_seqlens
@@ -255,6 +260,8 @@ class CudaRunner:
         slots[B:] = self.pad_row_slot
         lidx[:] = np.arange(R) if decode else batch.logits_indices
         num_live[:] = B
+        if snap is not None:
+            snaps[:] = snap.reshape(-1)
         tables = tables.reshape(R, width)
         tables[:] = -1
         tables[:B, : batch.block_tables.shape[1]] = batch.block_tables
@@ -262,17 +269,18 @@ class CudaRunner:
         # a graph's buffer has room for the widest table, so its views never move
         meta = ws.get("meta", (total - R * width + R * self.max_pages if rows else total,), np.int32)
         self.staging.to_device(stage, meta, 4 * total, self.stream)
-        dev = [meta[offs[i]:offs[i + 1]] for i in range(6)]
+        dev = [meta[offs[i]:offs[i + 1]] for i in range(7)]
         if rows:  # the graph's table is max_pages wide: scatter the used columns into it on the device
             tab = ws.get("meta_tables", (R, self.max_pages), np.int32)
-            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[offs[6]:].data.ptr,
+            self.cupy.cuda.runtime.memcpy2DAsync(tab.data.ptr, self.max_pages * 4, meta[offs[7]:].data.ptr,
                                                  width * 4, width * 4, R,
                                                  self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
-            tab = meta[offs[6]:].reshape(R, width)
+            tab = meta[offs[7]:].reshape(R, width)
         max_len = 1 if decode else int(batch.seq_lens.max())
         return DeviceBatch(*dev[:4], tab, dev[4], num_tokens=nt, num_seqs=R, max_seqlen=max_len, decode=decode,
-                           host_cu_seqlens=cu.copy(), host_context_lens=ctx.copy(), num_live=dev[5] if live else None)
+                           host_cu_seqlens=cu.copy(), host_context_lens=ctx.copy(), num_live=dev[5] if live else None,
+                           snapshot=dev[6].reshape(B, 2) if snap is not None else None)
 
     def _padding_batch(self, rows: int) -> ForwardBatch:
         """A decode batch of `rows` padding sequences: context 0, the padding slot and page."""

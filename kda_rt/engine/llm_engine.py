@@ -121,7 +121,7 @@ class LLMEngine:
         if config.max_model_len is None or config.max_num_batched_tokens is None or config.max_num_seqs is None:
             raise ValueError("LLMEngine needs a resolved max_model_len, max_num_batched_tokens and max_num_seqs "
                              "(build_engine plans the first and the last from the pools and defaults the second)")
-        for switch in (env.async_prefill, env.async_waiting, env.async_ending, env.async_grammar):
+        for switch in (env.async_prefill, env.async_waiting, env.async_ending, env.async_grammar, env.prompt_snapshots):
             switch()  # (read at every step; a bad value is refused here, by name, not at the step that reads it first)
         self.model_config = model_config
         self.runner = runner
@@ -144,6 +144,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=num_blocks, num_slots=num_slots,
             prefill_tail_tokens=config.tail_tokens(),
             snapshot_slots=tuple(snapshot_slots) if config.enable_prefix_caching else (),
+            prompt_snapshots=getattr(runner, "writes_snapshots", False) is True,
             policy=config.scheduling_policy,
         ))
         # the tokenizer's EOS (else config.json's first) stops with stop_reason None, every other EOS id (config.json's,
@@ -621,8 +622,8 @@ class LLMEngine:
         False: no finished sequence's state goes to the prefix cache."""
         batch, sampled = cur.batch, cur.sampled
         live = [(i, seq) for i, seq in enumerate(sampled) if not seq.finished]
+        self._commit(cur)  # (before the rows' errors are read: the prompt snapshots it keeps wait for them)
         self._discard_errored(cur, result)  # (a finished sequence's row of a step launched ahead counts too)
-        self._commit(cur)
         for seq in sampled:  # (its id is known now: accepted below, or dropped with its finished sequence)
             seq.pending = 0
         self.counters["steps"] += 1
@@ -680,6 +681,8 @@ class LLMEngine:
             [s.slot for s in seqs],
             [s.blocks for s in seqs],
             logits_for=wants,
+            snapshot=[(s.prompt_snapshot[0] - s.num_computed, s.prompt_snapshot[1]) if s.prompt_snapshot else (0, 0)
+                      for s in seqs],
         )
         return batch, [s for s, w in zip(seqs, wants, strict=True) if w]
 

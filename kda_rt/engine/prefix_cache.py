@@ -11,14 +11,17 @@ from the running sequences' slots).  A KDA state exists only where a step's chun
   page hashes of prompts are noted when they are queued) runs its chunk only to that page boundary and leaves a
   snapshot there, so the next prompt with the same start (a shared system prompt, a document asked about again, the
   other samples of a request with n > 1) resumes from it (the scheduler holds back a sequence whose junction a
-  running one is about to keep).
+  running one is about to keep);
+- a *prompt snapshot*: inside a prompt's final chunk, at its last SNAPSHOT_ALIGN-token chunk end below the last
+  token, written by the model during the step into a slot `reserve`d for it (no copy, no extra step), so the same
+  prompt sent again resumes there (evicted before the other entries).
 
 A hit restores the snapshot into the new sequence's slot, shares the entry's full pages (a sequence only writes the
 positions past its context, so they stay read-only) and copies a partial last page into a fresh one.  Pages are
 counted by their holders (running sequences and entries); a page goes back to the free pool when nothing holds it.
 
 Eviction (a snapshot slot or pages wanted): the least recently used entry that no request has resumed from goes
-first, then the least recently used of the rest.  So a shared start that requests resume from outlives a burst of
+first (prompt snapshots before the others), then the least recently used of the rest.  So a shared start that requests resume from outlives a burst of
 their end states (32 requests sharing a system prompt end in 32 entries, as many as the default slots: under plain
 LRU the last of them evicted the shared one, and the next burst computed it again).  Two limits keep resumed entries
 from filling the cache for good: at most half the slots count as resumed (beyond that the least recently used of
@@ -41,8 +44,12 @@ from dataclasses import dataclass
 
 from kda_rt.engine.allocator import IdPool
 
-__all__ = ["CacheEntry", "PrefixCache"]
+__all__ = ["SNAPSHOT_ALIGN", "CacheEntry", "PrefixCache"]
 
+# A snapshot written inside a step (a prompt snapshot, ForwardBatch.snapshot) lies this many tokens apart from the
+# step's start of its sequence: the KDA prefill kernels' chunk (kernels_cu/kda_prefill.cu CHUNK), whose ends alone
+# hold a state.
+SNAPSHOT_ALIGN = 64
 # How many page hashes of recent prompts the junction test remembers (oldest forgotten first).
 _MAX_SEEN = 1 << 16
 _SHARED = object()  # (a page two sequences brought: a junction for either)
@@ -58,6 +65,7 @@ class CacheEntry:
     resumed: bool = False  # a request resumed from it (since it was made or demoted): evicted after those not
     salt: str | None = None  # the cache_salt of the sequence that made it: only sequences of the same salt resume
     unconfirmed: bool = False  # kept before the row that computed its state was read: no lookup finds it until then
+    prompt: bool = False  # a prompt snapshot (kept inside a prompt's last chunk): evicted before the other entries
 
 
 class PrefixCache:
@@ -132,6 +140,12 @@ class PrefixCache:
         while len(self._seen) > _MAX_SEEN:
             self._seen.popitem(last=False)
 
+    def cached(self, tokens: list[int] | tuple[int, ...], bucket: int, salt: str | None = None) -> bool:
+        """Whether an entry of exactly `tokens` (under `salt`) is cached; `bucket`: the chain hash of their full
+        pages (page_chain's)."""
+        key = tuple(tokens)
+        return any(e.tokens == key and e.salt == salt for e in self._by_block.get(bucket, ()))
+
     def junction(self, tokens: list[int], start: int, limit: int, who: Hashable,
                  chain: list[int] | None = None) -> int:
         """The longest page boundary J with start < J <= limit up to which `tokens` equals a prompt another sequence
@@ -145,15 +159,33 @@ class PrefixCache:
 
     # -- entries ------------------------------------------------------------------------------
 
+    def reserve(self) -> int | None:
+        """A snapshot slot for a state the model writes itself during a step (a prompt snapshot), evicting an entry
+        no request resumed from when none is free; None when every entry was resumed from (those stay).  The slot is
+        `insert`ed with `reserved=` or handed back with `unreserve`."""
+        if not self._free_snapshots:
+            victim = next(iter(self._eviction_order()), None)
+            if victim is None or victim.resumed:
+                return None
+            self.evict(victim)
+        return self._free_snapshots.pop()
+
+    def unreserve(self, slot: int) -> None:
+        """A reserved snapshot slot back to the free ones (its step was not committed: nothing kept)."""
+        self._free_snapshots.append(slot)
+
     def insert(self, tokens: list[int], slot: int, pages: list[int], chain: list[int] | None = None, *,
-               junction: bool = False, salt: str | None = None, unconfirmed: bool = False) -> CacheEntry | None:
+               junction: bool = False, salt: str | None = None, unconfirmed: bool = False,
+               reserved: int | None = None) -> CacheEntry | None:
         """Keep the state in `slot` (after `tokens`) and the pages of those positions as an entry: the slot is copied
         to a snapshot (evicting an entry when none is free: the module docstring's order); the pages are held, not
         copied.  None when the prefix is already cached (that entry counts as used) or no snapshot slot exists.
         `chain`: page hashes of tokens that start with `tokens`, when known (page_chain).  `junction`: kept where
         prompts part (not at a request's end).  `salt`: the sequence's cache_salt (`chain` made under it).
         `unconfirmed`: the row of the step that computed the state is not read yet (an error there may leave it
-        non-finite): no lookup finds the entry until `confirm`."""
+        non-finite): no lookup finds the entry until `confirm`.  `reserved`: a slot from `reserve` that already holds
+        the state (`slot` unused, no copy; a prompt snapshot, evicted before the other entries); handed back when the
+        prefix is cached already."""
         key = tuple(tokens)
         need = -(-len(key) // self.block_size)
         if not key or len(pages) < need:
@@ -164,14 +196,17 @@ class PrefixCache:
             if e.tokens == key and e.salt == salt:
                 self._lru.move_to_end(e)
                 e.junction |= junction
+                if reserved is not None:
+                    self.unreserve(reserved)
                 return None
-        if not self._free_snapshots:
+        if reserved is None and not self._free_snapshots:
             if not self._lru:
                 return None
             self.evict(self._victim())
-        entry = CacheEntry(key, self._free_snapshots.pop(), list(pages[:need]), bucket, junction, salt=salt,
-                           unconfirmed=unconfirmed)
-        self.ops.append(("slot", slot, entry.snapshot))
+        entry = CacheEntry(key, self._free_snapshots.pop() if reserved is None else reserved, list(pages[:need]),
+                           bucket, junction, salt=salt, unconfirmed=unconfirmed, prompt=reserved is not None)
+        if reserved is None:
+            self.ops.append(("slot", slot, entry.snapshot))
         for p in entry.pages:
             self._change(p, 1, 1)
         self._lru[entry] = None
@@ -210,9 +245,11 @@ class PrefixCache:
             self._num_resumed -= 1
 
     def _eviction_order(self) -> list[CacheEntry]:
-        """The entries in the order they go: those no request resumed from, then the others, least recently used
-        first in each."""
-        return [e for e in self._lru if not e.resumed] + [e for e in self._lru if e.resumed]
+        """The entries in the order they go: prompt snapshots no request resumed from, the other entries no request
+        resumed from, then the others, least recently used first in each."""
+        return ([e for e in self._lru if not e.resumed and e.prompt] + [e for e in self._lru if not e.resumed
+                                                                        and not e.prompt]
+                + [e for e in self._lru if e.resumed])
 
     def _victim(self) -> CacheEntry:
         return self._eviction_order()[0]

@@ -19,6 +19,9 @@ A runner owns one backend's weights, cache pools and model.  It plans its pools 
                                  src into slots dst, MLA pages src into pages dst, every layer, ordered
                                  after the launches made so far and before the next (prefix caching is
                                  on by default: a runner without them needs enable_prefix_caching=False)
+    writes_snapshots: bool                               optional (prefix caching): True when the forward
+                                 writes ForwardBatch.snapshot's states (prompt snapshots; without it the
+                                 engine makes none)
     report() -> str                                      what a decode step runs
     peak_memory_bytes() -> int
 

@@ -26,8 +26,10 @@ One step, under a budget of `max_num_batched_tokens` new tokens:
 4. With a prefix cache (`snapshot_slots`, kda_rt/engine/prefix_cache.py) an admitted sequence resumes after the
    longest cached prefix of its tokens (its slot and first pages restored from the entry, its pages past them its
    own), a sequence whose tokens meet a prompt seen before stops its chunk at the page boundary where they part
-   (`Sequence.snapshot_at`; `commit` keeps the state there), and pages only entries hold count as free: entries are
-   evicted for them before anything is preempted.
+   (`Sequence.snapshot_at`; `commit` keeps the state there), a chunk that ends a prompt has the model write the
+   state at its last 64-token chunk end into a reserved snapshot slot (`Sequence.prompt_snapshot`; `commit` keeps
+   it: the same prompt again resumes there), and pages only entries hold count as free: entries are evicted for
+   them before anything is preempted.
 
 No array library is imported here; the engine turns `SchedulerOutput` into a `ForwardBatch`.
 """
@@ -42,8 +44,9 @@ from dataclasses import dataclass, field
 
 from kda_rt.engine.allocator import IdPool
 from kda_rt.engine.config import POLICIES
-from kda_rt.engine.prefix_cache import PrefixCache
+from kda_rt.engine.prefix_cache import SNAPSHOT_ALIGN, PrefixCache
 from kda_rt.engine.sequence import Sequence, SequenceStatus
+from kda_rt.env import prompt_snapshots
 
 __all__ = ["POLICIES", "SchedulerConfig", "SchedulerOutput", "Scheduler"]
 
@@ -63,6 +66,7 @@ class SchedulerConfig:
     num_slots: int  # KDA state slots the scheduler may hand out (ids 0..num_slots-1)
     prefill_tail_tokens: int = 0  # tokens a step may run over its budget to finish a prompt (module docstring)
     snapshot_slots: tuple[int, ...] = ()  # the runner's state slots for prefix-cache snapshots (empty: no cache)
+    prompt_snapshots: bool = False  # the runner writes ForwardBatch.snapshot (then KDA_RT_PROMPT_SNAPSHOTS decides)
     policy: str = "fcfs"  # POLICIES (module docstring, 3.)
 
     def __post_init__(self) -> None:
@@ -182,7 +186,31 @@ class Scheduler:
             self._admit(chosen, budget)
         out.scheduled = list(chosen.items())
         out.queue_changes = self.queue_changes
+        if self.cache is not None and self.config.prompt_snapshots and prompt_snapshots():
+            self._prompt_snapshots(out.scheduled)
         return out
+
+    def _prompt_snapshots(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Prompt snapshots: a chunk that ends its prompt (or the prompt and outputs it recomputes) and runs past a
+        chunk end of the KDA kernels (SNAPSHOT_ALIGN tokens from its start) has the state at the last such end below
+        its last token written to a reserved snapshot slot during the step (`commit` keeps it): the same prompt sent
+        again resumes there (a lookup takes at most all but the last token).  None when that prefix is cached
+        already or no slot can be had (every entry resumed from)."""
+        bs = self.config.block_size
+        for seq, n in scheduled:
+            start, end = seq.num_computed, seq.num_computed + n
+            if end != seq.num_tokens or seq.prompt_snapshot is not None:
+                continue
+            at = start + (end - 1 - start) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+            if at <= start:
+                continue
+            tokens, chain = self.cache.page_chain(seq)
+            if self.cache.cached(tokens[:at], chain[at // bs], seq.cache_salt):
+                continue
+            slot = self.cache.reserve()
+            if slot is None:
+                return
+            seq.prompt_snapshot = (at, slot)
 
     def _proper(self, budget: list[int]) -> int:
         """Tokens left of the budget proper (budget[0] holds the tail too)."""
@@ -205,6 +233,13 @@ class Scheduler:
                 if seq.num_computed == seq.snapshot_at and seq.slot >= 0:
                     self._keep(seq, seq.num_computed, junction=True)
                 seq.snapshot_at = 0
+            if seq.prompt_snapshot is not None and seq.slot >= 0:
+                (at, reserved), seq.prompt_snapshot = seq.prompt_snapshot, None
+                # (unconfirmed: the step's row of it, read later, may end in an error that leaves the state bad)
+                entry = self.cache.insert(seq.tokens(0, at), -1, seq.blocks, self.cache.page_chain(seq)[1],
+                                          salt=seq.cache_salt, unconfirmed=True, reserved=reserved)
+                if entry is not None:
+                    seq.kept.append(entry)
 
     def _grow(self, seq: Sequence, n: int, chosen: dict[Sequence, int], budget: list[int],
               preempted: list[Sequence]) -> int:
@@ -328,6 +363,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if self.cache is not None:
             self.cache.release(seq.blocks)
+            if seq.prompt_snapshot is not None:  # (its step not committed: nothing kept; a step in flight that
+                self.cache.unreserve(seq.prompt_snapshot[1])  # writes the slot runs before the slot's next writer)
+                seq.prompt_snapshot = None
         else:
             self.pages.release(seq.blocks)
         self.slots.release([seq.slot])

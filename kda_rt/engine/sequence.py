@@ -63,6 +63,9 @@ class Sequence:
     sent: tuple[int, int] = (0, 0)  # (visible chars, tokens) already returned, for "delta" outputs
     pending: int = 0  # a sampled token whose id the host has not read yet (async scheduling; module docstring)
     snapshot_at: int = 0  # prefix cache: the position whose KDA state is kept once computed (a junction; 0: none)
+    # prefix cache: (position, reserved snapshot slot) of the state the step scheduled writes inside its chunk (a
+    # prompt snapshot; None: none), kept as an entry when that step is committed
+    prompt_snapshot: tuple[int, int] | None = None
     num_cached: int = 0  # prefix cache: prompt tokens restored from it (RequestOutput.num_cached_tokens)
     kept: list = field(default_factory=list)  # prefix cache: the entries made from its state (dropped on an error)
     resumed_from: object = None  # prefix cache: the entry it last resumed from (demoted at its end: a chat's turn)

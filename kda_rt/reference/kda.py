@@ -70,14 +70,20 @@ def kda_forward(
         else:
             conv_state = conv_pool[slot].astype(dtype)
             state = rec_pool[slot].astype(dtype)
-        qkv = []
-        for i in range(3):
-            y, conv_state[i] = short_conv(raw[i][t0:t1], conv_state[i], taps[i])
-            qkv.append(act(y).reshape(n, num_heads, head_dim))
-        q = l2norm(qkv[0]) * scale
-        k = l2norm(qkv[1])
-        core = kda_recurrent if n == 1 else kda_chunked
-        o[t0:t1], state = core(q, k, qkv[2], g[t0:t1], beta[t0:t1], state)
+        # a prefix-cache snapshot (batch.snapshot): the state after the first `cut` tokens also goes to its slot
+        cut, snap = (int(batch.snapshot[b, 0]), int(batch.snapshot[b, 1])) if batch.snapshot is not None else (0, -1)
+        for lo, hi in ((0, cut), (cut, n)) if cut else ((0, n),):
+            qkv = []
+            for i in range(3):
+                y, conv_state[i] = short_conv(raw[i][t0 + lo:t0 + hi], conv_state[i], taps[i])
+                qkv.append(act(y).reshape(hi - lo, num_heads, head_dim))
+            q = l2norm(qkv[0]) * scale
+            k = l2norm(qkv[1])
+            core = kda_recurrent if n == 1 else kda_chunked
+            o[t0 + lo:t0 + hi], state = core(q, k, qkv[2], g[t0 + lo:t0 + hi], beta[t0 + lo:t0 + hi], state)
+            if hi == cut:
+                conv_pool[snap] = conv_state
+                rec_pool[snap] = state
         conv_pool[slot] = conv_state
         rec_pool[slot] = state
 

@@ -40,6 +40,7 @@ class NumpyRunner:
     """The reference backend: float32 (or float64) NumPy on the CPU."""
 
     name = "numpy"
+    writes_snapshots = True  # (the forward writes ForwardBatch.snapshot's states: prompt snapshots)
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], engine: EngineConfig) -> None:
         """engine.dtype: "float32", "float64", or "bfloat16" (float32 math with activations rounded to

@@ -437,6 +437,10 @@ class _TokenModel:
             assert self.state[seq.slot] == tuple(toks[:c]), (seq.request_id, c)
             assert [self.pages[seq.blocks[p // bs]][p % bs] for p in range(c)] == toks[:c], (seq.request_id, c)
         self.state[seq.slot] = tuple(toks)
+        if seq.prompt_snapshot is not None:  # (the state partway, into its reserved slot)
+            at, slot = seq.prompt_snapshot
+            assert c < at < c + n, (seq.request_id, c, n, at)
+            self.state[slot] = tuple(toks[:at])
         for p in range(c, c + n):
             self.pages.setdefault(seq.blocks[p // bs], {})[p % bs] = toks[p]
 
@@ -450,7 +454,7 @@ def _cached_workloads(draw):
                           block_size=draw(st.sampled_from([4, 8, 16])), num_blocks=draw(st.integers(6, 24)),
                           num_slots=5, prefill_tail_tokens=draw(st.sampled_from([0, min(4, m), m])),
                           snapshot_slots=tuple(range(5, 5 + draw(st.integers(1, 4)))),
-                          policy=draw(st.sampled_from(["fcfs", "priority"])))
+                          prompt_snapshots=draw(st.booleans()), policy=draw(st.sampled_from(["fcfs", "priority"])))
     stem = draw(st.lists(st.integers(1, 3), min_size=40, max_size=40))  # (prompts share starts of it)
     events = draw(st.lists(st.tuples(
         st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 3), max_size=6), st.integers(1, 12),
@@ -458,18 +462,26 @@ def _cached_workloads(draw):
                  max_size=3),  # arrivals: (shared start, own tokens, max_tokens, priority under "priority", salt)
         st.lists(st.integers(0, 50), max_size=1),  # aborts
     ), min_size=1, max_size=20))
-    return cfg, stem, events
+    return cfg, stem, events, draw(st.sampled_from([2, 3, 8]))
 
 
 @settings(max_examples=150, deadline=None)
 @given(_cached_workloads())
 def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
-    """Random arrivals sharing starts, aborts, preemption and eviction: each step's sequences find exactly their
-    computed tokens in their (restored) state and pages; pages are held by exactly their holders; nothing leaks."""
+    """Random arrivals sharing starts, aborts, preemption and eviction, prompt snapshots (every 2, 3 or 8 tokens of a
+    chunk here) or none: each step's sequences find exactly their computed tokens in their (restored) state and pages;
+    pages are held by exactly their holders; every snapshot slot is an entry's, reserved or free; nothing leaks."""
+    from kda_rt.engine import scheduler
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "SNAPSHOT_ALIGN", workload[3])
+        _scheduler_workload(*workload[:3])
+
+
+def _scheduler_workload(cfg, stem, events) -> None:
     from kda_rt.engine.scheduler import Scheduler
     from kda_rt.engine.sequence import Sequence, SequenceStatus
 
-    cfg, stem, events = workload
     sched, model = Scheduler(cfg), _TokenModel(cfg.block_size)
     cache, live, ids = sched.cache, [], iter(range(10_000))
 
@@ -480,6 +492,7 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
             model.run(seq, n)
         sched.commit(out)
         for seq, _ in out.scheduled:
+            cache.confirm(seq.kept)  # (the engine's part: the step's rows were read, none in error)
             if seq.num_computed == seq.num_tokens:
                 seq.output_token_ids.append(1 + seq.num_tokens % 3)
                 if len(seq.output_token_ids) >= seq.max_tokens:
@@ -499,6 +512,8 @@ def test_scheduler_with_a_cache_keeps_every_state_and_page_true(workload):
         only = {p for e in cache._lru for p in e.pages} - {p for s in sched.running for p in s.blocks}
         assert cache.reclaimable == len(only)
         assert cache._num_resumed == sum(e.resumed for e in cache._lru) <= cache._max_resumed
+        reserved = [s.prompt_snapshot[1] for s in sched.running if s.prompt_snapshot is not None]
+        assert sorted(cache._free_snapshots + [e.snapshot for e in cache._lru] + reserved) == list(cfg.snapshot_slots)
         return out.scheduled
 
     for arrivals, aborts in events:
@@ -736,3 +751,67 @@ def test_a_burst_with_one_system_prompt_computes_it_once(tiny_dir, plain, mode, 
     assert [o.num_cached_tokens for o in outs] == [0] + [48] * 7
     assert llm.stats()["prefill_tokens"] == sum(len(p) for p in prompts) - 7 * 48
     _no_leaks(llm)
+
+
+@pytest.mark.parametrize("snapshots", ["1", "0"])
+def test_the_same_prompt_again_resumes_inside_its_last_chunk(tiny_dir, plain, snapshots, monkeypatch):
+    """Prompt snapshots (KDA_RT_PROMPT_SNAPSHOTS=1, the default): the model writes the state at the last 64-token
+    chunk end of a prompt's final chunk into a snapshot slot during that step, so the same prompt sent again (a
+    regenerate) resumes there, and so does a longer prompt that starts with it.  Without them the second request
+    computes the prompt in full (stopping at the junction with the first), and the third resumes from that junction."""
+    monkeypatch.setenv("KDA_RT_PROMPT_SNAPSHOTS", snapshots)
+    prompt = {"prompt_token_ids": _tokens(random.Random(11), 150)}  # chunk ends at 64 and 128; pages of 16
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **KW)
+    got = []
+    for i in range(3):
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=5, logprobs=2)
+        out = cached.generate(prompt, params)[0]
+        assert _key(out) == _key(plain.generate(prompt, params)[0])
+        got.append(out.num_cached_tokens)
+    assert got == ([0, 128, 144] if snapshots == "1" else [0, 0, 144])
+    longer = {"prompt_token_ids": prompt["prompt_token_ids"] + [9, 8, 7]}
+    out = cached.generate(longer, greedy(4))[0]
+    assert _key(out) == _key(plain.generate(longer, greedy(4))[0]) and out.num_cached_tokens == 144
+    _no_leaks(cached)
+
+
+def test_a_prompt_snapshot_after_chunks_of_a_small_budget(tiny_dir, monkeypatch):
+    """A prompt whose final chunk starts off the 64-token grid (a budget of 100 tokens: chunks 0-100 and 100-180) keeps
+    its state 64 tokens into that chunk, at 164: a partial page, which the request that resumes there copies."""
+    monkeypatch.setenv("KDA_RT_PROMPT_SNAPSHOTS", "1")
+    kw = dict(KW, max_num_batched_tokens=100, prefill_tail_tokens=0)
+    prompt = {"prompt_token_ids": _tokens(random.Random(12), 180)}
+    want = make_llm(tiny_dir, enable_prefix_caching=False, **kw).generate(prompt, greedy(6, logprobs=2))[0]
+    cached = make_llm(tiny_dir, enable_prefix_caching=True, **kw)
+    first = cached.generate(prompt, greedy(6, logprobs=2))[0]
+    second = cached.generate(prompt, greedy(6, logprobs=2))[0]
+    assert _key(first) == _key(second) == _key(want)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 164)
+    entries = cached.llm_engine.scheduler.cache._lru
+    assert [len(e.tokens) for e in entries if e.prompt] == [164]
+    _no_leaks(cached)
+
+
+def test_prompt_snapshots_reserve_slots_and_go_first():
+    """`reserve` hands out a free snapshot slot, else evicts the least recently used entry no request resumed from
+    (prompt snapshots before the others, also newer ones), else none; a reserved slot becomes a prompt entry without
+    a copy, and one whose prefix is cached already goes back."""
+    pages = IdPool(32, "page")
+    cache = PrefixCache(4, [10, 11, 12, 13], pages)
+
+    def entry(tokens, reserved=None):
+        return cache.insert(tokens, 0, pages.allocate(-(-len(tokens) // 4)), reserved=reserved)
+
+    end, older = entry([1, 2, 3, 4, 5]), entry([7, 7, 7, 7, 7, 7])  # copies of slot 0 into free snapshots
+    snap = entry([1, 2, 3, 4], reserved=cache.reserve())
+    assert snap.prompt and [op[2] for op in cache.ops] == [end.snapshot, older.snapshot]  # (no copy of its own)
+    free = cache.reserve()
+    assert entry([1, 2, 3, 4], reserved=free) is None  # cached already: the slot goes back
+    assert cache.reserve() == free  # (held: none free now)
+    assert cache.reserve() == snap.snapshot and snap not in cache._lru and older in cache._lru  # the prompt one first
+    cache.unreserve(snap.snapshot)
+    cache.unreserve(free)
+    cache.restore(end, 1, lambda: pages.allocate(1)[0])  # `end` is resumed from now
+    assert sorted([cache.reserve(), cache.reserve()]) == sorted([free, snap.snapshot])
+    assert cache.reserve() == older.snapshot  # then the entry no one resumed from
+    assert cache.reserve() is None and end in cache._lru  # only the resumed one is left: it stays

@@ -21,9 +21,11 @@ import pytest
 
 from helpers.engine import make_llm
 from kda_rt import SamplingParams
+from kda_rt.engine import batch, scheduler
 from kda_rt.engine.prefix_cache import PrefixCache
 
-_ENV = ("KDA_RT_ASYNC_PREFILL", "KDA_RT_ASYNC_WAITING", "KDA_RT_ASYNC_ENDING", "KDA_RT_ASYNC_GRAMMAR")
+_ENV = ("KDA_RT_ASYNC_PREFILL", "KDA_RT_ASYNC_WAITING", "KDA_RT_ASYNC_ENDING", "KDA_RT_ASYNC_GRAMMAR",
+        "KDA_RT_PROMPT_SNAPSHOTS")
 
 
 def _key(completion) -> tuple:
@@ -105,7 +107,8 @@ def _inject_failures(runner, every_launch: int, every_collect: int) -> None:
 
 def _check_holders(llm) -> None:
     """Every page held by exactly its holders (running sequences and entries), the pages only entries hold counted as
-    reclaimable, every snapshot slot an entry's or free, the resumed count true."""
+    reclaimable, every snapshot slot an entry's, reserved by a sequence for its prompt snapshot, or free, the resumed
+    count true."""
     eng = llm.llm_engine
     sched, cache = eng.scheduler, eng.scheduler.cache
     holders: dict[int, int] = {}
@@ -115,7 +118,9 @@ def _check_holders(llm) -> None:
     assert all(cache._holders.get(p, 1) == h for p, h in holders.items())
     only = {p for e in cache._lru for p in e.pages} - {p for s in sched.running for p in s.blocks}
     assert cache.reclaimable == len(only)
-    assert sorted(cache._free_snapshots + [e.snapshot for e in cache._lru]) == sorted(sched.config.snapshot_slots)
+    reserved = [s.prompt_snapshot[1] for s in sched.running if s.prompt_snapshot is not None]
+    assert sorted(cache._free_snapshots + [e.snapshot for e in cache._lru] + reserved) == \
+        sorted(sched.config.snapshot_slots)
     assert cache._num_resumed == sum(e.resumed for e in cache._lru) <= cache._max_resumed
 
 
@@ -133,6 +138,10 @@ def test_cached_runs_equal_uncached_ones_and_hold_nothing_after(tiny_dir, seed, 
     cfg, env, reqs, resets, scores, (every_launch, every_collect) = _workload(seed)
     if colliding:
         monkeypatch.setattr(PrefixCache, "_chain", _colliding_chain)
+    # prompt snapshots every 16 tokens of a chunk (the kernels' 64 outgrows these prompts; the NumPy model keeps a
+    # state anywhere): most prompts make one
+    monkeypatch.setattr(scheduler, "SNAPSHOT_ALIGN", 16)
+    monkeypatch.setattr(batch, "SNAPSHOT_ALIGN", 16)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     plain = make_llm(tiny_dir, enable_prefix_caching=False, **{k: v for k, v in cfg.items()

@@ -48,9 +48,9 @@ def config(**kw) -> SchedulerConfig:
 
 
 def test_pure_python_modules():
-    """scheduler.py and what it imports from kda_rt name no array library."""
+    """scheduler.py and what it imports from kda_rt name no array library (kda_rt.env: the switches, os and re)."""
     root = Path(kda_rt.__file__).parent / "engine"
-    for name in ("scheduler.py", "allocator.py", "sequence.py", "prefix_cache.py", "config.py"):
+    for name in ("scheduler.py", "allocator.py", "sequence.py", "prefix_cache.py", "config.py", "../env.py"):
         tree = ast.parse((root / name).read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -59,7 +59,7 @@ def test_pure_python_modules():
         assert not {m.split(".")[0] for m in runtime} & {"numpy", "cupy", "torch"}, (name, mods)
         assert {m for m in runtime if m.startswith("kda_rt")} <= {"kda_rt.engine.allocator", "kda_rt.engine.sequence",
                                                                  "kda_rt.engine.prefix_cache",
-                                                                 "kda_rt.engine.config"}, (name, mods)
+                                                                 "kda_rt.engine.config", "kda_rt.env"}, (name, mods)
 
 
 def test_chunked_prefill_mixed_with_decodes_and_incremental_pages():

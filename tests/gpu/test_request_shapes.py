@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kda_rt import LLM, SamplingParams
+from kda_rt import LLM, SamplingParams, env
 
 pytestmark = pytest.mark.gpu
 
@@ -350,7 +350,9 @@ def test_prefix_cache_resumes_match_the_oracle(ckpt, oracle):
     for i in range(4):
         prompt = system + prompt_of(5 + 3 * i, seed=91 + i)
         out = gpu.generate({"prompt_token_ids": prompt}, greedy(10))[0]
-        assert out.num_cached_tokens == (128 if i >= 2 else 0)
+        # (request 0 keeps a prompt snapshot at 128, its last chunk end, that request 1 resumes from; without prompt
+        # snapshots request 1 stops at the junction, 128, and keeps the state there for the next ones)
+        assert out.num_cached_tokens == (128 if i >= (1 if env.prompt_snapshots() else 2) else 0)
         assert_matches_oracle(oracle, prompt, out.outputs[0], f"system prompt, request {i}")
     first = prompt_of(70, seed=95)
     said = gpu.generate({"prompt_token_ids": first}, greedy(12))[0].outputs[0].token_ids
@@ -363,6 +365,49 @@ def test_prefix_cache_resumes_match_the_oracle(ckpt, oracle):
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         assert_matches_oracle(oracle, p, o, f"together, request {i}")
     gpu.llm_engine.scheduler.cache.clear()
+    no_leaks(gpu)
+
+
+@pytest.mark.parametrize("budget", [4096, 100])
+def test_the_same_prompt_again_resumes_from_its_prompt_snapshot(ckpt, oracle, budget, monkeypatch):
+    """Prompt snapshots on the CUDA backend (kda_prefill_state writes the state 64 tokens apart from the chunk's start
+    into a reserved slot during the step): the same 300-token prompt sent again resumes at 256 (one chunk) or at 264
+    (a budget of 100: chunks 0-100, 100-200, 200-300; a partial page of 64 copied), and a longer one that starts with
+    it too; every token the oracle's, and the entry's conv history that of a prefill of its tokens alone, its state
+    within 1e-2 (RMS, relative) of that prefill's end state (bit for bit where the chunks are the same, one chunk;
+    the chunks' bf16 operand rounding otherwise: tests/kernels/test_kda_prefill.py's state bound is 6e-3 against
+    float64)."""
+    monkeypatch.setenv("KDA_RT_PROMPT_SNAPSHOTS", "1")
+    gpu = LLM(ckpt, backend="cuda", max_num_seqs=4, max_model_len=1024, num_blocks=60, max_num_batched_tokens=budget,
+              prefill_tail_tokens=0, enable_prefix_caching=True, prefix_cache_states=4)
+    prompt, at = prompt_of(300, seed=150), (256 if budget == 4096 else 264)
+    for i in range(2):
+        out = gpu.generate({"prompt_token_ids": prompt}, greedy(10))[0]
+        assert out.num_cached_tokens == (at if i else 0), (i, out.num_cached_tokens)
+        assert_matches_oracle(oracle, prompt, out.outputs[0], f"budget {budget}, request {i}")
+    cache = gpu.llm_engine.scheduler.cache
+    snap = next(e for e in cache._lru if e.prompt)
+    assert len(snap.tokens) == at
+    runner = gpu.llm_engine.runner
+    slot = gpu.llm_engine.scheduler.slots.allocate()[0]  # (a prefill of the entry's tokens alone into a free slot)
+    pages = gpu.llm_engine.scheduler.allocate_pages(-(-at // 64))
+    from kda_rt.engine.batch import ForwardBatch
+
+    runner.score(ForwardBatch.build([list(snap.tokens)], [0], [slot], [pages], all_logits=True))
+    for layer, (conv, rec) in runner.kda_pools.items():
+        u16 = conv.view(np.uint16)  # (bf16 by its bits)
+        assert bool((u16[snap.snapshot] == u16[slot]).all()), f"layer {layer}: conv history differs"
+        got, want = rec[snap.snapshot].astype(np.float64), rec[slot].astype(np.float64)
+        err = float(((got - want) ** 2).mean() ** 0.5 / (want**2).mean() ** 0.5)
+        print(f"budget {budget}, layer {layer}: prompt snapshot state rms rel {err:.2e}")
+        assert err <= (0 if budget == 4096 else 1e-2), f"layer {layer}: state rms rel {err:.2e}"
+    gpu.llm_engine.scheduler.slots.release([slot])
+    gpu.llm_engine.scheduler.pages.release(pages)
+    longer = prompt + prompt_of(20, seed=151)
+    out = gpu.generate({"prompt_token_ids": longer}, greedy(10))[0]
+    assert out.num_cached_tokens >= at
+    assert_matches_oracle(oracle, longer, out.outputs[0], f"budget {budget}, longer")
+    cache.clear()
     no_leaks(gpu)
 
 

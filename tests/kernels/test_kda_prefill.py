@@ -29,7 +29,7 @@ import functools
 import numpy as np
 import pytest
 
-from helpers.gpu import bf16_round, inline_module, poison_shared_memory
+from helpers.gpu import BF16, bf16_round, inline_module, poison_shared_memory, to_np
 from helpers.kda_kernel import check, make_inputs, reference, run_op, upload
 
 pytestmark = pytest.mark.gpu
@@ -334,3 +334,63 @@ if __name__ == "__main__":
     for case in CASES:
         test_kda_prefill(*case)
     test_kda_prefill_long()
+
+
+@pytest.mark.parametrize("lengths, num_heads, gates, cuts, columns", [
+    ([200, 65, 3, 130, 1000], 4, "bursty", [128, 64, 0, 64, 960], 32),
+    ([300, 70], 8, "mixed", [256, 0], 64),
+    ([2048, 2048, 129], 2, "extreme", [64, 1984, 128], None),
+])
+def test_kda_prefill_snapshot(lengths, num_heads, gates, cuts, columns):
+    """`snapshot` (the prefix cache's prompt snapshots): sequence b's state after its first cuts[b] tokens also goes to
+    a free slot (poisoned before: NaN states, 0x7FFF conv entries).  Outputs and the batch's slots bit for bit a run
+    without it (same inputs); each snapshot slot bit for bit the end state of a run on those first tokens alone (same
+    state width: the same chunks, the same arithmetic), its conv history equal to the float64 reference's of those
+    tokens; other slots untouched.  Malformed snapshot arrays are refused by name."""
+    import cupy
+
+    from kda_rt.cuda.ops.kda_prefill import kda_prefill
+
+    inp = _inputs(lengths, num_heads, gates, seed=sum(lengths) + sum(cuts))
+    free = [s for s in range(inp["rec_pool"].shape[0]) if s not in set(inp["state_slots"].tolist())]
+    snap_slots = [free.pop() if c else 0 for c in cuts]
+    for b, c in enumerate(cuts):
+        if c:
+            inp["rec_pool"][snap_slots[b]] = np.nan
+    dev, plain_dev = upload(inp), upload(inp)
+    bits = lambda a: a.view(cupy.uint16) if a.dtype == BF16 else a.view(cupy.uint32)  # noqa: E731
+    for b, c in enumerate(cuts):
+        if c:
+            bits(dev["conv_pool"][snap_slots[b]])[...] = 0x7FFF
+    op = functools.partial(kda_prefill, state_columns=columns) if columns else kda_prefill
+    snap = cupy.asarray(np.array([[c, s] for c, s in zip(cuts, snap_slots, strict=True)], dtype=np.int32))
+    out = run_op(op, dev, num_heads, snapshot=snap)
+    plain = run_op(op, plain_dev, num_heads)
+    assert cupy.array_equal(bits(out), bits(plain)), "the snapshot changed out"
+    for s in inp["state_slots"].tolist():
+        for pool in ("conv_pool", "rec_pool"):
+            assert cupy.array_equal(bits(dev[pool][s]), bits(plain_dev[pool][s])), f"the snapshot changed slot {s}"
+    # the first cuts[b] tokens alone (the snapshotting sequences, same fresh / continuing starts and states)
+    keep = [b for b, c in enumerate(cuts) if c]
+    cu = inp["cu_seqlens"]
+    rows = np.concatenate([np.arange(cu[b], cu[b] + cuts[b]) for b in keep])
+    part = dict(inp, cu_seqlens=np.concatenate([[0], np.cumsum([cuts[b] for b in keep])]).astype(np.int32),
+                context_lens=inp["context_lens"][keep], state_slots=inp["state_slots"][keep])
+    for name in ("qkv", "f", "b", "gate"):
+        part[name] = inp[name][rows]
+    part_dev = upload(part)
+    run_op(op, part_dev, num_heads)
+    _, ref_conv, _ = reference(part, num_heads)
+    for i, b in enumerate(keep):
+        s, alone = snap_slots[b], int(part["state_slots"][i])
+        assert cupy.array_equal(bits(dev["rec_pool"][s]), bits(part_dev["rec_pool"][alone])), \
+            f"sequence {b}: the snapshot after {cuts[b]} tokens is not the end state of those tokens alone"
+        assert np.array_equal(to_np(dev["conv_pool"][s]), ref_conv[alone]), f"sequence {b}: snapshot conv history"
+    used = set(inp["state_slots"].tolist()) | {snap_slots[b] for b in keep}
+    for s in set(range(inp["rec_pool"].shape[0])) - used:
+        assert cupy.array_equal(bits(dev["rec_pool"][s]), bits(plain_dev["rec_pool"][s])), f"slot {s} changed"
+        assert cupy.array_equal(bits(dev["conv_pool"][s]), bits(plain_dev["conv_pool"][s])), f"slot {s} changed"
+    with pytest.raises(ValueError, match="snapshot must be a contiguous"):
+        run_op(op, dev, num_heads, snapshot=snap[:-1])
+    with pytest.raises(ValueError, match="snapshot must be a contiguous"):
+        run_op(op, dev, num_heads, snapshot=snap.astype(np.int64))

@@ -146,13 +146,16 @@ def precompile(num_heads: int, head_dim: int, conv_w: int, sms: int | None = Non
 
 def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, rec_pool, cu_seqlens, context_lens,
                 state_slots, *, num_heads: int, head_dim: int, eps: float, out=None, stream=None, max_seqlen=None,
-                state_columns: int | None = None, state_prefetch: int | None = None, e4m3_out=None):
+                state_columns: int | None = None, state_prefetch: int | None = None, e4m3_out=None, snapshot=None):
     """Sequences of any length >= 1 (cu_seqlens [B+1]); updates the slots' conv and recurrent state in
     place and returns out [T, P] bf16.  `max_seqlen` is accepted for interface symmetry and unused;
     `state_columns` overrides the state-kernel width (16, 32, 64 or 128; benchmarks), `state_prefetch` its STATE_PF
     (0, 1 or 2; tests and benchmarks).  e4m3_out: optional
     (q [T, P] uint8, s [T] fp32) that also receive out's rows as e4m3 codes with a scale a row, as
-    ops/quant.quantize_activations_e4m3 makes them from out (kda_prefill_norm_e4m3; sm_89+, num_heads <= 64)."""
+    ops/quant.quantize_activations_e4m3 makes them from out (kda_prefill_norm_e4m3; sm_89+, num_heads <= 64).
+    snapshot: optional [B, 2] int32 on the device, (n, slot) a sequence: its conv and recurrent state after its
+    first n tokens of this step also go to slot `slot` (the prefix cache's snapshot); n = 0: none, else a multiple of
+    64 below the sequence's length (the caller checks the values: ForwardBatch.snapshot)."""
     if state_columns is not None and (isinstance(state_columns, bool) or state_columns not in (16, 32, 64, 128)):
         raise ValueError(f"kda_prefill: state_columns must be 16, 32, 64 or 128, got {state_columns!r}")
     if state_prefetch is not None and (isinstance(state_prefetch, bool) or state_prefetch not in (0, 1, 2)):
@@ -167,6 +170,10 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
         if num_heads * 16 > 1024:
             raise ValueError(f"kda_prefill: e4m3_out takes one token a block of 16 threads a head: at most 64 heads, "
                              f"got {num_heads}")
+    if snapshot is not None and (snapshot.dtype != np.int32 or snapshot.shape != (B, 2)
+                                 or not snapshot.flags.c_contiguous):
+        raise ValueError(f"kda_prefill: snapshot must be a contiguous [{B}, 2] int32 array, got {snapshot.dtype} "
+                         f"{tuple(snapshot.shape)}")
     if T == 0 or B == 0:
         return out
     for name, arr in (("qkv", qkv), ("f", f), ("conv_w", conv_w), ("dt_bias", dt_bias), ("conv_pool", conv_pool)):
@@ -190,7 +197,8 @@ def kda_prefill(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, conv_pool, re
     smem = _state_smem_bytes(K, L, vb, pf)
     state((K // vb, num_heads, B), (32 * 4 * max(vb // 32, 1),),
           (qkdwu[0], qkdwu[1], qkdwu[2], qkdwu[3], a_qk, g_last, qkv, conv_pool, rec_pool, cu_seqlens, context_lens,
-           state_slots, out, i32(num_heads)), shared_mem=smem, stream=stream)
+           state_slots, out, i32(num_heads), snapshot if snapshot is not None else np.uint64(0)),
+          shared_mem=smem, stream=stream)
     if e4m3_out is not None:
         _norm_e4m3_kernel(K, W, vb, pf)((T,), (16 * num_heads,), (gate, o_norm_w, out, f32(eps), *e4m3_out), stream=stream)
         return out
