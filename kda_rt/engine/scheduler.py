@@ -198,12 +198,12 @@ class Scheduler:
         already or no slot can be had (every entry resumed from)."""
         bs = self.config.block_size
         for seq, n in scheduled:
+            if n <= SNAPSHOT_ALIGN:  # (no chunk end below its last token: every decode row)
+                continue
             start, end = seq.num_computed, seq.num_computed + n
             if end != seq.num_tokens or seq.prompt_snapshot is not None:
                 continue
-            at = start + (end - 1 - start) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
-            if at <= start:
-                continue
+            at = start + (n - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
             tokens, chain = self.cache.page_chain(seq)
             if self.cache.cached(tokens[:at], chain[at // bs], seq.cache_salt):
                 continue
