@@ -380,7 +380,9 @@ class Scheduler:
                                       junction=junction, salt=seq.cache_salt, unconfirmed=unconfirmed)
             if entry is not None:
                 seq.kept.append(entry)
-            if not junction and seq.resumed_from is not None and not seq.resumed_from.junction:
+            # (not a prompt snapshot: the same prompt again cannot resume from the longer end entry that holds it)
+            if not junction and seq.resumed_from is not None and not seq.resumed_from.junction \
+                    and not seq.resumed_from.prompt:
                 self.cache.demote(seq.resumed_from)
 
     @property

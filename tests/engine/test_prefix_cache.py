@@ -815,3 +815,39 @@ def test_prompt_snapshots_reserve_slots_and_go_first():
     assert sorted([cache.reserve(), cache.reserve()]) == sorted([free, snap.snapshot])
     assert cache.reserve() == older.snapshot  # then the entry no one resumed from
     assert cache.reserve() is None and end in cache._lru  # only the resumed one is left: it stays
+
+
+def test_a_prompt_snapshot_resumed_by_a_regenerate_stays_ahead_of_never_resumed_entries(monkeypatch):
+    """A request that resumed from a prompt snapshot (the same prompt again) ends: the snapshot is not demoted the way
+    a chat's earlier end entry is (the new end entry holds its tokens, but the same prompt a third time cannot resume
+    from that longer entry), so an unrelated request's end entry evicts an entry no request resumed from, and the
+    prompt sent a third time resumes from its snapshot again."""
+    from kda_rt.engine import scheduler as scheduler_module
+    from kda_rt.engine.scheduler import Scheduler, SchedulerConfig
+    from kda_rt.engine.sequence import Sequence
+
+    monkeypatch.setenv("KDA_RT_PROMPT_SNAPSHOTS", "1")
+    monkeypatch.setattr(scheduler_module, "SNAPSHOT_ALIGN", 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=32,
+                                      num_slots=2, snapshot_slots=(5, 6), prompt_snapshots=True))
+    arrivals = iter(range(100))
+
+    def run(prompt: list[int]) -> int:
+        seq = Sequence("r", 0, list(prompt), SamplingParams(max_tokens=1), seed=0, max_tokens=1,
+                       arrival=next(arrivals))
+        sched.add(seq)
+        start = None
+        while seq.num_computed < seq.num_tokens:  # (a junction may stop a chunk)
+            out = sched.schedule()
+            start = seq.num_computed if start is None else start
+            sched.commit(out)
+            sched.cache.confirm(seq.kept)
+        seq.output_token_ids.append(1)
+        sched.finish(seq, keep=seq.num_computed)
+        return start
+
+    prompt = list(range(10, 20))
+    assert run(prompt) == 0  # a prompt snapshot at 8 and the end entry at 10
+    assert run(prompt) == 8  # the same prompt again resumes from the snapshot
+    run([3, 3, 3])  # an unrelated request ends: its end entry needs a snapshot slot
+    assert run(prompt) == 8  # the third time too
