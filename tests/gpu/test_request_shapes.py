@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kda_rt import LLM, SamplingParams, env
+from kda_rt import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -350,10 +350,9 @@ def test_prefix_cache_resumes_match_the_oracle(ckpt, oracle):
     for i in range(4):
         prompt = system + prompt_of(5 + 3 * i, seed=91 + i)
         out = gpu.generate({"prompt_token_ids": prompt}, greedy(10))[0]
-        # (request 0 keeps a prompt snapshot at 128, its last chunk end, that request 1 resumes from; without prompt
-        # snapshots request 1 stops at the junction, 128, and keeps the state there for the next ones)
-        snapshots = gpu.llm_engine.scheduler.config.prompt_snapshots and env.prompt_snapshots()
-        assert out.num_cached_tokens == (128 if i >= (1 if snapshots else 2) else 0)
+        # (a budget of B = 64: request 0's chunks are 0-64, 64-128 and 128-155, none longer than 64 tokens, so it keeps
+        # no prompt snapshot; request 1 stops at the junction, 128, and keeps the state there for the next ones)
+        assert out.num_cached_tokens == (128 if i >= 2 else 0)
         assert_matches_oracle(oracle, prompt, out.outputs[0], f"system prompt, request {i}")
     first = prompt_of(70, seed=95)
     said = gpu.generate({"prompt_token_ids": first}, greedy(12))[0].outputs[0].token_ids
@@ -374,10 +373,11 @@ def test_the_same_prompt_again_resumes_from_its_prompt_snapshot(ckpt, oracle, bu
     """Prompt snapshots on the CUDA backend (kda_prefill_state writes the state 64 tokens apart from the chunk's start
     into a reserved slot during the step): the same 300-token prompt sent again resumes at 256 (one chunk) or at 264
     (a budget of 100: chunks 0-100, 100-200, 200-300; a partial page of 64 copied), and a longer one that starts with
-    it too; every token the oracle's, and the entry's conv history that of a prefill of its tokens alone, its state
-    within 1e-2 (RMS, relative) of that prefill's end state (bit for bit where the chunks are the same, one chunk;
-    the chunks' bf16 operand rounding otherwise: tests/kernels/test_kda_prefill.py's state bound is 6e-3 against
-    float64)."""
+    it too; every token the oracle's, and the entry's conv history and state those of a prefill of its tokens alone
+    in the chunks the request computed them in (other chunks round the KDA outputs otherwise, and so every later
+    layer's input) within bf16 noise: 2e-2 of the largest conv entry, 1e-2 RMS of the state (the reference's steps
+    have fewer rows, so cuBLAS may tile the projections otherwise; whether they are equal bit for bit is printed;
+    tests/kernels/test_kda_prefill.py::test_kda_prefill_snapshot checks the kernel bit for bit on equal inputs)."""
     from kda_rt.cuda.runner import CudaRunner
 
     monkeypatch.setenv("KDA_RT_PROMPT_SNAPSHOTS", "1")
@@ -397,14 +397,21 @@ def test_the_same_prompt_again_resumes_from_its_prompt_snapshot(ckpt, oracle, bu
     pages = gpu.llm_engine.scheduler.allocate_pages(-(-at // 64))
     from kda_rt.engine.batch import ForwardBatch
 
-    runner.score(ForwardBatch.build([list(snap.tokens)], [0], [slot], [pages], all_logits=True))
+    # (the entry's tokens in the chunks the request computed them in: 0-256, or 0-100, 100-200 and 200-264, so every
+    # KDA layer's input, and so the conv history of the layers after the first, is the one the snapshot saw)
+    cuts = [0, at] if budget == 4096 else [0, 100, 200, at]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        runner.score(ForwardBatch.build([list(snap.tokens[a:b])], [a], [slot], [pages], all_logits=True))
     for layer, (conv, rec) in runner.kda_pools.items():
         u16 = conv.view(np.uint16)  # (bf16 by its bits)
-        assert bool((u16[snap.snapshot] == u16[slot]).all()), f"layer {layer}: conv history differs"
+        same = bool((u16[snap.snapshot] == u16[slot]).all())
+        got, want = conv[snap.snapshot].astype(np.float64), conv[slot].astype(np.float64)
+        conv_err = float(abs(got - want).max() / abs(want).max())
         got, want = rec[snap.snapshot].astype(np.float64), rec[slot].astype(np.float64)
         err = float(((got - want) ** 2).mean() ** 0.5 / (want**2).mean() ** 0.5)
-        print(f"budget {budget}, layer {layer}: prompt snapshot state rms rel {err:.2e}")
-        assert err <= (0 if budget == 4096 else 1e-2), f"layer {layer}: state rms rel {err:.2e}"
+        print(f"budget {budget}, layer {layer}: conv history {'bit for bit' if same else f'max rel {conv_err:.2e}'}, "
+              f"state rms rel {err:.2e}")
+        assert conv_err <= 2e-2 and err <= 1e-2, f"layer {layer}: conv max rel {conv_err:.2e}, state rms {err:.2e}"
     gpu.llm_engine.scheduler.slots.release([slot])
     gpu.llm_engine.scheduler.pages.release(pages)
     longer = prompt + prompt_of(20, seed=151)
