@@ -244,12 +244,14 @@ class PrefixCache:
             entry.resumed = False
             self._num_resumed -= 1
 
-    def _eviction_order(self) -> list[CacheEntry]:
-        """The entries in the order they go: prompt snapshots no request resumed from, the other entries no request
-        resumed from, then the others, least recently used first in each."""
-        return ([e for e in self._lru if not e.resumed and e.prompt] + [e for e in self._lru if not e.resumed
-                                                                        and not e.prompt]
-                + [e for e in self._lru if e.resumed])
+    def _eviction_order(self, prompt_first: bool = True) -> list[CacheEntry]:
+        """The entries in the order they go: prompt snapshots no request resumed from (`prompt_first`: for a snapshot
+        slot; for pages they go in the next group, as their pages are mostly a running request's or its end entry's
+        too, freeing none), the other entries no request resumed from, then the others, least recently used first in
+        each."""
+        first = [e for e in self._lru if not e.resumed and e.prompt] if prompt_first else []
+        return first + [e for e in self._lru if not e.resumed and not (prompt_first and e.prompt)] + \
+            [e for e in self._lru if e.resumed]
 
     def _victim(self) -> CacheEntry:
         return self._eviction_order()[0]
@@ -298,7 +300,7 @@ class PrefixCache:
         """Evict entries (the module docstring's order) until `num_pages` pages are free or no entry is left."""
         if self.pages.num_free >= num_pages:
             return
-        for e in self._eviction_order():  # (made once: a reclaim of many entries stays linear in them)
+        for e in self._eviction_order(prompt_first=False):  # (made once: a reclaim of many entries stays linear)
             if self.pages.num_free >= num_pages:
                 break
             self.evict(e)

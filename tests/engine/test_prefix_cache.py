@@ -851,3 +851,17 @@ def test_a_prompt_snapshot_resumed_by_a_regenerate_stays_ahead_of_never_resumed_
     assert run(prompt) == 8  # the same prompt again resumes from the snapshot
     run([3, 3, 3])  # an unrelated request ends: its end entry needs a snapshot slot
     assert run(prompt) == 8  # the third time too
+
+
+def test_pages_are_reclaimed_least_recently_used_first_prompt_snapshots_or_not():
+    """For pages (not a snapshot slot) a prompt snapshot is no first victim: its pages are mostly a running request's
+    or its end entry's too, so evicting it would free none and lose it; the least recently used entry goes."""
+    pages = IdPool(6, "page")
+    cache = PrefixCache(4, [10, 11], pages)
+    older = cache.insert([1, 2, 3, 4, 5], 0, pages.allocate(2))
+    snap = cache.insert([7, 7, 7, 7], 0, pages.allocate(1), reserved=cache.reserve())
+    for p in older.pages + snap.pages:
+        cache.release([p])  # (the sequences that made them let go: the entries alone hold them)
+    assert snap.prompt and cache.reclaimable == 3 and pages.num_free == 3
+    cache.reclaim(5)
+    assert older not in cache._lru and snap in cache._lru and pages.num_free == 5
