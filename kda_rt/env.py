@@ -873,5 +873,6 @@ def prompt_snapshots() -> bool:
     end of a prompt's final prefill chunk as an entry (the kernels write it during the step: no copy, no extra step),
     so the same prompt sent again (a regenerate, a retry, another sample later) resumes there and computes at most 64
     tokens; 0: only junctions and request ends are kept (the same prompt again computed in full, the third time
-    resumed).  Read every step."""
+    resumed).  Only runners that write ForwardBatch.snapshot (`writes_snapshots`: the NumPy runner; the CUDA runner
+    once its kernel path has passed its GPU tests) make them.  Read every step."""
     return _on_off("KDA_RT_PROMPT_SNAPSHOTS", "1")
